@@ -1,0 +1,1 @@
+"""Test helpers shipped with pagedserve (the platform conformance kit lives here)."""

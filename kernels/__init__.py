@@ -1,0 +1,3 @@
+"""pagedserve kernels: the torch reference (the spec) and native/Triton implementations."""
+
+__all__ = ["reference"]

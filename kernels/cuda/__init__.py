@@ -1,0 +1,1 @@
+"""cuda kernels."""

@@ -1,0 +1,207 @@
+"""Pure-torch reference of every pagedserve kernel: this file is the specification.
+
+Every other implementation (Triton, CUDA C++, the native CPU kernels, a plugin's
+override) is tested against these functions on fresh random inputs.  They favour
+clarity over speed, but avoid per-token Python loops so that they stay usable as the
+fallback on platforms without a native kernel.
+
+Layout of one layer's KV cache (the reference layout):
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
+A slot is ``block_id * block_size + offset``; slot ``-1`` means "do not write".
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "reshape_and_cache",
+    "paged_attention",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "copy_blocks",
+    "swap_blocks",
+    "linear",
+    "embedding",
+    "OP_NAMES",
+]
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new keys/values into the paged cache, in place.
+
+    key, value: [num_tokens, num_kv_heads, head_size]
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: int64 [num_tokens]; -1 skips the token (e.g. padding).
+    """
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    flat_k = key_cache.view(num_blocks * block_size, *key_cache.shape[2:])
+    flat_v = value_cache.view(num_blocks * block_size, *value_cache.shape[2:])
+    flat_k.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Varlen causal attention over the paged KV cache for a mixed batch.
+
+    query: [num_tokens, num_heads, head_size]; the tokens of sequence i are
+        query[query_start_loc[i]:query_start_loc[i+1]] and are the *last* q_len_i
+        positions of that sequence (prefill chunk, prefix-cache continuation or decode).
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
+        (already holding the keys/values of the new tokens).
+    block_tables: int32 [num_seqs, max_blocks]
+    seq_lens: int32 [num_seqs], context length including the new tokens.
+    query_start_loc: int32 [num_seqs + 1]
+    Returns out: [num_tokens, num_heads, head_size] in query's dtype.
+    Accumulation is in float32.  Grouped-query attention when num_heads > num_kv_heads.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, ctx in enumerate(lens):
+        q_start, q_end = qsl[i], qsl[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        n_blocks = (ctx + block_size - 1) // block_size
+        blocks = block_tables[i, :n_blocks].long()
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[:ctx].float()
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[:ctx].float()
+        q = query[q_start:q_end].float()
+        # [kv_heads, group, q_len, d] x [kv_heads, d, ctx]
+        qh = q.view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
+        scores = torch.matmul(qh, k.permute(1, 2, 0).unsqueeze(1)) * scale
+        q_pos = torch.arange(ctx - q_len, ctx).view(q_len, 1)
+        k_pos = torch.arange(ctx).view(1, ctx)
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))  # [kvh, g, q_len, d]
+        out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size).to(out.dtype)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32, returned in x's dtype."""
+    xf = x.float()
+    var = xf.pow(2).mean(dim=-1, keepdim=True)
+    return (xf * torch.rsqrt(var + eps)).to(x.dtype) * weight.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual <- x + residual; returns (rms_norm(residual), residual).
+
+    Implementations may update ``x`` and ``residual`` in place; callers must not
+    reuse them afterwards except through the returned tensors.
+    """
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) rotary embedding, as Llama/Qwen2 in transformers.
+
+    positions: int64 [num_tokens]
+    query: [num_tokens, num_heads, head_size]; key: [num_tokens, num_kv_heads, head_size]
+    cos_sin_cache: float32 [max_position, rotary_dim] = cat(cos, sin) over rotary_dim/2 each.
+    Returns new (query, key) tensors in their input dtypes.
+    """
+    cos_sin = cos_sin_cache.index_select(0, positions)
+    rot = cos_sin.shape[-1]
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)
+    sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x_rot, x_pass = xf[..., :rot], xf[..., rot:]
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        y = x_rot * cos + rotated * sin
+        return torch.cat([y, x_pass], dim=-1).to(x.dtype)
+
+    return apply(query), apply(key)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2*d] = cat(gate, up); returns silu(gate) * up, [..., d]."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+def copy_blocks(
+    src_cache: torch.Tensor, dst_cache: torch.Tensor, mapping: torch.Tensor
+) -> None:
+    """Copy whole KV blocks: dst_cache[mapping[i, 1]] = src_cache[mapping[i, 0]].
+
+    src_cache, dst_cache: [num_blocks, ...] (same block shape; may be the same tensor
+    or live on different devices, e.g. a device pool and a host pool).
+    mapping: int64 [n, 2] of (src_block, dst_block) pairs.
+    """
+    if mapping.numel() == 0:
+        return
+    src_idx = mapping[:, 0].to(src_cache.device)
+    dst_idx = mapping[:, 1].to(dst_cache.device)
+    dst_cache.index_copy_(0, dst_idx, src_cache.index_select(0, src_idx).to(dst_cache.device))
+
+
+def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, mapping: torch.Tensor) -> None:
+    """Same contract as copy_blocks, between two different pools (device <-> host)."""
+    copy_blocks(src_cache, dst_cache, mapping)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight.T + bias; weight [out_features, in_features]."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def embedding(token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """token_ids int64 [num_tokens]; weight [vocab, hidden] -> [num_tokens, hidden]."""
+    return torch.nn.functional.embedding(token_ids, weight)
+
+
+#: Names of every op in the registry, in the order `pagedserve platforms --ops` shows them.
+OP_NAMES: tuple[str, ...] = (
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "linear",
+    "embedding",
+    "copy_blocks",
+    "swap_blocks",
+)

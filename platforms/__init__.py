@@ -1,0 +1,252 @@
+"""Platform discovery and selection.
+
+Every platform, builtin or third-party, is a pluggy plugin named by an entry point in
+the group ``pagedserve.platforms``.  Discovery loads those entry points, registers them
+with one :class:`pluggy.PluginManager`, checks them with ``check_pending()`` and asks
+each for its platform classes.  Nothing here initialises a device: availability is
+probed only when a listing or a selection asks for it.
+
+Environment:
+    PAGEDSERVE_TARGET_DEVICE  platform name to use (like ``--device``); unset = auto.
+    PAGEDSERVE_PLUGINS        comma-separated allow-list of plugin (entry-point or
+                              distribution) names; unset = all.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from importlib import metadata
+
+import pluggy
+
+from pagedserve.platforms import hookspecs
+from pagedserve.platforms.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME, hookimpl
+from pagedserve.platforms.interface import Platform, PlatformError
+from pagedserve.platforms.ops import OpRegistry
+
+__all__ = [
+    "Platform",
+    "PlatformError",
+    "PlatformInfo",
+    "PluginFailure",
+    "PlatformRegistry",
+    "OpRegistry",
+    "hookimpl",
+    "discover",
+    "select_platform",
+    "current_platform",
+    "resolve_ops",
+    "BUILTIN_ORDER",
+]
+
+#: Auto-detection order of the builtin platforms.
+BUILTIN_ORDER = ("cuda", "rocm", "cpu")
+_BUILTIN_DIST = "pagedserve"
+
+
+@dataclass
+class PluginFailure:
+    """A plugin that failed to import or to register its platforms."""
+
+    plugin: str
+    origin: str
+    error: str
+
+    def message(self) -> str:
+        return f"platform plugin {self.plugin!r} (from {self.origin}) failed: {self.error}"
+
+
+@dataclass
+class PlatformInfo:
+    """One discovered platform and what its detection said."""
+
+    name: str
+    cls: type[Platform]
+    plugin: str
+    origin: str  # "builtin" or "<distribution> <version>"
+    _probe: tuple[bool, str] | None = field(default=None, repr=False)
+    detection_error: str | None = None
+
+    @property
+    def builtin(self) -> bool:
+        return self.origin == "builtin"
+
+    def probe(self) -> tuple[bool, str]:
+        """(available, reason), computed once; a raising probe is reported, not hidden."""
+        if self._probe is None:
+            try:
+                ok, reason = self.cls.is_available()
+                self._probe = (bool(ok), str(reason))
+            except Exception as exc:
+                self.detection_error = f"{type(exc).__name__}: {exc}"
+                self._probe = (False, f"detection raised {self.detection_error}")
+        return self._probe
+
+
+def _allow_list(env: dict[str, str]) -> set[str] | None:
+    raw = env.get("PAGEDSERVE_PLUGINS", "").strip()
+    if not raw:
+        return None
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def _origin(ep: metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "unknown distribution"
+    name = dist.metadata["Name"] or "?"
+    if name.lower() == _BUILTIN_DIST:
+        return "builtin"
+    return f"{name} {dist.version}"
+
+
+class PlatformRegistry:
+    """The result of one discovery: plugins, their platforms and their failures."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.env = dict(os.environ if env is None else env)
+        self.pm = pluggy.PluginManager(PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self.platforms: dict[str, PlatformInfo] = {}
+        self.failures: list[PluginFailure] = []
+        self._origins: dict[str, str] = {}
+
+    # -- discovery -----------------------------------------------------------------
+    def load_entry_points(self) -> None:
+        allow = _allow_list(self.env)
+        seen: set[str] = set()
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            origin = _origin(ep)
+            dist_name = origin.split(" ")[0]
+            if allow is not None and ep.name not in allow and dist_name not in allow:
+                continue
+            if ep.name in seen:
+                # The same distribution visible twice on sys.path (e.g. an editable
+                # install plus a build dir) is harmless; two different ones are not.
+                if self._origins.get(ep.name) == origin:
+                    continue
+                self.failures.append(PluginFailure(
+                    ep.name, origin,
+                    f"plugin name {ep.name!r} is also declared by {self._origins[ep.name]}"))
+                continue
+            seen.add(ep.name)
+            self._origins[ep.name] = origin
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                self.failures.append(PluginFailure(ep.name, origin, f"import raised {type(exc).__name__}: {exc}"))
+                continue
+            self.register_plugin(plugin, ep.name, origin)
+        self.pm.check_pending()
+
+    def register_plugin(self, plugin: object, name: str, origin: str = "test") -> None:
+        """Register one plugin object (a module or an instance) and collect its platforms."""
+        self._origins.setdefault(name, origin)
+        self.pm.register(plugin, name=name)
+        self.pm.check_pending()
+        impls = [i for i in self.pm.hook.pagedserve_register_platforms.get_hookimpls() if i.plugin is plugin]
+
+        def register(cls: type[Platform]) -> None:
+            if not (isinstance(cls, type) and issubclass(cls, Platform)):
+                raise PlatformError(f"plugin {name!r} registered {cls!r}, which is not a Platform subclass")
+            if not cls.name:
+                raise PlatformError(f"plugin {name!r} registered {cls.__qualname__} without a name")
+            if cls.name in self.platforms:
+                other = self.platforms[cls.name]
+                raise PlatformError(
+                    f"two plugins claim the platform name {cls.name!r}: {other.plugin!r} "
+                    f"({other.origin}) and {name!r} ({origin})")
+            self.platforms[cls.name] = PlatformInfo(cls.name, cls, name, origin)
+
+        for impl in impls:
+            try:
+                impl.function(**({"register": register} if "register" in impl.argnames else {}))
+            except PlatformError:
+                raise
+            except Exception as exc:
+                self.failures.append(PluginFailure(
+                    name, origin, f"pagedserve_register_platforms raised {type(exc).__name__}: {exc}"))
+
+    # -- selection -----------------------------------------------------------------
+    def requested_name(self, device: str | None) -> str | None:
+        env_name = self.env.get("PAGEDSERVE_TARGET_DEVICE", "").strip() or None
+        if device and env_name and device != env_name:
+            raise PlatformError(
+                f"conflicting platform requests: device={device!r} but "
+                f"PAGEDSERVE_TARGET_DEVICE={env_name!r}; unset one of them")
+        return device or env_name
+
+    def select(self, device: str | None = None) -> PlatformInfo:
+        """The PlatformInfo to use: requested by name, else auto-detected."""
+        name = self.requested_name(device)
+        if name in ("auto", ""):
+            name = None
+        if self.failures:
+            lines = "\n  ".join(f.message() for f in self.failures)
+            raise PlatformError(
+                f"platform plugins failed to load:\n  {lines}\n"
+                "Fix or uninstall them, or exclude them with PAGEDSERVE_PLUGINS=<allowed,names>.")
+        if name is not None:
+            info = self.platforms.get(name)
+            if info is None:
+                known = ", ".join(sorted(self.platforms)) or "none"
+                raise PlatformError(f"unknown platform {name!r}; known platforms: {known}")
+            ok, reason = info.probe()
+            if info.detection_error:
+                raise PlatformError(f"platform {name!r} (from {info.origin}) {reason}")
+            if not ok:
+                raise PlatformError(f"platform {name!r} is not available: {reason}")
+            return info
+        available = [p for p in self.platforms.values() if p.probe()[0]]
+        broken = [p for p in self.platforms.values() if p.detection_error]
+        if broken:
+            msg = "; ".join(f"{p.name!r} (from {p.origin}): {p.detection_error}" for p in broken)
+            raise PlatformError(f"platform detection raised: {msg}")
+        third_party = [p for p in available if not p.builtin]
+        if len(third_party) == 1:
+            return third_party[0]
+        if len(third_party) > 1:
+            names = ", ".join(sorted(p.name for p in third_party))
+            raise PlatformError(
+                f"several third-party platforms are available ({names}); choose one with "
+                "--device or PAGEDSERVE_TARGET_DEVICE")
+        for builtin in BUILTIN_ORDER:
+            info = self.platforms.get(builtin)
+            if info is not None and info.probe()[0]:
+                return info
+        reasons = "; ".join(f"{p.name}: {p.probe()[1]}" for p in self.platforms.values())
+        raise PlatformError(f"no platform is available ({reasons or 'no platforms discovered'})")
+
+    def resolve_ops(self, platform: Platform) -> OpRegistry:
+        """The op registry for ``platform``: references, then every plugin's overrides."""
+        ops = OpRegistry()
+        self.pm.hook.pagedserve_register_ops(platform=platform, ops=ops)
+        return ops
+
+
+def discover(env: dict[str, str] | None = None) -> PlatformRegistry:
+    """Load every allowed plugin of the ``pagedserve.platforms`` group."""
+    reg = PlatformRegistry(env)
+    reg.load_entry_points()
+    return reg
+
+
+def select_platform(device: str | None = None, env: dict[str, str] | None = None) -> tuple[Platform, OpRegistry]:
+    """Discover, select and instantiate a platform; return it with its resolved ops."""
+    reg = discover(env)
+    info = reg.select(device)
+    platform = info.cls()
+    return platform, reg.resolve_ops(platform)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_platform(device: str | None, target: str | None, plugins: str | None) -> tuple[Platform, OpRegistry]:
+    return select_platform(device)
+
+
+def current_platform(device: str | None = None) -> Platform:
+    """The platform this process uses (cached per request and environment)."""
+    env = os.environ
+    return _cached_platform(device, env.get("PAGEDSERVE_TARGET_DEVICE"), env.get("PAGEDSERVE_PLUGINS"))[0]

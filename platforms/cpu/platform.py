@@ -1,0 +1,68 @@
+"""CpuPlatform: host memory, gloo, bf16 where the CPU has native bf16 arithmetic."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from pagedserve.platforms.interface import Platform
+
+__all__ = ["CpuPlatform", "cpu_flags"]
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags from /proc/cpuinfo (empty where it does not exist)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _meminfo(key: str) -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    pin_memory_available = False
+    priority = 0
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        return True, "the host CPU is always available"
+
+    @property
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:  # type: ignore[override]
+        # fp16 matmuls have no fast path on most CPUs: bf16 where the CPU does bf16
+        # natively, fp32 otherwise (fp16 still accepted for storage-bound use).
+        if "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags():
+            return (torch.bfloat16, torch.float32, torch.float16)
+        return (torch.float32, torch.bfloat16, torch.float16)
+
+    def total_memory(self) -> int:
+        total = _meminfo("MemTotal")
+        if total is None:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total
+
+    def free_memory(self) -> int:
+        avail = _meminfo("MemAvailable")
+        if avail is None:
+            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return avail

@@ -1,0 +1,44 @@
+"""Shared pieces of the cuda and rocm platforms (both run on torch's "cuda" device)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.platforms.interface import Platform
+
+__all__ = ["TorchGpuPlatform"]
+
+
+class TorchGpuPlatform(Platform):
+    """A GPU reached through torch's ``cuda`` device type (NVIDIA CUDA or AMD HIP builds)."""
+
+    device_type = "cuda"
+    supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    pin_memory_available = True
+    #: "cuda" or "hip": which torch build this platform needs.
+    torch_build: str = ""
+    build_hint: str = ""
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        version = getattr(torch.version, cls.torch_build, None)
+        if not version:
+            other = "cuda" if torch.version.cuda else "hip" if getattr(torch.version, "hip", None) else None
+            built = f"a {other} build" if other else "a CPU-only build"
+            return False, f"torch {torch.__version__} is {built}; {cls.build_hint}"
+        # device_count() asks the driver (NVML/HIP) without creating a context.
+        count = torch.cuda.device_count()
+        if count == 0:
+            return False, (f"torch is built for {cls.torch_build} {version} but no {cls.name} device "
+                           "is visible (check the driver and CUDA_VISIBLE_DEVICES/HIP_VISIBLE_DEVICES)")
+        return True, f"{count} device(s), torch {cls.torch_build} {version}"
+
+    def total_memory(self) -> int:
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+    def free_memory(self) -> int:
+        free, _total = torch.cuda.mem_get_info()
+        return free
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
