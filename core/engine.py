@@ -1,0 +1,283 @@
+"""LLMEngine: the synchronous step loop tying scheduler, executor and detokenizer together.
+
+    engine = LLMEngine(EngineConfig(...))
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.executor.model_runner import ModelRunner, resolve_dtype
+from pagedserve.kv_cache.manager import KVCacheManager
+from pagedserve.loader import IncrementalDetokenizer, open_model
+from pagedserve.models.llama import ArchConfig
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.platforms import select_platform
+from pagedserve.request import Request, RequestStatus
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler import Scheduler
+
+__all__ = ["LLMEngine", "EngineStats"]
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one sample: its Request plus detokenization and logprobs."""
+
+    request: Request
+    index: int
+    detok: IncrementalDetokenizer
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Group:
+    """A user request: its prompt and its n samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_Sequence]
+    arrival_time: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.device.threads:
+            torch.set_num_threads(config.device.threads)
+        torch.manual_seed(config.model.seed)
+        self.platform, self.ops = select_platform(config.device.device)
+        source = open_model(config.model.model)
+        self.model_source = source
+        self.tokenizer = source.tokenizer()
+        self.arch = ArchConfig.from_hf(source.hf_config)
+        self.eos_token_ids = frozenset(source.eos_token_ids)
+        mml = config.model.max_model_len or self.arch.max_position_embeddings
+        if mml > self.arch.max_position_embeddings:
+            raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings "
+                             f"({self.arch.max_position_embeddings})")
+        self.max_model_len = mml
+        self.dtype = resolve_dtype(config.model.dtype, self.platform)
+        self.runner = ModelRunner(self.platform, self.ops, self.arch, self.dtype)
+        self.runner.load_weights(source.weights())
+        num_blocks = self.runner.determine_num_blocks(config.cache, config.scheduler, mml)
+        self.runner.allocate_kv_cache(num_blocks, config.cache.block_size)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, mml)
+        self.groups: dict[str, _Group] = {}
+        self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def validate_prompt(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt; ValueError naming the problem and the limit."""
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                prompt_token_ids = self.tokenizer.encode(prompt)
+            elif isinstance(prompt, (list, tuple)):
+                prompt_token_ids, prompt = list(prompt), None
+            else:
+                raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: at least one token is required")
+        vocab = self.arch.vocab_size
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(the prompt plus at least one generated token must fit)")
+        return prompt, list(prompt_token_ids)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError (and queues nothing) on bad input."""
+        params = params or SamplingParams()
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt, ids = self.validate_prompt(prompt, prompt_token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = _Group(request_id, prompt, ids, [], arrival)
+        first: Request | None = None
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                child_params = replace(params, n=1, seed=seed)
+            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            req = Request(rid, ids, child_params, self.eos_token_ids, arrival, priority, cache_salt,
+                          self.max_model_len,
+                          wait_for=first if self.kv.enable_prefix_caching else None)
+            first = first or req
+            detok = IncrementalDetokenizer(self.tokenizer, ids, child_params.skip_special_tokens)
+            seq = _Sequence(req, i, detok, logprobs=[] if params.logprobs is not None else None)
+            group.seqs.append(seq)
+        for seq in group.seqs:
+            self.scheduler.add_request(seq.request)
+            self._seq_of[seq.request.request_id] = (group, seq)
+        self.groups[request_id] = group
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            group = self.groups.pop(rid, None)
+            if group is None:
+                continue
+            for seq in group.seqs:
+                self._release(seq, RequestStatus.FINISHED_ABORTED)
+
+    def _release(self, seq: _Sequence, status: RequestStatus) -> None:
+        rid = seq.request.request_id
+        self.scheduler.finish_request(rid, status)
+        self.runner.sampler.forget(rid)
+        self._seq_of.pop(rid, None)
+        if seq.finish_reason is None:
+            seq.finish_reason = status.value
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample, detokenize; outputs of requests that advanced."""
+        start = time.monotonic()
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        block_ids = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled}
+        result = self.runner.execute(sched, block_ids)
+        for s in sched.scheduled:
+            r = s.request
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                self.prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
+        progressed = self.scheduler.update_after_step(sched, result.sampled)
+        self.generation_tokens += len(progressed)
+        touched: dict[str, _Group] = {}
+        for request in progressed:
+            group, seq = self._seq_of[request.request_id]
+            self._process_token(group, seq, result.logprobs.get(request.request_id))
+            touched[group.request_id] = group
+        self.scheduler.last_step_latency = time.monotonic() - start
+        outputs = []
+        for group in touched.values():
+            outputs.append(self._make_output(group))
+            if group.finished:
+                self.groups.pop(group.request_id, None)
+        return outputs
+
+    def _process_token(self, group: _Group, seq: _Sequence, lp) -> None:
+        request = seq.request
+        token = request.output_token_ids[-1]
+        if seq.logprobs is not None and lp is not None:
+            tok_lp, rank, top = lp
+            entry = {tid: Logprob(v, r + 1) for r, (tid, v) in enumerate(top)}
+            entry[token] = Logprob(tok_lp, rank)
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += tok_lp
+        seq.text += seq.detok.step([token])
+        status = request.check_stop_by_token()
+        if status is None:
+            status = self._check_stop_strings(seq)
+        if status is not None:
+            self._release(seq, status)
+            group.metrics.setdefault("finished_time", time.monotonic())
+        if request.first_token_time is not None:
+            group.metrics.setdefault("first_token_time", request.first_token_time)
+
+    def _check_stop_strings(self, seq: _Sequence) -> RequestStatus | None:
+        params = seq.request.sampling_params
+        stops = params.stop_strings
+        if not stops or seq.request.num_output_tokens < params.min_tokens:
+            return None
+        # Only the tail that the new token can have completed needs searching.
+        window = len(seq.text) - (max(map(len, stops)) + 16)
+        best = None
+        for s in stops:
+            idx = seq.text.find(s, max(window, 0))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        seq.text = seq.text[:idx + len(s)] if params.include_stop_str_in_output else seq.text[:idx]
+        seq.request.stop_reason = s
+        return RequestStatus.FINISHED_STOPPED
+
+    def _visible_text(self, seq: _Sequence) -> str:
+        """While running, hold back a tail that could still become a stop string."""
+        stops = seq.request.sampling_params.stop_strings
+        if seq.finish_reason is not None or not stops:
+            return seq.text
+        hold = max(map(len, stops)) - 1
+        return seq.text[:len(seq.text) - hold] if hold > 0 else seq.text
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for seq in group.seqs:
+            r = seq.request
+            outs.append(CompletionOutput(
+                index=seq.index,
+                text=self._visible_text(seq),
+                token_ids=list(r.output_token_ids),
+                finish_reason=seq.finish_reason,
+                stop_reason=r.stop_reason,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+            ))
+        metrics = dict(group.metrics)
+        metrics["arrival_time"] = group.arrival_time
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
+                             group.finished, group.seqs[0].request.num_cached_tokens, metrics)
+
+    # -- introspection ------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )

@@ -1,0 +1,132 @@
+"""KVCacheManager: per-request block tables on top of the BlockPool, with prefix caching.
+
+Prefix caching: each *full* block of a request's tokens gets a chained hash over
+(parent block's hash, the block's token ids, extra keys such as a cache salt).  A new
+request walks its block hashes and reuses every leading block already cached; the hit
+is confirmed by comparing the stored key, not only the hash.  The last prompt token is
+always recomputed so that the model produces logits to sample from.
+"""
+
+from __future__ import annotations
+
+from pagedserve.kv_cache.block_pool import BlockPool, KVBlock
+from pagedserve.request import Request
+
+__all__ = ["KVCacheManager", "hash_block"]
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: tuple = ()) -> tuple[int, tuple]:
+    """(hash value, the key it covers) of one full block."""
+    key = (parent_hash, token_ids, extra)
+    return hash(key), key
+
+
+class KVCacheManager:
+    """Allocates KV blocks to requests; paired check/act via ``allocate_slots`` returning None."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        # Hashes of the request's full blocks computed so far, and how many of its
+        # blocks are registered in the cache.
+        self._req_hashes: dict[str, list[tuple[int, tuple]]] = {}
+        self._num_cached: dict[str, int] = {}
+        # Prefix-cache statistics (in tokens) for metrics.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    # -- hashing --------------------------------------------------------------------------
+    def _block_hashes(self, request: Request, num_tokens: int) -> list[tuple[int, tuple]]:
+        """Hashes of the request's full blocks within its first ``num_tokens`` tokens."""
+        hashes = self._req_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        # May hold more hashes than asked for (computed earlier for a longer span).
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= num_tokens:
+            i = len(hashes)
+            parent = hashes[-1][0] if hashes else None
+            extra = (request.cache_salt,) if (i == 0 and request.cache_salt) else ()
+            hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+        return hashes
+
+    # -- allocation -----------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Leading cached blocks of a new request and the number of tokens they hold."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        # Never the last token: its logits are needed.
+        max_hit_tokens = request.num_tokens - 1
+        hashes = self._block_hashes(request, max_hit_tokens)[:max_hit_tokens // self.block_size]
+        blocks: list[KVBlock] = []
+        for h, key in hashes:
+            block = self.pool.lookup(h, key)
+            if block is None:
+                break
+            blocks.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(blocks) * self.block_size
+        return blocks, len(blocks) * self.block_size
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` could ever fit in an empty pool."""
+        return -(-num_tokens // self.block_size) <= self.pool.num_blocks
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> list[KVBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        ``computed_blocks`` are prefix-cache hits of a request scheduled for the first
+        time (its ``num_computed_tokens`` must already count them).  Returns the newly
+        allocated blocks, or None (changing nothing) when the pool cannot supply them.
+        """
+        computed_blocks = computed_blocks or []
+        owned = self.req_blocks.get(request.request_id, [])
+        total_tokens = request.num_computed_tokens + num_new_tokens
+        needed = -(-total_tokens // self.block_size) - len(owned) - len(computed_blocks)
+        # Hits on unreferenced cached blocks take them out of the free queue.
+        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if needed > self.pool.num_free_blocks - revived:
+            return None
+        self.pool.touch(computed_blocks)
+        new_blocks = self.pool.get_new_blocks(max(needed, 0))
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks.extend(computed_blocks)
+        blocks.extend(new_blocks)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, blocks, total_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        # Tokens up to num_tokens are known now (prompt or sampled); their KV is
+        # written by this step's forward, before any later lookup can see the hash.
+        num_tokens = min(num_tokens, request.num_tokens)
+        num_full = num_tokens // self.block_size
+        hashes = self._block_hashes(request, num_tokens)
+        start = self._num_cached.get(request.request_id, 0)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], *hashes[i])
+        self._num_cached[request.request_id] = max(start, num_full)
+
+    def free(self, request: Request) -> None:
+        """Release a finished, aborted or preempted request's blocks (tail first)."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.free_blocks(reversed(blocks))
+        self._num_cached.pop(request.request_id, None)
+        if request.is_finished:
+            self._req_hashes.pop(request.request_id, None)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -1,0 +1,205 @@
+"""Continuous-batching scheduler over one token budget per step.
+
+There are no prefill and decode phases: each request has ``num_computed_tokens``
+chasing ``num_tokens`` and the scheduler hands out a budget of tokens per step,
+running requests first (decodes and unfinished prefill chunks), then waiting ones.
+Chunked prefill, prefix-cache continuations and decodes all fall out of that rule.
+When blocks run out, the lowest-priority running request (the latest arrival under
+FCFS) is preempted by recompute: its blocks are freed and it goes back to the front
+of the waiting queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.kv_cache.manager import KVCacheManager
+from pagedserve.request import Request, RequestStatus
+
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest"]
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    #: Whether this chunk reaches the end of the known tokens (so a token is sampled).
+    samples: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the executor needs for one step; a plain dataclass."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.last_step_latency = 0.0
+
+    # -- queue management -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if not self.kv.can_fit(min(request.num_tokens + 1, self.max_model_len)):
+            raise ValueError(
+                f"prompt of {request.num_tokens} tokens needs more KV blocks than the whole "
+                f"cache has ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)")
+        self.requests[request.request_id] = request
+        if self.config.policy == "priority":
+            # Keep waiting sorted by (priority, arrival); lower value = served first.
+            idx = len(self.waiting)
+            key = (request.priority, request.arrival_time)
+            for i, r in enumerate(self.waiting):
+                if (r.priority, r.arrival_time) > key:
+                    idx = i
+                    break
+            self.waiting.insert(idx, request)
+        else:
+            self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request at any moment and free its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        return request
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- scheduling ---------------------------------------------------------------------
+    def _victim(self, candidates: list[Request]) -> Request:
+        if self.config.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return max(candidates, key=lambda r: r.arrival_time)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request.request_id)
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        n = request.num_tokens - request.num_computed_tokens
+        if not self.config.enable_chunked_prefill and n > budget:
+            return 0
+        return min(n, budget)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        # 1. Running requests, oldest first; preempt from the back when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._num_new_tokens(request, budget)
+            if n == 0:
+                i += 1
+                continue
+            while self.kv.allocate_slots(request, n) is None:
+                # Only requests not yet scheduled in this step can give blocks back.
+                victim = self._victim(self.running[i:])
+                self._preempt(victim, out)
+                if victim is request:
+                    n = 0
+                    break
+            if n == 0:
+                continue  # request itself was preempted; running[i] is now the next one
+            self._add(out, request, n, scheduled_ids)
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, unless this step had to preempt (no room anyway).
+        if out.preempted or not self._passed_delay():
+            return out
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not request.ready():
+                skipped.append(self.waiting.popleft())
+                continue
+            computed, num_computed = [], 0
+            if request.num_computed_tokens == 0:
+                computed, num_computed = self.kv.get_computed_blocks(request)
+            request.num_computed_tokens = num_computed
+            n = self._num_new_tokens(request, budget)
+            if n == 0 or self.kv.allocate_slots(request, n, computed) is None:
+                request.num_computed_tokens = 0
+                break
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_computed
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add(out, request, n, scheduled_ids)
+            budget -= n
+        for request in reversed(skipped):
+            self.waiting.appendleft(request)
+        return out
+
+    def _passed_delay(self) -> bool:
+        """vLLM's scheduler_delay_factor: hold new prefills briefly so arrivals batch."""
+        if self.config.delay_factor <= 0 or not self.running or not self.waiting:
+            return True
+        earliest = min(r.arrival_time for r in self.waiting)
+        return time.monotonic() - earliest > self.config.delay_factor * self.last_step_latency
+
+    def _add(self, out: SchedulerOutput, request: Request, n: int, ids: set[str]) -> None:
+        samples = request.num_computed_tokens + n >= request.num_tokens
+        out.scheduled.append(ScheduledRequest(request, n, samples))
+        out.num_batched_tokens += n
+        ids.add(request.request_id)
+
+    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens; returns requests that sampled."""
+        progressed = []
+        now = time.monotonic()
+        for s in out.scheduled:
+            request = s.request
+            if request.is_finished:
+                continue
+            request.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                request.append_token(sampled[request.request_id])
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                progressed.append(request)
+        return progressed

@@ -1,0 +1,110 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints made with transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def write_byte_tokenizer(path: Path) -> int:
+    """A byte-level BPE tokenizer without merges (256 byte tokens + specials).
+
+    Returns its vocabulary size.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }))
+    return len(vocab)
+
+
+def make_tiny_checkpoint(
+    path: Path,
+    arch: str = "llama",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    max_position_embeddings: int = 1024,
+    **extra,
+) -> Path:
+    """Save a random Llama or Qwen2 checkpoint (safetensors) plus a tokenizer to ``path``."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = write_byte_tokenizer(path)
+    common = dict(
+        vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=max_position_embeddings, bos_token_id=1, eos_token_id=2,
+        rms_norm_eps=1e-5, **extra,
+    )
+    if head_dim is not None:
+        common["head_dim"] = head_dim
+    torch.manual_seed(seed)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(config)
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        raise ValueError(arch)
+    # Larger-than-default init spreads the logits so greedy choices are not near-ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2 if "embed" in name else 0.08)
+            elif "bias" in name:
+                p.normal_(0.0, 0.1)
+    model.to(torch.float32).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_factory(tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def make(**kwargs) -> Path:
+        key = repr(sorted(kwargs.items()))
+        if key not in cache:
+            cache[key] = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), **kwargs)
+        return cache[key]
+
+    return make
