@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass, field
 from importlib import metadata
 
@@ -85,19 +86,29 @@ class PlatformInfo:
         return self._probe
 
 
+def _normalize(name: str) -> str:
+    """PEP 503 normalisation, so that "My_Plugin" and "my-plugin" name one distribution."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _allow_list(env: dict[str, str]) -> set[str] | None:
     raw = env.get("PAGEDSERVE_PLUGINS", "").strip()
     if not raw:
         return None
-    return {p.strip() for p in raw.split(",") if p.strip()}
+    return {_normalize(p.strip()) for p in raw.split(",") if p.strip()}
+
+
+def _dist_name(ep: metadata.EntryPoint) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return None if dist is None else (dist.metadata["Name"] or None)
 
 
 def _origin(ep: metadata.EntryPoint) -> str:
     dist = getattr(ep, "dist", None)
-    if dist is None:
+    name = _dist_name(ep)
+    if dist is None or name is None:
         return "unknown distribution"
-    name = dist.metadata["Name"] or "?"
-    if name.lower() == _BUILTIN_DIST:
+    if _normalize(name) == _BUILTIN_DIST:
         return "builtin"
     return f"{name} {dist.version}"
 
@@ -117,10 +128,15 @@ class PlatformRegistry:
     def load_entry_points(self) -> None:
         allow = _allow_list(self.env)
         seen: set[str] = set()
-        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        # Builtins first, so a third-party plugin that claims "cpu" is the one rejected
+        # as a duplicate, whatever order sys.path lists the distributions in.
+        eps = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: _origin(ep) != "builtin")
+        for ep in eps:
             origin = _origin(ep)
-            dist_name = origin.split(" ")[0]
-            if allow is not None and ep.name not in allow and dist_name not in allow:
+            # Match the real distribution name ("pagedserve" allows every builtin),
+            # not the display origin, which says "builtin".
+            dist_name = _normalize(_dist_name(ep) or "")
+            if allow is not None and _normalize(ep.name) not in allow and dist_name not in allow:
                 continue
             if ep.name in seen:
                 # The same distribution visible twice on sys.path (e.g. an editable
@@ -142,11 +158,26 @@ class PlatformRegistry:
         self.pm.check_pending()
 
     def register_plugin(self, plugin: object, name: str, origin: str = "test") -> None:
-        """Register one plugin object (a module or an instance) and collect its platforms."""
+        """Register one plugin object (a module or an instance) and collect its platforms.
+
+        A plugin that cannot be registered (bad hook signature, misspelt hook name, a
+        raising or invalid ``pagedserve_register_platforms``, a platform name another
+        plugin already claimed) is recorded in :attr:`failures` and contributes
+        nothing -- neither platforms nor ops -- so one broken plugin never hides the
+        listing of the others.
+        """
         self._origins.setdefault(name, origin)
-        self.pm.register(plugin, name=name)
-        self.pm.check_pending()
+        try:
+            self.pm.register(plugin, name=name)
+            # Unknown pagedserve_* hooks (usually a typo) fail here, named, rather than
+            # being silently never called.
+            self.pm.check_pending()
+        except Exception as exc:  # pluggy.PluginValidationError, ValueError (name taken)
+            self._drop(plugin, [])
+            self.failures.append(PluginFailure(name, origin, f"registration raised {type(exc).__name__}: {exc}"))
+            return
         impls = [i for i in self.pm.hook.pagedserve_register_platforms.get_hookimpls() if i.plugin is plugin]
+        added: list[str] = []
 
         def register(cls: type[Platform]) -> None:
             if not (isinstance(cls, type) and issubclass(cls, Platform)):
@@ -159,19 +190,42 @@ class PlatformRegistry:
                     f"two plugins claim the platform name {cls.name!r}: {other.plugin!r} "
                     f"({other.origin}) and {name!r} ({origin})")
             self.platforms[cls.name] = PlatformInfo(cls.name, cls, name, origin)
+            added.append(cls.name)
 
         for impl in impls:
             try:
                 impl.function(**({"register": register} if "register" in impl.argnames else {}))
-            except PlatformError:
-                raise
+            except PlatformError as exc:
+                self._drop(plugin, added)
+                self.failures.append(PluginFailure(name, origin, str(exc)))
+                return
             except Exception as exc:
+                self._drop(plugin, added)
                 self.failures.append(PluginFailure(
                     name, origin, f"pagedserve_register_platforms raised {type(exc).__name__}: {exc}"))
+                return
+
+    def _drop(self, plugin: object, platform_names: list[str]) -> None:
+        """Forget a plugin that failed, and the platforms it managed to register."""
+        for platform_name in platform_names:
+            del self.platforms[platform_name]
+        if self.pm.is_registered(plugin):
+            self.pm.unregister(plugin)
 
     # -- selection -----------------------------------------------------------------
     def requested_name(self, device: str | None) -> str | None:
+        """The explicitly requested platform name, or None for auto-detection.
+
+        "auto" (or empty) means "no request" for both sources, so ``--device auto``
+        does not conflict with PAGEDSERVE_TARGET_DEVICE.
+        """
         env_name = self.env.get("PAGEDSERVE_TARGET_DEVICE", "").strip() or None
+        if env_name == "auto":
+            env_name = None
+        if device is not None:
+            device = device.strip() or None
+        if device == "auto":
+            device = None
         if device and env_name and device != env_name:
             raise PlatformError(
                 f"conflicting platform requests: device={device!r} but "
@@ -192,7 +246,10 @@ class PlatformRegistry:
             info = self.platforms.get(name)
             if info is None:
                 known = ", ".join(sorted(self.platforms)) or "none"
-                raise PlatformError(f"unknown platform {name!r}; known platforms: {known}")
+                hint = ""
+                if _allow_list(self.env) is not None:
+                    hint = f" (discovery limited by PAGEDSERVE_PLUGINS={self.env['PAGEDSERVE_PLUGINS']!r})"
+                raise PlatformError(f"unknown platform {name!r}; known platforms: {known}{hint}")
             ok, reason = info.probe()
             if info.detection_error:
                 raise PlatformError(f"platform {name!r} (from {info.origin}) {reason}")
@@ -220,9 +277,32 @@ class PlatformRegistry:
         raise PlatformError(f"no platform is available ({reasons or 'no platforms discovered'})")
 
     def resolve_ops(self, platform: Platform) -> OpRegistry:
-        """The op registry for ``platform``: references, then every plugin's overrides."""
+        """The op registry for ``platform``: references, then every plugin's overrides.
+
+        Order (a later registration of the same op wins): the plugin that provides
+        ``platform``, then the other builtin plugins, then third-party plugins in
+        discovery order.  So an add-on plugin can replace a platform's own kernel --
+        whatever order sys.path lists their distributions in.
+        """
         ops = OpRegistry()
-        self.pm.hook.pagedserve_register_ops(platform=platform, ops=ops)
+        info = self.platforms.get(platform.name)
+        owner = info.plugin if info is not None and isinstance(platform, info.cls) else None
+
+        def rank(impl: pluggy.HookImpl) -> int:
+            if impl.plugin_name == owner:
+                return 0
+            return 1 if self._origins.get(impl.plugin_name) == "builtin" else 2
+
+        # get_hookimpls() is in registration order; sorted() is stable.
+        for impl in sorted(self.pm.hook.pagedserve_register_ops.get_hookimpls(), key=rank):
+            kwargs = {"platform": platform, "ops": ops}
+            try:
+                impl.function(**{k: v for k, v in kwargs.items() if k in impl.argnames})
+            except Exception as exc:
+                origin = self._origins.get(impl.plugin_name, "unknown distribution")
+                raise PlatformError(
+                    f"platform plugin {impl.plugin_name!r} (from {origin}) failed in "
+                    f"pagedserve_register_ops: {type(exc).__name__}: {exc}") from exc
         return ops
 
 
@@ -231,6 +311,15 @@ def discover(env: dict[str, str] | None = None) -> PlatformRegistry:
     reg = PlatformRegistry(env)
     reg.load_entry_points()
     return reg
+
+
+def resolve_ops(platform: Platform, env: dict[str, str] | None = None) -> OpRegistry:
+    """Discover plugins and resolve the ops for an already-built ``platform``.
+
+    Prefer :meth:`PlatformRegistry.resolve_ops` on the registry that selected the
+    platform; this convenience discovers again.
+    """
+    return discover(env).resolve_ops(platform)
 
 
 def select_platform(device: str | None = None, env: dict[str, str] | None = None) -> tuple[Platform, OpRegistry]:

@@ -37,7 +37,9 @@ def pagedserve_register_ops(platform, ops):
     """Override named ops for a platform.
 
     Called once when ``platform`` has been selected, for every plugin (so a plugin can
-    also contribute ops to another plugin's platform).
+    also contribute ops to another plugin's platform).  Call order, where a later
+    registration of the same op wins: the plugin providing ``platform``, then the other
+    builtin plugins, then third-party plugins in discovery order.
 
     :param platform: the selected :class:`Platform` instance.
     :param ops: the :class:`pagedserve.platforms.ops.OpRegistry`; call

@@ -1,0 +1,194 @@
+"""`pagedserve platforms`: every discovered platform, whether it is available and why not.
+
+    pagedserve platforms                 a table: one row per platform and per failed plugin
+    pagedserve platforms --json          the same facts for machines
+    pagedserve platforms --ops           which implementation each op resolves to on the
+                                         selected platform (--device NAME to choose one)
+
+The exit status is 0 when a platform can be selected and 1 otherwise (the reason is
+printed), so scripts can use the command as a preflight check.  Only the platform layer
+is imported (torch, pluggy): never the engine, models or transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["add_parser", "run", "collect", "human_bytes"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the ``platforms`` subcommand."""
+    parser = subparsers.add_parser(
+        "platforms",
+        help="list discovered platforms, their availability and resolved ops",
+        description=(
+            "List every platform found through the 'pagedserve.platforms' entry-point "
+            "group (builtin and third-party), whether it is available and why not, and "
+            "plugins that failed to load.  Honours PAGEDSERVE_TARGET_DEVICE and "
+            "PAGEDSERVE_PLUGINS.  Exits non-zero when no platform can be selected."),
+    )
+    parser.add_argument("--device", metavar="NAME", default=None,
+                        help="platform to select (like PAGEDSERVE_TARGET_DEVICE); default: auto-detect")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--ops", action="store_true",
+                        help="show which implementation each op resolves to on the selected platform")
+    return parser
+
+
+def human_bytes(n: int | None) -> str:
+    """1536 -> '1.5 KiB'; None -> '-'."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class Report:
+    """Everything the command prints, as plain data (the --json output is its dict)."""
+
+    platforms: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[dict[str, str]] = field(default_factory=list)
+    requested: str | None = None
+    selected: str | None = None
+    error: str | None = None
+    ops: list[dict[str, str]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "platforms": self.platforms,
+            "failures": self.failures,
+            "requested": self.requested,
+            "selected": self.selected,
+            "error": self.error,
+        }
+        if self.ops is not None:
+            out["ops"] = self.ops
+        return out
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _platform_row(info: Any) -> dict[str, Any]:
+    """Facts about one discovered platform; a raising platform method is reported in the row."""
+    ok, reason = info.probe()
+    row: dict[str, Any] = {
+        "name": info.name,
+        "plugin": info.plugin,
+        "origin": info.origin,
+        "builtin": info.builtin,
+        "available": ok,
+        "reason": reason,
+        "default_dtype": None,
+        "total_memory": None,
+    }
+    try:
+        platform = info.cls()
+        if ok:
+            facts = dict(platform.describe())
+            if "total_memory_error" in facts:
+                row["error"] = facts.pop("total_memory_error")
+            row.update(facts)
+        else:
+            # Memory of a device that is not usable means nothing (and asking for it
+            # may try to initialise a driver that is not there).
+            row["default_dtype"] = _dtype_name(platform.default_dtype)
+    except Exception as exc:  # shown in the row: a third-party platform may be half-built
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    if row["total_memory"] is not None:
+        row["total_memory_human"] = human_bytes(row["total_memory"])
+    return row
+
+
+def collect(device: str | None = None, want_ops: bool = False, env: dict[str, str] | None = None) -> Report:
+    """Discover, describe and try to select; never raises a PlatformError (it is reported)."""
+    from pagedserve.platforms import PlatformError, discover
+
+    report = Report()
+    try:
+        registry = discover(env)
+    except PlatformError as exc:
+        report.error = str(exc)
+        return report
+    report.platforms = [_platform_row(info) for info in registry.platforms.values()]
+    report.failures = [{"plugin": f.plugin, "origin": f.origin, "error": f.error} for f in registry.failures]
+    try:
+        report.requested = registry.requested_name(device)
+        info = registry.select(device)
+        report.selected = info.name
+        if want_ops:
+            ops = registry.resolve_ops(info.cls())
+            report.ops = [
+                {"op": name, "source": source, "implementation": _qualname(ops.get(name))}
+                for name, source in ops.table()
+            ]
+    except PlatformError as exc:
+        report.error = str(exc)
+    return report
+
+
+def _qualname(fn: Any) -> str:
+    module = getattr(fn, "__module__", None) or "?"
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return f"{module}.{name}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned columns; the last column is not padded (reasons can be long)."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    lines = []
+    for r in [header, *rows]:
+        cells = [c.ljust(w) for c, w in zip(r, widths)] + [r[-1]]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _format_text(report: Report, show_ops: bool) -> str:
+    out: list[str] = []
+    if show_ops:
+        if report.ops is not None:
+            out.append(f"ops on platform {report.selected!r}:")
+            out.append(_table(["OP", "SOURCE", "IMPLEMENTATION"],
+                              [[o["op"], o["source"], o["implementation"]] for o in report.ops]))
+        return "\n".join(out)
+    rows: list[list[str]] = []
+    for p in report.platforms:
+        mark = "*" if p["name"] == report.selected else " "
+        reason = p["reason"] + (f" [error: {p['error']}]" if p.get("error") else "")
+        rows.append([
+            f"{mark} {p['name']}", p["origin"], "yes" if p["available"] else "no",
+            p["default_dtype"] or "-", human_bytes(p["total_memory"]), reason,
+        ])
+    for f in report.failures:
+        rows.append([f"! {f['plugin']}", f["origin"], "failed", "-", "-", f["error"]])
+    out.append(_table(["  PLATFORM", "ORIGIN", "AVAILABLE", "DTYPE", "MEMORY", "REASON"], rows))
+    if report.selected is not None:
+        how = "requested" if report.requested else "auto-detected"
+        out.append(f"\nselected: {report.selected} ({how})")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the listing (or the op table); 1 when no platform can be selected."""
+    report = collect(device=args.device, want_ops=args.ops)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        text = _format_text(report, show_ops=args.ops)
+        if text:
+            print(text)
+    if report.error is not None:
+        print(f"pagedserve platforms: error: {report.error}", file=sys.stderr)
+        return 1
+    return 0
