@@ -219,6 +219,8 @@ class LLMEngine:
         if status is None:
             status = self._check_stop_strings(seq)
         if status is not None:
+            if request.stop_reason is None or not isinstance(request.stop_reason, str):
+                seq.text += seq.detok.flush()  # an incomplete character held back at the end
             self._release(seq, status)
             group.metrics.setdefault("finished_time", time.monotonic())
         if request.first_token_time is not None:

@@ -1,0 +1,235 @@
+"""GGUF files: metadata to a Hugging Face config, tensors to Hugging Face weights.
+
+A GGUF (llama.cpp's format) carries no `config.json`; its metadata is the config, under
+llama.cpp's key names. Its tensors use llama.cpp names and, for the `llama` architecture,
+rows of the query and key projections are reordered for llama.cpp's RoPE kernel. This module
+reads the file with the `gguf` package, dequantizes every tensor to float32, undoes that
+reordering and renames tensors, so the model code sees exactly what a safetensors export of
+the same model would hold.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["GGUFCheckpoint", "SUPPORTED_GGUF_ARCHITECTURES", "reverse_rope_permutation"]
+
+# Architectures whose tensors follow the Llama layout; value: (model_type, HF class name).
+SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+# ggml type names `gguf.quants.dequantize` handles with plain numpy. Other types (the IQ and
+# ternary families) exist but are rare and unverified here, so they are refused by name.
+_SUPPORTED_TYPES = frozenset(
+    {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp stores Llama 3.1's RoPE frequency factors as a tensor; the model has no such parameter.
+_NON_PARAMETERS = frozenset({"rope_freqs.weight"})
+
+
+class GGUFCheckpoint:
+    """One `.gguf` file, opened lazily: tensor data is memory-mapped, read on iteration."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        import gguf
+
+        self.path = path
+        try:
+            self._reader = gguf.GGUFReader(str(path))
+        except (ValueError, OSError) as e:
+            raise ValueError(f"Could not read GGUF file {str(path)!r}: {e}") from e
+        self.metadata: dict[str, Any] = {
+            name: _field_value(field) for name, field in self._reader.fields.items()
+        }
+        self.architecture: str = str(self.metadata.get("general.architecture", ""))
+        if self.architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"GGUF file {str(path)!r} has architecture {self.architecture!r}; supported: "
+                f"{', '.join(sorted(SUPPORTED_GGUF_ARCHITECTURES))}."
+            )
+        self.tensor_names: list[str] = [t.name for t in self._reader.tensors]
+        self._check_tensors()
+
+    def _check_tensors(self) -> None:
+        """Fail at open time, not halfway through loading, on a tensor that cannot be loaded."""
+        for tensor in self._reader.tensors:
+            if tensor.name in _NON_PARAMETERS:
+                continue
+            self._hf_name(tensor.name)
+            type_name = tensor.tensor_type.name
+            if type_name not in _SUPPORTED_TYPES:
+                raise ValueError(
+                    f"GGUF tensor {tensor.name!r} in {str(self.path)!r} is stored as {type_name}, which is "
+                    f"not supported; supported types: {', '.join(sorted(_SUPPORTED_TYPES))}."
+                )
+
+    def _arch(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def _required(self, key: str) -> int:
+        value = self._arch(key)
+        if value is None:
+            raise ValueError(f"GGUF file {str(self.path)!r} lacks the metadata key {self.architecture}.{key}.")
+        return int(value)
+
+    def hf_config(self) -> dict[str, Any]:
+        """The `config.json` a Hugging Face export of this model would carry.
+
+        Follows transformers' reading of GGUF metadata (`head_dim` from the RoPE dimension
+        count for `llama`, `tie_word_embeddings` when the file has no `output.weight`).
+        """
+        model_type, class_name = SUPPORTED_GGUF_ARCHITECTURES[self.architecture]
+        name = str(self.metadata.get("general.name", "")).lower()
+        if model_type == "llama" and "mistral" in name:
+            # llama.cpp files Mistral under `llama`; the architecture name is the only trace.
+            model_type, class_name = "mistral", "MistralForCausalLM"
+        hidden_size = self._required("embedding_length")
+        num_heads = self._required("attention.head_count")
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        names = set(self.tensor_names)
+        return {
+            "architectures": [class_name],
+            "model_type": model_type,
+            "vocab_size": int(self._arch("vocab_size", len(tokens) if tokens else 0)),
+            "hidden_size": hidden_size,
+            "intermediate_size": self._required("feed_forward_length"),
+            "num_hidden_layers": self._required("block_count"),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": int(self._arch("attention.head_count_kv", num_heads)),
+            "head_dim": self._head_dim(hidden_size, num_heads),
+            "hidden_act": "silu",
+            "rms_norm_eps": float(self._arch("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._arch("rope.freq_base", 10000.0)),
+            "rope_scaling": self._rope_scaling(),
+            "max_position_embeddings": int(self._arch("context_length", 2048)),
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": "blk.0.attn_q.bias" in names,
+            "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": self.metadata.get("tokenizer.ggml.padding_token_id"),
+            "unk_token_id": self.metadata.get("tokenizer.ggml.unknown_token_id"),
+            "torch_dtype": self._float_dtype(),
+        }
+
+    def _head_dim(self, hidden_size: int, num_heads: int) -> int:
+        key_length = self._arch("attention.key_length")
+        if key_length is not None:
+            return int(key_length)
+        rope_dims = self._arch("rope.dimension_count")
+        if self.architecture == "llama" and rope_dims is not None:
+            return int(rope_dims)
+        return hidden_size // num_heads
+
+    def _rope_scaling(self) -> dict[str, Any] | None:
+        kind = self._arch("rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": float(self._arch("rope.scaling.factor", 1.0))}
+        original = self._arch("rope.scaling.original_context_length")
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+
+    def _float_dtype(self) -> str:
+        """The dtype the weights come out in: float32, unless the file is all F16 or BF16."""
+        kinds = {t.tensor_type.name for t in self._reader.tensors} - {"F32"}
+        if kinds == {"F16"}:
+            return "float16"
+        return "bfloat16" if kinds == {"BF16"} else "float32"
+
+    def eos_token_ids(self) -> list[int]:
+        """EOS plus end-of-turn / end-of-message ids: llama.cpp stops on all of them."""
+        keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+        ids = [self.metadata.get(f"tokenizer.ggml.{key}") for key in keys]
+        return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(hf_name, tensor)` for every parameter, dequantized to float32.
+
+        Shapes are PyTorch's (`[out_features, in_features]` for a linear weight), the reverse
+        of ggml's dimension order.
+        """
+        import gguf
+
+        config = self.hf_config()
+        for tensor in self._reader.tensors:
+            if tensor.name in _NON_PARAMETERS:
+                continue
+            hf_name = self._hf_name(tensor.name)
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            values = values.reshape(shape)
+            if not values.flags.writeable:
+                # F32 tensors come back as views of the read-only memory map; torch needs its own copy.
+                values = values.copy()
+            if self.architecture == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+                key = "num_attention_heads" if ".attn_q." in tensor.name else "num_key_value_heads"
+                values = reverse_rope_permutation(values, config[key])
+            yield hf_name, torch.from_numpy(values)
+
+    def _hf_name(self, gguf_name: str) -> str:
+        if gguf_name in _GLOBAL_NAMES:
+            return _GLOBAL_NAMES[gguf_name]
+        match = _BLOCK_PATTERN.fullmatch(gguf_name)
+        if match is not None and match.group(2) in _BLOCK_NAMES:
+            layer, part, kind = match.groups()
+            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        raise ValueError(
+            f"GGUF tensor {gguf_name!r} in {str(self.path)!r} has no Hugging Face counterpart for "
+            f"architecture {self.architecture!r}."
+        )
+
+
+def reverse_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row reordering of a query or key projection.
+
+    Hugging Face Llama rotates the two halves of each head (`rotate_half`); llama.cpp rotates
+    adjacent pairs, so its converter interleaves each head's rows: HF row `(h, j, i)` (head,
+    half, index in half) is stored at `(h, i, j)`. This puts them back.
+
+    Args:
+        weight: `[num_heads * head_dim, in_features]` as stored in the GGUF file.
+        num_heads: heads of this projection (key/value heads for `attn_k`).
+
+    Returns:
+        `[num_heads * head_dim, in_features]` in Hugging Face row order.
+    """
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _field_value(field: Any) -> Any:
+    """A metadata field as plain Python: scalar, str, or list."""
+    value = field.contents()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

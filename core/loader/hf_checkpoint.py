@@ -1,0 +1,159 @@
+"""Hugging Face checkpoint folders: `config.json` and safetensors weights.
+
+Pickled checkpoints (`*.bin`, `*.pt`, `*.pth`) are refused on purpose: unpickling a file
+runs arbitrary code, and every model worth serving has a safetensors export.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = [
+    "find_safetensors_files",
+    "iter_safetensors_weights",
+    "normalize_hf_config",
+    "read_eos_token_ids",
+    "read_json",
+]
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+
+
+def read_json(path: pathlib.Path) -> dict[str, Any]:
+    """A JSON object from `path`, with the file named in any parse error."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(path)!r} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{str(path)!r} should hold a JSON object, found {type(value).__name__}.")
+    return value
+
+
+def find_safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    """The safetensors files that make up the checkpoint in `folder`, in shard order.
+
+    A sharded checkpoint is read through its index so that stray files (an optimizer state,
+    a second export) never leak in; without an index, `model.safetensors` or else every
+    `*.safetensors` file is used.
+    """
+    index = folder / _INDEX_FILE
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{str(index)!r} has no 'weight_map'.")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{str(index)!r} names shards that are missing: {', '.join(missing)}.")
+        return files
+    if (folder / _SINGLE_FILE).is_file():
+        return [folder / _SINGLE_FILE]
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
+    if pickled:
+        raise ValueError(
+            f"Model folder {str(folder)!r} only has pickled weights ({', '.join(pickled)}). Pickled "
+            "checkpoints are never loaded because unpickling can run arbitrary code; convert them to "
+            "safetensors (e.g. transformers' save_pretrained(..., safe_serialization=True))."
+        )
+    raise FileNotFoundError(f"Model folder {str(folder)!r} holds no *.safetensors weights.")
+
+
+def iter_safetensors_weights(files: list[pathlib.Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` for every tensor of `files`, in its stored dtype, on the CPU.
+
+    Files are memory-mapped and one tensor is materialized at a time, so peak memory stays
+    near the largest tensor rather than the whole checkpoint.
+    """
+    from safetensors import safe_open
+
+    seen: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in seen:
+                    raise ValueError(f"Tensor {name!r} appears in more than one shard (again in {path.name}).")
+                seen.add(name)
+                yield name, f.get_tensor(name)
+
+
+def normalize_hf_config(config: dict[str, Any], weight_names: set[str] | None = None) -> dict[str, Any]:
+    """`config.json` with the keys the engine reads filled in, whichever transformers wrote it.
+
+    transformers 5 writes `rope_parameters` and `dtype` where 4.x wrote `rope_theta`,
+    `rope_scaling` and `torch_dtype`; both spellings are kept, the 4.x ones always present.
+    Keys a config may leave to its class default get that default.
+
+    Args:
+        config: the parsed `config.json`.
+        weight_names: the checkpoint's tensor names; when given, a missing
+            `tie_word_embeddings` is inferred from whether `lm_head.weight` is stored.
+    """
+    out = dict(config)
+    _require(out, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"))
+    out.setdefault("num_key_value_heads", out["num_attention_heads"])
+    if out.get("head_dim") is None:
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    out.setdefault("rms_norm_eps", 1e-6)
+    out.setdefault("hidden_act", "silu")
+    _normalize_rope(out)
+    out.setdefault("max_position_embeddings", 2048)
+    if "tie_word_embeddings" not in out:
+        out["tie_word_embeddings"] = weight_names is not None and "lm_head.weight" not in weight_names
+    out.setdefault("bos_token_id", None)
+    out.setdefault("eos_token_id", None)
+    if out.get("torch_dtype") is None:
+        out["torch_dtype"] = out.get("dtype") or "float32"
+    out.setdefault("architectures", None)
+    return out
+
+
+def read_eos_token_ids(folder: pathlib.Path, config: dict[str, Any]) -> list[int]:
+    """End-of-sequence ids: `generation_config.json` wins over `config.json`, as in transformers."""
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        ids = _as_id_list(read_json(generation).get("eos_token_id"))
+        if ids:
+            return ids
+    return _as_id_list(config.get("eos_token_id"))
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _normalize_rope(config: dict[str, Any]) -> None:
+    """Fill `rope_theta` and `rope_scaling` (None for plain RoPE) from either spelling."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        config.setdefault("rope_theta", params["rope_theta"])
+        if config.get("rope_scaling") is None:
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+            config["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    config.setdefault("rope_theta", 10000.0)
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict) and "rope_type" not in scaling and "type" in scaling:
+        # Older configs spell it `type`; readers only need to look under one name.
+        config["rope_scaling"] = {**scaling, "rope_type": scaling["type"]}
+    config.setdefault("rope_scaling", None)
+
+
+def _require(config: dict[str, Any], keys: tuple[str, ...]) -> None:
+    missing = [k for k in keys if config.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}; is this a decoder-only language model?")

@@ -1,0 +1,184 @@
+"""Small GGUF files written here from random models: every supported tensor type, the
+Q/K row permutation, name mapping and the errors for what is not supported."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.loader import open_model
+from pagedserve.loader.gguf_checkpoint import reverse_rope_permutation
+
+# One tensor type per projection; q/k of layer 0 stay F32 so the permutation can be checked
+# against the original weights exactly. K-quant tensors get random block bytes because the
+# gguf package cannot quantize to them.
+LLAMA_TYPES = {
+    "model.embed_tokens.weight": "Q8_0",
+    "lm_head.weight": "Q6_K",
+    "model.layers.0.self_attn.v_proj.weight": "Q4_0",
+    "model.layers.0.self_attn.o_proj.weight": "Q4_1",
+    "model.layers.0.mlp.gate_proj.weight": "Q5_0",
+    "model.layers.0.mlp.up_proj.weight": "Q5_1",
+    "model.layers.0.mlp.down_proj.weight": "Q8_0",
+    "model.layers.1.self_attn.q_proj.weight": "Q4_K",
+    "model.layers.1.self_attn.k_proj.weight": "Q5_K",
+    "model.layers.1.self_attn.v_proj.weight": "Q2_K",
+    "model.layers.1.self_attn.o_proj.weight": "Q3_K",
+    "model.layers.1.mlp.gate_proj.weight": "BF16",
+    "model.layers.1.mlp.up_proj.weight": "F16",
+}
+RANDOM_BYTES = tuple(name for name, kind in LLAMA_TYPES.items() if kind.endswith("_K"))
+# Worst-case relative error (max abs error / max abs value) of each type on Gaussian weights.
+TOLERANCE = {
+    "F32": 0.0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q5_0": 0.07, "Q5_1": 0.07, "Q4_0": 0.15, "Q4_1": 0.15
+}
+
+
+def _reference_state(model: Any, tied: bool) -> dict[str, torch.Tensor]:
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if tied:
+        state.pop("lm_head.weight")
+    return state
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Any, write_gguf: Any) -> pathlib.Path:
+    model, shape = tiny_llama
+    folder = tmp_path_factory.mktemp("llama_gguf")
+    return write_gguf(
+        folder / "tiny-llama.gguf", "llama", shape, _reference_state(model, tied=False), LLAMA_TYPES,
+        random_bytes=RANDOM_BYTES,
+    )
+
+
+def _transformers_state(path: pathlib.Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_llama_gguf_equals_transformers(llama_gguf: pathlib.Path) -> None:
+    ours = dict(open_model(llama_gguf).weights())
+    reference = _transformers_state(llama_gguf)
+    assert set(ours) == set(reference)
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32 and tensor.shape == reference[name].shape, name
+        assert torch.isfinite(tensor).all(), name
+        assert torch.equal(tensor, reference[name]), name
+
+
+def test_llama_gguf_recovers_the_original_weights(llama_gguf: pathlib.Path, tiny_llama: Any) -> None:
+    model, shape = tiny_llama
+    source = open_model(llama_gguf)
+    ours = dict(source.weights())
+    original = model.state_dict()
+    # F32 tensors, including layer 0's permuted q/k projections, come back bit for bit.
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.norm.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert torch.equal(ours[name], original[name]), name
+    for name, kind in LLAMA_TYPES.items():
+        if name in RANDOM_BYTES:
+            continue
+        error = (ours[name] - original[name]).abs().max() / original[name].abs().max()
+        assert error <= TOLERANCE[kind], (name, kind, float(error))
+
+    config = source.hf_config
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "max_position_embeddings"):
+        assert config[key] == shape[key], key
+    assert config["head_dim"] == 64 and config["rope_theta"] == shape["rope_theta"]
+    assert config["rms_norm_eps"] == pytest.approx(shape["rms_norm_eps"])
+    assert config["torch_dtype"] == "float32"
+
+
+def test_qwen2_gguf_has_biases_and_no_permutation(
+    tmp_path: pathlib.Path, tiny_qwen2: Any, write_gguf: Any
+) -> None:
+    model, shape = tiny_qwen2
+    state = _reference_state(model, tied=True)
+    types = {"model.embed_tokens.weight": "F16"}
+    path = write_gguf(tmp_path / "tiny-qwen2.gguf", "qwen2", shape, state, types)
+    source = open_model(path)
+    ours = dict(source.weights())
+    assert set(ours) == set(state)
+    assert source.hf_config["architectures"] == ["Qwen2ForCausalLM"]
+    assert source.hf_config["tie_word_embeddings"] is True and source.hf_config["attention_bias"] is True
+    for name, tensor in ours.items():
+        if name == "model.embed_tokens.weight":
+            assert torch.allclose(tensor, state[name], rtol=1e-3, atol=1e-4)
+        else:
+            assert torch.equal(tensor, state[name]), name
+    reference = _transformers_state(path)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, reference[name]), name
+
+
+def test_reverse_permutation_inverts_llama_cpp(llama_cpp_permute: Any) -> None:
+    rng = np.random.default_rng(1)
+    for heads, head_dim in ((4, 8), (3, 64), (1, 4)):
+        weight = rng.standard_normal((heads * head_dim, 5)).astype(np.float32)
+        permuted = llama_cpp_permute(weight, heads)
+        assert not np.array_equal(permuted, weight)
+        assert np.array_equal(reverse_rope_permutation(permuted, heads), weight)
+
+
+def test_unsupported_quant_type_is_named(tmp_path: pathlib.Path, tiny_llama: Any, write_gguf: Any) -> None:
+    import gguf
+
+    _, shape = tiny_llama
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ2_XXS]
+    data = np.zeros((4, 256 // block * size), dtype=np.uint8)
+    extra = {"blk.0.attn_v.weight": (data, "IQ2_XXS")}
+    path = write_gguf(tmp_path / "iq.gguf", "llama", shape, {}, {}, extra_tensors=extra)
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_v\.weight.*IQ2_XXS"):
+        open_model(path)
+
+
+def test_unknown_tensor_and_architecture_are_refused(
+    tmp_path: pathlib.Path, tiny_llama: Any, write_gguf: Any
+) -> None:
+    _, shape = tiny_llama
+    data = np.zeros((4, 8), dtype=np.float32)
+    extra = {"blk.0.mystery.weight": (data, "F32")}
+    path = write_gguf(tmp_path / "odd.gguf", "llama", shape, {}, {}, extra_tensors=extra)
+    with pytest.raises(ValueError, match="blk.0.mystery.weight"):
+        open_model(path)
+
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="mamba"):
+        open_model(tmp_path / "mamba.gguf")
+
+
+def test_metadata_rope_scaling_and_stop_ids(tmp_path: pathlib.Path, tiny_llama: Any, write_gguf: Any) -> None:
+    _, shape = tiny_llama
+    metadata = {
+        "llama.rope.scaling.type": "linear",
+        "llama.rope.scaling.factor": 4.0,
+        "llama.rope.scaling.original_context_length": 64,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.eot_token_id": 5,
+    }
+    source = open_model(write_gguf(tmp_path / "meta.gguf", "llama", shape, {}, {}, metadata=metadata))
+    assert source.hf_config["rope_scaling"] == {
+        "rope_type": "linear", "factor": 4.0, "original_max_position_embeddings": 64
+    }
+    assert source.eos_token_ids == [2, 5] and source.hf_config["eos_token_id"] == 2
+
+
+def test_corrupt_gguf_is_a_clear_error(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"NOTGGUF" + bytes(64))
+    with pytest.raises(ValueError, match="broken.gguf"):
+        open_model(path)
