@@ -66,7 +66,7 @@ class CacheConfig:
 
     block_size: int = 16
     kv_cache_memory: int | str | None = None
-    memory_utilization: float = 0.9
+    memory_utilization: float | None = None  # None: the platform's default
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
     cache_dtype: str = "auto"
@@ -74,7 +74,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if not 0.0 < self.memory_utilization <= 1.0:
+        if self.memory_utilization is not None and not 0.0 < self.memory_utilization <= 1.0:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory, "kv_cache_memory")

@@ -52,7 +52,7 @@ class LLM:
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               chat_template=chat_template, quantization=quantization),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              memory_utilization=util if util is not None else CacheConfig.memory_utilization,
+                              memory_utilization=util,
                               enable_prefix_caching=enable_prefix_caching,
                               num_gpu_blocks_override=num_gpu_blocks_override),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

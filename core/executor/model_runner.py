@@ -77,7 +77,8 @@ class ModelRunner:
             weights = self.model.weight_bytes()
             act = sched.max_num_batched_tokens * (self.arch.hidden_size * 12 + self.arch.intermediate_size * 6) \
                 * 4 + sched.max_num_seqs * self.arch.vocab_size * 8
-            budget = int(total * cache.memory_utilization) - weights - act
+            util = cache.memory_utilization or self.platform.default_memory_utilization
+            budget = int(total * util) - weights - act
         num_blocks = budget // per_block
         needed = -(-max_model_len // cache.block_size)
         if num_blocks < needed:

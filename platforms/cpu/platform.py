@@ -42,6 +42,9 @@ class CpuPlatform(Platform):
     dist_backend = "gloo"
     pin_memory_available = False
     priority = 0
+    # Host memory is shared with the OS and every other process: take a modest share
+    # by default (vLLM's CPU backend likewise defaults to a fixed 4 GiB).
+    default_memory_utilization = 0.25
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
