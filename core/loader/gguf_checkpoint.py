@@ -3,7 +3,7 @@
 A GGUF (llama.cpp's format) carries no `config.json`; its metadata is the config, under
 llama.cpp's key names. Its tensors use llama.cpp names and, for the `llama` architecture,
 rows of the query and key projections are reordered for llama.cpp's RoPE kernel. This module
-reads the file with the `gguf` package, dequantizes every tensor to float32, undoes that
+reads the file (`gguf_reader`), dequantizes every tensor to float32 (`dequant`), undoes that
 reordering and renames tensors, so the model code sees exactly what a safetensors export of
 the same model would hold.
 """
@@ -18,6 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedserve.loader.dequant import dequantize
+from pagedserve.loader.gguf_reader import GGUFReader
+
 __all__ = ["GGUFCheckpoint", "SUPPORTED_GGUF_ARCHITECTURES", "reverse_rope_permutation"]
 
 # Architectures whose tensors follow the Llama layout; value: (model_type, HF class name).
@@ -27,8 +30,8 @@ SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
 }
 
-# ggml type names `gguf.quants.dequantize` handles with plain numpy. Other types (the IQ and
-# ternary families) exist but are rare and unverified here, so they are refused by name.
+# ggml type names `dequant.dequantize` handles, natively or through `gguf.quants`. Other types
+# (the IQ and ternary families) exist but are rare and unverified here, so they are refused by name.
 _SUPPORTED_TYPES = frozenset(
     {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 )
@@ -60,16 +63,12 @@ class GGUFCheckpoint:
     """One `.gguf` file, opened lazily: tensor data is memory-mapped, read on iteration."""
 
     def __init__(self, path: pathlib.Path) -> None:
-        import gguf
-
         self.path = path
         try:
-            self._reader = gguf.GGUFReader(str(path))
+            self._reader = GGUFReader(path)
         except (ValueError, OSError) as e:
             raise ValueError(f"Could not read GGUF file {str(path)!r}: {e}") from e
-        self.metadata: dict[str, Any] = {
-            name: _field_value(field) for name, field in self._reader.fields.items()
-        }
+        self.metadata: dict[str, Any] = self._reader.metadata
         self.architecture: str = str(self.metadata.get("general.architecture", ""))
         if self.architecture not in SUPPORTED_GGUF_ARCHITECTURES:
             raise ValueError(
@@ -85,7 +84,7 @@ class GGUFCheckpoint:
             if tensor.name in _NON_PARAMETERS:
                 continue
             self._hf_name(tensor.name)
-            type_name = tensor.tensor_type.name
+            type_name = tensor.ggml_type.name
             if type_name not in _SUPPORTED_TYPES:
                 raise ValueError(
                     f"GGUF tensor {tensor.name!r} in {str(self.path)!r} is stored as {type_name}, which is "
@@ -161,7 +160,7 @@ class GGUFCheckpoint:
 
     def _float_dtype(self) -> str:
         """The dtype the weights come out in: float32, unless the file is all F16 or BF16."""
-        kinds = {t.tensor_type.name for t in self._reader.tensors} - {"F32"}
+        kinds = {t.ggml_type.name for t in self._reader.tensors} - {"F32"}
         if kinds == {"F16"}:
             return "float16"
         return "bfloat16" if kinds == {"BF16"} else "float32"
@@ -178,22 +177,21 @@ class GGUFCheckpoint:
         Shapes are PyTorch's (`[out_features, in_features]` for a linear weight), the reverse
         of ggml's dimension order.
         """
-        import gguf
-
         config = self.hf_config()
         for tensor in self._reader.tensors:
             if tensor.name in _NON_PARAMETERS:
                 continue
             hf_name = self._hf_name(tensor.name)
-            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-            values = values.reshape(shape)
-            if not values.flags.writeable:
-                # F32 tensors come back as views of the read-only memory map; torch needs its own copy.
-                values = values.copy()
+            data = tensor.data
             if self.architecture == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
                 key = "num_attention_heads" if ".attn_q." in tensor.name else "num_key_value_heads"
-                values = reverse_rope_permutation(values, config[key])
+                # Each row is whole blocks, so rows can be reordered as raw bytes, before
+                # dequantizing: a copy of the stored bytes rather than of the float32 result.
+                rows = data.reshape(tensor.numpy_shape[0], -1)
+                data = reverse_rope_permutation(rows, config[key])
+            # Always a fresh writable array, even for F32: the map is read-only, and tensors
+            # handed out must not keep the file mapped.
+            values = dequantize(data, tensor.ggml_type.name, tensor.numpy_shape)
             yield hf_name, torch.from_numpy(values)
 
     def _hf_name(self, gguf_name: str) -> str:
@@ -217,19 +215,13 @@ def reverse_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
     half, index in half) is stored at `(h, i, j)`. This puts them back.
 
     Args:
-        weight: `[num_heads * head_dim, in_features]` as stored in the GGUF file.
+        weight: `[num_heads * head_dim, ...]` in the GGUF file's row order: the values, or each
+            row's stored bytes (`[rows, bytes_per_row]`, any type: rows are whole blocks).
         num_heads: heads of this projection (key/value heads for `attn_k`).
 
     Returns:
-        `[num_heads * head_dim, in_features]` in Hugging Face row order.
+        The same shape and dtype in Hugging Face row order.
     """
     half = weight.shape[0] // num_heads // 2
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
-
-def _field_value(field: Any) -> Any:
-    """A metadata field as plain Python: scalar, str, or list."""
-    value = field.contents()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value

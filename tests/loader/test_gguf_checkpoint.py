@@ -1,5 +1,6 @@
 """Small GGUF files written here from random models: every supported tensor type, the
-Q/K row permutation, name mapping and the errors for what is not supported."""
+Q/K row permutation, name mapping and the errors for what is not supported; dequantization
+of each tensor type and the byte-level tokenizer built from GGUF metadata."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from pagedserve.loader import open_model
+from pagedserve.loader.dequant import dequantize
 from pagedserve.loader.gguf_checkpoint import reverse_rope_permutation
 
 # One tensor type per projection; q/k of layer 0 stay F32 so the permutation can be checked
@@ -182,3 +184,102 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path: pathlib.Path) -> None:
     path.write_bytes(b"NOTGGUF" + bytes(64))
     with pytest.raises(ValueError, match="broken.gguf"):
         open_model(path)
+
+
+# Dequantization, against gguf.quants.dequantize bit for bit and against the ggml block layouts.
+
+FAST_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# Plus two that `dequantize` hands to gguf, to check its row handling on that path too.
+DEQUANT_TYPES = (*FAST_TYPES, "Q5_1", "Q6_K")
+# Byte offsets of each block's fp16 scale fields.
+SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2)}
+
+
+def _random_data(rng: np.random.Generator, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Random stored bytes for a tensor of `shape` whose fp16 scales are finite (any sign,
+    magnitudes from subnormal to ~1e4); the other bytes, plain float data included, are arbitrary."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    n_blocks = int(np.prod(shape)) // block
+    # Types without listed scale fields (the ones gguf dequantizes for us) get bytes below 0x3C,
+    # which keeps every fp16 they embed finite.
+    high = 256 if type_name in FAST_TYPES else 0x3C
+    blocks = rng.integers(0, high, (n_blocks, size), dtype=np.uint8)
+    for start in SCALE_FIELDS.get(type_name, ()):
+        magnitude = 10.0 ** rng.uniform(-8, 4, n_blocks)
+        scales = np.clip(rng.standard_normal(n_blocks) * magnitude, -6e4, 6e4).astype(np.float16)
+        blocks[:, start : start + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    return blocks.reshape(-1)
+
+
+@pytest.mark.parametrize("type_name", DEQUANT_TYPES)
+@pytest.mark.parametrize("shape", [(1, 256), (7, 512), (2, 3, 768), (64, 4096)])
+def test_dequantize_is_bit_exact_with_gguf(type_name: str, shape: tuple[int, ...]) -> None:
+    import gguf
+
+    rng = np.random.default_rng([DEQUANT_TYPES.index(type_name), *shape])
+    raw = _random_data(rng, type_name, shape)
+    raw.flags.writeable = False  # as a view of a read-only memory map would be
+    ours = dequantize(raw, type_name, shape)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    reference = gguf.quants.dequantize(raw.reshape(-1, raw.size // int(np.prod(shape[:-1]))), qtype)
+    reference = np.asarray(reference, dtype=np.float32).reshape(shape)
+    assert ours.dtype == np.float32 and ours.shape == shape
+    assert ours.flags.writeable and not np.shares_memory(ours, raw)
+    if type_name in SCALE_FIELDS:
+        assert np.isfinite(ours).all()
+    # Compared as bits, so NaN payloads and signed zeros of the plain float types count too.
+    assert np.array_equal(ours.view(np.uint32), reference.view(np.uint32))
+
+
+def test_dequantize_follows_the_ggml_block_layouts() -> None:
+    """One hand-built block per type, values computed from the layout in ggml-common.h."""
+    j = np.arange(16)
+    half = lambda x: np.array([x], dtype=np.float16).view(np.uint8)  # noqa: E731
+    q4 = (j | ((15 - j) << 4)).astype(np.uint8)  # low nibbles 0..15, high nibbles 15..0
+    nibbles = np.concatenate([j, 15 - j]).astype(np.float32)
+
+    q4_0 = np.concatenate([half(0.5), q4])
+    assert np.array_equal(dequantize(q4_0, "Q4_0", (32,)), (nibbles - 8) * 0.5)
+    q4_1 = np.concatenate([half(0.25), half(-1.0), q4])
+    assert np.array_equal(dequantize(q4_1, "Q4_1", (32,)), nibbles * 0.25 - 1.0)
+    q8 = np.arange(-16, 16, dtype=np.int8)
+    q8_0 = np.concatenate([half(-2.0), q8.view(np.uint8)])
+    assert np.array_equal(dequantize(q8_0, "Q8_0", (1, 32)), (q8 * -2.0).astype(np.float32).reshape(1, 32))
+    bf16 = np.array([1.5, -2.25, 2.0**100], dtype=np.float32).view(np.uint32) >> 16  # exact in bfloat16
+    assert np.array_equal(dequantize(bf16.astype(np.uint16).view(np.uint8), "BF16", (3,)), [1.5, -2.25, 2.0**100])
+
+
+def test_dequantize_checks_sizes() -> None:
+    with pytest.raises(ValueError, match="do not hold a tensor of shape"):
+        dequantize(np.zeros(34, dtype=np.uint8), "Q8_0", (2, 32))
+    with pytest.raises(ValueError, match="do not hold a tensor of shape"):
+        dequantize(np.zeros(34, dtype=np.uint8), "Q8_0", (2, 16))
+    with pytest.raises(ValueError, match="Unknown ggml type"):
+        dequantize(np.zeros(4, dtype=np.uint8), "Q9_9", (1,))
+
+
+def test_byte_level_tokenizer_from_gguf_metadata() -> None:
+    """Raw-text tokens are respelled in the byte alphabet, user-defined tokens are added,
+    a CONTROL token spelled outside the alphabet is not, and a bad merge is named."""
+    from pagedserve.loader.gguf_tokenizer import build_gguf_tokenizer, bytes_to_unicode
+
+    spelling = bytes_to_unicode()
+    tokens = [spelling[b] for b in range(256)] + ["he", "âĤ", "€", "<|ctl|>", "<ctl raw>", "userdef"]
+    types = [1] * 256 + [1, 1, 1, 3, 3, 4]
+    metadata = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": ["h e", "â Ĥ", "âĤ ¬"],
+    }
+    backend = build_gguf_tokenizer(metadata)
+    vocab = backend.get_vocab(with_added_tokens=False)
+    assert vocab["he"] == 256 and vocab["âĤ¬"] == 258 and vocab["<ctlĠraw>"] == 260  # € is E2 82 AC
+    added = {i: (t.content, t.special) for i, t in backend.get_added_tokens_decoder().items()}
+    assert added == {259: ("<|ctl|>", True), 261: ("userdef", False)}
+    assert backend.encode("he€<|ctl|>userdef").ids == [256, 258, 259, 261]
+
+    with pytest.raises(ValueError, match="'a b c' is not two tokens"):
+        build_gguf_tokenizer({**metadata, "tokenizer.ggml.merges": ["h e", "a b c"]})
