@@ -1,7 +1,8 @@
-"""Op overrides of the ROCm platform."""
+"""Op overrides of the ROCm platform: the Triton kernels (Triton targets AMD GPUs too)."""
 
 from __future__ import annotations
 
+from pagedserve.platforms.cuda.ops import register_triton_ops
 from pagedserve.platforms.ops import OpRegistry
 
 __all__ = ["register_rocm_ops"]
@@ -9,3 +10,4 @@ __all__ = ["register_rocm_ops"]
 
 def register_rocm_ops(ops: OpRegistry) -> None:
     """Install the ROCm platform's kernels into ``ops``."""
+    register_triton_ops(ops, "rocm")
