@@ -62,6 +62,15 @@ class CacheConfig:
     kv_cache_memory: bytes (or "4GiB") for KV blocks; takes precedence over
     memory_utilization, the fraction of the platform's memory the engine may use
     with weights included (vLLM's gpu_memory_utilization).
+
+    Memory hierarchy (docs/memory.md):
+    kv_offload_memory: bytes (or "8GiB") of host memory for a second tier of KV blocks:
+        evicted prefix-cache blocks spill there and are reloaded instead of recomputed,
+        and preempted requests may be swapped there.  None: no host tier.
+    preemption_mode: "auto" (swap or recompute by a cost model; recompute without a
+        host tier), "swap" (whenever the host tier has room) or "recompute".
+    cpu_offload_gb: GB (10**9 bytes) of layer weights kept in host memory and streamed
+        to the device layer by layer during the forward.
     """
 
     block_size: int = 16
@@ -70,6 +79,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
     cache_dtype: str = "auto"
+    kv_offload_memory: int | str | None = None
+    preemption_mode: str = "auto"  # auto | swap | recompute
+    cpu_offload_gb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -80,6 +92,14 @@ class CacheConfig:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory, "kv_cache_memory")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.kv_offload_memory is not None:
+            self.kv_offload_memory = parse_memory(self.kv_offload_memory, "kv_offload_memory")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'auto', 'swap' or 'recompute', got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.kv_offload_memory is None:
+            raise ValueError("preemption_mode='swap' needs a host KV tier: set kv_offload_memory")
+        if not self.cpu_offload_gb >= 0:
+            raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
 
 
 @dataclass
@@ -108,15 +128,29 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
+    """Ranks = tensor_parallel_size * pipeline_parallel_size.
+
+    distributed_executor_backend: "uni" (one process), "mp" (local worker processes) or
+    "ray" (Ray actors); None picks "uni" for one rank and "mp" otherwise.
+    distributed_timeout_s: how long a collective (or the start-up rendezvous) may wait
+    for a rank before failing instead of hanging.
+    """
+
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            raise ValueError("distributed_executor_backend must be 'uni', 'mp' or 'ray', "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 
 
 @dataclass

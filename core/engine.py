@@ -14,9 +14,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.executor.model_runner import ModelRunner, resolve_dtype
-from pagedserve.kv_cache.manager import KVCacheManager
+from pagedserve.executor.executor import create_executor
+from pagedserve.executor.model_runner import resolve_dtype
+from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.loader import IncrementalDetokenizer, open_model
+from pagedserve.quantization.registry import quantize_source
 from pagedserve.models.llama import ArchConfig
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.platforms import select_platform
@@ -86,11 +88,17 @@ class LLMEngine:
                              f"({self.arch.max_position_embeddings})")
         self.max_model_len = mml
         self.dtype = resolve_dtype(config.model.dtype, self.platform)
-        self.runner = ModelRunner(self.platform, self.ops, self.arch, self.dtype)
-        self.runner.load_weights(source.weights())
-        num_blocks = self.runner.determine_num_blocks(config.cache, config.scheduler, mml)
-        self.runner.allocate_kv_cache(num_blocks, config.cache.block_size)
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        # Linear weights load quantized when config.model.quantization or the checkpoint asks.
+        source = self.model_source = quantize_source(
+            source, config.model.quantization, self.platform.name, self.dtype,
+            config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size, config.cache.cpu_offload_gb)
+        # One rank in this process, or several (tensor/pipeline parallel) behind one executor.
+        self.executor = create_executor(config, self.platform, self.ops, self.arch, self.dtype, source, mml)
+        self.runner = self.executor.driver_runner  # rank 0's runner: it owns the sampler
+        num_blocks = self.executor.num_blocks
+        # A plain manager, or one with a host KV tier (kv_offload_memory).
+        self.kv = build_kv_manager(config, num_blocks, self.runner)
+        self.weight_streamer = offload_weights(config, self.runner)  # cpu_offload_gb
         self.scheduler = Scheduler(config.scheduler, self.kv, mml)
         self.groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
@@ -177,6 +185,13 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.groups)
 
+    def running_request_ids(self) -> list[str]:
+        """Ids of requests with a sample in the running set: those a failed step may have
+        left half-updated, so a caller that survives the failure aborts them."""
+        running = {r.request_id for r in self.scheduler.running}
+        return [gid for gid, g in self.groups.items()
+                if any(s.request.request_id in running for s in g.seqs)]
+
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, detokenize; outputs of requests that advanced."""
@@ -185,7 +200,7 @@ class LLMEngine:
         if sched.empty:
             return []
         block_ids = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled}
-        result = self.runner.execute(sched, block_ids)
+        result = self.executor.execute(sched, block_ids)
         for s in sched.scheduled:
             r = s.request
             if r.num_computed_tokens < r.num_prompt_tokens:
@@ -270,6 +285,10 @@ class LLMEngine:
         metrics["arrival_time"] = group.arrival_time
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
                              group.finished, group.seqs[0].request.num_cached_tokens, metrics)
+
+    def shutdown(self) -> None:
+        """Stop worker processes or actors (a no-op for a single-process engine)."""
+        self.executor.shutdown()
 
     # -- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -19,6 +19,8 @@ class LLM:
     """An engine plus a batch loop.  Argument names follow vLLM's ``LLM``.
 
     model: None (the default model), a Hugging Face checkpoint folder or a .gguf file.
+    kv_offload_memory, preemption_mode, cpu_offload_gb: the memory hierarchy (host KV
+    tier, swap preemption, weight offload), see docs/memory.md.
     """
 
     def __init__(
@@ -36,6 +38,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
         seed: int = 0,
         threads: int | None = None,
         scheduling_policy: str = "fcfs",
@@ -43,6 +47,9 @@ class LLM:
         num_gpu_blocks_override: int | None = None,
         chat_template: str | None = None,
         quantization: str | None = None,
+        kv_offload_memory: int | str | None = None,
+        preemption_mode: str = "auto",
+        cpu_offload_gb: float = 0.0,
     ) -> None:
         if memory_utilization is not None and gpu_memory_utilization is not None \
                 and memory_utilization != gpu_memory_utilization:
@@ -54,15 +61,23 @@ class LLM:
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               memory_utilization=util,
                               enable_prefix_caching=enable_prefix_caching,
-                              num_gpu_blocks_override=num_gpu_blocks_override),
+                              num_gpu_blocks_override=num_gpu_blocks_override,
+                              kv_offload_memory=kv_offload_memory, preemption_mode=preemption_mode,
+                              cpu_offload_gb=cpu_offload_gb),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy,
                                       delay_factor=scheduler_delay_factor),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                    pipeline_parallel_size=pipeline_parallel_size,
+                                    distributed_executor_backend=distributed_executor_backend),
             device=DeviceConfig(device=device, threads=threads),
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor/pipeline parallel); idempotent."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

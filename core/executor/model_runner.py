@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.executor.input_batch import prepare_inputs
 from pagedserve.executor.sampler import Sampler, SamplerOutput
 from pagedserve.models.llama import ArchConfig, LlamaForCausalLM
+from pagedserve.offload.kv_tier import apply_kv_transfers
 from pagedserve.platforms import OpRegistry, Platform
 from pagedserve.scheduler import SchedulerOutput
 
@@ -47,15 +49,20 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, platform: Platform, ops: OpRegistry, arch: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, platform: Platform, ops: OpRegistry, arch: ArchConfig, dtype: torch.dtype,
+                 parallel: ParallelContext | None = None) -> None:
         self.platform = platform
         self.ops = ops
         self.arch = arch
         self.dtype = dtype
         self.device = platform.device
-        self.model = LlamaForCausalLM(arch, ops, dtype, self.device)
+        self.model = LlamaForCausalLM(arch, ops, dtype, self.device, parallel)
+        # This rank's share of the KV cache: its KV heads of its pipeline stage's layers.
+        self.local_arch = replace(arch, num_kv_heads=self.model.num_kv_heads, num_layers=len(self.model.layers))
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: The host KV tier's blocks, same layout (empty without kv_offload_memory).
+        self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 16
         self.num_blocks = 0
 
@@ -66,7 +73,7 @@ class ModelRunner:
     # -- KV cache -----------------------------------------------------------------------
     def determine_num_blocks(self, cache: CacheConfig, sched: SchedulerConfig, max_model_len: int) -> int:
         """Blocks that fit the KV budget; a clear error if not one max-length request fits."""
-        per_block = kv_bytes_per_block(self.arch, cache.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.local_arch, cache.block_size, self.dtype)
         if cache.num_gpu_blocks_override is not None:
             budget = cache.num_gpu_blocks_override * per_block
         elif cache.kv_cache_memory is not None:
@@ -92,7 +99,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        a = self.arch
+        a = self.local_arch
         self.kv_caches = [
             self.platform.allocate_kv_cache(num_blocks, block_size, a.num_kv_heads, a.head_dim, self.dtype)
             for _ in range(a.num_layers)
@@ -101,6 +108,9 @@ class ModelRunner:
     # -- step --------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepOutput:
         with torch.inference_mode():
+            if out.kv_transfers:
+                # Spills, reloads and swaps decided by the scheduler: all before the forward.
+                apply_kv_transfers(self.ops.swap_blocks, self.kv_caches, self.host_kv_caches, out.kv_transfers)
             inp = prepare_inputs(out, block_ids, self.block_size, self.device)
             hidden = self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
             sampling_rows = [i for i, s in enumerate(out.scheduled) if s.samples]

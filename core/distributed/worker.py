@@ -1,0 +1,197 @@
+"""Worker: one rank's model shard and KV cache shard, driven by rank 0 one step at a time.
+
+Every step the driver (rank 0) turns the SchedulerOutput into CPU model inputs split in
+micro-batches, broadcasts them once, and all ranks run them.  With pipeline
+parallelism a stage receives (hidden, residual) of a micro-batch from the previous stage,
+runs its layers and sends them on without waiting, so while the last stage works on
+micro-batch 0 the first already computes micro-batch 1.  The last stage computes logits
+(all-gathered across its tensor-parallel ranks) and hands them to rank 0, the only rank
+that samples.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+from pagedserve.config import EngineConfig
+from pagedserve.distributed.parallel_state import DistInit, ParallelContext, destroy_distributed, init_distributed
+from pagedserve.executor.input_batch import prepare_inputs
+from pagedserve.executor.model_runner import ModelRunner, StepOutput, resolve_dtype
+from pagedserve.models.llama import ArchConfig, AttentionMetadata
+from pagedserve.scheduler import SchedulerOutput
+
+__all__ = ["Worker", "MicroBatch", "split_micro_batches", "run_worker_process", "default_threads"]
+
+
+@dataclass
+class MicroBatch:
+    """CPU model inputs of a slice of the step's requests.
+
+    input_ids int64 [n]; meta as in AttentionMetadata; sample_idx int64 [m]: rows of the
+    last token of each request that samples this step.
+    """
+
+    input_ids: torch.Tensor
+    meta: AttentionMetadata
+    sample_idx: torch.Tensor
+
+
+def split_micro_batches(out: SchedulerOutput, n: int) -> list[list[int]]:
+    """Indices of ``out.scheduled`` in up to ``n`` contiguous groups of similar token counts."""
+    total = sum(s.num_new_tokens for s in out.scheduled)
+    groups: list[list[int]] = [[]]
+    acc = 0
+    for i, s in enumerate(out.scheduled):
+        if groups[-1] and len(groups) < n and acc >= total * len(groups) / n:
+            groups.append([])
+        groups[-1].append(i)
+        acc += s.num_new_tokens
+    return groups
+
+
+def _meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    return AttentionMetadata(**{f.name: getattr(meta, f.name).to(device) for f in fields(meta)})
+
+
+class Worker:
+    """Builds this rank's runner (weights shard, KV shard) and runs broadcast steps."""
+
+    def __init__(self, config: EngineConfig, rank: int, init: DistInit, local_rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        # Which of this machine's visible accelerators the rank uses (Ray narrows the
+        # visible set to one device per actor, so 0 there).
+        self.local_rank = local_rank
+        self.init = init
+        self.runner: ModelRunner | None = None
+        self.parallel: ParallelContext | None = None
+        self.num_micro_batches = 2 if init.pp_size > 1 else 1
+
+    def setup(self, source=None) -> int:
+        """Join the group, load this rank's shard, agree on the KV block count (the minimum
+        over ranks) and allocate it.  Collective: every rank calls it.  Returns the count."""
+        from pagedserve.loader import open_model
+        from pagedserve.platforms import select_platform
+
+        cfg = self.config
+        platform, ops = select_platform(cfg.device.device)
+        accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if accel is not None and accel.type == platform.device_type:
+            # Tensors on the bare device type (and NCCL) then land on this rank's device.
+            torch.accelerator.set_device_index(self.local_rank)
+        self.parallel = init_distributed(self.init, self.rank, platform.device)
+        source = source or open_model(cfg.model.model)
+        arch = ArchConfig.from_hf(source.hf_config)
+        dtype = resolve_dtype(cfg.model.dtype, platform)
+        max_model_len = cfg.model.max_model_len or arch.max_position_embeddings
+        self.runner = ModelRunner(platform, ops, arch, dtype, self.parallel)
+        self.runner.load_weights(source.weights())
+        local = self.runner.determine_num_blocks(cfg.cache, cfg.scheduler, max_model_len)
+        num_blocks = self.parallel.min_over_ranks(local)
+        self.runner.allocate_kv_cache(num_blocks, cfg.cache.block_size)
+        return num_blocks
+
+    # -- driver side ------------------------------------------------------------------------
+    def execute_driver(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepOutput:
+        """Rank 0: broadcast the step, run its share, sample once."""
+        if getattr(out, "kv_transfers", None):
+            # Host-tier copies would have to run on every rank's shard (config rejects it).
+            raise RuntimeError("host KV tier transfers are not supported with tensor/pipeline parallelism")
+        runner = self.runner
+        batches, requests = [], []
+        for group in split_micro_batches(out, self.num_micro_batches):
+            sub = SchedulerOutput(scheduled=[out.scheduled[i] for i in group])
+            inp = prepare_inputs(sub, block_ids, runner.block_size, torch.device("cpu"))
+            rows = [i for i, s in enumerate(sub.scheduled) if s.samples]
+            batches.append(MicroBatch(inp.input_ids, inp.meta, inp.logits_indices[rows]))
+            requests += [sub.scheduled[i].request for i in rows]
+        self.parallel.broadcast_object(batches)
+        logits = self.run_step(batches)
+        if not requests:
+            return StepOutput({}, {})
+        with torch.inference_mode():
+            result = runner.sampler(torch.cat([t.cpu() for t in logits]), requests)
+        sampled = {r.request_id: t for r, t in zip(requests, result.token_ids)}
+        logprobs = {r.request_id: lp for r, lp in zip(requests, result.logprobs) if lp is not None}
+        return StepOutput(sampled, logprobs)
+
+    def stop_workers(self) -> None:
+        """Rank 0: tell the other ranks to leave their loop."""
+        self.parallel.broadcast_object(None)
+
+    # -- every rank -------------------------------------------------------------------------
+    def run_loop(self) -> None:
+        """Ranks > 0: run broadcast steps until the driver sends None."""
+        while (batches := self.parallel.broadcast_object()) is not None:
+            self.run_step(batches)
+
+    def run_step(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """Forward every micro-batch through this rank's layers; rank 0 gets the logits
+        [m, vocab] float32 of the sampling rows of each micro-batch (empty ones skipped)."""
+        p, model, runner = self.parallel, self.runner.model, self.runner
+        dev, hidden = runner.device, runner.arch.hidden_size
+        logits_out: list[torch.Tensor] = []
+        pending = []  # isend handles; their tensors stay referenced until waited on
+        with torch.inference_mode():
+            for mb in batches:
+                ids = mb.input_ids.to(dev)
+                meta = _meta_to(mb.meta, dev)
+                if p.is_first_stage:
+                    x, residual = model.embed_tokens(ids), None
+                else:
+                    x = torch.empty(ids.shape[0], hidden, dtype=runner.dtype, device=dev)
+                    residual = torch.empty_like(x)
+                    prev = p.stage_peer(p.pp_rank - 1)
+                    dist.recv(x, src=prev)
+                    dist.recv(residual, src=prev)
+                x, residual = model.forward_layers(x, residual, meta, runner.kv_caches)
+                if not p.is_last_stage:
+                    nxt = p.stage_peer(p.pp_rank + 1)
+                    x, residual = x.contiguous(), residual.contiguous()
+                    pending += [(dist.isend(x, dst=nxt), x), (dist.isend(residual, dst=nxt), residual)]
+                    continue
+                if mb.sample_idx.numel() == 0:
+                    continue
+                idx = mb.sample_idx.to(dev)
+                h = model.final_norm(x.index_select(0, idx), residual.index_select(0, idx))
+                logits = model.compute_logits(h).contiguous()
+                if p.rank == 0:
+                    logits_out.append(logits)
+                elif p.tp_rank == 0 and p.pp_size > 1:
+                    pending.append((dist.isend(logits, dst=0), logits))
+            if p.rank == 0 and p.pp_size > 1:
+                src = (p.pp_size - 1) * p.tp_size  # the last stage's first tensor-parallel rank
+                for mb in batches:
+                    if mb.sample_idx.numel():
+                        t = torch.empty(mb.sample_idx.numel(), runner.arch.vocab_size, dtype=torch.float32, device=dev)
+                        dist.recv(t, src=src)
+                        logits_out.append(t)
+            for work, _ in pending:
+                work.wait()
+        return logits_out
+
+    def close(self) -> None:
+        destroy_distributed()
+
+
+def run_worker_process(config: EngineConfig, rank: int, init: DistInit, threads: int | None,
+                       local_rank: int | None = None) -> None:
+    """Entry point of a worker process (rank > 0): set up, serve steps, leave cleanly."""
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(config.model.seed)
+    worker = Worker(config, rank, init, rank if local_rank is None else local_rank)
+    try:
+        worker.setup()
+        worker.run_loop()
+    finally:
+        worker.close()
+
+
+def default_threads(config: EngineConfig, world_size: int) -> int:
+    """CPU threads per rank: the configured count, else the cores split between ranks."""
+    return config.device.threads or max(1, (os.cpu_count() or 1) // world_size)
