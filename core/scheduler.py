@@ -5,8 +5,9 @@ chasing ``num_tokens`` and the scheduler hands out a budget of tokens per step,
 running requests first (decodes and unfinished prefill chunks), then waiting ones.
 Chunked prefill, prefix-cache continuations and decodes all fall out of that rule.
 When blocks run out, the lowest-priority running request (the latest arrival under
-FCFS) is preempted by recompute: its blocks are freed and it goes back to the front
-of the waiting queue.
+FCFS) is preempted: by recompute (its blocks are freed and it goes back to the front
+of the waiting queue), or, with a host KV tier and when a cost model says copying is
+cheaper, by swap (its KV is copied to host and copied back when it resumes).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedserve.config import SchedulerConfig
+from pagedserve.kv_cache.host_tier import KVTransfers
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.request import Request, RequestStatus
 
@@ -37,6 +39,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     num_batched_tokens: int = 0
+    #: KV block copies between device and host tiers, run before this step's forward.
+    kv_transfers: KVTransfers | None = None
 
     @property
     def empty(self) -> bool:
@@ -107,9 +111,14 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        self.kv.free(request)
+        if self.kv.should_swap(request):
+            # Its KV goes to the host tier; num_computed_tokens stays and it resumes
+            # by swapping back in.
+            self.kv.swap_out(request)
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -122,6 +131,14 @@ class Scheduler:
         return min(n, budget)
 
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule()
+        if not out.empty:
+            # Copies decided while scheduling (spills, reloads, swaps) run before this
+            # step's forward; an empty step runs nothing, so they wait for the next one.
+            out.kv_transfers = self.kv.take_transfers()
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
@@ -156,13 +173,15 @@ class Scheduler:
             if not request.ready():
                 skipped.append(self.waiting.popleft())
                 continue
-            computed, num_computed = [], 0
-            if request.num_computed_tokens == 0:
+            # Non-zero only for a request swapped out by preemption: it swaps back in.
+            resumed = request.num_computed_tokens
+            computed, num_computed = [], resumed
+            if resumed == 0:
                 computed, num_computed = self.kv.get_computed_blocks(request)
             request.num_computed_tokens = num_computed
             n = self._num_new_tokens(request, budget)
             if n == 0 or self.kv.allocate_slots(request, n, computed) is None:
-                request.num_computed_tokens = 0
+                request.num_computed_tokens = resumed
                 break
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_computed

@@ -2,15 +2,62 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["Platform", "PlatformError"]
+from pagedserve.platforms.hookspecs import PLATFORM_INTERFACE_VERSION
+
+__all__ = [
+    "Platform",
+    "PlatformError",
+    "PLATFORM_INTERFACE_VERSION",
+    "FIRST_INTERFACE_VERSION",
+    "parse_interface_version",
+    "check_interface_version",
+]
+
+#: What a plugin that declares no version targets: plugins written before versioning
+#: existed were written against 1.0.  Never changes (unlike PLATFORM_INTERFACE_VERSION),
+#: so that an undeclared plugin is refused once the core moves to another major version.
+FIRST_INTERFACE_VERSION = "1.0"
 
 
 class PlatformError(RuntimeError):
     """A platform could not be discovered, loaded, detected or selected."""
+
+
+def parse_interface_version(version: object) -> tuple[int, int]:
+    """``"1.2"`` -> ``(1, 2)``; PlatformError for anything that is not "MAJOR.MINOR"."""
+    m = re.fullmatch(r"(\d+)\.(\d+)", version) if isinstance(version, str) else None
+    if m is None:
+        raise PlatformError(f"interface version {version!r} is not a 'MAJOR.MINOR' string such as "
+                            f"{PLATFORM_INTERFACE_VERSION!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def check_interface_version(targeted: object, what: str, provided: str = PLATFORM_INTERFACE_VERSION) -> None:
+    """Raise PlatformError unless a plugin targeting ``targeted`` runs on interface ``provided``.
+
+    Compatible means the same major version and a minor version no newer than the
+    core's: minor versions only add, so a plugin for 1.0 runs on 1.3, but a plugin for
+    1.3 may use what 1.0 lacks.  ``what`` names the plugin or platform in the message.
+    """
+    core_major, core_minor = parse_interface_version(provided)
+    try:
+        major, minor = parse_interface_version(targeted)
+    except PlatformError:
+        raise PlatformError(f"{what} declares interface version {targeted!r}, which is not a "
+                            f"'MAJOR.MINOR' string (this pagedserve provides interface {provided})") from None
+    head = (f"{what} targets pagedserve platform interface {targeted}, but this pagedserve "
+            f"provides interface {provided}")
+    if major > core_major or (major == core_major and minor > core_minor):
+        raise PlatformError(f"{head}; upgrade pagedserve, or use a release of the plugin that "
+                            f"targets {core_major}.{core_minor} or older")
+    if major < core_major:
+        raise PlatformError(f"{head}; major versions are incompatible: use a release of the plugin "
+                            f"built for interface {core_major}.x")
 
 
 class Platform:
@@ -22,7 +69,11 @@ class Platform:
         dist_backend: torch.distributed backend for collectives ("gloo", "nccl", ...).
         supported_dtypes: dtypes this platform can run models in.
         pin_memory_available: whether host tensors can be pinned for async copies.
+        default_memory_utilization: the memory fraction used when the user gives none.
         priority: auto-detection order among available builtin platforms (higher wins).
+        interface_version: the platform interface version ("MAJOR.MINOR") the class was
+            written against; checked against PLATFORM_INTERFACE_VERSION when it is
+            registered.  Undeclared means FIRST_INTERFACE_VERSION.
     """
 
     name: ClassVar[str] = ""
@@ -31,6 +82,14 @@ class Platform:
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
     pin_memory_available: ClassVar[bool] = False
     priority: ClassVar[int] = 0
+    #: Fraction of total_memory() the engine uses when the user sets neither
+    #: kv_cache_memory nor memory_utilization.
+    default_memory_utilization: ClassVar[float] = 0.9
+    interface_version: ClassVar[str] = FIRST_INTERFACE_VERSION
+    #: Order-of-magnitude figures for the swap-vs-recompute preemption cost model:
+    #: bytes/s of a host<->device block copy and FLOP/s of a forward pass.
+    host_copy_bandwidth: ClassVar[float] = 5e9
+    compute_flops: ClassVar[float] = 5e10
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -76,6 +135,16 @@ class Platform:
         from pagedserve.kernels import reference
 
         reference.copy_blocks(src, dst, mapping)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Start ``dst.copy_(src)`` (host <-> device) so that it can overlap compute;
+        returns a handle for ``wait_copy``.  Here: a plain synchronous copy; a platform
+        with streams copies on a side stream after the work already queued."""
+        dst.copy_(src)
+        return None
+
+    def wait_copy(self, handle: Any) -> None:
+        """Make work queued from now on wait for the copy behind ``handle``."""
 
     def synchronize(self) -> None:
         """Wait for all work queued on the device."""

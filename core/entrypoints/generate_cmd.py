@@ -21,8 +21,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="none, auto (from the checkpoint; default), gguf, int8, w8a8, fp8, gptq, awq (docs/quantization.md)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", default=None)
+    p.add_argument("--kv-offload-memory", default=None,
+                   help="host memory for a second KV tier, e.g. 8GiB (docs/memory.md)")
+    p.add_argument("--preemption-mode", default="auto", choices=("auto", "swap", "recompute"))
+    p.add_argument("--cpu-offload-gb", type=float, default=0.0,
+                   help="GB of layer weights kept in host memory and streamed to the device")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
@@ -32,7 +39,9 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              kv_cache_memory=args.kv_cache_memory or "1GiB", threads=args.threads)
+              kv_cache_memory=args.kv_cache_memory or "1GiB", threads=args.threads,
+              kv_offload_memory=args.kv_offload_memory, preemption_mode=args.preemption_mode,
+              cpu_offload_gb=args.cpu_offload_gb, quantization=args.quantization)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     prompts = args.prompt or ["What is the capital of France?"]

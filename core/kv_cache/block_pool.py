@@ -11,7 +11,7 @@ when a prefix hit revives it; new blocks are taken from its head (least recently
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 __all__ = ["KVBlock", "BlockPool", "FreeBlockQueue"]
@@ -89,6 +89,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}
         self.num_evictions = 0
+        #: Called with a cached block just before eviction forgets its hash (a host
+        #: tier spills the block's KV there).
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     # -- queries ----------------------------------------------------------------------
     @property
@@ -124,6 +127,8 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 self._uncache(block)
                 self.num_evictions += 1
             block.ref_cnt = 1

@@ -36,6 +36,8 @@ class KVCacheManager:
         # Prefix-cache statistics (in tokens) for metrics.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        #: Tokens handed to the model (computed or recomputed), to measure reuse.
+        self.num_scheduled_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -104,6 +106,7 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, blocks, total_tokens)
+        self.num_scheduled_tokens += num_new_tokens
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
@@ -124,6 +127,18 @@ class KVCacheManager:
         self._num_cached.pop(request.request_id, None)
         if request.is_finished:
             self._req_hashes.pop(request.request_id, None)
+
+    # -- tiers (a manager with a host tier overrides these; see host_tier.py) ----------------
+    def should_swap(self, request: Request) -> bool:
+        """Whether to preempt ``request`` by swapping it out; never without a host tier."""
+        return False
+
+    def swap_out(self, request: Request) -> None:
+        raise NotImplementedError("swap preemption needs a host KV tier (kv_offload_memory)")
+
+    def take_transfers(self):
+        """Block copies to run before the next forward (None: no host tier, no copies)."""
+        return None
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

@@ -1,0 +1,80 @@
+"""Setting up the host KV tier and running its block copies.
+
+The host pool mirrors the device pool block for block (same per-layer shape, from the
+platform's ``kv_cache_shape``) so that one block index maps to one block in both, and
+copies go through the op registry's ``swap_blocks`` (a platform may override it with
+an asynchronous kernel).  Host tensors are pinned when the platform can pin.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.kv_cache.host_tier import IN, KVTransfers, TieredKVCacheManager
+from pagedserve.kv_cache.manager import KVCacheManager
+from pagedserve.offload.cost import PreemptionCostModel
+
+__all__ = ["build_kv_manager", "allocate_host_kv_cache", "apply_kv_transfers"]
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def allocate_host_kv_cache(runner, num_host_blocks: int) -> KVCaches:
+    """One (key, value) pair of host tensors per layer with ``num_host_blocks`` blocks."""
+    # local_arch: this rank's KV heads and layers under tensor/pipeline parallelism.
+    platform, a = runner.platform, getattr(runner, "local_arch", runner.arch)
+    shape = platform.kv_cache_shape(num_host_blocks, runner.block_size, a.num_kv_heads, a.head_dim)
+    pin = platform.pin_memory_available
+
+    def alloc() -> torch.Tensor:
+        # Zeroed so that a (buggy) read of a never-written block is deterministic.
+        return torch.zeros(shape, dtype=runner.dtype, device="cpu", pin_memory=pin)
+
+    return [(alloc(), alloc()) for _ in range(a.num_layers)]
+
+
+def apply_kv_transfers(swap_blocks, device_caches: KVCaches, host_caches: KVCaches,
+                       transfers: KVTransfers) -> None:
+    """Run the recorded copies in order: one batched ``swap_blocks`` per run, layer and
+    tensor.  ``swap_blocks(src, dst, mapping)`` copies ``dst[m[:, 1]] = src[m[:, 0]]``."""
+    for direction, pairs in transfers.runs:
+        mapping = torch.tensor(pairs, dtype=torch.int64)
+        for (dk, dv), (hk, hv) in zip(device_caches, host_caches):
+            if direction == IN:
+                swap_blocks(hk, dk, mapping)
+                swap_blocks(hv, dv, mapping)
+            else:
+                swap_blocks(dk, hk, mapping)
+                swap_blocks(dv, hv, mapping)
+
+
+def build_kv_manager(config: EngineConfig, num_blocks: int, runner) -> KVCacheManager:
+    """The plain manager, or one with a host tier of ``kv_offload_memory`` bytes (whose
+    host KV tensors are allocated on ``runner``, the engine process's rank, here)."""
+    cache = config.cache
+    if cache.kv_offload_memory is None:
+        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+    par = config.parallel
+    if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
+        # Every rank would need its own host pool and copies; not wired up yet.
+        raise ValueError("kv_offload_memory is not supported with tensor/pipeline parallelism yet")
+    from pagedserve.executor.model_runner import kv_bytes_per_block
+
+    per_block = kv_bytes_per_block(getattr(runner, "local_arch", runner.arch), cache.block_size, runner.dtype)
+    num_host_blocks = int(cache.kv_offload_memory) // per_block
+    if num_host_blocks < 1:
+        raise ValueError(f"kv_offload_memory={cache.kv_offload_memory} bytes holds no KV block "
+                         f"({per_block} bytes each); raise it or leave it unset")
+    runner.host_kv_caches = allocate_host_kv_cache(runner, num_host_blocks)
+    platform = runner.platform
+    cost = PreemptionCostModel(
+        mode=cache.preemption_mode,
+        bytes_per_block=per_block,
+        flops_per_token=2.0 * runner.model.weight_bytes() / torch.empty((), dtype=runner.dtype).element_size(),
+        host_copy_bandwidth=platform.host_copy_bandwidth,
+        compute_flops=platform.compute_flops,
+    )
+    policy = None if cache.preemption_mode == "recompute" else cost
+    return TieredKVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                num_host_blocks=num_host_blocks, swap_policy=policy)
