@@ -23,8 +23,8 @@ from importlib import metadata
 import pluggy
 
 from pagedserve.platforms import hookspecs
-from pagedserve.platforms.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME, hookimpl
-from pagedserve.platforms.interface import Platform, PlatformError
+from pagedserve.platforms.hookspecs import ENTRY_POINT_GROUP, PLATFORM_INTERFACE_VERSION, PROJECT_NAME, hookimpl
+from pagedserve.platforms.interface import Platform, PlatformError, check_interface_version
 from pagedserve.platforms.ops import OpRegistry
 
 __all__ = [
@@ -40,11 +40,17 @@ __all__ = [
     "current_platform",
     "resolve_ops",
     "BUILTIN_ORDER",
+    "PLATFORM_INTERFACE_VERSION",
+    "PLUGIN_VERSION_ATTRIBUTE",
 ]
 
 #: Auto-detection order of the builtin platforms.
 BUILTIN_ORDER = ("cuda", "rocm", "cpu")
 _BUILTIN_DIST = "pagedserve"
+
+#: Module (or object) attribute through which a plugin that registers no platform --
+#: say, a kernels-only add-on -- declares the interface version it targets.
+PLUGIN_VERSION_ATTRIBUTE = "PAGEDSERVE_INTERFACE_VERSION"
 
 
 @dataclass
@@ -167,6 +173,15 @@ class PlatformRegistry:
         listing of the others.
         """
         self._origins.setdefault(name, origin)
+        declared = getattr(plugin, PLUGIN_VERSION_ATTRIBUTE, None)
+        if declared is not None:
+            # Checked before its hooks are registered: a plugin for another interface
+            # version must not contribute half of itself.
+            try:
+                check_interface_version(declared, f"plugin {name!r}")
+            except PlatformError as exc:
+                self.failures.append(PluginFailure(name, origin, str(exc)))
+                return
         try:
             self.pm.register(plugin, name=name)
             # Unknown pagedserve_* hooks (usually a typo) fail here, named, rather than
@@ -184,6 +199,7 @@ class PlatformRegistry:
                 raise PlatformError(f"plugin {name!r} registered {cls!r}, which is not a Platform subclass")
             if not cls.name:
                 raise PlatformError(f"plugin {name!r} registered {cls.__qualname__} without a name")
+            check_interface_version(cls.interface_version, f"platform {cls.name!r} ({cls.__qualname__})")
             if cls.name in self.platforms:
                 other = self.platforms[cls.name]
                 raise PlatformError(

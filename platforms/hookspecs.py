@@ -7,6 +7,14 @@ marked with :data:`hookimpl`.  It is found through the entry-point group
 Hook implementations may accept any subset of a hook's arguments (pluggy passes
 arguments by name), so new arguments can be added to a spec without breaking
 plugins written for an older version of it.
+
+The hooks, the ``Platform`` class and the op contracts together form the platform
+interface, versioned as :data:`PLATFORM_INTERFACE_VERSION` ("MAJOR.MINOR").  Within a
+major version nothing is removed, renamed or given a new meaning; a minor version only
+adds (an opt-in hook argument, a hook, a ``Platform`` member with a default, an op that
+defaults to its reference).  A plugin declares the version it targets (see
+``Platform.interface_version``) and is refused, by name, when it needs another major
+version or a newer minor one than this core provides.
 """
 
 from __future__ import annotations
@@ -16,10 +24,14 @@ import pluggy
 PROJECT_NAME = "pagedserve"
 ENTRY_POINT_GROUP = "pagedserve.platforms"
 
+#: The platform interface version this core provides ("MAJOR.MINOR"): bump the minor
+#: version for every addition, the major version for anything else (docs/platforms.md).
+PLATFORM_INTERFACE_VERSION = "1.0"
+
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
-__all__ = ["hookspec", "hookimpl", "PROJECT_NAME", "ENTRY_POINT_GROUP"]
+__all__ = ["hookspec", "hookimpl", "PROJECT_NAME", "ENTRY_POINT_GROUP", "PLATFORM_INTERFACE_VERSION"]
 
 
 @hookspec

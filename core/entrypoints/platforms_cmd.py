@@ -4,10 +4,13 @@
     pagedserve platforms --json          the same facts for machines
     pagedserve platforms --ops           which implementation each op resolves to on the
                                          selected platform (--device NAME to choose one)
+    pagedserve platforms check [NAME]    run the conformance kit (pagedserve.testing) on
+                                         a platform and print a pass/fail report
 
 The exit status is 0 when a platform can be selected and 1 otherwise (the reason is
-printed), so scripts can use the command as a preflight check.  Only the platform layer
-is imported (torch, pluggy): never the engine, models or transformers.
+printed), so scripts can use the command as a preflight check; for ``check``, 0 when
+every check passes and 1 otherwise.  Listing imports only the platform layer (torch,
+pluggy): never the engine, models or transformers; ``check`` runs the engine.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["add_parser", "run", "collect", "human_bytes"]
+__all__ = ["add_parser", "run", "run_check", "collect", "human_bytes"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -37,6 +40,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--ops", action="store_true",
                         help="show which implementation each op resolves to on the selected platform")
+    # `check` is a positional action rather than a nested subcommand, so the options
+    # above keep working in either position (`platforms --json check cpu`).
+    parser.add_argument("action", nargs="?", choices=["check"], metavar="check",
+                        help="check NAME: run the conformance kit on platform NAME (default: --device, "
+                             "PAGEDSERVE_TARGET_DEVICE, else auto-detection)")
+    parser.add_argument("name", nargs="?", metavar="NAME", help="platform for `check`")
+    parser.add_argument("--skip-engine", action="store_true",
+                        help="check: skip the end-to-end greedy comparison with the cpu reference")
+    parser.add_argument("--model", metavar="PATH", default=None,
+                        help="check: checkpoint folder for the engine check (default: a tiny random Llama)")
+    parser.add_argument("--seed", type=int, default=0, help="check: seed of the random inputs (default 0)")
+    parser.add_argument("--only", metavar="PREFIXES", default=None,
+                        help="check: run only checks whose id starts with one of these comma-separated "
+                             "prefixes (e.g. op:linear,platform:)")
+    parser.add_argument("--failures-only", action="store_true", help="check: list only checks that did not pass")
     return parser
 
 
@@ -179,8 +197,36 @@ def _format_text(report: Report, show_ops: bool) -> str:
     return "\n".join(out)
 
 
+def run_check(args: argparse.Namespace) -> int:
+    """`pagedserve platforms check [NAME]`: the conformance report; 1 unless every check passed."""
+    from pagedserve.testing import ConformanceReport, run_conformance
+
+    name = args.name or args.device
+    if args.name and args.device and args.name != args.device:
+        print(f"pagedserve platforms check: error: NAME {args.name!r} and --device {args.device!r} disagree",
+              file=sys.stderr)
+        return 2
+
+    def progress(result: Any) -> None:
+        if not args.failures_only or result.status != "passed":
+            print(ConformanceReport.format_result(result), flush=True)
+
+    only = [p.strip() for p in args.only.split(",") if p.strip()] if args.only else None
+    report = run_conformance(name, engine=not args.skip_engine, model=args.model, seed=args.seed, only=only,
+                             progress=None if args.json else progress)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(("\n" if report.results else "") + report.format(lines=False))
+    if report.error is not None:
+        print(f"pagedserve platforms check: error: {report.error}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the listing (or the op table); 1 when no platform can be selected."""
+    if getattr(args, "action", None) == "check":
+        return run_check(args)
     report = collect(device=args.device, want_ops=args.ops)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))

@@ -1,0 +1,371 @@
+"""Every op a platform overrides, compared with :mod:`pagedserve.kernels.reference`.
+
+Inputs are fresh random tensors (``torch.randn``, never zeros, seeded per case so a
+failure reproduces); outputs an op writes in place are poisoned with NaN first, so an
+element the op forgot to write cannot pass by accident.  The reference always runs on
+the host from copies of the same inputs.  Tolerances are keyed by dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from pagedserve.kernels import reference
+from pagedserve.testing.checks import Check, CheckSkipped
+from pagedserve.testing.target import Target
+
+__all__ = ["TOLERANCES", "assert_matches", "op_checks", "PAGED_ATTENTION_BATCH"]
+
+#: (atol, rtol) per dtype; the reference accumulates in float32 where it matters.
+TOLERANCES: dict[torch.dtype, dict[str, float]] = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+#: (context length, new tokens) per sequence of the mixed paged_attention batch: a
+#: one-token prompt, a decode just past a block boundary, a whole prefill, a chunked
+#: prefill continuing after cached context (as after a prefix-cache hit), a decode.
+PAGED_ATTENTION_BATCH: tuple[tuple[int, int], ...] = ((1, 1), (17, 1), (20, 20), (45, 9), (33, 1))
+
+NAN = float("nan")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _Case:
+    """Inputs of one case: a seeded generator and the target's device."""
+
+    def __init__(self, case_id: str, seed: int, device: torch.device) -> None:
+        self.gen = torch.Generator().manual_seed(zlib.crc32(case_id.encode()) ^ seed)
+        self.device = device
+
+    def randn(self, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+        """Host tensor of standard normal values (times ``scale``) in ``dtype``."""
+        return (torch.randn(shape, generator=self.gen) * scale).to(dtype)
+
+    def randperm(self, n: int) -> torch.Tensor:
+        return torch.randperm(n, generator=self.gen)
+
+    def randint(self, low: int, high: int, *shape: int) -> torch.Tensor:
+        return torch.randint(low, high, shape, generator=self.gen)
+
+    def dev(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of host tensor ``t`` on the target device (never aliasing the reference's input)."""
+        return t.to(self.device, copy=True)
+
+
+def assert_matches(
+    what: str, got: object, want: torch.Tensor, dtype: torch.dtype, *, exact: bool = False, equal_nan: bool = False
+) -> None:
+    """AssertionError naming ``what`` unless ``got`` equals ``want`` within ``dtype``'s tolerance.
+
+    equal_nan: NaN is expected where the reference left the poison untouched.
+    """
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{what}: expected a tensor, got {type(got).__name__}")
+    if tuple(got.shape) != tuple(want.shape):
+        raise AssertionError(f"{what}: shape {tuple(got.shape)}, reference {tuple(want.shape)}")
+    if got.dtype != want.dtype:
+        raise AssertionError(f"{what}: dtype {_dtype_name(got.dtype)}, reference {_dtype_name(want.dtype)}")
+    g, w = got.detach().cpu().float(), want.detach().cpu().float()
+    stray_nan = torch.isnan(g) & ~torch.isnan(w)
+    if stray_nan.any():
+        raise AssertionError(
+            f"{what}: {int(stray_nan.sum())} of {g.numel()} elements are NaN where the reference has "
+            "numbers (an output poisoned with NaN was not fully written, or the op produced NaN)")
+    tol = dict(atol=0.0, rtol=0.0) if exact else TOLERANCES[dtype]
+    close = torch.isclose(g, w, equal_nan=equal_nan, **tol)
+    if not close.all():
+        bad = ~close
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        err = (g - w).abs().nan_to_num(nan=math.inf)[bad].max()
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {g.numel()} elements differ from the reference beyond "
+            f"atol={tol['atol']:g}, rtol={tol['rtol']:g} ({_dtype_name(dtype)}); max abs error {float(err):.4g}; "
+            f"first at index {idx}: got {float(g[idx]):.6g}, reference {float(w[idx]):.6g}")
+
+
+# -- case generators: each yields (case description, body) ----------------------------------
+Body = Callable[[], None]
+Cases = Iterator[tuple[str, Body]]
+
+
+def _silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for shape in [(1, 2 * 64), (7, 2 * 128), (2, 3, 2 * 96)]:
+        desc = "x".join(map(str, shape))
+
+        def body(shape=shape, desc=desc) -> None:
+            c = _Case(f"silu_and_mul{desc}{dtype}", seed, t.device)
+            x = c.randn(*shape, dtype=dtype, scale=2.0)
+            assert_matches("silu_and_mul", fn(c.dev(x)), reference.silu_and_mul(x), dtype)
+
+        yield desc, body
+
+
+def _rms_norm(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for n, hidden, eps in [(1, 64, 1e-6), (7, 128, 1e-5), (33, 96, 1e-5)]:
+        desc = f"{n}x{hidden}"
+
+        def body(n=n, hidden=hidden, eps=eps, desc=desc) -> None:
+            c = _Case(f"rms_norm{desc}{dtype}", seed, t.device)
+            x, w = c.randn(n, hidden, dtype=dtype, scale=3.0), (1 + c.randn(hidden, scale=0.1)).to(dtype)
+            xd = c.dev(x)
+            assert_matches("rms_norm", fn(xd, c.dev(w), eps), reference.rms_norm(x, w, eps), dtype)
+            # Model code reuses x (the residual stream) after the norm.
+            assert_matches("rms_norm must not modify its input x", xd, x, dtype, exact=True)
+
+        yield desc, body
+
+
+def _fused_add_rms_norm(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for n, hidden in [(1, 64), (7, 128), (33, 96)]:
+        desc = f"{n}x{hidden}"
+
+        def body(n=n, hidden=hidden, desc=desc) -> None:
+            c = _Case(f"fused_add_rms_norm{desc}{dtype}", seed, t.device)
+            x, res = c.randn(n, hidden, dtype=dtype), c.randn(n, hidden, dtype=dtype, scale=2.0)
+            w = (1 + c.randn(hidden, scale=0.1)).to(dtype)
+            # The op may update x and residual in place: each side gets its own copies.
+            got = fn(c.dev(x), c.dev(res), c.dev(w), 1e-5)
+            want = reference.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+            if not isinstance(got, tuple) or len(got) != 2:
+                raise AssertionError(f"fused_add_rms_norm: expected (normed, residual), got {type(got).__name__}")
+            assert_matches("fused_add_rms_norm normed output", got[0], want[0], dtype)
+            assert_matches("fused_add_rms_norm residual output", got[1], want[1], dtype)
+
+        yield desc, body
+
+
+def _rope_cache(max_pos: int, rot: int, theta: float = 10000.0) -> torch.Tensor:
+    inv_freq = 1.0 / theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def _rotary_embedding(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for n, heads, kv_heads, head in [(1, 4, 2, 64), (7, 4, 1, 128), (19, 2, 2, 64)]:
+        desc = f"t{n}-h{heads}kv{kv_heads}-d{head}"
+
+        def body(n=n, heads=heads, kv_heads=kv_heads, head=head, desc=desc) -> None:
+            c = _Case(f"rotary_embedding{desc}{dtype}", seed, t.device)
+            cache = _rope_cache(256, head)
+            pos = c.randint(0, 256, n)
+            q, k = c.randn(n, heads, head, dtype=dtype), c.randn(n, kv_heads, head, dtype=dtype)
+            got = fn(c.dev(pos), c.dev(q), c.dev(k), c.dev(cache))
+            want = reference.rotary_embedding(pos, q.clone(), k.clone(), cache)
+            if not isinstance(got, tuple) or len(got) != 2:
+                raise AssertionError(f"rotary_embedding: expected (query, key), got {type(got).__name__}")
+            assert_matches("rotary_embedding query", got[0], want[0], dtype)
+            assert_matches("rotary_embedding key", got[1], want[1], dtype)
+
+        yield desc, body
+
+
+def _linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for lead, k, m, bias in [((1,), 64, 96, False), ((7,), 64, 128, True), ((33,), 128, 64, False),
+                             ((2, 3), 64, 48, True)]:
+        desc = f"{'x'.join(map(str, lead))}x{k}->{m}" + ("+bias" if bias else "")
+
+        def body(lead=lead, k=k, m=m, bias=bias, desc=desc) -> None:
+            c = _Case(f"linear{desc}{dtype}", seed, t.device)
+            x, w = c.randn(*lead, k, dtype=dtype), c.randn(m, k, dtype=dtype, scale=k ** -0.5)
+            b = c.randn(m, dtype=dtype) if bias else None
+            got = fn(c.dev(x), c.dev(w), None if b is None else c.dev(b))
+            assert_matches("linear", got, reference.linear(x, w, b), dtype)
+
+        yield desc, body
+
+
+def _embedding(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for n, vocab, hidden in [(1, 50, 64), (9, 300, 128)]:
+        desc = f"t{n}-v{vocab}x{hidden}"
+
+        def body(n=n, vocab=vocab, hidden=hidden, desc=desc) -> None:
+            c = _Case(f"embedding{desc}{dtype}", seed, t.device)
+            ids = c.randint(0, vocab, n)
+            ids[0] = vocab - 1  # the last row, where an off-by-one shows
+            w = c.randn(vocab, hidden, dtype=dtype)
+            assert_matches("embedding", fn(c.dev(ids), c.dev(w)), reference.embedding(ids, w), dtype, exact=True)
+
+        yield desc, body
+
+
+def _reshape_and_cache(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for block_size in (16, 32):
+        for kv_heads, head in [(2, 64), (1, 128)]:
+            desc = f"bs{block_size}-kv{kv_heads}-d{head}"
+
+            def body(block_size=block_size, kv_heads=kv_heads, head=head, desc=desc) -> None:
+                num_blocks, n = 6, 11
+                if not t.reference_layout(num_blocks, block_size, kv_heads, head):
+                    raise CheckSkipped("the platform declares its own KV layout; reshape_and_cache is "
+                                       "checked together with paged_attention")
+                c = _Case(f"reshape_and_cache{desc}{dtype}", seed, t.device)
+                k, v = c.randn(n, kv_heads, head, dtype=dtype), c.randn(n, kv_heads, head, dtype=dtype)
+                # Distinct slots, never the last one (where a slot of -1 would land if
+                # used as an index), and two tokens to skip.
+                slots = c.randperm(num_blocks * block_size - 1)[:n]
+                slots[2] = slots[7] = -1
+                shape = (num_blocks, block_size, kv_heads, head)
+                want_k, want_v = torch.full(shape, NAN, dtype=dtype), torch.full(shape, NAN, dtype=dtype)
+                reference.reshape_and_cache(k, v, want_k, want_v, slots)
+                kc, vc = t.platform.allocate_kv_cache(num_blocks, block_size, kv_heads, head, dtype)
+                kc.fill_(NAN)
+                vc.fill_(NAN)
+                fn(c.dev(k), c.dev(v), kc, vc, c.dev(slots))
+                t.platform.synchronize()
+                assert_matches("reshape_and_cache key_cache", kc, want_k, dtype, exact=True, equal_nan=True)
+                assert_matches("reshape_and_cache value_cache", vc, want_v, dtype, exact=True, equal_nan=True)
+
+            yield desc, body
+
+
+def _attention_inputs(c: _Case, dtype: torch.dtype, block_size: int, heads: int, kv_heads: int, head: int):
+    """A mixed batch (PAGED_ATTENTION_BATCH) over a reference-layout cache with scattered blocks."""
+    ctx = [n for n, _ in PAGED_ATTENTION_BATCH]
+    q_lens = [q for _, q in PAGED_ATTENTION_BATCH]
+    per_seq = [math.ceil(n / block_size) for n in ctx]
+    num_blocks = sum(per_seq) + 3
+    perm = c.randperm(num_blocks).tolist()
+    max_blocks = max(per_seq) + 1
+    # Unused entries hold valid but wrong block ids: a kernel reading them gets garbage.
+    tables = c.randint(0, num_blocks, len(ctx), max_blocks).to(torch.int32)
+    for i, nb in enumerate(per_seq):
+        tables[i, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
+    # Every slot holds random values, those past a sequence's end included.
+    shape = (num_blocks, block_size, kv_heads, head)
+    kc, vc = c.randn(*shape, dtype=dtype), c.randn(*shape, dtype=dtype)
+    query = c.randn(sum(q_lens), heads, head, dtype=dtype)
+    seq_lens = torch.tensor(ctx, dtype=torch.int32)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return query, kc, vc, tables, seq_lens, qsl, num_blocks
+
+
+def _context_slots(tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot of every context token of every sequence (in batch order)."""
+    slots = []
+    for i, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n)
+        slots.append(tables[i].long()[pos // block_size] * block_size + pos % block_size)
+    return torch.cat(slots)
+
+
+def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    shapes = [(block_size, heads, kv_heads, 64) for block_size in (16, 32) for heads, kv_heads in [(4, 4), (4, 2), (8, 2)]]
+    shapes.append((16, 4, 1, 128))
+    for block_size, heads, kv_heads, head in shapes:
+        desc = f"bs{block_size}-h{heads}kv{kv_heads}-d{head}"
+
+        def body(block_size=block_size, heads=heads, kv_heads=kv_heads, head=head, desc=desc) -> None:
+            c = _Case(f"paged_attention{desc}{dtype}", seed, t.device)
+            query, kc, vc, tables, seq_lens, qsl, num_blocks = _attention_inputs(c, dtype, block_size, heads,
+                                                                                  kv_heads, head)
+            scale = head ** -0.5
+            want = reference.paged_attention(query, kc, vc, tables, seq_lens, qsl, scale)
+            pkc, pvc = t.platform.allocate_kv_cache(num_blocks, block_size, kv_heads, head, dtype)
+            how = ""
+            if t.reference_layout(num_blocks, block_size, kv_heads, head):
+                pkc.copy_(kc)
+                pvc.copy_(vc)
+            else:
+                # The platform's own layout: fill it through its own reshape_and_cache.
+                how = " (cache written with the platform's reshape_and_cache)"
+                pkc.copy_(torch.randn(pkc.shape, generator=c.gen).to(dtype))
+                pvc.copy_(torch.randn(pvc.shape, generator=c.gen).to(dtype))
+                slots = _context_slots(tables, seq_lens, block_size)
+                flat = num_blocks * block_size
+                keys = kc.reshape(flat, kv_heads, head)[slots]
+                values = vc.reshape(flat, kv_heads, head)[slots]
+                t.ops.reshape_and_cache(c.dev(keys), c.dev(values), pkc, pvc, c.dev(slots))
+            args = (c.dev(query), pkc, pvc, c.dev(tables), c.dev(seq_lens), c.dev(qsl), scale)
+            out = torch.full(query.shape, NAN, dtype=dtype, device=t.device)
+            got = fn(*args, out=out)
+            t.platform.synchronize()
+            assert_matches("paged_attention return value (out=...)" + how, got, want, dtype)
+            assert_matches("paged_attention out (poisoned with NaN before the call)" + how, out, want, dtype)
+            assert_matches("paged_attention return value (out=None)" + how, fn(*args), want, dtype)
+
+        yield desc, body
+
+
+def _block_copy_cases(op: str, t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    host = torch.device("cpu")
+    if op == "copy_blocks":
+        pools = [("same-pool", t.device, None), ("device->device", t.device, t.device)]
+    else:
+        pools = [("device->host", t.device, host), ("host->device", host, t.device)]
+    for desc, src_dev, dst_dev in pools:
+
+        def body(desc=desc, src_dev=src_dev, dst_dev=dst_dev) -> None:
+            c = _Case(f"{op}{desc}{dtype}", seed, t.device)
+            shape = (8, 16, 2, 64)
+            src = c.randn(*shape, dtype=dtype)
+            # Disjoint sources and destinations, unordered: a copy that follows the
+            # mapping's order or mixes up its columns shows.
+            mapping = torch.tensor([[0, 5], [3, 1], [6, 2], [4, 7]], dtype=torch.int64)
+            if dst_dev is None:  # within one pool: src and dst are the same tensor
+                want = src.clone()
+                reference.copy_blocks(want, want, mapping)
+                got = src.to(src_dev, copy=True)
+                fn(got, got, mapping.to(src_dev))
+            else:
+                want = torch.full(shape, NAN, dtype=dtype)
+                reference.copy_blocks(src, want, mapping)
+                got = torch.full(shape, NAN, dtype=dtype, device=dst_dev)
+                fn(src.to(src_dev, copy=True), got, mapping)
+            t.platform.synchronize()
+            assert_matches(f"{op} ({desc})", got, want, dtype, exact=True, equal_nan=True)
+
+        yield desc, body
+
+
+_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
+    "paged_attention": _paged_attention,
+    "reshape_and_cache": _reshape_and_cache,
+    "rms_norm": _rms_norm,
+    "fused_add_rms_norm": _fused_add_rms_norm,
+    "rotary_embedding": _rotary_embedding,
+    "silu_and_mul": _silu_and_mul,
+    "linear": _linear,
+    "embedding": _embedding,
+    "copy_blocks": lambda t, fn, d, s: _block_copy_cases("copy_blocks", t, fn, d, s),
+    "swap_blocks": lambda t, fn, d, s: _block_copy_cases("swap_blocks", t, fn, d, s),
+}
+
+
+def _failing_for(name: str, source: str, body: Body) -> Callable[[], None]:
+    """Prefix a failure with the op and where its implementation came from."""
+
+    def run() -> None:
+        try:
+            body()
+        except AssertionError as exc:
+            raise AssertionError(f"op {name} (from {source}): {exc}") from None
+
+    return run
+
+
+def op_checks(target: Target, seed: int = 0) -> list[Check]:
+    """One check per (overridden op, dtype, case); ops left to the reference are not checked."""
+    checks: list[Check] = []
+    for name, source in target.overridden_ops().items():
+        cases = _CASES.get(name)
+        if cases is None:
+
+            def skip(name=name) -> None:
+                raise CheckSkipped(f"{name!r} is not an op of pagedserve.kernels.reference: nothing to compare with")
+
+            checks.append(Check(f"op:{name}", skip))
+            continue
+        fn = target.ops.get(name)
+        for dtype in target.dtypes():
+            for desc, body in cases(target, fn, dtype, seed):
+                checks.append(Check(f"op:{name}[{_dtype_name(dtype)}-{desc}]", _failing_for(name, source, body)))
+    return checks
