@@ -1,0 +1,333 @@
+"""AsyncLLMEngine: the synchronous LLMEngine driven by one background thread, for asyncio.
+
+    engine = AsyncLLMEngine(LLMEngine(config))
+    engine.start()                                   # inside a running event loop
+    stream = await engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+    async for out in stream: ...                     # cumulative RequestOutputs
+
+One thread owns the `LLMEngine` (which is not thread-safe) and runs its step loop.
+Requests and aborts reach it through a thread-safe queue that it drains between steps,
+so a new request joins the running batch at the next step; outputs go back to the event
+loop with one `loop.call_soon_threadsafe` per step and land in per-request asyncio
+queues.  The model forward releases the GIL inside torch's kernels, so the event loop
+keeps serving HTTP while a step runs (docs/serving.md has the measurements).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from pagedserve.engine import EngineStats, LLMEngine
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLMEngine", "RequestStream", "QueueFullError", "EngineDeadError", "RequestFailedError"]
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_queue_len`` requests already."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shutdown or a fatal error)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request; other requests are unaffected."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+_STOP = object()
+_ACCEPTED = object()  # posted to a stream once the engine has queued its request
+
+
+class RequestStream:
+    """The outputs of one request as an async iterator of cumulative `RequestOutput`s.
+
+    Outputs are cumulative, so a consumer that falls behind skips straight to the newest
+    one instead of replaying every step.  Leaving the iteration early (or calling
+    `abort`) aborts the request in the engine and frees its KV blocks.
+    """
+
+    def __init__(self, request_id: str, engine: AsyncLLMEngine) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.finished = False
+
+    def _post(self, item: object) -> None:
+        """Called on the event loop thread with an output, an error or _ACCEPTED."""
+        if item is _ACCEPTED:
+            if not self._accepted.done():
+                self._accepted.set_result(None)
+            return
+        if isinstance(item, BaseException) and not self._accepted.done():
+            self._accepted.set_exception(item)
+            return
+        self._queue.put_nowait(item)  # type: ignore[arg-type]
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+            while not self._queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+                item = self._queue.get_nowait()
+        except BaseException:
+            self.abort()  # cancelled (client gone): the engine must not keep computing
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            self._engine._forget(self.request_id)
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request if it is still running (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    """Runs an `LLMEngine` in a background thread and serves many asyncio callers.
+
+    Args:
+        engine: the engine; from now on only the background thread touches it (except
+            for the read-only prompt validation and tokenizer).
+        max_queue_len: refuse new requests (QueueFullError) while this many sequences
+            wait to be scheduled; default `engine.config.scheduler.max_queue_len`.
+    """
+
+    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None) -> None:
+        self.engine = engine
+        self.max_queue_len = max_queue_len if max_queue_len is not None else engine.config.scheduler.max_queue_len
+        self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._pending_adds = 0  # sent to the thread, not yet in the engine's waiting queue
+        self._stats = engine.stats()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: BaseException | None = None
+        #: Called on the event loop with each finished RequestOutput (metrics).
+        self.on_request_finished: Callable[[RequestOutput], None] | None = None
+
+    # -- properties read by the server (immutable after construction) ----------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    def stats(self) -> EngineStats:
+        """The engine's statistics as of its last step (thread-safe snapshot)."""
+        return self._stats
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; must be called from the event loop that will consume."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncLLMEngine is already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Abort everything in flight, stop the engine thread and join it."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        self._commands.put(_STOP)
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.error("engine thread did not stop within %.0f s", timeout)
+
+    # -- requests -----------------------------------------------------------------------------
+    def validate(self, prompt: str | list[int] | None,
+                 prompt_token_ids: list[int] | None = None) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt without queueing it (ValueError naming the limit)."""
+        return self.engine.validate_prompt(prompt, prompt_token_ids)
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Queue a request and return its stream once the engine thread has accepted it.
+
+        Raises ValueError (bad prompt, before anything is queued), QueueFullError,
+        EngineDeadError.
+        """
+        if self._dead is not None or self._thread is None:
+            raise EngineDeadError("the engine is not running")
+        text, ids = self.validate(prompt, prompt_token_ids)
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            if self.max_queue_len is not None and \
+                    self._pending_adds + self._stats.num_waiting >= self.max_queue_len:
+                raise QueueFullError(f"the server's waiting queue is full (max_queue_len={self.max_queue_len})")
+            self._pending_adds += params.n
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, text, ids, params, time.monotonic(), priority))
+        try:
+            await stream._accepted
+        except BaseException:
+            # Refused by the engine (its error is re-raised), or the caller was cancelled.
+            stream.abort()
+            self._forget(request_id)
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Convenience wrapper: add a request and yield its outputs."""
+        stream = await self.add_request(request_id, prompt, params, prompt_token_ids)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe; unknown or finished ids are ignored)."""
+        self._forget(request_id)
+        self._commands.put(_Abort([request_id]))
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                events: list[tuple[str, object]] = []
+                block = not engine.has_unfinished_requests()
+                if not self._handle_commands(block, events):
+                    break
+                # Callers learn at once that their request is queued, not a step later.
+                self._publish(events)
+                if engine.has_unfinished_requests():
+                    events = []
+                    self._step(events)
+                    self._publish(events)
+        except BaseException as e:  # noqa: BLE001 - reported to every waiting caller below
+            logger.exception("engine thread died")
+            self._dead = e
+        finally:
+            if self._dead is None:
+                self._dead = EngineDeadError("the engine has shut down")
+            err = EngineDeadError(f"the engine stopped: {self._dead}")
+            ids = list(engine.groups) if hasattr(engine, "groups") else []
+            try:
+                engine.abort_request(ids)
+            except Exception:  # noqa: BLE001 - best effort while dying; already logged
+                logger.exception("aborting requests at shutdown failed")
+            self._publish([(rid, err) for rid in list(self._streams)])
+
+    def _handle_commands(self, block: bool, events: list[tuple[str, object]]) -> bool:
+        """Apply queued adds and aborts; False when asked to stop."""
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        added = 0
+        for cmd in commands:
+            if cmd is _STOP:
+                return False
+            if isinstance(cmd, _Abort):
+                self.engine.abort_request(cmd.request_ids)
+            elif isinstance(cmd, _Add):
+                added += cmd.params.n
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
+                                            prompt_token_ids=cmd.prompt_token_ids,
+                                            arrival_time=cmd.arrival_time, priority=cmd.priority)
+                    events.append((cmd.request_id, _ACCEPTED))
+                except ValueError as e:
+                    events.append((cmd.request_id, e))
+        # Snapshot and counter change together so the queue bound never under-counts.
+        stats = self.engine.stats()
+        with self._lock:
+            self._stats = stats
+            self._pending_adds -= added
+        return True
+
+    def _step(self, events: list[tuple[str, object]]) -> None:
+        engine = self.engine
+        try:
+            outputs = engine.step()
+        except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
+            failed = engine.running_request_ids()
+            logger.exception("engine step failed; aborting its %d request(s)", len(failed))
+            engine.abort_request(failed)
+            err = RequestFailedError(f"the engine failed while running this request: {type(e).__name__}: {e}")
+            events.extend((rid, err) for rid in failed)
+        else:
+            events.extend((out.request_id, out) for out in outputs)
+        self._stats = engine.stats()
+
+    def _publish(self, events: list[tuple[str, object]]) -> None:
+        if not events or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, events)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _dispatch(self, events: list[tuple[str, object]]) -> None:
+        """On the event loop: route each output or error to its stream."""
+        for rid, item in events:
+            if isinstance(item, RequestOutput) and item.finished and self.on_request_finished is not None:
+                try:
+                    self.on_request_finished(item)
+                except Exception:  # noqa: BLE001 - metrics must never break serving
+                    logger.exception("on_request_finished callback failed")
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            stream._post(item)
+            if isinstance(item, RequestOutput) and item.finished:
+                self._streams.pop(rid, None)

@@ -1,0 +1,232 @@
+"""Request models of the OpenAI-compatible API and their conversion to SamplingParams.
+
+Bodies are validated strictly (no "3" for an integer, no `true` for a number), and every
+problem becomes an `ApiError` whose `param` names the offending field.  Unknown fields
+are ignored, as vLLM does, so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pagedserve.entrypoints.openai.errors import ApiError
+from pagedserve.sampling_params import SamplingParams
+
+__all__ = [
+    "StreamOptions",
+    "CompletionRequest",
+    "ChatMessage",
+    "ChatCompletionRequest",
+    "parse_request",
+    "normalize_prompts",
+    "chat_messages",
+    "to_sampling_params",
+]
+
+_M = TypeVar("_M", bound=BaseModel)
+
+MAX_N = 128  # more samples than this per prompt is a mistake, not a workload
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]], checked by normalize_prompts
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any = None  # str | list of {"type": "text", "text": str}, checked by chat_messages
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# Pydantic's location of an error inside a union names the member type ("list[str]");
+# those parts are not field names and are left out of `param`.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|[a-z_-]+\[.*\])$")
+
+
+def _param_of(loc: tuple) -> str | None:
+    parts: list[str] = []
+    for p in loc:
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+        elif not _TYPE_TAG.match(p):
+            parts.append(("." if parts else "") + p)
+    return "".join(parts) or None
+
+
+def parse_request(cls: type[_M], body: bytes) -> _M:
+    """Validate a JSON body; ApiError(400) naming the first bad field."""
+    try:
+        return cls.model_validate_json(body, strict=True)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise ApiError(400, f"The request body is not valid JSON: {err['msg']}") from None
+        if err["type"] == "model_type" and not err["loc"]:
+            raise ApiError(400, "The request body must be a JSON object") from None
+        param = _param_of(err["loc"])
+        if err["type"] == "missing":
+            raise ApiError(400, f"Missing required parameter: '{param}'.", param=param) from None
+        raise ApiError(400, f"Invalid value for '{param}': {err['msg']}.", param=param) from None
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def normalize_prompts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a completions request: strings or token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if _is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt) or all(_is_ids(p) for p in prompt):
+            return list(prompt)
+    if prompt is None:
+        raise ApiError(400, "Missing required parameter: 'prompt'.", param="prompt")
+    raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                   "token-id lists, none of them empty.", param="prompt")
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template expects them; text parts are joined like vLLM does."""
+    if not messages:
+        raise ApiError(400, "'messages' must contain at least one message.", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise ApiError(400, f"'{where}': only text content parts are supported.", param=where)
+                if not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"'{where}.text' must be a string.", param=f"{where}.text")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is None and m.role == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            where = f"messages[{i}].content"
+            raise ApiError(400, f"'{where}' must be a string or a list of text parts.", param=where)
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _unsupported(request: _GenerationRequest) -> None:
+    checks: list[tuple[str, bool]] = [("logit_bias", bool(request.logit_bias))]
+    if isinstance(request, CompletionRequest):
+        checks += [("echo", request.echo), ("suffix", bool(request.suffix)),
+                   ("best_of", request.best_of not in (None, 1, request.n))]
+    else:
+        checks += [("tools", bool(request.tools)),
+                   ("response_format", bool(request.response_format)
+                    and request.response_format.get("type") != "text")]
+    for name, used in checks:
+        if used:
+            raise ApiError(400, f"'{name}' is not supported by this server.", param=name)
+
+
+def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    """SamplingParams for one prompt; `max_tokens` is already checked against the context."""
+    _unsupported(request)
+    if not 1 <= request.n <= MAX_N:
+        raise ApiError(400, f"'n' must be between 1 and {MAX_N}, got {request.n}.", param="n")
+    if isinstance(request, ChatCompletionRequest):
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
+            raise ApiError(400, f"'top_logprobs' must be between 0 and 20, got {request.top_logprobs}.",
+                           param="top_logprobs")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        logprobs_field = "top_logprobs"
+    else:
+        logprobs = request.logprobs
+        logprobs_field = "logprobs"
+    fields = dict(
+        n=request.n,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=request.top_k or 0,
+        min_p=request.min_p or 0.0,
+        seed=request.seed,
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        stop=request.stop,
+        stop_token_ids=request.stop_token_ids,
+        ignore_eos=request.ignore_eos,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        logprobs=logprobs,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
+    )
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        # SamplingParams names the field first ("top_p must be in (0, 1], got 2.0").
+        name = str(e).split(" ", 1)[0]
+        param = logprobs_field if name == "logprobs" else (name if name in fields else None)
+        raise ApiError(400, str(e), param=param) from None

@@ -1,0 +1,225 @@
+"""What completions and chat completions share: model names, context limits, submitting
+prompts to the AsyncLLMEngine, merging their streams, logprob token strings, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from pagedserve.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError,
+                                     RequestStream)
+from pagedserve.entrypoints.openai.errors import ApiError, error_body
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+__all__ = ["OpenAIServing", "EventStream", "merge_streams", "sse", "SSE_DONE", "clamp_logprob"]
+
+SSE_DONE = "data: [DONE]\n\n"
+_MIN_LOGPROB = -9999.0  # JSON has no -Infinity
+
+
+def sse(obj: dict) -> str:
+    return "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n\n"
+
+
+def clamp_logprob(value: float) -> float:
+    return value if value > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+class EventStream:
+    """SSE lines of a streamed response plus the engine streams behind them.
+
+    `abort` is for the server to call when the response ends however it ends: an async
+    generator that never started cannot clean up after itself.
+    """
+
+    def __init__(self, events: AsyncIterator[str], streams: Sequence[RequestStream]) -> None:
+        self.events = events
+        self.streams = list(streams)
+
+    def abort(self) -> None:
+        for s in self.streams:
+            s.abort()
+
+
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they arrive, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+class OpenAIServing:
+    """Shared state of the OpenAI endpoints.
+
+    Args:
+        engine: the running AsyncLLMEngine.
+        served_model_names: names a request's `model` may use; the first is reported.
+        chat_template: overrides the model's chat template (text, already read).
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
+                 chat_template: str | None = None) -> None:
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.chat_template = chat_template
+        self.tokenizer = engine.tokenizer
+        self._token_text: dict[int, str] = {}
+
+    # -- request checks -----------------------------------------------------------------------
+    def model_name(self, requested: str | None) -> str:
+        """The model a response reports; 404 for a model this server does not serve."""
+        if requested is None or requested == "":
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise ApiError(404, f"The model `{requested}` does not exist.", param="model",
+                           code="model_not_found")
+        return requested
+
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int, default: int | None,
+                           field: str = "max_tokens") -> int:
+        """Tokens to generate: the request's, or `default`, within the context window."""
+        limit = self.engine.max_model_len
+        room = limit - prompt_len
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested < 1:
+            raise ApiError(400, f"'{field}' must be at least 1, got {requested}.", param=field)
+        if requested > room:
+            raise ApiError(
+                400, f"This model's maximum context length is {limit} tokens (max_model_len). However, you "
+                f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                f"completion). Please reduce the length of the prompt or '{field}'.", param=field)
+        return requested
+
+    def validate_prompt(self, prompt: str | list[int], param: str,
+                        prompt_token_ids: list[int] | None = None) -> tuple[str | None, list[int]]:
+        try:
+            return self.engine.validate(prompt, prompt_token_ids)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=param) from None
+
+    # -- engine -------------------------------------------------------------------------------
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    async def submit(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
+                     params: list[SamplingParams], param: str) -> list[RequestStream]:
+        """Queue every prompt (all or none); engine refusals become HTTP errors."""
+        streams: list[RequestStream] = []
+        try:
+            for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(rid, text, sp, prompt_token_ids=ids))
+        except BaseException as e:
+            for s in streams:
+                s.abort()
+            if isinstance(e, QueueFullError):
+                raise ApiError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
+            if isinstance(e, EngineDeadError):
+                raise ApiError(503, str(e), code="engine_unavailable") from None
+            if isinstance(e, ValueError):
+                raise ApiError(400, str(e), param=param) from None
+            raise
+        return streams
+
+    @staticmethod
+    async def collect(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+        """The final output of every stream (aborting the others if one fails)."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, out in merge_streams(streams):
+                finals[i] = out
+        except (RequestFailedError, EngineDeadError) as e:
+            raise ApiError(500, str(e), type="internal_server_error") from None
+        finally:
+            for s in streams:
+                s.abort()
+        if any(f is None or not f.finished for f in finals):
+            raise ApiError(500, "a request ended without a final output", type="internal_server_error")
+        return finals  # type: ignore[return-value]
+
+    @staticmethod
+    def stream_error(e: Exception) -> str:
+        return sse(error_body(str(e), "internal_server_error"))
+
+    @staticmethod
+    def finish_reason(reason: str | None) -> str | None:
+        # "abort" only reaches a client when the server shuts down under it.
+        return "stop" if reason == "abort" else reason
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    @staticmethod
+    def created() -> int:
+        return int(time.time())
+
+    # -- logprobs -----------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def top_entries(self, entry: dict[int, Any], top_n: int) -> list[tuple[int, float]]:
+        """The `top_n` most likely tokens of one position, best first."""
+        ranked = sorted(((r.rank, tid, r.logprob) for tid, r in entry.items()
+                         if r.rank is not None and r.rank <= top_n))
+        return [(tid, lp) for _, tid, lp in ranked[:top_n]]
+
+    def completion_logprobs(self, token_ids: list[int], entries: list[dict[int, Any]], top_n: int,
+                            offset: int) -> dict[str, list]:
+        """The completions API's logprobs object for these tokens; text_offset starts at `offset`."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, entry in zip(token_ids, entries):
+            text = self.token_text(tid)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(clamp_logprob(entry[tid].logprob) if tid in entry else None)
+            top: dict[str, float] = {}
+            for t, lp in self.top_entries(entry, top_n):
+                # Distinct ids can share a text (byte fallbacks all read "\ufffd"): keep the best.
+                top.setdefault(self.token_text(t), clamp_logprob(lp))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+    def chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Any]], top_n: int) -> list[dict]:
+        """The chat API's `logprobs.content` list for these tokens."""
+        content = []
+        for tid, entry in zip(token_ids, entries):
+            text = self.token_text(tid)
+            content.append({
+                "token": text,
+                "logprob": clamp_logprob(entry[tid].logprob) if tid in entry else _MIN_LOGPROB,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [{"token": self.token_text(t), "logprob": clamp_logprob(lp),
+                                  "bytes": list(self.token_text(t).encode("utf-8"))}
+                                 for t, lp in self.top_entries(entry, top_n)],
+            })
+        return content

@@ -1,0 +1,97 @@
+"""POST /v1/completions: one engine request per prompt, answered whole or as SSE chunks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from pagedserve.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from pagedserve.entrypoints.openai.protocol import CompletionRequest, normalize_prompts, to_sampling_params
+from pagedserve.entrypoints.openai.serving_base import SSE_DONE, EventStream, OpenAIServing, merge_streams, sse
+
+__all__ = ["OpenAIServingCompletion"]
+
+_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the completions API
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, request: CompletionRequest) -> dict | EventStream:
+        """A completion object, or an async iterator of SSE lines when `stream` is set."""
+        model = self.model_name(request.model)
+        prompts = []
+        for p in normalize_prompts(request.prompt):
+            prompts.append(self.validate_prompt(p, "prompt") if isinstance(p, str)
+                           else self.validate_prompt(None, "prompt", prompt_token_ids=p))
+        params = [to_sampling_params(request, self.resolve_max_tokens(request.max_tokens, len(ids),
+                                                                      _DEFAULT_MAX_TOKENS))
+                  for _, ids in prompts]
+        request_id = self.new_id("cmpl")
+        streams = await self.submit(request_id, prompts, params, "prompt")
+        if request.stream:
+            return EventStream(self._stream(request, request_id, model, streams), streams)
+        return self._whole(request, request_id, model, await self.collect(streams))
+
+    def _whole(self, request: CompletionRequest, request_id: str, model: str, finals) -> dict:
+        n = request.n
+        choices = []
+        prompt_tokens = completion_tokens = 0
+        for i, out in enumerate(finals):
+            prompt_tokens += len(out.prompt_token_ids)
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                logprobs = None
+                if request.logprobs is not None and c.logprobs is not None:
+                    logprobs = self.completion_logprobs(c.token_ids, c.logprobs, request.logprobs, 0)
+                choices.append({"index": i * n + c.index, "text": c.text, "logprobs": logprobs,
+                                "finish_reason": self.finish_reason(c.finish_reason), "stop_reason": c.stop_reason})
+        choices.sort(key=lambda c: c["index"])
+        return {"id": request_id, "object": "text_completion", "created": self.created(), "model": model,
+                "choices": choices, "usage": self.usage(prompt_tokens, completion_tokens)}
+
+    async def _stream(self, request: CompletionRequest, request_id: str, model: str,
+                      streams: list[RequestStream]) -> AsyncIterator[str]:
+        n = request.n
+        created = self.created()
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        sent_text: dict[int, int] = {}  # choice index -> characters sent
+        sent_tokens: dict[int, int] = {}
+        prompt_tokens: dict[int, int] = {}
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                    "choices": choices}
+            if include_usage:
+                body["usage"] = usage
+            return sse(body)
+
+        try:
+            async for i, out in merge_streams(streams):
+                prompt_tokens[i] = len(out.prompt_token_ids)
+                choices = []
+                for c in out.outputs:
+                    index = i * n + c.index
+                    done_chars = sent_text.get(index, 0)
+                    done_tokens = sent_tokens.get(index, 0)
+                    delta = c.text[done_chars:]
+                    new_ids = c.token_ids[done_tokens:]
+                    finish = self.finish_reason(c.finish_reason)
+                    if not delta and finish is None and not (new_ids and request.logprobs is not None):
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None and c.logprobs is not None:
+                        logprobs = self.completion_logprobs(new_ids, c.logprobs[done_tokens:], request.logprobs,
+                                                            done_chars)
+                    sent_text[index] = len(c.text)
+                    sent_tokens[index] = len(c.token_ids)
+                    choices.append({"index": index, "text": delta, "logprobs": logprobs,
+                                    "finish_reason": finish,
+                                    "stop_reason": c.stop_reason if finish else None})
+                if choices:
+                    yield chunk(choices)
+            if include_usage:
+                yield chunk([], self.usage(sum(prompt_tokens.values()), sum(sent_tokens.values())))
+        except (RequestFailedError, EngineDeadError) as e:
+            yield self.stream_error(e)
+        finally:
+            for s in streams:
+                s.abort()
+        yield SSE_DONE

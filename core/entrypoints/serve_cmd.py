@@ -1,0 +1,145 @@
+"""`pagedserve serve [MODEL]`: the OpenAI-compatible HTTP server (vLLM's flag names)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+import signal
+
+__all__ = ["add_parser", "run", "CPU_DEFAULT_KV_CACHE_MEMORY", "API_KEY_ENV"]
+
+#: KV-cache budget when neither --kv-cache-memory nor --gpu-memory-utilization is given and
+#: the platform is a CPU: a fraction of host RAM would take memory the OS and other
+#: processes need, while 2 GiB holds ~93k tokens of the default model in bfloat16
+#: (~65k of Llama-3.2-1B): hundreds of concurrent requests.
+CPU_DEFAULT_KV_CACHE_MEMORY = "2GiB"
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+GRACEFUL_SHUTDOWN_S = 10  # how long open requests may finish after SIGTERM
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Serve MODEL (default: smollm2-135m-instruct) over HTTP with "
+                                          "OpenAI's /v1/completions and /v1/chat/completions.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model: a Hugging Face checkpoint folder, a .gguf file, or the default model's alias")
+    net = p.add_argument_group("HTTP")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--api-key", default=None,
+                     help=f"require 'Authorization: Bearer KEY' on every /v1 route (or set {API_KEY_ENV})")
+    net.add_argument("--served-model-name", nargs="+", default=None,
+                     help="name(s) clients use in 'model' (default: the model argument)")
+    net.add_argument("--chat-template", default=None,
+                     help="a Jinja2 chat template file (or template text) overriding the model's")
+    net.add_argument("--max-queue-len", type=int, default=None,
+                     help="answer 503 while this many sequences wait to be scheduled (default: unbounded)")
+    net.add_argument("--max-body-size", default="16MiB", help="largest request body accepted (413 above)")
+    net.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    net.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--device", default=None, help="platform name (default: PAGEDSERVE_TARGET_DEVICE or auto)")
+    eng.add_argument("--dtype", default="auto")
+    eng.add_argument("--quantization", default=None,
+                     help="none, auto (from the checkpoint; default), gguf, int8, w8a8, fp8, gptq, awq (docs/quantization.md)")
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--max-num-seqs", type=int, default=256)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    eng.add_argument("--block-size", type=int, default=16)
+    eng.add_argument("--kv-cache-memory", default=None, help="KV-cache budget, e.g. 4GiB")
+    eng.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization",
+                     type=float, default=None,
+                     help="fraction of the device's memory for weights, activations and KV cache")
+    eng.add_argument("--scheduler-delay-factor", type=float, default=0.0)
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    eng.add_argument("--tensor-parallel-size", type=int, default=1)
+    eng.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
+    eng.add_argument("--seed", type=int, default=0)
+
+
+def resolve_api_key(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
+    """--api-key, else the environment variable; an empty value means no key."""
+    env = os.environ if env is None else env
+    return args.api_key or env.get(API_KEY_ENV) or None
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """The template text of --chat-template: a file's contents, or the text itself."""
+    if value is None:
+        return None
+    path = pathlib.Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise SystemExit(f"--chat-template {value!r} is neither a file nor Jinja2 template text")
+
+
+def default_kv_cache_memory(args: argparse.Namespace) -> str | None:
+    """CPU_DEFAULT_KV_CACHE_MEMORY on a CPU when no memory budget was given, else None."""
+    if args.kv_cache_memory is not None or args.memory_utilization is not None:
+        return args.kv_cache_memory
+    from pagedserve.platforms import discover
+
+    info = discover().select(args.device)
+    return CPU_DEFAULT_KV_CACHE_MEMORY if getattr(info.cls, "device_type", None) == "cpu" else None
+
+
+def build_engine_config(args: argparse.Namespace):
+    from pagedserve.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
+                                   SchedulerConfig, parse_memory)
+    from pagedserve.loader.model_path import DEFAULT_MODEL_ALIAS
+
+    names = args.served_model_name or [args.model or DEFAULT_MODEL_ALIAS]
+    cache_kwargs = {}
+    if args.memory_utilization is not None:
+        cache_kwargs["memory_utilization"] = args.memory_utilization
+    config = EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+                          served_model_name=names[0], quantization=args.quantization),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=default_kv_cache_memory(args),
+                          enable_prefix_caching=args.enable_prefix_caching, **cache_kwargs),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  delay_factor=args.scheduler_delay_factor, max_queue_len=args.max_queue_len),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        device=DeviceConfig(device=args.device, threads=args.threads),
+    )
+    return config, names, parse_memory(args.max_body_size, "--max-body-size")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedserve.async_engine import AsyncLLMEngine
+    from pagedserve.engine import LLMEngine
+    from pagedserve.entrypoints.openai import ServerSettings, build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    log = logging.getLogger("pagedserve.serve")
+    try:
+        config, names, max_body = build_engine_config(args)
+    except ValueError as e:
+        raise SystemExit(f"pagedserve serve: {e}") from None
+    chat_template = read_chat_template(args.chat_template)
+    engine = LLMEngine(config)
+    log.info("model %s loaded: max_model_len=%d, %d KV blocks of %d tokens, platform %s",
+             names[0], engine.max_model_len, engine.runner.num_blocks, config.cache.block_size,
+             engine.platform.name)
+    settings = ServerSettings(served_model_names=names, api_key=resolve_api_key(args),
+                              max_body_bytes=max_body, chat_template=chat_template)
+    app = build_app(AsyncLLMEngine(engine), settings)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s: the server is reachable from other machines%s", args.host,
+                    "" if settings.api_key else " and has no --api-key")
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (streams still open after the
+    # grace period are cut) and the app's lifespan then stops and joins the engine thread.
+    # uvicorn re-raises the signal once done; these no-op handlers make that a normal exit
+    # (status 0) instead of death by signal.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=not args.disable_access_log, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    log.info("server stopped")
+    return 0
