@@ -8,13 +8,8 @@ import os
 import pathlib
 import signal
 
-__all__ = ["add_parser", "run", "CPU_DEFAULT_KV_CACHE_MEMORY", "API_KEY_ENV"]
+__all__ = ["add_parser", "run", "API_KEY_ENV"]
 
-#: KV-cache budget when neither --kv-cache-memory nor --gpu-memory-utilization is given and
-#: the platform is a CPU: a fraction of host RAM would take memory the OS and other
-#: processes need, while 2 GiB holds ~93k tokens of the default model in bfloat16
-#: (~65k of Llama-3.2-1B): hundreds of concurrent requests.
-CPU_DEFAULT_KV_CACHE_MEMORY = "2GiB"
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 GRACEFUL_SHUTDOWN_S = 10  # how long open requests may finish after SIGTERM
 
@@ -77,16 +72,6 @@ def read_chat_template(value: str | None) -> str | None:
     raise SystemExit(f"--chat-template {value!r} is neither a file nor Jinja2 template text")
 
 
-def default_kv_cache_memory(args: argparse.Namespace) -> str | None:
-    """CPU_DEFAULT_KV_CACHE_MEMORY on a CPU when no memory budget was given, else None."""
-    if args.kv_cache_memory is not None or args.memory_utilization is not None:
-        return args.kv_cache_memory
-    from pagedserve.platforms import discover
-
-    info = discover().select(args.device)
-    return CPU_DEFAULT_KV_CACHE_MEMORY if getattr(info.cls, "device_type", None) == "cpu" else None
-
-
 def build_engine_config(args: argparse.Namespace):
     from pagedserve.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
                                    SchedulerConfig, parse_memory)
@@ -99,7 +84,7 @@ def build_engine_config(args: argparse.Namespace):
     config = EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
                           served_model_name=names[0], quantization=args.quantization),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=default_kv_cache_memory(args),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           enable_prefix_caching=args.enable_prefix_caching, **cache_kwargs),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   delay_factor=args.scheduler_delay_factor, max_queue_len=args.max_queue_len),

@@ -23,11 +23,11 @@ def test_defaults_bind_localhost_and_serve_the_default_model():
     assert config.cache.enable_prefix_caching and max_body == 16 * 2**20
 
 
-def test_cpu_without_a_budget_gets_the_default_kv_cache(monkeypatch):
+def test_without_a_budget_the_platform_default_applies(monkeypatch):
     monkeypatch.delenv("PAGEDSERVE_TARGET_DEVICE", raising=False)
     config, _, _ = serve_cmd.build_engine_config(parse("--device", "cpu"))
-    assert config.cache.kv_cache_memory == parse_memory(serve_cmd.CPU_DEFAULT_KV_CACHE_MEMORY) == 2 * 2**30
-    # An explicit budget of either kind wins over the CPU default.
+    # Neither budget set: the engine uses the platform's default_memory_utilization.
+    assert config.cache.kv_cache_memory is None and config.cache.memory_utilization is None
     config, _, _ = serve_cmd.build_engine_config(parse("--device", "cpu", "--kv-cache-memory", "300MiB"))
     assert config.cache.kv_cache_memory == 300 * 2**20
     config, _, _ = serve_cmd.build_engine_config(parse("--device", "cpu", "--gpu-memory-utilization", "0.5"))
