@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pathlib
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 from pagedserve.loader.dequant import dequantize
 from pagedserve.loader.gguf_reader import GGUFReader
 
-__all__ = ["GGUFCheckpoint", "SUPPORTED_GGUF_ARCHITECTURES", "reverse_rope_permutation"]
+__all__ = ["GGUFBlocks", "GGUFCheckpoint", "SUPPORTED_GGUF_ARCHITECTURES", "reverse_rope_permutation"]
 
 # Architectures whose tensors follow the Llama layout; value: (model_type, HF class name).
 SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -57,6 +58,19 @@ _BLOCK_NAMES = {
 _BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp stores Llama 3.1's RoPE frequency factors as a tensor; the model has no such parameter.
 _NON_PARAMETERS = frozenset({"rope_freqs.weight"})
+
+
+@dataclass
+class GGUFBlocks:
+    """A 2-D tensor kept in its stored ggml blocks (``GGUFCheckpoint.weights(keep_quantized=...)``).
+
+    type_name: the ggml type, e.g. "Q4_1"; shape: ``(rows, row_length)`` in PyTorch order;
+    data: uint8 ``[rows, bytes_per_row]``, Hugging Face row order, independent of the file.
+    """
+
+    type_name: str
+    shape: tuple[int, int]
+    data: torch.Tensor
 
 
 class GGUFCheckpoint:
@@ -171,11 +185,16 @@ class GGUFCheckpoint:
         ids = [self.metadata.get(f"tokenizer.ggml.{key}") for key in keys]
         return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensor_types(self) -> dict[str, str]:
+        """ggml type name of every parameter, by Hugging Face name."""
+        return {self._hf_name(t.name): t.ggml_type.name for t in self._reader.tensors if t.name not in _NON_PARAMETERS}
+
+    def weights(self, keep_quantized: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
         """Yield `(hf_name, tensor)` for every parameter, dequantized to float32.
 
         Shapes are PyTorch's (`[out_features, in_features]` for a linear weight), the reverse
-        of ggml's dimension order.
+        of ggml's dimension order.  2-D tensors whose ggml type is in `keep_quantized` come
+        as :class:`GGUFBlocks` instead (their raw blocks, rows in Hugging Face order).
         """
         config = self.hf_config()
         for tensor in self._reader.tensors:
@@ -189,6 +208,10 @@ class GGUFCheckpoint:
                 # dequantizing: a copy of the stored bytes rather than of the float32 result.
                 rows = data.reshape(tensor.numpy_shape[0], -1)
                 data = reverse_rope_permutation(rows, config[key])
+            if tensor.ggml_type.name in keep_quantized and len(tensor.numpy_shape) == 2:
+                rows = np.ascontiguousarray(data).reshape(tensor.numpy_shape[0], -1).copy()
+                yield hf_name, GGUFBlocks(tensor.ggml_type.name, tuple(tensor.numpy_shape), torch.from_numpy(rows))
+                continue
             # Always a fresh writable array, even for F32: the map is read-only, and tensors
             # handed out must not keep the file mapped.
             values = dequantize(data, tensor.ggml_type.name, tensor.numpy_shape)

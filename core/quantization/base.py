@@ -1,0 +1,89 @@
+"""Quantized linear weights and quantization methods: the contracts and the registry.
+
+A :class:`QuantizedWeight` stands where the model keeps a float ``[out, in]`` linear
+weight; model code calls ``weight.apply(x, bias)`` instead of ``ops.linear``.  A
+:class:`QuantizationMethod` turns a checkpoint's weight stream into such weights (keeping
+stored quantized tensors, or quantizing float ones at load) and declares the platforms
+whose kernels can run it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = ["QuantizedWeight", "QuantizationMethod", "LINEAR_SUFFIXES", "is_linear_weight"]
+
+#: Checkpoint names of the linear layers a method may quantize (norms and embeddings stay).
+LINEAR_SUFFIXES: tuple[str, ...] = tuple(
+    f"{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+
+
+def is_linear_weight(name: str) -> bool:
+    return name.startswith("model.layers.") and name.endswith(LINEAR_SUFFIXES)
+
+
+class QuantizedWeight(ABC):
+    """A linear weight of logical shape ``[out_features, in_features]`` kept quantized."""
+
+    out_features: int
+    in_features: int
+
+    @abstractmethod
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x ``[M, in]`` (float32 / bfloat16) -> ``[M, out]`` in x.dtype."""
+
+    @abstractmethod
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight ``[out, in]`` this stands for."""
+
+    @abstractmethod
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held (for memory accounting and device moves)."""
+
+    @abstractmethod
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """A copy on ``device`` (self when already there)."""
+
+    @classmethod
+    @abstractmethod
+    def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Stack weights along the output dimension (fused q/k/v and gate/up)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(out={self.out_features}, in={self.in_features}, bytes={self.nbytes})"
+
+
+class QuantizationMethod(ABC):
+    """One quantization scheme.
+
+    name: the ``quantization=`` value that selects it.
+    platforms: the platform names with kernels for it (others are refused by name).
+    """
+
+    name: ClassVar[str]
+    platforms: ClassVar[tuple[str, ...]] = ("cpu", "cuda", "rocm")
+    description: ClassVar[str] = ""
+
+    def __init__(self, platform_name: str, dtype: torch.dtype, config: dict[str, Any] | None = None) -> None:
+        self.platform_name = platform_name
+        self.dtype = dtype
+        self.config = config or {}
+
+    @abstractmethod
+    def weights(self, source) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """``source``'s weights, with linear weights as :class:`QuantizedWeight`."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(platform={self.platform_name!r})"

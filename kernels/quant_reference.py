@@ -1,0 +1,160 @@
+"""Torch references of every quantized matmul: dequantize the weight, then matmul.
+
+These are the specification the fast kernels (native CPU, Triton) are tested against,
+and the fallback wherever no fast kernel exists.  Each ``*_linear`` takes activations
+``x`` ``[M, K]`` (float32 or bfloat16), computes in float32 and returns ``x.dtype``
+``[M, N]``; a linear weight is ``[N, K]`` (out, in) once dequantized.
+
+Formats:
+
+- GGUF (ggml-common.h), 32 values per block, little-endian, ``d``/``m`` fp16:
+  Q8_0 ``d | int8 q[32]`` -> q*d; Q4_0 ``d | u8 qs[16]`` -> (nibble-8)*d;
+  Q4_1 ``d | m | u8 qs[16]`` -> nibble*d + m; element j < 16 is the low nibble of
+  ``qs[j]``, element j + 16 its high nibble.
+- INT8: int8 ``[N, K]`` with float32 per-output-channel scales ``[N]``.
+- FP8: ``float8_e4m3fn`` ``[N, K]`` with a float32 scale ``[]`` (per tensor) or ``[N]``.
+- GPTQ (AutoGPTQ / transformers, ``checkpoint_format="gptq"``): qweight int32
+  ``[K/8, N]`` packs 8 rows along K (row 8i+j in bits 4j..4j+3); qzeros int32
+  ``[G, N/8]`` packs along N and stores zero-1; scales fp16 ``[G, N]``; g_idx int32
+  ``[K]`` (the group of each input row; act-order makes it a permutation of groups).
+- AWQ (AutoAWQ GEMM): qweight int32 ``[K, N/8]`` and qzeros int32 ``[G, N/8]`` pack
+  along N in the interleaved order (nibble i holds column ``AWQ_ORDER[i]`` of each 8);
+  scales fp16 ``[G, N]``; group of row k is ``k // group_size``; value (q - z) * s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "GGUF_BLOCK_BYTES",
+    "AWQ_ORDER",
+    "dequantize_gguf",
+    "gguf_linear",
+    "quantize_per_token_int8",
+    "int8_linear",
+    "w8a8_linear",
+    "fp8_linear",
+    "unpack_int4_rows",
+    "unpack_int4_cols",
+    "gptq_dequantize",
+    "gptq_linear",
+    "awq_dequantize",
+    "awq_linear",
+]
+
+#: Bytes of one 32-value block per ggml type.
+GGUF_BLOCK_BYTES: dict[str, int] = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+#: AWQ's pack order: nibble i of each int32 holds column AWQ_ORDER[i] of its 8 columns.
+AWQ_ORDER: tuple[int, ...] = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 field at byte ``start`` of each block ``[..., block_bytes]`` -> float32 ``[..., 1]``."""
+    return blocks[..., start:start + 2].contiguous().view(torch.float16).float()
+
+
+def dequantize_gguf(raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    """uint8 ``[N, K/32 * block_bytes]`` GGUF rows -> float32 ``[N, K]``."""
+    bb = GGUF_BLOCK_BYTES[type_name]
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, bb)
+    if type_name == "Q8_0":
+        values = blocks[..., 2:].contiguous().view(torch.int8).float() * _half(blocks, 0)
+    else:
+        qs = blocks[..., 4:] if type_name == "Q4_1" else blocks[..., 2:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+        if type_name == "Q4_0":
+            values = (q - 8) * _half(blocks, 0)
+        else:
+            values = q * _half(blocks, 0) + _half(blocks, 2)
+    return values.reshape(n, -1)
+
+
+def _finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(dtype)
+
+
+def gguf_linear(x: torch.Tensor, raw: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x ``[M, K]`` @ dequantized GGUF rows ``[N, K]``^T (+ bias ``[N]``) -> ``[M, N]`` x.dtype."""
+    return _finish(x.float() @ dequantize_gguf(raw, type_name).t(), bias, x.dtype)
+
+
+def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric dynamic per-row quantization: x ``[M, K]`` -> (int8 ``[M, K]``, float32 scale ``[M, 1]``)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
+    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-only INT8 (W8A16): qweight int8 ``[N, K]``, scale float32 ``[N]``."""
+    w = qweight.float() * scale.float()[:, None]
+    return _finish(x.float() @ w.t(), bias, x.dtype)
+
+
+def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8: x quantized per token (``quantize_per_token_int8``), integer products, both scales after."""
+    xq, xs = quantize_per_token_int8(x)
+    y = (xq.float() @ qweight.float().t()) * xs * scale.float()[None, :]
+    return _finish(y, bias, x.dtype)
+
+
+def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 e4m3 weights: qweight ``[N, K]``, scale float32 ``[]`` or ``[N]``."""
+    s = scale.float()
+    w = qweight.float() * (s[:, None] if s.dim() == 1 else s)
+    return _finish(x.float() @ w.t(), bias, x.dtype)
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int32 ``[R/8, C]`` packed along rows (row 8i+j in bits 4j..) -> int32 ``[R, C]`` in [0, 15]."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
+    return q.reshape(-1, packed.shape[1])
+
+
+def unpack_int4_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 ``[R, C/8]`` packed along columns -> int32 ``[R, C]``; ``order[i]`` is the column
+    held in nibble i (None: nibble j holds column j)."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [R, C/8, nibble]
+    if order is not None:
+        inverse = [order.index(j) for j in range(8)]  # nibble holding column j
+        q = q[:, :, inverse]
+    return q.reshape(packed.shape[0], -1)
+
+
+def gptq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    g_idx: torch.Tensor) -> torch.Tensor:
+    """GPTQ 4-bit -> float32 ``[N, K]`` (see the module docstring for the layout)."""
+    q = unpack_int4_rows(qweight)  # [K, N]
+    z = unpack_int4_cols(qzeros) + 1  # [G, N]; checkpoints store zero - 1
+    g = g_idx.long()
+    w = (q - z[g]).float() * scales.float()[g]
+    return w.t()
+
+
+def gptq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                g_idx: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _finish(x.float() @ gptq_dequantize(qweight, qzeros, scales, g_idx).t(), bias, x.dtype)
+
+
+def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   group_size: int) -> torch.Tensor:
+    """AWQ 4-bit -> float32 ``[N, K]`` (see the module docstring for the layout)."""
+    q = unpack_int4_cols(qweight, AWQ_ORDER)  # [K, N]
+    z = unpack_int4_cols(qzeros, AWQ_ORDER)  # [G, N]
+    g = torch.arange(q.shape[0], device=q.device) // group_size
+    w = (q - z[g]).float() * scales.float()[g]
+    return w.t()
+
+
+def awq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+               group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _finish(x.float() @ awq_dequantize(qweight, qzeros, scales, group_size).t(), bias, x.dtype)

