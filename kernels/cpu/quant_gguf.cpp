@@ -1,0 +1,266 @@
+// Matmul on GGUF (ggml) quantized weights kept in their blocks: Q4_0, Q4_1, Q8_0.
+//
+// y[m, n] = sum_k x[m, k] * W[n, k], with W stored as ggml blocks of 32 values per
+// row ([N, K/32 * block_bytes] uint8, exactly the bytes of the .gguf file).  As in
+// llama.cpp, the activations are quantized to int8 per 32-value block first (Q8_0 with a
+// float32 scale and the block's integer sum), so each block pair is one integer dot
+// product:
+//   Q4_0: d_w * d_x * (sum q*xq - 8 * sum xq)
+//   Q4_1: d_w * d_x * sum q*xq + m_w * d_x * sum xq
+//   Q8_0: d_w * d_x * sum q*xq
+// With AVX-512 VNNI (+VL) a block's dot product is one vpdpbusd on 256-bit lanes; AVX2
+// uses vpmaddubsw + vpmaddwd (no saturation: |u8 * s8 pair sums| < 2^15 for these
+// ranges); otherwise a scalar loop.  The instruction set is fixed at compile time by
+// the arch flags (one build per machine, see kernels/build.py).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int QK = 32;
+
+enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+
+inline int block_bytes(int64_t t) {
+  switch (t) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+  }
+  TORCH_CHECK(false, "unsupported ggml type id ", t, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+}
+
+inline float fp16_to_float(uint16_t h) {
+  // IEEE half to float, including subnormals (scales may be tiny).
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F;
+  uint32_t mant = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400)) { mant <<= 1; --exp; }
+      mant &= 0x3FF;
+      bits = sign | (exp << 23) | (mant << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float load_half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return fp16_to_float(h);
+}
+
+// One row of activations quantized per block: xq [K] int8, scale [K/32], sum [K/32].
+struct QuantRow {
+  const int8_t* q;
+  const float* d;
+  const float* ds;  // d * (integer sum of the block)
+};
+
+template <typename T>
+void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    float amax = 0.f;
+    float v[QK];
+    for (int i = 0; i < QK; ++i) {
+      v[i] = static_cast<float>(x[b * QK + i]);
+      amax = std::fmax(amax, std::fabs(v[i]));
+    }
+    // 127, not 128: Q8_0 weights flip signs into the activations (vpsignb).
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    int sum = 0;
+    for (int i = 0; i < QK; ++i) {
+      const int qi = static_cast<int>(std::nearbyint(v[i] * inv));
+      q[b * QK + i] = static_cast<int8_t>(qi);
+      sum += qi;
+    }
+    d[b] = scale;
+    ds[b] = scale * static_cast<float>(sum);
+  }
+}
+
+#if defined(__AVX2__)
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  const __m256i p16 = _mm256_maddubs_epi16(u, s);
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+// 16 bytes of packed nibbles -> 32 unsigned values, low nibbles first (ggml's order).
+inline __m256i unpack_nibbles(const uint8_t* qs) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  return _mm256_set_m128i(hi, lo);
+}
+#endif
+
+// Dot products of one weight row with up to MB activation rows.
+template <int MB>
+void row_dot(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* xr, float* out) {
+  const int bb = block_bytes(type);
+#if defined(__AVX2__)
+  __m256 acc[MB];
+  float extra[MB];
+  for (int m = 0; m < MB; ++m) { acc[m] = _mm256_setzero_ps(); extra[m] = 0.f; }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bb;
+    const float dw = load_half(blk);
+    if (type == Q8_0) {
+      const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+      const __m256i wabs = _mm256_sign_epi8(wq, wq);
+      for (int m = 0; m < MB; ++m) {
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[m].q + b * QK));
+        const __m256i dot = dot_u8s8(wabs, _mm256_sign_epi8(xq, wq));
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xr[m].d[b]), _mm256_cvtepi32_ps(dot), acc[m]);
+      }
+    } else {
+      const bool has_min = type == Q4_1;
+      const __m256i wq = unpack_nibbles(blk + (has_min ? 4 : 2));
+      const float mw = has_min ? load_half(blk + 2) : -8.f * dw;
+      for (int m = 0; m < MB; ++m) {
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[m].q + b * QK));
+        const __m256i dot = dot_u8s8(wq, xq);
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xr[m].d[b]), _mm256_cvtepi32_ps(dot), acc[m]);
+        extra[m] += mw * xr[m].ds[b];
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = hsum(acc[m]) + extra[m];
+#else
+  for (int m = 0; m < MB; ++m) out[m] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bb;
+    const float dw = load_half(blk);
+    for (int m = 0; m < MB; ++m) {
+      const int8_t* xq = xr[m].q + b * QK;
+      int dot = 0;
+      if (type == Q8_0) {
+        const int8_t* wq = reinterpret_cast<const int8_t*>(blk + 2);
+        for (int i = 0; i < QK; ++i) dot += wq[i] * xq[i];
+        out[m] += dw * xr[m].d[b] * dot;
+      } else {
+        const uint8_t* qs = blk + (type == Q4_1 ? 4 : 2);
+        for (int i = 0; i < 16; ++i) dot += (qs[i] & 0x0F) * xq[i] + (qs[i] >> 4) * xq[i + 16];
+        const float mw = type == Q4_1 ? load_half(blk + 2) : -8.f * dw;
+        out[m] += dw * xr[m].d[b] * dot + mw * xr[m].ds[b];
+      }
+    }
+  }
+#endif
+}
+
+template <int MB>
+void run_rows(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t nb, const QuantRow* xr,
+              float* y, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  float out[MB];
+  for (int64_t n = n0; n < n1; ++n) {
+    row_dot<MB>(type, w + n * row_bytes, nb, xr, out);
+    for (int m = 0; m < MB; ++m) y[(m0 + m) * N + n] = out[m];
+  }
+}
+
+}  // namespace
+
+// x: [M, K] float32/bfloat16 (contiguous); weight: uint8 [N, K/32 * block_bytes];
+// returns float32 [M, N].
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "gguf_linear: x [M, K] and weight [N, row_bytes] expected");
+  TORCH_CHECK(weight.scalar_type() == torch::kUInt8, "gguf_linear: weight must be uint8 blocks");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(K % QK == 0, "gguf_linear: K=", K, " is not a multiple of 32");
+  const int64_t nb = K / QK;
+  const int bb = block_bytes(type);
+  TORCH_CHECK(weight.size(1) == nb * bb, "gguf_linear: weight rows hold ", weight.size(1), " bytes, expected ",
+              nb * bb, " for K=", K);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * nb), xds(M * nb);
+  if (x.scalar_type() == torch::kFloat) {
+    const float* xp = x.data_ptr<float>();
+    at::parallel_for(0, M, 1, [&](int64_t a, int64_t b) {
+      for (int64_t m = a; m < b; ++m) quantize_row(xp + m * K, K, &xq[m * K], &xd[m * nb], &xds[m * nb]);
+    });
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    at::parallel_for(0, M, 1, [&](int64_t a, int64_t b) {
+      for (int64_t m = a; m < b; ++m) quantize_row(xp + m * K, K, &xq[m * K], &xd[m * nb], &xds[m * nb]);
+    });
+  } else {
+    TORCH_CHECK(false, "gguf_linear: x must be float32 or bfloat16");
+  }
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const int64_t row_bytes = weight.size(1);
+  // Rows of W across threads; each thread streams its rows once per 8 activation rows.
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    QuantRow xr[8];
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t mb = std::min<int64_t>(8, M - m0);
+      for (int64_t i = 0; i < mb; ++i) xr[i] = {&xq[(m0 + i) * K], &xd[(m0 + i) * nb], &xds[(m0 + i) * nb]};
+      switch (mb) {
+        case 1: run_rows<1>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
+        case 2: run_rows<2>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
+        case 3: run_rows<3>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
+        case 4: run_rows<4>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
+        case 5: run_rows<5>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
+        case 6: run_rows<6>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
+        case 7: run_rows<7>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
+        default: run_rows<8>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
+      }
+    }
+  });
+  return y;
+}
+
+std::string isa() {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx512vnni";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gguf_linear", &gguf_linear, "x [M,K] @ GGUF blocks [N, row_bytes]^T -> float32 [M,N]");
+  m.def("isa", &isa, "instruction set compiled in");
+}
