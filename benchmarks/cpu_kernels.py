@@ -1,0 +1,184 @@
+"""Native CPU kernels vs the torch references.
+
+Paged attention on decode batches (the default model's attention shape: 9 query
+heads, 3 kv heads, head size 64, bf16, block size 16, shuffled block tables) and, with
+--ops, the row-wise ops at decode and prefill sizes of the same model (hidden 576,
+intermediate 1536).  Prints one table per kind with the speedup (reference / native).
+
+    python benchmarks/cpu_kernels.py [--seqs 1 4 16 64] [--contexts 128 512 2048]
+                                     [--dtype bf16] [--isa avx2] [--ops] [--threads N]
+                                     [--huge-pages] [--cpu-time] [--prefill]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from pagedserve.kernels import reference
+from pagedserve.kernels.cpu import load_cpu_kernels
+from pagedserve.kernels.cpu.hugepages import empty_huge_pages
+
+__all__ = ["time_call", "attention_inputs", "prefill_inputs", "bench_attention", "bench_prefill", "bench_ops", "main"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def time_call(fn: Callable[[], object], min_seconds: float = 0.3, min_reps: int = 5,
+              clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median seconds of one call on ``clock``, after a warm-up call."""
+    fn()
+    samples: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < min_reps or time.perf_counter() - start < min_seconds:
+        t0 = clock()
+        fn()
+        samples.append(clock() - t0)
+        if len(samples) >= 1000:
+            break
+    return statistics.median(samples)
+
+
+def attention_inputs(num_seqs: int, context: int, dtype: torch.dtype, num_heads: int = 9, num_kv_heads: int = 3,
+                     head_size: int = 64, block_size: int = 16, huge_pages: bool = False) -> tuple[torch.Tensor, ...]:
+    """A decode batch: one query token per sequence, ``context`` keys each, blocks shuffled."""
+    blocks_per_seq = (context + block_size - 1) // block_size
+    num_blocks = num_seqs * blocks_per_seq
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    key_cache, value_cache = (empty_huge_pages(shape, dtype) if huge_pages else torch.empty(shape, dtype=dtype)
+                              for _ in range(2))
+    key_cache.copy_(torch.randn(shape))
+    value_cache.copy_(torch.randn(shape))
+    block_tables = torch.randperm(num_blocks).to(torch.int32).view(num_seqs, blocks_per_seq)
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+    query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
+    query = torch.randn(num_seqs, num_heads, head_size).to(dtype)
+    return query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
+
+
+def bench_attention(native, seqs: list[int], contexts: list[int], dtype: torch.dtype,
+                    huge_pages: bool = False, clock: Callable[[], float] = time.perf_counter) -> list[tuple]:
+    rows = []
+    for n in seqs:
+        for ctx in contexts:
+            args = attention_inputs(n, ctx, dtype, huge_pages=huge_pages)
+            out = torch.empty_like(args[0])
+            scale = args[0].shape[-1] ** -0.5
+            t_native = time_call(lambda: native.paged_attention(*args, scale, out), clock=clock)
+            t_ref = time_call(lambda: reference.paged_attention(*args, scale, out), min_seconds=0.2, min_reps=3,
+                              clock=clock)
+            rows.append((n, ctx, t_ref * 1e6, t_native * 1e6, t_ref / t_native))
+    return rows
+
+
+def prefill_inputs(q_len: int, context: int, dtype: torch.dtype, block_size: int = 16) -> tuple[torch.Tensor, ...]:
+    """One prefill chunk: the last ``q_len`` of ``context`` positions (a prefix-cache
+    continuation when q_len < context), default-model heads, blocks shuffled."""
+    query, key_cache, value_cache, block_tables, seq_lens, _ = attention_inputs(1, context, dtype,
+                                                                                 block_size=block_size)
+    query = torch.randn(q_len, *query.shape[1:]).to(dtype)
+    query_start_loc = torch.tensor([0, q_len], dtype=torch.int32)
+    return query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
+
+
+def bench_prefill(native, shapes: list[tuple[int, int]], dtype: torch.dtype,
+                  clock: Callable[[], float] = time.perf_counter) -> list[tuple]:
+    rows = []
+    for q_len, ctx in shapes:
+        args = prefill_inputs(q_len, ctx, dtype)
+        out = torch.empty_like(args[0])
+        t_native = time_call(lambda: native.paged_attention(*args, 0.125, out), clock=clock)
+        t_ref = time_call(lambda: reference.paged_attention(*args, 0.125, out), clock=clock)
+        rows.append((q_len, ctx, t_ref * 1e6, t_native * 1e6, t_ref / t_native))
+    return rows
+
+
+def _op_cases(tokens: int, dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]]:
+    """name -> (reference call, native call factory inputs) for one batch size."""
+    hidden, inter, heads, kv_heads, head = 576, 1536, 9, 3, 64
+    x = torch.randn(tokens, hidden).to(dtype)
+    res = torch.randn(tokens, hidden).to(dtype)
+    w = torch.randn(hidden).to(dtype)
+    gate_up = torch.randn(tokens, 2 * inter).to(dtype)
+    q = torch.randn(tokens, heads, head).to(dtype)
+    k = torch.randn(tokens, kv_heads, head).to(dtype)
+    pos = torch.randint(0, 2048, (tokens,))
+    freqs = torch.outer(torch.arange(2048).float(), 1.0 / 10000 ** (torch.arange(0, head, 2).float() / head))
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    kv = torch.randn(tokens, kv_heads, head).to(dtype)
+    cache = torch.empty(tokens // 16 + 8, 16, kv_heads, head, dtype=dtype)
+    slots = torch.randperm(cache.shape[0] * 16)[:tokens]
+    return {
+        "rms_norm": (lambda o: o.rms_norm(x, w, 1e-5)),
+        "fused_add_rms_norm": (lambda o: o.fused_add_rms_norm(x, res, w, 1e-5)),
+        "rotary_embedding": (lambda o: o.rotary_embedding(pos, q, k, cos_sin)),
+        "silu_and_mul": (lambda o: o.silu_and_mul(gate_up)),
+        "reshape_and_cache": (lambda o: o.reshape_and_cache(kv, kv, cache, cache, slots)),
+    }
+
+
+def bench_ops(native, token_counts: list[int], dtype: torch.dtype,
+              clock: Callable[[], float] = time.perf_counter) -> list[tuple]:
+    rows = []
+    for tokens in token_counts:
+        for name, call in _op_cases(tokens, dtype).items():
+            t_ref = time_call(lambda: call(reference), clock=clock)
+            t_native = time_call(lambda: call(native), clock=clock)
+            rows.append((name, tokens, t_ref * 1e6, t_native * 1e6, t_ref / t_native))
+    return rows
+
+
+def _print_table(header: tuple[str, ...], rows: list[tuple]) -> None:
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---:" for _ in header) + "|")
+    for r in rows:
+        cells = [f"{c:.1f}" if isinstance(c, float) and i < len(r) - 1 else
+                 (f"{c:.1f}x" if isinstance(c, float) else str(c)) for i, c in enumerate(r)]
+        print("| " + " | ".join(cells) + " |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--isa", default=None, help="force an instruction set (avx512bf16, avx512, avx2, scalar)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--huge-pages", action="store_true", help="allocate the KV caches with huge pages")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one thread, timed in process CPU time (robust on a busy machine)")
+    parser.add_argument("--prefill", action="store_true", help="also time prefill chunks")
+    parser.add_argument("--ops", action="store_true", help="also time the row-wise ops")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 512], help="batch sizes for --ops")
+    args = parser.parse_args(argv)
+    if args.cpu_time:
+        args.threads = 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    native = load_cpu_kernels(isa=args.isa)
+    if native is None:
+        raise SystemExit("native CPU kernels are unavailable (see the warning above)")
+    dtype = DTYPES[args.dtype]
+    timing = "CPU time" if args.cpu_time else "wall time"
+    print(f"# {native.source}, {args.dtype}, {torch.get_num_threads()} threads, {timing}, torch {torch.__version__}")
+    pages = "huge pages" if args.huge_pages else "4 KiB pages"
+    print(f"\npaged_attention, decode (9 heads, 3 kv heads, head 64, block 16, {pages}):\n")
+    _print_table(("seqs", "context", "reference us", "native us", "speedup"),
+                 bench_attention(native, args.seqs, args.contexts, dtype, args.huge_pages, clock))
+    if args.prefill:
+        print("\npaged_attention, one prefill chunk (the last q_len of context positions):\n")
+        _print_table(("q_len", "context", "reference us", "native us", "speedup"),
+                     bench_prefill(native, [(128, 128), (512, 512), (256, 1024), (2048, 2048)], dtype, clock))
+    if args.ops:
+        print("\nrow-wise ops (hidden 576, intermediate 1536):\n")
+        _print_table(("op", "tokens", "reference us", "native us", "speedup"),
+                     bench_ops(native, args.tokens, dtype, clock))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,413 @@
+"""The one build path for every compiled kernel of pagedserve.
+
+Targets:
+    cpu    the C++ kernels in ``kernels/cpu`` (torch cpp_extension, ninja), built ahead
+           of time by ``pagedserve build-kernels`` or just in time on first use.
+    cuda   ``kernels/cuda/build.py:build_cuda_extension(verbose)``, imported only then.
+    rocm   the same function under a ROCm build of torch (torch hipifies the sources).
+
+Both ways of building the CPU kernels write to one persistent cache,
+``<root>/pagedserve_cpu_<key>/``, where the key hashes the sources, the compiler
+flags, the compiler, torch's and Python's versions, so a stale build is never loaded
+and an unchanged one is never rebuilt.  Importing pagedserve builds nothing.
+
+Environment:
+    PAGEDSERVE_TARGET_DEVICE   default target of ``pagedserve build-kernels``.
+    MAX_JOBS                   parallel compile jobs (read by torch's ninja build).
+    PAGEDSERVE_CPU_ARCH_FLAGS  compiler flags replacing those chosen from
+                               /proc/cpuinfo, e.g. "-mavx2 -mfma -mf16c"; "" builds
+                               only the portable kernels.
+    PAGEDSERVE_KERNEL_CACHE    cache root (default ~/.cache/pagedserve/kernels).
+    CXX                        the C++ compiler (default ``c++``), as for torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = [
+    "TARGETS",
+    "KernelBuildError",
+    "BuildReport",
+    "CpuBuildSpec",
+    "read_cpu_features",
+    "auto_cpu_arch_flags",
+    "cpu_arch_flags",
+    "unsupported_arch_flags",
+    "kernel_cache_root",
+    "cpu_build_spec",
+    "load_extension",
+    "load_cpu_extension",
+    "default_target",
+    "build_kernels",
+]
+
+TARGETS: tuple[str, ...] = ("cpu", "cuda", "rocm")
+
+CPU_DIR = Path(__file__).resolve().parent / "cpu"
+CPU_SOURCES: tuple[str, ...] = ("bindings.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp")
+CPU_HEADERS: tuple[str, ...] = ("kernels.h", "vec.h", "attention.h", "attention_plan.h", "elementwise.h")
+# Hidden visibility: two builds loaded in one process (say a stale and a fresh one)
+# must not bind to each other's kernel symbols.
+BASE_CFLAGS: tuple[str, ...] = ("-O3", "-DNDEBUG", "-fvisibility=hidden")
+
+STALE_LOCK_SECONDS = 900
+
+# Compiler flag -> the /proc/cpuinfo feature it needs at run time.
+ARCH_FLAG_FEATURES: dict[str, str] = {
+    "-mavx2": "avx2",
+    "-mfma": "fma",
+    "-mf16c": "f16c",
+    "-mavx512f": "avx512f",
+    "-mavx512bw": "avx512bw",
+    "-mavx512vl": "avx512vl",
+    "-mavx512dq": "avx512dq",
+    "-mavx512bf16": "avx512_bf16",
+    "-mavx512vnni": "avx512_vnni",
+}
+
+
+class KernelBuildError(RuntimeError):
+    """A native kernel could not be built or loaded; the message says why."""
+
+
+@dataclass
+class BuildReport:
+    """What a build or load did, for messages and `pagedserve build-kernels`."""
+
+    target: str
+    name: str
+    path: str
+    compiled: bool  # False: loaded from the cache without compiling
+    seconds: float
+    arch_flags: list[str] = field(default_factory=list)
+    arch_origin: str = ""
+    isas: list[str] = field(default_factory=list)
+    features: dict[str, bool] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        how = f"compiled in {self.seconds:.1f}s" if self.compiled else "loaded from cache"
+        isas = ", ".join(self.isas) or "?"
+        return f"{self.target} kernels {self.name}: {how}; instruction sets {isas}; {self.path}"
+
+
+def read_cpu_features(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def auto_cpu_arch_flags(features: frozenset[str]) -> list[str]:
+    """The -m flags for the best instruction sets ``features`` supports.
+
+    AVX2 needs FMA and F16C next to it (every AVX2 CPU has both); AVX-512 needs the
+    F/BW/VL/DQ subsets (Skylake-SP onwards, Zen 4); BF16 dot products are optional.
+    """
+    flags: list[str] = []
+    if {"avx2", "fma", "f16c"} <= features:
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= features:
+            flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+            if "avx512_bf16" in features:
+                flags.append("-mavx512bf16")
+    return flags
+
+
+def cpu_arch_flags(env: Mapping[str, str] | None = None,
+                   features: frozenset[str] | None = None) -> tuple[list[str], str]:
+    """(flags, where they came from): PAGEDSERVE_CPU_ARCH_FLAGS if set, else /proc/cpuinfo."""
+    env = os.environ if env is None else env
+    raw = env.get("PAGEDSERVE_CPU_ARCH_FLAGS")
+    if raw is not None:
+        return shlex.split(raw), "PAGEDSERVE_CPU_ARCH_FLAGS"
+    return auto_cpu_arch_flags(read_cpu_features() if features is None else features), "/proc/cpuinfo"
+
+
+def unsupported_arch_flags(flags: list[str], features: frozenset[str]) -> list[str]:
+    """Flags whose instructions this CPU lacks (a build with them could crash here)."""
+    if not features:  # no /proc/cpuinfo: nothing to check against
+        return []
+    return [f for f in flags if f in ARCH_FLAG_FEATURES and ARCH_FLAG_FEATURES[f] not in features]
+
+
+def kernel_cache_root(env: Mapping[str, str] | None = None) -> Path:
+    """PAGEDSERVE_KERNEL_CACHE, else $XDG_CACHE_HOME/pagedserve/kernels, else ~/.cache/..."""
+    env = os.environ if env is None else env
+    if env.get("PAGEDSERVE_KERNEL_CACHE"):
+        return Path(env["PAGEDSERVE_KERNEL_CACHE"]).expanduser()
+    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "pagedserve" / "kernels"
+
+
+@dataclass(frozen=True)
+class CpuBuildSpec:
+    """Everything that determines one build of the CPU kernels."""
+
+    name: str  # python module name, unique per key
+    directory: Path
+    sources: tuple[Path, ...]
+    cflags: tuple[str, ...]
+    arch_flags: tuple[str, ...]
+    arch_origin: str
+    compiler: str
+
+    @property
+    def so_path(self) -> Path:
+        return self.directory / f"{self.name}.so"
+
+    @property
+    def stamp_path(self) -> Path:
+        return self.directory / "build.json"
+
+
+def cpu_build_spec(env: Mapping[str, str] | None = None) -> CpuBuildSpec:
+    """The build of the CPU kernels for this machine and environment."""
+    import torch
+
+    env = os.environ if env is None else env
+    arch, origin = cpu_arch_flags(env)
+    cflags = (*BASE_CFLAGS, *arch)
+    compiler = env.get("CXX", "c++")
+    digest = hashlib.sha256()
+    for name in (*CPU_SOURCES, *CPU_HEADERS):
+        digest.update(name.encode())
+        digest.update((CPU_DIR / name).read_bytes())
+    digest.update(json.dumps([cflags, compiler, torch.__version__, sys.version_info[:2],
+                              platform.machine()]).encode())
+    name = f"pagedserve_cpu_{digest.hexdigest()[:16]}"
+    return CpuBuildSpec(
+        name=name,
+        directory=kernel_cache_root(env) / name,
+        sources=tuple(CPU_DIR / s for s in CPU_SOURCES),
+        cflags=cflags,
+        arch_flags=tuple(arch),
+        arch_origin=origin,
+        compiler=compiler,
+    )
+
+
+def _log(msg: str) -> None:
+    print(f"pagedserve: {msg}", file=sys.stderr, flush=True)
+
+
+def _check_toolchain(spec: CpuBuildSpec) -> None:
+    if shutil.which(shlex.split(spec.compiler)[0] if spec.compiler.strip() else "") is None:
+        raise KernelBuildError(f"no C++ compiler: {spec.compiler!r} (from CXX, default c++) was not found")
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        raise KernelBuildError("ninja was not found (pip install ninja)")
+
+
+def _first_error(text: str) -> str:
+    """The first compiler error line of a failed build (else its last line)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in lines:
+        if re.search(r"\berror\b", ln, re.IGNORECASE) and "Error building extension" not in ln:
+            return ln[:300]
+    return (lines[-1] if lines else text)[:300]
+
+
+def _compile(spec: CpuBuildSpec, verbose: bool) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    spec.directory.mkdir(parents=True, exist_ok=True)
+    # torch serialises concurrent builds with a lock file and waits for it forever; a
+    # build killed outright leaves it behind.  No build takes anywhere near this long.
+    lock = spec.directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+        _log(f"removing stale build lock {lock}")
+        lock.unlink(missing_ok=True)
+    try:
+        return cpp_extension.load(
+            name=spec.name,
+            sources=[str(s) for s in spec.sources],
+            extra_cflags=list(spec.cflags),
+            extra_include_paths=[str(CPU_DIR)],
+            build_directory=str(spec.directory),
+            verbose=verbose,
+        )
+    except Exception as exc:  # compiler errors arrive as RuntimeError/CalledProcessError
+        raise KernelBuildError(f"building {spec.name} failed: {_first_error(str(exc))}") from exc
+
+
+def _import_built(spec: CpuBuildSpec) -> ModuleType:
+    if spec.name in sys.modules:
+        return sys.modules[spec.name]
+    import torch  # noqa: F401  (the extension links against torch's libraries)
+
+    module_spec = importlib.util.spec_from_file_location(spec.name, spec.so_path)
+    if module_spec is None or module_spec.loader is None:
+        raise KernelBuildError(f"cannot import {spec.so_path}")
+    try:
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    except ImportError as exc:
+        raise KernelBuildError(f"cannot load {spec.so_path}: {exc}") from exc
+    sys.modules[spec.name] = module
+    return module
+
+
+def _is_built(spec: CpuBuildSpec) -> bool:
+    return spec.so_path.is_file() and spec.stamp_path.is_file()
+
+
+def _report(spec: CpuBuildSpec, module: ModuleType, compiled: bool, seconds: float) -> BuildReport:
+    return BuildReport(
+        target="cpu", name=spec.name, path=str(spec.directory), compiled=compiled, seconds=seconds,
+        arch_flags=list(spec.arch_flags), arch_origin=spec.arch_origin,
+        isas=list(module.compiled_isas()), features=dict(module.build_features()),
+    )
+
+
+def _log_verbose(spec: CpuBuildSpec, report: BuildReport | None = None) -> None:
+    if report is None:
+        flags = " ".join(spec.arch_flags) or "(none: portable kernels only)"
+        _log(f"CPU arch flags {flags} (from {spec.arch_origin}); compiler {spec.compiler}; "
+             f"MAX_JOBS={os.environ.get('MAX_JOBS', 'unset (ninja default)')}; cache {spec.directory}")
+        return
+    on = ", ".join(k for k, v in sorted(report.features.items()) if v) or "none"
+    _log(f"compiler features in effect: {on}; kernels compiled for: {', '.join(report.isas)}")
+
+
+def load_cpu_extension(verbose: bool = False, rebuild: bool = False) -> tuple[ModuleType, BuildReport]:
+    """Load the CPU kernels, compiling them first unless the cache has this build.
+
+    Raises KernelBuildError (with the reason) when there is no compiler, the build
+    fails, or the requested arch flags name instructions this CPU lacks.
+    """
+    spec = cpu_build_spec()
+    bad = unsupported_arch_flags(list(spec.arch_flags), read_cpu_features())
+    if bad:
+        raise KernelBuildError(f"this CPU lacks the instructions of {' '.join(bad)} "
+                               f"(from {spec.arch_origin})")
+    if verbose:
+        _log_verbose(spec)
+    if rebuild:  # ninja would keep up-to-date objects: start from an empty directory
+        _cached_load.cache_clear()
+        shutil.rmtree(spec.directory, ignore_errors=True)
+    result = _cached_load(spec, verbose)
+    if isinstance(result, KernelBuildError):
+        raise KernelBuildError(str(result)) from result
+    module, report = result
+    if verbose:
+        _log_verbose(spec, report)
+    return module, report
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_load(spec: CpuBuildSpec, verbose: bool) -> tuple[ModuleType, BuildReport] | KernelBuildError:
+    # One attempt per process and build: a failed compile is remembered rather than
+    # retried (for minutes) on every platform selection.
+    try:
+        return _load_or_compile(spec, verbose)
+    except KernelBuildError as exc:
+        return exc
+
+
+def load_extension(spec: CpuBuildSpec, label: str = "native CPU kernels",
+                   verbose: bool = False) -> tuple[ModuleType, bool, float]:
+    """Import the build ``spec`` from the cache, compiling it first if it is not there.
+
+    Returns (module, compiled, seconds).  While compiling, one line on stderr says
+    so.  Raises KernelBuildError when there is no toolchain or the build fails.  Other
+    extensions (e.g. the quantized kernels) reuse this with their own spec.
+    """
+    start = time.perf_counter()
+    if _is_built(spec):
+        return _import_built(spec), False, time.perf_counter() - start
+    _check_toolchain(spec)
+    flags = " ".join(spec.arch_flags) or "portable"
+    _log(f"compiling {label} ({flags}) into {spec.directory}; "
+         "this takes a minute or two, once per machine and version")
+    module = _compile(spec, verbose)
+    seconds = time.perf_counter() - start
+    stamp = {"name": spec.name, "cflags": list(spec.cflags), "compiler": spec.compiler,
+             "seconds": round(seconds, 1), "built": time.strftime("%Y-%m-%d %H:%M:%S")}
+    spec.stamp_path.write_text(json.dumps(stamp, indent=1))
+    return module, True, seconds
+
+
+def _load_or_compile(spec: CpuBuildSpec, verbose: bool) -> tuple[ModuleType, BuildReport]:
+    module, compiled, seconds = load_extension(spec, "native CPU kernels", verbose)
+    return module, _report(spec, module, compiled, seconds)
+
+
+def default_target(env: Mapping[str, str] | None = None) -> str:
+    """PAGEDSERVE_TARGET_DEVICE if set; else rocm/cuda when torch is built for one
+    and sees a device; else cpu."""
+    env = os.environ if env is None else env
+    name = env.get("PAGEDSERVE_TARGET_DEVICE", "").strip()
+    if name and name != "auto":
+        if name not in TARGETS:
+            raise KernelBuildError(f"nothing to build for PAGEDSERVE_TARGET_DEVICE={name!r}; "
+                                   f"targets: {', '.join(TARGETS)}")
+        return name
+    import torch
+
+    if getattr(torch.version, "hip", None) and torch.cuda.is_available():
+        return "rocm"
+    if torch.version.cuda and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def _build_gpu(target: str, verbose: bool) -> Any:
+    import torch
+
+    if target == "rocm" and not getattr(torch.version, "hip", None):
+        raise KernelBuildError(f"target rocm needs a ROCm build of torch (this is {torch.__version__})")
+    if target == "cuda" and not torch.version.cuda:
+        raise KernelBuildError(f"target cuda needs a CUDA build of torch (this is {torch.__version__})")
+    modname = "pagedserve.kernels.cuda.build"
+    try:
+        mod = importlib.import_module(modname)
+    except ModuleNotFoundError as exc:
+        if exc.name != modname:
+            raise
+        raise KernelBuildError(f"{target} kernels have no build script ({modname} is missing)") from exc
+    build = getattr(mod, "build_cuda_extension", None)
+    if build is None:
+        raise KernelBuildError(f"{modname} defines no build_cuda_extension(verbose)")
+    try:
+        return build(verbose)
+    except KernelBuildError:
+        raise
+    except Exception as exc:  # compiler failures arrive as RuntimeError/CalledProcessError
+        raise KernelBuildError(f"building the {target} kernels failed: {_first_error(str(exc))}") from exc
+
+
+def build_kernels(target: str | None = None, verbose: bool = False, force: bool = False) -> BuildReport | Any:
+    """Compile the kernels of ``target`` ahead of time (default: default_target()).
+
+    For cpu this fills the same cache the first use would, so later loads only
+    import; ``force`` rebuilds even when the cache is current.
+    """
+    target = target or default_target()
+    if target not in TARGETS:
+        raise KernelBuildError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
+    if target == "cpu":
+        return load_cpu_extension(verbose=verbose, rebuild=force)[1]
+    return _build_gpu(target, verbose)

@@ -1,0 +1,439 @@
+// Paged attention over the reference KV layout, templated over the instruction set.
+//
+// One work item = one sequence x a range of kv heads x a tile of query tokens x a
+// range of keys.  All query heads of a kv head's group are processed together so each
+// K/V row read from the cache (in place, through the block table) serves the whole
+// group; taking several kv heads per item reads each block as one contiguous run.
+// Softmax is online (flash-attention style) in float32, one span of up to 64 keys
+// (several cache blocks) at a time.
+#pragma once
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels.h"
+#include "vec.h"
+
+namespace pagedserve_cpu {
+
+// Per-thread buffers, grown on demand and reused across calls so the hot loop never
+// allocates.
+struct AttnScratch {
+  std::vector<float> q, acc, m, l, kf, scores, m_new, alpha;
+  static void grow(std::vector<float>& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+  }
+};
+
+inline AttnScratch& attn_scratch() {
+  static thread_local AttnScratch s;
+  return s;
+}
+
+constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+// Largest divisor of nv not above cap: how many vectors of a row's accumulator stay
+// in registers while V rows stream through.
+constexpr int acc_chunk(int nv, int cap) {
+  for (int c = cap < nv ? cap : nv; c > 1; --c)
+    if (nv % c == 0) return c;
+  return 1;
+}
+
+// q.k with float32 FMAs on float32 rows (rows of 16-bit caches are converted once
+// per block by the caller).
+template <class Isa, int D>
+struct QkFma {
+  using Elem = float;
+  using V = typename Isa::V;
+  static constexpr int W = Isa::W, NV = D / W;
+
+  // Lane t = q . k_t for the n (<= W) keys k_t = k + t * ks.
+  template <bool kFull>
+  static V chunk(const float* q, const float* k, int64_t ks, int n) {
+    V qv[NV];
+#pragma GCC unroll 32
+    for (int v = 0; v < NV; ++v) qv[v] = Isa::load(q + v * W);
+    V acc[W];
+#pragma GCC unroll 16
+    for (int t = 0; t < W; ++t) {
+      if (kFull || t < n) {
+        const float* kr = k + t * ks;
+        V a = Isa::mul(qv[0], Isa::load(kr));
+#pragma GCC unroll 32
+        for (int v = 1; v < NV; ++v) a = Isa::fma(qv[v], Isa::load(kr + v * W), a);
+        acc[t] = a;
+      } else {
+        acc[t] = Isa::zero();
+      }
+    }
+    return Isa::reduce_tree(acc);
+  }
+};
+
+#if defined(PAGEDSERVE_HAVE_AVX512BF16)
+// q.k straight from bf16 rows with VDPBF16PS: products of two bf16 values are exact
+// in float32, so this matches the float32 reference up to summation order, and needs
+// neither a conversion pass over K nor float32 copies of the query.
+template <int D>
+struct QkBf16Dot {
+  using Elem = BF16;
+  using V = __m512;
+  static constexpr int NC = (D + 31) / 32;
+  static constexpr __mmask32 kLastMask =
+      D % 32 == 0 ? __mmask32(0xffffffffu) : __mmask32((1u << (D % 32)) - 1u);
+
+  static __m512i load_pairs(const BF16* p, int c) {
+    // The masked tail (head size 80) zero-fills, so it neither reads the next head
+    // nor lets stray NaNs into the sum.
+    if (D % 32 != 0 && c == NC - 1) return _mm512_maskz_loadu_epi16(kLastMask, p + 32 * c);
+    return _mm512_loadu_si512(p + 32 * c);
+  }
+
+  template <bool kFull>
+  static V chunk(const BF16* q, const BF16* k, int64_t ks, int n) {
+    __m512i qv[NC];
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) qv[c] = load_pairs(q, c);
+    V acc[16];
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      if (kFull || t < n) {
+        const BF16* kr = k + t * ks;
+        V a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c)
+          a = _mm512_dpbf16_ps(a, (__m512bh)qv[c], (__m512bh)load_pairs(kr, c));
+        acc[t] = a;
+      } else {
+        acc[t] = _mm512_setzero_ps();
+      }
+    }
+    return Avx512::reduce_tree(acc);
+  }
+};
+#endif
+
+template <class Isa, typename T, int D, class Qk>
+struct Attention {
+  using V = typename Isa::V;
+  using E = typename Qk::Elem;  // what the q.k product reads: T itself or float32
+  static constexpr int W = Isa::W, NV = D / W;
+  // P.V runs over up to kGroupTile query rows at once so each V row is loaded and
+  // converted once for all of them; CH vectors of each row's accumulator stay in
+  // registers.
+  static constexpr int kGroupTile = 4;
+  static constexpr int CH = acc_chunk(NV, Isa::kMaxAccRegs / kGroupTile);
+  static_assert(D % W == 0, "head size must be a multiple of the vector width");
+
+  // Blocks are scattered through the cache, so hardware prefetchers cannot see the
+  // next one coming: fetch its rows while the current span is being computed.
+  static void prefetch_rows(const T* rows, int64_t stride, int n) {
+    constexpr int kRowBytes = D * int(sizeof(T));
+    for (int j = 0; j < n; ++j)
+      for (int b = 0; b < kRowBytes; b += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(rows + j * stride) + b, 0, 3);
+  }
+
+  // n rows of a block (stride in elements) -> dense float32 [n, D].
+  static void to_f32(const T* src, int64_t stride, int n, float* dst) {
+    for (int j = 0; j < n; ++j)
+#pragma GCC unroll 32
+      for (int v = 0; v < NV; ++v) Isa::store(dst + j * D + v * W, Isa::load(src + j * stride + v * W));
+  }
+
+  // Keys of one kv head taken together by the online softmax: up to kMaxSegs runs
+  // (one per cache block) of rows at a common stride.  Spanning several blocks
+  // amortises the per-step work (max, rescale, horizontal sums) and gives the
+  // out-of-order core independent exp chains to overlap.
+  static constexpr int kSpanKeys = 64;
+  static constexpr int kMaxSegs = kSpanKeys / W;
+  struct Span {
+    const E* k[kMaxSegs];
+    const T* v[kMaxSegs];
+    int n[kMaxSegs];
+    int segs;
+    int64_t ks, vs;
+  };
+
+  // acc_r = acc_r * alpha_r + sum_j p_r[j] * v_j for R rows (row stride D, score
+  // stride sp) over the first n keys of the span, V rows read straight from the cache.
+  template <int R>
+  static void pv_rows(float* acc, const float* alpha, const float* p, int sp, const Span& sn, int n) {
+    for (int c0 = 0; c0 < NV; c0 += CH) {
+      V a[R][CH];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const V va = Isa::set1(alpha[r]);
+#pragma GCC unroll 16
+        for (int c = 0; c < CH; ++c) a[r][c] = Isa::mul(Isa::load(acc + r * D + (c0 + c) * W), va);
+      }
+      for (int sg = 0, j0 = 0; sg < sn.segs && j0 < n; j0 += sn.n[sg++]) {
+        const int m = std::min(sn.n[sg], n - j0);
+        for (int j = 0; j < m; ++j) {
+          const T* vr = sn.v[sg] + j * sn.vs + c0 * W;
+          V vj[CH];
+#pragma GCC unroll 16
+          for (int c = 0; c < CH; ++c) vj[c] = Isa::load(vr + c * W);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const V pr = Isa::set1(p[r * sp + j0 + j]);
+#pragma GCC unroll 16
+            for (int c = 0; c < CH; ++c) a[r][c] = Isa::fma(pr, vj[c], a[r][c]);
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+        for (int c = 0; c < CH; ++c) Isa::store(acc + r * D + (c0 + c) * W, a[r][c]);
+    }
+  }
+
+  // Scaled scores of one query row against the first n keys of the span -> s[0, n)
+  // (padded with -inf up to a multiple of W); returns their maximum.  Every segment
+  // but the last holds a multiple of W keys, so chunks never straddle two blocks.
+  static float scores(const E* q, const Span& sn, int n, float scale, float* s) {
+    const V vscale = Isa::set1(scale);
+    V vmax = Isa::set1(kNegInf);
+    for (int sg = 0, j0 = 0; sg < sn.segs && j0 < n; j0 += sn.n[sg++]) {
+      const int m = std::min(sn.n[sg], n - j0);
+      const E* k = sn.k[sg];
+      int c = 0;
+      for (; c + W <= m; c += W) {
+        const V x = Isa::mul(Qk::template chunk<true>(q, k + c * sn.ks, sn.ks, W), vscale);
+        Isa::store(s + j0 + c, x);
+        vmax = Isa::max(vmax, x);
+      }
+      if (c < m) {
+        const V x = Isa::mask_tail(Isa::mul(Qk::template chunk<false>(q, k + c * sn.ks, sn.ks, m - c), vscale),
+                                   m - c, kNegInf);
+        Isa::store(s + j0 + c, x);
+        vmax = Isa::max(vmax, x);
+      }
+    }
+    return Isa::reduce_max(vmax);
+  }
+
+  // The G query rows of one token (row stride qs, all seeing the first n keys of the
+  // span): scores, online-softmax rescale, then P.V for all of them together.
+  static void token_rows(AttnScratch& sc, int row0, int G, const E* q, int64_t qs, const Span& sn, int n,
+                         float scale) {
+    const int sp = round_up(n, W);
+    float* s = sc.scores.data();
+    float* m = sc.m.data() + row0;
+    float* l = sc.l.data() + row0;
+    float* m_new = sc.m_new.data();
+    float* alpha = sc.alpha.data();
+    for (int g = 0; g < G; ++g) m_new[g] = std::max(m[g], scores(q + g * qs, sn, n, scale, s + g * sp));
+    for (int g = 0; g < G; g += W)  // exp(m - m_new) is 0 on the first span (m = -inf)
+      Isa::store(alpha + g, Isa::exp(Isa::sub(Isa::load(m + g), Isa::load(m_new + g))));
+    for (int g = 0; g < G; ++g) {
+      const V vm = Isa::set1(m_new[g]);
+      V vsum = Isa::zero();
+      for (int c = 0; c < n; c += W) {
+        const V e = Isa::exp(Isa::sub(Isa::load(s + g * sp + c), vm));
+        Isa::store(s + g * sp + c, e);
+        vsum = Isa::add(vsum, e);
+      }
+      l[g] = l[g] * alpha[g] + Isa::reduce_add(vsum);
+      m[g] = m_new[g];
+    }
+    float* acc = sc.acc.data() + size_t(row0) * D;
+    for (int g = 0; g < G; g += kGroupTile) {
+      float* a = acc + size_t(g) * D;
+      switch (std::min(kGroupTile, G - g)) {
+        case 1: pv_rows<1>(a, alpha + g, s + g * sp, sp, sn, n); break;
+        case 2: pv_rows<2>(a, alpha + g, s + g * sp, sp, sn, n); break;
+        case 3: pv_rows<3>(a, alpha + g, s + g * sp, sp, sn, n); break;
+        default: pv_rows<4>(a, alpha + g, s + g * sp, sp, sn, n); break;
+      }
+    }
+  }
+
+  // Rows of a work item: r = (local kv head * n_tok + token) * G + group member.
+  struct Rows {
+    int G, n_tok, kv_begin;
+    // Offset of row r in a [tokens, heads, D] tensor, from the item's first token.
+    int64_t offset(int r, int64_t s_tok, int64_t s_head) const {
+      const int h = kv_begin + r / (n_tok * G), t = (r / G) % n_tok;
+      return t * s_tok + int64_t(h * G + r % G) * s_head;
+    }
+  };
+
+  static int blocks_per_span(int bs) { return bs % W == 0 ? std::max(1, kSpanKeys / bs) : 1; }
+
+  static void prepare(AttnScratch& sc, int rows, int G, int bs) {
+    const int span = blocks_per_span(bs) * bs;
+    AttnScratch::grow(sc.acc, size_t(rows) * D);
+    AttnScratch::grow(sc.m, rows + W);  // + W: alphas are computed W rows at a time
+    AttnScratch::grow(sc.l, rows);
+    AttnScratch::grow(sc.m_new, G + W);
+    AttnScratch::grow(sc.alpha, G + W);
+    AttnScratch::grow(sc.scores, size_t(G) * round_up(span, W));
+    if constexpr (!std::is_same_v<E, T>) AttnScratch::grow(sc.kf, size_t(span) * D);
+    std::fill_n(sc.acc.data(), size_t(rows) * D, 0.f);
+    std::fill_n(sc.m.data(), rows + W, kNegInf);
+    std::fill_n(sc.l.data(), rows, 0.f);
+    std::fill_n(sc.m_new.data(), G + W, 0.f);
+  }
+
+  static void item(const AttnParams& p, const AttnWork& w, float* partials) {
+    const int G = p.num_heads / p.num_kv_heads, bs = p.block_size;
+    const int q0 = p.query_start_loc[w.seq];
+    const int first_pos = p.seq_lens[w.seq] - (p.query_start_loc[w.seq + 1] - q0);
+    const int n_tok = w.tok_end - w.tok_begin, n_kv = w.kv_end - w.kv_begin;
+    const int rows = n_kv * n_tok * G;
+    const Rows rm{G, n_tok, w.kv_begin};
+    AttnScratch& sc = attn_scratch();
+    prepare(sc, rows, G, bs);
+    const T* query = static_cast<const T*>(p.query) + int64_t(q0 + w.tok_begin) * p.q_stride_tok;
+    if constexpr (!std::is_same_v<E, T>) {  // float32 copy of the item's query rows
+      AttnScratch::grow(sc.q, size_t(rows) * D);
+      for (int r = 0; r < rows; ++r)
+        to_f32(query + rm.offset(r, p.q_stride_tok, p.q_stride_head), 0, 1, sc.q.data() + size_t(r) * D);
+    }
+    // Keys visible to the item's last token; earlier tokens see fewer (causal).
+    const int key_end = std::min(w.ctx_end, first_pos + w.tok_end);
+    const int bps = blocks_per_span(bs);
+    for (int kb = w.ctx_begin / bs; kb * bs < key_end; kb += bps) {
+      const int kb_end = std::min(kb + bps, (key_end + bs - 1) / bs);
+      const int j0 = std::max(w.ctx_begin, kb * bs), j1 = std::min(key_end, kb_end * bs);
+      for (int h = w.kv_begin; h < w.kv_end; ++h) {
+        const Span sn = make_span(p, sc, w.seq, h, kb, kb_end, j0, j1, key_end);
+        for (int t = 0; t < n_tok; ++t) {
+          const int visible = std::min(j1, first_pos + w.tok_begin + t + 1) - j0;
+          if (visible <= 0) continue;
+          const int r = (h - w.kv_begin) * n_tok * G + t * G;
+          if constexpr (std::is_same_v<E, T>)
+            token_rows(sc, r, G, query + t * p.q_stride_tok + int64_t(h) * G * p.q_stride_head, p.q_stride_head,
+                       sn, visible, p.scale);
+          else
+            token_rows(sc, r, G, sc.q.data() + size_t(r) * D, D, sn, visible, p.scale);
+        }
+      }
+    }
+    finish(p, w, partials, sc, rm, q0, rows);
+  }
+
+  // Row pointers of keys [j0, j1) (blocks [kb, kb_end)) of kv head h; prefetches the
+  // same head's rows of the next span (keys below prefetch_end), whose blocks hardware
+  // cannot predict.  (Prefetching whole blocks in address order instead measured no
+  // faster.)
+  static Span make_span(const AttnParams& p, AttnScratch& sc, int seq, int h, int kb, int kb_end, int j0, int j1,
+                        int prefetch_end) {
+    const int bs = p.block_size;
+    const int32_t* table = p.block_tables + seq * p.bt_stride;
+    const T* kc = static_cast<const T*>(p.key_cache) + h * p.kc_stride_head;
+    const T* vc = static_cast<const T*>(p.value_cache) + h * p.vc_stride_head;
+    Span sn;
+    sn.segs = kb_end - kb;
+    sn.ks = p.kc_stride_tok;
+    sn.vs = p.vc_stride_tok;
+    for (int b = kb, i = 0; b < kb_end; ++b, ++i) {
+      const int first = std::max(j0, b * bs), last = std::min(j1, (b + 1) * bs);
+      sn.n[i] = last - first;
+      const int64_t block = table[b];
+      sn.v[i] = vc + block * p.vc_stride_block + int64_t(first - b * bs) * p.vc_stride_tok;
+      if constexpr (std::is_same_v<E, T>)
+        sn.k[i] = kc + block * p.kc_stride_block + int64_t(first - b * bs) * p.kc_stride_tok;
+      if (int nb = kb_end + i; nb * bs < prefetch_end) {
+        const int64_t next = table[nb];
+        const int rows_next = std::min(prefetch_end - nb * bs, bs);
+        prefetch_rows(kc + next * p.kc_stride_block, p.kc_stride_tok, rows_next);
+        prefetch_rows(vc + next * p.vc_stride_block, p.vc_stride_tok, rows_next);
+      }
+    }
+    if constexpr (!std::is_same_v<E, T>) {  // float32 copy of the span's keys
+      float* dst = sc.kf.data();
+      for (int b = kb, i = 0; b < kb_end; ++b, ++i) {
+        const int first = std::max(j0, b * bs);
+        to_f32(kc + table[b] * p.kc_stride_block + int64_t(first - b * bs) * p.kc_stride_tok, p.kc_stride_tok,
+               sn.n[i], dst);
+        sn.k[i] = dst;
+        dst += size_t(sn.n[i]) * D;
+      }
+      sn.ks = D;
+    }
+    return sn;
+  }
+
+  static void finish(const AttnParams& p, const AttnWork& w, float* partials, const AttnScratch& sc, const Rows& rm,
+                     int q0, int rows) {
+    if (w.partial_row >= 0) {  // split context: keep (max, sum, acc) for the merge
+      for (int r = 0; r < rows; ++r) {
+        float* dst = partials + (w.partial_row + r) * (D + 2);
+        dst[0] = sc.m[r];
+        dst[1] = sc.l[r];
+        std::copy_n(sc.acc.data() + size_t(r) * D, D, dst + 2);
+      }
+      return;
+    }
+    T* out = static_cast<T*>(p.out) + int64_t(q0 + w.tok_begin) * p.o_stride_tok;
+    for (int r = 0; r < rows; ++r) {
+      T* o = out + rm.offset(r, p.o_stride_tok, p.o_stride_head);
+      const V inv = Isa::set1(1.f / sc.l[r]);
+      const float* a = sc.acc.data() + size_t(r) * D;
+#pragma GCC unroll 32
+      for (int v = 0; v < NV; ++v) Isa::store(o + v * W, Isa::mul(Isa::load(a + v * W), inv));
+    }
+  }
+
+  // Combines the context splits of one (sequence, kv heads, token tile).
+  static void merge(const AttnParams& p, const AttnMerge& mg, const float* partials) {
+    const int G = p.num_heads / p.num_kv_heads, n_tok = mg.tok_end - mg.tok_begin;
+    const int rows = (mg.kv_end - mg.kv_begin) * n_tok * G;
+    const Rows rm{G, n_tok, mg.kv_begin};
+    T* out = static_cast<T*>(p.out) + int64_t(p.query_start_loc[mg.seq] + mg.tok_begin) * p.o_stride_tok;
+    float acc[D];
+    for (int r = 0; r < rows; ++r) {
+      auto part = [&](int s) { return partials + (mg.first_row + int64_t(s) * rows + r) * (D + 2); };
+      float m = kNegInf;
+      for (int s = 0; s < mg.num_splits; ++s) m = std::max(m, part(s)[0]);
+      float l = 0.f;
+      std::fill_n(acc, D, 0.f);
+      for (int s = 0; s < mg.num_splits; ++s) {
+        const float* src = part(s);
+        if (src[1] == 0.f) continue;  // this split saw no key of this row
+        const float f = std::exp(src[0] - m);
+        l += f * src[1];
+        const V vf = Isa::set1(f);
+        for (int v = 0; v < NV; ++v)
+          Isa::store(acc + v * W, Isa::fma(vf, Isa::load(src + 2 + v * W), Isa::load(acc + v * W)));
+      }
+      T* o = out + rm.offset(r, p.o_stride_tok, p.o_stride_head);
+      const V inv = Isa::set1(1.f / l);
+      for (int v = 0; v < NV; ++v) Isa::store(o + v * W, Isa::mul(Isa::load(acc + v * W), inv));
+    }
+  }
+};
+
+template <class Isa, typename T, int D>
+AttnFns attention_fma_fns() {
+  using K = Attention<Isa, T, D, QkFma<Isa, D>>;
+  return {&K::item, &K::merge};
+}
+
+// (dtype, head size) -> the float32-FMA kernel of instruction set Isa.
+template <class Isa>
+AttnFns attention_fns(DType dtype, int head_size) {
+  auto by_head = [head_size](auto tag) -> AttnFns {
+    using T = decltype(tag);
+    switch (head_size) {
+      case 64: return attention_fma_fns<Isa, T, 64>();
+      case 80: return attention_fma_fns<Isa, T, 80>();
+      case 96: return attention_fma_fns<Isa, T, 96>();
+      case 128: return attention_fma_fns<Isa, T, 128>();
+      case 256: return attention_fma_fns<Isa, T, 256>();
+      default: return {};
+    }
+  };
+  switch (dtype) {
+    case DType::kFloat32: return by_head(float{});
+    case DType::kBFloat16: return by_head(BF16{});
+    case DType::kFloat16: return by_head(F16{});
+  }
+  return {};
+}
+
+}  // namespace pagedserve_cpu

@@ -1,0 +1,283 @@
+// torch bindings of the native CPU kernels: argument checks, dispatch on dtype, head
+// size and instruction set, and threading.
+//
+// Threads come from torch's own pool (at::parallel_for, OpenMP in torch's CPU
+// builds), so there is one OpenMP runtime in the process and torch.set_num_threads()
+// governs these kernels as it governs matmuls.
+// Narrow includes (not torch/extension.h, which pulls in the whole C++ frontend)
+// cut the compile of this file from about a minute to a quarter of that.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "attention_plan.h"
+#include "kernels.h"
+
+namespace pagedserve_cpu {
+namespace {
+
+// Best first: the Python side picks the first one the running CPU supports.
+const std::vector<const IsaKernels*>& compiled() {
+  static const std::vector<const IsaKernels*> isas = [] {
+    std::vector<const IsaKernels*> v;
+    for (const IsaKernels* k : {isa_avx512bf16(), isa_avx512(), isa_avx2(), isa_scalar()})
+      if (k != nullptr) v.push_back(k);
+    return v;
+  }();
+  return isas;
+}
+
+const IsaKernels& isa_at(int64_t index) {
+  const auto& isas = compiled();
+  TORCH_CHECK(index >= 0 && index < int64_t(isas.size()), "pagedserve: no compiled instruction set #", index);
+  return *isas[index];
+}
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kFloat16;
+    default: TORCH_CHECK(false, "pagedserve: native CPU kernels do not support dtype ", t.scalar_type());
+  }
+}
+
+void check_lastdim(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.numel() == 0 || t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+// f(i) for i in [0, n), indices handed out dynamically to torch's threads.
+template <class F>
+void parallel_dynamic(int64_t n, const F& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      f(i);
+  });
+}
+
+// Row kernels: static split, enough rows per thread that small (decode) batches run
+// inline without waking the pool.
+template <class F>
+void parallel_rows(int64_t rows, int64_t cols, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1));
+  at::parallel_for(0, rows, grain, f);
+}
+
+void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
+                     const at::Tensor& query_start_loc_in, double scale, at::Tensor out, int64_t isa) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
+              "query and out must both be [num_tokens, num_heads, head_size]");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+              "key_cache and value_cache must be [num_blocks, block_size, num_kv_heads, head_size]");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "query, caches and out must share one dtype");
+  check_lastdim(query, "query");
+  check_lastdim(key_cache, "key_cache");
+  check_lastdim(value_cache, "value_cache");
+  check_lastdim(out, "out");
+  const int num_heads = query.size(1), head_size = query.size(2), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_size, "cache head_size ", key_cache.size(3), " != query head_size ", head_size);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads=", num_heads,
+              " is not a multiple of num_kv_heads=", num_kv_heads);
+  const at::Tensor bt = block_tables_in.to(at::kInt).contiguous();
+  const at::Tensor sl = seq_lens_in.to(at::kInt).contiguous();
+  const at::Tensor qsl = query_start_loc_in.to(at::kInt).contiguous();
+  TORCH_CHECK(bt.dim() == 2 && sl.dim() == 1 && qsl.dim() == 1 && qsl.size(0) == sl.size(0) + 1 &&
+                  bt.size(0) >= sl.size(0),
+              "expected block_tables [num_seqs, max_blocks], seq_lens [num_seqs], query_start_loc [num_seqs + 1]");
+  const int num_seqs = sl.size(0);
+  const AttnFns fns = isa_at(isa).attention(dtype_of(query), head_size);
+  TORCH_CHECK(fns.item != nullptr, "pagedserve: no native attention kernel for head_size ", head_size);
+
+  const AttnParams p{
+      query.data_ptr(), query.stride(0), query.stride(1),
+      key_cache.data_ptr(), value_cache.data_ptr(),
+      key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+      value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+      bt.data_ptr<int32_t>(), bt.size(1), sl.data_ptr<int32_t>(), qsl.data_ptr<int32_t>(),
+      out.data_ptr(), out.stride(0), out.stride(1),
+      num_heads, num_kv_heads, int32_t(key_cache.size(1)), head_size, float(scale)};
+  validate_attention(p, num_seqs, bt.size(1), key_cache.size(0), query.size(0));
+  const AttnPlan plan = plan_attention(p, num_seqs, at::get_num_threads());
+  at::Tensor partials;
+  float* pp = nullptr;
+  if (plan.partial_rows > 0) {
+    partials = at::empty({plan.partial_rows, head_size + 2}, query.options().dtype(at::kFloat));
+    pp = partials.data_ptr<float>();
+  }
+  parallel_dynamic(plan.work.size(), [&](int64_t i) { fns.item(p, plan.work[i], pp); });
+  parallel_dynamic(plan.merges.size(), [&](int64_t i) { fns.merge(p, plan.merges[i], pp); });
+}
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+                       const at::Tensor& slot_mapping_in) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [num_tokens, num_kv_heads, head_size]");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
+                  key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2),
+              "caches must be [num_blocks, block_size, num_kv_heads, head_size] matching key");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
+              "key/value must have their cache's dtype");
+  check_lastdim(key, "key");
+  check_lastdim(value, "value");
+  check_lastdim(key_cache, "key_cache");
+  check_lastdim(value_cache, "value_cache");
+  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
+  const int64_t num_tokens = key.size(0), heads = key.size(1);
+  TORCH_CHECK(slots.numel() == num_tokens, "slot_mapping has ", slots.numel(), " entries for ", num_tokens, " tokens");
+  const int64_t block_size = key_cache.size(1), num_slots = key_cache.size(0) * block_size;
+  const int64_t* sm = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)  // check everything before writing anything
+    TORCH_CHECK(sm[t] < num_slots, "slot ", sm[t], " out of range for a cache of ", num_slots, " slots");
+  const int64_t elem = key.element_size(), row_bytes = key.size(2) * elem;
+  auto copy = [&](const at::Tensor& src, at::Tensor& dst, int64_t t, int64_t slot) {
+    const char* s = static_cast<const char*>(src.data_ptr()) + t * src.stride(0) * elem;
+    char* d = static_cast<char*>(dst.data_ptr()) +
+              ((slot / block_size) * dst.stride(0) + (slot % block_size) * dst.stride(1)) * elem;
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(d + h * dst.stride(2) * elem, s + h * src.stride(1) * elem, row_bytes);
+  };
+  parallel_rows(num_tokens, heads * key.size(2), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      if (sm[t] < 0) continue;  // padding token
+      copy(key, key_cache, t, sm[t]);
+      copy(value, value_cache, t, sm[t]);
+    }
+  });
+}
+
+EltFns elementwise(const at::Tensor& x, int64_t isa) { return isa_at(isa).elementwise(dtype_of(x)); }
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa) {
+  check_lastdim(x, "x");
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK(weight.numel() == hidden && weight.scalar_type() == x.scalar_type(),
+              "weight must be [hidden] in x's dtype");
+  const at::Tensor x2 = x.reshape({-1, hidden}), w = weight.contiguous();
+  at::Tensor out = at::empty(x2.sizes(), x.options());
+  const RmsNormArgs a{x2.data_ptr(), x2.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0), hidden, float(eps)};
+  const auto fn = elementwise(x, isa).rms_norm;
+  parallel_rows(x2.size(0), hidden, [&](int64_t b, int64_t e) { fn(a, b, e); });
+  return out.view(x.sizes());
+}
+
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps, int64_t isa) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() &&
+                  x.scalar_type() == residual.scalar_type() && x.device().is_cpu(),
+              "x and residual must be contiguous CPU tensors of one shape and dtype");
+  const int64_t hidden = x.size(-1), rows = hidden ? x.numel() / hidden : 0;
+  TORCH_CHECK(weight.numel() == hidden && weight.scalar_type() == x.scalar_type(),
+              "weight must be [hidden] in x's dtype");
+  const at::Tensor w = weight.contiguous();
+  const AddRmsNormArgs a{x.data_ptr(), hidden, residual.data_ptr(), hidden, w.data_ptr(), hidden, float(eps)};
+  const auto fn = elementwise(x, isa).fused_add_rms_norm;
+  parallel_rows(rows, hidden, [&](int64_t b, int64_t e) { fn(a, b, e); });
+}
+
+void rotary_embedding(const at::Tensor& positions_in, at::Tensor query, at::Tensor key,
+                      const at::Tensor& cos_sin_cache, int64_t isa) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && key.size(0) == query.size(0) && key.size(2) == query.size(2) &&
+                  key.scalar_type() == query.scalar_type(),
+              "query [num_tokens, num_heads, head_size] and key [num_tokens, num_kv_heads, head_size] expected");
+  check_lastdim(query, "query");
+  check_lastdim(key, "key");
+  TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous(),
+              "cos_sin_cache must be a contiguous float32 [max_position, rotary_dim] tensor");
+  const int64_t rot = cos_sin_cache.size(1), num_tokens = query.size(0), max_pos = cos_sin_cache.size(0);
+  TORCH_CHECK(rot % 2 == 0 && rot <= query.size(2), "rotary_dim ", rot, " must be even and <= head_size");
+  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+  TORCH_CHECK(positions.numel() == num_tokens, "one position per token expected");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the cos/sin cache of ", max_pos);
+  const RotaryArgs a{pos, query.data_ptr(), query.stride(0), query.stride(1), int32_t(query.size(1)),
+                     key.data_ptr(), key.stride(0), key.stride(1), int32_t(key.size(1)),
+                     int32_t(query.size(2)), int32_t(rot), cos_sin_cache.data_ptr<float>(), rot};
+  const auto fn = elementwise(query, isa).rotary;
+  parallel_rows(num_tokens, (query.size(1) + key.size(1)) * rot, [&](int64_t b, int64_t e) { fn(a, b, e); });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa) {
+  check_lastdim(x, "x");
+  const int64_t d = x.size(-1) / 2;
+  TORCH_CHECK(x.size(-1) == 2 * d, "the last dimension of x must be even");
+  const at::Tensor x2 = x.reshape({-1, 2 * d});
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = d;
+  at::Tensor out = at::empty(shape, x.options());
+  const SiluMulArgs a{x2.data_ptr(), x2.stride(0), out.data_ptr(), d, d};
+  const auto fn = elementwise(x, isa).silu_and_mul;
+  parallel_rows(x2.size(0), 2 * d, [&](int64_t b, int64_t e) { fn(a, b, e); });
+  return out;
+}
+
+std::vector<std::string> compiled_isa_names() {
+  std::vector<std::string> names;
+  for (const IsaKernels* k : compiled()) names.emplace_back(k->name);
+  return names;
+}
+
+std::vector<int> supported_head_sizes() { return {std::begin(kHeadSizes), std::end(kHeadSizes)}; }
+
+// Which compiler-visible features this build has: shown by `--verbose`.
+std::map<std::string, bool> build_features() {
+  std::map<std::string, bool> f;
+#if defined(__AVX512F__)
+  f["avx512f"] = true;
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+  f["avx512bw/vl/dq"] = true;
+#endif
+#if defined(__AVX512BF16__)
+  f["avx512bf16"] = true;
+#endif
+#if defined(__AVX512VNNI__)
+  f["avx512vnni"] = true;
+#endif
+#if defined(__AVX2__)
+  f["avx2"] = true;
+#endif
+#if defined(__FMA__)
+  f["fma"] = true;
+#endif
+#if defined(__F16C__)
+  f["f16c"] = true;
+#endif
+#if defined(_OPENMP)
+  f["openmp"] = true;
+#endif
+  return f;
+}
+
+}  // namespace
+}  // namespace pagedserve_cpu
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace k = pagedserve_cpu;
+  m.doc() = "pagedserve native CPU kernels";
+  m.def("paged_attention", &k::paged_attention, "varlen causal paged attention (writes out)");
+  m.def("reshape_and_cache", &k::reshape_and_cache, "write key/value rows into the paged cache");
+  m.def("rms_norm", &k::rms_norm, "RMSNorm over the last dimension");
+  m.def("fused_add_rms_norm", &k::fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
+  m.def("rotary_embedding", &k::rotary_embedding, "neox rotary embedding of query and key, in place");
+  m.def("silu_and_mul", &k::silu_and_mul, "silu(x[..., :d]) * x[..., d:]");
+  m.def("compiled_isas", &k::compiled_isa_names, "instruction sets compiled in, best first");
+  m.def("supported_head_sizes", &k::supported_head_sizes, "head sizes of the attention kernel");
+  m.def("build_features", &k::build_features, "compiler feature macros seen by this build");
+}

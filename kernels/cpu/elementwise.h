@@ -1,0 +1,123 @@
+// Row-wise kernels (RMSNorm, residual add + RMSNorm, neox rotary embedding,
+// SiLU-and-mul), templated over the instruction set and the storage type.
+//
+// Each reproduces the rounding steps of kernels/reference.py: where the reference
+// computes an intermediate in the storage dtype (e.g. `(x * r).to(bf16) * weight`),
+// the kernel rounds that intermediate to the storage dtype too (Isa::round<T>).
+#pragma once
+
+#include <cmath>
+
+#include "kernels.h"
+#include "vec.h"
+
+namespace pagedserve_cpu {
+
+template <class Isa, typename T>
+struct Elementwise {
+  using V = typename Isa::V;
+  static constexpr int W = Isa::W;
+
+  static float sum_squares(const T* x, int64_t n) {
+    V ss = Isa::zero();
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      const V v = Isa::load(x + i);
+      ss = Isa::fma(v, v, ss);
+    }
+    float s = Isa::reduce_add(ss);
+    for (; i < n; ++i) s += to_float(x[i]) * to_float(x[i]);
+    return s;
+  }
+
+  // out = (x * rsqrt(mean(x^2) + eps)).to(T) * weight
+  static void normalize(const T* x, const T* w, T* out, int64_t n, float eps) {
+    const float r = 1.f / std::sqrt(sum_squares(x, n) / float(n) + eps);
+    const V vr = Isa::set1(r);
+    int64_t i = 0;
+    for (; i + W <= n; i += W)
+      Isa::store(out + i, Isa::mul(Isa::template round<T>(Isa::mul(Isa::load(x + i), vr)), Isa::load(w + i)));
+    for (; i < n; ++i) out[i] = from_float<T>(round_to<T>(to_float(x[i]) * r) * to_float(w[i]));
+  }
+
+  static void rms_norm(const RmsNormArgs& a, int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      normalize(static_cast<const T*>(a.x) + row * a.x_stride, static_cast<const T*>(a.weight),
+                static_cast<T*>(a.out) + row * a.out_stride, a.hidden, a.eps);
+  }
+
+  static void fused_add_rms_norm(const AddRmsNormArgs& a, int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      T* x = static_cast<T*>(a.x) + row * a.x_stride;
+      T* res = static_cast<T*>(a.residual) + row * a.res_stride;
+      int64_t i = 0;
+      for (; i + W <= a.hidden; i += W) Isa::store(res + i, Isa::add(Isa::load(x + i), Isa::load(res + i)));
+      for (; i < a.hidden; ++i) res[i] = from_float<T>(to_float(x[i]) + to_float(res[i]));
+      normalize(res, static_cast<const T*>(a.weight), x, a.hidden, a.eps);
+    }
+  }
+
+  // (x1, x2) <- (x1 cos - x2 sin, x2 cos + x1 sin) over the first rot_dim elements.
+  static void rotate(T* x, const float* cos, const float* sin, int half) {
+    int i = 0;
+    for (; i + W <= half; i += W) {
+      const V x1 = Isa::load(x + i), x2 = Isa::load(x + half + i);
+      const V c = Isa::load(cos + i), s = Isa::load(sin + i);
+      Isa::store(x + i, Isa::sub(Isa::mul(x1, c), Isa::mul(x2, s)));
+      Isa::store(x + half + i, Isa::add(Isa::mul(x2, c), Isa::mul(x1, s)));
+    }
+    for (; i < half; ++i) {
+      const float x1 = to_float(x[i]), x2 = to_float(x[half + i]);
+      x[i] = from_float<T>(x1 * cos[i] - x2 * sin[i]);
+      x[half + i] = from_float<T>(x2 * cos[i] + x1 * sin[i]);
+    }
+  }
+
+  static void rotary(const RotaryArgs& a, int64_t begin, int64_t end) {
+    const int half = a.rot_dim / 2;
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = a.cos_sin + a.positions[t] * a.cs_stride;
+      const float* sin = cos + half;
+      T* q = static_cast<T*>(a.query) + t * a.q_stride_tok;
+      for (int h = 0; h < a.num_q_heads; ++h) rotate(q + h * a.q_stride_head, cos, sin, half);
+      T* k = static_cast<T*>(a.key) + t * a.k_stride_tok;
+      for (int h = 0; h < a.num_k_heads; ++h) rotate(k + h * a.k_stride_head, cos, sin, half);
+    }
+  }
+
+  // silu(gate).to(T) * up, as torch computes silu and the product separately.
+  static void silu_and_mul(const SiluMulArgs& a, int64_t begin, int64_t end) {
+    const V one = Isa::set1(1.f), zero = Isa::zero();
+    for (int64_t row = begin; row < end; ++row) {
+      const T* gate = static_cast<const T*>(a.x) + row * a.x_stride;
+      const T* up = gate + a.d;
+      T* out = static_cast<T*>(a.out) + row * a.out_stride;
+      int64_t i = 0;
+      for (; i + W <= a.d; i += W) {
+        const V g = Isa::load(gate + i);
+        const V s = Isa::div(g, Isa::add(one, Isa::exp(Isa::sub(zero, g))));
+        Isa::store(out + i, Isa::mul(Isa::template round<T>(s), Isa::load(up + i)));
+      }
+      for (; i < a.d; ++i) {
+        const float g = to_float(gate[i]);
+        out[i] = from_float<T>(round_to<T>(g / (1.f + std::exp(-g))) * to_float(up[i]));
+      }
+    }
+  }
+};
+
+template <class Isa>
+EltFns elementwise_fns(DType dtype) {
+  auto fns = [](auto tag) -> EltFns {
+    using K = Elementwise<Isa, decltype(tag)>;
+    return {&K::rms_norm, &K::fused_add_rms_norm, &K::rotary, &K::silu_and_mul};
+  };
+  switch (dtype) {
+    case DType::kFloat32: return fns(float{});
+    case DType::kBFloat16: return fns(BF16{});
+    case DType::kFloat16: return fns(F16{});
+  }
+  return {};
+}
+
+}  // namespace pagedserve_cpu

@@ -1,0 +1,123 @@
+// Plain-C++ interface between the torch bindings (bindings.cpp) and the kernels
+// compiled once per instruction set (isa_*.cpp).  Nothing here includes torch, so
+// the per-ISA translation units compile quickly and carry no torch inline code.
+#pragma once
+
+#include <cstdint>
+
+namespace pagedserve_cpu {
+
+enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// Head sizes the attention kernel is instantiated for.
+constexpr int kHeadSizes[] = {64, 80, 96, 128, 256};
+
+// One call of paged attention.  Strides are in elements; the last dimension of
+// query, caches and out is contiguous.
+struct AttnParams {
+  const void* query;  // [num_tokens, num_heads, head_size]
+  int64_t q_stride_tok, q_stride_head;
+  const void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_size]
+  const void* value_cache;
+  int64_t kc_stride_block, kc_stride_tok, kc_stride_head;
+  int64_t vc_stride_block, vc_stride_tok, vc_stride_head;
+  const int32_t* block_tables;  // [num_seqs, bt_stride]
+  int64_t bt_stride;
+  const int32_t* seq_lens;         // [num_seqs]
+  const int32_t* query_start_loc;  // [num_seqs + 1]
+  void* out;                       // [num_tokens, num_heads, head_size]
+  int64_t o_stride_tok, o_stride_head;
+  int32_t num_heads, num_kv_heads, block_size, head_size;
+  float scale;
+};
+
+// One unit of work: query tokens [tok_begin, tok_end) of a sequence (indices within
+// its query range) against keys [ctx_begin, ctx_end) of kv heads [kv_begin, kv_end).  A work item
+// with partial_row >= 0 writes (max, sum, unnormalised acc) rows to the partials
+// buffer instead of the output; an AttnMerge then combines the splits.
+struct AttnWork {
+  int32_t seq, kv_begin, kv_end, tok_begin, tok_end, ctx_begin, ctx_end;
+  int64_t partial_row;
+  int64_t cost;  // estimated (query row x key) pairs, for scheduling only
+};
+
+struct AttnMerge {
+  int32_t seq, kv_begin, kv_end, tok_begin, tok_end;
+  int64_t first_row;   // split s occupies rows first_row + s * rows ...
+  int32_t num_splits;  // ... where rows = kv heads * tokens * group
+};
+
+using AttnItemFn = void (*)(const AttnParams&, const AttnWork&, float* partials);
+using AttnMergeFn = void (*)(const AttnParams&, const AttnMerge&, const float* partials);
+
+struct AttnFns {
+  AttnItemFn item = nullptr;
+  AttnMergeFn merge = nullptr;
+};
+
+// Row-wise element kernels; each processes rows [begin, end).
+struct RmsNormArgs {
+  const void* x;  // [rows, hidden]
+  int64_t x_stride;
+  const void* weight;  // [hidden], same dtype as x
+  void* out;
+  int64_t out_stride;
+  int64_t hidden;
+  float eps;
+};
+
+struct AddRmsNormArgs {  // residual <- x + residual; x <- rms_norm(residual)
+  void* x;
+  int64_t x_stride;
+  void* residual;
+  int64_t res_stride;
+  const void* weight;
+  int64_t hidden;
+  float eps;
+};
+
+struct RotaryArgs {  // rows are tokens; query and key rotated in place
+  const int64_t* positions;
+  void* query;
+  int64_t q_stride_tok, q_stride_head;
+  int32_t num_q_heads;
+  void* key;
+  int64_t k_stride_tok, k_stride_head;
+  int32_t num_k_heads;
+  int32_t head_size, rot_dim;
+  const float* cos_sin;  // [max_position, rot_dim] = cat(cos, sin)
+  int64_t cs_stride;
+};
+
+struct SiluMulArgs {
+  const void* x;  // [rows, 2 * d]
+  int64_t x_stride;
+  void* out;  // [rows, d]
+  int64_t out_stride;
+  int64_t d;
+};
+
+template <class Args>
+using RowsFn = void (*)(const Args&, int64_t begin, int64_t end);
+
+struct EltFns {
+  RowsFn<RmsNormArgs> rms_norm = nullptr;
+  RowsFn<AddRmsNormArgs> fused_add_rms_norm = nullptr;
+  RowsFn<RotaryArgs> rotary = nullptr;
+  RowsFn<SiluMulArgs> silu_and_mul = nullptr;
+};
+
+// The kernels of one instruction set.
+struct IsaKernels {
+  const char* name;
+  AttnFns (*attention)(DType dtype, int head_size);
+  EltFns (*elementwise)(DType dtype);
+};
+
+// Each returns nullptr when the build flags did not enable that instruction set.
+const IsaKernels* isa_avx512bf16();
+const IsaKernels* isa_avx512();
+const IsaKernels* isa_avx2();
+const IsaKernels* isa_scalar();
+
+}  // namespace pagedserve_cpu

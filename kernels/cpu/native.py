@@ -1,0 +1,217 @@
+"""Python face of the native CPU kernels: loading, instruction-set choice, and op
+wrappers with exactly the signatures and semantics of :mod:`pagedserve.kernels.reference`.
+
+A wrapper calls the native kernel when it supports the inputs (dtype float32,
+bfloat16 or float16; attention head sizes 64/80/96/128/256; CPU tensors contiguous in
+their last dimension) and the reference otherwise, so registering these ops never
+narrows what the registry accepts.
+
+Environment:
+    PAGEDSERVE_CPU_KERNELS=0   keep the torch references (no build, no load).
+    PAGEDSERVE_CPU_ISA         run one compiled instruction set instead of the best
+                               the CPU supports: avx512bf16, avx512, avx2 or scalar.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from pagedserve.kernels import build, reference
+
+__all__ = ["ISA_ORDER", "NATIVE_OPS", "NativeCpuKernels", "choose_isa", "load_cpu_kernels", "native_disabled"]
+
+#: Instruction sets of the kernels, best first.
+ISA_ORDER: tuple[str, ...] = ("avx512bf16", "avx512", "avx2", "scalar")
+
+#: /proc/cpuinfo features each instruction set needs.
+ISA_FEATURES: dict[str, frozenset[str]] = {
+    "avx512bf16": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx2", "fma", "f16c"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "scalar": frozenset(),
+}
+
+#: Ops the native build overrides (all measured faster than the references).
+NATIVE_OPS: tuple[str, ...] = (
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+)
+
+_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share memory (an in-place kernel would then
+    read what it has just written)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def native_disabled() -> bool:
+    """True when PAGEDSERVE_CPU_KERNELS turns the native kernels off."""
+    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def choose_isa(compiled: Sequence[str], features: frozenset[str], requested: str | None = None) -> str:
+    """The instruction set to run: ``requested`` if compiled and supported, else the
+    best compiled one this CPU supports.  Raises ValueError for an impossible request."""
+    if features:
+        runnable = [i for i in compiled if ISA_FEATURES.get(i, frozenset()) <= features]
+    else:  # no /proc/cpuinfo: trust the build, whose flags came from the same place
+        runnable = list(compiled)
+    if requested:
+        if requested not in runnable:
+            raise ValueError(f"instruction set {requested!r} is not available here: compiled "
+                             f"{', '.join(compiled)}; runnable on this CPU {', '.join(runnable) or 'none'}")
+        return requested
+    if not runnable:
+        raise ValueError(f"none of the compiled instruction sets ({', '.join(compiled)}) runs on this CPU")
+    return runnable[0]
+
+
+class NativeCpuKernels:
+    """One loaded build of the CPU kernels bound to one instruction set.
+
+    The methods named in NATIVE_OPS are drop-in replacements of the references.
+    """
+
+    def __init__(self, module: ModuleType, isa: str) -> None:
+        self.module = module
+        self.isa = isa
+        self._isa = list(module.compiled_isas()).index(isa)
+        self.head_sizes = frozenset(module.supported_head_sizes())
+
+    @property
+    def source(self) -> str:
+        """How `pagedserve platforms --ops` labels these ops."""
+        return f"cpu-native({self.isa})"
+
+    def ops(self) -> dict[str, Callable[..., Any]]:
+        return {name: getattr(self, name) for name in NATIVE_OPS}
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See reference.paged_attention: query [num_tokens, num_heads, head_size];
+        caches [num_blocks, block_size, num_kv_heads, head_size]; int32 metadata."""
+        dtype = query.dtype
+        if out is None:
+            out = torch.empty(query.shape, dtype=dtype, device=query.device)
+        if (dtype in _DTYPES and key_cache.dtype == dtype and value_cache.dtype == dtype and out.dtype == dtype
+                and query.shape[-1] in self.head_sizes and query.device.type == "cpu"
+                and query.stride(-1) == 1 and out.stride(-1) == 1):
+            self.module.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                        query_start_loc, float(scale), out, self._isa)
+            return out
+        return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                         query_start_loc, scale, out)
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """See reference.reshape_and_cache: key/value [num_tokens, num_kv_heads, head_size];
+        slot_mapping int64 [num_tokens], -1 skips."""
+        if key_cache.device.type != "cpu" or key.device.type != "cpu":
+            return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        if key.dtype != key_cache.dtype or key.stride(-1) != 1:
+            key = key.to(key_cache.dtype).contiguous()
+        if value.dtype != value_cache.dtype or value.stride(-1) != 1:
+            value = value.to(value_cache.dtype).contiguous()
+        self.module.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """See reference.rms_norm: x [..., hidden], weight [hidden]; result in x's dtype."""
+        if x.dtype not in _DTYPES or x.device.type != "cpu" or x.stride(-1) != 1:
+            return reference.rms_norm(x, weight, eps)
+        return self.module.rms_norm(x, weight.to(x.dtype), float(eps), self._isa)
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See reference.fused_add_rms_norm; updates x (normed) and residual in place."""
+        if (x.dtype not in _DTYPES or residual.dtype != x.dtype or x.device.type != "cpu"
+                or x.shape != residual.shape or not x.is_contiguous() or not residual.is_contiguous()
+                or _overlap(x, residual)):
+            return reference.fused_add_rms_norm(x, residual, weight, eps)
+        self.module.fused_add_rms_norm(x, residual, weight.to(x.dtype), float(eps), self._isa)
+        return x, residual
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See reference.rotary_embedding; rotates query [T, H, D] and key [T, Hkv, D]
+        in place and returns them."""
+        if (query.dtype not in _DTYPES or key.dtype != query.dtype or query.dim() != 3 or key.dim() != 3
+                or query.device.type != "cpu" or query.stride(-1) != 1 or key.stride(-1) != 1
+                or query.data_ptr() == key.data_ptr()):
+            return reference.rotary_embedding(positions, query, key, cos_sin_cache)
+        if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
+            cos_sin_cache = cos_sin_cache.float().contiguous()  # exact: the reference computes in fp32
+        self.module.rotary_embedding(positions, query, key, cos_sin_cache, self._isa)
+        return query, key
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """See reference.silu_and_mul: x [..., 2*d] -> [..., d]."""
+        if x.dtype not in _DTYPES or x.device.type != "cpu" or x.stride(-1) != 1:
+            return reference.silu_and_mul(x)
+        return self.module.silu_and_mul(x, self._isa)
+
+
+def load_cpu_kernels(isa: str | None = None, verbose: bool = False) -> NativeCpuKernels | None:
+    """Load (building on first use) the native CPU kernels.
+
+    ``isa`` forces an instruction set (ValueError if it cannot run here); otherwise
+    PAGEDSERVE_CPU_ISA, otherwise the best one.  Returns None, with a warning saying
+    why, when the kernels cannot be built or loaded, and None silently when
+    PAGEDSERVE_CPU_KERNELS=0.
+    """
+    if native_disabled():
+        return None
+    try:
+        module, _ = build.load_cpu_extension(verbose=verbose)
+    except build.KernelBuildError as exc:
+        warnings.warn(f"pagedserve: native CPU kernels unavailable ({exc}); using the torch reference kernels",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    compiled = list(module.compiled_isas())
+    features = build.read_cpu_features()
+    if isa is None:
+        requested = os.environ.get("PAGEDSERVE_CPU_ISA", "").strip() or None
+        try:
+            isa = choose_isa(compiled, features, requested)
+        except ValueError as exc:
+            warnings.warn(f"pagedserve: PAGEDSERVE_CPU_ISA ignored: {exc}", RuntimeWarning, stacklevel=2)
+            isa = choose_isa(compiled, features)
+    else:
+        isa = choose_isa(compiled, features, isa)
+    if verbose:
+        print(f"pagedserve: running CPU kernels for {isa}", flush=True, file=sys.stderr)
+    return NativeCpuKernels(module, isa)

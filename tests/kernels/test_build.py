@@ -1,0 +1,184 @@
+"""The native-kernel build path (kernels/build.py): flags, cache, fallback, CLI.
+
+Subprocess tests get their own environment (cache directory, compiler) so they can
+simulate a missing compiler or a failing build without touching this process.  The
+real build is the one the kernel tests use (persistent cache), so it is compiled at
+most once per session.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedserve.kernels import build
+
+pytestmark = pytest.mark.timeout(600)
+
+ZEN4 = frozenset("avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni".split())
+SKYLAKE_SP = frozenset("avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq".split())
+HASWELL = frozenset("avx avx2 fma f16c".split())
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **env}
+    full_env.pop("PAGEDSERVE_CPU_ISA", None)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=500)
+
+
+# ---- flags ------------------------------------------------------------------------------
+
+def test_auto_flags_follow_cpu_features():
+    assert build.auto_cpu_arch_flags(ZEN4) == [
+        "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+    assert "-mavx512bf16" not in build.auto_cpu_arch_flags(SKYLAKE_SP)
+    assert "-mavx512f" in build.auto_cpu_arch_flags(SKYLAKE_SP)
+    assert build.auto_cpu_arch_flags(HASWELL) == ["-mavx2", "-mfma", "-mf16c"]
+    assert build.auto_cpu_arch_flags(frozenset({"sse4_2"})) == []
+    assert build.auto_cpu_arch_flags(frozenset()) == []
+
+
+def test_flags_from_this_cpu_and_env_override():
+    flags, origin = build.cpu_arch_flags(env={})
+    assert origin == "/proc/cpuinfo"
+    assert flags == build.auto_cpu_arch_flags(build.read_cpu_features())
+    flags, origin = build.cpu_arch_flags(env={"PAGEDSERVE_CPU_ARCH_FLAGS": "-mavx2 -mfma -mf16c"}, features=ZEN4)
+    assert (flags, origin) == (["-mavx2", "-mfma", "-mf16c"], "PAGEDSERVE_CPU_ARCH_FLAGS")
+    assert build.cpu_arch_flags(env={"PAGEDSERVE_CPU_ARCH_FLAGS": ""}, features=ZEN4)[0] == []
+
+
+def test_unsupported_flags_are_reported():
+    assert build.unsupported_arch_flags(["-mavx2", "-mavx512f", "-mavx512bf16"], HASWELL) == [
+        "-mavx512f", "-mavx512bf16"]
+    assert build.unsupported_arch_flags(["-mavx2", "-O2"], HASWELL) == []
+
+
+def test_cache_key_covers_flags_compiler_and_location(tmp_path):
+    base = {"PAGEDSERVE_KERNEL_CACHE": str(tmp_path), "CXX": "c++", "PAGEDSERVE_CPU_ARCH_FLAGS": "-mavx2 -mfma"}
+    a = build.cpu_build_spec(base)
+    assert a.directory.parent == tmp_path and a.directory.name == a.name
+    assert build.cpu_build_spec(base) == a  # deterministic
+    assert build.cpu_build_spec({**base, "PAGEDSERVE_CPU_ARCH_FLAGS": "-mavx2"}).name != a.name
+    assert build.cpu_build_spec({**base, "CXX": "g++-12"}).name != a.name
+    assert build.kernel_cache_root({"XDG_CACHE_HOME": "/x"}) == Path("/x/pagedserve/kernels")
+
+
+def test_default_target(monkeypatch):
+    assert build.default_target({"PAGEDSERVE_TARGET_DEVICE": "rocm"}) == "rocm"
+    with pytest.raises(build.KernelBuildError, match="targets: cpu, cuda, rocm"):
+        build.default_target({"PAGEDSERVE_TARGET_DEVICE": "tpu"})
+    import torch
+
+    if not torch.cuda.is_available():
+        assert build.default_target({}) == "cpu"
+
+
+# ---- the real build ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def built() -> build.BuildReport:
+    """The CPU kernels for this machine, compiled (once) into the persistent cache."""
+    try:
+        return build.load_cpu_extension()[1]
+    except build.KernelBuildError as exc:
+        pytest.skip(f"native CPU kernels cannot be built here: {exc}")
+
+
+def test_build_has_the_chosen_instruction_sets(built):
+    spec = build.cpu_build_spec()
+    assert built.arch_flags == list(spec.arch_flags)
+    assert built.isas[-1] == "scalar"
+    if "-mavx2" in spec.arch_flags:
+        assert "avx2" in built.isas and built.features.get("avx2") and built.features.get("fma")
+    if "-mavx512f" in spec.arch_flags:
+        assert "avx512" in built.isas
+    if "-mavx512bf16" in spec.arch_flags:
+        assert built.isas[0] == "avx512bf16" and built.features.get("avx512bf16")
+
+
+def test_second_load_reuses_the_cache(built):
+    """A fresh process finds the build: no compiler run, no message, same files."""
+    spec = build.cpu_build_spec()
+    so_mtime = spec.so_path.stat().st_mtime_ns
+    start = time.perf_counter()
+    proc = run_python(
+        "from pagedserve.kernels import build\n"
+        "m, r = build.load_cpu_extension()\n"
+        "print(r.compiled, r.name)\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", spec.name]
+    assert "compiling" not in proc.stderr
+    assert spec.so_path.stat().st_mtime_ns == so_mtime
+    assert time.perf_counter() - start < 60
+
+
+def test_missing_compiler_falls_back_to_reference_with_warning(tmp_path):
+    code = (
+        "from pagedserve.platforms import select_platform\n"
+        "platform, ops = select_platform('cpu')\n"
+        "print(sorted(set(src for _, src in ops.table())))\n")
+    proc = run_python(code, CXX=str(tmp_path / "no-such-c++"), PAGEDSERVE_KERNEL_CACHE=str(tmp_path / "cache"),
+                      PAGEDSERVE_TARGET_DEVICE="cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['reference']"
+    assert "no C++ compiler" in proc.stderr and "using the torch reference kernels" in proc.stderr
+    assert not list((tmp_path / "cache").glob("*/*.so"))
+
+
+def test_failing_build_falls_back_with_the_compiler_error(tmp_path):
+    proc = run_python(
+        "from pagedserve.kernels.cpu import load_cpu_kernels\n"
+        "print(load_cpu_kernels())\n",
+        PAGEDSERVE_CPU_ARCH_FLAGS="-mno-such-option", PAGEDSERVE_KERNEL_CACHE=str(tmp_path), MAX_JOBS="2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "None"
+    assert "failed" in proc.stderr and "no-such-option" in proc.stderr
+    assert "using the torch reference kernels" in proc.stderr
+
+
+def test_import_builds_nothing(tmp_path):
+    proc = run_python(
+        "import pagedserve, pagedserve.kernels.cpu, pagedserve.kernels.build, pagedserve.platforms\n"
+        "from pagedserve.platforms import discover\n"
+        "discover()\n",
+        PAGEDSERVE_KERNEL_CACHE=str(tmp_path), CXX=str(tmp_path / "no-such-c++"))
+    assert proc.returncode == 0, proc.stderr
+    assert "compiling" not in proc.stderr and "unavailable" not in proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_disabled_kernels_are_not_built(tmp_path):
+    proc = run_python(
+        "from pagedserve.platforms import select_platform\n"
+        "print(select_platform('cpu')[1].source('paged_attention'))\n",
+        PAGEDSERVE_CPU_KERNELS="0", PAGEDSERVE_KERNEL_CACHE=str(tmp_path), PAGEDSERVE_TARGET_DEVICE="cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "reference" and "unavailable" not in proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+# ---- CLI ---------------------------------------------------------------------------------
+
+def test_cli_build_kernels_cpu(built, capsys):
+    from pagedserve.entrypoints.cli import main
+
+    assert main(["build-kernels", "--target", "cpu", "--verbose"]) == 0
+    out, err = capsys.readouterr()
+    assert built.name in out and "loaded from cache" in out
+    assert "CPU arch flags" in err and "kernels compiled for" in err
+
+
+def test_cli_build_kernels_gpu_target_without_gpu_torch(capsys):
+    import torch
+
+    if torch.version.cuda:
+        pytest.skip("this torch is a CUDA build")
+    from pagedserve.entrypoints.cli import main
+
+    assert main(["build-kernels", "--target", "cuda"]) == 1
+    assert "needs a CUDA build of torch" in capsys.readouterr().err
