@@ -176,6 +176,9 @@ class AsyncLLMEngine:
         thread.join(timeout)
         if thread.is_alive():
             logger.error("engine thread did not stop within %.0f s", timeout)
+            return
+        # Worker processes or actors of a multi-rank engine go with it.
+        self.engine.shutdown()
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt: str | list[int] | None,

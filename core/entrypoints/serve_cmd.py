@@ -50,6 +50,13 @@ def add_parser(subparsers) -> None:
     eng.add_argument("--scheduler-delay-factor", type=float, default=0.0)
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     eng.add_argument("--tensor-parallel-size", type=int, default=1)
+    eng.add_argument("--pipeline-parallel-size", type=int, default=1)
+    eng.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                     help="how ranks run when tensor/pipeline parallel size > 1 (default: mp)")
+    eng.add_argument("--kv-offload-memory", default=None, help="host-memory KV tier, e.g. 8GiB")
+    eng.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
+    eng.add_argument("--cpu-offload-gb", type=float, default=0.0,
+                     help="GB of layer weights kept in host memory and streamed to the device")
     eng.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
     eng.add_argument("--seed", type=int, default=0)
 
@@ -85,10 +92,14 @@ def build_engine_config(args: argparse.Namespace):
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
                           served_model_name=names[0], quantization=args.quantization),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          enable_prefix_caching=args.enable_prefix_caching, **cache_kwargs),
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          kv_offload_memory=args.kv_offload_memory, preemption_mode=args.preemption_mode,
+                          cpu_offload_gb=args.cpu_offload_gb, **cache_kwargs),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   delay_factor=args.scheduler_delay_factor, max_queue_len=args.max_queue_len),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                pipeline_parallel_size=args.pipeline_parallel_size,
+                                distributed_executor_backend=args.distributed_executor_backend),
         device=DeviceConfig(device=args.device, threads=args.threads),
     )
     return config, names, parse_memory(args.max_body_size, "--max-body-size")
