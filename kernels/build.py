@@ -230,16 +230,33 @@ def _first_error(text: str) -> str:
     return (lines[-1] if lines else text)[:300]
 
 
+def _wait_for_other_build(lock: Path) -> None:
+    """Wait while another process builds into the same directory.
+
+    torch serialises concurrent builds with this lock file but waits for it forever,
+    and a build killed outright leaves it behind; past STALE_LOCK_SECONDS (far longer
+    than any build) the lock is taken to be such a leftover and removed.
+    """
+    announced = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_SECONDS:
+            _log(f"removing stale build lock {lock}")
+            lock.unlink(missing_ok=True)
+            return
+        if not announced:
+            _log(f"waiting for another process building into {lock.parent}")
+            announced = True
+        time.sleep(1.0)
+
+
 def _compile(spec: CpuBuildSpec, verbose: bool) -> ModuleType:
     from torch.utils import cpp_extension
 
     spec.directory.mkdir(parents=True, exist_ok=True)
-    # torch serialises concurrent builds with a lock file and waits for it forever; a
-    # build killed outright leaves it behind.  No build takes anywhere near this long.
-    lock = spec.directory / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-        _log(f"removing stale build lock {lock}")
-        lock.unlink(missing_ok=True)
     try:
         return cpp_extension.load(
             name=spec.name,
@@ -339,6 +356,9 @@ def load_extension(spec: CpuBuildSpec, label: str = "native CPU kernels",
     if _is_built(spec):
         return _import_built(spec), False, time.perf_counter() - start
     _check_toolchain(spec)
+    _wait_for_other_build(spec.directory / "lock")
+    if _is_built(spec):  # the other process has just finished it
+        return _import_built(spec), False, time.perf_counter() - start
     flags = " ".join(spec.arch_flags) or "portable"
     _log(f"compiling {label} ({flags}) into {spec.directory}; "
          "this takes a minute or two, once per machine and version")

@@ -25,7 +25,15 @@ import torch
 
 from pagedserve.kernels import build, reference
 
-__all__ = ["ISA_ORDER", "NATIVE_OPS", "NativeCpuKernels", "choose_isa", "load_cpu_kernels", "native_disabled"]
+__all__ = [
+    "ISA_FEATURES",
+    "ISA_ORDER",
+    "NATIVE_OPS",
+    "NativeCpuKernels",
+    "choose_isa",
+    "load_cpu_kernels",
+    "native_disabled",
+]
 
 #: Instruction sets of the kernels, best first.
 ISA_ORDER: tuple[str, ...] = ("avx512bf16", "avx512", "avx2", "scalar")
@@ -38,7 +46,8 @@ ISA_FEATURES: dict[str, frozenset[str]] = {
     "scalar": frozenset(),
 }
 
-#: Ops the native build overrides (all measured faster than the references).
+#: Ops the native build overrides: each measured faster than its reference, except
+#: silu_and_mul at prefill sizes, where it ties (docs/kernels_cpu.md).
 NATIVE_OPS: tuple[str, ...] = (
     "paged_attention",
     "reshape_and_cache",

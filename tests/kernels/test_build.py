@@ -78,6 +78,22 @@ def test_default_target(monkeypatch):
         assert build.default_target({}) == "cpu"
 
 
+def test_waits_for_a_live_build_and_clears_a_stale_lock(tmp_path):
+    import threading
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    threading.Timer(1.5, lock.unlink).start()  # another process finishing its build
+    start = time.perf_counter()
+    build._wait_for_other_build(lock)
+    assert 1.0 < time.perf_counter() - start < 30
+    lock.touch()
+    old = time.time() - build.STALE_LOCK_SECONDS - 60  # left by a build killed outright
+    os.utime(lock, (old, old))
+    build._wait_for_other_build(lock)
+    assert not lock.exists()
+
+
 # ---- the real build ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
