@@ -131,7 +131,8 @@ def vllm_env(threads: int, kv_cache_gib: float) -> dict[str, str]:
     leave one core for the model; pagedserve gets all of them, so vLLM does too.
     """
     return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib) if kv_cache_gib >= 1 else 1),
+            # vLLM takes whole GiB here.
+            "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib))),
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 

@@ -81,13 +81,8 @@ class Workload:
                 "prompt_len_range": [min(lens), max(lens)], "output_len_range": [min(outs), max(outs)]}
 
     def to_json(self) -> str:
+        """Every request, serialized; hashed to check that engines ran identical workloads."""
         return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> Workload:
-        raw = json.loads(text)
-        return cls(raw["name"], raw["seed"], [Request(r["prompt_token_ids"], r["max_tokens"])
-                                              for r in raw["requests"]])
 
 
 def make_workload(name: str, vocab_size: int, seed: int = 0, num_requests: int | None = None,
