@@ -2,8 +2,15 @@
 
 These are the specification the fast kernels (native CPU, Triton) are tested against,
 and the fallback wherever no fast kernel exists.  Each ``*_linear`` takes activations
-``x`` ``[M, K]`` (float32 or bfloat16), computes in float32 and returns ``x.dtype``
-``[M, N]``; a linear weight is ``[N, K]`` (out, in) once dequantized.
+``x`` ``[M, K]`` (float32, bfloat16 or float16), computes in float32 and returns
+``x.dtype`` ``[M, N]``; a linear weight is ``[N, K]`` (out, in) once dequantized.  The
+quantized linear ops of the op registry (``gguf_linear``, ``int8_linear``,
+``w8a8_linear``, ``fp8_linear`` in :mod:`pagedserve.kernels.reference`) are these.
+
+The ``*_dense`` functions at the end are not specifications: they dequantize the weight
+to the activation dtype and run one matmul in that dtype, which is what platforms
+without a dedicated kernel register where a half-precision matmul beats the float32
+reference (the weight is rounded to ``x.dtype``; the conformance tolerances allow it).
 
 Formats:
 
@@ -28,6 +35,7 @@ import torch
 
 __all__ = [
     "GGUF_BLOCK_BYTES",
+    "GGUF_TYPE_IDS",
     "AWQ_ORDER",
     "dequantize_gguf",
     "gguf_linear",
@@ -41,10 +49,15 @@ __all__ = [
     "gptq_linear",
     "awq_dequantize",
     "awq_linear",
+    "gguf_linear_dense",
+    "int8_linear_dense",
+    "fp8_linear_dense",
 ]
 
 #: Bytes of one 32-value block per ggml type.
 GGUF_BLOCK_BYTES: dict[str, int] = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+#: ggml's type ids (``enum ggml_type``) of the block types kept quantized.
+GGUF_TYPE_IDS: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 #: AWQ's pack order: nibble i of each int32 holds column AWQ_ORDER[i] of its 8 columns.
 AWQ_ORDER: tuple[int, ...] = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -158,3 +171,28 @@ def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
 def awq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     return _finish(x.float() @ awq_dequantize(qweight, qzeros, scales, group_size).t(), bias, x.dtype)
+
+
+# -- dense paths (not specifications; see the module docstring) ----------------------------
+
+def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def gguf_linear_dense(x: torch.Tensor, raw: torch.Tensor, type_name: str,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``gguf_linear`` with the weight dequantized to x.dtype: one dense matmul (prefill-sized x)."""
+    return _dense(x, dequantize_gguf(raw, type_name).to(x.dtype), bias)
+
+
+def int8_linear_dense(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``int8_linear`` with the weight dequantized to x.dtype."""
+    return _dense(x, qweight.to(x.dtype) * scale.to(x.dtype)[:, None], bias)
+
+
+def fp8_linear_dense(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``fp8_linear`` with the weight dequantized to x.dtype (FP8 emulated: one byte per value kept)."""
+    s = scale.to(x.dtype)
+    return _dense(x, qweight.to(x.dtype) * (s[:, None] if s.dim() == 1 else s), bias)

@@ -2,7 +2,9 @@
 
 Every op starts as the torch reference in :mod:`pagedserve.kernels.reference`;
 plugins override ops through the ``pagedserve_register_ops`` hook.  Model code calls
-``ops.paged_attention(...)`` and never knows which implementation runs.
+``ops.paged_attention(...)`` and never knows which implementation runs; quantized
+weights are handed their op (``ops.gguf_linear``, ``ops.fp8_linear``, ...) when they
+load.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class OpRegistry:
 
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(f"no op named {name!r}; known ops: {', '.join(sorted(self._entries))}")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
 
     def get(self, name: str) -> Callable[..., Any]:
         return getattr(self, name)

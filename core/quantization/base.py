@@ -3,8 +3,10 @@
 A :class:`QuantizedWeight` stands where the model keeps a float ``[out, in]`` linear
 weight; model code calls ``weight.apply(x, bias)`` instead of ``ops.linear``.  A
 :class:`QuantizationMethod` turns a checkpoint's weight stream into such weights (keeping
-stored quantized tensors, or quantizing float ones at load) and declares the platforms
-whose kernels can run it.
+stored quantized tensors, or quantizing float ones at load) and hands each weight the
+op of the platform's op registry that multiplies in its format (``ops.gguf_linear``,
+``ops.fp8_linear``, ...): which kernel runs is the platform's choice, made once when
+its ops are registered, never here.
 """
 
 from __future__ import annotations
@@ -69,15 +71,23 @@ class QuantizationMethod(ABC):
     """One quantization scheme.
 
     name: the ``quantization=`` value that selects it.
-    platforms: the platform names with kernels for it (others are refused by name).
+    required_ops: the ops its weights call.  pagedserve's own (``gguf_linear``, ...)
+        exist on every platform, defaulting to their torch reference; a plugin's method
+        may need an op that only some platforms register, and is refused elsewhere.
+    platforms: None (every platform whose op registry has ``required_ops``), or the
+        names of the platforms a method is limited to (others are refused, naming these).
+
+    ``ops`` is the platform's op registry (:class:`pagedserve.platforms.ops.OpRegistry`
+    or any object with the ops as attributes): weights take their op from it.
     """
 
     name: ClassVar[str]
-    platforms: ClassVar[tuple[str, ...]] = ("cpu", "cuda", "rocm")
+    required_ops: ClassVar[tuple[str, ...]] = ()
+    platforms: ClassVar[tuple[str, ...] | None] = None
     description: ClassVar[str] = ""
 
-    def __init__(self, platform_name: str, dtype: torch.dtype, config: dict[str, Any] | None = None) -> None:
-        self.platform_name = platform_name
+    def __init__(self, ops: Any, dtype: torch.dtype, config: dict[str, Any] | None = None) -> None:
+        self.ops = ops
         self.dtype = dtype
         self.config = config or {}
 
@@ -86,4 +96,4 @@ class QuantizationMethod(ABC):
         """``source``'s weights, with linear weights as :class:`QuantizedWeight`."""
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(platform={self.platform_name!r})"
+        return f"{type(self).__name__}(dtype={self.dtype}, config={self.config!r})"

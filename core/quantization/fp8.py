@@ -1,15 +1,19 @@
 """FP8 e4m3 weights quantized at load, per-tensor or per-channel scales.
 
-On GPUs with FP8 tensor cores (compute capability 8.9+) the matmul is native
-(``torch._scaled_mm``, activations quantized per tensor on the fly; see
-kernels/triton/quant_gpu.py); elsewhere it is emulated: the weight is stored in one byte
-per value and dequantized to the activation dtype for each matmul.
+The matmul is the op registry's ``fp8_linear``, handed to the weights at load.  The
+CUDA platform's runs ``torch._scaled_mm`` on GPUs with row-wise scaled FP8 GEMMs
+(compute capability 9.0+; activations quantized per token on the fly, see
+kernels/triton/quant_gpu.py); elsewhere FP8 is emulated: the weight is stored in one
+byte per value and dequantized for each matmul.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from pagedserve.kernels import reference
 from pagedserve.quantization.base import QuantizedWeight
 from pagedserve.quantization.int8 import _LoadTimeMethod
 
@@ -28,22 +32,19 @@ def quantize_fp8(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tenso
 
 
 class Fp8Weight(QuantizedWeight):
-    """qweight float8_e4m3fn ``[out, in]``; scale float32 ``[]`` (per tensor) or ``[out]``."""
+    """qweight float8_e4m3fn ``[out, in]``; scale float32 ``[]`` (per tensor) or ``[out]``.
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+    op: the ``fp8_linear`` op to multiply with (the platform's); None: the reference.
+    """
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, op: Callable | None = None) -> None:
         self.qweight = qweight.contiguous()
         self.scale = scale.float()
         self.out_features, self.in_features = qweight.shape
+        self.op = op or reference.fp8_linear
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.device.type == "cuda":
-            from pagedserve.kernels.triton.quant_gpu import fp8_scaled_mm, fp8_scaled_mm_supported
-
-            if fp8_scaled_mm_supported(x.device):
-                return fp8_scaled_mm(x, self.qweight, self.scale, bias)
-        s = self.scale.to(x.dtype)
-        w = self.qweight.to(x.dtype) * (s[:, None] if s.dim() == 1 else s)
-        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+        return self.op(x, self.qweight, self.scale, bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         s = self.scale
@@ -53,7 +54,9 @@ class Fp8Weight(QuantizedWeight):
         return [self.qweight, self.scale]
 
     def to(self, device: torch.device) -> Fp8Weight:
-        return self if self.qweight.device == device else Fp8Weight(self.qweight.to(device), self.scale.to(device))
+        if self.qweight.device == device:
+            return self
+        return Fp8Weight(self.qweight.to(device), self.scale.to(device), self.op)
 
     @classmethod
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -62,14 +65,15 @@ class Fp8Weight(QuantizedWeight):
             scales = [p.scale.expand(p.out_features) if p.scale.dim() == 0 else p.scale for p in parts]
         else:
             scales = [p.scale for p in parts]
-        return cls(torch.cat([p.qweight for p in parts]), torch.cat(scales))
+        return cls(torch.cat([p.qweight for p in parts]), torch.cat(scales), parts[0].op)
 
 
 class Fp8Method(_LoadTimeMethod):
     name = "fp8"
-    description = "FP8 e4m3 weights, per-channel scales (native _scaled_mm on sm89+, emulated elsewhere)"
+    description = "FP8 e4m3 weights, per-channel scales (native _scaled_mm on sm90+, emulated elsewhere)"
+    required_ops = ("fp8_linear",)
 
     def quantize(self, w: torch.Tensor) -> QuantizedWeight:
         per_channel = self.config.get("per_channel", True)
-        return Fp8Weight(*quantize_fp8(w, per_channel))
+        return Fp8Weight(*quantize_fp8(w, per_channel), op=self.ops.fp8_linear)
 

@@ -18,8 +18,9 @@ from pagedserve.quantization.base import LINEAR_SUFFIXES, QuantizationMethod, Qu
 
 __all__ = ["GPTQWeight", "AWQWeight", "GPTQMethod", "AWQMethod"]
 
-#: Output channels dequantized at once on CPU (multiple of 8: one packed int32 column).
-CPU_TILE_N = 512
+#: Output channels dequantized at once for small batches (multiple of 8: one packed
+#: int32 column), which bounds the temporary float weight to one tile.
+TILE_N = 512
 
 
 class _Int4Weight(QuantizedWeight):
@@ -34,7 +35,7 @@ class _Int4Weight(QuantizedWeight):
         raise NotImplementedError
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        tile = CPU_TILE_N if x.shape[0] <= 64 else self.out_features
+        tile = TILE_N if x.shape[0] <= 64 else self.out_features
         outs = [x @ self._dequant_cols(n0, min(n0 + tile, self.out_features)).to(x.dtype).t()
                 for n0 in range(0, self.out_features, tile)]
         y = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
@@ -99,8 +100,8 @@ class AWQWeight(_Int4Weight):
 class _Int4Method(QuantizationMethod):
     parts: tuple[str, ...] = ()
 
-    def __init__(self, platform_name, dtype, config=None) -> None:
-        super().__init__(platform_name, dtype, config)
+    def __init__(self, ops, dtype, config=None) -> None:
+        super().__init__(ops, dtype, config)
         if int(self.config.get("bits", 4)) != 4:
             raise ValueError(f"{self.name}: only 4-bit checkpoints are supported, got bits={self.config.get('bits')}")
         self.group_size = int(self.config.get("group_size", 128))
@@ -130,8 +131,8 @@ class GPTQMethod(_Int4Method):
     description = "GPTQ 4-bit (packed int32, group scales, act-order g_idx)"
     parts = ("qweight", "qzeros", "scales", "g_idx")
 
-    def __init__(self, platform_name, dtype, config=None) -> None:
-        super().__init__(platform_name, dtype, config)
+    def __init__(self, ops, dtype, config=None) -> None:
+        super().__init__(ops, dtype, config)
         fmt = self.config.get("checkpoint_format", "gptq")
         if fmt != "gptq":
             raise ValueError(f"gptq: checkpoint_format {fmt!r} is not supported (supported: 'gptq')")
@@ -145,8 +146,8 @@ class AWQMethod(_Int4Method):
     description = "AWQ 4-bit GEMM format (packed int32 in AWQ order, group scales and zeros)"
     parts = ("qweight", "qzeros", "scales")
 
-    def __init__(self, platform_name, dtype, config=None) -> None:
-        super().__init__(platform_name, dtype, config)
+    def __init__(self, ops, dtype, config=None) -> None:
+        super().__init__(ops, dtype, config)
         version = str(self.config.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"awq: version {version!r} is not supported (supported: 'gemm')")

@@ -8,12 +8,17 @@
   products change some greedy choices; speed gains so far are within measurement noise).
 - "none": no quantization (a .gguf is dequantized to the model dtype, as before).
 - a method name: that method ("int8", "w8a8", "fp8" quantize a float checkpoint at load).
+
+A method runs on a platform when the platform's op registry has the ops it needs
+(``QuantizationMethod.required_ops``; pagedserve's own default to their references, so
+they run everywhere) and, for a method limited to named platforms
+(``QuantizationMethod.platforms``), when the platform is one of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,14 +28,19 @@ from pagedserve.quantization.gguf import GGUF_KEPT_TYPES, GGUFMethod
 from pagedserve.quantization.int4 import AWQMethod, GPTQMethod
 from pagedserve.quantization.int8 import Int8Method, W8A8Method
 
-__all__ = ["METHODS", "GGUF_DEFAULT_PLATFORMS", "register_method", "get_method_class", "resolve_quantization",
-           "QuantizedSource", "quantize_source"]
+if TYPE_CHECKING:
+    from pagedserve.platforms import OpRegistry, Platform
+
+__all__ = ["METHODS", "GGUF_DEFAULT_OP_SOURCES", "register_method", "get_method_class", "unsupported_reason",
+           "resolve_quantization", "QuantizedSource", "quantize_source"]
 
 METHODS: dict[str, type[QuantizationMethod]] = {}
 
-#: Platforms where a quantized .gguf stays in blocks when quantization is left unset: none
-#: until a quiet-machine measurement shows a clear decode win (docs/quantization.md).
-GGUF_DEFAULT_PLATFORMS: tuple[str, ...] = ()
+#: Sources of the platform's ``gguf_linear`` (as ``pagedserve platforms --ops`` lists
+#: them; a prefix matches) with which a quantized .gguf stays in blocks when quantization
+#: is left unset: none until a quiet-machine measurement shows a clear decode win
+#: (docs/quantization.md).
+GGUF_DEFAULT_OP_SOURCES: tuple[str, ...] = ()
 
 #: quant_method values of Hugging Face configs that need a kernel we lack: refused by name.
 _HF_ALIASES = {"awq": "awq", "gptq": "gptq", "fp8": "fp8"}
@@ -54,10 +64,28 @@ def get_method_class(name: str) -> type[QuantizationMethod]:
                          f"{', '.join(sorted(METHODS))}") from None
 
 
-def _from_checkpoint(source, platform_name: str) -> tuple[str | None, dict[str, Any]]:
+def unsupported_reason(cls: type[QuantizationMethod], platform: Platform, ops: Any) -> str | None:
+    """Why method ``cls`` cannot run on ``platform`` with op registry ``ops`` (the end of
+    a sentence), or None when it can."""
+    if cls.platforms is not None and platform.name not in cls.platforms:
+        return f"platforms that can run it: {', '.join(cls.platforms)}"
+    missing = [op for op in cls.required_ops if not hasattr(ops, op)]
+    if missing:
+        return (f"it needs the op(s) {', '.join(missing)}, which no plugin registers for this platform "
+                "(a platform or kernels plugin provides an op through pagedserve_register_ops)")
+    return None
+
+
+def _gguf_kept_by_default(ops: Any) -> bool:
+    if not GGUF_DEFAULT_OP_SOURCES or not hasattr(ops, "source"):
+        return False
+    return ops.source("gguf_linear").startswith(GGUF_DEFAULT_OP_SOURCES)
+
+
+def _from_checkpoint(source, ops: Any) -> tuple[str | None, dict[str, Any]]:
     if source.format == "gguf":
         kept = set(source._gguf.tensor_types().values()) & set(GGUF_KEPT_TYPES)
-        return ("gguf" if kept and platform_name in GGUF_DEFAULT_PLATFORMS else None), {}
+        return ("gguf" if kept and _gguf_kept_by_default(ops) else None), {}
     qcfg = source.hf_config.get("quantization_config")
     if not qcfg:
         return None, {}
@@ -71,16 +99,16 @@ def _from_checkpoint(source, platform_name: str) -> tuple[str | None, dict[str, 
     return _HF_ALIASES[method], dict(qcfg)
 
 
-def resolve_quantization(requested: str | None, source, platform_name: str, dtype: torch.dtype,
+def resolve_quantization(requested: str | None, source, platform: Platform, ops: OpRegistry, dtype: torch.dtype,
                          world_size: int = 1, cpu_offload_gb: float = 0.0) -> QuantizationMethod | None:
-    """The method to load ``source`` with on platform ``platform_name``, or None.
+    """The method to load ``source`` with on ``platform``, whose resolved ops are ``ops``, or None.
 
     Raises ValueError for an unknown method, one the platform cannot run (naming the
-    platforms that can), or one that does not fit the checkpoint.
+    platforms that can, or the ops it lacks), or one that does not fit the checkpoint.
     """
     name = (requested or "auto").lower()
     qcfg: dict[str, Any] = {}
-    auto_name, auto_cfg = _from_checkpoint(source, platform_name)
+    auto_name, auto_cfg = _from_checkpoint(source, ops)
     if name == "none":
         if source.format == "hf" and source.hf_config.get("quantization_config"):
             raise ValueError("quantization='none' cannot load a pre-quantized checkpoint "
@@ -97,15 +125,15 @@ def resolve_quantization(requested: str | None, source, platform_name: str, dtyp
         # int8/w8a8/fp8 on a .gguf re-quantize its dequantized weights (measured in the benchmark).
         qcfg = auto_cfg if auto_name == name else {}
     cls = get_method_class(name)
-    if platform_name not in cls.platforms:
-        raise ValueError(f"quantization={name!r} is not supported on platform {platform_name!r}; "
-                         f"platforms that can run it: {', '.join(cls.platforms)}")
+    reason = unsupported_reason(cls, platform, ops)
+    if reason is not None:
+        raise ValueError(f"quantization={name!r} is not supported on platform {platform.name!r}; {reason}")
     if world_size > 1:
         raise ValueError(f"quantization={name!r} does not support tensor/pipeline parallelism yet "
                          f"(world size {world_size}); use quantization='none' or one rank")
     if cpu_offload_gb:
         raise ValueError(f"quantization={name!r} cannot be combined with cpu_offload_gb yet")
-    return cls(platform_name, dtype, qcfg)
+    return cls(ops, dtype, qcfg)
 
 
 class QuantizedSource:
@@ -131,8 +159,9 @@ class QuantizedSource:
         return f"QuantizedSource({self._source!r}, method={self.method.name!r})"
 
 
-def quantize_source(source, requested: str | None, platform_name: str, dtype: torch.dtype,
+def quantize_source(source, requested: str | None, platform: Platform, ops: OpRegistry, dtype: torch.dtype,
                     world_size: int = 1, cpu_offload_gb: float = 0.0):
-    """``source`` itself, or wrapped so that its weights load quantized (see the module doc)."""
-    method = resolve_quantization(requested, source, platform_name, dtype, world_size, cpu_offload_gb)
+    """``source`` itself, or wrapped so that its weights load quantized with ``ops``
+    (see the module doc)."""
+    method = resolve_quantization(requested, source, platform, ops, dtype, world_size, cpu_offload_gb)
     return source if method is None else QuantizedSource(source, method)

@@ -1,23 +1,30 @@
 """Op overrides of the CUDA platform.
 
-By default the Triton kernels serve ``paged_attention`` and ``reshape_and_cache``.
-``PAGEDSERVE_CUDA_KERNELS=cuda`` selects the CUDA C++ kernels instead (and adds
-``copy_blocks``/``swap_blocks``); they are compiled on first selection, into the cache
-described in :mod:`pagedserve.kernels.cuda.build`.  ``PAGEDSERVE_CUDA_KERNELS=triton``
-is the default.
+By default the Triton kernels serve ``paged_attention``, ``reshape_and_cache`` and
+``gguf_linear``.  ``PAGEDSERVE_CUDA_KERNELS=cuda`` selects the CUDA C++ kernels for
+attention and the cache instead (and adds ``copy_blocks``/``swap_blocks``); they are
+compiled on first selection, into the cache described in
+:mod:`pagedserve.kernels.cuda.build`.  ``PAGEDSERVE_CUDA_KERNELS=triton`` is the
+default.  The other quantized linear ops come from platforms/cuda/quant_ops.py.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 from pagedserve.platforms.ops import OpRegistry
 
-__all__ = ["register_cuda_ops", "register_triton_ops", "KERNELS_ENV", "kernel_choice"]
+__all__ = ["register_cuda_ops", "register_triton_ops", "KERNELS_ENV", "TRITON_OPS", "kernel_choice"]
 
 KERNELS_ENV = "PAGEDSERVE_CUDA_KERNELS"
 _CHOICES = ("triton", "cuda")
+#: The ops served by Triton kernels.
+TRITON_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "gguf_linear")
+#: The ops the CUDA C++ kernels serve under PAGEDSERVE_CUDA_KERNELS=cuda.
+_CUDA_CPP_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks")
 
 
 def kernel_choice() -> str:
@@ -28,26 +35,35 @@ def kernel_choice() -> str:
     return choice
 
 
-def register_triton_ops(ops: OpRegistry, platform_name: str) -> None:
-    """Install the Triton kernels; without triton the reference ops stay, with a warning."""
-    try:
-        from pagedserve.kernels.triton import triton_ops
+def _triton_kernels() -> dict[str, Callable[..., Any]]:
+    """Every Triton kernel by op name (imports triton; ImportError without it)."""
+    from pagedserve.kernels.triton import triton_ops
+    from pagedserve.kernels.triton.quant_gguf import gguf_linear_triton
 
-        kernels = triton_ops()
+    return {**triton_ops(), "gguf_linear": gguf_linear_triton}
+
+
+def register_triton_ops(ops: OpRegistry, platform_name: str, names: tuple[str, ...] = TRITON_OPS) -> None:
+    """Install the Triton kernels of ``names``; without triton the reference ops stay, with a warning."""
+    try:
+        kernels = _triton_kernels()
     except ImportError as exc:
         warnings.warn(
-            f"{platform_name}: triton is not importable ({exc}); paged_attention and "
-            "reshape_and_cache use the slow torch reference.  Install it with `pip install triton`.",
+            f"{platform_name}: triton is not importable ({exc}); {', '.join(names)} use the slow "
+            "torch reference.  Install it with `pip install triton`.",
             RuntimeWarning,
             stacklevel=2,
         )
         return
-    for name, fn in kernels.items():
-        ops.register(name, fn, source="triton")
+    for name in names:
+        ops.register(name, kernels[name], source="triton")
 
 
 def register_cuda_ops(ops: OpRegistry) -> None:
     """Install the CUDA platform's kernels into ``ops`` (see the module docstring)."""
+    from pagedserve.platforms.cuda.quant_ops import register_gpu_quant_ops
+
+    register_gpu_quant_ops(ops, fp8_scaled_mm=True)
     if kernel_choice() == "triton":
         register_triton_ops(ops, "cuda")
         return
@@ -56,5 +72,7 @@ def register_cuda_ops(ops: OpRegistry) -> None:
 
     # Build now so that a compiler error surfaces at start-up, not in the first forward.
     load_cuda_extension()
-    for name in ("paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks"):
+    for name in _CUDA_CPP_OPS:
         ops.register(name, getattr(cuda_ops, name), source="cuda")
+    # No CUDA C++ kernel for GGUF blocks: Triton's serves them in either mode.
+    register_triton_ops(ops, "cuda", names=("gguf_linear",))

@@ -11,6 +11,7 @@ from pagedserve.quantization.fp8 import Fp8Weight, quantize_fp8
 from pagedserve.quantization.gguf import GGUF_TYPE_IDS, GGUFWeight
 from pagedserve.quantization.int4 import AWQWeight, GPTQWeight
 from pagedserve.quantization.int8 import Int8Weight, W8A8Weight, quantize_int8_per_channel
+from pagedserve.platforms.cpu import quant_ops as cpu_quant
 from pagedserve.quantization.native import load_quant_kernels
 from test_quant_support import awq_quantize, gptq_quantize
 
@@ -55,7 +56,7 @@ def test_quant_gguf_cpu_kernel(type_name, m, dtype):
     raw = random_gguf(type_name, 72, 160, gen)
     x = torch.randn(m, 160, generator=gen).to(dtype)
     bias = torch.randn(72, generator=gen)
-    w = GGUFWeight(type_name, raw, 160, kernel="cpu")
+    w = GGUFWeight(type_name, raw, 160, op=cpu_quant.gguf_linear)
     out = w.apply(x, bias)
     assert out.dtype == dtype and out.shape == (m, 72)
     expect = ref.gguf_linear(x, raw, type_name, bias)
@@ -67,10 +68,11 @@ def test_quant_gguf_cpu_kernel(type_name, m, dtype):
 
 def test_quant_gguf_dense_path_and_concat():
     gen = torch.Generator().manual_seed(3)
-    parts = [GGUFWeight("Q4_1", random_gguf("Q4_1", 16, 64, gen), 64, kernel="cpu") for _ in range(2)]
+    parts = [GGUFWeight("Q4_1", random_gguf("Q4_1", 16, 64, gen), 64, op=cpu_quant.gguf_linear) for _ in range(2)]
     fused = GGUFWeight.concat(parts)
-    assert fused.shape == (32, 64) and fused.nbytes == 32 * 2 * 20
+    assert fused.shape == (32, 64) and fused.nbytes == 32 * 2 * 20 and fused.op is cpu_quant.gguf_linear
     x = torch.randn(200, 64, generator=gen)  # past CPU_DENSE_MIN_ROWS: dequantize + dense matmul
+    assert x.shape[0] >= cpu_quant.CPU_DENSE_MIN_ROWS
     expect = torch.cat([ref.gguf_linear(x, p.data, "Q4_1") for p in parts], dim=1)
     assert rel_err(fused.apply(x), expect) < TOL[torch.float32]
     mixed = GGUFWeight.concat([parts[0], GGUFWeight("Q8_0", random_gguf("Q8_0", 8, 64, gen), 64)])
@@ -88,7 +90,7 @@ def test_quant_int8_weight_only(dtype, m):
     assert (w - q.float() * s[:, None]).abs().max() <= s.max() / 2 + 1e-6
     x = torch.randn(m, 96, generator=gen).to(dtype)
     bias = torch.randn(48, generator=gen)
-    out = Int8Weight(q, s).apply(x, bias)
+    out = Int8Weight(q, s, op=cpu_quant.int8_linear).apply(x, bias)  # torch._weight_int8pack_mm
     assert out.dtype == dtype
     assert rel_err(out, ref.int8_linear(x, q, s, bias)) < TOL[dtype]
 
@@ -99,7 +101,7 @@ def test_quant_w8a8(dtype, m):
     gen = torch.Generator().manual_seed(10 + m)
     q, s = quantize_int8_per_channel(torch.randn(40, 64, generator=gen))
     x = torch.randn(m, 64, generator=gen).to(dtype)
-    out = W8A8Weight(q, s).apply(x)
+    out = W8A8Weight(q, s, op=cpu_quant.w8a8_linear).apply(x)  # torch._int_mm
     # Integer products are exact, so only the output rounding separates it from the reference.
     assert rel_err(out, ref.w8a8_linear(x, q, s)) < TOL[dtype]
     # And the whole scheme stays close to the float matmul.
@@ -114,7 +116,7 @@ def test_quant_fp8(per_channel, dtype):
     q, s = quantize_fp8(w, per_channel)
     assert q.dtype == torch.float8_e4m3fn and s.shape == ((32,) if per_channel else ())
     x = torch.randn(5, 64, generator=gen).to(dtype)
-    out = Fp8Weight(q, s).apply(x)
+    out = Fp8Weight(q, s, op=ref.fp8_linear_dense).apply(x)  # emulated in x.dtype
     assert rel_err(out, ref.fp8_linear(x, q, s)) < TOL[dtype] * 2
     # e4m3 keeps 3 mantissa bits: ~3% per weight, much less after summation.
     assert rel_err(Fp8Weight(q, s).dequantize(), w) < 0.05
@@ -141,7 +143,7 @@ def test_quant_gptq(act_order, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quant_awq(dtype):
     gen = torch.Generator().manual_seed(6)
-    w = torch.randn(1040, 64, generator=gen) * 0.1  # > CPU_TILE_N outputs: several tiles
+    w = torch.randn(1040, 64, generator=gen) * 0.1  # > TILE_N outputs: several tiles
     t, deq = awq_quantize(w, 32)
     weight = AWQWeight(t["qweight"], t["qzeros"], t["scales"], 32)
     assert torch.equal(weight.dequantize(), deq)

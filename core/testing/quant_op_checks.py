@@ -1,0 +1,148 @@
+"""Checks of the quantized linear ops (``gguf_linear``, ``int8_linear``, ``w8a8_linear``,
+``fp8_linear``) a platform overrides, against :mod:`pagedserve.kernels.reference`.
+
+Weights are random bytes in each stored format (GGUF blocks with realistic fp16 scales,
+int8 and e4m3 values with per-channel or per-tensor scales), activations fresh
+``torch.randn`` -- seeded per case like the other op checks.  These ops return new
+tensors, so there is nothing to poison; an output with NaN where the reference has
+numbers fails.  Kernels may round the weight to the activation dtype and, where the op's
+contract allows it, quantize the activations (int8 per 32-value block for GGUF, e4m3
+per row for FP8), so outputs are compared by their relative error -- the norm of the
+difference over the reference's -- against the dtype's rounding plus that allowance, and
+every element against a multiple of that bound times the reference's RMS (a single
+wrong row or column shows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pagedserve.kernels import quant_reference, reference
+from pagedserve.testing.op_checks import Cases, _Case, _dtype_name
+from pagedserve.testing.target import Target
+
+__all__ = ["QUANT_CASES", "QUANT_TOLERANCES", "ACTIVATION_ALLOWANCE", "assert_close_relative"]
+
+#: Relative error (Frobenius) allowed for output rounding, per activation dtype.
+QUANT_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+#: Extra relative error an op's contract allows for quantized activations.
+ACTIVATION_ALLOWANCE: dict[str, float] = {"gguf_linear": 2.5e-2, "fp8_linear": 6e-2}
+#: Each element may differ by this many times the bound above, times the reference's RMS.
+ELEMENT_FACTOR = 8.0
+
+
+def assert_close_relative(what: str, got: object, want: torch.Tensor, dtype: torch.dtype, tol: float) -> None:
+    """AssertionError naming ``what`` unless ``got`` has ``want``'s shape and dtype, no stray
+    NaN, a relative error <= ``tol`` and every element within ``ELEMENT_FACTOR * tol * rms``."""
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{what}: expected a tensor, got {type(got).__name__}")
+    if tuple(got.shape) != tuple(want.shape):
+        raise AssertionError(f"{what}: shape {tuple(got.shape)}, reference {tuple(want.shape)}")
+    if got.dtype != want.dtype:
+        raise AssertionError(f"{what}: dtype {_dtype_name(got.dtype)}, reference {_dtype_name(want.dtype)}")
+    g, w = got.detach().cpu().float(), want.detach().cpu().float()
+    if not torch.isfinite(g).all():
+        bad = int((~torch.isfinite(g)).sum())
+        raise AssertionError(f"{what}: {bad} of {g.numel()} elements are NaN or infinite")
+    rms = w.pow(2).mean().sqrt().item()
+    rel = ((g - w).norm() / w.norm()).item()
+    if rel > tol:
+        raise AssertionError(f"{what}: relative error {rel:.4g} exceeds {tol:g} ({_dtype_name(dtype)}); "
+                             f"reference RMS {rms:.4g}")
+    err = (g - w).abs()
+    worst = int(err.argmax())
+    bound = ELEMENT_FACTOR * tol * rms
+    if err.view(-1)[worst] > bound:
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), g.shape))
+        raise AssertionError(f"{what}: element {idx} is {float(g[idx]):.6g}, reference {float(w[idx]):.6g}: "
+                             f"off by more than {bound:.4g} ({ELEMENT_FACTOR:g} x {tol:g} x the reference's RMS)")
+
+
+def _tol(op: str, dtype: torch.dtype) -> float:
+    return QUANT_TOLERANCES[dtype] + ACTIVATION_ALLOWANCE.get(op, 0.0)
+
+
+def _desc(m: int, k: int, n: int, bias: bool, prefix: str = "") -> str:
+    return f"{prefix}{m}x{k}->{n}" + ("+bias" if bias else "")
+
+
+def _random_gguf(c: _Case, type_name: str, n: int, k: int) -> torch.Tensor:
+    """uint8 [n, k/32 * block_bytes]: random quants with realistic fp16 scales (and minimums)."""
+    bb, nb = quant_reference.GGUF_BLOCK_BYTES[type_name], k // 32
+    raw = c.randint(0, 256, n, nb, bb).to(torch.uint8)
+    d = torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3
+    raw[..., 0:2] = d.half().view(torch.uint8).reshape(n, nb, 2)
+    if type_name == "Q4_1":
+        raw[..., 2:4] = (torch.randn(n, nb, generator=c.gen) * 0.05).half().view(torch.uint8).reshape(n, nb, 2)
+    return raw.reshape(n, -1)
+
+
+def _channel_scales(c: _Case, n: int) -> torch.Tensor:
+    return torch.rand(n, generator=c.gen) * 0.01 + 1e-3
+
+
+def _gguf_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    # From 128 rows up a kernel may take another path (the CPU's dense prefill fallback).
+    for type_name in ("Q4_0", "Q4_1", "Q8_0"):
+        for m, k, n, bias in [(1, 64, 48, False), (7, 128, 40, True), (130, 64, 24, True)]:
+            desc = _desc(m, k, n, bias, f"{type_name}-")
+
+            def body(type_name=type_name, m=m, k=k, n=n, bias=bias, desc=desc) -> None:
+                c = _Case(f"gguf_linear{desc}{dtype}", seed, t.device)
+                data, x = _random_gguf(c, type_name, n, k), c.randn(m, k, dtype=dtype)
+                b = c.randn(n, dtype=dtype) if bias else None
+                got = fn(c.dev(x), c.dev(data), type_name, None if b is None else c.dev(b))
+                want = reference.gguf_linear(x, data, type_name, b)
+                assert_close_relative("gguf_linear", got, want, dtype, _tol("gguf_linear", dtype))
+
+            yield desc, body
+
+
+def _int8_cases(op: str) -> Callable[[Target, Callable, torch.dtype, int], Cases]:
+    ref = getattr(reference, op)
+
+    def cases(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+        # Multiples of 8 (integer GEMMs want them); 1 and 7 rows as in decode batches.
+        for m, k, n, bias in [(1, 64, 48, False), (7, 96, 40, True), (33, 128, 64, True)]:
+            desc = _desc(m, k, n, bias)
+
+            def body(m=m, k=k, n=n, bias=bias, desc=desc) -> None:
+                c = _Case(f"{op}{desc}{dtype}", seed, t.device)
+                qweight = c.randint(-127, 128, n, k).to(torch.int8)
+                scale, x = _channel_scales(c, n), c.randn(m, k, dtype=dtype)
+                b = c.randn(n, dtype=dtype) if bias else None
+                got = fn(c.dev(x), c.dev(qweight), c.dev(scale), None if b is None else c.dev(b))
+                assert_close_relative(op, got, ref(x, qweight, scale, b), dtype, _tol(op, dtype))
+
+            yield desc, body
+
+    return cases
+
+
+def _fp8_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    # Multiples of 16 (FP8 tensor-core GEMMs want them); per-channel and per-tensor scales.
+    for m, k, n, per_channel, bias in [(1, 64, 48, True, False), (7, 128, 32, False, True),
+                                       (33, 64, 64, True, True)]:
+        desc = _desc(m, k, n, bias, "channel-" if per_channel else "tensor-")
+
+        def body(m=m, k=k, n=n, per_channel=per_channel, bias=bias, desc=desc) -> None:
+            c = _Case(f"fp8_linear{desc}{dtype}", seed, t.device)
+            qweight = (c.randn(n, k) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+            scale = _channel_scales(c, n) if per_channel else _channel_scales(c, 1)[0]
+            x = c.randn(m, k, dtype=dtype)
+            b = c.randn(n, dtype=dtype) if bias else None
+            got = fn(c.dev(x), c.dev(qweight), c.dev(scale), None if b is None else c.dev(b))
+            want = reference.fp8_linear(x, qweight, scale, b)
+            assert_close_relative("fp8_linear", got, want, dtype, _tol("fp8_linear", dtype))
+
+        yield desc, body
+
+
+QUANT_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
+    "gguf_linear": _gguf_linear,
+    "int8_linear": _int8_cases("int8_linear"),
+    "w8a8_linear": _int8_cases("w8a8_linear"),
+    "fp8_linear": _fp8_linear,
+}

@@ -1,0 +1,77 @@
+"""The CPU platform's quantized linear ops (their contracts: pagedserve.kernels.reference).
+
+- ``gguf_linear``: the native kernel of kernels/cpu/quant_gguf.cpp (int8 activations per
+  32-value block, VNNI/AVX2 dot products) where it builds and loads; from
+  ``CPU_DENSE_MIN_ROWS`` rows of x up (prefill) the weight is dequantized to x's dtype
+  and one dense matmul runs instead.  ``PAGEDSERVE_QUANT_CPU_KERNELS=0`` keeps the
+  reference.
+- ``int8_linear``: aten's CPU int8 weight-only kernel ``torch._weight_int8pack_mm``.
+- ``w8a8_linear``: ``torch._int_mm`` (oneDNN, VNNI where the CPU has it).
+- ``fp8_linear``: emulated, the weight dequantized to x's dtype for each matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels import quant_reference as qref
+from pagedserve.kernels import reference
+from pagedserve.platforms.ops import OpRegistry
+from pagedserve.quantization.native import load_quant_kernels
+
+__all__ = ["register_cpu_quant_ops", "gguf_linear", "int8_linear", "w8a8_linear", "CPU_DENSE_MIN_ROWS"]
+
+#: Rows of x from which gguf_linear dequantizes the weight to bf16/fp32 and uses the
+#: dense matmul instead of the int8 dot-product kernel (prefill); set from
+#: benchmarks/quantization.py.
+CPU_DENSE_MIN_ROWS = 128
+#: Activation dtypes the native kernels take (others go to the reference or a dense path).
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``reference.gguf_linear`` through the native kernel (registered only where it loads)."""
+    if x.dtype not in _NATIVE_DTYPES or x.dim() != 2 or type_name not in qref.GGUF_TYPE_IDS:
+        return reference.gguf_linear(x, data, type_name, bias)
+    if x.shape[0] >= CPU_DENSE_MIN_ROWS:
+        return qref.gguf_linear_dense(x, data, type_name, bias)
+    y = load_quant_kernels().gguf_linear(x, data, qref.GGUF_TYPE_IDS[type_name])
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``reference.int8_linear`` through ``torch._weight_int8pack_mm`` (scales per output channel)."""
+    if x.dtype not in _NATIVE_DTYPES or x.dim() != 2:
+        return qref.int8_linear_dense(x, qweight, scale, bias)
+    y = torch._weight_int8pack_mm(x.contiguous(), qweight, scale.to(x.dtype))
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``reference.w8a8_linear`` with the integer products in ``torch._int_mm``."""
+    xq, xs = qref.quantize_per_token_int8(x)
+    # A transposed view of the [N, K] rows is what oneDNN reads fastest (benchmarks/quantization.py).
+    acc = torch._int_mm(xq, qweight.t())
+    y = acc.float() * xs * scale.float()[None, :]
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
+def register_cpu_quant_ops(ops: OpRegistry) -> None:
+    """Install the CPU's quantized linear ops into ``ops`` (see the module docstring).
+
+    Loads the native GGUF kernel, compiling it on first use; where it is switched off or
+    cannot be built, ``gguf_linear`` stays the reference (the loader has warned why).
+    """
+    module = load_quant_kernels()
+    if module is not None:
+        ops.register("gguf_linear", gguf_linear, source=f"cpu-native-quant({module.isa()})")
+    ops.register("int8_linear", int8_linear, source="torch")
+    ops.register("w8a8_linear", w8a8_linear, source="torch")
+    ops.register("fp8_linear", qref.fp8_linear_dense, source="torch")
