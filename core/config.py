@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -12,7 +14,10 @@ __all__ = [
     "ParallelConfig",
     "DeviceConfig",
     "EngineConfig",
+    "DeviceMapEntry",
     "parse_memory",
+    "parse_device_map",
+    "device_map_layers",
 ]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -33,6 +38,136 @@ def parse_memory(value: int | float | str, name: str = "memory") -> int:
     if n <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
     return n
+
+
+@dataclass(frozen=True)
+class DeviceMapEntry:
+    """One segment of a device map as written: a platform and which layers it runs.
+
+    ``count`` layers (None with no range: the layers the other segments leave), or the
+    inclusive range ``first``-``last``.
+    """
+
+    platform: str
+    count: int | None = None
+    first: int | None = None
+    last: int | None = None
+
+    def __str__(self) -> str:
+        if self.first is not None:
+            return f"{self.platform}:{self.first}-{self.last}"
+        return self.platform if self.count is None else f"{self.platform}:{self.count}"
+
+
+_SEGMENT = re.compile(r"(?P<name>[^:,\s]+)(?::(?:(?P<first>\d+)-(?P<last>\d+)|(?P<count>\d+)))?")
+
+
+def parse_device_map(value: str | Sequence[str | tuple[str, int | None]]) -> tuple[DeviceMapEntry, ...]:
+    """Syntax of a device map (docs/memory.md); ValueError naming the bad segment.
+
+    ``"cuda:20,cpu"``: the first 20 decoder layers on cuda, the rest on cpu (at most one
+    segment without a count takes the rest).  ``"cpu:0-14,cpu-ref:15-29"``: inclusive
+    layer ranges, which must then be given for every segment (returned in layer order).
+    A sequence of segment strings or ``(platform, count)`` pairs means the same as the
+    comma-joined string.
+    """
+    if isinstance(value, str):
+        parts = value.split(",")
+    else:
+        parts = []
+        for item in value:
+            if isinstance(item, tuple) and len(item) == 2:
+                item = str(item[0]) if item[1] is None else f"{item[0]}:{item[1]}"
+            if not isinstance(item, str):
+                raise ValueError(f"device_map item {item!r} is neither a segment string nor a (platform, count) pair")
+            parts.append(item)
+    parts = [p.strip() for p in parts]
+    if not parts or parts == [""]:
+        raise ValueError("device_map is empty; write e.g. 'cuda:20,cpu' or 'cpu:0-14,cuda:15-29'")
+    entries = []
+    for part in parts:
+        m = _SEGMENT.fullmatch(part)
+        if m is None:
+            raise ValueError(f"device_map segment {part!r} is not PLATFORM, PLATFORM:COUNT or PLATFORM:FIRST-LAST "
+                             "(e.g. 'cuda:20,cpu' or 'cpu:0-14,cuda:15-29')")
+        if m["first"] is not None:
+            first, last = int(m["first"]), int(m["last"])
+            if last < first:
+                raise ValueError(f"device_map segment {part!r}: the range {first}-{last} is reversed")
+            entries.append(DeviceMapEntry(m["name"], first=first, last=last))
+        elif m["count"] is not None:
+            count = int(m["count"])
+            if count < 1:
+                raise ValueError(f"device_map segment {part!r} places no layers (a count is a number of layers, "
+                                 "not a device index; it must be >= 1)")
+            entries.append(DeviceMapEntry(m["name"], count=count))
+        else:
+            entries.append(DeviceMapEntry(m["name"]))
+    ranged = [e for e in entries if e.first is not None]
+    if ranged and len(ranged) != len(entries):
+        raise ValueError(f"device_map {','.join(map(str, entries))!r} mixes layer ranges with counts; "
+                         "give a range for every segment or none")
+    rest = [e for e in entries if e.first is None and e.count is None]
+    if len(rest) > 1:
+        raise ValueError(f"device_map {','.join(map(str, entries))!r}: only one segment may omit its layer count "
+                         f"(it takes the rest), got {len(rest)}: {', '.join(e.platform for e in rest)}")
+    if ranged:  # in layer order, so that the first entry is the one with layer 0
+        entries = sorted(entries, key=lambda e: e.first)
+        _check_ranges(entries, None)
+    return tuple(entries)
+
+
+def _layers(a: int, b: int) -> str:
+    return f"layer {a}" if a == b else f"layers {a}-{b}"
+
+
+def _check_ranges(entries: Sequence[DeviceMapEntry], num_layers: int | None) -> list[tuple[str, int, int]]:
+    """Ranged segments sorted into ``(platform, start, end)``: no overlap, no gap, from
+    layer 0 and (when ``num_layers`` is known) to the model's last layer."""
+    text = ",".join(map(str, entries))
+    spans = sorted(((e.first, e.last + 1, e) for e in entries), key=lambda t: t[0])
+    pos = 0
+    for start, end, e in spans:
+        if start < pos:
+            other = next(o for s, t, o in spans if o is not e and s < end and start < t)
+            raise ValueError(f"device_map {text!r}: segments {other} and {e} overlap")
+        if start > pos:
+            raise ValueError(f"device_map {text!r} places no platform for {_layers(pos, start - 1)}")
+        pos = end
+    if num_layers is not None and pos > num_layers:
+        raise ValueError(f"device_map {text!r} places layers up to {pos - 1}, but the model has "
+                         f"{num_layers} layers (0-{num_layers - 1})")
+    if num_layers is not None and pos < num_layers:
+        raise ValueError(f"device_map {text!r} places no platform for {_layers(pos, num_layers - 1)} "
+                         f"(the model has {num_layers} layers)")
+    return [(e.platform, start, end) for start, end, e in spans]
+
+
+def device_map_layers(entries: Sequence[DeviceMapEntry], num_layers: int) -> list[tuple[str, int, int]]:
+    """``(platform, start, end)`` per segment, in layer order, covering ``[0, num_layers)``.
+
+    ValueError when counts do not add up to the model's layers, when ranges overlap,
+    leave layers out or go past the last layer, or when a segment gets no layer.
+    """
+    text = ",".join(map(str, entries))
+    if entries and entries[0].first is not None:
+        return _check_ranges(entries, num_layers)
+    counted = sum(e.count for e in entries if e.count is not None)
+    has_rest = any(e.count is None for e in entries)
+    if counted > num_layers or (counted < num_layers and not has_rest):
+        hint = "; give every layer a platform, or leave one segment's count out so that it takes the rest"
+        raise ValueError(f"device_map {text!r} places {counted} layers, but the model has {num_layers}"
+                         + (hint if counted < num_layers else ""))
+    if has_rest and counted == num_layers:
+        rest = next(e for e in entries if e.count is None)
+        raise ValueError(f"device_map {text!r}: the counts already place all {num_layers} layers, so "
+                         f"{rest.platform!r} (the rest) would get none; drop it")
+    out, pos = [], 0
+    for e in entries:
+        n = e.count if e.count is not None else num_layers - counted
+        out.append((e.platform, pos, pos + n))
+        pos += n
+    return out
 
 
 @dataclass
@@ -155,14 +290,34 @@ class ParallelConfig:
 
 @dataclass
 class DeviceConfig:
-    """Platform selection (None = PAGEDSERVE_TARGET_DEVICE or auto-detect) and threads."""
+    """Platform selection (None = PAGEDSERVE_TARGET_DEVICE or auto-detect) and threads.
+
+    device_map: decoder layers split across platforms, e.g. "cuda:20,cpu" or
+        "cpu:0-14,cuda:15-29" (docs/memory.md); normalised to that string form.  Its
+        first platform is the engine's platform (``device`` may only repeat it): it
+        embeds the tokens and its default dtype is what ``dtype="auto"`` picks.
+    """
 
     device: str | None = None
     threads: int | None = None
+    device_map: str | Sequence[str | tuple[str, int | None]] | None = None
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.device_map is None:
+            return
+        entries = parse_device_map(self.device_map)
+        self.device_map = ",".join(map(str, entries))
+        first = entries[0].platform
+        for source, name in (("device", self.device),
+                             ("PAGEDSERVE_TARGET_DEVICE", os.environ.get("PAGEDSERVE_TARGET_DEVICE"))):
+            name = (name or "").strip()
+            if name not in ("", "auto", first):
+                raise ValueError(f"{source}={name!r} conflicts with device_map={self.device_map!r}, whose first "
+                                 f"platform {first!r} is the engine's platform; unset {source} or start the map "
+                                 f"with {name!r}")
+        self.device = first
 
 
 @dataclass
@@ -172,3 +327,24 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self) -> None:
+        self.check_device_map()
+
+    def check_device_map(self) -> None:
+        """ValueError for settings a device map cannot be combined with (yet)."""
+        dm = self.device.device_map
+        if dm is None:
+            return
+        par = self.parallel
+        if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
+            raise ValueError(f"device_map={dm!r} cannot be combined with tensor/pipeline parallelism "
+                             f"(tensor_parallel_size={par.tensor_parallel_size}, pipeline_parallel_size="
+                             f"{par.pipeline_parallel_size}): a device map splits one rank's layers")
+        if par.distributed_executor_backend not in (None, "uni"):
+            raise ValueError(f"device_map={dm!r} runs in the engine's process; distributed_executor_backend="
+                             f"{par.distributed_executor_backend!r} is not supported with it")
+        if self.cache.cpu_offload_gb:
+            raise ValueError(f"device_map={dm!r} cannot be combined with cpu_offload_gb="
+                             f"{self.cache.cpu_offload_gb}: place layers on the host platform with the map "
+                             "instead (e.g. 'cuda:20,cpu'), where they run rather than being streamed")

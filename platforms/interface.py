@@ -149,6 +149,19 @@ class Platform:
     def synchronize(self) -> None:
         """Wait for all work queued on the device."""
 
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (possibly on another platform's device) on this platform's device.
+
+        Used where a device map hands activations and step metadata from one platform's
+        layers to the next.  Here: ``tensor.to(self.device)`` (``tensor`` itself when it
+        is already there), staged through host memory when both sides are accelerators
+        of different device types, which torch cannot copy between directly.
+        """
+        dev = self.device
+        if tensor.device.type not in ("cpu", dev.type) and dev.type != "cpu":
+            tensor = tensor.cpu()
+        return tensor.to(dev)
+
     def describe(self) -> dict[str, Any]:
         """A few facts for `pagedserve platforms` (dtype, memory)."""
         info: dict[str, Any] = {"default_dtype": str(self.default_dtype).replace("torch.", "")}

@@ -11,6 +11,8 @@ import json
 import random
 import time
 
+from pagedserve.entrypoints.device_map_arg import add_device_map_argument
+
 __all__ = ["add_arguments", "run", "make_workload", "run_pagedserve", "run_transformers"]
 
 
@@ -28,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", default="4GiB")
     p.add_argument("--threads", type=int, default=None)
+    add_device_map_argument(p)
     p.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
     p.add_argument("--hf-batch-size", type=int, default=None,
                    help="transformers batch size (default: all prompts at once)")
@@ -52,7 +55,7 @@ def run_pagedserve(args: argparse.Namespace, work) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-              threads=args.threads)
+              threads=args.threads, device_map=args.device_map)
     load_s = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
     # Warm up (first-call allocations, kernel loading) outside the timed region.
@@ -64,7 +67,7 @@ def run_pagedserve(args: argparse.Namespace, work) -> dict:
     return {"engine": "pagedserve", "elapsed_s": elapsed, "generated_tokens": gen,
             "tokens_per_s": gen / elapsed, "load_s": load_s,
             "dtype": str(llm.llm_engine.dtype).replace("torch.", ""),
-            "platform": llm.llm_engine.platform.name,
+            "platform": llm.llm_engine.platform.name, "device_map": args.device_map,
             "preemptions": llm.llm_engine.scheduler.num_preemptions}
 
 

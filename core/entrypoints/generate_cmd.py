@@ -6,6 +6,8 @@ import argparse
 import json
 import time
 
+from pagedserve.entrypoints.device_map_arg import add_device_map_argument
+
 __all__ = ["add_parser", "run"]
 
 
@@ -30,18 +32,24 @@ def add_parser(subparsers) -> None:
     p.add_argument("--preemption-mode", default="auto", choices=("auto", "swap", "recompute"))
     p.add_argument("--cpu-offload-gb", type=float, default=0.0,
                    help="GB of layer weights kept in host memory and streamed to the device")
+    add_device_map_argument(p)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
 def run(args: argparse.Namespace) -> int:
     from pagedserve import LLM, SamplingParams
+    from pagedserve.platforms import PlatformError
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              kv_cache_memory=args.kv_cache_memory or "1GiB", threads=args.threads,
-              kv_offload_memory=args.kv_offload_memory, preemption_mode=args.preemption_mode,
-              cpu_offload_gb=args.cpu_offload_gb, quantization=args.quantization)
+    try:
+        llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                  kv_cache_memory=args.kv_cache_memory or "1GiB", threads=args.threads,
+                  kv_offload_memory=args.kv_offload_memory, preemption_mode=args.preemption_mode,
+                  cpu_offload_gb=args.cpu_offload_gb, quantization=args.quantization,
+                  device_map=args.device_map)
+    except (ValueError, PlatformError) as e:  # a bad setting: say which, without a traceback
+        raise SystemExit(f"pagedserve generate: {e}") from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     prompts = args.prompt or ["What is the capital of France?"]

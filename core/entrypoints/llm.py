@@ -21,6 +21,8 @@ class LLM:
     model: None (the default model), a Hugging Face checkpoint folder or a .gguf file.
     kv_offload_memory, preemption_mode, cpu_offload_gb: the memory hierarchy (host KV
     tier, swap preemption, weight offload), see docs/memory.md.
+    device_map: decoder layers split across platforms, e.g. "cuda:20,cpu" (the first 20
+    layers on cuda, the rest on cpu) or "cpu:0-14,cuda:15-29"; see docs/memory.md.
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class LLM:
         kv_offload_memory: int | str | None = None,
         preemption_mode: str = "auto",
         cpu_offload_gb: float = 0.0,
+        device_map: str | Sequence[str | tuple[str, int | None]] | None = None,
     ) -> None:
         if memory_utilization is not None and gpu_memory_utilization is not None \
                 and memory_utilization != gpu_memory_utilization:
@@ -70,8 +73,14 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     pipeline_parallel_size=pipeline_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend),
-            device=DeviceConfig(device=device, threads=threads),
+            device=DeviceConfig(device=device, threads=threads, device_map=device_map),
         )
+        if config.device.device_map is not None:
+            # Unknown or unavailable platforms anywhere in the map: one ValueError listing
+            # the available ones, before anything loads.
+            from pagedserve.offload.device_map import check_device_map_platforms
+
+            check_device_map_platforms(config.device.device_map)
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
 

@@ -69,7 +69,9 @@ class TieredKVCacheManager(KVCacheManager):
     Token accounting for tests and metrics: ``num_scheduled_tokens`` (base class) counts
     every token given to the model (computed or recomputed); ``num_reloaded_tokens`` counts prefix
     tokens reloaded from host instead of being recomputed; ``num_swapped_in_tokens``
-    those restored by swap-in.
+    those restored by swap-in.  Block and request counters (``num_spilled_blocks``,
+    ``num_reloaded_blocks``, ``num_swap_outs``/``num_swap_ins``, ...) feed the engine's
+    statistics through :meth:`counters`.
     """
 
     def __init__(
@@ -96,6 +98,12 @@ class TieredKVCacheManager(KVCacheManager):
         self.num_spilled_blocks = 0
         self.num_spills_dropped = 0
         self.num_swap_outs = 0
+        #: Prompt tokens found on host by prefix lookups (also in ``prefix_hits``).
+        self.host_prefix_hits = 0
+        self.num_reloaded_blocks = 0
+        self.num_swap_ins = 0
+        self.num_swapped_out_blocks = 0  # copied to host (blocks already there are shared)
+        self.num_swapped_in_blocks = 0
 
     # -- spill on eviction ----------------------------------------------------------------
     def _spill(self, block: KVBlock) -> None:
@@ -137,6 +145,7 @@ class TieredKVCacheManager(KVCacheManager):
         if hits:
             self._host_hits[rid] = hits
             self.prefix_hits += len(hits) * self.block_size
+            self.host_prefix_hits += len(hits) * self.block_size
         return blocks, num_tokens + len(hits) * self.block_size
 
     def allocate_slots(
@@ -164,9 +173,12 @@ class TieredKVCacheManager(KVCacheManager):
             if swapped is not None:
                 del self._swapped[rid]
                 self.num_swapped_in_tokens += min(reloaded, request.num_computed_tokens)
+                self.num_swapped_in_blocks += len(sources)
+                self.num_swap_ins += 1
             else:
                 del self._host_hits[rid]
                 self.num_reloaded_tokens += reloaded
+                self.num_reloaded_blocks += len(sources)
         return new
 
     # -- swap preemption -------------------------------------------------------------------
@@ -197,6 +209,7 @@ class TieredKVCacheManager(KVCacheManager):
                 if block.block_hash is not None:
                     self.host.cache_block(hb, block.block_hash, block.hash_key)
                 self._transfers.add(OUT, block.block_id, hb.block_id)
+                self.num_swapped_out_blocks += 1
                 # A second reference pins it while the copy is pending, even if the
                 # request is aborted before then.
                 self.host.touch([hb])
@@ -216,6 +229,24 @@ class TieredKVCacheManager(KVCacheManager):
         swapped = self._swapped.pop(rid, None)
         if swapped:
             self.host.free_blocks(reversed(swapped))
+
+    # -- statistics -------------------------------------------------------------------------
+    def counters(self) -> dict[str, int | float]:
+        """The host tier's gauges and counters, named as ``EngineStats`` fields."""
+        host = self.host
+        return {
+            "host_kv_cache_blocks": host.num_blocks,
+            "host_kv_cache_usage": host.usage(),
+            "host_kv_cache_cached_blocks": len(host.cached),
+            "host_prefix_cache_hits": self.host_prefix_hits,
+            "kv_blocks_spilled": self.num_spilled_blocks,
+            "kv_spills_dropped": self.num_spills_dropped,
+            "kv_blocks_reloaded": self.num_reloaded_blocks,
+            "num_swap_outs": self.num_swap_outs,
+            "num_swap_ins": self.num_swap_ins,
+            "kv_blocks_swapped_out": self.num_swapped_out_blocks,
+            "kv_blocks_swapped_in": self.num_swapped_in_blocks,
+        }
 
     # -- per step ---------------------------------------------------------------------------
     def take_transfers(self) -> KVTransfers | None:

@@ -3,10 +3,14 @@
 The host pool mirrors the device pool block for block (same per-layer shape, from the
 platform's ``kv_cache_shape``) so that one block index maps to one block in both, and
 copies go through the op registry's ``swap_blocks`` (a platform may override it with
-an asynchronous kernel).  Host tensors are pinned when the platform can pin.
+an asynchronous kernel).  Host tensors are pinned when the platform can pin.  Under a
+device map each layer's host tensors take its own platform's layout and pinning, and
+its copies run with its own platform's ``swap_blocks``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,24 +27,29 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 def allocate_host_kv_cache(runner, num_host_blocks: int) -> KVCaches:
     """One (key, value) pair of host tensors per layer with ``num_host_blocks`` blocks."""
     # local_arch: this rank's KV heads and layers under tensor/pipeline parallelism.
-    platform, a = runner.platform, getattr(runner, "local_arch", runner.arch)
-    shape = platform.kv_cache_shape(num_host_blocks, runner.block_size, a.num_kv_heads, a.head_dim)
-    pin = platform.pin_memory_available
+    a = getattr(runner, "local_arch", runner.arch)
+    platforms = getattr(runner, "layer_platforms", None) or [runner.platform] * a.num_layers
 
-    def alloc() -> torch.Tensor:
+    def alloc(platform) -> torch.Tensor:
+        shape = platform.kv_cache_shape(num_host_blocks, runner.block_size, a.num_kv_heads, a.head_dim)
         # Zeroed so that a (buggy) read of a never-written block is deterministic.
-        return torch.zeros(shape, dtype=runner.dtype, device="cpu", pin_memory=pin)
+        return torch.zeros(shape, dtype=runner.dtype, device="cpu", pin_memory=platform.pin_memory_available)
 
-    return [(alloc(), alloc()) for _ in range(a.num_layers)]
+    return [(alloc(p), alloc(p)) for p in platforms]
 
 
-def apply_kv_transfers(swap_blocks, device_caches: KVCaches, host_caches: KVCaches,
-                       transfers: KVTransfers) -> None:
+SwapBlocks = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def apply_kv_transfers(swap_blocks: SwapBlocks | Sequence[SwapBlocks], device_caches: KVCaches,
+                       host_caches: KVCaches, transfers: KVTransfers) -> None:
     """Run the recorded copies in order: one batched ``swap_blocks`` per run, layer and
-    tensor.  ``swap_blocks(src, dst, mapping)`` copies ``dst[m[:, 1]] = src[m[:, 0]]``."""
+    tensor.  ``swap_blocks(src, dst, mapping)`` copies ``dst[m[:, 1]] = src[m[:, 0]]``;
+    one function for every layer, or one per layer (its platform's, under a device map)."""
+    per_layer = [swap_blocks] * len(device_caches) if callable(swap_blocks) else list(swap_blocks)
     for direction, pairs in transfers.runs:
         mapping = torch.tensor(pairs, dtype=torch.int64)
-        for (dk, dv), (hk, hv) in zip(device_caches, host_caches):
+        for swap_blocks, (dk, dv), (hk, hv) in zip(per_layer, device_caches, host_caches):
             if direction == IN:
                 swap_blocks(hk, dk, mapping)
                 swap_blocks(hv, dv, mapping)
@@ -67,13 +76,19 @@ def build_kv_manager(config: EngineConfig, num_blocks: int, runner) -> KVCacheMa
         raise ValueError(f"kv_offload_memory={cache.kv_offload_memory} bytes holds no KV block "
                          f"({per_block} bytes each); raise it or leave it unset")
     runner.host_kv_caches = allocate_host_kv_cache(runner, num_host_blocks)
-    platform = runner.platform
+    # Under a device map each layer copies and computes at its platform's rate: the
+    # effective rate is the layer-weighted harmonic mean (one platform: its own).
+    platforms = getattr(runner, "layer_platforms", None) or [runner.platform]
+
+    def rate(attr: str) -> float:
+        return len(platforms) / sum(1.0 / getattr(p, attr) for p in platforms)
+
     cost = PreemptionCostModel(
         mode=cache.preemption_mode,
         bytes_per_block=per_block,
         flops_per_token=2.0 * runner.model.weight_bytes() / torch.empty((), dtype=runner.dtype).element_size(),
-        host_copy_bandwidth=platform.host_copy_bandwidth,
-        compute_flops=platform.compute_flops,
+        host_copy_bandwidth=rate("host_copy_bandwidth"),
+        compute_flops=rate("compute_flops"),
     )
     policy = None if cache.preemption_mode == "recompute" else cost
     return TieredKVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
