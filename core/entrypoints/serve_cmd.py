@@ -8,7 +8,7 @@ import os
 import pathlib
 import signal
 
-__all__ = ["add_parser", "run", "API_KEY_ENV"]
+__all__ = ["add_parser", "run", "build_dp_config", "API_KEY_ENV"]
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 GRACEFUL_SHUTDOWN_S = 10  # how long open requests may finish after SIGTERM
@@ -57,8 +57,19 @@ def add_parser(subparsers) -> None:
     eng.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
     eng.add_argument("--cpu-offload-gb", type=float, default=0.0,
                      help="GB of layer weights kept in host memory and streamed to the device")
+    from pagedserve.entrypoints.device_map_arg import add_device_map_argument
+
+    add_device_map_argument(eng)
     eng.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
     eng.add_argument("--seed", type=int, default=0)
+    dp = p.add_argument_group("data parallelism (docs/distributed.md)")
+    dp.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                    help="independent engine replicas, each in its own process, behind this endpoint; "
+                         "--threads is then the budget split between them")
+    dp.add_argument("--data-parallel-backend", default="mp", choices=["mp", "ray"],
+                    help="replicas as local processes (mp) or Ray actors on a Ray cluster (ray)")
+    dp.add_argument("--data-parallel-devices", default=None,
+                    help="one platform per replica, e.g. cuda,cpu,cpu (default: --device for every replica)")
 
 
 def resolve_api_key(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
@@ -100,9 +111,22 @@ def build_engine_config(args: argparse.Namespace):
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 pipeline_parallel_size=args.pipeline_parallel_size,
                                 distributed_executor_backend=args.distributed_executor_backend),
-        device=DeviceConfig(device=args.device, threads=args.threads),
+        device=DeviceConfig(device=args.device, threads=args.threads, device_map=args.device_map),
     )
     return config, names, parse_memory(args.max_body_size, "--max-body-size")
+
+
+def build_dp_config(args: argparse.Namespace):
+    """The DataParallelConfig of the --data-parallel-* flags, or None for one engine."""
+    from pagedserve.distributed.data_parallel import DataParallelConfig
+
+    devices = DataParallelConfig.parse_devices(args.data_parallel_devices)
+    if args.data_parallel_size == 1:
+        if devices:
+            raise ValueError("--data-parallel-devices needs --data-parallel-size > 1 (use --device for one engine)")
+        return None
+    return DataParallelConfig(size=args.data_parallel_size, backend=args.data_parallel_backend,
+                              devices=devices or [args.device] * args.data_parallel_size)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,18 +138,34 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     log = logging.getLogger("pagedserve.serve")
+    from pagedserve.platforms import PlatformError
+
     try:
         config, names, max_body = build_engine_config(args)
+        dp = build_dp_config(args)
     except ValueError as e:
         raise SystemExit(f"pagedserve serve: {e}") from None
     chat_template = read_chat_template(args.chat_template)
-    engine = LLMEngine(config)
-    log.info("model %s loaded: max_model_len=%d, %d KV blocks of %d tokens, platform %s",
-             names[0], engine.max_model_len, engine.runner.num_blocks, config.cache.block_size,
-             engine.platform.name)
+    if dp is None:
+        try:
+            engine = LLMEngine(config)
+        except (ValueError, PlatformError) as e:  # e.g. a layer map that does not fit the model
+            raise SystemExit(f"pagedserve serve: {e}") from None
+        log.info("model %s loaded: max_model_len=%d, %d KV blocks of %d tokens, platform %s",
+                 names[0], engine.max_model_len, engine.runner.num_blocks, config.cache.block_size,
+                 engine.platform.name)
+        served = AsyncLLMEngine(engine)
+    else:
+        from pagedserve.distributed.router import DataParallelRouter, ReplicaStartError
+
+        try:
+            served = DataParallelRouter(config, dp, log_level=args.log_level)
+        except (ValueError, PlatformError, ReplicaStartError) as e:
+            raise SystemExit(f"pagedserve serve: {e}") from None
+        log.info("model %s served by %d data-parallel replicas (%s backend)", names[0], dp.size, dp.backend)
     settings = ServerSettings(served_model_names=names, api_key=resolve_api_key(args),
                               max_body_bytes=max_body, chat_template=chat_template)
-    app = build_app(AsyncLLMEngine(engine), settings)
+    app = build_app(served, settings)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable from other machines%s", args.host,
                     "" if settings.api_key else " and has no --api-key")
@@ -135,7 +175,10 @@ def run(args: argparse.Namespace) -> int:
     # (status 0) instead of death by signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=not args.disable_access_log, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    access_log=not args.disable_access_log, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    finally:
+        served.shutdown()  # already done by the lifespan unless uvicorn failed to start
     log.info("server stopped")
     return 0

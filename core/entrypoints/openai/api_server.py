@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.async_engine import AsyncLLMEngine
 from pagedserve.entrypoints.openai.errors import ApiError, error_body
-from pagedserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from pagedserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ReplicaCollector, ServerMetrics
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from pagedserve.entrypoints.openai.serving_base import EventStream
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -136,9 +136,15 @@ async def _respond(request: Request, work: Awaitable[dict | EventStream]) -> Res
 
 
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
-    """The ASGI app; starts the engine thread on startup and stops it on shutdown."""
+    """The ASGI app; starts the engine thread on startup and stops it on shutdown.
+
+    ``engine`` may also be a `DataParallelRouter` (same interface): then /metrics adds
+    per-replica series and /health answers with the replicas' state.
+    """
     names = settings.served_model_names
     metrics = ServerMetrics(engine.stats, names[0])
+    if hasattr(engine, "replica_status"):
+        metrics.registry.register(ReplicaCollector(engine.replica_status, names[0]))
     engine.on_request_finished = metrics.observe_finished
     completions = OpenAIServingCompletion(engine, names, settings.chat_template)
     chat = OpenAIServingChat(engine, names, settings.chat_template)
@@ -177,6 +183,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if hasattr(engine, "health"):  # data-parallel: {"status": "ok" | "degraded" | ..., replicas}
+            status, body = engine.health()
+            return JSONResponse(body, status_code=status)
         return Response(status_code=200 if engine.is_running else 503)
 
     @app.get("/metrics")
