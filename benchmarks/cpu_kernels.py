@@ -3,11 +3,12 @@
 Paged attention on decode batches (the default model's attention shape: 9 query
 heads, 3 kv heads, head size 64, bf16, block size 16, shuffled block tables) and, with
 --ops, the row-wise ops at decode and prefill sizes of the same model (hidden 576,
-intermediate 1536).  Prints one table per kind with the speedup (reference / native).
+intermediate 1536); with --linear, one decode step's bf16 linear layers through torch's
+GEMM and through the native `linear` op.  Prints one table per kind with the speedup (reference / native).
 
     python benchmarks/cpu_kernels.py [--seqs 1 4 16 64] [--contexts 128 512 2048]
                                      [--dtype bf16] [--isa avx2] [--ops] [--threads N]
-                                     [--huge-pages] [--cpu-time] [--prefill]
+                                     [--huge-pages] [--cpu-time] [--prefill] [--linear]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pagedserve.kernels import reference
 from pagedserve.kernels.cpu import load_cpu_kernels
 from pagedserve.kernels.cpu.hugepages import empty_huge_pages
 
-__all__ = ["time_call", "attention_inputs", "prefill_inputs", "bench_attention", "bench_prefill", "bench_ops", "main"]
+__all__ = ["time_call", "attention_inputs", "prefill_inputs", "bench_attention", "bench_prefill", "bench_ops", "bench_linear", "main"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -132,12 +133,38 @@ def bench_ops(native, token_counts: list[int], dtype: torch.dtype,
     return rows
 
 
+#: (in, out, per model) of the default model's linear layers: fused qkv, o, fused
+#: gate_up, down (x 30 layers) and the LM head.
+MODEL_LINEARS = ((576, 960, 30), (576, 576, 30), (576, 3072, 30), (1536, 576, 30), (576, 49152, 1))
+
+
+def bench_linear(native, rows: list[int], clock: Callable[[], float] = time.perf_counter) -> list[tuple]:
+    """Every bf16 linear layer of one decode step of the default model: torch's GEMM on
+    plain weights, the native op on plain weights (the skinny kernel up to
+    LINEAR_MAX_ROWS rows) and the CPU platform's oneDNN path on packed weights."""
+    from pagedserve.platforms.cpu import dense_ops
+
+    weights = [(torch.randn(n, k).bfloat16(), count) for k, n, count in MODEL_LINEARS]
+    packed = [dense_ops.prepare_linear_weight(w) for w, _ in weights]
+    packed_linear = dense_ops.make_linear(reference.linear)
+    out = []
+    for m in rows:
+        t_ref = t_native = t_packed = 0.0
+        for (w, count), wp in zip(weights, packed):
+            x = torch.randn(m, w.shape[1]).bfloat16()
+            t_ref += time_call(lambda: reference.linear(x, w), clock=clock) * count
+            t_native += time_call(lambda: native.linear(x, w), clock=clock) * count
+            t_packed += time_call(lambda: packed_linear(x, wp), clock=clock) * count
+        out.append((m, t_ref * 1e3, t_native * 1e3, t_packed * 1e3, t_ref / t_native, t_ref / t_packed))
+    return out
+
+
 def _print_table(header: tuple[str, ...], rows: list[tuple]) -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---:" for _ in header) + "|")
     for r in rows:
-        cells = [f"{c:.1f}" if isinstance(c, float) and i < len(r) - 1 else
-                 (f"{c:.1f}x" if isinstance(c, float) else str(c)) for i, c in enumerate(r)]
+        cells = [(f"{c:.1f}x" if "speedup" in header[i] else f"{c:.1f}") if isinstance(c, float) else str(c)
+                 for i, c in enumerate(r)]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -154,6 +181,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill", action="store_true", help="also time prefill chunks")
     parser.add_argument("--ops", action="store_true", help="also time the row-wise ops")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 512], help="batch sizes for --ops")
+    parser.add_argument("--linear", action="store_true",
+                        help="also time one decode step's bf16 linear layers (torch GEMM vs native)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32],
+                        help="batch sizes for --linear")
     args = parser.parse_args(argv)
     if args.cpu_time:
         args.threads = 1
@@ -178,6 +209,10 @@ def main(argv: list[str] | None = None) -> None:
         print("\nrow-wise ops (hidden 576, intermediate 1536):\n")
         _print_table(("op", "tokens", "reference us", "native us", "speedup"),
                      bench_ops(native, args.tokens, dtype, clock))
+    if args.linear:
+        print("\nbf16 linear layers of one decode step of the default model (weights 268 MB):\n")
+        _print_table(("rows", "torch ms", "skinny ms", "packed ms", "skinny speedup", "packed speedup"),
+                     bench_linear(native, args.rows, clock))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.executor.executor import create_executor
 from pagedserve.executor.model_runner import resolve_dtype
+from pagedserve.kv_cache.host_tier import TieredKVCacheManager
 from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.loader import IncrementalDetokenizer, open_model
 from pagedserve.quantization.registry import quantize_source
@@ -60,14 +61,31 @@ class _Group:
 
 @dataclass
 class EngineStats:
+    """A snapshot of the engine's gauges and (cumulative) counters.
+
+    Token counts are in tokens, block counts in KV blocks.  The host-tier fields
+    (docs/memory.md) stay zero without ``kv_offload_memory``.
+    """
+
     num_running: int
     num_waiting: int
-    kv_cache_usage: float
+    kv_cache_usage: float  # fraction of device blocks referenced by requests
     prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
+    prefix_cache_hits: int  # on device or on host
+    num_preemptions: int  # by swap or by recompute
     prompt_tokens: int
     generation_tokens: int
+    host_kv_cache_blocks: int = 0  # size of the host pool
+    host_kv_cache_usage: float = 0.0  # fraction of host blocks referenced (swapped out, copies pending)
+    host_kv_cache_cached_blocks: int = 0  # host blocks holding a prefix-cache block
+    host_prefix_cache_hits: int = 0  # prompt tokens found on host (part of prefix_cache_hits)
+    kv_blocks_spilled: int = 0  # evicted device blocks copied to host
+    kv_spills_dropped: int = 0  # evictions not spilled: no host block was free
+    kv_blocks_reloaded: int = 0  # host blocks copied back for prefix-cache hits
+    num_swap_outs: int = 0  # preemptions by swap (requests)
+    num_swap_ins: int = 0  # swapped-out requests resumed (requests)
+    kv_blocks_swapped_out: int = 0  # blocks copied to host by swap-outs
+    kv_blocks_swapped_in: int = 0  # blocks copied back by swap-ins
 
 
 class LLMEngine:
@@ -90,7 +108,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.model.dtype, self.platform)
         # Linear weights load quantized when config.model.quantization or the checkpoint asks.
         source = self.model_source = quantize_source(
-            source, config.model.quantization, self.platform.name, self.dtype,
+            source, config.model.quantization, self.platform, self.ops, self.dtype,
             config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size, config.cache.cpu_offload_gb)
         # One rank in this process, or several (tensor/pipeline parallel) behind one executor.
         self.executor = create_executor(config, self.platform, self.ops, self.arch, self.dtype, source, mml)
@@ -292,6 +310,7 @@ class LLMEngine:
 
     # -- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        host = self.kv.counters() if isinstance(self.kv, TieredKVCacheManager) else {}
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -301,4 +320,5 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            **host,
         )

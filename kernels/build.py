@@ -62,10 +62,13 @@ TARGETS: tuple[str, ...] = ("cpu", "cuda", "rocm")
 
 CPU_DIR = Path(__file__).resolve().parent / "cpu"
 CPU_SOURCES: tuple[str, ...] = ("bindings.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp")
-CPU_HEADERS: tuple[str, ...] = ("kernels.h", "vec.h", "attention.h", "attention_plan.h", "elementwise.h")
+CPU_HEADERS: tuple[str, ...] = ("kernels.h", "vec.h", "attention.h", "attention_plan.h", "elementwise.h", "linear.h")
 # Hidden visibility: two builds loaded in one process (say a stale and a fresh one)
 # must not bind to each other's kernel symbols.
-BASE_CFLAGS: tuple[str, ...] = ("-O3", "-DNDEBUG", "-fvisibility=hidden")
+# -fopenmp: at::parallel_for is a header template that only spawns threads when the
+# including file is compiled with OpenMP; without it every native kernel runs on one
+# thread.  No -lgomp is linked: the runtime already loaded by torch (same soname) serves.
+BASE_CFLAGS: tuple[str, ...] = ("-O3", "-DNDEBUG", "-fvisibility=hidden", "-fopenmp")
 
 STALE_LOCK_SECONDS = 900
 

@@ -8,11 +8,17 @@ fallback on platforms without a native kernel.
 Layout of one layer's KV cache (the reference layout):
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
 A slot is ``block_id * block_size + offset``; slot ``-1`` means "do not write".
+
+The quantized linear ops (``gguf_linear``, ``int8_linear``, ``w8a8_linear``,
+``fp8_linear``) take a weight in its stored format; the formats and the computation are
+specified in :mod:`pagedserve.kernels.quant_reference`, which these ops call.
 """
 
 from __future__ import annotations
 
 import torch
+
+from pagedserve.kernels import quant_reference
 
 __all__ = [
     "reshape_and_cache",
@@ -24,7 +30,12 @@ __all__ = [
     "copy_blocks",
     "swap_blocks",
     "linear",
+    "prepare_linear_weight",
     "embedding",
+    "gguf_linear",
+    "int8_linear",
+    "w8a8_linear",
+    "fp8_linear",
     "OP_NAMES",
 ]
 
@@ -183,13 +194,70 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, mapping: torch
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight.T + bias; weight [out_features, in_features]."""
+    """y = x @ weight.T + bias; weight [out_features, in_features], as returned by the same
+    registry's ``prepare_linear_weight``."""
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def prepare_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A dense linear weight [out_features, in_features] -> the form the same registry's
+    ``linear`` takes, once at load (never on the step path).
+
+    Reference: the weight itself.  A platform may return another tensor (e.g. one
+    pre-packed for its GEMM library); only its own ``linear`` needs to read it, and
+    ``linear(x, prepare_linear_weight(w), b)`` must equal ``reference.linear(x, w, b)``.
+    """
+    return weight
 
 
 def embedding(token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """token_ids int64 [num_tokens]; weight [vocab, hidden] -> [num_tokens, hidden]."""
     return torch.nn.functional.embedding(token_ids, weight)
+
+
+def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T + bias for W kept in GGUF blocks.
+
+    x: [M, K] float32/bfloat16/float16; data: uint8 [N, K/32 * block_bytes], the ggml
+    blocks of type_name ("Q4_0", "Q4_1" or "Q8_0") as the .gguf file stores them;
+    bias: [N] or None.  Returns [M, N] in x.dtype, computed in float32.  An
+    implementation may quantize x to int8 per 32-value block (as llama.cpp does); the
+    conformance kit allows for that error.
+    """
+    return quant_reference.gguf_linear(x, data, type_name, bias)
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-only INT8 (W8A16): y = x @ (qweight * scale[:, None]).T + bias.
+
+    x: [M, K] float; qweight: int8 [N, K]; scale: float32 [N]; bias: [N] or None.
+    Returns [M, N] in x.dtype.
+    """
+    return quant_reference.int8_linear(x, qweight, scale, bias)
+
+
+def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8: x quantized per row to int8 (symmetric, amax / 127, round half to even),
+    integer products with qweight int8 [N, K], then both scales (scale float32 [N]).
+
+    x: [M, K] float; bias: [N] or None.  Returns [M, N] in x.dtype.
+    """
+    return quant_reference.w8a8_linear(x, qweight, scale, bias)
+
+
+def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 weights: y = x @ (qweight * scale).T + bias.
+
+    x: [M, K] float; qweight: float8_e4m3fn [N, K]; scale: float32 [] (per tensor) or
+    [N] (per output channel); bias: [N] or None.  Returns [M, N] in x.dtype.  An
+    implementation may quantize x to e4m3 per row (FP8 tensor-core GEMMs do); the
+    conformance kit allows for that error.
+    """
+    return quant_reference.fp8_linear(x, qweight, scale, bias)
 
 
 #: Names of every op in the registry, in the order `pagedserve platforms --ops` shows them.
@@ -201,7 +269,12 @@ OP_NAMES: tuple[str, ...] = (
     "rotary_embedding",
     "silu_and_mul",
     "linear",
+    "prepare_linear_weight",
     "embedding",
     "copy_blocks",
     "swap_blocks",
+    "gguf_linear",
+    "int8_linear",
+    "w8a8_linear",
+    "fp8_linear",
 )

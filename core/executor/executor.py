@@ -1,6 +1,7 @@
 """Executors: how the engine runs one step on one or many ranks.
 
-- ``UniProcExecutor``: today's ModelRunner in the engine's process (the default).
+- ``UniProcExecutor``: today's ModelRunner in the engine's process (the default); the
+  only one that runs a device map (layers split across platforms).
 - ``MultiprocExecutor`` (``distributed_executor_backend="mp"``): ranks 1..N-1 are local
   worker processes; rank 0 runs in the engine's process.
 - ``RayExecutor`` (``"ray"``): ranks 1..N-1 are Ray actors in a placement group, on one
@@ -20,6 +21,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.executor.model_runner import ModelRunner, StepOutput
 from pagedserve.models.llama import ArchConfig
+from pagedserve.offload.device_map import resolve_device_map
 from pagedserve.platforms import OpRegistry, Platform
 from pagedserve.scheduler import SchedulerOutput
 
@@ -49,8 +51,19 @@ class UniProcExecutor(Executor):
 
     def __init__(self, config: EngineConfig, platform: Platform, ops: OpRegistry, arch: ArchConfig,
                  dtype: torch.dtype, source, max_model_len: int) -> None:
-        self.driver_runner = runner = ModelRunner(platform, ops, arch, dtype)
-        runner.load_weights(source.weights())
+        segments = None
+        device_map = config.device.device_map
+        if device_map is not None:
+            segments = resolve_device_map(device_map, arch.num_layers, platform, ops, dtype)
+            method = getattr(source, "method", None)  # a quantized source (pagedserve.quantization)
+            names = sorted({s.platform.name for s in segments})
+            if method is not None and len(names) > 1:
+                raise ValueError(f"quantization={method.name!r} was chosen for platform {platform.name!r}; "
+                                 f"device_map={device_map!r} also runs layers on "
+                                 f"{', '.join(n for n in names if n != platform.name)}, which is not supported "
+                                 "with quantized weights yet (use quantization='none')")
+        self.driver_runner = runner = ModelRunner(platform, ops, arch, dtype, segments=segments)
+        runner.load_weights(source.weights(), prepare=config.cache.cpu_offload_gb <= 0)
         self.num_blocks = runner.determine_num_blocks(config.cache, config.scheduler, max_model_len)
         runner.allocate_kv_cache(self.num_blocks, config.cache.block_size)
 
@@ -63,6 +76,7 @@ def create_executor(config: EngineConfig, platform: Platform, ops: OpRegistry, a
     """The executor ``config.parallel`` asks for (None: "uni" for one rank, else "mp")."""
     par = config.parallel
     world = par.tensor_parallel_size * par.pipeline_parallel_size
+    config.check_device_map()  # a device map needs the single-process executor
     backend = par.distributed_executor_backend or ("uni" if world == 1 else "mp")
     if backend == "uni":
         if world > 1:

@@ -10,7 +10,8 @@ from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.executor.input_batch import prepare_inputs
 from pagedserve.executor.sampler import Sampler, SamplerOutput
-from pagedserve.models.llama import ArchConfig, LlamaForCausalLM
+from pagedserve.models.llama import ArchConfig, LayerPlacement, LlamaForCausalLM
+from pagedserve.offload.device_map import Segment
 from pagedserve.offload.kv_tier import apply_kv_transfers
 from pagedserve.platforms import OpRegistry, Platform
 from pagedserve.scheduler import SchedulerOutput
@@ -49,14 +50,32 @@ class StepOutput:
 
 
 class ModelRunner:
+    """One rank's model and KV cache.
+
+    ``segments`` (a device map, see pagedserve.offload.device_map) splits the layers
+    across platforms: ``platform``/``ops`` are then the first segment's, which embeds
+    the tokens and receives the step's inputs; each layer's weights, KV cache and
+    kernels are its segment's.  Without it every layer is on ``platform``.
+    """
+
     def __init__(self, platform: Platform, ops: OpRegistry, arch: ArchConfig, dtype: torch.dtype,
-                 parallel: ParallelContext | None = None) -> None:
+                 parallel: ParallelContext | None = None, segments: list[Segment] | None = None) -> None:
         self.platform = platform
         self.ops = ops
         self.arch = arch
         self.dtype = dtype
         self.device = platform.device
-        self.model = LlamaForCausalLM(arch, ops, dtype, self.device, parallel)
+        placements = None
+        if segments is not None:
+            placements = [LayerPlacement(s.start, s.end, s.ops, s.platform.device, s.platform.to_device)
+                          for s in segments]
+        self.model = LlamaForCausalLM(arch, ops, dtype, self.device, parallel, placements)
+        if segments is None:
+            segments = [Segment(platform, ops, self.model.layer_start, self.model.layer_end)]
+        self.segments = segments
+        #: Per local layer: the platform that holds it and the ops it runs with.
+        self.layer_platforms = [s.platform for s in segments for _ in range(s.num_layers)]
+        self.layer_ops = [s.ops for s in segments for _ in range(s.num_layers)]
         # This rank's share of the KV cache: its KV heads of its pipeline stage's layers.
         self.local_arch = replace(arch, num_kv_heads=self.model.num_kv_heads, num_layers=len(self.model.layers))
         self.sampler = Sampler()
@@ -66,43 +85,71 @@ class ModelRunner:
         self.block_size = 16
         self.num_blocks = 0
 
-    def load_weights(self, weights) -> None:
+    def load_weights(self, weights, prepare: bool = True) -> None:
+        """Load (HF name, tensor) pairs; ``prepare``: then put dense linear weights in the
+        form each platform's ``linear`` runs fastest (``prepare_linear_weight``).  Weights
+        streamed by weight offload stay plain."""
         with torch.inference_mode():
             self.model.load_weights(weights)
+            if prepare:
+                self.model.prepare_linear_weights()
 
     # -- KV cache -----------------------------------------------------------------------
     def determine_num_blocks(self, cache: CacheConfig, sched: SchedulerConfig, max_model_len: int) -> int:
-        """Blocks that fit the KV budget; a clear error if not one max-length request fits."""
+        """Blocks that fit the KV budget; a clear error if not one max-length request fits.
+
+        Every layer gets the same number of blocks (block ids are shared by all layers).
+        ``kv_cache_memory`` is the budget over all layers; with a ``memory_utilization``
+        budget each device (segments on one torch device share its memory) fits as many
+        blocks of its own layers as its memory allows, and the smallest count is used.
+        """
         per_block = kv_bytes_per_block(self.local_arch, cache.block_size, self.dtype)
+        where = ""
         if cache.num_gpu_blocks_override is not None:
             budget = cache.num_gpu_blocks_override * per_block
         elif cache.kv_cache_memory is not None:
             budget = int(cache.kv_cache_memory)
         else:
-            # memory_utilization covers weights and activations too.
-            total = self.platform.total_memory()
-            weights = self.model.weight_bytes()
-            act = sched.max_num_batched_tokens * (self.arch.hidden_size * 12 + self.arch.intermediate_size * 6) \
-                * 4 + sched.max_num_seqs * self.arch.vocab_size * 8
-            util = cache.memory_utilization or self.platform.default_memory_utilization
-            budget = int(total * util) - weights - act
+            budget, per_block, where = self._memory_budget(cache, sched)
         num_blocks = budget // per_block
         needed = -(-max_model_len // cache.block_size)
         if num_blocks < needed:
             raise ValueError(
-                f"the KV cache budget ({max(budget, 0) / 2**20:.1f} MiB = {max(num_blocks, 0)} blocks of "
+                f"the KV cache budget{where} ({max(budget, 0) / 2**20:.1f} MiB = {max(num_blocks, 0)} blocks of "
                 f"{cache.block_size} tokens) cannot hold even one request of max_model_len={max_model_len} "
                 f"tokens ({needed} blocks = {needed * per_block / 2**20:.1f} MiB); raise kv_cache_memory / "
                 "memory_utilization or lower max_model_len")
         return int(num_blocks)
 
+    def _memory_budget(self, cache: CacheConfig, sched: SchedulerConfig) -> tuple[int, int, str]:
+        """(KV bytes, bytes per block of the layers they hold, " on <platforms>") of the
+        device that fits the fewest blocks under ``memory_utilization``."""
+        # memory_utilization covers weights and activations too.
+        act = sched.max_num_batched_tokens * (self.arch.hidden_size * 12 + self.arch.intermediate_size * 6) \
+            * 4 + sched.max_num_seqs * self.arch.vocab_size * 8
+        groups: dict[str, list[tuple[Segment, int]]] = {}
+        for seg, weights in zip(self.segments, self.model.placement_weight_bytes()):
+            groups.setdefault(str(seg.platform.device), []).append((seg, weights))
+        best = None
+        for members in groups.values():
+            platform = members[0][0].platform
+            util = cache.memory_utilization or platform.default_memory_utilization
+            budget = int(platform.total_memory() * util) - sum(w for _, w in members) - act
+            layers = replace(self.local_arch, num_layers=sum(s.num_layers for s, _ in members))
+            per_block = kv_bytes_per_block(layers, cache.block_size, self.dtype)
+            if best is None or budget // per_block < best[0] // best[1]:
+                names = ", ".join(dict.fromkeys(s.platform.name for s, _ in members))
+                best = (budget, per_block, f" on {names}" if len(self.segments) > 1 else "")
+        return best
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """One (key, value) pair per layer, allocated by the layer's platform in its layout."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         a = self.local_arch
         self.kv_caches = [
-            self.platform.allocate_kv_cache(num_blocks, block_size, a.num_kv_heads, a.head_dim, self.dtype)
-            for _ in range(a.num_layers)
+            platform.allocate_kv_cache(num_blocks, block_size, a.num_kv_heads, a.head_dim, self.dtype)
+            for platform in self.layer_platforms
         ]
 
     # -- step --------------------------------------------------------------------------
@@ -110,13 +157,15 @@ class ModelRunner:
         with torch.inference_mode():
             if out.kv_transfers:
                 # Spills, reloads and swaps decided by the scheduler: all before the forward.
-                apply_kv_transfers(self.ops.swap_blocks, self.kv_caches, self.host_kv_caches, out.kv_transfers)
+                apply_kv_transfers([o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches,
+                                   out.kv_transfers)
             inp = prepare_inputs(out, block_ids, self.block_size, self.device)
             hidden = self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
             sampling_rows = [i for i, s in enumerate(out.scheduled) if s.samples]
             if not sampling_rows:
                 return StepOutput({}, {})
-            idx = inp.logits_indices[sampling_rows]
+            # hidden is on the last segment's device; the sampler runs on the host.
+            idx = self.segments[-1].platform.to_device(inp.logits_indices[sampling_rows])
             logits = self.model.compute_logits(hidden.index_select(0, idx)).cpu()
             requests = [out.scheduled[i].request for i in sampling_rows]
             result: SamplerOutput = self.sampler(logits, requests)

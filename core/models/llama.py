@@ -7,8 +7,9 @@ Qwen2), gate/up into one [2*intermediate, hidden] matrix.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -16,7 +17,7 @@ from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.models.rope import rope_cos_sin_cache
 from pagedserve.quantization.base import QuantizedWeight
 
-__all__ = ["ArchConfig", "LlamaForCausalLM", "AttentionMetadata", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["ArchConfig", "LlamaForCausalLM", "AttentionMetadata", "LayerPlacement", "SUPPORTED_ARCHITECTURES"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -91,6 +92,23 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
 
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> AttentionMetadata:
+        """The same metadata with ``fn`` applied to every tensor (a device move)."""
+        return AttentionMetadata(*(fn(getattr(self, f.name)) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """Decoder layers ``[start, end)`` (model-wide indices) run with the op registry
+    ``ops`` on ``device``; ``move`` brings a tensor from another placement's device to
+    ``device`` (the platform's ``to_device``).  A device map gives one per segment."""
+
+    start: int
+    end: int
+    ops: Any
+    device: torch.device
+    move: Callable[[torch.Tensor], torch.Tensor]
+
 
 class _Layer:
     __slots__ = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down")
@@ -103,14 +121,18 @@ class LlamaForCausalLM:
     column-parallel qkv (heads split; KV heads replicated when fewer than ranks) and
     gate_up, row-parallel o_proj and down_proj followed by an all-reduce, a
     vocab-parallel embedding and LM head, and only this pipeline stage's layers.
+
+    With ``placements`` (a device map; one rank only) consecutive runs of layers live on
+    different devices and run with their own op registries: the embedding is on the
+    first placement, the final norm and the LM head on the last, and the activations
+    and step metadata move from one placement to the next.
     """
 
     def __init__(self, cfg: ArchConfig, ops, dtype: torch.dtype, device: torch.device,
-                 parallel: ParallelContext | None = None) -> None:
+                 parallel: ParallelContext | None = None,
+                 placements: list[LayerPlacement] | None = None) -> None:
         self.cfg = cfg
-        self.ops = ops
         self.dtype = dtype
-        self.device = device
         self.parallel = p = parallel or ParallelContext.single(device)
         tp = p.tp_size
         if cfg.num_heads % tp or cfg.intermediate_size % tp or \
@@ -127,6 +149,17 @@ class LlamaForCausalLM:
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.layer_start, self.layer_end = p.layer_range(cfg.num_layers)
+        if placements is None:
+            placements = [LayerPlacement(self.layer_start, self.layer_end, ops, device, lambda t: t.to(device))]
+        elif p.world_size > 1 or placements[0].start != 0 or placements[-1].end != cfg.num_layers or \
+                any(a.start >= a.end for a in placements) or \
+                any(a.end != b.start for a, b in zip(placements, placements[1:])):
+            raise ValueError("layer placements must cover the model's layers in order, on a single rank")
+        self.placements = list(placements)
+        #: The first placement embeds tokens; the last one holds the final norm and LM head.
+        self.ops, self.device = placements[0].ops, placements[0].device
+        self.head_ops, self.head_device = placements[-1].ops, placements[-1].device
+        self._layer_device = [pl.device for pl in placements for _ in range(pl.start, pl.end)]
         self.layers = [_Layer() for _ in range(self.layer_end - self.layer_start)]
         #: Set by weight offload (pagedserve.offload.weights): maps the layer list to the
         #: layers to run, streaming host-resident weights to the device one layer ahead.
@@ -135,7 +168,9 @@ class LlamaForCausalLM:
         self.norm: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None
         max_pos = cfg.max_position_embeddings
-        self.cos_sin = rope_cos_sin_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling).to(device)
+        cos_sin = rope_cos_sin_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
+        self.cos_sin = cos_sin.to(self.device)
+        self._cos_sins = [self.cos_sin] + [cos_sin.to(pl.device) for pl in placements[1:]]
 
     # -- loading ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -148,9 +183,9 @@ class LlamaForCausalLM:
             if name == "model.embed_tokens.weight":
                 self.embed = self._param(tensor)
             elif name == "model.norm.weight":
-                self.norm = self._param(tensor)
+                self.norm = self._param(tensor, self.head_device)
             elif name == "lm_head.weight":
-                self.lm_head = self._param(tensor)
+                self.lm_head = self._param(tensor, self.head_device)
             elif name.startswith("model.layers."):
                 parts = name.split(".")
                 idx = int(parts[2])
@@ -174,7 +209,23 @@ class LlamaForCausalLM:
         if self.lm_head is None:
             if not self.cfg.tie_word_embeddings and "lm_head.weight" not in seen:
                 raise ValueError("checkpoint lacks lm_head.weight and does not tie word embeddings")
-            self.lm_head = self.embed
+            # Tied: the same tensor, or a copy when the last placement is on another device.
+            self.lm_head = self.embed if self.head_device == self.device else self._param(self.embed, self.head_device)
+
+    def prepare_linear_weights(self) -> None:
+        """Hand every dense linear weight to its placement's ``prepare_linear_weight`` op
+        (e.g. the CPU's one-time oneDNN packing); quantized weights keep their own form.
+        A tied LM head gets a prepared copy when the op returns a new tensor, the plain
+        embedding staying for token lookups."""
+        for pl in self.placements:
+            prepare = pl.ops.prepare_linear_weight
+            for layer in self.layers[pl.start - self.layer_start:pl.end - self.layer_start]:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    w = getattr(layer, name)
+                    if isinstance(w, torch.Tensor):
+                        setattr(layer, name, prepare(w))
+        if isinstance(self.lm_head, torch.Tensor):
+            self.lm_head = self.head_ops.prepare_linear_weight(self.lm_head)
 
     def _shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This tensor-parallel rank's slice of checkpoint tensor ``name`` (a view)."""
@@ -207,33 +258,52 @@ class LlamaForCausalLM:
     def _weights_per_layer(self) -> int:
         return 9 + (3 if self.cfg.attention_bias else 0)
 
-    def _param(self, t: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+    def _param(self, t: torch.Tensor | QuantizedWeight,
+               device: torch.device | None = None) -> torch.Tensor | QuantizedWeight:
+        device = self.device if device is None else device
         if isinstance(t, QuantizedWeight):  # stays in its quantized form (pagedserve.quantization)
-            return t.to(self.device)
-        return t.to(device=self.device, dtype=self.dtype).contiguous()
+            return t.to(device)
+        return t.to(device=device, dtype=self.dtype).contiguous()
 
     def _finish_layer(self, idx: int, w: dict[str, torch.Tensor]) -> None:
         layer = self.layers[idx]
-        layer.input_norm = self._param(w["input_layernorm.weight"])
-        layer.post_norm = self._param(w["post_attention_layernorm.weight"])
+        dev = self._layer_device[idx]
+
+        def param(t):
+            return self._param(t, dev)
+
+        layer.input_norm = param(w["input_layernorm.weight"])
+        layer.post_norm = param(w["post_attention_layernorm.weight"])
         a = "self_attn."
-        layer.qkv = self._param(_fuse([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]))
+        layer.qkv = param(_fuse([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]))
         layer.qkv_bias = None
         if self.cfg.attention_bias:
-            layer.qkv_bias = self._param(torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]]))
-        layer.o = self._param(w[a + "o_proj.weight"])
-        layer.gate_up = self._param(_fuse([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
-        layer.down = self._param(w["mlp.down_proj.weight"])
+            layer.qkv_bias = param(torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]]))
+        layer.o = param(w[a + "o_proj.weight"])
+        layer.gate_up = param(_fuse([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
+        layer.down = param(w["mlp.down_proj.weight"])
 
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm]
-        if self.lm_head is not self.embed:
-            tensors.append(self.lm_head)
-        for layer in self.layers:
-            tensors += [layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down]
-            if layer.qkv_bias is not None:
-                tensors.append(layer.qkv_bias)
-        return sum(t.nbytes for t in tensors if t is not None)
+        return sum(self.placement_weight_bytes())
+
+    def placement_weight_bytes(self) -> list[int]:
+        """Weight bytes held on each placement's device (embedding on the first, final
+        norm and LM head on the last)."""
+        out = []
+        for i, pl in enumerate(self.placements):
+            tensors = []
+            if i == 0:
+                tensors.append(self.embed)
+            if i == len(self.placements) - 1:
+                tensors.append(self.norm)
+                if self.lm_head is not self.embed:
+                    tensors.append(self.lm_head)
+            for layer in self.layers[pl.start - self.layer_start:pl.end - self.layer_start]:
+                tensors += [layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down]
+                if layer.qkv_bias is not None:
+                    tensors.append(layer.qkv_bias)
+            out.append(sum(t.nbytes for t in tensors if t is not None))
+        return out
 
     # -- forward ------------------------------------------------------------------------------
     def forward(
@@ -267,10 +337,26 @@ class LlamaForCausalLM:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this stage's layers; (x, residual) [num_tokens, hidden] in and out
-        (residual None before the first layer), which is what pipeline stages exchange."""
-        ops, cfg = self.ops, self.cfg
+        (residual None before the first layer), which is what pipeline stages exchange.
+        Under a device map they come back on the last placement's device."""
+        if len(self.placements) == 1:
+            layers = self.layers if self.layer_stream is None else self.layer_stream(self.layers)
+            return self._run_layers(self.ops, self.cos_sin, layers, kv_caches, x, residual, meta)
+        base = self.layer_start
+        for pl, cos_sin in zip(self.placements, self._cos_sins):
+            x = pl.move(x)
+            residual = None if residual is None else pl.move(residual)
+            lo, hi = pl.start - base, pl.end - base
+            x, residual = self._run_layers(pl.ops, cos_sin, self.layers[lo:hi], kv_caches[lo:hi], x, residual,
+                                           meta.apply(pl.move))
+        return x, residual
+
+    def _run_layers(self, ops, cos_sin: torch.Tensor, layers: Iterable[_Layer],
+                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
+                    residual: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layers`` with the op registry ``ops``; every tensor on the same device."""
+        cfg = self.cfg
         n = x.shape[0]
-        layers = self.layers if self.layer_stream is None else self.layer_stream(self.layers)
         for layer, (k_cache, v_cache) in zip(layers, kv_caches):
             if residual is None:
                 residual = x
@@ -282,7 +368,7 @@ class LlamaForCausalLM:
             q = q.view(n, self.num_heads, cfg.head_dim)
             k = k.view(n, self.num_kv_heads, cfg.head_dim)
             v = v.view(n, self.num_kv_heads, cfg.head_dim)
-            q, k = ops.rotary_embedding(meta.positions, q, k, self.cos_sin)
+            q, k = ops.rotary_embedding(meta.positions, q, k, cos_sin)
             ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, self.scale)
@@ -292,12 +378,12 @@ class LlamaForCausalLM:
         return x, residual
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        h, _ = self.ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        h, _ = self.head_ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] -> float32 logits [n, vocab]."""
-        logits = _linear(self.ops, hidden, self.lm_head).float()
+        """hidden [n, hidden_size] -> float32 logits [n, vocab], on the last placement's device."""
+        logits = _linear(self.head_ops, hidden, self.lm_head).float()
         if self.parallel.tp_size > 1:
             logits = self.parallel.all_gather(logits)[:, :self.cfg.vocab_size]
         return logits

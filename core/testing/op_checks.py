@@ -3,7 +3,8 @@
 Inputs are fresh random tensors (``torch.randn``, never zeros, seeded per case so a
 failure reproduces); outputs an op writes in place are poisoned with NaN first, so an
 element the op forgot to write cannot pass by accident.  The reference always runs on
-the host from copies of the same inputs.  Tolerances are keyed by dtype.
+the host from copies of the same inputs.  Tolerances are keyed by dtype.  The quantized
+linear ops have their own cases (:mod:`pagedserve.testing.quant_op_checks`).
 """
 
 from __future__ import annotations
@@ -168,7 +169,11 @@ def _rotary_embedding(t: Target, fn: Callable, dtype: torch.dtype, seed: int) ->
         yield desc, body
 
 
-def _linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+def _linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int,
+            prepare: Callable | None = None) -> Cases:
+    """``linear`` on weights put through the registry's ``prepare_linear_weight`` (the
+    contract: the pair equals the reference on the plain weight)."""
+    prepare = prepare or t.ops.get("prepare_linear_weight")
     for lead, k, m, bias in [((1,), 64, 96, False), ((7,), 64, 128, True), ((33,), 128, 64, False),
                              ((2, 3), 64, 48, True)]:
         desc = f"{'x'.join(map(str, lead))}x{k}->{m}" + ("+bias" if bias else "")
@@ -177,7 +182,7 @@ def _linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
             c = _Case(f"linear{desc}{dtype}", seed, t.device)
             x, w = c.randn(*lead, k, dtype=dtype), c.randn(m, k, dtype=dtype, scale=k ** -0.5)
             b = c.randn(m, dtype=dtype) if bias else None
-            got = fn(c.dev(x), c.dev(w), None if b is None else c.dev(b))
+            got = fn(c.dev(x), prepare(c.dev(w)), None if b is None else c.dev(b))
             assert_matches("linear", got, reference.linear(x, w, b), dtype)
 
         yield desc, body
@@ -334,6 +339,8 @@ _CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "rotary_embedding": _rotary_embedding,
     "silu_and_mul": _silu_and_mul,
     "linear": _linear,
+    # A platform's prepare_linear_weight is checked through its (or the reference's) linear.
+    "prepare_linear_weight": lambda t, fn, d, s: _linear(t, t.ops.get("linear"), d, s, prepare=fn),
     "embedding": _embedding,
     "copy_blocks": lambda t, fn, d, s: _block_copy_cases("copy_blocks", t, fn, d, s),
     "swap_blocks": lambda t, fn, d, s: _block_copy_cases("swap_blocks", t, fn, d, s),
@@ -354,9 +361,11 @@ def _failing_for(name: str, source: str, body: Body) -> Callable[[], None]:
 
 def op_checks(target: Target, seed: int = 0) -> list[Check]:
     """One check per (overridden op, dtype, case); ops left to the reference are not checked."""
+    from pagedserve.testing.quant_op_checks import QUANT_CASES  # it builds on this module
+
     checks: list[Check] = []
     for name, source in target.overridden_ops().items():
-        cases = _CASES.get(name)
+        cases = _CASES.get(name) or QUANT_CASES.get(name)
         if cases is None:
 
             def skip(name=name) -> None:

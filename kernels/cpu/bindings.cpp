@@ -12,6 +12,10 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
+#include <chrono>
+#include <mutex>
+#include <set>
+#include <thread>
 #include <cstring>
 #include <map>
 #include <string>
@@ -227,6 +231,51 @@ at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa) {
   return out;
 }
 
+bool has_linear(int64_t isa) { return isa_at(isa).linear_bf16 != nullptr; }
+
+// y = x . w^T (+ bias) for a few bf16 rows of x (decode); see linear.h.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t isa) {
+  const LinearFn fn = isa_at(isa).linear_bf16;
+  TORCH_CHECK(fn != nullptr, "pagedserve: instruction set ", isa_at(isa).name, " has no bf16 linear kernel");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [m, k] and weight [n, k] expected, got ",
+              x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
+                  w.device().is_cpu(),
+              "x and weight must be bfloat16 CPU tensors");
+  check_lastdim(x, "x");
+  check_lastdim(w, "weight");
+  const int64_t m = x.size(0), n = w.size(0), k = x.size(1);
+  const void* b = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kBFloat16, "bias must be bfloat16 [", n, "]");
+    bc = bias->contiguous();
+    b = bc.data_ptr();
+  }
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  const LinearArgs a{x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), b, out.data_ptr(), n, m, n, k};
+  // Whole tiles of 4 weight rows per thread, about 64 rows at least (a dispatch costs
+  // microseconds; a tile of 64 x 576 weights a few hundred nanoseconds).
+  const int64_t tiles = (n + 3) / 4;
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) { fn(a, t0 * 4, std::min(n, t1 * 4)); });
+  return out;
+}
+
+// How many distinct threads run the items of a parallel_dynamic over n items (a check
+// that the pool really spawns: see the -fopenmp note in kernels/build.py).
+int64_t parallel_thread_count(int64_t n) {
+  std::mutex mu;
+  std::set<std::thread::id> ids;
+  parallel_dynamic(n, [&](int64_t) {
+    // Long enough that one thread cannot drain the queue before the others start.
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    std::lock_guard<std::mutex> lock(mu);
+    ids.insert(std::this_thread::get_id());
+  });
+  return int64_t(ids.size());
+}
+
 std::vector<std::string> compiled_isa_names() {
   std::vector<std::string> names;
   for (const IsaKernels* k : compiled()) names.emplace_back(k->name);
@@ -279,5 +328,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &k::silu_and_mul, "silu(x[..., :d]) * x[..., d:]");
   m.def("compiled_isas", &k::compiled_isa_names, "instruction sets compiled in, best first");
   m.def("supported_head_sizes", &k::supported_head_sizes, "head sizes of the attention kernel");
+  m.def("linear", &k::linear, "bf16 x . weight^T (+ bias) for few rows of x");
+  m.def("has_linear", &k::has_linear, "whether an instruction set has the bf16 linear kernel");
+  m.def("parallel_thread_count", &k::parallel_thread_count, "threads that ran a parallel loop of n items");
   m.def("build_features", &k::build_features, "compiler feature macros seen by this build");
 }

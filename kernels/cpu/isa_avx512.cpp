@@ -6,6 +6,7 @@
 #if defined(PAGEDSERVE_HAVE_AVX512)
 #include "attention.h"
 #include "elementwise.h"
+#include "linear.h"
 
 namespace pagedserve_cpu {
 
@@ -39,7 +40,7 @@ AttnFns attention_bf16(DType dtype, int head_size) {
 }  // namespace
 
 const IsaKernels* isa_avx512bf16() {
-  static const IsaKernels kernels{"avx512bf16", &attention_bf16, &elementwise_fns<Avx512>};
+  static const IsaKernels kernels{"avx512bf16", &attention_bf16, &elementwise_fns<Avx512>, &SkinnyLinearBf16::run};
   return &kernels;
 }
 #else

@@ -107,11 +107,26 @@ struct EltFns {
   RowsFn<SiluMulArgs> silu_and_mul = nullptr;
 };
 
+// y = x . w^T (+ bias) for a few rows of x, all bf16; columns [n_begin, n_end).
+struct LinearArgs {
+  const void* x;  // [m, k], rows x_stride apart
+  int64_t x_stride;
+  const void* w;  // [n, k], rows w_stride apart
+  int64_t w_stride;
+  const void* bias;  // [n] or nullptr
+  void* out;         // [m, n], rows out_stride apart
+  int64_t out_stride;
+  int64_t m, n, k;
+};
+
+using LinearFn = void (*)(const LinearArgs&, int64_t n_begin, int64_t n_end);
+
 // The kernels of one instruction set.
 struct IsaKernels {
   const char* name;
   AttnFns (*attention)(DType dtype, int head_size);
   EltFns (*elementwise)(DType dtype);
+  LinearFn linear_bf16 = nullptr;  // only where the CPU multiplies bf16 natively
 };
 
 // Each returns nullptr when the build flags did not enable that instruction set.

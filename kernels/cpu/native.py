@@ -57,6 +57,10 @@ NATIVE_OPS: tuple[str, ...] = (
     "silu_and_mul",
 )
 
+#: Rows of x up to which bf16 `linear` runs the skinny native kernel instead of torch's
+#: GEMM (benchmarks/cpu_kernels.py --linear measures the crossover).
+LINEAR_MAX_ROWS = 4
+
 _DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 
@@ -100,6 +104,8 @@ class NativeCpuKernels:
         self.isa = isa
         self._isa = list(module.compiled_isas()).index(isa)
         self.head_sizes = frozenset(module.supported_head_sizes())
+        #: Whether this instruction set has the skinny bf16 linear kernel (AVX-512 BF16).
+        self.has_linear = bool(module.has_linear(self._isa))
 
     @property
     def source(self) -> str:
@@ -107,7 +113,10 @@ class NativeCpuKernels:
         return f"cpu-native({self.isa})"
 
     def ops(self) -> dict[str, Callable[..., Any]]:
-        return {name: getattr(self, name) for name in NATIVE_OPS}
+        ops = {name: getattr(self, name) for name in NATIVE_OPS}
+        if self.has_linear:
+            ops["linear"] = self.linear
+        return ops
 
     def paged_attention(
         self,
@@ -186,6 +195,16 @@ class NativeCpuKernels:
             cos_sin_cache = cos_sin_cache.float().contiguous()  # exact: the reference computes in fp32
         self.module.rotary_embedding(positions, query, key, cos_sin_cache, self._isa)
         return query, key
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """See reference.linear.  Up to LINEAR_MAX_ROWS bf16 rows (decode) go to the skinny
+        kernel, which reads each weight once; larger batches to torch's GEMM."""
+        if (not self.has_linear or x.dim() != 2 or x.shape[0] > LINEAR_MAX_ROWS or x.dtype != torch.bfloat16
+                or weight.dtype != torch.bfloat16 or x.device.type != "cpu" or weight.device.type != "cpu"
+                or x.stride(-1) != 1 or weight.stride(-1) != 1
+                or (bias is not None and bias.dtype != torch.bfloat16)):
+            return reference.linear(x, weight, bias)
+        return self.module.linear(x, weight, bias, self._isa)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """See reference.silu_and_mul: x [..., 2*d] -> [..., d]."""

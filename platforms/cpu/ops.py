@@ -1,4 +1,5 @@
-"""Op overrides of the CPU platform: the native kernels where they build and load."""
+"""Op overrides of the CPU platform: the native kernels where they build and load, and
+the quantized linear ops (platforms/cpu/quant_ops.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,24 @@ __all__ = ["register_cpu_ops"]
 def register_cpu_ops(ops: OpRegistry) -> None:
     """Install the CPU platform's ops into ``ops``.
 
-    Loads the native kernels (compiling them on first use; see kernels/build.py).
-    When they are disabled (PAGEDSERVE_CPU_KERNELS=0) or cannot be built, the torch
-    references stay registered; the loader has already warned why.
+    Loads the native kernels (compiling them on first use; see kernels/build.py) and
+    packs bf16 linear weights for oneDNN at load (platforms/cpu/dense_ops.py).
+    PAGEDSERVE_CPU_KERNELS=0 keeps every op the torch reference, quantized ones
+    included.  When the native kernels cannot be built, their torch references stay
+    registered; the loader has already warned why.
     """
-    from pagedserve.kernels.cpu import load_cpu_kernels
+    from pagedserve.kernels.cpu import load_cpu_kernels, native_disabled
+    from pagedserve.platforms.cpu import dense_ops
+    from pagedserve.platforms.cpu.quant_ops import register_cpu_quant_ops
 
-    kernels = load_cpu_kernels()
-    if kernels is None:
+    if native_disabled():
         return
-    for name, fn in kernels.ops().items():
-        ops.register(name, fn, source=kernels.source)
+    kernels = load_cpu_kernels()
+    if kernels is not None:
+        for name, fn in kernels.ops().items():
+            ops.register(name, fn, source=kernels.source)
+    if dense_ops.prepack_enabled():
+        # Packed weights (oneDNN's layout) for bf16; plain ones keep the linear above.
+        ops.register("prepare_linear_weight", dense_ops.prepare_linear_weight, source="onednn-prepack")
+        ops.register("linear", dense_ops.make_linear(ops.get("linear")), source="onednn-prepack")
+    register_cpu_quant_ops(ops)

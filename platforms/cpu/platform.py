@@ -69,3 +69,20 @@ class CpuPlatform(Platform):
         if avail is None:
             avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         return avail
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value caches advised onto transparent huge pages before first touch
+        (kernels/cpu/hugepages.py): block-table order is close to random over the cache,
+        and 2 MiB pages spare most TLB misses.  ``PAGEDSERVE_CPU_HUGE_PAGES=0`` turns
+        the advice off."""
+        from pagedserve.kernels.cpu.hugepages import advise_huge_pages
+
+        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+        caches = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
+        if os.environ.get("PAGEDSERVE_CPU_HUGE_PAGES", "1").strip().lower() not in ("0", "false", "no", "off"):
+            for t in caches:
+                advise_huge_pages(t)
+        return caches

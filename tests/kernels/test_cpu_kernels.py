@@ -285,6 +285,36 @@ def test_silu_and_mul(kernels, dtype, shape):
     assert_close(kernels.silu_and_mul(x), reference.silu_and_mul(x), dtype)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 100, 5), (4, 64, 1), (5, 576, 130), (16, 1536, 70),
+                                   (7, 33, 9)])
+def test_linear_few_rows(kernels, m, k, n, bias):
+    """bf16 decode-sized linear (the skinny kernel where the ISA has one) against the
+    float32 reference rounded to bf16: K tails, N tails, row blocks of 1-4, bias."""
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    want = reference.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
+    assert_close(kernels.linear(x, w, b), want, torch.bfloat16)
+
+
+def test_linear_strided_rows_and_large_batches(kernels):
+    """A row-strided x (a view into a wider tensor) is read in place; batches above
+    LINEAR_MAX_ROWS and other dtypes take torch's GEMM."""
+    from pagedserve.kernels.cpu.native import LINEAR_MAX_ROWS
+
+    gen = torch.Generator().manual_seed(7)
+    wide = torch.randn(6, 200, generator=gen).bfloat16()
+    x = wide[:, :128]
+    w = torch.randn(40, 128, generator=gen).bfloat16()
+    assert_close(kernels.linear(x, w), reference.linear(x.float(), w.float()).bfloat16(), torch.bfloat16)
+    big = torch.randn(LINEAR_MAX_ROWS + 3, 128, generator=gen).bfloat16()
+    assert_close(kernels.linear(big, w), reference.linear(big, w), torch.bfloat16)
+    xf = torch.randn(2, 128, generator=gen)
+    assert_close(kernels.linear(xf, w.float()), reference.linear(xf, w.float()), torch.float32)
+
+
 # ---- selection and registration -----------------------------------------------------------
 
 def test_choose_isa():
@@ -317,7 +347,11 @@ def test_register_cpu_ops_installs_native_ops(module, monkeypatch):
         register_cpu_ops(ops)
     for name in NATIVE_OPS:
         assert ops.source(name).startswith("cpu-native("), name
-    assert ops.source("linear") == "reference"
+    from pagedserve.platforms.cpu.dense_ops import prepack_enabled
+
+    native = load_cpu_kernels()
+    plain = native.source if native.has_linear else "reference"
+    assert ops.source("linear") == ("onednn-prepack" if prepack_enabled() else plain)
 
 
 def test_disabled_by_env(monkeypatch):

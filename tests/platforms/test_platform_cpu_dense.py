@@ -1,0 +1,75 @@
+"""The CPU platform's dense linear: bf16 weights packed once for oneDNN at load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.kernels import reference
+from pagedserve.platforms.cpu import dense_ops
+
+pytestmark = pytest.mark.skipif(not dense_ops.prepack_enabled(), reason="this torch has no oneDNN weight packing")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 44, 300])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_packed_linear_matches_torch_and_reference(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(96, 160, generator=gen) / 160 ** 0.5).bfloat16()
+    x = torch.randn(rows, 160, generator=gen).bfloat16()
+    b = torch.randn(96, generator=gen).bfloat16() if bias else None
+    packed = dense_ops.prepare_linear_weight(w)
+    assert packed.is_mkldnn and packed.shape == w.shape
+    linear = dense_ops.make_linear(reference.linear)
+    got = linear(x, packed, b)
+    # oneDNN computes either way: identical to torch's own bf16 linear ...
+    assert torch.equal(got, torch.nn.functional.linear(x, w, b))
+    # ... and within bf16 rounding of the float32 reference.
+    want = reference.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1.6e-2)
+
+
+def test_views_other_dtypes_and_plain_weights():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 64, generator=gen).bfloat16()
+    packed = dense_ops.prepare_linear_weight(w)
+    linear = dense_ops.make_linear(reference.linear)
+    wide = torch.randn(5, 100, generator=gen).bfloat16()
+    x = wide[:, :64]  # a row-strided view
+    assert torch.equal(linear(x, packed), torch.nn.functional.linear(x, w))
+    x3 = torch.randn(2, 3, 64, generator=gen).bfloat16()
+    assert torch.equal(linear(x3, packed), torch.nn.functional.linear(x3, w))
+    xf = torch.randn(4, 64, generator=gen)  # another activation dtype: unpacked, still right
+    torch.testing.assert_close(linear(xf, packed), reference.linear(xf, w.float()))
+    wf = torch.randn(32, 64, generator=gen)
+    assert dense_ops.prepare_linear_weight(wf) is wf  # only bf16 is packed
+    assert torch.equal(linear(xf, wf), reference.linear(xf, wf))
+
+
+def _generate(path, monkeypatch, prepack: str, **kw):
+    monkeypatch.setenv("PAGEDSERVE_CPU_PREPACK", prepack)
+    llm = LLM(model=str(path), dtype="bfloat16", device="cpu", kv_cache_memory="16MiB", **kw)
+    prompts = [[5, 17, 99, 3, 41, 7], [8, 8, 120, 64], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    return llm.llm_engine.runner.model, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_engine_packs_dense_weights_and_keeps_outputs(tiny_checkpoint_factory, monkeypatch):
+    path = tiny_checkpoint_factory(tie_word_embeddings=True)
+    model, packed_ids = _generate(path, monkeypatch, "1")
+    for layer in model.layers:
+        assert all(getattr(layer, n).is_mkldnn for n in ("qkv", "o", "gate_up", "down"))
+    # The tied LM head is packed separately; the embedding stays plain for lookups.
+    assert model.lm_head.is_mkldnn and not model.embed.is_mkldnn
+    plain_model, plain_ids = _generate(path, monkeypatch, "0")
+    assert not plain_model.layers[0].qkv.is_mkldnn
+    assert packed_ids == plain_ids
+
+
+def test_weight_offload_keeps_plain_weights(tiny_checkpoint_factory, monkeypatch):
+    path = tiny_checkpoint_factory(tie_word_embeddings=True)
+    model, ids = _generate(path, monkeypatch, "1", cpu_offload_gb=1e-9 * 10**6)
+    assert not any(t.is_mkldnn for layer in model.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    _, plain_ids = _generate(path, monkeypatch, "0")
+    assert ids == plain_ids
