@@ -127,12 +127,15 @@ struct Attention {
   static_assert(D % W == 0, "head size must be a multiple of the vector width");
 
   // Blocks are scattered through the cache, so hardware prefetchers cannot see the
-  // next one coming: fetch its rows while the current span is being computed.
+  // next one coming: fetch its rows while the current span is being computed.  Into
+  // L2 (locality 2, prefetcht1): in a decode step of 44 sequences x 550 tokens this
+  // took attention from 39 to 32 ms over 30 layers against prefetching into L1; a
+  // non-temporal hint was as slow as L1 and prefetching two spans ahead gained nothing.
   static void prefetch_rows(const T* rows, int64_t stride, int n) {
     constexpr int kRowBytes = D * int(sizeof(T));
     for (int j = 0; j < n; ++j)
       for (int b = 0; b < kRowBytes; b += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(rows + j * stride) + b, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char*>(rows + j * stride) + b, 0, 2);
   }
 
   // n rows of a block (stride in elements) -> dense float32 [n, D].
