@@ -109,7 +109,8 @@ class LLMEngine:
         # Linear weights load quantized when config.model.quantization or the checkpoint asks.
         source = self.model_source = quantize_source(
             source, config.model.quantization, self.platform, self.ops, self.dtype,
-            config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size, config.cache.cpu_offload_gb)
+            config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size, config.cache.cpu_offload_gb,
+            config.device.device_map)
         # One rank in this process, or several (tensor/pipeline parallel) behind one executor.
         self.executor = create_executor(config, self.platform, self.ops, self.arch, self.dtype, source, mml)
         self.runner = self.executor.driver_runner  # rank 0's runner: it owns the sampler

@@ -20,7 +20,8 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=6)
 
 
 def _run(**parallel) -> list[list[int]]:
-    llm = LLM(kv_cache_memory="512MiB", max_model_len=512, **parallel)
+    # Dequantized on every side: parallel runs load a .gguf dequantized.
+    llm = LLM(kv_cache_memory="512MiB", max_model_len=512, quantization="none", **parallel)
     try:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     finally:

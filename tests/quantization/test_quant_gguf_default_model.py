@@ -42,3 +42,19 @@ def test_quant_gguf_default_model():
     assert q_ppl < d_ppl * 1.05, (q_ppl, d_ppl)
     assert [g[:4] for g in q_greedy] == [g[:4] for g in d_greedy]
     assert agreement(q_greedy, d_greedy) >= 0.6
+
+
+def test_blocks_are_kept_by_default_where_the_native_kernel_runs():
+    """quantization unset: a .gguf stays in blocks where the platform's gguf_linear is the
+    native CPU kernel (the measured decode win), and loads dequantized otherwise and
+    wherever blocks are not supported (tensor parallel, weight offload, layer maps)."""
+    from pagedserve.quantization.registry import GGUF_DEFAULT_OP_SOURCES
+
+    llm = LLM(dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=256)
+    engine = llm.llm_engine
+    kept = engine.ops.source("gguf_linear").startswith(GGUF_DEFAULT_OP_SOURCES)
+    assert isinstance(engine.runner.model.layers[0].qkv, GGUFWeight) == kept
+    mapped = LLM(dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=256, device_map="cpu:10,cpu")
+    assert not isinstance(mapped.llm_engine.runner.model.layers[0].qkv, GGUFWeight)
+    offloaded = LLM(dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=256, cpu_offload_gb=0.01)
+    assert not isinstance(offloaded.llm_engine.runner.model.layers[0].qkv, GGUFWeight)
