@@ -166,7 +166,8 @@ class ModelRunner:
                 return StepOutput({}, {})
             # hidden is on the last segment's device; the sampler runs on the host.
             idx = self.segments[-1].platform.to_device(inp.logits_indices[sampling_rows])
-            logits = self.model.compute_logits(hidden.index_select(0, idx)).cpu()
+            # The sampler widens to float32 only for rows that need more than an argmax.
+            logits = self.model.compute_logits(hidden.index_select(0, idx), float32=False).cpu()
             requests = [out.scheduled[i].request for i in sampling_rows]
             result: SamplerOutput = self.sampler(logits, requests)
         sampled = {r.request_id: t for r, t in zip(requests, result.token_ids)}

@@ -1,6 +1,7 @@
 """Sampler: penalties, min_tokens, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
 
-Works on a batch of float32 logits [num_seqs, vocab].  Greedy rows take the argmax
+Works on a batch of logits [num_seqs, vocab] (widened to float32 unless every row is
+plain greedy).  Greedy rows take the argmax
 of the (penalised) logits.  Random rows sample with the exponential-race trick
 (argmax of probs / Exp(1) noise), drawing the noise from the request's own
 ``torch.Generator`` when it has a seed, so the same seed gives the same text whatever
@@ -44,8 +45,14 @@ class Sampler:
         return g
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        raw = logits
+        """logits ``[num_seqs, vocab]`` in the model's dtype or float32, one row per request."""
         params = [r.sampling_params for r in requests]
+        if all(p.greedy and not p.needs_penalties and p.logprobs is None and r.num_output_tokens >= p.min_tokens
+               for r, p in zip(requests, params)):
+            # Plain greedy rows: the argmax needs no float32 copy (widening bf16 is exact,
+            # so the chosen ids are the same) and no row gather.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+        logits = raw = logits.float()
         logits = self._apply_penalties(logits, requests)
         logits = self._apply_min_tokens(logits, requests)
 

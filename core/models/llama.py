@@ -381,9 +381,12 @@ class LlamaForCausalLM:
         h, _ = self.head_ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] -> float32 logits [n, vocab], on the last placement's device."""
-        logits = _linear(self.head_ops, hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [n, hidden_size] -> logits [n, vocab] (float32, or the LM head's output
+        dtype with ``float32=False``), on the last placement's device."""
+        logits = _linear(self.head_ops, hidden, self.lm_head)
+        if float32:
+            logits = logits.float()
         if self.parallel.tp_size > 1:
             logits = self.parallel.all_gather(logits)[:, :self.cfg.vocab_size]
         return logits
