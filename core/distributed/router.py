@@ -28,11 +28,18 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 
-from pagedserve.async_engine import _ACCEPTED, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
+from pagedserve.async_engine import (
+    _ACCEPTED,
+    AsyncLLMEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+)
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.data_parallel import DataParallelConfig, ReplicaSpec, plan_replicas, resolve_platforms
 from pagedserve.distributed.replica_launcher import ReplicaStartError, create_launcher
@@ -302,15 +309,8 @@ class DataParallelRouter:
             raise EngineDeadError(f"every data-parallel replica has exited ({why})") from None
         return self._replicas[choice.replica], choice.reason
 
-    async def generate(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
-                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
-        """Convenience wrapper: add a request and yield its outputs."""
-        stream = await self.add_request(request_id, prompt, params, prompt_token_ids)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
+    # Add a request and yield its outputs: the engine's wrapper, over this add_request.
+    generate = AsyncLLMEngine.generate
 
     def abort(self, request_id: str) -> None:
         """Abort a request (on the event loop; unknown or finished ids are ignored)."""

@@ -62,6 +62,18 @@ class _Case:
         return t.to(self.device, copy=True)
 
 
+def check_like(what: str, got: object, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AssertionError naming ``what`` unless ``got`` is a tensor of ``want``'s shape and
+    dtype; both as float32 CPU tensors."""
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{what}: expected a tensor, got {type(got).__name__}")
+    if tuple(got.shape) != tuple(want.shape):
+        raise AssertionError(f"{what}: shape {tuple(got.shape)}, reference {tuple(want.shape)}")
+    if got.dtype != want.dtype:
+        raise AssertionError(f"{what}: dtype {_dtype_name(got.dtype)}, reference {_dtype_name(want.dtype)}")
+    return got.detach().cpu().float(), want.detach().cpu().float()
+
+
 def assert_matches(
     what: str, got: object, want: torch.Tensor, dtype: torch.dtype, *, exact: bool = False, equal_nan: bool = False
 ) -> None:
@@ -69,13 +81,7 @@ def assert_matches(
 
     equal_nan: NaN is expected where the reference left the poison untouched.
     """
-    if not isinstance(got, torch.Tensor):
-        raise AssertionError(f"{what}: expected a tensor, got {type(got).__name__}")
-    if tuple(got.shape) != tuple(want.shape):
-        raise AssertionError(f"{what}: shape {tuple(got.shape)}, reference {tuple(want.shape)}")
-    if got.dtype != want.dtype:
-        raise AssertionError(f"{what}: dtype {_dtype_name(got.dtype)}, reference {_dtype_name(want.dtype)}")
-    g, w = got.detach().cpu().float(), want.detach().cpu().float()
+    g, w = check_like(what, got, want)
     stray_nan = torch.isnan(g) & ~torch.isnan(w)
     if stray_nan.any():
         raise AssertionError(

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from pagedserve.kernels import quant_reference, reference
-from pagedserve.testing.op_checks import Cases, _Case, _dtype_name
+from pagedserve.testing.op_checks import Cases, _Case, _dtype_name, check_like
 from pagedserve.testing.target import Target
 
 __all__ = ["QUANT_CASES", "QUANT_TOLERANCES", "ACTIVATION_ALLOWANCE", "assert_close_relative"]
@@ -36,13 +36,7 @@ ELEMENT_FACTOR = 8.0
 def assert_close_relative(what: str, got: object, want: torch.Tensor, dtype: torch.dtype, tol: float) -> None:
     """AssertionError naming ``what`` unless ``got`` has ``want``'s shape and dtype, no stray
     NaN, a relative error <= ``tol`` and every element within ``ELEMENT_FACTOR * tol * rms``."""
-    if not isinstance(got, torch.Tensor):
-        raise AssertionError(f"{what}: expected a tensor, got {type(got).__name__}")
-    if tuple(got.shape) != tuple(want.shape):
-        raise AssertionError(f"{what}: shape {tuple(got.shape)}, reference {tuple(want.shape)}")
-    if got.dtype != want.dtype:
-        raise AssertionError(f"{what}: dtype {_dtype_name(got.dtype)}, reference {_dtype_name(want.dtype)}")
-    g, w = got.detach().cpu().float(), want.detach().cpu().float()
+    g, w = check_like(what, got, want)
     if not torch.isfinite(g).all():
         bad = int((~torch.isfinite(g)).sum())
         raise AssertionError(f"{what}: {bad} of {g.numel()} elements are NaN or infinite")
