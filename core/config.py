@@ -288,6 +288,21 @@ class ParallelConfig:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` -> ``[0, 1, 2, 3, 8, 10, 11]`` (Linux cpu-list syntax, as taskset
+    and vLLM's VLLM_CPU_OMP_THREADS_BIND take it); ValueError naming a malformed part."""
+    cpus: list[int] = []
+    for part in str(text).split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
+            raise ValueError(f"cpu_bind={text!r}: {part!r} is not a core number or an ascending range like 0-3")
+        cpus.extend(range(int(lo), int(hi if sep else lo) + 1))
+    if len(set(cpus)) != len(cpus):
+        raise ValueError(f"cpu_bind={text!r} names a core twice")
+    return cpus
+
+
 @dataclass
 class DeviceConfig:
     """Platform selection (None = PAGEDSERVE_TARGET_DEVICE or auto-detect) and threads.
@@ -301,10 +316,18 @@ class DeviceConfig:
     device: str | None = None
     threads: int | None = None
     device_map: str | Sequence[str | tuple[str, int | None]] | None = None
+    #: Host cores for the model's threads, e.g. "0-3": thread i runs on the i-th core
+    #: listed (the platform's ``configure_threads``); threads defaults to their number.
+    cpu_bind: str | None = None
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.cpu_bind is not None:
+            cpus = parse_cpu_list(self.cpu_bind)
+            if self.threads is not None and self.threads != len(cpus):
+                raise ValueError(f"threads={self.threads} but cpu_bind={self.cpu_bind!r} lists {len(cpus)} cores "
+                                 "(one thread per core; leave threads unset)")
         if self.device_map is None:
             return
         entries = parse_device_map(self.device_map)

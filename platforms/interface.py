@@ -149,6 +149,27 @@ class Platform:
     def synchronize(self) -> None:
         """Wait for all work queued on the device."""
 
+    def configure_threads(self, threads: int | None, cpu_bind: list[int] | None = None) -> None:
+        """Host threads for the model: ``threads`` of torch's pool (None: leave torch's
+        choice); ``cpu_bind``: the process runs on these cores only and ``threads``
+        defaults to their number.  Here: process affinity (Linux) and the pool size; the
+        CPU platform also pins each pool thread to one core.  ValueError names cores this
+        process may not use."""
+        import os
+
+        if cpu_bind:
+            allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+            if allowed is None:
+                raise ValueError("cpu_bind needs a platform with sched_setaffinity (Linux)")
+            missing = sorted(set(cpu_bind) - allowed)
+            if missing:
+                raise ValueError(f"cpu_bind names cores {missing} outside this process's allowed cores "
+                                 f"{sorted(allowed)}")
+            os.sched_setaffinity(0, set(cpu_bind))
+            threads = threads or len(cpu_bind)
+        if threads:
+            torch.set_num_threads(threads)
+
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (possibly on another platform's device) on this platform's device.
 

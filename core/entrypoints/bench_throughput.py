@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", default="4GiB")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cpu-bind", default=None, metavar="CPUS", help="pin the model's threads to these cores, e.g. 0-3")
     add_device_map_argument(p)
     p.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
     p.add_argument("--hf-batch-size", type=int, default=None,
@@ -55,7 +56,7 @@ def run_pagedserve(args: argparse.Namespace, work) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-              threads=args.threads, device_map=args.device_map)
+              threads=args.threads, cpu_bind=args.cpu_bind, device_map=args.device_map)
     load_s = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
     # Warm up (first-call allocations, kernel loading) outside the timed region.

@@ -34,6 +34,7 @@ def add_parser(subparsers) -> None:
                    help="GB of layer weights kept in host memory and streamed to the device")
     add_device_map_argument(p)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cpu-bind", default=None, metavar="CPUS", help="pin the model's threads to these cores, e.g. 0-3")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                  kv_cache_memory=args.kv_cache_memory or "1GiB", threads=args.threads,
+                  kv_cache_memory=args.kv_cache_memory or "1GiB", threads=args.threads, cpu_bind=args.cpu_bind,
                   kv_offload_memory=args.kv_offload_memory, preemption_mode=args.preemption_mode,
                   cpu_offload_gb=args.cpu_offload_gb, quantization=args.quantization,
                   device_map=args.device_map)

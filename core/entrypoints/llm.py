@@ -53,6 +53,7 @@ class LLM:
         preemption_mode: str = "auto",
         cpu_offload_gb: float = 0.0,
         device_map: str | Sequence[str | tuple[str, int | None]] | None = None,
+        cpu_bind: str | None = None,
     ) -> None:
         if memory_utilization is not None and gpu_memory_utilization is not None \
                 and memory_utilization != gpu_memory_utilization:
@@ -73,7 +74,7 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     pipeline_parallel_size=pipeline_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend),
-            device=DeviceConfig(device=device, threads=threads, device_map=device_map),
+            device=DeviceConfig(device=device, threads=threads, device_map=device_map, cpu_bind=cpu_bind),
         )
         if config.device.device_map is not None:
             # Unknown or unavailable platforms anywhere in the map: one ValueError listing

@@ -61,6 +61,9 @@ def add_parser(subparsers) -> None:
 
     add_device_map_argument(eng)
     eng.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
+    eng.add_argument("--cpu-bind", default=None, metavar="CPUS",
+                     help="pin the model's threads to these host cores, one each, e.g. 0-3 (threads defaults "
+                          "to their number)")
     eng.add_argument("--seed", type=int, default=0)
     dp = p.add_argument_group("data parallelism (docs/distributed.md)")
     dp.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -111,7 +114,8 @@ def build_engine_config(args: argparse.Namespace):
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 pipeline_parallel_size=args.pipeline_parallel_size,
                                 distributed_executor_backend=args.distributed_executor_backend),
-        device=DeviceConfig(device=args.device, threads=args.threads, device_map=args.device_map),
+        device=DeviceConfig(device=args.device, threads=args.threads, device_map=args.device_map,
+                            cpu_bind=args.cpu_bind),
     )
     return config, names, parse_memory(args.max_body_size, "--max-body-size")
 
@@ -125,6 +129,9 @@ def build_dp_config(args: argparse.Namespace):
         if devices:
             raise ValueError("--data-parallel-devices needs --data-parallel-size > 1 (use --device for one engine)")
         return None
+    if args.cpu_bind:
+        raise ValueError("--cpu-bind with --data-parallel-size > 1 would pin every replica to the same cores; "
+                         "the replicas' threads are split by --threads instead")
     return DataParallelConfig(size=args.data_parallel_size, backend=args.data_parallel_backend,
                               devices=devices or [args.device] * args.data_parallel_size)
 

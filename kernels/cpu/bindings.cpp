@@ -11,6 +11,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <sched.h>
+
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -262,6 +264,35 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   return out;
 }
 
+// Pins thread i of torch's OpenMP pool (the calling thread is thread 0) to core
+// cpus[i]; torch.set_num_threads(len(cpus)) must come first.  Returns the core each
+// thread runs on afterwards (-1 where the kernel refused the mask).
+std::vector<int64_t> bind_threads(const std::vector<int64_t>& cpus) {
+  const int64_t n = int64_t(cpus.size());
+  TORCH_CHECK(n >= 1 && n == at::get_num_threads(), "bind_threads: ", n, " cores for ", at::get_num_threads(),
+              " threads");
+  std::vector<int64_t> on(n, -1);
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(int(cpus[i]), &set);
+      if (sched_setaffinity(0, sizeof set, &set) == 0) on[i] = sched_getcpu();
+    }
+  });
+  return on;
+}
+
+// The core each of torch's n pool threads runs on (thread order), to check a binding.
+std::vector<int64_t> thread_cpus() {
+  const int64_t n = at::get_num_threads();
+  std::vector<int64_t> on(n, -1);
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) on[i] = sched_getcpu();
+  });
+  return on;
+}
+
 // How many distinct threads run the items of a parallel_dynamic over n items (a check
 // that the pool really spawns: see the -fopenmp note in kernels/build.py).
 int64_t parallel_thread_count(int64_t n) {
@@ -330,6 +361,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported_head_sizes", &k::supported_head_sizes, "head sizes of the attention kernel");
   m.def("linear", &k::linear, "bf16 x . weight^T (+ bias) for few rows of x");
   m.def("has_linear", &k::has_linear, "whether an instruction set has the bf16 linear kernel");
+  m.def("bind_threads", &k::bind_threads, "pin OpenMP thread i to core cpus[i]");
+  m.def("thread_cpus", &k::thread_cpus, "the core each OpenMP thread runs on");
   m.def("parallel_thread_count", &k::parallel_thread_count, "threads that ran a parallel loop of n items");
   m.def("build_features", &k::build_features, "compiler feature macros seen by this build");
 }

@@ -70,6 +70,23 @@ class CpuPlatform(Platform):
             avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         return avail
 
+    def configure_threads(self, threads: int | None, cpu_bind: list[int] | None = None) -> None:
+        """See Platform.configure_threads; with ``cpu_bind`` each OpenMP thread of torch's
+        pool is pinned to its own core (thread i to the i-th core listed, the calling
+        thread being thread 0), as vLLM's CPU backend does, so threads neither migrate
+        nor share a core."""
+        super().configure_threads(threads, cpu_bind)
+        if not cpu_bind:
+            return
+        from pagedserve.kernels.cpu import load_cpu_kernels
+
+        native = load_cpu_kernels()
+        if native is None:  # the loader warned why; the process-wide affinity still holds
+            return
+        on = native.module.bind_threads(list(cpu_bind))
+        if any(c < 0 for c in on):
+            raise ValueError(f"cpu_bind: the kernel refused to pin threads to cores {list(cpu_bind)} (got {on})")
+
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
         dtype: torch.dtype,
