@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from workloads import make_workload, prepare_model_dir, read_vocab_size  # noqa: E402
+from workloads import make_workload, prepare_model_dir  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 
@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-memory", default="4GiB")
     args = ap.parse_args(argv)
     model = args.model or str(prepare_model_dir(None))
-    vocab = read_vocab_size(pathlib.Path(model)) if args.model is None else 49152
     llm = LLM(model=model, dtype="bfloat16", max_model_len=args.max_model_len, max_num_batched_tokens=2048,
               kv_cache_memory=args.kv_cache_memory, seed=0)
+    vocab = llm.llm_engine.arch.vocab_size
     u = measure_utilisation(llm, make_workload(args.workload, vocab, 0, None, None, None), args.max_model_len)
     print(f"KV slot utilisation ({args.workload}, block size {llm.llm_engine.runner.block_size}, {u['steps']} steps): "
           f"mean {u['mean']:.4f}, steady state (middle half) {u['steady_state']:.4f}, min {u['min']:.4f}; "

@@ -319,12 +319,15 @@ class DeviceConfig:
     #: Host cores for the model's threads, e.g. "0-3": thread i runs on the i-th core
     #: listed (the platform's ``configure_threads``); threads defaults to their number.
     cpu_bind: str | None = None
+    #: ``cpu_bind`` parsed: the cores, in thread order (None without it).
+    bind_cores: list[int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.cpu_bind is not None:
-            cpus = parse_cpu_list(self.cpu_bind)
+        self.bind_cores = None if self.cpu_bind is None else parse_cpu_list(self.cpu_bind)
+        if self.bind_cores is not None:
+            cpus = self.bind_cores
             if self.threads is not None and self.threads != len(cpus):
                 raise ValueError(f"threads={self.threads} but cpu_bind={self.cpu_bind!r} lists {len(cpus)} cores "
                                  "(one thread per core; leave threads unset)")

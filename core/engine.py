@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from pagedserve.config import EngineConfig, parse_cpu_list
+from pagedserve.config import EngineConfig
 from pagedserve.executor.executor import create_executor
 from pagedserve.executor.model_runner import resolve_dtype
 from pagedserve.kv_cache.host_tier import TieredKVCacheManager
@@ -93,11 +93,11 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         torch.manual_seed(config.model.seed)
         self.platform, self.ops = select_platform(config.device.device)
-        cpu_bind = config.device.cpu_bind
-        if cpu_bind and config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1:
-            raise ValueError(f"cpu_bind={cpu_bind!r} is not supported with tensor/pipeline parallelism yet "
-                             "(every rank would pin the same cores)")
-        self.platform.configure_threads(config.device.threads, parse_cpu_list(cpu_bind) if cpu_bind else None)
+        cores = config.device.bind_cores
+        if cores and config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1:
+            raise ValueError(f"cpu_bind={config.device.cpu_bind!r} is not supported with tensor/pipeline "
+                             "parallelism yet (every rank would pin the same cores)")
+        self.platform.configure_threads(config.device.threads, cores)
         source = open_model(config.model.model)
         self.model_source = source
         self.tokenizer = source.tokenizer()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, ClassVar
 
@@ -155,8 +156,6 @@ class Platform:
         defaults to their number.  Here: process affinity (Linux) and the pool size; the
         CPU platform also pins each pool thread to one core.  ValueError names cores this
         process may not use."""
-        import os
-
         if cpu_bind:
             allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
             if allowed is None:

@@ -27,15 +27,22 @@ class RayWorkerActor:
         run_worker_process(config, rank, init, threads, local_rank=0)
 
 
+def connect_ray(what: str) -> str:
+    """Attach to the Ray cluster of ``ray start`` (or RAY_ADDRESS) unless the program
+    initialised Ray itself; this node's IP address.  ``what`` names the option that
+    needs Ray in the error raised when it is not installed."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise RuntimeError(f"{what} needs Ray: pip install 'ray>=2.9'") from exc
+    if not ray.is_initialized():
+        ray.init()
+    return ray.util.get_node_ip_address()
+
+
 class RayExecutor(DistributedExecutor):
     def _prepare(self) -> str:
-        try:
-            import ray
-        except ImportError as exc:
-            raise RuntimeError("distributed_executor_backend='ray' needs Ray: pip install 'ray>=2.9'") from exc
-        if not ray.is_initialized():
-            ray.init()
-        return ray.util.get_node_ip_address()
+        return connect_ray("distributed_executor_backend='ray'")
 
     def _start_workers(self) -> None:
         import ray

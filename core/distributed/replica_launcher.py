@@ -153,13 +153,9 @@ class RayReplicaLauncher(ReplicaLauncher):
     RAY_ADDRESS) unless the program initialised Ray itself."""
 
     def __init__(self) -> None:
-        try:
-            import ray
-        except ImportError as exc:
-            raise RuntimeError("--data-parallel-backend ray needs Ray: pip install 'ray>=2.9'") from exc
-        if not ray.is_initialized():
-            ray.init()
-        self.host = ray.util.get_node_ip_address()
+        from pagedserve.distributed.ray_executor import connect_ray
+
+        self.host = connect_ray("--data-parallel-backend ray")
         self.actors: dict[int, object] = {}
         self.runs: dict[int, object] = {}
 
