@@ -32,6 +32,7 @@ __all__ = [
     "linear",
     "prepare_linear_weight",
     "embedding",
+    "argmax",
     "gguf_linear",
     "int8_linear",
     "w8a8_linear",
@@ -215,6 +216,14 @@ def embedding(token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.embedding(token_ids, weight)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] -> int64 [rows]: the index of each row's largest value, the first one
+    among equal maxima, a NaN counting as the largest (``torch.argmax``'s convention).
+    Greedy sampling takes it of the logits where they were computed, so only the chosen
+    ids leave the device."""
+    return x.argmax(dim=-1)
+
+
 def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T + bias for W kept in GGUF blocks.
@@ -271,6 +280,7 @@ OP_NAMES: tuple[str, ...] = (
     "linear",
     "prepare_linear_weight",
     "embedding",
+    "argmax",
     "copy_blocks",
     "swap_blocks",
     "gguf_linear",

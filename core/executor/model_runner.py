@@ -167,9 +167,14 @@ class ModelRunner:
             # hidden is on the last segment's device; the sampler runs on the host.
             idx = self.segments[-1].platform.to_device(inp.logits_indices[sampling_rows])
             # The sampler widens to float32 only for rows that need more than an argmax.
-            logits = self.model.compute_logits(hidden.index_select(0, idx), float32=False).cpu()
+            logits = self.model.compute_logits(hidden.index_select(0, idx), float32=False)
             requests = [out.scheduled[i].request for i in sampling_rows]
-            result: SamplerOutput = self.sampler(logits, requests)
+            result: SamplerOutput
+            if self.sampler.plain_greedy(requests):
+                # Only the chosen ids leave the device.
+                result = SamplerOutput(self.model.head_ops.argmax(logits).tolist(), [None] * len(requests))
+            else:
+                result = self.sampler(logits.cpu(), requests)
         sampled = {r.request_id: t for r, t in zip(requests, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(requests, result.logprobs) if lp is not None}
         return StepOutput(sampled, logprobs)

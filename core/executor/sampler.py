@@ -44,11 +44,18 @@ class Sampler:
             self._generators[request.request_id] = g
         return g
 
+    @staticmethod
+    def plain_greedy(requests: list[Request]) -> bool:
+        """Whether every row only needs the argmax of its raw logits: greedy, no
+        penalties, no logprobs, past min_tokens.  The model runner then takes the argmax
+        where the logits are (the registry's ``argmax`` op) and skips this sampler."""
+        return all(p.greedy and not p.needs_penalties and p.logprobs is None and r.num_output_tokens >= p.min_tokens
+                   for r, p in ((r, r.sampling_params) for r in requests))
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits ``[num_seqs, vocab]`` in the model's dtype or float32, one row per request."""
         params = [r.sampling_params for r in requests]
-        if all(p.greedy and not p.needs_penalties and p.logprobs is None and r.num_output_tokens >= p.min_tokens
-               for r, p in zip(requests, params)):
+        if self.plain_greedy(requests):
             # Plain greedy rows: the argmax needs no float32 copy (widening bf16 is exact,
             # so the chosen ids are the same) and no row gather.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))

@@ -208,6 +208,38 @@ def _embedding(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
         yield desc, body
 
 
+def _argmax(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    """Rows long and short (vector bodies and tails), with ties, -inf rows and NaNs."""
+    for rows, n in [(1, 7), (5, 50), (3, 1000), (9, 49153)]:
+        desc = f"{rows}x{n}"
+
+        def body(rows=rows, n=n, desc=desc) -> None:
+            c = _Case(f"argmax{desc}{dtype}", seed, t.device)
+            x = c.randn(rows, n, dtype=dtype, scale=4.0)
+            top = x.max()
+            if rows > 1:  # the maximum twice, late then early: the first one wins
+                x[1, n - 1] = x[1, n // 3] = top + 1
+            if rows > 2:
+                x[2] = float("-inf")
+                x[2, n // 2] = top  # one finite value among -inf
+            if rows > 3:
+                x[3, n // 4] = NAN  # a NaN counts as the largest, and the first one wins
+                x[3, n - 2] = NAN
+                x[3, 0] = top + 2
+            if rows > 4:
+                x[4] = x[4, 0]  # all equal: index 0
+            got = fn(c.dev(x))
+            want = reference.argmax(x)
+            if got.dtype != torch.int64 or tuple(got.shape) != (rows,):
+                raise AssertionError(f"argmax: expected int64 [{rows}], got {got.dtype} {list(got.shape)}")
+            if not torch.equal(got.cpu(), want):
+                bad = (got.cpu() != want).nonzero().flatten().tolist()
+                raise AssertionError(f"argmax: rows {bad} differ: got {got.cpu()[bad].tolist()}, "
+                                     f"expected {want[bad].tolist()}")
+
+        yield desc, body
+
+
 def _reshape_and_cache(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
     for block_size in (16, 32):
         for kv_heads, head in [(2, 64), (1, 128)]:
@@ -348,6 +380,7 @@ _CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     # A platform's prepare_linear_weight is checked through its (or the reference's) linear.
     "prepare_linear_weight": lambda t, fn, d, s: _linear(t, t.ops.get("linear"), d, s, prepare=fn),
     "embedding": _embedding,
+    "argmax": _argmax,
     "copy_blocks": lambda t, fn, d, s: _block_copy_cases("copy_blocks", t, fn, d, s),
     "swap_blocks": lambda t, fn, d, s: _block_copy_cases("swap_blocks", t, fn, d, s),
 }

@@ -233,6 +233,17 @@ at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa) {
   return out;
 }
 
+// Index of the largest value of each row of a 2-D tensor (see ArgmaxRow).
+at::Tensor argmax(const at::Tensor& x, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "x must be [rows, n] with n > 0, got ", x.sizes());
+  check_lastdim(x, "x");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  const ArgmaxArgs a{x.data_ptr(), x.stride(0), x.size(1), out.data_ptr<int64_t>()};
+  const auto fn = elementwise(x, isa).argmax;
+  parallel_rows(x.size(0), x.size(1), [&](int64_t b, int64_t e) { fn(a, b, e); });
+  return out;
+}
+
 bool has_linear(int64_t isa) { return isa_at(isa).linear_bf16 != nullptr; }
 
 // y = x . w^T (+ bias) for a few bf16 rows of x (decode); see linear.h.
@@ -357,6 +368,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &k::fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
   m.def("rotary_embedding", &k::rotary_embedding, "neox rotary embedding of query and key, in place");
   m.def("silu_and_mul", &k::silu_and_mul, "silu(x[..., :d]) * x[..., d:]");
+  m.def("argmax", &k::argmax, "index of the largest value of each row (first of ties, NaN first)");
   m.def("compiled_isas", &k::compiled_isa_names, "instruction sets compiled in, best first");
   m.def("supported_head_sizes", &k::supported_head_sizes, "head sizes of the attention kernel");
   m.def("linear", &k::linear, "bf16 x . weight^T (+ bias) for few rows of x");

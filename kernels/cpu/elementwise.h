@@ -1,5 +1,5 @@
 // Row-wise kernels (RMSNorm, residual add + RMSNorm, neox rotary embedding,
-// SiLU-and-mul), templated over the instruction set and the storage type.
+// SiLU-and-mul, argmax), templated over the instruction set and the storage type.
 //
 // Each reproduces the rounding steps of kernels/reference.py: where the reference
 // computes an intermediate in the storage dtype (e.g. `(x * r).to(bf16) * weight`),
@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cmath>
+#include <limits>
 
 #include "kernels.h"
 #include "vec.h"
@@ -106,11 +107,72 @@ struct Elementwise {
   }
 };
 
+// Index of the largest value of a row: the first of equal maxima, and the first NaN if
+// the row holds one (torch.argmax's convention).  Greedy sampling runs it over the
+// logits of every sequence of a decode step.
+template <class Isa, typename T>
+struct ArgmaxRow {
+  static int64_t row(const T* x, int64_t n) {
+    int64_t best = 0;
+    float bv = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = to_float(x[i]);
+      if (v != v) return i;
+      if (v > bv) {
+        bv = v;
+        best = i;
+      }
+    }
+    return best;
+  }
+};
+
+#if defined(PAGEDSERVE_HAVE_AVX512)
+// One pass for the maximum (stopping at the first chunk with a NaN), one for the first
+// position that holds it; the second pass re-reads the row from L2.
+template <typename T>
+struct ArgmaxRow<Avx512, T> {
+  static int64_t row(const T* x, int64_t n) {
+    const int64_t nv = n / 16 * 16;
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < nv; i += 16) {
+      const __m512 v = Avx512::load(x + i);
+      if (const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) return i + __builtin_ctz(nan);
+      vmax = _mm512_max_ps(vmax, v);
+    }
+    int64_t tail = -1;  // the tail's first maximum
+    float tv = 0.f;
+    for (int64_t i = nv; i < n; ++i) {
+      const float v = to_float(x[i]);
+      if (v != v) return i;
+      if (tail < 0 || v > tv) {
+        tv = v;
+        tail = i;
+      }
+    }
+    if (nv == 0) return tail < 0 ? 0 : tail;
+    const float m = _mm512_reduce_max_ps(vmax);
+    if (tail >= 0 && tv > m) return tail;
+    const __m512 vm = _mm512_set1_ps(m);
+    for (int64_t i = 0; i < nv; i += 16)
+      if (const __mmask16 eq = _mm512_cmp_ps_mask(Avx512::load(x + i), vm, _CMP_EQ_OQ)) return i + __builtin_ctz(eq);
+    return 0;  // not reached: m is one of the values
+  }
+};
+#endif
+
+template <class Isa, typename T>
+void argmax_rows(const ArgmaxArgs& a, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r)
+    a.out[r] = ArgmaxRow<Isa, T>::row(static_cast<const T*>(a.x) + r * a.x_stride, a.n);
+}
+
 template <class Isa>
 EltFns elementwise_fns(DType dtype) {
   auto fns = [](auto tag) -> EltFns {
-    using K = Elementwise<Isa, decltype(tag)>;
-    return {&K::rms_norm, &K::fused_add_rms_norm, &K::rotary, &K::silu_and_mul};
+    using T = decltype(tag);
+    using K = Elementwise<Isa, T>;
+    return {&K::rms_norm, &K::fused_add_rms_norm, &K::rotary, &K::silu_and_mul, &argmax_rows<Isa, T>};
   };
   switch (dtype) {
     case DType::kFloat32: return fns(float{});

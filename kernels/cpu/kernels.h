@@ -97,6 +97,13 @@ struct SiluMulArgs {
   int64_t d;
 };
 
+struct ArgmaxArgs {  // out[row] = index of the largest value of x[row, :n]
+  const void* x;  // [rows, n]
+  int64_t x_stride;
+  int64_t n;
+  int64_t* out;  // [rows]
+};
+
 template <class Args>
 using RowsFn = void (*)(const Args&, int64_t begin, int64_t end);
 
@@ -105,6 +112,7 @@ struct EltFns {
   RowsFn<AddRmsNormArgs> fused_add_rms_norm = nullptr;
   RowsFn<RotaryArgs> rotary = nullptr;
   RowsFn<SiluMulArgs> silu_and_mul = nullptr;
+  RowsFn<ArgmaxArgs> argmax = nullptr;
 };
 
 // y = x . w^T (+ bias) for a few rows of x, all bf16; columns [n_begin, n_end).

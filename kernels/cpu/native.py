@@ -55,6 +55,7 @@ NATIVE_OPS: tuple[str, ...] = (
     "fused_add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "argmax",
 )
 
 #: Rows of x up to which bf16 `linear` runs the skinny native kernel instead of torch's
@@ -205,6 +206,12 @@ class NativeCpuKernels:
                 or (bias is not None and bias.dtype != torch.bfloat16)):
             return reference.linear(x, weight, bias)
         return self.module.linear(x, weight, bias, self._isa)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """See reference.argmax."""
+        if x.dim() != 2 or x.dtype not in _DTYPES or x.device.type != "cpu" or x.shape[1] == 0 or x.stride(-1) != 1:
+            return reference.argmax(x)
+        return self.module.argmax(x, self._isa)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """See reference.silu_and_mul: x [..., 2*d] -> [..., d]."""

@@ -91,15 +91,17 @@ class CpuPlatform(Platform):
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key and value caches advised onto transparent huge pages before first touch
-        (kernels/cpu/hugepages.py): block-table order is close to random over the cache,
-        and 2 MiB pages spare most TLB misses.  ``PAGEDSERVE_CPU_HUGE_PAGES=0`` turns
-        the advice off."""
+        """Key and value caches in plain pages by default.  ``PAGEDSERVE_CPU_HUGE_PAGES=1``
+        advises them onto transparent huge pages before first touch
+        (kernels/cpu/hugepages.py), which spares TLB misses where the machine grants huge
+        pages cheaply; on the benchmark machine the first touch of a huge page (kernel
+        compaction) cost 2 s per GiB against 0.35 s for 4 KiB pages, and decode attention
+        ran no faster (docs/kernels_cpu.md)."""
         from pagedserve.kernels.cpu.hugepages import advise_huge_pages
 
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
         caches = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
-        if os.environ.get("PAGEDSERVE_CPU_HUGE_PAGES", "1").strip().lower() not in ("0", "false", "no", "off"):
+        if os.environ.get("PAGEDSERVE_CPU_HUGE_PAGES", "0").strip().lower() in ("1", "true", "yes", "on"):
             for t in caches:
                 advise_huge_pages(t)
         return caches

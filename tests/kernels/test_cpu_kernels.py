@@ -285,6 +285,27 @@ def test_silu_and_mul(kernels, dtype, shape):
     assert_close(kernels.silu_and_mul(x), reference.silu_and_mul(x), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("rows,n", [(1, 5), (3, 16), (4, 49152), (64, 1001)])
+def test_argmax(kernels, dtype, rows, n):
+    """First index of the maximum per row, as torch.argmax: vector bodies and scalar
+    tails, a repeated maximum, a row of -inf, NaNs (the first wins over any number)."""
+    gen = torch.Generator().manual_seed(rows * 7919 + n)
+    x = (torch.randn(rows, n, generator=gen) * 5).to(dtype)
+    x[0, n - 1] = x.max() + 1  # the last element: a scalar tail or the end of a vector
+    if rows > 1:
+        x[1] = float("-inf")
+    if rows > 2:
+        x[2, n // 2] = x[2, n - 1] = x.max() + 1  # tie: the earlier one
+        x[3 if rows > 3 else 2, n - 1] = float("nan")
+        x[3 if rows > 3 else 2, 0] = float("inf")
+    want = reference.argmax(x)
+    got = kernels.argmax(x)
+    assert got.dtype == torch.int64 and torch.equal(got, want), (got.tolist()[:8], want.tolist()[:8])
+    wide = torch.cat([x, torch.randn(rows, 3, generator=gen).to(dtype)], dim=1)  # row-strided view
+    assert torch.equal(kernels.argmax(wide[:, :n]), want)
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 100, 5), (4, 64, 1), (5, 576, 130), (16, 1536, 70),
                                    (7, 33, 9)])

@@ -35,7 +35,8 @@ def _thp_mode() -> str | None:
 
 
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
-def test_kv_cache_is_backed_by_huge_pages():
+def test_kv_cache_is_backed_by_huge_pages_when_asked(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CPU_HUGE_PAGES", "1")
     k, v = CpuPlatform().allocate_kv_cache(num_blocks=512, block_size=16, num_kv_heads=4, head_size=64,
                                             dtype=torch.bfloat16)
     assert k.shape == v.shape == (512, 16, 4, 64)
@@ -47,14 +48,17 @@ def test_kv_cache_is_backed_by_huge_pages():
         t.normal_()
 
 
-def test_huge_page_advice_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv("PAGEDSERVE_CPU_HUGE_PAGES", "0")
+def test_huge_page_advice_is_opt_in(monkeypatch):
     calls = []
     import pagedserve.kernels.cpu.hugepages as hp
 
     monkeypatch.setattr(hp, "advise_huge_pages", lambda t: calls.append(t) or True)
+    monkeypatch.delenv("PAGEDSERVE_CPU_HUGE_PAGES", raising=False)
     k, v = CpuPlatform().allocate_kv_cache(64, 16, 2, 64, torch.float32)
     assert calls == [] and k.shape == (64, 16, 2, 64)
+    monkeypatch.setenv("PAGEDSERVE_CPU_HUGE_PAGES", "0")
+    CpuPlatform().allocate_kv_cache(64, 16, 2, 64, torch.float32)
+    assert calls == []
     monkeypatch.setenv("PAGEDSERVE_CPU_HUGE_PAGES", "1")
     CpuPlatform().allocate_kv_cache(64, 16, 2, 64, torch.float32)
     assert len(calls) == 2
