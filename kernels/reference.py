@@ -54,14 +54,15 @@ def reshape_and_cache(
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: int64 [num_tokens]; -1 skips the token (e.g. padding).
     """
-    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    block_size = key_cache.shape[1]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat_k = key_cache.view(num_blocks * block_size, *key_cache.shape[2:])
-    flat_v = value_cache.view(num_blocks * block_size, *value_cache.shape[2:])
-    flat_k.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    # (block, offset) indexing rather than a flat view: a platform may hand in caches
+    # whose storage is not token-major (the CPU platform's are head-major views).
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    key_cache.index_put_((blocks, offsets), key.to(key_cache.dtype))
+    value_cache.index_put_((blocks, offsets), value.to(value_cache.dtype))
 
 
 def paged_attention(

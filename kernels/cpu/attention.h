@@ -9,6 +9,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "kernels.h"
@@ -20,6 +22,8 @@ namespace pagedserve_cpu {
 // allocates.
 struct AttnScratch {
   std::vector<float> q, acc, m, l, kf, scores, m_new, alpha;
+  std::vector<uint16_t> pb;         // probabilities rounded to bf16 (paired P.V)
+  std::vector<const void*> vrows;  // a span's V rows, in key order (paired P.V)
   static void grow(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
   }
@@ -45,6 +49,7 @@ constexpr int acc_chunk(int nv, int cap) {
 template <class Isa, int D>
 struct QkFma {
   using Elem = float;
+  static constexpr bool kPairedPV = false;
   using V = typename Isa::V;
   static constexpr int W = Isa::W, NV = D / W;
 
@@ -80,6 +85,8 @@ struct QkBf16Dot {
   using Elem = BF16;
   using V = __m512;
   static constexpr int NC = (D + 31) / 32;
+  // P.V with VDPBF16PS too (head sizes that are whole 32-value vectors): see pv().
+  static constexpr bool kPairedPV = D % 32 == 0;
   static constexpr __mmask32 kLastMask =
       D % 32 == 0 ? __mmask32(0xffffffffu) : __mmask32((1u << (D % 32)) - 1u);
 
@@ -110,6 +117,70 @@ struct QkBf16Dot {
       }
     }
     return Avx512::reduce_tree(acc);
+  }
+
+  // acc_r = acc_r * alpha_r + sum_j p_r[j] * v_j for R query rows (acc row stride D,
+  // score row stride sp) over n keys whose V rows are rows[0, n).  Two keys per
+  // VDPBF16PS: interleaving rows t and u gives (v_t[d], v_u[d]) pairs, and the pair
+  // (p_t, p_u) is broadcast, so each instruction does 32 multiply-adds where the
+  // float32 path does 16 and needs no bf16 -> float32 conversion of V.  p is rounded
+  // to bf16 first (relative error 2^-9, as a bf16 attention GEMM rounds the
+  // probabilities); the sums stay float32.  The interleave works within 128-bit lanes,
+  // so accumulator dword 4L+i holds value 8L+i (lo) or 8L+4+i (hi) of each 32; the
+  // end of the call puts them back in order.
+  template <int R>
+  static void pv(float* acc, const float* alpha, const float* p, int sp, const BF16* const* rows, int n,
+                 uint16_t* pb) {
+    static_assert(D % 32 == 0, "paired P.V needs whole 32-value vectors");
+    constexpr int NZ = D / 32, ZC = NZ % 2 == 0 ? 2 : 1;  // 32-value chunks per row; per pass
+    for (int r = 0; r < R; ++r)  // p is zero past n up to sp (a multiple of 16)
+      for (int c = 0; c < sp; c += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + r * sp + c),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * sp + c)));
+    const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i idx1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int z0 = 0; z0 < NZ; z0 += ZC) {
+      __m512 a[R][2 * ZC];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int z = 0; z < 2 * ZC; ++z) a[r][z] = _mm512_setzero_ps();
+      for (int j = 0; j < n; j += 2) {
+        // An odd last key pairs with itself: its partner's p is 0 (the padding of p).
+        const BF16* vt = rows[j] + 32 * z0;
+        const BF16* vu = (j + 1 < n ? rows[j + 1] : rows[j]) + 32 * z0;
+        __m512i lo[ZC], hi[ZC];
+#pragma GCC unroll 4
+        for (int z = 0; z < ZC; ++z) {
+          const __m512i x = _mm512_loadu_si512(vt + 32 * z), y = _mm512_loadu_si512(vu + 32 * z);
+          lo[z] = _mm512_unpacklo_epi16(x, y);
+          hi[z] = _mm512_unpackhi_epi16(x, y);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, pb + r * sp + j, sizeof(pair));
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+          for (int z = 0; z < ZC; ++z) {
+            a[r][2 * z] = _mm512_dpbf16_ps(a[r][2 * z], (__m512bh)lo[z], pp);
+            a[r][2 * z + 1] = _mm512_dpbf16_ps(a[r][2 * z + 1], (__m512bh)hi[z], pp);
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 va = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+        for (int z = 0; z < ZC; ++z) {
+          float* o = acc + r * D + 32 * (z0 + z);
+          const __m512 n0 = _mm512_permutex2var_ps(a[r][2 * z], idx0, a[r][2 * z + 1]);
+          const __m512 n1 = _mm512_permutex2var_ps(a[r][2 * z], idx1, a[r][2 * z + 1]);
+          _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), va, n0));
+          _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16), va, n1));
+        }
+      }
+    }
   }
 };
 #endif
@@ -243,6 +314,23 @@ struct Attention {
       m[g] = m_new[g];
     }
     float* acc = sc.acc.data() + size_t(row0) * D;
+    if constexpr (Qk::kPairedPV) {
+      const void** vr = sc.vrows.data();
+      for (int sg = 0, j0 = 0; sg < sn.segs && j0 < n; j0 += sn.n[sg++])
+        for (int j = 0, m = std::min(sn.n[sg], n - j0); j < m; ++j) vr[j0 + j] = sn.v[sg] + j * sn.vs;
+      const T* const* rows = reinterpret_cast<const T* const*>(vr);
+      uint16_t* pb = sc.pb.data();
+      for (int g = 0; g < G; g += kGroupTile) {
+        float* a = acc + size_t(g) * D;
+        switch (std::min(kGroupTile, G - g)) {
+          case 1: Qk::template pv<1>(a, alpha + g, s + g * sp, sp, rows, n, pb); break;
+          case 2: Qk::template pv<2>(a, alpha + g, s + g * sp, sp, rows, n, pb); break;
+          case 3: Qk::template pv<3>(a, alpha + g, s + g * sp, sp, rows, n, pb); break;
+          default: Qk::template pv<4>(a, alpha + g, s + g * sp, sp, rows, n, pb); break;
+        }
+      }
+      return;
+    }
     for (int g = 0; g < G; g += kGroupTile) {
       float* a = acc + size_t(g) * D;
       switch (std::min(kGroupTile, G - g)) {
@@ -274,6 +362,10 @@ struct Attention {
     AttnScratch::grow(sc.m_new, G + W);
     AttnScratch::grow(sc.alpha, G + W);
     AttnScratch::grow(sc.scores, size_t(G) * round_up(span, W));
+    if constexpr (Qk::kPairedPV) {
+      if (sc.pb.size() < size_t(kGroupTile) * round_up(span, W)) sc.pb.resize(size_t(kGroupTile) * round_up(span, W));
+      if (sc.vrows.size() < size_t(span)) sc.vrows.resize(span);
+    }
     if constexpr (!std::is_same_v<E, T>) AttnScratch::grow(sc.kf, size_t(span) * D);
     std::fill_n(sc.acc.data(), size_t(rows) * D, 0.f);
     std::fill_n(sc.m.data(), rows + W, kNegInf);

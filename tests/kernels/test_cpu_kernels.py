@@ -72,18 +72,23 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 # ---- paged attention ------------------------------------------------------------------
 
 def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_size: int,
-               block_size: int, dtype: torch.dtype, gen: torch.Generator, spare_blocks: int = 7):
+               block_size: int, dtype: torch.dtype, gen: torch.Generator, spare_blocks: int = 7,
+               head_major: bool = False):
     """Inputs for a batch of (q_len, seq_len) sequences with shuffled block ids.
 
     The cache holds random data everywhere (also in blocks no sequence owns), and the
     block tables' unused columns hold random valid ids, so reading anything not asked
-    for shows up as a mismatch.
+    for shows up as a mismatch.  ``head_major``: the caches are views of
+    [blocks, kv heads, block_size, head] storage, as the CPU platform allocates them.
     """
     need = [(ctx + block_size - 1) // block_size for _, ctx in seqs]
     num_blocks = sum(need) + spare_blocks
-    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    shape = (num_blocks, num_kv_heads, block_size, head_size) if head_major else \
+        (num_blocks, block_size, num_kv_heads, head_size)
     key_cache = torch.randn(shape, generator=gen).to(dtype)
     value_cache = torch.randn(shape, generator=gen).to(dtype)
+    if head_major:
+        key_cache, value_cache = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
     max_blocks = max(need) + 2
     block_tables = torch.randint(0, num_blocks, (len(seqs), max_blocks), generator=gen, dtype=torch.int32)
     ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
@@ -121,6 +126,24 @@ def test_paged_attention_mixed_batch(every_isa, head_size, dtype, block_size, he
     gen = torch.Generator().manual_seed(zlib.crc32(repr((head_size, dtype, block_size, heads)).encode()))
     args = make_batch(MIXED, heads[0], heads[1], head_size, block_size, dtype, gen)
     check_attention(every_isa, args, dtype)
+
+
+@pytest.mark.parametrize("head_size", [64, 96, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_attention_head_major_cache(every_isa, head_size, dtype, threads):
+    """The CPU platform's caches: reference-shaped views of head-major storage (each kv
+    head's rows of a block contiguous), read through their strides; long decodes split
+    along the keys with 2 threads."""
+    gen = torch.Generator().manual_seed(head_size * 3 + threads)
+    args = make_batch([*MIXED, (1, 1500)], 9, 3, head_size, 16, dtype, gen, head_major=True)
+    assert not args[1].is_contiguous() and args[1].stride(2) == 16 * head_size
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_attention(every_isa, args, dtype)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 128])
@@ -194,11 +217,14 @@ def test_paged_attention_rejects_bad_metadata(kernels):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("num_tokens", [1, 37, 300])
-def test_reshape_and_cache(kernels, dtype, num_tokens):
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+def test_reshape_and_cache(kernels, dtype, num_tokens, head_major):
     gen = torch.Generator().manual_seed(num_tokens)
-    shape = (64, 16, 3, 64)
+    shape = (64, 3, 16, 64) if head_major else (64, 16, 3, 64)
     key_cache = torch.randn(shape, generator=gen).to(dtype)
     value_cache = torch.randn(shape, generator=gen).to(dtype)
+    if head_major:  # the CPU platform's caches: views of head-major storage
+        key_cache, value_cache = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
     # key/value as strided views of a fused projection output, as a model produces them.
     kv = torch.randn(num_tokens, 2 * 3 * 64 + 5, generator=gen).to(dtype)
     key = kv[:, : 3 * 64].view(num_tokens, 3, 64)
