@@ -180,8 +180,10 @@ def _linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int,
     """``linear`` on weights put through the registry's ``prepare_linear_weight`` (the
     contract: the pair equals the reference on the plain weight)."""
     prepare = prepare or t.ops.get("prepare_linear_weight")
+    # Output widths that are and are not multiples of 16 and an odd K: a platform may
+    # pack only some shapes (the CPU's native packing needs N % 16 == 0, K % 2 == 0).
     for lead, k, m, bias in [((1,), 64, 96, False), ((7,), 64, 128, True), ((33,), 128, 64, False),
-                             ((2, 3), 64, 48, True)]:
+                             ((2, 3), 64, 48, True), ((50,), 96, 80, False), ((5,), 33, 70, True)]:
         desc = f"{'x'.join(map(str, lead))}x{k}->{m}" + ("+bias" if bias else "")
 
         def body(lead=lead, k=k, m=m, bias=bias, desc=desc) -> None:

@@ -275,6 +275,45 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   return out;
 }
 
+bool has_packed_linear(int64_t isa) { return isa_at(isa).packed_linear_bf16 != nullptr; }
+
+// y = x . w^T (+ bias) with w packed [n/16, k/2, 16, 2] bf16 (see linear.h), any m.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
+                         int64_t isa) {
+  const PackedLinearFn fn = isa_at(isa).packed_linear_bf16;
+  TORCH_CHECK(fn != nullptr, "pagedserve: instruction set ", isa_at(isa).name, " has no packed bf16 linear kernel");
+  TORCH_CHECK(x.dim() == 2 && wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 2 && x.size(1) == 2 * wp.size(1),
+              "x [m, k] and a packed weight [n/16, k/2, 16, 2] expected, got ", x.sizes(), " and ", wp.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
+                  wp.device().is_cpu() && wp.is_contiguous(),
+              "x and the packed weight must be bfloat16 CPU tensors, the weight contiguous");
+  check_lastdim(x, "x");
+  const int64_t m = x.size(0), n = wp.size(0) * 16, k = x.size(1);
+  const void* b = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kBFloat16, "bias must be bfloat16 [", n, "]");
+    bc = bias->contiguous();
+    b = bc.data_ptr();
+  }
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  const PackedLinearArgs a{x.data_ptr(), x.stride(0), wp.data_ptr(), b, out.data_ptr(), n, m, n, k};
+  // Work items: 64-column tiles, and row chunks too when there are few tiles per thread.
+  const int64_t tiles = (wp.size(0) + 3) / 4, threads = at::get_num_threads();
+  int64_t chunks = 1;
+  while (chunks * 2 <= (m + 5) / 6 && tiles * chunks < 8 * threads) chunks *= 2;
+  const int64_t rows_per = ((m + chunks - 1) / chunks + 5) / 6 * 6;
+  at::parallel_for(0, tiles * chunks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / chunks, c = i % chunks;
+      const int64_t mb = c * rows_per, me = std::min(m, mb + rows_per);
+      if (mb < me) fn(a, mb, me, t * 4, std::min(wp.size(0), t * 4 + 4));
+    }
+  });
+  return out;
+}
+
 // Pins thread i of torch's OpenMP pool (the calling thread is thread 0) to core
 // cpus[i]; torch.set_num_threads(len(cpus)) must come first.  Returns the core each
 // thread runs on afterwards (-1 where the kernel refused the mask).
@@ -372,6 +411,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_isas", &k::compiled_isa_names, "instruction sets compiled in, best first");
   m.def("supported_head_sizes", &k::supported_head_sizes, "head sizes of the attention kernel");
   m.def("linear", &k::linear, "bf16 x . weight^T (+ bias) for few rows of x");
+  m.def("packed_linear", &k::packed_linear, "bf16 x . weight^T (+ bias), weight packed [n/16, k/2, 16, 2]");
+  m.def("has_packed_linear", &k::has_packed_linear, "whether an instruction set has the packed linear kernel");
   m.def("has_linear", &k::has_linear, "whether an instruction set has the bf16 linear kernel");
   m.def("bind_threads", &k::bind_threads, "pin OpenMP thread i to core cpus[i]");
   m.def("thread_cpus", &k::thread_cpus, "the core each OpenMP thread runs on");

@@ -40,7 +40,8 @@ AttnFns attention_bf16(DType dtype, int head_size) {
 }  // namespace
 
 const IsaKernels* isa_avx512bf16() {
-  static const IsaKernels kernels{"avx512bf16", &attention_bf16, &elementwise_fns<Avx512>, &SkinnyLinearBf16::run};
+  static const IsaKernels kernels{"avx512bf16", &attention_bf16, &elementwise_fns<Avx512>, &SkinnyLinearBf16::run,
+                                  &PackedLinearBf16::run};
   return &kernels;
 }
 #else

@@ -129,12 +129,28 @@ struct LinearArgs {
 
 using LinearFn = void (*)(const LinearArgs&, int64_t n_begin, int64_t n_end);
 
+// y = x . w^T (+ bias), bf16, with w packed as [n/16][k/2][16][2] (see linear.h);
+// rows [m_begin, m_end) x 16-column blocks [nb_begin, nb_end).
+struct PackedLinearArgs {
+  const void* x;  // [m, k], rows x_stride apart
+  int64_t x_stride;
+  const void* w;     // packed, n % 16 == 0 and k % 2 == 0
+  const void* bias;  // [n] or nullptr
+  void* out;         // [m, n], rows out_stride apart
+  int64_t out_stride;
+  int64_t m, n, k;
+};
+
+using PackedLinearFn = void (*)(const PackedLinearArgs&, int64_t m_begin, int64_t m_end, int64_t nb_begin,
+                                int64_t nb_end);
+
 // The kernels of one instruction set.
 struct IsaKernels {
   const char* name;
   AttnFns (*attention)(DType dtype, int head_size);
   EltFns (*elementwise)(DType dtype);
   LinearFn linear_bf16 = nullptr;  // only where the CPU multiplies bf16 natively
+  PackedLinearFn packed_linear_bf16 = nullptr;  // likewise
 };
 
 // Each returns nullptr when the build flags did not enable that instruction set.

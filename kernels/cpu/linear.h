@@ -11,6 +11,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 
 #include "kernels.h"
 #include "vec.h"
@@ -73,6 +75,84 @@ struct SkinnyLinearBf16 {
           case 3: tile<3>(a, m0, n0, nb); break;
           default: tile<4>(a, m0, n0, nb); break;
         }
+      }
+    }
+  }
+};
+
+// Packed bf16 linear for any number of rows: y[M, N] = x[M, K] . w[N, K]^T (+ bias).
+//
+// The weight is packed once at load into [N/16][K/2][16][2] (VNNI pairs): for every 16
+// output columns, K/2 rows of 16 (w[n][k], w[n][k+1]) pairs.  One VDPBF16PS then
+// multiplies a broadcast pair (x[m][k], x[m][k+1]) with 16 columns' pairs and adds into
+// 16 float32 lanes that each belong to one output column, so the sums need no
+// horizontal reduction and each weight load serves kTileM rows.  A tile is up to 4
+// column blocks (64 columns) x kTileM rows: 24 accumulators, 4 weight loads and 6
+// broadcasts per pair of k.  Weights of a tile are read once from memory and then
+// reused from L1/L2 for the following row tiles.
+struct PackedLinearBf16 {
+  static constexpr int kTileM = 6, kMaxNB = 4;
+
+  template <int MT, int NB>
+  static void tile(const PackedLinearArgs& a, int64_t m0, int64_t nb0) {
+    const int64_t kp_count = a.k / 2;
+    const BF16* w = static_cast<const BF16*>(a.w) + nb0 * kp_count * 32;
+    const int64_t wb = kp_count * 32;  // elements per 16-column block
+    const BF16* xr[MT];
+    for (int i = 0; i < MT; ++i) xr[i] = static_cast<const BF16*>(a.x) + (m0 + i) * a.x_stride;
+    __m512 acc[MT][NB];
+#pragma GCC unroll 6
+    for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < kp_count; ++kp) {
+      __m512i wv[NB];
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * wb + kp * 32);
+#pragma GCC unroll 6
+      for (int i = 0; i < MT; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, xr[i] + 2 * kp, sizeof(pair));
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, (__m512bh)wv[j]);
+      }
+    }
+    const BF16* bias = static_cast<const BF16*>(a.bias);
+    BF16* out = static_cast<BF16*>(a.out);
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n0 = (nb0 + j) * 16;
+      const __m512 b = bias ? Avx512::load(bias + n0) : _mm512_setzero_ps();
+#pragma GCC unroll 6
+      for (int i = 0; i < MT; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + i) * a.out_stride + n0),
+                            Avx512::bf16_bits(_mm512_add_ps(acc[i][j], b)));
+    }
+  }
+
+  template <int NB>
+  static void rows(const PackedLinearArgs& a, int64_t m_begin, int64_t m_end, int64_t nb0) {
+    int64_t m0 = m_begin;
+    for (; m0 + kTileM <= m_end; m0 += kTileM) tile<kTileM, NB>(a, m0, nb0);
+    switch (m_end - m0) {
+      case 1: tile<1, NB>(a, m0, nb0); break;
+      case 2: tile<2, NB>(a, m0, nb0); break;
+      case 3: tile<3, NB>(a, m0, nb0); break;
+      case 4: tile<4, NB>(a, m0, nb0); break;
+      case 5: tile<5, NB>(a, m0, nb0); break;
+      default: break;
+    }
+  }
+
+  // Rows [m_begin, m_end) x 16-column blocks [nb_begin, nb_end), 64 columns at a time.
+  static void run(const PackedLinearArgs& a, int64_t m_begin, int64_t m_end, int64_t nb_begin, int64_t nb_end) {
+    for (int64_t nb = nb_begin; nb < nb_end; nb += kMaxNB) {
+      switch (std::min<int64_t>(kMaxNB, nb_end - nb)) {
+        case 1: rows<1>(a, m_begin, m_end, nb); break;
+        case 2: rows<2>(a, m_begin, m_end, nb); break;
+        case 3: rows<3>(a, m_begin, m_end, nb); break;
+        default: rows<4>(a, m_begin, m_end, nb); break;
       }
     }
   }

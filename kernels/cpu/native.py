@@ -33,6 +33,7 @@ __all__ = [
     "choose_isa",
     "load_cpu_kernels",
     "native_disabled",
+    "unpack_linear_weight",
 ]
 
 #: Instruction sets of the kernels, best first.
@@ -94,6 +95,12 @@ def choose_isa(compiled: Sequence[str], features: frozenset[str], requested: str
     return runnable[0]
 
 
+def unpack_linear_weight(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of NativeCpuKernels.pack_linear_weight: [N/16, K/2, 16, 2] -> [N, K]."""
+    nb, kp = packed.shape[0], packed.shape[1]
+    return packed.permute(0, 2, 1, 3).reshape(nb * 16, kp * 2)
+
+
 class NativeCpuKernels:
     """One loaded build of the CPU kernels bound to one instruction set.
 
@@ -107,6 +114,8 @@ class NativeCpuKernels:
         self.head_sizes = frozenset(module.supported_head_sizes())
         #: Whether this instruction set has the skinny bf16 linear kernel (AVX-512 BF16).
         self.has_linear = bool(module.has_linear(self._isa))
+        #: Whether it has the packed bf16 linear kernel (AVX-512 BF16; see pack_linear_weight).
+        self.has_packed_linear = bool(module.has_packed_linear(self._isa))
 
     @property
     def source(self) -> str:
@@ -206,6 +215,29 @@ class NativeCpuKernels:
                 or (bias is not None and bias.dtype != torch.bfloat16)):
             return reference.linear(x, weight, bias)
         return self.module.linear(x, weight, bias, self._isa)
+
+    def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A bf16 weight [N, K] -> the packed kernel's layout [N/16, K/2, 16, 2] (for every
+        16 output columns, the (w[n][k], w[n][k+1]) pairs of each pair of k), or None
+        when this build has no packed kernel or N % 16 or K % 2 is not 0."""
+        if (not self.has_packed_linear or weight.dim() != 2 or weight.dtype != torch.bfloat16
+                or weight.device.type != "cpu" or weight.numel() == 0
+                or weight.shape[0] % 16 or weight.shape[1] % 2):
+            return None
+        n, k = weight.shape
+        return weight.contiguous().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """reference.linear(x, w, bias) for ``packed = pack_linear_weight(w)``: bf16 x
+        [..., K] through the packed kernel (float32 sums, one rounding to bf16); other
+        dtypes through the reference on the unpacked weight."""
+        if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.stride(-1) != 1
+                or (bias is not None and bias.dtype != torch.bfloat16)):
+            w = unpack_linear_weight(packed).to(x.dtype)
+            return reference.linear(x, w, None if bias is None else bias.to(x.dtype))
+        lead = x.shape[:-1]
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        return self.module.packed_linear(x2, packed, bias, self._isa).view(*lead, packed.shape[0] * 16)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """See reference.argmax."""

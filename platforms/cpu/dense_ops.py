@@ -1,16 +1,22 @@
-"""The CPU platform's dense linear layers: weights pre-packed once for oneDNN.
+"""The CPU platform's dense linear layers: weights packed once at load.
 
-torch's CPU ``linear`` hands a plain ``[out, in]`` bf16 weight to oneDNN, which
-reorders it into its blocked layout on every call: for a decode step that is a second
-pass over all the weights.  ``prepare_linear_weight`` does the reorder once at load
-(``torch.ops.mkldnn._reorder_linear_weight``) and ``linear`` feeds the packed weight to
-``torch.ops.mkldnn._linear_pointwise``.  The arithmetic is oneDNN's either way: outputs
-are bit-identical to ``torch.nn.functional.linear``.  Measured on the default model's
-layers (benchmarks/cpu_kernels.py --linear, docs/benchmarks.md): 1.3-1.8x at decode
-batch sizes, about equal at prefill sizes.
+A decode step multiplies a few dozen activation rows by every weight of the model, so
+how the weights are laid out decides its speed.  ``prepare_linear_weight`` runs once
+per dense weight at load and ``linear`` reads what it returned:
 
-``PAGEDSERVE_CPU_PREPACK=0`` keeps plain weights.  Plain weights still go through the
-native skinny kernel for a few bf16 rows where it is built (kernels/cpu/linear.h).
+- **native packed** (AVX-512 BF16 builds of the native kernels, ``N % 16 == 0`` and
+  ``K % 2 == 0``): the weight becomes ``[N/16, K/2, 16, 2]`` bf16, VNNI pairs for the
+  packed kernel of kernels/cpu/linear.h.  Measured on the default model's layers
+  against oneDNN with its own packing (benchmarks/cpu_kernels.py --linear,
+  docs/kernels_cpu.md): 2x at 1 row, 1.2-1.5x at 4-48 rows, 1.14x at 64, equal at 2048.
+- **oneDNN packed** otherwise (torch's oneDNN, ``torch.ops.mkldnn``): torch's CPU
+  ``linear`` hands oneDNN a plain ``[out, in]`` weight, which oneDNN reorders into its
+  blocked layout on every call; ``_reorder_linear_weight`` does that once, and
+  ``_linear_pointwise`` takes the result.  Outputs bit-identical to
+  ``torch.nn.functional.linear``.
+
+``PAGEDSERVE_CPU_PREPACK=0`` keeps plain weights (which still go through the native
+skinny kernel for a few bf16 rows where it is built).
 """
 
 from __future__ import annotations
@@ -22,32 +28,63 @@ import torch
 
 from pagedserve.kernels import reference
 
-__all__ = ["PREPACK_DTYPES", "prepack_enabled", "prepare_linear_weight", "make_linear"]
+__all__ = ["PREPACK_DTYPES", "prepack_requested", "onednn_available", "prepack_enabled", "prepare_linear_weight",
+           "make_prepare_linear_weight", "make_linear"]
 
 #: Weight dtypes packed: bf16 is the CPU's compute dtype where it has native bf16.
 PREPACK_DTYPES = (torch.bfloat16,)
 
 
+def prepack_requested() -> bool:
+    """False when PAGEDSERVE_CPU_PREPACK turns packing off."""
+    return os.environ.get("PAGEDSERVE_CPU_PREPACK", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def onednn_available() -> bool:
+    """Whether this torch has oneDNN and its weight packing."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
 def prepack_enabled() -> bool:
-    """Whether weights are packed: oneDNN is in this torch and PAGEDSERVE_CPU_PREPACK is not 0."""
-    off = os.environ.get("PAGEDSERVE_CPU_PREPACK", "1").strip().lower() in ("0", "false", "no", "off")
-    return not off and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """Whether weights are packed for oneDNN: requested and available."""
+    return prepack_requested() and onednn_available()
 
 
-def prepare_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """See reference.prepare_linear_weight: a bf16 CPU weight -> oneDNN's packed layout
-    (an opaque ``torch._mkldnn`` tensor); anything else unchanged."""
+def prepare_linear_weight(weight: torch.Tensor, native=None) -> torch.Tensor:
+    """See reference.prepare_linear_weight: a bf16 CPU weight -> the native packed layout
+    (``native``: the loaded NativeCpuKernels, when it has the packed kernel and the
+    shape fits), else oneDNN's packed layout (an opaque ``torch._mkldnn`` tensor);
+    anything else unchanged."""
     if (weight.dtype not in PREPACK_DTYPES or weight.dim() != 2 or weight.device.type != "cpu"
             or weight.is_mkldnn or weight.numel() == 0):
         return weight
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    if native is not None:
+        packed = native.pack_linear_weight(weight)
+        if packed is not None:
+            return packed
+    if onednn_available():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    return weight
 
 
-def make_linear(plain: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``linear`` that runs packed weights through oneDNN and plain ones through ``plain``."""
+def make_prepare_linear_weight(native=None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``prepare_linear_weight`` bound to ``native`` (None: oneDNN packing only)."""
+
+    def prepare(weight: torch.Tensor) -> torch.Tensor:
+        """See reference.prepare_linear_weight (dense_ops.prepare_linear_weight)."""
+        return prepare_linear_weight(weight, native)
+
+    return prepare
+
+
+def make_linear(plain: Callable[..., torch.Tensor], native=None) -> Callable[..., torch.Tensor]:
+    """``linear`` that runs natively packed weights (4-D) through ``native``'s packed
+    kernel, oneDNN-packed ones through oneDNN and plain ones through ``plain``."""
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """See reference.linear; ``weight`` may be packed by ``prepare_linear_weight``."""
+        if weight.dim() == 4:
+            return native.packed_linear(x, weight, bias)
         if not weight.is_mkldnn:
             return plain(x, weight, bias)
         if x.dtype != weight.dtype or x.device.type != "cpu" or (bias is not None and bias.dtype != x.dtype):

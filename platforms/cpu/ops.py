@@ -12,7 +12,7 @@ def register_cpu_ops(ops: OpRegistry) -> None:
     """Install the CPU platform's ops into ``ops``.
 
     Loads the native kernels (compiling them on first use; see kernels/build.py) and
-    packs bf16 linear weights for oneDNN at load (platforms/cpu/dense_ops.py).
+    packs bf16 linear weights at load (platforms/cpu/dense_ops.py).
     PAGEDSERVE_CPU_KERNELS=0 keeps every op the torch reference, quantized ones
     included.  When the native kernels cannot be built, their torch references stay
     registered; the loader has already warned why.
@@ -27,8 +27,11 @@ def register_cpu_ops(ops: OpRegistry) -> None:
     if kernels is not None:
         for name, fn in kernels.ops().items():
             ops.register(name, fn, source=kernels.source)
-    if dense_ops.prepack_enabled():
-        # Packed weights (oneDNN's layout) for bf16; plain ones keep the linear above.
-        ops.register("prepare_linear_weight", dense_ops.prepare_linear_weight, source="onednn-prepack")
-        ops.register("linear", dense_ops.make_linear(ops.get("linear")), source="onednn-prepack")
+    native = kernels if kernels is not None and kernels.has_packed_linear else None
+    if dense_ops.prepack_requested() and (native is not None or dense_ops.onednn_available()):
+        # bf16 weights packed at load: for the native packed kernel where it is built,
+        # else for oneDNN; plain ones keep the linear above.
+        source = f"cpu-native-packed({kernels.isa})" if native is not None else "onednn-prepack"
+        ops.register("prepare_linear_weight", dense_ops.make_prepare_linear_weight(native), source=source)
+        ops.register("linear", dense_ops.make_linear(ops.get("linear"), native), source=source)
     register_cpu_quant_ops(ops)

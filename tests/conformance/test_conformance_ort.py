@@ -79,7 +79,7 @@ def test_ort_passes_the_kit_under_pytest(ort_site, tiny_model, tmp_path):
     assert outcomes and set(outcomes.values()) == {"PASSED"}, outcomes
     ops = {i.split("[")[0] for i in outcomes if i.startswith("op:")}
     assert ops == {"op:linear"}  # the one op it overrides; float32 only
-    assert sum(i.startswith("op:linear[float32-") for i in outcomes) == 4
+    assert sum(i.startswith("op:linear[float32-") for i in outcomes) == 6
     assert outcomes["engine:greedy-vs-cpu-reference"] == "PASSED"
     assert "platform:kv-cache[float32-bs32]" in outcomes and "platform:kv-cache[bfloat16-bs16]" not in outcomes
 

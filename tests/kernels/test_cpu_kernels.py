@@ -57,6 +57,16 @@ def kernels(request, module) -> NativeCpuKernels:
 
 
 @pytest.fixture(scope="module")
+def packed_kernels(module) -> NativeCpuKernels:
+    """The instruction set with the packed bf16 linear kernel (AVX-512 BF16)."""
+    for isa in runnable_isas(module):
+        kernels = load_cpu_kernels(isa=isa)
+        if kernels.has_packed_linear:
+            return kernels
+    pytest.skip("no runnable instruction set here has the packed bf16 linear kernel (AVX-512 BF16)")
+
+
+@pytest.fixture(scope="module")
 def every_isa(module) -> dict[str, NativeCpuKernels]:
     """Attention tests run each input through every runnable instruction set, so the
     (slow) reference is computed once per input."""
@@ -346,6 +356,44 @@ def test_linear_few_rows(kernels, m, k, n, bias):
     assert_close(kernels.linear(x, w, b), want, torch.bfloat16)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (5, 64, 16), (6, 100, 48), (13, 1536, 576), (64, 576, 80),
+                                   (130, 34, 1040)])
+def test_packed_linear(packed_kernels, m, k, n, bias):
+    """The packed bf16 kernel (weights [N/16, K/2, 16, 2]) against the float32
+    reference rounded to bf16: row tiles of 1-6 and their tails, 1-4 column blocks,
+    row chunks across threads, bias; row-strided x and 3-D x."""
+    from pagedserve.kernels.cpu.native import unpack_linear_weight
+
+    kernels = packed_kernels
+
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    wide = torch.randn(m, k + 3, generator=gen).bfloat16()
+    x = wide[:, :k]  # a row-strided view
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    packed = kernels.pack_linear_weight(w)
+    assert packed.shape == (n // 16, k // 2, 16, 2) and torch.equal(unpack_linear_weight(packed), w)
+    want = reference.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
+    got = kernels.packed_linear(x, packed, b)
+    assert_close(got, want, torch.bfloat16)
+    assert torch.equal(kernels.packed_linear(x.reshape(1, m, k), packed, b), got.view(1, m, n))
+    xf = x.float()  # another dtype: the reference on the unpacked weight
+    assert_close(kernels.packed_linear(xf, packed, None if b is None else b.float()),
+                 reference.linear(xf, w.float(), None if b is None else b.float()), torch.float32)
+
+
+def test_pack_linear_weight_refuses_other_shapes(every_isa):
+    for isa, kernels in every_isa.items():
+        if not kernels.has_packed_linear:  # only AVX-512 BF16 has the kernel
+            assert kernels.pack_linear_weight(torch.randn(32, 64).bfloat16()) is None, isa
+            continue
+        assert kernels.pack_linear_weight(torch.randn(32, 64).bfloat16()).shape == (2, 32, 16, 2)
+        assert kernels.pack_linear_weight(torch.randn(40, 64).bfloat16()) is None  # N % 16
+        assert kernels.pack_linear_weight(torch.randn(32, 33).bfloat16()) is None  # K % 2
+        assert kernels.pack_linear_weight(torch.randn(32, 64)) is None  # float32
+
+
 def test_linear_strided_rows_and_large_batches(kernels):
     """A row-strided x (a view into a wider tensor) is read in place; batches above
     LINEAR_MAX_ROWS and other dtypes take torch's GEMM."""
@@ -394,11 +442,14 @@ def test_register_cpu_ops_installs_native_ops(module, monkeypatch):
         register_cpu_ops(ops)
     for name in NATIVE_OPS:
         assert ops.source(name).startswith("cpu-native("), name
-    from pagedserve.platforms.cpu.dense_ops import prepack_enabled
+    from pagedserve.platforms.cpu.dense_ops import onednn_available
 
     native = load_cpu_kernels()
-    plain = native.source if native.has_linear else "reference"
-    assert ops.source("linear") == ("onednn-prepack" if prepack_enabled() else plain)
+    if native.has_packed_linear or onednn_available():
+        want = f"cpu-native-packed({native.isa})" if native.has_packed_linear else "onednn-prepack"
+        assert ops.source("linear") == ops.source("prepare_linear_weight") == want
+    else:
+        assert ops.source("linear") == (native.source if native.has_linear else "reference")
 
 
 def test_disabled_by_env(monkeypatch):

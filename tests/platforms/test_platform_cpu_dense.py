@@ -1,4 +1,5 @@
-"""The CPU platform's dense linear: bf16 weights packed once for oneDNN at load."""
+"""The CPU platform's dense linear: bf16 weights packed once at load, for the native
+packed kernel where it is built, else for oneDNN."""
 
 from __future__ import annotations
 
@@ -7,9 +8,21 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import reference
+from pagedserve.kernels.cpu import load_cpu_kernels
 from pagedserve.platforms.cpu import dense_ops
 
 pytestmark = pytest.mark.skipif(not dense_ops.prepack_enabled(), reason="this torch has no oneDNN weight packing")
+
+
+def _native():
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.has_packed_linear:
+        pytest.skip("the native kernels have no packed linear here (no AVX-512 BF16)")
+    return kernels
+
+
+def _is_packed(t: torch.Tensor) -> bool:
+    return t.is_mkldnn or t.dim() == 4
 
 
 @pytest.mark.parametrize("rows", [1, 3, 44, 300])
@@ -47,6 +60,24 @@ def test_views_other_dtypes_and_plain_weights():
     assert torch.equal(linear(xf, wf), reference.linear(xf, wf))
 
 
+@pytest.mark.parametrize("rows", [1, 6, 44, 300])
+def test_native_packing_and_fallbacks(rows):
+    """Natively packed where N % 16 == 0 and K % 2 == 0, oneDNN-packed otherwise; both
+    through the same linear, equal to the reference within bf16 rounding."""
+    native = _native()
+    prepare, linear = dense_ops.make_prepare_linear_weight(native), dense_ops.make_linear(reference.linear, native)
+    gen = torch.Generator().manual_seed(rows)
+    for n, k in [(96, 160), (90, 160), (96, 161)]:
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+        b = torch.randn(n, generator=gen).bfloat16()
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        packed = prepare(w)
+        assert (packed.dim() == 4) == (n % 16 == 0 and k % 2 == 0) and _is_packed(packed)
+        want = reference.linear(x.float(), w.float(), b.float())
+        torch.testing.assert_close(linear(x, packed, b).float(), want, atol=2e-2, rtol=1.6e-2)
+    assert prepare(torch.randn(32, 64)).dim() == 2  # float32 stays plain
+
+
 def _generate(path, monkeypatch, prepack: str, **kw):
     monkeypatch.setenv("PAGEDSERVE_CPU_PREPACK", prepack)
     llm = LLM(model=str(path), dtype="bfloat16", device="cpu", kv_cache_memory="16MiB", **kw)
@@ -59,17 +90,17 @@ def test_engine_packs_dense_weights_and_keeps_outputs(tiny_checkpoint_factory, m
     path = tiny_checkpoint_factory(tie_word_embeddings=True)
     model, packed_ids = _generate(path, monkeypatch, "1")
     for layer in model.layers:
-        assert all(getattr(layer, n).is_mkldnn for n in ("qkv", "o", "gate_up", "down"))
+        assert all(_is_packed(getattr(layer, n)) for n in ("qkv", "o", "gate_up", "down"))
     # The tied LM head is packed separately; the embedding stays plain for lookups.
-    assert model.lm_head.is_mkldnn and not model.embed.is_mkldnn
+    assert _is_packed(model.lm_head) and not _is_packed(model.embed) and model.embed.dim() == 2
     plain_model, plain_ids = _generate(path, monkeypatch, "0")
-    assert not plain_model.layers[0].qkv.is_mkldnn
+    assert not _is_packed(plain_model.layers[0].qkv)
     assert packed_ids == plain_ids
 
 
 def test_weight_offload_keeps_plain_weights(tiny_checkpoint_factory, monkeypatch):
     path = tiny_checkpoint_factory(tie_word_embeddings=True)
     model, ids = _generate(path, monkeypatch, "1", cpu_offload_gb=0.001)
-    assert not any(t.is_mkldnn for layer in model.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert not any(_is_packed(t) for layer in model.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
     _, plain_ids = _generate(path, monkeypatch, "0")
     assert ids == plain_ids
