@@ -4,11 +4,12 @@ Paged attention on decode batches (the default model's attention shape: 9 query
 heads, 3 kv heads, head size 64, bf16, block size 16, shuffled block tables) and, with
 --ops, the row-wise ops at decode and prefill sizes of the same model (hidden 576,
 intermediate 1536); with --linear, one decode step's bf16 linear layers through torch's
-GEMM and through the native `linear` op.  Prints one table per kind with the speedup (reference / native).
+GEMM, oneDNN and the native kernels.  Prints one table per kind with the speedup (reference / native).
 
     python benchmarks/cpu_kernels.py [--seqs 1 4 16 64] [--contexts 128 512 2048]
                                      [--dtype bf16] [--isa avx2] [--ops] [--threads N]
                                      [--huge-pages] [--cpu-time] [--prefill] [--linear]
+                                     [--token-major] [--layers 30]
 """
 
 from __future__ import annotations
@@ -45,34 +46,52 @@ def time_call(fn: Callable[[], object], min_seconds: float = 0.3, min_reps: int 
 
 
 def attention_inputs(num_seqs: int, context: int, dtype: torch.dtype, num_heads: int = 9, num_kv_heads: int = 3,
-                     head_size: int = 64, block_size: int = 16, huge_pages: bool = False) -> tuple[torch.Tensor, ...]:
-    """A decode batch: one query token per sequence, ``context`` keys each, blocks shuffled."""
+                     head_size: int = 64, block_size: int = 16, huge_pages: bool = False,
+                     token_major: bool = False, layers: int = 1) -> tuple:
+    """A decode batch: one query token per sequence, ``context`` keys each, blocks shuffled.
+
+    The caches are laid out as the CPU platform allocates them (reference-shaped views
+    of head-major storage) unless ``token_major``; ``layers`` (key, value) pairs are
+    made, so a timed loop over them reads its KV from memory as a decode step does.
+    Returns (query, [(key_cache, value_cache)] * layers, block_tables, seq_lens,
+    query_start_loc)."""
     blocks_per_seq = (context + block_size - 1) // block_size
     num_blocks = num_seqs * blocks_per_seq
     shape = (num_blocks, block_size, num_kv_heads, head_size)
-    key_cache, value_cache = (empty_huge_pages(shape, dtype) if huge_pages else torch.empty(shape, dtype=dtype)
-                              for _ in range(2))
-    key_cache.copy_(torch.randn(shape))
-    value_cache.copy_(torch.randn(shape))
+    storage = shape if token_major else (num_blocks, num_kv_heads, block_size, head_size)
+
+    def cache() -> torch.Tensor:
+        t = empty_huge_pages(storage, dtype) if huge_pages else torch.empty(storage, dtype=dtype)
+        t.copy_(torch.randn(storage))
+        return t if token_major else t.transpose(1, 2)
+
+    caches = [(cache(), cache()) for _ in range(layers)]
     block_tables = torch.randperm(num_blocks).to(torch.int32).view(num_seqs, blocks_per_seq)
     seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
     query = torch.randn(num_seqs, num_heads, head_size).to(dtype)
-    return query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
+    return query, caches, block_tables, seq_lens, query_start_loc
 
 
 def bench_attention(native, seqs: list[int], contexts: list[int], dtype: torch.dtype,
-                    huge_pages: bool = False, clock: Callable[[], float] = time.perf_counter) -> list[tuple]:
+                    huge_pages: bool = False, clock: Callable[[], float] = time.perf_counter,
+                    token_major: bool = False, layers: int = 1) -> list[tuple]:
+    """Per layer: reference us (first layer), native us (mean over ``layers``) and the
+    KV bytes the native kernel read per second."""
     rows = []
     for n in seqs:
         for ctx in contexts:
-            args = attention_inputs(n, ctx, dtype, huge_pages=huge_pages)
-            out = torch.empty_like(args[0])
-            scale = args[0].shape[-1] ** -0.5
-            t_native = time_call(lambda: native.paged_attention(*args, scale, out), clock=clock)
-            t_ref = time_call(lambda: reference.paged_attention(*args, scale, out), min_seconds=0.2, min_reps=3,
-                              clock=clock)
-            rows.append((n, ctx, t_ref * 1e6, t_native * 1e6, t_ref / t_native))
+            query, caches, *meta = attention_inputs(n, ctx, dtype, huge_pages=huge_pages, token_major=token_major,
+                                                    layers=layers)
+            out = torch.empty_like(query)
+            scale = query.shape[-1] ** -0.5
+            t_native = time_call(lambda: [native.paged_attention(query, k, v, *meta, scale, out) for k, v in caches],
+                                 clock=clock) / layers
+            k0, v0 = caches[0]
+            t_ref = time_call(lambda: reference.paged_attention(query, k0, v0, *meta, scale, out), min_seconds=0.2,
+                              min_reps=3, clock=clock)
+            kv_bytes = 2 * n * ctx * k0.shape[2] * k0.shape[3] * k0.element_size()
+            rows.append((n, ctx, t_ref * 1e6, t_native * 1e6, t_ref / t_native, kv_bytes / t_native / 1e9))
     return rows
 
 
@@ -139,23 +158,29 @@ MODEL_LINEARS = ((576, 960, 30), (576, 576, 30), (576, 3072, 30), (1536, 576, 30
 
 
 def bench_linear(native, rows: list[int], clock: Callable[[], float] = time.perf_counter) -> list[tuple]:
-    """Every bf16 linear layer of one decode step of the default model: torch's GEMM on
-    plain weights, the native op on plain weights (the skinny kernel up to
-    LINEAR_MAX_ROWS rows) and the CPU platform's oneDNN path on packed weights."""
+    """Every bf16 linear layer of one decode step of the default model, each layer with
+    its own weights (30 of each, as in the model: read from memory, not from cache):
+    torch's GEMM on plain weights, the native op on plain weights (the skinny kernel up
+    to LINEAR_MAX_ROWS rows), oneDNN on its packed weights, and the native packed
+    kernel (what the CPU platform runs where it is built)."""
     from pagedserve.platforms.cpu import dense_ops
 
-    weights = [(torch.randn(n, k).bfloat16(), count) for k, n, count in MODEL_LINEARS]
-    packed = [dense_ops.prepare_linear_weight(w) for w, _ in weights]
-    packed_linear = dense_ops.make_linear(reference.linear)
+    layers = [[torch.randn(n, k).bfloat16() for _ in range(count)] for k, n, count in MODEL_LINEARS]
+    onednn = [[dense_ops.prepare_linear_weight(w) for w in ws] for ws in layers]
+    nat = [[native.pack_linear_weight(w) for w in ws] for ws in layers] if native.has_packed_linear else None
+    onednn_linear = dense_ops.make_linear(reference.linear)
     out = []
     for m in rows:
-        t_ref = t_native = t_packed = 0.0
-        for (w, count), wp in zip(weights, packed):
-            x = torch.randn(m, w.shape[1]).bfloat16()
-            t_ref += time_call(lambda: reference.linear(x, w), clock=clock) * count
-            t_native += time_call(lambda: native.linear(x, w), clock=clock) * count
-            t_packed += time_call(lambda: packed_linear(x, wp), clock=clock) * count
-        out.append((m, t_ref * 1e3, t_native * 1e3, t_packed * 1e3, t_ref / t_native, t_ref / t_packed))
+        xs = [torch.randn(m, ws[0].shape[1]).bfloat16() for ws in layers]
+
+        def step(fn, weights) -> float:
+            return time_call(lambda: [fn(x, w) for x, ws in zip(xs, weights) for w in ws], clock=clock) * 1e3
+
+        t_ref = step(reference.linear, layers)
+        t_skinny = step(native.linear, layers)
+        t_onednn = step(onednn_linear, onednn)
+        t_nat = step(native.packed_linear, nat) if nat is not None else float("nan")
+        out.append((m, t_ref, t_skinny, t_onednn, t_nat, t_onednn / t_nat))
     return out
 
 
@@ -176,6 +201,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--isa", default=None, help="force an instruction set (avx512bf16, avx512, avx2, scalar)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--huge-pages", action="store_true", help="allocate the KV caches with huge pages")
+    parser.add_argument("--token-major", action="store_true",
+                        help="token-major KV storage instead of the CPU platform's head-major one")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="decode attention over this many layers' caches per timed call (from memory, "
+                             "as in a decode step, rather than from cache)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="one thread, timed in process CPU time (robust on a busy machine)")
     parser.add_argument("--prefill", action="store_true", help="also time prefill chunks")
@@ -183,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 512], help="batch sizes for --ops")
     parser.add_argument("--linear", action="store_true",
                         help="also time one decode step's bf16 linear layers (torch GEMM vs native)")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32],
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 256],
                         help="batch sizes for --linear")
     args = parser.parse_args(argv)
     if args.cpu_time:
@@ -198,9 +228,12 @@ def main(argv: list[str] | None = None) -> None:
     timing = "CPU time" if args.cpu_time else "wall time"
     print(f"# {native.source}, {args.dtype}, {torch.get_num_threads()} threads, {timing}, torch {torch.__version__}")
     pages = "huge pages" if args.huge_pages else "4 KiB pages"
-    print(f"\npaged_attention, decode (9 heads, 3 kv heads, head 64, block 16, {pages}):\n")
-    _print_table(("seqs", "context", "reference us", "native us", "speedup"),
-                 bench_attention(native, args.seqs, args.contexts, dtype, args.huge_pages, clock))
+    layout = "token-major" if args.token_major else "head-major"
+    print(f"\npaged_attention, decode (9 heads, 3 kv heads, head 64, block 16, {layout} cache, {pages}, "
+          f"{args.layers} layer(s)):\n")
+    _print_table(("seqs", "context", "reference us", "native us", "speedup", "native KV GB/s"),
+                 bench_attention(native, args.seqs, args.contexts, dtype, args.huge_pages, clock,
+                                 args.token_major, args.layers))
     if args.prefill:
         print("\npaged_attention, one prefill chunk (the last q_len of context positions):\n")
         _print_table(("q_len", "context", "reference us", "native us", "speedup"),
@@ -210,9 +243,10 @@ def main(argv: list[str] | None = None) -> None:
         _print_table(("op", "tokens", "reference us", "native us", "speedup"),
                      bench_ops(native, args.tokens, dtype, clock))
     if args.linear:
-        print("\nbf16 linear layers of one decode step of the default model (weights 268 MB):\n")
-        _print_table(("rows", "torch ms", "skinny ms", "packed ms", "skinny speedup", "packed speedup"),
-                     bench_linear(native, args.rows, clock))
+        print("\nbf16 linear layers of one decode step of the default model (weights 268 MB, "
+              "each layer its own):\n")
+        _print_table(("rows", "torch ms", "skinny ms", "oneDNN packed ms", "native packed ms",
+                      "native/oneDNN speedup"), bench_linear(native, args.rows, clock))
 
 
 if __name__ == "__main__":

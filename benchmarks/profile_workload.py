@@ -1,0 +1,100 @@
+"""Where the time of a whole benchmark workload goes, op by op, prefill steps apart from decode steps.
+
+    python benchmarks/profile_workload.py --workload mixed [--model-dir DIR]
+
+Runs one workload of benchmarks/workloads.py (the same requests, seeds and engine
+settings as compare_vllm.py) through pagedserve with every op of the registry wrapped
+in a wall-clock timer.  A step is a "prefill" step when any of its requests is still
+in its prompt, else a "decode" step.  Prints seconds per op for each kind, the rest of
+the model runner's step (Python, input preparation, sampling) as "else", and decode
+steps grouped by batch size.  The timers cost a few microseconds per op call, so the
+workload runs slightly slower than in compare_vllm.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from workloads import WORKLOADS, make_workload  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="mixed", choices=WORKLOADS)
+    p.add_argument("--model-dir", default=str(pathlib.Path.home() / ".cache/pagedserve-bench/SmolLM2-135M-Instruct-bf16"),
+                   help="bf16 checkpoint folder (benchmarks/README.md makes it)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.executor import model_runner
+
+    llm = LLM(model=args.model_dir, dtype="bfloat16", threads=args.threads, max_model_len=2048, max_num_seqs=256,
+              max_num_batched_tokens=2048, kv_cache_memory="4GiB", seed=args.seed)
+    ops = llm.llm_engine.ops
+    kind = ["decode"]
+    spent: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for name in ops.names():
+        fn = ops.get(name)
+
+        def timed(*a, _fn=fn, _name=name, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                spent[kind[0]][_name] += time.perf_counter() - t0
+
+        ops.register(name, timed, source=ops.source(name))
+
+    steps: list[tuple[str, int, float]] = []  # (kind, requests, seconds)
+    execute = model_runner.ModelRunner.execute
+
+    def timed_execute(self, out, block_ids):
+        kind[0] = "prefill" if any(s.num_new_tokens > 1 for s in out.scheduled) else "decode"
+        t0 = time.perf_counter()
+        try:
+            return execute(self, out, block_ids)
+        finally:
+            steps.append((kind[0], len(out.scheduled), time.perf_counter() - t0))
+
+    model_runner.ModelRunner.execute = timed_execute
+    w = make_workload(args.workload, llm.llm_engine.runner.arch.vocab_size, args.seed, None, None, None)
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in w.requests]
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in w.requests], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"{args.workload}: {tokens} output tokens in {wall:.2f} s = {tokens / wall:.1f} tokens/s "
+          f"(with op timers), {len(steps)} steps\n")
+    used = [n for n in ops.names() if spent["prefill"][n] + spent["decode"][n] >= 0.005]
+    print("| steps | count | seconds | " + " | ".join(used) + " | else |")
+    print("|---|---:|---:|" + "---:|" * (len(used) + 1))
+    for k in ("prefill", "decode"):
+        total = sum(s for kk, _, s in steps if kk == k)
+        cells = [f"{spent[k][n]:.2f}" for n in used]
+        rest = total - sum(spent[k].values())
+        print(f"| {k} | {sum(1 for kk, _, _ in steps if kk == k)} | {total:.2f} | " + " | ".join(cells) +
+              f" | {rest:.2f} |")
+    print("\ndecode steps by batch size:\n")
+    print("| batch | steps | ms per step | tokens/s |")
+    print("|---:|---:|---:|---:|")
+    buckets: dict[int, list[tuple[int, float]]] = collections.defaultdict(list)
+    for k, n, s in steps:
+        if k == "decode":
+            buckets[n // 8 * 8].append((n, s))
+    for b in sorted(buckets):
+        rows = buckets[b]
+        secs = sum(s for _, s in rows)
+        print(f"| {max(b, 1)}-{b + 7} | {len(rows)} | {1000 * secs / len(rows):.1f} | {sum(n for n, _ in rows) / secs:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
