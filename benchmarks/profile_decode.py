@@ -18,6 +18,22 @@ import time
 from pagedserve import LLM, SamplingParams
 
 
+def time_ops(ops, record) -> None:
+    """Re-register every op of the registry ``ops`` wrapped in a wall-clock timer that
+    calls ``record(op name, seconds)`` after each call."""
+    for name in ops.names():
+        fn = ops.get(name)
+
+        def timed(*a, _fn=fn, _name=name, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                record(_name, time.perf_counter() - t0)
+
+        ops.register(name, timed, source=ops.source(name))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default=None)
@@ -36,18 +52,12 @@ def main() -> None:
     print("ops:", ", ".join(f"{n}={s}" for n, s in ops.table()))
     spent: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
-    for name in ops.names():
-        fn = ops.get(name)
 
-        def timed(*a, _fn=fn, _name=name, **kw):
-            t0 = time.perf_counter()
-            try:
-                return _fn(*a, **kw)
-            finally:
-                spent[_name] += time.perf_counter() - t0
-                calls[_name] += 1
+    def record(name: str, seconds: float) -> None:
+        spent[name] += seconds
+        calls[name] += 1
 
-        ops.register(name, timed, source=ops.source(name))
+    time_ops(ops, record)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.warmup_steps + args.steps + 8, ignore_eos=True)
     for i in range(args.num_requests):

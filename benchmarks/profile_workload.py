@@ -21,6 +21,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+from profile_decode import time_ops  # noqa: E402
 from workloads import WORKLOADS, make_workload  # noqa: E402
 
 
@@ -41,17 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ops = llm.llm_engine.ops
     kind = ["decode"]
     spent: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for name in ops.names():
-        fn = ops.get(name)
-
-        def timed(*a, _fn=fn, _name=name, **kw):
-            t0 = time.perf_counter()
-            try:
-                return _fn(*a, **kw)
-            finally:
-                spent[kind[0]][_name] += time.perf_counter() - t0
-
-        ops.register(name, timed, source=ops.source(name))
+    time_ops(ops, lambda name, seconds: spent[kind[0]].update({name: seconds}))
 
     steps: list[tuple[str, int, float]] = []  # (kind, requests, seconds)
     execute = model_runner.ModelRunner.execute

@@ -246,6 +246,13 @@ at::Tensor argmax(const at::Tensor& x, int64_t isa) {
 
 bool has_linear(int64_t isa) { return isa_at(isa).linear_bf16 != nullptr; }
 
+// The linear kernels' optional bias: a contiguous bf16 [n] tensor, or undefined.
+at::Tensor bf16_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kBFloat16, "bias must be bfloat16 [", n, "]");
+  return bias->contiguous();
+}
+
 // y = x . w^T (+ bias) for a few bf16 rows of x (decode); see linear.h.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t isa) {
   const LinearFn fn = isa_at(isa).linear_bf16;
@@ -258,13 +265,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   check_lastdim(x, "x");
   check_lastdim(w, "weight");
   const int64_t m = x.size(0), n = w.size(0), k = x.size(1);
-  const void* b = nullptr;
-  at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kBFloat16, "bias must be bfloat16 [", n, "]");
-    bc = bias->contiguous();
-    b = bc.data_ptr();
-  }
+  const at::Tensor bc = bf16_bias(bias, n);
+  const void* b = bc.defined() ? bc.data_ptr() : nullptr;
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   const LinearArgs a{x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), b, out.data_ptr(), n, m, n, k};
@@ -289,13 +291,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, const c10::o
               "x and the packed weight must be bfloat16 CPU tensors, the weight contiguous");
   check_lastdim(x, "x");
   const int64_t m = x.size(0), n = wp.size(0) * 16, k = x.size(1);
-  const void* b = nullptr;
-  at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kBFloat16, "bias must be bfloat16 [", n, "]");
-    bc = bias->contiguous();
-    b = bc.data_ptr();
-  }
+  const at::Tensor bc = bf16_bias(bias, n);
+  const void* b = bc.defined() ? bc.data_ptr() : nullptr;
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   const PackedLinearArgs a{x.data_ptr(), x.stride(0), wp.data_ptr(), b, out.data_ptr(), n, m, n, k};

@@ -13,6 +13,7 @@ The kernels are built once into the persistent cache (PAGEDSERVE_KERNEL_CACHE or
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import warnings
 import zlib
@@ -113,6 +114,17 @@ def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
     return query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
 
 
+@contextlib.contextmanager
+def num_threads(n: int):
+    """torch's thread count set to n for the block (the kernels share torch's pool)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def check_attention(every_isa: dict[str, NativeCpuKernels], args, dtype: torch.dtype) -> None:
     scale = args[0].shape[-1] ** -0.5
     expected = reference.paged_attention(*args, scale)
@@ -148,12 +160,8 @@ def test_paged_attention_head_major_cache(every_isa, head_size, dtype, threads):
     gen = torch.Generator().manual_seed(head_size * 3 + threads)
     args = make_batch([*MIXED, (1, 1500)], 9, 3, head_size, 16, dtype, gen, head_major=True)
     assert not args[1].is_contiguous() and args[1].stride(2) == 16 * head_size
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         check_attention(every_isa, args, dtype)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 128])
@@ -172,12 +180,8 @@ def test_paged_attention_long_contexts(every_isa, dtype, threads, seqs):
     """Long contexts: with 2 threads these are split along the keys and merged."""
     gen = torch.Generator().manual_seed(7)
     args = make_batch(seqs, 9, 3, 64, 16, dtype, gen)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         check_attention(every_isa, args, dtype)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_paged_attention_default_model_decode_batch(every_isa):
