@@ -8,7 +8,7 @@ per dense weight at load and ``linear`` reads what it returned:
   ``K % 2 == 0``): the weight becomes ``[N/16, K/2, 16, 2]`` bf16, VNNI pairs for the
   packed kernel of kernels/cpu/linear.h.  Measured on the default model's layers
   against oneDNN with its own packing (benchmarks/cpu_kernels.py --linear,
-  docs/kernels_cpu.md): 2x at 1 row, 1.2-1.5x at 4-48 rows, 1.14x at 64, equal at 2048.
+  docs/kernels_cpu.md): 1.6x at 1 row, 1.2-1.4x at 4-64 rows, 1.1x at 256, equal at 2048.
 - **oneDNN packed** otherwise (torch's oneDNN, ``torch.ops.mkldnn``): torch's CPU
   ``linear`` hands oneDNN a plain ``[out, in]`` weight, which oneDNN reorders into its
   blocked layout on every call; ``_reorder_linear_weight`` does that once, and
