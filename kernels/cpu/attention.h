@@ -18,9 +18,51 @@
 
 namespace pagedserve_cpu {
 
+// Software prefetch of the K/V rows a work item will read, in the order it reads them,
+// paced by what it consumes.  The blocks are scattered through the cache, so the
+// hardware prefetchers cannot see the next one coming.  The cursor starts kLeadLines
+// ahead of the compute; every row the compute then takes moves it on by as many
+// lines, so a steady few prefetches are in flight at all times.  Issuing a whole span's
+// rows at once instead (hundreds of lines) fills the core's miss buffers, and the core
+// then waits for memory and computes in turn rather than at once.
+struct KvPrefetcher {
+  struct Run {
+    const char* p;  // 64-byte aligned
+    int64_t lines;
+  };
+  std::vector<Run> runs;
+  size_t run = 0;
+  int64_t line = 0;
+
+  void clear() {
+    runs.clear();
+    run = 0;
+    line = 0;
+  }
+  void add(const void* p, int64_t bytes) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p), first = a / 64, last = (a + bytes - 1) / 64;
+    runs.push_back({reinterpret_cast<const char*>(first * 64), int64_t(last - first + 1)});
+  }
+  // Prefetch (into L2) the next n lines.
+  void pump(int64_t n) {
+    while (n > 0 && run < runs.size()) {
+      const Run& r = runs[run];
+      const int64_t take = std::min(n, r.lines - line);
+      for (int64_t i = 0; i < take; ++i) __builtin_prefetch(r.p + (line + i) * 64, 0, 2);
+      line += take;
+      n -= take;
+      if (line == r.lines) {
+        ++run;
+        line = 0;
+      }
+    }
+  }
+};
+
 // Per-thread buffers, grown on demand and reused across calls so the hot loop never
 // allocates.
 struct AttnScratch {
+  KvPrefetcher pf;
   std::vector<float> q, acc, m, l, kf, scores, m_new, alpha;
   std::vector<uint16_t> pb;         // probabilities rounded to bf16 (paired P.V)
   std::vector<const void*> vrows;  // a span's V rows, in key order (paired P.V)
@@ -130,7 +172,8 @@ struct QkBf16Dot {
   // end of the call puts them back in order.
   template <int R>
   static void pv(float* acc, const float* alpha, const float* p, int sp, const BF16* const* rows, int n,
-                 uint16_t* pb) {
+                 uint16_t* pb, KvPrefetcher* pf) {
+    constexpr int kRowLines = (D * 2 + 63) / 64;
     static_assert(D % 32 == 0, "paired P.V needs whole 32-value vectors");
     constexpr int NZ = D / 32, ZC = NZ % 2 == 0 ? 2 : 1;  // 32-value chunks per row; per pass
     for (int r = 0; r < R; ++r)  // p is zero past n up to sp (a multiple of 16)
@@ -146,6 +189,7 @@ struct QkBf16Dot {
 #pragma GCC unroll 8
         for (int z = 0; z < 2 * ZC; ++z) a[r][z] = _mm512_setzero_ps();
       for (int j = 0; j < n; j += 2) {
+        if (pf && z0 == 0) pf->pump(2 * kRowLines);
         // An odd last key pairs with itself: its partner's p is 0 (the padding of p).
         const BF16* vt = rows[j] + 32 * z0;
         const BF16* vu = (j + 1 < n ? rows[j + 1] : rows[j]) + 32 * z0;
@@ -197,18 +241,14 @@ struct Attention {
   static constexpr int CH = acc_chunk(NV, Isa::kMaxAccRegs / kGroupTile);
   static_assert(D % W == 0, "head size must be a multiple of the vector width");
 
-  // Blocks are scattered through the cache, so hardware prefetchers cannot see the
-  // next one coming: fetch its rows while the current span is being computed.  Into
-  // L2 (locality 2, prefetcht1): in a decode step of 44 sequences x 550 tokens this
-  // took attention from 39 to 32 ms over 30 layers against prefetching into L1; a
-  // non-temporal hint was as slow as L1 and prefetching two spans ahead gained nothing.
-  static void prefetch_rows(const T* rows, int64_t stride, int n) {
-    constexpr int kRowBytes = D * int(sizeof(T));
-    for (int j = 0; j < n; ++j)
-      for (int b = 0; b < kRowBytes; b += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(rows + j * stride) + b, 0, 2);
-  }
-
+  // Cache lines of one K or V row.
+  static constexpr int kRowLines = (D * int(sizeof(T)) + 63) / 64;
+  // How far the prefetch cursor runs ahead of the compute (16 KiB).  Against
+  // prefetching each next span whole when the span before it starts, decode attention
+  // over 30 layers' caches went from 676 to 499 us per layer at 64 sequences x 190
+  // keys and from 1530 to 1185 at 32 x 1000 (same process, alternating, medians);
+  // leads of 128 to 384 lines measured alike.
+  static constexpr int kLeadLines = 256;
   // n rows of a block (stride in elements) -> dense float32 [n, D].
   static void to_f32(const T* src, int64_t stride, int n, float* dst) {
     for (int j = 0; j < n; ++j)
@@ -233,7 +273,8 @@ struct Attention {
   // acc_r = acc_r * alpha_r + sum_j p_r[j] * v_j for R rows (row stride D, score
   // stride sp) over the first n keys of the span, V rows read straight from the cache.
   template <int R>
-  static void pv_rows(float* acc, const float* alpha, const float* p, int sp, const Span& sn, int n) {
+  static void pv_rows(float* acc, const float* alpha, const float* p, int sp, const Span& sn, int n,
+                      KvPrefetcher* pf) {
     for (int c0 = 0; c0 < NV; c0 += CH) {
       V a[R][CH];
 #pragma GCC unroll 4
@@ -245,6 +286,7 @@ struct Attention {
       for (int sg = 0, j0 = 0; sg < sn.segs && j0 < n; j0 += sn.n[sg++]) {
         const int m = std::min(sn.n[sg], n - j0);
         for (int j = 0; j < m; ++j) {
+          if (pf && c0 == 0) pf->pump(kRowLines);
           const T* vr = sn.v[sg] + j * sn.vs + c0 * W;
           V vj[CH];
 #pragma GCC unroll 16
@@ -267,7 +309,7 @@ struct Attention {
   // Scaled scores of one query row against the first n keys of the span -> s[0, n)
   // (padded with -inf up to a multiple of W); returns their maximum.  Every segment
   // but the last holds a multiple of W keys, so chunks never straddle two blocks.
-  static float scores(const E* q, const Span& sn, int n, float scale, float* s) {
+  static float scores(const E* q, const Span& sn, int n, float scale, float* s, KvPrefetcher* pf) {
     const V vscale = Isa::set1(scale);
     V vmax = Isa::set1(kNegInf);
     for (int sg = 0, j0 = 0; sg < sn.segs && j0 < n; j0 += sn.n[sg++]) {
@@ -275,11 +317,13 @@ struct Attention {
       const E* k = sn.k[sg];
       int c = 0;
       for (; c + W <= m; c += W) {
+        if (pf) pf->pump(W * kRowLines);
         const V x = Isa::mul(Qk::template chunk<true>(q, k + c * sn.ks, sn.ks, W), vscale);
         Isa::store(s + j0 + c, x);
         vmax = Isa::max(vmax, x);
       }
       if (c < m) {
+        if (pf) pf->pump((m - c) * kRowLines);
         const V x = Isa::mask_tail(Isa::mul(Qk::template chunk<false>(q, k + c * sn.ks, sn.ks, m - c), vscale),
                                    m - c, kNegInf);
         Isa::store(s + j0 + c, x);
@@ -291,15 +335,18 @@ struct Attention {
 
   // The G query rows of one token (row stride qs, all seeing the first n keys of the
   // span): scores, online-softmax rescale, then P.V for all of them together.
+  // pf: the item's prefetcher, for the first token of the item's tile only (the others
+  // read the same rows again).
   static void token_rows(AttnScratch& sc, int row0, int G, const E* q, int64_t qs, const Span& sn, int n,
-                         float scale) {
+                         float scale, KvPrefetcher* pf) {
     const int sp = round_up(n, W);
     float* s = sc.scores.data();
     float* m = sc.m.data() + row0;
     float* l = sc.l.data() + row0;
     float* m_new = sc.m_new.data();
     float* alpha = sc.alpha.data();
-    for (int g = 0; g < G; ++g) m_new[g] = std::max(m[g], scores(q + g * qs, sn, n, scale, s + g * sp));
+    for (int g = 0; g < G; ++g)
+      m_new[g] = std::max(m[g], scores(q + g * qs, sn, n, scale, s + g * sp, g == 0 ? pf : nullptr));
     for (int g = 0; g < G; g += W)  // exp(m - m_new) is 0 on the first span (m = -inf)
       Isa::store(alpha + g, Isa::exp(Isa::sub(Isa::load(m + g), Isa::load(m_new + g))));
     for (int g = 0; g < G; ++g) {
@@ -323,10 +370,10 @@ struct Attention {
       for (int g = 0; g < G; g += kGroupTile) {
         float* a = acc + size_t(g) * D;
         switch (std::min(kGroupTile, G - g)) {
-          case 1: Qk::template pv<1>(a, alpha + g, s + g * sp, sp, rows, n, pb); break;
-          case 2: Qk::template pv<2>(a, alpha + g, s + g * sp, sp, rows, n, pb); break;
-          case 3: Qk::template pv<3>(a, alpha + g, s + g * sp, sp, rows, n, pb); break;
-          default: Qk::template pv<4>(a, alpha + g, s + g * sp, sp, rows, n, pb); break;
+          case 1: Qk::template pv<1>(a, alpha + g, s + g * sp, sp, rows, n, pb, g == 0 ? pf : nullptr); break;
+          case 2: Qk::template pv<2>(a, alpha + g, s + g * sp, sp, rows, n, pb, g == 0 ? pf : nullptr); break;
+          case 3: Qk::template pv<3>(a, alpha + g, s + g * sp, sp, rows, n, pb, g == 0 ? pf : nullptr); break;
+          default: Qk::template pv<4>(a, alpha + g, s + g * sp, sp, rows, n, pb, g == 0 ? pf : nullptr); break;
         }
       }
       return;
@@ -334,10 +381,10 @@ struct Attention {
     for (int g = 0; g < G; g += kGroupTile) {
       float* a = acc + size_t(g) * D;
       switch (std::min(kGroupTile, G - g)) {
-        case 1: pv_rows<1>(a, alpha + g, s + g * sp, sp, sn, n); break;
-        case 2: pv_rows<2>(a, alpha + g, s + g * sp, sp, sn, n); break;
-        case 3: pv_rows<3>(a, alpha + g, s + g * sp, sp, sn, n); break;
-        default: pv_rows<4>(a, alpha + g, s + g * sp, sp, sn, n); break;
+        case 1: pv_rows<1>(a, alpha + g, s + g * sp, sp, sn, n, g == 0 ? pf : nullptr); break;
+        case 2: pv_rows<2>(a, alpha + g, s + g * sp, sp, sn, n, g == 0 ? pf : nullptr); break;
+        case 3: pv_rows<3>(a, alpha + g, s + g * sp, sp, sn, n, g == 0 ? pf : nullptr); break;
+        default: pv_rows<4>(a, alpha + g, s + g * sp, sp, sn, n, g == 0 ? pf : nullptr); break;
       }
     }
   }
@@ -391,32 +438,62 @@ struct Attention {
     // Keys visible to the item's last token; earlier tokens see fewer (causal).
     const int key_end = std::min(w.ctx_end, first_pos + w.tok_end);
     const int bps = blocks_per_span(bs);
+    plan_prefetch(p, sc.pf, w, bps, key_end);
+    sc.pf.pump(kLeadLines);
     for (int kb = w.ctx_begin / bs; kb * bs < key_end; kb += bps) {
       const int kb_end = std::min(kb + bps, (key_end + bs - 1) / bs);
       const int j0 = std::max(w.ctx_begin, kb * bs), j1 = std::min(key_end, kb_end * bs);
       for (int h = w.kv_begin; h < w.kv_end; ++h) {
-        const Span sn = make_span(p, sc, w.seq, h, kb, kb_end, j0, j1, key_end);
+        const Span sn = make_span(p, sc, w.seq, h, kb, kb_end, j0, j1);
         for (int t = 0; t < n_tok; ++t) {
           const int visible = std::min(j1, first_pos + w.tok_begin + t + 1) - j0;
           if (visible <= 0) continue;
           const int r = (h - w.kv_begin) * n_tok * G + t * G;
           if constexpr (std::is_same_v<E, T>)
             token_rows(sc, r, G, query + t * p.q_stride_tok + int64_t(h) * G * p.q_stride_head, p.q_stride_head,
-                       sn, visible, p.scale);
+                       sn, visible, p.scale, t == 0 ? &sc.pf : nullptr);
           else
-            token_rows(sc, r, G, sc.q.data() + size_t(r) * D, D, sn, visible, p.scale);
+            token_rows(sc, r, G, sc.q.data() + size_t(r) * D, D, sn, visible, p.scale, t == 0 ? &sc.pf : nullptr);
         }
       }
     }
     finish(p, w, partials, sc, rm, q0, rows);
   }
 
-  // Row pointers of keys [j0, j1) (blocks [kb, kb_end)) of kv head h; prefetches the
-  // same head's rows of the next span (keys below prefetch_end), whose blocks hardware
-  // cannot predict.  (Prefetching whole blocks in address order instead measured no
-  // faster.)
-  static Span make_span(const AttnParams& p, AttnScratch& sc, int seq, int h, int kb, int kb_end, int j0, int j1,
-                        int prefetch_end) {
+  // The K then V rows of every (span, kv head) of the item, in the order item() reads
+  // them: whole runs where a block's rows of one head are contiguous (the CPU
+  // platform's head-major storage), row by row otherwise.
+  static void plan_prefetch(const AttnParams& p, KvPrefetcher& pf, const AttnWork& w, int bps, int key_end) {
+    const int bs = p.block_size;
+    const int32_t* table = p.block_tables + w.seq * p.bt_stride;
+    const int64_t row_bytes = D * int64_t(sizeof(T));
+    // Rows [first, last) of block b, kv head h, of one cache.
+    auto rows = [&](const void* cache, int64_t s_block, int64_t s_head, int64_t s_tok, int h, int b, int first,
+                    int last) {
+      const T* r = static_cast<const T*>(cache) + int64_t(table[b]) * s_block + h * s_head +
+                   int64_t(first - b * bs) * s_tok;
+      if (s_tok == D)
+        pf.add(r, (last - first) * row_bytes);
+      else
+        for (int j = 0; j < last - first; ++j) pf.add(r + j * s_tok, row_bytes);
+    };
+    pf.clear();
+    for (int kb = w.ctx_begin / bs; kb * bs < key_end; kb += bps) {
+      const int kb_end = std::min(kb + bps, (key_end + bs - 1) / bs);
+      for (int h = w.kv_begin; h < w.kv_end; ++h)
+        for (int v = 0; v < 2; ++v)  // the keys of the span, then its values
+          for (int b = kb; b < kb_end; ++b) {
+            const int first = std::max(w.ctx_begin, b * bs), last = std::min(key_end, (b + 1) * bs);
+            if (v == 0)
+              rows(p.key_cache, p.kc_stride_block, p.kc_stride_head, p.kc_stride_tok, h, b, first, last);
+            else
+              rows(p.value_cache, p.vc_stride_block, p.vc_stride_head, p.vc_stride_tok, h, b, first, last);
+          }
+    }
+  }
+
+  // Row pointers of keys [j0, j1) (blocks [kb, kb_end)) of kv head h.
+  static Span make_span(const AttnParams& p, AttnScratch& sc, int seq, int h, int kb, int kb_end, int j0, int j1) {
     const int bs = p.block_size;
     const int32_t* table = p.block_tables + seq * p.bt_stride;
     const T* kc = static_cast<const T*>(p.key_cache) + h * p.kc_stride_head;
@@ -432,12 +509,6 @@ struct Attention {
       sn.v[i] = vc + block * p.vc_stride_block + int64_t(first - b * bs) * p.vc_stride_tok;
       if constexpr (std::is_same_v<E, T>)
         sn.k[i] = kc + block * p.kc_stride_block + int64_t(first - b * bs) * p.kc_stride_tok;
-      if (int nb = kb_end + i; nb * bs < prefetch_end) {
-        const int64_t next = table[nb];
-        const int rows_next = std::min(prefetch_end - nb * bs, bs);
-        prefetch_rows(kc + next * p.kc_stride_block, p.kc_stride_tok, rows_next);
-        prefetch_rows(vc + next * p.vc_stride_block, p.vc_stride_tok, rows_next);
-      }
     }
     if constexpr (!std::is_same_v<E, T>) {  // float32 copy of the span's keys
       float* dst = sc.kf.data();
