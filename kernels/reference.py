@@ -31,6 +31,7 @@ __all__ = [
     "swap_blocks",
     "linear",
     "prepare_linear_weight",
+    "linear_silu_and_mul",
     "embedding",
     "argmax",
     "gguf_linear",
@@ -212,6 +213,18 @@ def prepare_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_and_mul(linear(x, weight, bias)): a gated MLP's first half, weight [2*d, in]
+    = cat(gate, up) as returned by the same registry's ``prepare_linear_weight``;
+    returns [..., d].  The [..., 2*d] product is rounded to x's dtype before the SiLU,
+    as the two ops in sequence do.
+
+    An op registry's default is the composition of its own ``linear`` and
+    ``silu_and_mul`` (so a platform that overrides only those gets them); a platform
+    may fuse the two, never writing the 2*d intermediate."""
+    return silu_and_mul(linear(x, weight, bias))
+
+
 def embedding(token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """token_ids int64 [num_tokens]; weight [vocab, hidden] -> [num_tokens, hidden]."""
     return torch.nn.functional.embedding(token_ids, weight)
@@ -280,6 +293,7 @@ OP_NAMES: tuple[str, ...] = (
     "silu_and_mul",
     "linear",
     "prepare_linear_weight",
+    "linear_silu_and_mul",
     "embedding",
     "argmax",
     "copy_blocks",

@@ -31,6 +31,14 @@ class OpRegistry:
         self._entries: dict[str, OpEntry] = {}
         for name in reference.OP_NAMES:
             self.register(name, getattr(reference, name), source="reference")
+        # A fused op's default is the composition of this registry's own parts, looked up
+        # at call time: a platform that overrides only the parts (e.g. a linear taking
+        # its own prepared weights) gets them without registering the fused op.
+        self.register("linear_silu_and_mul", self._linear_silu_and_mul, source="reference")
+
+    def _linear_silu_and_mul(self, x, weight, bias=None):
+        """See reference.linear_silu_and_mul: this registry's silu_and_mul(linear(...))."""
+        return self.silu_and_mul(self.linear(x, weight, bias))
 
     def register(self, name: str, fn: Callable[..., Any], source: str = "") -> None:
         """Make ``name`` resolve to ``fn``; ``source`` says where it came from."""

@@ -374,7 +374,11 @@ class LlamaForCausalLM:
                                        meta.query_start_loc, self.scale)
             x = self.parallel.all_reduce(_linear(ops, attn.view(n, self.q_size), layer.o))
             h, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
-            x = self.parallel.all_reduce(_linear(ops, ops.silu_and_mul(_linear(ops, h, layer.gate_up)), layer.down))
+            if isinstance(layer.gate_up, QuantizedWeight):
+                h = ops.silu_and_mul(layer.gate_up.apply(h, None))
+            else:
+                h = ops.linear_silu_and_mul(h, layer.gate_up)
+            x = self.parallel.all_reduce(_linear(ops, h, layer.down))
         return x, residual
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

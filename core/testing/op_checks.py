@@ -196,6 +196,25 @@ def _linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int,
         yield desc, body
 
 
+def _linear_silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    """``linear_silu_and_mul`` on a [gate; up] weight put through the registry's
+    ``prepare_linear_weight``, against the reference on the plain weight: halves that
+    are and are not multiples of 16 (and of 32), an odd K, bias, 2-D and 3-D x."""
+    prepare = t.ops.get("prepare_linear_weight")
+    for lead, k, d, bias in [((1,), 64, 48, False), ((7,), 64, 64, True), ((33,), 128, 40, False),
+                             ((2, 3), 64, 16, True), ((13,), 33, 32, False)]:
+        desc = f"{'x'.join(map(str, lead))}x{k}->2x{d}" + ("+bias" if bias else "")
+
+        def body(lead=lead, k=k, d=d, bias=bias, desc=desc) -> None:
+            c = _Case(f"linear_silu_and_mul{desc}{dtype}", seed, t.device)
+            x, w = c.randn(*lead, k, dtype=dtype, scale=2.0), c.randn(2 * d, k, dtype=dtype, scale=k ** -0.5)
+            b = c.randn(2 * d, dtype=dtype) if bias else None
+            got = fn(c.dev(x), prepare(c.dev(w)), None if b is None else c.dev(b))
+            assert_matches("linear_silu_and_mul", got, reference.linear_silu_and_mul(x, w, b), dtype)
+
+        yield desc, body
+
+
 def _embedding(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
     for n, vocab, hidden in [(1, 50, 64), (9, 300, 128)]:
         desc = f"t{n}-v{vocab}x{hidden}"
@@ -381,6 +400,7 @@ _CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "linear": _linear,
     # A platform's prepare_linear_weight is checked through its (or the reference's) linear.
     "prepare_linear_weight": lambda t, fn, d, s: _linear(t, t.ops.get("linear"), d, s, prepare=fn),
+    "linear_silu_and_mul": _linear_silu_and_mul,
     "embedding": _embedding,
     "argmax": _argmax,
     "copy_blocks": lambda t, fn, d, s: _block_copy_cases("copy_blocks", t, fn, d, s),

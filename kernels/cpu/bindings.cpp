@@ -279,25 +279,30 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 
 bool has_packed_linear(int64_t isa) { return isa_at(isa).packed_linear_bf16 != nullptr; }
 
-// y = x . w^T (+ bias) with w packed [n/16, k/2, 16, 2] bf16 (see linear.h), any m.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
-                         int64_t isa) {
-  const PackedLinearFn fn = isa_at(isa).packed_linear_bf16;
+// y = x . w^T (+ bias) with w packed [n/16, k/2, 16, 2] bf16 (see linear.h), any m;
+// gated: silu(y[:, :n/2]) * y[:, n/2:].
+at::Tensor packed_linear_impl(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
+                              int64_t isa, bool gated) {
+  const PackedLinearFn fn = gated ? isa_at(isa).packed_linear_silu_bf16 : isa_at(isa).packed_linear_bf16;
   TORCH_CHECK(fn != nullptr, "pagedserve: instruction set ", isa_at(isa).name, " has no packed bf16 linear kernel");
   TORCH_CHECK(x.dim() == 2 && wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 2 && x.size(1) == 2 * wp.size(1),
               "x [m, k] and a packed weight [n/16, k/2, 16, 2] expected, got ", x.sizes(), " and ", wp.sizes());
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
                   wp.device().is_cpu() && wp.is_contiguous(),
               "x and the packed weight must be bfloat16 CPU tensors, the weight contiguous");
+  TORCH_CHECK(!gated || wp.size(0) % 2 == 0, "a gated weight [gate; up] needs n/16 even, got n = ", wp.size(0) * 16);
   check_lastdim(x, "x");
   const int64_t m = x.size(0), n = wp.size(0) * 16, k = x.size(1);
+  const int64_t n_out = gated ? n / 2 : n, blocks = n_out / 16;
   const at::Tensor bc = bf16_bias(bias, n);
   const void* b = bc.defined() ? bc.data_ptr() : nullptr;
-  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor out = at::empty({m, n_out}, x.options());
   if (m == 0 || n == 0) return out;
-  const PackedLinearArgs a{x.data_ptr(), x.stride(0), wp.data_ptr(), b, out.data_ptr(), n, m, n, k};
-  // Work items: 64-column tiles, and row chunks too when there are few tiles per thread.
-  const int64_t tiles = (wp.size(0) + 3) / 4, threads = at::get_num_threads();
+  const PackedLinearArgs a{x.data_ptr(), x.stride(0), wp.data_ptr(), b, out.data_ptr(), n_out, m, n, k};
+  // Work items: tiles of 4 weight blocks (64 columns; gated: 32 output columns), and row
+  // chunks too when there are few tiles per thread.
+  const int64_t per_tile = gated ? 2 : 4;
+  const int64_t tiles = (blocks + per_tile - 1) / per_tile, threads = at::get_num_threads();
   int64_t chunks = 1;
   while (chunks * 2 <= (m + 5) / 6 && tiles * chunks < 8 * threads) chunks *= 2;
   const int64_t rows_per = ((m + chunks - 1) / chunks + 5) / 6 * 6;
@@ -305,10 +310,21 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, const c10::o
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / chunks, c = i % chunks;
       const int64_t mb = c * rows_per, me = std::min(m, mb + rows_per);
-      if (mb < me) fn(a, mb, me, t * 4, std::min(wp.size(0), t * 4 + 4));
+      if (mb < me) fn(a, mb, me, t * per_tile, std::min(blocks, t * per_tile + per_tile));
     }
   });
   return out;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
+                         int64_t isa) {
+  return packed_linear_impl(x, wp, bias, isa, false);
+}
+
+// silu(x . gate^T) * (x . up^T) for a packed [gate; up] weight (see linear.h).
+at::Tensor packed_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& wp,
+                                      const c10::optional<at::Tensor>& bias, int64_t isa) {
+  return packed_linear_impl(x, wp, bias, isa, true);
 }
 
 // Pins thread i of torch's OpenMP pool (the calling thread is thread 0) to core
@@ -409,6 +425,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported_head_sizes", &k::supported_head_sizes, "head sizes of the attention kernel");
   m.def("linear", &k::linear, "bf16 x . weight^T (+ bias) for few rows of x");
   m.def("packed_linear", &k::packed_linear, "bf16 x . weight^T (+ bias), weight packed [n/16, k/2, 16, 2]");
+  m.def("packed_linear_silu_and_mul", &k::packed_linear_silu_and_mul,
+        "silu(x . gate^T) * (x . up^T) for a packed weight [gate; up]");
   m.def("has_packed_linear", &k::has_packed_linear, "whether an instruction set has the packed linear kernel");
   m.def("has_linear", &k::has_linear, "whether an instruction set has the bf16 linear kernel");
   m.def("bind_threads", &k::bind_threads, "pin OpenMP thread i to core cpus[i]");

@@ -86,19 +86,20 @@ struct Elementwise {
     }
   }
 
-  // silu(gate).to(T) * up, as torch computes silu and the product separately.
+  // silu(g).to(T) * up, as torch computes silu and the product separately; g and up
+  // hold values of T.  The gated linear kernel (linear.h) applies it to its sums.
+  static V silu_mul(V g, V up) {
+    const V s = Isa::div(g, Isa::add(Isa::set1(1.f), Isa::exp(Isa::sub(Isa::zero(), g))));
+    return Isa::mul(Isa::template round<T>(s), up);
+  }
+
   static void silu_and_mul(const SiluMulArgs& a, int64_t begin, int64_t end) {
-    const V one = Isa::set1(1.f), zero = Isa::zero();
     for (int64_t row = begin; row < end; ++row) {
       const T* gate = static_cast<const T*>(a.x) + row * a.x_stride;
       const T* up = gate + a.d;
       T* out = static_cast<T*>(a.out) + row * a.out_stride;
       int64_t i = 0;
-      for (; i + W <= a.d; i += W) {
-        const V g = Isa::load(gate + i);
-        const V s = Isa::div(g, Isa::add(one, Isa::exp(Isa::sub(zero, g))));
-        Isa::store(out + i, Isa::mul(Isa::template round<T>(s), Isa::load(up + i)));
-      }
+      for (; i + W <= a.d; i += W) Isa::store(out + i, silu_mul(Isa::load(gate + i), Isa::load(up + i)));
       for (; i < a.d; ++i) {
         const float g = to_float(gate[i]);
         out[i] = from_float<T>(round_to<T>(g / (1.f + std::exp(-g))) * to_float(up[i]));
@@ -159,6 +160,10 @@ struct ArgmaxRow<Avx512, T> {
     return 0;  // not reached: m is one of the values
   }
 };
+#if defined(PAGEDSERVE_HAVE_AVX512BF16)
+template <typename T>
+struct ArgmaxRow<Avx512Bf16, T> : ArgmaxRow<Avx512, T> {};
+#endif
 #endif
 
 template <class Isa, typename T>

@@ -20,13 +20,13 @@ namespace {
 
 template <int D>
 AttnFns bf16_dot_fns() {
-  using K = Attention<Avx512, BF16, D, QkBf16Dot<D>>;
+  using K = Attention<Avx512Bf16, BF16, D, QkBf16Dot<D>>;
   return {&K::item, &K::merge};
 }
 
 // Only bf16 attention differs from the plain AVX-512 kernels.
 AttnFns attention_bf16(DType dtype, int head_size) {
-  if (dtype != DType::kBFloat16) return attention_fns<Avx512>(dtype, head_size);
+  if (dtype != DType::kBFloat16) return attention_fns<Avx512Bf16>(dtype, head_size);
   switch (head_size) {
     case 64: return bf16_dot_fns<64>();
     case 80: return bf16_dot_fns<80>();
@@ -40,8 +40,8 @@ AttnFns attention_bf16(DType dtype, int head_size) {
 }  // namespace
 
 const IsaKernels* isa_avx512bf16() {
-  static const IsaKernels kernels{"avx512bf16", &attention_bf16, &elementwise_fns<Avx512>, &SkinnyLinearBf16::run,
-                                  &PackedLinearBf16::run};
+  static const IsaKernels kernels{"avx512bf16", &attention_bf16, &elementwise_fns<Avx512Bf16>, &SkinnyLinearBf16::run,
+                                  &PackedLinearBf16::run, &PackedLinearBf16::run_gated};
   return &kernels;
 }
 #else

@@ -130,7 +130,8 @@ struct LinearArgs {
 using LinearFn = void (*)(const LinearArgs&, int64_t n_begin, int64_t n_end);
 
 // y = x . w^T (+ bias), bf16, with w packed as [n/16][k/2][16][2] (see linear.h);
-// rows [m_begin, m_end) x 16-column blocks [nb_begin, nb_end).
+// rows [m_begin, m_end) x 16-column blocks [nb_begin, nb_end).  The gated kernel
+// writes silu(y[:, :n/2]) * y[:, n/2:] instead, out being [m, n/2].
 struct PackedLinearArgs {
   const void* x;  // [m, k], rows x_stride apart
   int64_t x_stride;
@@ -151,6 +152,7 @@ struct IsaKernels {
   EltFns (*elementwise)(DType dtype);
   LinearFn linear_bf16 = nullptr;  // only where the CPU multiplies bf16 natively
   PackedLinearFn packed_linear_bf16 = nullptr;  // likewise
+  PackedLinearFn packed_linear_silu_bf16 = nullptr;  // likewise; blocks of the d-wide output
 };
 
 // Each returns nullptr when the build flags did not enable that instruction set.

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "elementwise.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -90,14 +91,24 @@ struct SkinnyLinearBf16 {
 // column blocks (64 columns) x kTileM rows: 24 accumulators, 4 weight loads and 6
 // broadcasts per pair of k.  Weights of a tile are read once from memory and then
 // reused from L1/L2 for the following row tiles.
+//
+// The gated variant (Gated = true) computes silu(x . gate^T) * (x . up^T) for a weight
+// [gate; up] of N = 2d rows, as silu_and_mul(linear(x, w)) would: a tile takes NB/2
+// gate blocks and the NB/2 up blocks of the same output columns, rounds both sums to
+// bf16 like the plain linear's output, and writes only the d-wide product, so the 2d
+// intermediate values never reach memory.
 struct PackedLinearBf16 {
   static constexpr int kTileM = 6, kMaxNB = 4;
 
-  template <int MT, int NB>
+  // Output columns nb0 * 16 onward (gated: of the d-wide product) for rows [m0, m0 + MT).
+  template <int MT, int NB, bool Gated>
   static void tile(const PackedLinearArgs& a, int64_t m0, int64_t nb0) {
+    static_assert(!Gated || NB % 2 == 0, "a gated tile pairs gate and up blocks");
+    constexpr int NO = Gated ? NB / 2 : NB;  // output blocks
     const int64_t kp_count = a.k / 2;
-    const BF16* w = static_cast<const BF16*>(a.w) + nb0 * kp_count * 32;
     const int64_t wb = kp_count * 32;  // elements per 16-column block
+    const BF16* w = static_cast<const BF16*>(a.w) + nb0 * wb;
+    const int64_t up_off = Gated ? (a.n / 32) * wb : 0;  // the up half starts at block n/32
     const BF16* xr[MT];
     for (int i = 0; i < MT; ++i) xr[i] = static_cast<const BF16*>(a.x) + (m0 + i) * a.x_stride;
     __m512 acc[MT][NB];
@@ -108,7 +119,8 @@ struct PackedLinearBf16 {
     for (int64_t kp = 0; kp < kp_count; ++kp) {
       __m512i wv[NB];
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * wb + kp * 32);
+      for (int j = 0; j < NB; ++j)
+        wv[j] = _mm512_loadu_si512(w + (j < NO ? j * wb : up_off + (j - NO) * wb) + kp * 32);
 #pragma GCC unroll 6
       for (int i = 0; i < MT; ++i) {
         int32_t pair;
@@ -121,26 +133,37 @@ struct PackedLinearBf16 {
     const BF16* bias = static_cast<const BF16*>(a.bias);
     BF16* out = static_cast<BF16*>(a.out);
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) {
+    for (int j = 0; j < NO; ++j) {
       const int64_t n0 = (nb0 + j) * 16;
       const __m512 b = bias ? Avx512::load(bias + n0) : _mm512_setzero_ps();
+      if constexpr (Gated) {
+        const __m512 bu = bias ? Avx512::load(bias + a.n / 2 + n0) : _mm512_setzero_ps();
 #pragma GCC unroll 6
-      for (int i = 0; i < MT; ++i)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + i) * a.out_stride + n0),
-                            Avx512::bf16_bits(_mm512_add_ps(acc[i][j], b)));
+        for (int i = 0; i < MT; ++i) {
+          const __m512 g = Avx512Bf16::round<BF16>(_mm512_add_ps(acc[i][j], b));
+          const __m512 u = Avx512Bf16::round<BF16>(_mm512_add_ps(acc[i][j + NO], bu));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + i) * a.out_stride + n0),
+                              Avx512Bf16::bf16_bits(Elementwise<Avx512Bf16, BF16>::silu_mul(g, u)));
+        }
+      } else {
+#pragma GCC unroll 6
+        for (int i = 0; i < MT; ++i)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + i) * a.out_stride + n0),
+                              Avx512Bf16::bf16_bits(_mm512_add_ps(acc[i][j], b)));
+      }
     }
   }
 
-  template <int NB>
+  template <int NB, bool Gated>
   static void rows(const PackedLinearArgs& a, int64_t m_begin, int64_t m_end, int64_t nb0) {
     int64_t m0 = m_begin;
-    for (; m0 + kTileM <= m_end; m0 += kTileM) tile<kTileM, NB>(a, m0, nb0);
+    for (; m0 + kTileM <= m_end; m0 += kTileM) tile<kTileM, NB, Gated>(a, m0, nb0);
     switch (m_end - m0) {
-      case 1: tile<1, NB>(a, m0, nb0); break;
-      case 2: tile<2, NB>(a, m0, nb0); break;
-      case 3: tile<3, NB>(a, m0, nb0); break;
-      case 4: tile<4, NB>(a, m0, nb0); break;
-      case 5: tile<5, NB>(a, m0, nb0); break;
+      case 1: tile<1, NB, Gated>(a, m0, nb0); break;
+      case 2: tile<2, NB, Gated>(a, m0, nb0); break;
+      case 3: tile<3, NB, Gated>(a, m0, nb0); break;
+      case 4: tile<4, NB, Gated>(a, m0, nb0); break;
+      case 5: tile<5, NB, Gated>(a, m0, nb0); break;
       default: break;
     }
   }
@@ -149,11 +172,23 @@ struct PackedLinearBf16 {
   static void run(const PackedLinearArgs& a, int64_t m_begin, int64_t m_end, int64_t nb_begin, int64_t nb_end) {
     for (int64_t nb = nb_begin; nb < nb_end; nb += kMaxNB) {
       switch (std::min<int64_t>(kMaxNB, nb_end - nb)) {
-        case 1: rows<1>(a, m_begin, m_end, nb); break;
-        case 2: rows<2>(a, m_begin, m_end, nb); break;
-        case 3: rows<3>(a, m_begin, m_end, nb); break;
-        default: rows<4>(a, m_begin, m_end, nb); break;
+        case 1: rows<1, false>(a, m_begin, m_end, nb); break;
+        case 2: rows<2, false>(a, m_begin, m_end, nb); break;
+        case 3: rows<3, false>(a, m_begin, m_end, nb); break;
+        default: rows<4, false>(a, m_begin, m_end, nb); break;
       }
+    }
+  }
+
+  // Gated: output blocks [nb_begin, nb_end) of the d-wide product (a.n = 2d columns of
+  // weight, d % 16 == 0), 32 output columns at a time.
+  static void run_gated(const PackedLinearArgs& a, int64_t m_begin, int64_t m_end, int64_t nb_begin,
+                        int64_t nb_end) {
+    for (int64_t nb = nb_begin; nb < nb_end; nb += kMaxNB / 2) {
+      if (nb_end - nb >= 2)
+        rows<4, true>(a, m_begin, m_end, nb);
+      else
+        rows<2, true>(a, m_begin, m_end, nb);
     }
   }
 };

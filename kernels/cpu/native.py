@@ -239,6 +239,19 @@ class NativeCpuKernels:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         return self.module.packed_linear(x2, packed, bias, self._isa).view(*lead, packed.shape[0] * 16)
 
+    def packed_linear_silu_and_mul(self, x: torch.Tensor, packed: torch.Tensor,
+                                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        """reference.linear_silu_and_mul(x, w, bias) for ``packed = pack_linear_weight(w)``,
+        w = cat(gate, up) [2*d, K]: bf16 x through the gated packed kernel, which rounds
+        both products to bf16 as the linear would and writes only the [..., d] result;
+        otherwise (other dtypes, d % 16 != 0) packed_linear then silu_and_mul."""
+        if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.stride(-1) != 1 or packed.shape[0] % 2
+                or (bias is not None and bias.dtype != torch.bfloat16)):
+            return self.silu_and_mul(self.packed_linear(x, packed, bias))
+        lead = x.shape[:-1]
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        return self.module.packed_linear_silu_and_mul(x2, packed, bias, self._isa).view(*lead, packed.shape[0] * 8)
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """See reference.argmax."""
         if x.dim() != 2 or x.dtype not in _DTYPES or x.device.type != "cpu" or x.shape[1] == 0 or x.stride(-1) != 1:

@@ -369,4 +369,29 @@ struct Avx512 {
 };
 #endif  // PAGEDSERVE_HAVE_AVX512
 
+#if defined(PAGEDSERVE_HAVE_AVX512BF16)
+// AVX-512 with the BF16 extension: float32 -> bf16 in one VCVTNEPS2BF16, which rounds to
+// nearest even like torch.  It flushes denormals and keeps NaN payloads, where torch
+// keeps denormals and writes 0x7fc0; VFPCLASSPS finds those lanes (rare) and they take
+// Avx512's integer path, so the bits are torch's in every case.
+struct Avx512Bf16 : Avx512 {
+  using Avx512::store;
+  static constexpr int kSpecial = 0x01 | 0x20 | 0x80;  // quiet NaN, denormal, signalling NaN
+  static __m256i bf16_bits(V a) {
+    if (_mm512_fpclass_ps_mask(a, kSpecial)) [[unlikely]]
+      return Avx512::bf16_bits(a);
+    return (__m256i)_mm512_cvtneps_pbh(a);
+  }
+  static void store(BF16* p, V a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(a)); }
+  template <typename T>
+  static V round(V a) {
+    if constexpr (std::is_same_v<T, BF16>) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(a)), 16));
+    } else {
+      return Avx512::round<T>(a);
+    }
+  }
+};
+#endif  // PAGEDSERVE_HAVE_AVX512BF16
+
 }  // namespace pagedserve_cpu

@@ -29,7 +29,7 @@ import torch
 from pagedserve.kernels import reference
 
 __all__ = ["PREPACK_DTYPES", "prepack_requested", "onednn_available", "prepack_enabled", "prepare_linear_weight",
-           "make_prepare_linear_weight", "make_linear"]
+           "make_prepare_linear_weight", "make_linear", "make_linear_silu_and_mul"]
 
 #: Weight dtypes packed: bf16 is the CPU's compute dtype where it has native bf16.
 PREPACK_DTYPES = (torch.bfloat16,)
@@ -92,3 +92,18 @@ def make_linear(plain: Callable[..., torch.Tensor], native=None) -> Callable[...
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
     return linear
+
+
+def make_linear_silu_and_mul(linear: Callable[..., torch.Tensor], silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+                             native) -> Callable[..., torch.Tensor]:
+    """``linear_silu_and_mul`` that runs natively packed [gate; up] weights through
+    ``native``'s gated packed kernel (the 2*d product never written) and anything else
+    through ``silu_and_mul(linear(...))`` of the registry."""
+
+    def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """See reference.linear_silu_and_mul; ``weight`` may be packed by ``prepare_linear_weight``."""
+        if weight.dim() == 4:
+            return native.packed_linear_silu_and_mul(x, weight, bias)
+        return silu_and_mul(linear(x, weight, bias))
+
+    return linear_silu_and_mul

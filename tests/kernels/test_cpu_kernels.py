@@ -387,6 +387,54 @@ def test_packed_linear(packed_kernels, m, k, n, bias):
                  reference.linear(xf, w.float(), None if b is None else b.float()), torch.float32)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m,k,d", [(1, 576, 1536), (7, 64, 48), (13, 100, 16), (64, 576, 96), (130, 34, 32)])
+def test_packed_linear_silu_and_mul(packed_kernels, m, k, d, bias):
+    """The gated packed kernel (silu(x . gate^T) * (x . up^T) without writing the 2d
+    product): bit-identical to the packed linear followed by silu_and_mul, and close to
+    the reference; 1-2 gate blocks per tile (d/16 even and odd), row tails, bias,
+    row-strided and 3-D x, and the unpacked fallback for float32 x."""
+    kernels = packed_kernels
+    gen = torch.Generator().manual_seed(m * 1000 + k + d)
+    wide = (torch.randn(m, k + 5, generator=gen) * 2).bfloat16()
+    x = wide[:, :k]  # a row-strided view
+    w = (torch.randn(2 * d, k, generator=gen) / k ** 0.5).bfloat16()
+    b = torch.randn(2 * d, generator=gen).bfloat16() if bias else None
+    packed = kernels.pack_linear_weight(w)
+    got = torch.full((m, d), float("nan")).bfloat16()
+    got.copy_(kernels.packed_linear_silu_and_mul(x, packed, b))
+    assert torch.equal(got, kernels.silu_and_mul(kernels.packed_linear(x, packed, b)))
+    assert_close(got, reference.linear_silu_and_mul(x, w, b), torch.bfloat16)
+    assert torch.equal(kernels.packed_linear_silu_and_mul(x.reshape(1, m, k), packed, b), got.view(1, m, d))
+    xf = x.float()
+    assert_close(kernels.packed_linear_silu_and_mul(xf, packed, None if b is None else b.float()),
+                 reference.linear_silu_and_mul(xf, w.float(), None if b is None else b.float()), torch.float32)
+
+
+def test_bf16_rounding_special_values(every_isa):
+    """Every instruction set rounds float32 results to bf16 bit for bit as torch does,
+    including where the AVX-512 BF16 conversion instruction differs (denormal results,
+    NaNs), overflow to infinity and ties.  silu_and_mul with gate 100.5 (silu
+    exact, 8 significant bits) rounds the float32 product 100.5 * up, which needs up to
+    15 bits; up = +-2^-133 (the smallest bf16 denormal) makes a denormal tie."""
+    tiny = 2.0 ** -133
+    ups = torch.tensor([tiny, -tiny, 3 * tiny, 1e-39, -1e-39, 1.1754942e-38, float("inf"), float("-inf"),
+                        float("nan"), 0.0, -0.0, 3.0e38, -3.3e36, 1.00390625, -1.01171875])
+    up = torch.cat([ups, torch.randn(40) * 1e-38, torch.randn(41)]).bfloat16()
+    x = torch.cat([torch.full_like(up, 100.5), up]).view(1, -1)
+    want = reference.silu_and_mul(x)
+    assert want.isnan().any() and want.isinf().any()
+    assert ((want.float().abs() < 1.1754942e-38) & (want != 0)).any()  # a denormal result
+    nan = want.isnan()
+    for isa, kernels in every_isa.items():
+        got = kernels.silu_and_mul(x)
+        # NaN payloads are not part of the contract (torch's own vector and scalar
+        # conversions write different ones); everything else is, bit for bit.
+        bits, want_bits = got.view(torch.int16)[~nan], want.view(torch.int16)[~nan]
+        assert torch.equal(got.isnan(), nan) and torch.equal(bits, want_bits), (
+            isa, (bits != want_bits).nonzero().flatten().tolist())
+
+
 def test_pack_linear_weight_refuses_other_shapes(every_isa):
     for isa, kernels in every_isa.items():
         if not kernels.has_packed_linear:  # only AVX-512 BF16 has the kernel

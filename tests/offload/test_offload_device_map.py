@@ -172,9 +172,10 @@ def test_greedy_outputs_equal_the_unmapped_run(device_map, on_hm, plugin, expect
     n, calls = model_calls["forward"], plugin.CALLS
     first_hm, last_hm = 0 in on_hm, 3 in on_hm
     assert calls["paged_attention"] == calls["reshape_and_cache"] == n * len(on_hm) > 0
-    assert calls["rotary_embedding"] == calls["silu_and_mul"] == n * len(on_hm)
-    # Four per layer, plus the LM head when the last segment is cpu-hm's.
-    assert calls["linear"] == n * 4 * len(on_hm) + model_calls["compute_logits"] * last_hm
+    assert calls["rotary_embedding"] == calls["linear_silu_and_mul"] == n * len(on_hm)
+    # qkv, o and down per layer (gate/up go through linear_silu_and_mul), plus the LM
+    # head when the last segment is cpu-hm's.
+    assert calls["linear"] == n * 3 * len(on_hm) + model_calls["compute_logits"] * last_hm
     assert calls["embedding"] == n * first_hm
     eng.kv.pool.check_invariants()
     assert eng.kv.pool.num_in_use == 0

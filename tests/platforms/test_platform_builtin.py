@@ -96,9 +96,27 @@ def test_cpu_kv_cache_allocation_and_block_copy(clean_env):
 def test_op_registry_defaults_to_the_reference_for_every_op():
     ops = OpRegistry()
     assert [name for name, _ in ops.table()] == list(reference.OP_NAMES)
+    composite = {"linear_silu_and_mul"}  # the registry's own parts, composed (below)
     for name in reference.OP_NAMES:
         assert ops.source(name) == "reference"
-        assert ops.get(name) is getattr(reference, name)
+        assert (ops.get(name) is getattr(reference, name)) == (name not in composite), name
+
+
+def test_fused_op_default_composes_the_registry_parts():
+    """linear_silu_and_mul defaults to silu_and_mul(linear(...)) of the same registry,
+    looked up per call: a platform that overrides only linear (say, taking weights it
+    packed in prepare_linear_weight) and silu_and_mul gets them in the fused op too."""
+    ops = OpRegistry()
+    gen = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(5, 8, generator=gen), torch.randn(12, 8, generator=gen), torch.randn(12, generator=gen)
+    torch.testing.assert_close(ops.linear_silu_and_mul(x, w, b), reference.linear_silu_and_mul(x, w, b))
+    calls = []
+    ops.register("prepare_linear_weight", lambda w: ("packed", w), source="test")
+    ops.register("linear", lambda x, w, b=None: calls.append("linear") or reference.linear(x, w[1], b), source="test")
+    ops.register("silu_and_mul", lambda x: calls.append("silu") or reference.silu_and_mul(x), source="test")
+    got = ops.linear_silu_and_mul(x, ops.prepare_linear_weight(w), b)
+    assert calls == ["linear", "silu"] and ops.source("linear_silu_and_mul") == "reference"
+    torch.testing.assert_close(got, reference.linear_silu_and_mul(x, w, b))
 
 
 def test_op_registry_rejects_bad_registrations():
