@@ -98,8 +98,8 @@ def bench_attention(native, seqs: list[int], contexts: list[int], dtype: torch.d
 def prefill_inputs(q_len: int, context: int, dtype: torch.dtype, block_size: int = 16) -> tuple[torch.Tensor, ...]:
     """One prefill chunk: the last ``q_len`` of ``context`` positions (a prefix-cache
     continuation when q_len < context), default-model heads, blocks shuffled."""
-    query, key_cache, value_cache, block_tables, seq_lens, _ = attention_inputs(1, context, dtype,
-                                                                                 block_size=block_size)
+    query, caches, block_tables, seq_lens, _ = attention_inputs(1, context, dtype, block_size=block_size)
+    (key_cache, value_cache), = caches
     query = torch.randn(q_len, *query.shape[1:]).to(dtype)
     query_start_loc = torch.tensor([0, q_len], dtype=torch.int32)
     return query, key_cache, value_cache, block_tables, seq_lens, query_start_loc

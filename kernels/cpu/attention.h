@@ -335,8 +335,7 @@ struct Attention {
 
   // The G query rows of one token (row stride qs, all seeing the first n keys of the
   // span): scores, online-softmax rescale, then P.V for all of them together.
-  // pf: the item's prefetcher, for the first token of the item's tile only (the others
-  // read the same rows again).
+  // pf: the item's prefetcher (single-token items only).
   static void token_rows(AttnScratch& sc, int row0, int G, const E* q, int64_t qs, const Span& sn, int n,
                          float scale, KvPrefetcher* pf) {
     const int sp = round_up(n, W);
@@ -438,8 +437,14 @@ struct Attention {
     // Keys visible to the item's last token; earlier tokens see fewer (causal).
     const int key_end = std::min(w.ctx_end, first_pos + w.tok_end);
     const int bps = blocks_per_span(bs);
-    plan_prefetch(p, sc.pf, w, bps, key_end);
-    sc.pf.pump(kLeadLines);
+    // Software prefetch for single-token (decode) items only: a tile of several query
+    // tokens uses each K/V row for all of them, is bound by compute, and measured 2-3%
+    // faster without it (benchmarks/cpu_kernels.py --prefill).
+    KvPrefetcher* pf = n_tok == 1 ? &sc.pf : nullptr;
+    if (pf) {
+      plan_prefetch(p, *pf, w, bps, key_end);
+      pf->pump(kLeadLines);
+    }
     for (int kb = w.ctx_begin / bs; kb * bs < key_end; kb += bps) {
       const int kb_end = std::min(kb + bps, (key_end + bs - 1) / bs);
       const int j0 = std::max(w.ctx_begin, kb * bs), j1 = std::min(key_end, kb_end * bs);
@@ -451,9 +456,9 @@ struct Attention {
           const int r = (h - w.kv_begin) * n_tok * G + t * G;
           if constexpr (std::is_same_v<E, T>)
             token_rows(sc, r, G, query + t * p.q_stride_tok + int64_t(h) * G * p.q_stride_head, p.q_stride_head,
-                       sn, visible, p.scale, t == 0 ? &sc.pf : nullptr);
+                       sn, visible, p.scale, pf);
           else
-            token_rows(sc, r, G, sc.q.data() + size_t(r) * D, D, sn, visible, p.scale, t == 0 ? &sc.pf : nullptr);
+            token_rows(sc, r, G, sc.q.data() + size_t(r) * D, D, sn, visible, p.scale, pf);
         }
       }
     }
