@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup setup-serve test serve generate kernels clean
+.PHONY: setup setup-serve test test-slow serve generate kernels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,12 @@ setup: setup-serve
 kernels: $(PY)
 	$(VENV)/bin/pagedserve build-kernels --verbose
 
+# CI runs everything but the long checks marked `slow`; `make test-slow` runs those.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+test-slow: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m slow
 
 serve: setup-serve
 	$(VENV)/bin/pagedserve serve
