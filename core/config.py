@@ -186,7 +186,7 @@ class ModelConfig:
 
     model: str | None = field(default=None, metadata=_help(
         "the model: a Hugging Face checkpoint folder, a .gguf file, or the default model's alias "
-        "(smollm2-135m-instruct, used when unset)", cli=False))
+        "(smollm2-135m-instruct, used when unset); commands take it as their positional MODEL", cli=False))
     dtype: str = field(default="auto", metadata=_help(
         "weights and activations dtype: auto (the platform's default), float32, bfloat16 or float16"))
     max_model_len: int | None = field(default=None, metadata=_help(
@@ -196,9 +196,10 @@ class ModelConfig:
         "a tokenizer other than the model's: a folder with tokenizer.json, a .gguf file, or the default "
         "model's alias"))
     chat_template: str | None = field(default=None, metadata=_help(
-        "Jinja2 chat template text overriding the model's", cli=False))
+        "Jinja2 chat template text overriding the model's (`serve --chat-template` also reads a file)",
+        cli=False))
     served_model_name: str | None = field(default=None, metadata=_help(
-        "the name clients use for the model", cli=False))
+        "the name clients use for the model (`serve --served-model-name` takes several)", cli=False))
     quantization: str | None = field(default=None, metadata=_help(
         "none, auto (from the checkpoint; default), gguf, int8, w8a8, fp8, gptq, awq (docs/quantization.md)"))
     max_logprobs: int = field(default=20, metadata=_help(

@@ -223,15 +223,17 @@ def settings_markdown() -> str:
     ``python -m pagedserve.entrypoints.engine_args``)."""
     lines = ["| `LLM(...)` keyword | flag | default | description |", "|---|---|---|---|"]
     for arg in engine_args():
-        if arg.type is bool:
+        if not arg.cli:
+            flags = "(keyword only)"
+        elif arg.type is bool:
             flags = f"`{arg.flags[0]}` / `--no-{arg.flags[0][2:]}`"
         else:
-            flags = " ".join(f"`{f}`" for f in arg.flags) if arg.cli else "(positional or keyword only)"
+            flags = " ".join(f"`{f}`" for f in arg.flags)
         keywords = ", ".join(f"`{k}`" for k in arg.keywords)
         choices = f" One of: {', '.join(arg.choices)}." if arg.choices else ""
         text = arg.help.replace("|", "\\|")
         lines.append(f"| {keywords} | {flags} | `{arg.default!r}` | {text}.{choices} "
-                     f"(`{arg.section}.{arg.field}`) |")
+                     f"`{arg.section}.{arg.field}` |")
     return "\n".join(lines) + "\n"
 
 
