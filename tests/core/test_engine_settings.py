@@ -202,3 +202,14 @@ def test_model_shape_rules_fail_before_weights_or_workers(tiny_llama, monkeypatc
 
 def test_cache_config_keeps_the_field_name():
     assert CacheConfig(cache_dtype="auto").cache_dtype == "auto"
+
+
+def test_disaggregated_instances_refuse_before_starting(no_model_work):
+    from pagedserve.distributed.disagg import DisaggregatedLLM
+
+    with pytest.raises(ValueError, match="single-rank"):
+        DisaggregatedLLM(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="needs enable_prefix_caching=True"):
+        DisaggregatedLLM(enable_prefix_caching=False)
+    with pytest.raises(TypeError, match="did you mean 'max_num_seqs'"):
+        DisaggregatedLLM(max_num_seq=2)
