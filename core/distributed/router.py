@@ -165,11 +165,11 @@ class DataParallelRouter:
         platforms = resolve_platforms(dp.devices, check_available=dp.backend == "mp")
         c = config.cache
         no_budget = c.kv_cache_memory is None and c.memory_utilization is None and c.num_gpu_blocks_override is None
-        self.specs = plan_replicas(dp, [p.device_type for p in platforms], config.device.threads, ranks,
+        self.specs = plan_replicas(dp, [p.device_type for p in platforms], config.device.threads, par.world_size,
                                    one_accelerator_per_actor=dp.backend == "ray",
                                    default_utilization=[p.default_memory_utilization for p in platforms]
                                    if no_budget else None)
-        self._launcher = create_launcher(dp.backend, ranks)
+        self._launcher = create_launcher(dp.backend, par.world_size)
         self._streams: dict[str, RequestStream] = {}
         self._inflight: dict[str, _InFlight] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

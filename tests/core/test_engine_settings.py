@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM
 from pagedserve.config import CacheConfig, EngineConfig, ParallelConfig
 from pagedserve.entrypoints import cli, serve_cmd
 from pagedserve.entrypoints.engine_args import (add_engine_arguments, engine_args, engine_config_from_args,
