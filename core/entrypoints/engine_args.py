@@ -172,8 +172,21 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
     if defined is None:
         defined = [a.name for a in engine_args() if a.cli]
     values = {name: getattr(args, name) for name in defined if hasattr(args, name)}
-    values.update(overrides)
+    by_keyword = _by_keyword()
+    for key, value in overrides.items():
+        if key not in by_keyword:
+            raise TypeError(f"{key!r} is not an engine setting{_closest(key, by_keyword)}")
+        values[by_keyword[key].name] = value
     return _build(values)
+
+
+def _by_keyword() -> dict[str, EngineArg]:
+    return {k: a for a in engine_args() for k in a.keywords}
+
+
+def _closest(key: str, names: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(names), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def default_kv_budget(args: argparse.Namespace, budget: str) -> dict[str, Any]:
@@ -190,15 +203,13 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
     TypeError for an unknown name, naming the closest setting; ValueError when two
     spellings of one setting disagree.
     """
-    by_keyword = {k: a for a in engine_args() for k in a.keywords}
+    by_keyword = _by_keyword()
     values: dict[str, Any] = {}
     given: dict[str, str] = {}
     for key, value in kwargs.items():
         arg = by_keyword.get(key)
         if arg is None:
-            close = difflib.get_close_matches(key, list(by_keyword), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"LLM() got an unexpected keyword argument {key!r}{hint}")
+            raise TypeError(f"LLM() got an unexpected keyword argument {key!r}{_closest(key, by_keyword)}")
         if arg.name in values and value is not None and values[arg.name] is not None \
                 and values[arg.name] != value:
             raise ValueError(f"{given[arg.name]} and {key} (its alias) disagree: "

@@ -213,3 +213,10 @@ def test_disaggregated_instances_refuse_before_starting(no_model_work):
         DisaggregatedLLM(enable_prefix_caching=False)
     with pytest.raises(TypeError, match="did you mean 'max_num_seqs'"):
         DisaggregatedLLM(max_num_seq=2)
+
+
+def test_overrides_take_any_spelling_and_refuse_unknown_names():
+    args = parse(["serve", "--gpu-memory-utilization", "0.3"])
+    assert engine_config_from_args(args, memory_utilization=0.4).cache.memory_utilization == 0.4
+    with pytest.raises(TypeError, match="'max_num_seq' is not an engine setting; did you mean 'max_num_seqs'"):
+        engine_config_from_args(args, max_num_seq=2)
