@@ -139,7 +139,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, exclude: Iterable[s
             group = groups[arg.section] = parser.add_argument_group(f"engine ({arg.section})")
         default = defaults.get(arg.name, arg.default)
         text = arg.help.replace("%", "%%")
-        if default is not None and arg.type is not bool:
+        if arg.type is bool:
+            text += " (default: on)" if default else " (default: off)"
+        elif default is not None:
             text += " (default: %(default)s)"
         kwargs: dict[str, Any] = {"dest": arg.name, "default": default, "help": text}
         if arg.type is bool:
