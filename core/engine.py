@@ -14,11 +14,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.config_rules import check_logprobs_limit, check_parallel_fits_model, check_prompt_fits_step
 from pagedserve.executor.executor import create_executor
 from pagedserve.executor.model_runner import resolve_dtype
 from pagedserve.kv_cache.host_tier import TieredKVCacheManager
 from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.loader import IncrementalDetokenizer, open_model
+from pagedserve.loader.tokenizer_source import engine_tokenizer
 from pagedserve.quantization.registry import quantize_source
 from pagedserve.models.llama import ArchConfig
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -91,17 +93,15 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        config.validate()  # every cross-feature rule, before any model or worker work
         torch.manual_seed(config.model.seed)
         self.platform, self.ops = select_platform(config.device.device)
-        cores = config.device.bind_cores
-        if cores and config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1:
-            raise ValueError(f"cpu_bind={config.device.cpu_bind!r} is not supported with tensor/pipeline "
-                             "parallelism yet (every rank would pin the same cores)")
-        self.platform.configure_threads(config.device.threads, cores)
+        self.platform.configure_threads(config.device.threads, config.device.bind_cores)
         source = open_model(config.model.model)
         self.model_source = source
-        self.tokenizer = source.tokenizer()
         self.arch = ArchConfig.from_hf(source.hf_config)
+        check_parallel_fits_model(config, self.arch)
+        self.tokenizer = engine_tokenizer(config.model, source, self.arch.vocab_size)
         self.eos_token_ids = frozenset(source.eos_token_ids)
         mml = config.model.max_model_len or self.arch.max_position_embeddings
         if mml > self.arch.max_position_embeddings:
@@ -112,7 +112,7 @@ class LLMEngine:
         # Linear weights load quantized when config.model.quantization or the checkpoint asks.
         source = self.model_source = quantize_source(
             source, config.model.quantization, self.platform, self.ops, self.dtype,
-            config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size, config.cache.cpu_offload_gb,
+            config.parallel.world_size, config.cache.cpu_offload_gb,
             config.device.device_map)
         # One rank in this process, or several (tensor/pipeline parallel) behind one executor.
         self.executor = create_executor(config, self.platform, self.ops, self.arch, self.dtype, source, mml)
@@ -146,6 +146,7 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
                              "(the prompt plus at least one generated token must fit)")
+        check_prompt_fits_step(self.config.scheduler, len(prompt_token_ids))
         return prompt, list(prompt_token_ids)
 
     def add_request(
@@ -160,6 +161,7 @@ class LLMEngine:
     ) -> None:
         """Queue a request; raises ValueError (and queues nothing) on bad input."""
         params = params or SamplingParams()
+        check_logprobs_limit(self.config.model, params)
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt, ids = self.validate_prompt(prompt, prompt_token_ids)

@@ -126,7 +126,10 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         n = request.num_tokens - request.num_computed_tokens
-        if not self.config.enable_chunked_prefill and n > budget:
+        # Without chunked prefill a request waits for a step with room for all its tokens.
+        # Admission keeps prompts within one step; only a request preempted by recompute
+        # after outgrowing the budget can exceed it, and it is chunked rather than starved.
+        if not self.config.enable_chunked_prefill and budget < n <= self.config.max_num_batched_tokens:
             return 0
         return min(n, budget)
 

@@ -129,14 +129,16 @@ class DisaggregatedLLM:
 
     def __init__(self, model: str | None = None, prefill_threads: int | None = None,
                  timeout_s: float = 300.0, **llm_kwargs) -> None:
+        from pagedserve.entrypoints.engine_args import engine_config_from_kwargs
         from pagedserve.entrypoints.llm import LLM
 
-        if not llm_kwargs.get("enable_prefix_caching", True):
+        config = engine_config_from_kwargs(model=model, **llm_kwargs)
+        if not config.cache.enable_prefix_caching:
             raise ValueError("disaggregated decode needs enable_prefix_caching=True")
-        if llm_kwargs.get("tensor_parallel_size", 1) * llm_kwargs.get("pipeline_parallel_size", 1) > 1:
+        if config.parallel.world_size > 1:
             raise ValueError("disaggregated prefill/decode instances are single-rank here")
         self.timeout_s = timeout_s
-        self.llm = LLM(model=model, **llm_kwargs)
+        self.llm = LLM.from_engine_config(config)
         engine = self.llm.llm_engine
         pconfig = replace(engine.config, device=replace(engine.config.device, threads=prefill_threads))
         addr, backend = "127.0.0.1", engine.platform.dist_backend

@@ -33,7 +33,7 @@ class DistributedExecutor(Executor):
     def __init__(self, config: EngineConfig, platform: Platform, source=None) -> None:
         par = config.parallel
         self.config = config
-        self.world_size = par.tensor_parallel_size * par.pipeline_parallel_size
+        self.world_size = par.world_size
         self._failure: RuntimeError | None = None
         self._closed = False
         self._stopped_gracefully = False

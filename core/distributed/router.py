@@ -66,7 +66,8 @@ class _PromptCheck:
 
     validate_prompt = LLMEngine.validate_prompt
 
-    def __init__(self, tokenizer, arch, max_model_len: int) -> None:
+    def __init__(self, tokenizer, arch, max_model_len: int, config: EngineConfig) -> None:
+        self.config = config
         self.tokenizer = tokenizer
         self.arch = arch
         self.max_model_len = max_model_len
@@ -141,34 +142,34 @@ class DataParallelRouter:
     def __init__(self, config: EngineConfig, dp: DataParallelConfig, log_level: str = "info",
                  policy: RoutingPolicy | None = None, startup_timeout_s: float | None = None) -> None:
         from pagedserve.loader import open_model
+        from pagedserve.loader.tokenizer_source import engine_tokenizer
         from pagedserve.models.llama import ArchConfig
 
         par = config.parallel
-        ranks = par.tensor_parallel_size * par.pipeline_parallel_size
-        if ranks > 1 and par.distributed_executor_backend == "ray":
+        if par.world_size > 1 and par.distributed_executor_backend == "ray":
             raise ValueError("the ranks of a data-parallel replica run as local processes: use "
                              "--distributed-executor-backend mp with --data-parallel-size > 1")
         self.config = config
         self.dp = dp
         source = open_model(config.model.model)
-        self._tokenizer = source.tokenizer()
         arch = ArchConfig.from_hf(source.hf_config)
+        self._tokenizer = engine_tokenizer(config.model, source, arch.vocab_size)
         mml = config.model.max_model_len or arch.max_position_embeddings
         if mml > arch.max_position_embeddings:
             raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings "
                              f"({arch.max_position_embeddings})")
-        self._check = _PromptCheck(self._tokenizer, arch, mml)
+        self._check = _PromptCheck(self._tokenizer, arch, mml, config)
         self.max_queue_len = config.scheduler.max_queue_len
         self.policy = policy or RoutingPolicy(config.cache.block_size,
                                               enable_affinity=config.cache.enable_prefix_caching)
         platforms = resolve_platforms(dp.devices, check_available=dp.backend == "mp")
         c = config.cache
         no_budget = c.kv_cache_memory is None and c.memory_utilization is None and c.num_gpu_blocks_override is None
-        self.specs = plan_replicas(dp, [p.device_type for p in platforms], config.device.threads, ranks,
+        self.specs = plan_replicas(dp, [p.device_type for p in platforms], config.device.threads, par.world_size,
                                    one_accelerator_per_actor=dp.backend == "ray",
                                    default_utilization=[p.default_memory_utilization for p in platforms]
                                    if no_budget else None)
-        self._launcher = create_launcher(dp.backend, ranks)
+        self._launcher = create_launcher(dp.backend, par.world_size)
         self._streams: dict[str, RequestStream] = {}
         self._inflight: dict[str, _InFlight] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

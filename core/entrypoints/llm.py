@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
-from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedserve.config import EngineConfig
+from pagedserve.entrypoints.engine_args import engine_config_from_args, engine_config_from_kwargs, engine_signature
 from pagedserve.engine import LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -23,59 +27,28 @@ class LLM:
     tier, swap preemption, weight offload), see docs/memory.md.
     device_map: decoder layers split across platforms, e.g. "cuda:20,cpu" (the first 20
     layers on cuda, the rest on cpu) or "cpu:0-14,cuda:15-29"; see docs/memory.md.
+    Every engine setting is a keyword argument (docs/engine_settings.md).
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        device: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        kv_cache_memory: int | str | None = None,
-        memory_utilization: float | None = None,
-        gpu_memory_utilization: float | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        distributed_executor_backend: str | None = None,
-        seed: int = 0,
-        threads: int | None = None,
-        scheduling_policy: str = "fcfs",
-        scheduler_delay_factor: float = 0.0,
-        num_gpu_blocks_override: int | None = None,
-        chat_template: str | None = None,
-        quantization: str | None = None,
-        kv_offload_memory: int | str | None = None,
-        preemption_mode: str = "auto",
-        cpu_offload_gb: float = 0.0,
-        device_map: str | Sequence[str | tuple[str, int | None]] | None = None,
-        cpu_bind: str | None = None,
-    ) -> None:
-        if memory_utilization is not None and gpu_memory_utilization is not None \
-                and memory_utilization != gpu_memory_utilization:
-            raise ValueError("memory_utilization and gpu_memory_utilization (its alias) disagree")
-        util = memory_utilization if memory_utilization is not None else gpu_memory_utilization
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              chat_template=chat_template, quantization=quantization),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              memory_utilization=util,
-                              enable_prefix_caching=enable_prefix_caching,
-                              num_gpu_blocks_override=num_gpu_blocks_override,
-                              kv_offload_memory=kv_offload_memory, preemption_mode=preemption_mode,
-                              cpu_offload_gb=cpu_offload_gb),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy,
-                                      delay_factor=scheduler_delay_factor),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                    pipeline_parallel_size=pipeline_parallel_size,
-                                    distributed_executor_backend=distributed_executor_backend),
-            device=DeviceConfig(device=device, threads=threads, device_map=device_map, cpu_bind=cpu_bind),
-        )
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        # Every other keyword is an engine setting (pagedserve.entrypoints.engine_args):
+        # a TypeError names the closest one for a misspelling.
+        self._start(engine_config_from_kwargs(model=model, **kwargs))
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> LLM:
+        """An LLM running ``config``."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> LLM:
+        """An LLM from a command's flags (``add_engine_arguments``) and its positional
+        ``model``; ``overrides`` (setting name -> value) win."""
+        return cls.from_engine_config(engine_config_from_args(args, **{"model": args.model, **overrides}))
+
+    def _start(self, config: EngineConfig) -> None:
         if config.device.device_map is not None:
             # Unknown or unavailable platforms anywhere in the map: one ValueError listing
             # the available ones, before anything loads.
@@ -181,3 +154,9 @@ class LLM:
                                            chat_template=template)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+# help(LLM) and IDEs list every engine setting with its default.
+LLM.__init__.__signature__ = engine_signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+     inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)])

@@ -29,42 +29,12 @@ def add_parser(subparsers) -> None:
                      help="name(s) clients use in 'model' (default: the model argument)")
     net.add_argument("--chat-template", default=None,
                      help="a Jinja2 chat template file (or template text) overriding the model's")
-    net.add_argument("--max-queue-len", type=int, default=None,
-                     help="answer 503 while this many sequences wait to be scheduled (default: unbounded)")
     net.add_argument("--max-body-size", default="16MiB", help="largest request body accepted (413 above)")
     net.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     net.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
-    eng = p.add_argument_group("engine")
-    eng.add_argument("--device", default=None, help="platform name (default: PAGEDSERVE_TARGET_DEVICE or auto)")
-    eng.add_argument("--dtype", default="auto")
-    eng.add_argument("--quantization", default=None,
-                     help="none, auto (from the checkpoint; default), gguf, int8, w8a8, fp8, gptq, awq (docs/quantization.md)")
-    eng.add_argument("--max-model-len", type=int, default=None)
-    eng.add_argument("--max-num-seqs", type=int, default=256)
-    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    eng.add_argument("--block-size", type=int, default=16)
-    eng.add_argument("--kv-cache-memory", default=None, help="KV-cache budget, e.g. 4GiB")
-    eng.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization",
-                     type=float, default=None,
-                     help="fraction of the device's memory for weights, activations and KV cache")
-    eng.add_argument("--scheduler-delay-factor", type=float, default=0.0)
-    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    eng.add_argument("--tensor-parallel-size", type=int, default=1)
-    eng.add_argument("--pipeline-parallel-size", type=int, default=1)
-    eng.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
-                     help="how ranks run when tensor/pipeline parallel size > 1 (default: mp)")
-    eng.add_argument("--kv-offload-memory", default=None, help="host-memory KV tier, e.g. 8GiB")
-    eng.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
-    eng.add_argument("--cpu-offload-gb", type=float, default=0.0,
-                     help="GB of layer weights kept in host memory and streamed to the device")
-    from pagedserve.entrypoints.device_map_arg import add_device_map_argument
+    from pagedserve.entrypoints.engine_args import add_engine_arguments
 
-    add_device_map_argument(eng)
-    eng.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
-    eng.add_argument("--cpu-bind", default=None, metavar="CPUS",
-                     help="pin the model's threads to these host cores, one each, e.g. 0-3 (threads defaults "
-                          "to their number)")
-    eng.add_argument("--seed", type=int, default=0)
+    add_engine_arguments(p)  # every engine setting, from pagedserve.config
     dp = p.add_argument_group("data parallelism (docs/distributed.md)")
     dp.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                     help="independent engine replicas, each in its own process, behind this endpoint; "
@@ -94,29 +64,12 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def build_engine_config(args: argparse.Namespace):
-    from pagedserve.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
-                                   SchedulerConfig, parse_memory)
+    from pagedserve.config import parse_memory
+    from pagedserve.entrypoints.engine_args import engine_config_from_args
     from pagedserve.loader.model_path import DEFAULT_MODEL_ALIAS
 
     names = args.served_model_name or [args.model or DEFAULT_MODEL_ALIAS]
-    cache_kwargs = {}
-    if args.memory_utilization is not None:
-        cache_kwargs["memory_utilization"] = args.memory_utilization
-    config = EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-                          served_model_name=names[0], quantization=args.quantization),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          enable_prefix_caching=args.enable_prefix_caching,
-                          kv_offload_memory=args.kv_offload_memory, preemption_mode=args.preemption_mode,
-                          cpu_offload_gb=args.cpu_offload_gb, **cache_kwargs),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  delay_factor=args.scheduler_delay_factor, max_queue_len=args.max_queue_len),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                pipeline_parallel_size=args.pipeline_parallel_size,
-                                distributed_executor_backend=args.distributed_executor_backend),
-        device=DeviceConfig(device=args.device, threads=args.threads, device_map=args.device_map,
-                            cpu_bind=args.cpu_bind),
-    )
+    config = engine_config_from_args(args, model=args.model, served_model_name=names[0])
     return config, names, parse_memory(args.max_body_size, "--max-body-size")
 
 

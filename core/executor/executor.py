@@ -75,13 +75,9 @@ def create_executor(config: EngineConfig, platform: Platform, ops: OpRegistry, a
                     dtype: torch.dtype, source, max_model_len: int) -> Executor:
     """The executor ``config.parallel`` asks for (None: "uni" for one rank, else "mp")."""
     par = config.parallel
-    world = par.tensor_parallel_size * par.pipeline_parallel_size
-    config.check_device_map()  # a device map needs the single-process executor
-    backend = par.distributed_executor_backend or ("uni" if world == 1 else "mp")
+    config.validate()  # e.g. 'uni' with several ranks, a device map with several ranks
+    backend = par.distributed_executor_backend or ("uni" if par.world_size == 1 else "mp")
     if backend == "uni":
-        if world > 1:
-            raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size * "
-                             f"pipeline_parallel_size = {world}; use 'mp' or 'ray'")
         return UniProcExecutor(config, platform, ops, arch, dtype, source, max_model_len)
     if backend == "mp":
         from pagedserve.distributed.mp_executor import MultiprocExecutor

@@ -64,10 +64,7 @@ def build_kv_manager(config: EngineConfig, num_blocks: int, runner) -> KVCacheMa
     cache = config.cache
     if cache.kv_offload_memory is None:
         return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-    par = config.parallel
-    if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
-        # Every rank would need its own host pool and copies; not wired up yet.
-        raise ValueError("kv_offload_memory is not supported with tensor/pipeline parallelism yet")
+    config.validate()  # one rank only: every rank would need its own host pool and copies
     from pagedserve.executor.model_runner import kv_bytes_per_block
 
     per_block = kv_bytes_per_block(getattr(runner, "local_arch", runner.arch), cache.block_size, runner.dtype)
