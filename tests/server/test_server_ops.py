@@ -231,3 +231,17 @@ def test_json_logs_stats_lines_and_request_logs(ops):
     assert "generated_tokens=4" in finished["message"]
     non_json = [line for line in server.log().splitlines() if line.strip() and not line.startswith("{")]
     assert not non_json, non_json[:5]
+
+
+def test_grafana_dashboard_uses_only_exported_series(tiny_server):
+    import pathlib
+    import re
+
+    dashboard = json.loads((pathlib.Path(__file__).parents[2] / "examples/grafana/pagedserve.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\$\{prefix\}:([a-z_]+)", e)}
+    assert len(used) >= 12
+    text = httpx.get(tiny_server.url + "/metrics", timeout=10).text
+    exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    missing = {m for m in used if f"pagedserve:{m}" not in exported}
+    assert not missing, missing
