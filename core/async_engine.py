@@ -138,8 +138,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: BaseException | None = None
-        #: Called on the event loop with each finished RequestOutput (metrics).
-        self.on_request_finished: Callable[[RequestOutput], None] | None = None
+        #: Called on the event loop with every RequestOutput, finished or not (metrics).
+        self.on_request_output: Callable[[RequestOutput], None] | None = None
 
     # -- properties read by the server (immutable after construction) ----------------------
     @property
@@ -323,11 +323,11 @@ class AsyncLLMEngine:
     def _dispatch(self, events: list[tuple[str, object]]) -> None:
         """On the event loop: route each output or error to its stream."""
         for rid, item in events:
-            if isinstance(item, RequestOutput) and item.finished and self.on_request_finished is not None:
+            if isinstance(item, RequestOutput) and self.on_request_output is not None:
                 try:
-                    self.on_request_finished(item)
+                    self.on_request_output(item)
                 except Exception:  # noqa: BLE001 - metrics must never break serving
-                    logger.exception("on_request_finished callback failed")
+                    logger.exception("on_request_output callback failed")
             stream = self._streams.get(rid)
             if stream is None:
                 continue

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from dataclasses import dataclass, field, replace
 
@@ -29,7 +31,7 @@ from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
 
-__all__ = ["LLMEngine", "EngineStats"]
+__all__ = ["LLMEngine", "EngineStats", "ITERATION_TOKEN_BUCKETS"]
 
 
 @dataclass
@@ -88,6 +90,14 @@ class EngineStats:
     num_swap_ins: int = 0  # swapped-out requests resumed (requests)
     kv_blocks_swapped_out: int = 0  # blocks copied to host by swap-outs
     kv_blocks_swapped_in: int = 0  # blocks copied back by swap-ins
+    #: Steps by tokens scheduled, cumulative per bucket of ITERATION_TOKEN_BUCKETS (the
+    #: last count is the +Inf bucket), and the tokens of all steps together.
+    iteration_tokens_buckets: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
+
+
+#: Upper bounds of the steps-by-batched-tokens histogram (vLLM's iteration_tokens_total).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class LLMEngine:
@@ -126,6 +136,8 @@ class LLMEngine:
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self._iteration_buckets = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self._iteration_tokens_sum = 0
 
     # -- requests ---------------------------------------------------------------------------
     def validate_prompt(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
@@ -225,6 +237,7 @@ class LLMEngine:
             return []
         block_ids = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled}
         result = self.executor.execute(sched, block_ids)
+        self._count_iteration(sched.num_batched_tokens)
         for s in sched.scheduled:
             r = s.request
             if r.num_computed_tokens < r.num_prompt_tokens:
@@ -232,9 +245,15 @@ class LLMEngine:
         progressed = self.scheduler.update_after_step(sched, result.sampled)
         self.generation_tokens += len(progressed)
         touched: dict[str, _Group] = {}
+        now = time.monotonic()
         for request in progressed:
             group, seq = self._seq_of[request.request_id]
             self._process_token(group, seq, result.logprobs.get(request.request_id))
+            group.metrics["last_token_time"] = now
+            if request.first_scheduled_time is not None:
+                first = group.metrics.get("first_scheduled_time")
+                if first is None or request.first_scheduled_time < first:
+                    group.metrics["first_scheduled_time"] = request.first_scheduled_time
             touched[group.request_id] = group
         self.scheduler.last_step_latency = time.monotonic() - start
         outputs = []
@@ -243,6 +262,12 @@ class LLMEngine:
             if group.finished:
                 self.groups.pop(group.request_id, None)
         return outputs
+
+    def _count_iteration(self, num_tokens: int) -> None:
+        """One step into the steps-by-batched-tokens histogram."""
+        i = bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)
+        self._iteration_buckets[i] += 1
+        self._iteration_tokens_sum += num_tokens
 
     def _process_token(self, group: _Group, seq: _Sequence, lp) -> None:
         request = seq.request
@@ -326,5 +351,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            iteration_tokens_buckets=tuple(itertools.accumulate(self._iteration_buckets)),
+            iteration_tokens_sum=self._iteration_tokens_sum,
             **host,
         )

@@ -205,6 +205,8 @@ class Scheduler:
         return time.monotonic() - earliest > self.config.delay_factor * self.last_step_latency
 
     def _add(self, out: SchedulerOutput, request: Request, n: int, ids: set[str]) -> None:
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         samples = request.num_computed_tokens + n >= request.num_tokens
         out.scheduled.append(ScheduledRequest(request, n, samples))
         out.num_batched_tokens += n

@@ -174,8 +174,8 @@ class DataParallelRouter:
         self._inflight: dict[str, _InFlight] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
-        #: Called on the event loop with each finished RequestOutput (metrics).
-        self.on_request_finished: Callable[[RequestOutput], None] | None = None
+        #: Called on the event loop with every RequestOutput, finished or not (metrics).
+        self.on_request_output: Callable[[RequestOutput], None] | None = None
         timeout = startup_timeout_s if startup_timeout_s is not None else par.distributed_timeout_s
         ready = self._launcher.launch(self.specs, config, log_level, timeout)
         self._replicas = [_Replica(spec, *ready[spec.index]) for spec in self.specs]
@@ -241,6 +241,9 @@ class DataParallelRouter:
                 combined[name] = sum(getattr(r.stats, name) * r.num_blocks for r in live) / blocks if blocks else 0.0
             elif name in ("num_running", "num_waiting"):
                 combined[name] = sum(getattr(r.stats, name) for r in live)
+            elif name == "iteration_tokens_buckets":  # histogram counts: summed bucket by bucket
+                rows = [getattr(r.stats, name) for r in self._replicas if getattr(r.stats, name)]
+                combined[name] = tuple(map(sum, zip(*rows))) if rows else ()
             else:
                 combined[name] = sum(getattr(r.stats, name) for r in self._replicas)
         return EngineStats(**combined)
@@ -358,11 +361,11 @@ class DataParallelRouter:
         """On the event loop: route each event of replica r to its stream."""
         r.stats = stats
         for rid, kind, payload in events:
-            if kind == "output" and payload.finished and self.on_request_finished is not None:
+            if kind == "output" and self.on_request_output is not None:
                 try:
-                    self.on_request_finished(payload)
+                    self.on_request_output(payload)
                 except Exception:  # noqa: BLE001 - metrics must never break serving
-                    logger.exception("on_request_finished callback failed")
+                    logger.exception("on_request_output callback failed")
             inflight = self._inflight.get(rid)
             stream = self._streams.get(rid)
             if inflight is None or inflight.replica is not r or stream is None:

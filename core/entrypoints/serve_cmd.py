@@ -35,6 +35,9 @@ def add_parser(subparsers) -> None:
     from pagedserve.entrypoints.engine_args import add_engine_arguments
 
     add_engine_arguments(p)  # every engine setting, from pagedserve.config
+    from pagedserve.entrypoints.server_ops_args import add_ops_arguments
+
+    add_ops_arguments(p)
     dp = p.add_argument_group("data parallelism (docs/distributed.md)")
     dp.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                     help="independent engine replicas, each in its own process, behind this endpoint; "
@@ -96,13 +99,17 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.engine import LLMEngine
     from pagedserve.entrypoints.openai import ServerSettings, build_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    from pagedserve.entrypoints.openai.stats_logger import configure_logging
+    from pagedserve.entrypoints.server_ops_args import ops_settings, uvicorn_options
+
+    log_config = configure_logging(args.log_level, args.log_format)
     log = logging.getLogger("pagedserve.serve")
     from pagedserve.platforms import PlatformError
 
     try:
         config, names, max_body = build_engine_config(args)
         dp = build_dp_config(args)
+        ops = ops_settings(args, config)
     except ValueError as e:
         raise SystemExit(f"pagedserve serve: {e}") from None
     chat_template = read_chat_template(args.chat_template)
@@ -114,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("model %s loaded: max_model_len=%d, %d KV blocks of %d tokens, platform %s",
                  names[0], engine.max_model_len, engine.runner.num_blocks, config.cache.block_size,
                  engine.platform.name)
+        ops["cache_info"]["num_blocks"] = str(engine.runner.num_blocks)
         served = AsyncLLMEngine(engine)
     else:
         from pagedserve.distributed.router import DataParallelRouter, ReplicaStartError
@@ -124,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"pagedserve serve: {e}") from None
         log.info("model %s served by %d data-parallel replicas (%s backend)", names[0], dp.size, dp.backend)
     settings = ServerSettings(served_model_names=names, api_key=resolve_api_key(args),
-                              max_body_bytes=max_body, chat_template=chat_template)
+                              max_body_bytes=max_body, chat_template=chat_template, **ops)
     app = build_app(served, settings)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable from other machines%s", args.host,
@@ -136,8 +144,9 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    access_log=not args.disable_access_log, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=log_config,
+                    access_log=not args.disable_access_log, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                    **uvicorn_options(args))
     finally:
         served.shutdown()  # already done by the lifespan unless uvicorn failed to start
     log.info("server stopped")

@@ -87,7 +87,7 @@ class DPServer:
         for family in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=10).text):
             for s in family.samples:
                 labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name",
-                                                                                               "platform"))
+                                                                                               "platform", "engine"))
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
 

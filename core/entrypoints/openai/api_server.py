@@ -3,7 +3,7 @@
     app = build_app(AsyncLLMEngine(LLMEngine(config)), ServerSettings(["my-model"]))
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics.  Every error is OpenAI's JSON error shape; a bad request is always a 4xx.
+GET /metrics, POST /tokenize, POST /detokenize, GET /version, GET|POST /ping, GET /ready.  Every error is OpenAI's JSON error shape; a bad request is always a 4xx.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 from pagedserve.entrypoints.openai.serving_base import EventStream
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_tokenize import Readiness, add_tokenize_routes
+from pagedserve.entrypoints.openai.stats_logger import RequestLogger, StatsLogger
 
 __all__ = ["ServerSettings", "build_app"]
 
@@ -43,12 +45,22 @@ class ServerSettings:
     api_key: when set, every /v1 route needs `Authorization: Bearer <api_key>`.
     max_body_bytes: larger request bodies are refused with 413.
     chat_template: template text overriding the model's (read from --chat-template).
+    metrics_prefix: the name prefix of every Prometheus series (--metrics-prefix).
+    cache_info: labels of the ``cache_config_info`` series (block size, blocks, ...).
+    stats_interval: seconds between the periodic stats log lines; None: none.
+    log_requests: log every request's prompt and parameters (--enable-log-requests),
+        cut to ``max_log_len`` characters or token ids.
     """
 
     served_model_names: list[str]
     api_key: str | None = None
     max_body_bytes: int = 16 * 2**20
     chat_template: str | None = None
+    metrics_prefix: str = "pagedserve"
+    cache_info: dict[str, str] | None = None
+    stats_interval: float | None = None
+    log_requests: bool = False
+    max_log_len: int | None = None
 
 
 class _ApiKeyMiddleware:
@@ -142,21 +154,36 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     per-replica series and /health answers with the replicas' state.
     """
     names = settings.served_model_names
-    metrics = ServerMetrics(engine.stats, names[0])
+    metrics = ServerMetrics(engine.stats, names[0], engine.max_model_len, settings.metrics_prefix,
+                            settings.cache_info)
     if hasattr(engine, "replica_status"):
         metrics.registry.register(ReplicaCollector(engine.replica_status, names[0]))
-    engine.on_request_finished = metrics.observe_finished
+    stats_logger = StatsLogger(engine.stats, settings.stats_interval) if settings.stats_interval else None
+    request_logger = RequestLogger(settings.max_log_len) if settings.log_requests else None
+
+    def on_output(out) -> None:
+        metrics.observe(out)
+        if request_logger is not None and out.finished:
+            request_logger.finished(out)
+
+    engine.on_request_output = on_output
+    readiness = Readiness()
     completions = OpenAIServingCompletion(engine, names, settings.chat_template)
     chat = OpenAIServingChat(engine, names, settings.chat_template)
+    completions.request_logger = chat.request_logger = request_logger
     created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         logger.info("engine started; serving %s", ", ".join(names))
+        await readiness.probe(engine)
+        stats_task = asyncio.ensure_future(stats_logger.run()) if stats_logger else None
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             await asyncio.to_thread(engine.shutdown)
             logger.info("engine stopped")
 
@@ -195,6 +222,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
                 "root": names[0], "parent": None, "max_model_len": engine.max_model_len}
+
+    add_tokenize_routes(app, engine, names, settings.chat_template, settings.max_body_bytes, readiness)
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -78,6 +78,9 @@ class OpenAIServing:
         chat_template: overrides the model's chat template (text, already read).
     """
 
+    #: A RequestLogger (--enable-log-requests) told of every request queued.
+    request_logger = None
+
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
                  chat_template: str | None = None) -> None:
         self.engine = engine
@@ -131,6 +134,8 @@ class OpenAIServing:
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                if self.request_logger is not None:
+                    self.request_logger.received(rid, text, ids, sp)
                 streams.append(await self.engine.add_request(rid, text, sp, prompt_token_ids=ids))
         except BaseException as e:
             for s in streams:
