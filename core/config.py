@@ -59,6 +59,9 @@ class DeviceMapEntry:
         return self.platform if self.count is None else f"{self.platform}:{self.count}"
 
 
+# The KV cache is kept in the model's dtype: "auto" or that dtype's name (checked against
+# the resolved dtype by the engine); fp8 and other cache-only dtypes are refused until they exist.
+_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _SEGMENT = re.compile(r"(?P<name>[^:,\s]+)(?::(?:(?P<first>\d+)-(?P<last>\d+)|(?P<count>\d+)))?")
 
 
@@ -235,6 +238,10 @@ class CacheConfig:
             raise ValueError("preemption_mode='swap' needs a host KV tier: set kv_offload_memory")
         if not self.cpu_offload_gb >= 0:
             raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
+        if self.cache_dtype not in _CACHE_DTYPES:
+            raise ValueError(f"cache_dtype={self.cache_dtype!r} is not supported: the KV cache is kept in the "
+                             f"model's dtype, so cache_dtype must be 'auto' or that dtype's name "
+                             f"({', '.join(repr(n) for n in _CACHE_DTYPES[1:])}); there is no fp8 KV cache yet")
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.executor.executor import create_executor
-from pagedserve.executor.model_runner import resolve_dtype
+from pagedserve.executor.model_runner import check_cache_dtype, resolve_dtype
 from pagedserve.kv_cache.host_tier import TieredKVCacheManager
 from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.loader import IncrementalDetokenizer, open_model
@@ -109,6 +109,7 @@ class LLMEngine:
                              f"({self.arch.max_position_embeddings})")
         self.max_model_len = mml
         self.dtype = resolve_dtype(config.model.dtype, self.platform)
+        check_cache_dtype(config.cache.cache_dtype, self.dtype)
         # Linear weights load quantized when config.model.quantization or the checkpoint asks.
         source = self.model_source = quantize_source(
             source, config.model.quantization, self.platform, self.ops, self.dtype,

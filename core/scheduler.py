@@ -141,7 +141,6 @@ class Scheduler:
     def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         # 1. Running requests, oldest first; preempt from the back when blocks run out.
         i = 0
@@ -160,7 +159,7 @@ class Scheduler:
                     break
             if n == 0:
                 continue  # request itself was preempted; running[i] is now the next one
-            self._add(out, request, n, scheduled_ids)
+            self._add(out, request, n)
             budget -= n
             i += 1
 
@@ -188,7 +187,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._add(out, request, n, scheduled_ids)
+            self._add(out, request, n)
             budget -= n
         for request in reversed(skipped):
             self.waiting.appendleft(request)
@@ -201,11 +200,10 @@ class Scheduler:
         earliest = min(r.arrival_time for r in self.waiting)
         return time.monotonic() - earliest > self.config.delay_factor * self.last_step_latency
 
-    def _add(self, out: SchedulerOutput, request: Request, n: int, ids: set[str]) -> None:
+    def _add(self, out: SchedulerOutput, request: Request, n: int) -> None:
         samples = request.num_computed_tokens + n >= request.num_tokens
         out.scheduled.append(ScheduledRequest(request, n, samples))
         out.num_batched_tokens += n
-        ids.add(request.request_id)
 
     def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed tokens, append sampled tokens; returns requests that sampled."""

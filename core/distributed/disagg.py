@@ -223,12 +223,3 @@ class DisaggregatedLLM:
             self.proc.join(timeout=5)
         dist.destroy_process_group()
         self.llm.shutdown()
-
-    # -- measurement ----------------------------------------------------------------------
-    @staticmethod
-    def time_per_output_token(outputs: list[RequestOutput]) -> float:
-        """Mean seconds per output token after the first, over finished outputs."""
-        spans = [(o.metrics["finished_time"] - o.metrics["first_token_time"], len(o.outputs[0].token_ids) - 1)
-                 for o in outputs if "first_token_time" in o.metrics and "finished_time" in o.metrics]
-        tokens = sum(n for _, n in spans)
-        return sum(s for s, _ in spans) / tokens if tokens else float("nan")

@@ -16,7 +16,7 @@ from pagedserve.offload.kv_tier import apply_kv_transfers
 from pagedserve.platforms import OpRegistry, Platform
 from pagedserve.scheduler import SchedulerOutput
 
-__all__ = ["ModelRunner", "StepOutput", "resolve_dtype", "kv_bytes_per_block"]
+__all__ = ["ModelRunner", "StepOutput", "resolve_dtype", "check_cache_dtype", "kv_bytes_per_block"]
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -34,6 +34,14 @@ def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
         supported = ", ".join(str(d).replace("torch.", "") for d in platform.supported_dtypes)
         raise ValueError(f"dtype {name} is not supported on platform {platform.name!r} (supported: {supported})")
     return dtype
+
+
+def check_cache_dtype(cache_dtype: str, dtype: torch.dtype) -> None:
+    """The KV cache is kept in the model's dtype: ``cache_dtype`` must be "auto" or its name."""
+    if cache_dtype != "auto" and _DTYPES.get(cache_dtype) is not dtype:
+        name = str(dtype).replace("torch.", "")
+        raise ValueError(f"cache_dtype={cache_dtype!r} differs from the model's dtype {name}: the KV cache is "
+                         f"kept in the model's dtype (use cache_dtype='auto' or {name!r})")
 
 
 def kv_bytes_per_block(cfg: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
