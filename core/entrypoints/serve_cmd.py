@@ -122,7 +122,7 @@ def build_engine_config(args: argparse.Namespace):
 
 def build_dp_config(args: argparse.Namespace):
     """The DataParallelConfig of the --data-parallel-* flags, or None for one engine."""
-    from pagedserve.distributed.data_parallel import DataParallelConfig
+    from pagedserve.serving.data_parallel import DataParallelConfig
 
     devices = DataParallelConfig.parse_devices(args.data_parallel_devices)
     if args.data_parallel_size == 1:
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
                  engine.platform.name)
         served = AsyncLLMEngine(engine)
     else:
-        from pagedserve.distributed.router import DataParallelRouter, ReplicaStartError
+        from pagedserve.serving.router import DataParallelRouter, ReplicaStartError
 
         try:
             served = DataParallelRouter(config, dp, log_level=args.log_level)

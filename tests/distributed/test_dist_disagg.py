@@ -12,8 +12,8 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def test_disaggregated_matches_single_instance(tiny_checkpoint_factory, monkeypatch):
-    from pagedserve.distributed import disagg
-    from pagedserve.distributed.disagg import DisaggregatedLLM
+    from pagedserve.serving import disagg
+    from pagedserve.serving.disagg import DisaggregatedLLM
 
     path = tiny_checkpoint_factory(arch="qwen2", num_heads=4, num_kv_heads=2)
     prompts = make_prompts(5)
