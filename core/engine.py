@@ -309,6 +309,25 @@ class LLMEngine:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
                              group.finished, group.seqs[0].request.num_cached_tokens, metrics)
 
+    # -- KV hand-off between engines (disaggregated prefill/decode) ------------------------
+    def export_prefix_kv(self, token_ids: list[int]) -> torch.Tensor:
+        """KV of the prompt's leading cached full blocks, never the block of its last token:
+        [num_layers, 2, num_blocks, *per-block shape] (see ModelRunner.read_kv_blocks)."""
+        num_blocks = (len(token_ids) - 1) // self.kv.block_size
+        return self.runner.read_kv_blocks(self.kv.cached_prefix(token_ids, num_blocks))
+
+    def import_prefix_kv(self, token_ids: list[int], kv: torch.Tensor) -> int:
+        """Cache ``kv`` (as export_prefix_kv returns it) as the prompt's leading blocks, as
+        many as free blocks allow; returns how many were added (the rest is recomputed)."""
+        rows, block_ids = self.kv.adopt_prefix(token_ids, kv.shape[2])
+        if block_ids:
+            self.runner.write_kv_blocks(block_ids, kv, rows)
+        return len(block_ids)
+
+    def empty_prefix_kv(self, num_blocks: int) -> torch.Tensor:
+        """A buffer to receive ``num_blocks`` blocks of export_prefix_kv into."""
+        return self.runner.empty_kv_blocks(num_blocks)
+
     def shutdown(self) -> None:
         """Stop worker processes or actors (a no-op for a single-process engine)."""
         self.executor.shutdown()
