@@ -16,7 +16,7 @@ from abc import abstractmethod
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import DistInit, free_port
 from pagedserve.distributed.worker import Worker
-from pagedserve.executor.executor import Executor
+from pagedserve.executor.abstract import Executor
 from pagedserve.executor.model_runner import StepOutput
 from pagedserve.platforms import Platform
 from pagedserve.scheduler import SchedulerOutput
