@@ -42,7 +42,7 @@ def kernels(batches: list[int]) -> None:
     import torch
 
     from pagedserve.kernels.quant_reference import GGUF_BLOCK_BYTES
-    from pagedserve.quantization.native import load_quant_kernels
+    from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 
     module = load_quant_kernels()
     print(f"kernel ISA: {module.isa()}; threads {torch.get_num_threads()}")

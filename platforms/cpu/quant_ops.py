@@ -17,7 +17,7 @@ import torch
 from pagedserve.kernels import quant_reference as qref
 from pagedserve.kernels import reference
 from pagedserve.platforms.ops import OpRegistry
-from pagedserve.quantization.native import load_quant_kernels
+from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 
 __all__ = ["register_cpu_quant_ops", "gguf_linear", "int8_linear", "w8a8_linear", "CPU_DENSE_MIN_ROWS"]
 
