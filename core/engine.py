@@ -129,7 +129,8 @@ class LLMEngine:
         self.generation_tokens = 0
 
     # -- requests ---------------------------------------------------------------------------
-    def validate_prompt(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
+    def validate_prompt(self, prompt: str | list[int] | None,
+                        prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
         """Tokenize and check a prompt; ValueError naming the problem and the limit."""
         if prompt_token_ids is None:
             if isinstance(prompt, str):

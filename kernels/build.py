@@ -365,7 +365,7 @@ def load_cpu_extension(verbose: bool = False, rebuild: bool = False) -> tuple[Mo
     return module, report
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached_load(spec: ExtensionSpec, verbose: bool) -> tuple[ModuleType, BuildReport] | KernelBuildError:
     # One attempt per process and build: a failed compile is remembered rather than
     # retried (for minutes) on every platform selection.

@@ -24,7 +24,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None,
-                   help="none, auto (from the checkpoint; default), gguf, int8, w8a8, fp8, gptq, awq (docs/quantization.md)")
+                   help="none, auto (from the checkpoint; default), gguf, int8, w8a8, fp8, gptq, awq "
+                        "(docs/quantization.md)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--kv-offload-memory", default=None,

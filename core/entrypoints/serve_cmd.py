@@ -38,7 +38,8 @@ def add_parser(subparsers) -> None:
     eng.add_argument("--device", default=None, help="platform name (default: PAGEDSERVE_TARGET_DEVICE or auto)")
     eng.add_argument("--dtype", default="auto")
     eng.add_argument("--quantization", default=None,
-                     help="none, auto (from the checkpoint; default), gguf, int8, w8a8, fp8, gptq, awq (docs/quantization.md)")
+                     help="none, auto (from the checkpoint; default), gguf, int8, w8a8, fp8, gptq, awq "
+                          "(docs/quantization.md)")
     eng.add_argument("--max-model-len", type=int, default=None)
     eng.add_argument("--max-num-seqs", type=int, default=256)
     eng.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -323,7 +323,8 @@ def _context_slots(tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
 
 
 def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    shapes = [(block_size, heads, kv_heads, 64) for block_size in (16, 32) for heads, kv_heads in [(4, 4), (4, 2), (8, 2)]]
+    shapes = [(block_size, heads, kv_heads, 64)
+              for block_size in (16, 32) for heads, kv_heads in [(4, 4), (4, 2), (8, 2)]]
     shapes.append((16, 4, 1, 128))
     for block_size, heads, kv_heads, head in shapes:
         desc = f"bs{block_size}-h{heads}kv{kv_heads}-d{head}"

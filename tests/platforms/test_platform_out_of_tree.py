@@ -3,7 +3,6 @@ an op to pagedserve without any change to pagedserve itself."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import site
 import subprocess
