@@ -39,10 +39,6 @@ class TorchGpuPlatform(Platform):
     def total_memory(self) -> int:
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
-    def free_memory(self) -> int:
-        free, _total = torch.cuda.mem_get_info()
-        return free
-
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor):
         # A side stream so that weight streaming overlaps the layer being computed; it
         # first waits for the work already queued, which may still read ``dst``.
@@ -59,6 +55,3 @@ class TorchGpuPlatform(Platform):
     def wait_copy(self, handle) -> None:
         if handle is not None:
             torch.cuda.current_stream().wait_event(handle)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()

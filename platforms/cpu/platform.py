@@ -41,7 +41,6 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     pin_memory_available = False
-    priority = 0
     # Host memory is shared with the OS and every other process: take a modest share
     # by default (vLLM's CPU backend likewise defaults to a fixed 4 GiB).
     default_memory_utilization = 0.25
@@ -63,12 +62,6 @@ class CpuPlatform(Platform):
         if total is None:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return total
-
-    def free_memory(self) -> int:
-        avail = _meminfo("MemAvailable")
-        if avail is None:
-            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        return avail
 
     def configure_threads(self, threads: int | None, cpu_bind: list[int] | None = None) -> None:
         """See Platform.configure_threads; with ``cpu_bind`` each OpenMP thread of torch's

@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.kernels import quant_reference as qref
 from pagedserve.kernels import reference
-from pagedserve.platforms.ops import OpRegistry
+from pagedserve.platforms.ops import PREFERS_QUANTIZED, OpRegistry
 from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 
 __all__ = ["register_cpu_quant_ops", "gguf_linear", "int8_linear", "w8a8_linear", "CPU_DENSE_MIN_ROWS"]
@@ -71,7 +71,10 @@ def register_cpu_quant_ops(ops: OpRegistry) -> None:
     """
     module = load_quant_kernels()
     if module is not None:
-        ops.register("gguf_linear", gguf_linear, source=f"cpu-native-quant({module.isa()})")
+        # The measured decode win (docs/quantization.md, "Default on CPU"): .gguf weights
+        # stay in blocks by default where this kernel runs.
+        ops.register("gguf_linear", gguf_linear, source=f"cpu-native-quant({module.isa()})",
+                     capabilities=(PREFERS_QUANTIZED,))
     ops.register("int8_linear", int8_linear, source="torch")
     ops.register("w8a8_linear", w8a8_linear, source="torch")
     ops.register("fp8_linear", qref.fp8_linear_dense, source="torch")

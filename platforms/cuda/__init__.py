@@ -12,7 +12,6 @@ class CudaPlatform(TorchGpuPlatform):
     name = "cuda"
     dist_backend = "nccl"
     torch_build = "cuda"
-    priority = 20
     build_hint = "install a CUDA build of torch (e.g. pip install torch --index-url https://download.pytorch.org/whl/cu126)"
 
 
