@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -343,8 +342,9 @@ class DeviceConfig:
         entries = parse_device_map(self.device_map)
         self.device_map = ",".join(map(str, entries))
         first = entries[0].platform
+        from pagedserve.platforms.options import target_device  # platform selection's one reader
         for source, name in (("device", self.device),
-                             ("PAGEDSERVE_TARGET_DEVICE", os.environ.get("PAGEDSERVE_TARGET_DEVICE"))):
+                             ("PAGEDSERVE_TARGET_DEVICE", target_device())):
             name = (name or "").strip()
             if name not in ("", "auto", first):
                 raise ValueError(f"{source}={name!r} conflicts with device_map={self.device_map!r}, whose first "

@@ -15,7 +15,8 @@ flags, the compiler, torch's and Python's versions, so a stale build is never lo
 and an unchanged one is never rebuilt.  Importing pagedserve builds nothing.
 
 Environment:
-    PAGEDSERVE_TARGET_DEVICE   default target of ``pagedserve build-kernels``.
+    PAGEDSERVE_TARGET_DEVICE   default target of ``pagedserve build-kernels`` (read by
+                               the command, passed to :func:`default_target`).
     MAX_JOBS                   parallel compile jobs (read by torch's ninja build).
     PAGEDSERVE_CPU_ARCH_FLAGS  compiler flags replacing those chosen from
                                /proc/cpuinfo, e.g. "-mavx2 -mfma -mf16c"; "" builds
@@ -406,16 +407,15 @@ def _load_or_compile(spec: ExtensionSpec, verbose: bool) -> tuple[ModuleType, Bu
     return module, _report(spec, module, compiled, seconds)
 
 
-def default_target(env: Mapping[str, str] | None = None) -> str:
-    """PAGEDSERVE_TARGET_DEVICE if set; else rocm/cuda when torch is built for one
-    and sees a device; else cpu."""
-    env = os.environ if env is None else env
-    name = env.get("PAGEDSERVE_TARGET_DEVICE", "").strip()
-    if name and name != "auto":
-        if name not in TARGETS:
-            raise KernelBuildError(f"nothing to build for PAGEDSERVE_TARGET_DEVICE={name!r}; "
+def default_target(requested: str | None = None) -> str:
+    """``requested`` (the platform PAGEDSERVE_TARGET_DEVICE names, which the build
+    command resolves with pagedserve.platforms.options.target_device) if given; else
+    rocm/cuda when torch is built for one and sees a device; else cpu."""
+    if requested:
+        if requested not in TARGETS:
+            raise KernelBuildError(f"nothing to build for PAGEDSERVE_TARGET_DEVICE={requested!r}; "
                                    f"targets: {', '.join(TARGETS)}")
-        return name
+        return requested
     import torch
 
     if getattr(torch.version, "hip", None) and torch.cuda.is_available():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.platforms.interface import Platform
+from pagedserve.platforms.options import GpuOptions
 
 __all__ = ["TorchGpuPlatform"]
 
@@ -21,6 +22,10 @@ class TorchGpuPlatform(Platform):
     #: "cuda" or "hip": which torch build this platform needs.
     torch_build: str = ""
     build_hint: str = ""
+
+    def __init__(self, options: GpuOptions | None = None) -> None:
+        #: The environment switches, read once here (PAGEDSERVE_CUDA_KERNELS; platforms/options.py).
+        self.options = GpuOptions.from_env() if options is None else options
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -3,8 +3,9 @@ by :func:`pagedserve.kernels.build.load_extension`, into the same persistent cac
 under the same build lock), as a separate extension so that it never invalidates the
 main CPU kernels' build.
 
-PAGEDSERVE_QUANT_CPU_KERNELS=0 disables it (the torch reference then runs); it is
-independent of PAGEDSERVE_CPU_KERNELS, which switches the other native CPU kernels.
+The CPU platform loads it unless PAGEDSERVE_QUANT_CPU_KERNELS=0 (read once, into
+:class:`pagedserve.platforms.options.CpuOptions`); nothing here reads the environment
+but the compiler (CXX) and the arch flags, as every build does.
 """
 
 from __future__ import annotations
@@ -51,8 +52,6 @@ def quant_build_spec() -> build.ExtensionSpec:
 @functools.lru_cache(maxsize=1)
 def load_quant_kernels() -> ModuleType | None:
     """The compiled module (``gguf_linear``, ``isa``), or None with a warning saying why."""
-    if os.environ.get("PAGEDSERVE_QUANT_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
     try:
         return build.load_extension(quant_build_spec(), "quantized CPU kernels")[0]
     except build.KernelBuildError as exc:

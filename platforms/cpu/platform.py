@@ -8,6 +8,7 @@ import os
 import torch
 
 from pagedserve.platforms.interface import Platform
+from pagedserve.platforms.options import CpuOptions
 
 __all__ = ["CpuPlatform", "cpu_flags"]
 
@@ -44,6 +45,10 @@ class CpuPlatform(Platform):
     # Host memory is shared with the OS and every other process: take a modest share
     # by default (vLLM's CPU backend likewise defaults to a fixed 4 GiB).
     default_memory_utilization = 0.25
+
+    def __init__(self, options: CpuOptions | None = None) -> None:
+        #: The environment switches, read once here (PAGEDSERVE_CPU_*; platforms/options.py).
+        self.options = CpuOptions.from_env() if options is None else options
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -105,10 +110,10 @@ class CpuPlatform(Platform):
 
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
         head_major = (len(shape) == 4 and shape == (num_blocks, block_size, num_kv_heads, head_size)
-                      and os.environ.get("PAGEDSERVE_CPU_KV_LAYOUT", "head").strip().lower() != "token")
+                      and self.options.kv_layout == "head")
         storage = (num_blocks, num_kv_heads, block_size, head_size) if head_major else shape
         caches = (torch.empty(storage, dtype=dtype), torch.empty(storage, dtype=dtype))
-        if os.environ.get("PAGEDSERVE_CPU_HUGE_PAGES", "0").strip().lower() in ("1", "true", "yes", "on"):
+        if self.options.huge_pages:
             for t in caches:
                 advise_huge_pages(t)
         if head_major:

@@ -25,4 +25,4 @@ def pagedserve_register_ops(platform, ops):
     if isinstance(platform, CudaPlatform):
         from pagedserve.platforms.cuda.ops import register_cuda_ops
 
-        register_cuda_ops(ops)
+        register_cuda_ops(ops, platform.options)

@@ -106,13 +106,16 @@ def test_quantized_kernels_load_through_load_extension(monkeypatch, tmp_path):
 
 
 def test_default_target(monkeypatch):
-    assert build.default_target({"PAGEDSERVE_TARGET_DEVICE": "rocm"}) == "rocm"
-    with pytest.raises(build.KernelBuildError, match="targets: cpu, cuda, rocm"):
-        build.default_target({"PAGEDSERVE_TARGET_DEVICE": "tpu"})
+    from pagedserve.platforms.options import target_device
+
+    assert build.default_target(target_device({"PAGEDSERVE_TARGET_DEVICE": "rocm"})) == "rocm"
+    with pytest.raises(build.KernelBuildError, match="PAGEDSERVE_TARGET_DEVICE='tpu'; targets: cpu, cuda, rocm"):
+        build.default_target(target_device({"PAGEDSERVE_TARGET_DEVICE": "tpu"}))
     import torch
 
     if not torch.cuda.is_available():
-        assert build.default_target({}) == "cpu"
+        assert build.default_target(target_device({"PAGEDSERVE_TARGET_DEVICE": "auto"})) == "cpu"
+        assert build.default_target(None) == "cpu"
 
 
 def test_waits_for_a_live_build_and_clears_a_stale_lock(tmp_path):
