@@ -36,7 +36,6 @@ class DistributedExecutor(Executor):
         self.world_size = par.tensor_parallel_size * par.pipeline_parallel_size
         self._failure: RuntimeError | None = None
         self._closed = False
-        self._stopped_gracefully = False
         addr = self._prepare()
         self.init = DistInit(master_addr=addr, master_port=free_port(addr), world_size=self.world_size,
                              tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size,
