@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,6 +61,9 @@ class DeviceMapEntry:
         return self.platform if self.count is None else f"{self.platform}:{self.count}"
 
 
+# The KV cache is kept in the model's dtype: "auto" or that dtype's name (checked against
+# the resolved dtype by the engine); fp8 and other cache-only dtypes are refused until they exist.
+_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _SEGMENT = re.compile(r"(?P<name>[^:,\s]+)(?::(?:(?P<first>\d+)-(?P<last>\d+)|(?P<count>\d+)))?")
 
 
@@ -273,6 +275,10 @@ class CacheConfig:
             raise ValueError("preemption_mode='swap' needs a host KV tier: set kv_offload_memory")
         if not self.cpu_offload_gb >= 0:
             raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
+        if self.cache_dtype not in _CACHE_DTYPES:
+            raise ValueError(f"cache_dtype={self.cache_dtype!r} is not supported: the KV cache is kept in the "
+                             f"model's dtype, so cache_dtype must be 'auto' or that dtype's name "
+                             f"({', '.join(repr(n) for n in _CACHE_DTYPES[1:])}); there is no fp8 KV cache yet")
 
 
 @dataclass
@@ -392,8 +398,9 @@ class DeviceConfig:
         entries = parse_device_map(self.device_map)
         self.device_map = ",".join(map(str, entries))
         first = entries[0].platform
+        from pagedserve.platforms.options import target_device  # platform selection's one reader
         for source, name in (("device", self.device),
-                             ("PAGEDSERVE_TARGET_DEVICE", os.environ.get("PAGEDSERVE_TARGET_DEVICE"))):
+                             ("PAGEDSERVE_TARGET_DEVICE", target_device())):
             name = (name or "").strip()
             if name not in ("", "auto", first):
                 raise ValueError(f"{source}={name!r} conflicts with device_map={self.device_map!r}, whose first "

@@ -18,7 +18,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.config_rules import check_logprobs_limit, check_parallel_fits_model, check_prompt_fits_step
 from pagedserve.executor.executor import create_executor
-from pagedserve.executor.model_runner import resolve_dtype
+from pagedserve.executor.model_runner import check_cache_dtype, resolve_dtype
 from pagedserve.kv_cache.host_tier import TieredKVCacheManager
 from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.loader import IncrementalDetokenizer, open_model
@@ -119,6 +119,7 @@ class LLMEngine:
                              f"({self.arch.max_position_embeddings})")
         self.max_model_len = mml
         self.dtype = resolve_dtype(config.model.dtype, self.platform)
+        check_cache_dtype(config.cache.cache_dtype, self.dtype)
         # Linear weights load quantized when config.model.quantization or the checkpoint asks.
         source = self.model_source = quantize_source(
             source, config.model.quantization, self.platform, self.ops, self.dtype,
@@ -140,7 +141,8 @@ class LLMEngine:
         self._iteration_tokens_sum = 0
 
     # -- requests ---------------------------------------------------------------------------
-    def validate_prompt(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
+    def validate_prompt(self, prompt: str | list[int] | None,
+                        prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
         """Tokenize and check a prompt; ValueError naming the problem and the limit."""
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -334,6 +336,25 @@ class LLMEngine:
         metrics["arrival_time"] = group.arrival_time
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
                              group.finished, group.seqs[0].request.num_cached_tokens, metrics)
+
+    # -- KV hand-off between engines (disaggregated prefill/decode) ------------------------
+    def export_prefix_kv(self, token_ids: list[int]) -> torch.Tensor:
+        """KV of the prompt's leading cached full blocks, never the block of its last token:
+        [num_layers, 2, num_blocks, *per-block shape] (see ModelRunner.read_kv_blocks)."""
+        num_blocks = (len(token_ids) - 1) // self.kv.block_size
+        return self.runner.read_kv_blocks(self.kv.cached_prefix(token_ids, num_blocks))
+
+    def import_prefix_kv(self, token_ids: list[int], kv: torch.Tensor) -> int:
+        """Cache ``kv`` (as export_prefix_kv returns it) as the prompt's leading blocks, as
+        many as free blocks allow; returns how many were added (the rest is recomputed)."""
+        rows, block_ids = self.kv.adopt_prefix(token_ids, kv.shape[2])
+        if block_ids:
+            self.runner.write_kv_blocks(block_ids, kv, rows)
+        return len(block_ids)
+
+    def empty_prefix_kv(self, num_blocks: int) -> torch.Tensor:
+        """A buffer to receive ``num_blocks`` blocks of export_prefix_kv into."""
+        return self.runner.empty_kv_blocks(num_blocks)
 
     def shutdown(self) -> None:
         """Stop worker processes or actors (a no-op for a single-process engine)."""

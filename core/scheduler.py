@@ -144,7 +144,6 @@ class Scheduler:
     def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         # 1. Running requests, oldest first; preempt from the back when blocks run out.
         i = 0
@@ -163,7 +162,7 @@ class Scheduler:
                     break
             if n == 0:
                 continue  # request itself was preempted; running[i] is now the next one
-            self._add(out, request, n, scheduled_ids)
+            self._add(out, request, n)
             budget -= n
             i += 1
 
@@ -191,7 +190,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._add(out, request, n, scheduled_ids)
+            self._add(out, request, n)
             budget -= n
         for request in reversed(skipped):
             self.waiting.appendleft(request)
@@ -204,13 +203,12 @@ class Scheduler:
         earliest = min(r.arrival_time for r in self.waiting)
         return time.monotonic() - earliest > self.config.delay_factor * self.last_step_latency
 
-    def _add(self, out: SchedulerOutput, request: Request, n: int, ids: set[str]) -> None:
+    def _add(self, out: SchedulerOutput, request: Request, n: int) -> None:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         samples = request.num_computed_tokens + n >= request.num_tokens
         out.scheduled.append(ScheduledRequest(request, n, samples))
         out.num_batched_tokens += n
-        ids.add(request.request_id)
 
     def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed tokens, append sampled tokens; returns requests that sampled."""

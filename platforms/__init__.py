@@ -26,6 +26,7 @@ from pagedserve.platforms import hookspecs
 from pagedserve.platforms.hookspecs import ENTRY_POINT_GROUP, PLATFORM_INTERFACE_VERSION, PROJECT_NAME, hookimpl
 from pagedserve.platforms.interface import Platform, PlatformError, check_interface_version
 from pagedserve.platforms.ops import OpRegistry
+from pagedserve.platforms.options import target_device
 
 __all__ = [
     "Platform",
@@ -235,9 +236,7 @@ class PlatformRegistry:
         "auto" (or empty) means "no request" for both sources, so ``--device auto``
         does not conflict with PAGEDSERVE_TARGET_DEVICE.
         """
-        env_name = self.env.get("PAGEDSERVE_TARGET_DEVICE", "").strip() or None
-        if env_name == "auto":
-            env_name = None
+        env_name = target_device(self.env)
         if device is not None:
             device = device.strip() or None
         if device == "auto":
@@ -354,4 +353,4 @@ def _cached_platform(device: str | None, target: str | None, plugins: str | None
 def current_platform(device: str | None = None) -> Platform:
     """The platform this process uses (cached per request and environment)."""
     env = os.environ
-    return _cached_platform(device, env.get("PAGEDSERVE_TARGET_DEVICE"), env.get("PAGEDSERVE_PLUGINS"))[0]
+    return _cached_platform(device, target_device(env), env.get("PAGEDSERVE_PLUGINS"))[0]

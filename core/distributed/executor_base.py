@@ -16,7 +16,7 @@ from abc import abstractmethod
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import DistInit, free_port
 from pagedserve.distributed.worker import Worker
-from pagedserve.executor.executor import Executor
+from pagedserve.executor.abstract import Executor
 from pagedserve.executor.model_runner import StepOutput
 from pagedserve.platforms import Platform
 from pagedserve.scheduler import SchedulerOutput
@@ -36,7 +36,6 @@ class DistributedExecutor(Executor):
         self.world_size = par.world_size
         self._failure: RuntimeError | None = None
         self._closed = False
-        self._stopped_gracefully = False
         addr = self._prepare()
         self.init = DistInit(master_addr=addr, master_port=free_port(addr), world_size=self.world_size,
                              tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size,

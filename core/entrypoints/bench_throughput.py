@@ -68,7 +68,8 @@ def run_transformers(args: argparse.Namespace, work, model_path, fmt: str) -> di
     import torch
     import transformers
 
-    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(args.dtype, torch.float32)
+    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "float32": torch.float32}.get(args.dtype, torch.float32)
     kwargs = {"torch_dtype": dtype}
     if fmt == "gguf":
         model = transformers.AutoModelForCausalLM.from_pretrained(

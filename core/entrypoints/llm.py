@@ -90,7 +90,7 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         engine = self.llm_engine
         # Validate everything first so one bad prompt does not leave others queued.
-        normalized = [engine.validate_prompt(*self._split(p)) for p in prompts]
+        normalized = [engine.validate_prompt(*self.split_prompt(p)) for p in prompts]
         ids = []
         for i, ((text, tokens), sp) in enumerate(zip(normalized, params)):
             rid = str(next(self._counter))
@@ -100,7 +100,8 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     @staticmethod
-    def _split(prompt: Prompt) -> tuple[str | None, list[int] | None]:
+    def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
+        """(text, token ids) of a prompt in any form ``generate`` takes; either may be None."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])

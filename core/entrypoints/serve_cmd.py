@@ -78,7 +78,7 @@ def build_engine_config(args: argparse.Namespace):
 
 def build_dp_config(args: argparse.Namespace):
     """The DataParallelConfig of the --data-parallel-* flags, or None for one engine."""
-    from pagedserve.distributed.data_parallel import DataParallelConfig
+    from pagedserve.serving.data_parallel import DataParallelConfig
 
     devices = DataParallelConfig.parse_devices(args.data_parallel_devices)
     if args.data_parallel_size == 1:
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         ops["cache_info"]["num_blocks"] = str(engine.runner.num_blocks)
         served = AsyncLLMEngine(engine)
     else:
-        from pagedserve.distributed.router import DataParallelRouter, ReplicaStartError
+        from pagedserve.serving.router import DataParallelRouter, ReplicaStartError
 
         try:
             served = DataParallelRouter(config, dp, log_level=args.log_level)

@@ -2,10 +2,14 @@
 
 - ``UniProcExecutor``: today's ModelRunner in the engine's process (the default); the
   only one that runs a device map (layers split across platforms).
-- ``MultiprocExecutor`` (``distributed_executor_backend="mp"``): ranks 1..N-1 are local
-  worker processes; rank 0 runs in the engine's process.
-- ``RayExecutor`` (``"ray"``): ranks 1..N-1 are Ray actors in a placement group, on one
-  machine or many.
+- ``MultiprocExecutor`` (``distributed_executor_backend="mp"``,
+  :mod:`pagedserve.distributed.mp_executor`): ranks 1..N-1 are local worker processes;
+  rank 0 runs in the engine's process.
+- ``RayExecutor`` (``"ray"``, :mod:`pagedserve.distributed.ray_executor`): ranks 1..N-1
+  are Ray actors in a placement group, on one machine or many.
+
+``create_executor`` picks one; the multi-rank ones are imported only when chosen (Ray's
+import is heavy).  They subclass :class:`pagedserve.executor.abstract.Executor`.
 
 All of them expose ``execute(scheduler_output, block_ids) -> StepOutput``,
 ``num_blocks`` (agreed by every rank), ``driver_runner`` (rank 0's runner, which owns
@@ -14,36 +18,19 @@ the sampler) and ``shutdown()``.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.executor.abstract import Executor
 from pagedserve.executor.model_runner import ModelRunner, StepOutput
 from pagedserve.models.llama import ArchConfig
 from pagedserve.offload.device_map import resolve_device_map
 from pagedserve.platforms import OpRegistry, Platform
 from pagedserve.scheduler import SchedulerOutput
 
-__all__ = ["Executor", "UniProcExecutor", "MultiprocExecutor", "RayExecutor", "create_executor",
-           "EXECUTOR_BACKENDS"]
+__all__ = ["Executor", "UniProcExecutor", "create_executor", "EXECUTOR_BACKENDS"]
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
-
-
-class Executor(ABC):
-    driver_runner: ModelRunner
-    num_blocks: int
-
-    @abstractmethod
-    def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepOutput:
-        """Run one scheduled step on every rank; sampled tokens come from rank 0."""
-
-    def check_health(self) -> None:
-        """Raise RuntimeError if a worker is gone."""
-
-    def shutdown(self) -> None:
-        """Stop workers and release the process group; safe to call twice."""
 
 
 class UniProcExecutor(Executor):
@@ -89,16 +76,3 @@ def create_executor(config: EngineConfig, platform: Platform, ops: OpRegistry, a
         return RayExecutor(config, platform, source)
     raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}; got {backend!r}")
 
-
-def __getattr__(name: str):
-    # The multi-rank executors live in pagedserve.distributed (and Ray's import is heavy):
-    # load them only when asked for.
-    if name == "MultiprocExecutor":
-        from pagedserve.distributed.mp_executor import MultiprocExecutor
-
-        return MultiprocExecutor
-    if name == "RayExecutor":
-        from pagedserve.distributed.ray_executor import RayExecutor
-
-        return RayExecutor
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -12,11 +14,11 @@ from pagedserve.executor.input_batch import prepare_inputs
 from pagedserve.executor.sampler import Sampler, SamplerOutput
 from pagedserve.models.llama import ArchConfig, LayerPlacement, LlamaForCausalLM
 from pagedserve.offload.device_map import Segment
-from pagedserve.offload.kv_tier import apply_kv_transfers
+from pagedserve.offload.kv_tier import allocate_host_kv_cache, apply_kv_transfers
 from pagedserve.platforms import OpRegistry, Platform
 from pagedserve.scheduler import SchedulerOutput
 
-__all__ = ["ModelRunner", "StepOutput", "resolve_dtype", "kv_bytes_per_block"]
+__all__ = ["ModelRunner", "StepOutput", "resolve_dtype", "check_cache_dtype", "kv_bytes_per_block"]
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -34,6 +36,14 @@ def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
         supported = ", ".join(str(d).replace("torch.", "") for d in platform.supported_dtypes)
         raise ValueError(f"dtype {name} is not supported on platform {platform.name!r} (supported: {supported})")
     return dtype
+
+
+def check_cache_dtype(cache_dtype: str, dtype: torch.dtype) -> None:
+    """The KV cache is kept in the model's dtype: ``cache_dtype`` must be "auto" or its name."""
+    if cache_dtype != "auto" and _DTYPES.get(cache_dtype) is not dtype:
+        name = str(dtype).replace("torch.", "")
+        raise ValueError(f"cache_dtype={cache_dtype!r} differs from the model's dtype {name}: the KV cache is "
+                         f"kept in the model's dtype (use cache_dtype='auto' or {name!r})")
 
 
 def kv_bytes_per_block(cfg: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -151,6 +161,47 @@ class ModelRunner:
             platform.allocate_kv_cache(num_blocks, block_size, a.num_kv_heads, a.head_dim, self.dtype)
             for platform in self.layer_platforms
         ]
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes of one KV block over this rank's layers (its KV heads, its stage)."""
+        return kv_bytes_per_block(self.local_arch, block_size, self.dtype)
+
+    def allocate_host_kv_cache(self, num_host_blocks: int) -> None:
+        """The host KV tier's blocks: per layer a (key, value) pair in host memory, in
+        its platform's layout, so that one block index means the same block in both."""
+        a = self.local_arch
+        self.host_kv_caches = allocate_host_kv_cache(self.layer_platforms, num_host_blocks, self.block_size,
+                                                     a.num_kv_heads, a.head_dim, self.dtype)
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copy of the KV of ``block_ids``: [num_layers, 2 (key, value), len(block_ids),
+        *the platform's per-block shape], on this runner's device."""
+        index = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        return torch.stack([torch.stack([k.index_select(0, index), v.index_select(0, index)])
+                            for k, v in self.kv_caches]).contiguous()
+
+    def write_kv_blocks(self, block_ids: Sequence[int], kv: torch.Tensor, rows: Sequence[int]) -> None:
+        """Write ``kv[:, :, rows]`` (shaped as :meth:`read_kv_blocks` returns) into ``block_ids``."""
+        dst = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        src = torch.tensor(list(rows), dtype=torch.int64, device=kv.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, dst, kv[layer, 0].index_select(0, src).to(k.device))
+            v.index_copy_(0, dst, kv[layer, 1].index_select(0, src).to(v.device))
+
+    def empty_kv_blocks(self, num_blocks: int) -> torch.Tensor:
+        """An uninitialised buffer shaped as :meth:`read_kv_blocks` returns for ``num_blocks``."""
+        k = self.kv_caches[0][0]
+        return torch.empty(len(self.kv_caches), 2, num_blocks, *k.shape[1:], dtype=k.dtype, device=self.device)
+
+    # -- weights ---------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's model weights."""
+        return self.model.weight_bytes()
+
+    def stream_layers(self, stream: Callable[[Sequence[Any]], Iterator[Any]] | None) -> None:
+        """Run the layers through ``stream`` (weight offload's WeightStreamer: the layer
+        list in, the layers to run out); None runs the model's own layers."""
+        self.model.layer_stream = stream
 
     # -- step --------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepOutput:

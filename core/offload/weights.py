@@ -120,8 +120,7 @@ def offload_weights(config: EngineConfig, runner) -> WeightStreamer | None:
     if cpu_offload_gb <= 0:
         return None
     config.validate()  # not with several ranks, nor with a device map
-    model = runner.model
     with torch.inference_mode():  # the weights are inference tensors; so are the copies
-        streamer = WeightStreamer(runner.platform, model.layers, int(cpu_offload_gb * 1e9))
-    model.layer_stream = streamer
+        streamer = WeightStreamer(runner.platform, runner.model.layers, int(cpu_offload_gb * 1e9))
+    runner.stream_layers(streamer)
     return streamer

@@ -4,7 +4,8 @@ Inputs are fresh random tensors (``torch.randn``, never zeros, seeded per case s
 failure reproduces); outputs an op writes in place are poisoned with NaN first, so an
 element the op forgot to write cannot pass by accident.  The reference always runs on
 the host from copies of the same inputs.  Tolerances are keyed by dtype.  The quantized
-linear ops have their own cases (:mod:`pagedserve.testing.quant_op_checks`).
+linear ops have their own cases (:mod:`pagedserve.testing.quant_op_checks`); both are
+assembled into checks by :mod:`pagedserve.testing.op_suite`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.testing.checks import Check, CheckSkipped
+from pagedserve.testing.checks import CheckSkipped
 from pagedserve.testing.target import Target
 
-__all__ = ["TOLERANCES", "assert_matches", "op_checks", "PAGED_ATTENTION_BATCH"]
+__all__ = ["TOLERANCES", "assert_matches", "OP_CASES", "PAGED_ATTENTION_BATCH"]
 
 #: (atol, rtol) per dtype; the reference accumulates in float32 where it matters.
 TOLERANCES: dict[torch.dtype, dict[str, float]] = {
@@ -284,7 +285,6 @@ def _reshape_and_cache(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -
                 kc.fill_(NAN)
                 vc.fill_(NAN)
                 fn(c.dev(k), c.dev(v), kc, vc, c.dev(slots))
-                t.platform.synchronize()
                 assert_matches("reshape_and_cache key_cache", kc, want_k, dtype, exact=True, equal_nan=True)
                 assert_matches("reshape_and_cache value_cache", vc, want_v, dtype, exact=True, equal_nan=True)
 
@@ -322,7 +322,8 @@ def _context_slots(tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
 
 
 def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    shapes = [(block_size, heads, kv_heads, 64) for block_size in (16, 32) for heads, kv_heads in [(4, 4), (4, 2), (8, 2)]]
+    shapes = [(block_size, heads, kv_heads, 64)
+              for block_size in (16, 32) for heads, kv_heads in [(4, 4), (4, 2), (8, 2)]]
     shapes.append((16, 4, 1, 128))
     for block_size, heads, kv_heads, head in shapes:
         desc = f"bs{block_size}-h{heads}kv{kv_heads}-d{head}"
@@ -351,7 +352,6 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
             args = (c.dev(query), pkc, pvc, c.dev(tables), c.dev(seq_lens), c.dev(qsl), scale)
             out = torch.full(query.shape, NAN, dtype=dtype, device=t.device)
             got = fn(*args, out=out)
-            t.platform.synchronize()
             assert_matches("paged_attention return value (out=...)" + how, got, want, dtype)
             assert_matches("paged_attention out (poisoned with NaN before the call)" + how, out, want, dtype)
             assert_matches("paged_attention return value (out=None)" + how, fn(*args), want, dtype)
@@ -384,13 +384,13 @@ def _block_copy_cases(op: str, t: Target, fn: Callable, dtype: torch.dtype, seed
                 reference.copy_blocks(src, want, mapping)
                 got = torch.full(shape, NAN, dtype=dtype, device=dst_dev)
                 fn(src.to(src_dev, copy=True), got, mapping)
-            t.platform.synchronize()
             assert_matches(f"{op} ({desc})", got, want, dtype, exact=True, equal_nan=True)
 
         yield desc, body
 
 
-_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
+#: Op name -> its cases (assembled with the quantized ones by pagedserve.testing.op_suite).
+OP_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "paged_attention": _paged_attention,
     "reshape_and_cache": _reshape_and_cache,
     "rms_norm": _rms_norm,
@@ -406,36 +406,3 @@ _CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "copy_blocks": lambda t, fn, d, s: _block_copy_cases("copy_blocks", t, fn, d, s),
     "swap_blocks": lambda t, fn, d, s: _block_copy_cases("swap_blocks", t, fn, d, s),
 }
-
-
-def _failing_for(name: str, source: str, body: Body) -> Callable[[], None]:
-    """Prefix a failure with the op and where its implementation came from."""
-
-    def run() -> None:
-        try:
-            body()
-        except AssertionError as exc:
-            raise AssertionError(f"op {name} (from {source}): {exc}") from None
-
-    return run
-
-
-def op_checks(target: Target, seed: int = 0) -> list[Check]:
-    """One check per (overridden op, dtype, case); ops left to the reference are not checked."""
-    from pagedserve.testing.quant_op_checks import QUANT_CASES  # it builds on this module
-
-    checks: list[Check] = []
-    for name, source in target.overridden_ops().items():
-        cases = _CASES.get(name) or QUANT_CASES.get(name)
-        if cases is None:
-
-            def skip(name=name) -> None:
-                raise CheckSkipped(f"{name!r} is not an op of pagedserve.kernels.reference: nothing to compare with")
-
-            checks.append(Check(f"op:{name}", skip))
-            continue
-        fn = target.ops.get(name)
-        for dtype in target.dtypes():
-            for desc, body in cases(target, fn, dtype, seed):
-                checks.append(Check(f"op:{name}[{_dtype_name(dtype)}-{desc}]", _failing_for(name, source, body)))
-    return checks

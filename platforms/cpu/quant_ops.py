@@ -16,8 +16,9 @@ import torch
 
 from pagedserve.kernels import quant_reference as qref
 from pagedserve.kernels import reference
-from pagedserve.platforms.ops import OpRegistry
-from pagedserve.quantization.native import load_quant_kernels
+from pagedserve.platforms.ops import PREFERS_QUANTIZED, OpRegistry
+from pagedserve.platforms.options import CpuOptions
+from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 
 __all__ = ["register_cpu_quant_ops", "gguf_linear", "int8_linear", "w8a8_linear", "CPU_DENSE_MIN_ROWS"]
 
@@ -63,15 +64,20 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return y.to(x.dtype)
 
 
-def register_cpu_quant_ops(ops: OpRegistry) -> None:
+def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None:
     """Install the CPU's quantized linear ops into ``ops`` (see the module docstring).
 
-    Loads the native GGUF kernel, compiling it on first use; where it is switched off or
-    cannot be built, ``gguf_linear`` stays the reference (the loader has warned why).
+    Loads the native GGUF kernel, compiling it on first use; where it is switched off
+    (``options.quant_kernels``; None: the environment now) or cannot be built,
+    ``gguf_linear`` stays the reference (the loader has warned why).
     """
-    module = load_quant_kernels()
+    options = CpuOptions.from_env() if options is None else options
+    module = load_quant_kernels() if options.quant_kernels else None
     if module is not None:
-        ops.register("gguf_linear", gguf_linear, source=f"cpu-native-quant({module.isa()})")
+        # The measured decode win (docs/quantization.md, "Default on CPU"): .gguf weights
+        # stay in blocks by default where this kernel runs.
+        ops.register("gguf_linear", gguf_linear, source=f"cpu-native-quant({module.isa()})",
+                     capabilities=(PREFERS_QUANTIZED,))
     ops.register("int8_linear", int8_linear, source="torch")
     ops.register("w8a8_linear", w8a8_linear, source="torch")
     ops.register("fp8_linear", qref.fp8_linear_dense, source="torch")

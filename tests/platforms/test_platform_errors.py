@@ -167,7 +167,8 @@ def test_ops_hook_that_raises_names_the_plugin(make_dist, clean_env):
     make_dist("badops-dist", {"badops_plugin": RAISES_IN_OPS})
     reg = discover(clean_env)
     platform = reg.select("cpu").cls()
-    with pytest.raises(PlatformError, match=r"'badops_plugin' \(from badops-dist 0\.1\).*KeyError.*kernel table corrupt"):
+    with pytest.raises(PlatformError,
+                       match=r"'badops_plugin' \(from badops-dist 0\.1\).*KeyError.*kernel table corrupt"):
         reg.resolve_ops(platform)
 
 

@@ -12,7 +12,7 @@ from pagedserve.quantization.gguf import GGUF_TYPE_IDS, GGUFWeight
 from pagedserve.quantization.int4 import AWQWeight, GPTQWeight
 from pagedserve.quantization.int8 import Int8Weight, W8A8Weight, quantize_int8_per_channel
 from pagedserve.platforms.cpu import quant_ops as cpu_quant
-from pagedserve.quantization.native import load_quant_kernels
+from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 from test_quant_support import awq_quantize, gptq_quantize
 
 # Output dtype rounding plus, for kernels that quantize activations (GGUF int8 dot

@@ -29,8 +29,8 @@ def run(coro):
 
 async def final(stream):
     out = None
-    async for out in stream:
-        pass
+    async for item in stream:
+        out = item
     return out
 
 

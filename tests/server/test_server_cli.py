@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.config import parse_memory
 from pagedserve.entrypoints import serve_cmd
 from pagedserve.entrypoints.cli import build_parser
 

@@ -3,7 +3,8 @@
     app = build_app(AsyncLLMEngine(LLMEngine(config)), ServerSettings(["my-model"]))
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, POST /tokenize, POST /detokenize, GET /version, GET|POST /ping, GET /ready.  Every error is OpenAI's JSON error shape; a bad request is always a 4xx.
+GET /metrics, POST /tokenize, POST /detokenize, GET /version, GET|POST /ping, GET /ready.
+Every error is OpenAI's JSON error shape; a bad request is always a 4xx.
 """
 
 from __future__ import annotations
@@ -223,7 +224,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         return {"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
                 "root": names[0], "parent": None, "max_model_len": engine.max_model_len}
 
-    add_tokenize_routes(app, engine, names, settings.chat_template, settings.max_body_bytes, readiness)
+    add_tokenize_routes(app, engine, names, settings.chat_template,
+                        lambda request: read_body(request, settings.max_body_bytes), readiness)
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -13,6 +13,7 @@ Request and response shapes follow vLLM's (``TokenizeCompletionRequest``,
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -144,20 +145,19 @@ class Readiness:
 
 
 def add_tokenize_routes(app: FastAPI, engine: Any, served_model_names: list[str], chat_template: str | None,
-                        max_body_bytes: int, readiness: Readiness) -> None:
-    """Register /tokenize, /detokenize, /version, /ping and /ready on `app`."""
-    from pagedserve.entrypoints.openai.api_server import read_body
-
+                        read_body: Callable[[Request], Awaitable[bytes]], readiness: Readiness) -> None:
+    """Register /tokenize, /detokenize, /version, /ping and /ready on `app`; `read_body`
+    reads a request's body under the server's limits."""
     serving = OpenAIServingTokenization(engine, served_model_names, chat_template)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        body = parse_request(TokenizeRequest, await read_body(request, max_body_bytes))
+        body = parse_request(TokenizeRequest, await read_body(request))
         return JSONResponse(serving.tokenize(body))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
-        body = parse_request(DetokenizeRequest, await read_body(request, max_body_bytes))
+        body = parse_request(DetokenizeRequest, await read_body(request))
         return JSONResponse(serving.detokenize(body))
 
     @app.get("/version")

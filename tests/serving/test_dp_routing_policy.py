@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.distributed.data_parallel import DataParallelConfig, plan_replicas, resolve_platforms
-from pagedserve.distributed.routing_policy import NoReplicaAvailable, ReplicaLoad, RoutingPolicy
+from pagedserve.serving.data_parallel import DataParallelConfig, plan_replicas, resolve_platforms
+from pagedserve.serving.routing_policy import NoReplicaAvailable, ReplicaLoad, RoutingPolicy
 from pagedserve.platforms import PlatformError
 
 

@@ -1,9 +1,11 @@
 """The native CPU kernel for GGUF blocks (kernels/cpu/quant_gguf.cpp): built just in time
-through the helpers of :mod:`pagedserve.kernels.build`, into the same persistent cache,
-as a separate extension so that it never invalidates the main CPU kernels' build.
+by :func:`pagedserve.kernels.build.load_extension`, into the same persistent cache (and
+under the same build lock), as a separate extension so that it never invalidates the
+main CPU kernels' build.
 
-PAGEDSERVE_QUANT_CPU_KERNELS=0 disables it (the torch reference then runs); it is
-independent of PAGEDSERVE_CPU_KERNELS, which switches the other native CPU kernels.
+The CPU platform loads it unless PAGEDSERVE_QUANT_CPU_KERNELS=0 (read once, into
+:class:`pagedserve.platforms.options.CpuOptions`); nothing here reads the environment
+but the compiler (CXX) and the arch flags, as every build does.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import platform
 import sys
-import time
 import warnings
 from types import ModuleType
 
@@ -24,7 +26,7 @@ __all__ = ["load_quant_kernels", "quant_build_spec"]
 SOURCES: tuple[str, ...] = ("quant_gguf.cpp",)
 
 
-def quant_build_spec() -> build.CpuBuildSpec:
+def quant_build_spec() -> build.ExtensionSpec:
     """The build of the quantized CPU kernels for this machine (VNNI added where present)."""
     import torch
 
@@ -34,7 +36,7 @@ def quant_build_spec() -> build.CpuBuildSpec:
     if "-mavx512vl" in arch and "avx512_vnni" in features and "-mavx512vnni" not in arch:
         arch = [*arch, "-mavx512vnni"]
     cflags = (*build.BASE_CFLAGS, *arch)
-    compiler = build.os.environ.get("CXX", "c++")
+    compiler = os.environ.get("CXX", "c++")
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update(name.encode())
@@ -42,7 +44,7 @@ def quant_build_spec() -> build.CpuBuildSpec:
     digest.update(json.dumps([cflags, compiler, torch.__version__, sys.version_info[:2],
                               platform.machine()]).encode())
     name = f"pagedserve_quant_{digest.hexdigest()[:16]}"
-    return build.CpuBuildSpec(name=name, directory=build.kernel_cache_root() / name,
+    return build.ExtensionSpec(name=name, directory=build.kernel_cache_root() / name,
                               sources=tuple(build.CPU_DIR / s for s in SOURCES), cflags=cflags,
                               arch_flags=tuple(arch), arch_origin=origin, compiler=compiler)
 
@@ -50,19 +52,8 @@ def quant_build_spec() -> build.CpuBuildSpec:
 @functools.lru_cache(maxsize=1)
 def load_quant_kernels() -> ModuleType | None:
     """The compiled module (``gguf_linear``, ``isa``), or None with a warning saying why."""
-    if build.os.environ.get("PAGEDSERVE_QUANT_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    spec = quant_build_spec()
     try:
-        if spec.so_path.is_file() and spec.stamp_path.is_file():
-            return build._import_built(spec)
-        build._check_toolchain(spec)
-        build._log(f"compiling quantized CPU kernels into {spec.directory} (once per machine and version)")
-        start = time.perf_counter()
-        module = build._compile(spec, verbose=False)
-        spec.stamp_path.write_text(json.dumps({"name": spec.name, "cflags": list(spec.cflags),
-                                               "seconds": round(time.perf_counter() - start, 1)}))
-        return module
+        return build.load_extension(quant_build_spec(), "quantized CPU kernels")[0]
     except build.KernelBuildError as exc:
         warnings.warn(f"quantized CPU kernels unavailable ({exc}); using the torch reference", stacklevel=2)
         return None

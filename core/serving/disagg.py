@@ -18,6 +18,7 @@ the scheduler knows about disaggregation, and an evicted block is just recompute
 
 from __future__ import annotations
 
+import itertools
 import queue
 import logging
 import threading
@@ -31,60 +32,12 @@ import torch.multiprocessing as mp
 
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import free_port
-from pagedserve.kv_cache.manager import hash_block
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
-__all__ = ["DisaggregatedLLM", "block_hashes"]
+__all__ = ["DisaggregatedLLM"]
 
 logger = logging.getLogger(__name__)
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[tuple[int, tuple]]:
-    """The prefix-cache (hash, key) chain of the first ``num_blocks`` full blocks, as the
-    KVCacheManager computes it for a request without a cache salt."""
-    out, parent = [], None
-    for i in range(num_blocks):
-        h, key = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
-        out.append((h, key))
-        parent = h
-    return out
-
-
-def _gather_kv(engine, token_ids: list[int]) -> torch.Tensor:
-    """KV of the prompt's cached full blocks (never the last token's block-in-progress)."""
-    bs = engine.kv.block_size
-    ids = []
-    for h, key in block_hashes(token_ids, bs, (len(token_ids) - 1) // bs):
-        block = engine.kv.pool.lookup(h, key)
-        if block is None:
-            break
-        ids.append(block.block_id)
-    index = torch.tensor(ids, dtype=torch.int64, device=engine.runner.device)
-    return torch.stack([torch.stack([k.index_select(0, index), v.index_select(0, index)])
-                        for k, v in engine.runner.kv_caches]).contiguous()
-
-
-def _inject_kv(engine, token_ids: list[int], kv: torch.Tensor) -> int:
-    """Write received blocks into free blocks and register them as cached; returns how
-    many were injected (fewer when the pool is short: the rest is recomputed)."""
-    pool = engine.kv.pool
-    hashes = block_hashes(token_ids, engine.kv.block_size, kv.shape[2])
-    todo = [i for i, (h, key) in enumerate(hashes) if pool.lookup(h, key) is None]
-    # A prefix is only usable up to its first gap, so inject a leading run.
-    todo = todo[:max(0, pool.num_free_blocks)]
-    if not todo:
-        return 0
-    blocks = pool.get_new_blocks(len(todo))
-    dst = torch.tensor([b.block_id for b in blocks], dtype=torch.int64, device=engine.runner.device)
-    src = torch.tensor(todo, dtype=torch.int64)
-    for layer, (k, v) in enumerate(engine.runner.kv_caches):
-        k.index_copy_(0, dst, kv[layer, 0].index_select(0, src).to(k.device))
-        v.index_copy_(0, dst, kv[layer, 1].index_select(0, src).to(v.device))
-    for block, i in zip(blocks, todo):
-        pool.cache_block(block, *hashes[i])
-    pool.free_blocks(reversed(blocks))  # unreferenced but cached, tails evicted first
-    return len(todo)
 
 
 def _prefill_main(config: EngineConfig, addr: str, port: int, backend: str, timeout_s: float) -> None:
@@ -110,7 +63,7 @@ def _prefill_main(config: EngineConfig, addr: str, port: int, backend: str, time
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
-                        kv = _gather_kv(engine, prompts[out.request_id])
+                        kv = engine.export_prefix_kv(prompts[out.request_id])
                         # On the device: NCCL carries no CPU tensors.
                         dist.send(torch.tensor([int(out.request_id), kv.shape[2]], device=kv.device), dst=0)
                         if kv.shape[2]:
@@ -151,17 +104,16 @@ class DisaggregatedLLM:
                                 timeout=timedelta(seconds=timeout_s))
         self._closed = False
         self.num_injected_blocks = 0
+        self._batches = itertools.count()  # request ids d<batch>-<index>: unique in the decode engine
 
     def _receive(self, n: int, out: queue.Queue) -> None:
         engine = self.llm.llm_engine
-        a, bs = engine.runner.local_arch, engine.kv.block_size
         try:
             for _ in range(n):
-                header = torch.empty(2, dtype=torch.int64, device=engine.runner.device)
+                header = torch.empty(2, dtype=torch.int64, device=engine.platform.device)
                 dist.recv(header, src=1)
                 index, nb = header.tolist()
-                kv = torch.empty(a.num_layers, 2, nb, bs, a.num_kv_heads, a.head_dim, dtype=engine.dtype,
-                                 device=engine.runner.device)
+                kv = engine.empty_prefix_kv(nb)
                 if nb:
                     dist.recv(kv, src=1)
                 out.put((index, kv))
@@ -177,8 +129,8 @@ class DisaggregatedLLM:
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = sampling_params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        normalized = [engine.validate_prompt(*self.llm._split(p)) for p in prompts]
-        base = next(self.llm._counter)
+        normalized = [engine.validate_prompt(*self.llm.split_prompt(p)) for p in prompts]
+        base = next(self._batches)
         ids = [f"d{base}-{i}" for i in range(len(prompts))]
         dist.send_object_list([[(i, toks) for i, (_, toks) in enumerate(normalized)]], dst=1)
         arrivals: queue.Queue = queue.Queue()
@@ -201,7 +153,7 @@ class DisaggregatedLLM:
                 block = False
                 index, kv = item
                 text, toks = normalized[index]
-                self.num_injected_blocks += _inject_kv(engine, toks, kv)
+                self.num_injected_blocks += engine.import_prefix_kv(toks, kv)
                 engine.add_request(ids[index], text, params[index], prompt_token_ids=toks)
                 added += 1
             for out in engine.step():
@@ -225,12 +177,3 @@ class DisaggregatedLLM:
             self.proc.join(timeout=5)
         dist.destroy_process_group()
         self.llm.shutdown()
-
-    # -- measurement ----------------------------------------------------------------------
-    @staticmethod
-    def time_per_output_token(outputs: list[RequestOutput]) -> float:
-        """Mean seconds per output token after the first, over finished outputs."""
-        spans = [(o.metrics["finished_time"] - o.metrics["first_token_time"], len(o.outputs[0].token_ids) - 1)
-                 for o in outputs if "first_token_time" in o.metrics and "finished_time" in o.metrics]
-        tokens = sum(n for _, n in spans)
-        return sum(s for s, _ in spans) / tokens if tokens else float("nan")

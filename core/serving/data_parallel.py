@@ -3,7 +3,7 @@
 `DataParallelConfig` holds the flags (`--data-parallel-size`, `--data-parallel-backend`,
 `--data-parallel-devices`); `plan_replicas` turns it into one `ReplicaSpec` per replica:
 its platform, its accelerator index and its CPU threads.  The router
-(`pagedserve.distributed.router`) starts the replicas and routes requests to them.
+(`pagedserve.serving.router`) starts the replicas and routes requests to them.
 
 Threads.  With data parallelism ``--threads`` is the budget of CPU threads of the whole
 server (default: the cores this process may run on).  Replicas whose platform computes

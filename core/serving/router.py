@@ -41,9 +41,9 @@ from pagedserve.async_engine import (
     RequestStream,
 )
 from pagedserve.config import EngineConfig
-from pagedserve.distributed.data_parallel import DataParallelConfig, ReplicaSpec, plan_replicas, resolve_platforms
-from pagedserve.distributed.replica_launcher import ReplicaStartError, create_launcher
-from pagedserve.distributed.routing_policy import NoReplicaAvailable, ReplicaLoad, RoutingPolicy
+from pagedserve.serving.data_parallel import DataParallelConfig, ReplicaSpec, plan_replicas, resolve_platforms
+from pagedserve.serving.replica_launcher import ReplicaStartError, create_launcher
+from pagedserve.serving.routing_policy import NoReplicaAvailable, ReplicaLoad, RoutingPolicy
 from pagedserve.engine import EngineStats, LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams

@@ -17,7 +17,8 @@ sequences, and so receives more requests.  Ties go to the replica that was sent 
 fewest requests so far, so an idle server still spreads its traffic.
 
 Affinity.  A prompt's full blocks are hashed as a chain (each hash covers the block and
-every block before it, like the engines' prefix cache).  After each routing decision
+every block before it, with the engines' prefix-cache hash,
+:mod:`pagedserve.kv_cache.block_hash`).  After each routing decision
 every hash of the prompt is remembered with the chosen replica (a bounded LRU map).  A
 new prompt is looked up deepest block first: the replica that last served its longest
 known prefix holds those blocks in its prefix cache (unless evicted since), and is
@@ -30,6 +31,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from pagedserve.kv_cache.block_hash import block_hashes
 
 __all__ = ["ReplicaLoad", "RoutingChoice", "RoutingPolicy", "NoReplicaAvailable"]
 
@@ -103,11 +106,7 @@ class RoutingPolicy:
         if not self.enable_affinity:
             return []
         n = min((len(token_ids) - 1) // self.block_size, self.max_blocks)
-        out, h, bs = [], 0, self.block_size
-        for i in range(n):
-            h = hash((h, tuple(token_ids[i * bs:(i + 1) * bs])))
-            out.append(h)
-        return out
+        return [h for h, _ in block_hashes(token_ids, self.block_size, max(n, 0))]
 
     def choose(self, prefix_hashes: Sequence[int], loads: Sequence[ReplicaLoad]) -> RoutingChoice:
         """The replica for a prompt with these prefix hashes; NoReplicaAvailable if none."""

@@ -11,7 +11,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.async_engine import RequestFailedError
 from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
-from pagedserve.distributed.data_parallel import DataParallelConfig
+from pagedserve.serving.data_parallel import DataParallelConfig
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray>=2.9')")
 
@@ -28,7 +28,7 @@ async def _text(router, rid: str, prompt, max_tokens: int) -> str:
 
 
 def test_ray_replicas_serve_and_a_killed_actor_is_reported(tiny_llama):
-    from pagedserve.distributed.router import DataParallelRouter
+    from pagedserve.serving.router import DataParallelRouter
 
     prompts = ["Hello world", "The quick brown fox", [5, 6, 7, 8], "Once upon"]
     offline = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory="64MiB", threads=1)

@@ -16,8 +16,8 @@ from abc import ABC, abstractmethod
 from multiprocessing.connection import Connection, Listener, wait
 
 from pagedserve.config import EngineConfig
-from pagedserve.distributed.data_parallel import ReplicaSpec
-from pagedserve.distributed.replica import ReplicaActor, run_replica
+from pagedserve.serving.data_parallel import ReplicaSpec
+from pagedserve.serving.replica import ReplicaActor, run_replica
 
 __all__ = ["ReplicaLauncher", "MpReplicaLauncher", "RayReplicaLauncher", "create_launcher", "ReplicaStartError"]
 

@@ -31,7 +31,7 @@ from dataclasses import replace
 from multiprocessing.connection import Client, Connection
 
 from pagedserve.config import EngineConfig
-from pagedserve.distributed.data_parallel import ReplicaSpec
+from pagedserve.serving.data_parallel import ReplicaSpec
 
 __all__ = ["run_replica", "ReplicaLoop", "ReplicaActor", "replica_config"]
 
