@@ -263,10 +263,8 @@ class CacheConfig:
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.cache_dtype in FP8_KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} is not implemented yet: the KV cache is "
-                             "stored in the model's dtype; use kv_cache_dtype='auto'")
-        if self.cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype must be 'auto' (the model's dtype), got {self.cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} is not implemented yet (there is no fp8 KV "
+                             "cache yet): the KV cache is stored in the model's dtype; use kv_cache_dtype='auto'")
         if self.kv_offload_memory is not None:
             self.kv_offload_memory = parse_memory(self.kv_offload_memory, "kv_offload_memory")
         if self.preemption_mode not in ("auto", "swap", "recompute"):

@@ -143,7 +143,7 @@ REFUSED = [
     (dict(quantization="int8", cpu_offload_gb=1), r"quantization='int8' cannot be combined with cpu_offload_gb"),
     (dict(kv_cache_dtype="fp8"), r"kv_cache_dtype='fp8' is not implemented yet"),
     (dict(kv_cache_dtype="fp8_e5m2"), r"kv_cache_dtype='fp8_e5m2' is not implemented yet"),
-    (dict(kv_cache_dtype="float16"), r"kv_cache_dtype must be 'auto'"),
+    (dict(kv_cache_dtype="int8"), r"cache_dtype='int8' is not supported"),
     (dict(preemption_mode="swap"), r"needs a host KV tier"),
 ]
 
@@ -205,7 +205,7 @@ def test_cache_config_keeps_the_field_name():
 
 
 def test_disaggregated_instances_refuse_before_starting(no_model_work):
-    from pagedserve.distributed.disagg import DisaggregatedLLM
+    from pagedserve.serving.disagg import DisaggregatedLLM
 
     with pytest.raises(ValueError, match="single-rank"):
         DisaggregatedLLM(tensor_parallel_size=2)
