@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
@@ -28,6 +29,8 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
 
 __all__ = ["LLMEngine", "EngineStats"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +56,7 @@ class _Group:
     seqs: list[_Sequence]
     arrival_time: float
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why this request failed on its own
 
     @property
     def finished(self) -> bool:
@@ -231,8 +235,14 @@ class LLMEngine:
         self.generation_tokens += len(progressed)
         touched: dict[str, _Group] = {}
         for request in progressed:
-            group, seq = self._seq_of[request.request_id]
-            self._process_token(group, seq, result.logprobs.get(request.request_id))
+            entry = self._seq_of.get(request.request_id)
+            if entry is None:  # a sibling sample failed earlier in this loop
+                continue
+            group, seq = entry
+            try:
+                self._process_token(group, seq, result.logprobs.get(request.request_id))
+            except Exception as e:  # noqa: BLE001 - this request's own failure; the batch goes on
+                self._fail_group(group, e)
             touched[group.request_id] = group
         self.scheduler.last_step_latency = time.monotonic() - start
         outputs = []
@@ -262,6 +272,16 @@ class LLMEngine:
             group.metrics.setdefault("finished_time", time.monotonic())
         if request.first_token_time is not None:
             group.metrics.setdefault("first_token_time", request.first_token_time)
+
+    def _fail_group(self, group: _Group, error: Exception) -> None:
+        """Finish every sample of `group` with finish_reason "error", freeing its blocks."""
+        logger.exception("request %s failed; the other requests go on", group.request_id)
+        group.error = f"{type(error).__name__}: {error}"
+        for seq in group.seqs:
+            if seq.finish_reason is None:
+                self._release(seq, RequestStatus.FINISHED_ABORTED)
+                seq.finish_reason = "error"
+        group.metrics.setdefault("finished_time", time.monotonic())
 
     def _check_stop_strings(self, seq: _Sequence) -> RequestStatus | None:
         params = seq.request.sampling_params
@@ -306,7 +326,7 @@ class LLMEngine:
         metrics = dict(group.metrics)
         metrics["arrival_time"] = group.arrival_time
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                             group.finished, group.seqs[0].request.num_cached_tokens, metrics)
+                             group.finished, group.seqs[0].request.num_cached_tokens, metrics, group.error)
 
     def shutdown(self) -> None:
         """Stop worker processes or actors (a no-op for a single-process engine)."""
