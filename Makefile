@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup setup-serve test serve generate kernels clean
+.PHONY: setup setup-serve test fuzz chaos serve generate kernels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,14 @@ kernels: $(PY)
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The long fuzz and chaos runs (`make test` runs short versions of both).
+FUZZ_EXAMPLES ?= 1000
+fuzz: setup
+	PAGEDSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider tests/fuzz
+
+chaos: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests/chaos
 
 serve: setup-serve
 	$(VENV)/bin/pagedserve serve

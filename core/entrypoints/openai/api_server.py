@@ -234,5 +234,6 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         body = parse_request(ChatCompletionRequest, await read_body(request, settings.max_body_bytes))
         return await _respond(request, chat.create(body), drain)
 
-    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest},
+                    names)
     return app

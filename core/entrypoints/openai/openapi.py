@@ -23,13 +23,54 @@ _REF = "#/components/schemas/{model}"
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _FIELD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
     ("CompletionRequest", "prompt"): {"anyOf": [
-        {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1},
+                                             "minItems": 1},
         _TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]},
     ("ChatMessage", "content"): {"anyOf": [
         {"type": "string"}, {"type": "null"},
         {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
             "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]},
 }
+
+# Ranges checked in code (SamplingParams, protocol.py): documented, and what a schema-based
+# client or fuzzer generates.  Each applies to the field's non-null form.
+_RANGES: dict[str, dict[str, Any]] = {
+    "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
+    "temperature": {"minimum": 0, "maximum": 2}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "n": {"minimum": 1, "maximum": 128}, "top_k": {"minimum": -1}, "min_p": {"minimum": 0, "maximum": 1},
+    "presence_penalty": {"minimum": -2, "maximum": 2}, "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 10}, "min_tokens": {"minimum": 0},
+    "top_logprobs": {"minimum": 0, "maximum": 20},
+}
+# Fields accepted for compatibility whose other values are refused (400) as not implemented.
+_ONLY: dict[str, dict[str, Any]] = {
+    "logit_bias": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]},
+    "echo": {"type": "boolean", "enum": [False]},
+    "suffix": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 0}]},
+    "best_of": {"anyOf": [{"type": "null"}, {"type": "integer", "enum": [1]}]},
+    "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
+    "response_format": {"anyOf": [{"type": "null"}, {"type": "object", "required": ["type"],
+                                                     "properties": {"type": {"enum": ["text"]}}}]},
+}
+
+
+def _constrain(props: dict[str, Any], models: list[str]) -> None:
+    """Put the ranges, the unsupported fields' accepted values and the served model names
+    into one request model's properties."""
+    for name, prop in props.items():
+        if name in _ONLY:
+            props[name] = {**_ONLY[name], "title": prop.get("title", name)}
+        elif name in _RANGES:
+            for branch in prop.get("anyOf", [prop]):
+                if branch.get("type") in ("integer", "number"):
+                    branch.update(_RANGES[name])
+    if "model" in props:
+        props["model"] = {"anyOf": [{"type": "string", "enum": list(models)}, {"type": "null"}], "title": "Model"}
+    if "logprobs" in props and "top_logprobs" not in props:  # completions: an integer 0-20
+        for branch in props["logprobs"].get("anyOf", [props["logprobs"]]):
+            if branch.get("type") == "integer":
+                branch.update({"minimum": 0, "maximum": 20})
+
 
 _ERROR_SCHEMA = {
     "type": "object", "required": ["error"],
@@ -48,8 +89,9 @@ def _error_responses() -> dict[str, Any]:
             for code, text in _ERRORS.items()}
 
 
-def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """Make `app.openapi()` document `bodies` (POST path -> request model)."""
+def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]], models: list[str]) -> None:
+    """Make `app.openapi()` document `bodies` (POST path -> request model); `models` are
+    the served model names."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -61,6 +103,10 @@ def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
         for (model, name), field_schema in _FIELD_SCHEMAS.items():
             if model in components and name in components[model].get("properties", {}):
                 components[model]["properties"][name] = {**field_schema, "title": name.title()}
+        for model in bodies.values():
+            _constrain(components[model.__name__]["properties"], models)
+        if "CompletionRequest" in components:  # optional in the model only to word its error
+            components["CompletionRequest"]["required"] = ["prompt"]
         components["ErrorResponse"] = _ERROR_SCHEMA
         schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
         for path, model in bodies.items():
