@@ -32,10 +32,10 @@ test: setup
 # The long fuzz and chaos runs (`make test` runs short versions of both).
 FUZZ_EXAMPLES ?= 1000
 fuzz: setup
-	PAGEDSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider tests/fuzz
+	PAGEDSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/fuzz
 
 chaos: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests/chaos
+	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/chaos
 
 serve: setup-serve
 	$(VENV)/bin/pagedserve serve

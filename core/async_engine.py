@@ -143,6 +143,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: BaseException | None = None
+        self._engine_stopped = False
         #: The error that stopped the engine thread, or None (running, or shut down on request).
         self.fatal_error: BaseException | None = None
         #: Called on the event loop once if the engine thread dies of an error (the server
@@ -178,17 +179,19 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Abort everything in flight, stop the engine thread and join it."""
+        """Abort everything in flight, stop the engine thread and join it, then stop the
+        engine's worker processes (also after the thread died of an error)."""
         thread = self._thread
-        if thread is None or not thread.is_alive():
-            return
-        self._commands.put(_STOP)
-        thread.join(timeout)
-        if thread.is_alive():
-            logger.error("engine thread did not stop within %.0f s", timeout)
-            return
-        # Worker processes or actors of a multi-rank engine go with it.
-        self.engine.shutdown()
+        if thread is not None and thread.is_alive():
+            self._commands.put(_STOP)
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.error("engine thread did not stop within %.0f s", timeout)
+                return
+        if not self._engine_stopped:
+            self._engine_stopped = True
+            # Worker processes or actors of a multi-rank engine go with it.
+            self.engine.shutdown()
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt: str | list[int] | None,
