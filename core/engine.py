@@ -232,6 +232,7 @@ class LLMEngine:
             if r.num_computed_tokens < r.num_prompt_tokens:
                 self.prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
         progressed = self.scheduler.update_after_step(sched, result.sampled)
+        row_errors, self.runner.sampler.row_errors = self.runner.sampler.row_errors, {}
         self.generation_tokens += len(progressed)
         touched: dict[str, _Group] = {}
         for request in progressed:
@@ -240,10 +241,17 @@ class LLMEngine:
                 continue
             group, seq = entry
             try:
+                if request.request_id in row_errors:
+                    raise RuntimeError(f"sampling failed: {row_errors[request.request_id]}")
                 self._process_token(group, seq, result.logprobs.get(request.request_id))
             except Exception as e:  # noqa: BLE001 - this request's own failure; the batch goes on
                 self._fail_group(group, e)
             touched[group.request_id] = group
+        for rid, error in row_errors.items():  # a failed row that got no token this step
+            if rid in self._seq_of:
+                group = self._seq_of[rid][0]
+                self._fail_group(group, RuntimeError(f"sampling failed: {error}"))
+                touched[group.request_id] = group
         self.scheduler.last_step_latency = time.monotonic() - start
         outputs = []
         for group in touched.values():

@@ -159,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
         config, names, max_body = build_engine_config(args)
         dp = build_dp_config(args)
         cors = cors_settings_from_args(args)
+        if args.timeout_graceful_shutdown < 0:
+            raise ValueError(f"--timeout-graceful-shutdown must be >= 0, got {args.timeout_graceful_shutdown}")
     except ValueError as e:
         raise SystemExit(f"pagedserve serve: {e}") from None
     chat_template = read_chat_template(args.chat_template)
@@ -185,8 +187,9 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable from other machines%s", args.host,
                     "" if settings.api_key else " and has no --api-key")
-    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (streams still open after the
-    # grace period are cut) and the app's lifespan then stops and joins the engine thread.
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (requests still open after the
+    # grace period are cut with an error, see shutdown.py) and the app's lifespan then
+    # stops and joins the engine thread.
     # uvicorn re-raises the signal once done; these no-op handlers make that a normal exit
     # (status 0) instead of death by signal.
     for sig in (signal.SIGINT, signal.SIGTERM):

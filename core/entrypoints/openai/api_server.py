@@ -3,7 +3,8 @@
     app = build_app(AsyncLLMEngine(LLMEngine(config)), ServerSettings(["my-model"]))
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, GET /openapi.json, GET /docs.  Every error is OpenAI's JSON error shape; a bad request is always a 4xx.
+GET /metrics, GET /openapi.json, GET /docs.  Every error is OpenAI's JSON error shape; a bad
+request is always a 4xx.
 """
 
 from __future__ import annotations
