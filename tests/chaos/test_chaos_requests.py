@@ -158,3 +158,37 @@ def test_abort_storm_leaks_no_block_long(inproc_server):
     inproc_server.stop()
     for seed in range(5):
         _abort_storm(inproc_server.engine, 300, seed=seed)
+
+
+def test_an_engine_wide_failure_fails_every_stream_and_turns_health_red(inproc_server, monkeypatch):
+    runner = inproc_server.engine.runner
+    real_execute = runner.execute
+    armed = {"on": False}
+
+    def execute(*args, **kwargs):
+        if armed["on"]:
+            raise RuntimeError("injected device failure")
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    dead: list[BaseException] = []
+    inproc_server.async_engine.on_engine_dead = dead.append
+
+    async def main():
+        async with httpx.AsyncClient(base_url=inproc_server.url, timeout=120) as c:
+            body = {"max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+            tasks = [asyncio.ensure_future(read_stream(c, {**body, "prompt": [5 + i, 6]})) for i in range(4)]
+            while inproc_server.engine.stats().num_running < 4:
+                await asyncio.sleep(0.01)
+            armed["on"] = True
+            return await asyncio.gather(*tasks)
+
+    results = run(main())
+    for r in results:
+        assert r["done"] and r["finish_reason"] is None, r
+        assert len(r["errors"]) == 1 and "injected device failure" in r["errors"][0]["message"]
+    assert httpx.get(inproc_server.url + "/health").status_code == 503
+    after = httpx.post(inproc_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+    assert after.status_code == 503 and after.json()["error"]["code"] == "engine_unavailable"
+    assert len(dead) == 1 and "injected device failure" in str(dead[0])
+    inproc_server.assert_no_leak()
