@@ -173,3 +173,34 @@ def test_drain_cut_ends_a_stream_with_an_error_event_and_done():
     assert out[0] == "data: first\n\n" and out[-1] == "data: [DONE]\n\n" and len(out) == 3
     err = json.loads(out[1][len("data: "):])["error"]
     assert err["code"] == "server_shutdown" and err["message"] == SHUTDOWN_MESSAGE
+
+
+def test_closing_a_guarded_stream_cancels_its_pending_read():
+    cleaned = []
+
+    async def events():
+        try:
+            yield "data: first\n\n"
+            await asyncio.sleep(3600)
+            yield "data: never\n\n"
+        finally:
+            cleaned.append(True)
+
+    async def main():
+        async with asyncio.timeout(10):
+            return await scenario()
+
+    async def scenario():
+        guard = Drain().guard(events())
+        assert await guard.__anext__() == "data: first\n\n"
+        reader = asyncio.ensure_future(guard.__anext__())  # waits inside the inner generator
+        await asyncio.sleep(0.05)
+        reader.cancel()  # what the server does when the client goes away
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        await guard.aclose()
+        await asyncio.sleep(0.01)  # cancelled tasks finish on the next loop turns
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    pending = asyncio.run(main())
+    assert cleaned == [True] and not pending

@@ -59,6 +59,7 @@ class Drain:
         an error event and `[DONE]`."""
         it = events.__aiter__()
         cut = asyncio.ensure_future(self._event.wait())
+        nxt: asyncio.Future | None = None
         try:
             while True:
                 nxt = asyncio.ensure_future(it.__anext__())
@@ -70,15 +71,18 @@ class Drain:
                         return
                     yield line
                     continue
-                nxt.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                    await nxt
                 logger.info("stream %s cut at shutdown", request_id or "(unnamed)")
                 yield sse(error_body(SHUTDOWN_MESSAGE, "service_unavailable", code="server_shutdown"))
                 yield SSE_DONE
                 return
         finally:
+            # However the response ends (done, cut, client gone), the pending read must not
+            # outlive it: cancelling it runs the inner generator's own cleanup.
             cut.cancel()
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
+                with contextlib.suppress(BaseException):
+                    await nxt
             aclose = getattr(it, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
