@@ -65,7 +65,8 @@ def _constrain(props: dict[str, Any], models: list[str]) -> None:
                 if branch.get("type") in ("integer", "number"):
                     branch.update(_RANGES[name])
     if "model" in props:
-        props["model"] = {"anyOf": [{"type": "string", "enum": list(models)}, {"type": "null"}], "title": "Model"}
+        # "" and null both mean the first served model.
+        props["model"] = {"anyOf": [{"type": "string", "enum": [*models, ""]}, {"type": "null"}], "title": "Model"}
     if "logprobs" in props and "top_logprobs" not in props:  # completions: an integer 0-20
         for branch in props["logprobs"].get("anyOf", [props["logprobs"]]):
             if branch.get("type") == "integer":
