@@ -15,7 +15,7 @@ from pagedserve import SamplingParams
 from pagedserve.async_engine import AsyncLLMEngine
 from pagedserve.loader.detokenizer import IncrementalDetokenizer
 
-from conftest import read_stream, run, solo_texts
+from chaos_helpers import read_stream, run, solo_texts
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import EXAMPLES, check_answer, check_server_still_serves
+from fuzz_helpers import EXAMPLES, check_answer, check_server_still_serves
 
 pytestmark = pytest.mark.timeout(600)
 

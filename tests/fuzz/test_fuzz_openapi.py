@@ -9,7 +9,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from conftest import EXAMPLES, check_answer, check_server_still_serves
+from fuzz_helpers import EXAMPLES, check_answer, check_server_still_serves
 
 pytestmark = pytest.mark.timeout(600)
 
