@@ -126,7 +126,7 @@ def test_killed_tensor_parallel_worker_fails_every_request_and_the_server_exits(
 
 
 @pytest.mark.slow
-def test_killed_data_parallel_replica_fails_only_its_streams(tiny_llama, tmp_path):
+def test_killed_data_parallel_replicas_fail_only_their_streams_then_the_server_exits(tiny_llama, tmp_path):
     args = [*TINY_ARGS, "--data-parallel-size", "2", "--threads", "2"]
     server = LiveServer(str(tiny_llama), args, tmp_path / "log")
     try:
@@ -149,5 +149,9 @@ def test_killed_data_parallel_replica_fails_only_its_streams(tiny_llama, tmp_pat
         r = httpx.post(server.url + "/v1/completions", json={**LONG, "prompt": [5], "max_tokens": 4}, timeout=60)
         assert r.status_code == 200
         assert kv_cache_usage(server.url) == 0.0
+        # The last replica gone: nothing can serve, so the server exits non-zero.
+        os.kill(detail[1]["pid"], signal.SIGKILL)
+        assert server.wait(60) == 1, server.log()[-3000:]
+        assert "every data-parallel replica has died" in server.log()
     finally:
         server.stop()
