@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -67,6 +68,15 @@ class _Stream(threading.Thread):
         return [json.loads(line[6:])["error"] for line in self.lines if line.startswith('data: {"error"')]
 
 
+def _hang_up_mid_upload(port: int) -> None:
+    """A client that announces 1000 bytes of body, sends 20 and closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "hello", ')
+        time.sleep(0.3)  # the server is now inside the body read
+    time.sleep(0.3)
+
+
 def test_sigterm_mid_stream_ends_every_stream_with_an_error_event(tiny_llama, tmp_path):
     server = LiveServer(str(tiny_llama), [*TINY_ARGS, "--timeout-graceful-shutdown", "0.5"], tmp_path / "log")
     try:
@@ -77,6 +87,7 @@ def test_sigterm_mid_stream_ends_every_stream_with_an_error_event(tiny_llama, tm
         waiter.start()
         for s in streams:
             assert s.first.wait(60) and s.failure is None
+        _hang_up_mid_upload(server.port)
         time.sleep(0.2)
         server.terminate()
         assert server.wait(60) == 0, server.log()[-3000:]
@@ -93,6 +104,7 @@ def test_sigterm_mid_stream_ends_every_stream_with_an_error_event(tiny_llama, tm
         log = server.log()
         assert "Traceback" not in log and "CancelledError" not in log and "ERROR" not in log, log[-4000:]
         assert log.count("cut at shutdown") == 3
+        assert log.count("disconnected while sending POST /v1/completions") == 1
     finally:
         server.stop()
 
