@@ -232,8 +232,20 @@ class LLMEngine:
             if r.num_computed_tokens < r.num_prompt_tokens:
                 self.prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
         progressed = self.scheduler.update_after_step(sched, result.sampled)
-        row_errors, self.runner.sampler.row_errors = self.runner.sampler.row_errors, {}
         self.generation_tokens += len(progressed)
+        touched = self._process_tokens(progressed, result.logprobs)
+        self.scheduler.last_step_latency = time.monotonic() - start
+        outputs = []
+        for group in touched.values():
+            outputs.append(self._make_output(group))
+            if group.finished:
+                self.groups.pop(group.request_id, None)
+        return outputs
+
+    def _process_tokens(self, progressed: list[Request], logprobs: dict) -> dict[str, _Group]:
+        """Detokenize and stop-check each new token; a request whose own processing (or
+        sampling: `Sampler.row_errors`) failed is failed alone.  The groups touched."""
+        row_errors, self.runner.sampler.row_errors = self.runner.sampler.row_errors, {}
         touched: dict[str, _Group] = {}
         for request in progressed:
             entry = self._seq_of.get(request.request_id)
@@ -243,7 +255,7 @@ class LLMEngine:
             try:
                 if request.request_id in row_errors:
                     raise RuntimeError(f"sampling failed: {row_errors[request.request_id]}")
-                self._process_token(group, seq, result.logprobs.get(request.request_id))
+                self._process_token(group, seq, logprobs.get(request.request_id))
             except Exception as e:  # noqa: BLE001 - this request's own failure; the batch goes on
                 self._fail_group(group, e)
             touched[group.request_id] = group
@@ -252,13 +264,7 @@ class LLMEngine:
                 group = self._seq_of[rid][0]
                 self._fail_group(group, RuntimeError(f"sampling failed: {error}"))
                 touched[group.request_id] = group
-        self.scheduler.last_step_latency = time.monotonic() - start
-        outputs = []
-        for group in touched.values():
-            outputs.append(self._make_output(group))
-            if group.finished:
-                self.groups.pop(group.request_id, None)
-        return outputs
+        return touched
 
     def _process_token(self, group: _Group, seq: _Sequence, lp) -> None:
         request = seq.request
@@ -283,7 +289,7 @@ class LLMEngine:
 
     def _fail_group(self, group: _Group, error: Exception) -> None:
         """Finish every sample of `group` with finish_reason "error", freeing its blocks."""
-        logger.exception("request %s failed; the other requests go on", group.request_id)
+        logger.error("request %s failed; the other requests go on", group.request_id, exc_info=error)
         group.error = f"{type(error).__name__}: {error}"
         for seq in group.seqs:
             if seq.finish_reason is None:
