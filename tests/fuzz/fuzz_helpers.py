@@ -1,7 +1,7 @@
 """The fuzz suite's server flags, size, and the checks every fuzzed answer must pass.
 
-Size: PAGEDSERVE_FUZZ_EXAMPLES examples per strategy (default: a short CI run; `make
-fuzz` runs the long one).
+Size: PAGEDSERVE_FUZZ_EXAMPLES examples per strategy (default: a short, derandomized CI
+run; `make fuzz` runs a long random one).
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ import httpx
 from live_server import TINY_ARGS, LiveServer, kv_cache_usage
 
 EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "40"))
+# The short CI run is the same every time; a long run explores anew (hypothesis prints
+# the seed of a failure so it can be replayed).
+DERANDOMIZE = "PAGEDSERVE_FUZZ_EXAMPLES" not in os.environ
 # A short context keeps every generated answer short (chat defaults max_tokens to the
 # rest of the context), so hundreds of cases stay quick.
 FUZZ_ARGS = [*TINY_ARGS, "--max-model-len", "48", "--max-body-size", "64KiB", "--max-queue-len", "512"]

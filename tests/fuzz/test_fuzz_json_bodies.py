@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fuzz_helpers import EXAMPLES, check_answer, check_server_still_serves
+from fuzz_helpers import DERANDOMIZE, EXAMPLES, check_answer, check_server_still_serves
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,7 +47,7 @@ def test_raw_json_bodies(fuzz_server, route):
     statuses: list[int] = []
 
     with httpx.Client(base_url=fuzz_server.url, timeout=120) as client:
-        @settings(max_examples=EXAMPLES * 2, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=EXAMPLES * 2, deadline=None, database=None, derandomize=DERANDOMIZE,
                   suppress_health_check=list(HealthCheck))
         @given(body=bodies)
         def run(body):

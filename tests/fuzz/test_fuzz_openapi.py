@@ -9,7 +9,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from fuzz_helpers import EXAMPLES, check_answer, check_server_still_serves
+from fuzz_helpers import DERANDOMIZE, EXAMPLES, check_answer, check_server_still_serves
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -52,7 +52,7 @@ def test_schemathesis(schema, fuzz_server, path, method, mode):
     n = EXAMPLES if method == "POST" else max(EXAMPLES // 4, 5)
     statuses: list[int] = []
 
-    @settings(max_examples=n, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=n, deadline=None, database=None, derandomize=DERANDOMIZE,
               suppress_health_check=list(HealthCheck))
     @given(case=op.as_strategy(generation_mode=mode))
     def run(case):
