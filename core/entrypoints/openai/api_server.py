@@ -86,7 +86,8 @@ class _EventStreamResponse(StreamingResponse):
     """SSE response that aborts its engine requests however it ends (done, error, client gone)."""
 
     def __init__(self, stream: EventStream, drain: Drain) -> None:
-        super().__init__(drain.guard(stream.events), media_type="text/event-stream",
+        name = ",".join(s.request_id for s in stream.streams)
+        super().__init__(drain.guard(stream.events, name), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._stream = stream
 
