@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup setup-serve test test-slow serve generate kernels clean
+.PHONY: setup setup-serve test test-slow fuzz chaos serve generate kernels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,14 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m slow
+
+# The long fuzz and chaos runs (`make test` runs short versions of both).
+FUZZ_EXAMPLES ?= 1000
+fuzz: setup
+	PAGEDSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/fuzz
+
+chaos: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/chaos
 
 serve: setup-serve
 	$(VENV)/bin/pagedserve serve

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
@@ -32,6 +33,8 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
 
 __all__ = ["LLMEngine", "EngineStats", "ITERATION_TOKEN_BUCKETS"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +60,7 @@ class _Group:
     seqs: list[_Sequence]
     arrival_time: float
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why this request failed on its own
 
     @property
     def finished(self) -> bool:
@@ -246,17 +250,8 @@ class LLMEngine:
                 self.prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
         progressed = self.scheduler.update_after_step(sched, result.sampled)
         self.generation_tokens += len(progressed)
-        touched: dict[str, _Group] = {}
-        now = time.monotonic()
-        for request in progressed:
-            group, seq = self._seq_of[request.request_id]
-            self._process_token(group, seq, result.logprobs.get(request.request_id))
-            group.metrics["last_token_time"] = now
-            if request.first_scheduled_time is not None:
-                first = group.metrics.get("first_scheduled_time")
-                if first is None or request.first_scheduled_time < first:
-                    group.metrics["first_scheduled_time"] = request.first_scheduled_time
-            touched[group.request_id] = group
+        self._stamp_times(progressed)  # before processing: a finished request leaves _seq_of
+        touched = self._process_tokens(progressed, result.logprobs)
         self.scheduler.last_step_latency = time.monotonic() - start
         outputs = []
         for group in touched.values():
@@ -270,6 +265,44 @@ class LLMEngine:
         i = bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)
         self._iteration_buckets[i] += 1
         self._iteration_tokens_sum += num_tokens
+
+    def _stamp_times(self, progressed: list[Request]) -> None:
+        """Each request group's latest-token time and first scheduled step (metrics)."""
+        now = time.monotonic()
+        for request in progressed:
+            entry = self._seq_of.get(request.request_id)
+            if entry is None:
+                continue
+            group = entry[0]
+            group.metrics["last_token_time"] = now
+            if request.first_scheduled_time is not None:
+                first = group.metrics.get("first_scheduled_time")
+                if first is None or request.first_scheduled_time < first:
+                    group.metrics["first_scheduled_time"] = request.first_scheduled_time
+
+    def _process_tokens(self, progressed: list[Request], logprobs: dict) -> dict[str, _Group]:
+        """Detokenize and stop-check each new token; a request whose own processing (or
+        sampling: `Sampler.row_errors`) failed is failed alone.  The groups touched."""
+        row_errors, self.runner.sampler.row_errors = self.runner.sampler.row_errors, {}
+        touched: dict[str, _Group] = {}
+        for request in progressed:
+            entry = self._seq_of.get(request.request_id)
+            if entry is None:  # a sibling sample failed earlier in this loop
+                continue
+            group, seq = entry
+            try:
+                if request.request_id in row_errors:
+                    raise RuntimeError(f"sampling failed: {row_errors[request.request_id]}")
+                self._process_token(group, seq, logprobs.get(request.request_id))
+            except Exception as e:  # noqa: BLE001 - this request's own failure; the batch goes on
+                self._fail_group(group, e)
+            touched[group.request_id] = group
+        for rid, error in row_errors.items():  # a failed row that got no token this step
+            if rid in self._seq_of:
+                group = self._seq_of[rid][0]
+                self._fail_group(group, RuntimeError(f"sampling failed: {error}"))
+                touched[group.request_id] = group
+        return touched
 
     def _process_token(self, group: _Group, seq: _Sequence, lp) -> None:
         request = seq.request
@@ -291,6 +324,16 @@ class LLMEngine:
             group.metrics.setdefault("finished_time", time.monotonic())
         if request.first_token_time is not None:
             group.metrics.setdefault("first_token_time", request.first_token_time)
+
+    def _fail_group(self, group: _Group, error: Exception) -> None:
+        """Finish every sample of `group` with finish_reason "error", freeing its blocks."""
+        logger.error("request %s failed; the other requests go on", group.request_id, exc_info=error)
+        group.error = f"{type(error).__name__}: {error}"
+        for seq in group.seqs:
+            if seq.finish_reason is None:
+                self._release(seq, RequestStatus.FINISHED_ABORTED)
+                seq.finish_reason = "error"
+        group.metrics.setdefault("finished_time", time.monotonic())
 
     def _check_stop_strings(self, seq: _Sequence) -> RequestStatus | None:
         params = seq.request.sampling_params
@@ -335,7 +378,7 @@ class LLMEngine:
         metrics = dict(group.metrics)
         metrics["arrival_time"] = group.arrival_time
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                             group.finished, group.seqs[0].request.num_cached_tokens, metrics)
+                             group.finished, group.seqs[0].request.num_cached_tokens, metrics, group.error)
 
     # -- KV hand-off between engines (disaggregated prefill/decode) ------------------------
     def export_prefix_kv(self, token_ids: list[int]) -> torch.Tensor:

@@ -32,6 +32,12 @@ def add_parser(subparsers) -> None:
     net.add_argument("--max-body-size", default="16MiB", help="largest request body accepted (413 above)")
     net.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     net.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
+    net.add_argument("--timeout-graceful-shutdown", type=float, default=GRACEFUL_SHUTDOWN_S,
+                     help="seconds open requests may finish after SIGTERM before they are cut with an error "
+                          f"(default {GRACEFUL_SHUTDOWN_S})")
+    from pagedserve.entrypoints.openai.http_guard import add_http_security_arguments
+
+    add_http_security_arguments(p)
     from pagedserve.entrypoints.engine_args import add_engine_arguments
 
     add_engine_arguments(p)  # every engine setting, from pagedserve.config
@@ -98,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.async_engine import AsyncLLMEngine
     from pagedserve.engine import LLMEngine
     from pagedserve.entrypoints.openai import ServerSettings, build_app
+    from pagedserve.entrypoints.openai.http_guard import cors_settings_from_args
+    from pagedserve.entrypoints.openai.shutdown import CUT_MARGIN_S, GracefulServer
 
     from pagedserve.entrypoints.openai.stats_logger import configure_logging
     from pagedserve.entrypoints.server_ops_args import ops_settings, uvicorn_options
@@ -110,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
         config, names, max_body = build_engine_config(args)
         dp = build_dp_config(args)
         ops = ops_settings(args, config)
+        cors = cors_settings_from_args(args)
+        if args.timeout_graceful_shutdown < 0:
+            raise ValueError(f"--timeout-graceful-shutdown must be >= 0, got {args.timeout_graceful_shutdown}")
     except ValueError as e:
         raise SystemExit(f"pagedserve serve: {e}") from None
     chat_template = read_chat_template(args.chat_template)
@@ -132,22 +143,36 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"pagedserve serve: {e}") from None
         log.info("model %s served by %d data-parallel replicas (%s backend)", names[0], dp.size, dp.backend)
     settings = ServerSettings(served_model_names=names, api_key=resolve_api_key(args),
-                              max_body_bytes=max_body, chat_template=chat_template, **ops)
+                              max_body_bytes=max_body, chat_template=chat_template, cors=cors, **ops)
     app = build_app(served, settings)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable from other machines%s", args.host,
                     "" if settings.api_key else " and has no --api-key")
-    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (streams still open after the
-    # grace period are cut) and the app's lifespan then stops and joins the engine thread.
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (requests still open after the
+    # grace period are cut with an error, see shutdown.py) and the app's lifespan then
+    # stops and joins the engine thread.
     # uvicorn re-raises the signal once done; these no-op handlers make that a normal exit
     # (status 0) instead of death by signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    grace = args.timeout_graceful_shutdown
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           log_config=log_config, access_log=not args.disable_access_log,
+                                           timeout_graceful_shutdown=grace + CUT_MARGIN_S,
+                                           **uvicorn_options(args)),
+                            app.state.drain, grace)
+    if hasattr(served, "on_engine_dead"):  # an engine-wide failure stops the server, loudly
+        served.on_engine_dead = lambda e: setattr(server, "should_exit", True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=log_config,
-                    access_log=not args.disable_access_log, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                    **uvicorn_options(args))
+        server.run()
     finally:
         served.shutdown()  # already done by the lifespan unless uvicorn failed to start
+    if not server.started:
+        log.error("the HTTP server did not start (see the error above)")
+        return 3  # uvicorn's own status for a failed start
+    fatal = getattr(served, "fatal_error", None)
+    if fatal is not None:
+        log.critical("server stopped: the engine failed (%s: %s)", type(fatal).__name__, fatal)
+        return 1
     log.info("server stopped")
     return 0

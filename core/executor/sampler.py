@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.executor.row_errors import failing_rows, sample_without
 from pagedserve.request import Request
 
 __all__ = ["Sampler", "SamplerOutput"]
@@ -29,6 +30,9 @@ class SamplerOutput:
 class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        #: request id -> why sampling failed for that request alone (row_errors.py); the
+        #: engine takes and clears these after every step.
+        self.row_errors: dict[str, str] = {}
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -59,6 +63,9 @@ class Sampler:
             # Plain greedy rows: the argmax needs no float32 copy (widening bf16 is exact,
             # so the chosen ids are the same) and no row gather.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+        bad = failing_rows(self, requests, logits.shape[1])
+        if bad:
+            return sample_without(self, logits, requests, bad)
         logits = raw = logits.float()
         logits = self._apply_penalties(logits, requests)
         logits = self._apply_min_tokens(logits, requests)

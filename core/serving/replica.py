@@ -68,12 +68,8 @@ class ReplicaLoop:
                 self._send(events)
             if engine.has_unfinished_requests():
                 events = []
-                ok = self._step(events)
+                self._step(events)
                 self._send(events)
-                if not ok:
-                    # A dead tensor/pipeline-parallel worker fails every later step too:
-                    # raising ends the replica, so the router stops sending requests here.
-                    engine.executor.check_health()
 
     def _send(self, events: list[tuple]) -> None:
         self.conn.send(("events", events, self.engine.stats()))
@@ -110,20 +106,15 @@ class ReplicaLoop:
             logger.warning("the router closed the connection; stopping")
             return None
 
-    def _step(self, events: list[tuple]) -> bool:
-        """One engine step; False if it failed (its requests are failed and aborted)."""
-        engine = self.engine
-        try:
-            outputs = engine.step()
-        except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the replica
-            failed = engine.running_request_ids()
-            logger.exception("engine step failed; aborting its %d request(s)", len(failed))
-            engine.abort_request(failed)
-            text = f"the engine failed while running this request: {type(e).__name__}: {e}"
-            events.extend((rid, "failed", text) for rid in failed)
-            return False
-        events.extend((out.request_id, "output", out) for out in outputs)
-        return True
+    def _step(self, events: list[tuple]) -> None:
+        """One engine step.  A request that failed on its own is failed alone; an exception
+        out of step() is engine-wide and ends the replica (run_replica reports it, and the
+        router fails this replica's requests and routes new ones to the others)."""
+        for out in self.engine.step():
+            if out.error is not None:
+                events.append((out.request_id, "failed", f"this request failed: {out.error}"))
+            else:
+                events.append((out.request_id, "output", out))
 
 
 def _select_device(spec: ReplicaSpec) -> None:

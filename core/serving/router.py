@@ -176,6 +176,9 @@ class DataParallelRouter:
         self._closing = False
         #: Called on the event loop with every RequestOutput, finished or not (metrics).
         self.on_request_output: Callable[[RequestOutput], None] | None = None
+        #: Set when the last replica died; the server then stops and exits non-zero.
+        self.fatal_error: BaseException | None = None
+        self.on_engine_dead: Callable[[BaseException], None] | None = None
         timeout = startup_timeout_s if startup_timeout_s is not None else par.distributed_timeout_s
         ready = self._launcher.launch(self.specs, config, log_level, timeout)
         self._replicas = [_Replica(spec, *ready[spec.index]) for spec in self.specs]
@@ -409,3 +412,7 @@ class DataParallelRouter:
                 err = _ReplicaLost(f"data-parallel replica {r.index} {reason}")
             stream._post(err)
         r.num_seqs = r.unaccepted = 0
+        if left == 0 and not self._closing:
+            self.fatal_error = EngineDeadError(f"every data-parallel replica has died (the last: {reason})")
+            if self.on_engine_dead is not None:
+                self.on_engine_dead(self.fatal_error)
