@@ -41,18 +41,19 @@ def failing_rows(sampler: Sampler, requests: list[Request], vocab: int) -> dict[
 
 
 def sample_without(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
-                   bad: dict[int, str]) -> SamplerOutput:
+                   bad: dict[int, str]) -> SamplerOutput | None:
     """Sample the good rows as one batch; the bad rows get token 0 and an entry in
-    `sampler.row_errors`.  logits ``[num_seqs, vocab]``."""
-    from pagedserve.executor.sampler import SamplerOutput
-
+    `sampler.row_errors`.  logits ``[num_seqs, vocab]``.  With no good row this returns
+    None (every token is a placeholder; the caller builds its own output)."""
     keep = [i for i in range(len(requests)) if i not in bad]
-    tokens = [0] * len(requests)
-    logprobs: list = [None] * len(requests)
-    if keep:
-        sub = sampler(logits[keep], [requests[i] for i in keep])
-        for j, i in enumerate(keep):
-            tokens[i], logprobs[i] = sub.token_ids[j], sub.logprobs[j]
     for i, error in bad.items():
         sampler.row_errors[requests[i].request_id] = error
-    return SamplerOutput(tokens, logprobs)
+    if not keep:
+        return None
+    # The good rows' output, widened to every row (the sampler's own output type, so this
+    # module needs no import of it).
+    sub = sampler(logits[keep], [requests[i] for i in keep])
+    tokens, logprobs = [0] * len(requests), [None] * len(requests)
+    for j, i in enumerate(keep):
+        tokens[i], logprobs[i] = sub.token_ids[j], sub.logprobs[j]
+    return type(sub)(tokens, logprobs)

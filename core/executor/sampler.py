@@ -65,7 +65,8 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         bad = failing_rows(self, requests, logits.shape[1])
         if bad:
-            return sample_without(self, logits, requests, bad)
+            out = sample_without(self, logits, requests, bad)
+            return out if out is not None else SamplerOutput([0] * len(requests), [None] * len(requests))
         logits = raw = logits.float()
         logits = self._apply_penalties(logits, requests)
         logits = self._apply_min_tokens(logits, requests)

@@ -120,7 +120,7 @@ def _abort_storm(llm_engine, num_requests: int, seed: int) -> None:
             stream.abort()
             return "aborted"
         seen = 0
-        async for out in stream:
+        async for _out in stream:
             seen += 1
             if when == "mid" and seen >= rng.randrange(1, 4):
                 stream.abort()

@@ -164,9 +164,12 @@ def add_tokenize_routes(app: FastAPI, engine: Any, served_model_names: list[str]
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:
         return Response(status_code=200 if engine.is_running else 503)
+
+    # Two routes, not one with two methods: each gets its own OpenAPI operation id.
+    app.add_api_route("/ping", ping, methods=["GET"], name="ping_get")
+    app.add_api_route("/ping", ping, methods=["POST"], name="ping_post")
 
     @app.get("/ready")
     async def ready() -> Response:
