@@ -45,3 +45,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    #: With SamplingParams.prompt_logprobs: per prompt token, its entry (None for the first).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
