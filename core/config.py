@@ -182,6 +182,8 @@ class ModelConfig:
     chat_template: str | None = None
     served_model_name: str | None = None
     quantization: str | None = None
+    generation_config: str = field(default="auto", metadata={
+        "help": "sampling defaults: 'auto' (the checkpoint's generation_config.json), 'ignore', or a folder"})
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half", "fp32", "bf16", "fp16"):

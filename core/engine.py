@@ -19,6 +19,7 @@ from pagedserve.executor.model_runner import resolve_dtype
 from pagedserve.kv_cache.host_tier import TieredKVCacheManager
 from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.loader import IncrementalDetokenizer, open_model
+from pagedserve.loader.generation_config import load_generation_defaults
 from pagedserve.quantization.registry import quantize_source
 from pagedserve.models.llama import ArchConfig
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -105,6 +106,8 @@ class LLMEngine:
         source = open_model(config.model.model)
         self.model_source = source
         self.tokenizer = source.tokenizer()
+        #: SamplingParams defaults from generation_config.json (see loader/generation_config.py).
+        self.default_sampling_params = load_generation_defaults(config.model.generation_config, source.path)
         self.arch = ArchConfig.from_hf(source.hf_config)
         self.eos_token_ids = frozenset(source.eos_token_ids)
         mml = config.model.max_model_len or self.arch.max_position_embeddings
@@ -177,6 +180,9 @@ class LLMEngine:
         encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         check_request_params(params, self.arch.vocab_size, encode,
                              par.tensor_parallel_size * par.pipeline_parallel_size > 1)
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy "
+                             f"priority); this engine schedules {self.config.scheduler.policy!r}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = _Group(request_id, prompt, ids, [], arrival, params=params,
                        prompt_logprobs={} if params.prompt_logprobs is not None else None)

@@ -54,6 +54,7 @@ class LLM:
         cpu_offload_gb: float = 0.0,
         device_map: str | Sequence[str | tuple[str, int | None]] | None = None,
         cpu_bind: str | None = None,
+        generation_config: str = "auto",
     ) -> None:
         if memory_utilization is not None and gpu_memory_utilization is not None \
                 and memory_utilization != gpu_memory_utilization:
@@ -61,7 +62,8 @@ class LLM:
         util = memory_utilization if memory_utilization is not None else gpu_memory_utilization
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              chat_template=chat_template, quantization=quantization),
+                              chat_template=chat_template, quantization=quantization,
+                              generation_config=generation_config),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               memory_utilization=util,
                               enable_prefix_caching=enable_prefix_caching,
@@ -92,6 +94,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's name)."""
+        return SamplingParams(**self.llm_engine.default_sampling_params)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -110,14 +116,15 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
             else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         engine = self.llm_engine
         # Validate everything first so one bad prompt does not leave others queued.
-        normalized = [engine.validate_prompt(*self._split(p)) for p in prompts]
+        normalized = [engine.validate_prompt(*self._split(p), sp.truncate_prompt_tokens)
+                      for p, sp in zip(prompts, params)]
         ids = []
         for i, ((text, tokens), sp) in enumerate(zip(normalized, params)):
             rid = str(next(self._counter))

@@ -8,6 +8,8 @@ import os
 import pathlib
 import signal
 
+from pagedserve.entrypoints.request_field_args import add_request_field_arguments
+
 __all__ = ["add_parser", "run", "build_dp_config", "API_KEY_ENV"]
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -65,6 +67,7 @@ def add_parser(subparsers) -> None:
                      help="pin the model's threads to these host cores, one each, e.g. 0-3 (threads defaults "
                           "to their number)")
     eng.add_argument("--seed", type=int, default=0)
+    add_request_field_arguments(eng)
     dp = p.add_argument_group("data parallelism (docs/distributed.md)")
     dp.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                     help="independent engine replicas, each in its own process, behind this endpoint; "
@@ -104,13 +107,15 @@ def build_engine_config(args: argparse.Namespace):
         cache_kwargs["memory_utilization"] = args.memory_utilization
     config = EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-                          served_model_name=names[0], quantization=args.quantization),
+                          served_model_name=names[0], quantization=args.quantization,
+                          generation_config=args.generation_config),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           enable_prefix_caching=args.enable_prefix_caching,
                           kv_offload_memory=args.kv_offload_memory, preemption_mode=args.preemption_mode,
                           cpu_offload_gb=args.cpu_offload_gb, **cache_kwargs),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  delay_factor=args.scheduler_delay_factor, max_queue_len=args.max_queue_len),
+                                  delay_factor=args.scheduler_delay_factor, max_queue_len=args.max_queue_len,
+                                  policy=args.scheduling_policy),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 pipeline_parallel_size=args.pipeline_parallel_size,
                                 distributed_executor_backend=args.distributed_executor_backend),
