@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from pagedserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedserve.engine import LLMEngine
 from pagedserve.outputs import RequestOutput
@@ -169,6 +170,24 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [final[i] for i in ids]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search over the engine (see pagedserve.beam_search): the best
+        ``params.beam_width`` sequences of each prompt, best first."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        ids = [engine.validate_prompt(*self._split(p))[1] for p in prompts]
+        search = BeamSearch(ids, params, engine.eos_token_ids, engine.max_model_len)
+
+        def expand(tokens: list[list[int]], step: SamplingParams) -> list:
+            outs = self.generate([{"prompt_token_ids": t} for t in tokens], step, use_tqdm=False)
+            return [o.outputs[0].logprobs[0] for o in outs]
+
+        search.run(expand)
+        return search.outputs(lambda t: engine.tokenizer.decode(t))
 
     def chat(
         self,

@@ -289,3 +289,76 @@ def test_generation_config_defaults_apply_unless_ignored(tiny_llama, tmp_path):
     assert ignored.get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="generation_config must be"):
         LLM(model=str(model), generation_config=str(tmp_path / "missing"), **ENGINE)
+
+
+# -- beam search ------------------------------------------------------------------------------------
+def _reference_beam_search(hf_model, prompt: list[int], width: int, max_tokens: int, eos: int,
+                           length_penalty: float = 1.0) -> list[tuple[list[int], float]]:
+    """Beam search over transformers' logits, written out plainly."""
+    live, done = [(list(prompt), 0.0)], []
+    for _ in range(max_tokens):
+        cands = []
+        for tokens, cum in live:
+            lp = hf_logprobs(hf_model, tokens)[-1]
+            vals, idx = lp.topk(2 * width)
+            for v, t in zip(vals.tolist(), idx.tolist()):
+                (done if t == eos else cands).append((tokens + [t], cum + v))
+        live = sorted(cands, key=lambda b: b[1], reverse=True)[:width]
+
+    def score(b):
+        n = len(b[0]) - (1 if b[0][-1] == eos else 0)
+        return b[1] / n ** length_penalty
+
+    return sorted(done + live, key=score, reverse=True)[:width]
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.0])
+def test_beam_search_matches_a_reference_over_transformers(llm, hf_model, length_penalty):
+    from pagedserve.beam_search import BeamSearchParams
+
+    prompts = [PROMPT, "Sphinx of black quartz, judge my vow"]
+    params = BeamSearchParams(beam_width=3, max_tokens=4, length_penalty=length_penalty)
+    outs = llm.beam_search(prompts, params)
+    tok = llm.get_tokenizer()
+    for prompt, out in zip(prompts, outs):
+        ids = tok.encode(prompt)
+        ref = _reference_beam_search(hf_model, ids, 3, 4, eos=2, length_penalty=length_penalty)
+        assert [s.tokens for s in out.sequences] == [r[0] for r in ref]
+        for s, (_, cum) in zip(out.sequences, ref):
+            assert math.isclose(s.cum_logprob, cum, abs_tol=1e-3)
+            assert s.text == tok.decode(s.tokens[len(ids):])
+    assert llm.llm_engine.kv.usage() == 0.0
+
+
+def test_beam_search_shares_prefix_blocks(llm):
+    from pagedserve.beam_search import BeamSearchParams
+
+    engine = llm.llm_engine
+    hits = engine.kv.prefix_hits
+    prompt = "a long prompt that fills more than one block of sixteen tokens"
+    outs = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=6))
+    assert engine.kv.prefix_hits > hits  # later steps reuse the prompt's cached blocks
+    assert len(outs[0].sequences) == 2
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_beam_search_completes_beams_at_eos(ignore_eos):
+    from pagedserve.beam_search import BeamSearch, BeamSearchParams
+    from pagedserve.outputs import Logprob
+
+    search = BeamSearch([[1, 1]], BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=ignore_eos),
+                        frozenset({2}), max_model_len=100)
+    lps = {2: -0.1, 5: -1.0, 6: -2.0, 7: -3.0}
+    search.run(lambda todo, _: [{t: Logprob(v) for t, v in lps.items()} for _ in todo])
+    seqs = search.outputs(lambda t: ",".join(map(str, t)))[0].sequences
+    if ignore_eos:
+        assert [s.tokens for s in seqs] == [[1, 1, 2, 2, 2], [1, 1, 2, 2, 5]]
+        assert [s.finish_reason for s in seqs] == ["length", "length"]
+    else:  # [1, 1, 2] scores -0.1 / 2 (EOS not counted): the best
+        assert [s.tokens for s in seqs] == [[1, 1, 2], [1, 1, 5, 2]]
+        assert [s.finish_reason for s in seqs] == ["stop", "stop"]
+        assert seqs[0].text == "" and seqs[1].text == "5"
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=3)
+    with pytest.raises(ValueError, match="temperature"):
+        BeamSearchParams(beam_width=2, max_tokens=3, temperature=math.nan)
