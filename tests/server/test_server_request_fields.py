@@ -113,6 +113,17 @@ def _check_logprob_tokens_as_ids(ctx: Ctx) -> None:
     assert tokens == [f"token_id:{t}" for t in ids]
 
 
+def _check_beam_search(ctx: Ctx, length_penalty: float = 1.0) -> None:
+    from pagedserve.beam_search import BeamSearchParams
+
+    tok = ctx.offline.get_tokenizer()
+    ids = tok.encode(ctx.rendered(MESSAGES), add_special_tokens=False) if ctx.chat else tok.encode(PROMPT)
+    ref = ctx.offline.beam_search({"prompt_token_ids": ids},
+                                  BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=length_penalty))
+    assert [ctx.text(i) for i in range(2)] == [s.text for s in ref[0].sequences]
+    assert ctx.usage("completion_tokens") == sum(len(s.tokens) - len(ids) for s in ref[0].sequences)
+
+
 def _check_completion_logprobs(ctx: Ctx) -> None:
     lp = ctx.json["choices"][0]["logprobs"]
     ref = ctx.reference(logprobs=2).outputs[0]
@@ -177,6 +188,9 @@ SHARED_CASES: dict[str, tuple[dict, Check]] = {
                    lambda c: c.json["id"].endswith("-walk-1") or pytest.fail(c.json["id"])),
     "return_tokens_as_token_ids": ({"return_tokens_as_token_ids": True, "logprobs": 0},
                                    _check_logprob_tokens_as_ids),
+    "use_beam_search": ({"use_beam_search": True, "n": 2}, _check_beam_search),
+    "length_penalty": ({"use_beam_search": True, "n": 2, "length_penalty": 0.0},
+                       lambda c: _check_beam_search(c, 0.0)),
 }
 
 COMPLETION_CASES: dict[str, tuple[dict, Check]] = {
@@ -227,7 +241,7 @@ CHAT_CASES: dict[str, tuple[dict, Check]] = {
 
 # Non-default values for fields that are refused, or owned by structured outputs.
 REFUSED_VALUES: dict[str, Any] = {
-    "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["mod.Proc"], "cache_salt": "salt",
+    "logits_processors": ["mod.Proc"], "cache_salt": "salt",
     "kv_transfer_params": {"do_remote_decode": True}, "vllm_xargs": {"k": 1}, "mm_processor_kwargs": {"k": 1},
     "prompt_embeds": "AAAA", "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["audio"],
     "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
@@ -300,6 +314,11 @@ BAD = [
     ("completions", '{"prompt_logprobs": 2, "stream": true}', "prompt_logprobs"),
     ("chat/completions", '{"continue_final_message": true}', "continue_final_message"),
     ("chat/completions", '{"priority": "high"}', "priority"),
+    ("completions", '{"length_penalty": 0.5}', "length_penalty"),
+    ("completions", '{"use_beam_search": true, "stream": true}', "stream"),
+    ("chat/completions", '{"use_beam_search": true, "logprobs": true}', "logprobs"),
+    ("completions", '{"use_beam_search": true, "n": 11}', "n"),
+    ("completions", '{"use_beam_search": true, "top_k": 3}', "top_k"),
 ]
 
 

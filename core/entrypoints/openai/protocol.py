@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unimplemented
+from pagedserve.entrypoints.openai.serving_beam import check_beam_fields
 from pagedserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -78,6 +79,8 @@ class _GenerationRequest(BaseModel):
     request_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
     add_special_tokens: bool | None = None  # completions: True, chat: False (vLLM's defaults)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class CompletionRequest(_GenerationRequest):
@@ -193,6 +196,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 def _unsupported(request: _GenerationRequest) -> None:
     is_completion = isinstance(request, CompletionRequest)
     refuse_unimplemented(request, COMPLETION_FIELDS if is_completion else CHAT_FIELDS)
+    check_beam_fields(request, not is_completion)
     checks: list[tuple[str, bool]] = [
         ("best_of", bool(request.stream) and request.best_of not in (None, request.n)),
         ("prompt_logprobs", bool(request.stream) and request.prompt_logprobs is not None),

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from pagedserve.entrypoints.openai.errors import ApiError
 
-__all__ = ["COMPLETION_FIELDS", "CHAT_FIELDS", "Field", "refuse_unimplemented"]
+__all__ = ["COMPLETION_FIELDS", "CHAT_FIELDS", "Field", "refuse_unimplemented", "used"]
 
 HONOURED, REFUSED, STRUCTURED = "honoured", "refused", "structured"
 
@@ -48,11 +48,12 @@ _SHARED: dict[str, Field] = {
     "top_p": Field(HONOURED, None, "nucleus sampling mass, (0, 1]"),
     "user": Field(HONOURED, None, "end-user id for the operator's logs; no effect on the output"),
     "best_of": Field(HONOURED, None, "samples drawn; the n with the highest cumulative logprob are returned"),
-    "use_beam_search": Field(REFUSED, False, "beam search (use LLM.beam_search offline)"),
+    "use_beam_search": Field(HONOURED, False, "beam search with beam width n (not with stream or sampling "
+                             "fields it does not use)"),
     "top_k": Field(HONOURED, None, "sample among the k most likely tokens"),
     "min_p": Field(HONOURED, None, "drop tokens below min_p x the top token's probability"),
     "repetition_penalty": Field(HONOURED, None, "divide logits of tokens already seen, (0, 10]"),
-    "length_penalty": Field(REFUSED, 1.0, "beam-search length penalty"),
+    "length_penalty": Field(HONOURED, 1.0, "beam-search score = cum_logprob / length ** length_penalty"),
     "stop_token_ids": Field(HONOURED, None, "token ids that end the completion"),
     "include_stop_str_in_output": Field(HONOURED, False, "keep the matched stop string in the text"),
     "ignore_eos": Field(HONOURED, False, "do not stop at the end-of-sequence token"),
@@ -122,7 +123,8 @@ CHAT_FIELDS: dict[str, Field] = {
 }
 
 
-def _used(value: Any, default: Any) -> bool:
+def used(value: Any, default: Any) -> bool:
+    """Whether a field's value differs from its default (empty lists and dicts count as unset)."""
     if value is None or value == default:
         return False
     return not (isinstance(value, (list, dict, str)) and not value and not default)
@@ -133,6 +135,6 @@ def refuse_unimplemented(request: BaseModel, table: dict[str, Field]) -> None:
     request sets to something other than vLLM's default."""
     for name, value in (request.model_extra or {}).items():
         f = table.get(name)
-        if f is not None and _used(value, f.default):
+        if f is not None and used(value, f.default):
             what = "structured outputs are" if f.status == STRUCTURED else f"'{name}' ({f.meaning}) is"
             raise ApiError(400, f"'{name}' is refused: {what} not supported by this server.", param=name)

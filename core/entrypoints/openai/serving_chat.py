@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from pagedserve.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_messages, to_sampling_params
+from pagedserve.entrypoints.openai.serving_beam import beam_search_response
 from pagedserve.entrypoints.openai.serving_base import SSE_DONE, EventStream, OpenAIServing, sse
 from pagedserve.entrypoints.openai.serving_fields import (chat_prompt_text, echo_prefix, prompt_logprobs_json,
                                                           response_id)
@@ -36,6 +37,8 @@ class OpenAIServingChat(OpenAIServing):
         params = to_sampling_params(request, self.resolve_max_tokens(requested, len(ids), d.get("max_tokens"), field),
                                     d)
         request_id = response_id("chatcmpl", request, self.new_id("chatcmpl"))
+        if request.use_beam_search:
+            return await beam_search_response(self, request, request_id, model, [(text, ids)], [params], chat=True)
         streams = await self.submit(request_id, [(text, ids)], [params], "messages", request.priority)
         echo = echo_prefix(request, chat_messages(request.messages))
         if request.stream:

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 from pagedserve.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from pagedserve.entrypoints.openai.protocol import CompletionRequest, normalize_prompts, to_sampling_params
+from pagedserve.entrypoints.openai.serving_beam import beam_search_response
 from pagedserve.entrypoints.openai.serving_base import SSE_DONE, EventStream, OpenAIServing, merge_streams, sse
 from pagedserve.entrypoints.openai.serving_fields import completion_prompt, prompt_logprobs_json, response_id
 
@@ -27,6 +28,8 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [to_sampling_params(request, self.resolve_max_tokens(request.max_tokens, len(ids), default_max), d)
                   for _, ids in prompts]
         request_id = response_id("cmpl", request, self.new_id("cmpl"))
+        if request.use_beam_search:
+            return await beam_search_response(self, request, request_id, model, prompts, params, chat=False)
         streams = await self.submit(request_id, prompts, params, "prompt", request.priority)
         if request.stream:
             return EventStream(self._stream(request, request_id, model, streams), streams)
