@@ -344,3 +344,11 @@ def test_priority_is_refused_by_a_fcfs_server(http):
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "priority": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
     assert "--scheduling-policy" in r.json()["error"]["message"]
+
+
+def test_docs_table_lists_every_field():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    missing = [n for table in TABLES.values() for n in table if f"| `{n}` |" not in text]
+    assert not missing, f"docs/serving.md's field table lacks {missing}"
