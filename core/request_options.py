@@ -9,7 +9,7 @@ from pagedserve.executor.logits_processors import bad_words_token_ids
 from pagedserve.sampling_checks import check_token_ids, wrap_seed
 from pagedserve.sampling_params import SamplingParams
 
-__all__ = ["check_request_params", "sample_params", "best_sequences", "truncate_prompt"]
+__all__ = ["check_request_params", "sample_params", "best_sequences", "truncate_prompt", "continue_final_message"]
 
 
 def check_request_params(params: SamplingParams, vocab_size: int, encode, multi_rank: bool) -> None:
@@ -51,3 +51,19 @@ def best_sequences(seqs: list, n: int) -> list:
 def truncate_prompt(ids: list[int], limit: int | None) -> list[int]:
     """The last ``limit`` prompt tokens (vLLM's truncate_prompt_tokens)."""
     return ids if limit is None or len(ids) <= limit else ids[-limit:]
+
+
+def continue_final_message(text: str, messages: list[dict]) -> str:
+    """A rendered conversation cut right after the final message's content, so the model
+    continues that message (vLLM's and transformers' continue_final_message)."""
+    if not messages or messages[-1].get("role") != "assistant":
+        raise ValueError("continue_final_message needs an assistant message last")
+    final = messages[-1].get("content") or ""
+    if not isinstance(final, str):
+        raise ValueError("continue_final_message needs a text final message")
+    if not final:
+        return text
+    cut = text.rfind(final)
+    if cut == -1:
+        raise ValueError("continue_final_message: the chat template does not write the final message verbatim")
+    return text[:cut + len(final)]

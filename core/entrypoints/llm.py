@@ -9,6 +9,7 @@ from pagedserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParam
 from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedserve.engine import LLMEngine
 from pagedserve.outputs import RequestOutput
+from pagedserve.request_options import continue_final_message as cut_after_final_message
 from pagedserve.sampling_params import SamplingParams
 
 __all__ = ["LLM"]
@@ -196,14 +197,24 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Render conversations with the model's chat template and generate replies."""
+        """Render conversations with the model's chat template and generate replies.
+
+        continue_final_message (with add_generation_prompt=False): the last, assistant,
+        message is left open for the model to continue; chat_template_kwargs: extra
+        template variables."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.llm_engine.tokenizer
         template = chat_template or self.llm_engine.config.model.chat_template
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                           chat_template=template)
+                                           chat_template=template, **(chat_template_kwargs or {}))
+            if continue_final_message:
+                text = cut_after_final_message(text, conv)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

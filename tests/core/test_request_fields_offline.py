@@ -362,3 +362,18 @@ def test_beam_search_completes_beams_at_eos(ignore_eos):
         BeamSearchParams(beam_width=0, max_tokens=3)
     with pytest.raises(ValueError, match="temperature"):
         BeamSearchParams(beam_width=2, max_tokens=3, temperature=math.nan)
+
+
+def test_chat_continue_final_message_and_template_kwargs(llm):
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    params = SamplingParams(temperature=0, max_tokens=3)
+    out = llm.chat(conv, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("Hel")
+    ref = llm.generate({"prompt_token_ids": llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)},
+                       params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(conv, params, use_tqdm=False, continue_final_message=True)
+    out = llm.chat(conv[:1], params, use_tqdm=False, chat_template="<{{ flag }}>",
+                   chat_template_kwargs={"flag": "XYZ"})[0]
+    assert out.prompt == "<XYZ>"

@@ -315,6 +315,8 @@ BAD = [
     ("chat/completions", '{"continue_final_message": true}', "continue_final_message"),
     ("chat/completions", '{"priority": "high"}', "priority"),
     ("completions", '{"length_penalty": 0.5}', "length_penalty"),
+    ("completions", '{"best_of": 1000000}', "best_of"),
+    ("completions", '{"n": 3, "best_of": 2}', "best_of"),
     ("completions", '{"use_beam_search": true, "stream": true}', "stream"),
     ("chat/completions", '{"use_beam_search": true, "logprobs": true}', "logprobs"),
     ("completions", '{"use_beam_search": true, "n": 11}', "n"),

@@ -219,6 +219,9 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_t
     _unsupported(request)
     if not 1 <= request.n <= MAX_N:
         raise ApiError(400, f"'n' must be between 1 and {MAX_N}, got {request.n}.", param="n")
+    if request.best_of is not None and not request.n <= request.best_of <= MAX_N:
+        raise ApiError(400, f"'best_of' must be between n ({request.n}) and {MAX_N}, got {request.best_of}.",
+                       param="best_of")
     if isinstance(request, ChatCompletionRequest):
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")

@@ -8,7 +8,7 @@ from typing import Any
 
 from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS
-from pagedserve.request_options import truncate_prompt
+from pagedserve.request_options import continue_final_message, truncate_prompt
 
 __all__ = ["field_named", "completion_prompt", "fim_text", "prompt_logprobs_json", "response_id",
            "chat_prompt_text", "echo_prefix"]
@@ -72,13 +72,9 @@ def chat_prompt_text(tokenizer: Any, request: Any, messages: list[dict], default
     continue_final_message (with add_generation_prompt false) leaves the last message
     open: the text is cut right after its content, as vLLM and transformers do.
     """
-    if request.continue_final_message:
-        if request.add_generation_prompt:
-            raise ApiError(400, "'continue_final_message' needs 'add_generation_prompt': false.",
-                           param="continue_final_message")
-        if not messages or messages[-1]["role"] != "assistant":
-            raise ApiError(400, "'continue_final_message' needs an assistant message last.",
-                           param="continue_final_message")
+    if request.continue_final_message and request.add_generation_prompt:
+        raise ApiError(400, "'continue_final_message' needs 'add_generation_prompt': false.",
+                       param="continue_final_message")
     kwargs = dict(request.chat_template_kwargs or {})
     if request.documents is not None:
         kwargs["documents"] = request.documents
@@ -92,13 +88,10 @@ def chat_prompt_text(tokenizer: Any, request: Any, messages: list[dict], default
         param = "chat_template" if request.chat_template else "messages"
         raise ApiError(400, str(e), param=param) from None
     if request.continue_final_message:
-        final = messages[-1]["content"]
-        cut = text.rfind(final) if final else -1
-        if final and cut == -1:
-            raise ApiError(400, "The chat template does not write the final message verbatim, so it "
-                           "cannot be continued.", param="continue_final_message")
-        if final:
-            text = text[:cut + len(final)]
+        try:
+            text = continue_final_message(text, messages)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="continue_final_message") from None
     return text
 
 
