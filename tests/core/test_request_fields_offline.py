@@ -377,3 +377,22 @@ def test_chat_continue_final_message_and_template_kwargs(llm):
     out = llm.chat(conv[:1], params, use_tqdm=False, chat_template="<{{ flag }}>",
                    chat_template_kwargs={"flag": "XYZ"})[0]
     assert out.prompt == "<XYZ>"
+
+
+def test_logits_processors_are_unchanged_by_preemption_and_chunking(tiny_llama, llm):
+    small = LLM(model=str(tiny_llama), num_gpu_blocks_override=5, max_model_len=64, max_num_seqs=3,
+                max_num_batched_tokens=8, dtype="float32", threads=1)
+    tok = llm.get_tokenizer()
+    letters = [tok.encode(c, add_special_tokens=False)[0] for c in "abcdefghij"]
+    prompts = [PROMPT, "Pack my box with", "Sphinx of black quartz"]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, allowed_token_ids=letters,
+                             bad_words=["ab", "c"]),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={letters[3]: 5.0}),
+              SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=30, ignore_eos=True,
+                             allowed_token_ids=letters[:4])]
+    got = small.generate(prompts, params, use_tqdm=False)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    want = llm.generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+    assert "ab" not in got[0].outputs[0].text and "c" not in got[0].outputs[0].text

@@ -354,3 +354,25 @@ def test_docs_table_lists_every_field():
     text = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
     missing = [n for table in TABLES.values() for n in table if f"| `{n}` |" not in text]
     assert not missing, f"docs/serving.md's field table lacks {missing}"
+
+
+def test_generation_config_defaults_on_the_server(server_factory, tiny_llama, tiny_server_args, offline_tiny,
+                                                  tmp_path_factory):
+    folder = tmp_path_factory.mktemp("genconfig")
+    (folder / "generation_config.json").write_text(json.dumps({"top_k": 1, "temperature": 1.0,
+                                                               "max_new_tokens": 3}))
+    server = server_factory(str(tiny_llama), [*tiny_server_args, "--served-model-name", "tiny",
+                                              "--generation-config", str(folder)])
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        # No temperature: the file's top_k=1 makes it greedy; no max_tokens: its max_new_tokens.
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES})
+        assert r.status_code == 200, r.text
+        ref = offline_tiny.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False,
+                                chat_template=offline_tiny.get_tokenizer().chat_template)[0]  # no --chat-template
+        assert r.json()["usage"]["completion_tokens"] == 3
+        assert r.json()["choices"][0]["message"]["content"] == ref.outputs[0].text
+        # A request's own value wins over the file's.
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "top_k": 0,
+                                            "seed": 3})
+        ref = offline_tiny.generate(PROMPT, SamplingParams(temperature=1.0, seed=3, max_tokens=5), use_tqdm=False)[0]
+        assert r.json()["choices"][0]["text"] == ref.outputs[0].text
