@@ -124,6 +124,35 @@ def _check_beam_search(ctx: Ctx, length_penalty: float = 1.0) -> None:
     assert ctx.usage("completion_tokens") == sum(len(s.tokens) - len(ids) for s in ref[0].sequences)
 
 
+def _check_stream_usage(ctx: Ctx) -> None:
+    chunks = _sse_data(ctx.resp)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    running = [d["usage"]["completion_tokens"] for d in chunks[:-1] if d["choices"] and d["usage"]]
+    assert running and running == sorted(running) and running[-1] == 4  # usage so far on every chunk
+
+
+def _check_cache_salt(ctx: Ctx) -> None:
+    """Same long prompt: unsalted, then salted twice; only the second salted one hits the cache."""
+    assert ctx.resp.status_code == 200, ctx.resp.text
+    long_prompt = "a prompt long enough to fill two blocks of sixteen tokens each, " * 2
+    body = {**base_body(ctx.endpoint), **({"messages": [{"role": "user", "content": long_prompt}]} if ctx.chat
+                                          else {"prompt": long_prompt})}
+    hits = []
+    for salt in (None, f"s-{ctx.endpoint}", f"s-{ctx.endpoint}"):
+        before = _prefix_hits(ctx.client)
+        r = ctx.client.post(f"/v1/{ctx.endpoint}", json={**body, **({"cache_salt": salt} if salt else {})})
+        assert r.status_code == 200, r.text
+        hits.append(_prefix_hits(ctx.client) - before)
+    assert hits[1] == 0 and hits[2] > 0, hits
+
+
+def _prefix_hits(client) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("pagedserve:prefix_cache_hits_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no prefix_cache_hits_total in /metrics")
+
+
 def _check_completion_logprobs(ctx: Ctx) -> None:
     lp = ctx.json["choices"][0]["logprobs"]
     ref = ctx.reference(logprobs=2).outputs[0]
@@ -169,8 +198,9 @@ SHARED_CASES: dict[str, tuple[dict, Check]] = {
                                        "skip_special_tokens": False, "spaces_between_special_tokens": False},
                                       lambda c: c.text() == "<|im_end|><|im_end|>" or pytest.fail(c.text())),
     "stream": ({"stream": True}, lambda c: _stream_text(c) == c.base() or pytest.fail("stream")),
-    "stream_options": ({"stream": True, "stream_options": {"include_usage": True}},
-                       lambda c: _sse_data(c.resp)[-1]["usage"]["completion_tokens"] == 4 or pytest.fail("usage")),
+    "stream_options": ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+                       _check_stream_usage),
+    "cache_salt": ({"cache_salt": "salt-1"}, _check_cache_salt),
     "user": ({"user": "someone"}, lambda c: c.text() == c.base() or pytest.fail("user")),
     "best_of": ({"best_of": 3, "temperature": 1.0, "seed": 7},
                 lambda c: c.same_as_reference(best_of=3, temperature=1.0, seed=7)),
@@ -241,7 +271,7 @@ CHAT_CASES: dict[str, tuple[dict, Check]] = {
 
 # Non-default values for fields that are refused, or owned by structured outputs.
 REFUSED_VALUES: dict[str, Any] = {
-    "logits_processors": ["mod.Proc"], "cache_salt": "salt",
+    "logits_processors": ["mod.Proc"],
     "kv_transfer_params": {"do_remote_decode": True}, "vllm_xargs": {"k": 1}, "mm_processor_kwargs": {"k": 1},
     "prompt_embeds": "AAAA", "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["audio"],
     "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},

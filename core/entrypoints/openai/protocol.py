@@ -38,6 +38,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(BaseModel):
@@ -81,6 +82,7 @@ class _GenerationRequest(BaseModel):
     add_special_tokens: bool | None = None  # completions: True, chat: False (vLLM's defaults)
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    cache_salt: str | None = None
 
 
 class CompletionRequest(_GenerationRequest):

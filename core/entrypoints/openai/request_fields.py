@@ -43,7 +43,8 @@ _SHARED: dict[str, Field] = {
     "seed": Field(HONOURED, None, "per-request sampling seed, int64"),
     "stop": Field(HONOURED, None, "strings that end the completion"),
     "stream": Field(HONOURED, False, "server-sent events"),
-    "stream_options": Field(HONOURED, None, "include_usage: a last chunk with the usage"),
+    "stream_options": Field(HONOURED, None, "include_usage: a last chunk with the usage; with "
+                            "continuous_usage_stats also the usage so far on every chunk"),
     "temperature": Field(HONOURED, None, "sampling temperature (0 = greedy)"),
     "top_p": Field(HONOURED, None, "nucleus sampling mass, (0, 1]"),
     "user": Field(HONOURED, None, "end-user id for the operator's logs; no effect on the output"),
@@ -81,7 +82,8 @@ _SHARED: dict[str, Field] = {
     "request_id": Field(HONOURED, None, "used in the response id"),
     "logits_processors": Field(REFUSED, None, "custom logits processors by qualified name"),
     "return_tokens_as_token_ids": Field(HONOURED, None, "logprob tokens written 'token_id:<id>'"),
-    "cache_salt": Field(REFUSED, None, "prefix-cache salt"),
+    "cache_salt": Field(HONOURED, None, "salts the request's prefix-cache hashes: only requests with the "
+                        "same salt share cached blocks"),
     "kv_transfer_params": Field(REFUSED, None, "disaggregated-serving KV transfer"),
     "vllm_xargs": Field(REFUSED, None, "extra arguments for custom extensions"),
     "mm_processor_kwargs": Field(REFUSED, None, "multimodal processor arguments"),

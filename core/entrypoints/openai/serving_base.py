@@ -13,7 +13,7 @@ from typing import Any
 from pagedserve.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError,
                                      RequestStream)
 from pagedserve.entrypoints.openai.errors import ApiError, error_body
-from pagedserve.entrypoints.openai.serving_fields import field_named
+from pagedserve.entrypoints.openai.serving_fields import field_named, salt_kwargs
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -129,14 +129,16 @@ class OpenAIServing:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     async def submit(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                     params: list[SamplingParams], param: str, priority: int = 0) -> list[RequestStream]:
+                     params: list[SamplingParams], param: str, priority: int = 0,
+                     cache_salt: str | None = None) -> list[RequestStream]:
         """Queue every prompt (all or none); engine refusals become HTTP errors."""
         streams: list[RequestStream] = []
+        salt = salt_kwargs(self.engine, cache_salt)
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(await self.engine.add_request(rid, text, sp, prompt_token_ids=ids,
-                                                             priority=priority))
+                                                             priority=priority, **salt))
         except BaseException as e:
             for s in streams:
                 s.abort()

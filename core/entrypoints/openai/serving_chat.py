@@ -39,7 +39,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = response_id("chatcmpl", request, self.new_id("chatcmpl"))
         if request.use_beam_search:
             return await beam_search_response(self, request, request_id, model, [(text, ids)], [params], chat=True)
-        streams = await self.submit(request_id, [(text, ids)], [params], "messages", request.priority)
+        streams = await self.submit(request_id, [(text, ids)], [params], "messages", request.priority,
+                                    request.cache_salt)
         echo = echo_prefix(request, chat_messages(request.messages))
         if request.stream:
             return EventStream(self._stream(request, request_id, model, streams[0], echo), streams)
@@ -69,6 +70,7 @@ class OpenAIServingChat(OpenAIServing):
                       stream: RequestStream, echo: str = "") -> AsyncIterator[str]:
         created = self.created()
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = include_usage and request.stream_options.continuous_usage_stats
         sent_text = [0] * request.n
         sent_tokens = [0] * request.n
         prompt_tokens = 0
@@ -77,6 +79,8 @@ class OpenAIServingChat(OpenAIServing):
             body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": choices}
             if include_usage:
+                if usage is None and continuous:
+                    usage = self.usage(prompt_tokens, sum(sent_tokens))
                 body["usage"] = usage
             return sse(body)
 

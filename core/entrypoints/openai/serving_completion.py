@@ -30,7 +30,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = response_id("cmpl", request, self.new_id("cmpl"))
         if request.use_beam_search:
             return await beam_search_response(self, request, request_id, model, prompts, params, chat=False)
-        streams = await self.submit(request_id, prompts, params, "prompt", request.priority)
+        streams = await self.submit(request_id, prompts, params, "prompt", request.priority, request.cache_salt)
         if request.stream:
             return EventStream(self._stream(request, request_id, model, streams), streams)
         return self._whole(request, request_id, model, await self.collect(streams))
@@ -76,6 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
         n = request.n
         created = self.created()
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = include_usage and request.stream_options.continuous_usage_stats
         sent_text: dict[int, int] = {}  # choice index -> characters sent
         sent_tokens: dict[int, int] = {}
         echo_chars: dict[int, int] = {}  # choice index -> characters of echoed prompt
@@ -85,6 +86,8 @@ class OpenAIServingCompletion(OpenAIServing):
             body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                     "choices": choices}
             if include_usage:
+                if usage is None and continuous:
+                    usage = self.usage(sum(prompt_tokens.values()), sum(sent_tokens.values()))
                 body["usage"] = usage
             return sse(body)
 

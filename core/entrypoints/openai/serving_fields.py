@@ -10,7 +10,7 @@ from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS
 from pagedserve.request_options import continue_final_message, truncate_prompt
 
-__all__ = ["field_named", "completion_prompt", "fim_text", "prompt_logprobs_json", "response_id",
+__all__ = ["field_named", "salt_kwargs", "completion_prompt", "fim_text", "prompt_logprobs_json", "response_id",
            "chat_prompt_text", "echo_prefix"]
 
 # StarCoder-style fill-in-the-middle tokens (prefix-suffix-middle order).
@@ -100,3 +100,14 @@ def echo_prefix(request: Any, messages: list[dict]) -> str:
     if request.echo and messages and messages[-1]["role"] == "assistant":
         return messages[-1]["content"] or ""
     return ""
+
+
+def salt_kwargs(engine: Any, cache_salt: str | None) -> dict[str, str]:
+    """add_request keywords for a request's cache_salt (which salts its prefix-cache hashes)."""
+    if cache_salt is None:
+        return {}
+    if not cache_salt:
+        raise ApiError(400, "'cache_salt' must be a non-empty string.", param="cache_salt")
+    if not getattr(engine, "supports_cache_salt", False):
+        raise ApiError(400, "'cache_salt' is not supported with data parallelism.", param="cache_salt")
+    return {"cache_salt": cache_salt}
