@@ -396,3 +396,18 @@ def test_logits_processors_are_unchanged_by_preemption_and_chunking(tiny_llama, 
     for g, w in zip(got, want):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
     assert "ab" not in got[0].outputs[0].text and "c" not in got[0].outputs[0].text
+
+
+def test_issue_examples_on_the_default_model():
+    llm = LLM(max_model_len=256, kv_cache_memory="64MiB", threads=1)
+    bad = [dict(max_tokens=2, temperature=1, seed=18446744073709551616),
+           dict(max_tokens=2, stop_token_ids=[-(10 ** 20)], min_tokens=1),
+           dict(max_tokens=2, stop_token_ids=[-1], min_tokens=1),
+           dict(max_tokens=2, temperature=math.nan)]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            llm.generate("Hi", SamplingParams(**kw), use_tqdm=False)
+    with pytest.raises(ValueError, match="^stop_token_ids contains token id 49152"):
+        llm.generate("Hi", SamplingParams(stop_token_ids=[49152]), use_tqdm=False)
+    out = llm.generate("Hi", SamplingParams(max_tokens=2, temperature=1, seed=(1 << 63) - 1, n=2), use_tqdm=False)
+    assert [len(c.token_ids) for c in out[0].outputs] == [2, 2]
