@@ -406,3 +406,20 @@ def test_generation_config_defaults_on_the_server(server_factory, tiny_llama, ti
                                             "seed": 3})
         ref = offline_tiny.generate(PROMPT, SamplingParams(temperature=1.0, seed=3, max_tokens=5), use_tqdm=False)[0]
         assert r.json()["choices"][0]["text"] == ref.outputs[0].text
+
+
+def test_generation_defaults_reach_a_data_parallel_router(tiny_llama, tmp_path):
+    """A router has no LLMEngine: the defaults come from its engine config's model folder."""
+    import shutil
+    from types import SimpleNamespace
+
+    from pagedserve.config import EngineConfig, ModelConfig
+    from pagedserve.entrypoints.openai.serving_fields import generation_defaults
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama, model)
+    (model / "generation_config.json").write_text(json.dumps({"top_p": 0.5, "max_new_tokens": 9}))
+    router = SimpleNamespace(config=EngineConfig(model=ModelConfig(model=str(model))))
+    assert generation_defaults(router) == {"top_p": 0.5, "max_tokens": 9}
+    router.config.model.generation_config = "ignore"
+    assert generation_defaults(router) == {}

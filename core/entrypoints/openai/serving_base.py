@@ -13,7 +13,7 @@ from typing import Any
 from pagedserve.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError,
                                      RequestStream)
 from pagedserve.entrypoints.openai.errors import ApiError, error_body
-from pagedserve.entrypoints.openai.serving_fields import field_named, salt_kwargs
+from pagedserve.entrypoints.openai.serving_fields import field_named, generation_defaults, salt_kwargs
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -86,9 +86,7 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
-        # generation_config.json defaults of a single engine (a data-parallel router has none).
-        self.generation_defaults: dict = dict(getattr(getattr(engine, "engine", None),
-                                                      "default_sampling_params", None) or {})
+        self.generation_defaults: dict = generation_defaults(engine)
 
     # -- request checks -----------------------------------------------------------------------
     def model_name(self, requested: str | None) -> str:

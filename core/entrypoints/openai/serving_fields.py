@@ -10,7 +10,7 @@ from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS
 from pagedserve.request_options import continue_final_message, truncate_prompt
 
-__all__ = ["field_named", "salt_kwargs", "completion_prompt", "fim_text", "prompt_logprobs_json", "response_id",
+__all__ = ["field_named", "salt_kwargs", "generation_defaults", "completion_prompt", "fim_text", "prompt_logprobs_json", "response_id",
            "chat_prompt_text", "echo_prefix"]
 
 # StarCoder-style fill-in-the-middle tokens (prefix-suffix-middle order).
@@ -111,3 +111,18 @@ def salt_kwargs(engine: Any, cache_salt: str | None) -> dict[str, str]:
     if not getattr(engine, "supports_cache_salt", False):
         raise ApiError(400, "'cache_salt' is not supported with data parallelism.", param="cache_salt")
     return {"cache_salt": cache_salt}
+
+
+def generation_defaults(engine: Any) -> dict[str, Any]:
+    """The generation_config.json sampling defaults of the engine behind the server: read
+    from the LLMEngine, or (data-parallel router) from the engine config's model."""
+    inner = getattr(engine, "engine", None)
+    if inner is not None and hasattr(inner, "default_sampling_params"):
+        return dict(inner.default_sampling_params)
+    config = getattr(engine, "config", None)
+    if config is None:
+        return {}
+    from pagedserve.loader.generation_config import load_generation_defaults
+    from pagedserve.loader.model_path import resolve_model_path
+
+    return load_generation_defaults(config.model.generation_config, resolve_model_path(config.model.model))
