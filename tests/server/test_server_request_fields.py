@@ -423,3 +423,11 @@ def test_generation_defaults_reach_a_data_parallel_router(tiny_llama, tmp_path):
     assert generation_defaults(router) == {"top_p": 0.5, "max_tokens": 9}
     router.config.model.generation_config = "ignore"
     assert generation_defaults(router) == {}
+
+
+def test_message_name_reaches_the_chat_template(client, offline_tiny):
+    body = {**base_body("chat/completions"), "chat_template": "{{ messages[0].name }}",
+            "messages": [{"role": "user", "content": "Hi", "name": "Alice"}]}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(offline_tiny.get_tokenizer().encode("Alice"))

@@ -191,7 +191,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
             where = f"messages[{i}].content"
             raise ApiError(400, f"'{where}' must be a string or a list of text parts.", param=where)
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": content})
+        # A participant's name reaches the template, as in vLLM.
+        out.append({"role": role, "content": content, **({"name": m.name} if m.name is not None else {})})
     return out
 
 
