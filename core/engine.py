@@ -106,10 +106,10 @@ class LLMEngine:
         source = open_model(config.model.model)
         self.model_source = source
         self.tokenizer = source.tokenizer()
-        #: SamplingParams defaults from generation_config.json (see loader/generation_config.py).
-        self.default_sampling_params = load_generation_defaults(config.model.generation_config, source.path)
         self.arch = ArchConfig.from_hf(source.hf_config)
         self.eos_token_ids = frozenset(source.eos_token_ids)
+        #: SamplingParams defaults from generation_config.json (see loader/generation_config.py).
+        self.default_sampling_params = load_generation_defaults(config.model.generation_config, source.path)
         mml = config.model.max_model_len or self.arch.max_position_embeddings
         if mml > self.arch.max_position_embeddings:
             raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings "

@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from pagedserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedserve.engine import LLMEngine
 from pagedserve.outputs import RequestOutput
+from pagedserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagedserve.request_options import continue_final_message as cut_after_final_message
 from pagedserve.sampling_params import SamplingParams
 
