@@ -57,6 +57,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     priority: int
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -132,6 +133,9 @@ class AsyncLLMEngine:
             wait to be scheduled; default `engine.config.scheduler.max_queue_len`.
     """
 
+    #: add_request takes cache_salt (the data-parallel router does not yet).
+    supports_cache_salt = True
+
     def __init__(self, engine: LLMEngine, max_queue_len: int | None = None) -> None:
         self.engine = engine
         self.max_queue_len = max_queue_len if max_queue_len is not None else engine.config.scheduler.max_queue_len
@@ -206,6 +210,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream once the engine thread has accepted it.
 
@@ -224,7 +229,7 @@ class AsyncLLMEngine:
             self._pending_adds += params.n
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, text, ids, params, time.monotonic(), priority))
+        self._commands.put(_Add(request_id, text, ids, params, time.monotonic(), priority, cache_salt))
         try:
             await stream._accepted
         except BaseException:
@@ -305,7 +310,8 @@ class AsyncLLMEngine:
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                             prompt_token_ids=cmd.prompt_token_ids,
-                                            arrival_time=cmd.arrival_time, priority=cmd.priority)
+                                            arrival_time=cmd.arrival_time, priority=cmd.priority,
+                                            cache_salt=cmd.cache_salt)
                     events.append((cmd.request_id, _ACCEPTED))
                 except ValueError as e:
                     events.append((cmd.request_id, e))

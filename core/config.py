@@ -206,6 +206,8 @@ class ModelConfig:
         "none, auto (from the checkpoint; default), gguf, int8, w8a8, fp8, gptq, awq (docs/quantization.md)"))
     max_logprobs: int = field(default=20, metadata=_help(
         "most log-probabilities a request may ask for per token (logprobs, top_logprobs); more is refused"))
+    generation_config: str = field(default="auto", metadata=_help(
+        "sampling defaults: 'auto' (the checkpoint's generation_config.json), 'ignore', or a folder holding one"))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half", "fp32", "bf16", "fp16"):

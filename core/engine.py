@@ -12,7 +12,7 @@ import bisect
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,11 +24,13 @@ from pagedserve.kv_cache.host_tier import TieredKVCacheManager
 from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.loader import IncrementalDetokenizer, open_model
 from pagedserve.loader.tokenizer_source import engine_tokenizer
+from pagedserve.loader.generation_config import load_generation_defaults
 from pagedserve.quantization.registry import quantize_source
 from pagedserve.models.llama import ArchConfig
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.platforms import select_platform
 from pagedserve.request import Request, RequestStatus
+from pagedserve.request_options import best_sequences, check_request_params, sample_params, truncate_prompt
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
 
@@ -61,6 +63,9 @@ class _Group:
     arrival_time: float
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why this request failed on its own
+    params: SamplingParams | None = None
+    #: prompt_logprobs: entry of prompt token p (p >= 1) by position.
+    prompt_logprobs: dict[int, dict[int, Logprob]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -117,6 +122,8 @@ class LLMEngine:
         check_parallel_fits_model(config, self.arch)
         self.tokenizer = engine_tokenizer(config.model, source, self.arch.vocab_size)
         self.eos_token_ids = frozenset(source.eos_token_ids)
+        #: SamplingParams defaults from generation_config.json (see loader/generation_config.py).
+        self.default_sampling_params = load_generation_defaults(config.model.generation_config, source.path)
         mml = config.model.max_model_len or self.arch.max_position_embeddings
         if mml > self.arch.max_position_embeddings:
             raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings "
@@ -145,9 +152,10 @@ class LLMEngine:
         self._iteration_tokens_sum = 0
 
     # -- requests ---------------------------------------------------------------------------
-    def validate_prompt(self, prompt: str | list[int] | None,
-                        prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
-        """Tokenize and check a prompt; ValueError naming the problem and the limit."""
+    def validate_prompt(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None,
+                        truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt, keeping only its last ``truncate_prompt_tokens``
+        tokens when set; ValueError naming the problem and the limit."""
         if prompt_token_ids is None:
             if isinstance(prompt, str):
                 prompt_token_ids = self.tokenizer.encode(prompt)
@@ -161,6 +169,10 @@ class LLMEngine:
         for t in prompt_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        kept = truncate_prompt(list(prompt_token_ids), truncate_prompt_tokens)
+        if len(kept) < len(prompt_token_ids):
+            prompt_token_ids = kept
+            prompt = None if prompt is None else self.tokenizer.decode(kept, skip_special_tokens=False)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
                              "(the prompt plus at least one generated token must fit)")
@@ -182,22 +194,29 @@ class LLMEngine:
         check_logprobs_limit(self.config.model, params)
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt, ids = self.validate_prompt(prompt, prompt_token_ids)
+        prompt, ids = self.validate_prompt(prompt, prompt_token_ids, params.truncate_prompt_tokens)
+        par = self.config.parallel
+        encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        check_request_params(params, self.arch.vocab_size, encode,
+                             par.world_size > 1)
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy "
+                             f"priority); this engine schedules {self.config.scheduler.policy!r}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        group = _Group(request_id, prompt, ids, [], arrival)
+        group = _Group(request_id, prompt, ids, [], arrival, params=params,
+                       prompt_logprobs={} if params.prompt_logprobs is not None else None)
         first: Request | None = None
-        for i in range(params.n):
-            child_params = params
-            if params.n > 1:
-                seed = None if params.seed is None else params.seed + i
-                child_params = replace(params, n=1, seed=seed)
-            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+        children = sample_params(params, encode)
+        for i, child_params in enumerate(children):
+            rid = request_id if len(children) == 1 else f"{i}_{request_id}"
+            # A request scoring its prompt computes every prompt position itself.
+            share = self.kv.enable_prefix_caching and first is not None \
+                and first.sampling_params.prompt_logprobs is None
             req = Request(rid, ids, child_params, self.eos_token_ids, arrival, priority, cache_salt,
-                          self.max_model_len,
-                          wait_for=first if self.kv.enable_prefix_caching else None)
+                          self.max_model_len, wait_for=first if share else None)
             first = first or req
             detok = IncrementalDetokenizer(self.tokenizer, ids, child_params.skip_special_tokens)
-            seq = _Sequence(req, i, detok, logprobs=[] if params.logprobs is not None else None)
+            seq = _Sequence(req, i, detok, logprobs=[] if child_params.logprobs is not None else None)
             group.seqs.append(seq)
         for seq in group.seqs:
             self.scheduler.add_request(seq.request)
@@ -248,6 +267,7 @@ class LLMEngine:
             r = s.request
             if r.num_computed_tokens < r.num_prompt_tokens:
                 self.prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
+        self._store_prompt_logprobs(result.prompt_logprobs)
         progressed = self.scheduler.update_after_step(sched, result.sampled)
         self.generation_tokens += len(progressed)
         self._stamp_times(progressed)  # before processing: a finished request leaves _seq_of
@@ -303,6 +323,17 @@ class LLMEngine:
                 self._fail_group(group, RuntimeError(f"sampling failed: {error}"))
                 touched[group.request_id] = group
         return touched
+
+    def _store_prompt_logprobs(self, scored: dict[str, list]) -> None:
+        for rid, entries in scored.items():
+            found = self._seq_of.get(rid)
+            if found is None or found[0].prompt_logprobs is None:
+                continue
+            store = found[0].prompt_logprobs
+            for pos, tok_lp, rank, top in entries:
+                entry = {tid: Logprob(v, r + 1) for r, (tid, v) in enumerate(top)}
+                entry[found[0].prompt_token_ids[pos]] = Logprob(tok_lp, rank)
+                store[pos] = entry
 
     def _process_token(self, group: _Group, seq: _Sequence, lp) -> None:
         request = seq.request
@@ -364,21 +395,30 @@ class LLMEngine:
 
     def _make_output(self, group: _Group) -> RequestOutput:
         outs = []
-        for seq in group.seqs:
+        seqs, params = group.seqs, group.params
+        if params is not None and len(seqs) > params.n:
+            # best_of: the n best samples once all are done; nothing before.
+            seqs = best_sequences(seqs, params.n) if group.finished else []
+        want_logprobs = params is None or params.logprobs is not None
+        for index, seq in enumerate(seqs):
             r = seq.request
             outs.append(CompletionOutput(
-                index=seq.index,
+                index=index,
                 text=self._visible_text(seq),
                 token_ids=list(r.output_token_ids),
                 finish_reason=seq.finish_reason,
                 stop_reason=r.stop_reason,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None and want_logprobs else None,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
             ))
         metrics = dict(group.metrics)
         metrics["arrival_time"] = group.arrival_time
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                             group.finished, group.seqs[0].request.num_cached_tokens, metrics, group.error)
+        out = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
+                            group.finished, group.seqs[0].request.num_cached_tokens, metrics, group.error)
+        if group.prompt_logprobs is not None:
+            out.prompt_logprobs = [None] + [group.prompt_logprobs.get(p)
+                                            for p in range(1, len(group.prompt_token_ids))]
+        return out
 
     # -- KV hand-off between engines (disaggregated prefill/decode) ------------------------
     def export_prefix_kv(self, token_ids: list[int]) -> torch.Tensor:

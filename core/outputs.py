@@ -47,3 +47,5 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     #: Set when this request failed on its own (finish_reason "error"); others go on.
     error: str | None = None
+    #: With SamplingParams.prompt_logprobs: per prompt token, its entry (None for the first).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -68,16 +68,19 @@ class Scheduler:
                 f"cache has ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)")
         self.requests[request.request_id] = request
         if self.config.policy == "priority":
-            # Keep waiting sorted by (priority, arrival); lower value = served first.
-            idx = len(self.waiting)
-            key = (request.priority, request.arrival_time)
-            for i, r in enumerate(self.waiting):
-                if (r.priority, r.arrival_time) > key:
-                    idx = i
-                    break
-            self.waiting.insert(idx, request)
+            self._insert_by_priority(request)
         else:
             self.waiting.append(request)
+
+    def _insert_by_priority(self, request: Request) -> None:
+        """Keep waiting sorted by (priority, arrival); lower value = served first."""
+        idx = len(self.waiting)
+        key = (request.priority, request.arrival_time)
+        for i, r in enumerate(self.waiting):
+            if (r.priority, r.arrival_time) > key:
+                idx = i
+                break
+        self.waiting.insert(idx, request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a request at any moment and free its blocks."""
@@ -121,7 +124,10 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.config.policy == "priority":
+            self._insert_by_priority(request)
+        else:
+            self.waiting.appendleft(request)
         out.preempted.append(request.request_id)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
@@ -178,7 +184,8 @@ class Scheduler:
             # Non-zero only for a request swapped out by preemption: it swaps back in.
             resumed = request.num_computed_tokens
             computed, num_computed = [], resumed
-            if resumed == 0:
+            # prompt_logprobs needs the logits of every prompt position: no cache hit.
+            if resumed == 0 and request.sampling_params.prompt_logprobs is None:
                 computed, num_computed = self.kv.get_computed_blocks(request)
             request.num_computed_tokens = num_computed
             n = self._num_new_tokens(request, budget)

@@ -12,6 +12,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.entrypoints.engine_args import engine_config_from_args, engine_config_from_kwargs, engine_signature
 from pagedserve.engine import LLMEngine
 from pagedserve.outputs import RequestOutput
+from pagedserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from pagedserve.request_options import continue_final_message as cut_after_final_message
 from pagedserve.sampling_params import SamplingParams
 
 __all__ = ["LLM"]
@@ -65,6 +67,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's name)."""
+        return SamplingParams(**self.llm_engine.default_sampling_params)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -83,14 +89,15 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
             else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         engine = self.llm_engine
         # Validate everything first so one bad prompt does not leave others queued.
-        normalized = [engine.validate_prompt(*self.split_prompt(p)) for p in prompts]
+        normalized = [engine.validate_prompt(*self.split_prompt(p), sp.truncate_prompt_tokens)
+                      for p, sp in zip(prompts, params)]
         ids = []
         for i, ((text, tokens), sp) in enumerate(zip(normalized, params)):
             rid = str(next(self._counter))
@@ -137,6 +144,24 @@ class LLM:
                 bar.close()
         return [final[i] for i in ids]
 
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search over the engine (see pagedserve.beam_search): the best
+        ``params.beam_width`` sequences of each prompt, best first."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        ids = [engine.validate_prompt(*self._split(p))[1] for p in prompts]
+        search = BeamSearch(ids, params, engine.eos_token_ids, engine.max_model_len)
+
+        def expand(tokens: list[list[int]], step: SamplingParams) -> list:
+            outs = self.generate([{"prompt_token_ids": t} for t in tokens], step, use_tqdm=False)
+            return [o.outputs[0].logprobs[0] for o in outs]
+
+        search.run(expand)
+        return search.outputs(lambda t: engine.tokenizer.decode(t))
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
@@ -144,15 +169,25 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Render conversations with the model's chat template and generate replies."""
+        """Render conversations with the model's chat template and generate replies.
+
+        continue_final_message (with add_generation_prompt=False): the last, assistant,
+        message is left open for the model to continue; chat_template_kwargs: extra
+        template variables."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.llm_engine.tokenizer
         template = chat_template or self.llm_engine.config.model.chat_template
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                           chat_template=template)
+                                           chat_template=template, **(chat_template_kwargs or {}))
+            if continue_final_message:
+                text = cut_after_final_message(text, conv)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

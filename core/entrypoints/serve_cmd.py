@@ -8,6 +8,7 @@ import os
 import pathlib
 import signal
 
+
 __all__ = ["add_parser", "run", "build_dp_config", "API_KEY_ENV"]
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"

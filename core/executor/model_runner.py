@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -11,6 +11,7 @@ import torch
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.executor.input_batch import prepare_inputs
+from pagedserve.executor.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.executor.sampler import Sampler, SamplerOutput
 from pagedserve.models.llama import ArchConfig, LayerPlacement, LlamaForCausalLM
 from pagedserve.offload.device_map import Segment
@@ -57,6 +58,8 @@ class StepOutput:
 
     sampled: dict[str, int]
     logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]]
+    #: Per request asking for them: (position, logprob, rank, top-k) of prompt tokens.
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -212,9 +215,11 @@ class ModelRunner:
                                    out.kv_transfers)
             inp = prepare_inputs(out, block_ids, self.block_size, self.device)
             hidden = self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
+            prompt_lps = compute_prompt_logprobs(out, hidden, self.model.compute_logits,
+                                                 self.segments[-1].platform.to_device)
             sampling_rows = [i for i, s in enumerate(out.scheduled) if s.samples]
             if not sampling_rows:
-                return StepOutput({}, {})
+                return StepOutput({}, {}, prompt_lps)
             # hidden is on the last segment's device; the sampler runs on the host.
             idx = self.segments[-1].platform.to_device(inp.logits_indices[sampling_rows])
             # The sampler widens to float32 only for rows that need more than an argmax.
@@ -228,4 +233,4 @@ class ModelRunner:
                 result = self.sampler(logits.cpu(), requests)
         sampled = {r.request_id: t for r, t in zip(requests, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(requests, result.logprobs) if lp is not None}
-        return StepOutput(sampled, logprobs)
+        return StepOutput(sampled, logprobs, prompt_lps)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.executor.row_errors import failing_rows, sample_without
+from pagedserve.executor.logits_processors import apply_logits_processors
 from pagedserve.request import Request
 
 __all__ = ["Sampler", "SamplerOutput"]
@@ -53,7 +54,8 @@ class Sampler:
         """Whether every row only needs the argmax of its raw logits: greedy, no
         penalties, no logprobs, past min_tokens.  The model runner then takes the argmax
         where the logits are (the registry's ``argmax`` op) and skips this sampler."""
-        return all(p.greedy and not p.needs_penalties and p.logprobs is None and r.num_output_tokens >= p.min_tokens
+        return all(p.greedy and not p.needs_penalties and not p.needs_logits_processing and p.logprobs is None
+                   and r.num_output_tokens >= p.min_tokens
                    for r, p in ((r, r.sampling_params) for r in requests))
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
@@ -69,6 +71,7 @@ class Sampler:
             return out if out is not None else SamplerOutput([0] * len(requests), [None] * len(requests))
         logits = raw = logits.float()
         logits = self._apply_penalties(logits, requests)
+        logits = apply_logits_processors(logits, requests)
         logits = self._apply_min_tokens(logits, requests)
 
         greedy = [p.greedy for p in params]

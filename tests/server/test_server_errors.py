@@ -31,7 +31,7 @@ BAD_FIELDS = [
     ("completions", {"stop": [1]}, "stop"),
     ("completions", {"stream": "yes"}, "stream"),
     ("completions", {"seed": 1.5}, "seed"),
-    ("completions", {"echo": True}, "echo"),
+    ("completions", {"prompt_embeds": "AAAA"}, "prompt_embeds"),
     ("completions", {"min_tokens": 9}, "min_tokens"),
     ("completions", {"stream_options": {"include_usage": "sure"}}, "stream_options.include_usage"),
     ("chat/completions", {"messages": []}, "messages"),
