@@ -10,8 +10,8 @@ from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS
 from pagedserve.request_options import continue_final_message, truncate_prompt
 
-__all__ = ["field_named", "salt_kwargs", "generation_defaults", "completion_prompt", "fim_text", "prompt_logprobs_json", "response_id",
-           "chat_prompt_text", "echo_prefix"]
+__all__ = ["field_named", "salt_kwargs", "generation_defaults", "completion_prompt", "fim_text",
+           "prompt_logprobs_json", "response_id", "chat_prompt_text", "echo_prefix"]
 
 # StarCoder-style fill-in-the-middle tokens (prefix-suffix-middle order).
 _FIM = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
