@@ -152,7 +152,7 @@ class LLM:
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
         engine = self.llm_engine
-        ids = [engine.validate_prompt(*self._split(p))[1] for p in prompts]
+        ids = [engine.validate_prompt(*self.split_prompt(p))[1] for p in prompts]
         search = BeamSearch(ids, params, engine.eos_token_ids, engine.max_model_len)
 
         def expand(tokens: list[list[int]], step: SamplingParams) -> list:
