@@ -19,6 +19,7 @@ from pagedserve.executor.model_runner import resolve_dtype
 from pagedserve.kv_cache.host_tier import TieredKVCacheManager
 from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.loader import IncrementalDetokenizer, open_model
+from pagedserve.loader.validation import effective_max_model_len
 from pagedserve.quantization.registry import quantize_source
 from pagedserve.models.llama import ArchConfig
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -103,10 +104,8 @@ class LLMEngine:
         self.tokenizer = source.tokenizer()
         self.arch = ArchConfig.from_hf(source.hf_config)
         self.eos_token_ids = frozenset(source.eos_token_ids)
-        mml = config.model.max_model_len or self.arch.max_position_embeddings
-        if mml > self.arch.max_position_embeddings:
-            raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings "
-                             f"({self.arch.max_position_embeddings})")
+        mml = effective_max_model_len(config.model.max_model_len, self.arch.max_position_embeddings,
+                                      self.arch.head_dim)
         self.max_model_len = mml
         self.dtype = resolve_dtype(config.model.dtype, self.platform)
         # Linear weights load quantized when config.model.quantization or the checkpoint asks.

@@ -75,6 +75,7 @@ class Worker:
         """Join the group, load this rank's shard, agree on the KV block count (the minimum
         over ranks) and allocate it.  Collective: every rank calls it.  Returns the count."""
         from pagedserve.loader import open_model
+        from pagedserve.loader.validation import effective_max_model_len
         from pagedserve.platforms import select_platform
 
         cfg = self.config
@@ -87,8 +88,8 @@ class Worker:
         source = source or open_model(cfg.model.model)
         arch = ArchConfig.from_hf(source.hf_config)
         dtype = resolve_dtype(cfg.model.dtype, platform)
-        max_model_len = cfg.model.max_model_len or arch.max_position_embeddings
-        self.runner = ModelRunner(platform, ops, arch, dtype, self.parallel)
+        max_model_len = effective_max_model_len(cfg.model.max_model_len, arch.max_position_embeddings, arch.head_dim)
+        self.runner = ModelRunner(platform, ops, arch, dtype, self.parallel, max_model_len=max_model_len)
         self.runner.load_weights(source.weights())
         local = self.runner.determine_num_blocks(cfg.cache, cfg.scheduler, max_model_len)
         num_blocks = self.parallel.min_over_ranks(local)
