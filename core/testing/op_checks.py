@@ -194,6 +194,30 @@ def _linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int,
             assert_matches("linear", got, reference.linear(x, w, b), dtype)
 
         yield desc, body
+    if prepare is t.ops.get("prepare_linear_weight"):
+        yield from _linear_streamed(t, fn, dtype, seed)
+
+
+def _linear_streamed(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    """``linear`` on a plain (never prepared) weight rewritten in place between calls:
+    what weight offload (``cpu_offload_gb``) does to its device staging slots, inference
+    tensors whose contents change under the same object. An op that caches derived state
+    per weight tensor must notice, or keep such caches to prepared weights."""
+    for lead, k, m in [((3,), 64, 96), ((17,), 96, 64)]:
+        desc = f"streamed-weight {'x'.join(map(str, lead))}x{k}->{m}"
+
+        def body(lead=lead, k=k, m=m, desc=desc) -> None:
+            c = _Case(f"linear{desc}{dtype}", seed, t.device)
+            x = c.randn(*lead, k, dtype=dtype)
+            weights = [c.randn(m, k, dtype=dtype, scale=k ** -0.5) for _ in range(3)]
+            with torch.inference_mode():
+                slot = torch.empty_like(c.dev(weights[0]))  # one staging slot, as offload keeps
+                for i, w in enumerate(weights + weights[:1]):
+                    slot.copy_(c.dev(w))
+                    assert_matches(f"linear after rewriting the weight in place ({i + 1} times)",
+                                   fn(c.dev(x), slot, None), reference.linear(x, w, None), dtype)
+
+        yield desc, body
 
 
 def _linear_silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
