@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup setup-serve test serve generate kernels clean
+.PHONY: setup setup-serve test serve generate kernels clean fuzz-loader
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ kernels: $(PY)
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# Mutation fuzzing of the GGUF and safetensors loaders, the long run (the suite runs ~100).
+fuzz-loader: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m slow tests/loader/test_loader_mutations.py
 
 serve: setup-serve
 	$(VENV)/bin/pagedserve serve
