@@ -52,8 +52,9 @@ def _fuzz(tmp_path: pathlib.Path, n: int, seed: int, timeout: float) -> None:
     for i, (base, m) in enumerate(mutations):
         dest = tmp_path / "m" / f"{i:05d}" / (base.name if base.is_file() else "ckpt")
         path = apply(m, base, dest)
-        cases.append((str(path), str(m)))
-        names[str(m)] = str(path)
+        name = f"#{i} {m}"  # one mutation may be drawn twice: the index keeps names unique
+        cases.append((str(path), name))
+        names[name] = str(path)
     spec = tmp_path / "cases.json"
     spec.write_text(json.dumps(cases))
     rc, reports, err = run_capped(_CHILD.format(cases=str(spec)), cap_bytes=6 * 2**30, timeout=timeout)
@@ -83,4 +84,4 @@ def test_loader_mutations_short(tmp_path: pathlib.Path) -> None:
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_loader_mutations_long(tmp_path: pathlib.Path, seed: int) -> None:
-    _fuzz(tmp_path, n=500, seed=seed * 1000, timeout=1800)
+    _fuzz(tmp_path, n=2000, seed=seed * 1000, timeout=1800)
