@@ -162,8 +162,12 @@ def claim_process_group(executor: object) -> None:
             "this distributed engine was shut down because another tensor/pipeline-parallel engine "
             "was created in the same process (torch.distributed holds one process group per process)")
     if dist.is_initialized():
-        # Left by an engine whose start-up failed half-way, or by user code.
-        dist.destroy_process_group()
+        # Every pagedserve engine released its group by now (shut down or finalized): this
+        # one is the caller's, and not ours to tear down.
+        raise RuntimeError(
+            "torch.distributed's default process group is already initialized in this process, not by "
+            "pagedserve; destroy it (torch.distributed.destroy_process_group()) before creating a "
+            "tensor/pipeline-parallel engine")
     _holder = weakref.ref(executor)
 
 

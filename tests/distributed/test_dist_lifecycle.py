@@ -62,3 +62,15 @@ def test_second_engine_in_the_same_process(tiny_checkpoint_factory):
     for p in procs:
         p.join(timeout=20)
         assert not p.is_alive()
+
+
+def test_process_group_of_the_caller_is_not_torn_down(tiny_checkpoint_factory, tmp_path):
+    """A default group pagedserve did not create is the caller's: refused by name, kept."""
+    path = str(tiny_checkpoint_factory(arch="llama", num_heads=4, num_kv_heads=2))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="already initialized in this process, not by pagedserve"):
+            LLM(**{**BASE, "model": path, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"})
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
