@@ -51,14 +51,15 @@ class MultiprocExecutor(DistributedExecutor):
         return dead
 
     def _stop_workers(self, graceful: bool) -> None:
-        stop_processes(self.procs, graceful)
+        stop_processes(self.procs, graceful, self.status)
 
     def _stopper(self):
-        return functools.partial(stop_processes, self.procs)
+        return functools.partial(stop_processes, self.procs, conns=self.status)
 
 
-def stop_processes(procs: list, graceful: bool) -> None:
-    """Wait for worker processes told to stop (graceful), else end them; never hangs."""
+def stop_processes(procs: list, graceful: bool, conns: list | None = None) -> None:
+    """Wait for worker processes told to stop (graceful), else end them, then close their
+    status pipes; never hangs."""
     for p in procs:
         p.join(timeout=15 if graceful else 0.5)
     for p in procs:
@@ -68,3 +69,5 @@ def stop_processes(procs: list, graceful: bool) -> None:
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
+    for conn in conns or ():
+        conn.close()
