@@ -121,7 +121,8 @@ def _describe(e: BaseException) -> str:
     return text if isinstance(e, ValueError) else f"{type(e).__name__}: {text}"
 
 
-def _named_errors(weights: Iterator[tuple[str, torch.Tensor]], path: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _named_errors(weights: Iterator[tuple[str, torch.Tensor]],
+                  path: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights``, with a read failure (a file truncated since it was opened) named."""
     try:
         yield from weights
