@@ -24,11 +24,11 @@ def llm():
 
 def test_greedy_alone_equals_batched(llm):
     rng = random.Random(0)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(12, 30))) for _ in range(16)]
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(12, 30))) for _ in range(12)]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
     batched = llm.generate(prompts, params, use_tqdm=False)
     assert sum(len(o.prompt_token_ids) for o in batched) > 200  # one prefill step of many rows
-    for i in (0, 5, 15):
+    for i in (0, 5, 11):
         alone = llm.generate([prompts[i]], params, use_tqdm=False)[0].outputs[0]
         together = batched[i].outputs[0]
         assert alone.token_ids == together.token_ids, prompts[i]
