@@ -77,7 +77,14 @@ def safetensors_mutations(folder: pathlib.Path, n: int, seed: int) -> list[Mutat
     weights = (folder / "model.safetensors").read_bytes()
     n_config = n // 4
     n_tok = n // 8
-    out = _byte_mutations(rng, "model.safetensors", weights, "safetensors", n - n_config - n_tok)
+    n_header = n // 4
+    out = _byte_mutations(rng, "model.safetensors", weights, "safetensors", n - n_config - n_tok - n_header)
+    names = sorted(k for k in json.loads(weights[8:8 + struct.unpack_from("<Q", weights)[0]]) if k != "__metadata__")
+    for _ in range(n_header):
+        # Valid JSON that lies: a shape, a data offset or a dtype that disagrees with the bytes.
+        field = rng.choice(("shape", "data_offsets", "dtype"))
+        out.append(Mutation("model.safetensors", "st-header", (rng.choice(names), field, rng.randrange(4),
+                                                               rng.choice(_LIES))))
     for _ in range(n_config):
         out.append(Mutation("config.json", "config", (rng.choice(_CONFIG_KEYS), rng.choice(_CONFIG_VALUES))))
     size = (folder / "tokenizer.json").stat().st_size
@@ -96,6 +103,9 @@ def apply(mutation: Mutation, source: pathlib.Path, dest: pathlib.Path) -> pathl
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, dest)
         file = root = dest
+    if mutation.kind == "st-header":
+        _lie_in_header(file, *mutation.args)
+        return root
     if mutation.kind == "config":
         key, value = mutation.args
         config = json.loads(file.read_text())
@@ -113,3 +123,23 @@ def apply(mutation: Mutation, source: pathlib.Path, dest: pathlib.Path) -> pathl
         struct.pack_into("<Q" if mutation.kind == "lie64" else "<I", data, at, value)
     file.write_bytes(bytes(data))
     return root
+
+
+def _lie_in_header(file: pathlib.Path, name: str, field: str, which: int, value: int) -> None:
+    """Rewrite one entry of a safetensors header, keeping it valid JSON (padded to fit)."""
+    data = file.read_bytes()
+    size = struct.unpack_from("<Q", data)[0]
+    header = json.loads(data[8:8 + size])
+    entry = header[name]
+    if field == "dtype":
+        entry["dtype"] = ("F16", "BF16", "I64", "U8")[which]
+    else:
+        values = list(entry[field])
+        if values:
+            values[which % len(values)] = value if field == "data_offsets" else value % (1 << 40)
+        if which == 3:
+            values.append(2)  # one more dimension (or offset) than there should be
+        entry[field] = values
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    file.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + size:])
