@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup setup-serve test test-slow fuzz chaos serve generate kernels clean
+.PHONY: setup setup-serve test test-slow fuzz fuzz-loader chaos serve generate kernels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ fuzz: setup
 
 chaos: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/chaos
+
+# Mutation fuzzing of the GGUF and safetensors loaders, the long run (the suite runs ~100).
+fuzz-loader: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m slow tests/loader/test_loader_mutations.py
 
 serve: setup-serve
 	$(VENV)/bin/pagedserve serve

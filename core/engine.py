@@ -25,6 +25,7 @@ from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.loader import IncrementalDetokenizer, open_model
 from pagedserve.loader.tokenizer_source import engine_tokenizer
 from pagedserve.loader.generation_config import load_generation_defaults
+from pagedserve.loader.validation import effective_max_model_len
 from pagedserve.quantization.registry import quantize_source
 from pagedserve.models.llama import ArchConfig
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -124,10 +125,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(source.eos_token_ids)
         #: SamplingParams defaults from generation_config.json (see loader/generation_config.py).
         self.default_sampling_params = load_generation_defaults(config.model.generation_config, source.path)
-        mml = config.model.max_model_len or self.arch.max_position_embeddings
-        if mml > self.arch.max_position_embeddings:
-            raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings "
-                             f"({self.arch.max_position_embeddings})")
+        mml = effective_max_model_len(config.model.max_model_len, self.arch.max_position_embeddings,
+                                      self.arch.head_dim)
         self.max_model_len = mml
         self.dtype = resolve_dtype(config.model.dtype, self.platform)
         check_cache_dtype(config.cache.cache_dtype, self.dtype)

@@ -49,7 +49,8 @@ class UniProcExecutor(Executor):
                                  f"device_map={device_map!r} also runs layers on "
                                  f"{', '.join(n for n in names if n != platform.name)}, which is not supported "
                                  "with quantized weights yet (use quantization='none')")
-        self.driver_runner = runner = ModelRunner(platform, ops, arch, dtype, segments=segments)
+        self.driver_runner = runner = ModelRunner(platform, ops, arch, dtype, segments=segments,
+                                                  max_model_len=max_model_len)
         runner.load_weights(source.weights(), prepare=config.cache.cpu_offload_gb <= 0)
         self.num_blocks = runner.determine_num_blocks(config.cache, config.scheduler, max_model_len)
         runner.allocate_kv_cache(self.num_blocks, config.cache.block_size)

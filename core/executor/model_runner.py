@@ -72,7 +72,8 @@ class ModelRunner:
     """
 
     def __init__(self, platform: Platform, ops: OpRegistry, arch: ArchConfig, dtype: torch.dtype,
-                 parallel: ParallelContext | None = None, segments: list[Segment] | None = None) -> None:
+                 parallel: ParallelContext | None = None, segments: list[Segment] | None = None,
+                 max_model_len: int | None = None) -> None:
         self.platform = platform
         self.ops = ops
         self.arch = arch
@@ -82,7 +83,8 @@ class ModelRunner:
         if segments is not None:
             placements = [LayerPlacement(s.start, s.end, s.ops, s.platform.device, s.platform.to_device)
                           for s in segments]
-        self.model = LlamaForCausalLM(arch, ops, dtype, self.device, parallel, placements)
+        self.model = LlamaForCausalLM(arch, ops, dtype, self.device, parallel, placements,
+                                      max_positions=max_model_len)
         if segments is None:
             segments = [Segment(platform, ops, self.model.layer_start, self.model.layer_end)]
         self.segments = segments

@@ -180,6 +180,7 @@ def _linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int,
             prepare: Callable | None = None) -> Cases:
     """``linear`` on weights put through the registry's ``prepare_linear_weight`` (the
     contract: the pair equals the reference on the plain weight)."""
+    streamed = prepare is None  # once, under ``linear`` rather than again under ``prepare_linear_weight``
     prepare = prepare or t.ops.get("prepare_linear_weight")
     # Output widths that are and are not multiples of 16 and an odd K: a platform may
     # pack only some shapes (the CPU's native packing needs N % 16 == 0, K % 2 == 0).
@@ -193,6 +194,32 @@ def _linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int,
             b = c.randn(m, dtype=dtype) if bias else None
             got = fn(c.dev(x), prepare(c.dev(w)), None if b is None else c.dev(b))
             assert_matches("linear", got, reference.linear(x, w, b), dtype)
+
+        yield desc, body
+    if streamed:
+        yield from _linear_streamed(t, fn, dtype, seed)
+
+
+def _linear_streamed(t: Target, fn: Callable, dtype: torch.dtype, seed: int, op: str = "linear") -> Cases:
+    """``op`` (``linear`` or ``linear_silu_and_mul``) on a plain (never prepared) weight
+    rewritten in place between calls: what weight offload (``cpu_offload_gb``) does to its
+    device staging slots, inference tensors whose contents change under the same object.
+    An op that caches derived state per weight tensor must notice, or keep such caches to
+    prepared weights."""
+    want_fn = getattr(reference, op)
+    for lead, k, m in [((3,), 64, 96), ((17,), 96, 64)]:
+        desc = f"streamed-weight {'x'.join(map(str, lead))}x{k}->{m}"
+
+        def body(lead=lead, k=k, m=m, desc=desc) -> None:
+            c = _Case(f"{op}{desc}{dtype}", seed, t.device)
+            x = c.randn(*lead, k, dtype=dtype)
+            weights = [c.randn(m, k, dtype=dtype, scale=k ** -0.5) for _ in range(3)]
+            with torch.inference_mode():
+                slot = torch.empty_like(c.dev(weights[0]))  # one staging slot, as offload keeps
+                for i, w in enumerate(weights + weights[:1]):
+                    slot.copy_(c.dev(w))
+                    assert_matches(f"{op} after rewriting the weight in place ({i + 1} times)",
+                                   fn(c.dev(x), slot, None), want_fn(x, w, None), dtype)
 
         yield desc, body
 
@@ -214,6 +241,7 @@ def _linear_silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed: int)
             assert_matches("linear_silu_and_mul", got, reference.linear_silu_and_mul(x, w, b), dtype)
 
         yield desc, body
+    yield from _linear_streamed(t, fn, dtype, seed, op="linear_silu_and_mul")
 
 
 def _embedding(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
