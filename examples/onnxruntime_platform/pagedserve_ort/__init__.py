@@ -2,8 +2,9 @@
 
 The platform is named ``ort``.  It keeps tensors on the host (``device_type = "cpu"``)
 and overrides ``linear``, with an ONNX Runtime session per weight prepared at load
-(``prepare_linear_weight``); every other op stays the torch reference.  pagedserve finds it through the ``pagedserve.platforms``
-entry point in ``pyproject.toml`` and never names it.
+(``prepare_linear_weight``); every other op stays the torch reference.  pagedserve finds
+it through the ``pagedserve.platforms`` entry point in ``pyproject.toml`` and never names
+it.
 
 Environment:
     PAGEDSERVE_ORT_PROVIDERS  comma-separated ONNX Runtime execution providers, in order

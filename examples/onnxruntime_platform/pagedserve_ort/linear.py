@@ -138,8 +138,9 @@ class OrtLinear:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in_features], weight [out_features, in_features], bias [out_features] -> [..., out_features]."""
-        if (not self.is_prepared(weight) or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
-                or weight.device.type != "cpu" or (bias is not None and bias.dtype != torch.float32)):
+        if (not self.is_prepared(weight) or x.dtype != torch.float32 or weight.dtype != torch.float32
+                or x.device.type != "cpu" or weight.device.type != "cpu"
+                or (bias is not None and bias.dtype != torch.float32)):
             return reference.linear(x, weight, bias)
         lead, out_features = x.shape[:-1], weight.shape[0]
         x2 = x.reshape(-1, x.shape[-1])
