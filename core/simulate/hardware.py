@@ -47,7 +47,7 @@ class HardwareProfile:
     fp8, int8); ``efficiency`` holds the fraction of each peak that a well-shaped kernel
     reaches (matmul, memory, attention, interconnect, host).  ``matmul_curve`` (from a
     calibration) maps a weight format to measured ``[tokens, FLOP/s]`` points that replace
-    ``peak * efficiency`` for that format; ``attention_bandwidth`` and
+    the peak for that format; ``attention_bandwidth`` and
     ``attention_flops`` (measured) replace the attention roofline's rates."""
 
     name: str
@@ -111,20 +111,23 @@ class HardwareProfile:
         """Achieved FLOP/s of the linear layers at a batch of ``tokens`` rows.
 
         A calibrated curve is interpolated in log(tokens) (flat beyond its ends);
-        otherwise ``peak * efficiency`` (the memory term of the roofline covers small batches).
+        otherwise the peak (the memory term of the roofline covers small batches).  Either
+        is scaled by ``efficiency.matmul``.
         """
         pts = self.matmul_curve.get(fmt)
         if not pts:
             return self.peak(kind) * self.eff("matmul")
         xs = [p[0] for p in pts]
         if tokens <= xs[0]:
-            return pts[0][1]
-        if tokens >= xs[-1]:
-            return pts[-1][1]
-        i = bisect.bisect_right(xs, tokens)
-        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-        w = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
-        return y0 + w * (y1 - y0)
+            rate = pts[0][1]
+        elif tokens >= xs[-1]:
+            rate = pts[-1][1]
+        else:
+            i = bisect.bisect_right(xs, tokens)
+            (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+            w = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            rate = y0 + w * (y1 - y0)
+        return rate * self.eff("matmul")
 
 
 def shipped_profiles() -> list[str]:

@@ -1,0 +1,89 @@
+"""Prediction vs measurement: `pagedserve simulate` against a real `bench throughput` run.
+
+Runs the workload of `pagedserve bench throughput` (same prompts: same flags, same seed)
+through the real engine on this machine, measuring output tokens/s and per-request time
+to first token (TTFT, from the engine's request metrics), then simulates the same flags
+on a hardware profile (default: cpu-local, the last `pagedserve simulate calibrate`) and
+prints both with the prediction error.
+
+    python -m pagedserve.entrypoints.cli simulate calibrate --threads 1
+    python benchmarks/simulate_validate.py --threads 1 --num-prompts 16 --input-len 128 --output-len 32
+    python benchmarks/simulate_validate.py --threads 1 --num-prompts 16 --mixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from pagedserve.entrypoints.bench_serve import percentile
+from pagedserve.entrypoints.bench_throughput import make_workload
+
+
+def measure(args: argparse.Namespace, vocab: int) -> dict:
+    from pagedserve import LLM, SamplingParams
+
+    work = make_workload(args.num_prompts, args.input_len, args.output_len, args.mixed, args.seed, vocab)
+    llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory=args.kv_cache_memory, threads=args.threads)
+    llm.generate([work[0][0][:16]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outs]
+    return {"tokens_per_s": gen / elapsed, "elapsed_s": elapsed, "generated_tokens": gen,
+            "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
+            "preemptions": llm.llm_engine.scheduler.num_preemptions}
+
+
+def simulate(args: argparse.Namespace) -> dict:
+    from pagedserve.entrypoints.cli import build_parser
+    from pagedserve.simulate.cli import _simulate
+    from pagedserve.simulate.setup import build_plan
+
+    argv = ["simulate", "--hardware", args.hardware, "--num-prompts", str(args.num_prompts),
+            "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(args.seed),
+            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--kv-cache-memory", args.kv_cache_memory] + (["--mixed"] if args.mixed else [])
+    sargs = build_parser(argv).parse_args(argv)
+    _, summary = _simulate(build_plan(sargs), sargs)
+    return summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--mixed", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", default="4GiB")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--hardware", default="cpu-local")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args()
+    sim = simulate(args)  # first: it fails fast on a missing calibration
+    from pagedserve.simulate.model_spec import load_model_config
+
+    meas = measure(args, load_model_config(None)["vocab_size"])
+    rows = [("tokens/s", meas["tokens_per_s"], sim["tokens_per_s"]),
+            ("TTFT p50 (s)", meas["ttft_s"]["p50"], sim["ttft_s"]["p50"]),
+            ("TTFT p99 (s)", meas["ttft_s"]["p99"], sim["ttft_s"]["p99"])]
+    print(f"{'':14} {'measured':>10} {'predicted':>10} {'error':>8}")
+    for name, m, s in rows:
+        print(f"{name:14} {m:10.3f} {s:10.3f} {(s - m) / m:+8.1%}")
+    result = {"measured": meas, "simulated": {k: sim[k] for k in ("tokens_per_s", "ttft_s", "preemptions")},
+              "errors": {name: (s - m) / m for name, m, s in rows}, "args": vars(args)}
+    print("RESULT " + json.dumps(result))
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
