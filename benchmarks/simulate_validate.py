@@ -9,12 +9,15 @@ prints both with the prediction error.
     python -m pagedserve.entrypoints.cli simulate calibrate --threads 1
     python benchmarks/simulate_validate.py --threads 1 --num-prompts 16 --input-len 128 --output-len 32
     python benchmarks/simulate_validate.py --threads 1 --num-prompts 16 --mixed
+    python benchmarks/simulate_validate.py --calibrate --threads 1 ...   # both in one run
+    python benchmarks/simulate_validate.py --calibrate --threads 1 --timer cpu ...  # on a shared machine
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import time
 
 from pagedserve.entrypoints.bench_serve import percentile
@@ -22,21 +25,32 @@ from pagedserve.entrypoints.bench_throughput import make_workload
 
 
 def measure(args: argparse.Namespace, vocab: int) -> dict:
+    """The bench throughput run, stepping the engine here to time each request's first token."""
     from pagedserve import LLM, SamplingParams
+    from pagedserve.simulate.calibrate import TIMERS
 
+    clock = TIMERS[args.timer]
     work = make_workload(args.num_prompts, args.input_len, args.output_len, args.mixed, args.seed, vocab)
     llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory=args.kv_cache_memory, threads=args.threads)
     llm.generate([work[0][0][:16]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
-    t0 = time.perf_counter()
-    outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    gen = sum(len(o.outputs[0].token_ids) for o in outs)
-    ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outs]
-    return {"tokens_per_s": gen / elapsed, "elapsed_s": elapsed, "generated_tokens": gen,
-            "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
-            "preemptions": llm.llm_engine.scheduler.num_preemptions}
+    engine = llm.llm_engine
+    for i, (prompt, n) in enumerate(work):
+        engine.add_request(f"v{i}", None, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                           prompt_token_ids=prompt)
+    t0, w0 = clock(), time.perf_counter()
+    first: dict[str, float] = {}
+    gen = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first.setdefault(out.request_id, clock() - t0)
+            if out.finished:
+                gen += len(out.outputs[0].token_ids)
+    elapsed, wall = clock() - t0, time.perf_counter() - w0
+    ttft = list(first.values())
+    return {"tokens_per_s": gen / elapsed, "elapsed_s": elapsed, "wall_s": wall, "timer": args.timer,
+            "generated_tokens": gen, "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
+            "preemptions": engine.scheduler.num_preemptions}
 
 
 def simulate(args: argparse.Namespace) -> dict:
@@ -65,8 +79,22 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", default="4GiB")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--hardware", default="cpu-local")
+    p.add_argument("--timer", choices=["wall", "cpu"], default="wall",
+                   help="cpu: time the run (and --calibrate) in process CPU time, for --threads 1 on a shared "
+                        "machine")
+    p.add_argument("--calibrate", action="store_true",
+                   help="calibrate first (into a temporary profile), so that the profile and the measurement "
+                        "see the same machine load")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
+    if args.calibrate:
+        import tempfile
+
+        from pagedserve.simulate.calibrate import calibrate
+
+        profile = calibrate(None, args.threads, timer=args.timer)
+        args.hardware = str(pathlib.Path(tempfile.mkdtemp()) / "cpu-calibrated.json")
+        pathlib.Path(args.hardware).write_text(json.dumps(profile.to_dict()))
     sim = simulate(args)  # first: it fails fast on a missing calibration
     from pagedserve.simulate.model_spec import load_model_config
 

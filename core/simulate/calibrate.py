@@ -25,6 +25,7 @@ import json
 import os
 import pathlib
 import time
+from collections.abc import Callable
 
 from pagedserve.simulate.hardware import HardwareProfile, local_profile_path
 
@@ -35,24 +36,31 @@ _LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 _ROWS = [1, 4, 16, 64, 256, 1024, 2048]
 
 
-def _timeit(fn, min_time: float = 0.05, max_reps: int = 200) -> float:
+#: The clock measurements are read on: wall time, or this process's CPU time -- on a
+#: machine shared with other work, a one-thread run's CPU time is the wall time it would
+#: take on an idle machine (the load only stretches the wall clock).
+TIMERS = {"wall": time.perf_counter, "cpu": time.process_time}
+Clock = Callable[[], float]
+
+
+def _timeit(fn, clock: Clock, min_time: float = 0.05, max_reps: int = 200) -> float:
     """Seconds per call: best of three rounds after a warm-up call."""
     fn()
     reps, t = 1, 0.0
     while reps < max_reps:
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(reps):
             fn()
-        t = time.perf_counter() - t0
+        t = clock() - t0
         if t >= min_time:
             break
         reps *= 2
     best = t / reps
     for _ in range(2):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(reps):
             fn()
-        best = min(best, (time.perf_counter() - t0) / reps)
+        best = min(best, (clock() - t0) / reps)
     return best
 
 
@@ -64,7 +72,7 @@ def _q4_1_blocks(torch, n: int, k: int):
     return blocks.reshape(n, k // 32 * 20)
 
 
-def _matmul_curve(torch, ops, dtype, fmt: str) -> list[list[float]]:
+def _matmul_curve(torch, ops, dtype, fmt: str, clock: Clock) -> list[list[float]]:
     if fmt == "q4_1":
         weights = [_q4_1_blocks(torch, n, k) for n, k in _LAYER_SHAPES]
 
@@ -81,19 +89,19 @@ def _matmul_curve(torch, ops, dtype, fmt: str) -> list[list[float]]:
     curve = []
     for m in _ROWS:
         xs = {k: torch.randn(m, k, dtype=dtype) for _, k in _LAYER_SHAPES}
-        sec = _timeit(lambda: layer(xs), min_time=0.04)
+        sec = _timeit(lambda: layer(xs), clock, min_time=0.04)
         curve.append([float(m), flops_per_row * m / sec])
     return curve
 
 
-def _memory_bandwidth(torch) -> float:
+def _memory_bandwidth(torch, clock: Clock) -> float:
     src = torch.randn(32 * 2**20)  # 128 MiB: far beyond any cache
     dst = torch.empty_like(src)
-    sec = _timeit(lambda: dst.copy_(src), min_time=0.1, max_reps=20)
+    sec = _timeit(lambda: dst.copy_(src), clock, min_time=0.1, max_reps=20)
     return 2 * src.numel() * 4 / sec  # read + write
 
 
-def _attention(torch, platform, ops, dtype) -> tuple[float, float]:
+def _attention(torch, platform, ops, dtype, clock: Clock) -> tuple[float, float]:
     """(decode K/V bytes/s, prefill FLOP/s) of paged_attention, default-model head shapes."""
     heads, kv_heads, d, bs = 9, 3, 64, 16
     nseq, ctx = 32, 1024
@@ -106,18 +114,18 @@ def _attention(torch, platform, ops, dtype) -> tuple[float, float]:
     seq_lens = torch.full((nseq,), ctx, dtype=torch.int32)
     qsl = torch.arange(nseq + 1, dtype=torch.int32)
     out = torch.empty_like(q)
-    sec = _timeit(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, d ** -0.5, out))
+    sec = _timeit(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, d ** -0.5, out), clock)
     elem = torch.empty((), dtype=dtype).element_size()
     bw = (2 * nseq * ctx * kv_heads * d * elem + 2 * q.numel() * elem) / sec
     n = 512
     qp = torch.randn(n, heads, d, dtype=dtype)
     sec = _timeit(lambda: ops.paged_attention(qp, kc, vc, tables[:1, :n // bs], torch.tensor([n], dtype=torch.int32),
-                                              torch.tensor([0, n], dtype=torch.int32), d ** -0.5), min_time=0.05)
+                                              torch.tensor([0, n], dtype=torch.int32), d ** -0.5), clock, min_time=0.05)
     flops = 4 * heads * d * n * (n + 1) / 2
     return bw, flops / sec
 
 
-def _engine_steps(device: str | None, threads: int | None):
+def _engine_steps(device: str | None, threads: int | None, clock: Clock = time.perf_counter):
     """Measured (scheduled batch, seconds) of real engine steps of the default model."""
     from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig
     from pagedserve.engine import LLMEngine
@@ -134,18 +142,18 @@ def _engine_steps(device: str | None, threads: int | None):
                                prompt_token_ids=[100 + (7 * i + j + 131 * rnd) % 40000 for j in range(32)])
         while engine.has_unfinished_requests():
             batch = [(r.num_tokens - r.num_computed_tokens, r.num_tokens) for r in engine.scheduler.running]
-            t0 = time.perf_counter()
+            t0 = clock()
             engine.step()
-            sec = time.perf_counter() - t0
+            sec = clock() - t0
             # after the first (prefill) step, every step decodes all the running requests
             if len(batch) == nseq and all(q == 1 for q, _ in batch):
                 samples.append((StepBatch([1] * nseq, [c for _, c in batch], nseq), sec))
     for n in (512, 2048):  # prefill steps alone: compute-bound, they set the in-engine matmul efficiency
         engine.add_request(f"cal-prefill-{n}", None, SamplingParams(max_tokens=1, ignore_eos=True),
                            prompt_token_ids=[100 + (3 * j + n) % 40000 for j in range(n)])
-        t0 = time.perf_counter()
+        t0 = clock()
         engine.step()
-        samples.append((StepBatch([n], [n], 1), time.perf_counter() - t0))
+        samples.append((StepBatch([n], [n], 1), clock() - t0))
         while engine.has_unfinished_requests():
             engine.step()
     engine.shutdown()
@@ -189,8 +197,15 @@ def _fit_overhead(profile: HardwareProfile, samples) -> None:
             break
 
 
-def calibrate(device: str | None = None, threads: int | None = None, log=print) -> HardwareProfile:
+def calibrate(device: str | None = None, threads: int | None = None, log=print, timer: str = "wall") -> HardwareProfile:
+    """Measure this machine; ``timer`` "cpu" reads process CPU time (one thread only)."""
     import torch
+
+    if timer not in TIMERS:
+        raise ValueError(f"timer must be one of {', '.join(TIMERS)}, got {timer!r}")
+    if timer == "cpu" and threads != 1:
+        raise ValueError("--timer cpu measures one thread's work: use it with --threads 1")
+    clock = TIMERS[timer]
 
     from pagedserve.platforms import select_platform
 
@@ -199,13 +214,13 @@ def calibrate(device: str | None = None, threads: int | None = None, log=print) 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if torch.bfloat16 in platform.supported_dtypes else platform.default_dtype
     t0 = time.perf_counter()
-    curves = {"bfloat16": _matmul_curve(torch, ops, dtype, "bfloat16")}
+    curves = {"bfloat16": _matmul_curve(torch, ops, dtype, "bfloat16", clock)}
     if "gguf_linear" in dict(ops.table()):
-        curves["q4_1"] = _matmul_curve(torch, ops, dtype, "q4_1")
+        curves["q4_1"] = _matmul_curve(torch, ops, dtype, "q4_1", clock)
     log(f"  matmul: bf16 {curves['bfloat16'][-1][1] / 1e9:.1f} GFLOP/s at {int(curves['bfloat16'][-1][0])} rows "
         f"({time.perf_counter() - t0:.0f} s)")
-    bw = _memory_bandwidth(torch)
-    att_bw, att_flops = _attention(torch, platform, ops, dtype)
+    bw = _memory_bandwidth(torch, clock)
+    att_bw, att_flops = _attention(torch, platform, ops, dtype, clock)
     log(f"  memory {bw / 1e9:.1f} GB/s; attention {att_bw / 1e9:.1f} GB/s decode, {att_flops / 1e9:.1f} GFLOP/s "
         f"prefill ({time.perf_counter() - t0:.0f} s)")
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -218,10 +233,10 @@ def calibrate(device: str | None = None, threads: int | None = None, log=print) 
         matmul_curve=curves, attention_bandwidth=att_bw, attention_flops=att_flops,
         default_memory_utilization=0.5,
         description=f"measured by `pagedserve simulate calibrate` on {platform.name} "
-                    f"({torch.get_num_threads()} threads) at {time.strftime('%Y-%m-%d %H:%M:%S')}",
+                    f"({torch.get_num_threads()} threads, {timer} time) at {time.strftime('%Y-%m-%d %H:%M:%S')}",
         sources=["rates measured through the platform's ops (docs/simulate.md); interconnect (TP/PP over "
                  "local processes) assumed at a tenth of the copy bandwidth, not measured"])
-    _fit_overhead(profile, _engine_steps(device, threads))
+    _fit_overhead(profile, _engine_steps(device, threads, clock))
     log(f"  in-engine matmul efficiency {profile.eff('matmul'):.2f}; step overhead "
         f"{profile.step_overhead_s * 1e3:.2f} ms + {profile.per_seq_overhead_s * 1e6:.0f} us/seq "
         f"({time.perf_counter() - t0:.0f} s)")
@@ -231,7 +246,7 @@ def calibrate(device: str | None = None, threads: int | None = None, log=print) 
 def run_calibration(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out).expanduser() if args.out else local_profile_path()
     print(f"calibrating this machine (about a minute) -> {out}")
-    profile = calibrate(args.device, args.threads)
+    profile = calibrate(args.device, args.threads, timer=args.timer)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile.to_dict(), indent=1) + "\n", encoding="utf-8")
     print(f"wrote {out}; use --hardware {'cpu-local' if not args.out else out}")

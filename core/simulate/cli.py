@@ -46,6 +46,9 @@ def add_parser(subparsers) -> None:
     cal.add_argument("--out", default=None, help="calibrate: profile file (default: the cpu-local location)")
     cal.add_argument("--device", default=None, help="calibrate: platform to measure (default: auto)")
     cal.add_argument("--threads", type=int, default=None, help="calibrate: CPU threads")
+    cal.add_argument("--timer", choices=["wall", "cpu"], default="wall",
+                     help="calibrate: wall time, or process CPU time (with --threads 1: what an idle machine "
+                          "would take when this one is shared)")
 
 
 def parse_slo(text: str) -> dict[str, tuple[str, str, float]]:
