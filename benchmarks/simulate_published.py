@@ -9,7 +9,8 @@ CUDA graphs.  We simulate pagedserve with the same model shapes, FP8 weights, le
 parallelism, max_num_seqs 1024 and a token budget of 8192 (TensorRT-LLM's default
 max_num_tokens), with fewer requests than NVIDIA ran (steady state is reached well before).
 
-    python benchmarks/simulate_published.py            # about a minute
+    python benchmarks/simulate_published.py                       # a few minutes
+    python benchmarks/simulate_published.py --kv-cache-dtype fp8  # FP8 KV cache
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ CASES = [
 ]
 
 
-def simulate(config: pathlib.Path, hardware: str, tp: int, n_in: int, n_out: int, num: int) -> float:
+def simulate(config: pathlib.Path, hardware: str, tp: int, n_in: int, n_out: int, num: int,
+             kv_cache_dtype: str = "auto") -> float:
     from pagedserve.entrypoints.cli import build_parser
     from pagedserve.simulate.cli import _simulate
     from pagedserve.simulate.setup import build_plan
@@ -57,13 +59,15 @@ def simulate(config: pathlib.Path, hardware: str, tp: int, n_in: int, n_out: int
     argv = ["simulate", "--model", str(config), "--hardware", hardware, "--quantization", "fp8",
             "--tensor-parallel-size", str(tp), "--num-prompts", str(num), "--input-len", str(n_in),
             "--output-len", str(n_out), "--max-num-seqs", "1024", "--max-num-batched-tokens", "8192",
-            "--max-model-len", "8192", "--gpu-memory-utilization", "0.92"]
+            "--max-model-len", "8192", "--gpu-memory-utilization", "0.92", "--kv-cache-dtype", kv_cache_dtype]
     args = build_parser(argv).parse_args(argv)
     return _simulate(build_plan(args), args)[1]["tokens_per_s"]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    p.add_argument("--scale", type=float, default=1.0, help="fraction of the request counts to simulate")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp())
@@ -74,14 +78,15 @@ def main() -> None:
     rows = []
     print(f"{'model':14} {'hardware':9} {'tp':>2} {'in/out':>10} {'published':>10} {'predicted':>10} {'ratio':>6}")
     for model, hw, tp, n_in, n_out, published, num in CASES:
-        pred = simulate(configs[model], hw, tp, n_in, n_out, num)
+        pred = simulate(configs[model], hw, tp, n_in, n_out, max(50, int(num * args.scale)), args.kv_cache_dtype)
         rows.append({"model": model, "hardware": hw, "tp": tp, "input_len": n_in, "output_len": n_out,
                      "published_tokens_per_s": published, "predicted_tokens_per_s": pred})
         print(f"{model:14} {hw:9} {tp:>2} {f'{n_in}/{n_out}':>10} {published:>10,} {pred:>10,.0f} "
               f"{pred / published:6.2f}")
     print(f"source: {SOURCE}")
     if args.json_out:
-        pathlib.Path(args.json_out).write_text(json.dumps({"source": SOURCE, "rows": rows}, indent=1))
+        pathlib.Path(args.json_out).write_text(json.dumps({"source": SOURCE, "kv_cache_dtype": args.kv_cache_dtype,
+                                                           "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
