@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections import Counter
 from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
@@ -56,13 +57,16 @@ def load_model_config(model: str | None) -> dict[str, Any]:
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".gguf" and path.is_file():
-        from pagedserve.loader.gguf_checkpoint import GGUFCheckpoint  # metadata only; no tensor is read
+        # metadata only (no tensor data is read); this path imports torch with the loader
+        from pagedserve.loader.gguf_checkpoint import GGUFCheckpoint
 
-        cfg = GGUFCheckpoint(path).hf_config()
-        types = {t.ggml_type.name for t in GGUFCheckpoint(path)._reader.tensors} - {"F32"}
-        kept = sorted(t.lower() for t in types if t.lower() in WEIGHT_BYTES)
-        if kept:
-            cfg["quantization_config"] = {"quant_method": "gguf", "weight_format": kept[0]}
+        ckpt = GGUFCheckpoint(path)
+        cfg = ckpt.hf_config()
+        kinds = Counter(t.lower() for t in ckpt.tensor_types().values() if t != "F32")
+        if kinds:
+            fmt = kinds.most_common(1)[0][0]
+            if fmt in WEIGHT_BYTES:
+                cfg["quantization_config"] = {"quant_method": "gguf", "weight_format": fmt}
         return cfg
     if not path.is_file():
         raise ValueError(f"--model {model!r}: no config.json there (give a Hugging Face config.json, "

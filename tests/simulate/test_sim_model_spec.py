@@ -75,3 +75,11 @@ def test_matches_transformers_parameter_count(arch):
     cfg = config.to_dict()
     cfg["architectures"] = [arch]
     assert ModelSpec.from_config(cfg).total_params == weights
+
+
+def test_gguf_metadata_matches_shipped_config():
+    from pagedserve.loader.model_path import resolve_model_path
+
+    path = resolve_model_path(None)
+    from_gguf = ModelSpec.from_config(load_model_config(str(path)), name="smollm2-135m-instruct")
+    assert from_gguf == ModelSpec.from_config(load_model_config(None), name="smollm2-135m-instruct")
