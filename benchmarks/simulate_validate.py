@@ -11,6 +11,7 @@ prints both with the prediction error.
     python benchmarks/simulate_validate.py --threads 1 --num-prompts 16 --mixed
     python benchmarks/simulate_validate.py --calibrate --threads 1 ...   # both in one run
     python benchmarks/simulate_validate.py --calibrate --threads 1 --timer cpu ...  # on a shared machine
+    python benchmarks/simulate_validate.py ... --request-rate 4   # arrivals as bench serve's (no HTTP)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 
 from pagedserve.entrypoints.bench_serve import percentile
 from pagedserve.entrypoints.bench_throughput import make_workload
+from pagedserve.simulate.workload import arrival_times
 
 
 def measure(args: argparse.Namespace, vocab: int) -> dict:
@@ -35,20 +37,32 @@ def measure(args: argparse.Namespace, vocab: int) -> dict:
               kv_cache_memory=args.kv_cache_memory, threads=args.threads)
     llm.generate([work[0][0][:16]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     engine = llm.llm_engine
-    for i, (prompt, n) in enumerate(work):
-        engine.add_request(f"v{i}", None, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                           prompt_token_ids=prompt)
+    arrivals = arrival_times(len(work), args.request_rate, 1.0, args.seed)
     t0, w0 = clock(), time.perf_counter()
+    idle = 0.0  # time skipped while the engine had nothing to do (the clock may be CPU time)
+
+    def now() -> float:
+        return clock() - t0 + idle
+
     first: dict[str, float] = {}
-    gen = 0
-    while engine.has_unfinished_requests():
+    gen, nxt = 0, 0
+    while nxt < len(work) or engine.has_unfinished_requests():
+        while nxt < len(work) and arrivals[nxt] <= now():
+            prompt, n = work[nxt]
+            engine.add_request(f"v{nxt}", None, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                               prompt_token_ids=prompt)
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            idle += arrivals[nxt] - now()
+            continue
         for out in engine.step():
-            first.setdefault(out.request_id, clock() - t0)
+            first.setdefault(out.request_id, now() - arrivals[int(out.request_id[1:])])
             if out.finished:
                 gen += len(out.outputs[0].token_ids)
-    elapsed, wall = clock() - t0, time.perf_counter() - w0
+    elapsed, wall = now() - arrivals[0], time.perf_counter() - w0
     ttft = list(first.values())
     return {"tokens_per_s": gen / elapsed, "elapsed_s": elapsed, "wall_s": wall, "timer": args.timer,
+            "request_rate": args.request_rate,
             "generated_tokens": gen, "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
             "preemptions": engine.scheduler.num_preemptions}
 
@@ -61,7 +75,8 @@ def simulate(args: argparse.Namespace) -> dict:
     argv = ["simulate", "--hardware", args.hardware, "--num-prompts", str(args.num_prompts),
             "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(args.seed),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--kv-cache-memory", args.kv_cache_memory] + (["--mixed"] if args.mixed else [])
+            "--kv-cache-memory", args.kv_cache_memory, "--request-rate", str(args.request_rate)] + \
+        (["--mixed"] if args.mixed else [])
     sargs = build_parser(argv).parse_args(argv)
     _, summary = _simulate(build_plan(sargs), sargs)
     return summary
@@ -74,6 +89,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--mixed", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrivals (bench serve's seeded draws) fed to the engine in process; default: all "
+                        "at once (bench throughput)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", default="4GiB")

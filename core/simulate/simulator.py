@@ -102,13 +102,15 @@ class Simulator:
             return 2 * num_blocks * per_block / host < num_tokens * self.cost.flops_per_token() / compute
         return policy
 
-    def _admit(self, req: SimRequest, i: int, traces: dict[str, RequestTrace]) -> None:
+    def _admit(self, req: SimRequest, i: int, sent: float, traces: dict[str, RequestTrace]) -> None:
+        """``sent``: when the client sent it (its arrival, or when a concurrency slot freed);
+        it reaches the scheduler at the next step boundary (now)."""
         rid = f"sim-{i}"
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
-        request = Request(rid, list(req.prompt_token_ids), params, frozenset(), self.clock, req.priority,
+        request = Request(rid, list(req.prompt_token_ids), params, frozenset(), sent, req.priority,
                           None, self.max_model_len)
         self.scheduler.add_request(request)
-        traces[rid] = RequestTrace(rid, self.clock, len(req.prompt_token_ids), req.output_len)
+        traces[rid] = RequestTrace(rid, sent, len(req.prompt_token_ids), req.output_len)
 
     def run(self, workload: list[SimRequest], max_concurrency: int | None = None,
             max_steps: int = 10_000_000) -> SimResult:
@@ -116,13 +118,14 @@ class Simulator:
         pending = sorted(workload, key=lambda r: r.arrival)
         traces: dict[str, RequestTrace] = {}
         nxt, in_flight, steps = 0, 0, 0
+        slot_freed = 0.0  # when a full --max-concurrency last let one more request go
         timeline: list[tuple[float, float, int, int]] = []
         busy: dict[str, float] = {}
         sched = self.scheduler
         while nxt < len(pending) or sched.has_unfinished():
             while nxt < len(pending) and pending[nxt].arrival <= self.clock and \
                     (max_concurrency is None or in_flight < max_concurrency):
-                self._admit(pending[nxt], nxt, traces)
+                self._admit(pending[nxt], nxt, max(pending[nxt].arrival, slot_freed), traces)
                 nxt += 1
                 in_flight += 1
             out = sched.schedule()
@@ -156,6 +159,8 @@ class Simulator:
                     trace.cached_tokens = request.num_cached_tokens
                     trace.preemptions = request.num_preemptions
                     sched.finish_request(request.request_id, status)
+                    if max_concurrency is not None and in_flight == max_concurrency:
+                        slot_freed = self.clock
                     in_flight -= 1
             timeline.append((self.clock, self.kv.usage(), sched.num_running, sched.num_waiting))
         return SimResult(

@@ -27,7 +27,7 @@ import pathlib
 import random
 from dataclasses import dataclass
 
-__all__ = ["SimRequest", "add_workload_arguments", "build_workload", "SHAREGPT"]
+__all__ = ["SimRequest", "add_workload_arguments", "build_workload", "arrival_times", "SHAREGPT"]
 
 #: ShareGPT conversation lengths as published in the vLLM paper (Kwon et al., SOSP 2023,
 #: section 6.1 / figure 11: mean input 161.31 and mean output 337.99 tokens).  The spread
@@ -80,7 +80,7 @@ def _lengths(rng: random.Random, dist: str, mean: int, spread: float, sigma: flo
     return max(1, min(n, cap))
 
 
-def _gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
     """Arrival times: the first at 0, then seeded gaps (bench serve's own draws for K = 1)."""
     if not math.isfinite(rate):
         return [0.0] * n
@@ -161,5 +161,5 @@ def build_workload(args: argparse.Namespace, vocab: int, max_len: int) -> list[S
         if len(ids) + n_out > max_len:
             raise ValueError(f"a request of {len(ids)} prompt + {n_out} output tokens exceeds max_model_len "
                              f"{max_len}; lower the lengths or raise --max-model-len")
-    arrivals = _gaps(len(pairs), args.request_rate, args.burstiness, args.seed)
+    arrivals = arrival_times(len(pairs), args.request_rate, args.burstiness, args.seed)
     return [SimRequest(t, ids, n) for t, (ids, n) in zip(arrivals, pairs)]
