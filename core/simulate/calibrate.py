@@ -8,7 +8,7 @@ Everything is measured through the platform's real ops (as the engine resolves t
   model, at 1 to 512 rows -> ``matmul_curve``;
 * memory bandwidth: a large tensor copy;
 * attention: ``paged_attention`` on a decode batch (bytes of K/V read per second ->
-  ``attention_bandwidth``) and on one long prefill (FLOP/s -> ``attention_flops``);
+  ``attention_bandwidth``) and on one 2048-token prefill (FLOP/s -> ``attention_flops``);
 * in-engine efficiency and step overhead: a few real engine steps of the default model.
   Prefill steps of 512 and 2048 tokens set ``efficiency.matmul`` (the share of the
   micro-benchmarked matmul rate the whole forward reaches); decode steps at one and 32
@@ -33,7 +33,9 @@ __all__ = ["run_calibration", "calibrate"]
 
 # One decoder layer of the default model (SmolLM2-135M): qkv, o, gate+up, down.
 _LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-_ROWS = [1, 4, 16, 64, 256, 1024, 2048]
+# Dense in rows: kernels switch strategy at row thresholds (e.g. the CPU GGUF kernel
+# dequantizes to a dense GEMM from 128 rows), and interpolation must not bridge a switch.
+_ROWS = [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 512, 1024, 2048]
 
 
 #: The clock measurements are read on: wall time, or this process's CPU time -- on a
@@ -117,9 +119,10 @@ def _attention(torch, platform, ops, dtype, clock: Clock) -> tuple[float, float]
     sec = _timeit(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, d ** -0.5, out), clock)
     elem = torch.empty((), dtype=dtype).element_size()
     bw = (2 * nseq * ctx * kv_heads * d * elem + 2 * q.numel() * elem) / sec
-    n = 512
+    n = 2048  # a full step's budget of prefill
     qp = torch.randn(n, heads, d, dtype=dtype)
-    sec = _timeit(lambda: ops.paged_attention(qp, kc, vc, tables[:1, :n // bs], torch.tensor([n], dtype=torch.int32),
+    one = tables.reshape(1, -1)[:, :n // bs].contiguous()
+    sec = _timeit(lambda: ops.paged_attention(qp, kc, vc, one, torch.tensor([n], dtype=torch.int32),
                                               torch.tensor([0, n], dtype=torch.int32), d ** -0.5), clock, min_time=0.05)
     flops = 4 * heads * d * n * (n + 1) / 2
     return bw, flops / sec
