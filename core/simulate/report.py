@@ -60,7 +60,17 @@ def summarize(result: SimResult) -> dict:
         "num_kv_blocks": result.num_blocks,
         "num_host_kv_blocks": result.num_host_blocks,
         "time_breakdown_s": result.busy_time,
+        "kv_usage_timeline": _downsample(result.timeline),
     }
+
+
+def _downsample(timeline: list[tuple[float, float, int, int]], points: int = 200) -> list[list[float]]:
+    """At most ``points`` of ``[time_s, kv_usage, running, waiting]``, evenly spaced in steps."""
+    stride = max(1, -(-len(timeline) // points))
+    rows = timeline[::stride]
+    if timeline and rows[-1] is not timeline[-1]:
+        rows.append(timeline[-1])
+    return [[round(t, 6), round(u, 5), r, w] for t, u, r, w in rows]
 
 
 def _ms(x: float | None) -> str:

@@ -27,6 +27,9 @@ def test_json_out_keys(tmp_path, profile_file, capsys):
     assert sim["generated_tokens"] == 8 * 16
     assert sim["tokens_per_s"] == pytest.approx(sim["generated_tokens"] / sim["elapsed_s"])
     assert data["config"]["num_kv_blocks"] > 0
+    timeline = sim["kv_usage_timeline"]
+    assert 0 < len(timeline) <= 201 and timeline[-1][0] == pytest.approx(sim["elapsed_s"], abs=1e-5)
+    assert max(u for _, u, _, _ in timeline) == pytest.approx(sim["peak_kv_usage"], abs=0.02)
     text = capsys.readouterr().out
     assert "TTFT" in text and "RESULT " in text
 
