@@ -10,10 +10,11 @@ Everything is measured through the platform's real ops (as the engine resolves t
 * attention: ``paged_attention`` on a decode batch (bytes of K/V read per second ->
   ``attention_bandwidth``) and on one 2048-token prefill (FLOP/s -> ``attention_flops``);
 * in-engine efficiency and step overhead: a few real engine steps of the default model.
-  Prefill steps of 512 and 2048 tokens set ``efficiency.matmul`` (the share of the
-  micro-benchmarked matmul rate the whole forward reaches); decode steps at one and 32
-  sequences set ``step_overhead_s + S x per_seq_overhead_s`` (what the compute terms
-  leave unexplained: input preparation, sampling, Python).
+  Prefill steps of 128, 512 and 2048 tokens set ``efficiency.matmul`` (the share of the
+  micro-benchmarked matmul rate the whole forward reaches) and ``per_token_overhead_s``
+  by least squares; decode steps at one and 32 sequences set ``step_overhead_s + S x
+  per_seq_overhead_s`` (what the compute terms leave unexplained: input preparation,
+  sampling, Python).
 
 It takes about a minute and writes ``cpu-local`` (docs/simulate.md says where).
 """
@@ -151,7 +152,7 @@ def _engine_steps(device: str | None, threads: int | None, clock: Clock = time.p
             # after the first (prefill) step, every step decodes all the running requests
             if len(batch) == nseq and all(q == 1 for q, _ in batch):
                 samples.append((StepBatch([1] * nseq, [c for _, c in batch], nseq), sec))
-    for n in (512, 2048):  # prefill steps alone: compute-bound, they set the in-engine matmul efficiency
+    for n in (128, 512, 2048):  # prefill steps alone: they set the in-engine matmul efficiency
         engine.add_request(f"cal-prefill-{n}", None, SamplingParams(max_tokens=1, ignore_eos=True),
                            prompt_token_ids=[100 + (3 * j + n) % 40000 for j in range(n)])
         t0 = clock()
@@ -164,8 +165,9 @@ def _engine_steps(device: str | None, threads: int | None, clock: Clock = time.p
 
 
 def _fit_overhead(profile: HardwareProfile, samples) -> None:
-    """Fit the in-engine matmul efficiency (prefill steps) and the overhead terms (decode
-    steps at two batch sizes) so that the cost model matches the measured engine steps."""
+    """Fit the in-engine matmul efficiency and per-token overhead (prefill steps of several
+    lengths) and the fixed and per-sequence overheads (decode steps at two batch sizes) so
+    that the cost model matches the measured engine steps."""
     from pagedserve.simulate.cost_model import CostModel
     from pagedserve.simulate.model_spec import ModelSpec, load_model_config
 
@@ -176,28 +178,42 @@ def _fit_overhead(profile: HardwareProfile, samples) -> None:
     def median(xs: list[float]) -> float:
         return sorted(xs)[len(xs) // 2]
 
-    for _ in range(3):  # alternate: efficiency given overheads, overheads given efficiency
-        fixed = profile.step_overhead_s + profile.per_seq_overhead_s
-        ratios = []
-        for b, sec in prefills:
-            parts = cost.breakdown(b)
-            mm = parts["linear"] + parts["lm_head"]
-            rest = sum(parts.values()) - mm
-            if sec - rest > 0:
-                ratios.append(profile.eff("matmul") * mm / (sec - rest))
-        if ratios:
-            profile.efficiency["matmul"] = min(1.0, median(ratios))
+    for _ in range(4):  # alternate: prefill terms given the overheads, overheads given those
+        if prefills:
+            _fit_prefill(profile, cost, prefills)
         by_s: dict[int, list[float]] = {}
         for b, sec in decodes:
             parts = cost.breakdown(b)
-            by_s.setdefault(len(b.q_lens), []).append(sec - (sum(parts.values()) - parts["overhead"]))
+            explained = sum(parts.values()) - parts["overhead"] + profile.per_token_overhead_s * b.num_tokens
+            by_s.setdefault(len(b.q_lens), []).append(sec - explained)
         med = {s: median(v) for s, v in by_s.items()}
         s_lo, s_hi = min(med), max(med)
         per_seq = max(0.0, (med[s_hi] - med[s_lo]) / (s_hi - s_lo)) if s_hi > s_lo else 0.0
         profile.step_overhead_s = max(0.0, med[s_lo] - per_seq * s_lo)
         profile.per_seq_overhead_s = per_seq
-        if abs(fixed - profile.step_overhead_s - profile.per_seq_overhead_s) < 1e-5:
-            break
+
+
+def _fit_prefill(profile: HardwareProfile, cost, prefills) -> None:
+    """Least squares over prefill steps: time - other terms = matmul time / eff + per_token x T."""
+    rows = []
+    for b, sec in prefills:
+        parts = cost.breakdown(b)
+        mm = (parts["linear"] + parts["lm_head"]) * profile.eff("matmul")  # at efficiency 1
+        rest = sum(parts.values()) - parts["linear"] - parts["lm_head"] - profile.per_token_overhead_s * b.num_tokens
+        rows.append((mm, float(b.num_tokens), sec - rest))
+    sxx = sum(x * x for x, _, _ in rows)
+    stt = sum(t * t for _, t, _ in rows)
+    sxt = sum(x * t for x, t, _ in rows)
+    sxy = sum(x * y for x, _, y in rows)
+    sty = sum(t * y for _, t, y in rows)
+    det = sxx * stt - sxt * sxt
+    inv_eff, per_token = ((sxy * stt - sxt * sty) / det, (sxx * sty - sxt * sxy) / det) if det > 0 else (0.0, -1.0)
+    if per_token < 0:
+        inv_eff, per_token = sxy / sxx, 0.0
+    if inv_eff < 1.0:  # faster than the micro-benchmark: keep its rate, explain the rest per token
+        inv_eff, per_token = 1.0, max(0.0, sum(t * (y - x) for x, t, y in rows) / stt)
+    profile.efficiency["matmul"] = 1.0 / inv_eff
+    profile.per_token_overhead_s = per_token
 
 
 def calibrate(device: str | None = None, threads: int | None = None, log=print, timer: str = "wall") -> HardwareProfile:
@@ -241,8 +257,8 @@ def calibrate(device: str | None = None, threads: int | None = None, log=print, 
                  "local processes) assumed at a tenth of the copy bandwidth, not measured"])
     _fit_overhead(profile, _engine_steps(device, threads, clock))
     log(f"  in-engine matmul efficiency {profile.eff('matmul'):.2f}; step overhead "
-        f"{profile.step_overhead_s * 1e3:.2f} ms + {profile.per_seq_overhead_s * 1e6:.0f} us/seq "
-        f"({time.perf_counter() - t0:.0f} s)")
+        f"{profile.step_overhead_s * 1e3:.2f} ms + {profile.per_seq_overhead_s * 1e6:.0f} us/seq + "
+        f"{profile.per_token_overhead_s * 1e6:.0f} us/token ({time.perf_counter() - t0:.0f} s)")
     return profile
 
 

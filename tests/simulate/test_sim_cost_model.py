@@ -91,15 +91,17 @@ def test_calibration_fit_recovers_known_efficiency_and_overheads():
     """Steps priced by a known profile are fitted back to that profile's parameters."""
     truth = HardwareProfile("t", 1e10, 2e10, {"bfloat16": 4e11},
                             matmul_curve={"q4_1": [[1, 2e10], [64, 8e10], [2048, 2e11]]},
-                            efficiency={"matmul": 0.6}, step_overhead_s=0.004, per_seq_overhead_s=0.0005)
+                            efficiency={"matmul": 0.6}, step_overhead_s=0.004, per_seq_overhead_s=0.0005,
+                            per_token_overhead_s=2e-4)
     cost = CostModel(ModelSpec.from_config(load_model_config(None)), truth)
     batches = [StepBatch([1], [40], 1)] * 3 + [StepBatch([1] * 32, [40] * 32, 32)] * 3 + \
-        [StepBatch([512], [512], 1), StepBatch([2048], [2048], 1)]
+        [StepBatch([128], [128], 1), StepBatch([512], [512], 1), StepBatch([2048], [2048], 1)]
     samples = [(b, cost.step_seconds(b)) for b in batches]
     fitted = copy.deepcopy(truth)
     fitted.efficiency = {"matmul": 1.0}
-    fitted.step_overhead_s = fitted.per_seq_overhead_s = 0.0
+    fitted.step_overhead_s = fitted.per_seq_overhead_s = fitted.per_token_overhead_s = 0.0
     _fit_overhead(fitted, samples)
     assert fitted.eff("matmul") == pytest.approx(0.6, rel=0.02)
     assert fitted.step_overhead_s == pytest.approx(0.004, rel=0.05)
     assert fitted.per_seq_overhead_s == pytest.approx(0.0005, rel=0.05)
+    assert fitted.per_token_overhead_s == pytest.approx(2e-4, rel=0.05)
