@@ -116,6 +116,7 @@ def write_plot(result: SimResult, path: str) -> None:
     ax1.plot(t, [p[1] * 100 for p in result.timeline], label="KV usage %")
     ax1.set_xlabel("simulated time (s)")
     ax1.set_ylabel("KV usage (%)")
+    ax1.legend(loc="upper left")
     ax1b = ax1.twinx()
     ax1b.plot(t, [p[2] for p in result.timeline], color="tab:green", label="running")
     ax1b.plot(t, [p[3] for p in result.timeline], color="tab:red", label="waiting")
