@@ -111,24 +111,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if mml > spec.max_position_embeddings:
         raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings "
                          f"({spec.max_position_embeddings})")
+    num_blocks = _num_device_blocks(spec, hw, cost, cache, sched, args.cpu_offload_gb)
     per_block = cost.kv_bytes_per_block()
-    if cache.num_gpu_blocks_override is not None:
-        num_blocks = cache.num_gpu_blocks_override
-    elif cache.kv_cache_memory is not None:
-        num_blocks = int(int(cache.kv_cache_memory) // per_block)
-    else:
-        # Same budget rule as the engine: weights and activation workspace come first.
-        util = cache.memory_utilization or hw.default_memory_utilization
-        act = sched.max_num_batched_tokens * (spec.hidden_size * 12 + spec.dense_mlp_params // spec.hidden_size * 2) \
-            * 4 + sched.max_num_seqs * spec.vocab_size * 8
-        weights = cost.weight_bytes_per_device() - args.cpu_offload_gb * 1e9 / (tp * pp)
-        budget = hw.memory_bytes * util - weights - act
-        if budget <= 0:
-            raise ValueError(
-                f"{spec.name} does not fit {hw.name}: {weights / 1e9:.1f} GB of weights per device (+ "
-                f"{act / 1e9:.1f} GB activations) vs {hw.memory_bytes * util / 1e9:.1f} GB usable; raise "
-                "--tensor-parallel-size/--pipeline-parallel-size or quantize")
-        num_blocks = int(budget // per_block)
     needed = -(-mml // cache.block_size)
     if num_blocks < needed:
         raise ValueError(f"the KV cache ({num_blocks} blocks of {cache.block_size} tokens) cannot hold one request "
@@ -146,3 +130,25 @@ def build_plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--cpu-offload-gb {args.cpu_offload_gb} exceeds the model's "
                          f"{spec.weight_bytes(dtype) / 1e9:.1f} GB of weights")
     return Plan(spec, hw, cost, cache, sched, num_blocks, num_host, mml)
+
+
+def _num_device_blocks(spec: ModelSpec, hw: HardwareProfile, cost: CostModel, cache: CacheConfig,
+                       sched: SchedulerConfig, cpu_offload_gb: float) -> int:
+    """KV blocks per device, as the engine sizes them (explicit count or budget, else what
+    memory x utilization leaves after the weights and the activation workspace)."""
+    per_block = cost.kv_bytes_per_block()
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    if cache.kv_cache_memory is not None:
+        return int(int(cache.kv_cache_memory) // per_block)
+    util = cache.memory_utilization or hw.default_memory_utilization
+    act = sched.max_num_batched_tokens * (spec.hidden_size * 12 + spec.dense_mlp_params // spec.hidden_size * 2) \
+        * 4 + sched.max_num_seqs * spec.vocab_size * 8
+    weights = cost.weight_bytes_per_device() - cpu_offload_gb * 1e9 / (cost.tp * cost.pp)
+    budget = hw.memory_bytes * util - weights - act
+    if budget <= 0:
+        raise ValueError(
+            f"{spec.name} does not fit {hw.name}: {weights / 1e9:.1f} GB of weights per device (+ "
+            f"{act / 1e9:.1f} GB activations) vs {hw.memory_bytes * util / 1e9:.1f} GB usable; raise "
+            "--tensor-parallel-size/--pipeline-parallel-size or quantize")
+    return int(budget // per_block)

@@ -137,3 +137,34 @@ def test_engine_errors_are_clear(profile_file):
         build_plan(_args("--hardware", str(profile_file()), "--num-gpu-blocks-override", "4"))
     with pytest.raises(ValueError, match="max_model_len"):
         _run("--hardware", str(profile_file()), "--input-len", "9000")
+
+
+def _registry() -> list[str]:
+    try:
+        from pagedserve.models import supported_architectures
+        return list(supported_architectures())
+    except ImportError:
+        from pagedserve.models.llama import SUPPORTED_ARCHITECTURES
+        return list(SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("arch", _registry() + ["MixtralForCausalLM"])
+def test_plans_every_registry_architecture_from_its_config(arch, write_config):
+    """A config.json as transformers writes it for each architecture plans end to end."""
+    transformers = pytest.importorskip("transformers")
+    cls = getattr(transformers, arch, None)
+    if cls is None:
+        pytest.skip(f"transformers has no {arch}")
+    kw = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048)
+    if arch == "MixtralForCausalLM":
+        kw.update(num_local_experts=8, num_experts_per_tok=2)
+    cfg = cls.config_class(**kw).to_dict()
+    cfg["architectures"] = [arch]
+    folder = write_config(cfg, arch)
+    plan, args, result, s = _run("--hardware", "a100-sxm", "--model", str(folder), "--num-prompts", "8", "--mixed",
+                                 "--max-model-len", "2048", "--tensor-parallel-size", "2", "--kv-cache-memory", "64MiB")
+    _check_conservation(result, args)
+    assert plan.model.num_kv_heads == 2 and plan.model.head_dim == 32
+    assert (plan.model.num_experts == 8) == (arch == "MixtralForCausalLM")
+    assert s["generated_tokens"] == sum(r.output_len for r in result.requests)
