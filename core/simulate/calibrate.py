@@ -80,19 +80,19 @@ def _matmul_curve(torch, ops, dtype, fmt: str, clock: Clock) -> list[list[float]
         weights = [_q4_1_blocks(torch, n, k) for n, k in _LAYER_SHAPES]
 
         def layer(x_by_k):
-            for (n, k), w in zip(_LAYER_SHAPES, weights):
+            for (_, k), w in zip(_LAYER_SHAPES, weights):
                 ops.gguf_linear(x_by_k[k], w, "Q4_1", None)
     else:
         weights = [ops.prepare_linear_weight(torch.randn(n, k, dtype=dtype) * 0.05) for n, k in _LAYER_SHAPES]
 
         def layer(x_by_k):
-            for (n, k), w in zip(_LAYER_SHAPES, weights):
+            for (_, k), w in zip(_LAYER_SHAPES, weights):
                 ops.linear(x_by_k[k], w, None)
     flops_per_row = 2 * sum(n * k for n, k in _LAYER_SHAPES)
     curve = []
     for m in _ROWS:
         xs = {k: torch.randn(m, k, dtype=dtype) for _, k in _LAYER_SHAPES}
-        sec = _timeit(lambda: layer(xs), clock, min_time=0.04)
+        sec = _timeit(lambda xs=xs: layer(xs), clock, min_time=0.04)
         curve.append([float(m), flops_per_row * m / sec])
     return curve
 

@@ -72,7 +72,8 @@ class CostModel:
         self.block_size = block_size
         self.cpu_offload_bytes = cpu_offload_bytes
         # weight-only formats multiply in the activation dtype
-        self.compute_kind = COMPUTE_KIND.get(model.weight_format, dtype if model.weight_format != "float32" else "float32")
+        self.compute_kind = COMPUTE_KIND.get(model.weight_format,
+                                             "float32" if model.weight_format == "float32" else dtype)
         self.fmt = model.weight_format
         # KV heads are split across TP ranks, replicated when there are fewer than ranks.
         self.kv_heads_per_rank = max(1, -(-model.num_kv_heads // self.tp))

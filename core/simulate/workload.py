@@ -146,9 +146,11 @@ def build_workload(args: argparse.Namespace, vocab: int, max_len: int) -> list[S
             sg = SHAREGPT
             cap = min(sg["max_len"], max_len - 1)
             lens = [(_lengths(rng, "lognormal", sg["input_mean"], 0, sg["sigma"], cap),
-                     _lengths(rng, "lognormal", sg["output_mean"], 0, sg["sigma"], cap)) for _ in range(args.num_prompts)]
+                     _lengths(rng, "lognormal", sg["output_mean"], 0, sg["sigma"], cap))
+                    for _ in range(args.num_prompts)]
         else:
-            lens = [(_lengths(rng, args.input_dist, args.input_len, args.input_len_range, args.input_sigma, max_len - 1),
+            lens = [(_lengths(rng, args.input_dist, args.input_len, args.input_len_range, args.input_sigma,
+                              max_len - 1),
                      _lengths(rng, args.output_dist, args.output_len, args.output_len_range, args.output_sigma,
                               max_len - 1)) for _ in range(args.num_prompts)]
         prefixes = [[rng.randrange(_MIN_ID, vocab) for _ in range(args.shared_prefix_len)]
