@@ -57,6 +57,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.last_step_latency = 0.0
+        #: The clock arrival and first-token times are read on (the capacity planner
+        #: substitutes a simulated one).
+        self.clock = time.monotonic
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -208,7 +211,7 @@ class Scheduler:
         if self.config.delay_factor <= 0 or not self.running or not self.waiting:
             return True
         earliest = min(r.arrival_time for r in self.waiting)
-        return time.monotonic() - earliest > self.config.delay_factor * self.last_step_latency
+        return self.clock() - earliest > self.config.delay_factor * self.last_step_latency
 
     def _add(self, out: SchedulerOutput, request: Request, n: int) -> None:
         if request.first_scheduled_time is None:
@@ -220,7 +223,7 @@ class Scheduler:
     def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed tokens, append sampled tokens; returns requests that sampled."""
         progressed = []
-        now = time.monotonic()
+        now = self.clock()
         for s in out.scheduled:
             request = s.request
             if request.is_finished:
