@@ -215,7 +215,7 @@ class Scheduler:
 
     def _add(self, out: SchedulerOutput, request: Request, n: int) -> None:
         if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.monotonic()
+            request.first_scheduled_time = self.clock()
         samples = request.num_computed_tokens + n >= request.num_tokens
         out.scheduled.append(ScheduledRequest(request, n, samples))
         out.num_batched_tokens += n
