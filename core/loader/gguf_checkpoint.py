@@ -21,15 +21,12 @@ import torch
 
 from pagedserve.loader.dequant import dequantize
 from pagedserve.loader.gguf_reader import GGUFReader
+from pagedserve.models.registry import gguf_architectures
 
 __all__ = ["GGUFBlocks", "GGUFCheckpoint", "SUPPORTED_GGUF_ARCHITECTURES", "reverse_rope_permutation"]
 
-# Architectures whose tensors follow the Llama layout; value: (model_type, HF class name).
-SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-}
+# GGUF architecture -> (model_type, HF class name), from the model registry.
+SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = gguf_architectures()
 
 # ggml type names `dequant.dequantize` handles, natively or through `gguf.quants`. Other types
 # (the IQ and ternary families) exist but are rare and unverified here, so they are refused by name.

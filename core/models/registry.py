@@ -1,0 +1,81 @@
+"""The model registry: Hugging Face architecture names (``config.json``'s
+``architectures[0]``) and GGUF ``general.architecture`` names to model classes.
+
+Entries name their class by module and attribute, imported on first use, so reading
+the registry (``pagedserve.models.supported_architectures()``, the loader's GGUF name
+table, the docs table) imports no model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+__all__ = [
+    "ModelEntry",
+    "model_entries",
+    "supported_architectures",
+    "resolve_model_class",
+    "gguf_architectures",
+]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One supported architecture.
+
+    architecture: the Hugging Face class name (``config.json`` ``architectures[0]``).
+    model_type: ``config.json``'s ``model_type`` for it.
+    module, class_name: where the pagedserve model class lives.
+    gguf: the GGUF ``general.architecture`` names loaded as this architecture.
+    quantized: whether quantized checkpoints / ``--quantization`` methods apply (the
+        linear layers are the standard q/k/v/o and gate/up/down projections).
+    tensor_parallel: whether the family shards over tensor-parallel ranks.
+    """
+
+    architecture: str
+    model_type: str
+    module: str
+    class_name: str
+    gguf: tuple[str, ...] = ()
+    quantized: bool = True
+    tensor_parallel: bool = True
+
+    def load(self) -> type:
+        return getattr(importlib.import_module(self.module), self.class_name)
+
+
+_LLAMA = "pagedserve.models.llama"
+
+_ENTRIES: tuple[ModelEntry, ...] = (
+    ModelEntry("LlamaForCausalLM", "llama", _LLAMA, "LlamaForCausalLM", gguf=("llama",)),
+    ModelEntry("MistralForCausalLM", "mistral", _LLAMA, "LlamaForCausalLM"),
+    ModelEntry("Qwen2ForCausalLM", "qwen2", _LLAMA, "Qwen2ForCausalLM", gguf=("qwen2",)),
+)
+
+_BY_ARCH: dict[str, ModelEntry] = {e.architecture: e for e in _ENTRIES}
+
+
+def model_entries() -> list[ModelEntry]:
+    """Every registered architecture, in registry order."""
+    return list(_ENTRIES)
+
+
+def supported_architectures() -> list[str]:
+    """The Hugging Face architecture names pagedserve can load, sorted."""
+    return sorted(_BY_ARCH)
+
+
+def resolve_model_class(architecture: str) -> type:
+    """The model class for ``architecture``; a ValueError listing the supported ones if
+    there is none."""
+    entry = _BY_ARCH.get(architecture)
+    if entry is None:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: "
+                         f"{', '.join(supported_architectures())}")
+    return entry.load()
+
+
+def gguf_architectures() -> dict[str, tuple[str, str]]:
+    """GGUF ``general.architecture`` -> (model_type, Hugging Face architecture)."""
+    return {g: (e.model_type, e.architecture) for e in _ENTRIES for g in e.gguf}
