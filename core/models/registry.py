@@ -31,6 +31,7 @@ class ModelEntry:
     quantized: whether quantized checkpoints / ``--quantization`` methods apply (the
         linear layers are the standard q/k/v/o and gate/up/down projections).
     tensor_parallel: whether the family shards over tensor-parallel ranks.
+    notes: what the family implements beyond the Llama baseline (for the docs table).
     """
 
     architecture: str
@@ -40,6 +41,7 @@ class ModelEntry:
     gguf: tuple[str, ...] = ()
     quantized: bool = True
     tensor_parallel: bool = True
+    notes: str = ""
 
     def load(self) -> type:
         return getattr(importlib.import_module(self.module), self.class_name)
@@ -48,9 +50,12 @@ class ModelEntry:
 _LLAMA = "pagedserve.models.llama"
 
 _ENTRIES: tuple[ModelEntry, ...] = (
-    ModelEntry("LlamaForCausalLM", "llama", _LLAMA, "LlamaForCausalLM", gguf=("llama",)),
-    ModelEntry("MistralForCausalLM", "mistral", _LLAMA, "LlamaForCausalLM"),
-    ModelEntry("Qwen2ForCausalLM", "qwen2", _LLAMA, "Qwen2ForCausalLM", gguf=("qwen2",)),
+    ModelEntry("LlamaForCausalLM", "llama", _LLAMA, "LlamaForCausalLM", gguf=("llama",),
+               notes="Llama 2/3 (linear, llama3 RoPE scaling), SmolLM2; GGUF Mistral files load as `llama`"),
+    ModelEntry("MistralForCausalLM", "mistral", _LLAMA, "LlamaForCausalLM",
+               notes="without a sliding window"),
+    ModelEntry("Qwen2ForCausalLM", "qwen2", _LLAMA, "Qwen2ForCausalLM", gguf=("qwen2",),
+               notes="q/k/v biases; not `use_sliding_window`"),
 )
 
 _BY_ARCH: dict[str, ModelEntry] = {e.architecture: e for e in _ENTRIES}

@@ -1,0 +1,64 @@
+"""The model registry: public names, lookups, errors, and the generated docs table."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+import pagedserve.models as models
+from pagedserve.models.arch_config import ArchConfig
+from pagedserve.models.registry import gguf_architectures, resolve_model_class
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("gen_models_table", ROOT / "docs" / "gen_models_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_supported_architectures_is_public_and_sorted():
+    archs = models.supported_architectures()
+    assert "supported_architectures" in models.__all__
+    assert archs == sorted(archs) and {"LlamaForCausalLM", "Qwen2ForCausalLM"} <= set(archs)
+
+
+def test_every_entry_resolves_to_a_model_class():
+    for entry in models.model_entries():
+        cls = resolve_model_class(entry.architecture)
+        for hook in ("layer_weight_names", "finish_layer", "layer_forward", "check_config"):
+            assert callable(getattr(cls, hook)), (entry.architecture, hook)
+
+
+def test_gguf_names_map_to_registered_architectures():
+    for gguf_name, (model_type, arch) in gguf_architectures().items():
+        assert arch in models.supported_architectures(), gguf_name
+        assert model_type
+
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    cfg = {"architectures": ["FancyNewForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+           "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}
+    with pytest.raises(ValueError, match="FancyNewForCausalLM") as err:
+        ArchConfig.from_hf(cfg)
+    for arch in models.supported_architectures():
+        assert arch in str(err.value)
+
+
+def test_docs_table_matches_the_registry():
+    gen = _load_generator()
+    text = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
+    assert gen.updated(text) == text, "docs/models.md is stale: run python docs/gen_models_table.py"
+    for arch in models.supported_architectures():
+        assert f"| `{arch}` |" in text
+
+
+def test_docs_check_detects_a_stale_table():
+    gen = _load_generator()
+    text = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
+    stale = text.replace("| `LlamaForCausalLM` |", "| `LlamaForCausalLMX` |")
+    assert gen.updated(stale) != stale
