@@ -75,6 +75,8 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged KV cache for a mixed batch.
 
@@ -88,12 +90,21 @@ def paged_attention(
     query_start_loc: int32 [num_seqs + 1]
     Returns out: [num_tokens, num_heads, head_size] in query's dtype.
     Accumulation is in float32.  Grouped-query attention when num_heads > num_kv_heads.
+    sliding_window: if set, the query at position p sees only keys at positions
+        p - sliding_window < k <= p (the window counts the query's own position), as
+        Mistral v0.1 and Gemma 2/3's local layers; keys that slid out may be stale.
+    soft_cap: if set, scores (after ``scale``) become soft_cap * tanh(score / soft_cap)
+        before the softmax (Gemma 2).
+    Implementations without these parameters must refuse them (TypeError), never
+    ignore them.
     """
     num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_heads // num_kv_heads
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if out is None:
         out = torch.empty_like(query)
     qsl = query_start_loc.tolist()
@@ -111,9 +122,14 @@ def paged_attention(
         # [kv_heads, group, q_len, d] x [kv_heads, d, ctx]
         qh = q.view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
         scores = torch.matmul(qh, k.permute(1, 2, 0).unsqueeze(1)) * scale
-        q_pos = torch.arange(ctx - q_len, ctx).view(q_len, 1)
-        k_pos = torch.arange(ctx).view(1, ctx)
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
+        q_pos = torch.arange(ctx - q_len, ctx, device=query.device).view(q_len, 1)
+        k_pos = torch.arange(ctx, device=query.device).view(1, ctx)
+        masked = k_pos > q_pos
+        if sliding_window is not None:
+            masked |= k_pos <= q_pos - sliding_window
+        scores.masked_fill_(masked, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))  # [kvh, g, q_len, d]
         out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size).to(out.dtype)

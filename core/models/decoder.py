@@ -14,6 +14,7 @@ import torch
 from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import AttentionShape, LayerPlacement, RotaryEmbedding, linear
+from pagedserve.models.rope import check_rope_scaling
 from pagedserve.quantization.base import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class DecoderForCausalLM:
     @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
         """Raise ValueError naming any feature of ``cfg`` this family does not implement."""
+        check_rope_scaling(cfg.rope_scaling)
 
     def __init__(self, cfg: ArchConfig, ops, dtype: torch.dtype, device: torch.device,
                  parallel: ParallelContext | None = None,

@@ -30,6 +30,8 @@ __all__ = [
     "qkv_split",
     "paged_attention",
     "gated_mlp",
+    "head_rms_norm",
+    "layer_windows",
 ]
 
 Weight = torch.Tensor | QuantizedWeight
@@ -144,3 +146,35 @@ def gated_mlp(ops, x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tens
     else:
         h = ops.linear_silu_and_mul(x, gate_up)
     return linear(ops, h, down)
+
+
+def head_rms_norm(ops, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head: x [n, heads, head_dim], weight [head_dim] (Qwen3's q/k norm)."""
+    n, heads, d = x.shape
+    return ops.rms_norm(x.reshape(n * heads, d), weight, eps).view(n, heads, d)
+
+
+def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers reads it:
+    ``layer_types`` when the config has it, else Qwen2-style ``use_sliding_window`` with
+    ``max_window_layers``, else Mistral-style ``sliding_window`` on every layer.  A window
+    no shorter than ``max_position_embeddings`` is no window."""
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"layer_types {unknown} are not supported (supported: full_attention, "
+                             "sliding_attention)")
+        out = [window if t == "sliding_attention" else None for t in types]
+    elif "use_sliding_window" in hf:
+        first = hf.get("max_window_layers", num_layers)
+        out = [window if hf["use_sliding_window"] and i >= first else None for i in range(num_layers)]
+    else:
+        out = [window] * num_layers
+    if any(w is not None and w < 1 for w in out):
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
+    limit = hf.get("max_position_embeddings")
+    return [None if w is None or (limit is not None and w >= limit) else int(w) for w in out]

@@ -7,7 +7,7 @@ Qwen2), gate/up into one [2*intermediate, hidden] matrix.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -18,6 +18,8 @@ from pagedserve.models.layers import (
     add_rms_norm,
     fuse,
     gated_mlp,
+    head_rms_norm,
+    layer_windows,
     linear,
     paged_attention,
     qkv_split,
@@ -26,15 +28,16 @@ from pagedserve.models.layers import (
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
 
-__all__ = ["ArchConfig", "LlamaForCausalLM", "Qwen2ForCausalLM", "LlamaLayer", "LayerPlacement"]
+__all__ = ["ArchConfig", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaLayer", "LayerPlacement"]
 
 _ATTN = ("q_proj", "k_proj", "v_proj")
 
 
 class LlamaLayer:
-    """One decoder layer's weights (dense tensors or quantized weights)."""
+    """One decoder layer's weights (dense tensors or quantized weights); q_norm/k_norm
+    [head_dim] only where the family normalises each head (Qwen3)."""
 
-    __slots__ = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down")
+    __slots__ = ("input_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up", "down")
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
@@ -44,15 +47,18 @@ class LlamaForCausalLM(DecoderForCausalLM):
     layer_class = LlamaLayer
     linear_fields = ("qkv", "o", "gate_up", "down")
 
+    #: Whether each head's q and k are RMS-normalised before RoPE (Qwen3).
+    qk_norm: ClassVar[bool] = False
+
     @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
-        hf = cfg.hf_config
-        window = hf.get("sliding_window")
-        if cfg.architecture == "MistralForCausalLM" and window not in (None, 0) and \
-                window < cfg.max_position_embeddings:
-            raise ValueError("Mistral checkpoints with a sliding window are not supported")
-        if hf.get("use_sliding_window"):
-            raise ValueError("Qwen2 checkpoints with use_sliding_window=true are not supported")
+        super().check_config(cfg)
+        layer_windows(cfg.hf_config, cfg.num_layers)
+
+    def __init__(self, cfg: ArchConfig, *args, **kwargs) -> None:
+        super().__init__(cfg, *args, **kwargs)
+        #: Per model-wide layer: its sliding window, or None for full attention.
+        self.windows = layer_windows(cfg.hf_config, cfg.num_layers)
 
     def layer_weight_names(self, layer: int) -> frozenset[str]:
         names = {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
@@ -60,6 +66,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
         names |= {f"self_attn.{p}.weight" for p in _ATTN}
         if self.cfg.attention_bias:
             names |= {f"self_attn.{p}.bias" for p in _ATTN}
+        if self.qk_norm:
+            names |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
         return frozenset(names)
 
     def finish_layer(self, layer: LlamaLayer, w: dict[str, Any], param) -> None:
@@ -68,6 +76,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
         a = "self_attn."
         layer.qkv = param(fuse([w[a + p + ".weight"] for p in _ATTN]))
         layer.qkv_bias = param(torch.cat([w[a + p + ".bias"] for p in _ATTN])) if self.cfg.attention_bias else None
+        layer.q_norm = param(w[a + "q_norm.weight"]) if self.qk_norm else None
+        layer.k_norm = param(w[a + "k_norm.weight"]) if self.qk_norm else None
         layer.o = param(w[a + "o_proj.weight"])
         layer.gate_up = param(fuse([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
         layer.down = param(w["mlp.down_proj.weight"])
@@ -78,8 +88,10 @@ class LlamaForCausalLM(DecoderForCausalLM):
         eps = self.cfg.rms_norm_eps
         h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
         q, k, v = qkv_split(linear(ops, h, layer.qkv, layer.qkv_bias), self.attn)
+        if layer.q_norm is not None:
+            q, k = head_rms_norm(ops, q, layer.q_norm, eps), head_rms_norm(ops, k, layer.k_norm, eps)
         q, k = self.rope(ops, placement, meta.positions, q, k)
-        attn = paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale)
+        attn = paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale, self.windows[index])
         x = self.parallel.all_reduce(linear(ops, attn, layer.o))
         h, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, eps)
         return self.parallel.all_reduce(gated_mlp(ops, h, layer.gate_up, layer.down)), residual
@@ -89,6 +101,13 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: Llama with q/k/v biases by default."""
 
     default_attention_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with each head's q and k RMS-normalised before RoPE, no biases by
+    default, and an explicit head_dim (heads * head_dim may differ from hidden_size)."""
+
+    qk_norm = True
 
 
 def __getattr__(name: str) -> Any:

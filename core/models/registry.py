@@ -53,9 +53,11 @@ _ENTRIES: tuple[ModelEntry, ...] = (
     ModelEntry("LlamaForCausalLM", "llama", _LLAMA, "LlamaForCausalLM", gguf=("llama",),
                notes="Llama 2/3 (linear, llama3 RoPE scaling), SmolLM2; GGUF Mistral files load as `llama`"),
     ModelEntry("MistralForCausalLM", "mistral", _LLAMA, "LlamaForCausalLM",
-               notes="without a sliding window"),
+               notes="sliding window on every layer (v0.1)"),
     ModelEntry("Qwen2ForCausalLM", "qwen2", _LLAMA, "Qwen2ForCausalLM", gguf=("qwen2",),
-               notes="q/k/v biases; not `use_sliding_window`"),
+               notes="q/k/v biases; `use_sliding_window` layers"),
+    ModelEntry("Qwen3ForCausalLM", "qwen3", _LLAMA, "Qwen3ForCausalLM", gguf=("qwen3",),
+               notes="per-head q/k RMSNorm, explicit head_dim"),
 )
 
 _BY_ARCH: dict[str, ModelEntry] = {e.architecture: e for e in _ENTRIES}

@@ -6,7 +6,10 @@ import math
 
 import torch
 
-__all__ = ["rope_cos_sin_cache"]
+__all__ = ["rope_cos_sin_cache", "check_rope_scaling", "SUPPORTED_ROPE_TYPES"]
+
+#: rope_scaling types implemented here ("default" is plain RoPE).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -24,18 +27,29 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def _rope_type(scaling: dict | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")) or "default"
+
+
+def check_rope_scaling(scaling: dict | None) -> None:
+    """ValueError naming a rope_scaling type that is not implemented."""
+    rope_type = _rope_type(scaling)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
 def rope_cos_sin_cache(
     rotary_dim: int, max_position: int, base: float, scaling: dict | None = None
 ) -> torch.Tensor:
     """float32 [max_position, rotary_dim]: cat(cos, sin) of each position's angles."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    check_rope_scaling(scaling)
+    rope_type = _rope_type(scaling)
     if rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
     elif rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
-    elif rope_type not in ("default", None):
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
     t = torch.arange(max_position, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)

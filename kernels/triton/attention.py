@@ -421,6 +421,8 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged KV cache for a mixed batch.
 
@@ -437,6 +439,12 @@ def paged_attention(
     Chooses between the single-pass and split-KV kernels with
     :func:`choose_num_splits`, from shapes only (no host sync).
     """
+    if sliding_window is not None or soft_cap is not None:
+        # No windowed / soft-capped variant of this kernel yet: the reference is correct.
+        from pagedserve.kernels import reference
+
+        return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                         query_start_loc, scale, out, sliding_window, soft_cap)
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
     num_tokens, num_heads, head_size = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
