@@ -68,11 +68,11 @@ def _init_weights(model, gemma_norms: bool) -> None:
                 p.copy_((0.0 if gemma_norms else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))
 
 
-def build_checkpoint(path, case: str):
+def build_checkpoint(path, case: str, **extra):
     config_cls, model_cls, overrides = CASES[case]
     path.mkdir(parents=True, exist_ok=True)
     write_byte_tokenizer(path)
-    config = getattr(transformers, config_cls)(**{**BASE, **overrides})
+    config = getattr(transformers, config_cls)(**{**BASE, **overrides, **extra})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(config)
@@ -133,3 +133,69 @@ def test_greedy_and_logprobs_match_transformers(case, engine_kind, checkpoints):
     assert eng.kv.prefix_hits > 0
     if engine_kind == "preempting":
         assert eng.scheduler.num_preemptions > 0
+
+
+#: GGUF architectures llama.cpp defines, written by gguf-py from the tiny checkpoint.
+GGUF_CASES = {"qwen3": "qwen3-qknorm-head40"}
+
+
+def write_gguf(path, model, arch: str):
+    """F32 GGUF of ``model`` (a transformers model) with a byte-level tokenizer."""
+    import json
+
+    import gguf
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny {arch}")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_vocab_size(cfg.vocab_size)
+    vocab = json.loads((path.parent / "tokenizer.json").read_text())["model"]["vocab"]
+    # One merge (the model's one extra vocabulary row): a BPE tokenizer needs some.
+    tokens = sorted(vocab, key=vocab.get) + ["ĠĠ"]
+    assert len(tokens) == cfg.vocab_size
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    writer.add_token_merges(["Ġ Ġ"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    state = model.state_dict()
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    for hf_name, tensor in state.items():
+        stem, suffix = hf_name.rsplit(".", 1)
+        writer.add_tensor(f"{name_map.get_name(stem)}.{suffix}", tensor.detach().float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", list(GGUF_CASES))
+def test_gguf_written_from_the_checkpoint_matches_transformers(arch, tmp_path):
+    case = GGUF_CASES[arch]
+    folder = tmp_path / "hf"
+    model = build_checkpoint(folder, case, vocab_size=VOCAB + 1)
+    gguf_path = write_gguf(folder / f"tiny-{arch}.gguf", model, arch)
+    prompts = _prompts(7)[:3]
+    expected = [hf_reference(model, p, 8) for p in prompts]
+    llm = LLM(model=str(gguf_path), dtype="float32", kv_cache_memory="16MiB", **ENGINES["chunked+prefix"])
+    assert llm.llm_engine.arch.architecture == CASES[case][1]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    for out, (tokens, logprobs) in zip(llm.generate(prompts, params, use_tqdm=False), expected):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        for tok, entry, ref in zip(got.token_ids, got.logprobs, logprobs):
+            assert math.isclose(entry[tok].logprob, ref, abs_tol=2e-4)
