@@ -27,6 +27,7 @@ __all__ = [
     "fused_add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_and_mul",
     "copy_blocks",
     "swap_blocks",
     "linear",
@@ -191,6 +192,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
 
 
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """x: [..., 2*d] = cat(gate, up); returns gelu(gate) * up, [..., d] (GeGLU, as Gemma's
+    MLP).  approximate: "tanh" (transformers' gelu_pytorch_tanh) or "none" (exact erf)."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :d], approximate=approximate) * x[..., d:]
+
+
 def copy_blocks(
     src_cache: torch.Tensor, dst_cache: torch.Tensor, mapping: torch.Tensor
 ) -> None:
@@ -307,6 +315,7 @@ OP_NAMES: tuple[str, ...] = (
     "fused_add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_and_mul",
     "linear",
     "prepare_linear_weight",
     "linear_silu_and_mul",

@@ -30,6 +30,7 @@ __all__ = [
     "qkv_split",
     "paged_attention",
     "gated_mlp",
+    "GATED_ACTIVATIONS",
     "head_rms_norm",
     "layer_windows",
 ]
@@ -138,13 +139,23 @@ def paged_attention(ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.view(q.shape[0], -1)
 
 
-def gated_mlp(ops, x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tensor:
-    """SiLU-gated MLP: down(silu(gate(x)) * up(x)); gate_up [2 * inter, hidden] fused.
+#: transformers' ``hidden_act`` names of the gated MLPs implemented here.
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+
+
+def gated_mlp(ops, x: torch.Tensor, gate_up: Weight, down: Weight, activation: str = "silu") -> torch.Tensor:
+    """Gated MLP: down(act(gate(x)) * up(x)); gate_up [2 * inter, hidden] fused; act SiLU
+    or GELU (GeGLU; "gelu_pytorch_tanh" is its tanh approximation).
     x [n, hidden] -> [n, hidden] (before any tensor-parallel all-reduce)."""
-    if isinstance(gate_up, QuantizedWeight):
-        h = ops.silu_and_mul(gate_up.apply(x, None))
+    if activation == "silu":
+        if isinstance(gate_up, QuantizedWeight):
+            h = ops.silu_and_mul(gate_up.apply(x, None))
+        else:
+            h = ops.linear_silu_and_mul(x, gate_up)
+    elif activation in GATED_ACTIVATIONS:
+        h = ops.gelu_and_mul(linear(ops, x, gate_up), "tanh" if activation == "gelu_pytorch_tanh" else "none")
     else:
-        h = ops.linear_silu_and_mul(x, gate_up)
+        raise ValueError(f"activation {activation!r} is not supported (supported: {', '.join(GATED_ACTIVATIONS)})")
     return linear(ops, h, down)
 
 

@@ -49,6 +49,8 @@ class ModelEntry:
 
 _LLAMA = "pagedserve.models.llama"
 
+_GEMMA = "pagedserve.models.gemma"
+
 _ENTRIES: tuple[ModelEntry, ...] = (
     ModelEntry("LlamaForCausalLM", "llama", _LLAMA, "LlamaForCausalLM", gguf=("llama",),
                notes="Llama 2/3 (linear, llama3 RoPE scaling), SmolLM2; GGUF Mistral files load as `llama`"),
@@ -58,6 +60,13 @@ _ENTRIES: tuple[ModelEntry, ...] = (
                notes="q/k/v biases; `use_sliding_window` layers"),
     ModelEntry("Qwen3ForCausalLM", "qwen3", _LLAMA, "Qwen3ForCausalLM", gguf=("qwen3",),
                notes="per-head q/k RMSNorm, explicit head_dim"),
+    ModelEntry("GemmaForCausalLM", "gemma", _GEMMA, "GemmaForCausalLM",
+               notes="(1 + w) RMSNorm, GeGLU, scaled embeddings"),
+    ModelEntry("Gemma2ForCausalLM", "gemma2", _GEMMA, "Gemma2ForCausalLM",
+               notes="sandwich norms, attention and final-logit soft-capping, query_pre_attn_scalar, "
+                     "alternating sliding windows"),
+    ModelEntry("Gemma3ForCausalLM", "gemma3_text", _GEMMA, "Gemma3ForCausalLM",
+               notes="text only; Gemma 2 plus q/k norms and a local RoPE base on sliding layers"),
 )
 
 _BY_ARCH: dict[str, ModelEntry] = {e.architecture: e for e in _ENTRIES}

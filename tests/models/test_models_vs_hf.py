@@ -35,6 +35,14 @@ CASES: dict[str, tuple[str, str, dict]] = {
     "qwen3-tied-mha": ("Qwen3Config", "Qwen3ForCausalLM",
                        dict(num_key_value_heads=4, head_dim=16, tie_word_embeddings=True)),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6, head_dim=16)),
+    "gemma-head24": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=24, hidden_act="gelu_pytorch_tanh")),
+    "gemma2-window-softcap": ("Gemma2Config", "Gemma2ForCausalLM",
+                              dict(head_dim=24, sliding_window=5, query_pre_attn_scalar=20,
+                                   attn_logit_softcapping=3.0, final_logit_softcapping=5.0)),
+    "gemma3-window-local-rope": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                                 dict(head_dim=24, sliding_window=6, query_pre_attn_scalar=24,
+                                      layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                      rope_scaling={"rope_type": "linear", "factor": 2.0})),
 }
 
 ENGINES = {
