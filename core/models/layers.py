@@ -167,10 +167,13 @@ def head_rms_norm(ops, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | None]:
     """Each layer's sliding window (None: full attention), as transformers reads it:
-    ``layer_types`` when the config has it, else Qwen2-style ``use_sliding_window`` with
-    ``max_window_layers``, else Mistral-style ``sliding_window`` on every layer.  A window
+    none when ``use_sliding_window`` is false; else ``layer_types`` when the config has
+    it, else Qwen2-style ``max_window_layers``, else Mistral-style ``sliding_window`` on
+    every layer.  A window
     no shorter than ``max_position_embeddings`` is no window."""
     window = hf.get("sliding_window")
+    if hf.get("use_sliding_window") is False:
+        window = None  # Qwen2/Qwen3/SmolLM3 keep a window size they do not use
     types = hf.get("layer_types")
     if types is not None:
         if len(types) != num_layers:
@@ -182,7 +185,7 @@ def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | None]:
         out = [window if t == "sliding_attention" else None for t in types]
     elif "use_sliding_window" in hf:
         first = hf.get("max_window_layers", num_layers)
-        out = [window if hf["use_sliding_window"] and i >= first else None for i in range(num_layers)]
+        out = [window if i >= first else None for i in range(num_layers)]
     else:
         out = [window] * num_layers
     if any(w is not None and w < 1 for w in out):

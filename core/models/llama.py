@@ -28,7 +28,7 @@ from pagedserve.models.layers import (
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
 
-__all__ = ["ArchConfig", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaLayer", "LayerPlacement"]
+__all__ = ["ArchConfig", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "LlamaLayer", "LayerPlacement"]
 
 _ATTN = ("q_proj", "k_proj", "v_proj")
 
@@ -57,8 +57,15 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
     def __init__(self, cfg: ArchConfig, *args, **kwargs) -> None:
         super().__init__(cfg, *args, **kwargs)
+        hf = cfg.hf_config
         #: Per model-wide layer: its sliding window, or None for full attention.
-        self.windows = layer_windows(cfg.hf_config, cfg.num_layers)
+        self.windows = layer_windows(hf, cfg.num_layers)
+        #: Per model-wide layer: whether it applies RoPE (SmolLM3's NoPE layers do not).
+        self.rope_layers = [bool(r) for r in hf.get("no_rope_layers") or [1] * cfg.num_layers]
+        if len(self.rope_layers) != cfg.num_layers:
+            raise ValueError(f"no_rope_layers has {len(self.rope_layers)} entries for {cfg.num_layers} layers")
+        #: Scale of each sublayer's output before it joins the residual stream (Granite).
+        self.residual_multiplier = float(hf.get("residual_multiplier", 1.0))
 
     def layer_weight_names(self, layer: int) -> frozenset[str]:
         names = {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
@@ -90,17 +97,37 @@ class LlamaForCausalLM(DecoderForCausalLM):
         q, k, v = qkv_split(linear(ops, h, layer.qkv, layer.qkv_bias), self.attn)
         if layer.q_norm is not None:
             q, k = head_rms_norm(ops, q, layer.q_norm, eps), head_rms_norm(ops, k, layer.k_norm, eps)
-        q, k = self.rope(ops, placement, meta.positions, q, k)
+        if self.rope_layers[index]:
+            q, k = self.rope(ops, placement, meta.positions, q, k)
         attn = paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale, self.windows[index])
         x = self.parallel.all_reduce(linear(ops, attn, layer.o))
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         h, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, eps)
-        return self.parallel.all_reduce(gated_mlp(ops, h, layer.gate_up, layer.down)), residual
+        x = self.parallel.all_reduce(gated_mlp(ops, h, layer.gate_up, layer.down))
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
+        return x, residual
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: Llama with q/k/v biases by default."""
 
     default_attention_bias = True
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """Granite: Llama with scaled embeddings, attention (``attention_multiplier`` is the
+    whole softmax scale), residual branches and logits (divided by ``logits_scaling``)."""
+
+    def attention_scale(self) -> float:
+        return float(self.cfg.hf_config.get("attention_multiplier", self.cfg.head_dim ** -0.5))
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed_tokens(input_ids) * float(self.cfg.hf_config.get("embedding_multiplier", 1.0))
+
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        return super().compute_logits(hidden, float32) / float(self.cfg.hf_config.get("logits_scaling", 1.0))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
