@@ -49,6 +49,8 @@ class DecoderForCausalLM:
     linear_fields: ClassVar[tuple[str, ...]] = ()
     #: ``attention_bias`` when config.json does not say.
     default_attention_bias: ClassVar[bool] = False
+    #: Whether ``_shard`` knows how to split this family's weights (the registry's column).
+    tensor_parallel: ClassVar[bool] = True
 
     @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
@@ -62,6 +64,8 @@ class DecoderForCausalLM:
         self.dtype = dtype
         self.parallel = p = parallel or ParallelContext.single(device)
         tp = p.tp_size
+        if tp > 1 and not self.tensor_parallel:
+            raise ValueError(f"{cfg.architecture} does not support tensor parallelism yet")
         if cfg.num_heads % tp or cfg.intermediate_size % tp or \
                 (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
             raise ValueError(f"tensor_parallel_size={tp} must divide the attention heads ({cfg.num_heads}) and "
@@ -101,7 +105,16 @@ class DecoderForCausalLM:
 
     def make_rope(self, devices: list[torch.device]) -> RotaryEmbedding | None:
         cfg = self.cfg
-        return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, devices)
+        return RotaryEmbedding(self.rotary_dim(), cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                               devices)
+
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates: head_dim times ``partial_rotary_factor``
+        (top-level, or in transformers 5's ``rope_parameters``)."""
+        hf = self.cfg.hf_config
+        params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+        factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        return int(self.cfg.head_dim * float(factor))
 
     def layer_weight_names(self, layer: int) -> frozenset[str]:
         """Checkpoint names (after ``model.layers.<i>.``) of model-wide layer ``layer``."""

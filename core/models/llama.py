@@ -28,7 +28,7 @@ from pagedserve.models.layers import (
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
 
-__all__ = ["ArchConfig", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "LlamaLayer", "LayerPlacement"]
+__all__ = ["ArchConfig", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "LlamaLayer", "LayerPlacement"]
 
 _ATTN = ("q_proj", "k_proj", "v_proj")
 
@@ -128,6 +128,27 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         return super().compute_logits(hidden, float32) / float(self.cfg.hf_config.get("logits_scaling", 1.0))
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 / Phi-4: Llama whose checkpoint already fuses q/k/v (``qkv_proj``) and
+    gate/up (``gate_up_proj``); partial rotary where the config asks.  The fused
+    tensors are not split for tensor parallelism yet."""
+
+    tensor_parallel = False
+
+    def layer_weight_names(self, layer: int) -> frozenset[str]:
+        return frozenset({"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.qkv_proj.weight",
+                          "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"})
+
+    def finish_layer(self, layer: LlamaLayer, w: dict[str, Any], param) -> None:
+        layer.input_norm = param(w["input_layernorm.weight"])
+        layer.post_norm = param(w["post_attention_layernorm.weight"])
+        layer.qkv = param(w["self_attn.qkv_proj.weight"])  # rows: q, k, v
+        layer.qkv_bias = layer.q_norm = layer.k_norm = None
+        layer.o = param(w["self_attn.o_proj.weight"])
+        layer.gate_up = param(w["mlp.gate_up_proj.weight"])  # rows: gate, up
+        layer.down = param(w["mlp.down_proj.weight"])
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -62,6 +62,8 @@ _ENTRIES: tuple[ModelEntry, ...] = (
                notes="per-head q/k RMSNorm, explicit head_dim"),
     ModelEntry("GraniteForCausalLM", "granite", _LLAMA, "GraniteForCausalLM",
                notes="embedding, attention, residual and logits multipliers"),
+    ModelEntry("Phi3ForCausalLM", "phi3", _LLAMA, "Phi3ForCausalLM", quantized=False, tensor_parallel=False,
+               notes="Phi-3 / Phi-4; fused qkv_proj and gate_up_proj, partial rotary; not longrope"),
     ModelEntry("SmolLM3ForCausalLM", "smollm3", _LLAMA, "LlamaForCausalLM",
                notes="NoPE layers (`no_rope_layers`)"),
     ModelEntry("GemmaForCausalLM", "gemma", _GEMMA, "GemmaForCausalLM",

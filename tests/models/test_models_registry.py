@@ -32,6 +32,7 @@ def test_every_entry_resolves_to_a_model_class():
         cls = resolve_model_class(entry.architecture)
         for hook in ("layer_weight_names", "finish_layer", "layer_forward", "check_config"):
             assert callable(getattr(cls, hook)), (entry.architecture, hook)
+        assert cls.tensor_parallel == entry.tensor_parallel, entry.architecture
 
 
 def test_gguf_names_map_to_registered_architectures():

@@ -39,6 +39,8 @@ CASES: dict[str, tuple[str, str, dict]] = {
                             dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                  logits_scaling=2.5)),
     "smollm3-nope": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, head_dim=16, pad_token_id=0)),
+    "phi3-partial-rotary-window": ("Phi3Config", "Phi3ForCausalLM",
+                                   dict(partial_rotary_factor=0.5, sliding_window=9, pad_token_id=0)),
     "gemma-head24": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=24, hidden_act="gelu_pytorch_tanh")),
     "gemma2-window-softcap": ("Gemma2Config", "Gemma2ForCausalLM",
                               dict(head_dim=24, sliding_window=5, query_pre_attn_scalar=20,
