@@ -28,6 +28,7 @@ __all__ = [
     "rotary_embedding",
     "silu_and_mul",
     "gelu_and_mul",
+    "fused_moe",
     "copy_blocks",
     "swap_blocks",
     "linear",
@@ -199,6 +200,54 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     return torch.nn.functional.gelu(x[..., :d], approximate=approximate) * x[..., d:]
 
 
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """A mixture-of-experts MLP over routed tokens.
+
+    x: [T, H]; w13: [E, 2*I, H] = each expert's cat(gate, up) rows; w2: [E, H, I];
+    topk_weights: float32 [T, K]; topk_ids: int64 [T, K] (distinct experts per token).
+    Returns [T, H] in x's dtype:
+        out[t] = sum_k topk_weights[t, k] * w2[e] @ (act(gate_e @ x[t]) * (up_e @ x[t])),
+        e = topk_ids[t, k]; act "silu" or "gelu" (tanh approximation).
+    The expert products are rounded to x's dtype (as the dense linear ops do); the
+    weighted sum over k is accumulated in float32.
+
+    Tokens are grouped by expert so each active expert runs two GEMMs over its tokens;
+    the Python loop is over active experts, never over tokens.
+    """
+    num_tokens, top_k = topk_ids.shape
+    inter = w13.shape[1] // 2
+    out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    token_of = order // top_k
+    weight_of = topk_weights.reshape(-1)[order].float()
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = token_of[start:start + n]
+        h = torch.nn.functional.linear(x.index_select(0, rows), w13[expert])
+        gate, up = h[:, :inter], h[:, inter:]
+        if activation == "silu":
+            h = torch.nn.functional.silu(gate) * up
+        elif activation == "gelu":
+            h = torch.nn.functional.gelu(gate, approximate="tanh") * up
+        else:
+            raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu)")
+        y = torch.nn.functional.linear(h, w2[expert])
+        out.index_add_(0, rows, y.float() * weight_of[start:start + n, None])
+        start += n
+    return out.to(x.dtype)
+
+
 def copy_blocks(
     src_cache: torch.Tensor, dst_cache: torch.Tensor, mapping: torch.Tensor
 ) -> None:
@@ -316,6 +365,7 @@ OP_NAMES: tuple[str, ...] = (
     "rotary_embedding",
     "silu_and_mul",
     "gelu_and_mul",
+    "fused_moe",
     "linear",
     "prepare_linear_weight",
     "linear_silu_and_mul",

@@ -33,6 +33,7 @@ __all__ = [
     "GATED_ACTIVATIONS",
     "head_rms_norm",
     "layer_windows",
+    "route_topk",
 ]
 
 Weight = torch.Tensor | QuantizedWeight
@@ -192,3 +193,14 @@ def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | None]:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
     limit = hf.get("max_position_embeddings")
     return [None if w is None or (limit is not None and w >= limit) else int(w) for w in out]
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing: router_logits [T, E] -> (weights float32 [T, top_k], ids int64
+    [T, top_k]) of each token's top_k experts; ``renormalize`` makes each row sum to 1
+    (Mixtral, ``norm_topk_prob``)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids

@@ -104,7 +104,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier
         h, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, eps)
-        x = self.parallel.all_reduce(gated_mlp(ops, h, layer.gate_up, layer.down))
+        x = self.parallel.all_reduce(self.mlp_forward(ops, index, layer, h))
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier
         return x, residual
@@ -114,6 +114,11 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: Llama with q/k/v biases by default."""
 
     default_attention_bias = True
+
+
+    def mlp_forward(self, ops, index: int, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
+        """The feed-forward block of model-wide layer ``index``: h [n, hidden] -> [n, hidden]."""
+        return gated_mlp(ops, h, layer.gate_up, layer.down)
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

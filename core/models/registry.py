@@ -50,6 +50,7 @@ class ModelEntry:
 _LLAMA = "pagedserve.models.llama"
 
 _GEMMA = "pagedserve.models.gemma"
+_MOE = "pagedserve.models.moe"
 
 _ENTRIES: tuple[ModelEntry, ...] = (
     ModelEntry("LlamaForCausalLM", "llama", _LLAMA, "LlamaForCausalLM", gguf=("llama",),
@@ -66,6 +67,12 @@ _ENTRIES: tuple[ModelEntry, ...] = (
                notes="Phi-3 / Phi-4; fused qkv_proj and gate_up_proj, partial rotary; not longrope"),
     ModelEntry("SmolLM3ForCausalLM", "smollm3", _LLAMA, "LlamaForCausalLM",
                notes="NoPE layers (`no_rope_layers`)"),
+    ModelEntry("MixtralForCausalLM", "mixtral", _MOE, "MixtralForCausalLM", quantized=False,
+               tensor_parallel=False, notes="MoE (`fused_moe`), top-k renormalised, optional sliding window"),
+    ModelEntry("Qwen2MoeForCausalLM", "qwen2_moe", _MOE, "Qwen2MoeForCausalLM", quantized=False,
+               tensor_parallel=False, notes="MoE with a gated shared expert; `mlp_only_layers`"),
+    ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", _MOE, "Qwen3MoeForCausalLM", quantized=False,
+               tensor_parallel=False, notes="MoE, per-head q/k norms; `mlp_only_layers`"),
     ModelEntry("GemmaForCausalLM", "gemma", _GEMMA, "GemmaForCausalLM",
                notes="(1 + w) RMSNorm, GeGLU, scaled embeddings"),
     ModelEntry("Gemma2ForCausalLM", "gemma2", _GEMMA, "Gemma2ForCausalLM",
