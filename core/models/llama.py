@@ -109,16 +109,15 @@ class LlamaForCausalLM(DecoderForCausalLM):
             x = x * self.residual_multiplier
         return x, residual
 
+    def mlp_forward(self, ops, index: int, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
+        """The feed-forward block of model-wide layer ``index``: h [n, hidden] -> [n, hidden]."""
+        return gated_mlp(ops, h, layer.gate_up, layer.down)
+
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: Llama with q/k/v biases by default."""
 
     default_attention_bias = True
-
-
-    def mlp_forward(self, ops, index: int, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
-        """The feed-forward block of model-wide layer ``index``: h [n, hidden] -> [n, hidden]."""
-        return gated_mlp(ops, h, layer.gate_up, layer.down)
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

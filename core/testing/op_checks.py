@@ -128,6 +128,26 @@ def _gelu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cas
         yield desc, body
 
 
+def _fused_moe(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    """Few experts top-2, more experts than tokens (some idle), one token."""
+    for tokens, experts, top_k, hidden, inter in [(9, 4, 2, 64, 96), (3, 8, 2, 32, 48), (1, 3, 1, 64, 32)]:
+        desc = f"t{tokens}-e{experts}-k{top_k}-h{hidden}-i{inter}"
+
+        def body(tokens=tokens, experts=experts, top_k=top_k, hidden=hidden, inter=inter, desc=desc) -> None:
+            c = _Case(f"fused_moe{desc}{dtype}", seed, t.device)
+            x = c.randn(tokens, hidden, dtype=dtype)
+            w13 = c.randn(experts, 2 * inter, hidden, dtype=dtype, scale=hidden ** -0.5)
+            w2 = c.randn(experts, hidden, inter, dtype=dtype, scale=inter ** -0.5)
+            ids = torch.stack([c.randperm(experts)[:top_k] for _ in range(tokens)])
+            # Rows need not sum to 1 (routers without renormalisation).
+            weights = torch.rand(tokens, top_k, generator=c.gen) * 0.9 + 0.05
+            want = reference.fused_moe(x, w13, w2, weights, ids)
+            got = fn(c.dev(x), c.dev(w13), c.dev(w2), c.dev(weights), c.dev(ids))
+            assert_matches("fused_moe", got, want, dtype)
+
+        yield desc, body
+
+
 def _rms_norm(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
     for n, hidden, eps in [(1, 64, 1e-6), (7, 128, 1e-5), (33, 96, 1e-5)]:
         desc = f"{n}x{hidden}"
@@ -428,6 +448,7 @@ _CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "rotary_embedding": _rotary_embedding,
     "silu_and_mul": _silu_and_mul,
     "gelu_and_mul": _gelu_and_mul,
+    "fused_moe": _fused_moe,
     "linear": _linear,
     # A platform's prepare_linear_weight is checked through its (or the reference's) linear.
     "prepare_linear_weight": lambda t, fn, d, s: _linear(t, t.ops.get("linear"), d, s, prepare=fn),
