@@ -63,3 +63,29 @@ def test_docs_check_detects_a_stale_table():
     text = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
     stale = text.replace("| `LlamaForCausalLM` |", "| `LlamaForCausalLMX` |")
     assert gen.updated(stale) != stale
+
+
+def _cfg(**extra) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 64, **extra}
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "made-up"])
+def test_unsupported_rope_scaling_fails_at_load_naming_it(rope_type):
+    with pytest.raises(ValueError, match=f"rope_scaling type '{rope_type}' is not supported"):
+        ArchConfig.from_hf(_cfg(rope_scaling={"rope_type": rope_type, "factor": 2.0}))
+
+
+def test_unknown_layer_type_fails_at_load_naming_it():
+    with pytest.raises(ValueError, match="chunked_attention"):
+        ArchConfig.from_hf(_cfg(layer_types=["full_attention", "chunked_attention"]))
+
+
+def test_window_reading_follows_transformers():
+    from pagedserve.models.layers import layer_windows
+
+    assert layer_windows({"sliding_window": 4}, 2) == [4, 4]  # Mistral: every layer
+    assert layer_windows({"sliding_window": 4, "use_sliding_window": False}, 2) == [None, None]
+    assert layer_windows({"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 1}, 2) == [None, 4]
+    assert layer_windows({"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}, 2) == [4, None]
+    assert layer_windows({"sliding_window": 64, "max_position_embeddings": 64}, 1) == [None]  # never slides

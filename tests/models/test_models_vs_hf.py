@@ -28,7 +28,9 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
 #: name -> (transformers config class, model class, config overrides)
 CASES: dict[str, tuple[str, str, dict]] = {
     "llama-head24": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=24)),
-    "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1)),
+    "qwen2-bias-yarn": ("Qwen2Config", "Qwen2ForCausalLM",
+                        dict(num_key_value_heads=1, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                  "original_max_position_embeddings": 64})),
     "qwen2-window-upper-layers": ("Qwen2Config", "Qwen2ForCausalLM",
                                   dict(use_sliding_window=True, sliding_window=7, max_window_layers=1)),
     "qwen3-qknorm-head40": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=40)),
