@@ -67,6 +67,8 @@ _ENTRIES: tuple[ModelEntry, ...] = (
                notes="Phi-3 / Phi-4; fused qkv_proj and gate_up_proj, partial rotary; not longrope"),
     ModelEntry("SmolLM3ForCausalLM", "smollm3", _LLAMA, "LlamaForCausalLM",
                notes="NoPE layers (`no_rope_layers`)"),
+    ModelEntry("Olmo2ForCausalLM", "olmo2", "pagedserve.models.olmo2", "Olmo2ForCausalLM", tensor_parallel=False,
+               notes="post-norm layers, q/k norm over the whole projection"),
     ModelEntry("MixtralForCausalLM", "mixtral", _MOE, "MixtralForCausalLM", quantized=False,
                tensor_parallel=False, notes="MoE (`fused_moe`), top-k renormalised, optional sliding window"),
     ModelEntry("Qwen2MoeForCausalLM", "qwen2_moe", _MOE, "Qwen2MoeForCausalLM", quantized=False,
