@@ -69,6 +69,8 @@ _ENTRIES: tuple[ModelEntry, ...] = (
                notes="NoPE layers (`no_rope_layers`)"),
     ModelEntry("Olmo2ForCausalLM", "olmo2", "pagedserve.models.olmo2", "Olmo2ForCausalLM", tensor_parallel=False,
                notes="post-norm layers, q/k norm over the whole projection"),
+    ModelEntry("Glm4ForCausalLM", "glm4", "pagedserve.models.glm4", "Glm4ForCausalLM", quantized=False,
+               tensor_parallel=False, notes="sandwich norms, fused gate_up_proj, interleaved partial rotary"),
     ModelEntry("MixtralForCausalLM", "mixtral", _MOE, "MixtralForCausalLM", quantized=False,
                tensor_parallel=False, notes="MoE (`fused_moe`), top-k renormalised, optional sliding window"),
     ModelEntry("Qwen2MoeForCausalLM", "qwen2_moe", _MOE, "Qwen2MoeForCausalLM", quantized=False,
