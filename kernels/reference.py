@@ -25,9 +25,11 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "fused_add_rms_norm",
+    "layer_norm",
     "rotary_embedding",
     "silu_and_mul",
     "gelu_and_mul",
+    "gelu",
     "fused_moe",
     "copy_blocks",
     "swap_blocks",
@@ -157,6 +159,14 @@ def fused_add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim (StarCoder2), computed in float32, returned in x's dtype.
+    x [..., d]; weight, bias [d] (bias may be None)."""
+    d = x.shape[-1]
+    b = None if bias is None else bias.float()
+    return torch.nn.functional.layer_norm(x.float(), (d,), weight.float(), b, eps).to(x.dtype)
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -198,6 +208,11 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     MLP).  approximate: "tanh" (transformers' gelu_pytorch_tanh) or "none" (exact erf)."""
     d = x.shape[-1] // 2
     return torch.nn.functional.gelu(x[..., :d], approximate=approximate) * x[..., d:]
+
+
+def gelu(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """GELU of a non-gated MLP (StarCoder2): "tanh" approximation or "none" (erf)."""
+    return torch.nn.functional.gelu(x, approximate=approximate)
 
 
 def fused_moe(
@@ -362,9 +377,11 @@ OP_NAMES: tuple[str, ...] = (
     "reshape_and_cache",
     "rms_norm",
     "fused_add_rms_norm",
+    "layer_norm",
     "rotary_embedding",
     "silu_and_mul",
     "gelu_and_mul",
+    "gelu",
     "fused_moe",
     "linear",
     "prepare_linear_weight",

@@ -116,6 +116,11 @@ class DecoderForCausalLM:
         factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         return int(self.cfg.head_dim * float(factor))
 
+    def load_global(self, name: str, tensor: torch.Tensor) -> bool:
+        """Take a checkpoint tensor outside the layers that the base does not know (e.g.
+        a final norm's bias); False means it is unexpected."""
+        return False
+
     def layer_weight_names(self, layer: int) -> frozenset[str]:
         """Checkpoint names (after ``model.layers.<i>.``) of model-wide layer ``layer``."""
         raise NotImplementedError
@@ -162,6 +167,8 @@ class DecoderForCausalLM:
                 if len(got) == len(expected):
                     self._finish(idx, pending.pop(idx))
             elif "rotary_emb.inv_freq" in name:
+                continue
+            elif self.load_global(name, tensor):
                 continue
             else:
                 raise ValueError(f"unexpected weight {name!r} in a {self.cfg.architecture} checkpoint")

@@ -128,6 +128,33 @@ def _gelu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cas
         yield desc, body
 
 
+def _layer_norm(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for rows, d, with_bias in [(1, 64, True), (7, 96, True), (3, 48, False)]:
+        desc = f"{rows}x{d}" + ("" if with_bias else "-nobias")
+
+        def body(rows=rows, d=d, with_bias=with_bias, desc=desc) -> None:
+            c = _Case(f"layer_norm{desc}{dtype}", seed, t.device)
+            x = c.randn(rows, d, dtype=dtype, scale=3.0)
+            w = c.randn(d, dtype=dtype, scale=0.5) + 1
+            b = c.randn(d, dtype=dtype) if with_bias else None
+            got = fn(c.dev(x), c.dev(w), None if b is None else c.dev(b), 1e-5)
+            assert_matches("layer_norm", got, reference.layer_norm(x, w, b, 1e-5), dtype)
+
+        yield desc, body
+
+
+def _gelu(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for shape, approximate in [((1, 64), "tanh"), ((7, 96), "tanh"), ((3, 48), "none")]:
+        desc = "x".join(map(str, shape)) + f"-{approximate}"
+
+        def body(shape=shape, approximate=approximate, desc=desc) -> None:
+            c = _Case(f"gelu{desc}{dtype}", seed, t.device)
+            x = c.randn(*shape, dtype=dtype, scale=2.0)
+            assert_matches("gelu", fn(c.dev(x), approximate), reference.gelu(x, approximate), dtype)
+
+        yield desc, body
+
+
 def _fused_moe(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
     """Few experts top-2, more experts than tokens (some idle), one token."""
     for tokens, experts, top_k, hidden, inter in [(9, 4, 2, 64, 96), (3, 8, 2, 32, 48), (1, 3, 1, 64, 32)]:
@@ -449,6 +476,8 @@ _CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "silu_and_mul": _silu_and_mul,
     "gelu_and_mul": _gelu_and_mul,
     "fused_moe": _fused_moe,
+    "layer_norm": _layer_norm,
+    "gelu": _gelu,
     "linear": _linear,
     # A platform's prepare_linear_weight is checked through its (or the reference's) linear.
     "prepare_linear_weight": lambda t, fn, d, s: _linear(t, t.ops.get("linear"), d, s, prepare=fn),

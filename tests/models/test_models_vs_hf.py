@@ -45,6 +45,8 @@ CASES: dict[str, tuple[str, str, dict]] = {
                                    dict(partial_rotary_factor=0.5, sliding_window=9, pad_token_id=0)),
     "olmo2-postnorm": ("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0)),
     "glm4-interleaved-partial-rope": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=24, pad_token_id=0)),
+    "starcoder2-layernorm-window": ("Starcoder2Config", "Starcoder2ForCausalLM",
+                                    dict(sliding_window=8, norm_epsilon=1e-5, pad_token_id=0)),
     "mixtral-top2-window": ("MixtralConfig", "MixtralForCausalLM",
                             dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=10)),
     "qwen2moe-shared-dense-layer": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
