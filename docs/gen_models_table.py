@@ -24,7 +24,8 @@ def _yes(flag: bool) -> str:
 def render_table() -> str:
     """The Markdown table, one row per registered architecture."""
     rows = [
-        "| Architecture | model_type | safetensors | GGUF `general.architecture` | quantized | tensor parallel | notes |",
+        "| Architecture | model_type | safetensors | GGUF `general.architecture` | quantized | tensor parallel "
+        "| notes |",
         "|---|---|---|---|---|---|---|",
     ]
     for e in model_entries():

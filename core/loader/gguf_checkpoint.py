@@ -21,12 +21,17 @@ import torch
 
 from pagedserve.loader.dequant import dequantize
 from pagedserve.loader.gguf_reader import GGUFReader
-from pagedserve.models.registry import gguf_architectures
 
 __all__ = ["GGUFBlocks", "GGUFCheckpoint", "SUPPORTED_GGUF_ARCHITECTURES", "reverse_rope_permutation"]
 
-# GGUF architecture -> (model_type, HF class name), from the model registry.
-SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = gguf_architectures()
+# Architectures whose GGUF tensors this module translates (the Llama layout, plus Qwen3's
+# q/k norms); value: (model_type, HF class name).  The model registry lists the same
+# names (its `gguf` column; a test keeps the two in step).
+SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
 
 # ggml type names `dequant.dequantize` handles, natively or through `gguf.quants`. Other types
 # (the IQ and ternary families) exist but are rare and unverified here, so they are refused by name.

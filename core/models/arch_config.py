@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.models.registry import resolve_model_class
+
 __all__ = ["ArchConfig"]
 
 
@@ -38,8 +40,6 @@ class ArchConfig:
     def from_hf(cls, cfg: dict) -> ArchConfig:
         """Parse ``cfg``; an architecture missing from the registry, or a feature its
         family does not implement, fails here naming it."""
-        from pagedserve.models.registry import resolve_model_class
-
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
         arch = archs[0]
         model_cls = resolve_model_class(arch)

@@ -28,7 +28,8 @@ from pagedserve.models.layers import (
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
 
-__all__ = ["ArchConfig", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "LlamaLayer", "LayerPlacement"]
+__all__ = ["ArchConfig", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM",
+           "Phi3ForCausalLM", "LlamaLayer", "LayerPlacement"]
 
 _ATTN = ("q_proj", "k_proj", "v_proj")
 
@@ -160,12 +161,3 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     default, and an explicit head_dim (heads * head_dim may differ from hidden_size)."""
 
     qk_norm = True
-
-
-def __getattr__(name: str) -> Any:
-    # AttentionMetadata moved beside the executor that builds it; old imports keep working.
-    if name == "AttentionMetadata":
-        from pagedserve.executor.attention_metadata import AttentionMetadata
-
-        return AttentionMetadata
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

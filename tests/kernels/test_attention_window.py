@@ -49,7 +49,7 @@ def test_reference_window_and_soft_cap_match_dense(window, cap, block_size):
     out = torch.full_like(q, float("nan"))
     reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, d ** -0.5, out, sliding_window=window,
                               soft_cap=cap)
-    for i, (ctx, n) in enumerate(batch):
+    for i, (ctx, _) in enumerate(batch):
         blocks = tables[i, :per_seq[i]].long()
         k = kc[blocks].reshape(-1, kv_heads, d)[:ctx]
         v = vc[blocks].reshape(-1, kv_heads, d)[:ctx]

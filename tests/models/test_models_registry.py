@@ -35,10 +35,12 @@ def test_every_entry_resolves_to_a_model_class():
         assert cls.tensor_parallel == entry.tensor_parallel, entry.architecture
 
 
-def test_gguf_names_map_to_registered_architectures():
-    for gguf_name, (model_type, arch) in gguf_architectures().items():
-        assert arch in models.supported_architectures(), gguf_name
-        assert model_type
+def test_gguf_names_agree_with_the_loader():
+    from pagedserve.loader.gguf_checkpoint import SUPPORTED_GGUF_ARCHITECTURES
+
+    assert gguf_architectures() == SUPPORTED_GGUF_ARCHITECTURES
+    for _, arch in gguf_architectures().values():
+        assert arch in models.supported_architectures()
 
 
 def test_unsupported_architecture_lists_the_supported_ones():
