@@ -51,7 +51,7 @@ def test_server_completions_match_transformers(case, tmp_path):
                 pass
             assert time.monotonic() < deadline, "server did not become healthy"
             time.sleep(0.25)
-        for prompt, (tokens, logprobs) in zip(prompts, expected):
+        for prompt, (_, logprobs) in zip(prompts, expected):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0.0,
                     "ignore_eos": True, "logprobs": 0}
             r = httpx.post(url + "/v1/completions", json=body, timeout=120)
