@@ -76,8 +76,10 @@ def _check_positive_float(cfg: dict[str, Any], key: str, path: str | pathlib.Pat
         raise ModelLoadError(path, f"{prefix}{key}={value!r} must be finite and in (0, {high}]")
 
 
-def expected_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
-    """(global tensor name -> shape, per-layer suffix -> shape) a Llama-layout checkpoint holds."""
+def expected_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]],
+                                                     dict[str, list[tuple[int, ...]]]]:
+    """(global tensor name -> shape, per-layer suffix -> shape, per-layer suffix -> the
+    shapes it may have) a Llama-layout checkpoint holds."""
     hidden, hd = config["hidden_size"], config["head_dim"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     inter = config.get("intermediate_size")
@@ -96,13 +98,13 @@ def expected_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]],
         "self_attn.q_proj.bias": (q,),
         "self_attn.k_proj.bias": (kv,),
         "self_attn.v_proj.bias": (kv,),
-        "self_attn.q_norm.weight": (hd,),
-        "self_attn.k_norm.weight": (hd,),
     }
+    # q/k norms are per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2).
+    alternatives = {"self_attn.q_norm.weight": [(hd,), (q,)], "self_attn.k_norm.weight": [(hd,), (kv,)]}
     if inter is not None:
         layer.update({"mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
                       "mlp.down_proj.weight": (hidden, inter)})
-    return glob, layer
+    return glob, layer, alternatives
 
 
 def check_tensor_shapes(config: dict[str, Any], shapes: dict[str, tuple[int, ...]],
@@ -114,18 +116,19 @@ def check_tensor_shapes(config: dict[str, Any], shapes: dict[str, tuple[int, ...
         shapes: every stored tensor's name (Hugging Face spelling) -> shape, PyTorch order.
         path: the checkpoint, for the message.
     """
-    glob, per_layer = expected_shapes(config)
+    glob, per_layer, alternatives = expected_shapes(config)
     layers: set[int] = set()
     for name, shape in shapes.items():
         match = _LAYER.fullmatch(name)
         if match is not None:
             layers.add(int(match.group(1)))
-            want = per_layer.get(match.group(2))
+            wants = alternatives.get(match.group(2)) or [per_layer.get(match.group(2))]
         else:
-            want = glob.get(name)
-        if want is not None and tuple(shape) != want:
+            wants = [glob.get(name)]
+        if wants[0] is not None and tuple(shape) not in wants:
+            implied = " or ".join(str(list(w)) for w in wants)
             raise ModelLoadError(path, f"tensor {name!r} has shape {list(shape)}, but the config "
-                                 f"({_fields_of(name)}) implies {list(want)}")
+                                 f"({_fields_of(name)}) implies {implied}")
     n = config["num_hidden_layers"]
     if layers != set(range(n)):
         found = f"layers {min(layers)}..{max(layers)} ({len(layers)} distinct)" if layers else "no layers"

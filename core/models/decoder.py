@@ -61,9 +61,6 @@ class DecoderForCausalLM:
                  parallel: ParallelContext | None = None,
                  placements: list[LayerPlacement] | None = None, max_positions: int | None = None) -> None:
         self.cfg = cfg
-        #: Rows of the RoPE tables: the engine's max_model_len, never the checkpoint's
-        #: (possibly absurd) max_position_embeddings.
-        self.max_positions = min(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.dtype = dtype
         self.parallel = p = parallel or ParallelContext.single(device)
         tp = p.tp_size
@@ -100,6 +97,9 @@ class DecoderForCausalLM:
         self.embed: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None
+        #: Rows of the RoPE tables: the engine's max_model_len, never the checkpoint's
+        #: (possibly absurd) max_position_embeddings.
+        self.max_positions = min(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.rope = self.make_rope([pl.device for pl in placements])
 
     # -- family hooks -----------------------------------------------------------------------

@@ -133,13 +133,14 @@ class ModelSpec:
         if experts > 1:
             moe_inter = int(_first(cfg, "moe_intermediate_size", default=inter))
             shared = int(_first(cfg, "shared_expert_intermediate_size", default=0) or 0)
+            shared_gate = hidden if shared else 0  # Qwen2-MoE gates its shared expert: [1, hidden]
             shared += int(cfg.get("n_shared_experts") or 0) * moe_inter
             dense_first = int(cfg.get("first_k_dense_replace") or 0) + len(cfg.get("mlp_only_layers") or [])
             spec.update(num_experts=experts,
                         experts_per_token=int(_first(cfg, "num_experts_per_tok", "moe_topk", "top_k", default=2)),
                         expert_params=mlp_mats * hidden * moe_inter,
                         num_moe_layers=max(layers - dense_first, 0),
-                        moe_shared_params=mlp_mats * hidden * shared + hidden * experts)
+                        moe_shared_params=mlp_mats * hidden * shared + hidden * experts + shared_gate)
         return cls(**spec)
 
     # -- parameter counts ---------------------------------------------------------------------

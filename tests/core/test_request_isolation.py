@@ -17,9 +17,28 @@ def _solo(llm, prompt, params):
     return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
 
 
-@pytest.mark.parametrize("seed", [2**64, -2**63 - 1])
-def test_a_request_failing_in_the_sampler_fails_alone(llm, seed):
-    poison = SamplingParams(temperature=1.0, seed=seed, max_tokens=12, n=2)  # a seed torch refuses
+POISON_SEED = 4242
+
+
+@pytest.fixture
+def failing_generator(monkeypatch):
+    """The sampler fails to build the random state of requests seeded with POISON_SEED, as
+    torch does for a seed it refuses (out-of-range seeds themselves are now a 400 before
+    anything is queued: tests/core/test_request_fields_offline.py)."""
+    from pagedserve.executor.sampler import Sampler
+
+    original = Sampler._generator
+
+    def generator(self, request):
+        if request.sampling_params.seed is not None and request.sampling_params.seed - POISON_SEED in (0, 1):
+            raise RuntimeError(f"Overflow when unpacking long: seed {request.sampling_params.seed}")
+        return original(self, request)
+
+    monkeypatch.setattr(Sampler, "_generator", generator)
+
+
+def test_a_request_failing_in_the_sampler_fails_alone(llm, failing_generator):
+    poison = SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=12, n=2)  # samples seeded 4242, 4243
     good = [([5, 6, 7], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
             ([8, 9], SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)),
             ([10, 11, 12, 13], SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True))]

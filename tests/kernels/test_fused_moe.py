@@ -45,7 +45,7 @@ def test_reference_refuses_an_unknown_activation():
 
 
 def test_conformance_cases_pass_the_reference_and_catch_a_wrong_kernel():
-    from pagedserve.testing.op_checks import _CASES
+    from pagedserve.testing.op_checks import OP_CASES as _CASES
     from pagedserve.testing.checks import Check
 
     class _Target:

@@ -10,12 +10,9 @@ from conftest import LLAMA3_8B, LLAMA3_70B, MIXTRAL
 
 
 def _architectures() -> list[str]:
-    try:
-        from pagedserve.models import supported_architectures
-        return list(supported_architectures())
-    except ImportError:
-        from pagedserve.models.llama import SUPPORTED_ARCHITECTURES
-        return list(SUPPORTED_ARCHITECTURES)
+    from pagedserve.models import supported_architectures
+
+    return list(supported_architectures())
 
 
 @pytest.mark.parametrize("cfg,billions", [(LLAMA3_8B, 8.03), (LLAMA3_70B, 70.55)])
@@ -65,7 +62,8 @@ def test_matches_transformers_parameter_count(arch):
     if cls is None:
         pytest.skip(f"transformers has no {arch}")
     kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=300, tie_word_embeddings=arch.startswith("Qwen2"))
+              num_key_value_heads=2, vocab_size=300, tie_word_embeddings=arch.startswith("Qwen2"),
+              pad_token_id=0)
     if arch == "MixtralForCausalLM":
         kw.update(num_local_experts=4, num_experts_per_tok=2)
     config = cls.config_class(**kw)

@@ -140,15 +140,12 @@ def test_engine_errors_are_clear(profile_file):
 
 
 def _registry() -> list[str]:
-    try:
-        from pagedserve.models import supported_architectures
-        return list(supported_architectures())
-    except ImportError:
-        from pagedserve.models.llama import SUPPORTED_ARCHITECTURES
-        return list(SUPPORTED_ARCHITECTURES)
+    from pagedserve.models import supported_architectures
+
+    return list(supported_architectures())
 
 
-@pytest.mark.parametrize("arch", _registry() + ["MixtralForCausalLM"])
+@pytest.mark.parametrize("arch", sorted(set(_registry()) | {"MixtralForCausalLM"}))
 def test_plans_every_registry_architecture_from_its_config(arch, write_config):
     """A config.json as transformers writes it for each architecture plans end to end."""
     transformers = pytest.importorskip("transformers")
@@ -156,7 +153,7 @@ def test_plans_every_registry_architecture_from_its_config(arch, write_config):
     if cls is None:
         pytest.skip(f"transformers has no {arch}")
     kw = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048)
+              num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048, pad_token_id=0)
     if arch == "MixtralForCausalLM":
         kw.update(num_local_experts=8, num_experts_per_tok=2)
     cfg = cls.config_class(**kw).to_dict()
@@ -165,6 +162,7 @@ def test_plans_every_registry_architecture_from_its_config(arch, write_config):
     plan, args, result, s = _run("--hardware", "a100-sxm", "--model", str(folder), "--num-prompts", "8", "--mixed",
                                  "--max-model-len", "2048", "--tensor-parallel-size", "2", "--kv-cache-memory", "64MiB")
     _check_conservation(result, args)
-    assert plan.model.num_kv_heads == 2 and plan.model.head_dim == 32
+    # head_dim: the config's own where the family sets one (Gemma 256, Qwen3 128), else hidden / heads.
+    assert plan.model.num_kv_heads == 2 and plan.model.head_dim == (cfg.get("head_dim") or 256 // 8)
     assert (plan.model.num_experts == 8) == (arch == "MixtralForCausalLM")
     assert s["generated_tokens"] == sum(r.output_len for r in result.requests)
