@@ -14,6 +14,7 @@ __all__ = [
     "ParallelConfig",
     "DeviceConfig",
     "EngineConfig",
+    "StructuredOutputsConfig",
     "DeviceMapEntry",
     "parse_memory",
     "parse_device_map",
@@ -347,12 +348,38 @@ class DeviceConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    """Structured outputs (docs/structured_outputs.md), vLLM's ``structured_outputs_config``.
+
+    backend: "auto" or "xgrammar".  reasoning_parser: the model's reasoning format
+    ("deepseek_r1", "qwen3"); constraints then apply after its ``</think>``.
+    """
+
+    backend: str = field(default="auto", metadata={"help": "grammar backend for structured outputs: auto, xgrammar"})
+    reasoning_parser: str | None = field(
+        default=None, metadata={"help": "reasoning format of the model (deepseek_r1, qwen3): constraints apply "
+                                        "after its reasoning section"})
+
+    def __post_init__(self) -> None:
+        from pagedserve.structured_output.backend import BACKENDS
+        from pagedserve.structured_output.reasoning import REASONING_PARSERS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_config.backend must be one of {', '.join(BACKENDS)}; "
+                             f"got {self.backend!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
+                             f"got {self.reasoning_parser!r}")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         self.check_device_map()

@@ -26,6 +26,7 @@ from pagedserve.platforms import select_platform
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
+from pagedserve.structured_output.engine_hooks import build_structured_output_manager, finish_by_grammar
 
 __all__ = ["LLMEngine", "EngineStats"]
 
@@ -122,6 +123,9 @@ class LLMEngine:
         self.kv = build_kv_manager(config, num_blocks, self.runner)
         self.weight_streamer = offload_weights(config, self.runner)  # cpu_offload_gb
         self.scheduler = Scheduler(config.scheduler, self.kv, mml)
+        # Grammars compile on its worker thread; the runner masks constrained rows.
+        self.structured = self.runner.structured = build_structured_output_manager(config, self.tokenizer,
+                                                                                   self.arch, self.eos_token_ids)
         self.groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self.prompt_tokens = 0
@@ -163,6 +167,7 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt, ids = self.validate_prompt(prompt, prompt_token_ids)
+        compiled = self.structured.prepare(params.structured_outputs) if params.structured_outputs else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = _Group(request_id, prompt, ids, [], arrival)
         first: Request | None = None
@@ -175,6 +180,8 @@ class LLMEngine:
             req = Request(rid, ids, child_params, self.eos_token_ids, arrival, priority, cache_salt,
                           self.max_model_len,
                           wait_for=first if self.kv.enable_prefix_caching else None)
+            if compiled is not None:
+                req.structured = self.structured.new_state(compiled)  # one matcher per sample
             first = first or req
             detok = IncrementalDetokenizer(self.tokenizer, ids, child_params.skip_special_tokens)
             seq = _Sequence(req, i, detok, logprobs=[] if params.logprobs is not None else None)
@@ -253,6 +260,8 @@ class LLMEngine:
             seq.cumulative_logprob += tok_lp
         seq.text += seq.detok.step([token])
         status = request.check_stop_by_token()
+        if status is None and request.structured is not None:
+            status = finish_by_grammar(request, token)
         if status is None:
             status = self._check_stop_strings(seq)
         if status is not None:
@@ -311,6 +320,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop worker processes or actors (a no-op for a single-process engine)."""
         self.executor.shutdown()
+        self.structured.shutdown()
 
     # -- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:

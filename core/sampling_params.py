@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SamplingParams"]
+from pagedserve.structured_output.params import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 _GREEDY_EPS = 1e-5
 
@@ -33,6 +35,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +80,8 @@ class SamplingParams:
             self._stop_list = [s for s in self.stop if s]
         if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
             bad("stop_token_ids", "a list of integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:
