@@ -129,11 +129,11 @@ def test_preemption_keeps_grammars_consistent():
     except FileNotFoundError as e:
         pytest.skip(f"the default model is not installed: {e}")
     # 10 blocks of 16 tokens cannot hold four ~60-token sequences: some are preempted.
-    small = LLM(max_model_len=128, num_gpu_blocks_override=10, threads=1, enable_prefix_caching=False)
+    small = LLM(max_model_len=160, num_gpu_blocks_override=12, threads=1, enable_prefix_caching=False)
     prompts = [f"Person number {i} as JSON:" for i in range(4)]
-    schema = {**PERSON, "properties": {**PERSON["properties"], "bio": {"type": "string", "minLength": 120}},
+    schema = {**PERSON, "properties": {**PERSON["properties"], "bio": {"type": "string", "minLength": 60}},
               "required": ["name", "age", "bio"]}
-    params = SamplingParams(max_tokens=80, temperature=1.0, seed=5,
+    params = SamplingParams(max_tokens=100, temperature=0.7, seed=5,
                             structured_outputs=StructuredOutputsParams(json=schema))
     outs = small.generate(prompts, params, use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0
