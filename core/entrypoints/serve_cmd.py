@@ -57,6 +57,8 @@ def add_parser(subparsers) -> None:
     eng.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
     eng.add_argument("--cpu-offload-gb", type=float, default=0.0,
                      help="GB of layer weights kept in host memory and streamed to the device")
+    from pagedserve.entrypoints.structured_args import add_structured_output_arguments
+    add_structured_output_arguments(p)
     from pagedserve.entrypoints.device_map_arg import add_device_map_argument
 
     add_device_map_argument(eng)
@@ -96,6 +98,7 @@ def read_chat_template(value: str | None) -> str | None:
 def build_engine_config(args: argparse.Namespace):
     from pagedserve.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
                                    SchedulerConfig, parse_memory)
+    from pagedserve.entrypoints.structured_args import structured_outputs_config
     from pagedserve.loader.model_path import DEFAULT_MODEL_ALIAS
 
     names = args.served_model_name or [args.model or DEFAULT_MODEL_ALIAS]
@@ -116,6 +119,7 @@ def build_engine_config(args: argparse.Namespace):
                                 distributed_executor_backend=args.distributed_executor_backend),
         device=DeviceConfig(device=args.device, threads=args.threads, device_map=args.device_map,
                             cpu_bind=args.cpu_bind),
+        structured_outputs=structured_outputs_config(args),
     )
     return config, names, parse_memory(args.max_body_size, "--max-body-size")
 
@@ -150,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config, names, max_body = build_engine_config(args)
         dp = build_dp_config(args)
+        from pagedserve.entrypoints.structured_args import tool_options
+        tools = tool_options(args)
     except ValueError as e:
         raise SystemExit(f"pagedserve serve: {e}") from None
     chat_template = read_chat_template(args.chat_template)
@@ -171,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"pagedserve serve: {e}") from None
         log.info("model %s served by %d data-parallel replicas (%s backend)", names[0], dp.size, dp.backend)
     settings = ServerSettings(served_model_names=names, api_key=resolve_api_key(args),
-                              max_body_bytes=max_body, chat_template=chat_template)
+                              max_body_bytes=max_body, chat_template=chat_template, tool_options=tools)
     app = build_app(served, settings)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable from other machines%s", args.host,

@@ -49,6 +49,8 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = 16 * 2**20
     chat_template: str | None = None
+    #: --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser (a ToolOptions)
+    tool_options: object | None = None
 
 
 class _ApiKeyMiddleware:
@@ -148,6 +150,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     engine.on_request_finished = metrics.observe_finished
     completions = OpenAIServingCompletion(engine, names, settings.chat_template)
     chat = OpenAIServingChat(engine, names, settings.chat_template)
+    if settings.tool_options is not None:
+        chat.tool_options = settings.tool_options
     created = int(time.time())
 
     @contextlib.asynccontextmanager

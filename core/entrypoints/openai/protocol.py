@@ -13,6 +13,8 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pagedserve.entrypoints.openai.errors import ApiError
+from pagedserve.entrypoints.openai.structured import structured_outputs_of
+from pagedserve.entrypoints.openai.tools import message_tool_fields
 from pagedserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -64,6 +66,15 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Output constraints (pagedserve.entrypoints.openai.structured checks them)
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -79,9 +90,11 @@ class CompletionRequest(_GenerationRequest):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None  # str | list of {"type": "text", "text": str}, checked by chat_messages
     name: str | None = None
+    tool_calls: Any = None  # assistant turns; checked by tools.message_tool_fields
+    tool_call_id: str | None = None  # tool turns
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -93,7 +106,9 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # Pydantic's location of an error inside a union names the member type ("list[str]");
@@ -164,13 +179,13 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     raise ApiError(400, f"'{where}.text' must be a string.", param=f"{where}.text")
                 texts.append(part["text"])
             content = "\n".join(texts)
-        elif content is None and m.role == "assistant":
+        elif content is None and m.role in ("assistant", "tool"):
             content = ""
         elif not isinstance(content, str):
             where = f"messages[{i}].content"
             raise ApiError(400, f"'{where}' must be a string or a list of text parts.", param=where)
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": content})
+        out.append(message_tool_fields(m, {"role": role, "content": content}, i))
     return out
 
 
@@ -179,10 +194,6 @@ def _unsupported(request: _GenerationRequest) -> None:
     if isinstance(request, CompletionRequest):
         checks += [("echo", request.echo), ("suffix", bool(request.suffix)),
                    ("best_of", request.best_of not in (None, 1, request.n))]
-    else:
-        checks += [("tools", bool(request.tools)),
-                   ("response_format", bool(request.response_format)
-                    and request.response_format.get("type") != "text")]
     for name, used in checks:
         if used:
             raise ApiError(400, f"'{name}' is not supported by this server.", param=name)
@@ -222,6 +233,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_t
         logprobs=logprobs,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
+        structured_outputs=structured_outputs_of(request),
     )
     try:
         return SamplingParams(**fields)
