@@ -22,7 +22,7 @@ __all__ = ["register_cuda_ops", "register_triton_ops", "KERNELS_ENV", "TRITON_OP
 KERNELS_ENV = "PAGEDSERVE_CUDA_KERNELS"
 _CHOICES = ("triton", "cuda")
 #: The ops served by Triton kernels.
-TRITON_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "gguf_linear")
+TRITON_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "gguf_linear", "apply_token_bitmask")
 #: The ops the CUDA C++ kernels serve under PAGEDSERVE_CUDA_KERNELS=cuda.
 _CUDA_CPP_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks")
 
@@ -75,4 +75,4 @@ def register_cuda_ops(ops: OpRegistry) -> None:
     for name in _CUDA_CPP_OPS:
         ops.register(name, getattr(cuda_ops, name), source="cuda")
     # No CUDA C++ kernel for GGUF blocks: Triton's serves them in either mode.
-    register_triton_ops(ops, "cuda", names=("gguf_linear",))
+    register_triton_ops(ops, "cuda", names=("gguf_linear", "apply_token_bitmask"))

@@ -85,7 +85,8 @@ def plan_tools(request: Any, options: ToolOptions) -> ToolPlan:
             raise ApiError(400, "'tool_choice' needs 'tools'.", param="tool_choice")
         return ToolPlan("none")
     tools = _check_tools(request.tools)
-    if choice is None:
+    defaulted = choice is None
+    if defaulted:
         choice = "auto"
     if isinstance(choice, dict):
         fn = choice.get("function") if choice.get("type") == "function" else None
@@ -108,8 +109,9 @@ def plan_tools(request: Any, options: ToolOptions) -> ToolPlan:
                         constraint=checked_params({"json": schema, "disable_any_whitespace": True}, "tools"))
     if choice == "auto":
         if not options.enable_auto_tool_choice or not options.tool_call_parser:
-            raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to '
-                           "be set", param="tool_choice")
+            where = "'tools' with tool_choice \"auto\" (the default)" if defaulted else '"auto" tool choice'
+            raise ApiError(400, f"{where} requires --enable-auto-tool-choice and --tool-call-parser to be set "
+                           "on the server", param="tools" if defaulted else "tool_choice")
         return ToolPlan("auto", tools, parser=get_tool_parser(options.tool_call_parser))
     raise ApiError(400, f"'tool_choice' must be 'none', 'auto', 'required' or a named function; got {choice!r}.",
                    param="tool_choice")
