@@ -145,3 +145,22 @@ def test_preemption_keeps_grammars_consistent():
             assert o.finish_reason == "length"
     assert any(out.outputs[0].finish_reason == "stop" for out in outs)
     assert small.llm_engine.kv.usage() == 0.0
+
+
+def test_constraint_starts_after_the_reasoning_end_token(llm):
+    engine = llm.llm_engine
+    (end,) = engine.tokenizer.encode(".", add_special_tokens=False)
+    saved = engine.structured.reasoning_end_ids
+    engine.structured.reasoning_end_ids = frozenset({end})  # "." plays </think>
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0.0,
+                                structured_outputs=StructuredOutputsParams(choice=["ALPHA", "BETA"]))
+        ask = [{"role": "user", "content": "Tell me about Paris in two sentences."}]
+        out = llm.chat(ask, params, use_tqdm=False)[0].outputs[0]
+    finally:
+        engine.structured.reasoning_end_ids = saved
+    assert end in out.token_ids, out.text
+    cut = out.token_ids.index(end) + 1
+    free, constrained = out.token_ids[:cut], out.token_ids[cut:]
+    assert engine.tokenizer.decode(constrained) in ("ALPHA", "BETA"), out.text
+    assert out.finish_reason == "stop" and len(free) >= 1
