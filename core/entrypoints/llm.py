@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedserve.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                               StructuredOutputsConfig)
 from pagedserve.engine import LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -54,6 +55,8 @@ class LLM:
         cpu_offload_gb: float = 0.0,
         device_map: str | Sequence[str | tuple[str, int | None]] | None = None,
         cpu_bind: str | None = None,
+        structured_outputs_config: dict | StructuredOutputsConfig | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         if memory_utilization is not None and gpu_memory_utilization is not None \
                 and memory_utilization != gpu_memory_utilization:
@@ -75,6 +78,7 @@ class LLM:
                                     pipeline_parallel_size=pipeline_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend),
             device=DeviceConfig(device=device, threads=threads, device_map=device_map, cpu_bind=cpu_bind),
+            structured_outputs=_structured_config(structured_outputs_config, reasoning_parser),
         )
         if config.device.device_map is not None:
             # Unknown or unavailable platforms anywhere in the map: one ValueError listing
@@ -170,14 +174,35 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Render conversations with the model's chat template and generate replies."""
+        """Render conversations with the model's chat template and generate replies.
+
+        tools: OpenAI-style tool definitions shown to the template (`tools=`);
+        chat_template_kwargs: further template variables (e.g. `enable_thinking`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.llm_engine.tokenizer
         template = chat_template or self.llm_engine.config.model.chat_template
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                           chat_template=template)
+                                           chat_template=template, **(chat_template_kwargs or {}),
+                                           **({"tools": tools} if tools else {}))
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _structured_config(value: dict | StructuredOutputsConfig | None, reasoning_parser: str | None) -> StructuredOutputsConfig:
+    """vLLM's ``structured_outputs_config`` (a dict or the dataclass) plus ``reasoning_parser``."""
+    if isinstance(value, StructuredOutputsConfig):
+        fields = {"backend": value.backend, "reasoning_parser": value.reasoning_parser}
+    elif isinstance(value, dict):
+        fields = dict(value)
+    elif value is None:
+        fields = {}
+    else:
+        raise ValueError(f"structured_outputs_config must be a dict or StructuredOutputsConfig, got {value!r}")
+    if reasoning_parser is not None:
+        fields["reasoning_parser"] = reasoning_parser
+    return StructuredOutputsConfig(**fields)

@@ -51,6 +51,7 @@ class ToolPlan:
     function: str | None = None  # the named function
     constraint: StructuredOutputsParams | None = None
     parser: ToolParser | None = None
+    parallel: bool = True  # parallel_tool_calls: false keeps only the first call under "auto"
 
 
 def _check_tools(tools: Any) -> list[dict]:
@@ -112,7 +113,8 @@ def plan_tools(request: Any, options: ToolOptions) -> ToolPlan:
             where = "'tools' with tool_choice \"auto\" (the default)" if defaulted else '"auto" tool choice'
             raise ApiError(400, f"{where} requires --enable-auto-tool-choice and --tool-call-parser to be set "
                            "on the server", param="tools" if defaulted else "tool_choice")
-        return ToolPlan("auto", tools, parser=get_tool_parser(options.tool_call_parser))
+        return ToolPlan("auto", tools, parser=get_tool_parser(options.tool_call_parser),
+                        parallel=request.parallel_tool_calls is not False)
     raise ApiError(400, f"'tool_choice' must be 'none', 'auto', 'required' or a named function; got {choice!r}.",
                    param="tool_choice")
 
@@ -156,7 +158,8 @@ def parse_tool_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolC
             return text, []  # cut short by max_tokens
         return None, [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
     if plan.mode == "auto":
-        return plan.parser.extract(text)
+        content, calls = plan.parser.extract(text)
+        return content, calls if plan.parallel else calls[:1]
     return text, []
 
 
