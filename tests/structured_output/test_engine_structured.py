@@ -164,3 +164,35 @@ def test_constraint_starts_after_the_reasoning_end_token(llm):
     free, constrained = out.token_ids[:cut], out.token_ids[cut:]
     assert engine.tokenizer.decode(constrained) in ("ALPHA", "BETA"), out.text
     assert out.finish_reason == "stop" and len(free) >= 1
+
+
+def test_structural_tag_constrains_the_tagged_part(llm):
+    import torch
+
+    engine = llm.llm_engine
+    tag = {"type": "structural_tag", "triggers": ["<person>"],
+           "structures": [{"begin": "<person>", "schema": PERSON, "end": "</person>"}]}
+    mgr = engine.structured
+    state = mgr.new_state(mgr.prepare(StructuredOutputsParams(structural_tag=json.dumps(tag))))
+    state.compiled.result()
+    assert state.ready()
+    tok = engine.tokenizer
+
+    def allowed() -> list[str]:
+        mask = torch.full((1, mgr.backend.bitmask_width), -1, dtype=torch.int32)
+        state.fill_bitmask(mask, 0, mgr.stop_token_ids)
+        logits = torch.zeros(1, engine.arch.vocab_size)
+        engine.ops.apply_token_bitmask(logits, mask)
+        return [tok.decode([i], skip_special_tokens=False) for i in (~logits[0].isneginf()).nonzero().flatten()]
+
+    free = allowed()
+    assert len(free) > 1000  # outside the tag: free text
+    for t in tok.encode("Here: <person>", add_special_tokens=False):
+        assert state.accept(t)
+    inside = allowed()
+    assert inside and all(s.strip() == "" or s.strip().startswith("{") for s in inside), inside[:20]
+    for t in tok.encode('{"name": "Al", "age": 3}</person>', add_special_tokens=False):
+        assert state.accept(t)
+    assert len(allowed()) > 1000  # free again after the end tag
+    for t in tok.encode('{"name": 5', add_special_tokens=False)[:1]:
+        assert state.accept(t)  # "{" outside the tag is plain text
