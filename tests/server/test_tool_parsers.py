@@ -110,3 +110,53 @@ def test_streamed_reasoning_then_content():
     assert "".join(d.get("content", "") for d in deltas) == "the answer"
     msg, _ = shaper.message("<think>a plan</think>the answer", "stop")
     assert msg == {"role": "assistant", "content": "the answer", "reasoning_content": "a plan"}
+
+
+TEMPLATE = ("{% for t in tools or [] %}TOOL {{ t.function.name }} {{ t.function.parameters | tojson }}\n{% endfor %}"
+            "{% for m in messages %}[{{ m.role }}]"
+            "{% if m.tool_calls %}{% for c in m.tool_calls %} CALL {{ c.function.name }} "
+            "{{ c.function.arguments.a }}{% endfor %}{% endif %}"
+            "{% if m.role == 'tool' %} RESULT-FOR {{ m.tool_call_id }}{% endif %} {{ m.content or '' }}\n"
+            "{% endfor %}{% if enable_thinking is defined %}thinking={{ enable_thinking }}{% endif %}")
+
+
+def test_tool_history_and_tools_reach_the_template():
+    from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_messages
+    from pagedserve.loader.chat_template import render_chat_template
+
+    body = {"messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 7}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+        "tools": [TOOL], "tool_choice": "none", "chat_template_kwargs": {"enable_thinking": False}}
+    request = ChatCompletionRequest.model_validate(body)
+    messages = chat_messages(request.messages)
+    from pagedserve.entrypoints.openai.chat_tools import ChatToolsMixin
+
+    kwargs = ChatToolsMixin().template_kwargs(request)
+    text = render_chat_template(TEMPLATE, messages, **kwargs)
+    assert 'TOOL f {"type": "object"' in text
+    assert "[assistant] CALL f 7" in text  # arguments handed over as an object
+    assert "[tool] RESULT-FOR c1 42" in text
+    assert text.endswith("thinking=False")
+
+
+def test_bad_tool_history_is_400():
+    from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_messages
+
+    bad = ChatCompletionRequest.model_validate({"messages": [{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]})
+    with pytest.raises(ApiError) as e:
+        chat_messages(bad.messages)
+    assert e.value.status == 400 and "arguments" in e.value.body()["error"]["param"]
+    with pytest.raises(ApiError):
+        _template_kwargs({"messages": [{"role": "user", "content": "x"}],
+                               "chat_template_kwargs": {"messages": []}})
+
+
+def _template_kwargs(body: dict) -> dict:
+    from pagedserve.entrypoints.openai.chat_tools import ChatToolsMixin
+    from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+
+    return ChatToolsMixin().template_kwargs(ChatCompletionRequest.model_validate(body))
