@@ -82,6 +82,9 @@ class SamplingParams:
             bad("stop_token_ids", "a list of integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "a StructuredOutputsParams")
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            # The grammar decides where the output ends; banning EOS there leaves no token.
+            bad("min_tokens", "0 with structured_outputs (the grammar decides where the output ends)")
 
     @property
     def greedy(self) -> bool:

@@ -85,6 +85,8 @@ def test_params_need_exactly_one_constraint():
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="choice"):
         StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a"))
 
 
 def test_unknown_backend_is_refused():
