@@ -103,6 +103,7 @@ class XgrammarBackend:
     def compile(self, grammar: Any) -> Any:
         return self.compiler.compile_grammar(grammar)
 
-    def matcher(self, compiled: Any) -> Any:
+    @staticmethod
+    def matcher(compiled: Any) -> Any:
         # Rollback history is unlimited in xgrammar >= 0.1.25 (max_rollback_tokens is deprecated).
         return _xgr().GrammarMatcher(compiled)

@@ -41,7 +41,6 @@ class GrammarState:
     emitted one of these tokens (the end of a ``<think>`` section).
     """
 
-    backend: XgrammarBackend
     compiled: Future
     reasoning_end_ids: frozenset[int] | None = None
     matcher: Any = field(default=None, init=False)
@@ -56,7 +55,7 @@ class GrammarState:
         if not self.compiled.done():
             return False
         try:
-            self.matcher = self.backend.matcher(self.compiled.result())
+            self.matcher = XgrammarBackend.matcher(self.compiled.result())
         except Exception as e:  # a grammar that validated but did not compile: end the sequence
             self.failed = f"{type(e).__name__}: {e}"
             logger.error("structured output grammar failed to compile: %s", self.failed)
@@ -132,9 +131,14 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None
 
     @property
+    def bitmask_width(self) -> int:
+        """int32 words per bitmask row (the logits' width / 32, rounded up)."""
+        return (self.vocab_size + 31) // 32
+
+    @property
     def backend(self) -> XgrammarBackend:
-        # Built on first use: reading the vocabulary takes a moment that requests
-        # without constraints should not pay at startup.
+        # Built on first use, on the worker thread: reading the vocabulary takes a
+        # second or two that neither startup nor the step loop should pay.
         with self._backend_lock:
             if self._backend is None:
                 self._backend = XgrammarBackend(self._tokenizer, self.vocab_size, self.stop_token_ids)
@@ -153,22 +157,21 @@ class StructuredOutputManager:
         grammar = build_grammar(params)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-grammar")
-        backend = self.backend
-        fut = self._pool.submit(backend.compile, grammar)
+        fut = self._pool.submit(lambda: self.backend.compile(grammar))
         self._cache[key] = fut
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return fut
 
     def new_state(self, compiled: Future) -> GrammarState:
-        return GrammarState(self.backend, compiled, self.reasoning_end_ids)
+        return GrammarState(compiled, self.reasoning_end_ids)
 
     def apply(self, ops, logits: torch.Tensor, requests: list) -> torch.Tensor:
         """Mask ``logits`` [rows, vocab] in place for the rows whose request is constrained."""
         rows = [i for i, r in enumerate(requests) if r.structured is not None and r.structured.constraining]
         if not rows:
             return logits
-        bitmask = torch.full((len(rows), self.backend.bitmask_width), -1, dtype=torch.int32)
+        bitmask = torch.full((len(rows), self.bitmask_width), -1, dtype=torch.int32)
         for j, i in enumerate(rows):
             requests[i].structured.fill_bitmask(bitmask, j, self.stop_token_ids)
         indices = None if len(rows) == logits.shape[0] else torch.tensor(rows, dtype=torch.int64)

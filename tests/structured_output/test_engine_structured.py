@@ -181,7 +181,7 @@ def test_structural_tag_constrains_the_tagged_part(llm):
     tok = engine.tokenizer
 
     def allowed() -> list[str]:
-        mask = torch.full((1, mgr.backend.bitmask_width), -1, dtype=torch.int32)
+        mask = torch.full((1, mgr.bitmask_width), -1, dtype=torch.int32)
         state.fill_bitmask(mask, 0, mgr.stop_token_ids)
         logits = torch.zeros(1, engine.arch.vocab_size)
         engine.ops.apply_token_bitmask(logits, mask)
