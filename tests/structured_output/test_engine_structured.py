@@ -198,3 +198,30 @@ def test_structural_tag_constrains_the_tagged_part(llm):
     assert len(allowed()) > 1000  # free again after the end tag
     for t in tok.encode('{"name": 5', add_special_tokens=False)[:1]:
         assert state.accept(t)  # "{" outside the tag is plain text
+
+
+def test_rollback_undoes_accepted_tokens(llm):
+    import torch
+
+    engine = llm.llm_engine
+    mgr, tok = engine.structured, engine.tokenizer
+    state = mgr.new_state(mgr.prepare(StructuredOutputsParams(choice=["apple pie", "banana split"])))
+    state.compiled.result()
+    assert state.ready()
+
+    def allowed() -> torch.Tensor:
+        mask = torch.full((1, mgr.bitmask_width), -1, dtype=torch.int32)
+        state.fill_bitmask(mask, 0, mgr.stop_token_ids)
+        return mask.clone()
+
+    start = allowed()
+    ids = tok.encode("apple pie", add_special_tokens=False)
+    for t in ids:
+        assert state.accept(t)
+    assert not torch.equal(allowed(), start)
+    state.rollback(len(ids))  # as if speculative tokens were rejected
+    assert torch.equal(allowed(), start)
+    for t in tok.encode("banana split", add_special_tokens=False):
+        assert state.accept(t)
+    with pytest.raises(ValueError, match="roll back"):
+        state.rollback(100)
