@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup setup-serve test serve generate kernels clean
+.PHONY: setup setup-serve test test-slow fuzz fuzz-loader chaos serve generate kernels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,24 @@ setup: setup-serve
 kernels: $(PY)
 	$(VENV)/bin/pagedserve build-kernels --verbose
 
+# CI runs everything but the long checks marked `slow`; `make test-slow` runs those.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+test-slow: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m slow
+
+# The long fuzz and chaos runs (`make test` runs short versions of both).
+FUZZ_EXAMPLES ?= 1000
+fuzz: setup
+	PAGEDSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/fuzz
+
+chaos: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/chaos
+
+# Mutation fuzzing of the GGUF and safetensors loaders, the long run (the suite runs ~100).
+fuzz-loader: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m slow tests/loader/test_loader_mutations.py
 
 serve: setup-serve
 	$(VENV)/bin/pagedserve serve

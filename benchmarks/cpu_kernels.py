@@ -25,7 +25,8 @@ from pagedserve.kernels import reference
 from pagedserve.kernels.cpu import load_cpu_kernels
 from pagedserve.kernels.cpu.hugepages import empty_huge_pages
 
-__all__ = ["time_call", "attention_inputs", "prefill_inputs", "bench_attention", "bench_prefill", "bench_ops", "bench_linear", "main"]
+__all__ = ["time_call", "attention_inputs", "prefill_inputs", "bench_attention", "bench_prefill", "bench_ops",
+           "bench_linear", "main"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 

@@ -66,7 +66,7 @@ def run_llm(model: str, prompts, max_tokens: int, **kwargs) -> dict:
 
 def run_disagg(model: str, prompts, max_tokens: int, threads: int) -> dict:
     from pagedserve import SamplingParams
-    from pagedserve.distributed.disagg import DisaggregatedLLM
+    from pagedserve.serving.disagg import DisaggregatedLLM
 
     dllm = DisaggregatedLLM(model=model, prefill_threads=threads, threads=threads, dtype="float32",
                             kv_cache_memory="1GiB", max_model_len=2048)

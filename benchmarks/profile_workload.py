@@ -28,7 +28,8 @@ from workloads import WORKLOADS, make_workload  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="mixed", choices=WORKLOADS)
-    p.add_argument("--model-dir", default=str(pathlib.Path.home() / ".cache/pagedserve-bench/SmolLM2-135M-Instruct-bf16"),
+    p.add_argument("--model-dir",
+                   default=str(pathlib.Path.home() / ".cache/pagedserve-bench/SmolLM2-135M-Instruct-bf16"),
                    help="bf16 checkpoint folder (benchmarks/README.md makes it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     for b in sorted(buckets):
         rows = buckets[b]
         secs = sum(s for _, s in rows)
-        print(f"| {max(b, 1)}-{b + 7} | {len(rows)} | {1000 * secs / len(rows):.1f} | {sum(n for n, _ in rows) / secs:.0f} |")
+        print(f"| {max(b, 1)}-{b + 7} | {len(rows)} | {1000 * secs / len(rows):.1f} "
+              f"| {sum(n for n, _ in rows) / secs:.0f} |")
     return 0
 
 

@@ -5,7 +5,8 @@
     python benchmarks/quantization.py --kernels     # one matmul: bf16 vs GGUF blocks
 
 "none" is the model dequantized to --dtype (bf16).  Decode tokens/s: ``batch`` requests
-are prefilled in one engine step, then ``tokens`` decode steps are timed.  Prints a markdown table (plus `uptime`, since the machine is shared).
+are prefilled in one engine step, then ``tokens`` decode steps are timed.  Prints a markdown
+table (plus `uptime`, since the machine is shared).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def kernels(batches: list[int]) -> None:
     import torch
 
     from pagedserve.kernels.quant_reference import GGUF_BLOCK_BYTES
-    from pagedserve.quantization.native import load_quant_kernels
+    from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 
     module = load_quant_kernels()
     print(f"kernel ISA: {module.isa()}; threads {torch.get_num_threads()}")
@@ -83,7 +84,7 @@ def main() -> None:
     if args.kernels:
         kernels(batches + [64])
         return
-    print(f"| method | weights MiB | " + " | ".join(f"decode tok/s b={b}" for b in batches) + " |")
+    print("| method | weights MiB | " + " | ".join(f"decode tok/s b={b}" for b in batches) + " |")
     print("|---|---|" + "---|" * len(batches))
     for method in args.methods.split(","):
         llm = LLM(model=args.model, quantization=method, dtype=args.dtype, kv_cache_memory="64MiB",

@@ -27,7 +27,8 @@ from pagedserve.engine import EngineStats, LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLMEngine", "RequestStream", "QueueFullError", "EngineDeadError", "RequestFailedError"]
+__all__ = ["AsyncLLMEngine", "RequestStream", "QueueFullError", "EngineDeadError", "RequestFailedError",
+           "EngineStepError"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,10 @@ class RequestFailedError(RuntimeError):
     """The engine failed while running this request; other requests are unaffected."""
 
 
+class EngineStepError(EngineDeadError):
+    """A step failed for the whole batch: the engine stopped (see `AsyncLLMEngine.fatal_error`)."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -52,6 +57,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     priority: int
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -127,6 +133,9 @@ class AsyncLLMEngine:
             wait to be scheduled; default `engine.config.scheduler.max_queue_len`.
     """
 
+    #: add_request takes cache_salt (the data-parallel router does not yet).
+    supports_cache_salt = True
+
     def __init__(self, engine: LLMEngine, max_queue_len: int | None = None) -> None:
         self.engine = engine
         self.max_queue_len = max_queue_len if max_queue_len is not None else engine.config.scheduler.max_queue_len
@@ -138,8 +147,14 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: BaseException | None = None
-        #: Called on the event loop with each finished RequestOutput (metrics).
-        self.on_request_finished: Callable[[RequestOutput], None] | None = None
+        self._engine_stopped = False
+        #: The error that stopped the engine thread, or None (running, or shut down on request).
+        self.fatal_error: BaseException | None = None
+        #: Called on the event loop once if the engine thread dies of an error (the server
+        #: then turns unhealthy and exits non-zero).
+        self.on_engine_dead: Callable[[BaseException], None] | None = None
+        #: Called on the event loop with every RequestOutput, finished or not (metrics).
+        self.on_request_output: Callable[[RequestOutput], None] | None = None
 
     # -- properties read by the server (immutable after construction) ----------------------
     @property
@@ -168,17 +183,19 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Abort everything in flight, stop the engine thread and join it."""
+        """Abort everything in flight, stop the engine thread and join it, then stop the
+        engine's worker processes (also after the thread died of an error)."""
         thread = self._thread
-        if thread is None or not thread.is_alive():
-            return
-        self._commands.put(_STOP)
-        thread.join(timeout)
-        if thread.is_alive():
-            logger.error("engine thread did not stop within %.0f s", timeout)
-            return
-        # Worker processes or actors of a multi-rank engine go with it.
-        self.engine.shutdown()
+        if thread is not None and thread.is_alive():
+            self._commands.put(_STOP)
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.error("engine thread did not stop within %.0f s", timeout)
+                return
+        if not self._engine_stopped:
+            self._engine_stopped = True
+            # Worker processes or actors of a multi-rank engine go with it.
+            self.engine.shutdown()
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt: str | list[int] | None,
@@ -193,6 +210,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream once the engine thread has accepted it.
 
@@ -211,7 +229,7 @@ class AsyncLLMEngine:
             self._pending_adds += params.n
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, text, ids, params, time.monotonic(), priority))
+        self._commands.put(_Add(request_id, text, ids, params, time.monotonic(), priority, cache_salt))
         try:
             await stream._accepted
         except BaseException:
@@ -255,8 +273,8 @@ class AsyncLLMEngine:
                     self._step(events)
                     self._publish(events)
         except BaseException as e:  # noqa: BLE001 - reported to every waiting caller below
-            logger.exception("engine thread died")
-            self._dead = e
+            logger.critical("engine thread died; failing every request and stopping", exc_info=e)
+            self._dead = self.fatal_error = e
         finally:
             if self._dead is None:
                 self._dead = EngineDeadError("the engine has shut down")
@@ -267,6 +285,11 @@ class AsyncLLMEngine:
             except Exception:  # noqa: BLE001 - best effort while dying; already logged
                 logger.exception("aborting requests at shutdown failed")
             self._publish([(rid, err) for rid in list(self._streams)])
+            if self.fatal_error is not None and self._loop is not None and self.on_engine_dead is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self.on_engine_dead, self.fatal_error)
+                except RuntimeError:  # the loop is closed: the process is going anyway
+                    pass
 
     def _handle_commands(self, block: bool, events: list[tuple[str, object]]) -> bool:
         """Apply queued adds and aborts; False when asked to stop."""
@@ -287,7 +310,8 @@ class AsyncLLMEngine:
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                             prompt_token_ids=cmd.prompt_token_ids,
-                                            arrival_time=cmd.arrival_time, priority=cmd.priority)
+                                            arrival_time=cmd.arrival_time, priority=cmd.priority,
+                                            cache_salt=cmd.cache_salt)
                     events.append((cmd.request_id, _ACCEPTED))
                 except ValueError as e:
                     events.append((cmd.request_id, e))
@@ -299,18 +323,19 @@ class AsyncLLMEngine:
         return True
 
     def _step(self, events: list[tuple[str, object]]) -> None:
-        engine = self.engine
+        """One engine step.  A request that fails on its own (its output carries `error`)
+        fails alone; an exception out of `step()` is engine-wide: it propagates and stops
+        the engine, since a half-applied step leaves no state worth serving from."""
         try:
-            outputs = engine.step()
-        except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
-            failed = engine.running_request_ids()
-            logger.exception("engine step failed; aborting its %d request(s)", len(failed))
-            engine.abort_request(failed)
-            err = RequestFailedError(f"the engine failed while running this request: {type(e).__name__}: {e}")
-            events.extend((rid, err) for rid in failed)
-        else:
-            events.extend((out.request_id, out) for out in outputs)
-        self._stats = engine.stats()
+            outputs = self.engine.step()
+        except Exception as e:
+            raise EngineStepError(f"the engine failed during a step: {type(e).__name__}: {e}") from e
+        for out in outputs:
+            if out.error is not None:
+                events.append((out.request_id, RequestFailedError(f"this request failed: {out.error}")))
+            else:
+                events.append((out.request_id, out))
+        self._stats = self.engine.stats()
 
     def _publish(self, events: list[tuple[str, object]]) -> None:
         if not events or self._loop is None:
@@ -323,11 +348,11 @@ class AsyncLLMEngine:
     def _dispatch(self, events: list[tuple[str, object]]) -> None:
         """On the event loop: route each output or error to its stream."""
         for rid, item in events:
-            if isinstance(item, RequestOutput) and item.finished and self.on_request_finished is not None:
+            if isinstance(item, RequestOutput) and self.on_request_output is not None:
                 try:
-                    self.on_request_finished(item)
+                    self.on_request_output(item)
                 except Exception:  # noqa: BLE001 - metrics must never break serving
-                    logger.exception("on_request_finished callback failed")
+                    logger.exception("on_request_output callback failed")
             stream = self._streams.get(rid)
             if stream is None:
                 continue

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from pagedserve.config_rules import check_engine_config
+from pagedserve.structured_params import BACKENDS, REASONING_PARSERS, structured_outputs_fields
 
 __all__ = [
     "ModelConfig",
@@ -17,6 +19,7 @@ __all__ = [
     "StructuredOutputsConfig",
     "DeviceMapEntry",
     "parse_memory",
+    "FP8_KV_CACHE_DTYPES",
     "parse_device_map",
     "device_map_layers",
 ]
@@ -60,6 +63,9 @@ class DeviceMapEntry:
         return self.platform if self.count is None else f"{self.platform}:{self.count}"
 
 
+# The KV cache is kept in the model's dtype: "auto" or that dtype's name (checked against
+# the resolved dtype by the engine); fp8 and other cache-only dtypes are refused until they exist.
+_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _SEGMENT = re.compile(r"(?P<name>[^:,\s]+)(?::(?:(?P<first>\d+)-(?P<last>\d+)|(?P<count>\d+)))?")
 
 
@@ -171,53 +177,85 @@ def device_map_layers(entries: Sequence[DeviceMapEntry], num_layers: int) -> lis
     return out
 
 
+def _help(text: str, **extra) -> dict:
+    """Field metadata: ``help`` is the flag's help text and the docs' description; the
+    optional keys (``flag``, ``aliases``, ``choices``, ``parse``, ``metavar``, ``cli``)
+    are read by :mod:`pagedserve.entrypoints.engine_args`."""
+    return {"help": text, **extra}
+
+
 @dataclass
 class ModelConfig:
     """Which model and how to run it.  ``model=None`` is the default model alias."""
 
-    model: str | None = None
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    max_model_len: int | None = None
-    seed: int = 0
-    tokenizer: str | None = None
-    chat_template: str | None = None
-    served_model_name: str | None = None
-    quantization: str | None = None
+    model: str | None = field(default=None, metadata=_help(
+        "the model: a Hugging Face checkpoint folder, a .gguf file, or the default model's alias "
+        "(smollm2-135m-instruct, used when unset); commands take it as their positional MODEL", cli=False))
+    dtype: str = field(default="auto", metadata=_help(
+        "weights and activations dtype: auto (the platform's default), float32, bfloat16 or float16"))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "context length (prompt plus output) in tokens; default: the model's max_position_embeddings"))
+    seed: int = field(default=0, metadata=_help("seed of the engine's random state"))
+    tokenizer: str | None = field(default=None, metadata=_help(
+        "a tokenizer other than the model's: a folder with tokenizer.json, a .gguf file, or the default "
+        "model's alias"))
+    chat_template: str | None = field(default=None, metadata=_help(
+        "Jinja2 chat template text overriding the model's (`serve --chat-template` also reads a file)",
+        cli=False))
+    served_model_name: str | None = field(default=None, metadata=_help(
+        "the name clients use for the model (`serve --served-model-name` takes several)", cli=False))
+    quantization: str | None = field(default=None, metadata=_help(
+        "none, auto (from the checkpoint; default), gguf, int8, w8a8, fp8, gptq, awq (docs/quantization.md)"))
+    max_logprobs: int = field(default=20, metadata=_help(
+        "most log-probabilities a request may ask for per token (logprobs, top_logprobs); more is refused"))
+    generation_config: str = field(default="auto", metadata=_help(
+        "sampling defaults: 'auto' (the checkpoint's generation_config.json), 'ignore', or a folder holding one"))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+
+#: --kv-cache-dtype values vLLM accepts that pagedserve does not implement yet.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 
 
 @dataclass
 class CacheConfig:
     """Paged KV cache settings.
 
-    kv_cache_memory: bytes (or "4GiB") for KV blocks; takes precedence over
-    memory_utilization, the fraction of the platform's memory the engine may use
-    with weights included (vLLM's gpu_memory_utilization).
-
-    Memory hierarchy (docs/memory.md):
-    kv_offload_memory: bytes (or "8GiB") of host memory for a second tier of KV blocks:
-        evicted prefix-cache blocks spill there and are reloaded instead of recomputed,
-        and preempted requests may be swapped there.  None: no host tier.
-    preemption_mode: "auto" (swap or recompute by a cost model; recompute without a
-        host tier), "swap" (whenever the host tier has room) or "recompute".
-    cpu_offload_gb: GB (10**9 bytes) of layer weights kept in host memory and streamed
-        to the device layer by layer during the forward.
+    kv_cache_memory takes precedence over memory_utilization (vLLM's
+    gpu_memory_utilization), and num_gpu_blocks_override over both.  The memory
+    hierarchy (kv_offload_memory, preemption_mode, cpu_offload_gb) is described in
+    docs/memory.md.
     """
 
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None
-    memory_utilization: float | None = None  # None: the platform's default
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    cache_dtype: str = "auto"
-    kv_offload_memory: int | str | None = None
-    preemption_mode: str = "auto"  # auto | swap | recompute
-    cpu_offload_gb: float = 0.0
+    block_size: int = field(default=16, metadata=_help("tokens per KV-cache block (a power of two)"))
+    kv_cache_memory: int | str | None = field(default=None, metadata=_help(
+        "bytes for KV-cache blocks, e.g. 4GiB; takes precedence over --gpu-memory-utilization"))
+    memory_utilization: float | None = field(default=None, metadata=_help(
+        "fraction of the device's memory for weights, activations and KV cache (default: the platform's)",
+        flag="--gpu-memory-utilization", aliases=["--memory-utilization"]))
+    enable_prefix_caching: bool = field(default=True, metadata=_help(
+        "reuse the KV blocks of shared prompt prefixes"))
+    num_gpu_blocks_override: int | None = field(default=None, metadata=_help(
+        "this many KV-cache blocks, whatever the memory budget says (on any platform)",
+        aliases=["--num-kv-blocks-override"]))
+    cache_dtype: str = field(default="auto", metadata=_help(
+        "KV-cache dtype: auto (the model's dtype); fp8 variants are not implemented yet",
+        flag="--kv-cache-dtype"))
+    kv_offload_memory: int | str | None = field(default=None, metadata=_help(
+        "host memory for a second tier of KV blocks, e.g. 8GiB: evicted prefix-cache blocks spill there "
+        "and preempted requests may swap there (docs/memory.md)"))
+    preemption_mode: str = field(default="auto", metadata=_help(
+        "auto (swap or recompute by a cost model), swap (whenever the host tier has room) or recompute",
+        choices=["auto", "swap", "recompute"]))
+    cpu_offload_gb: float = field(default=0.0, metadata=_help(
+        "GB (10**9 bytes) of layer weights kept in host memory and streamed to the device"))
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -228,6 +266,9 @@ class CacheConfig:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory, "kv_cache_memory")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.cache_dtype in FP8_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} is not implemented yet (there is no fp8 KV "
+                             "cache yet): the KV cache is stored in the model's dtype; use kv_cache_dtype='auto'")
         if self.kv_offload_memory is not None:
             self.kv_offload_memory = parse_memory(self.kv_offload_memory, "kv_offload_memory")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
@@ -236,18 +277,30 @@ class CacheConfig:
             raise ValueError("preemption_mode='swap' needs a host KV tier: set kv_offload_memory")
         if not self.cpu_offload_gb >= 0:
             raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
+        if self.cache_dtype not in _CACHE_DTYPES:
+            raise ValueError(f"cache_dtype={self.cache_dtype!r} is not supported: the KV cache is kept in the "
+                             f"model's dtype, so cache_dtype must be 'auto' or that dtype's name "
+                             f"({', '.join(repr(n) for n in _CACHE_DTYPES[1:])}); there is no fp8 KV cache yet")
 
 
 @dataclass
 class SchedulerConfig:
     """Continuous batching: one token budget per step."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # fcfs | priority
-    delay_factor: float = 0.0
-    max_queue_len: int | None = None
+    max_num_seqs: int = field(default=256, metadata=_help("most sequences running in one step"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_help(
+        "token budget of one step (prompt chunks plus decodes)"))
+    enable_chunked_prefill: bool = field(default=True, metadata=_help(
+        "split long prompts across steps; when off a prompt is scheduled whole, and prompts longer than "
+        "--max-num-batched-tokens are refused"))
+    policy: str = field(default="fcfs", metadata=_help(
+        "fcfs (arrival order) or priority (lower value first; preempts the lowest priority)",
+        flag="--scheduling-policy", choices=["fcfs", "priority"]))
+    delay_factor: float = field(default=0.0, metadata=_help(
+        "hold new prompts up to this many times the last step's latency so arrivals batch",
+        flag="--scheduler-delay-factor"))
+    max_queue_len: int | None = field(default=None, metadata=_help(
+        "answer 503 while this many sequences wait to be scheduled (default: unbounded)"))
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -264,18 +317,17 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    """Ranks = tensor_parallel_size * pipeline_parallel_size.
+    """Ranks: ``world_size`` = tensor_parallel_size * pipeline_parallel_size."""
 
-    distributed_executor_backend: "uni" (one process), "mp" (local worker processes) or
-    "ray" (Ray actors); None picks "uni" for one rank and "mp" otherwise.
-    distributed_timeout_s: how long a collective (or the start-up rendezvous) may wait
-    for a rank before failing instead of hanging.
-    """
-
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    distributed_timeout_s: float = 300.0
+    tensor_parallel_size: int = field(default=1, metadata=_help(
+        "ranks each layer's weights are split across", aliases=["-tp"]))
+    pipeline_parallel_size: int = field(default=1, metadata=_help(
+        "pipeline stages the layers are split into", aliases=["-pp"]))
+    distributed_executor_backend: str | None = field(default=None, metadata=_help(
+        "how ranks run: uni (one process), mp (local worker processes) or ray (Ray actors); default: uni "
+        "for one rank, else mp", choices=["uni", "mp", "ray"]))
+    distributed_timeout_s: float = field(default=300.0, metadata=_help(
+        "seconds a collective (or the start-up rendezvous) may wait for a rank before failing"))
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -287,6 +339,11 @@ class ParallelConfig:
                              f"got {self.distributed_executor_backend!r}")
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor_parallel_size * pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -308,18 +365,24 @@ def parse_cpu_list(text: str) -> list[int]:
 class DeviceConfig:
     """Platform selection (None = PAGEDSERVE_TARGET_DEVICE or auto-detect) and threads.
 
-    device_map: decoder layers split across platforms, e.g. "cuda:20,cpu" or
-        "cpu:0-14,cuda:15-29" (docs/memory.md); normalised to that string form.  Its
-        first platform is the engine's platform (``device`` may only repeat it): it
-        embeds the tokens and its default dtype is what ``dtype="auto"`` picks.
+    device_map: decoder layers split across platforms (docs/memory.md); normalised to
+        its string form.  Its first platform is the engine's platform (``device`` may
+        only repeat it): it embeds the tokens and its default dtype is what
+        ``dtype="auto"`` picks.
     """
 
-    device: str | None = None
-    threads: int | None = None
-    device_map: str | Sequence[str | tuple[str, int | None]] | None = None
+    device: str | None = field(default=None, metadata=_help(
+        "platform name (default: PAGEDSERVE_TARGET_DEVICE or auto-detect)"))
+    threads: int | None = field(default=None, metadata=_help("CPU threads for the model"))
+    device_map: str | Sequence[str | tuple[str, int | None]] | None = field(default=None, metadata=_help(
+        "decoder layers split across platforms: 'cuda:20,cpu' (the first 20 layers on cuda, the rest on cpu) "
+        "or inclusive ranges 'cpu:0-14,cuda:15-29' (docs/memory.md)",
+        parse="pagedserve.entrypoints.device_map_arg:device_map_arg", metavar="MAP"))
     #: Host cores for the model's threads, e.g. "0-3": thread i runs on the i-th core
     #: listed (the platform's ``configure_threads``); threads defaults to their number.
-    cpu_bind: str | None = None
+    cpu_bind: str | None = field(default=None, metadata=_help(
+        "pin the model's threads to these host cores, one each, e.g. 0-3 (threads defaults to their number)",
+        metavar="CPUS"))
     #: ``cpu_bind`` parsed: the cores, in thread order (None without it).
     bind_cores: list[int] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -337,8 +400,9 @@ class DeviceConfig:
         entries = parse_device_map(self.device_map)
         self.device_map = ",".join(map(str, entries))
         first = entries[0].platform
+        from pagedserve.platforms.options import target_device  # platform selection's one reader
         for source, name in (("device", self.device),
-                             ("PAGEDSERVE_TARGET_DEVICE", os.environ.get("PAGEDSERVE_TARGET_DEVICE"))):
+                             ("PAGEDSERVE_TARGET_DEVICE", target_device())):
             name = (name or "").strip()
             if name not in ("", "auto", first):
                 raise ValueError(f"{source}={name!r} conflicts with device_map={self.device_map!r}, whose first "
@@ -351,19 +415,24 @@ class DeviceConfig:
 class StructuredOutputsConfig:
     """Structured outputs (docs/structured_outputs.md), vLLM's ``structured_outputs_config``.
 
-    backend: "auto" or "xgrammar".  reasoning_parser: the model's reasoning format
-    ("deepseek_r1", "qwen3"); constraints then apply after its ``</think>``.
+    backend: "auto" or "xgrammar" (set by the ``structured_outputs_config`` keyword and
+    ``--structured-outputs-config`` flag, which take the whole section).  reasoning_parser:
+    the model's reasoning format ("deepseek_r1", "qwen3"); constraints then apply after
+    its ``</think>``.
     """
 
-    backend: str = field(default="auto", metadata={"help": "grammar backend for structured outputs: auto, xgrammar"})
-    reasoning_parser: str | None = field(
-        default=None, metadata={"help": "reasoning format of the model (deepseek_r1, qwen3): constraints apply "
-                                        "after its reasoning section"})
+    backend: str = field(default="auto", metadata=_help(
+        'structured outputs settings: JSON such as {"backend": "xgrammar"} (backend: auto or xgrammar; '
+        'reasoning_parser as below); the keyword also takes a dict, a StructuredOutputsConfig or a backend name',
+        flag="--structured-outputs-config", parse="pagedserve.structured_params:parse_structured_outputs_config",
+        metavar="JSON"))
+    reasoning_parser: str | None = field(default=None, metadata=_help(
+        "reasoning format of the model: its reasoning section goes to reasoning_content and constraints "
+        "(structured outputs, tool calls) apply after it", choices=list(REASONING_PARSERS)))
 
     def __post_init__(self) -> None:
-        from pagedserve.structured_output.backend import BACKENDS
-        from pagedserve.structured_output.reasoning import REASONING_PARSERS
-
+        # `structured_outputs_config` (the flag's JSON, a dict or a config) fills both fields.
+        self.backend, self.reasoning_parser = structured_outputs_fields(self.backend, self.reasoning_parser)
         if self.backend not in BACKENDS:
             raise ValueError(f"structured_outputs_config.backend must be one of {', '.join(BACKENDS)}; "
                              f"got {self.backend!r}")
@@ -374,6 +443,13 @@ class StructuredOutputsConfig:
 
 @dataclass
 class EngineConfig:
+    """Every engine setting, one dataclass per concern.
+
+    Construction checks each section and every rule across sections (e.g. features not
+    supported with tensor/pipeline parallelism; see ``pagedserve.config_rules``), so a bad
+    combination fails before any model or worker work.
+    """
+
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -382,22 +458,12 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
-        self.check_device_map()
+        self.validate()
+
+    def validate(self) -> None:
+        """ValueError naming the first pair of settings that cannot be combined."""
+        check_engine_config(self)
 
     def check_device_map(self) -> None:
-        """ValueError for settings a device map cannot be combined with (yet)."""
-        dm = self.device.device_map
-        if dm is None:
-            return
-        par = self.parallel
-        if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
-            raise ValueError(f"device_map={dm!r} cannot be combined with tensor/pipeline parallelism "
-                             f"(tensor_parallel_size={par.tensor_parallel_size}, pipeline_parallel_size="
-                             f"{par.pipeline_parallel_size}): a device map splits one rank's layers")
-        if par.distributed_executor_backend not in (None, "uni"):
-            raise ValueError(f"device_map={dm!r} runs in the engine's process; distributed_executor_backend="
-                             f"{par.distributed_executor_backend!r} is not supported with it")
-        if self.cache.cpu_offload_gb:
-            raise ValueError(f"device_map={dm!r} cannot be combined with cpu_offload_gb="
-                             f"{self.cache.cpu_offload_gb}: place layers on the host platform with the map "
-                             "instead (e.g. 'cuda:20,cpu'), where they run rather than being streamed")
+        """The cross-section rules (a device map's included); kept for callers of this name."""
+        check_engine_config(self)

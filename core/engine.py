@@ -8,27 +8,37 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.config_rules import check_logprobs_limit, check_parallel_fits_model, check_prompt_fits_step
 from pagedserve.executor.executor import create_executor
-from pagedserve.executor.model_runner import resolve_dtype
+from pagedserve.executor.model_runner import check_cache_dtype, resolve_dtype
 from pagedserve.kv_cache.host_tier import TieredKVCacheManager
 from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.loader import IncrementalDetokenizer, open_model
+from pagedserve.loader.tokenizer_source import engine_tokenizer
+from pagedserve.loader.generation_config import load_generation_defaults
+from pagedserve.loader.validation import effective_max_model_len
 from pagedserve.quantization.registry import quantize_source
 from pagedserve.models.llama import ArchConfig
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.platforms import select_platform
 from pagedserve.request import Request, RequestStatus
+from pagedserve.request_options import best_sequences, check_request_params, sample_params, truncate_prompt
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
 from pagedserve.structured_output.engine_hooks import build_structured_output_manager, finish_by_grammar
 
-__all__ = ["LLMEngine", "EngineStats"]
+__all__ = ["LLMEngine", "EngineStats", "ITERATION_TOKEN_BUCKETS"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,6 +64,10 @@ class _Group:
     seqs: list[_Sequence]
     arrival_time: float
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why this request failed on its own
+    params: SamplingParams | None = None
+    #: prompt_logprobs: entry of prompt token p (p >= 1) by position.
+    prompt_logprobs: dict[int, dict[int, Logprob]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -87,33 +101,40 @@ class EngineStats:
     num_swap_ins: int = 0  # swapped-out requests resumed (requests)
     kv_blocks_swapped_out: int = 0  # blocks copied to host by swap-outs
     kv_blocks_swapped_in: int = 0  # blocks copied back by swap-ins
+    #: Steps by tokens scheduled, cumulative per bucket of ITERATION_TOKEN_BUCKETS (the
+    #: last count is the +Inf bucket), and the tokens of all steps together.
+    iteration_tokens_buckets: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
+
+
+#: Upper bounds of the steps-by-batched-tokens histogram (vLLM's iteration_tokens_total).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        config.validate()  # every cross-feature rule, before any model or worker work
         torch.manual_seed(config.model.seed)
         self.platform, self.ops = select_platform(config.device.device)
-        cores = config.device.bind_cores
-        if cores and config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1:
-            raise ValueError(f"cpu_bind={config.device.cpu_bind!r} is not supported with tensor/pipeline "
-                             "parallelism yet (every rank would pin the same cores)")
-        self.platform.configure_threads(config.device.threads, cores)
+        self.platform.configure_threads(config.device.threads, config.device.bind_cores)
         source = open_model(config.model.model)
         self.model_source = source
-        self.tokenizer = source.tokenizer()
         self.arch = ArchConfig.from_hf(source.hf_config)
+        check_parallel_fits_model(config, self.arch)
+        self.tokenizer = engine_tokenizer(config.model, source, self.arch.vocab_size)
         self.eos_token_ids = frozenset(source.eos_token_ids)
-        mml = config.model.max_model_len or self.arch.max_position_embeddings
-        if mml > self.arch.max_position_embeddings:
-            raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings "
-                             f"({self.arch.max_position_embeddings})")
+        #: SamplingParams defaults from generation_config.json (see loader/generation_config.py).
+        self.default_sampling_params = load_generation_defaults(config.model.generation_config, source.path)
+        mml = effective_max_model_len(config.model.max_model_len, self.arch.max_position_embeddings,
+                                      self.arch.head_dim)
         self.max_model_len = mml
         self.dtype = resolve_dtype(config.model.dtype, self.platform)
+        check_cache_dtype(config.cache.cache_dtype, self.dtype)
         # Linear weights load quantized when config.model.quantization or the checkpoint asks.
         source = self.model_source = quantize_source(
             source, config.model.quantization, self.platform, self.ops, self.dtype,
-            config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size, config.cache.cpu_offload_gb,
+            config.parallel.world_size, config.cache.cpu_offload_gb,
             config.device.device_map)
         # One rank in this process, or several (tensor/pipeline parallel) behind one executor.
         self.executor = create_executor(config, self.platform, self.ops, self.arch, self.dtype, source, mml)
@@ -130,10 +151,14 @@ class LLMEngine:
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self._iteration_buckets = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self._iteration_tokens_sum = 0
 
     # -- requests ---------------------------------------------------------------------------
-    def validate_prompt(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
-        """Tokenize and check a prompt; ValueError naming the problem and the limit."""
+    def validate_prompt(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None,
+                        truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt, keeping only its last ``truncate_prompt_tokens``
+        tokens when set; ValueError naming the problem and the limit."""
         if prompt_token_ids is None:
             if isinstance(prompt, str):
                 prompt_token_ids = self.tokenizer.encode(prompt)
@@ -147,9 +172,14 @@ class LLMEngine:
         for t in prompt_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        kept = truncate_prompt(list(prompt_token_ids), truncate_prompt_tokens)
+        if len(kept) < len(prompt_token_ids):
+            prompt_token_ids = kept
+            prompt = None if prompt is None else self.tokenizer.decode(kept, skip_special_tokens=False)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
                              "(the prompt plus at least one generated token must fit)")
+        check_prompt_fits_step(self.config.scheduler, len(prompt_token_ids))
         return prompt, list(prompt_token_ids)
 
     def add_request(
@@ -164,27 +194,35 @@ class LLMEngine:
     ) -> None:
         """Queue a request; raises ValueError (and queues nothing) on bad input."""
         params = params or SamplingParams()
+        check_logprobs_limit(self.config.model, params)
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt, ids = self.validate_prompt(prompt, prompt_token_ids)
+        prompt, ids = self.validate_prompt(prompt, prompt_token_ids, params.truncate_prompt_tokens)
+        par = self.config.parallel
+        encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        check_request_params(params, self.arch.vocab_size, encode,
+                             par.world_size > 1)
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy "
+                             f"priority); this engine schedules {self.config.scheduler.policy!r}")
         compiled = self.structured.prepare(params.structured_outputs) if params.structured_outputs else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        group = _Group(request_id, prompt, ids, [], arrival)
+        group = _Group(request_id, prompt, ids, [], arrival, params=params,
+                       prompt_logprobs={} if params.prompt_logprobs is not None else None)
         first: Request | None = None
-        for i in range(params.n):
-            child_params = params
-            if params.n > 1:
-                seed = None if params.seed is None else params.seed + i
-                child_params = replace(params, n=1, seed=seed)
-            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+        children = sample_params(params, encode)
+        for i, child_params in enumerate(children):
+            rid = request_id if len(children) == 1 else f"{i}_{request_id}"
+            # A request scoring its prompt computes every prompt position itself.
+            share = self.kv.enable_prefix_caching and first is not None \
+                and first.sampling_params.prompt_logprobs is None
             req = Request(rid, ids, child_params, self.eos_token_ids, arrival, priority, cache_salt,
-                          self.max_model_len,
-                          wait_for=first if self.kv.enable_prefix_caching else None)
+                          self.max_model_len, wait_for=first if share else None)
             if compiled is not None:
                 req.structured = self.structured.new_state(compiled)  # one matcher per sample
             first = first or req
             detok = IncrementalDetokenizer(self.tokenizer, ids, child_params.skip_special_tokens)
-            seq = _Sequence(req, i, detok, logprobs=[] if params.logprobs is not None else None)
+            seq = _Sequence(req, i, detok, logprobs=[] if child_params.logprobs is not None else None)
             group.seqs.append(seq)
         for seq in group.seqs:
             self.scheduler.add_request(seq.request)
@@ -230,17 +268,16 @@ class LLMEngine:
             return []
         block_ids = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled}
         result = self.executor.execute(sched, block_ids)
+        self._count_iteration(sched.num_batched_tokens)
         for s in sched.scheduled:
             r = s.request
             if r.num_computed_tokens < r.num_prompt_tokens:
                 self.prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
+        self._store_prompt_logprobs(result.prompt_logprobs)
         progressed = self.scheduler.update_after_step(sched, result.sampled)
         self.generation_tokens += len(progressed)
-        touched: dict[str, _Group] = {}
-        for request in progressed:
-            group, seq = self._seq_of[request.request_id]
-            self._process_token(group, seq, result.logprobs.get(request.request_id))
-            touched[group.request_id] = group
+        self._stamp_times(progressed)  # before processing: a finished request leaves _seq_of
+        touched = self._process_tokens(progressed, result.logprobs)
         self.scheduler.last_step_latency = time.monotonic() - start
         outputs = []
         for group in touched.values():
@@ -248,6 +285,61 @@ class LLMEngine:
             if group.finished:
                 self.groups.pop(group.request_id, None)
         return outputs
+
+    def _count_iteration(self, num_tokens: int) -> None:
+        """One step into the steps-by-batched-tokens histogram."""
+        i = bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)
+        self._iteration_buckets[i] += 1
+        self._iteration_tokens_sum += num_tokens
+
+    def _stamp_times(self, progressed: list[Request]) -> None:
+        """Each request group's latest-token time and first scheduled step (metrics)."""
+        now = time.monotonic()
+        for request in progressed:
+            entry = self._seq_of.get(request.request_id)
+            if entry is None:
+                continue
+            group = entry[0]
+            group.metrics["last_token_time"] = now
+            if request.first_scheduled_time is not None:
+                first = group.metrics.get("first_scheduled_time")
+                if first is None or request.first_scheduled_time < first:
+                    group.metrics["first_scheduled_time"] = request.first_scheduled_time
+
+    def _process_tokens(self, progressed: list[Request], logprobs: dict) -> dict[str, _Group]:
+        """Detokenize and stop-check each new token; a request whose own processing (or
+        sampling: `Sampler.row_errors`) failed is failed alone.  The groups touched."""
+        row_errors, self.runner.sampler.row_errors = self.runner.sampler.row_errors, {}
+        touched: dict[str, _Group] = {}
+        for request in progressed:
+            entry = self._seq_of.get(request.request_id)
+            if entry is None:  # a sibling sample failed earlier in this loop
+                continue
+            group, seq = entry
+            try:
+                if request.request_id in row_errors:
+                    raise RuntimeError(f"sampling failed: {row_errors[request.request_id]}")
+                self._process_token(group, seq, logprobs.get(request.request_id))
+            except Exception as e:  # noqa: BLE001 - this request's own failure; the batch goes on
+                self._fail_group(group, e)
+            touched[group.request_id] = group
+        for rid, error in row_errors.items():  # a failed row that got no token this step
+            if rid in self._seq_of:
+                group = self._seq_of[rid][0]
+                self._fail_group(group, RuntimeError(f"sampling failed: {error}"))
+                touched[group.request_id] = group
+        return touched
+
+    def _store_prompt_logprobs(self, scored: dict[str, list]) -> None:
+        for rid, entries in scored.items():
+            found = self._seq_of.get(rid)
+            if found is None or found[0].prompt_logprobs is None:
+                continue
+            store = found[0].prompt_logprobs
+            for pos, tok_lp, rank, top in entries:
+                entry = {tid: Logprob(v, r + 1) for r, (tid, v) in enumerate(top)}
+                entry[found[0].prompt_token_ids[pos]] = Logprob(tok_lp, rank)
+                store[pos] = entry
 
     def _process_token(self, group: _Group, seq: _Sequence, lp) -> None:
         request = seq.request
@@ -271,6 +363,16 @@ class LLMEngine:
             group.metrics.setdefault("finished_time", time.monotonic())
         if request.first_token_time is not None:
             group.metrics.setdefault("first_token_time", request.first_token_time)
+
+    def _fail_group(self, group: _Group, error: Exception) -> None:
+        """Finish every sample of `group` with finish_reason "error", freeing its blocks."""
+        logger.error("request %s failed; the other requests go on", group.request_id, exc_info=error)
+        group.error = f"{type(error).__name__}: {error}"
+        for seq in group.seqs:
+            if seq.finish_reason is None:
+                self._release(seq, RequestStatus.FINISHED_ABORTED)
+                seq.finish_reason = "error"
+        group.metrics.setdefault("finished_time", time.monotonic())
 
     def _check_stop_strings(self, seq: _Sequence) -> RequestStatus | None:
         params = seq.request.sampling_params
@@ -301,21 +403,49 @@ class LLMEngine:
 
     def _make_output(self, group: _Group) -> RequestOutput:
         outs = []
-        for seq in group.seqs:
+        seqs, params = group.seqs, group.params
+        if params is not None and len(seqs) > params.n:
+            # best_of: the n best samples once all are done; nothing before.
+            seqs = best_sequences(seqs, params.n) if group.finished else []
+        want_logprobs = params is None or params.logprobs is not None
+        for index, seq in enumerate(seqs):
             r = seq.request
             outs.append(CompletionOutput(
-                index=seq.index,
+                index=index,
                 text=self._visible_text(seq),
                 token_ids=list(r.output_token_ids),
                 finish_reason=seq.finish_reason,
                 stop_reason=r.stop_reason,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None and want_logprobs else None,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
             ))
         metrics = dict(group.metrics)
         metrics["arrival_time"] = group.arrival_time
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                             group.finished, group.seqs[0].request.num_cached_tokens, metrics)
+        out = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
+                            group.finished, group.seqs[0].request.num_cached_tokens, metrics, group.error)
+        if group.prompt_logprobs is not None:
+            out.prompt_logprobs = [None] + [group.prompt_logprobs.get(p)
+                                            for p in range(1, len(group.prompt_token_ids))]
+        return out
+
+    # -- KV hand-off between engines (disaggregated prefill/decode) ------------------------
+    def export_prefix_kv(self, token_ids: list[int]) -> torch.Tensor:
+        """KV of the prompt's leading cached full blocks, never the block of its last token:
+        [num_layers, 2, num_blocks, *per-block shape] (see ModelRunner.read_kv_blocks)."""
+        num_blocks = (len(token_ids) - 1) // self.kv.block_size
+        return self.runner.read_kv_blocks(self.kv.cached_prefix(token_ids, num_blocks))
+
+    def import_prefix_kv(self, token_ids: list[int], kv: torch.Tensor) -> int:
+        """Cache ``kv`` (as export_prefix_kv returns it) as the prompt's leading blocks, as
+        many as free blocks allow; returns how many were added (the rest is recomputed)."""
+        rows, block_ids = self.kv.adopt_prefix(token_ids, kv.shape[2])
+        if block_ids:
+            self.runner.write_kv_blocks(block_ids, kv, rows)
+        return len(block_ids)
+
+    def empty_prefix_kv(self, num_blocks: int) -> torch.Tensor:
+        """A buffer to receive ``num_blocks`` blocks of export_prefix_kv into."""
+        return self.runner.empty_kv_blocks(num_blocks)
 
     def shutdown(self) -> None:
         """Stop worker processes or actors (a no-op for a single-process engine)."""
@@ -334,5 +464,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            iteration_tokens_buckets=tuple(itertools.accumulate(self._iteration_buckets)),
+            iteration_tokens_sum=self._iteration_tokens_sum,
             **host,
         )

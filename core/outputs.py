@@ -27,7 +27,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -45,3 +45,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    #: Set when this request failed on its own (finish_reason "error"); others go on.
+    error: str | None = None
+    #: With SamplingParams.prompt_logprobs: per prompt token, its entry (None for the first).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

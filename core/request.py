@@ -56,6 +56,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when a step first computed any of its tokens
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

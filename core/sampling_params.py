@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.structured_output.params import StructuredOutputsParams
+from pagedserve.sampling_checks import check_sampling_params
+from pagedserve.structured_params import StructuredOutputsParams
 
 __all__ = ["SamplingParams", "StructuredOutputsParams"]
 
@@ -35,10 +36,27 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    #: Added to the logits of these token ids (values clamped to [-100, 100] as OpenAI does).
+    logit_bias: dict[int, float] | None = None
+    #: Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    #: Words never generated: a word's last token is banned where the text so far ends
+    #: with the word's other tokens (tokenized by the engine, with and without a space).
+    bad_words: list[str] | None = None
+    #: Log-probabilities of every prompt token (with this many alternatives).
+    prompt_logprobs: int | None = None
+    #: Keep only the last this many prompt tokens.
+    truncate_prompt_tokens: int | None = None
+    #: Samples drawn per prompt; the ``n`` with the highest cumulative logprob are returned.
+    best_of: int | None = None
+    #: The constraint the output follows (JSON schema, regex, choice, grammar...).
     structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        check_sampling_params(self)
+
         def bad(name: str, limit: str) -> None:
             raise ValueError(f"{name} must be {limit}, got {getattr(self, name)!r}")
 
@@ -68,8 +86,6 @@ class SamplingParams:
             bad("repetition_penalty", "in (0, 10]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "an integer in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "an integer")
         if isinstance(self.stop, str):
             self._stop_list = [self.stop] if self.stop else []
         elif self.stop is None:
@@ -78,8 +94,6 @@ class SamplingParams:
             if not all(isinstance(s, str) for s in self.stop):
                 bad("stop", "a string or a list of strings")
             self._stop_list = [s for s in self.stop if s]
-        if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
-            bad("stop_token_ids", "a list of integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "a StructuredOutputsParams")
         if self.structured_outputs is not None and self.min_tokens > 0:
@@ -93,6 +107,11 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_list
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """Whether logit_bias, allowed_token_ids or bad_words change the logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def needs_penalties(self) -> bool:

@@ -57,6 +57,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.last_step_latency = 0.0
+        #: The clock arrival and first-token times are read on (the capacity planner
+        #: substitutes a simulated one).
+        self.clock = time.monotonic
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -68,16 +71,19 @@ class Scheduler:
                 f"cache has ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)")
         self.requests[request.request_id] = request
         if self.config.policy == "priority":
-            # Keep waiting sorted by (priority, arrival); lower value = served first.
-            idx = len(self.waiting)
-            key = (request.priority, request.arrival_time)
-            for i, r in enumerate(self.waiting):
-                if (r.priority, r.arrival_time) > key:
-                    idx = i
-                    break
-            self.waiting.insert(idx, request)
+            self._insert_by_priority(request)
         else:
             self.waiting.append(request)
+
+    def _insert_by_priority(self, request: Request) -> None:
+        """Keep waiting sorted by (priority, arrival); lower value = served first."""
+        idx = len(self.waiting)
+        key = (request.priority, request.arrival_time)
+        for i, r in enumerate(self.waiting):
+            if (r.priority, r.arrival_time) > key:
+                idx = i
+                break
+        self.waiting.insert(idx, request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a request at any moment and free its blocks."""
@@ -121,12 +127,18 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.config.policy == "priority":
+            self._insert_by_priority(request)
+        else:
+            self.waiting.appendleft(request)
         out.preempted.append(request.request_id)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         n = request.num_tokens - request.num_computed_tokens
-        if not self.config.enable_chunked_prefill and n > budget:
+        # Without chunked prefill a request waits for a step with room for all its tokens.
+        # Admission keeps prompts within one step; only a request preempted by recompute
+        # after outgrowing the budget can exceed it, and it is chunked rather than starved.
+        if not self.config.enable_chunked_prefill and budget < n <= self.config.max_num_batched_tokens:
             return 0
         return min(n, budget)
 
@@ -141,7 +153,6 @@ class Scheduler:
     def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         # 1. Running requests, oldest first; preempt from the back when blocks run out.
         i = 0
@@ -160,7 +171,7 @@ class Scheduler:
                     break
             if n == 0:
                 continue  # request itself was preempted; running[i] is now the next one
-            self._add(out, request, n, scheduled_ids)
+            self._add(out, request, n)
             budget -= n
             i += 1
 
@@ -176,7 +187,8 @@ class Scheduler:
             # Non-zero only for a request swapped out by preemption: it swaps back in.
             resumed = request.num_computed_tokens
             computed, num_computed = [], resumed
-            if resumed == 0:
+            # prompt_logprobs needs the logits of every prompt position: no cache hit.
+            if resumed == 0 and request.sampling_params.prompt_logprobs is None:
                 computed, num_computed = self.kv.get_computed_blocks(request)
             request.num_computed_tokens = num_computed
             n = self._num_new_tokens(request, budget)
@@ -188,7 +200,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._add(out, request, n, scheduled_ids)
+            self._add(out, request, n)
             budget -= n
         for request in reversed(skipped):
             self.waiting.appendleft(request)
@@ -199,18 +211,19 @@ class Scheduler:
         if self.config.delay_factor <= 0 or not self.running or not self.waiting:
             return True
         earliest = min(r.arrival_time for r in self.waiting)
-        return time.monotonic() - earliest > self.config.delay_factor * self.last_step_latency
+        return self.clock() - earliest > self.config.delay_factor * self.last_step_latency
 
-    def _add(self, out: SchedulerOutput, request: Request, n: int, ids: set[str]) -> None:
+    def _add(self, out: SchedulerOutput, request: Request, n: int) -> None:
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock()
         samples = request.num_computed_tokens + n >= request.num_tokens
         out.scheduled.append(ScheduledRequest(request, n, samples))
         out.num_batched_tokens += n
-        ids.add(request.request_id)
 
     def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed tokens, append sampled tokens; returns requests that sampled."""
         progressed = []
-        now = time.monotonic()
+        now = self.clock()
         for s in out.scheduled:
             request = s.request
             if request.is_finished:

@@ -6,18 +6,24 @@ Targets:
     cuda   ``kernels/cuda/build.py:build_cuda_extension(verbose)``, imported only then.
     rocm   the same function under a ROCm build of torch (torch hipifies the sources).
 
-Both ways of building the CPU kernels write to one persistent cache,
+Every native extension (the CPU kernels, the quantized CPU kernels of
+``kernels/cpu/quant_native.py``, the CUDA/ROCm kernels) is built and loaded by
+:func:`load_extension`, which waits for another process building the same key.  Both
+ways of building the CPU kernels write to one persistent cache,
 ``<root>/pagedserve_cpu_<key>/``, where the key hashes the sources, the compiler
 flags, the compiler, torch's and Python's versions, so a stale build is never loaded
 and an unchanged one is never rebuilt.  Importing pagedserve builds nothing.
 
 Environment:
-    PAGEDSERVE_TARGET_DEVICE   default target of ``pagedserve build-kernels``.
+    PAGEDSERVE_TARGET_DEVICE   default target of ``pagedserve build-kernels`` (read by
+                               the command, passed to :func:`default_target`).
     MAX_JOBS                   parallel compile jobs (read by torch's ninja build).
     PAGEDSERVE_CPU_ARCH_FLAGS  compiler flags replacing those chosen from
                                /proc/cpuinfo, e.g. "-mavx2 -mfma -mf16c"; "" builds
                                only the portable kernels.
-    PAGEDSERVE_KERNEL_CACHE    cache root (default ~/.cache/pagedserve/kernels).
+    PAGEDSERVE_KERNEL_CACHE    cache root of every native build (default
+                               ~/.cache/pagedserve/kernels); PAGEDSERVE_CACHE_DIR is
+                               a deprecated alias (its ``kernels`` subfolder).
     CXX                        the C++ compiler (default ``c++``), as for torch.
 """
 
@@ -35,6 +41,7 @@ import shlex
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +52,7 @@ __all__ = [
     "TARGETS",
     "KernelBuildError",
     "BuildReport",
+    "ExtensionSpec",
     "CpuBuildSpec",
     "read_cpu_features",
     "auto_cpu_arch_flags",
@@ -156,17 +164,27 @@ def unsupported_arch_flags(flags: list[str], features: frozenset[str]) -> list[s
 
 
 def kernel_cache_root(env: Mapping[str, str] | None = None) -> Path:
-    """PAGEDSERVE_KERNEL_CACHE, else $XDG_CACHE_HOME/pagedserve/kernels, else ~/.cache/..."""
+    """PAGEDSERVE_KERNEL_CACHE, else $XDG_CACHE_HOME/pagedserve/kernels, else ~/.cache/...
+
+    The one cache root of every native build.  PAGEDSERVE_CACHE_DIR (once the CUDA
+    build's own root, with builds under ``<root>/kernels``) is a deprecated alias.
+    """
     env = os.environ if env is None else env
     if env.get("PAGEDSERVE_KERNEL_CACHE"):
         return Path(env["PAGEDSERVE_KERNEL_CACHE"]).expanduser()
+    if env.get("PAGEDSERVE_CACHE_DIR"):
+        warnings.warn("PAGEDSERVE_CACHE_DIR is deprecated: set PAGEDSERVE_KERNEL_CACHE "
+                      "(the kernel cache root itself, i.e. $PAGEDSERVE_CACHE_DIR/kernels)",
+                      DeprecationWarning, stacklevel=2)
+        return Path(env["PAGEDSERVE_CACHE_DIR"]).expanduser() / "kernels"
     base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
     return base / "pagedserve" / "kernels"
 
 
 @dataclass(frozen=True)
-class CpuBuildSpec:
-    """Everything that determines one build of the CPU kernels."""
+class ExtensionSpec:
+    """Everything that determines one build of a native extension (the CPU kernels, the
+    quantized CPU kernels, the CUDA/ROCm kernels): each goes through :func:`load_extension`."""
 
     name: str  # python module name, unique per key
     directory: Path
@@ -175,6 +193,9 @@ class CpuBuildSpec:
     arch_flags: tuple[str, ...]
     arch_origin: str
     compiler: str
+    include_dirs: tuple[Path, ...] = (CPU_DIR,)
+    #: nvcc flags of a CUDA extension (torch hipifies them under ROCm); None: C++ only.
+    cuda_cflags: tuple[str, ...] | None = None
 
     @property
     def so_path(self) -> Path:
@@ -185,7 +206,11 @@ class CpuBuildSpec:
         return self.directory / "build.json"
 
 
-def cpu_build_spec(env: Mapping[str, str] | None = None) -> CpuBuildSpec:
+#: The CPU kernels' spec was the first; the name stays for callers of that time.
+CpuBuildSpec = ExtensionSpec
+
+
+def cpu_build_spec(env: Mapping[str, str] | None = None) -> ExtensionSpec:
     """The build of the CPU kernels for this machine and environment."""
     import torch
 
@@ -200,7 +225,7 @@ def cpu_build_spec(env: Mapping[str, str] | None = None) -> CpuBuildSpec:
     digest.update(json.dumps([cflags, compiler, torch.__version__, sys.version_info[:2],
                               platform.machine()]).encode())
     name = f"pagedserve_cpu_{digest.hexdigest()[:16]}"
-    return CpuBuildSpec(
+    return ExtensionSpec(
         name=name,
         directory=kernel_cache_root(env) / name,
         sources=tuple(CPU_DIR / s for s in CPU_SOURCES),
@@ -215,7 +240,7 @@ def _log(msg: str) -> None:
     print(f"pagedserve: {msg}", file=sys.stderr, flush=True)
 
 
-def _check_toolchain(spec: CpuBuildSpec) -> None:
+def _check_toolchain(spec: ExtensionSpec) -> None:
     if shutil.which(shlex.split(spec.compiler)[0] if spec.compiler.strip() else "") is None:
         raise KernelBuildError(f"no C++ compiler: {spec.compiler!r} (from CXX, default c++) was not found")
     from torch.utils import cpp_extension
@@ -256,24 +281,28 @@ def _wait_for_other_build(lock: Path) -> None:
         time.sleep(1.0)
 
 
-def _compile(spec: CpuBuildSpec, verbose: bool) -> ModuleType:
+def _compile(spec: ExtensionSpec, verbose: bool) -> ModuleType:
     from torch.utils import cpp_extension
 
     spec.directory.mkdir(parents=True, exist_ok=True)
     try:
+        cuda: dict[str, Any] = {}
+        if spec.cuda_cflags is not None:
+            cuda = {"extra_cuda_cflags": list(spec.cuda_cflags), "with_cuda": True}
         return cpp_extension.load(
             name=spec.name,
             sources=[str(s) for s in spec.sources],
             extra_cflags=list(spec.cflags),
-            extra_include_paths=[str(CPU_DIR)],
+            extra_include_paths=[str(d) for d in spec.include_dirs],
             build_directory=str(spec.directory),
             verbose=verbose,
+            **cuda,
         )
     except Exception as exc:  # compiler errors arrive as RuntimeError/CalledProcessError
         raise KernelBuildError(f"building {spec.name} failed: {_first_error(str(exc))}") from exc
 
 
-def _import_built(spec: CpuBuildSpec) -> ModuleType:
+def _import_built(spec: ExtensionSpec) -> ModuleType:
     if spec.name in sys.modules:
         return sys.modules[spec.name]
     import torch  # noqa: F401  (the extension links against torch's libraries)
@@ -290,11 +319,11 @@ def _import_built(spec: CpuBuildSpec) -> ModuleType:
     return module
 
 
-def _is_built(spec: CpuBuildSpec) -> bool:
+def _is_built(spec: ExtensionSpec) -> bool:
     return spec.so_path.is_file() and spec.stamp_path.is_file()
 
 
-def _report(spec: CpuBuildSpec, module: ModuleType, compiled: bool, seconds: float) -> BuildReport:
+def _report(spec: ExtensionSpec, module: ModuleType, compiled: bool, seconds: float) -> BuildReport:
     return BuildReport(
         target="cpu", name=spec.name, path=str(spec.directory), compiled=compiled, seconds=seconds,
         arch_flags=list(spec.arch_flags), arch_origin=spec.arch_origin,
@@ -302,7 +331,7 @@ def _report(spec: CpuBuildSpec, module: ModuleType, compiled: bool, seconds: flo
     )
 
 
-def _log_verbose(spec: CpuBuildSpec, report: BuildReport | None = None) -> None:
+def _log_verbose(spec: ExtensionSpec, report: BuildReport | None = None) -> None:
     if report is None:
         flags = " ".join(spec.arch_flags) or "(none: portable kernels only)"
         _log(f"CPU arch flags {flags} (from {spec.arch_origin}); compiler {spec.compiler}; "
@@ -337,8 +366,8 @@ def load_cpu_extension(verbose: bool = False, rebuild: bool = False) -> tuple[Mo
     return module, report
 
 
-@functools.lru_cache(maxsize=None)
-def _cached_load(spec: CpuBuildSpec, verbose: bool) -> tuple[ModuleType, BuildReport] | KernelBuildError:
+@functools.cache
+def _cached_load(spec: ExtensionSpec, verbose: bool) -> tuple[ModuleType, BuildReport] | KernelBuildError:
     # One attempt per process and build: a failed compile is remembered rather than
     # retried (for minutes) on every platform selection.
     try:
@@ -347,7 +376,7 @@ def _cached_load(spec: CpuBuildSpec, verbose: bool) -> tuple[ModuleType, BuildRe
         return exc
 
 
-def load_extension(spec: CpuBuildSpec, label: str = "native CPU kernels",
+def load_extension(spec: ExtensionSpec, label: str = "native CPU kernels",
                    verbose: bool = False) -> tuple[ModuleType, bool, float]:
     """Import the build ``spec`` from the cache, compiling it first if it is not there.
 
@@ -373,21 +402,20 @@ def load_extension(spec: CpuBuildSpec, label: str = "native CPU kernels",
     return module, True, seconds
 
 
-def _load_or_compile(spec: CpuBuildSpec, verbose: bool) -> tuple[ModuleType, BuildReport]:
+def _load_or_compile(spec: ExtensionSpec, verbose: bool) -> tuple[ModuleType, BuildReport]:
     module, compiled, seconds = load_extension(spec, "native CPU kernels", verbose)
     return module, _report(spec, module, compiled, seconds)
 
 
-def default_target(env: Mapping[str, str] | None = None) -> str:
-    """PAGEDSERVE_TARGET_DEVICE if set; else rocm/cuda when torch is built for one
-    and sees a device; else cpu."""
-    env = os.environ if env is None else env
-    name = env.get("PAGEDSERVE_TARGET_DEVICE", "").strip()
-    if name and name != "auto":
-        if name not in TARGETS:
-            raise KernelBuildError(f"nothing to build for PAGEDSERVE_TARGET_DEVICE={name!r}; "
+def default_target(requested: str | None = None) -> str:
+    """``requested`` (the platform PAGEDSERVE_TARGET_DEVICE names, which the build
+    command resolves with pagedserve.platforms.options.target_device) if given; else
+    rocm/cuda when torch is built for one and sees a device; else cpu."""
+    if requested:
+        if requested not in TARGETS:
+            raise KernelBuildError(f"nothing to build for PAGEDSERVE_TARGET_DEVICE={requested!r}; "
                                    f"targets: {', '.join(TARGETS)}")
-        return name
+        return requested
     import torch
 
     if getattr(torch.version, "hip", None) and torch.cuda.is_available():

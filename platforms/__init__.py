@@ -15,6 +15,7 @@ Environment:
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from pagedserve.platforms import hookspecs
 from pagedserve.platforms.hookspecs import ENTRY_POINT_GROUP, PLATFORM_INTERFACE_VERSION, PROJECT_NAME, hookimpl
 from pagedserve.platforms.interface import Platform, PlatformError, check_interface_version
 from pagedserve.platforms.ops import OpRegistry
+from pagedserve.platforms.options import target_device
 
 __all__ = [
     "Platform",
@@ -43,6 +45,8 @@ __all__ = [
     "PLATFORM_INTERFACE_VERSION",
     "PLUGIN_VERSION_ATTRIBUTE",
 ]
+
+_log = logging.getLogger(__name__)
 
 #: Auto-detection order of the builtin platforms.
 BUILTIN_ORDER = ("cuda", "rocm", "cpu")
@@ -128,6 +132,8 @@ class PlatformRegistry:
         self.pm.add_hookspecs(hookspecs)
         self.platforms: dict[str, PlatformInfo] = {}
         self.failures: list[PluginFailure] = []
+        #: Platform names a failed plugin also claimed: never selected, even explicitly.
+        self.contested: set[str] = set()
         self._origins: dict[str, str] = {}
 
     # -- discovery -----------------------------------------------------------------
@@ -201,6 +207,7 @@ class PlatformRegistry:
                 raise PlatformError(f"plugin {name!r} registered {cls.__qualname__} without a name")
             check_interface_version(cls.interface_version, f"platform {cls.name!r} ({cls.__qualname__})")
             if cls.name in self.platforms:
+                self.contested.add(cls.name)
                 other = self.platforms[cls.name]
                 raise PlatformError(
                     f"two plugins claim the platform name {cls.name!r}: {other.plugin!r} "
@@ -235,9 +242,7 @@ class PlatformRegistry:
         "auto" (or empty) means "no request" for both sources, so ``--device auto``
         does not conflict with PAGEDSERVE_TARGET_DEVICE.
         """
-        env_name = self.env.get("PAGEDSERVE_TARGET_DEVICE", "").strip() or None
-        if env_name == "auto":
-            env_name = None
+        env_name = target_device(self.env)
         if device is not None:
             device = device.strip() or None
         if device == "auto":
@@ -253,11 +258,13 @@ class PlatformRegistry:
         name = self.requested_name(device)
         if name in ("auto", ""):
             name = None
-        if self.failures:
-            lines = "\n  ".join(f.message() for f in self.failures)
+        failed = "\n  ".join(f.message() for f in self.failures)
+        if name is None and self.failures:
+            # Auto-detection never guesses past a broken plugin: it might be the one meant.
             raise PlatformError(
-                f"platform plugins failed to load:\n  {lines}\n"
-                "Fix or uninstall them, or exclude them with PAGEDSERVE_PLUGINS=<allowed,names>.")
+                f"platform plugins failed to load:\n  {failed}\n"
+                "Fix or uninstall them, exclude them with PAGEDSERVE_PLUGINS=<allowed,names>, "
+                "or choose a platform with --device / PAGEDSERVE_TARGET_DEVICE.")
         if name is not None:
             info = self.platforms.get(name)
             if info is None:
@@ -265,7 +272,15 @@ class PlatformRegistry:
                 hint = ""
                 if _allow_list(self.env) is not None:
                     hint = f" (discovery limited by PAGEDSERVE_PLUGINS={self.env['PAGEDSERVE_PLUGINS']!r})"
+                if self.failures:
+                    hint += f"; platform plugins that failed to load:\n  {failed}"
                 raise PlatformError(f"unknown platform {name!r}; known platforms: {known}{hint}")
+            if name in self.contested:
+                raise PlatformError(f"platform {name!r} is claimed by more than one plugin:\n  {failed}")
+            if self.failures:
+                # An explicit choice of a healthy platform goes on (as vLLM does), loudly.
+                _log.warning("platform %r selected explicitly; ignoring platform plugins that failed to load:\n  %s",
+                             name, failed)
             ok, reason = info.probe()
             if info.detection_error:
                 raise PlatformError(f"platform {name!r} (from {info.origin}) {reason}")
@@ -354,4 +369,4 @@ def _cached_platform(device: str | None, target: str | None, plugins: str | None
 def current_platform(device: str | None = None) -> Platform:
     """The platform this process uses (cached per request and environment)."""
     env = os.environ
-    return _cached_platform(device, env.get("PAGEDSERVE_TARGET_DEVICE"), env.get("PAGEDSERVE_PLUGINS"))[0]
+    return _cached_platform(device, target_device(env), env.get("PAGEDSERVE_PLUGINS"))[0]

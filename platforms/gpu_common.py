@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.platforms.interface import Platform
+from pagedserve.platforms.options import GpuOptions
 
 __all__ = ["TorchGpuPlatform"]
 
@@ -21,6 +22,10 @@ class TorchGpuPlatform(Platform):
     #: "cuda" or "hip": which torch build this platform needs.
     torch_build: str = ""
     build_hint: str = ""
+
+    def __init__(self, options: GpuOptions | None = None) -> None:
+        #: The environment switches, read once here (PAGEDSERVE_CUDA_KERNELS; platforms/options.py).
+        self.options = GpuOptions.from_env() if options is None else options
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -39,10 +44,6 @@ class TorchGpuPlatform(Platform):
     def total_memory(self) -> int:
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
-    def free_memory(self) -> int:
-        free, _total = torch.cuda.mem_get_info()
-        return free
-
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor):
         # A side stream so that weight streaming overlaps the layer being computed; it
         # first waits for the work already queued, which may still read ``dst``.
@@ -59,6 +60,3 @@ class TorchGpuPlatform(Platform):
     def wait_copy(self, handle) -> None:
         if handle is not None:
             torch.cuda.current_stream().wait_event(handle)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()

@@ -10,11 +10,12 @@ plugins written for an older version of it.
 
 The hooks, the ``Platform`` class and the op contracts together form the platform
 interface, versioned as :data:`PLATFORM_INTERFACE_VERSION` ("MAJOR.MINOR").  Within a
-major version nothing is removed, renamed or given a new meaning; a minor version only
-adds (an opt-in hook argument, a hook, a ``Platform`` member with a default, an op that
-defaults to its reference).  A plugin declares the version it targets (see
-``Platform.interface_version``) and is refused, by name, when it needs another major
-version or a newer minor one than this core provides.
+major version nothing a plugin provides or calls is removed, renamed or given a new
+meaning; a minor version only adds (an opt-in hook argument, a hook, a ``Platform``
+member with a default, an op that defaults to its reference, an op capability) or stops
+calling a ``Platform`` member (a plugin that still defines it keeps working).  A plugin
+declares the version it targets (see ``Platform.interface_version``) and is refused, by
+name, when it needs another major version or a newer minor one than this core provides.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ ENTRY_POINT_GROUP = "pagedserve.platforms"
 
 #: The platform interface version this core provides ("MAJOR.MINOR"): bump the minor
 #: version for every addition, the major version for anything else (docs/platforms.md).
-PLATFORM_INTERFACE_VERSION = "1.2"
+PLATFORM_INTERFACE_VERSION = "1.3"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

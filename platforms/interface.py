@@ -64,6 +64,11 @@ def check_interface_version(targeted: object, what: str, provided: str = PLATFOR
 class Platform:
     """One kind of hardware.  Subclasses override the class attributes and methods.
 
+    Only what the core calls is here (interface 1.3 dropped ``priority``, never read;
+    ``copy_blocks``, which the ``copy_blocks``/``swap_blocks`` ops do; ``free_memory``
+    and ``synchronize``, which only the conformance kit called).  A 1.x plugin that
+    still defines them keeps working: they are simply not called.
+
     Class attributes:
         name: the name users select (``--device NAME``).
         device_type: the torch device type tensors live on ("cpu", "cuda", ...).
@@ -71,7 +76,6 @@ class Platform:
         supported_dtypes: dtypes this platform can run models in.
         pin_memory_available: whether host tensors can be pinned for async copies.
         default_memory_utilization: the memory fraction used when the user gives none.
-        priority: auto-detection order among available builtin platforms (higher wins).
         interface_version: the platform interface version ("MAJOR.MINOR") the class was
             written against; checked against PLATFORM_INTERFACE_VERSION when it is
             registered.  Undeclared means FIRST_INTERFACE_VERSION.
@@ -82,7 +86,6 @@ class Platform:
     dist_backend: ClassVar[str] = "gloo"
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
     pin_memory_available: ClassVar[bool] = False
-    priority: ClassVar[int] = 0
     #: Fraction of total_memory() the engine uses when the user sets neither
     #: kv_cache_memory nor memory_utilization.
     default_memory_utilization: ClassVar[float] = 0.9
@@ -109,10 +112,6 @@ class Platform:
         """Bytes of memory the platform's device has."""
         raise NotImplementedError
 
-    def free_memory(self) -> int:
-        """Bytes of memory currently free on the platform's device."""
-        raise NotImplementedError
-
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
@@ -129,14 +128,6 @@ class Platform:
         v = torch.empty(shape, dtype=dtype, device=self.device)
         return k, v
 
-    def copy_blocks(
-        self, src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor, stream: Any = None
-    ) -> None:
-        """Copy KV blocks ``dst[mapping[:, 1]] = src[mapping[:, 0]]`` (possibly across pools)."""
-        from pagedserve.kernels import reference
-
-        reference.copy_blocks(src, dst, mapping)
-
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         """Start ``dst.copy_(src)`` (host <-> device) so that it can overlap compute;
         returns a handle for ``wait_copy``.  Here: a plain synchronous copy; a platform
@@ -146,9 +137,6 @@ class Platform:
 
     def wait_copy(self, handle: Any) -> None:
         """Make work queued from now on wait for the copy behind ``handle``."""
-
-    def synchronize(self) -> None:
-        """Wait for all work queued on the device."""
 
     def configure_threads(self, threads: int | None, cpu_bind: list[int] | None = None) -> None:
         """Host threads for the model: ``threads`` of torch's pool (None: leave torch's

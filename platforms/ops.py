@@ -5,23 +5,38 @@ plugins override ops through the ``pagedserve_register_ops`` hook.  Model code c
 ``ops.paged_attention(...)`` and never knows which implementation runs; quantized
 weights are handed their op (``ops.gguf_linear``, ``ops.fp8_linear``, ...) when they
 load.
+
+An implementation may declare capabilities (:data:`OP_CAPABILITIES`) when it registers;
+the core asks for a capability (``ops.has_capability("gguf_linear", PREFERS_QUANTIZED)``)
+instead of matching the ``source`` string, which is for people to read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.kernels import reference
 
-__all__ = ["OpRegistry", "OpEntry"]
+__all__ = ["OpRegistry", "OpEntry", "OP_CAPABILITIES", "PREFERS_QUANTIZED"]
+
+#: A quantized linear op declaring this runs faster on the quantized weights than the
+#: dense ``linear`` on dequantized ones at decode batch sizes, so a quantized checkpoint
+#: stays quantized when the user leaves ``quantization`` unset (docs/quantization.md).
+PREFERS_QUANTIZED = "prefers_quantized"
+
+#: Every capability an op implementation may declare (interface 1.3), with its meaning.
+OP_CAPABILITIES: dict[str, str] = {
+    PREFERS_QUANTIZED: "faster on quantized weights than dense linear on dequantized ones at decode batch sizes",
+}
 
 
 @dataclass(frozen=True)
 class OpEntry:
     fn: Callable[..., Any]
     source: str
+    capabilities: frozenset[str] = frozenset()
 
 
 class OpRegistry:
@@ -40,13 +55,21 @@ class OpRegistry:
         """See reference.linear_silu_and_mul: this registry's silu_and_mul(linear(...))."""
         return self.silu_and_mul(self.linear(x, weight, bias))
 
-    def register(self, name: str, fn: Callable[..., Any], source: str = "") -> None:
-        """Make ``name`` resolve to ``fn``; ``source`` says where it came from."""
+    def register(self, name: str, fn: Callable[..., Any], source: str = "",
+                 capabilities: Iterable[str] = ()) -> None:
+        """Make ``name`` resolve to ``fn``; ``source`` says where it came from;
+        ``capabilities`` (names of :data:`OP_CAPABILITIES`) are what ``fn`` declares, and
+        go with it (an override declares its own)."""
         if not callable(fn):
             raise TypeError(f"op {name!r}: implementation {fn!r} is not callable")
         if not name.isidentifier():
             raise ValueError(f"op name {name!r} is not a valid identifier")
-        self._entries[name] = OpEntry(fn, source or getattr(fn, "__module__", "?"))
+        declared = frozenset([capabilities] if isinstance(capabilities, str) else capabilities)
+        unknown = sorted(declared - OP_CAPABILITIES.keys())
+        if unknown:
+            raise ValueError(f"op {name!r}: unknown capabilities {unknown}; "
+                             f"known: {', '.join(sorted(OP_CAPABILITIES))}")
+        self._entries[name] = OpEntry(fn, source or getattr(fn, "__module__", "?"), declared)
         # Plain attribute so the hot path pays one attribute lookup per call.
         setattr(self, name, fn)
 
@@ -61,6 +84,13 @@ class OpRegistry:
 
     def source(self, name: str) -> str:
         return self._entries[name].source
+
+    def has_capability(self, name: str, capability: str) -> bool:
+        """Whether op ``name``'s implementation declared ``capability`` (False for an unknown op)."""
+        if capability not in OP_CAPABILITIES:
+            raise ValueError(f"unknown capability {capability!r}; known: {', '.join(sorted(OP_CAPABILITIES))}")
+        entry = self._entries.get(name)
+        return entry is not None and capability in entry.capabilities
 
     def names(self) -> list[str]:
         return list(self._entries)

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from abc import abstractmethod
+from collections.abc import Callable
 
 from pagedserve.config import EngineConfig
+from pagedserve.distributed.lifecycle import WorkerStartupError, claim_process_group, release
 from pagedserve.distributed.parallel_state import DistInit, free_port
 from pagedserve.distributed.worker import Worker
-from pagedserve.executor.executor import Executor
+from pagedserve.executor.abstract import Executor
 from pagedserve.executor.model_runner import StepOutput
 from pagedserve.platforms import Platform
 from pagedserve.scheduler import SchedulerOutput
@@ -33,17 +36,20 @@ class DistributedExecutor(Executor):
     def __init__(self, config: EngineConfig, platform: Platform, source=None) -> None:
         par = config.parallel
         self.config = config
-        self.world_size = par.tensor_parallel_size * par.pipeline_parallel_size
+        self.world_size = par.world_size
         self._failure: RuntimeError | None = None
         self._closed = False
-        self._stopped_gracefully = False
         addr = self._prepare()
         self.init = DistInit(master_addr=addr, master_port=free_port(addr), world_size=self.world_size,
                              tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size,
                              backend=platform.dist_backend, timeout_s=par.distributed_timeout_s)
+        claim_process_group(self)
         self.driver = Worker(config, 0, self.init)
         self._start_workers()
+        # Not bound to self, so that dropping the engine runs it (and so does interpreter exit).
+        self._finalizer = weakref.finalize(self, release, self.driver, self._stopper())
         try:
+            self._await_workers()
             self.num_blocks = self.driver.setup(source)
         except Exception as exc:
             err = self._fail(exc, "start-up")
@@ -59,6 +65,13 @@ class DistributedExecutor(Executor):
     @abstractmethod
     def _start_workers(self) -> None:
         """Start ranks 1..N-1 (non-blocking: they meet rank 0 at the rendezvous)."""
+
+    def _stopper(self) -> Callable[[bool], None]:
+        """``_stop_workers`` as a callable that holds no reference to the executor."""
+        return lambda graceful: None
+
+    def _await_workers(self) -> None:
+        """Block until the workers are about to join the group; raise if one died first."""
 
     @abstractmethod
     def _dead_workers(self) -> list[str]:
@@ -87,6 +100,8 @@ class DistributedExecutor(Executor):
             raise RuntimeError("distributed executor is shut down")
 
     def _fail(self, exc: BaseException, during: str) -> RuntimeError:
+        if self._failure is None and isinstance(exc, WorkerStartupError):
+            self._failure = RuntimeError(f"distributed executor failed during {during}: {exc}")
         if self._failure is None:
             deadline = time.monotonic() + _DEATH_GRACE_S
             while not (dead := self._dead_workers()) and time.monotonic() < deadline:
@@ -107,5 +122,6 @@ class DistributedExecutor(Executor):
             except RuntimeError as exc:  # a worker died between the last step and now
                 logger.warning("could not tell workers to stop: %s", exc)
                 graceful = False
+        self._finalizer.detach()
         self._stop_workers(graceful)
         self.driver.close()

@@ -71,10 +71,12 @@ class Worker:
         self.parallel: ParallelContext | None = None
         self.num_micro_batches = 2 if init.pp_size > 1 else 1
 
-    def setup(self, source=None) -> int:
+    def setup(self, source=None, on_ready=None) -> int:
         """Join the group, load this rank's shard, agree on the KV block count (the minimum
-        over ranks) and allocate it.  Collective: every rank calls it.  Returns the count."""
+        over ranks) and allocate it.  Collective: every rank calls it.  Returns the count.
+        ``on_ready`` is called just before joining the group (start-up watch)."""
         from pagedserve.loader import open_model
+        from pagedserve.loader.validation import effective_max_model_len
         from pagedserve.platforms import select_platform
 
         cfg = self.config
@@ -83,12 +85,14 @@ class Worker:
         if accel is not None and accel.type == platform.device_type:
             # Tensors on the bare device type (and NCCL) then land on this rank's device.
             torch.accelerator.set_device_index(self.local_rank)
+        if on_ready is not None:
+            on_ready()
         self.parallel = init_distributed(self.init, self.rank, platform.device)
         source = source or open_model(cfg.model.model)
         arch = ArchConfig.from_hf(source.hf_config)
         dtype = resolve_dtype(cfg.model.dtype, platform)
-        max_model_len = cfg.model.max_model_len or arch.max_position_embeddings
-        self.runner = ModelRunner(platform, ops, arch, dtype, self.parallel)
+        max_model_len = effective_max_model_len(cfg.model.max_model_len, arch.max_position_embeddings, arch.head_dim)
+        self.runner = ModelRunner(platform, ops, arch, dtype, self.parallel, max_model_len=max_model_len)
         self.runner.load_weights(source.weights())
         local = self.runner.determine_num_blocks(cfg.cache, cfg.scheduler, max_model_len)
         num_blocks = self.parallel.min_over_ranks(local)
@@ -179,14 +183,24 @@ class Worker:
 
 
 def run_worker_process(config: EngineConfig, rank: int, init: DistInit, threads: int | None,
-                       local_rank: int | None = None) -> None:
-    """Entry point of a worker process (rank > 0): set up, serve steps, leave cleanly."""
+                       local_rank: int | None = None, status=None) -> None:
+    """Entry point of a worker process (rank > 0): set up, serve steps, leave cleanly.
+
+    ``status``: the write end of a start-up pipe (see pagedserve.distributed.lifecycle).
+    """
+    from pagedserve.distributed.lifecycle import StartupReporter
+
+    report = StartupReporter(status)
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(config.model.seed)
     worker = Worker(config, rank, init, rank if local_rank is None else local_rank)
     try:
-        worker.setup()
+        try:
+            worker.setup(on_ready=report.ready)
+        except BaseException as exc:
+            report.failed(exc)
+            raise
         worker.run_loop()
     finally:
         worker.close()

@@ -11,7 +11,7 @@ import json
 import random
 import time
 
-from pagedserve.entrypoints.device_map_arg import add_device_map_argument
+from pagedserve.entrypoints.engine_args import add_engine_arguments, default_kv_budget
 
 __all__ = ["add_arguments", "run", "make_workload", "run_pagedserve", "run_transformers"]
 
@@ -24,14 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed", action="store_true",
                    help="seeded prompt lengths 16-1024 and outputs 16-512 instead of fixed lengths")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-memory", default="4GiB")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--cpu-bind", default=None, metavar="CPUS", help="pin the model's threads to these cores, e.g. 0-3")
-    add_device_map_argument(p)
+    # --seed above seeds the workload; the engine's own stays at its default.
+    add_engine_arguments(p, exclude=["seed"])
     p.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
     p.add_argument("--hf-batch-size", type=int, default=None,
                    help="transformers batch size (default: all prompts at once)")
@@ -54,9 +48,7 @@ def run_pagedserve(args: argparse.Namespace, work) -> dict:
     from pagedserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-              threads=args.threads, cpu_bind=args.cpu_bind, device_map=args.device_map)
+    llm = LLM.from_args(args, **default_kv_budget(args, "4GiB"))
     load_s = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
     # Warm up (first-call allocations, kernel loading) outside the timed region.
@@ -76,7 +68,8 @@ def run_transformers(args: argparse.Namespace, work, model_path, fmt: str) -> di
     import torch
     import transformers
 
-    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(args.dtype, torch.float32)
+    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "float32": torch.float32}.get(args.dtype, torch.float32)
     kwargs = {"torch_dtype": dtype}
     if fmt == "gguf":
         model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -31,9 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from pagedserve.kernels import build
+    from pagedserve.platforms.options import target_device
 
     try:
-        target = args.target or build.default_target()
+        target = args.target or build.default_target(target_device())
         result = build.build_kernels(target, verbose=args.verbose, force=getattr(args, "force", False))
     except build.KernelBuildError as exc:
         print(f"pagedserve build-kernels: {exc}", file=sys.stderr)

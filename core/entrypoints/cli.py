@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "bench": "bench_cmd",
     "platforms": "platforms_cmd",
     "build-kernels": "build_kernels_cmd",
+    "simulate": "simulate_cmd",
 }
 
 

@@ -1,13 +1,10 @@
-"""The ``--device-map`` option shared by `pagedserve serve`, `generate` and `bench throughput`."""
+"""The ``--device-map`` flag's converter (the field ``DeviceConfig.device_map`` names it)."""
 
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_device_map_argument", "device_map_arg"]
-
-HELP = ("decoder layers split across platforms: 'cuda:20,cpu' (the first 20 layers on cuda, the rest "
-        "on cpu) or inclusive ranges 'cpu:0-14,cuda:15-29' (docs/memory.md)")
+__all__ = ["device_map_arg"]
 
 
 def device_map_arg(value: str) -> str:
@@ -22,7 +19,3 @@ def device_map_arg(value: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return normalized
-
-
-def add_device_map_argument(parser) -> None:
-    parser.add_argument("--device-map", type=device_map_arg, default=None, metavar="MAP", help=HELP)

@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from pagedserve.entrypoints.device_map_arg import add_device_map_argument
+from pagedserve.entrypoints.engine_args import add_engine_arguments, default_kv_budget
 
 __all__ = ["add_parser", "run"]
 
@@ -21,20 +21,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default=None,
-                   help="none, auto (from the checkpoint; default), gguf, int8, w8a8, fp8, gptq, awq (docs/quantization.md)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", default=None)
-    p.add_argument("--kv-offload-memory", default=None,
-                   help="host memory for a second KV tier, e.g. 8GiB (docs/memory.md)")
-    p.add_argument("--preemption-mode", default="auto", choices=("auto", "swap", "recompute"))
-    p.add_argument("--cpu-offload-gb", type=float, default=0.0,
-                   help="GB of layer weights kept in host memory and streamed to the device")
-    add_device_map_argument(p)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--cpu-bind", default=None, metavar="CPUS", help="pin the model's threads to these cores, e.g. 0-3")
+    # --seed above is the sampling seed; the engine's own stays at its default.
+    add_engine_arguments(p, exclude=["seed"])
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
@@ -44,11 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     try:
-        llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                  kv_cache_memory=args.kv_cache_memory or "1GiB", threads=args.threads, cpu_bind=args.cpu_bind,
-                  kv_offload_memory=args.kv_offload_memory, preemption_mode=args.preemption_mode,
-                  cpu_offload_gb=args.cpu_offload_gb, quantization=args.quantization,
-                  device_map=args.device_map)
+        llm = LLM.from_args(args, **default_kv_budget(args, "1GiB"))
     except (ValueError, PlatformError) as e:  # a bad setting: say which, without a traceback
         raise SystemExit(f"pagedserve generate: {e}") from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

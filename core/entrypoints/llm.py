@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
-from pagedserve.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                               StructuredOutputsConfig)
+from pagedserve.config import EngineConfig
+from pagedserve.entrypoints.engine_args import engine_config_from_args, engine_config_from_kwargs, engine_signature
 from pagedserve.engine import LLMEngine
 from pagedserve.outputs import RequestOutput
+from pagedserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from pagedserve.request_options import continue_final_message as cut_after_final_message
 from pagedserve.sampling_params import SamplingParams
 
 __all__ = ["LLM"]
@@ -24,62 +29,28 @@ class LLM:
     tier, swap preemption, weight offload), see docs/memory.md.
     device_map: decoder layers split across platforms, e.g. "cuda:20,cpu" (the first 20
     layers on cuda, the rest on cpu) or "cpu:0-14,cuda:15-29"; see docs/memory.md.
+    Every engine setting is a keyword argument (docs/engine_settings.md).
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        device: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        kv_cache_memory: int | str | None = None,
-        memory_utilization: float | None = None,
-        gpu_memory_utilization: float | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        distributed_executor_backend: str | None = None,
-        seed: int = 0,
-        threads: int | None = None,
-        scheduling_policy: str = "fcfs",
-        scheduler_delay_factor: float = 0.0,
-        num_gpu_blocks_override: int | None = None,
-        chat_template: str | None = None,
-        quantization: str | None = None,
-        kv_offload_memory: int | str | None = None,
-        preemption_mode: str = "auto",
-        cpu_offload_gb: float = 0.0,
-        device_map: str | Sequence[str | tuple[str, int | None]] | None = None,
-        cpu_bind: str | None = None,
-        structured_outputs_config: dict | StructuredOutputsConfig | None = None,
-        reasoning_parser: str | None = None,
-    ) -> None:
-        if memory_utilization is not None and gpu_memory_utilization is not None \
-                and memory_utilization != gpu_memory_utilization:
-            raise ValueError("memory_utilization and gpu_memory_utilization (its alias) disagree")
-        util = memory_utilization if memory_utilization is not None else gpu_memory_utilization
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              chat_template=chat_template, quantization=quantization),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              memory_utilization=util,
-                              enable_prefix_caching=enable_prefix_caching,
-                              num_gpu_blocks_override=num_gpu_blocks_override,
-                              kv_offload_memory=kv_offload_memory, preemption_mode=preemption_mode,
-                              cpu_offload_gb=cpu_offload_gb),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy,
-                                      delay_factor=scheduler_delay_factor),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                    pipeline_parallel_size=pipeline_parallel_size,
-                                    distributed_executor_backend=distributed_executor_backend),
-            device=DeviceConfig(device=device, threads=threads, device_map=device_map, cpu_bind=cpu_bind),
-            structured_outputs=_structured_config(structured_outputs_config, reasoning_parser),
-        )
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        # Every other keyword is an engine setting (pagedserve.entrypoints.engine_args):
+        # a TypeError names the closest one for a misspelling.
+        self._start(engine_config_from_kwargs(model=model, **kwargs))
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> LLM:
+        """An LLM running ``config``."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> LLM:
+        """An LLM from a command's flags (``add_engine_arguments``) and its positional
+        ``model``; ``overrides`` (setting name -> value) win."""
+        return cls.from_engine_config(engine_config_from_args(args, **{"model": args.model, **overrides}))
+
+    def _start(self, config: EngineConfig) -> None:
         if config.device.device_map is not None:
             # Unknown or unavailable platforms anywhere in the map: one ValueError listing
             # the available ones, before anything loads.
@@ -95,6 +66,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's name)."""
+        return SamplingParams(**self.llm_engine.default_sampling_params)
 
     def generate(
         self,
@@ -114,14 +89,15 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
             else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         engine = self.llm_engine
         # Validate everything first so one bad prompt does not leave others queued.
-        normalized = [engine.validate_prompt(*self._split(p)) for p in prompts]
+        normalized = [engine.validate_prompt(*self.split_prompt(p), sp.truncate_prompt_tokens)
+                      for p, sp in zip(prompts, params)]
         ids = []
         for i, ((text, tokens), sp) in enumerate(zip(normalized, params)):
             rid = str(next(self._counter))
@@ -131,7 +107,8 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     @staticmethod
-    def _split(prompt: Prompt) -> tuple[str | None, list[int] | None]:
+    def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
+        """(text, token ids) of a prompt in any form ``generate`` takes; either may be None."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -167,6 +144,24 @@ class LLM:
                 bar.close()
         return [final[i] for i in ids]
 
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search over the engine (see pagedserve.beam_search): the best
+        ``params.beam_width`` sequences of each prompt, best first."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        ids = [engine.validate_prompt(*self.split_prompt(p))[1] for p in prompts]
+        search = BeamSearch(ids, params, engine.eos_token_ids, engine.max_model_len)
+
+        def expand(tokens: list[list[int]], step: SamplingParams) -> list:
+            outs = self.generate([{"prompt_token_ids": t} for t in tokens], step, use_tqdm=False)
+            return [o.outputs[0].logprobs[0] for o in outs]
+
+        search.run(expand)
+        return search.outputs(lambda t: engine.tokenizer.decode(t))
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
@@ -175,34 +170,32 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Render conversations with the model's chat template and generate replies.
 
         tools: OpenAI-style tool definitions shown to the template (`tools=`);
-        chat_template_kwargs: further template variables (e.g. `enable_thinking`)."""
+        continue_final_message (with add_generation_prompt=False): the last, assistant,
+        message is left open for the model to continue; chat_template_kwargs: extra
+        template variables."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.llm_engine.tokenizer
         template = chat_template or self.llm_engine.config.model.chat_template
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                           chat_template=template, **(chat_template_kwargs or {}),
-                                           **({"tools": tools} if tools else {}))
+                                           chat_template=template,
+                                           **{**({"tools": tools} if tools else {}), **(chat_template_kwargs or {})})
+            if continue_final_message:
+                text = cut_after_final_message(text, conv)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
-def _structured_config(value: dict | StructuredOutputsConfig | None, reasoning_parser: str | None) -> StructuredOutputsConfig:
-    """vLLM's ``structured_outputs_config`` (a dict or the dataclass) plus ``reasoning_parser``."""
-    if isinstance(value, StructuredOutputsConfig):
-        fields = {"backend": value.backend, "reasoning_parser": value.reasoning_parser}
-    elif isinstance(value, dict):
-        fields = dict(value)
-    elif value is None:
-        fields = {}
-    else:
-        raise ValueError(f"structured_outputs_config must be a dict or StructuredOutputsConfig, got {value!r}")
-    if reasoning_parser is not None:
-        fields["reasoning_parser"] = reasoning_parser
-    return StructuredOutputsConfig(**fields)
+# help(LLM) and IDEs list every engine setting with its default.
+LLM.__init__.__signature__ = engine_signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+     inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)])

@@ -2,10 +2,14 @@
 
 - ``UniProcExecutor``: today's ModelRunner in the engine's process (the default); the
   only one that runs a device map (layers split across platforms).
-- ``MultiprocExecutor`` (``distributed_executor_backend="mp"``): ranks 1..N-1 are local
-  worker processes; rank 0 runs in the engine's process.
-- ``RayExecutor`` (``"ray"``): ranks 1..N-1 are Ray actors in a placement group, on one
-  machine or many.
+- ``MultiprocExecutor`` (``distributed_executor_backend="mp"``,
+  :mod:`pagedserve.distributed.mp_executor`): ranks 1..N-1 are local worker processes;
+  rank 0 runs in the engine's process.
+- ``RayExecutor`` (``"ray"``, :mod:`pagedserve.distributed.ray_executor`): ranks 1..N-1
+  are Ray actors in a placement group, on one machine or many.
+
+``create_executor`` picks one; the multi-rank ones are imported only when chosen (Ray's
+import is heavy).  They subclass :class:`pagedserve.executor.abstract.Executor`.
 
 All of them expose ``execute(scheduler_output, block_ids) -> StepOutput``,
 ``num_blocks`` (agreed by every rank), ``driver_runner`` (rank 0's runner, which owns
@@ -14,36 +18,19 @@ the sampler) and ``shutdown()``.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.executor.abstract import Executor
 from pagedserve.executor.model_runner import ModelRunner, StepOutput
 from pagedserve.models.llama import ArchConfig
 from pagedserve.offload.device_map import resolve_device_map
 from pagedserve.platforms import OpRegistry, Platform
 from pagedserve.scheduler import SchedulerOutput
 
-__all__ = ["Executor", "UniProcExecutor", "MultiprocExecutor", "RayExecutor", "create_executor",
-           "EXECUTOR_BACKENDS"]
+__all__ = ["Executor", "UniProcExecutor", "create_executor", "EXECUTOR_BACKENDS"]
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
-
-
-class Executor(ABC):
-    driver_runner: ModelRunner
-    num_blocks: int
-
-    @abstractmethod
-    def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepOutput:
-        """Run one scheduled step on every rank; sampled tokens come from rank 0."""
-
-    def check_health(self) -> None:
-        """Raise RuntimeError if a worker is gone."""
-
-    def shutdown(self) -> None:
-        """Stop workers and release the process group; safe to call twice."""
 
 
 class UniProcExecutor(Executor):
@@ -62,7 +49,8 @@ class UniProcExecutor(Executor):
                                  f"device_map={device_map!r} also runs layers on "
                                  f"{', '.join(n for n in names if n != platform.name)}, which is not supported "
                                  "with quantized weights yet (use quantization='none')")
-        self.driver_runner = runner = ModelRunner(platform, ops, arch, dtype, segments=segments)
+        self.driver_runner = runner = ModelRunner(platform, ops, arch, dtype, segments=segments,
+                                                  max_model_len=max_model_len)
         runner.load_weights(source.weights(), prepare=config.cache.cpu_offload_gb <= 0)
         self.num_blocks = runner.determine_num_blocks(config.cache, config.scheduler, max_model_len)
         runner.allocate_kv_cache(self.num_blocks, config.cache.block_size)
@@ -75,13 +63,9 @@ def create_executor(config: EngineConfig, platform: Platform, ops: OpRegistry, a
                     dtype: torch.dtype, source, max_model_len: int) -> Executor:
     """The executor ``config.parallel`` asks for (None: "uni" for one rank, else "mp")."""
     par = config.parallel
-    world = par.tensor_parallel_size * par.pipeline_parallel_size
-    config.check_device_map()  # a device map needs the single-process executor
-    backend = par.distributed_executor_backend or ("uni" if world == 1 else "mp")
+    config.validate()  # e.g. 'uni' with several ranks, a device map with several ranks
+    backend = par.distributed_executor_backend or ("uni" if par.world_size == 1 else "mp")
     if backend == "uni":
-        if world > 1:
-            raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size * "
-                             f"pipeline_parallel_size = {world}; use 'mp' or 'ray'")
         return UniProcExecutor(config, platform, ops, arch, dtype, source, max_model_len)
     if backend == "mp":
         from pagedserve.distributed.mp_executor import MultiprocExecutor
@@ -93,16 +77,3 @@ def create_executor(config: EngineConfig, platform: Platform, ops: OpRegistry, a
         return RayExecutor(config, platform, source)
     raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}; got {backend!r}")
 
-
-def __getattr__(name: str):
-    # The multi-rank executors live in pagedserve.distributed (and Ray's import is heavy):
-    # load them only when asked for.
-    if name == "MultiprocExecutor":
-        from pagedserve.distributed.mp_executor import MultiprocExecutor
-
-        return MultiprocExecutor
-    if name == "RayExecutor":
-        from pagedserve.distributed.ray_executor import RayExecutor
-
-        return RayExecutor
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

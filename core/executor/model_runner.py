@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.executor.input_batch import prepare_inputs
+from pagedserve.executor.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.executor.sampler import Sampler, SamplerOutput
 from pagedserve.models.llama import ArchConfig, LayerPlacement, LlamaForCausalLM
 from pagedserve.offload.device_map import Segment
-from pagedserve.offload.kv_tier import apply_kv_transfers
+from pagedserve.offload.kv_tier import allocate_host_kv_cache, apply_kv_transfers
 from pagedserve.platforms import OpRegistry, Platform
 from pagedserve.scheduler import SchedulerOutput
 
-__all__ = ["ModelRunner", "StepOutput", "resolve_dtype", "kv_bytes_per_block"]
+__all__ = ["ModelRunner", "StepOutput", "resolve_dtype", "check_cache_dtype", "kv_bytes_per_block"]
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -36,6 +39,14 @@ def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
     return dtype
 
 
+def check_cache_dtype(cache_dtype: str, dtype: torch.dtype) -> None:
+    """The KV cache is kept in the model's dtype: ``cache_dtype`` must be "auto" or its name."""
+    if cache_dtype != "auto" and _DTYPES.get(cache_dtype) is not dtype:
+        name = str(dtype).replace("torch.", "")
+        raise ValueError(f"cache_dtype={cache_dtype!r} differs from the model's dtype {name}: the KV cache is "
+                         f"kept in the model's dtype (use cache_dtype='auto' or {name!r})")
+
+
 def kv_bytes_per_block(cfg: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
@@ -47,6 +58,8 @@ class StepOutput:
 
     sampled: dict[str, int]
     logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]]
+    #: Per request asking for them: (position, logprob, rank, top-k) of prompt tokens.
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -59,7 +72,8 @@ class ModelRunner:
     """
 
     def __init__(self, platform: Platform, ops: OpRegistry, arch: ArchConfig, dtype: torch.dtype,
-                 parallel: ParallelContext | None = None, segments: list[Segment] | None = None) -> None:
+                 parallel: ParallelContext | None = None, segments: list[Segment] | None = None,
+                 max_model_len: int | None = None) -> None:
         self.platform = platform
         self.ops = ops
         self.arch = arch
@@ -69,7 +83,8 @@ class ModelRunner:
         if segments is not None:
             placements = [LayerPlacement(s.start, s.end, s.ops, s.platform.device, s.platform.to_device)
                           for s in segments]
-        self.model = LlamaForCausalLM(arch, ops, dtype, self.device, parallel, placements)
+        self.model = LlamaForCausalLM(arch, ops, dtype, self.device, parallel, placements,
+                                      max_positions=max_model_len)
         if segments is None:
             segments = [Segment(platform, ops, self.model.layer_start, self.model.layer_end)]
         self.segments = segments
@@ -154,6 +169,47 @@ class ModelRunner:
             for platform in self.layer_platforms
         ]
 
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes of one KV block over this rank's layers (its KV heads, its stage)."""
+        return kv_bytes_per_block(self.local_arch, block_size, self.dtype)
+
+    def allocate_host_kv_cache(self, num_host_blocks: int) -> None:
+        """The host KV tier's blocks: per layer a (key, value) pair in host memory, in
+        its platform's layout, so that one block index means the same block in both."""
+        a = self.local_arch
+        self.host_kv_caches = allocate_host_kv_cache(self.layer_platforms, num_host_blocks, self.block_size,
+                                                     a.num_kv_heads, a.head_dim, self.dtype)
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copy of the KV of ``block_ids``: [num_layers, 2 (key, value), len(block_ids),
+        *the platform's per-block shape], on this runner's device."""
+        index = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        return torch.stack([torch.stack([k.index_select(0, index), v.index_select(0, index)])
+                            for k, v in self.kv_caches]).contiguous()
+
+    def write_kv_blocks(self, block_ids: Sequence[int], kv: torch.Tensor, rows: Sequence[int]) -> None:
+        """Write ``kv[:, :, rows]`` (shaped as :meth:`read_kv_blocks` returns) into ``block_ids``."""
+        dst = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        src = torch.tensor(list(rows), dtype=torch.int64, device=kv.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, dst, kv[layer, 0].index_select(0, src).to(k.device))
+            v.index_copy_(0, dst, kv[layer, 1].index_select(0, src).to(v.device))
+
+    def empty_kv_blocks(self, num_blocks: int) -> torch.Tensor:
+        """An uninitialised buffer shaped as :meth:`read_kv_blocks` returns for ``num_blocks``."""
+        k = self.kv_caches[0][0]
+        return torch.empty(len(self.kv_caches), 2, num_blocks, *k.shape[1:], dtype=k.dtype, device=self.device)
+
+    # -- weights ---------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's model weights."""
+        return self.model.weight_bytes()
+
+    def stream_layers(self, stream: Callable[[Sequence[Any]], Iterator[Any]] | None) -> None:
+        """Run the layers through ``stream`` (weight offload's WeightStreamer: the layer
+        list in, the layers to run out); None runs the model's own layers."""
+        self.model.layer_stream = stream
+
     # -- step --------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepOutput:
         with torch.inference_mode():
@@ -163,9 +219,11 @@ class ModelRunner:
                                    out.kv_transfers)
             inp = prepare_inputs(out, block_ids, self.block_size, self.device)
             hidden = self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
+            prompt_lps = compute_prompt_logprobs(out, hidden, self.model.compute_logits,
+                                                 self.segments[-1].platform.to_device)
             sampling_rows = [i for i, s in enumerate(out.scheduled) if s.samples]
             if not sampling_rows:
-                return StepOutput({}, {})
+                return StepOutput({}, {}, prompt_lps)
             # hidden is on the last segment's device; the sampler runs on the host.
             idx = self.segments[-1].platform.to_device(inp.logits_indices[sampling_rows])
             # The sampler widens to float32 only for rows that need more than an argmax.
@@ -181,4 +239,4 @@ class ModelRunner:
                 result = self.sampler(logits.cpu(), requests)
         sampled = {r.request_id: t for r, t in zip(requests, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(requests, result.logprobs) if lp is not None}
-        return StepOutput(sampled, logprobs)
+        return StepOutput(sampled, logprobs, prompt_lps)

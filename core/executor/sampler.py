@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.executor.row_errors import failing_rows, sample_without
+from pagedserve.executor.logits_processors import apply_logits_processors
 from pagedserve.request import Request
 
 __all__ = ["Sampler", "SamplerOutput"]
@@ -29,6 +31,9 @@ class SamplerOutput:
 class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        #: request id -> why sampling failed for that request alone (row_errors.py); the
+        #: engine takes and clears these after every step.
+        self.row_errors: dict[str, str] = {}
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -49,7 +54,8 @@ class Sampler:
         """Whether every row only needs the argmax of its raw logits: greedy, no
         penalties, no logprobs, past min_tokens.  The model runner then takes the argmax
         where the logits are (the registry's ``argmax`` op) and skips this sampler."""
-        return all(p.greedy and not p.needs_penalties and p.logprobs is None and r.num_output_tokens >= p.min_tokens
+        return all(p.greedy and not p.needs_penalties and not p.needs_logits_processing and p.logprobs is None
+                   and r.num_output_tokens >= p.min_tokens
                    for r, p in ((r, r.sampling_params) for r in requests))
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
@@ -59,8 +65,13 @@ class Sampler:
             # Plain greedy rows: the argmax needs no float32 copy (widening bf16 is exact,
             # so the chosen ids are the same) and no row gather.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+        bad = failing_rows(self, requests, logits.shape[1])
+        if bad:
+            out = sample_without(self, logits, requests, bad)
+            return out if out is not None else SamplerOutput([0] * len(requests), [None] * len(requests))
         logits = raw = logits.float()
         logits = self._apply_penalties(logits, requests)
+        logits = apply_logits_processors(logits, requests)
         logits = self._apply_min_tokens(logits, requests)
 
         greedy = [p.greedy for p in params]

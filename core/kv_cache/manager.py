@@ -9,16 +9,13 @@ always recomputed so that the model produces logits to sample from.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from pagedserve.kv_cache.block_hash import BlockHash, block_hashes, extend_block_hashes, hash_block
 from pagedserve.kv_cache.block_pool import BlockPool, KVBlock
 from pagedserve.request import Request
 
 __all__ = ["KVCacheManager", "hash_block"]
-
-
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: tuple = ()) -> tuple[int, tuple]:
-    """(hash value, the key it covers) of one full block."""
-    key = (parent_hash, token_ids, extra)
-    return hash(key), key
 
 
 class KVCacheManager:
@@ -31,7 +28,7 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # Hashes of the request's full blocks computed so far, and how many of its
         # blocks are registered in the cache.
-        self._req_hashes: dict[str, list[tuple[int, tuple]]] = {}
+        self._req_hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}
         # Prefix-cache statistics (in tokens) for metrics.
         self.prefix_queries = 0
@@ -47,18 +44,12 @@ class KVCacheManager:
         return self.pool.usage()
 
     # -- hashing --------------------------------------------------------------------------
-    def _block_hashes(self, request: Request, num_tokens: int) -> list[tuple[int, tuple]]:
+    def _block_hashes(self, request: Request, num_tokens: int) -> list[BlockHash]:
         """Hashes of the request's full blocks within its first ``num_tokens`` tokens."""
         hashes = self._req_hashes.setdefault(request.request_id, [])
-        bs = self.block_size
         # May hold more hashes than asked for (computed earlier for a longer span).
-        tokens = request.all_token_ids
-        while (len(hashes) + 1) * bs <= num_tokens:
-            i = len(hashes)
-            parent = hashes[-1][0] if hashes else None
-            extra = (request.cache_salt,) if (i == 0 and request.cache_salt) else ()
-            hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
-        return hashes
+        return extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_tokens // self.block_size,
+                                   request.cache_salt)
 
     # -- allocation -----------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
@@ -77,6 +68,37 @@ class KVCacheManager:
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
+
+    # -- hand-off of cached blocks between engines (disaggregated prefill/decode) ----------
+    def cached_prefix(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
+        """Block ids of the leading cached full blocks of ``token_ids`` (no salt), at most
+        ``num_blocks``; stops at the first block not cached."""
+        ids = []
+        for h, key in block_hashes(token_ids, self.block_size, num_blocks):
+            block = self.pool.lookup(h, key)
+            if block is None:
+                break
+            ids.append(block.block_id)
+        return ids
+
+    def adopt_prefix(self, token_ids: Sequence[int], num_blocks: int) -> tuple[list[int], list[int]]:
+        """Register free blocks in the prefix cache for the first ``num_blocks`` full
+        blocks of ``token_ids`` (no salt) that are not cached yet, as many as the free
+        blocks allow: returns (their indices in the prompt, their block ids).
+
+        The blocks stay unreferenced (evictable, tails first); their KV must be written
+        before the next step can look them up.
+        """
+        hashes = block_hashes(token_ids, self.block_size, num_blocks)
+        todo = [i for i, (h, key) in enumerate(hashes) if self.pool.lookup(h, key) is None]
+        todo = todo[:max(0, self.pool.num_free_blocks)]
+        if not todo:
+            return [], []
+        blocks = self.pool.get_new_blocks(len(todo))
+        for block, i in zip(blocks, todo):
+            self.pool.cache_block(block, *hashes[i])
+        self.pool.free_blocks(reversed(blocks))
+        return todo, [b.block_id for b in blocks]
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request of ``num_tokens`` could ever fit in an empty pool."""
@@ -142,6 +164,3 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
-
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -9,6 +9,7 @@
 """
 
 from pagedserve.loader.detokenizer import IncrementalDetokenizer
+from pagedserve.loader.errors import ModelLoadError
 from pagedserve.loader.model_path import DEFAULT_MODEL_ALIAS, resolve_model_path
 from pagedserve.loader.model_source import ModelSource, open_model
 from pagedserve.loader.tokenizer import Tokenizer
@@ -16,6 +17,7 @@ from pagedserve.loader.tokenizer import Tokenizer
 __all__ = [
     "DEFAULT_MODEL_ALIAS",
     "IncrementalDetokenizer",
+    "ModelLoadError",
     "ModelSource",
     "Tokenizer",
     "open_model",

@@ -185,6 +185,10 @@ class GGUFCheckpoint:
         ids = [self.metadata.get(f"tokenizer.ggml.{key}") for key in keys]
         return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every parameter (PyTorch order), by Hugging Face name."""
+        return {self._hf_name(t.name): t.numpy_shape for t in self._reader.tensors if t.name not in _NON_PARAMETERS}
+
     def tensor_types(self) -> dict[str, str]:
         """ggml type name of every parameter, by Hugging Face name."""
         return {self._hf_name(t.name): t.ggml_type.name for t in self._reader.tensors if t.name not in _NON_PARAMETERS}

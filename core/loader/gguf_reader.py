@@ -45,6 +45,9 @@ SUPPORTED_GGUF_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 # ggml's GGML_MAX_DIMS; a larger count can only come from a corrupt file.
 _MAX_DIMS = 4
+# Arrays of arrays: real files nest at most two deep; deeper only comes from a corrupt or
+# hostile file, which must not reach Python's recursion limit.
+_MAX_ARRAY_DEPTH = 8
 
 
 class GGUFValueType(enum.IntEnum):
@@ -343,13 +346,15 @@ class _Cursor:
         value = self.take(_SCALARS[kind])
         return (value != 0 if kind is GGUFValueType.BOOL else value), (kind,)
 
-    def array(self, key: str) -> tuple[list[Any], tuple[GGUFValueType, ...]]:
+    def array(self, key: str, depth: int = 1) -> tuple[list[Any], tuple[GGUFValueType, ...]]:
+        if depth > _MAX_ARRAY_DEPTH:
+            raise ValueError(f"The GGUF metadata key {key!r} nests arrays more than {_MAX_ARRAY_DEPTH} deep.")
         kind = self.value_type(key)
         count = self.take(_U64)
         if kind is GGUFValueType.STRING:
             return self.string_array(_bounded_count(count, 8, self, key)), (GGUFValueType.ARRAY, kind)
         if kind is GGUFValueType.ARRAY:
-            items = [self.array(key) for _ in range(_bounded_count(count, 12, self, key))]
+            items = [self.array(key, depth + 1) for _ in range(_bounded_count(count, 12, self, key))]
             inner = items[0][1] if items else (GGUFValueType.ARRAY,)
             return [values for values, _ in items], (GGUFValueType.ARRAY, *inner)
         dtype = _ARRAY_DTYPES[kind]

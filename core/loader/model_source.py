@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.loader.errors import ModelLoadError
 from pagedserve.loader.gguf_checkpoint import GGUFCheckpoint
 from pagedserve.loader.hf_checkpoint import (
     find_safetensors_files,
@@ -24,6 +25,7 @@ from pagedserve.loader.hf_checkpoint import (
 )
 from pagedserve.loader.model_path import resolve_model_path
 from pagedserve.loader.tokenizer import Tokenizer
+from pagedserve.loader.validation import check_config, check_tensor_shapes
 
 __all__ = ["ModelSource", "open_model"]
 
@@ -42,27 +44,47 @@ class ModelSource:
     def __init__(self, path: pathlib.Path) -> None:
         self.path = path
         self._tokenizer: Tokenizer | None = None
+        try:
+            self._open(path)
+        except ModelLoadError:
+            raise
+        except FileNotFoundError:
+            raise  # no checkpoint there at all: not a corrupt one
+        except Exception as e:  # noqa: BLE001 - any parse failure of a corrupt file becomes one named error
+            raise ModelLoadError(path, _describe(e)) from e
+
+    def _open(self, path: pathlib.Path) -> None:
         if path.is_file():
             self.format = "gguf"
             self._gguf: GGUFCheckpoint | None = GGUFCheckpoint(path)
             self._files: list[pathlib.Path] = []
             self.hf_config: dict[str, Any] = self._gguf.hf_config()
             self.eos_token_ids: list[int] = self._gguf.eos_token_ids()
+            shapes = self._gguf.tensor_shapes()
         else:
             self.format = "hf"
             self._gguf = None
             self._files = find_safetensors_files(path)
-            self.hf_config = normalize_hf_config(read_json(path / "config.json"), self._weight_names())
+            shapes = self._weight_shapes()
+            self.hf_config = normalize_hf_config(read_json(path / "config.json"), set(shapes))
             self.eos_token_ids = read_eos_token_ids(path, self.hf_config)
+        # Values no model can have, or that the tensors contradict, fail here by name rather
+        # than as an arithmetic error, a huge allocation or garbage output later.
+        check_config(self.hf_config, path)
+        check_tensor_shapes(self.hf_config, shapes, path)
 
-    def _weight_names(self) -> set[str]:
+    def _weight_shapes(self) -> dict[str, tuple[int, ...]]:
         from safetensors import safe_open
 
-        names: set[str] = set()
+        shapes: dict[str, tuple[int, ...]] = {}
         for file in self._files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                names.update(f.keys())
-        return names
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        shapes[name] = tuple(f.get_slice(name).get_shape())
+            except Exception as e:  # noqa: BLE001 - SafetensorError does not name the file
+                raise ModelLoadError(file, _describe(e)) from e
+        return shapes
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield `(hf_parameter_name, tensor)` for every stored parameter, one at a time.
@@ -71,21 +93,43 @@ class ModelSource:
         `lm_head.weight` is absent when the checkpoint ties it to the embeddings.
         """
         if self._gguf is not None:
-            return self._gguf.weights()
-        return iter_safetensors_weights(self._files)
+            return _named_errors(self._gguf.weights(), self.path)
+        return _named_errors(iter_safetensors_weights(self._files), self.path)
 
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer (built once, then shared)."""
         if self._tokenizer is None:
-            if self._gguf is not None:
-                self._tokenizer = Tokenizer.from_gguf_metadata(self._gguf.metadata)
-            else:
-                self._tokenizer = Tokenizer.from_folder(self.path, self.hf_config)
+            try:
+                if self._gguf is not None:
+                    self._tokenizer = Tokenizer.from_gguf_metadata(self._gguf.metadata)
+                else:
+                    self._tokenizer = Tokenizer.from_folder(self.path, self.hf_config)
+            except FileNotFoundError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+                where = self.path if self._gguf is not None else self.path / "tokenizer.json"
+                raise ModelLoadError(where, f"the tokenizer cannot be built: {_describe(e)}") from e
         return self._tokenizer
 
     def __repr__(self) -> str:
         architectures = self.hf_config.get("architectures")
         return f"ModelSource(path={str(self.path)!r}, format={self.format!r}, architectures={architectures})"
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return text if isinstance(e, ValueError) else f"{type(e).__name__}: {text}"
+
+
+def _named_errors(weights: Iterator[tuple[str, torch.Tensor]],
+                  path: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights``, with a read failure (a file truncated since it was opened) named."""
+    try:
+        yield from weights
+    except ModelLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - SafetensorError and numpy errors do not name the file
+        raise ModelLoadError(path, f"reading the weights failed: {_describe(e)}") from e
 
 
 def open_model(model: str | pathlib.Path | None) -> ModelSource:

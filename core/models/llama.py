@@ -130,7 +130,7 @@ class LlamaForCausalLM:
 
     def __init__(self, cfg: ArchConfig, ops, dtype: torch.dtype, device: torch.device,
                  parallel: ParallelContext | None = None,
-                 placements: list[LayerPlacement] | None = None) -> None:
+                 placements: list[LayerPlacement] | None = None, max_positions: int | None = None) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.parallel = p = parallel or ParallelContext.single(device)
@@ -167,7 +167,9 @@ class LlamaForCausalLM:
         self.embed: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None
-        max_pos = cfg.max_position_embeddings
+        # The RoPE table covers the positions the engine runs (max_model_len), not every
+        # position the model could take: a model may claim billions.
+        max_pos = min(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
         cos_sin = rope_cos_sin_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
         self.cos_sin = cos_sin.to(self.device)
         self._cos_sins = [self.cos_sin] + [cos_sin.to(pl.device) for pl in placements[1:]]

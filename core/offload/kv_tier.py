@@ -18,22 +18,22 @@ from pagedserve.config import EngineConfig
 from pagedserve.kv_cache.host_tier import IN, KVTransfers, TieredKVCacheManager
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.offload.cost import PreemptionCostModel
+from pagedserve.platforms import Platform
 
 __all__ = ["build_kv_manager", "allocate_host_kv_cache", "apply_kv_transfers"]
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def allocate_host_kv_cache(runner, num_host_blocks: int) -> KVCaches:
-    """One (key, value) pair of host tensors per layer with ``num_host_blocks`` blocks."""
-    # local_arch: this rank's KV heads and layers under tensor/pipeline parallelism.
-    a = getattr(runner, "local_arch", runner.arch)
-    platforms = getattr(runner, "layer_platforms", None) or [runner.platform] * a.num_layers
+def allocate_host_kv_cache(platforms: Sequence[Platform], num_host_blocks: int, block_size: int,
+                           num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVCaches:
+    """One (key, value) pair of host tensors per layer with ``num_host_blocks`` blocks,
+    each in its layer's platform's layout (``platforms``: one per layer)."""
 
-    def alloc(platform) -> torch.Tensor:
-        shape = platform.kv_cache_shape(num_host_blocks, runner.block_size, a.num_kv_heads, a.head_dim)
+    def alloc(platform: Platform) -> torch.Tensor:
+        shape = platform.kv_cache_shape(num_host_blocks, block_size, num_kv_heads, head_dim)
         # Zeroed so that a (buggy) read of a never-written block is deterministic.
-        return torch.zeros(shape, dtype=runner.dtype, device="cpu", pin_memory=platform.pin_memory_available)
+        return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=platform.pin_memory_available)
 
     return [(alloc(p), alloc(p)) for p in platforms]
 
@@ -60,25 +60,24 @@ def apply_kv_transfers(swap_blocks: SwapBlocks | Sequence[SwapBlocks], device_ca
 
 def build_kv_manager(config: EngineConfig, num_blocks: int, runner) -> KVCacheManager:
     """The plain manager, or one with a host tier of ``kv_offload_memory`` bytes (whose
-    host KV tensors are allocated on ``runner``, the engine process's rank, here)."""
+    host KV tensors are allocated on ``runner``, the engine process's ModelRunner, here).
+
+    The runner is not imported (it imports :func:`apply_kv_transfers` from here); this
+    uses its public methods ``kv_block_bytes``, ``allocate_host_kv_cache`` and
+    ``weight_bytes`` and its ``layer_platforms`` and ``dtype``."""
     cache = config.cache
     if cache.kv_offload_memory is None:
         return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-    par = config.parallel
-    if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
-        # Every rank would need its own host pool and copies; not wired up yet.
-        raise ValueError("kv_offload_memory is not supported with tensor/pipeline parallelism yet")
-    from pagedserve.executor.model_runner import kv_bytes_per_block
-
-    per_block = kv_bytes_per_block(getattr(runner, "local_arch", runner.arch), cache.block_size, runner.dtype)
+    config.validate()  # one rank only: every rank would need its own host pool and copies
+    per_block = runner.kv_block_bytes(cache.block_size)
     num_host_blocks = int(cache.kv_offload_memory) // per_block
     if num_host_blocks < 1:
         raise ValueError(f"kv_offload_memory={cache.kv_offload_memory} bytes holds no KV block "
                          f"({per_block} bytes each); raise it or leave it unset")
-    runner.host_kv_caches = allocate_host_kv_cache(runner, num_host_blocks)
+    runner.allocate_host_kv_cache(num_host_blocks)
     # Under a device map each layer copies and computes at its platform's rate: the
     # effective rate is the layer-weighted harmonic mean (one platform: its own).
-    platforms = getattr(runner, "layer_platforms", None) or [runner.platform]
+    platforms = runner.layer_platforms
 
     def rate(attr: str) -> float:
         return len(platforms) / sum(1.0 / getattr(p, attr) for p in platforms)
@@ -86,7 +85,7 @@ def build_kv_manager(config: EngineConfig, num_blocks: int, runner) -> KVCacheMa
     cost = PreemptionCostModel(
         mode=cache.preemption_mode,
         bytes_per_block=per_block,
-        flops_per_token=2.0 * runner.model.weight_bytes() / torch.empty((), dtype=runner.dtype).element_size(),
+        flops_per_token=2.0 * runner.weight_bytes() / torch.empty((), dtype=runner.dtype).element_size(),
         host_copy_bandwidth=rate("host_copy_bandwidth"),
         compute_flops=rate("compute_flops"),
     )

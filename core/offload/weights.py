@@ -119,12 +119,8 @@ def offload_weights(config: EngineConfig, runner) -> WeightStreamer | None:
     cpu_offload_gb = config.cache.cpu_offload_gb
     if cpu_offload_gb <= 0:
         return None
-    par = config.parallel
-    if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
-        raise ValueError("cpu_offload_gb is not supported with tensor/pipeline parallelism yet")
-    config.check_device_map()  # a device map and weight streaming are exclusive
-    model = runner.model
+    config.validate()  # not with several ranks, nor with a device map
     with torch.inference_mode():  # the weights are inference tensors; so are the copies
-        streamer = WeightStreamer(runner.platform, model.layers, int(cpu_offload_gb * 1e9))
-    model.layer_stream = streamer
+        streamer = WeightStreamer(runner.platform, runner.model.layers, int(cpu_offload_gb * 1e9))
+    runner.stream_layers(streamer)
     return streamer

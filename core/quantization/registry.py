@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedserve.platforms.ops import PREFERS_QUANTIZED
 from pagedserve.quantization.base import QuantizationMethod, QuantizedWeight
 from pagedserve.quantization.fp8 import Fp8Method
 from pagedserve.quantization.gguf import GGUF_KEPT_TYPES, GGUFMethod
@@ -31,16 +32,10 @@ from pagedserve.quantization.int8 import Int8Method, W8A8Method
 if TYPE_CHECKING:
     from pagedserve.platforms import OpRegistry, Platform
 
-__all__ = ["METHODS", "GGUF_DEFAULT_OP_SOURCES", "register_method", "get_method_class", "unsupported_reason",
+__all__ = ["METHODS", "gguf_kept_by_default", "register_method", "get_method_class", "unsupported_reason",
            "resolve_quantization", "QuantizedSource", "quantize_source"]
 
 METHODS: dict[str, type[QuantizationMethod]] = {}
-
-#: Sources of the platform's ``gguf_linear`` (as ``pagedserve platforms --ops`` lists
-#: them; a prefix matches) with which a quantized .gguf stays in blocks when quantization
-#: is left unset: the native CPU kernel, which decodes the default model 1.3-1.8x faster
-#: than bf16 at batch 1-4 (docs/quantization.md, "Default on CPU").
-GGUF_DEFAULT_OP_SOURCES: tuple[str, ...] = ("cpu-native-quant",)
 
 #: quant_method values of Hugging Face configs that need a kernel we lack: refused by name.
 _HF_ALIASES = {"awq": "awq", "gptq": "gptq", "fp8": "fp8"}
@@ -76,16 +71,18 @@ def unsupported_reason(cls: type[QuantizationMethod], platform: Platform, ops: A
     return None
 
 
-def _gguf_kept_by_default(ops: Any) -> bool:
-    if not GGUF_DEFAULT_OP_SOURCES or not hasattr(ops, "source"):
-        return False
-    return ops.source("gguf_linear").startswith(GGUF_DEFAULT_OP_SOURCES)
+def gguf_kept_by_default(ops: OpRegistry) -> bool:
+    """Whether a quantized .gguf stays in blocks when quantization is left unset: where
+    the platform's ``gguf_linear`` declares PREFERS_QUANTIZED (the native CPU kernel,
+    which decodes the default model 1.3-1.8x faster than bf16 at batch 1-4;
+    docs/quantization.md, "Default on CPU")."""
+    return ops.has_capability("gguf_linear", PREFERS_QUANTIZED)
 
 
 def _from_checkpoint(source, ops: Any) -> tuple[str | None, dict[str, Any]]:
     if source.format == "gguf":
         kept = set(source._gguf.tensor_types().values()) & set(GGUF_KEPT_TYPES)
-        return ("gguf" if kept and _gguf_kept_by_default(ops) else None), {}
+        return ("gguf" if kept and gguf_kept_by_default(ops) else None), {}
     qcfg = source.hf_config.get("quantization_config")
     if not qcfg:
         return None, {}

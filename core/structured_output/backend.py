@@ -11,12 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedserve.structured_output.params import StructuredOutputsParams
+from pagedserve.structured_params import BACKENDS, StructuredOutputsParams
 
 __all__ = ["BACKENDS", "XgrammarBackend", "build_grammar"]
-
-#: Backends ``structured_outputs_config.backend`` may name ("auto" picks xgrammar).
-BACKENDS = ("auto", "xgrammar")
 
 
 def _xgr():

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from pagedserve.structured_output.backend import BACKENDS, XgrammarBackend, build_grammar
-from pagedserve.structured_output.params import StructuredOutputsParams
+from pagedserve.structured_params import StructuredOutputsParams
 
 __all__ = ["GrammarState", "StructuredOutputManager"]
 

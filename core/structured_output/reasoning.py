@@ -8,13 +8,9 @@ pagedserve.entrypoints.openai.reasoning_parsers.
 
 from __future__ import annotations
 
-__all__ = ["REASONING_PARSERS", "reasoning_end_token_ids"]
+from pagedserve.structured_params import REASONING_PARSERS
 
-#: name -> (start marker, end marker)
-REASONING_PARSERS: dict[str, tuple[str, str]] = {
-    "deepseek_r1": ("<think>", "</think>"),
-    "qwen3": ("<think>", "</think>"),
-}
+__all__ = ["REASONING_PARSERS", "reasoning_end_token_ids"]
 
 
 def reasoning_end_token_ids(name: str, tokenizer) -> frozenset[int]:

@@ -18,7 +18,7 @@ from pagedserve.platforms import PlatformError, PlatformRegistry
 from pagedserve.platforms.interface import PLATFORM_INTERFACE_VERSION
 from pagedserve.testing.checks import Check, CheckResult, ConformanceReport, run_checks
 from pagedserve.testing.engine_check import engine_greedy_check
-from pagedserve.testing.op_checks import op_checks
+from pagedserve.testing.op_suite import op_checks
 from pagedserve.testing.platform_checks import platform_checks
 from pagedserve.testing.target import Target, select_target
 

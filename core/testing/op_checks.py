@@ -4,7 +4,8 @@ Inputs are fresh random tensors (``torch.randn``, never zeros, seeded per case s
 failure reproduces); outputs an op writes in place are poisoned with NaN first, so an
 element the op forgot to write cannot pass by accident.  The reference always runs on
 the host from copies of the same inputs.  Tolerances are keyed by dtype.  The quantized
-linear ops have their own cases (:mod:`pagedserve.testing.quant_op_checks`).
+linear ops have their own cases (:mod:`pagedserve.testing.quant_op_checks`); both are
+assembled into checks by :mod:`pagedserve.testing.op_suite`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.testing.checks import Check, CheckSkipped
+from pagedserve.testing.checks import CheckSkipped
 from pagedserve.testing.target import Target
 
-__all__ = ["TOLERANCES", "assert_matches", "op_checks", "PAGED_ATTENTION_BATCH"]
+__all__ = ["TOLERANCES", "assert_matches", "OP_CASES", "PAGED_ATTENTION_BATCH"]
 
 #: (atol, rtol) per dtype; the reference accumulates in float32 where it matters.
 TOLERANCES: dict[torch.dtype, dict[str, float]] = {
@@ -179,6 +180,7 @@ def _linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int,
             prepare: Callable | None = None) -> Cases:
     """``linear`` on weights put through the registry's ``prepare_linear_weight`` (the
     contract: the pair equals the reference on the plain weight)."""
+    streamed = prepare is None  # once, under ``linear`` rather than again under ``prepare_linear_weight``
     prepare = prepare or t.ops.get("prepare_linear_weight")
     # Output widths that are and are not multiples of 16 and an odd K: a platform may
     # pack only some shapes (the CPU's native packing needs N % 16 == 0, K % 2 == 0).
@@ -192,6 +194,32 @@ def _linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int,
             b = c.randn(m, dtype=dtype) if bias else None
             got = fn(c.dev(x), prepare(c.dev(w)), None if b is None else c.dev(b))
             assert_matches("linear", got, reference.linear(x, w, b), dtype)
+
+        yield desc, body
+    if streamed:
+        yield from _linear_streamed(t, fn, dtype, seed)
+
+
+def _linear_streamed(t: Target, fn: Callable, dtype: torch.dtype, seed: int, op: str = "linear") -> Cases:
+    """``op`` (``linear`` or ``linear_silu_and_mul``) on a plain (never prepared) weight
+    rewritten in place between calls: what weight offload (``cpu_offload_gb``) does to its
+    device staging slots, inference tensors whose contents change under the same object.
+    An op that caches derived state per weight tensor must notice, or keep such caches to
+    prepared weights."""
+    want_fn = getattr(reference, op)
+    for lead, k, m in [((3,), 64, 96), ((17,), 96, 64)]:
+        desc = f"streamed-weight {'x'.join(map(str, lead))}x{k}->{m}"
+
+        def body(lead=lead, k=k, m=m, desc=desc) -> None:
+            c = _Case(f"{op}{desc}{dtype}", seed, t.device)
+            x = c.randn(*lead, k, dtype=dtype)
+            weights = [c.randn(m, k, dtype=dtype, scale=k ** -0.5) for _ in range(3)]
+            with torch.inference_mode():
+                slot = torch.empty_like(c.dev(weights[0]))  # one staging slot, as offload keeps
+                for i, w in enumerate(weights + weights[:1]):
+                    slot.copy_(c.dev(w))
+                    assert_matches(f"{op} after rewriting the weight in place ({i + 1} times)",
+                                   fn(c.dev(x), slot, None), want_fn(x, w, None), dtype)
 
         yield desc, body
 
@@ -213,6 +241,7 @@ def _linear_silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed: int)
             assert_matches("linear_silu_and_mul", got, reference.linear_silu_and_mul(x, w, b), dtype)
 
         yield desc, body
+    yield from _linear_streamed(t, fn, dtype, seed, op="linear_silu_and_mul")
 
 
 def _embedding(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
@@ -315,7 +344,6 @@ def _reshape_and_cache(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -
                 kc.fill_(NAN)
                 vc.fill_(NAN)
                 fn(c.dev(k), c.dev(v), kc, vc, c.dev(slots))
-                t.platform.synchronize()
                 assert_matches("reshape_and_cache key_cache", kc, want_k, dtype, exact=True, equal_nan=True)
                 assert_matches("reshape_and_cache value_cache", vc, want_v, dtype, exact=True, equal_nan=True)
 
@@ -353,7 +381,8 @@ def _context_slots(tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
 
 
 def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    shapes = [(block_size, heads, kv_heads, 64) for block_size in (16, 32) for heads, kv_heads in [(4, 4), (4, 2), (8, 2)]]
+    shapes = [(block_size, heads, kv_heads, 64)
+              for block_size in (16, 32) for heads, kv_heads in [(4, 4), (4, 2), (8, 2)]]
     shapes.append((16, 4, 1, 128))
     for block_size, heads, kv_heads, head in shapes:
         desc = f"bs{block_size}-h{heads}kv{kv_heads}-d{head}"
@@ -382,7 +411,6 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
             args = (c.dev(query), pkc, pvc, c.dev(tables), c.dev(seq_lens), c.dev(qsl), scale)
             out = torch.full(query.shape, NAN, dtype=dtype, device=t.device)
             got = fn(*args, out=out)
-            t.platform.synchronize()
             assert_matches("paged_attention return value (out=...)" + how, got, want, dtype)
             assert_matches("paged_attention out (poisoned with NaN before the call)" + how, out, want, dtype)
             assert_matches("paged_attention return value (out=None)" + how, fn(*args), want, dtype)
@@ -415,13 +443,13 @@ def _block_copy_cases(op: str, t: Target, fn: Callable, dtype: torch.dtype, seed
                 reference.copy_blocks(src, want, mapping)
                 got = torch.full(shape, NAN, dtype=dtype, device=dst_dev)
                 fn(src.to(src_dev, copy=True), got, mapping)
-            t.platform.synchronize()
             assert_matches(f"{op} ({desc})", got, want, dtype, exact=True, equal_nan=True)
 
         yield desc, body
 
 
-_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
+#: Op name -> its cases (assembled with the quantized ones by pagedserve.testing.op_suite).
+OP_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "paged_attention": _paged_attention,
     "reshape_and_cache": _reshape_and_cache,
     "rms_norm": _rms_norm,
@@ -438,36 +466,3 @@ _CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "copy_blocks": lambda t, fn, d, s: _block_copy_cases("copy_blocks", t, fn, d, s),
     "swap_blocks": lambda t, fn, d, s: _block_copy_cases("swap_blocks", t, fn, d, s),
 }
-
-
-def _failing_for(name: str, source: str, body: Body) -> Callable[[], None]:
-    """Prefix a failure with the op and where its implementation came from."""
-
-    def run() -> None:
-        try:
-            body()
-        except AssertionError as exc:
-            raise AssertionError(f"op {name} (from {source}): {exc}") from None
-
-    return run
-
-
-def op_checks(target: Target, seed: int = 0) -> list[Check]:
-    """One check per (overridden op, dtype, case); ops left to the reference are not checked."""
-    from pagedserve.testing.quant_op_checks import QUANT_CASES  # it builds on this module
-
-    checks: list[Check] = []
-    for name, source in target.overridden_ops().items():
-        cases = _CASES.get(name) or QUANT_CASES.get(name)
-        if cases is None:
-
-            def skip(name=name) -> None:
-                raise CheckSkipped(f"{name!r} is not an op of pagedserve.kernels.reference: nothing to compare with")
-
-            checks.append(Check(f"op:{name}", skip))
-            continue
-        fn = target.ops.get(name)
-        for dtype in target.dtypes():
-            for desc, body in cases(target, fn, dtype, seed):
-                checks.append(Check(f"op:{name}[{_dtype_name(dtype)}-{desc}]", _failing_for(name, source, body)))
-    return checks

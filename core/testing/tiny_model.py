@@ -119,7 +119,8 @@ def write_llama_safetensors(path: Path, vocab_size: int, spec: TinyLlamaSpec, se
 def _write_with_transformers(path: Path, vocab_size: int, spec: TinyLlamaSpec, seed: int) -> None:
     import transformers
 
-    cfg = {k: v for k, v in _config(spec, vocab_size).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    cfg = {k: v for k, v in _config(spec, vocab_size).items()
+           if k not in ("architectures", "model_type", "torch_dtype")}
     # fork_rng: transformers initialises from the global generator; do not disturb the caller's.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

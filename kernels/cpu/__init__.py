@@ -11,7 +11,6 @@ from pagedserve.kernels.cpu.native import (
     NativeCpuKernels,
     choose_isa,
     load_cpu_kernels,
-    native_disabled,
 )
 
 __all__ = [
@@ -22,5 +21,4 @@ __all__ = [
     "choose_isa",
     "empty_huge_pages",
     "load_cpu_kernels",
-    "native_disabled",
 ]

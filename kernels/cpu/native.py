@@ -6,15 +6,13 @@ bfloat16 or float16; attention head sizes 64/80/96/128/256; CPU tensors contiguo
 their last dimension) and the reference otherwise, so registering these ops never
 narrows what the registry accepts.
 
-Environment:
-    PAGEDSERVE_CPU_KERNELS=0   keep the torch references (no build, no load).
-    PAGEDSERVE_CPU_ISA         run one compiled instruction set instead of the best
-                               the CPU supports: avx512bf16, avx512, avx2 or scalar.
+Nothing here reads the environment: the CPU platform reads its switches once
+(PAGEDSERVE_CPU_KERNELS, PAGEDSERVE_CPU_ISA; :class:`pagedserve.platforms.options.CpuOptions`)
+and passes them in.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -32,7 +30,6 @@ __all__ = [
     "NativeCpuKernels",
     "choose_isa",
     "load_cpu_kernels",
-    "native_disabled",
     "unpack_linear_weight",
 ]
 
@@ -72,11 +69,6 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     read what it has just written)."""
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-def native_disabled() -> bool:
-    """True when PAGEDSERVE_CPU_KERNELS turns the native kernels off."""
-    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def choose_isa(compiled: Sequence[str], features: frozenset[str], requested: str | None = None) -> str:
@@ -275,16 +267,15 @@ class NativeCpuKernels:
         return self.module.silu_and_mul(x, self._isa)
 
 
-def load_cpu_kernels(isa: str | None = None, verbose: bool = False) -> NativeCpuKernels | None:
+def load_cpu_kernels(isa: str | None = None, verbose: bool = False,
+                     preferred_isa: str | None = None) -> NativeCpuKernels | None:
     """Load (building on first use) the native CPU kernels.
 
     ``isa`` forces an instruction set (ValueError if it cannot run here); otherwise
-    PAGEDSERVE_CPU_ISA, otherwise the best one.  Returns None, with a warning saying
-    why, when the kernels cannot be built or loaded, and None silently when
-    PAGEDSERVE_CPU_KERNELS=0.
+    ``preferred_isa`` (the PAGEDSERVE_CPU_ISA switch: ignored with a warning if it
+    cannot run here), otherwise the best one.  Returns None, with a warning saying why,
+    when the kernels cannot be built or loaded.
     """
-    if native_disabled():
-        return None
     try:
         module, _ = build.load_cpu_extension(verbose=verbose)
     except build.KernelBuildError as exc:
@@ -294,9 +285,8 @@ def load_cpu_kernels(isa: str | None = None, verbose: bool = False) -> NativeCpu
     compiled = list(module.compiled_isas())
     features = build.read_cpu_features()
     if isa is None:
-        requested = os.environ.get("PAGEDSERVE_CPU_ISA", "").strip() or None
         try:
-            isa = choose_isa(compiled, features, requested)
+            isa = choose_isa(compiled, features, preferred_isa)
         except ValueError as exc:
             warnings.warn(f"pagedserve: PAGEDSERVE_CPU_ISA ignored: {exc}", RuntimeWarning, stacklevel=2)
             isa = choose_isa(compiled, features)

@@ -1,17 +1,19 @@
 """Build the CUDA C++ kernels as a torch extension (on CUDA machines, on demand).
 
 Nothing here runs at ``import pagedserve``: the extension is compiled the first time
-:func:`load_cuda_extension` (or :func:`build_cuda_extension`) is called, with
-``torch.utils.cpp_extension.load`` and ninja, into a persistent cache directory keyed
-by the torch/CUDA versions, the target architectures and a hash of the sources, so a
-rebuild happens only when one of those changes.
+:func:`load_cuda_extension` (or :func:`build_cuda_extension`) is called, through
+:func:`pagedserve.kernels.build.load_extension` (torch's ``cpp_extension.load`` and
+ninja, under the build lock every native build shares), into a persistent cache
+directory keyed by the torch/CUDA versions, the target architectures and a hash of the
+sources, so a rebuild happens only when one of those changes.
 
 Environment honoured:
     MAX_JOBS               parallel compile jobs (read by torch's ninja build).
     TORCH_CUDA_ARCH_LIST   target architectures, e.g. "8.0;9.0" (default: the visible
                            GPUs' compute capabilities, as torch decides).
-    PAGEDSERVE_CACHE_DIR   cache root (default $XDG_CACHE_HOME/pagedserve or
-                           ~/.cache/pagedserve); builds go to <root>/kernels/cuda/<key>.
+    PAGEDSERVE_KERNEL_CACHE  the kernel cache root of every native build (see
+                           pagedserve.kernels.build.kernel_cache_root); builds go to
+                           <root>/cuda/<key>.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+from pagedserve.kernels import build
+
 __all__ = [
     "EXTENSION_NAME",
     "SOURCE_DIR",
     "SOURCES",
     "HEADERS",
-    "cache_root",
+    "cuda_build_spec",
     "build_directory",
     "build_cuda_extension",
     "load_cuda_extension",
@@ -41,14 +45,6 @@ HEADERS: tuple[str, ...] = ("pagedserve_cuda.h", "common.cuh")
 
 _NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
 _CXX_FLAGS = ["-O3", "-std=c++17"]
-
-
-def cache_root() -> Path:
-    """Root of pagedserve's build cache (see the module docstring)."""
-    if os.environ.get("PAGEDSERVE_CACHE_DIR"):
-        return Path(os.environ["PAGEDSERVE_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "pagedserve"
 
 
 def _source_hash() -> str:
@@ -77,7 +73,7 @@ def build_directory() -> Path:
     import torch
 
     key = f"torch{torch.__version__}-cu{torch.version.cuda}-{_arch_tag()}-{_source_hash()}"
-    return cache_root() / "kernels" / "cuda" / key.replace("+", "_")
+    return build.kernel_cache_root() / "cuda" / key.replace("+", "_")
 
 
 def _check_toolchain() -> None:
@@ -93,28 +89,26 @@ def _check_toolchain() -> None:
         raise RuntimeError("the CUDA kernels need the CUDA toolkit (nvcc); set CUDA_HOME or put nvcc on PATH")
 
 
+def cuda_build_spec() -> build.ExtensionSpec:
+    """The build of the extension for this torch, these architectures and these sources."""
+    directory = build_directory()
+    name = f"{EXTENSION_NAME}_{hashlib.sha256(directory.name.encode()).hexdigest()[:16]}"
+    return build.ExtensionSpec(
+        name=name, directory=directory, sources=tuple(SOURCE_DIR / s for s in SOURCES), cflags=tuple(_CXX_FLAGS),
+        arch_flags=(_arch_tag(),), arch_origin="TORCH_CUDA_ARCH_LIST or the visible GPUs",
+        compiler=os.environ.get("CXX", "c++"), include_dirs=(SOURCE_DIR,), cuda_cflags=tuple(_NVCC_FLAGS))
+
+
 def build_cuda_extension(verbose: bool = False) -> ModuleType:
     """Compile (or reuse) the extension and import it.
 
     Returns the extension module with ``paged_attention_decode``,
     ``reshape_and_cache``, ``copy_blocks``, ``swap_blocks`` and ``supports_head_size``.
-    Raises RuntimeError when torch has no CUDA or nvcc is missing.
+    Raises RuntimeError when torch has no CUDA or nvcc is missing, KernelBuildError
+    (a RuntimeError) when the build fails.
     """
     _check_toolchain()
-    from torch.utils import cpp_extension
-
-    build_dir = build_directory()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name=EXTENSION_NAME,
-        sources=[str(SOURCE_DIR / s) for s in SOURCES],
-        extra_include_paths=[str(SOURCE_DIR)],
-        extra_cflags=_CXX_FLAGS,
-        extra_cuda_cflags=_NVCC_FLAGS,
-        build_directory=str(build_dir),
-        verbose=verbose,
-        with_cuda=True,
-    )
+    return build.load_extension(cuda_build_spec(), "CUDA kernels", verbose)[0]
 
 
 @functools.cache

@@ -16,7 +16,7 @@ __all__ = ["fp8_scaled_mm_supported", "fp8_scaled_mm"]
 FP8_MAX = 448.0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

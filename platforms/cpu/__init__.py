@@ -18,4 +18,4 @@ def pagedserve_register_ops(platform, ops):
     if isinstance(platform, CpuPlatform):
         from pagedserve.platforms.cpu.ops import register_cpu_ops
 
-        register_cpu_ops(ops)
+        register_cpu_ops(ops, platform.options)

@@ -21,23 +21,18 @@ skinny kernel for a few bf16 rows where it is built).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
 from pagedserve.kernels import reference
+from pagedserve.platforms.options import CpuOptions
 
-__all__ = ["PREPACK_DTYPES", "prepack_requested", "onednn_available", "prepack_enabled", "prepare_linear_weight",
+__all__ = ["PREPACK_DTYPES", "onednn_available", "prepack_enabled", "prepare_linear_weight",
            "make_prepare_linear_weight", "make_linear", "make_linear_silu_and_mul"]
 
 #: Weight dtypes packed: bf16 is the CPU's compute dtype where it has native bf16.
 PREPACK_DTYPES = (torch.bfloat16,)
-
-
-def prepack_requested() -> bool:
-    """False when PAGEDSERVE_CPU_PREPACK turns packing off."""
-    return os.environ.get("PAGEDSERVE_CPU_PREPACK", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def onednn_available() -> bool:
@@ -45,9 +40,10 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def prepack_enabled() -> bool:
-    """Whether weights are packed for oneDNN: requested and available."""
-    return prepack_requested() and onednn_available()
+def prepack_enabled(options: CpuOptions | None = None) -> bool:
+    """Whether weights are packed for oneDNN: requested (PAGEDSERVE_CPU_PREPACK, in
+    ``options``; None: the environment now) and available."""
+    return (CpuOptions.from_env() if options is None else options).prepack and onednn_available()
 
 
 def prepare_linear_weight(weight: torch.Tensor, native=None) -> torch.Tensor:

@@ -4,12 +4,14 @@ the quantized linear ops (platforms/cpu/quant_ops.py)."""
 from __future__ import annotations
 
 from pagedserve.platforms.ops import OpRegistry
+from pagedserve.platforms.options import CpuOptions
 
 __all__ = ["register_cpu_ops"]
 
 
-def register_cpu_ops(ops: OpRegistry) -> None:
-    """Install the CPU platform's ops into ``ops``.
+def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None:
+    """Install the CPU platform's ops into ``ops``, as ``options`` (the platform's; None:
+    read from the environment now) switch them.
 
     Loads the native kernels (compiling them on first use; see kernels/build.py) and
     packs bf16 linear weights at load (platforms/cpu/dense_ops.py).
@@ -17,18 +19,19 @@ def register_cpu_ops(ops: OpRegistry) -> None:
     included.  When the native kernels cannot be built, their torch references stay
     registered; the loader has already warned why.
     """
-    from pagedserve.kernels.cpu import load_cpu_kernels, native_disabled
+    from pagedserve.kernels.cpu import load_cpu_kernels
     from pagedserve.platforms.cpu import dense_ops
     from pagedserve.platforms.cpu.quant_ops import register_cpu_quant_ops
 
-    if native_disabled():
+    options = CpuOptions.from_env() if options is None else options
+    if not options.native_kernels:
         return
-    kernels = load_cpu_kernels()
+    kernels = load_cpu_kernels(preferred_isa=options.isa)
     if kernels is not None:
         for name, fn in kernels.ops().items():
             ops.register(name, fn, source=kernels.source)
     native = kernels if kernels is not None and kernels.has_packed_linear else None
-    if dense_ops.prepack_requested() and (native is not None or dense_ops.onednn_available()):
+    if options.prepack and (native is not None or dense_ops.onednn_available()):
         # bf16 weights packed at load: for the native packed kernel where it is built,
         # else for oneDNN; plain ones keep the linear above.
         source = f"cpu-native-packed({kernels.isa})" if native is not None else "onednn-prepack"
@@ -38,4 +41,4 @@ def register_cpu_ops(ops: OpRegistry) -> None:
             ops.register("linear_silu_and_mul",
                          dense_ops.make_linear_silu_and_mul(ops.get("linear"), ops.get("silu_and_mul"), native),
                          source=source)
-    register_cpu_quant_ops(ops)
+    register_cpu_quant_ops(ops, options)

@@ -8,6 +8,7 @@ import os
 import torch
 
 from pagedserve.platforms.interface import Platform
+from pagedserve.platforms.options import CpuOptions
 
 __all__ = ["CpuPlatform", "cpu_flags"]
 
@@ -41,10 +42,13 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     pin_memory_available = False
-    priority = 0
     # Host memory is shared with the OS and every other process: take a modest share
     # by default (vLLM's CPU backend likewise defaults to a fixed 4 GiB).
     default_memory_utilization = 0.25
+
+    def __init__(self, options: CpuOptions | None = None) -> None:
+        #: The environment switches, read once here (PAGEDSERVE_CPU_*; platforms/options.py).
+        self.options = CpuOptions.from_env() if options is None else options
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -63,12 +67,6 @@ class CpuPlatform(Platform):
         if total is None:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return total
-
-    def free_memory(self) -> int:
-        avail = _meminfo("MemAvailable")
-        if avail is None:
-            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        return avail
 
     def configure_threads(self, threads: int | None, cpu_bind: list[int] | None = None) -> None:
         """See Platform.configure_threads; with ``cpu_bind`` each OpenMP thread of torch's
@@ -112,10 +110,10 @@ class CpuPlatform(Platform):
 
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
         head_major = (len(shape) == 4 and shape == (num_blocks, block_size, num_kv_heads, head_size)
-                      and os.environ.get("PAGEDSERVE_CPU_KV_LAYOUT", "head").strip().lower() != "token")
+                      and self.options.kv_layout == "head")
         storage = (num_blocks, num_kv_heads, block_size, head_size) if head_major else shape
         caches = (torch.empty(storage, dtype=dtype), torch.empty(storage, dtype=dtype))
-        if os.environ.get("PAGEDSERVE_CPU_HUGE_PAGES", "0").strip().lower() in ("1", "true", "yes", "on"):
+        if self.options.huge_pages:
             for t in caches:
                 advise_huge_pages(t)
         if head_major:

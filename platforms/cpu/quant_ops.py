@@ -1,10 +1,10 @@
 """The CPU platform's quantized linear ops (their contracts: pagedserve.kernels.reference).
 
 - ``gguf_linear``: the native kernel of kernels/cpu/quant_gguf.cpp (int8 activations per
-  32-value block, VNNI/AVX2 dot products) where it builds and loads; from
-  ``CPU_DENSE_MIN_ROWS`` rows of x up (prefill) the weight is dequantized to x's dtype
-  and one dense matmul runs instead.  ``PAGEDSERVE_QUANT_CPU_KERNELS=0`` keeps the
-  reference.
+  32-value block, VNNI/AVX2 dot products) where it builds and loads, at every row count:
+  each row's result is then independent of the other rows, so a greedy request answers
+  the same whatever else is in its batch (docs/quantization.md).
+  ``PAGEDSERVE_QUANT_CPU_KERNELS=0`` keeps the reference.
 - ``int8_linear``: aten's CPU int8 weight-only kernel ``torch._weight_int8pack_mm``.
 - ``w8a8_linear``: ``torch._int_mm`` (oneDNN, VNNI where the CPU has it).
 - ``fp8_linear``: emulated, the weight dequantized to x's dtype for each matmul.
@@ -16,15 +16,17 @@ import torch
 
 from pagedserve.kernels import quant_reference as qref
 from pagedserve.kernels import reference
-from pagedserve.platforms.ops import OpRegistry
-from pagedserve.quantization.native import load_quant_kernels
+from pagedserve.platforms.ops import PREFERS_QUANTIZED, OpRegistry
+from pagedserve.platforms.options import CpuOptions
+from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 
 __all__ = ["register_cpu_quant_ops", "gguf_linear", "int8_linear", "w8a8_linear", "CPU_DENSE_MIN_ROWS"]
 
-#: Rows of x from which gguf_linear dequantizes the weight to bf16/fp32 and uses the
-#: dense matmul instead of the int8 dot-product kernel (prefill); set from
-#: benchmarks/quantization.py.
-CPU_DENSE_MIN_ROWS = 128
+#: Rows of x from which gguf_linear would dequantize the weight and run one dense matmul
+#: instead of the int8 kernel (faster prefill). None: never, because the two methods round
+#: differently and a request's tokens then depended on how many rows shared its step
+#: (benchmarks/batch_invariance.py measures both).
+CPU_DENSE_MIN_ROWS: int | None = None
 #: Activation dtypes the native kernels take (others go to the reference or a dense path).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -34,7 +36,7 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str,
     """``reference.gguf_linear`` through the native kernel (registered only where it loads)."""
     if x.dtype not in _NATIVE_DTYPES or x.dim() != 2 or type_name not in qref.GGUF_TYPE_IDS:
         return reference.gguf_linear(x, data, type_name, bias)
-    if x.shape[0] >= CPU_DENSE_MIN_ROWS:
+    if CPU_DENSE_MIN_ROWS is not None and x.shape[0] >= CPU_DENSE_MIN_ROWS:
         return qref.gguf_linear_dense(x, data, type_name, bias)
     y = load_quant_kernels().gguf_linear(x, data, qref.GGUF_TYPE_IDS[type_name])
     if bias is not None:
@@ -63,15 +65,20 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return y.to(x.dtype)
 
 
-def register_cpu_quant_ops(ops: OpRegistry) -> None:
+def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None:
     """Install the CPU's quantized linear ops into ``ops`` (see the module docstring).
 
-    Loads the native GGUF kernel, compiling it on first use; where it is switched off or
-    cannot be built, ``gguf_linear`` stays the reference (the loader has warned why).
+    Loads the native GGUF kernel, compiling it on first use; where it is switched off
+    (``options.quant_kernels``; None: the environment now) or cannot be built,
+    ``gguf_linear`` stays the reference (the loader has warned why).
     """
-    module = load_quant_kernels()
+    options = CpuOptions.from_env() if options is None else options
+    module = load_quant_kernels() if options.quant_kernels else None
     if module is not None:
-        ops.register("gguf_linear", gguf_linear, source=f"cpu-native-quant({module.isa()})")
+        # The measured decode win (docs/quantization.md, "Default on CPU"): .gguf weights
+        # stay in blocks by default where this kernel runs.
+        ops.register("gguf_linear", gguf_linear, source=f"cpu-native-quant({module.isa()})",
+                     capabilities=(PREFERS_QUANTIZED,))
     ops.register("int8_linear", int8_linear, source="torch")
     ops.register("w8a8_linear", w8a8_linear, source="torch")
     ops.register("fp8_linear", qref.fp8_linear_dense, source="torch")

@@ -12,7 +12,6 @@ class CudaPlatform(TorchGpuPlatform):
     name = "cuda"
     dist_backend = "nccl"
     torch_build = "cuda"
-    priority = 20
     build_hint = "install a CUDA build of torch (e.g. pip install torch --index-url https://download.pytorch.org/whl/cu126)"
 
 
@@ -26,4 +25,4 @@ def pagedserve_register_ops(platform, ops):
     if isinstance(platform, CudaPlatform):
         from pagedserve.platforms.cuda.ops import register_cuda_ops
 
-        register_cuda_ops(ops)
+        register_cuda_ops(ops, platform.options)

@@ -10,29 +10,19 @@ default.  The other quantized linear ops come from platforms/cuda/quant_ops.py.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from pagedserve.platforms.ops import OpRegistry
+from pagedserve.platforms.options import GpuOptions
 
-__all__ = ["register_cuda_ops", "register_triton_ops", "KERNELS_ENV", "TRITON_OPS", "kernel_choice"]
+__all__ = ["register_cuda_ops", "register_triton_ops", "TRITON_OPS"]
 
-KERNELS_ENV = "PAGEDSERVE_CUDA_KERNELS"
-_CHOICES = ("triton", "cuda")
 #: The ops served by Triton kernels.
 TRITON_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "gguf_linear", "apply_token_bitmask")
 #: The ops the CUDA C++ kernels serve under PAGEDSERVE_CUDA_KERNELS=cuda.
 _CUDA_CPP_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks")
-
-
-def kernel_choice() -> str:
-    """The kernel family selected by ``PAGEDSERVE_CUDA_KERNELS`` ("triton" or "cuda")."""
-    choice = os.environ.get(KERNELS_ENV, "triton").strip().lower() or "triton"
-    if choice not in _CHOICES:
-        raise ValueError(f"{KERNELS_ENV}={choice!r} is not one of {', '.join(_CHOICES)}")
-    return choice
 
 
 def _triton_kernels() -> dict[str, Callable[..., Any]]:
@@ -59,12 +49,14 @@ def register_triton_ops(ops: OpRegistry, platform_name: str, names: tuple[str, .
         ops.register(name, kernels[name], source="triton")
 
 
-def register_cuda_ops(ops: OpRegistry) -> None:
-    """Install the CUDA platform's kernels into ``ops`` (see the module docstring)."""
+def register_cuda_ops(ops: OpRegistry, options: GpuOptions | None = None) -> None:
+    """Install the CUDA platform's kernels into ``ops`` (see the module docstring), the
+    family ``options.kernels`` names (the platform's; None: read from the environment now)."""
     from pagedserve.platforms.cuda.quant_ops import register_gpu_quant_ops
 
+    options = GpuOptions.from_env() if options is None else options
     register_gpu_quant_ops(ops, fp8_scaled_mm=True)
-    if kernel_choice() == "triton":
+    if options.kernels == "triton":
         register_triton_ops(ops, "cuda")
         return
     from pagedserve.kernels.cuda import ops as cuda_ops

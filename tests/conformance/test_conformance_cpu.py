@@ -43,7 +43,7 @@ def test_cpu_passes_the_kit(tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert outcomes and set(outcomes.values()) == {"PASSED"}, outcomes
     for check in ("platform:memory", "platform:kv-cache[float32-bs16]", "platform:kv-cache[float32-bs32]",
-                  "platform:copy-blocks[float32]", "engine:greedy-vs-cpu-reference"):
+                  "platform:copy-async[float32]", "engine:greedy-vs-cpu-reference"):
         assert outcomes.get(check) == "PASSED", check
     # Exactly the ops the cpu platform overrides here (its native kernels, where they
     # built) were compared with the reference, each in every dtype the platform supports.

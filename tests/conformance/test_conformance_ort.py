@@ -78,8 +78,10 @@ def test_ort_passes_the_kit_under_pytest(ort_site, tiny_model, tmp_path):
     outcomes = dict(re.findall(r"test_conformance\[(.+?)\] (PASSED|FAILED|SKIPPED)", proc.stdout))
     assert outcomes and set(outcomes.values()) == {"PASSED"}, outcomes
     ops = {i.split("[")[0] for i in outcomes if i.startswith("op:")}
-    assert ops == {"op:linear"}  # the one op it overrides; float32 only
-    assert sum(i.startswith("op:linear[float32-") for i in outcomes) == 6
+    assert ops == {"op:linear", "op:prepare_linear_weight"}  # the ops it overrides; float32 only
+    # Six shapes on prepared weights, two on a weight rewritten in place (weight offload).
+    assert sum(i.startswith("op:linear[float32-") for i in outcomes) == 8
+    assert sum(i.startswith("op:linear[float32-streamed-weight") for i in outcomes) == 2
     assert outcomes["engine:greedy-vs-cpu-reference"] == "PASSED"
     assert "platform:kv-cache[float32-bs32]" in outcomes and "platform:kv-cache[bfloat16-bs16]" not in outcomes
 
@@ -91,7 +93,7 @@ def test_ort_check_from_the_command_line(ort_site, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert "conformance of platform 'ort' (from pagedserve-ort 0.1.0)" in lines
-    assert "  overridden ops: linear (pagedserve_ort)" in lines
+    assert "  overridden ops: linear (pagedserve_ort), prepare_linear_weight (pagedserve_ort)" in lines
     assert any(line.startswith("PASS  op:linear[float32-2x3x64->48+bias]") for line in lines)
     assert re.fullmatch(r"PASSED: \d+ passed, 0 failed, 0 skipped in [\d.]+s", lines[-1]), lines[-1]
 
@@ -132,7 +134,7 @@ def test_sessions_are_cached_per_weight(ort_importable):
     from pagedserve_ort.linear import OrtLinear
 
     lin = OrtLinear(["CPUExecutionProvider"], threads=1)
-    x, w, b = torch.randn(5, 32), torch.randn(16, 32), torch.randn(16)
+    x, w, b = torch.randn(5, 32), lin.prepare(torch.randn(16, 32)), torch.randn(16)
     for bias in (None, b, None):
         torch.testing.assert_close(lin.linear(x, w, bias), reference.linear(x, w, bias), atol=1e-5, rtol=1e-5)
     assert len(lin) == 2  # (w) and (w, b)
@@ -163,3 +165,40 @@ def test_pagedserve_does_not_know_the_plugin():
     for pkg in ("core", "platforms", "kernels"):
         for path in (REPO_ROOT / pkg).rglob("*.py"):
             assert "pagedserve_ort" not in path.read_text(encoding="utf-8"), path
+
+
+def test_unprepared_weight_rewritten_in_place(ort_importable):
+    """Weight offload's staging slots: plain inference tensors rewritten in place. They
+    must never be served from a session built on their old contents."""
+    from pagedserve_ort.linear import OrtLinear
+
+    lin = OrtLinear(["CPUExecutionProvider"], threads=1)
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        slot = torch.empty(16, 32)
+        for _ in range(3):
+            w = torch.randn(16, 32)
+            slot.copy_(w)
+            torch.testing.assert_close(lin.linear(x, slot), reference.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert len(lin) == 0
+
+
+def test_ort_weight_offload_matches_no_offload(ort_importable, tmp_path):
+    """Four layers all offloaded: two staging slots, each rewritten by two layers a step."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.testing import TinyLlamaSpec
+    from pagedserve.testing.engine_check import conformance_prompts
+
+    model = make_tiny_llama(tmp_path / "four", TinyLlamaSpec(num_hidden_layers=4), writer="safetensors")
+    prompts = conformance_prompts(200)[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = []
+    for offload in (0, 1.0):
+        llm = LLM(model=str(model), device="ort", dtype="float32", kv_cache_memory="8MiB",
+                  cpu_offload_gb=offload)
+        streamer = llm.llm_engine.weight_streamer
+        assert (streamer.offloaded == [0, 1, 2, 3]) if offload else streamer is None
+        outs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])
+        del llm
+        gc.collect()
+    assert outs[0] == outs[1]

@@ -23,7 +23,7 @@ def gguf_path():
     return resolve_model_path(None)
 
 
-@pytest.mark.slow
+# Long (about 90 s on 2 cores) but the one full-vocabulary reference check: runs in CI.
 def test_default_model_greedy_matches_transformers(gguf_path):
     # Dequantized like transformers loads the file (kept blocks are tested in tests/quantization).
     llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048, quantization="none")

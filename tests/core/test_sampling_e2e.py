@@ -77,8 +77,9 @@ def test_stop_token_ids_min_tokens_and_length(llm):
     assert out.token_ids == base.token_ids[:first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == tok
     # min_tokens bans the stop token until reached.
-    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
-                                                stop_token_ids=[tok], min_tokens=first + 2), use_tqdm=False)[0].outputs[0]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=[tok],
+                            min_tokens=first + 2)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
     assert tok not in out.token_ids[:first + 2]
 
 

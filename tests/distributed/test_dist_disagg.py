@@ -12,8 +12,8 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def test_disaggregated_matches_single_instance(tiny_checkpoint_factory, monkeypatch):
-    from pagedserve.distributed import disagg
-    from pagedserve.distributed.disagg import DisaggregatedLLM
+    from pagedserve.engine import LLMEngine
+    from pagedserve.serving.disagg import DisaggregatedLLM
 
     path = tiny_checkpoint_factory(arch="qwen2", num_heads=4, num_kv_heads=2)
     prompts = make_prompts(5)
@@ -36,8 +36,8 @@ def test_disaggregated_matches_single_instance(tiny_checkpoint_factory, monkeypa
         assert [o.outputs[0].token_ids for o in again] == expected[:2]
 
         # The decode side really uses the handed-over KV: zeroing it changes the outputs.
-        real_inject = disagg._inject_kv
-        monkeypatch.setattr(disagg, "_inject_kv", lambda eng, toks, kv: real_inject(eng, toks, kv * 0))
+        real_import = LLMEngine.import_prefix_kv
+        monkeypatch.setattr(LLMEngine, "import_prefix_kv", lambda eng, toks, kv: real_import(eng, toks, kv * 0))
         corrupted = dllm.generate(others, greedy(10))
         assert [o.outputs[0].token_ids for o in corrupted] != expected_others
     finally:

@@ -68,14 +68,54 @@ def test_cache_key_covers_flags_compiler_and_location(tmp_path):
     assert build.kernel_cache_root({"XDG_CACHE_HOME": "/x"}) == Path("/x/pagedserve/kernels")
 
 
+def test_one_cache_root_with_the_old_cuda_variable_as_deprecated_alias():
+    with pytest.warns(DeprecationWarning, match="PAGEDSERVE_CACHE_DIR is deprecated"):
+        assert build.kernel_cache_root({"PAGEDSERVE_CACHE_DIR": "/y"}) == Path("/y/kernels")
+    assert build.kernel_cache_root({"PAGEDSERVE_CACHE_DIR": "/y", "PAGEDSERVE_KERNEL_CACHE": "/z"}) == Path("/z")
+
+
+def test_only_load_extension_compiles():
+    """Every native extension is built by build.load_extension (one cache, one lock)."""
+    root = Path(build.__file__).resolve().parents[1]
+    callers = sorted(str(p.relative_to(root)) for d in ("core", "platforms", "kernels")
+                     for p in (root / d).rglob("*.py") if "cpp_extension.load(" in p.read_text())
+    assert callers == ["kernels/build.py"]
+
+
+def test_quantized_kernels_load_through_load_extension(monkeypatch, tmp_path):
+    from pagedserve.kernels.cpu import quant_native
+
+    seen = []
+
+    def fake_load_extension(spec, label="", verbose=False):
+        seen.append((spec, label))
+        raise build.KernelBuildError("no build in this test")
+
+    monkeypatch.setattr(build, "load_extension", fake_load_extension)
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("PAGEDSERVE_QUANT_CPU_KERNELS", raising=False)
+    quant_native.load_quant_kernels.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no build in this test"):
+            assert quant_native.load_quant_kernels() is None
+    finally:
+        quant_native.load_quant_kernels.cache_clear()
+    (spec, label), = seen
+    assert label == "quantized CPU kernels" and spec.directory.parent == tmp_path
+    assert [s.name for s in spec.sources] == ["quant_gguf.cpp"] and spec.cuda_cflags is None
+
+
 def test_default_target(monkeypatch):
-    assert build.default_target({"PAGEDSERVE_TARGET_DEVICE": "rocm"}) == "rocm"
-    with pytest.raises(build.KernelBuildError, match="targets: cpu, cuda, rocm"):
-        build.default_target({"PAGEDSERVE_TARGET_DEVICE": "tpu"})
+    from pagedserve.platforms.options import target_device
+
+    assert build.default_target(target_device({"PAGEDSERVE_TARGET_DEVICE": "rocm"})) == "rocm"
+    with pytest.raises(build.KernelBuildError, match="PAGEDSERVE_TARGET_DEVICE='tpu'; targets: cpu, cuda, rocm"):
+        build.default_target(target_device({"PAGEDSERVE_TARGET_DEVICE": "tpu"}))
     import torch
 
     if not torch.cuda.is_available():
-        assert build.default_target({}) == "cpu"
+        assert build.default_target(target_device({"PAGEDSERVE_TARGET_DEVICE": "auto"})) == "cpu"
+        assert build.default_target(None) == "cpu"
 
 
 def test_waits_for_a_live_build_and_clears_a_stale_lock(tmp_path):

@@ -474,13 +474,22 @@ def test_choose_isa():
 
 
 def test_isa_env_var_forces_avx2(module, monkeypatch):
+    from pagedserve.platforms.cpu import CpuPlatform
+    from pagedserve.platforms.cpu.ops import register_cpu_ops
+    from pagedserve.platforms.ops import OpRegistry
+
     if "avx2" not in runnable_isas(module):
         pytest.skip("no AVX2 here")
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx2")
-    assert load_cpu_kernels().isa == "avx2"
-    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "no-such-isa")
+    platform = CpuPlatform()  # reads its switches once, here
+    assert platform.options.isa == "avx2"
+    monkeypatch.delenv("PAGEDSERVE_CPU_ISA")
+    ops = OpRegistry()
+    register_cpu_ops(ops, platform.options)
+    assert ops.source("rms_norm") == "cpu-native(avx2)"
+    assert load_cpu_kernels(preferred_isa="avx2").isa == "avx2"
     with pytest.warns(RuntimeWarning, match="PAGEDSERVE_CPU_ISA"):
-        assert load_cpu_kernels().isa == runnable_isas(module)[0]
+        assert load_cpu_kernels(preferred_isa="no-such-isa").isa == runnable_isas(module)[0]
 
 
 def test_register_cpu_ops_installs_native_ops(module, monkeypatch):
@@ -508,8 +517,10 @@ def test_disabled_by_env(monkeypatch):
     from pagedserve.platforms.cpu.ops import register_cpu_ops
     from pagedserve.platforms.ops import OpRegistry
 
+    from pagedserve.platforms.options import CpuOptions
+
     monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")
-    assert load_cpu_kernels() is None
+    assert not CpuOptions.from_env().native_kernels
     ops = OpRegistry()
     register_cpu_ops(ops)
     assert all(src == "reference" for _, src in ops.table())

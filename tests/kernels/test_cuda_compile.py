@@ -120,16 +120,22 @@ def test_sources_listed_for_the_build():
 
 
 def test_build_directory_honours_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PAGEDSERVE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     d = build.build_directory()
-    assert d.parent == tmp_path / "kernels" / "cuda"
+    assert d.parent == tmp_path / "cuda"
     assert "sm80-90pPTX" in d.name
+    spec = build.cuda_build_spec()
+    assert spec.directory == d and spec.name.isidentifier() and spec.cuda_cflags
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     assert build.build_directory() != d
-    monkeypatch.delenv("PAGEDSERVE_CACHE_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert build.cache_root() == tmp_path / "xdg" / "pagedserve"
+    assert build.cuda_build_spec().name != spec.name  # another build, another module name
+    # The CUDA build's old root variable still works, with a warning; builds go where they went.
+    monkeypatch.delenv("PAGEDSERVE_KERNEL_CACHE")
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "old"))
+    with pytest.warns(DeprecationWarning, match="PAGEDSERVE_KERNEL_CACHE"):
+        assert build.build_directory().parent == tmp_path / "old" / "kernels" / "cuda"
 
 
 @pytest.mark.skipif(bool(torch.version.cuda), reason="checks the message on a torch without CUDA")

@@ -13,7 +13,7 @@ import torch
 
 from pagedserve.loader import open_model
 from pagedserve.loader.dequant import dequantize
-from pagedserve.loader.gguf_checkpoint import reverse_rope_permutation
+from pagedserve.loader.gguf_checkpoint import GGUFCheckpoint, reverse_rope_permutation
 
 # One tensor type per projection; q/k of layer 0 stay F32 so the permutation can be checked
 # against the original weights exactly. K-quant tensors get random block bytes because the
@@ -172,11 +172,13 @@ def test_metadata_rope_scaling_and_stop_ids(tmp_path: pathlib.Path, tiny_llama: 
         "tokenizer.ggml.eos_token_id": 2,
         "tokenizer.ggml.eot_token_id": 5,
     }
-    source = open_model(write_gguf(tmp_path / "meta.gguf", "llama", shape, {}, {}, metadata=metadata))
-    assert source.hf_config["rope_scaling"] == {
+    # Metadata only: a file without tensors is no loadable model, so read it below open_model.
+    source = GGUFCheckpoint(write_gguf(tmp_path / "meta.gguf", "llama", shape, {}, {}, metadata=metadata))
+    config = source.hf_config()
+    assert config["rope_scaling"] == {
         "rope_type": "linear", "factor": 4.0, "original_max_position_embeddings": 64
     }
-    assert source.eos_token_ids == [2, 5] and source.hf_config["eos_token_id"] == 2
+    assert source.eos_token_ids() == [2, 5] and config["eos_token_id"] == 2
 
 
 def test_corrupt_gguf_is_a_clear_error(tmp_path: pathlib.Path) -> None:

@@ -135,7 +135,7 @@ def count_calls(llm: LLM) -> dict[str, int]:
     """Counts of the model's forwards and LM-head calls (steps where some request samples)."""
     model, calls = llm.llm_engine.runner.model, {"forward": 0, "compute_logits": 0}
     for name in calls:
-        def counting(*args, _name=name, _fn=getattr(model, name), **kwargs):
+        def counting(*args, _name=name, _fn=getattr(model, name), **kwargs):  # noqa: B008 (binds now)
             calls[_name] += 1
             return _fn(*args, **kwargs)
 

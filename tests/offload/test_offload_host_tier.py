@@ -141,7 +141,7 @@ def test_swap_preemption_keeps_computed_tokens_and_swaps_back_in():
     s.update_after_step(out, {"a": 1, "b": 2})
     # Decode until a needs a 4th block: the pool is out and b (the later arrival) is
     # preempted, by swap since the policy says so.
-    for step in range(4):
+    for _step in range(4):
         out = s.schedule()
         if out.preempted:
             break

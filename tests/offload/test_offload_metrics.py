@@ -37,7 +37,7 @@ def scrape(engine) -> dict[str, tuple[str, float]]:
     for fam in text_string_to_metric_families(text):
         if fam.name in HOST_METRICS:
             (sample,) = [s for s in fam.samples if not s.name.endswith("_created")]
-            assert sample.labels == {"model_name": "tiny"}
+            assert sample.labels == {"model_name": "tiny", "engine": "0"}
             out[fam.name] = (fam.type, sample.value)
     return out
 

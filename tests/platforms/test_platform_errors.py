@@ -167,7 +167,8 @@ def test_ops_hook_that_raises_names_the_plugin(make_dist, clean_env):
     make_dist("badops-dist", {"badops_plugin": RAISES_IN_OPS})
     reg = discover(clean_env)
     platform = reg.select("cpu").cls()
-    with pytest.raises(PlatformError, match=r"'badops_plugin' \(from badops-dist 0\.1\).*KeyError.*kernel table corrupt"):
+    with pytest.raises(PlatformError,
+                       match=r"'badops_plugin' \(from badops-dist 0\.1\).*KeyError.*kernel table corrupt"):
         reg.resolve_ops(platform)
 
 
@@ -193,3 +194,20 @@ def test_conflicting_device_and_environment(clean_env):
         reg.select("cpu")
     msg = str(err.value)
     assert "conflicting" in msg and "device='cpu'" in msg and "PAGEDSERVE_TARGET_DEVICE='cuda'" in msg
+
+
+def test_explicit_healthy_platform_starts_past_a_broken_plugin(make_dist, clean_env, caplog):
+    """Auto-detection refuses to guess past a broken plugin, but an explicit, healthy
+    choice starts, with a warning that names the broken plugin."""
+    make_dist("acme-broken", {"acme_broken": RAISES_AT_IMPORT}, version="2.3",
+              entry_points={"acme": "acme_broken"})
+    reg = discover(clean_env)
+    with pytest.raises(PlatformError, match="vendor SDK not found"):
+        reg.select()
+    with caplog.at_level("WARNING", logger="pagedserve.platforms"):
+        assert reg.select("cpu").name == "cpu"
+    assert "acme-broken 2.3" in caplog.text and "vendor SDK not found" in caplog.text
+    assert discover({**clean_env, "PAGEDSERVE_TARGET_DEVICE": "cpu"}).select().name == "cpu"
+    # Asking for the broken plugin's platform itself names the failure.
+    with pytest.raises(PlatformError, match="(?s)unknown platform 'acme'.*vendor SDK not found"):
+        discover(clean_env).select("acme")

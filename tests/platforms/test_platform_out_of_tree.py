@@ -3,7 +3,6 @@ an op to pagedserve without any change to pagedserve itself."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import site
 import subprocess
@@ -48,7 +47,7 @@ def test_hello_registers_through_the_hooks(hello_src, clean_env):
     reg.register_plugin(hello_platform, "hello", "hello-platform 0.1.0")
     assert reg.failures == [] and reg.platforms["hello"].probe()[0]
     platform = reg.select("hello").cls()
-    assert platform.total_memory() >= platform.free_memory() > 0
+    assert platform.total_memory() > 0
     ops = reg.resolve_ops(platform)
     assert ops.silu_and_mul is hello_platform.ops.silu_and_mul
     assert ops.source("silu_and_mul") == "hello_platform"

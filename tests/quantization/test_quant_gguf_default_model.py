@@ -48,11 +48,15 @@ def test_blocks_are_kept_by_default_where_the_native_kernel_runs():
     """quantization unset: a .gguf stays in blocks where the platform's gguf_linear is the
     native CPU kernel (the measured decode win), and loads dequantized otherwise and
     wherever blocks are not supported (tensor parallel, weight offload, layer maps)."""
-    from pagedserve.quantization.registry import GGUF_DEFAULT_OP_SOURCES
+    from pagedserve.platforms.ops import PREFERS_QUANTIZED
+    from pagedserve.quantization.registry import gguf_kept_by_default
 
     llm = LLM(dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=256)
     engine = llm.llm_engine
-    kept = engine.ops.source("gguf_linear").startswith(GGUF_DEFAULT_OP_SOURCES)
+    kept = gguf_kept_by_default(engine.ops)
+    # Declared by the native kernel only, never by the reference it replaces.
+    assert kept == engine.ops.source("gguf_linear").startswith("cpu-native-quant")
+    assert kept == engine.ops.has_capability("gguf_linear", PREFERS_QUANTIZED)
     assert isinstance(engine.runner.model.layers[0].qkv, GGUFWeight) == kept
     mapped = LLM(dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=256, device_map="cpu:10,cpu")
     assert not isinstance(mapped.llm_engine.runner.model.layers[0].qkv, GGUFWeight)

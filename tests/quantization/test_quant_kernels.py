@@ -12,7 +12,7 @@ from pagedserve.quantization.gguf import GGUF_TYPE_IDS, GGUFWeight
 from pagedserve.quantization.int4 import AWQWeight, GPTQWeight
 from pagedserve.quantization.int8 import Int8Weight, W8A8Weight, quantize_int8_per_channel
 from pagedserve.platforms.cpu import quant_ops as cpu_quant
-from pagedserve.quantization.native import load_quant_kernels
+from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 from test_quant_support import awq_quantize, gptq_quantize
 
 # Output dtype rounding plus, for kernels that quantize activations (GGUF int8 dot
@@ -66,7 +66,8 @@ def test_quant_gguf_cpu_kernel(type_name, m, dtype):
     assert rel_err(y, ref.gguf_linear(x.float(), raw, type_name)) < ACT_Q_TOL
 
 
-def test_quant_gguf_dense_path_and_concat():
+def test_quant_gguf_dense_path_and_concat(monkeypatch):
+    monkeypatch.setattr(cpu_quant, "CPU_DENSE_MIN_ROWS", 128)  # the opt-in dense prefill path
     gen = torch.Generator().manual_seed(3)
     parts = [GGUFWeight("Q4_1", random_gguf("Q4_1", 16, 64, gen), 64, op=cpu_quant.gguf_linear) for _ in range(2)]
     fused = GGUFWeight.concat(parts)
@@ -152,3 +153,17 @@ def test_quant_awq(dtype):
     assert rel_err(weight.apply(x), expect) < TOL[dtype]
     fused = AWQWeight.concat([weight, weight])
     assert torch.equal(fused.dequantize(), torch.cat([deq, deq]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_quant_gguf_rows_are_batch_invariant(type_name, dtype):
+    """Each row of the CPU gguf_linear is bit for bit the same alone or among 300 rows (a
+    prefill): the default model's greedy output must not depend on its batch."""
+    gen = torch.Generator().manual_seed(11)
+    data = random_gguf(type_name, 40, 128, gen)
+    x = torch.randn(300, 128, generator=gen).to(dtype)
+    full = cpu_quant.gguf_linear(x, data, type_name)
+    for i in (0, 7, 150, 299):
+        assert torch.equal(cpu_quant.gguf_linear(x[i:i + 1], data, type_name)[0], full[i]), i
+        assert torch.equal(cpu_quant.gguf_linear(x[i:i + 9], data, type_name)[0], full[i]), i

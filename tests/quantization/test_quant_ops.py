@@ -20,7 +20,7 @@ from pagedserve.platforms.cpu import CpuPlatform
 from pagedserve.platforms.cpu import quant_ops as cpu_quant
 from pagedserve.quantization import GGUFWeight, Int8Weight, registry
 from pagedserve.quantization.base import QuantizationMethod
-from pagedserve.quantization.native import load_quant_kernels
+from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 
 QUANT_OPS = ("gguf_linear", "int8_linear", "w8a8_linear", "fp8_linear")
 CORE_QUANTIZATION = Path(__file__).resolve().parents[2] / "core" / "quantization"

@@ -119,7 +119,7 @@ class ServerProcess:
         out = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine"))
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
 

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from pagedserve import SamplingParams
-from pagedserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
+from pagedserve.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, QueueFullError,
+                                     RequestFailedError)
 from pagedserve.config import CacheConfig, EngineConfig, ModelConfig
 from pagedserve.engine import LLMEngine
 
@@ -29,8 +30,8 @@ def run(coro):
 
 async def final(stream):
     out = None
-    async for out in stream:
-        pass
+    async for item in stream:
+        out = item
     return out
 
 
@@ -74,43 +75,80 @@ def test_a_new_request_joins_the_running_batch(engine):
     run(main())
 
 
-def test_the_engine_thread_survives_a_failing_step(engine, monkeypatch):
-    real_execute = engine.runner.execute
-    fail = {"armed": False}
+def test_a_request_that_fails_on_its_own_fails_alone(engine, monkeypatch):
+    """A failure in one request's post-processing (here its detokenizer) fails that
+    request with RequestFailedError; its neighbour's greedy answer is unchanged."""
+    from pagedserve.loader.detokenizer import IncrementalDetokenizer
 
-    def execute(*args, **kwargs):
-        if fail["armed"]:
-            fail["armed"] = False
-            raise RuntimeError("injected kernel failure")
-        return real_execute(*args, **kwargs)
+    real_step = IncrementalDetokenizer.step
 
-    monkeypatch.setattr(engine.runner, "execute", execute)
-    expected = [[5, 6, 7], SamplingParams(temperature=0, max_tokens=8)]
+    def step(self, new_token_ids):
+        if self.token_ids[:3] == [9, 9, 9] and len(self.output_token_ids) >= 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected bad byte")
+        return real_step(self, new_token_ids)
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine.add_request("solo", [5, 6, 7], params)
+    solo = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            solo = out
+    monkeypatch.setattr(IncrementalDetokenizer, "step", step)
 
     async def main():
         a = AsyncLLMEngine(engine)
         a.start()
         try:
-            victim = await a.add_request("victim", [1, 2, 3], LONG)
-            await victim.__anext__()
-            fail["armed"] = True
-            with pytest.raises(RequestFailedError, match="injected kernel failure"):
-                await final(victim)
-            assert a.is_running and engine.stats().kv_cache_usage == 0
-            after = await final(await a.add_request("after", *expected))
-            return after.outputs[0].token_ids
+            good = await a.add_request("good", [5, 6, 7], params)
+            bad = await a.add_request("bad", [9, 9, 9], SamplingParams(temperature=0, max_tokens=50, n=2))
+            with pytest.raises(RequestFailedError, match="injected bad byte"):
+                await final(bad)
+            out = await final(good)
+            assert a.is_running
+            return out
         finally:
             await asyncio.to_thread(a.shutdown)
 
-    ids = run(main())
-    monkeypatch.setattr(engine.runner, "execute", real_execute)
-    ref_id = "ref"
-    engine.add_request(ref_id, *expected)
-    ref = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            ref = out
-    assert ids == ref.outputs[0].token_ids
+    out = run(main())
+    assert out.outputs[0].token_ids == solo.outputs[0].token_ids
+    assert out.outputs[0].text == solo.outputs[0].text
+    assert not engine.has_unfinished_requests() and engine.stats().kv_cache_usage == 0
+
+
+def test_a_failing_step_stops_the_engine_loudly(engine, monkeypatch):
+    """An exception out of step() is engine-wide: every request fails with
+    EngineDeadError, the engine reports itself dead and calls on_engine_dead."""
+    real_execute = engine.runner.execute
+    fail = {"armed": False}
+
+    def execute(*args, **kwargs):
+        if fail["armed"]:
+            raise RuntimeError("injected kernel failure")
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+
+    async def main():
+        a = AsyncLLMEngine(engine)
+        dead: list[BaseException] = []
+        a.on_engine_dead = dead.append
+        a.start()
+        victims = [await a.add_request(f"v{i}", [1, 2, 3 + i], LONG) for i in range(3)]
+        for v in victims:
+            await v.__anext__()
+        fail["armed"] = True
+        for v in victims:
+            with pytest.raises(EngineDeadError, match="injected kernel failure"):
+                await final(v)
+        await asyncio.sleep(0.05)  # on_engine_dead is posted to the loop after the streams
+        assert not a.is_running and isinstance(a.fatal_error, EngineStepError)
+        assert dead == [a.fatal_error]
+        with pytest.raises(EngineDeadError):
+            await a.add_request("late", [1], SamplingParams())
+        await asyncio.to_thread(a.shutdown)
+
+    run(main())
+    assert not engine.has_unfinished_requests() and engine.stats().kv_cache_usage == 0
 
 
 def test_slow_steps_do_not_block_the_event_loop_and_the_queue_is_bounded(engine, monkeypatch):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.config import parse_memory
 from pagedserve.entrypoints import serve_cmd
 from pagedserve.entrypoints.cli import build_parser
 
@@ -78,9 +77,13 @@ def test_bad_values_are_refused_with_the_field_name():
 def test_parallel_and_offload_flags_reach_the_engine_config():
     config, _, _ = serve_cmd.build_engine_config(parse(
         "--device", "cpu", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
-        "--distributed-executor-backend", "ray", "--kv-offload-memory", "1GiB",
-        "--preemption-mode", "swap", "--cpu-offload-gb", "0.5"))
+        "--distributed-executor-backend", "ray"))
     assert config.parallel.tensor_parallel_size == 2 and config.parallel.pipeline_parallel_size == 2
-    assert config.parallel.distributed_executor_backend == "ray"
+    assert config.parallel.distributed_executor_backend == "ray" and config.parallel.world_size == 4
+    config, _, _ = serve_cmd.build_engine_config(parse(
+        "--device", "cpu", "--kv-offload-memory", "1GiB", "--preemption-mode", "swap", "--cpu-offload-gb", "0.5"))
     assert config.cache.kv_offload_memory == 2**30 and config.cache.preemption_mode == "swap"
     assert config.cache.cpu_offload_gb == 0.5
+    # Together they are refused while the flags are read: offload runs on one rank.
+    with pytest.raises(ValueError, match="not supported with tensor/pipeline parallelism"):
+        serve_cmd.build_engine_config(parse("--tensor-parallel-size", "2", "--cpu-offload-gb", "0.5"))

@@ -3,7 +3,9 @@
     app = build_app(AsyncLLMEngine(LLMEngine(config)), ServerSettings(["my-model"]))
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics.  Every error is OpenAI's JSON error shape; a bad request is always a 4xx.
+GET /metrics, POST /tokenize, POST /detokenize, GET /version, GET|POST /ping, GET /ready,
+GET /openapi.json, GET /docs.  Every error is OpenAI's JSON error shape; a bad request is
+always a 4xx.
 """
 
 from __future__ import annotations
@@ -20,15 +22,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.async_engine import AsyncLLMEngine
 from pagedserve.entrypoints.openai.errors import ApiError, error_body
+from pagedserve.entrypoints.openai.http_guard import CorsSettings, install_cors, require_json
 from pagedserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ReplicaCollector, ServerMetrics
+from pagedserve.entrypoints.openai.openapi import install_openapi
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from pagedserve.entrypoints.openai.serving_base import EventStream
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_tokenize import Readiness, add_tokenize_routes
+from pagedserve.entrypoints.openai.stats_logger import RequestLogger, StatsLogger
+from pagedserve.entrypoints.openai.shutdown import Drain, client_disconnected
 
 __all__ = ["ServerSettings", "build_app"]
 
@@ -43,12 +51,23 @@ class ServerSettings:
     api_key: when set, every /v1 route needs `Authorization: Bearer <api_key>`.
     max_body_bytes: larger request bodies are refused with 413.
     chat_template: template text overriding the model's (read from --chat-template).
+    metrics_prefix: the name prefix of every Prometheus series (--metrics-prefix).
+    cache_info: labels of the ``cache_config_info`` series (block size, blocks, ...).
+    stats_interval: seconds between the periodic stats log lines; None: none.
+    log_requests: log every request's prompt and parameters (--enable-log-requests),
+        cut to ``max_log_len`` characters or token ids.
     """
 
     served_model_names: list[str]
     api_key: str | None = None
     max_body_bytes: int = 16 * 2**20
     chat_template: str | None = None
+    metrics_prefix: str = "pagedserve"
+    cache_info: dict[str, str] | None = None
+    stats_interval: float | None = None
+    log_requests: bool = False
+    max_log_len: int | None = None
+    cors: CorsSettings | None = None  # --allowed-origins and friends; None: no CORS headers
     #: --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser (a ToolOptions)
     tool_options: object | None = None
 
@@ -81,8 +100,9 @@ class _ApiKeyMiddleware:
 class _EventStreamResponse(StreamingResponse):
     """SSE response that aborts its engine requests however it ends (done, error, client gone)."""
 
-    def __init__(self, stream: EventStream) -> None:
-        super().__init__(stream.events, media_type="text/event-stream",
+    def __init__(self, stream: EventStream, drain: Drain) -> None:
+        name = ",".join(s.request_id for s in stream.streams)
+        super().__init__(drain.guard(stream.events, name), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._stream = stream
 
@@ -97,6 +117,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refusing (413) anything over `limit` bytes without buffering it."""
     too_large = ApiError(413, f"The request body is larger than the server's limit of {limit} bytes "
                          "(--max-body-size).", code="request_too_large")
+    require_json(request)  # before the body: a browser's "simple" cross-site POST is not JSON
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_large
@@ -114,26 +135,31 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _respond(request: Request, work: Awaitable[dict | EventStream]) -> Response:
-    """Run `work`, cancelling it (and so aborting its requests) if the client goes away."""
+async def _respond(request: Request, work: Awaitable[dict | EventStream], drain: Drain) -> Response:
+    """Run `work`, cancelling it (and so aborting its requests) if the client goes away
+    or the server's shutdown grace period ends (503)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
+    cut = asyncio.ensure_future(drain.wait())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher, cut}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
+        cut.cancel()
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     if task.cancelled():
+        if drain.is_cut:
+            raise drain.error()
         return Response(status_code=499)  # nobody is listening; this is for the access log
     result = task.result()
     if isinstance(result, EventStream):
         if watcher.done() and not watcher.cancelled():
             result.abort()
             return Response(status_code=499)
-        return _EventStreamResponse(result)
+        return _EventStreamResponse(result, drain)
     return JSONResponse(result)
 
 
@@ -144,29 +170,48 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     per-replica series and /health answers with the replicas' state.
     """
     names = settings.served_model_names
-    metrics = ServerMetrics(engine.stats, names[0])
+    metrics = ServerMetrics(engine.stats, names[0], engine.max_model_len, settings.metrics_prefix,
+                            settings.cache_info)
     if hasattr(engine, "replica_status"):
         metrics.registry.register(ReplicaCollector(engine.replica_status, names[0]))
-    engine.on_request_finished = metrics.observe_finished
+    stats_logger = StatsLogger(engine.stats, settings.stats_interval) if settings.stats_interval else None
+    request_logger = RequestLogger(settings.max_log_len) if settings.log_requests else None
+
+    def on_output(out) -> None:
+        metrics.observe(out)
+        if request_logger is not None and out.finished:
+            request_logger.finished(out)
+
+    engine.on_request_output = on_output
+    readiness = Readiness()
     completions = OpenAIServingCompletion(engine, names, settings.chat_template)
     chat = OpenAIServingChat(engine, names, settings.chat_template)
     if settings.tool_options is not None:
         chat.tool_options = settings.tool_options
+    completions.request_logger = chat.request_logger = request_logger
     created = int(time.time())
+    drain = Drain()  # cut by the server at the end of its shutdown grace period
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         logger.info("engine started; serving %s", ", ".join(names))
+        await readiness.probe(engine)
+        stats_task = asyncio.ensure_future(stats_logger.run()) if stats_logger else None
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             await asyncio.to_thread(engine.shutdown)
             logger.info("engine stopped")
 
-    app = FastAPI(title="pagedserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pagedserve", lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
+    app.state.drain = drain
     if settings.api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=settings.api_key)
+    install_cors(app, settings.cors)  # outermost: a preflight carries no API key
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -179,6 +224,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(error_body(str(exc)), status_code=400)
+
+    app.add_exception_handler(ClientDisconnect, client_disconnected)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -200,22 +247,30 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         return {"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
                 "root": names[0], "parent": None, "max_model_len": engine.max_model_len}
 
+    add_tokenize_routes(app, engine, names, settings.chat_template,
+                        lambda request: read_body(request, settings.max_body_bytes), readiness)
+
     @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [model_card(n) for n in names]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict:
+        if not model:  # "/v1/models/" names no model
+            raise ApiError(404, "No model id given: use GET /v1/models to list the models.", param="model",
+                           code="model_not_found")
         return model_card(completions.model_name(model))
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         body = parse_request(CompletionRequest, await read_body(request, settings.max_body_bytes))
-        return await _respond(request, completions.create(body))
+        return await _respond(request, completions.create(body), drain)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         body = parse_request(ChatCompletionRequest, await read_body(request, settings.max_body_bytes))
-        return await _respond(request, chat.create(body))
+        return await _respond(request, chat.create(body), drain)
 
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest},
+                    names)
     return app

@@ -23,20 +23,21 @@ class ChatToolsMixin:
     tool_options: ToolOptions = ToolOptions()
 
     def template_kwargs(self, request: Any) -> dict[str, Any]:
-        kwargs = dict(request.chat_template_kwargs or {})
-        bad = sorted(_RESERVED & set(kwargs))
+        """The template variables tool calling adds (``tools``), beyond chat_template_kwargs."""
+        bad = sorted(_RESERVED & set(request.chat_template_kwargs or {}))
         if bad:
             raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(bad)}.", param="chat_template_kwargs")
         plan = plan_tools(request, self.tool_options)
-        if plan.tools:
-            kwargs["tools"] = plan.tools
-        return kwargs
+        return {"tools": plan.tools} if plan.tools else {}
 
     def constrain_tools(self, request: Any, params: SamplingParams) -> None:
         """A "required" or named tool choice constrains the output to the calls' schema."""
         plan = plan_tools(request, self.tool_options)
         if plan.constraint is None:
             return
+        if request.use_beam_search:
+            raise ApiError(400, f"tool_choice {plan.mode!r} cannot be combined with 'use_beam_search'.",
+                           param="tool_choice")
         if params.structured_outputs is not None:
             raise ApiError(400, f"tool_choice {plan.mode!r} cannot be combined with response_format or "
                            "structured_outputs.", param="tool_choice")

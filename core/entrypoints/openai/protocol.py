@@ -1,8 +1,9 @@
 """Request models of the OpenAI-compatible API and their conversion to SamplingParams.
 
 Bodies are validated strictly (no "3" for an integer, no `true` for a number), and every
-problem becomes an `ApiError` whose `param` names the offending field.  Unknown fields
-are ignored, as vLLM does, so newer clients keep working.
+problem becomes an `ApiError` whose `param` names the offending field.  A field of
+vLLM's API that is not implemented here is refused with a 400 (request_fields.py);
+other unknown fields are ignored, as vLLM does, so newer clients keep working.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pagedserve.entrypoints.openai.errors import ApiError
+from pagedserve.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unimplemented
+from pagedserve.entrypoints.openai.serving_beam import check_beam_fields
 from pagedserve.entrypoints.openai.structured import structured_outputs_of
 from pagedserve.entrypoints.openai.tools import message_tool_fields
 from pagedserve.sampling_params import SamplingParams
@@ -37,12 +40,14 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # Extra fields are kept so that vLLM fields not implemented here can be refused.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -66,6 +71,20 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    best_of: int | None = None
+    echo: bool = False
+    priority: int = 0
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    add_special_tokens: bool | None = None  # completions: True, chat: False (vLLM's defaults)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    cache_salt: str | None = None
     # Output constraints (pagedserve.entrypoints.openai.structured checks them)
     response_format: Any = None
     structured_outputs: Any = None
@@ -82,9 +101,7 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: Any = None  # str | list[str] | list[int] | list[list[int]], checked by normalize_prompts
     logprobs: int | None = None
-    echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
 
 
 class ChatMessage(BaseModel):
@@ -105,10 +122,13 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # Pydantic's location of an error inside a union names the member type ("list[str]");
@@ -185,25 +205,37 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
             where = f"messages[{i}].content"
             raise ApiError(400, f"'{where}' must be a string or a list of text parts.", param=where)
         role = "system" if m.role == "developer" else m.role
-        out.append(message_tool_fields(m, {"role": role, "content": content}, i))
+        # A participant's name reaches the template, as in vLLM.
+        out.append(message_tool_fields(m, {"role": role, "content": content,
+                                            **({"name": m.name} if m.name is not None else {})}, i))
     return out
 
 
 def _unsupported(request: _GenerationRequest) -> None:
-    checks: list[tuple[str, bool]] = [("logit_bias", bool(request.logit_bias))]
-    if isinstance(request, CompletionRequest):
-        checks += [("echo", request.echo), ("suffix", bool(request.suffix)),
-                   ("best_of", request.best_of not in (None, 1, request.n))]
+    is_completion = isinstance(request, CompletionRequest)
+    refuse_unimplemented(request, COMPLETION_FIELDS if is_completion else CHAT_FIELDS)
+    check_beam_fields(request, not is_completion)
+    checks: list[tuple[str, bool]] = [
+        ("best_of", bool(request.stream) and request.best_of not in (None, request.n)),
+        ("prompt_logprobs", bool(request.stream) and request.prompt_logprobs is not None),
+    ]
     for name, used in checks:
         if used:
-            raise ApiError(400, f"'{name}' is not supported by this server.", param=name)
+            why = " with stream: true" if name in ("best_of", "prompt_logprobs") else " by this server"
+            raise ApiError(400, f"'{name}' is not supported{why}.", param=name)
 
 
-def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
-    """SamplingParams for one prompt; `max_tokens` is already checked against the context."""
+def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                       defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams for one prompt; `max_tokens` is already checked against the context;
+    `defaults` (generation_config.json) fill the sampling fields the request leaves unset."""
+    d = defaults or {}
     _unsupported(request)
     if not 1 <= request.n <= MAX_N:
         raise ApiError(400, f"'n' must be between 1 and {MAX_N}, got {request.n}.", param="n")
+    if request.best_of is not None and not request.n <= request.best_of <= MAX_N:
+        raise ApiError(400, f"'best_of' must be between n ({request.n}) and {MAX_N}, got {request.best_of}.",
+                       param="best_of")
     if isinstance(request, ChatCompletionRequest):
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
@@ -215,12 +247,15 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_t
     else:
         logprobs = request.logprobs
         logprobs_field = "logprobs"
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is None and request.echo and isinstance(request, CompletionRequest):
+        prompt_logprobs = logprobs  # echoed prompt tokens carry logprobs too, as in vLLM
     fields = dict(
         n=request.n,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=request.top_k or 0,
-        min_p=request.min_p or 0.0,
+        temperature=d.get("temperature", 1.0) if request.temperature is None else request.temperature,
+        top_p=d.get("top_p", 1.0) if request.top_p is None else request.top_p,
+        top_k=d.get("top_k", 0) if request.top_k is None else request.top_k,
+        min_p=d.get("min_p", 0.0) if request.min_p is None else request.min_p,
         seed=request.seed,
         max_tokens=max_tokens,
         min_tokens=request.min_tokens,
@@ -229,10 +264,18 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_t
         ignore_eos=request.ignore_eos,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        repetition_penalty=(d.get("repetition_penalty", 1.0) if request.repetition_penalty is None
+                            else request.repetition_penalty),
         logprobs=logprobs,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
+        logit_bias=request.logit_bias,
+        allowed_token_ids=request.allowed_token_ids,
+        bad_words=request.bad_words,
+        prompt_logprobs=prompt_logprobs,
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
+        best_of=request.best_of,
         structured_outputs=structured_outputs_of(request),
     )
     try:

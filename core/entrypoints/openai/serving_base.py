@@ -13,6 +13,7 @@ from typing import Any
 from pagedserve.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError,
                                      RequestStream)
 from pagedserve.entrypoints.openai.errors import ApiError, error_body
+from pagedserve.entrypoints.openai.serving_fields import field_named, generation_defaults, salt_kwargs
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -78,6 +79,9 @@ class OpenAIServing:
         chat_template: overrides the model's chat template (text, already read).
     """
 
+    #: A RequestLogger (--enable-log-requests) told of every request queued.
+    request_logger = None
+
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
                  chat_template: str | None = None) -> None:
         self.engine = engine
@@ -85,6 +89,7 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
+        self.generation_defaults: dict = generation_defaults(engine)
 
     # -- request checks -----------------------------------------------------------------------
     def model_name(self, requested: str | None) -> str:
@@ -125,13 +130,18 @@ class OpenAIServing:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     async def submit(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                     params: list[SamplingParams], param: str) -> list[RequestStream]:
+                     params: list[SamplingParams], param: str, priority: int = 0,
+                     cache_salt: str | None = None) -> list[RequestStream]:
         """Queue every prompt (all or none); engine refusals become HTTP errors."""
         streams: list[RequestStream] = []
+        salt = salt_kwargs(self.engine, cache_salt)
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(rid, text, sp, prompt_token_ids=ids))
+                if self.request_logger is not None:
+                    self.request_logger.received(rid, text, ids, sp)
+                streams.append(await self.engine.add_request(rid, text, sp, prompt_token_ids=ids,
+                                                             priority=priority, **salt))
         except BaseException as e:
             for s in streams:
                 s.abort()
@@ -140,7 +150,7 @@ class OpenAIServing:
             if isinstance(e, EngineDeadError):
                 raise ApiError(503, str(e), code="engine_unavailable") from None
             if isinstance(e, ValueError):
-                raise ApiError(400, str(e), param=param) from None
+                raise ApiError(400, str(e), param=field_named(str(e), param)) from None
             raise
         return streams
 
@@ -192,34 +202,39 @@ class OpenAIServing:
                          if r.rank is not None and r.rank <= top_n))
         return [(tid, lp) for _, tid, lp in ranked[:top_n]]
 
+    def token_label(self, token_id: int, as_ids: bool | None) -> str:
+        """A logprob token as text, or ``token_id:<id>`` (return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if as_ids else self.token_text(token_id)
+
     def completion_logprobs(self, token_ids: list[int], entries: list[dict[int, Any]], top_n: int,
-                            offset: int) -> dict[str, list]:
+                            offset: int, as_ids: bool | None = False) -> dict[str, list]:
         """The completions API's logprobs object for these tokens; text_offset starts at `offset`."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, entry in zip(token_ids, entries):
-            text = self.token_text(tid)
+            text = self.token_label(tid, as_ids)
             out["tokens"].append(text)
             out["token_logprobs"].append(clamp_logprob(entry[tid].logprob) if tid in entry else None)
             top: dict[str, float] = {}
             for t, lp in self.top_entries(entry, top_n):
                 # Distinct ids can share a text (byte fallbacks all read "\ufffd"): keep the best.
-                top.setdefault(self.token_text(t), clamp_logprob(lp))
+                top.setdefault(self.token_label(t, as_ids), clamp_logprob(lp))
             out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
             offset += len(text)
         return out
 
-    def chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Any]], top_n: int) -> list[dict]:
+    def chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Any]], top_n: int,
+                      as_ids: bool | None = False) -> list[dict]:
         """The chat API's `logprobs.content` list for these tokens."""
         content = []
         for tid, entry in zip(token_ids, entries):
-            text = self.token_text(tid)
+            text = self.token_label(tid, as_ids)
             content.append({
                 "token": text,
                 "logprob": clamp_logprob(entry[tid].logprob) if tid in entry else _MIN_LOGPROB,
                 "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [{"token": self.token_text(t), "logprob": clamp_logprob(lp),
-                                  "bytes": list(self.token_text(t).encode("utf-8"))}
+                "top_logprobs": [{"token": self.token_label(t, as_ids), "logprob": clamp_logprob(lp),
+                                  "bytes": list(self.token_label(t, as_ids).encode("utf-8"))}
                                  for t, lp in self.top_entries(entry, top_n)],
             })
         return content

@@ -6,10 +6,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from pagedserve.async_engine import EngineDeadError, RequestFailedError, RequestStream
-from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_messages, to_sampling_params
+from pagedserve.entrypoints.openai.serving_beam import beam_search_response
 from pagedserve.entrypoints.openai.serving_base import SSE_DONE, EventStream, OpenAIServing, sse
 from pagedserve.entrypoints.openai.chat_tools import ChatToolsMixin
+from pagedserve.entrypoints.openai.serving_fields import (chat_prompt_text, echo_prefix, prompt_logprobs_json,
+                                                          response_id)
+from pagedserve.request_options import truncate_prompt
 
 __all__ = ["OpenAIServingChat"]
 
@@ -18,14 +21,13 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
     def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt text and token ids of the conversation."""
         messages = chat_messages(request.messages)
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
-                                                      chat_template=self.chat_template,
-                                                      **self.template_kwargs(request))
-        except ValueError as e:  # no template, or it raised (e.g. roles out of order)
-            raise ApiError(400, str(e), param="messages") from None
-        # The template already wrote any BOS it wants.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        text = chat_prompt_text(self.tokenizer, request, messages, self.chat_template,
+                                self.template_kwargs(request))
+        # The template already wrote any BOS it wants (unless add_special_tokens says otherwise).
+        ids = self.tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
+        kept = truncate_prompt(ids, request.truncate_prompt_tokens)
+        if len(kept) < len(ids):
+            text, ids = self.tokenizer.decode(kept, skip_special_tokens=False), kept
         return self.validate_prompt(text, "messages", prompt_token_ids=ids)
 
     async def create(self, request: ChatCompletionRequest) -> dict | EventStream:
@@ -33,37 +35,50 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
         text, ids = self.render(request)
         field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        params = to_sampling_params(request, self.resolve_max_tokens(requested, len(ids), None, field))
+        d = self.generation_defaults
+        params = to_sampling_params(request, self.resolve_max_tokens(requested, len(ids), d.get("max_tokens"), field),
+                                    d)
         self.constrain_tools(request, params)
-        request_id = self.new_id("chatcmpl")
-        streams = await self.submit(request_id, [(text, ids)], [params], "messages")
+        request_id = response_id("chatcmpl", request, self.new_id("chatcmpl"))
+        if request.use_beam_search:
+            return await beam_search_response(self, request, request_id, model, [(text, ids)], [params], chat=True)
+        streams = await self.submit(request_id, [(text, ids)], [params], "messages", request.priority,
+                                    request.cache_salt)
+        echo = echo_prefix(request, chat_messages(request.messages))
         if request.stream:
-            return EventStream(self._stream(request, request_id, model, streams[0]), streams)
-        return self._whole(request, request_id, model, (await self.collect(streams))[0])
+            return EventStream(self._stream(request, request_id, model, streams[0], echo), streams)
+        return self._whole(request, request_id, model, (await self.collect(streams))[0], echo)
 
     def _logprobs(self, request: ChatCompletionRequest, token_ids, entries) -> dict | None:
         if not request.logprobs or entries is None:
             return None
-        return {"content": self.chat_logprobs(token_ids, entries, request.top_logprobs or 0)}
+        return {"content": self.chat_logprobs(token_ids, entries, request.top_logprobs or 0,
+                                              request.return_tokens_as_token_ids)}
 
-    def _whole(self, request: ChatCompletionRequest, request_id: str, model: str, out) -> dict:
+    def _whole(self, request: ChatCompletionRequest, request_id: str, model: str, out, echo: str = "") -> dict:
         shaper = self.chat_output(request)
         choices = []
         for c in out.outputs:
             message, finish = shaper.message(c.text, self.finish_reason(c.finish_reason))
+            if echo:
+                message["content"] = echo + (message.get("content") or "")
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(request, c.token_ids, c.logprobs),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        return {"id": request_id, "object": "chat.completion", "created": self.created(), "model": model,
+        body = {"id": request_id, "object": "chat.completion", "created": self.created(), "model": model,
                 "choices": choices, "usage": self.usage(len(out.prompt_token_ids), completion_tokens)}
+        if request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.token_text)
+        return body
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
-                      stream: RequestStream) -> AsyncIterator[str]:
+                      stream: RequestStream, echo: str = "") -> AsyncIterator[str]:
         created = self.created()
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         shaper = self.chat_output(request)
         states = [shaper.stream() for _ in range(request.n)]
+        continuous = include_usage and request.stream_options.continuous_usage_stats
         sent_tokens = [0] * request.n
         prompt_tokens = 0
 
@@ -71,6 +86,8 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
             body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": choices}
             if include_usage:
+                if usage is None and continuous:
+                    usage = self.usage(prompt_tokens, sum(sent_tokens))
                 body["usage"] = usage
             return sse(body)
 
@@ -78,6 +95,9 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
             # OpenAI opens every choice with the assistant role and empty content.
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(request.n)])
+            if echo:
+                yield chunk([{"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
+                             for i in range(request.n)])
             async for out in stream:
                 prompt_tokens = len(out.prompt_token_ids)
                 choices = []

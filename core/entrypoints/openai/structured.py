@@ -71,12 +71,13 @@ def structured_outputs_of(request: Any) -> StructuredOutputsParams | None:
         if not isinstance(request.structured_outputs, dict):
             raise ApiError(400, "'structured_outputs' must be an object.", param="structured_outputs")
         found.append(("structured_outputs", checked_params(request.structured_outputs, "structured_outputs")))
+    if request.guided_whitespace_pattern is not None:
+        raise ApiError(400, "'guided_whitespace_pattern' is not supported by this server (for compact JSON use "
+                       "structured_outputs.disable_any_whitespace).", param="guided_whitespace_pattern")
     for name, key in _GUIDED.items():
         value = getattr(request, name)
         if value is not None:
-            extra = {"whitespace_pattern": request.guided_whitespace_pattern} \
-                if request.guided_whitespace_pattern is not None else {}
-            found.append((name, checked_params({key: value, **extra}, name)))
+            found.append((name, checked_params({key: value}, name)))
     backend = request.guided_decoding_backend
     if backend is not None and backend not in ("auto", "xgrammar"):
         raise ApiError(400, f"'guided_decoding_backend' {backend!r} is not available; this server uses xgrammar.",
@@ -84,4 +85,6 @@ def structured_outputs_of(request: Any) -> StructuredOutputsParams | None:
     if len(found) > 1:
         names = ", ".join(n for n, _ in found)
         raise ApiError(400, f"Only one output constraint may be given; got {names}.", param=found[1][0])
+    if found and getattr(request, "use_beam_search", False):
+        raise ApiError(400, f"'{found[0][0]}' cannot be combined with 'use_beam_search'.", param=found[0][0])
     return found[0][1] if found else None

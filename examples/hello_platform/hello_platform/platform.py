@@ -26,6 +26,3 @@ class HelloPlatform(Platform):
 
     def total_memory(self) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-    def free_memory(self) -> int:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,9 +1,10 @@
 """pagedserve_ort: a pagedserve platform whose dense layers run on ONNX Runtime.
 
 The platform is named ``ort``.  It keeps tensors on the host (``device_type = "cpu"``)
-and overrides one op, ``linear``, with an ONNX Runtime session per weight; every other
-op stays the torch reference.  pagedserve finds it through the ``pagedserve.platforms``
-entry point in ``pyproject.toml`` and never names it.
+and overrides ``linear``, with an ONNX Runtime session per weight prepared at load
+(``prepare_linear_weight``); every other op stays the torch reference.  pagedserve finds
+it through the ``pagedserve.platforms`` entry point in ``pyproject.toml`` and never names
+it.
 
 Environment:
     PAGEDSERVE_ORT_PROVIDERS  comma-separated ONNX Runtime execution providers, in order
@@ -32,4 +33,7 @@ def pagedserve_register_ops(platform, ops):
     if isinstance(platform, OrtPlatform):
         from pagedserve_ort.linear import OrtLinear
 
-        ops.register("linear", OrtLinear(platform.providers()).linear, source="pagedserve_ort")
+        linear = OrtLinear(platform.providers())
+        ops.register("linear", linear.linear, source="pagedserve_ort")
+        # Sessions only for weights fixed at load: weight offload rewrites the others in place.
+        ops.register("prepare_linear_weight", linear.prepare, source="pagedserve_ort")

@@ -75,10 +75,15 @@ class _Entry:
 class OrtLinear:
     """``linear(x, weight, bias=None)`` with the semantics of the reference, on ONNX Runtime.
 
-    Sessions are cached per (weight, bias) tensor object and dropped when the weight is
-    garbage-collected; a weight modified in place gets a new session.  Inputs outside
-    what the graphs are built for (dtypes other than float32, tensors not on the host)
-    go to the torch reference, so registering this op never narrows what it accepts.
+    Only weights handed to :meth:`prepare` (the registry's ``prepare_linear_weight``, run
+    once at load) get a session: a session holds a copy of its weight, and pagedserve
+    rewrites unprepared weights in place -- weight offload streams every offloaded layer
+    through the same staging tensors, inference tensors whose changes no version counter
+    shows -- so those run on the torch reference. Sessions are cached per (weight, bias)
+    tensor object and dropped when the weight is garbage-collected; a prepared weight
+    modified in place (where torch counts it) gets a new session.  Inputs outside what
+    the graphs are built for (dtypes other than float32, tensors not on the host) go to
+    the torch reference, so registering this op never narrows what it accepts.
     """
 
     def __init__(self, providers: list[str], threads: int | None = None) -> None:
@@ -86,6 +91,7 @@ class OrtLinear:
         env_threads = os.environ.get("PAGEDSERVE_ORT_THREADS", "").strip()
         self.threads = threads or (int(env_threads) if env_threads else torch.get_num_threads())
         self._sessions: dict[tuple[int, int], _Entry] = {}
+        self._prepared: dict[int, weakref.ref] = {}
 
     def __len__(self) -> int:
         """Number of cached sessions."""
@@ -119,10 +125,22 @@ class OrtLinear:
         weakref.finalize(weight, self._sessions.pop, key, None)
         return session
 
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        """``prepare_linear_weight``: mark ``weight`` fixed for its lifetime (it gets a session)."""
+        key = id(weight)
+        self._prepared[key] = weakref.ref(weight)
+        weakref.finalize(weight, self._prepared.pop, key, None)
+        return weight
+
+    def is_prepared(self, weight: torch.Tensor) -> bool:
+        ref = self._prepared.get(id(weight))
+        return ref is not None and ref() is weight
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in_features], weight [out_features, in_features], bias [out_features] -> [..., out_features]."""
-        if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
-                or weight.device.type != "cpu" or (bias is not None and bias.dtype != torch.float32)):
+        if (not self.is_prepared(weight) or x.dtype != torch.float32 or weight.dtype != torch.float32
+                or x.device.type != "cpu" or weight.device.type != "cpu"
+                or (bias is not None and bias.dtype != torch.float32)):
             return reference.linear(x, weight, bias)
         lead, out_features = x.shape[:-1], weight.shape[0]
         x2 = x.reshape(-1, x.shape[-1])

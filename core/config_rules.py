@@ -1,0 +1,130 @@
+"""Rules across configuration sections, checked before any model or worker work.
+
+Each section of :class:`~pagedserve.config.EngineConfig` checks its own fields in its
+``__post_init__``; the rules here combine sections ("X is not supported with
+tensor/pipeline parallelism").  ``EngineConfig`` runs them on construction and
+``LLMEngine`` once more before it opens the model, so that a bad combination fails in
+milliseconds with one message naming both settings, never after weights are loaded or
+workers spawned.  Rules that need the model's shape (heads, layers) are in
+:func:`check_parallel_fits_model`, run as soon as the checkpoint's config is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedserve.config import EngineConfig
+
+__all__ = ["check_engine_config", "check_parallel_fits_model", "check_prompt_fits_step", "check_logprobs_limit",
+           "RULES"]
+
+# quantization values that load float weights (or decide from the checkpoint): only an
+# explicit method is known to conflict before the checkpoint is opened.
+_NOT_A_METHOD = (None, "auto", "none")
+
+
+def _parallel(cfg: EngineConfig) -> str:
+    par = cfg.parallel
+    return (f"tensor_parallel_size={par.tensor_parallel_size}, pipeline_parallel_size="
+            f"{par.pipeline_parallel_size}")
+
+
+def _device_map_rule(cfg: EngineConfig) -> str | None:
+    dm, par = cfg.device.device_map, cfg.parallel
+    if dm is None:
+        return None
+    if par.world_size > 1:
+        return (f"device_map={dm!r} cannot be combined with tensor/pipeline parallelism ({_parallel(cfg)}): "
+                "a device map splits one rank's layers")
+    if par.distributed_executor_backend not in (None, "uni"):
+        return (f"device_map={dm!r} runs in the engine's process; distributed_executor_backend="
+                f"{par.distributed_executor_backend!r} is not supported with it")
+    if cfg.cache.cpu_offload_gb:
+        return (f"device_map={dm!r} cannot be combined with cpu_offload_gb={cfg.cache.cpu_offload_gb}: place "
+                "layers on the host platform with the map instead (e.g. 'cuda:20,cpu'), where they run rather "
+                "than being streamed")
+    return None
+
+
+def _uni_backend_rule(cfg: EngineConfig) -> str | None:
+    par = cfg.parallel
+    if par.distributed_executor_backend == "uni" and par.world_size > 1:
+        return (f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size * "
+                f"pipeline_parallel_size = {par.world_size}; use 'mp' or 'ray'")
+    return None
+
+
+def _single_rank_features(cfg: EngineConfig) -> str | None:
+    """Features wired up for one rank only."""
+    if cfg.parallel.world_size == 1:
+        return None
+    used = [
+        (cfg.device.cpu_bind is not None, f"cpu_bind={cfg.device.cpu_bind!r}",
+         "every rank would pin the same cores"),
+        (bool(cfg.cache.cpu_offload_gb), f"cpu_offload_gb={cfg.cache.cpu_offload_gb}",
+         "weight streaming runs on one rank"),
+        (cfg.cache.kv_offload_memory is not None, f"kv_offload_memory={cfg.cache.kv_offload_memory}",
+         "every rank would need its own host KV pool"),
+        (cfg.model.quantization not in _NOT_A_METHOD, f"quantization={cfg.model.quantization!r}",
+         "quantized weights are not sharded; use quantization='none' or one rank"),
+    ]
+    for on, setting, why in used:
+        if on:
+            return f"{setting} is not supported with tensor/pipeline parallelism yet ({_parallel(cfg)}): {why}"
+    return None
+
+
+def _quantization_offload_rule(cfg: EngineConfig) -> str | None:
+    q = cfg.model.quantization
+    if q not in _NOT_A_METHOD and cfg.cache.cpu_offload_gb:
+        return f"quantization={q!r} cannot be combined with cpu_offload_gb={cfg.cache.cpu_offload_gb} yet"
+    return None
+
+
+#: Every cross-section rule: a function returning the error message, or None.
+RULES: list[Callable[[EngineConfig], str | None]] = [
+    _device_map_rule,
+    _uni_backend_rule,
+    _single_rank_features,
+    _quantization_offload_rule,
+]
+
+
+def check_engine_config(cfg: EngineConfig) -> None:
+    """ValueError with the first rule ``cfg`` breaks."""
+    for rule in RULES:
+        message = rule(cfg)
+        if message is not None:
+            raise ValueError(message)
+
+
+def check_parallel_fits_model(cfg: EngineConfig, arch: Any) -> None:
+    """ValueError when the ranks cannot split this model (``arch``: its ArchConfig).
+
+    Checked when the checkpoint's config is read, before weights load or workers start.
+    """
+    tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    if arch.num_heads % tp or arch.intermediate_size % tp or (arch.num_kv_heads % tp and tp % arch.num_kv_heads):
+        raise ValueError(f"tensor_parallel_size={tp} must divide the attention heads ({arch.num_heads}) and "
+                         f"intermediate_size ({arch.intermediate_size}), and divide or be a multiple of the "
+                         f"KV heads ({arch.num_kv_heads})")
+    if pp > arch.num_layers:
+        raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {arch.num_layers} layers")
+
+
+def check_prompt_fits_step(scheduler: Any, num_prompt_tokens: int) -> None:
+    """ValueError at admission for a prompt the scheduler could never run: with chunked
+    prefill off a prompt is scheduled whole, so it must fit one step's token budget."""
+    if not scheduler.enable_chunked_prefill and num_prompt_tokens > scheduler.max_num_batched_tokens:
+        raise ValueError(f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens="
+                         f"{scheduler.max_num_batched_tokens}; with chunked prefill disabled a prompt must fit one "
+                         "step (raise max_num_batched_tokens or enable chunked prefill)")
+
+
+def check_logprobs_limit(model: Any, params: Any) -> None:
+    """ValueError when a request asks for more log-probabilities than ``max_logprobs``."""
+    asked = getattr(params, "logprobs", None)
+    if asked is not None and asked > model.max_logprobs:
+        raise ValueError(f"logprobs={asked} is more than this engine's max_logprobs={model.max_logprobs}")

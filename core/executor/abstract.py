@@ -1,0 +1,36 @@
+"""Executor: the interface the engine runs steps through, whatever runs them.
+
+Kept apart from the implementations so that the multi-rank executors of
+:mod:`pagedserve.distributed` can subclass it without importing the module that
+chooses among them (:mod:`pagedserve.executor.executor`), which imports them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pagedserve.executor.model_runner import ModelRunner, StepOutput
+from pagedserve.scheduler import SchedulerOutput
+
+__all__ = ["Executor"]
+
+
+class Executor(ABC):
+    """Runs scheduled steps on one rank or many.
+
+    ``driver_runner`` is rank 0's ModelRunner (it owns the sampler); ``num_blocks`` is the
+    number of KV blocks every rank agreed on.
+    """
+
+    driver_runner: ModelRunner
+    num_blocks: int
+
+    @abstractmethod
+    def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepOutput:
+        """Run one scheduled step on every rank; sampled tokens come from rank 0."""
+
+    def check_health(self) -> None:  # noqa: B027 (optional hook: one process has nothing to check)
+        """Raise RuntimeError if a worker is gone."""
+
+    def shutdown(self) -> None:  # noqa: B027 (optional hook: one process has nothing to stop)
+        """Stop workers and release the process group; safe to call twice."""

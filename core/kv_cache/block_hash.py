@@ -1,0 +1,50 @@
+"""The chained block hash of prefix caching: the one definition, for every user.
+
+Each full block's hash covers its parent block's hash, its own token ids and extra keys
+(a cache salt on the first block), so equal hashes mean equal prefixes up to hash
+collisions; the key is returned with the hash so that a hit can be confirmed by
+comparing keys.  The KV-cache manager, the disaggregated prefill/decode hand-off and the
+data-parallel router's prefix affinity all hash blocks with :func:`extend_block_hashes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["BlockHash", "hash_block", "extend_block_hashes", "block_hashes"]
+
+#: (hash value, the key it covers: (parent hash, token ids, extra keys)).
+BlockHash = tuple[int, tuple]
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: tuple = ()) -> BlockHash:
+    """(hash value, the key it covers) of one full block."""
+    key = (parent_hash, token_ids, extra)
+    return hash(key), key
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_blocks: int,
+                        cache_salt: str | None = None) -> list[BlockHash]:
+    """Append to ``hashes`` (the chain of the first ``len(hashes)`` blocks of
+    ``token_ids``) the hashes of the following blocks up to ``num_blocks``; returns it.
+
+    Lets a caller keep a request's chain and extend it as its tokens become known.
+    ``cache_salt`` is an extra key of the first block only (a different salt, a
+    different chain).
+    """
+    bs = block_size
+    while len(hashes) < num_blocks:
+        i = len(hashes)
+        parent = hashes[-1][0] if hashes else None
+        extra = (cache_salt,) if (i == 0 and cache_salt) else ()
+        hashes.append(hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]), extra))
+    return hashes
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int,
+                 cache_salt: str | None = None) -> list[BlockHash]:
+    """The chain of the first ``num_blocks`` full blocks of ``token_ids``."""
+    if num_blocks * block_size > len(token_ids):
+        raise ValueError(f"{num_blocks} blocks of {block_size} tokens need {num_blocks * block_size} tokens; "
+                         f"got {len(token_ids)}")
+    return extend_block_hashes([], token_ids, block_size, num_blocks, cache_salt)

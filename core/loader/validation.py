@@ -1,0 +1,169 @@
+"""Checks of a checkpoint's config against sane ranges and against its own tensors.
+
+A config value that no model can have (zero heads, a NaN RoPE base, a negative norm
+epsilon, 2^32 positions) or one its tensors contradict (a ``hidden_size`` or KV-head count
+the projections disagree with, more layers than the file stores) would otherwise surface
+much later as a ``ZeroDivisionError``, an ``AttributeError``, a ``split_with_sizes`` error,
+a huge allocation or, worst, garbage tokens. ``check_config`` and ``check_tensor_shapes``
+turn each into a :class:`ModelLoadError` naming the file and the field, at open time.
+
+Both take the normalized Hugging Face config (``normalize_hf_config``/``GGUFCheckpoint.hf_config``)
+and work for any architecture with the Llama tensor layout; a model registry can call them.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+from typing import Any
+
+from pagedserve.loader.errors import ModelLoadError
+
+__all__ = ["MAX_POSITIONS", "check_config", "check_tensor_shapes", "effective_max_model_len"]
+
+# Positions travel as int32 (seq_lens, query_start_loc): anything beyond is corrupt metadata.
+MAX_POSITIONS = 2**31 - 1
+# Generous upper bounds that no real decoder comes near; past them a value is corrupt and
+# would only lead to a huge allocation.
+_INT_LIMITS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 2**24),
+    "hidden_size": (1, 2**18),
+    "intermediate_size": (1, 2**20),
+    "num_hidden_layers": (1, 4096),
+    "num_attention_heads": (1, 4096),
+    "num_key_value_heads": (1, 4096),
+    "head_dim": (1, 4096),
+    "max_position_embeddings": (1, MAX_POSITIONS),
+}
+# Default when max_model_len is not given: a RoPE table bigger than this (bytes) is refused
+# with a request to pass max_model_len, rather than allocated.
+_DEFAULT_ROPE_TABLE_LIMIT = 2**30
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def check_config(config: dict[str, Any], path: str | pathlib.Path) -> None:
+    """Raise ModelLoadError naming ``path`` and the field if ``config`` holds an impossible value."""
+    for key, (low, high) in _INT_LIMITS.items():
+        value = config.get(key)
+        if value is None and key == "intermediate_size":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ModelLoadError(path, f"{key} must be an integer, found {value!r}")
+        if not low <= value <= high:
+            raise ModelLoadError(path, f"{key}={value} is outside the plausible range [{low}, {high}]")
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    if heads % kv_heads:
+        raise ModelLoadError(path, f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    _check_positive_float(config, "rope_theta", path)
+    _check_positive_float(config, "rms_norm_eps", path, high=1.0)
+    scaling = config.get("rope_scaling")
+    if scaling is not None:
+        if not isinstance(scaling, dict):
+            raise ModelLoadError(path, f"rope_scaling must be an object, found {scaling!r}")
+        if "factor" in scaling:
+            _check_positive_float(scaling, "factor", path, prefix="rope_scaling.")
+
+
+def _check_positive_float(cfg: dict[str, Any], key: str, path: str | pathlib.Path,
+                          high: float = math.inf, prefix: str = "") -> None:
+    value = cfg.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelLoadError(path, f"{prefix}{key} must be a number, found {value!r}")
+    if not (math.isfinite(value) and 0 < value <= high):
+        raise ModelLoadError(path, f"{prefix}{key}={value!r} must be finite and in (0, {high}]")
+
+
+def expected_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """(global tensor name -> shape, per-layer suffix -> shape) a Llama-layout checkpoint holds."""
+    hidden, hd = config["hidden_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    inter = config.get("intermediate_size")
+    glob = {
+        "model.embed_tokens.weight": (config["vocab_size"], hidden),
+        "lm_head.weight": (config["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+    }
+    layer: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, q),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+    }
+    if inter is not None:
+        layer.update({"mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+                      "mlp.down_proj.weight": (hidden, inter)})
+    return glob, layer
+
+
+def check_tensor_shapes(config: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+                        path: str | pathlib.Path) -> None:
+    """Raise ModelLoadError if the stored tensors contradict ``config``.
+
+    Args:
+        config: the normalized config (``check_config`` passed).
+        shapes: every stored tensor's name (Hugging Face spelling) -> shape, PyTorch order.
+        path: the checkpoint, for the message.
+    """
+    glob, per_layer = expected_shapes(config)
+    layers: set[int] = set()
+    for name, shape in shapes.items():
+        match = _LAYER.fullmatch(name)
+        if match is not None:
+            layers.add(int(match.group(1)))
+            want = per_layer.get(match.group(2))
+        else:
+            want = glob.get(name)
+        if want is not None and tuple(shape) != want:
+            raise ModelLoadError(path, f"tensor {name!r} has shape {list(shape)}, but the config "
+                                 f"({_fields_of(name)}) implies {list(want)}")
+    n = config["num_hidden_layers"]
+    if layers != set(range(n)):
+        found = f"layers {min(layers)}..{max(layers)} ({len(layers)} distinct)" if layers else "no layers"
+        raise ModelLoadError(path, f"num_hidden_layers={n}, but the tensors hold {found}")
+    if "model.embed_tokens.weight" not in shapes:
+        raise ModelLoadError(path, "the checkpoint has no model.embed_tokens.weight")
+
+
+def _fields_of(name: str) -> str:
+    if "embed_tokens" in name or "lm_head" in name:
+        return "vocab_size, hidden_size"
+    if "q_proj" in name or "o_proj" in name:
+        return "num_attention_heads, head_dim, hidden_size"
+    if "k_proj" in name or "v_proj" in name:
+        return "num_key_value_heads, head_dim, hidden_size"
+    if "mlp." in name:
+        return "intermediate_size, hidden_size"
+    if "q_norm" in name or "k_norm" in name:
+        return "head_dim"
+    return "hidden_size"
+
+
+def effective_max_model_len(max_model_len: int | None, max_position_embeddings: int, head_dim: int) -> int:
+    """The context length the engine runs with: ``max_model_len``, else the model's maximum.
+
+    Raises ValueError when ``max_model_len`` exceeds the model's maximum, or when it is not
+    given and the model's maximum would need a RoPE table over 1 GiB (a model that claims
+    billions of positions): then the caller must choose a length.
+    """
+    if max_model_len is not None:
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+        if max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                             f"({max_position_embeddings})")
+        return max_model_len
+    table = max_position_embeddings * head_dim * 4
+    if table > _DEFAULT_ROPE_TABLE_LIMIT:
+        raise ValueError(f"the model declares max_position_embeddings={max_position_embeddings}, whose RoPE table "
+                         f"would take {table / 2**30:.1f} GiB; pass max_model_len (e.g. max_model_len=8192)")
+    return max_position_embeddings

@@ -1,0 +1,156 @@
+"""Hardware profiles: the numbers the cost model needs about one device and its links.
+
+A profile is a JSON file.  Shipped profiles (``profiles/*.json``, from public
+datasheets; each names its sources) are found by name (``h100-sxm``); any other file is
+given by path; ``cpu-local`` is the last ``pagedserve simulate calibrate`` of this
+machine, stored at ``<cache root>/simulate/cpu-local.json`` where the cache root is
+``$PAGEDSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedserve``, else
+``~/.cache/pagedserve`` (the root pagedserve's kernel builds use too).
+
+Rates are per device, in SI units: bytes, bytes/s, FLOP/s, seconds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import pathlib
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Any
+
+__all__ = ["HardwareProfile", "load_profile", "shipped_profiles", "local_profile_path", "LOCAL_PROFILE"]
+
+LOCAL_PROFILE = "cpu-local"
+
+_EFFICIENCY_KEYS = ("matmul", "memory", "attention", "interconnect", "host")
+
+
+def cache_root(env: dict[str, str] | None = None) -> pathlib.Path:
+    env = os.environ if env is None else env
+    if env.get("PAGEDSERVE_CACHE_DIR"):
+        return pathlib.Path(env["PAGEDSERVE_CACHE_DIR"]).expanduser()
+    base = pathlib.Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else pathlib.Path.home() / ".cache"
+    return base / "pagedserve"
+
+
+def local_profile_path(env: dict[str, str] | None = None) -> pathlib.Path:
+    """Where ``pagedserve simulate calibrate`` writes and ``--hardware cpu-local`` reads."""
+    return cache_root(env) / "simulate" / f"{LOCAL_PROFILE}.json"
+
+
+@dataclass
+class HardwareProfile:
+    """One device.  ``peak_flops`` is keyed by compute dtype (float32, bfloat16, float16,
+    fp8, int8); ``efficiency`` holds the fraction of each peak that a well-shaped kernel
+    reaches (matmul, memory, attention, interconnect, host).  ``matmul_curve`` (from a
+    calibration) maps a weight format to measured ``[tokens, FLOP/s]`` points that replace
+    the peak for that format; ``attention_bandwidth`` and
+    ``attention_flops`` (measured) replace the attention roofline's rates."""
+
+    name: str
+    memory_bytes: float
+    memory_bandwidth: float
+    peak_flops: dict[str, float]
+    interconnect_bandwidth: float = 0.0
+    interconnect_latency_s: float = 1e-5
+    host_bandwidth: float = 0.0
+    efficiency: dict[str, float] = field(default_factory=dict)
+    step_overhead_s: float = 0.0
+    per_seq_overhead_s: float = 0.0
+    per_token_overhead_s: float = 0.0
+    default_memory_utilization: float = 0.9
+    matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)
+    attention_bandwidth: float | None = None
+    attention_flops: float | None = None
+    description: str = ""
+    sources: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for key in ("memory_bytes", "memory_bandwidth"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"hardware profile {self.name!r}: {key} must be positive")
+        if not self.peak_flops or any(not v > 0 for v in self.peak_flops.values()):
+            raise ValueError(f"hardware profile {self.name!r}: peak_flops needs positive FLOP/s per dtype")
+        for k, v in self.efficiency.items():
+            if k not in _EFFICIENCY_KEYS or not 0 < v <= 1:
+                raise ValueError(f"hardware profile {self.name!r}: efficiency {k}={v} (keys "
+                                 f"{', '.join(_EFFICIENCY_KEYS)}, values in (0, 1])")
+        for fmt, pts in self.matmul_curve.items():
+            if not pts or any(len(p) != 2 or p[0] < 1 or p[1] <= 0 for p in pts):
+                raise ValueError(f"hardware profile {self.name!r}: matmul_curve[{fmt!r}] must be "
+                                 "[[tokens >= 1, FLOP/s > 0], ...]")
+            self.matmul_curve[fmt] = sorted([float(a), float(b)] for a, b in pts)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(k for k in data if k not in known and not k.startswith("_"))
+        if unknown:
+            raise ValueError(f"hardware profile: unknown keys {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as e:
+            raise ValueError(f"hardware profile: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def eff(self, key: str) -> float:
+        return self.efficiency.get(key, 1.0)
+
+    def peak(self, kind: str) -> float:
+        """Peak FLOP/s for a compute dtype (falls back to bfloat16, then the largest listed)."""
+        if kind in self.peak_flops:
+            return self.peak_flops[kind]
+        return self.peak_flops.get("bfloat16") or max(self.peak_flops.values())
+
+    def matmul_rate(self, fmt: str, kind: str, tokens: float) -> float:
+        """Achieved FLOP/s of the linear layers at a batch of ``tokens`` rows.
+
+        A calibrated curve is interpolated in log(tokens) (flat beyond its ends);
+        otherwise the peak (the memory term of the roofline covers small batches).  Either
+        is scaled by ``efficiency.matmul``.
+        """
+        pts = self.matmul_curve.get(fmt)
+        if not pts:
+            return self.peak(kind) * self.eff("matmul")
+        xs = [p[0] for p in pts]
+        if tokens <= xs[0]:
+            rate = pts[0][1]
+        elif tokens >= xs[-1]:
+            rate = pts[-1][1]
+        else:
+            i = bisect.bisect_right(xs, tokens)
+            (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+            w = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            rate = y0 + w * (y1 - y0)
+        return rate * self.eff("matmul")
+
+
+def shipped_profiles() -> list[str]:
+    folder = resources.files("pagedserve.simulate").joinpath("profiles")
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A shipped profile by name, ``cpu-local``, or a JSON file by path."""
+    path = pathlib.Path(name_or_path).expanduser()
+    if name_or_path == LOCAL_PROFILE:
+        path = local_profile_path()
+        if not path.is_file():
+            raise ValueError(f"--hardware {LOCAL_PROFILE}: no calibration at {path}; run "
+                             "`pagedserve simulate calibrate` first")
+    elif not path.is_file():
+        if name_or_path not in shipped_profiles():
+            raise ValueError(f"--hardware {name_or_path!r} is neither a profile file nor a known profile "
+                             f"({', '.join(shipped_profiles() + [LOCAL_PROFILE])})")
+        text = resources.files("pagedserve.simulate").joinpath("profiles", f"{name_or_path}.json").read_text()
+        return HardwareProfile.from_dict(json.loads(text))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"hardware profile {str(path)!r} is not valid JSON: {e}") from e
+    return HardwareProfile.from_dict(data)

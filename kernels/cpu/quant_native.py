@@ -1,0 +1,59 @@
+"""The native CPU kernel for GGUF blocks (kernels/cpu/quant_gguf.cpp): built just in time
+by :func:`pagedserve.kernels.build.load_extension`, into the same persistent cache (and
+under the same build lock), as a separate extension so that it never invalidates the
+main CPU kernels' build.
+
+The CPU platform loads it unless PAGEDSERVE_QUANT_CPU_KERNELS=0 (read once, into
+:class:`pagedserve.platforms.options.CpuOptions`); nothing here reads the environment
+but the compiler (CXX) and the arch flags, as every build does.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import sys
+import warnings
+from types import ModuleType
+
+from pagedserve.kernels import build
+
+__all__ = ["load_quant_kernels", "quant_build_spec"]
+
+SOURCES: tuple[str, ...] = ("quant_gguf.cpp",)
+
+
+def quant_build_spec() -> build.ExtensionSpec:
+    """The build of the quantized CPU kernels for this machine (VNNI added where present)."""
+    import torch
+
+    arch, origin = build.cpu_arch_flags()
+    features = build.read_cpu_features()
+    # The main kernels do not use VNNI, so their automatic flags leave it out.
+    if "-mavx512vl" in arch and "avx512_vnni" in features and "-mavx512vnni" not in arch:
+        arch = [*arch, "-mavx512vnni"]
+    cflags = (*build.BASE_CFLAGS, *arch)
+    compiler = os.environ.get("CXX", "c++")
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update(name.encode())
+        digest.update((build.CPU_DIR / name).read_bytes())
+    digest.update(json.dumps([cflags, compiler, torch.__version__, sys.version_info[:2],
+                              platform.machine()]).encode())
+    name = f"pagedserve_quant_{digest.hexdigest()[:16]}"
+    return build.ExtensionSpec(name=name, directory=build.kernel_cache_root() / name,
+                              sources=tuple(build.CPU_DIR / s for s in SOURCES), cflags=cflags,
+                              arch_flags=tuple(arch), arch_origin=origin, compiler=compiler)
+
+
+@functools.lru_cache(maxsize=1)
+def load_quant_kernels() -> ModuleType | None:
+    """The compiled module (``gguf_linear``, ``isa``), or None with a warning saying why."""
+    try:
+        return build.load_extension(quant_build_spec(), "quantized CPU kernels")[0]
+    except build.KernelBuildError as exc:
+        warnings.warn(f"quantized CPU kernels unavailable ({exc}); using the torch reference", stacklevel=2)
+        return None

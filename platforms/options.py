@@ -1,0 +1,93 @@
+"""The builtin platforms' environment switches, read once into an options object.
+
+A platform reads its switches when it is created (``CpuPlatform().options``,
+``CudaPlatform().options``) and hands them to whatever registers its ops or allocates
+its memory; nothing reads them again at call time, so a process sees one consistent
+set.  Booleans take one spelling everywhere (:func:`env_flag`), and an unrecognised
+value is an error naming the variable rather than being silently taken for a default.
+The full list of environment variables is in docs/platforms.md ("Environment").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["env_flag", "env_choice", "target_device", "CpuOptions", "GpuOptions"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """A boolean switch: 1/true/yes/on or 0/false/no/off (any case); unset or empty: ``default``."""
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name}={env[name]!r} is not a boolean: use one of {', '.join(_TRUE + _FALSE)}")
+
+
+def env_choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (any case); unset or empty: ``default``."""
+    raw = env.get(name, "").strip().lower() or default
+    if raw not in choices:
+        raise ValueError(f"{name}={env[name]!r} is not one of {', '.join(choices)}")
+    return raw
+
+
+def target_device(env: Mapping[str, str] | None = None) -> str | None:
+    """The platform named by PAGEDSERVE_TARGET_DEVICE; None when it is unset, empty or
+    "auto".  The one place that variable is read."""
+    env = os.environ if env is None else env
+    name = env.get("PAGEDSERVE_TARGET_DEVICE", "").strip()
+    return None if name in ("", "auto") else name
+
+
+@dataclass(frozen=True)
+class CpuOptions:
+    """Switches of the builtin cpu platform (docs/kernels_cpu.md)."""
+
+    #: PAGEDSERVE_CPU_KERNELS: the native kernels (off: every op is the torch reference,
+    #: quantized and packed ones included).
+    native_kernels: bool = True
+    #: PAGEDSERVE_QUANT_CPU_KERNELS: the native GGUF kernel alone.
+    quant_kernels: bool = True
+    #: PAGEDSERVE_CPU_ISA: run this compiled instruction set instead of the best one
+    #: (avx512bf16, avx512, avx2, scalar; one that cannot run here is ignored with a warning).
+    isa: str | None = None
+    #: PAGEDSERVE_CPU_PREPACK: pack bf16 linear weights at load.
+    prepack: bool = True
+    #: PAGEDSERVE_CPU_KV_LAYOUT: "head" (each kv head's rows of a block together) or "token".
+    kv_layout: str = "head"
+    #: PAGEDSERVE_CPU_HUGE_PAGES: advise the KV caches onto transparent huge pages.
+    huge_pages: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> CpuOptions:
+        env = os.environ if env is None else env
+        return cls(
+            native_kernels=env_flag(env, "PAGEDSERVE_CPU_KERNELS", True),
+            quant_kernels=env_flag(env, "PAGEDSERVE_QUANT_CPU_KERNELS", True),
+            isa=env.get("PAGEDSERVE_CPU_ISA", "").strip().lower() or None,
+            prepack=env_flag(env, "PAGEDSERVE_CPU_PREPACK", True),
+            kv_layout=env_choice(env, "PAGEDSERVE_CPU_KV_LAYOUT", "head", ("head", "token")),
+            huge_pages=env_flag(env, "PAGEDSERVE_CPU_HUGE_PAGES", False),
+        )
+
+
+@dataclass(frozen=True)
+class GpuOptions:
+    """Switches of the builtin cuda and rocm platforms (docs/kernels.md)."""
+
+    #: PAGEDSERVE_CUDA_KERNELS: "triton" or "cuda" (the CUDA C++ kernels; cuda platform only).
+    kernels: str = "triton"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> GpuOptions:
+        env = os.environ if env is None else env
+        return cls(kernels=env_choice(env, "PAGEDSERVE_CUDA_KERNELS", "triton", ("triton", "cuda")))
