@@ -54,9 +54,10 @@ def test_reference_passes_its_own_checks():
 
 
 def test_native_cpu_kernel_matches_reference():
-    from pagedserve.kernels.cpu import load_cpu_kernels, native_disabled
+    from pagedserve.kernels.cpu import load_cpu_kernels
+    from pagedserve.platforms.options import CpuOptions
 
-    if native_disabled():
+    if not CpuOptions.from_env().native_kernels:
         pytest.skip("PAGEDSERVE_CPU_KERNELS=0")
     kernels = load_cpu_kernels()
     if kernels is None:

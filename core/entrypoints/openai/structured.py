@@ -14,9 +14,30 @@ from typing import Any
 from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.structured_output import StructuredOutputsParams, build_grammar
 
-__all__ = ["structured_outputs_of", "checked_params"]
+__all__ = ["structured_outputs_of", "checked_params", "OPENAPI_FIELD_SCHEMAS"]
 
 _SO_FIELDS = {f.name for f in fields(StructuredOutputsParams)}
+_NULL = {"type": "null"}
+_STR = {"anyOf": [_NULL, {"type": "string"}]}
+#: The request fields of structured outputs and tools as /openapi.json documents them:
+#: what the code checks, no more (anything outside is a 400; values inside may still be a
+#: 400, e.g. a schema xgrammar cannot build).
+OPENAPI_FIELD_SCHEMAS: dict[str, dict[str, Any]] = {
+    "response_format": {"anyOf": [_NULL, {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["text", "json_object", "json_schema", "structural_tag"]}}}]},
+    "structured_outputs": {"anyOf": [_NULL, {"type": "object"}]},
+    "guided_json": {"anyOf": [_NULL, {"type": "object"}, {"type": "string"}, {"type": "boolean"}]},
+    "guided_regex": _STR,
+    "guided_choice": {"anyOf": [_NULL, {"type": "array", "items": {"type": "string"}}]},
+    "guided_grammar": _STR,
+    "guided_decoding_backend": {"anyOf": [_NULL, {"type": "string", "enum": ["auto", "xgrammar"]}]},
+    "guided_whitespace_pattern": _NULL,  # refused
+    "tools": {"anyOf": [_NULL, {"type": "array", "items": {"type": "object", "required": ["type", "function"],
+                                                            "properties": {"type": {"enum": ["function"]}}}}]},
+    "tool_choice": {"anyOf": [_NULL, {"type": "string", "enum": ["none", "auto", "required"]},
+                              {"type": "object", "required": ["type", "function"]}]},
+}
+
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
