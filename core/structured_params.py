@@ -109,6 +109,12 @@ def parse_structured_outputs_config(text: str) -> dict[str, Any] | str:
     if not isinstance(value, dict) or set(value) - set(_CONFIG_KEYS):
         raise ValueError(f"--structured-outputs-config must be a JSON object with {' and/or '.join(_CONFIG_KEYS)}; "
                          f"got {text!r}")
+    if value.get("backend", "auto") not in BACKENDS:
+        raise ValueError(f"--structured-outputs-config backend must be one of {', '.join(BACKENDS)}; "
+                         f"got {value['backend']!r}")
+    if value.get("reasoning_parser") not in (None, *REASONING_PARSERS):
+        raise ValueError(f"--structured-outputs-config reasoning_parser must be one of "
+                         f"{', '.join(REASONING_PARSERS)}; got {value['reasoning_parser']!r}")
     return value
 
 

@@ -392,6 +392,12 @@ BAD = [
     ("chat/completions", '{"use_beam_search": true, "logprobs": true}', "logprobs"),
     ("completions", '{"use_beam_search": true, "n": 11}', "n"),
     ("completions", '{"use_beam_search": true, "top_k": 3}', "top_k"),
+    ("completions", '{"use_beam_search": true, "n": 2, "guided_choice": ["a", "b"]}', "guided_choice"),
+    ("chat/completions", '{"use_beam_search": true, "n": 2, "tool_choice": "required", "tools": [{"type": '
+     '"function", "function": {"name": "f"}}]}', "tool_choice"),
+    ("chat/completions", '{"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}}',
+     "response_format.json_schema"),
+    ("completions", '{"guided_json": {"properties": []}}', "guided_json"),
 ]
 
 

@@ -134,7 +134,8 @@ def test_tool_history_and_tools_reach_the_template():
     messages = chat_messages(request.messages)
     from pagedserve.entrypoints.openai.chat_tools import ChatToolsMixin
 
-    kwargs = ChatToolsMixin().template_kwargs(request)
+    # As serving_fields.chat_prompt_text merges them: the request's kwargs, then the tools.
+    kwargs = {**request.chat_template_kwargs, **ChatToolsMixin().template_kwargs(request)}
     text = render_chat_template(TEMPLATE, messages, **kwargs)
     assert 'TOOL f {"type": "object"' in text
     assert "[assistant] CALL f 7" in text  # arguments handed over as an object

@@ -96,6 +96,44 @@ def test_unknown_backend_is_refused():
         StructuredOutputsConfig(backend="outlines-ish")
 
 
+@pytest.mark.parametrize("command", [["serve"], ["generate"], ["bench", "throughput"]])
+def test_structured_outputs_settings_from_flags(command):
+    from pagedserve.entrypoints import cli
+    from pagedserve.entrypoints.engine_args import engine_config_from_args
+
+    def config(*flags):
+        argv = [*command, *flags]
+        return engine_config_from_args(cli.build_parser(argv).parse_args(argv), model=None).structured_outputs
+
+    assert (config().backend, config().reasoning_parser) == ("auto", None)
+    so = config("--structured-outputs-config", '{"backend": "xgrammar", "reasoning_parser": "qwen3"}')
+    assert (so.backend, so.reasoning_parser) == ("xgrammar", "qwen3")
+    # --reasoning-parser wins over the JSON's.
+    so = config("--structured-outputs-config", '{"reasoning_parser": "qwen3"}', "--reasoning-parser", "deepseek_r1")
+    assert (so.backend, so.reasoning_parser) == ("auto", "deepseek_r1")
+    for bad in ('{"backend": "outlines"}', '{"bakend": "xgrammar"}', "[1]", "{not json"):
+        with pytest.raises(SystemExit):
+            config("--structured-outputs-config", bad)
+
+
+def test_structured_outputs_settings_from_keywords():
+    from pagedserve.config import StructuredOutputsConfig
+    from pagedserve.entrypoints.engine_args import engine_config_from_kwargs
+
+    def config(**kw):
+        return engine_config_from_kwargs(**kw).structured_outputs
+
+    assert config(structured_outputs_config={"backend": "xgrammar"}).backend == "xgrammar"
+    assert config(structured_outputs_config="xgrammar", reasoning_parser="qwen3").reasoning_parser == "qwen3"
+    given = StructuredOutputsConfig(backend="xgrammar", reasoning_parser="deepseek_r1")
+    assert config(structured_outputs_config=given) == given
+    assert config(structured_outputs_config=None) == StructuredOutputsConfig()
+    with pytest.raises(ValueError, match="no setting 'bakend'"):
+        config(structured_outputs_config={"bakend": "xgrammar"})
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        config(reasoning_parser="o1")
+
+
 def test_compiled_grammars_are_cached_by_schema(llm):
     mgr = llm.llm_engine.structured
     a = mgr.prepare(StructuredOutputsParams(json=dict(PERSON)))
