@@ -27,7 +27,7 @@ from pagedserve.loader.tokenizer_source import engine_tokenizer
 from pagedserve.loader.generation_config import load_generation_defaults
 from pagedserve.loader.validation import effective_max_model_len
 from pagedserve.quantization.registry import quantize_source
-from pagedserve.models.llama import ArchConfig
+from pagedserve.models.arch_config import ArchConfig
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.platforms import select_platform
 from pagedserve.request import Request, RequestStatus

@@ -25,8 +25,12 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "fused_add_rms_norm",
+    "layer_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_and_mul",
+    "gelu",
+    "fused_moe",
     "copy_blocks",
     "swap_blocks",
     "linear",
@@ -76,6 +80,8 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged KV cache for a mixed batch.
 
@@ -89,12 +95,21 @@ def paged_attention(
     query_start_loc: int32 [num_seqs + 1]
     Returns out: [num_tokens, num_heads, head_size] in query's dtype.
     Accumulation is in float32.  Grouped-query attention when num_heads > num_kv_heads.
+    sliding_window: if set, the query at position p sees only keys at positions
+        p - sliding_window < k <= p (the window counts the query's own position), as
+        Mistral v0.1 and Gemma 2/3's local layers; keys that slid out may be stale.
+    soft_cap: if set, scores (after ``scale``) become soft_cap * tanh(score / soft_cap)
+        before the softmax (Gemma 2).
+    Implementations without these parameters must refuse them (TypeError), never
+    ignore them.
     """
     num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_heads // num_kv_heads
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if out is None:
         out = torch.empty_like(query)
     qsl = query_start_loc.tolist()
@@ -112,9 +127,14 @@ def paged_attention(
         # [kv_heads, group, q_len, d] x [kv_heads, d, ctx]
         qh = q.view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
         scores = torch.matmul(qh, k.permute(1, 2, 0).unsqueeze(1)) * scale
-        q_pos = torch.arange(ctx - q_len, ctx).view(q_len, 1)
-        k_pos = torch.arange(ctx).view(1, ctx)
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
+        q_pos = torch.arange(ctx - q_len, ctx, device=query.device).view(q_len, 1)
+        k_pos = torch.arange(ctx, device=query.device).view(1, ctx)
+        masked = k_pos > q_pos
+        if sliding_window is not None:
+            masked |= k_pos <= q_pos - sliding_window
+        scores.masked_fill_(masked, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))  # [kvh, g, q_len, d]
         out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size).to(out.dtype)
@@ -138,6 +158,14 @@ def fused_add_rms_norm(
     """
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim (StarCoder2), computed in float32, returned in x's dtype.
+    x [..., d]; weight, bias [d] (bias may be None)."""
+    d = x.shape[-1]
+    b = None if bias is None else bias.float()
+    return torch.nn.functional.layer_norm(x.float(), (d,), weight.float(), b, eps).to(x.dtype)
 
 
 def rotary_embedding(
@@ -174,6 +202,66 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2*d] = cat(gate, up); returns silu(gate) * up, [..., d]."""
     d = x.shape[-1] // 2
     return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """x: [..., 2*d] = cat(gate, up); returns gelu(gate) * up, [..., d] (GeGLU, as Gemma's
+    MLP).  approximate: "tanh" (transformers' gelu_pytorch_tanh) or "none" (exact erf)."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :d], approximate=approximate) * x[..., d:]
+
+
+def gelu(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """GELU of a non-gated MLP (StarCoder2): "tanh" approximation or "none" (erf)."""
+    return torch.nn.functional.gelu(x, approximate=approximate)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """A mixture-of-experts MLP over routed tokens.
+
+    x: [T, H]; w13: [E, 2*I, H] = each expert's cat(gate, up) rows; w2: [E, H, I];
+    topk_weights: float32 [T, K]; topk_ids: int64 [T, K] (distinct experts per token).
+    Returns [T, H] in x's dtype:
+        out[t] = sum_k topk_weights[t, k] * w2[e] @ (act(gate_e @ x[t]) * (up_e @ x[t])),
+        e = topk_ids[t, k]; act "silu" or "gelu" (tanh approximation).
+    The expert products are rounded to x's dtype (as the dense linear ops do); the
+    weighted sum over k is accumulated in float32.
+
+    Tokens are grouped by expert so each active expert runs two GEMMs over its tokens;
+    the Python loop is over active experts, never over tokens.
+    """
+    num_tokens, top_k = topk_ids.shape
+    inter = w13.shape[1] // 2
+    out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    token_of = order // top_k
+    weight_of = topk_weights.reshape(-1)[order].float()
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = token_of[start:start + n]
+        h = torch.nn.functional.linear(x.index_select(0, rows), w13[expert])
+        gate, up = h[:, :inter], h[:, inter:]
+        if activation == "silu":
+            h = torch.nn.functional.silu(gate) * up
+        elif activation == "gelu":
+            h = torch.nn.functional.gelu(gate, approximate="tanh") * up
+        else:
+            raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu)")
+        y = torch.nn.functional.linear(h, w2[expert])
+        out.index_add_(0, rows, y.float() * weight_of[start:start + n, None])
+        start += n
+    return out.to(x.dtype)
 
 
 def copy_blocks(
@@ -311,8 +399,12 @@ OP_NAMES: tuple[str, ...] = (
     "reshape_and_cache",
     "rms_norm",
     "fused_add_rms_norm",
+    "layer_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_and_mul",
+    "gelu",
+    "fused_moe",
     "linear",
     "prepare_linear_weight",
     "linear_silu_and_mul",

@@ -21,7 +21,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import DistInit, ParallelContext, destroy_distributed, init_distributed
 from pagedserve.executor.input_batch import prepare_inputs
 from pagedserve.executor.model_runner import ModelRunner, StepOutput, resolve_dtype
-from pagedserve.models.llama import ArchConfig, AttentionMetadata
+from pagedserve.executor.attention_metadata import AttentionMetadata
+from pagedserve.models.arch_config import ArchConfig
 from pagedserve.scheduler import SchedulerOutput
 
 __all__ = ["Worker", "MicroBatch", "split_micro_batches", "run_worker_process", "default_threads"]

@@ -23,7 +23,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.executor.abstract import Executor
 from pagedserve.executor.model_runner import ModelRunner, StepOutput
-from pagedserve.models.llama import ArchConfig
+from pagedserve.models.arch_config import ArchConfig
 from pagedserve.offload.device_map import resolve_device_map
 from pagedserve.platforms import OpRegistry, Platform
 from pagedserve.scheduler import SchedulerOutput

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.models.llama import AttentionMetadata
+from pagedserve.executor.attention_metadata import AttentionMetadata
 from pagedserve.scheduler import SchedulerOutput
 
 __all__ = ["ModelInput", "prepare_inputs"]

@@ -13,7 +13,9 @@ from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.executor.input_batch import prepare_inputs
 from pagedserve.executor.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.executor.sampler import Sampler, SamplerOutput
-from pagedserve.models.llama import ArchConfig, LayerPlacement, LlamaForCausalLM
+from pagedserve.models.arch_config import ArchConfig
+from pagedserve.models.layers import LayerPlacement
+from pagedserve.models.registry import resolve_model_class
 from pagedserve.offload.device_map import Segment
 from pagedserve.offload.kv_tier import allocate_host_kv_cache, apply_kv_transfers
 from pagedserve.platforms import OpRegistry, Platform
@@ -83,8 +85,8 @@ class ModelRunner:
         if segments is not None:
             placements = [LayerPlacement(s.start, s.end, s.ops, s.platform.device, s.platform.to_device)
                           for s in segments]
-        self.model = LlamaForCausalLM(arch, ops, dtype, self.device, parallel, placements,
-                                      max_positions=max_model_len)
+        self.model = resolve_model_class(arch.architecture)(arch, ops, dtype, self.device, parallel, placements,
+                                                            max_positions=max_model_len)
         if segments is None:
             segments = [Segment(platform, ops, self.model.layer_start, self.model.layer_end)]
         self.segments = segments

@@ -24,7 +24,9 @@ from pagedserve.loader.gguf_reader import GGUFReader
 
 __all__ = ["GGUFBlocks", "GGUFCheckpoint", "SUPPORTED_GGUF_ARCHITECTURES", "reverse_rope_permutation"]
 
-# Architectures whose tensors follow the Llama layout; value: (model_type, HF class name).
+# Architectures whose GGUF tensors this module translates (the Llama layout, plus Qwen3's
+# q/k norms); value: (model_type, HF class name).  The model registry lists the same
+# names (its `gguf` column; a test keeps the two in step).
 SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),

@@ -143,7 +143,7 @@ class DataParallelRouter:
                  policy: RoutingPolicy | None = None, startup_timeout_s: float | None = None) -> None:
         from pagedserve.loader import open_model
         from pagedserve.loader.tokenizer_source import engine_tokenizer
-        from pagedserve.models.llama import ArchConfig
+        from pagedserve.models.arch_config import ArchConfig
 
         par = config.parallel
         if par.world_size > 1 and par.distributed_executor_backend == "ray":

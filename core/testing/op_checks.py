@@ -117,6 +117,65 @@ def _silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cas
         yield desc, body
 
 
+def _gelu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for shape, approximate in [((1, 2 * 64), "tanh"), ((7, 2 * 96), "tanh"), ((3, 2 * 48), "none")]:
+        desc = "x".join(map(str, shape)) + f"-{approximate}"
+
+        def body(shape=shape, approximate=approximate, desc=desc) -> None:
+            c = _Case(f"gelu_and_mul{desc}{dtype}", seed, t.device)
+            x = c.randn(*shape, dtype=dtype, scale=2.0)
+            assert_matches("gelu_and_mul", fn(c.dev(x), approximate), reference.gelu_and_mul(x, approximate), dtype)
+
+        yield desc, body
+
+
+def _layer_norm(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for rows, d, with_bias in [(1, 64, True), (7, 96, True), (3, 48, False)]:
+        desc = f"{rows}x{d}" + ("" if with_bias else "-nobias")
+
+        def body(rows=rows, d=d, with_bias=with_bias, desc=desc) -> None:
+            c = _Case(f"layer_norm{desc}{dtype}", seed, t.device)
+            x = c.randn(rows, d, dtype=dtype, scale=3.0)
+            w = c.randn(d, dtype=dtype, scale=0.5) + 1
+            b = c.randn(d, dtype=dtype) if with_bias else None
+            got = fn(c.dev(x), c.dev(w), None if b is None else c.dev(b), 1e-5)
+            assert_matches("layer_norm", got, reference.layer_norm(x, w, b, 1e-5), dtype)
+
+        yield desc, body
+
+
+def _gelu(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for shape, approximate in [((1, 64), "tanh"), ((7, 96), "tanh"), ((3, 48), "none")]:
+        desc = "x".join(map(str, shape)) + f"-{approximate}"
+
+        def body(shape=shape, approximate=approximate, desc=desc) -> None:
+            c = _Case(f"gelu{desc}{dtype}", seed, t.device)
+            x = c.randn(*shape, dtype=dtype, scale=2.0)
+            assert_matches("gelu", fn(c.dev(x), approximate), reference.gelu(x, approximate), dtype)
+
+        yield desc, body
+
+
+def _fused_moe(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    """Few experts top-2, more experts than tokens (some idle), one token."""
+    for tokens, experts, top_k, hidden, inter in [(9, 4, 2, 64, 96), (3, 8, 2, 32, 48), (1, 3, 1, 64, 32)]:
+        desc = f"t{tokens}-e{experts}-k{top_k}-h{hidden}-i{inter}"
+
+        def body(tokens=tokens, experts=experts, top_k=top_k, hidden=hidden, inter=inter, desc=desc) -> None:
+            c = _Case(f"fused_moe{desc}{dtype}", seed, t.device)
+            x = c.randn(tokens, hidden, dtype=dtype)
+            w13 = c.randn(experts, 2 * inter, hidden, dtype=dtype, scale=hidden ** -0.5)
+            w2 = c.randn(experts, hidden, inter, dtype=dtype, scale=inter ** -0.5)
+            ids = torch.stack([c.randperm(experts)[:top_k] for _ in range(tokens)])
+            # Rows need not sum to 1 (routers without renormalisation).
+            weights = torch.rand(tokens, top_k, generator=c.gen) * 0.9 + 0.05
+            want = reference.fused_moe(x, w13, w2, weights, ids)
+            got = fn(c.dev(x), c.dev(w13), c.dev(w2), c.dev(weights), c.dev(ids))
+            assert_matches("fused_moe", got, want, dtype)
+
+        yield desc, body
+
+
 def _rms_norm(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
     for n, hidden, eps in [(1, 64, 1e-6), (7, 128, 1e-5), (33, 96, 1e-5)]:
         desc = f"{n}x{hidden}"
@@ -380,19 +439,36 @@ def _context_slots(tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
     return torch.cat(slots)
 
 
-def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    shapes = [(block_size, heads, kv_heads, 64)
-              for block_size in (16, 32) for heads, kv_heads in [(4, 4), (4, 2), (8, 2)]]
-    shapes.append((16, 4, 1, 128))
-    for block_size, heads, kv_heads, head in shapes:
-        desc = f"bs{block_size}-h{heads}kv{kv_heads}-d{head}"
+def _accepts(fn: Callable, name: str) -> bool:
+    import inspect
 
-        def body(block_size=block_size, heads=heads, kv_heads=kv_heads, head=head, desc=desc) -> None:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True  # a builtin without a signature: let the call tell
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    shapes = [(block_size, heads, kv_heads, 64, {}) for block_size in (16, 32)
+              for heads, kv_heads in [(4, 4), (4, 2), (8, 2)]]
+    shapes.append((16, 4, 1, 128, {}))
+    # Windows shorter than the contexts (and than some prefill chunks); Gemma-2-style soft-cap.
+    shapes += [(16, 4, 2, 64, {"sliding_window": 7}), (16, 8, 2, 64, {"sliding_window": 40}),
+               (16, 4, 2, 64, {"soft_cap": 2.0}), (32, 4, 1, 64, {"sliding_window": 19, "soft_cap": 3.0})]
+    for block_size, heads, kv_heads, head, extra in shapes:
+        desc = f"bs{block_size}-h{heads}kv{kv_heads}-d{head}" + "".join(f"-{k}{v}" for k, v in extra.items())
+
+        def body(block_size=block_size, heads=heads, kv_heads=kv_heads, head=head, desc=desc, extra=extra) -> None:
+            missing = [k for k in extra if not _accepts(fn, k)]
+            if missing:
+                raise CheckSkipped(f"paged_attention takes no {', '.join(missing)}: models with such layers "
+                                   "fail on this platform")
             c = _Case(f"paged_attention{desc}{dtype}", seed, t.device)
             query, kc, vc, tables, seq_lens, qsl, num_blocks = _attention_inputs(c, dtype, block_size, heads,
                                                                                   kv_heads, head)
             scale = head ** -0.5
-            want = reference.paged_attention(query, kc, vc, tables, seq_lens, qsl, scale)
+            want = reference.paged_attention(query, kc, vc, tables, seq_lens, qsl, scale, **extra)
             pkc, pvc = t.platform.allocate_kv_cache(num_blocks, block_size, kv_heads, head, dtype)
             how = ""
             if t.reference_layout(num_blocks, block_size, kv_heads, head):
@@ -410,10 +486,10 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
                 t.ops.reshape_and_cache(c.dev(keys), c.dev(values), pkc, pvc, c.dev(slots))
             args = (c.dev(query), pkc, pvc, c.dev(tables), c.dev(seq_lens), c.dev(qsl), scale)
             out = torch.full(query.shape, NAN, dtype=dtype, device=t.device)
-            got = fn(*args, out=out)
+            got = fn(*args, out=out, **extra)
             assert_matches("paged_attention return value (out=...)" + how, got, want, dtype)
             assert_matches("paged_attention out (poisoned with NaN before the call)" + how, out, want, dtype)
-            assert_matches("paged_attention return value (out=None)" + how, fn(*args), want, dtype)
+            assert_matches("paged_attention return value (out=None)" + how, fn(*args, **extra), want, dtype)
 
         yield desc, body
 
@@ -456,6 +532,10 @@ OP_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "fused_add_rms_norm": _fused_add_rms_norm,
     "rotary_embedding": _rotary_embedding,
     "silu_and_mul": _silu_and_mul,
+    "gelu_and_mul": _gelu_and_mul,
+    "fused_moe": _fused_moe,
+    "layer_norm": _layer_norm,
+    "gelu": _gelu,
     "linear": _linear,
     # A platform's prepare_linear_weight is checked through its (or the reference's) linear.
     "prepare_linear_weight": lambda t, fn, d, s: _linear(t, t.ops.get("linear"), d, s, prepare=fn),

@@ -131,9 +131,16 @@ class NativeCpuKernels:
         query_start_loc: torch.Tensor,
         scale: float,
         out: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         """See reference.paged_attention: query [num_tokens, num_heads, head_size];
-        caches [num_blocks, block_size, num_kv_heads, head_size]; int32 metadata."""
+        caches [num_blocks, block_size, num_kv_heads, head_size]; int32 metadata.
+        The native kernel has no sliding window or soft-cap yet: layers that use them
+        run the reference."""
+        if sliding_window is not None or soft_cap is not None:
+            return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                             query_start_loc, scale, out, sliding_window, soft_cap)
         dtype = query.dtype
         if out is None:
             out = torch.empty(query.shape, dtype=dtype, device=query.device)

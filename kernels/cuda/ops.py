@@ -31,6 +31,8 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`pagedserve.kernels.reference.paged_attention`.
 
@@ -39,6 +41,12 @@ def paged_attention(
     [num_seqs, max_blocks]; seq_lens int32 [num_seqs]; query_start_loc int32
     [num_seqs + 1].  Returns out [num_tokens, num_heads, head_size].
     """
+    if sliding_window is not None or soft_cap is not None:
+        # No windowed / soft-capped variant of this kernel yet: the reference is correct.
+        from pagedserve.kernels import reference
+
+        return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                         query_start_loc, scale, out, sliding_window, soft_cap)
     ext = load_cuda_extension()
     num_tokens, _, head_size = query.shape
     same_dtype = query.dtype == key_cache.dtype == value_cache.dtype and (out is None or out.dtype == query.dtype)

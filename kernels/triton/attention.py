@@ -58,6 +58,7 @@ MAX_SPLITS = 64
 # Program count assumed under the interpreter, where there is no device to ask.
 _INTERPRETER_SMS = 8
 _LOG2E = 1.4426950408889634
+_LOG2E_C: tl.constexpr = tl.constexpr(_LOG2E)  # the same, readable inside kernels
 
 
 @triton.jit
@@ -79,7 +80,7 @@ def _find_seq_idx(qsl_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, num_seqs, head_size, block_size, split_chunk,
+    qk_scale, num_seqs, head_size, block_size, split_chunk, window, soft_cap,
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -94,6 +95,8 @@ def _paged_attention_kernel(
     HEAD_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SPLIT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -153,8 +156,15 @@ def _paged_attention_kernel(
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = s * qk_scale
+        if SOFT_CAP:
+            # qk_scale = scale * log2(e): cap the natural-log score, then back to base 2.
+            t = s * (qk_scale / _LOG2E_C) / soft_cap
+            s = soft_cap * (2.0 * tl.sigmoid(2.0 * t) - 1.0) * _LOG2E_C
+        else:
+            s = s * qk_scale
         visible = n_valid[None, :] & (offs_n[None, :] <= q_abs[:, None])
+        if WINDOW:
+            visible = visible & (offs_n[None, :] > q_abs[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -346,6 +356,8 @@ def paged_attention_fixed_splits(
     scale: float,
     num_splits: int,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """:func:`paged_attention` with the number of KV splits given (1 = single pass).
 
@@ -387,7 +399,7 @@ def paged_attention_fixed_splits(
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         out, part_out, part_lse,
-        scale * _LOG2E, num_seqs, head_size, block_size, split_chunk,
+        scale * _LOG2E, num_seqs, head_size, block_size, split_chunk, sliding_window or 0, soft_cap or 1.0,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -396,7 +408,7 @@ def paged_attention_fixed_splits(
         *p_strides,
         *l_strides,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, HEAD_PAD=head_pad,
-        DOT_FP32=dot_fp32, SPLIT=split,
+        DOT_FP32=dot_fp32, SPLIT=split, WINDOW=sliding_window is not None, SOFT_CAP=soft_cap is not None,
         num_warps=num_warps,
     )
     if split:
@@ -421,6 +433,8 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged KV cache for a mixed batch.
 
@@ -432,11 +446,15 @@ def paged_attention(
     block_tables: int32 [num_seqs, max_blocks]; seq_lens: int32 [num_seqs] (context
         length including the new tokens); query_start_loc: int32 [num_seqs + 1].
     out: optional [num_tokens, num_heads, head_size] float tensor to write into.
+    sliding_window, soft_cap: as in the reference (keys within the window; scores
+        capped by ``soft_cap * tanh(score / soft_cap)``); each compiles its own variant.
     Returns out in query's dtype (or out's, when given).  head_size <= 256.
 
     Chooses between the single-pass and split-KV kernels with
     :func:`choose_num_splits`, from shapes only (no host sync).
     """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
     num_tokens, num_heads, head_size = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
@@ -451,5 +469,5 @@ def paged_attention(
     )
     return paged_attention_fixed_splits(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-        num_splits, out,
+        num_splits, out, sliding_window, soft_cap,
     )

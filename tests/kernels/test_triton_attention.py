@@ -422,3 +422,31 @@ def test_kernels_compile_for_gpu_targets(target, triton_aot_results):
         pytest.skip("this triton build has no AMD backend")
     failed = {k: v for k, v in mine.items() if v != "ok"}
     assert not failed, json.dumps(failed, indent=1)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("extra", [{"sliding_window": 5}, {"soft_cap": 2.0}, {"sliding_window": 11, "soft_cap": 3.0}])
+def test_window_and_soft_cap_match_reference(extra, num_splits):
+    """Windows shorter than the contexts, over prefill chunks (after a cached prefix) and
+    decodes, single pass and split-KV; out poisoned before the call."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, block_size = 4, 2, 32, 8
+    batch = [(1, 1), (30, 1), (29, 8), (21, 21)]
+    per_seq = [-(-ctx // block_size) for ctx, _ in batch]
+    num_blocks = sum(per_seq) + 2
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(batch), max(per_seq), dtype=torch.int32)
+    for i, nb in enumerate(per_seq):
+        tables[i, :nb] = torch.tensor([perm.pop() for _ in range(nb)])
+    kc = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen)
+    vc = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen)
+    q = torch.randn(sum(n for _, n in batch), heads, d, generator=gen)
+    qsl = torch.tensor([0] + torch.tensor([n for _, n in batch]).cumsum(0).tolist(), dtype=torch.int32)
+    seq_lens = torch.tensor([ctx for ctx, _ in batch], dtype=torch.int32)
+    want = reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, d ** -0.5, **extra)
+    dev = DEVICE
+    out = torch.full(q.shape, float("nan"), device=dev)
+    got = attention.paged_attention_fixed_splits(q.to(dev), kc.to(dev), vc.to(dev), tables.to(dev),
+                                                 seq_lens.to(dev), qsl.to(dev), d ** -0.5, num_splits, out,
+                                                 **extra)
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.kernels.quant_reference import AWQ_ORDER
-from pagedserve.models.llama import AttentionMetadata
+from pagedserve.executor.attention_metadata import AttentionMetadata
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -1,0 +1,73 @@
+"""ArchConfig: the architecture hyper-parameters the engine and the model classes read,
+parsed once from a Hugging Face ``config.json`` (or the config a GGUF file implies)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.models.registry import resolve_model_class
+
+__all__ = ["ArchConfig"]
+
+
+@dataclass
+class ArchConfig:
+    """Shapes shared by every decoder-only family, plus the raw config (``hf_config``)
+    from which a family reads its own extras (soft-caps, windows, multipliers...).
+
+    ``num_kv_heads``, ``head_dim`` and ``num_layers`` size the KV cache; a runner keeps a
+    copy with this rank's share of them (``dataclasses.replace``).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ArchConfig:
+        """Parse ``cfg``; an architecture missing from the registry, or a feature its
+        family does not implement, fails here naming it."""
+        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        arch = archs[0]
+        model_cls = resolve_model_class(arch)
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope_theta = cfg.get("rope_theta")
+        rope_scaling = cfg.get("rope_scaling")
+        params = cfg.get("rope_parameters")  # newer transformers keep theta and scaling here
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = params
+        out = cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_cls.default_attention_bias)),
+            hf_config=dict(cfg),
+        )
+        model_cls.check_config(out)
+        return out

@@ -1,0 +1,321 @@
+"""DecoderForCausalLM: what every decoder-only family shares -- tensor/pipeline
+sharding, device-map placements, the weight-loading loop, the embedding and LM head,
+and the walk over the layers.  A family supplies its layer holder, the checkpoint
+names of one layer, how they become the holder's tensors, and one layer's forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from pagedserve.distributed.parallel_state import ParallelContext
+from pagedserve.models.arch_config import ArchConfig
+from pagedserve.models.layers import AttentionShape, LayerPlacement, RotaryEmbedding, linear
+from pagedserve.models.rope import check_rope_scaling
+from pagedserve.quantization.base import QuantizedWeight
+
+if TYPE_CHECKING:
+    from pagedserve.executor.attention_metadata import AttentionMetadata
+
+__all__ = ["DecoderForCausalLM"]
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# Checkpoint projection kinds by how tensor parallelism splits them.
+_COLUMN = ("gate_proj", "up_proj")
+_ROW = ("down_proj",)
+
+
+class DecoderForCausalLM:
+    """Inference-only decoder-only LM.  ``ops`` is the platform's op registry.
+
+    With a ``parallel`` context this object holds one rank's shard (Megatron-style):
+    column-parallel q/k/v (heads split; KV heads replicated when fewer than ranks) and
+    gate/up, row-parallel o_proj and down_proj followed by an all-reduce, a
+    vocab-parallel embedding and LM head, and only this pipeline stage's layers.
+
+    With ``placements`` (a device map; one rank only) consecutive runs of layers live on
+    different devices and run with their own op registries: the embedding is on the
+    first placement, the final norm and the LM head on the last, and the activations
+    and step metadata move from one placement to the next.
+    """
+
+    #: The per-layer weight holder (a ``__slots__`` class constructible without arguments).
+    layer_class: ClassVar[type]
+    #: Holder attributes that are dense linear weights (packed by ``prepare_linear_weights``).
+    linear_fields: ClassVar[tuple[str, ...]] = ()
+    #: ``attention_bias`` when config.json does not say.
+    default_attention_bias: ClassVar[bool] = False
+    #: Whether ``_shard`` knows how to split this family's weights (the registry's column).
+    tensor_parallel: ClassVar[bool] = True
+
+    @classmethod
+    def check_config(cls, cfg: ArchConfig) -> None:
+        """Raise ValueError naming any feature of ``cfg`` this family does not implement."""
+        check_rope_scaling(cfg.rope_scaling)
+
+    def __init__(self, cfg: ArchConfig, ops, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelContext | None = None,
+                 placements: list[LayerPlacement] | None = None, max_positions: int | None = None) -> None:
+        self.cfg = cfg
+        #: Rows of the RoPE tables: the engine's max_model_len, never the checkpoint's
+        #: (possibly absurd) max_position_embeddings.
+        self.max_positions = min(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.dtype = dtype
+        self.parallel = p = parallel or ParallelContext.single(device)
+        tp = p.tp_size
+        if tp > 1 and not self.tensor_parallel:
+            raise ValueError(f"{cfg.architecture} does not support tensor parallelism yet")
+        if cfg.num_heads % tp or cfg.intermediate_size % tp or \
+                (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
+            raise ValueError(f"tensor_parallel_size={tp} must divide the attention heads ({cfg.num_heads}) and "
+                             f"intermediate_size ({cfg.intermediate_size}), and divide or be a multiple of the "
+                             f"KV heads ({cfg.num_kv_heads})")
+        self.num_heads = cfg.num_heads // tp
+        self.num_kv_heads = max(1, cfg.num_kv_heads // tp)
+        # Vocab rows per rank; the last shard is zero-padded so all-gathers see equal shapes.
+        self.vocab_shard = -(-cfg.vocab_size // tp)
+        self.vocab_start = p.tp_rank * self.vocab_shard
+        self.attn = AttentionShape(self.num_heads, self.num_kv_heads, cfg.head_dim, self.attention_scale())
+        self.q_size, self.kv_size = self.attn.q_size, self.attn.kv_size
+        self.layer_start, self.layer_end = p.layer_range(cfg.num_layers)
+        if placements is None:
+            placements = [LayerPlacement(self.layer_start, self.layer_end, ops, device, lambda t: t.to(device))]
+        elif p.world_size > 1 or placements[0].start != 0 or placements[-1].end != cfg.num_layers or \
+                any(a.start >= a.end for a in placements) or \
+                any(a.end != b.start for a, b in zip(placements, placements[1:])):
+            raise ValueError("layer placements must cover the model's layers in order, on a single rank")
+        self.placements = list(placements)
+        #: The first placement embeds tokens; the last one holds the final norm and LM head.
+        self.ops, self.device = placements[0].ops, placements[0].device
+        self.head_ops, self.head_device = placements[-1].ops, placements[-1].device
+        self._layer_device = [pl.device for pl in placements for _ in range(pl.start, pl.end)]
+        self.layers = [self.layer_class() for _ in range(self.layer_end - self.layer_start)]
+        #: Set by weight offload (pagedserve.offload.weights): maps the layer list to the
+        #: layers to run, streaming host-resident weights to the device one layer ahead.
+        self.layer_stream = None
+        self.embed: torch.Tensor | None = None
+        self.norm: torch.Tensor | None = None
+        self.lm_head: torch.Tensor | None = None
+        self.rope = self.make_rope([pl.device for pl in placements])
+
+    # -- family hooks -----------------------------------------------------------------------
+    def attention_scale(self) -> float:
+        return self.cfg.head_dim ** -0.5
+
+    def make_rope(self, devices: list[torch.device]) -> RotaryEmbedding | None:
+        cfg = self.cfg
+        return RotaryEmbedding(self.rotary_dim(), self.max_positions, cfg.rope_theta, cfg.rope_scaling, devices)
+
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates: head_dim times ``partial_rotary_factor``
+        (top-level, or in transformers 5's ``rope_parameters``)."""
+        hf = self.cfg.hf_config
+        params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+        factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        return int(self.cfg.head_dim * float(factor))
+
+    def load_global(self, name: str, tensor: torch.Tensor) -> bool:
+        """Take a checkpoint tensor outside the layers that the base does not know (e.g.
+        a final norm's bias); False means it is unexpected."""
+        return False
+
+    def layer_weight_names(self, layer: int) -> frozenset[str]:
+        """Checkpoint names (after ``model.layers.<i>.``) of model-wide layer ``layer``."""
+        raise NotImplementedError
+
+    def finish_layer(self, layer, weights: dict[str, torch.Tensor], param) -> None:
+        """Fill holder ``layer`` from its checkpoint tensors; ``param(t)`` puts a tensor in
+        the model dtype on the layer's device."""
+        raise NotImplementedError
+
+    def layer_forward(self, ops, placement: int, index: int, layer, kv_cache: KVCache, x: torch.Tensor,
+                      residual: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer (model-wide ``index``); (x, residual) [n, hidden] in and out."""
+        raise NotImplementedError
+
+    # -- loading ----------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Consume (HF name, tensor) pairs; a layer is finished once all its tensors came."""
+        pending: dict[int, dict[str, torch.Tensor]] = {}
+        seen: set[str] = set()
+        for name, tensor in weights:
+            seen.add(name)
+            tensor = self._shard(name, tensor)
+            if name == "model.embed_tokens.weight":
+                self.embed = self._param(tensor)
+            elif name == "model.norm.weight":
+                self.norm = self._param(tensor, self.head_device)
+            elif name == "lm_head.weight":
+                self.lm_head = self._param(tensor, self.head_device)
+            elif name.startswith("model.layers."):
+                parts = name.split(".")
+                idx = int(parts[2])
+                if idx >= self.cfg.num_layers:
+                    raise ValueError(f"weight {name!r} refers to layer {idx}, the model has {self.cfg.num_layers}")
+                if not self.layer_start <= idx < self.layer_end:
+                    continue  # another pipeline stage owns this layer
+                if "rotary_emb.inv_freq" in name:
+                    continue
+                expected = self.layer_weight_names(idx)
+                local = ".".join(parts[3:])
+                if local not in expected:
+                    raise ValueError(f"unexpected weight {name!r} in a {self.cfg.architecture} checkpoint")
+                got = pending.setdefault(idx, {})
+                got[local] = tensor
+                if len(got) == len(expected):
+                    self._finish(idx, pending.pop(idx))
+            elif "rotary_emb.inv_freq" in name:
+                continue
+            elif self.load_global(name, tensor):
+                continue
+            else:
+                raise ValueError(f"unexpected weight {name!r} in a {self.cfg.architecture} checkpoint")
+        if pending:
+            idx, got = next(iter(pending.items()))
+            missing = sorted(self.layer_weight_names(idx) - set(got))
+            raise ValueError(f"layer {idx} is missing weights: {', '.join(missing)}")
+        if self.embed is None or self.norm is None:
+            raise ValueError("checkpoint lacks model.embed_tokens.weight or model.norm.weight")
+        if self.lm_head is None:
+            if not self.cfg.tie_word_embeddings and "lm_head.weight" not in seen:
+                raise ValueError("checkpoint lacks lm_head.weight and does not tie word embeddings")
+            # Tied: the same tensor, or a copy when the last placement is on another device.
+            self.lm_head = self.embed if self.head_device == self.device else self._param(self.embed, self.head_device)
+
+    def _finish(self, idx: int, weights: dict[str, torch.Tensor]) -> None:
+        local = idx - self.layer_start
+        dev = self._layer_device[local]
+        self.finish_layer(self.layers[local], weights, lambda t: self._param(t, dev))
+
+    def prepare_linear_weights(self) -> None:
+        """Hand every dense linear weight to its placement's ``prepare_linear_weight`` op
+        (e.g. the CPU's one-time oneDNN packing); quantized weights keep their own form.
+        A tied LM head gets a prepared copy when the op returns a new tensor, the plain
+        embedding staying for token lookups."""
+        for pl in self.placements:
+            prepare = pl.ops.prepare_linear_weight
+            for layer in self.layers[pl.start - self.layer_start:pl.end - self.layer_start]:
+                for name in self.linear_fields:
+                    w = getattr(layer, name)
+                    if isinstance(w, torch.Tensor):
+                        setattr(layer, name, prepare(w))
+        if isinstance(self.lm_head, torch.Tensor):
+            self.lm_head = self.head_ops.prepare_linear_weight(self.lm_head)
+
+    def _shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This tensor-parallel rank's slice of checkpoint tensor ``name`` (a view)."""
+        p, cfg = self.parallel, self.cfg
+        if p.tp_size == 1:
+            return t
+        r, hd = p.tp_rank, cfg.head_dim
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            pad = self.vocab_shard * p.tp_size - t.shape[0]
+            if pad:
+                t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+            return t[self.vocab_start:self.vocab_start + self.vocab_shard]
+        kind = name.rsplit(".", 2)[-2] if name.startswith("model.layers.") else ""
+        if kind == "q_proj":
+            return t[r * self.q_size:(r + 1) * self.q_size]
+        if kind in ("k_proj", "v_proj"):
+            # Fewer KV heads than ranks: each rank keeps the one KV head its query heads use.
+            first = r * self.num_kv_heads if cfg.num_kv_heads >= p.tp_size else r * cfg.num_kv_heads // p.tp_size
+            return t[first * hd:(first + self.num_kv_heads) * hd]
+        if kind in _COLUMN:
+            n = cfg.intermediate_size // p.tp_size
+            return t[r * n:(r + 1) * n]
+        if kind == "o_proj":
+            return t[:, r * self.q_size:(r + 1) * self.q_size]
+        if kind in _ROW:
+            n = cfg.intermediate_size // p.tp_size
+            return t[:, r * n:(r + 1) * n]
+        return t
+
+    def _param(self, t: torch.Tensor | QuantizedWeight,
+               device: torch.device | None = None) -> torch.Tensor | QuantizedWeight:
+        device = self.device if device is None else device
+        if isinstance(t, QuantizedWeight):  # stays in its quantized form (pagedserve.quantization)
+            return t.to(device)
+        return t.to(device=device, dtype=self.dtype).contiguous()
+
+    def weight_bytes(self) -> int:
+        return sum(self.placement_weight_bytes())
+
+    def placement_weight_bytes(self) -> list[int]:
+        """Weight bytes held on each placement's device (embedding on the first, final
+        norm and LM head on the last)."""
+        out = []
+        for i, pl in enumerate(self.placements):
+            tensors = []
+            if i == 0:
+                tensors.append(self.embed)
+            if i == len(self.placements) - 1:
+                tensors.append(self.norm)
+                if self.lm_head is not self.embed:
+                    tensors.append(self.lm_head)
+            for layer in self.layers[pl.start - self.layer_start:pl.end - self.layer_start]:
+                tensors += [getattr(layer, n, None) for n in type(layer).__slots__]
+            out.append(sum(t.nbytes for t in tensors if isinstance(t, (torch.Tensor, QuantizedWeight))))
+        return out
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
+        """input_ids int64 [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        x, residual = self.forward_layers(self.embed_tokens(input_ids), None, meta, kv_caches)
+        return self.final_norm(x, residual)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids int64 [n] -> [n, hidden]; vocab-parallel: rows outside this rank's
+        shard are zeroed and the ranks' partial embeddings summed."""
+        p = self.parallel
+        if p.tp_size == 1:
+            if isinstance(self.embed, QuantizedWeight):
+                return self.embed.embedding(input_ids, self.dtype)
+            return self.ops.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_shard)
+        x = self.ops.embedding(local.masked_fill(outside, 0), self.embed)
+        return p.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+
+    def forward_layers(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                       kv_caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run this stage's layers; (x, residual) [num_tokens, hidden] in and out
+        (residual None before the first layer), which is what pipeline stages exchange.
+        Under a device map they come back on the last placement's device."""
+        if len(self.placements) == 1:
+            layers = self.layers if self.layer_stream is None else self.layer_stream(self.layers)
+            return self._run_layers(self.ops, 0, self.layer_start, layers, kv_caches, x, residual, meta)
+        base = self.layer_start
+        for i, pl in enumerate(self.placements):
+            x = pl.move(x)
+            residual = None if residual is None else pl.move(residual)
+            lo, hi = pl.start - base, pl.end - base
+            x, residual = self._run_layers(pl.ops, i, pl.start, self.layers[lo:hi], kv_caches[lo:hi], x, residual,
+                                           meta.apply(pl.move))
+        return x, residual
+
+    def _run_layers(self, ops, placement: int, first: int, layers: Iterable, kv_caches: list[KVCache],
+                    x: torch.Tensor, residual: torch.Tensor | None,
+                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layers`` (model-wide indices from ``first``) with the op registry ``ops``;
+        every tensor on the same device."""
+        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+            x, residual = self.layer_forward(ops, placement, first + i, layer, kv, x, residual, meta)
+        return x, residual
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h, _ = self.head_ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [n, hidden_size] -> logits [n, vocab] (float32, or the LM head's output
+        dtype with ``float32=False``), on the last placement's device."""
+        logits = linear(self.head_ops, hidden, self.lm_head)
+        if float32:
+            logits = logits.float()
+        if self.parallel.tp_size > 1:
+            logits = self.parallel.all_gather(logits)[:, :self.cfg.vocab_size]
+        return logits

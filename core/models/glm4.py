@@ -1,0 +1,93 @@
+"""GLM-4 (``Glm4ForCausalLM``): sandwich-normed decoder layers (a norm after attention
+and after the MLP too), q/k/v biases, a checkpoint-fused ``gate_up_proj``, and
+partial rotary in GLM's interleaved form (pairs of adjacent dims).
+
+The interleaved rotation is turned into pagedserve's rotate-half one at load: the rows
+of each head's rotary part of q_proj and k_proj (and their biases) are reordered evens
+first, odds second.  Queries and keys move together, so attention scores are unchanged.
+The fused gate_up is not split for tensor parallelism yet.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedserve.models.arch_config import ArchConfig
+from pagedserve.models.decoder import DecoderForCausalLM, KVCache
+from pagedserve.models.layers import add_rms_norm, fuse, gated_mlp, layer_windows, linear, paged_attention, qkv_split
+from pagedserve.quantization.base import QuantizedWeight
+
+if TYPE_CHECKING:
+    from pagedserve.executor.attention_metadata import AttentionMetadata
+
+__all__ = ["Glm4ForCausalLM", "Glm4Layer"]
+
+_ATTN = ("q_proj", "k_proj", "v_proj")
+
+
+class Glm4Layer:
+    __slots__ = ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm", "qkv", "qkv_bias", "o",
+                 "gate_up", "down")
+
+
+class Glm4ForCausalLM(DecoderForCausalLM):
+    layer_class = Glm4Layer
+    linear_fields = ("qkv", "o", "gate_up", "down")
+    default_attention_bias = True
+    tensor_parallel = False
+
+    @classmethod
+    def check_config(cls, cfg: ArchConfig) -> None:
+        super().check_config(cfg)
+        if any(layer_windows(cfg.hf_config, cfg.num_layers)):
+            raise ValueError("Glm4ForCausalLM: sliding windows are not supported")
+
+    def layer_weight_names(self, layer: int) -> frozenset[str]:
+        names = {"input_layernorm.weight", "post_self_attn_layernorm.weight", "post_attention_layernorm.weight",
+                 "post_mlp_layernorm.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
+                 "mlp.down_proj.weight"}
+        names |= {f"self_attn.{p}.weight" for p in _ATTN}
+        if self.cfg.attention_bias:
+            names |= {f"self_attn.{p}.bias" for p in _ATTN}
+        return frozenset(names)
+
+    def _to_rotate_half(self, t: torch.Tensor) -> torch.Tensor:
+        """Rows [heads * head_dim, ...] (or a bias) of q_proj / k_proj: each head's first
+        rotary_dim rows reordered evens then odds."""
+        if isinstance(t, QuantizedWeight):
+            raise ValueError("Glm4ForCausalLM: quantized q/k projections are not supported yet")
+        d, rot = self.cfg.head_dim, self.rope.rotary_dim
+        order = torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, d)])
+        heads = t.shape[0] // d
+        return t.reshape(heads, d, *t.shape[1:])[:, order].reshape(t.shape)
+
+    def finish_layer(self, layer: Glm4Layer, w: dict[str, Any], param) -> None:
+        a = "self_attn."
+        layer.input_norm = param(w["input_layernorm.weight"])
+        layer.post_attn_norm = param(w["post_self_attn_layernorm.weight"])
+        layer.pre_ff_norm = param(w["post_attention_layernorm.weight"])
+        layer.post_ff_norm = param(w["post_mlp_layernorm.weight"])
+        q, k = (self._to_rotate_half(w[a + p + ".weight"]) for p in ("q_proj", "k_proj"))
+        layer.qkv = param(fuse([q, k, w[a + "v_proj.weight"]]))
+        layer.qkv_bias = None
+        if self.cfg.attention_bias:
+            qb, kb = (self._to_rotate_half(w[a + p + ".bias"]) for p in ("q_proj", "k_proj"))
+            layer.qkv_bias = param(torch.cat([qb, kb, w[a + "v_proj.bias"]]))
+        layer.o = param(w[a + "o_proj.weight"])
+        layer.gate_up = param(w["mlp.gate_up_proj.weight"])  # rows: gate, up
+        layer.down = param(w["mlp.down_proj.weight"])
+
+    def layer_forward(self, ops, placement: int, index: int, layer: Glm4Layer, kv_cache: KVCache,
+                      x: torch.Tensor, residual: torch.Tensor | None,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = self.cfg.rms_norm_eps
+        h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
+        q, k, v = qkv_split(linear(ops, h, layer.qkv, layer.qkv_bias), self.attn)
+        q, k = self.rope(ops, placement, meta.positions, q, k)
+        h = linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o)
+        h, residual = ops.fused_add_rms_norm(ops.rms_norm(h, layer.post_attn_norm, eps), residual,
+                                             layer.pre_ff_norm, eps)
+        h = gated_mlp(ops, h, layer.gate_up, layer.down)
+        return ops.rms_norm(h, layer.post_ff_norm, eps), residual

@@ -1,0 +1,206 @@
+"""Building blocks a model family composes, all written against the op registry.
+
+Weights live in plain per-layer holders (``__slots__`` classes whose tensor attributes
+weight offload streams and ``prepare_linear_weights`` packs); the functions here take
+the op registry of the placement that runs the layer, so the same code serves every
+platform and every device-map segment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedserve.models.rope import rope_cos_sin_cache
+from pagedserve.quantization.base import QuantizedWeight
+
+if TYPE_CHECKING:
+    from pagedserve.executor.attention_metadata import AttentionMetadata
+
+__all__ = [
+    "LayerPlacement",
+    "AttentionShape",
+    "RotaryEmbedding",
+    "fuse",
+    "linear",
+    "add_rms_norm",
+    "qkv_split",
+    "paged_attention",
+    "gated_mlp",
+    "GATED_ACTIVATIONS",
+    "head_rms_norm",
+    "layer_windows",
+    "route_topk",
+]
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """Decoder layers ``[start, end)`` (model-wide indices) run with the op registry
+    ``ops`` on ``device``; ``move`` brings a tensor from another placement's device to
+    ``device`` (the platform's ``to_device``).  A device map gives one per segment."""
+
+    start: int
+    end: int
+    ops: Any
+    device: torch.device
+    move: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One rank's attention shape: heads after tensor-parallel sharding."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+class RotaryEmbedding:
+    """The cos/sin table (float32 ``[max_position, rotary_dim]``) on each placement's device.
+
+    ``rotary_dim`` below ``head_dim`` rotates only the leading dims (partial rotary).
+    """
+
+    def __init__(self, rotary_dim: int, max_position: int, base: float, scaling: dict | None,
+                 devices: list[torch.device]) -> None:
+        self.rotary_dim = rotary_dim
+        table = rope_cos_sin_cache(rotary_dim, max_position, base, scaling)
+        self.tables = [table.to(d) for d in devices]
+
+    def __call__(self, ops, placement: int, positions: torch.Tensor, q: torch.Tensor,
+                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, heads, head_dim], k [n, kv_heads, head_dim] -> rotated (q, k)."""
+        return ops.rotary_embedding(positions, q, k, self.tables[placement])
+
+
+def fuse(parts: list[Weight]) -> Weight:
+    """Stack weights along the output dimension, quantized ones in their own format."""
+    if isinstance(parts[0], QuantizedWeight):
+        return type(parts[0]).concat(parts)
+    return torch.cat(parts)
+
+
+def linear(ops, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``ops.linear``, or the quantized weight's own kernel.  x [n, in] -> [n, out]."""
+    if isinstance(w, QuantizedWeight):
+        return w.apply(x, bias)
+    return ops.linear(x, w, bias)
+
+
+def add_rms_norm(ops, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-norm residual stream: (norm(x + residual), x + residual), [n, hidden] each;
+    ``residual`` None (before the first layer) means x is the stream itself."""
+    if residual is None:
+        return ops.rms_norm(x, weight, eps), x
+    return ops.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def qkv_split(qkv: torch.Tensor, shape: AttentionShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused projection [n, q_size + 2 * kv_size] -> q [n, heads, d], k and v [n, kv_heads, d]."""
+    n = qkv.shape[0]
+    q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
+    d = shape.head_dim
+    return q.view(n, shape.num_heads, d), k.view(n, shape.num_kv_heads, d), v.view(n, shape.num_kv_heads, d)
+
+
+def paged_attention(ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    """Write k/v into the paged cache, then attend: q [n, heads, d] -> [n, heads * d].
+
+    ``sliding_window`` (keys within that many positions, the query's own included) and
+    ``soft_cap`` (``cap * tanh(score / cap)``) are passed only when set, so a platform
+    whose attention op lacks them still serves every model that does not use them.
+    """
+    k_cache, v_cache = kv_cache
+    ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    extra: dict[str, Any] = {}
+    if sliding_window is not None:
+        extra["sliding_window"] = sliding_window
+    if soft_cap is not None:
+        extra["soft_cap"] = soft_cap
+    out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                              scale, **extra)
+    return out.view(q.shape[0], -1)
+
+
+#: transformers' ``hidden_act`` names of the gated MLPs implemented here.
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+
+
+def gated_mlp(ops, x: torch.Tensor, gate_up: Weight, down: Weight, activation: str = "silu") -> torch.Tensor:
+    """Gated MLP: down(act(gate(x)) * up(x)); gate_up [2 * inter, hidden] fused; act SiLU
+    or GELU (GeGLU; "gelu_pytorch_tanh" is its tanh approximation).
+    x [n, hidden] -> [n, hidden] (before any tensor-parallel all-reduce)."""
+    if activation == "silu":
+        if isinstance(gate_up, QuantizedWeight):
+            h = ops.silu_and_mul(gate_up.apply(x, None))
+        else:
+            h = ops.linear_silu_and_mul(x, gate_up)
+    elif activation in GATED_ACTIVATIONS:
+        h = ops.gelu_and_mul(linear(ops, x, gate_up), "tanh" if activation == "gelu_pytorch_tanh" else "none")
+    else:
+        raise ValueError(f"activation {activation!r} is not supported (supported: {', '.join(GATED_ACTIVATIONS)})")
+    return linear(ops, h, down)
+
+
+def head_rms_norm(ops, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head: x [n, heads, head_dim], weight [head_dim] (Qwen3's q/k norm)."""
+    n, heads, d = x.shape
+    return ops.rms_norm(x.reshape(n * heads, d), weight, eps).view(n, heads, d)
+
+
+def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers reads it:
+    none when ``use_sliding_window`` is false; else ``layer_types`` when the config has
+    it, else Qwen2-style ``max_window_layers``, else Mistral-style ``sliding_window`` on
+    every layer.  A window
+    no shorter than ``max_position_embeddings`` is no window."""
+    window = hf.get("sliding_window")
+    if hf.get("use_sliding_window") is False:
+        window = None  # Qwen2/Qwen3/SmolLM3 keep a window size they do not use
+    types = hf.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"layer_types {unknown} are not supported (supported: full_attention, "
+                             "sliding_attention)")
+        out = [window if t == "sliding_attention" else None for t in types]
+    elif "use_sliding_window" in hf:
+        first = hf.get("max_window_layers", num_layers)
+        out = [window if i >= first else None for i in range(num_layers)]
+    else:
+        out = [window] * num_layers
+    if any(w is not None and w < 1 for w in out):
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
+    limit = hf.get("max_position_embeddings")
+    return [None if w is None or (limit is not None and w >= limit) else int(w) for w in out]
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing: router_logits [T, E] -> (weights float32 [T, top_k], ids int64
+    [T, top_k]) of each token's top_k experts; ``renormalize`` makes each row sum to 1
+    (Mixtral, ``norm_topk_prob``)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids

@@ -1,0 +1,144 @@
+"""Mixture-of-experts families: Mixtral, Qwen2-MoE (with a gated shared expert) and
+Qwen3-MoE -- Llama/Qwen attention with a routed MLP that runs the ``fused_moe`` op.
+
+Expert weights are stacked at load: ``w13`` [E, 2 * I, hidden] (each expert's gate and
+up rows), ``w2`` [E, hidden, I].  Routing (softmax, top-k, optional renormalisation)
+is plain torch on the router logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from pagedserve.models.arch_config import ArchConfig
+from pagedserve.models.layers import fuse, gated_mlp, linear, route_topk
+from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.quantization.base import QuantizedWeight
+
+__all__ = ["MoELayer", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
+
+_ATTN = ("q_proj", "k_proj", "v_proj")
+
+
+class MoELayer:
+    """One decoder layer: attention as in Llama; a sparse layer holds router [E, hidden],
+    w13, w2 and, for Qwen2-MoE, the shared expert (gate_up, down) and its sigmoid gate
+    [1, hidden]; a dense layer (``mlp_only_layers``) only gate_up and down."""
+
+    __slots__ = ("input_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o",
+                 "router", "w13", "w2", "shared_gate", "gate_up", "down")
+
+
+class _MoEForCausalLM(LlamaForCausalLM):
+    """What the three families share; subclasses name the checkpoint's MoE tensors."""
+
+    layer_class = MoELayer
+    linear_fields = ("qkv", "o", "gate_up", "down")
+    tensor_parallel = False
+    #: checkpoint prefix of the MoE block, and expert tensor names for (gate, up, down).
+    moe_prefix: ClassVar[str] = "mlp."
+    expert_names: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
+    shared_expert: ClassVar[bool] = False
+
+    def __init__(self, cfg: ArchConfig, *args, **kwargs) -> None:
+        super().__init__(cfg, *args, **kwargs)
+        hf = cfg.hf_config
+        self.num_experts = int(hf.get("num_local_experts") or hf.get("num_experts"))
+        self.top_k = int(hf["num_experts_per_tok"])
+        self.renormalize = bool(hf.get("norm_topk_prob", True))
+        step = int(hf.get("decoder_sparse_step", 1) or 1)
+        dense = set(hf.get("mlp_only_layers") or [])
+        self.sparse = [i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers)]
+        self.activation = hf.get("hidden_act", "silu")
+
+    @classmethod
+    def check_config(cls, cfg: ArchConfig) -> None:
+        super().check_config(cfg)
+        act = cfg.hf_config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{cfg.architecture}: hidden_act {act!r} is not supported for experts (silu)")
+
+    def layer_weight_names(self, layer: int) -> frozenset[str]:
+        names = {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"}
+        names |= {f"self_attn.{p}.weight" for p in _ATTN}
+        if self.cfg.attention_bias:
+            names |= {f"self_attn.{p}.bias" for p in _ATTN}
+        if self.qk_norm:
+            names |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+        if not self.sparse[layer]:
+            return frozenset(names | {f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")})
+        m = self.moe_prefix
+        names.add(m + "gate.weight")
+        names |= {f"{m}experts.{e}.{p}.weight" for e in range(self.num_experts) for p in self.expert_names}
+        if self.shared_expert:
+            names |= {f"{m}shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+            names.add(m + "shared_expert_gate.weight")
+        return frozenset(names)
+
+    def finish_layer(self, layer: MoELayer, w: dict[str, Any], param) -> None:
+        quantized = sorted(n for n, t in w.items() if isinstance(t, QuantizedWeight) and "experts." in n)
+        if quantized:
+            raise ValueError(f"{self.cfg.architecture}: quantized expert weights are not supported yet "
+                             f"(e.g. {quantized[0]})")
+        layer.input_norm = param(w["input_layernorm.weight"])
+        layer.post_norm = param(w["post_attention_layernorm.weight"])
+        a = "self_attn."
+        layer.qkv = param(fuse([w[a + p + ".weight"] for p in _ATTN]))
+        layer.qkv_bias = param(torch.cat([w[a + p + ".bias"] for p in _ATTN])) if self.cfg.attention_bias else None
+        layer.q_norm = param(w[a + "q_norm.weight"]) if self.qk_norm else None
+        layer.k_norm = param(w[a + "k_norm.weight"]) if self.qk_norm else None
+        layer.o = param(w[a + "o_proj.weight"])
+        layer.router = layer.w13 = layer.w2 = layer.shared_gate = layer.gate_up = layer.down = None
+        m = self.moe_prefix
+        if "mlp.gate_proj.weight" in w and m + "gate.weight" not in w:  # a dense layer
+            layer.gate_up = param(fuse([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
+            layer.down = param(w["mlp.down_proj.weight"])
+            return
+        g, u, d = self.expert_names
+        experts = range(self.num_experts)
+        layer.router = param(w[m + "gate.weight"])
+        layer.w13 = param(torch.stack([torch.cat([w[f"{m}experts.{e}.{g}.weight"], w[f"{m}experts.{e}.{u}.weight"]])
+                                       for e in experts]))
+        layer.w2 = param(torch.stack([w[f"{m}experts.{e}.{d}.weight"] for e in experts]))
+        if self.shared_expert:
+            s = m + "shared_expert."
+            layer.gate_up = param(fuse([w[s + "gate_proj.weight"], w[s + "up_proj.weight"]]))
+            layer.down = param(w[s + "down_proj.weight"])
+            layer.shared_gate = param(w[m + "shared_expert_gate.weight"])
+
+    def mlp_forward(self, ops, index: int, layer: MoELayer, h: torch.Tensor) -> torch.Tensor:
+        if layer.w13 is None:
+            return gated_mlp(ops, h, layer.gate_up, layer.down)
+        weights, ids = route_topk(linear(ops, h, layer.router), self.top_k, self.renormalize)
+        out = ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu")
+        if layer.shared_gate is not None:
+            gate = torch.sigmoid(linear(ops, h, layer.shared_gate))
+            out = out + gate * gated_mlp(ops, h, layer.gate_up, layer.down)
+        return out
+
+
+class MixtralForCausalLM(_MoEForCausalLM):
+    """Mixtral: Mistral attention, top-k of ``num_local_experts`` renormalised."""
+
+    moe_prefix = "block_sparse_moe."
+    expert_names = ("w1", "w3", "w2")
+
+    def __init__(self, cfg: ArchConfig, *args, **kwargs) -> None:
+        super().__init__(cfg, *args, **kwargs)
+        self.renormalize = True
+
+
+class Qwen2MoeForCausalLM(_MoEForCausalLM):
+    """Qwen2-MoE: Qwen2 attention (q/k/v biases), routed experts plus a shared expert
+    scaled by a sigmoid gate; ``norm_topk_prob`` decides renormalisation."""
+
+    default_attention_bias = True
+    shared_expert = True
+
+
+class Qwen3MoeForCausalLM(_MoEForCausalLM):
+    """Qwen3-MoE: Qwen3 attention (per-head q/k norms), routed experts, no shared one."""
+
+    qk_norm = True

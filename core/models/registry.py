@@ -1,0 +1,117 @@
+"""The model registry: Hugging Face architecture names (``config.json``'s
+``architectures[0]``) and GGUF ``general.architecture`` names to model classes.
+
+Entries name their class by module and attribute, imported on first use, so reading
+the registry (``pagedserve.models.supported_architectures()``, the loader's GGUF name
+table, the docs table) imports no model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+__all__ = [
+    "ModelEntry",
+    "model_entries",
+    "supported_architectures",
+    "resolve_model_class",
+    "gguf_architectures",
+]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One supported architecture.
+
+    architecture: the Hugging Face class name (``config.json`` ``architectures[0]``).
+    model_type: ``config.json``'s ``model_type`` for it.
+    module, class_name: where the pagedserve model class lives.
+    gguf: the GGUF ``general.architecture`` names loaded as this architecture.
+    quantized: whether quantized checkpoints / ``--quantization`` methods apply (the
+        linear layers are the standard q/k/v/o and gate/up/down projections).
+    tensor_parallel: whether the family shards over tensor-parallel ranks.
+    notes: what the family implements beyond the Llama baseline (for the docs table).
+    """
+
+    architecture: str
+    model_type: str
+    module: str
+    class_name: str
+    gguf: tuple[str, ...] = ()
+    quantized: bool = True
+    tensor_parallel: bool = True
+    notes: str = ""
+
+    def load(self) -> type:
+        return getattr(importlib.import_module(self.module), self.class_name)
+
+
+_LLAMA = "pagedserve.models.llama"
+
+_GEMMA = "pagedserve.models.gemma"
+_MOE = "pagedserve.models.moe"
+
+_ENTRIES: tuple[ModelEntry, ...] = (
+    ModelEntry("LlamaForCausalLM", "llama", _LLAMA, "LlamaForCausalLM", gguf=("llama",),
+               notes="Llama 2/3 (linear, llama3 RoPE scaling), SmolLM2; GGUF Mistral files load as `llama`"),
+    ModelEntry("MistralForCausalLM", "mistral", _LLAMA, "LlamaForCausalLM",
+               notes="sliding window on every layer (v0.1)"),
+    ModelEntry("Qwen2ForCausalLM", "qwen2", _LLAMA, "Qwen2ForCausalLM", gguf=("qwen2",),
+               notes="q/k/v biases; `use_sliding_window` layers"),
+    ModelEntry("Qwen3ForCausalLM", "qwen3", _LLAMA, "Qwen3ForCausalLM", gguf=("qwen3",),
+               notes="per-head q/k RMSNorm, explicit head_dim"),
+    ModelEntry("GraniteForCausalLM", "granite", _LLAMA, "GraniteForCausalLM",
+               notes="embedding, attention, residual and logits multipliers"),
+    ModelEntry("Phi3ForCausalLM", "phi3", _LLAMA, "Phi3ForCausalLM", quantized=False, tensor_parallel=False,
+               notes="Phi-3 / Phi-4; fused qkv_proj and gate_up_proj, partial rotary; not longrope"),
+    ModelEntry("SmolLM3ForCausalLM", "smollm3", _LLAMA, "LlamaForCausalLM",
+               notes="NoPE layers (`no_rope_layers`)"),
+    ModelEntry("Olmo2ForCausalLM", "olmo2", "pagedserve.models.olmo2", "Olmo2ForCausalLM", tensor_parallel=False,
+               notes="post-norm layers, q/k norm over the whole projection"),
+    ModelEntry("Glm4ForCausalLM", "glm4", "pagedserve.models.glm4", "Glm4ForCausalLM", quantized=False,
+               tensor_parallel=False, notes="sandwich norms, fused gate_up_proj, interleaved partial rotary"),
+    ModelEntry("Starcoder2ForCausalLM", "starcoder2", "pagedserve.models.starcoder2", "Starcoder2ForCausalLM",
+               quantized=False, tensor_parallel=False,
+               notes="LayerNorm with bias, non-gated GELU MLP, biases, sliding window"),
+    ModelEntry("MixtralForCausalLM", "mixtral", _MOE, "MixtralForCausalLM", quantized=False,
+               tensor_parallel=False, notes="MoE (`fused_moe`), top-k renormalised, optional sliding window"),
+    ModelEntry("Qwen2MoeForCausalLM", "qwen2_moe", _MOE, "Qwen2MoeForCausalLM", quantized=False,
+               tensor_parallel=False, notes="MoE with a gated shared expert; `mlp_only_layers`"),
+    ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", _MOE, "Qwen3MoeForCausalLM", quantized=False,
+               tensor_parallel=False, notes="MoE, per-head q/k norms; `mlp_only_layers`"),
+    ModelEntry("GemmaForCausalLM", "gemma", _GEMMA, "GemmaForCausalLM",
+               notes="(1 + w) RMSNorm, GeGLU, scaled embeddings"),
+    ModelEntry("Gemma2ForCausalLM", "gemma2", _GEMMA, "Gemma2ForCausalLM",
+               notes="sandwich norms, attention and final-logit soft-capping, query_pre_attn_scalar, "
+                     "alternating sliding windows"),
+    ModelEntry("Gemma3ForCausalLM", "gemma3_text", _GEMMA, "Gemma3ForCausalLM",
+               notes="text only; Gemma 2 plus q/k norms and a local RoPE base on sliding layers"),
+)
+
+_BY_ARCH: dict[str, ModelEntry] = {e.architecture: e for e in _ENTRIES}
+
+
+def model_entries() -> list[ModelEntry]:
+    """Every registered architecture, in registry order."""
+    return list(_ENTRIES)
+
+
+def supported_architectures() -> list[str]:
+    """The Hugging Face architecture names pagedserve can load, sorted."""
+    return sorted(_BY_ARCH)
+
+
+def resolve_model_class(architecture: str) -> type:
+    """The model class for ``architecture``; a ValueError listing the supported ones if
+    there is none."""
+    entry = _BY_ARCH.get(architecture)
+    if entry is None:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: "
+                         f"{', '.join(supported_architectures())}")
+    return entry.load()
+
+
+def gguf_architectures() -> dict[str, tuple[str, str]]:
+    """GGUF ``general.architecture`` -> (model_type, Hugging Face architecture)."""
+    return {g: (e.model_type, e.architecture) for e in _ENTRIES for g in e.gguf}
