@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "LLMEngine",
@@ -23,6 +24,7 @@ __all__ = [
 _LAZY = {
     "LLM": "pagedserve.entrypoints.llm",
     "SamplingParams": "pagedserve.sampling_params",
+    "StructuredOutputsParams": "pagedserve.sampling_params",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "LLMEngine": "pagedserve.engine",
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from pagedserve.engine import LLMEngine
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.outputs import CompletionOutput, RequestOutput
-    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedserve.config_rules import check_engine_config
+from pagedserve.structured_params import BACKENDS, REASONING_PARSERS, structured_outputs_fields
 
 __all__ = [
     "ModelConfig",
@@ -15,6 +16,7 @@ __all__ = [
     "ParallelConfig",
     "DeviceConfig",
     "EngineConfig",
+    "StructuredOutputsConfig",
     "DeviceMapEntry",
     "parse_memory",
     "FP8_KV_CACHE_DTYPES",
@@ -410,6 +412,36 @@ class DeviceConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    """Structured outputs (docs/structured_outputs.md), vLLM's ``structured_outputs_config``.
+
+    backend: "auto" or "xgrammar" (set by the ``structured_outputs_config`` keyword and
+    ``--structured-outputs-config`` flag, which take the whole section).  reasoning_parser:
+    the model's reasoning format ("deepseek_r1", "qwen3"); constraints then apply after
+    its ``</think>``.
+    """
+
+    backend: str = field(default="auto", metadata=_help(
+        'structured outputs settings: JSON such as {"backend": "xgrammar"} (backend: auto or xgrammar; '
+        'reasoning_parser as below); the keyword also takes a dict, a StructuredOutputsConfig or a backend name',
+        flag="--structured-outputs-config", parse="pagedserve.structured_params:parse_structured_outputs_config",
+        metavar="JSON"))
+    reasoning_parser: str | None = field(default=None, metadata=_help(
+        "reasoning format of the model: its reasoning section goes to reasoning_content and constraints "
+        "(structured outputs, tool calls) apply after it", choices=list(REASONING_PARSERS)))
+
+    def __post_init__(self) -> None:
+        # `structured_outputs_config` (the flag's JSON, a dict or a config) fills both fields.
+        self.backend, self.reasoning_parser = structured_outputs_fields(self.backend, self.reasoning_parser)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_config.backend must be one of {', '.join(BACKENDS)}; "
+                             f"got {self.backend!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
+                             f"got {self.reasoning_parser!r}")
+
+
+@dataclass
 class EngineConfig:
     """Every engine setting, one dataclass per concern.
 
@@ -423,6 +455,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         self.validate()

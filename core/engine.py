@@ -34,6 +34,7 @@ from pagedserve.request import Request, RequestStatus
 from pagedserve.request_options import best_sequences, check_request_params, sample_params, truncate_prompt
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
+from pagedserve.structured_output.engine_hooks import build_structured_output_manager, finish_by_grammar
 
 __all__ = ["LLMEngine", "EngineStats", "ITERATION_TOKEN_BUCKETS"]
 
@@ -143,6 +144,9 @@ class LLMEngine:
         self.kv = build_kv_manager(config, num_blocks, self.runner)
         self.weight_streamer = offload_weights(config, self.runner)  # cpu_offload_gb
         self.scheduler = Scheduler(config.scheduler, self.kv, mml)
+        # Grammars compile on its worker thread; the runner masks constrained rows.
+        self.structured = self.runner.structured = build_structured_output_manager(config, self.tokenizer,
+                                                                                   self.arch, self.eos_token_ids)
         self.groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self.prompt_tokens = 0
@@ -201,6 +205,7 @@ class LLMEngine:
         if priority != 0 and self.config.scheduler.policy != "priority":
             raise ValueError(f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy "
                              f"priority); this engine schedules {self.config.scheduler.policy!r}")
+        compiled = self.structured.prepare(params.structured_outputs) if params.structured_outputs else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = _Group(request_id, prompt, ids, [], arrival, params=params,
                        prompt_logprobs={} if params.prompt_logprobs is not None else None)
@@ -213,6 +218,8 @@ class LLMEngine:
                 and first.sampling_params.prompt_logprobs is None
             req = Request(rid, ids, child_params, self.eos_token_ids, arrival, priority, cache_salt,
                           self.max_model_len, wait_for=first if share else None)
+            if compiled is not None:
+                req.structured = self.structured.new_state(compiled)  # one matcher per sample
             first = first or req
             detok = IncrementalDetokenizer(self.tokenizer, ids, child_params.skip_special_tokens)
             seq = _Sequence(req, i, detok, logprobs=[] if child_params.logprobs is not None else None)
@@ -345,6 +352,8 @@ class LLMEngine:
             seq.cumulative_logprob += tok_lp
         seq.text += seq.detok.step([token])
         status = request.check_stop_by_token()
+        if status is None and request.structured is not None:
+            status = finish_by_grammar(request, token)
         if status is None:
             status = self._check_stop_strings(seq)
         if status is not None:
@@ -441,6 +450,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop worker processes or actors (a no-op for a single-process engine)."""
         self.executor.shutdown()
+        self.structured.shutdown()
 
     # -- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:

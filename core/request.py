@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -44,6 +45,8 @@ class Request:
     max_model_len: int = 1 << 30
     #: A sibling whose prompt must be computed first so this one can reuse its blocks.
     wait_for: Request | None = None
+    #: The sequence's grammar (pagedserve.structured_output.GrammarState) when constrained.
+    structured: Any = None
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -80,6 +83,8 @@ class Request:
 
     def ready(self) -> bool:
         """Whether the scheduler may admit this request now."""
+        if self.structured is not None and not self.structured.ready():
+            return False  # its grammar is still compiling
         w = self.wait_for
         if w is None:
             return True

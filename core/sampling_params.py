@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.sampling_checks import check_sampling_params
+from pagedserve.structured_params import StructuredOutputsParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 _GREEDY_EPS = 1e-5
 
@@ -49,6 +50,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     #: Samples drawn per prompt; the ``n`` with the highest cumulative logprob are returned.
     best_of: int | None = None
+    #: The constraint the output follows (JSON schema, regex, choice, grammar...).
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +94,11 @@ class SamplingParams:
             if not all(isinstance(s, str) for s in self.stop):
                 bad("stop", "a string or a list of strings")
             self._stop_list = [s for s in self.stop if s]
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "a StructuredOutputsParams")
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            # The grammar decides where the output ends; banning EOS there leaves no token.
+            bad("min_tokens", "0 with structured_outputs (the grammar decides where the output ends)")
 
     @property
     def greedy(self) -> bool:

@@ -38,6 +38,7 @@ __all__ = [
     "linear_silu_and_mul",
     "embedding",
     "argmax",
+    "apply_token_bitmask",
     "gguf_linear",
     "int8_linear",
     "w8a8_linear",
@@ -326,6 +327,27 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                        indices: torch.Tensor | None = None) -> torch.Tensor:
+    """Set disallowed logits to -inf, in place; returns ``logits``.
+
+    logits: [rows, vocab] float; bitmask: int32 [n, words], token j of a row allowed
+    when bit ``j % 32`` of word ``j // 32`` is set (xgrammar's layout); indices: int64
+    [n], the logits row each bitmask row applies to (None: row i to row i, n == rows).
+    Columns past ``32 * words`` (logits padded beyond the vocabulary) are disallowed.
+    Structured outputs mask the rows of constrained requests before sampling.
+    """
+    rows = torch.arange(bitmask.shape[0], device=logits.device) if indices is None else indices.long()
+    vocab = logits.shape[1]
+    cols = torch.arange(vocab, device=logits.device)
+    words = bitmask.shape[1]
+    word = bitmask.long()[:, (cols // 32).clamp(max=words - 1)]  # [n, vocab]
+    allowed = ((word >> (cols % 32)) & 1).bool() & (cols < 32 * words)
+    sub = logits[rows]
+    logits[rows] = sub.masked_fill(~allowed, float("-inf"))
+    return logits
+
+
 def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T + bias for W kept in GGUF blocks.
@@ -388,6 +410,7 @@ OP_NAMES: tuple[str, ...] = (
     "linear_silu_and_mul",
     "embedding",
     "argmax",
+    "apply_token_bitmask",
     "copy_blocks",
     "swap_blocks",
     "gguf_linear",

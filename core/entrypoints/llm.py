@@ -169,11 +169,13 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Render conversations with the model's chat template and generate replies.
 
+        tools: OpenAI-style tool definitions shown to the template (`tools=`);
         continue_final_message (with add_generation_prompt=False): the last, assistant,
         message is left open for the model to continue; chat_template_kwargs: extra
         template variables."""
@@ -185,7 +187,8 @@ class LLM:
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                           chat_template=template, **(chat_template_kwargs or {}))
+                                           chat_template=template,
+                                           **{**({"tools": tools} if tools else {}), **(chat_template_kwargs or {})})
             if continue_final_message:
                 text = cut_after_final_message(text, conv)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})

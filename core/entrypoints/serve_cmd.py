@@ -45,6 +45,9 @@ def add_parser(subparsers) -> None:
     from pagedserve.entrypoints.server_ops_args import add_ops_arguments
 
     add_ops_arguments(p)
+    from pagedserve.entrypoints.structured_args import add_tool_arguments
+
+    add_tool_arguments(p)
     dp = p.add_argument_group("data parallelism (docs/distributed.md)")
     dp.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                     help="independent engine replicas, each in its own process, behind this endpoint; "
@@ -118,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config, names, max_body = build_engine_config(args)
         dp = build_dp_config(args)
+        from pagedserve.entrypoints.structured_args import tool_options
+        tools = tool_options(args, config.structured_outputs.reasoning_parser)
         ops = ops_settings(args, config)
         cors = cors_settings_from_args(args)
         if args.timeout_graceful_shutdown < 0:
@@ -144,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"pagedserve serve: {e}") from None
         log.info("model %s served by %d data-parallel replicas (%s backend)", names[0], dp.size, dp.backend)
     settings = ServerSettings(served_model_names=names, api_key=resolve_api_key(args),
-                              max_body_bytes=max_body, chat_template=chat_template, cors=cors, **ops)
+                              max_body_bytes=max_body, chat_template=chat_template, cors=cors, tool_options=tools,
+                              **ops)
     app = build_app(served, settings)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable from other machines%s", args.host,

@@ -96,6 +96,8 @@ class ModelRunner:
         # This rank's share of the KV cache: its KV heads of its pipeline stage's layers.
         self.local_arch = replace(arch, num_kv_heads=self.model.num_kv_heads, num_layers=len(self.model.layers))
         self.sampler = Sampler()
+        #: The engine's StructuredOutputManager: masks constrained rows before sampling.
+        self.structured = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: The host KV tier's blocks, same layout (empty without kv_offload_memory).
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -229,6 +231,8 @@ class ModelRunner:
             # The sampler widens to float32 only for rows that need more than an argmax.
             logits = self.model.compute_logits(hidden.index_select(0, idx), float32=False)
             requests = [out.scheduled[i].request for i in sampling_rows]
+            if self.structured is not None:
+                self.structured.apply(self.model.head_ops, logits, requests)
             result: SamplerOutput
             if self.sampler.plain_greedy(requests):
                 # Only the chosen ids leave the device.

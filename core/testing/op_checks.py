@@ -349,6 +349,37 @@ def _argmax(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
         yield desc, body
 
 
+def _apply_token_bitmask(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    """Random masks (full, empty and mixed words), all rows or some (``indices``), and
+    logits wider than the mask (vocabulary padding, which must end up -inf)."""
+    for rows, vocab, words, some in ((1, 70, 3, False), (5, 1000, 32, True), (4, 129, 4, False),
+                                     (3, 200, 5, True)):
+        desc = f"[{rows}x{vocab}/{words}w{'/idx' if some else ''}]"
+        c = _Case(f"apply_token_bitmask{desc}{dtype}", seed, t.device)
+
+        def body(c=c, rows=rows, vocab=vocab, words=words, some=some) -> None:
+            logits = c.randn(rows, vocab, dtype=dtype)
+            sel = c.randperm(rows)[: max(1, rows // 2)].sort().values if some else torch.arange(rows)
+            mask = c.randint(-2**31, 2**31 - 1, len(sel), words).to(torch.int32)
+            mask[0, 0] = -1  # a word of all-allowed
+            if len(sel) > 1:
+                mask[1, -1] = 0  # a word of none
+            want = reference.apply_token_bitmask(logits.clone(), mask, sel if some else None)
+            dev = c.dev(logits)
+            got = fn(dev, c.dev(mask), c.dev(sel) if some else None)
+            if got is not None and got.data_ptr() != dev.data_ptr():
+                raise AssertionError("apply_token_bitmask must work in place and return logits")
+            got, want = check_like("apply_token_bitmask", dev, want)
+            if not torch.equal(got.isneginf(), want.isneginf()):
+                bad = (got.isneginf() != want.isneginf()).nonzero()[:5].tolist()
+                raise AssertionError(f"apply_token_bitmask: mask differs at (row, token) {bad}")
+            keep = ~want.isneginf()
+            if not torch.equal(got[keep], want[keep]):
+                raise AssertionError("apply_token_bitmask changed allowed logits")
+
+        yield desc, body
+
+
 def _reshape_and_cache(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
     for block_size in (16, 32):
         for kv_heads, head in [(2, 64), (1, 128)]:
@@ -511,6 +542,7 @@ OP_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "linear_silu_and_mul": _linear_silu_and_mul,
     "embedding": _embedding,
     "argmax": _argmax,
+    "apply_token_bitmask": _apply_token_bitmask,
     "copy_blocks": lambda t, fn, d, s: _block_copy_cases("copy_blocks", t, fn, d, s),
     "swap_blocks": lambda t, fn, d, s: _block_copy_cases("swap_blocks", t, fn, d, s),
 }

@@ -18,7 +18,9 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <algorithm>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -244,6 +246,55 @@ at::Tensor argmax(const at::Tensor& x, int64_t isa) {
   return out;
 }
 
+// Structured outputs: logits of disallowed tokens to -inf, in place (see
+// reference.apply_token_bitmask).  Memory-bound and branch-light: one pass over the
+// row, a word of the mask per 32 logits; whole words of allowed tokens are skipped.
+template <typename T>
+void bitmask_rows(T* logits, int64_t stride, int64_t vocab, const int32_t* mask, int64_t words,
+                  const int64_t* rows, int64_t b, int64_t e) {
+  const T neg_inf = T(-std::numeric_limits<float>::infinity());
+  for (int64_t i = b; i < e; ++i) {
+    T* row = logits + (rows != nullptr ? rows[i] : i) * stride;
+    const int32_t* m = mask + i * words;
+    for (int64_t w = 0; w * 32 < vocab; ++w) {
+      const int64_t base = w * 32, n = std::min<int64_t>(32, vocab - base);
+      const uint32_t bits = w < words ? uint32_t(m[w]) : 0u;  // past the mask: padding, disallowed
+      if (bits == 0xffffffffu && n == 32) continue;
+      for (int64_t j = 0; j < n; ++j)
+        if (!((bits >> j) & 1u)) row[base + j] = neg_inf;
+    }
+  }
+}
+
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const c10::optional<at::Tensor>& indices) {
+  TORCH_CHECK(logits.dim() == 2 && bitmask.dim() == 2, "logits [rows, vocab] and bitmask [n, words] expected");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(), "bitmask must be contiguous int32");
+  check_lastdim(logits, "logits");
+  const int64_t n = bitmask.size(0);
+  const int64_t* rows = nullptr;
+  at::Tensor idx;
+  if (indices.has_value() && indices->defined()) {
+    idx = indices->to(at::kLong).contiguous();
+    TORCH_CHECK(idx.numel() == n, "indices must have one entry per bitmask row");
+    rows = idx.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(rows[i] >= 0 && rows[i] < logits.size(0), "indices[", i, "] = ", rows[i], " is out of range");
+  } else {
+    TORCH_CHECK(n == logits.size(0), "without indices the bitmask needs one row per logits row");
+  }
+  const int64_t vocab = logits.size(1), words = bitmask.size(1), stride = logits.stride(0);
+  const int32_t* mask = bitmask.data_ptr<int32_t>();
+  auto run = [&](auto* ptr) {
+    at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) { bitmask_rows(ptr, stride, vocab, mask, words, rows, b, e); });
+  };
+  switch (logits.scalar_type()) {
+    case at::kFloat: run(logits.data_ptr<float>()); break;
+    case at::kBFloat16: run(logits.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: run(logits.data_ptr<at::Half>()); break;
+    default: TORCH_CHECK(false, "apply_token_bitmask: unsupported dtype ", logits.scalar_type());
+  }
+}
+
 bool has_linear(int64_t isa) { return isa_at(isa).linear_bf16 != nullptr; }
 
 // The linear kernels' optional bias: a contiguous bf16 [n] tensor, or undefined.
@@ -421,6 +472,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &k::rotary_embedding, "neox rotary embedding of query and key, in place");
   m.def("silu_and_mul", &k::silu_and_mul, "silu(x[..., :d]) * x[..., d:]");
   m.def("argmax", &k::argmax, "index of the largest value of each row (first of ties, NaN first)");
+  m.def("apply_token_bitmask", &k::apply_token_bitmask, "logits of tokens a bitmask disallows to -inf, in place");
   m.def("compiled_isas", &k::compiled_isa_names, "instruction sets compiled in, best first");
   m.def("supported_head_sizes", &k::supported_head_sizes, "head sizes of the attention kernel");
   m.def("linear", &k::linear, "bf16 x . weight^T (+ bias) for few rows of x");

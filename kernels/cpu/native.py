@@ -54,6 +54,7 @@ NATIVE_OPS: tuple[str, ...] = (
     "rotary_embedding",
     "silu_and_mul",
     "argmax",
+    "apply_token_bitmask",
 )
 
 #: Rows of x up to which bf16 `linear` runs the skinny native kernel instead of torch's
@@ -256,6 +257,15 @@ class NativeCpuKernels:
         if x.dim() != 2 or x.dtype not in _DTYPES or x.device.type != "cpu" or x.shape[1] == 0 or x.stride(-1) != 1:
             return reference.argmax(x)
         return self.module.argmax(x, self._isa)
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
+                            indices: torch.Tensor | None = None) -> torch.Tensor:
+        """See reference.apply_token_bitmask (in place; returns logits)."""
+        if (logits.dim() != 2 or logits.dtype not in _DTYPES or logits.device.type != "cpu"
+                or logits.stride(-1) != 1 or bitmask.dtype != torch.int32 or bitmask.device.type != "cpu"):
+            return reference.apply_token_bitmask(logits, bitmask, indices)
+        self.module.apply_token_bitmask(logits, bitmask.contiguous(), indices)
+        return logits
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """See reference.silu_and_mul: x [..., 2*d] -> [..., d]."""

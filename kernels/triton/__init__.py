@@ -18,6 +18,7 @@ __all__ = [
     "paged_attention_fixed_splits",
     "choose_num_splits",
     "reshape_and_cache",
+    "apply_token_bitmask",
 ]
 
 _LAZY = {
@@ -25,6 +26,7 @@ _LAZY = {
     "paged_attention_fixed_splits": "pagedserve.kernels.triton.attention",
     "choose_num_splits": "pagedserve.kernels.triton.attention",
     "reshape_and_cache": "pagedserve.kernels.triton.cache",
+    "apply_token_bitmask": "pagedserve.kernels.triton.bitmask",
 }
 
 if TYPE_CHECKING:
@@ -49,6 +51,7 @@ def triton_ops() -> dict[str, Callable[..., Any]]:
 
     Raises ImportError when triton is not installed.
     """
-    from pagedserve.kernels.triton import attention, cache
+    from pagedserve.kernels.triton import attention, bitmask, cache
 
-    return {"paged_attention": attention.paged_attention, "reshape_and_cache": cache.reshape_and_cache}
+    return {"paged_attention": attention.paged_attention, "reshape_and_cache": cache.reshape_and_cache,
+            "apply_token_bitmask": bitmask.apply_token_bitmask}

@@ -20,7 +20,7 @@ from pagedserve.platforms.options import GpuOptions
 __all__ = ["register_cuda_ops", "register_triton_ops", "TRITON_OPS"]
 
 #: The ops served by Triton kernels.
-TRITON_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "gguf_linear")
+TRITON_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "gguf_linear", "apply_token_bitmask")
 #: The ops the CUDA C++ kernels serve under PAGEDSERVE_CUDA_KERNELS=cuda.
 _CUDA_CPP_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks")
 
@@ -67,4 +67,4 @@ def register_cuda_ops(ops: OpRegistry, options: GpuOptions | None = None) -> Non
     for name in _CUDA_CPP_OPS:
         ops.register(name, getattr(cuda_ops, name), source="cuda")
     # No CUDA C++ kernel for GGUF blocks: Triton's serves them in either mode.
-    register_triton_ops(ops, "cuda", names=("gguf_linear",))
+    register_triton_ops(ops, "cuda", names=("gguf_linear", "apply_token_bitmask"))

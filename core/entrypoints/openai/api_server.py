@@ -68,6 +68,8 @@ class ServerSettings:
     log_requests: bool = False
     max_log_len: int | None = None
     cors: CorsSettings | None = None  # --allowed-origins and friends; None: no CORS headers
+    #: --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser (a ToolOptions)
+    tool_options: object | None = None
 
 
 class _ApiKeyMiddleware:
@@ -184,6 +186,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     readiness = Readiness()
     completions = OpenAIServingCompletion(engine, names, settings.chat_template)
     chat = OpenAIServingChat(engine, names, settings.chat_template)
+    if settings.tool_options is not None:
+        chat.tool_options = settings.tool_options
     completions.request_logger = chat.request_logger = request_logger
     created = int(time.time())
     drain = Drain()  # cut by the server at the end of its shutdown grace period

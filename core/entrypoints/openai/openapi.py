@@ -15,6 +15,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from pagedserve.entrypoints.openai.structured import OPENAPI_FIELD_SCHEMAS
+
 __all__ = ["install_openapi"]
 
 _REF = "#/components/schemas/{model}"
@@ -48,10 +50,8 @@ _ONLY: dict[str, dict[str, Any]] = {
     "echo": {"type": "boolean", "enum": [False]},
     "suffix": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 0}]},
     "best_of": {"anyOf": [{"type": "null"}, {"type": "integer", "enum": [1]}]},
-    "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
-    "response_format": {"anyOf": [{"type": "null"}, {"type": "object", "required": ["type"],
-                                                     "properties": {"type": {"enum": ["text"]}}}]},
 }
+_ONLY.update(OPENAPI_FIELD_SCHEMAS)  # structured outputs and tools: their real shapes
 
 
 def _constrain(props: dict[str, Any], models: list[str]) -> None:

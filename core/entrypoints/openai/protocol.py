@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unimplemented
 from pagedserve.entrypoints.openai.serving_beam import check_beam_fields
+from pagedserve.entrypoints.openai.structured import structured_outputs_of
+from pagedserve.entrypoints.openai.tools import message_tool_fields
 from pagedserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -83,6 +85,15 @@ class _GenerationRequest(BaseModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     cache_salt: str | None = None
+    # Output constraints (pagedserve.entrypoints.openai.structured checks them)
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -96,9 +107,11 @@ class CompletionRequest(_GenerationRequest):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None  # str | list of {"type": "text", "text": str}, checked by chat_messages
     name: str | None = None
+    tool_calls: Any = None  # assistant turns; checked by tools.message_tool_fields
+    tool_call_id: str | None = None  # tool turns
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -114,7 +127,8 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 # Pydantic's location of an error inside a union names the member type ("list[str]");
@@ -185,14 +199,15 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     raise ApiError(400, f"'{where}.text' must be a string.", param=f"{where}.text")
                 texts.append(part["text"])
             content = "\n".join(texts)
-        elif content is None and m.role == "assistant":
+        elif content is None and m.role in ("assistant", "tool"):
             content = ""
         elif not isinstance(content, str):
             where = f"messages[{i}].content"
             raise ApiError(400, f"'{where}' must be a string or a list of text parts.", param=where)
         role = "system" if m.role == "developer" else m.role
         # A participant's name reaches the template, as in vLLM.
-        out.append({"role": role, "content": content, **({"name": m.name} if m.name is not None else {})})
+        out.append(message_tool_fields(m, {"role": role, "content": content,
+                                            **({"name": m.name} if m.name is not None else {})}, i))
     return out
 
 
@@ -204,10 +219,6 @@ def _unsupported(request: _GenerationRequest) -> None:
         ("best_of", bool(request.stream) and request.best_of not in (None, request.n)),
         ("prompt_logprobs", bool(request.stream) and request.prompt_logprobs is not None),
     ]
-    if not is_completion:
-        checks += [("tools", bool(request.tools)),
-                   ("response_format", bool(request.response_format)
-                    and request.response_format.get("type") != "text")]
     for name, used in checks:
         if used:
             why = " with stream: true" if name in ("best_of", "prompt_logprobs") else " by this server"
@@ -265,6 +276,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_t
         prompt_logprobs=prompt_logprobs,
         truncate_prompt_tokens=request.truncate_prompt_tokens,
         best_of=request.best_of,
+        structured_outputs=structured_outputs_of(request),
     )
     try:
         return SamplingParams(**fields)

@@ -3,9 +3,8 @@ server does with it.
 
 The lists follow vLLM's ``CompletionRequest`` / ``ChatCompletionRequest``
 (vllm/entrypoints/openai/protocol.py) plus a few OpenAI fields vLLM lacks.  Each field
-is ``honoured`` (implemented), ``refused`` (a non-default value is a 400 naming it) or
-``structured`` (owned by structured outputs / tool calling: honoured where that is
-implemented, else refused).  A field this server's request models do not declare
+is ``honoured`` (implemented) or ``refused`` (a non-default value is a 400 naming it).
+A field this server's request models do not declare
 arrives in ``model_extra`` and is refused by :func:`refuse_unimplemented` whenever its
 value differs from vLLM's default, so no listed field is ever silently ignored.  Fields
 in neither list are ignored, as vLLM and OpenAI's clients expect.
@@ -21,7 +20,7 @@ from pagedserve.entrypoints.openai.errors import ApiError
 
 __all__ = ["COMPLETION_FIELDS", "CHAT_FIELDS", "Field", "refuse_unimplemented", "used"]
 
-HONOURED, REFUSED, STRUCTURED = "honoured", "refused", "structured"
+HONOURED, REFUSED = "honoured", "refused"
 
 
 class Field:
@@ -70,14 +69,16 @@ _SHARED: dict[str, Field] = {
     "echo": Field(HONOURED, False, "completions: the prompt before the completion; chat: the last "
                   "assistant message before the reply"),
     "add_special_tokens": Field(HONOURED, None, "add the tokenizer's BOS/EOS to the prompt"),
-    "response_format": Field(STRUCTURED, None, "JSON / schema constrained output"),
-    "guided_json": Field(STRUCTURED, None, "output follows a JSON schema"),
-    "guided_regex": Field(STRUCTURED, None, "output follows a regex"),
-    "guided_choice": Field(STRUCTURED, None, "output is one of the choices"),
-    "guided_grammar": Field(STRUCTURED, None, "output follows a grammar"),
-    "guided_decoding_backend": Field(STRUCTURED, None, "structured-output backend"),
-    "guided_whitespace_pattern": Field(STRUCTURED, None, "whitespace pattern of guided JSON"),
-    "structured_outputs": Field(STRUCTURED, None, "structured-output constraints (newer vLLM)"),
+    "response_format": Field(HONOURED, None, "text, json_object, json_schema or structural_tag constrained "
+                             "output"),
+    "guided_json": Field(HONOURED, None, "output follows a JSON schema"),
+    "guided_regex": Field(HONOURED, None, "output follows a regex"),
+    "guided_choice": Field(HONOURED, None, "output is one of the choices"),
+    "guided_grammar": Field(HONOURED, None, "output follows an EBNF grammar"),
+    "guided_decoding_backend": Field(HONOURED, None, "structured-output backend: auto or xgrammar (400 otherwise)"),
+    "guided_whitespace_pattern": Field(REFUSED, None, "whitespace pattern of guided JSON"),
+    "structured_outputs": Field(HONOURED, None, "output constraint: json, regex, choice, grammar, json_object "
+                                "or structural_tag"),
     "priority": Field(HONOURED, 0, "lower is served first under --scheduling-policy priority"),
     "request_id": Field(HONOURED, None, "used in the response id"),
     "logits_processors": Field(REFUSED, None, "custom logits processors by qualified name"),
@@ -104,12 +105,13 @@ CHAT_FIELDS: dict[str, Field] = {
     "logprobs": Field(HONOURED, False, "return logprobs of the generated tokens"),
     "top_logprobs": Field(HONOURED, None, "alternatives per position with logprobs (0-20)"),
     "max_completion_tokens": Field(HONOURED, None, "tokens to generate at most"),
-    "tools": Field(STRUCTURED, None, "tool definitions"),
-    "tool_choice": Field(STRUCTURED, None, "which tool to call"),
-    "parallel_tool_calls": Field(STRUCTURED, None, "several tool calls per reply"),
-    "reasoning_effort": Field(STRUCTURED, None, "reasoning effort of reasoning models"),
-    "include_reasoning": Field(STRUCTURED, True, "return the reasoning content"),
-    "structural_tag": Field(STRUCTURED, None, "structural-tag constrained output"),
+    "tools": Field(HONOURED, None, "tool definitions, shown to the chat template"),
+    "tool_choice": Field(HONOURED, None, "none, auto (needs --enable-auto-tool-choice), required or a named "
+                         "function"),
+    "parallel_tool_calls": Field(HONOURED, None, "false: at most one tool call per reply"),
+    "reasoning_effort": Field(REFUSED, None, "reasoning effort of reasoning models"),
+    "include_reasoning": Field(REFUSED, True, "return the reasoning content"),
+    "structural_tag": Field(REFUSED, None, "vLLM's old top-level structural tag (use response_format)"),
     "add_generation_prompt": Field(HONOURED, True, "end the prompt with the assistant turn's header"),
     "continue_final_message": Field(HONOURED, False, "continue the last (assistant) message "
                                     "(needs add_generation_prompt: false)"),
@@ -138,5 +140,5 @@ def refuse_unimplemented(request: BaseModel, table: dict[str, Field]) -> None:
     for name, value in (request.model_extra or {}).items():
         f = table.get(name)
         if f is not None and used(value, f.default):
-            what = "structured outputs are" if f.status == STRUCTURED else f"'{name}' ({f.meaning}) is"
-            raise ApiError(400, f"'{name}' is refused: {what} not supported by this server.", param=name)
+            raise ApiError(400, f"'{name}' is refused: '{name}' ({f.meaning}) is not supported by this server.",
+                           param=name)

@@ -9,6 +9,7 @@ from pagedserve.async_engine import EngineDeadError, RequestFailedError, Request
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_messages, to_sampling_params
 from pagedserve.entrypoints.openai.serving_beam import beam_search_response
 from pagedserve.entrypoints.openai.serving_base import SSE_DONE, EventStream, OpenAIServing, sse
+from pagedserve.entrypoints.openai.chat_tools import ChatToolsMixin
 from pagedserve.entrypoints.openai.serving_fields import (chat_prompt_text, echo_prefix, prompt_logprobs_json,
                                                           response_id)
 from pagedserve.request_options import truncate_prompt
@@ -16,11 +17,12 @@ from pagedserve.request_options import truncate_prompt
 __all__ = ["OpenAIServingChat"]
 
 
-class OpenAIServingChat(OpenAIServing):
+class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
     def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt text and token ids of the conversation."""
         messages = chat_messages(request.messages)
-        text = chat_prompt_text(self.tokenizer, request, messages, self.chat_template)
+        text = chat_prompt_text(self.tokenizer, request, messages, self.chat_template,
+                                self.template_kwargs(request))
         # The template already wrote any BOS it wants (unless add_special_tokens says otherwise).
         ids = self.tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
         kept = truncate_prompt(ids, request.truncate_prompt_tokens)
@@ -36,6 +38,7 @@ class OpenAIServingChat(OpenAIServing):
         d = self.generation_defaults
         params = to_sampling_params(request, self.resolve_max_tokens(requested, len(ids), d.get("max_tokens"), field),
                                     d)
+        self.constrain_tools(request, params)
         request_id = response_id("chatcmpl", request, self.new_id("chatcmpl"))
         if request.use_beam_search:
             return await beam_search_response(self, request, request_id, model, [(text, ids)], [params], chat=True)
@@ -53,12 +56,15 @@ class OpenAIServingChat(OpenAIServing):
                                               request.return_tokens_as_token_ids)}
 
     def _whole(self, request: ChatCompletionRequest, request_id: str, model: str, out, echo: str = "") -> dict:
-        choices = [{"index": c.index,
-                    "message": {"role": "assistant", "content": echo + c.text},
-                    "logprobs": self._logprobs(request, c.token_ids, c.logprobs),
-                    "finish_reason": self.finish_reason(c.finish_reason),
-                    "stop_reason": c.stop_reason}
-                   for c in out.outputs]
+        shaper = self.chat_output(request)
+        choices = []
+        for c in out.outputs:
+            message, finish = shaper.message(c.text, self.finish_reason(c.finish_reason))
+            if echo:
+                message["content"] = echo + (message.get("content") or "")
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._logprobs(request, c.token_ids, c.logprobs),
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         body = {"id": request_id, "object": "chat.completion", "created": self.created(), "model": model,
                 "choices": choices, "usage": self.usage(len(out.prompt_token_ids), completion_tokens)}
@@ -70,8 +76,9 @@ class OpenAIServingChat(OpenAIServing):
                       stream: RequestStream, echo: str = "") -> AsyncIterator[str]:
         created = self.created()
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        shaper = self.chat_output(request)
+        states = [shaper.stream() for _ in range(request.n)]
         continuous = include_usage and request.stream_options.continuous_usage_stats
-        sent_text = [0] * request.n
         sent_tokens = [0] * request.n
         prompt_tokens = 0
 
@@ -96,16 +103,17 @@ class OpenAIServingChat(OpenAIServing):
                 choices = []
                 for c in out.outputs:
                     i = c.index
-                    delta = c.text[sent_text[i]:]
                     new_ids = c.token_ids[sent_tokens[i]:]
                     finish = self.finish_reason(c.finish_reason)
+                    delta = states[i].delta(c.text, finish is not None, finish)
+                    if finish is not None:
+                        finish = shaper.finish_reason(finish, states[i].called)
                     if not delta and finish is None and not (new_ids and request.logprobs):
                         continue
                     logprobs = self._logprobs(request, new_ids,
                                               None if c.logprobs is None else c.logprobs[sent_tokens[i]:])
-                    sent_text[i] = len(c.text)
                     sent_tokens[i] = len(c.token_ids)
-                    choices.append({"index": i, "delta": {"content": delta} if delta else {},
+                    choices.append({"index": i, "delta": delta,
                                     "logprobs": logprobs, "finish_reason": finish,
                                     "stop_reason": c.stop_reason if finish else None})
                 if choices:

@@ -66,8 +66,10 @@ def prompt_logprobs_json(entries: list | None, token_text) -> list | None:
             for e in entries]
 
 
-def chat_prompt_text(tokenizer: Any, request: Any, messages: list[dict], default_template: str | None) -> str:
-    """Render the conversation with the request's template options.
+def chat_prompt_text(tokenizer: Any, request: Any, messages: list[dict], default_template: str | None,
+                     extra_kwargs: dict[str, Any] | None = None) -> str:
+    """Render the conversation with the request's template options (and ``extra_kwargs``,
+    e.g. the request's ``tools``).
 
     continue_final_message (with add_generation_prompt false) leaves the last message
     open: the text is cut right after its content, as vLLM and transformers do.
@@ -81,6 +83,7 @@ def chat_prompt_text(tokenizer: Any, request: Any, messages: list[dict], default
     for reserved in ("messages", "add_generation_prompt"):
         if reserved in kwargs:
             raise ApiError(400, f"'chat_template_kwargs' may not set '{reserved}'.", param="chat_template_kwargs")
+    kwargs.update(extra_kwargs or {})
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
                                              chat_template=request.chat_template or default_template, **kwargs)

@@ -1,0 +1,52 @@
+"""The chat endpoint's share of tools, reasoning and chat_template_kwargs: what the
+template gets, the constraint a tool choice adds, and how the answer is shaped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.entrypoints.openai.chat_output import ChatOutput
+from pagedserve.entrypoints.openai.errors import ApiError
+from pagedserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from pagedserve.entrypoints.openai.tools import ToolOptions, plan_tools
+from pagedserve.sampling_params import SamplingParams
+
+__all__ = ["ChatToolsMixin"]
+
+# Template variables a request may not set through chat_template_kwargs.
+_RESERVED = frozenset({"messages", "add_generation_prompt", "tools"})
+
+
+class ChatToolsMixin:
+    """Mixed into OpenAIServingChat; ``tool_options`` is set by build_app."""
+
+    tool_options: ToolOptions = ToolOptions()
+
+    def template_kwargs(self, request: Any) -> dict[str, Any]:
+        """The template variables tool calling adds (``tools``), beyond chat_template_kwargs."""
+        bad = sorted(_RESERVED & set(request.chat_template_kwargs or {}))
+        if bad:
+            raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(bad)}.", param="chat_template_kwargs")
+        plan = plan_tools(request, self.tool_options)
+        return {"tools": plan.tools} if plan.tools else {}
+
+    def constrain_tools(self, request: Any, params: SamplingParams) -> None:
+        """A "required" or named tool choice constrains the output to the calls' schema."""
+        plan = plan_tools(request, self.tool_options)
+        if plan.constraint is None:
+            return
+        if request.use_beam_search:
+            raise ApiError(400, f"tool_choice {plan.mode!r} cannot be combined with 'use_beam_search'.",
+                           param="tool_choice")
+        if params.structured_outputs is not None:
+            raise ApiError(400, f"tool_choice {plan.mode!r} cannot be combined with response_format or "
+                           "structured_outputs.", param="tool_choice")
+        if params.min_tokens > 0:
+            raise ApiError(400, f"'min_tokens' must be 0 with tool_choice {plan.mode!r} (the calls' grammar decides "
+                           "where the output ends).", param="min_tokens")
+        params.structured_outputs = plan.constraint
+
+    def chat_output(self, request: Any) -> ChatOutput:
+        opts = self.tool_options
+        reasoning = get_reasoning_parser(opts.reasoning_parser) if opts.reasoning_parser else None
+        return ChatOutput(plan_tools(request, opts), reasoning)
