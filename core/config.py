@@ -208,6 +208,9 @@ class ModelConfig:
         "most log-probabilities a request may ask for per token (logprobs, top_logprobs); more is refused"))
     generation_config: str = field(default="auto", metadata=_help(
         "sampling defaults: 'auto' (the checkpoint's generation_config.json), 'ignore', or a folder holding one"))
+    pooling: str | None = field(default=None, metadata=_help(
+        "how embeddings pool the final hidden states: last, mean or cls; default: the checkpoint's "
+        "sentence-transformers config, else last", choices=["last", "mean", "cls"]))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half", "fp32", "bf16", "fp16"):
@@ -216,6 +219,8 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.pooling not in (None, "last", "mean", "cls"):
+            raise ValueError(f"pooling must be 'last', 'mean' or 'cls', got {self.pooling!r}")
 
 
 #: --kv-cache-dtype values vLLM accepts that pagedserve does not implement yet.

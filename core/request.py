@@ -44,6 +44,8 @@ class Request:
     max_model_len: int = 1 << 30
     #: A sibling whose prompt must be computed first so this one can reuse its blocks.
     wait_for: Request | None = None
+    #: An embedding request's pooling type (pagedserve.pooling): no sampling, no decode.
+    pooling: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
