@@ -96,3 +96,44 @@ def test_bad_requests_are_400(embed_server, body, param):
 def test_unknown_model_is_404(embed_server):
     r = httpx.post(embed_server.url + "/v1/embeddings", json={"model": "nope", "input": "x"}, timeout=60)
     assert r.status_code == 404
+
+
+# -- the default model (SmolLM2-135M-Instruct GGUF, dequantized, float32), last pooling --------
+DEFAULT_ARGS = ["--quantization", "none", "--dtype", "float32", "--kv-cache-memory", "128MiB",
+                "--max-model-len", "512", "--threads", "1"]
+SENTENCES = ["The capital of France is Paris.", "Embeddings map text to vectors."]
+
+
+@pytest.fixture(scope="module")
+def default_model_hf():
+    from pagedserve.loader.model_path import default_model_path
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(f"the default model is not installed: {e}")
+    return load_hf(str(path.parent), gguf_file=path.name)
+
+
+# About a minute on 2 cores (two model loads plus transformers on the GGUF): `make test-slow`.
+@pytest.mark.slow
+def test_default_model_embeddings_match_transformers(server_factory, default_model_hf):
+    from pagedserve import LLM
+
+    llm = LLM(quantization="none", dtype="float32", kv_cache_memory="128MiB", max_model_len=512,
+              max_num_batched_tokens=8)  # several prefill chunks per sentence
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(s) for s in SENTENCES]
+    expected = [hf_embedding(default_model_hf, p, "last") for p in ids]
+    outs = llm.embed(SENTENCES)
+    for out, p, ref in zip(outs, ids, expected):
+        assert out.prompt_token_ids == p
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, rtol=1e-5, atol=1e-5)
+    assert llm.llm_engine.kv.pool.num_in_use == 0
+    llm.shutdown()
+
+    server = server_factory(None, DEFAULT_ARGS)
+    resp = server.openai().embeddings.create(model="smollm2-135m-instruct", input=SENTENCES)
+    for d, ref in zip(resp.data, expected):
+        torch.testing.assert_close(torch.tensor(d.embedding), ref, rtol=1e-5, atol=1e-5)
+    assert resp.usage.prompt_tokens == sum(map(len, ids))
