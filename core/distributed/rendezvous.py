@@ -14,12 +14,17 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from pagedserve.distributed.lifecycle import WorkerStartupError
 from pagedserve.distributed.parallel_state import DistInit
 
-__all__ = ["join_rendezvous", "connect_store", "node_of", "node_ranks", "describe_nodes", "HEARTBEAT_KEY"]
+__all__ = ["RendezvousError", "join_rendezvous", "connect_store", "node_of", "node_ranks", "describe_nodes", "HEARTBEAT_KEY"]
 
 _JOINED = "pagedserve/joined/{}"
 HEARTBEAT_KEY = "pagedserve/heartbeat/{}"
+
+
+class RendezvousError(WorkerStartupError):
+    """A rank or node did not reach (or join) the rendezvous in time."""
 
 
 def node_of(init: DistInit, rank: int) -> int:
@@ -49,7 +54,7 @@ def connect_store(init: DistInit, is_master: bool, who: str) -> dist.TCPStore:
                              timeout=timedelta(seconds=init.timeout_s), wait_for_workers=False)
     except (RuntimeError, OSError) as e:
         what = "could not listen on" if is_master else "could not reach the head node's rendezvous at"
-        raise RuntimeError(f"{who} {what} {init.master_addr}:{init.master_port} within "
+        raise RendezvousError(f"{who} {what} {init.master_addr}:{init.master_port} within "
                            f"{init.timeout_s:g} s (distributed_timeout_s): {e}") from e
 
 
@@ -70,7 +75,7 @@ def _await_ranks(store: dist.TCPStore, init: DistInit) -> None:
         if not missing:
             return
         if time.monotonic() >= deadline:
-            raise RuntimeError(
+            raise RendezvousError(
                 f"{describe_nodes(init, missing)} did not join the rendezvous at {init.master_addr}:"
                 f"{init.master_port} within {init.timeout_s:g} s (distributed_timeout_s): start `pagedserve serve "
                 f"--nnodes {init.nnodes} --node-rank N --master-addr {init.master_addr} --master-port "
