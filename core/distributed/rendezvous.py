@@ -17,7 +17,8 @@ import torch.distributed as dist
 from pagedserve.distributed.lifecycle import WorkerStartupError
 from pagedserve.distributed.parallel_state import DistInit
 
-__all__ = ["RendezvousError", "join_rendezvous", "connect_store", "node_of", "node_ranks", "describe_nodes", "HEARTBEAT_KEY"]
+__all__ = ["RendezvousError", "join_rendezvous", "connect_store", "node_of", "node_ranks", "describe_nodes",
+           "HEARTBEAT_KEY"]
 
 _JOINED = "pagedserve/joined/{}"
 HEARTBEAT_KEY = "pagedserve/heartbeat/{}"
