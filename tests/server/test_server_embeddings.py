@@ -115,8 +115,7 @@ def default_model_hf():
     return load_hf(str(path.parent), gguf_file=path.name)
 
 
-# About a minute on 2 cores (two model loads plus transformers on the GGUF): `make test-slow`.
-@pytest.mark.slow
+# Two model loads plus transformers on the GGUF: 15-60 s on 2 cores, the one real-model check.
 def test_default_model_embeddings_match_transformers(server_factory, default_model_hf):
     from pagedserve import LLM
 
