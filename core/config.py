@@ -374,8 +374,10 @@ class ParallelConfig:
 
     @property
     def rendezvous_addr(self) -> str:
-        """Where the head node's rendezvous listens (multi-node)."""
-        return self.master_addr or self.node_ip_address or "127.0.0.1"
+        """Where the head node's rendezvous listens (multi-node); node_ip_address is this
+        node's own address, so it stands for the head's only on the head."""
+        own = self.node_ip_address if self.node_rank == 0 else None
+        return self.master_addr or own or "127.0.0.1"
 
 
 def _parse_init_method(method: str, addr: str | None, port: int | None) -> tuple[str, int]:

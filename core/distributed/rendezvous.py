@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from pagedserve.distributed.lifecycle import WorkerStartupError
-from pagedserve.distributed.parallel_state import DistInit
+
+if TYPE_CHECKING:  # parallel_state imports this module when it forms a multi-node group
+    from pagedserve.distributed.parallel_state import DistInit
 
 __all__ = ["RendezvousError", "join_rendezvous", "connect_store", "node_of", "node_ranks", "describe_nodes",
            "HEARTBEAT_KEY"]
