@@ -34,7 +34,8 @@ from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 from pagedserve.entrypoints.openai.serving_base import EventStream
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, add_embedding_route
+from pagedserve.entrypoints.openai.serving_embedding import (EmbeddingRequest, OpenAIServingEmbedding,
+                                                             add_embedding_route)
 from pagedserve.entrypoints.openai.serving_tokenize import Readiness, add_tokenize_routes
 from pagedserve.entrypoints.openai.stats_logger import RequestLogger, StatsLogger
 from pagedserve.entrypoints.openai.shutdown import Drain, client_disconnected
@@ -271,6 +272,6 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         body = parse_request(ChatCompletionRequest, await read_body(request, settings.max_body_bytes))
         return await _respond(request, chat.create(body), drain)
 
-    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest},
-                    names)
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                          "/v1/embeddings": EmbeddingRequest}, names)
     return app
