@@ -24,6 +24,8 @@ __all__ = ["RendezvousError", "join_rendezvous", "connect_store", "node_of", "no
            "HEARTBEAT_KEY"]
 
 _JOINED = "pagedserve/joined/{}"
+_LAYOUT = "pagedserve/layout"
+_MISMATCH = "pagedserve/mismatch"  # one key: a mismatched node's ranks may not be ones the head expects
 HEARTBEAT_KEY = "pagedserve/heartbeat/{}"
 
 
@@ -62,9 +64,26 @@ def connect_store(init: DistInit, is_master: bool, who: str) -> dist.TCPStore:
                            f"{init.timeout_s:g} s (distributed_timeout_s): {e}") from e
 
 
+def _layout(init: DistInit) -> str:
+    return (f"tensor_parallel_size={init.tp_size}, pipeline_parallel_size={init.pp_size}, "
+            f"nnodes={init.nnodes}, backend={init.backend}")
+
+
 def join_rendezvous(init: DistInit, rank: int) -> dist.TCPStore:
-    """Join as ``rank``; rank 0 hosts the store and returns once every rank joined."""
-    store = connect_store(init, rank == 0, f"rank {rank} (node {node_of(init, rank)})")
+    """Join as ``rank``; rank 0 hosts the store and returns once every rank joined.
+
+    Rank 0 publishes its parallel layout; a rank started with another one is refused by
+    name on both sides instead of forming a broken group."""
+    who = f"rank {rank} (node {node_of(init, rank)})"
+    store = connect_store(init, rank == 0, who)
+    if rank == 0:
+        store.set(_LAYOUT, _layout(init))
+    else:
+        head = store.get(_LAYOUT).decode()  # waits for the head, up to the store's timeout
+        if head != _layout(init):
+            message = f"{who} was started with {_layout(init)}; the head node with {head}"
+            store.set(_MISMATCH, message)
+            raise RendezvousError(f"{message}: every node needs the same parallel settings")
     store.set(_JOINED.format(rank), "1")
     if rank == 0:
         _await_ranks(store, init)
@@ -78,6 +97,8 @@ def _await_ranks(store: dist.TCPStore, init: DistInit) -> None:
         missing = [r for r in missing if not store.check([_JOINED.format(r)])]
         if not missing:
             return
+        if store.check([_MISMATCH]):
+            raise RendezvousError(f"{store.get(_MISMATCH).decode()}: every node needs the same parallel settings")
         if time.monotonic() >= deadline:
             raise RendezvousError(
                 f"{describe_nodes(init, missing)} did not join the rendezvous at {init.master_addr}:"

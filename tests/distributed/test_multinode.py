@@ -205,3 +205,22 @@ def test_default_model_over_nodes_matches_single_process(parallel, nnodes, tmp_p
     finally:
         for n in nodes:
             stop(n)
+
+
+def test_node_with_other_parallel_settings_is_refused_on_both_sides(tiny, tmp_path):
+    model, _ = tiny
+    port = free_port()
+    log_path = tmp_path / "node1.log"
+    with open(log_path, "wb") as log:
+        # world_size 4 over 2 nodes: this node runs ranks 2, 3 and expects TP=4.
+        node = start_node(model, 1, [*node_args(port, 2, tensor_parallel_size=4), "--dtype", "float32"], log)
+        try:
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"rank 2 \(node 1\) was started with tensor_parallel_size=4"):
+                LLM(model=model, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=port,
+                    distributed_timeout_s=60, **TINY)
+            assert time.monotonic() - start < 45
+            assert node.wait(60) != 0
+        finally:
+            stop(node)
+    assert "every node needs the same parallel settings" in log_path.read_text()
