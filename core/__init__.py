@@ -16,6 +16,8 @@ __all__ = [
     "CompletionOutput",
     "LLMEngine",
     "EngineConfig",
+    "PoolingParams",
+    "EmbeddingRequestOutput",
     "__version__",
 ]
 
@@ -27,6 +29,8 @@ _LAZY = {
     "CompletionOutput": "pagedserve.outputs",
     "LLMEngine": "pagedserve.engine",
     "EngineConfig": "pagedserve.config",
+    "PoolingParams": "pagedserve.pooling",
+    "EmbeddingRequestOutput": "pagedserve.pooling",
 }
 
 if TYPE_CHECKING:
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
     from pagedserve.engine import LLMEngine
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.outputs import CompletionOutput, RequestOutput
+    from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams
     from pagedserve.sampling_params import SamplingParams
 
 

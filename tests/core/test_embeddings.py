@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pagedserve import LLM
-from pagedserve.pooling import PoolingParams, pooling_from_checkpoint
+from pagedserve import PoolingParams
+from pagedserve.pooling import pooling_from_checkpoint
 from hf_reference import load_hf
 
 SHAPE = dict(arch="llama", num_heads=4, num_kv_heads=2)

@@ -77,6 +77,8 @@ def test_pp2_over_two_nodes_matches_single_process(tiny, tmp_path):
             llm = LLM(model=model, pipeline_parallel_size=2, nnodes=2, master_addr="127.0.0.1",
                       master_port=port, distributed_timeout_s=120, **TINY)
             assert token_ids(llm) == expected
+            with pytest.raises(ValueError, match="embeddings are not supported with tensor/pipeline"):
+                llm.embed([[5, 6]])
             llm.shutdown()
             assert node.wait(60) == 0  # the head's shutdown stops the worker node cleanly
         finally:
