@@ -279,7 +279,7 @@ class LLMEngine:
     def _embedding_output(self, group: _Group) -> EmbeddingRequestOutput:
         out = EmbeddingRequestOutput(group.request_id, None, group.prompt_token_ids, group.prompt,
                                      group.finished, group.error, {**group.metrics, "arrival_time": group.arrival_time})
-        if group.finished and group.error is None:
+        if group.error is None and group.seqs[0].finish_reason == "stop":  # its whole prompt was pooled
             try:
                 out.outputs = EmbeddingOutput(group.pool.result(group.pooling_params.normalize))
             except RuntimeError as e:
