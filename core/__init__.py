@@ -17,6 +17,8 @@ __all__ = [
     "CompletionOutput",
     "LLMEngine",
     "EngineConfig",
+    "PoolingParams",
+    "EmbeddingRequestOutput",
     "__version__",
 ]
 
@@ -29,6 +31,8 @@ _LAZY = {
     "CompletionOutput": "pagedserve.outputs",
     "LLMEngine": "pagedserve.engine",
     "EngineConfig": "pagedserve.config",
+    "PoolingParams": "pagedserve.pooling",
+    "EmbeddingRequestOutput": "pagedserve.pooling",
 }
 
 if TYPE_CHECKING:
@@ -36,6 +40,7 @@ if TYPE_CHECKING:
     from pagedserve.engine import LLMEngine
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.outputs import CompletionOutput, RequestOutput
+    from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams
     from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 

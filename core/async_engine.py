@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from pagedserve.engine import EngineStats, LLMEngine
 from pagedserve.outputs import RequestOutput
+from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLMEngine", "RequestStream", "QueueFullError", "EngineDeadError", "RequestFailedError",
@@ -58,6 +59,7 @@ class _Add:
     arrival_time: float
     priority: int
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -135,6 +137,8 @@ class AsyncLLMEngine:
 
     #: add_request takes cache_salt (the data-parallel router does not yet).
     supports_cache_salt = True
+    #: Embedding requests (add_request(pooling_params=...)); the data-parallel router has none.
+    supports_pooling = True
 
     def __init__(self, engine: LLMEngine, max_queue_len: int | None = None) -> None:
         self.engine = engine
@@ -211,8 +215,12 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream once the engine thread has accepted it.
+
+        With ``pooling_params`` it is an embedding request: its stream yields one
+        EmbeddingRequestOutput (``params`` is ignored).
 
         Raises ValueError (bad prompt, before anything is queued), QueueFullError,
         EngineDeadError.
@@ -229,7 +237,8 @@ class AsyncLLMEngine:
             self._pending_adds += params.n
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, text, ids, params, time.monotonic(), priority, cache_salt))
+        self._commands.put(_Add(request_id, text, ids, params, time.monotonic(), priority, cache_salt,
+                                pooling_params))
         try:
             await stream._accepted
         except BaseException:
@@ -311,7 +320,7 @@ class AsyncLLMEngine:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                             prompt_token_ids=cmd.prompt_token_ids,
                                             arrival_time=cmd.arrival_time, priority=cmd.priority,
-                                            cache_salt=cmd.cache_salt)
+                                            cache_salt=cmd.cache_salt, pooling_params=cmd.pooling_params)
                     events.append((cmd.request_id, _ACCEPTED))
                 except ValueError as e:
                     events.append((cmd.request_id, e))
@@ -357,5 +366,5 @@ class AsyncLLMEngine:
             if stream is None:
                 continue
             stream._post(item)
-            if isinstance(item, RequestOutput) and item.finished:
+            if isinstance(item, (RequestOutput, EmbeddingRequestOutput)) and item.finished:
                 self._streams.pop(rid, None)

@@ -210,6 +210,9 @@ class ModelConfig:
         "most log-probabilities a request may ask for per token (logprobs, top_logprobs); more is refused"))
     generation_config: str = field(default="auto", metadata=_help(
         "sampling defaults: 'auto' (the checkpoint's generation_config.json), 'ignore', or a folder holding one"))
+    pooling: str | None = field(default=None, metadata=_help(
+        "how embeddings pool the final hidden states: last, mean or cls; default: the checkpoint's "
+        "sentence-transformers config, else last", choices=["last", "mean", "cls"]))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half", "fp32", "bf16", "fp16"):
@@ -218,6 +221,8 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.pooling not in (None, "last", "mean", "cls"):
+            raise ValueError(f"pooling must be 'last', 'mean' or 'cls', got {self.pooling!r}")
 
 
 #: --kv-cache-dtype values vLLM accepts that pagedserve does not implement yet.
@@ -328,8 +333,32 @@ class ParallelConfig:
         "for one rank, else mp", choices=["uni", "mp", "ray"]))
     distributed_timeout_s: float = field(default=300.0, metadata=_help(
         "seconds a collective (or the start-up rendezvous) may wait for a rank before failing"))
+    # Multi-node without Ray (docs/distributed.md): one `pagedserve serve` per node.
+    nnodes: int = field(default=1, metadata=_help(
+        "nodes the ranks are spread over (each runs world_size / nnodes ranks)"))
+    node_rank: int = field(default=0, metadata=_help(
+        "this node's index: 0 is the head (rank 0, serves HTTP), others run workers only"))
+    master_addr: str | None = field(default=None, metadata=_help(
+        "address of the head node's rendezvous (multi-node); default: node_ip_address, else 127.0.0.1"))
+    master_port: int | None = field(default=None, metadata=_help(
+        "TCP port of the head node's rendezvous (multi-node: required, the same on every node)"))
+    distributed_init_method: str | None = field(default=None, metadata=_help(
+        "tcp://HOST:PORT: master_addr and master_port in one setting"))
+    node_ip_address: str | None = field(default=None, metadata=_help(
+        "this node's IP address; on the head node it is the rendezvous address unless master_addr is set"))
+    headless: bool = field(default=False, metadata=_help(
+        "run this node's workers only, no API server (implied by node_rank > 0)"))
 
     def __post_init__(self) -> None:
+        if self.distributed_init_method is not None:
+            self.master_addr, self.master_port = _parse_init_method(
+                self.distributed_init_method, self.master_addr, self.master_port)
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port (1-65535), got {self.master_port}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
@@ -344,6 +373,30 @@ class ParallelConfig:
     def world_size(self) -> int:
         """Ranks in all: tensor_parallel_size * pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def rendezvous_addr(self) -> str:
+        """Where the head node's rendezvous listens (multi-node); node_ip_address is this
+        node's own address, so it stands for the head's only on the head."""
+        own = self.node_ip_address if self.node_rank == 0 else None
+        return self.master_addr or own or "127.0.0.1"
+
+
+def _parse_init_method(method: str, addr: str | None, port: int | None) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` -> (HOST, PORT); it must agree with master_addr/master_port if set."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(method)
+    try:
+        url_port = url.port
+    except ValueError:
+        url_port = None
+    if url.scheme != "tcp" or not url.hostname or url_port is None:
+        raise ValueError(f"distributed_init_method must be tcp://HOST:PORT, got {method!r}")
+    if (addr is not None and addr != url.hostname) or (port is not None and port != url_port):
+        raise ValueError(f"distributed_init_method={method!r} disagrees with master_addr={addr!r} / "
+                         f"master_port={port!r}: give one or the other")
+    return url.hostname, url_port
 
 
 def parse_cpu_list(text: str) -> list[int]:

@@ -76,6 +76,24 @@ def _single_rank_features(cfg: EngineConfig) -> str | None:
     return None
 
 
+def _multinode_rule(cfg: EngineConfig) -> str | None:
+    par = cfg.parallel
+    if par.nnodes == 1:
+        if par.headless or par.node_rank:
+            return "headless / node_rank > 0 need nnodes > 1 (a single node runs the API server itself)"
+        return None
+    if par.world_size % par.nnodes:
+        return (f"nnodes={par.nnodes} must divide tensor_parallel_size * pipeline_parallel_size = "
+                f"{par.world_size} ({_parallel(cfg)}): every node runs the same number of ranks")
+    if par.distributed_executor_backend not in (None, "mp"):
+        return (f"nnodes={par.nnodes} starts one process per node itself; distributed_executor_backend="
+                f"{par.distributed_executor_backend!r} cannot be combined with it (Ray places ranks on its own)")
+    if par.master_port is None:
+        return (f"nnodes={par.nnodes} needs master_port (or distributed_init_method tcp://HOST:PORT): every node "
+                "must find the head node's rendezvous at the same address")
+    return None
+
+
 def _quantization_offload_rule(cfg: EngineConfig) -> str | None:
     q = cfg.model.quantization
     if q not in _NOT_A_METHOD and cfg.cache.cpu_offload_gb:
@@ -89,6 +107,7 @@ RULES: list[Callable[[EngineConfig], str | None]] = [
     _uni_backend_rule,
     _single_rank_features,
     _quantization_offload_rule,
+    _multinode_rule,
 ]
 
 

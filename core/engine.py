@@ -30,6 +30,7 @@ from pagedserve.quantization.registry import quantize_source
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.platforms import select_platform
+from pagedserve.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, PoolingState, resolve_pooling
 from pagedserve.request import Request, RequestStatus
 from pagedserve.request_options import best_sequences, check_request_params, sample_params, truncate_prompt
 from pagedserve.sampling_params import SamplingParams
@@ -68,6 +69,9 @@ class _Group:
     params: SamplingParams | None = None
     #: prompt_logprobs: entry of prompt token p (p >= 1) by position.
     prompt_logprobs: dict[int, dict[int, Logprob]] | None = None
+    #: An embedding request: its pooled states so far and its options.
+    pool: PoolingState | None = None
+    pooling_params: PoolingParams | None = None
 
     @property
     def finished(self) -> bool:
@@ -129,6 +133,8 @@ class LLMEngine:
         mml = effective_max_model_len(config.model.max_model_len, self.arch.max_position_embeddings,
                                       self.arch.head_dim)
         self.max_model_len = mml
+        #: How embedding requests pool (pagedserve.pooling): setting, checkpoint, else last.
+        self.pooling = resolve_pooling(config.model.pooling, source.path)
         self.dtype = resolve_dtype(config.model.dtype, self.platform)
         check_cache_dtype(config.cache.cache_dtype, self.dtype)
         # Linear weights load quantized when config.model.quantization or the checkpoint asks.
@@ -191,8 +197,14 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
-        """Queue a request; raises ValueError (and queues nothing) on bad input."""
+        """Queue a request; raises ValueError (and queues nothing) on bad input.
+
+        With ``pooling_params`` it is an embedding request (``params`` is ignored)."""
+        if pooling_params is not None:
+            return self._add_pooling_request(request_id, prompt, pooling_params, prompt_token_ids,
+                                             arrival_time, priority, cache_salt)
         params = params or SamplingParams()
         check_logprobs_limit(self.config.model, params)
         if request_id in self.groups:
@@ -228,6 +240,58 @@ class LLMEngine:
             self.scheduler.add_request(seq.request)
             self._seq_of[seq.request.request_id] = (group, seq)
         self.groups[request_id] = group
+
+    def _add_pooling_request(self, request_id: str, prompt: str | list[int] | None, pooling: PoolingParams,
+                             prompt_token_ids: list[int] | None, arrival_time: float | None, priority: int,
+                             cache_salt: str | None) -> None:
+        """An embedding request: the prompt is computed, pooled, and the request finishes."""
+        if self.config.parallel.world_size > 1:
+            raise ValueError("embeddings are not supported with tensor/pipeline parallelism")
+        if pooling.dimensions is not None and pooling.dimensions != self.arch.hidden_size:
+            raise ValueError(f"dimensions={pooling.dimensions} is not supported: this model's embeddings have "
+                             f"{self.arch.hidden_size} dimensions (no truncation)")
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority'")
+        prompt, ids = self.validate_prompt(prompt, prompt_token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        params = SamplingParams(max_tokens=1)
+        req = Request(request_id, ids, params, self.eos_token_ids, arrival, priority, cache_salt,
+                      self.max_model_len, pooling=self.pooling)
+        seq = _Sequence(req, 0, IncrementalDetokenizer(self.tokenizer, ids, True))
+        group = _Group(request_id, prompt, ids, [seq], arrival, params=params,
+                       pool=PoolingState(self.pooling), pooling_params=pooling)
+        self.scheduler.add_request(req)
+        self._seq_of[request_id] = (group, seq)
+        self.groups[request_id] = group
+
+    def _finish_pooling(self, sched, pooled: dict) -> dict[str, _Group]:
+        """Fold this step's pooled states in; finish (and free) requests whose prompt is done."""
+        done: dict[str, _Group] = {}
+        for s in sched.scheduled:
+            r = s.request
+            entry = self._seq_of.get(r.request_id) if r.pooling is not None else None
+            if entry is None:
+                continue
+            group, seq = entry
+            if r.request_id in pooled:
+                group.pool.add(pooled[r.request_id])
+            if r.num_computed_tokens >= r.num_prompt_tokens:
+                self._release(seq, RequestStatus.FINISHED_STOPPED)
+                group.metrics.setdefault("finished_time", time.monotonic())
+                done[group.request_id] = group
+        return done
+
+    def _embedding_output(self, group: _Group) -> EmbeddingRequestOutput:
+        out = EmbeddingRequestOutput(group.request_id, None, group.prompt_token_ids, group.prompt,
+                                     group.finished, group.error, {**group.metrics, "arrival_time": group.arrival_time})
+        if group.error is None and group.seqs[0].finish_reason == "stop":  # its whole prompt was pooled
+            try:
+                out.outputs = EmbeddingOutput(group.pool.result(group.pooling_params.normalize))
+            except RuntimeError as e:
+                out.error = f"{type(e).__name__}: {e}"
+        return out
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -278,6 +342,7 @@ class LLMEngine:
         self.generation_tokens += len(progressed)
         self._stamp_times(progressed)  # before processing: a finished request leaves _seq_of
         touched = self._process_tokens(progressed, result.logprobs)
+        touched.update(self._finish_pooling(sched, result.pooled))
         self.scheduler.last_step_latency = time.monotonic() - start
         outputs = []
         for group in touched.values():
@@ -401,7 +466,9 @@ class LLMEngine:
         hold = max(map(len, stops)) - 1
         return seq.text[:len(seq.text) - hold] if hold > 0 else seq.text
 
-    def _make_output(self, group: _Group) -> RequestOutput:
+    def _make_output(self, group: _Group) -> RequestOutput | EmbeddingRequestOutput:
+        if group.pool is not None:
+            return self._embedding_output(group)
         outs = []
         seqs, params = group.seqs, group.params
         if params is not None and len(seqs) > params.n:

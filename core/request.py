@@ -47,6 +47,8 @@ class Request:
     wait_for: Request | None = None
     #: The sequence's grammar (pagedserve.structured_output.GrammarState) when constrained.
     structured: Any = None
+    #: An embedding request's pooling type (pagedserve.pooling): no sampling, no decode.
+    pooling: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

@@ -188,7 +188,9 @@ class Scheduler:
             resumed = request.num_computed_tokens
             computed, num_computed = [], resumed
             # prompt_logprobs needs the logits of every prompt position: no cache hit.
-            if resumed == 0 and request.sampling_params.prompt_logprobs is None:
+            # So does mean/cls pooling (embeddings): it pools every prompt position.
+            if resumed == 0 and request.sampling_params.prompt_logprobs is None \
+                    and request.pooling not in ("mean", "cls"):
                 computed, num_computed = self.kv.get_computed_blocks(request)
             request.num_computed_tokens = num_computed
             n = self._num_new_tokens(request, budget)
@@ -229,7 +231,7 @@ class Scheduler:
             if request.is_finished:
                 continue
             request.num_computed_tokens += s.num_new_tokens
-            if s.samples:
+            if s.samples and request.pooling is None:  # a pooling request samples nothing
                 request.append_token(sampled[request.request_id])
                 if request.first_token_time is None:
                     request.first_token_time = now

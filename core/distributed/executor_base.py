@@ -40,9 +40,10 @@ class DistributedExecutor(Executor):
         self._failure: RuntimeError | None = None
         self._closed = False
         addr = self._prepare()
-        self.init = DistInit(master_addr=addr, master_port=free_port(addr), world_size=self.world_size,
-                             tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size,
-                             backend=platform.dist_backend, timeout_s=par.distributed_timeout_s)
+        self.init = DistInit(master_addr=addr, master_port=par.master_port or free_port(addr),
+                             world_size=self.world_size, tp_size=par.tensor_parallel_size,
+                             pp_size=par.pipeline_parallel_size, backend=platform.dist_backend,
+                             timeout_s=par.distributed_timeout_s, nnodes=par.nnodes)
         claim_process_group(self)
         self.driver = Worker(config, 0, self.init)
         self._start_workers()

@@ -8,6 +8,7 @@ import torch.multiprocessing as mp
 
 from pagedserve.distributed.executor_base import DistributedExecutor
 from pagedserve.distributed.lifecycle import await_workers_ready, worker_error
+from pagedserve.distributed.multinode import RemoteNodeWatch, multinode_init
 from pagedserve.distributed.worker import default_threads, run_worker_process
 
 __all__ = ["MultiprocExecutor"]
@@ -15,13 +16,21 @@ __all__ = ["MultiprocExecutor"]
 
 class MultiprocExecutor(DistributedExecutor):
     def _prepare(self) -> str:
-        return "127.0.0.1"
+        par = self.config.parallel
+        if par.node_rank > 0:
+            raise ValueError(f"node_rank={par.node_rank} runs workers only: start it with `pagedserve serve "
+                             "--node-rank N ...` (pagedserve.distributed.multinode.run_headless), not as an engine")
+        self._remote = RemoteNodeWatch(multinode_init(self.config, "")) if par.nnodes > 1 else None
+        # One node: a loopback rendezvous; several: the head's address every node was given.
+        return self.config.parallel.rendezvous_addr if self.config.parallel.nnodes > 1 else "127.0.0.1"
 
     def _start_workers(self) -> None:
         # spawn, not fork: the parent may hold threads (tokenizers, OpenMP) and device state.
         ctx = mp.get_context("spawn")
-        threads = default_threads(self.config, self.world_size)
-        pipes = [ctx.Pipe(duplex=False) for _ in range(1, self.world_size)]
+        # This machine's ranks: all but 0, or the head node's share (multi-node).
+        local = self.world_size // self.config.parallel.nnodes
+        threads = default_threads(self.config, local)
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, local)]
         self.status = [read for read, _ in pipes]
         self.procs = [
             ctx.Process(target=run_worker_process, args=(self.config, rank, self.init, threads, None, write),
@@ -48,6 +57,9 @@ class MultiprocExecutor(DistributedExecutor):
                 error = worker_error(self.status[rank - 1])
                 dead.append(f"worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
                             + (f" ({error})" if error else ""))
+        parallel = self.driver.parallel if self._remote is not None else None
+        if parallel is not None:
+            dead += self._remote.dead(parallel.store)  # worker nodes (multi-node)
         return dead
 
     def _stop_workers(self, graceful: bool) -> None:

@@ -36,6 +36,9 @@ class DistInit:
     pp_size: int
     backend: str
     timeout_s: float
+    #: Nodes the ranks are spread over (pagedserve.distributed.multinode); ranks
+    #: [r * k, (r + 1) * k) run on node r, k = world_size // nnodes.
+    nnodes: int = 1
 
 
 @dataclass
@@ -54,6 +57,8 @@ class ParallelContext:
     device: torch.device
     tp_group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
+    #: Multi-node: the rendezvous store (rank 0 hosts it; nodes' heartbeats live there).
+    store: dist.Store | None = None
 
     @classmethod
     def single(cls, device: torch.device) -> ParallelContext:
@@ -120,8 +125,16 @@ def init_distributed(init: DistInit, rank: int, device: torch.device) -> Paralle
     rendezvous fail after ``init.timeout_s`` instead of hanging.
     """
     timeout = timedelta(seconds=init.timeout_s)
-    dist.init_process_group(init.backend, init_method=f"tcp://{init.master_addr}:{init.master_port}",
-                            rank=rank, world_size=init.world_size, timeout=timeout)
+    store = None
+    if init.nnodes > 1:
+        # Our own store, so that a node that never joins is named (not a bare timeout).
+        from pagedserve.distributed.rendezvous import join_rendezvous
+
+        store = join_rendezvous(init, rank)
+        dist.init_process_group(init.backend, store=store, rank=rank, world_size=init.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(init.backend, init_method=f"tcp://{init.master_addr}:{init.master_port}",
+                                rank=rank, world_size=init.world_size, timeout=timeout)
     tp, pp = init.tp_size, init.pp_size
     tp_group = None
     if tp > 1:
@@ -135,7 +148,7 @@ def init_distributed(init: DistInit, rank: int, device: torch.device) -> Paralle
     # NCCL cannot carry pickled objects from CPU memory: a gloo twin of WORLD does.
     cpu_group = dist.group.WORLD if init.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     return ParallelContext(rank=rank, world_size=init.world_size, tp_size=tp, pp_size=pp, device=device,
-                           tp_group=tp_group, cpu_group=cpu_group)
+                           tp_group=tp_group, cpu_group=cpu_group, store=store)
 
 
 def destroy_distributed() -> None:

@@ -12,6 +12,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.entrypoints.engine_args import engine_config_from_args, engine_config_from_kwargs, engine_signature
 from pagedserve.engine import LLMEngine
 from pagedserve.outputs import RequestOutput
+from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams
 from pagedserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagedserve.request_options import continue_final_message as cut_after_final_message
 from pagedserve.sampling_params import SamplingParams
@@ -105,6 +106,27 @@ class LLM:
                                priority=priority[i] if priority else 0)
             ids.append(rid)
         return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``out.outputs.embedding``), in prompt order: the final
+        hidden states pooled as the engine's ``pooling`` says (see pagedserve.pooling)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        params = pooling_params or PoolingParams()
+        normalized = [engine.validate_prompt(*self.split_prompt(p)) for p in prompts]
+        ids = []
+        for text, tokens in normalized:
+            rid = str(next(self._counter))
+            engine.add_request(rid, text, prompt_token_ids=tokens, pooling_params=params)
+            ids.append(rid)
+        outputs = self._run(ids, use_tqdm)
+        failed = [o for o in outputs if o.error is not None]
+        if failed:
+            raise RuntimeError(f"embedding request {failed[0].request_id} failed: {failed[0].error}")
+        return outputs  # type: ignore[return-value]
 
     @staticmethod
     def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:

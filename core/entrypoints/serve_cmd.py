@@ -129,11 +129,16 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--timeout-graceful-shutdown must be >= 0, got {args.timeout_graceful_shutdown}")
     except ValueError as e:
         raise SystemExit(f"pagedserve serve: {e}") from None
+    if config.parallel.nnodes > 1:  # multi-node: a worker node runs no server (docs/distributed.md)
+        from pagedserve.distributed.multinode import serve_node
+
+        if (status := serve_node(config, dp is not None)) is not None:
+            return status
     chat_template = read_chat_template(args.chat_template)
     if dp is None:
         try:
             engine = LLMEngine(config)
-        except (ValueError, PlatformError) as e:  # e.g. a layer map that does not fit the model
+        except (ValueError, PlatformError, RuntimeError) as e:  # e.g. a node that never joined
             raise SystemExit(f"pagedserve serve: {e}") from None
         log.info("model %s loaded: max_model_len=%d, %d KV blocks of %d tokens, platform %s",
                  names[0], engine.max_model_len, engine.runner.num_blocks, config.cache.block_size,

@@ -19,6 +19,7 @@ from pagedserve.models.registry import resolve_model_class
 from pagedserve.offload.device_map import Segment
 from pagedserve.offload.kv_tier import allocate_host_kv_cache, apply_kv_transfers
 from pagedserve.platforms import OpRegistry, Platform
+from pagedserve.pooling import PooledPart, pool_chunks
 from pagedserve.scheduler import SchedulerOutput
 
 __all__ = ["ModelRunner", "StepOutput", "resolve_dtype", "check_cache_dtype", "kv_bytes_per_block"]
@@ -62,6 +63,8 @@ class StepOutput:
     logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]]
     #: Per request asking for them: (position, logprob, rank, top-k) of prompt tokens.
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    #: Embedding requests: this step's pooled final hidden states (pagedserve.pooling).
+    pooled: dict[str, PooledPart] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -223,9 +226,11 @@ class ModelRunner:
             hidden = self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
             prompt_lps = compute_prompt_logprobs(out, hidden, self.model.compute_logits,
                                                  self.segments[-1].platform.to_device)
-            sampling_rows = [i for i, s in enumerate(out.scheduled) if s.samples]
+            # Embedding requests get their final-norm hidden rows pooled instead of logits.
+            pooled = pool_chunks(out.scheduled, hidden)
+            sampling_rows = [i for i, s in enumerate(out.scheduled) if s.samples and s.request.pooling is None]
             if not sampling_rows:
-                return StepOutput({}, {}, prompt_lps)
+                return StepOutput({}, {}, prompt_lps, pooled)
             # hidden is on the last segment's device; the sampler runs on the host.
             idx = self.segments[-1].platform.to_device(inp.logits_indices[sampling_rows])
             # The sampler widens to float32 only for rows that need more than an argmax.
@@ -241,4 +246,4 @@ class ModelRunner:
                 result = self.sampler(logits.cpu(), requests)
         sampled = {r.request_id: t for r, t in zip(requests, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(requests, result.logprobs) if lp is not None}
-        return StepOutput(sampled, logprobs, prompt_lps)
+        return StepOutput(sampled, logprobs, prompt_lps, pooled)

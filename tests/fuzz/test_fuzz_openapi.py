@@ -13,14 +13,14 @@ from fuzz_helpers import DERANDOMIZE, EXAMPLES, check_answer, check_server_still
 
 pytestmark = pytest.mark.timeout(600)
 
-OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models/{model}", "GET"),
-              ("/v1/models", "GET"), ("/health", "GET")]
+OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/embeddings", "POST"),
+              ("/v1/models/{model}", "GET"), ("/v1/models", "GET"), ("/health", "GET")]
 
 
 # JSON Schema counts 1.0 as an integer; the server's strict parsing does not (an integer
 # field must be written as one), so schema-valid bodies are written that way.
 INT_FIELDS = {"max_tokens", "max_completion_tokens", "n", "seed", "top_k", "min_tokens", "logprobs",
-              "top_logprobs", "best_of", "stop_token_ids", "prompt"}
+              "top_logprobs", "best_of", "stop_token_ids", "prompt", "input", "dimensions", "priority"}
 
 
 def integral_floats_as_ints(body, key: str | None = None):

@@ -2,7 +2,7 @@
 
     app = build_app(AsyncLLMEngine(LLMEngine(config)), ServerSettings(["my-model"]))
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models, GET /health,
 GET /metrics, POST /tokenize, POST /detokenize, GET /version, GET|POST /ping, GET /ready,
 GET /openapi.json, GET /docs.  Every error is OpenAI's JSON error shape; a bad request is
 always a 4xx.
@@ -34,6 +34,8 @@ from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 from pagedserve.entrypoints.openai.serving_base import EventStream
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_embedding import (EmbeddingRequest, OpenAIServingEmbedding,
+                                                             add_embedding_route)
 from pagedserve.entrypoints.openai.serving_tokenize import Readiness, add_tokenize_routes
 from pagedserve.entrypoints.openai.stats_logger import RequestLogger, StatsLogger
 from pagedserve.entrypoints.openai.shutdown import Drain, client_disconnected
@@ -249,6 +251,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     add_tokenize_routes(app, engine, names, settings.chat_template,
                         lambda request: read_body(request, settings.max_body_bytes), readiness)
+    add_embedding_route(app, OpenAIServingEmbedding(engine, names, settings.chat_template),
+                        lambda request: read_body(request, settings.max_body_bytes),
+                        lambda request, work: _respond(request, work, drain))
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -271,6 +276,6 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         body = parse_request(ChatCompletionRequest, await read_body(request, settings.max_body_bytes))
         return await _respond(request, chat.create(body), drain)
 
-    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest},
-                    names)
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                          "/v1/embeddings": EmbeddingRequest}, names)
     return app

@@ -28,6 +28,10 @@ _FIELD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
         {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1},
                                              "minItems": 1},
         _TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]},
+    ("EmbeddingRequest", "input"): {"anyOf": [
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1},
+                                             "minItems": 1},
+        _TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]},
     ("ChatMessage", "content"): {"anyOf": [
         {"type": "string"}, {"type": "null"},
         {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {

@@ -131,8 +131,9 @@ class OpenAIServing:
 
     async def submit(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
                      params: list[SamplingParams], param: str, priority: int = 0,
-                     cache_salt: str | None = None) -> list[RequestStream]:
-        """Queue every prompt (all or none); engine refusals become HTTP errors."""
+                     cache_salt: str | None = None, extra: dict | None = None) -> list[RequestStream]:
+        """Queue every prompt (all or none); engine refusals become HTTP errors.  ``extra``:
+        more add_request keywords (an embedding request's pooling_params)."""
         streams: list[RequestStream] = []
         salt = salt_kwargs(self.engine, cache_salt)
         try:
@@ -141,7 +142,7 @@ class OpenAIServing:
                 if self.request_logger is not None:
                     self.request_logger.received(rid, text, ids, sp)
                 streams.append(await self.engine.add_request(rid, text, sp, prompt_token_ids=ids,
-                                                             priority=priority, **salt))
+                                                             priority=priority, **salt, **(extra or {})))
         except BaseException as e:
             for s in streams:
                 s.abort()

@@ -1,0 +1,173 @@
+"""Embeddings: pooling a prompt's final hidden states into one vector.
+
+A pooling request is a prompt-only request: it runs through the scheduler like any
+prefill (chunked prefill included), samples nothing, and finishes (freeing its KV
+blocks) as soon as its last prompt chunk has run.  The hidden states pooled are the
+last layer's output after the final norm.  Each step the runner reduces the rows of
+every pooling request's chunk to a :class:`PooledPart` (``pool_chunks``); the engine
+folds the parts of a request together (:class:`PoolingState`) and normalises at the end.
+
+Pooling types (sentence-transformers' names in brackets):
+
+- ``last`` (pooling_mode_lasttoken): the state of the last prompt token;
+- ``mean`` (pooling_mode_mean_tokens): the mean over every prompt position;
+- ``cls`` (pooling_mode_cls_token): the state of the first prompt token.
+
+``mean`` and ``cls`` need the states of positions a prefix-cache hit would skip, so such
+requests skip the prefix-cache lookup (as prompt_logprobs requests do); ``last`` always
+computes its last position and may use the cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["POOLING_TYPES", "PoolingParams", "PooledPart", "PoolingState", "EmbeddingOutput",
+           "EmbeddingRequestOutput", "pool_chunks", "pooling_from_checkpoint", "resolve_pooling",
+           "needs_every_position"]
+
+POOLING_TYPES = ("last", "mean", "cls")
+
+#: sentence-transformers 1_Pooling/config.json keys -> our pooling types.
+_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+
+
+@dataclass
+class PoolingParams:
+    """Per-request pooling options (vLLM's name).
+
+    normalize: L2-normalise the pooled vector (the default, as sentence-transformers'
+    Normalize module and OpenAI's embeddings do).
+    dimensions: must be None or the model's hidden size (no Matryoshka truncation).
+    """
+
+    normalize: bool = True
+    dimensions: int | None = None
+
+
+@dataclass
+class PooledPart:
+    """One step's contribution of one request: a float32 sum of ``count`` hidden rows
+    ``[hidden_size]`` (``mean``), or the one row pooled (``last``/``cls``, count 1)."""
+
+    vector: torch.Tensor
+    count: int
+    #: Prompt position of the chunk's first row: 0 again means a recompute after preemption.
+    start: int = 0
+
+
+@dataclass
+class PoolingState:
+    """Engine-side accumulation of one request's :class:`PooledPart`s."""
+
+    pooling: str
+    total: torch.Tensor | None = None
+    count: int = 0
+
+    def add(self, part: PooledPart) -> None:
+        if self.pooling == "mean" and self.total is not None and part.start > 0:
+            self.total = self.total + part.vector
+            self.count += part.count
+        else:
+            # The first chunk, or a recompute after preemption (which starts over at
+            # position 0; the last/cls row comes out the same).
+            self.total, self.count = part.vector, part.count
+
+    def result(self, normalize: bool) -> list[float]:
+        """The pooled vector ``[hidden_size]`` as floats, L2-normalised if asked."""
+        if self.total is None:
+            raise RuntimeError("no hidden states were pooled for this request")
+        v = self.total / self.count if self.pooling == "mean" else self.total
+        if normalize:
+            v = torch.nn.functional.normalize(v, p=2.0, dim=0)
+        return v.tolist()
+
+
+@dataclass
+class EmbeddingOutput:
+    """The embedding of one prompt (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (vLLM's shape): ``outputs.embedding``."""
+
+    request_id: str
+    outputs: EmbeddingOutput | None
+    prompt_token_ids: list[int]
+    prompt: str | None = None
+    finished: bool = True
+    #: Set when this request failed on its own; others go on.
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def needs_every_position(pooling: str | None) -> bool:
+    """Whether a request pooled this way must compute every prompt position itself."""
+    return pooling in ("mean", "cls")
+
+
+def pool_chunks(scheduled, hidden: torch.Tensor) -> dict[str, PooledPart]:
+    """Reduce this step's rows of every pooling request (``request.pooling`` set).
+
+    scheduled: the step's ScheduledRequests in batch order; hidden ``[num_tokens,
+    hidden_size]``: the final-norm hidden states of the step in the same order.
+    Returns float32 host tensors by request id (only requests that pooled something).
+    """
+    parts: dict[str, PooledPart] = {}
+    start = 0
+    for s in scheduled:
+        r, n = s.request, s.num_new_tokens
+        kind = getattr(r, "pooling", None)
+        if kind is not None:
+            c = r.num_computed_tokens
+            rows = None
+            if kind == "mean":
+                rows = hidden[start:start + n].float().sum(dim=0)
+            elif kind == "last" and c + n >= r.num_prompt_tokens:
+                rows = hidden[start + n - 1].float()
+            elif kind == "cls" and c == 0:
+                rows = hidden[start].float()
+            if rows is not None:
+                parts[r.request_id] = PooledPart(rows.cpu(), n if kind == "mean" else 1, c)
+        start += n
+    return parts
+
+
+def pooling_from_checkpoint(path: str | Path | None) -> str | None:
+    """The pooling a sentence-transformers checkpoint folder declares (``modules.json``
+    naming a Pooling module whose ``config.json`` sets one ``pooling_mode_*``), or None."""
+    if path is None:
+        return None
+    root = Path(path)
+    if not root.is_dir() or not (root / "modules.json").is_file():
+        return None
+    modules = json.loads((root / "modules.json").read_text())
+    for module in modules:
+        if str(module.get("type", "")).endswith("Pooling"):
+            cfg = json.loads((root / module.get("path", "1_Pooling") / "config.json").read_text())
+            modes = [ours for key, ours in _ST_MODES.items() if cfg.get(key)]
+            others = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v and k not in _ST_MODES]
+            if others or len(modes) != 1:
+                raise ValueError(f"{root}: sentence-transformers pooling {others or modes} is not supported; "
+                                 f"one of {', '.join(_ST_MODES)} must be set")
+            return modes[0]
+    return None
+
+
+def resolve_pooling(setting: str | None, path: str | Path | None) -> str:
+    """The engine's pooling type: the ``pooling`` setting, else the checkpoint's
+    sentence-transformers config, else ``last`` (decoder models)."""
+    if setting is not None:
+        return setting
+    return pooling_from_checkpoint(path) or "last"
