@@ -28,6 +28,7 @@ from pagedserve.platforms import select_platform
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
+from pagedserve.spec_decode.builder import build_spec_decoder, check_draft_model, target_quantization
 
 __all__ = ["LLMEngine", "EngineStats"]
 
@@ -88,6 +89,10 @@ class EngineStats:
     num_swap_ins: int = 0  # swapped-out requests resumed (requests)
     kv_blocks_swapped_out: int = 0  # blocks copied to host by swap-outs
     kv_blocks_swapped_in: int = 0  # blocks copied back by swap-ins
+    spec_decode_num_drafts: int = 0  # verification steps of requests with drafts
+    spec_decode_num_draft_tokens: int = 0  # draft tokens verified
+    spec_decode_num_accepted_tokens: int = 0  # draft tokens accepted
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # accepted at draft position 0, 1, ...
 
 
 class LLMEngine:
@@ -108,10 +113,11 @@ class LLMEngine:
             raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings "
                              f"({self.arch.max_position_embeddings})")
         self.max_model_len = mml
+        draft_source = check_draft_model(config, self.arch, mml)  # before any weights load
         self.dtype = resolve_dtype(config.model.dtype, self.platform)
         # Linear weights load quantized when config.model.quantization or the checkpoint asks.
         source = self.model_source = quantize_source(
-            source, config.model.quantization, self.platform, self.ops, self.dtype,
+            source, target_quantization(config), self.platform, self.ops, self.dtype,
             config.parallel.world_size, config.cache.cpu_offload_gb,
             config.device.device_map)
         # One rank in this process, or several (tensor/pipeline parallel) behind one executor.
@@ -122,6 +128,7 @@ class LLMEngine:
         self.kv = build_kv_manager(config, num_blocks, self.runner)
         self.weight_streamer = offload_weights(config, self.runner)  # cpu_offload_gb
         self.scheduler = Scheduler(config.scheduler, self.kv, mml)
+        self.spec = build_spec_decoder(config, self.runner, draft_source, mml, self.dtype)
         self.groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self.prompt_tokens = 0
@@ -199,6 +206,8 @@ class LLMEngine:
         rid = seq.request.request_id
         self.scheduler.finish_request(rid, status)
         self.runner.sampler.forget(rid)
+        if self.spec is not None:
+            self.spec.forget(rid)
         self._seq_of.pop(rid, None)
         if seq.finish_reason is None:
             seq.finish_reason = status.value
@@ -224,18 +233,27 @@ class LLMEngine:
         if sched.empty:
             return []
         block_ids = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled}
-        result = self.executor.execute(sched, block_ids)
+        result = self.spec.execute(sched, block_ids) if self.spec is not None else None
+        if result is None:
+            result = self.executor.execute(sched, block_ids)
         for s in sched.scheduled:
             r = s.request
             if r.num_computed_tokens < r.num_prompt_tokens:
                 self.prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
-        progressed = self.scheduler.update_after_step(sched, result.sampled)
-        self.generation_tokens += len(progressed)
+        progressed = self.scheduler.update_after_step(sched, result.sampled, result.accepted)
         touched: dict[str, _Group] = {}
         for request in progressed:
             group, seq = self._seq_of[request.request_id]
-            self._process_token(group, seq, result.logprobs.get(request.request_id))
+            rid = request.request_id
+            if rid in result.accepted:
+                self._process_tokens(group, seq, len(result.accepted[rid]) + 1,
+                                     result.accepted_logprobs.get(rid), result.logprobs.get(rid))
+            else:
+                self.generation_tokens += 1
+                self._process_token(group, seq, result.logprobs.get(rid))
             touched[group.request_id] = group
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         self.scheduler.last_step_latency = time.monotonic() - start
         outputs = []
         for group in touched.values():
@@ -264,6 +282,20 @@ class LLMEngine:
             group.metrics.setdefault("finished_time", time.monotonic())
         if request.first_token_time is not None:
             group.metrics.setdefault("first_token_time", request.first_token_time)
+
+    def _process_tokens(self, group: _Group, seq: _Sequence, n: int, lps: list | None, last_lp) -> None:
+        """The last ``n`` tokens of a step that verified drafts, one at a time as if
+        sampled in turn: tokens after one that stops the request are dropped."""
+        request = seq.request
+        tokens = request.output_token_ids[-n:]
+        del request.output_token_ids[-n:], request.all_token_ids[-n:]
+        lps = (lps or [None] * (n - 1)) + [last_lp]
+        for token, lp in zip(tokens, lps):
+            request.append_token(token)
+            self.generation_tokens += 1
+            self._process_token(group, seq, lp)
+            if seq.finish_reason is not None:
+                break
 
     def _check_stop_strings(self, seq: _Sequence) -> RequestStatus | None:
         params = seq.request.sampling_params
@@ -327,4 +359,5 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             **host,
+            **(self.spec.counters() if self.spec is not None else {}),
         )
