@@ -47,7 +47,7 @@ def baseline(target):
 
 @pytest.mark.parametrize("kind", ["ngram", "draft_model"])
 def test_greedy_equal_with_prefix_caching_and_chunked_prefill(kind, target, draft, baseline):
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
     want, want_outs = _tokens(baseline, PROMPTS, params)
     # A small step budget chunks the prompts and limits the drafts some steps carry.
     llm = LLM(model=str(target), kv_cache_memory="32MiB", max_num_batched_tokens=24,
@@ -68,7 +68,7 @@ def test_greedy_equal_with_prefix_caching_and_chunked_prefill(kind, target, draf
 
 @pytest.mark.parametrize("kind", ["ngram", "draft_model"])
 def test_greedy_equal_under_preemption_and_n(kind, target, draft, baseline):
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, n=2)
+    params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True, n=2)
     want, _ = _tokens(baseline, PROMPTS, params)
     # 32 blocks of 4 tokens cannot hold all eight sequences at full length: preemptions.
     llm = LLM(model=str(target), num_gpu_blocks_override=32, max_model_len=128,
