@@ -85,7 +85,14 @@ def verify(logits: torch.Tensor, requests: list[Request], drafts: list[Draft], s
         ids = proc.argmax(dim=-1).tolist()
         for i in greedy:
             tokens[i] = _accept_greedy(drafts[i].token_ids, ids[offsets[i]:offsets[i + 1]])
-    randoms = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+    randoms = [i for i, r in enumerate(requests) if not r.sampling_params.greedy and drafts[i].token_ids]
+    undrafted = [i for i, r in enumerate(requests) if not r.sampling_params.greedy and not drafts[i].token_ids]
+    if undrafted:
+        # Exactly the sampler's own draw, so a seeded request's output does not depend
+        # on whether others in its batch carry drafts.
+        picked = sampler._sample(proc[[offsets[i] for i in undrafted]], [positions[offsets[i]] for i in undrafted])
+        for i, t in zip(undrafted, picked.tolist()):
+            tokens[i] = [t]
     if randoms:
         for i, row in zip(randoms, _rejection_sample(proc, positions, offsets, requests, drafts, randoms,
                                                      sampler, ops)):
@@ -109,8 +116,8 @@ def _rejection_sample(proc: torch.Tensor, positions: list[_Position], offsets: l
     target = torch.zeros(B, K + 1, V, dtype=torch.float32)
     with_probs = any(drafts[i].probs is not None for i in rows)
     draft_probs = torch.zeros(B, K, V, dtype=torch.float32) if with_probs else None
-    uniform = torch.empty(B, K, dtype=torch.float32)
-    recover = torch.empty(B, K + 1, dtype=torch.float32)
+    uniform = torch.zeros(B, K, dtype=torch.float32)
+    recover = torch.zeros(B, K + 1, dtype=torch.float32)
     for b, i in enumerate(rows):
         d = drafts[i]
         k = len(d.token_ids)
@@ -123,8 +130,9 @@ def _rejection_sample(proc: torch.Tensor, positions: list[_Position], offsets: l
         if draft_probs is not None and k:
             draft_probs[b, :k] = d.probs if d.probs is not None else \
                 torch.nn.functional.one_hot(draft_ids[b, :k], V).float()
+        # As many draws as the row's own drafts need, whatever the batch's widest row.
         g = sampler._generator(requests[i])
-        uniform[b] = torch.rand(K, generator=g)
-        recover[b] = torch.rand(K + 1, generator=g)
+        uniform[b, :k] = torch.rand(k, generator=g)
+        recover[b, :k + 1] = torch.rand(k + 1, generator=g)
     out = ops.rejection_sample(draft_ids, num_draft, draft_probs, target, uniform, recover)
     return [[t for t in row if t >= 0] for row in out.tolist()]
