@@ -7,10 +7,20 @@ import pytest
 import torch
 
 from pagedserve.kernels import spec_reference
+from pagedserve.kernels.cpu import spec_native
 from pagedserve.platforms import select_platform
 from stats_helpers import goodness_of_fit
 
 V, K = 7, 3
+
+
+def _impl(name: str):
+    if name == "reference":
+        return spec_reference.rejection_sample
+    module = spec_native.load_spec_kernels()
+    if module is None:
+        pytest.skip("the native CPU kernel did not build here (no compiler?)")
+    return module.rejection_sample
 
 
 def _dists(gen: torch.Generator, rows: int, zeros: bool = True) -> torch.Tensor:
@@ -29,8 +39,9 @@ def _run(op, p: torch.Tensor, q: torch.Tensor | None, draft_ids: torch.Tensor, g
     return op(draft_ids, num, dp, target, torch.rand(n, K, generator=gen), torch.rand(n, K + 1, generator=gen))
 
 
+@pytest.mark.parametrize("impl", ["reference", "native"])
 @pytest.mark.parametrize("with_q", [False, True])
-def test_outputs_follow_the_target_distribution(with_q):
+def test_outputs_follow_the_target_distribution(with_q, impl):
     """The op's output is a sample of the target, whatever the drafts: the first token
     ~ p_0; where the first draft was accepted, the second ~ p_1; and so on (the target
     here ignores the prefix, so these are its exact conditionals)."""
@@ -46,7 +57,7 @@ def test_outputs_follow_the_target_distribution(with_q):
         # Deterministic drafts (n-gram): likely ones, and one of target probability zero.
         q = None
         draft_ids = torch.tensor([int(p[0].argmax()), int(p[1].argmax()), 0]).repeat(n, 1)
-    out = _run(spec_reference.rejection_sample, p, q, draft_ids, gen)
+    out = _run(_impl(impl), p, q, draft_ids, gen)
     reached = torch.ones(n, dtype=torch.bool)
     for j in range(K + 1):
         assert reached.sum() > 300
@@ -89,11 +100,27 @@ def _random_case(gen: torch.Generator, B: int, vocab: int, with_q: bool):
 
 
 @pytest.mark.parametrize("with_q", [False, True])
-def test_registered_op_equals_reference(with_q):
+def test_native_and_registered_op_equal_reference(with_q):
+    """Bit for bit on random inputs (poisoned output never read: the kernel allocates it)."""
+    native = _impl("native")
     _, ops = select_platform("cpu")
+    assert ops.source("rejection_sample") == spec_native.SOURCE
     gen = torch.Generator().manual_seed(2)
     for vocab in (5, 300, 49152):
         args = _random_case(gen, 9, vocab, with_q)
         want = spec_reference.rejection_sample(*args)
-        got = ops.rejection_sample(*args)
-        assert torch.equal(got, want), (vocab, ops.source("rejection_sample"))
+        assert torch.equal(native(*args), want), vocab
+        assert torch.equal(ops.rejection_sample(*args), want), vocab
+
+
+def test_native_refuses_bad_shapes():
+    native = _impl("native")
+    gen = torch.Generator().manual_seed(4)
+    args = list(_random_case(gen, 3, 11, False))
+    args[1] = torch.tensor([0, 5, 1])  # more drafts than K
+    with pytest.raises(RuntimeError, match="num_draft_tokens"):
+        native(*args)
+    args = list(_random_case(gen, 3, 11, False))
+    args[3] = args[3][:, :K]  # target rows missing the bonus position
+    with pytest.raises(RuntimeError, match="target_probs"):
+        native(*args)
