@@ -24,6 +24,7 @@ left, requests get `EngineDeadError` (503).  A replica is not restarted.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -241,6 +242,9 @@ class DataParallelRouter:
                 combined[name] = sum(getattr(r.stats, name) * r.num_blocks for r in live) / blocks if blocks else 0.0
             elif name in ("num_running", "num_waiting"):
                 combined[name] = sum(getattr(r.stats, name) for r in live)
+            elif f.type in ("tuple[int, ...]", tuple):  # per-position counters: summed element-wise
+                rows = [getattr(r.stats, name) for r in self._replicas]
+                combined[name] = tuple(sum(c) for c in itertools.zip_longest(*rows, fillvalue=0))
             else:
                 combined[name] = sum(getattr(r.stats, name) for r in self._replicas)
         return EngineStats(**combined)

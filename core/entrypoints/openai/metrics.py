@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from pagedserve.engine import EngineStats
 from pagedserve.outputs import RequestOutput
+from pagedserve.spec_decode.metrics import spec_decode_metrics
 
 __all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST", "ReplicaCollector"]
 
@@ -59,6 +60,7 @@ class _EngineCollector(Collector):
         yield self._counter("pagedserve:prompt_tokens", "Prompt tokens computed (prefill).", s.prompt_tokens)
         yield self._counter("pagedserve:generation_tokens", "Tokens generated.", s.generation_tokens)
         yield from self._host_tier(s)
+        yield from spec_decode_metrics(s, self._labels[0])
 
     def _host_tier(self, s: EngineStats) -> Iterator[Metric]:
         """The host KV tier (kv_offload_memory; all zero without one)."""
