@@ -14,7 +14,7 @@ PROMPTS = [
     "<|im_start|>assistant\n",
 ]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-KW = dict(kv_cache_memory="128MiB", max_model_len=512)
+KW = dict(kv_cache_memory="128MiB", max_model_len=512, threads=1)
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def models(tmp_path_factory):
 
 
 def _samples(target: Path, params: SamplingParams, spec: dict | None) -> tuple[list[tuple[int, ...]], LLM]:
-    llm = LLM(model=str(target), dtype="float32", kv_cache_memory="64MiB", block_size=8, seed=11,
+    llm = LLM(model=str(target), dtype="float32", kv_cache_memory="64MiB", block_size=8, seed=11, threads=1,
               speculative_config=spec)
     outs = llm.generate([PROMPT] * N, params, use_tqdm=False)
     return [tuple(o.outputs[0].token_ids) for o in outs], llm

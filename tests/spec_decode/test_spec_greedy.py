@@ -15,7 +15,7 @@ PROMPTS = [
     list(range(10, 60)) + list(range(10, 30)),
     [31, 4, 31, 4, 31, 4, 31, 4, 100, 101, 102, 31, 4, 100],
 ]
-KW = dict(dtype="float32", block_size=4)
+KW = dict(dtype="float32", block_size=4, threads=1)
 
 
 def _tokens(llm: LLM, prompts, params):
