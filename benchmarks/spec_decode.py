@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
 import time
 
 from pagedserve import LLM, SamplingParams
@@ -121,6 +122,8 @@ def main() -> None:
             for batch in batches:
                 for name in names:
                     r = run(engines[name], workloads[wl], batch, args.max_tokens)
+                    print(f"  {wl} batch {batch} {name}: {r['tps']:.1f} tok/s, TPOT {1000 * r['tpot']:.1f} ms, "
+                          f"acceptance {r['acc']:.2f}", file=sys.stderr, flush=True)
                     key = (wl, batch, name)
                     if key not in best or r["tpot"] < best[key]["tpot"]:
                         best[key] = r
