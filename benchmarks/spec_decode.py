@@ -1,7 +1,7 @@
 """Speculative decoding on the default model: output tokens/s and time per output token
 with and without each proposer, at several batch sizes, on two workloads.
 
-    python benchmarks/spec_decode.py [--batches 1,4,16] [--max-tokens 48] [--rounds 2]
+    python benchmarks/spec_decode.py [--batches 1,4,16] [--max-tokens 48] [--rounds 3]
                                      [--k-ngram 4] [--k-self 3] [--threads N]
 
 Workloads (chat-formatted prompts, greedy, EOS ignored so every run emits the same count):
@@ -10,8 +10,9 @@ Workloads (chat-formatted prompts, greedy, EOS ignored so every run emits the sa
                complete code that repeats itself (where n-gram lookup pays off)
     chat       open-ended questions (where it cannot; self-speculation may)
 
-Configurations, each an engine built once and reused (runs alternate between them round
-by round so that the machine's load drifts evenly over all of them):
+Configurations, each an engine built once and reused (for each workload and batch size,
+runs alternate between them round by round, so that they are measured close in time and
+the machine's load drifts evenly over all of them):
 
     q4           baseline: the GGUF blocks (the CPU default for the default model)
     q4+ngram     the same with n-gram lookup
@@ -102,7 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k-ngram", type=int, default=4)
     ap.add_argument("--k-self", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
@@ -117,9 +118,9 @@ def main() -> None:
     for llm in engines.values():  # warm-up: kernels built and caches touched
         run(llm, CHAT, 1, 4)
     best: dict[tuple[str, int, str], dict[str, float]] = {}
-    for _ in range(args.rounds):
-        for wl in args.workloads.split(","):
-            for batch in batches:
+    for wl in args.workloads.split(","):
+        for batch in batches:
+            for _ in range(args.rounds):  # rounds inside the cell: its configs measured close in time
                 for name in names:
                     r = run(engines[name], workloads[wl], batch, args.max_tokens)
                     print(f"  {wl} batch {batch} {name}: {r['tps']:.1f} tok/s, TPOT {1000 * r['tpot']:.1f} ms, "
