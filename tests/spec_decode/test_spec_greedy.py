@@ -118,3 +118,18 @@ def test_qwen2_draft_for_llama_target(tiny_checkpoint_factory, target, baseline)
               speculative_config={"model": str(qwen), "num_speculative_tokens": 2})
     got, _ = _tokens(llm, PROMPTS, params)
     assert got == want
+
+
+def test_penalties_and_min_tokens_see_the_drafts(target, draft, baseline):
+    """Penalties and min_tokens at each draft position count the drafts before it (a
+    draft model: penalised outputs rarely repeat, so n-gram lookup would rarely draft)."""
+    eos = sorted(baseline.llm_engine.eos_token_ids)
+    params = [SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.6, frequency_penalty=0.4,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=20, presence_penalty=0.8, min_tokens=12,
+                             stop_token_ids=eos)]
+    want, _ = _tokens(baseline, PROMPTS[:2], params)
+    llm = LLM(model=str(target), kv_cache_memory="32MiB", speculative_config=_spec("draft_model", draft), **KW)
+    got, _ = _tokens(llm, PROMPTS[:2], params)
+    assert got == want
+    assert llm.llm_engine.stats().spec_decode_num_draft_tokens > 0
