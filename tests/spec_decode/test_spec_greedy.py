@@ -35,9 +35,22 @@ def target(tiny_checkpoint_factory):
 
 
 @pytest.fixture(scope="module")
-def draft(tiny_checkpoint_factory):
-    # Another random model of the same vocabulary: it is often wrong, so rejections happen.
-    return tiny_checkpoint_factory(seed=1, num_layers=1)
+def draft(target, tmp_path_factory):
+    """The target with noise on every weight: it agrees with the target often but not
+    always, so verification both accepts and rejects."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("noisy-draft")
+    shutil.copytree(target, path, dirs_exist_ok=True)
+    gen = torch.Generator().manual_seed(1)
+    weights = load_file(str(path / "model.safetensors"))
+    noisy = {k: v + 0.6 * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v
+             for k, v in weights.items()}
+    save_file(noisy, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
 
 
 @pytest.fixture(scope="module")
