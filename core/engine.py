@@ -229,6 +229,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, detokenize; outputs of requests that advanced."""
         start = time.monotonic()
+        if self.spec is not None:
+            self.spec.hold_back(self.scheduler.running, self.scheduler.waiting)
         sched = self.scheduler.schedule()
         if sched.empty:
             return []

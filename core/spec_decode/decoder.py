@@ -8,6 +8,8 @@ drafts.  Runs with the single-process executor (config rules refuse the rest).
 
 from __future__ import annotations
 
+import itertools
+
 from pagedserve.executor.model_runner import ModelRunner, StepOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.scheduler import SchedulerOutput
@@ -19,13 +21,16 @@ __all__ = ["SpecDecoder", "may_draft"]
 
 
 def may_draft(request: Request) -> bool:
-    """Whether drafts may be proposed for ``request``.
+    """Whether ``request`` may share a step with drafts.
 
     Hook for structured outputs: a grammar-constrained request would need its matcher
     advanced over each draft and rolled back over the rejected ones (xgrammar's
-    ``rollback``); until that is wired in, such requests decode one token per step.
+    ``rollback``), and its rows masked during verification; until that is wired in, no
+    step that samples for such a request carries drafts.  Pooling (embedding) requests
+    sample nothing and take the executor's own path likewise.
     """
-    return getattr(request.sampling_params, "structured_outputs", None) is None
+    return getattr(request.sampling_params, "structured_outputs", None) is None \
+        and getattr(request, "pooling", None) is None
 
 
 class SpecDecoder:
@@ -51,14 +56,25 @@ class SpecDecoder:
             k = min(k, max_tokens - request.num_output_tokens - 1)
         return min(k, min(self.max_model_len, request.max_model_len) - request.num_tokens - 1)
 
+    def hold_back(self, running: list[Request], waiting) -> None:
+        """Before scheduling: drop every draft while a request that may not share a step
+        with drafts (``may_draft``) is running or waiting, so that the step runs on the
+        executor's own path (grammar masks, pooling)."""
+        if any(r.spec_token_ids for r in running) and not all(map(may_draft, itertools.chain(running, waiting))):
+            for r in running:
+                r.spec_token_ids = []
+                self._draft_probs.pop(r.request_id, None)
+
     def propose(self, running: list[Request]) -> None:
         """Draft for every running request that is decoding (its next step samples)."""
+        if not all(map(may_draft, running)):
+            return
         requests, budgets = [], []
         for r in running:
             if r.status != RequestStatus.RUNNING or r.spec_token_ids or r.num_computed_tokens != r.num_tokens - 1:
                 continue
             k = self._budget(r)
-            if k > 0 and may_draft(r):
+            if k > 0:
                 requests.append(r)
                 budgets.append(k)
         if not requests:

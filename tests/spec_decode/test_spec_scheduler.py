@@ -88,3 +88,28 @@ def test_drafts_dropped_before_anyone_is_preempted():
     assert [(x.request.request_id, x.num_new_tokens, x.spec_token_ids) for x in out.scheduled] == \
         [("a", 1, []), ("b", 1, [])]
     assert a.spec_token_ids == [] and b.num_computed_tokens == 7
+
+
+def test_constrained_requests_hold_drafts_back():
+    """While a request that may not share a step with drafts (structured outputs, pooling)
+    runs or waits, no step carries drafts: the executor's own path then serves it."""
+    from pagedserve.spec_decode.config import parse_speculative_config
+    from pagedserve.spec_decode.decoder import SpecDecoder
+    from pagedserve.spec_decode.proposer import NgramProposer
+
+    spec = SpecDecoder(parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3}), None,
+                       NgramProposer(1, 3), 512)
+    s = make()
+    a = decoding(s, "a", [1000, 5, 6, 1000, 5, 6])  # then 1000 is sampled
+    spec.propose(s.running)
+    assert a.spec_token_ids == [5, 6, 1000]  # "6 1000" occurred before
+    constrained = Request("c", [1, 2, 3], SamplingParams(max_tokens=4))
+    constrained.pooling = "last"  # as an embedding request (or one with structured_outputs) is marked
+    s.add_request(constrained)
+    spec.hold_back(s.running, s.waiting)
+    assert a.spec_token_ids == []
+    out = s.schedule()
+    assert all(not x.spec_token_ids for x in out.scheduled)
+    s.update_after_step(out, {x.request.request_id: 9 for x in out.scheduled if x.samples})
+    spec.propose(s.running)  # "c" is running now: nobody drafts
+    assert a.spec_token_ids == []
