@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.config_rules import check_engine_config
 from pagedserve.structured_params import BACKENDS, REASONING_PARSERS, structured_outputs_fields
@@ -15,6 +16,7 @@ __all__ = [
     "SchedulerConfig",
     "ParallelConfig",
     "DeviceConfig",
+    "SpeculativeDecodingConfig",
     "EngineConfig",
     "StructuredOutputsConfig",
     "DeviceMapEntry",
@@ -495,6 +497,21 @@ class StructuredOutputsConfig:
 
 
 @dataclass
+class SpeculativeDecodingConfig:
+    """Speculative decoding (docs/speculative.md): off unless ``speculative_config`` is set."""
+
+    speculative_config: Any = field(default=None, metadata=_help(
+        "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; "
+        "methods: ngram, draft_model (with \"model\"), self_quantized (docs/speculative.md)",
+        parse="pagedserve.spec_decode.config:speculative_config_arg", metavar="JSON"))
+
+    def __post_init__(self) -> None:
+        from pagedserve.spec_decode.config import parse_speculative_config
+
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+
+
+@dataclass
 class EngineConfig:
     """Every engine setting, one dataclass per concern.
 
@@ -509,6 +526,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeDecodingConfig = field(default_factory=SpeculativeDecodingConfig)
 
     def __post_init__(self) -> None:
         self.validate()

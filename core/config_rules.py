@@ -147,3 +147,31 @@ def check_logprobs_limit(model: Any, params: Any) -> None:
     asked = getattr(params, "logprobs", None)
     if asked is not None and asked > model.max_logprobs:
         raise ValueError(f"logprobs={asked} is more than this engine's max_logprobs={model.max_logprobs}")
+
+
+def _speculative_rule(cfg: EngineConfig) -> str | None:
+    """Speculative decoding runs one rank's runner with its draft beside it; features that
+    split or stream the model, or move KV blocks between tiers, are not wired up for it."""
+    spec = cfg.speculative.speculative_config
+    if spec is None:
+        return None
+    name = f"speculative_config method={spec.method!r}"
+    if cfg.parallel.world_size > 1:
+        return f"{name} is not supported with tensor/pipeline parallelism yet ({_parallel(cfg)})"
+    if cfg.parallel.distributed_executor_backend not in (None, "uni"):
+        return (f"{name} runs in the engine's process; distributed_executor_backend="
+                f"{cfg.parallel.distributed_executor_backend!r} is not supported with it")
+    used = [(cfg.device.device_map is not None, f"device_map={cfg.device.device_map!r}"),
+            (bool(cfg.cache.cpu_offload_gb), f"cpu_offload_gb={cfg.cache.cpu_offload_gb}"),
+            (cfg.cache.kv_offload_memory is not None, f"kv_offload_memory={cfg.cache.kv_offload_memory}")]
+    for on, setting in used:
+        if on:
+            return f"{name} cannot be combined with {setting} yet"
+    q = cfg.model.quantization
+    if spec.method == "self_quantized" and q not in _NOT_A_METHOD:
+        return (f"{name} drafts with the {spec.quantization!r} copy of the target for its float weights; "
+                f"quantization={q!r} would quantize the target too (leave it unset or 'none')")
+    return None
+
+
+RULES.append(_speculative_rule)

@@ -36,6 +36,7 @@ from pagedserve.request_options import best_sequences, check_request_params, sam
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
 from pagedserve.structured_output.engine_hooks import build_structured_output_manager, finish_by_grammar
+from pagedserve.spec_decode.builder import build_spec_decoder, check_draft_model, target_quantization
 
 __all__ = ["LLMEngine", "EngineStats", "ITERATION_TOKEN_BUCKETS"]
 
@@ -109,6 +110,10 @@ class EngineStats:
     #: last count is the +Inf bucket), and the tokens of all steps together.
     iteration_tokens_buckets: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    spec_decode_num_drafts: int = 0  # verification steps of requests with drafts
+    spec_decode_num_draft_tokens: int = 0  # draft tokens verified
+    spec_decode_num_accepted_tokens: int = 0  # draft tokens accepted
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # accepted at draft position 0, 1, ...
 
 
 #: Upper bounds of the steps-by-batched-tokens histogram (vLLM's iteration_tokens_total).
@@ -135,11 +140,12 @@ class LLMEngine:
         self.max_model_len = mml
         #: How embedding requests pool (pagedserve.pooling): setting, checkpoint, else last.
         self.pooling = resolve_pooling(config.model.pooling, source.path)
+        draft_source = check_draft_model(config, self.arch, mml)  # before any weights load
         self.dtype = resolve_dtype(config.model.dtype, self.platform)
         check_cache_dtype(config.cache.cache_dtype, self.dtype)
         # Linear weights load quantized when config.model.quantization or the checkpoint asks.
         source = self.model_source = quantize_source(
-            source, config.model.quantization, self.platform, self.ops, self.dtype,
+            source, target_quantization(config), self.platform, self.ops, self.dtype,
             config.parallel.world_size, config.cache.cpu_offload_gb,
             config.device.device_map)
         # One rank in this process, or several (tensor/pipeline parallel) behind one executor.
@@ -153,6 +159,7 @@ class LLMEngine:
         # Grammars compile on its worker thread; the runner masks constrained rows.
         self.structured = self.runner.structured = build_structured_output_manager(config, self.tokenizer,
                                                                                    self.arch, self.eos_token_ids)
+        self.spec = build_spec_decoder(config, self.runner, draft_source, mml, self.dtype)
         self.groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self.prompt_tokens = 0
@@ -306,6 +313,8 @@ class LLMEngine:
         rid = seq.request.request_id
         self.scheduler.finish_request(rid, status)
         self.runner.sampler.forget(rid)
+        if self.spec is not None:
+            self.spec.forget(rid)
         self._seq_of.pop(rid, None)
         if seq.finish_reason is None:
             seq.finish_reason = status.value
@@ -327,22 +336,28 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, detokenize; outputs of requests that advanced."""
         start = time.monotonic()
+        if self.spec is not None:
+            self.spec.hold_back(self.scheduler.running, self.scheduler.waiting)
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
         block_ids = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled}
-        result = self.executor.execute(sched, block_ids)
+        result = self.spec.execute(sched, block_ids) if self.spec is not None else None
+        if result is None:
+            result = self.executor.execute(sched, block_ids)
         self._count_iteration(sched.num_batched_tokens)
         for s in sched.scheduled:
             r = s.request
             if r.num_computed_tokens < r.num_prompt_tokens:
                 self.prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
         self._store_prompt_logprobs(result.prompt_logprobs)
-        progressed = self.scheduler.update_after_step(sched, result.sampled)
+        progressed = self.scheduler.update_after_step(sched, result.sampled, result.accepted)
         self.generation_tokens += len(progressed)
         self._stamp_times(progressed)  # before processing: a finished request leaves _seq_of
-        touched = self._process_tokens(progressed, result.logprobs)
+        touched = self._process_tokens(progressed, result.logprobs, result.accepted, result.accepted_logprobs)
         touched.update(self._finish_pooling(sched, result.pooled))
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         self.scheduler.last_step_latency = time.monotonic() - start
         outputs = []
         for group in touched.values():
@@ -371,9 +386,12 @@ class LLMEngine:
                 if first is None or request.first_scheduled_time < first:
                     group.metrics["first_scheduled_time"] = request.first_scheduled_time
 
-    def _process_tokens(self, progressed: list[Request], logprobs: dict) -> dict[str, _Group]:
-        """Detokenize and stop-check each new token; a request whose own processing (or
-        sampling: `Sampler.row_errors`) failed is failed alone.  The groups touched."""
+    def _process_tokens(self, progressed: list[Request], logprobs: dict, accepted: dict | None = None,
+                        accepted_logprobs: dict | None = None) -> dict[str, _Group]:
+        """Detokenize and stop-check each new token (with speculative decoding, the
+        accepted drafts before it, in turn); a request whose own processing (or sampling:
+        `Sampler.row_errors`) failed is failed alone.  The groups touched."""
+        accepted = accepted or {}
         row_errors, self.runner.sampler.row_errors = self.runner.sampler.row_errors, {}
         touched: dict[str, _Group] = {}
         for request in progressed:
@@ -384,7 +402,12 @@ class LLMEngine:
             try:
                 if request.request_id in row_errors:
                     raise RuntimeError(f"sampling failed: {row_errors[request.request_id]}")
-                self._process_token(group, seq, logprobs.get(request.request_id))
+                rid = request.request_id
+                if rid in accepted:
+                    self._process_drafted(group, seq, len(accepted[rid]) + 1,
+                                          (accepted_logprobs or {}).get(rid), logprobs.get(rid))
+                else:
+                    self._process_token(group, seq, logprobs.get(rid))
             except Exception as e:  # noqa: BLE001 - this request's own failure; the batch goes on
                 self._fail_group(group, e)
             touched[group.request_id] = group
@@ -438,6 +461,21 @@ class LLMEngine:
                 self._release(seq, RequestStatus.FINISHED_ABORTED)
                 seq.finish_reason = "error"
         group.metrics.setdefault("finished_time", time.monotonic())
+
+    def _process_drafted(self, group: _Group, seq: _Sequence, n: int, lps: list | None, last_lp) -> None:
+        """The last ``n`` tokens of a step that verified drafts, one at a time as if
+        sampled in turn: tokens after one that stops the request are dropped.  The step
+        counted one generated token for the request; the others are counted here."""
+        request = seq.request
+        tokens = request.output_token_ids[-n:]
+        del request.output_token_ids[-n:], request.all_token_ids[-n:]
+        lps = (lps or [None] * (n - 1)) + [last_lp]
+        for i, (token, lp) in enumerate(zip(tokens, lps)):
+            request.append_token(token)
+            self.generation_tokens += 1 if i else 0
+            self._process_token(group, seq, lp)
+            if seq.finish_reason is not None:
+                break
 
     def _check_stop_strings(self, seq: _Sequence) -> RequestStatus | None:
         params = seq.request.sampling_params
@@ -534,4 +572,5 @@ class LLMEngine:
             iteration_tokens_buckets=tuple(itertools.accumulate(self._iteration_buckets)),
             iteration_tokens_sum=self._iteration_tokens_sum,
             **host,
+            **(self.spec.counters() if self.spec is not None else {}),
         )

@@ -59,6 +59,9 @@ class Request:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None  # when a step first computed any of its tokens
+    #: Draft tokens proposed for the next step (speculative decoding): scheduled after
+    #: the known tokens and verified, never part of all_token_ids (nor prefix-cache hashes).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -70,6 +73,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -30,6 +30,8 @@ class ScheduledRequest:
     num_new_tokens: int
     #: Whether this chunk reaches the end of the known tokens (so a token is sampled).
     samples: bool
+    #: Draft tokens scheduled after the known ones, to verify (speculative decoding).
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -124,6 +126,7 @@ class Scheduler:
         else:
             self.kv.free(request)
             request.num_computed_tokens = 0
+        request.spec_token_ids = []  # proposed again once it runs
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -134,7 +137,11 @@ class Scheduler:
         out.preempted.append(request.request_id)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        n = request.num_tokens - request.num_computed_tokens
+        n = request.num_tokens_with_spec - request.num_computed_tokens
+        if request.spec_token_ids and n > budget:
+            # Drafts that do not fit this step's budget are dropped, never split off.
+            del request.spec_token_ids[max(budget - (request.num_tokens - request.num_computed_tokens), 0):]
+            n = request.num_tokens_with_spec - request.num_computed_tokens
         # Without chunked prefill a request waits for a step with room for all its tokens.
         # Admission keeps prompts within one step; only a request preempted by recompute
         # after outgrowing the budget can exceed it, and it is chunked rather than starved.
@@ -163,6 +170,11 @@ class Scheduler:
                 i += 1
                 continue
             while self.kv.allocate_slots(request, n) is None:
+                if request.spec_token_ids:
+                    # Drafts are optional: drop them before preempting anyone.
+                    request.spec_token_ids = []
+                    n = self._num_new_tokens(request, budget)
+                    continue
                 # Only requests not yet scheduled in this step can give blocks back.
                 victim = self._victim(self.running[i:])
                 self._preempt(victim, out)
@@ -219,11 +231,16 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
         samples = request.num_computed_tokens + n >= request.num_tokens
-        out.scheduled.append(ScheduledRequest(request, n, samples))
+        out.scheduled.append(ScheduledRequest(request, n, samples, list(request.spec_token_ids)))
         out.num_batched_tokens += n
 
-    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens; returns requests that sampled."""
+    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int],
+                          accepted: dict[str, list[int]] | None = None) -> list[Request]:
+        """Advance computed tokens, append sampled tokens; returns requests that sampled.
+
+        ``accepted``: per request that verified drafts, the drafts accepted (appended
+        before its sampled token); the slots of rejected drafts are given back.
+        """
         progressed = []
         now = self.clock()
         for s in out.scheduled:
@@ -231,6 +248,13 @@ class Scheduler:
             if request.is_finished:
                 continue
             request.num_computed_tokens += s.num_new_tokens
+            if s.spec_token_ids:
+                acc = accepted.get(request.request_id, []) if accepted else []
+                request.num_computed_tokens -= len(s.spec_token_ids) - len(acc)
+                self.kv.trim(request, request.num_computed_tokens)
+                request.spec_token_ids = []
+                for token in acc:
+                    request.append_token(token)
             if s.samples and request.pooling is None:  # a pooling request samples nothing
                 request.append_token(sampled[request.request_id])
                 if request.first_token_time is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels import quant_reference
+from pagedserve.kernels import quant_reference, spec_reference
 
 __all__ = [
     "reshape_and_cache",
@@ -43,6 +43,7 @@ __all__ = [
     "int8_linear",
     "w8a8_linear",
     "fp8_linear",
+    "rejection_sample",
     "OP_NAMES",
 ]
 
@@ -393,6 +394,15 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return quant_reference.fp8_linear(x, qweight, scale, bias)
 
 
+def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                     target_probs: torch.Tensor, uniform: torch.Tensor, recover_uniform: torch.Tensor) -> torch.Tensor:
+    """Speculative decoding's verification of sampled rows: int64 ``[B, K + 1]``, each
+    row's accepted drafts then one residual or bonus token, then -1.  Specified (shapes
+    and randomness) in :mod:`pagedserve.kernels.spec_reference`."""
+    return spec_reference.rejection_sample(draft_token_ids, num_draft_tokens, draft_probs, target_probs,
+                                           uniform, recover_uniform)
+
+
 #: Names of every op in the registry, in the order `pagedserve platforms --ops` shows them.
 OP_NAMES: tuple[str, ...] = (
     "paged_attention",
@@ -417,4 +427,5 @@ OP_NAMES: tuple[str, ...] = (
     "int8_linear",
     "w8a8_linear",
     "fp8_linear",
+    "rejection_sample",
 )

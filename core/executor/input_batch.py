@@ -42,7 +42,10 @@ def prepare_inputs(
     tokens: list[int] = []
     tables = []
     for s, c, n in zip(reqs, computed.tolist(), num_new.tolist()):
-        tokens.extend(s.request.all_token_ids[c:c + n])
+        ids = s.request.all_token_ids[c:c + n]
+        tokens.extend(ids)
+        if len(ids) < n:  # draft tokens to verify follow the known ones
+            tokens.extend(s.spec_token_ids[:n - len(ids)])
         tables.append(block_ids[s.request.request_id])
     max_blocks = max(len(t) for t in tables)
     block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int32)

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedserve.config import CacheConfig, SchedulerConfig
@@ -65,6 +66,10 @@ class StepOutput:
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     #: Embedding requests: this step's pooled final hidden states (pagedserve.pooling).
     pooled: dict[str, PooledPart] = field(default_factory=dict)
+    #: Speculative decoding: per request that verified drafts, the drafts accepted (they
+    #: come before its sampled token) and their logprob entries (when asked for).
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -216,6 +221,23 @@ class ModelRunner:
         self.model.layer_stream = stream
 
     # -- step --------------------------------------------------------------------------
+    def forward_logits(self, out: SchedulerOutput, block_ids: dict[str, list[int]],
+                       num_logits: list[int]) -> torch.Tensor:
+        """Run the step's forward; logits of the last ``num_logits[i]`` tokens of each
+        scheduled request, in batch order: ``[sum(num_logits), vocab]`` in the model's
+        dtype on the device (speculative decoding verifies drafts with them)."""
+        with torch.inference_mode():
+            if out.kv_transfers:
+                apply_kv_transfers([o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches,
+                                   out.kv_transfers)
+            inp = prepare_inputs(out, block_ids, self.block_size, self.device)
+            hidden = self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
+            ends = np.cumsum([s.num_new_tokens for s in out.scheduled])
+            rows = [np.arange(e - k, e) for e, k in zip(ends.tolist(), num_logits) if k]
+            idx = torch.from_numpy(np.concatenate(rows)) if rows else torch.empty(0, dtype=torch.int64)
+            idx = self.segments[-1].platform.to_device(idx)
+            return self.model.compute_logits(hidden.index_select(0, idx), float32=False)
+
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepOutput:
         with torch.inference_mode():
             if out.kv_transfers:

@@ -125,6 +125,18 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        probs = self.probs(logits, requests)
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(requests):
+            noise[i].exponential_(generator=self._generator(r))
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The distribution random rows sample from: float32 logits ``[n, vocab]`` (after
+        penalties) -> probabilities ``[n, vocab]`` after temperature, top-k, top-p and
+        min-p (unnormalised once top-p/min-p zero some out; speculative decoding verifies
+        against these)."""
         params = [r.sampling_params for r in requests]
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
         logits = logits / temps
@@ -147,10 +159,7 @@ class Sampler:
         if bool((min_p > 0).any()):
             threshold = probs.max(dim=-1, keepdim=True).values * min_p
             probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs)
-        for i, r in enumerate(requests):
-            noise[i].exponential_(generator=self._generator(r))
-        return (probs / noise).argmax(dim=-1)
+        return probs
 
     @staticmethod
     def _logprobs(

@@ -142,6 +142,18 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], *hashes[i])
         self._num_cached[request.request_id] = max(start, num_full)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past its first ``num_tokens`` tokens (tail first):
+        the slots of rejected draft tokens.  Those blocks never hold verified tokens, so
+        none of them is in the prefix cache."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_blocks(reversed(tail))
+
     def free(self, request: Request) -> None:
         """Release a finished, aborted or preempted request's blocks (tail first)."""
         blocks = self.req_blocks.pop(request.request_id, [])

@@ -24,6 +24,7 @@ left, requests get `EngineDeadError` (503).  A replica is not restarted.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -247,6 +248,9 @@ class DataParallelRouter:
             elif name == "iteration_tokens_buckets":  # histogram counts: summed bucket by bucket
                 rows = [getattr(r.stats, name) for r in self._replicas if getattr(r.stats, name)]
                 combined[name] = tuple(map(sum, zip(*rows))) if rows else ()
+            elif f.type in ("tuple[int, ...]", tuple):  # per-position counters: summed element-wise
+                rows = [getattr(r.stats, name) for r in self._replicas]
+                combined[name] = tuple(sum(c) for c in itertools.zip_longest(*rows, fillvalue=0))
             else:
                 combined[name] = sum(getattr(r.stats, name) for r in self._replicas)
         return EngineStats(**combined)

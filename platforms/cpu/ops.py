@@ -42,3 +42,6 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
                          dense_ops.make_linear_silu_and_mul(ops.get("linear"), ops.get("silu_and_mul"), native),
                          source=source)
     register_cpu_quant_ops(ops, options)
+    from pagedserve.kernels.cpu import spec_native
+
+    ops.register("rejection_sample", spec_native.rejection_sample, source=spec_native.SOURCE)

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from pagedserve.engine import ITERATION_TOKEN_BUCKETS, EngineStats
 from pagedserve.outputs import RequestOutput
+from pagedserve.spec_decode.metrics import spec_decode_metrics
 
 __all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST", "ReplicaCollector", "INTERNAL_REQUEST_PREFIX",
            "token_buckets"]
@@ -85,6 +86,7 @@ class _EngineCollector(Collector):
         yield self._counter("pagedserve:generation_tokens", "Tokens generated.", s.generation_tokens)
         yield self._iterations(s)
         yield from self._host_tier(s)
+        yield from spec_decode_metrics(s, self._labels[0])
 
     def _host_tier(self, s: EngineStats) -> Iterator[Metric]:
         """The host KV tier (kv_offload_memory; all zero without one)."""

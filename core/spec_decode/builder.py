@@ -1,0 +1,71 @@
+"""Building the engine's SpecDecoder from ``speculative_config``, and the start-up
+checks that need the draft checkpoint's config (read before any weights load)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.executor.model_runner import ModelRunner
+from pagedserve.loader import open_model
+from pagedserve.models.llama import ArchConfig
+from pagedserve.quantization.registry import quantize_source
+from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.decoder import SpecDecoder
+from pagedserve.spec_decode.draft_model import DraftModelProposer
+from pagedserve.spec_decode.proposer import NgramProposer
+
+__all__ = ["build_spec_decoder", "check_draft_model", "target_quantization"]
+
+
+def target_quantization(config: EngineConfig) -> str | None:
+    """The target's ``quantization``: self-speculation drafts with the quantized copy for
+    the float weights, so an unset value means 'none' there."""
+    spec = config.speculative.speculative_config
+    q = config.model.quantization
+    if spec is not None and spec.method == "self_quantized" and q in (None, "auto"):
+        return "none"
+    return q
+
+
+def _draft_source(spec: SpeculativeConfig, config: EngineConfig):
+    return open_model(spec.model if spec.method == "draft_model" else config.model.model)
+
+
+def check_draft_model(config: EngineConfig, target: ArchConfig, max_model_len: int):
+    """ValueError when the draft cannot draft for ``target``: another vocabulary or a
+    shorter context.  Reads only the draft's config; returns its opened source (None
+    for proposers without a model)."""
+    spec = config.speculative.speculative_config
+    if spec is None or spec.method == "ngram":
+        return None
+    source = _draft_source(spec, config)
+    arch = ArchConfig.from_hf(source.hf_config)
+    if arch.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config: the draft model {spec.model!r} has a vocabulary of {arch.vocab_size} "
+                         f"tokens, the target {target.vocab_size}; a draft must share the target's vocabulary")
+    if arch.max_position_embeddings < max_model_len:
+        raise ValueError(f"speculative_config: the draft model's context ({arch.max_position_embeddings} tokens) is "
+                         f"shorter than max_model_len={max_model_len}; lower max_model_len")
+    return source
+
+
+def build_spec_decoder(config: EngineConfig, runner: ModelRunner, draft_source, max_model_len: int,
+                       dtype: torch.dtype) -> SpecDecoder | None:
+    """The SpecDecoder for ``config`` (None without speculative_config).  A draft model
+    loads on the target's platform and dtype with a KV pool of as many blocks as the
+    target's."""
+    spec = config.speculative.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    else:
+        platform, ops = runner.platform, runner.ops
+        arch = ArchConfig.from_hf(draft_source.hf_config)
+        source = quantize_source(draft_source, spec.quantization, platform, ops, dtype)
+        draft = ModelRunner(platform, ops, arch, dtype)
+        draft.load_weights(source.weights())
+        draft.allocate_kv_cache(runner.num_blocks, runner.block_size)
+        proposer = DraftModelProposer(draft)
+    return SpecDecoder(spec, runner, proposer, max_model_len)
