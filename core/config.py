@@ -503,10 +503,10 @@ class SpeculativeDecodingConfig:
     speculative_config: Any = field(default=None, metadata=_help(
         "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; "
         "methods: ngram, draft_model (with \"model\"), self_quantized (docs/speculative.md)",
-        parse="pagedserve.spec_decode.config:speculative_config_arg", metavar="JSON"))
+        parse="pagedserve.spec_config:speculative_config_arg", metavar="JSON"))
 
     def __post_init__(self) -> None:
-        from pagedserve.spec_decode.config import parse_speculative_config
+        from pagedserve.spec_config import parse_speculative_config
 
         self.speculative_config = parse_speculative_config(self.speculative_config)
 

@@ -7,6 +7,6 @@ lookup are in ``proposer.py``, the draft model in ``draft_model.py``, verificati
 ``verifier.py``, the engine's ``SpecDecoder`` in ``decoder.py`` and ``builder.py``.
 """
 
-from pagedserve.spec_decode.config import MAX_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig, parse_speculative_config
+from pagedserve.spec_config import MAX_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig, parse_speculative_config
 
 __all__ = ["SpeculativeConfig", "parse_speculative_config", "METHODS", "MAX_SPECULATIVE_TOKENS"]

@@ -10,7 +10,7 @@ from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.loader import open_model
 from pagedserve.models.llama import ArchConfig
 from pagedserve.quantization.registry import quantize_source
-from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_config import SpeculativeConfig
 from pagedserve.spec_decode.decoder import SpecDecoder
 from pagedserve.spec_decode.draft_model import DraftModelProposer
 from pagedserve.spec_decode.proposer import NgramProposer

@@ -13,7 +13,7 @@ import itertools
 from pagedserve.executor.model_runner import ModelRunner, StepOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.scheduler import SchedulerOutput
-from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_config import SpeculativeConfig
 from pagedserve.spec_decode.proposer import Draft, Proposer
 from pagedserve.spec_decode.verifier import verify
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import SamplingParams
 
 PROMPT = "abcabcabcabcabcabc"
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}

@@ -93,7 +93,7 @@ def test_drafts_dropped_before_anyone_is_preempted():
 def test_constrained_requests_hold_drafts_back():
     """While a request that may not share a step with drafts (structured outputs, pooling)
     runs or waits, no step carries drafts: the executor's own path then serves it."""
-    from pagedserve.spec_decode.config import parse_speculative_config
+    from pagedserve.spec_config import parse_speculative_config
     from pagedserve.spec_decode.decoder import SpecDecoder
     from pagedserve.spec_decode.proposer import NgramProposer
 
