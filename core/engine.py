@@ -26,6 +26,7 @@ from pagedserve.loader import IncrementalDetokenizer, open_model
 from pagedserve.loader.tokenizer_source import engine_tokenizer
 from pagedserve.loader.generation_config import load_generation_defaults
 from pagedserve.loader.validation import effective_max_model_len
+from pagedserve.lora import LoRAManager, LoRARequest, lora_cache_salt
 from pagedserve.quantization.registry import quantize_source
 from pagedserve.models.llama import ArchConfig
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -143,6 +144,8 @@ class LLMEngine:
         self.kv = build_kv_manager(config, num_blocks, self.runner)
         self.weight_streamer = offload_weights(config, self.runner)  # cpu_offload_gb
         self.scheduler = Scheduler(config.scheduler, self.kv, mml)
+        self.lora = LoRAManager.attach(config.lora, self.runner)  # enable_lora (docs/lora.md)
+        self.scheduler.max_loras = config.lora.max_loras if self.lora is not None else None
         self.groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self.prompt_tokens = 0
@@ -187,9 +190,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; raises ValueError (and queues nothing) on bad input."""
         params = params or SamplingParams()
+        self.check_lora_request(lora_request)
+        cache_salt = lora_cache_salt(cache_salt, lora_request)
         check_logprobs_limit(self.config.model, params)
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -212,7 +218,7 @@ class LLMEngine:
             share = self.kv.enable_prefix_caching and first is not None \
                 and first.sampling_params.prompt_logprobs is None
             req = Request(rid, ids, child_params, self.eos_token_ids, arrival, priority, cache_salt,
-                          self.max_model_len, wait_for=first if share else None)
+                          self.max_model_len, wait_for=first if share else None, lora_request=lora_request)
             first = first or req
             detok = IncrementalDetokenizer(self.tokenizer, ids, child_params.skip_special_tokens)
             seq = _Sequence(req, i, detok, logprobs=[] if child_params.logprobs is not None else None)
@@ -221,6 +227,18 @@ class LLMEngine:
             self.scheduler.add_request(seq.request)
             self._seq_of[seq.request.request_id] = (group, seq)
         self.groups[request_id] = group
+
+    def check_lora_request(self, lora_request: LoRARequest | None) -> None:
+        """Load ``lora_request``'s adapter into host memory (ValueError naming the file or
+        field when it cannot serve this model); None is the base model."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine with enable_lora=True "
+                             "(--enable-lora)")
+        self.lora.add_adapter(lora_request)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -44,6 +45,8 @@ class Request:
     max_model_len: int = 1 << 30
     #: A sibling whose prompt must be computed first so this one can reuse its blocks.
     wait_for: Request | None = None
+    #: The LoRA adapter (pagedserve.lora.LoRARequest) it runs with; None: the base model.
+    lora_request: Any = None
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

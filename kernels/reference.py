@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels import quant_reference
+from pagedserve.kernels import lora_reference, quant_reference
 
 __all__ = [
     "reshape_and_cache",
@@ -38,6 +38,7 @@ __all__ = [
     "int8_linear",
     "w8a8_linear",
     "fp8_linear",
+    "lora_linear",
     "OP_NAMES",
 ]
 
@@ -283,6 +284,13 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return quant_reference.fp8_linear(x, qweight, scale, bias)
 
 
+def lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                token_slots: torch.Tensor) -> torch.Tensor:
+    """Batched multi-LoRA delta, added to ``y`` in place: rows grouped by adapter slot
+    (``-1``: none).  Specified in :mod:`pagedserve.kernels.lora_reference`."""
+    return lora_reference.lora_linear(y, x, lora_a, lora_b, token_slots)
+
+
 #: Names of every op in the registry, in the order `pagedserve platforms --ops` shows them.
 OP_NAMES: tuple[str, ...] = (
     "paged_attention",
@@ -302,4 +310,5 @@ OP_NAMES: tuple[str, ...] = (
     "int8_linear",
     "w8a8_linear",
     "fp8_linear",
+    "lora_linear",
 )

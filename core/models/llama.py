@@ -376,7 +376,7 @@ class LlamaForCausalLM:
                                        meta.query_start_loc, self.scale)
             x = self.parallel.all_reduce(_linear(ops, attn.view(n, self.q_size), layer.o))
             h, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
-            if isinstance(layer.gate_up, QuantizedWeight):
+            if not isinstance(layer.gate_up, torch.Tensor):  # quantized, or with LoRA
                 h = ops.silu_and_mul(layer.gate_up.apply(h, None))
             else:
                 h = ops.linear_silu_and_mul(h, layer.gate_up)
@@ -406,7 +406,7 @@ def _fuse(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quantiz
 
 
 def _linear(ops, x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``ops.linear``, or the quantized weight's own kernel."""
-    if isinstance(w, QuantizedWeight):
+    """``ops.linear``, or the weight's own ``apply`` (quantized, or wrapped with LoRA)."""
+    if not isinstance(w, torch.Tensor):
         return w.apply(x, bias)
     return ops.linear(x, w, bias)
