@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.engine import EngineStats, LLMEngine
 from pagedserve.outputs import RequestOutput
@@ -58,6 +59,7 @@ class _Add:
     arrival_time: float
     priority: int
     cache_salt: str | None = None
+    lora_request: Any = None
 
 
 @dataclass
@@ -211,6 +213,7 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Queue a request and return its stream once the engine thread has accepted it.
 
@@ -229,7 +232,8 @@ class AsyncLLMEngine:
             self._pending_adds += params.n
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, text, ids, params, time.monotonic(), priority, cache_salt))
+        self._commands.put(_Add(request_id, text, ids, params, time.monotonic(), priority, cache_salt,
+                                lora_request))
         try:
             await stream._accepted
         except BaseException:
@@ -311,7 +315,7 @@ class AsyncLLMEngine:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                             prompt_token_ids=cmd.prompt_token_ids,
                                             arrival_time=cmd.arrival_time, priority=cmd.priority,
-                                            cache_salt=cmd.cache_salt)
+                                            cache_salt=cmd.cache_salt, lora_request=cmd.lora_request)
                     events.append((cmd.request_id, _ACCEPTED))
                 except ValueError as e:
                     events.append((cmd.request_id, e))
