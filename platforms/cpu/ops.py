@@ -42,3 +42,6 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
                          dense_ops.make_linear_silu_and_mul(ops.get("linear"), ops.get("silu_and_mul"), native),
                          source=source)
     register_cpu_quant_ops(ops, options)
+    from pagedserve.platforms.cpu.lora_ops import register_cpu_lora_ops
+
+    register_cpu_lora_ops(ops)  # built on the first LoRA step only

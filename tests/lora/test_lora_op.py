@@ -60,3 +60,18 @@ def test_conformance_cases_catch_bugs():
     for bad in (wrong_slot, ignores_view, touches_base_rows):
         with pytest.raises(AssertionError):
             run_cases(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_native_kernel_conforms(dtype):
+    from pagedserve.kernels.cpu.lora_native import load_lora_kernels
+
+    if load_lora_kernels() is None:
+        pytest.skip("no C++ toolchain: the LoRA CPU kernel cannot be built")
+    from pagedserve.platforms.cpu.lora_ops import lora_linear
+
+    run_cases(load_lora_kernels().lora_linear, dtype)  # every size, past NATIVE_MAX_ROWS too
+    run_cases(lora_linear, dtype)
+    with pytest.raises(RuntimeError, match="outside"):
+        lora_linear(torch.zeros(2, 4), torch.randn(2, 3), torch.randn(1, 2, 3), torch.randn(1, 4, 2),
+                    torch.tensor([0, 1]))
