@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.engine import EngineStats, LLMEngine
 from pagedserve.outputs import RequestOutput
@@ -60,6 +61,7 @@ class _Add:
     priority: int
     cache_salt: str | None = None
     pooling_params: PoolingParams | None = None
+    lora_request: Any = None
 
 
 @dataclass
@@ -216,6 +218,7 @@ class AsyncLLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Queue a request and return its stream once the engine thread has accepted it.
 
@@ -238,7 +241,7 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, text, ids, params, time.monotonic(), priority, cache_salt,
-                                pooling_params))
+                                pooling_params, lora_request))
         try:
             await stream._accepted
         except BaseException:
@@ -320,7 +323,8 @@ class AsyncLLMEngine:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                             prompt_token_ids=cmd.prompt_token_ids,
                                             arrival_time=cmd.arrival_time, priority=cmd.priority,
-                                            cache_salt=cmd.cache_salt, pooling_params=cmd.pooling_params)
+                                            cache_salt=cmd.cache_salt, pooling_params=cmd.pooling_params,
+                                            lora_request=cmd.lora_request)
                     events.append((cmd.request_id, _ACCEPTED))
                 except ValueError as e:
                     events.append((cmd.request_id, e))

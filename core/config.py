@@ -17,6 +17,7 @@ __all__ = [
     "ParallelConfig",
     "DeviceConfig",
     "SpeculativeDecodingConfig",
+    "LoRAConfig",
     "EngineConfig",
     "StructuredOutputsConfig",
     "DeviceMapEntry",
@@ -323,6 +324,27 @@ class SchedulerConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (docs/lora.md): adapters of the base model mixed in one batch."""
+
+    enable_lora: bool = field(default=False, metadata=_help(
+        "serve LoRA adapters (PEFT format) next to the base model"))
+    max_loras: int = field(default=1, metadata=_help(
+        "most distinct adapters in one batch (device slots)"))
+    max_lora_rank: int = field(default=16, metadata=_help("largest adapter rank accepted (<= 64)"))
+    max_cpu_loras: int | None = field(default=None, metadata=_help(
+        "adapters kept loaded in host memory (default: max_loras; at least max_loras)"))
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 64:
+            raise ValueError(f"max_lora_rank must be in [1, 64], got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
+
+
+@dataclass
 class ParallelConfig:
     """Ranks: ``world_size`` = tensor_parallel_size * pipeline_parallel_size."""
 
@@ -527,6 +549,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeDecodingConfig = field(default_factory=SpeculativeDecodingConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -26,6 +26,7 @@ from pagedserve.loader import IncrementalDetokenizer, open_model
 from pagedserve.loader.tokenizer_source import engine_tokenizer
 from pagedserve.loader.generation_config import load_generation_defaults
 from pagedserve.loader.validation import effective_max_model_len
+from pagedserve.lora import LoRAManager, LoRARequest, lora_cache_salt
 from pagedserve.quantization.registry import quantize_source
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -160,6 +161,8 @@ class LLMEngine:
         self.structured = self.runner.structured = build_structured_output_manager(config, self.tokenizer,
                                                                                    self.arch, self.eos_token_ids)
         self.spec = build_spec_decoder(config, self.runner, draft_source, mml, self.dtype)
+        self.lora = LoRAManager.attach(config.lora, self.runner)  # enable_lora (docs/lora.md)
+        self.scheduler.max_loras = config.lora.max_loras if self.lora is not None else None
         self.groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self.prompt_tokens = 0
@@ -205,6 +208,7 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; raises ValueError (and queues nothing) on bad input.
 
@@ -213,6 +217,8 @@ class LLMEngine:
             return self._add_pooling_request(request_id, prompt, pooling_params, prompt_token_ids,
                                              arrival_time, priority, cache_salt)
         params = params or SamplingParams()
+        self.check_lora_request(lora_request)
+        cache_salt = lora_cache_salt(cache_salt, lora_request)
         check_logprobs_limit(self.config.model, params)
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -236,7 +242,8 @@ class LLMEngine:
             share = self.kv.enable_prefix_caching and first is not None \
                 and first.sampling_params.prompt_logprobs is None
             req = Request(rid, ids, child_params, self.eos_token_ids, arrival, priority, cache_salt,
-                          self.max_model_len, wait_for=first if share else None)
+                          self.max_model_len, wait_for=first if share else None,
+                          lora_request=lora_request)
             if compiled is not None:
                 req.structured = self.structured.new_state(compiled)  # one matcher per sample
             first = first or req
@@ -299,6 +306,18 @@ class LLMEngine:
             except RuntimeError as e:
                 out.error = f"{type(e).__name__}: {e}"
         return out
+
+    def check_lora_request(self, lora_request: LoRARequest | None) -> None:
+        """Load ``lora_request``'s adapter into host memory (ValueError naming the file or
+        field when it cannot serve this model); None is the base model."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine with enable_lora=True "
+                             "(--enable-lora)")
+        self.lora.add_adapter(lora_request)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

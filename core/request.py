@@ -49,6 +49,8 @@ class Request:
     structured: Any = None
     #: An embedding request's pooling type (pagedserve.pooling): no sampling, no decode.
     pooling: str | None = None
+    #: The LoRA adapter (pagedserve.lora.LoRARequest) it runs with; None: the base model.
+    lora_request: Any = None
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

@@ -62,6 +62,9 @@ class Scheduler:
         #: The clock arrival and first-token times are read on (the capacity planner
         #: substitutes a simulated one).
         self.clock = time.monotonic
+        #: Most distinct LoRA adapters among running requests (set with enable_lora): a
+        #: waiting request with another adapter waits until one of them finishes.
+        self.max_loras: int | None = None
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -193,7 +196,7 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not request.ready():
+            if not request.ready() or not self._lora_fits(request):
                 skipped.append(self.waiting.popleft())
                 continue
             # Non-zero only for a request swapped out by preemption: it swaps back in.
@@ -219,6 +222,14 @@ class Scheduler:
         for request in reversed(skipped):
             self.waiting.appendleft(request)
         return out
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether ``request``'s adapter is running already or one more fits max_loras."""
+        lora = request.lora_request
+        if lora is None or self.max_loras is None:
+            return True
+        active = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return lora.lora_int_id in active or len(active) < self.max_loras
 
     def _passed_delay(self) -> bool:
         """vLLM's scheduler_delay_factor: hold new prefills briefly so arrivals batch."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels import quant_reference, spec_reference
+from pagedserve.kernels import lora_reference, quant_reference, spec_reference
 
 __all__ = [
     "reshape_and_cache",
@@ -44,6 +44,7 @@ __all__ = [
     "w8a8_linear",
     "fp8_linear",
     "rejection_sample",
+    "lora_linear",
     "OP_NAMES",
 ]
 
@@ -403,6 +404,13 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tens
                                            uniform, recover_uniform)
 
 
+def lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                token_slots: torch.Tensor) -> torch.Tensor:
+    """Batched multi-LoRA delta, added to ``y`` in place: rows grouped by adapter slot
+    (``-1``: none).  Specified in :mod:`pagedserve.kernels.lora_reference`."""
+    return lora_reference.lora_linear(y, x, lora_a, lora_b, token_slots)
+
+
 #: Names of every op in the registry, in the order `pagedserve platforms --ops` shows them.
 OP_NAMES: tuple[str, ...] = (
     "paged_attention",
@@ -428,4 +436,5 @@ OP_NAMES: tuple[str, ...] = (
     "w8a8_linear",
     "fp8_linear",
     "rejection_sample",
+    "lora_linear",
 )

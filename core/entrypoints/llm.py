@@ -11,6 +11,8 @@ from typing import Any
 from pagedserve.config import EngineConfig
 from pagedserve.entrypoints.engine_args import engine_config_from_args, engine_config_from_kwargs, engine_signature
 from pagedserve.engine import LLMEngine
+from pagedserve.lora import LoRARequest
+from pagedserve.lora.request import per_prompt_lora
 from pagedserve.outputs import RequestOutput
 from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams
 from pagedserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
@@ -78,8 +80,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns outputs in prompt order.
+
+        ``lora_request``: one adapter for every prompt, or one per prompt (None: the
+        base model); needs ``enable_lora=True`` (docs/lora.md).
 
         A prompt is a string, a list of token ids, or {"prompt": str} /
         {"prompt_token_ids": [...]}.  A bad prompt or parameter raises ValueError
@@ -99,11 +105,14 @@ class LLM:
         # Validate everything first so one bad prompt does not leave others queued.
         normalized = [engine.validate_prompt(*self.split_prompt(p), sp.truncate_prompt_tokens)
                       for p, sp in zip(prompts, params)]
+        loras = per_prompt_lora(lora_request, len(prompts))
+        for lora in dict.fromkeys(x for x in loras if x is not None):
+            engine.check_lora_request(lora)
         ids = []
         for i, ((text, tokens), sp) in enumerate(zip(normalized, params)):
             rid = str(next(self._counter))
             engine.add_request(rid, text, sp, prompt_token_ids=tokens,
-                               priority=priority[i] if priority else 0)
+                               priority=priority[i] if priority else 0, lora_request=loras[i])
             ids.append(rid)
         return self._run(ids, use_tqdm)
 

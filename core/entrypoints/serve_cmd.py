@@ -48,6 +48,9 @@ def add_parser(subparsers) -> None:
     from pagedserve.entrypoints.structured_args import add_tool_arguments
 
     add_tool_arguments(p)
+    from pagedserve.entrypoints.lora_args import add_lora_server_arguments
+
+    add_lora_server_arguments(p)  # --lora-modules, --allow-runtime-lora-updating
     dp = p.add_argument_group("data parallelism (docs/distributed.md)")
     dp.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                     help="independent engine replicas, each in its own process, behind this endpoint; "
@@ -113,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedserve.entrypoints.openai.stats_logger import configure_logging
     from pagedserve.entrypoints.server_ops_args import ops_settings, uvicorn_options
+    from pagedserve.entrypoints.lora_args import check_lora_modules, lora_modules_from_args
 
     log_config = configure_logging(args.log_level, args.log_format)
     log = logging.getLogger("pagedserve.serve")
@@ -125,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
         tools = tool_options(args, config.structured_outputs.reasoning_parser)
         ops = ops_settings(args, config)
         cors = cors_settings_from_args(args)
+        lora_modules = lora_modules_from_args(args, config.lora.enable_lora)
+        if dp is not None and config.lora.enable_lora:
+            raise ValueError("--enable-lora is not supported with data parallelism yet")
         if args.timeout_graceful_shutdown < 0:
             raise ValueError(f"--timeout-graceful-shutdown must be >= 0, got {args.timeout_graceful_shutdown}")
     except ValueError as e:
@@ -144,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
                  names[0], engine.max_model_len, engine.runner.num_blocks, config.cache.block_size,
                  engine.platform.name)
         ops["cache_info"]["num_blocks"] = str(engine.runner.num_blocks)
+        check_lora_modules(engine, lora_modules)  # a bad adapter stops the start, named
         served = AsyncLLMEngine(engine)
     else:
         from pagedserve.serving.router import DataParallelRouter, ReplicaStartError
@@ -155,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         log.info("model %s served by %d data-parallel replicas (%s backend)", names[0], dp.size, dp.backend)
     settings = ServerSettings(served_model_names=names, api_key=resolve_api_key(args),
                               max_body_bytes=max_body, chat_template=chat_template, cors=cors, tool_options=tools,
-                              **ops)
+                              lora_modules=tuple(lora_modules),
+                              allow_runtime_lora_updating=args.allow_runtime_lora_updating, **ops)
     app = build_app(served, settings)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable from other machines%s", args.host,

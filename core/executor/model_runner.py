@@ -111,6 +111,8 @@ class ModelRunner:
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 16
         self.num_blocks = 0
+        #: Set by pagedserve.lora.LoRAManager.attach with enable_lora.
+        self.lora_manager = None
 
     def load_weights(self, weights, prepare: bool = True) -> None:
         """Load (HF name, tensor) pairs; ``prepare``: then put dense linear weights in the
@@ -245,7 +247,14 @@ class ModelRunner:
                 apply_kv_transfers([o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches,
                                    out.kv_transfers)
             inp = prepare_inputs(out, block_ids, self.block_size, self.device)
-            hidden = self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
+            if self.lora_manager is not None:  # each row's adapter slot, for this forward only
+                self.lora_manager.begin_step([(s.request.lora_request, s.num_new_tokens) for s in out.scheduled],
+                                             self.device)
+            try:
+                hidden = self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
+            finally:
+                if self.lora_manager is not None:
+                    self.lora_manager.end_step()
             prompt_lps = compute_prompt_logprobs(out, hidden, self.model.compute_logits,
                                                  self.segments[-1].platform.to_device)
             # Embedding requests get their final-norm hidden rows pooled instead of logits.

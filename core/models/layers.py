@@ -96,8 +96,9 @@ def fuse(parts: list[Weight]) -> Weight:
 
 
 def linear(ops, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``ops.linear``, or the quantized weight's own kernel.  x [n, in] -> [n, out]."""
-    if isinstance(w, QuantizedWeight):
+    """``ops.linear``, or the weight's own ``apply`` (a quantized weight's kernel, or a
+    weight wrapped with LoRA adapters).  x [n, in] -> [n, out]."""
+    if not isinstance(w, torch.Tensor):
         return w.apply(x, bias)
     return ops.linear(x, w, bias)
 
@@ -149,7 +150,7 @@ def gated_mlp(ops, x: torch.Tensor, gate_up: Weight, down: Weight, activation: s
     or GELU (GeGLU; "gelu_pytorch_tanh" is its tanh approximation).
     x [n, hidden] -> [n, hidden] (before any tensor-parallel all-reduce)."""
     if activation == "silu":
-        if isinstance(gate_up, QuantizedWeight):
+        if not isinstance(gate_up, torch.Tensor):  # quantized, or with LoRA
             h = ops.silu_and_mul(gate_up.apply(x, None))
         else:
             h = ops.linear_silu_and_mul(x, gate_up)

@@ -524,6 +524,39 @@ def _block_copy_cases(op: str, t: Target, fn: Callable, dtype: torch.dtype, seed
         yield desc, body
 
 
+#: (rows, in, out, rank, slots, slot pattern) of the lora_linear cases: one decode row,
+#: a mixed batch in no particular order, rows of one adapter, no adapter at all.
+LORA_CASES = ((1, 64, 96, 8, 2, "mixed"), (37, 128, 192, 16, 3, "mixed"), (9, 64, 80, 4, 1, "one"),
+              (5, 64, 64, 8, 2, "none"))
+
+
+def _lora_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    """Into a column slice of a wider output (as a fused projection's part), so that the
+    op must honour strides and leave other columns and adapter-less rows bit-equal."""
+    for rows, k, n, r, slots, pattern in LORA_CASES:
+        desc = f"{rows}x{k}->{n} r{r} s{slots} {pattern}"
+
+        def body(rows=rows, k=k, n=n, r=r, slots=slots, pattern=pattern, desc=desc) -> None:
+            c = _Case(f"lora_linear{desc}{dtype}", seed, t.device)
+            x = c.randn(rows, k, dtype=dtype)
+            a = c.randn(slots, r, k, dtype=dtype, scale=0.2)
+            b = c.randn(slots, n, r, dtype=dtype, scale=0.2)
+            ids = {"mixed": c.randint(-1, slots, rows), "one": torch.full((rows,), slots - 1),
+                   "none": torch.full((rows,), -1)}[pattern].to(torch.int64)
+            wide = c.randn(rows, n + 24, dtype=dtype)
+            want = wide.clone()
+            reference.lora_linear(want[:, 8:8 + n], x, a, b, ids)
+            got = c.dev(wide)
+            out = fn(got[:, 8:8 + n], c.dev(x), c.dev(a), c.dev(b), c.dev(ids))
+            assert_matches(f"lora_linear ({desc}) return", out, want[:, 8:8 + n], dtype)
+            assert_matches(f"lora_linear ({desc})", got, want, dtype)
+            untouched = (ids < 0).nonzero().squeeze(1)
+            assert_matches(f"lora_linear ({desc}) rows without adapter", got.cpu()[untouched], want[untouched],
+                           dtype, exact=True)
+
+        yield desc, body
+
+
 #: Op name -> its cases (assembled with the quantized ones by pagedserve.testing.op_suite).
 OP_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "paged_attention": _paged_attention,
@@ -545,4 +578,5 @@ OP_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "apply_token_bitmask": _apply_token_bitmask,
     "copy_blocks": lambda t, fn, d, s: _block_copy_cases("copy_blocks", t, fn, d, s),
     "swap_blocks": lambda t, fn, d, s: _block_copy_cases("swap_blocks", t, fn, d, s),
+    "lora_linear": _lora_linear,
 }

@@ -45,3 +45,6 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
     from pagedserve.kernels.cpu import spec_native
 
     ops.register("rejection_sample", spec_native.rejection_sample, source=spec_native.SOURCE)
+    from pagedserve.platforms.cpu.lora_ops import register_cpu_lora_ops
+
+    register_cpu_lora_ops(ops)  # built on the first LoRA step only

@@ -20,7 +20,8 @@ from pagedserve.platforms.options import GpuOptions
 __all__ = ["register_cuda_ops", "register_triton_ops", "TRITON_OPS"]
 
 #: The ops served by Triton kernels.
-TRITON_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "gguf_linear", "apply_token_bitmask")
+TRITON_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "gguf_linear", "apply_token_bitmask",
+                              "lora_linear")
 #: The ops the CUDA C++ kernels serve under PAGEDSERVE_CUDA_KERNELS=cuda.
 _CUDA_CPP_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks")
 
@@ -28,9 +29,10 @@ _CUDA_CPP_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "copy_
 def _triton_kernels() -> dict[str, Callable[..., Any]]:
     """Every Triton kernel by op name (imports triton; ImportError without it)."""
     from pagedserve.kernels.triton import triton_ops
+    from pagedserve.kernels.triton.lora import lora_linear_triton
     from pagedserve.kernels.triton.quant_gguf import gguf_linear_triton
 
-    return {**triton_ops(), "gguf_linear": gguf_linear_triton}
+    return {**triton_ops(), "gguf_linear": gguf_linear_triton, "lora_linear": lora_linear_triton}
 
 
 def register_triton_ops(ops: OpRegistry, platform_name: str, names: tuple[str, ...] = TRITON_OPS) -> None:
@@ -67,4 +69,4 @@ def register_cuda_ops(ops: OpRegistry, options: GpuOptions | None = None) -> Non
     for name in _CUDA_CPP_OPS:
         ops.register(name, getattr(cuda_ops, name), source="cuda")
     # No CUDA C++ kernel for GGUF blocks: Triton's serves them in either mode.
-    register_triton_ops(ops, "cuda", names=("gguf_linear", "apply_token_bitmask"))
+    register_triton_ops(ops, "cuda", names=("gguf_linear", "apply_token_bitmask", "lora_linear"))

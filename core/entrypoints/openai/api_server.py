@@ -36,6 +36,7 @@ from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_embedding import (EmbeddingRequest, OpenAIServingEmbedding,
                                                              add_embedding_route)
+from pagedserve.entrypoints.openai.serving_lora import add_lora_routes, lora_serving
 from pagedserve.entrypoints.openai.serving_tokenize import Readiness, add_tokenize_routes
 from pagedserve.entrypoints.openai.stats_logger import RequestLogger, StatsLogger
 from pagedserve.entrypoints.openai.shutdown import Drain, client_disconnected
@@ -72,6 +73,9 @@ class ServerSettings:
     cors: CorsSettings | None = None  # --allowed-origins and friends; None: no CORS headers
     #: --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser (a ToolOptions)
     tool_options: object | None = None
+    #: --lora-modules as (name, path) pairs and --allow-runtime-lora-updating (docs/lora.md).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    allow_runtime_lora_updating: bool = False
 
 
 class _ApiKeyMiddleware:
@@ -191,6 +195,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     if settings.tool_options is not None:
         chat.tool_options = settings.tool_options
     completions.request_logger = chat.request_logger = request_logger
+    lora = lora_serving(engine, settings.lora_modules, settings.allow_runtime_lora_updating)
+    completions.lora = chat.lora = lora
     created = int(time.time())
     drain = Drain()  # cut by the server at the end of its shutdown grace period
 
@@ -257,14 +263,17 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [model_card(n) for n in names]}
+        lora_cards = lora.cards(model_card(names[0]), names[0]) if lora is not None else []
+        return {"object": "list", "data": [model_card(n) for n in names] + lora_cards}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict:
         if not model:  # "/v1/models/" names no model
             raise ApiError(404, "No model id given: use GET /v1/models to list the models.", param="model",
                            code="model_not_found")
-        return model_card(completions.model_name(model))
+        name = completions.model_name(model)
+        card = model_card(name)
+        return next((c for c in lora.cards(card, names[0]) if c["id"] == name), card) if lora else card
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
@@ -276,6 +285,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         body = parse_request(ChatCompletionRequest, await read_body(request, settings.max_body_bytes))
         return await _respond(request, chat.create(body), drain)
 
+    add_lora_routes(app, lora, lambda request: read_body(request, settings.max_body_bytes))
     install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                           "/v1/embeddings": EmbeddingRequest}, names)
     return app

@@ -13,6 +13,7 @@ from typing import Any
 from pagedserve.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError,
                                      RequestStream)
 from pagedserve.entrypoints.openai.errors import ApiError, error_body
+from pagedserve.entrypoints.openai.serving_lora import REQUEST_LORA
 from pagedserve.entrypoints.openai.serving_fields import field_named, generation_defaults, salt_kwargs
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -81,6 +82,8 @@ class OpenAIServing:
 
     #: A RequestLogger (--enable-log-requests) told of every request queued.
     request_logger = None
+    #: The served LoRA adapters (serving_lora.LoRAServing) with --enable-lora.
+    lora = None
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
                  chat_template: str | None = None) -> None:
@@ -94,8 +97,12 @@ class OpenAIServing:
     # -- request checks -----------------------------------------------------------------------
     def model_name(self, requested: str | None) -> str:
         """The model a response reports; 404 for a model this server does not serve."""
+        REQUEST_LORA.set(None)
         if requested is None or requested == "":
             return self.served_model_names[0]
+        if requested not in self.served_model_names and self.lora is not None and self.lora.resolve(requested):
+            REQUEST_LORA.set(self.lora.resolve(requested))  # read by submit() of this request
+            return requested
         if requested not in self.served_model_names:
             raise ApiError(404, f"The model `{requested}` does not exist.", param="model",
                            code="model_not_found")
@@ -136,6 +143,8 @@ class OpenAIServing:
         more add_request keywords (an embedding request's pooling_params)."""
         streams: list[RequestStream] = []
         salt = salt_kwargs(self.engine, cache_salt)
+        if REQUEST_LORA.get() is not None:
+            salt["lora_request"] = REQUEST_LORA.get()
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
