@@ -54,6 +54,7 @@ __all__ = [
     "BuildReport",
     "ExtensionSpec",
     "CpuBuildSpec",
+    "toolchain_available",
     "read_cpu_features",
     "auto_cpu_arch_flags",
     "cpu_arch_flags",
@@ -238,6 +239,18 @@ def cpu_build_spec(env: Mapping[str, str] | None = None) -> ExtensionSpec:
 
 def _log(msg: str) -> None:
     print(f"pagedserve: {msg}", file=sys.stderr, flush=True)
+
+
+def toolchain_available(compiler: str | None = None) -> bool:
+    """Whether native extensions can be built here (the C++ compiler of ``CXX`` and
+    ninja), for ops that build theirs on first use and so must know at registration."""
+    compiler = compiler if compiler is not None else os.environ.get("CXX", "c++")
+    try:
+        _check_toolchain(ExtensionSpec(name="probe", directory=Path("."), sources=(), cflags=(), arch_flags=(),
+                                       arch_origin="probe", compiler=compiler))
+    except KernelBuildError:
+        return False
+    return True
 
 
 def _check_toolchain(spec: ExtensionSpec) -> None:

@@ -16,19 +16,21 @@ def acceptance_rate(stats) -> float:
     return stats.spec_decode_num_accepted_tokens / n if n else 0.0
 
 
-def spec_decode_metrics(stats, model_name: str) -> Iterator[Metric]:
-    labels = [model_name]
+def spec_decode_metrics(stats, model_name: str, engine: str = "0", prefix: str = "pagedserve") -> Iterator[Metric]:
+    """The counters of ``stats`` (an EngineStats), labelled ``model_name`` and ``engine``;
+    ``prefix`` names them (``vllm`` for vLLM's dashboards)."""
+    labels = [model_name, engine]
     for name, doc, value in (
         ("num_drafts", "Verification steps of requests that carried drafts.", stats.spec_decode_num_drafts),
         ("num_draft_tokens", "Draft tokens verified.", stats.spec_decode_num_draft_tokens),
         ("num_accepted_tokens", "Draft tokens accepted.", stats.spec_decode_num_accepted_tokens),
     ):
-        c = CounterMetricFamily(f"pagedserve:spec_decode_{name}", doc, labels=["model_name"])
+        c = CounterMetricFamily(f"{prefix}:spec_decode_{name}", doc, labels=["model_name", "engine"])
         c.add_metric(labels, value)
         yield c
-    per_pos = CounterMetricFamily("pagedserve:spec_decode_num_accepted_tokens_per_pos",
+    per_pos = CounterMetricFamily(f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
                                   "Draft tokens accepted, by position in the draft (0 = first).",
-                                  labels=["model_name", "position"])
+                                  labels=["model_name", "engine", "position"])
     for pos, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
-        per_pos.add_metric([model_name, str(pos)], value)
+        per_pos.add_metric([model_name, engine, str(pos)], value)
     yield per_pos

@@ -530,6 +530,38 @@ LORA_CASES = ((1, 64, 96, 8, 2, "mixed"), (37, 128, 192, 16, 3, "mixed"), (9, 64
               (5, 64, 64, 8, 2, "none"))
 
 
+def _rejection_sample(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    """Speculative decoding's verification: token for token equal to the reference on
+    random drafts and distributions (float32 probabilities whatever the model dtype),
+    one-hot and real draft distributions, rows with 0 to K drafts."""
+    if dtype != torch.float32:
+        return
+    for batch, k, vocab, with_q in [(9, 3, 5, False), (9, 3, 300, True), (4, 5, 4099, True), (1, 1, 17, False)]:
+        desc = f"b{batch}-k{k}-v{vocab}" + ("-q" if with_q else "")
+
+        def body(batch=batch, k=k, vocab=vocab, with_q=with_q, desc=desc) -> None:
+            c = _Case(f"rejection_sample{desc}", seed, t.device)
+            num = torch.randint(0, k + 1, (batch,), generator=c.gen)
+            target = torch.rand(batch, k + 1, vocab, generator=c.gen) ** 4
+            target[target < 0.05] = 0.0
+            target[:, :, 0] += 1e-3  # every row keeps some mass
+            target /= target.sum(-1, keepdim=True)
+            q = None
+            if with_q:
+                q = torch.rand(batch, k, vocab, generator=c.gen) ** 2
+                q /= q.sum(-1, keepdim=True)
+            drafts = torch.randint(0, vocab, (batch, k), generator=c.gen)
+            # Half the drafts are the target's mode, so acceptances happen too.
+            drafts = torch.where(torch.rand(batch, k, generator=c.gen) < 0.5, target[:, :k].argmax(-1), drafts)
+            uniform, recover = torch.rand(batch, k, generator=c.gen), torch.rand(batch, k + 1, generator=c.gen)
+            want = reference.rejection_sample(drafts, num, q, target, uniform, recover)
+            got = fn(c.dev(drafts), c.dev(num), None if q is None else c.dev(q), c.dev(target), c.dev(uniform),
+                     c.dev(recover))
+            assert_matches("rejection_sample", got.cpu(), want, torch.int64, exact=True)
+
+        yield desc, body
+
+
 def _lora_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
     """Into a column slice of a wider output (as a fused projection's part), so that the
     op must honour strides and leave other columns and adapter-less rows bit-equal."""
@@ -579,4 +611,5 @@ OP_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "copy_blocks": lambda t, fn, d, s: _block_copy_cases("copy_blocks", t, fn, d, s),
     "swap_blocks": lambda t, fn, d, s: _block_copy_cases("swap_blocks", t, fn, d, s),
     "lora_linear": _lora_linear,
+    "rejection_sample": _rejection_sample,
 }

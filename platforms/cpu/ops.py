@@ -42,9 +42,14 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
                          dense_ops.make_linear_silu_and_mul(ops.get("linear"), ops.get("silu_and_mul"), native),
                          source=source)
     register_cpu_quant_ops(ops, options)
-    from pagedserve.kernels.cpu import spec_native
+    from pagedserve.kernels import build
 
-    ops.register("rejection_sample", spec_native.rejection_sample, source=spec_native.SOURCE)
-    from pagedserve.platforms.cpu.lora_ops import register_cpu_lora_ops
+    # These two build on first use (an engine without speculation or adapters never
+    # compiles them): registered only where they can be built, so the op table never
+    # names a native kernel that will not exist.
+    if build.toolchain_available():
+        from pagedserve.kernels.cpu import spec_native
+        from pagedserve.platforms.cpu.lora_ops import register_cpu_lora_ops
 
-    register_cpu_lora_ops(ops)  # built on the first LoRA step only
+        ops.register("rejection_sample", spec_native.rejection_sample, source=spec_native.SOURCE)
+        register_cpu_lora_ops(ops)

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from prometheus_client import generate_latest
 
 from pagedserve import LLM, SamplingParams
@@ -64,12 +65,25 @@ def test_self_quantized_refuses_a_quantized_target():
         EngineConfig(speculative=spec, model=ModelConfig(quantization="gguf"))
 
 
-def test_draft_with_another_vocabulary_is_refused_before_loading(tiny_llama, tmp_path):
+def test_draft_with_another_vocabulary_is_refused_before_loading(tiny_llama, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    from pagedserve.loader import model_source
+
+    # A consistent checkpoint with 300 vocabulary rows (the target has 259).
     other = tmp_path / "other"
     shutil.copytree(tiny_llama, other)
+    for f in other.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if t.shape[0] == 259 and ("embed_tokens" in name or "lm_head" in name):
+                tensors[name] = torch.cat([t, t[:41]])
+        save_file(tensors, f, metadata={"format": "pt"})
     cfg = json.loads((other / "config.json").read_text())
     cfg["vocab_size"] = 300
     (other / "config.json").write_text(json.dumps(cfg))
+    # The draft's config alone decides: no weight of either model is read.
+    monkeypatch.setattr(model_source.ModelSource, "weights", lambda self: pytest.fail("weights were read"))
     with pytest.raises(ValueError, match="vocabulary of 300 tokens, the target 259"):
         LLM(model=str(tiny_llama), speculative_config={"model": str(other), "num_speculative_tokens": 2}, **KW)
 
@@ -90,8 +104,8 @@ def test_cli_flag_and_metrics(tiny_llama, capsys):
     assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == stats.spec_decode_num_accepted_tokens
     assert 0 <= acceptance_rate(stats) <= 1
     text = generate_latest(ServerMetrics(llm.llm_engine.stats, "tiny").registry).decode()
-    assert f'pagedserve:spec_decode_num_draft_tokens_total{{model_name="tiny"}} ' \
+    assert f'pagedserve:spec_decode_num_draft_tokens_total{{engine="0",model_name="tiny"}} ' \
            f'{float(stats.spec_decode_num_draft_tokens)}' in text
-    assert f'pagedserve:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} ' \
+    assert f'pagedserve:spec_decode_num_accepted_tokens_total{{engine="0",model_name="tiny"}} ' \
            f'{float(stats.spec_decode_num_accepted_tokens)}' in text
-    assert 'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text
+    assert 'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"}' in text

@@ -86,7 +86,7 @@ class _EngineCollector(Collector):
         yield self._counter("pagedserve:generation_tokens", "Tokens generated.", s.generation_tokens)
         yield self._iterations(s)
         yield from self._host_tier(s)
-        yield from spec_decode_metrics(s, self._labels[0])
+        yield from spec_decode_metrics(s, self._labels[0], self._labels[1], self._prefix)
 
     def _host_tier(self, s: EngineStats) -> Iterator[Metric]:
         """The host KV tier (kv_offload_memory; all zero without one)."""
