@@ -43,9 +43,9 @@ def _cmdline(pid: int) -> str:
 class _Stream(threading.Thread):
     """Reads one streamed completion in a thread; `first` is set at its first event."""
 
-    def __init__(self, url: str, prompt: list[int]) -> None:
+    def __init__(self, url: str, prompt: list[int], max_tokens: int = LONG["max_tokens"]) -> None:
         super().__init__(daemon=True)
-        self.url, self.prompt = url, prompt
+        self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
         self.first = threading.Event()
         self.lines: list[str] = []
         self.failure: BaseException | None = None
@@ -53,8 +53,8 @@ class _Stream(threading.Thread):
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", self.url + "/v1/completions", json={**LONG, "prompt": self.prompt,
-                                                                         "stream": True}, timeout=120) as r:
+            body = {**LONG, "prompt": self.prompt, "stream": True, "max_tokens": self.max_tokens}
+            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as r:
                 for line in r.iter_lines():
                     if line:
                         self.lines.append(line)
@@ -77,13 +77,17 @@ def _hang_up_mid_upload(port: int) -> None:
     time.sleep(0.3)
 
 
-def test_sigterm_mid_stream_ends_every_stream_with_an_error_event(tiny_llama, tmp_path):
-    server = LiveServer(str(tiny_llama), [*TINY_ARGS, "--timeout-graceful-shutdown", "0.5"], tmp_path / "log")
+def test_sigterm_mid_stream_ends_every_stream_with_an_error_event(tiny_checkpoint_factory, tmp_path):
+    # A long context, so that no stream can finish on its own before the grace period
+    # ends, however fast the machine decodes.
+    model = tiny_checkpoint_factory(max_position_embeddings=32768)
+    many = 30000
+    server = LiveServer(str(model), [*TINY_ARGS, "--timeout-graceful-shutdown", "0.5"], tmp_path / "log")
     try:
-        streams = [_Stream(server.url, [5 + i, 6, 7]) for i in range(3)]
+        streams = [_Stream(server.url, [5 + i, 6, 7], many) for i in range(3)]
         whole: dict = {}
         waiter = threading.Thread(target=lambda: whole.setdefault("r", httpx.post(
-            server.url + "/v1/completions", json={**LONG, "prompt": [9, 9]}, timeout=120)))
+            server.url + "/v1/completions", json={**LONG, "prompt": [9, 9], "max_tokens": many}, timeout=120)))
         waiter.start()
         for s in streams:
             assert s.first.wait(60) and s.failure is None

@@ -110,8 +110,10 @@ def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]], models: li
                 components[model]["properties"][name] = {**field_schema, "title": name.title()}
         for model in bodies.values():
             _constrain(components[model.__name__]["properties"], models)
-        if "CompletionRequest" in components:  # optional in the model only to word its error
-            components["CompletionRequest"]["required"] = ["prompt"]
+        # Optional in the models only to word their errors; the server requires them.
+        for model, name in (("CompletionRequest", "prompt"), ("EmbeddingRequest", "input")):
+            if model in components:
+                components[model]["required"] = [name]
         components["ErrorResponse"] = _ERROR_SCHEMA
         schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
         for path, model in bodies.items():
