@@ -25,8 +25,9 @@ from engine_runner import add_common_arguments, run_comparison  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(p)
-    p.add_argument("--hf-batch-size", type=int, default=None,
-                   help="transformers batch size (default: every request in one batch)")
+    p.add_argument(
+        "--hf-batch-size", type=int, default=None, help="transformers batch size (default: every request in one batch)"
+    )
     p.add_argument("--python", default=sys.executable, help="python with pagedserve and transformers")
     args = p.parse_args(argv)
     run_comparison(args, "transformers", {"pagedserve": args.python, "transformers": args.python}, "compare_hf")

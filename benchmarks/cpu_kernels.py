@@ -25,14 +25,26 @@ from pagedserve.kernels import reference
 from pagedserve.kernels.cpu import load_cpu_kernels
 from pagedserve.kernels.cpu.hugepages import empty_huge_pages
 
-__all__ = ["time_call", "attention_inputs", "prefill_inputs", "bench_attention", "bench_prefill", "bench_ops",
-           "bench_linear", "main"]
+__all__ = [
+    "time_call",
+    "attention_inputs",
+    "prefill_inputs",
+    "bench_attention",
+    "bench_prefill",
+    "bench_ops",
+    "bench_linear",
+    "main",
+]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
-def time_call(fn: Callable[[], object], min_seconds: float = 0.3, min_reps: int = 5,
-              clock: Callable[[], float] = time.perf_counter) -> float:
+def time_call(
+    fn: Callable[[], object],
+    min_seconds: float = 0.3,
+    min_reps: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Median seconds of one call on ``clock``, after a warm-up call."""
     fn()
     samples: list[float] = []
@@ -46,9 +58,18 @@ def time_call(fn: Callable[[], object], min_seconds: float = 0.3, min_reps: int 
     return statistics.median(samples)
 
 
-def attention_inputs(num_seqs: int, context: int, dtype: torch.dtype, num_heads: int = 9, num_kv_heads: int = 3,
-                     head_size: int = 64, block_size: int = 16, huge_pages: bool = False,
-                     token_major: bool = False, layers: int = 1) -> tuple:
+def attention_inputs(
+    num_seqs: int,
+    context: int,
+    dtype: torch.dtype,
+    num_heads: int = 9,
+    num_kv_heads: int = 3,
+    head_size: int = 64,
+    block_size: int = 16,
+    huge_pages: bool = False,
+    token_major: bool = False,
+    layers: int = 1,
+) -> tuple:
     """A decode batch: one query token per sequence, ``context`` keys each, blocks shuffled.
 
     The caches are laid out as the CPU platform allocates them (reference-shaped views
@@ -74,23 +95,39 @@ def attention_inputs(num_seqs: int, context: int, dtype: torch.dtype, num_heads:
     return query, caches, block_tables, seq_lens, query_start_loc
 
 
-def bench_attention(native, seqs: list[int], contexts: list[int], dtype: torch.dtype,
-                    huge_pages: bool = False, clock: Callable[[], float] = time.perf_counter,
-                    token_major: bool = False, layers: int = 1) -> list[tuple]:
+def bench_attention(
+    native,
+    seqs: list[int],
+    contexts: list[int],
+    dtype: torch.dtype,
+    huge_pages: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
+    token_major: bool = False,
+    layers: int = 1,
+) -> list[tuple]:
     """Per layer: reference us (first layer), native us (mean over ``layers``) and the
     KV bytes the native kernel read per second."""
     rows = []
     for n in seqs:
         for ctx in contexts:
-            query, caches, *meta = attention_inputs(n, ctx, dtype, huge_pages=huge_pages, token_major=token_major,
-                                                    layers=layers)
+            query, caches, *meta = attention_inputs(
+                n, ctx, dtype, huge_pages=huge_pages, token_major=token_major, layers=layers
+            )
             out = torch.empty_like(query)
             scale = query.shape[-1] ** -0.5
-            t_native = time_call(lambda: [native.paged_attention(query, k, v, *meta, scale, out) for k, v in caches],
-                                 clock=clock) / layers
+            t_native = (
+                time_call(
+                    lambda: [native.paged_attention(query, k, v, *meta, scale, out) for k, v in caches], clock=clock
+                )
+                / layers
+            )
             k0, v0 = caches[0]
-            t_ref = time_call(lambda: reference.paged_attention(query, k0, v0, *meta, scale, out), min_seconds=0.2,
-                              min_reps=3, clock=clock)
+            t_ref = time_call(
+                lambda: reference.paged_attention(query, k0, v0, *meta, scale, out),
+                min_seconds=0.2,
+                min_reps=3,
+                clock=clock,
+            )
             kv_bytes = 2 * n * ctx * k0.shape[2] * k0.shape[3] * k0.element_size()
             rows.append((n, ctx, t_ref * 1e6, t_native * 1e6, t_ref / t_native, kv_bytes / t_native / 1e9))
     return rows
@@ -100,14 +137,15 @@ def prefill_inputs(q_len: int, context: int, dtype: torch.dtype, block_size: int
     """One prefill chunk: the last ``q_len`` of ``context`` positions (a prefix-cache
     continuation when q_len < context), default-model heads, blocks shuffled."""
     query, caches, block_tables, seq_lens, _ = attention_inputs(1, context, dtype, block_size=block_size)
-    (key_cache, value_cache), = caches
+    ((key_cache, value_cache),) = caches
     query = torch.randn(q_len, *query.shape[1:]).to(dtype)
     query_start_loc = torch.tensor([0, q_len], dtype=torch.int32)
     return query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
 
 
-def bench_prefill(native, shapes: list[tuple[int, int]], dtype: torch.dtype,
-                  clock: Callable[[], float] = time.perf_counter) -> list[tuple]:
+def bench_prefill(
+    native, shapes: list[tuple[int, int]], dtype: torch.dtype, clock: Callable[[], float] = time.perf_counter
+) -> list[tuple]:
     rows = []
     for q_len, ctx in shapes:
         args = prefill_inputs(q_len, ctx, dtype)
@@ -142,8 +180,9 @@ def _op_cases(tokens: int, dtype: torch.dtype) -> dict[str, tuple[Callable, Call
     }
 
 
-def bench_ops(native, token_counts: list[int], dtype: torch.dtype,
-              clock: Callable[[], float] = time.perf_counter) -> list[tuple]:
+def bench_ops(
+    native, token_counts: list[int], dtype: torch.dtype, clock: Callable[[], float] = time.perf_counter
+) -> list[tuple]:
     rows = []
     for tokens in token_counts:
         for name, call in _op_cases(tokens, dtype).items():
@@ -189,8 +228,10 @@ def _print_table(header: tuple[str, ...], rows: list[tuple]) -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---:" for _ in header) + "|")
     for r in rows:
-        cells = [(f"{c:.1f}x" if "speedup" in header[i] else f"{c:.1f}") if isinstance(c, float) else str(c)
-                 for i, c in enumerate(r)]
+        cells = [
+            (f"{c:.1f}x" if "speedup" in header[i] else f"{c:.1f}") if isinstance(c, float) else str(c)
+            for i, c in enumerate(r)
+        ]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -202,20 +243,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--isa", default=None, help="force an instruction set (avx512bf16, avx512, avx2, scalar)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--huge-pages", action="store_true", help="allocate the KV caches with huge pages")
-    parser.add_argument("--token-major", action="store_true",
-                        help="token-major KV storage instead of the CPU platform's head-major one")
-    parser.add_argument("--layers", type=int, default=1,
-                        help="decode attention over this many layers' caches per timed call (from memory, "
-                             "as in a decode step, rather than from cache)")
-    parser.add_argument("--cpu-time", action="store_true",
-                        help="one thread, timed in process CPU time (robust on a busy machine)")
+    parser.add_argument(
+        "--token-major", action="store_true", help="token-major KV storage instead of the CPU platform's head-major one"
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="decode attention over this many layers' caches per timed call (from memory, "
+        "as in a decode step, rather than from cache)",
+    )
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="one thread, timed in process CPU time (robust on a busy machine)"
+    )
     parser.add_argument("--prefill", action="store_true", help="also time prefill chunks")
     parser.add_argument("--ops", action="store_true", help="also time the row-wise ops")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 512], help="batch sizes for --ops")
-    parser.add_argument("--linear", action="store_true",
-                        help="also time one decode step's bf16 linear layers (torch GEMM vs native)")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 256],
-                        help="batch sizes for --linear")
+    parser.add_argument(
+        "--linear", action="store_true", help="also time one decode step's bf16 linear layers (torch GEMM vs native)"
+    )
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 256], help="batch sizes for --linear")
     args = parser.parse_args(argv)
     if args.cpu_time:
         args.threads = 1
@@ -230,24 +277,31 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {native.source}, {args.dtype}, {torch.get_num_threads()} threads, {timing}, torch {torch.__version__}")
     pages = "huge pages" if args.huge_pages else "4 KiB pages"
     layout = "token-major" if args.token_major else "head-major"
-    print(f"\npaged_attention, decode (9 heads, 3 kv heads, head 64, block 16, {layout} cache, {pages}, "
-          f"{args.layers} layer(s)):\n")
-    _print_table(("seqs", "context", "reference us", "native us", "speedup", "native KV GB/s"),
-                 bench_attention(native, args.seqs, args.contexts, dtype, args.huge_pages, clock,
-                                 args.token_major, args.layers))
+    print(
+        f"\npaged_attention, decode (9 heads, 3 kv heads, head 64, block 16, {layout} cache, {pages}, "
+        f"{args.layers} layer(s)):\n"
+    )
+    _print_table(
+        ("seqs", "context", "reference us", "native us", "speedup", "native KV GB/s"),
+        bench_attention(native, args.seqs, args.contexts, dtype, args.huge_pages, clock, args.token_major, args.layers),
+    )
     if args.prefill:
         print("\npaged_attention, one prefill chunk (the last q_len of context positions):\n")
-        _print_table(("q_len", "context", "reference us", "native us", "speedup"),
-                     bench_prefill(native, [(128, 128), (512, 512), (256, 1024), (2048, 2048)], dtype, clock))
+        _print_table(
+            ("q_len", "context", "reference us", "native us", "speedup"),
+            bench_prefill(native, [(128, 128), (512, 512), (256, 1024), (2048, 2048)], dtype, clock),
+        )
     if args.ops:
         print("\nrow-wise ops (hidden 576, intermediate 1536):\n")
-        _print_table(("op", "tokens", "reference us", "native us", "speedup"),
-                     bench_ops(native, args.tokens, dtype, clock))
+        _print_table(
+            ("op", "tokens", "reference us", "native us", "speedup"), bench_ops(native, args.tokens, dtype, clock)
+        )
     if args.linear:
-        print("\nbf16 linear layers of one decode step of the default model (weights 268 MB, "
-              "each layer its own):\n")
-        _print_table(("rows", "torch ms", "skinny ms", "oneDNN packed ms", "native packed ms",
-                      "native/oneDNN speedup"), bench_linear(native, args.rows, clock))
+        print("\nbf16 linear layers of one decode step of the default model (weights 268 MB, each layer its own):\n")
+        _print_table(
+            ("rows", "torch ms", "skinny ms", "oneDNN packed ms", "native packed ms", "native/oneDNN speedup"),
+            bench_linear(native, args.rows, clock),
+        )
 
 
 if __name__ == "__main__":

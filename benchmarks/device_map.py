@@ -31,8 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 49152) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    engines = [LLM(model=args.model, device_map=m, kv_cache_memory=args.kv_cache_memory).llm_engine
-               for m in (None, args.map)]
+    engines = [
+        LLM(model=args.model, device_map=m, kv_cache_memory=args.kv_cache_memory).llm_engine for m in (None, args.map)
+    ]
     ratios: list[float] = []
     totals = [0.0, 0.0]
     tokens: list[dict[str, list[int]]] = [{}, {}]
@@ -52,10 +53,14 @@ def main(argv: list[str] | None = None) -> None:
             ratios.append(times[1] / times[0])
     q = statistics.quantiles(ratios, n=4)
     n_tok = args.rounds * args.num_prompts * args.output_len
-    print(f"{len(ratios)} paired steps; step time with --device-map {args.map} / without: median "
-          f"{statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})")
-    print(f"output tokens/s: no map {n_tok / totals[0]:.1f}, with map {n_tok / totals[1]:.1f}; "
-          f"greedy tokens identical: {tokens[0] == tokens[1]}")
+    print(
+        f"{len(ratios)} paired steps; step time with --device-map {args.map} / without: median "
+        f"{statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})"
+    )
+    print(
+        f"output tokens/s: no map {n_tok / totals[0]:.1f}, with map {n_tok / totals[1]:.1f}; "
+        f"greedy tokens identical: {tokens[0] == tokens[1]}"
+    )
 
 
 if __name__ == "__main__":

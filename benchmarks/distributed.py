@@ -28,8 +28,15 @@ def random_model(path: Path) -> Path:
         sys.path.insert(0, str(ROOT / "tests"))
         from conftest import make_tiny_checkpoint
 
-        make_tiny_checkpoint(path, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8,
-                             intermediate_size=4096, max_position_embeddings=4096)
+        make_tiny_checkpoint(
+            path,
+            hidden_size=1024,
+            num_layers=8,
+            num_heads=16,
+            num_kv_heads=8,
+            intermediate_size=4096,
+            max_position_embeddings=4096,
+        )
     return path
 
 
@@ -44,10 +51,16 @@ def summarize(outs, start: float) -> dict:
     elapsed = time.monotonic() - start
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = [o.metrics["first_token_time"] - start for o in outs]
-    tpot = [(o.metrics["finished_time"] - o.metrics["first_token_time"]) / max(1, len(o.outputs[0].token_ids) - 1)
-            for o in outs]
-    return {"elapsed_s": round(elapsed, 2), "output_tok_per_s": round(gen / elapsed, 1),
-            "mean_ttft_s": round(sum(ttft) / len(ttft), 3), "mean_tpot_ms": round(1000 * sum(tpot) / len(tpot), 1)}
+    tpot = [
+        (o.metrics["finished_time"] - o.metrics["first_token_time"]) / max(1, len(o.outputs[0].token_ids) - 1)
+        for o in outs
+    ]
+    return {
+        "elapsed_s": round(elapsed, 2),
+        "output_tok_per_s": round(gen / elapsed, 1),
+        "mean_ttft_s": round(sum(ttft) / len(ttft), 3),
+        "mean_tpot_ms": round(1000 * sum(tpot) / len(tpot), 1),
+    }
 
 
 def run_llm(model: str, prompts, max_tokens: int, **kwargs) -> dict:
@@ -68,8 +81,14 @@ def run_disagg(model: str, prompts, max_tokens: int, threads: int) -> dict:
     from pagedserve import SamplingParams
     from pagedserve.serving.disagg import DisaggregatedLLM
 
-    dllm = DisaggregatedLLM(model=model, prefill_threads=threads, threads=threads, dtype="float32",
-                            kv_cache_memory="1GiB", max_model_len=2048)
+    dllm = DisaggregatedLLM(
+        model=model,
+        prefill_threads=threads,
+        threads=threads,
+        dtype="float32",
+        kv_cache_memory="1GiB",
+        max_model_len=2048,
+    )
     try:
         dllm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
         start = time.monotonic()
@@ -98,8 +117,14 @@ def main() -> None:
         results["single"] = run_llm(model, prompts, args.max_tokens, threads=args.threads)
         # Every rank, the driver included, gets its share of the cores (no oversubscription).
         results[f"tp{args.tp}-pp{args.pp}-{args.backend}"] = run_llm(
-            model, prompts, args.max_tokens, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-            distributed_executor_backend=args.backend, threads=max(1, (os.cpu_count() or 1) // (args.tp * args.pp)))
+            model,
+            prompts,
+            args.max_tokens,
+            tensor_parallel_size=args.tp,
+            pipeline_parallel_size=args.pp,
+            distributed_executor_backend=args.backend,
+            threads=max(1, (os.cpu_count() or 1) // (args.tp * args.pp)),
+        )
     else:
         prompts = workload(args.num_prompts or 8, args.prompt_len or 768)
         results["single"] = run_llm(model, prompts, args.max_tokens, threads=args.threads)

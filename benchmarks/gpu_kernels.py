@@ -55,9 +55,16 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def decode_batch(batch: int, context: int, dtype: torch.dtype, device: str = "cuda",
-                 num_heads: int = NUM_HEADS, num_kv_heads: int = NUM_KV_HEADS, head_size: int = HEAD_SIZE,
-                 block_size: int = BLOCK_SIZE) -> tuple:
+def decode_batch(
+    batch: int,
+    context: int,
+    dtype: torch.dtype,
+    device: str = "cuda",
+    num_heads: int = NUM_HEADS,
+    num_kv_heads: int = NUM_KV_HEADS,
+    head_size: int = HEAD_SIZE,
+    block_size: int = BLOCK_SIZE,
+) -> tuple:
     """Random decode inputs: ``batch`` sequences of ``context`` tokens, one query each."""
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
@@ -69,7 +76,7 @@ def decode_batch(batch: int, context: int, dtype: torch.dtype, device: str = "cu
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
     query = torch.randn(batch, num_heads, head_size, dtype=dtype, device=device)
-    return query, key_cache, value_cache, block_tables, seq_lens, qsl, head_size ** -0.5
+    return query, key_cache, value_cache, block_tables, seq_lens, qsl, head_size**-0.5
 
 
 def mixed_batch(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> tuple:
@@ -88,7 +95,7 @@ def mixed_batch(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> tu
     query = torch.randn(sum(q_lens), NUM_HEADS, HEAD_SIZE, dtype=dtype, device=device)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
     sl = torch.tensor([c for _, c in seqs], dtype=torch.int32, device=device)
-    return query, key_cache, value_cache, bt.to(device), sl, qsl, HEAD_SIZE ** -0.5
+    return query, key_cache, value_cache, bt.to(device), sl, qsl, HEAD_SIZE**-0.5
 
 
 def _compare(name: str, got: torch.Tensor, expected: torch.Tensor, tol: float) -> bool:
@@ -108,8 +115,10 @@ def check_kernels(cuda_ext, device: str = "cuda") -> bool:
     tol = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         tag = str(dtype).replace("torch.", "")
-        for label, args in (("mixed batch", mixed_batch(device, dtype)),
-                            ("decode 4 x 3000", decode_batch(4, 3000, dtype, device))):
+        for label, args in (
+            ("mixed batch", mixed_batch(device, dtype)),
+            ("decode 4 x 3000", decode_batch(4, 3000, dtype, device)),
+        ):
             expected = reference.paged_attention(*args)
             for splits in (1, 4):
                 out = torch.full_like(args[0], float("nan"))
@@ -140,9 +149,11 @@ def check_kernels(cuda_ext, device: str = "cuda") -> bool:
         pool = torch.randn(16, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=device)
         host = torch.randn(16, *pool.shape[1:], dtype=pool.dtype).pin_memory()
         mapping = torch.tensor([[0, 5], [3, 9], [7, 15]])
-        for name, src, dst in (("copy_blocks (device)", pool, pool.clone()),
-                               ("swap_blocks (device -> host)", pool, host.clone().pin_memory()),
-                               ("swap_blocks (host -> device)", host, pool.clone())):
+        for name, src, dst in (
+            ("copy_blocks (device)", pool, pool.clone()),
+            ("swap_blocks (device -> host)", pool, host.clone().pin_memory()),
+            ("swap_blocks (host -> device)", host, pool.clone()),
+        ):
             expected = dst.clone()
             reference.copy_blocks(src, expected, mapping)
             ops.copy_blocks(src, dst, mapping)
@@ -157,8 +168,14 @@ def _decode_row(cuda_ext, copy_gbs: float, batch: int, context: int, sms: int) -
     args = decode_batch(batch, context, torch.bfloat16)
     out = torch.empty_like(args[0])
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_SIZE * args[1].element_size()
-    splits = attention.choose_num_splits(batch, batch, NUM_KV_HEADS, args[3].shape[1] * BLOCK_SIZE, sms,
-                                         block_q=max(1, 16 // (NUM_HEADS // NUM_KV_HEADS)))
+    splits = attention.choose_num_splits(
+        batch,
+        batch,
+        NUM_KV_HEADS,
+        args[3].shape[1] * BLOCK_SIZE,
+        sms,
+        block_q=max(1, 16 // (NUM_HEADS // NUM_KV_HEADS)),
+    )
 
     def share(ms: float) -> tuple[float, float]:
         gbs = kv_bytes / (ms * 1e-3) / 1e9
@@ -167,8 +184,10 @@ def _decode_row(cuda_ext, copy_gbs: float, batch: int, context: int, sms: int) -
     t_auto = _time_ms(lambda: attention.paged_attention(*args, out=out))
     t_one = _time_ms(lambda: attention.paged_attention_fixed_splits(*args, num_splits=1, out=out))
     g_auto, p_auto = share(t_auto)
-    line = (f"{batch:>5} {context:>7} {kv_bytes / 2**20:>8.0f} | {t_auto * 1e3:>7.1f}us {g_auto:>6.0f}"
-            f" {p_auto:>5.1f} {splits:>6} | {t_one * 1e3:>7.1f}us {share(t_one)[1]:>5.1f} |")
+    line = (
+        f"{batch:>5} {context:>7} {kv_bytes / 2**20:>8.0f} | {t_auto * 1e3:>7.1f}us {g_auto:>6.0f}"
+        f" {p_auto:>5.1f} {splits:>6} | {t_one * 1e3:>7.1f}us {share(t_one)[1]:>5.1f} |"
+    )
     if cuda_ext is not None:
         t_cuda = _time_ms(lambda: cuda_ext.paged_attention_decode(out, *args))
         line += f" {t_cuda * 1e3:>7.1f}us {share(t_cuda)[1]:>5.1f}"
@@ -177,10 +196,11 @@ def _decode_row(cuda_ext, copy_gbs: float, batch: int, context: int, sms: int) -
     return line
 
 
-def time_decode(cuda_ext, copy_gbs: float, batches: list[int], contexts: list[int],
-                mem_budget: int) -> None:
-    header = (f"{'batch':>5} {'context':>7} {'KV MiB':>8} | {'triton':>9} {'GB/s':>6} {'%copy':>5} {'splits':>6} |"
-              f" {'1-pass':>9} {'%copy':>5} | {'cuda':>9} {'%copy':>5}")
+def time_decode(cuda_ext, copy_gbs: float, batches: list[int], contexts: list[int], mem_budget: int) -> None:
+    header = (
+        f"{'batch':>5} {'context':>7} {'KV MiB':>8} | {'triton':>9} {'GB/s':>6} {'%copy':>5} {'splits':>6} |"
+        f" {'1-pass':>9} {'%copy':>5} | {'cuda':>9} {'%copy':>5}"
+    )
     print(header)
     print("-" * len(header))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -201,8 +221,7 @@ def time_cache_writes(cuda_ext, copy_gbs: float) -> None:
     for tokens in (256, 2048, 16384):
         key = torch.randn(tokens, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device="cuda")
         value = torch.randn_like(key)
-        kc = torch.empty(tokens // BLOCK_SIZE + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=key.dtype,
-                         device="cuda")
+        kc = torch.empty(tokens // BLOCK_SIZE + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=key.dtype, device="cuda")
         vc = torch.empty_like(kc)
         slots = torch.randperm(tokens, device="cuda")
         moved = 2 * 2 * key.numel() * key.element_size()  # read new K/V, write them into the cache
@@ -232,8 +251,10 @@ def end_to_end(num_prompts: int, max_tokens: int) -> None:
         print(f"end-to-end: failed: {type(exc).__name__}: {exc}")
         return
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"end-to-end: {num_prompts} prompts, {generated} generated tokens in {elapsed:.2f}s = "
-          f"{generated / elapsed:.0f} tokens/s (default model, greedy)")
+    print(
+        f"end-to-end: {num_prompts} prompts, {generated} generated tokens in {elapsed:.2f}s = "
+        f"{generated / elapsed:.0f} tokens/s (default model, greedy)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,18 +262,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes and contexts")
     parser.add_argument("--no-cuda-ext", action="store_true", help="skip building the CUDA C++ extension")
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end tokens/s line")
-    parser.add_argument("--mem-fraction", type=float, default=0.5,
-                        help="largest share of free GPU memory one KV cache may take (default 0.5)")
+    parser.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.5,
+        help="largest share of free GPU memory one KV cache may take (default 0.5)",
+    )
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print(f"No GPU: torch {torch.__version__} sees no CUDA/ROCm device (torch.version.cuda="
-              f"{torch.version.cuda}, hip={getattr(torch.version, 'hip', None)}). This benchmark needs a GPU; "
-              "the kernels' CPU checks are `pytest tests/kernels` (Triton interpreter).", file=sys.stderr)
+        print(
+            f"No GPU: torch {torch.__version__} sees no CUDA/ROCm device (torch.version.cuda="
+            f"{torch.version.cuda}, hip={getattr(torch.version, 'hip', None)}). This benchmark needs a GPU; "
+            "the kernels' CPU checks are `pytest tests/kernels` (Triton interpreter).",
+            file=sys.stderr,
+        )
         return 2
     props = torch.cuda.get_device_properties(0)
-    print(f"device: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB; "
-          f"torch {torch.__version__}")
+    print(
+        f"device: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB; "
+        f"torch {torch.__version__}"
+    )
     try:
         import triton
 
@@ -282,8 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     batches = [1, 16, 256] if args.quick else [1, 8, 32, 64, 128, 256]
     contexts = [1024, 32768] if args.quick else [1024, 4096, 16384, 32768]
     free, _ = torch.cuda.mem_get_info()
-    print(f"\n== decode attention, bf16, {NUM_HEADS} query / {NUM_KV_HEADS} KV heads, head {HEAD_SIZE}, "
-          f"block {BLOCK_SIZE}; bandwidth = K/V bytes read per call / time")
+    print(
+        f"\n== decode attention, bf16, {NUM_HEADS} query / {NUM_KV_HEADS} KV heads, head {HEAD_SIZE}, "
+        f"block {BLOCK_SIZE}; bandwidth = K/V bytes read per call / time"
+    )
     time_decode(cuda_ext, copy_gbs, batches, contexts, int(free * args.mem_fraction))
     print("\n== reshape_and_cache, bf16")
     time_cache_writes(cuda_ext, copy_gbs)

@@ -54,15 +54,20 @@ def measure_utilisation(llm: LLM, workload, max_model_len: int) -> dict:
         used, held = slot_utilisation(engine)
         if held:
             samples.append((used, held, len(engine.scheduler.running)))
-    mid = samples[len(samples) // 4: 3 * len(samples) // 4]
+    mid = samples[len(samples) // 4 : 3 * len(samples) // 4]
 
     def ratio(rows):
         return sum(u for u, _, _ in rows) / sum(h for _, h, _ in rows)
 
     # Without paging each running sequence reserves max_model_len slots.
     contiguous = sum(u for u, _, _ in samples) / sum(n * max_model_len for _, _, n in samples)
-    return {"steps": len(samples), "mean": ratio(samples), "steady_state": ratio(mid),
-            "min": min(u / h for u, h, _ in samples), "contiguous_reservation": contiguous}
+    return {
+        "steps": len(samples),
+        "mean": ratio(samples),
+        "steady_state": ratio(mid),
+        "min": min(u / h for u, h, _ in samples),
+        "contiguous_reservation": contiguous,
+    }
 
 
 def ttft(llm: LLM, prompt: list[int]) -> float:
@@ -85,13 +90,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-memory", default="4GiB")
     args = ap.parse_args(argv)
     model = args.model or str(prepare_model_dir(None))
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=args.max_model_len, max_num_batched_tokens=2048,
-              kv_cache_memory=args.kv_cache_memory, seed=0)
+    llm = LLM(
+        model=model,
+        dtype="bfloat16",
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=2048,
+        kv_cache_memory=args.kv_cache_memory,
+        seed=0,
+    )
     vocab = llm.llm_engine.arch.vocab_size
     u = measure_utilisation(llm, make_workload(args.workload, vocab, 0, None, None, None), args.max_model_len)
-    print(f"KV slot utilisation ({args.workload}, block size {llm.llm_engine.runner.block_size}, {u['steps']} steps): "
-          f"mean {u['mean']:.4f}, steady state (middle half) {u['steady_state']:.4f}, min {u['min']:.4f}; "
-          f"reserving max_model_len={args.max_model_len} per sequence would use {u['contiguous_reservation']:.4f}")
+    print(
+        f"KV slot utilisation ({args.workload}, block size {llm.llm_engine.runner.block_size}, {u['steps']} steps): "
+        f"mean {u['mean']:.4f}, steady state (middle half) {u['steady_state']:.4f}, min {u['min']:.4f}; "
+        f"reserving max_model_len={args.max_model_len} per sequence would use {u['contiguous_reservation']:.4f}"
+    )
     rng = random.Random(0)
     prefix = [rng.randrange(100, vocab) for _ in range(args.prefix_len)]
 
@@ -99,12 +112,15 @@ def main(argv: list[str] | None = None) -> None:
         return [rng.randrange(100, vocab) for _ in range(32)]
 
     ttft(llm, [rng.randrange(100, vocab) for _ in range(64)])  # warm-up
-    cold = statistics.median(ttft(llm, [rng.randrange(100, vocab) for _ in range(args.prefix_len)] + suffix())
-                             for _ in range(3))
+    cold = statistics.median(
+        ttft(llm, [rng.randrange(100, vocab) for _ in range(args.prefix_len)] + suffix()) for _ in range(3)
+    )
     ttft(llm, prefix + suffix())  # puts the prefix in the cache
     warm = statistics.median(ttft(llm, prefix + suffix()) for _ in range(3))
-    print(f"TTFT, {args.prefix_len}-token prefix + 32 tokens: cold {cold * 1e3:.1f} ms, prefix cached "
-          f"{warm * 1e3:.1f} ms: {cold / warm:.1f}x faster")
+    print(
+        f"TTFT, {args.prefix_len}-token prefix + 32 tokens: cold {cold * 1e3:.1f} ms, prefix cached "
+        f"{warm * 1e3:.1f} ms: {cold / warm:.1f}x faster"
+    )
 
 
 if __name__ == "__main__":

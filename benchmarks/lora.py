@@ -32,8 +32,9 @@ def write_random_adapter(path: Path, arch, rank: int, seed: int) -> Path:
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGET_MODULES)}))
+    (path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGET_MODULES)})
+    )
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(arch.num_layers):
@@ -48,8 +49,9 @@ def write_random_adapter(path: Path, arch, rank: int, seed: int) -> Path:
 def run_batch(llm: LLM, prompts: list[list[int]], loras: list, max_tokens: int, reps: int) -> float:
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     # Warm-up: kernels compiled or first-touched, adapters read and put in slots.
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False,
-                 lora_request=loras)
+    llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False, lora_request=loras
+    )
     best = 0.0
     for _ in range(reps):
         start = time.perf_counter()
@@ -88,20 +90,28 @@ def main() -> None:
         reqs = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         for n in counts:
             loras = [reqs[i % n] if n else None for i in range(args.batch)]
-            rows.append((f"{n} distinct adapters (rank {args.rank})",
-                         run_batch(llm, prompts, loras, args.max_tokens, args.reps)))
+            rows.append(
+                (
+                    f"{n} distinct adapters (rank {args.rank})",
+                    run_batch(llm, prompts, loras, args.max_tokens, args.reps),
+                )
+            )
         manager = llm.llm_engine.lora
         start = time.perf_counter()
         manager._write_slot(0, manager.add_adapter(reqs[0]))
         slot_ms = (time.perf_counter() - start) * 1e3
     base_tps = rows[0][1]
-    print(f"\nbatch {args.batch}, prompts {args.prompt_len} tokens, {args.max_tokens} generated each, "
-          f"best of {args.reps}\n")
+    print(
+        f"\nbatch {args.batch}, prompts {args.prompt_len} tokens, {args.max_tokens} generated each, "
+        f"best of {args.reps}\n"
+    )
     print("| batch | tokens/s | vs base alone |\n|---|---|---|")
     for name, tps in rows:
         print(f"| {name} | {tps:.1f} | {100 * (tps / base_tps - 1):+.1f}% |")
-    print(f"\nadapter load (read + check, disk -> host): {load_ms:.1f} ms; host -> device slot: {slot_ms:.1f} ms; "
-          f"slot memory: {manager.slot_bytes() / 2**20:.1f} MiB for {manager.max_loras} slots")
+    print(
+        f"\nadapter load (read + check, disk -> host): {load_ms:.1f} ms; host -> device slot: {slot_ms:.1f} ms; "
+        f"slot memory: {manager.slot_bytes() / 2**20:.1f} MiB for {manager.max_loras} slots"
+    )
     print(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 

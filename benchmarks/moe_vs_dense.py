@@ -27,12 +27,25 @@ def build(path: Path, kind: str, args: argparse.Namespace) -> Path:
 
     path.mkdir(parents=True, exist_ok=True)
     vocab = write_byte_tokenizer(path)
-    common = dict(vocab_size=vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=args.hidden // 8,
-                  max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 8,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if kind == "moe":
-        config = transformers.Qwen3MoeConfig(**common, num_experts=args.experts, num_experts_per_tok=args.top_k,
-                                             moe_intermediate_size=args.moe_inter, norm_topk_prob=True)
+        config = transformers.Qwen3MoeConfig(
+            **common,
+            num_experts=args.experts,
+            num_experts_per_tok=args.top_k,
+            moe_intermediate_size=args.moe_inter,
+            norm_topk_prob=True,
+        )
         model = transformers.Qwen3MoeForCausalLM(config)
     else:
         width = args.moe_inter * (args.top_k if kind == "dense-active" else args.experts)
@@ -54,8 +67,12 @@ def run(path: Path, args: argparse.Namespace) -> dict:
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     weights = llm.llm_engine.runner.model.weight_bytes()
-    return {"output_tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-            "weight_mib": round(weights / 2**20, 1)}
+    return {
+        "output_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "weight_mib": round(weights / 2**20, 1),
+    }
 
 
 def main() -> None:

@@ -26,8 +26,7 @@ from pagedserve import LLM, SamplingParams
 def make_requests(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     rng = random.Random(args.seed)
     prefixes = [[rng.randrange(100, vocab) for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
-    return [p + [rng.randrange(100, vocab) for _ in range(args.suffix_len)]
-            for _ in range(args.uses) for p in prefixes]
+    return [p + [rng.randrange(100, vocab) for _ in range(args.suffix_len)] for _ in range(args.uses) for p in prefixes]
 
 
 def run_once(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
@@ -68,11 +67,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    common = dict(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-                  max_num_seqs=args.max_num_seqs, threads=args.threads,
-                  max_model_len=args.prefix_len + args.suffix_len + args.output_len + 16)
-    engines = {"device-only": LLM(**common),
-               "host-tier": LLM(**common, kv_offload_memory=args.kv_offload_memory)}
+    common = dict(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        threads=args.threads,
+        max_model_len=args.prefix_len + args.suffix_len + args.output_len + 16,
+    )
+    engines = {"device-only": LLM(**common), "host-tier": LLM(**common, kv_offload_memory=args.kv_offload_memory)}
     vocab = engines["device-only"].llm_engine.arch.vocab_size
     prompts = make_requests(args, vocab)
     results: dict[str, list[dict]] = {k: [] for k in engines}
@@ -99,9 +102,21 @@ def main() -> None:
         "throughput_ratio": b["output_tokens_per_s"] / a["output_tokens_per_s"],
         "ttft_ratio": b["mean_ttft_s"] / a["mean_ttft_s"],
     }
-    summary["workload"] = {k: getattr(args, k) for k in ("num_prefixes", "prefix_len", "suffix_len", "uses",
-                                                         "output_len", "kv_cache_memory", "kv_offload_memory",
-                                                         "dtype", "max_num_seqs", "repeat")}
+    summary["workload"] = {
+        k: getattr(args, k)
+        for k in (
+            "num_prefixes",
+            "prefix_len",
+            "suffix_len",
+            "uses",
+            "output_len",
+            "kv_cache_memory",
+            "kv_offload_memory",
+            "dtype",
+            "max_num_seqs",
+            "repeat",
+        )
+    }
     print(json.dumps(summary, indent=2))
 
 

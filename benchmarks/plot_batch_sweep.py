@@ -94,8 +94,9 @@ def count_parameters(model_dir: pathlib.Path) -> int:
     return total
 
 
-def roofline(batch: float, params: int, bandwidth: float, peak: float, input_len: int = 0,
-             output_len: int = 1) -> float:
+def roofline(
+    batch: float, params: int, bandwidth: float, peak: float, input_len: int = 0, output_len: int = 1
+) -> float:
     """Upper bound on output tokens/s: decode only when input_len == 0, else prefill + decode."""
     weight_bytes = 2 * params  # bf16
     step = max(weight_bytes / bandwidth, 2 * params * batch / peak)
@@ -110,28 +111,53 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     bandwidth = measure_bandwidth(args.threads)
     peak = measure_bf16_peak(args.threads)
     params = count_parameters(model_dir)
-    print(f"  bandwidth {bandwidth / 1e9:.1f} GB/s, bf16 peak {peak / 1e9:.0f} GFLOP/s, "
-          f"{params / 1e6:.1f} M parameters", flush=True)
-    spec = {"model_dir": str(model_dir), "vocab_size": vocab, "threads": args.threads, "seed": args.seed,
-            "max_model_len": 2048, "max_num_seqs": max(256, max(args.batch_sizes)),
-            "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_gib": args.kv_cache_gib,
-            "hf_batch_size": None,
-            "workloads": [{"name": "fixed", "seed": args.seed, "num_requests": b, "input_len": args.input_len,
-                           "output_len": args.output_len} for b in args.batch_sizes]}
+    print(
+        f"  bandwidth {bandwidth / 1e9:.1f} GB/s, bf16 peak {peak / 1e9:.0f} GFLOP/s, {params / 1e6:.1f} M parameters",
+        flush=True,
+    )
+    spec = {
+        "model_dir": str(model_dir),
+        "vocab_size": vocab,
+        "threads": args.threads,
+        "seed": args.seed,
+        "max_model_len": 2048,
+        "max_num_seqs": max(256, max(args.batch_sizes)),
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_gib": args.kv_cache_gib,
+        "hf_batch_size": None,
+        "workloads": [
+            {
+                "name": "fixed",
+                "seed": args.seed,
+                "num_requests": b,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+            }
+            for b in args.batch_sizes
+        ],
+    }
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_json = args.out_json or _REPO / "bench_results" / f"batch_sweep-{stamp}.json"
-    result: dict[str, Any] = {"machine": machine_info(), "bandwidth_bytes_per_s": bandwidth,
-                              "bf16_peak_flops": peak, "params": params, "input_len": args.input_len,
-                              "output_len": args.output_len, "batch_sizes": args.batch_sizes,
-                              "threads": args.threads, "engines": {}}
+    result: dict[str, Any] = {
+        "machine": machine_info(),
+        "bandwidth_bytes_per_s": bandwidth,
+        "bf16_peak_flops": peak,
+        "params": params,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "batch_sizes": args.batch_sizes,
+        "threads": args.threads,
+        "engines": {},
+    }
     pythons = {"pagedserve": sys.executable, "transformers": sys.executable, "vllm": args.vllm_python}
     for engine in args.engines:
         load_before = os.getloadavg()
         print(f"running {engine} ...", flush=True)
         env = vllm_env(args.threads, args.kv_cache_gib) if engine == "vllm" else {}
         try:
-            r = launch(engine, pythons[engine], spec, out_json.with_name(f"{out_json.stem}-{engine}.log"), env,
-                       args.timeout)
+            r = launch(
+                engine, pythons[engine], spec, out_json.with_name(f"{out_json.stem}-{engine}.log"), env, args.timeout
+            )
         except RuntimeError as e:  # keep the other engines' points
             print(f"  {engine} failed: {e}", flush=True)
             result["engines"][engine] = {"error": str(e)}
@@ -139,8 +165,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         r["loadavg_before"], r["loadavg_after"] = load_before, os.getloadavg()
         result["engines"][engine] = r
         for run in r["runs"]:
-            print(f"  batch {run['workload']['num_requests']:4d}: {run['output_tokens_per_s']:8.1f} tokens/s",
-                  flush=True)
+            print(
+                f"  batch {run['workload']['num_requests']:4d}: {run['output_tokens_per_s']:8.1f} tokens/s", flush=True
+            )
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out_json}", flush=True)
@@ -159,11 +186,21 @@ def plot(result: dict[str, Any], png: pathlib.Path) -> None:
     steps = int(8 * math.log2(4 * max(batches) / min(batches)))
     xs = [min(batches) / 2 * 2 ** (i / 8) for i in range(steps + 1)]
     fig, ax = plt.subplots(figsize=(9, 4.6), dpi=120)
-    ax.plot(xs, [roofline(x, params, bw, peak) for x in xs], color="black", lw=1.2,
-            label=f"roofline, decode ({bw / 1e9:.0f} GB/s, {peak / 1e9:.0f} GFLOP/s bf16)")
-    ax.plot(xs, [roofline(x, params, bw, peak, result["input_len"], result["output_len"]) for x in xs],
-            color="black", lw=1.0, ls="--",
-            label=f"roofline, {result['input_len']} prefill + {result['output_len']} decode")
+    ax.plot(
+        xs,
+        [roofline(x, params, bw, peak) for x in xs],
+        color="black",
+        lw=1.2,
+        label=f"roofline, decode ({bw / 1e9:.0f} GB/s, {peak / 1e9:.0f} GFLOP/s bf16)",
+    )
+    ax.plot(
+        xs,
+        [roofline(x, params, bw, peak, result["input_len"], result["output_len"]) for x in xs],
+        color="black",
+        lw=1.0,
+        ls="--",
+        label=f"roofline, {result['input_len']} prefill + {result['output_len']} decode",
+    )
     for engine, r in result["engines"].items():
         if "runs" not in r:
             continue
@@ -176,9 +213,12 @@ def plot(result: dict[str, Any], png: pathlib.Path) -> None:
     ax.set_xlabel("batch size (requests submitted at once)")
     ax.set_ylabel("output tokens/s")
     m = result["machine"]
-    ax.set_title(f"SmolLM2-135M bf16, {result['input_len']}+{result['output_len']} tokens, "
-                 f"{m['cpu']} x{m['cores']} ({result['threads']} threads)\n"
-                 f"{m['date'][:10]}, load average {m['loadavg'][0]:.1f} at start", fontsize=9)
+    ax.set_title(
+        f"SmolLM2-135M bf16, {result['input_len']}+{result['output_len']} tokens, "
+        f"{m['cpu']} x{m['cores']} ({result['threads']} threads)\n"
+        f"{m['date'][:10]}, load average {m['loadavg'][0]:.1f} at start",
+        fontsize=9,
+    )
     ax.grid(True, which="both", alpha=0.3)
     # Outside the axes: inside, it would hide the roofline's knee or the small-batch points.
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
@@ -193,8 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--engines", nargs="+", default=["pagedserve", "vllm", "transformers"],
-                   choices=["pagedserve", "vllm", "transformers"])
+    p.add_argument(
+        "--engines",
+        nargs="+",
+        default=["pagedserve", "vllm", "transformers"],
+        choices=["pagedserve", "vllm", "transformers"],
+    )
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=0)

@@ -45,8 +45,13 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--torch-profiler", action="store_true", help="also print torch.profiler's table")
     args = ap.parse_args()
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-              max_num_batched_tokens=2048, max_model_len=max(2048, args.prompt_len + 64))
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=2048,
+        max_model_len=max(2048, args.prompt_len + 64),
+    )
     eng = llm.llm_engine
     ops = eng.ops
     print("ops:", ", ".join(f"{n}={s}" for n, s in ops.table()))

@@ -28,9 +28,11 @@ from workloads import WORKLOADS, make_workload  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="mixed", choices=WORKLOADS)
-    p.add_argument("--model-dir",
-                   default=str(pathlib.Path.home() / ".cache/pagedserve-bench/SmolLM2-135M-Instruct-bf16"),
-                   help="bf16 checkpoint folder (benchmarks/README.md makes it)")
+    p.add_argument(
+        "--model-dir",
+        default=str(pathlib.Path.home() / ".cache/pagedserve-bench/SmolLM2-135M-Instruct-bf16"),
+        help="bf16 checkpoint folder (benchmarks/README.md makes it)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
@@ -38,8 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve import LLM, SamplingParams
     from pagedserve.executor import model_runner
 
-    llm = LLM(model=args.model_dir, dtype="bfloat16", threads=args.threads, max_model_len=2048, max_num_seqs=256,
-              max_num_batched_tokens=2048, kv_cache_memory="4GiB", seed=args.seed)
+    llm = LLM(
+        model=args.model_dir,
+        dtype="bfloat16",
+        threads=args.threads,
+        max_model_len=2048,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        kv_cache_memory="4GiB",
+        seed=args.seed,
+    )
     ops = llm.llm_engine.ops
     kind = ["decode"]
     spent: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -63,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     outs = llm.generate([r.prompt_token_ids for r in w.requests], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"{args.workload}: {tokens} output tokens in {wall:.2f} s = {tokens / wall:.1f} tokens/s "
-          f"(with op timers), {len(steps)} steps\n")
+    print(
+        f"{args.workload}: {tokens} output tokens in {wall:.2f} s = {tokens / wall:.1f} tokens/s "
+        f"(with op timers), {len(steps)} steps\n"
+    )
     used = [n for n in ops.names() if spent["prefill"][n] + spent["decode"][n] >= 0.005]
     print("| steps | count | seconds | " + " | ".join(used) + " | else |")
     print("|---|---:|---:|" + "---:|" * (len(used) + 1))
@@ -72,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         total = sum(s for kk, _, s in steps if kk == k)
         cells = [f"{spent[k][n]:.2f}" for n in used]
         rest = total - sum(spent[k].values())
-        print(f"| {k} | {sum(1 for kk, _, _ in steps if kk == k)} | {total:.2f} | " + " | ".join(cells) +
-              f" | {rest:.2f} |")
+        print(
+            f"| {k} | {sum(1 for kk, _, _ in steps if kk == k)} | {total:.2f} | "
+            + " | ".join(cells)
+            + f" | {rest:.2f} |"
+        )
     print("\ndecode steps by batch size:\n")
     print("| batch | steps | ms per step | tokens/s |")
     print("|---:|---:|---:|---:|")
@@ -84,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     for b in sorted(buckets):
         rows = buckets[b]
         secs = sum(s for _, s in rows)
-        print(f"| {max(b, 1)}-{b + 7} | {len(rows)} | {1000 * secs / len(rows):.1f} "
-              f"| {sum(n for n, _ in rows) / secs:.0f} |")
+        print(
+            f"| {max(b, 1)}-{b + 7} | {len(rows)} | {1000 * secs / len(rows):.1f} "
+            f"| {sum(n for n, _ in rows) / secs:.0f} |"
+        )
     return 0
 
 

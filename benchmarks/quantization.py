@@ -42,8 +42,8 @@ def kernels(batches: list[int]) -> None:
     """Milliseconds per matmul of the default model's shapes: bf16 vs the GGUF CPU kernel."""
     import torch
 
-    from pagedserve.kernels.quant_reference import GGUF_BLOCK_BYTES
     from pagedserve.kernels.cpu.quant_native import load_quant_kernels
+    from pagedserve.kernels.quant_reference import GGUF_BLOCK_BYTES
 
     module = load_quant_kernels()
     print(f"kernel ISA: {module.isa()}; threads {torch.get_num_threads()}")
@@ -87,8 +87,7 @@ def main() -> None:
     print("| method | weights MiB | " + " | ".join(f"decode tok/s b={b}" for b in batches) + " |")
     print("|---|---|" + "---|" * len(batches))
     for method in args.methods.split(","):
-        llm = LLM(model=args.model, quantization=method, dtype=args.dtype, kv_cache_memory="64MiB",
-                  max_model_len=256)
+        llm = LLM(model=args.model, quantization=method, dtype=args.dtype, kv_cache_memory="64MiB", max_model_len=256)
         mib = llm.llm_engine.runner.model.weight_bytes() / 2**20
         tps = [decode_tps(llm, b, args.tokens) for b in batches]
         print(f"| {method} | {mib:.1f} | " + " | ".join(f"{t:.2f}" for t in tps) + " |", flush=True)

@@ -1,7 +1,7 @@
 """Load benchmark of a running server; same as `pagedserve bench serve`.
 
-    pagedserve serve &                       # in another terminal
-    python benchmarks/serve.py --num-prompts 32 --input-len 128 --output-len 64 --request-rate 4
+pagedserve serve &                       # in another terminal
+python benchmarks/serve.py --num-prompts 32 --input-len 128 --output-len 64 --request-rate 4
 """
 
 import sys

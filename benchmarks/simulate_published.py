@@ -21,15 +21,31 @@ import pathlib
 import tempfile
 
 # Llama-3.1-8B / Llama-3.3-70B config.json shapes (meta-llama on Hugging Face).
-LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16"}
-LLAMA_70B = {**LLAMA_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-             "num_attention_heads": 64}
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+LLAMA_70B = {
+    **LLAMA_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+}
 
-SOURCE = ("NVIDIA TensorRT-LLM perf overview, docs/source/performance/perf-overview.md at commit 00f37686aa85 "
-          "(FP8, trtllm-bench throughput, Total Output Throughput tokens/s)")
+SOURCE = (
+    "NVIDIA TensorRT-LLM perf overview, docs/source/performance/perf-overview.md at commit 00f37686aa85 "
+    "(FP8, trtllm-bench throughput, Total Output Throughput tokens/s)"
+)
 
 # (model, hardware, tp, input, output, published tokens/s, requests we simulate)
 CASES = [
@@ -50,16 +66,40 @@ CASES = [
 ]
 
 
-def simulate(config: pathlib.Path, hardware: str, tp: int, n_in: int, n_out: int, num: int,
-             kv_cache_dtype: str = "auto") -> float:
+def simulate(
+    config: pathlib.Path, hardware: str, tp: int, n_in: int, n_out: int, num: int, kv_cache_dtype: str = "auto"
+) -> float:
     from pagedserve.entrypoints.cli import build_parser
     from pagedserve.simulate.cli import _simulate
     from pagedserve.simulate.setup import build_plan
 
-    argv = ["simulate", "--model", str(config), "--hardware", hardware, "--quantization", "fp8",
-            "--tensor-parallel-size", str(tp), "--num-prompts", str(num), "--input-len", str(n_in),
-            "--output-len", str(n_out), "--max-num-seqs", "1024", "--max-num-batched-tokens", "8192",
-            "--max-model-len", "8192", "--gpu-memory-utilization", "0.92", "--kv-cache-dtype", kv_cache_dtype]
+    argv = [
+        "simulate",
+        "--model",
+        str(config),
+        "--hardware",
+        hardware,
+        "--quantization",
+        "fp8",
+        "--tensor-parallel-size",
+        str(tp),
+        "--num-prompts",
+        str(num),
+        "--input-len",
+        str(n_in),
+        "--output-len",
+        str(n_out),
+        "--max-num-seqs",
+        "1024",
+        "--max-num-batched-tokens",
+        "8192",
+        "--max-model-len",
+        "8192",
+        "--gpu-memory-utilization",
+        "0.92",
+        "--kv-cache-dtype",
+        kv_cache_dtype,
+    ]
     args = build_parser(argv).parse_args(argv)
     return _simulate(build_plan(args), args)[1]["tokens_per_s"]
 
@@ -79,14 +119,25 @@ def main() -> None:
     print(f"{'model':14} {'hardware':9} {'tp':>2} {'in/out':>10} {'published':>10} {'predicted':>10} {'ratio':>6}")
     for model, hw, tp, n_in, n_out, published, num in CASES:
         pred = simulate(configs[model], hw, tp, n_in, n_out, max(50, int(num * args.scale)), args.kv_cache_dtype)
-        rows.append({"model": model, "hardware": hw, "tp": tp, "input_len": n_in, "output_len": n_out,
-                     "published_tokens_per_s": published, "predicted_tokens_per_s": pred})
-        print(f"{model:14} {hw:9} {tp:>2} {f'{n_in}/{n_out}':>10} {published:>10,} {pred:>10,.0f} "
-              f"{pred / published:6.2f}")
+        rows.append(
+            {
+                "model": model,
+                "hardware": hw,
+                "tp": tp,
+                "input_len": n_in,
+                "output_len": n_out,
+                "published_tokens_per_s": published,
+                "predicted_tokens_per_s": pred,
+            }
+        )
+        print(
+            f"{model:14} {hw:9} {tp:>2} {f'{n_in}/{n_out}':>10} {published:>10,} {pred:>10,.0f} {pred / published:6.2f}"
+        )
     print(f"source: {SOURCE}")
     if args.json_out:
-        pathlib.Path(args.json_out).write_text(json.dumps({"source": SOURCE, "kv_cache_dtype": args.kv_cache_dtype,
-                                                           "rows": rows}, indent=1))
+        pathlib.Path(args.json_out).write_text(
+            json.dumps({"source": SOURCE, "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,12 @@ def measure(args: argparse.Namespace, vocab: int) -> dict:
 
     clock = TIMERS[args.timer]
     work = make_workload(args.num_prompts, args.input_len, args.output_len, args.mixed, args.seed, vocab)
-    llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory, threads=args.threads)
+    llm = LLM(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        threads=args.threads,
+    )
     llm.generate([work[0][0][:16]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     engine = llm.llm_engine
     arrivals = arrival_times(len(work), args.request_rate, 1.0, args.seed)
@@ -49,8 +53,9 @@ def measure(args: argparse.Namespace, vocab: int) -> dict:
     while nxt < len(work) or engine.has_unfinished_requests():
         while nxt < len(work) and arrivals[nxt] <= now():
             prompt, n = work[nxt]
-            engine.add_request(f"v{nxt}", None, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                               prompt_token_ids=prompt)
+            engine.add_request(
+                f"v{nxt}", None, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), prompt_token_ids=prompt
+            )
             nxt += 1
         if not engine.has_unfinished_requests():
             idle += arrivals[nxt] - now()
@@ -61,10 +66,16 @@ def measure(args: argparse.Namespace, vocab: int) -> dict:
                 gen += len(out.outputs[0].token_ids)
     elapsed, wall = now() - arrivals[0], time.perf_counter() - w0
     ttft = list(first.values())
-    return {"tokens_per_s": gen / elapsed, "elapsed_s": elapsed, "wall_s": wall, "timer": args.timer,
-            "request_rate": args.request_rate,
-            "generated_tokens": gen, "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
-            "preemptions": engine.scheduler.num_preemptions}
+    return {
+        "tokens_per_s": gen / elapsed,
+        "elapsed_s": elapsed,
+        "wall_s": wall,
+        "timer": args.timer,
+        "request_rate": args.request_rate,
+        "generated_tokens": gen,
+        "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
+        "preemptions": engine.scheduler.num_preemptions,
+    }
 
 
 def simulate(args: argparse.Namespace) -> dict:
@@ -72,11 +83,27 @@ def simulate(args: argparse.Namespace) -> dict:
     from pagedserve.simulate.cli import _simulate
     from pagedserve.simulate.setup import build_plan
 
-    argv = ["simulate", "--hardware", args.hardware, "--num-prompts", str(args.num_prompts),
-            "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(args.seed),
-            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--kv-cache-memory", args.kv_cache_memory, "--request-rate", str(args.request_rate)] + \
-        (["--mixed"] if args.mixed else [])
+    argv = [
+        "simulate",
+        "--hardware",
+        args.hardware,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--seed",
+        str(args.seed),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--kv-cache-memory",
+        args.kv_cache_memory,
+        "--request-rate",
+        str(args.request_rate),
+    ] + (["--mixed"] if args.mixed else [])
     sargs = build_parser(argv).parse_args(argv)
     _, summary = _simulate(build_plan(sargs), sargs)
     return summary
@@ -89,20 +116,30 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--mixed", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrivals (bench serve's seeded draws) fed to the engine in process; default: all "
-                        "at once (bench throughput)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals (bench serve's seeded draws) fed to the engine in process; default: all "
+        "at once (bench throughput)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", default="4GiB")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--hardware", default="cpu-local")
-    p.add_argument("--timer", choices=["wall", "cpu"], default="wall",
-                   help="cpu: time the run (and --calibrate) in process CPU time, for --threads 1 on a shared "
-                        "machine")
-    p.add_argument("--calibrate", action="store_true",
-                   help="calibrate first (into a temporary profile), so that the profile and the measurement "
-                        "see the same machine load")
+    p.add_argument(
+        "--timer",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: time the run (and --calibrate) in process CPU time, for --threads 1 on a shared machine",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="calibrate first (into a temporary profile), so that the profile and the measurement "
+        "see the same machine load",
+    )
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     if args.calibrate:
@@ -117,14 +154,20 @@ def main() -> None:
     from pagedserve.simulate.model_spec import load_model_config
 
     meas = measure(args, load_model_config(None)["vocab_size"])
-    rows = [("tokens/s", meas["tokens_per_s"], sim["tokens_per_s"]),
-            ("TTFT p50 (s)", meas["ttft_s"]["p50"], sim["ttft_s"]["p50"]),
-            ("TTFT p99 (s)", meas["ttft_s"]["p99"], sim["ttft_s"]["p99"])]
+    rows = [
+        ("tokens/s", meas["tokens_per_s"], sim["tokens_per_s"]),
+        ("TTFT p50 (s)", meas["ttft_s"]["p50"], sim["ttft_s"]["p50"]),
+        ("TTFT p99 (s)", meas["ttft_s"]["p99"], sim["ttft_s"]["p99"]),
+    ]
     print(f"{'':14} {'measured':>10} {'predicted':>10} {'error':>8}")
     for name, m, s in rows:
         print(f"{name:14} {m:10.3f} {s:10.3f} {(s - m) / m:+8.1%}")
-    result = {"measured": meas, "simulated": {k: sim[k] for k in ("tokens_per_s", "ttft_s", "preemptions")},
-              "errors": {name: (s - m) / m for name, m, s in rows}, "args": vars(args)}
+    result = {
+        "measured": meas,
+        "simulated": {k: sim[k] for k in ("tokens_per_s", "ttft_s", "preemptions")},
+        "errors": {name: (s - m) / m for name, m, s in rows},
+        "args": vars(args),
+    }
     print("RESULT " + json.dumps(result))
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:

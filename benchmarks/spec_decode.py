@@ -36,11 +36,15 @@ import time
 
 from pagedserve import LLM, SamplingParams
 
-TEXT = ("The printing press was invented by Johannes Gutenberg around 1440. It used movable metal type, "
-        "oil-based ink and a wooden press adapted from the screw presses of the time. Within decades, "
-        "printing spread to more than two hundred cities across Europe, and the cost of books fell sharply.")
-CODE = ("def area_of_square(side):\n    return side * side\n\n\ndef area_of_rectangle(width, height):\n"
-        "    return width * height\n\n\ndef area_of_triangle(base, height):\n    return base * height / 2\n\n\n")
+TEXT = (
+    "The printing press was invented by Johannes Gutenberg around 1440. It used movable metal type, "
+    "oil-based ink and a wooden press adapted from the screw presses of the time. Within decades, "
+    "printing spread to more than two hundred cities across Europe, and the cost of books fell sharply."
+)
+CODE = (
+    "def area_of_square(side):\n    return side * side\n\n\ndef area_of_rectangle(width, height):\n"
+    "    return width * height\n\n\ndef area_of_triangle(base, height):\n    return base * height / 2\n\n\n"
+)
 GROUNDED = [
     f"Repeat the following text exactly, word for word:\n\n{TEXT}",
     f"Rewrite the following text, replacing 'Gutenberg' by 'the inventor':\n\n{TEXT}",
@@ -70,8 +74,12 @@ def build(name: str, args) -> LLM:
     cfg = dict(CONFIGS[name])
     spec = cfg.pop("spec", None)
     if spec == "ngram":
-        cfg["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.k_ngram,
-                                     "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+        cfg["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": args.k_ngram,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 5,
+        }
     elif spec == "self_quantized":
         cfg["speculative_config"] = {"method": "self_quantized", "num_speculative_tokens": args.k_self}
     return LLM(kv_cache_memory="512MiB", max_model_len=1024, threads=args.threads, **cfg)
@@ -87,16 +95,21 @@ def run(llm: LLM, prompts: list[str], batch: int, max_tokens: int) -> dict[str, 
     wall, tokens, tpots = 0.0, 0, []
     for i in range(0, len(reqs), batch):
         start = time.perf_counter()
-        outs = llm.generate(reqs[i:i + batch], params, use_tqdm=False)
+        outs = llm.generate(reqs[i : i + batch], params, use_tqdm=False)
         wall += time.perf_counter() - start
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-        tpots += [(o.metrics["finished_time"] - o.metrics["first_token_time"]) / (len(o.outputs[0].token_ids) - 1)
-                  for o in outs]
+        tpots += [
+            (o.metrics["finished_time"] - o.metrics["first_token_time"]) / (len(o.outputs[0].token_ids) - 1)
+            for o in outs
+        ]
     after = engine.stats()
     drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    return {"tps": tokens / wall, "tpot": sum(tpots) / len(tpots),
-            "acc": accepted / drafted if drafted else float("nan")}
+    return {
+        "tps": tokens / wall,
+        "tpot": sum(tpots) / len(tpots),
+        "acc": accepted / drafted if drafted else float("nan"),
+    }
 
 
 def main() -> None:
@@ -123,8 +136,12 @@ def main() -> None:
             for _ in range(args.rounds):  # rounds inside the cell: its configs measured close in time
                 for name in names:
                     r = run(engines[name], workloads[wl], batch, args.max_tokens)
-                    print(f"  {wl} batch {batch} {name}: {r['tps']:.1f} tok/s, TPOT {1000 * r['tpot']:.1f} ms, "
-                          f"acceptance {r['acc']:.2f}", file=sys.stderr, flush=True)
+                    print(
+                        f"  {wl} batch {batch} {name}: {r['tps']:.1f} tok/s, TPOT {1000 * r['tpot']:.1f} ms, "
+                        f"acceptance {r['acc']:.2f}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     key = (wl, batch, name)
                     if key not in best or r["tpot"] < best[key]["tpot"]:
                         best[key] = r

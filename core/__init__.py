@@ -1,6 +1,6 @@
 """pagedserve: a high-throughput, memory-efficient LLM inference and serving engine.
 
-    from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 """
 
 from __future__ import annotations

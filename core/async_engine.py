@@ -29,8 +29,14 @@ from pagedserve.outputs import RequestOutput
 from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLMEngine", "RequestStream", "QueueFullError", "EngineDeadError", "RequestFailedError",
-           "EngineStepError"]
+__all__ = [
+    "AsyncLLMEngine",
+    "RequestStream",
+    "QueueFullError",
+    "EngineDeadError",
+    "RequestFailedError",
+    "EngineStepError",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -204,8 +210,9 @@ class AsyncLLMEngine:
             self.engine.shutdown()
 
     # -- requests -----------------------------------------------------------------------------
-    def validate(self, prompt: str | list[int] | None,
-                 prompt_token_ids: list[int] | None = None) -> tuple[str | None, list[int]]:
+    def validate(
+        self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None = None
+    ) -> tuple[str | None, list[int]]:
         """Tokenize and check a prompt without queueing it (ValueError naming the limit)."""
         return self.engine.validate_prompt(prompt, prompt_token_ids)
 
@@ -234,14 +241,14 @@ class AsyncLLMEngine:
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            if self.max_queue_len is not None and \
-                    self._pending_adds + self._stats.num_waiting >= self.max_queue_len:
+            if self.max_queue_len is not None and self._pending_adds + self._stats.num_waiting >= self.max_queue_len:
                 raise QueueFullError(f"the server's waiting queue is full (max_queue_len={self.max_queue_len})")
             self._pending_adds += params.n
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, text, ids, params, time.monotonic(), priority, cache_salt,
-                                pooling_params, lora_request))
+        self._commands.put(
+            _Add(request_id, text, ids, params, time.monotonic(), priority, cache_salt, pooling_params, lora_request)
+        )
         try:
             await stream._accepted
         except BaseException:
@@ -251,8 +258,13 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def generate(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
-                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Convenience wrapper: add a request and yield its outputs."""
         stream = await self.add_request(request_id, prompt, params, prompt_token_ids)
         try:
@@ -320,11 +332,17 @@ class AsyncLLMEngine:
             elif isinstance(cmd, _Add):
                 added += cmd.params.n
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                            prompt_token_ids=cmd.prompt_token_ids,
-                                            arrival_time=cmd.arrival_time, priority=cmd.priority,
-                                            cache_salt=cmd.cache_salt, pooling_params=cmd.pooling_params,
-                                            lora_request=cmd.lora_request)
+                    self.engine.add_request(
+                        cmd.request_id,
+                        cmd.prompt,
+                        cmd.params,
+                        prompt_token_ids=cmd.prompt_token_ids,
+                        arrival_time=cmd.arrival_time,
+                        priority=cmd.priority,
+                        cache_salt=cmd.cache_salt,
+                        pooling_params=cmd.pooling_params,
+                        lora_request=cmd.lora_request,
+                    )
                     events.append((cmd.request_id, _ACCEPTED))
                 except ValueError as e:
                     events.append((cmd.request_id, e))

@@ -39,15 +39,17 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.length_penalty, (int, float)) or self.length_penalty != self.length_penalty \
-                or abs(self.length_penalty) == float("inf"):
+        if (
+            not isinstance(self.length_penalty, (int, float))
+            or self.length_penalty != self.length_penalty
+            or abs(self.length_penalty) == float("inf")
+        ):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         # The step's SamplingParams checks temperature (finite, >= 0).
         self.step_params()
 
     def step_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=2 * self.beam_width,
-                              ignore_eos=True)
+        return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=2 * self.beam_width, ignore_eos=True)
 
 
 @dataclass
@@ -73,8 +75,9 @@ class BeamSearch:
     """The beams of a batch of prompts; ``run`` / ``run_async`` drive it with an
     ``expand`` callback that returns, per token list, the logprob entries of its next token."""
 
-    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: frozenset[int],
-                 max_model_len: int) -> None:
+    def __init__(
+        self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: frozenset[int], max_model_len: int
+    ) -> None:
         self.params = params
         self.eos = eos_token_ids
         self.max_model_len = max_model_len
@@ -100,8 +103,9 @@ class BeamSearch:
                     self.done[i].append(beam)
                     continue
                 for tid, lp in next(it).items():
-                    new = BeamSearchSequence(beam.tokens + [tid], beam.logprobs + [{tid: lp}],
-                                             beam.cum_logprob + lp.logprob)
+                    new = BeamSearchSequence(
+                        beam.tokens + [tid], beam.logprobs + [{tid: lp}], beam.cum_logprob + lp.logprob
+                    )
                     if tid in self.eos and not self.params.ignore_eos:
                         new.finish_reason = "stop"
                         self.done[i].append(new)
@@ -112,15 +116,15 @@ class BeamSearch:
 
     def score(self, beam: BeamSearchSequence) -> float:
         n = len(beam.tokens) - (1 if beam.finish_reason == "stop" else 0)
-        return beam.cum_logprob / (n ** self.params.length_penalty)
+        return beam.cum_logprob / (n**self.params.length_penalty)
 
     def outputs(self, decode: Callable[[list[int]], str]) -> list[BeamSearchOutput]:
         out = []
         for i, beams in enumerate(self.live):
-            ranked = sorted(self.done[i] + beams, key=self.score, reverse=True)[:self.params.beam_width]
+            ranked = sorted(self.done[i] + beams, key=self.score, reverse=True)[: self.params.beam_width]
             for b in ranked:
                 b.finish_reason = b.finish_reason or "length"
-                generated = b.tokens[self.prompt_lens[i]:]
+                generated = b.tokens[self.prompt_lens[i] :]
                 if b.finish_reason == "stop":
                     generated = generated[:-1]  # the EOS is not text
                 b.text = decode(generated)
@@ -132,8 +136,9 @@ class BeamSearch:
         while todo := self.pending():
             self.advance(expand(todo, step))
 
-    async def run_async(self, expand: Callable[[list[list[int]], SamplingParams],
-                                               Awaitable[list[dict[int, Logprob]]]]) -> None:
+    async def run_async(
+        self, expand: Callable[[list[list[int]], SamplingParams], Awaitable[list[dict[int, Logprob]]]]
+    ) -> None:
         step = self.params.step_params()
         while todo := self.pending():
             self.advance(await expand(todo, step))

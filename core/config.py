@@ -27,8 +27,22 @@ __all__ = [
     "device_map_layers",
 ]
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_memory(value: int | float | str, name: str = "memory") -> int:
@@ -98,8 +112,10 @@ def parse_device_map(value: str | Sequence[str | tuple[str, int | None]]) -> tup
     for part in parts:
         m = _SEGMENT.fullmatch(part)
         if m is None:
-            raise ValueError(f"device_map segment {part!r} is not PLATFORM, PLATFORM:COUNT or PLATFORM:FIRST-LAST "
-                             "(e.g. 'cuda:20,cpu' or 'cpu:0-14,cuda:15-29')")
+            raise ValueError(
+                f"device_map segment {part!r} is not PLATFORM, PLATFORM:COUNT or PLATFORM:FIRST-LAST "
+                "(e.g. 'cuda:20,cpu' or 'cpu:0-14,cuda:15-29')"
+            )
         if m["first"] is not None:
             first, last = int(m["first"]), int(m["last"])
             if last < first:
@@ -108,19 +124,25 @@ def parse_device_map(value: str | Sequence[str | tuple[str, int | None]]) -> tup
         elif m["count"] is not None:
             count = int(m["count"])
             if count < 1:
-                raise ValueError(f"device_map segment {part!r} places no layers (a count is a number of layers, "
-                                 "not a device index; it must be >= 1)")
+                raise ValueError(
+                    f"device_map segment {part!r} places no layers (a count is a number of layers, "
+                    "not a device index; it must be >= 1)"
+                )
             entries.append(DeviceMapEntry(m["name"], count=count))
         else:
             entries.append(DeviceMapEntry(m["name"]))
     ranged = [e for e in entries if e.first is not None]
     if ranged and len(ranged) != len(entries):
-        raise ValueError(f"device_map {','.join(map(str, entries))!r} mixes layer ranges with counts; "
-                         "give a range for every segment or none")
+        raise ValueError(
+            f"device_map {','.join(map(str, entries))!r} mixes layer ranges with counts; "
+            "give a range for every segment or none"
+        )
     rest = [e for e in entries if e.first is None and e.count is None]
     if len(rest) > 1:
-        raise ValueError(f"device_map {','.join(map(str, entries))!r}: only one segment may omit its layer count "
-                         f"(it takes the rest), got {len(rest)}: {', '.join(e.platform for e in rest)}")
+        raise ValueError(
+            f"device_map {','.join(map(str, entries))!r}: only one segment may omit its layer count "
+            f"(it takes the rest), got {len(rest)}: {', '.join(e.platform for e in rest)}"
+        )
     if ranged:  # in layer order, so that the first entry is the one with layer 0
         entries = sorted(entries, key=lambda e: e.first)
         _check_ranges(entries, None)
@@ -145,11 +167,15 @@ def _check_ranges(entries: Sequence[DeviceMapEntry], num_layers: int | None) -> 
             raise ValueError(f"device_map {text!r} places no platform for {_layers(pos, start - 1)}")
         pos = end
     if num_layers is not None and pos > num_layers:
-        raise ValueError(f"device_map {text!r} places layers up to {pos - 1}, but the model has "
-                         f"{num_layers} layers (0-{num_layers - 1})")
+        raise ValueError(
+            f"device_map {text!r} places layers up to {pos - 1}, but the model has "
+            f"{num_layers} layers (0-{num_layers - 1})"
+        )
     if num_layers is not None and pos < num_layers:
-        raise ValueError(f"device_map {text!r} places no platform for {_layers(pos, num_layers - 1)} "
-                         f"(the model has {num_layers} layers)")
+        raise ValueError(
+            f"device_map {text!r} places no platform for {_layers(pos, num_layers - 1)} "
+            f"(the model has {num_layers} layers)"
+        )
     return [(e.platform, start, end) for start, end, e in spans]
 
 
@@ -166,12 +192,16 @@ def device_map_layers(entries: Sequence[DeviceMapEntry], num_layers: int) -> lis
     has_rest = any(e.count is None for e in entries)
     if counted > num_layers or (counted < num_layers and not has_rest):
         hint = "; give every layer a platform, or leave one segment's count out so that it takes the rest"
-        raise ValueError(f"device_map {text!r} places {counted} layers, but the model has {num_layers}"
-                         + (hint if counted < num_layers else ""))
+        raise ValueError(
+            f"device_map {text!r} places {counted} layers, but the model has {num_layers}"
+            + (hint if counted < num_layers else "")
+        )
     if has_rest and counted == num_layers:
         rest = next(e for e in entries if e.count is None)
-        raise ValueError(f"device_map {text!r}: the counts already place all {num_layers} layers, so "
-                         f"{rest.platform!r} (the rest) would get none; drop it")
+        raise ValueError(
+            f"device_map {text!r}: the counts already place all {num_layers} layers, so "
+            f"{rest.platform!r} (the rest) would get none; drop it"
+        )
     out, pos = [], 0
     for e in entries:
         n = e.count if e.count is not None else num_layers - counted
@@ -191,31 +221,66 @@ def _help(text: str, **extra) -> dict:
 class ModelConfig:
     """Which model and how to run it.  ``model=None`` is the default model alias."""
 
-    model: str | None = field(default=None, metadata=_help(
-        "the model: a Hugging Face checkpoint folder, a .gguf file, or the default model's alias "
-        "(smollm2-135m-instruct, used when unset); commands take it as their positional MODEL", cli=False))
-    dtype: str = field(default="auto", metadata=_help(
-        "weights and activations dtype: auto (the platform's default), float32, bfloat16 or float16"))
-    max_model_len: int | None = field(default=None, metadata=_help(
-        "context length (prompt plus output) in tokens; default: the model's max_position_embeddings"))
+    model: str | None = field(
+        default=None,
+        metadata=_help(
+            "the model: a Hugging Face checkpoint folder, a .gguf file, or the default model's alias "
+            "(smollm2-135m-instruct, used when unset); commands take it as their positional MODEL",
+            cli=False,
+        ),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_help("weights and activations dtype: auto (the platform's default), float32, bfloat16 or float16"),
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_help("context length (prompt plus output) in tokens; default: the model's max_position_embeddings"),
+    )
     seed: int = field(default=0, metadata=_help("seed of the engine's random state"))
-    tokenizer: str | None = field(default=None, metadata=_help(
-        "a tokenizer other than the model's: a folder with tokenizer.json, a .gguf file, or the default "
-        "model's alias"))
-    chat_template: str | None = field(default=None, metadata=_help(
-        "Jinja2 chat template text overriding the model's (`serve --chat-template` also reads a file)",
-        cli=False))
-    served_model_name: str | None = field(default=None, metadata=_help(
-        "the name clients use for the model (`serve --served-model-name` takes several)", cli=False))
-    quantization: str | None = field(default=None, metadata=_help(
-        "none, auto (from the checkpoint; default), gguf, int8, w8a8, fp8, gptq, awq (docs/quantization.md)"))
-    max_logprobs: int = field(default=20, metadata=_help(
-        "most log-probabilities a request may ask for per token (logprobs, top_logprobs); more is refused"))
-    generation_config: str = field(default="auto", metadata=_help(
-        "sampling defaults: 'auto' (the checkpoint's generation_config.json), 'ignore', or a folder holding one"))
-    pooling: str | None = field(default=None, metadata=_help(
-        "how embeddings pool the final hidden states: last, mean or cls; default: the checkpoint's "
-        "sentence-transformers config, else last", choices=["last", "mean", "cls"]))
+    tokenizer: str | None = field(
+        default=None,
+        metadata=_help(
+            "a tokenizer other than the model's: a folder with tokenizer.json, a .gguf file, or the default "
+            "model's alias"
+        ),
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata=_help(
+            "Jinja2 chat template text overriding the model's (`serve --chat-template` also reads a file)", cli=False
+        ),
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata=_help("the name clients use for the model (`serve --served-model-name` takes several)", cli=False),
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=_help(
+            "none, auto (from the checkpoint; default), gguf, int8, w8a8, fp8, gptq, awq (docs/quantization.md)"
+        ),
+    )
+    max_logprobs: int = field(
+        default=20,
+        metadata=_help(
+            "most log-probabilities a request may ask for per token (logprobs, top_logprobs); more is refused"
+        ),
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata=_help(
+            "sampling defaults: 'auto' (the checkpoint's generation_config.json), 'ignore', or a folder holding one"
+        ),
+    )
+    pooling: str | None = field(
+        default=None,
+        metadata=_help(
+            "how embeddings pool the final hidden states: last, mean or cls; default: the checkpoint's "
+            "sentence-transformers config, else last",
+            choices=["last", "mean", "cls"],
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half", "fp32", "bf16", "fp16"):
@@ -243,27 +308,49 @@ class CacheConfig:
     """
 
     block_size: int = field(default=16, metadata=_help("tokens per KV-cache block (a power of two)"))
-    kv_cache_memory: int | str | None = field(default=None, metadata=_help(
-        "bytes for KV-cache blocks, e.g. 4GiB; takes precedence over --gpu-memory-utilization"))
-    memory_utilization: float | None = field(default=None, metadata=_help(
-        "fraction of the device's memory for weights, activations and KV cache (default: the platform's)",
-        flag="--gpu-memory-utilization", aliases=["--memory-utilization"]))
-    enable_prefix_caching: bool = field(default=True, metadata=_help(
-        "reuse the KV blocks of shared prompt prefixes"))
-    num_gpu_blocks_override: int | None = field(default=None, metadata=_help(
-        "this many KV-cache blocks, whatever the memory budget says (on any platform)",
-        aliases=["--num-kv-blocks-override"]))
-    cache_dtype: str = field(default="auto", metadata=_help(
-        "KV-cache dtype: auto (the model's dtype); fp8 variants are not implemented yet",
-        flag="--kv-cache-dtype"))
-    kv_offload_memory: int | str | None = field(default=None, metadata=_help(
-        "host memory for a second tier of KV blocks, e.g. 8GiB: evicted prefix-cache blocks spill there "
-        "and preempted requests may swap there (docs/memory.md)"))
-    preemption_mode: str = field(default="auto", metadata=_help(
-        "auto (swap or recompute by a cost model), swap (whenever the host tier has room) or recompute",
-        choices=["auto", "swap", "recompute"]))
-    cpu_offload_gb: float = field(default=0.0, metadata=_help(
-        "GB (10**9 bytes) of layer weights kept in host memory and streamed to the device"))
+    kv_cache_memory: int | str | None = field(
+        default=None,
+        metadata=_help("bytes for KV-cache blocks, e.g. 4GiB; takes precedence over --gpu-memory-utilization"),
+    )
+    memory_utilization: float | None = field(
+        default=None,
+        metadata=_help(
+            "fraction of the device's memory for weights, activations and KV cache (default: the platform's)",
+            flag="--gpu-memory-utilization",
+            aliases=["--memory-utilization"],
+        ),
+    )
+    enable_prefix_caching: bool = field(default=True, metadata=_help("reuse the KV blocks of shared prompt prefixes"))
+    num_gpu_blocks_override: int | None = field(
+        default=None,
+        metadata=_help(
+            "this many KV-cache blocks, whatever the memory budget says (on any platform)",
+            aliases=["--num-kv-blocks-override"],
+        ),
+    )
+    cache_dtype: str = field(
+        default="auto",
+        metadata=_help(
+            "KV-cache dtype: auto (the model's dtype); fp8 variants are not implemented yet", flag="--kv-cache-dtype"
+        ),
+    )
+    kv_offload_memory: int | str | None = field(
+        default=None,
+        metadata=_help(
+            "host memory for a second tier of KV blocks, e.g. 8GiB: evicted prefix-cache blocks spill there "
+            "and preempted requests may swap there (docs/memory.md)"
+        ),
+    )
+    preemption_mode: str = field(
+        default="auto",
+        metadata=_help(
+            "auto (swap or recompute by a cost model), swap (whenever the host tier has room) or recompute",
+            choices=["auto", "swap", "recompute"],
+        ),
+    )
+    cpu_offload_gb: float = field(
+        default=0.0, metadata=_help("GB (10**9 bytes) of layer weights kept in host memory and streamed to the device")
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -275,8 +362,10 @@ class CacheConfig:
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.cache_dtype in FP8_KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} is not implemented yet (there is no fp8 KV "
-                             "cache yet): the KV cache is stored in the model's dtype; use kv_cache_dtype='auto'")
+            raise ValueError(
+                f"kv_cache_dtype={self.cache_dtype!r} is not implemented yet (there is no fp8 KV "
+                "cache yet): the KV cache is stored in the model's dtype; use kv_cache_dtype='auto'"
+            )
         if self.kv_offload_memory is not None:
             self.kv_offload_memory = parse_memory(self.kv_offload_memory, "kv_offload_memory")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
@@ -286,9 +375,11 @@ class CacheConfig:
         if not self.cpu_offload_gb >= 0:
             raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
         if self.cache_dtype not in _CACHE_DTYPES:
-            raise ValueError(f"cache_dtype={self.cache_dtype!r} is not supported: the KV cache is kept in the "
-                             f"model's dtype, so cache_dtype must be 'auto' or that dtype's name "
-                             f"({', '.join(repr(n) for n in _CACHE_DTYPES[1:])}); there is no fp8 KV cache yet")
+            raise ValueError(
+                f"cache_dtype={self.cache_dtype!r} is not supported: the KV cache is kept in the "
+                f"model's dtype, so cache_dtype must be 'auto' or that dtype's name "
+                f"({', '.join(repr(n) for n in _CACHE_DTYPES[1:])}); there is no fp8 KV cache yet"
+            )
 
 
 @dataclass
@@ -296,19 +387,34 @@ class SchedulerConfig:
     """Continuous batching: one token budget per step."""
 
     max_num_seqs: int = field(default=256, metadata=_help("most sequences running in one step"))
-    max_num_batched_tokens: int = field(default=2048, metadata=_help(
-        "token budget of one step (prompt chunks plus decodes)"))
-    enable_chunked_prefill: bool = field(default=True, metadata=_help(
-        "split long prompts across steps; when off a prompt is scheduled whole, and prompts longer than "
-        "--max-num-batched-tokens are refused"))
-    policy: str = field(default="fcfs", metadata=_help(
-        "fcfs (arrival order) or priority (lower value first; preempts the lowest priority)",
-        flag="--scheduling-policy", choices=["fcfs", "priority"]))
-    delay_factor: float = field(default=0.0, metadata=_help(
-        "hold new prompts up to this many times the last step's latency so arrivals batch",
-        flag="--scheduler-delay-factor"))
-    max_queue_len: int | None = field(default=None, metadata=_help(
-        "answer 503 while this many sequences wait to be scheduled (default: unbounded)"))
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=_help("token budget of one step (prompt chunks plus decodes)")
+    )
+    enable_chunked_prefill: bool = field(
+        default=True,
+        metadata=_help(
+            "split long prompts across steps; when off a prompt is scheduled whole, and prompts longer than "
+            "--max-num-batched-tokens are refused"
+        ),
+    )
+    policy: str = field(
+        default="fcfs",
+        metadata=_help(
+            "fcfs (arrival order) or priority (lower value first; preempts the lowest priority)",
+            flag="--scheduling-policy",
+            choices=["fcfs", "priority"],
+        ),
+    )
+    delay_factor: float = field(
+        default=0.0,
+        metadata=_help(
+            "hold new prompts up to this many times the last step's latency so arrivals batch",
+            flag="--scheduler-delay-factor",
+        ),
+    )
+    max_queue_len: int | None = field(
+        default=None, metadata=_help("answer 503 while this many sequences wait to be scheduled (default: unbounded)")
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -327,13 +433,12 @@ class SchedulerConfig:
 class LoRAConfig:
     """Multi-LoRA serving (docs/lora.md): adapters of the base model mixed in one batch."""
 
-    enable_lora: bool = field(default=False, metadata=_help(
-        "serve LoRA adapters (PEFT format) next to the base model"))
-    max_loras: int = field(default=1, metadata=_help(
-        "most distinct adapters in one batch (device slots)"))
+    enable_lora: bool = field(default=False, metadata=_help("serve LoRA adapters (PEFT format) next to the base model"))
+    max_loras: int = field(default=1, metadata=_help("most distinct adapters in one batch (device slots)"))
     max_lora_rank: int = field(default=16, metadata=_help("largest adapter rank accepted (<= 64)"))
-    max_cpu_loras: int | None = field(default=None, metadata=_help(
-        "adapters kept loaded in host memory (default: max_loras; at least max_loras)"))
+    max_cpu_loras: int | None = field(
+        default=None, metadata=_help("adapters kept loaded in host memory (default: max_loras; at least max_loras)")
+    )
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -348,35 +453,57 @@ class LoRAConfig:
 class ParallelConfig:
     """Ranks: ``world_size`` = tensor_parallel_size * pipeline_parallel_size."""
 
-    tensor_parallel_size: int = field(default=1, metadata=_help(
-        "ranks each layer's weights are split across", aliases=["-tp"]))
-    pipeline_parallel_size: int = field(default=1, metadata=_help(
-        "pipeline stages the layers are split into", aliases=["-pp"]))
-    distributed_executor_backend: str | None = field(default=None, metadata=_help(
-        "how ranks run: uni (one process), mp (local worker processes) or ray (Ray actors); default: uni "
-        "for one rank, else mp", choices=["uni", "mp", "ray"]))
-    distributed_timeout_s: float = field(default=300.0, metadata=_help(
-        "seconds a collective (or the start-up rendezvous) may wait for a rank before failing"))
+    tensor_parallel_size: int = field(
+        default=1, metadata=_help("ranks each layer's weights are split across", aliases=["-tp"])
+    )
+    pipeline_parallel_size: int = field(
+        default=1, metadata=_help("pipeline stages the layers are split into", aliases=["-pp"])
+    )
+    distributed_executor_backend: str | None = field(
+        default=None,
+        metadata=_help(
+            "how ranks run: uni (one process), mp (local worker processes) or ray (Ray actors); default: uni "
+            "for one rank, else mp",
+            choices=["uni", "mp", "ray"],
+        ),
+    )
+    distributed_timeout_s: float = field(
+        default=300.0,
+        metadata=_help("seconds a collective (or the start-up rendezvous) may wait for a rank before failing"),
+    )
     # Multi-node without Ray (docs/distributed.md): one `pagedserve serve` per node.
-    nnodes: int = field(default=1, metadata=_help(
-        "nodes the ranks are spread over (each runs world_size / nnodes ranks)"))
-    node_rank: int = field(default=0, metadata=_help(
-        "this node's index: 0 is the head (rank 0, serves HTTP), others run workers only"))
-    master_addr: str | None = field(default=None, metadata=_help(
-        "address of the head node's rendezvous (multi-node); default: node_ip_address, else 127.0.0.1"))
-    master_port: int | None = field(default=None, metadata=_help(
-        "TCP port of the head node's rendezvous (multi-node: required, the same on every node)"))
-    distributed_init_method: str | None = field(default=None, metadata=_help(
-        "tcp://HOST:PORT: master_addr and master_port in one setting"))
-    node_ip_address: str | None = field(default=None, metadata=_help(
-        "this node's IP address; on the head node it is the rendezvous address unless master_addr is set"))
-    headless: bool = field(default=False, metadata=_help(
-        "run this node's workers only, no API server (implied by node_rank > 0)"))
+    nnodes: int = field(
+        default=1, metadata=_help("nodes the ranks are spread over (each runs world_size / nnodes ranks)")
+    )
+    node_rank: int = field(
+        default=0, metadata=_help("this node's index: 0 is the head (rank 0, serves HTTP), others run workers only")
+    )
+    master_addr: str | None = field(
+        default=None,
+        metadata=_help("address of the head node's rendezvous (multi-node); default: node_ip_address, else 127.0.0.1"),
+    )
+    master_port: int | None = field(
+        default=None,
+        metadata=_help("TCP port of the head node's rendezvous (multi-node: required, the same on every node)"),
+    )
+    distributed_init_method: str | None = field(
+        default=None, metadata=_help("tcp://HOST:PORT: master_addr and master_port in one setting")
+    )
+    node_ip_address: str | None = field(
+        default=None,
+        metadata=_help(
+            "this node's IP address; on the head node it is the rendezvous address unless master_addr is set"
+        ),
+    )
+    headless: bool = field(
+        default=False, metadata=_help("run this node's workers only, no API server (implied by node_rank > 0)")
+    )
 
     def __post_init__(self) -> None:
         if self.distributed_init_method is not None:
             self.master_addr, self.master_port = _parse_init_method(
-                self.distributed_init_method, self.master_addr, self.master_port)
+                self.distributed_init_method, self.master_addr, self.master_port
+            )
         if self.nnodes < 1:
             raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -388,8 +515,9 @@ class ParallelConfig:
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
-            raise ValueError("distributed_executor_backend must be 'uni', 'mp' or 'ray', "
-                             f"got {self.distributed_executor_backend!r}")
+            raise ValueError(
+                f"distributed_executor_backend must be 'uni', 'mp' or 'ray', got {self.distributed_executor_backend!r}"
+            )
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 
@@ -418,8 +546,10 @@ def _parse_init_method(method: str, addr: str | None, port: int | None) -> tuple
     if url.scheme != "tcp" or not url.hostname or url_port is None:
         raise ValueError(f"distributed_init_method must be tcp://HOST:PORT, got {method!r}")
     if (addr is not None and addr != url.hostname) or (port is not None and port != url_port):
-        raise ValueError(f"distributed_init_method={method!r} disagrees with master_addr={addr!r} / "
-                         f"master_port={port!r}: give one or the other")
+        raise ValueError(
+            f"distributed_init_method={method!r} disagrees with master_addr={addr!r} / "
+            f"master_port={port!r}: give one or the other"
+        )
     return url.hostname, url_port
 
 
@@ -448,18 +578,28 @@ class DeviceConfig:
         ``dtype="auto"`` picks.
     """
 
-    device: str | None = field(default=None, metadata=_help(
-        "platform name (default: PAGEDSERVE_TARGET_DEVICE or auto-detect)"))
+    device: str | None = field(
+        default=None, metadata=_help("platform name (default: PAGEDSERVE_TARGET_DEVICE or auto-detect)")
+    )
     threads: int | None = field(default=None, metadata=_help("CPU threads for the model"))
-    device_map: str | Sequence[str | tuple[str, int | None]] | None = field(default=None, metadata=_help(
-        "decoder layers split across platforms: 'cuda:20,cpu' (the first 20 layers on cuda, the rest on cpu) "
-        "or inclusive ranges 'cpu:0-14,cuda:15-29' (docs/memory.md)",
-        parse="pagedserve.entrypoints.device_map_arg:device_map_arg", metavar="MAP"))
+    device_map: str | Sequence[str | tuple[str, int | None]] | None = field(
+        default=None,
+        metadata=_help(
+            "decoder layers split across platforms: 'cuda:20,cpu' (the first 20 layers on cuda, the rest on cpu) "
+            "or inclusive ranges 'cpu:0-14,cuda:15-29' (docs/memory.md)",
+            parse="pagedserve.entrypoints.device_map_arg:device_map_arg",
+            metavar="MAP",
+        ),
+    )
     #: Host cores for the model's threads, e.g. "0-3": thread i runs on the i-th core
     #: listed (the platform's ``configure_threads``); threads defaults to their number.
-    cpu_bind: str | None = field(default=None, metadata=_help(
-        "pin the model's threads to these host cores, one each, e.g. 0-3 (threads defaults to their number)",
-        metavar="CPUS"))
+    cpu_bind: str | None = field(
+        default=None,
+        metadata=_help(
+            "pin the model's threads to these host cores, one each, e.g. 0-3 (threads defaults to their number)",
+            metavar="CPUS",
+        ),
+    )
     #: ``cpu_bind`` parsed: the cores, in thread order (None without it).
     bind_cores: list[int] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -470,21 +610,25 @@ class DeviceConfig:
         if self.bind_cores is not None:
             cpus = self.bind_cores
             if self.threads is not None and self.threads != len(cpus):
-                raise ValueError(f"threads={self.threads} but cpu_bind={self.cpu_bind!r} lists {len(cpus)} cores "
-                                 "(one thread per core; leave threads unset)")
+                raise ValueError(
+                    f"threads={self.threads} but cpu_bind={self.cpu_bind!r} lists {len(cpus)} cores "
+                    "(one thread per core; leave threads unset)"
+                )
         if self.device_map is None:
             return
         entries = parse_device_map(self.device_map)
         self.device_map = ",".join(map(str, entries))
         first = entries[0].platform
         from pagedserve.platforms.options import target_device  # platform selection's one reader
-        for source, name in (("device", self.device),
-                             ("PAGEDSERVE_TARGET_DEVICE", target_device())):
+
+        for source, name in (("device", self.device), ("PAGEDSERVE_TARGET_DEVICE", target_device())):
             name = (name or "").strip()
             if name not in ("", "auto", first):
-                raise ValueError(f"{source}={name!r} conflicts with device_map={self.device_map!r}, whose first "
-                                 f"platform {first!r} is the engine's platform; unset {source} or start the map "
-                                 f"with {name!r}")
+                raise ValueError(
+                    f"{source}={name!r} conflicts with device_map={self.device_map!r}, whose first "
+                    f"platform {first!r} is the engine's platform; unset {source} or start the map "
+                    f"with {name!r}"
+                )
         self.device = first
 
 
@@ -498,34 +642,51 @@ class StructuredOutputsConfig:
     its ``</think>``.
     """
 
-    backend: str = field(default="auto", metadata=_help(
-        'structured outputs settings: JSON such as {"backend": "xgrammar"} (backend: auto or xgrammar; '
-        'reasoning_parser as below); the keyword also takes a dict, a StructuredOutputsConfig or a backend name',
-        flag="--structured-outputs-config", parse="pagedserve.structured_params:parse_structured_outputs_config",
-        metavar="JSON"))
-    reasoning_parser: str | None = field(default=None, metadata=_help(
-        "reasoning format of the model: its reasoning section goes to reasoning_content and constraints "
-        "(structured outputs, tool calls) apply after it", choices=list(REASONING_PARSERS)))
+    backend: str = field(
+        default="auto",
+        metadata=_help(
+            'structured outputs settings: JSON such as {"backend": "xgrammar"} (backend: auto or xgrammar; '
+            "reasoning_parser as below); the keyword also takes a dict, a StructuredOutputsConfig or a backend name",
+            flag="--structured-outputs-config",
+            parse="pagedserve.structured_params:parse_structured_outputs_config",
+            metavar="JSON",
+        ),
+    )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata=_help(
+            "reasoning format of the model: its reasoning section goes to reasoning_content and constraints "
+            "(structured outputs, tool calls) apply after it",
+            choices=list(REASONING_PARSERS),
+        ),
+    )
 
     def __post_init__(self) -> None:
         # `structured_outputs_config` (the flag's JSON, a dict or a config) fills both fields.
         self.backend, self.reasoning_parser = structured_outputs_fields(self.backend, self.reasoning_parser)
         if self.backend not in BACKENDS:
-            raise ValueError(f"structured_outputs_config.backend must be one of {', '.join(BACKENDS)}; "
-                             f"got {self.backend!r}")
+            raise ValueError(
+                f"structured_outputs_config.backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}"
+            )
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
-                             f"got {self.reasoning_parser!r}")
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; got {self.reasoning_parser!r}"
+            )
 
 
 @dataclass
 class SpeculativeDecodingConfig:
     """Speculative decoding (docs/speculative.md): off unless ``speculative_config`` is set."""
 
-    speculative_config: Any = field(default=None, metadata=_help(
-        "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; "
-        "methods: ngram, draft_model (with \"model\"), self_quantized (docs/speculative.md)",
-        parse="pagedserve.spec_config:speculative_config_arg", metavar="JSON"))
+    speculative_config: Any = field(
+        default=None,
+        metadata=_help(
+            'speculative decoding as a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
+            'methods: ngram, draft_model (with "model"), self_quantized (docs/speculative.md)',
+            parse="pagedserve.spec_config:speculative_config_arg",
+            metavar="JSON",
+        ),
+    )
 
     def __post_init__(self) -> None:
         from pagedserve.spec_config import parse_speculative_config

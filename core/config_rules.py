@@ -17,8 +17,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
 
-__all__ = ["check_engine_config", "check_parallel_fits_model", "check_prompt_fits_step", "check_logprobs_limit",
-           "RULES"]
+__all__ = [
+    "check_engine_config",
+    "check_parallel_fits_model",
+    "check_prompt_fits_step",
+    "check_logprobs_limit",
+    "RULES",
+]
 
 # quantization values that load float weights (or decide from the checkpoint): only an
 # explicit method is known to conflict before the checkpoint is opened.
@@ -27,8 +32,7 @@ _NOT_A_METHOD = (None, "auto", "none")
 
 def _parallel(cfg: EngineConfig) -> str:
     par = cfg.parallel
-    return (f"tensor_parallel_size={par.tensor_parallel_size}, pipeline_parallel_size="
-            f"{par.pipeline_parallel_size}")
+    return f"tensor_parallel_size={par.tensor_parallel_size}, pipeline_parallel_size={par.pipeline_parallel_size}"
 
 
 def _device_map_rule(cfg: EngineConfig) -> str | None:
@@ -36,23 +40,31 @@ def _device_map_rule(cfg: EngineConfig) -> str | None:
     if dm is None:
         return None
     if par.world_size > 1:
-        return (f"device_map={dm!r} cannot be combined with tensor/pipeline parallelism ({_parallel(cfg)}): "
-                "a device map splits one rank's layers")
+        return (
+            f"device_map={dm!r} cannot be combined with tensor/pipeline parallelism ({_parallel(cfg)}): "
+            "a device map splits one rank's layers"
+        )
     if par.distributed_executor_backend not in (None, "uni"):
-        return (f"device_map={dm!r} runs in the engine's process; distributed_executor_backend="
-                f"{par.distributed_executor_backend!r} is not supported with it")
+        return (
+            f"device_map={dm!r} runs in the engine's process; distributed_executor_backend="
+            f"{par.distributed_executor_backend!r} is not supported with it"
+        )
     if cfg.cache.cpu_offload_gb:
-        return (f"device_map={dm!r} cannot be combined with cpu_offload_gb={cfg.cache.cpu_offload_gb}: place "
-                "layers on the host platform with the map instead (e.g. 'cuda:20,cpu'), where they run rather "
-                "than being streamed")
+        return (
+            f"device_map={dm!r} cannot be combined with cpu_offload_gb={cfg.cache.cpu_offload_gb}: place "
+            "layers on the host platform with the map instead (e.g. 'cuda:20,cpu'), where they run rather "
+            "than being streamed"
+        )
     return None
 
 
 def _uni_backend_rule(cfg: EngineConfig) -> str | None:
     par = cfg.parallel
     if par.distributed_executor_backend == "uni" and par.world_size > 1:
-        return (f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size * "
-                f"pipeline_parallel_size = {par.world_size}; use 'mp' or 'ray'")
+        return (
+            f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size * "
+            f"pipeline_parallel_size = {par.world_size}; use 'mp' or 'ray'"
+        )
     return None
 
 
@@ -61,14 +73,22 @@ def _single_rank_features(cfg: EngineConfig) -> str | None:
     if cfg.parallel.world_size == 1:
         return None
     used = [
-        (cfg.device.cpu_bind is not None, f"cpu_bind={cfg.device.cpu_bind!r}",
-         "every rank would pin the same cores"),
-        (bool(cfg.cache.cpu_offload_gb), f"cpu_offload_gb={cfg.cache.cpu_offload_gb}",
-         "weight streaming runs on one rank"),
-        (cfg.cache.kv_offload_memory is not None, f"kv_offload_memory={cfg.cache.kv_offload_memory}",
-         "every rank would need its own host KV pool"),
-        (cfg.model.quantization not in _NOT_A_METHOD, f"quantization={cfg.model.quantization!r}",
-         "quantized weights are not sharded; use quantization='none' or one rank"),
+        (cfg.device.cpu_bind is not None, f"cpu_bind={cfg.device.cpu_bind!r}", "every rank would pin the same cores"),
+        (
+            bool(cfg.cache.cpu_offload_gb),
+            f"cpu_offload_gb={cfg.cache.cpu_offload_gb}",
+            "weight streaming runs on one rank",
+        ),
+        (
+            cfg.cache.kv_offload_memory is not None,
+            f"kv_offload_memory={cfg.cache.kv_offload_memory}",
+            "every rank would need its own host KV pool",
+        ),
+        (
+            cfg.model.quantization not in _NOT_A_METHOD,
+            f"quantization={cfg.model.quantization!r}",
+            "quantized weights are not sharded; use quantization='none' or one rank",
+        ),
     ]
     for on, setting, why in used:
         if on:
@@ -83,14 +103,20 @@ def _multinode_rule(cfg: EngineConfig) -> str | None:
             return "headless / node_rank > 0 need nnodes > 1 (a single node runs the API server itself)"
         return None
     if par.world_size % par.nnodes:
-        return (f"nnodes={par.nnodes} must divide tensor_parallel_size * pipeline_parallel_size = "
-                f"{par.world_size} ({_parallel(cfg)}): every node runs the same number of ranks")
+        return (
+            f"nnodes={par.nnodes} must divide tensor_parallel_size * pipeline_parallel_size = "
+            f"{par.world_size} ({_parallel(cfg)}): every node runs the same number of ranks"
+        )
     if par.distributed_executor_backend not in (None, "mp"):
-        return (f"nnodes={par.nnodes} starts one process per node itself; distributed_executor_backend="
-                f"{par.distributed_executor_backend!r} cannot be combined with it (Ray places ranks on its own)")
+        return (
+            f"nnodes={par.nnodes} starts one process per node itself; distributed_executor_backend="
+            f"{par.distributed_executor_backend!r} cannot be combined with it (Ray places ranks on its own)"
+        )
     if par.master_port is None:
-        return (f"nnodes={par.nnodes} needs master_port (or distributed_init_method tcp://HOST:PORT): every node "
-                "must find the head node's rendezvous at the same address")
+        return (
+            f"nnodes={par.nnodes} needs master_port (or distributed_init_method tcp://HOST:PORT): every node "
+            "must find the head node's rendezvous at the same address"
+        )
     return None
 
 
@@ -143,9 +169,11 @@ def check_parallel_fits_model(cfg: EngineConfig, arch: Any) -> None:
     """
     tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
     if arch.num_heads % tp or arch.intermediate_size % tp or (arch.num_kv_heads % tp and tp % arch.num_kv_heads):
-        raise ValueError(f"tensor_parallel_size={tp} must divide the attention heads ({arch.num_heads}) and "
-                         f"intermediate_size ({arch.intermediate_size}), and divide or be a multiple of the "
-                         f"KV heads ({arch.num_kv_heads})")
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide the attention heads ({arch.num_heads}) and "
+            f"intermediate_size ({arch.intermediate_size}), and divide or be a multiple of the "
+            f"KV heads ({arch.num_kv_heads})"
+        )
     if pp > arch.num_layers:
         raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {arch.num_layers} layers")
 
@@ -154,9 +182,11 @@ def check_prompt_fits_step(scheduler: Any, num_prompt_tokens: int) -> None:
     """ValueError at admission for a prompt the scheduler could never run: with chunked
     prefill off a prompt is scheduled whole, so it must fit one step's token budget."""
     if not scheduler.enable_chunked_prefill and num_prompt_tokens > scheduler.max_num_batched_tokens:
-        raise ValueError(f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens="
-                         f"{scheduler.max_num_batched_tokens}; with chunked prefill disabled a prompt must fit one "
-                         "step (raise max_num_batched_tokens or enable chunked prefill)")
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens="
+            f"{scheduler.max_num_batched_tokens}; with chunked prefill disabled a prompt must fit one "
+            "step (raise max_num_batched_tokens or enable chunked prefill)"
+        )
 
 
 def check_logprobs_limit(model: Any, params: Any) -> None:
@@ -176,18 +206,24 @@ def _speculative_rule(cfg: EngineConfig) -> str | None:
     if cfg.parallel.world_size > 1:
         return f"{name} is not supported with tensor/pipeline parallelism yet ({_parallel(cfg)})"
     if cfg.parallel.distributed_executor_backend not in (None, "uni"):
-        return (f"{name} runs in the engine's process; distributed_executor_backend="
-                f"{cfg.parallel.distributed_executor_backend!r} is not supported with it")
-    used = [(cfg.device.device_map is not None, f"device_map={cfg.device.device_map!r}"),
-            (bool(cfg.cache.cpu_offload_gb), f"cpu_offload_gb={cfg.cache.cpu_offload_gb}"),
-            (cfg.cache.kv_offload_memory is not None, f"kv_offload_memory={cfg.cache.kv_offload_memory}")]
+        return (
+            f"{name} runs in the engine's process; distributed_executor_backend="
+            f"{cfg.parallel.distributed_executor_backend!r} is not supported with it"
+        )
+    used = [
+        (cfg.device.device_map is not None, f"device_map={cfg.device.device_map!r}"),
+        (bool(cfg.cache.cpu_offload_gb), f"cpu_offload_gb={cfg.cache.cpu_offload_gb}"),
+        (cfg.cache.kv_offload_memory is not None, f"kv_offload_memory={cfg.cache.kv_offload_memory}"),
+    ]
     for on, setting in used:
         if on:
             return f"{name} cannot be combined with {setting} yet"
     q = cfg.model.quantization
     if spec.method == "self_quantized" and q not in _NOT_A_METHOD:
-        return (f"{name} drafts with the {spec.quantization!r} copy of the target for its float weights; "
-                f"quantization={q!r} would quantize the target too (leave it unset or 'none')")
+        return (
+            f"{name} drafts with the {spec.quantization!r} copy of the target for its float weights; "
+            f"quantization={q!r} would quantize the target too (leave it unset or 'none')"
+        )
     return None
 
 

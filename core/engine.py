@@ -1,9 +1,9 @@
 """LLMEngine: the synchronous step loop tying scheduler, executor and detokenizer together.
 
-    engine = LLMEngine(EngineConfig(...))
-    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
-    while engine.has_unfinished_requests():
-        for out in engine.step(): ...
+engine = LLMEngine(EngineConfig(...))
+engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+while engine.has_unfinished_requests():
+    for out in engine.step(): ...
 """
 
 from __future__ import annotations
@@ -21,23 +21,23 @@ from pagedserve.config_rules import check_logprobs_limit, check_parallel_fits_mo
 from pagedserve.executor.executor import create_executor
 from pagedserve.executor.model_runner import check_cache_dtype, resolve_dtype
 from pagedserve.kv_cache.host_tier import TieredKVCacheManager
-from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.loader import IncrementalDetokenizer, open_model
-from pagedserve.loader.tokenizer_source import engine_tokenizer
 from pagedserve.loader.generation_config import load_generation_defaults
+from pagedserve.loader.tokenizer_source import engine_tokenizer
 from pagedserve.loader.validation import effective_max_model_len
 from pagedserve.lora import LoRAManager, LoRARequest, lora_cache_salt
-from pagedserve.quantization.registry import quantize_source
 from pagedserve.models.arch_config import ArchConfig
+from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.platforms import select_platform
 from pagedserve.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, PoolingState, resolve_pooling
+from pagedserve.quantization.registry import quantize_source
 from pagedserve.request import Request, RequestStatus
 from pagedserve.request_options import best_sequences, check_request_params, sample_params, truncate_prompt
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
-from pagedserve.structured_output.engine_hooks import build_structured_output_manager, finish_by_grammar
 from pagedserve.spec_decode.builder import build_spec_decoder, check_draft_model, target_quantization
+from pagedserve.structured_output.engine_hooks import build_structured_output_manager, finish_by_grammar
 
 __all__ = ["LLMEngine", "EngineStats", "ITERATION_TOKEN_BUCKETS"]
 
@@ -136,8 +136,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(source.eos_token_ids)
         #: SamplingParams defaults from generation_config.json (see loader/generation_config.py).
         self.default_sampling_params = load_generation_defaults(config.model.generation_config, source.path)
-        mml = effective_max_model_len(config.model.max_model_len, self.arch.max_position_embeddings,
-                                      self.arch.head_dim)
+        mml = effective_max_model_len(config.model.max_model_len, self.arch.max_position_embeddings, self.arch.head_dim)
         self.max_model_len = mml
         #: How embedding requests pool (pagedserve.pooling): setting, checkpoint, else last.
         self.pooling = resolve_pooling(config.model.pooling, source.path)
@@ -146,9 +145,15 @@ class LLMEngine:
         check_cache_dtype(config.cache.cache_dtype, self.dtype)
         # Linear weights load quantized when config.model.quantization or the checkpoint asks.
         source = self.model_source = quantize_source(
-            source, target_quantization(config), self.platform, self.ops, self.dtype,
-            config.parallel.world_size, config.cache.cpu_offload_gb,
-            config.device.device_map)
+            source,
+            target_quantization(config),
+            self.platform,
+            self.ops,
+            self.dtype,
+            config.parallel.world_size,
+            config.cache.cpu_offload_gb,
+            config.device.device_map,
+        )
         # One rank in this process, or several (tensor/pipeline parallel) behind one executor.
         self.executor = create_executor(config, self.platform, self.ops, self.arch, self.dtype, source, mml)
         self.runner = self.executor.driver_runner  # rank 0's runner: it owns the sampler
@@ -158,8 +163,9 @@ class LLMEngine:
         self.weight_streamer = offload_weights(config, self.runner)  # cpu_offload_gb
         self.scheduler = Scheduler(config.scheduler, self.kv, mml)
         # Grammars compile on its worker thread; the runner masks constrained rows.
-        self.structured = self.runner.structured = build_structured_output_manager(config, self.tokenizer,
-                                                                                   self.arch, self.eos_token_ids)
+        self.structured = self.runner.structured = build_structured_output_manager(
+            config, self.tokenizer, self.arch, self.eos_token_ids
+        )
         self.spec = build_spec_decoder(config, self.runner, draft_source, mml, self.dtype)
         self.lora = LoRAManager.attach(config.lora, self.runner)  # enable_lora (docs/lora.md)
         self.scheduler.max_loras = config.lora.max_loras if self.lora is not None else None
@@ -171,8 +177,12 @@ class LLMEngine:
         self._iteration_tokens_sum = 0
 
     # -- requests ---------------------------------------------------------------------------
-    def validate_prompt(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None,
-                        truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
+    def validate_prompt(
+        self,
+        prompt: str | list[int] | None,
+        prompt_token_ids: list[int] | None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> tuple[str | None, list[int]]:
         """Tokenize and check a prompt, keeping only its last ``truncate_prompt_tokens``
         tokens when set; ValueError naming the problem and the limit."""
         if prompt_token_ids is None:
@@ -193,8 +203,10 @@ class LLMEngine:
             prompt_token_ids = kept
             prompt = None if prompt is None else self.tokenizer.decode(kept, skip_special_tokens=False)
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
-                             "(the prompt plus at least one generated token must fit)")
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
         check_prompt_fits_step(self.config.scheduler, len(prompt_token_ids))
         return prompt, list(prompt_token_ids)
 
@@ -214,8 +226,9 @@ class LLMEngine:
 
         With ``pooling_params`` it is an embedding request (``params`` is ignored)."""
         if pooling_params is not None:
-            return self._add_pooling_request(request_id, prompt, pooling_params, prompt_token_ids,
-                                             arrival_time, priority, cache_salt)
+            return self._add_pooling_request(
+                request_id, prompt, pooling_params, prompt_token_ids, arrival_time, priority, cache_salt
+            )
         params = params or SamplingParams()
         self.check_lora_request(lora_request)
         cache_salt = lora_cache_salt(cache_salt, lora_request)
@@ -225,25 +238,43 @@ class LLMEngine:
         prompt, ids = self.validate_prompt(prompt, prompt_token_ids, params.truncate_prompt_tokens)
         par = self.config.parallel
         encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        check_request_params(params, self.arch.vocab_size, encode,
-                             par.world_size > 1)
+        check_request_params(params, self.arch.vocab_size, encode, par.world_size > 1)
         if priority != 0 and self.config.scheduler.policy != "priority":
-            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy "
-                             f"priority); this engine schedules {self.config.scheduler.policy!r}")
+            raise ValueError(
+                f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy "
+                f"priority); this engine schedules {self.config.scheduler.policy!r}"
+            )
         compiled = self.structured.prepare(params.structured_outputs) if params.structured_outputs else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        group = _Group(request_id, prompt, ids, [], arrival, params=params,
-                       prompt_logprobs={} if params.prompt_logprobs is not None else None)
+        group = _Group(
+            request_id,
+            prompt,
+            ids,
+            [],
+            arrival,
+            params=params,
+            prompt_logprobs={} if params.prompt_logprobs is not None else None,
+        )
         first: Request | None = None
         children = sample_params(params, encode)
         for i, child_params in enumerate(children):
             rid = request_id if len(children) == 1 else f"{i}_{request_id}"
             # A request scoring its prompt computes every prompt position itself.
-            share = self.kv.enable_prefix_caching and first is not None \
-                and first.sampling_params.prompt_logprobs is None
-            req = Request(rid, ids, child_params, self.eos_token_ids, arrival, priority, cache_salt,
-                          self.max_model_len, wait_for=first if share else None,
-                          lora_request=lora_request)
+            share = (
+                self.kv.enable_prefix_caching and first is not None and first.sampling_params.prompt_logprobs is None
+            )
+            req = Request(
+                rid,
+                ids,
+                child_params,
+                self.eos_token_ids,
+                arrival,
+                priority,
+                cache_salt,
+                self.max_model_len,
+                wait_for=first if share else None,
+                lora_request=lora_request,
+            )
             if compiled is not None:
                 req.structured = self.structured.new_state(compiled)  # one matcher per sample
             first = first or req
@@ -255,15 +286,24 @@ class LLMEngine:
             self._seq_of[seq.request.request_id] = (group, seq)
         self.groups[request_id] = group
 
-    def _add_pooling_request(self, request_id: str, prompt: str | list[int] | None, pooling: PoolingParams,
-                             prompt_token_ids: list[int] | None, arrival_time: float | None, priority: int,
-                             cache_salt: str | None) -> None:
+    def _add_pooling_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        pooling: PoolingParams,
+        prompt_token_ids: list[int] | None,
+        arrival_time: float | None,
+        priority: int,
+        cache_salt: str | None,
+    ) -> None:
         """An embedding request: the prompt is computed, pooled, and the request finishes."""
         if self.config.parallel.world_size > 1:
             raise ValueError("embeddings are not supported with tensor/pipeline parallelism")
         if pooling.dimensions is not None and pooling.dimensions != self.arch.hidden_size:
-            raise ValueError(f"dimensions={pooling.dimensions} is not supported: this model's embeddings have "
-                             f"{self.arch.hidden_size} dimensions (no truncation)")
+            raise ValueError(
+                f"dimensions={pooling.dimensions} is not supported: this model's embeddings have "
+                f"{self.arch.hidden_size} dimensions (no truncation)"
+            )
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if priority != 0 and self.config.scheduler.policy != "priority":
@@ -271,11 +311,28 @@ class LLMEngine:
         prompt, ids = self.validate_prompt(prompt, prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         params = SamplingParams(max_tokens=1)
-        req = Request(request_id, ids, params, self.eos_token_ids, arrival, priority, cache_salt,
-                      self.max_model_len, pooling=self.pooling)
+        req = Request(
+            request_id,
+            ids,
+            params,
+            self.eos_token_ids,
+            arrival,
+            priority,
+            cache_salt,
+            self.max_model_len,
+            pooling=self.pooling,
+        )
         seq = _Sequence(req, 0, IncrementalDetokenizer(self.tokenizer, ids, True))
-        group = _Group(request_id, prompt, ids, [seq], arrival, params=params,
-                       pool=PoolingState(self.pooling), pooling_params=pooling)
+        group = _Group(
+            request_id,
+            prompt,
+            ids,
+            [seq],
+            arrival,
+            params=params,
+            pool=PoolingState(self.pooling),
+            pooling_params=pooling,
+        )
         self.scheduler.add_request(req)
         self._seq_of[request_id] = (group, seq)
         self.groups[request_id] = group
@@ -298,8 +355,15 @@ class LLMEngine:
         return done
 
     def _embedding_output(self, group: _Group) -> EmbeddingRequestOutput:
-        out = EmbeddingRequestOutput(group.request_id, None, group.prompt_token_ids, group.prompt,
-                                     group.finished, group.error, {**group.metrics, "arrival_time": group.arrival_time})
+        out = EmbeddingRequestOutput(
+            group.request_id,
+            None,
+            group.prompt_token_ids,
+            group.prompt,
+            group.finished,
+            group.error,
+            {**group.metrics, "arrival_time": group.arrival_time},
+        )
         if group.error is None and group.seqs[0].finish_reason == "stop":  # its whole prompt was pooled
             try:
                 out.outputs = EmbeddingOutput(group.pool.result(group.pooling_params.normalize))
@@ -315,8 +379,9 @@ class LLMEngine:
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         if self.lora is None:
-            raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine with enable_lora=True "
-                             "(--enable-lora)")
+            raise ValueError(
+                f"lora_request {lora_request.lora_name!r} needs an engine with enable_lora=True (--enable-lora)"
+            )
         self.lora.add_adapter(lora_request)
 
     def abort_request(self, request_id: str | list[str]) -> None:
@@ -348,8 +413,7 @@ class LLMEngine:
         """Ids of requests with a sample in the running set: those a failed step may have
         left half-updated, so a caller that survives the failure aborts them."""
         running = {r.request_id for r in self.scheduler.running}
-        return [gid for gid, g in self.groups.items()
-                if any(s.request.request_id in running for s in g.seqs)]
+        return [gid for gid, g in self.groups.items() if any(s.request.request_id in running for s in g.seqs)]
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -405,8 +469,13 @@ class LLMEngine:
                 if first is None or request.first_scheduled_time < first:
                     group.metrics["first_scheduled_time"] = request.first_scheduled_time
 
-    def _process_tokens(self, progressed: list[Request], logprobs: dict, accepted: dict | None = None,
-                        accepted_logprobs: dict | None = None) -> dict[str, _Group]:
+    def _process_tokens(
+        self,
+        progressed: list[Request],
+        logprobs: dict,
+        accepted: dict | None = None,
+        accepted_logprobs: dict | None = None,
+    ) -> dict[str, _Group]:
         """Detokenize and stop-check each new token (with speculative decoding, the
         accepted drafts before it, in turn); a request whose own processing (or sampling:
         `Sampler.row_errors`) failed is failed alone.  The groups touched."""
@@ -423,8 +492,9 @@ class LLMEngine:
                     raise RuntimeError(f"sampling failed: {row_errors[request.request_id]}")
                 rid = request.request_id
                 if rid in accepted:
-                    self._process_drafted(group, seq, len(accepted[rid]) + 1,
-                                          (accepted_logprobs or {}).get(rid), logprobs.get(rid))
+                    self._process_drafted(
+                        group, seq, len(accepted[rid]) + 1, (accepted_logprobs or {}).get(rid), logprobs.get(rid)
+                    )
                 else:
                     self._process_token(group, seq, logprobs.get(rid))
             except Exception as e:  # noqa: BLE001 - this request's own failure; the batch goes on
@@ -511,7 +581,7 @@ class LLMEngine:
         if best is None:
             return None
         idx, s = best
-        seq.text = seq.text[:idx + len(s)] if params.include_stop_str_in_output else seq.text[:idx]
+        seq.text = seq.text[: idx + len(s)] if params.include_stop_str_in_output else seq.text[:idx]
         seq.request.stop_reason = s
         return RequestStatus.FINISHED_STOPPED
 
@@ -521,7 +591,7 @@ class LLMEngine:
         if seq.finish_reason is not None or not stops:
             return seq.text
         hold = max(map(len, stops)) - 1
-        return seq.text[:len(seq.text) - hold] if hold > 0 else seq.text
+        return seq.text[: len(seq.text) - hold] if hold > 0 else seq.text
 
     def _make_output(self, group: _Group) -> RequestOutput | EmbeddingRequestOutput:
         if group.pool is not None:
@@ -534,22 +604,31 @@ class LLMEngine:
         want_logprobs = params is None or params.logprobs is not None
         for index, seq in enumerate(seqs):
             r = seq.request
-            outs.append(CompletionOutput(
-                index=index,
-                text=self._visible_text(seq),
-                token_ids=list(r.output_token_ids),
-                finish_reason=seq.finish_reason,
-                stop_reason=r.stop_reason,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None and want_logprobs else None,
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-            ))
+            outs.append(
+                CompletionOutput(
+                    index=index,
+                    text=self._visible_text(seq),
+                    token_ids=list(r.output_token_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=r.stop_reason,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None and want_logprobs else None,
+                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                )
+            )
         metrics = dict(group.metrics)
         metrics["arrival_time"] = group.arrival_time
-        out = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                            group.finished, group.seqs[0].request.num_cached_tokens, metrics, group.error)
+        out = RequestOutput(
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            outs,
+            group.finished,
+            group.seqs[0].request.num_cached_tokens,
+            metrics,
+            group.error,
+        )
         if group.prompt_logprobs is not None:
-            out.prompt_logprobs = [None] + [group.prompt_logprobs.get(p)
-                                            for p in range(1, len(group.prompt_token_ids))]
+            out.prompt_logprobs = [None] + [group.prompt_logprobs.get(p) for p in range(1, len(group.prompt_token_ids))]
         return out
 
     # -- KV hand-off between engines (disaggregated prefill/decode) ------------------------

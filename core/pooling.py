@@ -26,9 +26,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["POOLING_TYPES", "PoolingParams", "PooledPart", "PoolingState", "EmbeddingOutput",
-           "EmbeddingRequestOutput", "pool_chunks", "pooling_from_checkpoint", "resolve_pooling",
-           "needs_every_position"]
+__all__ = [
+    "POOLING_TYPES",
+    "PoolingParams",
+    "PooledPart",
+    "PoolingState",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "pool_chunks",
+    "pooling_from_checkpoint",
+    "resolve_pooling",
+    "needs_every_position",
+]
 
 POOLING_TYPES = ("last", "mean", "cls")
 
@@ -133,7 +142,7 @@ def pool_chunks(scheduled, hidden: torch.Tensor) -> dict[str, PooledPart]:
             c = r.num_computed_tokens
             rows = None
             if kind == "mean":
-                rows = hidden[start:start + n].float().sum(dim=0)
+                rows = hidden[start : start + n].float().sum(dim=0)
             elif kind == "last" and c + n >= r.num_prompt_tokens:
                 rows = hidden[start + n - 1].float()
             elif kind == "cls" and c == 0:
@@ -159,8 +168,10 @@ def pooling_from_checkpoint(path: str | Path | None) -> str | None:
             modes = [ours for key, ours in _ST_MODES.items() if cfg.get(key)]
             others = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v and k not in _ST_MODES]
             if others or len(modes) != 1:
-                raise ValueError(f"{root}: sentence-transformers pooling {others or modes} is not supported; "
-                                 f"one of {', '.join(_ST_MODES)} must be set")
+                raise ValueError(
+                    f"{root}: sentence-transformers pooling {others or modes} is not supported; "
+                    f"one of {', '.join(_ST_MODES)} must be set"
+                )
             return modes[0]
     return None
 

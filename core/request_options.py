@@ -36,8 +36,14 @@ def sample_params(params: SamplingParams, encode) -> list[SamplingParams]:
             logprobs = params.logprobs
             if count > params.n and logprobs is None:
                 logprobs = 0
-            child = replace(params, n=1, best_of=None, seed=seed, logprobs=logprobs,
-                            prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            child = replace(
+                params,
+                n=1,
+                best_of=None,
+                seed=seed,
+                logprobs=logprobs,
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+            )
         child._bad_words_token_ids = bad
         out.append(child)
     return out
@@ -66,4 +72,4 @@ def continue_final_message(text: str, messages: list[dict]) -> str:
     cut = text.rfind(final)
     if cut == -1:
         raise ValueError("continue_final_message: the chat template does not write the final message verbatim")
-    return text[:cut + len(final)]
+    return text[: cut + len(final)]

@@ -80,14 +80,17 @@ def check_sampling_params(params: Any) -> None:
     _check_id_list("stop_token_ids", params.stop_token_ids)
     _check_id_list("allowed_token_ids", params.allowed_token_ids, allow_empty=False)
     _check_logit_bias(params)
-    if params.bad_words is not None and (not isinstance(params.bad_words, (list, tuple))
-                                         or not all(isinstance(w, str) for w in params.bad_words)):
+    if params.bad_words is not None and (
+        not isinstance(params.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in params.bad_words)
+    ):
         _fail("bad_words", "a list of strings", params.bad_words)
-    if params.prompt_logprobs is not None and (not _is_int(params.prompt_logprobs)
-                                               or not 0 <= params.prompt_logprobs <= _MAX_LOGPROBS):
+    if params.prompt_logprobs is not None and (
+        not _is_int(params.prompt_logprobs) or not 0 <= params.prompt_logprobs <= _MAX_LOGPROBS
+    ):
         _fail("prompt_logprobs", f"an integer in [0, {_MAX_LOGPROBS}]", params.prompt_logprobs)
-    if params.truncate_prompt_tokens is not None and (not _is_int(params.truncate_prompt_tokens)
-                                                      or params.truncate_prompt_tokens < 1):
+    if params.truncate_prompt_tokens is not None and (
+        not _is_int(params.truncate_prompt_tokens) or params.truncate_prompt_tokens < 1
+    ):
         _fail("truncate_prompt_tokens", "an integer >= 1", params.truncate_prompt_tokens)
     if params.best_of is not None:
         if not _is_int(params.best_of) or not _is_int(params.n) or params.best_of < params.n:

@@ -73,7 +73,8 @@ class Scheduler:
         if not self.kv.can_fit(min(request.num_tokens + 1, self.max_model_len)):
             raise ValueError(
                 f"prompt of {request.num_tokens} tokens needs more KV blocks than the whole "
-                f"cache has ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)")
+                f"cache has ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)"
+            )
         self.requests[request.request_id] = request
         if self.config.policy == "priority":
             self._insert_by_priority(request)
@@ -143,7 +144,7 @@ class Scheduler:
         n = request.num_tokens_with_spec - request.num_computed_tokens
         if request.spec_token_ids and n > budget:
             # Drafts that do not fit this step's budget are dropped, never split off.
-            del request.spec_token_ids[max(budget - (request.num_tokens - request.num_computed_tokens), 0):]
+            del request.spec_token_ids[max(budget - (request.num_tokens - request.num_computed_tokens), 0) :]
             n = request.num_tokens_with_spec - request.num_computed_tokens
         # Without chunked prefill a request waits for a step with room for all its tokens.
         # Admission keeps prompts within one step; only a request preempted by recompute
@@ -204,8 +205,11 @@ class Scheduler:
             computed, num_computed = [], resumed
             # prompt_logprobs needs the logits of every prompt position: no cache hit.
             # So does mean/cls pooling (embeddings): it pools every prompt position.
-            if resumed == 0 and request.sampling_params.prompt_logprobs is None \
-                    and request.pooling not in ("mean", "cls"):
+            if (
+                resumed == 0
+                and request.sampling_params.prompt_logprobs is None
+                and request.pooling not in ("mean", "cls")
+            ):
                 computed, num_computed = self.kv.get_computed_blocks(request)
             request.num_computed_tokens = num_computed
             n = self._num_new_tokens(request, budget)
@@ -245,8 +249,9 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(request, n, samples, list(request.spec_token_ids)))
         out.num_batched_tokens += n
 
-    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int],
-                          accepted: dict[str, list[int]] | None = None) -> list[Request]:
+    def update_after_step(
+        self, out: SchedulerOutput, sampled: dict[str, int], accepted: dict[str, list[int]] | None = None
+    ) -> list[Request]:
         """Advance computed tokens, append sampled tokens; returns requests that sampled.
 
         ``accepted``: per request that verified drafts, the drafts accepted (appended

@@ -20,8 +20,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["SpeculativeConfig", "METHODS", "MAX_SPECULATIVE_TOKENS", "parse_speculative_config",
-           "speculative_config_arg"]
+__all__ = [
+    "SpeculativeConfig",
+    "METHODS",
+    "MAX_SPECULATIVE_TOKENS",
+    "parse_speculative_config",
+    "speculative_config_arg",
+]
 
 #: Proposers by name; EAGLE/MTP-style heads would be added here (and in proposer.py).
 METHODS: tuple[str, ...] = ("ngram", "draft_model", "self_quantized")
@@ -69,22 +74,22 @@ def parse_speculative_config(value: SpeculativeConfig | Mapping[str, Any] | str 
     known = {f.name for f in fields(SpeculativeConfig)}
     unknown = sorted(set(d) - known)
     if unknown:
-        raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} "
-                         f"(known: {', '.join(sorted(known))})")
+        raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
     method = d.get("method") or ("draft_model" if d.get("model") else None)
     if method not in METHODS:
         raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}")
     k = _int(d, "num_speculative_tokens", None)
     if k is None or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in "
-                         f"[1, {MAX_SPECULATIVE_TOKENS}], got {d.get('num_speculative_tokens')!r}")
+        raise ValueError(
+            f"speculative_config: num_speculative_tokens must be an integer in "
+            f"[1, {MAX_SPECULATIVE_TOKENS}], got {d.get('num_speculative_tokens')!r}"
+        )
     lo, hi = _int(d, "prompt_lookup_min", 1), _int(d, "prompt_lookup_max", None)
     if hi is None:
         hi = max(lo, 4)
     if method == "ngram":
         if not 1 <= lo <= hi:
-            raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, "
-                             f"got {lo} and {hi}")
+            raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
     elif "prompt_lookup_min" in d or "prompt_lookup_max" in d:
         raise ValueError(f"speculative_config: prompt_lookup_min/max apply to method 'ngram', not {method!r}")
     model = d.get("model")
@@ -98,8 +103,10 @@ def parse_speculative_config(value: SpeculativeConfig | Mapping[str, Any] | str 
     if method == "self_quantized":
         quant = quant or "gguf"
         if quant in ("none", "auto"):
-            raise ValueError(f"speculative_config: method 'self_quantized' drafts with quantized weights; "
-                             f"quantization={quant!r} would draft with the target's own weights")
+            raise ValueError(
+                f"speculative_config: method 'self_quantized' drafts with quantized weights; "
+                f"quantization={quant!r} would draft with the target's own weights"
+            )
     elif method == "ngram" and quant is not None:
         raise ValueError("speculative_config: quantization applies to a draft model, not to method 'ngram'")
     return SpeculativeConfig(method, k, model, lo, hi, quant)

@@ -13,8 +13,13 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StructuredOutputsParams", "BACKENDS", "REASONING_PARSERS", "parse_structured_outputs_config",
-           "structured_outputs_fields"]
+__all__ = [
+    "StructuredOutputsParams",
+    "BACKENDS",
+    "REASONING_PARSERS",
+    "parse_structured_outputs_config",
+    "structured_outputs_fields",
+]
 
 #: Backends ``structured_outputs_config.backend`` may name ("auto" picks xgrammar).
 BACKENDS = ("auto", "xgrammar")
@@ -56,11 +61,15 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         set_kinds = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
-            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object, "
-                             f"structural_tag; got {', '.join(set_kinds) or 'none'}")
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object, "
+                f"structural_tag; got {', '.join(set_kinds) or 'none'}"
+            )
         if self.whitespace_pattern is not None:
-            raise ValueError("structured_outputs.whitespace_pattern is not supported by the xgrammar backend "
-                             "(use disable_any_whitespace for compact JSON)")
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is not supported by the xgrammar backend "
+                "(use disable_any_whitespace for compact JSON)"
+            )
         if isinstance(self.json, str):
             try:
                 self.json = _json.loads(self.json)
@@ -73,8 +82,11 @@ class StructuredOutputsParams:
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise ValueError("structured_outputs.grammar must be a non-empty string")
         if self.choice is not None:
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(isinstance(c, str) for c in self.choice)):
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) for c in self.choice)
+            ):
                 raise ValueError("structured_outputs.choice must be a non-empty list of strings")
             self.choice = list(self.choice)
         if self.structural_tag is not None and not isinstance(self.structural_tag, str):
@@ -107,14 +119,18 @@ def parse_structured_outputs_config(text: str) -> dict[str, Any] | str:
     except ValueError as e:
         raise ValueError(f"--structured-outputs-config is not JSON: {e}") from None
     if not isinstance(value, dict) or set(value) - set(_CONFIG_KEYS):
-        raise ValueError(f"--structured-outputs-config must be a JSON object with {' and/or '.join(_CONFIG_KEYS)}; "
-                         f"got {text!r}")
+        raise ValueError(
+            f"--structured-outputs-config must be a JSON object with {' and/or '.join(_CONFIG_KEYS)}; got {text!r}"
+        )
     if value.get("backend", "auto") not in BACKENDS:
-        raise ValueError(f"--structured-outputs-config backend must be one of {', '.join(BACKENDS)}; "
-                         f"got {value['backend']!r}")
+        raise ValueError(
+            f"--structured-outputs-config backend must be one of {', '.join(BACKENDS)}; got {value['backend']!r}"
+        )
     if value.get("reasoning_parser") not in (None, *REASONING_PARSERS):
-        raise ValueError(f"--structured-outputs-config reasoning_parser must be one of "
-                         f"{', '.join(REASONING_PARSERS)}; got {value['reasoning_parser']!r}")
+        raise ValueError(
+            f"--structured-outputs-config reasoning_parser must be one of "
+            f"{', '.join(REASONING_PARSERS)}; got {value['reasoning_parser']!r}"
+        )
     return value
 
 
@@ -129,13 +145,16 @@ def structured_outputs_fields(value: Any, reasoning_parser: str | None) -> tuple
     if isinstance(value, dict):
         unknown = set(value) - set(_CONFIG_KEYS)
         if unknown:
-            raise ValueError(f"structured_outputs_config has no setting {', '.join(map(repr, sorted(unknown)))}; "
-                             f"it takes {' and '.join(_CONFIG_KEYS)}")
+            raise ValueError(
+                f"structured_outputs_config has no setting {', '.join(map(repr, sorted(unknown)))}; "
+                f"it takes {' and '.join(_CONFIG_KEYS)}"
+            )
         fields = value
     elif all(hasattr(value, k) for k in _CONFIG_KEYS):  # a StructuredOutputsConfig
         fields = {k: getattr(value, k) for k in _CONFIG_KEYS}
     else:
-        raise ValueError(f"structured_outputs_config must be a dict, a StructuredOutputsConfig or a backend name; "
-                         f"got {value!r}")
+        raise ValueError(
+            f"structured_outputs_config must be a dict, a StructuredOutputsConfig or a backend name; got {value!r}"
+        )
     inner = fields.get("reasoning_parser")
     return fields.get("backend", "auto"), reasoning_parser if reasoning_parser is not None else inner

@@ -1,7 +1,7 @@
 """Regenerate the supported-architectures table of docs/models.md from the model registry.
 
-    python docs/gen_models_table.py          # rewrite the table in place
-    python docs/gen_models_table.py --check  # exit 1 if docs/models.md is stale
+python docs/gen_models_table.py          # rewrite the table in place
+python docs/gen_models_table.py --check  # exit 1 if docs/models.md is stale
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ def render_table() -> str:
     ]
     for e in model_entries():
         gguf = ", ".join(f"`{g}`" for g in e.gguf) or "no"
-        rows.append(f"| `{e.architecture}` | `{e.model_type}` | yes | {gguf} | {_yes(e.quantized)} | "
-                    f"{_yes(e.tensor_parallel)} | {e.notes} |")
+        rows.append(
+            f"| `{e.architecture}` | `{e.model_type}` | yes | {gguf} | {_yes(e.quantized)} | "
+            f"{_yes(e.tensor_parallel)} | {e.notes} |"
+        )
     return "\n".join(rows)
 
 

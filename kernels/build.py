@@ -147,8 +147,9 @@ def auto_cpu_arch_flags(features: frozenset[str]) -> list[str]:
     return flags
 
 
-def cpu_arch_flags(env: Mapping[str, str] | None = None,
-                   features: frozenset[str] | None = None) -> tuple[list[str], str]:
+def cpu_arch_flags(
+    env: Mapping[str, str] | None = None, features: frozenset[str] | None = None
+) -> tuple[list[str], str]:
     """(flags, where they came from): PAGEDSERVE_CPU_ARCH_FLAGS if set, else /proc/cpuinfo."""
     env = os.environ if env is None else env
     raw = env.get("PAGEDSERVE_CPU_ARCH_FLAGS")
@@ -174,9 +175,12 @@ def kernel_cache_root(env: Mapping[str, str] | None = None) -> Path:
     if env.get("PAGEDSERVE_KERNEL_CACHE"):
         return Path(env["PAGEDSERVE_KERNEL_CACHE"]).expanduser()
     if env.get("PAGEDSERVE_CACHE_DIR"):
-        warnings.warn("PAGEDSERVE_CACHE_DIR is deprecated: set PAGEDSERVE_KERNEL_CACHE "
-                      "(the kernel cache root itself, i.e. $PAGEDSERVE_CACHE_DIR/kernels)",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "PAGEDSERVE_CACHE_DIR is deprecated: set PAGEDSERVE_KERNEL_CACHE "
+            "(the kernel cache root itself, i.e. $PAGEDSERVE_CACHE_DIR/kernels)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return Path(env["PAGEDSERVE_CACHE_DIR"]).expanduser() / "kernels"
     base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
     return base / "pagedserve" / "kernels"
@@ -223,8 +227,7 @@ def cpu_build_spec(env: Mapping[str, str] | None = None) -> ExtensionSpec:
     for name in (*CPU_SOURCES, *CPU_HEADERS):
         digest.update(name.encode())
         digest.update((CPU_DIR / name).read_bytes())
-    digest.update(json.dumps([cflags, compiler, torch.__version__, sys.version_info[:2],
-                              platform.machine()]).encode())
+    digest.update(json.dumps([cflags, compiler, torch.__version__, sys.version_info[:2], platform.machine()]).encode())
     name = f"pagedserve_cpu_{digest.hexdigest()[:16]}"
     return ExtensionSpec(
         name=name,
@@ -246,8 +249,17 @@ def toolchain_available(compiler: str | None = None) -> bool:
     ninja), for ops that build theirs on first use and so must know at registration."""
     compiler = compiler if compiler is not None else os.environ.get("CXX", "c++")
     try:
-        _check_toolchain(ExtensionSpec(name="probe", directory=Path("."), sources=(), cflags=(), arch_flags=(),
-                                       arch_origin="probe", compiler=compiler))
+        _check_toolchain(
+            ExtensionSpec(
+                name="probe",
+                directory=Path("."),
+                sources=(),
+                cflags=(),
+                arch_flags=(),
+                arch_origin="probe",
+                compiler=compiler,
+            )
+        )
     except KernelBuildError:
         return False
     return True
@@ -338,17 +350,25 @@ def _is_built(spec: ExtensionSpec) -> bool:
 
 def _report(spec: ExtensionSpec, module: ModuleType, compiled: bool, seconds: float) -> BuildReport:
     return BuildReport(
-        target="cpu", name=spec.name, path=str(spec.directory), compiled=compiled, seconds=seconds,
-        arch_flags=list(spec.arch_flags), arch_origin=spec.arch_origin,
-        isas=list(module.compiled_isas()), features=dict(module.build_features()),
+        target="cpu",
+        name=spec.name,
+        path=str(spec.directory),
+        compiled=compiled,
+        seconds=seconds,
+        arch_flags=list(spec.arch_flags),
+        arch_origin=spec.arch_origin,
+        isas=list(module.compiled_isas()),
+        features=dict(module.build_features()),
     )
 
 
 def _log_verbose(spec: ExtensionSpec, report: BuildReport | None = None) -> None:
     if report is None:
         flags = " ".join(spec.arch_flags) or "(none: portable kernels only)"
-        _log(f"CPU arch flags {flags} (from {spec.arch_origin}); compiler {spec.compiler}; "
-             f"MAX_JOBS={os.environ.get('MAX_JOBS', 'unset (ninja default)')}; cache {spec.directory}")
+        _log(
+            f"CPU arch flags {flags} (from {spec.arch_origin}); compiler {spec.compiler}; "
+            f"MAX_JOBS={os.environ.get('MAX_JOBS', 'unset (ninja default)')}; cache {spec.directory}"
+        )
         return
     on = ", ".join(k for k, v in sorted(report.features.items()) if v) or "none"
     _log(f"compiler features in effect: {on}; kernels compiled for: {', '.join(report.isas)}")
@@ -363,8 +383,7 @@ def load_cpu_extension(verbose: bool = False, rebuild: bool = False) -> tuple[Mo
     spec = cpu_build_spec()
     bad = unsupported_arch_flags(list(spec.arch_flags), read_cpu_features())
     if bad:
-        raise KernelBuildError(f"this CPU lacks the instructions of {' '.join(bad)} "
-                               f"(from {spec.arch_origin})")
+        raise KernelBuildError(f"this CPU lacks the instructions of {' '.join(bad)} (from {spec.arch_origin})")
     if verbose:
         _log_verbose(spec)
     if rebuild:  # ninja would keep up-to-date objects: start from an empty directory
@@ -389,8 +408,9 @@ def _cached_load(spec: ExtensionSpec, verbose: bool) -> tuple[ModuleType, BuildR
         return exc
 
 
-def load_extension(spec: ExtensionSpec, label: str = "native CPU kernels",
-                   verbose: bool = False) -> tuple[ModuleType, bool, float]:
+def load_extension(
+    spec: ExtensionSpec, label: str = "native CPU kernels", verbose: bool = False
+) -> tuple[ModuleType, bool, float]:
     """Import the build ``spec`` from the cache, compiling it first if it is not there.
 
     Returns (module, compiled, seconds).  While compiling, one line on stderr says
@@ -405,12 +425,16 @@ def load_extension(spec: ExtensionSpec, label: str = "native CPU kernels",
     if _is_built(spec):  # the other process has just finished it
         return _import_built(spec), False, time.perf_counter() - start
     flags = " ".join(spec.arch_flags) or "portable"
-    _log(f"compiling {label} ({flags}) into {spec.directory}; "
-         "this takes a minute or two, once per machine and version")
+    _log(f"compiling {label} ({flags}) into {spec.directory}; this takes a minute or two, once per machine and version")
     module = _compile(spec, verbose)
     seconds = time.perf_counter() - start
-    stamp = {"name": spec.name, "cflags": list(spec.cflags), "compiler": spec.compiler,
-             "seconds": round(seconds, 1), "built": time.strftime("%Y-%m-%d %H:%M:%S")}
+    stamp = {
+        "name": spec.name,
+        "cflags": list(spec.cflags),
+        "compiler": spec.compiler,
+        "seconds": round(seconds, 1),
+        "built": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     spec.stamp_path.write_text(json.dumps(stamp, indent=1))
     return module, True, seconds
 
@@ -426,8 +450,9 @@ def default_target(requested: str | None = None) -> str:
     rocm/cuda when torch is built for one and sees a device; else cpu."""
     if requested:
         if requested not in TARGETS:
-            raise KernelBuildError(f"nothing to build for PAGEDSERVE_TARGET_DEVICE={requested!r}; "
-                                   f"targets: {', '.join(TARGETS)}")
+            raise KernelBuildError(
+                f"nothing to build for PAGEDSERVE_TARGET_DEVICE={requested!r}; targets: {', '.join(TARGETS)}"
+            )
         return requested
     import torch
 

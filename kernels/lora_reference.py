@@ -14,8 +14,9 @@ import torch
 __all__ = ["lora_linear"]
 
 
-def lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                token_slots: torch.Tensor) -> torch.Tensor:
+def lora_linear(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
     """Add each row's adapter delta to ``y`` in place and return ``y``.
 
     y: [num_tokens, out] (may be a strided view, e.g. a column slice of a fused output);

@@ -64,7 +64,7 @@ AWQ_ORDER: tuple[int, ...] = (0, 2, 4, 6, 1, 3, 5, 7)
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The fp16 field at byte ``start`` of each block ``[..., block_bytes]`` -> float32 ``[..., 1]``."""
-    return blocks[..., start:start + 2].contiguous().view(torch.float16).float()
+    return blocks[..., start : start + 2].contiguous().view(torch.float16).float()
 
 
 def dequantize_gguf(raw: torch.Tensor, type_name: str) -> torch.Tensor:
@@ -102,23 +102,26 @@ def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Weight-only INT8 (W8A16): qweight int8 ``[N, K]``, scale float32 ``[N]``."""
     w = qweight.float() * scale.float()[:, None]
     return _finish(x.float() @ w.t(), bias, x.dtype)
 
 
-def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def w8a8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """W8A8: x quantized per token (``quantize_per_token_int8``), integer products, both scales after."""
     xq, xs = quantize_per_token_int8(x)
     y = (xq.float() @ qweight.float().t()) * xs * scale.float()[None, :]
     return _finish(y, bias, x.dtype)
 
 
-def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """FP8 e4m3 weights: qweight ``[N, K]``, scale float32 ``[]`` or ``[N]``."""
     s = scale.float()
     w = qweight.float() * (s[:, None] if s.dim() == 1 else s)
@@ -143,8 +146,9 @@ def unpack_int4_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None)
     return q.reshape(packed.shape[0], -1)
 
 
-def gptq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                    g_idx: torch.Tensor) -> torch.Tensor:
+def gptq_dequantize(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor
+) -> torch.Tensor:
     """GPTQ 4-bit -> float32 ``[N, K]`` (see the module docstring for the layout)."""
     q = unpack_int4_rows(qweight)  # [K, N]
     z = unpack_int4_cols(qzeros) + 1  # [G, N]; checkpoints store zero - 1
@@ -153,13 +157,18 @@ def gptq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     return w.t()
 
 
-def gptq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                g_idx: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gptq_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     return _finish(x.float() @ gptq_dequantize(qweight, qzeros, scales, g_idx).t(), bias, x.dtype)
 
 
-def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                   group_size: int) -> torch.Tensor:
+def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """AWQ 4-bit -> float32 ``[N, K]`` (see the module docstring for the layout)."""
     q = unpack_int4_cols(qweight, AWQ_ORDER)  # [K, N]
     z = unpack_int4_cols(qzeros, AWQ_ORDER)  # [G, N]
@@ -168,31 +177,41 @@ def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     return w.t()
 
 
-def awq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-               group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def awq_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     return _finish(x.float() @ awq_dequantize(qweight, qzeros, scales, group_size).t(), bias, x.dtype)
 
 
 # -- dense paths (not specifications; see the module docstring) ----------------------------
 
+
 def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
-def gguf_linear_dense(x: torch.Tensor, raw: torch.Tensor, type_name: str,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+def gguf_linear_dense(
+    x: torch.Tensor, raw: torch.Tensor, type_name: str, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``gguf_linear`` with the weight dequantized to x.dtype: one dense matmul (prefill-sized x)."""
     return _dense(x, dequantize_gguf(raw, type_name).to(x.dtype), bias)
 
 
-def int8_linear_dense(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear_dense(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``int8_linear`` with the weight dequantized to x.dtype."""
     return _dense(x, qweight.to(x.dtype) * scale.to(x.dtype)[:, None], bias)
 
 
-def fp8_linear_dense(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear_dense(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``fp8_linear`` with the weight dequantized to x.dtype (FP8 emulated: one byte per value kept)."""
     s = scale.to(x.dtype)
     return _dense(x, qweight.to(x.dtype) * (s[:, None] if s.dim() == 1 else s), bias)

@@ -251,7 +251,7 @@ def fused_moe(
     for expert, n in enumerate(counts):
         if n == 0:
             continue
-        rows = token_of[start:start + n]
+        rows = token_of[start : start + n]
         h = torch.nn.functional.linear(x.index_select(0, rows), w13[expert])
         gate, up = h[:, :inter], h[:, inter:]
         if activation == "silu":
@@ -261,14 +261,12 @@ def fused_moe(
         else:
             raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu)")
         y = torch.nn.functional.linear(h, w2[expert])
-        out.index_add_(0, rows, y.float() * weight_of[start:start + n, None])
+        out.index_add_(0, rows, y.float() * weight_of[start : start + n, None])
         start += n
     return out.to(x.dtype)
 
 
-def copy_blocks(
-    src_cache: torch.Tensor, dst_cache: torch.Tensor, mapping: torch.Tensor
-) -> None:
+def copy_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, mapping: torch.Tensor) -> None:
     """Copy whole KV blocks: dst_cache[mapping[i, 1]] = src_cache[mapping[i, 0]].
 
     src_cache, dst_cache: [num_blocks, ...] (same block shape; may be the same tensor
@@ -329,8 +327,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
-                        indices: torch.Tensor | None = None) -> torch.Tensor:
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor | None = None
+) -> torch.Tensor:
     """Set disallowed logits to -inf, in place; returns ``logits``.
 
     logits: [rows, vocab] float; bitmask: int32 [n, words], token j of a row allowed
@@ -350,8 +349,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     return logits
 
 
-def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T + bias for W kept in GGUF blocks.
 
     x: [M, K] float32/bfloat16/float16; data: uint8 [N, K/32 * block_bytes], the ggml
@@ -363,8 +361,9 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str,
     return quant_reference.gguf_linear(x, data, type_name, bias)
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Weight-only INT8 (W8A16): y = x @ (qweight * scale[:, None]).T + bias.
 
     x: [M, K] float; qweight: int8 [N, K]; scale: float32 [N]; bias: [N] or None.
@@ -373,8 +372,9 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return quant_reference.int8_linear(x, qweight, scale, bias)
 
 
-def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def w8a8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """W8A8: x quantized per row to int8 (symmetric, amax / 127, round half to even),
     integer products with qweight int8 [N, K], then both scales (scale float32 [N]).
 
@@ -383,8 +383,9 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return quant_reference.w8a8_linear(x, qweight, scale, bias)
 
 
-def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """FP8 weights: y = x @ (qweight * scale).T + bias.
 
     x: [M, K] float; qweight: float8_e4m3fn [N, K]; scale: float32 [] (per tensor) or
@@ -395,17 +396,25 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return quant_reference.fp8_linear(x, qweight, scale, bias)
 
 
-def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                     target_probs: torch.Tensor, uniform: torch.Tensor, recover_uniform: torch.Tensor) -> torch.Tensor:
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    uniform: torch.Tensor,
+    recover_uniform: torch.Tensor,
+) -> torch.Tensor:
     """Speculative decoding's verification of sampled rows: int64 ``[B, K + 1]``, each
     row's accepted drafts then one residual or bonus token, then -1.  Specified (shapes
     and randomness) in :mod:`pagedserve.kernels.spec_reference`."""
-    return spec_reference.rejection_sample(draft_token_ids, num_draft_tokens, draft_probs, target_probs,
-                                           uniform, recover_uniform)
+    return spec_reference.rejection_sample(
+        draft_token_ids, num_draft_tokens, draft_probs, target_probs, uniform, recover_uniform
+    )
 
 
-def lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                token_slots: torch.Tensor) -> torch.Tensor:
+def lora_linear(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
     """Batched multi-LoRA delta, added to ``y`` in place: rows grouped by adapter slot
     (``-1``: none).  Specified in :mod:`pagedserve.kernels.lora_reference`."""
     return lora_reference.lora_linear(y, x, lora_a, lora_b, token_slots)

@@ -155,9 +155,11 @@ class PlatformRegistry:
                 # install plus a build dir) is harmless; two different ones are not.
                 if self._origins.get(ep.name) == origin:
                     continue
-                self.failures.append(PluginFailure(
-                    ep.name, origin,
-                    f"plugin name {ep.name!r} is also declared by {self._origins[ep.name]}"))
+                self.failures.append(
+                    PluginFailure(
+                        ep.name, origin, f"plugin name {ep.name!r} is also declared by {self._origins[ep.name]}"
+                    )
+                )
                 continue
             seen.add(ep.name)
             self._origins[ep.name] = origin
@@ -211,7 +213,8 @@ class PlatformRegistry:
                 other = self.platforms[cls.name]
                 raise PlatformError(
                     f"two plugins claim the platform name {cls.name!r}: {other.plugin!r} "
-                    f"({other.origin}) and {name!r} ({origin})")
+                    f"({other.origin}) and {name!r} ({origin})"
+                )
             self.platforms[cls.name] = PlatformInfo(cls.name, cls, name, origin)
             added.append(cls.name)
 
@@ -224,8 +227,9 @@ class PlatformRegistry:
                 return
             except Exception as exc:
                 self._drop(plugin, added)
-                self.failures.append(PluginFailure(
-                    name, origin, f"pagedserve_register_platforms raised {type(exc).__name__}: {exc}"))
+                self.failures.append(
+                    PluginFailure(name, origin, f"pagedserve_register_platforms raised {type(exc).__name__}: {exc}")
+                )
                 return
 
     def _drop(self, plugin: object, platform_names: list[str]) -> None:
@@ -250,7 +254,8 @@ class PlatformRegistry:
         if device and env_name and device != env_name:
             raise PlatformError(
                 f"conflicting platform requests: device={device!r} but "
-                f"PAGEDSERVE_TARGET_DEVICE={env_name!r}; unset one of them")
+                f"PAGEDSERVE_TARGET_DEVICE={env_name!r}; unset one of them"
+            )
         return device or env_name
 
     def select(self, device: str | None = None) -> PlatformInfo:
@@ -264,7 +269,8 @@ class PlatformRegistry:
             raise PlatformError(
                 f"platform plugins failed to load:\n  {failed}\n"
                 "Fix or uninstall them, exclude them with PAGEDSERVE_PLUGINS=<allowed,names>, "
-                "or choose a platform with --device / PAGEDSERVE_TARGET_DEVICE.")
+                "or choose a platform with --device / PAGEDSERVE_TARGET_DEVICE."
+            )
         if name is not None:
             info = self.platforms.get(name)
             if info is None:
@@ -279,8 +285,11 @@ class PlatformRegistry:
                 raise PlatformError(f"platform {name!r} is claimed by more than one plugin:\n  {failed}")
             if self.failures:
                 # An explicit choice of a healthy platform goes on (as vLLM does), loudly.
-                _log.warning("platform %r selected explicitly; ignoring platform plugins that failed to load:\n  %s",
-                             name, failed)
+                _log.warning(
+                    "platform %r selected explicitly; ignoring platform plugins that failed to load:\n  %s",
+                    name,
+                    failed,
+                )
             ok, reason = info.probe()
             if info.detection_error:
                 raise PlatformError(f"platform {name!r} (from {info.origin}) {reason}")
@@ -299,7 +308,8 @@ class PlatformRegistry:
             names = ", ".join(sorted(p.name for p in third_party))
             raise PlatformError(
                 f"several third-party platforms are available ({names}); choose one with "
-                "--device or PAGEDSERVE_TARGET_DEVICE")
+                "--device or PAGEDSERVE_TARGET_DEVICE"
+            )
         for builtin in BUILTIN_ORDER:
             info = self.platforms.get(builtin)
             if info is not None and info.probe()[0]:
@@ -333,7 +343,8 @@ class PlatformRegistry:
                 origin = self._origins.get(impl.plugin_name, "unknown distribution")
                 raise PlatformError(
                     f"platform plugin {impl.plugin_name!r} (from {origin}) failed in "
-                    f"pagedserve_register_ops: {type(exc).__name__}: {exc}") from exc
+                    f"pagedserve_register_ops: {type(exc).__name__}: {exc}"
+                ) from exc
         return ops
 
 

@@ -37,8 +37,10 @@ class TorchGpuPlatform(Platform):
         # device_count() asks the driver (NVML/HIP) without creating a context.
         count = torch.cuda.device_count()
         if count == 0:
-            return False, (f"torch is built for {cls.torch_build} {version} but no {cls.name} device "
-                           "is visible (check the driver and CUDA_VISIBLE_DEVICES/HIP_VISIBLE_DEVICES)")
+            return False, (
+                f"torch is built for {cls.torch_build} {version} but no {cls.name} device "
+                "is visible (check the driver and CUDA_VISIBLE_DEVICES/HIP_VISIBLE_DEVICES)"
+            )
         return True, f"{count} device(s), torch {cls.torch_build} {version}"
 
     def total_memory(self) -> int:

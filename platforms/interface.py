@@ -33,8 +33,9 @@ def parse_interface_version(version: object) -> tuple[int, int]:
     """``"1.2"`` -> ``(1, 2)``; PlatformError for anything that is not "MAJOR.MINOR"."""
     m = re.fullmatch(r"(\d+)\.(\d+)", version) if isinstance(version, str) else None
     if m is None:
-        raise PlatformError(f"interface version {version!r} is not a 'MAJOR.MINOR' string such as "
-                            f"{PLATFORM_INTERFACE_VERSION!r}")
+        raise PlatformError(
+            f"interface version {version!r} is not a 'MAJOR.MINOR' string such as {PLATFORM_INTERFACE_VERSION!r}"
+        )
     return int(m.group(1)), int(m.group(2))
 
 
@@ -49,16 +50,20 @@ def check_interface_version(targeted: object, what: str, provided: str = PLATFOR
     try:
         major, minor = parse_interface_version(targeted)
     except PlatformError:
-        raise PlatformError(f"{what} declares interface version {targeted!r}, which is not a "
-                            f"'MAJOR.MINOR' string (this pagedserve provides interface {provided})") from None
-    head = (f"{what} targets pagedserve platform interface {targeted}, but this pagedserve "
-            f"provides interface {provided}")
+        raise PlatformError(
+            f"{what} declares interface version {targeted!r}, which is not a "
+            f"'MAJOR.MINOR' string (this pagedserve provides interface {provided})"
+        ) from None
+    head = f"{what} targets pagedserve platform interface {targeted}, but this pagedserve provides interface {provided}"
     if major > core_major or (major == core_major and minor > core_minor):
-        raise PlatformError(f"{head}; upgrade pagedserve, or use a release of the plugin that "
-                            f"targets {core_major}.{core_minor} or older")
+        raise PlatformError(
+            f"{head}; upgrade pagedserve, or use a release of the plugin that "
+            f"targets {core_major}.{core_minor} or older"
+        )
     if major < core_major:
-        raise PlatformError(f"{head}; major versions are incompatible: use a release of the plugin "
-                            f"built for interface {core_major}.x")
+        raise PlatformError(
+            f"{head}; major versions are incompatible: use a release of the plugin built for interface {core_major}.x"
+        )
 
 
 class Platform:
@@ -112,14 +117,16 @@ class Platform:
         """Bytes of memory the platform's device has."""
         raise NotImplementedError
 
-    def kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         """Shape of one layer's key (and value) cache; the reference layout by default."""
         return (num_blocks, block_size, num_kv_heads, head_size)
 
     def allocate_kv_cache(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Allocate one layer's (key_cache, value_cache) on this platform's device."""
@@ -150,8 +157,9 @@ class Platform:
                 raise ValueError("cpu_bind needs a platform with sched_setaffinity (Linux)")
             missing = sorted(set(cpu_bind) - allowed)
             if missing:
-                raise ValueError(f"cpu_bind names cores {missing} outside this process's allowed cores "
-                                 f"{sorted(allowed)}")
+                raise ValueError(
+                    f"cpu_bind names cores {missing} outside this process's allowed cores {sorted(allowed)}"
+                )
             os.sched_setaffinity(0, set(cpu_bind))
             threads = threads or len(cpu_bind)
         if threads:

@@ -55,8 +55,7 @@ class OpRegistry:
         """See reference.linear_silu_and_mul: this registry's silu_and_mul(linear(...))."""
         return self.silu_and_mul(self.linear(x, weight, bias))
 
-    def register(self, name: str, fn: Callable[..., Any], source: str = "",
-                 capabilities: Iterable[str] = ()) -> None:
+    def register(self, name: str, fn: Callable[..., Any], source: str = "", capabilities: Iterable[str] = ()) -> None:
         """Make ``name`` resolve to ``fn``; ``source`` says where it came from;
         ``capabilities`` (names of :data:`OP_CAPABILITIES`) are what ``fn`` declares, and
         go with it (an override declares its own)."""
@@ -67,8 +66,9 @@ class OpRegistry:
         declared = frozenset([capabilities] if isinstance(capabilities, str) else capabilities)
         unknown = sorted(declared - OP_CAPABILITIES.keys())
         if unknown:
-            raise ValueError(f"op {name!r}: unknown capabilities {unknown}; "
-                             f"known: {', '.join(sorted(OP_CAPABILITIES))}")
+            raise ValueError(
+                f"op {name!r}: unknown capabilities {unknown}; known: {', '.join(sorted(OP_CAPABILITIES))}"
+            )
         self._entries[name] = OpEntry(fn, source or getattr(fn, "__module__", "?"), declared)
         # Plain attribute so the hot path pays one attribute lookup per call.
         setattr(self, name, fn)

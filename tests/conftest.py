@@ -37,10 +37,16 @@ def write_byte_tokenizer(path: Path) -> int:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "chat_template": CHAT_TEMPLATE,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
     return len(vocab)
 
 
@@ -64,11 +70,18 @@ def make_tiny_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     vocab = write_byte_tokenizer(path)
     common = dict(
-        vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
-        max_position_embeddings=max_position_embeddings, bos_token_id=1, eos_token_id=2,
-        rms_norm_eps=1e-5, **extra,
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        rms_norm_eps=1e-5,
+        **extra,
     )
     if head_dim is not None:
         common["head_dim"] = head_dim

@@ -1,7 +1,7 @@
 """A `pagedserve serve` subprocess on a free 127.0.0.1 port, for the fuzz and chaos suites.
 
-    with LiveServer(model, ["--dtype", "float32"], tmp_path / "log") as server:
-        httpx.get(server.url + "/health")
+with LiveServer(model, ["--dtype", "float32"], tmp_path / "log") as server:
+    httpx.get(server.url + "/health")
 """
 
 from __future__ import annotations
@@ -34,11 +34,20 @@ class LiveServer:
         self.log_path = log_path
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", *([model] if model else []),
-               "--port", str(self.port), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagedserve.entrypoints.cli",
+            "serve",
+            *([model] if model else []),
+            "--port",
+            str(self.port),
+            *args,
+        ]
         with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            )
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:

@@ -93,8 +93,9 @@ def _copy_sources(dest: Path) -> Path:
 def _run(code_or_args: list[str], tree: Path) -> subprocess.CompletedProcess:
     # PYTHONPATH puts the copy ahead of the editable install (whose finder comes last).
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    return subprocess.run([sys.executable, *code_or_args], cwd=tree, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, *code_or_args], cwd=tree, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
@@ -136,8 +137,26 @@ def test_no_import_cycles(tree):
 
 def test_ruff_check():
     pytest.importorskip("ruff")
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_ruff_format_check():
+    """Every file is formatted as `ruff format` writes it (run it to fix)."""
+    pytest.importorskip("ruff")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -40,10 +40,16 @@ class DistributedExecutor(Executor):
         self._failure: RuntimeError | None = None
         self._closed = False
         addr = self._prepare()
-        self.init = DistInit(master_addr=addr, master_port=par.master_port or free_port(addr),
-                             world_size=self.world_size, tp_size=par.tensor_parallel_size,
-                             pp_size=par.pipeline_parallel_size, backend=platform.dist_backend,
-                             timeout_s=par.distributed_timeout_s, nnodes=par.nnodes)
+        self.init = DistInit(
+            master_addr=addr,
+            master_port=par.master_port or free_port(addr),
+            world_size=self.world_size,
+            tp_size=par.tensor_parallel_size,
+            pp_size=par.pipeline_parallel_size,
+            backend=platform.dist_backend,
+            timeout_s=par.distributed_timeout_s,
+            nnodes=par.nnodes,
+        )
         claim_process_group(self)
         self.driver = Worker(config, 0, self.init)
         self._start_workers()
@@ -108,8 +114,9 @@ class DistributedExecutor(Executor):
             while not (dead := self._dead_workers()) and time.monotonic() < deadline:
                 time.sleep(0.1)
             why = "; ".join(dead) if dead else "no worker exited (a collective failed or timed out)"
-            self._failure = RuntimeError(f"distributed executor failed during {during}: {why}: "
-                                         f"{type(exc).__name__}: {exc}")
+            self._failure = RuntimeError(
+                f"distributed executor failed during {during}: {why}: {type(exc).__name__}: {exc}"
+            )
         return self._failure
 
     def shutdown(self) -> None:

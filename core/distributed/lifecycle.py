@@ -39,7 +39,7 @@ __all__ = [
 
 MAIN_GUARD_HINT = (
     "workers are started with the 'spawn' method and re-import the main module: run the "
-    "script from a file and create the engine under `if __name__ == \"__main__\":` (a script "
+    'script from a file and create the engine under `if __name__ == "__main__":` (a script '
     "read from stdin, `python -`, cannot be re-imported)"
 )
 
@@ -127,7 +127,8 @@ def _dead(procs: list[Any], rank: int, error: str) -> WorkerStartupError:
         return WorkerStartupError(f"worker rank {rank} (pid {proc.pid}) {status} during start-up: {error}")
     return WorkerStartupError(
         f"worker rank {rank} (pid {proc.pid}) {status} before it could start (see its traceback "
-        f"above); {MAIN_GUARD_HINT}")
+        f"above); {MAIN_GUARD_HINT}"
+    )
 
 
 logger = logging.getLogger(__name__)
@@ -155,19 +156,23 @@ def claim_process_group(executor: object) -> None:
         gc.collect()
         previous = _holder() if _holder is not None else None
     if previous is not None and not getattr(previous, "_closed", True):
-        logger.warning("shutting down the earlier tensor/pipeline-parallel engine of this process: "
-                       "torch.distributed holds one process group per process")
+        logger.warning(
+            "shutting down the earlier tensor/pipeline-parallel engine of this process: "
+            "torch.distributed holds one process group per process"
+        )
         previous.shutdown()
         previous._failure = RuntimeError(
             "this distributed engine was shut down because another tensor/pipeline-parallel engine "
-            "was created in the same process (torch.distributed holds one process group per process)")
+            "was created in the same process (torch.distributed holds one process group per process)"
+        )
     if dist.is_initialized():
         # Every pagedserve engine released its group by now (shut down or finalized): this
         # one is the caller's, and not ours to tear down.
         raise RuntimeError(
             "torch.distributed's default process group is already initialized in this process, not by "
             "pagedserve; destroy it (torch.distributed.destroy_process_group()) before creating a "
-            "tensor/pipeline-parallel engine")
+            "tensor/pipeline-parallel engine"
+        )
     _holder = weakref.ref(executor)
 
 

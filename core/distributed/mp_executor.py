@@ -18,8 +18,10 @@ class MultiprocExecutor(DistributedExecutor):
     def _prepare(self) -> str:
         par = self.config.parallel
         if par.node_rank > 0:
-            raise ValueError(f"node_rank={par.node_rank} runs workers only: start it with `pagedserve serve "
-                             "--node-rank N ...` (pagedserve.distributed.multinode.run_headless), not as an engine")
+            raise ValueError(
+                f"node_rank={par.node_rank} runs workers only: start it with `pagedserve serve "
+                "--node-rank N ...` (pagedserve.distributed.multinode.run_headless), not as an engine"
+            )
         self._remote = RemoteNodeWatch(multinode_init(self.config, "")) if par.nnodes > 1 else None
         # One node: a loopback rendezvous; several: the head's address every node was given.
         return self.config.parallel.rendezvous_addr if self.config.parallel.nnodes > 1 else "127.0.0.1"
@@ -33,8 +35,12 @@ class MultiprocExecutor(DistributedExecutor):
         pipes = [ctx.Pipe(duplex=False) for _ in range(1, local)]
         self.status = [read for read, _ in pipes]
         self.procs = [
-            ctx.Process(target=run_worker_process, args=(self.config, rank, self.init, threads, None, write),
-                        name=f"pagedserve-worker-{rank}", daemon=True)
+            ctx.Process(
+                target=run_worker_process,
+                args=(self.config, rank, self.init, threads, None, write),
+                name=f"pagedserve-worker-{rank}",
+                daemon=True,
+            )
             for rank, (_, write) in enumerate(pipes, start=1)
         ]
         for p in self.procs:
@@ -55,8 +61,9 @@ class MultiprocExecutor(DistributedExecutor):
         for rank, p in enumerate(self.procs, start=1):
             if p.exitcode is not None:
                 error = worker_error(self.status[rank - 1])
-                dead.append(f"worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
-                            + (f" ({error})" if error else ""))
+                dead.append(
+                    f"worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}" + (f" ({error})" if error else "")
+                )
         parallel = self.driver.parallel if self._remote is not None else None
         if parallel is not None:
             dead += self._remote.dead(parallel.store)  # worker nodes (multi-node)

@@ -37,9 +37,16 @@ STALE_S = 3.0
 def multinode_init(config: EngineConfig, backend: str) -> DistInit:
     """The DistInit every node derives from the same settings."""
     par = config.parallel
-    return DistInit(master_addr=par.rendezvous_addr, master_port=par.master_port, world_size=par.world_size,
-                    tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size, backend=backend,
-                    timeout_s=par.distributed_timeout_s, nnodes=par.nnodes)
+    return DistInit(
+        master_addr=par.rendezvous_addr,
+        master_port=par.master_port,
+        world_size=par.world_size,
+        tp_size=par.tensor_parallel_size,
+        pp_size=par.pipeline_parallel_size,
+        backend=backend,
+        timeout_s=par.distributed_timeout_s,
+        nnodes=par.nnodes,
+    )
 
 
 class RemoteNodeWatch:
@@ -63,9 +70,11 @@ class RemoteNodeWatch:
             if last is None or count != last[0]:
                 self.seen[node] = (count, now)
             elif now - last[1] > STALE_S:
-                lines.append(f"{describe_nodes(self.init, node_ranks(self.init, node))} stopped: no heartbeat "
-                             f"for {now - last[1]:.1f} s (its `pagedserve serve --node-rank {node}` process or "
-                             "machine is gone)")
+                lines.append(
+                    f"{describe_nodes(self.init, node_ranks(self.init, node))} stopped: no heartbeat "
+                    f"for {now - last[1]:.1f} s (its `pagedserve serve --node-rank {node}` process or "
+                    "machine is gone)"
+                )
         return lines
 
 
@@ -98,12 +107,25 @@ def run_headless(config: EngineConfig) -> int:
     platform, _ = select_platform(config.device.device)
     init = multinode_init(config, platform.dist_backend)
     ranks = node_ranks(init, par.node_rank)
-    logger.info("node %d of %d: ranks %s, rendezvous at %s:%s", par.node_rank, par.nnodes, ranks,
-                init.master_addr, init.master_port)
+    logger.info(
+        "node %d of %d: ranks %s, rendezvous at %s:%s",
+        par.node_rank,
+        par.nnodes,
+        ranks,
+        init.master_addr,
+        init.master_port,
+    )
     ctx = mp.get_context("spawn")
     threads = default_threads(config, len(ranks))
-    procs = [ctx.Process(target=run_worker_process, args=(config, rank, init, threads, i),
-                         name=f"pagedserve-worker-{rank}", daemon=True) for i, rank in enumerate(ranks)]
+    procs = [
+        ctx.Process(
+            target=run_worker_process,
+            args=(config, rank, init, threads, i),
+            name=f"pagedserve-worker-{rank}",
+            daemon=True,
+        )
+        for i, rank in enumerate(ranks)
+    ]
     for p in procs:
         p.start()
     try:
@@ -126,8 +148,12 @@ def _supervise(init: DistInit, node: int, ranks: list[int], procs: list) -> int:
             return 0
         failed = [(r, code) for r, code in exited if code != 0]
         if failed:
-            logger.error("node %d: rank(s) %s exited with code(s) %s; stopping this node", node,
-                         ", ".join(str(r) for r, _ in failed), ", ".join(str(c) for _, c in failed))
+            logger.error(
+                "node %d: rank(s) %s exited with code(s) %s; stopping this node",
+                node,
+                ", ".join(str(r) for r, _ in failed),
+                ", ".join(str(c) for _, c in failed),
+            )
             return 1
         try:
             store.add(key, 1)
@@ -138,7 +164,8 @@ def _supervise(init: DistInit, node: int, ranks: list[int], procs: list) -> int:
                 time.sleep(0.1)
             if all(p.exitcode == 0 for p in procs):
                 return 0
-            logger.error("node %d: the head node's rendezvous at %s:%s is gone", node, init.master_addr,
-                         init.master_port)
+            logger.error(
+                "node %d: the head node's rendezvous at %s:%s is gone", node, init.master_addr, init.master_port
+            )
             return 1
         time.sleep(HEARTBEAT_S)

@@ -133,8 +133,13 @@ def init_distributed(init: DistInit, rank: int, device: torch.device) -> Paralle
         store = join_rendezvous(init, rank)
         dist.init_process_group(init.backend, store=store, rank=rank, world_size=init.world_size, timeout=timeout)
     else:
-        dist.init_process_group(init.backend, init_method=f"tcp://{init.master_addr}:{init.master_port}",
-                                rank=rank, world_size=init.world_size, timeout=timeout)
+        dist.init_process_group(
+            init.backend,
+            init_method=f"tcp://{init.master_addr}:{init.master_port}",
+            rank=rank,
+            world_size=init.world_size,
+            timeout=timeout,
+        )
     tp, pp = init.tp_size, init.pp_size
     tp_group = None
     if tp > 1:
@@ -147,8 +152,16 @@ def init_distributed(init: DistInit, rank: int, device: torch.device) -> Paralle
                     tp_group = group
     # NCCL cannot carry pickled objects from CPU memory: a gloo twin of WORLD does.
     cpu_group = dist.group.WORLD if init.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    return ParallelContext(rank=rank, world_size=init.world_size, tp_size=tp, pp_size=pp, device=device,
-                           tp_group=tp_group, cpu_group=cpu_group, store=store)
+    return ParallelContext(
+        rank=rank,
+        world_size=init.world_size,
+        tp_size=tp,
+        pp_size=pp,
+        device=device,
+        tp_group=tp_group,
+        cpu_group=cpu_group,
+        store=store,
+    )
 
 
 def destroy_distributed() -> None:

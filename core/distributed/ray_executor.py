@@ -58,12 +58,10 @@ class RayExecutor(DistributedExecutor):
         actor_cls = ray.remote(RayWorkerActor)
         self.actors = []
         for rank in range(1, self.world_size):
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                        placement_group_bundle_index=rank)
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank)
             opts = {"num_cpus": 1} if on_cpu else {"num_cpus": 0, "num_gpus": 1}
             self.actors.append(actor_cls.options(scheduling_strategy=strategy, **opts).remote())
-        self.runs = [a.run.remote(self.config, rank, self.init, threads)
-                     for rank, a in enumerate(self.actors, start=1)]
+        self.runs = [a.run.remote(self.config, rank, self.init, threads) for rank, a in enumerate(self.actors, start=1)]
 
     def _dead_workers(self) -> list[str]:
         import ray
@@ -76,8 +74,10 @@ class RayExecutor(DistributedExecutor):
                     ray.get(ref)
                     dead.append(f"worker rank {rank} (Ray actor) returned")
                 except Exception as exc:  # the actor's error or its death, as Ray reports it
-                    dead.append(f"worker rank {rank} (Ray actor) failed: {type(exc).__name__}: "
-                                f"{str(exc).splitlines()[0] if str(exc) else ''}")
+                    dead.append(
+                        f"worker rank {rank} (Ray actor) failed: {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}"
+                    )
         return dead
 
     def _stop_workers(self, graceful: bool) -> None:

@@ -20,8 +20,15 @@ from pagedserve.distributed.lifecycle import WorkerStartupError
 if TYPE_CHECKING:  # parallel_state imports this module when it forms a multi-node group
     from pagedserve.distributed.parallel_state import DistInit
 
-__all__ = ["RendezvousError", "join_rendezvous", "connect_store", "node_of", "node_ranks", "describe_nodes",
-           "HEARTBEAT_KEY"]
+__all__ = [
+    "RendezvousError",
+    "join_rendezvous",
+    "connect_store",
+    "node_of",
+    "node_ranks",
+    "describe_nodes",
+    "HEARTBEAT_KEY",
+]
 
 _JOINED = "pagedserve/joined/{}"
 _LAYOUT = "pagedserve/layout"
@@ -48,25 +55,36 @@ def describe_nodes(init: DistInit, ranks: list[int]) -> str:
     nodes: dict[int, list[int]] = {}
     for r in sorted(ranks):
         nodes.setdefault(node_of(init, r), []).append(r)
-    return "; ".join(f"node {n} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
-                     for n, rs in nodes.items())
+    return "; ".join(
+        f"node {n} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for n, rs in nodes.items()
+    )
 
 
 def connect_store(init: DistInit, is_master: bool, who: str) -> dist.TCPStore:
     """The head's store (hosted when ``is_master``); a RuntimeError naming the address
     when it cannot be reached within the timeout."""
     try:
-        return dist.TCPStore(init.master_addr, init.master_port, init.world_size, is_master=is_master,
-                             timeout=timedelta(seconds=init.timeout_s), wait_for_workers=False)
+        return dist.TCPStore(
+            init.master_addr,
+            init.master_port,
+            init.world_size,
+            is_master=is_master,
+            timeout=timedelta(seconds=init.timeout_s),
+            wait_for_workers=False,
+        )
     except (RuntimeError, OSError) as e:
         what = "could not listen on" if is_master else "could not reach the head node's rendezvous at"
-        raise RendezvousError(f"{who} {what} {init.master_addr}:{init.master_port} within "
-                           f"{init.timeout_s:g} s (distributed_timeout_s): {e}") from e
+        raise RendezvousError(
+            f"{who} {what} {init.master_addr}:{init.master_port} within "
+            f"{init.timeout_s:g} s (distributed_timeout_s): {e}"
+        ) from e
 
 
 def _layout(init: DistInit) -> str:
-    return (f"tensor_parallel_size={init.tp_size}, pipeline_parallel_size={init.pp_size}, "
-            f"nnodes={init.nnodes}, backend={init.backend}")
+    return (
+        f"tensor_parallel_size={init.tp_size}, pipeline_parallel_size={init.pp_size}, "
+        f"nnodes={init.nnodes}, backend={init.backend}"
+    )
 
 
 def join_rendezvous(init: DistInit, rank: int) -> dist.TCPStore:
@@ -105,5 +123,6 @@ def _await_ranks(store: dist.TCPStore, init: DistInit) -> None:
                 f"{init.master_port} within {init.timeout_s:g} s (distributed_timeout_s): start `pagedserve serve "
                 f"--nnodes {init.nnodes} --node-rank N --master-addr {init.master_addr} --master-port "
                 f"{init.master_port}` with the same model and parallel settings on each of them, and check "
-                "that they can reach this address")
+                "that they can reach this address"
+            )
         time.sleep(0.05)

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import DistInit, ParallelContext, destroy_distributed, init_distributed
+from pagedserve.executor.attention_metadata import AttentionMetadata
 from pagedserve.executor.input_batch import prepare_inputs
 from pagedserve.executor.model_runner import ModelRunner, StepOutput, resolve_dtype
-from pagedserve.executor.attention_metadata import AttentionMetadata
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.scheduler import SchedulerOutput
 
@@ -183,8 +183,9 @@ class Worker:
         destroy_distributed()
 
 
-def run_worker_process(config: EngineConfig, rank: int, init: DistInit, threads: int | None,
-                       local_rank: int | None = None, status=None) -> None:
+def run_worker_process(
+    config: EngineConfig, rank: int, init: DistInit, threads: int | None, local_rank: int | None = None, status=None
+) -> None:
     """Entry point of a worker process (rank > 0): set up, serve steps, leave cleanly.
 
     ``status``: the write end of a start-up pipe (see pagedserve.distributed.lifecycle).

@@ -28,20 +28,32 @@ __all__ = ["add_arguments", "run", "RequestResult", "percentile"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="local model the prompts are drawn for (its vocabulary); default: smollm2-135m-instruct")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="local model the prompts are drawn for (its vocabulary); default: smollm2-135m-instruct",
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback only)")
     p.add_argument("--served-model-name", default=None, help="'model' of each request (default: the server's first)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--request-rate", type=float, default=4.0,
-                   help="mean arrivals per second (Poisson); inf sends everything at once")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=4.0,
+        help="mean arrivals per second (Poisson); inf sends everything at once",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None, help="bearer key (default: PAGEDSERVE_API_KEY)")
-    p.add_argument("--probe-interval", type=float, default=0.05,
-                   help="seconds between GET /health probes during the run (0 disables)")
+    p.add_argument(
+        "--probe-interval",
+        type=float,
+        default=0.05,
+        help="seconds between GET /health probes during the run (0 disables)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
 
@@ -117,16 +129,26 @@ async def _run_load(args: argparse.Namespace, work, model: str, headers: dict):
     stop = asyncio.Event()
 
     async def send(prompt: list[int], n_out: int) -> RequestResult:
-        body = {"model": model, "prompt": prompt, "max_tokens": n_out, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": n_out,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if sem is None:
             return await _one(client, args.url, body, headers, args.timeout)
         async with sem:
             return await _one(client, args.url, body, headers, args.timeout)
 
     async with httpx.AsyncClient(limits=limits) as client, httpx.AsyncClient() as probe_client:
-        prober = (asyncio.create_task(_probe(probe_client, args.url, args.probe_interval, stop, probes))
-                  if args.probe_interval > 0 else None)
+        prober = (
+            asyncio.create_task(_probe(probe_client, args.url, args.probe_interval, stop, probes))
+            if args.probe_interval > 0
+            else None
+        )
         start = time.perf_counter()
         tasks = []
         for prompt, n_out in work:
@@ -178,27 +200,51 @@ def run(args: argparse.Namespace) -> int:
     tpots = [t for r in ok if (t := r.tpot) is not None]
     out_tokens = sum(r.output_tokens for r in ok)
     summary = {
-        "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                     "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "seed": args.seed},
-        "model": model, "completed": len(ok), "failed": len(results) - len(ok), "elapsed_s": elapsed,
-        "request_throughput": len(ok) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "request_rate": args.request_rate,
+            "max_concurrency": args.max_concurrency,
+            "seed": args.seed,
+        },
+        "model": model,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "elapsed_s": elapsed,
+        "request_throughput": len(ok) / elapsed,
+        "output_tokens_per_s": out_tokens / elapsed,
         "output_tokens": out_tokens,
-        "ttft_s": {"mean": statistics.fmean(ttfts) if ttfts else math.nan,
-                   "p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99)},
-        "tpot_s": {"mean": statistics.fmean(tpots) if tpots else math.nan,
-                   "p50": percentile(tpots, 50), "p99": percentile(tpots, 99)},
-        "health_probe_s": {"count": len(probes), "p50": percentile(probes, 50), "p99": percentile(probes, 99),
-                           "max": max(probes) if probes else math.nan},
+        "ttft_s": {
+            "mean": statistics.fmean(ttfts) if ttfts else math.nan,
+            "p50": percentile(ttfts, 50),
+            "p99": percentile(ttfts, 99),
+        },
+        "tpot_s": {
+            "mean": statistics.fmean(tpots) if tpots else math.nan,
+            "p50": percentile(tpots, 50),
+            "p99": percentile(tpots, 99),
+        },
+        "health_probe_s": {
+            "count": len(probes),
+            "p50": percentile(probes, 50),
+            "p99": percentile(probes, 99),
+            "max": max(probes) if probes else math.nan,
+        },
     }
     print(f"requests:        {len(ok)} ok, {len(results) - len(ok)} failed in {elapsed:.1f} s")
-    print(f"throughput:      {summary['request_throughput']:.2f} req/s, {summary['output_tokens_per_s']:.1f} "
-          "output tokens/s")
+    print(
+        f"throughput:      {summary['request_throughput']:.2f} req/s, {summary['output_tokens_per_s']:.1f} "
+        "output tokens/s"
+    )
     print(f"TTFT:            p50 {summary['ttft_s']['p50'] * 1e3:.0f} ms, p99 {summary['ttft_s']['p99'] * 1e3:.0f} ms")
     print(f"TPOT:            p50 {summary['tpot_s']['p50'] * 1e3:.1f} ms, p99 {summary['tpot_s']['p99'] * 1e3:.1f} ms")
     if probes:
-        print(f"/health latency: p50 {summary['health_probe_s']['p50'] * 1e3:.1f} ms, p99 "
-              f"{summary['health_probe_s']['p99'] * 1e3:.1f} ms, max {summary['health_probe_s']['max'] * 1e3:.1f} ms "
-              f"({len(probes)} probes while loaded)")
+        print(
+            f"/health latency: p50 {summary['health_probe_s']['p50'] * 1e3:.1f} ms, p99 "
+            f"{summary['health_probe_s']['p99'] * 1e3:.1f} ms, max {summary['health_probe_s']['max'] * 1e3:.1f} ms "
+            f"({len(probes)} probes while loaded)"
+        )
     for r in results:
         if not r.ok:
             print(f"failed: {r.error}")

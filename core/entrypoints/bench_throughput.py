@@ -21,19 +21,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--mixed", action="store_true",
-                   help="seeded prompt lengths 16-1024 and outputs 16-512 instead of fixed lengths")
+    p.add_argument(
+        "--mixed", action="store_true", help="seeded prompt lengths 16-1024 and outputs 16-512 instead of fixed lengths"
+    )
     p.add_argument("--seed", type=int, default=0)
     # --seed above seeds the workload; the engine's own stays at its default.
     add_engine_arguments(p, exclude=["seed"])
     p.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
-    p.add_argument("--hf-batch-size", type=int, default=None,
-                   help="transformers batch size (default: all prompts at once)")
+    p.add_argument(
+        "--hf-batch-size", type=int, default=None, help="transformers batch size (default: all prompts at once)"
+    )
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
 
 
-def make_workload(num: int, input_len: int, output_len: int, mixed: bool, seed: int,
-                  vocab: int) -> list[tuple[list[int], int]]:
+def make_workload(
+    num: int, input_len: int, output_len: int, mixed: bool, seed: int, vocab: int
+) -> list[tuple[list[int], int]]:
     """Seeded (prompt token ids, output length) pairs; ids avoid the first 100 (specials)."""
     rng = random.Random(seed)
     work = []
@@ -57,23 +60,31 @@ def run_pagedserve(args: argparse.Namespace, work) -> dict:
     outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"engine": "pagedserve", "elapsed_s": elapsed, "generated_tokens": gen,
-            "tokens_per_s": gen / elapsed, "load_s": load_s,
-            "dtype": str(llm.llm_engine.dtype).replace("torch.", ""),
-            "platform": llm.llm_engine.platform.name, "device_map": args.device_map,
-            "preemptions": llm.llm_engine.scheduler.num_preemptions}
+    return {
+        "engine": "pagedserve",
+        "elapsed_s": elapsed,
+        "generated_tokens": gen,
+        "tokens_per_s": gen / elapsed,
+        "load_s": load_s,
+        "dtype": str(llm.llm_engine.dtype).replace("torch.", ""),
+        "platform": llm.llm_engine.platform.name,
+        "device_map": args.device_map,
+        "preemptions": llm.llm_engine.scheduler.num_preemptions,
+    }
 
 
 def run_transformers(args: argparse.Namespace, work, model_path, fmt: str) -> dict:
     import torch
     import transformers
 
-    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16,
-             "float32": torch.float32}.get(args.dtype, torch.float32)
+    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(
+        args.dtype, torch.float32
+    )
     kwargs = {"torch_dtype": dtype}
     if fmt == "gguf":
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(model_path.parent), gguf_file=model_path.name, **kwargs)
+            str(model_path.parent), gguf_file=model_path.name, **kwargs
+        )
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
     model.eval()
@@ -82,21 +93,32 @@ def run_transformers(args: argparse.Namespace, work, model_path, fmt: str) -> di
     gen = 0
     with torch.inference_mode():
         for i in range(0, len(work), bs):
-            chunk = work[i:i + bs]
+            chunk = work[i : i + bs]
             max_in = max(len(p) for p, _ in chunk)
             max_out = max(n for _, n in chunk)
             ids = torch.zeros((len(chunk), max_in), dtype=torch.long)
             mask = torch.zeros_like(ids)
             for j, (p, _) in enumerate(chunk):  # left padding
-                ids[j, max_in - len(p):] = torch.tensor(p)
-                mask[j, max_in - len(p):] = 1
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_out,
-                           min_new_tokens=max_out, do_sample=False, pad_token_id=0)
+                ids[j, max_in - len(p) :] = torch.tensor(p)
+                mask[j, max_in - len(p) :] = 1
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_out,
+                min_new_tokens=max_out,
+                do_sample=False,
+                pad_token_id=0,
+            )
             # Static batching: every row runs max_out steps, only its own n are useful.
             gen += sum(n for _, n in chunk)
     elapsed = time.perf_counter() - t0
-    return {"engine": "transformers", "elapsed_s": elapsed, "generated_tokens": gen,
-            "tokens_per_s": gen / elapsed, "batch_size": bs}
+    return {
+        "engine": "transformers",
+        "elapsed_s": elapsed,
+        "generated_tokens": gen,
+        "tokens_per_s": gen / elapsed,
+        "batch_size": bs,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,12 +128,21 @@ def run(args: argparse.Namespace) -> int:
     vocab = source.hf_config["vocab_size"]
     work = make_workload(args.num_prompts, args.input_len, args.output_len, args.mixed, args.seed, vocab)
     ours = run_pagedserve(args, work)
-    print(f"pagedserve:   {ours['tokens_per_s']:8.1f} tokens/s ({ours['generated_tokens']} tokens in "
-          f"{ours['elapsed_s']:.1f} s; load {ours['load_s']:.1f} s)")
-    result = {"workload": {"num_prompts": args.num_prompts, "mixed": args.mixed,
-                           "input_len": None if args.mixed else args.input_len,
-                           "output_len": None if args.mixed else args.output_len, "seed": args.seed},
-              "model": args.model or "smollm2-135m-instruct", "pagedserve": ours}
+    print(
+        f"pagedserve:   {ours['tokens_per_s']:8.1f} tokens/s ({ours['generated_tokens']} tokens in "
+        f"{ours['elapsed_s']:.1f} s; load {ours['load_s']:.1f} s)"
+    )
+    result = {
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "mixed": args.mixed,
+            "input_len": None if args.mixed else args.input_len,
+            "output_len": None if args.mixed else args.output_len,
+            "seed": args.seed,
+        },
+        "model": args.model or "smollm2-135m-instruct",
+        "pagedserve": ours,
+    }
     if args.baseline == "transformers":
         base = run_transformers(args, work, source.path, source.format)
         result["transformers"] = base

@@ -19,9 +19,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "build-kernels",
         help="compile the native kernels ahead of time",
         description="Compile the native kernels of a target ahead of time. The target defaults to "
-                    "PAGEDSERVE_TARGET_DEVICE, else the device torch sees (cuda/rocm), else cpu. "
-                    "MAX_JOBS bounds parallel compile jobs; PAGEDSERVE_CPU_ARCH_FLAGS replaces the CPU "
-                    "flags chosen from /proc/cpuinfo; PAGEDSERVE_KERNEL_CACHE moves the cache.",
+        "PAGEDSERVE_TARGET_DEVICE, else the device torch sees (cuda/rocm), else cpu. "
+        "MAX_JOBS bounds parallel compile jobs; PAGEDSERVE_CPU_ARCH_FLAGS replaces the CPU "
+        "flags chosen from /proc/cpuinfo; PAGEDSERVE_KERNEL_CACHE moves the cache.",
     )
     p.add_argument("--target", choices=TARGETS, default=None, help="what to build (default: see above)")
     p.add_argument("--verbose", action="store_true", help="show flags, compiler commands and what took effect")

@@ -34,8 +34,16 @@ from typing import Any
 
 from pagedserve.config import EngineConfig
 
-__all__ = ["EngineArg", "engine_args", "add_engine_arguments", "engine_config_from_args",
-           "engine_config_from_kwargs", "engine_signature", "settings_markdown", "default_kv_budget"]
+__all__ = [
+    "EngineArg",
+    "engine_args",
+    "add_engine_arguments",
+    "engine_config_from_args",
+    "engine_config_from_kwargs",
+    "engine_signature",
+    "settings_markdown",
+    "default_kv_budget",
+]
 
 #: Namespace attribute listing the engine settings a parser defines (a command may leave
 #: some out, e.g. `generate`'s --seed is the sampling seed).
@@ -62,8 +70,11 @@ class EngineArg:
 
 def _flag_type(hint: Any) -> type:
     """bool/int/float/str from an annotation; unions other than ``X | None`` read as str."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)] \
-        if typing.get_origin(hint) in (typing.Union, types.UnionType) else [hint]
+    args = (
+        [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType)
+        else [hint]
+    )
     if len(args) == 1 and args[0] in (bool, int, float, str):
         return args[0]
     return str
@@ -89,9 +100,22 @@ def engine_args() -> tuple[EngineArg, ...]:
             keywords = tuple(dict.fromkeys(_keyword(x) for x in flags if x.startswith("--")))
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             choices = meta.get("choices")
-            out.append(EngineArg(section.name, f.name, keywords[0], flags, keywords, _flag_type(hints[f.name]),
-                                 default, meta.get("help", ""), tuple(choices) if choices else None,
-                                 meta.get("parse"), meta.get("metavar"), meta.get("cli", True)))
+            out.append(
+                EngineArg(
+                    section.name,
+                    f.name,
+                    keywords[0],
+                    flags,
+                    keywords,
+                    _flag_type(hints[f.name]),
+                    default,
+                    meta.get("help", ""),
+                    tuple(choices) if choices else None,
+                    meta.get("parse"),
+                    meta.get("metavar"),
+                    meta.get("cli", True),
+                )
+            )
     names = [k for a in out for k in a.keywords]
     dup = {n for n in names if names.count(n) > 1}
     if dup:  # two sections spelling a setting alike would make flags ambiguous
@@ -117,8 +141,9 @@ def _converter(arg: EngineArg) -> Callable[[str], Any]:
     return convert
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = (),
-                         defaults: Mapping[str, Any] | None = None) -> None:
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, *, exclude: Iterable[str] = (), defaults: Mapping[str, Any] | None = None
+) -> None:
     """Add a flag for every engine setting to ``parser``, grouped by config section.
 
     exclude: settings (by name, e.g. "seed") the command defines differently itself.
@@ -194,8 +219,10 @@ def _closest(key: str, names: Iterable[str]) -> str:
 def default_kv_budget(args: argparse.Namespace, budget: str) -> dict[str, Any]:
     """``{"kv_cache_memory": budget}`` unless the flags size the KV cache some way
     (offline commands use a fixed budget rather than a fraction of the machine)."""
-    sized = any(getattr(args, name, None) is not None
-                for name in ("kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override"))
+    sized = any(
+        getattr(args, name, None) is not None
+        for name in ("kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override")
+    )
     return {} if sized else {"kv_cache_memory": budget}
 
 
@@ -212,10 +239,8 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
         arg = by_keyword.get(key)
         if arg is None:
             raise TypeError(f"LLM() got an unexpected keyword argument {key!r}{_closest(key, by_keyword)}")
-        if arg.name in values and value is not None and values[arg.name] is not None \
-                and values[arg.name] != value:
-            raise ValueError(f"{given[arg.name]} and {key} (its alias) disagree: "
-                             f"{values[arg.name]!r} != {value!r}")
+        if arg.name in values and value is not None and values[arg.name] is not None and values[arg.name] != value:
+            raise ValueError(f"{given[arg.name]} and {key} (its alias) disagree: {values[arg.name]!r} != {value!r}")
         if arg.name not in values or values[arg.name] is None:
             values[arg.name], given[arg.name] = value, key
     return _build(values)
@@ -245,8 +270,7 @@ def settings_markdown() -> str:
         keywords = ", ".join(f"`{k}`" for k in arg.keywords)
         choices = f" One of: {', '.join(arg.choices)}." if arg.choices else ""
         text = arg.help.replace("|", "\\|")
-        lines.append(f"| {keywords} | {flags} | `{arg.default!r}` | {text}.{choices} "
-                     f"`{arg.section}.{arg.field}` |")
+        lines.append(f"| {keywords} | {flags} | `{arg.default!r}` | {text}.{choices} `{arg.section}.{arg.field}` |")
     return "\n".join(lines) + "\n"
 
 

@@ -35,8 +35,9 @@ def run(args: argparse.Namespace) -> int:
         llm = LLM.from_args(args, **default_kv_budget(args, "1GiB"))
     except (ValueError, PlatformError) as e:  # a bad setting: say which, without a traceback
         raise SystemExit(f"pagedserve generate: {e}") from None
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
     prompts = args.prompt or ["What is the capital of France?"]
     if args.chat or not args.prompt:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
@@ -46,8 +47,11 @@ def run(args: argparse.Namespace) -> int:
     for prompt, out in zip(prompts, outs):
         c = out.outputs[0]
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": c.text, "token_ids": c.token_ids,
-                              "finish_reason": c.finish_reason}))
+            print(
+                json.dumps(
+                    {"prompt": prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                )
+            )
         else:
             print(f"### {prompt}\n{c.text}\n")
     if not args.json:

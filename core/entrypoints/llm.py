@@ -8,14 +8,14 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from pagedserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagedserve.config import EngineConfig
-from pagedserve.entrypoints.engine_args import engine_config_from_args, engine_config_from_kwargs, engine_signature
 from pagedserve.engine import LLMEngine
+from pagedserve.entrypoints.engine_args import engine_config_from_args, engine_config_from_kwargs, engine_signature
 from pagedserve.lora import LoRARequest
 from pagedserve.lora.request import per_prompt_lora
 from pagedserve.outputs import RequestOutput
 from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams
-from pagedserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagedserve.request_options import continue_final_message as cut_after_final_message
 from pagedserve.sampling_params import SamplingParams
 
@@ -91,37 +91,39 @@ class LLM:
         {"prompt_token_ids": [...]}.  A bad prompt or parameter raises ValueError
         before anything is queued.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
-            else list(sampling_params)
+        params = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         engine = self.llm_engine
         # Validate everything first so one bad prompt does not leave others queued.
-        normalized = [engine.validate_prompt(*self.split_prompt(p), sp.truncate_prompt_tokens)
-                      for p, sp in zip(prompts, params)]
+        normalized = [
+            engine.validate_prompt(*self.split_prompt(p), sp.truncate_prompt_tokens) for p, sp in zip(prompts, params)
+        ]
         loras = per_prompt_lora(lora_request, len(prompts))
         for lora in dict.fromkeys(x for x in loras if x is not None):
             engine.check_lora_request(lora)
         ids = []
         for i, ((text, tokens), sp) in enumerate(zip(normalized, params)):
             rid = str(next(self._counter))
-            engine.add_request(rid, text, sp, prompt_token_ids=tokens,
-                               priority=priority[i] if priority else 0, lora_request=loras[i])
+            engine.add_request(
+                rid, text, sp, prompt_token_ids=tokens, priority=priority[i] if priority else 0, lora_request=loras[i]
+            )
             ids.append(rid)
         return self._run(ids, use_tqdm)
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
-              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, use_tqdm: bool = False
+    ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (``out.outputs.embedding``), in prompt order: the final
         hidden states pooled as the engine's ``pooling`` says (see pagedserve.pooling)."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         engine = self.llm_engine
         params = pooling_params or PoolingParams()
@@ -175,12 +177,12 @@ class LLM:
                 bar.close()
         return [final[i] for i in ids]
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
         """vLLM's beam search over the engine (see pagedserve.beam_search): the best
         ``params.beam_width`` sequences of each prompt, best first."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         engine = self.llm_engine
         ids = [engine.validate_prompt(*self.split_prompt(p))[1] for p in prompts]
@@ -217,9 +219,12 @@ class LLM:
         template = chat_template or self.llm_engine.config.model.chat_template
         prompts = []
         for conv in conversations:
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                           chat_template=template,
-                                           **{**({"tools": tools} if tools else {}), **(chat_template_kwargs or {})})
+            text = tok.apply_chat_template(
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=template,
+                **{**({"tools": tools} if tools else {}), **(chat_template_kwargs or {})},
+            )
             if continue_final_message:
                 text = cut_after_final_message(text, conv)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
@@ -228,5 +233,8 @@ class LLM:
 
 # help(LLM) and IDEs list every engine setting with its default.
 LLM.__init__.__signature__ = engine_signature(  # type: ignore[attr-defined]
-    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-     inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)])
+    [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
+    ]
+)

@@ -11,12 +11,20 @@ __all__ = ["add_lora_server_arguments", "lora_modules_from_args", "check_lora_mo
 
 def add_lora_server_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("LoRA adapters (docs/lora.md)")
-    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                       help="adapters to serve, each name=path or a JSON object "
-                            "'{\"name\": ..., \"path\": ...}'; a request picks one by its `model` "
-                            "(needs --enable-lora)")
-    group.add_argument("--allow-runtime-lora-updating", action="store_true",
-                       help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters to serve, each name=path or a JSON object "
+        '\'{"name": ..., "path": ...}\'; a request picks one by its `model` '
+        "(needs --enable-lora)",
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
 
 
 def lora_modules_from_args(args: argparse.Namespace, enable_lora: bool) -> list[tuple[str, str]]:

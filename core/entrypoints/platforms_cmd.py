@@ -33,27 +33,47 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "List every platform found through the 'pagedserve.platforms' entry-point "
             "group (builtin and third-party), whether it is available and why not, and "
             "plugins that failed to load.  Honours PAGEDSERVE_TARGET_DEVICE and "
-            "PAGEDSERVE_PLUGINS.  Exits non-zero when no platform can be selected."),
+            "PAGEDSERVE_PLUGINS.  Exits non-zero when no platform can be selected."
+        ),
     )
-    parser.add_argument("--device", metavar="NAME", default=None,
-                        help="platform to select (like PAGEDSERVE_TARGET_DEVICE); default: auto-detect")
+    parser.add_argument(
+        "--device",
+        metavar="NAME",
+        default=None,
+        help="platform to select (like PAGEDSERVE_TARGET_DEVICE); default: auto-detect",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--ops", action="store_true",
-                        help="show which implementation each op resolves to on the selected platform")
+    parser.add_argument(
+        "--ops", action="store_true", help="show which implementation each op resolves to on the selected platform"
+    )
     # `check` is a positional action rather than a nested subcommand, so the options
     # above keep working in either position (`platforms --json check cpu`).
-    parser.add_argument("action", nargs="?", choices=["check"], metavar="check",
-                        help="check NAME: run the conformance kit on platform NAME (default: --device, "
-                             "PAGEDSERVE_TARGET_DEVICE, else auto-detection)")
+    parser.add_argument(
+        "action",
+        nargs="?",
+        choices=["check"],
+        metavar="check",
+        help="check NAME: run the conformance kit on platform NAME (default: --device, "
+        "PAGEDSERVE_TARGET_DEVICE, else auto-detection)",
+    )
     parser.add_argument("name", nargs="?", metavar="NAME", help="platform for `check`")
-    parser.add_argument("--skip-engine", action="store_true",
-                        help="check: skip the end-to-end greedy comparison with the cpu reference")
-    parser.add_argument("--model", metavar="PATH", default=None,
-                        help="check: checkpoint folder for the engine check (default: a tiny random Llama)")
+    parser.add_argument(
+        "--skip-engine", action="store_true", help="check: skip the end-to-end greedy comparison with the cpu reference"
+    )
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        default=None,
+        help="check: checkpoint folder for the engine check (default: a tiny random Llama)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="check: seed of the random inputs (default 0)")
-    parser.add_argument("--only", metavar="PREFIXES", default=None,
-                        help="check: run only checks whose id starts with one of these comma-separated "
-                             "prefixes (e.g. op:linear,platform:)")
+    parser.add_argument(
+        "--only",
+        metavar="PREFIXES",
+        default=None,
+        help="check: run only checks whose id starts with one of these comma-separated "
+        "prefixes (e.g. op:linear,platform:)",
+    )
     parser.add_argument("--failures-only", action="store_true", help="check: list only checks that did not pass")
     return parser
 
@@ -177,17 +197,27 @@ def _format_text(report: Report, show_ops: bool) -> str:
     if show_ops:
         if report.ops is not None:
             out.append(f"ops on platform {report.selected!r}:")
-            out.append(_table(["OP", "SOURCE", "IMPLEMENTATION"],
-                              [[o["op"], o["source"], o["implementation"]] for o in report.ops]))
+            out.append(
+                _table(
+                    ["OP", "SOURCE", "IMPLEMENTATION"],
+                    [[o["op"], o["source"], o["implementation"]] for o in report.ops],
+                )
+            )
         return "\n".join(out)
     rows: list[list[str]] = []
     for p in report.platforms:
         mark = "*" if p["name"] == report.selected else " "
         reason = p["reason"] + (f" [error: {p['error']}]" if p.get("error") else "")
-        rows.append([
-            f"{mark} {p['name']}", p["origin"], "yes" if p["available"] else "no",
-            p["default_dtype"] or "-", human_bytes(p["total_memory"]), reason,
-        ])
+        rows.append(
+            [
+                f"{mark} {p['name']}",
+                p["origin"],
+                "yes" if p["available"] else "no",
+                p["default_dtype"] or "-",
+                human_bytes(p["total_memory"]),
+                reason,
+            ]
+        )
     for f in report.failures:
         rows.append([f"! {f['plugin']}", f["origin"], "failed", "-", "-", f["error"]])
     out.append(_table(["  PLATFORM", "ORIGIN", "AVAILABLE", "DTYPE", "MEMORY", "REASON"], rows))
@@ -203,8 +233,10 @@ def run_check(args: argparse.Namespace) -> int:
 
     name = args.name or args.device
     if args.name and args.device and args.name != args.device:
-        print(f"pagedserve platforms check: error: NAME {args.name!r} and --device {args.device!r} disagree",
-              file=sys.stderr)
+        print(
+            f"pagedserve platforms check: error: NAME {args.name!r} and --device {args.device!r} disagree",
+            file=sys.stderr,
+        )
         return 2
 
     def progress(result: Any) -> None:
@@ -212,8 +244,14 @@ def run_check(args: argparse.Namespace) -> int:
             print(ConformanceReport.format_result(result), flush=True)
 
     only = [p.strip() for p in args.only.split(",") if p.strip()] if args.only else None
-    report = run_conformance(name, engine=not args.skip_engine, model=args.model, seed=args.seed, only=only,
-                             progress=None if args.json else progress)
+    report = run_conformance(
+        name,
+        engine=not args.skip_engine,
+        model=args.model,
+        seed=args.seed,
+        only=only,
+        progress=None if args.json else progress,
+    )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -8,7 +8,6 @@ import os
 import pathlib
 import signal
 
-
 __all__ = ["add_parser", "run", "build_dp_config", "API_KEY_ENV"]
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -16,26 +15,43 @@ GRACEFUL_SHUTDOWN_S = 10  # how long open requests may finish after SIGTERM
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                              description="Serve MODEL (default: smollm2-135m-instruct) over HTTP with "
-                                          "OpenAI's /v1/completions and /v1/chat/completions.")
-    p.add_argument("model", nargs="?", default=None,
-                   help="model: a Hugging Face checkpoint folder, a .gguf file, or the default model's alias")
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (default: smollm2-135m-instruct) over HTTP with "
+        "OpenAI's /v1/completions and /v1/chat/completions.",
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="model: a Hugging Face checkpoint folder, a .gguf file, or the default model's alias",
+    )
     net = p.add_argument_group("HTTP")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     net.add_argument("--port", type=int, default=8000)
-    net.add_argument("--api-key", default=None,
-                     help=f"require 'Authorization: Bearer KEY' on every /v1 route (or set {API_KEY_ENV})")
-    net.add_argument("--served-model-name", nargs="+", default=None,
-                     help="name(s) clients use in 'model' (default: the model argument)")
-    net.add_argument("--chat-template", default=None,
-                     help="a Jinja2 chat template file (or template text) overriding the model's")
+    net.add_argument(
+        "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on every /v1 route (or set {API_KEY_ENV})"
+    )
+    net.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model' (default: the model argument)",
+    )
+    net.add_argument(
+        "--chat-template", default=None, help="a Jinja2 chat template file (or template text) overriding the model's"
+    )
     net.add_argument("--max-body-size", default="16MiB", help="largest request body accepted (413 above)")
     net.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     net.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
-    net.add_argument("--timeout-graceful-shutdown", type=float, default=GRACEFUL_SHUTDOWN_S,
-                     help="seconds open requests may finish after SIGTERM before they are cut with an error "
-                          f"(default {GRACEFUL_SHUTDOWN_S})")
+    net.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=GRACEFUL_SHUTDOWN_S,
+        help="seconds open requests may finish after SIGTERM before they are cut with an error "
+        f"(default {GRACEFUL_SHUTDOWN_S})",
+    )
     from pagedserve.entrypoints.openai.http_guard import add_http_security_arguments
 
     add_http_security_arguments(p)
@@ -52,13 +68,25 @@ def add_parser(subparsers) -> None:
 
     add_lora_server_arguments(p)  # --lora-modules, --allow-runtime-lora-updating
     dp = p.add_argument_group("data parallelism (docs/distributed.md)")
-    dp.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                    help="independent engine replicas, each in its own process, behind this endpoint; "
-                         "--threads is then the budget split between them")
-    dp.add_argument("--data-parallel-backend", default="mp", choices=["mp", "ray"],
-                    help="replicas as local processes (mp) or Ray actors on a Ray cluster (ray)")
-    dp.add_argument("--data-parallel-devices", default=None,
-                    help="one platform per replica, e.g. cuda,cpu,cpu (default: --device for every replica)")
+    dp.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="independent engine replicas, each in its own process, behind this endpoint; "
+        "--threads is then the budget split between them",
+    )
+    dp.add_argument(
+        "--data-parallel-backend",
+        default="mp",
+        choices=["mp", "ray"],
+        help="replicas as local processes (mp) or Ray actors on a Ray cluster (ray)",
+    )
+    dp.add_argument(
+        "--data-parallel-devices",
+        default=None,
+        help="one platform per replica, e.g. cuda,cpu,cpu (default: --device for every replica)",
+    )
 
 
 def resolve_api_key(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
@@ -99,10 +127,15 @@ def build_dp_config(args: argparse.Namespace):
             raise ValueError("--data-parallel-devices needs --data-parallel-size > 1 (use --device for one engine)")
         return None
     if args.cpu_bind:
-        raise ValueError("--cpu-bind with --data-parallel-size > 1 would pin every replica to the same cores; "
-                         "the replicas' threads are split by --threads instead")
-    return DataParallelConfig(size=args.data_parallel_size, backend=args.data_parallel_backend,
-                              devices=devices or [args.device] * args.data_parallel_size)
+        raise ValueError(
+            "--cpu-bind with --data-parallel-size > 1 would pin every replica to the same cores; "
+            "the replicas' threads are split by --threads instead"
+        )
+    return DataParallelConfig(
+        size=args.data_parallel_size,
+        backend=args.data_parallel_backend,
+        devices=devices or [args.device] * args.data_parallel_size,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,13 +143,12 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedserve.async_engine import AsyncLLMEngine
     from pagedserve.engine import LLMEngine
+    from pagedserve.entrypoints.lora_args import check_lora_modules, lora_modules_from_args
     from pagedserve.entrypoints.openai import ServerSettings, build_app
     from pagedserve.entrypoints.openai.http_guard import cors_settings_from_args
     from pagedserve.entrypoints.openai.shutdown import CUT_MARGIN_S, GracefulServer
-
     from pagedserve.entrypoints.openai.stats_logger import configure_logging
     from pagedserve.entrypoints.server_ops_args import ops_settings, uvicorn_options
-    from pagedserve.entrypoints.lora_args import check_lora_modules, lora_modules_from_args
 
     log_config = configure_logging(args.log_level, args.log_format)
     log = logging.getLogger("pagedserve.serve")
@@ -126,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         config, names, max_body = build_engine_config(args)
         dp = build_dp_config(args)
         from pagedserve.entrypoints.structured_args import tool_options
+
         tools = tool_options(args, config.structured_outputs.reasoning_parser)
         ops = ops_settings(args, config)
         cors = cors_settings_from_args(args)
@@ -147,9 +180,14 @@ def run(args: argparse.Namespace) -> int:
             engine = LLMEngine(config)
         except (ValueError, PlatformError, RuntimeError) as e:  # e.g. a node that never joined
             raise SystemExit(f"pagedserve serve: {e}") from None
-        log.info("model %s loaded: max_model_len=%d, %d KV blocks of %d tokens, platform %s",
-                 names[0], engine.max_model_len, engine.runner.num_blocks, config.cache.block_size,
-                 engine.platform.name)
+        log.info(
+            "model %s loaded: max_model_len=%d, %d KV blocks of %d tokens, platform %s",
+            names[0],
+            engine.max_model_len,
+            engine.runner.num_blocks,
+            config.cache.block_size,
+            engine.platform.name,
+        )
         ops["cache_info"]["num_blocks"] = str(engine.runner.num_blocks)
         check_lora_modules(engine, lora_modules)  # a bad adapter stops the start, named
         served = AsyncLLMEngine(engine)
@@ -161,14 +199,24 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, PlatformError, ReplicaStartError) as e:
             raise SystemExit(f"pagedserve serve: {e}") from None
         log.info("model %s served by %d data-parallel replicas (%s backend)", names[0], dp.size, dp.backend)
-    settings = ServerSettings(served_model_names=names, api_key=resolve_api_key(args),
-                              max_body_bytes=max_body, chat_template=chat_template, cors=cors, tool_options=tools,
-                              lora_modules=tuple(lora_modules),
-                              allow_runtime_lora_updating=args.allow_runtime_lora_updating, **ops)
+    settings = ServerSettings(
+        served_model_names=names,
+        api_key=resolve_api_key(args),
+        max_body_bytes=max_body,
+        chat_template=chat_template,
+        cors=cors,
+        tool_options=tools,
+        lora_modules=tuple(lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        **ops,
+    )
     app = build_app(served, settings)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("binding %s: the server is reachable from other machines%s", args.host,
-                    "" if settings.api_key else " and has no --api-key")
+        log.warning(
+            "binding %s: the server is reachable from other machines%s",
+            args.host,
+            "" if settings.api_key else " and has no --api-key",
+        )
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (requests still open after the
     # grace period are cut with an error, see shutdown.py) and the app's lifespan then
     # stops and joins the engine thread.
@@ -177,11 +225,20 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     grace = args.timeout_graceful_shutdown
-    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           log_config=log_config, access_log=not args.disable_access_log,
-                                           timeout_graceful_shutdown=grace + CUT_MARGIN_S,
-                                           **uvicorn_options(args)),
-                            app.state.drain, grace)
+    server = GracefulServer(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            log_config=log_config,
+            access_log=not args.disable_access_log,
+            timeout_graceful_shutdown=grace + CUT_MARGIN_S,
+            **uvicorn_options(args),
+        ),
+        app.state.drain,
+        grace,
+    )
     if hasattr(served, "on_engine_dead"):  # an engine-wide failure stops the server, loudly
         served.on_engine_dead = lambda e: setattr(server, "should_exit", True)
     try:

@@ -13,16 +13,23 @@ __all__ = ["add_tool_arguments", "tool_options"]
 
 def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("tool calling")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='allow tool_choice "auto" (needs --tool-call-parser)')
-    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral", "pythonic"],
-                   help="how tool calls are read from the model's output under tool_choice auto")
+    g.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto" (needs --tool-call-parser)'
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json", "mistral", "pythonic"],
+        help="how tool calls are read from the model's output under tool_choice auto",
+    )
 
 
 def tool_options(args: argparse.Namespace, reasoning_parser: str | None):
     """The ToolOptions of the flags and the engine's reasoning parser (the setting)."""
     from pagedserve.entrypoints.openai.tools import ToolOptions
 
-    return ToolOptions(enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-                       tool_call_parser=getattr(args, "tool_call_parser", None),
-                       reasoning_parser=reasoning_parser)
+    return ToolOptions(
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=reasoning_parser,
+    )

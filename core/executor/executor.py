@@ -36,8 +36,16 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 class UniProcExecutor(Executor):
     """One process, no communication: the ModelRunner as the engine always used it."""
 
-    def __init__(self, config: EngineConfig, platform: Platform, ops: OpRegistry, arch: ArchConfig,
-                 dtype: torch.dtype, source, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        platform: Platform,
+        ops: OpRegistry,
+        arch: ArchConfig,
+        dtype: torch.dtype,
+        source,
+        max_model_len: int,
+    ) -> None:
         segments = None
         device_map = config.device.device_map
         if device_map is not None:
@@ -45,12 +53,15 @@ class UniProcExecutor(Executor):
             method = getattr(source, "method", None)  # a quantized source (pagedserve.quantization)
             names = sorted({s.platform.name for s in segments})
             if method is not None and len(names) > 1:
-                raise ValueError(f"quantization={method.name!r} was chosen for platform {platform.name!r}; "
-                                 f"device_map={device_map!r} also runs layers on "
-                                 f"{', '.join(n for n in names if n != platform.name)}, which is not supported "
-                                 "with quantized weights yet (use quantization='none')")
-        self.driver_runner = runner = ModelRunner(platform, ops, arch, dtype, segments=segments,
-                                                  max_model_len=max_model_len)
+                raise ValueError(
+                    f"quantization={method.name!r} was chosen for platform {platform.name!r}; "
+                    f"device_map={device_map!r} also runs layers on "
+                    f"{', '.join(n for n in names if n != platform.name)}, which is not supported "
+                    "with quantized weights yet (use quantization='none')"
+                )
+        self.driver_runner = runner = ModelRunner(
+            platform, ops, arch, dtype, segments=segments, max_model_len=max_model_len
+        )
         runner.load_weights(source.weights(), prepare=config.cache.cpu_offload_gb <= 0)
         self.num_blocks = runner.determine_num_blocks(config.cache, config.scheduler, max_model_len)
         runner.allocate_kv_cache(self.num_blocks, config.cache.block_size)
@@ -59,8 +70,15 @@ class UniProcExecutor(Executor):
         return self.driver_runner.execute(out, block_ids)
 
 
-def create_executor(config: EngineConfig, platform: Platform, ops: OpRegistry, arch: ArchConfig,
-                    dtype: torch.dtype, source, max_model_len: int) -> Executor:
+def create_executor(
+    config: EngineConfig,
+    platform: Platform,
+    ops: OpRegistry,
+    arch: ArchConfig,
+    dtype: torch.dtype,
+    source,
+    max_model_len: int,
+) -> Executor:
     """The executor ``config.parallel`` asks for (None: "uni" for one rank, else "mp")."""
     par = config.parallel
     config.validate()  # e.g. 'uni' with several ranks, a device map with several ranks
@@ -76,4 +94,3 @@ def create_executor(config: EngineConfig, platform: Platform, ops: OpRegistry, a
 
         return RayExecutor(config, platform, source)
     raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}; got {backend!r}")
-

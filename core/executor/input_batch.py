@@ -42,20 +42,19 @@ def prepare_inputs(
     tokens: list[int] = []
     tables = []
     for s, c, n in zip(reqs, computed.tolist(), num_new.tolist()):
-        ids = s.request.all_token_ids[c:c + n]
+        ids = s.request.all_token_ids[c : c + n]
         tokens.extend(ids)
         if len(ids) < n:  # draft tokens to verify follow the known ones
-            tokens.extend(s.spec_token_ids[:n - len(ids)])
+            tokens.extend(s.spec_token_ids[: n - len(ids)])
         tables.append(block_ids[s.request.request_id])
     max_blocks = max(len(t) for t in tables)
     block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int32)
     for i, t in enumerate(tables):
-        block_tables[i, :len(t)] = t
+        block_tables[i, : len(t)] = t
 
     req_idx = np.repeat(np.arange(len(reqs)), num_new)
     positions = computed[req_idx] + (np.arange(total) - qsl[:-1][req_idx])
-    slot_mapping = block_tables[req_idx, positions // block_size].astype(np.int64) * block_size \
-        + positions % block_size
+    slot_mapping = block_tables[req_idx, positions // block_size].astype(np.int64) * block_size + positions % block_size
     seq_lens = (computed + num_new).astype(np.int32)
 
     def t(a: np.ndarray) -> torch.Tensor:

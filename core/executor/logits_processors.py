@@ -39,7 +39,7 @@ def _banned_by_bad_words(request: Request) -> list[int]:
     banned = []
     for seq in seqs:
         prefix = seq[:-1]
-        if not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix):] == prefix):
+        if not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix) :] == prefix):
             banned.append(seq[-1])
     return banned
 
@@ -76,8 +76,9 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> to
         idx = torch.tensor(allowed_rows)
         logits[idx] = logits[idx].masked_fill(~keep, _NEG_INF)
     if bias_r:
-        logits.index_put_((torch.tensor(bias_r), torch.tensor(bias_c)),
-                          torch.tensor(bias_v, dtype=logits.dtype), accumulate=True)
+        logits.index_put_(
+            (torch.tensor(bias_r), torch.tensor(bias_c)), torch.tensor(bias_v, dtype=logits.dtype), accumulate=True
+        )
     if ban_r:
         logits[torch.tensor(ban_r), torch.tensor(ban_c)] = _NEG_INF
     return logits

@@ -26,14 +26,19 @@ from pagedserve.scheduler import SchedulerOutput
 __all__ = ["ModelRunner", "StepOutput", "resolve_dtype", "check_cache_dtype", "kv_bytes_per_block"]
 
 _DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
 }
 
 
 def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
-    """"auto" is the platform's default dtype; others must be supported by it."""
+    """ "auto" is the platform's default dtype; others must be supported by it."""
     if name == "auto":
         return platform.default_dtype
     dtype = _DTYPES[name]
@@ -47,8 +52,10 @@ def check_cache_dtype(cache_dtype: str, dtype: torch.dtype) -> None:
     """The KV cache is kept in the model's dtype: ``cache_dtype`` must be "auto" or its name."""
     if cache_dtype != "auto" and _DTYPES.get(cache_dtype) is not dtype:
         name = str(dtype).replace("torch.", "")
-        raise ValueError(f"cache_dtype={cache_dtype!r} differs from the model's dtype {name}: the KV cache is "
-                         f"kept in the model's dtype (use cache_dtype='auto' or {name!r})")
+        raise ValueError(
+            f"cache_dtype={cache_dtype!r} differs from the model's dtype {name}: the KV cache is "
+            f"kept in the model's dtype (use cache_dtype='auto' or {name!r})"
+        )
 
 
 def kv_bytes_per_block(cfg: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -81,9 +88,16 @@ class ModelRunner:
     kernels are its segment's.  Without it every layer is on ``platform``.
     """
 
-    def __init__(self, platform: Platform, ops: OpRegistry, arch: ArchConfig, dtype: torch.dtype,
-                 parallel: ParallelContext | None = None, segments: list[Segment] | None = None,
-                 max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        platform: Platform,
+        ops: OpRegistry,
+        arch: ArchConfig,
+        dtype: torch.dtype,
+        parallel: ParallelContext | None = None,
+        segments: list[Segment] | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
         self.platform = platform
         self.ops = ops
         self.arch = arch
@@ -91,10 +105,12 @@ class ModelRunner:
         self.device = platform.device
         placements = None
         if segments is not None:
-            placements = [LayerPlacement(s.start, s.end, s.ops, s.platform.device, s.platform.to_device)
-                          for s in segments]
-        self.model = resolve_model_class(arch.architecture)(arch, ops, dtype, self.device, parallel, placements,
-                                                            max_positions=max_model_len)
+            placements = [
+                LayerPlacement(s.start, s.end, s.ops, s.platform.device, s.platform.to_device) for s in segments
+            ]
+        self.model = resolve_model_class(arch.architecture)(
+            arch, ops, dtype, self.device, parallel, placements, max_positions=max_model_len
+        )
         if segments is None:
             segments = [Segment(platform, ops, self.model.layer_start, self.model.layer_end)]
         self.segments = segments
@@ -147,15 +163,18 @@ class ModelRunner:
                 f"the KV cache budget{where} ({max(budget, 0) / 2**20:.1f} MiB = {max(num_blocks, 0)} blocks of "
                 f"{cache.block_size} tokens) cannot hold even one request of max_model_len={max_model_len} "
                 f"tokens ({needed} blocks = {needed * per_block / 2**20:.1f} MiB); raise kv_cache_memory / "
-                "memory_utilization or lower max_model_len")
+                "memory_utilization or lower max_model_len"
+            )
         return int(num_blocks)
 
     def _memory_budget(self, cache: CacheConfig, sched: SchedulerConfig) -> tuple[int, int, str]:
         """(KV bytes, bytes per block of the layers they hold, " on <platforms>") of the
         device that fits the fewest blocks under ``memory_utilization``."""
         # memory_utilization covers weights and activations too.
-        act = sched.max_num_batched_tokens * (self.arch.hidden_size * 12 + self.arch.intermediate_size * 6) \
-            * 4 + sched.max_num_seqs * self.arch.vocab_size * 8
+        act = (
+            sched.max_num_batched_tokens * (self.arch.hidden_size * 12 + self.arch.intermediate_size * 6) * 4
+            + sched.max_num_seqs * self.arch.vocab_size * 8
+        )
         groups: dict[str, list[tuple[Segment, int]]] = {}
         for seg, weights in zip(self.segments, self.model.placement_weight_bytes()):
             groups.setdefault(str(seg.platform.device), []).append((seg, weights))
@@ -189,15 +208,17 @@ class ModelRunner:
         """The host KV tier's blocks: per layer a (key, value) pair in host memory, in
         its platform's layout, so that one block index means the same block in both."""
         a = self.local_arch
-        self.host_kv_caches = allocate_host_kv_cache(self.layer_platforms, num_host_blocks, self.block_size,
-                                                     a.num_kv_heads, a.head_dim, self.dtype)
+        self.host_kv_caches = allocate_host_kv_cache(
+            self.layer_platforms, num_host_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.dtype
+        )
 
     def read_kv_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Copy of the KV of ``block_ids``: [num_layers, 2 (key, value), len(block_ids),
         *the platform's per-block shape], on this runner's device."""
         index = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
-        return torch.stack([torch.stack([k.index_select(0, index), v.index_select(0, index)])
-                            for k, v in self.kv_caches]).contiguous()
+        return torch.stack(
+            [torch.stack([k.index_select(0, index), v.index_select(0, index)]) for k, v in self.kv_caches]
+        ).contiguous()
 
     def write_kv_blocks(self, block_ids: Sequence[int], kv: torch.Tensor, rows: Sequence[int]) -> None:
         """Write ``kv[:, :, rows]`` (shaped as :meth:`read_kv_blocks` returns) into ``block_ids``."""
@@ -223,15 +244,17 @@ class ModelRunner:
         self.model.layer_stream = stream
 
     # -- step --------------------------------------------------------------------------
-    def forward_logits(self, out: SchedulerOutput, block_ids: dict[str, list[int]],
-                       num_logits: list[int]) -> torch.Tensor:
+    def forward_logits(
+        self, out: SchedulerOutput, block_ids: dict[str, list[int]], num_logits: list[int]
+    ) -> torch.Tensor:
         """Run the step's forward; logits of the last ``num_logits[i]`` tokens of each
         scheduled request, in batch order: ``[sum(num_logits), vocab]`` in the model's
         dtype on the device (speculative decoding verifies drafts with them)."""
         with torch.inference_mode():
             if out.kv_transfers:
-                apply_kv_transfers([o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches,
-                                   out.kv_transfers)
+                apply_kv_transfers(
+                    [o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, out.kv_transfers
+                )
             inp = prepare_inputs(out, block_ids, self.block_size, self.device)
             hidden = self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
             ends = np.cumsum([s.num_new_tokens for s in out.scheduled])
@@ -244,19 +267,22 @@ class ModelRunner:
         with torch.inference_mode():
             if out.kv_transfers:
                 # Spills, reloads and swaps decided by the scheduler: all before the forward.
-                apply_kv_transfers([o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches,
-                                   out.kv_transfers)
+                apply_kv_transfers(
+                    [o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, out.kv_transfers
+                )
             inp = prepare_inputs(out, block_ids, self.block_size, self.device)
             if self.lora_manager is not None:  # each row's adapter slot, for this forward only
-                self.lora_manager.begin_step([(s.request.lora_request, s.num_new_tokens) for s in out.scheduled],
-                                             self.device)
+                self.lora_manager.begin_step(
+                    [(s.request.lora_request, s.num_new_tokens) for s in out.scheduled], self.device
+                )
             try:
                 hidden = self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
             finally:
                 if self.lora_manager is not None:
                     self.lora_manager.end_step()
-            prompt_lps = compute_prompt_logprobs(out, hidden, self.model.compute_logits,
-                                                 self.segments[-1].platform.to_device)
+            prompt_lps = compute_prompt_logprobs(
+                out, hidden, self.model.compute_logits, self.segments[-1].platform.to_device
+            )
             # Embedding requests get their final-norm hidden rows pooled instead of logits.
             pooled = pool_chunks(out.scheduled, hidden)
             sampling_rows = [i for i, s in enumerate(out.scheduled) if s.samples and s.request.pooling is None]

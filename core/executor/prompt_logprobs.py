@@ -37,15 +37,18 @@ def _rows(out: SchedulerOutput) -> tuple[list[int], list[int], list[tuple[str, i
             end = min(c + n, r.num_prompt_tokens - 1)
             if end > c:
                 flat.extend(range(start, start + end - c))
-                targets.extend(r.prompt_token_ids[c + 1:end + 1])
+                targets.extend(r.prompt_token_ids[c + 1 : end + 1])
                 spans.append((r.request_id, c + 1, end - c))
         start += n
     return flat, targets, spans
 
 
-def compute_prompt_logprobs(out: SchedulerOutput, hidden: torch.Tensor,
-                            compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                            to_device: Callable[[torch.Tensor], torch.Tensor]) -> PromptLogprobs:
+def compute_prompt_logprobs(
+    out: SchedulerOutput,
+    hidden: torch.Tensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    to_device: Callable[[torch.Tensor], torch.Tensor],
+) -> PromptLogprobs:
     """Score the prompt tokens this step's chunks cover.
 
     hidden ``[num_tokens, hidden_size]``: the step's final hidden states in batch order;
@@ -58,9 +61,9 @@ def compute_prompt_logprobs(out: SchedulerOutput, hidden: torch.Tensor,
     k_max = max(tops[rid] for rid, _, _ in spans)
     tok_lp, ranks, top_vals, top_ids = [], [], [], []
     for lo in range(0, len(flat), _ROWS_PER_SLICE):
-        idx = to_device(torch.tensor(flat[lo:lo + _ROWS_PER_SLICE]))
+        idx = to_device(torch.tensor(flat[lo : lo + _ROWS_PER_SLICE]))
         lp = torch.log_softmax(compute_logits(hidden.index_select(0, idx)).float(), dim=-1).cpu()
-        tgt = torch.tensor(targets[lo:lo + _ROWS_PER_SLICE]).unsqueeze(1)
+        tgt = torch.tensor(targets[lo : lo + _ROWS_PER_SLICE]).unsqueeze(1)
         chosen = lp.gather(1, tgt)
         tok_lp.append(chosen.squeeze(1))
         ranks.append((lp > chosen).sum(dim=1) + 1)

@@ -40,8 +40,9 @@ def failing_rows(sampler: Sampler, requests: list[Request], vocab: int) -> dict[
     return bad
 
 
-def sample_without(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
-                   bad: dict[int, str]) -> SamplerOutput | None:
+def sample_without(
+    sampler: Sampler, logits: torch.Tensor, requests: list[Request], bad: dict[int, str]
+) -> SamplerOutput | None:
     """Sample the good rows as one batch; the bad rows get token 0 and an entry in
     `sampler.row_errors`.  logits ``[num_seqs, vocab]``.  With no good row this returns
     None (every token is a placeholder; the caller builds its own output)."""

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.executor.row_errors import failing_rows, sample_without
 from pagedserve.executor.logits_processors import apply_logits_processors
+from pagedserve.executor.row_errors import failing_rows, sample_without
 from pagedserve.request import Request
 
 __all__ = ["Sampler", "SamplerOutput"]
@@ -54,9 +54,14 @@ class Sampler:
         """Whether every row only needs the argmax of its raw logits: greedy, no
         penalties, no logprobs, past min_tokens.  The model runner then takes the argmax
         where the logits are (the registry's ``argmax`` op) and skips this sampler."""
-        return all(p.greedy and not p.needs_penalties and not p.needs_logits_processing and p.logprobs is None
-                   and r.num_output_tokens >= p.min_tokens
-                   for r, p in ((r, r.sampling_params) for r in requests))
+        return all(
+            p.greedy
+            and not p.needs_penalties
+            and not p.needs_logits_processing
+            and p.logprobs is None
+            and r.num_output_tokens >= p.min_tokens
+            for r, p in ((r, r.sampling_params) for r in requests)
+        )
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits ``[num_seqs, vocab]`` in the model's dtype or float32, one row per request."""

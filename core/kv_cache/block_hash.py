@@ -23,8 +23,9 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: tuple
     return hash(key), key
 
 
-def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_blocks: int,
-                        cache_salt: str | None = None) -> list[BlockHash]:
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_blocks: int, cache_salt: str | None = None
+) -> list[BlockHash]:
     """Append to ``hashes`` (the chain of the first ``len(hashes)`` blocks of
     ``token_ids``) the hashes of the following blocks up to ``num_blocks``; returns it.
 
@@ -37,14 +38,16 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
         i = len(hashes)
         parent = hashes[-1][0] if hashes else None
         extra = (cache_salt,) if (i == 0 and cache_salt) else ()
-        hashes.append(hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]), extra))
+        hashes.append(hash_block(parent, tuple(token_ids[i * bs : (i + 1) * bs]), extra))
     return hashes
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int,
-                 cache_salt: str | None = None) -> list[BlockHash]:
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, num_blocks: int, cache_salt: str | None = None
+) -> list[BlockHash]:
     """The chain of the first ``num_blocks`` full blocks of ``token_ids``."""
     if num_blocks * block_size > len(token_ids):
-        raise ValueError(f"{num_blocks} blocks of {block_size} tokens need {num_blocks * block_size} tokens; "
-                         f"got {len(token_ids)}")
+        raise ValueError(
+            f"{num_blocks} blocks of {block_size} tokens need {num_blocks * block_size} tokens; got {len(token_ids)}"
+        )
     return extend_block_hashes([], token_ids, block_size, num_blocks, cache_salt)

@@ -34,7 +34,7 @@ __all__ = ["KVTransfers", "TieredKVCacheManager", "SwapPolicy"]
 SwapPolicy = Callable[[int, int], bool]
 
 OUT = "out"  # device -> host
-IN = "in"    # host -> device
+IN = "in"  # host -> device
 
 
 @dataclass
@@ -135,7 +135,7 @@ class TieredKVCacheManager(KVCacheManager):
         if not self.enable_prefix_caching:
             return blocks, num_tokens
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._req_hashes.get(rid, [])[len(blocks):max_hit_blocks]
+        hashes = self._req_hashes.get(rid, [])[len(blocks) : max_hit_blocks]
         hits: list[KVBlock] = []
         for h, key in hashes:
             hb = self.host.lookup(h, key)
@@ -268,5 +268,6 @@ class TieredKVCacheManager(KVCacheManager):
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.host.blocks:
             if b.ref_cnt != refs.get(b.block_id, 0):
-                raise AssertionError(f"host block {b.block_id}: ref_cnt {b.ref_cnt}, "
-                                     f"{refs.get(b.block_id, 0)} known holders")
+                raise AssertionError(
+                    f"host block {b.block_id}: ref_cnt {b.ref_cnt}, {refs.get(b.block_id, 0)} known holders"
+                )

@@ -48,8 +48,9 @@ class KVCacheManager:
         """Hashes of the request's full blocks within its first ``num_tokens`` tokens."""
         hashes = self._req_hashes.setdefault(request.request_id, [])
         # May hold more hashes than asked for (computed earlier for a longer span).
-        return extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_tokens // self.block_size,
-                                   request.cache_salt)
+        return extend_block_hashes(
+            hashes, request.all_token_ids, self.block_size, num_tokens // self.block_size, request.cache_salt
+        )
 
     # -- allocation -----------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
@@ -58,7 +59,7 @@ class KVCacheManager:
             return [], 0
         # Never the last token: its logits are needed.
         max_hit_tokens = request.num_tokens - 1
-        hashes = self._block_hashes(request, max_hit_tokens)[:max_hit_tokens // self.block_size]
+        hashes = self._block_hashes(request, max_hit_tokens)[: max_hit_tokens // self.block_size]
         blocks: list[KVBlock] = []
         for h, key in hashes:
             block = self.pool.lookup(h, key)
@@ -91,7 +92,7 @@ class KVCacheManager:
         """
         hashes = block_hashes(token_ids, self.block_size, num_blocks)
         todo = [i for i, (h, key) in enumerate(hashes) if self.pool.lookup(h, key) is None]
-        todo = todo[:max(0, self.pool.num_free_blocks)]
+        todo = todo[: max(0, self.pool.num_free_blocks)]
         if not todo:
             return [], []
         blocks = self.pool.get_new_blocks(len(todo))

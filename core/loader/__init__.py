@@ -1,11 +1,11 @@
 """Model loading: checkpoint paths, configs, weights (safetensors and GGUF) and tokenizers.
 
-    from pagedserve.loader import open_model, IncrementalDetokenizer
+from pagedserve.loader import open_model, IncrementalDetokenizer
 
-    source = open_model(None)  # the default model, SmolLM2-135M-Instruct (GGUF)
-    config = source.hf_config
-    state = dict(source.weights())
-    tokenizer = source.tokenizer()
+source = open_model(None)  # the default model, SmolLM2-135M-Instruct (GGUF)
+config = source.hf_config
+state = dict(source.weights())
+tokenizer = source.tokenizer()
 """
 
 from pagedserve.loader.detokenizer import IncrementalDetokenizer

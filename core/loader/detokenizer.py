@@ -27,9 +27,7 @@ class IncrementalDetokenizer:
     its leading space, as the continuation of the prompt (the prompt is the context).
     """
 
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = list(prompt_token_ids)

@@ -253,4 +253,3 @@ def reverse_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """
     half = weight.shape[0] // num_heads // 2
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-

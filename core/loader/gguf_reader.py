@@ -323,9 +323,7 @@ class _Cursor:
         length = self.take(_U64)
         end = self.pos + length
         if end > self.size:
-            raise ValueError(
-                f"A GGUF string of {length} bytes at offset {self.pos} runs past the end of the file."
-            )
+            raise ValueError(f"A GGUF string of {length} bytes at offset {self.pos} runs past the end of the file.")
         text = str(self.buf[self.pos : end], "utf-8")
         self.pos = end
         return text

@@ -200,9 +200,7 @@ def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list
     candidates: list[tuple[str, str, float]] = []
     for token, score in scores.items():
         splits = [
-            (token[:i], token[i:], score)
-            for i in range(1, len(token))
-            if token[:i] in vocab and token[i:] in vocab
+            (token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab
         ]
         splits.sort(key=lambda s: (vocab[s[0]], vocab[s[1]]))
         candidates.extend(splits)
@@ -249,9 +247,7 @@ def _set_post_processor(backend: BackendTokenizer, metadata: dict[str, Any], def
     )
 
 
-def template_processor(
-    bos: tuple[str, int] | None, eos: tuple[str, int] | None
-) -> processors.TemplateProcessing:
+def template_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> processors.TemplateProcessing:
     """A post-processor wrapping each sequence in the given `(token, id)` BOS and/or EOS."""
     prefix = f"{bos[0]}:0 " if bos else ""
     suffix = f" {eos[0]}:0" if eos else ""

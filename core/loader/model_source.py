@@ -1,9 +1,9 @@
 """`open_model`: one entry point over both checkpoint formats.
 
-    source = open_model(None)            # the bundled SmolLM2-135M-Instruct GGUF
-    source.hf_config["num_hidden_layers"]
-    for name, tensor in source.weights(): ...
-    tokenizer = source.tokenizer()
+source = open_model(None)            # the bundled SmolLM2-135M-Instruct GGUF
+source.hf_config["num_hidden_layers"]
+for name, tensor in source.weights(): ...
+tokenizer = source.tokenizer()
 """
 
 from __future__ import annotations
@@ -121,8 +121,9 @@ def _describe(e: BaseException) -> str:
     return text if isinstance(e, ValueError) else f"{type(e).__name__}: {text}"
 
 
-def _named_errors(weights: Iterator[tuple[str, torch.Tensor]],
-                  path: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _named_errors(
+    weights: Iterator[tuple[str, torch.Tensor]], path: pathlib.Path
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights``, with a read failure (a file truncated since it was opened) named."""
     try:
         yield from weights

@@ -32,6 +32,8 @@ def engine_tokenizer(model_config, source: ModelSource, vocab_size: int) -> Toke
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer={model_config.tokenizer!r}: {e}") from None
     if tok.vocab_size > vocab_size:
-        raise ValueError(f"tokenizer={model_config.tokenizer!r} has {tok.vocab_size} tokens, more than the "
-                         f"model's vocabulary ({vocab_size}); it does not belong to this model")
+        raise ValueError(
+            f"tokenizer={model_config.tokenizer!r} has {tok.vocab_size} tokens, more than the "
+            f"model's vocabulary ({vocab_size}); it does not belong to this model"
+        )
     return tok

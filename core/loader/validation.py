@@ -65,8 +65,9 @@ def check_config(config: dict[str, Any], path: str | pathlib.Path) -> None:
             _check_positive_float(scaling, "factor", path, prefix="rope_scaling.")
 
 
-def _check_positive_float(cfg: dict[str, Any], key: str, path: str | pathlib.Path,
-                          high: float = math.inf, prefix: str = "") -> None:
+def _check_positive_float(
+    cfg: dict[str, Any], key: str, path: str | pathlib.Path, high: float = math.inf, prefix: str = ""
+) -> None:
     value = cfg.get(key)
     if value is None:
         return
@@ -76,8 +77,9 @@ def _check_positive_float(cfg: dict[str, Any], key: str, path: str | pathlib.Pat
         raise ModelLoadError(path, f"{prefix}{key}={value!r} must be finite and in (0, {high}]")
 
 
-def expected_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]],
-                                                     dict[str, list[tuple[int, ...]]]]:
+def expected_shapes(
+    config: dict[str, Any],
+) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], dict[str, list[tuple[int, ...]]]]:
     """(global tensor name -> shape, per-layer suffix -> shape, per-layer suffix -> the
     shapes it may have) a Llama-layout checkpoint holds."""
     hidden, hd = config["hidden_size"], config["head_dim"]
@@ -102,13 +104,17 @@ def expected_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]],
     # q/k norms are per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2).
     alternatives = {"self_attn.q_norm.weight": [(hd,), (q,)], "self_attn.k_norm.weight": [(hd,), (kv,)]}
     if inter is not None:
-        layer.update({"mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
-                      "mlp.down_proj.weight": (hidden, inter)})
+        layer.update(
+            {
+                "mlp.gate_proj.weight": (inter, hidden),
+                "mlp.up_proj.weight": (inter, hidden),
+                "mlp.down_proj.weight": (hidden, inter),
+            }
+        )
     return glob, layer, alternatives
 
 
-def check_tensor_shapes(config: dict[str, Any], shapes: dict[str, tuple[int, ...]],
-                        path: str | pathlib.Path) -> None:
+def check_tensor_shapes(config: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: str | pathlib.Path) -> None:
     """Raise ModelLoadError if the stored tensors contradict ``config``.
 
     Args:
@@ -127,8 +133,9 @@ def check_tensor_shapes(config: dict[str, Any], shapes: dict[str, tuple[int, ...
             wants = [glob.get(name)]
         if wants[0] is not None and tuple(shape) not in wants:
             implied = " or ".join(str(list(w)) for w in wants)
-            raise ModelLoadError(path, f"tensor {name!r} has shape {list(shape)}, but the config "
-                                 f"({_fields_of(name)}) implies {implied}")
+            raise ModelLoadError(
+                path, f"tensor {name!r} has shape {list(shape)}, but the config ({_fields_of(name)}) implies {implied}"
+            )
     n = config["num_hidden_layers"]
     if layers != set(range(n)):
         found = f"layers {min(layers)}..{max(layers)} ({len(layers)} distinct)" if layers else "no layers"
@@ -162,11 +169,14 @@ def effective_max_model_len(max_model_len: int | None, max_position_embeddings: 
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
         if max_model_len > max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-                             f"({max_position_embeddings})")
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings ({max_position_embeddings})"
+            )
         return max_model_len
     table = max_position_embeddings * head_dim * 4
     if table > _DEFAULT_ROPE_TABLE_LIMIT:
-        raise ValueError(f"the model declares max_position_embeddings={max_position_embeddings}, whose RoPE table "
-                         f"would take {table / 2**30:.1f} GiB; pass max_model_len (e.g. max_model_len=8192)")
+        raise ValueError(
+            f"the model declares max_position_embeddings={max_position_embeddings}, whose RoPE table "
+            f"would take {table / 2**30:.1f} GiB; pass max_model_len (e.g. max_model_len=8192)"
+        )
     return max_position_embeddings

@@ -23,15 +23,28 @@ import torch
 __all__ = ["LoRAAdapter", "load_adapter", "TARGET_MODULES", "module_shapes"]
 
 #: The linears an adapter may target, by PEFT name: their block (attention or MLP).
-TARGET_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                  "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+TARGET_MODULES = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 # Settings whose non-default value changes what the adapter computes, and we do not do.
-_UNSUPPORTED = {"use_dora": (False, None), "bias": ("none", None), "modules_to_save": (None, [], ()),
-                "rank_pattern": (None, {}), "alpha_pattern": (None, {}), "fan_in_fan_out": (False, None),
-                "lora_bias": (False, None)}
+_UNSUPPORTED = {
+    "use_dora": (False, None),
+    "bias": ("none", None),
+    "modules_to_save": (None, [], ()),
+    "rank_pattern": (None, {}),
+    "alpha_pattern": (None, {}),
+    "fan_in_fan_out": (False, None),
+    "lora_bias": (False, None),
+}
 
 
 @dataclass
@@ -57,8 +70,15 @@ def module_shapes(arch: Any) -> dict[str, tuple[int, int]]:
     q = arch.num_heads * arch.head_dim
     kv = arch.num_kv_heads * arch.head_dim
     h, i = arch.hidden_size, arch.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
 
 
 def _read_config(path: Path) -> dict:
@@ -112,12 +132,15 @@ def load_adapter(path: str | Path, arch: Any, max_rank: int) -> LoRAAdapter:
     if isinstance(targets, (list, tuple)):
         unknown = sorted(set(targets) - TARGET_MODULES.keys())
         if unknown:
-            raise ValueError(f"{cfg_file}: target_modules {unknown} are not supported; supported: "
-                             f"{', '.join(TARGET_MODULES)}")
+            raise ValueError(
+                f"{cfg_file}: target_modules {unknown} are not supported; supported: {', '.join(TARGET_MODULES)}"
+            )
     st = path / "adapter_model.safetensors"
     if not st.is_file():
-        raise ValueError(f"LoRA adapter {str(path)!r} has no adapter_model.safetensors"
-                         + (" (adapter_model.bin is not supported)" if (path / "adapter_model.bin").exists() else ""))
+        raise ValueError(
+            f"LoRA adapter {str(path)!r} has no adapter_model.safetensors"
+            + (" (adapter_model.bin is not supported)" if (path / "adapter_model.bin").exists() else "")
+        )
     shapes = module_shapes(arch)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
@@ -125,14 +148,16 @@ def load_adapter(path: str | Path, arch: Any, max_rank: int) -> LoRAAdapter:
             for key in f.keys():
                 m = _KEY.match(key)
                 if m is None:
-                    raise ValueError(f"{st}: tensor {key!r} is not a LoRA weight of a supported module "
-                                     f"({', '.join(TARGET_MODULES)})")
+                    raise ValueError(
+                        f"{st}: tensor {key!r} is not a LoRA weight of a supported module ({', '.join(TARGET_MODULES)})"
+                    )
                 layer, block, name, half = int(m[1]), m[2], m[3], m[4]
                 if TARGET_MODULES.get(name) != block:
                     raise ValueError(f"{st}: tensor {key!r} targets unknown module {block}.{name}")
                 if layer >= arch.num_layers:
-                    raise ValueError(f"{st}: tensor {key!r} is for layer {layer}; the base model has "
-                                     f"{arch.num_layers} layers")
+                    raise ValueError(
+                        f"{st}: tensor {key!r} is for layer {layer}; the base model has {arch.num_layers} layers"
+                    )
                 halves.setdefault((layer, name), {})[half] = f.get_tensor(key)
     except ValueError:
         raise
@@ -145,9 +170,11 @@ def load_adapter(path: str | Path, arch: Any, max_rank: int) -> LoRAAdapter:
         a, b = ab["A"].float(), ab["B"].float()
         fan_in, fan_out = shapes[name]
         if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
-            raise ValueError(f"{st}: layer {layer} {name}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
-                             f"fit the base model (expected ({rank}, {fan_in}) / ({fan_out}, {rank})): an adapter "
-                             "for another base model?")
+            raise ValueError(
+                f"{st}: layer {layer} {name}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
+                f"fit the base model (expected ({rank}, {fan_in}) / ({fan_out}, {rank})): an adapter "
+                "for another base model?"
+            )
         adapter.weights.setdefault(layer, {})[name] = (a.contiguous(), (b * scale).contiguous())
     if not adapter.weights:
         raise ValueError(f"{st}: holds no LoRA weights")

@@ -24,8 +24,12 @@ from pagedserve.lora.request import LoRARequest
 __all__ = ["LoRAManager", "LoRALinear", "GROUPS"]
 
 #: The model's (fused) linear attributes and the PEFT modules each one stacks, in order.
-GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
-                                      "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 
 
 class _StepState:
@@ -97,8 +101,10 @@ class LoRAManager:
         for layer, _, _ in self._layers(model):
             missing = [attr for attr in GROUPS if getattr(layer, attr, None) is None]
             if missing:  # e.g. mixture-of-experts layers, or StarCoder2's plain MLP
-                raise ValueError(f"enable_lora: LoRA adapters are not supported for {self.arch.architecture} yet "
-                                 f"(its layers have no {', '.join(missing)} projection to adapt)")
+                raise ValueError(
+                    f"enable_lora: LoRA adapters are not supported for {self.arch.architecture} yet "
+                    f"(its layers have no {', '.join(missing)} projection to adapt)"
+                )
         shapes = module_shapes(self.arch)
         r = self.max_rank
         for layer, pl_ops, device in self._layers(model):
@@ -116,7 +122,7 @@ class LoRAManager:
     @staticmethod
     def _layers(model: Any):
         for pl in model.placements:
-            for layer in model.layers[pl.start - model.layer_start:pl.end - model.layer_start]:
+            for layer in model.layers[pl.start - model.layer_start : pl.end - model.layer_start]:
                 yield layer, pl.ops, pl.device
 
     def slot_bytes(self) -> int:
@@ -181,8 +187,8 @@ class LoRAManager:
                     n = shapes[name][1]
                     if name in mods:
                         a, b = mods[name]
-                        w.a[slot, j * r:j * r + a.shape[0]].copy_(a)
-                        w.b[slot, off:off + n, j * r:j * r + a.shape[0]].copy_(b)
+                        w.a[slot, j * r : j * r + a.shape[0]].copy_(a)
+                        w.b[slot, off : off + n, j * r : j * r + a.shape[0]].copy_(b)
                     off += n
 
     # -- steps -----------------------------------------------------------------------------

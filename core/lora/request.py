@@ -48,8 +48,9 @@ def lora_cache_salt(cache_salt: str | None, lora: LoRARequest | None) -> str | N
     return f"{cache_salt or ''}\x00lora:{lora.lora_int_id}:{lora.lora_name}:{lora.lora_path}"
 
 
-def per_prompt_lora(lora: LoRARequest | Sequence[LoRARequest | None] | None,
-                    num_prompts: int) -> list[LoRARequest | None]:
+def per_prompt_lora(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
     """``LLM.generate``'s ``lora_request`` as one entry per prompt (ValueError on a
     length mismatch or a non-LoRARequest entry)."""
     if lora is None or isinstance(lora, LoRARequest):

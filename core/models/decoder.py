@@ -57,20 +57,28 @@ class DecoderForCausalLM:
         """Raise ValueError naming any feature of ``cfg`` this family does not implement."""
         check_rope_scaling(cfg.rope_scaling)
 
-    def __init__(self, cfg: ArchConfig, ops, dtype: torch.dtype, device: torch.device,
-                 parallel: ParallelContext | None = None,
-                 placements: list[LayerPlacement] | None = None, max_positions: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        ops,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: ParallelContext | None = None,
+        placements: list[LayerPlacement] | None = None,
+        max_positions: int | None = None,
+    ) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.parallel = p = parallel or ParallelContext.single(device)
         tp = p.tp_size
         if tp > 1 and not self.tensor_parallel:
             raise ValueError(f"{cfg.architecture} does not support tensor parallelism yet")
-        if cfg.num_heads % tp or cfg.intermediate_size % tp or \
-                (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
-            raise ValueError(f"tensor_parallel_size={tp} must divide the attention heads ({cfg.num_heads}) and "
-                             f"intermediate_size ({cfg.intermediate_size}), and divide or be a multiple of the "
-                             f"KV heads ({cfg.num_kv_heads})")
+        if cfg.num_heads % tp or cfg.intermediate_size % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide the attention heads ({cfg.num_heads}) and "
+                f"intermediate_size ({cfg.intermediate_size}), and divide or be a multiple of the "
+                f"KV heads ({cfg.num_kv_heads})"
+            )
         self.num_heads = cfg.num_heads // tp
         self.num_kv_heads = max(1, cfg.num_kv_heads // tp)
         # Vocab rows per rank; the last shard is zero-padded so all-gathers see equal shapes.
@@ -81,9 +89,13 @@ class DecoderForCausalLM:
         self.layer_start, self.layer_end = p.layer_range(cfg.num_layers)
         if placements is None:
             placements = [LayerPlacement(self.layer_start, self.layer_end, ops, device, lambda t: t.to(device))]
-        elif p.world_size > 1 or placements[0].start != 0 or placements[-1].end != cfg.num_layers or \
-                any(a.start >= a.end for a in placements) or \
-                any(a.end != b.start for a, b in zip(placements, placements[1:])):
+        elif (
+            p.world_size > 1
+            or placements[0].start != 0
+            or placements[-1].end != cfg.num_layers
+            or any(a.start >= a.end for a in placements)
+            or any(a.end != b.start for a, b in zip(placements, placements[1:]))
+        ):
             raise ValueError("layer placements must cover the model's layers in order, on a single rank")
         self.placements = list(placements)
         #: The first placement embeds tokens; the last one holds the final norm and LM head.
@@ -104,7 +116,7 @@ class DecoderForCausalLM:
 
     # -- family hooks -----------------------------------------------------------------------
     def attention_scale(self) -> float:
-        return self.cfg.head_dim ** -0.5
+        return self.cfg.head_dim**-0.5
 
     def make_rope(self, devices: list[torch.device]) -> RotaryEmbedding | None:
         cfg = self.cfg
@@ -132,8 +144,17 @@ class DecoderForCausalLM:
         the model dtype on the layer's device."""
         raise NotImplementedError
 
-    def layer_forward(self, ops, placement: int, index: int, layer, kv_cache: KVCache, x: torch.Tensor,
-                      residual: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_forward(
+        self,
+        ops,
+        placement: int,
+        index: int,
+        layer,
+        kv_cache: KVCache,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer (model-wide ``index``); (x, residual) [n, hidden] in and out."""
         raise NotImplementedError
 
@@ -198,7 +219,7 @@ class DecoderForCausalLM:
         embedding staying for token lookups."""
         for pl in self.placements:
             prepare = pl.ops.prepare_linear_weight
-            for layer in self.layers[pl.start - self.layer_start:pl.end - self.layer_start]:
+            for layer in self.layers[pl.start - self.layer_start : pl.end - self.layer_start]:
                 for name in self.linear_fields:
                     w = getattr(layer, name)
                     if isinstance(w, torch.Tensor):
@@ -216,26 +237,27 @@ class DecoderForCausalLM:
             pad = self.vocab_shard * p.tp_size - t.shape[0]
             if pad:
                 t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-            return t[self.vocab_start:self.vocab_start + self.vocab_shard]
+            return t[self.vocab_start : self.vocab_start + self.vocab_shard]
         kind = name.rsplit(".", 2)[-2] if name.startswith("model.layers.") else ""
         if kind == "q_proj":
-            return t[r * self.q_size:(r + 1) * self.q_size]
+            return t[r * self.q_size : (r + 1) * self.q_size]
         if kind in ("k_proj", "v_proj"):
             # Fewer KV heads than ranks: each rank keeps the one KV head its query heads use.
             first = r * self.num_kv_heads if cfg.num_kv_heads >= p.tp_size else r * cfg.num_kv_heads // p.tp_size
-            return t[first * hd:(first + self.num_kv_heads) * hd]
+            return t[first * hd : (first + self.num_kv_heads) * hd]
         if kind in _COLUMN:
             n = cfg.intermediate_size // p.tp_size
-            return t[r * n:(r + 1) * n]
+            return t[r * n : (r + 1) * n]
         if kind == "o_proj":
-            return t[:, r * self.q_size:(r + 1) * self.q_size]
+            return t[:, r * self.q_size : (r + 1) * self.q_size]
         if kind in _ROW:
             n = cfg.intermediate_size // p.tp_size
-            return t[:, r * n:(r + 1) * n]
+            return t[:, r * n : (r + 1) * n]
         return t
 
-    def _param(self, t: torch.Tensor | QuantizedWeight,
-               device: torch.device | None = None) -> torch.Tensor | QuantizedWeight:
+    def _param(
+        self, t: torch.Tensor | QuantizedWeight, device: torch.device | None = None
+    ) -> torch.Tensor | QuantizedWeight:
         device = self.device if device is None else device
         if isinstance(t, QuantizedWeight):  # stays in its quantized form (pagedserve.quantization)
             return t.to(device)
@@ -256,7 +278,7 @@ class DecoderForCausalLM:
                 tensors.append(self.norm)
                 if self.lm_head is not self.embed:
                     tensors.append(self.lm_head)
-            for layer in self.layers[pl.start - self.layer_start:pl.end - self.layer_start]:
+            for layer in self.layers[pl.start - self.layer_start : pl.end - self.layer_start]:
                 tensors += [getattr(layer, n, None) for n in type(layer).__slots__]
             out.append(sum(t.nbytes for t in tensors if isinstance(t, (torch.Tensor, QuantizedWeight))))
         return out
@@ -280,8 +302,9 @@ class DecoderForCausalLM:
         x = self.ops.embedding(local.masked_fill(outside, 0), self.embed)
         return p.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
 
-    def forward_layers(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
-                       kv_caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_layers(
+        self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata, kv_caches: list[KVCache]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this stage's layers; (x, residual) [num_tokens, hidden] in and out
         (residual None before the first layer), which is what pipeline stages exchange.
         Under a device map they come back on the last placement's device."""
@@ -293,13 +316,22 @@ class DecoderForCausalLM:
             x = pl.move(x)
             residual = None if residual is None else pl.move(residual)
             lo, hi = pl.start - base, pl.end - base
-            x, residual = self._run_layers(pl.ops, i, pl.start, self.layers[lo:hi], kv_caches[lo:hi], x, residual,
-                                           meta.apply(pl.move))
+            x, residual = self._run_layers(
+                pl.ops, i, pl.start, self.layers[lo:hi], kv_caches[lo:hi], x, residual, meta.apply(pl.move)
+            )
         return x, residual
 
-    def _run_layers(self, ops, placement: int, first: int, layers: Iterable, kv_caches: list[KVCache],
-                    x: torch.Tensor, residual: torch.Tensor | None,
-                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_layers(
+        self,
+        ops,
+        placement: int,
+        first: int,
+        layers: Iterable,
+        kv_caches: list[KVCache],
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``layers`` (model-wide indices from ``first``) with the op registry ``ops``;
         every tensor on the same device."""
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
@@ -317,5 +349,5 @@ class DecoderForCausalLM:
         if float32:
             logits = logits.float()
         if self.parallel.tp_size > 1:
-            logits = self.parallel.all_gather(logits)[:, :self.cfg.vocab_size]
+            logits = self.parallel.all_gather(logits)[:, : self.cfg.vocab_size]
         return logits

@@ -43,8 +43,18 @@ class GemmaLayer:
     """One decoder layer's weights; norms already hold ``1 + w``.  The sandwich norms
     (post_attn_norm, post_ff_norm) and q_norm/k_norm are None where the version has none."""
 
-    __slots__ = ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm", "qkv", "q_norm", "k_norm",
-                 "o", "gate_up", "down")
+    __slots__ = (
+        "input_norm",
+        "post_attn_norm",
+        "pre_ff_norm",
+        "post_ff_norm",
+        "qkv",
+        "q_norm",
+        "k_norm",
+        "o",
+        "gate_up",
+        "down",
+    )
 
 
 class GemmaForCausalLM(DecoderForCausalLM):
@@ -76,14 +86,20 @@ class GemmaForCausalLM(DecoderForCausalLM):
         self.attn_soft_cap: float | None = hf.get("attn_logit_softcapping")
         self.final_soft_cap: float | None = hf.get("final_logit_softcapping")
         # transformers rounds the scale to the model dtype before multiplying.
-        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=self.dtype)
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=self.dtype)
 
     def attention_scale(self) -> float:
         return float(self.cfg.hf_config.get("query_pre_attn_scalar") or self.cfg.head_dim) ** -0.5
 
     def layer_weight_names(self, layer: int) -> frozenset[str]:
-        names = {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
+        names = {
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        }
         names |= {f"self_attn.{p}.weight" for p in _ATTN}
         if self.sandwich_norms:
             names |= {"pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"}
@@ -119,17 +135,24 @@ class GemmaForCausalLM(DecoderForCausalLM):
     def rope_for(self, index: int) -> RotaryEmbedding:
         return self.rope
 
-    def layer_forward(self, ops, placement: int, index: int, layer: GemmaLayer, kv_cache: KVCache,
-                      x: torch.Tensor, residual: torch.Tensor | None,
-                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_forward(
+        self,
+        ops,
+        placement: int,
+        index: int,
+        layer: GemmaLayer,
+        kv_cache: KVCache,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         eps = self.cfg.rms_norm_eps
         h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
         q, k, v = qkv_split(linear(ops, h, layer.qkv), self.attn)
         if layer.q_norm is not None:
             q, k = head_rms_norm(ops, q, layer.q_norm, eps), head_rms_norm(ops, k, layer.k_norm, eps)
         q, k = self.rope_for(index)(ops, placement, meta.positions, q, k)
-        attn = paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale, self.windows[index],
-                               self.attn_soft_cap)
+        attn = paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale, self.windows[index], self.attn_soft_cap)
         h = self.parallel.all_reduce(linear(ops, attn, layer.o))
         if layer.post_attn_norm is not None:
             h = ops.rms_norm(h, layer.post_attn_norm, eps)
@@ -185,8 +208,10 @@ def _gemma3_rope(cfg: ArchConfig) -> list[tuple[float, dict | None]]:
     hf = cfg.hf_config
     params = hf.get("rope_parameters")
     out = []
-    for kind, flat_theta, default_theta in (("full_attention", "rope_theta", 1_000_000.0),
-                                            ("sliding_attention", "rope_local_base_freq", 10_000.0)):
+    for kind, flat_theta, default_theta in (
+        ("full_attention", "rope_theta", 1_000_000.0),
+        ("sliding_attention", "rope_local_base_freq", 10_000.0),
+    ):
         if isinstance(params, dict) and isinstance(params.get(kind), dict):
             p = params[kind]
             theta = float(p.get("rope_theta", default_theta))

@@ -28,8 +28,17 @@ _ATTN = ("q_proj", "k_proj", "v_proj")
 
 
 class Glm4Layer:
-    __slots__ = ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm", "qkv", "qkv_bias", "o",
-                 "gate_up", "down")
+    __slots__ = (
+        "input_norm",
+        "post_attn_norm",
+        "pre_ff_norm",
+        "post_ff_norm",
+        "qkv",
+        "qkv_bias",
+        "o",
+        "gate_up",
+        "down",
+    )
 
 
 class Glm4ForCausalLM(DecoderForCausalLM):
@@ -45,9 +54,15 @@ class Glm4ForCausalLM(DecoderForCausalLM):
             raise ValueError("Glm4ForCausalLM: sliding windows are not supported")
 
     def layer_weight_names(self, layer: int) -> frozenset[str]:
-        names = {"input_layernorm.weight", "post_self_attn_layernorm.weight", "post_attention_layernorm.weight",
-                 "post_mlp_layernorm.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
-                 "mlp.down_proj.weight"}
+        names = {
+            "input_layernorm.weight",
+            "post_self_attn_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "post_mlp_layernorm.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_up_proj.weight",
+            "mlp.down_proj.weight",
+        }
         names |= {f"self_attn.{p}.weight" for p in _ATTN}
         if self.cfg.attention_bias:
             names |= {f"self_attn.{p}.bias" for p in _ATTN}
@@ -79,15 +94,24 @@ class Glm4ForCausalLM(DecoderForCausalLM):
         layer.gate_up = param(w["mlp.gate_up_proj.weight"])  # rows: gate, up
         layer.down = param(w["mlp.down_proj.weight"])
 
-    def layer_forward(self, ops, placement: int, index: int, layer: Glm4Layer, kv_cache: KVCache,
-                      x: torch.Tensor, residual: torch.Tensor | None,
-                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_forward(
+        self,
+        ops,
+        placement: int,
+        index: int,
+        layer: Glm4Layer,
+        kv_cache: KVCache,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         eps = self.cfg.rms_norm_eps
         h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
         q, k, v = qkv_split(linear(ops, h, layer.qkv, layer.qkv_bias), self.attn)
         q, k = self.rope(ops, placement, meta.positions, q, k)
         h = linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o)
-        h, residual = ops.fused_add_rms_norm(ops.rms_norm(h, layer.post_attn_norm, eps), residual,
-                                             layer.pre_ff_norm, eps)
+        h, residual = ops.fused_add_rms_norm(
+            ops.rms_norm(h, layer.post_attn_norm, eps), residual, layer.pre_ff_norm, eps
+        )
         h = gated_mlp(ops, h, layer.gate_up, layer.down)
         return ops.rms_norm(h, layer.post_ff_norm, eps), residual

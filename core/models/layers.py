@@ -76,14 +76,16 @@ class RotaryEmbedding:
     ``rotary_dim`` below ``head_dim`` rotates only the leading dims (partial rotary).
     """
 
-    def __init__(self, rotary_dim: int, max_position: int, base: float, scaling: dict | None,
-                 devices: list[torch.device]) -> None:
+    def __init__(
+        self, rotary_dim: int, max_position: int, base: float, scaling: dict | None, devices: list[torch.device]
+    ) -> None:
         self.rotary_dim = rotary_dim
         table = rope_cos_sin_cache(rotary_dim, max_position, base, scaling)
         self.tables = [table.to(d) for d in devices]
 
-    def __call__(self, ops, placement: int, positions: torch.Tensor, q: torch.Tensor,
-                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, ops, placement: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [n, heads, head_dim], k [n, kv_heads, head_dim] -> rotated (q, k)."""
         return ops.rotary_embedding(positions, q, k, self.tables[placement])
 
@@ -103,8 +105,9 @@ def linear(ops, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
     return ops.linear(x, w, bias)
 
 
-def add_rms_norm(ops, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    ops, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-norm residual stream: (norm(x + residual), x + residual), [n, hidden] each;
     ``residual`` None (before the first layer) means x is the stream itself."""
     if residual is None:
@@ -120,9 +123,17 @@ def qkv_split(qkv: torch.Tensor, shape: AttentionShape) -> tuple[torch.Tensor, t
     return q.view(n, shape.num_heads, d), k.view(n, shape.num_kv_heads, d), v.view(n, shape.num_kv_heads, d)
 
 
-def paged_attention(ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+def paged_attention(
+    ops,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
     """Write k/v into the paged cache, then attend: q [n, heads, d] -> [n, heads * d].
 
     ``sliding_window`` (keys within that many positions, the query's own included) and
@@ -136,8 +147,9 @@ def paged_attention(ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         extra["sliding_window"] = sliding_window
     if soft_cap is not None:
         extra["soft_cap"] = soft_cap
-    out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                              scale, **extra)
+    out = ops.paged_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, **extra
+    )
     return out.view(q.shape[0], -1)
 
 
@@ -182,8 +194,7 @@ def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | None]:
             raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
         unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
         if unknown:
-            raise ValueError(f"layer_types {unknown} are not supported (supported: full_attention, "
-                             "sliding_attention)")
+            raise ValueError(f"layer_types {unknown} are not supported (supported: full_attention, sliding_attention)")
         out = [window if t == "sliding_attention" else None for t in types]
     elif "use_sliding_window" in hf:
         first = hf.get("max_window_layers", num_layers)

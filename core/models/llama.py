@@ -28,8 +28,16 @@ from pagedserve.models.layers import (
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
 
-__all__ = ["ArchConfig", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM",
-           "Phi3ForCausalLM", "LlamaLayer", "LayerPlacement"]
+__all__ = [
+    "ArchConfig",
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "GraniteForCausalLM",
+    "Phi3ForCausalLM",
+    "LlamaLayer",
+    "LayerPlacement",
+]
 
 _ATTN = ("q_proj", "k_proj", "v_proj")
 
@@ -69,8 +77,14 @@ class LlamaForCausalLM(DecoderForCausalLM):
         self.residual_multiplier = float(hf.get("residual_multiplier", 1.0))
 
     def layer_weight_names(self, layer: int) -> frozenset[str]:
-        names = {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
+        names = {
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        }
         names |= {f"self_attn.{p}.weight" for p in _ATTN}
         if self.cfg.attention_bias:
             names |= {f"self_attn.{p}.bias" for p in _ATTN}
@@ -90,9 +104,17 @@ class LlamaForCausalLM(DecoderForCausalLM):
         layer.gate_up = param(fuse([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
         layer.down = param(w["mlp.down_proj.weight"])
 
-    def layer_forward(self, ops, placement: int, index: int, layer: LlamaLayer, kv_cache: KVCache,
-                      x: torch.Tensor, residual: torch.Tensor | None,
-                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_forward(
+        self,
+        ops,
+        placement: int,
+        index: int,
+        layer: LlamaLayer,
+        kv_cache: KVCache,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         eps = self.cfg.rms_norm_eps
         h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
         q, k, v = qkv_split(linear(ops, h, layer.qkv, layer.qkv_bias), self.attn)
@@ -126,7 +148,7 @@ class GraniteForCausalLM(LlamaForCausalLM):
     whole softmax scale), residual branches and logits (divided by ``logits_scaling``)."""
 
     def attention_scale(self) -> float:
-        return float(self.cfg.hf_config.get("attention_multiplier", self.cfg.head_dim ** -0.5))
+        return float(self.cfg.hf_config.get("attention_multiplier", self.cfg.head_dim**-0.5))
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed_tokens(input_ids) * float(self.cfg.hf_config.get("embedding_multiplier", 1.0))
@@ -143,8 +165,16 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     tensor_parallel = False
 
     def layer_weight_names(self, layer: int) -> frozenset[str]:
-        return frozenset({"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.qkv_proj.weight",
-                          "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"})
+        return frozenset(
+            {
+                "input_layernorm.weight",
+                "post_attention_layernorm.weight",
+                "self_attn.qkv_proj.weight",
+                "self_attn.o_proj.weight",
+                "mlp.gate_up_proj.weight",
+                "mlp.down_proj.weight",
+            }
+        )
 
     def finish_layer(self, layer: LlamaLayer, w: dict[str, Any], param) -> None:
         layer.input_norm = param(w["input_layernorm.weight"])

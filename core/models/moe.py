@@ -27,8 +27,21 @@ class MoELayer:
     w13, w2 and, for Qwen2-MoE, the shared expert (gate_up, down) and its sigmoid gate
     [1, hidden]; a dense layer (``mlp_only_layers``) only gate_up and down."""
 
-    __slots__ = ("input_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o",
-                 "router", "w13", "w2", "shared_gate", "gate_up", "down")
+    __slots__ = (
+        "input_norm",
+        "post_norm",
+        "qkv",
+        "qkv_bias",
+        "q_norm",
+        "k_norm",
+        "o",
+        "router",
+        "w13",
+        "w2",
+        "shared_gate",
+        "gate_up",
+        "down",
+    )
 
 
 class _MoEForCausalLM(LlamaForCausalLM):
@@ -80,8 +93,9 @@ class _MoEForCausalLM(LlamaForCausalLM):
     def finish_layer(self, layer: MoELayer, w: dict[str, Any], param) -> None:
         quantized = sorted(n for n, t in w.items() if isinstance(t, QuantizedWeight) and "experts." in n)
         if quantized:
-            raise ValueError(f"{self.cfg.architecture}: quantized expert weights are not supported yet "
-                             f"(e.g. {quantized[0]})")
+            raise ValueError(
+                f"{self.cfg.architecture}: quantized expert weights are not supported yet (e.g. {quantized[0]})"
+            )
         layer.input_norm = param(w["input_layernorm.weight"])
         layer.post_norm = param(w["post_attention_layernorm.weight"])
         a = "self_attn."
@@ -99,8 +113,11 @@ class _MoEForCausalLM(LlamaForCausalLM):
         g, u, d = self.expert_names
         experts = range(self.num_experts)
         layer.router = param(w[m + "gate.weight"])
-        layer.w13 = param(torch.stack([torch.cat([w[f"{m}experts.{e}.{g}.weight"], w[f"{m}experts.{e}.{u}.weight"]])
-                                       for e in experts]))
+        layer.w13 = param(
+            torch.stack(
+                [torch.cat([w[f"{m}experts.{e}.{g}.weight"], w[f"{m}experts.{e}.{u}.weight"]]) for e in experts]
+            )
+        )
         layer.w2 = param(torch.stack([w[f"{m}experts.{e}.{d}.weight"] for e in experts]))
         if self.shared_expert:
             s = m + "shared_expert."

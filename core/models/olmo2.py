@@ -43,9 +43,16 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
             raise ValueError("Olmo2ForCausalLM: sliding windows are not supported")
 
     def layer_weight_names(self, layer: int) -> frozenset[str]:
-        names = {"post_attention_layernorm.weight", "post_feedforward_layernorm.weight", "self_attn.o_proj.weight",
-                 "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
+        names = {
+            "post_attention_layernorm.weight",
+            "post_feedforward_layernorm.weight",
+            "self_attn.o_proj.weight",
+            "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        }
         return frozenset(names | {f"self_attn.{p}.weight" for p in _ATTN})
 
     def finish_layer(self, layer: Olmo2Layer, w: dict[str, Any], param) -> None:
@@ -59,9 +66,17 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
         layer.gate_up = param(fuse([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
         layer.down = param(w["mlp.down_proj.weight"])
 
-    def layer_forward(self, ops, placement: int, index: int, layer: Olmo2Layer, kv_cache: KVCache,
-                      x: torch.Tensor, residual: torch.Tensor | None,
-                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_forward(
+        self,
+        ops,
+        placement: int,
+        index: int,
+        layer: Olmo2Layer,
+        kv_cache: KVCache,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         eps = self.cfg.rms_norm_eps
         stream = x if residual is None else x + residual  # no input norm: attention reads the stream
         qkv = linear(ops, stream, layer.qkv)

@@ -53,40 +53,121 @@ _GEMMA = "pagedserve.models.gemma"
 _MOE = "pagedserve.models.moe"
 
 _ENTRIES: tuple[ModelEntry, ...] = (
-    ModelEntry("LlamaForCausalLM", "llama", _LLAMA, "LlamaForCausalLM", gguf=("llama",),
-               notes="Llama 2/3 (linear, llama3 RoPE scaling), SmolLM2; GGUF Mistral files load as `llama`"),
-    ModelEntry("MistralForCausalLM", "mistral", _LLAMA, "LlamaForCausalLM",
-               notes="sliding window on every layer (v0.1)"),
-    ModelEntry("Qwen2ForCausalLM", "qwen2", _LLAMA, "Qwen2ForCausalLM", gguf=("qwen2",),
-               notes="q/k/v biases; `use_sliding_window` layers"),
-    ModelEntry("Qwen3ForCausalLM", "qwen3", _LLAMA, "Qwen3ForCausalLM", gguf=("qwen3",),
-               notes="per-head q/k RMSNorm, explicit head_dim"),
-    ModelEntry("GraniteForCausalLM", "granite", _LLAMA, "GraniteForCausalLM",
-               notes="embedding, attention, residual and logits multipliers"),
-    ModelEntry("Phi3ForCausalLM", "phi3", _LLAMA, "Phi3ForCausalLM", quantized=False, tensor_parallel=False,
-               notes="Phi-3 / Phi-4; fused qkv_proj and gate_up_proj, partial rotary; not longrope"),
-    ModelEntry("SmolLM3ForCausalLM", "smollm3", _LLAMA, "LlamaForCausalLM",
-               notes="NoPE layers (`no_rope_layers`)"),
-    ModelEntry("Olmo2ForCausalLM", "olmo2", "pagedserve.models.olmo2", "Olmo2ForCausalLM", tensor_parallel=False,
-               notes="post-norm layers, q/k norm over the whole projection"),
-    ModelEntry("Glm4ForCausalLM", "glm4", "pagedserve.models.glm4", "Glm4ForCausalLM", quantized=False,
-               tensor_parallel=False, notes="sandwich norms, fused gate_up_proj, interleaved partial rotary"),
-    ModelEntry("Starcoder2ForCausalLM", "starcoder2", "pagedserve.models.starcoder2", "Starcoder2ForCausalLM",
-               quantized=False, tensor_parallel=False,
-               notes="LayerNorm with bias, non-gated GELU MLP, biases, sliding window"),
-    ModelEntry("MixtralForCausalLM", "mixtral", _MOE, "MixtralForCausalLM", quantized=False,
-               tensor_parallel=False, notes="MoE (`fused_moe`), top-k renormalised, optional sliding window"),
-    ModelEntry("Qwen2MoeForCausalLM", "qwen2_moe", _MOE, "Qwen2MoeForCausalLM", quantized=False,
-               tensor_parallel=False, notes="MoE with a gated shared expert; `mlp_only_layers`"),
-    ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", _MOE, "Qwen3MoeForCausalLM", quantized=False,
-               tensor_parallel=False, notes="MoE, per-head q/k norms; `mlp_only_layers`"),
-    ModelEntry("GemmaForCausalLM", "gemma", _GEMMA, "GemmaForCausalLM",
-               notes="(1 + w) RMSNorm, GeGLU, scaled embeddings"),
-    ModelEntry("Gemma2ForCausalLM", "gemma2", _GEMMA, "Gemma2ForCausalLM",
-               notes="sandwich norms, attention and final-logit soft-capping, query_pre_attn_scalar, "
-                     "alternating sliding windows"),
-    ModelEntry("Gemma3ForCausalLM", "gemma3_text", _GEMMA, "Gemma3ForCausalLM",
-               notes="text only; Gemma 2 plus q/k norms and a local RoPE base on sliding layers"),
+    ModelEntry(
+        "LlamaForCausalLM",
+        "llama",
+        _LLAMA,
+        "LlamaForCausalLM",
+        gguf=("llama",),
+        notes="Llama 2/3 (linear, llama3 RoPE scaling), SmolLM2; GGUF Mistral files load as `llama`",
+    ),
+    ModelEntry(
+        "MistralForCausalLM", "mistral", _LLAMA, "LlamaForCausalLM", notes="sliding window on every layer (v0.1)"
+    ),
+    ModelEntry(
+        "Qwen2ForCausalLM",
+        "qwen2",
+        _LLAMA,
+        "Qwen2ForCausalLM",
+        gguf=("qwen2",),
+        notes="q/k/v biases; `use_sliding_window` layers",
+    ),
+    ModelEntry(
+        "Qwen3ForCausalLM",
+        "qwen3",
+        _LLAMA,
+        "Qwen3ForCausalLM",
+        gguf=("qwen3",),
+        notes="per-head q/k RMSNorm, explicit head_dim",
+    ),
+    ModelEntry(
+        "GraniteForCausalLM",
+        "granite",
+        _LLAMA,
+        "GraniteForCausalLM",
+        notes="embedding, attention, residual and logits multipliers",
+    ),
+    ModelEntry(
+        "Phi3ForCausalLM",
+        "phi3",
+        _LLAMA,
+        "Phi3ForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="Phi-3 / Phi-4; fused qkv_proj and gate_up_proj, partial rotary; not longrope",
+    ),
+    ModelEntry("SmolLM3ForCausalLM", "smollm3", _LLAMA, "LlamaForCausalLM", notes="NoPE layers (`no_rope_layers`)"),
+    ModelEntry(
+        "Olmo2ForCausalLM",
+        "olmo2",
+        "pagedserve.models.olmo2",
+        "Olmo2ForCausalLM",
+        tensor_parallel=False,
+        notes="post-norm layers, q/k norm over the whole projection",
+    ),
+    ModelEntry(
+        "Glm4ForCausalLM",
+        "glm4",
+        "pagedserve.models.glm4",
+        "Glm4ForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="sandwich norms, fused gate_up_proj, interleaved partial rotary",
+    ),
+    ModelEntry(
+        "Starcoder2ForCausalLM",
+        "starcoder2",
+        "pagedserve.models.starcoder2",
+        "Starcoder2ForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="LayerNorm with bias, non-gated GELU MLP, biases, sliding window",
+    ),
+    ModelEntry(
+        "MixtralForCausalLM",
+        "mixtral",
+        _MOE,
+        "MixtralForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="MoE (`fused_moe`), top-k renormalised, optional sliding window",
+    ),
+    ModelEntry(
+        "Qwen2MoeForCausalLM",
+        "qwen2_moe",
+        _MOE,
+        "Qwen2MoeForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="MoE with a gated shared expert; `mlp_only_layers`",
+    ),
+    ModelEntry(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        _MOE,
+        "Qwen3MoeForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="MoE, per-head q/k norms; `mlp_only_layers`",
+    ),
+    ModelEntry(
+        "GemmaForCausalLM", "gemma", _GEMMA, "GemmaForCausalLM", notes="(1 + w) RMSNorm, GeGLU, scaled embeddings"
+    ),
+    ModelEntry(
+        "Gemma2ForCausalLM",
+        "gemma2",
+        _GEMMA,
+        "Gemma2ForCausalLM",
+        notes="sandwich norms, attention and final-logit soft-capping, query_pre_attn_scalar, "
+        "alternating sliding windows",
+    ),
+    ModelEntry(
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        _GEMMA,
+        "Gemma3ForCausalLM",
+        notes="text only; Gemma 2 plus q/k norms and a local RoPE base on sliding layers",
+    ),
 )
 
 _BY_ARCH: dict[str, ModelEntry] = {e.architecture: e for e in _ENTRIES}
@@ -107,8 +188,9 @@ def resolve_model_class(architecture: str) -> type:
     there is none."""
     entry = _BY_ARCH.get(architecture)
     if entry is None:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: "
-                         f"{', '.join(supported_architectures())}")
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
+        )
     return entry.load()
 
 

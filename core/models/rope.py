@@ -29,8 +29,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
-def _yarn(inv_freq: torch.Tensor, rotary_dim: int, base: float, max_position: int,
-          scaling: dict) -> tuple[torch.Tensor, float]:
+def _yarn(
+    inv_freq: torch.Tensor, rotary_dim: int, base: float, max_position: int, scaling: dict
+) -> tuple[torch.Tensor, float]:
     """YaRN: interpolate the low frequencies by ``factor``, keep the high ones, ramp in
     between; returns (inv_freq, the factor cos and sin are multiplied by)."""
     factor = scaling.get("factor") or max_position / scaling["original_max_position_embeddings"]
@@ -67,13 +68,12 @@ def check_rope_scaling(scaling: dict | None) -> None:
     """ValueError naming a rope_scaling type that is not implemented."""
     rope_type = _rope_type(scaling)
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: "
-                         f"{', '.join(SUPPORTED_ROPE_TYPES)})")
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
 
 
-def rope_cos_sin_cache(
-    rotary_dim: int, max_position: int, base: float, scaling: dict | None = None
-) -> torch.Tensor:
+def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float, scaling: dict | None = None) -> torch.Tensor:
     """float32 [max_position, rotary_dim]: cat(cos, sin) of each position's angles."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     check_rope_scaling(scaling)

@@ -24,8 +24,20 @@ _ACTS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
 class Starcoder2Layer:
-    __slots__ = ("input_norm", "input_norm_bias", "post_norm", "post_norm_bias", "qkv", "qkv_bias", "o", "o_bias",
-                 "fc", "fc_bias", "proj", "proj_bias")
+    __slots__ = (
+        "input_norm",
+        "input_norm_bias",
+        "post_norm",
+        "post_norm_bias",
+        "qkv",
+        "qkv_bias",
+        "o",
+        "o_bias",
+        "fc",
+        "fc_bias",
+        "proj",
+        "proj_bias",
+    )
 
 
 class Starcoder2ForCausalLM(DecoderForCausalLM):
@@ -57,8 +69,15 @@ class Starcoder2ForCausalLM(DecoderForCausalLM):
         return True
 
     def layer_weight_names(self, layer: int) -> frozenset[str]:
-        names = {"input_layernorm.weight", "input_layernorm.bias", "post_attention_layernorm.weight",
-                 "post_attention_layernorm.bias", "self_attn.o_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"}
+        names = {
+            "input_layernorm.weight",
+            "input_layernorm.bias",
+            "post_attention_layernorm.weight",
+            "post_attention_layernorm.bias",
+            "self_attn.o_proj.weight",
+            "mlp.c_fc.weight",
+            "mlp.c_proj.weight",
+        }
         names |= {f"self_attn.{p}.weight" for p in _ATTN}
         if self.bias:
             names |= {f"self_attn.{p}.bias" for p in (*_ATTN, "o_proj")} | {"mlp.c_fc.bias", "mlp.c_proj.bias"}
@@ -79,9 +98,17 @@ class Starcoder2ForCausalLM(DecoderForCausalLM):
         layer.fc, layer.fc_bias = param(w["mlp.c_fc.weight"]), opt("mlp.c_fc.bias")
         layer.proj, layer.proj_bias = param(w["mlp.c_proj.weight"]), opt("mlp.c_proj.bias")
 
-    def layer_forward(self, ops, placement: int, index: int, layer: Starcoder2Layer, kv_cache: KVCache,
-                      x: torch.Tensor, residual: torch.Tensor | None,
-                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_forward(
+        self,
+        ops,
+        placement: int,
+        index: int,
+        layer: Starcoder2Layer,
+        kv_cache: KVCache,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         stream = x if residual is None else x + residual
         h = ops.layer_norm(stream, layer.input_norm, layer.input_norm_bias, self.eps)
         q, k, v = qkv_split(linear(ops, h, layer.qkv, layer.qkv_bias), self.attn)

@@ -6,5 +6,14 @@ from pagedserve.offload.device_map import Segment, check_device_map_platforms, r
 from pagedserve.offload.kv_tier import allocate_host_kv_cache, apply_kv_transfers, build_kv_manager
 from pagedserve.offload.weights import WeightStreamer, offload_weights
 
-__all__ = ["PreemptionCostModel", "allocate_host_kv_cache", "apply_kv_transfers", "build_kv_manager",
-           "WeightStreamer", "offload_weights", "Segment", "check_device_map_platforms", "resolve_device_map"]
+__all__ = [
+    "PreemptionCostModel",
+    "allocate_host_kv_cache",
+    "apply_kv_transfers",
+    "build_kv_manager",
+    "WeightStreamer",
+    "offload_weights",
+    "Segment",
+    "check_device_map_platforms",
+    "resolve_device_map",
+]

@@ -60,15 +60,19 @@ def check_device_map_platforms(device_map: str, registry: PlatformRegistry | Non
             continue
         available = ", ".join(sorted(p.name for p in reg.platforms.values() if p.probe()[0])) or "none"
         if info is None:
-            raise ValueError(f"device_map={device_map!r} names the unknown platform {name!r}; "
-                             f"available platforms: {available}")
-        raise ValueError(f"device_map={device_map!r}: platform {name!r} is not available ({info.probe()[1]}); "
-                         f"available platforms: {available}")
+            raise ValueError(
+                f"device_map={device_map!r} names the unknown platform {name!r}; available platforms: {available}"
+            )
+        raise ValueError(
+            f"device_map={device_map!r}: platform {name!r} is not available ({info.probe()[1]}); "
+            f"available platforms: {available}"
+        )
     return reg
 
 
-def resolve_device_map(device_map: str, num_layers: int, primary: Platform, primary_ops: OpRegistry,
-                       dtype: torch.dtype) -> list[Segment]:
+def resolve_device_map(
+    device_map: str, num_layers: int, primary: Platform, primary_ops: OpRegistry, dtype: torch.dtype
+) -> list[Segment]:
     """The segments of ``device_map`` for a model of ``num_layers`` decoder layers.
 
     ``primary`` (with ``primary_ops``) is the engine's platform, the map's first; it is
@@ -79,8 +83,9 @@ def resolve_device_map(device_map: str, num_layers: int, primary: Platform, prim
     """
     spans = device_map_layers(parse_device_map(device_map), num_layers)
     if spans[0][0] != primary.name:
-        raise ValueError(f"device_map={device_map!r} starts with {spans[0][0]!r}, but the engine runs on "
-                         f"{primary.name!r}")
+        raise ValueError(
+            f"device_map={device_map!r} starts with {spans[0][0]!r}, but the engine runs on {primary.name!r}"
+        )
     reg = check_device_map_platforms(device_map)
     platforms: dict[str, tuple[Platform, OpRegistry]] = {primary.name: (primary, primary_ops)}
     segments = []
@@ -91,8 +96,10 @@ def resolve_device_map(device_map: str, num_layers: int, primary: Platform, prim
         platform, ops = platforms[name]
         if dtype not in platform.supported_dtypes:
             supported = ", ".join(str(d).replace("torch.", "") for d in platform.supported_dtypes)
-            raise ValueError(f"device_map={device_map!r}: platform {name!r} does not support dtype "
-                             f"{str(dtype).replace('torch.', '')} (supported: {supported}); pass a dtype every "
-                             "platform of the map supports")
+            raise ValueError(
+                f"device_map={device_map!r}: platform {name!r} does not support dtype "
+                f"{str(dtype).replace('torch.', '')} (supported: {supported}); pass a dtype every "
+                "platform of the map supports"
+            )
         segments.append(Segment(platform, ops, start, end))
     return segments

@@ -25,8 +25,14 @@ __all__ = ["build_kv_manager", "allocate_host_kv_cache", "apply_kv_transfers"]
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def allocate_host_kv_cache(platforms: Sequence[Platform], num_host_blocks: int, block_size: int,
-                           num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVCaches:
+def allocate_host_kv_cache(
+    platforms: Sequence[Platform],
+    num_host_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> KVCaches:
     """One (key, value) pair of host tensors per layer with ``num_host_blocks`` blocks,
     each in its layer's platform's layout (``platforms``: one per layer)."""
 
@@ -41,8 +47,12 @@ def allocate_host_kv_cache(platforms: Sequence[Platform], num_host_blocks: int, 
 SwapBlocks = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def apply_kv_transfers(swap_blocks: SwapBlocks | Sequence[SwapBlocks], device_caches: KVCaches,
-                       host_caches: KVCaches, transfers: KVTransfers) -> None:
+def apply_kv_transfers(
+    swap_blocks: SwapBlocks | Sequence[SwapBlocks],
+    device_caches: KVCaches,
+    host_caches: KVCaches,
+    transfers: KVTransfers,
+) -> None:
     """Run the recorded copies in order: one batched ``swap_blocks`` per run, layer and
     tensor.  ``swap_blocks(src, dst, mapping)`` copies ``dst[m[:, 1]] = src[m[:, 0]]``;
     one function for every layer, or one per layer (its platform's, under a device map)."""
@@ -72,8 +82,10 @@ def build_kv_manager(config: EngineConfig, num_blocks: int, runner) -> KVCacheMa
     per_block = runner.kv_block_bytes(cache.block_size)
     num_host_blocks = int(cache.kv_offload_memory) // per_block
     if num_host_blocks < 1:
-        raise ValueError(f"kv_offload_memory={cache.kv_offload_memory} bytes holds no KV block "
-                         f"({per_block} bytes each); raise it or leave it unset")
+        raise ValueError(
+            f"kv_offload_memory={cache.kv_offload_memory} bytes holds no KV block "
+            f"({per_block} bytes each); raise it or leave it unset"
+        )
     runner.allocate_host_kv_cache(num_host_blocks)
     # Under a device map each layer copies and computes at its platform's rate: the
     # effective rate is the layer-weighted harmonic mean (one platform: its own).
@@ -90,5 +102,6 @@ def build_kv_manager(config: EngineConfig, num_blocks: int, runner) -> KVCacheMa
         compute_flops=rate("compute_flops"),
     )
     policy = None if cache.preemption_mode == "recompute" else cost
-    return TieredKVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                num_host_blocks=num_host_blocks, swap_policy=policy)
+    return TieredKVCacheManager(
+        num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks=num_host_blocks, swap_policy=policy
+    )

@@ -21,7 +21,8 @@ __all__ = ["QuantizedWeight", "QuantizationMethod", "LINEAR_SUFFIXES", "is_linea
 
 #: Checkpoint names of the linear layers a method may quantize (norms and embeddings stay).
 LINEAR_SUFFIXES: tuple[str, ...] = tuple(
-    f"{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    f"{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+)
 
 
 def is_linear_weight(name: str) -> bool:

@@ -76,4 +76,3 @@ class Fp8Method(_LoadTimeMethod):
     def quantize(self, w: torch.Tensor) -> QuantizedWeight:
         per_channel = self.config.get("per_channel", True)
         return Fp8Weight(*quantize_fp8(w, per_channel), op=self.ops.fp8_linear)
-

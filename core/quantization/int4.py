@@ -36,8 +36,10 @@ class _Int4Weight(QuantizedWeight):
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         tile = TILE_N if x.shape[0] <= 64 else self.out_features
-        outs = [x @ self._dequant_cols(n0, min(n0 + tile, self.out_features)).to(x.dtype).t()
-                for n0 in range(0, self.out_features, tile)]
+        outs = [
+            x @ self._dequant_cols(n0, min(n0 + tile, self.out_features)).to(x.dtype).t()
+            for n0 in range(0, self.out_features, tile)
+        ]
         y = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
         return y if bias is None else y + bias.to(y.dtype)
 
@@ -57,8 +59,9 @@ class GPTQWeight(_Int4Weight):
         self.in_features = qweight.shape[0] * 8
 
     def _dequant_cols(self, n0: int, n1: int) -> torch.Tensor:
-        return ref.gptq_dequantize(self.qweight[:, n0:n1], self.qzeros[:, n0 // 8:n1 // 8],
-                                   self.scales[:, n0:n1], self.g_idx)
+        return ref.gptq_dequantize(
+            self.qweight[:, n0:n1], self.qzeros[:, n0 // 8 : n1 // 8], self.scales[:, n0:n1], self.g_idx
+        )
 
     def to(self, device: torch.device) -> GPTQWeight:
         if self.qweight.device == device:
@@ -70,8 +73,12 @@ class GPTQWeight(_Int4Weight):
         if any(not torch.equal(p.g_idx, parts[0].g_idx) for p in parts):
             # Fused projections share an input, hence GPTQ's act order; refuse odd files loudly.
             raise ValueError("GPTQ weights fused into one matmul (q/k/v, gate/up) have different g_idx")
-        return cls(torch.cat([p.qweight for p in parts], 1), torch.cat([p.qzeros for p in parts], 1),
-                   torch.cat([p.scales for p in parts], 1), parts[0].g_idx)
+        return cls(
+            torch.cat([p.qweight for p in parts], 1),
+            torch.cat([p.qzeros for p in parts], 1),
+            torch.cat([p.scales for p in parts], 1),
+            parts[0].g_idx,
+        )
 
 
 class AWQWeight(_Int4Weight):
@@ -83,8 +90,12 @@ class AWQWeight(_Int4Weight):
         self.in_features = qweight.shape[0]
 
     def _dequant_cols(self, n0: int, n1: int) -> torch.Tensor:
-        return ref.awq_dequantize(self.qweight[:, n0 // 8:n1 // 8], self.qzeros[:, n0 // 8:n1 // 8],
-                                  self.scales[:, n0:n1], self.group_size)
+        return ref.awq_dequantize(
+            self.qweight[:, n0 // 8 : n1 // 8],
+            self.qzeros[:, n0 // 8 : n1 // 8],
+            self.scales[:, n0:n1],
+            self.group_size,
+        )
 
     def to(self, device: torch.device) -> AWQWeight:
         if self.qweight.device == device:
@@ -93,8 +104,12 @@ class AWQWeight(_Int4Weight):
 
     @classmethod
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
-        return cls(torch.cat([p.qweight for p in parts], 1), torch.cat([p.qzeros for p in parts], 1),
-                   torch.cat([p.scales for p in parts], 1), parts[0].group_size)
+        return cls(
+            torch.cat([p.qweight for p in parts], 1),
+            torch.cat([p.qzeros for p in parts], 1),
+            torch.cat([p.scales for p in parts], 1),
+            parts[0].group_size,
+        )
 
 
 class _Int4Method(QuantizationMethod):
@@ -110,7 +125,7 @@ class _Int4Method(QuantizationMethod):
         raise NotImplementedError
 
     def weights(self, source) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-        modules = {s[:-len(".weight")] for s in LINEAR_SUFFIXES}
+        modules = {s[: -len(".weight")] for s in LINEAR_SUFFIXES}
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in source.plain_weights():
             prefix, _, leaf = name.rpartition(".")

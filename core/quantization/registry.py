@@ -32,8 +32,16 @@ from pagedserve.quantization.int8 import Int8Method, W8A8Method
 if TYPE_CHECKING:
     from pagedserve.platforms import OpRegistry, Platform
 
-__all__ = ["METHODS", "gguf_kept_by_default", "register_method", "get_method_class", "unsupported_reason",
-           "resolve_quantization", "QuantizedSource", "quantize_source"]
+__all__ = [
+    "METHODS",
+    "gguf_kept_by_default",
+    "register_method",
+    "get_method_class",
+    "unsupported_reason",
+    "resolve_quantization",
+    "QuantizedSource",
+    "quantize_source",
+]
 
 METHODS: dict[str, type[QuantizationMethod]] = {}
 
@@ -55,8 +63,9 @@ def get_method_class(name: str) -> type[QuantizationMethod]:
     try:
         return METHODS[name]
     except KeyError:
-        raise ValueError(f"unknown quantization method {name!r}; known: none, auto, "
-                         f"{', '.join(sorted(METHODS))}") from None
+        raise ValueError(
+            f"unknown quantization method {name!r}; known: none, auto, {', '.join(sorted(METHODS))}"
+        ) from None
 
 
 def unsupported_reason(cls: type[QuantizationMethod], platform: Platform, ops: Any) -> str | None:
@@ -66,8 +75,10 @@ def unsupported_reason(cls: type[QuantizationMethod], platform: Platform, ops: A
         return f"platforms that can run it: {', '.join(cls.platforms)}"
     missing = [op for op in cls.required_ops if not hasattr(ops, op)]
     if missing:
-        return (f"it needs the op(s) {', '.join(missing)}, which no plugin registers for this platform "
-                "(a platform or kernels plugin provides an op through pagedserve_register_ops)")
+        return (
+            f"it needs the op(s) {', '.join(missing)}, which no plugin registers for this platform "
+            "(a platform or kernels plugin provides an op through pagedserve_register_ops)"
+        )
     return None
 
 
@@ -88,17 +99,28 @@ def _from_checkpoint(source, ops: Any) -> tuple[str | None, dict[str, Any]]:
         return None, {}
     method = str(qcfg.get("quant_method", "")).lower()
     if method not in _HF_ALIASES:
-        raise ValueError(f"checkpoint {source.path} is quantized with quant_method={method!r}, which is not "
-                         f"supported; supported: {', '.join(sorted(_HF_ALIASES))}")
+        raise ValueError(
+            f"checkpoint {source.path} is quantized with quant_method={method!r}, which is not "
+            f"supported; supported: {', '.join(sorted(_HF_ALIASES))}"
+        )
     if method == "fp8":
-        raise ValueError("pre-quantized fp8 checkpoints are not supported yet; load the float checkpoint "
-                         "with quantization='fp8' to quantize at load")
+        raise ValueError(
+            "pre-quantized fp8 checkpoints are not supported yet; load the float checkpoint "
+            "with quantization='fp8' to quantize at load"
+        )
     return _HF_ALIASES[method], dict(qcfg)
 
 
-def resolve_quantization(requested: str | None, source, platform: Platform, ops: OpRegistry, dtype: torch.dtype,
-                         world_size: int = 1, cpu_offload_gb: float = 0.0,
-                         device_map: str | None = None) -> QuantizationMethod | None:
+def resolve_quantization(
+    requested: str | None,
+    source,
+    platform: Platform,
+    ops: OpRegistry,
+    dtype: torch.dtype,
+    world_size: int = 1,
+    cpu_offload_gb: float = 0.0,
+    device_map: str | None = None,
+) -> QuantizationMethod | None:
     """The method to load ``source`` with on ``platform``, whose resolved ops are ``ops``, or None.
 
     Raises ValueError for an unknown method, one the platform cannot run (naming the
@@ -109,8 +131,10 @@ def resolve_quantization(requested: str | None, source, platform: Platform, ops:
     auto_name, auto_cfg = _from_checkpoint(source, ops)
     if name == "none":
         if source.format == "hf" and source.hf_config.get("quantization_config"):
-            raise ValueError("quantization='none' cannot load a pre-quantized checkpoint "
-                             f"({source.hf_config['quantization_config'].get('quant_method')})")
+            raise ValueError(
+                "quantization='none' cannot load a pre-quantized checkpoint "
+                f"({source.hf_config['quantization_config'].get('quant_method')})"
+            )
         return None
     if name == "auto":
         if auto_name is None or (auto_name == "gguf" and (world_size > 1 or cpu_offload_gb or device_map)):
@@ -127,8 +151,10 @@ def resolve_quantization(requested: str | None, source, platform: Platform, ops:
     if reason is not None:
         raise ValueError(f"quantization={name!r} is not supported on platform {platform.name!r}; {reason}")
     if world_size > 1:
-        raise ValueError(f"quantization={name!r} does not support tensor/pipeline parallelism yet "
-                         f"(world size {world_size}); use quantization='none' or one rank")
+        raise ValueError(
+            f"quantization={name!r} does not support tensor/pipeline parallelism yet "
+            f"(world size {world_size}); use quantization='none' or one rank"
+        )
     if cpu_offload_gb:
         raise ValueError(f"quantization={name!r} cannot be combined with cpu_offload_gb yet")
     return cls(ops, dtype, qcfg)
@@ -157,8 +183,16 @@ class QuantizedSource:
         return f"QuantizedSource({self._source!r}, method={self.method.name!r})"
 
 
-def quantize_source(source, requested: str | None, platform: Platform, ops: OpRegistry, dtype: torch.dtype,
-                    world_size: int = 1, cpu_offload_gb: float = 0.0, device_map: str | None = None):
+def quantize_source(
+    source,
+    requested: str | None,
+    platform: Platform,
+    ops: OpRegistry,
+    dtype: torch.dtype,
+    world_size: int = 1,
+    cpu_offload_gb: float = 0.0,
+    device_map: str | None = None,
+):
     """``source`` itself, or wrapped so that its weights load quantized with ``ops``
     (see the module doc)."""
     method = resolve_quantization(requested, source, platform, ops, dtype, world_size, cpu_offload_gb, device_map)

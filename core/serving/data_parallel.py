@@ -25,8 +25,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["DataParallelConfig", "ReplicaSpec", "plan_replicas", "resolve_platforms", "usable_cores",
-           "DP_BACKENDS"]
+__all__ = ["DataParallelConfig", "ReplicaSpec", "plan_replicas", "resolve_platforms", "usable_cores", "DP_BACKENDS"]
 
 DP_BACKENDS = ("mp", "ray")
 
@@ -48,9 +47,11 @@ class DataParallelConfig:
         if not self.devices:
             self.devices = [None] * self.size
         if len(self.devices) != self.size:
-            raise ValueError(f"--data-parallel-devices names {len(self.devices)} platform(s) "
-                             f"({','.join(d or 'auto' for d in self.devices)}) for data_parallel_size={self.size}; "
-                             "give exactly one per replica")
+            raise ValueError(
+                f"--data-parallel-devices names {len(self.devices)} platform(s) "
+                f"({','.join(d or 'auto' for d in self.devices)}) for data_parallel_size={self.size}; "
+                "give exactly one per replica"
+            )
 
     @staticmethod
     def parse_devices(value: str | None) -> list[str | None]:
@@ -129,9 +130,15 @@ def resolve_platforms(devices: list[str | None], check_available: bool, env: dic
     return [classes[d] for d in devices]
 
 
-def plan_replicas(dp: DataParallelConfig, device_types: list[str], threads: int | None, ranks_per_replica: int,
-                  cores: Callable[[], int] = usable_cores, one_accelerator_per_actor: bool = False,
-                  default_utilization: list[float] | None = None) -> list[ReplicaSpec]:
+def plan_replicas(
+    dp: DataParallelConfig,
+    device_types: list[str],
+    threads: int | None,
+    ranks_per_replica: int,
+    cores: Callable[[], int] = usable_cores,
+    one_accelerator_per_actor: bool = False,
+    default_utilization: list[float] | None = None,
+) -> list[ReplicaSpec]:
     """One ReplicaSpec per replica (see the module docstring for the rules).
 
     ``device_types[i]`` is the torch device type of replica i's platform ("cpu" means the
@@ -142,9 +149,11 @@ def plan_replicas(dp: DataParallelConfig, device_types: list[str], threads: int 
     """
     on_host = [t == "cpu" for t in device_types]
     if ranks_per_replica > 1 and not all(on_host):
-        raise ValueError("tensor/pipeline-parallel data-parallel replicas run on host (cpu) platforms only in "
-                         "this version: with accelerator replicas use --tensor-parallel-size 1 "
-                         "--pipeline-parallel-size 1")
+        raise ValueError(
+            "tensor/pipeline-parallel data-parallel replicas run on host (cpu) platforms only in "
+            "this version: with accelerator replicas use --tensor-parallel-size 1 "
+            "--pipeline-parallel-size 1"
+        )
     host = [i for i, h in enumerate(on_host) if h]
     budget = threads if threads is not None else cores()
     share = {}

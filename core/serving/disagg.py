@@ -19,8 +19,8 @@ the scheduler knows about disaggregation, and an evicted block is just recompute
 from __future__ import annotations
 
 import itertools
-import queue
 import logging
+import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
@@ -44,8 +44,9 @@ def _prefill_main(config: EngineConfig, addr: str, port: int, backend: str, time
     """The prefill instance: receive a batch of prompts, stream back each one's KV."""
     from pagedserve.engine import LLMEngine
 
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=1, world_size=2,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, init_method=f"tcp://{addr}:{port}", rank=1, world_size=2, timeout=timedelta(seconds=timeout_s)
+    )
     try:
         if torch.accelerator.is_available() and torch.accelerator.device_count() > 1:
             torch.accelerator.set_device_index(1)  # the decode instance keeps device 0
@@ -80,8 +81,9 @@ class DisaggregatedLLM:
     / ``threads`` set each instance's CPU threads.
     """
 
-    def __init__(self, model: str | None = None, prefill_threads: int | None = None,
-                 timeout_s: float = 300.0, **llm_kwargs) -> None:
+    def __init__(
+        self, model: str | None = None, prefill_threads: int | None = None, timeout_s: float = 300.0, **llm_kwargs
+    ) -> None:
         from pagedserve.entrypoints.engine_args import engine_config_from_kwargs
         from pagedserve.entrypoints.llm import LLM
 
@@ -97,11 +99,12 @@ class DisaggregatedLLM:
         addr, backend = "127.0.0.1", engine.platform.dist_backend
         port = free_port(addr)
         self.proc = mp.get_context("spawn").Process(
-            target=_prefill_main, args=(pconfig, addr, port, backend, timeout_s),
-            name="pagedserve-prefill", daemon=True)
+            target=_prefill_main, args=(pconfig, addr, port, backend, timeout_s), name="pagedserve-prefill", daemon=True
+        )
         self.proc.start()
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=0, world_size=2,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend, init_method=f"tcp://{addr}:{port}", rank=0, world_size=2, timeout=timedelta(seconds=timeout_s)
+        )
         self._closed = False
         self.num_injected_blocks = 0
         self._batches = itertools.count()  # request ids d<batch>-<index>: unique in the decode engine
@@ -120,8 +123,9 @@ class DisaggregatedLLM:
         except Exception as exc:  # handed to the caller's thread, which raises it
             out.put(exc)
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False
+    ) -> list[RequestOutput]:
         """Greedy-identical to one instance; decoding overlaps later prompts' prefill."""
         if self._closed:
             raise RuntimeError("DisaggregatedLLM is shut down")
@@ -145,8 +149,9 @@ class DisaggregatedLLM:
                     item = arrivals.get(timeout=1.0) if block else arrivals.get_nowait()
                 except queue.Empty:
                     if block and not self.proc.is_alive():
-                        raise RuntimeError(f"prefill instance (pid {self.proc.pid}) exited with code "
-                                           f"{self.proc.exitcode}") from None
+                        raise RuntimeError(
+                            f"prefill instance (pid {self.proc.pid}) exited with code {self.proc.exitcode}"
+                        ) from None
                     break
                 if isinstance(item, Exception):
                     raise RuntimeError(f"prefill instance failed: {item}") from item

@@ -95,8 +95,9 @@ class ReplicaLoop:
                     # AsyncLLMEngine; wall clocks agree across machines, monotonic ones do not.
                     arrival = time.monotonic() - max(0.0, time.time() - sent_at)
                     try:
-                        engine.add_request(rid, prompt, params, prompt_token_ids=ids, arrival_time=arrival,
-                                           priority=priority)
+                        engine.add_request(
+                            rid, prompt, params, prompt_token_ids=ids, arrival_time=arrival, priority=priority
+                        )
                         events.append((rid, "accepted", None))
                     except ValueError as e:
                         events.append((rid, "invalid", str(e)))
@@ -131,15 +132,18 @@ def _select_device(spec: ReplicaSpec) -> None:
         return
     count = torch.accelerator.device_count()
     if spec.device_index >= count:
-        raise RuntimeError(f"data-parallel replica {spec.index} needs {platform.name} device index "
-                           f"{spec.device_index}, but only {count} are visible (one device per replica)")
+        raise RuntimeError(
+            f"data-parallel replica {spec.index} needs {platform.name} device index "
+            f"{spec.device_index}, but only {count} are visible (one device per replica)"
+        )
     torch.accelerator.set_device_index(spec.device_index)
 
 
 def run_replica(spec: ReplicaSpec, config: EngineConfig, address, authkey: bytes, log_level: str = "INFO") -> None:
     """Entry point of a replica process or actor: load, serve until told to stop."""
-    logging.basicConfig(level=log_level.upper(),
-                        format=f"%(levelname)s %(asctime)s replica {spec.index} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format=f"%(levelname)s %(asctime)s replica {spec.index} %(name)s: %(message)s"
+    )
     # Ctrl-C reaches the whole process group; the router stops replicas in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if spec.device is not None:
@@ -152,8 +156,9 @@ def run_replica(spec: ReplicaSpec, config: EngineConfig, address, authkey: bytes
 
         _select_device(spec)
         engine = LLMEngine(replica_config(config, spec))
-        conn.send(("ready", {"pid": os.getpid(), "platform": engine.platform.name,
-                             "num_blocks": engine.executor.num_blocks}))
+        conn.send(
+            ("ready", {"pid": os.getpid(), "platform": engine.platform.name, "num_blocks": engine.executor.num_blocks})
+        )
         ReplicaLoop(engine, conn).run()
     except Exception as e:
         logger.error("replica %d failed: %s", spec.index, traceback.format_exc())

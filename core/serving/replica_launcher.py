@@ -45,8 +45,9 @@ class ReplicaLauncher(ABC):
     def stop(self, graceful_s: float) -> None:
         """Let replicas told to stop exit for ``graceful_s``, then end the rest; never hangs."""
 
-    def launch(self, specs: list[ReplicaSpec], config: EngineConfig, log_level: str,
-               timeout_s: float) -> dict[int, tuple[Connection, dict]]:
+    def launch(
+        self, specs: list[ReplicaSpec], config: EngineConfig, log_level: str, timeout_s: float
+    ) -> dict[int, tuple[Connection, dict]]:
         """Start every replica and wait until each has connected and loaded its model:
         {index: (connection, its "ready" info)}.  ReplicaStartError (and every replica
         ended) if one fails or the time runs out."""
@@ -66,8 +67,9 @@ class ReplicaLauncher(ABC):
             listener.close()
         return {i: (conns[i], infos[i]) for i in infos}
 
-    def _await_ready(self, specs: list[ReplicaSpec], listener: Listener, conns: dict[int, Connection],
-                     deadline: float) -> dict[int, dict]:
+    def _await_ready(
+        self, specs: list[ReplicaSpec], listener: Listener, conns: dict[int, Connection], deadline: float
+    ) -> dict[int, dict]:
         arrivals: queue.SimpleQueue[Connection] = queue.SimpleQueue()
 
         def accept() -> None:
@@ -83,14 +85,16 @@ class ReplicaLauncher(ABC):
         infos: dict[int, dict] = {}
 
         def failed(index: int, why: str) -> ReplicaStartError:
-            return ReplicaStartError(f"data-parallel replica {index} ({specs[index].device or 'auto'}) "
-                                     f"failed to start: {why}")
+            return ReplicaStartError(
+                f"data-parallel replica {index} ({specs[index].device or 'auto'}) failed to start: {why}"
+            )
 
         while len(infos) < len(specs):
             if time.monotonic() > deadline:
                 missing = sorted(set(range(len(specs))) - set(infos))
-                raise ReplicaStartError(f"data-parallel replicas {missing} did not start in time "
-                                        "(distributed_timeout_s)")
+                raise ReplicaStartError(
+                    f"data-parallel replicas {missing} did not start in time (distributed_timeout_s)"
+                )
             while not arrivals.empty():
                 conn = arrivals.get()
                 if conn.poll(30):
@@ -126,8 +130,12 @@ class MpReplicaLauncher(ReplicaLauncher):
         self.procs: dict[int, object] = {}
 
     def start(self, spec: ReplicaSpec, config: EngineConfig, address, authkey: bytes, log_level: str) -> None:
-        proc = self._ctx.Process(target=run_replica, args=(spec, config, address, authkey, log_level),
-                                 name=f"pagedserve-replica-{spec.index}", daemon=self._daemon)
+        proc = self._ctx.Process(
+            target=run_replica,
+            args=(spec, config, address, authkey, log_level),
+            name=f"pagedserve-replica-{spec.index}",
+            daemon=self._daemon,
+        )
         proc.start()
         self.procs[spec.index] = proc
 
@@ -193,7 +201,9 @@ class RayReplicaLauncher(ReplicaLauncher):
 def create_launcher(backend: str, ranks_per_replica: int) -> ReplicaLauncher:
     if backend == "ray":
         if ranks_per_replica > 1:
-            raise ValueError("--data-parallel-backend ray runs single-rank replicas only; use "
-                             "--data-parallel-backend mp for tensor/pipeline-parallel replicas")
+            raise ValueError(
+                "--data-parallel-backend ray runs single-rank replicas only; use "
+                "--data-parallel-backend mp for tensor/pipeline-parallel replicas"
+            )
         return RayReplicaLauncher()
     return MpReplicaLauncher(ranks_per_replica)

@@ -42,19 +42,27 @@ from pagedserve.async_engine import (
     RequestStream,
 )
 from pagedserve.config import EngineConfig
-from pagedserve.serving.data_parallel import DataParallelConfig, ReplicaSpec, plan_replicas, resolve_platforms
-from pagedserve.serving.replica_launcher import ReplicaStartError, create_launcher
-from pagedserve.serving.routing_policy import NoReplicaAvailable, ReplicaLoad, RoutingPolicy
 from pagedserve.engine import EngineStats, LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.serving.data_parallel import DataParallelConfig, ReplicaSpec, plan_replicas, resolve_platforms
+from pagedserve.serving.replica_launcher import ReplicaStartError, create_launcher
+from pagedserve.serving.routing_policy import NoReplicaAvailable, ReplicaLoad, RoutingPolicy
 
 __all__ = ["DataParallelRouter", "ReplicaStatus", "ReplicaStartError"]
 
 logger = logging.getLogger(__name__)
 
-_NO_STATS = EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, prefix_cache_queries=0,
-                        prefix_cache_hits=0, num_preemptions=0, prompt_tokens=0, generation_tokens=0)
+_NO_STATS = EngineStats(
+    num_running=0,
+    num_waiting=0,
+    kv_cache_usage=0.0,
+    prefix_cache_queries=0,
+    prefix_cache_hits=0,
+    num_preemptions=0,
+    prompt_tokens=0,
+    generation_tokens=0,
+)
 
 
 class _ReplicaLost(EngineDeadError):
@@ -83,10 +91,10 @@ class ReplicaStatus:
     pid: int
     alive: bool
     exit_reason: str | None
-    num_seqs: int          # sent and not finished, as the router counts them
-    routed: int            # requests sent to it so far
-    affinity_routed: int   # of which chosen for prefix-cache affinity
-    stats: EngineStats     # its last report
+    num_seqs: int  # sent and not finished, as the router counts them
+    routed: int  # requests sent to it so far
+    affinity_routed: int  # of which chosen for prefix-cache affinity
+    stats: EngineStats  # its last report
 
 
 class _Replica:
@@ -140,16 +148,24 @@ class DataParallelRouter:
             config's ``distributed_timeout_s``).
     """
 
-    def __init__(self, config: EngineConfig, dp: DataParallelConfig, log_level: str = "info",
-                 policy: RoutingPolicy | None = None, startup_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        dp: DataParallelConfig,
+        log_level: str = "info",
+        policy: RoutingPolicy | None = None,
+        startup_timeout_s: float | None = None,
+    ) -> None:
         from pagedserve.loader import open_model
         from pagedserve.loader.tokenizer_source import engine_tokenizer
         from pagedserve.models.arch_config import ArchConfig
 
         par = config.parallel
         if par.world_size > 1 and par.distributed_executor_backend == "ray":
-            raise ValueError("the ranks of a data-parallel replica run as local processes: use "
-                             "--distributed-executor-backend mp with --data-parallel-size > 1")
+            raise ValueError(
+                "the ranks of a data-parallel replica run as local processes: use "
+                "--distributed-executor-backend mp with --data-parallel-size > 1"
+            )
         self.config = config
         self.dp = dp
         source = open_model(config.model.model)
@@ -157,19 +173,25 @@ class DataParallelRouter:
         self._tokenizer = engine_tokenizer(config.model, source, arch.vocab_size)
         mml = config.model.max_model_len or arch.max_position_embeddings
         if mml > arch.max_position_embeddings:
-            raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings "
-                             f"({arch.max_position_embeddings})")
+            raise ValueError(
+                f"max_model_len={mml} exceeds the model's max_position_embeddings ({arch.max_position_embeddings})"
+            )
         self._check = _PromptCheck(self._tokenizer, arch, mml, config)
         self.max_queue_len = config.scheduler.max_queue_len
-        self.policy = policy or RoutingPolicy(config.cache.block_size,
-                                              enable_affinity=config.cache.enable_prefix_caching)
+        self.policy = policy or RoutingPolicy(
+            config.cache.block_size, enable_affinity=config.cache.enable_prefix_caching
+        )
         platforms = resolve_platforms(dp.devices, check_available=dp.backend == "mp")
         c = config.cache
         no_budget = c.kv_cache_memory is None and c.memory_utilization is None and c.num_gpu_blocks_override is None
-        self.specs = plan_replicas(dp, [p.device_type for p in platforms], config.device.threads, par.world_size,
-                                   one_accelerator_per_actor=dp.backend == "ray",
-                                   default_utilization=[p.default_memory_utilization for p in platforms]
-                                   if no_budget else None)
+        self.specs = plan_replicas(
+            dp,
+            [p.device_type for p in platforms],
+            config.device.threads,
+            par.world_size,
+            one_accelerator_per_actor=dp.backend == "ray",
+            default_utilization=[p.default_memory_utilization for p in platforms] if no_budget else None,
+        )
         self._launcher = create_launcher(dp.backend, par.world_size)
         self._streams: dict[str, RequestStream] = {}
         self._inflight: dict[str, _InFlight] = {}
@@ -184,8 +206,13 @@ class DataParallelRouter:
         ready = self._launcher.launch(self.specs, config, log_level, timeout)
         self._replicas = [_Replica(spec, *ready[spec.index]) for spec in self.specs]
         for r in self._replicas:
-            logger.info("data-parallel replica %d ready: %s, %d KV blocks, %d thread(s)", r.index,
-                        r.describe(), r.num_blocks, r.spec.threads)
+            logger.info(
+                "data-parallel replica %d ready: %s, %d KV blocks, %d thread(s)",
+                r.index,
+                r.describe(),
+                r.num_blocks,
+                r.spec.threads,
+            )
 
     # -- life cycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -194,8 +221,7 @@ class DataParallelRouter:
             raise RuntimeError("DataParallelRouter is already started")
         self._loop = asyncio.get_running_loop()
         for r in self._replicas:
-            r.reader = threading.Thread(target=self._read, args=(r,), name=f"pagedserve-dp-recv-{r.index}",
-                                        daemon=True)
+            r.reader = threading.Thread(target=self._read, args=(r,), name=f"pagedserve-dp-recv-{r.index}", daemon=True)
             r.reader.start()
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
@@ -226,8 +252,9 @@ class DataParallelRouter:
     def max_model_len(self) -> int:
         return self._check.max_model_len
 
-    def validate(self, prompt: str | list[int] | None,
-                 prompt_token_ids: list[int] | None = None) -> tuple[str | None, list[int]]:
+    def validate(
+        self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None = None
+    ) -> tuple[str | None, list[int]]:
         """Tokenize and check a prompt as a replica would (ValueError naming the limit)."""
         return self._check.validate_prompt(prompt, prompt_token_ids)
 
@@ -256,21 +283,37 @@ class DataParallelRouter:
         return EngineStats(**combined)
 
     def replica_status(self) -> list[ReplicaStatus]:
-        return [ReplicaStatus(r.index, r.platform, r.pid, r.alive, r.exit_reason, r.num_seqs, r.routed,
-                              r.affinity_routed, r.stats) for r in self._replicas]
+        return [
+            ReplicaStatus(
+                r.index, r.platform, r.pid, r.alive, r.exit_reason, r.num_seqs, r.routed, r.affinity_routed, r.stats
+            )
+            for r in self._replicas
+        ]
 
     def health(self) -> tuple[int, dict]:
         """(HTTP status, body) of GET /health: 200 while one replica serves."""
         alive = sum(r.alive for r in self._replicas)
         status = "ok" if alive == len(self._replicas) else "degraded" if alive else "unavailable"
-        body = {"status": status, "replicas_alive": alive, "replicas": len(self._replicas),
-                "detail": [{"index": r.index, "platform": r.platform, "pid": r.pid, "alive": r.alive,
-                            "exit_reason": r.exit_reason} for r in self._replicas]}
+        body = {
+            "status": status,
+            "replicas_alive": alive,
+            "replicas": len(self._replicas),
+            "detail": [
+                {"index": r.index, "platform": r.platform, "pid": r.pid, "alive": r.alive, "exit_reason": r.exit_reason}
+                for r in self._replicas
+            ],
+        }
         return (200 if self.is_running else 503), body
 
     # -- requests -------------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
-                          prompt_token_ids: list[int] | None = None, priority: int = 0) -> RequestStream:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
         """Route a request and return its stream once its replica has accepted it.
 
         Raises ValueError (bad prompt, before anything is sent), QueueFullError (every
@@ -308,14 +351,17 @@ class DataParallelRouter:
         def full(r: _Replica) -> bool:
             return self.max_queue_len is not None and r.unaccepted + r.stats.num_waiting >= self.max_queue_len
 
-        loads = [ReplicaLoad(r.index, r.num_seqs, r.stats.kv_cache_usage, r.routed, r.alive and not full(r))
-                 for r in self._replicas]
+        loads = [
+            ReplicaLoad(r.index, r.num_seqs, r.stats.kv_cache_usage, r.routed, r.alive and not full(r))
+            for r in self._replicas
+        ]
         try:
             choice = self.policy.choose(hashes, loads)
         except NoReplicaAvailable:
             if any(r.alive for r in self._replicas):
-                raise QueueFullError("the server's waiting queues are full on every replica "
-                                     f"(max_queue_len={self.max_queue_len} each)") from None
+                raise QueueFullError(
+                    f"the server's waiting queues are full on every replica (max_queue_len={self.max_queue_len} each)"
+                ) from None
             why = "; ".join(f"replica {r.index} {r.exit_reason}" for r in self._replicas)
             raise EngineDeadError(f"every data-parallel replica has exited ({why})") from None
         return self._replicas[choice.replica], choice.reason
@@ -398,8 +444,14 @@ class DataParallelRouter:
         self.policy.forget_replica(r.index)
         left = sum(x.alive for x in self._replicas)
         if not self._closing:
-            logger.error("data-parallel replica %d (%s) %s; %d of %d replica(s) left", r.index, r.describe(),
-                         reason, left, len(self._replicas))
+            logger.error(
+                "data-parallel replica %d (%s) %s; %d of %d replica(s) left",
+                r.index,
+                r.describe(),
+                reason,
+                left,
+                len(self._replicas),
+            )
         for rid, inflight in list(self._inflight.items()):
             if inflight.replica is not r:
                 continue
@@ -410,8 +462,9 @@ class DataParallelRouter:
             if self._closing:
                 err: Exception = EngineDeadError("the engine stopped: the server is shutting down")
             elif inflight.accepted:
-                err = RequestFailedError(f"data-parallel replica {r.index} ({r.describe()}) {reason} while "
-                                         "running this request")
+                err = RequestFailedError(
+                    f"data-parallel replica {r.index} ({r.describe()}) {reason} while running this request"
+                )
             else:
                 err = _ReplicaLost(f"data-parallel replica {r.index} {reason}")
             stream._post(err)

@@ -61,7 +61,7 @@ class ReplicaLoad:
 @dataclass(frozen=True)
 class RoutingChoice:
     replica: int
-    reason: str            # "affinity" or "load"
+    reason: str  # "affinity" or "load"
     matched_blocks: int = 0  # full prompt blocks the chosen replica served last (affinity)
 
 
@@ -79,8 +79,16 @@ class RoutingPolicy:
         enable_affinity: False routes by load only (e.g. without prefix caching).
     """
 
-    def __init__(self, block_size: int, margin: float = 4.0, kv_weight: float = 4.0, min_blocks: int = 1,
-                 max_blocks: int = 64, capacity: int = 65536, enable_affinity: bool = True) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        margin: float = 4.0,
+        kv_weight: float = 4.0,
+        min_blocks: int = 1,
+        max_blocks: int = 64,
+        capacity: int = 65536,
+        enable_affinity: bool = True,
+    ) -> None:
         if block_size < 1 or min_blocks < 1 or max_blocks < min_blocks or capacity < 1:
             raise ValueError("RoutingPolicy needs block_size >= 1 and 1 <= min_blocks <= max_blocks, capacity >= 1")
         if margin < 0 or kv_weight < 0:

@@ -8,5 +8,16 @@ from pagedserve.simulate.hardware import HardwareProfile, load_profile, local_pr
 from pagedserve.simulate.model_spec import ModelSpec, load_model_config
 from pagedserve.simulate.simulator import RequestTrace, SimResult, Simulator
 
-__all__ = ["CostModel", "StepBatch", "HardwareProfile", "load_profile", "local_profile_path", "shipped_profiles",
-           "ModelSpec", "load_model_config", "Simulator", "SimResult", "RequestTrace"]
+__all__ = [
+    "CostModel",
+    "StepBatch",
+    "HardwareProfile",
+    "load_profile",
+    "local_profile_path",
+    "shipped_profiles",
+    "ModelSpec",
+    "load_model_config",
+    "Simulator",
+    "SimResult",
+    "RequestTrace",
+]

@@ -88,6 +88,7 @@ def _matmul_curve(torch, ops, dtype, fmt: str, clock: Clock) -> list[list[float]
         def layer(x_by_k):
             for (_, k), w in zip(_LAYER_SHAPES, weights):
                 ops.linear(x_by_k[k], w, None)
+
     flops_per_row = 2 * sum(n * k for n, k in _LAYER_SHAPES)
     curve = []
     for m in _ROWS:
@@ -112,19 +113,24 @@ def _attention(torch, platform, ops, dtype, clock: Clock) -> tuple[float, float]
     num_blocks = nseq * blocks_per + 64
     shape = platform.kv_cache_shape(num_blocks, bs, kv_heads, d)
     kc, vc = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
-    tables = torch.randperm(num_blocks)[:nseq * blocks_per].to(torch.int32).reshape(nseq, blocks_per)
+    tables = torch.randperm(num_blocks)[: nseq * blocks_per].to(torch.int32).reshape(nseq, blocks_per)
     q = torch.randn(nseq, heads, d, dtype=dtype)
     seq_lens = torch.full((nseq,), ctx, dtype=torch.int32)
     qsl = torch.arange(nseq + 1, dtype=torch.int32)
     out = torch.empty_like(q)
-    sec = _timeit(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, d ** -0.5, out), clock)
+    sec = _timeit(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, d**-0.5, out), clock)
     elem = torch.empty((), dtype=dtype).element_size()
     bw = (2 * nseq * ctx * kv_heads * d * elem + 2 * q.numel() * elem) / sec
     n = 2048  # a full step's budget of prefill
     qp = torch.randn(n, heads, d, dtype=dtype)
-    one = tables.reshape(1, -1)[:, :n // bs].contiguous()
-    sec = _timeit(lambda: ops.paged_attention(qp, kc, vc, one, torch.tensor([n], dtype=torch.int32),
-                                              torch.tensor([0, n], dtype=torch.int32), d ** -0.5), clock, min_time=0.05)
+    one = tables.reshape(1, -1)[:, : n // bs].contiguous()
+    sec = _timeit(
+        lambda: ops.paged_attention(
+            qp, kc, vc, one, torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), d**-0.5
+        ),
+        clock,
+        min_time=0.05,
+    )
     flops = 4 * heads * d * n * (n + 1) / 2
     return bw, flops / sec
 
@@ -136,14 +142,19 @@ def _engine_steps(device: str | None, threads: int | None, clock: Clock = time.p
     from pagedserve.sampling_params import SamplingParams
     from pagedserve.simulate.cost_model import StepBatch
 
-    engine = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_memory="512MiB"),
-                                    device=DeviceConfig(device=device, threads=threads)))
+    engine = LLMEngine(
+        EngineConfig(cache=CacheConfig(kv_cache_memory="512MiB"), device=DeviceConfig(device=device, threads=threads))
+    )
     samples: list[tuple[StepBatch, float]] = []
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
     for rnd, nseq in enumerate([1, 32]):
         for i in range(nseq):
-            engine.add_request(f"cal-{rnd}-{i}", None, params,
-                               prompt_token_ids=[100 + (7 * i + j + 131 * rnd) % 40000 for j in range(32)])
+            engine.add_request(
+                f"cal-{rnd}-{i}",
+                None,
+                params,
+                prompt_token_ids=[100 + (7 * i + j + 131 * rnd) % 40000 for j in range(32)],
+            )
         while engine.has_unfinished_requests():
             batch = [(r.num_tokens - r.num_computed_tokens, r.num_tokens) for r in engine.scheduler.running]
             t0 = clock()
@@ -153,8 +164,12 @@ def _engine_steps(device: str | None, threads: int | None, clock: Clock = time.p
             if len(batch) == nseq and all(q == 1 for q, _ in batch):
                 samples.append((StepBatch([1] * nseq, [c for _, c in batch], nseq), sec))
     for n in (128, 512, 2048):  # prefill steps alone: they set the in-engine matmul efficiency
-        engine.add_request(f"cal-prefill-{n}", None, SamplingParams(max_tokens=1, ignore_eos=True),
-                           prompt_token_ids=[100 + (3 * j + n) % 40000 for j in range(n)])
+        engine.add_request(
+            f"cal-prefill-{n}",
+            None,
+            SamplingParams(max_tokens=1, ignore_eos=True),
+            prompt_token_ids=[100 + (3 * j + n) % 40000 for j in range(n)],
+        )
         t0 = clock()
         engine.step()
         samples.append((StepBatch([n], [n], 1), clock() - t0))
@@ -236,29 +251,44 @@ def calibrate(device: str | None = None, threads: int | None = None, log=print, 
     curves = {"bfloat16": _matmul_curve(torch, ops, dtype, "bfloat16", clock)}
     if "gguf_linear" in dict(ops.table()):
         curves["q4_1"] = _matmul_curve(torch, ops, dtype, "q4_1", clock)
-    log(f"  matmul: bf16 {curves['bfloat16'][-1][1] / 1e9:.1f} GFLOP/s at {int(curves['bfloat16'][-1][0])} rows "
-        f"({time.perf_counter() - t0:.0f} s)")
+    log(
+        f"  matmul: bf16 {curves['bfloat16'][-1][1] / 1e9:.1f} GFLOP/s at {int(curves['bfloat16'][-1][0])} rows "
+        f"({time.perf_counter() - t0:.0f} s)"
+    )
     bw = _memory_bandwidth(torch, clock)
     att_bw, att_flops = _attention(torch, platform, ops, dtype, clock)
-    log(f"  memory {bw / 1e9:.1f} GB/s; attention {att_bw / 1e9:.1f} GB/s decode, {att_flops / 1e9:.1f} GFLOP/s "
-        f"prefill ({time.perf_counter() - t0:.0f} s)")
+    log(
+        f"  memory {bw / 1e9:.1f} GB/s; attention {att_bw / 1e9:.1f} GB/s decode, {att_flops / 1e9:.1f} GFLOP/s "
+        f"prefill ({time.perf_counter() - t0:.0f} s)"
+    )
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peak = max(p[1] for c in curves.values() for p in c)
     profile = HardwareProfile(
-        name="cpu-local", memory_bytes=float(mem), memory_bandwidth=bw,
+        name="cpu-local",
+        memory_bytes=float(mem),
+        memory_bandwidth=bw,
         peak_flops={"bfloat16": peak, "float16": peak, "float32": peak / 2},
-        interconnect_bandwidth=bw / 10, interconnect_latency_s=5e-5, host_bandwidth=bw / 2,
+        interconnect_bandwidth=bw / 10,
+        interconnect_latency_s=5e-5,
+        host_bandwidth=bw / 2,
         efficiency={"matmul": 1.0, "memory": 1.0, "attention": 1.0, "interconnect": 1.0, "host": 1.0},
-        matmul_curve=curves, attention_bandwidth=att_bw, attention_flops=att_flops,
+        matmul_curve=curves,
+        attention_bandwidth=att_bw,
+        attention_flops=att_flops,
         default_memory_utilization=0.5,
         description=f"measured by `pagedserve simulate calibrate` on {platform.name} "
-                    f"({torch.get_num_threads()} threads, {timer} time) at {time.strftime('%Y-%m-%d %H:%M:%S')}",
-        sources=["rates measured through the platform's ops (docs/simulate.md); interconnect (TP/PP over "
-                 "local processes) assumed at a tenth of the copy bandwidth, not measured"])
+        f"({torch.get_num_threads()} threads, {timer} time) at {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        sources=[
+            "rates measured through the platform's ops (docs/simulate.md); interconnect (TP/PP over "
+            "local processes) assumed at a tenth of the copy bandwidth, not measured"
+        ],
+    )
     _fit_overhead(profile, _engine_steps(device, threads, clock))
-    log(f"  in-engine matmul efficiency {profile.eff('matmul'):.2f}; step overhead "
+    log(
+        f"  in-engine matmul efficiency {profile.eff('matmul'):.2f}; step overhead "
         f"{profile.step_overhead_s * 1e3:.2f} ms + {profile.per_seq_overhead_s * 1e6:.0f} us/seq + "
-        f"{profile.per_token_overhead_s * 1e6:.0f} us/token ({time.perf_counter() - t0:.0f} s)")
+        f"{profile.per_token_overhead_s * 1e6:.0f} us/token ({time.perf_counter() - t0:.0f} s)"
+    )
     return profile
 
 

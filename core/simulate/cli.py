@@ -20,17 +20,30 @@ __all__ = ["add_parser", "run", "parse_slo", "parse_sweep"]
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "simulate", help="capacity planner: predict throughput and latency on given hardware",
+        "simulate",
+        help="capacity planner: predict throughput and latency on given hardware",
         description="Run pagedserve's real scheduler and KV-cache manager on a simulated clock whose steps "
-                    "are priced by a cost model of the hardware (docs/simulate.md).  `simulate calibrate` "
-                    "measures this machine.")
-    p.add_argument("action", nargs="?", choices=["calibrate"], default=None,
-                   help="calibrate: measure this machine and write a profile")
-    p.add_argument("--model", default=None,
-                   help="a Hugging Face config.json (file or folder) or a .gguf file; default: smollm2-135m-instruct")
-    p.add_argument("--hardware", default=None,
-                   help="a shipped profile (h100-sxm, h200-sxm, a100-sxm, mi300x, cpu-generic), cpu-local "
-                        "(the last calibration) or a profile JSON file")
+        "are priced by a cost model of the hardware (docs/simulate.md).  `simulate calibrate` "
+        "measures this machine.",
+    )
+    p.add_argument(
+        "action",
+        nargs="?",
+        choices=["calibrate"],
+        default=None,
+        help="calibrate: measure this machine and write a profile",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face config.json (file or folder) or a .gguf file; default: smollm2-135m-instruct",
+    )
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="a shipped profile (h100-sxm, h200-sxm, a100-sxm, mi300x, cpu-generic), cpu-local "
+        "(the last calibration) or a profile JSON file",
+    )
     from pagedserve.simulate.setup import add_engine_arguments
 
     add_engine_arguments(p)
@@ -38,21 +51,30 @@ def add_parser(subparsers) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--json-out", default=None, help="write the JSON result to this file")
     out.add_argument("--plot", default=None, metavar="PNG", help="plot KV usage and TTFT (needs matplotlib)")
-    out.add_argument("--sweep", default=None, metavar="rate=LO:HI",
-                     help="find the highest request rate in [LO, HI] meeting --slo")
-    out.add_argument("--slo", default=None, metavar="METRIC=SECONDS[,...]",
-                     help="e.g. ttft_p99=0.5,tpot_p50=0.05 (metrics ttft/tpot/e2e, quantiles mean/p50/p90/p99)")
+    out.add_argument(
+        "--sweep", default=None, metavar="rate=LO:HI", help="find the highest request rate in [LO, HI] meeting --slo"
+    )
+    out.add_argument(
+        "--slo",
+        default=None,
+        metavar="METRIC=SECONDS[,...]",
+        help="e.g. ttft_p99=0.5,tpot_p50=0.05 (metrics ttft/tpot/e2e, quantiles mean/p50/p90/p99)",
+    )
     cal = p.add_argument_group("calibrate")
     cal.add_argument("--out", default=None, help="calibrate: profile file (default: the cpu-local location)")
     cal.add_argument("--device", default=None, help="calibrate: platform to measure (default: auto)")
     cal.add_argument("--threads", type=int, default=None, help="calibrate: CPU threads")
-    cal.add_argument("--timer", choices=["wall", "cpu"], default="wall",
-                     help="calibrate: wall time, or process CPU time (with --threads 1: what an idle machine "
-                          "would take when this one is shared)")
+    cal.add_argument(
+        "--timer",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="calibrate: wall time, or process CPU time (with --threads 1: what an idle machine "
+        "would take when this one is shared)",
+    )
 
 
 def parse_slo(text: str) -> dict[str, tuple[str, str, float]]:
-    """"ttft_p99=0.5,tpot_p50=0.05" -> {"ttft_p99": ("ttft_s", "p99"), ...} with limits."""
+    """ "ttft_p99=0.5,tpot_p50=0.05" -> {"ttft_p99": ("ttft_s", "p99"), ...} with limits."""
     out = {}
     for part in text.split(","):
         key, _, val = part.strip().partition("=")
@@ -92,8 +114,10 @@ def _simulate(plan, args: argparse.Namespace, rate: float | None = None):
     if not plan.scheduler.enable_chunked_prefill:
         longest = max(len(r.prompt_token_ids) for r in work)
         if longest > plan.scheduler.max_num_batched_tokens:
-            raise ValueError(f"a prompt of {longest} tokens exceeds --max-num-batched-tokens "
-                             f"{plan.scheduler.max_num_batched_tokens} without chunked prefill")
+            raise ValueError(
+                f"a prompt of {longest} tokens exceeds --max-num-batched-tokens "
+                f"{plan.scheduler.max_num_batched_tokens} without chunked prefill"
+            )
     result = plan.simulator(args.seed).run(work, args.max_concurrency)
     return result, summarize(result)
 
@@ -106,10 +130,19 @@ def _sweep(plan, args: argparse.Namespace, slo: dict) -> dict:
     def probe(rate: float) -> bool:
         _, s = _simulate(plan, args, rate)
         ok = _meets(s, slo)
-        probes.append({"rate": rate, "meets_slo": ok, "tokens_per_s": s["tokens_per_s"],
-                       **{k: s[m][q] for k, (m, q, _) in slo.items()}})
-        print(f"  rate {rate:8.3f}/s: " + ", ".join(f"{k} {s[m][q]:.3f}s" for k, (m, q, _) in slo.items())
-              + f" -> {'meets' if ok else 'misses'} the SLO")
+        probes.append(
+            {
+                "rate": rate,
+                "meets_slo": ok,
+                "tokens_per_s": s["tokens_per_s"],
+                **{k: s[m][q] for k, (m, q, _) in slo.items()},
+            }
+        )
+        print(
+            f"  rate {rate:8.3f}/s: "
+            + ", ".join(f"{k} {s[m][q]:.3f}s" for k, (m, q, _) in slo.items())
+            + f" -> {'meets' if ok else 'misses'} the SLO"
+        )
         return ok
 
     best = None
@@ -150,11 +183,21 @@ def _run(args: argparse.Namespace) -> int:
     slo = parse_slo(args.slo) if args.slo else None
     if args.sweep and not slo:
         raise ValueError("--sweep needs --slo (e.g. --slo ttft_p99=0.5)")
-    result = {"model": plan.model.name, "hardware": plan.hardware.name, "config": plan.describe(),
-              "workload": {"workload": args.workload or ("mixed" if args.mixed else "fixed"),
-                           "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                           "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-                           "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed}}
+    result = {
+        "model": plan.model.name,
+        "hardware": plan.hardware.name,
+        "config": plan.describe(),
+        "workload": {
+            "workload": args.workload or ("mixed" if args.mixed else "fixed"),
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+            "burstiness": args.burstiness,
+            "max_concurrency": args.max_concurrency,
+            "seed": args.seed,
+        },
+    }
     if args.sweep:
         print(f"sweeping the request rate for {', '.join(args.slo.split(','))}:")
         result["sweep"] = sweep = _sweep(plan, args, slo)
@@ -170,8 +213,10 @@ def _run(args: argparse.Namespace) -> int:
         if slo:
             summary["meets_slo"] = _meets(summary, slo)
     result["simulated"] = summary
-    print(f"{plan.model.name} on {plan.hardware.name} (tp={plan.cost.tp}, pp={plan.cost.pp}, "
-          f"{plan.model.weight_format} weights)")
+    print(
+        f"{plan.model.name} on {plan.hardware.name} (tp={plan.cost.tp}, pp={plan.cost.pp}, "
+        f"{plan.model.weight_format} weights)"
+    )
     print(format_table(summary))
     if args.plot:
         write_plot(sim, args.plot)

@@ -53,16 +53,26 @@ class StepBatch:
 class CostModel:
     """Step durations of ``model`` on ``hw`` under tensor/pipeline parallelism."""
 
-    def __init__(self, model: ModelSpec, hw: HardwareProfile, *, dtype: str = "bfloat16",
-                 kv_dtype_bytes: float | None = None, tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1, block_size: int = 16, cpu_offload_bytes: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        hw: HardwareProfile,
+        *,
+        dtype: str = "bfloat16",
+        kv_dtype_bytes: float | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        block_size: int = 16,
+        cpu_offload_bytes: float = 0.0,
+    ) -> None:
         if dtype not in _DTYPE_BYTES:
             raise ValueError(f"dtype {dtype!r}: one of {', '.join(_DTYPE_BYTES)}")
         if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
             raise ValueError("tensor/pipeline parallel sizes must be >= 1")
         if pipeline_parallel_size > model.num_layers:
-            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} exceeds the model's "
-                             f"{model.num_layers} layers")
+            raise ValueError(
+                f"pipeline_parallel_size={pipeline_parallel_size} exceeds the model's {model.num_layers} layers"
+            )
         if (tensor_parallel_size > 1 or pipeline_parallel_size > 1) and hw.interconnect_bandwidth <= 0:
             raise ValueError(f"hardware {hw.name!r} has no interconnect_bandwidth: cannot plan TP/PP")
         self.model, self.hw, self.dtype = model, hw, dtype
@@ -72,8 +82,9 @@ class CostModel:
         self.block_size = block_size
         self.cpu_offload_bytes = cpu_offload_bytes
         # weight-only formats multiply in the activation dtype
-        self.compute_kind = COMPUTE_KIND.get(model.weight_format,
-                                             "float32" if model.weight_format == "float32" else dtype)
+        self.compute_kind = COMPUTE_KIND.get(
+            model.weight_format, "float32" if model.weight_format == "float32" else dtype
+        )
         self.fmt = model.weight_format
         # KV heads are split across TP ranks, replicated when there are fewer than ranks.
         self.kv_heads_per_rank = max(1, -(-model.num_kv_heads // self.tp))
@@ -100,8 +111,9 @@ class CostModel:
         bw = hw.memory_bandwidth * hw.eff("memory")
         out: dict[str, float] = {}
         bpw = m.bytes_per_weight
-        out["linear"] = self._linear(2.0 * T * m.layer_params_active / tp,
-                                     m.layer_params_read(T) * bpw / tp, T) if T else 0.0
+        out["linear"] = (
+            self._linear(2.0 * T * m.layer_params_active / tp, m.layer_params_read(T) * bpw / tp, T) if T else 0.0
+        )
         if N:
             head_bpw = bpw if not m.tie_word_embeddings else WEIGHT_BYTES[self.dtype]
             out["lm_head"] = self._linear(2.0 * N * m.embedding_params / tp, m.embedding_params * head_bpw / tp, N)
@@ -117,8 +129,9 @@ class CostModel:
         out["elementwise"] = m.num_layers * T * m.hidden_size * 12 * self.act_bytes / tp / bw
         ic = hw.interconnect_bandwidth * hw.eff("interconnect")
         msg = T * m.hidden_size * self.act_bytes
-        out["tp_comm"] = (2 * m.num_layers * (hw.interconnect_latency_s + 2 * (tp - 1) / tp * msg / ic)
-                          if tp > 1 else 0.0)
+        out["tp_comm"] = (
+            2 * m.num_layers * (hw.interconnect_latency_s + 2 * (tp - 1) / tp * msg / ic) if tp > 1 else 0.0
+        )
         out["pp_comm"] = (self.pp - 1) * (hw.interconnect_latency_s + msg / ic) if self.pp > 1 else 0.0
         host = hw.host_bandwidth * hw.eff("host")
         moved = (b.blocks_in + b.blocks_out) * self.kv_bytes_per_block() * self.pp

@@ -76,12 +76,15 @@ class HardwareProfile:
             raise ValueError(f"hardware profile {self.name!r}: peak_flops needs positive FLOP/s per dtype")
         for k, v in self.efficiency.items():
             if k not in _EFFICIENCY_KEYS or not 0 < v <= 1:
-                raise ValueError(f"hardware profile {self.name!r}: efficiency {k}={v} (keys "
-                                 f"{', '.join(_EFFICIENCY_KEYS)}, values in (0, 1])")
+                raise ValueError(
+                    f"hardware profile {self.name!r}: efficiency {k}={v} (keys "
+                    f"{', '.join(_EFFICIENCY_KEYS)}, values in (0, 1])"
+                )
         for fmt, pts in self.matmul_curve.items():
             if not pts or any(len(p) != 2 or p[0] < 1 or p[1] <= 0 for p in pts):
-                raise ValueError(f"hardware profile {self.name!r}: matmul_curve[{fmt!r}] must be "
-                                 "[[tokens >= 1, FLOP/s > 0], ...]")
+                raise ValueError(
+                    f"hardware profile {self.name!r}: matmul_curve[{fmt!r}] must be [[tokens >= 1, FLOP/s > 0], ...]"
+                )
             self.matmul_curve[fmt] = sorted([float(a), float(b)] for a, b in pts)
 
     @classmethod
@@ -141,12 +144,15 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     if name_or_path == LOCAL_PROFILE:
         path = local_profile_path()
         if not path.is_file():
-            raise ValueError(f"--hardware {LOCAL_PROFILE}: no calibration at {path}; run "
-                             "`pagedserve simulate calibrate` first")
+            raise ValueError(
+                f"--hardware {LOCAL_PROFILE}: no calibration at {path}; run `pagedserve simulate calibrate` first"
+            )
     elif not path.is_file():
         if name_or_path not in shipped_profiles():
-            raise ValueError(f"--hardware {name_or_path!r} is neither a profile file nor a known profile "
-                             f"({', '.join(shipped_profiles() + [LOCAL_PROFILE])})")
+            raise ValueError(
+                f"--hardware {name_or_path!r} is neither a profile file nor a known profile "
+                f"({', '.join(shipped_profiles() + [LOCAL_PROFILE])})"
+            )
         text = resources.files("pagedserve.simulate").joinpath("profiles", f"{name_or_path}.json").read_text()
         return HardwareProfile.from_dict(json.loads(text))
     try:

@@ -25,10 +25,18 @@ DEFAULT_MODEL_CONFIG = "smollm2-135m-instruct.json"
 #: Bytes per weight of each storage format (ggml block formats include their scales:
 #: Q4_0 = 18 bytes / 32 weights, Q4_1 = 20, Q8_0 = 34; GPTQ/AWQ int4 with group-128 scales).
 WEIGHT_BYTES: dict[str, float] = {
-    "float32": 4.0, "bfloat16": 2.0, "float16": 2.0,
-    "int8": 1.0, "w8a8": 1.0, "fp8": 1.0,
-    "int4": 0.5 + 4 / 128, "gptq": 0.5 + 4 / 128, "awq": 0.5 + 4 / 128,
-    "q4_0": 18 / 32, "q4_1": 20 / 32, "q8_0": 34 / 32,
+    "float32": 4.0,
+    "bfloat16": 2.0,
+    "float16": 2.0,
+    "int8": 1.0,
+    "w8a8": 1.0,
+    "fp8": 1.0,
+    "int4": 0.5 + 4 / 128,
+    "gptq": 0.5 + 4 / 128,
+    "awq": 0.5 + 4 / 128,
+    "q4_0": 18 / 32,
+    "q4_1": 20 / 32,
+    "q8_0": 34 / 32,
 }
 
 #: Which peak FLOP/s a weight format multiplies at: weight-only formats dequantize
@@ -36,8 +44,19 @@ WEIGHT_BYTES: dict[str, float] = {
 COMPUTE_KIND: dict[str, str] = {"w8a8": "int8", "fp8": "fp8"}
 
 # Families whose MLP is up -> act -> down (two matrices), not gated (three).
-_PLAIN_MLP = {"gpt2", "gpt_neox", "gptj", "opt", "falcon", "bloom", "phi", "starcoder2",
-              "gpt_bigcode", "mpt", "codegen"}
+_PLAIN_MLP = {
+    "gpt2",
+    "gpt_neox",
+    "gptj",
+    "opt",
+    "falcon",
+    "bloom",
+    "phi",
+    "starcoder2",
+    "gpt_bigcode",
+    "mpt",
+    "codegen",
+}
 
 
 def _first(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -69,8 +88,10 @@ def load_model_config(model: str | None) -> dict[str, Any]:
                 cfg["quantization_config"] = {"quant_method": "gguf", "weight_format": fmt}
         return cfg
     if not path.is_file():
-        raise ValueError(f"--model {model!r}: no config.json there (give a Hugging Face config.json, "
-                         "a folder holding one, or a .gguf file)")
+        raise ValueError(
+            f"--model {model!r}: no config.json there (give a Hugging Face config.json, "
+            "a folder holding one, or a .gguf file)"
+        )
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -114,8 +135,10 @@ class ModelSpec:
             heads = int(_first(cfg, "num_attention_heads", "n_head", "num_heads"))
             vocab = int(cfg["vocab_size"])
         except (KeyError, TypeError) as e:
-            raise ValueError(f"model config lacks a required field ({e}); need hidden_size, "
-                             "num_hidden_layers, num_attention_heads and vocab_size") from e
+            raise ValueError(
+                f"model config lacks a required field ({e}); need hidden_size, "
+                "num_hidden_layers, num_attention_heads and vocab_size"
+            ) from e
         kv_heads = int(_first(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv", default=heads))
         if cfg.get("multi_query"):
             kv_heads = 1
@@ -125,22 +148,32 @@ class ModelSpec:
         attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
         experts = int(_first(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
         spec = dict(
-            name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
-            head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            name=name,
+            num_layers=layers,
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=vocab,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(_first(cfg, "max_position_embeddings", "n_positions", default=2048)),
-            attn_params=attn, dense_mlp_params=mlp_mats * hidden * inter,
-            weight_format=_weight_format(cfg))
+            attn_params=attn,
+            dense_mlp_params=mlp_mats * hidden * inter,
+            weight_format=_weight_format(cfg),
+        )
         if experts > 1:
             moe_inter = int(_first(cfg, "moe_intermediate_size", default=inter))
             shared = int(_first(cfg, "shared_expert_intermediate_size", default=0) or 0)
             shared_gate = hidden if shared else 0  # Qwen2-MoE gates its shared expert: [1, hidden]
             shared += int(cfg.get("n_shared_experts") or 0) * moe_inter
             dense_first = int(cfg.get("first_k_dense_replace") or 0) + len(cfg.get("mlp_only_layers") or [])
-            spec.update(num_experts=experts,
-                        experts_per_token=int(_first(cfg, "num_experts_per_tok", "moe_topk", "top_k", default=2)),
-                        expert_params=mlp_mats * hidden * moe_inter,
-                        num_moe_layers=max(layers - dense_first, 0),
-                        moe_shared_params=mlp_mats * hidden * shared + hidden * experts + shared_gate)
+            spec.update(
+                num_experts=experts,
+                experts_per_token=int(_first(cfg, "num_experts_per_tok", "moe_topk", "top_k", default=2)),
+                expert_params=mlp_mats * hidden * moe_inter,
+                num_moe_layers=max(layers - dense_first, 0),
+                moe_shared_params=mlp_mats * hidden * shared + hidden * experts + shared_gate,
+            )
         return cls(**spec)
 
     # -- parameter counts ---------------------------------------------------------------------

@@ -20,8 +20,13 @@ __all__ = ["summarize", "format_table", "write_plot"]
 def _dist(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
-    return {"mean": statistics.fmean(values), "p50": percentile(values, 50), "p90": percentile(values, 90),
-            "p99": percentile(values, 99), "max": max(values)}
+    return {
+        "mean": statistics.fmean(values),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "max": max(values),
+    }
 
 
 def summarize(result: SimResult) -> dict:
@@ -90,14 +95,15 @@ def format_table(s: dict) -> str:
         lines.append(f"{label:18} " + " ".join(_ms(d[q]) for q in ("mean", "p50", "p90", "p99", "max")))
     lines += [
         f"KV cache           {s['num_kv_blocks']} blocks; peak usage {s['peak_kv_usage']:.1%}, "
-        f"mean {s['mean_kv_usage']:.1%}" + (f"; host tier {s['num_host_kv_blocks']} blocks"
-                                             if s["num_host_kv_blocks"] else ""),
+        f"mean {s['mean_kv_usage']:.1%}"
+        + (f"; host tier {s['num_host_kv_blocks']} blocks" if s["num_host_kv_blocks"] else ""),
         f"preemptions        {s['num_preemptions']}",
         f"prefix cache       {s['prefix_cache_hit_rate']:.1%} of prompt tokens hit",
     ]
     total = sum(s["time_breakdown_s"].values()) or 1.0
-    parts = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(s["time_breakdown_s"].items(), key=lambda kv: -kv[1])
-                      if v > 0)
+    parts = ", ".join(
+        f"{k} {v / total:.0%}" for k, v in sorted(s["time_breakdown_s"].items(), key=lambda kv: -kv[1]) if v > 0
+    )
     lines.append(f"step time          {parts}")
     return "\n".join(lines)
 

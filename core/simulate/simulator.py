@@ -73,14 +73,27 @@ class Simulator:
     """One simulated engine: a real Scheduler over a real KV-cache manager of
     ``num_blocks`` blocks (plus ``num_host_blocks`` on host when > 0)."""
 
-    def __init__(self, cost: CostModel, cache: CacheConfig, sched: SchedulerConfig, num_blocks: int,
-                 max_model_len: int, num_host_blocks: int = 0, seed: int = 0, vocab_size: int = 32000) -> None:
+    def __init__(
+        self,
+        cost: CostModel,
+        cache: CacheConfig,
+        sched: SchedulerConfig,
+        num_blocks: int,
+        max_model_len: int,
+        num_host_blocks: int = 0,
+        seed: int = 0,
+        vocab_size: int = 32000,
+    ) -> None:
         self.cost = cost
         self.clock = 0.0
         if num_host_blocks > 0:
             self.kv: KVCacheManager = TieredKVCacheManager(
-                num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks=num_host_blocks,
-                swap_policy=None if cache.preemption_mode == "recompute" else self._swap_policy(cache.preemption_mode))
+                num_blocks,
+                cache.block_size,
+                cache.enable_prefix_caching,
+                num_host_blocks=num_host_blocks,
+                swap_policy=None if cache.preemption_mode == "recompute" else self._swap_policy(cache.preemption_mode),
+            )
         else:
             self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv, max_model_len)
@@ -100,6 +113,7 @@ class Simulator:
             if mode == "swap":
                 return True
             return 2 * num_blocks * per_block / host < num_tokens * self.cost.flops_per_token() / compute
+
         return policy
 
     def _admit(self, req: SimRequest, i: int, sent: float, traces: dict[str, RequestTrace]) -> None:
@@ -107,13 +121,15 @@ class Simulator:
         it reaches the scheduler at the next step boundary (now)."""
         rid = f"sim-{i}"
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
-        request = Request(rid, list(req.prompt_token_ids), params, frozenset(), sent, req.priority,
-                          None, self.max_model_len)
+        request = Request(
+            rid, list(req.prompt_token_ids), params, frozenset(), sent, req.priority, None, self.max_model_len
+        )
         self.scheduler.add_request(request)
         traces[rid] = RequestTrace(rid, sent, len(req.prompt_token_ids), req.output_len)
 
-    def run(self, workload: list[SimRequest], max_concurrency: int | None = None,
-            max_steps: int = 10_000_000) -> SimResult:
+    def run(
+        self, workload: list[SimRequest], max_concurrency: int | None = None, max_steps: int = 10_000_000
+    ) -> SimResult:
         """Simulate until every request has finished."""
         pending = sorted(workload, key=lambda r: r.arrival)
         traces: dict[str, RequestTrace] = {}
@@ -123,8 +139,11 @@ class Simulator:
         busy: dict[str, float] = {}
         sched = self.scheduler
         while nxt < len(pending) or sched.has_unfinished():
-            while nxt < len(pending) and pending[nxt].arrival <= self.clock and \
-                    (max_concurrency is None or in_flight < max_concurrency):
+            while (
+                nxt < len(pending)
+                and pending[nxt].arrival <= self.clock
+                and (max_concurrency is None or in_flight < max_concurrency)
+            ):
                 self._admit(pending[nxt], nxt, max(pending[nxt].arrival, slot_freed), traces)
                 nxt += 1
                 in_flight += 1
@@ -133,8 +152,10 @@ class Simulator:
                 if nxt < len(pending) and (max_concurrency is None or in_flight < max_concurrency):
                     self.clock = max(self.clock, pending[nxt].arrival)
                     continue
-                raise RuntimeError(f"simulation stuck at t={self.clock:.3f}s: {sched.num_waiting} waiting, "
-                                   f"{sched.num_running} running, nothing schedulable")
+                raise RuntimeError(
+                    f"simulation stuck at t={self.clock:.3f}s: {sched.num_waiting} waiting, "
+                    f"{sched.num_running} running, nothing schedulable"
+                )
             steps += 1
             if steps > max_steps:
                 raise RuntimeError(f"simulation exceeded {max_steps} steps")
@@ -143,7 +164,8 @@ class Simulator:
                 ctx_lens=[s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled],
                 num_samples=sum(1 for s in out.scheduled if s.samples),
                 blocks_in=out.kv_transfers.num_blocks(IN) if out.kv_transfers else 0,
-                blocks_out=out.kv_transfers.num_blocks(OUT) if out.kv_transfers else 0)
+                blocks_out=out.kv_transfers.num_blocks(OUT) if out.kv_transfers else 0,
+            )
             parts = self.cost.breakdown(batch)
             for k, v in parts.items():
                 busy[k] = busy.get(k, 0.0) + v
@@ -164,7 +186,16 @@ class Simulator:
                     in_flight -= 1
             timeline.append((self.clock, self.kv.usage(), sched.num_running, sched.num_waiting))
         return SimResult(
-            requests=list(traces.values()), num_steps=steps, elapsed=self.clock, timeline=timeline,
-            num_preemptions=sched.num_preemptions, prefix_queries=self.kv.prefix_queries,
-            prefix_hits=self.kv.prefix_hits, num_blocks=self.kv.num_blocks, num_host_blocks=self.num_host_blocks,
-            scheduled_tokens=self.kv.num_scheduled_tokens, busy_time=busy, kv=self.kv)
+            requests=list(traces.values()),
+            num_steps=steps,
+            elapsed=self.clock,
+            timeline=timeline,
+            num_preemptions=sched.num_preemptions,
+            prefix_queries=self.kv.prefix_queries,
+            prefix_hits=self.kv.prefix_hits,
+            num_blocks=self.kv.num_blocks,
+            num_host_blocks=self.num_host_blocks,
+            scheduled_tokens=self.kv.num_scheduled_tokens,
+            busy_time=busy,
+            kv=self.kv,
+        )

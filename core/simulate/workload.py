@@ -47,24 +47,31 @@ class SimRequest:
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload (the flags of `bench throughput` / `bench serve`, plus distributions)")
-    g.add_argument("--workload", default=None, metavar="SPEC",
-                   help="fixed (default), mixed, sharegpt, or a JSONL trace file")
+    g.add_argument(
+        "--workload", default=None, metavar="SPEC", help="fixed (default), mixed, sharegpt, or a JSONL trace file"
+    )
     g.add_argument("--num-prompts", type=int, default=64)
     g.add_argument("--input-len", type=int, default=128, help="prompt length (mean for uniform/lognormal)")
     g.add_argument("--output-len", type=int, default=128, help="output length (mean for uniform/lognormal)")
-    g.add_argument("--mixed", action="store_true", help="bench throughput's mixed lengths (prompts 16-1024, "
-                   "outputs 16-512)")
+    g.add_argument(
+        "--mixed", action="store_true", help="bench throughput's mixed lengths (prompts 16-1024, outputs 16-512)"
+    )
     g.add_argument("--input-dist", choices=["fixed", "uniform", "lognormal"], default="fixed")
     g.add_argument("--output-dist", choices=["fixed", "uniform", "lognormal"], default="fixed")
-    g.add_argument("--input-len-range", type=float, default=0.5,
-                   help="uniform: lengths in [len x (1 - r), len x (1 + r)]")
+    g.add_argument(
+        "--input-len-range", type=float, default=0.5, help="uniform: lengths in [len x (1 - r), len x (1 + r)]"
+    )
     g.add_argument("--output-len-range", type=float, default=0.5)
     g.add_argument("--input-sigma", type=float, default=1.0, help="lognormal sigma of prompt lengths")
     g.add_argument("--output-sigma", type=float, default=1.0, help="lognormal sigma of output lengths")
     g.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of a shared prefix per prompt")
     g.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes")
-    g.add_argument("--request-rate", type=float, default=math.inf,
-                   help="mean arrivals per second (default inf: all at once, as bench throughput)")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="mean arrivals per second (default inf: all at once, as bench throughput)",
+    )
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (bench serve)")
     g.add_argument("--seed", type=int, default=0)
@@ -135,8 +142,9 @@ def build_workload(args: argparse.Namespace, vocab: int, max_len: int) -> list[S
         return _trace(path, vocab, args.seed, max_len)
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
-    if spec == "mixed" or (spec == "fixed" and args.input_dist == args.output_dist == "fixed"
-                           and not args.shared_prefix_len):
+    if spec == "mixed" or (
+        spec == "fixed" and args.input_dist == args.output_dist == "fixed" and not args.shared_prefix_len
+    ):
         from pagedserve.entrypoints.bench_throughput import make_workload  # the benchmark's own prompts
 
         pairs = make_workload(args.num_prompts, args.input_len, args.output_len, spec == "mixed", args.seed, vocab)
@@ -145,23 +153,40 @@ def build_workload(args: argparse.Namespace, vocab: int, max_len: int) -> list[S
         if spec == "sharegpt":
             sg = SHAREGPT
             cap = min(sg["max_len"], max_len - 1)
-            lens = [(_lengths(rng, "lognormal", sg["input_mean"], 0, sg["sigma"], cap),
-                     _lengths(rng, "lognormal", sg["output_mean"], 0, sg["sigma"], cap))
-                    for _ in range(args.num_prompts)]
+            lens = [
+                (
+                    _lengths(rng, "lognormal", sg["input_mean"], 0, sg["sigma"], cap),
+                    _lengths(rng, "lognormal", sg["output_mean"], 0, sg["sigma"], cap),
+                )
+                for _ in range(args.num_prompts)
+            ]
         else:
-            lens = [(_lengths(rng, args.input_dist, args.input_len, args.input_len_range, args.input_sigma,
-                              max_len - 1),
-                     _lengths(rng, args.output_dist, args.output_len, args.output_len_range, args.output_sigma,
-                              max_len - 1)) for _ in range(args.num_prompts)]
-        prefixes = [[rng.randrange(_MIN_ID, vocab) for _ in range(args.shared_prefix_len)]
-                    for _ in range(max(1, args.num_prefixes))] if args.shared_prefix_len else [[]]
+            lens = [
+                (
+                    _lengths(rng, args.input_dist, args.input_len, args.input_len_range, args.input_sigma, max_len - 1),
+                    _lengths(
+                        rng, args.output_dist, args.output_len, args.output_len_range, args.output_sigma, max_len - 1
+                    ),
+                )
+                for _ in range(args.num_prompts)
+            ]
+        prefixes = (
+            [
+                [rng.randrange(_MIN_ID, vocab) for _ in range(args.shared_prefix_len)]
+                for _ in range(max(1, args.num_prefixes))
+            ]
+            if args.shared_prefix_len
+            else [[]]
+        )
         pairs = []
         for i, (n_in, n_out) in enumerate(lens):
-            pre = prefixes[i % len(prefixes)][:max(n_in - 1, 0)]
+            pre = prefixes[i % len(prefixes)][: max(n_in - 1, 0)]
             pairs.append((pre + [rng.randrange(_MIN_ID, vocab) for _ in range(n_in - len(pre))], n_out))
     for ids, n_out in pairs:
         if len(ids) + n_out > max_len:
-            raise ValueError(f"a request of {len(ids)} prompt + {n_out} output tokens exceeds max_model_len "
-                             f"{max_len}; lower the lengths or raise --max-model-len")
+            raise ValueError(
+                f"a request of {len(ids)} prompt + {n_out} output tokens exceeds max_model_len "
+                f"{max_len}; lower the lengths or raise --max-model-len"
+            )
     arrivals = arrival_times(len(pairs), args.request_rate, args.burstiness, args.seed)
     return [SimRequest(t, ids, n) for t, (ids, n) in zip(arrivals, pairs)]

@@ -42,16 +42,21 @@ def check_draft_model(config: EngineConfig, target: ArchConfig, max_model_len: i
     source = _draft_source(spec, config)
     arch = ArchConfig.from_hf(source.hf_config)
     if arch.vocab_size != target.vocab_size:
-        raise ValueError(f"speculative_config: the draft model {spec.model!r} has a vocabulary of {arch.vocab_size} "
-                         f"tokens, the target {target.vocab_size}; a draft must share the target's vocabulary")
+        raise ValueError(
+            f"speculative_config: the draft model {spec.model!r} has a vocabulary of {arch.vocab_size} "
+            f"tokens, the target {target.vocab_size}; a draft must share the target's vocabulary"
+        )
     if arch.max_position_embeddings < max_model_len:
-        raise ValueError(f"speculative_config: the draft model's context ({arch.max_position_embeddings} tokens) is "
-                         f"shorter than max_model_len={max_model_len}; lower max_model_len")
+        raise ValueError(
+            f"speculative_config: the draft model's context ({arch.max_position_embeddings} tokens) is "
+            f"shorter than max_model_len={max_model_len}; lower max_model_len"
+        )
     return source
 
 
-def build_spec_decoder(config: EngineConfig, runner: ModelRunner, draft_source, max_model_len: int,
-                       dtype: torch.dtype) -> SpecDecoder | None:
+def build_spec_decoder(
+    config: EngineConfig, runner: ModelRunner, draft_source, max_model_len: int, dtype: torch.dtype
+) -> SpecDecoder | None:
     """The SpecDecoder for ``config`` (None without speculative_config).  A draft model
     loads on the target's platform and dtype with a KV pool of as many blocks as the
     target's."""

@@ -32,13 +32,18 @@ def may_draft(request: Request) -> bool:
     logits) and per-request logit edits (logit_bias, allowed_token_ids, bad_words).
     """
     p = request.sampling_params
-    return (p.structured_outputs is None and request.pooling is None and p.prompt_logprobs is None
-            and not p.logit_bias and p.allowed_token_ids is None and not p.bad_words)
+    return (
+        p.structured_outputs is None
+        and request.pooling is None
+        and p.prompt_logprobs is None
+        and not p.logit_bias
+        and p.allowed_token_ids is None
+        and not p.bad_words
+    )
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, proposer: Proposer,
-                 max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, proposer: Proposer, max_model_len: int) -> None:
         self.config = config
         self.runner = runner
         self.proposer = proposer

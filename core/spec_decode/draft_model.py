@@ -100,7 +100,7 @@ class DraftModelProposer:
         out_drafts = []
         for i, seq in enumerate(seqs):
             # The cache holds keys and values up to the last draft's input.
-            del seq.all_token_ids[seq.num_computed_tokens:]
+            del seq.all_token_ids[seq.num_computed_tokens :]
             out_drafts.append(Draft(drafts[i], torch.stack(probs[i]) if probs[i] else None))
         return out_drafts
 

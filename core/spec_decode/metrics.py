@@ -28,9 +28,11 @@ def spec_decode_metrics(stats, model_name: str, engine: str = "0", prefix: str =
         c = CounterMetricFamily(f"{prefix}:spec_decode_{name}", doc, labels=["model_name", "engine"])
         c.add_metric(labels, value)
         yield c
-    per_pos = CounterMetricFamily(f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
-                                  "Draft tokens accepted, by position in the draft (0 = first).",
-                                  labels=["model_name", "engine", "position"])
+    per_pos = CounterMetricFamily(
+        f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0 = first).",
+        labels=["model_name", "engine", "position"],
+    )
     for pos, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
         per_pos.add_metric([model_name, engine, str(pos)], value)
     yield per_pos

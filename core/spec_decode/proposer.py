@@ -61,7 +61,7 @@ class NgramProposer:
             hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return arr[start:start + k].tolist()
+                return arr[start : start + k].tolist()
         return []
 
     def forget(self, request_id: str) -> None:

@@ -64,19 +64,18 @@ def _accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
     return drafts[:a] + [targets[a]]
 
 
-def verify(logits: torch.Tensor, requests: list[Request], drafts: list[Draft], sampler: Sampler,
-           ops) -> list[Verified]:
+def verify(logits: torch.Tensor, requests: list[Request], drafts: list[Draft], sampler: Sampler, ops) -> list[Verified]:
     """logits ``[sum(len(d.token_ids) + 1), vocab]`` (row blocks in request order, on the
     device, any float dtype) -> one Verified per request."""
-    positions = [_Position(r, d.token_ids[:j]) for r, d in zip(requests, drafts)
-                 for j in range(len(d.token_ids) + 1)]
+    positions = [_Position(r, d.token_ids[:j]) for r, d in zip(requests, drafts) for j in range(len(d.token_ids) + 1)]
     offsets = [0]
     for d in drafts:
         offsets.append(offsets[-1] + len(d.token_ids) + 1)
     if Sampler.plain_greedy(positions):
         ids = ops.argmax(logits).tolist()
-        return [Verified(_accept_greedy(d.token_ids, ids[offsets[i]:offsets[i + 1]]), None)
-                for i, d in enumerate(drafts)]
+        return [
+            Verified(_accept_greedy(d.token_ids, ids[offsets[i] : offsets[i + 1]]), None) for i, d in enumerate(drafts)
+        ]
     raw = logits.float().cpu()
     proc = Sampler._apply_min_tokens(Sampler._apply_penalties(raw, positions), positions)
     tokens: list[list[int]] = [[] for _ in requests]
@@ -84,7 +83,7 @@ def verify(logits: torch.Tensor, requests: list[Request], drafts: list[Draft], s
     if greedy:
         ids = proc.argmax(dim=-1).tolist()
         for i in greedy:
-            tokens[i] = _accept_greedy(drafts[i].token_ids, ids[offsets[i]:offsets[i + 1]])
+            tokens[i] = _accept_greedy(drafts[i].token_ids, ids[offsets[i] : offsets[i + 1]])
     randoms = [i for i, r in enumerate(requests) if not r.sampling_params.greedy and drafts[i].token_ids]
     undrafted = [i for i, r in enumerate(requests) if not r.sampling_params.greedy and not drafts[i].token_ids]
     if undrafted:
@@ -94,8 +93,9 @@ def verify(logits: torch.Tensor, requests: list[Request], drafts: list[Draft], s
         for i, t in zip(undrafted, picked.tolist()):
             tokens[i] = [t]
     if randoms:
-        for i, row in zip(randoms, _rejection_sample(proc, positions, offsets, requests, drafts, randoms,
-                                                     sampler, ops)):
+        for i, row in zip(
+            randoms, _rejection_sample(proc, positions, offsets, requests, drafts, randoms, sampler, ops)
+        ):
             tokens[i] = row
     out = []
     for i, r in enumerate(requests):
@@ -107,8 +107,16 @@ def verify(logits: torch.Tensor, requests: list[Request], drafts: list[Draft], s
     return out
 
 
-def _rejection_sample(proc: torch.Tensor, positions: list[_Position], offsets: list[int], requests: list[Request],
-                      drafts: list[Draft], rows: list[int], sampler: Sampler, ops) -> list[list[int]]:
+def _rejection_sample(
+    proc: torch.Tensor,
+    positions: list[_Position],
+    offsets: list[int],
+    requests: list[Request],
+    drafts: list[Draft],
+    rows: list[int],
+    sampler: Sampler,
+    ops,
+) -> list[list[int]]:
     """Tokens of the random ``rows`` through ``ops.rejection_sample``."""
     B, K, V = len(rows), max(len(drafts[i].token_ids) for i in rows), proc.shape[1]
     draft_ids = torch.zeros(B, K, dtype=torch.int64)
@@ -125,14 +133,15 @@ def _rejection_sample(proc: torch.Tensor, positions: list[_Position], offsets: l
         if k:
             draft_ids[b, :k] = torch.tensor(d.token_ids)
         span = range(offsets[i], offsets[i + 1])
-        p = Sampler.probs(proc[span.start:span.stop], [positions[j] for j in span])
-        target[b, :k + 1] = p / p.sum(dim=-1, keepdim=True)  # top-p/min-p leave it unnormalised
+        p = Sampler.probs(proc[span.start : span.stop], [positions[j] for j in span])
+        target[b, : k + 1] = p / p.sum(dim=-1, keepdim=True)  # top-p/min-p leave it unnormalised
         if draft_probs is not None and k:
-            draft_probs[b, :k] = d.probs if d.probs is not None else \
-                torch.nn.functional.one_hot(draft_ids[b, :k], V).float()
+            draft_probs[b, :k] = (
+                d.probs if d.probs is not None else torch.nn.functional.one_hot(draft_ids[b, :k], V).float()
+            )
         # As many draws as the row's own drafts need, whatever the batch's widest row.
         g = sampler._generator(requests[i])
         uniform[b, :k] = torch.rand(k, generator=g)
-        recover[b, :k + 1] = torch.rand(k + 1, generator=g)
+        recover[b, : k + 1] = torch.rand(k + 1, generator=g)
     out = ops.rejection_sample(draft_ids, num_draft, draft_probs, target, uniform, recover)
     return [[t for t in row if t >= 0] for row in out.tolist()]

@@ -5,5 +5,11 @@ from pagedserve.structured_output.backend import BACKENDS, XgrammarBackend, buil
 from pagedserve.structured_output.manager import GrammarState, StructuredOutputManager
 from pagedserve.structured_params import StructuredOutputsParams
 
-__all__ = ["BACKENDS", "GrammarState", "StructuredOutputManager", "StructuredOutputsParams", "XgrammarBackend",
-           "build_grammar"]
+__all__ = [
+    "BACKENDS",
+    "GrammarState",
+    "StructuredOutputManager",
+    "StructuredOutputsParams",
+    "XgrammarBackend",
+    "build_grammar",
+]

@@ -34,13 +34,15 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
     try:
         if kind == "json":
             if params.disable_any_whitespace:
-                return xgr.Grammar.from_json_schema(params.json, any_whitespace=False, separators=(",", ":"),
-                                                    strict_mode=True)
+                return xgr.Grammar.from_json_schema(
+                    params.json, any_whitespace=False, separators=(",", ":"), strict_mode=True
+                )
             return xgr.Grammar.from_json_schema(params.json, strict_mode=True)
         if kind == "json_object":
             if params.disable_any_whitespace:
-                return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False, separators=(",", ":"),
-                                                    strict_mode=False)
+                return xgr.Grammar.from_json_schema(
+                    {"type": "object"}, any_whitespace=False, separators=(",", ":"), strict_mode=False
+                )
             return xgr.Grammar.builtin_json_grammar()
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
@@ -62,8 +64,10 @@ def _structural_tag(xgr, text: str) -> Any:
         raise ValueError(f"invalid structured_outputs.structural_tag: not JSON ({e})") from None
     if isinstance(spec, dict) and "structures" in spec:
         # vLLM's first format: {"type": "structural_tag", "structures": [{begin, schema, end}], "triggers": [...]}
-        tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
-                for s in spec["structures"]]
+        tags = [
+            xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+            for s in spec["structures"]
+        ]
         return xgr.Grammar.from_structural_tag(tags, list(spec.get("triggers", [])))
     return xgr.Grammar.from_structural_tag(spec)
 
@@ -90,9 +94,13 @@ class XgrammarBackend:
                 encoded[idx] = token
         meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
         self.vocab_size = vocab_size
-        self.tokenizer_info = xgr.TokenizerInfo(encoded, vocab_type=meta["vocab_type"], vocab_size=vocab_size,
-                                                stop_token_ids=sorted(stop_token_ids) or None,
-                                                add_prefix_space=meta["add_prefix_space"])
+        self.tokenizer_info = xgr.TokenizerInfo(
+            encoded,
+            vocab_type=meta["vocab_type"],
+            vocab_size=vocab_size,
+            stop_token_ids=sorted(stop_token_ids) or None,
+            add_prefix_space=meta["add_prefix_space"],
+        )
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
         #: int32 words per bitmask row.
         self.bitmask_width = (vocab_size + 31) // 32

@@ -116,8 +116,15 @@ class StructuredOutputManager:
         cache_size: compiled grammars kept.
     """
 
-    def __init__(self, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[int],
-                 reasoning_end_ids: frozenset[int] | None = None, cache_size: int = 256) -> None:
+    def __init__(
+        self,
+        backend: str,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        reasoning_end_ids: frozenset[int] | None = None,
+        cache_size: int = 256,
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"structured outputs backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
         self._tokenizer = tokenizer

@@ -18,6 +18,8 @@ def reasoning_end_token_ids(name: str, tokenizer) -> frozenset[int]:
     end = REASONING_PARSERS[name][1]
     ids = tokenizer.encode(end, add_special_tokens=False)
     if len(ids) != 1:
-        raise ValueError(f"reasoning_parser={name!r} needs {end!r} to be one token of the model's vocabulary; "
-                         f"this tokenizer splits it into {len(ids)} tokens")
+        raise ValueError(
+            f"reasoning_parser={name!r} needs {end!r} to be one token of the model's vocabulary; "
+            f"this tokenizer splits it into {len(ids)} tokens"
+        )
     return frozenset(ids)

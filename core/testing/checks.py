@@ -105,8 +105,9 @@ class ConformanceReport:
         when they were already printed one by one as they ran).
         """
         out = [f"conformance of platform {self.platform!r}" + (f" (from {self.origin})" if self.origin else "")]
-        out.append(f"  interface: targets {self.interface_version or '?'}, "
-                   f"pagedserve provides {self.core_interface_version}")
+        out.append(
+            f"  interface: targets {self.interface_version or '?'}, pagedserve provides {self.core_interface_version}"
+        )
         if self.error is not None:
             out.append(f"  error: {self.error}")
             out.append("FAILED: the platform could not be selected")
@@ -120,8 +121,11 @@ class ConformanceReport:
         if self.failed and (verbose or not lines):  # else the lines above are the failures already
             out += ["", "failures:", *(f"  {r.id}: {r.message}" for r in self.failed)]
         verdict = "PASSED" if self.ok else "FAILED"
-        out += ["", f"{verdict}: {self.count('passed')} passed, {self.count('failed')} failed, "
-                    f"{self.count('skipped')} skipped in {self.seconds:.1f}s"]
+        out += [
+            "",
+            f"{verdict}: {self.count('passed')} passed, {self.count('failed')} failed, "
+            f"{self.count('skipped')} skipped in {self.seconds:.1f}s",
+        ]
         return "\n".join(out)
 
 

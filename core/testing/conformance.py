@@ -11,7 +11,6 @@ checks are those of ``pagedserve platforms check NAME``; ids look like
 
 from __future__ import annotations
 
-
 import pytest
 
 from pagedserve.platforms import PlatformError
@@ -39,8 +38,11 @@ def _checks(config: pytest.Config) -> list[Check]:
 
         checks = [Check("platform:select", fail)]
     else:
-        checks = collect_checks(target, model=config.getoption("pagedserve_conformance_model", None),
-                                seed=config.getoption("pagedserve_conformance_seed", 0) or 0)
+        checks = collect_checks(
+            target,
+            model=config.getoption("pagedserve_conformance_model", None),
+            seed=config.getoption("pagedserve_conformance_seed", 0) or 0,
+        )
     config.stash[_CHECKS] = checks
     return checks
 

@@ -29,8 +29,16 @@ __all__ = ["engine_greedy_check", "greedy_token_ids", "GreedyRun", "ENGINE_SETTI
 
 #: Engine arguments: a 32-token budget splits the 40-token prompt into chunks that share
 #: steps with decodes; 16-token blocks put block boundaries inside every long prompt.
-ENGINE_SETTINGS = dict(dtype="float32", block_size=16, max_num_batched_tokens=32, max_num_seqs=8,
-                       max_model_len=256, kv_cache_memory="8MiB", enable_prefix_caching=True, seed=0)
+ENGINE_SETTINGS = dict(
+    dtype="float32",
+    block_size=16,
+    max_num_batched_tokens=32,
+    max_num_seqs=8,
+    max_model_len=256,
+    kv_cache_memory="8MiB",
+    enable_prefix_caching=True,
+    seed=0,
+)
 
 MAX_NEW_TOKENS = (12, 16, 8, 12, 10, 14)
 
@@ -87,8 +95,12 @@ def greedy_token_ids(model: str | Path, env: dict[str, str | None]) -> GreedyRun
             first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             second = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], params[::-1], use_tqdm=False)]
             overridden = {n: src for n, src in engine.ops.table() if src != "reference"}
-            run = GreedyRun(engine.platform.name, overridden,
-                            [[list(t) for t in first], [list(t) for t in second[::-1]]], engine.kv.prefix_hits)
+            run = GreedyRun(
+                engine.platform.name,
+                overridden,
+                [[list(t) for t in first], [list(t) for t in second[::-1]]],
+                engine.kv.prefix_hits,
+            )
         finally:
             del llm
             gc.collect()
@@ -105,22 +117,27 @@ def engine_greedy_check(target: Target, model: str | Path | None = None) -> str:
     model: a Llama-family checkpoint folder; None makes a tiny random one (in float32).
     """
     if not target.discovered:
-        raise CheckSkipped("the platform was registered in-process, but the engine selects platforms "
-                           "through entry-point discovery: install the plugin to run this check")
+        raise CheckSkipped(
+            "the platform was registered in-process, but the engine selects platforms "
+            "through entry-point discovery: install the plugin to run this check"
+        )
     if torch.float32 not in tuple(target.platform.supported_dtypes):
         raise CheckSkipped("greedy outputs are compared in float32, which the platform does not support")
     with tempfile.TemporaryDirectory(prefix="pagedserve-conformance-") as tmp:
         path = Path(model) if model is not None else make_tiny_llama(Path(tmp) / "tiny-llama")
         got = greedy_token_ids(path, {"PAGEDSERVE_TARGET_DEVICE": target.name})
-        want = greedy_token_ids(path, {"PAGEDSERVE_TARGET_DEVICE": "cpu", "PAGEDSERVE_CPU_KERNELS": "0",
-                                       "PAGEDSERVE_PLUGINS": "pagedserve"})
+        want = greedy_token_ids(
+            path, {"PAGEDSERVE_TARGET_DEVICE": "cpu", "PAGEDSERVE_CPU_KERNELS": "0", "PAGEDSERVE_PLUGINS": "pagedserve"}
+        )
     # Guard the comparison itself: each engine must have run where it was meant to.
     assert got.platform == target.name, f"the engine selected {got.platform!r}, not {target.name!r}"
     assert got.overridden_ops == target.overridden_ops(), (
         f"the engine on {target.name!r} resolved other ops ({got.overridden_ops}) than the kit "
-        f"({target.overridden_ops()})")
-    assert want.platform == "cpu" and not want.overridden_ops, \
+        f"({target.overridden_ops()})"
+    )
+    assert want.platform == "cpu" and not want.overridden_ops, (
         f"the reference engine ran on {want.platform!r} with overridden ops {want.overridden_ops}"
+    )
     for rnd, (g_round, w_round) in enumerate(zip(got.rounds, want.rounds), start=1):
         for i, (g, w) in enumerate(zip(g_round, w_round)):
             if g != w:
@@ -128,7 +145,10 @@ def engine_greedy_check(target: Target, model: str | Path | None = None) -> str:
                 what = "first round" if rnd == 1 else "second round (prefixes from the prefix cache)"
                 raise AssertionError(
                     f"engine on {target.name!r}: greedy tokens of prompt {i} ({what}) differ from the cpu "
-                    f"reference at generated token {at}: {g} vs {w}")
+                    f"reference at generated token {at}: {g} vs {w}"
+                )
     n = sum(len(g) for r in got.rounds for g in r)
-    return (f"{len(got.rounds[0])} prompts x 2 rounds, {n} greedy tokens identical to the cpu reference "
-            f"({got.prefix_hit_tokens} prompt tokens from the prefix cache)")
+    return (
+        f"{len(got.rounds[0])} prompts x 2 rounds, {n} greedy tokens identical to the cpu reference "
+        f"({got.prefix_hit_tokens} prompt tokens from the prefix cache)"
+    )

@@ -27,8 +27,14 @@ __all__ = ["collect_checks", "run_conformance", "ENGINE_CHECK_ID"]
 ENGINE_CHECK_ID = "engine:greedy-vs-cpu-reference"
 
 
-def collect_checks(target: Target, *, engine: bool = True, model: str | Path | None = None,
-                   seed: int = 0, only: Iterable[str] | None = None) -> list[Check]:
+def collect_checks(
+    target: Target,
+    *,
+    engine: bool = True,
+    model: str | Path | None = None,
+    seed: int = 0,
+    only: Iterable[str] | None = None,
+) -> list[Check]:
     """The checks for ``target``: its Platform members, every op it overrides, and
     (``engine=True``) greedy generation against the CPU reference.
 

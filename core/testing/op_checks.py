@@ -87,7 +87,8 @@ def assert_matches(
     if stray_nan.any():
         raise AssertionError(
             f"{what}: {int(stray_nan.sum())} of {g.numel()} elements are NaN where the reference has "
-            "numbers (an output poisoned with NaN was not fully written, or the op produced NaN)")
+            "numbers (an output poisoned with NaN was not fully written, or the op produced NaN)"
+        )
     tol = dict(atol=0.0, rtol=0.0) if exact else TOLERANCES[dtype]
     close = torch.isclose(g, w, equal_nan=equal_nan, **tol)
     if not close.all():
@@ -97,7 +98,8 @@ def assert_matches(
         raise AssertionError(
             f"{what}: {int(bad.sum())} of {g.numel()} elements differ from the reference beyond "
             f"atol={tol['atol']:g}, rtol={tol['rtol']:g} ({_dtype_name(dtype)}); max abs error {float(err):.4g}; "
-            f"first at index {idx}: got {float(g[idx]):.6g}, reference {float(w[idx]):.6g}")
+            f"first at index {idx}: got {float(g[idx]):.6g}, reference {float(w[idx]):.6g}"
+        )
 
 
 # -- case generators: each yields (case description, body) ----------------------------------
@@ -164,8 +166,8 @@ def _fused_moe(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
         def body(tokens=tokens, experts=experts, top_k=top_k, hidden=hidden, inter=inter, desc=desc) -> None:
             c = _Case(f"fused_moe{desc}{dtype}", seed, t.device)
             x = c.randn(tokens, hidden, dtype=dtype)
-            w13 = c.randn(experts, 2 * inter, hidden, dtype=dtype, scale=hidden ** -0.5)
-            w2 = c.randn(experts, hidden, inter, dtype=dtype, scale=inter ** -0.5)
+            w13 = c.randn(experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
+            w2 = c.randn(experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
             ids = torch.stack([c.randperm(experts)[:top_k] for _ in range(tokens)])
             # Rows need not sum to 1 (routers without renormalisation).
             weights = torch.rand(tokens, top_k, generator=c.gen) * 0.9 + 0.05
@@ -235,21 +237,26 @@ def _rotary_embedding(t: Target, fn: Callable, dtype: torch.dtype, seed: int) ->
         yield desc, body
 
 
-def _linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int,
-            prepare: Callable | None = None) -> Cases:
+def _linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int, prepare: Callable | None = None) -> Cases:
     """``linear`` on weights put through the registry's ``prepare_linear_weight`` (the
     contract: the pair equals the reference on the plain weight)."""
     streamed = prepare is None  # once, under ``linear`` rather than again under ``prepare_linear_weight``
     prepare = prepare or t.ops.get("prepare_linear_weight")
     # Output widths that are and are not multiples of 16 and an odd K: a platform may
     # pack only some shapes (the CPU's native packing needs N % 16 == 0, K % 2 == 0).
-    for lead, k, m, bias in [((1,), 64, 96, False), ((7,), 64, 128, True), ((33,), 128, 64, False),
-                             ((2, 3), 64, 48, True), ((50,), 96, 80, False), ((5,), 33, 70, True)]:
+    for lead, k, m, bias in [
+        ((1,), 64, 96, False),
+        ((7,), 64, 128, True),
+        ((33,), 128, 64, False),
+        ((2, 3), 64, 48, True),
+        ((50,), 96, 80, False),
+        ((5,), 33, 70, True),
+    ]:
         desc = f"{'x'.join(map(str, lead))}x{k}->{m}" + ("+bias" if bias else "")
 
         def body(lead=lead, k=k, m=m, bias=bias, desc=desc) -> None:
             c = _Case(f"linear{desc}{dtype}", seed, t.device)
-            x, w = c.randn(*lead, k, dtype=dtype), c.randn(m, k, dtype=dtype, scale=k ** -0.5)
+            x, w = c.randn(*lead, k, dtype=dtype), c.randn(m, k, dtype=dtype, scale=k**-0.5)
             b = c.randn(m, dtype=dtype) if bias else None
             got = fn(c.dev(x), prepare(c.dev(w)), None if b is None else c.dev(b))
             assert_matches("linear", got, reference.linear(x, w, b), dtype)
@@ -272,13 +279,17 @@ def _linear_streamed(t: Target, fn: Callable, dtype: torch.dtype, seed: int, op:
         def body(lead=lead, k=k, m=m, desc=desc) -> None:
             c = _Case(f"{op}{desc}{dtype}", seed, t.device)
             x = c.randn(*lead, k, dtype=dtype)
-            weights = [c.randn(m, k, dtype=dtype, scale=k ** -0.5) for _ in range(3)]
+            weights = [c.randn(m, k, dtype=dtype, scale=k**-0.5) for _ in range(3)]
             with torch.inference_mode():
                 slot = torch.empty_like(c.dev(weights[0]))  # one staging slot, as offload keeps
                 for i, w in enumerate(weights + weights[:1]):
                     slot.copy_(c.dev(w))
-                    assert_matches(f"{op} after rewriting the weight in place ({i + 1} times)",
-                                   fn(c.dev(x), slot, None), want_fn(x, w, None), dtype)
+                    assert_matches(
+                        f"{op} after rewriting the weight in place ({i + 1} times)",
+                        fn(c.dev(x), slot, None),
+                        want_fn(x, w, None),
+                        dtype,
+                    )
 
         yield desc, body
 
@@ -288,13 +299,18 @@ def _linear_silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed: int)
     ``prepare_linear_weight``, against the reference on the plain weight: halves that
     are and are not multiples of 16 (and of 32), an odd K, bias, 2-D and 3-D x."""
     prepare = t.ops.get("prepare_linear_weight")
-    for lead, k, d, bias in [((1,), 64, 48, False), ((7,), 64, 64, True), ((33,), 128, 40, False),
-                             ((2, 3), 64, 16, True), ((13,), 33, 32, False)]:
+    for lead, k, d, bias in [
+        ((1,), 64, 48, False),
+        ((7,), 64, 64, True),
+        ((33,), 128, 40, False),
+        ((2, 3), 64, 16, True),
+        ((13,), 33, 32, False),
+    ]:
         desc = f"{'x'.join(map(str, lead))}x{k}->2x{d}" + ("+bias" if bias else "")
 
         def body(lead=lead, k=k, d=d, bias=bias, desc=desc) -> None:
             c = _Case(f"linear_silu_and_mul{desc}{dtype}", seed, t.device)
-            x, w = c.randn(*lead, k, dtype=dtype, scale=2.0), c.randn(2 * d, k, dtype=dtype, scale=k ** -0.5)
+            x, w = c.randn(*lead, k, dtype=dtype, scale=2.0), c.randn(2 * d, k, dtype=dtype, scale=k**-0.5)
             b = c.randn(2 * d, dtype=dtype) if bias else None
             got = fn(c.dev(x), prepare(c.dev(w)), None if b is None else c.dev(b))
             assert_matches("linear_silu_and_mul", got, reference.linear_silu_and_mul(x, w, b), dtype)
@@ -343,8 +359,9 @@ def _argmax(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
                 raise AssertionError(f"argmax: expected int64 [{rows}], got {got.dtype} {list(got.shape)}")
             if not torch.equal(got.cpu(), want):
                 bad = (got.cpu() != want).nonzero().flatten().tolist()
-                raise AssertionError(f"argmax: rows {bad} differ: got {got.cpu()[bad].tolist()}, "
-                                     f"expected {want[bad].tolist()}")
+                raise AssertionError(
+                    f"argmax: rows {bad} differ: got {got.cpu()[bad].tolist()}, expected {want[bad].tolist()}"
+                )
 
         yield desc, body
 
@@ -352,15 +369,14 @@ def _argmax(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
 def _apply_token_bitmask(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
     """Random masks (full, empty and mixed words), all rows or some (``indices``), and
     logits wider than the mask (vocabulary padding, which must end up -inf)."""
-    for rows, vocab, words, some in ((1, 70, 3, False), (5, 1000, 32, True), (4, 129, 4, False),
-                                     (3, 200, 5, True)):
+    for rows, vocab, words, some in ((1, 70, 3, False), (5, 1000, 32, True), (4, 129, 4, False), (3, 200, 5, True)):
         desc = f"[{rows}x{vocab}/{words}w{'/idx' if some else ''}]"
         c = _Case(f"apply_token_bitmask{desc}{dtype}", seed, t.device)
 
         def body(c=c, rows=rows, vocab=vocab, words=words, some=some) -> None:
             logits = c.randn(rows, vocab, dtype=dtype)
             sel = c.randperm(rows)[: max(1, rows // 2)].sort().values if some else torch.arange(rows)
-            mask = c.randint(-2**31, 2**31 - 1, len(sel), words).to(torch.int32)
+            mask = c.randint(-(2**31), 2**31 - 1, len(sel), words).to(torch.int32)
             mask[0, 0] = -1  # a word of all-allowed
             if len(sel) > 1:
                 mask[1, -1] = 0  # a word of none
@@ -388,8 +404,10 @@ def _reshape_and_cache(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -
             def body(block_size=block_size, kv_heads=kv_heads, head=head, desc=desc) -> None:
                 num_blocks, n = 6, 11
                 if not t.reference_layout(num_blocks, block_size, kv_heads, head):
-                    raise CheckSkipped("the platform declares its own KV layout; reshape_and_cache is "
-                                       "checked together with paged_attention")
+                    raise CheckSkipped(
+                        "the platform declares its own KV layout; reshape_and_cache is "
+                        "checked together with paged_attention"
+                    )
                 c = _Case(f"reshape_and_cache{desc}{dtype}", seed, t.device)
                 k, v = c.randn(n, kv_heads, head, dtype=dtype), c.randn(n, kv_heads, head, dtype=dtype)
                 # Distinct slots, never the last one (where a slot of -1 would land if
@@ -450,24 +468,31 @@ def _accepts(fn: Callable, name: str) -> bool:
 
 
 def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    shapes = [(block_size, heads, kv_heads, 64, {}) for block_size in (16, 32)
-              for heads, kv_heads in [(4, 4), (4, 2), (8, 2)]]
+    shapes = [
+        (block_size, heads, kv_heads, 64, {}) for block_size in (16, 32) for heads, kv_heads in [(4, 4), (4, 2), (8, 2)]
+    ]
     shapes.append((16, 4, 1, 128, {}))
     # Windows shorter than the contexts (and than some prefill chunks); Gemma-2-style soft-cap.
-    shapes += [(16, 4, 2, 64, {"sliding_window": 7}), (16, 8, 2, 64, {"sliding_window": 40}),
-               (16, 4, 2, 64, {"soft_cap": 2.0}), (32, 4, 1, 64, {"sliding_window": 19, "soft_cap": 3.0})]
+    shapes += [
+        (16, 4, 2, 64, {"sliding_window": 7}),
+        (16, 8, 2, 64, {"sliding_window": 40}),
+        (16, 4, 2, 64, {"soft_cap": 2.0}),
+        (32, 4, 1, 64, {"sliding_window": 19, "soft_cap": 3.0}),
+    ]
     for block_size, heads, kv_heads, head, extra in shapes:
         desc = f"bs{block_size}-h{heads}kv{kv_heads}-d{head}" + "".join(f"-{k}{v}" for k, v in extra.items())
 
         def body(block_size=block_size, heads=heads, kv_heads=kv_heads, head=head, desc=desc, extra=extra) -> None:
             missing = [k for k in extra if not _accepts(fn, k)]
             if missing:
-                raise CheckSkipped(f"paged_attention takes no {', '.join(missing)}: models with such layers "
-                                   "fail on this platform")
+                raise CheckSkipped(
+                    f"paged_attention takes no {', '.join(missing)}: models with such layers fail on this platform"
+                )
             c = _Case(f"paged_attention{desc}{dtype}", seed, t.device)
-            query, kc, vc, tables, seq_lens, qsl, num_blocks = _attention_inputs(c, dtype, block_size, heads,
-                                                                                  kv_heads, head)
-            scale = head ** -0.5
+            query, kc, vc, tables, seq_lens, qsl, num_blocks = _attention_inputs(
+                c, dtype, block_size, heads, kv_heads, head
+            )
+            scale = head**-0.5
             want = reference.paged_attention(query, kc, vc, tables, seq_lens, qsl, scale, **extra)
             pkc, pvc = t.platform.allocate_kv_cache(num_blocks, block_size, kv_heads, head, dtype)
             how = ""
@@ -526,8 +551,12 @@ def _block_copy_cases(op: str, t: Target, fn: Callable, dtype: torch.dtype, seed
 
 #: (rows, in, out, rank, slots, slot pattern) of the lora_linear cases: one decode row,
 #: a mixed batch in no particular order, rows of one adapter, no adapter at all.
-LORA_CASES = ((1, 64, 96, 8, 2, "mixed"), (37, 128, 192, 16, 3, "mixed"), (9, 64, 80, 4, 1, "one"),
-              (5, 64, 64, 8, 2, "none"))
+LORA_CASES = (
+    (1, 64, 96, 8, 2, "mixed"),
+    (37, 128, 192, 16, 3, "mixed"),
+    (9, 64, 80, 4, 1, "one"),
+    (5, 64, 64, 8, 2, "none"),
+)
 
 
 def _rejection_sample(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
@@ -555,8 +584,14 @@ def _rejection_sample(t: Target, fn: Callable, dtype: torch.dtype, seed: int) ->
             drafts = torch.where(torch.rand(batch, k, generator=c.gen) < 0.5, target[:, :k].argmax(-1), drafts)
             uniform, recover = torch.rand(batch, k, generator=c.gen), torch.rand(batch, k + 1, generator=c.gen)
             want = reference.rejection_sample(drafts, num, q, target, uniform, recover)
-            got = fn(c.dev(drafts), c.dev(num), None if q is None else c.dev(q), c.dev(target), c.dev(uniform),
-                     c.dev(recover))
+            got = fn(
+                c.dev(drafts),
+                c.dev(num),
+                None if q is None else c.dev(q),
+                c.dev(target),
+                c.dev(uniform),
+                c.dev(recover),
+            )
             assert_matches("rejection_sample", got.cpu(), want, torch.int64, exact=True)
 
         yield desc, body
@@ -573,18 +608,22 @@ def _lora_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Case
             x = c.randn(rows, k, dtype=dtype)
             a = c.randn(slots, r, k, dtype=dtype, scale=0.2)
             b = c.randn(slots, n, r, dtype=dtype, scale=0.2)
-            ids = {"mixed": c.randint(-1, slots, rows), "one": torch.full((rows,), slots - 1),
-                   "none": torch.full((rows,), -1)}[pattern].to(torch.int64)
+            ids = {
+                "mixed": c.randint(-1, slots, rows),
+                "one": torch.full((rows,), slots - 1),
+                "none": torch.full((rows,), -1),
+            }[pattern].to(torch.int64)
             wide = c.randn(rows, n + 24, dtype=dtype)
             want = wide.clone()
-            reference.lora_linear(want[:, 8:8 + n], x, a, b, ids)
+            reference.lora_linear(want[:, 8 : 8 + n], x, a, b, ids)
             got = c.dev(wide)
-            out = fn(got[:, 8:8 + n], c.dev(x), c.dev(a), c.dev(b), c.dev(ids))
-            assert_matches(f"lora_linear ({desc}) return", out, want[:, 8:8 + n], dtype)
+            out = fn(got[:, 8 : 8 + n], c.dev(x), c.dev(a), c.dev(b), c.dev(ids))
+            assert_matches(f"lora_linear ({desc}) return", out, want[:, 8 : 8 + n], dtype)
             assert_matches(f"lora_linear ({desc})", got, want, dtype)
             untouched = (ids < 0).nonzero().squeeze(1)
-            assert_matches(f"lora_linear ({desc}) rows without adapter", got.cpu()[untouched], want[untouched],
-                           dtype, exact=True)
+            assert_matches(
+                f"lora_linear ({desc}) rows without adapter", got.cpu()[untouched], want[untouched], dtype, exact=True
+            )
 
         yield desc, body
 

@@ -16,15 +16,18 @@ __all__ = ["platform_checks"]
 
 def _identity(t: Target) -> str:
     p = t.platform
-    assert isinstance(p.name, str) and p.name == t.info.name, \
+    assert isinstance(p.name, str) and p.name == t.info.name, (
         f"Platform.name is {p.name!r} but the platform was registered as {t.info.name!r}"
+    )
     ok, reason = t.info.cls.is_available()
     assert ok is True or ok is False, f"is_available() must return (bool, str), got ({ok!r}, ...)"
-    assert isinstance(reason, str) and reason.strip(), \
+    assert isinstance(reason, str) and reason.strip(), (
         "is_available() must give a reason a user can act on, got an empty one"
+    )
     assert ok, f"is_available() says the platform is unavailable: {reason}"
-    assert isinstance(p.device, torch.device) and p.device.type == p.device_type, \
+    assert isinstance(p.device, torch.device) and p.device.type == p.device_type, (
         f"Platform.device is {p.device!r}, expected a torch.device of type {p.device_type!r}"
+    )
     assert isinstance(p.dist_backend, str) and p.dist_backend, "Platform.dist_backend must name a backend"
     return f"device {p.device}, dist backend {p.dist_backend}: {reason}"
 
@@ -95,8 +98,9 @@ def _tuning(t: Target) -> str:
     for member in ("host_copy_bandwidth", "compute_flops"):
         value = getattr(p, member)
         assert isinstance(value, (int, float)) and 0 < value < float("inf"), f"{member} is {value!r}"
-    return (f"memory utilization {util:g}, host copy {p.host_copy_bandwidth:.3g} B/s, "
-            f"compute {p.compute_flops:.3g} FLOP/s")
+    return (
+        f"memory utilization {util:g}, host copy {p.host_copy_bandwidth:.3g} B/s, compute {p.compute_flops:.3g} FLOP/s"
+    )
 
 
 def platform_checks(target: Target) -> list[Check]:
@@ -112,7 +116,8 @@ def platform_checks(target: Target) -> list[Check]:
     for dtype in t.dtypes():
         name = str(dtype).removeprefix("torch.")
         for block_size in (16, 32):
-            checks.append(Check(f"platform:kv-cache[{name}-bs{block_size}]",
-                                lambda d=dtype, b=block_size: _kv_cache(t, d, b)))
+            checks.append(
+                Check(f"platform:kv-cache[{name}-bs{block_size}]", lambda d=dtype, b=block_size: _kv_cache(t, d, b))
+            )
         checks.append(Check(f"platform:copy-async[{name}]", lambda d=dtype: _copy_async(t, d)))
     return checks

@@ -43,15 +43,18 @@ def assert_close_relative(what: str, got: object, want: torch.Tensor, dtype: tor
     rms = w.pow(2).mean().sqrt().item()
     rel = ((g - w).norm() / w.norm()).item()
     if rel > tol:
-        raise AssertionError(f"{what}: relative error {rel:.4g} exceeds {tol:g} ({_dtype_name(dtype)}); "
-                             f"reference RMS {rms:.4g}")
+        raise AssertionError(
+            f"{what}: relative error {rel:.4g} exceeds {tol:g} ({_dtype_name(dtype)}); reference RMS {rms:.4g}"
+        )
     err = (g - w).abs()
     worst = int(err.argmax())
     bound = ELEMENT_FACTOR * tol * rms
     if err.view(-1)[worst] > bound:
         idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), g.shape))
-        raise AssertionError(f"{what}: element {idx} is {float(g[idx]):.6g}, reference {float(w[idx]):.6g}: "
-                             f"off by more than {bound:.4g} ({ELEMENT_FACTOR:g} x {tol:g} x the reference's RMS)")
+        raise AssertionError(
+            f"{what}: element {idx} is {float(g[idx]):.6g}, reference {float(w[idx]):.6g}: "
+            f"off by more than {bound:.4g} ({ELEMENT_FACTOR:g} x {tol:g} x the reference's RMS)"
+        )
 
 
 def _tol(op: str, dtype: torch.dtype) -> float:
@@ -117,8 +120,7 @@ def _int8_cases(op: str) -> Callable[[Target, Callable, torch.dtype, int], Cases
 
 def _fp8_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
     # Multiples of 16 (FP8 tensor-core GEMMs want them); per-channel and per-tensor scales.
-    for m, k, n, per_channel, bias in [(1, 64, 48, True, False), (7, 128, 32, False, True),
-                                       (33, 64, 64, True, True)]:
+    for m, k, n, per_channel, bias in [(1, 64, 48, True, False), (7, 128, 32, False, True), (33, 64, 64, True, True)]:
         desc = _desc(m, k, n, bias, "channel-" if per_channel else "tensor-")
 
         def body(m=m, k=k, n=n, per_channel=per_channel, bias=bias, desc=desc) -> None:

@@ -53,10 +53,16 @@ def write_byte_tokenizer(path: Path) -> int:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(_SPECIALS)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }), encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        ),
+        encoding="utf-8",
+    )
     return len(vocab)
 
 
@@ -119,8 +125,9 @@ def write_llama_safetensors(path: Path, vocab_size: int, spec: TinyLlamaSpec, se
 def _write_with_transformers(path: Path, vocab_size: int, spec: TinyLlamaSpec, seed: int) -> None:
     import transformers
 
-    cfg = {k: v for k, v in _config(spec, vocab_size).items()
-           if k not in ("architectures", "model_type", "torch_dtype")}
+    cfg = {
+        k: v for k, v in _config(spec, vocab_size).items() if k not in ("architectures", "model_type", "torch_dtype")
+    }
     # fork_rng: transformers initialises from the global generator; do not disturb the caller's.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -140,9 +147,7 @@ def _write_with_transformers(path: Path, vocab_size: int, spec: TinyLlamaSpec, s
             logging.enable_progress_bar()
 
 
-def make_tiny_llama(
-    path: str | Path, spec: TinyLlamaSpec | None = None, seed: int = 0, writer: str = "auto"
-) -> Path:
+def make_tiny_llama(path: str | Path, spec: TinyLlamaSpec | None = None, seed: int = 0, writer: str = "auto") -> Path:
     """Create a tiny random Llama checkpoint folder at ``path`` and return it.
 
     writer: "transformers", "safetensors" (pagedserve's own writer) or "auto"

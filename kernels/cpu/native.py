@@ -80,8 +80,10 @@ def choose_isa(compiled: Sequence[str], features: frozenset[str], requested: str
         runnable = list(compiled)
     if requested:
         if requested not in runnable:
-            raise ValueError(f"instruction set {requested!r} is not available here: compiled "
-                             f"{', '.join(compiled)}; runnable on this CPU {', '.join(runnable) or 'none'}")
+            raise ValueError(
+                f"instruction set {requested!r} is not available here: compiled "
+                f"{', '.join(compiled)}; runnable on this CPU {', '.join(runnable) or 'none'}"
+            )
         return requested
     if not runnable:
         raise ValueError(f"none of the compiled instruction sets ({', '.join(compiled)}) runs on this CPU")
@@ -139,19 +141,38 @@ class NativeCpuKernels:
         The native kernel has no sliding window or soft-cap yet: layers that use them
         run the reference."""
         if sliding_window is not None or soft_cap is not None:
-            return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                             query_start_loc, scale, out, sliding_window, soft_cap)
+            return reference.paged_attention(
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                scale,
+                out,
+                sliding_window,
+                soft_cap,
+            )
         dtype = query.dtype
         if out is None:
             out = torch.empty(query.shape, dtype=dtype, device=query.device)
-        if (dtype in _DTYPES and key_cache.dtype == dtype and value_cache.dtype == dtype and out.dtype == dtype
-                and query.shape[-1] in self.head_sizes and query.device.type == "cpu"
-                and query.stride(-1) == 1 and out.stride(-1) == 1):
-            self.module.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                        query_start_loc, float(scale), out, self._isa)
+        if (
+            dtype in _DTYPES
+            and key_cache.dtype == dtype
+            and value_cache.dtype == dtype
+            and out.dtype == dtype
+            and query.shape[-1] in self.head_sizes
+            and query.device.type == "cpu"
+            and query.stride(-1) == 1
+            and out.stride(-1) == 1
+        ):
+            self.module.paged_attention(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale), out, self._isa
+            )
             return out
-        return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                         query_start_loc, scale, out)
+        return reference.paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out
+        )
 
     def reshape_and_cache(
         self,
@@ -181,9 +202,15 @@ class NativeCpuKernels:
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """See reference.fused_add_rms_norm; updates x (normed) and residual in place."""
-        if (x.dtype not in _DTYPES or residual.dtype != x.dtype or x.device.type != "cpu"
-                or x.shape != residual.shape or not x.is_contiguous() or not residual.is_contiguous()
-                or _overlap(x, residual)):
+        if (
+            x.dtype not in _DTYPES
+            or residual.dtype != x.dtype
+            or x.device.type != "cpu"
+            or x.shape != residual.shape
+            or not x.is_contiguous()
+            or not residual.is_contiguous()
+            or _overlap(x, residual)
+        ):
             return reference.fused_add_rms_norm(x, residual, weight, eps)
         self.module.fused_add_rms_norm(x, residual, weight.to(x.dtype), float(eps), self._isa)
         return x, residual
@@ -197,9 +224,16 @@ class NativeCpuKernels:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """See reference.rotary_embedding; rotates query [T, H, D] and key [T, Hkv, D]
         in place and returns them."""
-        if (query.dtype not in _DTYPES or key.dtype != query.dtype or query.dim() != 3 or key.dim() != 3
-                or query.device.type != "cpu" or query.stride(-1) != 1 or key.stride(-1) != 1
-                or query.data_ptr() == key.data_ptr()):
+        if (
+            query.dtype not in _DTYPES
+            or key.dtype != query.dtype
+            or query.dim() != 3
+            or key.dim() != 3
+            or query.device.type != "cpu"
+            or query.stride(-1) != 1
+            or key.stride(-1) != 1
+            or query.data_ptr() == key.data_ptr()
+        ):
             return reference.rotary_embedding(positions, query, key, cos_sin_cache)
         if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
             cos_sin_cache = cos_sin_cache.float().contiguous()  # exact: the reference computes in fp32
@@ -209,10 +243,18 @@ class NativeCpuKernels:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """See reference.linear.  Up to LINEAR_MAX_ROWS bf16 rows (decode) go to the skinny
         kernel, which reads each weight once; larger batches to torch's GEMM."""
-        if (not self.has_linear or x.dim() != 2 or x.shape[0] > LINEAR_MAX_ROWS or x.dtype != torch.bfloat16
-                or weight.dtype != torch.bfloat16 or x.device.type != "cpu" or weight.device.type != "cpu"
-                or x.stride(-1) != 1 or weight.stride(-1) != 1
-                or (bias is not None and bias.dtype != torch.bfloat16)):
+        if (
+            not self.has_linear
+            or x.dim() != 2
+            or x.shape[0] > LINEAR_MAX_ROWS
+            or x.dtype != torch.bfloat16
+            or weight.dtype != torch.bfloat16
+            or x.device.type != "cpu"
+            or weight.device.type != "cpu"
+            or x.stride(-1) != 1
+            or weight.stride(-1) != 1
+            or (bias is not None and bias.dtype != torch.bfloat16)
+        ):
             return reference.linear(x, weight, bias)
         return self.module.linear(x, weight, bias, self._isa)
 
@@ -220,9 +262,15 @@ class NativeCpuKernels:
         """A bf16 weight [N, K] -> the packed kernel's layout [N/16, K/2, 16, 2] (for every
         16 output columns, the (w[n][k], w[n][k+1]) pairs of each pair of k), or None
         when this build has no packed kernel or N % 16 or K % 2 is not 0."""
-        if (not self.has_packed_linear or weight.dim() != 2 or weight.dtype != torch.bfloat16
-                or weight.device.type != "cpu" or weight.numel() == 0
-                or weight.shape[0] % 16 or weight.shape[1] % 2):
+        if (
+            not self.has_packed_linear
+            or weight.dim() != 2
+            or weight.dtype != torch.bfloat16
+            or weight.device.type != "cpu"
+            or weight.numel() == 0
+            or weight.shape[0] % 16
+            or weight.shape[1] % 2
+        ):
             return None
         n, k = weight.shape
         return weight.contiguous().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
@@ -231,22 +279,32 @@ class NativeCpuKernels:
         """reference.linear(x, w, bias) for ``packed = pack_linear_weight(w)``: bf16 x
         [..., K] through the packed kernel (float32 sums, one rounding to bf16); other
         dtypes through the reference on the unpacked weight."""
-        if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.stride(-1) != 1
-                or (bias is not None and bias.dtype != torch.bfloat16)):
+        if (
+            x.dtype != torch.bfloat16
+            or x.device.type != "cpu"
+            or x.stride(-1) != 1
+            or (bias is not None and bias.dtype != torch.bfloat16)
+        ):
             w = unpack_linear_weight(packed).to(x.dtype)
             return reference.linear(x, w, None if bias is None else bias.to(x.dtype))
         lead = x.shape[:-1]
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         return self.module.packed_linear(x2, packed, bias, self._isa).view(*lead, packed.shape[0] * 16)
 
-    def packed_linear_silu_and_mul(self, x: torch.Tensor, packed: torch.Tensor,
-                                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    def packed_linear_silu_and_mul(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """reference.linear_silu_and_mul(x, w, bias) for ``packed = pack_linear_weight(w)``,
         w = cat(gate, up) [2*d, K]: bf16 x through the gated packed kernel, which rounds
         both products to bf16 as the linear would and writes only the [..., d] result;
         otherwise (other dtypes, d % 16 != 0) packed_linear then silu_and_mul."""
-        if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.stride(-1) != 1 or packed.shape[0] % 2
-                or (bias is not None and bias.dtype != torch.bfloat16)):
+        if (
+            x.dtype != torch.bfloat16
+            or x.device.type != "cpu"
+            or x.stride(-1) != 1
+            or packed.shape[0] % 2
+            or (bias is not None and bias.dtype != torch.bfloat16)
+        ):
             return self.silu_and_mul(self.packed_linear(x, packed, bias))
         lead = x.shape[:-1]
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -258,11 +316,18 @@ class NativeCpuKernels:
             return reference.argmax(x)
         return self.module.argmax(x, self._isa)
 
-    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
-                            indices: torch.Tensor | None = None) -> torch.Tensor:
+    def apply_token_bitmask(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """See reference.apply_token_bitmask (in place; returns logits)."""
-        if (logits.dim() != 2 or logits.dtype not in _DTYPES or logits.device.type != "cpu"
-                or logits.stride(-1) != 1 or bitmask.dtype != torch.int32 or bitmask.device.type != "cpu"):
+        if (
+            logits.dim() != 2
+            or logits.dtype not in _DTYPES
+            or logits.device.type != "cpu"
+            or logits.stride(-1) != 1
+            or bitmask.dtype != torch.int32
+            or bitmask.device.type != "cpu"
+        ):
             return reference.apply_token_bitmask(logits, bitmask, indices)
         self.module.apply_token_bitmask(logits, bitmask.contiguous(), indices)
         return logits
@@ -274,8 +339,9 @@ class NativeCpuKernels:
         return self.module.silu_and_mul(x, self._isa)
 
 
-def load_cpu_kernels(isa: str | None = None, verbose: bool = False,
-                     preferred_isa: str | None = None) -> NativeCpuKernels | None:
+def load_cpu_kernels(
+    isa: str | None = None, verbose: bool = False, preferred_isa: str | None = None
+) -> NativeCpuKernels | None:
     """Load (building on first use) the native CPU kernels.
 
     ``isa`` forces an instruction set (ValueError if it cannot run here); otherwise
@@ -286,8 +352,11 @@ def load_cpu_kernels(isa: str | None = None, verbose: bool = False,
     try:
         module, _ = build.load_cpu_extension(verbose=verbose)
     except build.KernelBuildError as exc:
-        warnings.warn(f"pagedserve: native CPU kernels unavailable ({exc}); using the torch reference kernels",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"pagedserve: native CPU kernels unavailable ({exc}); using the torch reference kernels",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
     compiled = list(module.compiled_isas())
     features = build.read_cpu_features()

@@ -41,12 +41,17 @@ def quant_build_spec() -> build.ExtensionSpec:
     for name in SOURCES:
         digest.update(name.encode())
         digest.update((build.CPU_DIR / name).read_bytes())
-    digest.update(json.dumps([cflags, compiler, torch.__version__, sys.version_info[:2],
-                              platform.machine()]).encode())
+    digest.update(json.dumps([cflags, compiler, torch.__version__, sys.version_info[:2], platform.machine()]).encode())
     name = f"pagedserve_quant_{digest.hexdigest()[:16]}"
-    return build.ExtensionSpec(name=name, directory=build.kernel_cache_root() / name,
-                              sources=tuple(build.CPU_DIR / s for s in SOURCES), cflags=cflags,
-                              arch_flags=tuple(arch), arch_origin=origin, compiler=compiler)
+    return build.ExtensionSpec(
+        name=name,
+        directory=build.kernel_cache_root() / name,
+        sources=tuple(build.CPU_DIR / s for s in SOURCES),
+        cflags=cflags,
+        arch_flags=tuple(arch),
+        arch_origin=origin,
+        compiler=compiler,
+    )
 
 
 @functools.lru_cache(maxsize=1)

@@ -40,9 +40,15 @@ def spec_build_spec() -> build.ExtensionSpec:
         digest.update((build.CPU_DIR / name).read_bytes())
     digest.update(json.dumps([cflags, compiler, torch.__version__, sys.version_info[:2], platform.machine()]).encode())
     name = f"pagedserve_spec_{digest.hexdigest()[:16]}"
-    return build.ExtensionSpec(name=name, directory=build.kernel_cache_root() / name,
-                               sources=tuple(build.CPU_DIR / s for s in SOURCES), cflags=cflags,
-                               arch_flags=(), arch_origin="portable", compiler=compiler)
+    return build.ExtensionSpec(
+        name=name,
+        directory=build.kernel_cache_root() / name,
+        sources=tuple(build.CPU_DIR / s for s in SOURCES),
+        cflags=cflags,
+        arch_flags=(),
+        arch_origin="portable",
+        compiler=compiler,
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,25 +58,36 @@ def load_spec_kernels() -> ModuleType | None:
     try:
         return build.load_extension(spec_build_spec(), "the speculative-decoding CPU kernel")[0]
     except build.KernelBuildError as exc:
-        warnings.warn(f"speculative-decoding CPU kernel unavailable ({exc}); using the torch reference",
-                      stacklevel=2)
+        warnings.warn(f"speculative-decoding CPU kernel unavailable ({exc}); using the torch reference", stacklevel=2)
         return None
 
 
-def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                     target_probs: torch.Tensor, uniform: torch.Tensor, recover_uniform: torch.Tensor) -> torch.Tensor:
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    uniform: torch.Tensor,
+    recover_uniform: torch.Tensor,
+) -> torch.Tensor:
     """``reference.rejection_sample`` through the native kernel (CPU float32 inputs;
     anything else goes to the reference)."""
     tensors = [draft_token_ids, num_draft_tokens, target_probs, uniform, recover_uniform]
     if draft_probs is not None:
         tensors.append(draft_probs)
-    if any(t.device.type != "cpu" for t in tensors) or target_probs.dtype != torch.float32 \
-            or (draft_probs is not None and draft_probs.dtype != torch.float32):
-        return reference.rejection_sample(draft_token_ids, num_draft_tokens, draft_probs, target_probs, uniform,
-                                          recover_uniform)
+    if (
+        any(t.device.type != "cpu" for t in tensors)
+        or target_probs.dtype != torch.float32
+        or (draft_probs is not None and draft_probs.dtype != torch.float32)
+    ):
+        return reference.rejection_sample(
+            draft_token_ids, num_draft_tokens, draft_probs, target_probs, uniform, recover_uniform
+        )
     module = load_spec_kernels()  # built on first use, not when the platform is chosen
     if module is None:
-        return reference.rejection_sample(draft_token_ids, num_draft_tokens, draft_probs, target_probs, uniform,
-                                          recover_uniform)
-    return module.rejection_sample(draft_token_ids, num_draft_tokens, draft_probs, target_probs, uniform,
-                                   recover_uniform)
+        return reference.rejection_sample(
+            draft_token_ids, num_draft_tokens, draft_probs, target_probs, uniform, recover_uniform
+        )
+    return module.rejection_sample(
+        draft_token_ids, num_draft_tokens, draft_probs, target_probs, uniform, recover_uniform
+    )

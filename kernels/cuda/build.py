@@ -94,9 +94,16 @@ def cuda_build_spec() -> build.ExtensionSpec:
     directory = build_directory()
     name = f"{EXTENSION_NAME}_{hashlib.sha256(directory.name.encode()).hexdigest()[:16]}"
     return build.ExtensionSpec(
-        name=name, directory=directory, sources=tuple(SOURCE_DIR / s for s in SOURCES), cflags=tuple(_CXX_FLAGS),
-        arch_flags=(_arch_tag(),), arch_origin="TORCH_CUDA_ARCH_LIST or the visible GPUs",
-        compiler=os.environ.get("CXX", "c++"), include_dirs=(SOURCE_DIR,), cuda_cflags=tuple(_NVCC_FLAGS))
+        name=name,
+        directory=directory,
+        sources=tuple(SOURCE_DIR / s for s in SOURCES),
+        cflags=tuple(_CXX_FLAGS),
+        arch_flags=(_arch_tag(),),
+        arch_origin="TORCH_CUDA_ARCH_LIST or the visible GPUs",
+        compiler=os.environ.get("CXX", "c++"),
+        include_dirs=(SOURCE_DIR,),
+        cuda_cflags=tuple(_NVCC_FLAGS),
+    )
 
 
 def build_cuda_extension(verbose: bool = False) -> ModuleType:

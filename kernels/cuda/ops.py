@@ -45,8 +45,9 @@ def paged_attention(
         # No windowed / soft-capped variant of this kernel yet: the reference is correct.
         from pagedserve.kernels import reference
 
-        return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                         query_start_loc, scale, out, sliding_window, soft_cap)
+        return reference.paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out, sliding_window, soft_cap
+        )
     ext = load_cuda_extension()
     num_tokens, _, head_size = query.shape
     same_dtype = query.dtype == key_cache.dtype == value_cache.dtype and (out is None or out.dtype == query.dtype)
@@ -54,13 +55,13 @@ def paged_attention(
     if decode_shaped and same_dtype and ext.supports_head_size(head_size):
         if out is None:
             out = torch.empty_like(query)
-        ext.paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                   query_start_loc, float(scale))
+        ext.paged_attention_decode(
+            out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale)
+        )
         return out
     from pagedserve.kernels.triton import attention
 
-    return attention.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                     query_start_loc, scale, out)
+    return attention.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
 
 
 def reshape_and_cache(

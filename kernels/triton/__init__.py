@@ -53,5 +53,8 @@ def triton_ops() -> dict[str, Callable[..., Any]]:
     """
     from pagedserve.kernels.triton import attention, bitmask, cache
 
-    return {"paged_attention": attention.paged_attention, "reshape_and_cache": cache.reshape_and_cache,
-            "apply_token_bitmask": bitmask.apply_token_bitmask}
+    return {
+        "paged_attention": attention.paged_attention,
+        "reshape_and_cache": cache.reshape_and_cache,
+        "apply_token_bitmask": bitmask.apply_token_bitmask,
+    }

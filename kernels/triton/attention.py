@@ -78,16 +78,38 @@ def _find_seq_idx(qsl_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, num_seqs, head_size, block_size, split_chunk, window, soft_cap,
-    stride_qt, stride_qh,
-    stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    num_seqs,
+    head_size,
+    block_size,
+    split_chunk,
+    window,
+    soft_cap,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
-    stride_pt, stride_ph, stride_ps,
-    stride_lt, stride_lh,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -122,7 +144,8 @@ def _paged_attention_kernel(
 
     q = tl.load(
         q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-        mask=row_valid[:, None] & dim_valid[None, :], other=0.0,
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
     )
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -196,11 +219,20 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _reduce_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, qsl_ptr,
-    num_seqs, num_splits, head_size,
-    stride_pt, stride_ph, stride_ps,
-    stride_lt, stride_lh,
-    stride_ot, stride_oh,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    qsl_ptr,
+    num_seqs,
+    num_splits,
+    head_size,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
     SPLIT_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
 ):
@@ -216,18 +248,21 @@ def _reduce_splits_kernel(
     dims = tl.arange(0, HEAD_PAD)
     s_valid = splits < num_splits
     t64 = token.to(tl.int64)
-    lse = tl.load(part_lse_ptr + t64 * stride_lt + head * stride_lh + splits, mask=s_valid,
-                  other=float("-inf"))
+    lse = tl.load(part_lse_ptr + t64 * stride_lt + head * stride_lh + splits, mask=s_valid, other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(lse - m_safe)  # empty splits have lse = -inf -> weight 0
     part = part_out_ptr + t64 * stride_pt + head * stride_ph
-    o = tl.load(part + splits[:, None] * stride_ps + dims[None, :],
-                mask=s_valid[:, None] & (dims[None, :] < head_size), other=0.0)
+    o = tl.load(
+        part + splits[:, None] * stride_ps + dims[None, :],
+        mask=s_valid[:, None] & (dims[None, :] < head_size),
+        other=0.0,
+    )
     w_sum = tl.sum(w, 0)
     res = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)
-    tl.store(out_ptr + t64 * stride_ot + head * stride_oh + dims, res.to(out_ptr.dtype.element_ty),
-             mask=dims < head_size)
+    tl.store(
+        out_ptr + t64 * stride_ot + head * stride_oh + dims, res.to(out_ptr.dtype.element_ty), mask=dims < head_size
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -238,7 +273,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    num_tokens: int, num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int,
+    num_tokens: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context: int,
+    num_sms: int,
     block_q: int = 1,
 ) -> int:
     """Number of KV splits for a launch (1 = single pass), from shapes alone.
@@ -279,8 +318,14 @@ def _check_inputs(
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), last_dim_contiguous=True)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), contiguous=True)
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), contiguous=True)
-    tensors = dict(query=query, key_cache=key_cache, value_cache=value_cache,
-                   block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
+    tensors = dict(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+    )
     if out is not None:
         check_tensor("out", out, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
         if out.shape != query.shape:
@@ -386,8 +431,7 @@ def paged_attention_fixed_splits(
     split_chunk = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), tile_n) * tile_n
 
     if split:
-        part_out = torch.empty(num_tokens, num_heads, num_splits, head_size,
-                               dtype=torch.float32, device=query.device)
+        part_out = torch.empty(num_tokens, num_heads, num_splits, head_size, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
         p_strides = part_out.stride()[:3]
         l_strides = part_lse.stride()[:2]
@@ -397,27 +441,59 @@ def paged_attention_fixed_splits(
 
     grid = (num_q_blocks, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        out, part_out, part_lse,
-        scale * _LOG2E, num_seqs, head_size, block_size, split_chunk, sliding_window or 0, soft_cap or 1.0,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        part_out,
+        part_lse,
+        scale * _LOG2E,
+        num_seqs,
+        head_size,
+        block_size,
+        split_chunk,
+        sliding_window or 0,
+        soft_cap or 1.0,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
         *p_strides,
         *l_strides,
-        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, HEAD_PAD=head_pad,
-        DOT_FP32=dot_fp32, SPLIT=split, WINDOW=sliding_window is not None, SOFT_CAP=soft_cap is not None,
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        TILE_N=tile_n,
+        HEAD_PAD=head_pad,
+        DOT_FP32=dot_fp32,
+        SPLIT=split,
+        WINDOW=sliding_window is not None,
+        SOFT_CAP=soft_cap is not None,
         num_warps=num_warps,
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, query_start_loc,
-            num_seqs, num_splits, head_size,
+            part_out,
+            part_lse,
+            out,
+            query_start_loc,
+            num_seqs,
+            num_splits,
+            head_size,
             *p_strides,
             *l_strides,
-            out.stride(0), out.stride(1),
+            out.stride(0),
+            out.stride(1),
             SPLIT_PAD=next_power_of_2(num_splits),
             HEAD_PAD=next_power_of_2(head_size),
         )
@@ -462,12 +538,23 @@ def paged_attention(
     head_pad = max(16, next_power_of_2(head_size))
     block_m, _, _ = _tile_config(num_tokens <= 2 * num_seqs, group, head_pad, _use_fp32_dot(query, key_cache))
     num_splits = choose_num_splits(
-        num_tokens, num_seqs, num_kv_heads,
+        num_tokens,
+        num_seqs,
+        num_kv_heads,
         max_context=block_tables.shape[1] * key_cache.shape[1],
         num_sms=_num_sms(query.device),
         block_q=block_m // group,
     )
     return paged_attention_fixed_splits(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-        num_splits, out, sliding_window, soft_cap,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        num_splits,
+        out,
+        sliding_window,
+        soft_cap,
     )

@@ -18,8 +18,9 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _bitmask_kernel(logits_ptr, bitmask_ptr, indices_ptr, vocab, words, stride_row,
-                    HAS_INDICES: tl.constexpr, BLOCK: tl.constexpr):
+def _bitmask_kernel(
+    logits_ptr, bitmask_ptr, indices_ptr, vocab, words, stride_row, HAS_INDICES: tl.constexpr, BLOCK: tl.constexpr
+):
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row = i
@@ -30,12 +31,14 @@ def _bitmask_kernel(logits_ptr, bitmask_ptr, indices_ptr, vocab, words, stride_r
     word = tl.load(bitmask_ptr + i * words + word_idx, mask=in_vocab & (word_idx < words), other=0)
     allowed = ((word >> (cols % 32)) & 1) != 0
     ptrs = logits_ptr + row.to(tl.int64) * stride_row + cols
-    tl.store(ptrs, tl.full([BLOCK], float("-inf"), tl.float32).to(logits_ptr.dtype.element_ty),
-             mask=in_vocab & ~allowed)
+    tl.store(
+        ptrs, tl.full([BLOCK], float("-inf"), tl.float32).to(logits_ptr.dtype.element_ty), mask=in_vocab & ~allowed
+    )
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
-                        indices: torch.Tensor | None = None) -> torch.Tensor:
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor | None = None
+) -> torch.Tensor:
     """logits [rows, vocab] float (in place); bitmask int32 [n, words]; indices int64 [n] or None."""
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     check_tensor("bitmask", bitmask, ndim=2, dtypes=(torch.int32,), contiguous=True)
@@ -54,6 +57,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
         return logits
     vocab = logits.shape[1]
     grid = (n, triton.cdiv(vocab, _BLOCK))
-    _bitmask_kernel[grid](logits, bitmask, idx, vocab, bitmask.shape[1], logits.stride(0),
-                          HAS_INDICES=indices is not None, BLOCK=_BLOCK)
+    _bitmask_kernel[grid](
+        logits, bitmask, idx, vocab, bitmask.shape[1], logits.stride(0), HAS_INDICES=indices is not None, BLOCK=_BLOCK
+    )
     return logits

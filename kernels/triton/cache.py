@@ -25,12 +25,24 @@ _MAX_TILE_ELEMS = 4096
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    num_kv_heads, head_size, block_size,
-    stride_kt, stride_kh,
-    stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch,
-    stride_vcb, stride_vcs, stride_vch,
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    num_kv_heads,
+    head_size,
+    block_size,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
     HEADS_PER_PROG: tl.constexpr,
     HEAD_PAD: tl.constexpr,
 ):
@@ -78,8 +90,7 @@ def reshape_and_cache(
     check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     check_tensor("value_cache", value_cache, ndim=4, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,), contiguous=True)
-    check_same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                      slot_mapping=slot_mapping)
+    check_same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
     if key.shape != value.shape:
         raise ValueError(f"key shape {tuple(key.shape)} != value shape {tuple(value.shape)}")
     if key_cache.shape != value_cache.shape:
@@ -101,12 +112,24 @@ def reshape_and_cache(
     heads_per_prog = min(next_power_of_2(num_kv_heads), max(1, _MAX_TILE_ELEMS // head_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_prog))
     _reshape_and_cache_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping,
-        num_kv_heads, head_size, key_cache.shape[1],
-        key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        num_kv_heads,
+        head_size,
+        key_cache.shape[1],
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         HEADS_PER_PROG=heads_per_prog,
         HEAD_PAD=head_pad,
     )

@@ -27,8 +27,20 @@ def _half_at(ptr, offs, mask):
 
 
 @triton.jit
-def _gguf_linear_kernel(x_ptr, w_ptr, y_ptr, M, N, NB, stride_xm, row_bytes,
-                        TYPE: tl.constexpr, BB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _gguf_linear_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    NB,
+    stride_xm,
+    row_bytes,
+    TYPE: tl.constexpr,
+    BB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -56,8 +68,9 @@ def _gguf_linear_kernel(x_ptr, w_ptr, y_ptr, M, N, NB, stride_xm, row_bytes,
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
-def gguf_linear_triton(x: torch.Tensor, raw: torch.Tensor, type_name: str,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
+def gguf_linear_triton(
+    x: torch.Tensor, raw: torch.Tensor, type_name: str, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x ``[M, K]`` (float32/bfloat16/float16) @ GGUF rows uint8 ``[N, K/32 * block_bytes]``^T
     (+ bias ``[N]``) -> ``[M, N]`` in x.dtype."""
     if type_name not in _TYPE_CODES:
@@ -77,8 +90,20 @@ def gguf_linear_triton(x: torch.Tensor, raw: torch.Tensor, type_name: str,
     block_m = min(64, max(16, next_power_of_2(m)))
     block_n = 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _gguf_linear_kernel[grid](x, raw, y, m, n, k // 32, x.stride(0), raw.shape[1],
-                              TYPE=_TYPE_CODES[type_name], BB=bb, BLOCK_M=block_m, BLOCK_N=block_n)
+    _gguf_linear_kernel[grid](
+        x,
+        raw,
+        y,
+        m,
+        n,
+        k // 32,
+        x.stride(0),
+        raw.shape[1],
+        TYPE=_TYPE_CODES[type_name],
+        BB=bb,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+    )
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype)

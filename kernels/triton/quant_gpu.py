@@ -28,8 +28,9 @@ def fp8_scaled_mm_supported(device: torch.device) -> bool:
     return _capability(device.index or 0) >= (9, 0)
 
 
-def fp8_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_scaled_mm(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x ``[M, K]`` @ (qweight float8_e4m3fn ``[N, K]`` * scale ``[]``/``[N]``)^T -> ``[M, N]`` x.dtype.
 
     Activations are quantized per token (dynamic); M is padded to a multiple of 16.

@@ -28,8 +28,15 @@ import torch
 from pagedserve.kernels import reference
 from pagedserve.platforms.options import CpuOptions
 
-__all__ = ["PREPACK_DTYPES", "onednn_available", "prepack_enabled", "prepare_linear_weight",
-           "make_prepare_linear_weight", "make_linear", "make_linear_silu_and_mul"]
+__all__ = [
+    "PREPACK_DTYPES",
+    "onednn_available",
+    "prepack_enabled",
+    "prepare_linear_weight",
+    "make_prepare_linear_weight",
+    "make_linear",
+    "make_linear_silu_and_mul",
+]
 
 #: Weight dtypes packed: bf16 is the CPU's compute dtype where it has native bf16.
 PREPACK_DTYPES = (torch.bfloat16,)
@@ -51,8 +58,13 @@ def prepare_linear_weight(weight: torch.Tensor, native=None) -> torch.Tensor:
     (``native``: the loaded NativeCpuKernels, when it has the packed kernel and the
     shape fits), else oneDNN's packed layout (an opaque ``torch._mkldnn`` tensor);
     anything else unchanged."""
-    if (weight.dtype not in PREPACK_DTYPES or weight.dim() != 2 or weight.device.type != "cpu"
-            or weight.is_mkldnn or weight.numel() == 0):
+    if (
+        weight.dtype not in PREPACK_DTYPES
+        or weight.dim() != 2
+        or weight.device.type != "cpu"
+        or weight.is_mkldnn
+        or weight.numel() == 0
+    ):
         return weight
     if native is not None:
         packed = native.pack_linear_weight(weight)
@@ -90,8 +102,9 @@ def make_linear(plain: Callable[..., torch.Tensor], native=None) -> Callable[...
     return linear
 
 
-def make_linear_silu_and_mul(linear: Callable[..., torch.Tensor], silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
-                             native) -> Callable[..., torch.Tensor]:
+def make_linear_silu_and_mul(
+    linear: Callable[..., torch.Tensor], silu_and_mul: Callable[[torch.Tensor], torch.Tensor], native
+) -> Callable[..., torch.Tensor]:
     """``linear_silu_and_mul`` that runs natively packed [gate; up] weights through
     ``native``'s gated packed kernel (the 2*d product never written) and anything else
     through ``silu_and_mul(linear(...))`` of the registry."""

@@ -21,8 +21,9 @@ __all__ = ["register_cpu_lora_ops", "lora_linear", "NATIVE_MAX_ROWS"]
 NATIVE_MAX_ROWS = 16
 
 
-def lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                token_slots: torch.Tensor) -> torch.Tensor:
+def lora_linear(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
     """``reference.lora_linear``, through the native kernel for up to NATIVE_MAX_ROWS rows."""
     if x.shape[0] > NATIVE_MAX_ROWS:
         return reference.lora_linear(y, x, lora_a, lora_b, token_slots)

@@ -38,9 +38,11 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
         ops.register("prepare_linear_weight", dense_ops.make_prepare_linear_weight(native), source=source)
         ops.register("linear", dense_ops.make_linear(ops.get("linear"), native), source=source)
         if native is not None:
-            ops.register("linear_silu_and_mul",
-                         dense_ops.make_linear_silu_and_mul(ops.get("linear"), ops.get("silu_and_mul"), native),
-                         source=source)
+            ops.register(
+                "linear_silu_and_mul",
+                dense_ops.make_linear_silu_and_mul(ops.get("linear"), ops.get("silu_and_mul"), native),
+                source=source,
+            )
     register_cpu_quant_ops(ops, options)
     from pagedserve.kernels import build
 

@@ -86,7 +86,11 @@ class CpuPlatform(Platform):
             raise ValueError(f"cpu_bind: the kernel refused to pin threads to cores {list(cpu_bind)} (got {on})")
 
     def allocate_kv_cache(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value caches with each kv head's rows of a block stored together.
@@ -109,8 +113,11 @@ class CpuPlatform(Platform):
         from pagedserve.kernels.cpu.hugepages import advise_huge_pages
 
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-        head_major = (len(shape) == 4 and shape == (num_blocks, block_size, num_kv_heads, head_size)
-                      and self.options.kv_layout == "head")
+        head_major = (
+            len(shape) == 4
+            and shape == (num_blocks, block_size, num_kv_heads, head_size)
+            and self.options.kv_layout == "head"
+        )
         storage = (num_blocks, num_kv_heads, block_size, head_size) if head_major else shape
         caches = (torch.empty(storage, dtype=dtype), torch.empty(storage, dtype=dtype))
         if self.options.huge_pages:

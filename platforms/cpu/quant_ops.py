@@ -16,9 +16,9 @@ import torch
 
 from pagedserve.kernels import quant_reference as qref
 from pagedserve.kernels import reference
+from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 from pagedserve.platforms.ops import PREFERS_QUANTIZED, OpRegistry
 from pagedserve.platforms.options import CpuOptions
-from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 
 __all__ = ["register_cpu_quant_ops", "gguf_linear", "int8_linear", "w8a8_linear", "CPU_DENSE_MIN_ROWS"]
 
@@ -31,8 +31,7 @@ CPU_DENSE_MIN_ROWS: int | None = None
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``reference.gguf_linear`` through the native kernel (registered only where it loads)."""
     if x.dtype not in _NATIVE_DTYPES or x.dim() != 2 or type_name not in qref.GGUF_TYPE_IDS:
         return reference.gguf_linear(x, data, type_name, bias)
@@ -44,8 +43,9 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str,
     return y.to(x.dtype)
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``reference.int8_linear`` through ``torch._weight_int8pack_mm`` (scales per output channel)."""
     if x.dtype not in _NATIVE_DTYPES or x.dim() != 2:
         return qref.int8_linear_dense(x, qweight, scale, bias)
@@ -53,8 +53,9 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return y if bias is None else y + bias.to(y.dtype)
 
 
-def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def w8a8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``reference.w8a8_linear`` with the integer products in ``torch._int_mm``."""
     xq, xs = qref.quantize_per_token_int8(x)
     # A transposed view of the [N, K] rows is what oneDNN reads fastest (benchmarks/quantization.py).
@@ -77,8 +78,9 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None) -
     if module is not None:
         # The measured decode win (docs/quantization.md, "Default on CPU"): .gguf weights
         # stay in blocks by default where this kernel runs.
-        ops.register("gguf_linear", gguf_linear, source=f"cpu-native-quant({module.isa()})",
-                     capabilities=(PREFERS_QUANTIZED,))
+        ops.register(
+            "gguf_linear", gguf_linear, source=f"cpu-native-quant({module.isa()})", capabilities=(PREFERS_QUANTIZED,)
+        )
     ops.register("int8_linear", int8_linear, source="torch")
     ops.register("w8a8_linear", w8a8_linear, source="torch")
     ops.register("fp8_linear", qref.fp8_linear_dense, source="torch")

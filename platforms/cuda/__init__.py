@@ -12,7 +12,9 @@ class CudaPlatform(TorchGpuPlatform):
     name = "cuda"
     dist_backend = "nccl"
     torch_build = "cuda"
-    build_hint = "install a CUDA build of torch (e.g. pip install torch --index-url https://download.pytorch.org/whl/cu126)"
+    build_hint = (
+        "install a CUDA build of torch (e.g. pip install torch --index-url https://download.pytorch.org/whl/cu126)"
+    )
 
 
 @hookimpl

@@ -20,8 +20,13 @@ from pagedserve.platforms.options import GpuOptions
 __all__ = ["register_cuda_ops", "register_triton_ops", "TRITON_OPS"]
 
 #: The ops served by Triton kernels.
-TRITON_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "gguf_linear", "apply_token_bitmask",
-                              "lora_linear")
+TRITON_OPS: tuple[str, ...] = (
+    "paged_attention",
+    "reshape_and_cache",
+    "gguf_linear",
+    "apply_token_bitmask",
+    "lora_linear",
+)
 #: The ops the CUDA C++ kernels serve under PAGEDSERVE_CUDA_KERNELS=cuda.
 _CUDA_CPP_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks")
 

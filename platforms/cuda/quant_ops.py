@@ -23,8 +23,9 @@ __all__ = ["register_gpu_quant_ops", "w8a8_linear", "fp8_linear_scaled_mm"]
 INT_MM_MIN_ROWS = 17
 
 
-def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def w8a8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``reference.w8a8_linear`` with the integer products in ``torch._int_mm``."""
     xq, xs = qref.quantize_per_token_int8(x)
     m = xq.shape[0]
@@ -37,8 +38,9 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return y.to(x.dtype)
 
 
-def fp8_linear_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear_scaled_mm(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``reference.fp8_linear`` through ``torch._scaled_mm`` (activations quantized to e4m3
     per row) where the device supports it, else emulated."""
     from pagedserve.kernels.triton.quant_gpu import fp8_scaled_mm, fp8_scaled_mm_supported

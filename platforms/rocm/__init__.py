@@ -12,7 +12,9 @@ class RocmPlatform(TorchGpuPlatform):
     name = "rocm"
     dist_backend = "nccl"  # torch maps "nccl" to RCCL on ROCm builds
     torch_build = "hip"
-    build_hint = "install a ROCm build of torch (e.g. pip install torch --index-url https://download.pytorch.org/whl/rocm6.2)"
+    build_hint = (
+        "install a ROCm build of torch (e.g. pip install torch --index-url https://download.pytorch.org/whl/rocm6.2)"
+    )
 
 
 @hookimpl

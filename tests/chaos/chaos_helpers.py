@@ -26,17 +26,26 @@ class InProcessServer:
     """build_app over a fresh AsyncLLMEngine, served by uvicorn in a thread of this process."""
 
     def __init__(self, model: str, grace_s: float = 5.0) -> None:
-        self.engine = LLMEngine(EngineConfig(model=ModelConfig(model=model, dtype=ENGINE["dtype"]),
-                                             cache=CacheConfig(kv_cache_memory=ENGINE["kv_cache_memory"]),
-                                             scheduler=SchedulerConfig(max_num_seqs=ENGINE["max_num_seqs"])))
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=ModelConfig(model=model, dtype=ENGINE["dtype"]),
+                cache=CacheConfig(kv_cache_memory=ENGINE["kv_cache_memory"]),
+                scheduler=SchedulerConfig(max_num_seqs=ENGINE["max_num_seqs"]),
+            )
+        )
         self.async_engine = AsyncLLMEngine(self.engine)
         self.app = build_app(self.async_engine, ServerSettings(["tiny"]))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=grace_s + CUT_MARGIN_S)
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            timeout_graceful_shutdown=grace_s + CUT_MARGIN_S,
+        )
         self.server = GracefulServer(config, self.app.state.drain, grace_s)
         self.thread = threading.Thread(target=self.server.run, name="chaos-uvicorn", daemon=True)
         self.thread.start()
@@ -54,8 +63,9 @@ class InProcessServer:
         """Every request gone from the engine and every KV block back in the pool."""
         deadline = time.monotonic() + timeout
         while self.engine.has_unfinished_requests() or self.engine.kv.usage() > 0:
-            assert time.monotonic() < deadline, (f"leak: {self.engine.get_num_unfinished_requests()} requests, "
-                                                 f"KV usage {self.engine.kv.usage():.3f}")
+            assert time.monotonic() < deadline, (
+                f"leak: {self.engine.get_num_unfinished_requests()} requests, KV usage {self.engine.kv.usage():.3f}"
+            )
             time.sleep(0.05)
         self.engine.kv.pool.check_invariants()
 
@@ -82,7 +92,7 @@ async def read_stream(client: httpx.AsyncClient, body: dict, stop_after: int | N
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 out["done"] = True
                 break

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from chaos_helpers import ENGINE, InProcessServer
+
 from pagedserve import LLM
 
 

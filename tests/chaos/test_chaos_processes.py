@@ -15,7 +15,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from live_server import TINY_ARGS, LiveServer, kv_cache_usage
 
 pytestmark = pytest.mark.timeout(600)
@@ -71,8 +70,10 @@ class _Stream(threading.Thread):
 def _hang_up_mid_upload(port: int) -> None:
     """A client that announces 1000 bytes of body, sends 20 and closes the connection."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "hello", ')
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "hello", '
+        )
         time.sleep(0.3)  # the server is now inside the body read
     time.sleep(0.3)
 
@@ -86,8 +87,14 @@ def test_sigterm_mid_stream_ends_every_stream_with_an_error_event(tiny_checkpoin
     try:
         streams = [_Stream(server.url, [5 + i, 6, 7], many) for i in range(3)]
         whole: dict = {}
-        waiter = threading.Thread(target=lambda: whole.setdefault("r", httpx.post(
-            server.url + "/v1/completions", json={**LONG, "prompt": [9, 9], "max_tokens": many}, timeout=120)))
+        waiter = threading.Thread(
+            target=lambda: whole.setdefault(
+                "r",
+                httpx.post(
+                    server.url + "/v1/completions", json={**LONG, "prompt": [9, 9], "max_tokens": many}, timeout=120
+                ),
+            )
+        )
         waiter.start()
         for s in streams:
             assert s.first.wait(60) and s.failure is None
@@ -113,8 +120,7 @@ def test_sigterm_mid_stream_ends_every_stream_with_an_error_event(tiny_checkpoin
         server.stop()
 
 
-def test_killed_tensor_parallel_worker_fails_every_request_and_the_server_exits(tiny_checkpoint_factory,
-                                                                                 tmp_path):
+def test_killed_tensor_parallel_worker_fails_every_request_and_the_server_exits(tiny_checkpoint_factory, tmp_path):
     model = tiny_checkpoint_factory(arch="llama", num_heads=4, num_kv_heads=2)
     args = [*TINY_ARGS, "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
     server = LiveServer(str(model), args, tmp_path / "log")

@@ -10,12 +10,11 @@ import random
 
 import httpx
 import pytest
+from chaos_helpers import read_stream, run, solo_texts
 
 from pagedserve import SamplingParams
 from pagedserve.async_engine import AsyncLLMEngine
 from pagedserve.loader.detokenizer import IncrementalDetokenizer
-
-from chaos_helpers import read_stream, run, solo_texts
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -25,8 +24,9 @@ POISON = [7, 7, 7, 7]  # prompts starting with these fail in their detokenizer
 def prompts_for(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     shared = [rng.randrange(3, 250) for _ in range(20)]  # some share a prefix: prefix-cache hits
-    return [(shared if i % 3 == 0 else []) + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 12))]
-            for i in range(n)]
+    return [
+        (shared if i % 3 == 0 else []) + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 12))] for i in range(n)
+    ]
 
 
 def test_a_poisoned_request_fails_alone(inproc_server, offline, monkeypatch):
@@ -43,8 +43,9 @@ def test_a_poisoned_request_fails_alone(inproc_server, offline, monkeypatch):
 
     async def main():
         async with httpx.AsyncClient(base_url=inproc_server.url, timeout=120) as c:
-            good = [read_stream(c, {"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
-                    for p in prompts]
+            good = [
+                read_stream(c, {"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True}) for p in prompts
+            ]
             bad_stream = read_stream(c, {"prompt": POISON + [9], "max_tokens": 40, "n": 3, "temperature": 0})
             bad_whole = c.post("/v1/completions", json={"prompt": POISON + [8], "max_tokens": 40})
             return await asyncio.gather(asyncio.gather(*good), bad_stream, bad_whole)
@@ -68,15 +69,27 @@ def _disconnect_run(inproc_server, offline, num_streams: int) -> None:
     async def main():
         limits = httpx.Limits(max_connections=num_streams + 8)
         async with httpx.AsyncClient(base_url=inproc_server.url, timeout=300, limits=limits) as c:
-            return await asyncio.gather(*[
-                read_stream(c, {"prompt": p, "max_tokens": m, "temperature": 0, "ignore_eos": True},
-                            stop_after=rng.randrange(1, 4) if i in quitters else None)
-                for i, (p, m) in enumerate(zip(prompts, lengths))])
+            return await asyncio.gather(
+                *[
+                    read_stream(
+                        c,
+                        {"prompt": p, "max_tokens": m, "temperature": 0, "ignore_eos": True},
+                        stop_after=rng.randrange(1, 4) if i in quitters else None,
+                    )
+                    for i, (p, m) in enumerate(zip(prompts, lengths))
+                ]
+            )
 
     results = run(main(), timeout=900)
     kept = [i for i in range(num_streams) if i not in quitters]
-    refs = {i: offline.generate([prompts[i]], SamplingParams(temperature=0, max_tokens=lengths[i], ignore_eos=True),
-                                use_tqdm=False)[0].outputs[0].text for i in kept}
+    refs = {
+        i: offline.generate(
+            [prompts[i]], SamplingParams(temperature=0, max_tokens=lengths[i], ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+        for i in kept
+    }
     for i in kept:
         r = results[i]
         assert r["done"] and not r["errors"] and r["finish_reason"] == "length", (i, r)
@@ -103,8 +116,13 @@ def _abort_storm(llm_engine, num_requests: int, seed: int) -> None:
     prompts = prompts_for(num_requests, seed=seed)
 
     async def one(a: AsyncLLMEngine, i: int):
-        params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randrange(1, 30),
-                                n=rng.choice([1, 1, 2, 3]), seed=i, ignore_eos=True)
+        params = SamplingParams(
+            temperature=rng.choice([0, 0.8]),
+            max_tokens=rng.randrange(1, 30),
+            n=rng.choice([1, 1, 2, 3]),
+            seed=i,
+            ignore_eos=True,
+        )
         when = rng.choice(["never", "at-once", "after-accept", "mid", "after-finish"])
         task = asyncio.ensure_future(a.add_request(f"r{i}", prompts[i], params))
         if when == "at-once":

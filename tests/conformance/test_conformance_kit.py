@@ -23,7 +23,7 @@ from pagedserve.testing import ConformanceReport, run_conformance
 
 #: A complete plugin: platform ``fake`` plus op overrides chosen by FAULT (a placeholder
 #: replaced per test).  Every override is correct unless FAULT names it.
-PLUGIN = '''
+PLUGIN = """
 import torch
 
 from pagedserve.kernels import reference
@@ -101,7 +101,7 @@ def pagedserve_register_ops(platform, ops):
     if isinstance(platform, FakePlatform):
         for fn in (silu_and_mul, paged_attention, reshape_and_cache, rms_norm):
             ops.register(fn.__name__, fn, source="fake-kernels")
-'''
+"""
 
 
 def plugin_module(fault: str | None) -> types.ModuleType:
@@ -127,9 +127,15 @@ def test_a_conforming_platform_passes(healthy):
     assert set(healthy.overridden_ops) == {"silu_and_mul", "paged_attention", "reshape_and_cache", "rms_norm"}
     ids = {r.id for r in healthy.results}
     # Both dtypes, both block sizes, GQA and MHA are exercised.
-    for expected in ("op:paged_attention[float32-bs16-h4kv4-d64]", "op:paged_attention[bfloat16-bs32-h8kv2-d64]",
-                     "op:reshape_and_cache[float32-bs32-kv2-d64]", "op:silu_and_mul[bfloat16-7x256]",
-                     "platform:memory", "platform:kv-cache[bfloat16-bs16]", "platform:copy-async[float32]"):
+    for expected in (
+        "op:paged_attention[float32-bs16-h4kv4-d64]",
+        "op:paged_attention[bfloat16-bs32-h8kv2-d64]",
+        "op:reshape_and_cache[float32-bs32-kv2-d64]",
+        "op:silu_and_mul[bfloat16-7x256]",
+        "platform:memory",
+        "platform:kv-cache[bfloat16-bs16]",
+        "platform:copy-async[float32]",
+    ):
         assert expected in ids
     # Ops left to the reference are not re-checked against themselves.
     assert not any(i.startswith(("op:linear", "op:embedding")) for i in ids)
@@ -151,13 +157,16 @@ def test_a_wrong_op_fails_and_is_named(healthy):
     assert report.count("passed") == healthy.count("passed") - len(failed)
 
 
-@pytest.mark.parametrize(("fault", "failing", "message"), [
-    ("attention-ignores-out", "op:paged_attention[", "not fully written"),
-    ("cache-writes-slot-minus-1", "op:reshape_and_cache[", "reshape_and_cache key_cache"),
-    ("rms_norm-raises", "op:rms_norm[", "raised RuntimeError: kernel launch failed"),
-    ("memory", "platform:memory", "total_memory() returned 8589934592.0, not an int"),
-    ("kv-dtype", "platform:kv-cache[bfloat16", "dtype torch.float32 != requested torch.bfloat16"),
-])
+@pytest.mark.parametrize(
+    ("fault", "failing", "message"),
+    [
+        ("attention-ignores-out", "op:paged_attention[", "not fully written"),
+        ("cache-writes-slot-minus-1", "op:reshape_and_cache[", "reshape_and_cache key_cache"),
+        ("rms_norm-raises", "op:rms_norm[", "raised RuntimeError: kernel launch failed"),
+        ("memory", "platform:memory", "total_memory() returned 8589934592.0, not an int"),
+        ("kv-dtype", "platform:kv-cache[bfloat16", "dtype torch.float32 != requested torch.bfloat16"),
+    ],
+)
 def test_each_kind_of_fault_is_caught(fault, failing, message):
     # The area at fault, the platform checks, and one op as a control.
     report = check_fake(fault, only=[failing.split("[")[0], "platform:", "op:silu_and_mul"])
@@ -192,6 +201,7 @@ def test_an_unknown_platform_is_a_failed_report():
 
 # -- through the command line and pytest, with an installed-looking distribution ----------
 
+
 def write_dist(site: Path, fault: str | None) -> Path:
     """``fake_plugin.py`` plus the dist-info pip would leave, declaring the entry point."""
     site.mkdir(parents=True, exist_ok=True)
@@ -211,23 +221,57 @@ def run(args: list[str], site: Path, cwd: Path) -> subprocess.CompletedProcess[s
 
 def test_cli_check_exits_non_zero_naming_the_wrong_op(tmp_path):
     site = write_dist(tmp_path / "site", "silu_and_mul")
-    proc = run(["-m", "pagedserve.entrypoints.cli", "platforms", "check", "fake", "--skip-engine",
-                "--failures-only", "--only", "op:silu_and_mul,platform:memory"], site, tmp_path)
+    proc = run(
+        [
+            "-m",
+            "pagedserve.entrypoints.cli",
+            "platforms",
+            "check",
+            "fake",
+            "--skip-engine",
+            "--failures-only",
+            "--only",
+            "op:silu_and_mul,platform:memory",
+        ],
+        site,
+        tmp_path,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert any(line.startswith("FAIL  op:silu_and_mul[bfloat16-2x3x192]  op silu_and_mul (from fake-kernels)")
-               for line in lines)
+    assert any(
+        line.startswith("FAIL  op:silu_and_mul[bfloat16-2x3x192]  op silu_and_mul (from fake-kernels)")
+        for line in lines
+    )
     assert not any(line.startswith("PASS") for line in lines)  # --failures-only
     assert "conformance of platform 'fake' (from fake-platform 0.1)" in lines
-    assert ("  overridden ops: paged_attention (fake-kernels), reshape_and_cache (fake-kernels), "
-            "rms_norm (fake-kernels), silu_and_mul (fake-kernels)") in lines
+    assert (
+        "  overridden ops: paged_attention (fake-kernels), reshape_and_cache (fake-kernels), "
+        "rms_norm (fake-kernels), silu_and_mul (fake-kernels)"
+    ) in lines
     assert lines[-1].startswith("FAILED: 1 passed, 6 failed, 0 skipped")
 
 
 def test_pytest_run_of_the_kit_fails_naming_the_wrong_op(tmp_path):
     site = write_dist(tmp_path / "site", "silu_and_mul")
-    proc = run(["-m", "pytest", "-p", "pagedserve.testing.pytest_plugin", "--pyargs", "pagedserve.testing.conformance",
-                "--platform", "fake", "-k", "silu_and_mul or memory", "-q", "-p", "no:cacheprovider"], site, tmp_path)
+    proc = run(
+        [
+            "-m",
+            "pytest",
+            "-p",
+            "pagedserve.testing.pytest_plugin",
+            "--pyargs",
+            "pagedserve.testing.conformance",
+            "--platform",
+            "fake",
+            "-k",
+            "silu_and_mul or memory",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
+        site,
+        tmp_path,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAILED" in proc.stdout and "test_conformance[op:silu_and_mul[float32-7x256]]" in proc.stdout
     assert "6 failed, 1 passed" in proc.stdout

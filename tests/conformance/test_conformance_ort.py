@@ -35,9 +35,25 @@ def ort_site(tmp_path_factory) -> Path:
     src = shutil.copytree(EXAMPLE, tmp / "src")  # setuptools leaves build/ next to the sources
     site = tmp / "site"
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-         "--no-cache-dir", "--disable-pip-version-check", "-q", "--target", str(site), str(src)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            "-q",
+            "--target",
+            str(site),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (site / "pagedserve_ort" / "linear.py").is_file()
     return site
@@ -70,10 +86,28 @@ def subprocess_env(site: Path, **extra: str) -> dict[str, str]:
 
 def test_ort_passes_the_kit_under_pytest(ort_site, tiny_model, tmp_path):
     # Selected the way users select it: PAGEDSERVE_TARGET_DEVICE, no --platform.
-    cmd = [sys.executable, "-m", "pytest", "-p", "pagedserve.testing.pytest_plugin", "--pyargs",
-           "pagedserve.testing.conformance", "--conformance-model", str(tiny_model), "-v", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, env=subprocess_env(ort_site, PAGEDSERVE_TARGET_DEVICE="ort"), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "pagedserve.testing.pytest_plugin",
+        "--pyargs",
+        "pagedserve.testing.conformance",
+        "--conformance-model",
+        str(tiny_model),
+        "-v",
+        "-p",
+        "no:cacheprovider",
+    ]
+    proc = subprocess.run(
+        cmd,
+        env=subprocess_env(ort_site, PAGEDSERVE_TARGET_DEVICE="ort"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     outcomes = dict(re.findall(r"test_conformance\[(.+?)\] (PASSED|FAILED|SKIPPED)", proc.stdout))
     assert outcomes and set(outcomes.values()) == {"PASSED"}, outcomes
@@ -87,9 +121,14 @@ def test_ort_passes_the_kit_under_pytest(ort_site, tiny_model, tmp_path):
 
 
 def test_ort_check_from_the_command_line(ort_site, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "platforms", "check", "ort",
-                           "--skip-engine"], env=subprocess_env(ort_site), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedserve.entrypoints.cli", "platforms", "check", "ort", "--skip-engine"],
+        env=subprocess_env(ort_site),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert "conformance of platform 'ort' (from pagedserve-ort 0.1.0)" in lines
@@ -104,7 +143,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         nxt = model(input_ids=ids).logits[0, -1].argmax()
         ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    return ids[0, len(prompt):].tolist()
+    return ids[0, len(prompt) :].tolist()
 
 
 def test_ort_greedy_matches_transformers(ort_importable, tiny_llama):
@@ -116,8 +155,14 @@ def test_ort_greedy_matches_transformers(ort_importable, tiny_llama):
     prompts = conformance_prompts(hf.config.vocab_size)
     want = [hf_greedy(hf, p, 10) for p in prompts]
 
-    llm = LLM(model=str(tiny_llama), device="ort", dtype="float32", kv_cache_memory="8MiB",
-              max_num_batched_tokens=32, block_size=16)
+    llm = LLM(
+        model=str(tiny_llama),
+        device="ort",
+        dtype="float32",
+        kv_cache_memory="8MiB",
+        max_num_batched_tokens=32,
+        block_size=16,
+    )
     engine = llm.llm_engine
     assert engine.platform.name == "ort" and engine.ops.source("linear") == "pagedserve_ort"
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
@@ -194,8 +239,7 @@ def test_ort_weight_offload_matches_no_offload(ort_importable, tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outs = []
     for offload in (0, 1.0):
-        llm = LLM(model=str(model), device="ort", dtype="float32", kv_cache_memory="8MiB",
-                  cpu_offload_gb=offload)
+        llm = LLM(model=str(model), device="ort", dtype="float32", kv_cache_memory="8MiB", cpu_offload_gb=offload)
         streamer = llm.llm_engine.weight_streamer
         assert (streamer.offloaded == [0, 1, 2, 3]) if offload else streamer is None
         outs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])

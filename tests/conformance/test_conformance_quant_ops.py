@@ -57,8 +57,12 @@ def faulty(fault: str | None) -> dict[str, object]:
             scale = torch.ones_like(scale)
         return qref.fp8_linear_dense(x, qweight, scale, bias)
 
-    return {"gguf_linear": gguf_linear, "int8_linear": int8_linear, "w8a8_linear": cpu_quant.w8a8_linear,
-            "fp8_linear": fp8_linear}
+    return {
+        "gguf_linear": gguf_linear,
+        "int8_linear": int8_linear,
+        "w8a8_linear": cpu_quant.w8a8_linear,
+        "fp8_linear": fp8_linear,
+    }
 
 
 def check(fault: str | None, only: list[str] | None = None) -> ConformanceReport:
@@ -92,21 +96,32 @@ def test_correct_quantized_ops_pass_in_every_dtype(healthy):
     assert healthy.ok, healthy.format(verbose=False)
     assert set(healthy.overridden_ops) == set(QUANT_OPS)
     ids = {r.id for r in healthy.results}
-    for expected in ("op:gguf_linear[float32-Q4_1-7x128->40+bias]", "op:gguf_linear[bfloat16-Q8_0-130x64->24+bias]",
-                     "op:int8_linear[bfloat16-33x128->64+bias]", "op:w8a8_linear[float32-1x64->48]",
-                     "op:fp8_linear[bfloat16-tensor-7x128->32+bias]"):
+    for expected in (
+        "op:gguf_linear[float32-Q4_1-7x128->40+bias]",
+        "op:gguf_linear[bfloat16-Q8_0-130x64->24+bias]",
+        "op:int8_linear[bfloat16-33x128->64+bias]",
+        "op:w8a8_linear[float32-1x64->48]",
+        "op:fp8_linear[bfloat16-tensor-7x128->32+bias]",
+    ):
         assert expected in ids
     assert {i.split("[")[0] for i in ids} == {f"op:{op}" for op in QUANT_OPS}
 
 
-@pytest.mark.parametrize(("fault", "failing"), [
-    ("gguf-drops-bias", {"op:gguf_linear[float32-Q4_0-7x128->40+bias]",
-                         "op:gguf_linear[bfloat16-Q8_0-130x64->24+bias]"}),
-    ("gguf-q4_1-without-minimum", {"op:gguf_linear[float32-Q4_1-1x64->48]",
-                                   "op:gguf_linear[bfloat16-Q4_1-130x64->24+bias]"}),
-    ("int8-last-channel", {"op:int8_linear[float32-1x64->48]", "op:int8_linear[bfloat16-33x128->64+bias]"}),
-    ("fp8-per-tensor-scale-ignored", {"op:fp8_linear[float32-tensor-7x128->32+bias]"}),
-])
+@pytest.mark.parametrize(
+    ("fault", "failing"),
+    [
+        (
+            "gguf-drops-bias",
+            {"op:gguf_linear[float32-Q4_0-7x128->40+bias]", "op:gguf_linear[bfloat16-Q8_0-130x64->24+bias]"},
+        ),
+        (
+            "gguf-q4_1-without-minimum",
+            {"op:gguf_linear[float32-Q4_1-1x64->48]", "op:gguf_linear[bfloat16-Q4_1-130x64->24+bias]"},
+        ),
+        ("int8-last-channel", {"op:int8_linear[float32-1x64->48]", "op:int8_linear[bfloat16-33x128->64+bias]"}),
+        ("fp8-per-tensor-scale-ignored", {"op:fp8_linear[float32-tensor-7x128->32+bias]"}),
+    ],
+)
 def test_a_wrong_quantized_op_fails_under_its_name(healthy, fault, failing):
     report = check(fault)
     assert not report.ok

@@ -20,13 +20,14 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     for _ in range(n):
         ids = torch.cat([ids, model(input_ids=ids).logits[0, -1].argmax().view(1, 1)], dim=1)
-    return ids[0, len(prompt):].tolist()
+    return ids[0, len(prompt) :].tolist()
 
 
 def test_own_writer_is_read_by_transformers_and_the_engine_agrees(tmp_path, monkeypatch):
     path = make_tiny_llama(tmp_path / "m", writer="safetensors", seed=3)
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32,
-                                                                output_loading_info=True)
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, torch_dtype=torch.float32, output_loading_info=True
+    )
     assert not any(info.values()), info  # no missing, unexpected or mismatched weights
     spec = TinyLlamaSpec()
     assert hf.config.head_dim == spec.head_dim and hf.config.num_key_value_heads == spec.num_key_value_heads

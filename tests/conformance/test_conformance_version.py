@@ -26,7 +26,7 @@ from pagedserve.platforms import (
 )
 from pagedserve.platforms.interface import FIRST_INTERFACE_VERSION, check_interface_version
 
-PLATFORM_PLUGIN = '''
+PLATFORM_PLUGIN = """
 import torch
 from pagedserve.platforms import Platform, hookimpl
 
@@ -50,7 +50,7 @@ class VersionedPlatform(Platform):
 @hookimpl
 def pagedserve_register_platforms(register):
     register(VersionedPlatform)
-'''
+"""
 
 
 def platform_plugin(version: str | None) -> types.ModuleType:
@@ -80,18 +80,23 @@ def test_compatible_platforms_register(version):
     assert reg.select("versioned").cls.interface_version == (version or "1.0")
 
 
-@pytest.mark.parametrize(("version", "advice"), [
-    ("2.0", "upgrade pagedserve"),
-    ("1.99", "upgrade pagedserve"),  # a newer minor than the core: it may use what 1.0 lacks
-    ("0.9", "major versions are incompatible"),
-])
+@pytest.mark.parametrize(
+    ("version", "advice"),
+    [
+        ("2.0", "upgrade pagedserve"),
+        ("1.99", "upgrade pagedserve"),  # a newer minor than the core: it may use what 1.0 lacks
+        ("0.9", "major versions are incompatible"),
+    ],
+)
 def test_incompatible_platforms_are_named_failures(version, advice):
     reg = register(platform_plugin(version))
     assert reg.platforms.get("versioned") is None
     [failure] = reg.failures
     assert failure.plugin == "versioned" and failure.origin == "versioned-platform 0.3"
-    assert (f"platform 'versioned' (VersionedPlatform) targets pagedserve platform interface {version}, "
-            f"but this pagedserve provides interface {PLATFORM_INTERFACE_VERSION}") in failure.error
+    assert (
+        f"platform 'versioned' (VersionedPlatform) targets pagedserve platform interface {version}, "
+        f"but this pagedserve provides interface {PLATFORM_INTERFACE_VERSION}"
+    ) in failure.error
     assert advice in failure.error
     with pytest.raises(PlatformError, match=f"interface {version}"):
         reg.select("versioned")
@@ -106,14 +111,16 @@ def test_malformed_versions_are_named_failures(version):
 def test_a_newer_core_minor_runs_older_plugins():
     check_interface_version("1.0", "p", provided="1.3")
     check_interface_version("1.3", "p", provided="1.3")
-    with pytest.raises(PlatformError, match="targets pagedserve platform interface 1.4, but this pagedserve "
-                                            "provides interface 1.3"):
+    with pytest.raises(
+        PlatformError, match="targets pagedserve platform interface 1.4, but this pagedserve provides interface 1.3"
+    ):
         check_interface_version("1.4", "p", provided="1.3")
     with pytest.raises(PlatformError, match="built for interface 2.x"):
         check_interface_version("1.3", "p", provided="2.0")
 
 
 # -- plugins without a platform declare their version as a module attribute --------------
+
 
 def ops_plugin(version: str | None, seen: list[str]) -> types.ModuleType:
     """A kernels-only add-on whose hook takes only ``ops`` (a subset of the spec's arguments)."""
@@ -163,8 +170,10 @@ def test_an_ops_plugin_for_another_major_version_contributes_nothing():
     reg = registry_with(ops_plugin("2.0", seen))
     [failure] = reg.failures
     assert failure.plugin == "addon"
-    assert failure.error.startswith("plugin 'addon' targets pagedserve platform interface 2.0, but this "
-                                    f"pagedserve provides interface {PLATFORM_INTERFACE_VERSION}")
+    assert failure.error.startswith(
+        "plugin 'addon' targets pagedserve platform interface 2.0, but this "
+        f"pagedserve provides interface {PLATFORM_INTERFACE_VERSION}"
+    )
     # Refused before its hooks were registered: no half-registered plugin.
     assert reg.pm.get_plugin("addon") is None and seen == []
 
@@ -201,11 +210,13 @@ def test_pluggy_lets_a_spec_grow_without_breaking_older_implementations():
 
 # -- the listing shows a version mismatch ---------------------------------------------------
 
+
 def test_pagedserve_platforms_shows_the_version_mismatch(tmp_path: Path):
     site = tmp_path / "site"
     site.mkdir()
-    (site / "versioned_plugin.py").write_text(PLATFORM_PLUGIN.format(declaration='interface_version = "2.0"'),
-                                              encoding="utf-8")
+    (site / "versioned_plugin.py").write_text(
+        PLATFORM_PLUGIN.format(declaration='interface_version = "2.0"'), encoding="utf-8"
+    )
     info = site / "versioned_platform-0.3.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: versioned-platform\nVersion: 0.3\n")

@@ -31,8 +31,12 @@ def test_config_accepts_auto_and_model_dtype_names(name):
 
 
 def _engine(model, cache_dtype: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=ModelConfig(model=str(model), dtype="float32"),
-                                  cache=CacheConfig(cache_dtype=cache_dtype, kv_cache_memory="4MiB")))
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(model), dtype="float32"),
+            cache=CacheConfig(cache_dtype=cache_dtype, kv_cache_memory="4MiB"),
+        )
+    )
 
 
 def test_engine_refuses_cache_dtype_other_than_model_dtype(tiny_model):

@@ -4,10 +4,10 @@ transformers' greedy output on the same GGUF file, both in float32."""
 from __future__ import annotations
 
 import pytest
+from hf_reference import hf_greedy, load_hf
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.loader import resolve_model_path
-from hf_reference import hf_greedy, load_hf
 
 PROMPTS = [
     "The capital of France is",
@@ -29,8 +29,9 @@ def test_default_model_greedy_matches_transformers(gguf_path):
     llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048, quantization="none")
     tok = llm.get_tokenizer()
     prompt_ids = [tok.encode(p) for p in PROMPTS]
-    outs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        prompt_ids, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False
+    )
     got = [o.outputs[0].token_ids for o in outs]
     hf = load_hf(str(gguf_path.parent), gguf_file=gguf_path.name)
     expected = [hf_greedy(hf, ids, MAX_NEW) for ids in prompt_ids]

@@ -10,11 +10,10 @@ import shutil
 
 import pytest
 import torch
-
-from pagedserve import LLM
-from pagedserve import PoolingParams
-from pagedserve.pooling import pooling_from_checkpoint
 from hf_reference import load_hf
+
+from pagedserve import LLM, PoolingParams
+from pagedserve.pooling import pooling_from_checkpoint
 
 SHAPE = dict(arch="llama", num_heads=4, num_kv_heads=2)
 
@@ -82,8 +81,12 @@ def test_embed_unnormalized_and_mixed_with_generation(tiny):
             if out.finished:
                 done[out.request_id] = out
     assert len(done["g"].outputs[0].token_ids) == 5
-    torch.testing.assert_close(torch.tensor(done["e"].outputs.embedding),
-                               _hf_embedding(hf, prompts[2], "mean", normalize=False), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(done["e"].outputs.embedding),
+        _hf_embedding(hf, prompts[2], "mean", normalize=False),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     assert eng.kv.pool.num_in_use == 0
 
 
@@ -94,8 +97,10 @@ def test_embed_bad_input(tiny):
         llm.embed([[5, 6]], PoolingParams(dimensions=8))
     with pytest.raises(ValueError, match="empty"):
         llm.embed([[]])
-    assert len(llm.embed([[5, 6]], PoolingParams(dimensions=hf.config.hidden_size))[0].outputs.embedding) \
+    assert (
+        len(llm.embed([[5, 6]], PoolingParams(dimensions=hf.config.hidden_size))[0].outputs.embedding)
         == hf.config.hidden_size
+    )
     with pytest.raises(ValueError, match="pooling"):
         LLM(model=str(path), pooling="max")
 
@@ -105,18 +110,32 @@ def test_pooling_from_sentence_transformers_config(tiny, tmp_path):
     st = tmp_path / "st"
     shutil.copytree(path, st)
     assert pooling_from_checkpoint(st) is None
-    (st / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (st / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            ]
+        )
+    )
     (st / "1_Pooling").mkdir()
-    (st / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": hf.config.hidden_size, "pooling_mode_cls_token": False,
-         "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": False}))
+    (st / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": hf.config.hidden_size,
+                "pooling_mode_cls_token": False,
+                "pooling_mode_mean_tokens": True,
+                "pooling_mode_max_tokens": False,
+                "pooling_mode_lasttoken": False,
+            }
+        )
+    )
     assert pooling_from_checkpoint(st) == "mean"
     llm = LLM(model=str(st), dtype="float32", kv_cache_memory="16MiB")
     ids = _prompts(259)[2]
-    torch.testing.assert_close(torch.tensor(llm.embed([ids])[0].outputs.embedding),
-                               _hf_embedding(hf, ids, "mean"), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(llm.embed([ids])[0].outputs.embedding), _hf_embedding(hf, ids, "mean"), rtol=1e-5, atol=1e-5
+    )
     # The setting wins over the checkpoint.
     assert LLM(model=str(st), dtype="float32", kv_cache_memory="16MiB", pooling="cls").llm_engine.pooling == "cls"
     (st / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))

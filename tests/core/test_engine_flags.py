@@ -30,8 +30,10 @@ def record_schedule(llm: LLM) -> list[tuple[str, int, int, int]]:
 
     def schedule():
         out = inner()
-        seen.extend((s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens, s.request.num_tokens)
-                     for s in out.scheduled)
+        seen.extend(
+            (s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens, s.request.num_tokens)
+            for s in out.scheduled
+        )
         return out
 
     sched.schedule = schedule
@@ -48,8 +50,10 @@ def test_chunked_prefill_off_schedules_prompts_whole(tiny_llama):
         seen = record_schedule(llm)
         runs[chunked] = (llm.generate(prompts, params, use_tqdm=False), seen)
         assert llm.llm_engine.kv.pool.num_in_use == 0  # every block given back
-    prefill = {c: [(rid, done, n, total) for rid, done, n, total in seen if done < lengths[int(rid)]]
-               for c, (_, seen) in runs.items()}
+    prefill = {
+        c: [(rid, done, n, total) for rid, done, n, total in seen if done < lengths[int(rid)]]
+        for c, (_, seen) in runs.items()
+    }
     # With the default a prompt is split to fill the step; without, never.
     assert any(done + n < total for _, done, n, total in prefill[True])
     assert all(done == 0 and n == total for _, done, n, total in prefill[False])
@@ -65,8 +69,9 @@ def test_chunked_prefill_off_schedules_prompts_whole(tiny_llama):
 def test_chunked_prefill_off_refuses_a_prompt_longer_than_the_budget(tiny_llama):
     llm = LLM(model=str(tiny_llama), enable_chunked_prefill=False, max_num_batched_tokens=16, **BASE)
     long, short = random_prompts([17, 16], 259)
-    with pytest.raises(ValueError, match="prompt has 17 tokens, more than max_num_batched_tokens=16; with "
-                                         "chunked prefill disabled"):
+    with pytest.raises(
+        ValueError, match="prompt has 17 tokens, more than max_num_batched_tokens=16; with chunked prefill disabled"
+    ):
         llm.generate([short, long], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()  # nothing was queued
     assert llm.llm_engine.kv.pool.num_in_use == 0
@@ -106,8 +111,21 @@ def test_tokenizer_flag_replaces_the_models_tokenizer(tiny_llama, tmp_path):
     assert out.prompt_token_ids == other.encode(text)
     assert out.outputs[0].text == other.decode(out.outputs[0].token_ids)
     # The CLI flag reaches the same place.
-    args = ["generate", str(tiny_llama), "--tokenizer", str(tmp_path / "tok"), "-p", text, "--max-tokens", "2",
-            "--dtype", "float32", "--json", "--threads", "1"]
+    args = [
+        "generate",
+        str(tiny_llama),
+        "--tokenizer",
+        str(tmp_path / "tok"),
+        "-p",
+        text,
+        "--max-tokens",
+        "2",
+        "--dtype",
+        "float32",
+        "--json",
+        "--threads",
+        "1",
+    ]
     assert cli.main(args) == 0
     # A tokenizer with ids the model's embedding lacks is refused before generating.
     with pytest.raises(ValueError, match="has 49152 tokens, more than the model's vocabulary \\(259\\)"):
@@ -140,15 +158,12 @@ def test_http_requests_over_the_limits_get_400(tiny_llama):
     from pagedserve.async_engine import AsyncLLMEngine
     from pagedserve.entrypoints.openai import ServerSettings, build_app
 
-    llm = LLM(model=str(tiny_llama), max_logprobs=1, enable_chunked_prefill=False, max_num_batched_tokens=16,
-              **BASE)
+    llm = LLM(model=str(tiny_llama), max_logprobs=1, enable_chunked_prefill=False, max_num_batched_tokens=16, **BASE)
     app = build_app(AsyncLLMEngine(llm.llm_engine), ServerSettings(served_model_names=["tiny"]))
     with TestClient(app) as client:
-        r = client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2,
-                                                 "logprobs": 2})
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "logprobs": 2})
         assert r.status_code == 400 and "max_logprobs=1" in r.json()["error"]["message"]
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": list(range(3, 23)), "max_tokens": 2})
         assert r.status_code == 400 and "max_num_batched_tokens=16" in r.json()["error"]["message"]
-        r = client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2,
-                                                 "logprobs": 1})
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "logprobs": 1})
         assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is not None

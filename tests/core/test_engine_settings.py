@@ -13,8 +13,13 @@ import pytest
 from pagedserve import LLM
 from pagedserve.config import CacheConfig, EngineConfig, ParallelConfig
 from pagedserve.entrypoints import cli, serve_cmd
-from pagedserve.entrypoints.engine_args import (add_engine_arguments, engine_args, engine_config_from_args,
-                                                engine_config_from_kwargs, settings_markdown)
+from pagedserve.entrypoints.engine_args import (
+    add_engine_arguments,
+    engine_args,
+    engine_config_from_args,
+    engine_config_from_kwargs,
+    settings_markdown,
+)
 
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "engine_settings.md"
 COMMANDS = {"serve": ["serve"], "generate": ["generate"], "bench throughput": ["bench", "throughput"]}
@@ -75,17 +80,50 @@ def test_flag_defaults_are_the_config_defaults(command):
 
 
 def test_flags_and_keywords_reach_the_same_config():
-    argv = ["serve", "--max-num-seqs", "3", "--max-num-batched-tokens", "64", "--no-enable-chunked-prefill",
-            "--kv-cache-dtype", "auto", "--num-kv-blocks-override", "40", "--max-logprobs", "5",
-            "--scheduling-policy", "priority", "--scheduler-delay-factor", "0.25", "-tp", "1",
-            "--tokenizer", "/some/tokenizer", "--memory-utilization", "0.5", "--no-enable-prefix-caching",
-            "--device-map", "cpu"]
+    argv = [
+        "serve",
+        "--max-num-seqs",
+        "3",
+        "--max-num-batched-tokens",
+        "64",
+        "--no-enable-chunked-prefill",
+        "--kv-cache-dtype",
+        "auto",
+        "--num-kv-blocks-override",
+        "40",
+        "--max-logprobs",
+        "5",
+        "--scheduling-policy",
+        "priority",
+        "--scheduler-delay-factor",
+        "0.25",
+        "-tp",
+        "1",
+        "--tokenizer",
+        "/some/tokenizer",
+        "--memory-utilization",
+        "0.5",
+        "--no-enable-prefix-caching",
+        "--device-map",
+        "cpu",
+    ]
     from_flags, _, _ = serve_cmd.build_engine_config(parse(argv))
     from_kwargs = engine_config_from_kwargs(
-        max_num_seqs=3, max_num_batched_tokens=64, enable_chunked_prefill=False, kv_cache_dtype="auto",
-        num_kv_blocks_override=40, max_logprobs=5, scheduling_policy="priority", scheduler_delay_factor=0.25,
-        tensor_parallel_size=1, tokenizer="/some/tokenizer", gpu_memory_utilization=0.5,
-        enable_prefix_caching=False, device_map="cpu", served_model_name="smollm2-135m-instruct")
+        max_num_seqs=3,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=False,
+        kv_cache_dtype="auto",
+        num_kv_blocks_override=40,
+        max_logprobs=5,
+        scheduling_policy="priority",
+        scheduler_delay_factor=0.25,
+        tensor_parallel_size=1,
+        tokenizer="/some/tokenizer",
+        gpu_memory_utilization=0.5,
+        enable_prefix_caching=False,
+        device_map="cpu",
+        served_model_name="smollm2-135m-instruct",
+    )
     assert from_flags == from_kwargs
     assert from_kwargs.cache.num_gpu_blocks_override == 40 and from_kwargs.scheduler.policy == "priority"
     assert not from_kwargs.scheduler.enable_chunked_prefill and from_kwargs.model.max_logprobs == 5
@@ -118,8 +156,9 @@ def test_command_defaults_and_exclusions():
 
 def test_docs_list_every_setting():
     text = DOCS.read_text(encoding="utf-8")
-    assert settings_markdown() in text, ("docs/engine_settings.md is stale: regenerate its table with "
-                                         "python -m pagedserve.entrypoints.engine_args")
+    assert settings_markdown() in text, (
+        "docs/engine_settings.md is stale: regenerate its table with python -m pagedserve.entrypoints.engine_args"
+    )
 
 
 def test_world_size():
@@ -129,16 +168,25 @@ def test_world_size():
 
 # -- every refused combination fails before any model work ---------------------------------
 REFUSED = [
-    (dict(device_map="cpu:1,cpu", tensor_parallel_size=2), r"device_map='cpu:1,cpu' cannot be combined with "
-                                                           r"tensor/pipeline parallelism"),
-    (dict(device_map="cpu:1,cpu", distributed_executor_backend="mp"), r"distributed_executor_backend='mp' is "
-                                                                      r"not supported"),
+    (
+        dict(device_map="cpu:1,cpu", tensor_parallel_size=2),
+        r"device_map='cpu:1,cpu' cannot be combined with "
+        r"tensor/pipeline parallelism",
+    ),
+    (
+        dict(device_map="cpu:1,cpu", distributed_executor_backend="mp"),
+        r"distributed_executor_backend='mp' is "
+        r"not supported",
+    ),
     (dict(device_map="cpu:1,cpu", cpu_offload_gb=1), r"cannot be combined with cpu_offload_gb"),
     (dict(distributed_executor_backend="uni", pipeline_parallel_size=2), r"'uni' runs one rank"),
     (dict(cpu_bind="0", tensor_parallel_size=2), r"cpu_bind='0' is not supported with tensor/pipeline"),
     (dict(cpu_offload_gb=1, pipeline_parallel_size=2), r"cpu_offload_gb=1 is not supported with tensor"),
-    (dict(kv_offload_memory="1GiB", tensor_parallel_size=2), r"kv_offload_memory=1073741824 is not supported "
-                                                             r"with tensor"),
+    (
+        dict(kv_offload_memory="1GiB", tensor_parallel_size=2),
+        r"kv_offload_memory=1073741824 is not supported "
+        r"with tensor",
+    ),
     (dict(quantization="int8", tensor_parallel_size=2), r"quantization='int8' is not supported with tensor"),
     (dict(quantization="int8", cpu_offload_gb=1), r"quantization='int8' cannot be combined with cpu_offload_gb"),
     (dict(kv_cache_dtype="fp8"), r"kv_cache_dtype='fp8' is not implemented yet"),
@@ -172,8 +220,9 @@ def test_refused_combinations_fail_fast(kwargs, message, no_model_work):
 
 def test_refused_combination_from_the_command_line_fails_fast(no_model_work):
     t0 = time.perf_counter()
-    with pytest.raises(SystemExit, match="pagedserve generate: cpu_offload_gb=1.0 is not supported with "
-                                         "tensor/pipeline parallelism"):
+    with pytest.raises(
+        SystemExit, match="pagedserve generate: cpu_offload_gb=1.0 is not supported with tensor/pipeline parallelism"
+    ):
         cli.main(["generate", "--tensor-parallel-size", "2", "--cpu-offload-gb", "1"])
     with pytest.raises(SystemExit, match="pagedserve generate: kv_cache_dtype='fp8_e4m3' is not implemented"):
         cli.main(["generate", "--kv-cache-dtype", "fp8_e4m3"])

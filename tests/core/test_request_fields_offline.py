@@ -50,8 +50,9 @@ def hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
 
 
 # -- validation (issue 21 items 2-4) ------------------------------------------------------------
-@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                                  "repetition_penalty"])
+@pytest.mark.parametrize(
+    "name", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+)
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_float_fields_reject_nan_and_infinity(name, value):
     with pytest.raises(ValueError, match=f"^{name} must be a finite number"):
@@ -76,23 +77,29 @@ def test_seed_at_int64_limits_with_n_does_not_overflow(llm):
         assert len(out.outputs) == 3 and all(len(c.token_ids) == 3 for c in out.outputs)
 
 
-@pytest.mark.parametrize("kw, name", [
-    (dict(stop_token_ids=[-(10 ** 20)], min_tokens=2), "stop_token_ids"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    (dict(allowed_token_ids=[-3]), "allowed_token_ids"),
-    (dict(allowed_token_ids=[]), "allowed_token_ids"),
-    (dict(logit_bias={-2: 1.0}), "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(stop_token_ids=[-(10**20)], min_tokens=2), "stop_token_ids"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(allowed_token_ids=[-3]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+        (dict(logit_bias={-2: 1.0}), "logit_bias"),
+    ],
+)
 def test_negative_token_ids_are_refused(kw, name):
     with pytest.raises(ValueError, match=f"^{name}"):
         SamplingParams(**kw)
 
 
-@pytest.mark.parametrize("kw, name", [
-    (dict(stop_token_ids=[VOCAB], min_tokens=2), "stop_token_ids"),
-    (dict(allowed_token_ids=[5, 10 ** 12]), "allowed_token_ids"),
-    (dict(logit_bias={VOCAB + 7: 1.0}), "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(stop_token_ids=[VOCAB], min_tokens=2), "stop_token_ids"),
+        (dict(allowed_token_ids=[5, 10**12]), "allowed_token_ids"),
+        (dict(logit_bias={VOCAB + 7: 1.0}), "logit_bias"),
+    ],
+)
 def test_token_ids_beyond_the_vocabulary_are_refused(llm, kw, name):
     with pytest.raises(ValueError, match=f"^{name} contains token id .* outside the vocabulary"):
         gen(llm, **kw)
@@ -114,8 +121,10 @@ def _reference_processors(logits: torch.Tensor, requests: list[Request]) -> torc
         for t, b in (p.logit_bias or {}).items():
             out[i, t] += b
         for seq in getattr(p, "_bad_words_token_ids", None) or ():
-            if list(r.output_token_ids[len(r.output_token_ids) - len(seq) + 1:]) == seq[:-1] \
-                    and len(r.output_token_ids) >= len(seq) - 1:
+            if (
+                list(r.output_token_ids[len(r.output_token_ids) - len(seq) + 1 :]) == seq[:-1]
+                and len(r.output_token_ids) >= len(seq) - 1
+            ):
                 out[i, seq[-1]] = float("-inf")
     return out
 
@@ -203,8 +212,9 @@ def test_prompt_logprobs_match_transformers(tiny_llama, hf_model, budget):
 
 def test_prompt_logprobs_survive_preemption(tiny_llama, hf_model):
     # A cache of 4 blocks of 16 tokens: three requests cannot all grow, so some are preempted.
-    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=5, max_model_len=64, max_num_seqs=3,
-              dtype="float32", threads=1)
+    llm = LLM(
+        model=str(tiny_llama), num_gpu_blocks_override=5, max_model_len=64, max_num_seqs=3, dtype="float32", threads=1
+    )
     prompts = [PROMPT, "Pack my box with", "Sphinx of black quartz"]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -218,8 +228,7 @@ def test_best_of_returns_the_best_candidates_by_cumulative_logprob(llm):
     seed = 11
     out = gen(llm, temperature=1.0, seed=seed, n=2, best_of=5, max_tokens=5)
     # Sample i of a seeded request draws with seed + i: the same as n=1 requests with those seeds.
-    candidates = [gen(llm, temperature=1.0, seed=seed + i, max_tokens=5, logprobs=0).outputs[0]
-                  for i in range(5)]
+    candidates = [gen(llm, temperature=1.0, seed=seed + i, max_tokens=5, logprobs=0).outputs[0] for i in range(5)]
     best = sorted(candidates, key=lambda c: c.cumulative_logprob, reverse=True)[:2]
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in best]
     assert [c.index for c in out.outputs] == [0, 1]
@@ -232,8 +241,10 @@ def test_truncate_prompt_tokens_keeps_the_tail(llm):
     ids = llm.get_tokenizer().encode(PROMPT)
     out = gen(llm, truncate_prompt_tokens=5)
     assert out.prompt_token_ids == ids[-5:]
-    assert out.outputs[0].token_ids == llm.generate([ids[-5:]], SamplingParams(temperature=0, max_tokens=6),
-                                                    use_tqdm=False)[0].outputs[0].token_ids
+    assert (
+        out.outputs[0].token_ids
+        == llm.generate([ids[-5:]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0].token_ids
+    )
 
 
 # -- priority ---------------------------------------------------------------------------------------
@@ -258,8 +269,13 @@ def test_priority_preemption_takes_the_lowest_priority_and_requeues_in_order():
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, policy="priority"), kv, 64)
 
     def req(rid, prio, start):
-        return Request(rid, list(range(start, start + 4)), SamplingParams(max_tokens=20, ignore_eos=True),
-                       arrival_time=start, priority=prio)
+        return Request(
+            rid,
+            list(range(start, start + 4)),
+            SamplingParams(max_tokens=20, ignore_eos=True),
+            arrival_time=start,
+            priority=prio,
+        )
 
     for r in (req("urgent", 0, 0), req("low", 9, 10), req("mid", 5, 20)):
         s.add_request(r)
@@ -292,8 +308,9 @@ def test_generation_config_defaults_apply_unless_ignored(tiny_llama, tmp_path):
 
 
 # -- beam search ------------------------------------------------------------------------------------
-def _reference_beam_search(hf_model, prompt: list[int], width: int, max_tokens: int, eos: int,
-                           length_penalty: float = 1.0) -> list[tuple[list[int], float]]:
+def _reference_beam_search(
+    hf_model, prompt: list[int], width: int, max_tokens: int, eos: int, length_penalty: float = 1.0
+) -> list[tuple[list[int], float]]:
     """Beam search over transformers' logits, written out plainly."""
     live, done = [(list(prompt), 0.0)], []
     for _ in range(max_tokens):
@@ -307,7 +324,7 @@ def _reference_beam_search(hf_model, prompt: list[int], width: int, max_tokens: 
 
     def score(b):
         n = len(b[0]) - (1 if b[0][-1] == eos else 0)
-        return b[1] / n ** length_penalty
+        return b[1] / n**length_penalty
 
     return sorted(done + live, key=score, reverse=True)[:width]
 
@@ -326,7 +343,7 @@ def test_beam_search_matches_a_reference_over_transformers(llm, hf_model, length
         assert [s.tokens for s in out.sequences] == [r[0] for r in ref]
         for s, (_, cum) in zip(out.sequences, ref):
             assert math.isclose(s.cum_logprob, cum, abs_tol=1e-3)
-            assert s.text == tok.decode(s.tokens[len(ids):])
+            assert s.text == tok.decode(s.tokens[len(ids) :])
     assert llm.llm_engine.kv.usage() == 0.0
 
 
@@ -346,8 +363,9 @@ def test_beam_search_completes_beams_at_eos(ignore_eos):
     from pagedserve.beam_search import BeamSearch, BeamSearchParams
     from pagedserve.outputs import Logprob
 
-    search = BeamSearch([[1, 1]], BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=ignore_eos),
-                        frozenset({2}), max_model_len=100)
+    search = BeamSearch(
+        [[1, 1]], BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=ignore_eos), frozenset({2}), max_model_len=100
+    )
     lps = {2: -0.1, 5: -1.0, 6: -2.0, 7: -3.0}
     search.run(lambda todo, _: [{t: Logprob(v) for t, v in lps.items()} for _ in todo])
     seqs = search.outputs(lambda t: ",".join(map(str, t)))[0].sequences
@@ -369,27 +387,36 @@ def test_chat_continue_final_message_and_template_kwargs(llm):
     params = SamplingParams(temperature=0, max_tokens=3)
     out = llm.chat(conv, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
     assert out.prompt.endswith("Hel")
-    ref = llm.generate({"prompt_token_ids": llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)},
-                       params, use_tqdm=False)[0]
+    ref = llm.generate(
+        {"prompt_token_ids": llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)}, params, use_tqdm=False
+    )[0]
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     with pytest.raises(ValueError, match="add_generation_prompt"):
         llm.chat(conv, params, use_tqdm=False, continue_final_message=True)
-    out = llm.chat(conv[:1], params, use_tqdm=False, chat_template="<{{ flag }}>",
-                   chat_template_kwargs={"flag": "XYZ"})[0]
+    out = llm.chat(
+        conv[:1], params, use_tqdm=False, chat_template="<{{ flag }}>", chat_template_kwargs={"flag": "XYZ"}
+    )[0]
     assert out.prompt == "<XYZ>"
 
 
 def test_logits_processors_are_unchanged_by_preemption_and_chunking(tiny_llama, llm):
-    small = LLM(model=str(tiny_llama), num_gpu_blocks_override=5, max_model_len=64, max_num_seqs=3,
-                max_num_batched_tokens=8, dtype="float32", threads=1)
+    small = LLM(
+        model=str(tiny_llama),
+        num_gpu_blocks_override=5,
+        max_model_len=64,
+        max_num_seqs=3,
+        max_num_batched_tokens=8,
+        dtype="float32",
+        threads=1,
+    )
     tok = llm.get_tokenizer()
     letters = [tok.encode(c, add_special_tokens=False)[0] for c in "abcdefghij"]
     prompts = [PROMPT, "Pack my box with", "Sphinx of black quartz"]
-    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, allowed_token_ids=letters,
-                             bad_words=["ab", "c"]),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={letters[3]: 5.0}),
-              SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=30, ignore_eos=True,
-                             allowed_token_ids=letters[:4])]
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, allowed_token_ids=letters, bad_words=["ab", "c"]),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={letters[3]: 5.0}),
+        SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=30, ignore_eos=True, allowed_token_ids=letters[:4]),
+    ]
     got = small.generate(prompts, params, use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0
     want = llm.generate(prompts, params, use_tqdm=False)
@@ -400,10 +427,12 @@ def test_logits_processors_are_unchanged_by_preemption_and_chunking(tiny_llama, 
 
 def test_issue_examples_on_the_default_model():
     llm = LLM(max_model_len=256, kv_cache_memory="64MiB", threads=1)
-    bad = [dict(max_tokens=2, temperature=1, seed=18446744073709551616),
-           dict(max_tokens=2, stop_token_ids=[-(10 ** 20)], min_tokens=1),
-           dict(max_tokens=2, stop_token_ids=[-1], min_tokens=1),
-           dict(max_tokens=2, temperature=math.nan)]
+    bad = [
+        dict(max_tokens=2, temperature=1, seed=18446744073709551616),
+        dict(max_tokens=2, stop_token_ids=[-(10**20)], min_tokens=1),
+        dict(max_tokens=2, stop_token_ids=[-1], min_tokens=1),
+        dict(max_tokens=2, temperature=math.nan),
+    ]
     for kw in bad:
         with pytest.raises(ValueError):
             llm.generate("Hi", SamplingParams(**kw), use_tqdm=False)

@@ -39,9 +39,11 @@ def failing_generator(monkeypatch):
 
 def test_a_request_failing_in_the_sampler_fails_alone(llm, failing_generator):
     poison = SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=12, n=2)  # samples seeded 4242, 4243
-    good = [([5, 6, 7], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
-            ([8, 9], SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)),
-            ([10, 11, 12, 13], SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True))]
+    good = [
+        ([5, 6, 7], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+        ([8, 9], SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)),
+        ([10, 11, 12, 13], SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)),
+    ]
     solo = [_solo(llm, p, sp) for p, sp in good]
     prompts = [good[0][0], [3, 4], good[1][0], good[2][0]]
     params = [good[0][1], poison, good[1][1], good[2][1]]

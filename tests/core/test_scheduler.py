@@ -17,15 +17,17 @@ BS = 4
 
 def make(num_blocks=64, budget=32, max_seqs=8, chunked=True, policy="fcfs", caching=True):
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching)
-    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                          enable_chunked_prefill=chunked, policy=policy)
+    cfg = SchedulerConfig(
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked, policy=policy
+    )
     return Scheduler(cfg, kv, max_model_len=512)
 
 
 def req(rid, n_prompt, max_tokens=8, arrival=0.0, priority=0, start=0):
     toks = list(range(start, start + n_prompt))
-    return Request(rid, toks, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   arrival_time=arrival, priority=priority)
+    return Request(
+        rid, toks, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=arrival, priority=priority
+    )
 
 
 def run_step(s: Scheduler, rng: random.Random | None = None):

@@ -33,7 +33,6 @@ def expected():
     return _run()
 
 
-@pytest.mark.parametrize("parallel", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=3)],
-                         ids=["pp2", "tp3"])
+@pytest.mark.parametrize("parallel", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=3)], ids=["pp2", "tp3"])
 def test_default_model_parallel_matches_single(parallel, expected):
     assert _run(**parallel) == expected

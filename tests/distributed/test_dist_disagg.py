@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-
 from dist_helpers import BASE, greedy, make_prompts, running_llm, token_ids
 
 pytestmark = pytest.mark.timeout(90)

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch.distributed as dist
-
 from dist_helpers import greedy, make_prompts, running_llm, token_ids
 
 pytestmark = pytest.mark.timeout(90)

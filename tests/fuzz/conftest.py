@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from fuzz_helpers import FUZZ_ARGS, check_server_still_serves
 from live_server import LiveServer
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 import httpx
-
 from live_server import TINY_ARGS, LiveServer, kv_cache_usage
 
 EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "40"))
@@ -36,7 +35,10 @@ def check_answer(status: int, headers, body: bytes, what: str) -> None:
 def check_server_still_serves(server: LiveServer) -> None:
     """Health, a normal request, and no KV block held once everything is done."""
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-    r = httpx.post(server.url + "/v1/completions", timeout=60,
-                   json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        timeout=60,
+        json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "ignore_eos": True},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
     assert kv_cache_usage(server.url) == 0.0

@@ -6,21 +6,40 @@ from __future__ import annotations
 
 import pytest
 import schemathesis
+from fuzz_helpers import DERANDOMIZE, EXAMPLES, check_answer, check_server_still_serves
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from fuzz_helpers import DERANDOMIZE, EXAMPLES, check_answer, check_server_still_serves
-
 pytestmark = pytest.mark.timeout(600)
 
-OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/embeddings", "POST"),
-              ("/v1/models/{model}", "GET"), ("/v1/models", "GET"), ("/health", "GET")]
+OPERATIONS = [
+    ("/v1/completions", "POST"),
+    ("/v1/chat/completions", "POST"),
+    ("/v1/embeddings", "POST"),
+    ("/v1/models/{model}", "GET"),
+    ("/v1/models", "GET"),
+    ("/health", "GET"),
+]
 
 
 # JSON Schema counts 1.0 as an integer; the server's strict parsing does not (an integer
 # field must be written as one), so schema-valid bodies are written that way.
-INT_FIELDS = {"max_tokens", "max_completion_tokens", "n", "seed", "top_k", "min_tokens", "logprobs",
-              "top_logprobs", "best_of", "stop_token_ids", "prompt", "input", "dimensions", "priority"}
+INT_FIELDS = {
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "seed",
+    "top_k",
+    "min_tokens",
+    "logprobs",
+    "top_logprobs",
+    "best_of",
+    "stop_token_ids",
+    "prompt",
+    "input",
+    "dimensions",
+    "priority",
+}
 
 
 def integral_floats_as_ints(body, key: str | None = None):
@@ -52,8 +71,9 @@ def test_schemathesis(schema, fuzz_server, path, method, mode):
     n = EXAMPLES if method == "POST" else max(EXAMPLES // 4, 5)
     statuses: list[int] = []
 
-    @settings(max_examples=n, deadline=None, database=None, derandomize=DERANDOMIZE,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=n, deadline=None, database=None, derandomize=DERANDOMIZE, suppress_health_check=list(HealthCheck)
+    )
     @given(case=op.as_strategy(generation_mode=mode))
     def run(case):
         if mode is GenerationMode.POSITIVE:

@@ -47,22 +47,28 @@ def test_reference_window_and_soft_cap_match_dense(window, cap, block_size):
     qsl = torch.tensor([0] + torch.tensor([n for _, n in batch]).cumsum(0).tolist(), dtype=torch.int32)
     seq_lens = torch.tensor([ctx for ctx, _ in batch], dtype=torch.int32)
     out = torch.full_like(q, float("nan"))
-    reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, d ** -0.5, out, sliding_window=window,
-                              soft_cap=cap)
+    reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, d**-0.5, out, sliding_window=window, soft_cap=cap)
     for i, (ctx, _) in enumerate(batch):
-        blocks = tables[i, :per_seq[i]].long()
+        blocks = tables[i, : per_seq[i]].long()
         k = kc[blocks].reshape(-1, kv_heads, d)[:ctx]
         v = vc[blocks].reshape(-1, kv_heads, d)[:ctx]
-        want = _dense(q[qsl[i]:qsl[i + 1]], k, v, ctx, d ** -0.5, window, cap)
-        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].double(), want, atol=1e-5, rtol=1e-5)
+        want = _dense(q[qsl[i] : qsl[i + 1]], k, v, ctx, d**-0.5, window, cap)
+        torch.testing.assert_close(out[qsl[i] : qsl[i + 1]].double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_window_changes_the_result_and_rejects_nonsense():
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(4, 2, 16, generator=gen)
     kc, vc = torch.randn(2, 8, 1, 16, generator=gen), torch.randn(2, 8, 1, 16, generator=gen)
-    args = (q, kc, vc, torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([12], dtype=torch.int32),
-            torch.tensor([0, 4], dtype=torch.int32), 0.25)
+    args = (
+        q,
+        kc,
+        vc,
+        torch.tensor([[1, 0]], dtype=torch.int32),
+        torch.tensor([12], dtype=torch.int32),
+        torch.tensor([0, 4], dtype=torch.int32),
+        0.25,
+    )
     full = reference.paged_attention(*args)
     assert not torch.allclose(reference.paged_attention(*args, sliding_window=3), full)
     torch.testing.assert_close(reference.paged_attention(*args, sliding_window=12), full)
@@ -77,8 +83,15 @@ def test_cpu_platform_attention_with_window_matches_reference():
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(10, 4, 64, generator=gen)
     kc, vc = torch.randn(4, 16, 2, 64, generator=gen), torch.randn(4, 16, 2, 64, generator=gen)
-    args = (q, kc, vc, torch.tensor([[2, 0, 3], [1, 0, 0]], dtype=torch.int32),
-            torch.tensor([40, 5], dtype=torch.int32), torch.tensor([0, 6, 10], dtype=torch.int32), 0.125)
+    args = (
+        q,
+        kc,
+        vc,
+        torch.tensor([[2, 0, 3], [1, 0, 0]], dtype=torch.int32),
+        torch.tensor([40, 5], dtype=torch.int32),
+        torch.tensor([0, 6, 10], dtype=torch.int32),
+        0.125,
+    )
     for extra in ({"sliding_window": 9}, {"soft_cap": 1.5}, {"sliding_window": 30, "soft_cap": 5.0}):
         torch.testing.assert_close(ops.paged_attention(*args, **extra), reference.paged_attention(*args, **extra))
 

@@ -33,9 +33,18 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 # ---- flags ------------------------------------------------------------------------------
 
+
 def test_auto_flags_follow_cpu_features():
     assert build.auto_cpu_arch_flags(ZEN4) == [
-        "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512bf16",
+    ]
     assert "-mavx512bf16" not in build.auto_cpu_arch_flags(SKYLAKE_SP)
     assert "-mavx512f" in build.auto_cpu_arch_flags(SKYLAKE_SP)
     assert build.auto_cpu_arch_flags(HASWELL) == ["-mavx2", "-mfma", "-mf16c"]
@@ -54,7 +63,9 @@ def test_flags_from_this_cpu_and_env_override():
 
 def test_unsupported_flags_are_reported():
     assert build.unsupported_arch_flags(["-mavx2", "-mavx512f", "-mavx512bf16"], HASWELL) == [
-        "-mavx512f", "-mavx512bf16"]
+        "-mavx512f",
+        "-mavx512bf16",
+    ]
     assert build.unsupported_arch_flags(["-mavx2", "-O2"], HASWELL) == []
 
 
@@ -77,8 +88,12 @@ def test_one_cache_root_with_the_old_cuda_variable_as_deprecated_alias():
 def test_only_load_extension_compiles():
     """Every native extension is built by build.load_extension (one cache, one lock)."""
     root = Path(build.__file__).resolve().parents[1]
-    callers = sorted(str(p.relative_to(root)) for d in ("core", "platforms", "kernels")
-                     for p in (root / d).rglob("*.py") if "cpp_extension.load(" in p.read_text())
+    callers = sorted(
+        str(p.relative_to(root))
+        for d in ("core", "platforms", "kernels")
+        for p in (root / d).rglob("*.py")
+        if "cpp_extension.load(" in p.read_text()
+    )
     assert callers == ["kernels/build.py"]
 
 
@@ -100,7 +115,7 @@ def test_quantized_kernels_load_through_load_extension(monkeypatch, tmp_path):
             assert quant_native.load_quant_kernels() is None
     finally:
         quant_native.load_quant_kernels.cache_clear()
-    (spec, label), = seen
+    ((spec, label),) = seen
     assert label == "quantized CPU kernels" and spec.directory.parent == tmp_path
     assert [s.name for s in spec.sources] == ["quant_gguf.cpp"] and spec.cuda_cflags is None
 
@@ -135,6 +150,7 @@ def test_waits_for_a_live_build_and_clears_a_stale_lock(tmp_path):
 
 
 # ---- the real build ---------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def built() -> build.BuildReport:
@@ -183,9 +199,8 @@ def test_second_load_reuses_the_cache(built):
     so_mtime = spec.so_path.stat().st_mtime_ns
     start = time.perf_counter()
     proc = run_python(
-        "from pagedserve.kernels import build\n"
-        "m, r = build.load_cpu_extension()\n"
-        "print(r.compiled, r.name)\n")
+        "from pagedserve.kernels import build\nm, r = build.load_cpu_extension()\nprint(r.compiled, r.name)\n"
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False", spec.name]
     assert "compiling" not in proc.stderr
@@ -197,9 +212,14 @@ def test_missing_compiler_falls_back_to_reference_with_warning(tmp_path):
     code = (
         "from pagedserve.platforms import select_platform\n"
         "platform, ops = select_platform('cpu')\n"
-        "print(sorted(set(src for _, src in ops.table())))\n")
-    proc = run_python(code, CXX=str(tmp_path / "no-such-c++"), PAGEDSERVE_KERNEL_CACHE=str(tmp_path / "cache"),
-                      PAGEDSERVE_TARGET_DEVICE="cpu")
+        "print(sorted(set(src for _, src in ops.table())))\n"
+    )
+    proc = run_python(
+        code,
+        CXX=str(tmp_path / "no-such-c++"),
+        PAGEDSERVE_KERNEL_CACHE=str(tmp_path / "cache"),
+        PAGEDSERVE_TARGET_DEVICE="cpu",
+    )
     assert proc.returncode == 0, proc.stderr
     # No native kernel: the references, and what torch itself provides (quantized ops,
     # oneDNN-packed dense weights).
@@ -210,9 +230,11 @@ def test_missing_compiler_falls_back_to_reference_with_warning(tmp_path):
 
 def test_failing_build_falls_back_with_the_compiler_error(tmp_path):
     proc = run_python(
-        "from pagedserve.kernels.cpu import load_cpu_kernels\n"
-        "print(load_cpu_kernels())\n",
-        PAGEDSERVE_CPU_ARCH_FLAGS="-mno-such-option", PAGEDSERVE_KERNEL_CACHE=str(tmp_path), MAX_JOBS="2")
+        "from pagedserve.kernels.cpu import load_cpu_kernels\nprint(load_cpu_kernels())\n",
+        PAGEDSERVE_CPU_ARCH_FLAGS="-mno-such-option",
+        PAGEDSERVE_KERNEL_CACHE=str(tmp_path),
+        MAX_JOBS="2",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "None"
     assert "failed" in proc.stderr and "no-such-option" in proc.stderr
@@ -224,7 +246,9 @@ def test_import_builds_nothing(tmp_path):
         "import pagedserve, pagedserve.kernels.cpu, pagedserve.kernels.build, pagedserve.platforms\n"
         "from pagedserve.platforms import discover\n"
         "discover()\n",
-        PAGEDSERVE_KERNEL_CACHE=str(tmp_path), CXX=str(tmp_path / "no-such-c++"))
+        PAGEDSERVE_KERNEL_CACHE=str(tmp_path),
+        CXX=str(tmp_path / "no-such-c++"),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "compiling" not in proc.stderr and "unavailable" not in proc.stderr
     assert not any(tmp_path.iterdir())
@@ -234,13 +258,17 @@ def test_disabled_kernels_are_not_built(tmp_path):
     proc = run_python(
         "from pagedserve.platforms import select_platform\n"
         "print(select_platform('cpu')[1].source('paged_attention'))\n",
-        PAGEDSERVE_CPU_KERNELS="0", PAGEDSERVE_KERNEL_CACHE=str(tmp_path), PAGEDSERVE_TARGET_DEVICE="cpu")
+        PAGEDSERVE_CPU_KERNELS="0",
+        PAGEDSERVE_KERNEL_CACHE=str(tmp_path),
+        PAGEDSERVE_TARGET_DEVICE="cpu",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "reference" and "unavailable" not in proc.stderr
     assert not any(tmp_path.iterdir())
 
 
 # ---- CLI ---------------------------------------------------------------------------------
+
 
 def test_cli_build_kernels_cpu(built, capsys):
     from pagedserve.entrypoints.cli import main

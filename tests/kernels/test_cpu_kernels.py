@@ -82,9 +82,18 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 
 # ---- paged attention ------------------------------------------------------------------
 
-def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_size: int,
-               block_size: int, dtype: torch.dtype, gen: torch.Generator, spare_blocks: int = 7,
-               head_major: bool = False):
+
+def make_batch(
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    spare_blocks: int = 7,
+    head_major: bool = False,
+):
     """Inputs for a batch of (q_len, seq_len) sequences with shuffled block ids.
 
     The cache holds random data everywhere (also in blocks no sequence owns), and the
@@ -94,8 +103,11 @@ def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
     """
     need = [(ctx + block_size - 1) // block_size for _, ctx in seqs]
     num_blocks = sum(need) + spare_blocks
-    shape = (num_blocks, num_kv_heads, block_size, head_size) if head_major else \
-        (num_blocks, block_size, num_kv_heads, head_size)
+    shape = (
+        (num_blocks, num_kv_heads, block_size, head_size)
+        if head_major
+        else (num_blocks, block_size, num_kv_heads, head_size)
+    )
     key_cache = torch.randn(shape, generator=gen).to(dtype)
     value_cache = torch.randn(shape, generator=gen).to(dtype)
     if head_major:
@@ -105,7 +117,7 @@ def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
     ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
     start = 0
     for i, n in enumerate(need):
-        block_tables[i, :n] = ids[start:start + n]
+        block_tables[i, :n] = ids[start : start + n]
         start += n
     q_lens = [q for q, _ in seqs]
     query = torch.randn(sum(q_lens), num_heads, head_size, generator=gen).to(dtype)
@@ -174,8 +186,11 @@ def test_paged_attention_odd_blocks_and_wide_groups(every_isa, block_size, heads
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("seqs", [[(1, 3001)], [(200, 2500)], [(1, 2049), (1, 5)], [(64, 64), (64, 1100)]],
-                         ids=["long-decode", "long-prefill-chunk", "long-and-short", "two-prefills"])
+@pytest.mark.parametrize(
+    "seqs",
+    [[(1, 3001)], [(200, 2500)], [(1, 2049), (1, 5)], [(64, 64), (64, 1100)]],
+    ids=["long-decode", "long-prefill-chunk", "long-and-short", "two-prefills"],
+)
 def test_paged_attention_long_contexts(every_isa, dtype, threads, seqs):
     """Long contexts: with 2 threads these are split along the keys and merged."""
     gen = torch.Generator().manual_seed(7)
@@ -229,6 +244,7 @@ def test_paged_attention_rejects_bad_metadata(kernels):
 
 # ---- reshape_and_cache ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("num_tokens", [1, 37, 300])
 @pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
@@ -242,7 +258,7 @@ def test_reshape_and_cache(kernels, dtype, num_tokens, head_major):
     # key/value as strided views of a fused projection output, as a model produces them.
     kv = torch.randn(num_tokens, 2 * 3 * 64 + 5, generator=gen).to(dtype)
     key = kv[:, : 3 * 64].view(num_tokens, 3, 64)
-    value = kv[:, 3 * 64: 6 * 64].view(num_tokens, 3, 64)
+    value = kv[:, 3 * 64 : 6 * 64].view(num_tokens, 3, 64)
     slots = torch.randperm(64 * 16, generator=gen)[:num_tokens]
     slots[::5] = -1  # padding tokens are skipped
     exp_k, exp_v = key_cache.clone(), value_cache.clone()
@@ -310,7 +326,7 @@ def test_rotary_embedding(kernels, dtype, head_size, rot_dim):
     positions = torch.randint(0, max_pos, (tokens,), generator=gen)
     qkv = torch.randn(tokens, (9 + 3 + 3) * head_size, generator=gen).to(dtype)
     query = qkv[:, : 9 * head_size].view(tokens, 9, head_size)
-    key = qkv[:, 9 * head_size: 12 * head_size].view(tokens, 3, head_size)
+    key = qkv[:, 9 * head_size : 12 * head_size].view(tokens, 3, head_size)
     exp_q, exp_k = reference.rotary_embedding(positions, query, key, cos_sin)
     got_q, got_k = kernels.rotary_embedding(positions, query, key, cos_sin)
     assert_close(got_q, exp_q, dtype)
@@ -347,22 +363,22 @@ def test_argmax(kernels, dtype, rows, n):
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 100, 5), (4, 64, 1), (5, 576, 130), (16, 1536, 70),
-                                   (7, 33, 9)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 100, 5), (4, 64, 1), (5, 576, 130), (16, 1536, 70), (7, 33, 9)])
 def test_linear_few_rows(kernels, m, k, n, bias):
     """bf16 decode-sized linear (the skinny kernel where the ISA has one) against the
     float32 reference rounded to bf16: K tails, N tails, row blocks of 1-4, bias."""
     gen = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=gen).bfloat16()
-    w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     want = reference.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
     assert_close(kernels.linear(x, w, b), want, torch.bfloat16)
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (5, 64, 16), (6, 100, 48), (13, 1536, 576), (64, 576, 80),
-                                   (130, 34, 1040)])
+@pytest.mark.parametrize(
+    "m,k,n", [(1, 576, 960), (5, 64, 16), (6, 100, 48), (13, 1536, 576), (64, 576, 80), (130, 34, 1040)]
+)
 def test_packed_linear(packed_kernels, m, k, n, bias):
     """The packed bf16 kernel (weights [N/16, K/2, 16, 2]) against the float32
     reference rounded to bf16: row tiles of 1-6 and their tails, 1-4 column blocks,
@@ -374,7 +390,7 @@ def test_packed_linear(packed_kernels, m, k, n, bias):
     gen = torch.Generator().manual_seed(m * 1000 + k + n)
     wide = torch.randn(m, k + 3, generator=gen).bfloat16()
     x = wide[:, :k]  # a row-strided view
-    w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     packed = kernels.pack_linear_weight(w)
     assert packed.shape == (n // 16, k // 2, 16, 2) and torch.equal(unpack_linear_weight(packed), w)
@@ -383,8 +399,11 @@ def test_packed_linear(packed_kernels, m, k, n, bias):
     assert_close(got, want, torch.bfloat16)
     assert torch.equal(kernels.packed_linear(x.reshape(1, m, k), packed, b), got.view(1, m, n))
     xf = x.float()  # another dtype: the reference on the unpacked weight
-    assert_close(kernels.packed_linear(xf, packed, None if b is None else b.float()),
-                 reference.linear(xf, w.float(), None if b is None else b.float()), torch.float32)
+    assert_close(
+        kernels.packed_linear(xf, packed, None if b is None else b.float()),
+        reference.linear(xf, w.float(), None if b is None else b.float()),
+        torch.float32,
+    )
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
@@ -398,7 +417,7 @@ def test_packed_linear_silu_and_mul(packed_kernels, m, k, d, bias):
     gen = torch.Generator().manual_seed(m * 1000 + k + d)
     wide = (torch.randn(m, k + 5, generator=gen) * 2).bfloat16()
     x = wide[:, :k]  # a row-strided view
-    w = (torch.randn(2 * d, k, generator=gen) / k ** 0.5).bfloat16()
+    w = (torch.randn(2 * d, k, generator=gen) / k**0.5).bfloat16()
     b = torch.randn(2 * d, generator=gen).bfloat16() if bias else None
     packed = kernels.pack_linear_weight(w)
     got = torch.full((m, d), float("nan")).bfloat16()
@@ -407,8 +426,11 @@ def test_packed_linear_silu_and_mul(packed_kernels, m, k, d, bias):
     assert_close(got, reference.linear_silu_and_mul(x, w, b), torch.bfloat16)
     assert torch.equal(kernels.packed_linear_silu_and_mul(x.reshape(1, m, k), packed, b), got.view(1, m, d))
     xf = x.float()
-    assert_close(kernels.packed_linear_silu_and_mul(xf, packed, None if b is None else b.float()),
-                 reference.linear_silu_and_mul(xf, w.float(), None if b is None else b.float()), torch.float32)
+    assert_close(
+        kernels.packed_linear_silu_and_mul(xf, packed, None if b is None else b.float()),
+        reference.linear_silu_and_mul(xf, w.float(), None if b is None else b.float()),
+        torch.float32,
+    )
 
 
 def test_bf16_rounding_special_values(every_isa):
@@ -417,9 +439,26 @@ def test_bf16_rounding_special_values(every_isa):
     NaNs), overflow to infinity and ties.  silu_and_mul with gate 100.5 (silu
     exact, 8 significant bits) rounds the float32 product 100.5 * up, which needs up to
     15 bits; up = +-2^-133 (the smallest bf16 denormal) makes a denormal tie."""
-    tiny = 2.0 ** -133
-    ups = torch.tensor([tiny, -tiny, 3 * tiny, 1e-39, -1e-39, 1.1754942e-38, float("inf"), float("-inf"),
-                        float("nan"), 0.0, -0.0, 3.0e38, -3.3e36, 1.00390625, -1.01171875])
+    tiny = 2.0**-133
+    ups = torch.tensor(
+        [
+            tiny,
+            -tiny,
+            3 * tiny,
+            1e-39,
+            -1e-39,
+            1.1754942e-38,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            0.0,
+            -0.0,
+            3.0e38,
+            -3.3e36,
+            1.00390625,
+            -1.01171875,
+        ]
+    )
     up = torch.cat([ups, torch.randn(40) * 1e-38, torch.randn(41)]).bfloat16()
     x = torch.cat([torch.full_like(up, 100.5), up]).view(1, -1)
     want = reference.silu_and_mul(x)
@@ -432,7 +471,9 @@ def test_bf16_rounding_special_values(every_isa):
         # conversions write different ones); everything else is, bit for bit.
         bits, want_bits = got.view(torch.int16)[~nan], want.view(torch.int16)[~nan]
         assert torch.equal(got.isnan(), nan) and torch.equal(bits, want_bits), (
-            isa, (bits != want_bits).nonzero().flatten().tolist())
+            isa,
+            (bits != want_bits).nonzero().flatten().tolist(),
+        )
 
 
 def test_pack_linear_weight_refuses_other_shapes(every_isa):
@@ -463,6 +504,7 @@ def test_linear_strided_rows_and_large_batches(kernels):
 
 
 # ---- selection and registration -----------------------------------------------------------
+
 
 def test_choose_isa():
     features = frozenset({"avx2", "fma", "f16c"})
@@ -516,7 +558,6 @@ def test_register_cpu_ops_installs_native_ops(module, monkeypatch):
 def test_disabled_by_env(monkeypatch):
     from pagedserve.platforms.cpu.ops import register_cpu_ops
     from pagedserve.platforms.ops import OpRegistry
-
     from pagedserve.platforms.options import CpuOptions
 
     monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")

@@ -50,11 +50,24 @@ def _binding_syntax_command(stub_dir: Path) -> list[str] | None:
         macros.parent.mkdir(parents=True, exist_ok=True)
         macros.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     return [
-        cxx, "-fsyntax-only", "-std=c++17", "-Wall", "-Wextra", "-Werror",
-        f"-I{stub_dir}", f"-I{CUDA_DIR}",
-        "-isystem", str(torch_inc), "-isystem", str(torch_inc / "torch" / "csrc" / "api" / "include"),
-        "-isystem", str(cuda_inc), "-isystem", sysconfig.get_paths()["include"],
-        "-DTORCH_EXTENSION_NAME=pagedserve_cuda_kernels", str(CUDA_DIR / "binding.cpp"),
+        cxx,
+        "-fsyntax-only",
+        "-std=c++17",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        f"-I{stub_dir}",
+        f"-I{CUDA_DIR}",
+        "-isystem",
+        str(torch_inc),
+        "-isystem",
+        str(torch_inc / "torch" / "csrc" / "api" / "include"),
+        "-isystem",
+        str(cuda_inc),
+        "-isystem",
+        sysconfig.get_paths()["include"],
+        "-DTORCH_EXTENSION_NAME=pagedserve_cuda_kernels",
+        str(CUDA_DIR / "binding.cpp"),
     ]
 
 
@@ -69,8 +82,20 @@ def cuda_compile_jobs(tmp_path_factory) -> dict[str, subprocess.Popen | str]:
             if NVCC is None:
                 jobs[key] = "nvcc not found (install the CUDA toolkit or set CUDA_HOME)"
                 continue
-            cmd = [NVCC, "-c", str(CUDA_DIR / cu), f"-arch={arch}", "-std=c++17", "-O3",
-                   "-Xptxas", "-v", "-Werror", "all-warnings", "-o", str(out / f"{cu}.{arch}.o")]
+            cmd = [
+                NVCC,
+                "-c",
+                str(CUDA_DIR / cu),
+                f"-arch={arch}",
+                "-std=c++17",
+                "-O3",
+                "-Xptxas",
+                "-v",
+                "-Werror",
+                "all-warnings",
+                "-o",
+                str(out / f"{cu}.{arch}.o"),
+            ]
             jobs[key] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     cmd = _binding_syntax_command(out / "stub")
     if cmd is None:
@@ -146,6 +171,7 @@ def test_build_refuses_cpu_torch():
 
 # ---- real GPU checks (skipped without one) ---------------------------------------
 
+
 @pytest.fixture(scope="module")
 def cuda_ext():
     if not GPU:
@@ -175,16 +201,19 @@ def _random_batch(seqs, num_kv_heads, group, head_size, block_size, dtype, gen):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_size, block_size, num_kv_heads, group",
-                         [(64, 16, 2, 1), (80, 32, 1, 4), (96, 16, 2, 2), (128, 32, 8, 8), (256, 16, 1, 2)])
+@pytest.mark.parametrize(
+    "head_size, block_size, num_kv_heads, group",
+    [(64, 16, 2, 1), (80, 32, 1, 4), (96, 16, 2, 2), (128, 32, 8, 8), (256, 16, 1, 2)],
+)
 def test_gpu_paged_attention_decode(cuda_ext, dtype, head_size, block_size, num_kv_heads, group):
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     # Decodes, plus a 3-token chunk that the kernel walks token by token.
-    q, kc, vc, bt, sl, qsl = _random_batch([(1, 1), (1, 300), (3, 77), (1, 1000)], num_kv_heads, group,
-                                           head_size, block_size, dtype, gen)
+    q, kc, vc, bt, sl, qsl = _random_batch(
+        [(1, 1), (1, 300), (3, 77), (1, 1000)], num_kv_heads, group, head_size, block_size, dtype, gen
+    )
     out = torch.full_like(q, float("nan"))
-    cuda_ext.paged_attention_decode(out, q, kc, vc, bt, sl, qsl, head_size ** -0.5)
-    expected = reference.paged_attention(q, kc, vc, bt, sl, qsl, head_size ** -0.5)
+    cuda_ext.paged_attention_decode(out, q, kc, vc, bt, sl, qsl, head_size**-0.5)
+    expected = reference.paged_attention(q, kc, vc, bt, sl, qsl, head_size**-0.5)
     torch.testing.assert_close(out.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 

@@ -16,8 +16,11 @@ def _per_token(x, w13, w2, weights, ids, act):
         for k in range(ids.shape[1]):
             e = int(ids[t, k])
             h = w13[e].double() @ x[t].double()
-            g = torch.nn.functional.silu(h[:inter]) if act == "silu" else \
-                torch.nn.functional.gelu(h[:inter], approximate="tanh")
+            g = (
+                torch.nn.functional.silu(h[:inter])
+                if act == "silu"
+                else torch.nn.functional.gelu(h[:inter], approximate="tanh")
+            )
             out[t] += float(weights[t, k]) * (w2[e].double() @ (g * h[inter:]))
     return out
 
@@ -40,13 +43,19 @@ def test_reference_matches_the_formula(tokens, experts, top_k, act):
 def test_reference_refuses_an_unknown_activation():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="relu"):
-        reference.fused_moe(x, torch.randn(2, 8, 8), torch.randn(2, 8, 4), torch.ones(2, 1),
-                            torch.zeros(2, 1, dtype=torch.int64), "relu")
+        reference.fused_moe(
+            x,
+            torch.randn(2, 8, 8),
+            torch.randn(2, 8, 4),
+            torch.ones(2, 1),
+            torch.zeros(2, 1, dtype=torch.int64),
+            "relu",
+        )
 
 
 def test_conformance_cases_pass_the_reference_and_catch_a_wrong_kernel():
-    from pagedserve.testing.op_checks import OP_CASES as _CASES
     from pagedserve.testing.checks import Check
+    from pagedserve.testing.op_checks import OP_CASES as _CASES
 
     class _Target:
         device = torch.device("cpu")

@@ -34,7 +34,7 @@ def test_reference_matches_a_plain_loop(indices):
     rows = 3
     logits = torch.randn(rows, 100, generator=g)
     n = rows if indices is None else len(indices)
-    mask = torch.randint(-2**31, 2**31 - 1, (n, 3), generator=g).to(torch.int32)  # 96 bits < 100: padding
+    mask = torch.randint(-(2**31), 2**31 - 1, (n, 3), generator=g).to(torch.int32)  # 96 bits < 100: padding
     want = _loop(logits, mask, list(range(rows)) if indices is None else indices)
     got = logits.clone()
     out = reference.apply_token_bitmask(got, mask, None if indices is None else torch.tensor(indices))
@@ -70,11 +70,19 @@ def test_native_cpu_kernel_matches_reference():
 
 def test_triton_kernel_matches_reference_in_the_interpreter():
     pytest.importorskip("triton")
-    code = ("import torch, sys; sys.path.insert(0, 'tests/kernels');"
-            "from test_token_bitmask import _run_cases;"
-            "from pagedserve.kernels.triton.bitmask import apply_token_bitmask;"
-            "_run_cases(apply_token_bitmask, (torch.float32, torch.float16)); print('ok')")
+    code = (
+        "import torch, sys; sys.path.insert(0, 'tests/kernels');"
+        "from test_token_bitmask import _run_cases;"
+        "from pagedserve.kernels.triton.bitmask import apply_token_bitmask;"
+        "_run_cases(apply_token_bitmask, (torch.float32, torch.float16)); print('ok')"
+    )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

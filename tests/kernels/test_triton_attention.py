@@ -42,8 +42,7 @@ POISON = 500.0
 @pytest.fixture(scope="module", autouse=True)
 def _triton_kernels_interpreted():
     """Fail clearly if the kernels were jitted for a GPU before the env var was set."""
-    if not ON_GPU and not isinstance(attention._paged_attention_kernel,
-                                     triton.runtime.interpreter.InterpretedFunction):
+    if not ON_GPU and not isinstance(attention._paged_attention_kernel, triton.runtime.interpreter.InterpretedFunction):
         pytest.fail("pagedserve.kernels.triton was imported before TRITON_INTERPRET=1 was set")
 
 
@@ -67,8 +66,15 @@ class Batch:
     scale: float
 
     def args(self) -> tuple:
-        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
-                self.query_start_loc, self.scale)
+        return (
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+        )
 
 
 def make_batch(
@@ -109,8 +115,15 @@ def make_batch(
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     seq_lens = torch.tensor([ctx for _, ctx in seqs], dtype=torch.int32)
     to = dict(device=DEVICE)
-    return Batch(query.to(**to), key_cache.to(**to), value_cache.to(**to), block_tables.to(**to),
-                 seq_lens.to(**to), qsl.to(**to), head_size ** -0.5)
+    return Batch(
+        query.to(**to),
+        key_cache.to(**to),
+        value_cache.to(**to),
+        block_tables.to(**to),
+        seq_lens.to(**to),
+        qsl.to(**to),
+        head_size**-0.5,
+    )
 
 
 def check_against_reference(batch: Batch, out: torch.Tensor, dtype: torch.dtype) -> None:
@@ -123,18 +136,18 @@ def check_against_reference(batch: Batch, out: torch.Tensor, dtype: torch.dtype)
 
 # (dtype, head_size, block_size, num_kv_heads, group, [(q_len, seq_len), ...])
 CASES = [
-    (torch.float32, 64, 16, 2, 1, [(1, 17), (5, 5), (3, 20)]),            # decode + prefill + prefix hit
+    (torch.float32, 64, 16, 2, 1, [(1, 17), (5, 5), (3, 20)]),  # decode + prefill + prefix hit
     (torch.bfloat16, 80, 16, 1, 4, [(1, 33), (7, 7), (4, 40)]),
     (torch.float16, 96, 32, 2, 2, [(1, 1), (6, 50), (1, 64)]),
     (torch.bfloat16, 128, 32, 1, 2, [(9, 9), (1, 45), (2, 70)]),
     (torch.float16, 256, 16, 1, 1, [(3, 18), (1, 31)]),
     (torch.float32, 80, 32, 2, 4, [(1, 40), (1, 3), (0, 10), (4, 36)]),  # a sequence with no new token
-    (torch.bfloat16, 64, 16, 4, 1, [(1, 20), (1, 47), (1, 5)]),           # decode only
-    (torch.float16, 128, 16, 2, 4, [(12, 12), (16, 16)]),                 # prefill only (tall tiles)
-    (torch.float32, 96, 16, 1, 2, [(20, 60)]),                            # long chunk after a prefix hit
+    (torch.bfloat16, 64, 16, 4, 1, [(1, 20), (1, 47), (1, 5)]),  # decode only
+    (torch.float16, 128, 16, 2, 4, [(12, 12), (16, 16)]),  # prefill only (tall tiles)
+    (torch.float32, 96, 16, 1, 2, [(20, 60)]),  # long chunk after a prefix hit
     (torch.bfloat16, 256, 32, 2, 2, [(10, 30), (1, 9)]),
-    (torch.float32, 64, 16, 2, 3, [(2, 10), (1, 25)]),                    # group not a power of two
-    (torch.float16, 64, 32, 1, 4, [(1, 64), (5, 33), (1, 32)]),            # contexts ending on a block edge
+    (torch.float32, 64, 16, 2, 3, [(2, 10), (1, 25)]),  # group not a power of two
+    (torch.float16, 64, 32, 1, 4, [(1, 64), (5, 33), (1, 32)]),  # contexts ending on a block edge
 ]
 
 
@@ -258,9 +271,15 @@ def test_strided_query_view(triton_gen):
 def _bad(**overrides):
     gen = torch.Generator().manual_seed(0)
     batch = make_batch([(1, 5)], 1, 2, 64, 16, torch.float16, gen)
-    args = dict(query=batch.query, key_cache=batch.key_cache, value_cache=batch.value_cache,
-                block_tables=batch.block_tables, seq_lens=batch.seq_lens,
-                query_start_loc=batch.query_start_loc, scale=batch.scale)
+    args = dict(
+        query=batch.query,
+        key_cache=batch.key_cache,
+        value_cache=batch.value_cache,
+        block_tables=batch.block_tables,
+        seq_lens=batch.seq_lens,
+        query_start_loc=batch.query_start_loc,
+        scale=batch.scale,
+    )
     for name, fn in overrides.items():
         args[name] = fn(args[name]) if callable(fn) else fn
     return args
@@ -276,13 +295,17 @@ def _bad(**overrides):
         (dict(query_start_loc=lambda s: s[:1]), "query_start_loc has 1 entries"),
         (dict(value_cache=lambda v: v[:, :, :, :32]), "value_cache shape"),
         (dict(key_cache=lambda k: k.float(), value_cache=lambda v: v.float().half()), "key_cache dtype"),
-        (dict(query=lambda q: torch.cat([q, q], dim=1)[:, :3],
-              key_cache=lambda k: torch.cat([k, k], dim=2), value_cache=lambda v: torch.cat([v, v], dim=2)),
-         "num_heads=3 is not a multiple of num_kv_heads=2"),
+        (
+            dict(
+                query=lambda q: torch.cat([q, q], dim=1)[:, :3],
+                key_cache=lambda k: torch.cat([k, k], dim=2),
+                value_cache=lambda v: torch.cat([v, v], dim=2),
+            ),
+            "num_heads=3 is not a multiple of num_kv_heads=2",
+        ),
         (dict(query=lambda q: q.transpose(1, 2).contiguous().transpose(1, 2)), "stride 1 in its last"),
         (dict(scale=float("nan")), "scale must be a finite float"),
-        (dict(query=lambda q: torch.randn(1, 2, 320).to(q)),
-         "head_size 320 != cache head_size 64|query head_size 320"),
+        (dict(query=lambda q: torch.randn(1, 2, 320).to(q)), "head_size 320 != cache head_size 64|query head_size 320"),
     ],
 )
 def test_launcher_rejects_bad_inputs(overrides, match):
@@ -407,8 +430,9 @@ print(json.dumps(results))
 @pytest.fixture(scope="module")
 def triton_aot_results() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env,
-                         timeout=300, cwd=REPO_ROOT)
+    res = subprocess.run(
+        [sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300, cwd=REPO_ROOT
+    )
     if res.returncode != 0:
         pytest.fail(f"AOT compile script failed:\n{res.stderr[-4000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -443,10 +467,19 @@ def test_window_and_soft_cap_match_reference(extra, num_splits):
     q = torch.randn(sum(n for _, n in batch), heads, d, generator=gen)
     qsl = torch.tensor([0] + torch.tensor([n for _, n in batch]).cumsum(0).tolist(), dtype=torch.int32)
     seq_lens = torch.tensor([ctx for ctx, _ in batch], dtype=torch.int32)
-    want = reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, d ** -0.5, **extra)
+    want = reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, d**-0.5, **extra)
     dev = DEVICE
     out = torch.full(q.shape, float("nan"), device=dev)
-    got = attention.paged_attention_fixed_splits(q.to(dev), kc.to(dev), vc.to(dev), tables.to(dev),
-                                                 seq_lens.to(dev), qsl.to(dev), d ** -0.5, num_splits, out,
-                                                 **extra)
+    got = attention.paged_attention_fixed_splits(
+        q.to(dev),
+        kc.to(dev),
+        vc.to(dev),
+        tables.to(dev),
+        seq_lens.to(dev),
+        qsl.to(dev),
+        d**-0.5,
+        num_splits,
+        out,
+        **extra,
+    )
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)

@@ -33,8 +33,7 @@ def triton_cache_gen() -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def make_inputs(num_tokens, num_kv_heads, head_size, block_size, num_blocks, dtype, cache_dtype, gen,
-                num_skipped):
+def make_inputs(num_tokens, num_kv_heads, head_size, block_size, num_blocks, dtype, cache_dtype, gen, num_skipped):
     key = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
     value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
     shape = (num_blocks, block_size, num_kv_heads, head_size)
@@ -54,15 +53,17 @@ def make_inputs(num_tokens, num_kv_heads, head_size, block_size, num_blocks, dty
         (torch.float16, torch.float16, 4, 96, 16),
         (torch.bfloat16, torch.bfloat16, 2, 128, 32),
         (torch.float16, torch.float16, 1, 256, 16),
-        (torch.float32, torch.bfloat16, 2, 64, 16),   # converted on store
+        (torch.float32, torch.bfloat16, 2, 64, 16),  # converted on store
         (torch.float16, torch.float32, 2, 80, 32),
         (torch.bfloat16, torch.bfloat16, 40, 128, 16),  # several programs per token
     ],
 )
-def test_matches_reference_and_skips_minus_one(dtype, cache_dtype, num_kv_heads, head_size, block_size,
-                                               triton_cache_gen):
+def test_matches_reference_and_skips_minus_one(
+    dtype, cache_dtype, num_kv_heads, head_size, block_size, triton_cache_gen
+):
     key, value, key_cache, value_cache, slots = make_inputs(
-        11, num_kv_heads, head_size, block_size, 5, dtype, cache_dtype, triton_cache_gen, num_skipped=3)
+        11, num_kv_heads, head_size, block_size, 5, dtype, cache_dtype, triton_cache_gen, num_skipped=3
+    )
     exp_k, exp_v = key_cache.clone(), value_cache.clone()
     reference.reshape_and_cache(key, value, exp_k, exp_v, slots)
     before_k, before_v = key_cache.clone(), value_cache.clone()
@@ -72,7 +73,7 @@ def test_matches_reference_and_skips_minus_one(dtype, cache_dtype, num_kv_heads,
     if cache_dtype.itemsize < dtype.itemsize and not ON_GPU:
         # The interpreter truncates float32 -> bfloat16 where GPUs (and torch) round to
         # nearest even: allow one unit in the last place there.
-        tol = dict(atol=0.0, rtol=2.0 ** -7)
+        tol = dict(atol=0.0, rtol=2.0**-7)
         torch.testing.assert_close(key_cache, exp_k, **tol)
         torch.testing.assert_close(value_cache, exp_v, **tol)
     else:
@@ -90,7 +91,8 @@ def test_matches_reference_and_skips_minus_one(dtype, cache_dtype, num_kv_heads,
 
 def test_all_slots_skipped_writes_nothing(triton_cache_gen):
     key, value, key_cache, value_cache, slots = make_inputs(
-        4, 2, 64, 16, 2, torch.float16, torch.float16, triton_cache_gen, num_skipped=4)
+        4, 2, 64, 16, 2, torch.float16, torch.float16, triton_cache_gen, num_skipped=4
+    )
     before_k, before_v = key_cache.clone(), value_cache.clone()
     cache.reshape_and_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, before_k) and torch.equal(value_cache, before_v)
@@ -100,10 +102,11 @@ def test_strided_key_and_value_views(triton_cache_gen):
     # key and value usually are views into one fused qkv projection.
     t, kvh, d = 6, 2, 64
     qkv = torch.randn(t, (4 + 2 * kvh) * d, generator=triton_cache_gen).to(torch.bfloat16).to(DEVICE)
-    key = qkv[:, 4 * d:(4 + kvh) * d].view(t, kvh, d)
-    value = qkv[:, (4 + kvh) * d:].view(t, kvh, d)
+    key = qkv[:, 4 * d : (4 + kvh) * d].view(t, kvh, d)
+    value = qkv[:, (4 + kvh) * d :].view(t, kvh, d)
     _, _, key_cache, value_cache, slots = make_inputs(
-        t, kvh, d, 16, 3, torch.bfloat16, torch.bfloat16, triton_cache_gen, num_skipped=1)
+        t, kvh, d, 16, 3, torch.bfloat16, torch.bfloat16, triton_cache_gen, num_skipped=1
+    )
     exp_k, exp_v = key_cache.clone(), value_cache.clone()
     reference.reshape_and_cache(key, value, exp_k, exp_v, slots)
     cache.reshape_and_cache(key, value, key_cache, value_cache, slots)
@@ -124,8 +127,13 @@ def test_strided_key_and_value_views(triton_cache_gen):
 )
 def test_rejects_bad_inputs(which, bad, match):
     gen = torch.Generator().manual_seed(0)
-    args = dict(zip(("key", "value", "key_cache", "value_cache", "slot_mapping"),
-                    make_inputs(4, 2, 64, 16, 2, torch.float16, torch.float16, gen, num_skipped=1), strict=True))
+    args = dict(
+        zip(
+            ("key", "value", "key_cache", "value_cache", "slot_mapping"),
+            make_inputs(4, 2, 64, 16, 2, torch.float16, torch.float16, gen, num_skipped=1),
+            strict=True,
+        )
+    )
     args[which] = bad(args[which])
     with pytest.raises(ValueError, match=match):
         cache.reshape_and_cache(**args)

@@ -31,8 +31,7 @@ def run_capped(code: str, cap_bytes: int = 6 * 2**30, timeout: float = 120.0) ->
     script = _PRELUDE.format(cap=cap_bytes, here=here) + textwrap.dedent(code)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     try:
-        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                              timeout=timeout, env=env)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         return -9, _reports(out), "timeout"

@@ -22,9 +22,20 @@ __all__ = ["Mutation", "gguf_mutations", "safetensors_mutations", "apply"]
 
 _LIES = (0, 1, 2, 3, 255, 2**16, 2**31 - 1, 2**32 - 1, 2**32, 2**62, 2**64 - 1)
 _CONFIG_VALUES = (0, -1, 1, 3, 10**9, 2**32, 1.5, math.nan, math.inf, "x", None, [], True)
-_CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings", "rope_theta",
-                "rms_norm_eps", "tie_word_embeddings", "rope_scaling")
+_CONFIG_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_theta",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "rope_scaling",
+)
 
 
 @dataclass(frozen=True)
@@ -79,12 +90,13 @@ def safetensors_mutations(folder: pathlib.Path, n: int, seed: int) -> list[Mutat
     n_tok = n // 8
     n_header = n // 4
     out = _byte_mutations(rng, "model.safetensors", weights, "safetensors", n - n_config - n_tok - n_header)
-    names = sorted(k for k in json.loads(weights[8:8 + struct.unpack_from("<Q", weights)[0]]) if k != "__metadata__")
+    names = sorted(k for k in json.loads(weights[8 : 8 + struct.unpack_from("<Q", weights)[0]]) if k != "__metadata__")
     for _ in range(n_header):
         # Valid JSON that lies: a shape, a data offset or a dtype that disagrees with the bytes.
         field = rng.choice(("shape", "data_offsets", "dtype"))
-        out.append(Mutation("model.safetensors", "st-header", (rng.choice(names), field, rng.randrange(4),
-                                                               rng.choice(_LIES))))
+        out.append(
+            Mutation("model.safetensors", "st-header", (rng.choice(names), field, rng.randrange(4), rng.choice(_LIES)))
+        )
     for _ in range(n_config):
         out.append(Mutation("config.json", "config", (rng.choice(_CONFIG_KEYS), rng.choice(_CONFIG_VALUES))))
     size = (folder / "tokenizer.json").stat().st_size
@@ -114,7 +126,7 @@ def apply(mutation: Mutation, source: pathlib.Path, dest: pathlib.Path) -> pathl
         return root
     data = bytearray(file.read_bytes())
     if mutation.kind == "truncate":
-        del data[mutation.args[0]:]
+        del data[mutation.args[0] :]
     elif mutation.kind == "flip":
         at, bit = mutation.args
         data[at] ^= bit
@@ -129,7 +141,7 @@ def _lie_in_header(file: pathlib.Path, name: str, field: str, which: int, value:
     """Rewrite one entry of a safetensors header, keeping it valid JSON (padded to fit)."""
     data = file.read_bytes()
     size = struct.unpack_from("<Q", data)[0]
-    header = json.loads(data[8:8 + size])
+    header = json.loads(data[8 : 8 + size])
     entry = header[name]
     if field == "dtype":
         entry["dtype"] = ("F16", "BF16", "I64", "U8")[which]
@@ -142,4 +154,4 @@ def _lie_in_header(file: pathlib.Path, name: str, field: str, which: int, value:
         entry[field] = values
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    file.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + size:])
+    file.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + size :])

@@ -63,9 +63,7 @@ def test_config_matches_transformers(default_source: ModelSource, hf_config: Any
     assert default_source.eos_token_ids == [2]
 
 
-def test_every_weight_equals_transformers(
-    default_source: ModelSource, hf_state_dict: dict[str, torch.Tensor]
-) -> None:
+def test_every_weight_equals_transformers(default_source: ModelSource, hf_state_dict: dict[str, torch.Tensor]) -> None:
     ours = dict(default_source.weights())
     assert default_source.hf_config["tie_word_embeddings"]
     # transformers lists the tied head too; the file (and so our loader) stores it once.

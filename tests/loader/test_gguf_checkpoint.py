@@ -36,7 +36,14 @@ LLAMA_TYPES = {
 RANDOM_BYTES = tuple(name for name, kind in LLAMA_TYPES.items() if kind.endswith("_K"))
 # Worst-case relative error (max abs error / max abs value) of each type on Gaussian weights.
 TOLERANCE = {
-    "F32": 0.0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q5_0": 0.07, "Q5_1": 0.07, "Q4_0": 0.15, "Q4_1": 0.15
+    "F32": 0.0,
+    "F16": 1e-3,
+    "BF16": 8e-3,
+    "Q8_0": 1e-2,
+    "Q5_0": 0.07,
+    "Q5_1": 0.07,
+    "Q4_0": 0.15,
+    "Q4_1": 0.15,
 }
 
 
@@ -52,7 +59,11 @@ def llama_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Any, write_
     model, shape = tiny_llama
     folder = tmp_path_factory.mktemp("llama_gguf")
     return write_gguf(
-        folder / "tiny-llama.gguf", "llama", shape, _reference_state(model, tied=False), LLAMA_TYPES,
+        folder / "tiny-llama.gguf",
+        "llama",
+        shape,
+        _reference_state(model, tied=False),
+        LLAMA_TYPES,
         random_bytes=RANDOM_BYTES,
     )
 
@@ -80,8 +91,12 @@ def test_llama_gguf_recovers_the_original_weights(llama_gguf: pathlib.Path, tiny
     ours = dict(source.weights())
     original = model.state_dict()
     # F32 tensors, including layer 0's permuted q/k projections, come back bit for bit.
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-                 "model.norm.weight", "model.layers.1.mlp.down_proj.weight"):
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.norm.weight",
+        "model.layers.1.mlp.down_proj.weight",
+    ):
         assert torch.equal(ours[name], original[name]), name
     for name, kind in LLAMA_TYPES.items():
         if name in RANDOM_BYTES:
@@ -91,17 +106,22 @@ def test_llama_gguf_recovers_the_original_weights(llama_gguf: pathlib.Path, tiny
 
     config = source.hf_config
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size", "max_position_embeddings"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+    ):
         assert config[key] == shape[key], key
     assert config["head_dim"] == 64 and config["rope_theta"] == shape["rope_theta"]
     assert config["rms_norm_eps"] == pytest.approx(shape["rms_norm_eps"])
     assert config["torch_dtype"] == "float32"
 
 
-def test_qwen2_gguf_has_biases_and_no_permutation(
-    tmp_path: pathlib.Path, tiny_qwen2: Any, write_gguf: Any
-) -> None:
+def test_qwen2_gguf_has_biases_and_no_permutation(tmp_path: pathlib.Path, tiny_qwen2: Any, write_gguf: Any) -> None:
     model, shape = tiny_qwen2
     state = _reference_state(model, tied=True)
     types = {"model.embed_tokens.weight": "F16"}
@@ -142,9 +162,7 @@ def test_unsupported_quant_type_is_named(tmp_path: pathlib.Path, tiny_llama: Any
         open_model(path)
 
 
-def test_unknown_tensor_and_architecture_are_refused(
-    tmp_path: pathlib.Path, tiny_llama: Any, write_gguf: Any
-) -> None:
+def test_unknown_tensor_and_architecture_are_refused(tmp_path: pathlib.Path, tiny_llama: Any, write_gguf: Any) -> None:
     _, shape = tiny_llama
     data = np.zeros((4, 8), dtype=np.float32)
     extra = {"blk.0.mystery.weight": (data, "F32")}
@@ -175,9 +193,7 @@ def test_metadata_rope_scaling_and_stop_ids(tmp_path: pathlib.Path, tiny_llama: 
     # Metadata only: a file without tensors is no loadable model, so read it below open_model.
     source = GGUFCheckpoint(write_gguf(tmp_path / "meta.gguf", "llama", shape, {}, {}, metadata=metadata))
     config = source.hf_config()
-    assert config["rope_scaling"] == {
-        "rope_type": "linear", "factor": 4.0, "original_max_position_embeddings": 64
-    }
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0, "original_max_position_embeddings": 64}
     assert source.eos_token_ids() == [2, 5] and config["eos_token_id"] == 2
 
 

@@ -55,6 +55,7 @@ NESTED: dict[str, list[Any]] = {
 
 def _tensors(rng: np.random.Generator) -> dict[str, tuple[np.ndarray, str]]:
     """GGUF name -> (data as the writer takes it, ggml type name); quantized types as raw bytes."""
+
     def blocks(rows: int, cols: int, type_name: str) -> np.ndarray:
         kind = next(t for t in GGML_TYPES.values() if t.name == type_name)
         return rng.integers(0, 256, (rows, cols // kind.block_size * kind.type_size), dtype=np.uint8)
@@ -127,7 +128,9 @@ def _assert_same_as_gguf(path: pathlib.Path) -> GGUFReader:
         assert mine.ggml_type.name == reference.tensor_type.name, mine.name
         assert mine.shape == tuple(reference.shape.tolist()), mine.name
         assert (mine.offset, mine.n_bytes, mine.n_elements) == (
-            reference.data_offset, reference.n_bytes, reference.n_elements
+            reference.data_offset,
+            reference.n_bytes,
+            reference.n_elements,
         ), mine.name
         assert np.array_equal(mine.data, reference.data.reshape(-1).view(np.uint8)), mine.name
     return ours

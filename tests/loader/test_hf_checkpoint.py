@@ -50,8 +50,16 @@ def test_single_file_checkpoint(
     config = source.hf_config
     assert source.format == "hf" and source.path == folder.resolve()
     assert config["architectures"] == [type(model).__name__]
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "rms_norm_eps",
+    ):
         assert config[key] == shape[key], key
     assert config["head_dim"] == shape["hidden_size"] // shape["num_attention_heads"]
     assert config["rope_theta"] == shape["rope_theta"] and config["rope_scaling"] is None
@@ -120,8 +128,12 @@ def test_config_normalization_of_older_spellings() -> None:
     assert config["tie_word_embeddings"] is True  # no lm_head.weight stored
     assert config["torch_dtype"] == "bfloat16" and config["rope_theta"] == 500000.0
 
-    modern = {**legacy, "rope_parameters": {"rope_theta": 1e6, "rope_type": "llama3", "factor": 8.0},
-              "dtype": "float16", "tie_word_embeddings": False}
+    modern = {
+        **legacy,
+        "rope_parameters": {"rope_theta": 1e6, "rope_type": "llama3", "factor": 8.0},
+        "dtype": "float16",
+        "tie_word_embeddings": False,
+    }
     for key in ("rope_theta", "rope_scaling", "torch_dtype"):
         del modern[key]
     config = normalize_hf_config(modern)

@@ -136,8 +136,12 @@ def test_huge_context_length_is_sized_by_max_model_len(tmp_path: pathlib.Path) -
 
 def test_serve_prints_one_line(folder: pathlib.Path) -> None:
     edit_config(folder, num_hidden_layers=4)
-    proc = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(folder),
-                           "--port", "0"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(folder), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

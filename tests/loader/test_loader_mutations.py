@@ -60,7 +60,8 @@ def _fuzz(tmp_path: pathlib.Path, n: int, seed: int, timeout: float) -> None:
     rc, reports, err = run_capped(_CHILD.format(cases=str(spec)), cap_bytes=6 * 2**30, timeout=timeout)
     started = [r["start"] for r in reports if "start" in r]
     assert rc == 0 and reports and reports[-1].get("done"), (
-        f"the loader child died (rc {rc}) on mutation {started[-1] if started else '?'}: {err[-3000:]}")
+        f"the loader child died (rc {rc}) on mutation {started[-1] if started else '?'}: {err[-3000:]}"
+    )
     bad = []
     for r in reports:
         if "type" not in r:

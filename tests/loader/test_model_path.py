@@ -9,8 +9,7 @@ import pathlib
 import pytest
 import torch
 
-from pagedserve.loader import open_model, resolve_model_path
-from pagedserve.loader import model_path
+from pagedserve.loader import model_path, open_model, resolve_model_path
 
 
 def test_unknown_path(tmp_path: pathlib.Path) -> None:

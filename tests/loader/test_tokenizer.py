@@ -141,9 +141,7 @@ def test_folder_tokenizer_matches_transformers(saved_tokenizer_dir: pathlib.Path
     assert (ours.bos_token_id, ours.eos_token_id) == (reference.bos_token_id, reference.eos_token_id)
 
 
-def test_folder_tokenizer_uses_the_post_processor(
-    saved_tokenizer_dir: pathlib.Path, tmp_path: pathlib.Path
-) -> None:
+def test_folder_tokenizer_uses_the_post_processor(saved_tokenizer_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """A tokenizer.json that adds BOS (as Llama's do) adds it here too, and only when asked."""
     import shutil
 

@@ -18,16 +18,27 @@ from pagedserve.testing.tiny_model import TinyLlamaSpec, write_byte_tokenizer, w
 __all__ = ["GGUF_CONFIG", "write_tiny_gguf", "write_tiny_safetensors", "edit_config"]
 
 # Rows of 32 elements: Q8_0 blocks (32 wide) fit, so the file holds quantized tensors too.
-GGUF_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0)
+GGUF_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)
 
 
 def write_tiny_safetensors(folder: pathlib.Path, spec: TinyLlamaSpec | None = None) -> pathlib.Path:
     """A Hugging Face folder: config.json, model.safetensors, tokenizer.json (+ its config)."""
     folder.mkdir(parents=True, exist_ok=True)
     vocab = write_byte_tokenizer(folder)
-    write_llama_safetensors(folder, vocab, spec or TinyLlamaSpec(hidden_size=64, intermediate_size=128,
-                                                                 head_dim=32, max_position_embeddings=256))
+    write_llama_safetensors(
+        folder,
+        vocab,
+        spec or TinyLlamaSpec(hidden_size=64, intermediate_size=128, head_dim=32, max_position_embeddings=256),
+    )
     return folder
 
 
@@ -51,8 +62,9 @@ def _byte_vocab() -> tuple[list[str], list[int]]:
     return tokens, [3] * len(specials) + [1] * (len(tokens) - len(specials))
 
 
-def write_tiny_gguf(path: pathlib.Path, seed: int = 0, metadata: dict[str, Any] | None = None,
-                    **config: Any) -> pathlib.Path:
+def write_tiny_gguf(
+    path: pathlib.Path, seed: int = 0, metadata: dict[str, Any] | None = None, **config: Any
+) -> pathlib.Path:
     """A Llama GGUF with random weights (F32 norms, Q8_0 and F16 matrices) and a tokenizer.
 
     ``config`` overrides GGUF_CONFIG's values in the metadata only: the tensors keep

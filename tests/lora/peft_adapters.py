@@ -8,15 +8,24 @@ from pathlib import Path
 import torch
 
 
-def make_adapter(hf_model, out: Path, seed: int, r: int = 8, alpha: float = 16, targets=("q_proj", "v_proj"),
-                 rslora: bool = False, std: float = 0.08) -> Path:
+def make_adapter(
+    hf_model,
+    out: Path,
+    seed: int,
+    r: int = 8,
+    alpha: float = 16,
+    targets=("q_proj", "v_proj"),
+    rslora: bool = False,
+    std: float = 0.08,
+) -> Path:
     """Save a random adapter for ``hf_model`` (left unchanged) in PEFT format at ``out``."""
     import copy
 
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora, lora_dropout=0.0,
-                     task_type="CAUSAL_LM")
+    cfg = LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora, lora_dropout=0.0, task_type="CAUSAL_LM"
+    )
     model = get_peft_model(copy.deepcopy(hf_model), cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peft_adapters import make_adapter
+from test_lora_vs_peft import check_against_peft
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.loader import resolve_model_path
 from pagedserve.lora import LoRARequest
-from peft_adapters import make_adapter
-from test_lora_vs_peft import check_against_peft
 
 pytest.importorskip("peft")
 pytest.importorskip("gguf")
@@ -22,13 +22,31 @@ def test_default_model_adapters_match_peft(tmp_path):
     import transformers
 
     gguf = resolve_model_path(None)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                           dtype=torch.float32).eval()
-    paths = [make_adapter(hf, tmp_path / "a1", seed=1, r=8, alpha=16, targets=ALL, std=0.03),
-             make_adapter(hf, tmp_path / "a2", seed=2, r=16, alpha=16, targets=("q_proj", "v_proj", "down_proj"),
-                          rslora=True, std=0.03)]
-    llm = LLM(dtype="float32", quantization="none", enable_lora=True, max_loras=2, max_lora_rank=16,
-              kv_cache_memory="64MiB", max_model_len=256)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    paths = [
+        make_adapter(hf, tmp_path / "a1", seed=1, r=8, alpha=16, targets=ALL, std=0.03),
+        make_adapter(
+            hf,
+            tmp_path / "a2",
+            seed=2,
+            r=16,
+            alpha=16,
+            targets=("q_proj", "v_proj", "down_proj"),
+            rslora=True,
+            std=0.03,
+        ),
+    ]
+    llm = LLM(
+        dtype="float32",
+        quantization="none",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+        kv_cache_memory="64MiB",
+        max_model_len=256,
+    )
     reqs = [LoRARequest("a1", 1, str(paths[0])), LoRARequest("a2", 2, str(paths[1]))]
     tok = llm.get_tokenizer()
     prompt = tok.encode("The capital of France is")

@@ -18,15 +18,24 @@ from pagedserve.lora import LoRARequest, lora_cache_salt
 HIDDEN, Q = 64, 64  # tests/conftest.py's tiny Llama
 
 
-def write_adapter(path: Path, r: int = 4, targets=("q_proj",), shape_in: int = HIDDEN, config: dict | None = None,
-                  layer: int = 0, extra_key: str | None = None) -> Path:
+def write_adapter(
+    path: Path,
+    r: int = 4,
+    targets=("q_proj",),
+    shape_in: int = HIDDEN,
+    config: dict | None = None,
+    layer: int = 0,
+    extra_key: str | None = None,
+) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     cfg = {"peft_type": "LORA", "r": r, "lora_alpha": 8, "target_modules": list(targets), **(config or {})}
     (path / "adapter_config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(0)
     pre = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
-    tensors = {f"{pre}.lora_A.weight": torch.randn(r, shape_in, generator=g),
-               f"{pre}.lora_B.weight": torch.randn(Q, r, generator=g)}
+    tensors = {
+        f"{pre}.lora_A.weight": torch.randn(r, shape_in, generator=g),
+        f"{pre}.lora_B.weight": torch.randn(Q, r, generator=g),
+    }
     if extra_key:
         tensors[extra_key] = torch.randn(2, 2, generator=g)
     save_file(tensors, str(path / "adapter_model.safetensors"))
@@ -35,8 +44,15 @@ def write_adapter(path: Path, r: int = 4, targets=("q_proj",), shape_in: int = H
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(model=str(tiny_llama), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
-               kv_cache_memory="8MiB", max_model_len=128)
+    return LLM(
+        model=str(tiny_llama),
+        dtype="float32",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        kv_cache_memory="8MiB",
+        max_model_len=128,
+    )
 
 
 def bad_cases(root: Path):
@@ -61,8 +77,12 @@ def test_bad_adapters_are_refused_and_engine_keeps_serving(llm, tmp_path):
     before = llm.generate([[5, 6, 7]], params, use_tqdm=False, lora_request=good)[0].outputs[0].token_ids
     for i, (path, message) in enumerate(bad_cases(tmp_path)):
         with pytest.raises(ValueError, match=None) as info:
-            llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False,
-                         lora_request=[good, LoRARequest(f"bad{i}", 10 + i, str(path))])
+            llm.generate(
+                [[5, 6, 7], [8, 9]],
+                params,
+                use_tqdm=False,
+                lora_request=[good, LoRARequest(f"bad{i}", 10 + i, str(path))],
+            )
         assert message in str(info.value), str(info.value)
         assert not llm.llm_engine.has_unfinished_requests()  # nothing queued
     after = llm.generate([[5, 6, 7]], params, use_tqdm=False, lora_request=good)[0].outputs[0].token_ids
@@ -95,7 +115,6 @@ def test_lora_refused_with_parallelism():
 def test_prefix_hash_keyed_by_adapter():
     tokens = list(range(64))
     a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
-    chains = [block_hashes(tokens, 16, 4, lora_cache_salt(salt, lora))
-              for salt in (None, "s") for lora in (None, a, b)]
+    chains = [block_hashes(tokens, 16, 4, lora_cache_salt(salt, lora)) for salt in (None, "s") for lora in (None, a, b)]
     assert len({c[-1][0] for c in chains}) == 6  # every (salt, adapter) pair its own chain
     assert lora_cache_salt("s", None) == "s" and lora_cache_salt(None, None) is None

@@ -73,5 +73,6 @@ def test_cpu_native_kernel_conforms(dtype):
     run_cases(load_lora_kernels().lora_linear, dtype)  # every size, past NATIVE_MAX_ROWS too
     run_cases(lora_linear, dtype)
     with pytest.raises(RuntimeError, match="outside"):
-        lora_linear(torch.zeros(2, 4), torch.randn(2, 3), torch.randn(1, 2, 3), torch.randn(1, 4, 2),
-                    torch.tensor([0, 1]))
+        lora_linear(
+            torch.zeros(2, 4), torch.randn(2, 3), torch.randn(1, 2, 3), torch.randn(1, 4, 2), torch.tensor([0, 1])
+        )

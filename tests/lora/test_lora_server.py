@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from test_lora_errors import write_adapter
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.lora import LoRARequest
-from test_lora_errors import write_adapter
 
 PROMPT = [5, 6, 7, 8]
 
@@ -24,12 +24,22 @@ def served(tiny_llama, tmp_path_factory):
     paths = {n: write_adapter(root / n, r=4, targets=("q_proj",)) for n in ("sql", "chat")}
     # Different weights per adapter: rewrite "chat" with another rank.
     paths["chat"] = write_adapter(root / "chat2", r=2, targets=("q_proj",))
-    llm = LLM(model=str(tiny_llama), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
-              kv_cache_memory="8MiB", max_model_len=128)
+    llm = LLM(
+        model=str(tiny_llama),
+        dtype="float32",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        kv_cache_memory="8MiB",
+        max_model_len=128,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=5)
-    want = {name: llm.generate([PROMPT], params, use_tqdm=False,
-                               lora_request=LoRARequest(name, i + 1, str(p)))[0].outputs[0].token_ids
-            for i, (name, p) in enumerate(paths.items())}
+    want = {
+        name: llm.generate([PROMPT], params, use_tqdm=False, lora_request=LoRARequest(name, i + 1, str(p)))[0]
+        .outputs[0]
+        .token_ids
+        for i, (name, p) in enumerate(paths.items())
+    }
     want["tiny"] = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
     assert want["sql"] != want["tiny"] and want["chat"] != want["sql"]
     return llm, paths, want, root
@@ -41,8 +51,9 @@ def client_for(llm, modules, allow):
     from pagedserve.async_engine import AsyncLLMEngine
     from pagedserve.entrypoints.openai import ServerSettings, build_app
 
-    settings = ServerSettings(served_model_names=["tiny"], lora_modules=tuple(modules),
-                              allow_runtime_lora_updating=allow)
+    settings = ServerSettings(
+        served_model_names=["tiny"], lora_modules=tuple(modules), allow_runtime_lora_updating=allow
+    )
     return TestClient(build_app(AsyncLLMEngine(llm.llm_engine), settings))
 
 
@@ -62,8 +73,10 @@ def test_model_picks_adapter_and_models_lists_them(served):
             r = client.post("/v1/completions", json=body(name))
             assert tokens(r) == tok.decode(want[name]), name
             assert r.json()["model"] == name
-        r = client.post("/v1/chat/completions", json={"model": "sql", "messages": [{"role": "user", "content": "hi"}],
-                                                      "max_tokens": 2})
+        r = client.post(
+            "/v1/chat/completions",
+            json={"model": "sql", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
         assert r.status_code == 200 and r.json()["model"] == "sql"
         r = client.post("/v1/completions", json=body("nope"))
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
@@ -87,8 +100,9 @@ def test_runtime_load_and_unload(served):
         assert r.status_code == 400 and "another base model" in r.json()["error"]["message"]
         r = client.post("/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": str(root / "nowhere")})
         assert r.status_code == 404 and r.json()["error"]["param"] == "lora_path"
-        r = client.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(write_adapter(
-            root / "big", r=16))})
+        r = client.post(
+            "/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(write_adapter(root / "big", r=16))}
+        )
         assert r.status_code == 400 and "max_lora_rank=8" in r.json()["error"]["message"]
         # Still serving the good adapter and the base.
         assert tokens(client.post("/v1/completions", json=body("sql"))) == tok.decode(want["sql"])

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peft_adapters import logprobs_of, make_adapter, merged_model
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.lora import LoRARequest
-from peft_adapters import logprobs_of, make_adapter, merged_model
 
 pytest.importorskip("peft")
 
@@ -29,8 +29,10 @@ def setup(tiny_llama, tmp_path_factory):
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     root = tmp_path_factory.mktemp("adapters")
-    paths = [make_adapter(hf, root / f"a{i}", seed=100 + i, r=r, alpha=al, targets=t, rslora=rs)
-             for i, (r, al, t, rs) in enumerate(ADAPTERS)]
+    paths = [
+        make_adapter(hf, root / f"a{i}", seed=100 + i, r=r, alpha=al, targets=t, rslora=rs)
+        for i, (r, al, t, rs) in enumerate(ADAPTERS)
+    ]
     return hf, paths
 
 
@@ -50,8 +52,17 @@ def check_against_peft(outs, prompts, loras, hf, paths, atol=2e-3):
 
 def test_mixed_batch_matches_peft(tiny_llama, setup):
     hf, paths = setup
-    llm = LLM(model=str(tiny_llama), dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16,
-              num_gpu_blocks_override=14, max_model_len=128, max_num_batched_tokens=64, enable_prefix_caching=True)
+    llm = LLM(
+        model=str(tiny_llama),
+        dtype="float32",
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=16,
+        num_gpu_blocks_override=14,
+        max_model_len=128,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=True,
+    )
     reqs = [LoRARequest(f"ad{i}", i + 1, str(p)) for i, p in enumerate(paths)]
     gen = torch.Generator().manual_seed(0)
     shared = torch.randint(3, 200, (40,), generator=gen).tolist()  # the same prompt under every adapter
@@ -81,8 +92,15 @@ def test_more_adapters_than_slots(tiny_llama, setup):
     """max_loras=2 with 4 adapters in flight: the scheduler holds back the others, slots
     are reused (LRU), results still equal peft."""
     hf, paths = setup
-    llm = LLM(model=str(tiny_llama), dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=3,
-              max_lora_rank=16, kv_cache_memory="8MiB")
+    llm = LLM(
+        model=str(tiny_llama),
+        dtype="float32",
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=3,
+        max_lora_rank=16,
+        kv_cache_memory="8MiB",
+    )
     reqs = [LoRARequest(f"ad{i}", i + 1, str(p)) for i, p in enumerate(paths)]
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 200, (9 + i,), generator=gen).tolist() for i in range(8)]

@@ -10,14 +10,22 @@ import math
 from types import SimpleNamespace
 
 import pytest
+from test_models_vs_hf import CASES, _prompts, build_checkpoint, hf_reference
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.models import model_entries
 from pagedserve.quantization import Int8Weight
-from test_models_vs_hf import CASES, _prompts, build_checkpoint, hf_reference
 
-QUANTIZED = ["mistral-window", "qwen3-qknorm-head40", "granite-multipliers", "smollm3-nope", "olmo2-postnorm",
-             "gemma-head24", "gemma2-window-softcap", "gemma3-window-local-rope"]
+QUANTIZED = [
+    "mistral-window",
+    "qwen3-qknorm-head40",
+    "granite-multipliers",
+    "smollm3-nope",
+    "olmo2-postnorm",
+    "gemma-head24",
+    "gemma2-window-softcap",
+    "gemma3-window-local-rope",
+]
 
 
 def test_every_quantized_family_is_covered():
@@ -56,8 +64,15 @@ def test_families_without_tensor_parallelism_refuse_it(arch):
         resolve_model_class(arch)(cfg, None, None, None, SimpleNamespace(tp_size=2))
 
 
-TP_CASES = ["gemma2-window-softcap", "qwen3-qknorm-head40", "mistral-window", "granite-multipliers",
-            "smollm3-nope", "gemma-head24", "gemma3-window-local-rope"]
+TP_CASES = [
+    "gemma2-window-softcap",
+    "qwen3-qknorm-head40",
+    "mistral-window",
+    "granite-multipliers",
+    "smollm3-nope",
+    "gemma-head24",
+    "gemma3-window-local-rope",
+]
 
 
 def test_every_tensor_parallel_family_is_covered():
@@ -73,8 +88,15 @@ def test_tp2_matches_transformers(case, tmp_path):
     model = build_checkpoint(tmp_path, case)
     prompts = _prompts(9)[1:4]
     expected = [hf_reference(model, p, 6) for p in prompts]
-    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=8,
-              block_size=4, tensor_parallel_size=2, distributed_executor_backend="mp")
+    llm = LLM(
+        model=str(tmp_path),
+        dtype="float32",
+        kv_cache_memory="16MiB",
+        max_num_batched_tokens=8,
+        block_size=4,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
     try:
         assert llm.llm_engine.runner.model.num_heads == CASES[case][2].get("num_attention_heads", 4) // 2
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)

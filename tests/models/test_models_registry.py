@@ -44,8 +44,14 @@ def test_gguf_names_agree_with_the_loader():
 
 
 def test_unsupported_architecture_lists_the_supported_ones():
-    cfg = {"architectures": ["FancyNewForCausalLM"], "vocab_size": 8, "hidden_size": 8,
-           "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}
+    cfg = {
+        "architectures": ["FancyNewForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 1,
+    }
     with pytest.raises(ValueError, match="FancyNewForCausalLM") as err:
         ArchConfig.from_hf(cfg)
     for arch in models.supported_architectures():
@@ -68,8 +74,16 @@ def test_docs_check_detects_a_stale_table():
 
 
 def _cfg(**extra) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-            "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 64, **extra}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 64,
+        **extra,
+    }
 
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "made-up"])

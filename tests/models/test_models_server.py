@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-
 from test_models_vs_hf import _prompts, build_checkpoint, hf_reference
 
 CASES = ["gemma2-window-softcap", "qwen3moe-qknorm"]
@@ -35,10 +34,30 @@ def test_server_completions_match_transformers(case, tmp_path):
     port = _free_port()
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(tmp_path / "ckpt"), "--port", str(port),
-         "--dtype", "float32", "--kv-cache-memory", "16MiB", "--threads", "1", "--max-num-batched-tokens", "8",
-         "--block-size", "4", "--served-model-name", "tiny"],
-        stdout=log, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "pagedserve.entrypoints.cli",
+            "serve",
+            str(tmp_path / "ckpt"),
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "16MiB",
+            "--threads",
+            "1",
+            "--max-num-batched-tokens",
+            "8",
+            "--block-size",
+            "4",
+            "--served-model-name",
+            "tiny",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -52,8 +71,14 @@ def test_server_completions_match_transformers(case, tmp_path):
             assert time.monotonic() < deadline, "server did not become healthy"
             time.sleep(0.25)
         for prompt, (_, logprobs) in zip(prompts, expected):
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0.0,
-                    "ignore_eos": True, "logprobs": 0}
+            body = {
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": MAX_NEW,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "logprobs": 0,
+            }
             r = httpx.post(url + "/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             got = r.json()["choices"][0]["logprobs"]["token_logprobs"]

@@ -21,57 +21,122 @@ from pagedserve.testing.tiny_model import write_byte_tokenizer
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 259  # write_byte_tokenizer: 3 specials + 256 bytes
-BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
 
 #: name -> (transformers config class, model class, config overrides)
 CASES: dict[str, tuple[str, str, dict]] = {
     "llama-head24": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=24)),
-    "qwen2-bias-yarn": ("Qwen2Config", "Qwen2ForCausalLM",
-                        dict(num_key_value_heads=1, rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                                  "original_max_position_embeddings": 64})),
-    "qwen2-window-upper-layers": ("Qwen2Config", "Qwen2ForCausalLM",
-                                  dict(use_sliding_window=True, sliding_window=7, max_window_layers=1)),
+    "qwen2-bias-yarn": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            num_key_value_heads=1,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        ),
+    ),
+    "qwen2-window-upper-layers": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(use_sliding_window=True, sliding_window=7, max_window_layers=1),
+    ),
     "qwen3-qknorm-head40": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=40)),
-    "qwen3-tied-mha": ("Qwen3Config", "Qwen3ForCausalLM",
-                       dict(num_key_value_heads=4, head_dim=16, tie_word_embeddings=True)),
+    "qwen3-tied-mha": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(num_key_value_heads=4, head_dim=16, tie_word_embeddings=True),
+    ),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6, head_dim=16)),
-    "granite-multipliers": ("GraniteConfig", "GraniteForCausalLM",
-                            dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
-                                 logits_scaling=2.5)),
-    "smollm3-nope": ("SmolLM3Config", "SmolLM3ForCausalLM",
-                     dict(no_rope_layer_interval=2, head_dim=16, pad_token_id=0)),
-    "phi3-partial-rotary-window": ("Phi3Config", "Phi3ForCausalLM",
-                                   dict(partial_rotary_factor=0.5, sliding_window=9, pad_token_id=0)),
+    "granite-multipliers": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.5),
+    ),
+    "smollm3-nope": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(no_rope_layer_interval=2, head_dim=16, pad_token_id=0),
+    ),
+    "phi3-partial-rotary-window": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(partial_rotary_factor=0.5, sliding_window=9, pad_token_id=0),
+    ),
     "olmo2-postnorm": ("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0)),
     "glm4-interleaved-partial-rope": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=24, pad_token_id=0)),
-    "starcoder2-layernorm-window": ("Starcoder2Config", "Starcoder2ForCausalLM",
-                                    dict(sliding_window=8, norm_epsilon=1e-5, pad_token_id=0)),
-    "mixtral-top2-window": ("MixtralConfig", "MixtralForCausalLM",
-                            dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=10)),
-    "qwen2moe-shared-dense-layer": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                                    dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
-                                         shared_expert_intermediate_size=72, mlp_only_layers=[1])),
-    "qwen3moe-qknorm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                        dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=24,
-                             norm_topk_prob=True)),
+    "starcoder2-layernorm-window": (
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        dict(sliding_window=8, norm_epsilon=1e-5, pad_token_id=0),
+    ),
+    "mixtral-top2-window": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=10),
+    ),
+    "qwen2moe-shared-dense-layer": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            shared_expert_intermediate_size=72,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen3moe-qknorm": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=24, norm_topk_prob=True),
+    ),
     "gemma-head24": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=24, hidden_act="gelu_pytorch_tanh")),
-    "gemma2-window-softcap": ("Gemma2Config", "Gemma2ForCausalLM",
-                              dict(head_dim=24, sliding_window=5, query_pre_attn_scalar=20,
-                                   attn_logit_softcapping=3.0, final_logit_softcapping=5.0)),
-    "gemma3-window-local-rope": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-                                 dict(head_dim=24, sliding_window=6, query_pre_attn_scalar=24,
-                                      layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                      rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "gemma2-window-softcap": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=24,
+            sliding_window=5,
+            query_pre_attn_scalar=20,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0,
+        ),
+    ),
+    "gemma3-window-local-rope": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=24,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+    ),
 }
 
 ENGINES = {
     # Chunks of 8 tokens: windows end inside earlier chunks and inside cached blocks.
     "chunked+prefix": dict(max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4),
     # ~10 blocks of 8 tokens for 5 requests of up to ~45 tokens: preemption is forced.
-    "preempting": dict(max_num_batched_tokens=64, enable_prefix_caching=True, block_size=8,
-                       num_gpu_blocks_override=10, max_model_len=80),
+    "preempting": dict(
+        max_num_batched_tokens=64,
+        enable_prefix_caching=True,
+        block_size=8,
+        num_gpu_blocks_override=10,
+        max_model_len=80,
+    ),
 }
 
 MAX_NEW = [9, 14, 6, 12, 10]

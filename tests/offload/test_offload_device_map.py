@@ -19,7 +19,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.entrypoints import cli, serve_cmd
 from pagedserve.platforms.cpu.platform import CpuPlatform
 
-PLUGIN = '''
+PLUGIN = """
 from collections import Counter
 
 import torch
@@ -87,7 +87,7 @@ def pagedserve_register_ops(platform, ops):
         impls.update(reshape_and_cache=reshape_and_cache, paged_attention=paged_attention)
         for name, fn in impls.items():
             ops.register(name, counted(name, fn), source="cpu-hm")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +112,16 @@ def plugin(tmp_path_factory):
 SHAPE = dict(arch="llama", num_layers=4, num_heads=4, num_kv_heads=2)  # head_dim 16
 # Block size 4 != 2 KV heads: the two layouts differ.  A 16-token budget chunks the
 # longer prompts; the second round hits the prefix cache.
-ENGINE = dict(dtype="float32", block_size=4, kv_cache_memory="1MiB", max_model_len=128,
-              max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True, enable_chunked_prefill=True)
+ENGINE = dict(
+    dtype="float32",
+    block_size=4,
+    kv_cache_memory="1MiB",
+    max_model_len=128,
+    max_num_batched_tokens=16,
+    max_num_seqs=4,
+    enable_prefix_caching=True,
+    enable_chunked_prefill=True,
+)
 MAX_TOKENS = [6, 9, 4, 7, 5, 8]
 
 
@@ -135,6 +143,7 @@ def count_calls(llm: LLM) -> dict[str, int]:
     """Counts of the model's forwards and LM-head calls (steps where some request samples)."""
     model, calls = llm.llm_engine.runner.model, {"forward": 0, "compute_logits": 0}
     for name in calls:
+
         def counting(*args, _name=name, _fn=getattr(model, name), **kwargs):  # noqa: B008 (binds now)
             calls[_name] += 1
             return _fn(*args, **kwargs)
@@ -233,8 +242,15 @@ def test_host_kv_tier_uses_each_layers_layout_and_copies(plugin, tiny_checkpoint
     prefixes = [[rng.randrange(3, 259) for _ in range(24)] for _ in range(4)]
     rounds = [[p + [rng.randrange(3, 259) for _ in range(3)] for p in prefixes] for _ in range(2)]
     # 16 device blocks of 4 tokens: the first round's prefixes spill before round two.
-    small = dict(dtype="float32", block_size=4, num_gpu_blocks_override=16, max_model_len=64,
-                 max_num_batched_tokens=64, max_num_seqs=2, kv_offload_memory="256KiB")
+    small = dict(
+        dtype="float32",
+        block_size=4,
+        num_gpu_blocks_override=16,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        max_num_seqs=2,
+        kv_offload_memory="256KiB",
+    )
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
     def run(**kwargs):
@@ -253,24 +269,27 @@ def test_host_kv_tier_uses_each_layers_layout_and_copies(plugin, tiny_checkpoint
     assert plugin.CALLS["swap_blocks"] > 0 and plugin.CALLS["swap_blocks"] % 6 == 0
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(device_map="tpu:1,cpu"), r"unknown platform 'tpu'; available platforms: cpu, cpu-hm"),
-    (dict(device_map="cpu:1,tpu"), r"unknown platform 'tpu'; available platforms: cpu, cpu-hm"),
-    (dict(device_map="cpu:3,cpu-hm:3"), r"places 6 layers, but the model has 4"),
-    (dict(device_map="cpu:2,cpu-hm:1"), r"places 3 layers, but the model has 4; give every layer"),
-    (dict(device_map="cpu:4,cpu-hm"), r"'cpu-hm' \(the rest\) would get none"),
-    (dict(device_map="cpu:0-2,cpu-hm:2-3"), r"segments cpu:0-2 and cpu-hm:2-3 overlap"),
-    (dict(device_map="cpu:0-1,cpu-hm:3-3"), r"places no platform for layer 2"),
-    (dict(device_map="cpu:0-1,cpu-hm:2-5"), r"places layers up to 5, but the model has 4 layers"),
-    (dict(device_map="cpu:1,cpu-hm,cpu"), r"only one segment may omit its layer count"),
-    (dict(device_map="cpu:1,cpu-hm", tensor_parallel_size=2), r"tensor/pipeline parallelism"),
-    (dict(device_map="cpu:1,cpu-hm", pipeline_parallel_size=2), r"tensor/pipeline parallelism"),
-    (dict(device_map="cpu:1,cpu-hm", distributed_executor_backend="mp"), r"distributed_executor_backend='mp'"),
-    (dict(device_map="cpu:1,cpu-hm", cpu_offload_gb=0.001), r"cannot be combined with cpu_offload_gb"),
-    (dict(device_map="cpu:1,cpu-hm", device="cpu-hm"), r"device='cpu-hm' conflicts with device_map"),
-    (dict(device_map="cpu:1,cpu-hm", dtype="bfloat16"), r"platform 'cpu-hm' does not support dtype bfloat16"),
-    (dict(device_map="cpu:1,cpu-hm", quantization="int8"), r"quantization='int8'.*cpu-hm"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(device_map="tpu:1,cpu"), r"unknown platform 'tpu'; available platforms: cpu, cpu-hm"),
+        (dict(device_map="cpu:1,tpu"), r"unknown platform 'tpu'; available platforms: cpu, cpu-hm"),
+        (dict(device_map="cpu:3,cpu-hm:3"), r"places 6 layers, but the model has 4"),
+        (dict(device_map="cpu:2,cpu-hm:1"), r"places 3 layers, but the model has 4; give every layer"),
+        (dict(device_map="cpu:4,cpu-hm"), r"'cpu-hm' \(the rest\) would get none"),
+        (dict(device_map="cpu:0-2,cpu-hm:2-3"), r"segments cpu:0-2 and cpu-hm:2-3 overlap"),
+        (dict(device_map="cpu:0-1,cpu-hm:3-3"), r"places no platform for layer 2"),
+        (dict(device_map="cpu:0-1,cpu-hm:2-5"), r"places layers up to 5, but the model has 4 layers"),
+        (dict(device_map="cpu:1,cpu-hm,cpu"), r"only one segment may omit its layer count"),
+        (dict(device_map="cpu:1,cpu-hm", tensor_parallel_size=2), r"tensor/pipeline parallelism"),
+        (dict(device_map="cpu:1,cpu-hm", pipeline_parallel_size=2), r"tensor/pipeline parallelism"),
+        (dict(device_map="cpu:1,cpu-hm", distributed_executor_backend="mp"), r"distributed_executor_backend='mp'"),
+        (dict(device_map="cpu:1,cpu-hm", cpu_offload_gb=0.001), r"cannot be combined with cpu_offload_gb"),
+        (dict(device_map="cpu:1,cpu-hm", device="cpu-hm"), r"device='cpu-hm' conflicts with device_map"),
+        (dict(device_map="cpu:1,cpu-hm", dtype="bfloat16"), r"platform 'cpu-hm' does not support dtype bfloat16"),
+        (dict(device_map="cpu:1,cpu-hm", quantization="int8"), r"quantization='int8'.*cpu-hm"),
+    ],
+)
 def test_bad_maps_are_refused_naming_the_problem(kwargs, message, plugin, expected):
     path, _ = expected
     kwargs = {"dtype": "float32", **kwargs}
@@ -288,11 +307,14 @@ def test_the_map_is_normalised_and_names_the_engines_platform(plugin, expected):
 
 
 @pytest.mark.parametrize("command", [["generate"], ["serve"], ["bench", "throughput"]])
-@pytest.mark.parametrize("value,message", [
-    ("tpu:20,cpu", "unknown platform 'tpu'; available platforms: cpu, cpu-hm"),
-    ("cpu:0-3,cpu-hm:3-5", "segments cpu:0-3 and cpu-hm:3-5 overlap"),
-    ("cpu:x", "is not PLATFORM, PLATFORM:COUNT or PLATFORM:FIRST-LAST"),
-])
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("tpu:20,cpu", "unknown platform 'tpu'; available platforms: cpu, cpu-hm"),
+        ("cpu:0-3,cpu-hm:3-5", "segments cpu:0-3 and cpu-hm:3-5 overlap"),
+        ("cpu:x", "is not PLATFORM, PLATFORM:COUNT or PLATFORM:FIRST-LAST"),
+    ],
+)
 def test_cli_flag_errors_cleanly(command, value, message, plugin, capsys):
     argv = [*command, "--device-map", value]
     with pytest.raises(SystemExit) as exc:
@@ -311,8 +333,19 @@ def test_cli_flag_reaches_the_engine(plugin, expected, capsys):
     argv = ["generate", str(path), "--device-map", "cpu:9,cpu-hm", "--dtype", "float32", "-p", "hi"]
     with pytest.raises(SystemExit, match="pagedserve generate: device_map 'cpu:9,cpu-hm' places 9 layers"):
         cli.main(argv)
-    argv = ["generate", str(path), "--device-map", "cpu:1,cpu-hm", "--dtype", "float32", "-p", "hi",
-            "--max-tokens", "3", "--json"]
+    argv = [
+        "generate",
+        str(path),
+        "--device-map",
+        "cpu:1,cpu-hm",
+        "--dtype",
+        "float32",
+        "-p",
+        "hi",
+        "--max-tokens",
+        "3",
+        "--json",
+    ]
     assert cli.main(argv) == 0
     assert '"finish_reason": "length"' in capsys.readouterr().out
 

@@ -96,8 +96,9 @@ def test_host_pool_is_lru_and_drops_spills_when_full_of_pinned_blocks():
         r = req(f"r{i}", [1000 * i + j for j in range(5)])
         run_whole(kv, r)
         finish(kv, r)
-        hashes.append(next(b.block_hash for b in kv.pool.blocks if b.block_hash is not None
-                           and b.hash_key[1][0] == 1000 * i))
+        hashes.append(
+            next(b.block_hash for b in kv.pool.blocks if b.block_hash is not None and b.hash_key[1][0] == 1000 * i)
+        )
         kv.take_transfers()
     # 3 spills into 2 host blocks: the oldest was evicted from host (LRU).
     assert kv.num_spilled_blocks == 3
@@ -128,8 +129,7 @@ def _scheduler(kv, budget=64) -> Scheduler:
 
 
 def test_swap_preemption_keeps_computed_tokens_and_swaps_back_in():
-    kv = TieredKVCacheManager(num_blocks=6, block_size=BS, num_host_blocks=16,
-                              swap_policy=lambda blocks, tokens: True)
+    kv = TieredKVCacheManager(num_blocks=6, block_size=BS, num_host_blocks=16, swap_policy=lambda blocks, tokens: True)
     s = _scheduler(kv)
     a = req("a", list(range(10)))
     b = req("b", list(range(100, 110)))
@@ -161,7 +161,7 @@ def test_swap_preemption_keeps_computed_tokens_and_swaps_back_in():
     assert kv.num_scheduled_tokens - before == sb.num_new_tokens
     ins = pairs(out.kv_transfers, "in")
     assert [h for h, _ in ins] == [h for _, h in outs]
-    assert [d for _, d in ins] == kv.block_ids("b")[:len(ins)]
+    assert [d for _, d in ins] == kv.block_ids("b")[: len(ins)]
     assert kv.num_swapped_in_tokens == swapped_tokens
     s.finish_request("b", RequestStatus.FINISHED_ABORTED)
     kv.check_invariants()
@@ -170,8 +170,9 @@ def test_swap_preemption_keeps_computed_tokens_and_swaps_back_in():
 
 def test_random_workload_with_aborts_leaks_nothing_in_either_tier():
     rng = random.Random(0)
-    kv = TieredKVCacheManager(num_blocks=12, block_size=BS, num_host_blocks=16,
-                              swap_policy=lambda blocks, tokens: tokens % 2 == 0)
+    kv = TieredKVCacheManager(
+        num_blocks=12, block_size=BS, num_host_blocks=16, swap_policy=lambda blocks, tokens: tokens % 2 == 0
+    )
     s = _scheduler(kv, budget=24)
     prefixes = [[rng.randrange(3, 200) for _ in range(8)] for _ in range(3)]
     live: list[str] = []

@@ -29,8 +29,14 @@ def shared_prefix_rounds(seed: int, n_prefixes: int = 4, prefix_len: int = 24) -
 
 # 16 device blocks of 4 tokens (64 tokens) for prefixes of 24 tokens: the first round's
 # prefixes are evicted from the device by the time the second round asks for them.
-SMALL_DEVICE = dict(dtype="float32", block_size=4, num_gpu_blocks_override=16, max_model_len=64,
-                    max_num_batched_tokens=64, max_num_seqs=2)
+SMALL_DEVICE = dict(
+    dtype="float32",
+    block_size=4,
+    num_gpu_blocks_override=16,
+    max_model_len=64,
+    max_num_batched_tokens=64,
+    max_num_seqs=2,
+)
 
 
 def run_rounds(path, rounds, **kwargs):
@@ -73,8 +79,9 @@ def make_prompts(seed: int) -> list[list[int]]:
 
 
 # ~11 blocks of 8 tokens for 6 requests of up to ~45 tokens: preemption is forced.
-PREEMPTING = dict(dtype="float32", max_num_batched_tokens=64, block_size=8, num_gpu_blocks_override=11,
-                  max_model_len=88)
+PREEMPTING = dict(
+    dtype="float32", max_num_batched_tokens=64, block_size=8, num_gpu_blocks_override=11, max_model_len=88
+)
 MAX_NEW = [12, 20, 7, 16, 10, 14]
 
 
@@ -110,8 +117,9 @@ def test_swap_computes_fewer_tokens_than_recompute(preempting_reference):
     computed = {}
     for mode in ("swap", "recompute"):
         # No prefix caching: a recomputed request really recomputes everything.
-        llm = LLM(model=str(path), **PREEMPTING, kv_offload_memory="1MiB", preemption_mode=mode,
-                  enable_prefix_caching=False)
+        llm = LLM(
+            model=str(path), **PREEMPTING, kv_offload_memory="1MiB", preemption_mode=mode, enable_prefix_caching=False
+        )
         llm.generate(prompts, params, use_tqdm=False)
         computed[mode] = llm.llm_engine.kv.num_scheduled_tokens
     useful = sum(len(p) for p in prompts) + sum(n - 1 for n in MAX_NEW)
@@ -139,8 +147,7 @@ def test_abort_while_swapped_out_leaks_nothing(preempting_reference):
     eng.kv.check_invariants()
     assert eng.kv.pool.num_in_use == 0 and all(b.ref_cnt == 0 for b in eng.kv.host.blocks)
     # The engine keeps working afterwards.
-    out = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-                       use_tqdm=False)
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
 
 
@@ -160,8 +167,9 @@ def test_host_tier_respects_its_memory_limit(tiny_checkpoint_factory):
 
 
 def test_cost_model_compares_copy_time_with_recompute_time():
-    m = PreemptionCostModel("auto", bytes_per_block=1000, flops_per_token=1e6,
-                            host_copy_bandwidth=1e9, compute_flops=1e10)
+    m = PreemptionCostModel(
+        "auto", bytes_per_block=1000, flops_per_token=1e6, host_copy_bandwidth=1e9, compute_flops=1e10
+    )
     # swap: 2 * 10 blocks * 1000 B / 1e9 B/s = 20 us; recompute 160 tokens: 16 ms.
     assert m(10, 160)
     # A compute-rich platform with a slow link recomputes instead.
@@ -177,9 +185,25 @@ def test_generate_cli_takes_the_offload_flags(tiny_checkpoint_factory, capsys):
     from pagedserve.entrypoints.cli import main
 
     path = tiny_checkpoint_factory(**SHAPE)
-    argv = ["generate", str(path), "-p", "hello", "--max-tokens", "3", "--dtype", "float32", "--json",
-            "--kv-cache-memory", "1MiB", "--kv-offload-memory", "1MiB", "--preemption-mode", "swap",
-            "--cpu-offload-gb", "0.001"]
+    argv = [
+        "generate",
+        str(path),
+        "-p",
+        "hello",
+        "--max-tokens",
+        "3",
+        "--dtype",
+        "float32",
+        "--json",
+        "--kv-cache-memory",
+        "1MiB",
+        "--kv-offload-memory",
+        "1MiB",
+        "--preemption-mode",
+        "swap",
+        "--cpu-offload-gb",
+        "0.001",
+    ]
     assert main(argv) == 0
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
     assert len(json.loads(line)["token_ids"]) == 3

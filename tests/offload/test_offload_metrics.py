@@ -44,14 +44,21 @@ def scrape(engine) -> dict[str, tuple[str, float]]:
 
 def assert_metrics_match_stats(engine) -> None:
     stats, scraped = engine.stats(), scrape(engine)
-    assert scraped == {name: (kind, pytest.approx(getattr(stats, field)))
-                       for name, (kind, field) in HOST_METRICS.items()}
+    assert scraped == {
+        name: (kind, pytest.approx(getattr(stats, field))) for name, (kind, field) in HOST_METRICS.items()
+    }
 
 
 # 16 device blocks of 4 tokens for prefixes of 24 tokens: the first round's prefixes are
 # evicted (and spilled) before the second round asks for them again.
-SMALL_DEVICE = dict(dtype="float32", block_size=4, num_gpu_blocks_override=16, max_model_len=64,
-                    max_num_batched_tokens=64, max_num_seqs=2)
+SMALL_DEVICE = dict(
+    dtype="float32",
+    block_size=4,
+    num_gpu_blocks_override=16,
+    max_model_len=64,
+    max_num_batched_tokens=64,
+    max_num_seqs=2,
+)
 
 
 def shared_prefix_rounds() -> list[list[list[int]]]:
@@ -87,8 +94,16 @@ def test_spill_and_reload_counters_move(tiny_checkpoint_factory):
 def test_swap_counters_move(tiny_checkpoint_factory):
     path = tiny_checkpoint_factory(**SHAPE)
     # ~11 blocks of 8 tokens for 6 requests of up to ~45 tokens: preemption is forced.
-    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=64, block_size=8, num_gpu_blocks_override=11,
-              max_model_len=88, kv_offload_memory="1MiB", preemption_mode="swap")
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        max_num_batched_tokens=64,
+        block_size=8,
+        num_gpu_blocks_override=11,
+        max_model_len=88,
+        kv_offload_memory="1MiB",
+        preemption_mode="swap",
+    )
     eng = llm.llm_engine
     rng = random.Random(7)
     for i, n in enumerate((1, 5, 17, 30, 15, 22)):

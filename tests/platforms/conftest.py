@@ -21,7 +21,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: A complete third-party plugin module: one platform, one op override for it.
-PLUGIN_TEMPLATE = '''
+PLUGIN_TEMPLATE = """
 import torch
 
 from pagedserve.platforms import Platform, hookimpl
@@ -58,7 +58,7 @@ def pagedserve_register_platforms(register):
 def pagedserve_register_ops(platform, ops):
     if isinstance(platform, {cls}):
         ops.register("silu_and_mul", silu_and_mul, source={source!r})
-'''
+"""
 
 
 def plugin_source(
@@ -66,8 +66,9 @@ def plugin_source(
 ) -> str:
     """Source of a plugin module providing platform ``name`` (see PLUGIN_TEMPLATE)."""
     cls = "".join(part.capitalize() for part in name.replace("-", "_").split("_")) + "Platform"
-    return PLUGIN_TEMPLATE.format(cls=cls, name=name, available=available, reason=reason,
-                                  source=source or f"{name}-kernels")
+    return PLUGIN_TEMPLATE.format(
+        cls=cls, name=name, available=available, reason=reason, source=source or f"{name}-kernels"
+    )
 
 
 MakeDist = Callable[..., Path]
@@ -100,8 +101,7 @@ def make_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MakeD
         eps = entry_points if entry_points is not None else {m: m for m in modules_src}
         info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n", encoding="utf-8")
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n", encoding="utf-8")
         lines = ["[pagedserve.platforms]", *(f"{k} = {v}" for k, v in eps.items()), ""]
         (info / "entry_points.txt").write_text("\n".join(lines), encoding="utf-8")
         monkeypatch.syspath_prepend(str(site))

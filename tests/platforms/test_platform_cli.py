@@ -87,8 +87,12 @@ def env(monkeypatch):
 
 
 def test_third_party_row_and_ops(make_dist, plugin_src, env, capsys):
-    make_dist("acme-accel", {"acme_accel": plugin_src("acme", source="acme-kernels")}, version="1.2.0",
-              entry_points={"acme": "acme_accel"})
+    make_dist(
+        "acme-accel",
+        {"acme_accel": plugin_src("acme", source="acme-kernels")},
+        version="1.2.0",
+        entry_points={"acme": "acme_accel"},
+    )
     rc, out, err = _main(capsys, "--json")
     assert rc == 0, err
     data = json.loads(out)
@@ -120,9 +124,13 @@ def test_failed_plugin_gets_a_row_and_a_non_zero_exit(make_dist, env, capsys):
     rc, out, _ = _main(capsys, "--json")
     data = json.loads(out)
     assert rc == 1 and data["selected"] is None and "libacme.so.3" in data["error"]
-    assert data["failures"] == [{
-        "plugin": "acme", "origin": "acme-broken 0.9",
-        "error": "import raised ImportError: libacme.so.3: cannot open shared object file"}]
+    assert data["failures"] == [
+        {
+            "plugin": "acme",
+            "origin": "acme-broken 0.9",
+            "error": "import raised ImportError: libacme.so.3: cannot open shared object file",
+        }
+    ]
 
     env.setenv("PAGEDSERVE_PLUGINS", "pagedserve")  # the way out the error message suggests
     assert _main(capsys)[0] == 0
@@ -134,7 +142,16 @@ def test_conflicting_requests(env, capsys):
     assert rc == 1 and "conflicting" in err
 
 
-@pytest.mark.parametrize(("n", "text"), [(None, "-"), (0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"),
-                                         (3 * 1024**3, "3.0 GiB"), (5 * 1024**5, "5120.0 TiB")])
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [
+        (None, "-"),
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1536, "1.5 KiB"),
+        (3 * 1024**3, "3.0 GiB"),
+        (5 * 1024**5, "5120.0 TiB"),
+    ],
+)
 def test_human_bytes(n, text):
     assert human_bytes(n) == text

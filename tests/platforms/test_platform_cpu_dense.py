@@ -29,7 +29,7 @@ def _is_packed(t: torch.Tensor) -> bool:
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_packed_linear_matches_torch_and_reference(rows, bias):
     gen = torch.Generator().manual_seed(rows)
-    w = (torch.randn(96, 160, generator=gen) / 160 ** 0.5).bfloat16()
+    w = (torch.randn(96, 160, generator=gen) / 160**0.5).bfloat16()
     x = torch.randn(rows, 160, generator=gen).bfloat16()
     b = torch.randn(96, generator=gen).bfloat16() if bias else None
     packed = dense_ops.prepare_linear_weight(w)
@@ -68,7 +68,7 @@ def test_native_packing_and_fallbacks(rows):
     prepare, linear = dense_ops.make_prepare_linear_weight(native), dense_ops.make_linear(reference.linear, native)
     gen = torch.Generator().manual_seed(rows)
     for n, k in [(96, 160), (90, 160), (96, 161)]:
-        w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+        w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
         b = torch.randn(n, generator=gen).bfloat16()
         x = torch.randn(rows, k, generator=gen).bfloat16()
         packed = prepare(w)

@@ -31,14 +31,15 @@ def _thp_mode() -> str | None:
         text = THP.read_text()
     except OSError:
         return None
-    return text[text.index("[") + 1:text.index("]")]
+    return text[text.index("[") + 1 : text.index("]")]
 
 
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
 def test_kv_cache_is_backed_by_huge_pages_when_asked(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CPU_HUGE_PAGES", "1")
-    k, v = CpuPlatform().allocate_kv_cache(num_blocks=512, block_size=16, num_kv_heads=4, head_size=64,
-                                            dtype=torch.bfloat16)
+    k, v = CpuPlatform().allocate_kv_cache(
+        num_blocks=512, block_size=16, num_kv_heads=4, head_size=64, dtype=torch.bfloat16
+    )
     assert k.shape == v.shape == (512, 16, 4, 64)
     for t in (k, v):
         # The advice covers the 2 MiB-aligned middle of the storage.  (Whether the kernel

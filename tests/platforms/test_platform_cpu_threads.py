@@ -63,6 +63,10 @@ def test_cores_outside_the_allowed_set_are_refused():
 
 
 def test_cli_refuses_bind_with_data_parallel_replicas():
-    proc = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--cpu-bind", "0",
-                           "--data-parallel-size", "2"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--cpu-bind", "0", "--data-parallel-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "--cpu-bind with --data-parallel-size" in proc.stderr

@@ -14,8 +14,9 @@ from pagedserve.platforms import PlatformError, discover, select_platform
 @pytest.fixture
 def acme(make_dist, plugin_src):
     """An installed distribution "acme-accel" 0.1 whose plugin "acme" provides platform "acme"."""
-    make_dist("acme-accel", {"acme_accel": plugin_src("acme", source="acme-kernels")},
-              entry_points={"acme": "acme_accel"})
+    make_dist(
+        "acme-accel", {"acme_accel": plugin_src("acme", source="acme-kernels")}, entry_points={"acme": "acme_accel"}
+    )
 
 
 def test_listed_with_distribution_name_and_version(acme, clean_env):
@@ -30,7 +31,8 @@ def test_listed_with_distribution_name_and_version(acme, clean_env):
     assert info.cls.__module__ == "acme_accel" and "acme_accel" in sys.modules
     # Builtins come through the same entry-point path, from the pagedserve distribution.
     assert {n: reg.platforms[n].origin for n in ("cpu", "cuda", "rocm")} == dict.fromkeys(
-        ("cpu", "cuda", "rocm"), "builtin")
+        ("cpu", "cuda", "rocm"), "builtin"
+    )
 
 
 def test_selectable_by_device_argument(acme, clean_env):
@@ -104,7 +106,7 @@ def test_ops_override_is_scoped_to_its_platform(acme, clean_env):
     assert cpu_ops.silu_and_mul is not sys.modules["acme_accel"].silu_and_mul
 
 
-ADDON = '''
+ADDON = """
 from pagedserve.platforms import hookimpl
 
 
@@ -116,7 +118,7 @@ def fast_silu_and_mul(x):
 def pagedserve_register_ops(platform, ops):
     if platform.name in ("acme", "cpu"):
         ops.register("silu_and_mul", fast_silu_and_mul, source="addon")
-'''
+"""
 
 
 @pytest.mark.parametrize("addon_first", [True, False])
@@ -125,8 +127,8 @@ def test_an_addon_plugin_overrides_a_platforms_own_op_whatever_the_order(plugin_
     order in which plugins were registered (i.e. of sys.path order)."""
     import types
 
-    from pagedserve.platforms import PlatformRegistry
     import pagedserve.platforms.cpu as cpu_plugin
+    from pagedserve.platforms import PlatformRegistry
 
     acme_mod = types.ModuleType("acme_inline")
     exec(plugin_src("acme", source="acme-kernels"), acme_mod.__dict__)
@@ -134,8 +136,11 @@ def test_an_addon_plugin_overrides_a_platforms_own_op_whatever_the_order(plugin_
     exec(ADDON, addon_mod.__dict__)
 
     reg = PlatformRegistry(clean_env)
-    plugins = [("addon", addon_mod, "acme-addon 1.0"), ("acme", acme_mod, "acme-accel 0.1"),
-               ("cpu", cpu_plugin, "builtin")]
+    plugins = [
+        ("addon", addon_mod, "acme-addon 1.0"),
+        ("acme", acme_mod, "acme-accel 0.1"),
+        ("cpu", cpu_plugin, "builtin"),
+    ]
     for name, mod, origin in plugins if addon_first else reversed(plugins):
         reg.register_plugin(mod, name, origin)
     assert reg.failures == []

@@ -7,11 +7,11 @@ import pytest
 
 from pagedserve.platforms import PlatformError, discover
 
-RAISES_AT_IMPORT = '''
+RAISES_AT_IMPORT = """
 raise RuntimeError("vendor SDK not found at /opt/acme")
-'''
+"""
 
-RAISES_IN_IS_AVAILABLE = '''
+RAISES_IN_IS_AVAILABLE = """
 from pagedserve.platforms import Platform, hookimpl
 
 
@@ -26,9 +26,9 @@ class FlakyPlatform(Platform):
 @hookimpl
 def pagedserve_register_platforms(register):
     register(FlakyPlatform)
-'''
+"""
 
-RAISES_IN_REGISTER = '''
+RAISES_IN_REGISTER = """
 from pagedserve.platforms import hookimpl
 
 ops_called = []
@@ -42,18 +42,18 @@ def pagedserve_register_platforms(register):
 @hookimpl
 def pagedserve_register_ops(platform, ops):
     ops_called.append(platform.name)
-'''
+"""
 
-MISSPELT_HOOK = '''
+MISSPELT_HOOK = """
 from pagedserve.platforms import hookimpl
 
 
 @hookimpl
 def pagedserve_register_platform(register):  # missing "s"
     pass
-'''
+"""
 
-NOT_A_PLATFORM = '''
+NOT_A_PLATFORM = """
 from pagedserve.platforms import hookimpl
 
 
@@ -64,16 +64,16 @@ class Gadget:
 @hookimpl
 def pagedserve_register_platforms(register):
     register(Gadget)
-'''
+"""
 
-RAISES_IN_OPS = '''
+RAISES_IN_OPS = """
 from pagedserve.platforms import hookimpl
 
 
 @hookimpl
 def pagedserve_register_ops(platform, ops):
     raise KeyError("kernel table corrupt")
-'''
+"""
 
 
 def _one_failure(reg):
@@ -82,8 +82,7 @@ def _one_failure(reg):
 
 
 def test_plugin_that_raises_at_import(make_dist, clean_env):
-    make_dist("acme-broken", {"acme_broken": RAISES_AT_IMPORT}, version="2.3",
-              entry_points={"acme": "acme_broken"})
+    make_dist("acme-broken", {"acme_broken": RAISES_AT_IMPORT}, version="2.3", entry_points={"acme": "acme_broken"})
     reg = discover(clean_env)
     failure = _one_failure(reg)
     assert (failure.plugin, failure.origin) == ("acme", "acme-broken 2.3")
@@ -167,8 +166,9 @@ def test_ops_hook_that_raises_names_the_plugin(make_dist, clean_env):
     make_dist("badops-dist", {"badops_plugin": RAISES_IN_OPS})
     reg = discover(clean_env)
     platform = reg.select("cpu").cls()
-    with pytest.raises(PlatformError,
-                       match=r"'badops_plugin' \(from badops-dist 0\.1\).*KeyError.*kernel table corrupt"):
+    with pytest.raises(
+        PlatformError, match=r"'badops_plugin' \(from badops-dist 0\.1\).*KeyError.*kernel table corrupt"
+    ):
         reg.resolve_ops(platform)
 
 
@@ -199,8 +199,7 @@ def test_conflicting_device_and_environment(clean_env):
 def test_explicit_healthy_platform_starts_past_a_broken_plugin(make_dist, clean_env, caplog):
     """Auto-detection refuses to guess past a broken plugin, but an explicit, healthy
     choice starts, with a warning that names the broken plugin."""
-    make_dist("acme-broken", {"acme_broken": RAISES_AT_IMPORT}, version="2.3",
-              entry_points={"acme": "acme_broken"})
+    make_dist("acme-broken", {"acme_broken": RAISES_AT_IMPORT}, version="2.3", entry_points={"acme": "acme_broken"})
     reg = discover(clean_env)
     with pytest.raises(PlatformError, match="vendor SDK not found"):
         reg.select()

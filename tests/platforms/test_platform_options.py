@@ -10,9 +10,21 @@ from pagedserve.platforms.cpu import CpuPlatform
 from pagedserve.platforms.options import CpuOptions, GpuOptions, env_flag, target_device
 
 
-@pytest.mark.parametrize(("raw", "want"), [("1", True), ("TRUE", True), (" yes ", True), ("on", True),
-                                           ("0", False), ("False", False), ("no", False), ("OFF", False),
-                                           ("", None), (None, None)])
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        ("1", True),
+        ("TRUE", True),
+        (" yes ", True),
+        ("on", True),
+        ("0", False),
+        ("False", False),
+        ("no", False),
+        ("OFF", False),
+        ("", None),
+        (None, None),
+    ],
+)
 def test_one_boolean_spelling(raw, want):
     env = {} if raw is None else {"X": raw}
     assert env_flag(env, "X", True) is (True if want is None else want)
@@ -30,11 +42,19 @@ def test_bad_values_are_refused_by_name():
 
 def test_cpu_options_from_env():
     assert CpuOptions.from_env({}) == CpuOptions()
-    got = CpuOptions.from_env({"PAGEDSERVE_CPU_KERNELS": "0", "PAGEDSERVE_QUANT_CPU_KERNELS": "off",
-                               "PAGEDSERVE_CPU_ISA": " AVX2 ", "PAGEDSERVE_CPU_PREPACK": "no",
-                               "PAGEDSERVE_CPU_KV_LAYOUT": "Token", "PAGEDSERVE_CPU_HUGE_PAGES": "yes"})
-    assert got == CpuOptions(native_kernels=False, quant_kernels=False, isa="avx2", prepack=False,
-                             kv_layout="token", huge_pages=True)
+    got = CpuOptions.from_env(
+        {
+            "PAGEDSERVE_CPU_KERNELS": "0",
+            "PAGEDSERVE_QUANT_CPU_KERNELS": "off",
+            "PAGEDSERVE_CPU_ISA": " AVX2 ",
+            "PAGEDSERVE_CPU_PREPACK": "no",
+            "PAGEDSERVE_CPU_KV_LAYOUT": "Token",
+            "PAGEDSERVE_CPU_HUGE_PAGES": "yes",
+        }
+    )
+    assert got == CpuOptions(
+        native_kernels=False, quant_kernels=False, isa="avx2", prepack=False, kv_layout="token", huge_pages=True
+    )
 
 
 def test_target_device_is_resolved_in_one_place():

@@ -63,8 +63,12 @@ def _make_venv(path: Path) -> Path:
     """
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(path)
     python = path / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     dirs = [d for d in site.getsitepackages() if Path(d).is_dir()]
     lines = [f"import site; site.addsitedir({d!r})" for d in dirs]
     Path(purelib, "_pagedserve_test_parent_env.pth").write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -78,9 +82,23 @@ def test_pip_installed_hello_platform_is_discovered(tmp_path, repo_root, cli, cl
     src = shutil.copytree(repo_root / "examples" / "hello_platform", tmp_path / "hello_platform_src")
     python = _make_venv(tmp_path / "venv")
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-         "--no-cache-dir", "--disable-pip-version-check", "-q", str(src)],
-        capture_output=True, text=True, timeout=120)
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            "-q",
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert install.returncode == 0, install.stdout + install.stderr
 
     rc, data = cli_json("platforms", python=str(python), cwd=tmp_path)

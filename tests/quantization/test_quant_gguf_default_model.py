@@ -9,10 +9,10 @@ overall.
 from __future__ import annotations
 
 import pytest
+from test_quant_support import agreement, greedy, perplexity
 
 from pagedserve import LLM
 from pagedserve.quantization import GGUFWeight
-from test_quant_support import agreement, greedy, perplexity
 
 try:
     from pagedserve.loader.model_path import resolve_model_path

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_quant_support import awq_quantize, gptq_quantize
 
 from pagedserve.kernels import quant_reference as ref
+from pagedserve.kernels.cpu.quant_native import load_quant_kernels
+from pagedserve.platforms.cpu import quant_ops as cpu_quant
 from pagedserve.quantization.fp8 import Fp8Weight, quantize_fp8
 from pagedserve.quantization.gguf import GGUF_TYPE_IDS, GGUFWeight
 from pagedserve.quantization.int4 import AWQWeight, GPTQWeight
 from pagedserve.quantization.int8 import Int8Weight, W8A8Weight, quantize_int8_per_channel
-from pagedserve.platforms.cpu import quant_ops as cpu_quant
-from pagedserve.kernels.cpu.quant_native import load_quant_kernels
-from test_quant_support import awq_quantize, gptq_quantize
 
 # Output dtype rounding plus, for kernels that quantize activations (GGUF int8 dot
 # products, W8A8), the int8 activation error (~1/127 of a block's max per value).
@@ -165,5 +165,5 @@ def test_quant_gguf_rows_are_batch_invariant(type_name, dtype):
     x = torch.randn(300, 128, generator=gen).to(dtype)
     full = cpu_quant.gguf_linear(x, data, type_name)
     for i in (0, 7, 150, 299):
-        assert torch.equal(cpu_quant.gguf_linear(x[i:i + 1], data, type_name)[0], full[i]), i
-        assert torch.equal(cpu_quant.gguf_linear(x[i:i + 9], data, type_name)[0], full[i]), i
+        assert torch.equal(cpu_quant.gguf_linear(x[i : i + 1], data, type_name)[0], full[i]), i
+        assert torch.equal(cpu_quant.gguf_linear(x[i : i + 9], data, type_name)[0], full[i]), i

@@ -10,10 +10,10 @@ distributions, so the agreement bound for 4-bit is loose on purpose).
 from __future__ import annotations
 
 import pytest
+from test_quant_support import TEXTS, agreement, greedy, perplexity, sequence_logprobs, write_quantized_pair
 
 from pagedserve import LLM
 from pagedserve.quantization import AWQWeight, Fp8Weight, GPTQWeight, Int8Weight, W8A8Weight
-from test_quant_support import agreement, greedy, perplexity, sequence_logprobs, write_quantized_pair, TEXTS
 
 PROMPTS = ["Hello there", "The quick brown", [5, 9, 33, 70, 12]]
 # (method, perplexity ratio bound vs float, greedy agreement lower bound)

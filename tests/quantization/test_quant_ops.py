@@ -15,12 +15,12 @@ import torch
 
 from pagedserve.kernels import quant_reference as qref
 from pagedserve.kernels import reference
+from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 from pagedserve.platforms import OpRegistry, discover, hookimpl
 from pagedserve.platforms.cpu import CpuPlatform
 from pagedserve.platforms.cpu import quant_ops as cpu_quant
 from pagedserve.quantization import GGUFWeight, Int8Weight, registry
 from pagedserve.quantization.base import QuantizationMethod
-from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 
 QUANT_OPS = ("gguf_linear", "int8_linear", "w8a8_linear", "fp8_linear")
 CORE_QUANTIZATION = Path(__file__).resolve().parents[2] / "core" / "quantization"
@@ -111,6 +111,7 @@ def test_fp8_scaled_mm_op_checks_the_device_itself():
 
 # -- a plugin's op reaches the model --------------------------------------------------------
 
+
 def counting_plugin(op: str) -> tuple[types.ModuleType, list[int]]:
     """A kernels-only plugin that replaces ``op`` on the cpu platform and counts its calls."""
     calls: list[int] = []
@@ -156,8 +157,13 @@ def test_plugin_int8_linear_is_what_the_model_runs(engine_with_plugin, tiny_chec
     from pagedserve import LLM, SamplingParams
 
     counted, calls = engine_with_plugin("int8_linear")
-    llm = LLM(model=str(tiny_checkpoint_factory()), quantization="int8", dtype="float32",
-              kv_cache_memory="2MiB", max_model_len=64)
+    llm = LLM(
+        model=str(tiny_checkpoint_factory()),
+        quantization="int8",
+        dtype="float32",
+        kv_cache_memory="2MiB",
+        max_model_len=64,
+    )
     assert llm.llm_engine.ops.source("int8_linear") == "counting-plugin"
     layer = llm.llm_engine.runner.model.layers[0]
     assert isinstance(layer.qkv, Int8Weight) and layer.qkv.op is counted and layer.down.op is counted
@@ -190,6 +196,7 @@ def test_plugin_gguf_linear_is_what_the_model_runs(engine_with_plugin):
 
 # -- refusals through the op registry --------------------------------------------------------
 
+
 class MarlinMethod(QuantizationMethod):
     """A plugin's method whose weights need an op only some platforms register."""
 
@@ -206,8 +213,11 @@ HF_SOURCE = types.SimpleNamespace(format="hf", hf_config={}, path="tiny")
 def test_a_method_needing_an_op_the_platform_lacks_is_refused(monkeypatch):
     monkeypatch.setitem(registry.METHODS, "marlin", MarlinMethod)
     cpu = CpuPlatform()
-    with pytest.raises(ValueError, match=r"quantization='marlin' is not supported on platform 'cpu'; it needs "
-                                         r"the op\(s\) marlin_linear, which no plugin registers"):
+    with pytest.raises(
+        ValueError,
+        match=r"quantization='marlin' is not supported on platform 'cpu'; it needs "
+        r"the op\(s\) marlin_linear, which no plugin registers",
+    ):
         registry.resolve_quantization("marlin", HF_SOURCE, cpu, OpRegistry(), torch.float32)
     ops = OpRegistry()
     ops.register("marlin_linear", lambda x, *args: x, source="marlin-kernels")
@@ -243,8 +253,11 @@ PLATFORM_WORDS = {"cpu", "cuda", "rocm", "hip", "xpu", "mps", "triton"}
 def platform_branches(source: str) -> list[str]:
     """Code (not comments or docstrings) that names a platform or asks for the device type."""
     found = []
-    tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
-              if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)]
+    tokens = [
+        t
+        for t in tokenize.generate_tokens(io.StringIO(source).readline)
+        if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    ]
     for i, tok in enumerate(tokens):
         where = f"line {tok.start[0]}: {tok.line.strip()}"
         if tok.type == tokenize.STRING and tok.string.strip("'\"").lower() in PLATFORM_WORDS:
@@ -255,8 +268,11 @@ def platform_branches(source: str) -> list[str]:
             pair = (tokens[i - 1].string, tokens[i + 1].string)
             if pair in {("device", "type"), ("torch", "cuda"), ("torch", "version")}:
                 found.append(where)
-        elif tok.type == tokenize.NAME and tok.string == "import" and any(
-                w in tok.line for w in ("kernels.triton", "kernels.cuda", "platforms.cpu", "platforms.cuda")):
+        elif (
+            tok.type == tokenize.NAME
+            and tok.string == "import"
+            and any(w in tok.line for w in ("kernels.triton", "kernels.cuda", "platforms.cpu", "platforms.cuda"))
+        ):
             found.append(where)
     return found
 
@@ -269,6 +285,8 @@ def test_core_quantization_never_branches_on_the_platform():
 
 
 def test_the_branch_finder_finds_branches():
-    code = ('def f(x, platform_name):\n    """cuda in a docstring is fine"""\n    # so is "cpu" here\n'
-            '    if x.device.type == "cuda":\n        pass\n    from pagedserve.kernels.triton import quant_gguf\n')
+    code = (
+        'def f(x, platform_name):\n    """cuda in a docstring is fine"""\n    # so is "cpu" here\n'
+        '    if x.device.type == "cuda":\n        pass\n    from pagedserve.kernels.triton import quant_gguf\n'
+    )
     assert [line.split(":")[0] for line in platform_branches(code)] == ["line 1", "line 4", "line 4", "line 6"]

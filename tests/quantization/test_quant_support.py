@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.kernels.quant_reference import AWQ_ORDER
 from pagedserve.executor.attention_metadata import AttentionMetadata
+from pagedserve.kernels.quant_reference import AWQ_ORDER
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -77,7 +77,7 @@ def awq_quantize(w: torch.Tensor, group_size: int):
     scales = torch.empty(groups, n, dtype=torch.float16)
     zeros = torch.empty(groups, n)
     for g in range(groups):
-        scales[g], zeros[g] = _minmax_params(wt[g * group_size:(g + 1) * group_size])
+        scales[g], zeros[g] = _minmax_params(wt[g * group_size : (g + 1) * group_size])
     idx = torch.arange(k) // group_size
     s, z = scales.float()[idx], zeros[idx]
     q = torch.clamp(torch.round(wt / s) + z, 0, 15)
@@ -103,12 +103,17 @@ def write_quantized_pair(src: Path, dst: Path, method: str, group_size: int = 32
     for name, t in weights.items():
         module = name.rsplit(".", 2)
         if name.endswith(".weight") and module[-2] in LINEARS:
-            prefix = name[:-len(".weight")]
+            prefix = name[: -len(".weight")]
             if method == "gptq":
                 # q/k/v (and gate/up) see the same input, so GPTQ's act order is shared.
                 layer = name.rsplit(".", 3)[0]
-                key = layer + {"q_proj": "in", "k_proj": "in", "v_proj": "in", "gate_proj": "mlp",
-                               "up_proj": "mlp"}.get(module[-2], module[-2])
+                key = layer + {
+                    "q_proj": "in",
+                    "k_proj": "in",
+                    "v_proj": "in",
+                    "gate_proj": "mlp",
+                    "up_proj": "mlp",
+                }.get(module[-2], module[-2])
                 g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
                 tensors, d = gptq_quantize(t, group_size, act_order, g)
             else:
@@ -123,8 +128,14 @@ def write_quantized_pair(src: Path, dst: Path, method: str, group_size: int = 32
     save_file({k: v.contiguous() for k, v in deq.items()}, str(fake / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
     if method == "gptq":
-        qcfg = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order, "sym": False,
-                "checkpoint_format": "gptq"}
+        qcfg = {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group_size,
+            "desc_act": act_order,
+            "sym": False,
+            "checkpoint_format": "gptq",
+        }
     else:
         qcfg = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
     config["quantization_config"] = qcfg
@@ -139,7 +150,8 @@ def sequence_logprobs(llm, ids: list[int]) -> torch.Tensor:
     n, bs = len(ids), runner.block_size
     blocks = -(-n // bs)
     meta = AttentionMetadata(
-        positions=torch.arange(n), slot_mapping=torch.arange(n),
+        positions=torch.arange(n),
+        slot_mapping=torch.arange(n),
         block_tables=torch.arange(blocks, dtype=torch.int32)[None],
         seq_lens=torch.tensor([n], dtype=torch.int32),
         query_start_loc=torch.tensor([0, n], dtype=torch.int32),

@@ -34,6 +34,7 @@ def test_quant_triton_gguf_interpreted():
     # A subprocess: TRITON_INTERPRET must be set before triton is imported.
     env = dict(os.environ, TRITON_INTERPRET="1")
     here = os.path.dirname(__file__)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=here, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=here, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

@@ -25,8 +25,10 @@ TINY_ENGINE = {"dtype": "float32", "kv_cache_memory": "64MiB"}
 TINY_SERVER_ARGS = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--threads", "1"]
 # --chat-template of `tiny_server`: unlike the checkpoint's own template, so a test can
 # tell which one rendered a prompt.
-CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 STARTUP_TIMEOUT_S = 300.0  # model load on a busy machine, plus a kernel build on a fresh one
 
 
@@ -39,8 +41,14 @@ def free_port() -> int:
 class ServerProcess:
     """One `pagedserve serve` subprocess; its output goes to `log_path`."""
 
-    def __init__(self, model: str | None, args: list[str], log_path: Path,
-                 env: dict[str, str] | None = None, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str | None,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.model = model
         self.args = args
         self.log_path = log_path
@@ -56,8 +64,16 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         for _ in range(3):  # the free port may be taken between probing and binding
             self.port = free_port()
-            cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve",
-                   *([self.model] if self.model else []), "--port", str(self.port), *self.args]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pagedserve.entrypoints.cli",
+                "serve",
+                *([self.model] if self.model else []),
+                "--port",
+                str(self.port),
+                *self.args,
+            ]
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
             if self._wait_ready():
@@ -102,14 +118,16 @@ class ServerProcess:
     def openai(self, **kwargs):
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0,
-                             timeout=120, **kwargs)
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0, timeout=120, **kwargs
+        )
 
     def async_openai(self, **kwargs):
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0,
-                                  timeout=180, **kwargs)
+        return openai.AsyncOpenAI(
+            base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0, timeout=180, **kwargs
+        )
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics as {name{labels}: value}, parsed by prometheus_client."""
@@ -129,8 +147,9 @@ def server_factory(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
     """Start servers on demand; every one still running is stopped at the end."""
     started: list[ServerProcess] = []
 
-    def start(model: str | None, args: list[str], env: dict[str, str] | None = None,
-              api_key: str | None = None) -> ServerProcess:
+    def start(
+        model: str | None, args: list[str], env: dict[str, str] | None = None, api_key: str | None = None
+    ) -> ServerProcess:
         log = tmp_path_factory.mktemp("server") / "server.log"
         server = ServerProcess(model, args, log, env, api_key)
         started.append(server)
@@ -158,8 +177,19 @@ def tiny_server(server_factory, tiny_llama, tmp_path_factory) -> ServerProcess:
     1 MiB body limit and CHAT_TEMPLATE from a file."""
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
-    return server_factory(str(tiny_llama), [*TINY_SERVER_ARGS, "--served-model-name", "tiny", "tiny-alias",
-                                            "--max-body-size", "1MiB", "--chat-template", str(template)])
+    return server_factory(
+        str(tiny_llama),
+        [
+            *TINY_SERVER_ARGS,
+            "--served-model-name",
+            "tiny",
+            "tiny-alias",
+            "--max-body-size",
+            "1MiB",
+            "--chat-template",
+            str(template),
+        ],
+    )
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,7 @@ import time
 import pytest
 
 from pagedserve import SamplingParams
-from pagedserve.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError, QueueFullError,
-                                     RequestFailedError)
+from pagedserve.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError, QueueFullError, RequestFailedError
 from pagedserve.config import CacheConfig, EngineConfig, ModelConfig
 from pagedserve.engine import LLMEngine
 
@@ -20,8 +19,11 @@ LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    return LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama), dtype="float32"),
-                                  cache=CacheConfig(kv_cache_memory="16MiB")))
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(tiny_llama), dtype="float32"), cache=CacheConfig(kv_cache_memory="16MiB")
+        )
+    )
 
 
 def run(coro):

@@ -34,12 +34,45 @@ def test_without_a_budget_the_platform_default_applies(monkeypatch):
 
 
 def test_vllm_flag_names_reach_the_engine_config():
-    args = parse("/models/x", "--host", "0.0.0.0", "--port", "9001", "--device", "cpu", "--dtype", "bfloat16",
-                 "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
-                 "--block-size", "32", "--kv-cache-memory", "1GiB", "--memory-utilization", "0.7",
-                 "--scheduler-delay-factor", "0.5", "--no-enable-prefix-caching", "--tensor-parallel-size", "1",
-                 "--served-model-name", "a", "b", "--max-queue-len", "4", "--threads", "3", "--seed", "9",
-                 "--max-body-size", "2MiB")
+    args = parse(
+        "/models/x",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9001",
+        "--device",
+        "cpu",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "256",
+        "--block-size",
+        "32",
+        "--kv-cache-memory",
+        "1GiB",
+        "--memory-utilization",
+        "0.7",
+        "--scheduler-delay-factor",
+        "0.5",
+        "--no-enable-prefix-caching",
+        "--tensor-parallel-size",
+        "1",
+        "--served-model-name",
+        "a",
+        "b",
+        "--max-queue-len",
+        "4",
+        "--threads",
+        "3",
+        "--seed",
+        "9",
+        "--max-body-size",
+        "2MiB",
+    )
     config, names, max_body = serve_cmd.build_engine_config(args)
     assert (args.host, args.port) == ("0.0.0.0", 9001)
     assert names == ["a", "b"] and max_body == 2 * 2**20
@@ -75,13 +108,23 @@ def test_bad_values_are_refused_with_the_field_name():
 
 
 def test_parallel_and_offload_flags_reach_the_engine_config():
-    config, _, _ = serve_cmd.build_engine_config(parse(
-        "--device", "cpu", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
-        "--distributed-executor-backend", "ray"))
+    config, _, _ = serve_cmd.build_engine_config(
+        parse(
+            "--device",
+            "cpu",
+            "--tensor-parallel-size",
+            "2",
+            "--pipeline-parallel-size",
+            "2",
+            "--distributed-executor-backend",
+            "ray",
+        )
+    )
     assert config.parallel.tensor_parallel_size == 2 and config.parallel.pipeline_parallel_size == 2
     assert config.parallel.distributed_executor_backend == "ray" and config.parallel.world_size == 4
-    config, _, _ = serve_cmd.build_engine_config(parse(
-        "--device", "cpu", "--kv-offload-memory", "1GiB", "--preemption-mode", "swap", "--cpu-offload-gb", "0.5"))
+    config, _, _ = serve_cmd.build_engine_config(
+        parse("--device", "cpu", "--kv-offload-memory", "1GiB", "--preemption-mode", "swap", "--cpu-offload-gb", "0.5")
+    )
     assert config.cache.kv_offload_memory == 2**30 and config.cache.preemption_mode == "swap"
     assert config.cache.cpu_offload_gb == 0.5
     # Together they are refused while the flags are read: offload runs on one rank.

@@ -18,8 +18,17 @@ def default_server(server_factory):
         default_model_path()
     except FileNotFoundError as e:
         pytest.skip(f"the default model is not installed: {e}")
-    return server_factory(None, ["--kv-cache-memory", ENGINE["kv_cache_memory"],
-                                 "--max-model-len", str(ENGINE["max_model_len"]), "--threads", "1"])
+    return server_factory(
+        None,
+        [
+            "--kv-cache-memory",
+            ENGINE["kv_cache_memory"],
+            "--max-model-len",
+            str(ENGINE["max_model_len"]),
+            "--threads",
+            "1",
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +45,9 @@ def test_default_model_is_served_under_its_alias(default_server):
 
 
 def test_greedy_chat_equals_offline(default_server, offline_default):
-    resp = default_server.openai().chat.completions.create(model="smollm2-135m-instruct", messages=QUESTION,
-                                                           max_tokens=7, temperature=0)
+    resp = default_server.openai().chat.completions.create(
+        model="smollm2-135m-instruct", messages=QUESTION, max_tokens=7, temperature=0
+    )
     ref = offline_default.chat(QUESTION, SamplingParams(temperature=0, max_tokens=7), use_tqdm=False)[0]
     text = resp.choices[0].message.content
     assert text == ref.outputs[0].text
@@ -47,8 +57,9 @@ def test_greedy_chat_equals_offline(default_server, offline_default):
 
 def test_greedy_streamed_completion_equals_offline(default_server, offline_default):
     prompt = "The capital of France is"
-    stream = default_server.openai().completions.create(model="smollm2-135m-instruct", prompt=prompt,
-                                                        max_tokens=4, temperature=0, stream=True)
+    stream = default_server.openai().completions.create(
+        model="smollm2-135m-instruct", prompt=prompt, max_tokens=4, temperature=0, stream=True
+    )
     text = "".join(c.choices[0].text for c in stream if c.choices)
     ref = offline_default.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert text == ref.outputs[0].text

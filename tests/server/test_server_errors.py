@@ -38,8 +38,11 @@ BAD_FIELDS = [
     ("chat/completions", {"messages": None}, "messages"),
     ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content[0]"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages[0].content[0]",
+    ),
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
@@ -87,12 +90,14 @@ def test_prompt_over_max_model_len_is_400_naming_the_limit(http):
     err = assert_openai_error(http.post("/v1/completions", json={**COMPLETION_OK, "prompt": long_text}), 400, "prompt")
     assert "1024" in err["message"] and "max_model_len" in err["message"]
     messages = [{"role": "user", "content": long_text}]
-    err = assert_openai_error(http.post("/v1/chat/completions", json={**CHAT_OK, "messages": messages}), 400,
-                              "messages")
+    err = assert_openai_error(
+        http.post("/v1/chat/completions", json={**CHAT_OK, "messages": messages}), 400, "messages"
+    )
     assert "1024" in err["message"]
     # A prompt that fits but leaves no room for max_tokens names max_tokens.
-    err = assert_openai_error(http.post("/v1/completions", json={**COMPLETION_OK, "prompt": "a" * 1000,
-                                                                  "max_tokens": 100}), 400, "max_tokens")
+    err = assert_openai_error(
+        http.post("/v1/completions", json={**COMPLETION_OK, "prompt": "a" * 1000, "max_tokens": 100}), 400, "max_tokens"
+    )
     assert "1024" in err["message"]
 
 
@@ -103,10 +108,14 @@ def test_body_over_the_limit_is_413(http, tiny_server):
 
     def chunked():  # no Content-Length: the limit must hold while reading
         for i in range(0, len(big), 65536):
-            yield big[i:i + 65536]
+            yield big[i : i + 65536]
 
-    r = httpx.post(tiny_server.url + "/v1/chat/completions", content=chunked(), timeout=60,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        tiny_server.url + "/v1/chat/completions",
+        content=chunked(),
+        timeout=60,
+        headers={"content-type": "application/json"},
+    )
     assert_openai_error(r, 413)
     assert http.post("/v1/completions", json=COMPLETION_OK).status_code == 200
 
@@ -128,15 +137,21 @@ def test_bad_requests_do_not_disturb_a_running_one(tiny_server, offline_tiny):
     """A long greedy stream runs while dozens of bad requests (and aborted ones) hit the
     server; its text must equal the offline answer and nothing may answer 5xx."""
     prompt = [11, 22, 33, 44, 55]
-    ref = offline_tiny.generate([prompt], SamplingParams(temperature=0, max_tokens=150, ignore_eos=True),
-                                use_tqdm=False)[0].outputs[0].text
+    ref = (
+        offline_tiny.generate([prompt], SamplingParams(temperature=0, max_tokens=150, ignore_eos=True), use_tqdm=False)[
+            0
+        ]
+        .outputs[0]
+        .text
+    )
     bad_bodies = [{**COMPLETION_OK, **fields} for e, fields, _ in BAD_FIELDS if e == "completions"]
     bad_bodies += [{**COMPLETION_OK, "prompt": "a" * 1500}, {**COMPLETION_OK, "model": "x"}]
 
     def good() -> str:
         client = tiny_server.openai()
-        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=150, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=150, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         return "".join(c.choices[0].text for c in stream if c.choices)
 
     def bad(i: int) -> int:
@@ -148,8 +163,9 @@ def test_bad_requests_do_not_disturb_a_running_one(tiny_server, offline_tiny):
                     return 0
                 return 0
             if i % 4 == 2:
-                return c.post("/v1/completions", content=b"{oops",
-                              headers={"content-type": "application/json"}).status_code
+                return c.post(
+                    "/v1/completions", content=b"{oops", headers={"content-type": "application/json"}
+                ).status_code
             return c.post("/v1/completions", json=bad_bodies[i % len(bad_bodies)]).status_code
 
     with ThreadPoolExecutor(6) as pool:

@@ -15,8 +15,7 @@ from pagedserve.async_engine import AsyncLLMEngine
 from pagedserve.config import CacheConfig, EngineConfig, ModelConfig
 from pagedserve.engine import LLMEngine
 from pagedserve.entrypoints.openai import ServerSettings, build_app
-from pagedserve.entrypoints.openai.http_guard import (CorsSettings, add_http_security_arguments,
-                                                      cors_settings_from_args)
+from pagedserve.entrypoints.openai.http_guard import CorsSettings, add_http_security_arguments, cors_settings_from_args
 from pagedserve.entrypoints.openai.shutdown import SHUTDOWN_MESSAGE, Drain
 
 COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 3}
@@ -24,8 +23,11 @@ COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 3}
 
 @pytest.fixture(scope="module")
 def llm_engine(tiny_llama):
-    return LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama), dtype="float32"),
-                                  cache=CacheConfig(kv_cache_memory="16MiB")))
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(tiny_llama), dtype="float32"), cache=CacheConfig(kv_cache_memory="16MiB")
+        )
+    )
 
 
 def client_for(llm_engine, **settings) -> TestClient:
@@ -48,9 +50,18 @@ def assert_error(r, status: int, code: str | None = None) -> dict:
     return err
 
 
-@pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain;charset=UTF-8",
-                                          "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
-                                          "application/jsonx", "text/json"])
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        None,
+        "text/plain",
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonx",
+        "text/json",
+    ],
+)
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_non_json_bodies_are_refused_with_415(client, path, content_type):
     body = json.dumps({**COMPLETION, "messages": [{"role": "user", "content": "x"}]}).encode()
@@ -59,8 +70,10 @@ def test_non_json_bodies_are_refused_with_415(client, path, content_type):
     assert "application/json" in err["message"]
 
 
-@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",
-                                          "Application/JSON", "application/vnd.api+json"])
+@pytest.mark.parametrize(
+    "content_type",
+    ["application/json", "application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json"],
+)
 def test_json_content_types_are_accepted(client, content_type):
     r = client.post("/v1/completions", content=json.dumps(COMPLETION), headers={"content-type": content_type})
     assert r.status_code == 200, r.text
@@ -70,26 +83,38 @@ def test_json_content_types_are_accepted(client, content_type):
 def test_no_cors_headers_by_default(client):
     r = client.post("/v1/completions", json=COMPLETION, headers={"origin": "https://evil.example"})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
-    pre = client.options("/v1/completions", headers={"origin": "https://evil.example",
-                                                     "access-control-request-method": "POST",
-                                                     "access-control-request-headers": "content-type"})
+    pre = client.options(
+        "/v1/completions",
+        headers={
+            "origin": "https://evil.example",
+            "access-control-request-method": "POST",
+            "access-control-request-headers": "content-type",
+        },
+    )
     assert "access-control-allow-origin" not in pre.headers
 
 
 def test_allowed_origins_get_cors_headers_even_with_an_api_key(llm_engine):
     cors = CorsSettings(["https://app.example"], ["POST"], ["content-type", "authorization"])
     with client_for(llm_engine, cors=cors, api_key="k") as c:
-        pre = c.options("/v1/completions", headers={"origin": "https://app.example",
-                                                    "access-control-request-method": "POST",
-                                                    "access-control-request-headers": "content-type"})
+        pre = c.options(
+            "/v1/completions",
+            headers={
+                "origin": "https://app.example",
+                "access-control-request-method": "POST",
+                "access-control-request-headers": "content-type",
+            },
+        )
         assert pre.status_code == 200
         assert pre.headers["access-control-allow-origin"] == "https://app.example"
         assert "POST" in pre.headers["access-control-allow-methods"]
-        r = c.post("/v1/completions", json=COMPLETION,
-                   headers={"origin": "https://app.example", "authorization": "Bearer k"})
+        r = c.post(
+            "/v1/completions", json=COMPLETION, headers={"origin": "https://app.example", "authorization": "Bearer k"}
+        )
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
-        other = c.options("/v1/completions", headers={"origin": "https://evil.example",
-                                                      "access-control-request-method": "POST"})
+        other = c.options(
+            "/v1/completions", headers={"origin": "https://evil.example", "access-control-request-method": "POST"}
+        )
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
 
 
@@ -131,8 +156,7 @@ def test_models_with_an_empty_id_is_404(client):
 
 def test_a_client_leaving_mid_upload_logs_one_info_line(llm_engine, caplog):
     app = build_app(AsyncLLMEngine(llm_engine), ServerSettings(["tiny"]))
-    messages = [{"type": "http.request", "body": b'{"prompt": "he', "more_body": True},
-                {"type": "http.disconnect"}]
+    messages = [{"type": "http.request", "body": b'{"prompt": "he', "more_body": True}, {"type": "http.disconnect"}]
     sent: list[dict] = []
 
     async def receive():
@@ -141,10 +165,21 @@ def test_a_client_leaving_mid_upload_logs_one_info_line(llm_engine, caplog):
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
-             "client": ("127.0.0.1", 5555), "server": ("127.0.0.1", 8000), "app": app}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+        "client": ("127.0.0.1", 5555),
+        "server": ("127.0.0.1", 8000),
+        "app": app,
+    }
     with caplog.at_level(logging.INFO):
         asyncio.run(app(scope, receive, send))
     errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -171,7 +206,7 @@ def test_drain_cut_ends_a_stream_with_an_error_event_and_done():
 
     out = asyncio.run(asyncio.wait_for(main(), 10))
     assert out[0] == "data: first\n\n" and out[-1] == "data: [DONE]\n\n" and len(out) == 3
-    err = json.loads(out[1][len("data: "):])["error"]
+    err = json.loads(out[1][len("data: ") :])["error"]
     assert err["code"] == "server_shutdown" and err["message"] == SHUTDOWN_MESSAGE
 
 

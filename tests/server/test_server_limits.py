@@ -20,9 +20,12 @@ def limited(server_factory, tiny_checkpoint_factory, tiny_server_args):
     # A somewhat larger random model, so that a long request surely outlives the test's
     # few round trips.
     model = tiny_checkpoint_factory(hidden_size=128, num_layers=4, intermediate_size=256)
-    return server_factory(str(model), [*tiny_server_args, "--served-model-name", "limited",
-                                       "--max-num-seqs", "1", "--max-queue-len", "1"],
-                          env={"PAGEDSERVE_API_KEY": KEY}, api_key=KEY)
+    return server_factory(
+        str(model),
+        [*tiny_server_args, "--served-model-name", "limited", "--max-num-seqs", "1", "--max-queue-len", "1"],
+        env={"PAGEDSERVE_API_KEY": KEY},
+        api_key=KEY,
+    )
 
 
 def small(**kw) -> dict:
@@ -31,10 +34,18 @@ def small(**kw) -> dict:
 
 def test_every_v1_route_needs_the_key(limited):
     url = limited.url
-    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                         ("GET", "/v1/models/limited")]:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
-                        {"Authorization": f"Basic {KEY}"}):
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models/limited"),
+    ]:
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": KEY},
+            {"Authorization": f"Basic {KEY}"},
+        ):
             r = httpx.request(method, url + path, headers=headers, json=small(), timeout=30)
             assert r.status_code == 401, (path, headers)
             err = r.json()["error"]
@@ -68,8 +79,7 @@ def test_full_waiting_queue_answers_503(limited):
     next(chunks)  # the long request is now running and holds the only sequence slot
     headers = limited.headers()
     with ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(httpx.post, limited.url + "/v1/completions", json=small(), headers=headers,
-                              timeout=300)
+        waiting = pool.submit(httpx.post, limited.url + "/v1/completions", json=small(), headers=headers, timeout=300)
         _wait_for(lambda: limited.metrics()["pagedserve:num_requests_waiting"] == 1)
         r = httpx.post(limited.url + "/v1/completions", json=small(), headers=headers, timeout=30)
         assert r.status_code == 503, r.text

@@ -57,8 +57,9 @@ def test_alias_name_and_token_id_prompts(tiny_server, offline_tiny):
 
 
 def test_chat_matches_offline_chat(tiny_server, offline_tiny):
-    resp = tiny_server.openai().chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=10,
-                                                        temperature=0)
+    resp = tiny_server.openai().chat.completions.create(
+        model="tiny", messages=CONVERSATION, max_tokens=10, temperature=0
+    )
     ref = offline_tiny.chat(CONVERSATION_FLAT, greedy(max_tokens=10), use_tqdm=False)[0]
     choice = resp.choices[0]
     assert resp.object == "chat.completion"
@@ -74,18 +75,23 @@ def test_chat_matches_offline_chat(tiny_server, offline_tiny):
 
 def test_chat_max_tokens_defaults_to_the_rest_of_the_context(tiny_server):
     resp = tiny_server.openai().chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "go"}], temperature=0, extra_body={"ignore_eos": True})
+        model="tiny", messages=[{"role": "user", "content": "go"}], temperature=0, extra_body={"ignore_eos": True}
+    )
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.total_tokens == 1024  # max_model_len
 
 
 def test_max_completion_tokens_and_completion_default(tiny_server):
     client = tiny_server.openai()
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go"}],
-                                          max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "go"}],
+        max_completion_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert chat.usage.completion_tokens == 3
-    completion = client.completions.create(model="tiny", prompt="go", temperature=0,
-                                           extra_body={"ignore_eos": True})
+    completion = client.completions.create(model="tiny", prompt="go", temperature=0, extra_body={"ignore_eos": True})
     assert completion.usage.completion_tokens == 16  # OpenAI's default max_tokens for completions
 
 
@@ -141,8 +147,9 @@ def test_n_samples_with_two_prompts_are_indexed_per_prompt(tiny_server, offline_
 
 def test_seeded_n_samples_differ_and_stream_reproduces_them(tiny_server, offline_tiny):
     client = tiny_server.openai()
-    kw = dict(model="tiny", prompt="seeded", n=3, max_tokens=12, temperature=1.0, seed=42,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny", prompt="seeded", n=3, max_tokens=12, temperature=1.0, seed=42, extra_body={"ignore_eos": True}
+    )
     a = client.completions.create(**kw)
     b = client.completions.create(**kw)
     texts = [c.text for c in a.choices]
@@ -153,8 +160,9 @@ def test_seeded_n_samples_differ_and_stream_reproduces_them(tiny_server, offline
         for c in chunk.choices:
             streamed[c.index] += c.text
     assert [streamed[i] for i in range(3)] == texts
-    ref = offline_tiny.generate("seeded", SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=42,
-                                                         ignore_eos=True), use_tqdm=False)[0]
+    ref = offline_tiny.generate(
+        "seeded", SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=42, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [o.text for o in ref.outputs] == texts
     other = client.completions.create(**{**kw, "seed": 43})
     assert [c.text for c in other.choices] != texts
@@ -186,8 +194,9 @@ def test_stop_string_cuts_the_text(tiny_server, stream):
 
 
 def test_completion_logprobs_match_offline(tiny_server, offline_tiny):
-    resp = tiny_server.openai().completions.create(model="tiny", prompt=[7, 8, 9], max_tokens=6, temperature=0,
-                                                   logprobs=3)
+    resp = tiny_server.openai().completions.create(
+        model="tiny", prompt=[7, 8, 9], max_tokens=6, temperature=0, logprobs=3
+    )
     lp = resp.choices[0].logprobs
     ref = offline_tiny.generate([[7, 8, 9]], greedy(max_tokens=6, logprobs=3), use_tqdm=False)[0].outputs[0]
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == resp.usage.completion_tokens == 6
@@ -202,8 +211,15 @@ def test_completion_logprobs_match_offline(tiny_server, offline_tiny):
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs_shape(tiny_server, stream):
     client = tiny_server.openai()
-    kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0,
-              logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     if stream:
         content = []
         for chunk in client.chat.completions.create(stream=True, **kw):
@@ -228,7 +244,12 @@ def test_vllm_sampling_extras_reach_the_sampler(tiny_server):
     sampled = client.completions.create(temperature=1.0, seed=3, **kw).choices[0].text
     assert top_k_1 == greedy_text and min_p_1 == greedy_text
     assert sampled != greedy_text
-    ids = client.completions.create(temperature=0, max_tokens=10, model="tiny", prompt="extras",
-                                    extra_body={"min_tokens": 10, "repetition_penalty": 1.3,
-                                                "ignore_eos": True}, user="someone")
+    ids = client.completions.create(
+        temperature=0,
+        max_tokens=10,
+        model="tiny",
+        prompt="extras",
+        extra_body={"min_tokens": 10, "repetition_penalty": 1.3, "ignore_eos": True},
+        user="someone",
+    )
     assert ids.usage.completion_tokens == 10

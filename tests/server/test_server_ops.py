@@ -17,10 +17,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import STARTUP_TIMEOUT_S, TINY_SERVER_ARGS, ServerProcess, free_port
 
-HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-              "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-              "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens",
-              "iteration_tokens_total", "time_per_output_token_seconds"]
+HISTOGRAMS = [
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_inference_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "iteration_tokens_total",
+    "time_per_output_token_seconds",
+]
 
 
 def _families(url: str, **kw) -> dict:
@@ -29,11 +38,16 @@ def _families(url: str, **kw) -> dict:
 
 
 def _samples(families: dict) -> dict[str, float]:
-    return {s.name: s.value for f in families.values() for s in f.samples
-            if "le" not in s.labels and "finished_reason" not in s.labels}
+    return {
+        s.name: s.value
+        for f in families.values()
+        for s in f.samples
+        if "le" not in s.labels and "finished_reason" not in s.labels
+    }
 
 
 # -- tokenizer routes -------------------------------------------------------------------------
+
 
 def test_tokenize_prompt_and_detokenize_round_trip(http, offline_tiny):
     tok = offline_tiny.get_tokenizer()
@@ -59,18 +73,22 @@ def test_tokenize_chat_messages_uses_the_served_template(http, offline_tiny, cha
     assert body["tokens"] == tok.encode(expected, add_special_tokens=False)
     # continue_final_message ends the prompt inside the last message instead of closing it.
     partial = [*messages, {"role": "assistant", "content": "The answer"}]
-    cont = http.post("/tokenize", json={"messages": partial, "add_generation_prompt": False,
-                                        "continue_final_message": True}).json()
+    cont = http.post(
+        "/tokenize", json={"messages": partial, "add_generation_prompt": False, "continue_final_message": True}
+    ).json()
     assert tok.decode(cont["tokens"], skip_special_tokens=False).endswith("[assistant] The answer")
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
-    ({}, "prompt"),
-    ({"prompt": "a", "model": "other"}, "model"),
-    ({"prompt": 3}, "prompt"),
-    ({"prompt": "a", "not_a_field": 1}, "not_a_field"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+        ({}, "prompt"),
+        ({"prompt": "a", "model": "other"}, "model"),
+        ({"prompt": 3}, "prompt"),
+        ({"prompt": "a", "not_a_field": 1}, "not_a_field"),
+    ],
+)
 def test_tokenize_bad_requests(http, body, param):
     r = http.post("/tokenize", json=body)
     assert 400 <= r.status_code < 500
@@ -96,6 +114,7 @@ def test_version_ping_ready(http):
 
 # -- metrics ------------------------------------------------------------------------------------
 
+
 def test_every_vllm_histogram_counts_a_streamed_request(tiny_server, http):
     before = _families(tiny_server.url)
     for name in HISTOGRAMS:
@@ -104,8 +123,11 @@ def test_every_vllm_histogram_counts_a_streamed_request(tiny_server, http):
     assert info.value == 1.0 and info.labels["block_size"] == "16" and info.labels["engine"] == "0"
 
     prompt = [random.Random(11).randrange(3, 250) for _ in range(29)]
-    with http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 6,
-                                                     "ignore_eos": True, "stream": True}) as r:
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "stream": True},
+    ) as r:
         assert r.status_code == 200
         chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
     assert chunks
@@ -123,9 +145,10 @@ def test_every_vllm_histogram_counts_a_streamed_request(tiny_server, http):
     assert delta("request_prompt_tokens_sum") == 29
     assert delta("request_generation_tokens_sum") == 6
     # The phases add up: queue + prefill = time to first token; prefill + decode = inference.
-    ttft, queue, prefill = (delta(f"{n}_sum") for n in ("time_to_first_token_seconds",
-                                                          "request_queue_time_seconds",
-                                                          "request_prefill_time_seconds"))
+    ttft, queue, prefill = (
+        delta(f"{n}_sum")
+        for n in ("time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds")
+    )
     assert queue + prefill == pytest.approx(ttft, abs=1e-3)
     decode, inference = delta("request_decode_time_seconds_sum"), delta("request_inference_time_seconds_sum")
     assert prefill + decode == pytest.approx(inference, abs=1e-3)
@@ -133,6 +156,7 @@ def test_every_vllm_histogram_counts_a_streamed_request(tiny_server, http):
 
 
 # -- a server with every operations flag ------------------------------------------------------
+
 
 def _tls(cert) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(cert))
@@ -143,10 +167,28 @@ def tls_files(tmp_path_factory):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(d / "key.pem"),
+            "-out",
+            str(d / "cert.pem"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return d / "key.pem", d / "cert.pem"
 
 
@@ -155,13 +197,29 @@ def ops_server(tiny_llama, tls_files, tmp_path_factory):
     """The tiny model with every operations flag, over HTTPS (so started here: the shared
     helper polls plain HTTP)."""
     _, cert = tls_files
-    args = [*TINY_SERVER_ARGS, "--served-model-name", "tiny", "--metrics-prefix", "vllm", "--log-format", "json",
-            "--stats-interval", "0.3", "--enable-log-requests", "--max-log-len", "5",
-            "--ssl-keyfile", str(tls_files[0]), "--ssl-certfile", str(cert), "--root-path", "/api"]
+    args = [
+        *TINY_SERVER_ARGS,
+        "--served-model-name",
+        "tiny",
+        "--metrics-prefix",
+        "vllm",
+        "--log-format",
+        "json",
+        "--stats-interval",
+        "0.3",
+        "--enable-log-requests",
+        "--max-log-len",
+        "5",
+        "--ssl-keyfile",
+        str(tls_files[0]),
+        "--ssl-certfile",
+        str(cert),
+        "--root-path",
+        "/api",
+    ]
     server = ServerProcess(str(tiny_llama), args, tmp_path_factory.mktemp("ops") / "server.log")
     server.port = free_port()
-    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", server.model, "--port", str(server.port),
-           *args]
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", server.model, "--port", str(server.port), *args]
     with open(server.log_path, "ab") as log:
         server.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server.env)
     try:
@@ -204,16 +262,23 @@ def test_vllm_prefix_names_every_series(ops):
         assert families[f"vllm:{name}"].type == "histogram", name
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cache_config_info"):
         assert families[f"vllm:{name}"].type == "gauge", name
-    for name in ("prompt_tokens", "generation_tokens", "request_success", "prefix_cache_queries",
-                 "prefix_cache_hits", "num_preemptions"):
+    for name in (
+        "prompt_tokens",
+        "generation_tokens",
+        "request_success",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "num_preemptions",
+    ):
         assert families[f"vllm:{name}"].type == "counter", name
     assert not [n for n in families if n.startswith("pagedserve:")]
 
 
 def test_json_logs_stats_lines_and_request_logs(ops):
     server, client = ops
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "A long prompt to cut", "max_tokens": 4,
-                                             "ignore_eos": True})
+    r = client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "A long prompt to cut", "max_tokens": 4, "ignore_eos": True}
+    )
     rid = r.json()["id"]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -242,8 +307,9 @@ def test_grafana_dashboard_uses_only_exported_series(tiny_server):
     used = {m for e in exprs for m in re.findall(r"\$\{prefix\}:([a-z0-9_]+)", e)}
     assert len(used) >= 12
     # Labelled histograms and counters have no samples before their first observation.
-    httpx.post(tiny_server.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3},
-               timeout=60).raise_for_status()
+    httpx.post(
+        tiny_server.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3}, timeout=60
+    ).raise_for_status()
     text = httpx.get(tiny_server.url + "/metrics", timeout=10).text
     exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     missing = {m for m in used if f"pagedserve:{m}" not in exported}

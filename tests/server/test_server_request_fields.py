@@ -31,8 +31,19 @@ TABLES = {"completions": COMPLETION_FIELDS, "chat/completions": CHAT_FIELDS}
 def server(server_factory, tiny_llama, tmp_path_factory, tiny_server_args, chat_template):
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text(chat_template)
-    return server_factory(str(tiny_llama), [*tiny_server_args, "--served-model-name", "tiny", "tiny-alias",
-                                            "--chat-template", str(template), "--scheduling-policy", "priority"])
+    return server_factory(
+        str(tiny_llama),
+        [
+            *tiny_server_args,
+            "--served-model-name",
+            "tiny",
+            "tiny-alias",
+            "--chat-template",
+            str(template),
+            "--scheduling-policy",
+            "priority",
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +103,9 @@ def _sse_data(resp: httpx.Response) -> list[dict]:
 
 def _stream_text(ctx: Ctx) -> str:
     key = "delta" if ctx.chat else None
-    return "".join((c[key].get("content") or "") if key else c["text"]
-                   for d in _sse_data(ctx.resp) for c in d["choices"])
+    return "".join(
+        (c[key].get("content") or "") if key else c["text"] for d in _sse_data(ctx.resp) for c in d["choices"]
+    )
 
 
 def _check_prompt_logprobs(ctx: Ctx) -> None:
@@ -101,8 +113,7 @@ def _check_prompt_logprobs(ctx: Ctx) -> None:
     ref = ctx.reference(prompt_logprobs=1).prompt_logprobs
     assert got[0] is None and len(got) == len(ref) == ctx.usage("prompt_tokens")
     for g, r in zip(got[1:], ref[1:]):
-        assert {int(k): round(v["logprob"], 4) for k, v in g.items()} == {k: round(v.logprob, 4)
-                                                                           for k, v in r.items()}
+        assert {int(k): round(v["logprob"], 4) for k, v in g.items()} == {k: round(v.logprob, 4) for k, v in r.items()}
 
 
 def _check_logprob_tokens_as_ids(ctx: Ctx) -> None:
@@ -119,8 +130,9 @@ def _check_beam_search(ctx: Ctx, length_penalty: float = 1.0) -> None:
 
     tok = ctx.offline.get_tokenizer()
     ids = tok.encode(ctx.rendered(MESSAGES), add_special_tokens=False) if ctx.chat else tok.encode(PROMPT)
-    ref = ctx.offline.beam_search({"prompt_token_ids": ids},
-                                  BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=length_penalty))
+    ref = ctx.offline.beam_search(
+        {"prompt_token_ids": ids}, BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=length_penalty)
+    )
     assert [ctx.text(i) for i in range(2)] == [s.text for s in ref[0].sequences]
     assert ctx.usage("completion_tokens") == sum(len(s.tokens) - len(ids) for s in ref[0].sequences)
 
@@ -136,8 +148,10 @@ def _check_cache_salt(ctx: Ctx) -> None:
     """Same long prompt: unsalted, then salted twice; only the second salted one hits the cache."""
     assert ctx.resp.status_code == 200, ctx.resp.text
     long_prompt = "a prompt long enough to fill two blocks of sixteen tokens each, " * 2
-    body = {**base_body(ctx.endpoint), **({"messages": [{"role": "user", "content": long_prompt}]} if ctx.chat
-                                          else {"prompt": long_prompt})}
+    body = {
+        **base_body(ctx.endpoint),
+        **({"messages": [{"role": "user", "content": long_prompt}]} if ctx.chat else {"prompt": long_prompt}),
+    }
     hits = []
     for salt in (None, f"s-{ctx.endpoint}", f"s-{ctx.endpoint}"):
         before = _prefix_hits(ctx.client)
@@ -157,8 +171,9 @@ def _prefix_hits(client) -> float:
 def _check_completion_logprobs(ctx: Ctx) -> None:
     lp = ctx.json["choices"][0]["logprobs"]
     ref = ctx.reference(logprobs=2).outputs[0]
-    assert [round(x, 4) for x in lp["token_logprobs"]] == [round(e[t].logprob, 4)
-                                                           for t, e in zip(ref.token_ids, ref.logprobs)]
+    assert [round(x, 4) for x in lp["token_logprobs"]] == [
+        round(e[t].logprob, 4) for t, e in zip(ref.token_ids, ref.logprobs)
+    ]
     assert all(len(top) <= 2 for top in lp["top_logprobs"])
 
 
@@ -166,8 +181,18 @@ def _check_completion_logprobs(ctx: Ctx) -> None:
 # LLM's under the same constraint (greedy).  Small languages, so the tiny model ends them.
 CHOICES = ["yes", "no", "maybe"]
 SCHEMA = {"type": "string", "enum": ["ab", "cd"]}
-TOOL = {"type": "function", "function": {"name": "get_xyz", "parameters": {
-    "type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], "additionalProperties": False}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_xyz",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"enum": [1, 2]}},
+            "required": ["a"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def _check_constrained(ctx: Ctx, allowed: Callable[[str], bool], **constraint) -> None:
@@ -186,144 +211,255 @@ def _check_tool_calls(ctx: Ctx, most: int | None = None) -> None:
     assert calls and (most is None or len(calls) <= most), message
     for call in calls:
         assert call["function"]["name"] == "get_xyz" and json.loads(call["function"]["arguments"]) in (
-            {"a": 1}, {"a": 2}), call
+            {"a": 1},
+            {"a": 2},
+        ), call
 
 
 Check = Callable[[Ctx], None]
 # field -> (extra body fields, behaviour check); both endpoints unless overridden below.
 SHARED_CASES: dict[str, tuple[dict, Check]] = {
     "model": ({"model": "tiny-alias"}, lambda c: c.json["model"] == "tiny-alias" or pytest.fail("model")),
-    "frequency_penalty": ({"frequency_penalty": 1.5, "max_tokens": 8},
-                          lambda c: c.same_as_reference(frequency_penalty=1.5, max_tokens=8)),
-    "presence_penalty": ({"presence_penalty": 1.5, "max_tokens": 8},
-                         lambda c: c.same_as_reference(presence_penalty=1.5, max_tokens=8)),
-    "repetition_penalty": ({"repetition_penalty": 1.8, "max_tokens": 8},
-                           lambda c: c.same_as_reference(repetition_penalty=1.8, max_tokens=8)),
+    "frequency_penalty": (
+        {"frequency_penalty": 1.5, "max_tokens": 8},
+        lambda c: c.same_as_reference(frequency_penalty=1.5, max_tokens=8),
+    ),
+    "presence_penalty": (
+        {"presence_penalty": 1.5, "max_tokens": 8},
+        lambda c: c.same_as_reference(presence_penalty=1.5, max_tokens=8),
+    ),
+    "repetition_penalty": (
+        {"repetition_penalty": 1.8, "max_tokens": 8},
+        lambda c: c.same_as_reference(repetition_penalty=1.8, max_tokens=8),
+    ),
     "logit_bias": ({"logit_bias": {str(D): 100}}, lambda c: c.text() == "dddd" or pytest.fail(c.text())),
     "max_tokens": ({"max_tokens": 2}, lambda c: c.usage("completion_tokens") == 2 or pytest.fail("max_tokens")),
     "n": ({"n": 2, "temperature": 1.0, "seed": 4}, lambda c: c.same_as_reference(n=2, temperature=1.0, seed=4)),
     "seed": ({"temperature": 1.0, "seed": 123}, lambda c: c.same_as_reference(temperature=1.0, seed=123)),
     "temperature": ({"temperature": 0.7, "seed": 1}, lambda c: c.same_as_reference(temperature=0.7, seed=1)),
-    "top_p": ({"temperature": 1.0, "top_p": 0.3, "seed": 2},
-              lambda c: c.same_as_reference(temperature=1.0, top_p=0.3, seed=2)),
+    "top_p": (
+        {"temperature": 1.0, "top_p": 0.3, "seed": 2},
+        lambda c: c.same_as_reference(temperature=1.0, top_p=0.3, seed=2),
+    ),
     "top_k": ({"temperature": 1.0, "top_k": 1, "seed": 2}, lambda c: c.text() == c.base() or pytest.fail("top_k")),
     "min_p": ({"temperature": 1.0, "min_p": 1.0, "seed": 2}, lambda c: c.text() == c.base() or pytest.fail("min_p")),
-    "stop": ({"logit_bias": {str(D): 100}, "stop": ["dd"]},
-             lambda c: (c.text(), c.json["choices"][0]["stop_reason"]) == ("", "dd") or pytest.fail("stop")),
-    "include_stop_str_in_output": ({"logit_bias": {str(D): 100}, "stop": ["dd"], "include_stop_str_in_output": True},
-                                   lambda c: c.text() == "dd" or pytest.fail(c.text())),
-    "stop_token_ids": ({"logit_bias": {str(D): 100}, "stop_token_ids": [D]},
-                       lambda c: (c.usage("completion_tokens"), c.json["choices"][0]["stop_reason"]) == (1, D)
-                       or pytest.fail("stop_token_ids")),
-    "ignore_eos": ({"logit_bias": {str(EOS): 100}, "ignore_eos": True, "max_tokens": 3},
-                   lambda c: c.usage("completion_tokens") == 3 or pytest.fail("ignore_eos")),
-    "min_tokens": ({"logit_bias": {str(EOS): 100}, "min_tokens": 3, "max_tokens": 6},
-                   lambda c: c.usage("completion_tokens") == 4 or pytest.fail("min_tokens")),
-    "skip_special_tokens": ({"logit_bias": {str(EOS): 100}, "ignore_eos": True, "max_tokens": 2,
-                             "skip_special_tokens": False},
-                            lambda c: c.text() == "<|im_end|><|im_end|>" or pytest.fail(c.text())),
-    "spaces_between_special_tokens": ({"logit_bias": {str(EOS): 100}, "ignore_eos": True, "max_tokens": 2,
-                                       "skip_special_tokens": False, "spaces_between_special_tokens": False},
-                                      lambda c: c.text() == "<|im_end|><|im_end|>" or pytest.fail(c.text())),
+    "stop": (
+        {"logit_bias": {str(D): 100}, "stop": ["dd"]},
+        lambda c: (c.text(), c.json["choices"][0]["stop_reason"]) == ("", "dd") or pytest.fail("stop"),
+    ),
+    "include_stop_str_in_output": (
+        {"logit_bias": {str(D): 100}, "stop": ["dd"], "include_stop_str_in_output": True},
+        lambda c: c.text() == "dd" or pytest.fail(c.text()),
+    ),
+    "stop_token_ids": (
+        {"logit_bias": {str(D): 100}, "stop_token_ids": [D]},
+        lambda c: (
+            (c.usage("completion_tokens"), c.json["choices"][0]["stop_reason"]) == (1, D)
+            or pytest.fail("stop_token_ids")
+        ),
+    ),
+    "ignore_eos": (
+        {"logit_bias": {str(EOS): 100}, "ignore_eos": True, "max_tokens": 3},
+        lambda c: c.usage("completion_tokens") == 3 or pytest.fail("ignore_eos"),
+    ),
+    "min_tokens": (
+        {"logit_bias": {str(EOS): 100}, "min_tokens": 3, "max_tokens": 6},
+        lambda c: c.usage("completion_tokens") == 4 or pytest.fail("min_tokens"),
+    ),
+    "skip_special_tokens": (
+        {"logit_bias": {str(EOS): 100}, "ignore_eos": True, "max_tokens": 2, "skip_special_tokens": False},
+        lambda c: c.text() == "<|im_end|><|im_end|>" or pytest.fail(c.text()),
+    ),
+    "spaces_between_special_tokens": (
+        {
+            "logit_bias": {str(EOS): 100},
+            "ignore_eos": True,
+            "max_tokens": 2,
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+        },
+        lambda c: c.text() == "<|im_end|><|im_end|>" or pytest.fail(c.text()),
+    ),
     "stream": ({"stream": True}, lambda c: _stream_text(c) == c.base() or pytest.fail("stream")),
-    "stream_options": ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-                       _check_stream_usage),
+    "stream_options": (
+        {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        _check_stream_usage,
+    ),
     "cache_salt": ({"cache_salt": "salt-1"}, _check_cache_salt),
     "user": ({"user": "someone"}, lambda c: c.text() == c.base() or pytest.fail("user")),
-    "best_of": ({"best_of": 3, "temperature": 1.0, "seed": 7},
-                lambda c: c.same_as_reference(best_of=3, temperature=1.0, seed=7)),
-    "allowed_token_ids": ({"allowed_token_ids": [68, 69]},
-                          lambda c: (set(c.text()) <= set("bc") or pytest.fail(c.text()))
-                          and c.same_as_reference(allowed_token_ids=[68, 69])),
-    "bad_words": ({"allowed_token_ids": [67, 68, 69], "bad_words": ["b"], "max_tokens": 8},
-                  lambda c: ("b" not in c.text() or pytest.fail(c.text()))
-                  and c.same_as_reference(allowed_token_ids=[67, 68, 69], bad_words=["b"], max_tokens=8)),
+    "best_of": (
+        {"best_of": 3, "temperature": 1.0, "seed": 7},
+        lambda c: c.same_as_reference(best_of=3, temperature=1.0, seed=7),
+    ),
+    "allowed_token_ids": (
+        {"allowed_token_ids": [68, 69]},
+        lambda c: (
+            (set(c.text()) <= set("bc") or pytest.fail(c.text())) and c.same_as_reference(allowed_token_ids=[68, 69])
+        ),
+    ),
+    "bad_words": (
+        {"allowed_token_ids": [67, 68, 69], "bad_words": ["b"], "max_tokens": 8},
+        lambda c: (
+            ("b" not in c.text() or pytest.fail(c.text()))
+            and c.same_as_reference(allowed_token_ids=[67, 68, 69], bad_words=["b"], max_tokens=8)
+        ),
+    ),
     "prompt_logprobs": ({"prompt_logprobs": 1}, _check_prompt_logprobs),
-    "truncate_prompt_tokens": ({"truncate_prompt_tokens": 3},
-                               lambda c: c.usage("prompt_tokens") == 3 or pytest.fail("truncate")),
+    "truncate_prompt_tokens": (
+        {"truncate_prompt_tokens": 3},
+        lambda c: c.usage("prompt_tokens") == 3 or pytest.fail("truncate"),
+    ),
     "priority": ({"priority": 5}, lambda c: c.text() == c.base() or pytest.fail("priority")),
-    "request_id": ({"request_id": "walk-1"},
-                   lambda c: c.json["id"].endswith("-walk-1") or pytest.fail(c.json["id"])),
-    "return_tokens_as_token_ids": ({"return_tokens_as_token_ids": True, "logprobs": 0},
-                                   _check_logprob_tokens_as_ids),
+    "request_id": ({"request_id": "walk-1"}, lambda c: c.json["id"].endswith("-walk-1") or pytest.fail(c.json["id"])),
+    "return_tokens_as_token_ids": ({"return_tokens_as_token_ids": True, "logprobs": 0}, _check_logprob_tokens_as_ids),
     "use_beam_search": ({"use_beam_search": True, "n": 2}, _check_beam_search),
-    "length_penalty": ({"use_beam_search": True, "n": 2, "length_penalty": 0.0},
-                       lambda c: _check_beam_search(c, 0.0)),
-    "structured_outputs": _constrained("structured_outputs", {"choice": CHOICES}, lambda t: t in CHOICES,
-                                       choice=CHOICES),
+    "length_penalty": ({"use_beam_search": True, "n": 2, "length_penalty": 0.0}, lambda c: _check_beam_search(c, 0.0)),
+    "structured_outputs": _constrained(
+        "structured_outputs", {"choice": CHOICES}, lambda t: t in CHOICES, choice=CHOICES
+    ),
     "guided_choice": _constrained("guided_choice", CHOICES, lambda t: t in CHOICES, choice=CHOICES),
-    "guided_regex": _constrained("guided_regex", "[a-c]{2}x", lambda t: re.fullmatch("[a-c]{2}x", t) is not None,
-                                 regex="[a-c]{2}x"),
-    "guided_grammar": _constrained("guided_grammar", 'root ::= "n=" [0-9]', lambda t: re.fullmatch("n=[0-9]", t)
-                                   is not None, grammar='root ::= "n=" [0-9]'),
+    "guided_regex": _constrained(
+        "guided_regex", "[a-c]{2}x", lambda t: re.fullmatch("[a-c]{2}x", t) is not None, regex="[a-c]{2}x"
+    ),
+    "guided_grammar": _constrained(
+        "guided_grammar",
+        'root ::= "n=" [0-9]',
+        lambda t: re.fullmatch("n=[0-9]", t) is not None,
+        grammar='root ::= "n=" [0-9]',
+    ),
     "guided_json": _constrained("guided_json", SCHEMA, lambda t: json.loads(t) in SCHEMA["enum"], json=SCHEMA),
-    "response_format": _constrained("response_format", {"type": "json_schema", "json_schema": {
-        "name": "ab", "schema": SCHEMA}}, lambda t: json.loads(t) in SCHEMA["enum"], json=SCHEMA),
-    "guided_decoding_backend": ({"guided_decoding_backend": "xgrammar", "guided_choice": CHOICES, "max_tokens": 12},
-                                lambda c: _check_constrained(c, lambda t: t in CHOICES, choice=CHOICES)),
+    "response_format": _constrained(
+        "response_format",
+        {"type": "json_schema", "json_schema": {"name": "ab", "schema": SCHEMA}},
+        lambda t: json.loads(t) in SCHEMA["enum"],
+        json=SCHEMA,
+    ),
+    "guided_decoding_backend": (
+        {"guided_decoding_backend": "xgrammar", "guided_choice": CHOICES, "max_tokens": 12},
+        lambda c: _check_constrained(c, lambda t: t in CHOICES, choice=CHOICES),
+    ),
 }
 
 COMPLETION_CASES: dict[str, tuple[dict, Check]] = {
     **SHARED_CASES,
-    "prompt": ({"prompt": [65, 66, 67]}, lambda c: c.usage("prompt_tokens") == 3
-               and c.text() == c.reference(prompt=[65, 66, 67]).outputs[0].text or pytest.fail("prompt")),
+    "prompt": (
+        {"prompt": [65, 66, 67]},
+        lambda c: (
+            c.usage("prompt_tokens") == 3
+            and c.text() == c.reference(prompt=[65, 66, 67]).outputs[0].text
+            or pytest.fail("prompt")
+        ),
+    ),
     "logprobs": ({"logprobs": 2}, _check_completion_logprobs),
     "echo": ({"echo": True}, lambda c: c.text() == PROMPT + c.base() or pytest.fail(c.text())),
-    "add_special_tokens": ({"add_special_tokens": False},
-                           lambda c: c.usage("prompt_tokens") == c.tokens(PROMPT) or pytest.fail("add_special")),
+    "add_special_tokens": (
+        {"add_special_tokens": False},
+        lambda c: c.usage("prompt_tokens") == c.tokens(PROMPT) or pytest.fail("add_special"),
+    ),
     # The tiny vocabulary has no fill-in-the-middle tokens: a 400 that says so.
-    "suffix": ({"suffix": " end"}, lambda c: (c.resp.status_code == 400 and c.resp.json()["error"]["param"] == "suffix"
-                                              and "fill-in-the-middle" in c.resp.text) or pytest.fail(c.resp.text)),
+    "suffix": (
+        {"suffix": " end"},
+        lambda c: (
+            (
+                c.resp.status_code == 400
+                and c.resp.json()["error"]["param"] == "suffix"
+                and "fill-in-the-middle" in c.resp.text
+            )
+            or pytest.fail(c.resp.text)
+        ),
+    ),
 }
 
 CHAT_CASES: dict[str, tuple[dict, Check]] = {
     **SHARED_CASES,
-    "return_tokens_as_token_ids": ({"return_tokens_as_token_ids": True, "logprobs": True},
-                                   _check_logprob_tokens_as_ids),
+    "return_tokens_as_token_ids": (
+        {"return_tokens_as_token_ids": True, "logprobs": True},
+        _check_logprob_tokens_as_ids,
+    ),
     "messages": ({"messages": CONTINUED}, lambda c: c.same_as_reference(messages=CONTINUED)),
-    "logprobs": ({"logprobs": True}, lambda c: len(c.json["choices"][0]["logprobs"]["content"]) == 4
-                 or pytest.fail("logprobs")),
-    "top_logprobs": ({"logprobs": True, "top_logprobs": 2},
-                     lambda c: all(len(e["top_logprobs"]) == 2 for e in c.json["choices"][0]["logprobs"]["content"])
-                     or pytest.fail("top_logprobs")),
-    "max_completion_tokens": ({"max_completion_tokens": 2},
-                              lambda c: c.usage("completion_tokens") == 2 or pytest.fail("max_completion_tokens")),
-    "echo": ({"echo": True, "messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True},
-             lambda c: c.text().startswith("Hel") and len(c.text()) > 3 or pytest.fail(c.text())),
-    "add_special_tokens": ({"add_special_tokens": True},
-                           lambda c: c.usage("prompt_tokens") == c.tokens(c.rendered(MESSAGES), special=True)
-                           or pytest.fail("add_special_tokens")),
-    "add_generation_prompt": ({"add_generation_prompt": False},
-                              lambda c: c.usage("prompt_tokens") == c.tokens(c.rendered(MESSAGES, False))
-                              < c.tokens(c.rendered(MESSAGES)) or pytest.fail("add_generation_prompt")),
-    "continue_final_message": ({"messages": CONTINUED, "add_generation_prompt": False,
-                                "continue_final_message": True},
-                               lambda c: c.usage("prompt_tokens") == c.tokens(f"[user] {PROMPT}\n[assistant] Hel")
-                               or pytest.fail("continue_final_message")),
-    "documents": ({"documents": [{"title": "t", "text": "DOCTEXT"}], "chat_template": "{{ documents[0].text }}"},
-                  lambda c: c.usage("prompt_tokens") == c.tokens("DOCTEXT") or pytest.fail("documents")),
-    "chat_template": ({"chat_template": "{{ messages[0].content }}!"},
-                      lambda c: c.usage("prompt_tokens") == c.tokens(PROMPT + "!") or pytest.fail("chat_template")),
-    "chat_template_kwargs": ({"chat_template": "<{{ flag }}>", "chat_template_kwargs": {"flag": "XYZ"}},
-                             lambda c: c.usage("prompt_tokens") == c.tokens("<XYZ>")
-                             or pytest.fail("chat_template_kwargs")),
+    "logprobs": (
+        {"logprobs": True},
+        lambda c: len(c.json["choices"][0]["logprobs"]["content"]) == 4 or pytest.fail("logprobs"),
+    ),
+    "top_logprobs": (
+        {"logprobs": True, "top_logprobs": 2},
+        lambda c: (
+            all(len(e["top_logprobs"]) == 2 for e in c.json["choices"][0]["logprobs"]["content"])
+            or pytest.fail("top_logprobs")
+        ),
+    ),
+    "max_completion_tokens": (
+        {"max_completion_tokens": 2},
+        lambda c: c.usage("completion_tokens") == 2 or pytest.fail("max_completion_tokens"),
+    ),
+    "echo": (
+        {"echo": True, "messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True},
+        lambda c: c.text().startswith("Hel") and len(c.text()) > 3 or pytest.fail(c.text()),
+    ),
+    "add_special_tokens": (
+        {"add_special_tokens": True},
+        lambda c: (
+            c.usage("prompt_tokens") == c.tokens(c.rendered(MESSAGES), special=True)
+            or pytest.fail("add_special_tokens")
+        ),
+    ),
+    "add_generation_prompt": (
+        {"add_generation_prompt": False},
+        lambda c: (
+            c.usage("prompt_tokens") == c.tokens(c.rendered(MESSAGES, False)) < c.tokens(c.rendered(MESSAGES))
+            or pytest.fail("add_generation_prompt")
+        ),
+    ),
+    "continue_final_message": (
+        {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True},
+        lambda c: (
+            c.usage("prompt_tokens") == c.tokens(f"[user] {PROMPT}\n[assistant] Hel")
+            or pytest.fail("continue_final_message")
+        ),
+    ),
+    "documents": (
+        {"documents": [{"title": "t", "text": "DOCTEXT"}], "chat_template": "{{ documents[0].text }}"},
+        lambda c: c.usage("prompt_tokens") == c.tokens("DOCTEXT") or pytest.fail("documents"),
+    ),
+    "chat_template": (
+        {"chat_template": "{{ messages[0].content }}!"},
+        lambda c: c.usage("prompt_tokens") == c.tokens(PROMPT + "!") or pytest.fail("chat_template"),
+    ),
+    "chat_template_kwargs": (
+        {"chat_template": "<{{ flag }}>", "chat_template_kwargs": {"flag": "XYZ"}},
+        lambda c: c.usage("prompt_tokens") == c.tokens("<XYZ>") or pytest.fail("chat_template_kwargs"),
+    ),
     # tool_choice "none": the tools only reach the template.
-    "tools": ({"tools": [TOOL], "tool_choice": "none", "chat_template": "{{ tools[0].function.name }}"},
-              lambda c: c.usage("prompt_tokens") == c.tokens("get_xyz") or pytest.fail("tools")),
-    "tool_choice": ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_xyz"}},
-                     "max_tokens": 16}, _check_tool_calls),
-    "parallel_tool_calls": ({"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False,
-                             "max_tokens": 48}, lambda c: _check_tool_calls(c, most=1)),
+    "tools": (
+        {"tools": [TOOL], "tool_choice": "none", "chat_template": "{{ tools[0].function.name }}"},
+        lambda c: c.usage("prompt_tokens") == c.tokens("get_xyz") or pytest.fail("tools"),
+    ),
+    "tool_choice": (
+        {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_xyz"}}, "max_tokens": 16},
+        _check_tool_calls,
+    ),
+    "parallel_tool_calls": (
+        {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 48},
+        lambda c: _check_tool_calls(c, most=1),
+    ),
 }
 
 # Non-default values for fields that are refused.
 REFUSED_VALUES: dict[str, Any] = {
     "logits_processors": ["mod.Proc"],
-    "kv_transfer_params": {"do_remote_decode": True}, "vllm_xargs": {"k": 1}, "mm_processor_kwargs": {"k": 1},
-    "prompt_embeds": "AAAA", "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["audio"],
-    "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
+    "kv_transfer_params": {"do_remote_decode": True},
+    "vllm_xargs": {"k": 1},
+    "mm_processor_kwargs": {"k": 1},
+    "prompt_embeds": "AAAA",
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "modalities": ["audio"],
+    "audio": {"voice": "alloy", "format": "wav"},
+    "prediction": {"type": "content", "content": "x"},
     "web_search_options": {"search_context_size": "low"},
-    "guided_whitespace_pattern": " ", "reasoning_effort": "low", "include_reasoning": False,
+    "guided_whitespace_pattern": " ",
+    "reasoning_effort": "low",
+    "include_reasoning": False,
     "structural_tag": '{"structures": [], "triggers": []}',
 }
 CASES = {"completions": COMPLETION_CASES, "chat/completions": CHAT_CASES}
@@ -393,16 +529,24 @@ BAD = [
     ("completions", '{"use_beam_search": true, "n": 11}', "n"),
     ("completions", '{"use_beam_search": true, "top_k": 3}', "top_k"),
     ("completions", '{"use_beam_search": true, "n": 2, "guided_choice": ["a", "b"]}', "guided_choice"),
-    ("chat/completions", '{"use_beam_search": true, "n": 2, "tool_choice": "required", "tools": [{"type": '
-     '"function", "function": {"name": "f"}}]}', "tool_choice"),
-    ("chat/completions", '{"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}}',
-     "response_format.json_schema"),
+    (
+        "chat/completions",
+        '{"use_beam_search": true, "n": 2, "tool_choice": "required", "tools": [{"type": '
+        '"function", "function": {"name": "f"}}]}',
+        "tool_choice",
+    ),
+    (
+        "chat/completions",
+        '{"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}}',
+        "response_format.json_schema",
+    ),
     ("completions", '{"guided_json": {"properties": []}}', "guided_json"),
 ]
 
 
-@pytest.mark.parametrize("endpoint,fields,param", BAD, ids=[f"{e.split('/')[0]}-{p}-{i}" for i, (e, _, p)
-                                                            in enumerate(BAD)])
+@pytest.mark.parametrize(
+    "endpoint,fields,param", BAD, ids=[f"{e.split('/')[0]}-{p}-{i}" for i, (e, _, p) in enumerate(BAD)]
+)
 def test_bad_values_are_400_naming_the_field(client, endpoint, fields, param):
     body = json.dumps(base_body(endpoint))[:-1] + ", " + fields[1:]  # NaN is not JSON: splice the text
     r = client.post(f"/v1/{endpoint}", content=body, headers={"content-type": "application/json"})
@@ -412,9 +556,8 @@ def test_bad_values_are_400_naming_the_field(client, endpoint, fields, param):
 
 
 def test_int64_seed_limits_with_n_are_served(client):
-    for seed in (2 ** 63 - 1, -(2 ** 63)):
-        r = client.post("/v1/completions", json={**base_body("completions"), "seed": seed, "n": 3,
-                                                  "temperature": 1.0})
+    for seed in (2**63 - 1, -(2**63)):
+        r = client.post("/v1/completions", json={**base_body("completions"), "seed": seed, "n": 3, "temperature": 1.0})
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"]) == 3
 
@@ -433,24 +576,28 @@ def test_docs_table_lists_every_field():
     assert not missing, f"docs/serving.md's field table lacks {missing}"
 
 
-def test_generation_config_defaults_on_the_server(server_factory, tiny_llama, tiny_server_args, offline_tiny,
-                                                  tmp_path_factory):
+def test_generation_config_defaults_on_the_server(
+    server_factory, tiny_llama, tiny_server_args, offline_tiny, tmp_path_factory
+):
     folder = tmp_path_factory.mktemp("genconfig")
-    (folder / "generation_config.json").write_text(json.dumps({"top_k": 1, "temperature": 1.0,
-                                                               "max_new_tokens": 3}))
-    server = server_factory(str(tiny_llama), [*tiny_server_args, "--served-model-name", "tiny",
-                                              "--generation-config", str(folder)])
+    (folder / "generation_config.json").write_text(json.dumps({"top_k": 1, "temperature": 1.0, "max_new_tokens": 3}))
+    server = server_factory(
+        str(tiny_llama), [*tiny_server_args, "--served-model-name", "tiny", "--generation-config", str(folder)]
+    )
     with httpx.Client(base_url=server.url, timeout=120) as c:
         # No temperature: the file's top_k=1 makes it greedy; no max_tokens: its max_new_tokens.
         r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES})
         assert r.status_code == 200, r.text
-        ref = offline_tiny.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False,
-                                chat_template=offline_tiny.get_tokenizer().chat_template)[0]  # no --chat-template
+        ref = offline_tiny.chat(
+            MESSAGES,
+            SamplingParams(temperature=0, max_tokens=3),
+            use_tqdm=False,
+            chat_template=offline_tiny.get_tokenizer().chat_template,
+        )[0]  # no --chat-template
         assert r.json()["usage"]["completion_tokens"] == 3
         assert r.json()["choices"][0]["message"]["content"] == ref.outputs[0].text
         # A request's own value wins over the file's.
-        r = c.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "top_k": 0,
-                                            "seed": 3})
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "top_k": 0, "seed": 3})
         ref = offline_tiny.generate(PROMPT, SamplingParams(temperature=1.0, seed=3, max_tokens=5), use_tqdm=False)[0]
         assert r.json()["choices"][0]["text"] == ref.outputs[0].text
 
@@ -473,8 +620,11 @@ def test_generation_defaults_reach_a_data_parallel_router(tiny_llama, tmp_path):
 
 
 def test_message_name_reaches_the_chat_template(client, offline_tiny):
-    body = {**base_body("chat/completions"), "chat_template": "{{ messages[0].name }}",
-            "messages": [{"role": "user", "content": "Hi", "name": "Alice"}]}
+    body = {
+        **base_body("chat/completions"),
+        "chat_template": "{{ messages[0].name }}",
+        "messages": [{"role": "user", "content": "Hi", "name": "Alice"}],
+    }
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(offline_tiny.get_tokenizer().encode("Alice"))

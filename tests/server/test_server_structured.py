@@ -13,16 +13,38 @@ import pytest
 from pagedserve.loader.model_path import default_model_path
 
 MODEL = "smollm2-135m-instruct"
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
-                   "required": ["city", "unit"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 10}}, "required": ["zone"]}}}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 10}},
+            "required": ["zone"],
+        },
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris? Answer in JSON."}]
 
 
@@ -32,9 +54,22 @@ def server(server_factory):
         default_model_path()
     except FileNotFoundError as e:
         pytest.skip(f"the default model is not installed: {e}")
-    return server_factory(None, ["--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--threads", "1",
-                                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                 "--structured-outputs-config", '{"backend": "xgrammar"}'])
+    return server_factory(
+        None,
+        [
+            "--kv-cache-memory",
+            "128MiB",
+            "--max-model-len",
+            "1024",
+            "--threads",
+            "1",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--structured-outputs-config",
+            '{"backend": "xgrammar"}',
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +78,16 @@ def client(server):
 
 
 def _chat(client, **kw):
-    return client.chat.completions.create(model=MODEL, messages=kw.pop("messages", ASK),
-                                          **{"max_tokens": 60, "temperature": 0, **kw})
+    return client.chat.completions.create(
+        model=MODEL, messages=kw.pop("messages", ASK), **{"max_tokens": 60, "temperature": 0, **kw}
+    )
 
 
 def test_response_format_json_schema(client):
-    r = _chat(client, response_format={"type": "json_schema",
-                                       "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    r = _chat(
+        client,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+    )
     c = r.choices[0]
     assert c.finish_reason == "stop"
     jsonschema.validate(json.loads(c.message.content), PERSON)
@@ -75,24 +113,35 @@ def test_structured_outputs_field_and_guided_aliases(client):
     assert re.fullmatch(r"temp=[0-9]{1,2}C", r.choices[0].message.content)
     r = _chat(client, extra_body={"guided_json": PERSON})
     jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
-    r = client.completions.create(model=MODEL, prompt="Is water wet?", max_tokens=5,
-                                  extra_body={"guided_choice": ["yes", "no"]})
+    r = client.completions.create(
+        model=MODEL, prompt="Is water wet?", max_tokens=5, extra_body={"guided_choice": ["yes", "no"]}
+    )
     assert r.choices[0].text in ("yes", "no")
 
 
-@pytest.mark.parametrize("kw, param", [
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
-     "response_format.json_schema"),
-    (dict(response_format={"type": "yaml"}), "response_format.type"),
-    (dict(extra_body={"structured_outputs": {"regex": "([a-z"}}), "structured_outputs"),
-    (dict(extra_body={"guided_grammar": "root ::= missing"}), "guided_grammar"),
-    (dict(extra_body={"structured_outputs": {"json": PERSON, "backend": "outlines"}}), "structured_outputs"),
-    (dict(extra_body={"guided_regex": "a+", "guided_choice": ["a"]}), None),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
-          tool_choice="required"), "tools[0].function.parameters"),
-    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
-    (dict(tool_choice="required"), "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+            "response_format.json_schema",
+        ),
+        (dict(response_format={"type": "yaml"}), "response_format.type"),
+        (dict(extra_body={"structured_outputs": {"regex": "([a-z"}}), "structured_outputs"),
+        (dict(extra_body={"guided_grammar": "root ::= missing"}), "guided_grammar"),
+        (dict(extra_body={"structured_outputs": {"json": PERSON, "backend": "outlines"}}), "structured_outputs"),
+        (dict(extra_body={"guided_regex": "a+", "guided_choice": ["a"]}), None),
+        (
+            dict(
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+                tool_choice="required",
+            ),
+            "tools[0].function.parameters",
+        ),
+        (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+        (dict(tool_choice="required"), "tool_choice"),
+    ],
+)
 def test_bad_constraints_are_400(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         _chat(client, **kw)
@@ -143,14 +192,31 @@ def test_required_streamed(client):
 
 
 def test_auto_and_tool_history(client):
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                          "arguments": '{"city": "Paris", "unit": "c"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    ]
     r = _chat(client, messages=history, tools=[WEATHER], tool_choice="auto", max_tokens=20)
     c = r.choices[0]
     assert c.finish_reason in ("stop", "length", "tool_calls")
     assert c.message.content or c.message.tool_calls
-    r = _chat(client, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=8,
-              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    r = _chat(
+        client,
+        messages=history,
+        tools=[WEATHER],
+        tool_choice="none",
+        max_tokens=8,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls

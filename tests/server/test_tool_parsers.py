@@ -14,25 +14,46 @@ from pagedserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from pagedserve.entrypoints.openai.tool_parsers import get_tool_parser
 from pagedserve.entrypoints.openai.tools import ToolOptions, plan_tools
 
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    },
+}
 
 
-@pytest.mark.parametrize("parser, text, content, calls", [
-    ("hermes", 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
-     "Let me check.", [("f", {"a": 1})]),
-    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "g", '
-               '"arguments": {}}</tool_call>', None, [("f", {"a": 1}), ("g", {})]),
-    ("hermes", "no calls here", "no calls here", []),
-    ("hermes", "<tool_call>{broken</tool_call>", "<tool_call>{broken</tool_call>", []),
-    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"a": 2}}; {"name": "g", "parameters": {}}',
-     None, [("f", {"a": 2}), ("g", {})]),
-    ("llama3_json", "Paris is sunny.", "Paris is sunny.", []),
-    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 3}}]', None, [("f", {"a": 3})]),
-    ("mistral", 'Sure [TOOL_CALLS] [{"name": "f", "arguments": "{\\"a\\": 4}"}]', "Sure", [("f", {"a": 4})]),
-    ("pythonic", '[f(a=5), g(b="x", c=[1, 2])]', None, [("f", {"a": 5}), ("g", {"b": "x", "c": [1, 2]})]),
-    ("pythonic", "[not a call]", "[not a call]", []),
-])
+@pytest.mark.parametrize(
+    "parser, text, content, calls",
+    [
+        (
+            "hermes",
+            'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+            "Let me check.",
+            [("f", {"a": 1})],
+        ),
+        (
+            "hermes",
+            '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "g", '
+            '"arguments": {}}</tool_call>',
+            None,
+            [("f", {"a": 1}), ("g", {})],
+        ),
+        ("hermes", "no calls here", "no calls here", []),
+        ("hermes", "<tool_call>{broken</tool_call>", "<tool_call>{broken</tool_call>", []),
+        (
+            "llama3_json",
+            '<|python_tag|>{"name": "f", "parameters": {"a": 2}}; {"name": "g", "parameters": {}}',
+            None,
+            [("f", {"a": 2}), ("g", {})],
+        ),
+        ("llama3_json", "Paris is sunny.", "Paris is sunny.", []),
+        ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 3}}]', None, [("f", {"a": 3})]),
+        ("mistral", 'Sure [TOOL_CALLS] [{"name": "f", "arguments": "{\\"a\\": 4}"}]', "Sure", [("f", {"a": 4})]),
+        ("pythonic", '[f(a=5), g(b="x", c=[1, 2])]', None, [("f", {"a": 5}), ("g", {"b": "x", "c": [1, 2]})]),
+        ("pythonic", "[not a call]", "[not a call]", []),
+    ],
+)
 def test_tool_parsers(parser, text, content, calls):
     got_content, got = get_tool_parser(parser).extract(text)
     assert got_content == content
@@ -112,24 +133,34 @@ def test_streamed_reasoning_then_content():
     assert msg == {"role": "assistant", "content": "the answer", "reasoning_content": "a plan"}
 
 
-TEMPLATE = ("{% for t in tools or [] %}TOOL {{ t.function.name }} {{ t.function.parameters | tojson }}\n{% endfor %}"
-            "{% for m in messages %}[{{ m.role }}]"
-            "{% if m.tool_calls %}{% for c in m.tool_calls %} CALL {{ c.function.name }} "
-            "{{ c.function.arguments.a }}{% endfor %}{% endif %}"
-            "{% if m.role == 'tool' %} RESULT-FOR {{ m.tool_call_id }}{% endif %} {{ m.content or '' }}\n"
-            "{% endfor %}{% if enable_thinking is defined %}thinking={{ enable_thinking }}{% endif %}")
+TEMPLATE = (
+    "{% for t in tools or [] %}TOOL {{ t.function.name }} {{ t.function.parameters | tojson }}\n{% endfor %}"
+    "{% for m in messages %}[{{ m.role }}]"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %} CALL {{ c.function.name }} "
+    "{{ c.function.arguments.a }}{% endfor %}{% endif %}"
+    "{% if m.role == 'tool' %} RESULT-FOR {{ m.tool_call_id }}{% endif %} {{ m.content or '' }}\n"
+    "{% endfor %}{% if enable_thinking is defined %}thinking={{ enable_thinking }}{% endif %}"
+)
 
 
 def test_tool_history_and_tools_reach_the_template():
     from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_messages
     from pagedserve.loader.chat_template import render_chat_template
 
-    body = {"messages": [
-        {"role": "user", "content": "go"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 7}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "42"}],
-        "tools": [TOOL], "tool_choice": "none", "chat_template_kwargs": {"enable_thinking": False}}
+    body = {
+        "messages": [
+            {"role": "user", "content": "go"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 7}'}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        ],
+        "tools": [TOOL],
+        "tool_choice": "none",
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
     request = ChatCompletionRequest.model_validate(body)
     messages = chat_messages(request.messages)
     from pagedserve.entrypoints.openai.chat_tools import ChatToolsMixin
@@ -146,14 +177,21 @@ def test_tool_history_and_tools_reach_the_template():
 def test_bad_tool_history_is_400():
     from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_messages
 
-    bad = ChatCompletionRequest.model_validate({"messages": [{"role": "assistant", "tool_calls": [
-        {"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]})
+    bad = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{not json"}}],
+                }
+            ]
+        }
+    )
     with pytest.raises(ApiError) as e:
         chat_messages(bad.messages)
     assert e.value.status == 400 and "arguments" in e.value.body()["error"]["param"]
     with pytest.raises(ApiError):
-        _template_kwargs({"messages": [{"role": "user", "content": "x"}],
-                               "chat_template_kwargs": {"messages": []}})
+        _template_kwargs({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}})
 
 
 def _template_kwargs(body: dict) -> dict:

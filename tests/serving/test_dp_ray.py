@@ -19,8 +19,9 @@ pytestmark = pytest.mark.timeout(180)
 
 
 async def _text(router, rid: str, prompt, max_tokens: int) -> str:
-    stream = await router.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                  ignore_eos=True))
+    stream = await router.add_request(
+        rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    )
     last = None
     async for out in stream:
         last = out
@@ -32,12 +33,20 @@ def test_ray_replicas_serve_and_a_killed_actor_is_reported(tiny_llama):
 
     prompts = ["Hello world", "The quick brown fox", [5, 6, 7, 8], "Once upon"]
     offline = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory="64MiB", threads=1)
-    expected = [o.outputs[0].text for o in offline.generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
-    config = EngineConfig(model=ModelConfig(model=str(tiny_llama), dtype="float32"),
-                          cache=CacheConfig(kv_cache_memory="64MiB"), device=DeviceConfig(threads=2))
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             configure_logging=False)
+    expected = [
+        o.outputs[0].text
+        for o in offline.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )
+    ]
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_llama), dtype="float32"),
+        cache=CacheConfig(kv_cache_memory="64MiB"),
+        device=DeviceConfig(threads=2),
+    )
+    ray.init(
+        num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False
+    )
     router = None
     try:
         router = DataParallelRouter(config, DataParallelConfig(size=2, backend="ray"))

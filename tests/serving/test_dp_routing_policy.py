@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pagedserve.platforms import PlatformError
 from pagedserve.serving.data_parallel import DataParallelConfig, plan_replicas, resolve_platforms
 from pagedserve.serving.routing_policy import NoReplicaAvailable, ReplicaLoad, RoutingPolicy
-from pagedserve.platforms import PlatformError
 
 
 def loads(*seqs: int, kv=None, routed=None, down=()) -> list[ReplicaLoad]:
@@ -33,11 +33,11 @@ def test_dead_replicas_are_skipped_and_none_left_raises():
 
 def test_prefix_hashes_cover_full_blocks_before_the_last_token():
     p = RoutingPolicy(block_size=4, max_blocks=3)
-    assert p.prefix_hashes(list(range(4))) == []          # the only block holds the last token
+    assert p.prefix_hashes(list(range(4))) == []  # the only block holds the last token
     assert len(p.prefix_hashes(list(range(5)))) == 1
-    assert len(p.prefix_hashes(list(range(100)))) == 3    # capped at max_blocks
+    assert len(p.prefix_hashes(list(range(100)))) == 3  # capped at max_blocks
     a, b = p.prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9]), p.prefix_hashes([1, 2, 3, 4, 0, 6, 7, 8, 9])
-    assert a[0] == b[0] and a[1] != b[1]                  # chained: a block's hash covers its prefix
+    assert a[0] == b[0] and a[1] != b[1]  # chained: a block's hash covers its prefix
     assert RoutingPolicy(block_size=4, enable_affinity=False).prefix_hashes(list(range(50))) == []
 
 
@@ -62,8 +62,8 @@ def test_affinity_prefers_the_replica_that_served_the_prefix_within_the_margin()
 def test_deepest_known_prefix_wins_and_dead_replicas_are_forgotten():
     p = RoutingPolicy(block_size=2, margin=10)
     system = [9, 9, 9, 9]
-    p.record(p.prefix_hashes(system + [1, 1, 1]), 0)            # system prompt + conversation A
-    p.record(p.prefix_hashes(system + [2, 2, 2, 2, 2]), 1)      # + conversation B (newer)
+    p.record(p.prefix_hashes(system + [1, 1, 1]), 0)  # system prompt + conversation A
+    p.record(p.prefix_hashes(system + [2, 2, 2, 2, 2]), 1)  # + conversation B (newer)
     assert p.choose(p.prefix_hashes(system + [1, 1, 5]), loads(0, 0)).replica == 0
     assert p.choose(p.prefix_hashes(system + [2, 2, 2, 2, 5]), loads(0, 0)).replica == 1
     p.forget_replica(1)
@@ -85,8 +85,7 @@ def test_min_blocks_and_capacity_bound_the_table():
 def test_threads_are_split_between_host_replicas_and_ranks():
     dp = DataParallelConfig(size=3, devices=["cuda", "cpu", "cpu"])
     specs = plan_replicas(dp, ["cuda", "cpu", "cpu"], threads=None, ranks_per_replica=1, cores=lambda: 7)
-    assert [(s.device, s.on_host, s.threads) for s in specs] == [("cuda", False, 1), ("cpu", True, 4),
-                                                                ("cpu", True, 3)]
+    assert [(s.device, s.on_host, s.threads) for s in specs] == [("cuda", False, 1), ("cpu", True, 4), ("cpu", True, 3)]
     dp = DataParallelConfig(size=2)
     specs = plan_replicas(dp, ["cpu", "cpu"], threads=8, ranks_per_replica=2, cores=lambda: 64)
     assert [s.threads for s in specs] == [2, 2]
@@ -94,8 +93,9 @@ def test_threads_are_split_between_host_replicas_and_ranks():
     # Accelerator replicas of one platform take consecutive devices (Ray: each its own 0).
     gpus = plan_replicas(DataParallelConfig(size=2, devices=["cuda"] * 2), ["cuda"] * 2, None, 1)
     assert [s.device_index for s in gpus] == [0, 1]
-    gpus = plan_replicas(DataParallelConfig(size=2, devices=["cuda"] * 2), ["cuda"] * 2, None, 1,
-                         one_accelerator_per_actor=True)
+    gpus = plan_replicas(
+        DataParallelConfig(size=2, devices=["cuda"] * 2), ["cuda"] * 2, None, 1, one_accelerator_per_actor=True
+    )
     assert [s.device_index for s in gpus] == [0, 0]
     with pytest.raises(ValueError, match="host"):
         plan_replicas(DataParallelConfig(size=2, devices=["cuda"] * 2), ["cuda"] * 2, None, 2)

@@ -24,11 +24,25 @@ from pagedserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 
-TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}[assistant] {% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 ENGINE = {"dtype": "float32", "kv_cache_memory": "64MiB"}
-SERVER_ARGS = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--served-model-name", "tiny",
-               "--chat-template", TEMPLATE, "--data-parallel-size", "2", "--threads", "2"]
+SERVER_ARGS = [
+    "--dtype",
+    "float32",
+    "--kv-cache-memory",
+    "64MiB",
+    "--served-model-name",
+    "tiny",
+    "--chat-template",
+    TEMPLATE,
+    "--data-parallel-size",
+    "2",
+    "--threads",
+    "2",
+]
 CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a story"}]
 
 
@@ -43,8 +57,16 @@ class DPServer:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
-        cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(model), "--port", str(self.port),
-               *SERVER_ARGS]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagedserve.entrypoints.cli",
+            "serve",
+            str(model),
+            "--port",
+            str(self.port),
+            *SERVER_ARGS,
+        ]
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 240
@@ -86,8 +108,9 @@ class DPServer:
         out = {}
         for family in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=10).text):
             for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name",
-                                                                                               "platform", "engine"))
+                labels = ",".join(
+                    f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "platform", "engine")
+                )
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
 
@@ -151,31 +174,38 @@ def test_dp_answers_equal_one_engine(server, offline):
     resp = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0)
     ref = offline.generate(prompts, greedy(max_tokens=12), use_tqdm=False)
     assert [c.text for c in resp.choices] == [r.outputs[0].text for r in ref]
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt=prompts[2], max_tokens=12, temperature=0, stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="tiny", prompt=prompts[2], max_tokens=12, temperature=0, stream=True)
+    )
     assert streamed == ref[2].outputs[0].text
     # n > 1 and stop strings run inside the replica as in one engine.
     two = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=12, temperature=0, n=2)
     assert [c.text for c in two.choices] == [ref[0].outputs[0].text] * 2
     stop = ref[1].outputs[0].text[4:6]
     cut = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=12, temperature=0, stop=[stop])
-    assert cut.choices[0].text == offline.generate([prompts[1]], greedy(max_tokens=12, stop=[stop]),
-                                                   use_tqdm=False)[0].outputs[0].text
+    assert (
+        cut.choices[0].text
+        == offline.generate([prompts[1]], greedy(max_tokens=12, stop=[stop]), use_tqdm=False)[0].outputs[0].text
+    )
     assert cut.choices[0].finish_reason == "stop"
     chat_ref = offline.chat(CONVERSATION, greedy(max_tokens=10), use_tqdm=False)[0].outputs[0].text
     chat = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=10, temperature=0)
     assert chat.choices[0].message.content == chat_ref
-    chunks = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=10, temperature=0,
-                                            stream=True)
+    chunks = client.chat.completions.create(
+        model="tiny", messages=CONVERSATION, max_tokens=10, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_ref
 
 
 def test_bad_input_is_refused_by_the_router(server):
-    r = httpx.post(server.url + "/v1/completions", timeout=30,
-                   json={"model": "tiny", "prompt": [5] * 1100, "max_tokens": 4})
+    r = httpx.post(
+        server.url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": [5] * 1100, "max_tokens": 4}
+    )
     assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
-    r = httpx.post(server.url + "/v1/completions", timeout=30,
-                   json={"model": "tiny", "prompt": [5, 10**6], "max_tokens": 4})
+    r = httpx.post(
+        server.url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": [5, 10**6], "max_tokens": 4}
+    )
     assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
 
 
@@ -184,9 +214,12 @@ def test_requests_are_spread_over_both_replicas(server):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 250) for _ in range(20)] for _ in range(6)]
     client = server.openai()
-    threads = [threading.Thread(target=client.completions.create,
-                                kwargs=dict(model="tiny", prompt=p, max_tokens=24, temperature=0))
-               for p in prompts]
+    threads = [
+        threading.Thread(
+            target=client.completions.create, kwargs=dict(model="tiny", prompt=p, max_tokens=24, temperature=0)
+        )
+        for p in prompts
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -218,8 +251,14 @@ def test_same_long_prefix_goes_to_the_same_replica(server):
 def test_closed_stream_is_aborted_in_its_replica(server):
     m = server.metrics()
     generated = m["pagedserve:generation_tokens_total"]
-    body = {"model": "tiny", "prompt": list(range(3, 40)), "max_tokens": 900, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "prompt": list(range(3, 40)),
+        "max_tokens": 900,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         for _ in range(3):
@@ -235,14 +274,23 @@ def test_killed_replica_fails_its_requests_and_the_other_serves(server, offline)
     whole: dict = {}
 
     def non_streamed() -> None:
-        whole["response"] = httpx.post(server.url + "/v1/completions", timeout=120, json={
-            "model": "tiny", "prompt": shared + [7], "max_tokens": 900, "ignore_eos": True, "temperature": 0})
+        whole["response"] = httpx.post(
+            server.url + "/v1/completions",
+            timeout=120,
+            json={"model": "tiny", "prompt": shared + [7], "max_tokens": 900, "ignore_eos": True, "temperature": 0},
+        )
 
     waiter = threading.Thread(target=non_streamed)
     waiter.start()
     _wait_for(lambda: sum(server.per_replica("requests_routed_total")) == sum(before) + 1)
-    body = {"model": "tiny", "prompt": shared + [9], "max_tokens": 900, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "prompt": shared + [9],
+        "max_tokens": 900,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
         lines = r.iter_lines()
         next(lines)
@@ -254,7 +302,7 @@ def test_killed_replica_fails_its_requests_and_the_other_serves(server, offline)
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
         rest = [line for line in lines if line]
-    errors = [json.loads(line[6:])["error"] for line in rest if line.startswith("data: {\"error\"")]
+    errors = [json.loads(line[6:])["error"] for line in rest if line.startswith('data: {"error"')]
     assert errors and f"data-parallel replica {victim}" in errors[0]["message"], rest[-3:]
     assert "exited with code -9" in errors[0]["message"] and rest[-1] == "data: [DONE]"
     waiter.join(60)

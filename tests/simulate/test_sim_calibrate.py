@@ -26,6 +26,20 @@ def test_calibrate_writes_a_usable_cpu_local(tmp_path, monkeypatch):
     profile = load_profile("cpu-local")
     assert profile.attention_bandwidth > 0 and profile.memory_bandwidth > 0
     out = tmp_path / "plan.json"
-    assert main(["simulate", "--hardware", "cpu-local", "--num-prompts", "4", "--kv-cache-memory", "1GiB",
-                 "--json-out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--hardware",
+                "cpu-local",
+                "--num-prompts",
+                "4",
+                "--kv-cache-memory",
+                "1GiB",
+                "--json-out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert json.loads(out.read_text())["simulated"]["tokens_per_s"] > 0

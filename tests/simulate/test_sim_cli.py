@@ -13,13 +13,35 @@ from pagedserve.entrypoints.cli import main
 
 def test_json_out_keys(tmp_path, profile_file, capsys):
     out = tmp_path / "plan.json"
-    rc = main(["simulate", "--hardware", str(profile_file()), "--num-prompts", "8", "--input-len", "64",
-               "--output-len", "16", "--json-out", str(out)])
+    rc = main(
+        [
+            "simulate",
+            "--hardware",
+            str(profile_file()),
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "64",
+            "--output-len",
+            "16",
+            "--json-out",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     sim = data["simulated"]
-    for key in ("tokens_per_s", "generated_tokens", "elapsed_s", "peak_kv_usage", "num_preemptions", "preemptions",
-                "prefix_cache_hit_rate", "request_throughput", "output_tokens_per_s"):
+    for key in (
+        "tokens_per_s",
+        "generated_tokens",
+        "elapsed_s",
+        "peak_kv_usage",
+        "num_preemptions",
+        "preemptions",
+        "prefix_cache_hit_rate",
+        "request_throughput",
+        "output_tokens_per_s",
+    ):
         assert key in sim, key
     for dist in ("ttft_s", "tpot_s", "e2e_s"):
         assert set(sim[dist]) >= {"mean", "p50", "p99"}
@@ -37,8 +59,25 @@ def test_json_out_keys(tmp_path, profile_file, capsys):
 def test_sweep_finds_highest_rate_meeting_slo(tmp_path, profile_file):
     out = tmp_path / "sweep.json"
     hw = str(profile_file())
-    rc = main(["simulate", "--hardware", hw, "--num-prompts", "40", "--input-len", "256", "--output-len", "32",
-               "--sweep", "rate=1:200", "--slo", "ttft_p99=0.3", "--json-out", str(out)])
+    rc = main(
+        [
+            "simulate",
+            "--hardware",
+            hw,
+            "--num-prompts",
+            "40",
+            "--input-len",
+            "256",
+            "--output-len",
+            "32",
+            "--sweep",
+            "rate=1:200",
+            "--slo",
+            "ttft_p99=0.3",
+            "--json-out",
+            str(out),
+        ]
+    )
     assert rc == 0
     sweep = json.loads(out.read_text())["sweep"]
     best = sweep["best_rate"]
@@ -55,17 +94,20 @@ def test_plot_written(tmp_path, profile_file):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--hardware", "no-such-gpu"], "neither a profile file nor a known profile"),
-    ([], "--hardware is required"),
-    (["--hardware", "h100-sxm", "--sweep", "rate=1:8"], "--sweep needs --slo"),
-    (["--hardware", "h100-sxm", "--slo", "ttft=1"], "--slo"),
-    (["--hardware", "h100-sxm", "--sweep", "qps=1:8", "--slo", "ttft_p99=1"], "--sweep"),
-    (["--hardware", "h100-sxm", "--model", "/nonexistent/config.json"], "no config.json"),
-    (["--hardware", "h100-sxm", "--workload", "/nonexistent.jsonl"], "JSONL trace"),
-    (["--hardware", "h100-sxm", "--tensor-parallel-size", "4"], "does not divide"),
-    (["--hardware", "h100-sxm", "--quantization", "nf4"], "--quantization"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--hardware", "no-such-gpu"], "neither a profile file nor a known profile"),
+        ([], "--hardware is required"),
+        (["--hardware", "h100-sxm", "--sweep", "rate=1:8"], "--sweep needs --slo"),
+        (["--hardware", "h100-sxm", "--slo", "ttft=1"], "--slo"),
+        (["--hardware", "h100-sxm", "--sweep", "qps=1:8", "--slo", "ttft_p99=1"], "--sweep"),
+        (["--hardware", "h100-sxm", "--model", "/nonexistent/config.json"], "no config.json"),
+        (["--hardware", "h100-sxm", "--workload", "/nonexistent.jsonl"], "JSONL trace"),
+        (["--hardware", "h100-sxm", "--tensor-parallel-size", "4"], "does not divide"),
+        (["--hardware", "h100-sxm", "--quantization", "nf4"], "--quantization"),
+    ],
+)
 def test_bad_input_is_a_clear_error(argv, message, capsys):
     assert main(["simulate", *argv]) == 2
     assert message in capsys.readouterr().err
@@ -78,7 +120,9 @@ def test_cpu_local_missing_is_explained(tmp_path, monkeypatch, capsys):
 
 
 def test_simulation_never_imports_torch(tmp_path):
-    code = ("import sys; from pagedserve.entrypoints.cli import main; "
-            "rc = main(['simulate', '--hardware', 'h200-sxm', '--num-prompts', '4', '--mixed']); "
-            "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; from pagedserve.entrypoints.cli import main; "
+        "rc = main(['simulate', '--hardware', 'h200-sxm', '--num-prompts', '4', '--mixed']); "
+        "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)

@@ -6,13 +6,12 @@ import copy
 import json
 
 import pytest
+from conftest import LLAMA3_8B, LLAMA3_70B, MIXTRAL
 
 from pagedserve.simulate.calibrate import _fit_overhead
 from pagedserve.simulate.cost_model import CostModel, StepBatch
 from pagedserve.simulate.hardware import HardwareProfile, load_profile, shipped_profiles
 from pagedserve.simulate.model_spec import ModelSpec, load_model_config
-
-from conftest import LLAMA3_8B, LLAMA3_70B, MIXTRAL
 
 
 def test_shipped_profiles_load():
@@ -26,8 +25,11 @@ def test_shipped_profiles_load():
 
 def test_bad_profile_rejected(tmp_path):
     path = tmp_path / "p.json"
-    path.write_text(json.dumps({"name": "x", "memory_bytes": 1, "memory_bandwidth": 1, "peak_flops": {"bfloat16": 1},
-                                "efficency": {}}))
+    path.write_text(
+        json.dumps(
+            {"name": "x", "memory_bytes": 1, "memory_bandwidth": 1, "peak_flops": {"bfloat16": 1}, "efficency": {}}
+        )
+    )
     with pytest.raises(ValueError, match="unknown keys"):
         load_profile(str(path))
     with pytest.raises(ValueError, match="efficiency"):
@@ -89,13 +91,23 @@ def test_host_copies_and_tp_requirements():
 
 def test_calibration_fit_recovers_known_efficiency_and_overheads():
     """Steps priced by a known profile are fitted back to that profile's parameters."""
-    truth = HardwareProfile("t", 1e10, 2e10, {"bfloat16": 4e11},
-                            matmul_curve={"q4_1": [[1, 2e10], [64, 8e10], [2048, 2e11]]},
-                            efficiency={"matmul": 0.6}, step_overhead_s=0.004, per_seq_overhead_s=0.0005,
-                            per_token_overhead_s=2e-4)
+    truth = HardwareProfile(
+        "t",
+        1e10,
+        2e10,
+        {"bfloat16": 4e11},
+        matmul_curve={"q4_1": [[1, 2e10], [64, 8e10], [2048, 2e11]]},
+        efficiency={"matmul": 0.6},
+        step_overhead_s=0.004,
+        per_seq_overhead_s=0.0005,
+        per_token_overhead_s=2e-4,
+    )
     cost = CostModel(ModelSpec.from_config(load_model_config(None)), truth)
-    batches = [StepBatch([1], [40], 1)] * 3 + [StepBatch([1] * 32, [40] * 32, 32)] * 3 + \
-        [StepBatch([128], [128], 1), StepBatch([512], [512], 1), StepBatch([2048], [2048], 1)]
+    batches = (
+        [StepBatch([1], [40], 1)] * 3
+        + [StepBatch([1] * 32, [40] * 32, 32)] * 3
+        + [StepBatch([128], [128], 1), StepBatch([512], [512], 1), StepBatch([2048], [2048], 1)]
+    )
     samples = [(b, cost.step_seconds(b)) for b in batches]
     fitted = copy.deepcopy(truth)
     fitted.efficiency = {"matmul": 1.0}

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from conftest import LLAMA3_8B, LLAMA3_70B, MIXTRAL
 
 from pagedserve.simulate.model_spec import ModelSpec, load_model_config
-
-from conftest import LLAMA3_8B, LLAMA3_70B, MIXTRAL
 
 
 def _architectures() -> list[str]:
@@ -41,8 +40,15 @@ def test_default_model_shipped_config():
 
 def test_head_dim_and_text_config():
     # Mistral-NeMo: head_dim 128 although hidden 5120 / 32 heads = 160.
-    cfg = {"hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "head_dim": 128, "intermediate_size": 14336, "vocab_size": 131072}
+    cfg = {
+        "hidden_size": 5120,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 14336,
+        "vocab_size": 131072,
+    }
     spec = ModelSpec.from_config({"text_config": cfg, "architectures": ["X"]})
     assert spec.head_dim == 128
     assert spec.attn_params == 5120 * 32 * 128 * 2 + 5120 * 8 * 128 * 2
@@ -61,9 +67,16 @@ def test_matches_transformers_parameter_count(arch):
     cls = getattr(transformers, arch, None)
     if cls is None:
         pytest.skip(f"transformers has no {arch}")
-    kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=300, tie_word_embeddings=arch.startswith("Qwen2"),
-              pad_token_id=0)
+    kw = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        tie_word_embeddings=arch.startswith("Qwen2"),
+        pad_token_id=0,
+    )
     if arch == "MixtralForCausalLM":
         kw.update(num_local_experts=4, num_experts_per_tok=2)
     config = cls.config_class(**kw)

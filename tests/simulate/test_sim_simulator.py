@@ -39,8 +39,16 @@ def _check_conservation(result, args) -> None:
 
 
 def test_conservation_and_token_counts(profile_file):
-    plan, args, result, s = _run("--hardware", str(profile_file()), "--num-prompts", "20", "--mixed",
-                                 "--kv-cache-memory", "1GiB", "--no-enable-prefix-caching")
+    plan, args, result, s = _run(
+        "--hardware",
+        str(profile_file()),
+        "--num-prompts",
+        "20",
+        "--mixed",
+        "--kv-cache-memory",
+        "1GiB",
+        "--no-enable-prefix-caching",
+    )
     _check_conservation(result, args)
     assert s["completed"] == 20
     assert s["generated_tokens"] == sum(r.output_len for r in result.requests)
@@ -63,8 +71,20 @@ def test_deterministic_with_seed(profile_file):
 
 def test_preemption_exercised_and_conserved(profile_file):
     # 24 requests of 64 + 96 tokens need 240 blocks at once; give the cache 40.
-    plan, args, result, s = _run("--hardware", str(profile_file()), "--num-prompts", "24", "--input-len", "64",
-                                 "--output-len", "96", "--num-gpu-blocks-override", "40", "--max-model-len", "512")
+    plan, args, result, s = _run(
+        "--hardware",
+        str(profile_file()),
+        "--num-prompts",
+        "24",
+        "--input-len",
+        "64",
+        "--output-len",
+        "96",
+        "--num-gpu-blocks-override",
+        "40",
+        "--max-model-len",
+        "512",
+    )
     assert s["num_preemptions"] > 0
     assert s["peak_kv_usage"] > 0.9
     _check_conservation(result, args)
@@ -75,9 +95,24 @@ def test_preemption_exercised_and_conserved(profile_file):
 
 
 def test_swap_preemption_with_host_tier(profile_file):
-    plan, args, result, s = _run("--hardware", str(profile_file()), "--num-prompts", "24", "--input-len", "64",
-                                 "--output-len", "96", "--num-gpu-blocks-override", "40", "--max-model-len", "512",
-                                 "--kv-offload-memory", "64MiB", "--preemption-mode", "swap")
+    plan, args, result, s = _run(
+        "--hardware",
+        str(profile_file()),
+        "--num-prompts",
+        "24",
+        "--input-len",
+        "64",
+        "--output-len",
+        "96",
+        "--num-gpu-blocks-override",
+        "40",
+        "--max-model-len",
+        "512",
+        "--kv-offload-memory",
+        "64MiB",
+        "--preemption-mode",
+        "swap",
+    )
     assert s["num_preemptions"] > 0 and result.kv.num_swap_outs > 0
     assert result.busy_time["kv_copies"] > 0
     _check_conservation(result, args)
@@ -85,8 +120,24 @@ def test_swap_preemption_with_host_tier(profile_file):
 
 def test_prefix_caching_hits_and_helps(profile_file):
     hw = str(profile_file())
-    flags = ("--hardware", hw, "--num-prompts", "32", "--input-dist", "uniform", "--input-len", "600",
-             "--shared-prefix-len", "512", "--num-prefixes", "2", "--output-len", "8", "--request-rate", "50")
+    flags = (
+        "--hardware",
+        hw,
+        "--num-prompts",
+        "32",
+        "--input-dist",
+        "uniform",
+        "--input-len",
+        "600",
+        "--shared-prefix-len",
+        "512",
+        "--num-prefixes",
+        "2",
+        "--output-len",
+        "8",
+        "--request-rate",
+        "50",
+    )
     on = _run(*flags)[3]
     off = _run(*flags, "--no-enable-prefix-caching")[3]
     # 30 of 32 prompts find their 512-token prefix (32 blocks) cached: ~ 30 x 512 tokens
@@ -106,8 +157,16 @@ def test_priority_policy_from_trace(profile_file, tmp_path):
     rows = [{"arrival": 0.0, "prompt_len": 256, "output_len": 64, "priority": 1} for _ in range(8)]
     rows += [{"arrival": 0.0, "prompt_len": 256, "output_len": 64, "priority": 0} for _ in range(8)]
     trace.write_text("\n".join(json.dumps(r) for r in rows))
-    plan, args, result, s = _run("--hardware", str(profile_file()), "--workload", str(trace),
-                                 "--scheduling-policy", "priority", "--max-num-seqs", "4")
+    plan, args, result, s = _run(
+        "--hardware",
+        str(profile_file()),
+        "--workload",
+        str(trace),
+        "--scheduling-policy",
+        "priority",
+        "--max-num-seqs",
+        "4",
+    )
     ttft = [r.ttft for r in result.requests]
     assert max(ttft[8:]) < min(ttft[:8])  # priority 0 served first although it arrived after
     _check_conservation(result, args)
@@ -122,8 +181,20 @@ def test_llama3_70b_on_h100_tensor_parallel(write_config, tp):
         with pytest.raises(ValueError, match="does not fit"):
             build_plan(_args("--hardware", "h100-sxm", "--model", str(folder), "--tensor-parallel-size", "2"))
         return
-    plan, args, result, s = _run("--hardware", "h100-sxm", "--model", str(folder), "--tensor-parallel-size", str(tp),
-                                 "--num-prompts", "16", "--input-len", "512", "--output-len", "32")
+    plan, args, result, s = _run(
+        "--hardware",
+        "h100-sxm",
+        "--model",
+        str(folder),
+        "--tensor-parallel-size",
+        str(tp),
+        "--num-prompts",
+        "16",
+        "--input-len",
+        "512",
+        "--output-len",
+        "32",
+    )
     assert result.busy_time["tp_comm"] > 0
     _check_conservation(result, args)
     # Decode steps are memory-bound: at least 70.6 GB / tp of weights read at 3.35 TB/s per step.
@@ -152,15 +223,36 @@ def test_plans_every_registry_architecture_from_its_config(arch, write_config):
     cls = getattr(transformers, arch, None)
     if cls is None:
         pytest.skip(f"transformers has no {arch}")
-    kw = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048, pad_token_id=0)
+    kw = dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+    )
     if arch == "MixtralForCausalLM":
         kw.update(num_local_experts=8, num_experts_per_tok=2)
     cfg = cls.config_class(**kw).to_dict()
     cfg["architectures"] = [arch]
     folder = write_config(cfg, arch)
-    plan, args, result, s = _run("--hardware", "a100-sxm", "--model", str(folder), "--num-prompts", "8", "--mixed",
-                                 "--max-model-len", "2048", "--tensor-parallel-size", "2", "--kv-cache-memory", "64MiB")
+    plan, args, result, s = _run(
+        "--hardware",
+        "a100-sxm",
+        "--model",
+        str(folder),
+        "--num-prompts",
+        "8",
+        "--mixed",
+        "--max-model-len",
+        "2048",
+        "--tensor-parallel-size",
+        "2",
+        "--kv-cache-memory",
+        "64MiB",
+    )
     _check_conservation(result, args)
     # head_dim: the config's own where the family sets one (Gemma 256, Qwen3 128), else hidden / heads.
     assert plan.model.num_kv_heads == 2 and plan.model.head_dim == (cfg.get("head_dim") or 256 // 8)

@@ -39,16 +39,44 @@ def test_poisson_arrivals_match_bench_serve():
 
 
 def test_bursty_arrivals_keep_the_rate():
-    work = build_workload(_args("--num-prompts", "4000", "--request-rate", "10", "--burstiness", "0.25",
-                                "--input-len", "8", "--output-len", "2"), 5000, 4096)
+    work = build_workload(
+        _args(
+            "--num-prompts",
+            "4000",
+            "--request-rate",
+            "10",
+            "--burstiness",
+            "0.25",
+            "--input-len",
+            "8",
+            "--output-len",
+            "2",
+        ),
+        5000,
+        4096,
+    )
     gaps = [b.arrival - a.arrival for a, b in zip(work, work[1:])]
     assert statistics.fmean(gaps) == pytest.approx(0.1, rel=0.1)
     assert statistics.stdev(gaps) > 1.5 * statistics.fmean(gaps)  # gamma(0.25): cv = 2
 
 
 def test_length_distributions():
-    uni = build_workload(_args("--num-prompts", "500", "--input-dist", "uniform", "--input-len", "100",
-                               "--output-dist", "lognormal", "--output-len", "200"), 5000, 100000)
+    uni = build_workload(
+        _args(
+            "--num-prompts",
+            "500",
+            "--input-dist",
+            "uniform",
+            "--input-len",
+            "100",
+            "--output-dist",
+            "lognormal",
+            "--output-len",
+            "200",
+        ),
+        5000,
+        100000,
+    )
     ins = [len(w.prompt_token_ids) for w in uni]
     assert min(ins) >= 50 and max(ins) <= 150
     assert statistics.fmean(w.output_len for w in uni) == pytest.approx(200, rel=0.15)
@@ -58,8 +86,11 @@ def test_length_distributions():
 
 
 def test_shared_prefixes_share_token_ids():
-    work = build_workload(_args("--num-prompts", "6", "--input-dist", "uniform", "--shared-prefix-len", "40",
-                                "--num-prefixes", "2"), 5000, 4096)
+    work = build_workload(
+        _args("--num-prompts", "6", "--input-dist", "uniform", "--shared-prefix-len", "40", "--num-prefixes", "2"),
+        5000,
+        4096,
+    )
     assert work[0].prompt_token_ids[:40] == work[2].prompt_token_ids[:40] == work[4].prompt_token_ids[:40]
     assert work[0].prompt_token_ids[:40] != work[1].prompt_token_ids[:40]
     assert work[0].prompt_token_ids[40:50] != work[2].prompt_token_ids[40:50]
@@ -67,9 +98,11 @@ def test_shared_prefixes_share_token_ids():
 
 def test_trace(tmp_path):
     trace = tmp_path / "t.jsonl"
-    rows = [{"arrival": 0.5, "prompt_len": 30, "output_len": 4, "prefix_id": "a", "prefix_len": 16},
-            {"arrival": 0.1, "prompt_len": 20, "output_len": 5, "prefix_id": "a", "prefix_len": 16},
-            {"arrival": 0.2, "prompt_len": 10, "output_len": 6}]
+    rows = [
+        {"arrival": 0.5, "prompt_len": 30, "output_len": 4, "prefix_id": "a", "prefix_len": 16},
+        {"arrival": 0.1, "prompt_len": 20, "output_len": 5, "prefix_id": "a", "prefix_len": 16},
+        {"arrival": 0.2, "prompt_len": 10, "output_len": 6},
+    ]
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     work = build_workload(_args("--workload", str(trace)), 5000, 4096)
     assert [w.arrival for w in work] == [0.1, 0.2, 0.5]

@@ -8,8 +8,9 @@ import torch
 
 
 def chi2_pvalue(stat: float, df: int) -> float:
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 def goodness_of_fit(samples: list[int], probs: torch.Tensor) -> float:

@@ -10,7 +10,7 @@ import torch
 from prometheus_client import generate_latest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import EngineConfig, ParallelConfig, CacheConfig, ModelConfig, SpeculativeDecodingConfig
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SpeculativeDecodingConfig
 from pagedserve.entrypoints import cli
 from pagedserve.entrypoints.openai.metrics import ServerMetrics
 from pagedserve.spec_decode import SpeculativeConfig, parse_speculative_config
@@ -19,20 +19,31 @@ from pagedserve.spec_decode.metrics import acceptance_rate
 KW = dict(dtype="float32", kv_cache_memory="16MiB", block_size=4)
 
 
-@pytest.mark.parametrize("value, message", [
-    ('{"method": "medusa", "num_speculative_tokens": 2}', "method must be one of ngram, draft_model, self_quantized"),
-    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer in \\[1, 16\\]"),
-    ('{"method": "ngram", "num_speculative_tokens": 17}', "in \\[1, 16\\]"),
-    ('{"method": "ngram"}', "num_speculative_tokens must be"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}', "unknown key\\(s\\) lookahead"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
-     "prompt_lookup_min <= prompt_lookup_max"),
-    ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs 'model'"),
-    ('{"method": "ngram", "num_speculative_tokens": "2"}', "must be an integer"),
-    ('{"method": "self_quantized", "num_speculative_tokens": 2, "quantization": "none"}', "would draft with"),
-    ("{method: ngram}", "not valid JSON"),
-    ("[1, 2]", "must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (
+            '{"method": "medusa", "num_speculative_tokens": 2}',
+            "method must be one of ngram, draft_model, self_quantized",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 0}',
+            "num_speculative_tokens must be an integer in \\[1, 16\\]",
+        ),
+        ('{"method": "ngram", "num_speculative_tokens": 17}', "in \\[1, 16\\]"),
+        ('{"method": "ngram"}', "num_speculative_tokens must be"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}', "unknown key\\(s\\) lookahead"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
+            "prompt_lookup_min <= prompt_lookup_max",
+        ),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs 'model'"),
+        ('{"method": "ngram", "num_speculative_tokens": "2"}', "must be an integer"),
+        ('{"method": "self_quantized", "num_speculative_tokens": 2, "quantization": "none"}', "would draft with"),
+        ("{method: ngram}", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+    ],
+)
 def test_bad_configs_are_refused(value, message):
     with pytest.raises(ValueError, match=message):
         parse_speculative_config(value)
@@ -48,11 +59,14 @@ def test_good_configs():
     assert parse_speculative_config({"method": "self_quantized", "num_speculative_tokens": 2}).quantization == "gguf"
 
 
-@pytest.mark.parametrize("section, message", [
-    (dict(parallel=ParallelConfig(tensor_parallel_size=2)), "not supported with tensor/pipeline parallelism"),
-    (dict(cache=CacheConfig(kv_offload_memory="1GiB")), "cannot be combined with kv_offload_memory"),
-    (dict(cache=CacheConfig(cpu_offload_gb=1)), "cannot be combined with cpu_offload_gb"),
-])
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        (dict(parallel=ParallelConfig(tensor_parallel_size=2)), "not supported with tensor/pipeline parallelism"),
+        (dict(cache=CacheConfig(kv_offload_memory="1GiB")), "cannot be combined with kv_offload_memory"),
+        (dict(cache=CacheConfig(cpu_offload_gb=1)), "cannot be combined with cpu_offload_gb"),
+    ],
+)
 def test_unsupported_combinations_are_refused(section, message):
     spec = SpeculativeDecodingConfig({"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match=message):
@@ -89,23 +103,43 @@ def test_draft_with_another_vocabulary_is_refused_before_loading(tiny_llama, tmp
 
 
 def test_cli_flag_and_metrics(tiny_llama, capsys):
-    args = ["generate", str(tiny_llama), "-p", "abcabcabcabc", "--max-tokens", "8", "--dtype", "float32",
-            "--json", "--threads", "1", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    args = [
+        "generate",
+        str(tiny_llama),
+        "-p",
+        "abcabcabcabc",
+        "--max-tokens",
+        "8",
+        "--dtype",
+        "float32",
+        "--json",
+        "--threads",
+        "1",
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 2}',
+    ]
     assert cli.main(args) == 0
     with pytest.raises(SystemExit):
         cli.main(["generate", str(tiny_llama), "--speculative-config", '{"method": "eagle"}'])
     assert "method must be one of" in capsys.readouterr().err
 
     llm = LLM(model=str(tiny_llama), speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **KW)
-    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6, 7, 5]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5]],
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        use_tqdm=False,
+    )
     stats = llm.llm_engine.stats()
     assert stats.spec_decode_num_draft_tokens > 0
     assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == stats.spec_decode_num_accepted_tokens
     assert 0 <= acceptance_rate(stats) <= 1
     text = generate_latest(ServerMetrics(llm.llm_engine.stats, "tiny").registry).decode()
-    assert f'pagedserve:spec_decode_num_draft_tokens_total{{engine="0",model_name="tiny"}} ' \
-           f'{float(stats.spec_decode_num_draft_tokens)}' in text
-    assert f'pagedserve:spec_decode_num_accepted_tokens_total{{engine="0",model_name="tiny"}} ' \
-           f'{float(stats.spec_decode_num_accepted_tokens)}' in text
+    assert (
+        f'pagedserve:spec_decode_num_draft_tokens_total{{engine="0",model_name="tiny"}} '
+        f"{float(stats.spec_decode_num_draft_tokens)}" in text
+    )
+    assert (
+        f'pagedserve:spec_decode_num_accepted_tokens_total{{engine="0",model_name="tiny"}} '
+        f"{float(stats.spec_decode_num_accepted_tokens)}" in text
+    )
     assert 'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"}' in text

@@ -23,10 +23,13 @@ def expected():
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("spec", [
-    {"method": "ngram", "num_speculative_tokens": 3},
-    {"method": "self_quantized", "num_speculative_tokens": 3},
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3},
+        {"method": "self_quantized", "num_speculative_tokens": 3},
+    ],
+)
 def test_default_model_greedy_equal(spec, expected):
     # self_quantized runs the target with float weights (quantization unset means none).
     extra = {"quantization": "none"} if spec["method"] == "ngram" else {}

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from stats_helpers import two_sample
 
 from pagedserve import LLM, SamplingParams
-from stats_helpers import two_sample
 
 VOCAB = 32
 N = 1000
@@ -27,12 +27,22 @@ def _checkpoint(path: Path, seed: int) -> Path:
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2", "tokenizer_class":
-                                                            "PreTrainedTokenizerFast"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "t2", "tokenizer_class": "PreTrainedTokenizerFast"})
+    )
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                      num_key_value_heads=1, head_dim=64, intermediate_size=128,
-                                      max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -49,22 +59,39 @@ def models(tmp_path_factory):
 
 
 def _samples(target: Path, params: SamplingParams, spec: dict | None) -> tuple[list[tuple[int, ...]], LLM]:
-    llm = LLM(model=str(target), dtype="float32", kv_cache_memory="64MiB", block_size=8, seed=11, threads=1,
-              speculative_config=spec)
+    llm = LLM(
+        model=str(target),
+        dtype="float32",
+        kv_cache_memory="64MiB",
+        block_size=8,
+        seed=11,
+        threads=1,
+        speculative_config=spec,
+    )
     outs = llm.generate([PROMPT] * N, params, use_tqdm=False)
     return [tuple(o.outputs[0].token_ids) for o in outs], llm
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-    pytest.param(SamplingParams(temperature=0.7, top_k=12, top_p=0.9, repetition_penalty=1.3,
-                                max_tokens=MAX_TOKENS, ignore_eos=True), marks=pytest.mark.slow),
-], ids=["plain", "shaped"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        pytest.param(
+            SamplingParams(
+                temperature=0.7, top_k=12, top_p=0.9, repetition_penalty=1.3, max_tokens=MAX_TOKENS, ignore_eos=True
+            ),
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["plain", "shaped"],
+)
 def test_token_distribution_unchanged(models, params):
     target, draft = models
     want, _ = _samples(target, params, None)
-    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
-                 {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}):
+    for spec in (
+        {"method": "ngram", "num_speculative_tokens": 3},
+        {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
+    ):
         got, llm = _samples(target, params, spec)
         stats = llm.llm_engine.stats()
         assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
@@ -78,9 +105,17 @@ def test_token_distribution_unchanged(models, params):
 def test_seeded_sampling_is_reproducible(models):
     target, _ = models
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=123, ignore_eos=True)
-    llm = LLM(model=str(target), dtype="float32", kv_cache_memory="64MiB", block_size=8,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm = LLM(
+        model=str(target),
+        dtype="float32",
+        kv_cache_memory="64MiB",
+        block_size=8,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
     a = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
-    b = llm.generate([PROMPT, PROMPT[:5]], [params, SamplingParams(temperature=1.0, max_tokens=12)],
-                     use_tqdm=False)[0].outputs[0].token_ids
+    b = (
+        llm.generate([PROMPT, PROMPT[:5]], [params, SamplingParams(temperature=1.0, max_tokens=12)], use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     assert a == b

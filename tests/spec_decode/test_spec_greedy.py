@@ -47,8 +47,9 @@ def draft(target, tmp_path_factory):
     shutil.copytree(target, path, dirs_exist_ok=True)
     gen = torch.Generator().manual_seed(1)
     weights = load_file(str(path / "model.safetensors"))
-    noisy = {k: v + 0.6 * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v
-             for k, v in weights.items()}
+    noisy = {
+        k: v + 0.6 * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v for k, v in weights.items()
+    }
     save_file(noisy, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
@@ -63,8 +64,13 @@ def test_greedy_equal_with_prefix_caching_and_chunked_prefill(kind, target, draf
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
     want, want_outs = _tokens(baseline, PROMPTS, params)
     # A small step budget chunks the prompts and limits the drafts some steps carry.
-    llm = LLM(model=str(target), kv_cache_memory="32MiB", max_num_batched_tokens=24,
-              speculative_config=_spec(kind, draft), **KW)
+    llm = LLM(
+        model=str(target),
+        kv_cache_memory="32MiB",
+        max_num_batched_tokens=24,
+        speculative_config=_spec(kind, draft),
+        **KW,
+    )
     for _ in range(2):  # the second round hits the prefix cache
         got, outs = _tokens(llm, PROMPTS, params)
         assert got == want
@@ -84,8 +90,9 @@ def test_greedy_equal_under_preemption_and_n(kind, target, draft, baseline):
     params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True, n=2)
     want, _ = _tokens(baseline, PROMPTS, params)
     # 32 blocks of 4 tokens cannot hold all eight sequences at full length: preemptions.
-    llm = LLM(model=str(target), num_gpu_blocks_override=32, max_model_len=128,
-              speculative_config=_spec(kind, draft), **KW)
+    llm = LLM(
+        model=str(target), num_gpu_blocks_override=32, max_model_len=128, speculative_config=_spec(kind, draft), **KW
+    )
     got, _ = _tokens(llm, PROMPTS, params)
     assert got == want
     assert llm.llm_engine.stats().num_preemptions > 0
@@ -99,10 +106,11 @@ def test_stops_inside_accepted_drafts(target, baseline):
     prompt = PROMPTS[0]
     free, _ = _tokens(baseline, [prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     stop_at = free[0][0][7]
-    llm = LLM(model=str(target), kv_cache_memory="32MiB",
-              speculative_config=_spec("ngram", None), **KW)
-    for params in (SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_at], ignore_eos=True),
-                   SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)):
+    llm = LLM(model=str(target), kv_cache_memory="32MiB", speculative_config=_spec("ngram", None), **KW)
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_at], ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+    ):
         want, _ = _tokens(baseline, [prompt], params)
         got, outs = _tokens(llm, [prompt], params)
         assert got == want
@@ -112,8 +120,11 @@ def test_stops_inside_accepted_drafts(target, baseline):
 
 def test_stop_strings_and_text(target, baseline):
     prompt = "abcabcabcabcabc"
-    free = baseline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-                             use_tqdm=False)[0].outputs[0].text
+    free = (
+        baseline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
     stop = free[5:8]
     params = SamplingParams(temperature=0.0, max_tokens=24, stop=[stop], ignore_eos=True)
     want = baseline.generate([prompt], params, use_tqdm=False)[0].outputs[0]
@@ -127,8 +138,12 @@ def test_qwen2_draft_for_llama_target(tiny_checkpoint_factory, target, baseline)
     qwen = tiny_checkpoint_factory(arch="qwen2", seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want, _ = _tokens(baseline, PROMPTS, params)
-    llm = LLM(model=str(target), kv_cache_memory="32MiB", **KW,
-              speculative_config={"model": str(qwen), "num_speculative_tokens": 2})
+    llm = LLM(
+        model=str(target),
+        kv_cache_memory="32MiB",
+        **KW,
+        speculative_config={"model": str(qwen), "num_speculative_tokens": 2},
+    )
     got, _ = _tokens(llm, PROMPTS, params)
     assert got == want
 
@@ -137,10 +152,10 @@ def test_penalties_and_min_tokens_see_the_drafts(target, draft, baseline):
     """Penalties and min_tokens at each draft position count the drafts before it (a
     draft model: penalised outputs rarely repeat, so n-gram lookup would rarely draft)."""
     eos = sorted(baseline.llm_engine.eos_token_ids)
-    params = [SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.6, frequency_penalty=0.4,
-                             ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=20, presence_penalty=0.8, min_tokens=12,
-                             stop_token_ids=eos)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.6, frequency_penalty=0.4, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, presence_penalty=0.8, min_tokens=12, stop_token_ids=eos),
+    ]
     want, _ = _tokens(baseline, PROMPTS[:2], params)
     llm = LLM(model=str(target), kv_cache_memory="32MiB", speculative_config=_spec("draft_model", draft), **KW)
     got, _ = _tokens(llm, PROMPTS[:2], params)

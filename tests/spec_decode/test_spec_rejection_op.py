@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stats_helpers import goodness_of_fit
 
 from pagedserve.kernels import spec_reference
 from pagedserve.kernels.cpu import spec_native
 from pagedserve.platforms import select_platform
-from stats_helpers import goodness_of_fit
 
 V, K = 7, 3
 
@@ -79,7 +79,7 @@ def test_output_layout():
     for row in out.tolist():
         n = sum(t >= 0 for t in row)
         assert 1 <= n <= 4 and all(t == -1 for t in row[n:])
-        assert row[:n - 1] == [1, 2, 3][:n - 1]
+        assert row[: n - 1] == [1, 2, 3][: n - 1]
 
 
 def _random_case(gen: torch.Generator, B: int, vocab: int, with_q: bool):

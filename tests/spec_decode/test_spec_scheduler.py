@@ -85,8 +85,10 @@ def test_drafts_dropped_before_anyone_is_preempted():
     a.spec_token_ids = [1, 2, 3]  # would need a third block
     out = s.schedule()
     assert not out.preempted
-    assert [(x.request.request_id, x.num_new_tokens, x.spec_token_ids) for x in out.scheduled] == \
-        [("a", 1, []), ("b", 1, [])]
+    assert [(x.request.request_id, x.num_new_tokens, x.spec_token_ids) for x in out.scheduled] == [
+        ("a", 1, []),
+        ("b", 1, []),
+    ]
     assert a.spec_token_ids == [] and b.num_computed_tokens == 7
 
 
@@ -97,8 +99,9 @@ def test_constrained_requests_hold_drafts_back():
     from pagedserve.spec_decode.decoder import SpecDecoder
     from pagedserve.spec_decode.proposer import NgramProposer
 
-    spec = SpecDecoder(parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3}), None,
-                       NgramProposer(1, 3), 512)
+    spec = SpecDecoder(
+        parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3}), None, NgramProposer(1, 3), 512
+    )
     s = make()
     a = decoding(s, "a", [1000, 5, 6, 1000, 5, 6])  # then 1000 is sampled
     spec.propose(s.running)

@@ -13,9 +13,14 @@ import pytest
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 from pagedserve.loader.model_path import default_model_path
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+}
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
@@ -66,12 +71,15 @@ def test_unsatisfiable_within_max_tokens_finishes_with_length(llm):
     assert o.finish_reason == "length" and len(o.token_ids) == 3
 
 
-@pytest.mark.parametrize("so, problem", [
-    (dict(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "json"),
-    (dict(regex="(unclosed"), "regex"),
-    (dict(grammar="root ::= undefined_rule"), "grammar"),
-    (dict(structural_tag='{"not": "a tag"}'), "structural_tag"),
-])
+@pytest.mark.parametrize(
+    "so, problem",
+    [
+        (dict(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "json"),
+        (dict(regex="(unclosed"), "regex"),
+        (dict(grammar="root ::= undefined_rule"), "grammar"),
+        (dict(structural_tag='{"not": "a tag"}'), "structural_tag"),
+    ],
+)
 def test_bad_constraints_are_refused_before_queuing(llm, so, problem):
     with pytest.raises(ValueError, match=problem):
         llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputsParams(**so)), use_tqdm=False)
@@ -145,8 +153,11 @@ def test_waiting_for_a_grammar_does_not_stall_other_requests(llm):
     engine = llm.llm_engine
     pending: Future = Future()
     engine.add_request("free", "Hello", SamplingParams(max_tokens=4, temperature=0))
-    engine.add_request("held", "Hello", SamplingParams(max_tokens=4, temperature=0,
-                                                       structured_outputs=StructuredOutputsParams(choice=["x"])))
+    engine.add_request(
+        "held",
+        "Hello",
+        SamplingParams(max_tokens=4, temperature=0, structured_outputs=StructuredOutputsParams(choice=["x"])),
+    )
     held = engine.scheduler.requests["held"]
     held.structured.compiled = pending  # pretend its compile is slow
     try:
@@ -171,10 +182,14 @@ def test_preemption_keeps_grammars_consistent():
     # 10 blocks of 16 tokens cannot hold four ~60-token sequences: some are preempted.
     small = LLM(max_model_len=160, num_gpu_blocks_override=12, threads=1, enable_prefix_caching=False)
     prompts = [f"Person number {i} as JSON:" for i in range(4)]
-    schema = {**PERSON, "properties": {**PERSON["properties"], "bio": {"type": "string", "minLength": 60}},
-              "required": ["name", "age", "bio"]}
-    params = SamplingParams(max_tokens=100, temperature=0.7, seed=5,
-                            structured_outputs=StructuredOutputsParams(json=schema))
+    schema = {
+        **PERSON,
+        "properties": {**PERSON["properties"], "bio": {"type": "string", "minLength": 60}},
+        "required": ["name", "age", "bio"],
+    }
+    params = SamplingParams(
+        max_tokens=100, temperature=0.7, seed=5, structured_outputs=StructuredOutputsParams(json=schema)
+    )
     outs = small.generate(prompts, params, use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0
     for out in outs:
@@ -193,8 +208,9 @@ def test_constraint_starts_after_the_reasoning_end_token(llm):
     saved = engine.structured.reasoning_end_ids
     engine.structured.reasoning_end_ids = frozenset({end})  # "." plays </think>
     try:
-        params = SamplingParams(max_tokens=40, temperature=0.0,
-                                structured_outputs=StructuredOutputsParams(choice=["ALPHA", "BETA"]))
+        params = SamplingParams(
+            max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(choice=["ALPHA", "BETA"])
+        )
         ask = [{"role": "user", "content": "Tell me about Paris in two sentences."}]
         out = llm.chat(ask, params, use_tqdm=False)[0].outputs[0]
     finally:
@@ -210,8 +226,11 @@ def test_structural_tag_constrains_the_tagged_part(llm):
     import torch
 
     engine = llm.llm_engine
-    tag = {"type": "structural_tag", "triggers": ["<person>"],
-           "structures": [{"begin": "<person>", "schema": PERSON, "end": "</person>"}]}
+    tag = {
+        "type": "structural_tag",
+        "triggers": ["<person>"],
+        "structures": [{"begin": "<person>", "schema": PERSON, "end": "</person>"}],
+    }
     mgr = engine.structured
     state = mgr.new_state(mgr.prepare(StructuredOutputsParams(structural_tag=json.dumps(tag))))
     state.compiled.result()

@@ -34,12 +34,15 @@ from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 from pagedserve.entrypoints.openai.serving_base import EventStream
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedserve.entrypoints.openai.serving_embedding import (EmbeddingRequest, OpenAIServingEmbedding,
-                                                             add_embedding_route)
+from pagedserve.entrypoints.openai.serving_embedding import (
+    EmbeddingRequest,
+    OpenAIServingEmbedding,
+    add_embedding_route,
+)
 from pagedserve.entrypoints.openai.serving_lora import add_lora_routes, lora_serving
 from pagedserve.entrypoints.openai.serving_tokenize import Readiness, add_tokenize_routes
-from pagedserve.entrypoints.openai.stats_logger import RequestLogger, StatsLogger
 from pagedserve.entrypoints.openai.shutdown import Drain, client_disconnected
+from pagedserve.entrypoints.openai.stats_logger import RequestLogger, StatsLogger
 
 __all__ = ["ServerSettings", "build_app"]
 
@@ -96,8 +99,11 @@ class _ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")) and not self._authorized(scope):
-            response = JSONResponse(error_body("Incorrect or missing API key.", code="invalid_api_key"),
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            response = JSONResponse(
+                error_body("Incorrect or missing API key.", code="invalid_api_key"),
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -108,8 +114,11 @@ class _EventStreamResponse(StreamingResponse):
 
     def __init__(self, stream: EventStream, drain: Drain) -> None:
         name = ",".join(s.request_id for s in stream.streams)
-        super().__init__(drain.guard(stream.events, name), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            drain.guard(stream.events, name),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self._stream = stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -121,8 +130,11 @@ class _EventStreamResponse(StreamingResponse):
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refusing (413) anything over `limit` bytes without buffering it."""
-    too_large = ApiError(413, f"The request body is larger than the server's limit of {limit} bytes "
-                         "(--max-body-size).", code="request_too_large")
+    too_large = ApiError(
+        413,
+        f"The request body is larger than the server's limit of {limit} bytes (--max-body-size).",
+        code="request_too_large",
+    )
     require_json(request)  # before the body: a browser's "simple" cross-site POST is not JSON
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
@@ -176,8 +188,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     per-replica series and /health answers with the replicas' state.
     """
     names = settings.served_model_names
-    metrics = ServerMetrics(engine.stats, names[0], engine.max_model_len, settings.metrics_prefix,
-                            settings.cache_info)
+    metrics = ServerMetrics(engine.stats, names[0], engine.max_model_len, settings.metrics_prefix, settings.cache_info)
     if hasattr(engine, "replica_status"):
         metrics.registry.register(ReplicaCollector(engine.replica_status, names[0]))
     stats_logger = StatsLogger(engine.stats, settings.stats_interval) if settings.stats_interval else None
@@ -214,8 +225,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
             await asyncio.to_thread(engine.shutdown)
             logger.info("engine stopped")
 
-    app = FastAPI(title="pagedserve", lifespan=lifespan, docs_url="/docs", redoc_url=None,
-                  openapi_url="/openapi.json")
+    app = FastAPI(title="pagedserve", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.drain = drain
     if settings.api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=settings.api_key)
@@ -252,14 +262,30 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
-                "root": names[0], "parent": None, "max_model_len": engine.max_model_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "pagedserve",
+            "root": names[0],
+            "parent": None,
+            "max_model_len": engine.max_model_len,
+        }
 
-    add_tokenize_routes(app, engine, names, settings.chat_template,
-                        lambda request: read_body(request, settings.max_body_bytes), readiness)
-    add_embedding_route(app, OpenAIServingEmbedding(engine, names, settings.chat_template),
-                        lambda request: read_body(request, settings.max_body_bytes),
-                        lambda request, work: _respond(request, work, drain))
+    add_tokenize_routes(
+        app,
+        engine,
+        names,
+        settings.chat_template,
+        lambda request: read_body(request, settings.max_body_bytes),
+        readiness,
+    )
+    add_embedding_route(
+        app,
+        OpenAIServingEmbedding(engine, names, settings.chat_template),
+        lambda request: read_body(request, settings.max_body_bytes),
+        lambda request, work: _respond(request, work, drain),
+    )
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -269,8 +295,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict:
         if not model:  # "/v1/models/" names no model
-            raise ApiError(404, "No model id given: use GET /v1/models to list the models.", param="model",
-                           code="model_not_found")
+            raise ApiError(
+                404, "No model id given: use GET /v1/models to list the models.", param="model", code="model_not_found"
+            )
         name = completions.model_name(model)
         card = model_card(name)
         return next((c for c in lora.cards(card, names[0]) if c["id"] == name), card) if lora else card
@@ -286,6 +313,13 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         return await _respond(request, chat.create(body), drain)
 
     add_lora_routes(app, lora, lambda request: read_body(request, settings.max_body_bytes))
-    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                          "/v1/embeddings": EmbeddingRequest}, names)
+    install_openapi(
+        app,
+        {
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/embeddings": EmbeddingRequest,
+        },
+        names,
+    )
     return app

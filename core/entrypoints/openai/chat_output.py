@@ -58,7 +58,7 @@ class ChatStreamState:
         reasoning, content = self.out.split(text, finished)
         d: dict = {}
         if reasoning:
-            new = reasoning[self.sent_reasoning:]
+            new = reasoning[self.sent_reasoning :]
             if new:
                 d["reasoning_content"] = new
                 self.sent_reasoning = len(reasoning)
@@ -75,13 +75,13 @@ class ChatStreamState:
         return d
 
     def _content(self, d: dict, content: str, upto: int) -> None:
-        new = content[self.sent_content:upto]
+        new = content[self.sent_content : upto]
         if new:
             d["content"] = new
             self.sent_content = upto
 
     def _named(self, d: dict, content: str) -> None:
-        new = content[self.sent_args:]
+        new = content[self.sent_args :]
         if not self.named_opened and content:
             (call,) = tool_call_dicts(parse_tool_output(self.out.plan, "")[1], stream=True)
             call["function"]["arguments"] = new
@@ -97,7 +97,7 @@ class ChatStreamState:
             d["tool_calls"] = tool_call_dicts(calls, stream=True)
             self.called = True
             if rest and len(rest) > self.sent_content:
-                d["content"] = rest[self.sent_content:]
+                d["content"] = rest[self.sent_content :]
         else:
             self._content(d, content, len(content))
 

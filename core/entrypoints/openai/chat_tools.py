@@ -36,14 +36,22 @@ class ChatToolsMixin:
         if plan.constraint is None:
             return
         if request.use_beam_search:
-            raise ApiError(400, f"tool_choice {plan.mode!r} cannot be combined with 'use_beam_search'.",
-                           param="tool_choice")
+            raise ApiError(
+                400, f"tool_choice {plan.mode!r} cannot be combined with 'use_beam_search'.", param="tool_choice"
+            )
         if params.structured_outputs is not None:
-            raise ApiError(400, f"tool_choice {plan.mode!r} cannot be combined with response_format or "
-                           "structured_outputs.", param="tool_choice")
+            raise ApiError(
+                400,
+                f"tool_choice {plan.mode!r} cannot be combined with response_format or structured_outputs.",
+                param="tool_choice",
+            )
         if params.min_tokens > 0:
-            raise ApiError(400, f"'min_tokens' must be 0 with tool_choice {plan.mode!r} (the calls' grammar decides "
-                           "where the output ends).", param="min_tokens")
+            raise ApiError(
+                400,
+                f"'min_tokens' must be 0 with tool_choice {plan.mode!r} (the calls' grammar decides "
+                "where the output ends).",
+                param="min_tokens",
+            )
         params.structured_outputs = plan.constraint
 
     def chat_output(self, request: Any) -> ChatOutput:

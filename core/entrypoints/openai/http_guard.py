@@ -20,8 +20,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from pagedserve.entrypoints.openai.errors import ApiError
 
-__all__ = ["CorsSettings", "add_http_security_arguments", "cors_settings_from_args", "install_cors",
-           "require_json"]
+__all__ = ["CorsSettings", "add_http_security_arguments", "cors_settings_from_args", "install_cors", "require_json"]
 
 
 def require_json(request: Request) -> None:
@@ -31,8 +30,11 @@ def require_json(request: Request) -> None:
     if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
         return
     got = f"'{raw}'" if raw else "none"
-    raise ApiError(415, f"Unsupported Content-Type {got}: this route takes a JSON body; send "
-                   "'Content-Type: application/json'.", code="unsupported_media_type")
+    raise ApiError(
+        415,
+        f"Unsupported Content-Type {got}: this route takes a JSON body; send 'Content-Type: application/json'.",
+        code="unsupported_media_type",
+    )
 
 
 @dataclass
@@ -49,8 +51,13 @@ def install_cors(app: FastAPI, cors: CorsSettings | None) -> None:
     """Add the CORS middleware when origins are configured."""
     if cors is None or not cors.allowed_origins:
         return
-    app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
-                       allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=cors.allowed_origins,
+        allow_methods=cors.allowed_methods,
+        allow_headers=cors.allowed_headers,
+        allow_credentials=cors.allow_credentials,
+    )
 
 
 def parse_list(value: str, flag: str) -> list[str]:
@@ -70,20 +77,38 @@ def parse_list(value: str, flag: str) -> list[str]:
 def add_http_security_arguments(parser: argparse.ArgumentParser) -> None:
     """--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials."""
     g = parser.add_argument_group("cross-origin requests (CORS)")
-    g.add_argument("--allowed-origins", type=lambda v: parse_list(v, "--allowed-origins"), default=[],
-                   help='origins whose web pages may call this server, as a JSON list or comma list, e.g. '
-                        '\'["http://localhost:3000"]\' or "*" (default: none)')
-    g.add_argument("--allowed-methods", type=lambda v: parse_list(v, "--allowed-methods"), default=["*"],
-                   help="HTTP methods allowed cross-origin (default: all; only with --allowed-origins)")
-    g.add_argument("--allowed-headers", type=lambda v: parse_list(v, "--allowed-headers"), default=["*"],
-                   help="request headers allowed cross-origin (default: all; only with --allowed-origins)")
-    g.add_argument("--allow-credentials", action="store_true",
-                   help="let cross-origin pages send cookies and Authorization (only with --allowed-origins)")
+    g.add_argument(
+        "--allowed-origins",
+        type=lambda v: parse_list(v, "--allowed-origins"),
+        default=[],
+        help="origins whose web pages may call this server, as a JSON list or comma list, e.g. "
+        '\'["http://localhost:3000"]\' or "*" (default: none)',
+    )
+    g.add_argument(
+        "--allowed-methods",
+        type=lambda v: parse_list(v, "--allowed-methods"),
+        default=["*"],
+        help="HTTP methods allowed cross-origin (default: all; only with --allowed-origins)",
+    )
+    g.add_argument(
+        "--allowed-headers",
+        type=lambda v: parse_list(v, "--allowed-headers"),
+        default=["*"],
+        help="request headers allowed cross-origin (default: all; only with --allowed-origins)",
+    )
+    g.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="let cross-origin pages send cookies and Authorization (only with --allowed-origins)",
+    )
 
 
 def cors_settings_from_args(args: argparse.Namespace) -> CorsSettings:
     if "*" in args.allowed_origins and args.allow_credentials:
-        raise ValueError("--allow-credentials cannot be combined with --allowed-origins '*': browsers refuse "
-                         "credentials for a wildcard origin; list the origins instead")
-    return CorsSettings(list(args.allowed_origins), list(args.allowed_methods), list(args.allowed_headers),
-                        bool(args.allow_credentials))
+        raise ValueError(
+            "--allow-credentials cannot be combined with --allowed-origins '*': browsers refuse "
+            "credentials for a wildcard origin; list the origins instead"
+        )
+    return CorsSettings(
+        list(args.allowed_origins), list(args.allowed_methods), list(args.allowed_headers), bool(args.allow_credentials)
+    )

@@ -24,28 +24,52 @@ _REF = "#/components/schemas/{model}"
 # Fields typed `Any` in the models because their check lives in code: their real shape.
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _FIELD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
-    ("CompletionRequest", "prompt"): {"anyOf": [
-        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1},
-                                             "minItems": 1},
-        _TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]},
-    ("EmbeddingRequest", "input"): {"anyOf": [
-        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1},
-                                             "minItems": 1},
-        _TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]},
-    ("ChatMessage", "content"): {"anyOf": [
-        {"type": "string"}, {"type": "null"},
-        {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
-            "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]},
+    ("CompletionRequest", "prompt"): {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+            _TOKEN_IDS,
+            {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+        ]
+    },
+    ("EmbeddingRequest", "input"): {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+            _TOKEN_IDS,
+            {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+        ]
+    },
+    ("ChatMessage", "content"): {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "null"},
+            {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["type", "text"],
+                    "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
+                },
+            },
+        ]
+    },
 }
 
 # Ranges checked in code (SamplingParams, protocol.py): documented, and what a schema-based
 # client or fuzzer generates.  Each applies to the field's non-null form.
 _RANGES: dict[str, dict[str, Any]] = {
-    "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
-    "temperature": {"minimum": 0, "maximum": 2}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-    "n": {"minimum": 1, "maximum": 128}, "top_k": {"minimum": -1}, "min_p": {"minimum": 0, "maximum": 1},
-    "presence_penalty": {"minimum": -2, "maximum": 2}, "frequency_penalty": {"minimum": -2, "maximum": 2},
-    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 10}, "min_tokens": {"minimum": 0},
+    "max_tokens": {"minimum": 1},
+    "max_completion_tokens": {"minimum": 1},
+    "temperature": {"minimum": 0, "maximum": 2},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "n": {"minimum": 1, "maximum": 128},
+    "top_k": {"minimum": -1},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 10},
+    "min_tokens": {"minimum": 0},
     "top_logprobs": {"minimum": 0, "maximum": 20},
 }
 # Fields accepted for compatibility whose other values are refused (400) as not implemented.
@@ -78,20 +102,37 @@ def _constrain(props: dict[str, Any], models: list[str]) -> None:
 
 
 _ERROR_SCHEMA = {
-    "type": "object", "required": ["error"],
-    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
 }
-_ERRORS = {"400": "Invalid request", "401": "Missing or wrong API key", "404": "Unknown model or route",
-           "413": "Body too large", "415": "Body is not JSON", "500": "The engine failed on this request",
-           "503": "Queue full, engine unavailable or shutting down"}
+_ERRORS = {
+    "400": "Invalid request",
+    "401": "Missing or wrong API key",
+    "404": "Unknown model or route",
+    "413": "Body too large",
+    "415": "Body is not JSON",
+    "500": "The engine failed on this request",
+    "503": "Queue full, engine unavailable or shutting down",
+}
 
 
 def _error_responses() -> dict[str, Any]:
     ref = {"$ref": _REF.format(model="ErrorResponse")}
-    return {code: {"description": text, "content": {"application/json": {"schema": ref}}}
-            for code, text in _ERRORS.items()}
+    return {
+        code: {"description": text, "content": {"application/json": {"schema": ref}}} for code, text in _ERRORS.items()
+    }
 
 
 def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]], models: list[str]) -> None:
@@ -101,8 +142,7 @@ def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]], models: li
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
             return app.openapi_schema
-        schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                             routes=app.routes)
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         _, defs = models_json_schema([(m, "validation") for m in bodies.values()], ref_template=_REF)
         components = defs.get("$defs", {})
         for (model, name), field_schema in _FIELD_SCHEMAS.items():
@@ -118,17 +158,23 @@ def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]], models: li
         schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
         for path, model in bodies.items():
             op = schema["paths"][path]["post"]
-            op["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": {"$ref": _REF.format(model=model.__name__)}}}}
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}},
+            }
             op.setdefault("responses", {}).update(_error_responses())
-            op["responses"]["200"] = {"description": "A completion object, or server-sent events with "
-                                                     "`stream: true`",
-                                      "content": {"application/json": {"schema": {"type": "object"}},
-                                                  "text/event-stream": {"schema": {"type": "string"}}}}
+            op["responses"]["200"] = {
+                "description": "A completion object, or server-sent events with `stream: true`",
+                "content": {
+                    "application/json": {"schema": {"type": "object"}},
+                    "text/event-stream": {"schema": {"type": "string"}},
+                },
+            }
         for path, item in schema["paths"].items():
             for op in item.values():
                 op.setdefault("responses", {}).update(
-                    {k: v for k, v in _error_responses().items() if k in ("401", "404") and path.startswith("/v1")})
+                    {k: v for k, v in _error_responses().items() if k in ("401", "404") and path.startswith("/v1")}
+                )
         app.openapi_schema = schema
         return schema
 

@@ -163,8 +163,9 @@ def parse_request(cls: type[_M], body: bytes) -> _M:
 
 
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 def normalize_prompts(prompt: Any) -> list[str | list[int]]:
@@ -178,8 +179,12 @@ def normalize_prompts(prompt: Any) -> list[str | list[int]]:
             return list(prompt)
     if prompt is None:
         raise ApiError(400, "Missing required parameter: 'prompt'.", param="prompt")
-    raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of "
-                   "token-id lists, none of them empty.", param="prompt")
+    raise ApiError(
+        400,
+        "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+        "token-id lists, none of them empty.",
+        param="prompt",
+    )
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -206,8 +211,11 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
             raise ApiError(400, f"'{where}' must be a string or a list of text parts.", param=where)
         role = "system" if m.role == "developer" else m.role
         # A participant's name reaches the template, as in vLLM.
-        out.append(message_tool_fields(m, {"role": role, "content": content,
-                                            **({"name": m.name} if m.name is not None else {})}, i))
+        out.append(
+            message_tool_fields(
+                m, {"role": role, "content": content, **({"name": m.name} if m.name is not None else {})}, i
+            )
+        )
     return out
 
 
@@ -225,8 +233,9 @@ def _unsupported(request: _GenerationRequest) -> None:
             raise ApiError(400, f"'{name}' is not supported{why}.", param=name)
 
 
-def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                       defaults: dict[str, Any] | None = None) -> SamplingParams:
+def to_sampling_params(
+    request: CompletionRequest | ChatCompletionRequest, max_tokens: int, defaults: dict[str, Any] | None = None
+) -> SamplingParams:
     """SamplingParams for one prompt; `max_tokens` is already checked against the context;
     `defaults` (generation_config.json) fill the sampling fields the request leaves unset."""
     d = defaults or {}
@@ -234,14 +243,16 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_t
     if not 1 <= request.n <= MAX_N:
         raise ApiError(400, f"'n' must be between 1 and {MAX_N}, got {request.n}.", param="n")
     if request.best_of is not None and not request.n <= request.best_of <= MAX_N:
-        raise ApiError(400, f"'best_of' must be between n ({request.n}) and {MAX_N}, got {request.best_of}.",
-                       param="best_of")
+        raise ApiError(
+            400, f"'best_of' must be between n ({request.n}) and {MAX_N}, got {request.best_of}.", param="best_of"
+        )
     if isinstance(request, ChatCompletionRequest):
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
-            raise ApiError(400, f"'top_logprobs' must be between 0 and 20, got {request.top_logprobs}.",
-                           param="top_logprobs")
+            raise ApiError(
+                400, f"'top_logprobs' must be between 0 and 20, got {request.top_logprobs}.", param="top_logprobs"
+            )
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         logprobs_field = "top_logprobs"
     else:
@@ -264,8 +275,9 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_t
         ignore_eos=request.ignore_eos,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=(d.get("repetition_penalty", 1.0) if request.repetition_penalty is None
-                            else request.repetition_penalty),
+        repetition_penalty=(
+            d.get("repetition_penalty", 1.0) if request.repetition_penalty is None else request.repetition_penalty
+        ),
         logprobs=logprobs,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,

@@ -42,14 +42,18 @@ _SHARED: dict[str, Field] = {
     "seed": Field(HONOURED, None, "per-request sampling seed, int64"),
     "stop": Field(HONOURED, None, "strings that end the completion"),
     "stream": Field(HONOURED, False, "server-sent events"),
-    "stream_options": Field(HONOURED, None, "include_usage: a last chunk with the usage; with "
-                            "continuous_usage_stats also the usage so far on every chunk"),
+    "stream_options": Field(
+        HONOURED,
+        None,
+        "include_usage: a last chunk with the usage; with continuous_usage_stats also the usage so far on every chunk",
+    ),
     "temperature": Field(HONOURED, None, "sampling temperature (0 = greedy)"),
     "top_p": Field(HONOURED, None, "nucleus sampling mass, (0, 1]"),
     "user": Field(HONOURED, None, "end-user id for the operator's logs; no effect on the output"),
     "best_of": Field(HONOURED, None, "samples drawn; the n with the highest cumulative logprob are returned"),
-    "use_beam_search": Field(HONOURED, False, "beam search with beam width n (not with stream or sampling "
-                             "fields it does not use)"),
+    "use_beam_search": Field(
+        HONOURED, False, "beam search with beam width n (not with stream or sampling fields it does not use)"
+    ),
     "top_k": Field(HONOURED, None, "sample among the k most likely tokens"),
     "min_p": Field(HONOURED, None, "drop tokens below min_p x the top token's probability"),
     "repetition_penalty": Field(HONOURED, None, "divide logits of tokens already seen, (0, 10]"),
@@ -60,31 +64,38 @@ _SHARED: dict[str, Field] = {
     "min_tokens": Field(HONOURED, 0, "tokens generated before EOS / stop tokens may end the completion"),
     "skip_special_tokens": Field(HONOURED, True, "leave special tokens out of the text"),
     "spaces_between_special_tokens": Field(
-        HONOURED, True, "false: special tokens joined to the text as the tokenizer decodes them "
-        "(what fast tokenizers always do, as in vLLM)"),
+        HONOURED,
+        True,
+        "false: special tokens joined to the text as the tokenizer decodes them "
+        "(what fast tokenizers always do, as in vLLM)",
+    ),
     "truncate_prompt_tokens": Field(HONOURED, None, "keep only the last k prompt tokens"),
     "allowed_token_ids": Field(HONOURED, None, "only these token ids may be generated"),
     "prompt_logprobs": Field(HONOURED, None, "logprobs of every prompt token (with k alternatives)"),
     "bad_words": Field(HONOURED, None, "words never generated"),
-    "echo": Field(HONOURED, False, "completions: the prompt before the completion; chat: the last "
-                  "assistant message before the reply"),
+    "echo": Field(
+        HONOURED,
+        False,
+        "completions: the prompt before the completion; chat: the last assistant message before the reply",
+    ),
     "add_special_tokens": Field(HONOURED, None, "add the tokenizer's BOS/EOS to the prompt"),
-    "response_format": Field(HONOURED, None, "text, json_object, json_schema or structural_tag constrained "
-                             "output"),
+    "response_format": Field(HONOURED, None, "text, json_object, json_schema or structural_tag constrained output"),
     "guided_json": Field(HONOURED, None, "output follows a JSON schema"),
     "guided_regex": Field(HONOURED, None, "output follows a regex"),
     "guided_choice": Field(HONOURED, None, "output is one of the choices"),
     "guided_grammar": Field(HONOURED, None, "output follows an EBNF grammar"),
     "guided_decoding_backend": Field(HONOURED, None, "structured-output backend: auto or xgrammar (400 otherwise)"),
     "guided_whitespace_pattern": Field(REFUSED, None, "whitespace pattern of guided JSON"),
-    "structured_outputs": Field(HONOURED, None, "output constraint: json, regex, choice, grammar, json_object "
-                                "or structural_tag"),
+    "structured_outputs": Field(
+        HONOURED, None, "output constraint: json, regex, choice, grammar, json_object or structural_tag"
+    ),
     "priority": Field(HONOURED, 0, "lower is served first under --scheduling-policy priority"),
     "request_id": Field(HONOURED, None, "used in the response id"),
     "logits_processors": Field(REFUSED, None, "custom logits processors by qualified name"),
     "return_tokens_as_token_ids": Field(HONOURED, None, "logprob tokens written 'token_id:<id>'"),
-    "cache_salt": Field(HONOURED, None, "salts the request's prefix-cache hashes: only requests with the "
-                        "same salt share cached blocks"),
+    "cache_salt": Field(
+        HONOURED, None, "salts the request's prefix-cache hashes: only requests with the same salt share cached blocks"
+    ),
     "kv_transfer_params": Field(REFUSED, None, "disaggregated-serving KV transfer"),
     "vllm_xargs": Field(REFUSED, None, "extra arguments for custom extensions"),
     "mm_processor_kwargs": Field(REFUSED, None, "multimodal processor arguments"),
@@ -95,8 +106,9 @@ COMPLETION_FIELDS: dict[str, Field] = {
     "prompt": Field(HONOURED, None, "a string, strings, token ids or lists of token ids"),
     "prompt_embeds": Field(REFUSED, None, "prompt embeddings instead of tokens"),
     "logprobs": Field(HONOURED, None, "logprobs of the k most likely tokens per position (0-20)"),
-    "suffix": Field(HONOURED, None, "text after the completion (fill-in-the-middle; 400 if the model "
-                    "has no FIM tokens)"),
+    "suffix": Field(
+        HONOURED, None, "text after the completion (fill-in-the-middle; 400 if the model has no FIM tokens)"
+    ),
 }
 
 CHAT_FIELDS: dict[str, Field] = {
@@ -106,15 +118,15 @@ CHAT_FIELDS: dict[str, Field] = {
     "top_logprobs": Field(HONOURED, None, "alternatives per position with logprobs (0-20)"),
     "max_completion_tokens": Field(HONOURED, None, "tokens to generate at most"),
     "tools": Field(HONOURED, None, "tool definitions, shown to the chat template"),
-    "tool_choice": Field(HONOURED, None, "none, auto (needs --enable-auto-tool-choice), required or a named "
-                         "function"),
+    "tool_choice": Field(HONOURED, None, "none, auto (needs --enable-auto-tool-choice), required or a named function"),
     "parallel_tool_calls": Field(HONOURED, None, "false: at most one tool call per reply"),
     "reasoning_effort": Field(REFUSED, None, "reasoning effort of reasoning models"),
     "include_reasoning": Field(REFUSED, True, "return the reasoning content"),
     "structural_tag": Field(REFUSED, None, "vLLM's old top-level structural tag (use response_format)"),
     "add_generation_prompt": Field(HONOURED, True, "end the prompt with the assistant turn's header"),
-    "continue_final_message": Field(HONOURED, False, "continue the last (assistant) message "
-                                    "(needs add_generation_prompt: false)"),
+    "continue_final_message": Field(
+        HONOURED, False, "continue the last (assistant) message (needs add_generation_prompt: false)"
+    ),
     "documents": Field(HONOURED, None, "documents passed to the chat template (RAG templates)"),
     "chat_template": Field(HONOURED, None, "a Jinja chat template for this request"),
     "chat_template_kwargs": Field(HONOURED, None, "extra variables for the chat template"),
@@ -140,5 +152,6 @@ def refuse_unimplemented(request: BaseModel, table: dict[str, Field]) -> None:
     for name, value in (request.model_extra or {}).items():
         f = table.get(name)
         if f is not None and used(value, f.default):
-            raise ApiError(400, f"'{name}' is refused: '{name}' ({f.meaning}) is not supported by this server.",
-                           param=name)
+            raise ApiError(
+                400, f"'{name}' is refused: '{name}' ({f.meaning}) is not supported by this server.", param=name
+            )

@@ -10,11 +10,10 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from pagedserve.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError,
-                                     RequestStream)
+from pagedserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from pagedserve.entrypoints.openai.errors import ApiError, error_body
-from pagedserve.entrypoints.openai.serving_lora import REQUEST_LORA
 from pagedserve.entrypoints.openai.serving_fields import field_named, generation_defaults, salt_kwargs
+from pagedserve.entrypoints.openai.serving_lora import REQUEST_LORA
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -85,8 +84,7 @@ class OpenAIServing:
     #: The served LoRA adapters (serving_lora.LoRAServing) with --enable-lora.
     lora = None
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
-                 chat_template: str | None = None) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], chat_template: str | None = None) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.chat_template = chat_template
@@ -104,12 +102,12 @@ class OpenAIServing:
             REQUEST_LORA.set(self.lora.resolve(requested))  # read by submit() of this request
             return requested
         if requested not in self.served_model_names:
-            raise ApiError(404, f"The model `{requested}` does not exist.", param="model",
-                           code="model_not_found")
+            raise ApiError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
         return requested
 
-    def resolve_max_tokens(self, requested: int | None, prompt_len: int, default: int | None,
-                           field: str = "max_tokens") -> int:
+    def resolve_max_tokens(
+        self, requested: int | None, prompt_len: int, default: int | None, field: str = "max_tokens"
+    ) -> int:
         """Tokens to generate: the request's, or `default`, within the context window."""
         limit = self.engine.max_model_len
         room = limit - prompt_len
@@ -119,13 +117,17 @@ class OpenAIServing:
             raise ApiError(400, f"'{field}' must be at least 1, got {requested}.", param=field)
         if requested > room:
             raise ApiError(
-                400, f"This model's maximum context length is {limit} tokens (max_model_len). However, you "
+                400,
+                f"This model's maximum context length is {limit} tokens (max_model_len). However, you "
                 f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
-                f"completion). Please reduce the length of the prompt or '{field}'.", param=field)
+                f"completion). Please reduce the length of the prompt or '{field}'.",
+                param=field,
+            )
         return requested
 
-    def validate_prompt(self, prompt: str | list[int], param: str,
-                        prompt_token_ids: list[int] | None = None) -> tuple[str | None, list[int]]:
+    def validate_prompt(
+        self, prompt: str | list[int], param: str, prompt_token_ids: list[int] | None = None
+    ) -> tuple[str | None, list[int]]:
         try:
             return self.engine.validate(prompt, prompt_token_ids)
         except ValueError as e:
@@ -136,9 +138,16 @@ class OpenAIServing:
     def new_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    async def submit(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                     params: list[SamplingParams], param: str, priority: int = 0,
-                     cache_salt: str | None = None, extra: dict | None = None) -> list[RequestStream]:
+    async def submit(
+        self,
+        request_id: str,
+        prompts: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        param: str,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        extra: dict | None = None,
+    ) -> list[RequestStream]:
         """Queue every prompt (all or none); engine refusals become HTTP errors.  ``extra``:
         more add_request keywords (an embedding request's pooling_params)."""
         streams: list[RequestStream] = []
@@ -150,8 +159,11 @@ class OpenAIServing:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 if self.request_logger is not None:
                     self.request_logger.received(rid, text, ids, sp)
-                streams.append(await self.engine.add_request(rid, text, sp, prompt_token_ids=ids,
-                                                             priority=priority, **salt, **(extra or {})))
+                streams.append(
+                    await self.engine.add_request(
+                        rid, text, sp, prompt_token_ids=ids, priority=priority, **salt, **(extra or {})
+                    )
+                )
         except BaseException as e:
             for s in streams:
                 s.abort()
@@ -191,8 +203,11 @@ class OpenAIServing:
 
     @staticmethod
     def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
 
     @staticmethod
     def created() -> int:
@@ -208,16 +223,18 @@ class OpenAIServing:
 
     def top_entries(self, entry: dict[int, Any], top_n: int) -> list[tuple[int, float]]:
         """The `top_n` most likely tokens of one position, best first."""
-        ranked = sorted(((r.rank, tid, r.logprob) for tid, r in entry.items()
-                         if r.rank is not None and r.rank <= top_n))
+        ranked = sorted(
+            ((r.rank, tid, r.logprob) for tid, r in entry.items() if r.rank is not None and r.rank <= top_n)
+        )
         return [(tid, lp) for _, tid, lp in ranked[:top_n]]
 
     def token_label(self, token_id: int, as_ids: bool | None) -> str:
         """A logprob token as text, or ``token_id:<id>`` (return_tokens_as_token_ids)."""
         return f"token_id:{token_id}" if as_ids else self.token_text(token_id)
 
-    def completion_logprobs(self, token_ids: list[int], entries: list[dict[int, Any]], top_n: int,
-                            offset: int, as_ids: bool | None = False) -> dict[str, list]:
+    def completion_logprobs(
+        self, token_ids: list[int], entries: list[dict[int, Any]], top_n: int, offset: int, as_ids: bool | None = False
+    ) -> dict[str, list]:
         """The completions API's logprobs object for these tokens; text_offset starts at `offset`."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, entry in zip(token_ids, entries):
@@ -233,18 +250,26 @@ class OpenAIServing:
             offset += len(text)
         return out
 
-    def chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Any]], top_n: int,
-                      as_ids: bool | None = False) -> list[dict]:
+    def chat_logprobs(
+        self, token_ids: list[int], entries: list[dict[int, Any]], top_n: int, as_ids: bool | None = False
+    ) -> list[dict]:
         """The chat API's `logprobs.content` list for these tokens."""
         content = []
         for tid, entry in zip(token_ids, entries):
             text = self.token_label(tid, as_ids)
-            content.append({
-                "token": text,
-                "logprob": clamp_logprob(entry[tid].logprob) if tid in entry else _MIN_LOGPROB,
-                "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [{"token": self.token_label(t, as_ids), "logprob": clamp_logprob(lp),
-                                  "bytes": list(self.token_label(t, as_ids).encode("utf-8"))}
-                                 for t, lp in self.top_entries(entry, top_n)],
-            })
+            content.append(
+                {
+                    "token": text,
+                    "logprob": clamp_logprob(entry[tid].logprob) if tid in entry else _MIN_LOGPROB,
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [
+                        {
+                            "token": self.token_label(t, as_ids),
+                            "logprob": clamp_logprob(lp),
+                            "bytes": list(self.token_label(t, as_ids).encode("utf-8")),
+                        }
+                        for t, lp in self.top_entries(entry, top_n)
+                    ],
+                }
+            )
         return content

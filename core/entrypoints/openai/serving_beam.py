@@ -14,10 +14,29 @@ from pagedserve.sampling_params import SamplingParams
 __all__ = ["check_beam_fields", "run_beam_search", "beam_params", "beam_choices"]
 
 # Fields that change sampling but that beam search does not use.
-_NOT_WITH_BEAMS = ("stream", "best_of", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
-                   "allowed_token_ids", "bad_words", "prompt_logprobs", "echo", "logprobs", "top_logprobs",
-                   "include_stop_str_in_output", "suffix")
+_NOT_WITH_BEAMS = (
+    "stream",
+    "best_of",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "prompt_logprobs",
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "include_stop_str_in_output",
+    "suffix",
+)
 
 
 def check_beam_fields(request: Any, is_chat: bool) -> None:
@@ -25,8 +44,7 @@ def check_beam_fields(request: Any, is_chat: bool) -> None:
     table = CHAT_FIELDS if is_chat else COMPLETION_FIELDS
     if not request.use_beam_search:
         if request.length_penalty != 1.0:
-            raise ApiError(400, "'length_penalty' only applies with 'use_beam_search': true.",
-                           param="length_penalty")
+            raise ApiError(400, "'length_penalty' only applies with 'use_beam_search': true.", param="length_penalty")
         return
     for name in _NOT_WITH_BEAMS:
         if name in table and used(getattr(request, name, None), table[name].default):
@@ -36,16 +54,22 @@ def check_beam_fields(request: Any, is_chat: bool) -> None:
 def beam_params(request: Any, max_tokens: int, defaults: dict) -> BeamSearchParams:
     temperature = request.temperature if request.temperature is not None else defaults.get("temperature", 1.0)
     try:
-        return BeamSearchParams(beam_width=request.n, max_tokens=max_tokens, ignore_eos=request.ignore_eos,
-                                temperature=temperature, length_penalty=request.length_penalty)
+        return BeamSearchParams(
+            beam_width=request.n,
+            max_tokens=max_tokens,
+            ignore_eos=request.ignore_eos,
+            temperature=temperature,
+            length_penalty=request.length_penalty,
+        )
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
         param = {"beam_width": "n"}.get(name, name)
         raise ApiError(400, str(e).replace("beam_width", "n (the beam width)"), param=param) from None
 
 
-async def run_beam_search(serving: Any, request_id: str, prompts: list[list[int]], params: BeamSearchParams,
-                          priority: int = 0) -> list:
+async def run_beam_search(
+    serving: Any, request_id: str, prompts: list[list[int]], params: BeamSearchParams, priority: int = 0
+) -> list:
     """The BeamSearchOutput of every prompt; each step's beams go to the engine together."""
     engine = serving.engine
     search = BeamSearch(prompts, params, _eos_ids(engine), engine.max_model_len)
@@ -55,8 +79,7 @@ async def run_beam_search(serving: Any, request_id: str, prompts: list[list[int]
         nonlocal step_no
         step_no += 1
         prompts_ = [(None, t) for t in tokens]
-        streams = await serving.submit(f"{request_id}-s{step_no}", prompts_, [step] * len(tokens), "prompt",
-                                       priority)
+        streams = await serving.submit(f"{request_id}-s{step_no}", prompts_, [step] * len(tokens), "prompt", priority)
         finals = await serving.collect(streams)
         return [f.outputs[0].logprobs[0] for f in finals]
 
@@ -81,19 +104,31 @@ def beam_choices(outputs: list, prompt_lens: list[int], chat: bool) -> tuple[lis
         for j, seq in enumerate(out.sequences):
             generated += len(seq.tokens) - prompt_lens[i]
             body = {"message": {"role": "assistant", "content": seq.text}} if chat else {"text": seq.text}
-            choices.append({"index": i * n + j, **body, "logprobs": None, "finish_reason": seq.finish_reason,
-                            "stop_reason": None})
+            choices.append(
+                {"index": i * n + j, **body, "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None}
+            )
     return choices, generated
 
 
-async def beam_search_response(serving: Any, request: Any, request_id: str, model: str,
-                               prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-                               chat: bool) -> dict:
+async def beam_search_response(
+    serving: Any,
+    request: Any,
+    request_id: str,
+    model: str,
+    prompts: list[tuple[str | None, list[int]]],
+    params: list[SamplingParams],
+    chat: bool,
+) -> dict:
     """The whole response of a use_beam_search request (streaming is refused)."""
     bp = beam_params(request, min(p.max_tokens for p in params), serving.generation_defaults)
     ids = [p for _, p in prompts]
     outputs = await run_beam_search(serving, request_id, ids, bp, request.priority)
     choices, generated = beam_choices(outputs, [len(p) for p in ids], chat)
-    return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
-            "created": serving.created(), "model": model, "choices": choices,
-            "usage": serving.usage(sum(len(p) for p in ids), generated)}
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": serving.created(),
+        "model": model,
+        "choices": choices,
+        "usage": serving.usage(sum(len(p) for p in ids), generated),
+    }

@@ -6,12 +6,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from pagedserve.async_engine import EngineDeadError, RequestFailedError, RequestStream
-from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_messages, to_sampling_params
-from pagedserve.entrypoints.openai.serving_beam import beam_search_response
-from pagedserve.entrypoints.openai.serving_base import SSE_DONE, EventStream, OpenAIServing, sse
 from pagedserve.entrypoints.openai.chat_tools import ChatToolsMixin
-from pagedserve.entrypoints.openai.serving_fields import (chat_prompt_text, echo_prefix, prompt_logprobs_json,
-                                                          response_id)
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_messages, to_sampling_params
+from pagedserve.entrypoints.openai.serving_base import SSE_DONE, EventStream, OpenAIServing, sse
+from pagedserve.entrypoints.openai.serving_beam import beam_search_response
+from pagedserve.entrypoints.openai.serving_fields import (
+    chat_prompt_text,
+    echo_prefix,
+    prompt_logprobs_json,
+    response_id,
+)
 from pagedserve.request_options import truncate_prompt
 
 __all__ = ["OpenAIServingChat"]
@@ -21,8 +25,7 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
     def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt text and token ids of the conversation."""
         messages = chat_messages(request.messages)
-        text = chat_prompt_text(self.tokenizer, request, messages, self.chat_template,
-                                self.template_kwargs(request))
+        text = chat_prompt_text(self.tokenizer, request, messages, self.chat_template, self.template_kwargs(request))
         # The template already wrote any BOS it wants (unless add_special_tokens says otherwise).
         ids = self.tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
         kept = truncate_prompt(ids, request.truncate_prompt_tokens)
@@ -36,14 +39,16 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
         field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         d = self.generation_defaults
-        params = to_sampling_params(request, self.resolve_max_tokens(requested, len(ids), d.get("max_tokens"), field),
-                                    d)
+        params = to_sampling_params(
+            request, self.resolve_max_tokens(requested, len(ids), d.get("max_tokens"), field), d
+        )
         self.constrain_tools(request, params)
         request_id = response_id("chatcmpl", request, self.new_id("chatcmpl"))
         if request.use_beam_search:
             return await beam_search_response(self, request, request_id, model, [(text, ids)], [params], chat=True)
-        streams = await self.submit(request_id, [(text, ids)], [params], "messages", request.priority,
-                                    request.cache_salt)
+        streams = await self.submit(
+            request_id, [(text, ids)], [params], "messages", request.priority, request.cache_salt
+        )
         echo = echo_prefix(request, chat_messages(request.messages))
         if request.stream:
             return EventStream(self._stream(request, request_id, model, streams[0], echo), streams)
@@ -52,8 +57,11 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
     def _logprobs(self, request: ChatCompletionRequest, token_ids, entries) -> dict | None:
         if not request.logprobs or entries is None:
             return None
-        return {"content": self.chat_logprobs(token_ids, entries, request.top_logprobs or 0,
-                                              request.return_tokens_as_token_ids)}
+        return {
+            "content": self.chat_logprobs(
+                token_ids, entries, request.top_logprobs or 0, request.return_tokens_as_token_ids
+            )
+        }
 
     def _whole(self, request: ChatCompletionRequest, request_id: str, model: str, out, echo: str = "") -> dict:
         shaper = self.chat_output(request)
@@ -62,18 +70,31 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
             message, finish = shaper.message(c.text, self.finish_reason(c.finish_reason))
             if echo:
                 message["content"] = echo + (message.get("content") or "")
-            choices.append({"index": c.index, "message": message,
-                            "logprobs": self._logprobs(request, c.token_ids, c.logprobs),
-                            "finish_reason": finish, "stop_reason": c.stop_reason})
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._logprobs(request, c.token_ids, c.logprobs),
+                    "finish_reason": finish,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        body = {"id": request_id, "object": "chat.completion", "created": self.created(), "model": model,
-                "choices": choices, "usage": self.usage(len(out.prompt_token_ids), completion_tokens)}
+        body = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": self.created(),
+            "model": model,
+            "choices": choices,
+            "usage": self.usage(len(out.prompt_token_ids), completion_tokens),
+        }
         if request.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.token_text)
         return body
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
-                      stream: RequestStream, echo: str = "") -> AsyncIterator[str]:
+    async def _stream(
+        self, request: ChatCompletionRequest, request_id: str, model: str, stream: RequestStream, echo: str = ""
+    ) -> AsyncIterator[str]:
         created = self.created()
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         shaper = self.chat_output(request)
@@ -83,8 +104,13 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
         prompt_tokens = 0
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": choices}
+            body = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
             if include_usage:
                 if usage is None and continuous:
                     usage = self.usage(prompt_tokens, sum(sent_tokens))
@@ -93,29 +119,44 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
 
         try:
             # OpenAI opens every choice with the assistant role and empty content.
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(request.n)])
+            yield chunk(
+                [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    for i in range(request.n)
+                ]
+            )
             if echo:
-                yield chunk([{"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
-                             for i in range(request.n)])
+                yield chunk(
+                    [
+                        {"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
+                        for i in range(request.n)
+                    ]
+                )
             async for out in stream:
                 prompt_tokens = len(out.prompt_token_ids)
                 choices = []
                 for c in out.outputs:
                     i = c.index
-                    new_ids = c.token_ids[sent_tokens[i]:]
+                    new_ids = c.token_ids[sent_tokens[i] :]
                     finish = self.finish_reason(c.finish_reason)
                     delta = states[i].delta(c.text, finish is not None, finish)
                     if finish is not None:
                         finish = shaper.finish_reason(finish, states[i].called)
                     if not delta and finish is None and not (new_ids and request.logprobs):
                         continue
-                    logprobs = self._logprobs(request, new_ids,
-                                              None if c.logprobs is None else c.logprobs[sent_tokens[i]:])
+                    logprobs = self._logprobs(
+                        request, new_ids, None if c.logprobs is None else c.logprobs[sent_tokens[i] :]
+                    )
                     sent_tokens[i] = len(c.token_ids)
-                    choices.append({"index": i, "delta": delta,
-                                    "logprobs": logprobs, "finish_reason": finish,
-                                    "stop_reason": c.stop_reason if finish else None})
+                    choices.append(
+                        {
+                            "index": i,
+                            "delta": delta,
+                            "logprobs": logprobs,
+                            "finish_reason": finish,
+                            "stop_reason": c.stop_reason if finish else None,
+                        }
+                    )
                 if choices:
                     yield chunk(choices)
             if include_usage:

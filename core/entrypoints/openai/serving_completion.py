@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 
 from pagedserve.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from pagedserve.entrypoints.openai.protocol import CompletionRequest, normalize_prompts, to_sampling_params
-from pagedserve.entrypoints.openai.serving_beam import beam_search_response
 from pagedserve.entrypoints.openai.serving_base import SSE_DONE, EventStream, OpenAIServing, merge_streams, sse
+from pagedserve.entrypoints.openai.serving_beam import beam_search_response
 from pagedserve.entrypoints.openai.serving_fields import completion_prompt, prompt_logprobs_json, response_id
 
 __all__ = ["OpenAIServingCompletion"]
@@ -25,8 +25,10 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts.append(self.validate_prompt(text, "prompt", prompt_token_ids=ids))
         d = self.generation_defaults
         default_max = min(_DEFAULT_MAX_TOKENS, d.get("max_tokens", _DEFAULT_MAX_TOKENS))
-        params = [to_sampling_params(request, self.resolve_max_tokens(request.max_tokens, len(ids), default_max), d)
-                  for _, ids in prompts]
+        params = [
+            to_sampling_params(request, self.resolve_max_tokens(request.max_tokens, len(ids), default_max), d)
+            for _, ids in prompts
+        ]
         request_id = response_id("cmpl", request, self.new_id("cmpl"))
         if request.use_beam_search:
             return await beam_search_response(self, request, request_id, model, prompts, params, chat=False)
@@ -39,8 +41,11 @@ class OpenAIServingCompletion(OpenAIServing):
         """(text, token ids, logprob entries) echoed before a completion: the prompt, or nothing."""
         if not request.echo:
             return "", [], []
-        text = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids,
-                                                                               skip_special_tokens=False)
+        text = (
+            out.prompt
+            if out.prompt is not None
+            else self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        )
         entries = [e or {} for e in (out.prompt_logprobs or [])]
         return text, list(out.prompt_token_ids), entries
 
@@ -62,17 +67,31 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 logprobs = self._choice_logprobs(request, out, c, echo, 0, 0)
-                choices.append({"index": i * n + c.index, "text": echo[0] + c.text, "logprobs": logprobs,
-                                "finish_reason": self.finish_reason(c.finish_reason), "stop_reason": c.stop_reason,
-                                "prompt_logprobs": prompt_logprobs_json(
-                                    out.prompt_logprobs if request.prompt_logprobs is not None else None,
-                                    self.token_text)})
+                choices.append(
+                    {
+                        "index": i * n + c.index,
+                        "text": echo[0] + c.text,
+                        "logprobs": logprobs,
+                        "finish_reason": self.finish_reason(c.finish_reason),
+                        "stop_reason": c.stop_reason,
+                        "prompt_logprobs": prompt_logprobs_json(
+                            out.prompt_logprobs if request.prompt_logprobs is not None else None, self.token_text
+                        ),
+                    }
+                )
         choices.sort(key=lambda c: c["index"])
-        return {"id": request_id, "object": "text_completion", "created": self.created(), "model": model,
-                "choices": choices, "usage": self.usage(prompt_tokens, completion_tokens)}
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": self.created(),
+            "model": model,
+            "choices": choices,
+            "usage": self.usage(prompt_tokens, completion_tokens),
+        }
 
-    async def _stream(self, request: CompletionRequest, request_id: str, model: str,
-                      streams: list[RequestStream]) -> AsyncIterator[str]:
+    async def _stream(
+        self, request: CompletionRequest, request_id: str, model: str, streams: list[RequestStream]
+    ) -> AsyncIterator[str]:
         n = request.n
         created = self.created()
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -83,8 +102,13 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_tokens: dict[int, int] = {}
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                    "choices": choices}
+            body = {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
             if include_usage:
                 if usage is None and continuous:
                     usage = self.usage(sum(prompt_tokens.values()), sum(sent_tokens.values()))
@@ -108,15 +132,22 @@ class OpenAIServingCompletion(OpenAIServing):
                     echo = self._echo(request, out) if index not in sent_text else None
                     if echo is not None:
                         echo_chars[index] = len(echo[0])
-                    logprobs = self._choice_logprobs(request, out, c, echo, done_tokens,
-                                                     0 if echo is not None else done_chars + echo_chars[index])
+                    logprobs = self._choice_logprobs(
+                        request, out, c, echo, done_tokens, 0 if echo is not None else done_chars + echo_chars[index]
+                    )
                     if echo is not None:
                         delta = echo[0] + delta
                     sent_text[index] = len(c.text)
                     sent_tokens[index] = len(c.token_ids)
-                    choices.append({"index": index, "text": delta, "logprobs": logprobs,
-                                    "finish_reason": finish,
-                                    "stop_reason": c.stop_reason if finish else None})
+                    choices.append(
+                        {
+                            "index": index,
+                            "text": delta,
+                            "logprobs": logprobs,
+                            "finish_reason": finish,
+                            "stop_reason": c.stop_reason if finish else None,
+                        }
+                    )
                 if choices:
                     yield chunk(choices)
             if include_usage:

@@ -29,8 +29,7 @@ from pagedserve.entrypoints.openai.serving_fields import response_id
 from pagedserve.pooling import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
-__all__ = ["EmbeddingRequest", "EMBEDDING_FIELDS", "OpenAIServingEmbedding", "add_embedding_route",
-           "encode_embedding"]
+__all__ = ["EmbeddingRequest", "EMBEDDING_FIELDS", "OpenAIServingEmbedding", "add_embedding_route", "encode_embedding"]
 
 #: Every field of vLLM's embeddings request and what this server does with it.
 EMBEDDING_FIELDS: dict[str, Field] = {
@@ -88,32 +87,53 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise ApiError(400, "embeddings are not supported with data parallelism.", param="input")
         hidden = self.engine.engine.arch.hidden_size
         if request.dimensions is not None and request.dimensions != hidden:
-            raise ApiError(400, f"'dimensions' = {request.dimensions} is not supported: this model's embeddings "
-                           f"have {hidden} dimensions (no truncation).", param="dimensions")
+            raise ApiError(
+                400,
+                f"'dimensions' = {request.dimensions} is not supported: this model's embeddings "
+                f"have {hidden} dimensions (no truncation).",
+                param="dimensions",
+            )
         if request.input is None:
             raise ApiError(400, "Missing required parameter: 'input'.", param="input")
         try:
             inputs = normalize_prompts(request.input)
         except ApiError:
-            raise ApiError(400, "'input' must be a string, a list of strings, a list of token ids or a list of "
-                           "token-id lists, none of them empty.", param="input") from None
+            raise ApiError(
+                400,
+                "'input' must be a string, a list of strings, a list of token ids or a list of "
+                "token-id lists, none of them empty.",
+                param="input",
+            ) from None
         prompts = []
         for p in inputs:
-            ids = self.tokenizer.encode(p, add_special_tokens=request.add_special_tokens) \
-                if isinstance(p, str) else None
+            ids = (
+                self.tokenizer.encode(p, add_special_tokens=request.add_special_tokens) if isinstance(p, str) else None
+            )
             prompts.append(self.validate_prompt(p, "input", prompt_token_ids=ids))
         pooling = PoolingParams(normalize=request.normalize is not False, dimensions=request.dimensions)
         params = [SamplingParams(max_tokens=1)] * len(prompts)
         request_id = response_id("embd", request, self.new_id("embd"))
-        streams = await self.submit(request_id, prompts, params, "input", request.priority,
-                                    extra={"pooling_params": pooling})
+        streams = await self.submit(
+            request_id, prompts, params, "input", request.priority, extra={"pooling_params": pooling}
+        )
         finals = await self.collect(streams)
-        data = [{"object": "embedding", "index": i,
-                 "embedding": encode_embedding(out.outputs.embedding, request.encoding_format)}
-                for i, out in enumerate(finals)]
+        data = [
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": encode_embedding(out.outputs.embedding, request.encoding_format),
+            }
+            for i, out in enumerate(finals)
+        ]
         tokens = sum(len(out.prompt_token_ids) for out in finals)
-        return {"id": request_id, "object": "list", "created": self.created(), "model": model, "data": data,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return {
+            "id": request_id,
+            "object": "list",
+            "created": self.created(),
+            "model": model,
+            "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
 
 
 def add_embedding_route(app: FastAPI, serving: OpenAIServingEmbedding, read_body, respond) -> None:

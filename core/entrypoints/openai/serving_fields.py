@@ -10,8 +10,17 @@ from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS
 from pagedserve.request_options import continue_final_message, truncate_prompt
 
-__all__ = ["field_named", "salt_kwargs", "generation_defaults", "completion_prompt", "fim_text",
-           "prompt_logprobs_json", "response_id", "chat_prompt_text", "echo_prefix"]
+__all__ = [
+    "field_named",
+    "salt_kwargs",
+    "generation_defaults",
+    "completion_prompt",
+    "fim_text",
+    "prompt_logprobs_json",
+    "response_id",
+    "chat_prompt_text",
+    "echo_prefix",
+]
 
 # StarCoder-style fill-in-the-middle tokens (prefix-suffix-middle order).
 _FIM = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
@@ -28,8 +37,13 @@ def fim_text(tokenizer: Any, prompt: str, suffix: str) -> str:
     """The fill-in-the-middle prompt; 400 naming `suffix` if the vocabulary has no FIM tokens."""
     backend = getattr(tokenizer, "backend", None)
     if backend is None or any(backend.token_to_id(t) is None for t in _FIM):
-        raise ApiError(400, "'suffix' needs a model with fill-in-the-middle tokens (" + ", ".join(_FIM)
-                       + "); this model's vocabulary has none.", param="suffix")
+        raise ApiError(
+            400,
+            "'suffix' needs a model with fill-in-the-middle tokens ("
+            + ", ".join(_FIM)
+            + "); this model's vocabulary has none.",
+            param="suffix",
+        )
     pre, suf, mid = _FIM
     return f"{pre}{prompt}{suf}{suffix}{mid}"
 
@@ -60,14 +74,24 @@ def prompt_logprobs_json(entries: list | None, token_text) -> list | None:
     decoded_token}}."""
     if entries is None:
         return None
-    return [None if e is None else {str(tid): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank,
-                                               "decoded_token": token_text(tid)}
-                                    for tid, lp in e.items()}
-            for e in entries]
+    return [
+        None
+        if e is None
+        else {
+            str(tid): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": token_text(tid)}
+            for tid, lp in e.items()
+        }
+        for e in entries
+    ]
 
 
-def chat_prompt_text(tokenizer: Any, request: Any, messages: list[dict], default_template: str | None,
-                     extra_kwargs: dict[str, Any] | None = None) -> str:
+def chat_prompt_text(
+    tokenizer: Any,
+    request: Any,
+    messages: list[dict],
+    default_template: str | None,
+    extra_kwargs: dict[str, Any] | None = None,
+) -> str:
     """Render the conversation with the request's template options (and ``extra_kwargs``,
     e.g. the request's ``tools``).
 
@@ -75,8 +99,9 @@ def chat_prompt_text(tokenizer: Any, request: Any, messages: list[dict], default
     open: the text is cut right after its content, as vLLM and transformers do.
     """
     if request.continue_final_message and request.add_generation_prompt:
-        raise ApiError(400, "'continue_final_message' needs 'add_generation_prompt': false.",
-                       param="continue_final_message")
+        raise ApiError(
+            400, "'continue_final_message' needs 'add_generation_prompt': false.", param="continue_final_message"
+        )
     kwargs = dict(request.chat_template_kwargs or {})
     if request.documents is not None:
         kwargs["documents"] = request.documents
@@ -85,8 +110,12 @@ def chat_prompt_text(tokenizer: Any, request: Any, messages: list[dict], default
             raise ApiError(400, f"'chat_template_kwargs' may not set '{reserved}'.", param="chat_template_kwargs")
     kwargs.update(extra_kwargs or {})
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
-                                             chat_template=request.chat_template or default_template, **kwargs)
+        text = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            chat_template=request.chat_template or default_template,
+            **kwargs,
+        )
     except ValueError as e:  # no template, or it raised (e.g. roles out of order)
         param = "chat_template" if request.chat_template else "messages"
         raise ApiError(400, str(e), param=param) from None

@@ -50,8 +50,10 @@ class LoRAServing:
         return self.modules.get(model)
 
     def cards(self, base_card: dict, base_name: str) -> list[dict]:
-        return [{**base_card, "id": lora.lora_name, "root": lora.lora_path, "parent": base_name}
-                for lora in self.modules.all()]
+        return [
+            {**base_card, "id": lora.lora_name, "root": lora.lora_path, "parent": base_name}
+            for lora in self.modules.all()
+        ]
 
     async def load(self, body: dict) -> str:
         name, path = _name_path(body, need_path=True)
@@ -61,8 +63,7 @@ class LoRAServing:
             await asyncio.to_thread(self._check, path)
         except ValueError as exc:
             status = 404 if "is not a directory" in str(exc) else 400
-            raise ApiError(status, str(exc), param="lora_path",
-                           code="not_found" if status == 404 else None) from None
+            raise ApiError(status, str(exc), param="lora_path", code="not_found" if status == 404 else None) from None
         try:
             self.modules.add(name, path)
         except ValueError as exc:
@@ -72,8 +73,7 @@ class LoRAServing:
     def unload(self, body: dict) -> str:
         name, _ = _name_path(body, need_path=False)
         if self.modules.remove(name) is None:
-            raise ApiError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
-                           code="not_found")
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name", code="not_found")
         return f"Success: LoRA adapter '{name}' removed successfully."
 
 
@@ -102,8 +102,11 @@ def add_lora_routes(app: FastAPI, lora: LoRAServing | None, read_body) -> None:
 
     async def body_of(request: Request) -> dict:
         if lora is None or not lora.allow_runtime_updates:
-            raise ApiError(403, "Runtime LoRA updates are disabled: start the server with --enable-lora "
-                           "--allow-runtime-lora-updating.", code="forbidden")
+            raise ApiError(
+                403,
+                "Runtime LoRA updates are disabled: start the server with --enable-lora --allow-runtime-lora-updating.",
+                code="forbidden",
+            )
         try:
             return json.loads(await read_body(request) or b"null")
         except json.JSONDecodeError as exc:

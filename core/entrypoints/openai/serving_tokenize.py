@@ -26,8 +26,14 @@ from pagedserve.entrypoints.openai.metrics import INTERNAL_REQUEST_PREFIX
 from pagedserve.entrypoints.openai.protocol import ChatMessage, chat_messages, parse_request
 from pagedserve.entrypoints.openai.serving_base import OpenAIServing
 
-__all__ = ["TokenizeRequest", "DetokenizeRequest", "OpenAIServingTokenization", "Readiness", "PROBE_ID",
-           "add_tokenize_routes"]
+__all__ = [
+    "TokenizeRequest",
+    "DetokenizeRequest",
+    "OpenAIServingTokenization",
+    "Readiness",
+    "PROBE_ID",
+    "add_tokenize_routes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,26 +75,33 @@ class OpenAIServingTokenization(OpenAIServing):
             ids = self.tokenizer.encode(request.prompt, add_special_tokens=add_special)
         else:
             ids = self._chat_ids(request)
-        body: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.max_model_len,
-                                "tokens": ids, "token_strs": None}
+        body: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.engine.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
         if request.return_token_strs:
             body["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
         return body
 
     def _chat_ids(self, request: TokenizeRequest) -> list[int]:
         if request.continue_final_message and request.add_generation_prompt:
-            raise ApiError(400, "'continue_final_message' needs 'add_generation_prompt': false.",
-                           param="continue_final_message")
+            raise ApiError(
+                400, "'continue_final_message' needs 'add_generation_prompt': false.", param="continue_final_message"
+            )
         messages = chat_messages(request.messages or [])
         kwargs = dict(request.chat_template_kwargs or {})
         for reserved in ("messages", "add_generation_prompt", "chat_template"):
             if reserved in kwargs:
-                raise ApiError(400, f"'chat_template_kwargs' may not set '{reserved}'.",
-                               param="chat_template_kwargs")
+                raise ApiError(400, f"'chat_template_kwargs' may not set '{reserved}'.", param="chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt,
-                chat_template=request.chat_template or self.chat_template, **kwargs)
+                messages,
+                add_generation_prompt=request.add_generation_prompt,
+                chat_template=request.chat_template or self.chat_template,
+                **kwargs,
+            )
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         if request.continue_final_message:
@@ -100,8 +113,9 @@ class OpenAIServingTokenization(OpenAIServing):
         vocab = self.tokenizer.vocab_size
         for i, t in enumerate(request.tokens):
             if not 0 <= t < vocab:
-                raise ApiError(400, f"'tokens[{i}]' = {t} is outside the vocabulary [0, {vocab}).",
-                               param=f"tokens[{i}]")
+                raise ApiError(
+                    400, f"'tokens[{i}]' = {t} is outside the vocabulary [0, {vocab}).", param=f"tokens[{i}]"
+                )
         return {"prompt": self.tokenizer.decode(request.tokens, skip_special_tokens=False)}
 
 
@@ -110,9 +124,12 @@ def _cut_after_final_message(text: str, final: str) -> str:
     model continues that message instead of closing it (vLLM's continue_final_message)."""
     at = text.rfind(final) if final else -1
     if at < 0:
-        raise ApiError(400, "'continue_final_message': the last message's content was not found in the "
-                       "rendered template.", param="continue_final_message")
-    return text[:at + len(final)]
+        raise ApiError(
+            400,
+            "'continue_final_message': the last message's content was not found in the rendered template.",
+            param="continue_final_message",
+        )
+    return text[: at + len(final)]
 
 
 PROBE_ID = INTERNAL_REQUEST_PREFIX + "ready-probe"
@@ -131,8 +148,9 @@ class Readiness:
 
         stream = None
         try:
-            stream = await engine.add_request(PROBE_ID, None, SamplingParams(max_tokens=1, temperature=0.0),
-                                              prompt_token_ids=[0])
+            stream = await engine.add_request(
+                PROBE_ID, None, SamplingParams(max_tokens=1, temperature=0.0), prompt_token_ids=[0]
+            )
             async for out in stream:
                 if out.finished:
                     self.ready = True
@@ -144,8 +162,14 @@ class Readiness:
                 stream.abort()
 
 
-def add_tokenize_routes(app: FastAPI, engine: Any, served_model_names: list[str], chat_template: str | None,
-                        read_body: Callable[[Request], Awaitable[bytes]], readiness: Readiness) -> None:
+def add_tokenize_routes(
+    app: FastAPI,
+    engine: Any,
+    served_model_names: list[str],
+    chat_template: str | None,
+    read_body: Callable[[Request], Awaitable[bytes]],
+    readiness: Readiness,
+) -> None:
     """Register /tokenize, /detokenize, /version, /ping and /ready on `app`; `read_body`
     reads a request's body under the server's limits."""
     serving = OpenAIServingTokenization(engine, served_model_names, chat_template)

@@ -32,11 +32,13 @@ def format_stats(prev: EngineStats, now: EngineStats, seconds: float) -> str:
     seconds = max(seconds, 1e-9)
     queries = now.prefix_cache_queries - prev.prefix_cache_queries
     hits = now.prefix_cache_hits - prev.prefix_cache_hits
-    return (f"Avg prompt throughput: {(now.prompt_tokens - prev.prompt_tokens) / seconds:.1f} tokens/s, "
-            f"Avg generation throughput: {(now.generation_tokens - prev.generation_tokens) / seconds:.1f} tokens/s, "
-            f"Running: {now.num_running} reqs, Waiting: {now.num_waiting} reqs, "
-            f"KV cache usage: {100 * now.kv_cache_usage:.1f}%, "
-            f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")
+    return (
+        f"Avg prompt throughput: {(now.prompt_tokens - prev.prompt_tokens) / seconds:.1f} tokens/s, "
+        f"Avg generation throughput: {(now.generation_tokens - prev.generation_tokens) / seconds:.1f} tokens/s, "
+        f"Running: {now.num_running} reqs, Waiting: {now.num_waiting} reqs, "
+        f"KV cache usage: {100 * now.kv_cache_usage:.1f}%, "
+        f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
+    )
 
 
 class StatsLogger:
@@ -67,9 +69,13 @@ class StatsLogger:
 
 def _stats_fields(prev: EngineStats, now: EngineStats, seconds: float) -> dict[str, float]:
     seconds = max(seconds, 1e-9)
-    return {"prompt_throughput": (now.prompt_tokens - prev.prompt_tokens) / seconds,
-            "generation_throughput": (now.generation_tokens - prev.generation_tokens) / seconds,
-            "running": now.num_running, "waiting": now.num_waiting, "kv_cache_usage": now.kv_cache_usage}
+    return {
+        "prompt_throughput": (now.prompt_tokens - prev.prompt_tokens) / seconds,
+        "generation_throughput": (now.generation_tokens - prev.generation_tokens) / seconds,
+        "running": now.num_running,
+        "waiting": now.num_waiting,
+        "kv_cache_usage": now.kv_cache_usage,
+    }
 
 
 class RequestLogger:
@@ -82,20 +88,31 @@ class RequestLogger:
     def _cut(self, value: Any) -> Any:
         if self.max_log_len is None or value is None:
             return value
-        return value[:self.max_log_len]
+        return value[: self.max_log_len]
 
-    def received(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams) -> None:
-        request_log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
-                         request_id, self._cut(prompt), params, self._cut(prompt_token_ids),
-                         extra={"request_id": request_id})
+    def received(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        request_log.info(
+            "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+            request_id,
+            self._cut(prompt),
+            params,
+            self._cut(prompt_token_ids),
+            extra={"request_id": request_id},
+        )
 
     def finished(self, out: RequestOutput) -> None:
         reasons = ",".join(str(c.finish_reason) for c in out.outputs)
         tokens = sum(len(c.token_ids) for c in out.outputs)
-        request_log.info("Finished request %s: finish_reason=%s, prompt_tokens=%d, generated_tokens=%d",
-                         out.request_id, reasons, len(out.prompt_token_ids), tokens,
-                         extra={"request_id": out.request_id})
+        request_log.info(
+            "Finished request %s: finish_reason=%s, prompt_tokens=%d, generated_tokens=%d",
+            out.request_id,
+            reasons,
+            len(out.prompt_token_ids),
+            tokens,
+            extra={"request_id": out.request_id},
+        )
 
 
 class JsonFormatter(logging.Formatter):

@@ -23,8 +23,18 @@ _STR = {"anyOf": [_NULL, {"type": "string"}]}
 #: what the code checks, no more (anything outside is a 400; values inside may still be a
 #: 400, e.g. a schema xgrammar cannot build).
 OPENAPI_FIELD_SCHEMAS: dict[str, dict[str, Any]] = {
-    "response_format": {"anyOf": [_NULL, {"type": "object", "required": ["type"], "properties": {
-        "type": {"type": "string", "enum": ["text", "json_object", "json_schema", "structural_tag"]}}}]},
+    "response_format": {
+        "anyOf": [
+            _NULL,
+            {
+                "type": "object",
+                "required": ["type"],
+                "properties": {
+                    "type": {"type": "string", "enum": ["text", "json_object", "json_schema", "structural_tag"]}
+                },
+            },
+        ]
+    },
     "structured_outputs": {"anyOf": [_NULL, {"type": "object"}]},
     "guided_json": {"anyOf": [_NULL, {"type": "object"}, {"type": "string"}, {"type": "boolean"}]},
     "guided_regex": _STR,
@@ -32,10 +42,26 @@ OPENAPI_FIELD_SCHEMAS: dict[str, dict[str, Any]] = {
     "guided_grammar": _STR,
     "guided_decoding_backend": {"anyOf": [_NULL, {"type": "string", "enum": ["auto", "xgrammar"]}]},
     "guided_whitespace_pattern": _NULL,  # refused
-    "tools": {"anyOf": [_NULL, {"type": "array", "items": {"type": "object", "required": ["type", "function"],
-                                                            "properties": {"type": {"enum": ["function"]}}}}]},
-    "tool_choice": {"anyOf": [_NULL, {"type": "string", "enum": ["none", "auto", "required"]},
-                              {"type": "object", "required": ["type", "function"]}]},
+    "tools": {
+        "anyOf": [
+            _NULL,
+            {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["type", "function"],
+                    "properties": {"type": {"enum": ["function"]}},
+                },
+            },
+        ]
+    },
+    "tool_choice": {
+        "anyOf": [
+            _NULL,
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"]},
+        ]
+    },
 }
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -45,8 +71,11 @@ def checked_params(spec: dict[str, Any], param: str) -> StructuredOutputsParams:
     """StructuredOutputsParams(**spec) with its grammar built; ApiError(400) naming `param`."""
     unknown = sorted(set(spec) - _SO_FIELDS)
     if unknown:
-        raise ApiError(400, f"'{param}' has unknown field(s) {', '.join(unknown)}; known: "
-                       f"{', '.join(sorted(_SO_FIELDS))}.", param=param)
+        raise ApiError(
+            400,
+            f"'{param}' has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(_SO_FIELDS))}.",
+            param=param,
+        )
     try:
         so = StructuredOutputsParams(**spec)
         build_grammar(so)
@@ -66,8 +95,11 @@ def _from_response_format(rf: Any) -> StructuredOutputsParams | None:
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
-            raise ApiError(400, "'response_format.json_schema' must be an object with a 'schema' object.",
-                           param="response_format.json_schema")
+            raise ApiError(
+                400,
+                "'response_format.json_schema' must be an object with a 'schema' object.",
+                param="response_format.json_schema",
+            )
         # OpenAI allows a missing schema (any JSON object); strict only narrows what it accepts.
         schema = js.get("schema")
         spec = {"json": schema} if schema is not None else {"json_object": True}
@@ -76,8 +108,11 @@ def _from_response_format(rf: Any) -> StructuredOutputsParams | None:
         rest = {k: v for k, v in rf.items() if k != "type"}
         tag = rest.get("format", rest) if "format" in rest else {"type": "structural_tag", **rest}
         return checked_params({"structural_tag": json.dumps(tag)}, "response_format")
-    raise ApiError(400, f"'response_format.type' must be 'text', 'json_object', 'json_schema' or "
-                   f"'structural_tag', got {kind!r}.", param="response_format.type")
+    raise ApiError(
+        400,
+        f"'response_format.type' must be 'text', 'json_object', 'json_schema' or 'structural_tag', got {kind!r}.",
+        param="response_format.type",
+    )
 
 
 def structured_outputs_of(request: Any) -> StructuredOutputsParams | None:
@@ -93,16 +128,23 @@ def structured_outputs_of(request: Any) -> StructuredOutputsParams | None:
             raise ApiError(400, "'structured_outputs' must be an object.", param="structured_outputs")
         found.append(("structured_outputs", checked_params(request.structured_outputs, "structured_outputs")))
     if request.guided_whitespace_pattern is not None:
-        raise ApiError(400, "'guided_whitespace_pattern' is not supported by this server (for compact JSON use "
-                       "structured_outputs.disable_any_whitespace).", param="guided_whitespace_pattern")
+        raise ApiError(
+            400,
+            "'guided_whitespace_pattern' is not supported by this server (for compact JSON use "
+            "structured_outputs.disable_any_whitespace).",
+            param="guided_whitespace_pattern",
+        )
     for name, key in _GUIDED.items():
         value = getattr(request, name)
         if value is not None:
             found.append((name, checked_params({key: value}, name)))
     backend = request.guided_decoding_backend
     if backend is not None and backend not in ("auto", "xgrammar"):
-        raise ApiError(400, f"'guided_decoding_backend' {backend!r} is not available; this server uses xgrammar.",
-                       param="guided_decoding_backend")
+        raise ApiError(
+            400,
+            f"'guided_decoding_backend' {backend!r} is not available; this server uses xgrammar.",
+            param="guided_decoding_backend",
+        )
     if len(found) > 1:
         names = ", ".join(n for n, _ in found)
         raise ApiError(400, f"Only one output constraint may be given; got {names}.", param=found[1][0])

@@ -61,12 +61,16 @@ def _check_tools(tools: Any) -> list[dict]:
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ApiError(400, f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}.",
-                           param=f"tools[{i}]")
+            raise ApiError(
+                400, f'\'tools[{i}]\' must be {{"type": "function", "function": {{"name": ...}}}}.', param=f"tools[{i}]"
+            )
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
-            raise ApiError(400, f"'tools[{i}].function.parameters' must be a JSON schema object.",
-                           param=f"tools[{i}].function.parameters")
+            raise ApiError(
+                400,
+                f"'tools[{i}].function.parameters' must be a JSON schema object.",
+                param=f"tools[{i}].function.parameters",
+            )
         checked_params({"json": params}, f"tools[{i}].function.parameters")  # a schema that cannot compile: 400
         if fn["name"] in names:
             raise ApiError(400, f"'tools' names the function {fn['name']!r} twice.", param="tools")
@@ -100,23 +104,42 @@ def plan_tools(request: Any, options: ToolOptions) -> ToolPlan:
     if choice == "none":
         return ToolPlan("none", tools)
     if choice == "required":
-        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                                   "parameters": _params_schema(t)},
-                  "required": ["name", "parameters"]} for t in tools]
+        items = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t["function"]["name"]]},
+                    "parameters": _params_schema(t),
+                },
+                "required": ["name", "parameters"],
+            }
+            for t in tools
+        ]
         schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if request.parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return ToolPlan("required", tools,
-                        constraint=checked_params({"json": schema, "disable_any_whitespace": True}, "tools"))
+        return ToolPlan(
+            "required", tools, constraint=checked_params({"json": schema, "disable_any_whitespace": True}, "tools")
+        )
     if choice == "auto":
         if not options.enable_auto_tool_choice or not options.tool_call_parser:
             where = "'tools' with tool_choice \"auto\" (the default)" if defaulted else '"auto" tool choice'
-            raise ApiError(400, f"{where} requires --enable-auto-tool-choice and --tool-call-parser to be set "
-                           "on the server", param="tools" if defaulted else "tool_choice")
-        return ToolPlan("auto", tools, parser=get_tool_parser(options.tool_call_parser),
-                        parallel=request.parallel_tool_calls is not False)
-    raise ApiError(400, f"'tool_choice' must be 'none', 'auto', 'required' or a named function; got {choice!r}.",
-                   param="tool_choice")
+            raise ApiError(
+                400,
+                f"{where} requires --enable-auto-tool-choice and --tool-call-parser to be set on the server",
+                param="tools" if defaulted else "tool_choice",
+            )
+        return ToolPlan(
+            "auto",
+            tools,
+            parser=get_tool_parser(options.tool_call_parser),
+            parallel=request.parallel_tool_calls is not False,
+        )
+    raise ApiError(
+        400,
+        f"'tool_choice' must be 'none', 'auto', 'required' or a named function; got {choice!r}.",
+        param="tool_choice",
+    )
 
 
 def message_tool_fields(message: Any, out: dict, index: int) -> dict:
@@ -136,8 +159,9 @@ def message_tool_fields(message: Any, out: dict, index: int) -> dict:
                 try:
                     args = json.loads(args) if args.strip() else {}
                 except ValueError:
-                    raise ApiError(400, f"'{where}[{j}].function.arguments' is not JSON.",
-                                   param=f"{where}[{j}].function.arguments") from None
+                    raise ApiError(
+                        400, f"'{where}[{j}].function.arguments' is not JSON.", param=f"{where}[{j}].function.arguments"
+                    ) from None
             calls.append({"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
         out["tool_calls"] = calls
     if message.role == "tool":
@@ -167,8 +191,11 @@ def tool_call_dicts(calls: list[ToolCall], stream: bool = False) -> list[dict]:
     """OpenAI's `tool_calls` entries (with `index` when streamed)."""
     out = []
     for i, c in enumerate(calls):
-        d = {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments}}
+        d = {
+            "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
         if stream:
             d = {"index": i, **d}
         out.append(d)

@@ -8,9 +8,8 @@ torch reference.  pagedserve finds it through the entry point declared in
 
 from __future__ import annotations
 
-from pagedserve.platforms import hookimpl
-
 from hello_platform.platform import HelloPlatform
+from pagedserve.platforms import hookimpl
 
 __all__ = ["HelloPlatform", "pagedserve_register_platforms", "pagedserve_register_ops"]
 

@@ -15,7 +15,6 @@ Environment:
 from __future__ import annotations
 
 from pagedserve.platforms import hookimpl
-
 from pagedserve_ort.platform import OrtPlatform
 
 __all__ = ["OrtPlatform", "pagedserve_register_platforms", "pagedserve_register_ops"]

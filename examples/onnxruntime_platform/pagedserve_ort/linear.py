@@ -113,14 +113,19 @@ class OrtLinear:
         key = (id(weight), id(bias))
         versions = (_version(weight), _version(bias))
         entry = self._sessions.get(key)
-        if (entry is not None and entry.weight() is weight and (bias is None or entry.bias() is bias)
-                and entry.versions == versions):
+        if (
+            entry is not None
+            and entry.weight() is weight
+            and (bias is None or entry.bias() is bias)
+            and entry.versions == versions
+        ):
             return entry.session
         import onnxruntime
 
         session = onnxruntime.InferenceSession(gemm_model(weight, bias), self._options(), providers=self.providers)
-        self._sessions[key] = _Entry(weakref.ref(weight), None if bias is None else weakref.ref(bias),
-                                     versions, session)
+        self._sessions[key] = _Entry(
+            weakref.ref(weight), None if bias is None else weakref.ref(bias), versions, session
+        )
         # The id of a collected tensor can be reused: forget its session with it.
         weakref.finalize(weight, self._sessions.pop, key, None)
         return session
@@ -138,9 +143,14 @@ class OrtLinear:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in_features], weight [out_features, in_features], bias [out_features] -> [..., out_features]."""
-        if (not self.is_prepared(weight) or x.dtype != torch.float32 or weight.dtype != torch.float32
-                or x.device.type != "cpu" or weight.device.type != "cpu"
-                or (bias is not None and bias.dtype != torch.float32)):
+        if (
+            not self.is_prepared(weight)
+            or x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or x.device.type != "cpu"
+            or weight.device.type != "cpu"
+            or (bias is not None and bias.dtype != torch.float32)
+        ):
             return reference.linear(x, weight, bias)
         lead, out_features = x.shape[:-1], weight.shape[0]
         x2 = x.reshape(-1, x.shape[-1])

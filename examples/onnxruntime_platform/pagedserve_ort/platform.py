@@ -56,8 +56,10 @@ class OrtPlatform(Platform):
         have = onnxruntime.get_available_providers()
         absent = [p for p in wanted if p not in have]
         if absent:
-            return False, (f"PAGEDSERVE_ORT_PROVIDERS asks for {', '.join(absent)}, which this onnxruntime "
-                           f"{onnxruntime.__version__} lacks (it has {', '.join(have)})")
+            return False, (
+                f"PAGEDSERVE_ORT_PROVIDERS asks for {', '.join(absent)}, which this onnxruntime "
+                f"{onnxruntime.__version__} lacks (it has {', '.join(have)})"
+            )
         return True, f"onnxruntime {onnxruntime.__version__} with {', '.join(wanted)}"
 
     def total_memory(self) -> int:

@@ -29,11 +29,11 @@ class ReasoningParser:
         if i < 0:
             if self.name == "qwen3" and finished:
                 return None, text
-            if self.name == "qwen3" and not text.lstrip().startswith(self.start[:len(text.lstrip())]):
+            if self.name == "qwen3" and not text.lstrip().startswith(self.start[: len(text.lstrip())]):
                 return None, text
             return text.replace(self.start, "", 1).lstrip("\n") if text else "", ""
         reasoning = text[:i].replace(self.start, "", 1).strip("\n")
-        return reasoning, text[i + len(self.end):].lstrip("\n")
+        return reasoning, text[i + len(self.end) :].lstrip("\n")
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

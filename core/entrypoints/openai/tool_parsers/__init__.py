@@ -132,7 +132,7 @@ class MistralToolParser(ToolParser):
         if i < 0:
             return text, []
         try:
-            obj = json.loads(text[i + len("[TOOL_CALLS]"):].strip())
+            obj = json.loads(text[i + len("[TOOL_CALLS]") :].strip())
         except ValueError:
             return text, []
         items = obj if isinstance(obj, list) else [obj]
@@ -177,7 +177,8 @@ class PythonicToolParser(ToolParser):
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)}
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
+}
 
 
 def get_tool_parser(name: str) -> ToolParser:
