@@ -42,7 +42,7 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -55,6 +55,7 @@ __all__ = [
     "ExtensionSpec",
     "CpuBuildSpec",
     "toolchain_available",
+    "cpu_extension_spec",
     "read_cpu_features",
     "auto_cpu_arch_flags",
     "cpu_arch_flags",
@@ -242,6 +243,35 @@ def cpu_build_spec(env: Mapping[str, str] | None = None) -> ExtensionSpec:
 
 def _log(msg: str) -> None:
     print(f"pagedserve: {msg}", file=sys.stderr, flush=True)
+
+
+def cpu_extension_spec(
+    prefix: str, sources: Sequence[str], arch_flags: Sequence[str] = (), arch_origin: str = "portable"
+) -> ExtensionSpec:
+    """The build of a small CPU extension besides the main kernels (quantized GEMM,
+    LoRA, rejection sampling): ``pagedserve_<prefix>_<hash>`` from ``sources`` (file
+    names in kernels/cpu/), keyed by their text, the flags, the compiler, torch and
+    Python, into the shared kernel cache.  Each is its own extension, so that building
+    it never invalidates the main kernels' build."""
+    import torch
+
+    cflags = (*BASE_CFLAGS, *arch_flags)
+    compiler = os.environ.get("CXX", "c++")
+    digest = hashlib.sha256()
+    for name in sources:
+        digest.update(name.encode())
+        digest.update((CPU_DIR / name).read_bytes())
+    digest.update(json.dumps([cflags, compiler, torch.__version__, sys.version_info[:2], platform.machine()]).encode())
+    name = f"pagedserve_{prefix}_{digest.hexdigest()[:16]}"
+    return ExtensionSpec(
+        name=name,
+        directory=kernel_cache_root() / name,
+        sources=tuple(CPU_DIR / s for s in sources),
+        cflags=cflags,
+        arch_flags=tuple(arch_flags),
+        arch_origin=arch_origin,
+        compiler=compiler,
+    )
 
 
 def toolchain_available(compiler: str | None = None) -> bool:

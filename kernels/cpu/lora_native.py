@@ -6,11 +6,6 @@ build (the same arrangement as :mod:`pagedserve.kernels.cpu.quant_native`)."""
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import os
-import platform
-import sys
 import warnings
 from types import ModuleType
 
@@ -23,26 +18,8 @@ SOURCES: tuple[str, ...] = ("lora.cpp",)
 
 def lora_build_spec() -> build.ExtensionSpec:
     """The build of the LoRA CPU kernel for this machine."""
-    import torch
-
     arch, origin = build.cpu_arch_flags()
-    cflags = (*build.BASE_CFLAGS, *arch)
-    compiler = os.environ.get("CXX", "c++")
-    digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update(name.encode())
-        digest.update((build.CPU_DIR / name).read_bytes())
-    digest.update(json.dumps([cflags, compiler, torch.__version__, sys.version_info[:2], platform.machine()]).encode())
-    name = f"pagedserve_lora_{digest.hexdigest()[:16]}"
-    return build.ExtensionSpec(
-        name=name,
-        directory=build.kernel_cache_root() / name,
-        sources=tuple(build.CPU_DIR / s for s in SOURCES),
-        cflags=cflags,
-        arch_flags=tuple(arch),
-        arch_origin=origin,
-        compiler=compiler,
-    )
+    return build.cpu_extension_spec("lora", SOURCES, arch, origin)
 
 
 @functools.lru_cache(maxsize=1)

@@ -11,11 +11,6 @@ but the compiler (CXX) and the arch flags, as every build does.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import os
-import platform
-import sys
 import warnings
 from types import ModuleType
 
@@ -28,30 +23,12 @@ SOURCES: tuple[str, ...] = ("quant_gguf.cpp",)
 
 def quant_build_spec() -> build.ExtensionSpec:
     """The build of the quantized CPU kernels for this machine (VNNI added where present)."""
-    import torch
-
     arch, origin = build.cpu_arch_flags()
     features = build.read_cpu_features()
     # The main kernels do not use VNNI, so their automatic flags leave it out.
     if "-mavx512vl" in arch and "avx512_vnni" in features and "-mavx512vnni" not in arch:
         arch = [*arch, "-mavx512vnni"]
-    cflags = (*build.BASE_CFLAGS, *arch)
-    compiler = os.environ.get("CXX", "c++")
-    digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update(name.encode())
-        digest.update((build.CPU_DIR / name).read_bytes())
-    digest.update(json.dumps([cflags, compiler, torch.__version__, sys.version_info[:2], platform.machine()]).encode())
-    name = f"pagedserve_quant_{digest.hexdigest()[:16]}"
-    return build.ExtensionSpec(
-        name=name,
-        directory=build.kernel_cache_root() / name,
-        sources=tuple(build.CPU_DIR / s for s in SOURCES),
-        cflags=cflags,
-        arch_flags=tuple(arch),
-        arch_origin=origin,
-        compiler=compiler,
-    )
+    return build.cpu_extension_spec("quant", SOURCES, arch, origin)
 
 
 @functools.lru_cache(maxsize=1)

@@ -10,11 +10,6 @@ nothing here reads the environment.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import os
-import platform
-import sys
 import warnings
 from types import ModuleType
 
@@ -31,24 +26,8 @@ SOURCE = "cpu-native-spec"
 
 def spec_build_spec() -> build.ExtensionSpec:
     """The build for this machine (no instruction-set flags: the kernel is scalar and
-    memory-bound; the hash keeps builds of different sources apart)."""
-    cflags = tuple(build.BASE_CFLAGS)
-    compiler = os.environ.get("CXX", "c++")
-    digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update(name.encode())
-        digest.update((build.CPU_DIR / name).read_bytes())
-    digest.update(json.dumps([cflags, compiler, torch.__version__, sys.version_info[:2], platform.machine()]).encode())
-    name = f"pagedserve_spec_{digest.hexdigest()[:16]}"
-    return build.ExtensionSpec(
-        name=name,
-        directory=build.kernel_cache_root() / name,
-        sources=tuple(build.CPU_DIR / s for s in SOURCES),
-        cflags=cflags,
-        arch_flags=(),
-        arch_origin="portable",
-        compiler=compiler,
-    )
+    memory-bound)."""
+    return build.cpu_extension_spec("spec", SOURCES)
 
 
 @functools.lru_cache(maxsize=1)
