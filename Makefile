@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup setup-serve test test-slow fuzz fuzz-loader chaos serve generate kernels clean
+.PHONY: setup setup-serve test test-slow lint fuzz fuzz-loader chaos serve generate kernels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m slow
+
+# Import layers, import cycles, ruff lint and format (also part of `make test`).  Plain
+# `lint-imports` in the repository root cannot see the installed layout of the three
+# source folders; this runs it on a copy laid out as installed.
+lint: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_structure.py
 
 # The long fuzz and chaos runs (`make test` runs short versions of both).
 FUZZ_EXAMPLES ?= 1000

@@ -6,7 +6,7 @@
   an edge: at module level and inside a function (a lazy import that only defers a
   cycle to run time is still one).  Imports under ``if TYPE_CHECKING:`` do not: they
   are never executed and only name types for annotations.
-- ``ruff check`` with the rules of ``[tool.ruff]``.
+- ``ruff check`` with the rules of ``[tool.ruff]``, and ``ruff format --check``.
 
 setuptools installs three folders (core/, platforms/, kernels/) as one package;
 import-linter and grimp read a package from one folder, so the checks run on a copy of
