@@ -99,7 +99,12 @@ def paged_attention(
     Accumulation is in float32.  Grouped-query attention when num_heads > num_kv_heads.
     sliding_window: if set, the query at position p sees only keys at positions
         p - sliding_window < k <= p (the window counts the query's own position), as
-        Mistral v0.1 and Gemma 2/3's local layers; keys that slid out may be stale.
+        Mistral v0.1 and Gemma 2/3's local layers.  No query of sequence i then sees a
+        key before first_visible = max(0, ctx - q_len - sliding_window + 1), and
+        block_tables[i, j] for j < first_visible // block_size may hold ANY block id
+        (the KV manager frees slid-out blocks and points their entries at a null block
+        whose content is arbitrary, NaN included): implementations must never read
+        those blocks, i.e. start the key loop at block first_visible // block_size.
     soft_cap: if set, scores (after ``scale``) become soft_cap * tanh(score / soft_cap)
         before the softmax (Gemma 2).
     Implementations without these parameters must refuse them (TypeError), never
@@ -122,17 +127,24 @@ def paged_attention(
         if q_len == 0:
             continue
         n_blocks = (ctx + block_size - 1) // block_size
-        blocks = block_tables[i, :n_blocks].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[:ctx].float()
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[:ctx].float()
+        # Blocks wholly before the first key any query of this sequence sees may have
+        # been freed (their table entries point at a null block of arbitrary content,
+        # NaN included), so they are never gathered.
+        first_block = 0
+        if sliding_window is not None:
+            first_block = max(0, ctx - q_len - sliding_window + 1) // block_size
+        k_start = first_block * block_size
+        blocks = block_tables[i, first_block:n_blocks].long()
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[: ctx - k_start].float()
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[: ctx - k_start].float()
         q = query[q_start:q_end].float()
-        # [kv_heads, group, q_len, d] x [kv_heads, d, ctx]
+        # [kv_heads, group, q_len, d] x [kv_heads, d, ctx - k_start]
         qh = q.view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
         scores = torch.matmul(qh, k.permute(1, 2, 0).unsqueeze(1)) * scale
         if soft_cap is not None:
             scores = torch.tanh(scores / soft_cap) * soft_cap
         q_pos = torch.arange(ctx - q_len, ctx, device=query.device).view(q_len, 1)
-        k_pos = torch.arange(ctx, device=query.device).view(1, ctx)
+        k_pos = torch.arange(k_start, ctx, device=query.device).view(1, ctx - k_start)
         masked = k_pos > q_pos
         if sliding_window is not None:
             masked |= k_pos <= q_pos - sliding_window

@@ -56,6 +56,46 @@ def test_reference_window_and_soft_cap_match_dense(window, cap, block_size):
         torch.testing.assert_close(out[qsl[i] : qsl[i + 1]].double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [1, 4, 7, 16])
+def test_reference_never_reads_slid_out_blocks(window):
+    """Table entries before first_visible // block_size point at a NaN-filled null block
+    (what the KV manager leaves once it frees slid-out blocks): the output stays finite
+    and equals the dense computation over the real keys."""
+    gen = torch.Generator().manual_seed(40 + window)
+    block_size, heads, kv_heads, d = 4, 4, 2, 16
+    batch = [(30, 1), (29, 8), (21, 21), (26, 5)]
+    per_seq = [-(-ctx // block_size) for ctx, _ in batch]
+    num_blocks = sum(per_seq) + 1
+    null_block = num_blocks - 1
+    tables = torch.zeros(len(batch), max(per_seq), dtype=torch.int32)
+    start = 0
+    for i, nb in enumerate(per_seq):
+        tables[i, :nb] = torch.arange(start, start + nb)
+        start += nb
+    kc = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen)
+    vc = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen)
+    kc[null_block] = float("nan")
+    vc[null_block] = float("nan")
+    freed = tables.clone()
+    n_freed = 0
+    for i, (ctx, q_len) in enumerate(batch):
+        first_block = max(0, ctx - q_len - window + 1) // block_size
+        freed[i, :first_block] = null_block
+        n_freed += first_block
+    assert n_freed > 0
+    q = torch.randn(sum(n for _, n in batch), heads, d, generator=gen)
+    qsl = torch.tensor([0] + torch.tensor([n for _, n in batch]).cumsum(0).tolist(), dtype=torch.int32)
+    seq_lens = torch.tensor([ctx for ctx, _ in batch], dtype=torch.int32)
+    out = reference.paged_attention(q, kc, vc, freed, seq_lens, qsl, d**-0.5, sliding_window=window)
+    assert torch.isfinite(out).all()
+    for i, (ctx, _) in enumerate(batch):
+        blocks = tables[i, : per_seq[i]].long()
+        k = kc[blocks].reshape(-1, kv_heads, d)[:ctx]
+        v = vc[blocks].reshape(-1, kv_heads, d)[:ctx]
+        want = _dense(q[qsl[i] : qsl[i + 1]], k, v, ctx, d**-0.5, window, None)
+        torch.testing.assert_close(out[qsl[i] : qsl[i + 1]].double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_window_changes_the_result_and_rejects_nonsense():
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(4, 2, 16, generator=gen)
