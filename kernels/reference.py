@@ -117,6 +117,8 @@ def paged_attention(
     group = num_heads // num_kv_heads
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
     if out is None:
         out = torch.empty_like(query)
     qsl = query_start_loc.tolist()

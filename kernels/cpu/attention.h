@@ -229,7 +229,24 @@ struct QkBf16Dot {
 };
 #endif
 
-template <class Isa, typename T, int D, class Qk>
+// cap * tanh(x / cap) as cap - 2 cap / (exp(2 x / cap) + 1): exact limits +-cap where
+// exp overflows or underflows, and an absolute error of a few ulps of cap near 0.
+template <class Isa>
+struct SoftCap {
+  typename Isa::V cap, two_cap, two_over_cap, one;
+  explicit SoftCap(float c)
+      : cap(Isa::set1(c)), two_cap(Isa::set1(2.f * c)), two_over_cap(Isa::set1(2.f / c)), one(Isa::set1(1.f)) {}
+  typename Isa::V operator()(typename Isa::V x) const {
+    const auto e = Isa::exp(Isa::mul(x, two_over_cap));
+    return Isa::sub(cap, Isa::div(two_cap, Isa::add(e, one)));
+  }
+};
+
+// kSoftCap: scores pass through SoftCap (a separate instantiation, so layers without a
+// cap run exactly the code they ran before).  The sliding window is a runtime bound:
+// it moves where the key loop starts and masks at most a block's worth of keys per
+// query token, a few integer operations per span when off.
+template <class Isa, typename T, int D, class Qk, bool kSoftCap = false>
 struct Attention {
   using V = typename Isa::V;
   using E = typename Qk::Elem;  // what the q.k product reads: T itself or float32
@@ -306,11 +323,25 @@ struct Attention {
     }
   }
 
-  // Scaled scores of one query row against the first n keys of the span -> s[0, n)
-  // (padded with -inf up to a multiple of W); returns their maximum.  Every segment
-  // but the last holds a multiple of W keys, so chunks never straddle two blocks.
-  static float scores(const E* q, const Span& sn, int n, float scale, float* s, KvPrefetcher* pf) {
-    const V vscale = Isa::set1(scale);
+  // Scores of a chunk stored at s[j, j + W): keys before `skip` (out of the query's
+  // window) become -inf; returns the chunk as stored.
+  static V mask_head(float* s, int j, int skip) {
+    for (int i = j, e = std::min(skip, j + W); i < e; ++i) s[i] = kNegInf;
+    return Isa::load(s + j);
+  }
+
+  // Scaled (and, with kSoftCap, capped) scores of one query row against keys
+  // [skip, n) of the span -> s[0, n) (keys before skip and the padding up to a multiple
+  // of W are -inf); returns their maximum.  Every segment but the last holds a
+  // multiple of W keys, so chunks never straddle two blocks.
+  static float scores(const E* q, const Span& sn, int n, int skip, const AttnParams& p, float* s, KvPrefetcher* pf) {
+    const V vscale = Isa::set1(p.scale);
+    [[maybe_unused]] const SoftCap<Isa> cap(kSoftCap ? p.soft_cap : 1.f);
+    auto scaled = [&](V x) {
+      x = Isa::mul(x, vscale);
+      if constexpr (kSoftCap) x = cap(x);
+      return x;
+    };
     V vmax = Isa::set1(kNegInf);
     for (int sg = 0, j0 = 0; sg < sn.segs && j0 < n; j0 += sn.n[sg++]) {
       const int m = std::min(sn.n[sg], n - j0);
@@ -318,26 +349,29 @@ struct Attention {
       int c = 0;
       for (; c + W <= m; c += W) {
         if (pf) pf->pump(W * kRowLines);
-        const V x = Isa::mul(Qk::template chunk<true>(q, k + c * sn.ks, sn.ks, W), vscale);
+        V x = scaled(Qk::template chunk<true>(q, k + c * sn.ks, sn.ks, W));
         Isa::store(s + j0 + c, x);
+        if (j0 + c < skip) [[unlikely]]
+          x = mask_head(s, j0 + c, skip);
         vmax = Isa::max(vmax, x);
       }
       if (c < m) {
         if (pf) pf->pump((m - c) * kRowLines);
-        const V x = Isa::mask_tail(Isa::mul(Qk::template chunk<false>(q, k + c * sn.ks, sn.ks, m - c), vscale),
-                                   m - c, kNegInf);
+        V x = Isa::mask_tail(scaled(Qk::template chunk<false>(q, k + c * sn.ks, sn.ks, m - c)), m - c, kNegInf);
         Isa::store(s + j0 + c, x);
+        if (j0 + c < skip) [[unlikely]]
+          x = mask_head(s, j0 + c, skip);
         vmax = Isa::max(vmax, x);
       }
     }
     return Isa::reduce_max(vmax);
   }
 
-  // The G query rows of one token (row stride qs, all seeing the first n keys of the
+  // The G query rows of one token (row stride qs, all seeing keys [skip, n) of the
   // span): scores, online-softmax rescale, then P.V for all of them together.
   // pf: the item's prefetcher (single-token items only).
-  static void token_rows(AttnScratch& sc, int row0, int G, const E* q, int64_t qs, const Span& sn, int n,
-                         float scale, KvPrefetcher* pf) {
+  static void token_rows(AttnScratch& sc, int row0, int G, const E* q, int64_t qs, const Span& sn, int n, int skip,
+                         const AttnParams& p, KvPrefetcher* pf) {
     const int sp = round_up(n, W);
     float* s = sc.scores.data();
     float* m = sc.m.data() + row0;
@@ -345,7 +379,7 @@ struct Attention {
     float* m_new = sc.m_new.data();
     float* alpha = sc.alpha.data();
     for (int g = 0; g < G; ++g)
-      m_new[g] = std::max(m[g], scores(q + g * qs, sn, n, scale, s + g * sp, g == 0 ? pf : nullptr));
+      m_new[g] = std::max(m[g], scores(q + g * qs, sn, n, skip, p, s + g * sp, g == 0 ? pf : nullptr));
     for (int g = 0; g < G; g += W)  // exp(m - m_new) is 0 on the first span (m = -inf)
       Isa::store(alpha + g, Isa::exp(Isa::sub(Isa::load(m + g), Isa::load(m_new + g))));
     for (int g = 0; g < G; ++g) {
@@ -436,39 +470,51 @@ struct Attention {
     }
     // Keys visible to the item's last token; earlier tokens see fewer (causal).
     const int key_end = std::min(w.ctx_end, first_pos + w.tok_end);
+    const int key_begin = first_key(p, w, first_pos);
     const int bps = blocks_per_span(bs);
     // Software prefetch for single-token (decode) items only: a tile of several query
     // tokens uses each K/V row for all of them, is bound by compute, and measured 2-3%
     // faster without it (benchmarks/cpu_kernels.py --prefill).
     KvPrefetcher* pf = n_tok == 1 ? &sc.pf : nullptr;
     if (pf) {
-      plan_prefetch(p, *pf, w, bps, key_end);
+      plan_prefetch(p, *pf, w, bps, key_begin, key_end);
       pf->pump(kLeadLines);
     }
-    for (int kb = w.ctx_begin / bs; kb * bs < key_end; kb += bps) {
+    for (int kb = key_begin / bs; kb * bs < key_end; kb += bps) {
       const int kb_end = std::min(kb + bps, (key_end + bs - 1) / bs);
-      const int j0 = std::max(w.ctx_begin, kb * bs), j1 = std::min(key_end, kb_end * bs);
+      const int j0 = std::max(key_begin, kb * bs), j1 = std::min(key_end, kb_end * bs);
       for (int h = w.kv_begin; h < w.kv_end; ++h) {
         const Span sn = make_span(p, sc, w.seq, h, kb, kb_end, j0, j1);
         for (int t = 0; t < n_tok; ++t) {
-          const int visible = std::min(j1, first_pos + w.tok_begin + t + 1) - j0;
-          if (visible <= 0) continue;
+          const int pos = first_pos + w.tok_begin + t;
+          const int visible = std::min(j1, pos + 1) - j0;
+          const int skip = p.sliding_window > 0 ? std::max(0, pos - p.sliding_window + 1 - j0) : 0;
+          if (visible <= skip) continue;
           const int r = (h - w.kv_begin) * n_tok * G + t * G;
           if constexpr (std::is_same_v<E, T>)
             token_rows(sc, r, G, query + t * p.q_stride_tok + int64_t(h) * G * p.q_stride_head, p.q_stride_head,
-                       sn, visible, p.scale, pf);
+                       sn, visible, skip, p, pf);
           else
-            token_rows(sc, r, G, sc.q.data() + size_t(r) * D, D, sn, visible, p.scale, pf);
+            token_rows(sc, r, G, sc.q.data() + size_t(r) * D, D, sn, visible, skip, p, pf);
         }
       }
     }
     finish(p, w, partials, sc, rm, q0, rows);
   }
 
+  // First key the item reads: its key range's start, or, with a window, the start of
+  // the block holding the first key its first token sees (earlier blocks may be freed).
+  static int first_key(const AttnParams& p, const AttnWork& w, int first_pos) {
+    if (p.sliding_window <= 0) return w.ctx_begin;
+    const int lo = std::max(0, first_pos + w.tok_begin - p.sliding_window + 1);
+    return std::max(w.ctx_begin, lo / p.block_size * p.block_size);
+  }
+
   // The K then V rows of every (span, kv head) of the item, in the order item() reads
   // them: whole runs where a block's rows of one head are contiguous (the CPU
   // platform's head-major storage), row by row otherwise.
-  static void plan_prefetch(const AttnParams& p, KvPrefetcher& pf, const AttnWork& w, int bps, int key_end) {
+  static void plan_prefetch(const AttnParams& p, KvPrefetcher& pf, const AttnWork& w, int bps, int key_begin,
+                            int key_end) {
     const int bs = p.block_size;
     const int32_t* table = p.block_tables + w.seq * p.bt_stride;
     const int64_t row_bytes = D * int64_t(sizeof(T));
@@ -483,12 +529,12 @@ struct Attention {
         for (int j = 0; j < last - first; ++j) pf.add(r + j * s_tok, row_bytes);
     };
     pf.clear();
-    for (int kb = w.ctx_begin / bs; kb * bs < key_end; kb += bps) {
+    for (int kb = key_begin / bs; kb * bs < key_end; kb += bps) {
       const int kb_end = std::min(kb + bps, (key_end + bs - 1) / bs);
       for (int h = w.kv_begin; h < w.kv_end; ++h)
         for (int v = 0; v < 2; ++v)  // the keys of the span, then its values
           for (int b = kb; b < kb_end; ++b) {
-            const int first = std::max(w.ctx_begin, b * bs), last = std::min(key_end, (b + 1) * bs);
+            const int first = std::max(key_begin, b * bs), last = std::min(key_end, (b + 1) * bs);
             if (v == 0)
               rows(p.key_cache, p.kc_stride_block, p.kc_stride_head, p.kc_stride_tok, h, b, first, last);
             else
@@ -582,7 +628,8 @@ struct Attention {
 template <class Isa, typename T, int D>
 AttnFns attention_fma_fns() {
   using K = Attention<Isa, T, D, QkFma<Isa, D>>;
-  return {&K::item, &K::merge};
+  using KCap = Attention<Isa, T, D, QkFma<Isa, D>, true>;
+  return {&K::item, &K::merge, &KCap::item};
 }
 
 // (dtype, head size) -> the float32-FMA kernel of instruction set Isa.

@@ -29,10 +29,21 @@ struct AttnPlanConfig {
   int64_t min_item_cost = 2048;  // about a microsecond of work
 };
 
-// (query rows x visible keys) of tokens [t0, t1) whose first position is first_pos.
-inline int64_t tile_cost(int64_t first_pos, int64_t t0, int64_t t1, int group) {
-  const int64_t n = t1 - t0;
-  return group * (n * (first_pos + t0) + n * (n + 1) / 2);
+// (query rows x visible keys) of tokens [t0, t1) whose first position is first_pos;
+// with a sliding window (> 0) each token sees at most `window` keys.
+inline int64_t tile_cost(int64_t first_pos, int64_t t0, int64_t t1, int group, int64_t window = 0) {
+  const int64_t n = t1 - t0, a = first_pos + t0;
+  // Positions a + i with a + i >= window see exactly `window` keys; the others a + i + 1.
+  const int64_t capped = window > 0 ? std::max<int64_t>(0, a + n - std::max(a, window)) : 0;
+  const int64_t u = n - capped;
+  return group * (u * a + u * (u + 1) / 2 + capped * window);
+}
+
+// First block of a sequence any of its queries can see: with a window, earlier table
+// entries may name freed blocks (any id) and are neither checked nor read.
+inline int first_visible_block(const AttnParams& p, int ctx, int q_len) {
+  if (p.sliding_window <= 0) return 0;
+  return std::max(0, ctx - q_len - p.sliding_window + 1) / p.block_size;
 }
 
 // Raises std::invalid_argument (ValueError in Python) on malformed metadata, before
@@ -54,7 +65,7 @@ inline void validate_attention(const AttnParams& p, int num_seqs, int max_blocks
       throw std::invalid_argument("sequence " + std::to_string(s) + " needs " + std::to_string(n_blocks) +
                                   " blocks but block_tables has " + std::to_string(max_blocks) + " columns");
     const int32_t* row = p.block_tables + s * p.bt_stride;
-    for (int b = 0; b < n_blocks; ++b)
+    for (int b = first_visible_block(p, ctx, q_len); b < n_blocks; ++b)
       if (row[b] < 0 || row[b] >= num_blocks)
         throw std::invalid_argument("sequence " + std::to_string(s) + ": block id " + std::to_string(row[b]) +
                                     " out of range [0, " + std::to_string(num_blocks) + ")");
@@ -68,7 +79,7 @@ inline AttnPlan plan_attention(const AttnParams& p, int num_seqs, int num_thread
   int64_t total = 0, tiles = 0;
   for (int s = 0; s < num_seqs; ++s) {
     const int q_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
-    total += tile_cost(p.seq_lens[s] - q_len, 0, q_len, group) * p.num_kv_heads;
+    total += tile_cost(p.seq_lens[s] - q_len, 0, q_len, group, p.sliding_window) * p.num_kv_heads;
     tiles += (q_len + tile_tokens - 1) / tile_tokens;
   }
   const int64_t want_items = int64_t(num_threads) * cfg.items_per_thread;
@@ -85,23 +96,28 @@ inline AttnPlan plan_attention(const AttnParams& p, int num_seqs, int num_thread
     for (int t0 = 0; t0 < q_len; t0 += tile_tokens) {
       const int t1 = std::min(q_len, t0 + tile_tokens);
       const int keys = first_pos + t1;
-      const int64_t cost = tile_cost(first_pos, t0, t1, group) * heads;
+      // Block-aligned start of the keys the tile's first token sees (0 without a window).
+      int begin = 0;
+      if (p.sliding_window > 0)
+        begin = std::max(0, first_pos + t0 - p.sliding_window + 1) / p.block_size * p.block_size;
+      const int range = keys - begin;
+      const int64_t cost = tile_cost(first_pos, t0, t1, group, p.sliding_window) * heads;
       int splits = 1;
       if (cost > target)
-        splits = int(std::min<int64_t>((cost + target - 1) / target, keys / cfg.min_split_keys));
+        splits = int(std::min<int64_t>((cost + target - 1) / target, range / cfg.min_split_keys));
       splits = std::max(splits, 1);
-      const int per = (keys + splits - 1) / splits;
+      const int per = (range + splits - 1) / splits;
       const int span = (per + p.block_size - 1) / p.block_size * p.block_size;  // block aligned
-      splits = (keys + span - 1) / span;
+      splits = (range + span - 1) / span;
       const int rows = (t1 - t0) * group * heads;
       for (int h = 0; h < p.num_kv_heads; h += heads) {
         if (splits == 1) {
-          plan.work.push_back({s, h, h + heads, t0, t1, 0, keys, -1, cost});
+          plan.work.push_back({s, h, h + heads, t0, t1, begin, keys, -1, cost});
           continue;
         }
         plan.merges.push_back({s, h, h + heads, t0, t1, plan.partial_rows, splits});
         for (int i = 0; i < splits; ++i)
-          plan.work.push_back({s, h, h + heads, t0, t1, i * span, std::min(keys, (i + 1) * span),
+          plan.work.push_back({s, h, h + heads, t0, t1, begin + i * span, std::min(keys, begin + (i + 1) * span),
                                plan.partial_rows + int64_t(i) * rows, cost / splits});
         plan.partial_rows += int64_t(splits) * rows;
       }

@@ -88,7 +88,8 @@ void parallel_rows(int64_t rows, int64_t cols, const F& f) {
 
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
-                     const at::Tensor& query_start_loc_in, double scale, at::Tensor out, int64_t isa) {
+                     const at::Tensor& query_start_loc_in, double scale, at::Tensor out, int64_t isa,
+                     int64_t sliding_window, double soft_cap) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "query and out must both be [num_tokens, num_heads, head_size]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
@@ -113,6 +114,9 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   const int num_seqs = sl.size(0);
   const AttnFns fns = isa_at(isa).attention(dtype_of(query), head_size);
   TORCH_CHECK(fns.item != nullptr, "pagedserve: no native attention kernel for head_size ", head_size);
+  TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 1 (0: none), got ", sliding_window);
+  TORCH_CHECK_VALUE(soft_cap >= 0, "soft_cap must be > 0 (0: none), got ", soft_cap);
+  const AttnItemFn item = soft_cap > 0 ? fns.item_soft_cap : fns.item;
 
   const AttnParams p{
       query.data_ptr(), query.stride(0), query.stride(1),
@@ -121,7 +125,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
       value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
       bt.data_ptr<int32_t>(), bt.size(1), sl.data_ptr<int32_t>(), qsl.data_ptr<int32_t>(),
       out.data_ptr(), out.stride(0), out.stride(1),
-      num_heads, num_kv_heads, int32_t(key_cache.size(1)), head_size, float(scale)};
+      num_heads, num_kv_heads, int32_t(key_cache.size(1)), head_size, float(scale),
+      int32_t(std::min<int64_t>(sliding_window, INT32_MAX)), float(soft_cap)};
   validate_attention(p, num_seqs, bt.size(1), key_cache.size(0), query.size(0));
   const AttnPlan plan = plan_attention(p, num_seqs, at::get_num_threads());
   at::Tensor partials;
@@ -130,7 +135,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
     partials = at::empty({plan.partial_rows, head_size + 2}, query.options().dtype(at::kFloat));
     pp = partials.data_ptr<float>();
   }
-  parallel_dynamic(plan.work.size(), [&](int64_t i) { fns.item(p, plan.work[i], pp); });
+  parallel_dynamic(plan.work.size(), [&](int64_t i) { item(p, plan.work[i], pp); });
   parallel_dynamic(plan.merges.size(), [&](int64_t i) { fns.merge(p, plan.merges[i], pp); });
 }
 

@@ -21,7 +21,8 @@ namespace {
 template <int D>
 AttnFns bf16_dot_fns() {
   using K = Attention<Avx512Bf16, BF16, D, QkBf16Dot<D>>;
-  return {&K::item, &K::merge};
+  using KCap = Attention<Avx512Bf16, BF16, D, QkBf16Dot<D>, true>;
+  return {&K::item, &K::merge, &KCap::item};
 }
 
 // Only bf16 attention differs from the plain AVX-512 kernels.

@@ -29,6 +29,12 @@ struct AttnParams {
   int64_t o_stride_tok, o_stride_head;
   int32_t num_heads, num_kv_heads, block_size, head_size;
   float scale;
+  // The query at position q sees keys k with q - sliding_window < k <= q; 0: no window.
+  // Table entries before the first block any query of a sequence sees are never read
+  // (their blocks may have been freed; kernels/reference.py has the contract).
+  int32_t sliding_window = 0;
+  // Scaled scores s become soft_cap * tanh(s / soft_cap) before the softmax; 0: none.
+  float soft_cap = 0.f;
 };
 
 // One unit of work: query tokens [tok_begin, tok_end) of a sequence (indices within
@@ -53,6 +59,7 @@ using AttnMergeFn = void (*)(const AttnParams&, const AttnMerge&, const float* p
 struct AttnFns {
   AttnItemFn item = nullptr;
   AttnMergeFn merge = nullptr;
+  AttnItemFn item_soft_cap = nullptr;  // item with AttnParams::soft_cap applied
 };
 
 // Row-wise element kernels; each processes rows [begin, end).

@@ -138,21 +138,13 @@ class NativeCpuKernels:
     ) -> torch.Tensor:
         """See reference.paged_attention: query [num_tokens, num_heads, head_size];
         caches [num_blocks, block_size, num_kv_heads, head_size]; int32 metadata.
-        The native kernel has no sliding window or soft-cap yet: layers that use them
-        run the reference."""
-        if sliding_window is not None or soft_cap is not None:
-            return reference.paged_attention(
-                query,
-                key_cache,
-                value_cache,
-                block_tables,
-                seq_lens,
-                query_start_loc,
-                scale,
-                out,
-                sliding_window,
-                soft_cap,
-            )
+        ``sliding_window`` and ``soft_cap`` are kernel parameters: the key loop starts
+        at the first block the window reaches (slid-out table entries are never read)
+        and the cap applies to the scaled scores before the online softmax."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if soft_cap is not None and not soft_cap > 0:
+            raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
         dtype = query.dtype
         if out is None:
             out = torch.empty(query.shape, dtype=dtype, device=query.device)
@@ -167,11 +159,30 @@ class NativeCpuKernels:
             and out.stride(-1) == 1
         ):
             self.module.paged_attention(
-                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale), out, self._isa
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                float(scale),
+                out,
+                self._isa,
+                sliding_window or 0,
+                float(soft_cap or 0.0),
             )
             return out
         return reference.paged_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            out,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
         )
 
     def reshape_and_cache(
