@@ -152,11 +152,16 @@ def _paged_attention_kernel(
 
     # Causal: the last query row of this block sees keys up to its own position.
     kv_end = context_len + tl.minimum((q_local + 1) * BLOCK_Q, q_len)
+    # With a window, the first row sees no key before win_lo, and table entries of
+    # blocks wholly before it may name freed blocks (arbitrary content): never load them.
+    win_lo = 0
+    if WINDOW:
+        win_lo = tl.maximum(context_len + q_local * BLOCK_Q - window + 1, 0)
     if SPLIT:
-        kv_lo = split * split_chunk
+        kv_lo = win_lo + split * split_chunk
         kv_hi = tl.minimum(kv_end, kv_lo + split_chunk)
     else:
-        kv_lo = 0
+        kv_lo = win_lo
         kv_hi = kv_end
     q_abs = context_len + q_pos
 
@@ -380,6 +385,22 @@ def _tile_config(decode_like: bool, group: int, head_pad: int, fp32_dot: bool) -
     return block_m, tile_n, num_warps
 
 
+def _keys_per_program(max_context: int, block_q: int, sliding_window: int | None) -> int:
+    """Upper bound of the keys one program walks: the block table's reach, or with a
+    window the window plus the rows of one query block (each program starts at its first
+    row's window)."""
+    if sliding_window is None:
+        return max_context
+    return min(max_context, sliding_window + block_q - 1)
+
+
+def _check_window_and_cap(sliding_window: int | None, soft_cap: float | None) -> None:
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+
+
 def _use_fp32_dot(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """fp32 caches need exact fp32 products (not TF32); mixed query/cache dtypes meet
     in fp32; and the interpreter computes bf16 arithmetic on raw uint16 storage, so
@@ -410,6 +431,7 @@ def paged_attention_fixed_splits(
     :func:`paged_attention`, plus ``num_splits`` >= 1.
     """
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    _check_window_and_cap(sliding_window, soft_cap)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if out is None:
@@ -426,7 +448,7 @@ def paged_attention_fixed_splits(
     block_m, tile_n, num_warps = _tile_config(num_tokens <= 2 * num_seqs, group, head_pad, dot_fp32)
     block_q = block_m // group
     num_q_blocks = num_tokens // block_q + num_seqs
-    max_context = block_tables.shape[1] * block_size
+    max_context = _keys_per_program(block_tables.shape[1] * block_size, block_q, sliding_window)
     split = num_splits > 1
     split_chunk = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), tile_n) * tile_n
 
@@ -524,13 +546,14 @@ def paged_attention(
     out: optional [num_tokens, num_heads, head_size] float tensor to write into.
     sliding_window, soft_cap: as in the reference (keys within the window; scores
         capped by ``soft_cap * tanh(score / soft_cap)``); each compiles its own variant.
+        With a window each program starts at its first query row's window, so table
+        entries of blocks that slid out of every row's window are never read.
     Returns out in query's dtype (or out's, when given).  head_size <= 256.
 
     Chooses between the single-pass and split-KV kernels with
     :func:`choose_num_splits`, from shapes only (no host sync).
     """
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    _check_window_and_cap(sliding_window, soft_cap)
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
     num_tokens, num_heads, head_size = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
@@ -541,7 +564,7 @@ def paged_attention(
         num_tokens,
         num_seqs,
         num_kv_heads,
-        max_context=block_tables.shape[1] * key_cache.shape[1],
+        max_context=_keys_per_program(block_tables.shape[1] * key_cache.shape[1], block_m // group, sliding_window),
         num_sms=_num_sms(query.device),
         block_q=block_m // group,
     )

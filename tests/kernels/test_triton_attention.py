@@ -483,3 +483,61 @@ def test_window_and_soft_cap_match_reference(extra, num_splits):
         **extra,
     )
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
+@pytest.mark.parametrize("extra", [{"sliding_window": 6}, {"sliding_window": 17, "soft_cap": 2.5}])
+def test_slid_out_blocks_pointing_at_nan_are_never_read(extra, num_splits):
+    """Table entries before each sequence's first visible block point at a NaN-filled
+    null block (what the KV manager leaves after freeing them): decodes, a prefill chunk
+    after a long prefix and a whole prompt longer than the window, with GQA."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, d, block_size = 6, 2, 32, 4
+    batch = [(70, 1), (45, 9), (33, 33), (3, 1)]
+    per_seq = [-(-ctx // block_size) for ctx, _ in batch]
+    num_blocks = sum(per_seq) + 1
+    null = num_blocks - 1
+    tables = torch.zeros(len(batch), max(per_seq), dtype=torch.int32)
+    perm = torch.randperm(num_blocks - 1, generator=gen).tolist()
+    for i, nb in enumerate(per_seq):
+        tables[i, :nb] = torch.tensor([perm.pop() for _ in range(nb)])
+    kc = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen)
+    vc = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen)
+    q = torch.randn(sum(n for _, n in batch), heads, d, generator=gen)
+    qsl = torch.tensor([0] + torch.tensor([n for _, n in batch]).cumsum(0).tolist(), dtype=torch.int32)
+    seq_lens = torch.tensor([ctx for ctx, _ in batch], dtype=torch.int32)
+    want = reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, d**-0.5, **extra)
+    kc[null] = float("nan")
+    vc[null] = float("nan")
+    freed = 0
+    for i, (ctx, q_len) in enumerate(batch):
+        first_block = max(0, ctx - q_len - extra["sliding_window"] + 1) // block_size
+        tables[i, :first_block] = null
+        freed += first_block
+    assert freed >= 10
+    dev = DEVICE
+    out = torch.full(q.shape, float("nan"), device=dev)
+    got = attention.paged_attention_fixed_splits(
+        q.to(dev),
+        kc.to(dev),
+        vc.to(dev),
+        tables.to(dev),
+        seq_lens.to(dev),
+        qsl.to(dev),
+        d**-0.5,
+        num_splits,
+        out,
+        **extra,
+    )
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
+
+
+def test_window_and_soft_cap_refuse_nonsense():
+    q = torch.randn(1, 2, 16)
+    kc = torch.randn(2, 4, 1, 16)
+    args = (q, kc, kc.clone(), torch.zeros(1, 2, dtype=torch.int32), torch.tensor([3], dtype=torch.int32))
+    args = (*args, torch.tensor([0, 1], dtype=torch.int32), 0.25)
+    with pytest.raises(ValueError, match="sliding_window"):
+        attention.paged_attention(*args, sliding_window=0)
+    with pytest.raises(ValueError, match="soft_cap"):
+        attention.paged_attention(*args, soft_cap=-1.0)
