@@ -389,28 +389,31 @@ def signature(fn, dtype, int64_ptrs=()):
             else:
                 sig[name] = dtype
         else:
-            sig[name] = "fp32" if name == "qk_scale" else "i32"
+            sig[name] = "fp32" if name in ("qk_scale", "soft_cap") else "i32"
     return sig
 
 targets = {"sm80": GPUTarget("cuda", 80, 32), "sm90": GPUTarget("cuda", 90, 32),
            "gfx942": GPUTarget("hip", "gfx942", 64)}
 results = {}
 jobs = []
-for dtype, tdtype, head, group, decode, splits in [
-    ("*bf16", torch.bfloat16, 128, 8, True, (False, True)),
-    ("*bf16", torch.bfloat16, 128, 1, False, (False,)),
-    ("*fp16", torch.float16, 256, 2, False, (False,)),
-    ("*fp16", torch.float16, 80, 4, True, (True,)),
-    ("*fp32", torch.float32, 256, 1, False, (False,)),
+for dtype, tdtype, head, group, decode, splits, windowed in [
+    ("*bf16", torch.bfloat16, 128, 8, True, (False, True), False),
+    ("*bf16", torch.bfloat16, 128, 1, False, (False,), False),
+    ("*fp16", torch.float16, 256, 2, False, (False,), False),
+    ("*fp16", torch.float16, 80, 4, True, (True,), False),
+    ("*fp32", torch.float32, 256, 1, False, (False,), False),
+    ("*bf16", torch.bfloat16, 256, 2, True, (False, True), True),
+    ("*bf16", torch.bfloat16, 128, 4, False, (False,), True),
 ]:
     head_pad = max(16, triton.next_power_of_2(head))
     fp32 = tdtype == torch.float32
     bm, tn, warps = attention._tile_config(decode, group, head_pad, fp32)
     for split in splits:
         consts = dict(GROUP=group, BLOCK_M=bm, BLOCK_Q=bm // group, TILE_N=tn, HEAD_PAD=head_pad,
-                      DOT_FP32=fp32, SPLIT=split)
+                      DOT_FP32=fp32, SPLIT=split, WINDOW=windowed, SOFT_CAP=windowed)
         jobs.append((f"attn-{dtype[1:]}-d{head}-g{group}-{'decode' if decode else 'prefill'}"
-                     f"{'-split' if split else ''}", attention._paged_attention_kernel, dtype, consts, warps, ()))
+                     f"{'-split' if split else ''}{'-window-cap' if windowed else ''}",
+                     attention._paged_attention_kernel, dtype, consts, warps, ()))
 jobs.append(("reduce-d128", attention._reduce_splits_kernel, "*bf16", dict(SPLIT_PAD=8, HEAD_PAD=128), 4, ()))
 jobs.append(("cache-d128", cache._reshape_and_cache_kernel, "*bf16", dict(HEADS_PER_PROG=8, HEAD_PAD=128), 4,
              ("slot_mapping_ptr",)))
