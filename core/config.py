@@ -351,6 +351,13 @@ class CacheConfig:
     cpu_offload_gb: float = field(
         default=0.0, metadata=_help("GB (10**9 bytes) of layer weights kept in host memory and streamed to the device")
     )
+    free_sliding_window_blocks: bool = field(
+        default=True,
+        metadata=_help(
+            "free a request's KV blocks once they slide out of the attention window of every layer "
+            "(models with one window on all layers; docs/models.md)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "check_engine_config",
     "check_parallel_fits_model",
+    "check_sliding_window_cache",
     "check_prompt_fits_step",
     "check_logprobs_limit",
     "RULES",
@@ -176,6 +177,25 @@ def check_parallel_fits_model(cfg: EngineConfig, arch: Any) -> None:
         )
     if pp > arch.num_layers:
         raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {arch.num_layers} layers")
+
+
+def check_sliding_window_cache(cfg: EngineConfig, window: int | None) -> int | None:
+    """The window by which the KV manager frees slid-out blocks (``window``: the one
+    every layer of the model shares, or None), None when freeing is off; ValueError for
+    a setting that cannot work with freed blocks.
+
+    Checked when the checkpoint's config is read, before weights load.
+    """
+    if window is None or not cfg.cache.free_sliding_window_blocks:
+        return None
+    if cfg.cache.kv_offload_memory is not None:
+        raise ValueError(
+            f"kv_offload_memory (a host KV tier) cannot be combined with freeing the KV blocks that slid out "
+            f"of this model's {window}-token attention window (host swap-in and reload assume every block of "
+            "a request is held); set free_sliding_window_blocks=False (--no-free-sliding-window-blocks) "
+            "or leave kv_offload_memory unset"
+        )
+    return window
 
 
 def check_prompt_fits_step(scheduler: Any, num_prompt_tokens: int) -> None:

@@ -17,16 +17,23 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.config_rules import check_logprobs_limit, check_parallel_fits_model, check_prompt_fits_step
+from pagedserve.config_rules import (
+    check_logprobs_limit,
+    check_parallel_fits_model,
+    check_prompt_fits_step,
+    check_sliding_window_cache,
+)
 from pagedserve.executor.executor import create_executor
 from pagedserve.executor.model_runner import check_cache_dtype, resolve_dtype
 from pagedserve.kv_cache.host_tier import TieredKVCacheManager
+from pagedserve.kv_cache.sliding_window import uniform_window
 from pagedserve.loader import IncrementalDetokenizer, open_model
 from pagedserve.loader.generation_config import load_generation_defaults
 from pagedserve.loader.tokenizer_source import engine_tokenizer
 from pagedserve.loader.validation import effective_max_model_len
 from pagedserve.lora import LoRAManager, LoRARequest, lora_cache_salt
 from pagedserve.models.arch_config import ArchConfig
+from pagedserve.models.layers import layer_windows
 from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.platforms import select_platform
@@ -132,6 +139,10 @@ class LLMEngine:
         self.model_source = source
         self.arch = ArchConfig.from_hf(source.hf_config)
         check_parallel_fits_model(config, self.arch)
+        # The window by which the KV manager frees slid-out blocks (None: keeps them all).
+        kv_window = check_sliding_window_cache(
+            config, uniform_window(layer_windows(self.arch.hf_config, self.arch.num_layers))
+        )
         self.tokenizer = engine_tokenizer(config.model, source, self.arch.vocab_size)
         self.eos_token_ids = frozenset(source.eos_token_ids)
         #: SamplingParams defaults from generation_config.json (see loader/generation_config.py).
@@ -159,7 +170,7 @@ class LLMEngine:
         self.runner = self.executor.driver_runner  # rank 0's runner: it owns the sampler
         num_blocks = self.executor.num_blocks
         # A plain manager, or one with a host KV tier (kv_offload_memory).
-        self.kv = build_kv_manager(config, num_blocks, self.runner)
+        self.kv = build_kv_manager(config, num_blocks, self.runner, kv_window, mml)
         self.weight_streamer = offload_weights(config, self.runner)  # cpu_offload_gb
         self.scheduler = Scheduler(config.scheduler, self.kv, mml)
         # Grammars compile on its worker thread; the runner masks constrained rows.

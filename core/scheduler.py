@@ -70,7 +70,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if not self.kv.can_fit(min(request.num_tokens + 1, self.max_model_len)):
+        if not self.kv.can_fit(min(request.num_tokens + 1, self.max_model_len), self.config.max_num_batched_tokens):
             raise ValueError(
                 f"prompt of {request.num_tokens} tokens needs more KV blocks than the whole "
                 f"cache has ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)"

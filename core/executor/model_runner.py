@@ -14,6 +14,7 @@ from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.executor.input_batch import prepare_inputs
 from pagedserve.executor.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.executor.sampler import Sampler, SamplerOutput
+from pagedserve.kv_cache.sliding_window import blocks_for_one_request
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import LayerPlacement
 from pagedserve.models.registry import resolve_model_class
@@ -157,7 +158,7 @@ class ModelRunner:
         else:
             budget, per_block, where = self._memory_budget(cache, sched)
         num_blocks = budget // per_block
-        needed = -(-max_model_len // cache.block_size)
+        needed = blocks_for_one_request(cache, sched, max_model_len, getattr(self.model, "windows", None))
         if num_blocks < needed:
             raise ValueError(
                 f"the KV cache budget{where} ({max(budget, 0) / 2**20:.1f} MiB = {max(num_blocks, 0)} blocks of "

@@ -5,6 +5,12 @@ Prefix caching: each *full* block of a request's tokens gets a chained hash over
 request walks its block hashes and reuses every leading block already cached; the hit
 is confirmed by comparing the stored key, not only the hash.  The last prompt token is
 always recomputed so that the model produces logits to sample from.
+
+Sliding windows: with ``sliding_window`` set (every layer's window), the blocks of a
+request that slid out of the window are freed before each allocation and their table
+entries point at a reserved null block (the last block id, never allocated nor written);
+see :mod:`pagedserve.kv_cache.sliding_window`.  Freed full blocks stay in the prefix
+cache (evictable, like any unreferenced cached block).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from collections.abc import Sequence
 
 from pagedserve.kv_cache.block_hash import BlockHash, block_hashes, extend_block_hashes, hash_block
 from pagedserve.kv_cache.block_pool import BlockPool, KVBlock
+from pagedserve.kv_cache.sliding_window import first_visible_block, max_blocks_held
 from pagedserve.request import Request
 
 __all__ = ["KVCacheManager", "hash_block"]
@@ -21,11 +28,25 @@ __all__ = ["KVCacheManager", "hash_block"]
 class KVCacheManager:
     """Allocates KV blocks to requests; paired check/act via ``allocate_slots`` returning None."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        if sliding_window is not None and (sliding_window < 1 or num_blocks < 2):
+            raise ValueError(f"sliding_window={sliding_window} needs a window >= 1 and >= 2 blocks, got {num_blocks}")
+        #: Every layer's window (None: keep every block of a running request).
+        self.sliding_window = sliding_window
+        # With a window the last block id is the null block that slid-out table entries
+        # point at: outside the pool, so never allocated and never written.
+        pool_blocks = num_blocks - 1 if sliding_window is not None else num_blocks
+        self.pool = BlockPool(pool_blocks, enable_caching=enable_prefix_caching)
+        self.null_block: KVBlock | None = KVBlock(pool_blocks, ref_cnt=1) if sliding_window is not None else None
+        #: Peak of blocks referenced by requests (pool.num_in_use), for measurements.
+        self.peak_blocks_in_use = 0
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        # Leading table entries of each request that point at the null block.
+        self._num_slid_out: dict[str, int] = {}
         # Hashes of the request's full blocks computed so far, and how many of its
         # blocks are registered in the cache.
         self._req_hashes: dict[str, list[BlockHash]] = {}
@@ -101,9 +122,39 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(blocks))
         return todo, [b.block_id for b in blocks]
 
-    def can_fit(self, num_tokens: int) -> bool:
-        """Whether a request of ``num_tokens`` could ever fit in an empty pool."""
-        return -(-num_tokens // self.block_size) <= self.pool.num_blocks
+    def can_fit(self, num_tokens: int, max_step_tokens: int | None = None) -> bool:
+        """Whether a request of ``num_tokens`` could ever fit in an empty pool when no step
+        computes more than ``max_step_tokens`` of its tokens (None: all at once)."""
+        step = num_tokens if max_step_tokens is None else max_step_tokens
+        return max_blocks_held(num_tokens, self.block_size, self.sliding_window, step) <= self.pool.num_blocks
+
+    def num_blocks_held(self, request_id: str) -> int:
+        """Pool blocks ``request_id`` references now (slid-out entries excluded)."""
+        return sum(1 for b in self.req_blocks.get(request_id, ()) if b is not self.null_block)
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        """Pool blocks referenced by any request now."""
+        return self.pool.num_in_use
+
+    def _free_slid_out(self, request: Request, blocks: list[KVBlock]) -> int:
+        """Free ``request``'s blocks that no query of its next step can see (pointing
+        their entries at the null block); returns how many leading entries are null."""
+        rid = request.request_id
+        done = self._num_slid_out.get(rid, 0)
+        if self.sliding_window is None:
+            return done
+        first = min(first_visible_block(request.num_computed_tokens, self.sliding_window, self.block_size), len(blocks))
+        if first <= done:
+            return done
+        if self.enable_prefix_caching:
+            # Register them first so that later prompts can still hit them until evicted.
+            self._cache_full_blocks(request, blocks, request.num_computed_tokens)
+        stale = blocks[done:first]
+        blocks[done:first] = [self.null_block] * len(stale)
+        self.pool.free_blocks(reversed(stale))
+        self._num_slid_out[rid] = first
+        return first
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
@@ -115,21 +166,33 @@ class KVCacheManager:
         allocated blocks, or None (changing nothing) when the pool cannot supply them.
         """
         computed_blocks = computed_blocks or []
-        owned = self.req_blocks.get(request.request_id, [])
+        rid = request.request_id
+        owned = self.req_blocks.get(rid, [])
+        lead = 0
+        if owned:
+            self._free_slid_out(request, owned)
+        elif self.sliding_window is not None:
+            # A (re)started request: hits and positions that already slid out are not taken.
+            lead = first_visible_block(request.num_computed_tokens, self.sliding_window, self.block_size)
+            computed_blocks = computed_blocks[lead:]
         total_tokens = request.num_computed_tokens + num_new_tokens
-        needed = -(-total_tokens // self.block_size) - len(owned) - len(computed_blocks)
+        needed = -(-total_tokens // self.block_size) - len(owned) - lead - len(computed_blocks)
         # Hits on unreferenced cached blocks take them out of the free queue.
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if needed > self.pool.num_free_blocks - revived:
             return None
         self.pool.touch(computed_blocks)
         new_blocks = self.pool.get_new_blocks(max(needed, 0))
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks = self.req_blocks.setdefault(rid, [])
+        if lead:
+            blocks.extend([self.null_block] * lead)
+            self._num_slid_out[rid] = lead
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, blocks, total_tokens)
         self.num_scheduled_tokens += num_new_tokens
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.pool.num_in_use)
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
@@ -140,7 +203,8 @@ class KVCacheManager:
         hashes = self._block_hashes(request, num_tokens)
         start = self._num_cached.get(request.request_id, 0)
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], *hashes[i])
+            if blocks[i] is not self.null_block:  # a slid-out entry never registered stays a miss
+                self.pool.cache_block(blocks[i], *hashes[i])
         self._num_cached[request.request_id] = max(start, num_full)
 
     def trim(self, request: Request, num_tokens: int) -> None:
@@ -151,15 +215,16 @@ class KVCacheManager:
         keep = -(-num_tokens // self.block_size)
         if not blocks or len(blocks) <= keep:
             return
-        tail = blocks[keep:]
+        tail = [b for b in blocks[keep:] if b is not self.null_block]
         del blocks[keep:]
         self.pool.free_blocks(reversed(tail))
 
     def free(self, request: Request) -> None:
         """Release a finished, aborted or preempted request's blocks (tail first)."""
         blocks = self.req_blocks.pop(request.request_id, [])
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(b for b in reversed(blocks) if b is not self.null_block)
         self._num_cached.pop(request.request_id, None)
+        self._num_slid_out.pop(request.request_id, None)
         if request.is_finished:
             self._req_hashes.pop(request.request_id, None)
 

@@ -17,6 +17,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.kv_cache.host_tier import IN, KVTransfers, TieredKVCacheManager
 from pagedserve.kv_cache.manager import KVCacheManager
+from pagedserve.kv_cache.sliding_window import kv_window_for_pool
 from pagedserve.offload.cost import PreemptionCostModel
 from pagedserve.platforms import Platform
 
@@ -68,16 +69,23 @@ def apply_kv_transfers(
                 swap_blocks(dv, hv, mapping)
 
 
-def build_kv_manager(config: EngineConfig, num_blocks: int, runner) -> KVCacheManager:
+def build_kv_manager(
+    config: EngineConfig, num_blocks: int, runner, sliding_window: int | None = None, max_model_len: int | None = None
+) -> KVCacheManager:
     """The plain manager, or one with a host tier of ``kv_offload_memory`` bytes (whose
     host KV tensors are allocated on ``runner``, the engine process's ModelRunner, here).
+    ``sliding_window``: the plain manager frees blocks that slid out of it (the engine's
+    rules refuse it with a host tier), when the pool can spare the null block for a
+    request of ``max_model_len`` tokens.
 
     The runner is not imported (it imports :func:`apply_kv_transfers` from here); this
     uses its public methods ``kv_block_bytes``, ``allocate_host_kv_cache`` and
     ``weight_bytes`` and its ``layer_platforms`` and ``dtype``."""
     cache = config.cache
     if cache.kv_offload_memory is None:
-        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        if max_model_len is not None:
+            sliding_window = kv_window_for_pool(sliding_window, num_blocks, cache, config.scheduler, max_model_len)
+        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, sliding_window)
     config.validate()  # one rank only: every rank would need its own host pool and copies
     per_block = runner.kv_block_bytes(cache.block_size)
     num_host_blocks = int(cache.kv_offload_memory) // per_block
