@@ -4,12 +4,13 @@ Paged attention on decode batches (the default model's attention shape: 9 query
 heads, 3 kv heads, head size 64, bf16, block size 16, shuffled block tables) and, with
 --ops, the row-wise ops at decode and prefill sizes of the same model (hidden 576,
 intermediate 1536); with --linear, one decode step's bf16 linear layers through torch's
-GEMM, oneDNN and the native kernels.  Prints one table per kind with the speedup (reference / native).
+GEMM, oneDNN and the native kernels; with --moe, fused_moe (reference vs native).
+Prints one table per kind with the speedup (reference / native).
 
     python benchmarks/cpu_kernels.py [--seqs 1 4 16 64] [--contexts 128 512 2048]
                                      [--dtype bf16] [--isa avx2] [--ops] [--threads N]
                                      [--huge-pages] [--cpu-time] [--prefill] [--linear]
-                                     [--token-major] [--layers 30]
+                                     [--token-major] [--layers 30] [--moe]
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "bench_prefill",
     "bench_ops",
     "bench_linear",
+    "bench_moe",
     "main",
 ]
 
@@ -224,6 +226,46 @@ def bench_linear(native, rows: list[int], clock: Callable[[], float] = time.perf
     return out
 
 
+#: (experts, top_k, hidden, intermediate) of the fused_moe cases: the tiny Qwen3-MoE of
+#: benchmarks/moe_vs_dense.py and a wider one whose experts (50 MB bf16) leave the cache.
+MOE_SHAPES = ((8, 2, 512, 256), (16, 2, 1024, 512))
+
+
+def bench_moe(tokens: list[int], dtype: torch.dtype, clock: Callable[[], float] = time.perf_counter) -> list[tuple]:
+    """fused_moe: the reference (a torch GEMM per active expert) against the native
+    kernel on plain weights and on weights put through the CPU's prepare_moe_weights
+    (packed where the build has the bf16 micro-kernels), with GFLOP/s of the native ones
+    (2 * T * K * 3 * H * I flops per call)."""
+    from pagedserve.platforms.cpu import moe_ops
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for experts, top_k, hidden, inter in MOE_SHAPES:
+        w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(dtype)
+        w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype)
+        p13, p2 = moe_ops.prepare_moe_weights(w13, w2)
+        for t in tokens:
+            x = torch.randn(t, hidden, generator=gen).to(dtype)
+            logits = torch.randn(t, experts, generator=gen)
+            weights, ids = torch.topk(torch.softmax(logits, -1), top_k)
+            flops = 2 * t * top_k * 3 * hidden * inter
+            t_ref = time_call(lambda: reference.fused_moe(x, w13, w2, weights, ids), clock=clock)
+            t_nat = time_call(lambda: moe_ops.fused_moe(x, w13, w2, weights, ids), clock=clock)
+            t_pack = time_call(lambda: moe_ops.fused_moe(x, p13, p2, weights, ids), clock=clock)
+            out.append(
+                (
+                    f"E{experts} k{top_k} H{hidden} I{inter}",
+                    t,
+                    t_ref * 1e6,
+                    t_nat * 1e6,
+                    t_pack * 1e6,
+                    flops / t_pack / 1e9,
+                    t_ref / t_pack,
+                )
+            )
+    return out
+
+
 def _print_table(header: tuple[str, ...], rows: list[tuple]) -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---:" for _ in header) + "|")
@@ -263,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
         "--linear", action="store_true", help="also time one decode step's bf16 linear layers (torch GEMM vs native)"
     )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 256], help="batch sizes for --linear")
+    parser.add_argument("--moe", action="store_true", help="also time fused_moe (reference vs native)")
+    parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 16, 64, 256], help="batch sizes for --moe")
     args = parser.parse_args(argv)
     if args.cpu_time:
         args.threads = 1
@@ -301,6 +345,12 @@ def main(argv: list[str] | None = None) -> None:
         _print_table(
             ("rows", "torch ms", "skinny ms", "oneDNN packed ms", "native packed ms", "native/oneDNN speedup"),
             bench_linear(native, args.rows, clock),
+        )
+    if args.moe:
+        print(f"\nfused_moe ({args.dtype}; prepared: weights through the CPU's prepare_moe_weights):\n")
+        _print_table(
+            ("shape", "tokens", "reference us", "native us", "native prepared us", "GFLOP/s", "speedup"),
+            bench_moe(args.moe_tokens, dtype, clock),
         )
 
 

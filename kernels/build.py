@@ -246,19 +246,24 @@ def _log(msg: str) -> None:
 
 
 def cpu_extension_spec(
-    prefix: str, sources: Sequence[str], arch_flags: Sequence[str] = (), arch_origin: str = "portable"
+    prefix: str,
+    sources: Sequence[str],
+    arch_flags: Sequence[str] = (),
+    arch_origin: str = "portable",
+    headers: Sequence[str] = (),
 ) -> ExtensionSpec:
     """The build of a small CPU extension besides the main kernels (quantized GEMM,
     LoRA, rejection sampling): ``pagedserve_<prefix>_<hash>`` from ``sources`` (file
     names in kernels/cpu/), keyed by their text, the flags, the compiler, torch and
     Python, into the shared kernel cache.  Each is its own extension, so that building
-    it never invalidates the main kernels' build."""
+    it never invalidates the main kernels' build.  ``headers`` (kernels/cpu/ file names
+    the sources include) join the key without being compiled."""
     import torch
 
     cflags = (*BASE_CFLAGS, *arch_flags)
     compiler = os.environ.get("CXX", "c++")
     digest = hashlib.sha256()
-    for name in sources:
+    for name in (*sources, *headers):
         digest.update(name.encode())
         digest.update((CPU_DIR / name).read_bytes())
     digest.update(json.dumps([cflags, compiler, torch.__version__, sys.version_info[:2], platform.machine()]).encode())

@@ -31,6 +31,7 @@ __all__ = [
     "gelu_and_mul",
     "gelu",
     "fused_moe",
+    "prepare_moe_weights",
     "copy_blocks",
     "swap_blocks",
     "linear",
@@ -280,6 +281,17 @@ def fused_moe(
     return out.to(x.dtype)
 
 
+def prepare_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights w13 [E, 2*I, H] and w2 [E, H, I] -> the forms the same
+    registry's ``fused_moe`` takes, once at load (never on the step path).
+
+    Reference: the weights themselves.  A platform may return other tensors (e.g. packed
+    for its GEMM micro-kernels); ``fused_moe(x, *prepare_moe_weights(w13, w2), ...)`` must
+    equal ``reference.fused_moe(x, w13, w2, ...)``.
+    """
+    return w13, w2
+
+
 def copy_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, mapping: torch.Tensor) -> None:
     """Copy whole KV blocks: dst_cache[mapping[i, 1]] = src_cache[mapping[i, 0]].
 
@@ -446,6 +458,7 @@ OP_NAMES: tuple[str, ...] = (
     "gelu_and_mul",
     "gelu",
     "fused_moe",
+    "prepare_moe_weights",
     "linear",
     "prepare_linear_weight",
     "linear_silu_and_mul",

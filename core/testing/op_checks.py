@@ -158,22 +158,69 @@ def _gelu(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
         yield desc, body
 
 
-def _fused_moe(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    """Few experts top-2, more experts than tokens (some idle), one token."""
-    for tokens, experts, top_k, hidden, inter in [(9, 4, 2, 64, 96), (3, 8, 2, 32, 48), (1, 3, 1, 64, 32)]:
-        desc = f"t{tokens}-e{experts}-k{top_k}-h{hidden}-i{inter}"
+#: (tokens, experts, top_k, hidden, intermediate, activation, renormalised) of the
+#: fused_moe cases: top-1, top-2 and top-4; more experts than routed pairs (idle
+#: experts); a single token; many tokens (several row tiles per expert); intermediate
+#: sizes that are and are not multiples of 16, and odd ones; a hidden size a packed
+#: kernel takes for w13 but not for w2; gelu.
+FUSED_MOE_SHAPES: tuple[tuple[int, int, int, int, int, str, bool], ...] = (
+    (9, 4, 2, 64, 96, "silu", False),
+    (3, 8, 2, 32, 48, "silu", True),
+    (1, 3, 1, 64, 32, "silu", False),
+    (1, 8, 2, 64, 64, "silu", True),
+    (70, 6, 2, 64, 40, "silu", True),
+    (5, 4, 3, 40, 37, "gelu", False),
+    (12, 8, 4, 48, 16, "gelu", True),
+    (7, 5, 2, 40, 48, "silu", False),
+)
 
-        def body(tokens=tokens, experts=experts, top_k=top_k, hidden=hidden, inter=inter, desc=desc) -> None:
+
+def _route(c: _Case, tokens: int, experts: int, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, K], ids int64 [T, K]) as a softmax router would give them; the
+    last expert never chosen when there are spare ones, so some expert is always idle."""
+    pool = experts - 1 if experts > top_k + 1 else experts
+    ids = torch.stack([c.randperm(pool)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=c.gen) * 0.9 + 0.05
+    if renormalise:  # rows sum to 1; otherwise they need not (routers without it)
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+def _poison_allocator(device: torch.device, dtype: torch.dtype, *numels: int) -> None:
+    """Hand NaN-filled blocks of these sizes back to the allocator: an op that returns a
+    fresh tensor (there is no output to poison in place) and forgets an element of it or
+    of its scratch buffers then likely reads NaN rather than zeros (best effort: the
+    allocator decides which block comes back)."""
+    blocks = [torch.full((n,), NAN, dtype=dtype, device=device) for n in numels for _ in range(2)]
+    del blocks
+
+
+def _fused_moe(t: Target, fn: Callable, dtype: torch.dtype, seed: int, prepare: Callable | None = None) -> Cases:
+    """``fused_moe`` on expert weights put through the registry's ``prepare_moe_weights``
+    (the contract: the pair equals the reference on the plain weights)."""
+    if prepare is None:  # a bare target (a kernel tested alone) has no registry
+        prepare = t.ops.get("prepare_moe_weights") if hasattr(t, "ops") else reference.prepare_moe_weights
+    for tokens, experts, top_k, hidden, inter, act, renorm in FUSED_MOE_SHAPES:
+        desc = f"t{tokens}-e{experts}-k{top_k}-h{hidden}-i{inter}-{act}" + ("-renorm" if renorm else "")
+
+        def body(
+            tokens=tokens, experts=experts, top_k=top_k, hidden=hidden, inter=inter, act=act, renorm=renorm, desc=desc
+        ) -> None:
             c = _Case(f"fused_moe{desc}{dtype}", seed, t.device)
             x = c.randn(tokens, hidden, dtype=dtype)
             w13 = c.randn(experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
             w2 = c.randn(experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
-            ids = torch.stack([c.randperm(experts)[:top_k] for _ in range(tokens)])
-            # Rows need not sum to 1 (routers without renormalisation).
-            weights = torch.rand(tokens, top_k, generator=c.gen) * 0.9 + 0.05
-            want = reference.fused_moe(x, w13, w2, weights, ids)
-            got = fn(c.dev(x), c.dev(w13), c.dev(w2), c.dev(weights), c.dev(ids))
+            weights, ids = _route(c, tokens, experts, top_k, renorm)
+            want = reference.fused_moe(x, w13, w2, weights, ids, act)
+            pw13, pw2 = prepare(c.dev(w13), c.dev(w2))
+            _poison_allocator(c.device, dtype, tokens * hidden, tokens * top_k * hidden, tokens * top_k * 2 * inter)
+            got = fn(c.dev(x), pw13, pw2, c.dev(weights), c.dev(ids), act)
             assert_matches("fused_moe", got, want, dtype)
+            # A second call on fresh inputs: the op allocates (or must fully overwrite) its
+            # output, so stale values of the first call must not show through.
+            x2 = c.randn(tokens, hidden, dtype=dtype)
+            got = fn(c.dev(x2), pw13, pw2, c.dev(weights), c.dev(ids), act)
+            assert_matches("fused_moe (second call)", got, reference.fused_moe(x2, w13, w2, weights, ids, act), dtype)
 
         yield desc, body
 
@@ -638,6 +685,8 @@ OP_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "silu_and_mul": _silu_and_mul,
     "gelu_and_mul": _gelu_and_mul,
     "fused_moe": _fused_moe,
+    # A platform's prepare_moe_weights is checked through its (or the reference's) fused_moe.
+    "prepare_moe_weights": lambda t, fn, d, s: _fused_moe(t, t.ops.get("fused_moe"), d, s, prepare=fn),
     "layer_norm": _layer_norm,
     "gelu": _gelu,
     "linear": _linear,

@@ -46,12 +46,14 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
     register_cpu_quant_ops(ops, options)
     from pagedserve.kernels import build
 
-    # These two build on first use (an engine without speculation or adapters never
+    # These build on first use (an engine without speculation, adapters or experts never
     # compiles them): registered only where they can be built, so the op table never
     # names a native kernel that will not exist.
     if build.toolchain_available():
         from pagedserve.kernels.cpu import spec_native
         from pagedserve.platforms.cpu.lora_ops import register_cpu_lora_ops
+        from pagedserve.platforms.cpu.moe_ops import register_cpu_moe_ops
 
         ops.register("rejection_sample", spec_native.rejection_sample, source=spec_native.SOURCE)
         register_cpu_lora_ops(ops)
+        register_cpu_moe_ops(ops, prepack=options.prepack)

@@ -26,6 +26,7 @@ TRITON_OPS: tuple[str, ...] = (
     "gguf_linear",
     "apply_token_bitmask",
     "lora_linear",
+    "fused_moe",
 )
 #: The ops the CUDA C++ kernels serve under PAGEDSERVE_CUDA_KERNELS=cuda.
 _CUDA_CPP_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks")
@@ -35,9 +36,15 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
     """Every Triton kernel by op name (imports triton; ImportError without it)."""
     from pagedserve.kernels.triton import triton_ops
     from pagedserve.kernels.triton.lora import lora_linear_triton
+    from pagedserve.kernels.triton.moe import fused_moe_triton
     from pagedserve.kernels.triton.quant_gguf import gguf_linear_triton
 
-    return {**triton_ops(), "gguf_linear": gguf_linear_triton, "lora_linear": lora_linear_triton}
+    return {
+        **triton_ops(),
+        "gguf_linear": gguf_linear_triton,
+        "lora_linear": lora_linear_triton,
+        "fused_moe": fused_moe_triton,
+    }
 
 
 def register_triton_ops(ops: OpRegistry, platform_name: str, names: tuple[str, ...] = TRITON_OPS) -> None:
@@ -73,5 +80,5 @@ def register_cuda_ops(ops: OpRegistry, options: GpuOptions | None = None) -> Non
     load_cuda_extension()
     for name in _CUDA_CPP_OPS:
         ops.register(name, getattr(cuda_ops, name), source="cuda")
-    # No CUDA C++ kernel for GGUF blocks: Triton's serves them in either mode.
-    register_triton_ops(ops, "cuda", names=("gguf_linear", "apply_token_bitmask", "lora_linear"))
+    # No CUDA C++ kernel for GGUF blocks or experts: Triton's serve them in either mode.
+    register_triton_ops(ops, "cuda", names=("gguf_linear", "apply_token_bitmask", "lora_linear", "fused_moe"))
