@@ -14,6 +14,7 @@ import json
 import pathlib
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 
@@ -42,8 +43,12 @@ def _metadata(writer: Any, arch: str, hp: dict[str, Any]) -> None:
     w.add_head_count_kv(hp["num_key_value_heads"])
     rope = _rope(hp)
     if rope.get("rope_type") == "linear":
-        w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     w.add_rope_freq_base(rope["rope_theta"])
     local = (hp.get("rope_parameters") or {}).get("sliding_attention")
     if local is not None:
@@ -140,8 +145,6 @@ def write_gguf_like_llama_cpp(path: pathlib.Path, model: Any, arch: str, linear_
     linear_type: ggml type of every weight with two or more dimensions whose rows are whole
     blocks (embedding and LM head included), except routers; the rest stay F32.
     """
-    import gguf
-
     hp = model.config.to_dict()
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny {arch}")
@@ -167,8 +170,6 @@ def write_gguf_like_llama_cpp(path: pathlib.Path, model: Any, arch: str, linear_
 def quantization_roundtrip(model: Any, arch: str, linear_type: str) -> None:
     """Replace, in place, each of ``model``'s weights that the writer quantizes by its
     dequantized value (``gguf.quants``), so transformers runs what the file holds."""
-    import gguf
-
     if linear_type == "F32":
         return
     qtype = gguf.GGMLQuantizationType[linear_type]
