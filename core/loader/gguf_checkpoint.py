@@ -1,11 +1,12 @@
 """GGUF files: metadata to a Hugging Face config, tensors to Hugging Face weights.
 
 A GGUF (llama.cpp's format) carries no `config.json`; its metadata is the config, under
-llama.cpp's key names. Its tensors use llama.cpp names and, for the `llama` architecture,
-rows of the query and key projections are reordered for llama.cpp's RoPE kernel. This module
-reads the file (`gguf_reader`), dequantizes every tensor to float32 (`dequant`), undoes that
-reordering and renames tensors, so the model code sees exactly what a safetensors export of
-the same model would hold.
+llama.cpp's key names. Its tensors use llama.cpp names, and llama.cpp's converter rewrote
+some of them (Q/K rows reordered for its RoPE kernel, Gemma norms stored as 1 + w, MoE
+experts stacked; the per-architecture facts are in `gguf_arch`). This module reads the file
+(`gguf_reader`), dequantizes every tensor to float32 (`dequant`), undoes those rewrites and
+renames tensors, so the model code sees exactly what a safetensors export of the same
+model would hold.
 """
 
 from __future__ import annotations
@@ -20,17 +21,16 @@ import numpy as np
 import torch
 
 from pagedserve.loader.dequant import dequantize
-from pagedserve.loader.gguf_reader import GGUFReader
+from pagedserve.loader.gguf_arch import GGUF_ARCHS, MIXTRAL, GGUFArch, Metadata, arch_config, expert_target
+from pagedserve.loader.gguf_reader import GGUFReader, GGUFTensor
 
 __all__ = ["GGUFBlocks", "GGUFCheckpoint", "SUPPORTED_GGUF_ARCHITECTURES", "reverse_rope_permutation"]
 
-# Architectures whose GGUF tensors this module translates (the Llama layout, plus Qwen3's
-# q/k norms); value: (model_type, HF class name).  The model registry lists the same
-# names (its `gguf` column; a test keeps the two in step).
+# Architectures whose GGUF tensors this module translates; value: (model_type, HF class
+# name).  The model registry lists the same names (its `gguf` column; a test keeps the two
+# in step); a `llama` file with expert tensors loads as Mixtral.
 SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    name: (arch.model_type, arch.architecture) for name, arch in GGUF_ARCHS.items()
 }
 
 # ggml type names `dequant.dequantize` handles, natively or through `gguf.quants`. Other types
@@ -42,24 +42,14 @@ _SUPPORTED_TYPES = frozenset(
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
+    "output_norm.bias": "model.norm.bias",
     "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
 }
 _BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp stores Llama 3.1's RoPE frequency factors as a tensor; the model has no such parameter.
 _NON_PARAMETERS = frozenset({"rope_freqs.weight"})
+# Rows llama.cpp's converter reorders for Llama-derived families (`GGUFArch.permute_qk`).
+_PERMUTED = ("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")
 
 
 @dataclass
@@ -92,6 +82,10 @@ class GGUFCheckpoint:
                 f"{', '.join(sorted(SUPPORTED_GGUF_ARCHITECTURES))}."
             )
         self.tensor_names: list[str] = [t.name for t in self._reader.tensors]
+        self._meta = Metadata(self.architecture, self.metadata, set(self.tensor_names), repr(str(path)))
+        self.arch: GGUFArch = GGUF_ARCHS[self.architecture]
+        if self.architecture == "llama" and (self._arch("expert_count") or self._meta.layers_with("ffn_gate_exps")):
+            self.arch = MIXTRAL
         self._check_tensors()
 
     def _check_tensors(self) -> None:
@@ -99,7 +93,7 @@ class GGUFCheckpoint:
         for tensor in self._reader.tensors:
             if tensor.name in _NON_PARAMETERS:
                 continue
-            self._hf_name(tensor.name)
+            self._targets(tensor)
             type_name = tensor.ggml_type.name
             if type_name not in _SUPPORTED_TYPES:
                 raise ValueError(
@@ -120,9 +114,10 @@ class GGUFCheckpoint:
         """The `config.json` a Hugging Face export of this model would carry.
 
         Follows transformers' reading of GGUF metadata (`head_dim` from the RoPE dimension
-        count for `llama`, `tie_word_embeddings` when the file has no `output.weight`).
+        count for Llama-derived families, `tie_word_embeddings` when the file has no
+        `output.weight`), then the architecture's own entries (`gguf_arch.arch_config`).
         """
-        model_type, class_name = SUPPORTED_GGUF_ARCHITECTURES[self.architecture]
+        model_type, class_name = self.arch.model_type, self.arch.architecture
         name = str(self.metadata.get("general.name", "")).lower()
         if model_type == "llama" and "mistral" in name:
             # llama.cpp files Mistral under `llama`; the architecture name is the only trace.
@@ -131,7 +126,7 @@ class GGUFCheckpoint:
         num_heads = self._required("attention.head_count")
         tokens = self.metadata.get("tokenizer.ggml.tokens")
         names = set(self.tensor_names)
-        return {
+        base = {
             "architectures": [class_name],
             "model_type": model_type,
             "vocab_size": int(self._arch("vocab_size", len(tokens) if tokens else 0)),
@@ -154,13 +149,14 @@ class GGUFCheckpoint:
             "unk_token_id": self.metadata.get("tokenizer.ggml.unknown_token_id"),
             "torch_dtype": self._float_dtype(),
         }
+        return arch_config(self.arch, self._meta, base)
 
     def _head_dim(self, hidden_size: int, num_heads: int) -> int:
         key_length = self._arch("attention.key_length")
         if key_length is not None:
             return int(key_length)
         rope_dims = self._arch("rope.dimension_count")
-        if self.architecture == "llama" and rope_dims is not None:
+        if self.arch.permute_qk and rope_dims is not None:  # Llama-derived: RoPE spans the head
             return int(rope_dims)
         return hidden_size // num_heads
 
@@ -169,9 +165,18 @@ class GGUFCheckpoint:
         if kind in (None, "none"):
             return None
         scaling: dict[str, Any] = {"rope_type": kind, "factor": float(self._arch("rope.scaling.factor", 1.0))}
-        original = self._arch("rope.scaling.original_context_length")
-        if original is not None:
-            scaling["original_max_position_embeddings"] = int(original)
+        for key, hf_key in (
+            ("rope.scaling.original_context_length", "original_max_position_embeddings"),
+            ("rope.scaling.attn_factor", "attention_factor"),
+            ("rope.scaling.yarn_beta_fast", "beta_fast"),
+            ("rope.scaling.yarn_beta_slow", "beta_slow"),
+        ):
+            value = self._arch(key)
+            if value is not None:
+                scaling[hf_key] = int(value) if hf_key.startswith("original") else float(value)
+        ext = self._arch("rope.scaling.yarn_ext_factor")
+        if ext is not None and float(ext) != 1.0:
+            self._meta.refuse(f"a YaRN extrapolation factor of {float(ext)} (rope.scaling.yarn_ext_factor)")
         return scaling
 
     def _float_dtype(self) -> str:
@@ -188,48 +193,68 @@ class GGUFCheckpoint:
         return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of every parameter (PyTorch order), by Hugging Face name."""
-        return {self._hf_name(t.name): t.numpy_shape for t in self._reader.tensors if t.name not in _NON_PARAMETERS}
+        """Shape of every parameter (PyTorch order), by Hugging Face name; a stacked expert
+        tensor ``[n_expert, rows, cols]`` gives one ``[rows, cols]`` entry per expert."""
+        out: dict[str, tuple[int, ...]] = {}
+        for t in self._parameters():
+            names = self._targets(t)
+            shape = t.numpy_shape[1:] if len(names) > 1 else t.numpy_shape
+            out.update((name, tuple(shape)) for name in names)
+        return out
 
     def tensor_types(self) -> dict[str, str]:
         """ggml type name of every parameter, by Hugging Face name."""
-        return {self._hf_name(t.name): t.ggml_type.name for t in self._reader.tensors if t.name not in _NON_PARAMETERS}
+        return {name: t.ggml_type.name for t in self._parameters() for name in self._targets(t)}
+
+    def _parameters(self) -> list[GGUFTensor]:
+        return [t for t in self._reader.tensors if t.name not in _NON_PARAMETERS]
 
     def weights(self, keep_quantized: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
         """Yield `(hf_name, tensor)` for every parameter, dequantized to float32.
 
         Shapes are PyTorch's (`[out_features, in_features]` for a linear weight), the reverse
         of ggml's dimension order.  2-D tensors whose ggml type is in `keep_quantized` come
-        as :class:`GGUFBlocks` instead (their raw blocks, rows in Hugging Face order).
+        as :class:`GGUFBlocks` instead (their raw blocks, rows in Hugging Face order); stacked
+        experts are always dequantized (one tensor per expert) and norms always shifted back.
         """
         config = self.hf_config()
-        for tensor in self._reader.tensors:
-            if tensor.name in _NON_PARAMETERS:
-                continue
-            hf_name = self._hf_name(tensor.name)
+        if not self.arch.keeps_blocks:
+            keep_quantized = ()
+        for tensor in self._parameters():
+            names = self._targets(tensor)
             data = tensor.data
-            if self.architecture == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            if self.arch.permute_qk and tensor.name.endswith(_PERMUTED):
                 key = "num_attention_heads" if ".attn_q." in tensor.name else "num_key_value_heads"
                 # Each row is whole blocks, so rows can be reordered as raw bytes, before
                 # dequantizing: a copy of the stored bytes rather than of the float32 result.
                 rows = data.reshape(tensor.numpy_shape[0], -1)
                 data = reverse_rope_permutation(rows, config[key])
-            if tensor.ggml_type.name in keep_quantized and len(tensor.numpy_shape) == 2:
+            if len(names) == 1 and tensor.ggml_type.name in keep_quantized and len(tensor.numpy_shape) == 2:
                 rows = np.ascontiguousarray(data).reshape(tensor.numpy_shape[0], -1).copy()
-                yield hf_name, GGUFBlocks(tensor.ggml_type.name, tuple(tensor.numpy_shape), torch.from_numpy(rows))
+                yield names[0], GGUFBlocks(tensor.ggml_type.name, tuple(tensor.numpy_shape), torch.from_numpy(rows))
                 continue
             # Always a fresh writable array, even for F32: the map is read-only, and tensors
             # handed out must not keep the file mapped.
             values = dequantize(data, tensor.ggml_type.name, tensor.numpy_shape)
-            yield hf_name, torch.from_numpy(values)
+            if self.arch.norm_shift and names[0].endswith("norm.weight"):
+                values -= np.float32(self.arch.norm_shift)
+            if len(names) == 1:
+                yield names[0], torch.from_numpy(values)
+            else:
+                yield from ((name, torch.from_numpy(values[e])) for e, name in enumerate(names))
 
-    def _hf_name(self, gguf_name: str) -> str:
+    def _targets(self, tensor: GGUFTensor) -> list[str]:
+        """Hugging Face names of one GGUF tensor: one, or one per expert of a stacked tensor."""
+        gguf_name = tensor.name
         if gguf_name in _GLOBAL_NAMES:
-            return _GLOBAL_NAMES[gguf_name]
+            return [_GLOBAL_NAMES[gguf_name]]
         match = _BLOCK_PATTERN.fullmatch(gguf_name)
-        if match is not None and match.group(2) in _BLOCK_NAMES:
+        if match is not None:
             layer, part, kind = match.groups()
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+            if part in self.arch.block:
+                return [f"model.layers.{layer}.{self.arch.block[part]}.{kind}"]
+            if part in self.arch.experts and kind == "weight" and len(tensor.numpy_shape) == 3:
+                return [expert_target(self.arch, int(layer), part, e) for e in range(tensor.numpy_shape[0])]
         raise ValueError(
             f"GGUF tensor {gguf_name!r} in {str(self.path)!r} has no Hugging Face counterpart for "
             f"architecture {self.architecture!r}."

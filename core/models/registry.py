@@ -85,6 +85,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "granite",
         _LLAMA,
         "GraniteForCausalLM",
+        gguf=("granite",),
         notes="embedding, attention, residual and logits multipliers",
     ),
     ModelEntry(
@@ -92,16 +93,25 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "phi3",
         _LLAMA,
         "Phi3ForCausalLM",
+        gguf=("phi3",),
         quantized=False,
         tensor_parallel=False,
         notes="Phi-3 / Phi-4; fused qkv_proj and gate_up_proj, partial rotary; not longrope",
     ),
-    ModelEntry("SmolLM3ForCausalLM", "smollm3", _LLAMA, "LlamaForCausalLM", notes="NoPE layers (`no_rope_layers`)"),
+    ModelEntry(
+        "SmolLM3ForCausalLM",
+        "smollm3",
+        _LLAMA,
+        "LlamaForCausalLM",
+        gguf=("smollm3",),
+        notes="NoPE layers (`no_rope_layers`; GGUF: every fourth layer, as llama.cpp)",
+    ),
     ModelEntry(
         "Olmo2ForCausalLM",
         "olmo2",
         "pagedserve.models.olmo2",
         "Olmo2ForCausalLM",
+        gguf=("olmo2",),
         tensor_parallel=False,
         notes="post-norm layers, q/k norm over the whole projection",
     ),
@@ -110,6 +120,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "glm4",
         "pagedserve.models.glm4",
         "Glm4ForCausalLM",
+        gguf=("glm4",),
         quantized=False,
         tensor_parallel=False,
         notes="sandwich norms, fused gate_up_proj, interleaved partial rotary",
@@ -119,6 +130,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "starcoder2",
         "pagedserve.models.starcoder2",
         "Starcoder2ForCausalLM",
+        gguf=("starcoder2",),
         quantized=False,
         tensor_parallel=False,
         notes="LayerNorm with bias, non-gated GELU MLP, biases, sliding window",
@@ -128,6 +140,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "mixtral",
         _MOE,
         "MixtralForCausalLM",
+        gguf=("llama",),
         quantized=False,
         tensor_parallel=False,
         notes="MoE (`fused_moe`), top-k renormalised, optional sliding window",
@@ -137,6 +150,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "qwen2_moe",
         _MOE,
         "Qwen2MoeForCausalLM",
+        gguf=("qwen2moe",),
         quantized=False,
         tensor_parallel=False,
         notes="MoE with a gated shared expert; `mlp_only_layers`",
@@ -146,6 +160,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "qwen3_moe",
         _MOE,
         "Qwen3MoeForCausalLM",
+        gguf=("qwen3moe",),
         quantized=False,
         tensor_parallel=False,
         notes="MoE, per-head q/k norms; `mlp_only_layers`",
@@ -158,6 +173,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "gemma2",
         _GEMMA,
         "Gemma2ForCausalLM",
+        gguf=("gemma2",),
         notes="sandwich norms, attention and final-logit soft-capping, query_pre_attn_scalar, "
         "alternating sliding windows",
     ),
@@ -166,6 +182,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "gemma3_text",
         _GEMMA,
         "Gemma3ForCausalLM",
+        gguf=("gemma3",),
         notes="text only; Gemma 2 plus q/k norms and a local RoPE base on sliding layers",
     ),
 )
@@ -195,5 +212,12 @@ def resolve_model_class(architecture: str) -> type:
 
 
 def gguf_architectures() -> dict[str, tuple[str, str]]:
-    """GGUF ``general.architecture`` -> (model_type, Hugging Face architecture)."""
-    return {g: (e.model_type, e.architecture) for e in _ENTRIES for g in e.gguf}
+    """GGUF ``general.architecture`` -> (model_type, Hugging Face architecture).
+
+    A name shared by several entries maps to the first; the loader tells the others apart
+    by the file's contents (a ``llama`` file with expert tensors is Mixtral)."""
+    out: dict[str, tuple[str, str]] = {}
+    for e in _ENTRIES:
+        for g in e.gguf:
+            out.setdefault(g, (e.model_type, e.architecture))
+    return out

@@ -1,0 +1,153 @@
+"""Every GGUF architecture against transformers: a tiny random checkpoint from transformers'
+config class, written as llama.cpp's converter writes it (``gguf_convert``), loads
+through ``LLM`` and gives transformers' greedy tokens and logprobs on the original
+checkpoint (F32 files) or on the weights the file holds (Q8_0 files, dequantized by
+``gguf.quants``): tight when pagedserve dequantizes at load, close when it keeps the
+blocks and multiplies with the ``gguf_linear`` kernel.
+
+Shapes are those of test_models_vs_hf, adjusted only where a GGUF cannot carry a setting
+(llama.cpp stores no query_pre_attn_scalar, no StarCoder2 or Mixtral window, no
+Qwen-MoE dense layers, no untied Gemma 2 LM head) and where llama.cpp fixes one (SmolLM3's NoPE period of 4).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from gguf_convert import quantization_roundtrip, write_gguf_like_llama_cpp
+from test_models_vs_hf import CASES, ENGINES, VOCAB, _prompts, build_checkpoint, hf_reference
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.loader import open_model
+from pagedserve.models import gguf_architectures
+from pagedserve.quantization.gguf import GGUFWeight
+
+transformers = pytest.importorskip("transformers")
+
+#: GGUF architecture -> (test_models_vs_hf case, overrides that make it representable).
+GGUF_CASES: dict[str, tuple[str, dict]] = {
+    "llama": ("llama-head24", {}),
+    "qwen2": ("qwen2-bias-yarn", {}),
+    "qwen3": ("qwen3-qknorm-head40", {}),
+    # llama.cpp drops Gemma 2's LM head: the published models tie it.
+    "gemma2": ("gemma2-window-softcap", dict(query_pre_attn_scalar=24, tie_word_embeddings=True)),
+    # Six layers: llama.cpp's default Gemma 3 pattern (five local, one global).
+    "gemma3": (
+        "gemma3-window-local-rope",
+        dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=24, final_logit_softcapping=7.0),
+    ),
+    "phi3": ("phi3-partial-rotary-window", {}),
+    "olmo2": ("olmo2-postnorm", {}),
+    "granite": ("granite-multipliers", {}),
+    "starcoder2": ("starcoder2-layernorm-window", dict(sliding_window=None)),
+    "glm4": ("glm4-interleaved-partial-rope", {}),
+    "smollm3": ("smollm3-nope", dict(num_hidden_layers=4, no_rope_layer_interval=4)),
+    "qwen3moe": ("qwen3moe-qknorm", {}),
+    "qwen2moe": ("qwen2moe-shared-dense-layer", dict(mlp_only_layers=[])),
+    "mixtral": ("mixtral-top2-window", dict(sliding_window=None)),
+}
+MAX_NEW = 8
+
+
+def test_every_gguf_architecture_is_covered():
+    assert set(gguf_architectures()) | {"mixtral"} == set(GGUF_CASES)
+
+
+def _file_arch(arch: str) -> str:
+    return "llama" if arch == "mixtral" else arch
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """(arch, type) -> (gguf path, prompts, expected greedy tokens and logprobs)."""
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def get(arch: str, linear_type: str):
+        key = (arch, linear_type)
+        if key not in cache:
+            case, overrides = GGUF_CASES[arch]
+            folder = tmp_path_factory.mktemp(f"{arch}-{linear_type}")
+            model = build_checkpoint(folder, case, vocab_size=VOCAB + 1, **overrides)
+            path = write_gguf_like_llama_cpp(folder / f"tiny-{arch}.gguf", model, _file_arch(arch), linear_type)
+            quantization_roundtrip(model, arch, linear_type)
+            prompts = _prompts(len(arch))[1:4]
+            cache[key] = (path, prompts, [hf_reference(model, p, MAX_NEW) for p in prompts])
+        return cache[key]
+
+    return get
+
+
+def _check(llm: LLM, prompts, expected, tol: float) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    for i, (out, (tokens, logprobs)) in enumerate(zip(llm.generate(prompts, params, use_tqdm=False), expected)):
+        got = out.outputs[0]
+        assert got.token_ids == tokens, f"prompt {i}"
+        for j, (tok, entry, ref) in enumerate(zip(got.token_ids, got.logprobs, logprobs)):
+            assert math.isclose(entry[tok].logprob, ref, abs_tol=tol), (i, j, entry[tok].logprob, ref)
+    assert llm.llm_engine.kv.pool.num_in_use == 0
+
+
+@pytest.mark.parametrize("linear_type", ["F32", "Q8_0"])
+@pytest.mark.parametrize("arch", list(GGUF_CASES))
+def test_gguf_matches_transformers(arch, linear_type, written):
+    """Dequantized at load: transformers' tokens and logprobs on the weights the file holds."""
+    path, prompts, expected = written(arch, linear_type)
+    llm = LLM(
+        model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="none", **ENGINES["chunked+prefix"]
+    )
+    assert llm.llm_engine.arch.architecture == CASES[GGUF_CASES[arch][0]][1]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    for i, (out, (tokens, logprobs)) in enumerate(zip(llm.generate(prompts, params, use_tqdm=False), expected)):
+        got = out.outputs[0]
+        assert got.token_ids == tokens, f"prompt {i}"
+        for j, (tok, entry, ref) in enumerate(zip(got.token_ids, got.logprobs, logprobs)):
+            assert math.isclose(entry[tok].logprob, ref, abs_tol=2e-4), (i, j, entry[tok].logprob, ref)
+    assert llm.llm_engine.kv.pool.num_in_use == 0
+
+
+@pytest.mark.parametrize("arch", list(GGUF_CASES))
+def test_q8_0_blocks_stay_quantized_and_close(arch, written):
+    """Blocks kept (``quantization="gguf"``; the kernel quantizes activations to int8 too):
+    the first greedy token and its logprob stay close to transformers on the file's weights.
+    GLM-4 dequantizes at load (its q/k rows are reordered by the model)."""
+    path, prompts, expected = written(arch, "Q8_0")
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
+    layer = llm.llm_engine.runner.model.layers[0]
+    assert isinstance(layer.o, GGUFWeight) == (arch != "glm4")
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=0), use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outs, expected):
+        got = out.outputs[0]
+        assert got.token_ids == tokens[:1]
+        assert math.isclose(got.logprobs[0][tokens[0]].logprob, logprobs[0], abs_tol=0.05)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "qwen2moe", "mixtral"])
+def test_gguf_weights_equal_the_original_checkpoint(arch, tmp_path):
+    """F32 files give back every original tensor (norm shifts, permutations and expert
+    stacking undone) under the names a safetensors export has."""
+    case, overrides = GGUF_CASES[arch]
+    model = build_checkpoint(tmp_path, case, vocab_size=VOCAB + 1, **overrides)
+    path = write_gguf_like_llama_cpp(tmp_path / "m.gguf", model, _file_arch(arch))
+    ours = dict(open_model(path).weights())
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("lm_head") or "lm_head.weight" in ours}
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, half = name[: -len("gate_up_proj")], t.shape[1] // 2
+            g, u = ("w1", "w3") if arch == "mixtral" else ("gate_proj", "up_proj")
+            for e in range(t.shape[0]):
+                p = prefix.replace("mlp.", "block_sparse_moe.") if arch == "mixtral" else prefix
+                assert torch.equal(ours[f"{p}{e}.{g}.weight"], t[e, :half]), (name, e)
+                assert torch.equal(ours[f"{p}{e}.{u}.weight"], t[e, half:]), (name, e)
+        elif name.endswith("mlp.experts.down_proj"):
+            p = name[: -len("down_proj")]
+            p = p.replace("mlp.", "block_sparse_moe.") if arch == "mixtral" else p
+            for e in range(t.shape[0]):
+                assert torch.equal(ours[f"{p}{e}.{'w2' if arch == 'mixtral' else 'down_proj'}.weight"], t[e])
+        elif arch.startswith("gemma") and name.endswith("norm.weight"):
+            # Stored as 1 + w: w comes back to float32 rounding, 1 + w bit for bit.
+            assert torch.equal(ours[name] + 1.0, t + 1.0), name
+        else:
+            hf = name.replace("mlp.gate.", "block_sparse_moe.gate.") if arch == "mixtral" else name
+            assert torch.equal(ours[hf], t), name
