@@ -92,8 +92,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "phi3",
         _LLAMA,
         "Phi3ForCausalLM",
-        quantized=False,
-        tensor_parallel=False,
         notes="Phi-3 / Phi-4; fused qkv_proj and gate_up_proj, partial rotary; not longrope",
     ),
     ModelEntry("SmolLM3ForCausalLM", "smollm3", _LLAMA, "LlamaForCausalLM", notes="NoPE layers (`no_rope_layers`)"),
@@ -102,7 +100,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "olmo2",
         "pagedserve.models.olmo2",
         "Olmo2ForCausalLM",
-        tensor_parallel=False,
         notes="post-norm layers, q/k norm over the whole projection",
     ),
     ModelEntry(
@@ -110,8 +107,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "glm4",
         "pagedserve.models.glm4",
         "Glm4ForCausalLM",
-        quantized=False,
-        tensor_parallel=False,
         notes="sandwich norms, fused gate_up_proj, interleaved partial rotary",
     ),
     ModelEntry(
@@ -119,8 +114,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "starcoder2",
         "pagedserve.models.starcoder2",
         "Starcoder2ForCausalLM",
-        quantized=False,
-        tensor_parallel=False,
         notes="LayerNorm with bias, non-gated GELU MLP, biases, sliding window",
     ),
     ModelEntry(
@@ -129,7 +122,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         _MOE,
         "MixtralForCausalLM",
         quantized=False,
-        tensor_parallel=False,
         notes="MoE (`fused_moe`), top-k renormalised, optional sliding window",
     ),
     ModelEntry(
@@ -138,7 +130,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         _MOE,
         "Qwen2MoeForCausalLM",
         quantized=False,
-        tensor_parallel=False,
         notes="MoE with a gated shared expert; `mlp_only_layers`",
     ),
     ModelEntry(
@@ -147,7 +138,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         _MOE,
         "Qwen3MoeForCausalLM",
         quantized=False,
-        tensor_parallel=False,
         notes="MoE, per-head q/k norms; `mlp_only_layers`",
     ),
     ModelEntry(
