@@ -29,7 +29,8 @@ class ModelEntry:
     module, class_name: where the pagedserve model class lives.
     gguf: the GGUF ``general.architecture`` names loaded as this architecture.
     quantized: whether quantized checkpoints / ``--quantization`` methods apply (the
-        linear layers are the standard q/k/v/o and gate/up/down projections).
+        linear layers are those of ``pagedserve.quantization.base.LINEAR_SUFFIXES``;
+        MoE experts are not).
     tensor_parallel: whether the family shards over tensor-parallel ranks.
     notes: what the family implements beyond the Llama baseline (for the docs table).
     """
@@ -92,7 +93,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "phi3",
         _LLAMA,
         "Phi3ForCausalLM",
-        notes="Phi-3 / Phi-4; fused qkv_proj and gate_up_proj, partial rotary; not longrope",
+        notes="Phi-3 / Phi-4; fused qkv_proj and gate_up_proj, partial rotary, longrope",
     ),
     ModelEntry("SmolLM3ForCausalLM", "smollm3", _LLAMA, "LlamaForCausalLM", notes="NoPE layers (`no_rope_layers`)"),
     ModelEntry(
