@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.models.registry import resolve_model_class
+from pagedserve.models.rope import normalize_rope_scaling
 
 __all__ = ["ArchConfig"]
 
@@ -52,6 +53,7 @@ class ArchConfig:
             rope_theta = params.get("rope_theta", rope_theta)
             if params.get("rope_type", "default") != "default":
                 rope_scaling = params
+        rope_scaling, extended = normalize_rope_scaling(rope_scaling, cfg)
         out = cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -64,7 +66,7 @@ class ArchConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=extended or cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_cls.default_attention_bias)),
             hf_config=dict(cfg),

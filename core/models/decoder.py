@@ -24,9 +24,20 @@ __all__ = ["DecoderForCausalLM"]
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
-# Checkpoint projection kinds by how tensor parallelism splits them.
-_COLUMN = ("gate_proj", "up_proj")
-_ROW = ("down_proj",)
+# Checkpoint projection kinds by how tensor parallelism splits them (Mixtral's experts
+# are w1/w3/w2, StarCoder2's MLP c_fc/c_proj).
+_COLUMN = ("gate_proj", "up_proj", "c_fc", "w1", "w3")
+_FUSED_COLUMN = ("gate_up_proj",)
+_ROW = ("down_proj", "c_proj", "w2")
+
+
+def even_slice(name: str, t: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
+    """Part ``rank`` of ``tp`` equal parts of ``t`` along ``dim`` (a view)."""
+    size = t.shape[dim]
+    if size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide dimension {dim} ({size}) of {name}")
+    n = size // tp
+    return t.narrow(dim, rank * n, n)
 
 
 class DecoderForCausalLM:
@@ -229,31 +240,58 @@ class DecoderForCausalLM:
 
     def _shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This tensor-parallel rank's slice of checkpoint tensor ``name`` (a view)."""
-        p, cfg = self.parallel, self.cfg
+        p = self.parallel
         if p.tp_size == 1:
             return t
-        r, hd = p.tp_rank, cfg.head_dim
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             pad = self.vocab_shard * p.tp_size - t.shape[0]
             if pad:
                 t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
             return t[self.vocab_start : self.vocab_start + self.vocab_shard]
-        kind = name.rsplit(".", 2)[-2] if name.startswith("model.layers.") else ""
+        if not name.startswith("model.layers."):
+            return t
+        return self.shard_layer_tensor(name.split(".", 3)[3], t)
+
+    def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of layer tensor ``local`` (the name after ``model.layers.<i>.``).
+
+        Column-parallel projections keep this rank's output rows (of each part of a
+        checkpoint-fused one, e.g. Phi-3's ``qkv_proj``), row-parallel ones this rank's
+        input columns; a row-parallel bias stays whole (the model adds it once, after the
+        all-reduce); everything else (norms, routers) is replicated.  Sizes come from the
+        tensor itself, so experts and shared experts of any width split the same way."""
+        kind, leaf = local.rsplit(".", 2)[-2:]
+        r, tp = self.parallel.tp_rank, self.parallel.tp_size
         if kind == "q_proj":
-            return t[r * self.q_size : (r + 1) * self.q_size]
+            return self.q_rows(t)
         if kind in ("k_proj", "v_proj"):
-            # Fewer KV heads than ranks: each rank keeps the one KV head its query heads use.
-            first = r * self.num_kv_heads if cfg.num_kv_heads >= p.tp_size else r * cfg.num_kv_heads // p.tp_size
-            return t[first * hd : (first + self.num_kv_heads) * hd]
+            return self.kv_rows(t)
+        if kind == "qkv_proj":
+            hd = self.cfg.head_dim
+            q, k, v = t.split([self.cfg.num_heads * hd, self.cfg.num_kv_heads * hd, self.cfg.num_kv_heads * hd])
+            return torch.cat([self.q_rows(q), self.kv_rows(k), self.kv_rows(v)])
         if kind in _COLUMN:
-            n = cfg.intermediate_size // p.tp_size
-            return t[r * n : (r + 1) * n]
-        if kind == "o_proj":
+            return even_slice(local, t, 0, r, tp)
+        if kind in _FUSED_COLUMN:
+            return torch.cat([even_slice(local, half, 0, r, tp) for half in t.chunk(2)])
+        if kind == "o_proj" and leaf == "weight":
             return t[:, r * self.q_size : (r + 1) * self.q_size]
-        if kind in _ROW:
-            n = cfg.intermediate_size // p.tp_size
-            return t[:, r * n : (r + 1) * n]
+        if kind in _ROW and leaf == "weight":
+            return even_slice(local, t, 1, r, tp)
         return t
+
+    def q_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's query heads of a [num_heads * head_dim, ...] tensor."""
+        r = self.parallel.tp_rank
+        return t[r * self.q_size : (r + 1) * self.q_size]
+
+    def kv_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's KV heads of a [num_kv_heads * head_dim, ...] tensor; with fewer KV
+        heads than ranks each rank keeps the one KV head its query heads use."""
+        p, cfg, hd = self.parallel, self.cfg, self.cfg.head_dim
+        r = p.tp_rank
+        first = r * self.num_kv_heads if cfg.num_kv_heads >= p.tp_size else r * cfg.num_kv_heads // p.tp_size
+        return t[first * hd : (first + self.num_kv_heads) * hd]
 
     def _param(
         self, t: torch.Tensor | QuantizedWeight, device: torch.device | None = None

@@ -5,7 +5,10 @@ partial rotary in GLM's interleaved form (pairs of adjacent dims).
 The interleaved rotation is turned into pagedserve's rotate-half one at load: the rows
 of each head's rotary part of q_proj and k_proj (and their biases) are reordered evens
 first, odds second.  Queries and keys move together, so attention scores are unchanged.
-The fused gate_up is not split for tensor parallelism yet.
+Quantized projections keep their stored row order (a quantized format need not allow
+moving rows) and the fused q/k/v output columns are reordered at run time instead.
+Under tensor parallelism the checkpoint-fused gate_up is split per rank at load (this
+rank's gate rows and up rows).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Glm4Layer:
         "post_ff_norm",
         "qkv",
         "qkv_bias",
+        "qkv_order",
         "o",
         "gate_up",
         "down",
@@ -45,7 +49,6 @@ class Glm4ForCausalLM(DecoderForCausalLM):
     layer_class = Glm4Layer
     linear_fields = ("qkv", "o", "gate_up", "down")
     default_attention_bias = True
-    tensor_parallel = False
 
     @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
@@ -68,15 +71,12 @@ class Glm4ForCausalLM(DecoderForCausalLM):
             names |= {f"self_attn.{p}.bias" for p in _ATTN}
         return frozenset(names)
 
-    def _to_rotate_half(self, t: torch.Tensor) -> torch.Tensor:
-        """Rows [heads * head_dim, ...] (or a bias) of q_proj / k_proj: each head's first
+    def _rotate_half_order(self, rows: int) -> torch.Tensor:
+        """int64 [rows]: for rows of whole heads of q_proj / k_proj, each head's first
         rotary_dim rows reordered evens then odds."""
-        if isinstance(t, QuantizedWeight):
-            raise ValueError("Glm4ForCausalLM: quantized q/k projections are not supported yet")
         d, rot = self.cfg.head_dim, self.rope.rotary_dim
         order = torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, d)])
-        heads = t.shape[0] // d
-        return t.reshape(heads, d, *t.shape[1:])[:, order].reshape(t.shape)
+        return (torch.arange(0, rows, d)[:, None] + order).reshape(-1)
 
     def finish_layer(self, layer: Glm4Layer, w: dict[str, Any], param) -> None:
         a = "self_attn."
@@ -84,12 +84,24 @@ class Glm4ForCausalLM(DecoderForCausalLM):
         layer.post_attn_norm = param(w["post_self_attn_layernorm.weight"])
         layer.pre_ff_norm = param(w["post_attention_layernorm.weight"])
         layer.post_ff_norm = param(w["post_mlp_layernorm.weight"])
-        q, k = (self._to_rotate_half(w[a + p + ".weight"]) for p in ("q_proj", "k_proj"))
-        layer.qkv = param(fuse([q, k, w[a + "v_proj.weight"]]))
+        q, k, v = (w[a + p + ".weight"] for p in _ATTN)
+        q_order, k_order = self._rotate_half_order(self.q_size), self._rotate_half_order(self.kv_size)
+        # Weights and biases move together: both in rotate-half order, or both stored.
+        stored = isinstance(q, QuantizedWeight)
+        layer.qkv_order = None
+        if stored:
+            v_order = torch.arange(self.kv_size) + self.q_size + self.kv_size
+            order = torch.cat([q_order, k_order + self.q_size, v_order])
+            layer.qkv_order = order.to(layer.input_norm.device)
+        else:
+            q, k = q[q_order], k[k_order]
+        layer.qkv = param(fuse([q, k, v]))
         layer.qkv_bias = None
         if self.cfg.attention_bias:
-            qb, kb = (self._to_rotate_half(w[a + p + ".bias"]) for p in ("q_proj", "k_proj"))
-            layer.qkv_bias = param(torch.cat([qb, kb, w[a + "v_proj.bias"]]))
+            qb, kb, vb = (w[a + p + ".bias"] for p in _ATTN)
+            if not stored:
+                qb, kb = qb[q_order], kb[k_order]
+            layer.qkv_bias = param(torch.cat([qb, kb, vb]))
         layer.o = param(w[a + "o_proj.weight"])
         layer.gate_up = param(w["mlp.gate_up_proj.weight"])  # rows: gate, up
         layer.down = param(w["mlp.down_proj.weight"])
@@ -107,11 +119,15 @@ class Glm4ForCausalLM(DecoderForCausalLM):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         eps = self.cfg.rms_norm_eps
         h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
-        q, k, v = qkv_split(linear(ops, h, layer.qkv, layer.qkv_bias), self.attn)
+        qkv = linear(ops, h, layer.qkv, layer.qkv_bias)
+        if layer.qkv_order is not None:
+            qkv = qkv.index_select(-1, layer.qkv_order)
+        q, k, v = qkv_split(qkv, self.attn)
         q, k = self.rope(ops, placement, meta.positions, q, k)
         h = linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o)
+        h = self.parallel.all_reduce(h)
         h, residual = ops.fused_add_rms_norm(
             ops.rms_norm(h, layer.post_attn_norm, eps), residual, layer.pre_ff_norm, eps
         )
-        h = gated_mlp(ops, h, layer.gate_up, layer.down)
+        h = self.parallel.all_reduce(gated_mlp(ops, h, layer.gate_up, layer.down))
         return ops.rms_norm(h, layer.post_ff_norm, eps), residual

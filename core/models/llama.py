@@ -159,10 +159,9 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3 / Phi-4: Llama whose checkpoint already fuses q/k/v (``qkv_proj``) and
-    gate/up (``gate_up_proj``); partial rotary where the config asks.  The fused
-    tensors are not split for tensor parallelism yet."""
-
-    tensor_parallel = False
+    gate/up (``gate_up_proj``); partial rotary where the config asks.  Under tensor
+    parallelism each fused tensor is split per part at load (this rank's q, k and v
+    heads; its gate and up rows)."""
 
     def layer_weight_names(self, layer: int) -> frozenset[str]:
         return frozenset(

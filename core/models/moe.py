@@ -4,6 +4,12 @@ Qwen3-MoE -- Llama/Qwen attention with a routed MLP that runs the ``fused_moe`` 
 Expert weights are stacked at load: ``w13`` [E, 2 * I, hidden] (each expert's gate and
 up rows), ``w2`` [E, hidden, I].  Routing (softmax, top-k, optional renormalisation)
 is plain torch on the router logits.
+
+Tensor parallelism shards every expert's intermediate dimension (each rank keeps its
+rows of each expert's gate and up and its columns of each down, so the ``fused_moe``
+op runs unchanged on smaller experts) and the shared expert the same way; the router
+and the shared expert's gate are replicated.  Each rank's output is a partial sum over
+the intermediate dimension, completed by the decoder layer's all-reduce after the MLP.
 """
 
 from __future__ import annotations
@@ -49,7 +55,6 @@ class _MoEForCausalLM(LlamaForCausalLM):
 
     layer_class = MoELayer
     linear_fields = ("qkv", "o", "gate_up", "down")
-    tensor_parallel = False
     #: checkpoint prefix of the MoE block, and expert tensor names for (gate, up, down).
     moe_prefix: ClassVar[str] = "mlp."
     expert_names: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
@@ -91,10 +96,14 @@ class _MoEForCausalLM(LlamaForCausalLM):
         return frozenset(names)
 
     def finish_layer(self, layer: MoELayer, w: dict[str, Any], param) -> None:
-        quantized = sorted(n for n, t in w.items() if isinstance(t, QuantizedWeight) and "experts." in n)
-        if quantized:
+        quantized = sorted(n for n, t in w.items() if isinstance(t, QuantizedWeight))
+        if quantized and self.moe_prefix + "gate.weight" in w:
+            # The fused_moe op multiplies float experts stacked [E, ...]; a Mixtral's w1/w2/w3
+            # stream in float even when the rest is quantized, which is refused the same way.
             raise ValueError(
-                f"{self.cfg.architecture}: quantized expert weights are not supported yet (e.g. {quantized[0]})"
+                f"{self.cfg.architecture}: quantized expert weights are not supported yet "
+                f"(the fused_moe op takes float experts; e.g. {quantized[0]} came quantized); "
+                "load with quantization='none'"
             )
         layer.input_norm = param(w["input_layernorm.weight"])
         layer.post_norm = param(w["post_attention_layernorm.weight"])

@@ -1,7 +1,11 @@
 """OLMo 2: post-norm decoder layers (a norm on each sublayer's output, none on its
 input) and q/k RMSNorm over the whole projection (all heads at once), composed from
-:mod:`pagedserve.models.layers`.  The whole-projection norm needs every head, so the
-family does not shard over tensor-parallel ranks.
+:mod:`pagedserve.models.layers`.
+
+Under tensor parallelism each rank holds some heads of q and k, but their norms run
+over the whole projection: the ranks all-reduce each token's sum of squares (two
+floats per token and layer) rather than all-gathering the projections (the whole
+q and k, to then keep only this rank's heads), and each rank scales its own heads.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ class Olmo2Layer:
 class Olmo2ForCausalLM(DecoderForCausalLM):
     layer_class = Olmo2Layer
     linear_fields = ("qkv", "o", "gate_up", "down")
-    tensor_parallel = False
 
     @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
@@ -54,6 +57,14 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
             "mlp.down_proj.weight",
         }
         return frozenset(names | {f"self_attn.{p}.weight" for p in _ATTN})
+
+    def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
+        # The whole-projection norm weights follow their projection's heads.
+        if local == "self_attn.q_norm.weight":
+            return self.q_rows(t)
+        if local == "self_attn.k_norm.weight":
+            return self.kv_rows(t)
+        return super().shard_layer_tensor(local, t)
 
     def finish_layer(self, layer: Olmo2Layer, w: dict[str, Any], param) -> None:
         a = "self_attn."
@@ -81,10 +92,28 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
         stream = x if residual is None else x + residual  # no input norm: attention reads the stream
         qkv = linear(ops, stream, layer.qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
+        q, k = self._qk_norm(ops, q, k, layer, eps)
         q, k, v = qkv_split(torch.cat([q, k, v], dim=-1), self.attn)
         q, k = self.rope(ops, placement, meta.positions, q, k)
         h = linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o)
-        stream = stream + ops.rms_norm(h, layer.post_attn_norm, eps)
-        h = gated_mlp(ops, stream, layer.gate_up, layer.down)
+        stream = stream + ops.rms_norm(self.parallel.all_reduce(h), layer.post_attn_norm, eps)
+        h = self.parallel.all_reduce(gated_mlp(ops, stream, layer.gate_up, layer.down))
         return ops.rms_norm(h, layer.post_ff_norm, eps), stream
+
+    def _qk_norm(
+        self, ops, q: torch.Tensor, k: torch.Tensor, layer: Olmo2Layer, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of q [n, q_size] and k [n, kv_size] over the whole projections, of
+        which these are this rank's heads."""
+        p, cfg = self.parallel, self.cfg
+        if p.tp_size == 1:
+            return ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
+        qf, kf = q.float(), k.float()
+        sums = p.all_reduce(torch.stack([qf.square().sum(-1), kf.square().sum(-1)], dim=-1))
+        # With fewer KV heads than ranks each KV head sits on tp / kv_heads ranks.
+        k_copies = max(1, p.tp_size // cfg.num_kv_heads)
+        q_var = sums[:, :1] / (cfg.num_heads * cfg.head_dim)
+        k_var = sums[:, 1:] / (k_copies * cfg.num_kv_heads * cfg.head_dim)
+        q = (qf * torch.rsqrt(q_var + eps) * layer.q_norm.float()).to(q.dtype)
+        k = (kf * torch.rsqrt(k_var + eps) * layer.k_norm.float()).to(k.dtype)
+        return q, k

@@ -29,7 +29,8 @@ class ModelEntry:
     module, class_name: where the pagedserve model class lives.
     gguf: the GGUF ``general.architecture`` names loaded as this architecture.
     quantized: whether quantized checkpoints / ``--quantization`` methods apply (the
-        linear layers are the standard q/k/v/o and gate/up/down projections).
+        linear layers are those of ``pagedserve.quantization.base.LINEAR_SUFFIXES``;
+        MoE experts are not).
     tensor_parallel: whether the family shards over tensor-parallel ranks.
     notes: what the family implements beyond the Llama baseline (for the docs table).
     """
@@ -94,9 +95,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         _LLAMA,
         "Phi3ForCausalLM",
         gguf=("phi3",),
-        quantized=False,
-        tensor_parallel=False,
-        notes="Phi-3 / Phi-4; fused qkv_proj and gate_up_proj, partial rotary; not longrope",
+        notes="Phi-3 / Phi-4; fused qkv_proj and gate_up_proj, partial rotary, longrope",
     ),
     ModelEntry(
         "SmolLM3ForCausalLM",
@@ -112,7 +111,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "pagedserve.models.olmo2",
         "Olmo2ForCausalLM",
         gguf=("olmo2",),
-        tensor_parallel=False,
         notes="post-norm layers, q/k norm over the whole projection",
     ),
     ModelEntry(
@@ -121,8 +119,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "pagedserve.models.glm4",
         "Glm4ForCausalLM",
         gguf=("glm4",),
-        quantized=False,
-        tensor_parallel=False,
         notes="sandwich norms, fused gate_up_proj, interleaved partial rotary",
     ),
     ModelEntry(
@@ -131,8 +127,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "pagedserve.models.starcoder2",
         "Starcoder2ForCausalLM",
         gguf=("starcoder2",),
-        quantized=False,
-        tensor_parallel=False,
         notes="LayerNorm with bias, non-gated GELU MLP, biases, sliding window",
     ),
     ModelEntry(
@@ -142,7 +136,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "MixtralForCausalLM",
         gguf=("llama",),
         quantized=False,
-        tensor_parallel=False,
         notes="MoE (`fused_moe`), top-k renormalised, optional sliding window",
     ),
     ModelEntry(
@@ -152,7 +145,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "Qwen2MoeForCausalLM",
         gguf=("qwen2moe",),
         quantized=False,
-        tensor_parallel=False,
         notes="MoE with a gated shared expert; `mlp_only_layers`",
     ),
     ModelEntry(
@@ -162,7 +154,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "Qwen3MoeForCausalLM",
         gguf=("qwen3moe",),
         quantized=False,
-        tensor_parallel=False,
         notes="MoE, per-head q/k norms; `mlp_only_layers`",
     ),
     ModelEntry(

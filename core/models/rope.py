@@ -1,6 +1,18 @@
-"""Rotary-embedding cos/sin tables (default, linear, llama3 and YaRN scaling), as transformers
-computes them.  Length-dependent scalings (dynamic NTK, longrope) are refused by name: a
-paged batch mixes sequences of every length, so one table cannot serve them exactly."""
+"""Rotary-embedding cos/sin tables (default, linear, llama3, YaRN, dynamic NTK and
+longrope scaling), as transformers computes them.
+
+Dynamic NTK and longrope depend on the length of the sequence being run: transformers
+recomputes the frequencies from each forward's longest position (dynamic NTK: the base
+grows past the original maximum; longrope: Phi-3's long factors replace the short ones
+past ``original_max_position_embeddings``).  A paged cache keeps keys rotated once, and
+a batch mixes sequences of every length, so one table serves them all: the one
+transformers computes for a sequence of ``max_position`` tokens, i.e. for the engine's
+``max_model_len`` (vLLM's choice).  With ``max_model_len`` at most the original maximum
+that is exactly the unscaled (dynamic) or short-factor (longrope) table transformers uses
+for every sequence it can see; above it, sequences past the original maximum get
+transformers' long-sequence frequencies and shorter ones do too (where transformers
+would switch back).  docs/models.md spells out the difference.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +20,10 @@ import math
 
 import torch
 
-__all__ = ["rope_cos_sin_cache", "check_rope_scaling", "SUPPORTED_ROPE_TYPES"]
+__all__ = ["rope_cos_sin_cache", "check_rope_scaling", "normalize_rope_scaling", "SUPPORTED_ROPE_TYPES"]
 
-#: rope_scaling types implemented here ("default" is plain RoPE).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+#: rope_scaling types implemented here ("default" is plain RoPE; "su" is longrope's old name).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "su")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -60,6 +72,61 @@ def _yarn(
     return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation, float(attention_factor)
 
 
+def _dynamic_ntk_base(base: float, rotary_dim: int, max_position: int, scaling: dict) -> float:
+    """The NTK base for sequences of ``max_position`` tokens (the original base up to the
+    original maximum, then growing with the length)."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling["factor"]
+    seq_len = max(max_position, original)
+    return base * ((factor * seq_len / original) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+
+
+def _longrope(
+    inv_freq_shape: torch.Tensor, base: float, max_position: int, scaling: dict
+) -> tuple[torch.Tensor, float]:
+    """Phi-3's longrope: per-frequency short factors up to the original maximum, long
+    ones past it, and cos/sin scaled by the attention factor in both cases."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling["factor"]
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = scaling["long_factor"] if max_position > original else scaling["short_factor"]
+    if len(ext) != inv_freq_shape.numel():
+        raise ValueError(
+            f"longrope: {len(ext)} scaling factors for {inv_freq_shape.numel()} rotary frequencies "
+            "(short_factor and long_factor need rotary_dim / 2 entries)"
+        )
+    return 1.0 / (torch.tensor(ext, dtype=torch.float32) * base**inv_freq_shape), float(attention_factor)
+
+
+def normalize_rope_scaling(scaling: dict | None, hf: dict) -> tuple[dict | None, int | None]:
+    """Complete ``scaling`` with the config values its table needs, as transformers reads
+    them: (scaling, the model's context length when the scaling extends it, else None).
+
+    dynamic: the original maximum is ``max_position_embeddings``; the model then serves
+    ``factor`` times that (as vLLM does).  longrope: ``original_max_position_embeddings``
+    (in rope_scaling or top level), ``factor`` defaulting to max / original.
+    """
+    rope_type = _rope_type(scaling)
+    if rope_type not in ("dynamic", "longrope", "su") or scaling is None:
+        return scaling, None
+    max_pos = int(hf.get("max_position_embeddings", 2048))
+    if rope_type == "dynamic":
+        factor = float(scaling.get("factor") or 0.0)
+        if factor < 1.0:
+            raise ValueError(f"rope_scaling type 'dynamic' needs factor >= 1, got {factor}")
+        return {**scaling, "original_max_position_embeddings": max_pos}, int(max_pos * factor)
+    original = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("rope_scaling type 'longrope' needs original_max_position_embeddings")
+    missing = [k for k in ("short_factor", "long_factor") if not scaling.get(k)]
+    if missing:
+        raise ValueError(f"rope_scaling type 'longrope' lacks {', '.join(missing)}")
+    factor = scaling.get("factor") or max_pos / original
+    return {**scaling, "original_max_position_embeddings": int(original), "factor": float(factor)}, None
+
+
 def _rope_type(scaling: dict | None) -> str:
     return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")) or "default"
 
@@ -74,12 +141,21 @@ def check_rope_scaling(scaling: dict | None) -> None:
 
 
 def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float, scaling: dict | None = None) -> torch.Tensor:
-    """float32 [max_position, rotary_dim]: cat(cos, sin) of each position's angles."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    """float32 [max_position, rotary_dim]: cat(cos, sin) of each position's angles.
+
+    Length-dependent types (dynamic, longrope) take ``max_position`` as the sequence
+    length they are computed for; their ``scaling`` went through
+    :func:`normalize_rope_scaling`."""
     check_rope_scaling(scaling)
     rope_type = _rope_type(scaling)
+    if rope_type == "dynamic":
+        base = _dynamic_ntk_base(base, rotary_dim, max_position, scaling)
+    inv_freq_shape = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (base**inv_freq_shape)
     attention_factor = 1.0
-    if rope_type == "yarn":
+    if rope_type in ("longrope", "su"):
+        inv_freq, attention_factor = _longrope(inv_freq_shape, base, max_position, scaling)
+    elif rope_type == "yarn":
         inv_freq, attention_factor = _yarn(inv_freq, rotary_dim, base, max_position, scaling)
     elif rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)

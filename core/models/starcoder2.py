@@ -1,7 +1,8 @@
 """StarCoder2: LayerNorm (with bias) instead of RMSNorm, a non-gated GELU MLP
 (``c_fc``, ``c_proj``), biases on every projection, and an optional sliding window on
 every layer; composed from :mod:`pagedserve.models.layers` and the ``layer_norm`` and
-``gelu`` ops.  ``c_fc``/``c_proj`` are not split for tensor parallelism yet.
+``gelu`` ops.  Under tensor parallelism ``c_fc`` is column-parallel and ``c_proj`` and
+``o_proj`` row-parallel; their biases are added once, after the all-reduce.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ class Starcoder2Layer:
 class Starcoder2ForCausalLM(DecoderForCausalLM):
     layer_class = Starcoder2Layer
     linear_fields = ("qkv", "o", "fc", "proj")
-    tensor_parallel = False
 
     @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
@@ -114,10 +114,18 @@ class Starcoder2ForCausalLM(DecoderForCausalLM):
         q, k, v = qkv_split(linear(ops, h, layer.qkv, layer.qkv_bias), self.attn)
         q, k = self.rope(ops, placement, meta.positions, q, k)
         attn = paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale, self.windows[index])
-        stream = stream + linear(ops, attn, layer.o, layer.o_bias)
+        stream = stream + self._row_parallel(ops, attn, layer.o, layer.o_bias)
         h = ops.layer_norm(stream, layer.post_norm, layer.post_norm_bias, self.eps)
         h = ops.gelu(linear(ops, h, layer.fc, layer.fc_bias), self.approximate)
-        return linear(ops, h, layer.proj, layer.proj_bias), stream
+        return self._row_parallel(ops, h, layer.proj, layer.proj_bias), stream
+
+    def _row_parallel(self, ops, x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [n, in / tp] -> [n, out]: the ranks' partial products summed, then the bias
+        (whole on every rank) added once."""
+        if self.parallel.tp_size == 1:
+            return linear(ops, x, w, bias)
+        out = self.parallel.all_reduce(linear(ops, x, w))
+        return out if bias is None else out + bias
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.head_ops.layer_norm(x + residual, self.norm, self.norm_bias, self.eps)

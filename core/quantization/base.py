@@ -19,9 +19,24 @@ import torch
 
 __all__ = ["QuantizedWeight", "QuantizationMethod", "LINEAR_SUFFIXES", "is_linear_weight"]
 
-#: Checkpoint names of the linear layers a method may quantize (norms and embeddings stay).
+#: Checkpoint names of the linear layers a method may quantize (norms and embeddings
+#: stay): the Llama-style projections, the checkpoint-fused ones of Phi-3 and GLM-4, and
+#: StarCoder2's MLP.
 LINEAR_SUFFIXES: tuple[str, ...] = tuple(
-    f"{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    f"{m}.weight"
+    for m in (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "qkv_proj",
+        "gate_up_proj",
+        "c_fc",
+        "c_proj",
+    )
 )
 
 

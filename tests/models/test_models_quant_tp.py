@@ -25,6 +25,9 @@ QUANTIZED = [
     "gemma-head24",
     "gemma2-window-softcap",
     "gemma3-window-local-rope",
+    "phi3-partial-rotary-window",
+    "glm4-interleaved-partial-rope",
+    "starcoder2-layernorm-window",
 ]
 
 
@@ -39,8 +42,9 @@ def test_int8_weights_stay_close_to_transformers(case, tmp_path):
     prompts = _prompts(5)[1:4]
     expected = [hf_reference(model, p, 1) for p in prompts]
     llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization="int8")
-    layer = llm.llm_engine.runner.model.layers[0]
-    assert isinstance(layer.qkv, Int8Weight) and isinstance(layer.down, Int8Weight)
+    model = llm.llm_engine.runner.model
+    for name in type(model).linear_fields:
+        assert isinstance(getattr(model.layers[0], name), Int8Weight), name
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=0), use_tqdm=False)
     for out, (tokens, logprobs) in zip(outs, expected):
         got = out.outputs[0]
@@ -49,19 +53,27 @@ def test_int8_weights_stay_close_to_transformers(case, tmp_path):
         assert math.isclose(got.logprobs[0][tokens[0]].logprob, logprobs[0], abs_tol=0.05)
 
 
-def test_quantized_experts_are_refused(tmp_path):
-    build_checkpoint(tmp_path, "qwen3moe-qknorm")
+@pytest.mark.parametrize("case", ["qwen3moe-qknorm", "mixtral-top2-window"])
+def test_quantized_experts_are_refused(case, tmp_path):
+    build_checkpoint(tmp_path, case)
     with pytest.raises(ValueError, match="quantized expert weights are not supported"):
         LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization="int8")
 
 
-@pytest.mark.parametrize("arch", [e.architecture for e in model_entries() if not e.tensor_parallel])
-def test_families_without_tensor_parallelism_refuse_it(arch):
-    from pagedserve.models.registry import resolve_model_class
+def test_registry_and_classes_agree_on_tensor_parallelism():
+    for e in model_entries():
+        assert e.load().tensor_parallel == e.tensor_parallel, e.architecture
 
-    cfg = SimpleNamespace(architecture=arch)
-    with pytest.raises(ValueError, match=f"{arch} does not support tensor parallelism"):
-        resolve_model_class(arch)(cfg, None, None, None, SimpleNamespace(tp_size=2))
+
+def test_a_family_without_tensor_parallelism_refuses_it():
+    from pagedserve.models.llama import LlamaForCausalLM
+
+    class Unsharded(LlamaForCausalLM):
+        tensor_parallel = False
+
+    cfg = SimpleNamespace(architecture="UnshardedForCausalLM")
+    with pytest.raises(ValueError, match="UnshardedForCausalLM does not support tensor parallelism"):
+        Unsharded(cfg, None, None, None, SimpleNamespace(tp_size=2))
 
 
 TP_CASES = [
@@ -72,6 +84,13 @@ TP_CASES = [
     "smollm3-nope",
     "gemma-head24",
     "gemma3-window-local-rope",
+    "phi3-partial-rotary-window",
+    "olmo2-postnorm",
+    "glm4-interleaved-partial-rope",
+    "starcoder2-layernorm-window",
+    "mixtral-top2-window",
+    "qwen2moe-shared-dense-layer",
+    "qwen3moe-qknorm",
 ]
 
 
@@ -83,9 +102,28 @@ def test_every_tensor_parallel_family_is_covered():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", TP_CASES)
 def test_tp2_matches_transformers(case, tmp_path):
+    _check_tp2(case, tmp_path)
+
+
+#: Extra shapes: a KV head shared by both ranks (OLMo 2's k norm then counts it once;
+#: Phi-3's fused qkv_proj gives each rank the same k and v rows).
+TP_EXTRA = {
+    "olmo2-postnorm": dict(num_key_value_heads=1),
+    "phi3-partial-rotary-window": dict(num_key_value_heads=1),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", sorted(TP_EXTRA))
+def test_tp2_with_a_shared_kv_head_matches_transformers(case, tmp_path):
+    _check_tp2(case, tmp_path, **TP_EXTRA[case])
+
+
+def _check_tp2(case: str, tmp_path, **extra) -> None:
     import torch.distributed as dist
 
-    model = build_checkpoint(tmp_path, case)
+    model = build_checkpoint(tmp_path, case, **extra)
     prompts = _prompts(9)[1:4]
     expected = [hf_reference(model, p, 6) for p in prompts]
     llm = LLM(
