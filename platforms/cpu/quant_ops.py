@@ -9,7 +9,7 @@
   Q8_0 blocks of a multiple of 16 rows are repacked for it once at load
   (kernels/cpu/quant_gguf_packed.cpp: 16 output columns interleaved per 4 k, scales
   beside them); ``gguf_linear`` then runs the tiled kernel on them.  Other weights keep
-  the row kernel.
+  the row kernel.  ``PAGEDSERVE_CPU_GGUF_REPACK=0`` keeps the file's blocks.
 - ``int8_linear``: aten's CPU int8 weight-only kernel ``torch._weight_int8pack_mm``.
 - ``w8a8_linear``: ``torch._int_mm`` (oneDNN, VNNI where the CPU has it).
 - ``fp8_linear``: emulated, the weight dequantized to x's dtype for each matmul.
@@ -138,7 +138,7 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None) -
         # stay in blocks by default where this kernel runs.
         source = f"cpu-native-quant({module.isa()})"
         ops.register("gguf_linear", gguf_linear, source=source, capabilities=(PREFERS_QUANTIZED,))
-        if module.has_packed():
+        if module.has_packed() and options.gguf_repack:
             ops.register("prepare_gguf_weight", prepare_gguf_weight, source=source)
     ops.register("int8_linear", int8_linear, source="torch")
     ops.register("w8a8_linear", w8a8_linear, source="torch")
