@@ -4,13 +4,18 @@ Paged attention on decode batches (the default model's attention shape: 9 query
 heads, 3 kv heads, head size 64, bf16, block size 16, shuffled block tables) and, with
 --ops, the row-wise ops at decode and prefill sizes of the same model (hidden 576,
 intermediate 1536); with --linear, one decode step's bf16 linear layers through torch's
-GEMM, oneDNN and the native kernels; with --moe, fused_moe (reference vs native).
+GEMM, oneDNN and the native kernels; with --moe, fused_moe (reference vs native);
+with --gguf, the same layers on Q4_1 GGUF blocks
+(the default model's format) through the row-by-row int8 kernel and the tiled one on
+repacked weights, against the packed bf16 kernel, in GOP/s and as a fraction of the
+int8 VNNI peak (``--int8-peak``, GOP/s; by default estimated from /proc/cpuinfo).
 Prints one table per kind with the speedup (reference / native).
 
     python benchmarks/cpu_kernels.py [--seqs 1 4 16 64] [--contexts 128 512 2048]
                                      [--dtype bf16] [--isa avx2] [--ops] [--threads N]
                                      [--huge-pages] [--cpu-time] [--prefill] [--linear]
                                      [--token-major] [--layers 30] [--moe]
+                                     [--gguf] [--rows 1 4 16 64 256] [--int8-peak GOPS]
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ __all__ = [
     "bench_ops",
     "bench_linear",
     "bench_moe",
+    "bench_gguf_linear",
+    "int8_peak_gops",
     "main",
 ]
 
@@ -266,6 +273,55 @@ def bench_moe(tokens: list[int], dtype: torch.dtype, clock: Callable[[], float] 
     return out
 
 
+def int8_peak_gops() -> float:
+    """An estimate of the int8 VNNI peak in GOP/s (multiply and add counted apart): cores
+    x the clock /proc/cpuinfo reports x 2 512-bit vpdpbusd per cycle (64 products each:
+    Zen 4/5 and recent Intel server cores; 1 per cycle on cores with one 512-bit FMA pipe
+    would halve it) x 2 operations per product."""
+    mhz = [float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz")]
+    return torch.get_num_threads() * max(mhz) * 1e-3 * 2 * 64 * 2
+
+
+def bench_gguf_linear(
+    native, rows: list[int], peak: float, clock: Callable[[], float] = time.perf_counter
+) -> list[tuple]:
+    """The layers of ``bench_linear`` (30 of each, the LM head once) as Q4_1 GGUF blocks:
+    the packed bf16 kernel, the row-by-row int8 kernel on the file's blocks and the tiled
+    int8 kernel on repacked weights, each whole decode step in ms and GOP/s, the tiled
+    kernel also as a fraction of ``peak`` (GOP/s)."""
+    from pagedserve.kernels.cpu.quant_native import load_quant_kernels
+    from pagedserve.kernels.quant_reference import GGUF_TYPE_IDS
+
+    quant = load_quant_kernels()
+    if quant is None or not quant.has_packed():
+        raise SystemExit("the tiled GGUF kernel is unavailable on this machine")
+    q41 = GGUF_TYPE_IDS["Q4_1"]
+
+    def random_q41(n: int, k: int) -> torch.Tensor:
+        raw = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8)
+        raw[..., 0:2] = (torch.rand(n, k // 32) * 0.02 + 1e-3).half().view(torch.uint8).reshape(n, -1, 2)
+        raw[..., 2:4] = (torch.randn(n, k // 32) * 0.05).half().view(torch.uint8).reshape(n, -1, 2)
+        return raw.reshape(n, -1)
+
+    bf16 = [[native.pack_linear_weight(torch.randn(n, k).bfloat16()) for _ in range(c)] for k, n, c in MODEL_LINEARS]
+    raw = [[random_q41(n, k) for _ in range(c)] for k, n, c in MODEL_LINEARS]
+    packed = [[quant.pack_weight(w, q41) for w in ws] for ws in raw]
+    params = sum(k * n * c for k, n, c in MODEL_LINEARS)
+    out = []
+    for m in rows:
+        xs = [torch.randn(m, k).bfloat16() for k, _, _ in MODEL_LINEARS]
+
+        def step(fn, weights) -> float:
+            return time_call(lambda: [fn(x, w) for x, ws in zip(xs, weights) for w in ws], clock=clock)
+
+        t_bf16 = step(native.packed_linear, bf16)
+        t_rows = step(lambda x, w: quant.gguf_linear(x, w, q41), raw)
+        t_tiled = step(lambda x, w: quant.gguf_linear(x, w, q41), packed)
+        gops = [2 * m * params / t * 1e-9 for t in (t_bf16, t_rows, t_tiled)]
+        out.append((m, t_bf16 * 1e3, t_rows * 1e3, t_tiled * 1e3, *gops, gops[2] / peak * 100, t_bf16 / t_tiled))
+    return out
+
+
 def _print_table(header: tuple[str, ...], rows: list[tuple]) -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---:" for _ in header) + "|")
@@ -304,7 +360,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--linear", action="store_true", help="also time one decode step's bf16 linear layers (torch GEMM vs native)"
     )
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 256], help="batch sizes for --linear")
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 256], help="batch sizes for --linear and --gguf"
+    )
+    parser.add_argument(
+        "--gguf", action="store_true", help="time the same layers on Q4_1 GGUF blocks (int8 kernels) against bf16"
+    )
+    parser.add_argument("--int8-peak", type=float, default=None, help="int8 peak GOP/s for --gguf (default: estimated)")
+    parser.add_argument("--skip-attention", action="store_true", help="leave out the paged_attention table")
     parser.add_argument("--moe", action="store_true", help="also time fused_moe (reference vs native)")
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 16, 64, 256], help="batch sizes for --moe")
     args = parser.parse_args(argv)
@@ -321,14 +384,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {native.source}, {args.dtype}, {torch.get_num_threads()} threads, {timing}, torch {torch.__version__}")
     pages = "huge pages" if args.huge_pages else "4 KiB pages"
     layout = "token-major" if args.token_major else "head-major"
-    print(
-        f"\npaged_attention, decode (9 heads, 3 kv heads, head 64, block 16, {layout} cache, {pages}, "
-        f"{args.layers} layer(s)):\n"
-    )
-    _print_table(
-        ("seqs", "context", "reference us", "native us", "speedup", "native KV GB/s"),
-        bench_attention(native, args.seqs, args.contexts, dtype, args.huge_pages, clock, args.token_major, args.layers),
-    )
+    if not args.skip_attention:
+        print(
+            f"\npaged_attention, decode (9 heads, 3 kv heads, head 64, block 16, {layout} cache, {pages}, "
+            f"{args.layers} layer(s)):\n"
+        )
+        _print_table(
+            ("seqs", "context", "reference us", "native us", "speedup", "native KV GB/s"),
+            bench_attention(
+                native, args.seqs, args.contexts, dtype, args.huge_pages, clock, args.token_major, args.layers
+            ),
+        )
     if args.prefill:
         print("\npaged_attention, one prefill chunk (the last q_len of context positions):\n")
         _print_table(
@@ -351,6 +417,24 @@ def main(argv: list[str] | None = None) -> None:
         _print_table(
             ("shape", "tokens", "reference us", "native us", "native prepared us", "GFLOP/s", "speedup"),
             bench_moe(args.moe_tokens, dtype, clock),
+        )
+
+    if args.gguf:
+        peak = args.int8_peak or int8_peak_gops()
+        print(f"\nQ4_1 GGUF linear layers of one decode step of the default model (int8 peak {peak:.0f} GOP/s):\n")
+        _print_table(
+            (
+                "rows",
+                "bf16 packed ms",
+                "int8 rows ms",
+                "int8 tiled ms",
+                "bf16 GOP/s",
+                "int8 rows GOP/s",
+                "int8 tiled GOP/s",
+                "tiled % int8 peak",
+                "tiled/bf16 speedup",
+            ),
+            bench_gguf_linear(native, args.rows, peak, clock),
         )
 
 

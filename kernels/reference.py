@@ -41,6 +41,7 @@ __all__ = [
     "argmax",
     "apply_token_bitmask",
     "gguf_linear",
+    "prepare_gguf_weight",
     "int8_linear",
     "w8a8_linear",
     "fp8_linear",
@@ -387,6 +388,18 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch
     return quant_reference.gguf_linear(x, data, type_name, bias)
 
 
+def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
+    """GGUF blocks uint8 ``[N, K/32 * block_bytes]`` of ``type_name`` -> the form the same
+    registry's ``gguf_linear`` takes, once at load (never on the step path).
+
+    Reference: the blocks themselves.  A platform may return another tensor (e.g. the
+    blocks repacked for its GEMM); only its own ``gguf_linear`` needs to read it, and
+    ``gguf_linear(x, prepare_gguf_weight(d, t), t, b)`` must equal
+    ``reference.gguf_linear(x, d, t, b)`` within the op's tolerance.
+    """
+    return data
+
+
 def int8_linear(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -468,6 +481,7 @@ OP_NAMES: tuple[str, ...] = (
     "copy_blocks",
     "swap_blocks",
     "gguf_linear",
+    "prepare_gguf_weight",
     "int8_linear",
     "w8a8_linear",
     "fp8_linear",

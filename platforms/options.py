@@ -62,6 +62,9 @@ class CpuOptions:
     isa: str | None = None
     #: PAGEDSERVE_CPU_PREPACK: pack bf16 linear weights at load.
     prepack: bool = True
+    #: PAGEDSERVE_CPU_GGUF_REPACK: repack GGUF blocks at load for the tiled int8 GEMM
+    #: (off: the row-by-row kernel on the file's blocks).
+    gguf_repack: bool = True
     #: PAGEDSERVE_CPU_KV_LAYOUT: "head" (each kv head's rows of a block together) or "token".
     kv_layout: str = "head"
     #: PAGEDSERVE_CPU_HUGE_PAGES: advise the KV caches onto transparent huge pages.
@@ -75,6 +78,7 @@ class CpuOptions:
             quant_kernels=env_flag(env, "PAGEDSERVE_QUANT_CPU_KERNELS", True),
             isa=env.get("PAGEDSERVE_CPU_ISA", "").strip().lower() or None,
             prepack=env_flag(env, "PAGEDSERVE_CPU_PREPACK", True),
+            gguf_repack=env_flag(env, "PAGEDSERVE_CPU_GGUF_REPACK", True),
             kv_layout=env_choice(env, "PAGEDSERVE_CPU_KV_LAYOUT", "head", ("head", "token")),
             huge_pages=env_flag(env, "PAGEDSERVE_CPU_HUGE_PAGES", False),
         )

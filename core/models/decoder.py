@@ -225,7 +225,8 @@ class DecoderForCausalLM:
 
     def prepare_linear_weights(self) -> None:
         """Hand every dense linear weight to its placement's ``prepare_linear_weight`` op
-        (e.g. the CPU's one-time oneDNN packing); quantized weights keep their own form.
+        (e.g. the CPU's one-time oneDNN packing); quantized weights take their own
+        prepared form (``QuantizedWeight.prepared``, e.g. repacked GGUF blocks).
         A tied LM head gets a prepared copy when the op returns a new tensor, the plain
         embedding staying for token lookups."""
         for pl in self.placements:
@@ -235,8 +236,12 @@ class DecoderForCausalLM:
                     w = getattr(layer, name)
                     if isinstance(w, torch.Tensor):
                         setattr(layer, name, prepare(w))
+                    elif isinstance(w, QuantizedWeight):
+                        setattr(layer, name, w.prepared())
         if isinstance(self.lm_head, torch.Tensor):
             self.lm_head = self.head_ops.prepare_linear_weight(self.lm_head)
+        elif isinstance(self.lm_head, QuantizedWeight):
+            self.lm_head = self.lm_head.prepared()
 
     def _shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This tensor-parallel rank's slice of checkpoint tensor ``name`` (a view)."""

@@ -71,6 +71,11 @@ class QuantizedWeight(ABC):
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Stack weights along the output dimension (fused q/k/v and gate/up)."""
 
+    def prepared(self) -> QuantizedWeight:
+        """This weight in the form its op multiplies fastest, once at load after fusion
+        (``DecoderModel.prepare_linear_weights``); the weight itself by default."""
+        return self
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())

@@ -1,10 +1,12 @@
 """GGUF Q4_0 / Q4_1 / Q8_0 weights kept in their 32-value blocks.
 
-The stored bytes of the .gguf file are the in-memory format (no repacking), so the
-default model's weights take their file size.  A weight multiplies through the op
-registry's ``gguf_linear``, handed to it at load: the platforms choose the kernel (the
-native CPU kernel of kernels/cpu/quant_gguf.cpp, Triton on CUDA/ROCm, the torch
-reference elsewhere; see docs/quantization.md).  The tied embedding of a GGUF model stays
+The stored bytes of the .gguf file are the loaded format.  A weight multiplies through
+the op registry's ``gguf_linear``, handed to it at load: the platforms choose the kernel
+(the native CPU kernel of kernels/cpu/quant_gguf.cpp, Triton on CUDA/ROCm, the torch
+reference elsewhere; see docs/quantization.md).  Once fused, each linear weight is put
+through the registry's ``prepare_gguf_weight`` (``GGUFWeight.prepared``): the CPU
+repacks the blocks for its tiled int8 GEMM there; the file's blocks stay beside it for
+embedding lookups and dequantization.  The tied embedding of a GGUF model stays
 in blocks too: rows are dequantized on lookup.
 """
 
@@ -30,9 +32,20 @@ class GGUFWeight(QuantizedWeight):
 
     op: the ``gguf_linear`` op to multiply with (the platform's, from its op registry);
         None means the torch reference.
+    prepare: the same registry's ``prepare_gguf_weight`` (None: the blocks as they are).
+    packed: what ``prepare`` returned for ``data`` (set by :meth:`prepared`); ``op``
+        then multiplies with it instead of ``data``.
     """
 
-    def __init__(self, type_name: str, data: torch.Tensor, in_features: int, op: Callable | None = None) -> None:
+    def __init__(
+        self,
+        type_name: str,
+        data: torch.Tensor,
+        in_features: int,
+        op: Callable | None = None,
+        prepare: Callable | None = None,
+        packed: torch.Tensor | None = None,
+    ) -> None:
         if type_name not in GGUF_KEPT_TYPES:
             raise ValueError(f"GGUF type {type_name} is not kept quantized (supported: {', '.join(GGUF_KEPT_TYPES)})")
         if in_features % 32 or data.shape[1] != in_features // 32 * ref.GGUF_BLOCK_BYTES[type_name]:
@@ -42,9 +55,21 @@ class GGUFWeight(QuantizedWeight):
         self.out_features = data.shape[0]
         self.in_features = in_features
         self.op = op or reference.gguf_linear
+        self.prepare = prepare
+        self.packed = packed
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.op(x, self.data, self.type_name, bias)
+        return self.op(x, self.data if self.packed is None else self.packed, self.type_name, bias)
+
+    def prepared(self) -> GGUFWeight:
+        """A copy whose ``op`` multiplies with ``prepare(data)`` (self without ``prepare``,
+        or when the op would take the blocks as they are)."""
+        if self.prepare is None or self.packed is not None:
+            return self
+        packed = self.prepare(self.data, self.type_name)
+        if packed is self.data:
+            return self
+        return GGUFWeight(self.type_name, self.data, self.in_features, self.op, self.prepare, packed)
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` int64 ``[n]`` dequantized -> ``[n, in]`` dtype (an embedding lookup)."""
@@ -54,18 +79,20 @@ class GGUFWeight(QuantizedWeight):
         return ref.dequantize_gguf(self.data, self.type_name).to(dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.data]
+        return [self.data] if self.packed is None else [self.data, self.packed]
 
     def to(self, device: torch.device) -> GGUFWeight:
         if self.data.device == device:
             return self
-        return GGUFWeight(self.type_name, self.data.to(device), self.in_features, self.op)
+        # A prepared form belongs to the device's platform: prepared again there if asked.
+        return GGUFWeight(self.type_name, self.data.to(device), self.in_features, self.op, self.prepare)
 
     @classmethod
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
         first = parts[0]
         if all(isinstance(p, GGUFWeight) and p.type_name == first.type_name for p in parts):
-            return GGUFWeight(first.type_name, torch.cat([p.data for p in parts]), first.in_features, first.op)
+            data = torch.cat([p.data for p in parts])
+            return GGUFWeight(first.type_name, data, first.in_features, first.op, first.prepare)
         # Mixed block types (some llama.cpp mixes use Q8_0 for v_proj): keep them apart.
         return StackedWeight(parts)
 
@@ -84,6 +111,9 @@ class StackedWeight(QuantizedWeight):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def prepared(self) -> StackedWeight:
+        return StackedWeight([p.prepared() for p in self.parts])
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for p in self.parts for t in p.tensors()]
@@ -108,9 +138,9 @@ class GGUFMethod(QuantizationMethod):
         gguf = getattr(source, "_gguf", None)
         if gguf is None:
             raise ValueError(f"quantization='gguf' needs a .gguf file; {source.path} is a Hugging Face folder")
-        op = self.ops.gguf_linear
+        op, prepare = self.ops.gguf_linear, self.ops.prepare_gguf_weight
         for name, t in gguf.weights(keep_quantized=GGUF_KEPT_TYPES):
             if isinstance(t, torch.Tensor):
                 yield name, t
             else:
-                yield name, GGUFWeight(t.type_name, t.data, t.shape[1], op)
+                yield name, GGUFWeight(t.type_name, t.data, t.shape[1], op, prepare)

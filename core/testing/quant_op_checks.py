@@ -80,17 +80,33 @@ def _channel_scales(c: _Case, n: int) -> torch.Tensor:
     return torch.rand(n, generator=c.gen) * 0.01 + 1e-3
 
 
-def _gguf_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    # From 128 rows up a kernel may take another path (the CPU's dense prefill fallback).
+#: (rows, in, out, bias) of the gguf_linear cases: decode and prefill row counts up to 300
+#: (past the CPU's old dense threshold and the tiled kernel's row and column tiles),
+#: outputs that are and are not multiples of 16 and 32 (repacked or not), odd block counts.
+GGUF_SHAPES: tuple[tuple[int, int, int, bool], ...] = (
+    (1, 64, 48, False),
+    (7, 128, 40, True),
+    (130, 64, 24, True),
+    (2, 96, 16, False),
+    (5, 160, 80, True),
+    (33, 32, 112, False),
+    (300, 96, 48, True),
+)
+
+
+def _gguf_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int, prepare: Callable | None = None) -> Cases:
+    """``fn`` on the blocks, or (``prepare``: the registry's ``prepare_gguf_weight``) on
+    their prepared form, against the reference on the blocks."""
     for type_name in ("Q4_0", "Q4_1", "Q8_0"):
-        for m, k, n, bias in [(1, 64, 48, False), (7, 128, 40, True), (130, 64, 24, True)]:
+        for m, k, n, bias in GGUF_SHAPES:
             desc = _desc(m, k, n, bias, f"{type_name}-")
 
             def body(type_name=type_name, m=m, k=k, n=n, bias=bias, desc=desc) -> None:
                 c = _Case(f"gguf_linear{desc}{dtype}", seed, t.device)
                 data, x = _random_gguf(c, type_name, n, k), c.randn(m, k, dtype=dtype)
                 b = c.randn(n, dtype=dtype) if bias else None
-                got = fn(c.dev(x), c.dev(data), type_name, None if b is None else c.dev(b))
+                weight = c.dev(data) if prepare is None else prepare(c.dev(data), type_name)
+                got = fn(c.dev(x), weight, type_name, None if b is None else c.dev(b))
                 want = reference.gguf_linear(x, data, type_name, b)
                 assert_close_relative("gguf_linear", got, want, dtype, _tol("gguf_linear", dtype))
 
@@ -138,6 +154,8 @@ def _fp8_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases
 
 QUANT_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "gguf_linear": _gguf_linear,
+    # A platform's prepare_gguf_weight is checked through its (or the reference's) gguf_linear.
+    "prepare_gguf_weight": lambda t, fn, d, s: _gguf_linear(t, t.ops.get("gguf_linear"), d, s, prepare=fn),
     "int8_linear": _int8_cases("int8_linear"),
     "w8a8_linear": _int8_cases("w8a8_linear"),
     "fp8_linear": _fp8_linear,

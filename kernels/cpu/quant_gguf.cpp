@@ -79,7 +79,7 @@ struct QuantRow {
 };
 
 template <typename T>
-void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds) {
+void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds, int32_t* isum) {
   for (int64_t b = 0; b < K / QK; ++b) {
     float amax = 0.f;
     float v[QK];
@@ -98,6 +98,7 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds) {
     }
     d[b] = scale;
     ds[b] = scale * static_cast<float>(sum);
+    isum[b] = sum;
   }
 }
 
@@ -197,30 +198,48 @@ void run_rows(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t nb, con
 
 }  // namespace
 
-// x: [M, K] float32/bfloat16 (contiguous); weight: uint8 [N, K/32 * block_bytes];
+// The tiled kernel on repacked weights (quant_gguf_packed.cpp).
+bool gguf_packed_available();
+torch::Tensor gguf_pack_weight(torch::Tensor weight, int64_t type);
+void gguf_packed_gemm(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
+                      int64_t K, const uint8_t* w, int64_t groups, int64_t type, float* y);
+
+// x: [M, K] float32/bfloat16 (contiguous); weight: uint8 [N, K/32 * block_bytes] (the
+// file's blocks) or [N/16, K/32, 16 * block_bytes] (repacked by gguf_pack_weight);
 // returns float32 [M, N].
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "gguf_linear: x [M, K] and weight [N, row_bytes] expected");
+  const bool packed = weight.dim() == 3;
+  TORCH_CHECK(x.dim() == 2 && (weight.dim() == 2 || packed),
+              "gguf_linear: x [M, K] and weight [N, row_bytes] or packed [N/16, K/32, 16 * block_bytes] expected");
   TORCH_CHECK(weight.scalar_type() == torch::kUInt8, "gguf_linear: weight must be uint8 blocks");
   x = x.contiguous();
   weight = weight.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = packed ? weight.size(0) * 16 : weight.size(0);
   TORCH_CHECK(K % QK == 0, "gguf_linear: K=", K, " is not a multiple of 32");
   const int64_t nb = K / QK;
   const int bb = block_bytes(type);
-  TORCH_CHECK(weight.size(1) == nb * bb, "gguf_linear: weight rows hold ", weight.size(1), " bytes, expected ",
-              nb * bb, " for K=", K);
+  if (packed) {
+    TORCH_CHECK(weight.size(1) == nb && weight.size(2) == 16 * bb, "gguf_linear: packed weight ", weight.sizes(),
+                " does not hold K=", K, " values of this type");
+  } else {
+    TORCH_CHECK(weight.size(1) == nb * bb, "gguf_linear: weight rows hold ", weight.size(1), " bytes, expected ",
+                nb * bb, " for K=", K);
+  }
+  // Activations quantized once per call (not per output tile).
   std::vector<int8_t> xq(M * K);
   std::vector<float> xd(M * nb), xds(M * nb);
+  std::vector<int32_t> xsum(M * nb);
   if (x.scalar_type() == torch::kFloat) {
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, M, 1, [&](int64_t a, int64_t b) {
-      for (int64_t m = a; m < b; ++m) quantize_row(xp + m * K, K, &xq[m * K], &xd[m * nb], &xds[m * nb]);
+      for (int64_t m = a; m < b; ++m)
+        quantize_row(xp + m * K, K, &xq[m * K], &xd[m * nb], &xds[m * nb], &xsum[m * nb]);
     });
   } else if (x.scalar_type() == torch::kBFloat16) {
     const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
     at::parallel_for(0, M, 1, [&](int64_t a, int64_t b) {
-      for (int64_t m = a; m < b; ++m) quantize_row(xp + m * K, K, &xq[m * K], &xd[m * nb], &xds[m * nb]);
+      for (int64_t m = a; m < b; ++m)
+        quantize_row(xp + m * K, K, &xq[m * K], &xd[m * nb], &xds[m * nb], &xsum[m * nb]);
     });
   } else {
     TORCH_CHECK(false, "gguf_linear: x must be float32 or bfloat16");
@@ -228,6 +247,10 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = weight.data_ptr<uint8_t>();
+  if (packed) {
+    gguf_packed_gemm(xq.data(), xd.data(), xds.data(), xsum.data(), M, K, wp, weight.size(0), type, yp);
+    return y;
+  }
   const int64_t row_bytes = weight.size(1);
   // Rows of W across threads; each thread streams its rows once per 8 activation rows.
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -261,6 +284,8 @@ std::string isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_linear", &gguf_linear, "x [M,K] @ GGUF blocks [N, row_bytes]^T -> float32 [M,N]");
+  m.def("gguf_linear", &gguf_linear, "x [M,K] @ GGUF blocks [N, row_bytes] (or packed)^T -> float32 [M,N]");
   m.def("isa", &isa, "instruction set compiled in");
+  m.def("has_packed", &gguf_packed_available, "whether the tiled kernel on repacked weights is built");
+  m.def("pack_weight", &gguf_pack_weight, "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32, 16*block_bytes]");
 }

@@ -1,4 +1,5 @@
-"""The native CPU kernel for GGUF blocks (kernels/cpu/quant_gguf.cpp): built just in time
+"""The native CPU kernel for GGUF blocks (kernels/cpu/quant_gguf.cpp, the tiled
+kernel on repacked weights in quant_gguf_packed.cpp): built just in time
 by :func:`pagedserve.kernels.build.load_extension`, into the same persistent cache (and
 under the same build lock), as a separate extension so that it never invalidates the
 main CPU kernels' build.
@@ -18,7 +19,7 @@ from pagedserve.kernels import build
 
 __all__ = ["load_quant_kernels", "quant_build_spec"]
 
-SOURCES: tuple[str, ...] = ("quant_gguf.cpp",)
+SOURCES: tuple[str, ...] = ("quant_gguf.cpp", "quant_gguf_packed.cpp")
 
 
 def quant_build_spec() -> build.ExtensionSpec:
@@ -33,7 +34,8 @@ def quant_build_spec() -> build.ExtensionSpec:
 
 @functools.lru_cache(maxsize=1)
 def load_quant_kernels() -> ModuleType | None:
-    """The compiled module (``gguf_linear``, ``isa``), or None with a warning saying why."""
+    """The compiled module (``gguf_linear``, ``isa``, ``has_packed``, ``pack_weight``), or
+    None with a warning saying why."""
     try:
         return build.load_extension(quant_build_spec(), "quantized CPU kernels")[0]
     except build.KernelBuildError as exc:

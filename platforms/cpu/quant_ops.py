@@ -5,6 +5,11 @@
   each row's result is then independent of the other rows, so a greedy request answers
   the same whatever else is in its batch (docs/quantization.md).
   ``PAGEDSERVE_QUANT_CPU_KERNELS=0`` keeps the reference.
+- ``prepare_gguf_weight``: where the kernel has its tiled AVX-512 VNNI GEMM, Q4_0/Q4_1/
+  Q8_0 blocks of a multiple of 16 rows are repacked for it once at load
+  (kernels/cpu/quant_gguf_packed.cpp: 16 output columns interleaved per 4 k, scales
+  beside them); ``gguf_linear`` then runs the tiled kernel on them.  Other weights keep
+  the row kernel.  ``PAGEDSERVE_CPU_GGUF_REPACK=0`` keeps the file's blocks.
 - ``int8_linear``: aten's CPU int8 weight-only kernel ``torch._weight_int8pack_mm``.
 - ``w8a8_linear``: ``torch._int_mm`` (oneDNN, VNNI where the CPU has it).
 - ``fp8_linear``: emulated, the weight dequantized to x's dtype for each matmul.
@@ -20,7 +25,15 @@ from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 from pagedserve.platforms.ops import PREFERS_QUANTIZED, OpRegistry
 from pagedserve.platforms.options import CpuOptions
 
-__all__ = ["register_cpu_quant_ops", "gguf_linear", "int8_linear", "w8a8_linear", "CPU_DENSE_MIN_ROWS"]
+__all__ = [
+    "register_cpu_quant_ops",
+    "gguf_linear",
+    "prepare_gguf_weight",
+    "unpack_gguf_weight",
+    "int8_linear",
+    "w8a8_linear",
+    "CPU_DENSE_MIN_ROWS",
+]
 
 #: Rows of x from which gguf_linear would dequantize the weight and run one dense matmul
 #: instead of the int8 kernel (faster prefill). None: never, because the two methods round
@@ -32,15 +45,60 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``reference.gguf_linear`` through the native kernel (registered only where it loads)."""
-    if x.dtype not in _NATIVE_DTYPES or x.dim() != 2 or type_name not in qref.GGUF_TYPE_IDS:
+    """``reference.gguf_linear`` through the native kernel (registered only where it loads);
+    ``data`` may also be repacked by :func:`prepare_gguf_weight` (uint8 ``[N/16, K/32, 16 *
+    block_bytes]``), which only the native kernel reads."""
+    packed = data.dim() == 3
+    if not packed and (x.dtype not in _NATIVE_DTYPES or x.dim() != 2 or type_name not in qref.GGUF_TYPE_IDS):
         return reference.gguf_linear(x, data, type_name, bias)
     if CPU_DENSE_MIN_ROWS is not None and x.shape[0] >= CPU_DENSE_MIN_ROWS:
-        return qref.gguf_linear_dense(x, data, type_name, bias)
-    y = load_quant_kernels().gguf_linear(x, data, qref.GGUF_TYPE_IDS[type_name])
+        return qref.gguf_linear_dense(x, unpack_gguf_weight(data, type_name) if packed else data, type_name, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = load_quant_kernels().gguf_linear(
+        x2 if x2.dtype in _NATIVE_DTYPES else x2.float(), data, qref.GGUF_TYPE_IDS[type_name]
+    )
     if bias is not None:
         y += bias.float()
-    return y.to(x.dtype)
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
+    """See reference.prepare_gguf_weight: Q4_0/Q4_1/Q8_0 CPU blocks of a multiple of 16
+    rows -> the tiled kernel's packed layout (where this build has it); else ``data``."""
+    module = load_quant_kernels()
+    if (
+        module is None
+        or not module.has_packed()
+        or type_name not in qref.GGUF_TYPE_IDS
+        or data.dim() != 2
+        or data.dtype != torch.uint8
+        or data.device.type != "cpu"
+        or data.shape[0] == 0
+        or data.shape[0] % 16
+    ):
+        return data
+    return module.pack_weight(data, qref.GGUF_TYPE_IDS[type_name])
+
+
+def unpack_gguf_weight(packed: torch.Tensor, type_name: str) -> torch.Tensor:
+    """The inverse of :func:`prepare_gguf_weight`'s repacking: uint8 ``[N/16, K/32, 16 *
+    block_bytes]`` -> the file's blocks uint8 ``[N, K/32 * block_bytes]``."""
+    g, nb, _ = packed.shape
+    bb = qref.GGUF_BLOCK_BYTES[type_name]
+    qb = 512 if type_name == "Q8_0" else 256
+    entry = packed.reshape(g, nb, 16 * bb)
+    if type_name == "Q8_0":
+        # [8 lines][16 columns][4 k] of value + 128 -> [column][k = 4 * line + t]
+        q = (entry[..., :qb].reshape(g, nb, 8, 16, 4) ^ 0x80).permute(0, 3, 1, 2, 4).reshape(g, 16, nb, 32)
+    else:
+        # [4 lines][16 columns][4 t]: low nibble k = 8p + t, high nibble k = 8p + 4 + t
+        lines = entry[..., :qb].reshape(g, nb, 4, 16, 4)
+        vals = torch.stack([lines & 0x0F, lines >> 4], dim=3)  # [g, nb, 4, 2, 16, 4]
+        v = vals.permute(0, 4, 1, 2, 3, 5).reshape(g, 16, nb, 32)
+        q = v[..., :16] | (v[..., 16:] << 4)
+    scales = entry[..., qb:].reshape(g, nb, -1, 16, 2).permute(0, 3, 1, 2, 4).reshape(g, 16, nb, -1)
+    blocks = torch.cat([scales, q], dim=-1)  # d (and m) first, then the quants, as ggml stores them
+    return blocks.reshape(g * 16, nb * bb)
 
 
 def int8_linear(
@@ -78,9 +136,10 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None) -
     if module is not None:
         # The measured decode win (docs/quantization.md, "Default on CPU"): .gguf weights
         # stay in blocks by default where this kernel runs.
-        ops.register(
-            "gguf_linear", gguf_linear, source=f"cpu-native-quant({module.isa()})", capabilities=(PREFERS_QUANTIZED,)
-        )
+        source = f"cpu-native-quant({module.isa()})"
+        ops.register("gguf_linear", gguf_linear, source=source, capabilities=(PREFERS_QUANTIZED,))
+        if module.has_packed() and options.gguf_repack:
+            ops.register("prepare_gguf_weight", prepare_gguf_weight, source=source)
     ops.register("int8_linear", int8_linear, source="torch")
     ops.register("w8a8_linear", w8a8_linear, source="torch")
     ops.register("fp8_linear", qref.fp8_linear_dense, source="torch")

@@ -50,10 +50,17 @@ def test_cpu_options_from_env():
             "PAGEDSERVE_CPU_PREPACK": "no",
             "PAGEDSERVE_CPU_KV_LAYOUT": "Token",
             "PAGEDSERVE_CPU_HUGE_PAGES": "yes",
+            "PAGEDSERVE_CPU_GGUF_REPACK": "0",
         }
     )
     assert got == CpuOptions(
-        native_kernels=False, quant_kernels=False, isa="avx2", prepack=False, kv_layout="token", huge_pages=True
+        native_kernels=False,
+        quant_kernels=False,
+        isa="avx2",
+        prepack=False,
+        kv_layout="token",
+        huge_pages=True,
+        gguf_repack=False,
     )
 
 
