@@ -240,7 +240,7 @@ def _server_model(url: str, headers: dict) -> str:
 def _print_rate(s: dict, probes: list[float]) -> None:
     print(f"requests:        {s['completed']} ok, {s['failed']} failed in {s['elapsed_s']:.1f} s")
     print(f"throughput:      {s['request_throughput']:.2f} req/s, {s['output_tokens_per_s']:.1f} output tokens/s")
-    print(f"arrivals:        offered {s['offered_rate']:.2f} req/s, completed {s['achieved_rate']:.2f} req/s")
+    print(f"flow:            offered {s['offered_rate']:.2f} req/s, achieved {s['achieved_rate']:.2f} req/s")
     for key, name in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("tpot_s", "TPOT"), ("e2e_s", "e2e")):
         print(f"{name + ':':17s}p50 {s[key]['p50'] * 1e3:.1f} ms, p99 {s[key]['p99'] * 1e3:.1f} ms")
     if probes:
@@ -269,7 +269,7 @@ def _print_sweep(rows: list[dict], saturation: float | None) -> None:
         more = " (every rate was kept up with: it is at least this)" if saturation == max(finite) else ""
         print(
             f"saturation rate: {saturation:g} req/s{more}: the highest rate whose completions kept within "
-            f"{1 - KEEP_UP_FRACTION:.0%} of its arrivals"
+            f"{1 - KEEP_UP_FRACTION:.0%} of its arrivals over the second half of the run"
         )
 
 
@@ -282,8 +282,8 @@ def run(args: argparse.Namespace) -> int:
     if urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
         raise SystemExit(f"--url must point at this machine (127.0.0.1), got {args.url}")
     rates = args.request_rates or [args.request_rate]
-    if args.request_rates and args.num_prompts < 2:
-        raise SystemExit("--request-rates needs --num-prompts of at least 2 (rates are measured between requests)")
+    if args.request_rates and args.num_prompts < 4:
+        raise SystemExit("--request-rates needs --num-prompts of at least 4 (see bench_stats: the keep-up measure)")
     key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     vocab = open_model(args.model).hf_config["vocab_size"]

@@ -9,18 +9,23 @@ output tokens, and its end. From it:
     e2e    end - send
     TPOT   (e2e - TTFT) / (output tokens - 1)
 
-A rate is *kept up with* when the server completes requests at least `KEEP_UP_FRACTION`
-of the rate at which they arrived, both measured over their own spans:
+A rate is *kept up with* when, once the run has filled up, requests complete about as fast
+as they arrive: over the second half of the arrivals (from the send of request n/2 to the
+last send, window length w),
 
-    offered  = (n - 1) / (last arrival - first arrival)
-    achieved = (n - 1) / (last completion - first completion)
+    offered  = (arrivals in the window - 1) / w       (the sampled Poisson rate)
+    achieved = completions in the window / w
 
-A server that keeps up completes requests as they come (each shifted by its own latency),
-so both spans are about equal; a saturated one queues work and its completions spread
-out at its service rate.  Measuring each rate over its own span keeps the drain of the
-last requests, which any finite run has, from counting as falling behind.  The saturation
-rate is the highest finite rate of a sweep that was kept up with, along with every lower
-rate, and with no failed request.
+and achieved >= `KEEP_UP_FRACTION` x offered.  This is flow balance: a server that keeps
+up completes each request some bounded latency after it came, so the backlog at both ends
+of the window is about the same; a saturated one falls behind and its backlog grows.  The
+window ends at the last arrival, so the drain of the last requests after it (which any
+finite run has) does not count as falling behind, and it starts half-way, so filling an
+empty server does not count either; it also catches a continuous-batching server that
+admits everything and then finishes it all together at the end.  The saturation rate is
+the highest finite rate of a sweep that was kept up with, along with every lower rate,
+and with no failed request.  Use enough requests per rate that a request's latency is
+well under half the run (the measure needs at least 4).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ __all__ = [
     "KEEP_UP_FRACTION",
     "RequestResult",
     "arrival_offsets",
+    "flow_rates",
     "parse_rates",
     "percentile",
     "saturation_rate",
@@ -113,12 +119,17 @@ def arrival_offsets(n: int, rate: float, rng) -> list[float]:
     return offsets
 
 
-def _span_rate(times: list[float]) -> float:
-    """(n - 1) events over the span from the first to the last; nan when undefined."""
-    if len(times) < 2:
-        return math.nan
-    span = max(times) - min(times)
-    return (len(times) - 1) / span if span > 0 else math.inf
+def flow_rates(send_times: list[float], end_times: list[float]) -> tuple[float, float]:
+    """(offered, achieved) request rates over the second half of the arrivals; nan when undefined."""
+    sends = sorted(send_times)
+    if len(sends) < 4:
+        return math.nan, math.nan
+    lo, hi = sends[len(sends) // 2], sends[-1]
+    if hi <= lo:
+        return math.nan, math.nan
+    arrivals = sum(lo <= t <= hi for t in sends) - 1  # gaps, so that k evenly spaced arrivals give their rate
+    done = sum(lo <= t <= hi for t in end_times)
+    return arrivals / (hi - lo), done / (hi - lo)
 
 
 def _dist(values: list[float]) -> dict[str, float]:
@@ -142,9 +153,8 @@ def summarize_rate(rate: float, results: list[RequestResult], send_times: list[f
     ends = [r.end for r in ok]
     elapsed = (max(ends) - t0) if ends else math.nan
     out_tokens = sum(r.output_tokens for r in ok)
-    offered = _span_rate(send_times)
-    achieved = _span_rate(ends)
-    # nan (fewer than two requests) compares False: such a run proves nothing.
+    offered, achieved = flow_rates(send_times, ends)
+    # nan (too few requests, or all sent at once) compares False: such a run proves nothing.
     keeps_up = math.isfinite(rate) and len(ok) == len(results) and achieved >= KEEP_UP_FRACTION * offered
     return {
         "request_rate": rate,

@@ -83,8 +83,23 @@ def test_saturation_edge_cases():
     assert saturation_rate([kept]) == 1.0
     everything = summarize_rate(math.inf, [RequestResult(True, 0.0, 1.0, [0.5, 1.0], 2)] * 3, [0.0] * 3, 0.0)
     assert everything["keeps_up"] is False  # all at once is no rate to keep up with
-    single = summarize_rate(1.0, [RequestResult(True, 0.0, 1.0, [1.0], 1)], [0.0], 0.0)
-    assert single["keeps_up"] is False and math.isnan(single["offered_rate"])
+    few = summarize_rate(1.0, [RequestResult(True, t, t + 0.1, [t + 0.1], 1) for t in (0, 1, 2)], [0, 1, 2], 0.0)
+    assert few["keeps_up"] is False and math.isnan(few["offered_rate"])  # 3 requests prove nothing
+
+
+def test_a_batch_finishing_together_is_not_keeping_up():
+    # Continuous batching admits every request and slows all of them down: fixed-length
+    # requests then finish together after the last arrival, however short their span.
+    sends = [float(i) for i in range(40)]
+    ends = [60.0 + 0.01 * i for i in range(40)]
+    results = [RequestResult(True, s, e, [s + 1, e], 2) for s, e in zip(sends, ends)]
+    row = summarize_rate(1.0, results, sends, 0.0)
+    assert row["offered_rate"] == pytest.approx(1.0) and row["achieved_rate"] == 0.0
+    assert not row["keeps_up"]
+    # The same requests finishing 5 s after they came keep up, drain after the last arrival included.
+    results = [RequestResult(True, s, s + 5, [s + 1, s + 5], 2) for s in sends]
+    row = summarize_rate(1.0, results, sends, 0.0)
+    assert row["keeps_up"] and row["achieved_rate"] == pytest.approx(20 / 19)  # ends 20..39, in [20, 39]
 
 
 def test_arrivals_are_seeded_poisson():
@@ -107,7 +122,7 @@ def test_rate_arguments():
     with pytest.raises(SystemExit):
         _args("--backend", "tgi")
     with pytest.raises(SystemExit, match="num-prompts"):
-        bench_serve.run(_args("--request-rates", "1,2", "--num-prompts", "1"))
+        bench_serve.run(_args("--request-rates", "1,2", "--num-prompts", "3"))
     with pytest.raises(SystemExit, match="127.0.0.1"):
         bench_serve.run(_args("--url", "http://example.com:8000"))
 
