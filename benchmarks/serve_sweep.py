@@ -141,6 +141,7 @@ def print_summary(report: dict) -> None:
 
 def plot(report: dict, path: pathlib.Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -155,8 +156,11 @@ def plot(report: dict, path: pathlib.Path) -> None:
             over = [(a, b) for a, b, r in zip(x, y, rows) if not r["keeps_up"]]
             if over:  # rates the engine did not keep up with: hollow markers
                 ax.plot(*zip(*over), "o", mfc="white", color=line.get_color())
+    rates = sorted({_num(r["request_rate"]) for e in report["engines"].values() for r in e["rates"]} - {math.inf})
     for ax, title in zip(axes, ("p99 time to first token (s)", "p99 inter-token latency (ms)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_yscale("log")
         ax.set_xlabel("request rate (req/s, Poisson)")
         ax.set_title(title)
