@@ -258,8 +258,9 @@ def _run_pagedserve(spec: dict[str, Any], workloads: list, on_first_token) -> tu
 
     t0 = time.time()
     llm = LLM(
-        model=spec["model_dir"],
-        dtype="bfloat16",
+        # "model"/"dtype" run another file of the same weights (the GGUF, in compare_llamacpp.py).
+        model=spec.get("model") or spec["model_dir"],
+        dtype=spec.get("dtype", "bfloat16"),
         threads=spec["threads"],
         max_model_len=spec["max_model_len"],
         max_num_seqs=spec["max_num_seqs"],
