@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--num-requests", type=int, default=None, help="override the workload's size")
+    p.add_argument("--output-len", type=int, default=None, help="override the workload's output length")
+    p.add_argument("--async-scheduling", action="store_true", help="overlap output processing with the forward")
     args = p.parse_args(argv)
 
     from pagedserve import LLM, SamplingParams
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=2048,
         kv_cache_memory="4GiB",
         seed=args.seed,
+        async_scheduling=args.async_scheduling,
     )
     ops = llm.llm_engine.ops
     kind = ["decode"]
@@ -67,7 +71,21 @@ def main(argv: list[str] | None = None) -> int:
             steps.append((kind[0], len(out.scheduled), time.perf_counter() - t0))
 
     model_runner.ModelRunner.execute = timed_execute
-    w = make_workload(args.workload, llm.llm_engine.runner.arch.vocab_size, args.seed, None, None, None)
+    # The engine's whole step (scheduling, output processing, detokenization) around the runner.
+    engine_step = [0.0]
+    step = type(llm.llm_engine).step
+
+    def timed_step(self):
+        t0 = time.perf_counter()
+        try:
+            return step(self)
+        finally:
+            engine_step[0] += time.perf_counter() - t0
+
+    type(llm.llm_engine).step = timed_step
+    w = make_workload(
+        args.workload, llm.llm_engine.runner.arch.vocab_size, args.seed, args.num_requests, None, args.output_len
+    )
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in w.requests]
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in w.requests], params, use_tqdm=False)
@@ -76,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.workload}: {tokens} output tokens in {wall:.2f} s = {tokens / wall:.1f} tokens/s "
         f"(with op timers), {len(steps)} steps\n"
+    )
+    in_runner = sum(s for _, _, s in steps)
+    in_ops = sum(sum(c.values()) for c in spent.values())
+    print(
+        f"wall {wall:.2f} s: engine steps {engine_step[0]:.2f} s (model runner {in_runner:.2f} s, of which ops "
+        f"{in_ops:.2f} s); runner outside ops {in_runner - in_ops:.2f} s, engine outside the runner "
+        f"{engine_step[0] - in_runner:.2f} s, outside the engine's steps {wall - engine_step[0]:.2f} s\n"
     )
     used = [n for n in ops.names() if spent["prefill"][n] + spent["decode"][n] >= 0.005]
     print("| steps | count | seconds | " + " | ".join(used) + " | else |")

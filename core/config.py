@@ -422,6 +422,13 @@ class SchedulerConfig:
     max_queue_len: int | None = field(
         default=None, metadata=_help("answer 503 while this many sequences wait to be scheduled (default: unbounded)")
     )
+    async_scheduling: bool = field(
+        default=False,
+        metadata=_help(
+            "detokenize and stop-check one step's tokens while the next step's forward runs "
+            "(outputs unchanged; docs/async_scheduling.md)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -248,3 +248,21 @@ def _speculative_rule(cfg: EngineConfig) -> str | None:
 
 
 RULES.append(_speculative_rule)
+
+
+def _async_scheduling_rule(cfg: EngineConfig) -> str | None:
+    """Async scheduling overlaps output processing with the next forward of one rank's
+    runner; speculative decoding needs each step's accepted tokens before it drafts."""
+    if not cfg.scheduler.async_scheduling:
+        return None
+    if cfg.speculative.speculative_config is not None:
+        return "async_scheduling cannot be combined with speculative_config (drafts need the previous step's tokens)"
+    if cfg.parallel.world_size > 1 or cfg.parallel.distributed_executor_backend not in (None, "uni"):
+        return (
+            "async_scheduling is not supported with tensor/pipeline parallelism or worker processes "
+            f"yet ({_parallel(cfg)}, distributed_executor_backend={cfg.parallel.distributed_executor_backend!r})"
+        )
+    return None
+
+
+RULES.append(_async_scheduling_rule)

@@ -23,6 +23,7 @@ from pagedserve.config_rules import (
     check_prompt_fits_step,
     check_sliding_window_cache,
 )
+from pagedserve.engine_pipeline import StepPipeline
 from pagedserve.executor.executor import create_executor
 from pagedserve.executor.model_runner import check_cache_dtype, resolve_dtype
 from pagedserve.kv_cache.host_tier import TieredKVCacheManager
@@ -186,6 +187,8 @@ class LLMEngine:
         self.generation_tokens = 0
         self._iteration_buckets = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self._iteration_tokens_sum = 0
+        #: async_scheduling: output processing beside the next forward (engine_pipeline.py).
+        self.pipeline = StepPipeline(self) if config.scheduler.async_scheduling else None
 
     # -- requests ---------------------------------------------------------------------------
     def validate_prompt(
@@ -428,7 +431,10 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample, detokenize; outputs of requests that advanced."""
+        """Schedule, run one forward, sample, detokenize; outputs of requests that advanced
+        (with async_scheduling, of the step before: see engine_pipeline.py)."""
+        if self.pipeline is not None:
+            return self.pipeline.step()
         start = time.monotonic()
         if self.spec is not None:
             self.spec.hold_back(self.scheduler.running, self.scheduler.waiting)
@@ -665,6 +671,8 @@ class LLMEngine:
         """Stop worker processes or actors (a no-op for a single-process engine)."""
         self.executor.shutdown()
         self.structured.shutdown()
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
 
     # -- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:
