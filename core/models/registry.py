@@ -122,7 +122,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "mixtral",
         _MOE,
         "MixtralForCausalLM",
-        quantized=False,
         notes="MoE (`fused_moe`), top-k renormalised, optional sliding window",
     ),
     ModelEntry(
@@ -130,7 +129,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "qwen2_moe",
         _MOE,
         "Qwen2MoeForCausalLM",
-        quantized=False,
         notes="MoE with a gated shared expert; `mlp_only_layers`",
     ),
     ModelEntry(
@@ -138,7 +136,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "qwen3_moe",
         _MOE,
         "Qwen3MoeForCausalLM",
-        quantized=False,
         notes="MoE, per-head q/k norms; `mlp_only_layers`",
     ),
     ModelEntry(
