@@ -322,7 +322,9 @@ class DecoderForCausalLM:
                 if self.lm_head is not self.embed:
                     tensors.append(self.lm_head)
             for layer in self.layers[pl.start - self.layer_start : pl.end - self.layer_start]:
-                tensors += [getattr(layer, n, None) for n in type(layer).__slots__]
+                for n in type(layer).__slots__:
+                    t = getattr(layer, n, None)
+                    tensors += t if isinstance(t, list) else [t]  # a list: one weight per expert
             out.append(sum(t.nbytes for t in tensors if isinstance(t, (torch.Tensor, QuantizedWeight))))
         return out
 

@@ -29,7 +29,7 @@ from pagedserve.models.layers import (
     paged_attention,
     qkv_split,
 )
-from pagedserve.models.rope import check_rope_scaling
+from pagedserve.models.rope import check_rope_scaling, normalize_rope_scaling
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
@@ -219,5 +219,5 @@ def _gemma3_rope(cfg: ArchConfig) -> list[tuple[float, dict | None]]:
         else:
             theta = float(hf.get(flat_theta) or default_theta)
             scaling = hf.get("rope_scaling") if kind == "full_attention" else None
-        out.append((theta, scaling))
+        out.append((theta, normalize_rope_scaling(scaling, hf)[0]))
     return out

@@ -2,7 +2,9 @@
 Qwen3-MoE -- Llama/Qwen attention with a routed MLP that runs the ``fused_moe`` op.
 
 Expert weights are stacked at load: ``w13`` [E, 2 * I, hidden] (each expert's gate and
-up rows), ``w2`` [E, hidden, I].  Routing (softmax, top-k, optional renormalisation)
+up rows), ``w2`` [E, hidden, I]; quantized experts stay lists of one quantized weight
+per expert and run through :mod:`pagedserve.models.quantized_experts`, the quantized
+linear ops grouped as ``fused_moe`` groups them.  Routing (softmax, top-k, optional renormalisation)
 is plain torch on the router logits.
 
 Tensor parallelism shards every expert's intermediate dimension (each rank keeps its
@@ -21,6 +23,7 @@ import torch
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import fuse, gated_mlp, linear, route_topk
 from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.models.quantized_experts import quantized_experts_moe
 from pagedserve.quantization.base import QuantizedWeight
 
 __all__ = ["MoELayer", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
@@ -31,7 +34,8 @@ _ATTN = ("q_proj", "k_proj", "v_proj")
 class MoELayer:
     """One decoder layer: attention as in Llama; a sparse layer holds router [E, hidden],
     w13, w2 and, for Qwen2-MoE, the shared expert (gate_up, down) and its sigmoid gate
-    [1, hidden]; a dense layer (``mlp_only_layers``) only gate_up and down."""
+    [1, hidden]; a dense layer (``mlp_only_layers``) only gate_up and down.  Quantized
+    experts: w13 and w2 are lists of E quantized weights ([2 * I, hidden], [hidden, I])."""
 
     __slots__ = (
         "input_norm",
@@ -96,15 +100,6 @@ class _MoEForCausalLM(LlamaForCausalLM):
         return frozenset(names)
 
     def finish_layer(self, layer: MoELayer, w: dict[str, Any], param) -> None:
-        quantized = sorted(n for n, t in w.items() if isinstance(t, QuantizedWeight))
-        if quantized and self.moe_prefix + "gate.weight" in w:
-            # The fused_moe op multiplies float experts stacked [E, ...]; a Mixtral's w1/w2/w3
-            # stream in float even when the rest is quantized, which is refused the same way.
-            raise ValueError(
-                f"{self.cfg.architecture}: quantized expert weights are not supported yet "
-                f"(the fused_moe op takes float experts; e.g. {quantized[0]} came quantized); "
-                "load with quantization='none'"
-            )
         layer.input_norm = param(w["input_layernorm.weight"])
         layer.post_norm = param(w["post_attention_layernorm.weight"])
         a = "self_attn."
@@ -122,12 +117,17 @@ class _MoEForCausalLM(LlamaForCausalLM):
         g, u, d = self.expert_names
         experts = range(self.num_experts)
         layer.router = param(w[m + "gate.weight"])
-        layer.w13 = param(
-            torch.stack(
-                [torch.cat([w[f"{m}experts.{e}.{g}.weight"], w[f"{m}experts.{e}.{u}.weight"]]) for e in experts]
-            )
-        )
-        layer.w2 = param(torch.stack([w[f"{m}experts.{e}.{d}.weight"] for e in experts]))
+        gate_up = [[w[f"{m}experts.{e}.{g}.weight"], w[f"{m}experts.{e}.{u}.weight"]] for e in experts]
+        down = [w[f"{m}experts.{e}.{d}.weight"] for e in experts]
+        kinds = {isinstance(t, QuantizedWeight) for t in [*down, *(t for pair in gate_up for t in pair)]}
+        if len(kinds) > 1:
+            raise ValueError(f"{self.cfg.architecture}: a layer's expert weights are partly quantized ({g}, {u}, {d})")
+        if kinds == {True}:  # one quantized weight per expert (pagedserve.models.quantized_experts)
+            layer.w13 = [param(fuse(pair)) for pair in gate_up]
+            layer.w2 = [param(t) for t in down]
+        else:
+            layer.w13 = param(torch.stack([torch.cat(pair) for pair in gate_up]))
+            layer.w2 = param(torch.stack(down))
         if self.shared_expert:
             s = m + "shared_expert."
             layer.gate_up = param(fuse([w[s + "gate_proj.weight"], w[s + "up_proj.weight"]]))
@@ -147,7 +147,10 @@ class _MoEForCausalLM(LlamaForCausalLM):
         if layer.w13 is None:
             return gated_mlp(ops, h, layer.gate_up, layer.down)
         weights, ids = route_topk(linear(ops, h, layer.router), self.top_k, self.renormalize)
-        out = ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu")
+        if isinstance(layer.w13, list):
+            out = quantized_experts_moe(ops, h, layer.w13, layer.w2, weights, ids)
+        else:
+            out = ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu")
         if layer.shared_gate is not None:
             gate = torch.sigmoid(linear(ops, h, layer.shared_gate))
             out = out + gate * gated_mlp(ops, h, layer.gate_up, layer.down)

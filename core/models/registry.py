@@ -135,7 +135,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         _MOE,
         "MixtralForCausalLM",
         gguf=("llama",),
-        quantized=False,
         notes="MoE (`fused_moe`), top-k renormalised, optional sliding window",
     ),
     ModelEntry(
@@ -144,7 +143,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         _MOE,
         "Qwen2MoeForCausalLM",
         gguf=("qwen2moe",),
-        quantized=False,
         notes="MoE with a gated shared expert; `mlp_only_layers`",
     ),
     ModelEntry(
@@ -153,7 +151,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         _MOE,
         "Qwen3MoeForCausalLM",
         gguf=("qwen3moe",),
-        quantized=False,
         notes="MoE, per-head q/k norms; `mlp_only_layers`",
     ),
     ModelEntry(

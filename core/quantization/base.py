@@ -20,8 +20,8 @@ import torch
 __all__ = ["QuantizedWeight", "QuantizationMethod", "LINEAR_SUFFIXES", "is_linear_weight"]
 
 #: Checkpoint names of the linear layers a method may quantize (norms and embeddings
-#: stay): the Llama-style projections, the checkpoint-fused ones of Phi-3 and GLM-4, and
-#: StarCoder2's MLP.
+#: stay): the Llama-style projections (Qwen MoE experts' too), the checkpoint-fused ones
+#: of Phi-3 and GLM-4, StarCoder2's MLP and Mixtral's experts (w1, w3 gate/up; w2 down).
 LINEAR_SUFFIXES: tuple[str, ...] = tuple(
     f"{m}.weight"
     for m in (
@@ -36,6 +36,9 @@ LINEAR_SUFFIXES: tuple[str, ...] = tuple(
         "gate_up_proj",
         "c_fc",
         "c_proj",
+        "w1",
+        "w2",
+        "w3",
     )
 )
 

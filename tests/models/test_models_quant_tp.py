@@ -1,8 +1,9 @@
 """The registry's *quantized* and *tensor parallel* columns, proven for every family
 beyond the Llama and Qwen2 of tests/quantization and tests/distributed: load-time int8
 stays close to transformers; two tensor-parallel ranks (mp executor, gloo) give
-transformers' greedy tokens and logprobs; families not marked refuse quantized experts
-and tensor parallelism at load."""
+transformers' greedy tokens and logprobs (experts of MoE families included: quantized
+experts through their own path, sharded experts through ``fused_moe``); a family class
+that does not shard refuses tensor parallelism at load."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ QUANTIZED = [
     "phi3-partial-rotary-window",
     "glm4-interleaved-partial-rope",
     "starcoder2-layernorm-window",
+    "mixtral-top2-window",
+    "qwen2moe-shared-dense-layer",
+    "qwen3moe-qknorm",
 ]
 
 
@@ -43,8 +47,13 @@ def test_int8_weights_stay_close_to_transformers(case, tmp_path):
     expected = [hf_reference(model, p, 1) for p in prompts]
     llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization="int8")
     model = llm.llm_engine.runner.model
-    for name in type(model).linear_fields:
-        assert isinstance(getattr(model.layers[0], name), Int8Weight), name
+    layer = model.layers[0]
+    assert isinstance(layer.qkv, Int8Weight)
+    for name in (*type(model).linear_fields, "w13", "w2"):  # experts: one weight each
+        w = getattr(layer, name, None)
+        assert all(isinstance(t, Int8Weight) for t in (w if isinstance(w, list) else [w] if w is not None else [])), (
+            name
+        )
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=0), use_tqdm=False)
     for out, (tokens, logprobs) in zip(outs, expected):
         got = out.outputs[0]
@@ -53,11 +62,31 @@ def test_int8_weights_stay_close_to_transformers(case, tmp_path):
         assert math.isclose(got.logprobs[0][tokens[0]].logprob, logprobs[0], abs_tol=0.05)
 
 
-@pytest.mark.parametrize("case", ["qwen3moe-qknorm", "mixtral-top2-window"])
-def test_quantized_experts_are_refused(case, tmp_path):
-    build_checkpoint(tmp_path, case)
-    with pytest.raises(ValueError, match="quantized expert weights are not supported"):
-        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization="int8")
+def test_quantized_experts_follow_the_fused_moe_reference():
+    """The quantized-expert path against ``fused_moe``'s reference on the experts'
+    dequantized weights: the same grouping, so the same result up to float rounding."""
+    import torch
+
+    from pagedserve.kernels import reference
+    from pagedserve.models.layers import route_topk
+    from pagedserve.models.quantized_experts import quantized_experts_moe
+    from pagedserve.quantization.int8 import quantize_int8_per_channel
+
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inter, tokens = 5, 24, 16, 11
+    w13 = [
+        Int8Weight(*quantize_int8_per_channel(torch.randn(2 * inter, hidden, generator=gen))) for _ in range(experts)
+    ]
+    w2 = [Int8Weight(*quantize_int8_per_channel(torch.randn(hidden, inter, generator=gen))) for _ in range(experts)]
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights, ids = route_topk(torch.randn(tokens, experts, generator=gen), 2, True)
+    ops = SimpleNamespace(silu_and_mul=reference.silu_and_mul)
+    got = quantized_experts_moe(ops, x, w13, w2, weights, ids)
+    dense13 = torch.stack([w.dequantize() for w in w13])
+    dense2 = torch.stack([w.dequantize() for w in w2])
+    want = reference.fused_moe(x, dense13, dense2, weights, ids, "silu")
+    assert ids[:, 0].unique().numel() > 1  # tokens reach several experts
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_registry_and_classes_agree_on_tensor_parallelism():

@@ -1,0 +1,47 @@
+"""Mixture-of-experts MLP over quantized experts, built from the quantized linear ops.
+
+The ``fused_moe`` op multiplies float experts stacked ``[E, ...]``; quantized experts
+(load-time int8/w8a8/fp8, GPTQ/AWQ checkpoints) stay one :class:`QuantizedWeight` per
+expert and run here instead, with the same grouping as the op's reference: tokens
+sorted by expert, two GEMMs (each expert weight's own ``apply``, i.e. the platform's
+quantized linear op) per active expert, a loop over active experts and never over
+tokens, the weighted sum over the top-k accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.quantization.base import QuantizedWeight
+
+__all__ = ["quantized_experts_moe"]
+
+
+def quantized_experts_moe(
+    ops,
+    x: torch.Tensor,
+    w13: list[QuantizedWeight],
+    w2: list[QuantizedWeight],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """x [T, H]; w13[e] logical [2 * I, H] (gate rows, then up); w2[e] [H, I];
+    topk_weights float32 [T, K]; topk_ids int64 [T, K] -> [T, H] in x's dtype:
+    out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(gate_e @ x[t]) * (up_e @ x[t]))."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=len(w13)).tolist()
+    token_of = order // top_k
+    weight_of = topk_weights.reshape(-1)[order].float()
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = token_of[start : start + n]
+        h = ops.silu_and_mul(w13[expert].apply(x.index_select(0, rows)))
+        y = w2[expert].apply(h)
+        out.index_add_(0, rows, y.float() * weight_of[start : start + n, None])
+        start += n
+    return out.to(x.dtype)
