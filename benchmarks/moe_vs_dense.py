@@ -6,7 +6,10 @@ the same FLOPs per token) and one with its *total* width (num_experts *
 moe_intermediate_size: the same parameter count).
 
     python benchmarks/moe_vs_dense.py [--num-requests 16 --input-len 64 --output-len 64
-                                       --experts 8 --top-k 2 --dtype bfloat16]
+                                       --experts 8 --top-k 2 --dtype bfloat16 --threads N]
+
+On a loaded machine, --threads 1 keeps OpenMP barriers from waiting on descheduled
+threads (the ratios then compare the kernels rather than the scheduler).
 """
 
 from __future__ import annotations
@@ -86,7 +89,10 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--moe-inter", type=int, default=256)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("moe", "dense-active", "dense-total"):

@@ -80,3 +80,54 @@ def test_cpu_platform_registers_the_native_op():
     register_cpu_ops(ops, CpuOptions.from_env({}))
     table = dict(ops.table())
     assert table["fused_moe"] == "cpu-native-moe" and table["prepare_moe_weights"] == "cpu-native-moe"
+
+
+def test_bf16_moe_model_runs_prepared_experts_like_the_reference(tmp_path):
+    """A tiny Qwen3-MoE in bf16: expert weights prepared at load (packed where the build
+    can), and greedy tokens and logprobs as with the reference fused_moe swapped in."""
+    transformers = pytest.importorskip("transformers")
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.kernels.cpu.moe_native import load_moe_kernels
+    from pagedserve.platforms.cpu import moe_ops
+    from pagedserve.testing.tiny_model import write_byte_tokenizer
+
+    vocab = write_byte_tokenizer(tmp_path)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", kv_cache_memory="16MiB", enable_prefix_caching=False)
+    model = llm.llm_engine.runner.model
+    placement = model.placements[0]
+    if placement.ops.source("fused_moe") != moe_ops.SOURCE:
+        pytest.skip("the CPU platform's native MoE ops are not in use here")
+    packed = load_moe_kernels().has_packed()
+    assert all((layer.w13.dim() == 5) == packed and (layer.w2.dim() == 5) == packed for layer in model.layers)
+    prompts = [[5, 9, 17, 33, 65, 129], [7, 11, 13]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    native = llm.generate(prompts, params, use_tqdm=False)
+
+    def reference_moe(x, w13, w2, weights, ids, activation="silu"):
+        w13, w2 = moe_ops.unpack_expert_weight(w13), moe_ops.unpack_expert_weight(w2)
+        return reference.fused_moe(x, w13, w2, weights, ids, activation)
+
+    placement.ops.register("fused_moe", reference_moe, source="test-reference")
+    want = llm.generate(prompts, params, use_tqdm=False)
+    for got, ref in zip(native, want):
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+        for tok, a, b in zip(got.outputs[0].token_ids, got.outputs[0].logprobs, ref.outputs[0].logprobs):
+            assert abs(a[tok].logprob - b[tok].logprob) < 0.05
