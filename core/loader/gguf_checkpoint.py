@@ -86,6 +86,7 @@ class GGUFCheckpoint:
         self.arch: GGUFArch = GGUF_ARCHS[self.architecture]
         if self.architecture == "llama" and (self._arch("expert_count") or self._meta.layers_with("ffn_gate_exps")):
             self.arch = MIXTRAL
+        self.hf_config()  # refuses a feature the family does not implement, by name, first
         self._check_tensors()
 
     def _check_tensors(self) -> None:

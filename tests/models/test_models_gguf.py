@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from gguf_convert import quantization_roundtrip, write_gguf_like_llama_cpp
@@ -151,3 +152,25 @@ def test_gguf_weights_equal_the_original_checkpoint(arch, tmp_path):
         else:
             hf = name.replace("mlp.gate.", "block_sparse_moe.gate.") if arch == "mixtral" else name
             assert torch.equal(ours[hf], t), name
+
+
+REFUSED = {
+    "phi3-longrope": ("phi3", {}, {"rope_factors_long.weight": np.ones(4, np.float32)}, "longrope"),
+    "glm4-mrope": ("glm4", {"rope.dimension_sections": [2, 2, 2, 0]}, {}, "M-RoPE"),
+    "olmo3-window": ("olmo2", {"attention.sliding_window": 16}, {}, "sliding-window attention"),
+    "sigmoid-router": ("qwen3moe", {"expert_gating_func": 2}, {}, "expert gating function 2"),
+    "expert-scale": ("qwen2moe", {"expert_weights_scale": 2.5}, {}, "expert_weights_scale=2.5"),
+    "yarn-ext-factor": ("qwen2", {"rope.scaling.yarn_ext_factor": 0.5}, {}, "YaRN extrapolation factor"),
+    "unknown-tensor": ("gemma2", {}, {"blk.0.attn_sinks.weight": np.ones(4, np.float32)}, "no Hugging Face"),
+    "unknown-rope-type": ("qwen3", {"rope.scaling.type": "su"}, {}, "su"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_unimplemented_gguf_features_are_refused_by_name(name, tmp_path):
+    arch, extra, tensors, message = REFUSED[name]
+    case, overrides = GGUF_CASES[arch]
+    model = build_checkpoint(tmp_path, case, vocab_size=VOCAB + 1, **overrides)
+    path = write_gguf_like_llama_cpp(tmp_path / "m.gguf", model, arch, extra=extra, extra_tensors=tensors)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
