@@ -143,7 +143,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         gguf=("llama",),
         quantized=False,
         tensor_parallel=False,
-        notes="MoE (`fused_moe`), top-k renormalised, optional sliding window",
+        notes="MoE (`fused_moe`), top-k renormalised, optional sliding window; GGUF: a `llama` file with experts",
     ),
     ModelEntry(
         "Qwen2MoeForCausalLM",
