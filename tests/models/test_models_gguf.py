@@ -193,3 +193,18 @@ def test_unimplemented_gguf_features_are_refused_by_name(name, tmp_path):
     path = write_gguf_like_llama_cpp(tmp_path / "m.gguf", model, arch, extra=extra, extra_tensors=tensors)
     with pytest.raises(ValueError, match=message):
         LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_metadata_llama_cpp_fills_in(tmp_path):
+    """A sliding_window_pattern array overrides Gemma 2's every-other-layer default; the
+    query scale and the soft-caps follow llama.cpp when the file is silent."""
+    case, overrides = GGUF_CASES["gemma2"]
+    model = build_checkpoint(tmp_path, case, vocab_size=VOCAB + 1, **overrides)
+    path = write_gguf_like_llama_cpp(
+        tmp_path / "m.gguf", model, "gemma2", extra={"attention.sliding_window_pattern": [False, True, True]}
+    )
+    config = open_model(path).hf_config
+    assert config["layer_types"] == ["full_attention", "sliding_attention", "sliding_attention"]
+    assert config["query_pre_attn_scalar"] == 24 and config["sliding_window"] == 5
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (3.0, 5.0)
+    assert config["tie_word_embeddings"] is True and config["architectures"] == ["Gemma2ForCausalLM"]
