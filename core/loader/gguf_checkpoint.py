@@ -163,6 +163,8 @@ class GGUFCheckpoint:
 
     def _rope_scaling(self) -> dict[str, Any] | None:
         kind = self._arch("rope.scaling.type")
+        if kind is None and float(self._arch("rope.scaling.factor", 1.0)) != 1.0:
+            kind = "linear"  # llama.cpp's reading of a factor without a type
         if kind in (None, "none"):
             return None
         scaling: dict[str, Any] = {"rope_type": kind, "factor": float(self._arch("rope.scaling.factor", 1.0))}
