@@ -86,6 +86,7 @@ class GGUFCheckpoint:
         self.arch: GGUFArch = GGUF_ARCHS[self.architecture]
         if self.architecture == "llama" and (self._arch("expert_count") or self._meta.layers_with("ffn_gate_exps")):
             self.arch = MIXTRAL
+        self.hf_config()  # refuses a feature the family does not implement, by name, first
         self._check_tensors()
 
     def _check_tensors(self) -> None:
@@ -162,6 +163,8 @@ class GGUFCheckpoint:
 
     def _rope_scaling(self) -> dict[str, Any] | None:
         kind = self._arch("rope.scaling.type")
+        if kind is None and float(self._arch("rope.scaling.factor", 1.0)) != 1.0:
+            kind = "linear"  # llama.cpp's reading of a factor without a type
         if kind in (None, "none"):
             return None
         scaling: dict[str, Any] = {"rope_type": kind, "factor": float(self._arch("rope.scaling.factor", 1.0))}

@@ -135,7 +135,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         _MOE,
         "MixtralForCausalLM",
         gguf=("llama",),
-        notes="MoE (`fused_moe`), top-k renormalised, optional sliding window",
+        notes="MoE (`fused_moe`), top-k renormalised, optional sliding window; GGUF: a `llama` file with experts",
     ),
     ModelEntry(
         "Qwen2MoeForCausalLM",

@@ -139,17 +139,37 @@ def _gguf_name(name_map: Any, hf_name: str, arch: str) -> str:
     return f"{mapped}.{suffix}"
 
 
-def write_gguf_like_llama_cpp(path: pathlib.Path, model: Any, arch: str, linear_type: str = "F32") -> pathlib.Path:
+def write_gguf_like_llama_cpp(
+    path: pathlib.Path,
+    model: Any,
+    arch: str,
+    linear_type: str = "F32",
+    extra: dict[str, Any] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+) -> pathlib.Path:
     """Convert ``model`` (a transformers causal LM whose folder holds tokenizer.json) to ``path``.
 
     linear_type: ggml type of every weight with two or more dimensions whose rows are whole
     blocks (embedding and LM head included), except routers; the rest stay F32.
+    extra, extra_tensors: further metadata (key without the ``<arch>.`` prefix -> value)
+    and F32 tensors (GGUF name -> values), for files using features not implemented.
     """
     hp = model.config.to_dict()
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny {arch}")
     _metadata(writer, arch, hp)
     _tokenizer(writer, path.parent, hp["vocab_size"])
+    for key, value in (extra or {}).items():
+        if isinstance(value, list):
+            writer.add_array(f"{arch}.{key}", value)
+        elif isinstance(value, str):
+            writer.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.{key}", value)
+    for name, values in (extra_tensors or {}).items():
+        writer.add_tensor(name, values)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], hp["num_hidden_layers"])
     qtype = gguf.GGMLQuantizationType[linear_type]
     block = gguf.GGML_QUANT_SIZES[qtype][0]

@@ -12,8 +12,10 @@ Qwen-MoE dense layers, no untied Gemma 2 LM head) and where llama.cpp fixes one 
 
 from __future__ import annotations
 
+import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from gguf_convert import quantization_roundtrip, write_gguf_like_llama_cpp
@@ -48,7 +50,7 @@ GGUF_CASES: dict[str, tuple[str, dict]] = {
     "qwen2moe": ("qwen2moe-shared-dense-layer", dict(mlp_only_layers=[])),
     "mixtral": ("mixtral-top2-window", dict(sliding_window=None)),
 }
-MAX_NEW = 8
+MAX_NEW = 6
 
 
 def test_every_gguf_architecture_is_covered():
@@ -59,41 +61,57 @@ def _file_arch(arch: str) -> str:
     return "llama" if arch == "mixtral" else arch
 
 
+#: Q8_0 files of these run in the quick suite (norm shift, fused, stacked experts with the
+#: Llama permutation, a shared expert, blocks dequantized); the others are marked slow.
+QUICK_Q8_0 = ("gemma3", "phi3", "mixtral", "qwen2moe", "glm4")
+
+
+def _q8_0_params() -> list:
+    return [a if a in QUICK_Q8_0 else pytest.param(a, marks=pytest.mark.slow) for a in GGUF_CASES]
+
+
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """(arch, type) -> (gguf path, prompts, expected greedy tokens and logprobs)."""
+    """(arch, type) -> (gguf path, prompts, expected greedy tokens and logprobs, the
+    first step's full logprob vectors)."""
+    models: dict[str, tuple] = {}
     cache: dict[tuple[str, str], tuple] = {}
 
     def get(arch: str, linear_type: str):
+        if arch not in models:
+            case, overrides = GGUF_CASES[arch]
+            folder = tmp_path_factory.mktemp(arch)
+            models[arch] = (folder, build_checkpoint(folder, case, vocab_size=VOCAB + 1, **overrides))
         key = (arch, linear_type)
         if key not in cache:
-            case, overrides = GGUF_CASES[arch]
-            folder = tmp_path_factory.mktemp(f"{arch}-{linear_type}")
-            model = build_checkpoint(folder, case, vocab_size=VOCAB + 1, **overrides)
-            path = write_gguf_like_llama_cpp(folder / f"tiny-{arch}.gguf", model, _file_arch(arch), linear_type)
-            quantization_roundtrip(model, arch, linear_type)
-            prompts = _prompts(len(arch))[1:4]
-            cache[key] = (path, prompts, [hf_reference(model, p, MAX_NEW) for p in prompts])
+            folder, model = models[arch]
+            path = write_gguf_like_llama_cpp(folder / f"{linear_type}.gguf", model, _file_arch(arch), linear_type)
+            if linear_type != "F32":
+                model = copy.deepcopy(model)
+                quantization_roundtrip(model, arch, linear_type)
+            # Both longer than every window; the second shares the first's 11-token prefix.
+            prompts = _prompts(len(arch))[3:5]
+            with torch.inference_mode():
+                first = [torch.log_softmax(model(input_ids=torch.tensor([p])).logits[0, -1], -1) for p in prompts]
+            cache[key] = (path, prompts, [hf_reference(model, p, MAX_NEW) for p in prompts], first)
         return cache[key]
 
     return get
 
 
-def _check(llm: LLM, prompts, expected, tol: float) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
-    for i, (out, (tokens, logprobs)) in enumerate(zip(llm.generate(prompts, params, use_tqdm=False), expected)):
-        got = out.outputs[0]
-        assert got.token_ids == tokens, f"prompt {i}"
-        for j, (tok, entry, ref) in enumerate(zip(got.token_ids, got.logprobs, logprobs)):
-            assert math.isclose(entry[tok].logprob, ref, abs_tol=tol), (i, j, entry[tok].logprob, ref)
-    assert llm.llm_engine.kv.pool.num_in_use == 0
-
-
-@pytest.mark.parametrize("linear_type", ["F32", "Q8_0"])
 @pytest.mark.parametrize("arch", list(GGUF_CASES))
-def test_gguf_matches_transformers(arch, linear_type, written):
+def test_f32_gguf_matches_transformers(arch, written):
+    _check_dequantized(arch, "F32", written)
+
+
+@pytest.mark.parametrize("arch", _q8_0_params())
+def test_q8_0_gguf_dequantized_matches_transformers(arch, written):
+    _check_dequantized(arch, "Q8_0", written)
+
+
+def _check_dequantized(arch: str, linear_type: str, written) -> None:
     """Dequantized at load: transformers' tokens and logprobs on the weights the file holds."""
-    path, prompts, expected = written(arch, linear_type)
+    path, prompts, expected, _ = written(arch, linear_type)
     llm = LLM(
         model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="none", **ENGINES["chunked+prefix"]
     )
@@ -107,20 +125,22 @@ def test_gguf_matches_transformers(arch, linear_type, written):
     assert llm.llm_engine.kv.pool.num_in_use == 0
 
 
-@pytest.mark.parametrize("arch", list(GGUF_CASES))
+@pytest.mark.parametrize("arch", _q8_0_params())
 def test_q8_0_blocks_stay_quantized_and_close(arch, written):
     """Blocks kept (``quantization="gguf"``; the kernel quantizes activations to int8 too):
     the first greedy token and its logprob stay close to transformers on the file's weights.
     GLM-4 dequantizes at load (its q/k rows are reordered by the model)."""
-    path, prompts, expected = written(arch, "Q8_0")
+    path, prompts, _, first = written(arch, "Q8_0")
     llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
     layer = llm.llm_engine.runner.model.layers[0]
     assert isinstance(layer.o, GGUFWeight) == (arch != "glm4")
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=0), use_tqdm=False)
-    for out, (tokens, logprobs) in zip(outs, expected):
-        got = out.outputs[0]
-        assert got.token_ids == tokens[:1]
-        assert math.isclose(got.logprobs[0][tokens[0]].logprob, logprobs[0], abs_tol=0.05)
+    for out, reference in zip(outs, first):
+        tok = out.outputs[0].token_ids[0]
+        # int8 activations move logprobs by ~1e-2: a greedy choice may flip between
+        # near-tied tokens, never to one transformers ranks clearly lower.
+        assert float(reference[tok]) >= float(reference.max()) - 0.05
+        assert math.isclose(out.outputs[0].logprobs[0][tok].logprob, float(reference[tok]), abs_tol=0.05)
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "phi3", "qwen2moe", "mixtral"])
@@ -151,3 +171,40 @@ def test_gguf_weights_equal_the_original_checkpoint(arch, tmp_path):
         else:
             hf = name.replace("mlp.gate.", "block_sparse_moe.gate.") if arch == "mixtral" else name
             assert torch.equal(ours[hf], t), name
+
+
+REFUSED = {
+    "phi3-longrope": ("phi3", {}, {"rope_factors_long.weight": np.ones(4, np.float32)}, "longrope"),
+    "glm4-mrope": ("glm4", {"rope.dimension_sections": [2, 2, 2, 0]}, {}, "M-RoPE"),
+    "olmo3-window": ("olmo2", {"attention.sliding_window": 16}, {}, "sliding-window attention"),
+    "sigmoid-router": ("qwen3moe", {"expert_gating_func": 2}, {}, "expert gating function 2"),
+    "expert-scale": ("qwen2moe", {"expert_weights_scale": 2.5}, {}, "expert_weights_scale=2.5"),
+    "yarn-ext-factor": ("qwen2", {"rope.scaling.yarn_ext_factor": 0.5}, {}, "YaRN extrapolation factor"),
+    "unknown-tensor": ("gemma2", {}, {"blk.0.attn_sinks.weight": np.ones(4, np.float32)}, "no Hugging Face"),
+    "unknown-rope-type": ("qwen3", {"rope.scaling.type": "su"}, {}, "su"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_unimplemented_gguf_features_are_refused_by_name(name, tmp_path):
+    arch, extra, tensors, message = REFUSED[name]
+    case, overrides = GGUF_CASES[arch]
+    model = build_checkpoint(tmp_path, case, vocab_size=VOCAB + 1, **overrides)
+    path = write_gguf_like_llama_cpp(tmp_path / "m.gguf", model, arch, extra=extra, extra_tensors=tensors)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_metadata_llama_cpp_fills_in(tmp_path):
+    """A sliding_window_pattern array overrides Gemma 2's every-other-layer default; the
+    query scale and the soft-caps follow llama.cpp when the file is silent."""
+    case, overrides = GGUF_CASES["gemma2"]
+    model = build_checkpoint(tmp_path, case, vocab_size=VOCAB + 1, **overrides)
+    path = write_gguf_like_llama_cpp(
+        tmp_path / "m.gguf", model, "gemma2", extra={"attention.sliding_window_pattern": [False, True, True]}
+    )
+    config = open_model(path).hf_config
+    assert config["layer_types"] == ["full_attention", "sliding_attention", "sliding_attention"]
+    assert config["query_pre_attn_scalar"] == 24 and config["sliding_window"] == 5
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (3.0, 5.0)
+    assert config["tie_word_embeddings"] is True and config["architectures"] == ["Gemma2ForCausalLM"]
