@@ -125,3 +125,13 @@ def test_tensor_parallel_is_refused():
     parallel = dataclasses.replace(ParallelContext.single(torch.device("cpu")), tp_size=2)
     with pytest.raises(ValueError, match="tensor parallelism"):
         DeepseekV2ForCausalLM(cfg, None, torch.float32, torch.device("cpu"), parallel=parallel)
+
+
+def test_quantization_is_refused(tmp_path):
+    from test_models_vs_hf import build_checkpoint
+
+    from pagedserve import LLM
+
+    build_checkpoint(tmp_path, "deepseekv2-lite-mla")
+    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM: quantized weights are not supported"):
+        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization="int8")
