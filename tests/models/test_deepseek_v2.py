@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from pagedserve.loader.errors import ModelLoadError
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, route_deepseek
 
@@ -135,3 +136,18 @@ def test_quantization_is_refused(tmp_path):
     build_checkpoint(tmp_path, "deepseekv2-lite-mla")
     with pytest.raises(ValueError, match="DeepseekV2ForCausalLM: quantized weights are not supported"):
         LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization="int8")
+
+
+def test_head_sizes_the_tensors_contradict_fail_at_load(tmp_path):
+    import json
+
+    from test_models_vs_hf import build_checkpoint
+
+    from pagedserve import LLM
+
+    build_checkpoint(tmp_path, "deepseekv2-lite-mla")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["v_head_dim"] += 4  # o_proj's columns say 4 heads x 12
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"self_attn\.o_proj\.weight.*\[64, 48\]"):
+        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB")
