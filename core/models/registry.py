@@ -157,16 +157,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         notes="MoE, per-head q/k norms; `mlp_only_layers`",
     ),
     ModelEntry(
-        "DeepseekV2ForCausalLM",
-        "deepseek_v2",
-        "pagedserve.models.deepseek_v2",
-        "DeepseekV2ForCausalLM",
-        quantized=False,
-        tensor_parallel=False,
-        notes="DeepSeek-V2 / V2-Lite: MLA (keys and values decompressed into the paged cache), "
-        "MoE with shared experts, greedy or group-limited routing",
-    ),
-    ModelEntry(
         "GemmaForCausalLM", "gemma", _GEMMA, "GemmaForCausalLM", notes="(1 + w) RMSNorm, GeGLU, scaled embeddings"
     ),
     ModelEntry(
@@ -185,6 +175,16 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "Gemma3ForCausalLM",
         gguf=("gemma3",),
         notes="text only; Gemma 2 plus q/k norms and a local RoPE base on sliding layers",
+    ),
+    ModelEntry(
+        "DeepseekV2ForCausalLM",
+        "deepseek_v2",
+        "pagedserve.models.deepseek_v2",
+        "DeepseekV2ForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="DeepSeek-V2 / V2-Lite: MLA (keys and values decompressed into the paged cache), "
+        "MoE with shared experts, greedy or group-limited routing",
     ),
 )
 
