@@ -101,6 +101,10 @@ def expected_shapes(
         "self_attn.k_proj.bias": (kv,),
         "self_attn.v_proj.bias": (kv,),
     }
+    if config.get("kv_lora_rank") is not None:  # DeepSeek MLA: q/k and v head sizes differ
+        heads, qk = config["num_attention_heads"], config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+        layer["self_attn.q_proj.weight"] = (heads * qk, hidden)
+        layer["self_attn.o_proj.weight"] = (hidden, heads * config["v_head_dim"])
     # q/k norms are per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2).
     alternatives = {"self_attn.q_norm.weight": [(hd,), (q,)], "self_attn.k_norm.weight": [(hd,), (kv,)]}
     if inter is not None:

@@ -126,6 +126,11 @@ class DecoderForCausalLM:
         self.rope = self.make_rope([pl.device for pl in placements])
 
     # -- family hooks -----------------------------------------------------------------------
+    @classmethod
+    def kv_head_dim(cls, hf: dict) -> int:
+        """The attention (and KV cache) head size for config.json ``hf``."""
+        return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+
     def attention_scale(self) -> float:
         return self.cfg.head_dim**-0.5
 

@@ -173,6 +173,16 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         gguf=("gemma3",),
         notes="text only; Gemma 2 plus q/k norms and a local RoPE base on sliding layers",
     ),
+    ModelEntry(
+        "DeepseekV2ForCausalLM",
+        "deepseek_v2",
+        "pagedserve.models.deepseek_v2",
+        "DeepseekV2ForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="DeepSeek-V2 / V2-Lite: MLA (keys and values decompressed into the paged cache), "
+        "MoE with shared experts, greedy or group-limited routing",
+    ),
 )
 
 _BY_ARCH: dict[str, ModelEntry] = {e.architecture: e for e in _ENTRIES}

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from test_models_vs_hf import _prompts, build_checkpoint, hf_reference
 
-CASES = ["gemma2-window-softcap", "qwen3moe-qknorm"]
+CASES = ["gemma2-window-softcap", "qwen3moe-qknorm", "deepseekv2-lite-mla"]
 MAX_NEW = 6
 
 

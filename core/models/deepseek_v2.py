@@ -1,0 +1,281 @@
+"""DeepSeek-V2 / V2-Lite (``DeepseekV2ForCausalLM``): multi-head latent attention (MLA)
+and a mixture of routed experts plus always-on shared experts, as transformers implements
+them.
+
+MLA: the query comes straight from ``q_proj`` (V2-Lite) or through a low-rank
+``q_a_proj`` -> RMSNorm -> ``q_b_proj``; ``kv_a_proj_with_mqa`` gives a compressed KV
+latent of ``kv_lora_rank`` and one rope key of ``qk_rope_head_dim`` shared by every head;
+the normed latent goes through ``kv_b_proj`` to each head's non-rotated key
+(``qk_nope_head_dim``) and value (``v_head_dim``).  Here the keys and values are
+decompressed per head and stored in the ordinary paged KV cache, with one head size
+``max(qk_nope + qk_rope, v_head_dim)`` for both (zero-padded); the attention output is
+sliced back to ``v_head_dim``.  Caching the latent itself (vLLM's MLA) is not done.
+
+RoPE pairs adjacent dimensions (transformers multiplies complex numbers); as for GLM-4
+the rope rows of the query projection and of ``kv_a_proj_with_mqa`` are reordered evens
+first, odds second at load, which turns it into pagedserve's rotate-half rotation without
+changing any attention score.  The softmax scale takes YaRN's ``mscale_all_dim``
+correction squared, as transformers does.
+
+MoE: layers from ``first_k_dense_replace`` on route each token to ``num_experts_per_tok``
+of ``n_routed_experts`` (softmax scores; ``greedy`` or ``group_limited_greedy`` over
+``n_group`` groups keeping ``topk_group``), weights times ``routed_scaling_factor``, run
+through the ``fused_moe`` op, plus ``n_shared_experts`` shared experts as one gated MLP.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedserve.models.arch_config import ArchConfig
+from pagedserve.models.decoder import DecoderForCausalLM, KVCache
+from pagedserve.models.layers import RotaryEmbedding, add_rms_norm, gated_mlp, linear, paged_attention
+from pagedserve.quantization.base import QuantizedWeight
+
+if TYPE_CHECKING:
+    from pagedserve.executor.attention_metadata import AttentionMetadata
+
+__all__ = ["DeepseekV2ForCausalLM", "DeepseekV2Layer", "route_deepseek"]
+
+#: transformers' DeepseekV2RMSNorm default: the q/kv latent norms do not take rms_norm_eps.
+_LATENT_NORM_EPS = 1e-6
+_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+class DeepseekV2Layer:
+    """One layer's weights.  q (direct query) or q_a, q_a_norm, q_b (low-rank query);
+    kv_a [kv_lora_rank + rope, hidden], kv_a_norm, kv_b [heads * (nope + v), kv_lora_rank],
+    o; a dense layer has gate_up/down only, a MoE layer router (float32 [E, hidden]),
+    w13 [E, 2 * I, hidden], w2 [E, hidden, I] and the shared experts as gate_up/down."""
+
+    __slots__ = (
+        "input_norm",
+        "post_norm",
+        "q",
+        "q_a",
+        "q_a_norm",
+        "q_b",
+        "kv_a",
+        "kv_a_norm",
+        "kv_b",
+        "o",
+        "router",
+        "w13",
+        "w2",
+        "gate_up",
+        "down",
+    )
+
+
+def route_deepseek(
+    h: torch.Tensor,
+    router: torch.Tensor,
+    top_k: int,
+    method: str,
+    n_group: int | None,
+    topk_group: int | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [T, hidden], router float32 [E, hidden] -> (weights float32 [T, top_k], ids int64
+    [T, top_k]): softmax scores, top-k over all experts (greedy) or over the experts of
+    each token's ``topk_group`` best groups (a group scores its best expert), times
+    ``scaling``; never renormalised (transformers' DeepseekV2TopkRouter)."""
+    scores = torch.softmax(torch.nn.functional.linear(h.float(), router), dim=-1)
+    if method == "group_limited_greedy":
+        t, e = scores.shape
+        group_scores = scores.view(t, n_group, e // n_group).amax(dim=-1)
+        group_idx = torch.topk(group_scores, topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        scores = scores.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), 0.0)
+    weights, ids = torch.topk(scores, top_k, dim=-1)
+    return weights * scaling, ids
+
+
+class DeepseekV2ForCausalLM(DecoderForCausalLM):
+    layer_class = DeepseekV2Layer
+    linear_fields = ("q", "q_a", "q_b", "kv_a", "kv_b", "o", "gate_up", "down")
+    tensor_parallel = False
+
+    @classmethod
+    def kv_head_dim(cls, hf: dict[str, Any]) -> int:
+        """Keys (nope + rope) and values share the cache's one head size."""
+        return max(int(hf["qk_nope_head_dim"]) + int(hf["qk_rope_head_dim"]), int(hf["v_head_dim"]))
+
+    @classmethod
+    def check_config(cls, cfg: ArchConfig) -> None:
+        super().check_config(cfg)
+        hf = cfg.hf_config
+        name = cfg.architecture
+
+        def refuse(what: str) -> None:
+            raise ValueError(f"{name}: {what} is not supported")
+
+        if cfg.num_kv_heads != cfg.num_heads:
+            refuse(f"num_key_value_heads={cfg.num_kv_heads} != num_attention_heads={cfg.num_heads}")
+        if hf.get("hidden_act", "silu") != "silu":
+            refuse(f"hidden_act {hf.get('hidden_act')!r} (silu)")
+        if hf.get("mlp_bias"):
+            refuse("mlp_bias")
+        if hf.get("attention_bias"):
+            refuse("attention_bias")
+        # Original DeepSeek code makes only every moe_layer_freq-th layer sparse and may
+        # renormalise; transformers (the reference here) does neither.
+        if int(hf.get("moe_layer_freq", 1) or 1) != 1:
+            refuse(f"moe_layer_freq={hf['moe_layer_freq']} (1)")
+        if hf.get("norm_topk_prob") and int(hf.get("num_experts_per_tok") or 1) > 1:
+            refuse("norm_topk_prob=true")
+        if int(hf.get("n_shared_experts") or 0) < 1:
+            refuse("n_shared_experts=0 (at least one shared expert)")
+        method = hf.get("topk_method", "greedy") or "greedy"
+        if method not in _TOPK_METHODS:
+            refuse(f"topk_method {method!r} (supported: {', '.join(_TOPK_METHODS)})")
+        if method == "group_limited_greedy":
+            n_group, topk_group = hf.get("n_group"), hf.get("topk_group")
+            if not n_group or not topk_group or int(hf["n_routed_experts"]) % int(n_group):
+                refuse(f"group_limited_greedy with n_group={n_group}, topk_group={topk_group}")
+        if hf.get("scoring_func", "softmax") != "softmax":
+            refuse(f"scoring_func {hf['scoring_func']!r} (softmax)")
+
+    def __init__(self, cfg: ArchConfig, *args, **kwargs) -> None:
+        hf = cfg.hf_config
+        self.nope, self.rope_dim = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+        self.v_dim, self.kv_rank = int(hf["v_head_dim"]), int(hf["kv_lora_rank"])
+        self.q_rank = hf.get("q_lora_rank")
+        super().__init__(cfg, *args, **kwargs)
+        self.first_dense = int(hf.get("first_k_dense_replace", 0) or 0)
+        self.num_experts = int(hf["n_routed_experts"])
+        self.top_k = int(hf["num_experts_per_tok"])
+        self.topk_method = hf.get("topk_method", "greedy") or "greedy"
+        self.n_group, self.topk_group = hf.get("n_group"), hf.get("topk_group")
+        self.routed_scaling = float(hf.get("routed_scaling_factor", 1.0))
+
+    def attention_scale(self) -> float:
+        scale = (self.nope + self.rope_dim) ** -0.5
+        scaling = self.cfg.rope_scaling or {}
+        m_all = scaling.get("mscale_all_dim", 0)
+        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default" and m_all and scaling["factor"] > 1:
+            m = 0.1 * m_all * math.log(scaling["factor"]) + 1.0
+            scale *= m * m
+        return scale
+
+    def make_rope(self, devices: list[torch.device]) -> RotaryEmbedding:
+        cfg = self.cfg
+        return RotaryEmbedding(self.rope_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling, devices)
+
+    def layer_weight_names(self, layer: int) -> frozenset[str]:
+        a = "self_attn."
+        names = {"input_layernorm.weight", "post_attention_layernorm.weight", a + "o_proj.weight"}
+        names |= {a + "kv_a_proj_with_mqa.weight", a + "kv_a_layernorm.weight", a + "kv_b_proj.weight"}
+        if self.q_rank is None:
+            names.add(a + "q_proj.weight")
+        else:
+            names |= {a + "q_a_proj.weight", a + "q_a_layernorm.weight", a + "q_b_proj.weight"}
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        if layer < self.first_dense:
+            return frozenset(names | {f"mlp.{p}.weight" for p in mlp})
+        names.add("mlp.gate.weight")
+        names |= {f"mlp.experts.{e}.{p}.weight" for e in range(self.num_experts) for p in mlp}
+        return frozenset(names | {f"mlp.shared_experts.{p}.weight" for p in mlp})
+
+    def _rope_rows_rotate_half(self, t: torch.Tensor, heads: int, head: int) -> torch.Tensor:
+        """Rows of ``heads`` blocks of ``head`` rows whose last qk_rope_head_dim rows are a
+        rope part: those reordered evens then odds (interleaved -> rotate-half)."""
+        r, start = self.rope_dim, head - self.rope_dim
+        order = torch.cat([torch.arange(start), start + torch.arange(0, r, 2), start + torch.arange(1, r, 2)])
+        return t[(torch.arange(heads)[:, None] * head + order).reshape(-1)]
+
+    def finish_layer(self, layer: DeepseekV2Layer, w: dict[str, Any], param) -> None:
+        quantized = sorted(n for n, t in w.items() if isinstance(t, QuantizedWeight))
+        if quantized:
+            raise ValueError(
+                f"{self.cfg.architecture}: quantized weights are not supported (e.g. {quantized[0]}); "
+                "load with quantization='none'"
+            )
+        a, heads = "self_attn.", self.num_heads
+        layer.input_norm = param(w["input_layernorm.weight"])
+        layer.post_norm = param(w["post_attention_layernorm.weight"])
+        layer.q = layer.q_a = layer.q_a_norm = layer.q_b = None
+        if self.q_rank is None:
+            layer.q = param(self._rope_rows_rotate_half(w[a + "q_proj.weight"], heads, self.nope + self.rope_dim))
+        else:
+            layer.q_a = param(w[a + "q_a_proj.weight"])
+            layer.q_a_norm = param(w[a + "q_a_layernorm.weight"])
+            layer.q_b = param(self._rope_rows_rotate_half(w[a + "q_b_proj.weight"], heads, self.nope + self.rope_dim))
+        layer.kv_a = param(
+            self._rope_rows_rotate_half(w[a + "kv_a_proj_with_mqa.weight"], 1, self.kv_rank + self.rope_dim)
+        )
+        layer.kv_a_norm = param(w[a + "kv_a_layernorm.weight"])
+        layer.kv_b = param(w[a + "kv_b_proj.weight"])
+        layer.o = param(w[a + "o_proj.weight"])
+        layer.router = layer.w13 = layer.w2 = None
+        m = "mlp." if "mlp.gate.weight" not in w else "mlp.shared_experts."
+        layer.gate_up = param(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))
+        layer.down = param(w[m + "down_proj.weight"])
+        if "mlp.gate.weight" in w:
+            # Routing stays float32 whatever the model dtype, as transformers keeps it.
+            layer.router = w["mlp.gate.weight"].to(device=layer.input_norm.device, dtype=torch.float32)
+            ex = [f"mlp.experts.{e}." for e in range(self.num_experts)]
+            layer.w13 = param(
+                torch.stack([torch.cat([w[e + "gate_proj.weight"], w[e + "up_proj.weight"]]) for e in ex])
+            )
+            layer.w2 = param(torch.stack([w[e + "down_proj.weight"] for e in ex]))
+
+    def prepare_linear_weights(self) -> None:
+        """Dense weights as every family; the stacked experts through ``prepare_moe_weights``."""
+        super().prepare_linear_weights()
+        for pl in self.placements:
+            for layer in self.layers[pl.start - self.layer_start : pl.end - self.layer_start]:
+                if isinstance(layer.w13, torch.Tensor):
+                    layer.w13, layer.w2 = pl.ops.prepare_moe_weights(layer.w13, layer.w2)
+
+    def attention(
+        self, ops, placement: int, layer: DeepseekV2Layer, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """MLA with decompressed per-head keys and values: h [n, hidden] -> [n, heads * v_head_dim]."""
+        n, heads, d = h.shape[0], self.num_heads, self.cfg.head_dim
+        if layer.q is not None:
+            q = linear(ops, h, layer.q)
+        else:
+            q = linear(ops, ops.rms_norm(linear(ops, h, layer.q_a), layer.q_a_norm, _LATENT_NORM_EPS), layer.q_b)
+        q_nope, q_pe = q.view(n, heads, self.nope + self.rope_dim).split([self.nope, self.rope_dim], dim=-1)
+        latent, k_pe = linear(ops, h, layer.kv_a).split([self.kv_rank, self.rope_dim], dim=-1)
+        kv = linear(ops, ops.rms_norm(latent.contiguous(), layer.kv_a_norm, _LATENT_NORM_EPS), layer.kv_b)
+        k_nope, v = kv.view(n, heads, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
+        q_pe, k_pe = self.rope(ops, placement, meta.positions, q_pe.contiguous(), k_pe.reshape(n, 1, self.rope_dim))
+        qk_pad = d - self.nope - self.rope_dim
+        q = torch.cat([q_nope, q_pe] + ([q_pe.new_zeros(n, heads, qk_pad)] if qk_pad else []), dim=-1)
+        k = torch.cat(
+            [k_nope, k_pe.expand(n, heads, self.rope_dim)] + ([k_nope.new_zeros(n, heads, qk_pad)] if qk_pad else []),
+            dim=-1,
+        )
+        if d > self.v_dim:
+            v = torch.cat([v, v.new_zeros(n, heads, d - self.v_dim)], dim=-1)
+        out = paged_attention(ops, q, k, v.contiguous(), kv_cache, meta, self.attn.scale)
+        return out.view(n, heads, d)[..., : self.v_dim].reshape(n, heads * self.v_dim)
+
+    def layer_forward(
+        self,
+        ops,
+        placement: int,
+        index: int,
+        layer: DeepseekV2Layer,
+        kv_cache: KVCache,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = self.cfg.rms_norm_eps
+        h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
+        h = linear(ops, self.attention(ops, placement, layer, h, kv_cache, meta), layer.o)
+        h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
+        out = gated_mlp(ops, h, layer.gate_up, layer.down)
+        if layer.router is not None:
+            weights, ids = route_deepseek(
+                h, layer.router, self.top_k, self.topk_method, self.n_group, self.topk_group, self.routed_scaling
+            )
+            out = out + ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu")
+        return out, residual

@@ -1,0 +1,153 @@
+"""DeepSeek-V2 pieces outside the end-to-end transformers comparison (which lives in
+test_models_vs_hf): the router against transformers' own, the config values refused at
+load, and a config.json as DeepSeek publishes V2-Lite's parsing to the right shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pagedserve.loader.errors import ModelLoadError
+from pagedserve.models.arch_config import ArchConfig
+from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, route_deepseek
+
+transformers = pytest.importorskip("transformers")
+
+#: The keys and values of DeepSeek-V2-Lite's published config.json, shrunk.
+LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "vocab_size": 259,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_shared_experts": 2,
+    "n_routed_experts": 8,
+    "ep_size": 1,
+    "routed_scaling_factor": 1.0,
+    "kv_lora_rank": 32,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 6,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "aux_loss_alpha": 0.001,
+    "seq_aux": True,
+    "hidden_act": "silu",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_router_matches_transformers(method):
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    cfg = transformers.DeepseekV2Config(
+        hidden_size=32,
+        num_attention_heads=4,
+        n_routed_experts=12,
+        num_experts_per_tok=3,
+        topk_method=method,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+    )
+    gen = torch.Generator().manual_seed(0)
+    router = DeepseekV2TopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+    h = torch.randn(50, 32, generator=gen)
+    _, want_w, want_ids = router(h)
+    got_w, got_ids = route_deepseek(h, router.weight.detach(), 3, method, 4, 2, 2.5)
+    # transformers' top-k is unsorted: compare each token's (expert, weight) pairs as sets.
+    want = torch.zeros(50, 12).scatter_(1, want_ids, want_w.detach())
+    got = torch.zeros(50, 12).scatter_(1, got_ids, got_w)
+    torch.testing.assert_close(got, want)
+    if method == "group_limited_greedy":  # the choice really is limited to 2 of 4 groups
+        assert ((got.view(50, 4, 3) > 0).any(-1).sum(-1) <= 2).all()
+
+
+def test_published_lite_config_parses():
+    cfg = ArchConfig.from_hf(dict(LITE))
+    assert cfg.head_dim == 24  # one cache head size for keys (16 + 8) and values (16)
+    assert cfg.num_kv_heads == cfg.num_heads == 4
+    assert cfg.rope_scaling["factor"] == 40
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"moe_layer_freq": 2}, "moe_layer_freq"),
+        ({"norm_topk_prob": True}, "norm_topk_prob"),
+        ({"topk_method": "noaux_tc"}, "noaux_tc"),
+        ({"scoring_func": "sigmoid"}, "scoring_func"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"n_shared_experts": 0}, "n_shared_experts"),
+        ({"topk_method": "group_limited_greedy", "n_group": 3}, "group_limited_greedy"),
+        ({"rope_scaling": {"type": "fancy", "factor": 2.0}}, "fancy"),
+    ],
+)
+def test_unimplemented_config_values_are_refused_by_name(change, named):
+    with pytest.raises(ValueError, match=named):
+        ArchConfig.from_hf({**LITE, **change})
+
+
+def test_tensor_parallel_is_refused():
+    from pagedserve.distributed.parallel_state import ParallelContext
+
+    assert DeepseekV2ForCausalLM.tensor_parallel is False
+    cfg = ArchConfig.from_hf(dict(LITE))
+    parallel = dataclasses.replace(ParallelContext.single(torch.device("cpu")), tp_size=2)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        DeepseekV2ForCausalLM(cfg, None, torch.float32, torch.device("cpu"), parallel=parallel)
+
+
+def test_quantization_is_refused(tmp_path):
+    from test_models_vs_hf import build_checkpoint
+
+    from pagedserve import LLM
+
+    build_checkpoint(tmp_path, "deepseekv2-lite-mla")
+    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM: quantized weights are not supported"):
+        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization="int8")
+
+
+def test_head_sizes_the_tensors_contradict_fail_at_load(tmp_path):
+    import json
+
+    from test_models_vs_hf import build_checkpoint
+
+    from pagedserve import LLM
+
+    build_checkpoint(tmp_path, "deepseekv2-lite-mla")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["v_head_dim"] += 4  # o_proj's columns say 4 heads x 12
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"self_attn\.o_proj\.weight.*\[64, 48\]"):
+        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB")
