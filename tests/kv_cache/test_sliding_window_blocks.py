@@ -224,3 +224,19 @@ def test_engine_rule_and_pool_sizing():
     assert kv_window_for_pool(8, 8, cache, sched, 4096) == 8
     # A pool with no room left for the null block keeps every block.
     assert kv_window_for_pool(8, 7, cache, sched, 4096) is None
+
+
+def test_which_models_free_blocks():
+    """Only models whose layers all share one window free blocks; hybrids keep them all."""
+    from pagedserve.models.layers import layer_windows
+
+    def window(hf: dict, n: int = 4) -> int | None:
+        return uniform_window(layer_windows({"max_position_embeddings": 4096, **hf}, n))
+
+    assert window({"sliding_window": 512}) == 512  # Mistral v0.1, Starcoder2, Mixtral
+    assert window({"sliding_window": 512, "use_sliding_window": True, "max_window_layers": 0}) == 512
+    assert window({"sliding_window": 512, "use_sliding_window": True, "max_window_layers": 2}) is None
+    alternating = ["sliding_attention", "full_attention"] * 2  # Gemma 2
+    assert window({"sliding_window": 512, "layer_types": alternating}) is None
+    assert window({"sliding_window": 512, "use_sliding_window": False}) is None
+    assert window({"sliding_window": 8192}) is None  # never slides within the context
