@@ -163,7 +163,8 @@ class KVCacheManager:
 
         ``computed_blocks`` are prefix-cache hits of a request scheduled for the first
         time (its ``num_computed_tokens`` must already count them).  Returns the newly
-        allocated blocks, or None (changing nothing) when the pool cannot supply them.
+        allocated blocks, or None when the pool cannot supply them (changing nothing but
+        the freeing of blocks that slid out of the window, which holds either way).
         """
         computed_blocks = computed_blocks or []
         rid = request.request_id

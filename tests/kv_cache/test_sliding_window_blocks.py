@@ -202,3 +202,41 @@ def test_scheduler_many_requests_preemption_no_leaks_bounded_blocks():
     assert s.num_preemptions > 0
     assert kv.num_blocks_in_use == 0 and not kv.req_blocks
     assert kv.prefix_hits > 0
+
+
+def test_engine_rule_and_pool_sizing():
+    from pagedserve.config import CacheConfig, EngineConfig
+    from pagedserve.config_rules import check_sliding_window_cache
+    from pagedserve.kv_cache.sliding_window import blocks_for_one_request, kv_window_for_pool
+
+    cfg = EngineConfig()
+    assert check_sliding_window_cache(cfg, 8) == 8 and check_sliding_window_cache(cfg, None) is None
+    cfg.cache.free_sliding_window_blocks = False
+    assert check_sliding_window_cache(cfg, 8) is None
+    cfg.cache = CacheConfig(kv_offload_memory="1MiB")
+    with pytest.raises(ValueError, match="free_sliding_window_blocks"):
+        check_sliding_window_cache(cfg, 8)
+    sched = SchedulerConfig(max_num_batched_tokens=16)
+    cache = CacheConfig(block_size=BS)
+    # 4096 tokens need 1024 blocks; with a window of 8 and steps of 16: 7 + the null block.
+    assert blocks_for_one_request(cache, sched, 4096, [8, 8]) == max_blocks_held(4096, BS, 8, 16) + 1 == 8
+    assert blocks_for_one_request(cache, sched, 4096, [8, None]) == 1024  # hybrid: every block
+    assert kv_window_for_pool(8, 8, cache, sched, 4096) == 8
+    # A pool with no room left for the null block keeps every block.
+    assert kv_window_for_pool(8, 7, cache, sched, 4096) is None
+
+
+def test_which_models_free_blocks():
+    """Only models whose layers all share one window free blocks; hybrids keep them all."""
+    from pagedserve.models.layers import layer_windows
+
+    def window(hf: dict, n: int = 4) -> int | None:
+        return uniform_window(layer_windows({"max_position_embeddings": 4096, **hf}, n))
+
+    assert window({"sliding_window": 512}) == 512  # Mistral v0.1, Starcoder2, Mixtral
+    assert window({"sliding_window": 512, "use_sliding_window": True, "max_window_layers": 0}) == 512
+    assert window({"sliding_window": 512, "use_sliding_window": True, "max_window_layers": 2}) is None
+    alternating = ["sliding_attention", "full_attention"] * 2  # Gemma 2
+    assert window({"sliding_window": 512, "layer_types": alternating}) is None
+    assert window({"sliding_window": 512, "use_sliding_window": False}) is None
+    assert window({"sliding_window": 8192}) is None  # never slides within the context

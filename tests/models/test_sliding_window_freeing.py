@@ -143,7 +143,7 @@ def test_prefix_hits_and_n_samples_with_freed_blocks(mistral):
     eng.kv.pool.check_invariants()
 
 
-def test_freeing_off_keeps_every_block_and_hybrid_models_keep_full_accounting(mistral, tmp_path):
+def test_freeing_off_keeps_every_block(mistral):
     path, prompts, expected = mistral
     llm = LLM(
         model=str(path),
