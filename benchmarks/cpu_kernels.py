@@ -4,17 +4,18 @@ Paged attention on decode batches (the default model's attention shape: 9 query
 heads, 3 kv heads, head size 64, bf16, block size 16, shuffled block tables) and, with
 --ops, the row-wise ops at decode and prefill sizes of the same model (hidden 576,
 intermediate 1536); with --linear, one decode step's bf16 linear layers through torch's
-GEMM, oneDNN and the native kernels; with --moe, fused_moe (reference vs native);
-with --gguf, the same layers on Q4_1 GGUF blocks
-(the default model's format) through the row-by-row int8 kernel and the tiled one on
-repacked weights, against the packed bf16 kernel, in GOP/s and as a fraction of the
-int8 VNNI peak (``--int8-peak``, GOP/s; by default estimated from /proc/cpuinfo).
-Prints one table per kind with the speedup (reference / native).
+GEMM, oneDNN and the native kernels; with --moe, fused_moe (reference vs native); with
+--gguf, the same layers on Q4_1 GGUF blocks (the default model's format) through the
+row-by-row int8 kernel and the tiled one on repacked weights, against the packed bf16
+kernel, in GOP/s and as a fraction of the int8 VNNI peak (``--int8-peak``, GOP/s; by
+default estimated from /proc/cpuinfo); with --window, attention with a sliding window
+(512) and a soft-cap (50) at decode and prefill shapes.  Prints one table per kind with
+the speedup (reference / native).
 
     python benchmarks/cpu_kernels.py [--seqs 1 4 16 64] [--contexts 128 512 2048]
                                      [--dtype bf16] [--isa avx2] [--ops] [--threads N]
                                      [--huge-pages] [--cpu-time] [--prefill] [--linear]
-                                     [--token-major] [--layers 30] [--moe]
+                                     [--token-major] [--layers 30] [--moe] [--window]
                                      [--gguf] [--rows 1 4 16 64 256] [--int8-peak GOPS]
 """
 
@@ -37,6 +38,7 @@ __all__ = [
     "prefill_inputs",
     "bench_attention",
     "bench_prefill",
+    "bench_window",
     "bench_ops",
     "bench_linear",
     "bench_moe",
@@ -322,6 +324,35 @@ def bench_gguf_linear(
     return out
 
 
+def bench_window(
+    native,
+    dtype: torch.dtype,
+    window: int = 512,
+    soft_cap: float = 50.0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[tuple]:
+    """Sliding-window / soft-cap attention (default-model heads, head-major cache):
+    decodes of 4 sequences at context 2048 and one prefill chunk of 512 tokens at
+    context 2048, without either, with the window, the cap, and both."""
+    rows = []
+    query, ((kc, vc),), *meta = attention_inputs(4, 2048, dtype)
+    decode = (query, kc, vc, *meta)
+    prefill = prefill_inputs(512, 2048, dtype)
+    scale = query.shape[-1] ** -0.5
+    variants = [("none", {}), (f"W={window}", {"sliding_window": window})]
+    variants += [(f"cap={soft_cap:g}", {"soft_cap": soft_cap})]
+    variants += [(f"W={window} cap={soft_cap:g}", {"sliding_window": window, "soft_cap": soft_cap})]
+    for shape, args in (("decode 4 x 2048", decode), ("prefill 512 @ 2048", prefill)):
+        out = torch.empty_like(args[0])
+        for label, extra in variants:
+            t_native = time_call(lambda: native.paged_attention(*args, scale, out, **extra), clock=clock)
+            t_ref = time_call(
+                lambda: reference.paged_attention(*args, scale, out, **extra), min_seconds=0.2, min_reps=3, clock=clock
+            )
+            rows.append((shape, label, t_ref * 1e6, t_native * 1e6, t_ref / t_native))
+    return rows
+
+
 def _print_table(header: tuple[str, ...], rows: list[tuple]) -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---:" for _ in header) + "|")
@@ -355,6 +386,9 @@ def main(argv: list[str] | None = None) -> None:
         "--cpu-time", action="store_true", help="one thread, timed in process CPU time (robust on a busy machine)"
     )
     parser.add_argument("--prefill", action="store_true", help="also time prefill chunks")
+    parser.add_argument(
+        "--window", action="store_true", help="also time sliding-window / soft-cap attention (decode and prefill)"
+    )
     parser.add_argument("--ops", action="store_true", help="also time the row-wise ops")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 512], help="batch sizes for --ops")
     parser.add_argument(
@@ -400,6 +434,11 @@ def main(argv: list[str] | None = None) -> None:
         _print_table(
             ("q_len", "context", "reference us", "native us", "speedup"),
             bench_prefill(native, [(128, 128), (512, 512), (256, 1024), (2048, 2048)], dtype, clock),
+        )
+    if args.window:
+        print("\npaged_attention with a sliding window and soft-cap (9 heads, 3 kv heads, head 64, block 16):\n")
+        _print_table(
+            ("batch", "variant", "reference us", "native us", "speedup"), bench_window(native, dtype, clock=clock)
         )
     if args.ops:
         print("\nrow-wise ops (hidden 576, intermediate 1536):\n")

@@ -5,7 +5,8 @@
     python benchmarks/gpu_kernels.py --no-e2e        # skip the end-to-end tokens/s line
 
 Steps: (1) build the CUDA extension (CUDA machines only; ROCm runs the Triton kernels
-alone); (2) check every kernel against kernels/reference.py on random inputs;
+alone); (2) check every kernel against kernels/reference.py on random inputs, attention also
+with sliding windows and soft-caps (slid-out block-table entries point at a NaN block);
 (3) measure the device's copy bandwidth with a large device-to-device copy; (4) time
 decode attention at batch 1..256 and contexts 1k..32k (GQA 8:1, head 128, bf16) and
 print achieved bandwidth (bytes of K/V read per call / time) as a share of the copy
@@ -96,6 +97,61 @@ def mixed_batch(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> tu
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
     sl = torch.tensor([c for _, c in seqs], dtype=torch.int32, device=device)
     return query, key_cache, value_cache, bt.to(device), sl, qsl, HEAD_SIZE**-0.5
+
+
+def with_nan_slid_out(args: tuple, window: int) -> tuple:
+    """``args`` with a NaN-filled null block appended to both caches and every block-table
+    entry that slid out of its sequence's window pointed at it (what the KV manager
+    leaves after freeing those blocks): a kernel that reads one returns NaN."""
+    query, key_cache, value_cache, tables, seq_lens, qsl, scale = args
+    null = key_cache.shape[0]
+    nan = torch.full_like(key_cache[:1], float("nan"))
+    key_cache, value_cache = torch.cat([key_cache, nan]), torch.cat([value_cache, nan])
+    tables = tables.clone()
+    block_size = key_cache.shape[1]
+    q_lens = (qsl[1:] - qsl[:-1]).tolist()
+    for i, ctx in enumerate(seq_lens.tolist()):
+        tables[i, : max(0, ctx - q_lens[i] - window + 1) // block_size] = null
+    return query, key_cache, value_cache, tables, seq_lens, qsl, scale
+
+
+#: Window / soft-cap variants checked (Gemma 2: window 4096 and cap 50; here shorter
+#: windows so that blocks slide out of the test contexts).
+WINDOW_CASES: tuple[dict, ...] = (
+    {"sliding_window": 512},
+    {"soft_cap": 30.0},
+    {"sliding_window": 200, "soft_cap": 30.0},
+)
+
+
+def check_window_kernels(cuda_ext, device: str = "cuda") -> bool:
+    """Sliding window and soft-cap in every GPU attention kernel against the reference,
+    with slid-out table entries pointing at a NaN block."""
+    from pagedserve.kernels.triton import attention
+
+    ok = True
+    tol = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+    for dtype in (torch.bfloat16, torch.float32):
+        tag = str(dtype).replace("torch.", "")
+        for label, base in (
+            ("mixed batch", mixed_batch(device, dtype)),
+            ("decode 4 x 3000", decode_batch(4, 3000, dtype, device)),
+        ):
+            for extra in WINDOW_CASES:
+                args = with_nan_slid_out(base, extra.get("sliding_window", 1 << 30))
+                expected = reference.paged_attention(*args, **extra)
+                what = f"{tag} {label} " + " ".join(f"{k}={v}" for k, v in extra.items())
+                for splits in (1, 4):
+                    out = torch.full_like(args[0], float("nan"))
+                    attention.paged_attention_fixed_splits(*args, num_splits=splits, out=out, **extra)
+                    ok &= _compare(f"triton attention {what} splits={splits}", out, expected, tol[dtype])
+                if cuda_ext is not None:
+                    out = torch.full_like(args[0], float("nan"))
+                    cuda_ext.paged_attention_decode(
+                        out, *args, extra.get("sliding_window", 0), extra.get("soft_cap", 0.0)
+                    )
+                    ok &= _compare(f"cuda attention {what}", out, expected, tol[dtype])
+    return ok
 
 
 def _compare(name: str, got: torch.Tensor, expected: torch.Tensor, tol: float) -> bool:
@@ -306,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n== correctness against kernels/reference.py")
     ok = check_kernels(cuda_ext)
+    print("\n== sliding window and soft-cap (slid-out blocks point at a NaN block)")
+    ok &= check_window_kernels(cuda_ext)
 
     copy_gbs = copy_bandwidth_gbs()
     print(f"\n== device copy bandwidth: {copy_gbs:.0f} GB/s (read + write of a 1 GiB copy)")

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from pagedserve.kernels import reference
+from pagedserve.testing.attention_window_cases import WINDOW_BATCH, WINDOW_CASES, point_slid_out_at_nan_block
 from pagedserve.testing.checks import CheckSkipped
 from pagedserve.testing.target import Target
 
@@ -474,10 +475,18 @@ def _reshape_and_cache(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -
             yield desc, body
 
 
-def _attention_inputs(c: _Case, dtype: torch.dtype, block_size: int, heads: int, kv_heads: int, head: int):
-    """A mixed batch (PAGED_ATTENTION_BATCH) over a reference-layout cache with scattered blocks."""
-    ctx = [n for n, _ in PAGED_ATTENTION_BATCH]
-    q_lens = [q for _, q in PAGED_ATTENTION_BATCH]
+def _attention_inputs(
+    c: _Case,
+    dtype: torch.dtype,
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+    head: int,
+    batch: tuple[tuple[int, int], ...] = PAGED_ATTENTION_BATCH,
+):
+    """A mixed batch of (context, new tokens) over a reference-layout cache with scattered blocks."""
+    ctx = [n for n, _ in batch]
+    q_lens = [q for _, q in batch]
     per_seq = [math.ceil(n / block_size) for n in ctx]
     num_blocks = sum(per_seq) + 3
     perm = c.randperm(num_blocks).tolist()
@@ -526,10 +535,16 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
         (16, 4, 2, 64, {"soft_cap": 2.0}),
         (32, 4, 1, 64, {"sliding_window": 19, "soft_cap": 3.0}),
     ]
-    for block_size, heads, kv_heads, head, extra in shapes:
+    # Contexts several windows long; slid-out table entries point at a NaN block.
+    cases = [(shape, False) for shape in shapes] + [(shape, True) for shape in WINDOW_CASES]
+    for (block_size, heads, kv_heads, head, extra), slid_out in cases:
         desc = f"bs{block_size}-h{heads}kv{kv_heads}-d{head}" + "".join(f"-{k}{v}" for k, v in extra.items())
+        if slid_out:
+            desc += "-long-slidout-nan" if "sliding_window" in extra else "-long"
 
-        def body(block_size=block_size, heads=heads, kv_heads=kv_heads, head=head, desc=desc, extra=extra) -> None:
+        def body(
+            block_size=block_size, heads=heads, kv_heads=kv_heads, head=head, desc=desc, extra=extra, slid_out=slid_out
+        ) -> None:
             missing = [k for k in extra if not _accepts(fn, k)]
             if missing:
                 raise CheckSkipped(
@@ -537,10 +552,16 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
                 )
             c = _Case(f"paged_attention{desc}{dtype}", seed, t.device)
             query, kc, vc, tables, seq_lens, qsl, num_blocks = _attention_inputs(
-                c, dtype, block_size, heads, kv_heads, head
+                c, dtype, block_size, heads, kv_heads, head, WINDOW_BATCH if slid_out else PAGED_ATTENTION_BATCH
             )
             scale = head**-0.5
             want = reference.paged_attention(query, kc, vc, tables, seq_lens, qsl, scale, **extra)
+            slots = _context_slots(tables, seq_lens, block_size)
+            if slid_out:
+                window = extra.get("sliding_window")
+                kc, vc, tables, null = point_slid_out_at_nan_block(kc, vc, tables, seq_lens, qsl, window)
+                num_blocks += 1
+                slots = torch.cat([slots, null * block_size + torch.arange(block_size)])
             pkc, pvc = t.platform.allocate_kv_cache(num_blocks, block_size, kv_heads, head, dtype)
             how = ""
             if t.reference_layout(num_blocks, block_size, kv_heads, head):
@@ -551,7 +572,6 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
                 how = " (cache written with the platform's reshape_and_cache)"
                 pkc.copy_(torch.randn(pkc.shape, generator=c.gen).to(dtype))
                 pvc.copy_(torch.randn(pvc.shape, generator=c.gen).to(dtype))
-                slots = _context_slots(tables, seq_lens, block_size)
                 flat = num_blocks * block_size
                 keys = kc.reshape(flat, kv_heads, head)[slots]
                 values = vc.reshape(flat, kv_heads, head)[slots]

@@ -63,7 +63,8 @@ void* current_stream(const at::Device& device) {
 // Attention for decode-shaped batches; out must be preallocated like query.
 void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
+                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                            int64_t sliding_window, double soft_cap) {
   TORCH_CHECK_VALUE(query.is_cuda(), "query must be a CUDA tensor, got device ", query.device());
   const at::Device device = query.device();
   check_dim(query, "query", 3);
@@ -111,6 +112,9 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
   check_vectorizable(out, "out");
   check_vectorizable(key_cache, "key_cache");
   check_vectorizable(value_cache, "value_cache");
+  TORCH_CHECK_VALUE(sliding_window >= 0 && sliding_window <= INT32_MAX,
+                    "sliding_window must be in [1, 2^31) (0: none), got ", sliding_window);
+  TORCH_CHECK_VALUE(soft_cap >= 0, "soft_cap must be > 0 (0: none), got ", soft_cap);
 
   ps_paged_attention_params p{};
   p.out = out.data_ptr();
@@ -138,6 +142,8 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
   p.bt_stride_seq = block_tables.stride(0);
   p.scale = static_cast<float>(scale);
   p.dtype = dtype;
+  p.sliding_window = static_cast<int>(sliding_window);
+  p.soft_cap = static_cast<float>(soft_cap);
   if (query.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(device);
   check_rc(ps_paged_attention_decode(&p, current_stream(device)), "paged_attention_decode");
@@ -262,7 +268,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pagedserve CUDA kernels (paged attention decode, KV-cache writes and block copies)";
   m.def("paged_attention_decode", &paged_attention_decode, "Paged attention for decode-shaped batches",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"));
+        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), py::arg("sliding_window") = 0,
+        py::arg("soft_cap") = 0.0);
   m.def("reshape_and_cache", &reshape_and_cache, "Write keys/values into the paged cache", py::arg("key"),
         py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
   m.def("copy_blocks", &copy_blocks, "Copy whole KV blocks within one device", py::arg("src"), py::arg("dst"),

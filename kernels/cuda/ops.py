@@ -40,14 +40,13 @@ def paged_attention(
     [num_blocks, block_size, num_kv_heads, head_size]; block_tables int32
     [num_seqs, max_blocks]; seq_lens int32 [num_seqs]; query_start_loc int32
     [num_seqs + 1].  Returns out [num_tokens, num_heads, head_size].
+    sliding_window / soft_cap: parameters of both the C++ decode kernel and the Triton
+    kernel (each starts a query's key loop at its window, never reading slid-out blocks).
     """
-    if sliding_window is not None or soft_cap is not None:
-        # No windowed / soft-capped variant of this kernel yet: the reference is correct.
-        from pagedserve.kernels import reference
-
-        return reference.paged_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out, sliding_window, soft_cap
-        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
     ext = load_cuda_extension()
     num_tokens, _, head_size = query.shape
     same_dtype = query.dtype == key_cache.dtype == value_cache.dtype and (out is None or out.dtype == query.dtype)
@@ -56,12 +55,32 @@ def paged_attention(
         if out is None:
             out = torch.empty_like(query)
         ext.paged_attention_decode(
-            out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale)
+            out,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            float(scale),
+            sliding_window or 0,
+            float(soft_cap or 0.0),
         )
         return out
     from pagedserve.kernels.triton import attention
 
-    return attention.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    return attention.paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        out,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
 
 
 def reshape_and_cache(

@@ -16,6 +16,11 @@
 // Python sends only decode-shaped batches here because that walk is slow for long
 // prefills.  Grouped-query attention reads the KV head of each query head; the query
 // heads sharing it run in neighbouring blocks and mostly hit L2.
+//
+// Sliding window: each query token's key loop starts at its window's first key, so
+// keys (and block-table entries) that slid out are never read.  Soft-cap: the scaled
+// score passes through soft_cap * tanh(score / soft_cap); the flag is uniform across
+// the thread block, so the branch costs nothing measurable when it is off.
 
 #include <math.h>
 
@@ -64,7 +69,8 @@ __global__ void __launch_bounds__(kNumThreads)
 
   for (int t = 0; t < q_len; ++t) {
     const int64_t token = q_begin + t;
-    const int kv_limit = context_len + t + 1;  // causal: keys [0, kv_limit) are visible
+    const int kv_limit = context_len + t + 1;  // causal: keys [kv_start, kv_limit) are visible
+    const int kv_start = p.sliding_window > 0 ? max(0, kv_limit - p.sliding_window) : 0;
 
     float q[ELEMS];
 #pragma unroll
@@ -86,9 +92,9 @@ __global__ void __launch_bounds__(kNumThreads)
 #pragma unroll
     for (int e = 0; e < ELEMS; ++e) acc[e] = 0.f;
 
-    const int num_iters = (kv_limit + KEYS_PER_ITER - 1) / KEYS_PER_ITER;
+    const int num_iters = (kv_limit - kv_start + KEYS_PER_ITER - 1) / KEYS_PER_ITER;
     for (int it = 0; it < num_iters; ++it) {
-      const int j = it * KEYS_PER_ITER + warp * KEYS_PER_WARP + key_slot;
+      const int j = kv_start + it * KEYS_PER_ITER + warp * KEYS_PER_WARP + key_slot;
       const bool valid = j < kv_limit;
       int64_t k_base = 0;
       int64_t v_base = 0;
@@ -113,6 +119,7 @@ __global__ void __launch_bounds__(kNumThreads)
       // xor offsets below TPK stay inside one key group.
 #pragma unroll
       for (int mask = TPK / 2; mask > 0; mask >>= 1) score += __shfl_xor_sync(kFullMask, score, mask);
+      if (p.soft_cap > 0.f) score = p.soft_cap * tanhf(score / p.soft_cap);
 
       if (valid) {
         const float m_new = fmaxf(m, score);
@@ -231,7 +238,8 @@ extern "C" int ps_paged_attention_supports_head_size(int head_size) {
 
 extern "C" int ps_paged_attention_decode(const ps_paged_attention_params* p, void* stream) {
   using namespace pagedserve;
-  if (p == nullptr || p->num_kv_heads <= 0 || p->num_heads % p->num_kv_heads != 0 || p->block_size <= 0) {
+  if (p == nullptr || p->num_kv_heads <= 0 || p->num_heads % p->num_kv_heads != 0 || p->block_size <= 0 ||
+      p->sliding_window < 0 || !(p->soft_cap >= 0.f)) {
     return PS_ERR_BAD_ARGUMENT;
   }
   if (p->num_seqs == 0 || p->num_heads == 0) return PS_OK;

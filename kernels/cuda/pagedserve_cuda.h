@@ -32,6 +32,10 @@ enum {
 };
 
 /* Paged attention for decode-shaped batches (see paged_attention.cu).
+ * sliding_window > 0: the query at position q sees keys q - sliding_window < k <= q,
+ * and block-table entries before the first block a sequence's queries see are never
+ * read (they may name freed blocks).  soft_cap > 0: scaled scores s become
+ * soft_cap * tanh(s / soft_cap) before the softmax.  0 turns either off.
  * Layouts (element strides; the last dimension of every tensor is contiguous):
  *   query, out:             [num_tokens, num_heads, head_size]
  *   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
@@ -60,6 +64,8 @@ typedef struct {
   int64_t bt_stride_seq;
   float scale;
   ps_dtype_t dtype;
+  int sliding_window;
+  float soft_cap;
 } ps_paged_attention_params;
 
 int ps_paged_attention_decode(const ps_paged_attention_params* p, void* stream);

@@ -219,6 +219,33 @@ def test_gpu_paged_attention_decode(cuda_ext, dtype, head_size, block_size, num_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extra", [{"sliding_window": 40}, {"soft_cap": 5.0}, {"sliding_window": 129, "soft_cap": 3.0}])
+def test_gpu_paged_attention_window_and_soft_cap(cuda_ext, dtype, extra):
+    """Decodes and a walked 3-token chunk; slid-out table entries point at a NaN block."""
+    from pagedserve.kernels.cuda import ops
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    q, kc, vc, bt, sl, qsl = _random_batch([(1, 1), (1, 300), (3, 77), (1, 1000)], 2, 4, 128, 16, dtype, gen)
+    expected = reference.paged_attention(q, kc, vc, bt, sl, qsl, 128**-0.5, **extra)
+    window = extra.get("sliding_window")
+    if window is not None:
+        kc, vc = (
+            torch.cat([kc, torch.full_like(kc[:1], float("nan"))]),
+            torch.cat([vc, torch.full_like(vc[:1], float("nan"))]),
+        )
+        q_lens = (qsl[1:] - qsl[:-1]).tolist()
+        for i, ctx in enumerate(sl.tolist()):
+            bt[i, : max(0, ctx - q_lens[i] - window + 1) // 16] = kc.shape[0] - 1
+    out = torch.full_like(q, float("nan"))
+    cuda_ext.paged_attention_decode(out, q, kc, vc, bt, sl, qsl, 128**-0.5, window or 0, extra.get("soft_cap", 0.0))
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    # ops.paged_attention sends the prefill-shaped batch to Triton with the same parameters.
+    got = ops.paged_attention(q, kc, vc, bt, sl, qsl, 128**-0.5, **extra)
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_reshape_and_cache(cuda_ext, dtype):
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     key = torch.randn(9, 2, 80, generator=gen).to(dtype).cuda()

@@ -1,0 +1,58 @@
+"""Sliding-window and soft-cap cases of the paged_attention conformance checks.
+
+A window shorter than a sequence lets the KV manager free the blocks that slid out of
+it and point their block-table entries at a reserved null block whose content is
+arbitrary (``kernels/reference.py`` states the contract).  These cases build that
+state: contexts several windows long, every slid-out entry pointing at a block filled
+with NaN, so an implementation that reads one (even to multiply it by a zero
+probability) returns NaN.  The expected output is the reference's on the original
+block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["WINDOW_BATCH", "WINDOW_CASES", "point_slid_out_at_nan_block"]
+
+#: (context length, new tokens) per sequence: a one-token prompt, decodes far past the
+#: window, a whole prompt longer than the window, a prefill chunk after cached context.
+WINDOW_BATCH: tuple[tuple[int, int], ...] = ((1, 1), (70, 1), (64, 64), (90, 12), (130, 1), (29, 29))
+
+#: (block_size, heads, kv_heads, head_size, extra): small blocks (many freed), GQA 1-4,
+#: head sizes 64/80/96/128, windows of 1 and shorter than every chunk, soft-cap with
+#: and without a window.
+WINDOW_CASES: tuple[tuple[int, int, int, int, dict], ...] = (
+    (4, 4, 2, 64, {"sliding_window": 7}),
+    (16, 8, 2, 64, {"sliding_window": 40}),
+    (16, 6, 2, 80, {"sliding_window": 33, "soft_cap": 5.0}),
+    (8, 4, 4, 96, {"sliding_window": 1}),
+    (32, 4, 1, 128, {"soft_cap": 2.0}),
+)
+
+
+def point_slid_out_at_nan_block(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    sliding_window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Caches [num_blocks, block_size, kv_heads, head] with one NaN block appended, and
+    a copy of block_tables [num_seqs, max_blocks] whose entries before each sequence's
+    first visible block, max(0, ctx - q_len - window + 1) // block_size, name it.
+
+    Returns (key_cache, value_cache, block_tables, null_block); with no window nothing
+    slides out and only the block is appended."""
+    null = key_cache.shape[0]
+    nan_k = torch.full_like(key_cache[:1], float("nan"))
+    key_cache = torch.cat([key_cache, nan_k])
+    value_cache = torch.cat([value_cache, nan_k.to(value_cache.dtype)])
+    tables = block_tables.clone()
+    if sliding_window is not None:
+        block_size = key_cache.shape[1]
+        q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+        for i, ctx in enumerate(seq_lens.tolist()):
+            tables[i, : max(0, ctx - q_lens[i] - sliding_window + 1) // block_size] = null
+    return key_cache, value_cache, tables, null
