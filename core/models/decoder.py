@@ -216,8 +216,8 @@ class DecoderForCausalLM:
         """Hand every dense linear weight to its placement's ``prepare_linear_weight`` op
         (e.g. the CPU's one-time oneDNN packing); quantized weights take their own
         prepared form (``QuantizedWeight.prepared``, e.g. repacked GGUF blocks).
-        A tied dense LM head gets a prepared copy when the op returns a new tensor, the
-        plain embedding staying for token lookups; a tied quantized one is left as is."""
+        A tied LM head gets a prepared copy when the op returns a new tensor, the plain
+        embedding staying for token lookups."""
         for pl in self.placements:
             prepare = pl.ops.prepare_linear_weight
             for layer in self.layers[pl.start - self.layer_start : pl.end - self.layer_start]:
@@ -229,8 +229,8 @@ class DecoderForCausalLM:
                         setattr(layer, name, w.prepared())
         if isinstance(self.lm_head, torch.Tensor):
             self.lm_head = self.head_ops.prepare_linear_weight(self.lm_head)
-        elif isinstance(self.lm_head, QuantizedWeight) and self.lm_head is not self.embed:
-            # A tied head stays as it is: its blocks serve the embedding lookups.
+        elif isinstance(self.lm_head, QuantizedWeight):
+            # A tied head's prepared copy is a new weight: the embedding keeps its own form.
             self.lm_head = self.lm_head.prepared()
 
     def _shard(self, name: str, t: torch.Tensor) -> torch.Tensor:

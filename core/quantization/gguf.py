@@ -5,9 +5,9 @@ the op registry's ``gguf_linear``, handed to it at load: the platforms choose th
 (the native CPU kernel of kernels/cpu/quant_gguf.cpp, Triton on CUDA/ROCm, the torch
 reference elsewhere; see docs/quantization.md).  Once fused, each linear weight is put
 through the registry's ``prepare_gguf_weight`` (``GGUFWeight.prepared``): the CPU
-repacks the blocks for its tiled int8 GEMM there; the file's blocks stay beside it for
-embedding lookups and dequantization.  The tied embedding of a GGUF model stays
-in blocks too: rows are dequantized on lookup.
+repacks the blocks for its tiled int8 GEMM there, in place of the file's blocks.  The
+tied embedding of a GGUF model stays in blocks (rows are dequantized on lookup); its LM
+head is a prepared copy.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class GGUFWeight(QuantizedWeight):
         """This weight with its blocks replaced by ``prepare(data)`` (the same bytes in the
         platform's own layout), or self without ``prepare``, when already prepared or when
         the op takes the blocks as they are.  A prepared weight only multiplies: its
-        blocks are gone (the tied embedding of a GGUF model is therefore not prepared)."""
+        blocks are gone (a tied LM head's copy is prepared, the embedding keeps its blocks)."""
         if self.prepare is None or self.packed is not None:
             return self
         packed = self.prepare(self.data, self.type_name)

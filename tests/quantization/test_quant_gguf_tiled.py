@@ -2,7 +2,8 @@
 the repacking is lossless, the CPU conformance cases of ``gguf_linear`` and
 ``prepare_gguf_weight`` pass, the tiled kernel agrees with the row kernel to float32
 rounding, each row's result is bit for bit independent of the other rows, and the model's
-linear weights take the packed form once at load (the tied embedding keeps its blocks)."""
+linear weights take the packed form once at load (the tied embedding keeps its blocks,
+the LM head is a prepared copy)."""
 
 from __future__ import annotations
 
@@ -124,5 +125,7 @@ def test_default_model_linears_are_repacked_at_load():
     for name in model.linear_fields:
         w = getattr(layer, name)
         assert isinstance(w, GGUFWeight) and w.data is None and w.packed.dim() == 3, name
-    assert model.lm_head is model.embed and model.embed.data is not None  # tied: the blocks serve lookups
+    # Tied: the LM head is a prepared copy, the embedding keeps its blocks for lookups.
+    assert model.embed.data is not None and model.lm_head.packed is not None
+    assert model.lm_head.nbytes == model.embed.nbytes
     llm.shutdown()
