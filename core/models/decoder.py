@@ -246,6 +246,7 @@ class DecoderForCausalLM:
         if isinstance(self.lm_head, torch.Tensor):
             self.lm_head = self.head_ops.prepare_linear_weight(self.lm_head)
         elif isinstance(self.lm_head, QuantizedWeight):
+            # A tied head's prepared copy is a new weight: the embedding keeps its own form.
             self.lm_head = self.lm_head.prepared()
 
     def _shard(self, name: str, t: torch.Tensor) -> torch.Tensor:

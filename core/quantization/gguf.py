@@ -5,9 +5,9 @@ the op registry's ``gguf_linear``, handed to it at load: the platforms choose th
 (the native CPU kernel of kernels/cpu/quant_gguf.cpp, Triton on CUDA/ROCm, the torch
 reference elsewhere; see docs/quantization.md).  Once fused, each linear weight is put
 through the registry's ``prepare_gguf_weight`` (``GGUFWeight.prepared``): the CPU
-repacks the blocks for its tiled int8 GEMM there; the file's blocks stay beside it for
-embedding lookups and dequantization.  The tied embedding of a GGUF model stays
-in blocks too: rows are dequantized on lookup.
+repacks the blocks for its tiled int8 GEMM there, in place of the file's blocks.  The
+tied embedding of a GGUF model stays in blocks (rows are dequantized on lookup); its LM
+head is a prepared copy.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ class GGUFWeight(QuantizedWeight):
     op: the ``gguf_linear`` op to multiply with (the platform's, from its op registry);
         None means the torch reference.
     prepare: the same registry's ``prepare_gguf_weight`` (None: the blocks as they are).
-    packed: what ``prepare`` returned for ``data`` (set by :meth:`prepared`); ``op``
-        then multiplies with it instead of ``data``.
+    packed: what ``prepare`` returned for the blocks (set by :meth:`prepared`, which
+        drops ``data``: None then); ``op`` multiplies with it.
     """
 
     def __init__(
         self,
         type_name: str,
-        data: torch.Tensor,
+        data: torch.Tensor | None,
         in_features: int,
         op: Callable | None = None,
         prepare: Callable | None = None,
@@ -48,11 +48,15 @@ class GGUFWeight(QuantizedWeight):
     ) -> None:
         if type_name not in GGUF_KEPT_TYPES:
             raise ValueError(f"GGUF type {type_name} is not kept quantized (supported: {', '.join(GGUF_KEPT_TYPES)})")
-        if in_features % 32 or data.shape[1] != in_features // 32 * ref.GGUF_BLOCK_BYTES[type_name]:
+        if (data is None) == (packed is None):
+            raise ValueError("a GGUFWeight holds either its blocks or their prepared form")
+        if data is not None and (
+            in_features % 32 or data.shape[1] != in_features // 32 * ref.GGUF_BLOCK_BYTES[type_name]
+        ):
             raise ValueError(f"{type_name} rows of {data.shape[1]} bytes do not hold {in_features} values")
         self.type_name = type_name
         self.data = data
-        self.out_features = data.shape[0]
+        self.out_features = data.shape[0] if data is not None else _out_features_of(packed, in_features, type_name)
         self.in_features = in_features
         self.op = op or reference.gguf_linear
         self.prepare = prepare
@@ -62,39 +66,55 @@ class GGUFWeight(QuantizedWeight):
         return self.op(x, self.data if self.packed is None else self.packed, self.type_name, bias)
 
     def prepared(self) -> GGUFWeight:
-        """A copy whose ``op`` multiplies with ``prepare(data)`` (self without ``prepare``,
-        or when the op would take the blocks as they are)."""
+        """This weight with its blocks replaced by ``prepare(data)`` (the same bytes in the
+        platform's own layout), or self without ``prepare``, when already prepared or when
+        the op takes the blocks as they are.  A prepared weight only multiplies: its
+        blocks are gone (a tied LM head's copy is prepared, the embedding keeps its blocks)."""
         if self.prepare is None or self.packed is not None:
             return self
         packed = self.prepare(self.data, self.type_name)
         if packed is self.data:
             return self
-        return GGUFWeight(self.type_name, self.data, self.in_features, self.op, self.prepare, packed)
+        return GGUFWeight(self.type_name, None, self.in_features, self.op, self.prepare, packed)
+
+    def _blocks(self) -> torch.Tensor:
+        if self.data is None:
+            raise ValueError(
+                f"this {self.type_name} weight was repacked at load for its platform's gguf_linear: "
+                "its blocks are no longer held (use the weight before prepared())"
+            )
+        return self.data
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` int64 ``[n]`` dequantized -> ``[n, in]`` dtype (an embedding lookup)."""
-        return ref.dequantize_gguf(self.data.index_select(0, ids), self.type_name).to(dtype)
+        return ref.dequantize_gguf(self._blocks().index_select(0, ids), self.type_name).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return ref.dequantize_gguf(self.data, self.type_name).to(dtype)
+        return ref.dequantize_gguf(self._blocks(), self.type_name).to(dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.data] if self.packed is None else [self.data, self.packed]
+        return [self.data if self.packed is None else self.packed]
 
     def to(self, device: torch.device) -> GGUFWeight:
-        if self.data.device == device:
+        if self.tensors()[0].device == device:
             return self
-        # A prepared form belongs to the device's platform: prepared again there if asked.
-        return GGUFWeight(self.type_name, self.data.to(device), self.in_features, self.op, self.prepare)
+        # A prepared form belongs to its platform: only the blocks move.
+        return GGUFWeight(self.type_name, self._blocks().to(device), self.in_features, self.op, self.prepare)
 
     @classmethod
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
         first = parts[0]
         if all(isinstance(p, GGUFWeight) and p.type_name == first.type_name for p in parts):
-            data = torch.cat([p.data for p in parts])
+            data = torch.cat([p._blocks() for p in parts])
             return GGUFWeight(first.type_name, data, first.in_features, first.op, first.prepare)
         # Mixed block types (some llama.cpp mixes use Q8_0 for v_proj): keep them apart.
         return StackedWeight(parts)
+
+
+def _out_features_of(packed: torch.Tensor, in_features: int, type_name: str) -> int:
+    """Output rows of a prepared weight: its bytes over the bytes of one row of blocks
+    (a platform's layout holds the file's bytes, in its own order)."""
+    return packed.numel() // (in_features // 32 * ref.GGUF_BLOCK_BYTES[type_name])
 
 
 class StackedWeight(QuantizedWeight):

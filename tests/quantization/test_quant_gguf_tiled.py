@@ -1,8 +1,9 @@
 """The CPU's tiled int8 GEMM on repacked GGUF blocks (kernels/cpu/quant_gguf_packed.cpp):
 the repacking is lossless, the CPU conformance cases of ``gguf_linear`` and
 ``prepare_gguf_weight`` pass, the tiled kernel agrees with the row kernel to float32
-rounding, each row's result is bit for bit independent of the other rows, and the model
-weights take the packed form once at load."""
+rounding, each row's result is bit for bit independent of the other rows, and the model's
+linear weights take the packed form once at load (the tied embedding keeps its blocks,
+the LM head is a prepared copy)."""
 
 from __future__ import annotations
 
@@ -99,13 +100,32 @@ def test_weights_are_prepared_after_fusion():
     assert fused.packed is None
     prepared = fused.prepared()
     assert prepared.packed is not None and prepared.prepared() is prepared
-    assert prepared.data is fused.data  # the blocks stay for lookups and dequantization
-    assert torch.equal(prepared.dequantize(), fused.dequantize())
+    assert prepared.data is None and prepared.shape == fused.shape and prepared.nbytes == fused.nbytes
+    assert prepared.to(torch.device("cpu")) is prepared
+    with pytest.raises(ValueError, match="repacked at load"):
+        prepared.dequantize()
+    with pytest.raises(ValueError, match="repacked at load"):
+        GGUFWeight.concat([prepared, prepared])
     x = torch.randn(3, 64, generator=gen)
     assert torch.equal(prepared.apply(x), op(x, prepared.packed, "Q4_1"))
     assert ((prepared.apply(x) - fused.apply(x)).abs().max() / fused.apply(x).abs().max()).item() < 1e-5
-    assert prepared.nbytes == 2 * fused.nbytes
     mixed = StackedWeight([parts[0], GGUFWeight("Q8_0", random_gguf("Q8_0", 16, 64, gen), 64, op, prepare)])
     assert all(p.packed is not None for p in mixed.prepared().parts)
     plain = GGUFWeight("Q4_1", parts[0].data, 64, op)  # no prepare op: the blocks as they are
     assert plain.prepared() is plain
+
+
+@needs_packed
+def test_default_model_linears_are_repacked_at_load():
+    from pagedserve import LLM
+
+    llm = LLM(kv_cache_memory="16MiB", max_model_len=256)
+    model = llm.llm_engine.runner.model
+    layer = model.layers[0]
+    for name in model.linear_fields:
+        w = getattr(layer, name)
+        assert isinstance(w, GGUFWeight) and w.data is None and w.packed.dim() == 3, name
+    # Tied: the LM head is a prepared copy, the embedding keeps its blocks for lookups.
+    assert model.embed.data is not None and model.lm_head.packed is not None
+    assert model.lm_head.nbytes == model.embed.nbytes
+    llm.shutdown()
