@@ -181,7 +181,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
-    p.add_argument("--request-rates", default="0.5,1,2,4,8", help="req/s, increasing")
+    p.add_argument("--request-rates", default="0.25,0.5,1,1.5,2,3", help="req/s, increasing")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per rate")
     p.add_argument("--dataset", default="mixed", choices=("mixed", "fixed"))
     p.add_argument("--input-len", type=int, default=128, help="--dataset fixed only")

@@ -122,8 +122,9 @@ def _chunk_tokens(backend: str, chunk: dict, seen: int) -> tuple[int, int | None
     """(output tokens this chunk carried, the request's final count or None) for one SSE chunk.
 
     llama-server sends `tokens_predicted` (a running count) in every chunk and `stop: true`
-    in the last one, which carries no new token; OpenAI servers send one chunk per step
-    and the count in the closing usage chunk.
+    in the last one, which carries no new token; OpenAI servers send the count only in the
+    closing usage chunk, so each of their chunks counts as one token (vLLM sends one per
+    token; pagedserve holds back a chunk whose text is still an incomplete character).
     """
     if backend == "llamacpp":
         count = int(chunk.get("tokens_predicted", seen))
@@ -152,6 +153,7 @@ async def _one(client, url: str, backend: str, path: str, body: dict, headers: d
                 new, count = _chunk_tokens(backend, chunk, seen)
                 if new:
                     res.chunk_times.append(time.perf_counter())
+                    res.chunk_tokens.append(new)
                     seen += new
                 final = count if count is not None else final
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash

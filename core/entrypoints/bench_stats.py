@@ -4,8 +4,9 @@ A request's trace is its send time, the arrival time of every streamed chunk tha
 output tokens, and its end. From it:
 
     TTFT   first chunk - send
-    ITL    gaps between consecutive chunks of one request (one sample per gap, pooled
-           over all requests of a rate, as vLLM's serving benchmark counts them)
+    ITL    gaps between consecutive chunks of one request, pooled over all requests of a
+           rate (as vLLM's serving benchmark counts them); a chunk known to carry k tokens
+           (llama-server reports its running count) gives k samples of gap / k
     e2e    end - send
     TPOT   (e2e - TTFT) / (output tokens - 1)
 
@@ -52,7 +53,8 @@ KEEP_UP_FRACTION = 0.9
 class RequestResult:
     """One request's trace; times are `time.perf_counter()` seconds.
 
-    `chunk_times` holds the arrival of every streamed chunk that carried output tokens.
+    `chunk_times` holds the arrival of every streamed chunk that carried output tokens and
+    `chunk_tokens` how many each carried, where the server says (empty: one each).
     """
 
     ok: bool
@@ -61,6 +63,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str = ""
+    chunk_tokens: list[int] = field(default_factory=list)
 
     @property
     def latency(self) -> float:
@@ -72,7 +75,11 @@ class RequestResult:
 
     @property
     def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+        counts = self.chunk_tokens or [1] * len(self.chunk_times)
+        out = []
+        for a, b, k in zip(self.chunk_times, self.chunk_times[1:], counts[1:]):
+            out += [(b - a) / k] * k
+        return out
 
     @property
     def tpot(self) -> float | None:

@@ -58,6 +58,12 @@ def test_latencies_from_known_timestamps():
     assert s["keeps_up"] is False  # a failed request never keeps up
 
 
+def test_a_chunk_of_several_tokens_spreads_its_gap():
+    r = RequestResult(True, 0.0, 1.0, chunk_times=[0.2, 0.3, 0.9], output_tokens=6, chunk_tokens=[1, 2, 3])
+    assert r.itls == pytest.approx([0.05, 0.05, 0.2, 0.2, 0.2])
+    assert len(r.itls) == r.output_tokens - 1
+
+
 def _synthetic_rate(rate: float, capacity: float, n: int = 200, seed: int = 0) -> dict:
     """A single-server queue: requests arrive at `rate` (Poisson) and take 1/capacity s each."""
     sends = [10.0 + t for t in arrival_offsets(n, rate, random.Random(seed))]
@@ -156,7 +162,8 @@ def test_llamacpp_stream_counts_tokens():
         {"content": "", "stop": True, "tokens_predicted": 4, "timings": {}},
     ]
     r, seen = _stream_one("llamacpp", _sse(chunks, done=False))
-    assert r.ok and r.output_tokens == 4 and len(r.chunk_times) == 3 and len(r.itls) == 2
+    assert r.ok and r.output_tokens == 4 and len(r.chunk_times) == 3 and r.chunk_tokens == [1, 1, 2]
+    assert len(r.itls) == 3  # the two-token chunk's gap counts for both of its tokens
     assert seen["path"] == "/completion"
     body = seen["body"]
     assert body["prompt"] == [101, 102, 103] and body["n_predict"] == 4
