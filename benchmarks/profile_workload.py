@@ -10,8 +10,9 @@ the model runner's step (Python, input preparation, sampling) as "else", and dec
 steps grouped by batch size, each split into the ops, the runner outside its ops and
 the engine's step outside the runner (scheduling, detokenization, stop checks,
 outputs).  ``--async-scheduling`` profiles that setting (docs/async_scheduling.md).
-``--num-requests``/``--output-len`` shrink the workload for a quick look.  The timers cost a few microseconds per op call, so the
-workload runs slightly slower than in compare_vllm.py.
+``--num-requests``/``--output-len`` shrink the workload for a quick look.  The timers
+cost a few microseconds per op call, so the workload runs slightly slower than in
+compare_vllm.py.
 """
 
 from __future__ import annotations
