@@ -7,8 +7,12 @@ settings as compare_vllm.py) through pagedserve with every op of the registry wr
 in a wall-clock timer.  A step is a "prefill" step when any of its requests is still
 in its prompt, else a "decode" step.  Prints seconds per op for each kind, the rest of
 the model runner's step (Python, input preparation, sampling) as "else", and decode
-steps grouped by batch size.  The timers cost a few microseconds per op call, so the
-workload runs slightly slower than in compare_vllm.py.
+steps grouped by batch size, each split into the ops, the runner outside its ops and
+the engine's step outside the runner (scheduling, detokenization, stop checks,
+outputs).  ``--async-scheduling`` profiles that setting (docs/async_scheduling.md).
+``--num-requests``/``--output-len`` shrink the workload for a quick look.  The timers
+cost a few microseconds per op call, so the workload runs slightly slower than in
+compare_vllm.py.
 """
 
 from __future__ import annotations
@@ -57,30 +61,40 @@ def main(argv: list[str] | None = None) -> int:
     ops = llm.llm_engine.ops
     kind = ["decode"]
     spent: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    time_ops(ops, lambda name, seconds: spent[kind[0]].update({name: seconds}))
+    op_total = [0.0]
 
-    steps: list[tuple[str, int, float]] = []  # (kind, requests, seconds)
+    def record(name: str, seconds: float) -> None:
+        spent[kind[0]].update({name: seconds})
+        op_total[0] += seconds
+
+    time_ops(ops, record)
+
+    steps: list[tuple[str, int, float, float]] = []  # (kind, requests, seconds, of which in ops)
     execute = model_runner.ModelRunner.execute
 
     def timed_execute(self, out, block_ids):
         kind[0] = "prefill" if any(s.num_new_tokens > 1 for s in out.scheduled) else "decode"
-        t0 = time.perf_counter()
+        t0, ops0 = time.perf_counter(), op_total[0]
         try:
             return execute(self, out, block_ids)
         finally:
-            steps.append((kind[0], len(out.scheduled), time.perf_counter() - t0))
+            steps.append((kind[0], len(out.scheduled), time.perf_counter() - t0, op_total[0] - ops0))
 
     model_runner.ModelRunner.execute = timed_execute
     # The engine's whole step (scheduling, output processing, detokenization) around the runner.
     engine_step = [0.0]
+    outside: dict[int, float] = {}  # runner step index -> engine time outside the runner
     step = type(llm.llm_engine).step
 
     def timed_step(self):
-        t0 = time.perf_counter()
+        t0, ran = time.perf_counter(), len(steps)
         try:
             return step(self)
         finally:
-            engine_step[0] += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            engine_step[0] += seconds
+            if len(steps) > ran:
+                outside[ran] = seconds - steps[ran][2]
 
     type(llm.llm_engine).step = timed_step
     w = make_workload(
@@ -95,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.workload}: {tokens} output tokens in {wall:.2f} s = {tokens / wall:.1f} tokens/s "
         f"(with op timers), {len(steps)} steps\n"
     )
-    in_runner = sum(s for _, _, s in steps)
+    in_runner = sum(s[2] for s in steps)
     in_ops = sum(sum(c.values()) for c in spent.values())
     print(
         f"wall {wall:.2f} s: engine steps {engine_step[0]:.2f} s (model runner {in_runner:.2f} s, of which ops "
@@ -106,27 +120,24 @@ def main(argv: list[str] | None = None) -> int:
     print("| steps | count | seconds | " + " | ".join(used) + " | else |")
     print("|---|---:|---:|" + "---:|" * (len(used) + 1))
     for k in ("prefill", "decode"):
-        total = sum(s for kk, _, s in steps if kk == k)
+        total = sum(s for kk, _, s, _ in steps if kk == k)
         cells = [f"{spent[k][n]:.2f}" for n in used]
         rest = total - sum(spent[k].values())
-        print(
-            f"| {k} | {sum(1 for kk, _, _ in steps if kk == k)} | {total:.2f} | "
-            + " | ".join(cells)
-            + f" | {rest:.2f} |"
-        )
+        print(f"| {k} | {sum(1 for s in steps if s[0] == k)} | {total:.2f} | " + " | ".join(cells) + f" | {rest:.2f} |")
     print("\ndecode steps by batch size:\n")
-    print("| batch | steps | ms per step | tokens/s |")
-    print("|---:|---:|---:|---:|")
-    buckets: dict[int, list[tuple[int, float]]] = collections.defaultdict(list)
-    for k, n, s in steps:
+    print("| batch | steps | ms per step | ops | runner outside ops | engine outside runner | ops share | tokens/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    buckets: dict[int, list[tuple[int, float, float, float]]] = collections.defaultdict(list)
+    for i, (k, n, s, o) in enumerate(steps):
         if k == "decode":
-            buckets[n // 8 * 8].append((n, s))
+            buckets[n // 8 * 8].append((n, s, o, outside.get(i, 0.0)))
     for b in sorted(buckets):
         rows = buckets[b]
-        secs = sum(s for _, s in rows)
+        secs, in_ops, out = (sum(r[j] for r in rows) for j in (1, 2, 3))
+        ms = [1000 * x / len(rows) for x in (secs + out, in_ops, secs - in_ops, out)]
         print(
-            f"| {max(b, 1)}-{b + 7} | {len(rows)} | {1000 * secs / len(rows):.1f} "
-            f"| {sum(n for n, _ in rows) / secs:.0f} |"
+            f"| {max(b, 1)}-{b + 7} | {len(rows)} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {ms[3]:.1f} "
+            f"| {in_ops / (secs + out):.1%} | {sum(r[0] for r in rows) / (secs + out):.0f} |"
         )
     return 0
 

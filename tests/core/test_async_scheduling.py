@@ -4,6 +4,7 @@ strings, n > 1 and best_of, streamed snapshots, aborts, preemption; no block lea
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -164,3 +165,29 @@ def test_refused_with_speculative_decoding_and_flag_generated():
     add_engine_arguments(parser)
     assert parser.parse_args(["--async-scheduling"]).async_scheduling is True
     assert engine_config_from_kwargs(async_scheduling=True).scheduler.async_scheduling is True
+
+
+def test_structured_outputs_match_on_the_default_model():
+    """The grammar's matcher advances right after the forward, before the next bitmask."""
+    from pagedserve import StructuredOutputsParams
+    from pagedserve.loader.model_path import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(f"the default model is not installed: {e}")
+    kw = dict(max_model_len=256, kv_cache_memory="32MiB", threads=1)
+    regex = r"[0-9]{3}-[A-Z]{2}( [a-z]{2,5}){0,3}"
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=1, n=2, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=regex)
+        ),
+        SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    ]
+    prompts = ["Write a code:", "Is the sky blue?", "Once upon a time"]
+    want = LLM(**kw).generate(prompts, params, use_tqdm=False)
+    got = LLM(async_scheduling=True, **kw).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, got):
+        _same(a, b)
+    assert re.fullmatch(regex, want[0].outputs[0].text) and want[1].outputs[0].text in ("yes", "no")
