@@ -200,6 +200,12 @@ class ModelRunner:
             platform.allocate_kv_cache(num_blocks, block_size, a.num_kv_heads, a.head_dim, self.dtype)
             for platform in self.layer_platforms
         ]
+        # The last block is the null block of a sliding-window manager (never written by
+        # requests, never read by a conforming kernel); zeroed once so that a kernel that
+        # still gathers it under its window mask adds exact zeros, not NaN garbage.
+        for k, v in self.kv_caches:
+            k[-1].zero_()
+            v[-1].zero_()
 
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes of one KV block over this rank's layers (its KV heads, its stage)."""
