@@ -323,25 +323,22 @@ struct Attention {
     }
   }
 
-  // Scores of a chunk stored at s[j, j + W): keys before `skip` (out of the query's
-  // window) become -inf; returns the chunk as stored.
-  static V mask_head(float* s, int j, int skip) {
-    for (int i = j, e = std::min(skip, j + W); i < e; ++i) s[i] = kNegInf;
-    return Isa::load(s + j);
+  // Keys [0, skip) of s[0, n) left the query's window: -inf; returns the max of the rest.
+  [[gnu::noinline]] static float mask_head(float* s, int n, int skip) {
+    std::fill_n(s, skip, kNegInf);
+    float m = kNegInf;
+    for (int j = skip; j < n; ++j) m = std::max(m, s[j]);
+    return m;
   }
 
   // Scaled (and, with kSoftCap, capped) scores of one query row against keys
   // [skip, n) of the span -> s[0, n) (keys before skip and the padding up to a multiple
   // of W are -inf); returns their maximum.  Every segment but the last holds a
   // multiple of W keys, so chunks never straddle two blocks.
+  // The window's masking stays out of the loop (mask_head): it concerns at most one
+  // span per query token.
   static float scores(const E* q, const Span& sn, int n, int skip, const AttnParams& p, float* s, KvPrefetcher* pf) {
     const V vscale = Isa::set1(p.scale);
-    [[maybe_unused]] const SoftCap<Isa> cap(kSoftCap ? p.soft_cap : 1.f);
-    auto scaled = [&](V x) {
-      x = Isa::mul(x, vscale);
-      if constexpr (kSoftCap) x = cap(x);
-      return x;
-    };
     V vmax = Isa::set1(kNegInf);
     for (int sg = 0, j0 = 0; sg < sn.segs && j0 < n; j0 += sn.n[sg++]) {
       const int m = std::min(sn.n[sg], n - j0);
@@ -349,29 +346,33 @@ struct Attention {
       int c = 0;
       for (; c + W <= m; c += W) {
         if (pf) pf->pump(W * kRowLines);
-        V x = scaled(Qk::template chunk<true>(q, k + c * sn.ks, sn.ks, W));
+        V x = Isa::mul(Qk::template chunk<true>(q, k + c * sn.ks, sn.ks, W), vscale);
+        if constexpr (kSoftCap) x = SoftCap<Isa>(p.soft_cap)(x);
         Isa::store(s + j0 + c, x);
-        if (j0 + c < skip) [[unlikely]]
-          x = mask_head(s, j0 + c, skip);
         vmax = Isa::max(vmax, x);
       }
       if (c < m) {
         if (pf) pf->pump((m - c) * kRowLines);
-        V x = Isa::mask_tail(scaled(Qk::template chunk<false>(q, k + c * sn.ks, sn.ks, m - c)), m - c, kNegInf);
+        V x = Isa::mul(Qk::template chunk<false>(q, k + c * sn.ks, sn.ks, m - c), vscale);
+        if constexpr (kSoftCap) x = SoftCap<Isa>(p.soft_cap)(x);
+        x = Isa::mask_tail(x, m - c, kNegInf);
         Isa::store(s + j0 + c, x);
-        if (j0 + c < skip) [[unlikely]]
-          x = mask_head(s, j0 + c, skip);
         vmax = Isa::max(vmax, x);
       }
     }
+    if (skip > 0) [[unlikely]]
+      return mask_head(s, n, skip);
     return Isa::reduce_max(vmax);
   }
 
   // The G query rows of one token (row stride qs, all seeing keys [skip, n) of the
   // span): scores, online-softmax rescale, then P.V for all of them together.
   // pf: the item's prefetcher (single-token items only).
-  static void token_rows(AttnScratch& sc, int row0, int G, const E* q, int64_t qs, const Span& sn, int n, int skip,
-                         const AttnParams& p, KvPrefetcher* pf) {
+  // Kept out of item(): a build in which GCC inlined it there (with the window's
+  // masking inside the score loop) ran layers without a window 30% slower, decode and
+  // prefill alike; this one times like the kernel before windows (docs/benchmarks.md).
+  [[gnu::noinline]] static void token_rows(AttnScratch& sc, int row0, int G, const E* q, int64_t qs, const Span& sn,
+                                           int n, int skip, const AttnParams& p, KvPrefetcher* pf) {
     const int sp = round_up(n, W);
     float* s = sc.scores.data();
     float* m = sc.m.data() + row0;

@@ -114,6 +114,8 @@ def test_window_changes_the_result_and_rejects_nonsense():
     torch.testing.assert_close(reference.paged_attention(*args, sliding_window=12), full)
     with pytest.raises(ValueError, match="sliding_window"):
         reference.paged_attention(*args, sliding_window=0)
+    with pytest.raises(ValueError, match="soft_cap"):
+        reference.paged_attention(*args, soft_cap=0.0)
 
 
 def test_cpu_platform_attention_with_window_matches_reference():
