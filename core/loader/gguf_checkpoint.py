@@ -221,8 +221,6 @@ class GGUFCheckpoint:
         experts are always dequantized (one tensor per expert) and norms always shifted back.
         """
         config = self.hf_config()
-        if not self.arch.keeps_blocks:
-            keep_quantized = ()
         for tensor in self._parameters():
             names = self._targets(tensor)
             data = tensor.data
