@@ -66,6 +66,10 @@ def _file_arch(arch: str) -> str:
 QUICK_Q8_0 = ("gemma3", "phi3", "mixtral", "qwen2moe", "glm4")
 
 
+#: MoE families whose Q8_0 test files keep every expert tensor in blocks.
+EXPERT_BLOCKS_KEPT = ("qwen3moe", "mixtral")
+
+
 def _q8_0_params() -> list:
     return [a if a in QUICK_Q8_0 else pytest.param(a, marks=pytest.mark.slow) for a in GGUF_CASES]
 
@@ -135,6 +139,11 @@ def test_q8_0_blocks_stay_quantized_and_close(arch, written):
     assert isinstance(layer.o, GGUFWeight) and isinstance(layer.qkv, GGUFWeight)
     if arch == "glm4":  # stored q/k rows: the fused output is reordered at run time
         assert layer.qkv_order is not None
+    if arch in EXPERT_BLOCKS_KEPT:  # one GGUFWeight per expert (models.quantized_experts)
+        experts = [*layer.w13, *layer.w2]
+        assert len(layer.w13) == len(layer.w2) > 1 and all(isinstance(w, GGUFWeight) for w in experts)
+    elif arch == "qwen2moe":  # down_exps rows of 40 values stay F32: the layer's experts all come dequantized
+        assert isinstance(layer.w13, torch.Tensor)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=0), use_tqdm=False)
     for out, reference in zip(outs, first):
         tok = out.outputs[0].token_ids[0]
