@@ -22,7 +22,9 @@ from gguf_convert import quantization_roundtrip, write_gguf_like_llama_cpp
 from test_models_vs_hf import CASES, ENGINES, VOCAB, _prompts, build_checkpoint, hf_reference
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.kernels.quant_reference import dequantize_gguf
 from pagedserve.loader import open_model
+from pagedserve.loader.gguf_checkpoint import GGUFBlocks, GGUFCheckpoint
 from pagedserve.models import gguf_architectures
 from pagedserve.quantization.gguf import GGUFWeight
 
@@ -151,6 +153,25 @@ def test_q8_0_blocks_stay_quantized_and_close(arch, written):
         # near-tied tokens, never to one transformers ranks clearly lower.
         assert float(reference[tok]) >= float(reference.max()) - 0.05
         assert math.isclose(out.outputs[0].logprobs[0][tok].logprob, float(reference[tok]), abs_tol=0.05)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2moe"])
+def test_expert_blocks_are_each_experts_rows_of_the_stacked_tensor(arch, written):
+    """Kept expert blocks dequantize to exactly what dequantizing the stacked tensor gives
+    that expert; a layer whose expert tensors are not all of a kept type (Qwen2-MoE's
+    down_exps rows of 40 values stay F32) comes dequantized, every expert of it."""
+    checkpoint = GGUFCheckpoint(written(arch, "Q8_0")[0])
+    floats = dict(checkpoint.weights())
+    kept = dict(checkpoint.weights(keep_quantized=("Q8_0",)))
+    experts = [name for name in floats if ".experts." in name]
+    assert experts and set(kept) == set(floats)
+    for name in experts:
+        if arch == "qwen2moe":
+            assert isinstance(kept[name], torch.Tensor) and torch.equal(kept[name], floats[name]), name
+            continue
+        blocks = kept[name]
+        assert isinstance(blocks, GGUFBlocks) and blocks.shape == tuple(floats[name].shape), name
+        assert torch.equal(dequantize_gguf(blocks.data, "Q8_0").float(), floats[name]), name
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "phi3", "qwen2moe", "mixtral"])
