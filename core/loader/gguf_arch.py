@@ -81,8 +81,6 @@ class GGUFArch:
     norm_shift: added by the converter to every ``*norm.weight`` (Gemma's 1 + w).
     experts: stacked expert part -> one expert's HF matrix name; ``expert_prefix`` is
         the HF path of the experts (``mlp.experts.<e>.<name>.weight``).
-    keeps_blocks: whether the family's model code takes 2-D weights in ggml blocks
-        (``GGUFCheckpoint.weights(keep_quantized=...)``); False dequantizes them at load.
     """
 
     model_type: str
@@ -92,7 +90,6 @@ class GGUFArch:
     norm_shift: float = 0.0
     experts: dict[str, str] = field(default_factory=dict)
     expert_prefix: str = "mlp.experts"
-    keeps_blocks: bool = True
 
 
 GGUF_ARCHS: dict[str, GGUFArch] = {
@@ -105,9 +102,8 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "olmo2": GGUFArch("olmo2", "Olmo2ForCausalLM", dict(_OLMO2_BLOCK)),
     "granite": GGUFArch("granite", "GraniteForCausalLM", permute_qk=True),
     "starcoder2": GGUFArch("starcoder2", "Starcoder2ForCausalLM", dict(_STARCODER2_BLOCK)),
-    # GLM-4's model reorders q/k rows for its interleaved partial RoPE at load, which it
-    # does not do on ggml blocks: those weights come dequantized.
-    "glm4": GGUFArch("glm4", "Glm4ForCausalLM", dict(_GLM4_BLOCK), keeps_blocks=False),
+    # Quantized q/k keep their stored rows: GLM-4's model reorders the fused q/k/v output instead.
+    "glm4": GGUFArch("glm4", "Glm4ForCausalLM", dict(_GLM4_BLOCK)),
     "smollm3": GGUFArch("smollm3", "SmolLM3ForCausalLM", permute_qk=True),
     "qwen2moe": GGUFArch("qwen2_moe", "Qwen2MoeForCausalLM", dict(_QWEN_MOE_BLOCK), experts=dict(_QWEN_EXPERTS)),
     "qwen3moe": GGUFArch("qwen3_moe", "Qwen3MoeForCausalLM", dict(_QWEN_MOE_BLOCK), experts=dict(_QWEN_EXPERTS)),

@@ -217,15 +217,19 @@ class GGUFCheckpoint:
 
         Shapes are PyTorch's (`[out_features, in_features]` for a linear weight), the reverse
         of ggml's dimension order.  2-D tensors whose ggml type is in `keep_quantized` come
-        as :class:`GGUFBlocks` instead (their raw blocks, rows in Hugging Face order); stacked
-        experts are always dequantized (one tensor per expert) and norms always shifted back.
+        as :class:`GGUFBlocks` instead (their raw blocks, rows in Hugging Face order), and so
+        do stacked experts (one per expert) of layers whose expert tensors all have such a
+        type; other experts come dequantized, one tensor per expert.  Norms are always
+        shifted back.
         """
         config = self.hf_config()
-        if not self.arch.keeps_blocks:
-            keep_quantized = ()
+        kept_expert_layers = self._kept_expert_layers(keep_quantized)
         for tensor in self._parameters():
             names = self._targets(tensor)
             data = tensor.data
+            if len(names) > 1 and self._layer(tensor) in kept_expert_layers:
+                yield from self._expert_blocks(tensor, names)
+                continue
             if self.arch.permute_qk and tensor.name.endswith(_PERMUTED):
                 key = "num_attention_heads" if ".attn_q." in tensor.name else "num_key_value_heads"
                 # Each row is whole blocks, so rows can be reordered as raw bytes, before
@@ -245,6 +249,30 @@ class GGUFCheckpoint:
                 yield names[0], torch.from_numpy(values)
             else:
                 yield from ((name, torch.from_numpy(values[e])) for e, name in enumerate(names))
+
+    def _kept_expert_layers(self, keep_quantized: Collection[str]) -> set[str]:
+        """Layers (as numbered in tensor names) whose stacked experts keep their blocks: every
+        expert tensor of the layer has a kept type, since a model takes a layer's experts
+        all quantized or all float."""
+        types: dict[str, set[str]] = {}
+        for t in self._parameters():
+            if len(t.numpy_shape) == 3 and len(self._targets(t)) > 1:
+                types.setdefault(self._layer(t), set()).add(t.ggml_type.name)
+        return {layer for layer, kinds in types.items() if kinds <= set(keep_quantized)}
+
+    @staticmethod
+    def _layer(tensor: GGUFTensor) -> str | None:
+        match = _BLOCK_PATTERN.fullmatch(tensor.name)
+        return None if match is None else match.group(1)
+
+    @staticmethod
+    def _expert_blocks(tensor: GGUFTensor, names: list[str]) -> Iterator[tuple[str, GGUFBlocks]]:
+        """One :class:`GGUFBlocks` per expert of a stacked ``[n_expert, rows, cols]`` tensor:
+        each expert's rows of blocks are contiguous in the file, so it is a copy of its bytes."""
+        n_expert, rows, cols = tensor.numpy_shape
+        data = np.asarray(tensor.data).reshape(n_expert, rows, -1)
+        for e, name in enumerate(names):
+            yield name, GGUFBlocks(tensor.ggml_type.name, (rows, cols), torch.from_numpy(data[e].copy()))
 
     def _targets(self, tensor: GGUFTensor) -> list[str]:
         """Hugging Face names of one GGUF tensor: one, or one per expert of a stacked tensor."""

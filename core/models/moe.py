@@ -136,12 +136,16 @@ class _MoEForCausalLM(LlamaForCausalLM):
 
     def prepare_linear_weights(self) -> None:
         """Dense weights as every family; the stacked experts through each placement's
-        ``prepare_moe_weights`` (e.g. the CPU's bf16 packing for its native kernel)."""
+        ``prepare_moe_weights`` (e.g. the CPU's bf16 packing for its native kernel);
+        quantized experts each take their prepared form (e.g. repacked GGUF blocks)."""
         super().prepare_linear_weights()
         for pl in self.placements:
             for layer in self.layers[pl.start - self.layer_start : pl.end - self.layer_start]:
                 if isinstance(layer.w13, torch.Tensor):
                     layer.w13, layer.w2 = pl.ops.prepare_moe_weights(layer.w13, layer.w2)
+                elif isinstance(layer.w13, list):
+                    layer.w13 = [w.prepared() for w in layer.w13]
+                    layer.w2 = [w.prepared() for w in layer.w2]
 
     def mlp_forward(self, ops, index: int, layer: MoELayer, h: torch.Tensor) -> torch.Tensor:
         if layer.w13 is None:

@@ -1,7 +1,7 @@
 """Mixture-of-experts MLP over quantized experts, built from the quantized linear ops.
 
 The ``fused_moe`` op multiplies float experts stacked ``[E, ...]``; quantized experts
-(load-time int8/w8a8/fp8, GPTQ/AWQ checkpoints) stay one :class:`QuantizedWeight` per
+(load-time int8/w8a8/fp8, GPTQ/AWQ checkpoints, GGUF blocks) stay one :class:`QuantizedWeight` per
 expert and run here instead, with the same grouping as the op's reference: tokens
 sorted by expert, two GEMMs (each expert weight's own ``apply``, i.e. the platform's
 quantized linear op) per active expert, a loop over active experts and never over

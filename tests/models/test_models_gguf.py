@@ -22,7 +22,9 @@ from gguf_convert import quantization_roundtrip, write_gguf_like_llama_cpp
 from test_models_vs_hf import CASES, ENGINES, VOCAB, _prompts, build_checkpoint, hf_reference
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.kernels.quant_reference import dequantize_gguf
 from pagedserve.loader import open_model
+from pagedserve.loader.gguf_checkpoint import GGUFBlocks, GGUFCheckpoint
 from pagedserve.models import gguf_architectures
 from pagedserve.quantization.gguf import GGUFWeight
 
@@ -64,6 +66,10 @@ def _file_arch(arch: str) -> str:
 #: Q8_0 files of these run in the quick suite (norm shift, fused, stacked experts with the
 #: Llama permutation, a shared expert, blocks dequantized); the others are marked slow.
 QUICK_Q8_0 = ("gemma3", "phi3", "mixtral", "qwen2moe", "glm4")
+
+
+#: MoE families whose Q8_0 test files keep every expert tensor in blocks.
+EXPERT_BLOCKS_KEPT = ("qwen3moe", "mixtral")
 
 
 def _q8_0_params() -> list:
@@ -128,12 +134,18 @@ def _check_dequantized(arch: str, linear_type: str, written) -> None:
 @pytest.mark.parametrize("arch", _q8_0_params())
 def test_q8_0_blocks_stay_quantized_and_close(arch, written):
     """Blocks kept (``quantization="gguf"``; the kernel quantizes activations to int8 too):
-    the first greedy token and its logprob stay close to transformers on the file's weights.
-    GLM-4 dequantizes at load (its q/k rows are reordered by the model)."""
+    the first greedy token and its logprob stay close to transformers on the file's weights."""
     path, prompts, _, first = written(arch, "Q8_0")
     llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
     layer = llm.llm_engine.runner.model.layers[0]
-    assert isinstance(layer.o, GGUFWeight) == (arch != "glm4")
+    assert isinstance(layer.o, GGUFWeight) and isinstance(layer.qkv, GGUFWeight)
+    if arch == "glm4":  # stored q/k rows: the fused output is reordered at run time
+        assert layer.qkv_order is not None
+    if arch in EXPERT_BLOCKS_KEPT:  # one GGUFWeight per expert (models.quantized_experts)
+        experts = [*layer.w13, *layer.w2]
+        assert len(layer.w13) == len(layer.w2) > 1 and all(isinstance(w, GGUFWeight) for w in experts)
+    elif arch == "qwen2moe":  # down_exps rows of 40 values stay F32: the layer's experts all come dequantized
+        assert isinstance(layer.w13, torch.Tensor)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=0), use_tqdm=False)
     for out, reference in zip(outs, first):
         tok = out.outputs[0].token_ids[0]
@@ -141,6 +153,25 @@ def test_q8_0_blocks_stay_quantized_and_close(arch, written):
         # near-tied tokens, never to one transformers ranks clearly lower.
         assert float(reference[tok]) >= float(reference.max()) - 0.05
         assert math.isclose(out.outputs[0].logprobs[0][tok].logprob, float(reference[tok]), abs_tol=0.05)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2moe"])
+def test_expert_blocks_are_each_experts_rows_of_the_stacked_tensor(arch, written):
+    """Kept expert blocks dequantize to exactly what dequantizing the stacked tensor gives
+    that expert; a layer whose expert tensors are not all of a kept type (Qwen2-MoE's
+    down_exps rows of 40 values stay F32) comes dequantized, every expert of it."""
+    checkpoint = GGUFCheckpoint(written(arch, "Q8_0")[0])
+    floats = dict(checkpoint.weights())
+    kept = dict(checkpoint.weights(keep_quantized=("Q8_0",)))
+    experts = [name for name in floats if ".experts." in name]
+    assert experts and set(kept) == set(floats)
+    for name in experts:
+        if arch == "qwen2moe":
+            assert isinstance(kept[name], torch.Tensor) and torch.equal(kept[name], floats[name]), name
+            continue
+        blocks = kept[name]
+        assert isinstance(blocks, GGUFBlocks) and blocks.shape == tuple(floats[name].shape), name
+        assert torch.equal(dequantize_gguf(blocks.data, "Q8_0").float(), floats[name]), name
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "phi3", "qwen2moe", "mixtral"])
