@@ -212,7 +212,7 @@ REFUSED = {
     "expert-scale": ("qwen2moe", {"expert_weights_scale": 2.5}, {}, "expert_weights_scale=2.5"),
     "yarn-ext-factor": ("qwen2", {"rope.scaling.yarn_ext_factor": 0.5}, {}, "YaRN extrapolation factor"),
     "unknown-tensor": ("gemma2", {}, {"blk.0.attn_sinks.weight": np.ones(4, np.float32)}, "no Hugging Face"),
-    "unknown-rope-type": ("qwen3", {"rope.scaling.type": "su"}, {}, "su"),
+    "unknown-rope-type": ("qwen3", {"rope.scaling.type": "ntk-by-parts"}, {}, "ntk-by-parts"),
 }
 
 
