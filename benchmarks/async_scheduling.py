@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--build-async-first", action="store_true", help="build the async engine first (rules out placement effects)"
+    )
     args = p.parse_args(argv)
 
     from pagedserve import LLM, SamplingParams
@@ -52,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_memory="2GiB",
         seed=args.seed,
     )
-    engines = {"sync": LLM(**kw), "async": LLM(async_scheduling=True, **kw)}
+    if args.build_async_first:
+        engines = {"async": LLM(async_scheduling=True, **kw)}
+        engines["sync"] = LLM(**kw)
+    else:
+        engines = {"sync": LLM(**kw), "async": LLM(async_scheduling=True, **kw)}
     vocab = engines["sync"].llm_engine.runner.arch.vocab_size
     w = make_workload(args.workload, vocab, args.seed, args.num_requests, None, args.output_len)
     prompts = [r.prompt_token_ids for r in w.requests]
