@@ -146,6 +146,8 @@ class ModelSpec:
         inter = int(_first(cfg, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", default=4 * hidden))
         mlp_mats = 2 if cfg.get("model_type") in _PLAIN_MLP else 3
         attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+        if cfg.get("kv_lora_rank"):
+            attn, kv_heads, head_dim = _mla_attention(cfg, hidden, heads)
         experts = int(_first(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
         spec = dict(
             name=name,
@@ -250,3 +252,16 @@ def _weight_format(cfg: dict[str, Any]) -> str:
             return "int8"
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
     return dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
+
+
+def _mla_attention(cfg: dict[str, Any], hidden: int, heads: int) -> tuple[int, int, int]:
+    """Multi-head latent attention (DeepSeek-V2): the projections' weights, and the KV heads
+    and head size pagedserve caches (keys and values decompressed per head, both padded to
+    the larger of the q/k and v head sizes)."""
+    nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    v_dim, kv_rank = int(cfg["v_head_dim"]), int(cfg["kv_lora_rank"])
+    qk = nope + rope
+    q_rank = cfg.get("q_lora_rank")
+    q = hidden * heads * qk if not q_rank else hidden * int(q_rank) + int(q_rank) * heads * qk
+    kv = hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim)
+    return q + kv + heads * v_dim * hidden, heads, max(qk, v_dim)
