@@ -162,6 +162,9 @@ def run_pagedserve(args, label: str, model: str, dtype: str, model_dir, vocab, w
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_gib": args.kv_cache_gib,
+        # batch-N and fixed share seeded prompts and llama-server runs with cache_prompt
+        # false: no prefix-cache hits across workloads.
+        "enable_prefix_caching": False,
         "workloads": [s for _, s in wspecs],
     }
     result = launch(

@@ -267,6 +267,9 @@ def _run_pagedserve(spec: dict[str, Any], workloads: list, on_first_token) -> tu
         max_num_batched_tokens=spec["max_num_batched_tokens"],
         kv_cache_memory=f"{spec['kv_cache_gib']}GiB",
         seed=spec["seed"],
+        # compare_llamacpp.py runs several workloads with the same seeded prompts on one
+        # engine, against llama-server with cache_prompt false: it turns the cache off.
+        enable_prefix_caching=spec.get("enable_prefix_caching", True),
     )
     info = {"load_s": time.time() - t0, "platform": llm.llm_engine.platform.name}
     first = workloads[0].requests[0].prompt_token_ids

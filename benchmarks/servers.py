@@ -160,13 +160,16 @@ def pagedserve_cmd(
     cmd = [python, "-m", "pagedserve.entrypoints.cli", "serve", model, "--port", str(port), "--threads", str(threads)]
     for key, value in settings.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
+    # Every rate of a sweep sends the same prompts and llama-server runs with
+    # cache_prompt false: no engine may answer a later rate from its prefix cache.
+    cmd.append("--no-enable-prefix-caching")
     return cmd + (["--dtype", dtype] if dtype else [])
 
 
 def vllm_cmd(python: str, model_dir: pathlib.Path, port: int, settings: dict[str, object], seed: int) -> list[str]:
     """vLLM's OpenAI server on the bf16 folder (its env comes from `engine_runner.vllm_env`)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", "bfloat16"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--seed", str(seed)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--seed", str(seed), "--no-enable-prefix-caching"]
     for key, value in settings.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     return cmd
