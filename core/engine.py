@@ -445,15 +445,7 @@ class LLMEngine:
         result = self.spec.execute(sched, block_ids) if self.spec is not None else None
         if result is None:
             result = self.executor.execute(sched, block_ids)
-        self._count_iteration(sched.num_batched_tokens)
-        for s in sched.scheduled:
-            r = s.request
-            if r.num_computed_tokens < r.num_prompt_tokens:
-                self.prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
-        self._store_prompt_logprobs(result.prompt_logprobs)
-        progressed = self.scheduler.update_after_step(sched, result.sampled, result.accepted)
-        self.generation_tokens += len(progressed)
-        self._stamp_times(progressed)  # before processing: a finished request leaves _seq_of
+        progressed = self._account_step(sched, result)
         touched = self._process_tokens(progressed, result.logprobs, result.accepted, result.accepted_logprobs)
         touched.update(self._finish_pooling(sched, result.pooled))
         if self.spec is not None:
@@ -471,6 +463,21 @@ class LLMEngine:
         i = bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)
         self._iteration_buckets[i] += 1
         self._iteration_tokens_sum += num_tokens
+
+    def _account_step(self, sched, result) -> list[Request]:
+        """After a forward: the token counters, prompt logprobs and the scheduler's update;
+        returns the requests that gained a token, their times stamped (before their
+        tokens are processed: a finished request leaves _seq_of)."""
+        self._count_iteration(sched.num_batched_tokens)
+        for s in sched.scheduled:
+            r = s.request
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                self.prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
+        self._store_prompt_logprobs(result.prompt_logprobs)
+        progressed = self.scheduler.update_after_step(sched, result.sampled, result.accepted)
+        self.generation_tokens += len(progressed)
+        self._stamp_times(progressed)
+        return progressed
 
     def _stamp_times(self, progressed: list[Request]) -> None:
         """Each request group's latest-token time and first scheduled step (metrics)."""

@@ -117,15 +117,7 @@ class StepPipeline:
     def _after_forward(self, sched: SchedulerOutput, result: StepOutput) -> None:
         """The synchronous loop's bookkeeping up to the stop checks that need no text."""
         eng = self.engine
-        eng._count_iteration(sched.num_batched_tokens)
-        for s in sched.scheduled:
-            r = s.request
-            if r.num_computed_tokens < r.num_prompt_tokens:
-                eng.prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
-        eng._store_prompt_logprobs(result.prompt_logprobs)
-        progressed = eng.scheduler.update_after_step(sched, result.sampled, result.accepted)
-        eng.generation_tokens += len(progressed)
-        eng._stamp_times(progressed)
+        progressed = eng._account_step(sched, result)
         row_errors, eng.runner.sampler.row_errors = eng.runner.sampler.row_errors, {}
         for request in progressed:
             entry = eng._seq_of.get(request.request_id)
