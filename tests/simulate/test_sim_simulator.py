@@ -254,7 +254,13 @@ def test_plans_every_registry_architecture_from_its_config(arch, write_config):
         "64MiB",
     )
     _check_conservation(result, args)
-    # head_dim: the config's own where the family sets one (Gemma 256, Qwen3 128), else hidden / heads.
-    assert plan.model.num_kv_heads == 2 and plan.model.head_dim == (cfg.get("head_dim") or 256 // 8)
+    if cfg.get("kv_lora_rank"):
+        # DeepSeek-V2's latent attention: every head's key and value are cached, both
+        # padded to the larger of the q/k and v head sizes.
+        qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+        assert plan.model.num_kv_heads == 8 and plan.model.head_dim == max(qk, cfg["v_head_dim"])
+    else:
+        # head_dim: the config's own where the family sets one (Gemma 256, Qwen3 128), else hidden / heads.
+        assert plan.model.num_kv_heads == 2 and plan.model.head_dim == (cfg.get("head_dim") or 256 // 8)
     assert (plan.model.num_experts == 8) == (arch == "MixtralForCausalLM")
     assert s["generated_tokens"] == sum(r.output_len for r in result.requests)
