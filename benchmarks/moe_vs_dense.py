@@ -57,10 +57,11 @@ def build(path: Path, kind: str, args: argparse.Namespace) -> Path:
     return path
 
 
-def run(path: Path, args: argparse.Namespace) -> dict:
+def run(path: Path, args: argparse.Namespace, quantization: str | None = None) -> dict:
+    """Tokens/s of one seeded batch (after a warm-up) and the model's weight bytes."""
     from pagedserve import LLM, SamplingParams
 
-    llm = LLM(model=str(path), dtype=args.dtype, kv_cache_memory="256MiB")
+    llm = LLM(model=str(path), dtype=args.dtype, kv_cache_memory="256MiB", quantization=quantization)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 259, (args.input_len,), generator=gen).tolist() for _ in range(args.num_requests)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

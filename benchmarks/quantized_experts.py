@@ -14,33 +14,10 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
-from moe_vs_dense import build  # noqa: E402
-
-
-def run(path: Path, method: str, args: argparse.Namespace) -> dict:
-    from pagedserve import LLM, SamplingParams
-
-    llm = LLM(model=str(path), dtype=args.dtype, kv_cache_memory="256MiB", quantization=method)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 259, (args.input_len,), generator=gen).tolist() for _ in range(args.num_requests)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {
-        "output_tokens": tokens,
-        "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 1),
-        "weight_mib": round(llm.llm_engine.runner.model.weight_bytes() / 2**20, 1),
-    }
+from moe_vs_dense import build, run  # noqa: E402
 
 
 def main() -> None:
@@ -60,7 +37,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = build(Path(tmp) / "moe", "moe", args)
         for method in args.methods.split(","):
-            results[method] = run(path, method, args)
+            results[method] = run(path, args, method)
             print(method, json.dumps(results[method]), flush=True)
     print(json.dumps({"config": vars(args), "results": results}, indent=2))
 
