@@ -471,20 +471,16 @@ def test_window_and_soft_cap_match_reference(extra, num_splits):
     qsl = torch.tensor([0] + torch.tensor([n for _, n in batch]).cumsum(0).tolist(), dtype=torch.int32)
     seq_lens = torch.tensor([ctx for ctx, _ in batch], dtype=torch.int32)
     want = reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, d**-0.5, **extra)
+    _check_fixed_splits(q, kc, vc, tables, seq_lens, qsl, num_splits, extra, want)
+
+
+def _check_fixed_splits(q, kc, vc, tables, seq_lens, qsl, num_splits, extra, want) -> None:
+    """The split-KV Triton kernel on DEVICE, its output poisoned first, against ``want``."""
     dev = DEVICE
     out = torch.full(q.shape, float("nan"), device=dev)
-    got = attention.paged_attention_fixed_splits(
-        q.to(dev),
-        kc.to(dev),
-        vc.to(dev),
-        tables.to(dev),
-        seq_lens.to(dev),
-        qsl.to(dev),
-        d**-0.5,
-        num_splits,
-        out,
-        **extra,
-    )
+    args = (q, kc, vc, tables, seq_lens, qsl)
+    scale = q.shape[-1] ** -0.5
+    got = attention.paged_attention_fixed_splits(*(t.to(dev) for t in args), scale, num_splits, out, **extra)
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
 
 
@@ -518,21 +514,7 @@ def test_slid_out_blocks_pointing_at_nan_are_never_read(extra, num_splits):
         tables[i, :first_block] = null
         freed += first_block
     assert freed >= 10
-    dev = DEVICE
-    out = torch.full(q.shape, float("nan"), device=dev)
-    got = attention.paged_attention_fixed_splits(
-        q.to(dev),
-        kc.to(dev),
-        vc.to(dev),
-        tables.to(dev),
-        seq_lens.to(dev),
-        qsl.to(dev),
-        d**-0.5,
-        num_splits,
-        out,
-        **extra,
-    )
-    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
+    _check_fixed_splits(q, kc, vc, tables, seq_lens, qsl, num_splits, extra, want)
 
 
 def test_window_and_soft_cap_refuse_nonsense():
