@@ -275,15 +275,27 @@ def _run_pagedserve(spec: dict[str, Any], workloads: list, on_first_token) -> tu
     first = workloads[0].requests[0].prompt_token_ids
     llm.generate([first], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     on_first_token()
+    from run_facts import RunClock, engine_step_facts, process_facts
+
     runs = []
     for w in workloads:
         params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in w.requests]
+        facts, stats0, clock = process_facts(), llm.llm_engine.stats(), RunClock()
         t0 = time.perf_counter()
         outs = llm.generate([r.prompt_token_ids for r in w.requests], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
+        facts.update(clock.stop(), **engine_step_facts(stats0, llm.llm_engine.stats()))
+        facts["anon_huge_kib_after"] = process_facts()["anon_huge_kib"]
         ids = [list(o.outputs[0].token_ids) for o in outs]
         runs.append(
-            _run_record(w, elapsed, sum(map(len, ids)), ids[0], preemptions=llm.llm_engine.scheduler.num_preemptions)
+            _run_record(
+                w,
+                elapsed,
+                sum(map(len, ids)),
+                ids[0],
+                preemptions=llm.llm_engine.scheduler.num_preemptions,
+                facts=facts,
+            )
         )
     return info, runs
 
