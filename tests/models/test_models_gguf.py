@@ -51,6 +51,9 @@ GGUF_CASES: dict[str, tuple[str, dict]] = {
     "qwen3moe": ("qwen3moe-qknorm", {}),
     "qwen2moe": ("qwen2moe-shared-dense-layer", dict(mlp_only_layers=[])),
     "mixtral": ("mixtral-top2-window", dict(sliding_window=None)),
+    # v_head_dim 16: o_proj's rows are whole Q8_0 blocks; kv_b_proj's (kv_lora_rank 24)
+    # are not, so it is F32 in the file as attn_k_b/attn_v_b and in transformers alike.
+    "deepseek2": ("deepseekv2-lite-mla", dict(v_head_dim=16)),
 }
 MAX_NEW = 6
 
@@ -65,11 +68,11 @@ def _file_arch(arch: str) -> str:
 
 #: Q8_0 files of these run in the quick suite (norm shift, fused, stacked experts with the
 #: Llama permutation, a shared expert, blocks dequantized); the others are marked slow.
-QUICK_Q8_0 = ("gemma3", "phi3", "mixtral", "qwen2moe", "glm4")
+QUICK_Q8_0 = ("gemma3", "phi3", "mixtral", "qwen2moe", "glm4", "deepseek2")
 
 
 #: MoE families whose Q8_0 test files keep every expert tensor in blocks.
-EXPERT_BLOCKS_KEPT = ("qwen3moe", "mixtral")
+EXPERT_BLOCKS_KEPT = ("qwen3moe", "mixtral", "deepseek2")
 
 
 def _q8_0_params() -> list:
@@ -138,10 +141,14 @@ def test_q8_0_blocks_stay_quantized_and_close(arch, written):
     path, prompts, _, first = written(arch, "Q8_0")
     llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
     layer = llm.llm_engine.runner.model.layers[0]
-    assert isinstance(layer.o, GGUFWeight) and isinstance(layer.qkv, GGUFWeight)
+    assert isinstance(layer.o, GGUFWeight) and isinstance(getattr(layer, "qkv", None) or layer.q, GGUFWeight)
     if arch == "glm4":  # stored q/k rows: the fused output is reordered at run time
         assert layer.qkv_order is not None
+    if arch == "deepseek2":  # stored rope rows of q and kv_a: reordered at run time; kv_b merged in float
+        assert isinstance(layer.kv_a, GGUFWeight) and layer.q_order is not None and layer.kv_a_order is not None
+        assert isinstance(layer.kv_b, torch.Tensor)
     if arch in EXPERT_BLOCKS_KEPT:  # one GGUFWeight per expert (models.quantized_experts)
+        layer = llm.llm_engine.runner.model.layers[-1]
         experts = [*layer.w13, *layer.w2]
         assert len(layer.w13) == len(layer.w2) > 1 and all(isinstance(w, GGUFWeight) for w in experts)
     elif arch == "qwen2moe":  # down_exps rows of 40 values stay F32: the layer's experts all come dequantized
