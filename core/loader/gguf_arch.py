@@ -329,6 +329,9 @@ def _deepseek2(meta: Metadata, base: dict[str, Any]) -> dict[str, Any]:
         meta.refuse("split attn_k_b/attn_v_b tensors without attention.key_length_mla")
     else:
         qk, v = int(meta.get("attention.key_length")), int(meta.get("attention.value_length"))
+    both = sorted(set(meta.layers_with("attn_kv_b")) & set(meta.layers_with("attn_k_b")))
+    if both:
+        meta.refuse(f"both attn_kv_b and its split attn_k_b/attn_v_b in layer {both[0]}")
     gating = meta.get("expert_gating_func")
     if gating is not None and int(gating) not in (0, 1):  # 0: unset (softmax for deepseek2), 1: softmax
         meta.refuse(f"expert gating function {int(gating)} (only softmax is implemented)")
