@@ -70,6 +70,23 @@ _QWEN_MOE_BLOCK = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 _MIXTRAL_BLOCK = {**_LLAMA_BLOCK, "ffn_gate_inp": "block_sparse_moe.gate"}
+# DeepSeek-V2's latent attention; attn_k_b / attn_v_b (the split kv_b_proj of newer
+# converters) both become kv_b_proj, put back together by gguf_mla.
+_DEEPSEEK2_BLOCK = {
+    **{k: v for k, v in _LLAMA_BLOCK.items() if k not in ("attn_k", "attn_v", "attn_q_norm", "attn_k_norm")},
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.kv_b_proj",
+    "attn_v_b": "self_attn.kv_b_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 
 
 @dataclass(frozen=True)
@@ -107,6 +124,7 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "smollm3": GGUFArch("smollm3", "SmolLM3ForCausalLM", permute_qk=True),
     "qwen2moe": GGUFArch("qwen2_moe", "Qwen2MoeForCausalLM", dict(_QWEN_MOE_BLOCK), experts=dict(_QWEN_EXPERTS)),
     "qwen3moe": GGUFArch("qwen3_moe", "Qwen3MoeForCausalLM", dict(_QWEN_MOE_BLOCK), experts=dict(_QWEN_EXPERTS)),
+    "deepseek2": GGUFArch("deepseek_v2", "DeepseekV2ForCausalLM", dict(_DEEPSEEK2_BLOCK), experts=dict(_QWEN_EXPERTS)),
 }
 
 #: A ``llama`` file with expert tensors is Mixtral (llama.cpp has no separate name for it).
@@ -300,6 +318,58 @@ def _mixtral(meta: Metadata, base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _deepseek2(meta: Metadata, base: dict[str, Any]) -> dict[str, Any]:
+    """MLA and MoE sizes.  llama.cpp stores the attention as MQA over the latent
+    (head_count_kv 1, key_length kv_lora_rank + rope): the per-head sizes are the ``*_mla``
+    keys (older converters, which keep kv_b_proj whole, wrote them as key/value_length)."""
+    rope = int(meta.get("rope.dimension_count", 0))
+    if meta.get("attention.key_length_mla") is not None:
+        qk, v = int(meta.get("attention.key_length_mla")), int(meta.get("attention.value_length_mla"))
+    elif "blk.0.attn_k_b.weight" in meta.names:
+        meta.refuse("split attn_k_b/attn_v_b tensors without attention.key_length_mla")
+    else:
+        qk, v = int(meta.get("attention.key_length")), int(meta.get("attention.value_length"))
+    both = sorted(set(meta.layers_with("attn_kv_b")) & set(meta.layers_with("attn_k_b")))
+    if both:
+        meta.refuse(f"both attn_kv_b and its split attn_k_b/attn_v_b in layer {both[0]}")
+    gating = meta.get("expert_gating_func")
+    if gating is not None and int(gating) not in (0, 1):  # 0: unset (softmax for deepseek2), 1: softmax
+        meta.refuse(f"expert gating function {int(gating)} (only softmax is implemented)")
+    if any(".exp_probs_b." in name for name in meta.names):
+        meta.refuse("expert score correction biases (exp_probs_b, DeepSeek-V3's noaux_tc routing)")
+    groups, used = int(meta.get("expert_group_count", 1) or 1), int(meta.get("expert_group_used_count", 0) or 0)
+    out: dict[str, Any] = {
+        "num_key_value_heads": base["num_attention_heads"],
+        "head_dim": rope,  # as transformers writes it; the model sizes its cache from the MLA head sizes
+        "q_lora_rank": int(meta.get("attention.q_lora_rank")) if meta.get("attention.q_lora_rank") else None,
+        "kv_lora_rank": int(meta.get("attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": qk - rope,
+        "v_head_dim": v,
+        "first_k_dense_replace": int(meta.get("leading_dense_block_count", 0)),
+        "moe_intermediate_size": int(meta.get("expert_feed_forward_length", base["intermediate_size"])),
+        "n_routed_experts": int(meta.get("expert_count", 0)),
+        "num_experts_per_tok": int(meta.get("expert_used_count", 0)),
+        "n_shared_experts": int(meta.get("expert_shared_count", 0)),
+        "routed_scaling_factor": float(meta.get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(meta.get("expert_weights_norm", False)),
+        "scoring_func": "softmax",
+        "moe_layer_freq": 1,
+        "topk_method": "group_limited_greedy" if groups > 1 else "greedy",
+        "n_group": groups if groups > 1 else None,
+        "topk_group": used if groups > 1 else None,
+    }
+    scaling = base["rope_scaling"]
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        log_mul = meta.get("rope.scaling.yarn_log_multiplier")
+        if log_mul is None:
+            meta.refuse("YaRN without rope.scaling.yarn_log_multiplier (DeepSeek's mscale_all_dim)")
+        # The converter writes 0.1 * mscale_all_dim; DeepSeek's configs have mscale equal to it.
+        m = float(log_mul) / 0.1
+        out["rope_scaling"] = {**scaling, "mscale": m, "mscale_all_dim": m}
+    return out
+
+
 ARCH_CONFIG: dict[str, Callable[[Metadata, dict[str, Any]], dict[str, Any]]] = {
     "gemma2": _gemma2,
     "gemma3_text": _gemma3,
@@ -312,6 +382,7 @@ ARCH_CONFIG: dict[str, Callable[[Metadata, dict[str, Any]], dict[str, Any]]] = {
     "qwen2_moe": _qwen2moe,
     "qwen3_moe": _qwen3moe,
     "mixtral": _mixtral,
+    "deepseek_v2": _deepseek2,
 }
 
 

@@ -22,6 +22,7 @@ import torch
 
 from pagedserve.loader.dequant import dequantize
 from pagedserve.loader.gguf_arch import GGUF_ARCHS, MIXTRAL, GGUFArch, Metadata, arch_config, expert_target
+from pagedserve.loader.gguf_mla import SPLIT_KV_B_PARTS, merge_kv_b, merged_kv_b_shape
 from pagedserve.loader.gguf_reader import GGUFReader, GGUFTensor
 
 __all__ = ["GGUFBlocks", "GGUFCheckpoint", "SUPPORTED_GGUF_ARCHITECTURES", "reverse_rope_permutation"]
@@ -199,15 +200,33 @@ class GGUFCheckpoint:
         """Shape of every parameter (PyTorch order), by Hugging Face name; a stacked expert
         tensor ``[n_expert, rows, cols]`` gives one ``[rows, cols]`` entry per expert."""
         out: dict[str, tuple[int, ...]] = {}
+        split: dict[str, dict[str, tuple[int, ...]]] = {}
         for t in self._parameters():
             names = self._targets(t)
+            if self._split_part(t) is not None:
+                split.setdefault(names[0], {})[self._split_part(t)] = tuple(t.numpy_shape)
+                continue
             shape = t.numpy_shape[1:] if len(names) > 1 else t.numpy_shape
             out.update((name, tuple(shape)) for name in names)
+        for name, parts in split.items():
+            if len(parts) == 2:
+                out[name] = merged_kv_b_shape(*(parts[p] for p in SPLIT_KV_B_PARTS), name)
         return out
 
     def tensor_types(self) -> dict[str, str]:
-        """ggml type name of every parameter, by Hugging Face name."""
-        return {name: t.ggml_type.name for t in self._parameters() for name in self._targets(t)}
+        """ggml type name of every parameter, by Hugging Face name (F32 for a kv_b_proj
+        put back together from attn_k_b / attn_v_b: it loads dequantized)."""
+        return {
+            name: "F32" if self._split_part(t) is not None else t.ggml_type.name
+            for t in self._parameters()
+            for name in self._targets(t)
+        }
+
+    def _split_part(self, tensor: GGUFTensor) -> str | None:
+        """``attn_k_b`` / ``attn_v_b`` for a part of a split kv_b_proj (``gguf_mla``), else None."""
+        match = _BLOCK_PATTERN.fullmatch(tensor.name)
+        part = None if match is None else match.group(2)
+        return part if part in SPLIT_KV_B_PARTS and part in self.arch.block else None
 
     def _parameters(self) -> list[GGUFTensor]:
         return [t for t in self._reader.tensors if t.name not in _NON_PARAMETERS]
@@ -224,9 +243,17 @@ class GGUFCheckpoint:
         """
         config = self.hf_config()
         kept_expert_layers = self._kept_expert_layers(keep_quantized)
+        split: dict[str, dict[str, np.ndarray]] = {}
         for tensor in self._parameters():
             names = self._targets(tensor)
             data = tensor.data
+            part = self._split_part(tensor)
+            if part is not None:  # half of a split kv_b_proj: yielded once both came
+                got = split.setdefault(names[0], {})
+                got[part] = dequantize(data, tensor.ggml_type.name, tensor.numpy_shape)
+                if len(got) == 2:
+                    yield names[0], torch.from_numpy(merge_kv_b(*(got.pop(p) for p in SPLIT_KV_B_PARTS), names[0]))
+                continue
             if len(names) > 1 and self._layer(tensor) in kept_expert_layers:
                 yield from self._expert_blocks(tensor, names)
                 continue

@@ -21,6 +21,17 @@ MoE: layers from ``first_k_dense_replace`` on route each token to ``num_experts_
 of ``n_routed_experts`` (softmax scores; ``greedy`` or ``group_limited_greedy`` over
 ``n_group`` groups keeping ``topk_group``), weights times ``routed_scaling_factor``, run
 through the ``fused_moe`` op, plus ``n_shared_experts`` shared experts as one gated MLP.
+
+Quantized linears (int8/w8a8/fp8 at load, GGUF blocks) keep their stored row order: the
+rope rows of the query and of ``kv_a_proj_with_mqa`` are then reordered in the projection's
+output at run time instead; experts stay one quantized weight each
+(:mod:`pagedserve.models.quantized_experts`); norms and the router stay float.
+
+Tensor parallelism splits the heads: each rank keeps its heads' rows of ``q_proj`` /
+``q_b_proj`` and ``kv_b_proj`` and their columns of ``o_proj``; the latent projections
+(``q_a_proj``, ``kv_a_proj_with_mqa``), their norms and the router are replicated, and
+every expert's and the shared experts' intermediate dimension is split as for the other
+MoE families.  The attention and MLP outputs are partial sums, all-reduced.
 """
 
 from __future__ import annotations
@@ -32,7 +43,8 @@ import torch
 
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.decoder import DecoderForCausalLM, KVCache
-from pagedserve.models.layers import RotaryEmbedding, add_rms_norm, gated_mlp, linear, paged_attention
+from pagedserve.models.layers import RotaryEmbedding, add_rms_norm, fuse, gated_mlp, linear, paged_attention
+from pagedserve.models.quantized_experts import quantized_experts_moe
 from pagedserve.quantization.base import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -49,7 +61,9 @@ class DeepseekV2Layer:
     """One layer's weights.  q (direct query) or q_a, q_a_norm, q_b (low-rank query);
     kv_a [kv_lora_rank + rope, hidden], kv_a_norm, kv_b [heads * (nope + v), kv_lora_rank],
     o; a dense layer has gate_up/down only, a MoE layer router (float32 [E, hidden]),
-    w13 [E, 2 * I, hidden], w2 [E, hidden, I] and the shared experts as gate_up/down."""
+    w13 [E, 2 * I, hidden], w2 [E, hidden, I] (or, quantized, lists of E weights) and the
+    shared experts as gate_up/down.  q_order / kv_a_order (int64 over the output columns)
+    when a quantized q / kv_a kept its stored rows: the rotate-half order, applied at run time."""
 
     __slots__ = (
         "input_norm",
@@ -67,6 +81,8 @@ class DeepseekV2Layer:
         "w2",
         "gate_up",
         "down",
+        "q_order",
+        "kv_a_order",
     )
 
 
@@ -97,7 +113,6 @@ def route_deepseek(
 class DeepseekV2ForCausalLM(DecoderForCausalLM):
     layer_class = DeepseekV2Layer
     linear_fields = ("q", "q_a", "q_b", "kv_a", "kv_b", "o", "gate_up", "down")
-    tensor_parallel = False
 
     @classmethod
     def kv_head_dim(cls, hf: dict[str, Any]) -> int:
@@ -181,6 +196,24 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         names |= {f"mlp.experts.{e}.{p}.weight" for e in range(self.num_experts) for p in mlp}
         return frozenset(names | {f"mlp.shared_experts.{p}.weight" for p in mlp})
 
+    def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's heads of q_proj / q_b_proj (nope + rope rows each) and kv_b_proj
+        (nope + v rows each), their v columns of o_proj; experts as the base splits them;
+        the latent projections, norms and router whole."""
+        kind, leaf = local.rsplit(".", 2)[-2:]
+        r, heads = self.parallel.tp_rank, self.num_heads
+        per_head = {"q_proj": self.nope + self.rope_dim, "q_b_proj": self.nope + self.rope_dim}
+        per_head["kv_b_proj"] = self.nope + self.v_dim
+        if kind in per_head:
+            rows = heads * per_head[kind]
+            return t[r * rows : (r + 1) * rows]
+        if kind == "o_proj" and leaf == "weight":
+            cols = heads * self.v_dim
+            return t[:, r * cols : (r + 1) * cols]
+        if kind in ("q_a_proj", "kv_a_proj_with_mqa"):
+            return t
+        return super().shard_layer_tensor(local, t)
+
     def _rope_rows_rotate_half(self, t: torch.Tensor, heads: int, head: int) -> torch.Tensor:
         """Rows of ``heads`` blocks of ``head`` rows whose last qk_rope_head_dim rows are a
         rope part: those reordered evens then odds (interleaved -> rotate-half)."""
@@ -188,49 +221,72 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         order = torch.cat([torch.arange(start), start + torch.arange(0, r, 2), start + torch.arange(1, r, 2)])
         return t[(torch.arange(heads)[:, None] * head + order).reshape(-1)]
 
+    def _rope_ordered(self, t: Any, heads: int, head: int, device: torch.device) -> tuple[Any, torch.Tensor | None]:
+        """A float weight with its rope rows in rotate-half order, or a quantized one as
+        stored with that order for its output columns (int64 on ``device``)."""
+        if isinstance(t, QuantizedWeight):
+            return t, self._rope_rows_rotate_half(torch.arange(t.out_features), heads, head).to(device)
+        return self._rope_rows_rotate_half(t, heads, head), None
+
     def finish_layer(self, layer: DeepseekV2Layer, w: dict[str, Any], param) -> None:
-        quantized = sorted(n for n, t in w.items() if isinstance(t, QuantizedWeight))
-        if quantized:
-            raise ValueError(
-                f"{self.cfg.architecture}: quantized weights are not supported (e.g. {quantized[0]}); "
-                "load with quantization='none'"
-            )
         a, heads = "self_attn.", self.num_heads
         layer.input_norm = param(w["input_layernorm.weight"])
         layer.post_norm = param(w["post_attention_layernorm.weight"])
+        dev = layer.input_norm.device
         layer.q = layer.q_a = layer.q_a_norm = layer.q_b = None
+        head = self.nope + self.rope_dim
         if self.q_rank is None:
-            layer.q = param(self._rope_rows_rotate_half(w[a + "q_proj.weight"], heads, self.nope + self.rope_dim))
+            q, layer.q_order = self._rope_ordered(w[a + "q_proj.weight"], heads, head, dev)
+            layer.q = param(q)
         else:
             layer.q_a = param(w[a + "q_a_proj.weight"])
             layer.q_a_norm = param(w[a + "q_a_layernorm.weight"])
-            layer.q_b = param(self._rope_rows_rotate_half(w[a + "q_b_proj.weight"], heads, self.nope + self.rope_dim))
-        layer.kv_a = param(
-            self._rope_rows_rotate_half(w[a + "kv_a_proj_with_mqa.weight"], 1, self.kv_rank + self.rope_dim)
+            q_b, layer.q_order = self._rope_ordered(w[a + "q_b_proj.weight"], heads, head, dev)
+            layer.q_b = param(q_b)
+        kv_a, layer.kv_a_order = self._rope_ordered(
+            w[a + "kv_a_proj_with_mqa.weight"], 1, self.kv_rank + self.rope_dim, dev
         )
+        layer.kv_a = param(kv_a)
         layer.kv_a_norm = param(w[a + "kv_a_layernorm.weight"])
         layer.kv_b = param(w[a + "kv_b_proj.weight"])
         layer.o = param(w[a + "o_proj.weight"])
         layer.router = layer.w13 = layer.w2 = None
         m = "mlp." if "mlp.gate.weight" not in w else "mlp.shared_experts."
-        layer.gate_up = param(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))
+        layer.gate_up = param(fuse([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))
         layer.down = param(w[m + "down_proj.weight"])
         if "mlp.gate.weight" in w:
-            # Routing stays float32 whatever the model dtype, as transformers keeps it.
-            layer.router = w["mlp.gate.weight"].to(device=layer.input_norm.device, dtype=torch.float32)
-            ex = [f"mlp.experts.{e}." for e in range(self.num_experts)]
-            layer.w13 = param(
-                torch.stack([torch.cat([w[e + "gate_proj.weight"], w[e + "up_proj.weight"]]) for e in ex])
-            )
-            layer.w2 = param(torch.stack([w[e + "down_proj.weight"] for e in ex]))
+            self._finish_experts(layer, w, param)
+
+    def _finish_experts(self, layer: DeepseekV2Layer, w: dict[str, Any], param) -> None:
+        router = w["mlp.gate.weight"]
+        if isinstance(router, QuantizedWeight):
+            router = router.dequantize()
+        # Routing stays float32 whatever the model dtype, as transformers keeps it.
+        layer.router = router.to(device=layer.input_norm.device, dtype=torch.float32)
+        ex = [f"mlp.experts.{e}." for e in range(self.num_experts)]
+        gate_up = [[w[e + "gate_proj.weight"], w[e + "up_proj.weight"]] for e in ex]
+        down = [w[e + "down_proj.weight"] for e in ex]
+        kinds = {isinstance(t, QuantizedWeight) for t in [*down, *(t for pair in gate_up for t in pair)]}
+        if len(kinds) > 1:
+            raise ValueError(f"{self.cfg.architecture}: a layer's expert weights are partly quantized")
+        if kinds == {True}:  # one quantized weight per expert (pagedserve.models.quantized_experts)
+            layer.w13 = [param(fuse(pair)) for pair in gate_up]
+            layer.w2 = [param(t) for t in down]
+        else:
+            layer.w13 = param(torch.stack([torch.cat(pair) for pair in gate_up]))
+            layer.w2 = param(torch.stack(down))
 
     def prepare_linear_weights(self) -> None:
-        """Dense weights as every family; the stacked experts through ``prepare_moe_weights``."""
+        """Dense weights as every family; the stacked experts through ``prepare_moe_weights``,
+        quantized experts each in their prepared form."""
         super().prepare_linear_weights()
         for pl in self.placements:
             for layer in self.layers[pl.start - self.layer_start : pl.end - self.layer_start]:
                 if isinstance(layer.w13, torch.Tensor):
                     layer.w13, layer.w2 = pl.ops.prepare_moe_weights(layer.w13, layer.w2)
+                elif isinstance(layer.w13, list):
+                    layer.w13 = [w.prepared() for w in layer.w13]
+                    layer.w2 = [w.prepared() for w in layer.w2]
 
     def attention(
         self, ops, placement: int, layer: DeepseekV2Layer, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -241,8 +297,13 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
             q = linear(ops, h, layer.q)
         else:
             q = linear(ops, ops.rms_norm(linear(ops, h, layer.q_a), layer.q_a_norm, _LATENT_NORM_EPS), layer.q_b)
+        kv_a = linear(ops, h, layer.kv_a)
+        if layer.q_order is not None:
+            q = q.index_select(-1, layer.q_order)
+        if layer.kv_a_order is not None:
+            kv_a = kv_a.index_select(-1, layer.kv_a_order)
         q_nope, q_pe = q.view(n, heads, self.nope + self.rope_dim).split([self.nope, self.rope_dim], dim=-1)
-        latent, k_pe = linear(ops, h, layer.kv_a).split([self.kv_rank, self.rope_dim], dim=-1)
+        latent, k_pe = kv_a.split([self.kv_rank, self.rope_dim], dim=-1)
         kv = linear(ops, ops.rms_norm(latent.contiguous(), layer.kv_a_norm, _LATENT_NORM_EPS), layer.kv_b)
         k_nope, v = kv.view(n, heads, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
         q_pe, k_pe = self.rope(ops, placement, meta.positions, q_pe.contiguous(), k_pe.reshape(n, 1, self.rope_dim))
@@ -271,11 +332,14 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         eps = self.cfg.rms_norm_eps
         h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
         h = linear(ops, self.attention(ops, placement, layer, h, kv_cache, meta), layer.o)
-        h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
+        h, residual = ops.fused_add_rms_norm(self.parallel.all_reduce(h), residual, layer.post_norm, eps)
         out = gated_mlp(ops, h, layer.gate_up, layer.down)
         if layer.router is not None:
             weights, ids = route_deepseek(
                 h, layer.router, self.top_k, self.topk_method, self.n_group, self.topk_group, self.routed_scaling
             )
-            out = out + ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu")
-        return out, residual
+            if isinstance(layer.w13, list):
+                out = out + quantized_experts_moe(ops, h, layer.w13, layer.w2, weights, ids)
+            else:
+                out = out + ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu")
+        return self.parallel.all_reduce(out), residual

@@ -178,8 +178,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "deepseek_v2",
         "pagedserve.models.deepseek_v2",
         "DeepseekV2ForCausalLM",
-        quantized=False,
-        tensor_parallel=False,
+        gguf=("deepseek2",),
         notes="DeepSeek-V2 / V2-Lite: MLA (keys and values decompressed into the paged cache), "
         "MoE with shared experts, greedy or group-limited routing",
     ),

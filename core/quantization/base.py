@@ -21,7 +21,8 @@ __all__ = ["QuantizedWeight", "QuantizationMethod", "LINEAR_SUFFIXES", "is_linea
 
 #: Checkpoint names of the linear layers a method may quantize (norms and embeddings
 #: stay): the Llama-style projections (Qwen MoE experts' too), the checkpoint-fused ones
-#: of Phi-3 and GLM-4, StarCoder2's MLP and Mixtral's experts (w1, w3 gate/up; w2 down).
+#: of Phi-3 and GLM-4, StarCoder2's MLP, Mixtral's experts (w1, w3 gate/up; w2 down) and
+#: DeepSeek-V2's latent-attention projections.
 LINEAR_SUFFIXES: tuple[str, ...] = tuple(
     f"{m}.weight"
     for m in (
@@ -39,6 +40,10 @@ LINEAR_SUFFIXES: tuple[str, ...] = tuple(
         "w1",
         "w2",
         "w3",
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
     )
 )
 

@@ -40,7 +40,8 @@ def _metadata(writer: Any, arch: str, hp: dict[str, Any]) -> None:
     w.add_embedding_length(hp["hidden_size"])
     w.add_feed_forward_length(hp["intermediate_size"])
     w.add_head_count(hp["num_attention_heads"])
-    w.add_head_count_kv(hp["num_key_value_heads"])
+    # DeepseekV2Model: MLA is written as MQA over the latent (one KV head).
+    w.add_head_count_kv(1 if arch == "deepseek2" else hp["num_key_value_heads"])
     rope = _rope(hp)
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -61,7 +62,7 @@ def _metadata(writer: Any, arch: str, hp: dict[str, Any]) -> None:
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(hp["num_experts_per_tok"])
-    if hp.get("head_dim") is not None and arch not in ("granite", "phi3"):
+    if hp.get("head_dim") is not None and arch not in ("granite", "phi3", "deepseek2"):
         w.add_key_length(hp["head_dim"])
         w.add_value_length(hp["head_dim"])
     head_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
@@ -88,10 +89,43 @@ def _metadata(writer: Any, arch: str, hp: dict[str, Any]) -> None:
         w.add_sliding_window(hp.get("sliding_window") or 0)
     if arch == "glm4":
         w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
+    if arch == "deepseek2":
+        _deepseek2_metadata(w, hp, rope)
     if arch in ("qwen2moe", "qwen3moe"):
         w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
         if hp.get("shared_expert_intermediate_size") is not None:
             w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
+
+
+def _deepseek2_metadata(w: Any, hp: dict[str, Any], rope: dict[str, Any]) -> None:
+    """DeepseekV2Model.set_gguf_parameters: the latent sizes, MLA head sizes, MoE counts."""
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    w.add_vocab_size(hp["vocab_size"])
+    if hp.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(hp["q_lora_rank"])
+    rank, rope_dim = hp["kv_lora_rank"], hp["qk_rope_head_dim"]
+    w.add_kv_lora_rank(rank)
+    w.add_key_length(rank + rope_dim)
+    w.add_value_length(rank)
+    w.add_key_length_mla(hp["qk_nope_head_dim"] + rope_dim)
+    w.add_value_length_mla(hp["v_head_dim"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_count(hp["n_routed_experts"])
+    w.add_expert_used_count(hp["num_experts_per_tok"])
+    w.add_expert_shared_count(hp["n_shared_experts"])
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    if hp.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(rope_dim)
+    if rope.get("mscale_all_dim") is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _split_kv_b(a: np.ndarray, hp: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """DeepseekV2Model.modify_tensors: kv_b_proj -> k_b [heads, rank, nope] (transposed), v_b [heads, v, rank]."""
+    nope, v = hp["qk_nope_head_dim"], hp["v_head_dim"]
+    kv_b = a.reshape(hp["num_attention_heads"], nope + v, a.shape[-1])
+    return np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(kv_b[:, nope:])
 
 
 def _tokenizer(writer: Any, folder: pathlib.Path, vocab_size: int) -> None:
@@ -107,8 +141,10 @@ def _tokenizer(writer: Any, folder: pathlib.Path, vocab_size: int) -> None:
     writer.add_eos_token_id(2)
 
 
-def _tensors(model: Any, arch: str) -> dict[str, np.ndarray]:
-    """HF name -> float32 array after the converter's rewrites (names still HF-like)."""
+def _tensors(model: Any, arch: str, split_kv_b: bool = True) -> dict[str, np.ndarray]:
+    """HF name -> float32 array after the converter's rewrites (names still HF-like);
+    ``split_kv_b``: DeepSeek-V2's kv_b_proj as current converters write it (attn_k_b and
+    attn_v_b), else whole as older ones did (attn_kv_b)."""
     hp = model.config.to_dict()
     out: dict[str, np.ndarray] = {}
     for name, t in model.state_dict().items():
@@ -128,6 +164,10 @@ def _tensors(model: Any, arch: str) -> dict[str, np.ndarray]:
             continue
         if name.endswith("mlp.experts.down_proj"):
             name += ".weight"
+        if arch == "deepseek2" and split_kv_b and name.endswith("kv_b_proj.weight"):
+            k_b, v_b = _split_kv_b(a, hp)
+            out[name.replace("kv_b_proj", "k_b_proj")], out[name.replace("kv_b_proj", "v_b_proj")] = k_b, v_b
+            continue
         out[name] = a
     return out
 
@@ -146,6 +186,7 @@ def write_gguf_like_llama_cpp(
     linear_type: str = "F32",
     extra: dict[str, Any] | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    split_kv_b: bool = True,
 ) -> pathlib.Path:
     """Convert ``model`` (a transformers causal LM whose folder holds tokenizer.json) to ``path``.
 
@@ -153,6 +194,7 @@ def write_gguf_like_llama_cpp(
     blocks (embedding and LM head included), except routers; the rest stay F32.
     extra, extra_tensors: further metadata (key without the ``<arch>.`` prefix -> value)
     and F32 tensors (GGUF name -> values), for files using features not implemented.
+    split_kv_b: see ``_tensors``.
     """
     hp = model.config.to_dict()
     writer = gguf.GGUFWriter(str(path), arch)
@@ -173,7 +215,7 @@ def write_gguf_like_llama_cpp(
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], hp["num_hidden_layers"])
     qtype = gguf.GGMLQuantizationType[linear_type]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
-    for hf_name, values in _tensors(model, arch).items():
+    for hf_name, values in _tensors(model, arch, split_kv_b).items():
         gguf_name = _gguf_name(name_map, hf_name, arch)
         router = "ffn_gate_inp" in gguf_name
         if values.ndim >= 2 and values.shape[-1] % block == 0 and not router:

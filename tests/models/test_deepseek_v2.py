@@ -118,24 +118,80 @@ def test_unimplemented_config_values_are_refused_by_name(change, named):
         ArchConfig.from_hf({**LITE, **change})
 
 
-def test_tensor_parallel_is_refused():
+def test_tensor_parallel_splits_whole_heads_and_experts():
+    """Each rank keeps whole heads (q_b and kv_b rows, o columns) and an equal part of every
+    expert; a size that does not divide the heads is refused by name."""
     from pagedserve.distributed.parallel_state import ParallelContext
 
-    assert DeepseekV2ForCausalLM.tensor_parallel is False
-    cfg = ArchConfig.from_hf(dict(LITE))
-    parallel = dataclasses.replace(ParallelContext.single(torch.device("cpu")), tp_size=2)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        DeepseekV2ForCausalLM(cfg, None, torch.float32, torch.device("cpu"), parallel=parallel)
+    cfg = ArchConfig.from_hf({**LITE, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 8})
+    single = ParallelContext.single(torch.device("cpu"))
+    ranks = [
+        DeepseekV2ForCausalLM(
+            cfg,
+            None,
+            torch.float32,
+            torch.device("cpu"),
+            parallel=dataclasses.replace(single, tp_size=2, world_size=2, rank=r),
+        )
+        for r in range(2)
+    ]
+    head_qk, head_kv = (
+        LITE["qk_nope_head_dim"] + LITE["qk_rope_head_dim"],
+        LITE["qk_nope_head_dim"] + LITE["v_head_dim"],
+    )
+    q_b = torch.randn(4 * head_qk, 8)
+    kv_b = torch.randn(4 * head_kv, LITE["kv_lora_rank"])
+    o = torch.randn(LITE["hidden_size"], 4 * LITE["v_head_dim"])
+    kv_a = torch.randn(LITE["kv_lora_rank"] + LITE["qk_rope_head_dim"], LITE["hidden_size"])
+    up = torch.randn(LITE["moe_intermediate_size"], LITE["hidden_size"])
+    for r, model in enumerate(ranks):
+        assert torch.equal(
+            model.shard_layer_tensor("self_attn.q_b_proj.weight", q_b),
+            q_b.view(4, -1, 8)[2 * r : 2 * r + 2].reshape(-1, 8),
+        )
+        assert torch.equal(
+            model.shard_layer_tensor("self_attn.kv_b_proj.weight", kv_b),
+            kv_b.view(4, head_kv, -1)[2 * r : 2 * r + 2].flatten(0, 1),
+        )
+        cols = 2 * LITE["v_head_dim"]
+        assert torch.equal(model.shard_layer_tensor("self_attn.o_proj.weight", o), o[:, r * cols : (r + 1) * cols])
+        assert model.shard_layer_tensor("self_attn.kv_a_proj_with_mqa.weight", kv_a) is kv_a
+        half = LITE["moe_intermediate_size"] // 2
+        assert torch.equal(model.shard_layer_tensor("mlp.experts.3.up_proj.weight", up), up[r * half : (r + 1) * half])
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the attention heads"):
+        DeepseekV2ForCausalLM(
+            cfg, None, torch.float32, torch.device("cpu"), parallel=dataclasses.replace(single, tp_size=3, world_size=3)
+        )
 
 
-def test_quantization_is_refused(tmp_path):
-    from test_models_vs_hf import build_checkpoint
+@pytest.mark.parametrize("method", ["w8a8", "fp8"])
+def test_quantized_latent_attention_stays_close_to_transformers(method, tmp_path):
+    """Every linear quantized (the low-rank query, both latent projections, experts and
+    shared experts), the latent norms and the router float; the stored q_b / kv_a rows
+    are put in rotate-half order at run time."""
+    import math
 
-    from pagedserve import LLM
+    from test_models_vs_hf import _prompts, build_checkpoint, hf_reference
 
-    build_checkpoint(tmp_path, "deepseekv2-lite-mla")
-    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM: quantized weights are not supported"):
-        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization="int8")
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.quantization.base import QuantizedWeight
+
+    model = build_checkpoint(tmp_path, "deepseekv2-qlora-grouped-yarn")
+    prompts = _prompts(7)[1:3]
+    expected = [hf_reference(model, p, 1) for p in prompts]
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization=method)
+    layer = llm.llm_engine.runner.model.layers[0]
+    for name in ("q_a", "q_b", "kv_a", "kv_b", "o", "gate_up", "down"):
+        assert isinstance(getattr(layer, name), QuantizedWeight), name
+    assert all(isinstance(w, QuantizedWeight) for w in [*layer.w13, *layer.w2])
+    assert isinstance(layer.q_a_norm, torch.Tensor) and isinstance(layer.kv_a_norm, torch.Tensor)
+    assert layer.router.dtype == torch.float32
+    assert layer.q_order is not None and layer.kv_a_order is not None
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=0), use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outs, expected):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        assert math.isclose(got.logprobs[0][tokens[0]].logprob, logprobs[0], abs_tol=0.1)
 
 
 def test_head_sizes_the_tensors_contradict_fail_at_load(tmp_path):

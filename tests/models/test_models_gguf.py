@@ -51,6 +51,9 @@ GGUF_CASES: dict[str, tuple[str, dict]] = {
     "qwen3moe": ("qwen3moe-qknorm", {}),
     "qwen2moe": ("qwen2moe-shared-dense-layer", dict(mlp_only_layers=[])),
     "mixtral": ("mixtral-top2-window", dict(sliding_window=None)),
+    # v_head_dim 16: o_proj's rows are whole Q8_0 blocks; kv_b_proj's (kv_lora_rank 24)
+    # are not, so it is F32 in the file as attn_k_b/attn_v_b and in transformers alike.
+    "deepseek2": ("deepseekv2-lite-mla", dict(v_head_dim=16)),
 }
 MAX_NEW = 6
 
@@ -65,11 +68,11 @@ def _file_arch(arch: str) -> str:
 
 #: Q8_0 files of these run in the quick suite (norm shift, fused, stacked experts with the
 #: Llama permutation, a shared expert, blocks dequantized); the others are marked slow.
-QUICK_Q8_0 = ("gemma3", "phi3", "mixtral", "qwen2moe", "glm4")
+QUICK_Q8_0 = ("gemma3", "phi3", "mixtral", "qwen2moe", "glm4", "deepseek2")
 
 
 #: MoE families whose Q8_0 test files keep every expert tensor in blocks.
-EXPERT_BLOCKS_KEPT = ("qwen3moe", "mixtral")
+EXPERT_BLOCKS_KEPT = ("qwen3moe", "mixtral", "deepseek2")
 
 
 def _q8_0_params() -> list:
@@ -138,10 +141,14 @@ def test_q8_0_blocks_stay_quantized_and_close(arch, written):
     path, prompts, _, first = written(arch, "Q8_0")
     llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
     layer = llm.llm_engine.runner.model.layers[0]
-    assert isinstance(layer.o, GGUFWeight) and isinstance(layer.qkv, GGUFWeight)
+    assert isinstance(layer.o, GGUFWeight) and isinstance(getattr(layer, "qkv", None) or layer.q, GGUFWeight)
     if arch == "glm4":  # stored q/k rows: the fused output is reordered at run time
         assert layer.qkv_order is not None
+    if arch == "deepseek2":  # stored rope rows of q and kv_a: reordered at run time; kv_b merged in float
+        assert isinstance(layer.kv_a, GGUFWeight) and layer.q_order is not None and layer.kv_a_order is not None
+        assert isinstance(layer.kv_b, torch.Tensor)
     if arch in EXPERT_BLOCKS_KEPT:  # one GGUFWeight per expert (models.quantized_experts)
+        layer = llm.llm_engine.runner.model.layers[-1]
         experts = [*layer.w13, *layer.w2]
         assert len(layer.w13) == len(layer.w2) > 1 and all(isinstance(w, GGUFWeight) for w in experts)
     elif arch == "qwen2moe":  # down_exps rows of 40 values stay F32: the layer's experts all come dequantized
@@ -239,3 +246,63 @@ def test_metadata_llama_cpp_fills_in(tmp_path):
     assert config["query_pre_attn_scalar"] == 24 and config["sliding_window"] == 5
     assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (3.0, 5.0)
     assert config["tie_word_embeddings"] is True and config["architectures"] == ["Gemma2ForCausalLM"]
+
+
+@pytest.mark.parametrize("split_kv_b", [True, False], ids=["attn_k_b+attn_v_b", "attn_kv_b"])
+def test_deepseek2_low_rank_query_and_yarn_match_transformers(split_kv_b, tmp_path):
+    """The low-rank query, YaRN with DeepSeek's mscale (the file's yarn_log_multiplier) and
+    both kv_b_proj layouts llama.cpp's converters have written: the weights come back bit
+    for bit and the tokens and logprobs are transformers'.  (The converter stores no expert
+    groups, so the routing is greedy.)"""
+    case = "deepseekv2-qlora-grouped-yarn"
+    model = build_checkpoint(tmp_path, case, vocab_size=VOCAB + 1, topk_method="greedy", n_group=None, topk_group=None)
+    path = write_gguf_like_llama_cpp(tmp_path / "m.gguf", model, "deepseek2", split_kv_b=split_kv_b)
+    source = open_model(path)
+    config = source.hf_config
+    assert config["rope_scaling"]["mscale_all_dim"] == pytest.approx(0.707)
+    assert (config["q_lora_rank"], config["kv_lora_rank"], config["qk_nope_head_dim"], config["v_head_dim"]) == (
+        20,
+        16,
+        12,
+        32,
+    )
+    ours = dict(source.weights())
+    for name, t in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                assert torch.equal(ours[f"{name[: -len('gate_up_proj')]}{e}.gate_proj.weight"], t[e, :half])
+                assert torch.equal(ours[f"{name[: -len('gate_up_proj')]}{e}.up_proj.weight"], t[e, half:])
+        elif name.endswith("mlp.experts.down_proj"):
+            assert all(
+                torch.equal(ours[f"{name[: -len('down_proj')]}{e}.down_proj.weight"], t[e]) for e in range(len(t))
+            )
+        else:
+            assert torch.equal(ours[name], t), name
+    prompts = _prompts(11)[3:5]
+    expected = [hf_reference(model, p, MAX_NEW) for p in prompts]
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", **ENGINES["chunked+prefix"])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    for out, (tokens, logprobs) in zip(llm.generate(prompts, params, use_tqdm=False), expected):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        for tok, entry, ref in zip(got.token_ids, got.logprobs, logprobs):
+            assert math.isclose(entry[tok].logprob, ref, abs_tol=2e-4)
+    assert llm.llm_engine.kv.pool.num_in_use == 0
+
+
+DEEPSEEK2_REFUSED = {
+    "sigmoid-router": ({"expert_gating_func": 2}, {}, "expert gating function 2"),
+    "v3-score-bias": ({}, {"blk.1.exp_probs_b.bias": np.zeros(4, np.float32)}, "exp_probs_b"),
+    "half-of-split-kv_b": ({}, {"blk.0.attn_kv_b.weight": np.ones((4, 24), np.float32)}, "attn_kv_b"),
+}
+
+
+@pytest.mark.parametrize("name", list(DEEPSEEK2_REFUSED))
+def test_deepseek2_features_not_implemented_are_refused_by_name(name, tmp_path):
+    extra, tensors, message = DEEPSEEK2_REFUSED[name]
+    case, overrides = GGUF_CASES["deepseek2"]
+    model = build_checkpoint(tmp_path, case, vocab_size=VOCAB + 1, **overrides)
+    path = write_gguf_like_llama_cpp(tmp_path / "m.gguf", model, "deepseek2", extra=extra, extra_tensors=tensors)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")

@@ -32,6 +32,8 @@ QUANTIZED = [
     "mixtral-top2-window",
     "qwen2moe-shared-dense-layer",
     "qwen3moe-qknorm",
+    "deepseekv2-lite-mla",
+    "deepseekv2-qlora-grouped-yarn",
 ]
 
 
@@ -47,13 +49,12 @@ def test_int8_weights_stay_close_to_transformers(case, tmp_path):
     expected = [hf_reference(model, p, 1) for p in prompts]
     llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization="int8")
     model = llm.llm_engine.runner.model
-    layer = model.layers[0]
-    assert isinstance(layer.qkv, Int8Weight)
-    for name in (*type(model).linear_fields, "w13", "w2"):  # experts: one weight each
-        w = getattr(layer, name, None)
-        assert all(isinstance(t, Int8Weight) for t in (w if isinstance(w, list) else [w] if w is not None else [])), (
-            name
-        )
+    for layer in model.layers:
+        assert isinstance(layer.o, Int8Weight)
+        for name in (*type(model).linear_fields, "w13", "w2"):  # experts: one weight each
+            w = getattr(layer, name, None)
+            weights = w if isinstance(w, list) else [w] if w is not None else []
+            assert all(isinstance(t, Int8Weight) for t in weights), name
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=0), use_tqdm=False)
     for out, (tokens, logprobs) in zip(outs, expected):
         got = out.outputs[0]
@@ -120,6 +121,8 @@ TP_CASES = [
     "mixtral-top2-window",
     "qwen2moe-shared-dense-layer",
     "qwen3moe-qknorm",
+    "deepseekv2-lite-mla",
+    "deepseekv2-qlora-grouped-yarn",
 ]
 
 
