@@ -233,3 +233,31 @@ def test_unsupported_settings_are_refused(setting, checkpoints):
     path, _, _ = checkpoints("gemma2")
     with pytest.raises(ValueError, match="free_sliding_window_blocks"):
         LLM(model=str(path), dtype="float32", **setting)
+
+
+@pytest.mark.parametrize("parallel", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)])
+def test_tensor_and_pipeline_parallel(parallel, checkpoints):
+    """Every rank lays its KV out in the same groups; a pipeline stage allocates only the
+    slots of its layers (Gemma 2, 4 layers: each stage has one windowed and one full
+    layer, so one slot)."""
+    path, prompts, expected = checkpoints("gemma2")
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        block_size=BS,
+        max_model_len=MAX_LEN,
+        max_num_batched_tokens=16,
+        num_gpu_blocks_override=_pool_for("gemma2", 16, 4),
+        distributed_executor_backend="mp",
+        **parallel,
+    )
+    try:
+        eng = llm.llm_engine
+        assert isinstance(eng.kv, GroupedKVCacheManager)
+        if "pipeline_parallel_size" in parallel:
+            assert eng.runner.num_kv_tensors == 1 and len(eng.runner.kv_caches) == 2
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_NEW[:3]]
+        _check(llm.generate(prompts[:3], params, use_tqdm=False), expected[:3])
+        assert eng.kv.num_blocks_in_use == 0 and eng.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
