@@ -21,6 +21,7 @@ __all__ = [
     "check_engine_config",
     "check_parallel_fits_model",
     "check_sliding_window_cache",
+    "check_kv_cache_groups",
     "check_prompt_fits_step",
     "check_logprobs_limit",
     "RULES",
@@ -196,6 +197,29 @@ def check_sliding_window_cache(cfg: EngineConfig, window: int | None) -> int | N
             "or leave kv_offload_memory unset"
         )
     return window
+
+
+def check_kv_cache_groups(cfg: EngineConfig, windows: list[int | None]) -> None:
+    """ValueError for a setting that KV cache groups (layers with different windows whose
+    slid-out blocks are freed: Gemma 2/3, Qwen2 ``max_window_layers``) cannot serve.
+
+    Checked when the checkpoint's config is read, before weights load.
+    """
+    if not cfg.cache.free_sliding_window_blocks or len(set(windows)) < 2:
+        return
+    spec = cfg.speculative.speculative_config
+    used = [
+        (cfg.cache.kv_offload_memory is not None, f"kv_offload_memory={cfg.cache.kv_offload_memory}"),
+        (cfg.device.device_map is not None, f"device_map={cfg.device.device_map!r}"),
+        (spec is not None and spec.method != "ngram", f"speculative_config method={getattr(spec, 'method', None)!r}"),
+    ]
+    for on, setting in used:
+        if on:
+            raise ValueError(
+                f"{setting} cannot be combined with freeing the KV blocks that slid out of the windowed layers of "
+                "a model whose layers have different attention windows (one block table per layer group); set "
+                "free_sliding_window_blocks=False (--no-free-sliding-window-blocks) to keep every block"
+            )
 
 
 def check_prompt_fits_step(scheduler: Any, num_prompt_tokens: int) -> None:

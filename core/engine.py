@@ -18,6 +18,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.config_rules import (
+    check_kv_cache_groups,
     check_logprobs_limit,
     check_parallel_fits_model,
     check_prompt_fits_step,
@@ -141,9 +142,9 @@ class LLMEngine:
         self.arch = ArchConfig.from_hf(source.hf_config)
         check_parallel_fits_model(config, self.arch)
         # The window by which the KV manager frees slid-out blocks (None: keeps them all).
-        kv_window = check_sliding_window_cache(
-            config, uniform_window(layer_windows(self.arch.hf_config, self.arch.num_layers))
-        )
+        windows = layer_windows(self.arch.hf_config, self.arch.num_layers)
+        kv_window = check_sliding_window_cache(config, uniform_window(windows))
+        check_kv_cache_groups(config, windows)  # layers with different windows: one table per group
         self.tokenizer = engine_tokenizer(config.model, source, self.arch.vocab_size)
         self.eos_token_ids = frozenset(source.eos_token_ids)
         #: SamplingParams defaults from generation_config.json (see loader/generation_config.py).
@@ -171,7 +172,7 @@ class LLMEngine:
         self.runner = self.executor.driver_runner  # rank 0's runner: it owns the sampler
         num_blocks = self.executor.num_blocks
         # A plain manager, or one with a host KV tier (kv_offload_memory).
-        self.kv = build_kv_manager(config, num_blocks, self.runner, kv_window, mml)
+        self.kv = build_kv_manager(config, num_blocks, self.runner, kv_window, mml, windows)
         self.weight_streamer = offload_weights(config, self.runner)  # cpu_offload_gb
         self.scheduler = Scheduler(config.scheduler, self.kv, mml)
         # Grammars compile on its worker thread; the runner masks constrained rows.

@@ -12,7 +12,7 @@ that samples.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ def split_micro_batches(out: SchedulerOutput, n: int) -> list[list[int]]:
 
 
 def _meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
-    return AttentionMetadata(**{f.name: getattr(meta, f.name).to(device) for f in fields(meta)})
+    return meta.apply(lambda t: t.to(device))
 
 
 class Worker:
@@ -95,7 +95,7 @@ class Worker:
         max_model_len = effective_max_model_len(cfg.model.max_model_len, arch.max_position_embeddings, arch.head_dim)
         self.runner = ModelRunner(platform, ops, arch, dtype, self.parallel, max_model_len=max_model_len)
         self.runner.load_weights(source.weights())
-        local = self.runner.determine_num_blocks(cfg.cache, cfg.scheduler, max_model_len)
+        local = self.runner.determine_num_blocks(cfg.cache, cfg.scheduler, max_model_len, self.parallel.min_over_ranks)
         num_blocks = self.parallel.min_over_ranks(local)
         self.runner.allocate_kv_cache(num_blocks, cfg.cache.block_size)
         return num_blocks
@@ -110,7 +110,7 @@ class Worker:
         batches, requests = [], []
         for group in split_micro_batches(out, self.num_micro_batches):
             sub = SchedulerOutput(scheduled=[out.scheduled[i] for i in group])
-            inp = prepare_inputs(sub, block_ids, runner.block_size, torch.device("cpu"))
+            inp = prepare_inputs(sub, block_ids, runner.block_size, torch.device("cpu"), runner.layer_groups)
             rows = [i for i, s in enumerate(sub.scheduled) if s.samples]
             batches.append(MicroBatch(inp.input_ids, inp.meta, inp.logits_indices[rows]))
             requests += [sub.scheduled[i].request for i in rows]

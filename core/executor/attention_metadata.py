@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -17,6 +17,10 @@ class AttentionMetadata:
     positions: int64 [num_tokens]; slot_mapping: int64 [num_tokens]
     block_tables: int32 [num_seqs, max_blocks]; seq_lens: int32 [num_seqs]
     query_start_loc: int32 [num_seqs + 1]
+
+    With KV cache groups (pagedserve.kv_cache.kv_groups) ``block_tables`` and
+    ``slot_mapping`` are the first group's; ``groups`` holds every group's metadata and
+    ``layer_groups`` each model layer's group, and :meth:`for_layer` picks a layer's.
     """
 
     positions: torch.Tensor
@@ -24,7 +28,20 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    #: Per model layer its KV cache group (None: one group, every layer uses this one).
+    layer_groups: tuple[int, ...] | None = None
+    groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata of model layer ``layer``: its group's block tables and slots."""
+        if self.layer_groups is None:
+            return self
+        return self.groups[self.layer_groups[layer]]
 
     def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> AttentionMetadata:
         """The same metadata with ``fn`` applied to every tensor (a device move)."""
-        return AttentionMetadata(*(fn(getattr(self, f.name)) for f in fields(self)))
+        moved = AttentionMetadata(*(fn(getattr(self, f.name)) for f in fields(self)[:5]))
+        if self.layer_groups is None:
+            return moved
+        groups = [replace(moved, block_tables=fn(g.block_tables), slot_mapping=fn(g.slot_mapping)) for g in self.groups]
+        return replace(moved, layer_groups=self.layer_groups, groups=groups)

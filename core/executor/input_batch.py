@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -25,12 +26,18 @@ class ModelInput:
 
 
 def prepare_inputs(
-    out: SchedulerOutput, block_ids: dict[str, list[int]], block_size: int, device: torch.device
+    out: SchedulerOutput,
+    block_ids: dict[str, list[int]] | dict[str, list[list[int]]],
+    block_size: int,
+    device: torch.device,
+    layer_groups: Sequence[int] | None = None,
 ) -> ModelInput:
     """Positions, slot mapping, block tables, seq lens and query offsets for one step.
 
-    One Python iteration per *request* (to read its token slice and block list);
-    everything per token is numpy arithmetic.
+    ``block_ids``: per request its block ids, or with KV cache groups (``layer_groups``:
+    each model layer's group) one list per group; each group gets its own block tables
+    and slot mapping.  One Python iteration per *request* (to read its token slice and
+    block lists); everything per token is numpy arithmetic.
     """
     reqs = out.scheduled
     num_new = np.fromiter((s.num_new_tokens for s in reqs), dtype=np.int64, count=len(reqs))
@@ -39,34 +46,42 @@ def prepare_inputs(
     np.cumsum(num_new, out=qsl[1:])
     total = int(qsl[-1])
 
+    num_groups = 1 if layer_groups is None else max(layer_groups) + 1
     tokens: list[int] = []
-    tables = []
+    tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
     for s, c, n in zip(reqs, computed.tolist(), num_new.tolist()):
         ids = s.request.all_token_ids[c : c + n]
         tokens.extend(ids)
         if len(ids) < n:  # draft tokens to verify follow the known ones
             tokens.extend(s.spec_token_ids[: n - len(ids)])
-        tables.append(block_ids[s.request.request_id])
-    max_blocks = max(len(t) for t in tables)
-    block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, : len(t)] = t
+        blocks = block_ids[s.request.request_id]
+        for g in range(num_groups):
+            tables[g].append(blocks if layer_groups is None else blocks[g])
 
     req_idx = np.repeat(np.arange(len(reqs)), num_new)
     positions = computed[req_idx] + (np.arange(total) - qsl[:-1][req_idx])
-    slot_mapping = block_tables[req_idx, positions // block_size].astype(np.int64) * block_size + positions % block_size
     seq_lens = (computed + num_new).astype(np.int32)
 
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device)
 
+    metas = []
+    for group_tables in tables:
+        block_tables = np.zeros((len(reqs), max(len(b) for b in group_tables)), dtype=np.int32)
+        for i, b in enumerate(group_tables):
+            block_tables[i, : len(b)] = b
+        slots = block_tables[req_idx, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        metas.append((t(slots), t(block_tables)))
     meta = AttentionMetadata(
         positions=t(positions),
-        slot_mapping=t(slot_mapping),
-        block_tables=t(block_tables),
+        slot_mapping=metas[0][0],
+        block_tables=metas[0][1],
         seq_lens=t(seq_lens),
         query_start_loc=t(qsl.astype(np.int32)),
     )
+    if layer_groups is not None:
+        groups = [replace(meta, slot_mapping=sm, block_tables=bt) for sm, bt in metas]
+        meta.layer_groups, meta.groups = tuple(layer_groups), groups
     return ModelInput(
         input_ids=torch.tensor(tokens, dtype=torch.int64, device=device),
         meta=meta,

@@ -14,6 +14,7 @@ from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.executor.input_batch import prepare_inputs
 from pagedserve.executor.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.executor.sampler import Sampler, SamplerOutput
+from pagedserve.kv_cache.kv_groups import grouped_blocks_for_one_request, kv_cache_groups, layer_slots
 from pagedserve.kv_cache.sliding_window import blocks_for_one_request
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import LayerPlacement
@@ -128,6 +129,10 @@ class ModelRunner:
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 16
         self.num_blocks = 0
+        #: With KV cache groups (kv_groups.py): each model layer's group, and each local
+        #: layer's KV tensor ("slot"); None: one group, one tensor per layer.
+        self.layer_groups: list[int] | None = None
+        self.layer_slots: list[int] | None = None
         #: Set by pagedserve.lora.LoRAManager.attach with enable_lora.
         self.lora_manager = None
 
@@ -141,24 +146,36 @@ class ModelRunner:
                 self.model.prepare_linear_weights()
 
     # -- KV cache -----------------------------------------------------------------------
-    def determine_num_blocks(self, cache: CacheConfig, sched: SchedulerConfig, max_model_len: int) -> int:
+    def determine_num_blocks(
+        self,
+        cache: CacheConfig,
+        sched: SchedulerConfig,
+        max_model_len: int,
+        agree: Callable[[int], int] | None = None,
+    ) -> int:
         """Blocks that fit the KV budget; a clear error if not one max-length request fits.
 
         Every layer gets the same number of blocks (block ids are shared by all layers).
         ``kv_cache_memory`` is the budget over all layers; with a ``memory_utilization``
         budget each device (segments on one torch device share its memory) fits as many
         blocks of its own layers as its memory allows, and the smallest count is used.
+
+        Layers with different windows get KV cache groups (kv_groups.py) when the budget
+        holds one max-length request in them; otherwise one group keeps every block.
+        ``agree``: the minimum over ranks (they must all choose the same layout).
         """
-        per_block = kv_bytes_per_block(self.local_arch, cache.block_size, self.dtype)
-        where = ""
-        if cache.num_gpu_blocks_override is not None:
-            budget = cache.num_gpu_blocks_override * per_block
-        elif cache.kv_cache_memory is not None:
-            budget = int(cache.kv_cache_memory)
-        else:
-            budget, per_block, where = self._memory_budget(cache, sched)
-        num_blocks = budget // per_block
-        needed = blocks_for_one_request(cache, sched, max_model_len, getattr(self.model, "windows", None))
+        windows = getattr(self.model, "windows", None) or [None] * self.arch.num_layers
+        groups = kv_cache_groups(windows, cache.free_sliding_window_blocks)
+        if len(groups) > 1:
+            self._use_groups(groups)
+            num_blocks = self._kv_budget(cache, sched)[2]
+            num_blocks = num_blocks if agree is None else agree(num_blocks)
+            bs, step = cache.block_size, sched.max_num_batched_tokens
+            if num_blocks >= grouped_blocks_for_one_request(groups, bs, max_model_len, step):
+                return int(num_blocks)
+            self.layer_groups = self.layer_slots = None  # too small for groups: keep every block
+        needed = blocks_for_one_request(cache, sched, max_model_len, windows)
+        budget, per_block, num_blocks, where = self._kv_budget(cache, sched)
         if num_blocks < needed:
             raise ValueError(
                 f"the KV cache budget{where} ({max(budget, 0) / 2**20:.1f} MiB = {max(num_blocks, 0)} blocks of "
@@ -167,6 +184,32 @@ class ModelRunner:
                 "memory_utilization or lower max_model_len"
             )
         return int(num_blocks)
+
+    def _kv_budget(self, cache: CacheConfig, sched: SchedulerConfig) -> tuple[int, int, int, str]:
+        """(KV bytes, bytes per block, blocks, " on <platforms>") in the current layout."""
+        per_block = self.kv_block_bytes(cache.block_size)
+        where = ""
+        if cache.num_gpu_blocks_override is not None:
+            budget = cache.num_gpu_blocks_override * per_block
+        elif cache.kv_cache_memory is not None:
+            budget = int(cache.kv_cache_memory)
+        else:
+            budget, per_block, where = self._memory_budget(cache, sched)
+        return budget, per_block, budget // per_block, where
+
+    def _use_groups(self, groups: list) -> None:
+        """Each model layer's group, and each local layer's slot (a pipeline stage
+        allocates only the slots its layers use)."""
+        group_of, slot_of = layer_slots(groups)
+        self.layer_groups = group_of
+        local = slot_of[self.model.layer_start : self.model.layer_end]
+        used = sorted(set(local))
+        self.layer_slots = [used.index(s) for s in local]
+
+    @property
+    def num_kv_tensors(self) -> int:
+        """KV (key, value) pairs this rank allocates: one per layer, or one per slot."""
+        return len(self.model.layers) if self.layer_slots is None else max(self.layer_slots) + 1
 
     def _memory_budget(self, cache: CacheConfig, sched: SchedulerConfig) -> tuple[int, int, str]:
         """(KV bytes, bytes per block of the layers they hold, " on <platforms>") of the
@@ -184,7 +227,8 @@ class ModelRunner:
             platform = members[0][0].platform
             util = cache.memory_utilization or platform.default_memory_utilization
             budget = int(platform.total_memory() * util) - sum(w for _, w in members) - act
-            layers = replace(self.local_arch, num_layers=sum(s.num_layers for s, _ in members))
+            num_layers = sum(s.num_layers for s, _ in members) if self.layer_slots is None else self.num_kv_tensors
+            layers = replace(self.local_arch, num_layers=num_layers)
             per_block = kv_bytes_per_block(layers, cache.block_size, self.dtype)
             if best is None or budget // per_block < best[0] // best[1]:
                 names = ", ".join(dict.fromkeys(s.platform.name for s, _ in members))
@@ -198,8 +242,12 @@ class ModelRunner:
         a = self.local_arch
         self.kv_caches = [
             platform.allocate_kv_cache(num_blocks, block_size, a.num_kv_heads, a.head_dim, self.dtype)
-            for platform in self.layer_platforms
+            for platform in self.layer_platforms[: self.num_kv_tensors]
         ]
+        if self.layer_slots is not None:
+            # KV cache groups: a layer's cache is its slot's tensor (one device: the
+            # engine's rules refuse device maps with groups).
+            self.kv_caches = [self.kv_caches[s] for s in self.layer_slots]
         # The last block is the null block of a sliding-window manager (never written by
         # requests, never read by a conforming kernel); zeroed once so that a kernel that
         # still gathers it under its window mask adds exact zeros, not NaN garbage.
@@ -208,8 +256,9 @@ class ModelRunner:
             v[-1].zero_()
 
     def kv_block_bytes(self, block_size: int) -> int:
-        """Bytes of one KV block over this rank's layers (its KV heads, its stage)."""
-        return kv_bytes_per_block(self.local_arch, block_size, self.dtype)
+        """Bytes of one KV block over this rank's layers (its KV heads, its stage), or
+        over its slots with KV cache groups."""
+        return kv_bytes_per_block(replace(self.local_arch, num_layers=self.num_kv_tensors), block_size, self.dtype)
 
     def allocate_host_kv_cache(self, num_host_blocks: int) -> None:
         """The host KV tier's blocks: per layer a (key, value) pair in host memory, in
@@ -262,7 +311,7 @@ class ModelRunner:
                 apply_kv_transfers(
                     [o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, out.kv_transfers
                 )
-            inp = prepare_inputs(out, block_ids, self.block_size, self.device)
+            inp = prepare_inputs(out, block_ids, self.block_size, self.device, self.layer_groups)
             hidden = self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
             ends = np.cumsum([s.num_new_tokens for s in out.scheduled])
             rows = [np.arange(e - k, e) for e, k in zip(ends.tolist(), num_logits) if k]
@@ -277,7 +326,7 @@ class ModelRunner:
                 apply_kv_transfers(
                     [o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, out.kv_transfers
                 )
-            inp = prepare_inputs(out, block_ids, self.block_size, self.device)
+            inp = prepare_inputs(out, block_ids, self.block_size, self.device, self.layer_groups)
             if self.lora_manager is not None:  # each row's adapter slot, for this forward only
                 self.lora_manager.begin_step(
                     [(s.request.lora_request, s.num_new_tokens) for s in out.scheduled], self.device

@@ -29,8 +29,16 @@ class KVCacheManager:
     """Allocates KV blocks to requests; paired check/act via ``allocate_slots`` returning None."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+        shared: tuple[BlockPool, KVBlock, int] | None = None,
     ) -> None:
+        """``shared``: (pool, null block, group index) when this manages one group of
+        layers over a pool that several groups share (see kv_groups.py); the group index
+        keys its prefix-cache entries apart from the other groups' ones."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         if sliding_window is not None and (sliding_window < 1 or num_blocks < 2):
@@ -39,9 +47,13 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         # With a window the last block id is the null block that slid-out table entries
         # point at: outside the pool, so never allocated and never written.
-        pool_blocks = num_blocks - 1 if sliding_window is not None else num_blocks
-        self.pool = BlockPool(pool_blocks, enable_caching=enable_prefix_caching)
-        self.null_block: KVBlock | None = KVBlock(pool_blocks, ref_cnt=1) if sliding_window is not None else None
+        self._group: int | None = None
+        if shared is not None:
+            self.pool, self.null_block, self._group = shared
+        else:
+            pool_blocks = num_blocks - 1 if sliding_window is not None else num_blocks
+            self.pool = BlockPool(pool_blocks, enable_caching=enable_prefix_caching)
+            self.null_block: KVBlock | None = KVBlock(pool_blocks, ref_cnt=1) if sliding_window is not None else None
         #: Peak of blocks referenced by requests (pool.num_in_use), for measurements.
         self.peak_blocks_in_use = 0
         self.req_blocks: dict[str, list[KVBlock]] = {}
@@ -73,6 +85,22 @@ class KVCacheManager:
             hashes, request.all_token_ids, self.block_size, num_tokens // self.block_size, request.cache_salt
         )
 
+    def _lookup(self, h: BlockHash) -> KVBlock | None:
+        if self._group is None:
+            return self.pool.lookup(*h)
+        return self.pool.lookup(hash((self._group, h[0])), (self._group, h[1]))
+
+    def _register(self, block: KVBlock, h: BlockHash) -> None:
+        if self._group is None:
+            self.pool.cache_block(block, *h)
+        else:
+            self.pool.cache_block(block, hash((self._group, h[0])), (self._group, h[1]))
+
+    def cached_run(self, request: Request, num_blocks: int) -> list[KVBlock | None]:
+        """This group's cached block (None: a miss) for each of the request's first
+        ``num_blocks`` full blocks."""
+        return [self._lookup(h) for h in self._block_hashes(request, num_blocks * self.block_size)[:num_blocks]]
+
     # -- allocation -----------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Leading cached blocks of a new request and the number of tokens they hold."""
@@ -82,8 +110,8 @@ class KVCacheManager:
         max_hit_tokens = request.num_tokens - 1
         hashes = self._block_hashes(request, max_hit_tokens)[: max_hit_tokens // self.block_size]
         blocks: list[KVBlock] = []
-        for h, key in hashes:
-            block = self.pool.lookup(h, key)
+        for h in hashes:
+            block = self._lookup(h)
             if block is None:
                 break
             blocks.append(block)
@@ -166,9 +194,19 @@ class KVCacheManager:
         allocated blocks, or None when the pool cannot supply them (changing nothing but
         the freeing of blocks that slid out of the window, which holds either way).
         """
+        plan = self.plan_slots(request, num_new_tokens, computed_blocks)
+        needed, revived = plan[0], plan[1]
+        if needed > self.pool.num_free_blocks - revived:
+            return None
+        return self.commit_slots(request, num_new_tokens, plan)
+
+    def plan_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> tuple[int, int, int, list[KVBlock]]:
+        """(blocks to allocate, free-queue blocks that hits revive, leading null entries,
+        the hits to take) for :meth:`allocate_slots`; frees the blocks that slid out."""
         computed_blocks = computed_blocks or []
-        rid = request.request_id
-        owned = self.req_blocks.get(rid, [])
+        owned = self.req_blocks.get(request.request_id, [])
         lead = 0
         if owned:
             self._free_slid_out(request, owned)
@@ -180,16 +218,23 @@ class KVCacheManager:
         needed = -(-total_tokens // self.block_size) - len(owned) - lead - len(computed_blocks)
         # Hits on unreferenced cached blocks take them out of the free queue.
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if needed > self.pool.num_free_blocks - revived:
-            return None
+        return max(needed, 0), revived, lead, computed_blocks
+
+    def commit_slots(
+        self, request: Request, num_new_tokens: int, plan: tuple[int, int, int, list[KVBlock]]
+    ) -> list[KVBlock]:
+        """Take the blocks :meth:`plan_slots` counted (the pool must have them)."""
+        needed, _, lead, computed_blocks = plan
+        rid = request.request_id
         self.pool.touch(computed_blocks)
-        new_blocks = self.pool.get_new_blocks(max(needed, 0))
+        new_blocks = self.pool.get_new_blocks(needed)
         blocks = self.req_blocks.setdefault(rid, [])
         if lead:
             blocks.extend([self.null_block] * lead)
             self._num_slid_out[rid] = lead
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
+        total_tokens = request.num_computed_tokens + num_new_tokens
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, blocks, total_tokens)
         self.num_scheduled_tokens += num_new_tokens
@@ -205,7 +250,7 @@ class KVCacheManager:
         start = self._num_cached.get(request.request_id, 0)
         for i in range(start, num_full):
             if blocks[i] is not self.null_block:  # a slid-out entry never registered stays a miss
-                self.pool.cache_block(blocks[i], *hashes[i])
+                self._register(blocks[i], hashes[i])
         self._num_cached[request.request_id] = max(start, num_full)
 
     def trim(self, request: Request, num_tokens: int) -> None:

@@ -386,7 +386,9 @@ class DecoderForCausalLM:
         """``layers`` (model-wide indices from ``first``) with the op registry ``ops``;
         every tensor on the same device."""
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
-            x, residual = self.layer_forward(ops, placement, first + i, layer, kv, x, residual, meta)
+            # Each layer attends through its KV cache group's block tables (one group: meta).
+            layer_meta = meta.for_layer(first + i)
+            x, residual = self.layer_forward(ops, placement, first + i, layer, kv, x, residual, layer_meta)
         return x, residual
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.kv_cache.host_tier import IN, KVTransfers, TieredKVCacheManager
+from pagedserve.kv_cache.kv_groups import GroupedKVCacheManager, kv_cache_groups
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.kv_cache.sliding_window import kv_window_for_pool
 from pagedserve.offload.cost import PreemptionCostModel
@@ -70,8 +71,13 @@ def apply_kv_transfers(
 
 
 def build_kv_manager(
-    config: EngineConfig, num_blocks: int, runner, sliding_window: int | None = None, max_model_len: int | None = None
-) -> KVCacheManager:
+    config: EngineConfig,
+    num_blocks: int,
+    runner,
+    sliding_window: int | None = None,
+    max_model_len: int | None = None,
+    windows: Sequence[int | None] | None = None,
+) -> KVCacheManager | GroupedKVCacheManager:
     """The plain manager, or one with a host tier of ``kv_offload_memory`` bytes (whose
     host KV tensors are allocated on ``runner``, the engine process's ModelRunner, here).
     ``sliding_window``: the plain manager frees blocks that slid out of it (the engine's
@@ -80,8 +86,14 @@ def build_kv_manager(
 
     The runner is not imported (it imports :func:`apply_kv_transfers` from here); this
     uses its public methods ``kv_block_bytes``, ``allocate_host_kv_cache`` and
-    ``weight_bytes`` and its ``layer_platforms`` and ``dtype``."""
+    ``weight_bytes`` and its ``layer_platforms`` and ``dtype``.  ``windows`` (each layer's):
+    layers with different windows get one block table per KV cache group (kv_groups.py)
+    when the runner laid its KV cache out in groups (``layer_groups``)."""
     cache = config.cache
+    groups = kv_cache_groups(windows or [], cache.free_sliding_window_blocks)
+    if len(groups) > 1 and runner.layer_groups is not None:  # the rules refuse a host tier here
+        windows = [g.window for g in groups]
+        return GroupedKVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, windows)
     if cache.kv_offload_memory is None:
         if max_model_len is not None:
             sliding_window = kv_window_for_pool(sliding_window, num_blocks, cache, config.scheduler, max_model_len)

@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import free_port
+from pagedserve.kv_cache.kv_groups import GroupedKVCacheManager
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -95,6 +96,11 @@ class DisaggregatedLLM:
         self.timeout_s = timeout_s
         self.llm = LLM.from_engine_config(config)
         engine = self.llm.llm_engine
+        if isinstance(engine.kv, GroupedKVCacheManager):
+            raise ValueError(
+                "disaggregated prefill/decode hands over one block list per prompt; this model's layers have "
+                "different attention windows (KV cache groups): set free_sliding_window_blocks=False"
+            )
         pconfig = replace(engine.config, device=replace(engine.config.device, threads=prefill_threads))
         addr, backend = "127.0.0.1", engine.platform.dist_backend
         port = free_port(addr)

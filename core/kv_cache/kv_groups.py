@@ -1,0 +1,230 @@
+"""KV cache groups: one block table per group of layers with the same window.
+
+Hybrid models (Gemma 2's alternating window / full attention, Gemma 3's 5 local : 1
+global, Qwen2's ``max_window_layers``) mix layers that need every key with layers that
+need only the last ``W``.  Their layers are split into groups of one attention type and
+window (:func:`kv_cache_groups`), every group holding the same number of layers
+(``group_size``; a type's last group may hold fewer, its missing layers are padding).
+
+Memory: one shared pool of pages.  A page is ``block_size`` tokens of ``group_size``
+layers, and the KV tensors are ``group_size`` per-layer tensors ("slots"); layer ``j`` of
+every group uses slot ``j``.  So one block id means one page of whichever group
+allocated it, each layer still sees an ordinary ``[num_blocks, block_size, heads,
+head_dim]`` cache, and each request has one block table per group, which its layers get
+through the attention metadata (:meth:`AttentionMetadata.for_layer`).  Windowed groups
+free the blocks that slid out of their window; the full-attention group keeps them.
+This is vLLM's scheme; it beats one pool per group because the split between groups
+follows the requests (short prompts need about as many full as windowed blocks, long
+generations mostly full ones) instead of a ratio fixed at start-up.
+
+:class:`GroupedKVCacheManager` coordinates one :class:`KVCacheManager` per group over the
+shared pool: allocation is all groups or none, and a prefix hit must be valid in every
+group (see :meth:`GroupedKVCacheManager.get_computed_blocks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedserve.kv_cache.block_pool import BlockPool, KVBlock
+from pagedserve.kv_cache.manager import KVCacheManager
+from pagedserve.kv_cache.sliding_window import first_visible_block, max_blocks_held, uniform_window
+from pagedserve.request import Request
+
+__all__ = ["KVGroup", "kv_cache_groups", "layer_slots", "GroupedKVCacheManager", "grouped_blocks_for_one_request"]
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers (model-wide indices) that share one block table; ``window`` None: full attention."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def kv_cache_groups(windows: Sequence[int | None], free_slid_out: bool = True) -> list[KVGroup]:
+    """The KV cache groups of a model whose layer ``i`` has window ``windows[i]``.
+
+    One group of every layer when the layers share one window (or none), or when
+    ``free_slid_out`` is off (every block is kept, one table serves all layers).
+    Otherwise one group per type and window, split to ``group_size`` layers each: the
+    fewest layers of a type, or the most when they differ by less than 25% (little
+    padding), as vLLM chooses.  Full-attention groups come first.
+    """
+    n = len(windows)
+    if not free_slid_out or n == 0 or all(w == windows[0] for w in windows):
+        window = uniform_window(windows) if free_slid_out else None
+        return [KVGroup(window, tuple(range(n)))]
+    by_window: dict[int | None, list[int]] = {}
+    for i, w in enumerate(windows):
+        by_window.setdefault(w, []).append(i)
+    sizes = [len(v) for v in by_window.values()]
+    size = max(sizes) if max(sizes) < 1.25 * min(sizes) else min(sizes)
+    order = sorted(by_window, key=lambda w: (w is not None, w or 0))
+    return [KVGroup(w, tuple(by_window[w][i : i + size])) for w in order for i in range(0, len(by_window[w]), size)]
+
+
+def layer_slots(groups: Sequence[KVGroup]) -> tuple[list[int], list[int]]:
+    """(group index, slot index) of each model layer: the slot is the layer's place in
+    its group, the KV tensor it shares with the same place of every other group."""
+    n = sum(len(g.layers) for g in groups)
+    group_of, slot_of = [0] * n, [0] * n
+    for gi, g in enumerate(groups):
+        for j, layer in enumerate(g.layers):
+            group_of[layer], slot_of[layer] = gi, j
+    return group_of, slot_of
+
+
+def grouped_blocks_for_one_request(
+    groups: Sequence[KVGroup], block_size: int, max_model_len: int, max_step_tokens: int
+) -> int:
+    """Pages a pool needs for one request of ``max_model_len`` tokens: each group's most
+    blocks held at once, plus the null block."""
+    return 1 + sum(max_blocks_held(max_model_len, block_size, g.window, max_step_tokens) for g in groups)
+
+
+class GroupedKVCacheManager:
+    """Block tables per KV cache group over one pool; the interface of KVCacheManager.
+
+    ``block_ids`` gives one list per group (group order of :func:`kv_cache_groups`).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, windows: Sequence[int | None]):
+        if num_blocks < 2:
+            raise ValueError(f"KV cache groups need >= 2 blocks (one is the null block), got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        #: Not one window for every layer: see ``windows``.
+        self.sliding_window = None
+        self.windows = list(windows)
+        self.pool = BlockPool(num_blocks - 1, enable_caching=enable_prefix_caching)
+        self.null_block = KVBlock(num_blocks - 1, ref_cnt=1)
+        self.groups = [
+            KVCacheManager(num_blocks, block_size, enable_prefix_caching, w, shared=(self.pool, self.null_block, i))
+            for i, w in enumerate(self.windows)
+        ]
+        self.peak_blocks_in_use = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.num_scheduled_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.pool.num_in_use
+
+    @property
+    def req_blocks(self) -> dict[str, list[list[KVBlock]]]:
+        """Per request holding blocks: its block list in each group."""
+        rids = dict.fromkeys(r for g in self.groups for r in g.req_blocks)
+        return {r: [g.req_blocks.get(r, []) for g in self.groups] for r in rids}
+
+    def num_blocks_held(self, request_id: str) -> int:
+        return sum(g.num_blocks_held(request_id) for g in self.groups)
+
+    def group_blocks_held(self, request_id: str) -> list[int]:
+        return [g.num_blocks_held(request_id) for g in self.groups]
+
+    def can_fit(self, num_tokens: int, max_step_tokens: int | None = None) -> bool:
+        step = num_tokens if max_step_tokens is None else max_step_tokens
+        need = sum(max_blocks_held(num_tokens, self.block_size, w, step) for w in self.windows)
+        return need <= self.pool.num_blocks
+
+    # -- prefix caching -------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVBlock]], int]:
+        """Per group the hits of a new request, and the tokens they hold.
+
+        A hit of ``n`` blocks is valid when every full-attention group has all of the
+        first ``n`` blocks cached and every windowed group has the blocks from the first
+        one a query after them still sees (``first_visible_block(n * block_size)``) to
+        the ``n``-th (vLLM's sliding-window hit rule); the longest ``n`` valid in every
+        group wins.  A windowed group's entries before that point are the null block.
+        """
+        empty: list[list[KVBlock]] = [[] for _ in self.groups]
+        if not self.enable_prefix_caching:
+            return empty, 0
+        bs = self.block_size
+        max_hit = (request.num_tokens - 1) // bs  # never the last token: its logits are needed
+        runs = [g.cached_run(request, max_hit) for g in self.groups]
+        # trailing[g][i]: cached blocks in a row ending at block i - 1 of group g.
+        trailing = []
+        for run in runs:
+            t = [0] * (len(run) + 1)
+            for i, b in enumerate(run):
+                t[i + 1] = t[i] + 1 if b is not None else 0
+            trailing.append(t)
+        n = max_hit
+        while n > 0:
+            ok = True
+            for w, t in zip(self.windows, trailing):
+                first = 0 if w is None else first_visible_block(n * bs, w, bs)
+                if t[n] < n - first:
+                    ok = False
+                    break
+            if ok:
+                break
+            n -= 1
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += n * bs
+        if n == 0:
+            return empty, 0
+        out = []
+        for w, run in zip(self.windows, runs):
+            first = 0 if w is None else first_visible_block(n * bs, w, bs)
+            out.append([self.null_block] * first + run[first:n])
+        return out, n * bs
+
+    def cached_prefix(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
+        raise ValueError(
+            "the disaggregated prefill/decode hand-off sends one block list per request; a model with "
+            "KV cache groups (layers with different windows) has one per group: set "
+            "free_sliding_window_blocks=False to hand off its KV"
+        )
+
+    adopt_prefix = cached_prefix
+
+    # -- allocation -----------------------------------------------------------------------
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[list[KVBlock]] | None = None
+    ) -> list[KVBlock] | None:
+        """Room for ``num_new_tokens`` more tokens in every group, or None (and nothing
+        taken but the slid-out blocks freed) when the pool cannot supply all of them."""
+        hits = computed_blocks or [[] for _ in self.groups]
+        plans = [g.plan_slots(request, num_new_tokens, h) for g, h in zip(self.groups, hits)]
+        if sum(p[0] for p in plans) > self.pool.num_free_blocks - sum(p[1] for p in plans):
+            return None
+        new = [b for g, p in zip(self.groups, plans) for b in g.commit_slots(request, num_new_tokens, p)]
+        self.num_scheduled_tokens += num_new_tokens
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.pool.num_in_use)
+        return new
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        for g in self.groups:
+            g.trim(request, num_tokens)
+
+    def free(self, request: Request) -> None:
+        for g in self.groups:
+            g.free(request)
+
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        return [g.block_ids(request_id) for g in self.groups]
+
+    # -- tiers: none with groups (config_rules refuses kv_offload_memory) ---------------------
+    def should_swap(self, request: Request) -> bool:
+        return False
+
+    def swap_out(self, request: Request) -> None:
+        raise NotImplementedError("swap preemption needs a host KV tier (kv_offload_memory)")
+
+    def take_transfers(self):
+        return None
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
