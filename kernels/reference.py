@@ -86,6 +86,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged KV cache for a mixed batch.
 
@@ -109,6 +110,10 @@ def paged_attention(
         those blocks, i.e. start the key loop at block first_visible // block_size.
     soft_cap: if set, scores (after ``scale``) become soft_cap * tanh(score / soft_cap)
         before the softmax (Gemma 2).
+    sinks: if set, float32 [num_heads]: a learned logit per query head that joins the
+        softmax's denominator but contributes no value (GPT-OSS's attention sinks):
+        probs = exp(s - m) / (sum exp(s - m) + exp(sinks[h] - m)), m the maximum over
+        the scores AND the sink.  A split of the keys must count the sink exactly once.
     Implementations without these parameters must refuse them (TypeError), never
     ignore them.
     """
@@ -121,6 +126,8 @@ def paged_attention(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}")
     if out is None:
         out = torch.empty_like(query)
     qsl = query_start_loc.tolist()
@@ -153,7 +160,11 @@ def paged_attention(
         if sliding_window is not None:
             masked |= k_pos <= q_pos - sliding_window
         scores.masked_fill_(masked, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # the sink is one more logit whose value row is zero
+            sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         o = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))  # [kvh, g, q_len, d]
         out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size).to(out.dtype)
     return out

@@ -17,7 +17,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.testing.attention_window_cases import WINDOW_BATCH, WINDOW_CASES, point_slid_out_at_nan_block
+from pagedserve.testing.attention_window_cases import (
+    SINK_CASES,
+    WINDOW_BATCH,
+    WINDOW_CASES,
+    point_slid_out_at_nan_block,
+    random_sinks,
+)
 from pagedserve.testing.checks import CheckSkipped
 from pagedserve.testing.target import Target
 
@@ -536,7 +542,7 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
         (32, 4, 1, 64, {"sliding_window": 19, "soft_cap": 3.0}),
     ]
     # Contexts several windows long; slid-out table entries point at a NaN block.
-    cases = [(shape, False) for shape in shapes] + [(shape, True) for shape in WINDOW_CASES]
+    cases = [(shape, False) for shape in shapes] + [(shape, True) for shape in WINDOW_CASES + SINK_CASES]
     for (block_size, heads, kv_heads, head, extra), slid_out in cases:
         desc = f"bs{block_size}-h{heads}kv{kv_heads}-d{head}" + "".join(f"-{k}{v}" for k, v in extra.items())
         if slid_out:
@@ -554,6 +560,8 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
             query, kc, vc, tables, seq_lens, qsl, num_blocks = _attention_inputs(
                 c, dtype, block_size, heads, kv_heads, head, WINDOW_BATCH if slid_out else PAGED_ATTENTION_BATCH
             )
+            if "sinks" in extra:  # a spread stands for random per-head sink logits
+                extra = {**extra, "sinks": c.dev(random_sinks(c.gen, heads, extra["sinks"]))}
             scale = head**-0.5
             want = reference.paged_attention(query, kc, vc, tables, seq_lens, qsl, scale, **extra)
             slots = _context_slots(tables, seq_lens, block_size)
