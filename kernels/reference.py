@@ -252,6 +252,10 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
     """A mixture-of-experts MLP over routed tokens.
 
@@ -260,6 +264,10 @@ def fused_moe(
     Returns [T, H] in x's dtype:
         out[t] = sum_k topk_weights[t, k] * w2[e] @ (act(gate_e @ x[t]) * (up_e @ x[t])),
         e = topk_ids[t, k]; act "silu" or "gelu" (tanh approximation).
+    "swigluoai" (GPT-OSS, vLLM's name) replaces act(gate) * up by
+        (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit).
+    w13_bias [E, 2*I] (cat(gate, up) like w13's rows) and w2_bias [E, H], when given,
+    are added to each expert's products before the rounding (a biased linear).
     The expert products are rounded to x's dtype (as the dense linear ops do); the
     weighted sum over k is accumulated in float32.
 
@@ -279,15 +287,19 @@ def fused_moe(
         if n == 0:
             continue
         rows = token_of[start : start + n]
-        h = torch.nn.functional.linear(x.index_select(0, rows), w13[expert])
+        b13 = None if w13_bias is None else w13_bias[expert]
+        h = torch.nn.functional.linear(x.index_select(0, rows), w13[expert], b13)
         gate, up = h[:, :inter], h[:, inter:]
         if activation == "silu":
             h = torch.nn.functional.silu(gate) * up
         elif activation == "gelu":
             h = torch.nn.functional.gelu(gate, approximate="tanh") * up
+        elif activation == "swigluoai":
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            h = (up + 1) * (gate * torch.sigmoid(gate * alpha))
         else:
-            raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu)")
-        y = torch.nn.functional.linear(h, w2[expert])
+            raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu, swigluoai)")
+        y = torch.nn.functional.linear(h, w2[expert], None if w2_bias is None else w2_bias[expert])
         out.index_add_(0, rows, y.float() * weight_of[start : start + n, None])
         start += n
     return out.to(x.dtype)

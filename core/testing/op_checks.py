@@ -182,6 +182,17 @@ FUSED_MOE_SHAPES: tuple[tuple[int, int, int, int, int, str, bool], ...] = (
 )
 
 
+#: GPT-OSS expert cases (the "swigluoai" activation, expert biases):
+#: (tokens, experts, top_k, hidden, intermediate, biased, alpha, limit, x scale); a
+#: limit small enough, or inputs large enough, that both clamps bind.
+FUSED_MOE_OAI_SHAPES: tuple[tuple[int, int, int, int, int, bool, float, float, float], ...] = (
+    (9, 4, 2, 64, 96, True, 1.702, 7.0, 8.0),
+    (5, 6, 2, 40, 37, True, 1.702, 1.5, 1.0),
+    (1, 3, 1, 64, 32, False, 1.0, 2.0, 2.0),
+    (33, 8, 4, 48, 16, True, 1.702, 7.0, 1.0),
+)
+
+
 def _route(c: _Case, tokens: int, experts: int, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 [T, K], ids int64 [T, K]) as a softmax router would give them; the
     last expert never chosen when there are spare ones, so some expert is always idle."""
@@ -228,6 +239,39 @@ def _fused_moe(t: Target, fn: Callable, dtype: torch.dtype, seed: int, prepare: 
             x2 = c.randn(tokens, hidden, dtype=dtype)
             got = fn(c.dev(x2), pw13, pw2, c.dev(weights), c.dev(ids), act)
             assert_matches("fused_moe (second call)", got, reference.fused_moe(x2, w13, w2, weights, ids, act), dtype)
+
+        yield desc, body
+    yield from _fused_moe_oai(t, fn, dtype, seed, prepare)
+
+
+def _fused_moe_oai(t: Target, fn: Callable, dtype: torch.dtype, seed: int, prepare: Callable) -> Cases:
+    """GPT-OSS experts: swigluoai with (alpha, limit) and optional w13/w2 biases."""
+    for tokens, experts, top_k, hidden, inter, biased, alpha, limit, scale in FUSED_MOE_OAI_SHAPES:
+        desc = f"t{tokens}-e{experts}-k{top_k}-h{hidden}-i{inter}-swigluoai-a{alpha}-l{limit}" + (
+            "-bias" if biased else ""
+        )
+
+        def body(
+            tokens=tokens, experts=experts, top_k=top_k, hidden=hidden, inter=inter, biased=biased, alpha=alpha,
+            limit=limit, scale=scale,
+        ) -> None:  # fmt: skip
+            if not all(_accepts(fn, k) for k in ("w13_bias", "w2_bias", "alpha", "limit")):
+                raise CheckSkipped("fused_moe takes no expert biases / swigluoai: GPT-OSS fails on this platform")
+            c = _Case(f"fused_moe-oai{tokens}-{experts}-{inter}-{biased}{dtype}", seed, t.device)
+            x = c.randn(tokens, hidden, dtype=dtype, scale=scale)
+            w13 = c.randn(experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
+            w2 = c.randn(experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
+            b13 = c.randn(experts, 2 * inter, dtype=dtype) if biased else None
+            b2 = c.randn(experts, hidden, dtype=dtype) if biased else None
+            weights, ids = _route(c, tokens, experts, top_k, True)
+            kw = {"alpha": alpha, "limit": limit}
+            want = reference.fused_moe(x, w13, w2, weights, ids, "swigluoai", b13, b2, **kw)
+            plain = reference.fused_moe(x, w13, w2, weights, ids, "swigluoai", **kw)
+            assert not biased or not torch.allclose(want.float(), plain.float()), "the biases must matter"
+            pw13, pw2 = prepare(c.dev(w13), c.dev(w2))
+            biases = [None if b is None else c.dev(b) for b in (b13, b2)]
+            got = fn(c.dev(x), pw13, pw2, c.dev(weights), c.dev(ids), "swigluoai", *biases, **kw)
+            assert_matches("fused_moe (swigluoai)", got, want, dtype)
 
         yield desc, body
 
