@@ -115,12 +115,15 @@ def with_nan_slid_out(args: tuple, window: int) -> tuple:
     return query, key_cache, value_cache, tables, seq_lens, qsl, scale
 
 
-#: Window / soft-cap variants checked (Gemma 2: window 4096 and cap 50; here shorter
-#: windows so that blocks slide out of the test contexts).
+#: Window / soft-cap / sink variants checked (Gemma 2: window 4096 and cap 50; here
+#: shorter windows so that blocks slide out of the test contexts).  ``sinks`` is the
+#: spread of random per-head sink logits (GPT-OSS); 30 dominates every score.
 WINDOW_CASES: tuple[dict, ...] = (
     {"sliding_window": 512},
     {"soft_cap": 30.0},
     {"sliding_window": 200, "soft_cap": 30.0},
+    {"sinks": 2.0},
+    {"sliding_window": 128, "sinks": 30.0},
 )
 
 
@@ -139,8 +142,14 @@ def check_window_kernels(cuda_ext, device: str = "cuda") -> bool:
         ):
             for extra in WINDOW_CASES:
                 args = with_nan_slid_out(base, extra.get("sliding_window", 1 << 30))
+                if "sinks" in extra:
+                    gen = torch.Generator().manual_seed(5)
+                    extra = {
+                        **extra,
+                        "sinks": (torch.randn(args[0].shape[1], generator=gen) * extra["sinks"]).to(device),
+                    }
                 expected = reference.paged_attention(*args, **extra)
-                what = f"{tag} {label} " + " ".join(f"{k}={v}" for k, v in extra.items())
+                what = f"{tag} {label} " + " ".join(k if k == "sinks" else f"{k}={v}" for k, v in extra.items())
                 for splits in (1, 4):
                     out = torch.full_like(args[0], float("nan"))
                     attention.paged_attention_fixed_splits(*args, num_splits=splits, out=out, **extra)
@@ -148,7 +157,7 @@ def check_window_kernels(cuda_ext, device: str = "cuda") -> bool:
                 if cuda_ext is not None:
                     out = torch.full_like(args[0], float("nan"))
                     cuda_ext.paged_attention_decode(
-                        out, *args, extra.get("sliding_window", 0), extra.get("soft_cap", 0.0)
+                        out, *args, extra.get("sliding_window", 0), extra.get("soft_cap", 0.0), extra.get("sinks")
                     )
                     ok &= _compare(f"cuda attention {what}", out, expected, tol[dtype])
     return ok

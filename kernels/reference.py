@@ -86,6 +86,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged KV cache for a mixed batch.
 
@@ -109,6 +110,10 @@ def paged_attention(
         those blocks, i.e. start the key loop at block first_visible // block_size.
     soft_cap: if set, scores (after ``scale``) become soft_cap * tanh(score / soft_cap)
         before the softmax (Gemma 2).
+    sinks: if set, float32 [num_heads]: a learned logit per query head that joins the
+        softmax's denominator but contributes no value (GPT-OSS's attention sinks):
+        probs = exp(s - m) / (sum exp(s - m) + exp(sinks[h] - m)), m the maximum over
+        the scores AND the sink.  A split of the keys must count the sink exactly once.
     Implementations without these parameters must refuse them (TypeError), never
     ignore them.
     """
@@ -121,6 +126,8 @@ def paged_attention(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}")
     if out is None:
         out = torch.empty_like(query)
     qsl = query_start_loc.tolist()
@@ -153,7 +160,11 @@ def paged_attention(
         if sliding_window is not None:
             masked |= k_pos <= q_pos - sliding_window
         scores.masked_fill_(masked, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # the sink is one more logit whose value row is zero
+            sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         o = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))  # [kvh, g, q_len, d]
         out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size).to(out.dtype)
     return out
@@ -241,6 +252,10 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
     """A mixture-of-experts MLP over routed tokens.
 
@@ -249,6 +264,10 @@ def fused_moe(
     Returns [T, H] in x's dtype:
         out[t] = sum_k topk_weights[t, k] * w2[e] @ (act(gate_e @ x[t]) * (up_e @ x[t])),
         e = topk_ids[t, k]; act "silu" or "gelu" (tanh approximation).
+    "swigluoai" (GPT-OSS, vLLM's name) replaces act(gate) * up by
+        (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit).
+    w13_bias [E, 2*I] (cat(gate, up) like w13's rows) and w2_bias [E, H], when given,
+    are added to each expert's products before the rounding (a biased linear).
     The expert products are rounded to x's dtype (as the dense linear ops do); the
     weighted sum over k is accumulated in float32.
 
@@ -268,15 +287,19 @@ def fused_moe(
         if n == 0:
             continue
         rows = token_of[start : start + n]
-        h = torch.nn.functional.linear(x.index_select(0, rows), w13[expert])
+        b13 = None if w13_bias is None else w13_bias[expert]
+        h = torch.nn.functional.linear(x.index_select(0, rows), w13[expert], b13)
         gate, up = h[:, :inter], h[:, inter:]
         if activation == "silu":
             h = torch.nn.functional.silu(gate) * up
         elif activation == "gelu":
             h = torch.nn.functional.gelu(gate, approximate="tanh") * up
+        elif activation == "swigluoai":
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            h = (up + 1) * (gate * torch.sigmoid(gate * alpha))
         else:
-            raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu)")
-        y = torch.nn.functional.linear(h, w2[expert])
+            raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu, swigluoai)")
+        y = torch.nn.functional.linear(h, w2[expert], None if w2_bias is None else w2_bias[expert])
         out.index_add_(0, rows, y.float() * weight_of[start : start + n, None])
         start += n
     return out.to(x.dtype)

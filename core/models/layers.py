@@ -133,11 +133,13 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k/v into the paged cache, then attend: q [n, heads, d] -> [n, heads * d].
 
     ``sliding_window`` (keys within that many positions, the query's own included) and
-    ``soft_cap`` (``cap * tanh(score / cap)``) are passed only when set, so a platform
+    ``soft_cap`` (``cap * tanh(score / cap)``) and ``sinks`` (float32 [heads], GPT-OSS's
+    per-head sink logits) are passed only when set, so a platform
     whose attention op lacks them still serves every model that does not use them.
     """
     k_cache, v_cache = kv_cache
@@ -147,6 +149,8 @@ def paged_attention(
         extra["sliding_window"] = sliding_window
     if soft_cap is not None:
         extra["soft_cap"] = soft_cap
+    if sinks is not None:
+        extra["sinks"] = sinks
     out = ops.paged_attention(
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, **extra
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["WINDOW_BATCH", "WINDOW_CASES", "point_slid_out_at_nan_block"]
+__all__ = ["SINK_CASES", "WINDOW_BATCH", "WINDOW_CASES", "point_slid_out_at_nan_block", "random_sinks"]
 
 #: (context length, new tokens) per sequence: a one-token prompt, decodes far past the
 #: window, a whole prompt longer than the window, a prefill chunk after cached context.
@@ -29,6 +29,22 @@ WINDOW_CASES: tuple[tuple[int, int, int, int, dict], ...] = (
     (8, 4, 4, 96, {"sliding_window": 1}),
     (32, 4, 1, 128, {"soft_cap": 2.0}),
 )
+
+#: Attention sinks (GPT-OSS): ``{"sinks": spread}`` stands for float32 [heads] random
+#: sink logits of that spread (``random_sinks``); 30 makes the sink dominate every
+#: score.  Alone, with a window (long contexts, slid-out entries at the NaN block), with
+#: soft-cap, GQA 1-4.
+SINK_CASES: tuple[tuple[int, int, int, int, dict], ...] = (
+    (16, 4, 2, 64, {"sinks": 1.0}),
+    (16, 8, 2, 64, {"sliding_window": 40, "sinks": 2.0}),
+    (8, 4, 1, 64, {"sliding_window": 7, "soft_cap": 5.0, "sinks": 30.0}),
+    (32, 6, 2, 128, {"sinks": 30.0}),
+)
+
+
+def random_sinks(gen: torch.Generator, heads: int, spread: float) -> torch.Tensor:
+    """float32 [heads] sink logits, normal with standard deviation ``spread``."""
+    return torch.randn(heads, generator=gen) * spread
 
 
 def point_slid_out_at_nan_block(

@@ -17,7 +17,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.testing.attention_window_cases import WINDOW_BATCH, WINDOW_CASES, point_slid_out_at_nan_block
+from pagedserve.testing.attention_window_cases import (
+    SINK_CASES,
+    WINDOW_BATCH,
+    WINDOW_CASES,
+    point_slid_out_at_nan_block,
+    random_sinks,
+)
 from pagedserve.testing.checks import CheckSkipped
 from pagedserve.testing.target import Target
 
@@ -176,6 +182,17 @@ FUSED_MOE_SHAPES: tuple[tuple[int, int, int, int, int, str, bool], ...] = (
 )
 
 
+#: GPT-OSS expert cases (the "swigluoai" activation, expert biases):
+#: (tokens, experts, top_k, hidden, intermediate, biased, alpha, limit, x scale); a
+#: limit small enough, or inputs large enough, that both clamps bind.
+FUSED_MOE_OAI_SHAPES: tuple[tuple[int, int, int, int, int, bool, float, float, float], ...] = (
+    (9, 4, 2, 64, 96, True, 1.702, 7.0, 8.0),
+    (5, 6, 2, 40, 37, True, 1.702, 1.5, 1.0),
+    (1, 3, 1, 64, 32, False, 1.0, 2.0, 2.0),
+    (33, 8, 4, 48, 16, True, 1.702, 7.0, 1.0),
+)
+
+
 def _route(c: _Case, tokens: int, experts: int, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 [T, K], ids int64 [T, K]) as a softmax router would give them; the
     last expert never chosen when there are spare ones, so some expert is always idle."""
@@ -222,6 +239,39 @@ def _fused_moe(t: Target, fn: Callable, dtype: torch.dtype, seed: int, prepare: 
             x2 = c.randn(tokens, hidden, dtype=dtype)
             got = fn(c.dev(x2), pw13, pw2, c.dev(weights), c.dev(ids), act)
             assert_matches("fused_moe (second call)", got, reference.fused_moe(x2, w13, w2, weights, ids, act), dtype)
+
+        yield desc, body
+    yield from _fused_moe_oai(t, fn, dtype, seed, prepare)
+
+
+def _fused_moe_oai(t: Target, fn: Callable, dtype: torch.dtype, seed: int, prepare: Callable) -> Cases:
+    """GPT-OSS experts: swigluoai with (alpha, limit) and optional w13/w2 biases."""
+    for tokens, experts, top_k, hidden, inter, biased, alpha, limit, scale in FUSED_MOE_OAI_SHAPES:
+        desc = f"t{tokens}-e{experts}-k{top_k}-h{hidden}-i{inter}-swigluoai-a{alpha}-l{limit}" + (
+            "-bias" if biased else ""
+        )
+
+        def body(
+            tokens=tokens, experts=experts, top_k=top_k, hidden=hidden, inter=inter, biased=biased, alpha=alpha,
+            limit=limit, scale=scale,
+        ) -> None:  # fmt: skip
+            if not all(_accepts(fn, k) for k in ("w13_bias", "w2_bias", "alpha", "limit")):
+                raise CheckSkipped("fused_moe takes no expert biases / swigluoai: GPT-OSS fails on this platform")
+            c = _Case(f"fused_moe-oai{tokens}-{experts}-{inter}-{biased}{dtype}", seed, t.device)
+            x = c.randn(tokens, hidden, dtype=dtype, scale=scale)
+            w13 = c.randn(experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
+            w2 = c.randn(experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
+            b13 = c.randn(experts, 2 * inter, dtype=dtype) if biased else None
+            b2 = c.randn(experts, hidden, dtype=dtype) if biased else None
+            weights, ids = _route(c, tokens, experts, top_k, True)
+            kw = {"alpha": alpha, "limit": limit}
+            want = reference.fused_moe(x, w13, w2, weights, ids, "swigluoai", b13, b2, **kw)
+            plain = reference.fused_moe(x, w13, w2, weights, ids, "swigluoai", **kw)
+            assert not biased or not torch.allclose(want.float(), plain.float()), "the biases must matter"
+            pw13, pw2 = prepare(c.dev(w13), c.dev(w2))
+            biases = [None if b is None else c.dev(b) for b in (b13, b2)]
+            got = fn(c.dev(x), pw13, pw2, c.dev(weights), c.dev(ids), "swigluoai", *biases, **kw)
+            assert_matches("fused_moe (swigluoai)", got, want, dtype)
 
         yield desc, body
 
@@ -536,7 +586,7 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
         (32, 4, 1, 64, {"sliding_window": 19, "soft_cap": 3.0}),
     ]
     # Contexts several windows long; slid-out table entries point at a NaN block.
-    cases = [(shape, False) for shape in shapes] + [(shape, True) for shape in WINDOW_CASES]
+    cases = [(shape, False) for shape in shapes] + [(shape, True) for shape in WINDOW_CASES + SINK_CASES]
     for (block_size, heads, kv_heads, head, extra), slid_out in cases:
         desc = f"bs{block_size}-h{heads}kv{kv_heads}-d{head}" + "".join(f"-{k}{v}" for k, v in extra.items())
         if slid_out:
@@ -554,6 +604,8 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
             query, kc, vc, tables, seq_lens, qsl, num_blocks = _attention_inputs(
                 c, dtype, block_size, heads, kv_heads, head, WINDOW_BATCH if slid_out else PAGED_ATTENTION_BATCH
             )
+            if "sinks" in extra:  # a spread stands for random per-head sink logits
+                extra = {**extra, "sinks": c.dev(random_sinks(c.gen, heads, extra["sinks"]))}
             scale = head**-0.5
             want = reference.paged_attention(query, kc, vc, tables, seq_lens, qsl, scale, **extra)
             slots = _context_slots(tables, seq_lens, block_size)

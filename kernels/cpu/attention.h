@@ -431,7 +431,19 @@ struct Attention {
       const int h = kv_begin + r / (n_tok * G), t = (r / G) % n_tok;
       return t * s_tok + int64_t(h * G + r % G) * s_head;
     }
+    // Query head of row r.
+    int head(int r) const { return (kv_begin + r / (n_tok * G)) * G + r % G; }
   };
+
+  // 1 / softmax denominator of a row whose online softmax ended at (max m, sum l),
+  // times the rescale of its accumulator: 1 / l, or with a sink logit s the sum also
+  // holds exp(s - M), M = max(m, s), and the accumulator is rescaled by exp(m - M).
+  // Runs once per output row, never per key, so rows without sinks pay one branch.
+  static float inv_denominator(const AttnParams& p, const Rows& rm, int r, float m, float l) {
+    if (p.sinks == nullptr) return 1.f / l;
+    const float s = p.sinks[rm.head(r)], mm = std::max(m, s), a = std::exp(m - mm);
+    return a / (l * a + std::exp(s - mm));
+  }
 
   static int blocks_per_span(int bs) { return bs % W == 0 ? std::max(1, kSpanKeys / bs) : 1; }
 
@@ -590,7 +602,7 @@ struct Attention {
     T* out = static_cast<T*>(p.out) + int64_t(q0 + w.tok_begin) * p.o_stride_tok;
     for (int r = 0; r < rows; ++r) {
       T* o = out + rm.offset(r, p.o_stride_tok, p.o_stride_head);
-      const V inv = Isa::set1(1.f / sc.l[r]);
+      const V inv = Isa::set1(inv_denominator(p, rm, r, sc.m[r], sc.l[r]));
       const float* a = sc.acc.data() + size_t(r) * D;
 #pragma GCC unroll 32
       for (int v = 0; v < NV; ++v) Isa::store(o + v * W, Isa::mul(Isa::load(a + v * W), inv));
@@ -620,7 +632,7 @@ struct Attention {
           Isa::store(acc + v * W, Isa::fma(vf, Isa::load(src + 2 + v * W), Isa::load(acc + v * W)));
       }
       T* o = out + rm.offset(r, p.o_stride_tok, p.o_stride_head);
-      const V inv = Isa::set1(1.f / l);
+      const V inv = Isa::set1(inv_denominator(p, rm, r, m, l));
       for (int v = 0; v < NV; ++v) Isa::store(o + v * W, Isa::mul(Isa::load(acc + v * W), inv));
     }
   }

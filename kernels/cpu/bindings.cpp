@@ -89,7 +89,7 @@ void parallel_rows(int64_t rows, int64_t cols, const F& f) {
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
                      const at::Tensor& query_start_loc_in, double scale, at::Tensor out, int64_t isa,
-                     int64_t sliding_window, double soft_cap) {
+                     int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& sinks_in) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "query and out must both be [num_tokens, num_heads, head_size]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
@@ -117,8 +117,14 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 1 (0: none), got ", sliding_window);
   TORCH_CHECK_VALUE(soft_cap >= 0, "soft_cap must be > 0 (0: none), got ", soft_cap);
   const AttnItemFn item = soft_cap > 0 ? fns.item_soft_cap : fns.item;
+  at::Tensor sinks;
+  if (sinks_in.has_value()) {
+    sinks = sinks_in->to(at::kFloat).contiguous();
+    TORCH_CHECK_VALUE(sinks.dim() == 1 && sinks.size(0) == num_heads, "sinks must be [num_heads=", num_heads,
+                      "], got ", sinks.sizes());
+  }
 
-  const AttnParams p{
+  AttnParams p{
       query.data_ptr(), query.stride(0), query.stride(1),
       key_cache.data_ptr(), value_cache.data_ptr(),
       key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -127,6 +133,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
       out.data_ptr(), out.stride(0), out.stride(1),
       num_heads, num_kv_heads, int32_t(key_cache.size(1)), head_size, float(scale),
       int32_t(std::min<int64_t>(sliding_window, INT32_MAX)), float(soft_cap)};
+  if (sinks.defined()) p.sinks = sinks.data_ptr<float>();
   validate_attention(p, num_seqs, bt.size(1), key_cache.size(0), query.size(0));
   const AttnPlan plan = plan_attention(p, num_seqs, at::get_num_threads());
   at::Tensor partials;

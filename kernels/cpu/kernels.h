@@ -35,6 +35,10 @@ struct AttnParams {
   int32_t sliding_window = 0;
   // Scaled scores s become soft_cap * tanh(s / soft_cap) before the softmax; 0: none.
   float soft_cap = 0.f;
+  // float32 [num_heads] per-head sink logits joining each softmax's denominator with
+  // no value (GPT-OSS); nullptr: none.  Applied once per output row, when the row's
+  // (max, sum) is final: in finish() or, for split contexts, in merge().
+  const float* sinks = nullptr;
 };
 
 // One unit of work: query tokens [tok_begin, tok_end) of a sequence (indices within

@@ -135,12 +135,14 @@ class NativeCpuKernels:
         out: torch.Tensor | None = None,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See reference.paged_attention: query [num_tokens, num_heads, head_size];
         caches [num_blocks, block_size, num_kv_heads, head_size]; int32 metadata.
         ``sliding_window`` and ``soft_cap`` are kernel parameters: the key loop starts
         at the first block the window reaches (slid-out table entries are never read)
-        and the cap applies to the scaled scores before the online softmax."""
+        and the cap applies to the scaled scores before the online softmax; ``sinks``
+        (float32 [num_heads]) join each row's denominator once its softmax is final."""
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         if soft_cap is not None and not soft_cap > 0:
@@ -170,6 +172,7 @@ class NativeCpuKernels:
                 self._isa,
                 sliding_window or 0,
                 float(soft_cap or 0.0),
+                sinks,
             )
             return out
         return reference.paged_attention(
@@ -183,6 +186,7 @@ class NativeCpuKernels:
             out,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
+            sinks=sinks,
         )
 
     def reshape_and_cache(

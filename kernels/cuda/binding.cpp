@@ -64,7 +64,7 @@ void* current_stream(const at::Device& device) {
 void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                            int64_t sliding_window, double soft_cap) {
+                            int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK_VALUE(query.is_cuda(), "query must be a CUDA tensor, got device ", query.device());
   const at::Device device = query.device();
   check_dim(query, "query", 3);
@@ -144,6 +144,13 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
   p.dtype = dtype;
   p.sliding_window = static_cast<int>(sliding_window);
   p.soft_cap = static_cast<float>(soft_cap);
+  if (sinks.has_value()) {
+    check_on(*sinks, "sinks", device);
+    TORCH_CHECK_VALUE(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == num_heads &&
+                          sinks->is_contiguous(),
+                      "sinks must be a contiguous float32 [num_heads=", num_heads, "] tensor");
+    p.sinks = sinks->data_ptr<float>();
+  }
   if (query.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(device);
   check_rc(ps_paged_attention_decode(&p, current_stream(device)), "paged_attention_decode");
@@ -269,7 +276,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode, "Paged attention for decode-shaped batches",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), py::arg("sliding_window") = 0,
-        py::arg("soft_cap") = 0.0);
+        py::arg("soft_cap") = 0.0, py::arg("sinks") = py::none());
   m.def("reshape_and_cache", &reshape_and_cache, "Write keys/values into the paged cache", py::arg("key"),
         py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
   m.def("copy_blocks", &copy_blocks, "Copy whole KV blocks within one device", py::arg("src"), py::arg("dst"),

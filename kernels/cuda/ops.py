@@ -33,6 +33,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`pagedserve.kernels.reference.paged_attention`.
 
@@ -42,11 +43,16 @@ def paged_attention(
     [num_seqs + 1].  Returns out [num_tokens, num_heads, head_size].
     sliding_window / soft_cap: parameters of both the C++ decode kernel and the Triton
     kernel (each starts a query's key loop at its window, never reading slid-out blocks).
+    sinks: float32 [num_heads] sink logits (GPT-OSS), a parameter of both kernels too.
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    if sinks is not None:
+        if tuple(sinks.shape) != (query.shape[1],):
+            raise ValueError(f"sinks must be [num_heads={query.shape[1]}], got {tuple(sinks.shape)}")
+        sinks = sinks.to(device=query.device, dtype=torch.float32).contiguous()
     ext = load_cuda_extension()
     num_tokens, _, head_size = query.shape
     same_dtype = query.dtype == key_cache.dtype == value_cache.dtype and (out is None or out.dtype == query.dtype)
@@ -65,6 +71,7 @@ def paged_attention(
             float(scale),
             sliding_window or 0,
             float(soft_cap or 0.0),
+            sinks,
         )
         return out
     from pagedserve.kernels.triton import attention
@@ -80,6 +87,7 @@ def paged_attention(
         out,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        sinks=sinks,
     )
 
 

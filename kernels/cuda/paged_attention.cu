@@ -20,7 +20,10 @@
 // Sliding window: each query token's key loop starts at its window's first key, so
 // keys (and block-table entries) that slid out are never read.  Soft-cap: the scaled
 // score passes through soft_cap * tanh(score / soft_cap); the flag is uniform across
-// the thread block, so the branch costs nothing measurable when it is off.
+// the thread block, so the branch costs nothing measurable when it is off.  Sinks
+// (GPT-OSS): a per-head logit joins the final merge's max and denominator, once, with
+// no value; the key loop is unchanged.  kSinks is a template flag: the extra live
+// value spilled a register in the sm_90 build, and layers without sinks keep today's code.
 
 #include <math.h>
 
@@ -33,7 +36,7 @@ namespace {
 constexpr int kNumWarps = 4;
 constexpr int kNumThreads = kNumWarps * 32;
 
-template <typename T, int HEAD_SIZE>
+template <typename T, int HEAD_SIZE, bool kSinks>
 __global__ void __launch_bounds__(kNumThreads)
     paged_attention_decode_kernel(ps_paged_attention_params p) {
   constexpr int VEC = VecWidth<T>::value;
@@ -178,6 +181,7 @@ __global__ void __launch_bounds__(kNumThreads)
     float m_total = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kNumWarps; ++w) m_total = fmaxf(m_total, s_m[w]);
+    if (kSinks) m_total = fmaxf(m_total, p.sinks[head]);
     float weight[kNumWarps];
     float l_total = 0.f;
 #pragma unroll
@@ -185,6 +189,7 @@ __global__ void __launch_bounds__(kNumThreads)
       weight[w] = (s_m[w] == -INFINITY) ? 0.f : __expf(s_m[w] - m_total);
       l_total += s_l[w] * weight[w];
     }
+    if (kSinks) l_total += __expf(p.sinks[head] - m_total);
     const float inv_l = l_total > 0.f ? 1.f / l_total : 0.f;
     T* out_row = out + token * p.o_stride_token + head * p.o_stride_head;
     for (int d = threadIdx.x; d < HEAD_SIZE; d += kNumThreads) {
@@ -201,7 +206,10 @@ __global__ void __launch_bounds__(kNumThreads)
 template <typename T, int HEAD_SIZE>
 int launch(const ps_paged_attention_params& p, cudaStream_t stream) {
   const dim3 grid(p.num_heads, p.num_seqs);
-  paged_attention_decode_kernel<T, HEAD_SIZE><<<grid, kNumThreads, 0, stream>>>(p);
+  if (p.sinks != nullptr)
+    paged_attention_decode_kernel<T, HEAD_SIZE, true><<<grid, kNumThreads, 0, stream>>>(p);
+  else
+    paged_attention_decode_kernel<T, HEAD_SIZE, false><<<grid, kNumThreads, 0, stream>>>(p);
   return launch_status();
 }
 

@@ -66,6 +66,8 @@ typedef struct {
   ps_dtype_t dtype;
   int sliding_window;
   float soft_cap;
+  /* float32 [num_heads] sink logits in each softmax denominator (no value), or NULL. */
+  const float* sinks;
 } ps_paged_attention_params;
 
 int ps_paged_attention_decode(const ps_paged_attention_params* p, void* stream);

@@ -94,6 +94,7 @@ def _paged_attention_kernel(
     split_chunk,
     window,
     soft_cap,
+    sinks_ptr,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -119,6 +120,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -209,6 +211,14 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if SINKS and not SPLIT:
+        # The sink logit (base 2 here) joins the denominator with no value; a split
+        # run leaves it to the reduction, so it is counted once.
+        sink = tl.load(sinks_ptr + heads, mask=row_valid, other=0.0) * _LOG2E_C
+        m_fin = tl.maximum(m_i, sink)
+        a = tl.math.exp2(m_i - m_fin)
+        acc = acc * a[:, None]
+        l_i = l_i * a + tl.math.exp2(sink - m_fin)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     store_mask = row_valid[:, None] & dim_valid[None, :]
@@ -238,8 +248,10 @@ def _reduce_splits_kernel(
     stride_lh,
     stride_ot,
     stride_oh,
+    sinks_ptr,
     SPLIT_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -255,6 +267,9 @@ def _reduce_splits_kernel(
     t64 = token.to(tl.int64)
     lse = tl.load(part_lse_ptr + t64 * stride_lt + head * stride_lh + splits, mask=s_valid, other=float("-inf"))
     m = tl.max(lse, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head) * _LOG2E_C
+        m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(lse - m_safe)  # empty splits have lse = -inf -> weight 0
     part = part_out_ptr + t64 * stride_pt + head * stride_ph
@@ -264,6 +279,8 @@ def _reduce_splits_kernel(
         other=0.0,
     )
     w_sum = tl.sum(w, 0)
+    if SINKS:  # the sink's share of the denominator, once over all splits
+        w_sum += tl.math.exp2(sink - m_safe)
     res = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)
     tl.store(
         out_ptr + t64 * stride_ot + head * stride_oh + dims, res.to(out_ptr.dtype.element_ty), mask=dims < head_size
@@ -401,6 +418,15 @@ def _check_window_and_cap(sliding_window: int | None, soft_cap: float | None) ->
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
 
 
+def _check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+    """sinks [num_heads] as a contiguous float32 tensor on query's device, or None."""
+    if sinks is None:
+        return None
+    if tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(f"sinks must be [num_heads={query.shape[1]}], got {tuple(sinks.shape)}")
+    return sinks.to(device=query.device, dtype=torch.float32).contiguous()
+
+
 def _use_fp32_dot(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """fp32 caches need exact fp32 products (not TF32); mixed query/cache dtypes meet
     in fp32; and the interpreter computes bf16 arithmetic on raw uint16 storage, so
@@ -424,6 +450,7 @@ def paged_attention_fixed_splits(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`paged_attention` with the number of KV splits given (1 = single pass).
 
@@ -432,6 +459,7 @@ def paged_attention_fixed_splits(
     """
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
     _check_window_and_cap(sliding_window, soft_cap)
+    sinks = _check_sinks(sinks, query)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if out is None:
@@ -479,6 +507,7 @@ def paged_attention_fixed_splits(
         split_chunk,
         sliding_window or 0,
         soft_cap or 1.0,
+        out if sinks is None else sinks,  # unused without sinks
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -501,6 +530,7 @@ def paged_attention_fixed_splits(
         SPLIT=split,
         WINDOW=sliding_window is not None,
         SOFT_CAP=soft_cap is not None,
+        SINKS=sinks is not None,
         num_warps=num_warps,
     )
     if split:
@@ -516,8 +546,10 @@ def paged_attention_fixed_splits(
             *l_strides,
             out.stride(0),
             out.stride(1),
+            out if sinks is None else sinks,
             SPLIT_PAD=next_power_of_2(num_splits),
             HEAD_PAD=next_power_of_2(head_size),
+            SINKS=sinks is not None,
         )
     return out
 
@@ -533,6 +565,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged KV cache for a mixed batch.
 
@@ -548,6 +581,8 @@ def paged_attention(
         capped by ``soft_cap * tanh(score / soft_cap)``); each compiles its own variant.
         With a window each program starts at its first query row's window, so table
         entries of blocks that slid out of every row's window are never read.
+    sinks: optional float32 [num_heads] sink logits (GPT-OSS), in each row's softmax
+        denominator; a split-KV run adds them once, in the reduction.
     Returns out in query's dtype (or out's, when given).  head_size <= 256.
 
     Chooses between the single-pass and split-KV kernels with
@@ -580,4 +615,5 @@ def paged_attention(
         out,
         sliding_window,
         soft_cap,
+        sinks,
     )

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import reference
 from pagedserve.kernels.triton._common import FLOAT_DTYPES, check_same_device, check_tensor, interpreter_enabled
 
 __all__ = ["fused_moe_triton", "align_by_expert"]
@@ -158,8 +159,17 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
-    """``reference.fused_moe`` in two Triton launches (up, down); ValueError on bad arguments."""
+    """``reference.fused_moe`` in two Triton launches (up, down); ValueError on bad arguments.
+
+    GPT-OSS's experts (expert biases, "swigluoai") run the reference's per-expert
+    grouped torch GEMMs on the same device: the Triton kernels have neither yet."""
+    if w13_bias is not None or w2_bias is not None or activation == "swigluoai":
+        return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, alpha, limit)
     if activation not in _ACTIVATIONS:
         raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu)")
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)

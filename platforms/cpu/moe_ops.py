@@ -81,9 +81,19 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
     """See reference.fused_moe (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights
-    [T, K], topk_ids int64 [T, K]; either weight may be packed by prepare_moe_weights)."""
+    [T, K], topk_ids int64 [T, K]; either weight may be packed by prepare_moe_weights).
+
+    GPT-OSS's experts (expert biases, "swigluoai") run the reference's per-expert
+    grouped GEMMs (no per-token loop); the native kernel has neither yet."""
+    if w13_bias is not None or w2_bias is not None or activation == "swigluoai":
+        w13, w2 = unpack_expert_weight(w13).to(x.dtype), unpack_expert_weight(w2).to(x.dtype)
+        return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, alpha, limit)
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu)")
     module = _kernels()

@@ -1,6 +1,7 @@
 """The conformance kit's paged_attention cases (windows shorter than the prompt, prefill
 chunks, decodes, mixed batches, GQA, soft-cap with and without a window, head sizes
-64-128, slid-out table entries pointing at a NaN block) run against three
+64-128, slid-out table entries pointing at a NaN block, attention sinks with and
+without a window) run against three
 implementations on the CPU platform's caches: its own op (the native kernel), the torch
 reference itself, and the Triton kernel under TRITON_INTERPRET=1."""
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.testing.attention_window_cases import WINDOW_CASES
+from pagedserve.testing.attention_window_cases import SINK_CASES, WINDOW_CASES
 from pagedserve.testing.op_checks import OP_CASES
 from pagedserve.testing.target import select_target
 
@@ -30,7 +31,7 @@ def cpu_target():
 def _run_cases(target, fn, dtype: torch.dtype, windowed_only: bool) -> list[str]:
     ran = []
     for desc, body in OP_CASES["paged_attention"](target, fn, dtype, 0):
-        if windowed_only and "sliding_window" not in desc and "soft_cap" not in desc:
+        if windowed_only and not any(k in desc for k in ("sliding_window", "soft_cap", "sinks")):
             continue
         body()
         ran.append(desc)
@@ -40,8 +41,10 @@ def _run_cases(target, fn, dtype: torch.dtype, windowed_only: bool) -> list[str]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cpu_platform_op_passes_every_case(cpu_target, dtype):
     ran = _run_cases(cpu_target, cpu_target.ops.get("paged_attention"), dtype, windowed_only=False)
-    assert sum("slidout-nan" in d for d in ran) == sum("sliding_window" in e for *_, e in WINDOW_CASES)
-    assert len(ran) >= 7 + 4 + len(WINDOW_CASES)
+    cases = WINDOW_CASES + SINK_CASES
+    assert sum("slidout-nan" in d for d in ran) == sum("sliding_window" in e for *_, e in cases)
+    assert sum("sinks" in d for d in ran) == len(SINK_CASES)
+    assert len(ran) >= 7 + 4 + len(cases)
 
 
 def test_reference_passes_the_windowed_cases(cpu_target):
@@ -59,7 +62,7 @@ target = select_target("cpu")
 n = 0
 for dtype in (torch.float32, torch.float16):
     for desc, body in OP_CASES["paged_attention"](target, attention.paged_attention, dtype, 0):
-        if "sliding_window" in desc or "soft_cap" in desc:
+        if "sliding_window" in desc or "soft_cap" in desc or "sinks" in desc:
             body()
             n += 1
 print("cases", n)
@@ -74,4 +77,4 @@ def test_triton_interpreter_passes_the_windowed_cases():
         [sys.executable, "-c", _TRITON_SCRIPT], capture_output=True, text=True, env=env, timeout=600, cwd=REPO_ROOT
     )
     assert res.returncode == 0, res.stderr[-4000:]
-    assert f"cases {2 * (4 + len(WINDOW_CASES))}" in res.stdout
+    assert f"cases {2 * (4 + len(WINDOW_CASES) + len(SINK_CASES))}" in res.stdout

@@ -246,6 +246,26 @@ def test_gpu_paged_attention_window_and_soft_cap(cuda_ext, dtype, extra):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extra", [{}, {"sliding_window": 40}, {"soft_cap": 5.0}], ids=["plain", "window", "cap"])
+@pytest.mark.parametrize("spread", [2.0, 30.0], ids=["sinks", "large-sinks"])
+def test_gpu_paged_attention_sinks(cuda_ext, dtype, extra, spread):
+    """GPT-OSS sink logits in the decode kernel and, for the prefill-shaped batch, Triton."""
+    from pagedserve.kernels.cuda import ops
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    q, kc, vc, bt, sl, qsl = _random_batch([(1, 1), (1, 300), (3, 77), (1, 1000)], 2, 4, 128, 16, dtype, gen)
+    sinks = (torch.randn(q.shape[1], generator=gen) * spread).cuda()
+    expected = reference.paged_attention(q, kc, vc, bt, sl, qsl, 128**-0.5, sinks=sinks, **extra)
+    out = torch.full_like(q, float("nan"))
+    window, cap = extra.get("sliding_window", 0), extra.get("soft_cap", 0.0)
+    cuda_ext.paged_attention_decode(out, q, kc, vc, bt, sl, qsl, 128**-0.5, window, cap, sinks)
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    got = ops.paged_attention(q, kc, vc, bt, sl, qsl, 128**-0.5, sinks=sinks, **extra)
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_reshape_and_cache(cuda_ext, dtype):
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     key = torch.randn(9, 2, 80, generator=gen).to(dtype).cuda()

@@ -384,7 +384,7 @@ def signature(fn, dtype, int64_ptrs=()):
                 sig[name] = "*i32"
             elif name in int64_ptrs:
                 sig[name] = "*i64"
-            elif name.startswith("part"):
+            elif name.startswith("part") or name == "sinks_ptr":
                 sig[name] = "*fp32"
             else:
                 sig[name] = dtype
@@ -410,11 +410,13 @@ for dtype, tdtype, head, group, decode, splits, windowed in [
     bm, tn, warps = attention._tile_config(decode, group, head_pad, fp32)
     for split in splits:
         consts = dict(GROUP=group, BLOCK_M=bm, BLOCK_Q=bm // group, TILE_N=tn, HEAD_PAD=head_pad,
-                      DOT_FP32=fp32, SPLIT=split, WINDOW=windowed, SOFT_CAP=windowed)
+                      DOT_FP32=fp32, SPLIT=split, WINDOW=windowed, SOFT_CAP=windowed, SINKS=windowed)
         jobs.append((f"attn-{dtype[1:]}-d{head}-g{group}-{'decode' if decode else 'prefill'}"
-                     f"{'-split' if split else ''}{'-window-cap' if windowed else ''}",
+                     f"{'-split' if split else ''}{'-window-cap-sinks' if windowed else ''}",
                      attention._paged_attention_kernel, dtype, consts, warps, ()))
-jobs.append(("reduce-d128", attention._reduce_splits_kernel, "*bf16", dict(SPLIT_PAD=8, HEAD_PAD=128), 4, ()))
+for name, consts in (("reduce-d128", dict(SPLIT_PAD=8, HEAD_PAD=128, SINKS=False)),
+                     ("reduce-d64-sinks", dict(SPLIT_PAD=4, HEAD_PAD=64, SINKS=True))):
+    jobs.append((name, attention._reduce_splits_kernel, "*bf16", consts, 4, ()))
 jobs.append(("cache-d128", cache._reshape_and_cache_kernel, "*bf16", dict(HEADS_PER_PROG=8, HEAD_PAD=128), 4,
              ("slot_mapping_ptr",)))
 for tname, target in targets.items():
