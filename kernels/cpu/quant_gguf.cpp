@@ -19,7 +19,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
+#include <optional>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -101,6 +102,36 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds, int32_t
     isum[b] = sum;
   }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// quantize_row with 512-bit vectors, bit for bit the same: the same amax, scale and
+// 1/scale, the same float32 product, rounded to nearest even (the default MXCSR mode,
+// as nearbyint), the same integer sum.
+template <typename T>
+void quantize_row_vec(const T* x, int64_t K, int8_t* q, float* d, float* ds, int32_t* isum) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const __m512 v0 = load16(x + b * QK), v1 = load16(x + b * QK + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    d[b] = scale;
+    ds[b] = scale * static_cast<float>(sum);
+    isum[b] = sum;
+  }
+}
+#endif
 
 #if defined(__AVX2__)
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -202,62 +233,78 @@ void run_rows(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t nb, con
 bool gguf_packed_available();
 torch::Tensor gguf_pack_weight(torch::Tensor weight, int64_t type);
 void gguf_packed_gemm(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
-                      int64_t K, const uint8_t* w, int64_t groups, int64_t type, float* y);
+                      int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
+                      const float* bias);
 
-// x: [M, K] float32/bfloat16 (contiguous); weight: uint8 [N, K/32 * block_bytes] (the
-// file's blocks) or [N/16, K/32, 16 * block_bytes] (repacked by gguf_pack_weight);
-// returns float32 [M, N].
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
+namespace {
+
+// Activations quantized per 32-value block, once per call (not per output tile).
+struct QuantizedX {
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> d, ds;
+  std::unique_ptr<int32_t[]> sum;
+};
+
+template <typename T>
+void quantize_rows(const T* xp, int64_t M, int64_t K, QuantizedX& qx) {
+  const int64_t nb = K / QK;
+  // Small calls stay on the calling thread: a parallel region costs more than the work.
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t a, int64_t b) {
+    for (int64_t m = a; m < b; ++m) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      quantize_row_vec(xp + m * K, K, &qx.q[m * K], &qx.d[m * nb], &qx.ds[m * nb], &qx.sum[m * nb]);
+#else
+      quantize_row(xp + m * K, K, &qx.q[m * K], &qx.d[m * nb], &qx.ds[m * nb], &qx.sum[m * nb]);
+#endif
+    }
+  });
+}
+
+QuantizedX quantize_activations(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  QuantizedX qx{std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[M * nb]),
+                std::unique_ptr<float[]>(new float[M * nb]), std::unique_ptr<int32_t[]>(new int32_t[M * nb])};
+  if (x.scalar_type() == torch::kFloat) {
+    quantize_rows(x.data_ptr<float>(), M, K, qx);
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, qx);
+  } else {
+    TORCH_CHECK(false, "gguf_linear: x must be float32 or bfloat16");
+  }
+  return qx;
+}
+
+// Checks shapes; returns N.
+int64_t check_gguf_args(const torch::Tensor& x, const torch::Tensor& weight, int64_t type) {
   const bool packed = weight.dim() == 3;
   TORCH_CHECK(x.dim() == 2 && (weight.dim() == 2 || packed),
               "gguf_linear: x [M, K] and weight [N, row_bytes] or packed [N/16, K/32, 16 * block_bytes] expected");
   TORCH_CHECK(weight.scalar_type() == torch::kUInt8, "gguf_linear: weight must be uint8 blocks");
-  x = x.contiguous();
-  weight = weight.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = packed ? weight.size(0) * 16 : weight.size(0);
+  const int64_t K = x.size(1), N = packed ? weight.size(0) * 16 : weight.size(0);
   TORCH_CHECK(K % QK == 0, "gguf_linear: K=", K, " is not a multiple of 32");
   const int64_t nb = K / QK;
   const int bb = block_bytes(type);
   if (packed) {
+    TORCH_CHECK(gguf_packed_available(), "gguf_linear: this build has no tiled kernel for packed weights");
     TORCH_CHECK(weight.size(1) == nb && weight.size(2) == 16 * bb, "gguf_linear: packed weight ", weight.sizes(),
                 " does not hold K=", K, " values of this type");
   } else {
     TORCH_CHECK(weight.size(1) == nb * bb, "gguf_linear: weight rows hold ", weight.size(1), " bytes, expected ",
                 nb * bb, " for K=", K);
   }
-  // Activations quantized once per call (not per output tile).
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * nb), xds(M * nb);
-  std::vector<int32_t> xsum(M * nb);
-  if (x.scalar_type() == torch::kFloat) {
-    const float* xp = x.data_ptr<float>();
-    at::parallel_for(0, M, 1, [&](int64_t a, int64_t b) {
-      for (int64_t m = a; m < b; ++m)
-        quantize_row(xp + m * K, K, &xq[m * K], &xd[m * nb], &xds[m * nb], &xsum[m * nb]);
-    });
-  } else if (x.scalar_type() == torch::kBFloat16) {
-    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-    at::parallel_for(0, M, 1, [&](int64_t a, int64_t b) {
-      for (int64_t m = a; m < b; ++m)
-        quantize_row(xp + m * K, K, &xq[m * K], &xd[m * nb], &xds[m * nb], &xsum[m * nb]);
-    });
-  } else {
-    TORCH_CHECK(false, "gguf_linear: x must be float32 or bfloat16");
-  }
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-  float* yp = y.data_ptr<float>();
+  return N;
+}
+
+// The row kernel: y float32 [M, N] from the file's blocks.
+void row_gemm(const QuantizedX& qx, int64_t M, int64_t K, const torch::Tensor& weight, int64_t type, float* yp) {
+  const int64_t nb = K / QK, N = weight.size(0), row_bytes = weight.size(1);
   const uint8_t* wp = weight.data_ptr<uint8_t>();
-  if (packed) {
-    gguf_packed_gemm(xq.data(), xd.data(), xds.data(), xsum.data(), M, K, wp, weight.size(0), type, yp);
-    return y;
-  }
-  const int64_t row_bytes = weight.size(1);
   // Rows of W across threads; each thread streams its rows once per 8 activation rows.
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     QuantRow xr[8];
     for (int64_t m0 = 0; m0 < M; m0 += 8) {
       const int64_t mb = std::min<int64_t>(8, M - m0);
-      for (int64_t i = 0; i < mb; ++i) xr[i] = {&xq[(m0 + i) * K], &xd[(m0 + i) * nb], &xds[(m0 + i) * nb]};
+      for (int64_t i = 0; i < mb; ++i) xr[i] = {&qx.q[(m0 + i) * K], &qx.d[(m0 + i) * nb], &qx.ds[(m0 + i) * nb]};
       switch (mb) {
         case 1: run_rows<1>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
         case 2: run_rows<2>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
@@ -270,7 +317,51 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
       }
     }
   });
+}
+
+}  // namespace
+
+// x: [M, K] float32/bfloat16 (contiguous); weight: uint8 [N, K/32 * block_bytes] (the
+// file's blocks) or [N/16, K/32, 16 * block_bytes] (repacked by gguf_pack_weight);
+// returns float32 [M, N].
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
+  x = x.contiguous();
+  weight = weight.contiguous();
+  const int64_t N = check_gguf_args(x, weight, type), M = x.size(0), K = x.size(1);
+  const QuantizedX qx = quantize_activations(x);
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  if (weight.dim() == 3)
+    gguf_packed_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(),
+                     weight.size(0), type, y.data_ptr<float>(), false, nullptr);
+  else
+    row_gemm(qx, M, K, weight, type, y.data_ptr<float>());
   return y;
+}
+
+// As gguf_linear, plus bias (float [N], or None) and the result in x's dtype: the float32
+// sum + bias rounded once, as gguf_linear(x, w) + bias then .to(x.dtype) would give; the
+// tiled kernel writes it directly (no float32 [M, N] pass through memory).
+torch::Tensor gguf_linear_out(torch::Tensor x, torch::Tensor weight, int64_t type, std::optional<torch::Tensor> bias) {
+  x = x.contiguous();
+  weight = weight.contiguous();
+  const int64_t N = check_gguf_args(x, weight, type), M = x.size(0), K = x.size(1);
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(torch::kFloat).contiguous();
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "gguf_linear: bias of shape ", bias->sizes(), " for N=", N);
+  }
+  const QuantizedX qx = quantize_activations(x);
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  if (weight.dim() == 3) {
+    auto y = torch::empty({M, N}, x.options());
+    gguf_packed_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(),
+                     weight.size(0), type, y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr);
+    return y;
+  }
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  row_gemm(qx, M, K, weight, type, y.data_ptr<float>());
+  if (b.defined()) y += b;
+  return bf16 ? y.to(torch::kBFloat16) : y;
 }
 
 std::string isa() {
@@ -285,6 +376,8 @@ std::string isa() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear, "x [M,K] @ GGUF blocks [N, row_bytes] (or packed)^T -> float32 [M,N]");
+  m.def("gguf_linear_out", &gguf_linear_out, "gguf_linear + bias, in x's dtype", py::arg("x"), py::arg("weight"),
+        py::arg("type"), py::arg("bias") = py::none());
   m.def("isa", &isa, "instruction set compiled in");
   m.def("has_packed", &gguf_packed_available, "whether the tiled kernel on repacked weights is built");
   m.def("pack_weight", &gguf_pack_weight, "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32, 16*block_bytes]");

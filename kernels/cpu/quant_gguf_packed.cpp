@@ -35,6 +35,16 @@
 #define PAGEDSERVE_GGUF_PACKED 1
 #endif
 
+#ifndef PAGEDSERVE_GGUF_TILE_M
+#define PAGEDSERVE_GGUF_TILE_M 5
+#endif
+#ifndef PAGEDSERVE_GGUF_CHUNK_M
+#define PAGEDSERVE_GGUF_CHUNK_M 240
+#endif
+#ifndef PAGEDSERVE_GGUF_TILE_G
+#define PAGEDSERVE_GGUF_TILE_G 3
+#endif
+
 namespace {
 
 constexpr int QK = 32;
@@ -84,113 +94,191 @@ struct Activations {
   int64_t k, nb;
 };
 
-// Rows [m0, m0 + MT) x columns of NG groups starting at group g0.
+// Where a tile's results go: float32, or bf16 rounded to nearest even (torch's
+// .to(bfloat16)), bias (float32 [N], may be null) added first.
+struct Output {
+  void* y;
+  bool bf16;
+  const float* bias;
+  int64_t ldy;
+};
+
+// float32 -> bf16 rounded to nearest even, NaN kept quiet (as torch's .to(bfloat16)).
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+#endif
+}
+
+template <int64_t TYPE>
+constexpr int group_block_bytes() {
+  return kCols * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34);
+}
+
+// The integer dot products of one block for rows [m0, m0 + MT) x NG column groups:
+// iacc[i][j] lane c = sum over the block's 32 k of q_w(column c) * x(row i).
 template <int MT, int NG, int64_t TYPE>
-void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0, int64_t g0, float* y,
-          int64_t ldy) {
-  constexpr int gbb = kCols * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34);
-  constexpr int qb = TYPE == Q8_0 ? 512 : 256;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 facc[MT][NG], fext[MT][NG];
+inline void block_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512i (&iacc)[MT][NG]) {
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NG; ++j) facc[i][j] = fext[i][j] = _mm512_setzero_ps();
-  const uint8_t* wg[NG];
-  for (int j = 0; j < NG; ++j) wg[j] = w + (g0 + j) * group_stride;
-  for (int64_t b = 0; b < a.nb; ++b) {
-    __m512i iacc[MT][NG];
-    for (int i = 0; i < MT; ++i)
-      for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_setzero_si512();
-    const int8_t* xb[MT];
-    for (int i = 0; i < MT; ++i) xb[i] = a.q + (m0 + i) * a.k + b * QK;
-    const uint8_t* wb[NG];
-    for (int j = 0; j < NG; ++j) wb[j] = wg[j] + b * gbb;
-    if constexpr (TYPE == Q8_0) {
+    for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_setzero_si512();
+  if constexpr (TYPE == Q8_0) {
 #pragma GCC unroll 8
-      for (int p = 0; p < 8; ++p) {
+    for (int p = 0; p < 8; ++p) {
+      __m512i wv[NG];
+      for (int j = 0; j < NG; ++j) wv[j] = _mm512_loadu_si512(wb[j] + p * 64);
+      for (int i = 0; i < MT; ++i) {
+        int32_t x4;
+        std::memcpy(&x4, xb[i] + 4 * p, 4);
+        const __m512i xv = _mm512_set1_epi32(x4);
+        for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
+      }
+    }
+  } else {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      // Low nibbles (k = 8p..8p+3) then high (8p+4..8p+7): only NG unpacked lines live.
+      __m512i raw[NG];
+      for (int j = 0; j < NG; ++j) raw[j] = _mm512_loadu_si512(wb[j] + p * 64);
+      for (int h = 0; h < 2; ++h) {
         __m512i wv[NG];
-        for (int j = 0; j < NG; ++j) wv[j] = _mm512_loadu_si512(wb[j] + p * 64);
+        for (int j = 0; j < NG; ++j) wv[j] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4);
         for (int i = 0; i < MT; ++i) {
           int32_t x4;
-          std::memcpy(&x4, xb[i] + 4 * p, 4);
+          std::memcpy(&x4, xb[i] + 8 * p + 4 * h, 4);
           const __m512i xv = _mm512_set1_epi32(x4);
           for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
         }
       }
-    } else {
-#pragma GCC unroll 4
-      for (int p = 0; p < 4; ++p) {
-        __m512i lo[NG], hi[NG];
-        for (int j = 0; j < NG; ++j) {
-          const __m512i raw = _mm512_loadu_si512(wb[j] + p * 64);
-          lo[j] = _mm512_and_si512(raw, low4);
-          hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-        }
-        for (int i = 0; i < MT; ++i) {
-          int32_t x0, x1;
-          std::memcpy(&x0, xb[i] + 8 * p, 4);
-          std::memcpy(&x1, xb[i] + 8 * p + 4, 4);
-          const __m512i xv0 = _mm512_set1_epi32(x0), xv1 = _mm512_set1_epi32(x1);
-          for (int j = 0; j < NG; ++j) {
-            iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], lo[j], xv0);
-            iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], hi[j], xv1);
-          }
-        }
-      }
     }
-    __m512 dw[NG], mw[NG];
-    for (int j = 0; j < NG; ++j) {
+  }
+}
+
+// Rows [m0, m0 + MT) x columns of NG groups starting at group g0.  The float32
+// accumulators live in an L1 buffer rather than registers, so that the register file
+// holds MT x NG int32 accumulators (each weight line feeds MT rows, each activation
+// broadcast NG groups).  Per (row, group, block) the float work is the same as the row
+// kernel's: acc += (d_w * d_x) * float(dot); the minimum term (m_w d_x sum(x), -8 d_w
+// for Q4_0) is summed apart over the blocks afterwards and added at the end, so every
+// lane adds the same values in the same order whatever the tile shape.
+template <int MT, int NG, int64_t TYPE>
+void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0, int64_t g0, const Output& o) {
+  constexpr int gbb = group_block_bytes<TYPE>();
+  constexpr int qb = TYPE == Q8_0 ? 512 : 256;
+  alignas(64) float facc[MT][NG][kCols];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NG; ++j) _mm512_store_ps(facc[i][j], _mm512_setzero_ps());
+  const uint8_t* wg[NG];
+  for (int j = 0; j < NG; ++j) wg[j] = w + (g0 + j) * group_stride;
+  const int8_t* xr[MT];
+  for (int i = 0; i < MT; ++i) xr[i] = a.q + (m0 + i) * a.k;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const int8_t* xb[MT];
+    for (int i = 0; i < MT; ++i) xb[i] = xr[i] + b * QK;
+    const uint8_t* wb[NG];
+    for (int j = 0; j < NG; ++j) wb[j] = wg[j] + b * gbb;
+    __m512i iacc[MT][NG];
+    block_dots<MT, NG, TYPE>(xb, wb, iacc);
+    __m512 dw[NG];
+    for (int j = 0; j < NG; ++j)
       dw[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[j] + qb)));
-      if constexpr (TYPE == Q4_1) {
-        mw[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[j] + qb + 32)));
-      } else {
-        mw[j] = _mm512_mul_ps(dw[j], _mm512_set1_ps(-8.f));
-      }
-    }
     for (int i = 0; i < MT; ++i) {
       const int64_t xi = (m0 + i) * a.nb + b;
       const __m512 dx = _mm512_set1_ps(a.d[xi]);
-      const __m512 dsx = _mm512_set1_ps(a.ds[xi]);
-      const __m512i bias = _mm512_set1_epi32(128 * a.sum[xi]);
       for (int j = 0; j < NG; ++j) {
         __m512i dot = iacc[i][j];
-        if constexpr (TYPE == Q8_0) dot = _mm512_sub_epi32(dot, bias);
-        facc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(dw[j], dx), _mm512_cvtepi32_ps(dot), facc[i][j]);
-        if constexpr (TYPE != Q8_0) fext[i][j] = _mm512_fmadd_ps(mw[j], dsx, fext[i][j]);
+        if constexpr (TYPE == Q8_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * a.sum[xi]));
+        _mm512_store_ps(facc[i][j], _mm512_fmadd_ps(_mm512_mul_ps(dw[j], dx), _mm512_cvtepi32_ps(dot),
+                                                    _mm512_load_ps(facc[i][j])));
       }
     }
   }
+  __m512 fext[MT][NG];
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NG; ++j)
-      _mm512_storeu_ps(y + (m0 + i) * ldy + (g0 + j) * kCols, _mm512_add_ps(facc[i][j], fext[i][j]));
+    for (int j = 0; j < NG; ++j) fext[i][j] = _mm512_setzero_ps();
+  if constexpr (TYPE != Q8_0) {
+    for (int64_t b = 0; b < a.nb; ++b) {
+      __m512 mw[NG];
+      for (int j = 0; j < NG; ++j) {
+        const uint8_t* s = wg[j] + b * gbb + qb;
+        if constexpr (TYPE == Q4_1) {
+          mw[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
+        } else {
+          mw[j] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))),
+                                _mm512_set1_ps(-8.f));
+        }
+      }
+      for (int i = 0; i < MT; ++i) {
+        const __m512 dsx = _mm512_set1_ps(a.ds[(m0 + i) * a.nb + b]);
+        for (int j = 0; j < NG; ++j) fext[i][j] = _mm512_fmadd_ps(mw[j], dsx, fext[i][j]);
+      }
+    }
+  }
+  for (int j = 0; j < NG; ++j) {
+    const int64_t n0 = (g0 + j) * kCols;
+    const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + n0) : _mm512_setzero_ps();
+    for (int i = 0; i < MT; ++i) {
+      __m512 v = _mm512_add_ps(_mm512_load_ps(facc[i][j]), fext[i][j]);
+      if (o.bias) v = _mm512_add_ps(v, bias);
+      const int64_t at = (m0 + i) * o.ldy + n0;
+      if (o.bf16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(o.y) + at),
+                            to_bf16(v));
+      else
+        _mm512_storeu_ps(static_cast<float*>(o.y) + at, v);
+    }
+  }
 }
 
-constexpr int kTileM = 4, kTileG = 2;
+constexpr int kTileM = PAGEDSERVE_GGUF_TILE_M, kTileG = PAGEDSERVE_GGUF_TILE_G;
+// Rows per chunk: a multiple of every tile height up to 8 (only the last chunk of a
+// call has a partial row tile).
+constexpr int64_t kChunkM = PAGEDSERVE_GGUF_CHUNK_M;
+
+// Rows [m_begin, m_end) of NG column groups from g0.
+template <int NG, int64_t TYPE>
+void rows(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m_begin, int64_t m_end, int64_t g0,
+          const Output& o) {
+  int64_t m0 = m_begin;
+  for (; m0 + kTileM <= m_end; m0 += kTileM) tile<kTileM, NG, TYPE>(a, w, group_stride, m0, g0, o);
+  switch (m_end - m0) {
+    case 0: break;
+    case 1: tile<1, NG, TYPE>(a, w, group_stride, m0, g0, o); break;
+    case 2: tile<2, NG, TYPE>(a, w, group_stride, m0, g0, o); break;
+    case 3: tile<3, NG, TYPE>(a, w, group_stride, m0, g0, o); break;
+    case 4: tile<4, NG, TYPE>(a, w, group_stride, m0, g0, o); break;
+    case 5: tile<5, NG, TYPE>(a, w, group_stride, m0, g0, o); break;
+    case 6: tile<6, NG, TYPE>(a, w, group_stride, m0, g0, o); break;
+    default: tile<7, NG, TYPE>(a, w, group_stride, m0, g0, o); break;
+  }
+}
 
 template <int64_t TYPE>
-void run(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, float* y) {
-  const int64_t group_stride = a.nb * kCols * packed_block_bytes(TYPE);
-  const int64_t ldy = groups * kCols;
-  const int64_t col_tiles = (groups + kTileG - 1) / kTileG;
-  // Column tiles across threads (both cores work at one row); each tile's weights are
+void run(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, const Output& o) {
+  static_assert(kTileM <= 8 && kTileG <= 4, "tile remainders are instantiated up to 8 rows x 4 groups");
+  const int64_t group_stride = a.nb * group_block_bytes<TYPE>();
+  // Column groups split evenly across threads (both cores work at one row); each thread
+  // takes its groups kTileG at a time, the last tile narrower.  A tile's weights are
   // read from memory once and reused from cache by the following row tiles.
-  at::parallel_for(0, col_tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g0 = t * kTileG;
-      const bool full = g0 + kTileG <= groups;
-      for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
-        const int64_t mt = std::min<int64_t>(kTileM, M - m0);
-#define PAGEDSERVE_TILE(MT)                                          \
-  if (full)                                                          \
-    tile<MT, kTileG, TYPE>(a, w, group_stride, m0, g0, y, ldy);      \
-  else                                                               \
-    tile<MT, 1, TYPE>(a, w, group_stride, m0, g0, y, ldy);
-        switch (mt) {
-          case 1: PAGEDSERVE_TILE(1) break;
-          case 2: PAGEDSERVE_TILE(2) break;
-          case 3: PAGEDSERVE_TILE(3) break;
-          default: PAGEDSERVE_TILE(4) break;
+  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
+    // Large M (prefill) in chunks of rows whose activations stay in L2 while the
+    // thread's column tiles pass over them.
+    for (int64_t mb = 0; mb < M; mb += kChunkM) {
+      const int64_t me = std::min(M, mb + kChunkM);
+      for (int64_t g0 = gb; g0 < ge; g0 += kTileG) {
+        switch (std::min<int64_t>(kTileG, ge - g0)) {
+          case 1: rows<1, TYPE>(a, w, group_stride, mb, me, g0, o); break;
+          case 2: rows<std::min(2, kTileG), TYPE>(a, w, group_stride, mb, me, g0, o); break;
+          case 3: rows<std::min(3, kTileG), TYPE>(a, w, group_stride, mb, me, g0, o); break;
+          default: rows<kTileG, TYPE>(a, w, group_stride, mb, me, g0, o); break;
         }
-#undef PAGEDSERVE_TILE
       }
     }
   });
@@ -230,15 +318,18 @@ torch::Tensor gguf_pack_weight(torch::Tensor weight, int64_t type) {
   return out;
 }
 
-// y [M, N] float32 = quantized activations @ packed weight [N/16, nb, 16 * block_bytes]^T.
+// y [M, N] = quantized activations @ packed weight [N/16, nb, 16 * block_bytes]^T (+ bias
+// float32 [N] or null), float32, or bf16 (y_bf16) rounded once from the float32 sum.
 void gguf_packed_gemm(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
-                      int64_t K, const uint8_t* w, int64_t groups, int64_t type, float* y) {
+                      int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
+                      const float* bias) {
 #if defined(PAGEDSERVE_GGUF_PACKED)
   const Activations a{xq, xd, xds, xsum, K, K / QK};
+  const Output o{y, y_bf16, bias, groups * kCols};
   switch (type) {
-    case Q4_0: run<Q4_0>(a, w, M, groups, y); return;
-    case Q4_1: run<Q4_1>(a, w, M, groups, y); return;
-    case Q8_0: run<Q8_0>(a, w, M, groups, y); return;
+    case Q4_0: run<Q4_0>(a, w, M, groups, o); return;
+    case Q4_1: run<Q4_1>(a, w, M, groups, o); return;
+    case Q8_0: run<Q8_0>(a, w, M, groups, o); return;
   }
   TORCH_CHECK(false, "gguf_packed_gemm: unsupported ggml type id ", type);
 #else

@@ -54,11 +54,10 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch
     if CPU_DENSE_MIN_ROWS is not None and x.shape[0] >= CPU_DENSE_MIN_ROWS:
         return qref.gguf_linear_dense(x, unpack_gguf_weight(data, type_name) if packed else data, type_name, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    y = load_quant_kernels().gguf_linear(
-        x2 if x2.dtype in _NATIVE_DTYPES else x2.float(), data, qref.GGUF_TYPE_IDS[type_name]
+    # Bias added to the float32 sum and rounded once to x's dtype inside the kernel.
+    y = load_quant_kernels().gguf_linear_out(
+        x2 if x2.dtype in _NATIVE_DTYPES else x2.float(), data, qref.GGUF_TYPE_IDS[type_name], bias
     )
-    if bias is not None:
-        y += bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 

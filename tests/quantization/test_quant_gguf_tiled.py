@@ -76,9 +76,34 @@ def test_tiled_matches_row_kernel_and_is_batch_invariant(type_name, dtype):
     rows = module.gguf_linear(x, data, tid)
     assert ((full - rows).abs().max() / rows.abs().max()).item() < 1e-5
     for i in (0, 5, 150, 299):
-        for count in (1, 2, 3, 4, 9):
+        for count in (1, 2, 3, 4, 5, 6, 7, 9, 11):
             part = x[i : i + count]
             assert torch.equal(module.gguf_linear(part, packed, tid)[0], full[i]), (i, count)
+
+
+@needs_packed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_fused_output_equals_float32_plus_bias_rounded(type_name, dtype):
+    """gguf_linear_out (bias added and the result rounded to x's dtype inside the
+    kernel) gives exactly what the float32 kernel output + bias, then .to(dtype), gives,
+    on packed weights and on the file's blocks; rows 1..300 over odd tile remainders."""
+    gen = torch.Generator().manual_seed(21)
+    k, n = 96, 112  # 7 column groups: whole and narrower column tiles
+    data = random_gguf(type_name, n, k, gen)
+    packed = cpu_quant.prepare_gguf_weight(data, type_name)
+    module, tid = load_quant_kernels(), ref.GGUF_TYPE_IDS[type_name]
+    bias = torch.randn(n, generator=gen).to(dtype)
+    for m in (1, 2, 5, 7, 13, 241, 300):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        for w in (packed, data):
+            want = (module.gguf_linear(x, w, tid) + bias.float()).to(dtype)
+            got = module.gguf_linear_out(x, w, tid, bias)
+            assert got.dtype == dtype and torch.equal(got, want), (m, w.dim())
+            plain = module.gguf_linear_out(x, w, tid)
+            assert torch.equal(plain, module.gguf_linear(x, w, tid).to(dtype)), (m, w.dim())
+    with pytest.raises(RuntimeError, match="bias"):
+        module.gguf_linear_out(x, packed, tid, torch.zeros(n + 1))
 
 
 @needs_packed
