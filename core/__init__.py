@@ -5,9 +5,24 @@ from pagedserve import LLM, SamplingParams
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# The OpenMP runtime loaded with torch reads its wait policy once, when torch is first
+# imported, so the default is set here, before anything imports torch.  With the
+# runtime's own default every pool thread spins for milliseconds after each parallel
+# region; on a machine whose cores other processes also want, that spinning takes the
+# cores from the threads doing the work, and throughput fell 3-10x with five times the
+# CPU time (docs/kernels_cpu.md, "Threads").  A value the user set is kept.
+#: Whether this import chose the OpenMP wait policy (False: the user's, or too late).
+OMP_WAIT_POLICY_SET = (
+    "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
+)
+if OMP_WAIT_POLICY_SET:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 __all__ = [
     "LLM",

@@ -78,11 +78,19 @@ void parallel_dynamic(int64_t n, const F& f) {
   });
 }
 
-// Row kernels: static split, enough rows per thread that small (decode) batches run
-// inline without waking the pool.
+// Row kernels: static split, enough rows per thread that decode batches run inline
+// without waking the pool.  Up to kSerialElems elements (an rms_norm of 227 rows of
+// 576, rotary on 170 tokens of 12 heads x 64) a row kernel takes 2-30 us on one
+// core; a parallel region then saves a few us on an idle machine but costs a
+// wake-up of the sleeping pool thread, and on a shared machine a barrier that
+// waits for a descheduled thread: at 64 rows x 576, 1-6 ms on average against
+// 0.1 ms inline (docs/kernels_cpu.md, "Threads").  Rows are independent, so the
+// split never changes a result.
+constexpr int64_t kSerialElems = int64_t(1) << 17;
+
 template <class F>
 void parallel_rows(int64_t rows, int64_t cols, const F& f) {
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1));
+  const int64_t grain = std::max<int64_t>(1, kSerialElems / std::max<int64_t>(cols, 1));
   at::parallel_for(0, rows, grain, f);
 }
 

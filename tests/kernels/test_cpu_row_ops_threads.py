@@ -1,0 +1,113 @@
+"""The native row-wise CPU ops give identical results on one thread and on several.
+
+Below a size threshold (``kSerialElems`` in kernels/cpu/bindings.cpp) a row op runs
+inline on the calling thread; above it, its rows are split over torch's pool.  Rows are
+independent, so the split must never change a value: each op is run at decode sizes
+(inline) and at sizes past the threshold (split) with one and with two threads, and the
+outputs must be bitwise equal, and close to the reference.  Fresh random inputs, outputs
+compared bitwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+
+import pytest
+import torch
+
+from pagedserve.kernels import build, reference
+from pagedserve.kernels.cpu import load_cpu_kernels
+
+pytestmark = pytest.mark.timeout(300)
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD = 576, 1536, 9, 3, 64
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 1.6e-2)}
+
+
+@pytest.fixture(scope="module")
+def native():
+    try:
+        build.load_cpu_extension()
+    except build.KernelBuildError as exc:
+        if shutil.which(build.cpu_build_spec().compiler) is None:
+            pytest.skip(f"no C++ compiler: {exc}")
+        raise
+    return load_cpu_kernels()
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_both(fn):
+    """fn() with one thread and with two: both results (cloned)."""
+    out = []
+    for n in (1, 2):
+        with num_threads(n):
+            r = fn()
+        out.append(tuple(t.clone() for t in r) if isinstance(r, tuple) else r.clone())
+    return out
+
+
+def same(a, b) -> None:
+    for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,), strict=True):
+        assert torch.equal(
+            x.view(torch.int16) if x.dtype == torch.bfloat16 else x,
+            y.view(torch.int16) if y.dtype == torch.bfloat16 else y,
+        )
+
+
+# Rows below and above the inline threshold for each op's row width.
+@pytest.mark.parametrize("rows", [1, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_norms_split_invariant(native, rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, HIDDEN, generator=g).to(dtype)
+    res = torch.randn(rows, HIDDEN, generator=g).to(dtype)
+    w = torch.randn(HIDDEN, generator=g).to(dtype)
+    one, two = run_both(lambda: native.rms_norm(x, w, 1e-5))
+    same(one, two)
+    torch.testing.assert_close(one, reference.rms_norm(x, w, 1e-5), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+    one, two = run_both(lambda: native.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5))
+    same(one, two)
+    want = reference.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    for got, exp in zip(one, want, strict=True):
+        torch.testing.assert_close(got, exp, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_rotary_split_invariant(native, tokens):
+    g = torch.Generator().manual_seed(100 + tokens)
+    q = torch.randn(tokens, HEADS, HEAD, generator=g).bfloat16()
+    k = torch.randn(tokens, KV_HEADS, HEAD, generator=g).bfloat16()
+    pos = torch.randint(0, 2048, (tokens,), generator=g)
+    freqs = torch.outer(torch.arange(2048).float(), torch.rand(HEAD // 2, generator=g))
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    one, two = run_both(lambda: native.rotary_embedding(pos, q.clone(), k.clone(), cos_sin))
+    same(one, two)
+    for got, exp in zip(one, reference.rotary_embedding(pos, q.clone(), k.clone(), cos_sin), strict=True):
+        torch.testing.assert_close(got, exp, atol=TOL[torch.bfloat16][0], rtol=TOL[torch.bfloat16][1])
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_silu_and_mul_split_invariant(native, rows):
+    x = torch.randn(rows, 2 * INTER, generator=torch.Generator().manual_seed(200 + rows)).bfloat16()
+    one, two = run_both(lambda: native.silu_and_mul(x))
+    same(one, two)
+    torch.testing.assert_close(one, reference.silu_and_mul(x), atol=TOL[torch.bfloat16][0], rtol=TOL[torch.bfloat16][1])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_argmax_split_invariant(native, rows):
+    x = torch.randn(rows, 49152, generator=torch.Generator().manual_seed(300 + rows))
+    one, two = run_both(lambda: native.argmax(x))
+    same(one, two)
+    assert torch.equal(one, torch.argmax(x, dim=-1))
