@@ -308,6 +308,7 @@ def test_deepseek2_features_not_implemented_are_refused_by_name(name, tmp_path):
         LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_deepseek2_split_kv_b_file_on_two_tensor_parallel_ranks(written):
     """A Q8_0 file (dequantized under tensor parallelism) whose kv_b_proj comes put back
