@@ -176,6 +176,10 @@ def check_parallel_fits_model(cfg: EngineConfig, arch: Any) -> None:
             f"intermediate_size ({arch.intermediate_size}), and divide or be a multiple of the "
             f"KV heads ({arch.num_kv_heads})"
         )
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # experts split the same way
+        size = arch.hf_config.get(key)
+        if size and size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the experts' {key} ({size})")
     if pp > arch.num_layers:
         raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {arch.num_layers} layers")
 

@@ -207,3 +207,15 @@ def test_head_sizes_the_tensors_contradict_fail_at_load(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"self_attn\.o_proj\.weight.*\[64, 48\]"):
         LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_expert_width_tensor_parallelism_cannot_split_is_refused_before_loading(tmp_path):
+    from test_models_vs_hf import build_checkpoint
+
+    from pagedserve import LLM
+
+    build_checkpoint(tmp_path, "deepseekv2-lite-mla", moe_intermediate_size=33)
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2 must divide the experts' moe_intermediate_size \(33\)"
+    ):
+        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2)

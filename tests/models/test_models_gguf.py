@@ -306,3 +306,33 @@ def test_deepseek2_features_not_implemented_are_refused_by_name(name, tmp_path):
     path = write_gguf_like_llama_cpp(tmp_path / "m.gguf", model, "deepseek2", extra=extra, extra_tensors=tensors)
     with pytest.raises(ValueError, match=message):
         LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_deepseek2_split_kv_b_file_on_two_tensor_parallel_ranks(written):
+    """A Q8_0 file (dequantized under tensor parallelism) whose kv_b_proj comes put back
+    together from attn_k_b/attn_v_b, sharded per head over two ranks: transformers'
+    tokens and logprobs on the weights the file holds."""
+    import torch.distributed as dist
+
+    path, prompts, expected, _ = written("deepseek2", "Q8_0")
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        kv_cache_memory="16MiB",
+        max_num_batched_tokens=8,
+        block_size=4,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+        for out, (tokens, logprobs) in zip(llm.generate(prompts, params, use_tqdm=False), expected):
+            got = out.outputs[0]
+            assert got.token_ids == tokens
+            for tok, entry, ref in zip(got.token_ids, got.logprobs, logprobs):
+                assert math.isclose(entry[tok].logprob, ref, abs_tol=2e-4)
+    finally:
+        llm.shutdown()
+    assert not dist.is_initialized()
