@@ -284,7 +284,8 @@ std::string isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_linear", &gguf_linear, "x [M,K] @ GGUF blocks [N, row_bytes] (or packed)^T -> float32 [M,N]");
+  // Tensors in and out only: runs without the GIL (see bindings.cpp).
+  m.def("gguf_linear", &gguf_linear, py::call_guard<py::gil_scoped_release>(), "x [M,K] @ GGUF blocks [N, row_bytes] (or packed)^T -> float32 [M,N]");
   m.def("isa", &isa, "instruction set compiled in");
   m.def("has_packed", &gguf_packed_available, "whether the tiled kernel on repacked weights is built");
   m.def("pack_weight", &gguf_pack_weight, "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32, 16*block_bytes]");
