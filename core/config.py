@@ -404,6 +404,13 @@ class SchedulerConfig:
             "--max-num-batched-tokens are refused"
         ),
     )
+    long_prefill_token_threshold: int | None = field(
+        default=None,
+        metadata=_help(
+            "most prompt tokens one request computes in a step, so a long prompt does not stall the running "
+            "decodes for a whole budget (0: no cap; default: the platform's, docs/serving.md)"
+        ),
+    )
     policy: str = field(
         default="fcfs",
         metadata=_help(
@@ -437,6 +444,12 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError(
+                "long_prefill_token_threshold splits prompts across steps: it needs enable_chunked_prefill"
+            )
         if self.delay_factor < 0:
             raise ValueError(f"scheduler delay_factor must be >= 0, got {self.delay_factor}")
         if self.max_queue_len is not None and self.max_queue_len < 1:

@@ -174,7 +174,7 @@ class LLMEngine:
         # A plain manager, or one with a host KV tier (kv_offload_memory).
         self.kv = build_kv_manager(config, num_blocks, self.runner, kv_window, mml, windows)
         self.weight_streamer = offload_weights(config, self.runner)  # cpu_offload_gb
-        self.scheduler = Scheduler(config.scheduler, self.kv, mml)
+        self.scheduler = Scheduler(config.scheduler, self.kv, mml, self.platform.default_long_prefill_token_threshold)
         # Grammars compile on its worker thread; the runner masks constrained rows.
         self.structured = self.runner.structured = build_structured_output_manager(
             config, self.tokenizer, self.arch, self.eos_token_ids

@@ -50,7 +50,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, default_long_prefill: int = 0
+    ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -65,6 +67,12 @@ class Scheduler:
         #: Most distinct LoRA adapters among running requests (set with enable_lora): a
         #: waiting request with another adapter waits until one of them finishes.
         self.max_loras: int | None = None
+        #: Most prompt tokens one request gets per step (0: no cap): the setting, else
+        #: ``default_long_prefill`` (the platform's) when prompts may be chunked.
+        threshold = config.long_prefill_token_threshold
+        if threshold is None:
+            threshold = default_long_prefill if config.enable_chunked_prefill else 0
+        self.long_prefill_token_threshold = threshold
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -146,6 +154,9 @@ class Scheduler:
             # Drafts that do not fit this step's budget are dropped, never split off.
             del request.spec_token_ids[max(budget - (request.num_tokens - request.num_computed_tokens), 0) :]
             n = request.num_tokens_with_spec - request.num_computed_tokens
+        cap = self.long_prefill_token_threshold
+        if 0 < cap < n and not request.spec_token_ids:
+            n = cap  # a long prompt goes in chunks, so decodes sharing the step are not held up
         # Without chunked prefill a request waits for a step with room for all its tokens.
         # Admission keeps prompts within one step; only a request preempted by recompute
         # after outgrowing the budget can exceed it, and it is chunked rather than starved.

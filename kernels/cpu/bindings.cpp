@@ -485,19 +485,23 @@ std::map<std::string, bool> build_features() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace k = pagedserve_cpu;
   m.doc() = "pagedserve native CPU kernels";
-  m.def("paged_attention", &k::paged_attention, "varlen causal paged attention (writes out)");
-  m.def("reshape_and_cache", &k::reshape_and_cache, "write key/value rows into the paged cache");
-  m.def("rms_norm", &k::rms_norm, "RMSNorm over the last dimension");
-  m.def("fused_add_rms_norm", &k::fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
-  m.def("rotary_embedding", &k::rotary_embedding, "neox rotary embedding of query and key, in place");
-  m.def("silu_and_mul", &k::silu_and_mul, "silu(x[..., :d]) * x[..., d:]");
-  m.def("argmax", &k::argmax, "index of the largest value of each row (first of ties, NaN first)");
-  m.def("apply_token_bitmask", &k::apply_token_bitmask, "logits of tokens a bitmask disallows to -inf, in place");
+  // Kernels that take only tensors and numbers run without the GIL (arguments are
+  // converted before the release, results after it), so the server's event loop runs
+  // beside a long forward pass.  Never on a function that touches Python objects.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_attention", &k::paged_attention, nogil, "varlen causal paged attention (writes out)");
+  m.def("reshape_and_cache", &k::reshape_and_cache, nogil, "write key/value rows into the paged cache");
+  m.def("rms_norm", &k::rms_norm, nogil, "RMSNorm over the last dimension");
+  m.def("fused_add_rms_norm", &k::fused_add_rms_norm, nogil, "residual += x; x = rms_norm(residual), in place");
+  m.def("rotary_embedding", &k::rotary_embedding, nogil, "neox rotary embedding of query and key, in place");
+  m.def("silu_and_mul", &k::silu_and_mul, nogil, "silu(x[..., :d]) * x[..., d:]");
+  m.def("argmax", &k::argmax, nogil, "index of the largest value of each row (first of ties, NaN first)");
+  m.def("apply_token_bitmask", &k::apply_token_bitmask, nogil, "logits of tokens a bitmask disallows to -inf, in place");
   m.def("compiled_isas", &k::compiled_isa_names, "instruction sets compiled in, best first");
   m.def("supported_head_sizes", &k::supported_head_sizes, "head sizes of the attention kernel");
-  m.def("linear", &k::linear, "bf16 x . weight^T (+ bias) for few rows of x");
-  m.def("packed_linear", &k::packed_linear, "bf16 x . weight^T (+ bias), weight packed [n/16, k/2, 16, 2]");
-  m.def("packed_linear_silu_and_mul", &k::packed_linear_silu_and_mul,
+  m.def("linear", &k::linear, nogil, "bf16 x . weight^T (+ bias) for few rows of x");
+  m.def("packed_linear", &k::packed_linear, nogil, "bf16 x . weight^T (+ bias), weight packed [n/16, k/2, 16, 2]");
+  m.def("packed_linear_silu_and_mul", &k::packed_linear_silu_and_mul, nogil,
         "silu(x . gate^T) * (x . up^T) for a packed weight [gate; up]");
   m.def("has_packed_linear", &k::has_packed_linear, "whether an instruction set has the packed linear kernel");
   m.def("has_linear", &k::has_linear, "whether an instruction set has the bf16 linear kernel");

@@ -375,9 +375,12 @@ std::string isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_linear", &gguf_linear, "x [M,K] @ GGUF blocks [N, row_bytes] (or packed)^T -> float32 [M,N]");
-  m.def("gguf_linear_out", &gguf_linear_out, "gguf_linear + bias, in x's dtype", py::arg("x"), py::arg("weight"),
-        py::arg("type"), py::arg("bias") = py::none());
+  // Tensors in and out only: these run without the GIL (see bindings.cpp).
+  m.def("gguf_linear", &gguf_linear, py::call_guard<py::gil_scoped_release>(),
+        "x [M,K] @ GGUF blocks [N, row_bytes] (or packed)^T -> float32 [M,N]");
+  m.def("gguf_linear_out", &gguf_linear_out, py::call_guard<py::gil_scoped_release>(),
+        "gguf_linear + bias, in x's dtype", py::arg("x"), py::arg("weight"), py::arg("type"),
+        py::arg("bias") = py::none());
   m.def("isa", &isa, "instruction set compiled in");
   m.def("has_packed", &gguf_packed_available, "whether the tiled kernel on repacked weights is built");
   m.def("pack_weight", &gguf_pack_weight, "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32, 16*block_bytes]");

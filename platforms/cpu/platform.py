@@ -45,6 +45,8 @@ class CpuPlatform(Platform):
     # Host memory is shared with the OS and every other process: take a modest share
     # by default (vLLM's CPU backend likewise defaults to a fixed 4 GiB).
     default_memory_utilization = 0.25
+    # A 2048-token prompt chunk costs several decode steps on a CPU (docs/serving.md).
+    default_long_prefill_token_threshold = 512
 
     def __init__(self, options: CpuOptions | None = None) -> None:
         #: The environment switches, read once here (PAGEDSERVE_CPU_*; platforms/options.py).
