@@ -355,7 +355,8 @@ class CacheConfig:
         default=True,
         metadata=_help(
             "free a request's KV blocks once they slide out of the attention window of every layer "
-            "(models with one window on all layers; docs/models.md)"
+            "(one window on all layers), or of a group of layers with one window (one block table per "
+            "group where layers differ, as in Gemma 2/3; docs/models.md)"
         ),
     )
 

@@ -200,7 +200,11 @@ class GroupedKVCacheManager:
         plans = [g.plan_slots(request, num_new_tokens, h) for g, h in zip(self.groups, hits)]
         if sum(p[0] for p in plans) > self.pool.num_free_blocks - sum(p[1] for p in plans):
             return None
-        new = [b for g, p in zip(self.groups, plans) for b in g.commit_slots(request, num_new_tokens, p)]
+        # Every group's hits leave the free queue before any group takes new blocks from
+        # it: otherwise one group could evict (and reuse) a block another group hit.
+        for p in plans:
+            self.pool.touch(p[3])
+        new = [b for g, p in zip(self.groups, plans) for b in g.commit_slots(request, num_new_tokens, p, touch=False)]
         self.num_scheduled_tokens += num_new_tokens
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.pool.num_in_use)
         return new

@@ -221,12 +221,14 @@ class KVCacheManager:
         return max(needed, 0), revived, lead, computed_blocks
 
     def commit_slots(
-        self, request: Request, num_new_tokens: int, plan: tuple[int, int, int, list[KVBlock]]
+        self, request: Request, num_new_tokens: int, plan: tuple[int, int, int, list[KVBlock]], touch: bool = True
     ) -> list[KVBlock]:
-        """Take the blocks :meth:`plan_slots` counted (the pool must have them)."""
+        """Take the blocks :meth:`plan_slots` counted (the pool must have them); ``touch``
+        False: the caller already took the hits out of the free queue."""
         needed, _, lead, computed_blocks = plan
         rid = request.request_id
-        self.pool.touch(computed_blocks)
+        if touch:
+            self.pool.touch(computed_blocks)
         new_blocks = self.pool.get_new_blocks(needed)
         blocks = self.req_blocks.setdefault(rid, [])
         if lead:

@@ -8,10 +8,11 @@ entries then point at a reserved null block that is never allocated nor written,
 every ``paged_attention`` implementation starts its key loop at block
 ``first_visible // block_size`` (docs/models.md, "Sliding windows").
 
-Freeing applies when every attention layer has the same window (Mistral v0.1,
-Starcoder2, Mixtral with a window, Qwen2 with sliding on every layer).  Models whose
-layers differ (Gemma 2/3, Qwen2 ``max_window_layers``) keep every block: one block table
-serves all layers, and their full-attention layers need every key.
+Freeing applies to a manager whose layers all have the same window: every layer of
+Mistral v0.1, Starcoder2, Mixtral with a window, Qwen2 with sliding on every layer; or
+one windowed KV cache group of a model whose layers differ (Gemma 2/3, Qwen2
+``max_window_layers``: see :mod:`pagedserve.kv_cache.kv_groups`), whose full-attention
+group keeps every block.
 """
 
 from __future__ import annotations

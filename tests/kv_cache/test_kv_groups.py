@@ -74,6 +74,34 @@ def test_allocation_is_all_groups_or_none():
     assert kv.num_blocks_in_use == 4
 
 
+def test_a_group_never_takes_a_block_another_group_hit():
+    """Hits of every group leave the free queue before any group takes new blocks."""
+    kv = GroupedKVCacheManager(7, BS, True, [None, W])  # 6 pool blocks
+    prompt = list(range(3, 12))  # 9 tokens: 2 full blocks + 1 partial per group
+    a = req("a", prompt)
+    assert kv.allocate_slots(a, 9) is not None
+    a.num_computed_tokens = 9
+    full_ids, win_ids = kv.block_ids("a")
+    a.status = RequestStatus.FINISHED_STOPPED
+    kv.free(a)
+    # Put the windowed group's cached blocks at the head of the free queue.
+    for block_id in full_ids + win_ids[2:]:
+        block = kv.pool.blocks[block_id]
+        kv.pool.free_queue.remove(block)
+        kv.pool.free_queue.append(block)
+    assert [b.block_id for b in kv.pool.free_queue][:2] == win_ids[:2][::-1]
+    b = req("b", prompt)
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8
+    b.num_computed_tokens = n
+    assert kv.allocate_slots(b, 1, hits) is not None
+    full, win = kv.block_ids("b")
+    assert full[:2] == full_ids[:2] and win[:2] == win_ids[:2]
+    assert len(set(full + win)) == 6  # no block in two places
+    kv.free(b)
+    kv.check_invariants()
+
+
 def test_prefix_hit_needs_only_the_window_in_windowed_groups():
     """A windowed group's blocks before the window may be evicted: the hit still holds."""
     kv = GroupedKVCacheManager(64, BS, True, [None, W])
