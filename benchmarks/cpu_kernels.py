@@ -17,6 +17,7 @@ the speedup (reference / native).
                                      [--huge-pages] [--cpu-time] [--prefill] [--linear]
                                      [--token-major] [--layers 30] [--moe] [--window]
                                      [--gguf] [--rows 1 4 16 64 256] [--int8-peak GOPS]
+                                     [--no-row-kernel]
 """
 
 from __future__ import annotations
@@ -285,11 +286,16 @@ def int8_peak_gops() -> float:
 
 
 def bench_gguf_linear(
-    native, rows: list[int], peak: float, clock: Callable[[], float] = time.perf_counter
+    native,
+    rows: list[int],
+    peak: float,
+    clock: Callable[[], float] = time.perf_counter,
+    row_kernel: bool = True,
 ) -> list[tuple]:
     """The layers of ``bench_linear`` (30 of each, the LM head once) as Q4_1 GGUF blocks:
-    the packed bf16 kernel, the row-by-row int8 kernel on the file's blocks and the tiled
-    int8 kernel on repacked weights, each whole decode step in ms and GOP/s, the tiled
+    the packed bf16 kernel, the row-by-row int8 kernel on the file's blocks (NaN where
+    ``row_kernel`` is false) and the tiled int8 kernel on repacked weights, each with a
+    bf16 output as the model gets it, each whole decode step in ms and GOP/s, the tiled
     kernel also as a fraction of ``peak`` (GOP/s)."""
     from pagedserve.kernels.cpu.quant_native import load_quant_kernels
     from pagedserve.kernels.quant_reference import GGUF_TYPE_IDS
@@ -317,8 +323,8 @@ def bench_gguf_linear(
             return time_call(lambda: [fn(x, w) for x, ws in zip(xs, weights) for w in ws], clock=clock)
 
         t_bf16 = step(native.packed_linear, bf16)
-        t_rows = step(lambda x, w: quant.gguf_linear(x, w, q41), raw)
-        t_tiled = step(lambda x, w: quant.gguf_linear(x, w, q41), packed)
+        t_rows = step(lambda x, w: quant.gguf_linear_out(x, w, q41), raw) if row_kernel else float("nan")
+        t_tiled = step(lambda x, w: quant.gguf_linear_out(x, w, q41), packed)
         gops = [2 * m * params / t * 1e-9 for t in (t_bf16, t_rows, t_tiled)]
         out.append((m, t_bf16 * 1e3, t_rows * 1e3, t_tiled * 1e3, *gops, gops[2] / peak * 100, t_bf16 / t_tiled))
     return out
@@ -401,6 +407,7 @@ def main(argv: list[str] | None = None) -> None:
         "--gguf", action="store_true", help="time the same layers on Q4_1 GGUF blocks (int8 kernels) against bf16"
     )
     parser.add_argument("--int8-peak", type=float, default=None, help="int8 peak GOP/s for --gguf (default: estimated)")
+    parser.add_argument("--no-row-kernel", action="store_true", help="--gguf: leave out the (slow) row-by-row kernel")
     parser.add_argument("--skip-attention", action="store_true", help="leave out the paged_attention table")
     parser.add_argument("--moe", action="store_true", help="also time fused_moe (reference vs native)")
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 16, 64, 256], help="batch sizes for --moe")
@@ -473,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
                 "tiled % int8 peak",
                 "tiled/bf16 speedup",
             ),
-            bench_gguf_linear(native, args.rows, peak, clock),
+            bench_gguf_linear(native, args.rows, peak, clock, row_kernel=not args.no_row_kernel),
         )
 
 
