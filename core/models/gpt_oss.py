@@ -10,9 +10,12 @@ Checkpoint layout (transformers' ``GptOssForCausalLM``): per layer ``self_attn.s
 ``down_proj_bias`` [E, hidden].  At load the experts become the ``fused_moe`` op's
 layout: ``w13`` [E, 2 * I, hidden] = cat(gate rows, up rows), ``w2`` [E, hidden, I].
 
-The released checkpoints store expert weights as MXFP4; those are refused at load
-(``quantization_config.quant_method = "mxfp4"``, by the quantization registry).
-Tensor parallelism is not implemented for this family (refused at construction).
+The released checkpoints store the expert weights as MXFP4 (``quantization_config``
+``quant_method = "mxfp4"``: ``gate_up_proj_blocks`` / ``_scales`` [E, 2I, hidden / 32,
+16] / [E, 2I, hidden / 32] with interleaved gate/up rows, ``down_proj_blocks`` /
+``_scales`` [E, hidden, I / 32, 16] / [E, hidden, I / 32]); they are dequantized at
+load to the model dtype (:mod:`pagedserve.models.mxfp4`).  Tensor parallelism is not
+implemented for this family: refused when the config is read.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.decoder import DecoderForCausalLM, KVCache
 from pagedserve.models.layers import add_rms_norm, fuse, layer_windows, linear, paged_attention, qkv_split
+from pagedserve.models.mxfp4 import dequantize_mxfp4
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
@@ -89,13 +93,18 @@ class GptOssForCausalLM(DecoderForCausalLM):
         self.windows = layer_windows(hf, cfg.num_layers)
         self.num_experts = int(hf["num_local_experts"])
         self.top_k = int(hf["num_experts_per_tok"])
+        qcfg = hf.get("quantization_config") or {}
+        #: Whether the expert weights come as MXFP4 blocks and scales.
+        self.mxfp4 = str(qcfg.get("quant_method", "")).lower() == "mxfp4"
         self.swiglu = {"alpha": float(hf.get("swiglu_alpha", 1.702)), "limit": float(hf.get("swiglu_limit", 7.0))}
 
     def layer_weight_names(self, layer: int) -> frozenset[str]:
         names = {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.sinks"}
         names |= {f"self_attn.{p}.{leaf}" for p in (*_ATTN, "o_proj") for leaf in ("weight", "bias")}
         names |= {"mlp.router.weight", "mlp.router.bias"}
-        names |= {f"mlp.experts.{p}" for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+        names |= {"mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"}
+        suffixes = ("_blocks", "_scales") if self.mxfp4 else ("",)
+        names |= {f"mlp.experts.{p}{s}" for p in ("gate_up_proj", "down_proj") for s in suffixes}
         return frozenset(names)
 
     def finish_layer(self, layer: GptOssLayer, w: dict[str, Any], param) -> None:
@@ -110,9 +119,15 @@ class GptOssForCausalLM(DecoderForCausalLM):
         layer.sinks = param(w[a + "sinks"]).float()
         layer.router = param(w["mlp.router.weight"])
         layer.router_bias = param(w["mlp.router.bias"])
-        w13, b13 = deinterleave_gate_up(w[e + "gate_up_proj"], w[e + "gate_up_proj_bias"])
+        if self.mxfp4:  # [E, 2I, hidden] with interleaved gate/up rows; [E, hidden, I]
+            gate_up = dequantize_mxfp4(w[e + "gate_up_proj_blocks"], w[e + "gate_up_proj_scales"], self.dtype)
+            gate_up = gate_up.transpose(1, 2)  # transformers' [E, hidden, 2I]
+            down = dequantize_mxfp4(w[e + "down_proj_blocks"], w[e + "down_proj_scales"], self.dtype)
+        else:
+            gate_up, down = w[e + "gate_up_proj"], w[e + "down_proj"].transpose(1, 2)
+        w13, b13 = deinterleave_gate_up(gate_up, w[e + "gate_up_proj_bias"])
         layer.w13, layer.w13_bias = param(w13), param(b13)
-        layer.w2 = param(w[e + "down_proj"].transpose(1, 2).contiguous())
+        layer.w2 = param(down.contiguous())
         layer.w2_bias = param(w[e + "down_proj_bias"])
 
     def layer_forward(

@@ -181,7 +181,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         quantized=False,
         tensor_parallel=False,
         notes="attention sinks, alternating sliding/full layers, YaRN, biased MoE with the clamped SwiGLU "
-        "(`swigluoai`); bf16/fp32 safetensors (MXFP4 experts refused)",
+        "(`swigluoai`); bf16/fp32 safetensors, MXFP4 experts dequantized at load",
     ),
     ModelEntry(
         "DeepseekV2ForCausalLM",

@@ -1,15 +1,12 @@
 """GPT-OSS loading rules: the expert-weight layout conversion against transformers'
-interleaved ``gate_up_proj``, MXFP4 checkpoints refused by name at load, tensor
+interleaved ``gate_up_proj``, MXFP4 dequantized at load for GPT-OSS only, tensor
 parallelism refused when the config is read (before any weight loads)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from pagedserve import LLM
 from pagedserve.config import EngineConfig
 from pagedserve.config_rules import check_parallel_fits_model
 from pagedserve.models.arch_config import ArchConfig
@@ -55,15 +52,17 @@ def test_tensor_parallelism_is_refused_when_the_config_is_read():
         check_parallel_fits_model(cfg, ArchConfig.from_hf(_hf_config()))
 
 
-def test_mxfp4_checkpoint_is_refused_naming_it(tmp_path):
-    from pagedserve.testing.tiny_model import write_byte_tokenizer
+def test_mxfp4_is_dequantized_for_gpt_oss_and_refused_by_name_elsewhere():
+    """(tests/models/test_gpt_oss_mxfp4.py runs an MXFP4 GPT-OSS checkpoint end to end.)"""
+    from types import SimpleNamespace
 
-    cfg = _hf_config(quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": []})
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    write_byte_tokenizer(tmp_path)
-    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**_hf_config(), "vocab_size": 259}))
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    cfg["vocab_size"] = 259
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="mxfp4"):
-        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="4MiB")
+    from pagedserve.quantization.registry import _from_checkpoint
+
+    qcfg = {"quant_method": "mxfp4"}
+    gpt_oss = SimpleNamespace(format="hf", path="x", hf_config=_hf_config(quantization_config=qcfg))
+    assert _from_checkpoint(gpt_oss, None) == (None, {})
+    llama = SimpleNamespace(
+        format="hf", path="x", hf_config={"architectures": ["LlamaForCausalLM"], "quantization_config": qcfg}
+    )
+    with pytest.raises(ValueError, match="quant_method='mxfp4'"):
+        _from_checkpoint(llama, None)
