@@ -66,3 +66,17 @@ def test_mxfp4_is_dequantized_for_gpt_oss_and_refused_by_name_elsewhere():
     )
     with pytest.raises(ValueError, match="quant_method='mxfp4'"):
         _from_checkpoint(llama, None)
+
+
+def test_gguf_gpt_oss_is_refused_by_name(tmp_path):
+    """llama.cpp's ``gpt-oss`` GGUF architecture is not mapped: refused naming it."""
+    gguf = pytest.importorskip("gguf")
+    from pagedserve.loader.model_source import open_model
+
+    writer = gguf.GGUFWriter(str(tmp_path / "oss.gguf"), "gpt-oss")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="architecture 'gpt-oss'"):
+        open_model(tmp_path / "oss.gguf")
