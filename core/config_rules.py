@@ -170,6 +170,8 @@ def check_parallel_fits_model(cfg: EngineConfig, arch: Any) -> None:
     Checked when the checkpoint's config is read, before weights load or workers start.
     """
     tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    if tp > 1 and not getattr(arch, "tensor_parallel", True):
+        raise ValueError(f"{arch.architecture} does not support tensor parallelism (tensor_parallel_size={tp})")
     if arch.num_heads % tp or arch.intermediate_size % tp or (arch.num_kv_heads % tp and tp % arch.num_kv_heads):
         raise ValueError(
             f"tensor_parallel_size={tp} must divide the attention heads ({arch.num_heads}) and "

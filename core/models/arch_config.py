@@ -73,3 +73,8 @@ class ArchConfig:
         )
         model_cls.check_config(out)
         return out
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether this architecture's family shards over tensor-parallel ranks."""
+        return bool(resolve_model_class(self.architecture).tensor_parallel)

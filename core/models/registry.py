@@ -174,6 +174,16 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         notes="text only; Gemma 2 plus q/k norms and a local RoPE base on sliding layers",
     ),
     ModelEntry(
+        "GptOssForCausalLM",
+        "gpt_oss",
+        "pagedserve.models.gpt_oss",
+        "GptOssForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="attention sinks, alternating sliding/full layers, YaRN, biased MoE with the clamped SwiGLU "
+        "(`swigluoai`); bf16/fp32 safetensors, MXFP4 experts dequantized at load",
+    ),
+    ModelEntry(
         "DeepseekV2ForCausalLM",
         "deepseek_v2",
         "pagedserve.models.deepseek_v2",

@@ -98,6 +98,8 @@ def _from_checkpoint(source, ops: Any) -> tuple[str | None, dict[str, Any]]:
     if not qcfg:
         return None, {}
     method = str(qcfg.get("quant_method", "")).lower()
+    if method == "mxfp4" and (source.hf_config.get("architectures") or [None])[0] == "GptOssForCausalLM":
+        return None, {}  # GPT-OSS dequantizes its MXFP4 experts at load (pagedserve.models.mxfp4)
     if method not in _HF_ALIASES:
         raise ValueError(
             f"checkpoint {source.path} is quantized with quant_method={method!r}, which is not "

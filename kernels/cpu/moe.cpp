@@ -19,6 +19,11 @@
 // packed VDPBF16PS micro-kernels of linear.h, w13 through the gated one when the
 // activation is silu and I % 16 == 0.  Plain weights of any dtype run a register-blocked
 // dot-product tile over the vector ISA of vec.h (float32 accumulation).
+//
+// GPT-OSS's experts (plain weights only): optional biases b13 [E, 2I] and b2 [E, H]
+// are added to the float32 sums before the rounding (a biased linear), and the
+// "swigluoai" activation replaces act(gate) * up by
+// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -57,7 +62,7 @@ constexpr int kW = Isa::W;
 constexpr int kTileM = 4;
 constexpr int kTileN = Isa::kMaxAccRegs >= 16 ? 4 : 2;  // accumulators: kTileM * kTileN
 constexpr int64_t kRowChunk = 48;                        // rows of one work item (a multiple of 6 and 4)
-enum Activation : int64_t { kSilu = 0, kGelu = 1 };
+enum Activation : int64_t { kSilu = 0, kGelu = 1, kSwigluOai = 2 };
 
 inline float activate(float g, int64_t act) {
   if (act == kSilu) return g / (1.f + std::exp(-g));
@@ -131,7 +136,28 @@ void run_items(const std::vector<Item>& items, const Fn& fn) {
 struct Moe {
   int64_t tokens, top_k, experts, hidden, inter, act;
   int threads;
+  const void* b13 = nullptr;  // [E, 2I] in the dtype, or none
+  const void* b2 = nullptr;   // [E, H] in the dtype, or none
+  float alpha = 1.702f, limit = 7.f;
 };
+
+// act(gate) * up of one element from the rounded gate and up sums.
+template <typename T>
+inline T gated(const Moe& m, float g, float u) {
+  if (m.act == kSwigluOai) {
+    g = std::min(g, m.limit);
+    u = std::clamp(u, -m.limit, m.limit);
+    // Rounded after each step as the reference (and transformers) compute it in the dtype.
+    const float sig = round_to<T>(1.f / (1.f + std::exp(-round_to<T>(g * m.alpha))));
+    return from_float<T>(round_to<T>(u + 1.f) * round_to<T>(g * sig));
+  }
+  return from_float<T>(round_to<T>(activate(g, m.act)) * u);
+}
+
+template <typename T>
+inline float bias_at(const void* b, int64_t i) {
+  return b == nullptr ? 0.f : to_float(static_cast<const T*>(b)[i]);
+}
 
 // Step 2 on plain weights: act[r, c] for c in [c0, c1) from gate rows c and up rows I + c.
 template <typename T>
@@ -154,8 +180,10 @@ void up_plain(const Moe& m, const Item& it, const T* xs, const T* w13, T* act) {
       dot_block<T>(xr, mb, wu, H, su);
       for (int i = 0; i < mb; ++i)
         for (int j = 0; j < nb; ++j) {
-          const float g = round_to<T>(sg[i * kTileN + j]), u = round_to<T>(su[i * kTileN + j]);
-          act[(r + i) * I + n0 + j] = from_float<T>(round_to<T>(activate(g, m.act)) * u);
+          const int64_t c = n0 + j;
+          const float g = round_to<T>(sg[i * kTileN + j] + bias_at<T>(m.b13, it.e * 2 * I + c));
+          const float u = round_to<T>(su[i * kTileN + j] + bias_at<T>(m.b13, it.e * 2 * I + I + c));
+          act[(r + i) * I + c] = gated<T>(m, g, u);
         }
     }
   }
@@ -177,7 +205,8 @@ void down_plain(const Moe& m, const Item& it, const T* act, const T* w2, T* y) {
       for (int i = 0; i < kTileM; ++i) xr[i] = act + (r + std::min(i, mb - 1)) * I;
       dot_block<T>(xr, mb, wr, I, s);
       for (int i = 0; i < mb; ++i)
-        for (int j = 0; j < nb; ++j) y[(r + i) * H + n0 + j] = from_float<T>(s[i * kTileN + j]);
+        for (int j = 0; j < nb; ++j)
+          y[(r + i) * H + n0 + j] = from_float<T>(s[i * kTileN + j] + bias_at<T>(m.b2, it.e * H + n0 + j));
     }
   }
 }
@@ -299,7 +328,8 @@ torch::Tensor run_moe(const Moe& m, const torch::Tensor& x, const torch::Tensor&
 // x [T, H]; w13 [E, 2I, H] or packed [E, 2I/16, H/2, 16, 2]; w2 [E, H, I] or packed
 // [E, H/16, I/2, 16, 2]; topk_weights float32 [T, K]; topk_ids int64 [T, K].
 torch::Tensor fused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor weights,
-                        torch::Tensor ids, int64_t activation) {
+                        torch::Tensor ids, int64_t activation, std::optional<torch::Tensor> b13,
+                        std::optional<torch::Tensor> b2, double alpha, double limit) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "fused_moe: x must be a contiguous [T, H] tensor");
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "fused_moe: expert weights must be contiguous");
   TORCH_CHECK((w13.dim() == 3 || w13.dim() == 5) && (w2.dim() == 3 || w2.dim() == 5),
@@ -310,8 +340,11 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, to
               "fused_moe: topk_weights must be contiguous float32 [T, K]");
   TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.is_contiguous() && ids.sizes() == weights.sizes(),
               "fused_moe: topk_ids must be contiguous int64 of topk_weights' shape");
-  TORCH_CHECK(activation == kSilu || activation == kGelu, "fused_moe: activation code ", activation);
+  TORCH_CHECK(activation == kSilu || activation == kGelu || activation == kSwigluOai,
+              "fused_moe: activation code ", activation);
   const bool packed = w13.dim() == 5 || w2.dim() == 5;
+  TORCH_CHECK(!packed || (activation != kSwigluOai && !b13.has_value() && !b2.has_value()),
+              "fused_moe: expert biases and swigluoai need plain (unpacked) expert weights");
   TORCH_CHECK(!packed || (kHavePacked && x.scalar_type() == torch::kBFloat16),
               "fused_moe: packed expert weights need bf16 and the AVX-512 BF16 build");
   Moe m{};
@@ -322,6 +355,20 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, to
   m.inter = w13.dim() == 5 ? w13.size(1) * 8 : w13.size(1) / 2;
   m.act = activation;
   m.threads = at::get_num_threads();
+  m.alpha = float(alpha);
+  m.limit = float(limit);
+  if (b13.has_value()) {
+    TORCH_CHECK(b13->scalar_type() == x.scalar_type() && b13->is_contiguous() && b13->dim() == 2 &&
+                    b13->size(0) == m.experts && b13->size(1) == 2 * m.inter,
+                "fused_moe: w13_bias must be contiguous [E, 2I] in x's dtype, got ", b13->sizes());
+    m.b13 = b13->data_ptr();
+  }
+  if (b2.has_value()) {
+    TORCH_CHECK(b2->scalar_type() == x.scalar_type() && b2->is_contiguous() && b2->dim() == 2 &&
+                    b2->size(0) == m.experts && b2->size(1) == m.hidden,
+                "fused_moe: w2_bias must be contiguous [E, H] in x's dtype, got ", b2->sizes());
+    m.b2 = b2->data_ptr();
+  }
   const int64_t w13_k = w13.dim() == 5 ? w13.size(2) * 2 : w13.size(2);
   const int64_t w2_n = w2.dim() == 5 ? w2.size(1) * 16 : w2.size(1);
   const int64_t w2_k = w2.dim() == 5 ? w2.size(2) * 2 : w2.size(2);

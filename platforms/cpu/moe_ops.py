@@ -30,7 +30,7 @@ __all__ = [
 
 SOURCE = "cpu-native-moe"
 #: Activation name -> the kernel's code (reference.fused_moe's names).
-ACTIVATIONS: dict[str, int] = {"silu": 0, "gelu": 1}
+ACTIVATIONS: dict[str, int] = {"silu": 0, "gelu": 1, "swigluoai": 2}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -89,13 +89,11 @@ def fused_moe(
     """See reference.fused_moe (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights
     [T, K], topk_ids int64 [T, K]; either weight may be packed by prepare_moe_weights).
 
-    GPT-OSS's experts (expert biases, "swigluoai") run the reference's per-expert
-    grouped GEMMs (no per-token loop); the native kernel has neither yet."""
-    if w13_bias is not None or w2_bias is not None or activation == "swigluoai":
-        w13, w2 = unpack_expert_weight(w13).to(x.dtype), unpack_expert_weight(w2).to(x.dtype)
-        return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, alpha, limit)
+    GPT-OSS's experts (biases w13_bias [E, 2I] and w2_bias [E, H], "swigluoai") run
+    natively on plain expert weights; packed ones take the reference for them."""
     if activation not in ACTIVATIONS:
-        raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu)")
+        raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu, swigluoai)")
+    oai = w13_bias is not None or w2_bias is not None or activation == "swigluoai"
     module = _kernels()
     packed = w13.dim() == 5 or w2.dim() == 5
     if (
@@ -107,10 +105,10 @@ def fused_moe(
         or x.device.type != "cpu"
         or w13.device.type != "cpu"
         or w2.device.type != "cpu"
-        or (packed and (x.dtype != torch.bfloat16 or not module.has_packed()))
+        or (packed and (x.dtype != torch.bfloat16 or not module.has_packed() or oai))
     ):
-        w13, w2 = unpack_expert_weight(w13), unpack_expert_weight(w2)
-        return reference.fused_moe(x, w13.to(x.dtype), w2.to(x.dtype), topk_weights, topk_ids, activation)
+        w13, w2 = unpack_expert_weight(w13).to(x.dtype), unpack_expert_weight(w2).to(x.dtype)
+        return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, alpha, limit)
     return module.fused_moe(
         x.contiguous(),
         w13.contiguous(),
@@ -118,6 +116,10 @@ def fused_moe(
         topk_weights.to(device="cpu", dtype=torch.float32).contiguous(),
         topk_ids.to(device="cpu", dtype=torch.int64).contiguous(),
         ACTIVATIONS[activation],
+        None if w13_bias is None else w13_bias.to(x.dtype).contiguous(),
+        None if w2_bias is None else w2_bias.to(x.dtype).contiguous(),
+        float(alpha),
+        float(limit),
     )
 
 

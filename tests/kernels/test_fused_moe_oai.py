@@ -63,3 +63,27 @@ def test_cpu_platform_op_passes_the_gpt_oss_cases(dtype, packed):
     results = [Check(d, b).run() for d, b in OP_CASES["fused_moe"](_Target(), fused_moe, dtype, 0, prepare)]
     oai = [r for r in results if "swigluoai" in r.id]
     assert len(oai) == 4 and all(r.status == "passed" for r in results), [r.message for r in results if r.message]
+
+
+def test_cpu_native_kernel_runs_gpt_oss_experts_without_the_reference(monkeypatch):
+    """Plain expert weights with biases and swigluoai go to the native kernel."""
+    from pagedserve.kernels.cpu.moe_native import load_moe_kernels
+    from pagedserve.platforms.cpu import moe_ops
+
+    if load_moe_kernels() is None:
+        pytest.skip("the native MoE kernel is not built here")
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(13, 48, generator=gen) * 4
+    w13 = torch.randn(5, 2 * 24, 48, generator=gen) * 0.2
+    w2 = torch.randn(5, 48, 24, generator=gen) * 0.2
+    b13, b2 = torch.randn(5, 48, generator=gen), torch.randn(5, 48, generator=gen)
+    ids = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(13)])
+    weights = torch.softmax(torch.randn(13, 2, generator=gen), -1)
+    want = reference.fused_moe(x, w13, w2, weights, ids, "swigluoai", b13, b2, 1.5, 2.0)
+
+    def refuse(*_a, **_k):
+        raise AssertionError("fell back to the reference")
+
+    monkeypatch.setattr(moe_ops.reference, "fused_moe", refuse)
+    got = moe_ops.fused_moe(x, w13, w2, weights, ids, "swigluoai", b13, b2, 1.5, 2.0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

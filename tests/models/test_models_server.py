@@ -16,7 +16,7 @@ import httpx
 import pytest
 from test_models_vs_hf import _prompts, build_checkpoint, hf_reference
 
-CASES = ["gemma2-window-softcap", "qwen3moe-qknorm", "deepseekv2-lite-mla"]
+CASES = ["gemma2-window-softcap", "qwen3moe-qknorm", "deepseekv2-lite-mla", "gptoss-sinks-window-moe"]
 MAX_NEW = 6
 
 

@@ -146,6 +146,28 @@ CASES: dict[str, tuple[str, str, dict]] = {
             },
         ),
     ),
+    "gptoss-sinks-window-moe": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=64,
+            intermediate_size=36,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            swiglu_limit=1.0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 150000.0,
+            },
+        ),
+    ),
     "gemma-head24": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=24, hidden_act="gelu_pytorch_tanh")),
     "gemma2-window-softcap": (
         "Gemma2Config",
@@ -201,6 +223,8 @@ def _init_weights(model, gemma_norms: bool) -> None:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.2 if "embed" in name else 0.08))
+            elif "sinks" in name:  # GPT-OSS's per-head sink logits: some heads mostly attend to the sink
+                p.copy_(torch.randn(p.shape, generator=gen) * 2.0)
             elif "bias" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
             else:  # norm weights, applied as (1 + w) by Gemma, as w elsewhere
