@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,6 +12,7 @@ _spec = importlib.util.spec_from_file_location(
     "bench_run_facts", Path(__file__).resolve().parents[2] / "benchmarks" / "run_facts.py"
 )
 run_facts = importlib.util.module_from_spec(_spec)
+sys.modules["bench_run_facts"] = run_facts  # dataclasses look their module up
 _spec.loader.exec_module(run_facts)
 RunClock, engine_step_facts, process_facts = run_facts.RunClock, run_facts.engine_step_facts, run_facts.process_facts
 
