@@ -255,6 +255,28 @@ at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa) {
   return out;
 }
 
+// weight's rows picked by token ids (see reference.embedding): one copy per row, inline
+// at decode sizes (torch's index_select opens a parallel region for 64 rows).  An id
+// outside [0, vocab) raises IndexError, as torch's does.
+at::Tensor embedding(const at::Tensor& ids_in, const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu(),
+              "weight must be a contiguous CPU [vocab, hidden] tensor");
+  TORCH_CHECK(ids_in.dim() == 1 && ids_in.device().is_cpu(), "token ids must be a 1-D CPU tensor");
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t n = ids.numel(), vocab = weight.size(0), hidden = weight.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < vocab, "embedding: token id ", id[i], " outside the vocabulary of ", vocab);
+  at::Tensor out = at::empty({n, hidden}, weight.options());
+  const int64_t row = hidden * weight.element_size();
+  const char* src = static_cast<const char*>(weight.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  parallel_rows(n, hidden, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) std::memcpy(dst + r * row, src + id[r] * row, row);
+  });
+  return out;
+}
+
 // Index of the largest value of each row of a 2-D tensor (see ArgmaxRow).
 at::Tensor argmax(const at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "x must be [rows, n] with n > 0, got ", x.sizes());
@@ -495,6 +517,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &k::fused_add_rms_norm, nogil, "residual += x; x = rms_norm(residual), in place");
   m.def("rotary_embedding", &k::rotary_embedding, nogil, "neox rotary embedding of query and key, in place");
   m.def("silu_and_mul", &k::silu_and_mul, nogil, "silu(x[..., :d]) * x[..., d:]");
+  m.def("embedding", &k::embedding, nogil, "rows of weight [vocab, hidden] picked by 1-D token ids");
   m.def("argmax", &k::argmax, nogil, "index of the largest value of each row (first of ties, NaN first)");
   m.def("apply_token_bitmask", &k::apply_token_bitmask, nogil, "logits of tokens a bitmask disallows to -inf, in place");
   m.def("compiled_isas", &k::compiled_isa_names, "instruction sets compiled in, best first");

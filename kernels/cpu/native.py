@@ -55,6 +55,7 @@ NATIVE_OPS: tuple[str, ...] = (
     "silu_and_mul",
     "argmax",
     "apply_token_bitmask",
+    "embedding",
 )
 
 #: Rows of x up to which bf16 `linear` runs the skinny native kernel instead of torch's
@@ -346,6 +347,21 @@ class NativeCpuKernels:
             return reference.apply_token_bitmask(logits, bitmask, indices)
         self.module.apply_token_bitmask(logits, bitmask.contiguous(), indices)
         return logits
+
+    def embedding(self, token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """See reference.embedding: token_ids int32/int64 [num_tokens]; weight [vocab,
+        hidden] -> [num_tokens, hidden]; an id outside the vocabulary raises IndexError."""
+        if (
+            token_ids.dim() != 1
+            or token_ids.dtype not in (torch.int32, torch.int64)
+            or token_ids.device.type != "cpu"
+            or not isinstance(weight, torch.Tensor)
+            or weight.dim() != 2
+            or weight.device.type != "cpu"
+            or not weight.is_contiguous()
+        ):
+            return reference.embedding(token_ids, weight)
+        return self.module.embedding(token_ids, weight)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """See reference.silu_and_mul: x [..., 2*d] -> [..., d]."""

@@ -111,3 +111,31 @@ def test_argmax_split_invariant(native, rows):
     one, two = run_both(lambda: native.argmax(x))
     same(one, two)
     assert torch.equal(one, torch.argmax(x, dim=-1))
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_embedding_matches_reference(native, tokens, id_dtype, dtype):
+    g = torch.Generator().manual_seed(400 + tokens)
+    w = torch.randn(1000, HIDDEN, generator=g).to(dtype)
+    ids = torch.randint(0, 1000, (tokens,), generator=g).to(id_dtype)
+    ids[0] = 999  # the last row, where an off-by-one shows
+    one, two = run_both(lambda: native.embedding(ids, w))
+    same(one, two)
+    same(one, reference.embedding(ids, w))
+
+
+@pytest.mark.parametrize("bad", [1000, -1])
+def test_embedding_rejects_ids_outside_the_vocabulary(native, bad):
+    w = torch.randn(1000, 64)
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        native.embedding(torch.tensor([3, bad]), w)
+
+
+def test_embedding_other_shapes_use_the_reference(native):
+    w = torch.randn(50, 64)
+    ids = torch.randint(0, 50, (3, 4))
+    same(native.embedding(ids, w), reference.embedding(ids, w))
+    strided = torch.randn(64, 50).t()  # not contiguous
+    same(native.embedding(ids[0], strided), reference.embedding(ids[0], strided))
