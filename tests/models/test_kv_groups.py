@@ -130,8 +130,18 @@ def _pool_for(name: str, step: int, spare: int) -> int:
     return -(-MAX_LEN // BS) + windowed + 1 + spare
 
 
-@pytest.mark.parametrize("engine_kind", list(ENGINES))
-@pytest.mark.parametrize("name", list(MODELS))
+#: Each model with one engine kind in the quick suite; every other pairing is slow.
+QUICK = {("gemma2", "chunk-over-window"), ("gemma3", "chunk-under-window"), ("qwen2", "ngram-drafts")}
+
+
+@pytest.mark.parametrize(
+    ("name", "engine_kind"),
+    [
+        pytest.param(m, e, marks=() if (m, e) in QUICK else pytest.mark.slow, id=f"{m}-{e}")
+        for m in MODELS
+        for e in ENGINES
+    ],
+)
 def test_long_generation_in_a_small_pool_matches_transformers(name, engine_kind, checkpoints):
     path, prompts, expected = checkpoints(name)
     kw = dict(ENGINES[engine_kind])
@@ -179,7 +189,7 @@ def test_long_generation_in_a_small_pool_matches_transformers(name, engine_kind,
     kv.check_invariants()
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [pytest.param(m, marks=() if m == "gemma3" else pytest.mark.slow) for m in MODELS])
 def test_prefix_hits_and_n_samples(name, checkpoints):
     """A second round hits the prefix cache in every group (the windowed groups only
     need the blocks still inside the window); n=2 samples share the prompt's blocks."""
@@ -226,7 +236,7 @@ def test_freeing_off_keeps_one_group(checkpoints):
     "setting",
     [
         dict(kv_offload_memory="1MiB", kv_cache_memory="4MiB"),
-        dict(speculative_config={"method": "self_quantized"}),
+        dict(speculative_config={"method": "self_quantized", "num_speculative_tokens": 2}),
     ],
 )
 def test_unsupported_settings_are_refused(setting, checkpoints):
@@ -235,7 +245,11 @@ def test_unsupported_settings_are_refused(setting, checkpoints):
         LLM(model=str(path), dtype="float32", **setting)
 
 
-@pytest.mark.parametrize("parallel", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)])
+@pytest.mark.parametrize(
+    "parallel",
+    [dict(pipeline_parallel_size=2), pytest.param(dict(tensor_parallel_size=2), marks=pytest.mark.slow)],
+    ids=["pp2", "tp2"],
+)
 def test_tensor_and_pipeline_parallel(parallel, checkpoints):
     """Every rank lays its KV out in the same groups; a pipeline stage allocates only the
     slots of its layers (Gemma 2, 4 layers: each stage has one windowed and one full
