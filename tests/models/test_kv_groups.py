@@ -275,3 +275,11 @@ def test_tensor_and_pipeline_parallel(parallel, checkpoints):
         assert eng.kv.num_blocks_in_use == 0 and eng.scheduler.num_preemptions > 0
     finally:
         llm.shutdown()
+
+
+def test_disaggregated_hand_off_is_refused(checkpoints):
+    from pagedserve.serving.disagg import DisaggregatedLLM
+
+    path, _, _ = checkpoints("gemma2")
+    with pytest.raises(ValueError, match="free_sliding_window_blocks=False"):
+        DisaggregatedLLM(model=str(path), dtype="float32", num_gpu_blocks_override=64, max_model_len=MAX_LEN)
