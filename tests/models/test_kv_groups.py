@@ -283,3 +283,20 @@ def test_disaggregated_hand_off_is_refused(checkpoints):
     path, _, _ = checkpoints("gemma2")
     with pytest.raises(ValueError, match="free_sliding_window_blocks=False"):
         DisaggregatedLLM(model=str(path), dtype="float32", num_gpu_blocks_override=64, max_model_len=MAX_LEN)
+
+
+def test_async_scheduling(checkpoints):
+    """The pipelined engine hands the executor every group's table as well."""
+    path, prompts, expected = checkpoints("gemma2")
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        block_size=BS,
+        max_model_len=MAX_LEN,
+        num_gpu_blocks_override=64,
+        async_scheduling=True,
+    )
+    assert isinstance(llm.llm_engine.kv, GroupedKVCacheManager)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_NEW[:2]]
+    _check(llm.generate(prompts[:2], params, use_tqdm=False), expected[:2])
+    assert llm.llm_engine.kv.num_blocks_in_use == 0
