@@ -130,8 +130,18 @@ def _pool_for(name: str, step: int, spare: int) -> int:
     return -(-MAX_LEN // BS) + windowed + 1 + spare
 
 
-@pytest.mark.parametrize("engine_kind", list(ENGINES))
-@pytest.mark.parametrize("name", list(MODELS))
+#: Each model with one engine kind in the quick suite; every other pairing is slow.
+QUICK = {("gemma2", "chunk-over-window"), ("gemma3", "chunk-under-window"), ("qwen2", "ngram-drafts")}
+
+
+@pytest.mark.parametrize(
+    ("name", "engine_kind"),
+    [
+        pytest.param(m, e, marks=() if (m, e) in QUICK else pytest.mark.slow, id=f"{m}-{e}")
+        for m in MODELS
+        for e in ENGINES
+    ],
+)
 def test_long_generation_in_a_small_pool_matches_transformers(name, engine_kind, checkpoints):
     path, prompts, expected = checkpoints(name)
     kw = dict(ENGINES[engine_kind])
@@ -179,7 +189,7 @@ def test_long_generation_in_a_small_pool_matches_transformers(name, engine_kind,
     kv.check_invariants()
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [pytest.param(m, marks=() if m == "gemma3" else pytest.mark.slow) for m in MODELS])
 def test_prefix_hits_and_n_samples(name, checkpoints):
     """A second round hits the prefix cache in every group (the windowed groups only
     need the blocks still inside the window); n=2 samples share the prompt's blocks."""
@@ -226,7 +236,7 @@ def test_freeing_off_keeps_one_group(checkpoints):
     "setting",
     [
         dict(kv_offload_memory="1MiB", kv_cache_memory="4MiB"),
-        dict(speculative_config={"method": "self_quantized"}),
+        dict(speculative_config={"method": "self_quantized", "num_speculative_tokens": 2}),
     ],
 )
 def test_unsupported_settings_are_refused(setting, checkpoints):
@@ -235,7 +245,11 @@ def test_unsupported_settings_are_refused(setting, checkpoints):
         LLM(model=str(path), dtype="float32", **setting)
 
 
-@pytest.mark.parametrize("parallel", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)])
+@pytest.mark.parametrize(
+    "parallel",
+    [dict(pipeline_parallel_size=2), pytest.param(dict(tensor_parallel_size=2), marks=pytest.mark.slow)],
+    ids=["pp2", "tp2"],
+)
 def test_tensor_and_pipeline_parallel(parallel, checkpoints):
     """Every rank lays its KV out in the same groups; a pipeline stage allocates only the
     slots of its layers (Gemma 2, 4 layers: each stage has one windowed and one full
@@ -261,3 +275,28 @@ def test_tensor_and_pipeline_parallel(parallel, checkpoints):
         assert eng.kv.num_blocks_in_use == 0 and eng.scheduler.num_preemptions > 0
     finally:
         llm.shutdown()
+
+
+def test_disaggregated_hand_off_is_refused(checkpoints):
+    from pagedserve.serving.disagg import DisaggregatedLLM
+
+    path, _, _ = checkpoints("gemma2")
+    with pytest.raises(ValueError, match="free_sliding_window_blocks=False"):
+        DisaggregatedLLM(model=str(path), dtype="float32", num_gpu_blocks_override=64, max_model_len=MAX_LEN)
+
+
+def test_async_scheduling(checkpoints):
+    """The pipelined engine hands the executor every group's table as well."""
+    path, prompts, expected = checkpoints("gemma2")
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        block_size=BS,
+        max_model_len=MAX_LEN,
+        num_gpu_blocks_override=64,
+        async_scheduling=True,
+    )
+    assert isinstance(llm.llm_engine.kv, GroupedKVCacheManager)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_NEW[:2]]
+    _check(llm.generate(prompts[:2], params, use_tqdm=False), expected[:2])
+    assert llm.llm_engine.kv.num_blocks_in_use == 0
