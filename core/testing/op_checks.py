@@ -184,9 +184,12 @@ FUSED_MOE_SHAPES: tuple[tuple[int, int, int, int, int, str, bool], ...] = (
 
 #: GPT-OSS expert cases (the "swigluoai" activation, expert biases):
 #: (tokens, experts, top_k, hidden, intermediate, biased, alpha, limit, x scale); a
-#: limit small enough, or inputs large enough, that both clamps bind.
+#: limit small enough that both clamps bind (small limits, not large inputs: with
+#: inputs of scale 3-8 the expert outputs reach tens, and one bf16 ulp of a gate sum
+#: summed by the down projection exceeds the 2% bf16 tolerance between two correct
+#: implementations that accumulate in different orders).
 FUSED_MOE_OAI_SHAPES: tuple[tuple[int, int, int, int, int, bool, float, float, float], ...] = (
-    (9, 4, 2, 64, 96, True, 1.702, 7.0, 8.0),
+    (9, 4, 2, 64, 96, True, 1.702, 7.0, 1.0),
     (5, 6, 2, 40, 37, True, 1.702, 1.5, 1.0),
     (1, 3, 1, 64, 32, False, 1.0, 2.0, 2.0),
     (33, 8, 4, 48, 16, True, 1.702, 7.0, 1.0),
@@ -261,8 +264,8 @@ def _fused_moe_oai(t: Target, fn: Callable, dtype: torch.dtype, seed: int, prepa
             x = c.randn(tokens, hidden, dtype=dtype, scale=scale)
             w13 = c.randn(experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
             w2 = c.randn(experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
-            b13 = c.randn(experts, 2 * inter, dtype=dtype) if biased else None
-            b2 = c.randn(experts, hidden, dtype=dtype) if biased else None
+            b13 = c.randn(experts, 2 * inter, dtype=dtype, scale=0.3) if biased else None
+            b2 = c.randn(experts, hidden, dtype=dtype, scale=0.3) if biased else None
             weights, ids = _route(c, tokens, experts, top_k, True)
             kw = {"alpha": alpha, "limit": limit}
             want = reference.fused_moe(x, w13, w2, weights, ids, "swigluoai", b13, b2, **kw)

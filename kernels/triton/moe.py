@@ -23,12 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels import reference
 from pagedserve.kernels.triton._common import FLOAT_DTYPES, check_same_device, check_tensor, interpreter_enabled
 
 __all__ = ["fused_moe_triton", "align_by_expert"]
 
-_ACTIVATIONS = {"silu": 0, "gelu": 1}
+_ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2}
 
 
 @triton.jit
@@ -38,6 +37,18 @@ def _activate(g, ACT: tl.constexpr):
     # GELU, tanh approximation; tanh(z) = 2 / (1 + exp(-2z)) - 1.
     z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
     return 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))
+
+
+@triton.jit
+def _gated(g, u, alpha, limit, ACT: tl.constexpr, dtype: tl.constexpr):
+    """act(gate) * up from the rounded sums, rounded as the reference rounds in ``dtype``."""
+    if ACT == 2:  # swigluoai (GPT-OSS): clamps, then (u + 1) * g * sigmoid(alpha * g)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        ga = (g * alpha).to(dtype).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-ga))).to(dtype).to(tl.float32)
+        return (u + 1.0).to(dtype).to(tl.float32) * (g * sig).to(dtype).to(tl.float32)
+    return _activate(g, ACT).to(dtype).to(tl.float32) * u
 
 
 @triton.jit
@@ -57,10 +68,14 @@ def _up(
     act_ptr,
     row_index_ptr,
     block_expert_ptr,
+    b13_ptr,
     H,
     I,  # noqa: E741 (the intermediate size, as in the docstrings)
+    alpha,
+    limit,
     TOP_K: tl.constexpr,
     ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -86,9 +101,13 @@ def _up(
         acc_g += _dot(x, wg, IEEE)
         acc_u += _dot(x, wu, IEEE)
     dtype = act_ptr.dtype.element_ty
+    if HAS_BIAS:  # added to the float32 sums before the rounding, as a biased linear
+        b_base = b13_ptr + e.to(tl.int64) * 2 * I
+        acc_g += tl.load(b_base + ns, mask=ns < I, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_base + I + ns, mask=ns < I, other=0.0).to(tl.float32)[None, :]
     g = acc_g.to(dtype).to(tl.float32)
     u = acc_u.to(dtype).to(tl.float32)
-    h = _activate(g, ACT).to(dtype).to(tl.float32) * u
+    h = _gated(g, u, alpha, limit, ACT, dtype)
     tl.store(act_ptr + pairs[:, None] * I + ns[None, :], h.to(dtype), mask=valid[:, None] & (ns[None, :] < I))
 
 
@@ -99,8 +118,10 @@ def _down(
     y_ptr,
     row_index_ptr,
     block_expert_ptr,
+    b2_ptr,
     H,
     I,  # noqa: E741 (the intermediate size, as in the docstrings)
+    HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -121,6 +142,8 @@ def _down(
         a = tl.load(act_ptr + rows[:, None] * I + ks[None, :], mask=valid[:, None] & (ks[None, :] < I), other=0.0)
         w = tl.load(w_base + ns[None, :] * I + ks[:, None], mask=(ks[:, None] < I) & (ns[None, :] < H), other=0.0)
         acc += _dot(a, w, IEEE)
+    if HAS_BIAS:
+        acc += tl.load(b2_ptr + e.to(tl.int64) * H + ns, mask=ns < H, other=0.0).to(tl.float32)[None, :]
     tl.store(
         y_ptr + pairs[:, None] * H + ns[None, :],
         acc.to(y_ptr.dtype.element_ty),
@@ -166,12 +189,10 @@ def fused_moe_triton(
 ) -> torch.Tensor:
     """``reference.fused_moe`` in two Triton launches (up, down); ValueError on bad arguments.
 
-    GPT-OSS's experts (expert biases, "swigluoai") run the reference's per-expert
-    grouped torch GEMMs on the same device: the Triton kernels have neither yet."""
-    if w13_bias is not None or w2_bias is not None or activation == "swigluoai":
-        return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, alpha, limit)
+    GPT-OSS's experts: ``w13_bias`` [E, 2I] and ``w2_bias`` [E, H] (each a constexpr
+    variant) and the "swigluoai" activation with ``alpha`` and ``limit``."""
     if activation not in _ACTIVATIONS:
-        raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu)")
+        raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu, swigluoai)")
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), contiguous=True)
     check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,), contiguous=True)
@@ -191,6 +212,11 @@ def fused_moe_triton(
             f"fused_moe: shapes do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
             f"topk_weights {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}"
         )
+    for name, b, shape in (("w13_bias", w13_bias, (experts, 2 * inter)), ("w2_bias", w2_bias, (experts, hidden))):
+        if b is not None and (tuple(b.shape) != shape or b.dtype != x.dtype or b.device != x.device):
+            raise ValueError(f"fused_moe: {name} must be {list(shape)} in x's dtype and device, got {tuple(b.shape)}")
+    w13_bias = None if w13_bias is None else w13_bias.contiguous()
+    w2_bias = None if w2_bias is None else w2_bias.contiguous()
     top_k = topk_ids.shape[1]
     if tokens == 0:
         return torch.empty_like(x)
@@ -207,17 +233,33 @@ def fused_moe_triton(
         act,
         row_index,
         block_expert,
+        x if w13_bias is None else w13_bias,  # unused without a bias
         hidden,
         inter,
+        float(alpha),
+        float(limit),
         TOP_K=top_k,
         ACT=_ACTIVATIONS[activation],
+        HAS_BIAS=w13_bias is not None,
         IEEE=ieee,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
     )
     _down[(num_blocks, triton.cdiv(hidden, block_n))](
-        act, w2, y, row_index, block_expert, hidden, inter, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k
+        act,
+        w2,
+        y,
+        row_index,
+        block_expert,
+        x if w2_bias is None else w2_bias,  # unused without a bias
+        hidden,
+        inter,
+        HAS_BIAS=w2_bias is not None,
+        IEEE=ieee,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
     out = (y.view(tokens, top_k, hidden).float() * topk_weights.float()[:, :, None]).sum(1)
     return out.to(x.dtype)
