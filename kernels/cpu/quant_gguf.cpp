@@ -78,8 +78,18 @@ struct QuantRow {
   const float* ds;  // d * (integer sum of the block)
 };
 
+inline float round_to_half(float f) { return static_cast<float>(c10::Half(f)); }
+
+// Activations quantized to int8 blocks exactly as llama.cpp quantizes them for the same
+// weights (ggml-cpu's quantize_row_q8_1 / quantize_row_q8_0), so that both engines see the
+// same integers and scales on the same file: the scale d = max|x| / 127 is stored as an
+// fp16 (q8_x blocks hold ggml_half), the values are round-half-even(x * (127 / max|x|)),
+// and for Q4_1's minimum term (q8_1's s) d * sum is computed from the unrounded d and
+// rounded to fp16 too.  Q4_0 and Q8_0 take no s: ds is then d * sum of the fp16 d, the
+// value llama.cpp's integer (q - 8) * x products give.  (The kernels compute
+// d_w * d_x * dot + m_w * ds per block, as ggml's vec_dot does.)
 template <typename T>
-void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds, int32_t* isum) {
+void quantize_row(const T* x, int64_t K, bool half_sum, int8_t* q, float* d, float* ds, int32_t* isum) {
   for (int64_t b = 0; b < K / QK; ++b) {
     float amax = 0.f;
     float v[QK];
@@ -89,15 +99,15 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds, int32_t
     }
     // 127, not 128: Q8_0 weights flip signs into the activations (vpsignb).
     const float scale = amax / 127.f;
-    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    const float inv = amax != 0.f ? 127.f / amax : 0.f;
     int sum = 0;
     for (int i = 0; i < QK; ++i) {
       const int qi = static_cast<int>(std::nearbyint(v[i] * inv));
       q[b * QK + i] = static_cast<int8_t>(qi);
       sum += qi;
     }
-    d[b] = scale;
-    ds[b] = scale * static_cast<float>(sum);
+    d[b] = round_to_half(scale);
+    ds[b] = half_sum ? round_to_half(scale * static_cast<float>(sum)) : d[b] * static_cast<float>(sum);
     isum[b] = sum;
   }
 }
@@ -229,17 +239,18 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
   std::vector<int8_t> xq(M * K);
   std::vector<float> xd(M * nb), xds(M * nb);
   std::vector<int32_t> xsum(M * nb);
+  const bool half_sum = type == Q4_1;
   if (x.scalar_type() == torch::kFloat) {
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, M, 1, [&](int64_t a, int64_t b) {
       for (int64_t m = a; m < b; ++m)
-        quantize_row(xp + m * K, K, &xq[m * K], &xd[m * nb], &xds[m * nb], &xsum[m * nb]);
+        quantize_row(xp + m * K, K, half_sum, &xq[m * K], &xd[m * nb], &xds[m * nb], &xsum[m * nb]);
     });
   } else if (x.scalar_type() == torch::kBFloat16) {
     const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
     at::parallel_for(0, M, 1, [&](int64_t a, int64_t b) {
       for (int64_t m = a; m < b; ++m)
-        quantize_row(xp + m * K, K, &xq[m * K], &xd[m * nb], &xds[m * nb], &xsum[m * nb]);
+        quantize_row(xp + m * K, K, half_sum, &xq[m * K], &xd[m * nb], &xds[m * nb], &xsum[m * nb]);
     });
   } else {
     TORCH_CHECK(false, "gguf_linear: x must be float32 or bfloat16");
