@@ -6,9 +6,9 @@ the block scale d = max|x| / 127 is stored as an fp16, the values are
 round-half-even(x * (127 / max|x|)), and q8_1's s = d * sum (d before its rounding) is an
 fp16 too.  Each block then adds d_w * d_x * dot + m_w * s.  The test rebuilds that in
 torch (the integer math exact, the sums in float64) and requires the native row kernel
-and the tiled kernel on repacked weights to match it to float32 summation rounding: a
-float32 activation scale instead of ggml's fp16 one is off by up to 2^-12 per block,
-some hundred times the tolerance.
+and the tiled kernel on repacked weights to match it to float32 summation rounding: the
+kernels' former float32 activation scale (ggml's is fp16) put them 30 to 90 times the
+tolerance off.
 
 llama.cpp's logits are float32; a bfloat16 GGUF model's LM head (float32 sums in every
 ``gguf_linear``) used to round them to bfloat16, steps of 0.125 at the default model's
