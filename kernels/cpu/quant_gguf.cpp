@@ -2,9 +2,9 @@
 //
 // y[m, n] = sum_k x[m, k] * W[n, k], with W stored as ggml blocks of 32 values per
 // row ([N, K/32 * block_bytes] uint8, exactly the bytes of the .gguf file).  As in
-// llama.cpp, the activations are quantized to int8 per 32-value block first (Q8_0 with a
-// float32 scale and the block's integer sum), so each block pair is one integer dot
-// product:
+// llama.cpp, the activations are quantized to int8 per 32-value block first (as its q8_1
+// / q8_0 blocks: an fp16 scale and the block's integer sum, see quantize_row), so each
+// block pair is one integer dot product:
 //   Q4_0: d_w * d_x * (sum q*xq - 8 * sum xq)
 //   Q4_1: d_w * d_x * sum q*xq + m_w * d_x * sum xq
 //   Q8_0: d_w * d_x * sum q*xq
