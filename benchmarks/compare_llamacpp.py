@@ -2,6 +2,7 @@
 
     python benchmarks/compare_llamacpp.py                         # the full comparison
     python benchmarks/compare_llamacpp.py --batch-sizes 1,4 --workloads none --output-len 16
+    python benchmarks/compare_llamacpp.py --agreement-only        # greedy agreement alone
 
 llama-server is built from source (benchmarks/README.md) and never becomes a dependency of
 pagedserve. Every engine runs the same seeded token-id workloads, one engine at a time:
@@ -25,10 +26,18 @@ slot per request (`-np N -c N*ctx`), and all N requests at once through `/comple
 is output tokens over the wall time of the whole workload, after a one-token warm-up.
 
 Agreement (issue 23's rule): greedy outputs of --agreement-tokens tokens for 16 chat
-prompts (pagedserve's tokenizer and chat template, sent as token ids); the mean matched
-prefix of pagedserve-gguf against llama.cpp at -t 2, and of llama.cpp -t 1 against -t 2
-(how closely llama.cpp agrees with itself). llama.cpp's threads spin while waiting: run
-this on an idle machine. Writes bench_results/compare_llamacpp-<time>.json.
+prompts (pagedserve's tokenizer and chat template, sent as token ids), with the top-k
+logprobs at every position (`n_probs` / `logprobs`); the mean matched prefix of
+pagedserve-gguf against llama.cpp at -t 2 and -t 1, of llama.cpp -t 1 against -t 2, and
+of llama.cpp -t 2 against itself with --agreement-llama-variant (default `-fa off`: its
+attention without flash attention, a second measure of its own numeric spread, since
+its outputs do not depend on the thread count at all). Each pair also reports the mean
+largest |logprob difference| over the positions both share, and at each first
+divergence the logprob gap between the two tokens under either engine: gaps well under
+those logprob differences mean the outputs part at near-ties, not at a real difference.
+`--agreement-only` runs only this (about a minute on an idle machine). llama.cpp's
+threads spin while waiting: run this on an idle machine. Writes
+bench_results/compare_llamacpp-<time>.json.
 """
 
 from __future__ import annotations
@@ -182,14 +191,90 @@ def _matched(a: list[int], b: list[int]) -> int:
     return sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1], zip(a, b)))
 
 
-def _pair(a: list[list[int]], b: list[list[int]]) -> dict:
-    m = [_matched(x, y) for x, y in zip(a, b)]
-    return {"mean_matched_prefix": sum(m) / len(m), "identical": sum(x == y for x, y in zip(a, b)), "per_prompt": m}
+def _gap(top: dict[int, float], mine: int, other: int) -> tuple[float, bool]:
+    """logprob(mine) - logprob(other) under one engine's top-k at a position; with `other`
+    outside its top-k, the gap to its last listed token (a lower bound: True)."""
+    if other in top:
+        return top[mine] - top[other], False
+    return top[mine] - min(top.values()), True
+
+
+def _pair(a: list[dict], b: list[dict]) -> dict:
+    """Matched prefixes of two engines' greedy outputs ({"tokens", "top"} per prompt), and at
+    each first divergence how far apart the two tokens are under either engine."""
+    m = [_matched(x["tokens"], y["tokens"]) for x, y in zip(a, b)]
+    margins = []
+    for x, y, k in zip(a, b, m):
+        if k < min(len(x["tokens"]), len(y["tokens"])):
+            ta, tb = x["tokens"][k], y["tokens"][k]
+            ga, la = _gap(x["top"][k], ta, tb)
+            gb, lb = _gap(y["top"][k], tb, ta)
+            margins.append({"position": k, "a": ga, "a_lower_bound": la, "b": gb, "b_lower_bound": lb})
+    return {
+        "mean_matched_prefix": sum(m) / len(m),
+        "identical": sum(x["tokens"] == y["tokens"] for x, y in zip(a, b)),
+        "per_prompt": m,
+        "divergence_margins": margins,
+        "max_abs_logprob_diff": _logprob_diff(a, b, m),
+    }
+
+
+def _logprob_diff(a: list[dict], b: list[dict], matched: list[int]) -> float:
+    """Mean over positions up to and with the first divergence (same context on both) of
+    the largest |logprob difference| over the tokens both engines list there."""
+    diffs = []
+    for x, y, k in zip(a, b, matched):
+        for j in range(min(k + 1, len(x["top"]), len(y["top"]))):
+            both = x["top"][j].keys() & y["top"][j].keys()
+            if both:
+                diffs.append(max(abs(x["top"][j][t] - y["top"][j][t]) for t in both))
+    return sum(diffs) / len(diffs) if diffs else float("nan")
+
+
+def _llamacpp_outputs(args, gguf, prompts, n, threads: int, extra: list[str], log: pathlib.Path) -> list[dict]:
+    """Greedy tokens and top-k logprobs per position from one llama-server, a prompt at a time."""
+    port = free_port()
+    cmd = llama_server_cmd(args.llama_server, gguf, port, threads, 1, 2048, args.llama_args.split() + extra)
+    out = []
+    with ServerProcess(f"llama-server -t {threads} {' '.join(extra)}", cmd, port, log) as srv:
+        for p in prompts:
+            body = {**_body(p, n, True), "n_probs": args.agreement_top_k}
+            a = asyncio.run(_complete_all(srv.url, [body], args.timeout))[0]
+            top = [
+                {int(t["id"]): float(t["logprob"]) for t in c["top_logprobs"]} for c in a["completion_probabilities"]
+            ]
+            out.append({"tokens": list(a["tokens"]), "top": top})
+    return out
+
+
+def _pagedserve_outputs(args, gguf, prompts, n) -> list[dict]:
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(model=str(gguf), dtype=args.gguf_dtype, threads=args.threads, seed=args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=args.agreement_top_k)
+    res = llm.generate(prompts, params, use_tqdm=False)
+    out = []
+    for r in res:
+        top = [{int(t): float(lp.logprob) for t, lp in d.items()} for d in r.outputs[0].logprobs]
+        out.append({"tokens": list(r.outputs[0].token_ids), "top": top})
+    del llm
+    return out
+
+
+def _print_pair(key: str, r: dict, n: int) -> None:
+    gaps = sorted(round(min(g["a"], g["b"]), 3) for g in r["divergence_margins"])
+    near = sum(g < 0.25 for g in gaps)
+    print(
+        f"  {key:40s} mean matched prefix {r['mean_matched_prefix']:5.1f} / {n}, identical {r['identical']:2d}, "
+        f"mean max|dlogprob| {r['max_abs_logprob_diff']:.3f}; logprob gaps at the first divergence "
+        f"(smaller of the two engines'): {gaps} ({near} of {len(gaps)} under 0.25)"
+    )
 
 
 def agreement(args, gguf: pathlib.Path, out: pathlib.Path) -> dict:
-    """Mean matched greedy prefix: pagedserve vs llama.cpp -t 2, and llama.cpp -t 1 vs -t 2."""
-    from pagedserve import LLM, SamplingParams
+    """Greedy outputs and top-k logprobs of pagedserve-gguf, llama.cpp -t 2, -t 1 and -t 2
+    with --agreement-llama-variant; matched prefixes, logprob differences and the gaps at
+    the first divergences of each pair."""
     from pagedserve.loader import open_model
 
     tok = open_model(str(gguf)).tokenizer()
@@ -198,29 +283,23 @@ def agreement(args, gguf: pathlib.Path, out: pathlib.Path) -> dict:
         for p in AGREEMENT_PROMPTS[: args.agreement_prompts]
     ]
     n = args.agreement_tokens
-    outputs: dict[str, list[list[int]]] = {}
-    for threads in (1, 2):
-        port = free_port()
-        cmd = llama_server_cmd(args.llama_server, gguf, port, threads, 1, 2048, args.llama_args.split())
-        with ServerProcess(
-            f"llama-server -t {threads}", cmd, port, out.with_name(f"{out.stem}-agree-t{threads}.log")
-        ) as srv:
-            answers = [asyncio.run(_complete_all(srv.url, [_body(p, n, True)], args.timeout))[0] for p in prompts]
-        outputs[f"llamacpp-t{threads}"] = [list(a["tokens"]) for a in answers]
-    llm = LLM(model=str(gguf), dtype=args.gguf_dtype, threads=args.threads, seed=args.seed)
-    res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-    outputs["pagedserve-gguf"] = [list(r.outputs[0].token_ids) for r in res]
-    report = {
-        "num_prompts": len(prompts),
-        "max_tokens": n,
-        "pagedserve-gguf vs llamacpp-t2": _pair(outputs["pagedserve-gguf"], outputs["llamacpp-t2"]),
-        "pagedserve-gguf vs llamacpp-t1": _pair(outputs["pagedserve-gguf"], outputs["llamacpp-t1"]),
-        "llamacpp-t1 vs llamacpp-t2": _pair(outputs["llamacpp-t1"], outputs["llamacpp-t2"]),
-        "outputs": outputs,
-    }
-    for key in ("pagedserve-gguf vs llamacpp-t2", "pagedserve-gguf vs llamacpp-t1", "llamacpp-t1 vs llamacpp-t2"):
-        r = report[key]
-        print(f"  {key:32s} mean matched prefix {r['mean_matched_prefix']:5.1f} / {n}, identical {r['identical']}")
+    variant = args.agreement_llama_variant.split()
+    runs = {"llamacpp-t2": (2, []), "llamacpp-t1": (1, [])}
+    if variant:
+        runs[f"llamacpp-t2 {' '.join(variant)}"] = (2, variant)
+    outputs: dict[str, list[dict]] = {}
+    for i, (name, (threads, extra)) in enumerate(runs.items()):
+        log = out.with_name(f"{out.stem}-agree-{i}.log")
+        outputs[name] = _llamacpp_outputs(args, gguf, prompts, n, threads, extra, log)
+    outputs["pagedserve-gguf"] = _pagedserve_outputs(args, gguf, prompts, n)
+    report: dict = {"num_prompts": len(prompts), "max_tokens": n, "top_k": args.agreement_top_k}
+    pairs = [("pagedserve-gguf", "llamacpp-t2"), ("pagedserve-gguf", "llamacpp-t1"), ("llamacpp-t1", "llamacpp-t2")]
+    pairs += [("llamacpp-t2", name) for name in list(outputs)[2:-1]]
+    for a, b in pairs:
+        key = f"{a} vs {b}"
+        report[key] = _pair(outputs[a], outputs[b])
+        _print_pair(key, report[key], n)
+    report["outputs"] = outputs
     return report
 
 
@@ -266,6 +345,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128, help="output tokens of the batch-N workloads")
     p.add_argument("--agreement-prompts", type=int, default=16)
     p.add_argument("--agreement-tokens", type=int, default=64)
+    p.add_argument("--agreement-top-k", type=int, default=5, help="logprobs per position (both engines)")
+    p.add_argument(
+        "--agreement-llama-variant",
+        default="-fa off",
+        help="llama-server flags of a third llama.cpp run (-t 2) to measure its own numeric spread; '' for none",
+    )
+    p.add_argument("--agreement-only", action="store_true", help="only the agreement measure (no throughput workloads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", type=pathlib.Path, default=None, help="bf16 folder (default: converted once)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
@@ -287,8 +373,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def main_agreement(args) -> int:
+    """--agreement-only: the agreement measure alone (about a minute on an idle machine)."""
+    gguf = args.gguf or default_gguf_path()
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or _HERE.parent / "bench_results" / f"compare_llamacpp-agreement-{stamp}.json"
+    settings = {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()}
+    report = {"machine": machine_info(), "gguf": str(gguf), "settings": settings, "loadavg": os.getloadavg()}
+    print("agreement of greedy outputs ...", flush=True)
+    report["agreement"] = agreement(args, gguf, out)
+    report["loadavg_end"] = os.getloadavg()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.agreement_only:
+        return main_agreement(args)
     model_dir = prepare_model_dir(args.model_dir)
     vocab = read_vocab_size(model_dir)
     gguf = args.gguf or default_gguf_path()

@@ -397,7 +397,11 @@ class DecoderForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab] (float32, or the LM head's output
-        dtype with ``float32=False``), on the last placement's device."""
+        dtype with ``float32=False``: float32 too for a quantized head that accumulates in
+        float32, such as GGUF's), on the last placement's device."""
+        if isinstance(self.lm_head, QuantizedWeight) and self.lm_head.float32_accumulation:
+            # Its float32 sums come back unrounded (float32 logits whatever ``float32``).
+            hidden = hidden.float()
         logits = linear(self.head_ops, hidden, self.lm_head)
         if float32:
             logits = logits.float()

@@ -57,6 +57,10 @@ class QuantizedWeight(ABC):
 
     out_features: int
     in_features: int
+    #: Whether ``apply`` accumulates in float32 whatever x's dtype (only its result is
+    #: rounded to x.dtype): an LM head given float32 activations then returns its logits
+    #: unrounded at no extra cost, which ``DecoderModel.compute_logits`` does.
+    float32_accumulation: ClassVar[bool] = False
 
     @abstractmethod
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -37,6 +37,11 @@ class GGUFWeight(QuantizedWeight):
         drops ``data``: None then); ``op`` multiplies with it.
     """
 
+    # Every gguf_linear (the int8 kernels, the reference) sums in float32: as in llama.cpp,
+    # a GGUF model's logits stay float32 rather than being rounded to a bfloat16 model's
+    # 0.125 steps at logit magnitudes of 16-32, which made near-ties exact ties.
+    float32_accumulation = True
+
     def __init__(
         self,
         type_name: str,

@@ -2,9 +2,9 @@
 //
 // y[m, n] = sum_k x[m, k] * W[n, k], with W stored as ggml blocks of 32 values per
 // row ([N, K/32 * block_bytes] uint8, exactly the bytes of the .gguf file).  As in
-// llama.cpp, the activations are quantized to int8 per 32-value block first (Q8_0 with a
-// float32 scale and the block's integer sum), so each block pair is one integer dot
-// product:
+// llama.cpp, the activations are quantized to int8 per 32-value block first (as its q8_1
+// / q8_0 blocks: an fp16 scale and the block's integer sum, see quantize_row), so each
+// block pair is one integer dot product:
 //   Q4_0: d_w * d_x * (sum q*xq - 8 * sum xq)
 //   Q4_1: d_w * d_x * sum q*xq + m_w * d_x * sum xq
 //   Q8_0: d_w * d_x * sum q*xq
@@ -79,8 +79,18 @@ struct QuantRow {
   const float* ds;  // d * (integer sum of the block)
 };
 
+inline float round_to_half(float f) { return static_cast<float>(c10::Half(f)); }
+
+// Activations quantized to int8 blocks exactly as llama.cpp quantizes them for the same
+// weights (ggml-cpu's quantize_row_q8_1 / quantize_row_q8_0), so that both engines see the
+// same integers and scales on the same file: the scale d = max|x| / 127 is stored as an
+// fp16 (q8_x blocks hold ggml_half), the values are round-half-even(x * (127 / max|x|)),
+// and for Q4_1's minimum term (q8_1's s) d * sum is computed from the unrounded d and
+// rounded to fp16 too.  Q4_0 and Q8_0 take no s: ds is then d * sum of the fp16 d, the
+// value llama.cpp's integer (q - 8) * x products give.  (The kernels compute
+// d_w * d_x * dot + m_w * ds per block, as ggml's vec_dot does.)
 template <typename T>
-void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds, int32_t* isum) {
+void quantize_row(const T* x, int64_t K, bool half_sum, int8_t* q, float* d, float* ds, int32_t* isum) {
   for (int64_t b = 0; b < K / QK; ++b) {
     float amax = 0.f;
     float v[QK];
@@ -90,15 +100,15 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds, int32_t
     }
     // 127, not 128: Q8_0 weights flip signs into the activations (vpsignb).
     const float scale = amax / 127.f;
-    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    const float inv = amax != 0.f ? 127.f / amax : 0.f;
     int sum = 0;
     for (int i = 0; i < QK; ++i) {
       const int qi = static_cast<int>(std::nearbyint(v[i] * inv));
       q[b * QK + i] = static_cast<int8_t>(qi);
       sum += qi;
     }
-    d[b] = scale;
-    ds[b] = scale * static_cast<float>(sum);
+    d[b] = round_to_half(scale);
+    ds[b] = half_sum ? round_to_half(scale * static_cast<float>(sum)) : d[b] * static_cast<float>(sum);
     isum[b] = sum;
   }
 }
@@ -111,23 +121,23 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 
 // quantize_row with 512-bit vectors, bit for bit the same: the same amax, scale and
-// 1/scale, the same float32 product, rounded to nearest even (the default MXCSR mode,
+// 127/amax, the same float32 product, rounded to nearest even (the default MXCSR mode,
 // as nearbyint), the same integer sum.
 template <typename T>
-void quantize_row_vec(const T* x, int64_t K, int8_t* q, float* d, float* ds, int32_t* isum) {
+void quantize_row_vec(const T* x, int64_t K, bool half_sum, int8_t* q, float* d, float* ds, int32_t* isum) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const __m512 v0 = load16(x + b * QK), v1 = load16(x + b * QK + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const float scale = amax / 127.f;
-    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    const float inv = amax != 0.f ? 127.f / amax : 0.f;
     const __m512 vinv = _mm512_set1_ps(inv);
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));
     const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
     const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    d[b] = scale;
-    ds[b] = scale * static_cast<float>(sum);
+    d[b] = round_to_half(scale);
+    ds[b] = half_sum ? round_to_half(scale * static_cast<float>(sum)) : d[b] * static_cast<float>(sum);
     isum[b] = sum;
   }
 }
@@ -246,28 +256,30 @@ struct QuantizedX {
 };
 
 template <typename T>
-void quantize_rows(const T* xp, int64_t M, int64_t K, QuantizedX& qx) {
+void quantize_rows(const T* xp, int64_t M, int64_t K, bool half_sum, QuantizedX& qx) {
   const int64_t nb = K / QK;
   // Small calls stay on the calling thread: a parallel region costs more than the work.
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t a, int64_t b) {
     for (int64_t m = a; m < b; ++m) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-      quantize_row_vec(xp + m * K, K, &qx.q[m * K], &qx.d[m * nb], &qx.ds[m * nb], &qx.sum[m * nb]);
+      quantize_row_vec(xp + m * K, K, half_sum, &qx.q[m * K], &qx.d[m * nb], &qx.ds[m * nb], &qx.sum[m * nb]);
 #else
-      quantize_row(xp + m * K, K, &qx.q[m * K], &qx.d[m * nb], &qx.ds[m * nb], &qx.sum[m * nb]);
+      quantize_row(xp + m * K, K, half_sum, &qx.q[m * K], &qx.d[m * nb], &qx.ds[m * nb], &qx.sum[m * nb]);
 #endif
     }
   });
 }
 
-QuantizedX quantize_activations(const torch::Tensor& x) {
+// half_sum: Q4_1's minimum term takes q8_1's fp16 s (see quantize_row).
+QuantizedX quantize_activations(const torch::Tensor& x, int64_t type) {
+  const bool half_sum = type == Q4_1;
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   QuantizedX qx{std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[M * nb]),
                 std::unique_ptr<float[]>(new float[M * nb]), std::unique_ptr<int32_t[]>(new int32_t[M * nb])};
   if (x.scalar_type() == torch::kFloat) {
-    quantize_rows(x.data_ptr<float>(), M, K, qx);
+    quantize_rows(x.data_ptr<float>(), M, K, half_sum, qx);
   } else if (x.scalar_type() == torch::kBFloat16) {
-    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, qx);
+    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, half_sum, qx);
   } else {
     TORCH_CHECK(false, "gguf_linear: x must be float32 or bfloat16");
   }
@@ -328,7 +340,7 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
   x = x.contiguous();
   weight = weight.contiguous();
   const int64_t N = check_gguf_args(x, weight, type), M = x.size(0), K = x.size(1);
-  const QuantizedX qx = quantize_activations(x);
+  const QuantizedX qx = quantize_activations(x, type);
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   if (weight.dim() == 3)
     gguf_packed_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(),
@@ -350,7 +362,7 @@ torch::Tensor gguf_linear_out(torch::Tensor x, torch::Tensor weight, int64_t typ
     b = bias->to(torch::kFloat).contiguous();
     TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "gguf_linear: bias of shape ", bias->sizes(), " for N=", N);
   }
-  const QuantizedX qx = quantize_activations(x);
+  const QuantizedX qx = quantize_activations(x, type);
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   if (weight.dim() == 3) {
     auto y = torch::empty({M, N}, x.options());
