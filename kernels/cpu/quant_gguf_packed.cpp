@@ -35,6 +35,8 @@
 #define PAGEDSERVE_GGUF_PACKED 1
 #endif
 
+// Tile shape and row chunk; compile-time overridable for tile-shape measurements (the
+// shapes tried and their figures: docs/quantization.md).
 #ifndef PAGEDSERVE_GGUF_TILE_M
 #define PAGEDSERVE_GGUF_TILE_M 5
 #endif
