@@ -35,6 +35,8 @@
 #define PAGEDSERVE_GGUF_PACKED 1
 #endif
 
+// Tile shape and row chunk; compile-time overridable for tile-shape measurements (the
+// shapes tried and their figures: docs/quantization.md).
 #ifndef PAGEDSERVE_GGUF_TILE_M
 #define PAGEDSERVE_GGUF_TILE_M 5
 #endif
@@ -103,7 +105,9 @@ struct Output {
   int64_t ldy;
 };
 
-// float32 -> bf16 rounded to nearest even, NaN kept quiet (as torch's .to(bfloat16)).
+// float32 -> bf16 rounded to nearest even, NaN kept quiet (as torch's .to(bfloat16);
+// vcvtneps2bf16 also flushes float32 subnormals to zero, which torch does not, a case
+// these sums never reach).  The fallback equals the instruction on every other input.
 inline __m256i to_bf16(__m512 v) {
 #if defined(__AVX512BF16__)
   return (__m256i)_mm512_cvtneps_pbh(v);
