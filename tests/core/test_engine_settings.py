@@ -241,12 +241,10 @@ def test_model_shape_rules_fail_before_weights_or_workers(tiny_llama, monkeypatc
 
     monkeypatch.setattr(engine_mod, "create_executor", forbidden)
     monkeypatch.setattr(ModelSource, "weights", forbidden)
-    t0 = time.perf_counter()
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the attention heads \(4\)"):
         LLM(model=str(tiny_llama), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
         LLM(model=str(tiny_llama), pipeline_parallel_size=3)
-    assert time.perf_counter() - t0 < 1.0
 
 
 def test_cache_config_keeps_the_field_name():
