@@ -169,10 +169,12 @@ class ModelSpec:
             shared_gate = hidden if shared else 0  # Qwen2-MoE gates its shared expert: [1, hidden]
             shared += int(cfg.get("n_shared_experts") or 0) * moe_inter
             dense_first = int(cfg.get("first_k_dense_replace") or 0) + len(cfg.get("mlp_only_layers") or [])
+            # GPT-OSS's experts carry biases: gate and up [2 * inter] and down [hidden] each.
+            expert_bias = 2 * moe_inter + hidden if cfg.get("model_type") == "gpt_oss" else 0
             spec.update(
                 num_experts=experts,
                 experts_per_token=int(_first(cfg, "num_experts_per_tok", "moe_topk", "top_k", default=2)),
-                expert_params=mlp_mats * hidden * moe_inter,
+                expert_params=mlp_mats * hidden * moe_inter + expert_bias,
                 num_moe_layers=max(layers - dense_first, 0),
                 moe_shared_params=mlp_mats * hidden * shared + hidden * experts + shared_gate,
             )
