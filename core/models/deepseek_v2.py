@@ -44,7 +44,7 @@ import torch
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.decoder import DecoderForCausalLM, KVCache
 from pagedserve.models.layers import RotaryEmbedding, add_rms_norm, fuse, gated_mlp, linear, paged_attention
-from pagedserve.models.quantized_experts import quantized_experts_moe
+from pagedserve.models.quantized_experts import quantized_experts_moe, stack_experts
 from pagedserve.quantization.base import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -266,15 +266,7 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         ex = [f"mlp.experts.{e}." for e in range(self.num_experts)]
         gate_up = [[w[e + "gate_proj.weight"], w[e + "up_proj.weight"]] for e in ex]
         down = [w[e + "down_proj.weight"] for e in ex]
-        kinds = {isinstance(t, QuantizedWeight) for t in [*down, *(t for pair in gate_up for t in pair)]}
-        if len(kinds) > 1:
-            raise ValueError(f"{self.cfg.architecture}: a layer's expert weights are partly quantized")
-        if kinds == {True}:  # one quantized weight per expert (pagedserve.models.quantized_experts)
-            layer.w13 = [param(fuse(pair)) for pair in gate_up]
-            layer.w2 = [param(t) for t in down]
-        else:
-            layer.w13 = param(torch.stack([torch.cat(pair) for pair in gate_up]))
-            layer.w2 = param(torch.stack(down))
+        layer.w13, layer.w2 = stack_experts(gate_up, down, param, fuse, self.cfg.architecture)
 
     def prepare_linear_weights(self) -> None:
         """Dense weights as every family; the stacked experts through ``prepare_moe_weights``,

@@ -23,8 +23,7 @@ import torch
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import fuse, gated_mlp, linear, route_topk
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.models.quantized_experts import quantized_experts_moe
-from pagedserve.quantization.base import QuantizedWeight
+from pagedserve.models.quantized_experts import quantized_experts_moe, stack_experts
 
 __all__ = ["MoELayer", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
 
@@ -119,15 +118,7 @@ class _MoEForCausalLM(LlamaForCausalLM):
         layer.router = param(w[m + "gate.weight"])
         gate_up = [[w[f"{m}experts.{e}.{g}.weight"], w[f"{m}experts.{e}.{u}.weight"]] for e in experts]
         down = [w[f"{m}experts.{e}.{d}.weight"] for e in experts]
-        kinds = {isinstance(t, QuantizedWeight) for t in [*down, *(t for pair in gate_up for t in pair)]}
-        if len(kinds) > 1:
-            raise ValueError(f"{self.cfg.architecture}: a layer's expert weights are partly quantized ({g}, {u}, {d})")
-        if kinds == {True}:  # one quantized weight per expert (pagedserve.models.quantized_experts)
-            layer.w13 = [param(fuse(pair)) for pair in gate_up]
-            layer.w2 = [param(t) for t in down]
-        else:
-            layer.w13 = param(torch.stack([torch.cat(pair) for pair in gate_up]))
-            layer.w2 = param(torch.stack(down))
+        layer.w13, layer.w2 = stack_experts(gate_up, down, param, fuse, f"{self.cfg.architecture} ({g}, {u}, {d})")
         if self.shared_expert:
             s = m + "shared_expert."
             layer.gate_up = param(fuse([w[s + "gate_proj.weight"], w[s + "up_proj.weight"]]))

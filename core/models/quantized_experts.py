@@ -14,7 +14,21 @@ import torch
 
 from pagedserve.quantization.base import QuantizedWeight
 
-__all__ = ["quantized_experts_moe"]
+__all__ = ["quantized_experts_moe", "stack_experts"]
+
+
+def stack_experts(gate_up: list[list], down: list, param, fuse, what: str) -> tuple:
+    """A layer's experts as the MoE forward takes them: ``gate_up[e]`` is expert e's
+    [gate, up] weights, ``down[e]`` its down weight.  Float experts are stacked into
+    ``w13`` [E, 2 * I, H] and ``w2`` [E, H, I] for ``fused_moe``; quantized ones stay one
+    :class:`QuantizedWeight` per expert (gate and up fused) for
+    :func:`quantized_experts_moe`.  A layer mixing the two is refused (``what`` names it)."""
+    kinds = {isinstance(t, QuantizedWeight) for t in [*down, *(t for pair in gate_up for t in pair)]}
+    if len(kinds) > 1:
+        raise ValueError(f"{what}: a layer's expert weights are partly quantized")
+    if kinds == {True}:
+        return [param(fuse(pair)) for pair in gate_up], [param(t) for t in down]
+    return param(torch.stack([torch.cat(pair) for pair in gate_up])), param(torch.stack(down))
 
 
 def quantized_experts_moe(
