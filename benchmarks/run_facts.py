@@ -72,7 +72,7 @@ def process_facts() -> dict[str, Any]:
         "os_threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
         "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "openmp_runtimes": openmp_runtimes(),
-        # OMP_WAIT_POLICY=PASSIVE chosen by `import pagedserve` (pagedserve/__init__.py).
+        # GOMP_SPINCOUNT chosen by `import pagedserve` (pagedserve/__init__.py).
         "omp_wait_policy_set_by_pagedserve": getattr(pagedserve, "OMP_WAIT_POLICY_SET", None),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)},
         "thp_enabled": _selected(_read("/sys/kernel/mm/transparent_hugepage/enabled")),

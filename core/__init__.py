@@ -11,18 +11,22 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# The OpenMP runtime loaded with torch reads its wait policy once, when torch is first
-# imported, so the default is set here, before anything imports torch.  With the
-# runtime's own default every pool thread spins for milliseconds after each parallel
-# region; on a machine whose cores other processes also want, that spinning takes the
-# cores from the threads doing the work, and throughput fell 3-10x with five times the
-# CPU time (docs/kernels_cpu.md, "Threads").  A value the user set is kept.
-#: Whether this import chose the OpenMP wait policy (False: the user's, or too late).
+# The OpenMP runtime loaded with torch (libgomp) reads its settings once, when torch is
+# first imported, so the default is set here, before anything imports torch.  Its own
+# default spins each pool thread for about 300,000 iterations (milliseconds) after every
+# parallel region: on a machine whose cores other processes also want, that spinning
+# takes the cores from the threads doing the work (throughput fell 3-10x under load).
+# Sleeping at once (OMP_WAIT_POLICY=PASSIVE) cures that but costs a wake-up per region,
+# and a decode step has hundreds of regions: on an idle machine batch-1 decode ran at
+# 0.61x.  A short spin (3,000 iterations, tens of microseconds) bridges the gaps between
+# one step's regions and gives the cores up soon after: 0.96-0.98x libgomp's default when
+# idle (docs/kernels_cpu.md, "Threads").  A value the user set is kept.
+#: Whether this import chose the OpenMP spin count (False: the user's, or too late).
 OMP_WAIT_POLICY_SET = (
     "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
 )
 if OMP_WAIT_POLICY_SET:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["GOMP_SPINCOUNT"] = "3000"
 
 __all__ = [
     "LLM",

@@ -1,6 +1,6 @@
-"""`import pagedserve` chooses OpenMP's passive wait policy before torch loads.
+"""`import pagedserve` chooses a short OpenMP spin (GOMP_SPINCOUNT) before torch loads.
 
-The OpenMP runtime reads OMP_WAIT_POLICY once, when torch is first imported, so the
+The OpenMP runtime reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once, when torch is first imported, so the
 choice must come first; a policy (or GOMP_SPINCOUNT) the user set is kept, and so is
 whatever the runtime already read when torch came first (docs/kernels_cpu.md, "Threads").
 """
@@ -14,7 +14,8 @@ import sys
 import pytest
 
 PROBE = (
-    "import {first}, os; import pagedserve; print(os.environ.get('OMP_WAIT_POLICY'), pagedserve.OMP_WAIT_POLICY_SET)"
+    "import {first}, os; import pagedserve; e = os.environ; "
+    "print(e.get('OMP_WAIT_POLICY'), e.get('GOMP_SPINCOUNT'), pagedserve.OMP_WAIT_POLICY_SET)"
 )
 
 
@@ -34,10 +35,10 @@ def _probe(first: str, **env: str) -> str:
 @pytest.mark.parametrize(
     ("first", "env", "expected"),
     [
-        ("sys", {}, "PASSIVE True"),
-        ("sys", {"OMP_WAIT_POLICY": "active"}, "active False"),
-        ("sys", {"GOMP_SPINCOUNT": "300000"}, "None False"),
-        ("torch", {}, "None False"),  # too late: the runtime has read its settings
+        ("sys", {}, "None 3000 True"),
+        ("sys", {"OMP_WAIT_POLICY": "active"}, "active None False"),
+        ("sys", {"GOMP_SPINCOUNT": "300000"}, "None 300000 False"),
+        ("torch", {}, "None None False"),  # too late: the runtime has read its settings
     ],
     ids=["default", "user-policy", "user-spincount", "torch-first"],
 )
