@@ -28,6 +28,8 @@ from pagedserve.engine import EngineStats, LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.step_trace import StepTrace
+from pagedserve.step_trace import now as trace_now
 
 __all__ = [
     "AsyncLLMEngine",
@@ -371,10 +373,19 @@ class AsyncLLMEngine:
     def _publish(self, events: list[tuple[str, object]]) -> None:
         if not events or self._loop is None:
             return
+        trace = getattr(self.engine, "step_trace", None)
         try:
-            self._loop.call_soon_threadsafe(self._dispatch, events)
+            if trace is None:
+                self._loop.call_soon_threadsafe(self._dispatch, events)
+            else:
+                self._loop.call_soon_threadsafe(self._dispatch_traced, events, trace, trace_now())
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+    def _dispatch_traced(self, events: list[tuple[str, object]], trace: StepTrace, t_post: float) -> None:
+        t_loop = trace_now()
+        self._dispatch(events)
+        trace.dispatch(t_post, t_loop, sum(isinstance(item, RequestOutput) for _, item in events))
 
     def _dispatch(self, events: list[tuple[str, object]]) -> None:
         """On the event loop: route each output or error to its stream."""

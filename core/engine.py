@@ -46,6 +46,8 @@ from pagedserve.request_options import best_sequences, check_request_params, sam
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
 from pagedserve.spec_decode.builder import build_spec_decoder, check_draft_model, target_quantization
+from pagedserve.step_trace import StepTrace
+from pagedserve.step_trace import now as trace_now
 from pagedserve.structured_output.engine_hooks import build_structured_output_manager, finish_by_grammar
 
 __all__ = ["LLMEngine", "EngineStats", "ITERATION_TOKEN_BUCKETS"]
@@ -190,6 +192,8 @@ class LLMEngine:
         self._iteration_tokens_sum = 0
         #: async_scheduling: output processing beside the next forward (engine_pipeline.py).
         self.pipeline = StepPipeline(self) if config.scheduler.async_scheduling else None
+        #: PAGEDSERVE_STEP_TRACE: one JSON line per step (step_trace.py); None when off.
+        self.step_trace = StepTrace.from_env()
 
     # -- requests ---------------------------------------------------------------------------
     def validate_prompt(
@@ -436,16 +440,21 @@ class LLMEngine:
         (with async_scheduling, of the step before: see engine_pipeline.py)."""
         if self.pipeline is not None:
             return self.pipeline.step()
-        start = time.monotonic()
+        start, trace = time.monotonic(), self.step_trace
+        t0 = trace_now() if trace is not None else 0.0
         if self.spec is not None:
             self.spec.hold_back(self.scheduler.running, self.scheduler.waiting)
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
+        if trace is not None:
+            trace.begin(t0, sched)
         block_ids = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled}
         result = self.spec.execute(sched, block_ids) if self.spec is not None else None
         if result is None:
             result = self.executor.execute(sched, block_ids)
+        if trace is not None:
+            trace.forward_done()
         progressed = self._account_step(sched, result)
         touched = self._process_tokens(progressed, result.logprobs, result.accepted, result.accepted_logprobs)
         touched.update(self._finish_pooling(sched, result.pooled))
@@ -457,6 +466,8 @@ class LLMEngine:
             outputs.append(self._make_output(group))
             if group.finished:
                 self.groups.pop(group.request_id, None)
+        if trace is not None:
+            trace.end(self.scheduler, len(outputs))
         return outputs
 
     def _count_iteration(self, num_tokens: int) -> None:
