@@ -412,6 +412,14 @@ class SchedulerConfig:
             "decodes for a whole budget (0: no cap; default: the platform's, docs/serving.md)"
         ),
     )
+    max_prefill_tokens_with_decodes: int | None = field(
+        default=None,
+        metadata=_help(
+            "most prompt tokens of all requests together in a step while some request decodes, so a step's "
+            "length (every decode's inter-token gap) stays bounded (0: no cap; default: the platform's "
+            "long-prefill cap, docs/serving.md)"
+        ),
+    )
     policy: str = field(
         default="fcfs",
         metadata=_help(
@@ -450,6 +458,14 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError(
                 "long_prefill_token_threshold splits prompts across steps: it needs enable_chunked_prefill"
+            )
+        if self.max_prefill_tokens_with_decodes is not None and self.max_prefill_tokens_with_decodes < 0:
+            raise ValueError(
+                f"max_prefill_tokens_with_decodes must be >= 0, got {self.max_prefill_tokens_with_decodes}"
+            )
+        if self.max_prefill_tokens_with_decodes and not self.enable_chunked_prefill:
+            raise ValueError(
+                "max_prefill_tokens_with_decodes splits prompts across steps: it needs enable_chunked_prefill"
             )
         if self.delay_factor < 0:
             raise ValueError(f"scheduler delay_factor must be >= 0, got {self.delay_factor}")

@@ -73,6 +73,14 @@ class Scheduler:
         if threshold is None:
             threshold = default_long_prefill if config.enable_chunked_prefill else 0
         self.long_prefill_token_threshold = threshold
+        #: Most prompt tokens of a step, all requests together, while some request decodes
+        #: (0: no cap): the setting, else the platform's long-prefill default as above.
+        with_decodes = config.max_prefill_tokens_with_decodes
+        if with_decodes is None:
+            with_decodes = default_long_prefill if config.enable_chunked_prefill else 0
+        self.max_prefill_tokens_with_decodes = with_decodes
+        #: Prompt tokens the step being scheduled may still take (None: no cap this step).
+        self._prefill_left: int | None = None
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -157,6 +165,8 @@ class Scheduler:
         cap = self.long_prefill_token_threshold
         if 0 < cap < n and not request.spec_token_ids:
             n = cap  # a long prompt goes in chunks, so decodes sharing the step are not held up
+        if self._prefill_left is not None and _is_prefill(request):
+            n = min(n, self._prefill_left)  # this step's decodes wait for every prompt chunk in it
         # Without chunked prefill a request waits for a step with room for all its tokens.
         # Admission keeps prompts within one step; only a request preempted by recompute
         # after outgrowing the budget can exceed it, and it is chunked rather than starved.
@@ -175,6 +185,9 @@ class Scheduler:
     def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        with_decodes = self.max_prefill_tokens_with_decodes
+        decoding = with_decodes > 0 and any(not _is_prefill(r) for r in self.running)
+        self._prefill_left = with_decodes if decoding else None
 
         # 1. Running requests, oldest first; preempt from the back when blocks run out.
         i = 0
@@ -257,6 +270,8 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
         samples = request.num_computed_tokens + n >= request.num_tokens
+        if self._prefill_left is not None and _is_prefill(request):
+            self._prefill_left -= n
         out.scheduled.append(ScheduledRequest(request, n, samples, list(request.spec_token_ids)))
         out.num_batched_tokens += n
 
@@ -288,3 +303,11 @@ class Scheduler:
                     request.first_token_time = now
                 progressed.append(request)
         return progressed
+
+
+def _is_prefill(request: Request) -> bool:
+    """Whether ``request`` computes prompt tokens (or recomputes outputs after a preemption)
+    rather than decoding the one token it sampled last."""
+    return (
+        request.num_computed_tokens < request.num_prompt_tokens or request.num_tokens - request.num_computed_tokens > 1
+    )
