@@ -7,7 +7,8 @@ Builds two engines over the bf16 benchmark folder (benchmarks/README.md) with th
 settings of compare_vllm.py, one with ``async_scheduling``, and runs the same
 token-id workload (benchmarks/workloads.py, greedy, EOS ignored) through each in turn,
 alternating which goes first each round so that load drifting on a shared machine
-hits both alike.  Prints output tokens/s of every run, the async/sync ratio of each
+hits both alike.  ``--gguf`` builds both over the default model's GGUF file instead
+(the default path, dtype auto).  Prints output tokens/s of every run, the async/sync ratio of each
 round and the load average, and checks that both engines produced the same tokens.
 """
 
@@ -21,7 +22,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from workloads import WORKLOADS, make_workload  # noqa: E402
+from workloads import WORKLOADS, default_gguf_path, make_workload  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,13 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--build-async-first", action="store_true", help="build the async engine first (rules out placement effects)"
     )
+    p.add_argument(
+        "--gguf", action="store_true", help="the default model's GGUF file (dtype auto) instead of --model-dir"
+    )
     args = p.parse_args(argv)
 
     from pagedserve import LLM, SamplingParams
 
     kw = dict(
-        model=args.model_dir,
-        dtype="bfloat16",
+        model=str(default_gguf_path()) if args.gguf else args.model_dir,
+        dtype="auto" if args.gguf else "bfloat16",
         threads=args.threads,
         max_model_len=2048,
         max_num_seqs=256,

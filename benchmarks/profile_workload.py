@@ -10,6 +10,8 @@ the model runner's step (Python, input preparation, sampling) as "else", and dec
 steps grouped by batch size, each split into the ops, the runner outside its ops and
 the engine's step outside the runner (scheduling, detokenization, stop checks,
 outputs).  ``--async-scheduling`` profiles that setting (docs/async_scheduling.md).
+``--gguf`` runs the default model's own GGUF file instead (the default path: its weights
+stay in blocks and multiply through ``gguf_linear``, timed like every other op).
 ``--num-requests``/``--output-len`` shrink the workload for a quick look.  The timers
 cost a few microseconds per op call, so the workload runs slightly slower than in
 compare_vllm.py.
@@ -19,14 +21,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import pathlib
+import pstats
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from profile_decode import time_ops  # noqa: E402
-from workloads import WORKLOADS, make_workload  # noqa: E402
+from workloads import WORKLOADS, default_gguf_path, make_workload  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,14 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=None, help="override the workload's size")
     p.add_argument("--output-len", type=int, default=None, help="override the workload's output length")
     p.add_argument("--async-scheduling", action="store_true", help="overlap output processing with the forward")
+    p.add_argument(
+        "--gguf", action="store_true", help="the default model's GGUF file (dtype auto) instead of --model-dir"
+    )
+    p.add_argument("--cprofile", type=int, default=0, help="also print cProfile's N most costly functions (slower)")
     args = p.parse_args(argv)
 
     from pagedserve import LLM, SamplingParams
     from pagedserve.executor import model_runner
 
     llm = LLM(
-        model=args.model_dir,
-        dtype="bfloat16",
+        model=str(default_gguf_path()) if args.gguf else args.model_dir,
+        dtype="auto" if args.gguf else "bfloat16",
         threads=args.threads,
         max_model_len=2048,
         max_num_seqs=256,
@@ -68,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         op_total[0] += seconds
 
     time_ops(ops, record)
+    # Quantized weights were handed their op at load: give them the timed one.
+    for w in _quantized_weights(llm.llm_engine.runner.model):
+        if w.op is not None and hasattr(ops, w.op.__name__):
+            w.op = ops.get(w.op.__name__)
 
     steps: list[tuple[str, int, float, float]] = []  # (kind, requests, seconds, of which in ops)
     execute = model_runner.ModelRunner.execute
@@ -101,9 +113,15 @@ def main(argv: list[str] | None = None) -> int:
         args.workload, llm.llm_engine.runner.arch.vocab_size, args.seed, args.num_requests, None, args.output_len
     )
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in w.requests]
+    profiler = cProfile.Profile() if args.cprofile else None
     t0 = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     outs = llm.generate([r.prompt_token_ids for r in w.requests], params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(
         f"{args.workload}: {tokens} output tokens in {wall:.2f} s = {tokens / wall:.1f} tokens/s "
@@ -140,6 +158,23 @@ def main(argv: list[str] | None = None) -> int:
             f"| {in_ops / (secs + out):.1%} | {sum(r[0] for r in rows) / (secs + out):.0f} |"
         )
     return 0
+
+
+def _quantized_weights(model) -> list:
+    """Every weight of ``model`` that carries its own op (GGUF blocks; a stack's parts)."""
+    found, todo = (
+        [],
+        [model.lm_head, *(getattr(layer, n, None) for layer in model.layers for n in type(layer).__slots__)],
+    )
+    while todo:
+        w = todo.pop()
+        if isinstance(w, list):
+            todo += w
+        elif hasattr(w, "parts"):
+            todo += w.parts
+        elif hasattr(w, "op") and hasattr(w, "apply"):
+            found.append(w)
+    return found
 
 
 if __name__ == "__main__":

@@ -117,10 +117,11 @@ def add_rms_norm(
 
 def qkv_split(qkv: torch.Tensor, shape: AttentionShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused projection [n, q_size + 2 * kv_size] -> q [n, heads, d], k and v [n, kv_heads, d]."""
-    n = qkv.shape[0]
-    q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
-    d = shape.head_dim
-    return q.view(n, shape.num_heads, d), k.view(n, shape.num_kv_heads, d), v.view(n, shape.num_kv_heads, d)
+    # One view and one split (the same strided views as splitting the columns and viewing
+    # each part): a third of the Python cost, once per layer.
+    h, kv = shape.num_heads, shape.num_kv_heads
+    heads = qkv.view(qkv.shape[0], h + 2 * kv, shape.head_dim)
+    return torch.split_with_sizes(heads, [h, kv, kv], 1)
 
 
 def paged_attention(
