@@ -42,6 +42,7 @@ __all__ = [
     "apply_token_bitmask",
     "gguf_linear",
     "prepare_gguf_weight",
+    "gguf_linear_silu_and_mul",
     "int8_linear",
     "w8a8_linear",
     "fp8_linear",
@@ -411,6 +412,19 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch
     return quant_reference.gguf_linear(x, data, type_name, bias)
 
 
+def gguf_linear_silu_and_mul(
+    x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """silu_and_mul(gguf_linear(x, data, type_name, bias)): a gated MLP's first half on
+    GGUF blocks ``data`` [2*d, ...] = cat(gate, up), or their form from the same
+    registry's ``prepare_gguf_weight``; returns [M, d] in x.dtype.  The [M, 2*d] product
+    is rounded to x's dtype before the SiLU, as the two ops in sequence do.
+
+    An op registry's default is the composition of its own ``gguf_linear`` and
+    ``silu_and_mul``; a platform may fuse the two, never writing the 2*d intermediate."""
+    return silu_and_mul(gguf_linear(x, data, type_name, bias))
+
+
 def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
     """GGUF blocks uint8 ``[N, K/32 * block_bytes]`` of ``type_name`` -> the form the same
     registry's ``gguf_linear`` takes, once at load (never on the step path).
@@ -505,6 +519,7 @@ OP_NAMES: tuple[str, ...] = (
     "swap_blocks",
     "gguf_linear",
     "prepare_gguf_weight",
+    "gguf_linear_silu_and_mul",
     "int8_linear",
     "w8a8_linear",
     "fp8_linear",

@@ -50,10 +50,15 @@ class OpRegistry:
         # at call time: a platform that overrides only the parts (e.g. a linear taking
         # its own prepared weights) gets them without registering the fused op.
         self.register("linear_silu_and_mul", self._linear_silu_and_mul, source="reference")
+        self.register("gguf_linear_silu_and_mul", self._gguf_linear_silu_and_mul, source="reference")
 
     def _linear_silu_and_mul(self, x, weight, bias=None):
         """See reference.linear_silu_and_mul: this registry's silu_and_mul(linear(...))."""
         return self.silu_and_mul(self.linear(x, weight, bias))
+
+    def _gguf_linear_silu_and_mul(self, x, data, type_name, bias=None):
+        """See reference.gguf_linear_silu_and_mul: this registry's silu_and_mul(gguf_linear(...))."""
+        return self.silu_and_mul(self.gguf_linear(x, data, type_name, bias))
 
     def register(self, name: str, fn: Callable[..., Any], source: str = "", capabilities: Iterable[str] = ()) -> None:
         """Make ``name`` resolve to ``fn``; ``source`` says where it came from;

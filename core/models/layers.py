@@ -167,7 +167,9 @@ def gated_mlp(ops, x: torch.Tensor, gate_up: Weight, down: Weight, activation: s
     or GELU (GeGLU; "gelu_pytorch_tanh" is its tanh approximation).
     x [n, hidden] -> [n, hidden] (before any tensor-parallel all-reduce)."""
     if activation == "silu":
-        if not isinstance(gate_up, torch.Tensor):  # quantized, or with LoRA
+        if isinstance(gate_up, QuantizedWeight):  # its format may fuse the two (GGUF)
+            h = gate_up.apply_silu_and_mul(x, ops.silu_and_mul)
+        elif not isinstance(gate_up, torch.Tensor):  # with LoRA
             h = ops.silu_and_mul(gate_up.apply(x, None))
         else:
             h = ops.linear_silu_and_mul(x, gate_up)

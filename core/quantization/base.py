@@ -12,7 +12,7 @@ its ops are registered, never here.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -65,6 +65,12 @@ class QuantizedWeight(ABC):
     @abstractmethod
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x ``[M, in]`` (float32 / bfloat16) -> ``[M, out]`` in x.dtype."""
+
+    def apply_silu_and_mul(self, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """A gated MLP's first half on this [gate; up] weight: x ``[M, in]`` ->
+        ``silu_and_mul(apply(x))`` ``[M, out/2]`` (``silu_and_mul``: the registry's op).
+        A format whose registry has a fused op for it (GGUF) uses that instead."""
+        return silu_and_mul(self.apply(x, None))
 
     @abstractmethod
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

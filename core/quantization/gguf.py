@@ -35,6 +35,9 @@ class GGUFWeight(QuantizedWeight):
     prepare: the same registry's ``prepare_gguf_weight`` (None: the blocks as they are).
     packed: what ``prepare`` returned for the blocks (set by :meth:`prepared`, which
         drops ``data``: None then); ``op`` multiplies with it.
+    gated_op: the same registry's ``gguf_linear_silu_and_mul`` (None: ``op`` then the
+        registry's ``silu_and_mul``), which a fused [gate; up] weight runs as a gated
+        MLP's first half (:meth:`apply_silu_and_mul`).
     """
 
     # Every gguf_linear (the int8 kernels, the reference) sums in float32: as in llama.cpp,
@@ -50,6 +53,7 @@ class GGUFWeight(QuantizedWeight):
         op: Callable | None = None,
         prepare: Callable | None = None,
         packed: torch.Tensor | None = None,
+        gated_op: Callable | None = None,
     ) -> None:
         if type_name not in GGUF_KEPT_TYPES:
             raise ValueError(f"GGUF type {type_name} is not kept quantized (supported: {', '.join(GGUF_KEPT_TYPES)})")
@@ -66,9 +70,15 @@ class GGUFWeight(QuantizedWeight):
         self.op = op or reference.gguf_linear
         self.prepare = prepare
         self.packed = packed
+        self.gated_op = gated_op
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.op(x, self.data if self.packed is None else self.packed, self.type_name, bias)
+
+    def apply_silu_and_mul(self, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if self.gated_op is None:
+            return silu_and_mul(self.apply(x, None))
+        return self.gated_op(x, self.data if self.packed is None else self.packed, self.type_name, None)
 
     def prepared(self) -> GGUFWeight:
         """This weight with its blocks replaced by ``prepare(data)`` (the same bytes in the
@@ -80,7 +90,7 @@ class GGUFWeight(QuantizedWeight):
         packed = self.prepare(self.data, self.type_name)
         if packed is self.data:
             return self
-        return GGUFWeight(self.type_name, None, self.in_features, self.op, self.prepare, packed)
+        return GGUFWeight(self.type_name, None, self.in_features, self.op, self.prepare, packed, self.gated_op)
 
     def _blocks(self) -> torch.Tensor:
         if self.data is None:
@@ -104,14 +114,18 @@ class GGUFWeight(QuantizedWeight):
         if self.tensors()[0].device == device:
             return self
         # A prepared form belongs to its platform: only the blocks move.
-        return GGUFWeight(self.type_name, self._blocks().to(device), self.in_features, self.op, self.prepare)
+        return GGUFWeight(
+            self.type_name, self._blocks().to(device), self.in_features, self.op, self.prepare, gated_op=self.gated_op
+        )
 
     @classmethod
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
         first = parts[0]
         if all(isinstance(p, GGUFWeight) and p.type_name == first.type_name for p in parts):
             data = torch.cat([p._blocks() for p in parts])
-            return GGUFWeight(first.type_name, data, first.in_features, first.op, first.prepare)
+            return GGUFWeight(
+                first.type_name, data, first.in_features, first.op, first.prepare, gated_op=first.gated_op
+            )
         # Mixed block types (some llama.cpp mixes use Q8_0 for v_proj): keep them apart.
         return StackedWeight(parts)
 
@@ -164,8 +178,9 @@ class GGUFMethod(QuantizationMethod):
         if gguf is None:
             raise ValueError(f"quantization='gguf' needs a .gguf file; {source.path} is a Hugging Face folder")
         op, prepare = self.ops.gguf_linear, self.ops.prepare_gguf_weight
+        gated = self.ops.gguf_linear_silu_and_mul
         for name, t in gguf.weights(keep_quantized=GGUF_KEPT_TYPES):
             if isinstance(t, torch.Tensor):
                 yield name, t
             else:
-                yield name, GGUFWeight(t.type_name, t.data, t.shape[1], op, prepare)
+                yield name, GGUFWeight(t.type_name, t.data, t.shape[1], op, prepare, gated_op=gated)

@@ -1,5 +1,5 @@
-"""Checks of the quantized linear ops (``gguf_linear``, ``int8_linear``, ``w8a8_linear``,
-``fp8_linear``) a platform overrides, against :mod:`pagedserve.kernels.reference`.
+"""Checks of the quantized linear ops (``gguf_linear``, ``gguf_linear_silu_and_mul``,
+``int8_linear``, ``w8a8_linear``, ``fp8_linear``) a platform overrides, against :mod:`pagedserve.kernels.reference`.
 
 Weights are random bytes in each stored format (GGUF blocks with realistic fp16 scales,
 int8 and e4m3 values with per-channel or per-tensor scales), activations fresh
@@ -28,7 +28,12 @@ __all__ = ["QUANT_CASES", "QUANT_TOLERANCES", "ACTIVATION_ALLOWANCE", "assert_cl
 #: Relative error (Frobenius) allowed for output rounding, per activation dtype.
 QUANT_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 #: Extra relative error an op's contract allows for quantized activations.
-ACTIVATION_ALLOWANCE: dict[str, float] = {"gguf_linear": 2.5e-2, "fp8_linear": 6e-2}
+ACTIVATION_ALLOWANCE: dict[str, float] = {
+    "gguf_linear": 2.5e-2,
+    # silu(gate) * up: the errors of both halves of the product add up.
+    "gguf_linear_silu_and_mul": 3e-2,
+    "fp8_linear": 6e-2,
+}
 #: Each element may differ by this many times the bound above, times the reference's RMS.
 ELEMENT_FACTOR = 8.0
 
@@ -113,6 +118,38 @@ def _gguf_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int, prepare
             yield desc, body
 
 
+#: (rows, in, d, bias) of the gguf_linear_silu_and_mul cases ([gate; up] of 2*d rows): d a
+#: multiple of 16 (the CPU's gated tiled kernel, odd and even column-group counts) or not
+#: (the two ops in sequence), decode and prefill row counts over partial row tiles.
+GGUF_GATED_SHAPES: tuple[tuple[int, int, int, bool], ...] = (
+    (1, 64, 48, False),
+    (7, 128, 16, True),
+    (130, 64, 32, False),
+    (3, 96, 40, True),
+    (300, 96, 80, True),
+)
+
+
+def _gguf_linear_silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    """``fn`` on [gate; up] blocks put through the registry's ``prepare_gguf_weight`` (the
+    form the model hands it) against the reference's two ops on the blocks."""
+    prepare = t.ops.get("prepare_gguf_weight")
+    for type_name in ("Q4_0", "Q4_1", "Q8_0"):
+        for m, k, d, bias in GGUF_GATED_SHAPES:
+            desc = _desc(m, k, 2 * d, bias, f"{type_name}-")
+
+            def body(type_name=type_name, m=m, k=k, d=d, bias=bias, desc=desc) -> None:
+                c = _Case(f"gguf_linear_silu_and_mul{desc}{dtype}", seed, t.device)
+                data, x = _random_gguf(c, type_name, 2 * d, k), c.randn(m, k, dtype=dtype)
+                b = c.randn(2 * d, dtype=dtype) if bias else None
+                got = fn(c.dev(x), prepare(c.dev(data), type_name), type_name, None if b is None else c.dev(b))
+                want = reference.gguf_linear_silu_and_mul(x, data, type_name, b)
+                op = "gguf_linear_silu_and_mul"
+                assert_close_relative(op, got, want, dtype, _tol(op, dtype))
+
+            yield desc, body
+
+
 def _int8_cases(op: str) -> Callable[[Target, Callable, torch.dtype, int], Cases]:
     ref = getattr(reference, op)
 
@@ -156,6 +193,7 @@ QUANT_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = 
     "gguf_linear": _gguf_linear,
     # A platform's prepare_gguf_weight is checked through its (or the reference's) gguf_linear.
     "prepare_gguf_weight": lambda t, fn, d, s: _gguf_linear(t, t.ops.get("gguf_linear"), d, s, prepare=fn),
+    "gguf_linear_silu_and_mul": _gguf_linear_silu_and_mul,
     "int8_linear": _int8_cases("int8_linear"),
     "w8a8_linear": _int8_cases("w8a8_linear"),
     "fp8_linear": _fp8_linear,

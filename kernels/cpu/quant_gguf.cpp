@@ -245,6 +245,10 @@ torch::Tensor gguf_pack_weight(torch::Tensor weight, int64_t type);
 void gguf_packed_gemm(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
                       int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
                       const float* bias);
+bool gguf_packed_gated_available();
+void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
+                           int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
+                           const float* bias);
 
 namespace {
 
@@ -376,6 +380,32 @@ torch::Tensor gguf_linear_out(torch::Tensor x, torch::Tensor weight, int64_t typ
   return bf16 ? y.to(torch::kBFloat16) : y;
 }
 
+// silu_and_mul(gguf_linear_out(x, weight, type, bias)) for a packed [gate; up] weight
+// (2d columns, d a multiple of 16): [M, d] in x's dtype, bit for bit the two in sequence
+// (each half rounded to x's dtype, then the main kernels' SiLU-and-mul), without the
+// [M, 2d] intermediate.
+torch::Tensor gguf_linear_silu_out(torch::Tensor x, torch::Tensor weight, int64_t type,
+                                   std::optional<torch::Tensor> bias) {
+  x = x.contiguous();
+  weight = weight.contiguous();
+  TORCH_CHECK(weight.dim() == 3, "gguf_linear_silu_and_mul: the weight must be packed by pack_weight");
+  TORCH_CHECK(gguf_packed_gated_available(), "gguf_linear_silu_and_mul: this build has no gated packed kernel");
+  const int64_t N = check_gguf_args(x, weight, type), M = x.size(0), K = x.size(1);
+  TORCH_CHECK(weight.size(0) % 2 == 0, "gguf_linear_silu_and_mul: N=", N, " is not 2 x a multiple of 16");
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(torch::kFloat).contiguous();
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "gguf_linear_silu_and_mul: bias of shape ", bias->sizes(),
+                " for N=", N);
+  }
+  const QuantizedX qx = quantize_activations(x, type);
+  auto y = torch::empty({M, N / 2}, x.options());
+  gguf_packed_gemm_silu(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(),
+                        weight.size(0), type, y.data_ptr(), x.scalar_type() == torch::kBFloat16,
+                        b.defined() ? b.data_ptr<float>() : nullptr);
+  return y;
+}
+
 std::string isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return "avx512vnni";
@@ -393,6 +423,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_out", &gguf_linear_out, py::call_guard<py::gil_scoped_release>(),
         "gguf_linear + bias, in x's dtype", py::arg("x"), py::arg("weight"), py::arg("type"),
         py::arg("bias") = py::none());
+  m.def("gguf_linear_silu_out", &gguf_linear_silu_out, py::call_guard<py::gil_scoped_release>(),
+        "silu_and_mul(gguf_linear_out(...)) for a packed [gate; up] weight", py::arg("x"), py::arg("weight"),
+        py::arg("type"), py::arg("bias") = py::none());
+  m.def("has_packed_gated", &gguf_packed_gated_available, "whether the gated tiled kernel is built");
   m.def("isa", &isa, "instruction set compiled in");
   m.def("has_packed", &gguf_packed_available, "whether the tiled kernel on repacked weights is built");
   m.def("pack_weight", &gguf_pack_weight, "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32, 16*block_bytes]");

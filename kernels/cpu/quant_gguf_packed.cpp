@@ -35,6 +35,13 @@
 #define PAGEDSERVE_GGUF_PACKED 1
 #endif
 
+// The gated epilogue (silu(gate) * up) is the main kernels' own SiLU-and-mul
+// (elementwise.h), so that the fused op rounds bit for bit as the two ops in sequence.
+#include "elementwise.h"
+#if defined(PAGEDSERVE_GGUF_PACKED) && defined(PAGEDSERVE_HAVE_AVX512)
+#define PAGEDSERVE_GGUF_GATED 1
+#endif
+
 // Tile shape and row chunk; compile-time overridable for tile-shape measurements (the
 // shapes tried and their figures: docs/quantization.md).
 #ifndef PAGEDSERVE_GGUF_TILE_M
@@ -97,12 +104,14 @@ struct Activations {
 };
 
 // Where a tile's results go: float32, or bf16 rounded to nearest even (torch's
-// .to(bfloat16)), bias (float32 [N], may be null) added first.
+// .to(bfloat16)), bias (float32 [N], may be null) added first.  Gated tiles (see
+// tile()) pair column group g with group g + half and write silu(gate) * up at group g.
 struct Output {
   void* y;
   bool bf16;
   const float* bias;
   int64_t ldy;
+  int64_t half = 0;
 };
 
 // float32 -> bf16 rounded to nearest even, NaN kept quiet (as torch's .to(bfloat16);
@@ -165,6 +174,52 @@ inline void block_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512
   }
 }
 
+template <int NG, bool GATED>
+inline int64_t column_group(int64_t g0, int j, int64_t half) {
+  if constexpr (GATED) return j < NG / 2 ? g0 + j : g0 + half + j - NG / 2;
+  return g0 + j;
+}
+
+#if defined(PAGEDSERVE_GGUF_GATED)
+#if defined(PAGEDSERVE_HAVE_AVX512BF16)
+using GatedIsa = pagedserve_cpu::Avx512Bf16;
+#else
+using GatedIsa = pagedserve_cpu::Avx512;
+#endif
+
+// The gated tile's epilogue: gate and up (bias added) rounded as gguf_linear_out rounds
+// its output (to_bf16 for bf16; float32 kept otherwise), then silu_and_mul's own code.
+template <int MT, int NG>
+inline void store_gated(const float (&facc)[MT][NG][kCols], const __m512 (&fext)[MT][NG], int64_t g0, int64_t m0,
+                        const Output& o) {
+  using pagedserve_cpu::BF16;
+  using pagedserve_cpu::Elementwise;
+  constexpr int P = NG / 2;
+  for (int j = 0; j < P; ++j) {
+    const int64_t ng = (g0 + j) * kCols, nu = (g0 + o.half + j) * kCols;
+    for (int i = 0; i < MT; ++i) {
+      __m512 g = _mm512_add_ps(_mm512_load_ps(facc[i][j]), fext[i][j]);
+      __m512 u = _mm512_add_ps(_mm512_load_ps(facc[i][j + P]), fext[i][j + P]);
+      if (o.bias) {
+        g = _mm512_add_ps(g, _mm512_loadu_ps(o.bias + ng));
+        u = _mm512_add_ps(u, _mm512_loadu_ps(o.bias + nu));
+      }
+      const int64_t at = (m0 + i) * o.ldy + ng;
+      if (o.bf16) {
+        const auto widen = [](__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); };
+        GatedIsa::store(static_cast<BF16*>(o.y) + at,
+                        Elementwise<GatedIsa, BF16>::silu_mul(widen(to_bf16(g)), widen(to_bf16(u))));
+      } else {
+        GatedIsa::store(static_cast<float*>(o.y) + at, Elementwise<GatedIsa, float>::silu_mul(g, u));
+      }
+    }
+  }
+}
+#else
+template <int MT, int NG>
+inline void store_gated(const float (&)[MT][NG][kCols], const __m512 (&)[MT][NG], int64_t, int64_t, const Output&) {}
+#endif
+
 // Rows [m0, m0 + MT) x columns of NG groups starting at group g0.  The float32
 // accumulators live in an L1 buffer rather than registers, so that the register file
 // holds MT x NG int32 accumulators (each weight line feeds MT rows, each activation
@@ -172,7 +227,10 @@ inline void block_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512
 // kernel's: acc += (d_w * d_x) * float(dot); the minimum term (m_w d_x sum(x), -8 d_w
 // for Q4_0) is summed apart over the blocks afterwards and added at the end, so every
 // lane adds the same values in the same order whatever the tile shape.
-template <int MT, int NG, int64_t TYPE>
+// GATED: the first NG/2 groups are gate columns g0.., the last NG/2 the up columns
+// g0 + o.half..; the epilogue rounds both as gguf_linear's output would be rounded and
+// writes silu_and_mul's result (the main kernels' silu_mul) at the gate columns.
+template <int MT, int NG, int64_t TYPE, bool GATED = false>
 void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0, int64_t g0, const Output& o) {
   constexpr int gbb = group_block_bytes<TYPE>();
   constexpr int qb = TYPE == Q8_0 ? 512 : 256;
@@ -180,7 +238,7 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NG; ++j) _mm512_store_ps(facc[i][j], _mm512_setzero_ps());
   const uint8_t* wg[NG];
-  for (int j = 0; j < NG; ++j) wg[j] = w + (g0 + j) * group_stride;
+  for (int j = 0; j < NG; ++j) wg[j] = w + column_group<NG, GATED>(g0, j, o.half) * group_stride;
   const int8_t* xr[MT];
   for (int i = 0; i < MT; ++i) xr[i] = a.q + (m0 + i) * a.k;
   for (int64_t b = 0; b < a.nb; ++b) {
@@ -225,6 +283,10 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
       }
     }
   }
+  if constexpr (GATED) {
+    store_gated<MT, NG>(facc, fext, g0, m0, o);
+    return;
+  }
   for (int j = 0; j < NG; ++j) {
     const int64_t n0 = (g0 + j) * kCols;
     const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + n0) : _mm512_setzero_ps();
@@ -246,21 +308,22 @@ constexpr int kTileM = PAGEDSERVE_GGUF_TILE_M, kTileG = PAGEDSERVE_GGUF_TILE_G;
 // call has a partial row tile).
 constexpr int64_t kChunkM = PAGEDSERVE_GGUF_CHUNK_M;
 
-// Rows [m_begin, m_end) of NG column groups from g0.
-template <int NG, int64_t TYPE>
+// Rows [m_begin, m_end) of NG column groups from g0, TM rows per full tile.
+template <int NG, int64_t TYPE, bool GATED = false, int TM = kTileM>
 void rows(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m_begin, int64_t m_end, int64_t g0,
           const Output& o) {
+  static_assert(TM <= 8, "row remainders are instantiated up to 7 rows");
   int64_t m0 = m_begin;
-  for (; m0 + kTileM <= m_end; m0 += kTileM) tile<kTileM, NG, TYPE>(a, w, group_stride, m0, g0, o);
+  for (; m0 + TM <= m_end; m0 += TM) tile<TM, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o);
   switch (m_end - m0) {
     case 0: break;
-    case 1: tile<1, NG, TYPE>(a, w, group_stride, m0, g0, o); break;
-    case 2: tile<2, NG, TYPE>(a, w, group_stride, m0, g0, o); break;
-    case 3: tile<3, NG, TYPE>(a, w, group_stride, m0, g0, o); break;
-    case 4: tile<4, NG, TYPE>(a, w, group_stride, m0, g0, o); break;
-    case 5: tile<5, NG, TYPE>(a, w, group_stride, m0, g0, o); break;
-    case 6: tile<6, NG, TYPE>(a, w, group_stride, m0, g0, o); break;
-    default: tile<7, NG, TYPE>(a, w, group_stride, m0, g0, o); break;
+    case 1: tile<1, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o); break;
+    case 2: tile<2, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o); break;
+    case 3: tile<3, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o); break;
+    case 4: tile<4, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o); break;
+    case 5: tile<5, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o); break;
+    case 6: tile<6, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o); break;
+    default: tile<7, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o); break;
   }
 }
 
@@ -288,9 +351,49 @@ void run(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, cons
   });
 }
 
+#if defined(PAGEDSERVE_GGUF_GATED)
+// Gate/up column-group pairs per gated tile (2 x this many groups in registers).
+#ifndef PAGEDSERVE_GGUF_GATED_PAIRS
+#define PAGEDSERVE_GGUF_GATED_PAIRS 1
+#endif
+#ifndef PAGEDSERVE_GGUF_GATED_TILE_M
+#define PAGEDSERVE_GGUF_GATED_TILE_M 5
+#endif
+constexpr int kGatedPairs = PAGEDSERVE_GGUF_GATED_PAIRS, kGatedTileM = PAGEDSERVE_GGUF_GATED_TILE_M;
+
+// As run(), over the o.half gate groups, each tile taking its up groups along.
+template <int64_t TYPE>
+void run_gated(const Activations& a, const uint8_t* w, int64_t M, const Output& o) {
+  static_assert(kGatedPairs >= 1 && kGatedPairs <= 2, "gated tiles are instantiated for 1 or 2 pairs");
+  const int64_t group_stride = a.nb * group_block_bytes<TYPE>();
+  at::parallel_for(0, o.half, 1, [&](int64_t gb, int64_t ge) {
+    for (int64_t mb = 0; mb < M; mb += kChunkM) {
+      const int64_t me = std::min(M, mb + kChunkM);
+      for (int64_t g0 = gb; g0 < ge;) {
+        if (ge - g0 >= kGatedPairs) {
+          rows<2 * kGatedPairs, TYPE, true, kGatedTileM>(a, w, group_stride, mb, me, g0, o);
+          g0 += kGatedPairs;
+        } else {
+          rows<2, TYPE, true, kGatedTileM>(a, w, group_stride, mb, me, g0, o);
+          g0 += 1;
+        }
+      }
+    }
+  });
+}
+#endif
+
 #endif  // PAGEDSERVE_GGUF_PACKED
 
 }  // namespace
+
+bool gguf_packed_gated_available() {
+#if defined(PAGEDSERVE_GGUF_GATED)
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool gguf_packed_available() {
 #if defined(PAGEDSERVE_GGUF_PACKED)
@@ -338,5 +441,26 @@ void gguf_packed_gemm(const int8_t* xq, const float* xd, const float* xds, const
   TORCH_CHECK(false, "gguf_packed_gemm: unsupported ggml type id ", type);
 #else
   TORCH_CHECK(false, "gguf_packed_gemm: this build has no AVX-512 VNNI packed kernel");
+#endif
+}
+
+// silu(y[:, :d]) * y[:, d:] of the gemm above for a packed [gate; up] weight of 2 * half
+// column groups (d = 16 * half), written as y [M, d] float32 or bf16 (y_bf16), each
+// half rounded first as gguf_packed_gemm rounds y (bias float32 [2d] or null).
+void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
+                           int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
+                           const float* bias) {
+#if defined(PAGEDSERVE_GGUF_GATED)
+  TORCH_CHECK(groups % 2 == 0, "gguf_packed_gemm_silu: ", groups, " column groups do not split into gate and up");
+  const Activations a{xq, xd, xds, xsum, K, K / QK};
+  const Output o{y, y_bf16, bias, groups / 2 * kCols, groups / 2};
+  switch (type) {
+    case Q4_0: run_gated<Q4_0>(a, w, M, o); return;
+    case Q4_1: run_gated<Q4_1>(a, w, M, o); return;
+    case Q8_0: run_gated<Q8_0>(a, w, M, o); return;
+  }
+  TORCH_CHECK(false, "gguf_packed_gemm_silu: unsupported ggml type id ", type);
+#else
+  TORCH_CHECK(false, "gguf_packed_gemm_silu: this build has no gated packed kernel");
 #endif
 }

@@ -20,6 +20,8 @@ from pagedserve.kernels import build
 __all__ = ["load_quant_kernels", "quant_build_spec"]
 
 SOURCES: tuple[str, ...] = ("quant_gguf.cpp", "quant_gguf_packed.cpp")
+#: Headers of the main kernels the gated epilogue includes (its SiLU-and-mul).
+HEADERS: tuple[str, ...] = ("elementwise.h", "kernels.h", "vec.h")
 
 
 def quant_build_spec() -> build.ExtensionSpec:
@@ -29,12 +31,13 @@ def quant_build_spec() -> build.ExtensionSpec:
     # The main kernels do not use VNNI, so their automatic flags leave it out.
     if "-mavx512vl" in arch and "avx512_vnni" in features and "-mavx512vnni" not in arch:
         arch = [*arch, "-mavx512vnni"]
-    return build.cpu_extension_spec("quant", SOURCES, arch, origin)
+    return build.cpu_extension_spec("quant", SOURCES, arch, origin, headers=HEADERS)
 
 
 @functools.lru_cache(maxsize=1)
 def load_quant_kernels() -> ModuleType | None:
-    """The compiled module (``gguf_linear``, ``isa``, ``has_packed``, ``pack_weight``), or
+    """The compiled module (``gguf_linear``, ``gguf_linear_out``, ``gguf_linear_silu_out``,
+    ``isa``, ``has_packed``, ``has_packed_gated``, ``pack_weight``), or
     None with a warning saying why."""
     try:
         return build.load_extension(quant_build_spec(), "quantized CPU kernels")[0]

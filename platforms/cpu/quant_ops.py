@@ -10,12 +10,18 @@
   (kernels/cpu/quant_gguf_packed.cpp: 16 output columns interleaved per 4 k, scales
   beside them); ``gguf_linear`` then runs the tiled kernel on them.  Other weights keep
   the row kernel.  ``PAGEDSERVE_CPU_GGUF_REPACK=0`` keeps the file's blocks.
+- ``gguf_linear_silu_and_mul``: where the tiled kernel has its gated variant, a gated
+  MLP's [gate; up] weight repacked as above runs in one pass that writes silu(gate) * up
+  (rounded bit for bit as ``silu_and_mul(gguf_linear(...))``), never the [M, 2d]
+  intermediate; other weights and inputs take the registry's two ops.
 - ``int8_linear``: aten's CPU int8 weight-only kernel ``torch._weight_int8pack_mm``.
 - ``w8a8_linear``: ``torch._int_mm`` (oneDNN, VNNI where the CPU has it).
 - ``fp8_linear``: emulated, the weight dequantized to x's dtype for each matmul.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -28,6 +34,7 @@ from pagedserve.platforms.options import CpuOptions
 __all__ = [
     "register_cpu_quant_ops",
     "gguf_linear",
+    "make_gguf_linear_silu_and_mul",
     "prepare_gguf_weight",
     "unpack_gguf_weight",
     "int8_linear",
@@ -63,6 +70,31 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch
         x2 if x2.dtype in _NATIVE_DTYPES else x2.float(), data, qref.GGUF_TYPE_IDS[type_name], bias
     )
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def make_gguf_linear_silu_and_mul(
+    linear: Callable[..., torch.Tensor], silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[..., torch.Tensor]:
+    """``gguf_linear_silu_and_mul`` that runs [gate; up] weights repacked by
+    :func:`prepare_gguf_weight` through the gated tiled kernel, anything else through
+    ``silu_and_mul(linear(...))`` (the registry's ``gguf_linear`` and ``silu_and_mul``)."""
+    module = load_quant_kernels()
+
+    def gguf_linear_silu_and_mul(
+        x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """See reference.gguf_linear_silu_and_mul; ``data`` may be packed by ``prepare_gguf_weight``."""
+        if (
+            data.dim() == 3
+            and data.shape[0] % 2 == 0
+            and x.dim() == 2
+            and x.dtype in _NATIVE_DTYPES
+            and CPU_DENSE_MIN_ROWS is None
+        ):
+            return module.gguf_linear_silu_out(x, data, qref.GGUF_TYPE_IDS[type_name], bias)
+        return silu_and_mul(linear(x, data, type_name, bias))
+
+    return gguf_linear_silu_and_mul
 
 
 def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
@@ -143,6 +175,9 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None) -
         ops.register("gguf_linear", gguf_linear, source=source, capabilities=(PREFERS_QUANTIZED,))
         if module.has_packed() and options.gguf_repack:
             ops.register("prepare_gguf_weight", prepare_gguf_weight, source=source)
+            if module.has_packed_gated():
+                fused = make_gguf_linear_silu_and_mul(ops.get("gguf_linear"), ops.get("silu_and_mul"))
+                ops.register("gguf_linear_silu_and_mul", fused, source=source)
     ops.register("int8_linear", int8_linear, source="torch")
     ops.register("w8a8_linear", w8a8_linear, source="torch")
     ops.register("fp8_linear", qref.fp8_linear_dense, source="torch")
