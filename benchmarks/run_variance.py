@@ -9,7 +9,10 @@ run round-robin, so a change of machine load hits every variant alike.  One line
 pass: output tokens/s, wall and CPU seconds, the cores the process actually got (CPU
 time over wall time), involuntary context switches, the engine's steps and tokens per
 step, huge pages, clock and load (benchmarks/run_facts.py).  The JSON written holds
-every pass's full facts.
+every pass's full facts.  ``--gguf`` runs the default model's own GGUF file (the default
+path, dtype auto, no prefix caching: as compare_llamacpp.py's pagedserve-gguf); a
+variant ``base:PYTHONPATH=<an older tree's package>`` puts two versions of pagedserve
+side by side.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ _HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 
 from engine_runner import add_common_arguments, launch, machine_info  # noqa: E402
-from workloads import make_workload, prepare_model_dir, read_vocab_size  # noqa: E402
+from workloads import default_gguf_path, make_workload, prepare_model_dir, read_vocab_size  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -57,6 +60,7 @@ def main() -> int:
     add_common_arguments(p)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--variant", action="append", default=None, help="NAME:KEY=VALUE,... (repeatable)")
+    p.add_argument("--gguf", action="store_true", help="the default model's GGUF file (dtype auto)")
     args = p.parse_args()
     variants = [parse_variant(v) for v in (args.variant or ["default:"])]
     model_dir = prepare_model_dir(args.model_dir)
@@ -81,6 +85,8 @@ def main() -> int:
             }
         ],
     }
+    if args.gguf:
+        spec.update(model=str(default_gguf_path()), dtype="auto", enable_prefix_caching=False)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or _HERE.parent / "bench_results" / f"run_variance-{args.workload}-{stamp}.json"
     report: dict = {"machine": machine_info(), "spec": spec, "passes": {name: [] for name, _ in variants}}

@@ -14,6 +14,7 @@ from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.executor.input_batch import prepare_inputs
 from pagedserve.executor.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.executor.sampler import Sampler, SamplerOutput
+from pagedserve.executor.step_rows import sampling_hidden
 from pagedserve.kv_cache.kv_groups import grouped_blocks_for_one_request, kv_cache_groups, layer_slots
 from pagedserve.kv_cache.sliding_window import blocks_for_one_request
 from pagedserve.models.arch_config import ArchConfig
@@ -345,9 +346,11 @@ class ModelRunner:
             if not sampling_rows:
                 return StepOutput({}, {}, prompt_lps, pooled)
             # hidden is on the last segment's device; the sampler runs on the host.
-            idx = self.segments[-1].platform.to_device(inp.logits_indices[sampling_rows])
+            rows = sampling_hidden(
+                hidden, inp.logits_indices, sampling_rows, out.scheduled, self.segments[-1].platform.to_device
+            )
             # The sampler widens to float32 only for rows that need more than an argmax.
-            logits = self.model.compute_logits(hidden.index_select(0, idx), float32=False)
+            logits = self.model.compute_logits(rows, float32=False)
             requests = [out.scheduled[i].request for i in sampling_rows]
             if self.structured is not None:
                 self.structured.apply(self.model.head_ops, logits, requests)
