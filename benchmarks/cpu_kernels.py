@@ -8,7 +8,9 @@ GEMM, oneDNN and the native kernels; with --moe, fused_moe (reference vs native)
 --gguf, the same layers on Q4_1 GGUF blocks (the default model's format) through the
 row-by-row int8 kernel and the tiled one on repacked weights, against the packed bf16
 kernel, in GOP/s and as a fraction of the int8 VNNI peak (``--int8-peak``, GOP/s; by
-default estimated from /proc/cpuinfo); with --window, attention with a sliding window
+default estimated from /proc/cpuinfo); with --gguf-mlp, the 30 gated MLPs' first halves
+on Q4_1 [gate; up] blocks, gguf_linear then silu_and_mul against the fused
+gguf_linear_silu_and_mul, the two alternating; with --window, attention with a sliding window
 (512) and a soft-cap (50) at decode and prefill shapes.  Prints one table per kind with
 the speedup (reference / native).
 
@@ -17,7 +19,7 @@ the speedup (reference / native).
                                      [--huge-pages] [--cpu-time] [--prefill] [--linear]
                                      [--token-major] [--layers 30] [--moe] [--window]
                                      [--gguf] [--rows 1 4 16 64 256] [--int8-peak GOPS]
-                                     [--no-row-kernel]
+                                     [--no-row-kernel] [--gguf-mlp]
 """
 
 from __future__ import annotations
@@ -330,6 +332,41 @@ def bench_gguf_linear(
     return out
 
 
+def bench_gguf_mlp(native, rows: list[int], clock: Callable[[], float] = time.perf_counter) -> list[tuple]:
+    """The default model's 30 gate/up layers (576 -> 2 x 1536, each its own Q4_1 weight,
+    repacked) with bf16 activations: ``gguf_linear_out`` then the native ``silu_and_mul``
+    (the unfused path) and ``gguf_linear_silu_out`` (the fused op), alternating calls of
+    each whole set, 7 pairs; median ms of each and the median of the per-pair ratios."""
+    from pagedserve.kernels.cpu.quant_native import load_quant_kernels
+    from pagedserve.kernels.quant_reference import GGUF_TYPE_IDS
+
+    quant = load_quant_kernels()
+    if quant is None or not quant.has_packed_gated():
+        raise SystemExit("the gated tiled GGUF kernel is unavailable on this machine")
+    q41, silu_and_mul = GGUF_TYPE_IDS["Q4_1"], native.ops()["silu_and_mul"]
+    k, n, count = 576, 3072, 30
+    raw = torch.randint(0, 256, (count, n, k // 32, 20), dtype=torch.uint8)
+    raw[..., 0:2] = (torch.rand(count, n, k // 32) * 0.02 + 1e-3).half().view(torch.uint8).reshape(count, n, -1, 2)
+    raw[..., 2:4] = (torch.randn(count, n, k // 32) * 0.05).half().view(torch.uint8).reshape(count, n, -1, 2)
+    packed = [quant.pack_weight(w.reshape(n, -1), q41) for w in raw]
+    out = []
+    for m in rows:
+        x = torch.randn(m, k).bfloat16()
+        calls = {
+            "unfused": lambda: [silu_and_mul(quant.gguf_linear_out(x, w, q41)) for w in packed],
+            "fused": lambda: [quant.gguf_linear_silu_out(x, w, q41) for w in packed],
+        }
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(7):
+            for name, fn in calls.items():
+                times[name].append(time_call(fn, min_seconds=0.05, min_reps=3, clock=clock))
+        ratio = statistics.median(u / f for u, f in zip(times["unfused"], times["fused"]))
+        gops = 2 * m * k * n * count * 1e-9
+        med = {name: statistics.median(v) for name, v in times.items()}
+        out.append((m, med["unfused"] * 1e3, med["fused"] * 1e3, gops / med["fused"], ratio))
+    return out
+
+
 def bench_window(
     native,
     dtype: torch.dtype,
@@ -408,6 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--int8-peak", type=float, default=None, help="int8 peak GOP/s for --gguf (default: estimated)")
     parser.add_argument("--no-row-kernel", action="store_true", help="--gguf: leave out the (slow) row-by-row kernel")
+    parser.add_argument("--gguf-mlp", action="store_true", help="--rows: gated MLP halves, fused vs unfused")
     parser.add_argument("--skip-attention", action="store_true", help="leave out the paged_attention table")
     parser.add_argument("--moe", action="store_true", help="also time fused_moe (reference vs native)")
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 16, 64, 256], help="batch sizes for --moe")
@@ -481,6 +519,12 @@ def main(argv: list[str] | None = None) -> None:
                 "tiled/bf16 speedup",
             ),
             bench_gguf_linear(native, args.rows, peak, clock, row_kernel=not args.no_row_kernel),
+        )
+    if args.gguf_mlp:
+        print("\n30 gated MLP first halves, Q4_1 [gate; up] 576 -> 2 x 1536, bf16 activations:\n")
+        _print_table(
+            ("rows", "unfused ms", "fused ms", "fused GOP/s", "unfused / fused (median of pairs)"),
+            bench_gguf_mlp(native, args.rows, clock),
         )
 
 

@@ -10,9 +10,14 @@ the model runner's step (Python, input preparation, sampling) as "else", and dec
 steps grouped by batch size, each split into the ops, the runner outside its ops and
 the engine's step outside the runner (scheduling, detokenization, stop checks,
 outputs).  ``--async-scheduling`` profiles that setting (docs/async_scheduling.md).
-``--gguf`` runs the default model's own GGUF file instead (the default path: its weights
-stay in blocks and multiply through ``gguf_linear``, timed like every other op).
-``--num-requests``/``--output-len`` shrink the workload for a quick look.  The timers
+``--num-requests``/``--output-len`` shrink the workload for a quick look (``--input-len``
+sets the prompt length of "fixed": ``--workload fixed --num-requests 1 --input-len 1024
+--output-len 1`` is one 1024-token prefill).  ``--gguf`` profiles the default model's
+own GGUF file (the default path: blocks kept, ``dtype`` auto) instead of the bf16
+folder, and times its quantized linear layers by kind ("gguf qkv", "gguf o", "gguf
+gate_up+silu" or "gguf gate_up", "gguf down", "gguf lm_head": they hold their ops from
+load, outside the registry's timers); ``--unfused-mlp`` runs its MLPs as gguf_linear then
+silu_and_mul, as before the fused op.  The timers
 cost a few microseconds per op call, so the workload runs slightly slower than in
 compare_vllm.py.
 """
@@ -33,6 +38,35 @@ from profile_decode import time_ops  # noqa: E402
 from workloads import WORKLOADS, default_gguf_path, make_workload  # noqa: E402
 
 
+def _timed(fn, name: str, record):
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            record(name, time.perf_counter() - t0)
+
+    return timed
+
+
+def time_gguf_weights(model, record, unfused_mlp: bool = False) -> None:
+    """Wrap the ops each GGUF linear weight of ``model`` holds in timers named by layer
+    kind; ``unfused_mlp`` drops the [gate; up] weights' fused op (gguf_linear, then the
+    registry's silu_and_mul)."""
+    from pagedserve.quantization import GGUFWeight
+
+    weights = [(f, getattr(layer, f)) for layer in model.layers for f in model.linear_fields]
+    weights.append(("lm_head", getattr(model, "lm_head", None)))
+    for field, w in weights:
+        if not isinstance(w, GGUFWeight):
+            continue
+        if field == "gate_up" and unfused_mlp:
+            w.gated_op = None
+        w.op = _timed(w.op, f"gguf {field}", record)
+        if w.gated_op is not None:
+            w.gated_op = _timed(w.gated_op, f"gguf {field}+silu", record)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="mixed", choices=WORKLOADS)
@@ -45,18 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--num-requests", type=int, default=None, help="override the workload's size")
     p.add_argument("--output-len", type=int, default=None, help="override the workload's output length")
+    p.add_argument("--input-len", type=int, default=None, help="override the prompt length of fixed/short")
+    p.add_argument("--gguf", action="store_true", help="the default model's GGUF file instead of the bf16 folder")
+    p.add_argument("--unfused-mlp", action="store_true", help="GGUF: gate/up GEMM, then silu_and_mul (as before)")
     p.add_argument("--async-scheduling", action="store_true", help="overlap output processing with the forward")
-    p.add_argument(
-        "--gguf", action="store_true", help="the default model's GGUF file (dtype auto) instead of --model-dir"
-    )
     p.add_argument("--cprofile", type=int, default=0, help="also print cProfile's N most costly functions (slower)")
     args = p.parse_args(argv)
 
     from pagedserve import LLM, SamplingParams
     from pagedserve.executor import model_runner
 
+    if args.gguf:
+        args.model_dir = str(default_gguf_path())
     llm = LLM(
-        model=str(default_gguf_path()) if args.gguf else args.model_dir,
+        model=args.model_dir,
         dtype="auto" if args.gguf else "bfloat16",
         threads=args.threads,
         max_model_len=2048,
@@ -76,10 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         op_total[0] += seconds
 
     time_ops(ops, record)
-    # Quantized weights were handed their op at load: give them the timed one.
-    for w in _quantized_weights(llm.llm_engine.runner.model):
-        if w.op is not None and hasattr(ops, w.op.__name__):
-            w.op = ops.get(w.op.__name__)
+    if args.gguf:
+        time_gguf_weights(llm.llm_engine.runner.model, record, args.unfused_mlp)
+    else:
+        # Quantized weights were handed their op at load: give them the timed one.
+        for w in _quantized_weights(llm.llm_engine.runner.model):
+            if w.op is not None and hasattr(ops, w.op.__name__):
+                w.op = ops.get(w.op.__name__)
 
     steps: list[tuple[str, int, float, float]] = []  # (kind, requests, seconds, of which in ops)
     execute = model_runner.ModelRunner.execute
@@ -110,7 +149,12 @@ def main(argv: list[str] | None = None) -> int:
 
     type(llm.llm_engine).step = timed_step
     w = make_workload(
-        args.workload, llm.llm_engine.runner.arch.vocab_size, args.seed, args.num_requests, None, args.output_len
+        args.workload,
+        llm.llm_engine.runner.arch.vocab_size,
+        args.seed,
+        args.num_requests,
+        args.input_len,
+        args.output_len,
     )
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in w.requests]
     profiler = cProfile.Profile() if args.cprofile else None
@@ -134,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{in_ops:.2f} s); runner outside ops {in_runner - in_ops:.2f} s, engine outside the runner "
         f"{engine_step[0] - in_runner:.2f} s, outside the engine's steps {wall - engine_step[0]:.2f} s\n"
     )
-    used = [n for n in ops.names() if spent["prefill"][n] + spent["decode"][n] >= 0.005]
+    names = ops.names() + sorted({n for c in spent.values() for n in c} - set(ops.names()))
+    used = [n for n in names if spent["prefill"][n] + spent["decode"][n] >= 0.005]
     print("| steps | count | seconds | " + " | ".join(used) + " | else |")
     print("|---|---:|---:|" + "---:|" * (len(used) + 1))
     for k in ("prefill", "decode"):
