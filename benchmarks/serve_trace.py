@@ -183,6 +183,8 @@ def _summarize(gaps: list[dict], steps: list[dict], dispatches: list[dict]) -> d
         "fit_ms_base_per_prompt_token_per_decode_row": _fit(steps) if len(steps) > 3 else None,
         "loop_handover_ms_p50_p99_max": [_pct(hand, 50), _pct(hand, 99), max(hand, default=float("nan"))],
         "loop_route_ms_p50_p99_max": [_pct(route, 50), _pct(route, 99), max(route, default=float("nan"))],
+        "lag_ms_p50_p99_max": [_pct([g["lag_ms"] for g in gaps], q) for q in (50, 99, 100)],
+        "between_ms_p50_p99_max": [_pct([g["between_ms"] for g in gaps if g["steps"] == 1], q) for q in (50, 99, 100)],
         "top_gaps": top[:40],
     }
 
@@ -215,6 +217,8 @@ def print_report(r: dict) -> None:
         print(f"fit: step ms = {a:.2f} + {b:.4f} x prompt tokens + {c:.3f} x decode rows")
     print("event-loop hand-over ms p50/p99/max: {:.2f} / {:.2f} / {:.2f}".format(*r["loop_handover_ms_p50_p99_max"]))
     print("routing to streams ms p50/p99/max: {:.2f} / {:.2f} / {:.2f}".format(*r["loop_route_ms_p50_p99_max"]))
+    print("step end to client ms p50/p99/max: {:.2f} / {:.2f} / {:.2f}".format(*r["lag_ms_p50_p99_max"]))
+    print("engine between steps ms p50/p99/max: {:.2f} / {:.2f} / {:.2f}".format(*r["between_ms_p50_p99_max"]))
     print(
         f"top 1% ({r['top_count']} gaps): {r['top_with_prompt_in_step']} produced by a step with prompt tokens, "
         f"{r['top_with_several_prefills']} by a step with several prefills"
