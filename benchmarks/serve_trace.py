@@ -38,12 +38,6 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-from serve_sweep import warm_up  # noqa: E402
-from servers import ServerProcess, free_port, pagedserve_cmd  # noqa: E402
-from workloads import default_gguf_path  # noqa: E402
-
 _HERE = pathlib.Path(__file__).resolve().parent
 SETTINGS = {"max_model_len": 2048, "max_num_seqs": 256, "max_num_batched_tokens": 2048, "kv_cache_memory": "4GiB"}
 
@@ -77,9 +71,21 @@ async def _load(url: str, work: list[tuple[list[int], int]], rate: float, seed: 
         return await asyncio.gather(*tasks)
 
 
+def _benchmark_helpers():
+    """serve_sweep's warm-up and servers' process handling (imported late: the analysis
+    alone, as the tests load it, needs no benchmarks/ on sys.path)."""
+    sys.path.insert(0, str(_HERE))
+    import serve_sweep
+    import servers
+
+    return serve_sweep.warm_up, servers.ServerProcess, servers.free_port, servers.pagedserve_cmd
+
+
 def run_server(args, out: pathlib.Path) -> None:
     from pagedserve.entrypoints.bench_throughput import make_workload
     from pagedserve.loader import open_model
+
+    warm_up, ServerProcess, free_port, pagedserve_cmd = _benchmark_helpers()
 
     port = free_port()
     cmd = pagedserve_cmd(args.python, str(args.gguf), port, args.threads, {**SETTINGS, "seed": args.seed}, None)
@@ -247,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--analyze", type=pathlib.Path, default=None, help="a directory of an earlier run: report only")
     args = p.parse_args(argv)
     if args.analyze is None:
-        args.gguf = args.gguf or default_gguf_path()
+        if args.gguf is None:
+            sys.path.insert(0, str(_HERE))
+            from workloads import default_gguf_path
+
+            args.gguf = default_gguf_path()
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         out = _HERE.parent / "bench_results" / f"serve_trace-{stamp}"
         out.mkdir(parents=True, exist_ok=True)
