@@ -38,12 +38,6 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-from serve_sweep import warm_up  # noqa: E402
-from servers import ServerProcess, free_port, pagedserve_cmd  # noqa: E402
-from workloads import default_gguf_path  # noqa: E402
-
 _HERE = pathlib.Path(__file__).resolve().parent
 SETTINGS = {"max_model_len": 2048, "max_num_seqs": 256, "max_num_batched_tokens": 2048, "kv_cache_memory": "4GiB"}
 
@@ -77,9 +71,21 @@ async def _load(url: str, work: list[tuple[list[int], int]], rate: float, seed: 
         return await asyncio.gather(*tasks)
 
 
+def _benchmark_helpers():
+    """serve_sweep's warm-up and servers' process handling (imported late: the analysis
+    alone, as the tests load it, needs no benchmarks/ on sys.path)."""
+    sys.path.insert(0, str(_HERE))
+    import serve_sweep
+    import servers
+
+    return serve_sweep.warm_up, servers.ServerProcess, servers.free_port, servers.pagedserve_cmd
+
+
 def run_server(args, out: pathlib.Path) -> None:
     from pagedserve.entrypoints.bench_throughput import make_workload
     from pagedserve.loader import open_model
+
+    warm_up, ServerProcess, free_port, pagedserve_cmd = _benchmark_helpers()
 
     port = free_port()
     cmd = pagedserve_cmd(args.python, str(args.gguf), port, args.threads, {**SETTINGS, "seed": args.seed}, None)
@@ -183,6 +189,8 @@ def _summarize(gaps: list[dict], steps: list[dict], dispatches: list[dict]) -> d
         "fit_ms_base_per_prompt_token_per_decode_row": _fit(steps) if len(steps) > 3 else None,
         "loop_handover_ms_p50_p99_max": [_pct(hand, 50), _pct(hand, 99), max(hand, default=float("nan"))],
         "loop_route_ms_p50_p99_max": [_pct(route, 50), _pct(route, 99), max(route, default=float("nan"))],
+        "lag_ms_p50_p99_max": [_pct([g["lag_ms"] for g in gaps], q) for q in (50, 99, 100)],
+        "between_ms_p50_p99_max": [_pct([g["between_ms"] for g in gaps if g["steps"] == 1], q) for q in (50, 99, 100)],
         "top_gaps": top[:40],
     }
 
@@ -215,6 +223,8 @@ def print_report(r: dict) -> None:
         print(f"fit: step ms = {a:.2f} + {b:.4f} x prompt tokens + {c:.3f} x decode rows")
     print("event-loop hand-over ms p50/p99/max: {:.2f} / {:.2f} / {:.2f}".format(*r["loop_handover_ms_p50_p99_max"]))
     print("routing to streams ms p50/p99/max: {:.2f} / {:.2f} / {:.2f}".format(*r["loop_route_ms_p50_p99_max"]))
+    print("step end to client ms p50/p99/max: {:.2f} / {:.2f} / {:.2f}".format(*r["lag_ms_p50_p99_max"]))
+    print("engine between steps ms p50/p99/max: {:.2f} / {:.2f} / {:.2f}".format(*r["between_ms_p50_p99_max"]))
     print(
         f"top 1% ({r['top_count']} gaps): {r['top_with_prompt_in_step']} produced by a step with prompt tokens, "
         f"{r['top_with_several_prefills']} by a step with several prefills"
@@ -243,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--analyze", type=pathlib.Path, default=None, help="a directory of an earlier run: report only")
     args = p.parse_args(argv)
     if args.analyze is None:
-        args.gguf = args.gguf or default_gguf_path()
+        if args.gguf is None:
+            sys.path.insert(0, str(_HERE))
+            from workloads import default_gguf_path
+
+            args.gguf = default_gguf_path()
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         out = _HERE.parent / "bench_results" / f"serve_trace-{stamp}"
         out.mkdir(parents=True, exist_ok=True)

@@ -193,7 +193,7 @@ class LLMEngine:
         #: async_scheduling: output processing beside the next forward (engine_pipeline.py).
         self.pipeline = StepPipeline(self) if config.scheduler.async_scheduling else None
         #: PAGEDSERVE_STEP_TRACE: one JSON line per step (step_trace.py); None when off.
-        self.step_trace = StepTrace.from_env()
+        self.step_trace = StepTrace.from_env(config.scheduler.async_scheduling)
 
     # -- requests ---------------------------------------------------------------------------
     def validate_prompt(

@@ -7,7 +7,8 @@ each prefilling request) and, in a server, every hand-over of a step's outputs t
 event loop (how long the outputs waited for the loop).  `benchmarks/serve_trace.py`
 joins the trace with the inter-token gaps a client saw (docs/serving.md#latency-under-load).
 
-Times are ``time.perf_counter()`` seconds: CLOCK_MONOTONIC, one clock for every process
+Steps are traced in the synchronous step loop (the default); with ``async_scheduling``
+only the hand-overs are.  Times are ``time.perf_counter()`` seconds: CLOCK_MONOTONIC, one clock for every process
 of the machine, so a client on the same machine can compare its own stamps with them.
 Lines:
 
@@ -25,6 +26,7 @@ Lines:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -38,6 +40,7 @@ __all__ = ["ENV_VAR", "StepTrace", "now"]
 ENV_VAR = "PAGEDSERVE_STEP_TRACE"
 
 now = time.perf_counter
+logger = logging.getLogger(__name__)
 
 
 class StepTrace:
@@ -50,9 +53,12 @@ class StepTrace:
         self._step: dict = {}  # the step in progress (engine thread only)
 
     @classmethod
-    def from_env(cls) -> StepTrace | None:
+    def from_env(cls, async_scheduling: bool = False) -> StepTrace | None:
         """The trace named by PAGEDSERVE_STEP_TRACE, or None (no tracing) when unset."""
         path = os.environ.get(ENV_VAR)
+        if path and async_scheduling:
+            # Its steps return the previous step's outputs: no one line per step to write.
+            logger.warning("%s: with async_scheduling only output hand-overs are traced, not steps", ENV_VAR)
         return cls(path) if path else None
 
     def _write(self, record: dict) -> None:

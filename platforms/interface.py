@@ -96,9 +96,11 @@ class Platform:
     default_memory_utilization: ClassVar[float] = 0.9
     interface_version: ClassVar[str] = FIRST_INTERFACE_VERSION
     #: Prompt tokens one request computes per step when the user sets no
-    #: long_prefill_token_threshold (0: a prompt may take the whole step budget).  A
-    #: device whose prompt chunk of a full budget takes long next to a decode step
-    #: caps it, to bound the inter-token latency of the decodes sharing the step.
+    #: long_prefill_token_threshold (0: a prompt may take the whole step budget), and
+    #: of all requests together while some request decodes when the user sets no
+    #: max_prefill_tokens_with_decodes.  A device whose prompt chunk of a full budget
+    #: takes long next to a decode step caps it, to bound the inter-token latency of
+    #: the decodes sharing the step.
     default_long_prefill_token_threshold: ClassVar[int] = 0
     #: Order-of-magnitude figures for the swap-vs-recompute preemption cost model:
     #: bytes/s of a host<->device block copy and FLOP/s of a forward pass.

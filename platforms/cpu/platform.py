@@ -45,8 +45,10 @@ class CpuPlatform(Platform):
     # Host memory is shared with the OS and every other process: take a modest share
     # by default (vLLM's CPU backend likewise defaults to a fixed 4 GiB).
     default_memory_utilization = 0.25
-    # A 2048-token prompt chunk costs several decode steps on a CPU (docs/serving.md).
-    default_long_prefill_token_threshold = 512
+    # A 2048-token prompt chunk costs several decode steps on a CPU; 384 prompt tokens per
+    # step beside decodes (about 85 ms on 2 cores) lowered p99 ITL without raising p99
+    # TTFT in benchmarks/prefill_budget_replay.py (docs/serving.md#latency-under-load).
+    default_long_prefill_token_threshold = 384
 
     def __init__(self, options: CpuOptions | None = None) -> None:
         #: The environment switches, read once here (PAGEDSERVE_CPU_*; platforms/options.py).
