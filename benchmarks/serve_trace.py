@@ -206,6 +206,8 @@ def analyze(out: pathlib.Path) -> dict:
                 continue  # the warm-up request
             (steps if rec["ev"] == "step" else dispatches).append(rec)
     report = _summarize(attribute(steps, client["requests"]), steps, dispatches)
+    ttft = [r["chunks"][0] - r["send"] for r in client["requests"] if r["chunks"]]
+    report["ttft_ms_p50_p99"] = [_pct(ttft, 50) * 1e3, _pct(ttft, 99) * 1e3]
     report["meta"] = client["meta"]
     (out / "report.json").write_text(json.dumps(report, indent=1))
     return report
@@ -215,6 +217,7 @@ def print_report(r: dict) -> None:
     m = r["meta"]
     print(f"rate {m['rate']} req/s, flags {m['flags']!r}, load at start {m['load_at_start']:.1f}")
     print(f"{r['gaps']} gaps: ITL p50 {r['itl_p50_ms']:.1f} ms, p99 {r['itl_p99_ms']:.1f} ms")
+    print("TTFT p50 / p99: {:.0f} / {:.0f} ms".format(*r["ttft_ms_p50_p99"]))
     print(f"steps: {r['steps']}, {r['steps_with_prompt']} with prompt tokens")
     print("step ms p50/p99, decodes only: {:.1f} / {:.1f}".format(*r["step_ms_p50_p99_pure_decode"]))
     print("step ms p50/p99, with prompt tokens: {:.1f} / {:.1f}".format(*r["step_ms_p50_p99_with_prompt"]))
