@@ -158,6 +158,32 @@ def attribute(steps: list[dict], requests: list[dict]) -> list[dict]:
     return gaps
 
 
+def attribute_ttft(steps: list[dict], requests: list[dict]) -> list[dict]:
+    """Per request, its TTFT split into the wait for its first step, its prompt's steps
+    (how many, and how many prompt tokens of other requests they computed) and delivery."""
+    rows = []
+    for req in requests:
+        rid = req["id"]
+        mine = [s for s in steps if rid in s["prefill"]]
+        if not req["chunks"] or not mine:
+            continue
+        first, last = mine[0], mine[-1]
+        during = [s for s in steps if first["t0"] <= s["t0"] <= last["t0"]]
+        rows.append(
+            {
+                "id": rid,
+                "prompt": req["prompt"],
+                "ttft_ms": (req["chunks"][0] - req["send"]) * 1e3,
+                "wait_ms": (first["t0"] - req["send"]) * 1e3,
+                "prefill_ms": (last["t_end"] - first["t0"]) * 1e3,
+                "delivery_ms": (req["chunks"][0] - last["t_end"]) * 1e3,
+                "prompt_steps": len(mine),
+                "others_prompt_tokens": sum(sum(v for k, v in s["prefill"].items() if k != rid) for s in during),
+            }
+        )
+    return sorted(rows, key=lambda r: -r["ttft_ms"])
+
+
 def _summarize(gaps: list[dict], steps: list[dict], dispatches: list[dict]) -> dict:
     itl = [g["gap_ms"] for g in gaps]
     p99 = _pct(itl, 99)
@@ -206,6 +232,9 @@ def analyze(out: pathlib.Path) -> dict:
                 continue  # the warm-up request
             (steps if rec["ev"] == "step" else dispatches).append(rec)
     report = _summarize(attribute(steps, client["requests"]), steps, dispatches)
+    ttft = [r["chunks"][0] - r["send"] for r in client["requests"] if r["chunks"]]
+    report["ttft_ms_p50_p99"] = [_pct(ttft, 50) * 1e3, _pct(ttft, 99) * 1e3]
+    report["slowest_ttft"] = attribute_ttft(steps, client["requests"])[:5]
     report["meta"] = client["meta"]
     (out / "report.json").write_text(json.dumps(report, indent=1))
     return report
@@ -215,6 +244,7 @@ def print_report(r: dict) -> None:
     m = r["meta"]
     print(f"rate {m['rate']} req/s, flags {m['flags']!r}, load at start {m['load_at_start']:.1f}")
     print(f"{r['gaps']} gaps: ITL p50 {r['itl_p50_ms']:.1f} ms, p99 {r['itl_p99_ms']:.1f} ms")
+    print("TTFT p50 / p99: {:.0f} / {:.0f} ms".format(*r["ttft_ms_p50_p99"]))
     print(f"steps: {r['steps']}, {r['steps_with_prompt']} with prompt tokens")
     print("step ms p50/p99, decodes only: {:.1f} / {:.1f}".format(*r["step_ms_p50_p99_pure_decode"]))
     print("step ms p50/p99, with prompt tokens: {:.1f} / {:.1f}".format(*r["step_ms_p50_p99_with_prompt"]))
@@ -232,6 +262,13 @@ def print_report(r: dict) -> None:
     print(f"{'':>6s} " + " ".join(f"{k[:12]:>12s}" for k in r["top"]))
     for name in ("top", "rest"):
         print(f"{name:>6s} " + " ".join(f"{v:12.1f}" for v in r[name].values()))
+    print("slowest first tokens:")
+    for t in r.get("slowest_ttft", []):
+        print(
+            f"  {t['ttft_ms']:7.1f} ms ({t['prompt']} prompt tokens) = wait {t['wait_ms']:6.1f} + prompt "
+            f"{t['prefill_ms']:6.1f} in {t['prompt_steps']} steps (beside {t['others_prompt_tokens']} prompt "
+            f"tokens of others) + delivery {t['delivery_ms']:.1f}"
+        )
     print("largest gaps:")
     for g in r["top_gaps"][:15]:
         print(

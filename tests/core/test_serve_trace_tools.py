@@ -53,6 +53,12 @@ def test_each_gap_is_split_into_its_step_the_time_between_and_delivery():
     assert report["top_count"] == 1 and report["top_with_prompt_in_step"] == 1
     a, b, c = report["fit_ms_base_per_prompt_token_per_decode_row"]
     assert b > 0  # the prompt chunk is what costs
+    # b arrived at 0.020, waited for its first step (0.022), computed its prompt in two
+    # steps (beside none of a's prompt) and its first token reached the client 2 ms late.
+    (row,) = trace.attribute_ttft(steps, [{"id": "b", "prompt": 304, "send": 0.020, "chunks": [0.135]}])
+    assert row["ttft_ms"] == pytest.approx(115.0) and row["wait_ms"] == pytest.approx(2.0)
+    assert row["prefill_ms"] == pytest.approx(111.0) and row["delivery_ms"] == pytest.approx(2.0)
+    assert row["prompt_steps"] == 2 and row["others_prompt_tokens"] == 0
 
 
 def test_replay_emits_every_token_and_a_budget_shortens_the_slowest_gap():
