@@ -45,10 +45,11 @@ class CpuPlatform(Platform):
     # Host memory is shared with the OS and every other process: take a modest share
     # by default (vLLM's CPU backend likewise defaults to a fixed 4 GiB).
     default_memory_utilization = 0.25
-    # A 2048-token prompt chunk costs several decode steps on a CPU; 384 prompt tokens per
-    # step beside decodes (about 85 ms on 2 cores) lowered p99 ITL without raising p99
-    # TTFT in benchmarks/prefill_budget_replay.py (docs/serving.md#latency-under-load).
-    default_long_prefill_token_threshold = 384
+    # A 2048-token prompt chunk costs several decode steps on a CPU: 512 prompt tokens per
+    # request, and of all requests together while some decode.  Smaller chunks lowered
+    # p99 ITL but added prefill steps to the longest prompts, whose p99 TTFT rose
+    # (docs/serving.md#latency-under-load).
+    default_long_prefill_token_threshold = 512
 
     def __init__(self, options: CpuOptions | None = None) -> None:
         #: The environment switches, read once here (PAGEDSERVE_CPU_*; platforms/options.py).
