@@ -1,9 +1,10 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints made with transformers."""
+"""Shared fixtures: tiny random Hugging Face checkpoints made with transformers, and the native CPU kernels."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,18 @@ def tiny_checkpoint_factory(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """The native CPU kernels, built on first use; the test is skipped where no C++ compiler exists."""
+    from pagedserve.kernels import build
+    from pagedserve.kernels.cpu import load_cpu_kernels
+
+    try:
+        build.load_cpu_extension()
+    except build.KernelBuildError as exc:
+        if shutil.which(build.cpu_build_spec().compiler) is None:
+            pytest.skip(f"no C++ compiler: {exc}")
+        raise
+    return load_cpu_kernels()

@@ -4,31 +4,18 @@ packed linears, ``qkv_split``'s views and the sampled hidden rows of a step."""
 
 from __future__ import annotations
 
-import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pagedserve.executor.step_rows import sampling_hidden
-from pagedserve.kernels import build, reference
-from pagedserve.kernels.cpu import load_cpu_kernels
+from pagedserve.kernels import reference
 from pagedserve.models.layers import AttentionShape, qkv_split
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    try:
-        build.load_cpu_extension()
-    except build.KernelBuildError as exc:
-        if shutil.which(build.cpu_build_spec().compiler) is None:
-            pytest.skip(f"no C++ compiler: {exc}")
-        raise
-    return load_cpu_kernels()
-
-
 @pytest.mark.parametrize("shift", [1, 300, 575, 576, 577, 2000])
-def test_fused_add_rms_norm_partial_overlap(kernels, shift):
+def test_fused_add_rms_norm_partial_overlap(cpu_kernels, shift):
     """x and residual as views of one buffer ``shift`` elements apart: overlapping ones
     (shift < 576 * rows) must give the reference's result, disjoint ones too."""
     gen = torch.Generator().manual_seed(shift)
@@ -37,7 +24,7 @@ def test_fused_add_rms_norm_partial_overlap(kernels, shift):
     x_ref, res_ref = buf[:2304].view(4, 576).clone(), buf[shift : shift + 2304].view(4, 576).clone()
     exp_out, exp_res = reference.fused_add_rms_norm(x_ref, res_ref, weight, 1e-5)
     before = buf.clone()
-    got_out, got_res = kernels.fused_add_rms_norm(
+    got_out, got_res = cpu_kernels.fused_add_rms_norm(
         buf[:2304].view(4, 576), buf[shift : shift + 2304].view(4, 576), weight, 1e-5
     )
     torch.testing.assert_close(got_out, exp_out, atol=2e-5, rtol=2e-5)
@@ -46,30 +33,30 @@ def test_fused_add_rms_norm_partial_overlap(kernels, shift):
         assert torch.equal(buf, before)
 
 
-def test_norms_take_weights_of_another_dtype(kernels):
+def test_norms_take_weights_of_another_dtype(cpu_kernels):
     gen = torch.Generator().manual_seed(3)
     x, res = torch.randn(3, 576, generator=gen).bfloat16(), torch.randn(3, 576, generator=gen).bfloat16()
     weight = torch.randn(576, generator=gen)  # float32 weight, bf16 rows
     exp = reference.rms_norm(x, weight.bfloat16(), 1e-6)
-    assert torch.equal(kernels.rms_norm(x, weight, 1e-6), kernels.rms_norm(x, weight.bfloat16(), 1e-6))
-    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), exp, atol=2e-2, rtol=1.6e-2)
-    a = kernels.fused_add_rms_norm(x.clone(), res.clone(), weight, 1e-6)
-    b = kernels.fused_add_rms_norm(x.clone(), res.clone(), weight.bfloat16(), 1e-6)
+    assert torch.equal(cpu_kernels.rms_norm(x, weight, 1e-6), cpu_kernels.rms_norm(x, weight.bfloat16(), 1e-6))
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, weight, 1e-6), exp, atol=2e-2, rtol=1.6e-2)
+    a = cpu_kernels.fused_add_rms_norm(x.clone(), res.clone(), weight, 1e-6)
+    b = cpu_kernels.fused_add_rms_norm(x.clone(), res.clone(), weight.bfloat16(), 1e-6)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_packed_linears_two_dimensional_rows(kernels):
-    if not kernels.has_packed_linear:
+def test_packed_linears_two_dimensional_rows(cpu_kernels):
+    if not cpu_kernels.has_packed_linear:
         pytest.skip("no packed bf16 linear kernel in this build")
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(64, 96, generator=gen).bfloat16()
-    packed = kernels.pack_linear_weight(w)
+    packed = cpu_kernels.pack_linear_weight(w)
     x = torch.randn(3, 96, generator=gen).bfloat16()
-    y = kernels.packed_linear(x, packed)
-    assert y.shape == (3, 64) and torch.equal(y, kernels.packed_linear(x.unsqueeze(0), packed)[0])
+    y = cpu_kernels.packed_linear(x, packed)
+    assert y.shape == (3, 64) and torch.equal(y, cpu_kernels.packed_linear(x.unsqueeze(0), packed)[0])
     torch.testing.assert_close(y, reference.linear(x, w), atol=2e-2, rtol=1.6e-2)
-    g = kernels.packed_linear_silu_and_mul(x, packed)
-    assert g.shape == (3, 32) and torch.equal(g, kernels.packed_linear_silu_and_mul(x.unsqueeze(0), packed)[0])
+    g = cpu_kernels.packed_linear_silu_and_mul(x, packed)
+    assert g.shape == (3, 32) and torch.equal(g, cpu_kernels.packed_linear_silu_and_mul(x.unsqueeze(0), packed)[0])
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5])
