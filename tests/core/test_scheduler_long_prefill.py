@@ -1,7 +1,9 @@
 """long_prefill_token_threshold: a long prompt goes in capped chunks beside the decodes.
 
 The cap changes only how a prompt is split across steps, never what is computed: the
-greedy outputs (and their logprobs) of the default model are the same with and without it.
+greedy outputs (and their logprobs) of the default model are the same with and without it,
+and so are they with and without max_prefill_tokens_with_decodes (its scheduling is tested
+in test_scheduler_prefill_budget.py).
 """
 
 from __future__ import annotations
@@ -91,29 +93,69 @@ def test_engine_takes_the_platform_default(llm):
     assert llm.llm_engine.scheduler.long_prefill_token_threshold == expected
 
 
+def test_engine_takes_the_platform_default_budget(llm):
+    expected = llm.llm_engine.platform.default_long_prefill_token_threshold
+    assert llm.llm_engine.scheduler.max_prefill_tokens_with_decodes == expected
+
+
+def outputs_under(llm, monkeypatch, prompts, setting: str, values: tuple[int, int], measure) -> dict[int, int]:
+    """Generate ``prompts`` greedily once per value of the scheduler's ``setting``, assert
+    the two runs give the same tokens and logprobs, and return per value the largest
+    ``measure(scheduled rows)`` over the run's steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    scheduler = llm.llm_engine.scheduler
+    schedule = scheduler.schedule
+    most = [0]
+
+    def recording_schedule():
+        out = schedule()
+        most[0] = max(most[0], measure(out.scheduled))
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule", recording_schedule)
+    results, peaks = {}, {}
+    for value in values:
+        monkeypatch.setattr(scheduler, setting, value)
+        most[0] = 0
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[value] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        peaks[value] = most[0]
+    for (ids0, lp0), (ids1, lp1) in zip(*results.values()):
+        assert ids0 == ids1
+        for t, x, y in zip(ids0, lp0, lp1):
+            assert x[t].logprob == pytest.approx(y[t].logprob, abs=2e-2)
+    return peaks
+
+
 def test_greedy_outputs_do_not_depend_on_the_cap(llm, monkeypatch):
     """The default model, prompts of 20-300 tokens arriving together: whole vs 32-token chunks."""
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (300, 20, 170, 64, 250)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
-    scheduler = llm.llm_engine.scheduler
-    schedule = scheduler.schedule
-    largest_chunk = [0]
+    peaks = outputs_under(
+        llm,
+        monkeypatch,
+        prompts,
+        "long_prefill_token_threshold",
+        (0, 32),
+        lambda rows: max(s.num_new_tokens for s in rows),
+    )
+    assert peaks == {0: 300, 32: 32}
 
-    def recording_schedule():
-        out = schedule()
-        largest_chunk[0] = max([largest_chunk[0]] + [s.num_new_tokens for s in out.scheduled])
-        return out
 
-    monkeypatch.setattr(scheduler, "schedule", recording_schedule)
-    results = {}
-    for threshold in (0, 32):
-        monkeypatch.setattr(scheduler, "long_prefill_token_threshold", threshold)
-        largest_chunk[0] = 0
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        results[threshold] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-        assert largest_chunk[0] == (300 if threshold == 0 else 32)
-    for (ids0, lp0), (ids1, lp1) in zip(results[0], results[32]):
-        assert ids0 == ids1
-        for t, a, b in zip(ids0, lp0, lp1):
-            assert a[t].logprob == pytest.approx(b[t].logprob, abs=2e-2)
+def test_greedy_outputs_do_not_depend_on_the_budget(llm, monkeypatch):
+    """Prompts of 20-300 tokens arriving together in 32-token chunks, so the short ones
+    decode while the long ones still prefill: no budget vs 24 prompt tokens beside decodes."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (300, 20, 170, 30, 250)]
+    monkeypatch.setattr(llm.llm_engine.scheduler, "long_prefill_token_threshold", 32)
+
+    def prompt_tokens_beside_decodes(rows) -> int:
+        in_prompt = [s.request.num_computed_tokens < s.request.num_prompt_tokens for s in rows]
+        if all(in_prompt):
+            return 0
+        return sum(s.num_new_tokens for s, p in zip(rows, in_prompt) if p)
+
+    peaks = outputs_under(
+        llm, monkeypatch, prompts, "max_prefill_tokens_with_decodes", (0, 24), prompt_tokens_beside_decodes
+    )
+    assert peaks == {0: 96, 24: 24}

@@ -3,7 +3,8 @@ all requests together stay under one budget, so the step (every decode's inter-t
 stays short; with nothing decoding the whole step budget applies.
 
 The budget changes only how prompts are split across steps, never what is computed: the
-greedy outputs (and their logprobs) of the default model are the same with and without it.
+greedy outputs of the default model with and without it are compared in
+test_scheduler_long_prefill.py, beside the per-request cap's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import random
 
 import pytest
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import SamplingParams
 from pagedserve.config import SchedulerConfig
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.request import Request, RequestStatus
@@ -113,47 +114,3 @@ def test_settings_and_defaults():
     assert make(None, default=0).max_prefill_tokens_with_decodes == 0
     assert make(24, default=16).max_prefill_tokens_with_decodes == 24
     assert make(0, default=16).max_prefill_tokens_with_decodes == 0
-
-
-@pytest.fixture(scope="module")
-def llm():
-    # No prefix caching: a second run over the same prompts must compute them again.
-    return LLM(max_model_len=1024, kv_cache_memory="64MiB", seed=0, enable_prefix_caching=False)
-
-
-def test_engine_takes_the_platform_default(llm):
-    expected = llm.llm_engine.platform.default_long_prefill_token_threshold
-    assert llm.llm_engine.scheduler.max_prefill_tokens_with_decodes == expected
-
-
-def test_greedy_outputs_do_not_depend_on_the_budget(llm, monkeypatch):
-    """The default model, prompts of 20-300 tokens arriving together in 32-token chunks, so
-    the short ones decode while the long ones still prefill: no cap vs 24 prompt tokens."""
-    rng = random.Random(1)
-    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (300, 20, 170, 30, 250)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
-    scheduler = llm.llm_engine.scheduler
-    monkeypatch.setattr(scheduler, "long_prefill_token_threshold", 32)
-    schedule = scheduler.schedule
-    most_beside_decodes = [0]
-
-    def recording_schedule():
-        out = schedule()
-        rows = [(s.request.num_computed_tokens < s.request.num_prompt_tokens, s.num_new_tokens) for s in out.scheduled]
-        if any(not is_prompt for is_prompt, _ in rows):
-            prompt = sum(n for is_prompt, n in rows if is_prompt)
-            most_beside_decodes[0] = max(most_beside_decodes[0], prompt)
-        return out
-
-    monkeypatch.setattr(scheduler, "schedule", recording_schedule)
-    results = {}
-    for cap in (0, 24):
-        monkeypatch.setattr(scheduler, "max_prefill_tokens_with_decodes", cap)
-        most_beside_decodes[0] = 0
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        results[cap] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-        assert most_beside_decodes[0] == (96 if cap == 0 else 24)
-    for (ids0, lp0), (ids1, lp1) in zip(results[0], results[24]):
-        assert ids0 == ids1
-        for t, a, b in zip(ids0, lp0, lp1):
-            assert a[t].logprob == pytest.approx(b[t].logprob, abs=2e-2)
