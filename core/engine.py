@@ -177,10 +177,8 @@ class LLMEngine:
         self.kv = build_kv_manager(config, num_blocks, self.runner, kv_window, mml, windows)
         self.weight_streamer = offload_weights(config, self.runner)  # cpu_offload_gb
         self.scheduler = Scheduler(config.scheduler, self.kv, mml, self.platform.default_long_prefill_token_threshold)
-        # Grammars compile on its worker thread; the runner masks constrained rows.
-        self.structured = self.runner.structured = build_structured_output_manager(
-            config, self.tokenizer, self.arch, self.eos_token_ids
-        )
+        # Grammars compile on its worker thread; the step plans each one's bitmask (sample_step.py).
+        self.structured = build_structured_output_manager(config, self.tokenizer, self.arch, self.eos_token_ids)
         self.spec = build_spec_decoder(config, self.runner, draft_source, mml, self.dtype)
         self.lora = LoRAManager.attach(config.lora, self.runner)  # enable_lora (docs/lora.md)
         self.scheduler.max_loras = config.lora.max_loras if self.lora is not None else None
@@ -255,9 +253,8 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt, ids = self.validate_prompt(prompt, prompt_token_ids, params.truncate_prompt_tokens)
-        par = self.config.parallel
         encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        check_request_params(params, self.arch.vocab_size, encode, par.world_size > 1)
+        check_request_params(params, self.arch.vocab_size, encode)
         if priority != 0 and self.config.scheduler.policy != "priority":
             raise ValueError(
                 f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy "
@@ -316,8 +313,6 @@ class LLMEngine:
         cache_salt: str | None,
     ) -> None:
         """An embedding request: the prompt is computed, pooled, and the request finishes."""
-        if self.config.parallel.world_size > 1:
-            raise ValueError("embeddings are not supported with tensor/pipeline parallelism")
         if pooling.dimensions is not None and pooling.dimensions != self.arch.hidden_size:
             raise ValueError(
                 f"dimensions={pooling.dimensions} is not supported: this model's embeddings have "
@@ -514,9 +509,9 @@ class LLMEngine:
     ) -> dict[str, _Group]:
         """Detokenize and stop-check each new token (with speculative decoding, the
         accepted drafts before it, in turn); a request whose own processing (or sampling:
-        `Sampler.row_errors`) failed is failed alone.  The groups touched."""
+        `Sampler.take_row_errors`) failed is failed alone.  The groups touched."""
         accepted = accepted or {}
-        row_errors, self.runner.sampler.row_errors = self.runner.sampler.row_errors, {}
+        row_errors = self.runner.take_row_errors()
         touched: dict[str, _Group] = {}
         for request in progressed:
             entry = self._seq_of.get(request.request_id)

@@ -118,7 +118,7 @@ class StepPipeline:
         """The synchronous loop's bookkeeping up to the stop checks that need no text."""
         eng = self.engine
         progressed = eng._account_step(sched, result)
-        row_errors, eng.runner.sampler.row_errors = eng.runner.sampler.row_errors, {}
+        row_errors = eng.runner.take_row_errors()
         for request in progressed:
             entry = eng._seq_of.get(request.request_id)
             if entry is None:  # a sibling sample failed earlier in this loop

@@ -6,6 +6,14 @@ of the (penalised) logits.  Random rows sample with the exponential-race trick
 (argmax of probs / Exp(1) noise), drawing the noise from the request's own
 ``torch.Generator`` when it has a seed, so the same seed gives the same text whatever
 else shares the batch.  Logprobs are those of the model's raw distribution.
+
+One request's bad state fails that request only.  The sampler works on the whole batch,
+but part of its work belongs to single requests: a seeded request's own generator, its
+number of logprobs.  If that part raises (e.g. a seed torch cannot take), the whole step
+would fail and with it every request in the batch.  So each row is first prepared on its
+own; rows that fail are sampled as a placeholder (token 0) and their errors kept until
+the engine takes them (``take_row_errors``) and fails those requests before the
+placeholder is ever shown.
 """
 
 from __future__ import annotations
@@ -15,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.executor.logits_processors import apply_logits_processors
-from pagedserve.executor.row_errors import failing_rows, sample_without
 from pagedserve.request import Request
 
 __all__ = ["Sampler", "SamplerOutput"]
@@ -31,9 +38,15 @@ class SamplerOutput:
 class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
-        #: request id -> why sampling failed for that request alone (row_errors.py); the
-        #: engine takes and clears these after every step.
-        self.row_errors: dict[str, str] = {}
+        #: request id -> why sampling failed for that request alone; the engine takes and
+        #: clears these after every step (take_row_errors).
+        self._row_errors: dict[str, str] = {}
+
+    def take_row_errors(self) -> dict[str, str]:
+        """The requests whose own sampling failed since the last call (request id -> why);
+        their tokens are placeholders.  Clears them."""
+        errors, self._row_errors = self._row_errors, {}
+        return errors
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -70,10 +83,9 @@ class Sampler:
             # Plain greedy rows: the argmax needs no float32 copy (widening bf16 is exact,
             # so the chosen ids are the same) and no row gather.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
-        bad = failing_rows(self, requests, logits.shape[1])
+        bad = self._failing_rows(requests, logits.shape[1])
         if bad:
-            out = sample_without(self, logits, requests, bad)
-            return out if out is not None else SamplerOutput([0] * len(requests), [None] * len(requests))
+            return self._sample_without(logits, requests, bad)
         logits = raw = logits.float()
         logits = self._apply_penalties(logits, requests)
         logits = apply_logits_processors(logits, requests)
@@ -89,6 +101,33 @@ class Sampler:
             tokens[torch.tensor(r_idx)] = self._sample(logits[r_idx], [requests[i] for i in r_idx])
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw, requests, token_list))
+
+    # -- rows that fail on their own ------------------------------------------------------
+    def _failing_rows(self, requests: list[Request], vocab: int) -> dict[int, str]:
+        """Row index -> error, for the rows whose own preparation raises."""
+        bad: dict[int, str] = {}
+        for i, request in enumerate(requests):
+            try:
+                self._generator(request)  # created and cached now: a seed torch refuses raises here
+                logprobs = request.sampling_params.logprobs
+                if logprobs is not None and logprobs > vocab:
+                    raise ValueError(f"logprobs={logprobs} exceeds the vocabulary size {vocab}")
+            except Exception as e:  # noqa: BLE001 - this request's own failure, reported by name
+                bad[i] = f"{type(e).__name__}: {e}"
+        return bad
+
+    def _sample_without(self, logits: torch.Tensor, requests: list[Request], bad: dict[int, str]) -> SamplerOutput:
+        """Sample the good rows as one batch; the bad rows get token 0 and a row error.
+        logits ``[num_seqs, vocab]``."""
+        for i, error in bad.items():
+            self._row_errors[requests[i].request_id] = error
+        tokens, logprobs = [0] * len(requests), [None] * len(requests)
+        keep = [i for i in range(len(requests)) if i not in bad]
+        if keep:
+            sub = self(logits[keep], [requests[i] for i in keep])
+            for j, i in enumerate(keep):
+                tokens[i], logprobs[i] = sub.token_ids[j], sub.logprobs[j]
+        return SamplerOutput(tokens, logprobs)
 
     # -- logit processors -------------------------------------------------------------------
     @staticmethod
