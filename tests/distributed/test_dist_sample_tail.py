@@ -55,7 +55,8 @@ def _structured_cases() -> list[tuple[str, SamplingParams]]:
     return [
         ("A person as JSON: ", _params(max_tokens=32, structured_outputs=so(json=PERSON))),
         ("A part number: ", _params(temperature=1.0, seed=1, structured_outputs=so(regex=REGEX))),
-        ("Is the sky blue? Answer: ", _params(structured_outputs=so(choice=CHOICES))),
+        # No logprobs: the greedy argmax where the logits are, after the mask.
+        ("Is the sky blue? Answer: ", _params(logprobs=None, structured_outputs=so(choice=CHOICES))),
         ("A sum: ", _params(max_tokens=12, temperature=1.0, seed=3, structured_outputs=so(grammar=GRAMMAR))),
     ]
 
