@@ -114,6 +114,9 @@ class HeadOutput:
         return [t.contiguous() for t in [*out, self.pooled] if t.numel()]
 
 
+_NO_PROMPT_ROWS = PromptRows()  # shared: never written
+
+
 @dataclass
 class StepPlan:
     """A batch's tail, decided before its forward: the rows to read, the sampling
@@ -128,10 +131,20 @@ def plan_step(scheduled: list, logits_indices: torch.Tensor, vocab_size: int) ->
     """The tail of a batch: ``scheduled`` its ScheduledRequests in order, logits_indices
     int64 ``[len(scheduled)]`` (each one's last token row, as prepare_inputs gives),
     vocab_size the logits' width."""
-    rows = [i for i, s in enumerate(scheduled) if s.samples and s.request.pooling is None]
+    rows, scores, pools = [], False, False
+    for i, s in enumerate(scheduled):  # one pass: most steps score and pool nothing
+        r = s.request
+        scores |= r.sampling_params.prompt_logprobs is not None
+        if r.pooling is not None:
+            pools = True
+        elif s.samples:
+            rows.append(i)
     requests = [scheduled[i].request for i in rows]
     tail = TailRows(
-        sample_index(logits_indices, rows, scheduled), len(rows), prompt_rows(scheduled), pool_spans(scheduled)
+        sample_index(logits_indices, rows, scheduled),
+        len(rows),
+        prompt_rows(scheduled) if scores else _NO_PROMPT_ROWS,
+        pool_spans(scheduled) if pools else [],
     )
     return StepPlan(tail, requests, grammar_bitmask(requests, vocab_size))
 
