@@ -76,6 +76,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
+    def counters(self) -> dict[str, int | float]:
+        """Further gauges and counters, named as ``EngineStats`` fields (none without a host tier)."""
+        return {}
+
     # -- hashing --------------------------------------------------------------------------
     def _block_hashes(self, request: Request, num_tokens: int) -> list[BlockHash]:
         """Hashes of the request's full blocks within its first ``num_tokens`` tokens."""
