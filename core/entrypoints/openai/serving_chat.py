@@ -16,12 +16,19 @@ from pagedserve.entrypoints.openai.serving_fields import (
     prompt_logprobs_json,
     response_id,
 )
+from pagedserve.entrypoints.openai.tools import ToolOptions
 from pagedserve.request_options import truncate_prompt
 
 __all__ = ["OpenAIServingChat"]
 
 
 class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
+    def __init__(self, *args, tool_options: ToolOptions | None = None, **kwargs) -> None:
+        """`OpenAIServing`'s arguments, and the tool-call options (--tool-call-parser ...)."""
+        super().__init__(*args, **kwargs)
+        if tool_options is not None:
+            self.tool_options = tool_options
+
     def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt text and token ids of the conversation."""
         messages = chat_messages(request.messages)
