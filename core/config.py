@@ -762,7 +762,3 @@ class EngineConfig:
     def validate(self) -> None:
         """ValueError naming the first pair of settings that cannot be combined."""
         check_engine_config(self)
-
-    def check_device_map(self) -> None:
-        """The cross-section rules (a device map's included); kept for callers of this name."""
-        check_engine_config(self)
