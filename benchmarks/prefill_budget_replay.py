@@ -28,8 +28,8 @@ import random
 import sys
 
 from pagedserve.config import SchedulerConfig
-from pagedserve.entrypoints.bench_stats import arrival_offsets
-from pagedserve.entrypoints.bench_throughput import make_workload
+from pagedserve.entrypoints.cli.bench_stats import arrival_offsets
+from pagedserve.entrypoints.cli.bench_throughput import make_workload
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams

@@ -58,7 +58,7 @@ async def _one(client, url: str, rid: str, prompt: list[int], n_out: int) -> dic
 async def _load(url: str, work: list[tuple[list[int], int]], rate: float, seed: int) -> list[dict]:
     import httpx
 
-    from pagedserve.entrypoints.bench_stats import arrival_offsets
+    from pagedserve.entrypoints.cli.bench_stats import arrival_offsets
 
     offsets = arrival_offsets(len(work), rate, random.Random(seed))
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
@@ -82,7 +82,7 @@ def _benchmark_helpers():
 
 
 def run_server(args, out: pathlib.Path) -> None:
-    from pagedserve.entrypoints.bench_throughput import make_workload
+    from pagedserve.entrypoints.cli.bench_throughput import make_workload
     from pagedserve.loader import open_model
 
     warm_up, ServerProcess, free_port, pagedserve_cmd = _benchmark_helpers()

@@ -631,7 +631,7 @@ class DeviceConfig:
         metadata=_help(
             "decoder layers split across platforms: 'cuda:20,cpu' (the first 20 layers on cuda, the rest on cpu) "
             "or inclusive ranges 'cpu:0-14,cuda:15-29' (docs/memory.md)",
-            parse="pagedserve.entrypoints.device_map_arg:device_map_arg",
+            parse="pagedserve.entrypoints.cli.device_map_arg:device_map_arg",
             metavar="MAP",
         ),
     )

@@ -12,7 +12,8 @@ import pytest
 
 from pagedserve import LLM
 from pagedserve.config import CacheConfig, EngineConfig, ParallelConfig
-from pagedserve.entrypoints import cli, serve_cmd
+from pagedserve.entrypoints import cli
+from pagedserve.entrypoints.cli import serve_cmd
 from pagedserve.entrypoints.engine_args import (
     add_engine_arguments,
     engine_args,
