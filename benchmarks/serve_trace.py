@@ -6,7 +6,7 @@
 
 Starts `pagedserve serve` (the settings of serve_sweep.py: default GGUF model, 2048-token
 budget, no prefix caching; `--flags` adds serve flags) with PAGEDSERVE_STEP_TRACE set
-(core/step_trace.py), sends the mixed workload of `pagedserve bench serve --dataset mixed`
+(core/engine/step_trace.py), sends the mixed workload of `pagedserve bench serve --dataset mixed`
 with Poisson arrivals, and records when every streamed chunk arrived.  Then, for each
 inter-token gap, it finds the engine step that produced the chunk's token (the request's
 last step before the chunk arrived) and splits the gap into

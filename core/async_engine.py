@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine import EngineStats, LLMEngine
+from pagedserve.engine.step_trace import StepTrace
+from pagedserve.engine.step_trace import now as trace_now
 from pagedserve.lora import load_adapter
 from pagedserve.outputs import RequestOutput
 from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step_trace import StepTrace
-from pagedserve.step_trace import now as trace_now
 
 __all__ = [
     "AsyncLLMEngine",

@@ -6,7 +6,10 @@
 - `async_pipeline`: async_scheduling, outputs made beside the next forward;
 - `step_hooks`: features that take part in each step (speculative decoding, the trace);
 - `kv_handoff`: prefix KV out of and into an engine (disaggregated prefill/decode);
-- `stats`: `EngineStats` and the counters behind it.
+- `stats`: `EngineStats` and the counters behind it;
+- `client`: `EngineClient`, what the OpenAI server uses of the engine it serves;
+- `request_options`: per-request checks, the n / best_of samples, prompt truncation;
+- `step_trace`: the PAGEDSERVE_STEP_TRACE writer.
 """
 
 from pagedserve.engine.llm_engine import LLMEngine

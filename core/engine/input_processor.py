@@ -10,11 +10,11 @@ from collections.abc import Container
 from pagedserve.config import EngineConfig
 from pagedserve.config_rules import check_logprobs_limit, check_prompt_fits_step
 from pagedserve.engine.output_processor import RequestState, SequenceState
+from pagedserve.engine.request_options import check_request_params, sample_params, truncate_prompt
 from pagedserve.loader import IncrementalDetokenizer
 from pagedserve.lora import LoRAManager, LoRARequest, lora_cache_salt
 from pagedserve.pooling import PoolingParams, PoolingState
 from pagedserve.request import Request
-from pagedserve.request_options import check_request_params, sample_params, truncate_prompt
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output.manager import StructuredOutputManager
 

@@ -26,6 +26,7 @@ from pagedserve.engine.kv_handoff import KVHandoff
 from pagedserve.engine.output_processor import OutputProcessor, OutputStage, RequestState
 from pagedserve.engine.stats import EngineStats, StepCounters
 from pagedserve.engine.step_hooks import SpecDecodeHook, StepHook, TraceHook
+from pagedserve.engine.step_trace import StepTrace
 from pagedserve.executor.executor import create_executor
 from pagedserve.executor.model_runner import check_cache_dtype, resolve_dtype
 from pagedserve.kv_cache.sliding_window import uniform_window
@@ -45,7 +46,6 @@ from pagedserve.request import RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
 from pagedserve.spec_decode.builder import build_spec_decoder, check_draft_model, target_quantization
-from pagedserve.step_trace import StepTrace
 from pagedserve.structured_output.engine_hooks import build_structured_output_manager
 
 __all__ = ["LLMEngine"]

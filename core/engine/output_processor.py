@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pagedserve.engine.request_options import best_sequences
 from pagedserve.engine.stats import StepCounters
 from pagedserve.loader import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, PoolingState
 from pagedserve.request import Request, RequestStatus
-from pagedserve.request_options import best_sequences
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output.engine_hooks import finish_by_grammar
 

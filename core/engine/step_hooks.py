@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pagedserve.step_trace import StepTrace
-from pagedserve.step_trace import now as trace_now
+from pagedserve.engine.step_trace import StepTrace
+from pagedserve.engine.step_trace import now as trace_now
 
 if TYPE_CHECKING:
     from pagedserve.executor.model_runner import StepOutput

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from pagedserve.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from pagedserve.engine.request_options import truncate_prompt
 from pagedserve.entrypoints.openai.chat_tools import ChatToolsMixin
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_messages, to_sampling_params
 from pagedserve.entrypoints.openai.serving_base import SSE_DONE, EventStream, OpenAIServing, sse
@@ -17,7 +18,6 @@ from pagedserve.entrypoints.openai.serving_fields import (
     response_id,
 )
 from pagedserve.entrypoints.openai.tools import ToolOptions
-from pagedserve.request_options import truncate_prompt
 
 __all__ = ["OpenAIServingChat"]
 

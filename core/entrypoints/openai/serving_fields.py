@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.engine.client import EngineClient
+from pagedserve.engine.request_options import continue_final_message, truncate_prompt
 from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS
-from pagedserve.request_options import continue_final_message, truncate_prompt
 
 __all__ = [
     "field_named",
