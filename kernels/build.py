@@ -53,7 +53,6 @@ __all__ = [
     "KernelBuildError",
     "BuildReport",
     "ExtensionSpec",
-    "CpuBuildSpec",
     "toolchain_available",
     "cpu_extension_spec",
     "read_cpu_features",
@@ -210,10 +209,6 @@ class ExtensionSpec:
     @property
     def stamp_path(self) -> Path:
         return self.directory / "build.json"
-
-
-#: The CPU kernels' spec was the first; the name stays for callers of that time.
-CpuBuildSpec = ExtensionSpec
 
 
 def cpu_build_spec(env: Mapping[str, str] | None = None) -> ExtensionSpec:

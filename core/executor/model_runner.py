@@ -278,7 +278,12 @@ class ModelRunner:
     def stream_layers(self, stream: Callable[[Sequence[Any]], Iterator[Any]] | None) -> None:
         """Run the layers through ``stream`` (weight offload's WeightStreamer: the layer
         list in, the layers to run out); None runs the model's own layers."""
-        self.model.layer_stream = stream
+        self.model.set_layer_stream(stream)
+
+    def use_lora(self, manager) -> None:
+        """Give each forward's rows their adapter slots through ``manager`` (a LoRAManager
+        that has wrapped this runner's model)."""
+        self.lora_manager = manager
 
     # -- step --------------------------------------------------------------------------
     def _forward(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> tuple[ModelInput, torch.Tensor]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedserve.entrypoints import cli as cli_main
-from pagedserve.entrypoints.platforms_cmd import human_bytes
+from pagedserve.entrypoints.cli.platforms_cmd import human_bytes
 from pagedserve.kernels import reference
 
 CPU_ONLY_TORCH = not torch.version.cuda and not getattr(torch.version, "hip", None)
