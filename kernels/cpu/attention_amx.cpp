@@ -186,33 +186,54 @@ struct AmxAttention {
   // Lanes [0, n) of a 16-lane vector (none for n <= 0).
   static __mmask16 keep(int n) { return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u); }
 
-  // Online softmax of the span's scores (keys j0 .. j0 + 32 * n2) for every row:
+  // exp(x) for x <= 0 (scores minus their running maximum), about 1 ulp: the
+  // reference's Cephes polynomial, with VSCALEFPS in place of the exponent arithmetic
+  // and range checks (nothing here overflows; x below -100 flushes to 0).
+  static __m512 exp_nonpos(__m512 x) {
+    using namespace pagedserve_cpu::expc;
+    x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
+    const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kC1), x);
+    r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kC2), r);
+    __m512 y = _mm512_set1_ps(kP0);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP5));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(y, fx);
+  }
+
+  // Online softmax of the span's raw scores (keys j0 .. j0 + 32 * n2) for every row:
   // probabilities (bf16) into sc.pr, the rescale of the old accumulator into sc.alpha.
+  // The scale (> 0) is applied to the maximum and fused into exp's argument, so the
+  // scores are read twice and never rewritten; only a span that crosses a row's
+  // causal limit pays for masks.
   static void softmax(Scratch& sc, int j0, int n2, float scale) {
     const __m512 vscale = _mm512_set1_ps(scale);
     const int w = 32 * n2;
     for (int r = 0; r < kRows; ++r) {
       const int limit = sc.pos[r] - j0 + 1;  // keys of the span this row sees
-      float* s = sc.s + r * kSpanKeys;
+      const float* s = sc.s + r * kSpanKeys;
       BF16* pr = sc.pr + r * kSpanKeys;
       if (limit <= 0) {
         std::fill_n(reinterpret_cast<uint16_t*>(pr), w, uint16_t(0));
         sc.alpha[r] = 1.f;
         continue;
       }
+      const bool full = limit >= w;
       __m512 vmax = _mm512_set1_ps(kNegInf);
-      for (int c = 0; c < w; c += 16) {
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + c), vscale);
-        x = _mm512_mask_blend_ps(keep(limit - c), _mm512_set1_ps(kNegInf), x);
-        _mm512_storeu_ps(s + c, x);
-        vmax = _mm512_max_ps(vmax, x);
-      }
-      const float m_new = std::max(sc.m[r], _mm512_reduce_max_ps(vmax));
+      for (int c = 0; c < w; c += 16)
+        vmax = full ? _mm512_max_ps(vmax, _mm512_loadu_ps(s + c))
+                    : _mm512_mask_max_ps(vmax, keep(limit - c), vmax, _mm512_loadu_ps(s + c));
+      const float m_new = std::max(sc.m[r], _mm512_reduce_max_ps(vmax) * scale);
       const __m512 vm = _mm512_set1_ps(m_new);
       __m512 vsum = _mm512_setzero_ps();
       for (int c = 0; c < w; c += 16) {
-        __m512 e = Avx512::exp(_mm512_sub_ps(_mm512_loadu_ps(s + c), vm));
-        e = _mm512_maskz_mov_ps(keep(limit - c), e);  // exp(-inf) is 0 already; NaN-proof
+        __m512 e = exp_nonpos(_mm512_fmsub_ps(_mm512_loadu_ps(s + c), vscale, vm));
+        if (!full) e = _mm512_maskz_mov_ps(keep(limit - c), e);
         vsum = _mm512_add_ps(vsum, e);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), (__m256i)_mm512_cvtneps_pbh(e));
       }
@@ -300,7 +321,12 @@ void run(const Params& p, int num_seqs) {
     offset[s + 1] = offset[s] + (q_len > 0 ? Packed<D>::padded(p.seq_lens[s]) : 0);
   }
   const int64_t per_head = offset[num_seqs] * D;
-  std::vector<BF16> kbuf(size_t(per_head) * p.num_kv_heads), vbuf(size_t(per_head) * p.num_kv_heads);
+  // Reused across calls (grown, never shrunk): fresh pages would cost a fault each.
+  static thread_local std::vector<BF16> kbuf, vbuf;
+  if (kbuf.size() < size_t(per_head) * p.num_kv_heads) {
+    kbuf.resize(size_t(per_head) * p.num_kv_heads);
+    vbuf.resize(size_t(per_head) * p.num_kv_heads);
+  }
   // Pass 1: pack, in pieces of up to 256 keys.
   constexpr int kPiece = 256;
   struct Piece {
@@ -312,8 +338,13 @@ void run(const Params& p, int num_seqs) {
     for (int h = 0; h < p.num_kv_heads; ++h)
       for (int k = 0; k < n; k += kPiece) pieces.push_back({s, h, k, std::min(n, k + kPiece)});
   }
-  auto kp = [&](int s, int h) { return kbuf.data() + h * per_head + offset[s] * D; };
-  auto vp = [&](int s, int h) { return vbuf.data() + h * per_head + offset[s] * D; };
+  // Plain pointers: inside the parallel regions below, the name of a thread_local
+  // would mean each worker's own (empty) buffer.
+  BF16* const kdata = kbuf.data();
+  BF16* const vdata = vbuf.data();
+  const int64_t* const off = offset.data();
+  auto kp = [=](int s, int h) { return kdata + h * per_head + off[s] * D; };
+  auto vp = [=](int s, int h) { return vdata + h * per_head + off[s] * D; };
   parallel_dynamic(int64_t(pieces.size()), false, [&](int64_t i) {
     const Piece& pc = pieces[i];
     Packed<D>::pack_keys(p, pc.seq, pc.h, pc.k0, pc.k1, p.seq_lens[pc.seq], kp(pc.seq, pc.h), vp(pc.seq, pc.h));
