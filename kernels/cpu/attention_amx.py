@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -50,9 +51,15 @@ class AmxAttention:
 
     source = "cpu-amx"
 
-    def __init__(self, module: ModuleType) -> None:
+    def __init__(self, module: ModuleType, fallback: Callable[..., torch.Tensor] | None = None) -> None:
         self.module = module
         self.head_sizes = frozenset(module.head_sizes())
+        #: What runs what the tiles do not take (default: the reference).
+        self.fallback = reference.paged_attention if fallback is None else fallback
+
+    def with_fallback(self, fallback: Callable[..., torch.Tensor]) -> AmxAttention:
+        """The same kernel, sending what the tiles do not take to ``fallback``."""
+        return AmxAttention(self.module, fallback)
 
     def supports(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
         """Whether the tiles take these tensors (else the caller's fallback runs)."""
@@ -82,11 +89,16 @@ class AmxAttention:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See reference.paged_attention.  Windows, soft caps, sinks, other dtypes and
-        head sizes run the reference (the platform routes those to the native kernel)."""
+        head sizes run the fallback (the platform's: the native kernel)."""
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
         plain = sliding_window is None and soft_cap is None and sinks is None
-        if plain and out.dtype == torch.bfloat16 and out.stride(-1) == 1 and self.supports(query, key_cache, value_cache):
+        if (
+            plain
+            and out.dtype == torch.bfloat16
+            and out.stride(-1) == 1
+            and self.supports(query, key_cache, value_cache)
+        ):
             self.module.paged_attention(
                 query,
                 key_cache,
@@ -98,7 +110,7 @@ class AmxAttention:
                 out,
             )
             return out
-        return reference.paged_attention(
+        return self.fallback(
             query,
             key_cache,
             value_cache,

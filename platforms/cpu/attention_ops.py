@@ -147,6 +147,8 @@ def attention_candidates(native: Any) -> dict[str, AttentionFn]:
         candidates["native"] = native.paged_attention
     amx = load_amx_attention()
     if amx is not None:
+        if native is not None:  # what the tiles do not take (windows, fp32, ...) runs native
+            amx = amx.with_fallback(native.paged_attention)
         candidates["amx"] = amx.paged_attention
         if native is not None:
             candidates["amx_prefill"] = make_prefill_split(amx.paged_attention, native.paged_attention)

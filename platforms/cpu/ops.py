@@ -37,7 +37,7 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
         # in docs/kernels_cpu.md, "AMX attention"); absent without AMX.
         split = attention_candidates(kernels).get("amx_prefill")
         if split is not None:
-            ops.register("paged_attention", split, source=f"cpu-amx+native({kernels.isa})")
+            ops.register("paged_attention", split, source=f"{kernels.source}+amx-prefill")
     native = kernels if kernels is not None and kernels.has_packed_linear else None
     if options.prepack and (native is not None or dense_ops.onednn_available()):
         # bf16 weights packed at load: for the native packed kernel where it is built,

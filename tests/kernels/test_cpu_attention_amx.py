@@ -62,7 +62,14 @@ def test_amx_mixed_batch(amx, head_size, block_size, heads):
 def test_amx_default_model_prefill_chunk(amx, head_major, threads):
     """The default model's shapes: a 512-token chunk after 512 cached tokens, beside decodes."""
     args = make_batch(
-        [(512, 1024), (1, 200), (3, 129)], 9, 3, 64, 16, BF16, gen_for("chunk", head_major, threads), head_major=head_major
+        [(512, 1024), (1, 200), (3, 129)],
+        9,
+        3,
+        64,
+        16,
+        BF16,
+        gen_for("chunk", head_major, threads),
+        head_major=head_major,
     )
     with num_threads(threads):
         check(amx.paged_attention, args, what="amx chunk")
@@ -136,3 +143,57 @@ def test_every_candidate_matches_reference(cpu_kernels):
     args = make_batch(MIXED, 9, 3, 64, 16, BF16, gen_for("candidates"), head_major=True)
     for name, fn in candidates.items():
         check(fn, args, what=name)
+
+
+# ---- end to end -----------------------------------------------------------------------
+
+ENGINE_SCRIPT = r"""
+import json, sys
+from pagedserve import LLM, SamplingParams
+from pagedserve.kernels.cpu import attention_amx
+
+calls = [0]
+plain = attention_amx.AmxAttention.paged_attention
+def counted(self, *args, **kwargs):
+    calls[0] += 1
+    return plain(self, *args, **kwargs)
+attention_amx.AmxAttention.paged_attention = counted
+
+llm = LLM(model=sys.argv[1], dtype="bfloat16", kv_cache_memory="16MiB", max_num_batched_tokens=96,
+          long_prefill_token_threshold=48)
+prompts = ["the quick brown fox jumps over the lazy dog " * k for k in (1, 3, 7)] + ["abc"]
+params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+rounds = []
+for _ in range(2):  # the second round continues after prefix-cache hits
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    got = [o.outputs[0] for o in outs]
+    rounds.append([[g.token_ids, [e[t].logprob for t, e in zip(g.token_ids, g.logprobs)]] for g in got])
+print("RESULT" + json.dumps({"calls": calls[0], "rounds": rounds}))
+"""
+
+
+@pytest.mark.slow
+def test_engine_greedy_unchanged_with_amx(amx, tiny_checkpoint_factory, tmp_path):
+    """A tiny random Llama with the default model's head size, bf16, chunked prefills
+    and prefix hits: greedy tokens equal and logprobs close with the AMX prefill on and
+    off (each engine in its own process, since the platform reads its switch once)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = tiny_checkpoint_factory(hidden_size=192, num_heads=3, num_kv_heads=1, head_dim=64, num_layers=2)
+    results = {}
+    for on in ("1", "0"):
+        env = {**os.environ, "PAGEDSERVE_CPU_AMX_ATTENTION": on}
+        proc = subprocess.run(
+            [sys.executable, "-c", ENGINE_SCRIPT, str(path)], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+        results[on] = json.loads(line[len("RESULT") :])
+    assert results["1"]["calls"] > 0 and results["0"]["calls"] == 0
+    for r_on, r_off in zip(results["1"]["rounds"], results["0"]["rounds"]):
+        for (tok_on, lp_on), (tok_off, lp_off) in zip(r_on, r_off):
+            assert tok_on == tok_off
+            assert lp_on == pytest.approx(lp_off, abs=2e-2)
