@@ -197,3 +197,19 @@ def test_engine_greedy_unchanged_with_amx(amx, tiny_checkpoint_factory, tmp_path
         for (tok_on, lp_on), (tok_off, lp_off) in zip(r_on, r_off):
             assert tok_on == tok_off
             assert lp_on == pytest.approx(lp_off, abs=2e-2)
+
+
+def test_platform_registers_amx_prefill_where_amx_exists(cpu_kernels):
+    from pagedserve.platforms.cpu.ops import register_cpu_ops
+    from pagedserve.platforms.ops import OpRegistry
+    from pagedserve.platforms.options import CpuOptions
+
+    assert CpuOptions.from_env({}).amx_attention
+    off = CpuOptions.from_env({"PAGEDSERVE_CPU_AMX_ATTENTION": "0"})
+    assert not off.amx_attention
+    ops, ops_off = OpRegistry(), OpRegistry()
+    register_cpu_ops(ops, CpuOptions.from_env({}))
+    register_cpu_ops(ops_off, off)
+    assert ops_off.source("paged_attention") == cpu_kernels.source
+    want = f"{cpu_kernels.source}+amx-prefill" if amx_unavailable_reason() is None else cpu_kernels.source
+    assert ops.source("paged_attention") == want
