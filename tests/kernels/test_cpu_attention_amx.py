@@ -213,3 +213,38 @@ def test_platform_registers_amx_prefill_where_amx_exists(cpu_kernels):
     assert ops_off.source("paged_attention") == cpu_kernels.source
     want = f"{cpu_kernels.source}+amx-prefill" if amx_unavailable_reason() is None else cpu_kernels.source
     assert ops.source("paged_attention") == want
+
+
+def test_amx_build_is_gated_on_the_cpu_flags(monkeypatch, tmp_path):
+    """Without AMX nothing is built or loaded; with it, its own extension with AMX flags."""
+    from pagedserve.kernels import build
+    from pagedserve.kernels.cpu import attention_amx
+
+    zen = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
+    amx_cpu = zen | {"amx_tile", "amx_bf16", "amx_int8"}
+    flags = build.auto_cpu_arch_flags(amx_cpu)
+    assert "amx_tile" in amx_unavailable_reason(zen, build.auto_cpu_arch_flags(zen))
+    assert amx_unavailable_reason(amx_cpu, flags) is None
+    assert "AVX-512 BF16" in amx_unavailable_reason(amx_cpu, ["-mavx2", "-mfma"])
+
+    seen = []
+
+    def fake_load_extension(spec, label="", verbose=False):
+        seen.append(spec)
+        raise build.KernelBuildError("no build in this test")
+
+    monkeypatch.setattr(build, "load_extension", fake_load_extension)
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(attention_amx, "amx_unavailable_reason", lambda: "the CPU lacks amx_tile")
+    attention_amx.load_amx_attention.cache_clear()
+    try:
+        assert attention_amx.load_amx_attention() is None and not seen  # silently, nothing built
+        monkeypatch.setattr(attention_amx, "amx_unavailable_reason", lambda: None)
+        attention_amx.load_amx_attention.cache_clear()
+        with pytest.warns(UserWarning, match="no build in this test"):
+            assert attention_amx.load_amx_attention() is None
+    finally:
+        attention_amx.load_amx_attention.cache_clear()
+    (spec,) = seen
+    assert spec.directory.parent == tmp_path and [s.name for s in spec.sources] == ["attention_amx.cpp"]
+    assert {"-mamx-tile", "-mamx-bf16"} <= set(spec.cflags)
