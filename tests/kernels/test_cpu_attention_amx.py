@@ -248,3 +248,16 @@ def test_amx_build_is_gated_on_the_cpu_flags(monkeypatch, tmp_path):
     (spec,) = seen
     assert spec.directory.parent == tmp_path and [s.name for s in spec.sources] == ["attention_amx.cpp"]
     assert {"-mamx-tile", "-mamx-bf16"} <= set(spec.cflags)
+
+
+def test_amx_strided_query_and_out(amx):
+    """The query as a view of a fused qkv projection and out as a view of a wider buffer,
+    as the model hands them over."""
+    q, k, v, bt, sl, qsl = make_batch([(40, 90), (1, 33), (12, 12)], 9, 3, 64, 16, BF16, gen_for("strided"))
+    qkv = torch.randn(q.shape[0], 15, 64).to(BF16)
+    qkv[:, :9] = q
+    wide = torch.full((q.shape[0], 12, 64), float("nan"), dtype=BF16)
+    got = amx.paged_attention(qkv[:, :9], k, v, bt, sl, qsl, 0.125, wide[:, 2:11])
+    expected = reference.paged_attention(q.float(), k.float(), v.float(), bt, sl, qsl, 0.125)
+    assert_close(got, expected, BF16, "strided")
+    assert wide[:, :2].isnan().all() and wide[:, 11:].isnan().all()
