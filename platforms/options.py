@@ -69,6 +69,9 @@ class CpuOptions:
     kv_layout: str = "head"
     #: PAGEDSERVE_CPU_HUGE_PAGES: advise the KV caches onto transparent huge pages.
     huge_pages: bool = False
+    #: PAGEDSERVE_CPU_AMX_ATTENTION: prefill attention on AMX tiles where the CPU has AMX
+    #: (platforms/cpu/attention_ops.py; off: the native kernel for every sequence).
+    amx_attention: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> CpuOptions:
@@ -81,6 +84,7 @@ class CpuOptions:
             gguf_repack=env_flag(env, "PAGEDSERVE_CPU_GGUF_REPACK", True),
             kv_layout=env_choice(env, "PAGEDSERVE_CPU_KV_LAYOUT", "head", ("head", "token")),
             huge_pages=env_flag(env, "PAGEDSERVE_CPU_HUGE_PAGES", False),
+            amx_attention=env_flag(env, "PAGEDSERVE_CPU_AMX_ATTENTION", True),
         )
 
 

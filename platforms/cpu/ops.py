@@ -30,6 +30,14 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
     if kernels is not None:
         for name, fn in kernels.ops().items():
             ops.register(name, fn, source=kernels.source)
+    if kernels is not None and options.amx_attention:
+        from pagedserve.platforms.cpu.attention_ops import attention_candidates
+
+        # AMX tiles for prefill sequences, native for decodes (the measured crossover is
+        # in docs/kernels_cpu.md, "AMX attention"); absent without AMX.
+        split = attention_candidates(kernels).get("amx_prefill")
+        if split is not None:
+            ops.register("paged_attention", split, source=f"{kernels.source}+amx-prefill")
     native = kernels if kernels is not None and kernels.has_packed_linear else None
     if options.prepack and (native is not None or dense_ops.onednn_available()):
         # bf16 weights packed at load: for the native packed kernel where it is built,
