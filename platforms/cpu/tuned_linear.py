@@ -23,6 +23,8 @@ bucket, the weight is also kept in that layout while the dual-layout memory budg
 On the Xeon with AMX the native kernel wins 1-4 rows and oneDNN the rest, so both are
 kept there; where one layout wins everywhere nothing is duplicated.
 
+Weights of fewer than ``TUNE_MIN_ELEMENTS`` elements are not timed (the static order).
+
 ``linear_silu_and_mul`` is tuned at its first call on a weight (gate/up weights look
 like any other at load): the native fused kernel where the weight has the native layout,
 against ``silu_and_mul`` after each layout's linear.
@@ -44,10 +46,13 @@ import torch
 from pagedserve.platforms.cpu import dense_ops
 from pagedserve.platforms.cpu.tuning import BUCKETS, Plan, Tuner, geometric_mean, plan_rows
 
-__all__ = ["TunedLinear", "Route", "choose_layouts", "DUAL_GAIN", "CANDIDATE_LAYOUT"]
+__all__ = ["TunedLinear", "Route", "choose_layouts", "DUAL_GAIN", "CANDIDATE_LAYOUT", "TUNE_MIN_ELEMENTS"]
 
 log = logging.getLogger(__name__)
 
+#: Weights with fewer elements take the static order untimed: their calls cost a few
+#: microseconds whichever kernel runs, less than timing them would (test models).
+TUNE_MIN_ELEMENTS = 1 << 16
 #: Keep a second layout only where it is this much faster at some bucket.
 DUAL_GAIN = 1.25
 #: A layout's time over the best at one bucket counts at most this much in its score.
@@ -114,9 +119,10 @@ class TunedLinear:
         silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
         dual_bytes: int,
         buckets: tuple[int, ...] = BUCKETS,
+        min_elements: int = TUNE_MIN_ELEMENTS,
     ) -> None:
         self.tuner, self.native, self.silu_and_mul = tuner, native, silu_and_mul
-        self.buckets = buckets
+        self.buckets, self.min_elements = buckets, max(min_elements, 1)
         self.dual_bytes_left = dual_bytes
         self.static_linear = dense_ops.make_linear(plain, native)
         self.static_gated = dense_ops.make_linear_silu_and_mul(self.static_linear, silu_and_mul, native)
@@ -155,7 +161,7 @@ class TunedLinear:
             or weight.dim() != 2
             or weight.device.type != "cpu"
             or weight.is_mkldnn
-            or weight.numel() == 0
+            or weight.numel() < self.min_elements
         ):
             return dense_ops.prepare_linear_weight(weight, self.native)
         n, k = weight.shape

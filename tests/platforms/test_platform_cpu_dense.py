@@ -102,7 +102,8 @@ def test_engine_packs_dense_weights_and_keeps_outputs(tiny_checkpoint_factory, m
 def test_engine_with_tuned_linears_keeps_outputs(tiny_checkpoint_factory, monkeypatch):
     """With measured dispatch (the default) every dense weight carries its route, and the
     greedy outputs equal those of plain weights through torch."""
-    path = tiny_checkpoint_factory(tie_word_embeddings=True)
+    # Every dense weight at least TUNE_MIN_ELEMENTS (the LM head: 259 x 256).
+    path = tiny_checkpoint_factory(tie_word_embeddings=True, hidden_size=256, intermediate_size=512)
     model, tuned_ids = _generate(path, monkeypatch, "1", tune="1")
     for layer in model.layers:
         assert all(hasattr(getattr(layer, n), "_pagedserve_route") for n in ("qkv", "o", "gate_up", "down"))

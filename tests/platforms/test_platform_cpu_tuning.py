@@ -140,6 +140,12 @@ def test_layouts_one_when_it_wins_everywhere_two_when_buckets_disagree():
     assert choose_layouts(split, CANDIDATE_LAYOUT, dual=False) == ("onednn", None)
 
 
+def test_small_weights_are_not_timed():
+    tl = TunedLinear(Tuner(None, threads=1), None, reference.linear, reference.silu_and_mul, dual_bytes=0)
+    w = torch.randn(64, 64).bfloat16()
+    assert not hasattr(tl.prepare(w), "_pagedserve_route") and not tl.tuner.plans
+
+
 def test_off_switch_and_settings():
     assert CpuOptions.from_env({}).tune is True
     assert CpuOptions.from_env({"PAGEDSERVE_CPU_TUNE": "0"}).tune is False
@@ -170,7 +176,9 @@ def test_off_switch_keeps_the_static_order():
 
 
 def _tuned(native) -> TunedLinear:
-    return TunedLinear(Tuner(None, threads=1), native, reference.linear, reference.silu_and_mul, dual_bytes=1 << 30)
+    return TunedLinear(
+        Tuner(None, threads=1), native, reference.linear, reference.silu_and_mul, dual_bytes=1 << 30, min_elements=1
+    )
 
 
 def _force(tl: TunedLinear, op: str, n: int, k: int, names: list[str], fastest: dict[int, str]) -> None:
