@@ -82,6 +82,16 @@ def _random_q41(n: int, k: int) -> torch.Tensor:
     return raw.reshape(n, -1)
 
 
+def _measure_as_tuner(calls) -> dict[str, float]:
+    """tuning.measure on the thread count the tuner would time with now."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(timing_threads())
+    try:
+        return measure(calls)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def gguf_candidates(rows: list[int]) -> list[str]:
     """The tiled int8 GGUF kernel against dequantized bf16 weights through oneDNN."""
     from pagedserve.kernels import quant_reference as qref
@@ -101,7 +111,7 @@ def gguf_candidates(rows: list[int]) -> list[str]:
         dense = torch.ops.mkldnn._reorder_linear_weight(qref.dequantize_gguf(raw, "Q4_1").bfloat16().contiguous(), None)
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16)
-            t = measure(
+            t = _measure_as_tuner(
                 {
                     "int8": lambda: quant.gguf_linear_out(x, packed, q41, None),
                     "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], ""),
@@ -128,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {ident['cpu']} ({ident['flags']}), torch {ident['torch']}, {ident['threads']} threads")
     print(f"# load average {os.getloadavg()[0]:.1f}; timing threads now: {timing_threads()}\n")
     with tempfile.TemporaryDirectory() as tmp:
-        (cold, cold_wall), (cached, cached_wall), tl = tune_cost(native, Path(tmp), tuple(args.rows))
+        ((cold, cold_wall), (cached, cached_wall)), tl = tune_cost(native, Path(tmp), tuple(args.rows))
     print(
         f"the default model's bf16 shapes: timing {cold:.2f} s cold, {cached:.3f} s cached; "
         f"prepare wall (packing included) {cold_wall:.2f} s cold, {cached_wall:.2f} s cached\n"
