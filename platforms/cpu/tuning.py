@@ -28,7 +28,8 @@ Timing is robust on a small shared machine and cheap (:func:`measure`): every
 candidate is warmed up, then timed in interleaved rounds (load that comes and goes hits
 all alike), the minimum of the rounds is the figure (the least disturbed run), and a
 candidate already ``PRUNE_RATIO`` times slower than the best after its warm-up is not
-timed further.  Cheap calls get up to ``MAX_ROUNDS`` rounds, slow ones ``MIN_ROUNDS``.
+timed further at that bucket, and one ``DROP_RATIO`` times slower not at the larger
+buckets.  Cheap calls get up to ``MAX_ROUNDS`` rounds, slow ones ``MIN_ROUNDS``.
 
 The cache file (:class:`TuningCache`) lives under the kernel cache root
 (kernels/build.py) in ``tuning/``, one file per machine identity: the CPU model name, its
@@ -72,6 +73,9 @@ log = logging.getLogger(__name__)
 BUCKETS: tuple[int, ...] = (1, 4, 16, 64, 256, 512)
 #: A candidate this many times slower than the best after warm-up is not timed further.
 PRUNE_RATIO = 3.0
+#: A candidate this many times slower than the best at one bucket is not timed at the
+#: larger buckets (absent there: it cannot be chosen).
+DROP_RATIO = 8.0
 #: Timed rounds per candidate: at least MIN_ROUNDS (all a call slower than SLOW_CALL_S
 #: gets), more for cheap calls while a round costs under ROUND_BUDGET_S / rounds.
 MIN_ROUNDS, MAX_ROUNDS = 3, 15
@@ -316,15 +320,20 @@ class Tuner:
         self, op: str, key: str, candidates: Mapping[str, Runner], buckets: tuple[int, ...]
     ) -> dict[int, dict[str, float]]:
         times: dict[int, dict[str, float]] = {}
-        for b in buckets:
+        dropped: set[str] = set()
+        for b in sorted(buckets):
             calls = {}
             for name, runner in candidates.items():
-                call = runner(b)
+                call = None if name in dropped else runner(b)
                 if call is not None:
                     calls[name] = call
             times[b] = measure(calls, self.clock) if calls else {}
             if not times[b]:
                 raise ValueError(f"tuning {op} {key}: no candidate runs {b} rows")
+            best = min(times[b].values())
+            # Hopeless at this row count: not timed at larger ones (the native kernel's
+            # seconds-long calls on a 49152-row LM head at 512 rows on AMX machines).
+            dropped.update(n for n, t in times[b].items() if t > best * DROP_RATIO)
         return times
 
     def report(self) -> list[dict]:

@@ -75,6 +75,15 @@ def test_the_fastest_candidate_wins_each_bucket():
     ]
 
 
+def test_a_hopeless_candidate_is_not_timed_at_larger_buckets():
+    clock = FakeClock()
+    calls: dict[str, int] = {}
+    costs = {"fast": {b: 1.0 for b in BUCKETS}, "hopeless": {1: 9.0, 4: 0.5, 16: 0.5, 64: 0.5}}
+    plan = Tuner(None, clock=clock, threads=1).tune("op", "k", fake_candidates(clock, costs, calls), BUCKETS)
+    assert plan.times[1] == {"fast": 1.0, "hopeless": 9.0}
+    assert all(plan.times[b] == {"fast": 1.0} for b in (4, 16, 64))
+
+
 def test_a_disturbed_sample_does_not_decide_and_hopeless_candidates_are_pruned():
     clock = FakeClock()
     counts: dict[str, int] = {}
