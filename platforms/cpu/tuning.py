@@ -158,7 +158,12 @@ def measure(
     best = min(min(w) for w in warm.values())
     live = [n for n in calls if min(warm[n]) <= best * PRUNE_RATIO]
     fit = int(ROUND_BUDGET_S / max(best * len(live), 1e-9))
-    n_rounds = MIN_ROUNDS if best > SLOW_CALL_S else max(MIN_ROUNDS, min(MAX_ROUNDS, fit))
+    if best > WARM_RETIME_S:
+        n_rounds = 1  # calls of a tenth of a second and more: a second sample each
+    elif best > SLOW_CALL_S:
+        n_rounds = MIN_ROUNDS
+    else:
+        n_rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, fit))
     for r in range(n_rounds):
         order = live[r % len(live) :] + live[: r % len(live)]
         for name in order:
