@@ -181,15 +181,16 @@ def tune_default_shapes(ops: Any) -> None:
                 ops.linear_silu_and_mul(torch.randn(1, k, dtype=torch.bfloat16), w)
 
 
-def tuning_rows(ops: Any) -> list[dict[str, Any]]:
-    """The measured choices of every op whose implementation carries ``tuning_report()``."""
-    rows: list[dict[str, Any]] = []
+def tuning_rows(ops: Any) -> list[dict[str, Any]] | None:
+    """The measured choices of every op whose implementation carries ``tuning_report()``;
+    None when no op does (a platform that tunes nothing)."""
+    rows: list[dict[str, Any]] | None = None
     seen: set[int] = set()
     for name, _ in ops.table():
         report = getattr(ops.get(name), "tuning_report", None)
         if report is not None and id(report) not in seen:
             seen.add(id(report))
-            rows.extend(report())
+            rows = (rows or []) + list(report())
     return rows
 
 
@@ -252,7 +253,8 @@ def _format_text(report: Report, show_ops: bool) -> str:
                     [[o["op"], o["source"], o["implementation"]] for o in report.ops],
                 )
             )
-            out.append(_format_tuning(report.tuning or []))
+            if report.tuning is not None:
+                out.append(_format_tuning(report.tuning))
         return "\n".join(out)
     rows: list[list[str]] = []
     for p in report.platforms:
