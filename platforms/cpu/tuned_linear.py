@@ -133,7 +133,6 @@ class TunedLinear:
             self.kernels["native_packed"] = native.packed_linear
             if native.has_linear:
                 self.kernels["native_skinny"] = native.linear
-        self.layouts: dict[tuple[str, str], tuple[str, str | None]] = {}
 
     # -- load ---------------------------------------------------------------------------
     def _pack(self, layout: str, w: torch.Tensor) -> torch.Tensor | None:
@@ -221,19 +220,21 @@ class TunedLinear:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """See reference.linear; ``weight`` as returned by :meth:`prepare`."""
         route: Route | None = getattr(weight, _ROUTE, None)
-        if route is None or x.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
+        rows = x.numel() // max(x.shape[-1], 1)
+        if route is None or rows == 0 or x.dtype != torch.bfloat16 or (bias is not None and bias.dtype != x.dtype):
             return self.static_linear(x, weight, bias)
-        fn, w = route.pick(x.numel() // x.shape[-1], route.entries)
+        fn, w = route.pick(rows, route.entries)
         return fn(x, w, bias)
 
     def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
         """See reference.linear_silu_and_mul; tuned at the first call on each shape."""
         route: Route | None = getattr(weight, _ROUTE, None)
-        if route is None or x.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
+        rows = x.numel() // max(x.shape[-1], 1)
+        if route is None or rows == 0 or x.dtype != torch.bfloat16 or (bias is not None and bias.dtype != x.dtype):
             return self.static_gated(x, weight, bias)
         if route.gated is None:
             route.gated = self._tune_gated(route)
-        fn, w = route.pick(x.numel() // x.shape[-1], route.gated)
+        fn, w = route.pick(rows, route.gated)
         return fn(x, w, bias)
 
     def _gated_kernels(self, route: Route) -> dict[str, tuple[Linear, torch.Tensor]]:
