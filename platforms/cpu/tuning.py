@@ -83,8 +83,9 @@ SLOW_CALL_S = 0.02
 ROUND_BUDGET_S = 0.02
 #: A first call faster than this gets two timed warm-up calls (slower: it is the figure).
 WARM_RETIME_S = 0.1
-#: Bumped when the meaning of cached figures changes.
-FORMAT = 1
+#: Bumped when the meaning of cached figures changes (2: two timed warm-up calls before
+#: pruning; plans timed before could hold one disturbed sample as a candidate's figure).
+FORMAT = 2
 
 #: runner(bucket) -> the call to time (inputs of ``bucket`` rows prepared), or None.
 Runner = Callable[[int], Callable[[], object] | None]

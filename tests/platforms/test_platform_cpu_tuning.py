@@ -18,7 +18,7 @@ from pagedserve.platforms.ops import OpRegistry
 from pagedserve.platforms.options import CpuOptions
 
 BUCKETS = (1, 4, 16, 64)
-IDENTITY = {"cpu": "Fake CPU 9000", "flags": "amx_tile avx512_bf16", "torch": "2.x", "threads": "2", "format": "1"}
+IDENTITY = {"cpu": "Fake CPU 9000", "flags": "amx_tile avx512_bf16", "torch": "2.x", "threads": "2", "format": "2"}
 
 
 class FakeClock:
