@@ -28,8 +28,8 @@ Timing is robust on a small shared machine and cheap (:func:`measure`): every
 candidate is warmed up, then timed in interleaved rounds (load that comes and goes hits
 all alike), the minimum of the rounds is the figure (the least disturbed run), and a
 candidate already ``PRUNE_RATIO`` times slower than the best after its warm-up is not
-timed further at that bucket, and one ``DROP_RATIO`` times slower not at the larger
-buckets.  Cheap calls get up to ``MAX_ROUNDS`` rounds, slow ones ``MIN_ROUNDS``.
+timed further at that bucket, and one ``DROP_RATIO`` times slower at two buckets in a
+row not at the larger buckets.  Cheap calls get up to ``MAX_ROUNDS`` rounds, slow ones ``MIN_ROUNDS``.
 
 The cache file (:class:`TuningCache`) lives under the kernel cache root
 (kernels/build.py) in ``tuning/``, one file per machine identity: the CPU model name, its
@@ -73,8 +73,8 @@ log = logging.getLogger(__name__)
 BUCKETS: tuple[int, ...] = (1, 4, 16, 64, 256, 512)
 #: A candidate this many times slower than the best after warm-up is not timed further.
 PRUNE_RATIO = 3.0
-#: A candidate this many times slower than the best at one bucket is not timed at the
-#: larger buckets (absent there: it cannot be chosen).
+#: A candidate this many times slower than the best at two buckets in a row is not timed
+#: at the larger buckets (absent there: it cannot be chosen).
 DROP_RATIO = 8.0
 #: Timed rounds per candidate: at least MIN_ROUNDS (all a call slower than SLOW_CALL_S
 #: gets), more for cheap calls while a round costs under ROUND_BUDGET_S / rounds.
@@ -84,8 +84,9 @@ ROUND_BUDGET_S = 0.02
 #: A first call faster than this gets two timed warm-up calls (slower: it is the figure).
 WARM_RETIME_S = 0.1
 #: Bumped when the meaning of cached figures changes (2: two timed warm-up calls before
-#: pruning; plans timed before could hold one disturbed sample as a candidate's figure).
-FORMAT = 2
+#: pruning; plans timed before could hold one disturbed sample as a candidate's figure;
+#: 3: candidates dropped from larger buckets only after two slow buckets).
+FORMAT = 3
 
 #: runner(bucket) -> the call to time (inputs of ``bucket`` rows prepared), or None.
 Runner = Callable[[int], Callable[[], object] | None]
@@ -327,6 +328,7 @@ class Tuner:
     ) -> dict[int, dict[str, float]]:
         times: dict[int, dict[str, float]] = {}
         dropped: set[str] = set()
+        strikes: dict[str, int] = {}
         for b in sorted(buckets):
             calls = {}
             for name, runner in candidates.items():
@@ -337,9 +339,12 @@ class Tuner:
             if not times[b]:
                 raise ValueError(f"tuning {op} {key}: no candidate runs {b} rows")
             best = min(times[b].values())
-            # Hopeless at this row count: not timed at larger ones (the native kernel's
-            # seconds-long calls on a 49152-row LM head at 512 rows on AMX machines).
-            dropped.update(n for n, t in times[b].items() if t > best * DROP_RATIO)
+            # Hopeless at two row counts in a row: not timed at larger ones (the native
+            # kernel's seconds-long calls on a 49152-row LM head at 512 rows on AMX
+            # machines); two, so one figure spoilt by load does not drop a candidate.
+            for n, t in times[b].items():
+                strikes[n] = strikes.get(n, 0) + 1 if t > best * DROP_RATIO else 0
+            dropped.update(n for n, k in strikes.items() if k >= 2)
         return times
 
     def report(self) -> list[dict]:

@@ -18,7 +18,7 @@ from pagedserve.platforms.ops import OpRegistry
 from pagedserve.platforms.options import CpuOptions
 
 BUCKETS = (1, 4, 16, 64)
-IDENTITY = {"cpu": "Fake CPU 9000", "flags": "amx_tile avx512_bf16", "torch": "2.x", "threads": "2", "format": "2"}
+IDENTITY = {"cpu": "Fake CPU 9000", "flags": "amx_tile avx512_bf16", "torch": "2.x", "threads": "2", "format": "3"}
 
 
 class FakeClock:
@@ -78,10 +78,15 @@ def test_the_fastest_candidate_wins_each_bucket():
 def test_a_hopeless_candidate_is_not_timed_at_larger_buckets():
     clock = FakeClock()
     calls: dict[str, int] = {}
-    costs = {"fast": {b: 1.0 for b in BUCKETS}, "hopeless": {1: 9.0, 4: 0.5, 16: 0.5, 64: 0.5}}
+    costs = {
+        "fast": {b: 1.0 for b in BUCKETS},
+        "hopeless": {1: 9.0, 4: 9.0, 16: 0.5, 64: 0.5},  # 9x behind at two buckets in a row
+        "one_slow_figure": {1: 9.0, 4: 1.5, 16: 9.0, 64: 0.5},  # never twice in a row: kept
+    }
     plan = Tuner(None, clock=clock, threads=1).tune("op", "k", fake_candidates(clock, costs, calls), BUCKETS)
-    assert plan.times[1] == {"fast": 1.0, "hopeless": 9.0}
-    assert all(plan.times[b] == {"fast": 1.0} for b in (4, 16, 64))
+    assert plan.times[4] == {"fast": 1.0, "hopeless": 9.0, "one_slow_figure": 1.5}
+    assert all("hopeless" not in plan.times[b] for b in (16, 64))
+    assert plan.chosen[64] == "one_slow_figure"
 
 
 def test_a_disturbed_sample_does_not_decide_and_hopeless_candidates_are_pruned():
