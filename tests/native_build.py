@@ -9,6 +9,7 @@ failure: tests check that themselves and skip.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import NoReturn
@@ -33,11 +34,16 @@ def native_build_failed(what: str, why: object) -> NoReturn:
 def require_native(
     loader: Callable[[], ModuleType | None], spec: Callable[[], build.ExtensionSpec], what: str
 ) -> ModuleType:
-    """``loader()``'s module; where it gives None (its build failed, with a warning), the
-    build error from building ``spec()`` again, through native_build_failed."""
-    module = loader()
+    """``loader()``'s module; where it gives None (its build failed, with a warning),
+    native_build_failed with the loader's warning, else (the loader remembered an earlier
+    failure) the error of building ``spec()`` again."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = loader()
     if module is not None:
         return module
+    if caught:
+        native_build_failed(what, "; ".join(str(w.message) for w in caught))
     try:
         return build.load_extension(spec(), what)[0]
     except build.KernelBuildError as exc:

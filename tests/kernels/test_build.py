@@ -324,6 +324,14 @@ def test_a_failed_build_fails_the_test_unless_no_compiler_is_declared(monkeypatc
     monkeypatch.setattr(build, "load_extension", _failing_load)
     with pytest.raises(pytest.fail.Exception, match="the Y kernel did not build: e1"):
         require_native(lambda: None, lambda: broken, "the Y kernel")
+
+    def warning_loader():
+        import warnings
+
+        warnings.warn("Z kernel unavailable (lora.cpp:3: error: nope)", stacklevel=1)
+
+    with pytest.raises(pytest.fail.Exception, match="lora.cpp:3: error: nope"):
+        require_native(warning_loader, lambda: broken, "the Z kernel")
     monkeypatch.setenv("PAGEDSERVE_NO_COMPILER", "1")
     with pytest.raises(pytest.skip.Exception, match="PAGEDSERVE_NO_COMPILER=1"):
         require_native(lambda: None, lambda: broken, "the Y kernel")
