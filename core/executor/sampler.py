@@ -87,9 +87,11 @@ class Sampler:
         if bad:
             return self._sample_without(logits, requests, bad)
         logits = raw = logits.float()
-        logits = self._apply_penalties(logits, requests)
+        # vLLM's order: logit_bias and the other edits, min_tokens, then the penalties (a
+        # seen token's repetition penalty scales its logit with the bias included).
         logits = apply_logits_processors(logits, requests)
         logits = self._apply_min_tokens(logits, requests)
+        logits = self._apply_penalties(logits, requests)
 
         greedy = [p.greedy for p in params]
         tokens = torch.empty(len(requests), dtype=torch.int64)
@@ -191,18 +193,21 @@ class Sampler:
             kth = logits.sort(dim=-1, descending=True).values.gather(1, k - 1)
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).unsqueeze(1)
-        if bool((top_p < 1.0).any()):
-            sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
-            cum = sorted_p.cumsum(dim=-1)
-            # Keep the smallest set whose mass reaches top_p (always the top token).
-            remove_sorted = (cum - sorted_p) >= top_p
-            remove = torch.zeros_like(remove_sorted).scatter(1, sorted_idx, remove_sorted)
-            probs = probs.masked_fill(remove, 0.0)
+        # min-p before top-p, as in vLLM: top-p measures its mass in what min-p leaves.
+        # (min-p and top-k commute: both keep the largest logits.)
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).unsqueeze(1)
         if bool((min_p > 0).any()):
             threshold = probs.max(dim=-1, keepdim=True).values * min_p
             probs = probs.masked_fill(probs < threshold, 0.0)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).unsqueeze(1)
+        if bool((top_p < 1.0).any()):
+            sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
+            cum = sorted_p.cumsum(dim=-1)
+            # Keep the smallest set whose share of the mass left reaches top_p (always the
+            # top token).
+            remove_sorted = (cum - sorted_p) >= top_p * cum[:, -1:]
+            remove = torch.zeros_like(remove_sorted).scatter(1, sorted_idx, remove_sorted)
+            probs = probs.masked_fill(remove, 0.0)
         return probs
 
     @staticmethod
