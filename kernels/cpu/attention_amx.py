@@ -18,7 +18,7 @@ import torch
 
 from pagedserve.kernels import build, reference
 
-__all__ = ["AMX_FEATURES", "AmxAttention", "amx_build_spec", "amx_unavailable_reason", "load_amx_attention"]
+__all__ = ["AMX_FEATURES", "AmxAttention", "amx_build_spec", "amx_unavailable_reason", "applicable", "load_amx_attention"]
 
 SOURCES: tuple[str, ...] = ("attention_amx.cpp",)
 HEADERS: tuple[str, ...] = ("vec.h",)
@@ -38,6 +38,11 @@ def amx_unavailable_reason(features: frozenset[str] | None = None, arch: list[st
     if "-mavx512bf16" not in arch:
         return "the arch flags leave out AVX-512 BF16 (PAGEDSERVE_CPU_ARCH_FLAGS)"
     return None
+
+
+def applicable() -> bool:
+    """Whether this CPU runs the AMX attention (build_kernels(every=True) skips it elsewhere)."""
+    return amx_unavailable_reason() is None
 
 
 def amx_build_spec() -> build.ExtensionSpec:
