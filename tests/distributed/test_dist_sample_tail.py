@@ -43,6 +43,7 @@ PARALLEL = {
     "mp-tp3": dict(tensor_parallel_size=3),
     "mp-pp2": dict(pipeline_parallel_size=2),
     "ray-tp3": dict(tensor_parallel_size=3, distributed_executor_backend="ray"),
+    "ray-pp2": dict(pipeline_parallel_size=2, distributed_executor_backend="ray"),
 }
 
 
