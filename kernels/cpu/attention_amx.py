@@ -18,7 +18,14 @@ import torch
 
 from pagedserve.kernels import build, reference
 
-__all__ = ["AMX_FEATURES", "AmxAttention", "amx_build_spec", "amx_unavailable_reason", "applicable", "load_amx_attention"]
+__all__ = [
+    "AMX_FEATURES",
+    "AmxAttention",
+    "amx_build_spec",
+    "amx_unavailable_reason",
+    "applicable",
+    "load_amx_attention",
+]
 
 SOURCES: tuple[str, ...] = ("attention_amx.cpp",)
 HEADERS: tuple[str, ...] = ("vec.h",)
