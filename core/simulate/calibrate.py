@@ -237,12 +237,17 @@ def _engine_steps(engine, clock: Clock = time.perf_counter):
             SamplingParams(max_tokens=1, ignore_eos=True),
             prompt_token_ids=[100 + (3 * j + n) % 40000 for j in range(n)],
         )
-        t0 = clock()
-        engine.step()
-        samples.append((StepBatch([n], [n], 1), clock() - t0))
+        # The platform may split a long prompt into chunks (the CPU's 512 tokens a step):
+        # each step is recorded with the tokens it computed over the context it reached.
+        req = engine.scheduler.requests[f"cal-prefill-{n}"]
         while engine.has_unfinished_requests():
+            before = req.num_computed_tokens
+            t0 = clock()
             engine.step()
-    engine.shutdown()
+            sec = clock() - t0
+            done = req.num_computed_tokens
+            if done - before > 1:
+                samples.append((StepBatch([done - before], [done], int(done >= n)), sec))
     return samples
 
 
@@ -372,6 +377,7 @@ def calibrate(
         attention_bandwidth=att_bw,
         attention_flops=att_flops,
         default_memory_utilization=0.5,
+        long_prefill_token_threshold=int(platform.default_long_prefill_token_threshold),
         description=f"measured by `pagedserve simulate calibrate` on {platform.name} "
         f"({nthreads} threads, {timer} time) at {time.strftime('%Y-%m-%d %H:%M:%S')}",
         sources=[

@@ -90,6 +90,10 @@ class HardwareProfile:
     description: str = ""
     sources: list[str] = field(default_factory=list)
     calibrated: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: The platform's default cap on one request's prompt tokens per step (and on a
+    #: step's prompt tokens beside decodes) when prompts may be chunked: the CPU
+    #: platform's 512 (``Platform.default_long_prefill_token_threshold``); 0: none.
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for key in ("memory_bytes", "memory_bandwidth"):

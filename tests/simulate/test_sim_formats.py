@@ -143,3 +143,20 @@ def test_merge_keeps_other_formats_of_the_same_machine_only():
         HardwareProfile.from_dict(other), HardwareProfile.from_dict(new_data), log=lambda *_: None
     )
     assert set(merged.calibrated) == {"q4_1"}
+
+
+def test_the_platforms_prompt_chunk_cap_is_simulated(tmp_path):
+    """A calibrated CPU profile carries the platform's 512-token prompt chunks: one 2048-token
+    prompt takes four steps, as in the engine, instead of one."""
+    from pagedserve.config import CacheConfig, SchedulerConfig
+    from pagedserve.simulate.simulator import Simulator
+    from pagedserve.simulate.workload import SimRequest
+
+    spec = ModelSpec.from_config(load_model_config(None))
+    steps = {}
+    for cap in (0, 512):
+        hw = HardwareProfile.from_dict(_two_formats(long_prefill_token_threshold=cap)).for_format("q4_1")
+        sim = Simulator(CostModel(spec, hw), CacheConfig(), SchedulerConfig(), 1024, 4096)
+        result = sim.run([SimRequest(0.0, list(range(100, 2148)), 1)])
+        steps[cap] = result.num_steps
+    assert steps == {0: 1, 512: 4}
