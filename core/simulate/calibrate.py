@@ -18,7 +18,7 @@ where the platform picks an implementation per row count, the one it picks.
 * in-engine efficiency and step overhead: a few real engine steps of that model.
   Prefill steps of 128, 512 and 2048 tokens set the matmul efficiency (the share of the
   micro-benchmarked matmul rate the whole forward reaches) and the per-token overhead
-  by least squares; decode steps at one and 32 sequences set ``step_overhead_s + S x
+  by least squares; decode steps at 1, 16 and 64 sequences set ``step_overhead_s + S x
   per_seq_overhead_s`` (what the compute terms leave unexplained: input preparation,
   sampling, Python).
 
@@ -213,8 +213,10 @@ def _engine_steps(engine, clock: Clock = time.perf_counter):
     from pagedserve.simulate.cost_model import StepBatch
 
     samples: list[tuple[StepBatch, float]] = []
-    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
-    for rnd, nseq in enumerate([1, 32]):
+    # Decode batches from one sequence to the 64 of the fixed benchmark, ten steps each:
+    # a line through three medians is steadier than through two.
+    params = SamplingParams(max_tokens=11, ignore_eos=True, temperature=0.0)
+    for rnd, nseq in enumerate([1, 16, 64]):
         for i in range(nseq):
             engine.add_request(
                 f"cal-{rnd}-{i}",
@@ -276,9 +278,12 @@ def _fit_overhead(profile: HardwareProfile, samples, spec=None) -> None:
             explained = sum(parts.values()) - parts["overhead"] + profile.per_token_overhead_s * b.num_tokens
             by_s.setdefault(len(b.q_lens), []).append(sec - explained)
         med = {s: median(v) for s, v in by_s.items()}
-        s_lo, s_hi = min(med), max(med)
-        per_seq = max(0.0, (med[s_hi] - med[s_lo]) / (s_hi - s_lo)) if s_hi > s_lo else 0.0
-        profile.step_overhead_s = max(0.0, med[s_lo] - per_seq * s_lo)
+        # least squares line through the per-batch-size medians: overhead = step + S x per_seq
+        s_mean, y_mean = sum(med) / len(med), sum(med.values()) / len(med)
+        sxx = sum((s - s_mean) ** 2 for s in med)
+        slope = sum((s - s_mean) * (y - y_mean) for s, y in med.items()) / sxx if sxx > 0 else 0.0
+        per_seq = max(0.0, slope)
+        profile.step_overhead_s = max(0.0, y_mean - per_seq * s_mean)
         profile.per_seq_overhead_s = per_seq
 
 
