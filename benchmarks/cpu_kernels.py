@@ -11,7 +11,9 @@ kernel, in GOP/s and as a fraction of the int8 VNNI peak (``--int8-peak``, GOP/s
 default estimated from /proc/cpuinfo); with --gguf-mlp, the 30 gated MLPs' first halves
 on Q4_1 [gate; up] blocks, gguf_linear then silu_and_mul against the fused
 gguf_linear_silu_and_mul, the two alternating; with --window, attention with a sliding window
-(512) and a soft-cap (50) at decode and prefill shapes.  Prints one table per kind with
+(512) and a soft-cap (50) at decode and prefill shapes; with --candidates, every
+paged_attention implementation of the CPU platform (native, AMX tiles where the CPU has
+them, torch SDPA over gathered K/V) on prefill chunks, decode batches and a mixed step.  Prints one table per kind with
 the speedup (reference / native).
 
     python benchmarks/cpu_kernels.py [--seqs 1 4 16 64] [--contexts 128 512 2048]
@@ -19,7 +21,7 @@ the speedup (reference / native).
                                      [--huge-pages] [--cpu-time] [--prefill] [--linear]
                                      [--token-major] [--layers 30] [--moe] [--window]
                                      [--gguf] [--rows 1 4 16 64 256] [--int8-peak GOPS]
-                                     [--no-row-kernel] [--gguf-mlp]
+                                     [--no-row-kernel] [--gguf-mlp] [--candidates]
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ __all__ = [
     "prefill_inputs",
     "bench_attention",
     "bench_prefill",
+    "bench_attention_candidates",
+    "mixed_inputs",
     "bench_window",
     "bench_ops",
     "bench_linear",
@@ -168,6 +172,57 @@ def bench_prefill(
         t_ref = time_call(lambda: reference.paged_attention(*args, 0.125, out), clock=clock)
         rows.append((q_len, ctx, t_ref * 1e6, t_native * 1e6, t_ref / t_native))
     return rows
+
+
+def mixed_inputs(prefill: tuple[int, int], decodes: int, context: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """One (q_len, context) prefill chunk after ``decodes`` decode sequences of
+    ``context`` keys each: a step of the mixed workload (decodes first, as scheduled)."""
+    q_len, ctx = prefill
+    seqs = [(1, context)] * decodes + [(q_len, ctx)]
+    block = 16
+    need = [(c + block - 1) // block for _, c in seqs]
+    query, ((kc, vc),), *_ = attention_inputs(1, sum(need) * block, dtype, block_size=block)
+    ids = torch.randperm(kc.shape[0]).to(torch.int32)
+    tables = torch.zeros(len(seqs), max(need), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = ids[start : start + n]
+        start += n
+    q_lens = torch.tensor([q for q, _ in seqs])
+    query = torch.randn(int(q_lens.sum()), *query.shape[1:]).to(dtype)
+    seq_lens = torch.tensor([c for _, c in seqs], dtype=torch.int32)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32)
+    return query, kc, vc, tables, seq_lens, qsl
+
+
+def bench_attention_candidates(
+    native, dtype: torch.dtype, clock: Callable[[], float] = time.perf_counter, rounds: int = 5
+) -> list[tuple]:
+    """Every paged_attention candidate of the CPU platform (platforms/cpu/attention_ops.py)
+    on the default model's heads: prefill chunks, decode batches and a mixed step.  The
+    candidates alternate within each round; medians of the rounds.  The first row is
+    the header."""
+    from pagedserve.platforms.cpu.attention_ops import attention_candidates
+
+    candidates = attention_candidates(native)
+    cases = [
+        (f"prefill {q}x{c}", prefill_inputs(q, c, dtype)) for q, c in [(16, 1024), (128, 1024), (512, 512), (512, 1024)]
+    ]
+    for n, c in [(64, 128), (64, 1024)]:
+        query, ((kc, vc),), *meta = attention_inputs(n, c, dtype)
+        cases.append((f"decode {n}x{c}", (query, kc, vc, *meta)))
+    cases.append(("mixed 32x512+512x1024", mixed_inputs((512, 1024), 32, 512, dtype)))
+    rows = []
+    for label, args in cases:
+        out = torch.empty_like(args[0])
+        times: dict[str, list[float]] = {name: [] for name in candidates}
+        for _ in range(rounds):
+            for name, fn in candidates.items():
+                times[name].append(time_call(lambda: fn(*args, 0.125, out), min_seconds=0.05, min_reps=3, clock=clock))
+        med = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+        best = min(med, key=med.__getitem__)
+        rows.append((label, *(f"{med[name]:.0f}" for name in candidates), best, f"{med['native'] / med[best]:.2f}"))
+    return [("case", *candidates, "fastest", "native/fastest"), *rows]
 
 
 def _op_cases(tokens: int, dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]]:
@@ -430,6 +485,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--prefill", action="store_true", help="also time prefill chunks")
     parser.add_argument(
+        "--candidates", action="store_true", help="also time every paged_attention candidate (native, AMX, SDPA)"
+    )
+    parser.add_argument(
         "--window", action="store_true", help="also time sliding-window / soft-cap attention (decode and prefill)"
     )
     parser.add_argument("--ops", action="store_true", help="also time the row-wise ops")
@@ -480,6 +538,10 @@ def main(argv: list[str] | None = None) -> None:
             ("q_len", "context", "reference us", "native us", "speedup"),
             bench_prefill(native, [(128, 128), (512, 512), (256, 1024), (2048, 2048)], dtype, clock),
         )
+    if args.candidates:
+        print("\npaged_attention candidates, us (9 heads, 3 kv heads, head 64, block 16, head-major cache):\n")
+        header, *rows = bench_attention_candidates(native, dtype, clock)
+        _print_table(header, rows)
     if args.window:
         print("\npaged_attention with a sliding window and soft-cap (9 heads, 3 kv heads, head 64, block 16):\n")
         _print_table(

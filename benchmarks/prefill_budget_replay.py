@@ -28,8 +28,8 @@ import random
 import sys
 
 from pagedserve.config import SchedulerConfig
-from pagedserve.entrypoints.bench_stats import arrival_offsets
-from pagedserve.entrypoints.bench_throughput import make_workload
+from pagedserve.entrypoints.cli.bench_stats import arrival_offsets
+from pagedserve.entrypoints.cli.bench_throughput import make_workload
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
@@ -53,9 +53,8 @@ def replay(budget: int, threshold: int, rate: float, seed: int, n: int, fit, max
         long_prefill_token_threshold=threshold,
         max_prefill_tokens_with_decodes=budget,
     )
-    s = Scheduler(cfg, KVCacheManager(8192, 16, enable_prefix_caching=False), 2048)
     clock = 0.0
-    s.clock = lambda: clock
+    s = Scheduler(cfg, KVCacheManager(8192, 16, enable_prefix_caching=False), 2048, clock=lambda: clock)
     work = make_workload(n, 0, 0, True, seed, 49152)
     arrivals = arrival_offsets(n, rate, random.Random(seed))
     tokens: dict[str, list[float]] = {}

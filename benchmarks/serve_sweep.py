@@ -9,7 +9,7 @@ Starts each server in turn on 127.0.0.1, warms it up with one request, and runs
 (Poisson arrivals; by default the mixed length distribution of workloads.py, 16-1024
 prompt and 16-512 output tokens): per rate p50/p99 TTFT, inter-token latency and e2e
 latency, throughput, the achieved rate and the saturation rate (see
-`pagedserve.entrypoints.bench_stats`). Engines (--engines):
+`pagedserve.entrypoints.cli.bench_stats`). Engines (--engines):
 
     pagedserve-gguf   pagedserve serve on the default GGUF file
     pagedserve-bf16   pagedserve serve on the bf16 folder of compare_vllm.py
@@ -79,7 +79,7 @@ def warm_up(url: str, backend: str) -> None:
     """One short request, so that first-call costs (vLLM's compile, allocations) stay out of the sweep."""
     import httpx
 
-    from pagedserve.entrypoints.bench_serve import _request
+    from pagedserve.entrypoints.cli.bench_serve import _request
 
     model = None
     if backend == "openai":

@@ -6,7 +6,7 @@
 
 Starts `pagedserve serve` (the settings of serve_sweep.py: default GGUF model, 2048-token
 budget, no prefix caching; `--flags` adds serve flags) with PAGEDSERVE_STEP_TRACE set
-(core/step_trace.py), sends the mixed workload of `pagedserve bench serve --dataset mixed`
+(core/engine/step_trace.py), sends the mixed workload of `pagedserve bench serve --dataset mixed`
 with Poisson arrivals, and records when every streamed chunk arrived.  Then, for each
 inter-token gap, it finds the engine step that produced the chunk's token (the request's
 last step before the chunk arrived) and splits the gap into
@@ -58,7 +58,7 @@ async def _one(client, url: str, rid: str, prompt: list[int], n_out: int) -> dic
 async def _load(url: str, work: list[tuple[list[int], int]], rate: float, seed: int) -> list[dict]:
     import httpx
 
-    from pagedserve.entrypoints.bench_stats import arrival_offsets
+    from pagedserve.entrypoints.cli.bench_stats import arrival_offsets
 
     offsets = arrival_offsets(len(work), rate, random.Random(seed))
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
@@ -82,7 +82,7 @@ def _benchmark_helpers():
 
 
 def run_server(args, out: pathlib.Path) -> None:
-    from pagedserve.entrypoints.bench_throughput import make_workload
+    from pagedserve.entrypoints.cli.bench_throughput import make_workload
     from pagedserve.loader import open_model
 
     warm_up, ServerProcess, free_port, pagedserve_cmd = _benchmark_helpers()

@@ -11,11 +11,13 @@ The top level imports only the standard library and httpx.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 
@@ -27,6 +29,7 @@ __all__ = [
     "ServerProcess",
     "free_port",
     "llama_server_cmd",
+    "llama_cpu_flags",
     "pagedserve_cmd",
     "vllm_cmd",
 ]
@@ -128,8 +131,38 @@ def llama_server_cmd(
     """llama-server with continuous batching and one slot of `ctx_per_slot` tokens per request.
 
     `-c` is the whole KV cache; without a unified cache llama-server splits it evenly over
-    the `-np` slots, so `-c n_parallel * ctx_per_slot` gives each slot its context.
+    the `-np` slots, so `-c n_parallel * ctx_per_slot` gives each slot its context.  On a
+    CPU with AMX tiles it adds `--no-repack` (see :func:`llama_cpu_flags`).
     """
+    return [
+        *_llama_server_base(binary, model, port, threads, n_parallel, ctx_per_slot),
+        *llama_cpu_flags(extra),
+        *extra,
+    ]
+
+
+def llama_cpu_flags(extra: Sequence[str] = (), cpu_flags: set[str] | None = None) -> list[str]:
+    """Flags llama-server needs on this CPU beyond ``extra``: `--no-repack` where the CPU
+    has AMX tiles, because the AMX path of the llama.cpp tree vendored by
+    llama-cpp-python 0.3.36 (built with -DGGML_NATIVE=ON) crashes in
+    ggml_backend_amx_mul_mat at the first matmul; `--no-repack` runs its generic CPU path.
+    Announced on stderr so every result that used it says so."""
+    if cpu_flags is None:
+        cpu_flags = set()
+        with contextlib.suppress(OSError):
+            for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("flags"):
+                    cpu_flags = set(line.split(":", 1)[1].split())
+                    break
+    if "amx_tile" not in cpu_flags or "--no-repack" in extra:
+        return []
+    print("llama-server: --no-repack (this CPU has AMX tiles; llama.cpp's AMX path crashes here)", file=sys.stderr)
+    return ["--no-repack"]
+
+
+def _llama_server_base(
+    binary: str, model: pathlib.Path, port: int, threads: int, n_parallel: int, ctx_per_slot: int
+) -> list[str]:
     return [
         binary,
         "-m",
@@ -149,7 +182,6 @@ def llama_server_cmd(
         "--cont-batching",
         "--no-kv-unified",
         "--no-webui",
-        *extra,
     ]
 
 

@@ -22,8 +22,8 @@ import json
 import pathlib
 import time
 
-from pagedserve.entrypoints.bench_serve import percentile
-from pagedserve.entrypoints.bench_throughput import make_workload
+from pagedserve.entrypoints.cli.bench_serve import percentile
+from pagedserve.entrypoints.cli.bench_throughput import make_workload
 from pagedserve.simulate.workload import arrival_times
 
 

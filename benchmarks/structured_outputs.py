@@ -134,7 +134,7 @@ def mask_overhead(llm, batch: int, max_tokens: int) -> dict:
     """Time inside the constraint's own work (bitmask fill + apply, matcher advance) as a
     share of the constrained run: a ratio that other load on the machine affects less
     than two separate wall-clock runs."""
-    import pagedserve.engine as engine_mod
+    import pagedserve.engine.output_processor as engine_mod
     from pagedserve import SamplingParams, StructuredOutputsParams
 
     mgr = llm.llm_engine.structured

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine import EngineStats, LLMEngine
+from pagedserve.engine.step_trace import StepTrace
+from pagedserve.engine.step_trace import now as trace_now
+from pagedserve.lora import load_adapter
 from pagedserve.outputs import RequestOutput
 from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step_trace import StepTrace
-from pagedserve.step_trace import now as trace_now
 
 __all__ = [
     "AsyncLLMEngine",
@@ -183,9 +184,45 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.engine.eos_token_ids
+
+    @property
+    def embedding_size(self) -> int:
+        return self.engine.arch.hidden_size
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.lora is not None
+
+    def check_lora_adapter(self, path: str) -> None:
+        """Load the adapter at ``path`` once (ValueError when it cannot serve this model)."""
+        load_adapter(path, self.engine.arch, self.engine.config.lora.max_lora_rank)
+
+    def generation_defaults(self) -> dict[str, Any]:
+        return dict(self.engine.default_sampling_params)
+
     def stats(self) -> EngineStats:
         """The engine's statistics as of its last step (thread-safe snapshot)."""
         return self._stats
+
+    def replica_status(self) -> list:
+        return []  # one engine, no replicas
+
+    def health(self) -> tuple[int, dict | None]:
+        return (200 if self.is_running else 503), None
+
+    def set_callbacks(
+        self,
+        on_request_output: Callable[[RequestOutput], None] | None = None,
+        on_engine_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        """See `EngineClient.set_callbacks` (None leaves a callback as it is)."""
+        if on_request_output is not None:
+            self.on_request_output = on_request_output
+        if on_engine_dead is not None:
+            self.on_engine_dead = on_engine_dead
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -305,7 +342,7 @@ class AsyncLLMEngine:
             if self._dead is None:
                 self._dead = EngineDeadError("the engine has shut down")
             err = EngineDeadError(f"the engine stopped: {self._dead}")
-            ids = list(engine.groups) if hasattr(engine, "groups") else []
+            ids = engine.request_ids()
             try:
                 engine.abort_request(ids)
             except Exception:  # noqa: BLE001 - best effort while dying; already logged
@@ -373,7 +410,7 @@ class AsyncLLMEngine:
     def _publish(self, events: list[tuple[str, object]]) -> None:
         if not events or self._loop is None:
             return
-        trace = getattr(self.engine, "step_trace", None)
+        trace = self.engine.step_trace
         try:
             if trace is None:
                 self._loop.call_soon_threadsafe(self._dispatch, events)

@@ -631,7 +631,7 @@ class DeviceConfig:
         metadata=_help(
             "decoder layers split across platforms: 'cuda:20,cpu' (the first 20 layers on cuda, the rest on cpu) "
             "or inclusive ranges 'cpu:0-14,cuda:15-29' (docs/memory.md)",
-            parse="pagedserve.entrypoints.device_map_arg:device_map_arg",
+            parse="pagedserve.entrypoints.cli.device_map_arg:device_map_arg",
             metavar="MAP",
         ),
     )
@@ -761,8 +761,4 @@ class EngineConfig:
 
     def validate(self) -> None:
         """ValueError naming the first pair of settings that cannot be combined."""
-        check_engine_config(self)
-
-    def check_device_map(self) -> None:
-        """The cross-section rules (a device map's included); kept for callers of this name."""
         check_engine_config(self)

@@ -4,7 +4,8 @@ A pooling request is a prompt-only request: it runs through the scheduler like a
 prefill (chunked prefill included), samples nothing, and finishes (freeing its KV
 blocks) as soon as its last prompt chunk has run.  The hidden states pooled are the
 last layer's output after the final norm.  Each step the runner reduces the rows of
-every pooling request's chunk to a :class:`PooledPart` (``pool_chunks``); the engine
+every pooling request's chunk to a :class:`PooledPart` (``pool_spans`` picks the rows,
+``pool_rows`` sums them where the final hidden states are); the engine
 folds the parts of a request together (:class:`PoolingState`) and normalises at the end.
 
 Pooling types (sentence-transformers' names in brackets):
@@ -33,7 +34,10 @@ __all__ = [
     "PoolingState",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
-    "pool_chunks",
+    "PoolSpan",
+    "pool_spans",
+    "pool_rows",
+    "pooled_parts",
     "pooling_from_checkpoint",
     "resolve_pooling",
     "needs_every_position",
@@ -126,31 +130,54 @@ def needs_every_position(pooling: str | None) -> bool:
     return pooling in ("mean", "cls")
 
 
-def pool_chunks(scheduled, hidden: torch.Tensor) -> dict[str, PooledPart]:
-    """Reduce this step's rows of every pooling request (``request.pooling`` set).
+@dataclass(frozen=True)
+class PoolSpan:
+    """The rows of a batch one pooling request reduces this step: plain data (it travels
+    to the ranks holding the final hidden states).  ``num_rows`` rows from ``first`` are
+    summed in float32; ``count`` and ``start`` are those of its :class:`PooledPart`."""
 
-    scheduled: the step's ScheduledRequests in batch order; hidden ``[num_tokens,
-    hidden_size]``: the final-norm hidden states of the step in the same order.
-    Returns float32 host tensors by request id (only requests that pooled something).
-    """
-    parts: dict[str, PooledPart] = {}
+    request_id: str
+    first: int
+    num_rows: int
+    count: int
+    start: int
+
+
+def pool_spans(scheduled) -> list[PoolSpan]:
+    """What each pooling request (``request.pooling`` set) of a batch pools this step.
+
+    scheduled: the batch's ScheduledRequests in order.  Only requests that pool something
+    now are listed: every chunk for ``mean``, the last chunk for ``last``, the first for
+    ``cls``."""
+    spans = []
     start = 0
     for s in scheduled:
         r, n = s.request, s.num_new_tokens
         kind = getattr(r, "pooling", None)
-        if kind is not None:
-            c = r.num_computed_tokens
-            rows = None
-            if kind == "mean":
-                rows = hidden[start : start + n].float().sum(dim=0)
-            elif kind == "last" and c + n >= r.num_prompt_tokens:
-                rows = hidden[start + n - 1].float()
-            elif kind == "cls" and c == 0:
-                rows = hidden[start].float()
-            if rows is not None:
-                parts[r.request_id] = PooledPart(rows.cpu(), n if kind == "mean" else 1, c)
+        c = r.num_computed_tokens if kind is not None else 0
+        if kind == "mean":
+            spans.append(PoolSpan(r.request_id, start, n, n, c))
+        elif kind == "last" and c + n >= r.num_prompt_tokens:
+            spans.append(PoolSpan(r.request_id, start + n - 1, 1, 1, c))
+        elif kind == "cls" and c == 0:
+            spans.append(PoolSpan(r.request_id, start, 1, 1, c))
         start += n
-    return parts
+    return spans
+
+
+def pool_rows(hidden: torch.Tensor, spans: list[PoolSpan]) -> torch.Tensor:
+    """hidden ``[num_tokens, hidden_size]`` (a batch's final-norm hidden states) -> float32
+    ``[len(spans), hidden_size]``: each span's rows summed, on hidden's device."""
+    if not spans:
+        return hidden.new_empty(0, hidden.shape[1], dtype=torch.float32)
+    return torch.stack([hidden[s.first : s.first + s.num_rows].float().sum(dim=0) for s in spans])
+
+
+def pooled_parts(spans: list[PoolSpan], vectors: torch.Tensor) -> dict[str, PooledPart]:
+    """The :class:`PooledPart` of each span (``vectors`` as :func:`pool_rows` returns
+    them), by request id, on the host."""
+    vectors = vectors.cpu()
+    return {s.request_id: PooledPart(vectors[j], s.count, s.start) for j, s in enumerate(spans)}
 
 
 def pooling_from_checkpoint(path: str | Path | None) -> str | None:

@@ -10,7 +10,10 @@ Token ids are checked against [0, vocab) by the engine, which knows the vocabula
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedserve.sampling_params import SamplingParams
 
 __all__ = ["check_sampling_params", "check_token_ids", "INT64_MIN", "INT64_MAX", "wrap_seed"]
 
@@ -51,7 +54,7 @@ def _check_id_list(name: str, value: Any, allow_empty: bool = True) -> None:
             _fail(name, "a list of token ids >= 0", value)
 
 
-def _check_logit_bias(params: Any) -> None:
+def _check_logit_bias(params: SamplingParams) -> None:
     bias = params.logit_bias
     if bias is None:
         return

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.config import SchedulerConfig
@@ -51,7 +52,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, default_long_prefill: int = 0
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        default_long_prefill: int = 0,
+        max_loras: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -63,10 +70,10 @@ class Scheduler:
         self.last_step_latency = 0.0
         #: The clock arrival and first-token times are read on (the capacity planner
         #: substitutes a simulated one).
-        self.clock = time.monotonic
-        #: Most distinct LoRA adapters among running requests (set with enable_lora): a
-        #: waiting request with another adapter waits until one of them finishes.
-        self.max_loras: int | None = None
+        self.clock = clock
+        #: Most distinct LoRA adapters among running requests (with enable_lora; None: no
+        #: limit): a waiting request with another adapter waits until one of them finishes.
+        self.max_loras = max_loras
         #: Most prompt tokens one request gets per step (0: no cap): the setting, else
         #: ``default_long_prefill`` (the platform's) when prompts may be chunked.
         threshold = config.long_prefill_token_threshold
@@ -81,6 +88,10 @@ class Scheduler:
         self.max_prefill_tokens_with_decodes = with_decodes
         #: Prompt tokens the step being scheduled may still take (None: no cap this step).
         self._prefill_left: int | None = None
+
+    def record_step_latency(self, seconds: float) -> None:
+        """How long the last step took (scheduler_delay_factor waits a multiple of it)."""
+        self.last_step_latency = seconds
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

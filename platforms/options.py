@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["env_flag", "env_choice", "target_device", "CpuOptions", "GpuOptions"]
+__all__ = ["env_flag", "env_choice", "env_int", "target_device", "CpuOptions", "GpuOptions"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -40,6 +40,16 @@ def env_choice(env: Mapping[str, str], name: str, default: str, choices: tuple[s
     return raw
 
 
+def env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    """A non-negative integer; unset or empty: ``default``."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit():
+        raise ValueError(f"{name}={env[name]!r} is not a non-negative integer")
+    return int(raw)
+
+
 def target_device(env: Mapping[str, str] | None = None) -> str | None:
     """The platform named by PAGEDSERVE_TARGET_DEVICE; None when it is unset, empty or
     "auto".  The one place that variable is read."""
@@ -62,6 +72,12 @@ class CpuOptions:
     isa: str | None = None
     #: PAGEDSERVE_CPU_PREPACK: pack bf16 linear weights at load.
     prepack: bool = True
+    #: PAGEDSERVE_CPU_TUNE: choose bf16 linear kernels by timing them on the model's
+    #: shapes (platforms/cpu/tuning.py; off: the static order, native packed first).
+    tune: bool = True
+    #: PAGEDSERVE_CPU_TUNE_DUAL_MB: memory (MiB) for weights kept in a second layout
+    #: where the tuned kernels of two layouts win different row counts (0: never).
+    tune_dual_mb: int = 1024
     #: PAGEDSERVE_CPU_GGUF_REPACK: repack GGUF blocks at load for the tiled int8 GEMM
     #: (off: the row-by-row kernel on the file's blocks).
     gguf_repack: bool = True
@@ -69,6 +85,9 @@ class CpuOptions:
     kv_layout: str = "head"
     #: PAGEDSERVE_CPU_HUGE_PAGES: advise the KV caches onto transparent huge pages.
     huge_pages: bool = False
+    #: PAGEDSERVE_CPU_AMX_ATTENTION: prefill attention on AMX tiles where the CPU has AMX
+    #: (platforms/cpu/attention_ops.py; off: the native kernel for every sequence).
+    amx_attention: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> CpuOptions:
@@ -78,9 +97,12 @@ class CpuOptions:
             quant_kernels=env_flag(env, "PAGEDSERVE_QUANT_CPU_KERNELS", True),
             isa=env.get("PAGEDSERVE_CPU_ISA", "").strip().lower() or None,
             prepack=env_flag(env, "PAGEDSERVE_CPU_PREPACK", True),
+            tune=env_flag(env, "PAGEDSERVE_CPU_TUNE", True),
+            tune_dual_mb=env_int(env, "PAGEDSERVE_CPU_TUNE_DUAL_MB", 1024),
             gguf_repack=env_flag(env, "PAGEDSERVE_CPU_GGUF_REPACK", True),
             kv_layout=env_choice(env, "PAGEDSERVE_CPU_KV_LAYOUT", "head", ("head", "token")),
             huge_pages=env_flag(env, "PAGEDSERVE_CPU_HUGE_PAGES", False),
+            amx_attention=env_flag(env, "PAGEDSERVE_CPU_AMX_ATTENTION", True),
         )
 
 

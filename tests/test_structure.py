@@ -114,10 +114,13 @@ def tree(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def broken_tree(tmp_path_factory) -> Path:
-    """A copy with a layer violation (kernels importing platforms) and an import cycle."""
+    """A copy with layer violations (kernels importing platforms; inside the engine, the
+    client interface importing the engine) and an import cycle."""
     tree = _copy_sources(tmp_path_factory.mktemp("structure-broken"))
     with open(tree / "pagedserve" / "kernels" / "reference.py", "a") as f:
         f.write("\nfrom pagedserve.platforms import Platform  # planted layer violation\n")
+    with open(tree / "pagedserve" / "engine" / "client.py", "a") as f:
+        f.write("\nfrom pagedserve.engine.llm_engine import LLMEngine  # planted layer violation\n")
     with open(tree / "pagedserve" / "kv_cache" / "block_hash.py", "a") as f:
         f.write("\n\ndef _planted():\n    from pagedserve.scheduler import Scheduler  # planted cycle\n")
     return tree
@@ -164,6 +167,7 @@ def test_the_checks_can_fail(broken_tree):
     layers = _lint_imports(broken_tree)
     assert layers.returncode != 0
     assert "pagedserve.kernels.reference -> pagedserve.platforms" in layers.stdout
+    assert "pagedserve.engine.client -> pagedserve.engine.llm_engine" in layers.stdout
     cycles = _find_cycles(broken_tree)
     assert cycles.returncode == 1, cycles.stdout + cycles.stderr
     assert "pagedserve.kv_cache.block_hash -> pagedserve.scheduler" in cycles.stdout

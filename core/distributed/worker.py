@@ -1,12 +1,14 @@
 """Worker: one rank's model shard and KV cache shard, driven by rank 0 one step at a time.
 
 Every step the driver (rank 0) turns the SchedulerOutput into CPU model inputs split in
-micro-batches, broadcasts them once, and all ranks run them.  With pipeline
-parallelism a stage receives (hidden, residual) of a micro-batch from the previous stage,
-runs its layers and sends them on without waiting, so while the last stage works on
-micro-batch 0 the first already computes micro-batch 1.  The last stage computes logits
-(all-gathered across its tensor-parallel ranks) and hands them to rank 0, the only rank
-that samples.
+micro-batches, plans each one's tail (pagedserve.executor.sample_step: the rows to read,
+the grammar bitmask), broadcasts the inputs with the rows once, and all ranks run them.
+With pipeline parallelism a stage receives (hidden, residual) of a micro-batch from the
+previous stage, runs its layers and sends them on without waiting, so while the last
+stage works on micro-batch 0 the first already computes micro-batch 1.  The last stage
+runs the tail's head (logits all-gathered across its tensor-parallel ranks, prompt
+logprobs, pooling) and hands its output to rank 0, the only rank that samples: rank 0
+finishes the tail exactly as a single-process runner does.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import DistInit, ParallelContext, destroy_distributed, init_distributed
 from pagedserve.executor.attention_metadata import AttentionMetadata
 from pagedserve.executor.input_batch import prepare_inputs
-from pagedserve.executor.model_runner import ModelRunner, StepOutput, resolve_dtype
+from pagedserve.executor.model_runner import ModelRunner, resolve_dtype
+from pagedserve.executor.sample_step import HeadOutput, StepOutput, TailRows, finish_step, plan_step, run_head
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.scheduler import SchedulerOutput
 
@@ -32,13 +35,13 @@ __all__ = ["Worker", "MicroBatch", "split_micro_batches", "run_worker_process", 
 class MicroBatch:
     """CPU model inputs of a slice of the step's requests.
 
-    input_ids int64 [n]; meta as in AttentionMetadata; sample_idx int64 [m]: rows of the
-    last token of each request that samples this step.
+    input_ids int64 [n]; meta as in AttentionMetadata; tail: the final hidden rows its
+    tail reads (sampling, prompt logprobs, pooling).
     """
 
     input_ids: torch.Tensor
     meta: AttentionMetadata
-    sample_idx: torch.Tensor
+    tail: TailRows
 
 
 def split_micro_batches(out: SchedulerOutput, n: int) -> list[list[int]]:
@@ -107,22 +110,20 @@ class Worker:
             # Host-tier copies would have to run on every rank's shard (config rejects it).
             raise RuntimeError("host KV tier transfers are not supported with tensor/pipeline parallelism")
         runner = self.runner
-        batches, requests = [], []
+        batches, plans = [], []
         for group in split_micro_batches(out, self.num_micro_batches):
             sub = SchedulerOutput(scheduled=[out.scheduled[i] for i in group])
             inp = prepare_inputs(sub, block_ids, runner.block_size, torch.device("cpu"), runner.layer_groups)
-            rows = [i for i, s in enumerate(sub.scheduled) if s.samples]
-            batches.append(MicroBatch(inp.input_ids, inp.meta, inp.logits_indices[rows]))
-            requests += [sub.scheduled[i].request for i in rows]
+            plan = plan_step(sub.scheduled, inp.logits_indices, runner.arch.vocab_size)
+            batches.append(MicroBatch(inp.input_ids, inp.meta, plan.rows))
+            plans.append(plan)
         self.parallel.broadcast_object(batches)
-        logits = self.run_step(batches)
-        if not requests:
-            return StepOutput({}, {})
+        heads = self.run_step(batches)
+        result = StepOutput({}, {})
         with torch.inference_mode():
-            result = runner.sampler(torch.cat([t.cpu() for t in logits]), requests)
-        sampled = {r.request_id: t for r, t in zip(requests, result.token_ids)}
-        logprobs = {r.request_id: lp for r, lp in zip(requests, result.logprobs) if lp is not None}
-        return StepOutput(sampled, logprobs)
+            for plan, head in zip(plans, heads):
+                result.update(finish_step(runner.sampler, runner.model.head_ops, plan, head))
+        return result
 
     def stop_workers(self) -> None:
         """Rank 0: tell the other ranks to leave their loop."""
@@ -134,12 +135,13 @@ class Worker:
         while (batches := self.parallel.broadcast_object()) is not None:
             self.run_step(batches)
 
-    def run_step(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
-        """Forward every micro-batch through this rank's layers; rank 0 gets the logits
-        [m, vocab] float32 of the sampling rows of each micro-batch (empty ones skipped)."""
+    def run_step(self, batches: list[MicroBatch]) -> list[HeadOutput]:
+        """Forward every micro-batch through this rank's layers; rank 0 gets each one's
+        head output (sample_step.run_head: computed by the last stage, sent by its first
+        tensor-parallel rank when that is not rank 0)."""
         p, model, runner = self.parallel, self.runner.model, self.runner
         dev, hidden = runner.device, runner.arch.hidden_size
-        logits_out: list[torch.Tensor] = []
+        heads: list[HeadOutput] = []
         pending = []  # isend handles; their tensors stay referenced until waited on
         with torch.inference_mode():
             for mb in batches:
@@ -159,25 +161,21 @@ class Worker:
                     x, residual = x.contiguous(), residual.contiguous()
                     pending += [(dist.isend(x, dst=nxt), x), (dist.isend(residual, dst=nxt), residual)]
                     continue
-                if mb.sample_idx.numel() == 0:
-                    continue
-                idx = mb.sample_idx.to(dev)
-                h = model.final_norm(x.index_select(0, idx), residual.index_select(0, idx))
-                logits = model.compute_logits(h).contiguous()
+                head = run_head(model, model.final_norm(x, residual), mb.tail, lambda t: t.to(dev))
                 if p.rank == 0:
-                    logits_out.append(logits)
+                    heads.append(head)
                 elif p.tp_rank == 0 and p.pp_size > 1:
-                    pending.append((dist.isend(logits, dst=0), logits))
+                    pending += [(dist.isend(t, dst=0), t) for t in head.widened().tensors()]
             if p.rank == 0 and p.pp_size > 1:
                 src = (p.pp_size - 1) * p.tp_size  # the last stage's first tensor-parallel rank
                 for mb in batches:
-                    if mb.sample_idx.numel():
-                        t = torch.empty(mb.sample_idx.numel(), runner.arch.vocab_size, dtype=torch.float32, device=dev)
+                    head = HeadOutput.empty(mb.tail, runner.arch.vocab_size, hidden, dev)
+                    for t in head.tensors():
                         dist.recv(t, src=src)
-                        logits_out.append(t)
+                    heads.append(head)
             for work, _ in pending:
                 work.wait()
-        return logits_out
+        return heads
 
     def close(self) -> None:
         destroy_distributed()

@@ -11,12 +11,12 @@ from typing import Any
 from pagedserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagedserve.config import EngineConfig
 from pagedserve.engine import LLMEngine
+from pagedserve.engine.request_options import continue_final_message as cut_after_final_message
 from pagedserve.entrypoints.engine_args import engine_config_from_args, engine_config_from_kwargs, engine_signature
 from pagedserve.lora import LoRARequest
 from pagedserve.lora.request import per_prompt_lora
 from pagedserve.outputs import RequestOutput
 from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams
-from pagedserve.request_options import continue_final_message as cut_after_final_message
 from pagedserve.sampling_params import SamplingParams
 
 __all__ = ["LLM"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -11,10 +11,9 @@ import torch
 
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.distributed.parallel_state import ParallelContext
-from pagedserve.executor.input_batch import prepare_inputs
-from pagedserve.executor.prompt_logprobs import compute_prompt_logprobs
-from pagedserve.executor.sampler import Sampler, SamplerOutput
-from pagedserve.executor.step_rows import sampling_hidden
+from pagedserve.executor.input_batch import ModelInput, prepare_inputs
+from pagedserve.executor.sample_step import StepOutput, finish_step, plan_step, run_head
+from pagedserve.executor.sampler import Sampler
 from pagedserve.kv_cache.kv_groups import grouped_blocks_for_one_request, kv_cache_groups, layer_slots
 from pagedserve.kv_cache.sliding_window import blocks_for_one_request
 from pagedserve.models.arch_config import ArchConfig
@@ -23,7 +22,6 @@ from pagedserve.models.registry import resolve_model_class
 from pagedserve.offload.device_map import Segment
 from pagedserve.offload.kv_tier import allocate_host_kv_cache, apply_kv_transfers
 from pagedserve.platforms import OpRegistry, Platform
-from pagedserve.pooling import PooledPart, pool_chunks
 from pagedserve.scheduler import SchedulerOutput
 
 __all__ = ["ModelRunner", "StepOutput", "resolve_dtype", "check_cache_dtype", "kv_bytes_per_block"]
@@ -64,22 +62,6 @@ def check_cache_dtype(cache_dtype: str, dtype: torch.dtype) -> None:
 def kv_bytes_per_block(cfg: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
-
-
-@dataclass
-class StepOutput:
-    """Sampled tokens by request id (only requests whose chunk reached the end)."""
-
-    sampled: dict[str, int]
-    logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]]
-    #: Per request asking for them: (position, logprob, rank, top-k) of prompt tokens.
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)
-    #: Embedding requests: this step's pooled final hidden states (pagedserve.pooling).
-    pooled: dict[str, PooledPart] = field(default_factory=dict)
-    #: Speculative decoding: per request that verified drafts, the drafts accepted (they
-    #: come before its sampled token) and their logprob entries (when asked for).
-    accepted: dict[str, list[int]] = field(default_factory=dict)
-    accepted_logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -123,8 +105,6 @@ class ModelRunner:
         # This rank's share of the KV cache: its KV heads of its pipeline stage's layers.
         self.local_arch = replace(arch, num_kv_heads=self.model.num_kv_heads, num_layers=len(self.model.layers))
         self.sampler = Sampler()
-        #: The engine's StructuredOutputManager: masks constrained rows before sampling.
-        self.structured = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: The host KV tier's blocks, same layout (empty without kv_offload_memory).
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -298,9 +278,33 @@ class ModelRunner:
     def stream_layers(self, stream: Callable[[Sequence[Any]], Iterator[Any]] | None) -> None:
         """Run the layers through ``stream`` (weight offload's WeightStreamer: the layer
         list in, the layers to run out); None runs the model's own layers."""
-        self.model.layer_stream = stream
+        self.model.set_layer_stream(stream)
+
+    def use_lora(self, manager) -> None:
+        """Give each forward's rows their adapter slots through ``manager`` (a LoRAManager
+        that has wrapped this runner's model)."""
+        self.lora_manager = manager
 
     # -- step --------------------------------------------------------------------------
+    def _forward(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> tuple[ModelInput, torch.Tensor]:
+        """The step's inputs and forward: its final hidden states ``[num_tokens, hidden]``
+        (after the final norm) on the last segment's device.  Call in inference mode."""
+        if out.kv_transfers:
+            # Spills, reloads and swaps decided by the scheduler: all before the forward.
+            apply_kv_transfers(
+                [o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, out.kv_transfers
+            )
+        inp = prepare_inputs(out, block_ids, self.block_size, self.device, self.layer_groups)
+        if self.lora_manager is not None:  # each row's adapter slot, for this forward only
+            self.lora_manager.begin_step(
+                [(s.request.lora_request, s.num_new_tokens) for s in out.scheduled], self.device
+            )
+        try:
+            return inp, self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
+        finally:
+            if self.lora_manager is not None:
+                self.lora_manager.end_step()
+
     def forward_logits(
         self, out: SchedulerOutput, block_ids: dict[str, list[int]], num_logits: list[int]
     ) -> torch.Tensor:
@@ -308,58 +312,24 @@ class ModelRunner:
         scheduled request, in batch order: ``[sum(num_logits), vocab]`` in the model's
         dtype on the device (speculative decoding verifies drafts with them)."""
         with torch.inference_mode():
-            if out.kv_transfers:
-                apply_kv_transfers(
-                    [o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, out.kv_transfers
-                )
-            inp = prepare_inputs(out, block_ids, self.block_size, self.device, self.layer_groups)
-            hidden = self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
+            _, hidden = self._forward(out, block_ids)
             ends = np.cumsum([s.num_new_tokens for s in out.scheduled])
             rows = [np.arange(e - k, e) for e, k in zip(ends.tolist(), num_logits) if k]
             idx = torch.from_numpy(np.concatenate(rows)) if rows else torch.empty(0, dtype=torch.int64)
-            idx = self.segments[-1].platform.to_device(idx)
-            return self.model.compute_logits(hidden.index_select(0, idx), float32=False)
+            return self.model.compute_logits(hidden.index_select(0, self._to_head(idx)), float32=False)
 
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepOutput:
+        """Run one step: forward, then the tail every executor shares (sample_step.py)."""
         with torch.inference_mode():
-            if out.kv_transfers:
-                # Spills, reloads and swaps decided by the scheduler: all before the forward.
-                apply_kv_transfers(
-                    [o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, out.kv_transfers
-                )
-            inp = prepare_inputs(out, block_ids, self.block_size, self.device, self.layer_groups)
-            if self.lora_manager is not None:  # each row's adapter slot, for this forward only
-                self.lora_manager.begin_step(
-                    [(s.request.lora_request, s.num_new_tokens) for s in out.scheduled], self.device
-                )
-            try:
-                hidden = self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
-            finally:
-                if self.lora_manager is not None:
-                    self.lora_manager.end_step()
-            prompt_lps = compute_prompt_logprobs(
-                out, hidden, self.model.compute_logits, self.segments[-1].platform.to_device
-            )
-            # Embedding requests get their final-norm hidden rows pooled instead of logits.
-            pooled = pool_chunks(out.scheduled, hidden)
-            sampling_rows = [i for i, s in enumerate(out.scheduled) if s.samples and s.request.pooling is None]
-            if not sampling_rows:
-                return StepOutput({}, {}, prompt_lps, pooled)
-            # hidden is on the last segment's device; the sampler runs on the host.
-            rows = sampling_hidden(
-                hidden, inp.logits_indices, sampling_rows, out.scheduled, self.segments[-1].platform.to_device
-            )
-            # The sampler widens to float32 only for rows that need more than an argmax.
-            logits = self.model.compute_logits(rows, float32=False)
-            requests = [out.scheduled[i].request for i in sampling_rows]
-            if self.structured is not None:
-                self.structured.apply(self.model.head_ops, logits, requests)
-            result: SamplerOutput
-            if self.sampler.plain_greedy(requests):
-                # Only the chosen ids leave the device.
-                result = SamplerOutput(self.model.head_ops.argmax(logits).tolist(), [None] * len(requests))
-            else:
-                result = self.sampler(logits.cpu(), requests)
-        sampled = {r.request_id: t for r, t in zip(requests, result.token_ids)}
-        logprobs = {r.request_id: lp for r, lp in zip(requests, result.logprobs) if lp is not None}
-        return StepOutput(sampled, logprobs, prompt_lps, pooled)
+            inp, hidden = self._forward(out, block_ids)
+            plan = plan_step(out.scheduled, inp.logits_indices, self.arch.vocab_size)
+            head = run_head(self.model, hidden, plan.rows, self._to_head)
+            return finish_step(self.sampler, self.model.head_ops, plan, head)
+
+    def take_row_errors(self) -> dict[str, str]:
+        """Requests whose own sampling failed since the last call (Sampler.take_row_errors)."""
+        return self.sampler.take_row_errors()
+
+    def _to_head(self, t: torch.Tensor) -> torch.Tensor:
+        # The final hidden states are on the last segment's device.
+        return self.segments[-1].platform.to_device(t)

@@ -8,17 +8,28 @@ nothing special: each chunk scores its own positions.  The engine skips the pref
 lookup for such a request (a cached block has no logits), and a recompute after
 preemption scores the same positions again with the same result, so entries are stored
 by position and overwriting is harmless.
+
+Three parts, as the step's tail runs them (pagedserve.executor.sample_step):
+:func:`prompt_rows` picks the rows from the scheduled requests, :func:`score_prompt_rows`
+scores them where the final hidden states are (the last pipeline stage), and
+:func:`prompt_logprobs_by_request` files the scores under their requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.scheduler import SchedulerOutput
-
-__all__ = ["PromptLogprobs", "compute_prompt_logprobs"]
+__all__ = [
+    "PromptLogprobs",
+    "PromptRows",
+    "PromptScores",
+    "prompt_rows",
+    "score_prompt_rows",
+    "prompt_logprobs_by_request",
+]
 
 #: Per request id: (position of the scored token, its logprob, its rank, top-k [(id, logprob)]).
 PromptLogprobs = dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]]
@@ -26,62 +37,102 @@ PromptLogprobs = dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]
 _ROWS_PER_SLICE = 256  # bounds the float32 [rows, vocab] logits held at once
 
 
-def _rows(out: SchedulerOutput) -> tuple[list[int], list[int], list[tuple[str, int, int]]]:
-    """Flat token rows to score, their target ids, and (request id, first position, count)."""
+@dataclass
+class PromptRows:
+    """The token rows of a batch to score: plain data (it travels to the last stage).
+
+    rows, targets: int64 ``[p]`` (a row of the batch, the prompt token its logits score);
+    top: the largest top-k any of them asks for; spans: per request, (request id, first
+    scored position, count, its own top-k), in row order.
+    """
+
+    rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    targets: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    top: int = 0
+    spans: list[tuple[str, int, int, int]] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.rows.numel())
+
+
+@dataclass
+class PromptScores:
+    """Per scored row: its token's logprob (float32 ``[p]``) and rank (int64 ``[p]``), and
+    the top-``k`` logprobs (float32 ``[p, k]``) and ids (int64 ``[p, k]``)."""
+
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    top_logprobs: torch.Tensor
+    top_ids: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: PromptRows, device: torch.device | str = "cpu") -> PromptScores:
+        """Buffers of the shapes ``rows`` gives (to receive scores computed elsewhere)."""
+        p, k = rows.num_rows, rows.top
+        f32, i64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int64, device=device)
+        return cls(torch.empty(p, **f32), torch.empty(p, **i64), torch.empty(p, k, **f32), torch.empty(p, k, **i64))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.logprobs, self.ranks, self.top_logprobs, self.top_ids]
+
+
+def prompt_rows(scheduled) -> PromptRows:
+    """The rows of a batch (``scheduled``: its ScheduledRequests in order) to score."""
     flat, targets, spans = [], [], []
     start = 0
-    for s in out.scheduled:
+    for s in scheduled:
         r = s.request
         c, n = r.num_computed_tokens, s.num_new_tokens
-        if r.sampling_params.prompt_logprobs is not None:
+        k = r.sampling_params.prompt_logprobs
+        if k is not None:
             end = min(c + n, r.num_prompt_tokens - 1)
             if end > c:
                 flat.extend(range(start, start + end - c))
                 targets.extend(r.prompt_token_ids[c + 1 : end + 1])
-                spans.append((r.request_id, c + 1, end - c))
+                spans.append((r.request_id, c + 1, end - c, k))
         start += n
-    return flat, targets, spans
+    if not flat:
+        return PromptRows()
+    top = max(k for *_, k in spans)
+    return PromptRows(torch.tensor(flat, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64), top, spans)
 
 
-def compute_prompt_logprobs(
-    out: SchedulerOutput,
+def score_prompt_rows(
     hidden: torch.Tensor,
+    rows: PromptRows,
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
     to_device: Callable[[torch.Tensor], torch.Tensor],
-) -> PromptLogprobs:
-    """Score the prompt tokens this step's chunks cover.
+) -> PromptScores:
+    """Score ``rows`` of hidden ``[num_tokens, hidden_size]`` (the batch's final hidden
+    states); compute_logits maps ``[n, hidden_size]`` to ``[n, vocab]`` (a collective
+    under tensor parallelism: every rank of the stage calls it with the same rows).
+    The scores stay on the logits' device."""
+    parts: list[list[torch.Tensor]] = [[], [], [], []]
+    for lo in range(0, rows.num_rows, _ROWS_PER_SLICE):
+        idx = to_device(rows.rows[lo : lo + _ROWS_PER_SLICE])
+        lp = torch.log_softmax(compute_logits(hidden.index_select(0, idx)).float(), dim=-1)
+        chosen = lp.gather(1, rows.targets[lo : lo + _ROWS_PER_SLICE].to(lp.device).unsqueeze(1))
+        parts[0].append(chosen.squeeze(1))
+        parts[1].append((lp > chosen).sum(dim=1) + 1)
+        v, i = lp.topk(rows.top, dim=-1)
+        parts[2].append(v)
+        parts[3].append(i)
+    return PromptScores(*(torch.cat(p) for p in parts))
 
-    hidden ``[num_tokens, hidden_size]``: the step's final hidden states in batch order;
-    compute_logits maps ``[rows, hidden_size]`` to float32 ``[rows, vocab]``.
-    """
-    flat, targets, spans = _rows(out)
-    if not flat:
+
+def prompt_logprobs_by_request(rows: PromptRows, scores: PromptScores) -> PromptLogprobs:
+    """The scores of ``rows`` filed by request id, each with its own top-k."""
+    if not rows.spans:
         return {}
-    tops = {r.request_id: r.sampling_params.prompt_logprobs for r in (s.request for s in out.scheduled)}
-    k_max = max(tops[rid] for rid, _, _ in spans)
-    tok_lp, ranks, top_vals, top_ids = [], [], [], []
-    for lo in range(0, len(flat), _ROWS_PER_SLICE):
-        idx = to_device(torch.tensor(flat[lo : lo + _ROWS_PER_SLICE]))
-        lp = torch.log_softmax(compute_logits(hidden.index_select(0, idx)).float(), dim=-1).cpu()
-        tgt = torch.tensor(targets[lo : lo + _ROWS_PER_SLICE]).unsqueeze(1)
-        chosen = lp.gather(1, tgt)
-        tok_lp.append(chosen.squeeze(1))
-        ranks.append((lp > chosen).sum(dim=1) + 1)
-        if k_max:
-            v, i = lp.topk(k_max, dim=-1)
-            top_vals.append(v)
-            top_ids.append(i)
-    lps, rks = torch.cat(tok_lp).tolist(), torch.cat(ranks).tolist()
-    tv = torch.cat(top_vals).tolist() if k_max else None
-    ti = torch.cat(top_ids).tolist() if k_max else None
+    lps, rks = scores.logprobs.tolist(), scores.ranks.tolist()
+    tv, ti = scores.top_logprobs.tolist(), scores.top_ids.tolist()
     result: PromptLogprobs = {}
     row = 0
-    for rid, first, count in spans:
-        k = tops[rid]
-        entries = []
-        for j in range(count):
-            top = list(zip(ti[row + j][:k], tv[row + j][:k])) if k else []
-            entries.append((first + j, lps[row + j], int(rks[row + j]), top))
-        result[rid] = entries
+    for rid, first, count, k in rows.spans:
+        result[rid] = [
+            (first + j, lps[row + j], int(rks[row + j]), list(zip(ti[row + j][:k], tv[row + j][:k])))
+            for j in range(count)
+        ]
         row += count
     return result

@@ -6,6 +6,14 @@ of the (penalised) logits.  Random rows sample with the exponential-race trick
 (argmax of probs / Exp(1) noise), drawing the noise from the request's own
 ``torch.Generator`` when it has a seed, so the same seed gives the same text whatever
 else shares the batch.  Logprobs are those of the model's raw distribution.
+
+One request's bad state fails that request only.  The sampler works on the whole batch,
+but part of its work belongs to single requests: a seeded request's own generator, its
+number of logprobs.  If that part raises (e.g. a seed torch cannot take), the whole step
+would fail and with it every request in the batch.  So each row is first prepared on its
+own; rows that fail are sampled as a placeholder (token 0) and their errors kept until
+the engine takes them (``take_row_errors``) and fails those requests before the
+placeholder is ever shown.
 """
 
 from __future__ import annotations
@@ -15,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.executor.logits_processors import apply_logits_processors
-from pagedserve.executor.row_errors import failing_rows, sample_without
 from pagedserve.request import Request
 
 __all__ = ["Sampler", "SamplerOutput"]
@@ -31,9 +38,15 @@ class SamplerOutput:
 class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
-        #: request id -> why sampling failed for that request alone (row_errors.py); the
-        #: engine takes and clears these after every step.
-        self.row_errors: dict[str, str] = {}
+        #: request id -> why sampling failed for that request alone; the engine takes and
+        #: clears these after every step (take_row_errors).
+        self._row_errors: dict[str, str] = {}
+
+    def take_row_errors(self) -> dict[str, str]:
+        """The requests whose own sampling failed since the last call (request id -> why);
+        their tokens are placeholders.  Clears them."""
+        errors, self._row_errors = self._row_errors, {}
+        return errors
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -70,14 +83,15 @@ class Sampler:
             # Plain greedy rows: the argmax needs no float32 copy (widening bf16 is exact,
             # so the chosen ids are the same) and no row gather.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
-        bad = failing_rows(self, requests, logits.shape[1])
+        bad = self._failing_rows(requests, logits.shape[1])
         if bad:
-            out = sample_without(self, logits, requests, bad)
-            return out if out is not None else SamplerOutput([0] * len(requests), [None] * len(requests))
+            return self._sample_without(logits, requests, bad)
         logits = raw = logits.float()
-        logits = self._apply_penalties(logits, requests)
+        # vLLM's order: logit_bias and the other edits, min_tokens, then the penalties (a
+        # seen token's repetition penalty scales its logit with the bias included).
         logits = apply_logits_processors(logits, requests)
         logits = self._apply_min_tokens(logits, requests)
+        logits = self._apply_penalties(logits, requests)
 
         greedy = [p.greedy for p in params]
         tokens = torch.empty(len(requests), dtype=torch.int64)
@@ -89,6 +103,33 @@ class Sampler:
             tokens[torch.tensor(r_idx)] = self._sample(logits[r_idx], [requests[i] for i in r_idx])
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw, requests, token_list))
+
+    # -- rows that fail on their own ------------------------------------------------------
+    def _failing_rows(self, requests: list[Request], vocab: int) -> dict[int, str]:
+        """Row index -> error, for the rows whose own preparation raises."""
+        bad: dict[int, str] = {}
+        for i, request in enumerate(requests):
+            try:
+                self._generator(request)  # created and cached now: a seed torch refuses raises here
+                logprobs = request.sampling_params.logprobs
+                if logprobs is not None and logprobs > vocab:
+                    raise ValueError(f"logprobs={logprobs} exceeds the vocabulary size {vocab}")
+            except Exception as e:  # noqa: BLE001 - this request's own failure, reported by name
+                bad[i] = f"{type(e).__name__}: {e}"
+        return bad
+
+    def _sample_without(self, logits: torch.Tensor, requests: list[Request], bad: dict[int, str]) -> SamplerOutput:
+        """Sample the good rows as one batch; the bad rows get token 0 and a row error.
+        logits ``[num_seqs, vocab]``."""
+        for i, error in bad.items():
+            self._row_errors[requests[i].request_id] = error
+        tokens, logprobs = [0] * len(requests), [None] * len(requests)
+        keep = [i for i in range(len(requests)) if i not in bad]
+        if keep:
+            sub = self(logits[keep], [requests[i] for i in keep])
+            for j, i in enumerate(keep):
+                tokens[i], logprobs[i] = sub.token_ids[j], sub.logprobs[j]
+        return SamplerOutput(tokens, logprobs)
 
     # -- logit processors -------------------------------------------------------------------
     @staticmethod
@@ -152,18 +193,21 @@ class Sampler:
             kth = logits.sort(dim=-1, descending=True).values.gather(1, k - 1)
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).unsqueeze(1)
-        if bool((top_p < 1.0).any()):
-            sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
-            cum = sorted_p.cumsum(dim=-1)
-            # Keep the smallest set whose mass reaches top_p (always the top token).
-            remove_sorted = (cum - sorted_p) >= top_p
-            remove = torch.zeros_like(remove_sorted).scatter(1, sorted_idx, remove_sorted)
-            probs = probs.masked_fill(remove, 0.0)
+        # min-p before top-p, as in vLLM: top-p measures its mass in what min-p leaves.
+        # (min-p and top-k commute: both keep the largest logits.)
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).unsqueeze(1)
         if bool((min_p > 0).any()):
             threshold = probs.max(dim=-1, keepdim=True).values * min_p
             probs = probs.masked_fill(probs < threshold, 0.0)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).unsqueeze(1)
+        if bool((top_p < 1.0).any()):
+            sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
+            cum = sorted_p.cumsum(dim=-1)
+            # Keep the smallest set whose share of the mass left reaches top_p (always the
+            # top token).
+            remove_sorted = (cum - sorted_p) >= top_p * cum[:, -1:]
+            remove = torch.zeros_like(remove_sorted).scatter(1, sorted_idx, remove_sorted)
+            probs = probs.masked_fill(remove, 0.0)
         return probs
 
     @staticmethod

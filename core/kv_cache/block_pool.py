@@ -80,7 +80,9 @@ class FreeBlockQueue:
 class BlockPool:
     """All KV blocks of one engine and the map from block hash to cached block."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, on_evict: Callable[[KVBlock], None] | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -91,7 +93,7 @@ class BlockPool:
         self.num_evictions = 0
         #: Called with a cached block just before eviction forgets its hash (a host
         #: tier spills the block's KV there).
-        self.on_evict: Callable[[KVBlock], None] | None = None
+        self.on_evict = on_evict
 
     # -- queries ----------------------------------------------------------------------
     @property

@@ -82,9 +82,8 @@ class TieredKVCacheManager(KVCacheManager):
         num_host_blocks: int = 1,
         swap_policy: SwapPolicy | None = None,
     ) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        super().__init__(num_blocks, block_size, enable_prefix_caching, on_evict=self._spill)
         self.host = BlockPool(num_host_blocks, enable_caching=True)
-        self.pool.on_evict = self._spill
         self.swap_policy = swap_policy
         self._transfers = KVTransfers()
         # Host blocks a pending copy reads or writes: one reference each until taken.

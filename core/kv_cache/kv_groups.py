@@ -116,6 +116,10 @@ class GroupedKVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
+    def counters(self) -> dict[str, int | float]:
+        """Further gauges and counters, named as ``EngineStats`` fields (none without a host tier)."""
+        return {}
+
     @property
     def num_blocks_in_use(self) -> int:
         return self.pool.num_in_use

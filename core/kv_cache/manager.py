@@ -15,7 +15,7 @@ cache (evictable, like any unreferenced cached block).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pagedserve.kv_cache.block_hash import BlockHash, block_hashes, extend_block_hashes, hash_block
 from pagedserve.kv_cache.block_pool import BlockPool, KVBlock
@@ -35,10 +35,12 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
         shared: tuple[BlockPool, KVBlock, int] | None = None,
+        on_evict: Callable[[KVBlock], None] | None = None,
     ) -> None:
         """``shared``: (pool, null block, group index) when this manages one group of
         layers over a pool that several groups share (see kv_groups.py); the group index
-        keys its prefix-cache entries apart from the other groups' ones."""
+        keys its prefix-cache entries apart from the other groups' ones.  ``on_evict``:
+        see `BlockPool` (a pool of its own only)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         if sliding_window is not None and (sliding_window < 1 or num_blocks < 2):
@@ -52,7 +54,7 @@ class KVCacheManager:
             self.pool, self.null_block, self._group = shared
         else:
             pool_blocks = num_blocks - 1 if sliding_window is not None else num_blocks
-            self.pool = BlockPool(pool_blocks, enable_caching=enable_prefix_caching)
+            self.pool = BlockPool(pool_blocks, enable_caching=enable_prefix_caching, on_evict=on_evict)
             self.null_block: KVBlock | None = KVBlock(pool_blocks, ref_cnt=1) if sliding_window is not None else None
         #: Peak of blocks referenced by requests (pool.num_in_use), for measurements.
         self.peak_blocks_in_use = 0
@@ -75,6 +77,10 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    def counters(self) -> dict[str, int | float]:
+        """Further gauges and counters, named as ``EngineStats`` fields (none without a host tier)."""
+        return {}
 
     # -- hashing --------------------------------------------------------------------------
     def _block_hashes(self, request: Request, num_tokens: int) -> list[BlockHash]:

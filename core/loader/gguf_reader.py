@@ -319,6 +319,11 @@ class _Cursor:
         self.pos += fmt.size
         return value
 
+    def take_many(self, fmt: struct.Struct) -> tuple:
+        values = fmt.unpack_from(self.buf, self.pos)
+        self.pos += fmt.size
+        return values
+
     def string(self) -> str:
         length = self.take(_U64)
         end = self.pos + length
@@ -394,8 +399,7 @@ def _read_tensor_info(cursor: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
     n_dims = cursor.take(_U32)
     if n_dims > _MAX_DIMS:
         raise ValueError(f"The GGUF tensor {name!r} has {n_dims} dimensions; ggml allows at most {_MAX_DIMS}.")
-    dims = struct.unpack_from(f"<{n_dims}Q", cursor.buf, cursor.pos)
-    cursor.pos += 8 * n_dims
+    dims = cursor.take_many(struct.Struct(f"<{n_dims}Q"))
     type_id = cursor.take(_U32)
     offset = cursor.take(_U64)
     return name, tuple(dims), type_id, offset

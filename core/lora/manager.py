@@ -86,12 +86,12 @@ class LoRAManager:
     @classmethod
     def attach(cls, config: Any, runner: Any) -> LoRAManager | None:
         """With ``config.enable_lora`` (a LoRAConfig): a manager wrapping ``runner``'s
-        model, set as ``runner.lora_manager``; else None."""
+        model, handed to ``runner.use_lora``; else None."""
         if not config.enable_lora:
             return None
         manager = cls(runner.arch, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         manager.wrap_model(runner.model)
-        runner.lora_manager = manager
+        runner.use_lora(manager)
         return manager
 
     # -- model -----------------------------------------------------------------------------

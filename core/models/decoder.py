@@ -114,8 +114,8 @@ class DecoderForCausalLM:
         self.head_ops, self.head_device = placements[-1].ops, placements[-1].device
         self._layer_device = [pl.device for pl in placements for _ in range(pl.start, pl.end)]
         self.layers = [self.layer_class() for _ in range(self.layer_end - self.layer_start)]
-        #: Set by weight offload (pagedserve.offload.weights): maps the layer list to the
-        #: layers to run, streaming host-resident weights to the device one layer ahead.
+        #: Weight offload's (pagedserve.offload.weights, through set_layer_stream): maps the
+        #: layer list to the layers to run, streaming host-resident weights one layer ahead.
         self.layer_stream = None
         self.embed: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
@@ -335,6 +335,11 @@ class DecoderForCausalLM:
         return out
 
     # -- forward ------------------------------------------------------------------------------
+    def set_layer_stream(self, stream) -> None:
+        """Run the layers through ``stream`` (the layer list in, the layers to run out);
+        None runs them as they are."""
+        self.layer_stream = stream
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids int64 [num_tokens] -> final hidden states [num_tokens, hidden]."""
         x, residual = self.forward_layers(self.embed_tokens(input_ids), None, meta, kv_caches)

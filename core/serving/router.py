@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
+from typing import Any
 
 from pagedserve.async_engine import (
     _ACCEPTED,
@@ -42,8 +43,10 @@ from pagedserve.async_engine import (
     RequestStream,
 )
 from pagedserve.config import EngineConfig
-from pagedserve.engine import EngineStats, LLMEngine
+from pagedserve.engine import EngineStats
+from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.outputs import RequestOutput
+from pagedserve.pooling import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.serving.data_parallel import DataParallelConfig, ReplicaSpec, plan_replicas, resolve_platforms
 from pagedserve.serving.replica_launcher import ReplicaStartError, create_launcher
@@ -70,15 +73,16 @@ class _ReplicaLost(EngineDeadError):
 
 
 class _PromptCheck:
-    """What `LLMEngine.validate_prompt` reads, so the router checks prompts with the
+    """What `InputProcessor.validate_prompt` reads, so the router checks prompts with the
     engine's own code (same errors, same limits) without loading the model."""
 
-    validate_prompt = LLMEngine.validate_prompt
+    validate_prompt = InputProcessor.validate_prompt
 
     def __init__(self, tokenizer, arch, max_model_len: int, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.arch = arch
+        self.vocab_size = arch.vocab_size
         self.max_model_len = max_model_len
 
 
@@ -136,7 +140,7 @@ class _InFlight:
 
 
 class DataParallelRouter:
-    """Routes requests over data-parallel replicas; the AsyncLLMEngine interface.
+    """Routes requests over data-parallel replicas; an `EngineClient` like AsyncLLMEngine.
 
     Args:
         config: every replica's engine configuration (``device.threads`` is the server's
@@ -147,6 +151,10 @@ class DataParallelRouter:
         startup_timeout_s: how long replicas may take to load (default: the parallel
             config's ``distributed_timeout_s``).
     """
+
+    #: Neither cache salts nor embedding requests are routed yet.
+    supports_cache_salt = False
+    supports_pooling = False
 
     def __init__(
         self,
@@ -282,6 +290,39 @@ class DataParallelRouter:
                 combined[name] = sum(getattr(r.stats, name) for r in self._replicas)
         return EngineStats(**combined)
 
+    @property
+    def eos_token_ids(self) -> None:
+        return None  # beam search runs against one engine
+
+    @property
+    def embedding_size(self) -> int:
+        return self._check.arch.hidden_size
+
+    @property
+    def lora_enabled(self) -> bool:
+        return False  # replicas serve the base model
+
+    def check_lora_adapter(self, path: str) -> None:
+        raise ValueError("LoRA adapters are not supported with data parallelism")
+
+    def generation_defaults(self) -> dict:
+        from pagedserve.loader.generation_config import load_generation_defaults
+        from pagedserve.loader.model_path import resolve_model_path
+
+        model = self.config.model
+        return load_generation_defaults(model.generation_config, resolve_model_path(model.model))
+
+    def set_callbacks(
+        self,
+        on_request_output: Callable[[RequestOutput], None] | None = None,
+        on_engine_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        """See `EngineClient.set_callbacks` (None leaves a callback as it is)."""
+        if on_request_output is not None:
+            self.on_request_output = on_request_output
+        if on_engine_dead is not None:
+            self.on_engine_dead = on_engine_dead
+
     def replica_status(self) -> list[ReplicaStatus]:
         return [
             ReplicaStatus(
@@ -313,12 +354,20 @@ class DataParallelRouter:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
+        lora_request: Any = None,
     ) -> RequestStream:
-        """Route a request and return its stream once its replica has accepted it.
+        """Route a request and return its stream once its replica has accepted it
+        (``cache_salt``, ``pooling_params`` and ``lora_request`` are refused: see
+        ``supports_*``).
 
         Raises ValueError (bad prompt, before anything is sent), QueueFullError (every
         live replica's waiting queue is full), EngineDeadError (no replica left).
         """
+        for name, value in (("cache_salt", cache_salt), ("pooling_params", pooling_params), ("lora", lora_request)):
+            if value is not None:
+                raise ValueError(f"{name} is not supported with data parallelism")
         if self._loop is None or self._closing:
             raise EngineDeadError("the engine is not running")
         text, ids = self.validate(prompt, prompt_token_ids)

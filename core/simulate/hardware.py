@@ -4,8 +4,9 @@ A profile is a JSON file.  Shipped profiles (``profiles/*.json``, from public
 datasheets; each names its sources) are found by name (``h100-sxm``); any other file is
 given by path; ``cpu-local`` is the last ``pagedserve simulate calibrate`` of this
 machine, stored at ``<cache root>/simulate/cpu-local.json`` where the cache root is
-``$PAGEDSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedserve``, else
-``~/.cache/pagedserve`` (the root pagedserve's kernel builds use too).
+``$XDG_CACHE_HOME/pagedserve``, else ``~/.cache/pagedserve`` (the root whose ``kernels/``
+holds pagedserve's kernel builds).  ``$PAGEDSERVE_CACHE_DIR`` is a deprecated alias of
+the root, as for the kernel builds (kernels/build.py), and warns.
 
 Rates are per device, in SI units: bytes, bytes/s, FLOP/s, seconds.
 """
@@ -47,6 +48,11 @@ _EFFICIENCY_KEYS = ("matmul", "memory", "attention", "interconnect", "host")
 def cache_root(env: dict[str, str] | None = None) -> pathlib.Path:
     env = os.environ if env is None else env
     if env.get("PAGEDSERVE_CACHE_DIR"):
+        warnings.warn(
+            "PAGEDSERVE_CACHE_DIR is deprecated: set XDG_CACHE_HOME (the cache root is $XDG_CACHE_HOME/pagedserve)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return pathlib.Path(env["PAGEDSERVE_CACHE_DIR"]).expanduser()
     base = pathlib.Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else pathlib.Path.home() / ".cache"
     return base / "pagedserve"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from pagedserve.entrypoints.bench_serve import percentile
+from pagedserve.entrypoints.cli.bench_serve import percentile
 from pagedserve.simulate.simulator import SimResult
 
 __all__ = ["summarize", "format_table", "write_plot"]

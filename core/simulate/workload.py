@@ -145,7 +145,7 @@ def build_workload(args: argparse.Namespace, vocab: int, max_len: int) -> list[S
     if spec == "mixed" or (
         spec == "fixed" and args.input_dist == args.output_dist == "fixed" and not args.shared_prefix_len
     ):
-        from pagedserve.entrypoints.bench_throughput import make_workload  # the benchmark's own prompts
+        from pagedserve.entrypoints.cli.bench_throughput import make_workload  # the benchmark's own prompts
 
         pairs = make_workload(args.num_prompts, args.input_len, args.output_len, spec == "mixed", args.seed, vocab)
     else:

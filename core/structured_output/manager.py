@@ -5,8 +5,9 @@ constraint at once (ValueError for a bad one) and hands the compile to a worker
 thread; compiled grammars are cached by the constraint's key, so a schema seen before
 is ready at once.  Each sequence (every one of n samples) gets its own
 ``GrammarState``: the scheduler leaves it waiting until its grammar is compiled
-(``ready``), the model runner masks its logits (``fill_bitmask``) and the engine feeds
-it each accepted token (``accept``).
+(``ready``), the step's tail masks its logits with the bitmask its matcher fills
+(``fill_bitmask``, gathered by pagedserve.structured_output.bitmask) and the engine
+feeds it each accepted token (``accept``).
 
 Preemption keeps the state consistent for free: a preempted sequence keeps its output
 tokens, which the matcher has already accepted, and resumes by recomputing their KV.
@@ -38,11 +39,13 @@ class GrammarState:
     """The grammar of one sequence.
 
     ``reasoning_end_ids``: when set, the constraint starts only after the model has
-    emitted one of these tokens (the end of a ``<think>`` section).
+    emitted one of these tokens (the end of a ``<think>`` section).  ``stop_token_ids``:
+    what a grammar that failed to compile allows, so that the sequence ends at once.
     """
 
     compiled: Future
     reasoning_end_ids: frozenset[int] | None = None
+    stop_token_ids: tuple[int, ...] = ()
     matcher: Any = field(default=None, init=False)
     failed: str | None = field(default=None, init=False)
     #: Tokens accepted by the matcher (output tokens after any reasoning section).
@@ -70,11 +73,12 @@ class GrammarState:
     def is_terminated(self) -> bool:
         return self.matcher is not None and self.matcher.is_terminated()
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int, stop_ids: list[int]) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (int32 words, bit j%32 of word j//32)."""
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, stop_ids: list[int] | None = None) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (int32 words, bit j%32 of
+        word j//32); a failed grammar allows ``stop_ids`` (default: its own stop tokens)."""
         if self.matcher is None:  # failed: only the stop tokens, so the sequence ends now
             bitmask[row].zero_()
-            for t in stop_ids:
+            for t in self.stop_token_ids if stop_ids is None else stop_ids:
                 bitmask[row, t // 32] |= _bit(t % 32)
             return
         self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -171,22 +175,7 @@ class StructuredOutputManager:
         return fut
 
     def new_state(self, compiled: Future) -> GrammarState:
-        return GrammarState(compiled, self.reasoning_end_ids)
-
-    def apply(self, ops, logits: torch.Tensor, requests: list) -> torch.Tensor:
-        """Mask ``logits`` [rows, vocab] in place for the rows whose request is constrained."""
-        rows = [i for i, r in enumerate(requests) if r.structured is not None and r.structured.constraining]
-        if not rows:
-            return logits
-        bitmask = torch.full((len(rows), self.bitmask_width), -1, dtype=torch.int32)
-        for j, i in enumerate(rows):
-            requests[i].structured.fill_bitmask(bitmask, j, self.stop_token_ids)
-        indices = None if len(rows) == logits.shape[0] else torch.tensor(rows, dtype=torch.int64)
-        if logits.device.type != "cpu":
-            bitmask = bitmask.to(logits.device, non_blocking=True)
-            indices = None if indices is None else indices.to(logits.device, non_blocking=True)
-        ops.apply_token_bitmask(logits, bitmask, indices)
-        return logits
+        return GrammarState(compiled, self.reasoning_end_ids, tuple(self.stop_token_ids))
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -15,6 +15,10 @@ per dense weight at load and ``linear`` reads what it returned:
   ``_linear_pointwise`` takes the result.  Outputs bit-identical to
   ``torch.nn.functional.linear``.
 
+This is the static order, used with ``PAGEDSERVE_CPU_TUNE=0``; by default the layouts
+and kernels are chosen by timing them on this machine (platforms/cpu/tuned_linear.py),
+falling back to the functions here for weights and inputs the tuner does not route.
+
 ``PAGEDSERVE_CPU_PREPACK=0`` keeps plain weights (which still go through the native
 skinny kernel for a few bf16 rows where it is built).
 """

@@ -14,7 +14,9 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
     read from the environment now) switch them.
 
     Loads the native kernels (compiling them on first use; see kernels/build.py) and
-    packs bf16 linear weights at load (platforms/cpu/dense_ops.py).
+    packs bf16 linear weights at load: in the layouts of the kernels measured fastest
+    on this machine (platforms/cpu/tuned_linear.py), or with PAGEDSERVE_CPU_TUNE=0 for
+    the native packed kernel where it is built, else oneDNN (platforms/cpu/dense_ops.py).
     PAGEDSERVE_CPU_KERNELS=0 keeps every op the torch reference, quantized ones
     included.  When the native kernels cannot be built, their torch references stay
     registered; the loader has already warned why.
@@ -30,8 +32,33 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
     if kernels is not None:
         for name, fn in kernels.ops().items():
             ops.register(name, fn, source=kernels.source)
+    if kernels is not None and options.amx_attention:
+        from pagedserve.platforms.cpu.attention_ops import attention_candidates
+
+        # AMX tiles for prefill sequences, native for decodes (the measured crossover is
+        # in docs/kernels_cpu.md, "AMX attention"); absent without AMX.
+        split = attention_candidates(kernels).get("amx_prefill")
+        if split is not None:
+            ops.register("paged_attention", split, source=f"{kernels.source}+amx-prefill")
     native = kernels if kernels is not None and kernels.has_packed_linear else None
-    if options.prepack and (native is not None or dense_ops.onednn_available()):
+    if options.prepack and options.tune and (native is not None or dense_ops.onednn_available()):
+        # Measured dispatch (platforms/cpu/tuned_linear.py): the kernels timed on the
+        # model's shapes at load, cached per machine.
+        from pagedserve.platforms.cpu.tuned_linear import TunedLinear
+        from pagedserve.platforms.cpu.tuning import Tuner, TuningCache
+
+        tuned = TunedLinear(
+            Tuner(TuningCache.default()),
+            native,
+            ops.get("linear"),
+            ops.get("silu_and_mul"),
+            dual_bytes=options.tune_dual_mb << 20,
+        )
+        source = "cpu-tuned(" + ",".join(sorted(tuned.kernels)) + ")"
+        ops.register("prepare_linear_weight", tuned.prepare_op(), source=source)
+        ops.register("linear", tuned.linear, source=source)
+        ops.register("linear_silu_and_mul", tuned.linear_silu_and_mul, source=source)
+    elif options.prepack and (native is not None or dense_ops.onednn_available()):
         # bf16 weights packed at load: for the native packed kernel where it is built,
         # else for oneDNN; plain ones keep the linear above.
         source = f"cpu-native-packed({kernels.isa})" if native is not None else "onednn-prepack"

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from pagedserve.kernels.build import read_cpu_features
 from pagedserve.platforms.interface import Platform
 from pagedserve.platforms.options import CpuOptions
 
@@ -16,14 +17,7 @@ __all__ = ["CpuPlatform", "cpu_flags"]
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU feature flags from /proc/cpuinfo (empty where it does not exist)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return read_cpu_features()
 
 
 def _meminfo(key: str) -> int | None:

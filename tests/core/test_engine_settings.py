@@ -12,7 +12,8 @@ import pytest
 
 from pagedserve import LLM
 from pagedserve.config import CacheConfig, EngineConfig, ParallelConfig
-from pagedserve.entrypoints import cli, serve_cmd
+from pagedserve.entrypoints import cli
+from pagedserve.entrypoints.cli import serve_cmd
 from pagedserve.entrypoints.engine_args import (
     add_engine_arguments,
     engine_args,
@@ -199,7 +200,7 @@ REFUSED = [
 @pytest.fixture
 def no_model_work(monkeypatch):
     """Opening a model, selecting a platform or starting an executor fails the test."""
-    import pagedserve.engine as engine_mod
+    import pagedserve.engine.llm_engine as engine_mod
     from pagedserve.loader.model_source import ModelSource
 
     def forbidden(*_a, **_k):
@@ -233,7 +234,7 @@ def test_refused_combination_from_the_command_line_fails_fast(no_model_work):
 
 def test_model_shape_rules_fail_before_weights_or_workers(tiny_llama, monkeypatch):
     """tensor_parallel_size must divide the heads: known from config.json alone."""
-    import pagedserve.engine as engine_mod
+    import pagedserve.engine.llm_engine as engine_mod
     from pagedserve.loader.model_source import ModelSource
 
     def forbidden(*_a, **_k):

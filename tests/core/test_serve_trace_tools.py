@@ -65,7 +65,7 @@ def test_replay_emits_every_token_and_a_budget_shortens_the_slowest_gap():
     replay = _load("prefill_budget_replay")
     fit = (8.0, 0.2, 1.5)
     runs = {b: replay.replay(b, 512, 1.0, 0, 12, fit, 2048) for b in (0, 128)}
-    from pagedserve.entrypoints.bench_throughput import make_workload
+    from pagedserve.entrypoints.cli.bench_throughput import make_workload
 
     outputs = sum(n for _, n in make_workload(12, 0, 0, True, 0, 49152))
     for r in runs.values():

@@ -1,5 +1,5 @@
 """PAGEDSERVE_STEP_TRACE: one JSON line per engine step and per hand-over of a step's
-outputs to the event loop (core/step_trace.py), off when the variable is unset."""
+outputs to the event loop (core/engine/step_trace.py), off when the variable is unset."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pagedserve import SamplingParams
 from pagedserve.async_engine import AsyncLLMEngine
 from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedserve.engine import LLMEngine
-from pagedserve.step_trace import ENV_VAR
+from pagedserve.engine.step_trace import ENV_VAR
 
 
 def make_engine(tiny_llama) -> LLMEngine:

@@ -1,7 +1,8 @@
 """Multi-node TP/PP without Ray, with "nodes" as separate processes on 127.0.0.1: the
 head (`LLM(..., nnodes=N, node_rank=0)` or `pagedserve serve --node-rank 0`) plus
 `pagedserve serve --node-rank r` worker nodes give the single process's greedy tokens; a
-node that never joins, or dies mid-run, is a clear error naming it within the timeout."""
+node that never joins, or dies mid-run, is a clear error naming it within the timeout.
+Embeddings pooled on the other node equal the single process's."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ pytestmark = [pytest.mark.timeout(300)]
 TINY = dict(dtype="float32", kv_cache_memory="16MiB", threads=1)
 PROMPTS = [[5, 77, 120, 33], [9, 200, 41, 8, 8, 19, 250, 3, 17]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+EMBED_PROMPT = [[5, 6, 120, 33]]
 
 
 def free_port() -> int:
@@ -85,7 +87,16 @@ def tiny(tiny_llama):
         llm.shutdown()
 
 
-def test_pp2_over_two_nodes_matches_single_process(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_embedding(tiny_llama):
+    llm = LLM(model=str(tiny_llama), **TINY)
+    try:
+        return llm.embed(EMBED_PROMPT)[0].outputs.embedding
+    finally:
+        llm.shutdown()
+
+
+def test_pp2_over_two_nodes_matches_single_process(tiny, tiny_embedding, tmp_path):
     model, expected = tiny
     port = free_port()
     with open(tmp_path / "node1.log", "wb") as log:
@@ -106,8 +117,8 @@ def test_pp2_over_two_nodes_matches_single_process(tiny, tmp_path):
                 **TINY,
             )
             assert token_ids(llm) == expected
-            with pytest.raises(ValueError, match="embeddings are not supported with tensor/pipeline"):
-                llm.embed([[5, 6]])
+            # The last stage, on the other node, pools; rank 0 gets the vector.
+            assert llm.embed(EMBED_PROMPT)[0].outputs.embedding == pytest.approx(tiny_embedding, abs=1e-5)
             llm.shutdown()
             assert node.wait(60) == 0  # the head's shutdown stops the worker node cleanly
         finally:

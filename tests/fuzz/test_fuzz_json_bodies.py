@@ -9,8 +9,8 @@ import json
 
 import httpx
 import pytest
-from fuzz_helpers import DERANDOMIZE, EXAMPLES, check_answer, check_server_still_serves
-from hypothesis import HealthCheck, given, settings
+from fuzz_helpers import EXAMPLES, check_answer, check_server_still_serves, fuzz_settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.timeout(600)
@@ -93,13 +93,7 @@ def test_raw_json_bodies(fuzz_server, route):
 
     with httpx.Client(base_url=fuzz_server.url, timeout=120) as client:
 
-        @settings(
-            max_examples=EXAMPLES * 2,
-            deadline=None,
-            database=None,
-            derandomize=DERANDOMIZE,
-            suppress_health_check=list(HealthCheck),
-        )
+        @fuzz_settings(EXAMPLES * 2)
         @given(body=bodies)
         def run(body):
             content = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else body

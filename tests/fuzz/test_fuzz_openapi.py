@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import schemathesis
-from fuzz_helpers import DERANDOMIZE, EXAMPLES, check_answer, check_server_still_serves
-from hypothesis import HealthCheck, given, settings
+from fuzz_helpers import EXAMPLES, check_answer, check_server_still_serves, fuzz_settings
+from hypothesis import given
 from schemathesis import GenerationMode
 
 pytestmark = pytest.mark.timeout(600)
@@ -71,9 +71,7 @@ def test_schemathesis(schema, fuzz_server, path, method, mode):
     n = EXAMPLES if method == "POST" else max(EXAMPLES // 4, 5)
     statuses: list[int] = []
 
-    @settings(
-        max_examples=n, deadline=None, database=None, derandomize=DERANDOMIZE, suppress_health_check=list(HealthCheck)
-    )
+    @fuzz_settings(n)
     @given(case=op.as_strategy(generation_mode=mode))
     def run(case):
         if mode is GenerationMode.POSITIVE:

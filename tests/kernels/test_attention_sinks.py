@@ -7,11 +7,11 @@ merge) and sinks large enough to dominate every score."""
 
 from __future__ import annotations
 
-import shutil
 import zlib
 
 import pytest
 import torch
+from native_build import native_build_failed
 
 from pagedserve.kernels import build, reference
 from pagedserve.kernels.cpu import NativeCpuKernels, load_cpu_kernels
@@ -27,9 +27,7 @@ def every_isa() -> dict[str, NativeCpuKernels]:
     try:
         mod, _ = build.load_cpu_extension()
     except build.KernelBuildError as exc:
-        if shutil.which(build.cpu_build_spec().compiler) is None:
-            pytest.skip(f"no C++ compiler: {exc}")
-        raise
+        native_build_failed("the native CPU kernels", exc)
     return {isa: load_cpu_kernels(isa=isa) for isa in runnable_isas(mod)}
 
 

@@ -6,11 +6,11 @@ point at a NaN-filled block (or at no valid block at all), which must never be r
 
 from __future__ import annotations
 
-import shutil
 import zlib
 
 import pytest
 import torch
+from native_build import native_build_failed
 
 from pagedserve.kernels import build, reference
 from pagedserve.kernels.cpu import NativeCpuKernels, load_cpu_kernels
@@ -25,9 +25,7 @@ def every_isa() -> dict[str, NativeCpuKernels]:
     try:
         mod, _ = build.load_cpu_extension()
     except build.KernelBuildError as exc:
-        if shutil.which(build.cpu_build_spec().compiler) is None:
-            pytest.skip(f"no C++ compiler: {exc}")
-        raise
+        native_build_failed("the native CPU kernels", exc)
     return {isa: load_cpu_kernels(isa=isa) for isa in runnable_isas(mod)}
 
 

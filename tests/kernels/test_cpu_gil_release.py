@@ -9,16 +9,16 @@ held, its longest gap between ticks would be about the whole call.
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from collections.abc import Callable
 
 import pytest
 import torch
+from native_build import native_build_failed, require_native
 
 from pagedserve.kernels import build
-from pagedserve.kernels.cpu.quant_native import load_quant_kernels
+from pagedserve.kernels.cpu.quant_native import load_quant_kernels, quant_build_spec
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -28,9 +28,7 @@ def module():
     try:
         mod, _ = build.load_cpu_extension()
     except build.KernelBuildError as exc:
-        if shutil.which(build.cpu_build_spec().compiler) is None:
-            pytest.skip(f"no C++ compiler: {exc}")
-        raise
+        native_build_failed("the native CPU kernels", exc)
     return mod
 
 
@@ -103,9 +101,7 @@ def test_paged_attention_releases_gil(module, one_thread):
 
 
 def test_gguf_linear_releases_gil(one_thread):
-    mod = load_quant_kernels()
-    if mod is None:
-        pytest.skip("quantized CPU kernels unavailable")
+    mod = require_native(load_quant_kernels, quant_build_spec, "the quantized CPU kernels")
     torch.manual_seed(0)
     k, n = 2048, 2048
     q8_0, block_bytes = 8, 34  # GGUF type id of Q8_0: an fp16 scale and 32 int8 per block

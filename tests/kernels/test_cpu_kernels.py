@@ -14,12 +14,12 @@ The kernels are built once into the persistent cache (PAGEDSERVE_KERNEL_CACHE or
 from __future__ import annotations
 
 import contextlib
-import shutil
 import warnings
 import zlib
 
 import pytest
 import torch
+from native_build import native_build_failed
 
 from pagedserve.kernels import build, reference
 from pagedserve.kernels.cpu import ISA_ORDER, NATIVE_OPS, NativeCpuKernels, choose_isa, load_cpu_kernels
@@ -38,9 +38,7 @@ def module():
     try:
         mod, _ = build.load_cpu_extension()
     except build.KernelBuildError as exc:
-        if shutil.which(build.cpu_build_spec().compiler) is None:
-            pytest.skip(f"no C++ compiler: {exc}")
-        raise
+        native_build_failed("the native CPU kernels", exc)
     return mod
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_build import native_build_failed
 
 from pagedserve.kernels import build
 from pagedserve.kernels.cpu import NativeCpuKernels, load_cpu_kernels
@@ -30,7 +31,7 @@ def packed_kernels() -> NativeCpuKernels:
     try:
         module, _ = build.load_cpu_extension()
     except build.KernelBuildError as exc:
-        pytest.skip(f"the native CPU kernels do not build here: {exc}")
+        native_build_failed("the native CPU kernels", exc)
     features = build.read_cpu_features()
     for isa in module.compiled_isas():
         if features and not ISA_FEATURES[isa] <= features:

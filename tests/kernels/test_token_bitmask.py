@@ -54,6 +54,9 @@ def test_reference_passes_its_own_checks():
 
 
 def test_native_cpu_kernel_matches_reference():
+    from native_build import native_build_failed  # here: the file is also run outside pytest
+
+    from pagedserve.kernels import build
     from pagedserve.kernels.cpu import load_cpu_kernels
     from pagedserve.platforms.options import CpuOptions
 
@@ -61,7 +64,11 @@ def test_native_cpu_kernel_matches_reference():
         pytest.skip("PAGEDSERVE_CPU_KERNELS=0")
     kernels = load_cpu_kernels()
     if kernels is None:
-        pytest.skip("the native CPU kernels could not be built here")
+        try:
+            build.load_cpu_extension()
+        except build.KernelBuildError as exc:
+            native_build_failed("the native CPU kernels", exc)
+        pytest.fail("the native CPU kernels built but load_cpu_kernels() gave None")
     _run_cases(kernels.apply_token_bitmask)
     # The op checks would catch a kernel that ignores a bad case: feed one.
     with pytest.raises(RuntimeError, match="out of range"):

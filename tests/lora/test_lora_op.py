@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from native_build import require_native
 
 from pagedserve.kernels import reference
 from pagedserve.testing.op_checks import OP_CASES
@@ -64,10 +65,9 @@ def test_conformance_cases_catch_bugs():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_native_kernel_conforms(dtype):
-    from pagedserve.kernels.cpu.lora_native import load_lora_kernels
+    from pagedserve.kernels.cpu.lora_native import load_lora_kernels, lora_build_spec
 
-    if load_lora_kernels() is None:
-        pytest.skip("no C++ toolchain: the LoRA CPU kernel cannot be built")
+    require_native(load_lora_kernels, lora_build_spec, "the LoRA CPU kernel")
     from pagedserve.platforms.cpu.lora_ops import lora_linear
 
     run_cases(load_lora_kernels().lora_linear, dtype)  # every size, past NATIVE_MAX_ROWS too

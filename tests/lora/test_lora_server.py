@@ -117,7 +117,7 @@ def test_runtime_load_and_unload(served):
 
 
 def test_lora_module_flags(tmp_path):
-    from pagedserve.entrypoints.lora_args import add_lora_server_arguments, lora_modules_from_args
+    from pagedserve.entrypoints.cli.lora_args import add_lora_server_arguments, lora_modules_from_args
 
     parser = argparse.ArgumentParser()
     add_lora_server_arguments(parser)

@@ -16,7 +16,8 @@ import sys
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.entrypoints import cli, serve_cmd
+from pagedserve.entrypoints import cli
+from pagedserve.entrypoints.cli import serve_cmd
 from pagedserve.platforms.cpu.platform import CpuPlatform
 
 PLUGIN = """

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedserve.entrypoints import cli as cli_main
-from pagedserve.entrypoints.platforms_cmd import human_bytes
+from pagedserve.entrypoints.cli.platforms_cmd import human_bytes
 from pagedserve.kernels import reference
 
 CPU_ONLY_TORCH = not torch.version.cuda and not getattr(torch.version, "hip", None)
@@ -42,8 +42,11 @@ def test_ops_lists_every_op(cli, cli_json):
             assert o["implementation"] == f"pagedserve.kernels.reference.{o['op']}"
     text = cli("platforms", "--ops", env={"PAGEDSERVE_TARGET_DEVICE": "cpu"})
     assert text.returncode == 0, text.stderr
-    listed = {line.split()[0] for line in text.stdout.splitlines()[2:] if line.strip()}
+    # The op table ends at the first blank line (the measured choices follow it).
+    table = text.stdout.split("\n\n", 1)[0]
+    listed = {line.split()[0] for line in table.splitlines()[2:] if line.strip()}
     assert listed == set(reference.OP_NAMES)
+    assert "measured choices" in text.stdout
 
 
 def test_failed_selection_exits_non_zero_with_the_message(cli):

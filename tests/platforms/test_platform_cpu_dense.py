@@ -78,8 +78,9 @@ def test_native_packing_and_fallbacks(rows):
     assert prepare(torch.randn(32, 64)).dim() == 2  # float32 stays plain
 
 
-def _generate(path, monkeypatch, prepack: str, **kw):
+def _generate(path, monkeypatch, prepack: str, tune: str = "0", **kw):
     monkeypatch.setenv("PAGEDSERVE_CPU_PREPACK", prepack)
+    monkeypatch.setenv("PAGEDSERVE_CPU_TUNE", tune)
     llm = LLM(model=str(path), dtype="bfloat16", device="cpu", kv_cache_memory="16MiB", **kw)
     prompts = [[5, 17, 99, 3, 41, 7], [8, 8, 120, 64], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
@@ -96,6 +97,19 @@ def test_engine_packs_dense_weights_and_keeps_outputs(tiny_checkpoint_factory, m
     plain_model, plain_ids = _generate(path, monkeypatch, "0")
     assert not _is_packed(plain_model.layers[0].qkv)
     assert packed_ids == plain_ids
+
+
+def test_engine_with_tuned_linears_keeps_outputs(tiny_checkpoint_factory, monkeypatch):
+    """With measured dispatch (the default) every dense weight carries its route, and the
+    greedy outputs equal those of plain weights through torch."""
+    # Every dense weight at least TUNE_MIN_ELEMENTS (the LM head: 259 x 256).
+    path = tiny_checkpoint_factory(tie_word_embeddings=True, hidden_size=256, intermediate_size=512)
+    model, tuned_ids = _generate(path, monkeypatch, "1", tune="1")
+    for layer in model.layers:
+        assert all(hasattr(getattr(layer, n), "_pagedserve_route") for n in ("qkv", "o", "gate_up", "down"))
+    assert hasattr(model.lm_head, "_pagedserve_route") and model.embed.dim() == 2
+    _, plain_ids = _generate(path, monkeypatch, "0")
+    assert tuned_ids == plain_ids
 
 
 def test_weight_offload_keeps_plain_weights(tiny_checkpoint_factory, monkeypatch):

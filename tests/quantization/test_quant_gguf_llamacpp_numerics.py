@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_build import require_native
 from test_quant_kernels import random_gguf
 
 from pagedserve.kernels import quant_reference as ref
-from pagedserve.kernels.cpu.quant_native import load_quant_kernels
+from pagedserve.kernels.cpu.quant_native import load_quant_kernels, quant_build_spec
 from pagedserve.platforms.cpu import quant_ops as cpu_quant
 
-needs_native = pytest.mark.skipif(load_quant_kernels() is None, reason="no native quantized CPU kernels here")
+
+@pytest.fixture
+def quant_kernels():
+    """A failed build fails the test (skips only where PAGEDSERVE_NO_COMPILER=1)."""
+    return require_native(load_quant_kernels, quant_build_spec, "the quantized CPU kernels")
+
+
+needs_native = pytest.mark.usefixtures("quant_kernels")
 
 
 def ggml_activation_blocks(x: torch.Tensor, half_sum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_build import require_native
 from test_quant_support import awq_quantize, gptq_quantize
 
 from pagedserve.kernels import quant_reference as ref
-from pagedserve.kernels.cpu.quant_native import load_quant_kernels
+from pagedserve.kernels.cpu.quant_native import load_quant_kernels, quant_build_spec
 from pagedserve.platforms.cpu import quant_ops as cpu_quant
 from pagedserve.quantization.fp8 import Fp8Weight, quantize_fp8
 from pagedserve.quantization.gguf import GGUF_TYPE_IDS, GGUFWeight
@@ -50,8 +51,7 @@ def test_quant_gguf_reference_matches_loader_dequant():
 @pytest.mark.parametrize("m", [1, 5, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quant_gguf_cpu_kernel(type_name, m, dtype):
-    if load_quant_kernels() is None:
-        pytest.skip("native quantized CPU kernels unavailable")
+    require_native(load_quant_kernels, quant_build_spec, "the quantized CPU kernels")
     gen = torch.Generator().manual_seed(m)
     raw = random_gguf(type_name, 72, 160, gen)
     x = torch.randn(m, 160, generator=gen).to(dtype)

@@ -147,7 +147,7 @@ def engine_with_plugin(monkeypatch):
             platform = reg.select("cpu").cls()
             return platform, reg.resolve_ops(platform)
 
-        monkeypatch.setattr("pagedserve.engine.select_platform", select_platform)
+        monkeypatch.setattr("pagedserve.engine.llm_engine.select_platform", select_platform)
         return module.counted, calls
 
     return make

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from pagedserve.executor.attention_metadata import AttentionMetadata
-from pagedserve.kernels.quant_reference import AWQ_ORDER
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -27,6 +26,13 @@ TEXTS = (
 def _to_int32(v: torch.Tensor) -> torch.Tensor:
     """int64 holding 32-bit patterns -> int32 with the same bits."""
     return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+
+
+#: AutoAWQ's GEMM pack order, as its packer writes it (``WQLinear_GEMM.from_linear``:
+#: ``order_map = [0, 2, 4, 6, 1, 3, 5, 7]``; nibble i of each int32 takes column
+#: ``order_map[i]`` of its 8).  Written here from the format, never imported from
+#: pagedserve, so a wrong order in the product's unpacking cannot cancel out.
+AUTOAWQ_ORDER_MAP: tuple[int, ...] = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def pack_rows(q: torch.Tensor) -> torch.Tensor:
@@ -82,7 +88,11 @@ def awq_quantize(w: torch.Tensor, group_size: int):
     s, z = scales.float()[idx], zeros[idx]
     q = torch.clamp(torch.round(wt / s) + z, 0, 15)
     deq = ((q - z) * s).t().contiguous()
-    tensors = {"qweight": pack_cols(q, AWQ_ORDER), "qzeros": pack_cols(zeros, AWQ_ORDER), "scales": scales}
+    tensors = {
+        "qweight": pack_cols(q, AUTOAWQ_ORDER_MAP),
+        "qzeros": pack_cols(zeros, AUTOAWQ_ORDER_MAP),
+        "scales": scales,
+    }
     return tensors, deq
 
 

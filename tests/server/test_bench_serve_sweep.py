@@ -11,8 +11,8 @@ import random
 import httpx
 import pytest
 
-from pagedserve.entrypoints import bench_serve
-from pagedserve.entrypoints.bench_stats import (
+from pagedserve.entrypoints.cli import bench_serve, build_parser
+from pagedserve.entrypoints.cli.bench_stats import (
     RequestResult,
     arrival_offsets,
     parse_rates,
@@ -20,7 +20,6 @@ from pagedserve.entrypoints.bench_stats import (
     saturation_rate,
     summarize_rate,
 )
-from pagedserve.entrypoints.cli import build_parser
 
 
 def _args(*argv: str) -> argparse.Namespace:

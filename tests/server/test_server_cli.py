@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.entrypoints import serve_cmd
-from pagedserve.entrypoints.cli import build_parser
+from pagedserve.entrypoints.cli import build_parser, serve_cmd
 
 
 def parse(*argv: str):

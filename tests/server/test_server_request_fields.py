@@ -605,15 +605,16 @@ def test_generation_config_defaults_on_the_server(
 def test_generation_defaults_reach_a_data_parallel_router(tiny_llama, tmp_path):
     """A router has no LLMEngine: the defaults come from its engine config's model folder."""
     import shutil
-    from types import SimpleNamespace
 
     from pagedserve.config import EngineConfig, ModelConfig
     from pagedserve.entrypoints.openai.serving_fields import generation_defaults
+    from pagedserve.serving.router import DataParallelRouter
 
     model = tmp_path / "m"
     shutil.copytree(tiny_llama, model)
     (model / "generation_config.json").write_text(json.dumps({"top_p": 0.5, "max_new_tokens": 9}))
-    router = SimpleNamespace(config=EngineConfig(model=ModelConfig(model=str(model))))
+    router = object.__new__(DataParallelRouter)  # its config only: no replicas started
+    router.config = EngineConfig(model=ModelConfig(model=str(model)))
     assert generation_defaults(router) == {"top_p": 0.5, "max_tokens": 9}
     router.config.model.generation_config = "ignore"
     assert generation_defaults(router) == {}

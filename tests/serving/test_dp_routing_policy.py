@@ -124,8 +124,7 @@ def test_bad_dp_flags_are_refused_loudly():
 
 
 def test_serve_flags_become_a_dp_config():
-    from pagedserve.entrypoints import serve_cmd
-    from pagedserve.entrypoints.cli import build_parser
+    from pagedserve.entrypoints.cli import build_parser, serve_cmd
 
     def parse(*argv: str):
         argv = ["serve", *argv]

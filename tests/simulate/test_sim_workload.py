@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from pagedserve.entrypoints.bench_throughput import make_workload
 from pagedserve.entrypoints.cli import build_parser
+from pagedserve.entrypoints.cli.bench_throughput import make_workload
 from pagedserve.simulate.workload import SHAREGPT, build_workload
 
 

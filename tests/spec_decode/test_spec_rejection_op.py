@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_build import require_native
 from stats_helpers import goodness_of_fit
 
 from pagedserve.kernels import spec_reference
@@ -17,9 +18,7 @@ V, K = 7, 3
 def _impl(name: str):
     if name == "reference":
         return spec_reference.rejection_sample
-    module = spec_native.load_spec_kernels()
-    if module is None:
-        pytest.skip("the native CPU kernel did not build here (no compiler?)")
+    module = require_native(spec_native.load_spec_kernels, spec_native.spec_build_spec, "the spec-decoding CPU kernel")
     return module.rejection_sample
 
 

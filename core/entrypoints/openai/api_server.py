@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedserve.async_engine import AsyncLLMEngine
+from pagedserve.engine.client import EngineClient
 from pagedserve.entrypoints.openai.errors import ApiError, error_body
 from pagedserve.entrypoints.openai.http_guard import CorsSettings, install_cors, require_json
 from pagedserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ReplicaCollector, ServerMetrics
@@ -181,15 +181,15 @@ async def _respond(request: Request, work: Awaitable[dict | EventStream], drain:
     return JSONResponse(result)
 
 
-def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     """The ASGI app; starts the engine thread on startup and stops it on shutdown.
 
-    ``engine`` may also be a `DataParallelRouter` (same interface): then /metrics adds
-    per-replica series and /health answers with the replicas' state.
+    ``engine`` is an `AsyncLLMEngine` or a `DataParallelRouter`: with replicas, /metrics
+    adds per-replica series and /health answers with the replicas' state.
     """
     names = settings.served_model_names
     metrics = ServerMetrics(engine.stats, names[0], engine.max_model_len, settings.metrics_prefix, settings.cache_info)
-    if hasattr(engine, "replica_status"):
+    if engine.replica_status():  # data parallel: per-replica series
         metrics.registry.register(ReplicaCollector(engine.replica_status, names[0]))
     stats_logger = StatsLogger(engine.stats, settings.stats_interval) if settings.stats_interval else None
     request_logger = RequestLogger(settings.max_log_len) if settings.log_requests else None
@@ -199,15 +199,13 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         if request_logger is not None and out.finished:
             request_logger.finished(out)
 
-    engine.on_request_output = on_output
+    engine.set_callbacks(on_request_output=on_output)
     readiness = Readiness()
-    completions = OpenAIServingCompletion(engine, names, settings.chat_template)
-    chat = OpenAIServingChat(engine, names, settings.chat_template)
-    if settings.tool_options is not None:
-        chat.tool_options = settings.tool_options
-    completions.request_logger = chat.request_logger = request_logger
     lora = lora_serving(engine, settings.lora_modules, settings.allow_runtime_lora_updating)
-    completions.lora = chat.lora = lora
+    completions = OpenAIServingCompletion(engine, names, settings.chat_template, request_logger, lora)
+    chat = OpenAIServingChat(
+        engine, names, settings.chat_template, request_logger, lora, tool_options=settings.tool_options
+    )
     created = int(time.time())
     drain = Drain()  # cut by the server at the end of its shutdown grace period
 
@@ -252,10 +250,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if hasattr(engine, "health"):  # data-parallel: {"status": "ok" | "degraded" | ..., replicas}
-            status, body = engine.health()
-            return JSONResponse(body, status_code=status)
-        return Response(status_code=200 if engine.is_running else 503)
+        status, body = engine.health()  # data parallel: {"status": "ok" | "degraded" | ..., replicas}
+        return Response(status_code=status) if body is None else JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

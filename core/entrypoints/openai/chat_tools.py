@@ -18,7 +18,7 @@ _RESERVED = frozenset({"messages", "add_generation_prompt", "tools"})
 
 
 class ChatToolsMixin:
-    """Mixed into OpenAIServingChat; ``tool_options`` is set by build_app."""
+    """Mixed into OpenAIServingChat; ``tool_options`` is given to its constructor."""
 
     tool_options: ToolOptions = ToolOptions()
 

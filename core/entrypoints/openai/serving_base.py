@@ -10,7 +10,8 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from pagedserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
+from pagedserve.async_engine import EngineDeadError, QueueFullError, RequestFailedError, RequestStream
+from pagedserve.engine.client import EngineClient
 from pagedserve.entrypoints.openai.errors import ApiError, error_body
 from pagedserve.entrypoints.openai.serving_fields import field_named, generation_defaults, salt_kwargs
 from pagedserve.entrypoints.openai.serving_lora import REQUEST_LORA
@@ -74,18 +75,24 @@ class OpenAIServing:
     """Shared state of the OpenAI endpoints.
 
     Args:
-        engine: the running AsyncLLMEngine.
+        engine: the running engine client (AsyncLLMEngine or DataParallelRouter).
         served_model_names: names a request's `model` may use; the first is reported.
         chat_template: overrides the model's chat template (text, already read).
+        request_logger: a RequestLogger (--enable-log-requests) told of every request queued.
+        lora: the served LoRA adapters (serving_lora.LoRAServing) with --enable-lora.
     """
 
-    #: A RequestLogger (--enable-log-requests) told of every request queued.
-    request_logger = None
-    #: The served LoRA adapters (serving_lora.LoRAServing) with --enable-lora.
-    lora = None
-
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        served_model_names: list[str],
+        chat_template: str | None = None,
+        request_logger=None,
+        lora=None,
+    ) -> None:
         self.engine = engine
+        self.request_logger = request_logger
+        self.lora = lora
         self.served_model_names = list(served_model_names)
         self.chat_template = chat_template
         self.tokenizer = engine.tokenizer

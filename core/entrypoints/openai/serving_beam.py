@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.beam_search import BeamSearch, BeamSearchParams
+from pagedserve.engine.client import EngineClient
 from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, used
 from pagedserve.sampling_params import SamplingParams
@@ -87,9 +88,8 @@ async def run_beam_search(
     return search.outputs(lambda t: serving.tokenizer.decode(t))
 
 
-def _eos_ids(engine: Any) -> frozenset[int]:
-    inner = getattr(engine, "engine", None)
-    ids = getattr(inner, "eos_token_ids", None)
+def _eos_ids(engine: EngineClient) -> frozenset[int]:
+    ids = engine.eos_token_ids
     if ids is None:
         raise ApiError(400, "'use_beam_search' is not available with data parallelism.", param="use_beam_search")
     return ids

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from pagedserve.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from pagedserve.engine.request_options import truncate_prompt
 from pagedserve.entrypoints.openai.chat_tools import ChatToolsMixin
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_messages, to_sampling_params
 from pagedserve.entrypoints.openai.serving_base import SSE_DONE, EventStream, OpenAIServing, sse
@@ -16,12 +17,18 @@ from pagedserve.entrypoints.openai.serving_fields import (
     prompt_logprobs_json,
     response_id,
 )
-from pagedserve.request_options import truncate_prompt
+from pagedserve.entrypoints.openai.tools import ToolOptions
 
 __all__ = ["OpenAIServingChat"]
 
 
 class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
+    def __init__(self, *args, tool_options: ToolOptions | None = None, **kwargs) -> None:
+        """`OpenAIServing`'s arguments, and the tool-call options (--tool-call-parser ...)."""
+        super().__init__(*args, **kwargs)
+        if tool_options is not None:
+            self.tool_options = tool_options
+
     def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt text and token ids of the conversation."""
         messages = chat_messages(request.messages)

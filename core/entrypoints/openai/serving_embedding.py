@@ -83,9 +83,9 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def create(self, request: EmbeddingRequest) -> dict:
         refuse_unimplemented(request, EMBEDDING_FIELDS)
         model = self.model_name(request.model)
-        if not getattr(self.engine, "supports_pooling", False):
+        if not self.engine.supports_pooling:
             raise ApiError(400, "embeddings are not supported with data parallelism.", param="input")
-        hidden = self.engine.engine.arch.hidden_size
+        hidden = self.engine.embedding_size
         if request.dimensions is not None and request.dimensions != hidden:
             raise ApiError(
                 400,

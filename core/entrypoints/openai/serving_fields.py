@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedserve.engine.client import EngineClient
+from pagedserve.engine.request_options import continue_final_message, truncate_prompt
 from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS
-from pagedserve.request_options import continue_final_message, truncate_prompt
 
 __all__ = [
     "field_named",
@@ -134,13 +135,13 @@ def echo_prefix(request: Any, messages: list[dict]) -> str:
     return ""
 
 
-def salt_kwargs(engine: Any, cache_salt: str | None) -> dict[str, str]:
+def salt_kwargs(engine: EngineClient, cache_salt: str | None) -> dict[str, str]:
     """add_request keywords for a request's cache_salt (which salts its prefix-cache hashes)."""
     if cache_salt is None:
         return {}
     if not cache_salt:
         raise ApiError(400, "'cache_salt' must be a non-empty string.", param="cache_salt")
-    if not getattr(engine, "supports_cache_salt", False):
+    if not engine.supports_cache_salt:
         raise ApiError(400, "'cache_salt' is not supported with data parallelism.", param="cache_salt")
     return {"cache_salt": cache_salt}
 
@@ -148,13 +149,4 @@ def salt_kwargs(engine: Any, cache_salt: str | None) -> dict[str, str]:
 def generation_defaults(engine: Any) -> dict[str, Any]:
     """The generation_config.json sampling defaults of the engine behind the server: read
     from the LLMEngine, or (data-parallel router) from the engine config's model."""
-    inner = getattr(engine, "engine", None)
-    if inner is not None and hasattr(inner, "default_sampling_params"):
-        return dict(inner.default_sampling_params)
-    config = getattr(engine, "config", None)
-    if config is None:
-        return {}
-    from pagedserve.loader.generation_config import load_generation_defaults
-    from pagedserve.loader.model_path import resolve_model_path
-
-    return load_generation_defaults(config.model.generation_config, resolve_model_path(config.model.model))
+    return engine.generation_defaults()

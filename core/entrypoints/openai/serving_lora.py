@@ -17,8 +17,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
+from pagedserve.engine.client import EngineClient
 from pagedserve.entrypoints.openai.errors import ApiError
-from pagedserve.lora import LoRARequest, load_adapter
+from pagedserve.lora import LoRARequest
 from pagedserve.lora.registry import LoRAModules
 
 __all__ = ["LoRAServing", "REQUEST_LORA", "add_lora_routes", "lora_serving"]
@@ -43,8 +44,7 @@ class LoRAServing:
             self._check(lora.lora_path)
 
     def _check(self, path: str) -> None:
-        core = getattr(self.engine, "engine", self.engine)  # AsyncLLMEngine wraps an LLMEngine
-        load_adapter(path, core.arch, core.config.lora.max_lora_rank)
+        self.engine.check_lora_adapter(path)
 
     def resolve(self, model: str) -> LoRARequest | None:
         return self.modules.get(model)
@@ -77,11 +77,10 @@ class LoRAServing:
         return f"Success: LoRA adapter '{name}' removed successfully."
 
 
-def lora_serving(engine: Any, modules, allow_runtime_updates: bool) -> LoRAServing | None:
+def lora_serving(engine: EngineClient, modules, allow_runtime_updates: bool) -> LoRAServing | None:
     """The server's adapters when its engine has enable_lora, else None (adapter names
     are then unknown models)."""
-    core = getattr(engine, "engine", None)
-    if getattr(core, "lora", None) is None:
+    if not engine.lora_enabled:
         return None
     return LoRAServing(engine, list(modules), allow_runtime_updates)
 

@@ -58,13 +58,13 @@ def add_parser(subparsers) -> None:
     from pagedserve.entrypoints.engine_args import add_engine_arguments
 
     add_engine_arguments(p)  # every engine setting, from pagedserve.config
-    from pagedserve.entrypoints.server_ops_args import add_ops_arguments
+    from pagedserve.entrypoints.cli.server_ops_args import add_ops_arguments
 
     add_ops_arguments(p)
-    from pagedserve.entrypoints.structured_args import add_tool_arguments
+    from pagedserve.entrypoints.cli.structured_args import add_tool_arguments
 
     add_tool_arguments(p)
-    from pagedserve.entrypoints.lora_args import add_lora_server_arguments
+    from pagedserve.entrypoints.cli.lora_args import add_lora_server_arguments
 
     add_lora_server_arguments(p)  # --lora-modules, --allow-runtime-lora-updating
     dp = p.add_argument_group("data parallelism (docs/distributed.md)")
@@ -143,12 +143,12 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedserve.async_engine import AsyncLLMEngine
     from pagedserve.engine import LLMEngine
-    from pagedserve.entrypoints.lora_args import check_lora_modules, lora_modules_from_args
+    from pagedserve.entrypoints.cli.lora_args import check_lora_modules, lora_modules_from_args
+    from pagedserve.entrypoints.cli.server_ops_args import ops_settings, uvicorn_options
     from pagedserve.entrypoints.openai import ServerSettings, build_app
     from pagedserve.entrypoints.openai.http_guard import cors_settings_from_args
     from pagedserve.entrypoints.openai.shutdown import CUT_MARGIN_S, GracefulServer
     from pagedserve.entrypoints.openai.stats_logger import configure_logging
-    from pagedserve.entrypoints.server_ops_args import ops_settings, uvicorn_options
 
     log_config = configure_logging(args.log_level, args.log_format)
     log = logging.getLogger("pagedserve.serve")
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config, names, max_body = build_engine_config(args)
         dp = build_dp_config(args)
-        from pagedserve.entrypoints.structured_args import tool_options
+        from pagedserve.entrypoints.cli.structured_args import tool_options
 
         tools = tool_options(args, config.structured_outputs.reasoning_parser)
         ops = ops_settings(args, config)
@@ -239,8 +239,8 @@ def run(args: argparse.Namespace) -> int:
         app.state.drain,
         grace,
     )
-    if hasattr(served, "on_engine_dead"):  # an engine-wide failure stops the server, loudly
-        served.on_engine_dead = lambda e: setattr(server, "should_exit", True)
+    # An engine-wide failure stops the server, loudly.
+    served.set_callbacks(on_engine_dead=lambda e: setattr(server, "should_exit", True))
     try:
         server.run()
     finally:
@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     if not server.started:
         log.error("the HTTP server did not start (see the error above)")
         return 3  # uvicorn's own status for a failed start
-    fatal = getattr(served, "fatal_error", None)
+    fatal = served.fatal_error
     if fatal is not None:
         log.critical("server stopped: the engine failed (%s: %s)", type(fatal).__name__, fatal)
         return 1

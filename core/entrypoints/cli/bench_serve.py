@@ -28,7 +28,7 @@ import os
 import random
 import time
 
-from pagedserve.entrypoints.bench_stats import (
+from pagedserve.entrypoints.cli.bench_stats import (
     KEEP_UP_FRACTION,
     RequestResult,
     arrival_offsets,
@@ -278,7 +278,7 @@ def _print_sweep(rows: list[dict], saturation: float | None) -> None:
 def run(args: argparse.Namespace) -> int:
     from urllib.parse import urlparse
 
-    from pagedserve.entrypoints.bench_throughput import make_workload
+    from pagedserve.entrypoints.cli.bench_throughput import make_workload
     from pagedserve.loader import open_model
 
     if urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):

@@ -10,7 +10,7 @@ import sys
 
 __all__ = ["main"]
 
-# subcommand -> module under pagedserve.entrypoints
+# subcommand -> module under pagedserve.entrypoints.cli
 SUBCOMMANDS = {
     "serve": "serve_cmd",
     "generate": "generate_cmd",
@@ -29,7 +29,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         if wanted in SUBCOMMANDS and name != wanted:
             sub.add_parser(name)  # listed in help without importing its module
             continue
-        mod = importlib.import_module(f"pagedserve.entrypoints.{module}")
+        mod = importlib.import_module(f"pagedserve.entrypoints.cli.{module}")
         mod.add_parser(sub)
     return parser
 
@@ -41,9 +41,5 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    mod = importlib.import_module(f"pagedserve.entrypoints.{SUBCOMMANDS[args.command]}")
+    mod = importlib.import_module(f"pagedserve.entrypoints.cli.{SUBCOMMANDS[args.command]}")
     return int(mod.run(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

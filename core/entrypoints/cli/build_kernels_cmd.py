@@ -26,6 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--target", choices=TARGETS, default=None, help="what to build (default: see above)")
     p.add_argument("--verbose", action="store_true", help="show flags, compiler commands and what took effect")
     p.add_argument("--force", action="store_true", help="rebuild even when the cache is current (cpu)")
+    p.add_argument("--all", action="store_true", help="cpu: also every other native extension this CPU runs")
     return p
 
 
@@ -35,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         target = args.target or build.default_target(target_device())
-        result = build.build_kernels(target, verbose=args.verbose, force=getattr(args, "force", False))
+        result = build.build_kernels(
+            target, verbose=args.verbose, force=getattr(args, "force", False), every=getattr(args, "all", False)
+        )
     except build.KernelBuildError as exc:
         print(f"pagedserve build-kernels: {exc}", file=sys.stderr)
         return 1

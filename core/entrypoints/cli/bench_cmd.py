@@ -14,11 +14,11 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="run a benchmark")
     kinds = p.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
     for kind, module in _KINDS.items():
-        mod = importlib.import_module(f"pagedserve.entrypoints.{module}")
+        mod = importlib.import_module(f"pagedserve.entrypoints.cli.{module}")
         sp = kinds.add_parser(kind, help=mod.__doc__.splitlines()[0] if mod.__doc__ else None)
         mod.add_arguments(sp)
 
 
 def run(args: argparse.Namespace) -> int:
-    mod = importlib.import_module(f"pagedserve.entrypoints.{_KINDS[args.bench_kind]}")
+    mod = importlib.import_module(f"pagedserve.entrypoints.cli.{_KINDS[args.bench_kind]}")
     return int(mod.run(args) or 0)

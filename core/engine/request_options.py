@@ -12,11 +12,9 @@ from pagedserve.sampling_params import SamplingParams
 __all__ = ["check_request_params", "sample_params", "best_sequences", "truncate_prompt", "continue_final_message"]
 
 
-def check_request_params(params: SamplingParams, vocab_size: int, encode, multi_rank: bool) -> None:
+def check_request_params(params: SamplingParams, vocab_size: int, encode) -> None:
     """ValueError naming the field for what SamplingParams cannot check on its own."""
     check_token_ids(params, vocab_size)
-    if params.prompt_logprobs is not None and multi_rank:
-        raise ValueError("prompt_logprobs is not supported with tensor/pipeline parallelism")
 
 
 def sample_params(params: SamplingParams, encode) -> list[SamplingParams]:

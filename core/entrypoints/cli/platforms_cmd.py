@@ -3,7 +3,11 @@
     pagedserve platforms                 a table: one row per platform and per failed plugin
     pagedserve platforms --json          the same facts for machines
     pagedserve platforms --ops           which implementation each op resolves to on the
-                                         selected platform (--device NAME to choose one)
+                                         selected platform (--device NAME to choose one),
+                                         and the measured choices of tuned ops: per op,
+                                         shape and row bucket, the chosen candidate and
+                                         every candidate's time, as cached on this machine
+    pagedserve platforms --ops --tune    tune first on the default model's dense shapes
     pagedserve platforms check [NAME]    run the conformance kit (pagedserve.testing) on
                                          a platform and print a pass/fail report
 
@@ -45,6 +49,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
         "--ops", action="store_true", help="show which implementation each op resolves to on the selected platform"
+    )
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="with --ops: first tune the tuned ops on the default model's dense linear shapes "
+        "(bf16, hidden 576, intermediate 1536, vocabulary 49152); cached per machine",
     )
     # `check` is a positional action rather than a nested subcommand, so the options
     # above keep working in either position (`platforms --json check cpu`).
@@ -100,6 +110,7 @@ class Report:
     selected: str | None = None
     error: str | None = None
     ops: list[dict[str, str]] | None = None
+    tuning: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -111,6 +122,8 @@ class Report:
         }
         if self.ops is not None:
             out["ops"] = self.ops
+        if self.tuning is not None:
+            out["tuning"] = self.tuning
         return out
 
 
@@ -149,7 +162,41 @@ def _platform_row(info: Any) -> dict[str, Any]:
     return row
 
 
-def collect(device: str | None = None, want_ops: bool = False, env: dict[str, str] | None = None) -> Report:
+#: (out, in) of the default model's (SmolLM2-135M) dense linear layers: fused qkv, o,
+#: fused gate/up (also the gated op), down, LM head.
+DEFAULT_MODEL_LINEARS = ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576))
+GATED_SHAPE = (3072, 576)
+
+
+def tune_default_shapes(ops: Any) -> None:
+    """Run the registry's ``prepare_linear_weight`` (and ``linear_silu_and_mul``, tuned at
+    its first call) on random bf16 weights of the default model's shapes: a tuning
+    platform times its candidates there and caches the plans."""
+    import torch
+
+    with torch.inference_mode():
+        for n, k in DEFAULT_MODEL_LINEARS:
+            w = ops.prepare_linear_weight(torch.randn(n, k, dtype=torch.bfloat16) * 0.05)
+            if (n, k) == GATED_SHAPE:
+                ops.linear_silu_and_mul(torch.randn(1, k, dtype=torch.bfloat16), w)
+
+
+def tuning_rows(ops: Any) -> list[dict[str, Any]] | None:
+    """The measured choices of every op whose implementation carries ``tuning_report()``;
+    None when no op does (a platform that tunes nothing)."""
+    rows: list[dict[str, Any]] | None = None
+    seen: set[int] = set()
+    for name, _ in ops.table():
+        report = getattr(ops.get(name), "tuning_report", None)
+        if report is not None and id(report) not in seen:
+            seen.add(id(report))
+            rows = (rows or []) + list(report())
+    return rows
+
+
+def collect(
+    device: str | None = None, want_ops: bool = False, env: dict[str, str] | None = None, tune: bool = False
+) -> Report:
     """Discover, describe and try to select; never raises a PlatformError (it is reported)."""
     from pagedserve.platforms import PlatformError, discover
 
@@ -171,6 +218,9 @@ def collect(device: str | None = None, want_ops: bool = False, env: dict[str, st
                 {"op": name, "source": source, "implementation": _qualname(ops.get(name))}
                 for name, source in ops.table()
             ]
+            if tune:
+                tune_default_shapes(ops)
+            report.tuning = tuning_rows(ops)
     except PlatformError as exc:
         report.error = str(exc)
     return report
@@ -203,6 +253,8 @@ def _format_text(report: Report, show_ops: bool) -> str:
                     [[o["op"], o["source"], o["implementation"]] for o in report.ops],
                 )
             )
+            if report.tuning is not None:
+                out.append(_format_tuning(report.tuning))
         return "\n".join(out)
     rows: list[list[str]] = []
     for p in report.platforms:
@@ -225,6 +277,22 @@ def _format_text(report: Report, show_ops: bool) -> str:
         how = "requested" if report.requested else "auto-detected"
         out.append(f"\nselected: {report.selected} ({how})")
     return "\n".join(out)
+
+
+def _format_tuning(rows: list[dict[str, Any]]) -> str:
+    """The measured choices: one line per op, shape and row bucket."""
+    if not rows:
+        return (
+            "\nmeasured choices: none cached on this machine yet (loading a model tunes its "
+            "shapes; `pagedserve platforms --ops --tune` tunes the default model's)"
+        )
+    body = [
+        [r["op"], r["key"], str(r["rows"]), r["chosen"], "  ".join(f"{n} {t:g}" for n, t in r["times_us"].items())]
+        for r in rows
+    ]
+    return "\nmeasured choices (cached on this machine; times in us, fastest first):\n" + _table(
+        ["OP", "SHAPE", "ROWS", "CHOSEN", "TIMES"], body
+    )
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -265,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the listing (or the op table); 1 when no platform can be selected."""
     if getattr(args, "action", None) == "check":
         return run_check(args)
-    report = collect(device=args.device, want_ops=args.ops)
+    report = collect(device=args.device, want_ops=args.ops, tune=getattr(args, "tune", False))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

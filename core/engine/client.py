@@ -1,0 +1,102 @@
+"""`EngineClient`: what the OpenAI server (and ``pagedserve serve``) use of the engine
+they serve -- one `AsyncLLMEngine` or a `DataParallelRouter` over several engines.
+
+The server tells the two apart by nothing but what this interface answers
+(``supports_*``, ``replica_status()``, ``health()``), never by probing attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from pagedserve.async_engine import RequestStream
+    from pagedserve.engine.stats import EngineStats
+    from pagedserve.outputs import RequestOutput
+    from pagedserve.pooling import PoolingParams
+    from pagedserve.sampling_params import SamplingParams
+
+__all__ = ["EngineClient"]
+
+
+class EngineClient(Protocol):
+    #: add_request takes ``cache_salt``.
+    supports_cache_salt: bool
+    #: Embedding requests (``add_request(pooling_params=...)``).
+    supports_pooling: bool
+    #: The error that stopped the engine(s), or None.
+    fatal_error: BaseException | None
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int] | None:
+        """The model's end-of-sequence ids (beam search); None where not served."""
+        ...
+
+    @property
+    def embedding_size(self) -> int:
+        """The size of the model's embeddings (its hidden size)."""
+        ...
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether requests may name LoRA adapters (enable_lora)."""
+        ...
+
+    def check_lora_adapter(self, path: str) -> None:
+        """Load the adapter at ``path`` once (ValueError naming the problem)."""
+        ...
+
+    def generation_defaults(self) -> dict[str, Any]:
+        """SamplingParams defaults from the model's generation_config.json."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def replica_status(self) -> list:
+        """Per-replica state (data parallel); empty for one engine."""
+        ...
+
+    def health(self) -> tuple[int, dict | None]:
+        """(HTTP status, JSON body or None) of GET /health."""
+        ...
+
+    def set_callbacks(
+        self,
+        on_request_output: Callable[[RequestOutput], None] | None = None,
+        on_engine_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        """Callbacks run on the event loop: every output (metrics, logs); once, if the
+        engine dies of an error (the server then stops).  None leaves one as it is."""
+        ...
+
+    def start(self) -> None: ...
+
+    def shutdown(self, timeout: float | None = 30.0) -> None: ...
+
+    def validate(
+        self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None = None
+    ) -> tuple[str | None, list[int]]: ...
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
+        lora_request: Any = None,
+    ) -> RequestStream: ...
+
+    def abort(self, request_id: str) -> None: ...

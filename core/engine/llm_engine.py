@@ -1,0 +1,247 @@
+"""LLMEngine: composition of platform, model, scheduler and executor, request intake and
+the synchronous step.
+
+engine = LLMEngine(EngineConfig(...))
+engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+while engine.has_unfinished_requests():
+    for out in engine.step(): ...
+
+Intake is `InputProcessor`, outputs are `OutputProcessor` (or, with async_scheduling,
+`AsyncPipeline` around it); features that take part in the step (speculative decoding,
+the step trace) are `StepHook` objects, so `step()` has no branch per feature.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.config_rules import check_kv_cache_groups, check_parallel_fits_model, check_sliding_window_cache
+from pagedserve.engine.async_pipeline import AsyncPipeline
+from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.engine.kv_handoff import KVHandoff
+from pagedserve.engine.output_processor import OutputProcessor, OutputStage, RequestState
+from pagedserve.engine.stats import EngineStats, StepCounters
+from pagedserve.engine.step_hooks import SpecDecodeHook, StepHook, TraceHook
+from pagedserve.engine.step_trace import StepTrace
+from pagedserve.executor.executor import create_executor
+from pagedserve.executor.model_runner import check_cache_dtype, resolve_dtype
+from pagedserve.kv_cache.sliding_window import uniform_window
+from pagedserve.loader import open_model
+from pagedserve.loader.generation_config import load_generation_defaults
+from pagedserve.loader.tokenizer_source import engine_tokenizer
+from pagedserve.loader.validation import effective_max_model_len
+from pagedserve.lora import LoRAManager, LoRARequest
+from pagedserve.models.arch_config import ArchConfig
+from pagedserve.models.layers import layer_windows
+from pagedserve.offload import build_kv_manager, offload_weights
+from pagedserve.outputs import RequestOutput
+from pagedserve.platforms import select_platform
+from pagedserve.pooling import PoolingParams, resolve_pooling
+from pagedserve.quantization.registry import quantize_source
+from pagedserve.request import RequestStatus
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler import Scheduler
+from pagedserve.spec_decode.builder import build_spec_decoder, check_draft_model, target_quantization
+from pagedserve.structured_output.engine_hooks import build_structured_output_manager
+
+__all__ = ["LLMEngine"]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        config.validate()  # every cross-feature rule, before any model or worker work
+        torch.manual_seed(config.model.seed)
+        self.platform, self.ops = select_platform(config.device.device)
+        self.platform.configure_threads(config.device.threads, config.device.bind_cores)
+        source = open_model(config.model.model)
+        self.model_source = source
+        self.arch = ArchConfig.from_hf(source.hf_config)
+        check_parallel_fits_model(config, self.arch)
+        # The window by which the KV manager frees slid-out blocks (None: keeps them all).
+        windows = layer_windows(self.arch.hf_config, self.arch.num_layers)
+        kv_window = check_sliding_window_cache(config, uniform_window(windows))
+        check_kv_cache_groups(config, windows)  # layers with different windows: one table per group
+        self.tokenizer = engine_tokenizer(config.model, source, self.arch.vocab_size)
+        self.eos_token_ids = frozenset(source.eos_token_ids)
+        #: SamplingParams defaults from generation_config.json (see loader/generation_config.py).
+        self.default_sampling_params = load_generation_defaults(config.model.generation_config, source.path)
+        mml = effective_max_model_len(config.model.max_model_len, self.arch.max_position_embeddings, self.arch.head_dim)
+        self.max_model_len = mml
+        #: How embedding requests pool (pagedserve.pooling): setting, checkpoint, else last.
+        self.pooling = resolve_pooling(config.model.pooling, source.path)
+        draft_source = check_draft_model(config, self.arch, mml)  # before any weights load
+        self.dtype = resolve_dtype(config.model.dtype, self.platform)
+        check_cache_dtype(config.cache.cache_dtype, self.dtype)
+        # Linear weights load quantized when config.model.quantization or the checkpoint asks.
+        source = self.model_source = quantize_source(
+            source,
+            target_quantization(config),
+            self.platform,
+            self.ops,
+            self.dtype,
+            config.parallel.world_size,
+            config.cache.cpu_offload_gb,
+            config.device.device_map,
+        )
+        # One rank in this process, or several (tensor/pipeline parallel) behind one executor.
+        self.executor = create_executor(config, self.platform, self.ops, self.arch, self.dtype, source, mml)
+        self.runner = self.executor.driver_runner  # rank 0's runner: it owns the sampler
+        # A plain manager, or one with a host KV tier (kv_offload_memory).
+        self.kv = build_kv_manager(config, self.executor.num_blocks, self.runner, kv_window, mml, windows)
+        self.weight_streamer = offload_weights(config, self.runner)  # cpu_offload_gb
+        # Grammars compile on its worker thread; the step plans each one's bitmask (sample_step.py).
+        self.structured = build_structured_output_manager(config, self.tokenizer, self.arch, self.eos_token_ids)
+        self.spec = build_spec_decoder(config, self.runner, draft_source, mml, self.dtype)
+        self.lora = LoRAManager.attach(config.lora, self.runner)  # enable_lora (docs/lora.md)
+        max_loras = config.lora.max_loras if self.lora is not None else None
+        long_prefill = self.platform.default_long_prefill_token_threshold
+        self.scheduler = Scheduler(config.scheduler, self.kv, mml, long_prefill, max_loras=max_loras)
+        self.counters = StepCounters()
+        self.output_processor = OutputProcessor(self._release, self.counters)
+        self.input_processor = InputProcessor(
+            config,
+            self.tokenizer,
+            self.arch.vocab_size,
+            self.arch.hidden_size,
+            self.eos_token_ids,
+            mml,
+            self.pooling,
+            self.structured,
+            self.lora,
+            self.kv.enable_prefix_caching,
+            self.output_processor.groups,
+        )
+        #: async_scheduling: output processing beside the next forward (async_pipeline.py).
+        self._outputs: OutputStage = (
+            AsyncPipeline(self.output_processor) if config.scheduler.async_scheduling else self.output_processor
+        )
+        #: PAGEDSERVE_STEP_TRACE: one JSON line per step (step_trace.py); None when off.
+        self.step_trace = StepTrace.from_env(config.scheduler.async_scheduling)
+        self.hooks = _step_hooks(self.step_trace, config.scheduler.async_scheduling, self.spec)
+        # The hooks' forwards nested around the executor's, the first hook outermost.
+        wrap = lambda inner, hook: functools.partial(hook.forward, inner=inner)  # noqa: E731
+        self._forward = functools.reduce(wrap, reversed(self.hooks), self._execute)
+        #: Disaggregated prefill/decode: a prompt's cached KV blocks out of and into this engine.
+        handoff = KVHandoff(self.kv, self.runner)
+        self.export_prefix_kv = handoff.export_prefix_kv
+        self.import_prefix_kv = handoff.import_prefix_kv
+        self.empty_prefix_kv = handoff.empty_prefix_kv
+
+    # -- requests ---------------------------------------------------------------------------
+    def validate_prompt(
+        self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None, truncate_prompt_tokens=None
+    ) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt (see `InputProcessor.validate_prompt`)."""
+        return self.input_processor.validate_prompt(prompt, prompt_token_ids, truncate_prompt_tokens)
+
+    def check_lora_request(self, lora_request: LoRARequest | None) -> None:
+        """Load ``lora_request``'s adapter into host memory (ValueError when it cannot serve)."""
+        self.input_processor.check_lora_request(lora_request)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError (and queues nothing) on bad input.
+
+        With ``pooling_params`` it is an embedding request (``params`` is ignored)."""
+        intake = self.input_processor
+        if pooling_params is not None:
+            args = (prompt, pooling_params, prompt_token_ids, arrival_time, priority, cache_salt)
+            group = intake.process_pooling(request_id, *args)
+        else:
+            args = (prompt, params, prompt_token_ids, arrival_time, priority, cache_salt, lora_request)
+            group = intake.process(request_id, *args)
+        for seq in group.seqs:
+            self.scheduler.add_request(seq.request)
+        self.output_processor.add(group)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        self.output_processor.abort([request_id] if isinstance(request_id, str) else list(request_id))
+
+    def _release(self, request_id: str, status: RequestStatus) -> None:
+        """Free what the scheduler, the sampler and the hooks hold for one sample."""
+        self.scheduler.finish_request(request_id, status)
+        self.runner.sampler.forget(request_id)
+        for hook in self.hooks:
+            hook.forget(request_id)
+
+    @property
+    def groups(self) -> dict[str, RequestState]:
+        """The requests in flight by id (the output processor's)."""
+        return self.output_processor.groups
+
+    def request_ids(self) -> list[str]:
+        return list(self.output_processor.groups)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output_processor.groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.groups)
+
+    def running_request_ids(self) -> list[str]:
+        """Ids of requests with a sample in the running set: those a failed step may have
+        left half-updated, so a caller that survives the failure aborts them."""
+        return self.output_processor.running_request_ids({r.request_id for r in self.scheduler.running})
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample, detokenize; outputs of requests that advanced
+        (with async_scheduling, of the step before: see async_pipeline.py)."""
+        start = time.monotonic()
+        for hook in self.hooks:
+            hook.before_schedule(self.scheduler)
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return self._outputs.flush()
+        # Copies: a request a stop string finishes beside the forward gives its list back.
+        block_ids = {s.request.request_id: list(self.kv.block_ids(s.request.request_id)) for s in sched.scheduled}
+        result = self._outputs.overlap(lambda: self._forward(sched, block_ids))
+        self.counters.count_step(sched)
+        progressed = self.scheduler.update_after_step(sched, result.sampled, result.accepted)
+        self.counters.count_generated(len(progressed))
+        self.output_processor.account(progressed, result.prompt_logprobs)
+        outputs = self._outputs.process(sched, result, progressed, self.runner.take_row_errors())
+        for hook in reversed(self.hooks):
+            hook.after_step(self.scheduler, len(outputs))
+        self.scheduler.record_step_latency(time.monotonic() - start)
+        return outputs
+
+    def _execute(self, sched, block_ids: dict) -> object:
+        return self.executor.execute(sched, block_ids)
+
+    def shutdown(self) -> None:
+        """Stop worker processes or actors (a no-op for a single-process engine)."""
+        self.executor.shutdown()
+        self.structured.shutdown()
+        self._outputs.shutdown()
+
+    def stats(self) -> EngineStats:
+        extra: dict[str, object] = {}
+        for hook in self.hooks:
+            extra.update(hook.counters())
+        return self.counters.snapshot(self.scheduler, self.kv, extra)
+
+
+def _step_hooks(trace: StepTrace | None, async_scheduling: bool, spec) -> list[StepHook]:
+    """The step's hooks, outermost first: the trace times the whole step."""
+    hooks: list[StepHook] = []
+    if trace is not None and not async_scheduling:  # async steps return the previous outputs
+        hooks.append(TraceHook(trace))
+    if spec is not None:
+        hooks.append(SpecDecodeHook(spec))
+    return hooks
