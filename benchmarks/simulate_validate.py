@@ -12,6 +12,7 @@ prints both with the prediction error.
     python benchmarks/simulate_validate.py --calibrate --threads 1 ...   # both in one run
     python benchmarks/simulate_validate.py --calibrate --threads 1 --timer cpu ...  # on a shared machine
     python benchmarks/simulate_validate.py ... --request-rate 4   # arrivals as bench serve's (no HTTP)
+    python benchmarks/simulate_validate.py --model BF16_FOLDER ...  # another model (its format's curve)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def measure(args: argparse.Namespace, vocab: int) -> dict:
     clock = TIMERS[args.timer]
     work = make_workload(args.num_prompts, args.input_len, args.output_len, args.mixed, args.seed, vocab)
     llm = LLM(
+        model=args.model,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
@@ -87,6 +89,7 @@ def simulate(args: argparse.Namespace) -> dict:
         "simulate",
         "--hardware",
         args.hardware,
+        *(["--model", args.model] if args.model else []),
         "--num-prompts",
         str(args.num_prompts),
         "--input-len",
@@ -111,6 +114,7 @@ def simulate(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="a checkpoint folder or .gguf file (default: the default model)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
@@ -147,13 +151,13 @@ def main() -> None:
 
         from pagedserve.simulate.calibrate import calibrate
 
-        profile = calibrate(None, args.threads, timer=args.timer)
+        profile = calibrate(None, args.threads, timer=args.timer, model=args.model)
         args.hardware = str(pathlib.Path(tempfile.mkdtemp()) / "cpu-calibrated.json")
         pathlib.Path(args.hardware).write_text(json.dumps(profile.to_dict()))
     sim = simulate(args)  # first: it fails fast on a missing calibration
     from pagedserve.simulate.model_spec import load_model_config
 
-    meas = measure(args, load_model_config(None)["vocab_size"])
+    meas = measure(args, load_model_config(args.model)["vocab_size"])
     rows = [
         ("tokens/s", meas["tokens_per_s"], sim["tokens_per_s"]),
         ("TTFT p50 (s)", meas["ttft_s"]["p50"], sim["ttft_s"]["p50"]),

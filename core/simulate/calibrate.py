@@ -1,42 +1,54 @@
 """`pagedserve simulate calibrate`: measure this machine and write a hardware profile.
 
-Everything is measured through the platform's real ops (as the engine resolves them):
+Everything is measured on the model the profile is for (``--model``; default: the default
+model, Q4_1 GGUF), loaded by a real engine, so its linear layers are exactly the ops and
+weights the engine runs on this platform: the registry's ``gguf_linear`` (and its fused
+``gguf_linear_silu_and_mul``) on blocks put through ``prepare_gguf_weight`` for a GGUF
+model, ``linear`` on weights put through ``prepare_linear_weight`` for a bf16 one -- and,
+where the platform picks an implementation per row count, the one it picks.
 
-* matmul throughput by batch size: ``linear`` (bfloat16 weights, prepared by
-  ``prepare_linear_weight``) and, where the platform has it, ``gguf_linear`` (Q4_1
-  blocks, the default model's format) over one decoder layer's shapes of the default
-  model, at 1 to 512 rows -> ``matmul_curve``;
+* matmul throughput by batch size: one decoder layer's projections (qkv, o and the
+  model's own MLP forward) at 1 to 2048 rows -> ``matmul_curve[fmt]``, and the LM head
+  (``compute_logits``) at 1 to 256 rows -> ``matmul_curve["lm_head:" + fmt]``, where
+  ``fmt`` is the weight format the planner reads from the model's config (``q4_1``,
+  ``bfloat16``, ...);
 * memory bandwidth: a large tensor copy;
 * attention: ``paged_attention`` on a decode batch (bytes of K/V read per second ->
   ``attention_bandwidth``) and on one 2048-token prefill (FLOP/s -> ``attention_flops``);
-* in-engine efficiency and step overhead: a few real engine steps of the default model.
-  Prefill steps of 128, 512 and 2048 tokens set ``efficiency.matmul`` (the share of the
-  micro-benchmarked matmul rate the whole forward reaches) and ``per_token_overhead_s``
-  by least squares; decode steps at one and 32 sequences set ``step_overhead_s + S x
+* in-engine efficiency and step overhead: a few real engine steps of that model.
+  Prefill steps of 128, 512 and 2048 tokens set the matmul efficiency (the share of the
+  micro-benchmarked matmul rate the whole forward reaches) and the per-token overhead
+  by least squares; decode steps at 1, 16 and 64 sequences set ``step_overhead_s + S x
   per_seq_overhead_s`` (what the compute terms leave unexplained: input preparation,
   sampling, Python).
 
-It takes about a minute and writes ``cpu-local`` (docs/simulate.md says where).
+The curves and the fit are recorded per format in ``calibrated[fmt]`` with the ops that
+ran; calibrating a second model of another format into the same file adds its entry
+(same machine and threads), so one ``cpu-local`` can price both a GGUF and a bf16 model.
+It takes one to two minutes and writes ``cpu-local`` (docs/simulate.md says where).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import pathlib
+import platform as pyplatform
 import time
 from collections.abc import Callable
+from typing import Any
 
-from pagedserve.simulate.hardware import HardwareProfile, local_profile_path
+from pagedserve.simulate.hardware import LM_HEAD_PREFIX, HardwareProfile, local_profile_path
 
-__all__ = ["run_calibration", "calibrate"]
+__all__ = ["run_calibration", "calibrate", "merge_calibrations", "machine_id"]
 
-# One decoder layer of the default model (SmolLM2-135M): qkv, o, gate+up, down.
-_LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 # Dense in rows: kernels switch strategy at row thresholds (e.g. the CPU GGUF kernel
 # dequantizes to a dense GEMM from 128 rows), and interpolation must not bridge a switch.
 _ROWS = [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 512, 1024, 2048]
+# The LM head multiplies only the sampling rows: one per sequence of a step.
+_HEAD_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
 #: The clock measurements are read on: wall time, or this process's CPU time -- on a
@@ -67,35 +79,81 @@ def _timeit(fn, clock: Clock, min_time: float = 0.05, max_reps: int = 200) -> fl
     return best
 
 
-def _q4_1_blocks(torch, n: int, k: int):
-    """Valid random Q4_1 rows ``uint8 [n, k/32 * 20]``: fp16 scale and min, then 16 bytes of nibbles."""
-    blocks = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8)
-    scale_min = (torch.rand(n, k // 32, 2) * 0.01 + 0.001).to(torch.float16)
-    blocks[:, :, :4] = scale_min.view(torch.uint8).reshape(n, k // 32, 4)
-    return blocks.reshape(n, k // 32 * 20)
+def _describe(weight, ops, dtype, gated: bool = False) -> str:
+    """Which registry op multiplies with ``weight`` (and its implementation), and how the
+    weight was prepared, as the model's forward calls it."""
+    import torch
+
+    sources = dict(ops.table())
+
+    def op(name: str) -> str:
+        return f"{name} [{sources.get(name, 'absent')}]"
+
+    if isinstance(weight, torch.Tensor):
+        prep = op("prepare_linear_weight") if "prepare_linear_weight" in sources else "as loaded"
+        main = op("linear_silu_and_mul" if gated else "linear")
+        return f"{main} on {str(dtype).replace('torch.', '')} weights ({prep})"
+    type_name = getattr(weight, "type_name", None)
+    if type_name is not None:  # GGUF blocks
+        fused = gated and getattr(weight, "gated_op", None) is not None
+        prep = op("prepare_gguf_weight") if getattr(weight, "packed", None) is not None else "blocks as loaded"
+        return f"{op('gguf_linear_silu_and_mul' if fused else 'gguf_linear')} on {type_name} blocks ({prep})"
+    return f"{type(weight).__name__}.apply"
 
 
-def _matmul_curve(torch, ops, dtype, fmt: str, clock: Clock) -> list[list[float]]:
-    if fmt == "q4_1":
-        weights = [_q4_1_blocks(torch, n, k) for n, k in _LAYER_SHAPES]
+def _layer_linears(engine) -> tuple[Callable[[int], Callable[[], Any]], dict[str, str]]:
+    """A factory of one middle decoder layer's projections at ``m`` rows (qkv, o and the
+    model's own MLP forward, on the engine's prepared weights), and what each runs."""
+    import torch
 
-        def layer(x_by_k):
-            for (_, k), w in zip(_LAYER_SHAPES, weights):
-                ops.gguf_linear(x_by_k[k], w, "Q4_1", None)
-    else:
-        weights = [ops.prepare_linear_weight(torch.randn(n, k, dtype=dtype) * 0.05) for n, k in _LAYER_SHAPES]
+    model = engine.runner.model
+    layer = model.layers[len(model.layers) // 2]
+    index = model.layer_start + len(model.layers) // 2
+    ops, dtype = model.ops, engine.dtype
+    if not all(hasattr(layer, f) for f in ("qkv", "o")) or not hasattr(model, "mlp_forward"):
+        raise ValueError(
+            f"calibration times a Llama-style decoder layer (fused qkv, o and an MLP forward); "
+            f"{type(model).__name__} has none: calibrate with a Llama-family model of the same weight format"
+        )
+    from pagedserve.models.layers import linear
 
-        def layer(x_by_k):
-            for (_, k), w in zip(_LAYER_SHAPES, weights):
-                ops.linear(x_by_k[k], w, None)
+    hidden, q_size = model.cfg.hidden_size, model.q_size
+    mlp = {f: getattr(layer, f) for f in ("gate_up", "down", "fc", "proj") if getattr(layer, f, None) is not None}
+    what = {"qkv": _describe(layer.qkv, ops, dtype), "o": _describe(layer.o, ops, dtype)}
+    what.update({f: _describe(w, ops, dtype, gated=f == "gate_up") for f, w in mlp.items()})
 
-    flops_per_row = 2 * sum(n * k for n, k in _LAYER_SHAPES)
-    curve = []
-    for m in _ROWS:
-        xs = {k: torch.randn(m, k, dtype=dtype) for _, k in _LAYER_SHAPES}
-        sec = _timeit(lambda xs=xs: layer(xs), clock, min_time=0.04)
-        curve.append([float(m), flops_per_row * m / sec])
-    return curve
+    def at(m: int) -> Callable[[], Any]:
+        h = torch.randn(m, hidden, dtype=dtype) * 0.5
+        a = torch.randn(m, q_size, dtype=dtype) * 0.5
+        bias = getattr(layer, "qkv_bias", None)
+
+        def run() -> None:
+            linear(ops, h, layer.qkv, bias)
+            linear(ops, a, layer.o)
+            model.mlp_forward(ops, index, layer, h)
+
+        return run
+
+    return at, what
+
+
+def _model_curves(torch, engine, spec, fmt: str, clock: Clock, rows: list[int], head_rows: list[int]):
+    """(curves by key, ops by projection): the layer's linears and the LM head, measured."""
+    at, what = _layer_linears(engine)
+    model = engine.runner.model
+    what["lm_head"] = "compute_logits: " + _describe(model.lm_head, model.head_ops, engine.dtype)
+    layer_flops = 2.0 * spec.layer_params_active / spec.num_layers
+    head_flops = 2.0 * spec.embedding_params
+    curves: dict[str, list[list[float]]] = {fmt: [], LM_HEAD_PREFIX + fmt: []}
+    with torch.inference_mode():
+        for m in rows:
+            sec = _timeit(at(m), clock, min_time=0.04)
+            curves[fmt].append([float(m), layer_flops * m / sec])
+        for m in head_rows:
+            h = torch.randn(m, model.cfg.hidden_size, dtype=engine.dtype) * 0.5
+            sec = _timeit(lambda h=h: model.compute_logits(h), clock, min_time=0.04)
+            curves[LM_HEAD_PREFIX + fmt].append([float(m), head_flops * m / sec])
+    return curves, what
 
 
 def _memory_bandwidth(torch, clock: Clock) -> float:
@@ -135,19 +193,30 @@ def _attention(torch, platform, ops, dtype, clock: Clock) -> tuple[float, float]
     return bw, flops / sec
 
 
-def _engine_steps(device: str | None, threads: int | None, clock: Clock = time.perf_counter):
-    """Measured (scheduled batch, seconds) of real engine steps of the default model."""
-    from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig
+def _build_engine(model: str | None, device: str | None, threads: int | None):
+    """A real engine of ``model``: its weights loaded and prepared as for serving."""
+    from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
     from pagedserve.engine import LLMEngine
+
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=model),
+            cache=CacheConfig(kv_cache_memory="512MiB"),
+            device=DeviceConfig(device=device, threads=threads),
+        )
+    )
+
+
+def _engine_steps(engine, clock: Clock = time.perf_counter):
+    """Measured (scheduled batch, seconds) of real engine steps of the engine's model."""
     from pagedserve.sampling_params import SamplingParams
     from pagedserve.simulate.cost_model import StepBatch
 
-    engine = LLMEngine(
-        EngineConfig(cache=CacheConfig(kv_cache_memory="512MiB"), device=DeviceConfig(device=device, threads=threads))
-    )
     samples: list[tuple[StepBatch, float]] = []
-    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
-    for rnd, nseq in enumerate([1, 32]):
+    # Decode batches from one sequence to the 64 of the fixed benchmark, ten steps each:
+    # a line through three medians is steadier than through two.
+    params = SamplingParams(max_tokens=11, ignore_eos=True, temperature=0.0)
+    for rnd, nseq in enumerate([1, 16, 64]):
         for i in range(nseq):
             engine.add_request(
                 f"cal-{rnd}-{i}",
@@ -170,23 +239,30 @@ def _engine_steps(device: str | None, threads: int | None, clock: Clock = time.p
             SamplingParams(max_tokens=1, ignore_eos=True),
             prompt_token_ids=[100 + (3 * j + n) % 40000 for j in range(n)],
         )
-        t0 = clock()
-        engine.step()
-        samples.append((StepBatch([n], [n], 1), clock() - t0))
+        # The platform may split a long prompt into chunks (the CPU's 512 tokens a step):
+        # each step is recorded with the tokens it computed over the context it reached.
+        req = engine.scheduler.requests[f"cal-prefill-{n}"]
         while engine.has_unfinished_requests():
+            before = req.num_computed_tokens
+            t0 = clock()
             engine.step()
-    engine.shutdown()
+            sec = clock() - t0
+            done = req.num_computed_tokens
+            if done - before > 1:
+                samples.append((StepBatch([done - before], [done], int(done >= n)), sec))
     return samples
 
 
-def _fit_overhead(profile: HardwareProfile, samples) -> None:
+def _fit_overhead(profile: HardwareProfile, samples, spec=None) -> None:
     """Fit the in-engine matmul efficiency and per-token overhead (prefill steps of several
     lengths) and the fixed and per-sequence overheads (decode steps at two batch sizes) so
-    that the cost model matches the measured engine steps."""
+    that the cost model of ``spec`` (default: the default model) matches the measured
+    engine steps."""
     from pagedserve.simulate.cost_model import CostModel
     from pagedserve.simulate.model_spec import ModelSpec, load_model_config
 
-    cost = CostModel(ModelSpec.from_config(load_model_config(None)), profile, dtype="bfloat16")
+    spec = spec or ModelSpec.from_config(load_model_config(None))
+    cost = CostModel(spec, profile, dtype="bfloat16")
     decodes = [(b, sec) for b, sec in samples if all(q == 1 for q in b.q_lens)]
     prefills = [(b, sec) for b, sec in samples if len(b.q_lens) == 1 and b.q_lens[0] > 1]
 
@@ -202,9 +278,12 @@ def _fit_overhead(profile: HardwareProfile, samples) -> None:
             explained = sum(parts.values()) - parts["overhead"] + profile.per_token_overhead_s * b.num_tokens
             by_s.setdefault(len(b.q_lens), []).append(sec - explained)
         med = {s: median(v) for s, v in by_s.items()}
-        s_lo, s_hi = min(med), max(med)
-        per_seq = max(0.0, (med[s_hi] - med[s_lo]) / (s_hi - s_lo)) if s_hi > s_lo else 0.0
-        profile.step_overhead_s = max(0.0, med[s_lo] - per_seq * s_lo)
+        # least squares line through the per-batch-size medians: overhead = step + S x per_seq
+        s_mean, y_mean = sum(med) / len(med), sum(med.values()) / len(med)
+        sxx = sum((s - s_mean) ** 2 for s in med)
+        slope = sum((s - s_mean) * (y - y_mean) for s, y in med.items()) / sxx if sxx > 0 else 0.0
+        per_seq = max(0.0, slope)
+        profile.step_overhead_s = max(0.0, y_mean - per_seq * s_mean)
         profile.per_seq_overhead_s = per_seq
 
 
@@ -231,8 +310,29 @@ def _fit_prefill(profile: HardwareProfile, cost, prefills) -> None:
     profile.per_token_overhead_s = per_token
 
 
-def calibrate(device: str | None = None, threads: int | None = None, log=print, timer: str = "wall") -> HardwareProfile:
-    """Measure this machine; ``timer`` "cpu" reads process CPU time (one thread only)."""
+def machine_id(platform_name: str, threads: int, timer: str) -> str:
+    """What must match for two calibrations to share a profile: CPU model, platform,
+    threads and clock."""
+    cpu = pyplatform.processor() or pyplatform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}; {platform_name}; {threads} threads; {timer} time"
+
+
+def calibrate(
+    device: str | None = None,
+    threads: int | None = None,
+    log=print,
+    timer: str = "wall",
+    model: str | None = None,
+    rows: list[int] | None = None,
+) -> HardwareProfile:
+    """Measure this machine running ``model`` (default: the default model); ``timer``
+    "cpu" reads process CPU time (one thread only); ``rows`` overrides the row counts of
+    the matmul curve (a shorter run)."""
     import torch
 
     if timer not in TIMERS:
@@ -241,28 +341,34 @@ def calibrate(device: str | None = None, threads: int | None = None, log=print, 
         raise ValueError("--timer cpu measures one thread's work: use it with --threads 1")
     clock = TIMERS[timer]
 
-    from pagedserve.platforms import select_platform
+    from pagedserve.simulate.model_spec import ModelSpec, load_model_config
 
-    platform, ops = select_platform(device)
-    platform.configure_threads(threads, None)
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if torch.bfloat16 in platform.supported_dtypes else platform.default_dtype
+    spec = ModelSpec.from_config(load_model_config(model), name=model or "smollm2-135m-instruct")
+    fmt = spec.weight_format
     t0 = time.perf_counter()
-    curves = {"bfloat16": _matmul_curve(torch, ops, dtype, "bfloat16", clock)}
-    if "gguf_linear" in dict(ops.table()):
-        curves["q4_1"] = _matmul_curve(torch, ops, dtype, "q4_1", clock)
-    log(
-        f"  matmul: bf16 {curves['bfloat16'][-1][1] / 1e9:.1f} GFLOP/s at {int(curves['bfloat16'][-1][0])} rows "
-        f"({time.perf_counter() - t0:.0f} s)"
-    )
-    bw = _memory_bandwidth(torch, clock)
-    att_bw, att_flops = _attention(torch, platform, ops, dtype, clock)
-    log(
-        f"  memory {bw / 1e9:.1f} GB/s; attention {att_bw / 1e9:.1f} GB/s decode, {att_flops / 1e9:.1f} GFLOP/s "
-        f"prefill ({time.perf_counter() - t0:.0f} s)"
-    )
+    engine = _build_engine(model, device, threads)
+    try:
+        platform, ops, dtype = engine.platform, engine.ops, engine.dtype
+        torch.manual_seed(0)
+        rows = rows or _ROWS
+        curves, what = _model_curves(torch, engine, spec, fmt, clock, rows, [r for r in _HEAD_ROWS if r <= rows[-1]])
+        log(f"  {spec.name}: {fmt} weights; linears run " + "; ".join(f"{k}: {v}" for k, v in what.items()))
+        log(
+            f"  matmul ({fmt}): {curves[fmt][0][1] / 1e9:.1f} GFLOP/s at 1 row, {curves[fmt][-1][1] / 1e9:.1f} at "
+            f"{int(curves[fmt][-1][0])} rows ({time.perf_counter() - t0:.0f} s)"
+        )
+        bw = _memory_bandwidth(torch, clock)
+        att_bw, att_flops = _attention(torch, platform, ops, dtype, clock)
+        log(
+            f"  memory {bw / 1e9:.1f} GB/s; attention {att_bw / 1e9:.1f} GB/s decode, {att_flops / 1e9:.1f} GFLOP/s "
+            f"prefill ({time.perf_counter() - t0:.0f} s)"
+        )
+        samples = _engine_steps(engine, clock)
+    finally:
+        engine.shutdown()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peak = max(p[1] for c in curves.values() for p in c)
+    nthreads = torch.get_num_threads()
     profile = HardwareProfile(
         name="cpu-local",
         memory_bytes=float(mem),
@@ -276,14 +382,25 @@ def calibrate(device: str | None = None, threads: int | None = None, log=print, 
         attention_bandwidth=att_bw,
         attention_flops=att_flops,
         default_memory_utilization=0.5,
+        long_prefill_token_threshold=int(platform.default_long_prefill_token_threshold),
         description=f"measured by `pagedserve simulate calibrate` on {platform.name} "
-        f"({torch.get_num_threads()} threads, {timer} time) at {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        f"({nthreads} threads, {timer} time) at {time.strftime('%Y-%m-%d %H:%M:%S')}",
         sources=[
-            "rates measured through the platform's ops (docs/simulate.md); interconnect (TP/PP over "
-            "local processes) assumed at a tenth of the copy bandwidth, not measured"
+            "rates measured through the platform's ops on the model's own prepared weights (docs/simulate.md); "
+            "interconnect (TP/PP over local processes) assumed at a tenth of the copy bandwidth, not measured"
         ],
     )
-    _fit_overhead(profile, _engine_steps(device, threads, clock))
+    _fit_overhead(profile, samples, spec)
+    profile.calibrated[fmt] = {
+        "model": spec.name,
+        "machine": machine_id(platform.name, nthreads, timer),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "ops": what,
+        "efficiency_matmul": profile.eff("matmul"),
+        "step_overhead_s": profile.step_overhead_s,
+        "per_seq_overhead_s": profile.per_seq_overhead_s,
+        "per_token_overhead_s": profile.per_token_overhead_s,
+    }
     log(
         f"  in-engine matmul efficiency {profile.eff('matmul'):.2f}; step overhead "
         f"{profile.step_overhead_s * 1e3:.2f} ms + {profile.per_seq_overhead_s * 1e6:.0f} us/seq + "
@@ -292,11 +409,42 @@ def calibrate(device: str | None = None, threads: int | None = None, log=print, 
     return profile
 
 
+def merge_calibrations(old: HardwareProfile, new: HardwareProfile, log=print) -> HardwareProfile:
+    """``new`` plus the formats ``old`` calibrated on the same machine that ``new`` lacks
+    (their curves and fits); machine-wide rates (memory, attention) are ``new``'s.
+    Neither argument is changed."""
+    new = copy.deepcopy(new)
+    mine = {e["machine"] for e in new.calibrated.values()}
+    for fmt, entry in old.calibrated.items():
+        if fmt in new.calibrated:
+            continue
+        if entry.get("machine") not in mine:
+            log(f"  dropping the {fmt} calibration of {old.name}: measured on {entry.get('machine')}, not here")
+            continue
+        new.calibrated[fmt] = entry
+        for key in (fmt, LM_HEAD_PREFIX + fmt):
+            if key in old.matmul_curve:
+                new.matmul_curve[key] = old.matmul_curve[key]
+        log(f"  keeping the {fmt} calibration ({entry.get('model')}, {entry.get('when')})")
+    new.peak_flops = {k: max(v, old.peak_flops.get(k, 0.0)) for k, v in new.peak_flops.items()}
+    return new
+
+
 def run_calibration(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out).expanduser() if args.out else local_profile_path()
-    print(f"calibrating this machine (about a minute) -> {out}")
-    profile = calibrate(args.device, args.threads, timer=args.timer)
+    print(f"calibrating this machine on {args.model or 'the default model'} (one to two minutes) -> {out}")
+    profile = calibrate(args.device, args.threads, timer=args.timer, model=args.model)
+    if out.is_file():
+        try:
+            old = HardwareProfile.from_dict(json.loads(out.read_text(encoding="utf-8")))
+        except ValueError as e:  # an unreadable or older file is replaced
+            print(f"  replacing {out}: {e}")
+        else:
+            profile = merge_calibrations(old, profile)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile.to_dict(), indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {out}; use --hardware {'cpu-local' if not args.out else out}")
+    print(
+        f"wrote {out} (formats: {', '.join(sorted(profile.calibrated))}); use --hardware "
+        f"{'cpu-local' if not args.out else out}"
+    )
     return 0

@@ -4,6 +4,7 @@
         --num-prompts 500 --request-rate 8 --json-out plan.json
     pagedserve simulate --hardware h200-sxm --sweep rate=1:64 --slo ttft_p99=0.5
     pagedserve simulate calibrate            # measure this machine -> --hardware cpu-local
+    pagedserve simulate calibrate --model ./bf16-folder   # add the bf16 linears to it
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="a Hugging Face config.json (file or folder) or a .gguf file; default: smollm2-135m-instruct",
+        help="a Hugging Face config.json (file or folder) or a .gguf file; default: smollm2-135m-instruct. "
+        "calibrate: the model to measure (a checkpoint folder or .gguf file): its weight format's "
+        "curve is added to the profile",
     )
     p.add_argument(
         "--hardware",

@@ -16,8 +16,8 @@ through the stages in turn, without micro-batches):
     offload    streamed weight bytes / (HOST e_host)                   (cpu_offload_gb)
     overhead   step_overhead + S x per_seq_overhead + T x per_token_overhead
 
-``R(T)`` is the matmul rate at ``T`` rows (a calibrated curve for the weight format, or
-``peak x e_matmul``); ``P_active`` counts the top-k experts of a mixture-of-experts
+``R(T)`` is the matmul rate at ``T`` rows (a calibrated curve for the weight format, the
+LM head's own where calibrated, or ``peak x e_matmul``); ``P_active`` counts the top-k experts of a mixture-of-experts
 layer and ``P_read(T)`` the experts the batch is expected to touch (all of them once
 the batch is large).  Everything is a pure function of the batch: no torch, no device.
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.simulate.hardware import HardwareProfile
+from pagedserve.simulate.hardware import LM_HEAD_PREFIX, HardwareProfile
 from pagedserve.simulate.model_spec import COMPUTE_KIND, WEIGHT_BYTES, ModelSpec
 
 __all__ = ["CostModel", "StepBatch"]
@@ -99,8 +99,8 @@ class CostModel:
         return self.model.weight_bytes(self.dtype) / (self.tp * self.pp)
 
     # -- time -----------------------------------------------------------------------------------
-    def _linear(self, flops: float, weight_bytes: float, rows: float) -> float:
-        rate = self.hw.matmul_rate(self.fmt, self.compute_kind, rows)
+    def _linear(self, flops: float, weight_bytes: float, rows: float, fmt: str | None = None) -> float:
+        rate = self.hw.matmul_rate(fmt or self.fmt, self.compute_kind, rows)
         bw = self.hw.memory_bandwidth * self.hw.eff("memory")
         return max(flops / rate, weight_bytes / bw)
 
@@ -116,7 +116,11 @@ class CostModel:
         )
         if N:
             head_bpw = bpw if not m.tie_word_embeddings else WEIGHT_BYTES[self.dtype]
-            out["lm_head"] = self._linear(2.0 * N * m.embedding_params / tp, m.embedding_params * head_bpw / tp, N)
+            # the LM head's own calibrated curve when there is one (it may run another kernel)
+            head_fmt = LM_HEAD_PREFIX + self.fmt if LM_HEAD_PREFIX + self.fmt in hw.matmul_curve else self.fmt
+            out["lm_head"] = self._linear(
+                2.0 * N * m.embedding_params / tp, m.embedding_params * head_bpw / tp, N, head_fmt
+            )
         else:
             out["lm_head"] = 0.0
         heads, d = m.num_heads / tp, m.head_dim

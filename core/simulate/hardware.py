@@ -19,13 +19,28 @@ import math
 import os
 import pathlib
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from typing import Any
 
-__all__ = ["HardwareProfile", "load_profile", "shipped_profiles", "local_profile_path", "LOCAL_PROFILE"]
+__all__ = [
+    "HardwareProfile",
+    "load_profile",
+    "shipped_profiles",
+    "local_profile_path",
+    "LOCAL_PROFILE",
+    "CALIBRATED_FIT",
+    "LM_HEAD_PREFIX",
+]
 
 LOCAL_PROFILE = "cpu-local"
+
+#: ``matmul_curve`` key prefix of a format's LM-head curve (``"lm_head:q4_1"``): the head
+#: may run another kernel than the layers (a tied GGUF embedding's type, float32 logits).
+LM_HEAD_PREFIX = "lm_head:"
+
+#: What a calibration fits per weight format (``HardwareProfile.calibrated[fmt]``).
+CALIBRATED_FIT = ("efficiency_matmul", "step_overhead_s", "per_seq_overhead_s", "per_token_overhead_s")
 
 _EFFICIENCY_KEYS = ("matmul", "memory", "attention", "interconnect", "host")
 
@@ -55,7 +70,13 @@ class HardwareProfile:
     reaches (matmul, memory, attention, interconnect, host).  ``matmul_curve`` (from a
     calibration) maps a weight format to measured ``[tokens, FLOP/s]`` points that replace
     the peak for that format; ``attention_bandwidth`` and
-    ``attention_flops`` (measured) replace the attention roofline's rates."""
+    ``attention_flops`` (measured) replace the attention roofline's rates.
+
+    ``calibrated`` (written by ``pagedserve simulate calibrate``) maps each weight format
+    it measured to what ran and what was fitted for it: the model, the ops and
+    implementations of its linear layers, and that format's in-engine matmul efficiency
+    and step overheads (``CALIBRATED_FIT``).  :meth:`for_format` gives the profile a
+    model of one format is priced with, and refuses a format the calibration lacks."""
 
     name: str
     memory_bytes: float
@@ -74,6 +95,11 @@ class HardwareProfile:
     attention_flops: float | None = None
     description: str = ""
     sources: list[str] = field(default_factory=list)
+    calibrated: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: The platform's default cap on one request's prompt tokens per step (and on a
+    #: step's prompt tokens beside decodes) when prompts may be chunked: the CPU
+    #: platform's 512 (``Platform.default_long_prefill_token_threshold``); 0: none.
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for key in ("memory_bytes", "memory_bandwidth"):
@@ -93,6 +119,13 @@ class HardwareProfile:
                     f"hardware profile {self.name!r}: matmul_curve[{fmt!r}] must be [[tokens >= 1, FLOP/s > 0], ...]"
                 )
             self.matmul_curve[fmt] = sorted([float(a), float(b)] for a, b in pts)
+        for fmt, entry in self.calibrated.items():
+            missing = [k for k in CALIBRATED_FIT if not isinstance(entry.get(k), (int, float))]
+            if fmt not in self.matmul_curve or missing:
+                raise ValueError(
+                    f"hardware profile {self.name!r}: calibrated[{fmt!r}] needs a matmul_curve[{fmt!r}] and "
+                    f"numbers for {', '.join(CALIBRATED_FIT)} (missing: {', '.join(missing) or 'the curve'})"
+                )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
@@ -107,6 +140,48 @@ class HardwareProfile:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def for_format(self, fmt: str) -> HardwareProfile:
+        """The profile a model whose linear weights are ``fmt`` is priced with.
+
+        A calibrated profile carries one matmul curve, efficiency and overhead fit per
+        format it measured (the engine runs different kernels for each: GGUF blocks
+        through ``gguf_linear``, bf16 through ``linear``); this picks ``fmt``'s.  A format
+        the calibration did not measure is an error naming the command that adds it:
+        another format's curve can be several times off.  A shipped (datasheet) profile
+        is returned as it is; a calibration older than the per-format record only warns.
+        """
+        if not self.calibrated:
+            if self.matmul_curve and fmt not in self.matmul_curve:
+                warnings.warn(
+                    f"hardware profile {self.name!r} has no matmul curve for {fmt} weights: pricing them at "
+                    f"peak x efficiency; re-run `pagedserve simulate calibrate --model <a {fmt} model>`",
+                    stacklevel=2,
+                )
+            elif self.matmul_curve:
+                warnings.warn(
+                    f"hardware profile {self.name!r} predates per-format calibration (it does not record "
+                    "which ops it measured): re-run `pagedserve simulate calibrate` for trustworthy predictions",
+                    stacklevel=2,
+                )
+            return self
+        entry = self.calibrated.get(fmt)
+        if entry is None:
+            have = ", ".join(f"{f} (model {e.get('model', '?')})" for f, e in sorted(self.calibrated.items()))
+            raise ValueError(
+                f"hardware profile {self.name!r} was calibrated for {have}, not for {fmt} weights, which run "
+                f"other kernels; run `pagedserve simulate calibrate --model <a {fmt} model>` to add {fmt} "
+                "to it (or pick a format it has with --quantization)"
+            )
+        return replace(
+            self,
+            efficiency={**self.efficiency, "matmul": float(entry["efficiency_matmul"])},
+            step_overhead_s=float(entry["step_overhead_s"]),
+            per_seq_overhead_s=float(entry["per_seq_overhead_s"]),
+            per_token_overhead_s=float(entry["per_token_overhead_s"]),
+            matmul_curve={k: v for k, v in self.matmul_curve.items() if k in (fmt, LM_HEAD_PREFIX + fmt)},
+            calibrated={fmt: entry},
+        )
 
     def eff(self, key: str) -> float:
         return self.efficiency.get(key, 1.0)

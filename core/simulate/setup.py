@@ -127,6 +127,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     spec = ModelSpec.from_config(load_model_config(args.model), name=args.model or "smollm2-135m-instruct")
     spec = _weight_format(spec, args.quantization, dtype)
+    # A calibrated profile prices each weight format with what was measured for it.
+    hw = hw.for_format(spec.weight_format)
     cache = CacheConfig(
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,

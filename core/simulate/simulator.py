@@ -96,7 +96,10 @@ class Simulator:
             )
         else:
             self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.kv, max_model_len, clock=lambda: self.clock)
+        # the platform's prompt-chunk default, as the engine passes it (a calibrated CPU: 512)
+        self.scheduler = Scheduler(
+            sched, self.kv, max_model_len, cost.hw.long_prefill_token_threshold, clock=lambda: self.clock
+        )
         self.max_model_len = max_model_len
         self.num_host_blocks = num_host_blocks
         self._rng = random.Random(seed ^ 0x5EED)

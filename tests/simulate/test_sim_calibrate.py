@@ -1,4 +1,4 @@
-"""`pagedserve simulate calibrate` (the full run is slow: about a minute)."""
+"""`pagedserve simulate calibrate` (the full run is slow: one to two minutes)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,11 @@ def test_calibrate_writes_a_usable_cpu_local(tmp_path, monkeypatch):
     assert main(["simulate", "calibrate", "--threads", "1", "--timer", "cpu"]) == 0
     path = tmp_path / "simulate" / "cpu-local.json"
     data = json.loads(path.read_text())
-    assert set(data["matmul_curve"]) >= {"bfloat16"}
+    # the default model is Q4_1 GGUF: its own prepared linears and LM head were measured
+    assert set(data["matmul_curve"]) == {"q4_1", "lm_head:q4_1"}
+    ops = data["calibrated"]["q4_1"]["ops"]
+    assert set(ops) >= {"qkv", "o", "gate_up", "down", "lm_head"}
+    assert all("gguf_linear" in what for what in ops.values()), ops
     profile = load_profile("cpu-local")
     assert profile.attention_bandwidth > 0 and profile.memory_bandwidth > 0
     out = tmp_path / "plan.json"

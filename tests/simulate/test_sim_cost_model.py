@@ -105,6 +105,7 @@ def test_calibration_fit_recovers_known_efficiency_and_overheads():
     cost = CostModel(ModelSpec.from_config(load_model_config(None)), truth)
     batches = (
         [StepBatch([1], [40], 1)] * 3
+        + [StepBatch([1] * 16, [40] * 16, 16)] * 3
         + [StepBatch([1] * 32, [40] * 32, 32)] * 3
         + [StepBatch([128], [128], 1), StepBatch([512], [512], 1), StepBatch([2048], [2048], 1)]
     )
