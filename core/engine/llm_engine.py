@@ -127,10 +127,17 @@ class LLMEngine:
         wrap = lambda inner, hook: functools.partial(hook.forward, inner=inner)  # noqa: E731
         self._forward = functools.reduce(wrap, reversed(self.hooks), self._execute)
         #: Disaggregated prefill/decode: a prompt's cached KV blocks out of and into this engine.
-        handoff = KVHandoff(self.kv, self.runner)
-        self.export_prefix_kv = handoff.export_prefix_kv
-        self.import_prefix_kv = handoff.import_prefix_kv
-        self.empty_prefix_kv = handoff.empty_prefix_kv
+        self._handoff = KVHandoff(self.kv, self.runner)
+
+    # -- disaggregated prefill/decode (kv_handoff.py) ----------------------------------------
+    def export_prefix_kv(self, token_ids: list[int]) -> torch.Tensor:
+        return self._handoff.export_prefix_kv(token_ids)
+
+    def import_prefix_kv(self, token_ids: list[int], kv: torch.Tensor) -> int:
+        return self._handoff.import_prefix_kv(token_ids, kv)
+
+    def empty_prefix_kv(self, num_blocks: int) -> torch.Tensor:
+        return self._handoff.empty_prefix_kv(num_blocks)
 
     # -- requests ---------------------------------------------------------------------------
     def validate_prompt(

@@ -84,8 +84,15 @@ def test_platform_default_applies_only_when_unset():
 
 @pytest.fixture(scope="module")
 def llm():
-    # No prefix caching: a second run over the same prompts must compute them again.
-    return LLM(max_model_len=1024, kv_cache_memory="64MiB", seed=0, enable_prefix_caching=False)
+    # The scheduling settings must not change outputs where each row's arithmetic does
+    # not depend on how its prompt is chunked.  Kernels chosen per chunk length (AMX
+    # prefill attention, measured dispatch) do depend on it (docs/kernels_cpu.md,
+    # "Chunking invariance"), so this engine keeps the static, chunk-invariant kernels.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDSERVE_CPU_AMX_ATTENTION", "0")
+        mp.setenv("PAGEDSERVE_CPU_TUNE", "0")
+        # No prefix caching: a second run over the same prompts must compute them again.
+        return LLM(max_model_len=1024, kv_cache_memory="64MiB", seed=0, enable_prefix_caching=False)
 
 
 def test_engine_takes_the_platform_default(llm):
