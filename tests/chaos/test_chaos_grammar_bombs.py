@@ -6,6 +6,7 @@ latency alone (no absolute speed is asserted, only timeouts)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import json
 import threading
 import time
@@ -100,6 +101,10 @@ class _HangingBackend:
 
 
 def test_a_hanging_compile_gets_an_error_at_the_deadline(inproc_server):
+    warm = httpx.post(
+        inproc_server.url + "/v1/completions", json={**PLAIN, "structured_outputs": {"choice": ["a"]}}, timeout=120
+    )
+    assert warm.status_code == 200, warm.text  # the constrained path's first use (its kernels) out of the way
     mgr = inproc_server.engine.structured
     backend = _HangingBackend()
     mgr._backend, mgr.compile_timeout = backend, 1.0  # a compile that never ends, a short deadline
@@ -130,3 +135,36 @@ def test_a_hanging_compile_gets_an_error_at_the_deadline(inproc_server):
     assert dt_again < dt
     assert latencies and max(latencies) < 20 * alone + 2.0, (alone, latencies)
     inproc_server.assert_no_leak()
+
+
+def _thread_cpu_s(native_id: int) -> float:
+    # utime + stime of one thread, in clock ticks (fields 14 and 15 of /proc/.../stat).
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_the_engine_thread_does_not_spin_while_a_grammar_compiles(inproc_server):
+    mgr = inproc_server.engine.structured
+    backend = _HangingBackend()
+    mgr._backend, mgr.compile_timeout = backend, 0  # a compile that does not end, no deadline
+    tid = inproc_server.async_engine._thread.native_id
+
+    async def main():
+        async with httpx.AsyncClient(base_url=inproc_server.url, timeout=60) as c:
+            waiting = asyncio.ensure_future(_timed(c, {**PLAIN, "structured_outputs": {"choice": ["never"]}}))
+            while inproc_server.engine.stats().num_waiting == 0:
+                await asyncio.sleep(0.01)
+            cpu0, t0 = _thread_cpu_s(tid), time.monotonic()
+            await asyncio.sleep(1.5)
+            used = (_thread_cpu_s(tid) - cpu0) / (time.monotonic() - t0)
+            waiting.cancel()
+            return used
+
+    try:
+        used = run(main())
+    finally:
+        backend.release.set()
+    # Spinning on an empty schedule took a whole core; waiting costs next to nothing.
+    assert used < 0.25, f"the engine thread used {used:.0%} of a core while nothing could run"
