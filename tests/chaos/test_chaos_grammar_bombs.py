@@ -6,8 +6,8 @@ latency alone (no absolute speed is asserted, only timeouts)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import json
+import os
 import threading
 import time
 
