@@ -21,6 +21,8 @@ __all__ = ["GrammarLimits", "check_limits", "process_limits", "repetition_produc
 
 #: JSON schema keywords whose value is a repetition count in the compiled grammar.
 _COUNT_KEYWORDS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties")
+#: Keywords whose values are JSON data, not subschemas (their size still counts in bytes).
+_DATA = frozenset({"enum", "const", "default", "examples"})
 _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}")
 
 
@@ -140,7 +142,7 @@ def _check_schema(field: str, schema: Any, limits: GrammarLimits) -> None:
             raise _too_big(field, f"size of enum at {path or '/'}", len(enum), "max_grammar_items", limits.max_items)
         if isinstance(node.get("pattern"), str):
             _check_regex(f"{field} pattern at {path or '/'}", node["pattern"], limits)
-        stack.extend((f"{path}/{k}", v) for k, v in node.items() if isinstance(v, dict | list) and k != "enum")
+        stack.extend((f"{path}/{k}", v) for k, v in node.items() if isinstance(v, dict | list) and k not in _DATA)
 
 
 def check_limits(params: StructuredOutputsParams, limits: GrammarLimits) -> None:

@@ -191,3 +191,8 @@ def test_unbounded_whitespace_setting(kind):
     m = _matcher(build_grammar(params, LIMITS, max_whitespace=-1))
     assert m.accept_string("{" + "\n" * 200 + '"a": 1}')
     assert StructuredOutputsConfig().max_json_whitespace == 20
+
+
+def test_data_keywords_are_not_walked_as_schemas():
+    schema = {"type": "object", "default": {"minItems": 10**9}, "examples": [{"maxLength": 10**9}]}
+    check_limits(StructuredOutputsParams(json=schema), LIMITS)
