@@ -44,6 +44,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+#: How long the engine thread waits for a command when no request can run.
+_IDLE_WAIT_S = 0.005
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue holds ``max_queue_len`` requests already."""
 
@@ -324,10 +328,11 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         engine = self.engine
         try:
+            idle = False
             while True:
                 events: list[tuple[str, object]] = []
                 block = not engine.has_unfinished_requests()
-                if not self._handle_commands(block, events):
+                if not self._handle_commands(block, events, _IDLE_WAIT_S if idle else 0.0):
                     break
                 # Callers learn at once that their request is queued, not a step later.
                 self._publish(events)
@@ -335,6 +340,9 @@ class AsyncLLMEngine:
                     events = []
                     self._step(events)
                     self._publish(events)
+                # Nothing runs, yet requests wait (for their grammar's compile, say): poll
+                # gently instead of spinning a core and the GIL away from the server.
+                idle = not events and self._stats.num_running == 0
         except BaseException as e:  # noqa: BLE001 - reported to every waiting caller below
             logger.critical("engine thread died; failing every request and stopping", exc_info=e)
             self._dead = self.fatal_error = e
@@ -354,9 +362,14 @@ class AsyncLLMEngine:
                 except RuntimeError:  # the loop is closed: the process is going anyway
                     pass
 
-    def _handle_commands(self, block: bool, events: list[tuple[str, object]]) -> bool:
-        """Apply queued adds and aborts; False when asked to stop."""
+    def _handle_commands(self, block: bool, events: list[tuple[str, object]], wait_s: float = 0.0) -> bool:
+        """Apply queued adds and aborts (waiting for one up to ``wait_s``); False when asked to stop."""
         commands = [self._commands.get()] if block else []
+        if not block and wait_s > 0:
+            try:
+                commands.append(self._commands.get(timeout=wait_s))
+            except queue.Empty:
+                pass
         while True:
             try:
                 commands.append(self._commands.get_nowait())

@@ -705,6 +705,39 @@ class StructuredOutputsConfig:
         ),
     )
 
+    max_grammar_bytes: int = field(
+        default=65536,
+        metadata=_help(
+            "largest constraint (JSON schema, regex, grammar, choices, structural tag) in bytes; "
+            "a larger one is refused with a 400 before it is compiled"
+        ),
+    )
+    max_grammar_items: int = field(
+        default=4096,
+        metadata=_help("most subschemas of a JSON schema, values of an enum, choices or grammar rules in a constraint"),
+    )
+    max_grammar_repetition: int = field(
+        default=1000,
+        metadata=_help(
+            "largest repetition count in a constraint: minItems/maxItems/minLength/maxLength/minProperties/"
+            "maxProperties, and the product of nested {m,n} counts of a regex, pattern or grammar"
+        ),
+    )
+    grammar_compile_timeout: float = field(
+        default=10.0,
+        metadata=_help(
+            "seconds a constraint may take to compile; past it the request fails with an error naming "
+            "the constraint, and the same constraint is refused at once afterwards (0: no deadline)"
+        ),
+    )
+    max_json_whitespace: int = field(
+        default=20,
+        metadata=_help(
+            "most whitespace characters in a row between the tokens of constrained JSON (json_schema, "
+            "json_object, tool calls), so a small model cannot fill its budget with newlines (-1: unbounded)"
+        ),
+    )
+
     def __post_init__(self) -> None:
         # `structured_outputs_config` (the flag's JSON, a dict or a config) fills both fields.
         self.backend, self.reasoning_parser = structured_outputs_fields(self.backend, self.reasoning_parser)
@@ -712,6 +745,13 @@ class StructuredOutputsConfig:
             raise ValueError(
                 f"structured_outputs_config.backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}"
             )
+        for name in ("max_grammar_bytes", "max_grammar_items", "max_grammar_repetition"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
+        if self.grammar_compile_timeout < 0:
+            raise ValueError(f"grammar_compile_timeout must be >= 0; got {self.grammar_compile_timeout}")
+        if self.max_json_whitespace < -1:
+            raise ValueError(f"max_json_whitespace must be >= 0, or -1 (unbounded); got {self.max_json_whitespace}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; got {self.reasoning_parser!r}"

@@ -22,7 +22,7 @@ from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, PoolingState
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.structured_output.engine_hooks import finish_by_grammar
+from pagedserve.structured_output.engine_hooks import check_grammar_failed, finish_by_grammar
 
 __all__ = ["OutputProcessor", "OutputStage", "RequestState", "SequenceState", "logprob_entry"]
 
@@ -238,6 +238,7 @@ class OutputProcessor:
     # -- the pieces of one token ----------------------------------------------------------------
     def check_token_stop(self, request: Request, token: int) -> RequestStatus | None:
         """The stop checks that need no text: EOS, stop token ids, lengths, the grammar."""
+        check_grammar_failed(request)
         status = request.check_stop_by_token()
         if status is None and request.structured is not None:
             status = finish_by_grammar(request, token)

@@ -11,9 +11,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pagedserve.structured_output.limits import GrammarLimits, check_limits, process_limits
 from pagedserve.structured_params import BACKENDS, StructuredOutputsParams
 
 __all__ = ["BACKENDS", "XgrammarBackend", "build_grammar"]
+
+
+_COMPILER_CACHE_BYTES = 128 << 20
 
 
 def _xgr():
@@ -27,22 +31,33 @@ def _choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def build_grammar(params: StructuredOutputsParams) -> Any:
-    """The xgrammar ``Grammar`` of ``params``; ValueError naming the field and the problem."""
+def build_grammar(
+    params: StructuredOutputsParams, limits: GrammarLimits | None = None, max_whitespace: int = 20
+) -> Any:
+    """The xgrammar ``Grammar`` of ``params``; ValueError naming the field and the problem.
+
+    ``limits`` (default: this process's engine limits) are checked first, on the text, so
+    an oversized constraint never reaches xgrammar.  ``max_whitespace``: most whitespace
+    characters in a row in JSON (-1: unbounded).
+    """
+    check_limits(params, limits or process_limits())
     xgr = _xgr()
     kind = params.kind
+    ws = None if max_whitespace < 0 else max_whitespace
     try:
         if kind == "json":
             if params.disable_any_whitespace:
                 return xgr.Grammar.from_json_schema(
                     params.json, any_whitespace=False, separators=(",", ":"), strict_mode=True
                 )
-            return xgr.Grammar.from_json_schema(params.json, strict_mode=True)
+            return xgr.Grammar.from_json_schema(params.json, strict_mode=True, max_whitespace_cnt=ws)
         if kind == "json_object":
             if params.disable_any_whitespace:
                 return xgr.Grammar.from_json_schema(
                     {"type": "object"}, any_whitespace=False, separators=(",", ":"), strict_mode=False
                 )
+            if ws is not None:
+                return xgr.Grammar.from_json_schema({"type": "object"}, strict_mode=False, max_whitespace_cnt=ws)
             return xgr.Grammar.builtin_json_grammar()
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
@@ -84,7 +99,7 @@ class XgrammarBackend:
 
     name = "xgrammar"
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 2) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 1) -> None:
         xgr = _xgr()
         backend = tokenizer.backend
         vocab = backend.get_vocab(with_added_tokens=True)
@@ -101,7 +116,11 @@ class XgrammarBackend:
             stop_token_ids=sorted(stop_token_ids) or None,
             add_prefix_space=meta["add_prefix_space"],
         )
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
+        # One thread per compile leaves the other cores to the step loop; the compiler's
+        # own cache is bounded (the manager keeps compiled grammars by key anyway).
+        self.compiler = xgr.GrammarCompiler(
+            self.tokenizer_info, max_threads=max_threads, cache_limit_bytes=_COMPILER_CACHE_BYTES
+        )
         #: int32 words per bitmask row.
         self.bitmask_width = (vocab_size + 31) // 32
 

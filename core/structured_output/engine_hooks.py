@@ -6,10 +6,11 @@ from __future__ import annotations
 import logging
 
 from pagedserve.request import Request, RequestStatus
+from pagedserve.structured_output.limits import GrammarLimits, set_process_limits
 from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.structured_output.reasoning import reasoning_end_token_ids
 
-__all__ = ["build_structured_output_manager", "finish_by_grammar"]
+__all__ = ["build_structured_output_manager", "check_grammar_failed", "finish_by_grammar"]
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +20,19 @@ def build_structured_output_manager(config, tokenizer, arch, eos_token_ids) -> S
     so = config.structured_outputs
     end_ids = reasoning_end_token_ids(so.reasoning_parser, tokenizer) if so.reasoning_parser else None
     # The bitmask spans the logits, which may be wider than the tokenizer's vocabulary.
-    return StructuredOutputManager(so.backend, tokenizer, arch.vocab_size, sorted(eos_token_ids), end_ids)
+    limits = GrammarLimits(so.max_grammar_bytes, so.max_grammar_items, so.max_grammar_repetition)
+    # The server checks request constraints against the same limits before queuing them.
+    set_process_limits(limits)
+    return StructuredOutputManager(
+        so.backend,
+        tokenizer,
+        arch.vocab_size,
+        sorted(eos_token_ids),
+        end_ids,
+        limits=limits,
+        compile_timeout=so.grammar_compile_timeout,
+        max_whitespace=so.max_json_whitespace,
+    )
 
 
 def finish_by_grammar(request: Request, token: int) -> RequestStatus | None:
@@ -38,3 +51,14 @@ def finish_by_grammar(request: Request, token: int) -> RequestStatus | None:
         request.stop_reason = None
         return RequestStatus.FINISHED_STOPPED
     return None
+
+
+def check_grammar_failed(request: Request) -> None:
+    """ValueError naming the constraint when the sequence's grammar failed to compile (or
+    ran past its deadline): the request then fails with that error instead of ending
+    with empty text."""
+    state = request.structured
+    if state is not None and state.failed is not None:
+        raise ValueError(
+            state.failed if state.failed.startswith("structured_outputs") else f"structured_outputs: {state.failed}"
+        )

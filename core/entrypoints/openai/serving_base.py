@@ -191,6 +191,9 @@ class OpenAIServing:
             async for i, out in merge_streams(streams):
                 finals[i] = out
         except (RequestFailedError, EngineDeadError) as e:
+            if isinstance(e, RequestFailedError) and "ValueError: structured_outputs" in str(e):
+                # The constraint could not be compiled (deadline): the request's fault, not the server's.
+                raise ApiError(400, str(e), param="structured_outputs") from None
             raise ApiError(500, str(e), type="internal_server_error") from None
         finally:
             for s in streams:
