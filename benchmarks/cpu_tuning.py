@@ -93,17 +93,19 @@ def _measure_as_tuner(calls) -> dict[str, float]:
 
 
 def gguf_candidates(rows: list[int]) -> list[str]:
-    """The tiled int8 GGUF kernel against dequantized bf16 weights through oneDNN."""
+    """The tiled int8 GGUF kernel (AVX-512 VNNI, and AMX int8 tiles where built) against
+    dequantized bf16 weights through oneDNN."""
     from pagedserve.kernels import quant_reference as qref
+    from pagedserve.kernels.cpu.quant_gguf_amx import load_gguf_amx
     from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 
-    quant = load_quant_kernels()
+    quant, amx = load_quant_kernels(), load_gguf_amx()
     if quant is None or not quant.has_packed():
         return ["(the tiled GGUF kernel is unavailable here)"]
     q41 = qref.GGUF_TYPE_IDS["Q4_1"]
     lines = [
-        "| shape | rows | int8 tiled us | dequant bf16 oneDNN us | oneDNN / int8 |",
-        "|---|---:|---:|---:|---:|",
+        "| shape | rows | int8 VNNI us | int8 AMX us | dequant bf16 oneDNN us | VNNI / AMX | oneDNN / AMX |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for n, k in DEFAULT_SHAPES:
         raw = _random_q41(n, k)
@@ -111,14 +113,17 @@ def gguf_candidates(rows: list[int]) -> list[str]:
         dense = torch.ops.mkldnn._reorder_linear_weight(qref.dequantize_gguf(raw, "Q4_1").bfloat16().contiguous(), None)
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16)
-            t = _measure_as_tuner(
-                {
-                    "int8": lambda: quant.gguf_linear_out(x, packed, q41, None),
-                    "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], ""),
-                }
-            )
+            calls = {
+                "int8": lambda: quant.gguf_linear_out(x, packed, q41, None),
+                "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], ""),
+            }
+            if amx is not None:
+                calls["amx"] = lambda: amx.gguf_linear_out(x, packed, q41, None)
+            t = _measure_as_tuner(calls)
+            a = t.get("amx", float("nan"))
             lines.append(
-                f"| {n}x{k} | {m} | {t['int8'] * 1e6:.1f} | {t['onednn'] * 1e6:.1f} | {t['onednn'] / t['int8']:.2f} |"
+                f"| {n}x{k} | {m} | {t['int8'] * 1e6:.1f} | {a * 1e6:.1f} | {t['onednn'] * 1e6:.1f} "
+                f"| {t['int8'] / a:.2f} | {t['onednn'] / a:.2f} |"
             )
     return lines
 
