@@ -73,9 +73,10 @@ def test_matches_reference_and_vnni_kernel(type_name, shape):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, k, generator=gen).to(dtype)
             bias = torch.randn(n, generator=gen) if m % 2 else None
-            # The kernel allocates y: fill the allocator's recent memory with NaN first so
-            # that a row or column it never wrote cannot pass by leftover values.
-            torch.full((m, n), float("nan"), dtype=dtype).zero_().fill_(float("nan"))
+            # The kernel allocates y itself: a NaN tensor of its size freed just before makes
+            # it likely that memory it reuses holds NaN, so an unwritten row or column fails.
+            del_me = torch.full((m, n), float("nan"), dtype=dtype)
+            del del_me
             y = amx.gguf_linear_out(x, packed, tid, bias)
             assert y.dtype == dtype and y.shape == (m, n)
             assert torch.isfinite(y).all(), (m, dtype)
