@@ -12,6 +12,10 @@
    tuner times (tuning.measure, interleaved rounds, minimum).
 
     python benchmarks/cpu_tuning.py [--gguf] [--rows 1 4 16 64 256 512] [--threads N]
+    python benchmarks/cpu_tuning.py --gguf-only --threads 1 --cpu-time   # kernels alone
+
+``--cpu-time`` times the calling thread's CPU time (``time.thread_time``; with one
+thread the kernels run on it), which a loaded machine's waits do not inflate.
 
 Timings follow platforms/cpu/tuning.py: under load (1-minute load average at least the
 CPUs) they run on one thread (``timing_threads``); the header says which.
@@ -82,28 +86,34 @@ def _random_q41(n: int, k: int) -> torch.Tensor:
     return raw.reshape(n, -1)
 
 
+#: The clock of the GGUF table (--cpu-time: time.thread_time).
+_CLOCK = time.perf_counter
+
+
 def _measure_as_tuner(calls) -> dict[str, float]:
     """tuning.measure on the thread count the tuner would time with now."""
     saved = torch.get_num_threads()
-    torch.set_num_threads(timing_threads())
+    torch.set_num_threads(1 if _CLOCK is time.thread_time else timing_threads())
     try:
-        return measure(calls)
+        return measure(calls, clock=_CLOCK)
     finally:
         torch.set_num_threads(saved)
 
 
 def gguf_candidates(rows: list[int]) -> list[str]:
-    """The tiled int8 GGUF kernel against dequantized bf16 weights through oneDNN."""
+    """The tiled int8 GGUF kernel (AVX-512 VNNI, and AMX int8 tiles where built) against
+    dequantized bf16 weights through oneDNN."""
     from pagedserve.kernels import quant_reference as qref
+    from pagedserve.kernels.cpu.quant_gguf_amx import load_gguf_amx
     from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 
-    quant = load_quant_kernels()
+    quant, amx = load_quant_kernels(), load_gguf_amx()
     if quant is None or not quant.has_packed():
         return ["(the tiled GGUF kernel is unavailable here)"]
     q41 = qref.GGUF_TYPE_IDS["Q4_1"]
     lines = [
-        "| shape | rows | int8 tiled us | dequant bf16 oneDNN us | oneDNN / int8 |",
-        "|---|---:|---:|---:|---:|",
+        "| shape | rows | int8 VNNI us | int8 AMX us | dequant bf16 oneDNN us | VNNI / AMX | oneDNN / AMX |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for n, k in DEFAULT_SHAPES:
         raw = _random_q41(n, k)
@@ -111,14 +121,17 @@ def gguf_candidates(rows: list[int]) -> list[str]:
         dense = torch.ops.mkldnn._reorder_linear_weight(qref.dequantize_gguf(raw, "Q4_1").bfloat16().contiguous(), None)
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16)
-            t = _measure_as_tuner(
-                {
-                    "int8": lambda: quant.gguf_linear_out(x, packed, q41, None),
-                    "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], ""),
-                }
-            )
+            calls = {
+                "int8": lambda: quant.gguf_linear_out(x, packed, q41, None),
+                "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], ""),
+            }
+            if amx is not None:
+                calls["amx"] = lambda: amx.gguf_linear_out(x, packed, q41, None)
+            t = _measure_as_tuner(calls)
+            a = t.get("amx", float("nan"))
             lines.append(
-                f"| {n}x{k} | {m} | {t['int8'] * 1e6:.1f} | {t['onednn'] * 1e6:.1f} | {t['onednn'] / t['int8']:.2f} |"
+                f"| {n}x{k} | {m} | {t['int8'] * 1e6:.1f} | {a * 1e6:.1f} | {t['onednn'] * 1e6:.1f} "
+                f"| {t['int8'] / a:.2f} | {t['onednn'] / a:.2f} |"
             )
     return lines
 
@@ -127,10 +140,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=list(BUCKETS))
     parser.add_argument("--gguf", action="store_true", help="also the GGUF int8 kernel vs dequantized bf16 oneDNN")
+    parser.add_argument("--gguf-only", action="store_true", help="only the GGUF table")
+    parser.add_argument("--cpu-time", action="store_true", help="GGUF table: one thread, its CPU time")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        global _CLOCK
+        _CLOCK = time.thread_time
+    if args.gguf_only:
+        print(f"# {machine_identity()['cpu']}, load average {os.getloadavg()[0]:.1f}, clock {_CLOCK.__name__}\n")
+        print("\n".join(gguf_candidates(args.rows)))
+        return
     native = load_cpu_kernels()
     if native is None:
         raise SystemExit("the native CPU kernels are unavailable here")

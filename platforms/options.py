@@ -81,6 +81,10 @@ class CpuOptions:
     #: PAGEDSERVE_CPU_GGUF_REPACK: repack GGUF blocks at load for the tiled int8 GEMM
     #: (off: the row-by-row kernel on the file's blocks).
     gguf_repack: bool = True
+    #: PAGEDSERVE_CPU_GGUF_AMX: repacked GGUF linears of at least ``GGUF_AMX_MIN_ROWS``
+    #: rows on AMX int8 tiles where the CPU has them (bit for bit the VNNI kernel's
+    #: result; off by default: 1.0-1.3x the VNNI kernel, docs/kernels_cpu.md).
+    gguf_amx: bool = False
     #: PAGEDSERVE_CPU_KV_LAYOUT: "head" (each kv head's rows of a block together) or "token".
     kv_layout: str = "head"
     #: PAGEDSERVE_CPU_HUGE_PAGES: advise the KV caches onto transparent huge pages.
@@ -100,6 +104,7 @@ class CpuOptions:
             tune=env_flag(env, "PAGEDSERVE_CPU_TUNE", True),
             tune_dual_mb=env_int(env, "PAGEDSERVE_CPU_TUNE_DUAL_MB", 1024),
             gguf_repack=env_flag(env, "PAGEDSERVE_CPU_GGUF_REPACK", True),
+            gguf_amx=env_flag(env, "PAGEDSERVE_CPU_GGUF_AMX", False),
             kv_layout=env_choice(env, "PAGEDSERVE_CPU_KV_LAYOUT", "head", ("head", "token")),
             huge_pages=env_flag(env, "PAGEDSERVE_CPU_HUGE_PAGES", False),
             amx_attention=env_flag(env, "PAGEDSERVE_CPU_AMX_ATTENTION", True),

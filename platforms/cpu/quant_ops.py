@@ -14,6 +14,10 @@
   MLP's [gate; up] weight repacked as above runs in one pass that writes silu(gate) * up
   (rounded bit for bit as ``silu_and_mul(gguf_linear(...))``), never the [M, 2d]
   intermediate; other weights and inputs take the registry's two ops.
+- With ``CpuOptions.gguf_amx`` (off by default) and AMX int8 on the CPU, repacked
+  weights at ``GGUF_AMX_MIN_ROWS`` rows or more run on AMX tiles
+  (kernels/cpu/quant_gguf_amx.cpp; the same packed weight, bit for bit the tiled VNNI
+  kernel's result, so a row's result still depends on that row alone).
 - ``int8_linear``: aten's CPU int8 weight-only kernel ``torch._weight_int8pack_mm``.
 - ``w8a8_linear``: ``torch._int_mm`` (oneDNN, VNNI where the CPU has it).
 - ``fp8_linear``: emulated, the weight dequantized to x's dtype for each matmul.
@@ -27,6 +31,7 @@ import torch
 
 from pagedserve.kernels import quant_reference as qref
 from pagedserve.kernels import reference
+from pagedserve.kernels.cpu.quant_gguf_amx import load_gguf_amx
 from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 from pagedserve.platforms.ops import PREFERS_QUANTIZED, OpRegistry
 from pagedserve.platforms.options import CpuOptions
@@ -40,6 +45,8 @@ __all__ = [
     "int8_linear",
     "w8a8_linear",
     "CPU_DENSE_MIN_ROWS",
+    "GGUF_AMX_MIN_ROWS",
+    "make_gguf_linear_amx",
 ]
 
 #: Rows of x from which gguf_linear would dequantize the weight and run one dense matmul
@@ -47,6 +54,10 @@ __all__ = [
 #: differently and a request's tokens then depended on how many rows shared its step
 #: (benchmarks/batch_invariance.py measures both).
 CPU_DENSE_MIN_ROWS: int | None = None
+#: Rows from which the AMX int8 kernel runs repacked weights (a static crossover measured
+#: on the default model's shapes, one thread: below it the VNNI kernel is faster, by 4-10x
+#: at 1-4 rows; docs/kernels_cpu.md "AMX int8 GGUF").
+GGUF_AMX_MIN_ROWS = 128
 #: Activation dtypes the native kernels take (others go to the reference or a dense path).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -72,12 +83,37 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
+def make_gguf_linear_amx(linear: Callable[..., torch.Tensor], amx) -> Callable[..., torch.Tensor]:
+    """``gguf_linear`` that sends repacked weights at ``GGUF_AMX_MIN_ROWS`` rows or more
+    to the AMX module ``amx`` (:func:`load_gguf_amx`), everything else to ``linear``."""
+
+    def gguf_linear_amx(
+        x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """See reference.gguf_linear; ``data`` may be packed by ``prepare_gguf_weight``."""
+        if (
+            data.dim() == 3
+            and x.dim() == 2
+            and x.shape[0] >= GGUF_AMX_MIN_ROWS
+            and x.dtype in _NATIVE_DTYPES
+            and type_name in qref.GGUF_TYPE_IDS
+        ):
+            return amx.gguf_linear_out(x, data, qref.GGUF_TYPE_IDS[type_name], bias)
+        return linear(x, data, type_name, bias)
+
+    return gguf_linear_amx
+
+
 def make_gguf_linear_silu_and_mul(
-    linear: Callable[..., torch.Tensor], silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[..., torch.Tensor],
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+    amx_rows: bool = False,
 ) -> Callable[..., torch.Tensor]:
     """``gguf_linear_silu_and_mul`` that runs [gate; up] weights repacked by
     :func:`prepare_gguf_weight` through the gated tiled kernel, anything else through
-    ``silu_and_mul(linear(...))`` (the registry's ``gguf_linear`` and ``silu_and_mul``)."""
+    ``silu_and_mul(linear(...))`` (the registry's ``gguf_linear`` and ``silu_and_mul``).
+    ``amx_rows``: calls of ``GGUF_AMX_MIN_ROWS`` rows or more take ``linear`` (the AMX
+    kernel there; the gated kernel rounds bit for bit as the two ops in sequence)."""
     module = load_quant_kernels()
 
     def gguf_linear_silu_and_mul(
@@ -90,6 +126,7 @@ def make_gguf_linear_silu_and_mul(
             and x.dim() == 2
             and x.dtype in _NATIVE_DTYPES
             and CPU_DENSE_MIN_ROWS is None
+            and not (amx_rows and x.shape[0] >= GGUF_AMX_MIN_ROWS)
         ):
             return module.gguf_linear_silu_out(x, data, qref.GGUF_TYPE_IDS[type_name], bias)
         return silu_and_mul(linear(x, data, type_name, bias))
@@ -172,11 +209,18 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None) -
         # The measured decode win (docs/quantization.md, "Default on CPU"): .gguf weights
         # stay in blocks by default where this kernel runs.
         source = f"cpu-native-quant({module.isa()})"
-        ops.register("gguf_linear", gguf_linear, source=source, capabilities=(PREFERS_QUANTIZED,))
+        amx = load_gguf_amx() if options.gguf_amx and options.gguf_repack and module.has_packed() else None
+        if amx is not None:
+            linear = make_gguf_linear_amx(gguf_linear, amx)
+            ops.register("gguf_linear", linear, source=f"{source}+amx-int8", capabilities=(PREFERS_QUANTIZED,))
+        else:
+            ops.register("gguf_linear", gguf_linear, source=source, capabilities=(PREFERS_QUANTIZED,))
         if module.has_packed() and options.gguf_repack:
             ops.register("prepare_gguf_weight", prepare_gguf_weight, source=source)
             if module.has_packed_gated():
-                fused = make_gguf_linear_silu_and_mul(ops.get("gguf_linear"), ops.get("silu_and_mul"))
+                fused = make_gguf_linear_silu_and_mul(
+                    ops.get("gguf_linear"), ops.get("silu_and_mul"), amx_rows=amx is not None
+                )
                 ops.register("gguf_linear_silu_and_mul", fused, source=source)
     ops.register("int8_linear", int8_linear, source="torch")
     ops.register("w8a8_linear", w8a8_linear, source="torch")

@@ -1,0 +1,312 @@
+// GEMM on GGUF Q4_0 / Q4_1 / Q8_0 weights on AMX int8 tiles (a separate extension,
+// compiled with -mamx-tile -mamx-int8 only where the CPU has them).
+//
+// It reads the weights repacked at load for the AVX-512 VNNI tiled kernel
+// (quant_gguf_packed.cpp: [N/16, K/32, 16 * block_bytes], 16 columns interleaved per
+// 4 k), so both kernels share one copy of the weights.  That layout is already AMX's
+// VNNI-4 B layout: a block's lines are tile rows of 16 columns x 4 k.  Q8_0's 8 lines
+// (value + 128) load as a B tile as they are; Q4_x's 4 lines of nibble pairs are split
+// into 8 rows (low nibbles k = 8p..8p+3, high 8p+4..8p+7) once per column group and call.
+//
+// Numerics: the activations are quantized exactly as quant_gguf.cpp quantizes them
+// (llama.cpp's q8_1 / q8_0: the same code below), each (row, 16 columns, 32-value block)
+// integer dot product is one K=32 tile product (_tile_dpbsud: signed activations x
+// unsigned weight bytes; Q8_0 subtracts 128 * sum(x) again), and the float32 work per
+// block is the VNNI tiled kernel's, in its order: acc += (d_w * d_x) * float(dot), the
+// minimum term (m_w * ds_x, -8 d_w for Q4_0) summed apart and added at the end.  The
+// result is therefore bit for bit the VNNI tiled kernel's, and each row's result
+// depends on that row alone (padding rows are zeros and never written).
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <torch/extension.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int QK = 32;
+constexpr int kCols = 16;
+constexpr int kRows = 16;  // activation rows per A tile
+enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+constexpr long kArchReqXcompPerm = 0x1023;
+constexpr long kXfeatureXtiledata = 18;
+
+// Linux grants the AMX tile state only on request, once per process.
+bool request_amx_permission() {
+  static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return ok;
+}
+
+int group_block_bytes(int64_t type) {
+  switch (type) {
+    case Q4_0: return kCols * 18;
+    case Q4_1: return kCols * 20;
+    case Q8_0: return kCols * 34;
+  }
+  TORCH_CHECK(false, "gguf amx: unsupported ggml type id ", type, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+}
+
+inline float round_to_half(float f) { return static_cast<float>(c10::Half(f)); }
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// quant_gguf.cpp's quantize_row_vec, bit for bit (see there for why each step).
+template <typename T>
+void quantize_row(const T* x, int64_t K, bool half_sum, int8_t* q, float* d, float* ds, int32_t* isum) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const __m512 v0 = load16(x + b * QK), v1 = load16(x + b * QK + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float scale = amax / 127.f;
+    const float inv = amax != 0.f ? 127.f / amax : 0.f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    d[b] = round_to_half(scale);
+    ds[b] = half_sum ? round_to_half(scale * static_cast<float>(sum)) : d[b] * static_cast<float>(sum);
+    isum[b] = sum;
+  }
+}
+
+// Activations of Mp rows (M real, the rest zeros: they only feed rows never written).
+struct QuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int32_t> sum;
+  int64_t k, nb;
+};
+
+template <typename T>
+void quantize_rows(const T* xp, int64_t M, int64_t K, bool half_sum, QuantizedX& qx) {
+  const int64_t nb = K / QK;
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t a, int64_t b) {
+    for (int64_t m = a; m < b; ++m)
+      quantize_row(xp + m * K, K, half_sum, &qx.q[m * K], &qx.d[m * nb], &qx.ds[m * nb], &qx.sum[m * nb]);
+  });
+}
+
+// float32 -> bf16 rounded to nearest even (as quant_gguf_packed.cpp's to_bf16).
+inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0-3: C tiles 16 rows x 16 int32 (2 row tiles x 2 column groups); tmm4-5: A tiles
+// 16 rows x 32 int8 (one block); tmm6-7: B tiles 8 rows x (16 columns x 4 k).  Loaded
+// at the start of every thread's share: other AMX users on the same threads (oneDNN)
+// configure tiles their own way.
+struct TileScope {
+  TileScope() {
+    static const TileConfig cfg = [] {
+      TileConfig c;
+      for (int i = 0; i < 4; ++i) c.colsb[i] = 64, c.rows[i] = kRows;
+      for (int i = 4; i < 6; ++i) c.colsb[i] = QK, c.rows[i] = kRows;
+      for (int i = 6; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = QK / 4;
+      return c;
+    }();
+    _tile_loadconfig(&cfg);
+  }
+  ~TileScope() { _tile_release(); }
+};
+
+struct Output {
+  void* y;
+  bool bf16;
+  const float* bias;
+  int64_t ldy, m;
+};
+
+// The B rows of column group g for every block: Q8_0 points into the packed weight,
+// Q4_x splits the nibbles into buf (nb x 512 bytes).
+template <int64_t TYPE>
+const uint8_t* b_rows(const uint8_t* wg, int64_t nb, uint8_t* buf) {
+  if constexpr (TYPE == Q8_0) {
+    (void)nb, (void)buf;
+    return wg;
+  } else {
+    const int gbb = group_block_bytes(TYPE);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; ++b)
+      for (int p = 0; p < 4; ++p) {
+        const __m512i raw = _mm512_loadu_si512(wg + b * gbb + p * 64);
+        _mm512_storeu_si512(buf + b * 512 + (2 * p) * 64, _mm512_and_si512(raw, low4));
+        _mm512_storeu_si512(buf + b * 512 + (2 * p + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+      }
+    return buf;
+  }
+}
+
+// Rows [m0, m0 + 16 * MT) x column groups g0 .. g0 + NG.
+template <int MT, int NG, int64_t TYPE>
+void tile(const QuantizedX& a, const uint8_t* w, int64_t group_stride, const uint8_t* const* brows, int64_t bstride,
+          int64_t m0, int64_t g0, const Output& o) {
+  constexpr int qb = TYPE == Q8_0 ? 512 : 256;
+  const int gbb = group_block_bytes(TYPE);
+  // facc: the scaled dot products; fext: the minimum term, summed apart (as the VNNI
+  // kernel sums it) but in the same pass, so that its chains run side by side.
+  alignas(64) float facc[MT][NG][kRows][kCols];
+  alignas(64) float fext[MT][NG][kRows][kCols];
+  // Two buffers: block b's products are stored while block b - 1's are scaled, so the
+  // vector loads never wait on the tile stores just issued.
+  alignas(64) int32_t ibuf[2][MT][NG][kRows][kCols];
+  std::memset(facc, 0, sizeof(facc));
+  std::memset(fext, 0, sizeof(fext));
+  const auto scale_block = [&](int64_t b) {
+    const auto& ib = ibuf[b & 1];
+    __m512 dw[NG], mw[NG];
+    for (int j = 0; j < NG; ++j) {
+      const uint8_t* s = w + (g0 + j) * group_stride + b * gbb + qb;
+      dw[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+      if constexpr (TYPE == Q4_1)
+        mw[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
+      else
+        mw[j] = _mm512_mul_ps(dw[j], _mm512_set1_ps(-8.f));
+    }
+    for (int i = 0; i < MT; ++i)
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t xi = (m0 + i * kRows + r) * a.nb + b;
+        const __m512 dx = _mm512_set1_ps(a.d[xi]);
+        for (int j = 0; j < NG; ++j) {
+          __m512i dot = _mm512_load_si512(ib[i][j][r]);
+          if constexpr (TYPE == Q8_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * a.sum[xi]));
+          _mm512_store_ps(facc[i][j][r], _mm512_fmadd_ps(_mm512_mul_ps(dw[j], dx), _mm512_cvtepi32_ps(dot),
+                                                         _mm512_load_ps(facc[i][j][r])));
+          if constexpr (TYPE != Q8_0)
+            _mm512_store_ps(fext[i][j][r], _mm512_fmadd_ps(mw[j], _mm512_set1_ps(a.ds[xi]), _mm512_load_ps(fext[i][j][r])));
+        }
+      }
+  };
+  for (int64_t b = 0; b < a.nb; ++b) {
+    auto& ib = ibuf[b & 1];
+    _tile_zero(0);
+    if constexpr (NG > 1) _tile_zero(1);
+    if constexpr (MT > 1) _tile_zero(2);
+    if constexpr (MT > 1 && NG > 1) _tile_zero(3);
+    _tile_loadd(4, a.q.data() + m0 * a.k + b * QK, a.k);
+    if constexpr (MT > 1) _tile_loadd(5, a.q.data() + (m0 + kRows) * a.k + b * QK, a.k);
+    _tile_loadd(6, brows[0] + b * bstride, 64);
+    if constexpr (NG > 1) _tile_loadd(7, brows[1] + b * bstride, 64);
+    _tile_dpbsud(0, 4, 6);
+    if constexpr (NG > 1) _tile_dpbsud(1, 4, 7);
+    if constexpr (MT > 1) _tile_dpbsud(2, 5, 6);
+    if constexpr (MT > 1 && NG > 1) _tile_dpbsud(3, 5, 7);
+    _tile_stored(0, ib[0][0], 64);
+    if constexpr (NG > 1) _tile_stored(1, ib[0][NG - 1], 64);
+    if constexpr (MT > 1) _tile_stored(2, ib[MT - 1][0], 64);
+    if constexpr (MT > 1 && NG > 1) _tile_stored(3, ib[MT - 1][NG - 1], 64);
+    if (b > 0) scale_block(b - 1);
+  }
+  scale_block(a.nb - 1);
+  for (int i = 0; i < MT; ++i)
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t m = m0 + i * kRows + r;
+      if (m >= o.m) break;
+      for (int j = 0; j < NG; ++j) {
+        const int64_t n0 = (g0 + j) * kCols;
+        __m512 v = _mm512_add_ps(_mm512_load_ps(facc[i][j][r]), _mm512_load_ps(fext[i][j][r]));
+        if (o.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(o.bias + n0));
+        const int64_t at = m * o.ldy + n0;
+        if (o.bf16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(o.y) + at), to_bf16(v));
+        else
+          _mm512_storeu_ps(static_cast<float*>(o.y) + at, v);
+      }
+    }
+}
+
+template <int64_t TYPE>
+void run(const QuantizedX& a, const uint8_t* w, int64_t Mp, int64_t groups, const Output& o) {
+  const int64_t group_stride = a.nb * group_block_bytes(TYPE);
+  const int64_t pairs = (groups + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t pb, int64_t pe) {
+    TileScope scope;
+    std::vector<uint8_t> buf(TYPE == Q8_0 ? 0 : 2 * a.nb * 512);
+    const int64_t bstride = TYPE == Q8_0 ? group_block_bytes(TYPE) : 512;
+    for (int64_t p = pb; p < pe; ++p) {
+      const int64_t g0 = 2 * p;
+      const bool two = g0 + 1 < groups;
+      const uint8_t* brows[2];
+      brows[0] = b_rows<TYPE>(w + g0 * group_stride, a.nb, buf.data());
+      brows[1] = two ? b_rows<TYPE>(w + (g0 + 1) * group_stride, a.nb, buf.data() + a.nb * 512) : brows[0];
+      int64_t m0 = 0;
+      for (; m0 + 2 * kRows <= Mp; m0 += 2 * kRows) {
+        if (two)
+          tile<2, 2, TYPE>(a, w, group_stride, brows, bstride, m0, g0, o);
+        else
+          tile<2, 1, TYPE>(a, w, group_stride, brows, bstride, m0, g0, o);
+      }
+      if (m0 < Mp) {
+        if (two)
+          tile<1, 2, TYPE>(a, w, group_stride, brows, bstride, m0, g0, o);
+        else
+          tile<1, 1, TYPE>(a, w, group_stride, brows, bstride, m0, g0, o);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool available() { return request_amx_permission(); }
+
+// y [M, N] in x's dtype = gguf_linear(x, packed weight) (+ bias), the VNNI tiled
+// kernel's result bit for bit (see the top of this file).
+torch::Tensor gguf_amx_linear_out(torch::Tensor x, torch::Tensor weight, int64_t type,
+                                  std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(request_amx_permission(), "pagedserve: the kernel refused AMX tile state (arch_prctl)");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && weight.scalar_type() == torch::kUInt8,
+              "gguf_amx_linear: x [M, K] and packed uint8 weight [N/16, K/32, 16 * block_bytes] expected");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), groups = weight.size(0), N = groups * kCols;
+  TORCH_CHECK(K % QK == 0 && weight.size(1) == K / QK && weight.size(2) == group_block_bytes(type),
+              "gguf_amx_linear: weight ", weight.sizes(), " does not match K=", K, " for type ", type);
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(torch::kFloat).contiguous();
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "gguf_amx_linear: bias of shape ", bias->sizes(), " for N=", N);
+  }
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == torch::kFloat, "gguf_amx_linear: x must be float32 or bfloat16");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const int64_t Mp = (M + kRows - 1) / kRows * kRows, nb = K / QK;
+  QuantizedX qx{std::vector<int8_t>(Mp * K, 0), std::vector<float>(Mp * nb, 0.f), std::vector<float>(Mp * nb, 0.f),
+                std::vector<int32_t>(Mp * nb, 0), K, nb};
+  if (bf16)
+    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, type == Q4_1, qx);
+  else
+    quantize_rows(x.data_ptr<float>(), M, K, type == Q4_1, qx);
+  const Output o{y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr, N, M};
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  switch (type) {
+    case Q4_0: run<Q4_0>(qx, w, Mp, groups, o); break;
+    case Q4_1: run<Q4_1>(qx, w, Mp, groups, o); break;
+    case Q8_0: run<Q8_0>(qx, w, Mp, groups, o); break;
+    default: TORCH_CHECK(false, "gguf_amx_linear: unsupported ggml type id ", type);
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available", &available, "whether the kernel was granted the AMX tile state");
+  m.def("gguf_linear_out", &gguf_amx_linear_out, py::call_guard<py::gil_scoped_release>(),
+        "gguf_linear on weights packed by pack_weight, on AMX int8 tiles");
+}
