@@ -110,6 +110,7 @@ CPU_EXTENSIONS: tuple[tuple[str, str, str], ...] = (
     ("pagedserve.kernels.cpu.lora_native", "lora_build_spec", "LoRA CPU kernel"),
     ("pagedserve.kernels.cpu.moe_native", "moe_build_spec", "MoE CPU kernel"),
     ("pagedserve.kernels.cpu.attention_amx", "amx_build_spec", "AMX attention CPU kernel"),
+    ("pagedserve.kernels.cpu.quant_gguf_amx", "gguf_amx_build_spec", "AMX int8 GGUF CPU kernel"),
 )
 
 

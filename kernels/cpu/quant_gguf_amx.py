@@ -17,7 +17,7 @@ from types import ModuleType
 
 from pagedserve.kernels import build
 
-__all__ = ["AMX_INT8_FEATURES", "amx_int8_unavailable_reason", "gguf_amx_build_spec", "load_gguf_amx"]
+__all__ = ["AMX_INT8_FEATURES", "amx_int8_unavailable_reason", "applicable", "gguf_amx_build_spec", "load_gguf_amx"]
 
 SOURCES: tuple[str, ...] = ("quant_gguf_amx.cpp",)
 #: /proc/cpuinfo flags the kernel needs: the tiles, their int8 products, and AVX-512
@@ -36,6 +36,11 @@ def amx_int8_unavailable_reason(features: frozenset[str] | None = None, arch: li
     if "-mavx512bf16" not in arch or "-mavx512bw" not in arch:
         return "the arch flags leave out AVX-512 BW/BF16 (PAGEDSERVE_CPU_ARCH_FLAGS)"
     return None
+
+
+def applicable() -> bool:
+    """Whether this CPU runs the kernel (build_kernels(every=True) skips it elsewhere)."""
+    return amx_int8_unavailable_reason() is None
 
 
 def gguf_amx_build_spec() -> build.ExtensionSpec:
