@@ -537,6 +537,8 @@ def test_register_cpu_ops_installs_native_ops(module, monkeypatch):
     from pagedserve.platforms.ops import OpRegistry
 
     monkeypatch.delenv("PAGEDSERVE_CPU_ISA", raising=False)
+    # The static order; measured dispatch is tests/platforms/test_platform_cpu_tuning.py.
+    monkeypatch.setenv("PAGEDSERVE_CPU_TUNE", "0")
     ops = OpRegistry()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
