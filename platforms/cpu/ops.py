@@ -17,6 +17,9 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
     packs bf16 linear weights at load: in the layouts of the kernels measured fastest
     on this machine (platforms/cpu/tuned_linear.py), or with PAGEDSERVE_CPU_TUNE=0 for
     the native packed kernel where it is built, else oneDNN (platforms/cpu/dense_ops.py).
+    Where the CPU has AMX, paged attention is likewise chosen by measurement per
+    query-token bucket (platforms/cpu/tuned_attention.py; tuning off: AMX tiles for
+    prefill sequences, native for the rest).
     PAGEDSERVE_CPU_KERNELS=0 keeps every op the torch reference, quantized ones
     included.  When the native kernels cannot be built, their torch references stay
     registered; the loader has already warned why.
