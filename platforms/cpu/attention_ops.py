@@ -18,14 +18,21 @@ attention", has the crossover).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from pagedserve.kernels import reference
 
-__all__ = ["PREFILL_MIN_TOKENS", "attention_candidates", "make_prefill_split", "sdpa_paged_attention"]
+__all__ = [
+    "PREFILL_MIN_TOKENS",
+    "WHOLE_BATCH",
+    "attention_candidates",
+    "call_runs",
+    "make_prefill_split",
+    "sdpa_paged_attention",
+]
 
 #: Query tokens from which a sequence goes to the AMX kernel in ``amx_prefill``.  With
 #: the default model's heads (9 query / 3 kv, head size 64, 1024 keys) AMX measured
@@ -33,13 +40,53 @@ __all__ = ["PREFILL_MIN_TOKENS", "attention_candidates", "make_prefill_split", "
 PREFILL_MIN_TOKENS = 8
 
 AttentionFn = Callable[..., torch.Tensor]
+#: The candidates that run a whole batch one way (measured dispatch times these and
+#: splits batches itself; ``amx_prefill`` is already a split).
+WHOLE_BATCH = ("native", "amx", "sdpa")
+
+
+def call_runs(
+    fns: Sequence[AttentionFn],
+    qsl: Sequence[int],
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """paged_attention with sequence i run by ``fns[i]`` (``qsl``: query_start_loc as a
+    list): each maximal run of consecutive sequences with the same implementation is
+    one call on slices of the batch (views, no copies); one run is the whole batch."""
+    num_seqs = len(fns)
+    start = 0
+    for i in range(1, num_seqs + 1):
+        if i < num_seqs and fns[i] is fns[start]:
+            continue
+        if start == 0 and i == num_seqs:
+            return fns[0](query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
+        a, b = qsl[start], qsl[i]
+        fns[start](
+            query[a:b],
+            key_cache,
+            value_cache,
+            block_tables[start:i],
+            seq_lens[start:i],
+            query_start_loc[start : i + 1] - a,
+            scale,
+            out[a:b],
+        )
+        start = i
+    return out
 
 
 def make_prefill_split(prefill: AttentionFn, decode: AttentionFn, min_tokens: int = PREFILL_MIN_TOKENS) -> AttentionFn:
     """paged_attention running ``prefill`` on the sequences with at least ``min_tokens``
-    query tokens and ``decode`` on the others: each maximal run of consecutive
-    sequences of one kind is one call on slices of the batch (views, no copies).
-    Windows, soft caps and sinks go to ``decode`` whole (the native kernel has them)."""
+    query tokens and ``decode`` on the others, by runs of consecutive sequences
+    (:func:`call_runs`).  Windows, soft caps and sinks go to ``decode`` whole (the
+    native kernel has them)."""
 
     def paged_attention(
         query: torch.Tensor,
@@ -63,29 +110,8 @@ def make_prefill_split(prefill: AttentionFn, decode: AttentionFn, min_tokens: in
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
         qsl = query_start_loc.tolist()
-        big = [qsl[i + 1] - qsl[i] >= min_tokens for i in range(num_seqs)]
-        if all(big):
-            return prefill(*args, out)
-        if not any(big):
-            return decode(*args, out)
-        start = 0
-        for i in range(1, num_seqs + 1):
-            if i < num_seqs and big[i] == big[start]:
-                continue
-            a, b = qsl[start], qsl[i]
-            fn = prefill if big[start] else decode
-            fn(
-                query[a:b],
-                key_cache,
-                value_cache,
-                block_tables[start:i],
-                seq_lens[start:i],
-                query_start_loc[start : i + 1] - a,
-                scale,
-                out[a:b],
-            )
-            start = i
-        return out
+        fns = [prefill if qsl[i + 1] - qsl[i] >= min_tokens else decode for i in range(num_seqs)]
+        return call_runs(fns, qsl, *args, out)
 
     return paged_attention
 
@@ -119,8 +145,6 @@ def sdpa_paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
             sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
         )  # fmt: skip
-    from torch.nn.attention.bias import causal_lower_right
-
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -131,7 +155,10 @@ def sdpa_paged_attention(
         k = _gather(key_cache, block_tables[i], ctx).unsqueeze(0)
         v = _gather(value_cache, block_tables[i], ctx).unsqueeze(0)
         q = query[a:b].transpose(0, 1).unsqueeze(0)
-        mask: Any = causal_lower_right(b - a, ctx) if b - a > 1 else None
+        # The causal mask aligned to the end of the context, as a plain boolean tensor:
+        # torch.nn.attention.bias's causal_lower_right runs the same kernel but its
+        # import costs seconds in a fresh process (a measured-dispatch tuning figure).
+        mask: Any = torch.ones(b - a, ctx, dtype=torch.bool).tril(ctx - (b - a)) if b - a > 1 else None
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[a:b].copy_(o[0].transpose(0, 1))
     return out

@@ -17,6 +17,9 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
     packs bf16 linear weights at load: in the layouts of the kernels measured fastest
     on this machine (platforms/cpu/tuned_linear.py), or with PAGEDSERVE_CPU_TUNE=0 for
     the native packed kernel where it is built, else oneDNN (platforms/cpu/dense_ops.py).
+    Where the CPU has AMX, paged attention is likewise chosen by measurement per
+    query-token bucket (platforms/cpu/tuned_attention.py; tuning off: AMX tiles for
+    prefill sequences, native for the rest).
     PAGEDSERVE_CPU_KERNELS=0 keeps every op the torch reference, quantized ones
     included.  When the native kernels cannot be built, their torch references stay
     registered; the loader has already warned why.
@@ -32,23 +35,39 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
     if kernels is not None:
         for name, fn in kernels.ops().items():
             ops.register(name, fn, source=kernels.source)
-    if kernels is not None and options.amx_attention:
-        from pagedserve.platforms.cpu.attention_ops import attention_candidates
+    # One tuner (and cache file object) for every tuned op: two would overwrite each
+    # other's entries on disk.
+    tuner = None
+    if options.tune:
+        from pagedserve.platforms.cpu.tuning import Tuner, TuningCache
 
-        # AMX tiles for prefill sequences, native for decodes (the measured crossover is
-        # in docs/kernels_cpu.md, "AMX attention"); absent without AMX.
-        split = attention_candidates(kernels).get("amx_prefill")
-        if split is not None:
+        tuner = Tuner(TuningCache.default())
+    if kernels is not None and options.amx_attention:
+        from pagedserve.platforms.cpu.attention_ops import WHOLE_BATCH, attention_candidates
+
+        # AMX tiles where they measure faster (per query-token bucket, at the first call
+        # of each head configuration: platforms/cpu/tuned_attention.py), else (tuning
+        # off) for prefill sequences, native for decodes (docs/kernels_cpu.md, "AMX
+        # attention"); without AMX the native kernel stays, untimed.
+        candidates = attention_candidates(kernels)
+        split = candidates.get("amx_prefill")
+        if split is not None and tuner is not None:
+            from pagedserve.platforms.cpu.tuned_attention import TunedAttention
+
+            whole = {n: candidates[n] for n in WHOLE_BATCH if n in candidates}
+            tuned_attn = TunedAttention(tuner, whole, static=split)
+            source = f"{kernels.source}+tuned(" + ",".join(sorted(whole)) + ")"
+            ops.register("paged_attention", tuned_attn.op(), source=source)
+        elif split is not None:
             ops.register("paged_attention", split, source=f"{kernels.source}+amx-prefill")
     native = kernels if kernels is not None and kernels.has_packed_linear else None
-    if options.prepack and options.tune and (native is not None or dense_ops.onednn_available()):
+    if options.prepack and tuner is not None and (native is not None or dense_ops.onednn_available()):
         # Measured dispatch (platforms/cpu/tuned_linear.py): the kernels timed on the
         # model's shapes at load, cached per machine.
         from pagedserve.platforms.cpu.tuned_linear import TunedLinear
-        from pagedserve.platforms.cpu.tuning import Tuner, TuningCache
 
         tuned = TunedLinear(
-            Tuner(TuningCache.default()),
+            tuner,
             native,
             ops.get("linear"),
             ops.get("silu_and_mul"),

@@ -214,7 +214,9 @@ class TunedLinear:
     def report(self) -> list[dict]:
         """Rows of every plan cached for this machine (else those of this process)."""
         cache = self.tuner.cache
-        return plan_rows(cache.plans() if cache is not None else self.tuner.plans.values())
+        plans = cache.plans() if cache is not None else self.tuner.plans.values()
+        # The tuner is shared with other ops (paged_attention), which report their own.
+        return plan_rows([p for p in plans if p.op in ("linear", "linear_silu_and_mul")])
 
     # -- step ---------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -207,12 +207,18 @@ def test_platform_registers_amx_prefill_where_amx_exists(cpu_kernels):
     assert CpuOptions.from_env({}).amx_attention
     off = CpuOptions.from_env({"PAGEDSERVE_CPU_AMX_ATTENTION": "0"})
     assert not off.amx_attention
-    ops, ops_off = OpRegistry(), OpRegistry()
-    register_cpu_ops(ops, CpuOptions.from_env({}))
+    ops, ops_off, ops_tuned = OpRegistry(), OpRegistry(), OpRegistry()
+    # The static rule (measured dispatch off; with it on, platforms/cpu/tuned_attention.py,
+    # tests/platforms/test_platform_cpu_tuned_attention.py).
+    register_cpu_ops(ops, CpuOptions.from_env({"PAGEDSERVE_CPU_TUNE": "0"}))
     register_cpu_ops(ops_off, off)
+    register_cpu_ops(ops_tuned, CpuOptions.from_env({}))
     assert ops_off.source("paged_attention") == cpu_kernels.source
-    want = f"{cpu_kernels.source}+amx-prefill" if amx_unavailable_reason() is None else cpu_kernels.source
+    has_amx = amx_unavailable_reason() is None
+    want = f"{cpu_kernels.source}+amx-prefill" if has_amx else cpu_kernels.source
     assert ops.source("paged_attention") == want
+    tuned = f"{cpu_kernels.source}+tuned(amx,native,sdpa)" if has_amx else cpu_kernels.source
+    assert ops_tuned.source("paged_attention") == tuned
 
 
 def test_amx_build_is_gated_on_the_cpu_flags(monkeypatch, tmp_path):
