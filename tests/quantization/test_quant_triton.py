@@ -32,8 +32,10 @@ print("ok")
 
 def test_quant_triton_gguf_interpreted():
     # A subprocess: TRITON_INTERPRET must be set before triton is imported.
-    env = dict(os.environ, TRITON_INTERPRET="1")
     here = os.path.dirname(__file__)
+    # test_quant_kernels imports tests/native_build.py: tests/ on the path, as under pytest.
+    path = os.pathsep.join(p for p in (os.path.dirname(here), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT], cwd=here, env=env, capture_output=True, text=True, timeout=600
     )
