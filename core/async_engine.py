@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine import EngineStats, LLMEngine
+from pagedserve.engine.client import EngineCallbacks
 from pagedserve.engine.step_trace import StepTrace
 from pagedserve.engine.step_trace import now as trace_now
 from pagedserve.lora import load_adapter
@@ -140,7 +141,7 @@ class RequestStream:
             self._engine.abort(self.request_id)
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineCallbacks):
     """Runs an `LLMEngine` in a background thread and serves many asyncio callers.
 
     Args:
@@ -216,17 +217,6 @@ class AsyncLLMEngine:
 
     def health(self) -> tuple[int, dict | None]:
         return (200 if self.is_running else 503), None
-
-    def set_callbacks(
-        self,
-        on_request_output: Callable[[RequestOutput], None] | None = None,
-        on_engine_dead: Callable[[BaseException], None] | None = None,
-    ) -> None:
-        """See `EngineClient.set_callbacks` (None leaves a callback as it is)."""
-        if on_request_output is not None:
-            self.on_request_output = on_request_output
-        if on_engine_dead is not None:
-            self.on_engine_dead = on_engine_dead
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:

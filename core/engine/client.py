@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from pagedserve.pooling import PoolingParams
     from pagedserve.sampling_params import SamplingParams
 
-__all__ = ["EngineClient"]
+__all__ = ["EngineCallbacks", "EngineClient"]
 
 
 class EngineClient(Protocol):
@@ -100,3 +100,21 @@ class EngineClient(Protocol):
     ) -> RequestStream: ...
 
     def abort(self, request_id: str) -> None: ...
+
+
+class EngineCallbacks:
+    """The two callbacks every EngineClient keeps, and `set_callbacks` for them."""
+
+    on_request_output: Callable[[RequestOutput], None] | None = None
+    on_engine_dead: Callable[[BaseException], None] | None = None
+
+    def set_callbacks(
+        self,
+        on_request_output: Callable[[RequestOutput], None] | None = None,
+        on_engine_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        """See `EngineClient.set_callbacks` (None leaves a callback as it is)."""
+        if on_request_output is not None:
+            self.on_request_output = on_request_output
+        if on_engine_dead is not None:
+            self.on_engine_dead = on_engine_dead

@@ -44,6 +44,7 @@ from pagedserve.async_engine import (
 )
 from pagedserve.config import EngineConfig
 from pagedserve.engine import EngineStats
+from pagedserve.engine.client import EngineCallbacks
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.outputs import RequestOutput
 from pagedserve.pooling import PoolingParams
@@ -139,7 +140,7 @@ class _InFlight:
     accepted: bool = False
 
 
-class DataParallelRouter:
+class DataParallelRouter(EngineCallbacks):
     """Routes requests over data-parallel replicas; an `EngineClient` like AsyncLLMEngine.
 
     Args:
@@ -311,17 +312,6 @@ class DataParallelRouter:
 
         model = self.config.model
         return load_generation_defaults(model.generation_config, resolve_model_path(model.model))
-
-    def set_callbacks(
-        self,
-        on_request_output: Callable[[RequestOutput], None] | None = None,
-        on_engine_dead: Callable[[BaseException], None] | None = None,
-    ) -> None:
-        """See `EngineClient.set_callbacks` (None leaves a callback as it is)."""
-        if on_request_output is not None:
-            self.on_request_output = on_request_output
-        if on_engine_dead is not None:
-            self.on_engine_dead = on_engine_dead
 
     def replica_status(self) -> list[ReplicaStatus]:
         return [
