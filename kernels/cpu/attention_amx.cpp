@@ -29,51 +29,34 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "vec.h"
 
 namespace {
 
+using pagedserve_amx::request_amx_permission;
+using pagedserve_amx::TileConfig;
+using pagedserve_amx::TileScope;
 using pagedserve_cpu::Avx512;
 using pagedserve_cpu::BF16;
 using pagedserve_cpu::kNegInf;
 
 constexpr int kRows = 16;       // query rows per tile
 constexpr int kSpanKeys = 64;   // keys per online-softmax step (a multiple of 32)
-constexpr long kArchReqXcompPerm = 0x1023;
-constexpr long kXfeatureXtiledata = 18;
-
-// Linux grants the AMX tile state only on request, once per process (every thread,
-// also those started later, inherits it).
-bool request_amx_permission() {
-  static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // All eight tiles 16 rows x 64 bytes: C tiles 16 x 16 float32, A tiles 16 x 32 bf16,
-// B tiles 16 pairs x 16 columns of bf16.  Loaded at the start of every thread's share
-// of a call: oneDNN's matmuls on the same threads configure tiles their own way.
-struct TileScope {
-  TileScope() {
-    static const TileConfig cfg = [] {
-      TileConfig c;
-      for (int i = 0; i < 8; ++i) {
-        c.colsb[i] = 64;
-        c.rows[i] = 16;
-      }
-      return c;
-    }();
-    _tile_loadconfig(&cfg);
-  }
-  ~TileScope() { _tile_release(); }
-};
+// B tiles 16 pairs x 16 columns of bf16 (loaded per thread share by a TileScope).
+const TileConfig& tile_config() {
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int i = 0; i < 8; ++i) {
+      c.colsb[i] = 64;
+      c.rows[i] = 16;
+    }
+    return c;
+  }();
+  return cfg;
+}
 
 struct Params {
   const BF16* query;
@@ -328,7 +311,7 @@ void parallel_dynamic(int64_t n, bool tiles, const F& f) {
   std::atomic<int64_t> next{0};
   if (threads <= 1) {
     if (tiles) {
-      TileScope ts;
+      TileScope ts(tile_config());
       run(next);
     } else {
       run(next);
@@ -337,7 +320,7 @@ void parallel_dynamic(int64_t n, bool tiles, const F& f) {
   }
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     if (tiles) {
-      TileScope ts;
+      TileScope ts(tile_config());
       run(next);
     } else {
       run(next);

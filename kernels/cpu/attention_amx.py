@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 SOURCES: tuple[str, ...] = ("attention_amx.cpp",)
-HEADERS: tuple[str, ...] = ("vec.h",)
+HEADERS: tuple[str, ...] = ("amx.h", "vec.h")
 #: /proc/cpuinfo flags the kernel needs: the tiles, their bf16 products, and AVX-512
 #: BF16 for the softmax and the packing around them.
 AMX_FEATURES: frozenset[str] = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})

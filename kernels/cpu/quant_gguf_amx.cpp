@@ -28,20 +28,17 @@
 #include <optional>
 #include <vector>
 
+#include "amx.h"
+
 namespace {
 
 constexpr int QK = 32;
 constexpr int kCols = 16;
 constexpr int kRows = 16;  // activation rows per A tile
 enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
-constexpr long kArchReqXcompPerm = 0x1023;
-constexpr long kXfeatureXtiledata = 18;
-
-// Linux grants the AMX tile state only on request, once per process.
-bool request_amx_permission() {
-  static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return ok;
-}
+using pagedserve_amx::request_amx_permission;
+using pagedserve_amx::TileConfig;
+using pagedserve_amx::TileScope;
 
 int group_block_bytes(int64_t type) {
   switch (type) {
@@ -100,31 +97,19 @@ void quantize_rows(const T* xp, int64_t M, int64_t K, bool half_sum, QuantizedX&
 // float32 -> bf16 rounded to nearest even (as quant_gguf_packed.cpp's to_bf16).
 inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tmm0-3: C tiles 16 rows x 16 int32 (2 row tiles x 2 column groups); tmm4-5: A tiles
-// 16 rows x 32 int8 (one block); tmm6-7: B tiles 8 rows x (16 columns x 4 k).  Loaded
-// at the start of every thread's share: other AMX users on the same threads (oneDNN)
-// configure tiles their own way.
-struct TileScope {
-  TileScope() {
-    static const TileConfig cfg = [] {
-      TileConfig c;
-      for (int i = 0; i < 4; ++i) c.colsb[i] = 64, c.rows[i] = kRows;
-      for (int i = 4; i < 6; ++i) c.colsb[i] = QK, c.rows[i] = kRows;
-      for (int i = 6; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = QK / 4;
-      return c;
-    }();
-    _tile_loadconfig(&cfg);
-  }
-  ~TileScope() { _tile_release(); }
-};
+// 16 rows x 32 int8 (one block); tmm6-7: B tiles 8 rows x (16 columns x 4 k) (loaded per
+// thread share by a TileScope).
+const TileConfig& tile_config() {
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int i = 0; i < 4; ++i) c.colsb[i] = 64, c.rows[i] = kRows;
+    for (int i = 4; i < 6; ++i) c.colsb[i] = QK, c.rows[i] = kRows;
+    for (int i = 6; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = QK / 4;
+    return c;
+  }();
+  return cfg;
+}
 
 struct Output {
   void* y;
@@ -236,7 +221,7 @@ void run(const QuantizedX& a, const uint8_t* w, int64_t Mp, int64_t groups, cons
   const int64_t group_stride = a.nb * group_block_bytes(TYPE);
   const int64_t pairs = (groups + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t pb, int64_t pe) {
-    TileScope scope;
+    TileScope scope(tile_config());
     std::vector<uint8_t> buf(TYPE == Q8_0 ? 0 : 2 * a.nb * 512);
     const int64_t bstride = TYPE == Q8_0 ? group_block_bytes(TYPE) : 512;
     for (int64_t p = pb; p < pe; ++p) {

@@ -20,6 +20,7 @@ from pagedserve.kernels import build
 __all__ = ["AMX_INT8_FEATURES", "amx_int8_unavailable_reason", "applicable", "gguf_amx_build_spec", "load_gguf_amx"]
 
 SOURCES: tuple[str, ...] = ("quant_gguf_amx.cpp",)
+HEADERS: tuple[str, ...] = ("amx.h",)
 #: /proc/cpuinfo flags the kernel needs: the tiles, their int8 products, and AVX-512
 #: (BW for the activation quantization, BF16 for the bf16 output rounding).
 AMX_INT8_FEATURES: frozenset[str] = frozenset({"amx_tile", "amx_int8", "avx512bw", "avx512_bf16"})
@@ -46,7 +47,7 @@ def applicable() -> bool:
 def gguf_amx_build_spec() -> build.ExtensionSpec:
     """The build of the AMX int8 GGUF kernel (the main kernels' arch flags plus AMX)."""
     arch, origin = build.cpu_arch_flags()
-    return build.cpu_extension_spec("quantamx", SOURCES, [*arch, *AMX_INT8_FLAGS], origin)
+    return build.cpu_extension_spec("quantamx", SOURCES, [*arch, *AMX_INT8_FLAGS], origin, headers=HEADERS)
 
 
 @functools.lru_cache(maxsize=1)
