@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["CompletionOutput", "RequestOutput", "Logprob"]
 
@@ -49,3 +50,6 @@ class RequestOutput:
     error: str | None = None
     #: With SamplingParams.prompt_logprobs: per prompt token, its entry (None for the first).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    #: With SamplingParams.prompt_logprobs=-1, once finished: float32 torch tensor
+    #: ``[num_prompt_tokens - 1, vocab]``, row i the log-distribution predicting prompt token i + 1.
+    prompt_logprob_rows: Any = None

@@ -88,9 +88,11 @@ def check_sampling_params(params: Any) -> None:
     ):
         _fail("bad_words", "a list of strings", params.bad_words)
     if params.prompt_logprobs is not None and (
-        not _is_int(params.prompt_logprobs) or not 0 <= params.prompt_logprobs <= _MAX_LOGPROBS
+        not _is_int(params.prompt_logprobs) or not -1 <= params.prompt_logprobs <= _MAX_LOGPROBS
     ):
-        _fail("prompt_logprobs", f"an integer in [0, {_MAX_LOGPROBS}]", params.prompt_logprobs)
+        _fail(
+            "prompt_logprobs", f"an integer in [0, {_MAX_LOGPROBS}], or -1 (full distributions)", params.prompt_logprobs
+        )
     if params.truncate_prompt_tokens is not None and (
         not _is_int(params.truncate_prompt_tokens) or params.truncate_prompt_tokens < 1
     ):

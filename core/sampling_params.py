@@ -44,7 +44,10 @@ class SamplingParams:
     #: Words never generated: a word's last token is banned where the text so far ends
     #: with the word's other tokens (tokenized by the engine, with and without a space).
     bad_words: list[str] | None = None
-    #: Log-probabilities of every prompt token (with this many alternatives).
+    #: Log-probabilities of every prompt token (with this many alternatives).  -1 (the
+    #: offline API only): the full next-token log-distribution at every prompt position,
+    #: as one float32 tensor in ``RequestOutput.prompt_logprob_rows`` (the entries of
+    #: ``prompt_logprobs`` then hold each prompt token's own logprob and rank alone).
     prompt_logprobs: int | None = None
     #: Keep only the last this many prompt tokens.
     truncate_prompt_tokens: int | None = None

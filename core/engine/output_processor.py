@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from pagedserve.engine.request_options import best_sequences
 from pagedserve.engine.stats import StepCounters
 from pagedserve.loader import IncrementalDetokenizer
@@ -56,6 +58,8 @@ class RequestState:
     params: SamplingParams | None = None
     #: prompt_logprobs: entry of prompt token p (p >= 1) by position.
     prompt_logprobs: dict[int, dict[int, Logprob]] | None = None
+    #: prompt_logprobs=-1: the log-distribution predicting prompt token p, by position.
+    prompt_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     #: An embedding request: its pooled states so far and its options.
     pool: PoolingState | None = None
     pooling_params: PoolingParams | None = None
@@ -155,8 +159,10 @@ class OutputProcessor:
             if found is None or found[0].prompt_logprobs is None:
                 continue
             group = found[0]
-            for pos, tok_lp, rank, top in entries:
+            for pos, tok_lp, rank, top, *full in entries:
                 group.prompt_logprobs[pos] = logprob_entry(group.prompt_token_ids[pos], (tok_lp, rank, top))
+                if full:
+                    group.prompt_rows[pos] = full[0]
         now = time.monotonic()
         for request in progressed:
             entry = self._seq_of.get(request.request_id)
@@ -339,7 +345,15 @@ class OutputProcessor:
         )
         if group.prompt_logprobs is not None:
             out.prompt_logprobs = [None] + [group.prompt_logprobs.get(p) for p in range(1, len(group.prompt_token_ids))]
+            if group.prompt_rows and group.finished:
+                out.prompt_logprob_rows = _stack_rows(group.prompt_rows, len(group.prompt_token_ids))
         return out
+
+
+def _stack_rows(rows: dict[int, torch.Tensor], num_prompt: int) -> torch.Tensor:
+    """float32 ``[num_prompt - 1, vocab]``: row i the log-distribution predicting prompt
+    token i + 1 (every position is scored before the request finishes)."""
+    return torch.stack([rows[p] for p in range(1, num_prompt)])
 
 
 def _visible_text(seq: SequenceState) -> str:

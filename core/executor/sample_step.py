@@ -143,7 +143,7 @@ def plan_step(scheduled: list, logits_indices: torch.Tensor, vocab_size: int) ->
     tail = TailRows(
         sample_index(logits_indices, rows, scheduled),
         len(rows),
-        prompt_rows(scheduled) if scores else _NO_PROMPT_ROWS,
+        prompt_rows(scheduled, vocab_size) if scores else _NO_PROMPT_ROWS,
         pool_spans(scheduled) if pools else [],
     )
     return StepPlan(tail, requests, grammar_bitmask(requests, vocab_size))

@@ -223,6 +223,37 @@ def test_prompt_logprobs_survive_preemption(tiny_llama, hf_model):
         _check_prompt_logprobs(out, hf_logprobs(hf_model, out.prompt_token_ids), 1)
 
 
+@pytest.mark.parametrize("budget", [2048, 7])
+def test_full_prompt_distributions_match_transformers(tiny_llama, hf_model, budget):
+    # prompt_logprobs=-1: every position's whole log-distribution, in one tensor, beside a
+    # top-k request in the same batch (its entries unchanged), whole prompt or in chunks.
+    llm = LLM(model=str(tiny_llama), max_num_batched_tokens=budget, **ENGINE)
+    prompts = [PROMPT + " the lazy dog", "Pack my box with five dozen"]
+    outs = llm.generate(
+        prompts,
+        [SamplingParams(max_tokens=2, prompt_logprobs=-1), SamplingParams(max_tokens=2, prompt_logprobs=2)],
+        use_tqdm=False,
+    )
+    full, topk = outs
+    ids = full.prompt_token_ids
+    ref = hf_logprobs(hf_model, ids)[:-1]
+    rows = full.prompt_logprob_rows
+    assert rows.dtype == torch.float32 and rows.shape == (len(ids) - 1, VOCAB)
+    torch.testing.assert_close(rows, ref, atol=2e-4, rtol=0)
+    for pos in range(1, len(ids)):  # the entries hold the token's own logprob and rank alone
+        assert set(full.prompt_logprobs[pos]) == {ids[pos]}
+        assert full.prompt_logprobs[pos][ids[pos]].logprob == pytest.approx(float(rows[pos - 1, ids[pos]]), abs=1e-6)
+    assert topk.prompt_logprob_rows is None
+    _check_prompt_logprobs(topk, hf_logprobs(hf_model, topk.prompt_token_ids), 2)
+    assert llm.llm_engine.kv.usage() == 0.0
+
+
+@pytest.mark.parametrize("bad", [-2, 21])
+def test_prompt_logprobs_range(bad):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=bad)
+
+
 # -- best_of, truncate_prompt_tokens ----------------------------------------------------------------
 def test_best_of_returns_the_best_candidates_by_cumulative_logprob(llm):
     seed = 11

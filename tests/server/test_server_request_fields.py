@@ -519,6 +519,8 @@ BAD = [
     ("completions", '{"logit_bias": {"5": NaN}}', "logit_bias"),
     ("completions", '{"prompt": [5, -1]}', "prompt"),
     ("completions", '{"prompt_logprobs": 2, "stream": true}', "prompt_logprobs"),
+    ("completions", '{"prompt_logprobs": -1}', "prompt_logprobs"),
+    ("chat/completions", '{"prompt_logprobs": 21}', "prompt_logprobs"),
     ("chat/completions", '{"continue_final_message": true}', "continue_final_message"),
     ("chat/completions", '{"priority": "high"}', "priority"),
     ("completions", '{"length_penalty": 0.5}', "length_penalty"),

@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "platforms": "platforms_cmd",
     "build-kernels": "build_kernels_cmd",
     "simulate": "simulate_cmd",
+    "eval": "eval_cmd",
 }
 
 

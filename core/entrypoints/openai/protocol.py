@@ -227,6 +227,12 @@ def _unsupported(request: _GenerationRequest) -> None:
         ("best_of", bool(request.stream) and request.best_of not in (None, request.n)),
         ("prompt_logprobs", bool(request.stream) and request.prompt_logprobs is not None),
     ]
+    if request.prompt_logprobs is not None and request.prompt_logprobs < 0:
+        raise ApiError(
+            400,
+            "'prompt_logprobs' must be an integer in [0, 20] here (-1, full distributions, is offline-only).",
+            param="prompt_logprobs",
+        )
     for name, used in checks:
         if used:
             why = " with stream: true" if name in ("best_of", "prompt_logprobs") else " by this server"
