@@ -118,7 +118,8 @@ class Worker:
         runner = self.runner
         lora = runner.lora_manager
         # The step's adapters keep their slots through all of its micro-batches.
-        pinned = {s.request.lora_request.lora_int_id for s in out.scheduled if s.request.lora_request is not None}
+        loras = [s.request.lora_request for s in out.scheduled] if lora is not None else []
+        pinned = {x.lora_int_id for x in loras if x is not None}
         batches, plans = [], []
         for group in split_micro_batches(out, self.num_micro_batches):
             sub = SchedulerOutput(scheduled=[out.scheduled[i] for i in group])
