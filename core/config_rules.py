@@ -129,22 +129,6 @@ def _quantization_offload_rule(cfg: EngineConfig) -> str | None:
     return None
 
 
-def _lora_rule(cfg: EngineConfig) -> str | None:
-    """LoRA runs on one rank with every layer on one device and resident weights."""
-    if not cfg.lora.enable_lora:
-        return None
-    if cfg.parallel.world_size > 1:
-        return f"enable_lora is not supported with tensor/pipeline parallelism yet ({_parallel(cfg)})"
-    if cfg.device.device_map is not None:
-        return f"enable_lora cannot be combined with device_map={cfg.device.device_map!r} yet"
-    if cfg.cache.cpu_offload_gb:
-        return f"enable_lora cannot be combined with cpu_offload_gb={cfg.cache.cpu_offload_gb} yet"
-    if cfg.speculative.speculative_config is not None:
-        # The verifier's forward runs without the adapters' per-step row -> slot map.
-        return "enable_lora cannot be combined with speculative_config yet"
-    return None
-
-
 #: Every cross-section rule: a function returning the error message, or None.
 RULES: list[Callable[[EngineConfig], str | None]] = [
     _device_map_rule,
@@ -152,7 +136,6 @@ RULES: list[Callable[[EngineConfig], str | None]] = [
     _single_rank_features,
     _quantization_offload_rule,
     _multinode_rule,
-    _lora_rule,
 ]
 
 

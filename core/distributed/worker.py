@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from pagedserve.executor.attention_metadata import AttentionMetadata
 from pagedserve.executor.input_batch import prepare_inputs
 from pagedserve.executor.model_runner import ModelRunner, resolve_dtype
 from pagedserve.executor.sample_step import HeadOutput, StepOutput, TailRows, finish_step, plan_step, run_head
+from pagedserve.lora import LoRAManager
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.scheduler import SchedulerOutput
 
@@ -36,12 +38,15 @@ class MicroBatch:
     """CPU model inputs of a slice of the step's requests.
 
     input_ids int64 [n]; meta as in AttentionMetadata; tail: the final hidden rows its
-    tail reads (sampling, prompt logprobs, pooling).
+    tail reads (sampling, prompt logprobs, pooling); lora: with enable_lora, its
+    adapters' slot writes and row -> slot map (pagedserve.lora.LoRAStep, decided by
+    rank 0), or None.
     """
 
     input_ids: torch.Tensor
     meta: AttentionMetadata
     tail: TailRows
+    lora: Any = None
 
 
 def split_micro_batches(out: SchedulerOutput, n: int) -> list[list[int]]:
@@ -101,6 +106,7 @@ class Worker:
         local = self.runner.determine_num_blocks(cfg.cache, cfg.scheduler, max_model_len, self.parallel.min_over_ranks)
         num_blocks = self.parallel.min_over_ranks(local)
         self.runner.allocate_kv_cache(num_blocks, cfg.cache.block_size)
+        LoRAManager.attach(cfg.lora, self.runner)  # enable_lora: this rank's adapter shards
         return num_blocks
 
     # -- driver side ------------------------------------------------------------------------
@@ -110,12 +116,18 @@ class Worker:
             # Host-tier copies would have to run on every rank's shard (config rejects it).
             raise RuntimeError("host KV tier transfers are not supported with tensor/pipeline parallelism")
         runner = self.runner
+        lora = runner.lora_manager
+        # The step's adapters keep their slots through all of its micro-batches.
+        loras = [s.request.lora_request for s in out.scheduled] if lora is not None else []
+        pinned = {x.lora_int_id for x in loras if x is not None}
         batches, plans = [], []
         for group in split_micro_batches(out, self.num_micro_batches):
             sub = SchedulerOutput(scheduled=[out.scheduled[i] for i in group])
             inp = prepare_inputs(sub, block_ids, runner.block_size, torch.device("cpu"), runner.layer_groups)
             plan = plan_step(sub.scheduled, inp.logits_indices, runner.arch.vocab_size)
-            batches.append(MicroBatch(inp.input_ids, inp.meta, plan.rows))
+            rows = [(s.request.lora_request, s.num_new_tokens) for s in sub.scheduled]
+            lora_step = lora.plan(rows, pinned) if lora is not None else None
+            batches.append(MicroBatch(inp.input_ids, inp.meta, plan.rows, lora_step))
             plans.append(plan)
         self.parallel.broadcast_object(batches)
         heads = self.run_step(batches)
@@ -145,6 +157,8 @@ class Worker:
         pending = []  # isend handles; their tensors stay referenced until waited on
         with torch.inference_mode():
             for mb in batches:
+                if runner.lora_manager is not None:  # every rank fills the same slots in the same order
+                    runner.lora_manager.apply(mb.lora)
                 ids = mb.input_ids.to(dev)
                 meta = _meta_to(mb.meta, dev)
                 if p.is_first_stage:
@@ -175,6 +189,8 @@ class Worker:
                     heads.append(head)
             for work, _ in pending:
                 work.wait()
+            if runner.lora_manager is not None:
+                runner.lora_manager.end_step()
         return heads
 
     def close(self) -> None:

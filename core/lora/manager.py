@@ -7,21 +7,33 @@ Each wrapped projection owns stacked weights for ``max_loras`` slots:
 fused projection's parts (q, k, v) take their own rank block of ``a`` and a
 block-diagonal block of ``b``, so one op call covers the fused output and a part the
 adapter does not target contributes exact zeros.
+
+Under tensor parallelism each rank holds its shard of every adapter, cut as the base
+weights are: a column-parallel projection (q/k/v, gate/up) keeps the whole ``A`` and the
+rows of ``B`` of its output rows (its heads, KV heads replicated as the base's are); a
+row-parallel one (o, down) keeps the columns of ``A`` of its input columns and the whole
+``B``, and its delta joins the rank's partial output before the all-reduce, so the sum
+over ranks is the full delta.  A pipeline stage holds its own layers' adapters.  Rank 0
+decides every step's slot writes and row -> slot map (:meth:`LoRAManager.plan`, plain
+data in the step's broadcast); every rank applies them (:meth:`LoRAManager.apply`),
+reading the adapters from their paths into its own host cache.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pagedserve.lora.adapter import TARGET_MODULES as _BLOCK
 from pagedserve.lora.adapter import LoRAAdapter, load_adapter, module_shapes
 from pagedserve.lora.request import LoRARequest
 
-__all__ = ["LoRAManager", "LoRALinear", "GROUPS"]
+__all__ = ["LoRAManager", "LoRALinear", "LoRAStep", "GROUPS"]
 
 #: The model's (fused) linear attributes and the PEFT modules each one stacks, in order.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -32,24 +44,49 @@ GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: The projections whose input is split under tensor parallelism (row-parallel).
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+@dataclass
+class LoRAStep:
+    """One forward's adapters, as plain data (it travels in a distributed step's broadcast).
+
+    writes: (slot, adapter) pairs to fill before the forward, in order; slots: each
+    scheduled request's slot (-1: the base model), in batch order; tokens: each one's
+    token rows in the forward.
+    """
+
+    writes: list[tuple[int, LoRARequest]]
+    slots: list[int]
+    tokens: list[int]
+
+
 class _StepState:
-    """What every wrapped linear reads in a step: token_slots int64 [num_tokens] or None
-    (no row has an adapter: the op is not called at all)."""
+    """What every wrapped linear reads in a step: token_slots, per device of the layers,
+    int64 [num_tokens], or None (no row has an adapter: the op is not called at all)."""
 
     __slots__ = ("token_slots",)
 
     def __init__(self) -> None:
-        self.token_slots: torch.Tensor | None = None
+        self.token_slots: dict[torch.device, torch.Tensor] | None = None
 
 
 class LoRALinear:
     """A linear weight (dense or quantized) plus the adapters' deltas; the model calls
-    ``apply(x, bias)`` as it does for quantized weights."""
+    ``apply(x, bias)`` as it does for quantized weights.  ``device``: where the layer
+    runs (the key of its row -> slot map)."""
 
-    __slots__ = ("base", "ops", "a", "b", "state")
+    __slots__ = ("base", "ops", "a", "b", "state", "device")
 
-    def __init__(self, base: Any, ops: Any, a: torch.Tensor, b: torch.Tensor, state: _StepState) -> None:
-        self.base, self.ops, self.a, self.b, self.state = base, ops, a, b, state
+    def __init__(
+        self, base: Any, ops: Any, a: torch.Tensor, b: torch.Tensor, state: _StepState, device: torch.device
+    ) -> None:
+        self.base, self.ops, self.a, self.b, self.state, self.device = base, ops, a, b, state, device
+
+    def over(self, base: Any) -> LoRALinear:
+        """The same adapters over another copy of the base weight (a streamed layer's)."""
+        return LoRALinear(base, self.ops, self.a, self.b, self.state, self.device)
 
     @property
     def nbytes(self) -> int:
@@ -64,7 +101,7 @@ class LoRALinear:
         slots = self.state.token_slots
         if slots is None:
             return y
-        return self.ops.lora_linear(y, x, self.a, self.b, slots)
+        return self.ops.lora_linear(y, x, self.a, self.b, slots[self.device])
 
 
 class LoRAManager:
@@ -81,7 +118,14 @@ class LoRAManager:
         self._free_slots = list(range(max_loras))
         self.state = _StepState()
         self._stacks: list[dict[str, LoRALinear]] = []
+        self._model: Any = None
+        self._devices: list[torch.device] = []
+        #: This rank's (sharded) (in, out) of every targetable linear.
+        self._shapes = module_shapes(arch)
+        #: Local layers whose weights weight offload streams: wrapped as they stream in.
+        self._streamed: frozenset[int] = frozenset()
         self.num_loads = 0  # adapters read from disk (host-cache misses)
+        self.num_slot_writes = 0  # adapters copied into a device slot
 
     @classmethod
     def attach(cls, config: Any, runner: Any) -> LoRAManager | None:
@@ -89,6 +133,8 @@ class LoRAManager:
         model, handed to ``runner.use_lora``; else None."""
         if not config.enable_lora:
             return None
+        if runner.lora_manager is not None:  # a distributed rank 0 attaches at its set-up
+            return runner.lora_manager
         manager = cls(runner.arch, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         manager.wrap_model(runner.model)
         runner.use_lora(manager)
@@ -96,8 +142,10 @@ class LoRAManager:
 
     # -- model -----------------------------------------------------------------------------
     def wrap_model(self, model: Any) -> None:
-        """Wrap every layer's qkv, o, gate_up and down of ``model`` (a LlamaForCausalLM on
-        one rank) in :class:`LoRALinear` with zeroed slot weights."""
+        """Wrap every layer's qkv, o, gate_up and down of ``model`` (one rank's shard: its
+        pipeline stage's layers, its tensor-parallel slices) in :class:`LoRALinear` with
+        zeroed slot weights.  Layers that weight offload streams (``model.layer_stream``
+        set before) are wrapped each time they stream in, on their staging copy."""
         for layer, _, _ in self._layers(model):
             missing = [attr for attr in GROUPS if getattr(layer, attr, None) is None]
             if missing:  # e.g. mixture-of-experts layers, or StarCoder2's plain MLP
@@ -105,19 +153,64 @@ class LoRAManager:
                     f"enable_lora: LoRA adapters are not supported for {self.arch.architecture} yet "
                     f"(its layers have no {', '.join(missing)} projection to adapt)"
                 )
-        shapes = module_shapes(self.arch)
+        self._model = model
+        self._shapes = self._local_shapes(model)
+        stream = model.layer_stream
+        self._streamed = frozenset(getattr(stream, "offloaded", ()))
         r = self.max_rank
-        for layer, pl_ops, device in self._layers(model):
+        for idx, (layer, pl_ops, device) in enumerate(self._layers(model)):
+            if device not in self._devices:
+                self._devices.append(device)
             stacks = {}
             for attr, parts in GROUPS.items():
-                fan_in = shapes[parts[0]][0]
-                fan_out = sum(shapes[p][1] for p in parts)
+                fan_in = self._shapes[parts[0]][0]
+                fan_out = sum(self._shapes[p][1] for p in parts)
                 a = torch.zeros(self.max_loras, len(parts) * r, fan_in, dtype=model.dtype, device=device)
                 b = torch.zeros(self.max_loras, fan_out, len(parts) * r, dtype=model.dtype, device=device)
-                wrapped = LoRALinear(getattr(layer, attr), pl_ops, a, b, self.state)
-                setattr(layer, attr, wrapped)
+                wrapped = LoRALinear(getattr(layer, attr), pl_ops, a, b, self.state, device)
+                if idx not in self._streamed:
+                    setattr(layer, attr, wrapped)
                 stacks[attr] = wrapped
             self._stacks.append(stacks)
+        if self._streamed:
+            model.set_layer_stream(lambda layers: self._wrap_streamed(stream(layers)))
+
+    def _wrap_streamed(self, layers: Iterable[Any]) -> Iterator[Any]:
+        """The streamed layers with adapters over their staging copies' weights."""
+        for idx, layer in enumerate(layers):
+            if idx not in self._streamed:
+                yield layer
+                continue
+            view = type(layer)()
+            for name in type(layer).__slots__:
+                setattr(view, name, getattr(layer, name, None))
+            for attr, wrapped in self._stacks[idx].items():
+                setattr(view, attr, wrapped.over(getattr(layer, attr)))
+            yield view
+
+    def _local_shapes(self, model: Any) -> dict[str, tuple[int, int]]:
+        """(in, out) of each targetable linear on this rank: the full shapes cut as the
+        model cuts its weights (on the meta device: no memory)."""
+        full = module_shapes(self.arch)
+        if model.parallel.tp_size == 1:
+            return full
+        local = {}
+        for name, (fan_in, fan_out) in full.items():
+            w = torch.empty(fan_out, fan_in, device="meta")
+            out, inp = model.shard_layer_tensor(f"{_BLOCK[name]}.{name}.weight", w).shape
+            local[name] = (inp, out)
+        return local
+
+    def _shard(self, name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (A, B) of module ``name``: the input columns of A for a
+        row-parallel projection, the output rows of B for a column-parallel one."""
+        model = self._model
+        if model.parallel.tp_size == 1:
+            return a, b
+        key = f"{_BLOCK[name]}.{name}.weight"
+        if name in _ROW_PARALLEL:
+            return model.shard_layer_tensor(key, a), b
+        return a, model.shard_layer_tensor(key, b)
 
     @staticmethod
     def _layers(model: Any):
@@ -155,54 +248,74 @@ class LoRAManager:
     def list_adapters(self) -> list[int]:
         return list(self._host)
 
-    def _activate(self, lora: LoRARequest, pinned: set[int]) -> int:
-        """The device slot holding ``lora``, filling the LRU slot not in ``pinned``."""
+    def _activate(self, lora: LoRARequest, pinned: set[int], writes: list[tuple[int, LoRARequest]]) -> int:
+        """The device slot of ``lora``; a new one (the LRU slot not in ``pinned``) is
+        appended to ``writes`` to be filled."""
         slot = self._slot_of.get(lora.lora_int_id)
         if slot is not None:
             self._slot_of.move_to_end(lora.lora_int_id)
             self.add_adapter(lora)  # refresh its host LRU position
             return slot
-        adapter = self.add_adapter(lora)
+        self.add_adapter(lora)  # read and checked now: a bad adapter fails before any write
         if not self._free_slots:
             victim = next((i for i in self._slot_of if i not in pinned), None)
             if victim is None:
                 raise RuntimeError(f"more than max_loras={self.max_loras} adapters in one step")
             self._free_slots.append(self._slot_of.pop(victim))
         slot = self._free_slots.pop()
-        self._write_slot(slot, adapter)
         self._slot_of[lora.lora_int_id] = slot
+        writes.append((slot, lora))
         return slot
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         r = self.max_rank
-        shapes = module_shapes(self.arch)
+        first = self._model.layer_start  # a pipeline stage's first layer
         for idx, stacks in enumerate(self._stacks):
-            mods = adapter.weights.get(idx, {})
+            mods = adapter.weights.get(first + idx, {})
             for attr, parts in GROUPS.items():
                 w = stacks[attr]
                 w.a[slot].zero_()
                 w.b[slot].zero_()
                 off = 0
                 for j, name in enumerate(parts):
-                    n = shapes[name][1]
+                    n = self._shapes[name][1]
                     if name in mods:
-                        a, b = mods[name]
+                        a, b = self._shard(name, *mods[name])
                         w.a[slot, j * r : j * r + a.shape[0]].copy_(a)
                         w.b[slot, off : off + n, j * r : j * r + a.shape[0]].copy_(b)
                     off += n
 
     # -- steps -----------------------------------------------------------------------------
-    def begin_step(self, rows: Sequence[tuple[LoRARequest | None, int]], device: torch.device) -> None:
-        """Map this step's rows to slots: ``rows`` is (adapter or None, tokens) per
-        scheduled request, in batch order.  No adapter anywhere: no op runs."""
+    def plan(self, rows: Sequence[tuple[LoRARequest | None, int]], pinned: set[int] | None = None) -> LoRAStep | None:
+        """Decide a forward's slots: ``rows`` is (adapter or None, tokens) per scheduled
+        request, in batch order; ``pinned``: adapter ids no slot write may evict (default:
+        those of ``rows``; a step split in micro-batches pins the whole step's).  None
+        when no row has an adapter (no op runs)."""
         if all(lora is None for lora, _ in rows):
+            return None
+        if pinned is None:
+            pinned = {lora.lora_int_id for lora, _ in rows if lora is not None}
+        writes: list[tuple[int, LoRARequest]] = []
+        slots = [-1 if lora is None else self._activate(lora, pinned, writes) for lora, _ in rows]
+        return LoRAStep(writes, slots, [n for _, n in rows])
+
+    def apply(self, step: LoRAStep | None) -> None:
+        """Fill ``step``'s slots (each adapter read from this process's host cache, or
+        its path) and set the row -> slot map for the next forward."""
+        if step is None:
             self.state.token_slots = None
             return
-        pinned = {lora.lora_int_id for lora, _ in rows if lora is not None}
-        per_row = [-1 if lora is None else self._activate(lora, pinned) for lora, _ in rows]
-        counts = torch.tensor([n for _, n in rows], dtype=torch.int64)
-        slots = torch.repeat_interleave(torch.tensor(per_row, dtype=torch.int64), counts)
-        self.state.token_slots = slots.to(device)
+        for slot, lora in step.writes:
+            self._write_slot(slot, self.add_adapter(lora))
+            self.num_slot_writes += 1
+        counts = torch.tensor(step.tokens, dtype=torch.int64)
+        slots = torch.repeat_interleave(torch.tensor(step.slots, dtype=torch.int64), counts)
+        self.state.token_slots = {device: slots.to(device) for device in self._devices}
+
+    def begin_step(self, rows: Sequence[tuple[LoRARequest | None, int]], device: torch.device | None = None) -> None:
+        """Map this step's rows to slots (one process: :meth:`plan` then :meth:`apply`);
+        ``rows`` as for :meth:`plan`.  No adapter anywhere: no op runs."""
+        self.apply(self.plan(rows))
 
     def end_step(self) -> None:
         self.state.token_slots = None

@@ -105,11 +105,17 @@ def test_lora_needs_enable_lora(tiny_llama, tmp_path):
         base.generate([[1, 2]], use_tqdm=False, lora_request=LoRARequest("a", 1, str(write_adapter(tmp_path / "a"))))
 
 
-def test_lora_refused_with_parallelism():
-    from pagedserve.config import EngineConfig, ParallelConfig
+def test_lora_composes_with_every_deployment_setting():
+    """No config rule refuses adapters with parallelism, device maps, weight offload or
+    speculative decoding (each combination is tested against peft or one process in
+    test_lora_placement.py and tests/distributed/test_dist_lora.py)."""
+    from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SpeculativeDecodingConfig
 
-    with pytest.raises(ValueError, match="enable_lora is not supported with tensor/pipeline"):
-        EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2), lora=LoRAConfig(enable_lora=True))
+    lora = LoRAConfig(enable_lora=True)
+    EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2), lora=lora)
+    EngineConfig(device=DeviceConfig(device_map="cpu:1,cpu"), lora=lora)
+    EngineConfig(cache=CacheConfig(cpu_offload_gb=1.0), lora=lora)
+    EngineConfig(speculative=SpeculativeDecodingConfig({"method": "ngram", "num_speculative_tokens": 2}), lora=lora)
 
 
 def test_prefix_hash_keyed_by_adapter():
