@@ -31,8 +31,11 @@ class ChatToolsMixin:
         return {"tools": plan.tools} if plan.tools else {}
 
     def constrain_tools(self, request: Any, params: SamplingParams) -> None:
-        """A "required" or named tool choice constrains the output to the calls' schema."""
+        """A "required" or named tool choice constrains the output to the calls' schema; a
+        tool-call parser that reads special tokens (Harmony, Kimi-K2) keeps them in the text."""
         plan = plan_tools(request, self.tool_options)
+        if plan.parser is not None and plan.parser.special_tokens:
+            params.skip_special_tokens = False
         if plan.constraint is None:
             return
         if request.use_beam_search:
