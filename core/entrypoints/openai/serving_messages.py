@@ -81,7 +81,10 @@ class AnthropicServingMessages:
 
     async def count_tokens(self, request: CountTokensRequest) -> dict:
         self.chat.model_name(request.model)
-        _, ids = self.chat.render(self._chat_request(request))
+        creq = self._chat_request(request)
+        if creq.tools:  # the template shows tools whatever the choice; no parser is needed to count
+            creq = creq.model_copy(update={"tool_choice": "none"})
+        _, ids = self.chat.render(creq)
         return {"input_tokens": len(ids)}
 
     async def create(self, request: MessagesRequest) -> dict | EventStream:
