@@ -277,7 +277,11 @@ def thinking_enabled(request: MessagesRequest, reasoning_parser: str | None) -> 
     if kind not in ("enabled", "adaptive"):
         raise _bad("thinking.type", f"'thinking.type' must be enabled, adaptive or disabled; got {kind!r}.")
     if reasoning_parser is None:
-        raise _bad("thinking", "'thinking' needs a reasoning model served with --reasoning-parser.")
+        raise _bad(
+            "thinking",
+            "'thinking' needs a reasoning model served with --reasoning-parser (or GPT-OSS with --tool-call-parser "
+            "openai).",
+        )
     if t.get("display") not in (None, "summarized"):
         raise _bad("thinking.display", "'thinking.display' may only be 'summarized' (the thinking is returned).")
     if kind == "enabled":

@@ -77,7 +77,7 @@ class AnthropicServingMessages:
         self.chat = chat
 
     def _chat_request(self, request: MessagesRequest) -> ChatCompletionRequest:
-        return to_chat_request(request, self.chat.tool_options.reasoning_parser)
+        return to_chat_request(request, self.chat.reasoning_name())
 
     async def count_tokens(self, request: CountTokensRequest) -> dict:
         self.chat.model_name(request.model)

@@ -157,25 +157,26 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     )
 }
 
-#: Marks in a chat template that tell its tool-call format, most specific first (the
-#: Qwen3-Coder template also writes ``<tool_call>``, Hermes' marker).
-_TEMPLATE_MARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("openai", ("<|channel|>", "<|constrain|>")),
-    ("qwen3_coder", ("<function=", "<parameter=")),
-    ("deepseek_v3", ("<｜tool▁calls▁begin｜>",)),
-    ("kimi_k2", ("<|tool_calls_section_begin|>",)),
-    ("granite", ("<|tool_call|>",)),
-    ("mistral", ("[TOOL_CALLS]",)),
-    ("pythonic", ("<|python_start|>",)),
-    ("hermes", ("<tool_call>",)),
-    ("llama3_json", ("<|python_tag|>",)),
+#: Marks in a chat template that tell its tool-call format (all of the first, none of the
+#: second), most specific first: the Qwen3-Coder template also writes Hermes' ``<tool_call>``,
+#: Granite 4 writes ``<|tool_call|>`` as a role but calls in Hermes' format.
+_TEMPLATE_MARKS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("openai", ("<|channel|>", "<|message|>"), ()),
+    ("qwen3_coder", ("<function=", "<parameter="), ()),
+    ("deepseek_v3", ("<｜tool▁calls▁begin｜>",), ()),
+    ("kimi_k2", ("<|tool_calls_section_begin|>",), ()),
+    ("granite", ("<|tool_call|>",), ("<tool_call>",)),
+    ("mistral", ("[TOOL_CALLS]",), ()),
+    ("pythonic", ("<|python_start|>",), ()),
+    ("hermes", ("<tool_call>",), ()),
+    ("llama3_json", ("<|python_tag|>",), ()),
 )
 
 
 def detect_tool_parser(template: str | None) -> str | None:
     """The tool-call parser a chat template's format calls for, or None when it cannot be told."""
-    for name, marks in _TEMPLATE_MARKS:
-        if template and all(m in template for m in marks):
+    for name, marks, unless in _TEMPLATE_MARKS:
+        if template and all(m in template for m in marks) and not any(m in template for m in unless):
             return name
     return None
 
