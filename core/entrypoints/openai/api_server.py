@@ -3,7 +3,8 @@
     app = build_app(AsyncLLMEngine(LLMEngine(config)), ServerSettings(["my-model"]))
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, POST /v1/messages,
-POST /v1/messages/count_tokens (Anthropic's API and error shape), GET /v1/models, GET /health,
+POST /v1/messages/count_tokens (Anthropic's API and error shape), POST /v1/score, /score, /v1/rerank,
+/rerank, /v2/rerank (yes/no relevance scores), GET /v1/models, GET /health,
 GET /metrics, POST /tokenize, POST /detokenize, GET /version, GET|POST /ping, GET /ready,
 GET /openapi.json, GET /docs.  Every error is OpenAI's JSON error shape; a bad request is
 always a 4xx.
@@ -46,6 +47,7 @@ from pagedserve.entrypoints.openai.serving_messages import (
     add_messages_routes,
     anthropic_error_body,
 )
+from pagedserve.entrypoints.openai.serving_score import OpenAIServingScore, add_score_routes
 from pagedserve.entrypoints.openai.serving_tokenize import Readiness, add_tokenize_routes
 from pagedserve.entrypoints.openai.shutdown import Drain, client_disconnected
 from pagedserve.entrypoints.openai.stats_logger import RequestLogger, StatsLogger
@@ -323,6 +325,12 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     add_messages_routes(
         app,
         AnthropicServingMessages(chat),
+        lambda request: read_body(request, settings.max_body_bytes),
+        lambda request, work: _respond(request, work, drain),
+    )
+    add_score_routes(
+        app,
+        OpenAIServingScore(engine, names, settings.chat_template, request_logger, lora),
         lambda request: read_body(request, settings.max_body_bytes),
         lambda request, work: _respond(request, work, drain),
     )
