@@ -91,6 +91,20 @@ def test_system_prompt(server, client, system):
     assert msg.usage.input_tokens == ref.usage.prompt_tokens
 
 
+def test_final_assistant_turn_is_continued(server, client):
+    prefill = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "The capital of France"}]
+    msg = client.messages.create(model=MODEL, max_tokens=8, messages=prefill, extra_body=GREEDY)
+    ref = server.openai().chat.completions.create(
+        model=MODEL,
+        messages=prefill,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert _text(msg) == ref.choices[0].message.content
+    assert msg.usage.input_tokens == ref.usage.prompt_tokens
+
+
 def test_stop_sequence_and_max_tokens(client):
     full = _text(
         client.messages.create(

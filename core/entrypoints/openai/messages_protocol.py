@@ -6,7 +6,8 @@ Every top-level field of Anthropic's ``MessageCreateParams`` is in ``MESSAGES_FI
 honoured or refused; a field in neither list is refused too, as Anthropic's API does.
 Content blocks: text, tool_use (assistant), tool_result (user; string or text-block
 content) and earlier thinking blocks (left out of the prompt, as Anthropic does); image
-and document blocks need a multimodal model, which this server does not run (400).
+and document blocks need a multimodal model, which this server does not run (400).  A
+final assistant turn is a prefill: the answer continues it.
 """
 
 from __future__ import annotations
@@ -352,6 +353,13 @@ def to_chat_request(request: MessagesRequest, reasoning_parser: str | None) -> C
         "parallel_tool_calls": parallel,
         "response_format": _response_format(request.output_config),
     }
+    last = body["messages"][-1]
+    if last["role"] == "assistant":
+        # A final assistant turn is a prefill: the answer continues it.
+        if last.get("tool_calls"):
+            where = f"messages[{len(request.messages) - 1}]"
+            raise _bad(where, f"'{where}': a final assistant turn with tool_use blocks cannot be continued.")
+        body["continue_final_message"], body["add_generation_prompt"] = True, False
     if reasoning_parser is not None:
         # Templates of reasoning models read enable_thinking (others ignore it).
         body["chat_template_kwargs"] = {"enable_thinking": thinking}
