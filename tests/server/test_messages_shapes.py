@@ -208,3 +208,16 @@ def test_block_writer_opens_and_closes_blocks_in_order():
     parsed = _parse_events(events)
     deltas = [e["delta"] for e in parsed if e.get("index") == 2 and "delta" in e]
     assert "".join(d["partial_json"] for d in deltas) == '{"city": "Oslo"}'
+
+
+def test_harmony_reply_as_thinking_and_tool_use():
+    serving = AnthropicServingMessages(_Chat(ToolOptions(enable_auto_tool_choice=True, tool_call_parser="openai")))
+    creq = to_chat_request(_request(tools=[WEATHER], thinking={"type": "adaptive"}), "openai_gptoss")
+    reply = (
+        "<|channel|>analysis<|message|>Weather needs the tool.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}'
+    )
+    msg = serving._whole(creq, "msg_1", "m", _output(reply, "stop"))
+    assert [b["type"] for b in msg["content"]] == ["thinking", "tool_use"]
+    assert msg["content"][0]["thinking"] == "Weather needs the tool."
+    assert msg["content"][1]["input"] == {"city": "Oslo"} and msg["stop_reason"] == "tool_use"

@@ -258,3 +258,30 @@ def test_truncated_required_array_keeps_its_complete_calls():
     streamed = [c for d in deltas for c in d.get("tool_calls", [])]
     assert _calls(streamed) == _calls(msg["tool_calls"])
     assert not any("content" in d for d in deltas)
+
+
+def test_serve_with_auto_parser(server_factory, tiny_llama, tiny_server_args, tmp_path):
+    """`--tool-call-parser auto` starts with a template that tells its format and stops the
+    start, naming the flag, with one that does not."""
+    import subprocess
+    import sys
+
+    template = tmp_path / "hermes.jinja"
+    template.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        '{% if tools %}Call tools as <tool_call>{"name": ..., "arguments": ...}</tool_call>{% endif %}'
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    auto = ["--enable-auto-tool-choice", "--tool-call-parser", "auto"]
+    server = server_factory(str(tiny_llama), [*tiny_server_args, *auto, "--chat-template", str(template)])
+    r = server.openai().chat.completions.create(
+        model=str(tiny_llama), messages=[{"role": "user", "content": "hi"}], tools=TOOLS, max_tokens=3
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")  # "auto" accepted: a parser was chosen
+    failed = subprocess.run(
+        [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(tiny_llama), *tiny_server_args, *auto],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert failed.returncode != 0 and "--tool-call-parser auto" in failed.stderr
