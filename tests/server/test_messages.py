@@ -354,3 +354,33 @@ def test_output_config_json_schema(client):
     )
     assert msg.stop_reason == "end_turn"
     assert json.loads(_text(msg))["answer"] in ("Paris", "Rome")
+
+
+def test_calls_of_an_array_cut_by_max_tokens_are_returned(server, client):
+    """tool_choice required / any with max_tokens inside the calls' array: the complete
+    calls come back as calls (chat: finish_reason length; messages: stop_reason max_tokens)."""
+    ask = [{"role": "user", "content": "Weather in Paris? Weather in London? Weather in Rome? Weather in Berlin?"}]
+    answer = _chat(server, ask, tools=[CHAT_WEATHER], tool_choice="required", max_tokens=80)
+    full, n = answer.choices[0], answer.usage.completion_tokens
+    assert full.finish_reason == "tool_calls"
+    whole = [(c.function.name, json.loads(c.function.arguments)) for c in full.message.tool_calls]
+    cut_with_calls = 0
+    for max_tokens in range(n - 2, n):
+        cut = _chat(server, ask, tools=[CHAT_WEATHER], tool_choice="required", max_tokens=max_tokens).choices[0]
+        assert cut.finish_reason == "length"
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in cut.message.tool_calls or []]
+        assert calls == whole[: len(calls)]
+        if calls:
+            cut_with_calls += 1
+            assert cut.message.content is None
+            msg = client.messages.create(
+                model=MODEL,
+                max_tokens=max_tokens,
+                tools=[WEATHER],
+                tool_choice={"type": "any"},
+                messages=ask,
+                extra_body=GREEDY,
+            )
+            assert msg.stop_reason == "max_tokens"
+            assert [(b.name, b.input) for b in msg.content if b.type == "tool_use"] == calls
+    assert cut_with_calls
