@@ -1,4 +1,4 @@
-"""The offline API: ``LLM(...).generate(prompts, sampling_params)`` and ``LLM.chat``."""
+"""The offline API: ``LLM(...).generate(prompts, sampling_params)``, ``LLM.chat``, ``LLM.embed`` and ``LLM.score``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,16 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine import LLMEngine
 from pagedserve.engine.request_options import continue_final_message as cut_after_final_message
 from pagedserve.entrypoints.engine_args import engine_config_from_args, engine_config_from_kwargs, engine_signature
+from pagedserve.entrypoints.scoring import (
+    ScoringOutput,
+    ScoringRequestOutput,
+    answer_logprob,
+    answer_params,
+    answer_token_ids,
+    pair_texts,
+    relevance,
+    rerank_prompt,
+)
 from pagedserve.lora import LoRARequest
 from pagedserve.lora.request import per_prompt_lora
 from pagedserve.outputs import RequestOutput
@@ -138,6 +148,42 @@ class LLM:
         if failed:
             raise RuntimeError(f"embedding request {failed[0].request_id} failed: {failed[0].error}")
         return outputs  # type: ignore[return-value]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        instruction: str | None = None,
+        use_tqdm: bool = False,
+    ) -> list[ScoringRequestOutput]:
+        """Relevance of each ``data_2`` text to its ``data_1`` query, in [0, 1]
+        (``out.outputs.score``): one query for every text, or one per text.  The model
+        judges the pair in Qwen3-Reranker's format and the score is P(yes) against P(no)
+        (pagedserve.entrypoints.scoring); ValueError unless "yes" and "no" are single
+        tokens of its vocabulary."""
+        engine = self.llm_engine
+        yes, no = answer_token_ids(engine.tokenizer)
+        pairs = pair_texts(
+            data_1 if isinstance(data_1, str) else list(data_1),
+            data_2 if isinstance(data_2, str) else list(data_2),
+            ("data_1", "data_2"),
+        )
+        prompts = []
+        for query, text in pairs:
+            prompt = rerank_prompt(query, text, instruction)
+            prompts.append(
+                {"prompt": prompt, "prompt_token_ids": engine.tokenizer.encode(prompt, add_special_tokens=False)}
+            )
+        both = [p for p in prompts for _ in (yes, no)]
+        outs = self.generate(both, [answer_params(t) for _ in prompts for t in (yes, no)], use_tqdm=use_tqdm)
+        return [
+            ScoringRequestOutput(
+                str(i),
+                ScoringOutput(relevance(answer_logprob(outs[2 * i], yes), answer_logprob(outs[2 * i + 1], no))),
+                outs[2 * i].prompt_token_ids,
+            )
+            for i in range(len(prompts))
+        ]
 
     @staticmethod
     def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:

@@ -210,7 +210,11 @@ def run(args: argparse.Namespace) -> int:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         **ops,
     )
-    app = build_app(served, settings)
+    try:
+        app = build_app(served, settings)
+    except ValueError as e:  # e.g. --tool-call-parser auto on a template that does not tell
+        served.shutdown()
+        raise SystemExit(f"pagedserve serve: {e}") from None
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(
             "binding %s: the server is reachable from other machines%s",

@@ -19,8 +19,20 @@ def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=["hermes", "llama3_json", "mistral", "pythonic"],
-        help="how tool calls are read from the model's output under tool_choice auto",
+        choices=[
+            "auto",
+            "hermes",
+            "llama3_json",
+            "mistral",
+            "pythonic",
+            "qwen3_coder",
+            "deepseek_v3",
+            "granite",
+            "kimi_k2",
+            "openai",
+        ],
+        help="how tool calls are read from the model's output under tool_choice auto (auto: chosen from the "
+        "chat template; openai: GPT-OSS's Harmony format)",
     )
 
 

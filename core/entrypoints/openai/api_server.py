@@ -2,7 +2,9 @@
 
     app = build_app(AsyncLLMEngine(LLMEngine(config)), ServerSettings(["my-model"]))
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, POST /v1/messages,
+POST /v1/messages/count_tokens (Anthropic's API and error shape), POST /v1/score, /score, /v1/rerank,
+/rerank, /v2/rerank (yes/no relevance scores), GET /v1/models, GET /health,
 GET /metrics, POST /tokenize, POST /detokenize, GET /version, GET|POST /ping, GET /ready,
 GET /openapi.json, GET /docs.  Every error is OpenAI's JSON error shape; a bad request is
 always a 4xx.
@@ -40,6 +42,12 @@ from pagedserve.entrypoints.openai.serving_embedding import (
     add_embedding_route,
 )
 from pagedserve.entrypoints.openai.serving_lora import add_lora_routes, lora_serving
+from pagedserve.entrypoints.openai.serving_messages import (
+    AnthropicServingMessages,
+    add_messages_routes,
+    anthropic_error_body,
+)
+from pagedserve.entrypoints.openai.serving_score import OpenAIServingScore, add_score_routes
 from pagedserve.entrypoints.openai.serving_tokenize import Readiness, add_tokenize_routes
 from pagedserve.entrypoints.openai.shutdown import Drain, client_disconnected
 from pagedserve.entrypoints.openai.stats_logger import RequestLogger, StatsLogger
@@ -54,7 +62,8 @@ class ServerSettings:
     """What the HTTP layer needs besides the engine.
 
     served_model_names: names accepted in a request's `model` (the first is reported).
-    api_key: when set, every /v1 route needs `Authorization: Bearer <api_key>`.
+    api_key: when set, every /v1 route needs `Authorization: Bearer <api_key>` (or
+        Anthropic's `x-api-key: <api_key>`).
     max_body_bytes: larger request bodies are refused with 413.
     chat_template: template text overriding the model's (read from --chat-template).
     metrics_prefix: the name prefix of every Prometheus series (--metrics-prefix).
@@ -90,17 +99,22 @@ class _ApiKeyMiddleware:
 
     def _authorized(self, scope: Scope) -> bool:
         for name, value in scope["headers"]:
+            # Constant-time comparison: response timing must not leak the key.
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                # Constant-time comparison: response timing must not leak the key.
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+                    return True
+            elif name == b"x-api-key" and hmac.compare_digest(value.strip(), self.key):  # Anthropic's clients
+                return True
         return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")) and not self._authorized(scope):
+            message = "Incorrect or missing API key."
+            anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
             response = JSONResponse(
-                error_body("Incorrect or missing API key.", code="invalid_api_key"),
+                anthropic_error_body(401, message) if anthropic else error_body(message, code="invalid_api_key"),
                 status_code=401,
                 headers={"WWW-Authenticate": "Bearer"},
             )
@@ -308,6 +322,18 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         body = parse_request(ChatCompletionRequest, await read_body(request, settings.max_body_bytes))
         return await _respond(request, chat.create(body), drain)
 
+    add_messages_routes(
+        app,
+        AnthropicServingMessages(chat),
+        lambda request: read_body(request, settings.max_body_bytes),
+        lambda request, work: _respond(request, work, drain),
+    )
+    add_score_routes(
+        app,
+        OpenAIServingScore(engine, names, settings.chat_template, request_logger, lora),
+        lambda request: read_body(request, settings.max_body_bytes),
+        lambda request, work: _respond(request, work, drain),
+    )
     add_lora_routes(app, lora, lambda request: read_body(request, settings.max_body_bytes))
     install_openapi(
         app,

@@ -28,7 +28,7 @@ class ChatOutput:
         """The whole `message` object and the finish_reason to report."""
         reasoning, content = self.split(text, True)
         calls = []
-        if self.plan.mode != "none" and reason != "length":
+        if self.plan.mode != "none" and (reason != "length" or self.plan.mode == "required"):
             content, calls = parse_tool_output(self.plan, content)
         msg: dict = {"role": "assistant", "content": content if (content or not calls) else None}
         if self.reasoning is not None:
@@ -63,7 +63,7 @@ class ChatStreamState:
                 d["reasoning_content"] = new
                 self.sent_reasoning = len(reasoning)
         plan = self.out.plan
-        if plan.mode == "none" or reason == "length" and not self.named_opened and plan.mode != "named":
+        if plan.mode == "none" or reason == "length" and plan.mode not in ("named", "required"):
             self._content(d, content, len(content))
         elif plan.mode == "named":
             self._named(d, content)

@@ -8,6 +8,7 @@ from typing import Any
 from pagedserve.entrypoints.openai.chat_output import ChatOutput
 from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from pagedserve.entrypoints.openai.tool_parsers.harmony import HarmonyReasoning
 from pagedserve.entrypoints.openai.tools import ToolOptions, plan_tools
 from pagedserve.sampling_params import SamplingParams
 
@@ -31,8 +32,11 @@ class ChatToolsMixin:
         return {"tools": plan.tools} if plan.tools else {}
 
     def constrain_tools(self, request: Any, params: SamplingParams) -> None:
-        """A "required" or named tool choice constrains the output to the calls' schema."""
+        """A "required" or named tool choice constrains the output to the calls' schema; a
+        tool-call parser that reads special tokens (Harmony, Kimi-K2) keeps them in the text."""
         plan = plan_tools(request, self.tool_options)
+        if plan.parser is not None and plan.parser.special_tokens or self.tool_options.tool_call_parser == "openai":
+            params.skip_special_tokens = False  # Harmony replies are read by their markers in every mode
         if plan.constraint is None:
             return
         if request.use_beam_search:
@@ -54,7 +58,16 @@ class ChatToolsMixin:
             )
         params.structured_outputs = plan.constraint
 
+    def reasoning_name(self) -> str | None:
+        """The reasoning format the answers are split by: --reasoning-parser, or Harmony's
+        analysis channel when the tool-call parser is ``openai`` (GPT-OSS)."""
+        opts = self.tool_options
+        return opts.reasoning_parser or ("openai_gptoss" if opts.tool_call_parser == "openai" else None)
+
     def chat_output(self, request: Any) -> ChatOutput:
         opts = self.tool_options
-        reasoning = get_reasoning_parser(opts.reasoning_parser) if opts.reasoning_parser else None
+        name = self.reasoning_name()
+        reasoning = (
+            None if name is None else HarmonyReasoning() if name == "openai_gptoss" else get_reasoning_parser(name)
+        )
         return ChatOutput(plan_tools(request, opts), reasoning)

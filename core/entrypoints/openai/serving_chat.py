@@ -27,7 +27,8 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
         """`OpenAIServing`'s arguments, and the tool-call options (--tool-call-parser ...)."""
         super().__init__(*args, **kwargs)
         if tool_options is not None:
-            self.tool_options = tool_options
+            # --tool-call-parser auto: the parser the chat template's format calls for.
+            self.tool_options = tool_options.resolved(self.chat_template or self.tokenizer.chat_template)
 
     def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt text and token ids of the conversation."""

@@ -6,7 +6,8 @@ enforces "required" and named choices, tool fields of history messages, and the
 - "auto": free output, parsed by the server's `--tool-call-parser` (needs
   `--enable-auto-tool-choice`, else 400 as in vLLM).
 - "required": output constrained to a JSON array of `{"name", "parameters"}` objects,
-  one schema per tool; `finish_reason: "tool_calls"`.
+  one schema per tool; `finish_reason: "tool_calls"`.  When max_tokens cuts the array
+  short, its complete calls are still returned as calls (`finish_reason: "length"`).
 - a named function: output constrained to that function's parameters schema.
 """
 
@@ -14,15 +15,21 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.structured import checked_params
-from pagedserve.entrypoints.openai.tool_parsers import ToolCall, ToolParser, get_tool_parser
+from pagedserve.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    ToolCall,
+    ToolParser,
+    detect_tool_parser,
+    get_tool_parser,
+)
 from pagedserve.structured_output import StructuredOutputsParams
 
-__all__ = ["ToolOptions", "ToolPlan", "plan_tools", "message_tool_fields", "tool_call_dicts"]
+__all__ = ["ToolOptions", "ToolPlan", "plan_tools", "message_tool_fields", "tool_call_dicts", "complete_items"]
 
 
 @dataclass
@@ -36,12 +43,25 @@ class ToolOptions:
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-        if self.tool_call_parser:
+        if self.tool_call_parser and self.tool_call_parser != "auto":
             get_tool_parser(self.tool_call_parser)  # ValueError for an unknown name
         if self.reasoning_parser:
             from pagedserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 
             get_reasoning_parser(self.reasoning_parser)
+
+    def resolved(self, template: str | None) -> ToolOptions:
+        """These options with ``--tool-call-parser auto`` replaced by the parser the chat
+        template's format calls for; ValueError when the template does not tell."""
+        if self.tool_call_parser != "auto":
+            return self
+        name = detect_tool_parser(template)
+        if name is None:
+            raise ValueError(
+                "--tool-call-parser auto: the chat template does not show a known tool-call format; "
+                f"name the parser instead ({', '.join(TOOL_PARSERS)})"
+            )
+        return replace(self, tool_call_parser=name)
 
 
 @dataclass
@@ -132,7 +152,7 @@ def plan_tools(request: Any, options: ToolOptions) -> ToolPlan:
         return ToolPlan(
             "auto",
             tools,
-            parser=get_tool_parser(options.tool_call_parser),
+            parser=get_tool_parser(options.tool_call_parser, tools),
             parallel=request.parallel_tool_calls is not False,
         )
     raise ApiError(
@@ -176,15 +196,39 @@ def parse_tool_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolC
     if plan.mode == "named":
         return None, [ToolCall(plan.function, text)]
     if plan.mode == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return text, []  # cut short by max_tokens
+        items = complete_items(text)
+        if not items:
+            return text, []  # cut short by max_tokens before the first call was complete
         return None, [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
     if plan.mode == "auto":
         content, calls = plan.parser.extract(text)
         return content, calls if plan.parallel else calls[:1]
     return text, []
+
+
+def complete_items(text: str) -> list[dict]:
+    """The complete calls of a "required" output's JSON array, also when max_tokens cut
+    the array short (the calls before the cut are whole; the one being written is not)."""
+    try:
+        items = json.loads(text)
+        return items if isinstance(items, list) else []
+    except ValueError:
+        pass
+    body = text.lstrip()
+    if not body.startswith("["):
+        return []
+    dec, pos, items = json.JSONDecoder(), 1, []
+    while True:
+        while pos < len(body) and body[pos] in " \t\n\r,":
+            pos += 1
+        try:
+            item, pos = dec.raw_decode(body, pos)
+        except ValueError:
+            break
+        if not isinstance(item, dict) or "name" not in item or "parameters" not in item:
+            break
+        items.append(item)
+    return items
 
 
 def tool_call_dicts(calls: list[ToolCall], stream: bool = False) -> list[dict]:

@@ -1,4 +1,7 @@
-"""Tool-call parsers for ``tool_choice: "auto"`` (``--tool-call-parser``, vLLM's names).
+"""Tool-call parsers for ``tool_choice: "auto"`` (``--tool-call-parser``, vLLM's names):
+hermes, llama3_json, mistral, pythonic (here), qwen3_coder, deepseek_v3, granite, kimi_k2
+(formats.py) and openai, GPT-OSS's Harmony (harmony.py).  ``--tool-call-parser auto``
+picks one from the chat template (:func:`detect_tool_parser`).
 
 Each parser finds the calls in a model's free output and returns the text around them as
 content.  While streaming, text is sent as content until a parser's ``start`` marker
@@ -10,54 +13,17 @@ from __future__ import annotations
 import ast
 import json
 import re
-from dataclasses import dataclass
 
-__all__ = ["ToolCall", "ToolParser", "TOOL_PARSERS", "get_tool_parser"]
+from pagedserve.entrypoints.openai.tool_parsers.base import ToolCall, ToolParser, json_call
+from pagedserve.entrypoints.openai.tool_parsers.formats import (
+    DeepSeekV3ToolParser,
+    GraniteToolParser,
+    KimiK2ToolParser,
+    Qwen3CoderToolParser,
+)
+from pagedserve.entrypoints.openai.tool_parsers.harmony import HarmonyToolParser
 
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str  # JSON text of the arguments object
-
-
-class ToolParser:
-    """Base: ``start`` markers open the tool-call part of an output."""
-
-    name = ""
-    start: tuple[str, ...] = ()
-
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content or None, calls); no calls when the output does not parse as calls."""
-        raise NotImplementedError
-
-    def marker_at(self, text: str) -> int:
-        """Index where the tool-call part starts, or -1 (also -1 while a marker could still be forming)."""
-        hits = [text.find(s) for s in self.start if s in text]
-        return min(hits) if hits else -1
-
-    def safe_prefix(self, text: str, sent: int) -> int:
-        """How much of ``text`` (no marker found yet) may be streamed as content: all but a
-        tail that could be the beginning of a marker."""
-        longest = max(map(len, self.start))
-        for k in range(max(sent, len(text) - longest + 1), len(text)):
-            if any(s.startswith(text[k:]) for s in self.start):
-                return k
-        return len(text)
-
-
-def _call(obj, args_key: str = "arguments") -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+__all__ = ["ToolCall", "ToolParser", "TOOL_PARSERS", "get_tool_parser", "detect_tool_parser"]
 
 
 class HermesToolParser(ToolParser):
@@ -74,7 +40,7 @@ class HermesToolParser(ToolParser):
         calls = []
         for body in self._block.findall(text[i:]):
             try:
-                call = _call(json.loads(body))
+                call = json_call(json.loads(body))
             except ValueError:
                 call = None
             if call is None:
@@ -100,7 +66,7 @@ class Llama3JsonToolParser(ToolParser):
                 obj, end = dec.raw_decode(body, pos)
             except ValueError:
                 return text, []
-            call = _call(obj, "parameters")
+            call = json_call(obj, "parameters")
             if call is None:
                 return text, []
             calls.append(call)
@@ -136,7 +102,7 @@ class MistralToolParser(ToolParser):
         except ValueError:
             return text, []
         items = obj if isinstance(obj, list) else [obj]
-        calls = [_call(o) for o in items]
+        calls = [json_call(o) for o in items]
         if not calls or any(c is None for c in calls):
             return text, []
         return (text[:i].strip() or None), calls
@@ -177,12 +143,47 @@ class PythonicToolParser(ToolParser):
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
+    p.name: p
+    for p in (
+        HermesToolParser,
+        Llama3JsonToolParser,
+        MistralToolParser,
+        PythonicToolParser,
+        Qwen3CoderToolParser,
+        DeepSeekV3ToolParser,
+        GraniteToolParser,
+        KimiK2ToolParser,
+        HarmonyToolParser,
+    )
 }
 
+#: Marks in a chat template that tell its tool-call format (all of the first, none of the
+#: second), most specific first: the Qwen3-Coder template also writes Hermes' ``<tool_call>``,
+#: Granite 4 writes ``<|tool_call|>`` as a role but calls in Hermes' format.
+_TEMPLATE_MARKS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("openai", ("<|channel|>", "<|message|>"), ()),
+    ("qwen3_coder", ("<function=", "<parameter="), ()),
+    ("deepseek_v3", ("<｜tool▁calls▁begin｜>",), ()),
+    ("kimi_k2", ("<|tool_calls_section_begin|>",), ()),
+    ("granite", ("<|tool_call|>",), ("<tool_call>",)),
+    ("mistral", ("[TOOL_CALLS]",), ()),
+    ("pythonic", ("<|python_start|>",), ()),
+    ("hermes", ("<tool_call>",), ()),
+    ("llama3_json", ("<|python_tag|>",), ()),
+)
 
-def get_tool_parser(name: str) -> ToolParser:
+
+def detect_tool_parser(template: str | None) -> str | None:
+    """The tool-call parser a chat template's format calls for, or None when it cannot be told."""
+    for name, marks, unless in _TEMPLATE_MARKS:
+        if template and all(m in template for m in marks) and not any(m in template for m in unless):
+            return name
+    return None
+
+
+def get_tool_parser(name: str, tools: list[dict] | None = None) -> ToolParser:
+    """The parser named ``name`` for a request's ``tools`` (chat-completions shape)."""
     try:
-        return TOOL_PARSERS[name]()
+        return TOOL_PARSERS[name](tools)
     except KeyError:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}; got {name!r}") from None
