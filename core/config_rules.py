@@ -247,19 +247,12 @@ def check_logprobs_limit(model: Any, params: Any) -> None:
 
 
 def _speculative_rule(cfg: EngineConfig) -> str | None:
-    """Speculative decoding runs one rank's runner with its draft beside it; features that
-    split or stream the model, or move KV blocks between tiers, are not wired up for it."""
+    """Speculative decoding drafts and verifies in the engine's process (rank 0): the
+    target's forward runs on every rank and returns the verification rows' logits."""
     spec = cfg.speculative.speculative_config
     if spec is None:
         return None
     name = f"speculative_config method={spec.method!r}"
-    if cfg.parallel.world_size > 1:
-        return f"{name} is not supported with tensor/pipeline parallelism yet ({_parallel(cfg)})"
-    if cfg.parallel.distributed_executor_backend not in (None, "uni"):
-        return (
-            f"{name} runs in the engine's process; distributed_executor_backend="
-            f"{cfg.parallel.distributed_executor_backend!r} is not supported with it"
-        )
     used = [
         (cfg.device.device_map is not None, f"device_map={cfg.device.device_map!r}"),
         (bool(cfg.cache.cpu_offload_gb), f"cpu_offload_gb={cfg.cache.cpu_offload_gb}"),

@@ -96,6 +96,13 @@ class DistributedExecutor(Executor):
         except Exception as exc:
             raise self._fail(exc, "step") from exc
 
+    def forward_logits(self, out: SchedulerOutput, block_ids: dict[str, list[int]], num_logits: list[int]):
+        self.check_health()
+        try:
+            return self.driver.forward_logits_driver(out, block_ids, num_logits)
+        except Exception as exc:
+            raise self._fail(exc, "step") from exc
+
     def check_health(self) -> None:
         if self._failure is None and not self._closed:
             dead = self._dead_workers()

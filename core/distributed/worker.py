@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -24,6 +25,7 @@ from pagedserve.distributed.parallel_state import DistInit, ParallelContext, des
 from pagedserve.executor.attention_metadata import AttentionMetadata
 from pagedserve.executor.input_batch import prepare_inputs
 from pagedserve.executor.model_runner import ModelRunner, resolve_dtype
+from pagedserve.executor.prompt_logprobs import PromptRows
 from pagedserve.executor.sample_step import HeadOutput, StepOutput, TailRows, finish_step, plan_step, run_head
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.scheduler import SchedulerOutput
@@ -124,6 +126,29 @@ class Worker:
             for plan, head in zip(plans, heads):
                 result.update(finish_step(runner.sampler, runner.model.head_ops, plan, head))
         return result
+
+    def forward_logits_driver(
+        self, out: SchedulerOutput, block_ids: dict[str, list[int]], num_logits: list[int]
+    ) -> torch.Tensor:
+        """Rank 0: broadcast a step whose tail reads the last ``num_logits[i]`` rows of
+        each scheduled request (speculative decoding verifies drafts with them) and
+        return their logits ``[sum(num_logits), vocab]``.  The other ranks run it as any
+        step: the rows are the micro-batches' TailRows."""
+        if getattr(out, "kv_transfers", None):
+            raise RuntimeError("host KV tier transfers are not supported with tensor/pipeline parallelism")
+        runner, batches = self.runner, []
+        for group in split_micro_batches(out, self.num_micro_batches):
+            sub = SchedulerOutput(scheduled=[out.scheduled[i] for i in group])
+            inp = prepare_inputs(sub, block_ids, runner.block_size, torch.device("cpu"), runner.layer_groups)
+            ends = np.cumsum([s.num_new_tokens for s in sub.scheduled]).tolist()
+            rows = [np.arange(e - num_logits[i], e) for e, i in zip(ends, group) if num_logits[i]]
+            idx = torch.from_numpy(np.concatenate(rows)) if rows else torch.empty(0, dtype=torch.int64)
+            batches.append(MicroBatch(inp.input_ids, inp.meta, TailRows(idx, len(idx), PromptRows(), [])))
+        self.parallel.broadcast_object(batches)
+        logits = [h.logits for h in self.run_step(batches) if h.logits is not None]
+        if len(logits) == 1:
+            return logits[0]
+        return torch.cat(logits) if logits else torch.empty(0, runner.arch.vocab_size, device=runner.device)
 
     def stop_workers(self) -> None:
         """Rank 0: tell the other ranks to leave their loop."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import torch
+
 from pagedserve.executor.model_runner import ModelRunner, StepOutput
 from pagedserve.scheduler import SchedulerOutput
 
@@ -28,6 +30,15 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepOutput:
         """Run one scheduled step on every rank; sampled tokens come from rank 0."""
+
+    def forward_logits(
+        self, out: SchedulerOutput, block_ids: dict[str, list[int]], num_logits: list[int]
+    ) -> torch.Tensor:
+        """Run one scheduled step's forward on every rank; on rank 0, the logits of the
+        last ``num_logits[i]`` tokens of each scheduled request in batch order
+        (``[sum(num_logits), vocab]``, any float dtype, on rank 0's device): speculative
+        decoding verifies drafts with them."""
+        return self.driver_runner.forward_logits(out, block_ids, num_logits)
 
     def check_health(self) -> None:  # noqa: B027 (optional hook: one process has nothing to check)
         """Raise RuntimeError if a worker is gone."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.executor.abstract import Executor
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.loader import open_model
 from pagedserve.models.llama import ArchConfig
@@ -55,17 +56,20 @@ def check_draft_model(config: EngineConfig, target: ArchConfig, max_model_len: i
 
 
 def build_spec_decoder(
-    config: EngineConfig, runner: ModelRunner, draft_source, max_model_len: int, dtype: torch.dtype
+    config: EngineConfig, executor: Executor, draft_source, max_model_len: int, dtype: torch.dtype
 ) -> SpecDecoder | None:
-    """The SpecDecoder for ``config`` (None without speculative_config).  A draft model
-    loads on the target's platform and dtype with a KV pool of as many blocks as the
-    target's."""
+    """The SpecDecoder for ``config`` (None without speculative_config), verifying through
+    ``executor``.  A draft model (or the target's quantized copy) loads whole in the
+    engine's process, on rank 0's platform and in the target's dtype, with a KV pool of
+    as many blocks as the target's: it drafts there, beside the sampler, whether the
+    target runs in this process or on tensor/pipeline parallel ranks."""
     spec = config.speculative.speculative_config
     if spec is None:
         return None
     if spec.method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     else:
+        runner = executor.driver_runner
         platform, ops = runner.platform, runner.ops
         arch = ArchConfig.from_hf(draft_source.hf_config)
         source = quantize_source(draft_source, spec.quantization, platform, ops, dtype)
@@ -73,4 +77,4 @@ def build_spec_decoder(
         draft.load_weights(source.weights())
         draft.allocate_kv_cache(runner.num_blocks, runner.block_size)
         proposer = DraftModelProposer(draft)
-    return SpecDecoder(spec, runner, proposer, max_model_len)
+    return SpecDecoder(spec, executor, proposer, max_model_len)
