@@ -248,19 +248,13 @@ def check_logprobs_limit(model: Any, params: Any) -> None:
 
 def _speculative_rule(cfg: EngineConfig) -> str | None:
     """Speculative decoding drafts and verifies in the engine's process (rank 0): the
-    target's forward runs on every rank and returns the verification rows' logits."""
+    target's forward runs on every rank (or streams offloaded layers, or crosses a device
+    map) and returns the verification rows' logits; only verified tokens are hashed, so
+    the host KV tier never holds a draft.  self_quantized needs the target's float weights."""
     spec = cfg.speculative.speculative_config
     if spec is None:
         return None
     name = f"speculative_config method={spec.method!r}"
-    used = [
-        (cfg.device.device_map is not None, f"device_map={cfg.device.device_map!r}"),
-        (bool(cfg.cache.cpu_offload_gb), f"cpu_offload_gb={cfg.cache.cpu_offload_gb}"),
-        (cfg.cache.kv_offload_memory is not None, f"kv_offload_memory={cfg.cache.kv_offload_memory}"),
-    ]
-    for on, setting in used:
-        if on:
-            return f"{name} cannot be combined with {setting} yet"
     q = cfg.model.quantization
     if spec.method == "self_quantized" and q not in _NOT_A_METHOD:
         return (
