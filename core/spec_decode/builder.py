@@ -60,9 +60,12 @@ def build_spec_decoder(
 ) -> SpecDecoder | None:
     """The SpecDecoder for ``config`` (None without speculative_config), verifying through
     ``executor``.  A draft model (or the target's quantized copy) loads whole in the
-    engine's process, on rank 0's platform and in the target's dtype, with a KV pool of
-    as many blocks as the target's: it drafts there, beside the sampler, whether the
-    target runs in this process or on tensor/pipeline parallel ranks."""
+    engine's process, on rank 0's platform and in the target's dtype: it drafts there,
+    beside the sampler, whether the target runs in this process or on tensor/pipeline
+    parallel ranks.  Its KV pool has as many blocks as the target's, but at most the
+    bytes of rank 0's target KV cache (which holds only its shard of the heads and its
+    stage's layers), so that the draft does not multiply rank 0's KV memory; a request
+    that finds no free draft block gets no draft that step."""
     spec = config.speculative.speculative_config
     if spec is None:
         return None
@@ -75,6 +78,8 @@ def build_spec_decoder(
         source = quantize_source(draft_source, spec.quantization, platform, ops, dtype)
         draft = ModelRunner(platform, ops, arch, dtype)
         draft.load_weights(source.weights())
-        draft.allocate_kv_cache(runner.num_blocks, runner.block_size)
+        bs = runner.block_size
+        budget = runner.num_blocks * runner.kv_block_bytes(bs)
+        draft.allocate_kv_cache(max(1, min(runner.num_blocks, budget // draft.kv_block_bytes(bs))), bs)
         proposer = DraftModelProposer(draft)
     return SpecDecoder(spec, executor, proposer, max_model_len)

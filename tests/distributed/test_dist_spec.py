@@ -217,3 +217,16 @@ def test_default_model_greedy_equals_one_process(case, default_expected):
         llm.shutdown()
     _assert_same(got, default_expected)
     assert stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_draft_pool_fits_rank0_kv_bytes(cell):
+    """The draft loads whole on rank 0, whose target KV holds one shard (TP) or one stage
+    (PP): the draft's pool takes no more bytes than that."""
+    method, llm = cell
+    if method == "ngram":
+        pytest.skip("n-gram lookup has no draft model")
+    eng = llm.llm_engine
+    target, draft = eng.runner, eng.spec.proposer.runner
+    bs = target.block_size
+    assert draft.num_blocks * draft.kv_block_bytes(bs) <= target.num_blocks * target.kv_block_bytes(bs)
+    assert draft.num_blocks == target.num_blocks // 2  # half the KV heads (TP=2) or layers (PP=2) on rank 0
