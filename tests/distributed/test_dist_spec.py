@@ -4,7 +4,7 @@ back to rank 0 (``Executor.forward_logits``), and the one verifier
 (pagedserve.spec_decode.verifier.verify) decides there with the engine's sampler, the
 proposers drafting beside it.
 
-On tiny float32 checkpoints (mp TP=2, PP=2 and Ray TP=2) every proposer gives the
+On tiny float32 checkpoints (mp TP=2, PP=2, TP=2 x PP=2 and Ray TP=2) every proposer gives the
 non-speculative engine's greedy tokens (logprobs within the distributed tolerance), the
 single-process speculative engine's draft and acceptance counts (the same drafts, the same
 verdicts), and its seeded sampled tokens (the rejection sampler's draws).  On the default
@@ -62,6 +62,7 @@ CELLS = [
     _cell("ngram", "pp", PP2),
     _cell("draft_model", "pp", PP2),
     _cell("ngram", "tp_ray", RAY_TP2, pytest.mark.slow),  # Ray's start-up is the slowest
+    _cell("draft_model", "tp_pp", dict(tensor_parallel_size=2, pipeline_parallel_size=2), pytest.mark.slow),
 ]
 
 
@@ -229,4 +230,6 @@ def test_draft_pool_fits_rank0_kv_bytes(cell):
     target, draft = eng.runner, eng.spec.proposer.runner
     bs = target.block_size
     assert draft.num_blocks * draft.kv_block_bytes(bs) <= target.num_blocks * target.kv_block_bytes(bs)
-    assert draft.num_blocks == target.num_blocks // 2  # half the KV heads (TP=2) or layers (PP=2) on rank 0
+    # Rank 0 holds half the KV heads (TP=2) or layers (PP=2), a quarter with both.
+    assert draft.num_blocks == target.num_blocks * target.kv_block_bytes(bs) // draft.kv_block_bytes(bs)
+    assert draft.num_blocks < target.num_blocks
