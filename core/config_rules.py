@@ -255,6 +255,24 @@ def _speculative_rule(cfg: EngineConfig) -> str | None:
     if spec is None:
         return None
     name = f"speculative_config method={spec.method!r}"
+    par = cfg.parallel
+    if spec.draft_tp > 1:
+        dtp = f"draft_tensor_parallel_size={spec.draft_tp}"
+        if spec.draft_tp != par.tensor_parallel_size:
+            return (
+                f"{name} {dtp} must be 1 (the draft whole in the engine's process) or the target's "
+                f"tensor_parallel_size={par.tensor_parallel_size} (sharded over the same ranks)"
+            )
+        if par.pipeline_parallel_size > 1:
+            return (
+                f"{name} {dtp} cannot be combined with pipeline_parallel_size={par.pipeline_parallel_size}: "
+                "every draft token would cross the pipeline stages; use draft_tensor_parallel_size=1"
+            )
+        if spec.quantization not in _NOT_A_METHOD:
+            return (
+                f"{name} {dtp}: the draft's quantization={spec.quantization!r} is not sharded yet; use "
+                "draft_tensor_parallel_size=1 (the quantized draft whole on rank 0) or a float draft"
+            )
     q = cfg.model.quantization
     if spec.method == "self_quantized" and q not in _NOT_A_METHOD:
         return (

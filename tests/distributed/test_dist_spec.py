@@ -4,7 +4,8 @@ back to rank 0 (``Executor.forward_logits``), and the one verifier
 (pagedserve.spec_decode.verifier.verify) decides there with the engine's sampler, the
 proposers drafting beside it.
 
-On tiny float32 checkpoints (mp TP=2, PP=2, TP=2 x PP=2 and Ray TP=2) every proposer gives the
+On tiny float32 checkpoints (mp TP=2, PP=2, TP=2 x PP=2 and Ray TP=2) every proposer (and a
+draft model sharded over the TP ranks with draft_tensor_parallel_size) gives the
 non-speculative engine's greedy tokens (logprobs within the distributed tolerance), the
 single-process speculative engine's draft and acceptance counts (the same drafts, the same
 verdicts), and its seeded sampled tokens (the rejection sampler's draws).  On the default
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.spec_decode.builder import DraftOnRanks
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -49,7 +51,13 @@ COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_deco
 
 
 def _cell(method: str, deployment: str, parallel: dict, *marks):
-    feature = {"ngram": "spec_ngram", "draft_model": "spec_draft_model", "self_quantized": "spec_self_quantized"}
+    """``method``: a proposer, or "sharded_draft" (a draft model with draft_tensor_parallel_size=2)."""
+    feature = {
+        "ngram": "spec_ngram",
+        "draft_model": "spec_draft_model",
+        "sharded_draft": "spec_draft_model",
+        "self_quantized": "spec_self_quantized",
+    }
     return pytest.param(
         (method, parallel), id=f"{method}-{deployment}", marks=[pytest.mark.compat(feature[method], deployment), *marks]
     )
@@ -58,6 +66,7 @@ def _cell(method: str, deployment: str, parallel: dict, *marks):
 CELLS = [
     _cell("ngram", "tp_mp", TP2),
     _cell("draft_model", "tp_mp", TP2),
+    _cell("sharded_draft", "tp_mp", TP2),
     _cell("self_quantized", "tp_mp", TP2),
     _cell("ngram", "pp", PP2),
     _cell("draft_model", "pp", PP2),
@@ -93,6 +102,8 @@ def _spec(method: str, draft) -> dict:
         return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     if method == "draft_model":
         return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    if method == "sharded_draft":
+        return {**_spec("draft_model", draft), "draft_tensor_parallel_size": 2}
     # The tiny float checkpoint has no GGUF blocks: its int8 copy drafts.
     return {"method": "self_quantized", "num_speculative_tokens": 3, "quantization": "int8"}
 
@@ -110,6 +121,7 @@ def singles(target, draft):
     engines: dict[str, LLM] = {}
 
     def get(method: str) -> LLM:
+        method = "draft_model" if method == "sharded_draft" else method  # one process: the draft whole
         if method not in engines:
             engines[method] = LLM(model=str(target), speculative_config=_spec(method, draft), **KW)
         return engines[method]
@@ -221,14 +233,22 @@ def test_default_model_greedy_equals_one_process(case, default_expected):
 
 
 def test_draft_pool_fits_rank0_kv_bytes(cell):
-    """The draft loads whole on rank 0, whose target KV holds one shard (TP) or one stage
-    (PP): the draft's pool takes no more bytes than that."""
+    """A draft loaded whole on rank 0, whose target KV holds one shard (TP) or one stage
+    (PP), takes no more bytes than that for its pool; a sharded draft sits on every rank
+    beside the target's shard."""
     method, llm = cell
     if method == "ngram":
         pytest.skip("n-gram lookup has no draft model")
     eng = llm.llm_engine
-    target, draft = eng.runner, eng.spec.proposer.runner
+    target = eng.runner
     bs = target.block_size
+    if method == "sharded_draft":
+        draft = eng.executor.draft_runner
+        assert isinstance(eng.spec.proposer.runner, DraftOnRanks)
+        assert draft.model.num_kv_heads == 1 and eng.spec.proposer.runner.num_blocks == draft.num_blocks
+        assert draft.num_blocks == target.num_blocks  # the same shape, split alike
+        return
+    draft = eng.spec.proposer.runner
     assert draft.num_blocks * draft.kv_block_bytes(bs) <= target.num_blocks * target.kv_block_bytes(bs)
     # Rank 0 holds half the KV heads (TP=2) or layers (PP=2), a quarter with both.
     assert draft.num_blocks == target.num_blocks * target.kv_block_bytes(bs) // draft.kv_block_bytes(bs)
