@@ -165,7 +165,7 @@ class Worker:
             ends = np.cumsum([s.num_new_tokens for s in sub.scheduled]).tolist()
             rows = [np.arange(e - num_logits[i], e) for e, i in zip(ends, group) if num_logits[i]]
             idx = torch.from_numpy(np.concatenate(rows)) if rows else torch.empty(0, dtype=torch.int64)
-            batches.append(MicroBatch(inp.input_ids, inp.meta, TailRows(idx, len(idx), PromptRows(), []), draft))
+            batches.append(MicroBatch(inp.input_ids, inp.meta, TailRows(idx, len(idx), PromptRows(), []), draft=draft))
         self.parallel.broadcast_object(batches)
         logits = [h.logits for h in self.run_step(batches) if h.logits is not None]
         if len(logits) == 1:
