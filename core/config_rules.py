@@ -287,11 +287,16 @@ RULES.append(_speculative_rule)
 
 def _async_scheduling_rule(cfg: EngineConfig) -> str | None:
     """Async scheduling overlaps output processing with the next forward of one rank's
-    runner; speculative decoding needs each step's accepted tokens before it drafts."""
+    runner; its output stage (engine/async_pipeline.py) files one token per request and
+    step, not a verification step's accepted drafts."""
     if not cfg.scheduler.async_scheduling:
         return None
     if cfg.speculative.speculative_config is not None:
-        return "async_scheduling cannot be combined with speculative_config (drafts need the previous step's tokens)"
+        return (
+            "async_scheduling cannot be combined with speculative_config yet: its output stage takes one token "
+            "per request and step, a verification step gives the accepted drafts too; leave async_scheduling "
+            "off to speculate"
+        )
     if cfg.parallel.world_size > 1 or cfg.parallel.distributed_executor_backend not in (None, "uni"):
         return (
             "async_scheduling is not supported with tensor/pipeline parallelism or worker processes "
