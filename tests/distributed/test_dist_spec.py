@@ -71,6 +71,7 @@ CELLS = [
     _cell("ngram", "pp", PP2),
     _cell("draft_model", "pp", PP2),
     _cell("ngram", "tp_ray", RAY_TP2, pytest.mark.slow),  # Ray's start-up is the slowest
+    _cell("sharded_draft", "tp_ray", RAY_TP2, pytest.mark.slow),
     _cell("draft_model", "tp_pp", dict(tensor_parallel_size=2, pipeline_parallel_size=2), pytest.mark.slow),
 ]
 
