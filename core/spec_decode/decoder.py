@@ -7,8 +7,9 @@ step carries drafts.  Every executor runs it the same way: ``Executor.forward_lo
 runs the step's forward on every rank (one process, tensor or pipeline parallel ranks)
 and returns the verification rows' logits where the sampler is (rank 0, the engine's
 process), and :func:`~pagedserve.spec_decode.verifier.verify` decides there, with the
-engine's sampler.  Proposers run in the engine's process too (a draft model with its
-own KV cache on rank 0's device).
+engine's sampler.  Proposers run in the engine's process too: a draft model whole on
+rank 0's device with its own KV cache, or, with ``draft_tensor_parallel_size``, driven
+from there while its forwards run sharded on the target's ranks (builder.DraftOnRanks).
 """
 
 from __future__ import annotations
