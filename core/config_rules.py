@@ -230,27 +230,32 @@ def check_logprobs_limit(model: Any, params: Any) -> None:
 
 
 def _speculative_rule(cfg: EngineConfig) -> str | None:
-    """Speculative decoding runs one rank's runner with its draft beside it; features that
-    split or stream the model, or move KV blocks between tiers, are not wired up for it."""
+    """Speculative decoding drafts and verifies in the engine's process (rank 0): the
+    target's forward runs on every rank (or streams offloaded layers, or crosses a device
+    map) and returns the verification rows' logits; only verified tokens are hashed, so
+    the host KV tier never holds a draft.  self_quantized needs the target's float weights."""
     spec = cfg.speculative.speculative_config
     if spec is None:
         return None
     name = f"speculative_config method={spec.method!r}"
-    if cfg.parallel.world_size > 1:
-        return f"{name} is not supported with tensor/pipeline parallelism yet ({_parallel(cfg)})"
-    if cfg.parallel.distributed_executor_backend not in (None, "uni"):
-        return (
-            f"{name} runs in the engine's process; distributed_executor_backend="
-            f"{cfg.parallel.distributed_executor_backend!r} is not supported with it"
-        )
-    used = [
-        (cfg.device.device_map is not None, f"device_map={cfg.device.device_map!r}"),
-        (bool(cfg.cache.cpu_offload_gb), f"cpu_offload_gb={cfg.cache.cpu_offload_gb}"),
-        (cfg.cache.kv_offload_memory is not None, f"kv_offload_memory={cfg.cache.kv_offload_memory}"),
-    ]
-    for on, setting in used:
-        if on:
-            return f"{name} cannot be combined with {setting} yet"
+    par = cfg.parallel
+    if spec.draft_tp > 1:
+        dtp = f"draft_tensor_parallel_size={spec.draft_tp}"
+        if spec.draft_tp != par.tensor_parallel_size:
+            return (
+                f"{name} {dtp} must be 1 (the draft whole in the engine's process) or the target's "
+                f"tensor_parallel_size={par.tensor_parallel_size} (sharded over the same ranks)"
+            )
+        if par.pipeline_parallel_size > 1:
+            return (
+                f"{name} {dtp} cannot be combined with pipeline_parallel_size={par.pipeline_parallel_size}: "
+                "every draft token would cross the pipeline stages; use draft_tensor_parallel_size=1"
+            )
+        if spec.quantization not in _NOT_A_METHOD:
+            return (
+                f"{name} {dtp}: the draft's quantization={spec.quantization!r} is not sharded yet; use "
+                "draft_tensor_parallel_size=1 (the quantized draft whole on rank 0) or a float draft"
+            )
     q = cfg.model.quantization
     if spec.method == "self_quantized" and q not in _NOT_A_METHOD:
         return (
@@ -265,11 +270,16 @@ RULES.append(_speculative_rule)
 
 def _async_scheduling_rule(cfg: EngineConfig) -> str | None:
     """Async scheduling overlaps output processing with the next forward of one rank's
-    runner; speculative decoding needs each step's accepted tokens before it drafts."""
+    runner; its output stage (engine/async_pipeline.py) files one token per request and
+    step, not a verification step's accepted drafts."""
     if not cfg.scheduler.async_scheduling:
         return None
     if cfg.speculative.speculative_config is not None:
-        return "async_scheduling cannot be combined with speculative_config (drafts need the previous step's tokens)"
+        return (
+            "async_scheduling cannot be combined with speculative_config yet: its output stage takes one token "
+            "per request and step, a verification step gives the accepted drafts too; leave async_scheduling "
+            "off to speculate"
+        )
     if cfg.parallel.world_size > 1 or cfg.parallel.distributed_executor_backend not in (None, "uni"):
         return (
             "async_scheduling is not supported with tensor/pipeline parallelism or worker processes "

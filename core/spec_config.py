@@ -9,6 +9,9 @@ Spelled as vLLM spells it: a JSON object (``--speculative-config '{"method": "ng
   ``gguf``).  Without ``method``, ``model`` means ``draft_model`` (vLLM's inference).
 - ``num_speculative_tokens``: tokens proposed per step, 1 to ``MAX_SPECULATIVE_TOKENS``.
 - ``prompt_lookup_min`` / ``prompt_lookup_max``: n-gram sizes matched (ngram only).
+- ``draft_tensor_parallel_size`` (draft_model only): 1 (the default) loads the draft
+  whole in the engine's process; the target's ``tensor_parallel_size`` shards it over
+  the same ranks as the target, its KV cache beside the target's.
 
 Every key is checked here, before any model is opened; an unknown key is refused.
 """
@@ -44,6 +47,12 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     quantization: str | None = None  # the draft's (self_quantized: gguf; draft_model: auto)
+    draft_tensor_parallel_size: int | None = None  # None: 1 (whole, in the engine's process)
+
+    @property
+    def draft_tp(self) -> int:
+        """Ranks the draft model is sharded over (1: whole in the engine's process)."""
+        return self.draft_tensor_parallel_size or 1
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -109,7 +118,13 @@ def parse_speculative_config(value: SpeculativeConfig | Mapping[str, Any] | str 
             )
     elif method == "ngram" and quant is not None:
         raise ValueError("speculative_config: quantization applies to a draft model, not to method 'ngram'")
-    return SpeculativeConfig(method, k, model, lo, hi, quant)
+    draft_tp = _int(d, "draft_tensor_parallel_size", None)
+    if draft_tp is not None:
+        if method != "draft_model":
+            raise ValueError(f"speculative_config: draft_tensor_parallel_size applies to 'draft_model', not {method!r}")
+        if draft_tp < 1:
+            raise ValueError(f"speculative_config: draft_tensor_parallel_size must be >= 1, got {draft_tp}")
+    return SpeculativeConfig(method, k, model, lo, hi, quant, draft_tp)
 
 
 def speculative_config_arg(value: str) -> SpeculativeConfig:

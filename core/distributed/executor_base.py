@@ -63,6 +63,7 @@ class DistributedExecutor(Executor):
             self.shutdown()
             raise err from exc
         self.driver_runner = self.driver.runner
+        self.draft_runner = self.driver.draft
 
     # -- subclass hooks -------------------------------------------------------------------
     @abstractmethod
@@ -93,6 +94,15 @@ class DistributedExecutor(Executor):
         self.check_health()
         try:
             return self.driver.execute_driver(out, block_ids)
+        except Exception as exc:
+            raise self._fail(exc, "step") from exc
+
+    def forward_logits(
+        self, out: SchedulerOutput, block_ids: dict[str, list[int]], num_logits: list[int], draft: bool = False
+    ):
+        self.check_health()
+        try:
+            return self.driver.forward_logits_driver(out, block_ids, num_logits, draft)
         except Exception as exc:
             raise self._fail(exc, "step") from exc
 

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -24,7 +25,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import DistInit, ParallelContext, destroy_distributed, init_distributed
 from pagedserve.executor.attention_metadata import AttentionMetadata
 from pagedserve.executor.input_batch import prepare_inputs
-from pagedserve.executor.model_runner import ModelRunner, resolve_dtype
+from pagedserve.executor.model_runner import ModelRunner, draft_kv_blocks, resolve_dtype
+from pagedserve.executor.prompt_logprobs import PromptRows
 from pagedserve.executor.sample_step import HeadOutput, StepOutput, TailRows, finish_step, plan_step, run_head
 from pagedserve.lora import LoRAManager
 from pagedserve.models.arch_config import ArchConfig
@@ -47,6 +49,8 @@ class MicroBatch:
     meta: AttentionMetadata
     tail: TailRows
     lora: Any = None
+    #: Run the sharded draft model (speculative decoding) instead of the target.
+    draft: bool = False
 
 
 def split_micro_batches(out: SchedulerOutput, n: int) -> list[list[int]]:
@@ -77,6 +81,8 @@ class Worker:
         self.local_rank = local_rank
         self.init = init
         self.runner: ModelRunner | None = None
+        #: The draft model's shard (speculative_config draft_tensor_parallel_size > 1).
+        self.draft: ModelRunner | None = None
         self.parallel: ParallelContext | None = None
         self.num_micro_batches = 2 if init.pp_size > 1 else 1
 
@@ -107,7 +113,24 @@ class Worker:
         num_blocks = self.parallel.min_over_ranks(local)
         self.runner.allocate_kv_cache(num_blocks, cfg.cache.block_size)
         LoRAManager.attach(cfg.lora, self.runner)  # enable_lora: this rank's adapter shards
+        spec = cfg.speculative.speculative_config
+        if spec is not None and spec.draft_tp > 1:
+            self.draft = self._load_draft(spec, platform, ops, dtype)
         return num_blocks
+
+    def _load_draft(self, spec, platform, ops, dtype: torch.dtype) -> ModelRunner:
+        """This rank's shard of the draft model and of its KV cache (as many blocks on
+        every rank, within the bytes of the target's KV shard)."""
+        from pagedserve.loader import open_model
+        from pagedserve.quantization.registry import quantize_source
+
+        source = open_model(spec.model)
+        source = quantize_source(source, spec.quantization, platform, ops, dtype, self.init.world_size)
+        draft = ModelRunner(platform, ops, ArchConfig.from_hf(source.hf_config), dtype, self.parallel)
+        draft.load_weights(source.weights())
+        num_blocks = self.parallel.min_over_ranks(draft_kv_blocks(self.runner, draft))
+        draft.allocate_kv_cache(num_blocks, self.runner.block_size)
+        return draft
 
     # -- driver side ------------------------------------------------------------------------
     def execute_driver(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepOutput:
@@ -137,6 +160,39 @@ class Worker:
                 result.update(finish_step(runner.sampler, runner.model.head_ops, plan, head))
         return result
 
+    def forward_logits_driver(
+        self, out: SchedulerOutput, block_ids: dict[str, list[int]], num_logits: list[int], draft: bool = False
+    ) -> torch.Tensor:
+        """Rank 0: broadcast a step whose tail reads the last ``num_logits[i]`` rows of
+        each scheduled request (speculative decoding verifies drafts with them) and
+        return their logits ``[sum(num_logits), vocab]``.  The other ranks run it as any
+        step: the rows are the micro-batches' TailRows.  ``draft``: the sharded draft
+        model's forward (its own block ids and KV cache)."""
+        if getattr(out, "kv_transfers", None):
+            raise RuntimeError("host KV tier transfers are not supported with tensor/pipeline parallelism")
+        runner, batches = self.draft if draft else self.runner, []
+        # The target's verification rows carry their requests' adapters, as execute_driver's do.
+        lora = runner.lora_manager
+        pinned = {s.request.lora_request.lora_int_id for s in out.scheduled if s.request.lora_request is not None}
+        for group in split_micro_batches(out, self.num_micro_batches):
+            sub = SchedulerOutput(scheduled=[out.scheduled[i] for i in group])
+            inp = prepare_inputs(sub, block_ids, runner.block_size, torch.device("cpu"), runner.layer_groups)
+            ends = np.cumsum([s.num_new_tokens for s in sub.scheduled]).tolist()
+            rows = [np.arange(e - num_logits[i], e) for e, i in zip(ends, group) if num_logits[i]]
+            idx = torch.from_numpy(np.concatenate(rows)) if rows else torch.empty(0, dtype=torch.int64)
+            lora_step = (
+                lora.plan([(s.request.lora_request, s.num_new_tokens) for s in sub.scheduled], pinned)
+                if lora is not None
+                else None
+            )
+            tail = TailRows(idx, len(idx), PromptRows(), [])
+            batches.append(MicroBatch(inp.input_ids, inp.meta, tail, lora_step, draft=draft))
+        self.parallel.broadcast_object(batches)
+        logits = [h.logits for h in self.run_step(batches) if h.logits is not None]
+        if len(logits) == 1:
+            return logits[0]
+        return torch.cat(logits) if logits else torch.empty(0, runner.arch.vocab_size, device=runner.device)
+
     def stop_workers(self) -> None:
         """Rank 0: tell the other ranks to leave their loop."""
         self.parallel.broadcast_object(None)
@@ -151,7 +207,8 @@ class Worker:
         """Forward every micro-batch through this rank's layers; rank 0 gets each one's
         head output (sample_step.run_head: computed by the last stage, sent by its first
         tensor-parallel rank when that is not rank 0)."""
-        p, model, runner = self.parallel, self.runner.model, self.runner
+        runner = self.draft if batches and batches[0].draft else self.runner
+        p, model = self.parallel, runner.model
         dev, hidden = runner.device, runner.arch.hidden_size
         heads: list[HeadOutput] = []
         pending = []  # isend handles; their tensors stay referenced until waited on

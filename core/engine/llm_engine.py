@@ -96,7 +96,7 @@ class LLMEngine:
         self.weight_streamer = offload_weights(config, self.runner)  # cpu_offload_gb
         # Grammars compile on its worker thread; the step plans each one's bitmask (sample_step.py).
         self.structured = build_structured_output_manager(config, self.tokenizer, self.arch, self.eos_token_ids)
-        self.spec = build_spec_decoder(config, self.runner, draft_source, mml, self.dtype)
+        self.spec = build_spec_decoder(config, self.executor, draft_source, mml, self.dtype)
         self.lora = LoRAManager.attach(config.lora, self.runner)  # enable_lora (docs/lora.md)
         max_loras = config.lora.max_loras if self.lora is not None else None
         long_prefill = self.platform.default_long_prefill_token_threshold

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import torch
+
 from pagedserve.executor.model_runner import ModelRunner, StepOutput
 from pagedserve.scheduler import SchedulerOutput
 
@@ -24,10 +26,24 @@ class Executor(ABC):
 
     driver_runner: ModelRunner
     num_blocks: int
+    #: Rank 0's shard of a draft model sharded like the target (draft_tensor_parallel_size).
+    draft_runner: ModelRunner | None = None
 
     @abstractmethod
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepOutput:
         """Run one scheduled step on every rank; sampled tokens come from rank 0."""
+
+    def forward_logits(
+        self, out: SchedulerOutput, block_ids: dict[str, list[int]], num_logits: list[int], draft: bool = False
+    ) -> torch.Tensor:
+        """Run one scheduled step's forward on every rank; on rank 0, the logits of the
+        last ``num_logits[i]`` tokens of each scheduled request in batch order
+        (``[sum(num_logits), vocab]``, any float dtype, on rank 0's device): speculative
+        decoding verifies drafts with them.  ``draft``: run the draft model sharded over
+        the ranks (``draft_runner``) instead of the target."""
+        if draft:
+            raise ValueError("this executor holds no sharded draft model")
+        return self.driver_runner.forward_logits(out, block_ids, num_logits)
 
     def check_health(self) -> None:  # noqa: B027 (optional hook: one process has nothing to check)
         """Raise RuntimeError if a worker is gone."""

@@ -24,7 +24,7 @@ from pagedserve.offload.kv_tier import allocate_host_kv_cache, apply_kv_transfer
 from pagedserve.platforms import OpRegistry, Platform
 from pagedserve.scheduler import SchedulerOutput
 
-__all__ = ["ModelRunner", "StepOutput", "resolve_dtype", "check_cache_dtype", "kv_bytes_per_block"]
+__all__ = ["ModelRunner", "StepOutput", "resolve_dtype", "check_cache_dtype", "kv_bytes_per_block", "draft_kv_blocks"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -62,6 +62,16 @@ def check_cache_dtype(cache_dtype: str, dtype: torch.dtype) -> None:
 def kv_bytes_per_block(cfg: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def draft_kv_blocks(target: ModelRunner, draft: ModelRunner) -> int:
+    """KV blocks for a speculative draft model beside ``target`` (whose cache is
+    allocated): as many as the target's, but at most the bytes of this rank's target KV
+    cache, so that a draft loaded whole beside one shard or stage of the target does not
+    multiply the rank's KV memory (a request that finds no draft block gets no draft)."""
+    bs = target.block_size
+    budget = target.num_blocks * target.kv_block_bytes(bs)
+    return max(1, min(target.num_blocks, budget // draft.kv_block_bytes(bs)))
 
 
 class ModelRunner:

@@ -2,15 +2,22 @@
 
 The engine calls :meth:`SpecDecoder.propose` at the end of a step (drafts go to
 ``Request.spec_token_ids``, which the scheduler schedules like prompt tokens of the
-request) and :meth:`SpecDecoder.execute` instead of the executor when a step carries
-drafts.  Runs with the single-process executor (config rules refuse the rest).
+request) and :meth:`SpecDecoder.execute` instead of the executor's ``execute`` when a
+step carries drafts.  Every executor runs it the same way: ``Executor.forward_logits``
+runs the step's forward on every rank (one process, tensor or pipeline parallel ranks)
+and returns the verification rows' logits where the sampler is (rank 0, the engine's
+process), and :func:`~pagedserve.spec_decode.verifier.verify` decides there, with the
+engine's sampler.  Proposers run in the engine's process too: a draft model whole on
+rank 0's device with its own KV cache, or, with ``draft_tensor_parallel_size``, driven
+from there while its forwards run sharded on the target's ranks (builder.DraftOnRanks).
 """
 
 from __future__ import annotations
 
 import itertools
 
-from pagedserve.executor.model_runner import ModelRunner, StepOutput
+from pagedserve.executor.abstract import Executor
+from pagedserve.executor.model_runner import StepOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.scheduler import SchedulerOutput
 from pagedserve.spec_config import SpeculativeConfig
@@ -43,9 +50,9 @@ def may_draft(request: Request) -> bool:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, proposer: Proposer, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, executor: Executor, proposer: Proposer, max_model_len: int) -> None:
         self.config = config
-        self.runner = runner
+        self.executor = executor
         self.proposer = proposer
         self.max_model_len = max_model_len
         self._draft_probs: dict[str, object] = {}
@@ -102,14 +109,16 @@ class SpecDecoder:
         if not any(s.spec_token_ids for s in out.scheduled):
             return None
         num_logits = [len(s.spec_token_ids) + 1 if s.samples else 0 for s in out.scheduled]
-        logits = self.runner.forward_logits(out, block_ids, num_logits)
+        logits = self.executor.forward_logits(out, block_ids, num_logits)
         rows = [s for s in out.scheduled if s.samples]
         drafts = []
         for s in rows:
             probs = self._draft_probs.pop(s.request.request_id, None)
             k = len(s.spec_token_ids)
             drafts.append(Draft(s.spec_token_ids, probs[:k] if probs is not None and k else None))
-        results = verify(logits, [s.request for s in rows], drafts, self.runner.sampler, self.runner.ops)
+        # The engine's sampler (rank 0's); the ops of the device the logits are on.
+        runner = self.executor.driver_runner
+        results = verify(logits, [s.request for s in rows], drafts, runner.sampler, runner.model.head_ops)
         sampled, logprobs, accepted, accepted_lps = {}, {}, {}, {}
         for s, v in zip(rows, results):
             rid = s.request.request_id

@@ -40,7 +40,9 @@ class _DraftSeq:
 
 
 class DraftModelProposer:
-    """Drafts with ``runner`` (a ModelRunner whose KV cache is allocated) and a block pool
+    """Drafts with ``runner`` (a ModelRunner whose KV cache is allocated, or a
+    ``builder.DraftOnRanks`` for a draft sharded over the target's ranks: what is used
+    is ``forward_logits``, ``ops``, ``num_blocks`` and ``block_size``) and a block pool
     of ``runner.num_blocks`` blocks."""
 
     def __init__(self, runner: ModelRunner) -> None:

@@ -40,6 +40,11 @@ KW = dict(dtype="float32", kv_cache_memory="16MiB", block_size=4)
         ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs 'model'"),
         ('{"method": "ngram", "num_speculative_tokens": "2"}', "must be an integer"),
         ('{"method": "self_quantized", "num_speculative_tokens": 2, "quantization": "none"}', "would draft with"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}',
+            "draft_tensor_parallel_size applies to 'draft_model', not 'ngram'",
+        ),
+        ('{"model": "/m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0}', "must be >= 1"),
         ("{method: ngram}", "not valid JSON"),
         ("[1, 2]", "must be a JSON object"),
     ],
@@ -60,17 +65,50 @@ def test_good_configs():
 
 
 @pytest.mark.parametrize(
-    "section, message",
+    "section",
     [
-        (dict(parallel=ParallelConfig(tensor_parallel_size=2)), "not supported with tensor/pipeline parallelism"),
-        (dict(cache=CacheConfig(kv_offload_memory="1GiB")), "cannot be combined with kv_offload_memory"),
-        (dict(cache=CacheConfig(cpu_offload_gb=1)), "cannot be combined with cpu_offload_gb"),
+        dict(parallel=ParallelConfig(tensor_parallel_size=2)),
+        dict(parallel=ParallelConfig(pipeline_parallel_size=2, distributed_executor_backend="ray")),
+        dict(cache=CacheConfig(kv_offload_memory="1GiB")),
+        dict(cache=CacheConfig(cpu_offload_gb=1)),
     ],
 )
-def test_unsupported_combinations_are_refused(section, message):
-    spec = SpeculativeDecodingConfig({"method": "ngram", "num_speculative_tokens": 2})
+def test_deployments_are_accepted(section):
+    """Verified to give one process's outputs in tests/distributed/test_dist_spec.py and
+    tests/spec_decode/test_spec_offload.py."""
+    for method in ("ngram", "self_quantized"):
+        EngineConfig(speculative=SpeculativeDecodingConfig({"method": method, "num_speculative_tokens": 2}), **section)
+
+
+@pytest.mark.parametrize(
+    "spec, parallel, message",
+    [
+        ({}, dict(tensor_parallel_size=3), "must be 1 .* or the target's tensor_parallel_size=3"),
+        (
+            {},
+            dict(tensor_parallel_size=2, pipeline_parallel_size=2),
+            "cannot be combined with pipeline_parallel_size=2: .* use draft_tensor_parallel_size=1",
+        ),
+        ({"quantization": "int8"}, dict(tensor_parallel_size=2), "quantization='int8' is not sharded yet"),
+    ],
+)
+def test_sharded_draft_limits_are_refused(spec, parallel, message):
+    value = {"model": "/m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2, **spec}
     with pytest.raises(ValueError, match=message):
-        EngineConfig(speculative=spec, **section)
+        EngineConfig(speculative=SpeculativeDecodingConfig(value), parallel=ParallelConfig(**parallel))
+    EngineConfig(speculative=SpeculativeDecodingConfig(value | {"draft_tensor_parallel_size": 1}))
+
+
+def test_sharded_draft_whose_heads_do_not_split_is_refused_before_loading(
+    tiny_llama, tiny_checkpoint_factory, monkeypatch
+):
+    from pagedserve.loader import model_source
+
+    draft = tiny_checkpoint_factory(hidden_size=48, num_heads=3, num_kv_heads=1)
+    monkeypatch.setattr(model_source.ModelSource, "weights", lambda self: pytest.fail("weights were read"))
+    spec = {"model": str(draft), "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size=2: tensor_parallel_size=2 must divide .* \(3\)"):
+        LLM(model=str(tiny_llama), speculative_config=spec, tensor_parallel_size=2, **KW)
 
 
 def test_self_quantized_refuses_a_quantized_target():
