@@ -179,3 +179,28 @@ def test_default_model_lora_tp3_matches_single_process(tmp_path):
     # The adapter changes the continuation of the same prompt (its tokens or logprobs).
     (base, base_lps), (adapted, adapted_lps) = results[0][0], results[0][2]
     assert base != adapted or max(abs(a - b) for a, b in zip(base_lps, adapted_lps)) > 1e-2
+
+
+
+def test_lora_with_ngram_speculation_tp2_matches_single_process(case):
+    """The verification rows of a speculative step under TP=2 carry their requests'
+    adapters (rank 0 plans their slots as for any step): greedy tokens equal the
+    single-process LoRA engine's without speculation, logprobs within 1e-3."""
+    path, _, loras, _ = case
+    motif = [17, 101, 45, 230, 9]
+    # Repeated motifs give the n-gram proposer matches; three adapters over two slots.
+    prompts = [motif * 4, motif * 3 + [7, 9], [40, 41] * 6, motif * 4, motif * 2 + [5] * 6, [40, 41] * 6]
+    per_prompt = [None, loras[0], loras[1], loras[2], loras[0], loras[2]]
+    llm = LLM(model=str(path), **ENGINE, **LORA)
+    try:
+        want = generate(llm, prompts, per_prompt, max_tokens=12)
+    finally:
+        llm.shutdown()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    llm = LLM(model=str(path), **ENGINE, **LORA, tensor_parallel_size=2, speculative_config=spec)
+    try:
+        assert_same(generate(llm, prompts, per_prompt, max_tokens=12), want)
+        decoder = llm.llm_engine.spec
+        assert decoder.num_drafts > 0 and decoder.num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
