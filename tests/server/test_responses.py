@@ -126,7 +126,11 @@ def test_required_tool_gives_a_function_call_and_its_output_round_trips(client):
                 "role": "assistant",
                 "content": None,
                 "tool_calls": [
-                    {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
                 ],
             },
             {"role": "tool", "tool_call_id": call.call_id, "content": "22 degrees and sunny"},
@@ -209,7 +213,9 @@ def _check_sequence(events) -> None:
 
 def test_streamed_text_events(client):
     whole = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0)
-    events = list(client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0, stream=True))
+    events = list(
+        client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0, stream=True)
+    )
     _check_sequence(events)
     types = [e.type for e in events]
     deltas = [e for e in events if e.type == "response.output_text.delta"]
@@ -262,7 +268,9 @@ def test_streamed_function_call_events(client):
         assert "response.function_call_arguments.delta" in types
         done = [e for e in events if e.type == "response.function_call_arguments.done"]
         args = "".join(
-            e.delta for e in events if e.type == "response.function_call_arguments.delta" and e.item_id == done[0].item_id
+            e.delta
+            for e in events
+            if e.type == "response.function_call_arguments.delta" and e.item_id == done[0].item_id
         )
         assert done[0].arguments == args and done[0].name == "get_weather"
         jsonschema.validate(json.loads(args), WEATHER["parameters"])

@@ -55,7 +55,8 @@ def output_items(message: dict, status: str, logprobs: list | None) -> list[dict
     items = []
     if message.get("reasoning_content"):
         items.append(_reasoning_item(new_item_id("rs"), message["reasoning_content"], status))
-    if message.get("content") is not None:
+    # An empty text after the reasoning is no item (a stream never opens one either).
+    if message.get("content") is not None and (message["content"] or not message.get("reasoning_content")):
         items.append(_message_item(new_item_id("msg"), [_text_part(message["content"], logprobs)], status))
     for call in message.get("tool_calls") or []:
         fn = call["function"]

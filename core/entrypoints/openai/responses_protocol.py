@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.request_fields import HONOURED, REFUSED, Field, refuse_unimplemented
+from pagedserve.entrypoints.openai.structured import checked_params
 
 __all__ = ["ResponsesRequest", "RESPONSES_FIELDS", "LOGPROBS_INCLUDE", "chat_body", "items_of", "check_request"]
 
@@ -244,6 +245,12 @@ def _chat_tools(tools: list[Any]) -> list[dict]:
             )
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise ApiError(400, f"'tools[{i}].name' must be a non-empty string.", param=f"tools[{i}].name")
+        if t.get("parameters") is not None:
+            if not isinstance(t["parameters"], dict):
+                raise ApiError(
+                    400, f"'tools[{i}].parameters' must be a JSON schema object.", param=f"tools[{i}].parameters"
+                )
+            checked_params({"json": t["parameters"]}, f"tools[{i}].parameters")  # a schema that cannot compile
         fn = {"name": t["name"]}
         for key in ("description", "parameters", "strict"):
             if t.get(key) is not None:
