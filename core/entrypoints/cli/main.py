@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "platforms": "platforms_cmd",
     "build-kernels": "build_kernels_cmd",
     "simulate": "simulate_cmd",
+    "run-batch": "run_batch_cmd",
 }
 
 
