@@ -99,6 +99,9 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
 
 
+_EFFORTS = (None, "none", "minimal", "low", "medium", "high", "xhigh")
+
+
 def _refuse(field: str, why: str) -> ApiError:
     return ApiError(400, f"'{field}' {why}", param=field)
 
@@ -132,6 +135,10 @@ def check_request(r: ResponsesRequest) -> None:
     unknown = sorted(set(reasoning) - {"effort", "summary", "generate_summary"})
     if unknown:
         raise _refuse("reasoning", f"has unknown field(s) {', '.join(unknown)}.")
+    if reasoning.get("effort") not in _EFFORTS:
+        raise _refuse(
+            "reasoning.effort", f"must be one of {', '.join(map(str, _EFFORTS[1:]))}; got {reasoning['effort']!r}."
+        )
     for key in ("summary", "generate_summary"):
         if reasoning.get(key) not in (None, "auto"):
             raise _refuse(
@@ -288,6 +295,8 @@ RENAME = {
     "max_completion_tokens": "max_output_tokens",
     "response_format.json_schema": "text.format.schema",
     "response_format": "text.format",
+    "logprobs": "include",
+    "chat_template_kwargs": "reasoning.effort",
 }
 
 
