@@ -6,6 +6,7 @@ responses and previous_response_id."""
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import openai
@@ -324,10 +325,16 @@ def test_previous_response_id_continues_the_conversation(client):
     assert [i.role for i in items.data] == ["user", "assistant", "user"]
 
 
-def test_cancel_is_refused_without_background(client):
-    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+def test_background_response_is_polled_and_equals_the_foreground_one(client):
+    queued = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0, background=True)
+    assert queued.status == "queued" and queued.background is True
+    deadline = time.monotonic() + 120
+    while (got := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    whole = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0)
+    assert got.output_text == whole.output_text and got.status == whole.status
+    # Only background responses can be cancelled.
     with pytest.raises(openai.BadRequestError):
-        client.responses.cancel(r.id)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model=MODEL, input="hi", background=True)
-    assert e.value.body["param"] == "background"
+        client.responses.cancel(whole.id)
+    assert client.responses.cancel(queued.id).status == got.status  # finished: unchanged

@@ -7,6 +7,7 @@ store (bounds, SQLite file kept across a restart)."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 
 import httpx
@@ -247,9 +248,34 @@ def _truncation(http):
     refused(http, "truncation", "auto")
 
 
+def _poll(http, response_id: str) -> dict:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        got = http.get(f"/v1/responses/{response_id}").json()
+        if got["status"] not in ("queued", "in_progress"):
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"{response_id} still {got['status']}")
+
+
 def _background(http):
     assert create(http, background=False)["background"] is False
-    refused(http, "background", True)
+    queued = create(http, background=True)
+    assert queued["status"] == "queued" and queued["background"] is True and queued["output"] == []
+    done = _poll(http, queued["id"])
+    assert done["background"] is True
+    same_as_chat(done, chat(http))
+    assert http.post(f"/v1/responses/{done['id']}/cancel").json() == done  # finished: answered as it is
+    # A long one (the whole context) cancelled while it runs.
+    long = create(http, background=True, max_output_tokens=None, temperature=1.0)
+    cancelled = http.post(f"/v1/responses/{long['id']}/cancel").json()
+    assert cancelled["status"] == "cancelled"
+    time.sleep(0.5)
+    assert http.get(f"/v1/responses/{long['id']}").json()["status"] == "cancelled"
+    r = http.post("/v1/responses", json={**BASE, "background": True, "store": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+    r = http.post("/v1/responses", json={**BASE, "background": True, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
 
 CASES: dict[str, Callable] = {

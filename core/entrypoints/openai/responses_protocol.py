@@ -54,7 +54,7 @@ RESPONSES_FIELDS: dict[str, Field] = {
     ),
     "service_tier": Field(HONOURED, None, "auto or default (one tier)"),
     "truncation": Field(HONOURED, None, "disabled only: a conversation longer than the context is a 400"),
-    "background": Field(HONOURED, None, "false only"),
+    "background": Field(HONOURED, None, "generate after answering; poll GET, cancel with POST .../cancel"),
     "background_options": Field(REFUSED, None, "options of background responses"),
     "access_programs": Field(REFUSED, None, "OpenAI access programs"),
     "context_management": Field(REFUSED, None, "server-side context compaction"),
@@ -109,8 +109,10 @@ def _refuse(field: str, why: str) -> ApiError:
 def check_request(r: ResponsesRequest) -> None:
     """400 for every value this server does not implement, naming the field."""
     refuse_unimplemented(r, RESPONSES_FIELDS)
-    if r.background:
-        raise _refuse("background", "is not supported: responses are generated while the request is open.")
+    if r.background and r.store is False:
+        raise _refuse("store", "must be true for a background response (it is read back with GET).")
+    if r.background and r.stream:
+        raise _refuse("stream", "cannot be combined with 'background' (poll GET /v1/responses/{id} instead).")
     if r.truncation not in (None, "disabled"):
         raise _refuse("truncation", f"must be 'disabled' (the only mode implemented), got {r.truncation!r}.")
     if r.service_tier not in (None, "auto", "default"):

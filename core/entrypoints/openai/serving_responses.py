@@ -6,11 +6,13 @@ A response is generated as the chat completion of its conversation (chat_bridge)
 greedy text equals /v1/chat/completions' for the same messages; tools, tool_choice,
 text.format and the reasoning parser are the chat endpoint's.  ``max_output_tokens``
 reached makes the response ``incomplete`` with ``incomplete_details.reason``
-``"max_output_tokens"``.
+``"max_output_tokens"``.  ``background: true`` answers at once with a ``queued``
+response, generates it in a task and stores the result (poll GET; cancel stops it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -63,6 +65,7 @@ class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore) -> None:
         self.chat = chat
         self.store = store
+        self._running: dict[str, asyncio.Future] = {}  # background responses being generated
 
     # -- create -------------------------------------------------------------------------------
     def _conversation(self, r: ResponsesRequest) -> list[dict]:
@@ -90,15 +93,44 @@ class OpenAIServingResponses:
         base = self._base(r, response_id, model)
         if r.stream:
             return EventStream(self._stream(r, run, base, items), [run.stream])
-        out = (await self.chat.collect([run.stream]))[0]
+        if r.background:
+            return self._start_background(r, run, base, items)
+        body = self._whole(run, base, (await self.chat.collect([run.stream]))[0])
+        self._keep(r, body, items)
+        return body
+
+    def _whole(self, run: ChatRun, base: dict, out) -> dict:
         c = out.outputs[0]
         finish = self.chat.finish_reason(c.finish_reason)
         message, _ = run.shaper.message(c.text, finish)
         status = "incomplete" if finish == "length" else "completed"
         logprobs = self._logprobs(run, c.token_ids, c.logprobs)
-        body = self._finished(base, status, output_items(message, status, logprobs), out, message)
-        self._keep(r, body, items)
-        return body
+        return self._finished(base, status, output_items(message, status, logprobs), out, message)
+
+    # -- background responses -----------------------------------------------------------------
+    def _start_background(self, r: ResponsesRequest, run: ChatRun, base: dict, items: list[dict]) -> dict:
+        if self.store.config.max_entries == 0:
+            run.stream.abort()
+            raise ApiError(
+                400, "'background' needs stored responses (--responses-store-max-entries is 0).", param="background"
+            )
+        queued = {**base, "status": "queued"}
+        self.store.put(base["id"], StoredResponse(queued, items))
+        task = asyncio.ensure_future(self._background(run, base, items))
+        self._running[base["id"]] = task
+        task.add_done_callback(lambda _: self._running.pop(base["id"], None))
+        return queued
+
+    async def _background(self, run: ChatRun, base: dict, items: list[dict]) -> None:
+        try:
+            out = (await self.chat.collect([run.stream]))[0]
+        except ApiError as e:
+            failed = {**base, "status": "failed", "error": {"code": "server_error", "message": e.message}}
+            self.store.put(base["id"], StoredResponse(failed, items))
+            return
+        except asyncio.CancelledError:
+            return  # cancel() stored the cancelled response
+        self.store.put(base["id"], StoredResponse(self._whole(run, base, out), items))
 
     def _base(self, r: ResponsesRequest, response_id: str, model: str) -> dict:
         d = self.chat.generation_defaults
@@ -108,7 +140,7 @@ class OpenAIServingResponses:
             "object": "response",
             "created_at": int(time.time()),
             "status": "in_progress",
-            "background": False,
+            "background": bool(r.background),
             "error": None,
             "incomplete_details": None,
             "instructions": r.instructions,
@@ -218,12 +250,25 @@ class OpenAIServingResponses:
     def delete(self, response_id: str) -> dict:
         if not self.store.delete(response_id):
             raise _not_found(response_id)
+        task = self._running.pop(response_id, None)
+        if task is not None:
+            task.cancel()  # its engine request is aborted
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     def cancel(self, response_id: str) -> dict:
-        if self.store.get(response_id) is None:
+        """Stop a background response; one already finished is answered as it is."""
+        stored = self.store.get(response_id)
+        if stored is None:
             raise _not_found(response_id)
-        raise ApiError(400, "Only responses created with background=true can be cancelled.", param="response_id")
+        if not stored.response.get("background"):
+            raise ApiError(400, "Only responses created with background=true can be cancelled.", param="response_id")
+        task = self._running.pop(response_id, None)
+        if task is None:
+            return stored.response
+        task.cancel()  # its engine request is aborted
+        cancelled = {**stored.response, "status": "cancelled"}
+        self.store.put(response_id, StoredResponse(cancelled, stored.input_items))
+        return cancelled
 
     def input_items(self, response_id: str, limit: int, order: str, after: str | None) -> dict:
         stored = self.store.get(response_id)
