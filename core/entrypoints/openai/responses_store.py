@@ -75,11 +75,13 @@ class ResponseStore:
                 (response_id, now, json.dumps(stored.response), json.dumps(stored.input_items)),
             )
             self._db.execute("DELETE FROM responses WHERE created < ?", (now - self.config.max_age_s,))
-            self._db.execute(
-                "DELETE FROM responses WHERE id NOT IN (SELECT id FROM responses ORDER BY created DESC, rowid DESC "
-                "LIMIT ?)",
-                (self.config.max_entries,),
-            )
+            excess = self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0] - self.config.max_entries
+            if excess > 0:
+                self._db.execute(
+                    "DELETE FROM responses WHERE rowid IN "
+                    "(SELECT rowid FROM responses ORDER BY created, rowid LIMIT ?)",
+                    (excess,),
+                )
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
