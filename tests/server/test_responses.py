@@ -254,6 +254,14 @@ def test_stream_helper_final_response(client):
     whole = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=40, temperature=0)
     assert final.output_text == "".join(deltas) == whole.output_text
     assert final.status == "completed"
+    named = {"type": "function", "name": "get_weather"}
+    with client.responses.stream(
+        model=MODEL, input="Weather in Lima?", tools=[WEATHER], tool_choice=named, temperature=0
+    ) as stream:
+        args = "".join(e.delta for e in stream if e.type == "response.function_call_arguments.delta")
+        (call,) = stream.get_final_response().output
+    assert call.type == "function_call" and call.arguments == args
+    jsonschema.validate(json.loads(args), WEATHER["parameters"])
 
 
 def test_streamed_function_call_events(client):
