@@ -85,6 +85,10 @@ class OpenAIServingResponses:
 
     async def create(self, r: ResponsesRequest) -> dict | EventStream:
         check_request(r)
+        if r.background and self.store.config.max_entries == 0:
+            raise ApiError(
+                400, "'background' needs stored responses (--responses-store-max-entries is 0).", param="background"
+            )
         model = self.chat.model_name(r.model)
         items = _with_ids(self._conversation(r))
         messages = chat_messages_of(items, r.instructions)
@@ -109,11 +113,6 @@ class OpenAIServingResponses:
 
     # -- background responses -----------------------------------------------------------------
     def _start_background(self, r: ResponsesRequest, run: ChatRun, base: dict, items: list[dict]) -> dict:
-        if self.store.config.max_entries == 0:
-            run.stream.abort()
-            raise ApiError(
-                400, "'background' needs stored responses (--responses-store-max-entries is 0).", param="background"
-            )
         queued = {**base, "status": "queued"}
         self.store.put(base["id"], StoredResponse(queued, items))
         task = asyncio.ensure_future(self._background(run, base, items))
