@@ -347,6 +347,7 @@ def test_every_field_has_a_check():
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}]}, "input[0].arguments"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 2.0}, "top_p"),

@@ -14,6 +14,7 @@ turns' reasoning.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -203,6 +204,10 @@ def _function_call(item: dict, where: str) -> dict:
     for key in ("call_id", "name", "arguments"):
         if not isinstance(item.get(key), str):
             raise ApiError(400, f"'{where}.{key}' must be a string.", param=f"{where}.{key}")
+    try:
+        json.loads(item["arguments"] or "{}")
+    except ValueError:
+        raise ApiError(400, f"'{where}.arguments' is not JSON.", param=f"{where}.arguments") from None
     return {
         "id": item["call_id"],
         "type": "function",
