@@ -415,6 +415,8 @@ def test_store_drops_the_oldest_past_max_entries_and_old_ones_past_max_age():
     assert none.get("r") is None
     with pytest.raises(ValueError, match="max-age"):
         ResponseStoreConfig(max_age_s=0)
+    with pytest.raises(ValueError, match="folder does not exist"):
+        ResponseStoreConfig(path="/no/such/folder/responses.sqlite")
 
 
 def test_store_file_outlives_the_store(tmp_path):

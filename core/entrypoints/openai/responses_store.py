@@ -10,6 +10,7 @@ is gone (dropped on the next write, invisible to reads before that).
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -31,6 +32,8 @@ class ResponseStoreConfig:
             raise ValueError(f"--responses-store-max-entries must be >= 0, got {self.max_entries}")
         if not self.max_age_s > 0:
             raise ValueError(f"--responses-store-max-age must be > 0 seconds, got {self.max_age_s}")
+        if self.path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.path))):
+            raise ValueError(f"--responses-store-path {self.path!r}: its folder does not exist")
 
 
 @dataclass
