@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "build-kernels": "build_kernels_cmd",
     "simulate": "simulate_cmd",
     "eval": "eval_cmd",
+    "run-batch": "run_batch_cmd",
 }
 
 

@@ -67,6 +67,9 @@ def add_parser(subparsers) -> None:
     from pagedserve.entrypoints.cli.lora_args import add_lora_server_arguments
 
     add_lora_server_arguments(p)  # --lora-modules, --allow-runtime-lora-updating
+    from pagedserve.entrypoints.openai.responses_store import add_store_arguments
+
+    add_store_arguments(p)  # --responses-store-max-entries, --responses-store-max-age, --responses-store-path
     dp = p.add_argument_group("data parallelism (docs/distributed.md)")
     dp.add_argument(
         "--data-parallel-size",
@@ -163,6 +166,9 @@ def run(args: argparse.Namespace) -> int:
         ops = ops_settings(args, config)
         cors = cors_settings_from_args(args)
         lora_modules = lora_modules_from_args(args, config.lora.enable_lora)
+        from pagedserve.entrypoints.openai.responses_store import store_config_from_args
+
+        responses_store = store_config_from_args(args)
         if dp is not None and config.lora.enable_lora:
             raise ValueError("--enable-lora is not supported with data parallelism yet")
         if args.timeout_graceful_shutdown < 0:
@@ -208,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         tool_options=tools,
         lora_modules=tuple(lora_modules),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        responses_store=responses_store,
         **ops,
     )
     try:

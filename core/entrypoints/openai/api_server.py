@@ -2,7 +2,8 @@
 
     app = build_app(AsyncLLMEngine(LLMEngine(config)), ServerSettings(["my-model"]))
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, POST /v1/messages,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, POST /v1/responses
+(+ GET/DELETE /v1/responses/{id}, its /input_items and /cancel), POST /v1/messages,
 POST /v1/messages/count_tokens (Anthropic's API and error shape), POST /v1/score, /score, /v1/rerank,
 /rerank, /v2/rerank (yes/no relevance scores), GET /v1/models, GET /health,
 GET /metrics, POST /tokenize, POST /detokenize, GET /version, GET|POST /ping, GET /ready,
@@ -18,7 +19,7 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +34,7 @@ from pagedserve.entrypoints.openai.http_guard import CorsSettings, install_cors,
 from pagedserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ReplicaCollector, ServerMetrics
 from pagedserve.entrypoints.openai.openapi import install_openapi
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from pagedserve.entrypoints.openai.responses_store import ResponseStore, ResponseStoreConfig
 from pagedserve.entrypoints.openai.serving_base import EventStream
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -47,6 +49,7 @@ from pagedserve.entrypoints.openai.serving_messages import (
     add_messages_routes,
     anthropic_error_body,
 )
+from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from pagedserve.entrypoints.openai.serving_score import OpenAIServingScore, add_score_routes
 from pagedserve.entrypoints.openai.serving_tokenize import Readiness, add_tokenize_routes
 from pagedserve.entrypoints.openai.shutdown import Drain, client_disconnected
@@ -88,6 +91,8 @@ class ServerSettings:
     #: --lora-modules as (name, path) pairs and --allow-runtime-lora-updating (docs/lora.md).
     lora_modules: tuple[tuple[str, str], ...] = ()
     allow_runtime_lora_updating: bool = False
+    #: --responses-store-* : how many stored /v1/responses are kept, how long, where.
+    responses_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
 
 
 class _ApiKeyMiddleware:
@@ -325,6 +330,12 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     add_messages_routes(
         app,
         AnthropicServingMessages(chat),
+        lambda request: read_body(request, settings.max_body_bytes),
+        lambda request, work: _respond(request, work, drain),
+    )
+    add_responses_routes(
+        app,
+        OpenAIServingResponses(chat, ResponseStore(settings.responses_store)),
         lambda request: read_body(request, settings.max_body_bytes),
         lambda request, work: _respond(request, work, drain),
     )
