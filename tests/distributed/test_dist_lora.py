@@ -181,7 +181,6 @@ def test_default_model_lora_tp3_matches_single_process(tmp_path):
     assert base != adapted or max(abs(a - b) for a, b in zip(base_lps, adapted_lps)) > 1e-2
 
 
-
 def test_lora_with_ngram_speculation_tp2_matches_single_process(case):
     """The verification rows of a speculative step under TP=2 carry their requests'
     adapters (rank 0 plans their slots as for any step): greedy tokens equal the
