@@ -1,7 +1,9 @@
 """The CPU platform's quantized linear ops (their contracts: pagedserve.kernels.reference).
 
 - ``gguf_linear``: the native kernel of kernels/cpu/quant_gguf.cpp (int8 activations per
-  32-value block, VNNI/AVX2 dot products) where it builds and loads, at every row count:
+  32-value block, VNNI/AVX2 dot products; Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks in
+  kernels/cpu/quant_gguf_kquant.cpp, declared by the ``GGUF_EXTENDED`` capability, so
+  that a .gguf keeps them) where it builds and loads, at every row count:
   each row's result is then independent of the other rows, so a greedy request answers
   the same whatever else is in its batch (docs/quantization.md).
   ``PAGEDSERVE_QUANT_CPU_KERNELS=0`` keeps the reference.
@@ -33,7 +35,7 @@ from pagedserve.kernels import quant_reference as qref
 from pagedserve.kernels import reference
 from pagedserve.kernels.cpu.quant_gguf_amx import load_gguf_amx
 from pagedserve.kernels.cpu.quant_native import load_quant_kernels
-from pagedserve.platforms.ops import PREFERS_QUANTIZED, OpRegistry
+from pagedserve.platforms.ops import GGUF_EXTENDED, PREFERS_QUANTIZED, OpRegistry
 from pagedserve.platforms.options import CpuOptions
 
 __all__ = [
@@ -141,7 +143,7 @@ def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
     if (
         module is None
         or not module.has_packed()
-        or type_name not in qref.GGUF_TYPE_IDS
+        or type_name not in qref.GGUF_BASE_TYPES
         or data.dim() != 2
         or data.dtype != torch.uint8
         or data.device.type != "cpu"
@@ -212,9 +214,11 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None) -
         amx = load_gguf_amx() if options.gguf_amx and options.gguf_repack and module.has_packed() else None
         if amx is not None:
             linear = make_gguf_linear_amx(gguf_linear, amx)
-            ops.register("gguf_linear", linear, source=f"{source}+amx-int8", capabilities=(PREFERS_QUANTIZED,))
+            ops.register(
+                "gguf_linear", linear, source=f"{source}+amx-int8", capabilities=(PREFERS_QUANTIZED, GGUF_EXTENDED)
+            )
         else:
-            ops.register("gguf_linear", gguf_linear, source=source, capabilities=(PREFERS_QUANTIZED,))
+            ops.register("gguf_linear", gguf_linear, source=source, capabilities=(PREFERS_QUANTIZED, GGUF_EXTENDED))
         if module.has_packed() and options.gguf_repack:
             ops.register("prepare_gguf_weight", prepare_gguf_weight, source=source)
             if module.has_packed_gated():
