@@ -11,8 +11,8 @@ kernel, in GOP/s and as a fraction of the int8 VNNI peak (``--int8-peak``, GOP/s
 default estimated from /proc/cpuinfo); with --gguf-mlp, the 30 gated MLPs' first halves
 on Q4_1 [gate; up] blocks, gguf_linear then silu_and_mul against the fused
 gguf_linear_silu_and_mul, the two alternating; with --gguf-types, every GGUF block type
-with a CPU kernel (Q4_1 on the file's blocks and repacked, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K,
-Q6_K) on the default model's gate_up (576 -> 3072; K-quants need K a multiple of 256, so
+with a CPU kernel (Q4_1 and Q5_0 on the file's blocks and repacked, Q8_0, Q5_1, Q4_K,
+Q5_K, Q6_K) on the default model's gate_up (576 -> 3072; K-quants need K a multiple of 256, so
 they take 768 -> 3072) and down (1536 -> 576) layers; with --window, attention with a sliding window
 (512) and a soft-cap (50) at decode and prefill shapes; with --candidates, every
 paged_attention implementation of the CPU platform (native, AMX tiles where the CPU has
@@ -417,7 +417,8 @@ def bench_gguf_types(rows: list[int], clock: Callable[[], float] = time.perf_cou
     quant = load_quant_kernels()
     if quant is None:
         raise SystemExit("the GGUF CPU kernel is unavailable on this machine")
-    variants = [("Q4_1 tiled", "Q4_1", True), ("Q4_1", "Q4_1", False), ("Q8_0", "Q8_0", False)]
+    variants = [("Q4_1 tiled", "Q4_1", True), ("Q5_0 tiled", "Q5_0", True), ("Q4_1", "Q4_1", False)]
+    variants += [("Q8_0", "Q8_0", False)]
     variants += [(t, t, False) for t in qref.GGUF_EXTENDED_TYPES]
     out = []
     for k0, n in GGUF_TYPE_SHAPES:

@@ -164,7 +164,10 @@ def _gguf_linear_silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed:
     """``fn`` on [gate; up] blocks put through the registry's ``prepare_gguf_weight`` (the
     form the model hands it) against the reference's two ops on the blocks."""
     prepare = t.ops.get("prepare_gguf_weight")
-    for type_name in ("Q4_0", "Q4_1", "Q8_0"):
+    types = quant_reference.GGUF_BASE_TYPES
+    if t.ops.has_capability("gguf_linear", "gguf_extended_types"):
+        types += ("Q5_0",)  # a 32-value extended type (the CPU's tiled kernel takes it packed)
+    for type_name in types:
         for m, k, d, bias in GGUF_GATED_SHAPES:
             desc = _desc(m, k, 2 * d, bias, f"{type_name}-")
 

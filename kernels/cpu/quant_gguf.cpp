@@ -31,15 +31,18 @@ namespace {
 
 constexpr int QK = 32;
 
-enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8 };
 
+// Bytes of one 32-value block of the types this file's row kernel (and the packed
+// kernel: Q5_0 too) reads; the others' in gguf_ext_type.
 inline int block_bytes(int64_t t) {
   switch (t) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
     case Q8_0: return 34;
   }
-  TORCH_CHECK(false, "unsupported ggml type id ", t, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+  TORCH_CHECK(false, "unsupported ggml type id ", t, " (supported: Q4_0=2, Q4_1=3, Q8_0=8; Q5_0=6 packed)");
 }
 
 inline float fp16_to_float(uint16_t h) {
@@ -306,8 +309,7 @@ int64_t check_gguf_args(const torch::Tensor& x, const torch::Tensor& weight, int
   TORCH_CHECK(K % QK == 0, "gguf_linear: K=", K, " is not a multiple of 32");
   const int64_t nb = K / QK;
   int ext_values = 0, ext_bytes = 0;
-  if (gguf_ext_type(type, &ext_values, &ext_bytes)) {
-    TORCH_CHECK(!packed, "gguf_linear: ggml type ", type, " is never packed");
+  if (gguf_ext_type(type, &ext_values, &ext_bytes) && !packed) {
     TORCH_CHECK(K % ext_values == 0, "gguf_linear: K=", K, " is not a multiple of ", ext_values,
                 " (the block of ggml type ", type, ")");
     TORCH_CHECK(weight.size(1) == K / ext_values * ext_bytes, "gguf_linear: weight rows hold ", weight.size(1),

@@ -147,8 +147,39 @@ def test_cpu_kernel_refuses_bad_shapes():
         module.gguf_linear(torch.randn(1, 224), raw[:, :126], ref.GGUF_TYPE_IDS["Q4_K"])
     with pytest.raises(RuntimeError, match="bytes"):
         module.gguf_linear(torch.randn(1, 256), raw[:, :100], ref.GGUF_TYPE_IDS["Q4_K"])
-    # Extended types are never repacked: prepare keeps their blocks.
+    # K-quants are not repacked (Q5_0 is): prepare keeps their blocks.
     assert cpu_quant.prepare_gguf_weight(raw.repeat(4, 1), "Q4_K").dim() == 2
+
+
+def test_q5_0_is_repacked_for_the_tiled_kernel():
+    """Q5_0 (the bulk of a small model's Q4_K_M) repacks losslessly, and the tiled kernel
+    on it gives the row kernel's result to float32 summation order, each row alone the
+    same as among others; the gated op equals the two ops in sequence bit for bit."""
+    module = native()
+    if not module.has_packed():
+        pytest.skip("no AVX-512 VNNI tiled GGUF kernel here")
+    gen = torch.Generator().manual_seed(7)
+    raw = random_blocks("Q5_0", 64, 576, gen)
+    packed = cpu_quant.prepare_gguf_weight(raw, "Q5_0")
+    assert packed.shape == (4, 18, 16 * 22) and packed.dtype == torch.uint8
+    assert torch.equal(cpu_quant.unpack_gguf_weight(packed, "Q5_0"), raw)
+    tid = ref.GGUF_TYPE_IDS["Q5_0"]
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(17, 576, generator=gen).to(dtype)
+        rows = module.gguf_linear(x, raw, tid)
+        tiled = module.gguf_linear(x, packed, tid)
+        assert ((tiled - rows).abs().max() / rows.abs().max()).item() < 1e-5
+        assert torch.equal(module.gguf_linear(x[5:6], packed, tid)[0], tiled[5])
+        bias = torch.randn(64, generator=gen)
+        out = cpu_quant.gguf_linear(x, packed, "Q5_0", bias)
+        assert out.dtype == dtype and torch.equal(out, module.gguf_linear_out(x, packed, tid, bias))
+        if module.has_packed_gated():
+            from pagedserve.testing.target import select_target
+
+            silu_and_mul = select_target("cpu").ops.get("silu_and_mul")
+            gated = module.gguf_linear_silu_out(x, packed, tid, bias)
+            want = silu_and_mul(module.gguf_linear_out(x, packed, tid, bias))
+            assert gated.shape == (17, 32) and torch.equal(gated, want)
 
 
 def test_fuse_keeps_each_type():
