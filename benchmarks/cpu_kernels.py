@@ -10,7 +10,10 @@ row-by-row int8 kernel and the tiled one on repacked weights, against the packed
 kernel, in GOP/s and as a fraction of the int8 VNNI peak (``--int8-peak``, GOP/s; by
 default estimated from /proc/cpuinfo); with --gguf-mlp, the 30 gated MLPs' first halves
 on Q4_1 [gate; up] blocks, gguf_linear then silu_and_mul against the fused
-gguf_linear_silu_and_mul, the two alternating; with --window, attention with a sliding window
+gguf_linear_silu_and_mul, the two alternating; with --gguf-types, every GGUF block type
+with a CPU kernel (Q4_1 and Q5_0 on the file's blocks and repacked, Q8_0, Q5_1, Q4_K,
+Q5_K, Q6_K) on the default model's gate_up (576 -> 3072; K-quants need K a multiple of 256, so
+they take 768 -> 3072) and down (1536 -> 576) layers; with --window, attention with a sliding window
 (512) and a soft-cap (50) at decode and prefill shapes; with --candidates, every
 paged_attention implementation of the CPU platform (native, AMX tiles where the CPU has
 them, torch SDPA over gathered K/V) on prefill chunks, decode batches and a mixed step.  Prints one table per kind with
@@ -21,7 +24,7 @@ the speedup (reference / native).
                                      [--huge-pages] [--cpu-time] [--prefill] [--linear]
                                      [--token-major] [--layers 30] [--moe] [--window]
                                      [--gguf] [--rows 1 4 16 64 256] [--int8-peak GOPS]
-                                     [--no-row-kernel] [--gguf-mlp] [--candidates]
+                                     [--no-row-kernel] [--gguf-mlp] [--gguf-types] [--candidates]
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ __all__ = [
     "bench_linear",
     "bench_moe",
     "bench_gguf_linear",
+    "bench_gguf_types",
     "int8_peak_gops",
     "main",
 ]
@@ -387,6 +391,56 @@ def bench_gguf_linear(
     return out
 
 
+#: (in, out) of --gguf-types: the default model's gate_up and down layers (30 of each).
+GGUF_TYPE_SHAPES = ((576, 3072), (1536, 576))
+
+
+def random_gguf_blocks(type_name: str, n: int, k: int) -> torch.Tensor:
+    """uint8 [n, row bytes] of ``type_name``: random quants with realistic fp16 scales."""
+    from pagedserve.kernels import quant_reference as qref
+
+    bb, per = qref.GGUF_BLOCK_BYTES[type_name], qref.GGUF_BLOCK_VALUES[type_name]
+    raw = torch.randint(0, 256, (n, k // per, bb), dtype=torch.uint8)
+    for at in [208] if type_name == "Q6_K" else [0] if type_name in ("Q4_0", "Q5_0", "Q8_0") else [0, 2]:
+        scale = (torch.rand(n, k // per) * 0.02 + 1e-3) / (32 if per == 256 else 1)
+        raw[..., at : at + 2] = scale.half().view(torch.uint8).reshape(n, -1, 2)
+    return raw.reshape(n, -1)
+
+
+def bench_gguf_types(rows: list[int], clock: Callable[[], float] = time.perf_counter, layers: int = 30) -> list[tuple]:
+    """``layers`` copies of each of GGUF_TYPE_SHAPES (read from memory, as in a decode step)
+    in each block type the CPU kernel takes, bf16 activations and outputs: ms per
+    ``layers`` calls, for each row count.  K-quants take K rounded up to 256 (768 for 576)."""
+    from pagedserve.kernels import quant_reference as qref
+    from pagedserve.kernels.cpu.quant_native import load_quant_kernels
+
+    quant = load_quant_kernels()
+    if quant is None:
+        raise SystemExit("the GGUF CPU kernel is unavailable on this machine")
+    variants = [("Q4_1 tiled", "Q4_1", True), ("Q5_0 tiled", "Q5_0", True), ("Q4_1", "Q4_1", False)]
+    variants += [("Q8_0", "Q8_0", False)]
+    variants += [(t, t, False) for t in qref.GGUF_EXTENDED_TYPES]
+    out = []
+    for k0, n in GGUF_TYPE_SHAPES:
+        times: dict[tuple[str, int], float] = {}
+        for label, type_name, packed in variants:
+            per = qref.GGUF_BLOCK_VALUES[type_name]
+            k = -(-k0 // per) * per
+            tid = qref.GGUF_TYPE_IDS[type_name]
+            ws = [random_gguf_blocks(type_name, n, k) for _ in range(layers)]
+            if packed:
+                if not quant.has_packed():
+                    continue
+                ws = [quant.pack_weight(w, tid) for w in ws]
+            for m in rows:
+                x = torch.randn(m, k).bfloat16()
+                times[label, m] = time_call(lambda: [quant.gguf_linear_out(x, w, tid) for w in ws], clock=clock) * 1e3
+        labels = [v[0] for v in variants if (v[0], rows[0]) in times]
+        for m in rows:
+            out.append((f"{k0}->{n}", m, *(times[label, m] for label in labels)))
+    return [tuple(["shape", "rows", *labels])] + out
+
+
 def bench_gguf_mlp(native, rows: list[int], clock: Callable[[], float] = time.perf_counter) -> list[tuple]:
     """The default model's 30 gate/up layers (576 -> 2 x 1536, each its own Q4_1 weight,
     repacked) with bf16 activations: ``gguf_linear_out`` then the native ``silu_and_mul``
@@ -504,6 +558,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--int8-peak", type=float, default=None, help="int8 peak GOP/s for --gguf (default: estimated)")
     parser.add_argument("--no-row-kernel", action="store_true", help="--gguf: leave out the (slow) row-by-row kernel")
     parser.add_argument("--gguf-mlp", action="store_true", help="--rows: gated MLP halves, fused vs unfused")
+    parser.add_argument(
+        "--gguf-types", action="store_true", help="--rows: the default model's layers in every GGUF type with a kernel"
+    )
     parser.add_argument("--skip-attention", action="store_true", help="leave out the paged_attention table")
     parser.add_argument("--moe", action="store_true", help="also time fused_moe (reference vs native)")
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 16, 64, 256], help="batch sizes for --moe")
@@ -588,6 +645,10 @@ def main(argv: list[str] | None = None) -> None:
             ("rows", "unfused ms", "fused ms", "fused GOP/s", "unfused / fused (median of pairs)"),
             bench_gguf_mlp(native, args.rows, clock),
         )
+    if args.gguf_types:
+        print("\n30 layers per shape in each GGUF block type, bf16 activations, ms (K-quants: K 768 for 576):\n")
+        header, *rows = bench_gguf_types(args.rows, clock)
+        _print_table(header, rows)
 
 
 if __name__ == "__main__":

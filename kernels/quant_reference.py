@@ -17,7 +17,17 @@ Formats:
 - GGUF (ggml-common.h), 32 values per block, little-endian, ``d``/``m`` fp16:
   Q8_0 ``d | int8 q[32]`` -> q*d; Q4_0 ``d | u8 qs[16]`` -> (nibble-8)*d;
   Q4_1 ``d | m | u8 qs[16]`` -> nibble*d + m; element j < 16 is the low nibble of
-  ``qs[j]``, element j + 16 its high nibble.
+  ``qs[j]``, element j + 16 its high nibble.  Q5_0 ``d | u32 qh | u8 qs[16]`` ->
+  (q - 16)*d and Q5_1 ``d | m | u32 qh | u8 qs[16]`` -> q*d + m, with bit j of ``qh``
+  the fifth bit of element j.
+- GGUF K-quants, 256 values per super-block (``GGUF_BLOCK_VALUES``): Q4_K ``d | dmin |
+  u8 scales[12] | u8 qs[128]`` and Q5_K ``d | dmin | scales[12] | u8 qh[32] | qs[128]``
+  hold 8 sub-blocks of 32 with 6-bit scales ``sc`` and minimums ``mn`` (packed as below,
+  :func:`kquant_scales_mins`): value = d*sc*q - dmin*mn; each 32 bytes of ``qs`` hold
+  two sub-blocks (low nibbles, then high nibbles), and Q5_K's fifth bit of element l of
+  sub-block j is bit j of ``qh[l]``.  Q6_K ``u8 ql[128] | u8 qh[64] | int8 scales[16] |
+  d`` holds 16 sub-blocks of 16: value = d*scale*(q - 32), q 6 bits (four from ``ql``,
+  two from ``qh``; see :func:`_q6_k`).
 - INT8: int8 ``[N, K]`` with float32 per-output-channel scales ``[N]``.
 - FP8: ``float8_e4m3fn`` ``[N, K]`` with a float32 scale ``[]`` (per tensor) or ``[N]``.
 - GPTQ (AutoGPTQ / transformers, ``checkpoint_format="gptq"``): qweight int32
@@ -36,6 +46,11 @@ import torch
 __all__ = [
     "GGUF_BLOCK_BYTES",
     "GGUF_TYPE_IDS",
+    "GGUF_BLOCK_VALUES",
+    "GGUF_BASE_TYPES",
+    "GGUF_EXTENDED_TYPES",
+    "gguf_row_bytes",
+    "kquant_scales_mins",
     "AWQ_ORDER",
     "dequantize_gguf",
     "gguf_linear",
@@ -54,10 +69,35 @@ __all__ = [
     "fp8_linear_dense",
 ]
 
-#: Bytes of one 32-value block per ggml type.
-GGUF_BLOCK_BYTES: dict[str, int] = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+#: Bytes of one block per ggml type (32 values, or 256 for K-quants: GGUF_BLOCK_VALUES).
+GGUF_BLOCK_BYTES: dict[str, int] = {
+    "Q4_0": 18,
+    "Q4_1": 20,
+    "Q8_0": 34,
+    "Q5_0": 22,
+    "Q5_1": 24,
+    "Q4_K": 144,
+    "Q5_K": 176,
+    "Q6_K": 210,
+}
+#: Values per block of each type of GGUF_BLOCK_BYTES.
+GGUF_BLOCK_VALUES: dict[str, int] = {t: 256 if t.endswith("_K") else 32 for t in GGUF_BLOCK_BYTES}
 #: ggml's type ids (``enum ggml_type``) of the block types kept quantized.
-GGUF_TYPE_IDS: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+GGUF_TYPE_IDS: dict[str, int] = {
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q8_0": 8,
+    "Q5_0": 6,
+    "Q5_1": 7,
+    "Q4_K": 12,
+    "Q5_K": 13,
+    "Q6_K": 14,
+}
+#: The 32-value types of the first kernels (Q4_0, Q4_1, Q8_0): the others are the
+#: "extended" types (GGUF_EXTENDED_TYPES), which a platform's gguf_linear takes only
+#: where it declares so (``pagedserve.platforms.ops.GGUF_EXTENDED``).
+GGUF_BASE_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q8_0")
+GGUF_EXTENDED_TYPES: tuple[str, ...] = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 #: AWQ's pack order: nibble i of each int32 holds column AWQ_ORDER[i] of its 8 columns.
 AWQ_ORDER: tuple[int, ...] = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -67,11 +107,21 @@ def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[..., start : start + 2].contiguous().view(torch.float16).float()
 
 
+def gguf_row_bytes(type_name: str, k: int) -> int:
+    """Bytes of one row of ``k`` values of ``type_name`` (ValueError unless whole blocks)."""
+    per = GGUF_BLOCK_VALUES[type_name]
+    if k % per:
+        raise ValueError(f"{type_name} rows hold whole blocks of {per} values; {k} is not a multiple")
+    return k // per * GGUF_BLOCK_BYTES[type_name]
+
+
 def dequantize_gguf(raw: torch.Tensor, type_name: str) -> torch.Tensor:
-    """uint8 ``[N, K/32 * block_bytes]`` GGUF rows -> float32 ``[N, K]``."""
+    """uint8 ``[N, K/block_values * block_bytes]`` GGUF rows -> float32 ``[N, K]``."""
     bb = GGUF_BLOCK_BYTES[type_name]
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, bb)
+    if type_name in _EXTENDED_DEQUANT:
+        return _EXTENDED_DEQUANT[type_name](blocks).reshape(n, -1)
     if type_name == "Q8_0":
         values = blocks[..., 2:].contiguous().view(torch.int8).float() * _half(blocks, 0)
     else:
@@ -82,6 +132,81 @@ def dequantize_gguf(raw: torch.Tensor, type_name: str) -> torch.Tensor:
         else:
             values = q * _half(blocks, 0) + _half(blocks, 2)
     return values.reshape(n, -1)
+
+
+def _bits(words: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., b]`` -> ``[..., b, 8]`` of their bits, least significant first (int64)."""
+    shifts = torch.arange(8, device=words.device)
+    return (words[..., None].long() >> shifts) & 1
+
+
+def _q5(blocks: torch.Tensor, qh_at: int) -> torch.Tensor:
+    """The 5-bit values (0..31) of Q5_0 / Q5_1 blocks ``[..., bb]`` -> int64 ``[..., 32]``."""
+    qs = blocks[..., qh_at + 4 : qh_at + 20].long()
+    high = _bits(blocks[..., qh_at : qh_at + 4]).flatten(-2)  # bit j of the little-endian u32
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1) | (high << 4)
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    return (_q5(blocks, 2) - 16).float() * _half(blocks, 0)
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    return _q5(blocks, 4).float() * _half(blocks, 0) + _half(blocks, 2)
+
+
+def kquant_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K ``scales[12]`` (uint8 ``[..., 12]``) -> the 8 sub-blocks' 6-bit scales
+    and minimums, int64 ``[..., 8]`` each.  Sub-blocks 0-3: the low 6 bits of bytes 0-3
+    (scales) and 4-7 (minimums); sub-blocks 4-7: the low and high nibbles of bytes 8-11
+    with the top 2 bits of bytes 0-3 (scales) and 4-7 (minimums) above them."""
+    s = scales.long()
+    lo = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], dim=-1)
+    mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1)
+    return lo, mn
+
+
+def _kquant_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """``qs[128]`` -> int64 ``[..., 8, 32]``: sub-block 2i is the low nibbles of bytes
+    32i..32i+31, sub-block 2i+1 their high nibbles."""
+    q = qs.long().reshape(*qs.shape[:-1], 4, 32)
+    return torch.stack([q & 0x0F, q >> 4], dim=-2).reshape(*qs.shape[:-1], 8, 32)
+
+
+def _k_scaled(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """d * sc * q - dmin * mn over ``q`` ``[..., 8, 32]`` of Q4_K / Q5_K blocks."""
+    sc, mn = kquant_scales_mins(blocks[..., 4:16])
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    values = (d * sc.float())[..., None] * q.float() - (dmin * mn.float())[..., None]
+    return values.flatten(-2)
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    return _k_scaled(blocks, _kquant_nibbles(blocks[..., 16:144]))
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    high = _bits(blocks[..., 16:48]).transpose(-1, -2)  # [..., 8 sub-blocks, 32]: bit j of qh[l]
+    return _k_scaled(blocks, _kquant_nibbles(blocks[..., 48:176]) | (high << 4))
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Two halves of 128 values, each from 64 bytes of ``ql`` and 32 of ``qh``: element
+    32c + l of a half (c = 0..3, l = 0..31) has low bits ``ql[l + 32 (c % 2)]``'s low
+    (c < 2) or high nibble, high bits ``(qh[l] >> 2c) & 3``; value d * scales[v // 16] *
+    (q - 32) for element v of the super-block."""
+    lead = blocks.shape[:-1]
+    ql = blocks[..., 0:128].long().reshape(*lead, 2, 2, 32)  # [half, byte group, l]
+    qh = blocks[..., 128:192].long().reshape(*lead, 2, 1, 32)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=-2)  # [half, c, l] for c = 0, 1 (low), 2, 3 (high)
+    high = (qh >> (2 * torch.arange(4, device=blocks.device)).reshape(4, 1)) & 3
+    q = (low | (high << 4)) - 32  # [..., 2, 4, 32]
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [..., 16]
+    d = _half(blocks, 208)
+    return q.reshape(*lead, 16, 16).float() * (d * scales)[..., None]
+
+
+_EXTENDED_DEQUANT = {"Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def _finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

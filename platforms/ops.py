@@ -19,16 +19,21 @@ from typing import Any
 
 from pagedserve.kernels import reference
 
-__all__ = ["OpRegistry", "OpEntry", "OP_CAPABILITIES", "PREFERS_QUANTIZED"]
+__all__ = ["OpRegistry", "OpEntry", "OP_CAPABILITIES", "PREFERS_QUANTIZED", "GGUF_EXTENDED"]
 
 #: A quantized linear op declaring this runs faster on the quantized weights than the
 #: dense ``linear`` on dequantized ones at decode batch sizes, so a quantized checkpoint
 #: stays quantized when the user leaves ``quantization`` unset (docs/quantization.md).
 PREFERS_QUANTIZED = "prefers_quantized"
+#: A ``gguf_linear`` declaring this has its own kernel for the GGUF block types beyond
+#: Q4_0/Q4_1/Q8_0 (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: ``quant_reference.GGUF_EXTENDED_TYPES``),
+#: so a .gguf keeps those blocks too; elsewhere they are dequantized at load.
+GGUF_EXTENDED = "gguf_extended_types"
 
 #: Every capability an op implementation may declare (interface 1.3), with its meaning.
 OP_CAPABILITIES: dict[str, str] = {
     PREFERS_QUANTIZED: "faster on quantized weights than dense linear on dequantized ones at decode batch sizes",
+    GGUF_EXTENDED: "gguf_linear: a kernel for Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks too (kept quantized at load)",
 }
 
 

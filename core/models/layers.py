@@ -8,6 +8,7 @@ platform and every device-map segment.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,8 @@ from pagedserve.quantization.base import QuantizedWeight
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "LayerPlacement",
@@ -91,10 +94,24 @@ class RotaryEmbedding:
 
 
 def fuse(parts: list[Weight]) -> Weight:
-    """Stack weights along the output dimension, quantized ones in their own format."""
-    if isinstance(parts[0], QuantizedWeight):
+    """Stack weights along the output dimension, quantized ones in their own format.
+
+    Quantized parts are fused by their format's ``concat`` (which keeps parts of different
+    block types apart).  Parts that mix quantized and float weights (a GGUF file whose v
+    projection is F16 beside quantized q and k, or stored in a type without a kept
+    kernel) are fused as floats: the quantized ones are dequantized to the float parts'
+    dtype, with a log line."""
+    quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+    if len(quantized) == len(parts):
         return type(parts[0]).concat(parts)
-    return torch.cat(parts)
+    if not quantized:
+        return torch.cat(parts)
+    dense = next(p for p in parts if isinstance(p, torch.Tensor))
+    kinds = sorted({str(getattr(p, "type_name", type(p).__name__)) for p in quantized})
+    logger.info("a fused projection mixes %s with float parts: dequantized to %s", ", ".join(kinds), dense.dtype)
+    return torch.cat(
+        [p.dequantize(dense.dtype).to(dense.device) if isinstance(p, QuantizedWeight) else p for p in parts]
+    )
 
 
 def linear(ops, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,6 +1,11 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 weights kept in their 32-value blocks.
+"""GGUF weights kept in their blocks: Q4_0 / Q4_1 / Q8_0 everywhere, Q5_0 / Q5_1 and the
+K-quants Q4_K / Q5_K / Q6_K where the platform's ``gguf_linear`` declares a kernel for
+them (``GGUF_EXTENDED``); other types are dequantized at load, with a log line naming them.
 
-The stored bytes of the .gguf file are the loaded format.  A weight multiplies through
+The stored bytes of the .gguf file are the loaded format.  A file mixing types (llama.cpp's
+Q4_K_M falls back to Q5_0 / Q8_0 per tensor) keeps each tensor in its own: a fused
+projection (q/k/v, gate/up) whose parts differ is a :class:`StackedWeight` of same-type
+runs, and one mixing blocks with a dequantized part is dequantized whole (``fuse``).  A weight multiplies through
 the op registry's ``gguf_linear``, handed to it at load: the platforms choose the kernel
 (the native CPU kernel of kernels/cpu/quant_gguf.cpp, Triton on CUDA/ROCm, the torch
 reference elsewhere; see docs/quantization.md).  Once fused, each linear weight is put
@@ -12,23 +17,40 @@ head is a prepared copy.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
 
 from pagedserve.kernels import quant_reference as ref
 from pagedserve.kernels import reference
-from pagedserve.kernels.quant_reference import GGUF_TYPE_IDS
+from pagedserve.kernels.quant_reference import GGUF_BASE_TYPES, GGUF_EXTENDED_TYPES, GGUF_TYPE_IDS
 from pagedserve.quantization.base import QuantizationMethod, QuantizedWeight
 
-__all__ = ["GGUFWeight", "GGUFMethod", "GGUF_KEPT_TYPES", "GGUF_TYPE_IDS"]
+__all__ = ["GGUFWeight", "GGUFMethod", "GGUF_KEPT_TYPES", "GGUF_TYPE_IDS", "gguf_kept_types"]
 
-#: ggml types kept quantized; other types are dequantized at load as before.
-GGUF_KEPT_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q8_0")
+logger = logging.getLogger(__name__)
+
+#: ggml types a GGUFWeight may hold; which of them a load keeps: :func:`gguf_kept_types`.
+GGUF_KEPT_TYPES: tuple[str, ...] = GGUF_BASE_TYPES + GGUF_EXTENDED_TYPES
+#: The op capability (``pagedserve.platforms.ops.GGUF_EXTENDED``) under which a
+#: platform's gguf_linear takes GGUF_EXTENDED_TYPES too (a string here: the core does
+#: not import the platforms package).
+_EXTENDED_CAPABILITY = "gguf_extended_types"
+
+
+def gguf_kept_types(ops) -> tuple[str, ...]:
+    """The ggml types a .gguf keeps in blocks with op registry ``ops``: Q4_0/Q4_1/Q8_0,
+    plus Q5_0/Q5_1/Q4_K/Q5_K/Q6_K where its ``gguf_linear`` declares a kernel for them."""
+    has = getattr(ops, "has_capability", None)
+    if has is not None and has("gguf_linear", _EXTENDED_CAPABILITY):
+        return GGUF_KEPT_TYPES
+    return GGUF_BASE_TYPES
 
 
 class GGUFWeight(QuantizedWeight):
-    """data: uint8 ``[out, in/32 * block_bytes]`` ggml blocks of type ``type_name``.
+    """data: uint8 ``[out, in/block_values * block_bytes]`` ggml blocks of type ``type_name``
+    (32 values per block, 256 for the K-quants).
 
     op: the ``gguf_linear`` op to multiply with (the platform's, from its op registry);
         None means the torch reference.
@@ -59,9 +81,8 @@ class GGUFWeight(QuantizedWeight):
             raise ValueError(f"GGUF type {type_name} is not kept quantized (supported: {', '.join(GGUF_KEPT_TYPES)})")
         if (data is None) == (packed is None):
             raise ValueError("a GGUFWeight holds either its blocks or their prepared form")
-        if data is not None and (
-            in_features % 32 or data.shape[1] != in_features // 32 * ref.GGUF_BLOCK_BYTES[type_name]
-        ):
+        per = ref.GGUF_BLOCK_VALUES[type_name]
+        if data is not None and (in_features % per or data.shape[1] != ref.gguf_row_bytes(type_name, in_features)):
             raise ValueError(f"{type_name} rows of {data.shape[1]} bytes do not hold {in_features} values")
         self.type_name = type_name
         self.data = data
@@ -120,20 +141,33 @@ class GGUFWeight(QuantizedWeight):
 
     @classmethod
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
-        first = parts[0]
-        if all(isinstance(p, GGUFWeight) and p.type_name == first.type_name for p in parts):
-            data = torch.cat([p._blocks() for p in parts])
-            return GGUFWeight(
-                first.type_name, data, first.in_features, first.op, first.prepare, gated_op=first.gated_op
-            )
-        # Mixed block types (some llama.cpp mixes use Q8_0 for v_proj): keep them apart.
-        return StackedWeight(parts)
+        """One weight of the parts' type where all share it, else a :class:`StackedWeight` of
+        runs of consecutive parts of one type (a Q4_K_M's [q; k] Q5_0 and v Q8_0: two)."""
+        runs: list[list[QuantizedWeight]] = []
+        for p in parts:
+            if runs and _same_blocks(runs[-1][0], p):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        fused = [_cat_blocks(run) if isinstance(run[0], GGUFWeight) and len(run) > 1 else run[0] for run in runs]
+        return fused[0] if len(fused) == 1 else StackedWeight(fused)
+
+
+def _same_blocks(a: QuantizedWeight, b: QuantizedWeight) -> bool:
+    return isinstance(a, GGUFWeight) and isinstance(b, GGUFWeight) and a.type_name == b.type_name
+
+
+def _cat_blocks(parts: list[QuantizedWeight]) -> GGUFWeight:
+    first = parts[0]
+    assert isinstance(first, GGUFWeight)
+    data = torch.cat([p._blocks() for p in parts])  # type: ignore[attr-defined]
+    return GGUFWeight(first.type_name, data, first.in_features, first.op, first.prepare, gated_op=first.gated_op)
 
 
 def _out_features_of(packed: torch.Tensor, in_features: int, type_name: str) -> int:
     """Output rows of a prepared weight: its bytes over the bytes of one row of blocks
     (a platform's layout holds the file's bytes, in its own order)."""
-    return packed.numel() // (in_features // 32 * ref.GGUF_BLOCK_BYTES[type_name])
+    return packed.numel() // ref.gguf_row_bytes(type_name, in_features)
 
 
 class StackedWeight(QuantizedWeight):
@@ -166,11 +200,12 @@ class StackedWeight(QuantizedWeight):
 
 
 class GGUFMethod(QuantizationMethod):
-    """``quantization="gguf"``: Q4_0/Q4_1/Q8_0 tensors of a .gguf stay in blocks (linear
-    layers, the embedding and an untied LM head); other types are dequantized at load."""
+    """``quantization="gguf"``: tensors of a .gguf stay in blocks (linear layers, the
+    embedding and an untied LM head) where their type is kept (:func:`gguf_kept_types`);
+    other types are dequantized at load, each named once in the log."""
 
     name = "gguf"
-    description = "GGUF Q4_0/Q4_1/Q8_0 blocks kept quantized"
+    description = "GGUF blocks kept quantized (Q4_0/Q4_1/Q8_0; Q5_x and K-quants where the platform has kernels)"
     required_ops = ("gguf_linear",)
 
     def weights(self, source) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
@@ -179,8 +214,29 @@ class GGUFMethod(QuantizationMethod):
             raise ValueError(f"quantization='gguf' needs a .gguf file; {source.path} is a Hugging Face folder")
         op, prepare = self.ops.gguf_linear, self.ops.prepare_gguf_weight
         gated = self.ops.gguf_linear_silu_and_mul
-        for name, t in gguf.weights(keep_quantized=GGUF_KEPT_TYPES):
+        kept = gguf_kept_types(self.ops)
+        _log_dequantized(gguf.tensor_types(), kept)
+        for name, t in gguf.weights(keep_quantized=kept):
             if isinstance(t, torch.Tensor):
                 yield name, t
             else:
                 yield name, GGUFWeight(t.type_name, t.data, t.shape[1], op, prepare, gated_op=gated)
+
+
+#: Types that are floats already: loading them as floats is no fallback.
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+
+
+def _log_dequantized(types: dict[str, str], kept: tuple[str, ...]) -> None:
+    """One log line per quantized ggml type that loads dequantized (no kept kernel)."""
+    counts: dict[str, int] = {}
+    for type_name in types.values():
+        if type_name not in kept and type_name not in _FLOAT_TYPES:
+            counts[type_name] = counts.get(type_name, 0) + 1
+    for type_name, n in sorted(counts.items()):
+        logger.info(
+            "GGUF type %s has no kept kernel on this platform: %d tensor(s) dequantized at load (kept: %s)",
+            type_name,
+            n,
+            ", ".join(kept),
+        )

@@ -25,7 +25,7 @@ import torch
 from pagedserve.platforms.ops import PREFERS_QUANTIZED
 from pagedserve.quantization.base import QuantizationMethod, QuantizedWeight
 from pagedserve.quantization.fp8 import Fp8Method
-from pagedserve.quantization.gguf import GGUF_KEPT_TYPES, GGUFMethod
+from pagedserve.quantization.gguf import GGUFMethod, gguf_kept_types
 from pagedserve.quantization.int4 import AWQMethod, GPTQMethod
 from pagedserve.quantization.int8 import Int8Method, W8A8Method
 
@@ -92,7 +92,7 @@ def gguf_kept_by_default(ops: OpRegistry) -> bool:
 
 def _from_checkpoint(source, ops: Any) -> tuple[str | None, dict[str, Any]]:
     if source.format == "gguf":
-        kept = set(source._gguf.tensor_types().values()) & set(GGUF_KEPT_TYPES)
+        kept = set(source._gguf.tensor_types().values()) & set(gguf_kept_types(ops))
         return ("gguf" if kept and gguf_kept_by_default(ops) else None), {}
     qcfg = source.hf_config.get("quantization_config")
     if not qcfg:

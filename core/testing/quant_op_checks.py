@@ -71,13 +71,23 @@ def _desc(m: int, k: int, n: int, bias: bool, prefix: str = "") -> str:
 
 
 def _random_gguf(c: _Case, type_name: str, n: int, k: int) -> torch.Tensor:
-    """uint8 [n, k/32 * block_bytes]: random quants with realistic fp16 scales (and minimums)."""
-    bb, nb = quant_reference.GGUF_BLOCK_BYTES[type_name], k // 32
+    """uint8 [n, k/block_values * block_bytes]: random quants with realistic fp16 scales
+    (and minimums; a K-quant's super-block scales over its 6-bit or int8 sub-block scales)."""
+    bb, nb = quant_reference.GGUF_BLOCK_BYTES[type_name], k // quant_reference.GGUF_BLOCK_VALUES[type_name]
     raw = c.randint(0, 256, n, nb, bb).to(torch.uint8)
-    d = torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3
-    raw[..., 0:2] = d.half().view(torch.uint8).reshape(n, nb, 2)
-    if type_name == "Q4_1":
-        raw[..., 2:4] = (torch.randn(n, nb, generator=c.gen) * 0.05).half().view(torch.uint8).reshape(n, nb, 2)
+
+    def half(at: int, values: torch.Tensor) -> None:
+        raw[..., at : at + 2] = values.half().view(torch.uint8).reshape(n, nb, 2)
+
+    if type_name in ("Q4_K", "Q5_K"):
+        half(0, (torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3) / 32)  # d; times 6-bit scales
+        half(2, (torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3) / 8)  # dmin; times 6-bit minimums
+    elif type_name == "Q6_K":
+        half(208, (torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3) / 64)  # d; times int8 scales
+    else:
+        half(0, torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3)
+    if type_name in ("Q4_1", "Q5_1"):
+        half(2, torch.randn(n, nb, generator=c.gen) * 0.05)
     return raw.reshape(n, -1)
 
 
@@ -99,11 +109,31 @@ GGUF_SHAPES: tuple[tuple[int, int, int, bool], ...] = (
 )
 
 
+#: (rows, in, out, bias) of the cases of the extended types (Q5_0, Q5_1 and the K-quants,
+#: whose blocks hold 256 values: in a multiple of 256), for a gguf_linear that declares
+#: them (the ``gguf_extended_types`` capability): batch sizes 1, 3, 17, 64.
+GGUF_EXTENDED_SHAPES: tuple[tuple[int, int, int, bool], ...] = (
+    (1, 256, 48, False),
+    (3, 512, 40, True),
+    (17, 256, 24, True),
+    (64, 768, 16, False),
+)
+
+
+def _gguf_cases(t: Target) -> list[tuple[str, tuple[tuple[int, int, int, bool], ...]]]:
+    cases = [(type_name, GGUF_SHAPES) for type_name in quant_reference.GGUF_BASE_TYPES]
+    if t.ops.has_capability("gguf_linear", "gguf_extended_types"):
+        cases += [(type_name, GGUF_EXTENDED_SHAPES) for type_name in quant_reference.GGUF_EXTENDED_TYPES]
+        # Q5_0 / Q5_1 rows of a multiple of 32 values only.
+        cases += [(type_name, ((5, 96, 40, True), (17, 160, 16, False))) for type_name in ("Q5_0", "Q5_1")]
+    return cases
+
+
 def _gguf_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int, prepare: Callable | None = None) -> Cases:
     """``fn`` on the blocks, or (``prepare``: the registry's ``prepare_gguf_weight``) on
     their prepared form, against the reference on the blocks."""
-    for type_name in ("Q4_0", "Q4_1", "Q8_0"):
-        for m, k, n, bias in GGUF_SHAPES:
+    for type_name, shapes in _gguf_cases(t):
+        for m, k, n, bias in shapes:
             desc = _desc(m, k, n, bias, f"{type_name}-")
 
             def body(type_name=type_name, m=m, k=k, n=n, bias=bias, desc=desc) -> None:
@@ -134,7 +164,10 @@ def _gguf_linear_silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed:
     """``fn`` on [gate; up] blocks put through the registry's ``prepare_gguf_weight`` (the
     form the model hands it) against the reference's two ops on the blocks."""
     prepare = t.ops.get("prepare_gguf_weight")
-    for type_name in ("Q4_0", "Q4_1", "Q8_0"):
+    types = quant_reference.GGUF_BASE_TYPES
+    if t.ops.has_capability("gguf_linear", "gguf_extended_types"):
+        types += ("Q5_0",)  # a 32-value extended type (the CPU's tiled kernel takes it packed)
+    for type_name in types:
         for m, k, d, bias in GGUF_GATED_SHAPES:
             desc = _desc(m, k, 2 * d, bias, f"{type_name}-")
 

@@ -1,4 +1,5 @@
-// Matmul on GGUF (ggml) quantized weights kept in their blocks: Q4_0, Q4_1, Q8_0.
+// Matmul on GGUF (ggml) quantized weights kept in their blocks: Q4_0, Q4_1, Q8_0 here;
+// Q5_0, Q5_1, Q4_K, Q5_K and Q6_K in quant_gguf_kquant.cpp, on the same activations.
 //
 // y[m, n] = sum_k x[m, k] * W[n, k], with W stored as ggml blocks of 32 values per
 // row ([N, K/32 * block_bytes] uint8, exactly the bytes of the .gguf file).  As in
@@ -30,15 +31,18 @@ namespace {
 
 constexpr int QK = 32;
 
-enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8 };
 
+// Bytes of one 32-value block of the types this file's row kernel (and the packed
+// kernel: Q5_0 too) reads; the others' in gguf_ext_type.
 inline int block_bytes(int64_t t) {
   switch (t) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
     case Q8_0: return 34;
   }
-  TORCH_CHECK(false, "unsupported ggml type id ", t, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+  TORCH_CHECK(false, "unsupported ggml type id ", t, " (supported: Q4_0=2, Q4_1=3, Q8_0=8; Q5_0=6 packed)");
 }
 
 inline float fp16_to_float(uint16_t h) {
@@ -239,6 +243,11 @@ void run_rows(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t nb, con
 
 }  // namespace
 
+// The other block types (quant_gguf_kquant.cpp).
+bool gguf_ext_type(int64_t type, int* values, int* bytes);
+void gguf_ext_gemm(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K, const uint8_t* w,
+                   int64_t N, int64_t type, float* y);
+
 // The tiled kernel on repacked weights (quant_gguf_packed.cpp).
 bool gguf_packed_available();
 torch::Tensor gguf_pack_weight(torch::Tensor weight, int64_t type);
@@ -299,6 +308,14 @@ int64_t check_gguf_args(const torch::Tensor& x, const torch::Tensor& weight, int
   const int64_t K = x.size(1), N = packed ? weight.size(0) * 16 : weight.size(0);
   TORCH_CHECK(K % QK == 0, "gguf_linear: K=", K, " is not a multiple of 32");
   const int64_t nb = K / QK;
+  int ext_values = 0, ext_bytes = 0;
+  if (gguf_ext_type(type, &ext_values, &ext_bytes) && !packed) {
+    TORCH_CHECK(K % ext_values == 0, "gguf_linear: K=", K, " is not a multiple of ", ext_values,
+                " (the block of ggml type ", type, ")");
+    TORCH_CHECK(weight.size(1) == K / ext_values * ext_bytes, "gguf_linear: weight rows hold ", weight.size(1),
+                " bytes, expected ", K / ext_values * ext_bytes, " for K=", K);
+    return N;
+  }
   const int bb = block_bytes(type);
   if (packed) {
     TORCH_CHECK(gguf_packed_available(), "gguf_linear: this build has no tiled kernel for packed weights");
@@ -315,6 +332,11 @@ int64_t check_gguf_args(const torch::Tensor& x, const torch::Tensor& weight, int
 void row_gemm(const QuantizedX& qx, int64_t M, int64_t K, const torch::Tensor& weight, int64_t type, float* yp) {
   const int64_t nb = K / QK, N = weight.size(0), row_bytes = weight.size(1);
   const uint8_t* wp = weight.data_ptr<uint8_t>();
+  int ext_values = 0, ext_bytes = 0;
+  if (gguf_ext_type(type, &ext_values, &ext_bytes)) {
+    gguf_ext_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, wp, N, type, yp);
+    return;
+  }
   // Rows of W across threads; each thread streams its rows once per 8 activation rows.
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     QuantRow xr[8];

@@ -1,5 +1,6 @@
 """The native CPU kernel for GGUF blocks (kernels/cpu/quant_gguf.cpp, the tiled
-kernel on repacked weights in quant_gguf_packed.cpp): built just in time
+kernel on repacked weights in quant_gguf_packed.cpp, Q5_0/Q5_1 and the K-quants in
+quant_gguf_kquant.cpp): built just in time
 by :func:`pagedserve.kernels.build.load_extension`, into the same persistent cache (and
 under the same build lock), as a separate extension so that it never invalidates the
 main CPU kernels' build.
@@ -19,7 +20,7 @@ from pagedserve.kernels import build
 
 __all__ = ["load_quant_kernels", "quant_build_spec"]
 
-SOURCES: tuple[str, ...] = ("quant_gguf.cpp", "quant_gguf_packed.cpp")
+SOURCES: tuple[str, ...] = ("quant_gguf.cpp", "quant_gguf_packed.cpp", "quant_gguf_kquant.cpp")
 #: Headers of the main kernels the gated epilogue includes (its SiLU-and-mul).
 HEADERS: tuple[str, ...] = ("elementwise.h", "kernels.h", "vec.h")
 

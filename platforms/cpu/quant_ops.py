@@ -1,12 +1,14 @@
 """The CPU platform's quantized linear ops (their contracts: pagedserve.kernels.reference).
 
 - ``gguf_linear``: the native kernel of kernels/cpu/quant_gguf.cpp (int8 activations per
-  32-value block, VNNI/AVX2 dot products) where it builds and loads, at every row count:
+  32-value block, VNNI/AVX2 dot products; Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks in
+  kernels/cpu/quant_gguf_kquant.cpp, declared by the ``GGUF_EXTENDED`` capability, so
+  that a .gguf keeps them) where it builds and loads, at every row count:
   each row's result is then independent of the other rows, so a greedy request answers
   the same whatever else is in its batch (docs/quantization.md).
   ``PAGEDSERVE_QUANT_CPU_KERNELS=0`` keeps the reference.
 - ``prepare_gguf_weight``: where the kernel has its tiled AVX-512 VNNI GEMM, Q4_0/Q4_1/
-  Q8_0 blocks of a multiple of 16 rows are repacked for it once at load
+  Q5_0/Q8_0 blocks of a multiple of 16 rows are repacked for it once at load
   (kernels/cpu/quant_gguf_packed.cpp: 16 output columns interleaved per 4 k, scales
   beside them); ``gguf_linear`` then runs the tiled kernel on them.  Other weights keep
   the row kernel.  ``PAGEDSERVE_CPU_GGUF_REPACK=0`` keeps the file's blocks.
@@ -15,7 +17,7 @@
   (rounded bit for bit as ``silu_and_mul(gguf_linear(...))``), never the [M, 2d]
   intermediate; other weights and inputs take the registry's two ops.
 - With ``CpuOptions.gguf_amx`` (off by default) and AMX int8 on the CPU, repacked
-  weights at ``GGUF_AMX_MIN_ROWS`` rows or more run on AMX tiles
+  Q4_0/Q4_1/Q8_0 weights at ``GGUF_AMX_MIN_ROWS`` rows or more run on AMX tiles
   (kernels/cpu/quant_gguf_amx.cpp; the same packed weight, bit for bit the tiled VNNI
   kernel's result, so a row's result still depends on that row alone).
 - ``int8_linear``: aten's CPU int8 weight-only kernel ``torch._weight_int8pack_mm``.
@@ -33,7 +35,7 @@ from pagedserve.kernels import quant_reference as qref
 from pagedserve.kernels import reference
 from pagedserve.kernels.cpu.quant_gguf_amx import load_gguf_amx
 from pagedserve.kernels.cpu.quant_native import load_quant_kernels
-from pagedserve.platforms.ops import PREFERS_QUANTIZED, OpRegistry
+from pagedserve.platforms.ops import GGUF_EXTENDED, PREFERS_QUANTIZED, OpRegistry
 from pagedserve.platforms.options import CpuOptions
 
 __all__ = [
@@ -60,6 +62,8 @@ CPU_DENSE_MIN_ROWS: int | None = None
 GGUF_AMX_MIN_ROWS = 128
 #: Activation dtypes the native kernels take (others go to the reference or a dense path).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+#: Block types the tiled kernel takes repacked (the others keep the file's blocks).
+PACKED_TYPES = (*qref.GGUF_BASE_TYPES, "Q5_0")
 
 
 def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,7 +100,7 @@ def make_gguf_linear_amx(linear: Callable[..., torch.Tensor], amx) -> Callable[.
             and x.dim() == 2
             and x.shape[0] >= GGUF_AMX_MIN_ROWS
             and x.dtype in _NATIVE_DTYPES
-            and type_name in qref.GGUF_TYPE_IDS
+            and type_name in qref.GGUF_BASE_TYPES
         ):
             return amx.gguf_linear_out(x, data, qref.GGUF_TYPE_IDS[type_name], bias)
         return linear(x, data, type_name, bias)
@@ -135,13 +139,13 @@ def make_gguf_linear_silu_and_mul(
 
 
 def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
-    """See reference.prepare_gguf_weight: Q4_0/Q4_1/Q8_0 CPU blocks of a multiple of 16
-    rows -> the tiled kernel's packed layout (where this build has it); else ``data``."""
+    """See reference.prepare_gguf_weight: Q4_0/Q4_1/Q5_0/Q8_0 CPU blocks of a multiple of
+    16 rows -> the tiled kernel's packed layout (where this build has it); else ``data``."""
     module = load_quant_kernels()
     if (
         module is None
         or not module.has_packed()
-        or type_name not in qref.GGUF_TYPE_IDS
+        or type_name not in PACKED_TYPES
         or data.dim() != 2
         or data.dtype != torch.uint8
         or data.device.type != "cpu"
@@ -168,6 +172,15 @@ def unpack_gguf_weight(packed: torch.Tensor, type_name: str) -> torch.Tensor:
         vals = torch.stack([lines & 0x0F, lines >> 4], dim=3)  # [g, nb, 4, 2, 16, 4]
         v = vals.permute(0, 4, 1, 2, 3, 5).reshape(g, 16, nb, 32)
         q = v[..., :16] | (v[..., 16:] << 4)
+    if type_name == "Q5_0":
+        # 8 masks of 64 bits (mask 2p + h, bit 4c + t: the fifth bit at k = 8p + 4h + t)
+        # -> each column's qh, bit k of a little-endian uint32.
+        shifts = torch.arange(8, dtype=torch.uint8)
+        bits = (entry[..., qb + 32 : qb + 96].reshape(g, nb, 8, 8, 1) >> shifts) & 1  # [g, nb, mask, byte, bit]
+        bits = bits.reshape(g, nb, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(g, 16, nb, 4, 8)  # [.., k // 8, k % 8]
+        qh = (bits << shifts).sum(-1, dtype=torch.uint8)  # [g, 16, nb, 4]
+        d = entry[..., qb : qb + 32].reshape(g, nb, 16, 2).permute(0, 2, 1, 3)
+        return torch.cat([d, qh, q], dim=-1).reshape(g * 16, nb * bb)
     scales = entry[..., qb:].reshape(g, nb, -1, 16, 2).permute(0, 3, 1, 2, 4).reshape(g, 16, nb, -1)
     blocks = torch.cat([scales, q], dim=-1)  # d (and m) first, then the quants, as ggml stores them
     return blocks.reshape(g * 16, nb * bb)
@@ -212,9 +225,11 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None) -
         amx = load_gguf_amx() if options.gguf_amx and options.gguf_repack and module.has_packed() else None
         if amx is not None:
             linear = make_gguf_linear_amx(gguf_linear, amx)
-            ops.register("gguf_linear", linear, source=f"{source}+amx-int8", capabilities=(PREFERS_QUANTIZED,))
+            ops.register(
+                "gguf_linear", linear, source=f"{source}+amx-int8", capabilities=(PREFERS_QUANTIZED, GGUF_EXTENDED)
+            )
         else:
-            ops.register("gguf_linear", gguf_linear, source=source, capabilities=(PREFERS_QUANTIZED,))
+            ops.register("gguf_linear", gguf_linear, source=source, capabilities=(PREFERS_QUANTIZED, GGUF_EXTENDED))
         if module.has_packed() and options.gguf_repack:
             ops.register("prepare_gguf_weight", prepare_gguf_weight, source=source)
             if module.has_packed_gated():

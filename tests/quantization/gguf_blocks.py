@@ -1,0 +1,138 @@
+"""A quantizer for tests: float rows -> GGUF blocks of Q5_0, Q5_1, Q4_K, Q5_K and Q6_K,
+written from the block formats' definitions (ggml-common.h), with plain round-to-nearest
+choices (no search for the best scales, as llama-quantize does: tests need valid blocks,
+not the best ones).  ``gguf.quants`` quantizes only some of these types, so tests check
+these blocks by dequantizing them with ``gguf.quants`` (an independent implementation).
+
+Each function takes float32 ``[rows, k]`` (k a multiple of the type's block) and returns
+uint8 ``[rows, k / block_values * block_bytes]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["QUANTIZERS", "quantize"]
+
+
+def _f16(v: np.ndarray) -> np.ndarray:
+    """float32 [..., 1] -> its fp16 bytes [..., 2]."""
+    return np.ascontiguousarray(v.astype(np.float16)).view(np.uint8)
+
+
+def _inv(d: np.ndarray) -> np.ndarray:
+    return np.where(d != 0, 1.0 / np.where(d != 0, d, 1), 0).astype(np.float32)
+
+
+def _pack_nibbles_32(q: np.ndarray) -> np.ndarray:
+    """[..., 32] values 0..15 -> [..., 16] bytes: element j < 16 low nibble of byte j, j + 16 its high."""
+    return (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+
+
+def _bits_le(bits: np.ndarray) -> np.ndarray:
+    """[..., 32] of 0/1 -> [..., 4] bytes of the little-endian uint32 with bit j = bits[j]."""
+    return np.packbits(bits.astype(np.uint8), axis=-1, bitorder="little")
+
+
+def _q5_0(x: np.ndarray) -> np.ndarray:
+    b = x.reshape(x.shape[0], -1, 32)
+    amax_at = np.abs(b).argmax(axis=-1)[..., None]
+    mx = np.take_along_axis(b, amax_at, axis=-1)  # signed value of largest magnitude
+    d = (mx / -16).astype(np.float32)
+    d16 = d.astype(np.float16).astype(np.float32)
+    q = np.clip(np.rint(b * _inv(d16)) + 16, 0, 31).astype(np.uint8)
+    out = np.concatenate([_f16(d), _bits_le(q >> 4), _pack_nibbles_32(q & 15)], axis=-1)
+    return out.reshape(x.shape[0], -1)
+
+
+def _q5_1(x: np.ndarray) -> np.ndarray:
+    b = x.reshape(x.shape[0], -1, 32)
+    lo, hi = b.min(axis=-1, keepdims=True), b.max(axis=-1, keepdims=True)
+    d = ((hi - lo) / 31).astype(np.float32)
+    d16, m16 = d.astype(np.float16).astype(np.float32), lo.astype(np.float16).astype(np.float32)
+    q = np.clip(np.rint((b - m16) * _inv(d16)), 0, 31).astype(np.uint8)
+    out = np.concatenate([_f16(d), _f16(lo), _bits_le(q >> 4), _pack_nibbles_32(q & 15)], axis=-1)
+    return out.reshape(x.shape[0], -1)
+
+
+def _pack_kscales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """6-bit scales and minimums [..., 8] -> the 12 bytes Q4_K / Q5_K store: bytes 0-3 and
+    4-7 hold sub-blocks 0-3's scale and minimum in their low 6 bits and the top 2 bits of
+    sub-blocks 4-7's; bytes 8-11 the low 4 bits of sub-blocks 4-7's scale (low nibble)
+    and minimum (high nibble)."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    a = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    b = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+    c = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    return np.concatenate([a, b, c], axis=-1).astype(np.uint8)
+
+
+def _k_affine(x: np.ndarray, levels: int) -> tuple[np.ndarray, ...]:
+    """Q4_K / Q5_K: per super-block d, dmin (fp16) and per sub-block 6-bit sc, mn, with
+    values d*sc*q - dmin*mn, q in 0..levels."""
+    b = x.reshape(x.shape[0], -1, 8, 32)
+    lo = np.minimum(b.min(axis=-1), 0)  # sub-block minimum, <= 0 so mn >= 0
+    scale = (b.max(axis=-1) - lo) / levels
+    d = (scale.max(axis=-1, keepdims=True) / 63).astype(np.float32)
+    dmin = ((-lo).max(axis=-1, keepdims=True) / 63).astype(np.float32)
+    d16, dmin16 = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(scale * _inv(d16)), 0, 63)
+    mn = np.clip(np.rint(-lo * _inv(dmin16)), 0, 63)
+    step = (d16 * sc)[..., None]
+    q = np.clip(np.rint((b + (dmin16 * mn)[..., None]) * _inv(step)), 0, levels).astype(np.uint8)
+    return d, dmin, sc, mn, q
+
+
+def _k_nibbles(q: np.ndarray) -> np.ndarray:
+    """[..., 8, 32] values 0..15 -> qs [..., 128]: byte l of group i holds sub-block 2i's
+    element l (low nibble) and sub-block 2i + 1's (high nibble)."""
+    return (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(*q.shape[:-2], 128).astype(np.uint8)
+
+
+def _q4_k(x: np.ndarray) -> np.ndarray:
+    d, dmin, sc, mn, q = _k_affine(x, 15)
+    out = np.concatenate([_f16(d), _f16(dmin), _pack_kscales(sc, mn), _k_nibbles(q)], axis=-1)
+    return out.reshape(x.shape[0], -1)
+
+
+def _q5_k(x: np.ndarray) -> np.ndarray:
+    d, dmin, sc, mn, q = _k_affine(x, 31)
+    # qh[l] bit j: the fifth bit of element l of sub-block j.
+    qh = np.packbits((q >> 4).swapaxes(-1, -2), axis=-1, bitorder="little")[..., 0]
+    out = np.concatenate([_f16(d), _f16(dmin), _pack_kscales(sc, mn), qh, _k_nibbles(q & 15)], axis=-1)
+    return out.reshape(x.shape[0], -1)
+
+
+def _q6_k(x: np.ndarray) -> np.ndarray:
+    b = x.reshape(x.shape[0], -1, 16, 16)
+    amax_at = np.abs(b).argmax(axis=-1)[..., None]
+    scale = np.take_along_axis(b, amax_at, axis=-1)[..., 0] / -32  # signed, so q reaches -32
+    d = (np.abs(scale).max(axis=-1, keepdims=True) / 127).astype(np.float32)
+    d16 = d.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(scale * _inv(d16)), -128, 127)
+    step = (d16 * sc)[..., None]
+    q = (np.clip(np.rint(b * _inv(step)), -32, 31) + 32).astype(np.uint8).reshape(*b.shape[:2], 2, 4, 32)
+    # Per half: element 32c + l in the low (c < 2) or high nibble of ql[l + 32 (c % 2)],
+    # its top two bits at bit 2c of qh[l].
+    low = q & 15
+    ql = (low[:, :, :, 0:2, :] | (low[:, :, :, 2:4, :] << 4)).reshape(*b.shape[:2], 128)
+    high = q >> 4
+    qh = (high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)).reshape(
+        *b.shape[:2], 64
+    )
+    out = np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), _f16(d)], axis=-1)
+    return out.astype(np.uint8).reshape(x.shape[0], -1)
+
+
+QUANTIZERS = {"Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def quantize(x: np.ndarray, type_name: str) -> np.ndarray:
+    """float ``[rows, k]`` -> uint8 GGUF blocks of ``type_name`` (the types of QUANTIZERS;
+    others through ``gguf.quants.quantize``)."""
+    x = np.asarray(x, dtype=np.float32)
+    if type_name in QUANTIZERS:
+        return QUANTIZERS[type_name](x)
+    import gguf
+
+    return gguf.quants.quantize(x, gguf.GGMLQuantizationType[type_name])

@@ -1,0 +1,350 @@
+"""Q5_0, Q5_1, Q4_K, Q5_K and Q6_K kept in their blocks, and GGUF files mixing types.
+
+- The torch reference dequantizer equals ``gguf.quants`` (an independent implementation)
+  on random blocks; the test quantizer (gguf_blocks.py) writes blocks ``gguf.quants``
+  reads back within each format's rounding.
+- The CPU kernel against the reference on random blocks and activations, outputs
+  poisoned (NaN) before it writes them: within float32 summation rounding of the same
+  product with the activations rounded to int8 blocks as the kernel rounds them, and
+  within the int8-activation error (relative 2.5e-2, the ``gguf_linear`` allowance;
+  ~0.5% measured) of the float reference.
+- A tiny random Llama GGUF whose q/k/v and gate/up mix types (and an F16 part) loads
+  with each tensor kept in its type and gives the dequantized model's logprobs within the
+  int8-activation error.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf_blocks import QUANTIZERS, quantize
+from native_build import require_native
+
+from pagedserve.kernels import quant_reference as ref
+from pagedserve.kernels.cpu.quant_native import load_quant_kernels, quant_build_spec
+from pagedserve.models.layers import fuse
+from pagedserve.platforms.cpu import quant_ops as cpu_quant
+from pagedserve.quantization.gguf import GGUF_KEPT_TYPES, GGUFWeight, StackedWeight, gguf_kept_types
+
+EXTENDED = ref.GGUF_EXTENDED_TYPES
+#: Relative error of one format's round-to-nearest on Gaussian rows (measured 1.7-6.5%).
+QUANTIZER_ERROR = {"Q5_0": 0.06, "Q5_1": 0.05, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.03}
+
+
+def native():
+    return require_native(load_quant_kernels, quant_build_spec, "the quantized CPU kernels")
+
+
+def random_blocks(type_name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 [n, row bytes]: random bytes with finite, realistic fp16 scales."""
+    bb, per = ref.GGUF_BLOCK_BYTES[type_name], ref.GGUF_BLOCK_VALUES[type_name]
+    raw = torch.randint(0, 256, (n, k // per, bb), dtype=torch.uint8, generator=gen)
+    fields = [208] if type_name == "Q6_K" else [0, 2] if type_name != "Q5_0" else [0]
+    for at in fields:
+        scale = (torch.rand(n, k // per, generator=gen) * 0.01 + 1e-3) / (32 if per == 256 else 1)
+        raw[..., at : at + 2] = scale.half().view(torch.uint8).reshape(n, k // per, 2)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("type_name", EXTENDED)
+def test_reference_dequantizer_matches_gguf_quants(type_name):
+    import gguf
+
+    gen = torch.Generator().manual_seed(1)
+    raw = random_blocks(type_name, 6, 512, gen)
+    # Scales of any sign and size too (only NaN/inf fp16 fields are left out).
+    mixed = torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen)
+    for data in (raw, mixed):
+        with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 in random fp16 fields
+            want = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType[type_name])
+        got = ref.dequantize_gguf(data, type_name)
+        finite = np.isfinite(want)
+        assert got.shape == want.shape and finite.mean() > 0.5
+        np.testing.assert_array_equal(got.numpy()[finite], want[finite])
+
+
+@pytest.mark.parametrize("type_name", list(QUANTIZERS))
+def test_test_quantizer_blocks_read_back_with_gguf(type_name):
+    import gguf
+
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((5, 768)) * 0.1).astype(np.float32)
+    x[1] += 0.2  # an offset row: minimums / signed scales matter
+    raw = quantize(x, type_name)
+    assert raw.shape == (5, ref.gguf_row_bytes(type_name, 768)) and raw.dtype == np.uint8
+    back = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    assert np.linalg.norm(back - x) / np.linalg.norm(x) < QUANTIZER_ERROR[type_name]
+    assert np.array_equal(ref.dequantize_gguf(torch.from_numpy(raw), type_name).numpy(), back)
+
+
+def int8_activation_reference(x: torch.Tensor, raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    """x rounded as the kernels round it (int8 per 32 values, scale max|x|/127 rounded to
+    fp16), times the dequantized weight, in float64: what the kernel computes exactly."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # A true division: ``127.0 / amax`` is reciprocal(amax) * 127 in torch, rounded otherwise.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv)
+    d = (amax / 127.0).half().float()
+    xq = (q * d).reshape(x.shape)
+    return (xq.double() @ ref.dequantize_gguf(raw, type_name).double().t()).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("type_name", EXTENDED)
+def test_cpu_kernel_matches_reference(type_name, dtype):
+    module, tid = native(), ref.GGUF_TYPE_IDS[type_name]
+    gen = torch.Generator().manual_seed(3)
+    # The default model's K (576: Q5_x only, a multiple of 32 but not of 256; 1536) and small ones.
+    ks = (256, 1536) if ref.GGUF_BLOCK_VALUES[type_name] == 256 else (96, 576)
+    prior = torch.utils.deterministic.fill_uninitialized_memory, torch.are_deterministic_algorithms_enabled()
+    # Deterministic mode fills every new tensor (the kernel's output too) with NaN first.
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        assert torch.empty(4).isnan().all()
+        for k in ks:
+            for m in (1, 3, 17, 64):
+                n = 40 if m != 17 else 24
+                raw = random_blocks(type_name, n, k, gen)
+                x = torch.randn(m, k, generator=gen).to(dtype)
+                got = module.gguf_linear(x, raw, tid)
+                assert got.dtype == torch.float32 and torch.isfinite(got).all()
+                exact = int8_activation_reference(x, raw, type_name)
+                scale = exact.abs().max().item()
+                assert (got - exact).abs().max().item() <= 2e-5 * scale, (k, m)
+                want = x.float() @ ref.dequantize_gguf(raw, type_name).t()
+                rel = ((got - want).norm() / want.norm()).item()
+                assert rel < 2.5e-2, (k, m, rel)
+                # The registered op: bias, x's dtype, same numbers.
+                bias = torch.randn(n, generator=gen)
+                y = cpu_quant.gguf_linear(x, raw, type_name, bias)
+                assert y.dtype == dtype
+                torch.testing.assert_close(y.float(), (got + bias).to(dtype).float(), rtol=0, atol=0)
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = prior[0]
+        torch.use_deterministic_algorithms(prior[1])
+
+
+def test_cpu_kernel_rows_are_batch_invariant():
+    module = native()
+    gen = torch.Generator().manual_seed(4)
+    for type_name in EXTENDED:
+        raw = random_blocks(type_name, 24, 512, gen)
+        x = torch.randn(17, 512, generator=gen)
+        whole = module.gguf_linear(x, raw, ref.GGUF_TYPE_IDS[type_name])
+        for i in (0, 8, 16):
+            assert torch.equal(module.gguf_linear(x[i : i + 1], raw, ref.GGUF_TYPE_IDS[type_name])[0], whole[i])
+
+
+def test_cpu_kernel_refuses_bad_shapes():
+    module = native()
+    raw = torch.zeros(4, ref.gguf_row_bytes("Q4_K", 256), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        module.gguf_linear(torch.randn(1, 224), raw[:, :126], ref.GGUF_TYPE_IDS["Q4_K"])
+    with pytest.raises(RuntimeError, match="bytes"):
+        module.gguf_linear(torch.randn(1, 256), raw[:, :100], ref.GGUF_TYPE_IDS["Q4_K"])
+    # K-quants are not repacked (Q5_0 is): prepare keeps their blocks.
+    assert cpu_quant.prepare_gguf_weight(raw.repeat(4, 1), "Q4_K").dim() == 2
+
+
+def test_q5_0_is_repacked_for_the_tiled_kernel():
+    """Q5_0 (the bulk of a small model's Q4_K_M) repacks losslessly, and the tiled kernel
+    on it gives the row kernel's result to float32 summation order, each row alone the
+    same as among others; the gated op equals the two ops in sequence bit for bit."""
+    module = native()
+    if not module.has_packed():
+        pytest.skip("no AVX-512 VNNI tiled GGUF kernel here")
+    gen = torch.Generator().manual_seed(7)
+    raw = random_blocks("Q5_0", 64, 576, gen)
+    packed = cpu_quant.prepare_gguf_weight(raw, "Q5_0")
+    assert packed.shape == (4, 18, 16 * 22) and packed.dtype == torch.uint8
+    assert torch.equal(cpu_quant.unpack_gguf_weight(packed, "Q5_0"), raw)
+    tid = ref.GGUF_TYPE_IDS["Q5_0"]
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(17, 576, generator=gen).to(dtype)
+        rows = module.gguf_linear(x, raw, tid)
+        tiled = module.gguf_linear(x, packed, tid)
+        assert ((tiled - rows).abs().max() / rows.abs().max()).item() < 1e-5
+        assert torch.equal(module.gguf_linear(x[5:6], packed, tid)[0], tiled[5])
+        bias = torch.randn(64, generator=gen)
+        out = cpu_quant.gguf_linear(x, packed, "Q5_0", bias)
+        assert out.dtype == dtype and torch.equal(out, module.gguf_linear_out(x, packed, tid, bias))
+        if module.has_packed_gated():
+            from pagedserve.testing.target import select_target
+
+            silu_and_mul = select_target("cpu").ops.get("silu_and_mul")
+            gated = module.gguf_linear_silu_out(x, packed, tid, bias)
+            want = silu_and_mul(module.gguf_linear_out(x, packed, tid, bias))
+            assert gated.shape == (17, 32) and torch.equal(gated, want)
+
+
+def test_fuse_keeps_each_type():
+    gen = torch.Generator().manual_seed(5)
+    op = cpu_quant.gguf_linear
+
+    def w(type_name: str, rows: int) -> GGUFWeight:
+        return GGUFWeight(type_name, random_blocks(type_name, rows, 256, gen), 256, op)
+
+    q, k, v = w("Q5_0", 32), w("Q5_0", 16), w("Q8_0", 16)
+    fused = fuse([q, k, v])
+    assert isinstance(fused, StackedWeight) and [p.type_name for p in fused.parts] == ["Q5_0", "Q8_0"]
+    assert fused.parts[0].out_features == 48 and fused.shape == (64, 256)
+    same = fuse([w("Q4_K", 16), w("Q4_K", 16)])
+    assert isinstance(same, GGUFWeight) and same.type_name == "Q4_K" and same.out_features == 32
+    x = torch.randn(3, 256, generator=gen)
+    want = x @ torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]).t()
+    assert ((fused.apply(x) - want).norm() / want.norm()).item() < 2.5e-2
+    assert torch.equal(fused.dequantize(), torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]))
+
+
+def test_fuse_dequantizes_blocks_beside_a_float_part(caplog):
+    gen = torch.Generator().manual_seed(6)
+    q = GGUFWeight("Q6_K", random_blocks("Q6_K", 32, 256, gen), 256)
+    dense = torch.randn(16, 256, generator=gen).to(torch.bfloat16)
+    for parts in ([q, dense], [dense, q]):
+        with caplog.at_level(logging.INFO, logger="pagedserve.models.layers"):
+            fused = fuse(parts)
+        assert isinstance(fused, torch.Tensor) and fused.dtype == torch.bfloat16 and fused.shape == (48, 256)
+        got = fused[:32] if parts[0] is q else fused[16:]
+        assert torch.equal(got, q.dequantize(torch.bfloat16))
+        assert "Q6_K" in caplog.text
+
+
+def test_kept_types_follow_the_capability(caplog):
+    from pagedserve.platforms.ops import GGUF_EXTENDED, OpRegistry
+    from pagedserve.quantization.gguf import _log_dequantized
+
+    plain = OpRegistry()
+    assert gguf_kept_types(plain) == ref.GGUF_BASE_TYPES
+    plain.register("gguf_linear", cpu_quant.gguf_linear, source="test", capabilities=(GGUF_EXTENDED,))
+    assert set(gguf_kept_types(plain)) == set(GGUF_KEPT_TYPES) >= set(EXTENDED)
+    with caplog.at_level(logging.INFO, logger="pagedserve.quantization.gguf"):
+        _log_dequantized({"a": "Q4_K", "b": "Q4_K", "c": "F16", "d": "Q3_K", "e": "Q8_0"}, ref.GGUF_BASE_TYPES)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "Q3_K" in lines[0] and "Q4_K" in lines[1] and "2 tensor(s)" in lines[1]
+
+
+# --- a tiny llama GGUF mixing types --------------------------------------------------
+
+#: Per layer, the ggml type of each projection: fused q/k/v and gate/up of different types,
+#: one float part (F16 k in layer 1), every extended type and the base ones.
+_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+LAYER_TYPES = (
+    dict(zip(_PARTS, ("Q5_0", "Q5_0", "Q8_0", "Q4_K", "Q4_K", "Q6_K", "Q6_K"))),
+    dict(zip(_PARTS, ("Q5_K", "F16", "Q5_1", "Q6_K", "Q5_0", "Q5_0", "Q4_K"))),
+)
+HIDDEN, INTER, HEADS, KV_HEADS = 256, 512, 4, 2
+
+
+def write_mixed_gguf(path, seed: int = 0):
+    """A 2-layer Llama GGUF (hidden 256, so every K-quant fits) with LAYER_TYPES, a tied
+    Q6_K embedding and the byte-level test tokenizer."""
+    import gguf
+
+    from tests.loader.tiny_checkpoints import _byte_vocab
+
+    tokens, types = _byte_vocab()
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny mixed llama")
+    writer.add_block_count(len(LAYER_TYPES))
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["h e", "l l"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    kv = KV_HEADS * HIDDEN // HEADS
+
+    def add(name: str, rows: int, cols: int | None, qtype: str = "F32", std: float = 0.08) -> None:
+        values = rng.standard_normal((rows, cols) if cols else (rows,)).astype(np.float32)
+        values = values * std if cols else 1.0 + 0.1 * values
+        kind = gguf.GGMLQuantizationType[qtype]
+        if qtype in ("F32", "F16"):
+            writer.add_tensor(name, values.astype(np.float16 if qtype == "F16" else np.float32), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, quantize(values, qtype), raw_dtype=kind)
+
+    add("token_embd.weight", len(tokens), HIDDEN, "Q6_K", std=0.1)
+    shapes = {
+        "attn_q": (HIDDEN, HIDDEN),
+        "attn_k": (kv, HIDDEN),
+        "attn_v": (kv, HIDDEN),
+        "attn_output": (HIDDEN, HIDDEN),
+        "ffn_gate": (INTER, HIDDEN),
+        "ffn_up": (INTER, HIDDEN),
+        "ffn_down": (HIDDEN, INTER),
+    }
+    for i, layer in enumerate(LAYER_TYPES):
+        add(f"blk.{i}.attn_norm.weight", HIDDEN, None)
+        add(f"blk.{i}.ffn_norm.weight", HIDDEN, None)
+        for part, (rows, cols) in shapes.items():
+            add(f"blk.{i}.{part}.weight", rows, cols, layer[part])
+    add("output_norm.weight", HIDDEN, None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _with_reference_op(w):
+    """``w`` (a model's linear weight) with each GGUF part multiplying through the float
+    reference instead of the registry's kernel (repacked parts unpacked first)."""
+    from pagedserve.kernels import reference
+
+    if isinstance(w, StackedWeight):
+        return StackedWeight([_with_reference_op(p) for p in w.parts])
+    if not isinstance(w, GGUFWeight):
+        return w
+    data = w.data if w.packed is None else cpu_quant.unpack_gguf_weight(w.packed, w.type_name)
+    return GGUFWeight(w.type_name, data, w.in_features, reference.gguf_linear)
+
+
+def test_mixed_type_gguf_loads_kept_and_matches_the_dequantized_model(tmp_path):
+    from test_quant_support import sequence_logprobs
+
+    from pagedserve import LLM
+
+    native()
+    path = write_mixed_gguf(tmp_path / "mixed.gguf")
+    kw = dict(dtype="float32", kv_cache_memory="8MiB", max_model_len=128)
+    ids = list(range(3, 60))
+    want = sequence_logprobs(LLM(model=str(path), quantization="none", **kw), ids)
+    kept = LLM(model=str(path), quantization="gguf", **kw)
+    model = kept.llm_engine.runner.model
+    layer0, layer1 = model.layers[0], model.layers[1]
+    # Each tensor in its own type: [q; k] Q5_0 fused, v Q8_0 beside it; down Q6_K kept.
+    assert [p.type_name for p in layer0.qkv.parts] == ["Q5_0", "Q8_0"]
+    assert [p.type_name for p in layer0.gate_up.parts] == ["Q4_K", "Q6_K"]
+    assert layer0.down.type_name == "Q6_K" and layer1.down.type_name == "Q4_K"
+    assert layer1.gate_up.type_name == "Q5_0" and layer1.o.type_name == "Q6_K"
+    assert isinstance(layer1.qkv, torch.Tensor)  # the F16 k: fused as floats
+    assert model.lm_head.type_name == "Q6_K"  # the tied embedding's prepared copy
+    got = sequence_logprobs(kept, ids)
+    assert torch.isfinite(got).all()
+    # Only the int8 activations differ: measured max |dlogprob| 0.13 here, and 0.125 for
+    # the same model stored all Q8_0 (the first kernels), against logprobs of mean -6.9
+    # and standard deviation 1.8.
+    diff = (got - want).abs()
+    assert diff.max().item() < 0.3 and diff.mean().item() < 0.08, (diff.max().item(), diff.mean().item())
+    # The same kept blocks multiplied by the float reference: the dequantized model's
+    # numbers (rows, block layouts and fusions all in place).
+    for layer in model.layers:
+        for field in ("qkv", "o", "gate_up", "down"):
+            setattr(layer, field, _with_reference_op(getattr(layer, field)))
+    model.lm_head = _with_reference_op(model.lm_head)
+    exact = sequence_logprobs(kept, ids)
+    assert (exact - want).abs().max().item() < 1e-3, (exact - want).abs().max().item()
