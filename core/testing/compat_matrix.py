@@ -164,7 +164,8 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
     Deployment("tp_pp", "TP=2 x PP=2", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
     Deployment("dp", "2 data-parallel replicas", data_parallel_size=2),
     Deployment("cpu_offload", "cpu_offload_gb", {"cpu_offload_gb": 0.0001}),
-    Deployment("kv_offload", "host KV tier", {"kv_offload_memory": "4MiB"}),
+    # A small device pool, so that cached blocks spill to the host tier and come back.
+    Deployment("kv_offload", "host KV tier", {"kv_offload_memory": "4MiB", "num_gpu_blocks_override": 32}),
     Deployment("device_map", "device_map", {"device_map": "cpu:1,cpu"}),
     Deployment("disagg", "disaggregated prefill/decode", disaggregated=True),
     Deployment("plugin_ort", "ort plugin platform", {"device": "ort"}),

@@ -21,10 +21,12 @@ The docs generator reads ``COMPAT_FEATURES`` / ``COMPAT_DEPLOYMENTS`` from this 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ import torch
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 from pagedserve.beam_search import BeamSearchParams
 from pagedserve.entrypoints.engine_args import engine_config_from_kwargs
+from pagedserve.lora import LoRARequest
 from pagedserve.testing.compat_matrix import TINY_HF_CONFIG, cell_kwargs, suite_cells
 
 pytestmark = pytest.mark.timeout(300)
@@ -49,6 +52,8 @@ COMPAT_FEATURES = (
     "priority",
     "pooling",
     "quant_int8",
+    "quant_fp8",
+    "lora",
 )
 COMPAT_DEPLOYMENTS = ("tp_mp", "pp", "tp_pp", "cpu_offload", "kv_offload", "device_map")
 #: Deployments whose engines start slowly on two cores (four worker processes).
@@ -119,7 +124,7 @@ def _generate(llm: LLM, prompts, params, **kw):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, **kw)
 
 
-def _prefix_caching(llm: LLM):
+def _prefix_caching(llm: LLM, pool: Engines):
     prompts = _prompts(1)
     kv = llm.llm_engine.kv
     first = _generate(llm, prompts, _params())
@@ -129,30 +134,30 @@ def _prefix_caching(llm: LLM):
     return first + again
 
 
-def _greedy(llm: LLM):
+def _greedy(llm: LLM, pool: Engines):
     return _generate(llm, _prompts(2), _params(max_tokens=10))
 
 
-def _chunked(llm: LLM):
+def _chunked(llm: LLM, pool: Engines):
     sched, prompts = llm.llm_engine.scheduler.config, _prompts(2)
     assert sched.enable_chunked_prefill and max(map(len, prompts)) > sched.max_num_batched_tokens
     return _generate(llm, prompts, _params(max_tokens=10))
 
 
-def _preempting(llm: LLM):
+def _preempting(llm: LLM, pool: Engines):
     before = llm.llm_engine.scheduler.num_preemptions
     out = _generate(llm, _prompts(3), _params(max_tokens=24))
     assert llm.llm_engine.scheduler.num_preemptions > before, "24 KV blocks did not force a preemption"
     return out
 
 
-def _swapping(llm: LLM):
-    out = _preempting(llm)
+def _swapping(llm: LLM, pool: Engines):
+    out = _preempting(llm, pool)
     assert llm.llm_engine.kv.num_swap_outs > 0, "preemption_mode='swap' preempted without swapping"
     return out
 
 
-def _n_best_of(llm: LLM):
+def _n_best_of(llm: LLM, pool: Engines):
     params = [
         _params(n=3, temperature=1.0, seed=11, max_tokens=6),
         _params(n=2, best_of=4, temperature=0.8, seed=5, max_tokens=6),
@@ -162,7 +167,7 @@ def _n_best_of(llm: LLM):
     return out
 
 
-def _beam_search(llm: LLM):
+def _beam_search(llm: LLM, pool: Engines):
     out = llm.beam_search(
         [{"prompt_token_ids": p} for p in _prompts(5)[1:4]], BeamSearchParams(beam_width=3, max_tokens=5)
     )
@@ -186,7 +191,7 @@ REGEX = r"[0-9]{3}-[A-Z]{2}"
 CHOICES = ["yes", "no", "maybe so"]
 
 
-def _structured(llm: LLM):
+def _structured(llm: LLM, pool: Engines):
     so = StructuredOutputsParams
     cases = [
         ("A person: ", _params(max_tokens=40, ignore_eos=False, structured_outputs=so(json=PERSON))),
@@ -206,7 +211,7 @@ def _structured(llm: LLM):
     return out
 
 
-def _logits_processors(llm: LLM):
+def _logits_processors(llm: LLM, pool: Engines):
     prompts = _prompts(6)[:3]
     allowed = [40, 41, 42, 43]
     params = [
@@ -223,7 +228,7 @@ def _logits_processors(llm: LLM):
     return out
 
 
-def _prompt_logprobs(llm: LLM):
+def _prompt_logprobs(llm: LLM, pool: Engines):
     out = _generate(llm, _prompts(7)[2:5], _params(max_tokens=2, prompt_logprobs=2))
     assert all(o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in out)
     return out
@@ -235,13 +240,13 @@ def _same_prompt_logprobs(got, want) -> None:
         _same_logprobs(g.prompt_logprobs[1:], w.prompt_logprobs[1:])
 
 
-def _priority(llm: LLM):
+def _priority(llm: LLM, pool: Engines):
     assert llm.llm_engine.scheduler.config.policy == "priority"
     prompts = _prompts(8)
-    return _generate(llm, prompts, _params(max_tokens=6), priority=[3, 0, 2, 1, 5, 4])
+    return _generate(llm, prompts, _params(max_tokens=16), priority=[3, 0, 2, 1, 5, 4])
 
 
-def _pooling(llm: LLM):
+def _pooling(llm: LLM, pool: Engines):
     return [torch.tensor(o.outputs.embedding) for o in llm.embed([{"prompt_token_ids": p} for p in _prompts(9)])]
 
 
@@ -251,9 +256,22 @@ def _same_embeddings(got, want) -> None:
         torch.testing.assert_close(g, w, atol=EMBED_TOL, rtol=0)
 
 
+def _lora(llm: LLM, pool: Engines):
+    """Each prompt with and without the adapter in one batch, twice (the second round
+    reuses cached, possibly spilled, blocks: they must be the adapter's own)."""
+    lora = LoRARequest("a", 1, str(pool.adapter()))
+    prompts = _prompts(10)
+    loras = [lora, None] * len(prompts)
+    doubled = [p for p in prompts for _ in range(2)]
+    first = _generate(llm, doubled, _params(), lora_request=loras)
+    assert any(a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in zip(first[::2], first[1::2]))
+    again = _generate(llm, doubled[::-1], _params(), lora_request=loras[::-1])
+    return first + again
+
+
 @dataclass(frozen=True)
 class Case:
-    run: Callable[[LLM], object]
+    run: Callable[[LLM, Engines], object]
     same: Callable[[object, object], None] = _same_generations
 
 
@@ -271,6 +289,8 @@ CASES: dict[str, Case] = {
     "priority": Case(_priority),
     "pooling": Case(_pooling, _same_embeddings),
     "quant_int8": Case(_greedy),
+    "quant_fp8": Case(_greedy),
+    "lora": Case(_lora),
 }
 assert set(CASES) == set(COMPAT_FEATURES)
 
@@ -291,11 +311,26 @@ class Engines:
     """LLMs by their EngineConfig: single-process ones stay up for the module (they are
     cheap), a deployment's engine until the next one is needed."""
 
-    def __init__(self, model: str) -> None:
-        self.model = model
+    def __init__(self, model: str, tmp: Path) -> None:
+        self.model, self.tmp = model, tmp
         self.single: dict[str, LLM] = {}
         self.current: tuple[str, LLM] | None = None
         self.results: dict[tuple[str, str], object] = {}
+        self._adapter: Path | None = None
+
+    def adapter(self) -> Path:
+        """A random PEFT adapter for the model (made once, with peft)."""
+        if self._adapter is None:
+            pytest.importorskip("peft")
+            import transformers
+
+            helpers = Path(__file__).resolve().parents[1] / "lora" / "peft_adapters.py"
+            spec = importlib.util.spec_from_file_location("compat_peft_adapters", helpers)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            hf = transformers.AutoModelForCausalLM.from_pretrained(self.model, dtype=torch.float32)
+            self._adapter = module.make_adapter(hf, self.tmp / "adapter", seed=3, r=8)
+        return self._adapter
 
     def _key(self, kwargs: dict) -> str:
         return repr(engine_config_from_kwargs(**kwargs))
@@ -307,7 +342,7 @@ class Engines:
         if (key, feature) not in self.results:
             if key not in self.single:
                 self.single[key] = LLM(**kwargs)
-            self.results[(key, feature)] = CASES[feature].run(self.single[key])
+            self.results[(key, feature)] = CASES[feature].run(self.single[key], self)
         return self.results[(key, feature)]
 
     def get(self, feature: str, deployment: str) -> LLM:
@@ -327,14 +362,24 @@ class Engines:
             llm.shutdown()
 
 
+#: Evidence that a deployment did its part, checked after each of its cells.
+IN_USE: dict[str, Callable[[LLM], bool]] = {
+    "tp_mp": lambda llm: llm.llm_engine.runner.model.num_heads == TINY_HF_CONFIG["num_attention_heads"] // 2,
+    "pp": lambda llm: llm.llm_engine.runner.model.layer_end < TINY_HF_CONFIG["num_hidden_layers"],
+    "cpu_offload": lambda llm: llm.llm_engine.weight_streamer is not None,
+    # The small device pool spills evicted cached blocks to the host tier (or swaps).
+    "kv_offload": lambda llm: llm.llm_engine.kv.num_spilled_blocks + llm.llm_engine.kv.num_swap_outs > 0,
+}
+
+
 @pytest.fixture(scope="module")
-def engines(tiny_checkpoint_factory):
+def engines(tiny_checkpoint_factory, tmp_path_factory):
     path = tiny_checkpoint_factory(**TINY)
     config = json.loads((path / "config.json").read_text())
     assert {k: config[k] for k in TINY_HF_CONFIG if k not in ("architectures", "model_type")} == {
         k: v for k, v in TINY_HF_CONFIG.items() if k not in ("architectures", "model_type")
     }
-    pool = Engines(str(path))
+    pool = Engines(str(path), tmp_path_factory.mktemp("compat"))
     try:
         yield pool
     finally:
@@ -344,5 +389,8 @@ def engines(tiny_checkpoint_factory):
 @pytest.mark.parametrize(("feature", "deployment"), _cells())
 def test_cell_matches_one_process(engines, feature, deployment):
     want = engines.reference(feature)
-    got = CASES[feature].run(engines.get(feature, deployment))
+    llm = engines.get(feature, deployment)
+    got = CASES[feature].run(llm, engines)
     CASES[feature].same(got, want)
+    if deployment in IN_USE:
+        assert IN_USE[deployment](llm), f"the {deployment} deployment was configured but not used"
