@@ -1,0 +1,31 @@
+"""The matrix's disaggregated prefill/decode column (docs/compatibility.md): the features a
+request brings to ``DisaggregatedLLM.generate``, each equal to the single process's
+result (tests/compat/compat_cases.py), with the prompt's KV blocks handed over by the
+prefill instance.  Beam search, embeddings, priorities and adapters are not reachable
+through ``DisaggregatedLLM`` (its ``generate`` takes prompts and sampling parameters), so
+their cells stay untested here."""
+
+from __future__ import annotations
+
+import pytest
+from compat_cases import CASES, cell_params, check_cell
+
+pytestmark = pytest.mark.timeout(300)
+
+COMPAT_FEATURES = (
+    "prefix_caching",
+    "chunked_prefill",
+    "preemption_recompute",
+    "n_best_of",
+    "structured_outputs",
+    "logits_processors",
+    "prompt_logprobs",
+    "quant_int8",
+)
+COMPAT_DEPLOYMENTS = ("disagg",)
+assert set(CASES) >= set(COMPAT_FEATURES)
+
+
+@pytest.mark.parametrize(("feature", "deployment"), cell_params(COMPAT_FEATURES, COMPAT_DEPLOYMENTS))
+def test_cell_matches_one_process(engines, feature, deployment):
+    check_cell(engines, feature, deployment)
