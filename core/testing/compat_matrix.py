@@ -47,6 +47,7 @@ __all__ = [
     "build_matrix",
     "matrix_problems",
     "render",
+    "NOTES",
     "main",
 ]
 
@@ -370,6 +371,24 @@ def matrix_problems(tests_root: Path) -> list[str]:
     return build_matrix(tests_root)[1]
 
 
+#: What a reader of the matrix should know that no cell shows.
+NOTES: tuple[str, ...] = (
+    "A cell compares with one process on the same settings. `quantization` left at `auto` "
+    "on a `.gguf` keeps its blocks in one process but loads them dequantized under "
+    "tensor/pipeline parallelism, `cpu_offload_gb` or `device_map` (docs/quantization.md), "
+    "so those outputs are the float model's and differ from a quantized single process; "
+    "the `quant_gguf` row asks for blocks explicitly (`quantization='gguf'`), which those "
+    "deployments refuse.",
+    "Refusals are the engine's own messages for the tiny test model's shape (4 heads, 2 KV "
+    "heads, 2 layers); a model whose heads or layers the ranks cannot split is refused by "
+    "`check_parallel_fits_model` as well.",
+    "`disagg` reaches only what `DisaggregatedLLM.generate` takes (prompts and sampling "
+    "parameters): beam search, embeddings, priorities and adapters are not reachable "
+    "through it, so those cells stay untested.",
+    "Tests that need Ray, peft or the default model's package skip where it is missing; "
+    "their cells count as tested from the marker.",
+)
+
 _SYMBOL = {"works": "✅", "refused": "⛔", "untested": "·"}
 
 
@@ -420,6 +439,7 @@ def render(cells: list[Cell]) -> str:
         if f.windows is not None:
             how.append("a model whose layers have different attention windows")
         lines.append(f"- `{f.id}`: {f.title}" + (f" ({'; '.join(how)})" if how else ""))
+    lines += ["", "## Notes", ""] + [f"- {n}" for n in NOTES]
     lines += ["", "## Refusals", ""]
     for c in cells:
         if c.refusals:
