@@ -319,6 +319,11 @@ RULES.append(_async_scheduling_rule)
 def check_data_parallel(cfg: EngineConfig, size: int) -> None:
     """ValueError for a setting that ``size`` data-parallel replicas behind one router
     cannot serve (``cfg``: each replica's configuration).  Checked before replicas start."""
+    if size > 1 and cfg.parallel.nnodes > 1:
+        raise ValueError(
+            f"nnodes={cfg.parallel.nnodes} cannot be combined with data_parallel_size={size} yet (a replica's "
+            "ranks span nodes, the router starts replicas on this node only); use one or the other"
+        )
     if size > 1 and cfg.lora.enable_lora:
         raise ValueError(
             f"enable_lora cannot be combined with data_parallel_size={size} yet (the router does not route "
