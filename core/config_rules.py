@@ -61,10 +61,9 @@ def _device_map_rule(cfg: EngineConfig) -> str | None:
             "layers on the host platform with the map instead (e.g. 'cuda:20,cpu'), where they run rather "
             "than being streamed"
         )
-    from pagedserve.config import parse_device_map  # config imports this module
-
     q = cfg.model.quantization
-    platforms = {e.platform for e in parse_device_map(dm)}
+    # DeviceConfig normalises the map to "platform[:count|:first-last],...".
+    platforms = {segment.split(":")[0].strip() for segment in str(dm).split(",")}
     if q not in _NOT_A_METHOD and len(platforms) > 1:
         return (
             f"quantization={q!r} cannot be combined with device_map={dm!r}, which places layers on "
@@ -360,13 +359,14 @@ def check_disaggregated(cfg: EngineConfig, windows: list[int | None] | None = No
     loads weights: the decode instance receives whole prompt blocks through its prefix cache."""
     if not cfg.cache.enable_prefix_caching:
         raise ValueError(
-            "disaggregated prefill/decode hands the prompt's KV blocks over through the decode instance's "
-            "prefix cache; enable_prefix_caching=False cannot be combined with it (leave it on)"
+            "disaggregated decode needs enable_prefix_caching=True: the prompt's KV blocks are handed over "
+            "through the decode instance's prefix cache, so enable_prefix_caching=False cannot be combined "
+            "with it (leave it on)"
         )
     if cfg.parallel.world_size > 1:
         raise ValueError(
-            f"disaggregated prefill/decode runs each instance on one rank; tensor/pipeline parallelism "
-            f"({_parallel(cfg)}) cannot be combined with it yet: use one rank per instance"
+            f"disaggregated prefill/decode instances are single-rank: tensor/pipeline parallelism "
+            f"({_parallel(cfg)}) cannot be combined with them yet; use one rank per instance"
         )
     if windows is not None and cfg.cache.free_sliding_window_blocks and len(set(windows)) > 1:
         raise ValueError(

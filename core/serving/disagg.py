@@ -92,7 +92,9 @@ class DisaggregatedLLM:
         from pagedserve.entrypoints.llm import LLM
 
         config = engine_config_from_kwargs(model=model, **llm_kwargs)
-        # Every refusal before weights load (the checkpoint's config gives its layers' windows).
+        # Every refusal before weights load: the settings alone, then with the layers'
+        # windows from the checkpoint's config.
+        check_disaggregated(config)
         hf_config = open_model(config.model.model).hf_config
         check_disaggregated(config, layer_windows(hf_config, hf_config["num_hidden_layers"]))
         self.timeout_s = timeout_s
