@@ -226,6 +226,18 @@ def _lora(llm: LLM, pool: Engines):
     return first + again
 
 
+def _speculative(llm: LLM, pool: Engines):
+    """Greedy tokens and logprobs with drafts verified (prompts that repeat themselves, so
+    that n-gram lookup finds proposals too)."""
+    spec = llm.llm_engine.spec
+    assert spec is not None, "speculative_config was set but no proposer runs"
+    before = spec.num_draft_tokens
+    prompts = [p[:8] * 4 for p in _prompts(11)[2:6]]
+    out = _generate(llm, prompts, _params(max_tokens=12))
+    assert spec.num_draft_tokens > before, "no token was drafted"
+    return out
+
+
 @dataclass(frozen=True)
 class Case:
     run: Callable[[LLM, Engines], object]
@@ -248,6 +260,9 @@ CASES: dict[str, Case] = {
     "quant_int8": Case(_greedy),
     "quant_fp8": Case(_greedy),
     "lora": Case(_lora),
+    "spec_ngram": Case(_speculative),
+    "spec_draft_model": Case(_speculative),
+    "spec_self_quantized": Case(_speculative),
 }
 
 

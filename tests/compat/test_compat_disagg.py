@@ -21,6 +21,9 @@ COMPAT_FEATURES = (
     "logits_processors",
     "prompt_logprobs",
     "quant_int8",
+    "spec_ngram",
+    "spec_draft_model",
+    "spec_self_quantized",
 )
 COMPAT_DEPLOYMENTS = ("disagg",)
 assert set(CASES) >= set(COMPAT_FEATURES)

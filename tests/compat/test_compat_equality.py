@@ -39,6 +39,9 @@ COMPAT_FEATURES = (
     "priority",
     "pooling",
     "quant_int8",
+    "spec_ngram",
+    "spec_draft_model",
+    "spec_self_quantized",
     "quant_fp8",
     "lora",
 )
