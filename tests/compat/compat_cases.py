@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,8 +304,23 @@ class DisaggregatedEngine:
         self.disagg.shutdown()
 
 
+def ray_engine(**kwargs) -> LLM:
+    """An LLM on the Ray executor, on a local Ray head started on first use (one logical
+    CPU per rank, as tests/distributed/test_dist_ray.py starts it)."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray>=2.9')")
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    return LLM(**kwargs)
+
+
 #: How a deployment's engine is made when not by LLM(**cell_kwargs).
-FACTORIES: dict[str, Callable[..., object]] = {"disagg": DisaggregatedEngine}
+FACTORIES: dict[str, Callable[..., object]] = {"disagg": DisaggregatedEngine, "tp_ray": ray_engine}
 
 
 class Engines:
@@ -360,11 +376,15 @@ class Engines:
             self.current[1].shutdown()
         for llm in self.single.values():
             llm.shutdown()
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
 
 
 #: Evidence that a deployment did its part, checked after each of its cells.
 IN_USE: dict[str, Callable[[LLM], bool]] = {
     "tp_mp": lambda llm: llm.llm_engine.runner.model.num_heads == TINY_HF_CONFIG["num_attention_heads"] // 2,
+    "tp_ray": lambda llm: llm.llm_engine.runner.model.num_heads == TINY_HF_CONFIG["num_attention_heads"] // 2,
     "pp": lambda llm: llm.llm_engine.runner.model.layer_end < TINY_HF_CONFIG["num_hidden_layers"],
     "cpu_offload": lambda llm: llm.llm_engine.weight_streamer is not None,
     # Blocks of every prompt longer than one block came from the prefill instance.

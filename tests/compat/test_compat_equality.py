@@ -45,9 +45,9 @@ COMPAT_FEATURES = (
     "quant_fp8",
     "lora",
 )
-COMPAT_DEPLOYMENTS = ("tp_mp", "pp", "tp_pp", "cpu_offload", "kv_offload", "device_map")
-#: Deployments whose engines start slowly on two cores (four worker processes).
-SLOW = ("tp_pp",)
+COMPAT_DEPLOYMENTS = ("tp_mp", "pp", "tp_pp", "tp_ray", "cpu_offload", "kv_offload", "device_map")
+#: Deployments whose engines start slowly on two cores (four worker processes; a Ray head).
+SLOW = ("tp_pp", "tp_ray")
 #: Cells that need an engine of their own on a multi-process deployment (about 10 s to
 #: start on two cores) and test nothing the rank split could change (the scheduler runs
 #: in the engine's process).
