@@ -239,6 +239,55 @@ def _speculative(llm: LLM, pool: Engines):
     return out
 
 
+#: The attention window of the layers of the kv_groups model, in tokens (two blocks).
+WINDOW = 8
+
+
+def make_windowed_checkpoint(path: Path) -> Path:
+    """A tiny random Gemma 2 (4 layers alternating an ``WINDOW``-token window and full
+    attention; the tiny Llama's heads and widths), saved by transformers."""
+    import transformers
+
+    from pagedserve.testing.tiny_model import write_byte_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = write_byte_tokenizer(path)
+    config = transformers.Gemma2Config(
+        vocab_size=vocab,
+        hidden_size=TINY_HF_CONFIG["hidden_size"],
+        intermediate_size=TINY_HF_CONFIG["intermediate_size"],
+        num_hidden_layers=4,
+        num_attention_heads=TINY_HF_CONFIG["num_attention_heads"],
+        num_key_value_heads=TINY_HF_CONFIG["num_key_value_heads"],
+        head_dim=16,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    gen = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = (0.2 if "embed" in name else 0.08) if p.dim() >= 2 else 0.1  # norms apply 1 + w
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    model.to(torch.float32).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _kv_groups(llm: LLM, pool: Engines):
+    """Generation far past the window, in a pool too small for every request's blocks:
+    the windowed group frees slid-out blocks that others reuse."""
+    from pagedserve.kv_cache.kv_groups import GroupedKVCacheManager
+
+    assert isinstance(llm.llm_engine.kv, GroupedKVCacheManager), "the windowed layers got no KV cache group"
+    return _generate(llm, [p[:20] for p in _prompts(12)], _params(max_tokens=40))
+
+
 @dataclass(frozen=True)
 class Case:
     run: Callable[[LLM, Engines], object]
@@ -261,6 +310,7 @@ CASES: dict[str, Case] = {
     "quant_int8": Case(_greedy),
     "quant_fp8": Case(_greedy),
     "lora": Case(_lora),
+    "kv_groups": Case(_kv_groups),
     "spec_ngram": Case(_speculative),
     "spec_draft_model": Case(_speculative),
     "spec_self_quantized": Case(_speculative),
@@ -333,6 +383,7 @@ class Engines:
         self.current: tuple[str, LLM] | None = None
         self.results: dict[tuple[str, str], object] = {}
         self._adapter: Path | None = None
+        self._windowed: Path | None = None
 
     def adapter(self) -> Path:
         """A random PEFT adapter for the model (made once, with peft)."""
@@ -348,12 +399,20 @@ class Engines:
             self._adapter = module.make_adapter(hf, self.tmp / "adapter", seed=3, r=8)
         return self._adapter
 
+    def model_for(self, feature: str) -> str:
+        """The tiny Llama, or for ``kv_groups`` a tiny Gemma 2 (windowed and full layers)."""
+        if feature != "kv_groups":
+            return self.model
+        if self._windowed is None:
+            self._windowed = make_windowed_checkpoint(self.tmp / "gemma2")
+        return str(self._windowed)
+
     def _key(self, kwargs: dict) -> str:
         return repr(engine_config_from_kwargs(**kwargs))
 
     def reference(self, feature: str):
         """The single-process result of ``feature``'s case (computed once)."""
-        kwargs = cell_kwargs(feature, "single", model=self.model)
+        kwargs = cell_kwargs(feature, "single", model=self.model_for(feature))
         key = self._key(kwargs)
         if (key, feature) not in self.results:
             if key not in self.single:
@@ -362,7 +421,7 @@ class Engines:
         return self.results[(key, feature)]
 
     def get(self, feature: str, deployment: str) -> LLM:
-        kwargs = cell_kwargs(feature, deployment, model=self.model)
+        kwargs = cell_kwargs(feature, deployment, model=self.model_for(feature))
         key = deployment + self._key(kwargs)
         if self.current is not None and self.current[0] != key:
             self.current[1].shutdown()
@@ -385,7 +444,7 @@ class Engines:
 IN_USE: dict[str, Callable[[LLM], bool]] = {
     "tp_mp": lambda llm: llm.llm_engine.runner.model.num_heads == TINY_HF_CONFIG["num_attention_heads"] // 2,
     "tp_ray": lambda llm: llm.llm_engine.runner.model.num_heads == TINY_HF_CONFIG["num_attention_heads"] // 2,
-    "pp": lambda llm: llm.llm_engine.runner.model.layer_end < TINY_HF_CONFIG["num_hidden_layers"],
+    "pp": lambda llm: llm.llm_engine.runner.model.layer_end < llm.llm_engine.arch.num_layers,
     "cpu_offload": lambda llm: llm.llm_engine.weight_streamer is not None,
     # Blocks of every prompt longer than one block came from the prefill instance.
     "disagg": lambda llm: llm.disagg.num_injected_blocks > 0,

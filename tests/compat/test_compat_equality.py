@@ -39,6 +39,7 @@ COMPAT_FEATURES = (
     "priority",
     "pooling",
     "quant_int8",
+    "kv_groups",
     "spec_ngram",
     "spec_draft_model",
     "spec_self_quantized",
@@ -51,7 +52,7 @@ SLOW = ("tp_pp", "tp_ray")
 #: Cells that need an engine of their own on a multi-process deployment (about 10 s to
 #: start on two cores) and test nothing the rank split could change (the scheduler runs
 #: in the engine's process).
-SLOW_CELLS = (("priority", "tp_mp"), ("priority", "pp"), ("priority", "tp_ray"))
+SLOW_CELLS = (("priority", "tp_mp"), ("priority", "pp"), ("priority", "tp_ray"), ("kv_groups", "tp_mp"))
 
 assert set(CASES) >= set(COMPAT_FEATURES)
 
