@@ -96,6 +96,15 @@ def _greedy(llm: LLM, pool: Engines):
     return _generate(llm, _prompts(2), _params(max_tokens=10))
 
 
+def _quantized(method: str) -> Callable[[LLM, Engines], object]:
+    def run(llm: LLM, pool: Engines):
+        used = getattr(llm.llm_engine.model_source, "method", None)
+        assert used is not None and used.name == method, f"weights not loaded as {method}: {used}"
+        return _greedy(llm, pool)
+
+    return run
+
+
 def _chunked(llm: LLM, pool: Engines):
     sched, prompts = llm.llm_engine.scheduler.config, _prompts(2)
     assert sched.enable_chunked_prefill and max(map(len, prompts)) > sched.max_num_batched_tokens
@@ -307,8 +316,9 @@ CASES: dict[str, Case] = {
     "prompt_logprobs": Case(_prompt_logprobs, _same_prompt_logprobs),
     "priority": Case(_priority),
     "pooling": Case(_pooling, _same_embeddings),
-    "quant_int8": Case(_greedy),
-    "quant_fp8": Case(_greedy),
+    "quant_int8": Case(_quantized("int8")),
+    "quant_fp8": Case(_quantized("fp8")),
+    "quant_gguf": Case(_quantized("gguf")),
     "lora": Case(_lora),
     "kv_groups": Case(_kv_groups),
     "spec_ngram": Case(_speculative),
@@ -373,6 +383,15 @@ def ray_engine(**kwargs) -> LLM:
 FACTORIES: dict[str, Callable[..., object]] = {"disagg": DisaggregatedEngine, "tp_ray": ray_engine}
 
 
+def _helper(folder: str, name: str):
+    """A helper module of another test folder (tests/<folder>/<name>), under its own name."""
+    path = Path(__file__).resolve().parents[1] / folder / name
+    spec = importlib.util.spec_from_file_location(f"compat_{Path(name).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 class Engines:
     """LLMs by their EngineConfig: single-process ones stay up for the module (they are
     cheap), a deployment's engine until the next one is needed."""
@@ -384,6 +403,7 @@ class Engines:
         self.results: dict[tuple[str, str], object] = {}
         self._adapter: Path | None = None
         self._windowed: Path | None = None
+        self._gguf: Path | None = None
 
     def adapter(self) -> Path:
         """A random PEFT adapter for the model (made once, with peft)."""
@@ -391,21 +411,38 @@ class Engines:
             pytest.importorskip("peft")
             import transformers
 
-            helpers = Path(__file__).resolve().parents[1] / "lora" / "peft_adapters.py"
-            spec = importlib.util.spec_from_file_location("compat_peft_adapters", helpers)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
             hf = transformers.AutoModelForCausalLM.from_pretrained(self.model, dtype=torch.float32)
-            self._adapter = module.make_adapter(hf, self.tmp / "adapter", seed=3, r=8)
+            self._adapter = _helper("lora", "peft_adapters.py").make_adapter(hf, self.tmp / "adapter", seed=3, r=8)
         return self._adapter
 
     def model_for(self, feature: str) -> str:
-        """The tiny Llama, or for ``kv_groups`` a tiny Gemma 2 (windowed and full layers)."""
-        if feature != "kv_groups":
-            return self.model
-        if self._windowed is None:
-            self._windowed = make_windowed_checkpoint(self.tmp / "gemma2")
-        return str(self._windowed)
+        """The tiny Llama; for ``kv_groups`` a tiny Gemma 2 (windowed and full layers), for
+        ``quant_gguf`` the tiny Llama written as a Q8_0 GGUF."""
+        if feature == "kv_groups":
+            if self._windowed is None:
+                self._windowed = make_windowed_checkpoint(self.tmp / "gemma2")
+            return str(self._windowed)
+        if feature == "quant_gguf":
+            if self._gguf is None:
+                self._gguf = self._write_gguf()
+            return str(self._gguf)
+        return self.model
+
+    def _write_gguf(self) -> Path:
+        """The tiny Llama converted as llama.cpp's converter does (tests/models/gguf_convert.py)."""
+        import shutil
+
+        import transformers
+
+        convert = _helper("models", "gguf_convert.py")
+        folder = self.tmp / "gguf"
+        folder.mkdir(exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(self.model) / name, folder / name)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(self.model, dtype=torch.float32)
+        # The converter's gpt2 vocabulary adds one merged token: one more embedding row.
+        hf.resize_token_embeddings(hf.config.vocab_size + 1, mean_resizing=False)
+        return convert.write_gguf_like_llama_cpp(folder / "q8_0.gguf", hf, "llama", "Q8_0")
 
     def _key(self, kwargs: dict) -> str:
         return repr(engine_config_from_kwargs(**kwargs))

@@ -16,19 +16,28 @@ COMPAT_FEATURES = (
     "prefix_caching",
     "chunked_prefill",
     "preemption_recompute",
+    "preemption_swap",
     "n_best_of",
     "structured_outputs",
     "logits_processors",
     "prompt_logprobs",
     "quant_int8",
+    "quant_gguf",
+    "quant_fp8",
     "spec_ngram",
     "spec_draft_model",
     "spec_self_quantized",
 )
 COMPAT_DEPLOYMENTS = ("disagg",)
+#: Each cell starts its own pair of instances (about 10 s on two cores); these add no
+#: hand-off path the others do not take (quantized weights, the quantized draft).
+SLOW_CELLS = (("quant_gguf", "disagg"), ("quant_fp8", "disagg"), ("spec_self_quantized", "disagg"))
 assert set(CASES) >= set(COMPAT_FEATURES)
 
 
-@pytest.mark.parametrize(("feature", "deployment"), cell_params(COMPAT_FEATURES, COMPAT_DEPLOYMENTS))
+CELLS = cell_params(COMPAT_FEATURES, COMPAT_DEPLOYMENTS, slow_cells=SLOW_CELLS)
+
+
+@pytest.mark.parametrize(("feature", "deployment"), CELLS)
 def test_cell_matches_one_process(engines, feature, deployment):
     check_cell(engines, feature, deployment)

@@ -39,6 +39,7 @@ COMPAT_FEATURES = (
     "priority",
     "pooling",
     "quant_int8",
+    "quant_gguf",
     "kv_groups",
     "spec_ngram",
     "spec_draft_model",
