@@ -319,6 +319,7 @@ CASES: dict[str, Case] = {
     "quant_int8": Case(_quantized("int8")),
     "quant_fp8": Case(_quantized("fp8")),
     "quant_gguf": Case(_quantized("gguf")),
+    "quant_gptq_awq": Case(_quantized("gptq")),
     "lora": Case(_lora),
     "kv_groups": Case(_kv_groups),
     "spec_ngram": Case(_speculative),
@@ -404,6 +405,7 @@ class Engines:
         self._adapter: Path | None = None
         self._windowed: Path | None = None
         self._gguf: Path | None = None
+        self._gptq: Path | None = None
 
     def adapter(self) -> Path:
         """A random PEFT adapter for the model (made once, with peft)."""
@@ -417,7 +419,8 @@ class Engines:
 
     def model_for(self, feature: str) -> str:
         """The tiny Llama; for ``kv_groups`` a tiny Gemma 2 (windowed and full layers), for
-        ``quant_gguf`` the tiny Llama written as a Q8_0 GGUF."""
+        ``quant_gguf`` the tiny Llama written as a Q8_0 GGUF, for ``quant_gptq_awq`` as a
+        GPTQ checkpoint (4 bits, groups of 32 rows, act-order)."""
         if feature == "kv_groups":
             if self._windowed is None:
                 self._windowed = make_windowed_checkpoint(self.tmp / "gemma2")
@@ -426,6 +429,11 @@ class Engines:
             if self._gguf is None:
                 self._gguf = self._write_gguf()
             return str(self._gguf)
+        if feature == "quant_gptq_awq":
+            if self._gptq is None:
+                support = _helper("quantization", "test_quant_support.py")
+                self._gptq = support.write_quantized_pair(Path(self.model), self.tmp / "gptq", "gptq")[0]
+            return str(self._gptq)
         return self.model
 
     def _write_gguf(self) -> Path:

@@ -40,6 +40,7 @@ COMPAT_FEATURES = (
     "pooling",
     "quant_int8",
     "quant_gguf",
+    "quant_gptq_awq",
     "kv_groups",
     "spec_ngram",
     "spec_draft_model",
