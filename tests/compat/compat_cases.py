@@ -491,6 +491,8 @@ IN_USE: dict[str, Callable[[LLM], bool]] = {
     "tp_ray": lambda llm: llm.llm_engine.runner.model.num_heads == TINY_HF_CONFIG["num_attention_heads"] // 2,
     "pp": lambda llm: llm.llm_engine.runner.model.layer_end < llm.llm_engine.arch.num_layers,
     "cpu_offload": lambda llm: llm.llm_engine.weight_streamer is not None,
+    # The plugin's platform runs the model, its linear op the plugin's (ONNX Runtime).
+    "plugin_ort": lambda llm: llm.llm_engine.ops.source("linear") == "pagedserve_ort",
     # Blocks of every prompt longer than one block came from the prefill instance.
     "disagg": lambda llm: llm.disagg.num_injected_blocks > 0,
     # The small device pool spills evicted cached blocks to the host tier (or swaps).
