@@ -385,7 +385,7 @@ NOTES: tuple[str, ...] = (
     "`disagg` reaches only what `DisaggregatedLLM.generate` takes (prompts and sampling "
     "parameters): beam search, embeddings, priorities and adapters are not reachable "
     "through it, so those cells stay untested.",
-    "Tests that need Ray, peft or the default model's package skip where it is missing; "
+    "Tests that need Ray, peft, onnxruntime or the default model's package skip where it is missing; "
     "their cells count as tested from the marker.",
 )
 
