@@ -24,6 +24,7 @@ COMPAT_FEATURES = (
     "quant_int8",
     "quant_gguf",
     "quant_fp8",
+    "quant_gptq_awq",
     "spec_ngram",
     "spec_draft_model",
     "spec_self_quantized",
@@ -31,7 +32,12 @@ COMPAT_FEATURES = (
 COMPAT_DEPLOYMENTS = ("disagg",)
 #: Each cell starts its own pair of instances (about 10 s on two cores); these add no
 #: hand-off path the others do not take (quantized weights, the quantized draft).
-SLOW_CELLS = (("quant_gguf", "disagg"), ("quant_fp8", "disagg"), ("spec_self_quantized", "disagg"))
+SLOW_CELLS = (
+    ("quant_gguf", "disagg"),
+    ("quant_fp8", "disagg"),
+    ("quant_gptq_awq", "disagg"),
+    ("spec_self_quantized", "disagg"),
+)
 assert set(CASES) >= set(COMPAT_FEATURES)
 
 
