@@ -24,6 +24,10 @@ __all__ = [
     "check_kv_cache_groups",
     "check_prompt_fits_step",
     "check_logprobs_limit",
+    "check_data_parallel",
+    "check_disaggregated",
+    "data_parallel_request_refusal",
+    "DATA_PARALLEL_REQUEST_REFUSALS",
     "RULES",
 ]
 
@@ -44,7 +48,7 @@ def _device_map_rule(cfg: EngineConfig) -> str | None:
     if par.world_size > 1:
         return (
             f"device_map={dm!r} cannot be combined with tensor/pipeline parallelism ({_parallel(cfg)}): "
-            "a device map splits one rank's layers"
+            "a device map splits one rank's layers; use one of the two"
         )
     if par.distributed_executor_backend not in (None, "uni"):
         return (
@@ -56,6 +60,15 @@ def _device_map_rule(cfg: EngineConfig) -> str | None:
             f"device_map={dm!r} cannot be combined with cpu_offload_gb={cfg.cache.cpu_offload_gb}: place "
             "layers on the host platform with the map instead (e.g. 'cuda:20,cpu'), where they run rather "
             "than being streamed"
+        )
+    q = cfg.model.quantization
+    # DeviceConfig normalises the map to "platform[:count|:first-last],...".
+    platforms = {segment.split(":")[0].strip() for segment in str(dm).split(",")}
+    if q not in _NOT_A_METHOD and len(platforms) > 1:
+        return (
+            f"quantization={q!r} cannot be combined with device_map={dm!r}, which places layers on "
+            f"{len(platforms)} platforms ({', '.join(sorted(platforms))}): quantized weights run on one "
+            "platform; use quantization='none' or a map onto one platform"
         )
     return None
 
@@ -125,7 +138,11 @@ def _multinode_rule(cfg: EngineConfig) -> str | None:
 def _quantization_offload_rule(cfg: EngineConfig) -> str | None:
     q = cfg.model.quantization
     if q not in _NOT_A_METHOD and cfg.cache.cpu_offload_gb:
-        return f"quantization={q!r} cannot be combined with cpu_offload_gb={cfg.cache.cpu_offload_gb} yet"
+        return (
+            f"quantization={q!r} cannot be combined with cpu_offload_gb={cfg.cache.cpu_offload_gb} yet: "
+            "streamed layers are float; use quantization='none', or keep the quantized weights resident "
+            "(cpu_offload_gb=0), which quantization already shrinks"
+        )
     return None
 
 
@@ -289,3 +306,64 @@ def _async_scheduling_rule(cfg: EngineConfig) -> str | None:
 
 
 RULES.append(_async_scheduling_rule)
+
+
+def check_data_parallel(cfg: EngineConfig, size: int) -> None:
+    """ValueError for a setting that ``size`` data-parallel replicas behind one router
+    cannot serve (``cfg``: each replica's configuration).  Checked before replicas start."""
+    if size > 1 and cfg.parallel.nnodes > 1:
+        raise ValueError(
+            f"nnodes={cfg.parallel.nnodes} cannot be combined with data_parallel_size={size} yet (a replica's "
+            "ranks span nodes, the router starts replicas on this node only); use one or the other"
+        )
+    if size > 1 and cfg.lora.enable_lora:
+        raise ValueError(
+            f"enable_lora cannot be combined with data_parallel_size={size} yet (the router does not route "
+            "adapters to replicas); serve adapters with data_parallel_size=1"
+        )
+
+
+#: Requests the data-parallel router refuses (by what they ask for), each with its message.
+DATA_PARALLEL_REQUEST_REFUSALS: dict[str, str] = {
+    "pooling": (
+        "embedding requests (pooling_params) are not supported with data parallelism (data_parallel_size > 1) "
+        "yet: the router does not route them; serve embeddings with data_parallel_size=1"
+    ),
+    "cache_salt": (
+        "cache_salt is not supported with data parallelism (data_parallel_size > 1) yet: the router's prefix "
+        "affinity does not key on it; leave cache_salt unset or serve with data_parallel_size=1"
+    ),
+    "lora": (
+        "LoRA adapters are not supported with data parallelism (data_parallel_size > 1) yet: replicas serve "
+        "the base model; serve adapters with data_parallel_size=1"
+    ),
+}
+
+
+def data_parallel_request_refusal(what: str) -> str:
+    """The message the data-parallel router refuses a request asking for ``what`` with
+    (a key of :data:`DATA_PARALLEL_REQUEST_REFUSALS`)."""
+    return DATA_PARALLEL_REQUEST_REFUSALS[what]
+
+
+def check_disaggregated(cfg: EngineConfig, windows: list[int | None] | None = None) -> None:
+    """ValueError for a setting that disaggregated prefill/decode cannot serve (``windows``:
+    the model's per-layer attention windows when known).  Checked before either instance
+    loads weights: the decode instance receives whole prompt blocks through its prefix cache."""
+    if not cfg.cache.enable_prefix_caching:
+        raise ValueError(
+            "disaggregated decode needs enable_prefix_caching=True: the prompt's KV blocks are handed over "
+            "through the decode instance's prefix cache, so enable_prefix_caching=False cannot be combined "
+            "with it (leave it on)"
+        )
+    if cfg.parallel.world_size > 1:
+        raise ValueError(
+            f"disaggregated prefill/decode instances are single-rank: tensor/pipeline parallelism "
+            f"({_parallel(cfg)}) cannot be combined with them yet; use one rank per instance"
+        )
+    if windows is not None and cfg.cache.free_sliding_window_blocks and len(set(windows)) > 1:
+        raise ValueError(
+            "disaggregated prefill/decode hands over one block list per prompt; a model whose layers have "
+            "different attention windows (KV cache groups) with free_sliding_window_blocks=True cannot be "
+            "combined with it: set free_sliding_window_blocks=False"
+        )

@@ -31,8 +31,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedserve.config import EngineConfig
+from pagedserve.config_rules import check_disaggregated
 from pagedserve.distributed.parallel_state import free_port
 from pagedserve.kv_cache.kv_groups import GroupedKVCacheManager
+from pagedserve.loader import open_model
+from pagedserve.models.layers import layer_windows
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -89,18 +92,15 @@ class DisaggregatedLLM:
         from pagedserve.entrypoints.llm import LLM
 
         config = engine_config_from_kwargs(model=model, **llm_kwargs)
-        if not config.cache.enable_prefix_caching:
-            raise ValueError("disaggregated decode needs enable_prefix_caching=True")
-        if config.parallel.world_size > 1:
-            raise ValueError("disaggregated prefill/decode instances are single-rank here")
+        # Every refusal before weights load: the settings alone, then with the layers'
+        # windows from the checkpoint's config.
+        check_disaggregated(config)
+        hf_config = open_model(config.model.model).hf_config
+        check_disaggregated(config, layer_windows(hf_config, hf_config["num_hidden_layers"]))
         self.timeout_s = timeout_s
         self.llm = LLM.from_engine_config(config)
         engine = self.llm.llm_engine
-        if isinstance(engine.kv, GroupedKVCacheManager):
-            raise ValueError(
-                "disaggregated prefill/decode hands over one block list per prompt; this model's layers have "
-                "different attention windows (KV cache groups): set free_sliding_window_blocks=False"
-            )
+        assert not isinstance(engine.kv, GroupedKVCacheManager)  # refused by check_disaggregated
         pconfig = replace(engine.config, device=replace(engine.config.device, threads=prefill_threads))
         addr, backend = "127.0.0.1", engine.platform.dist_backend
         port = free_port(addr)

@@ -43,6 +43,7 @@ from pagedserve.async_engine import (
     RequestStream,
 )
 from pagedserve.config import EngineConfig
+from pagedserve.config_rules import data_parallel_request_refusal
 from pagedserve.engine import EngineStats
 from pagedserve.engine.client import EngineCallbacks
 from pagedserve.engine.input_processor import InputProcessor
@@ -304,7 +305,7 @@ class DataParallelRouter(EngineCallbacks):
         return False  # replicas serve the base model
 
     def check_lora_adapter(self, path: str) -> None:
-        raise ValueError("LoRA adapters are not supported with data parallelism")
+        raise ValueError(data_parallel_request_refusal("lora"))
 
     def generation_defaults(self) -> dict:
         from pagedserve.loader.generation_config import load_generation_defaults
@@ -355,9 +356,9 @@ class DataParallelRouter(EngineCallbacks):
         Raises ValueError (bad prompt, before anything is sent), QueueFullError (every
         live replica's waiting queue is full), EngineDeadError (no replica left).
         """
-        for name, value in (("cache_salt", cache_salt), ("pooling_params", pooling_params), ("lora", lora_request)):
+        for name, value in (("cache_salt", cache_salt), ("pooling", pooling_params), ("lora", lora_request)):
             if value is not None:
-                raise ValueError(f"{name} is not supported with data parallelism")
+                raise ValueError(data_parallel_request_refusal(name))
         if self._loop is None or self._closing:
             raise EngineDeadError("the engine is not running")
         text, ids = self.validate(prompt, prompt_token_ids)

@@ -44,6 +44,7 @@ ENGINES = {
 }
 
 
+@pytest.mark.compat("pooling", "single")
 @pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_embed_matches_transformers(tiny, pooling, engine):

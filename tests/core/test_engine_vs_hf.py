@@ -58,6 +58,9 @@ def hf_cache():
     return {}
 
 
+@pytest.mark.compat("prefix_caching", "single")
+@pytest.mark.compat("chunked_prefill", "single")
+@pytest.mark.compat("preemption_recompute", "single")
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("engine_kind", list(ENGINES))
 def test_greedy_matches_transformers(shape, engine_kind, tiny_checkpoint_factory, hf_cache):

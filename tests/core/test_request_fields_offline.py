@@ -166,6 +166,7 @@ def test_logit_bias_and_allowed_token_ids_steer_greedy_output(llm):
     assert all(t in allowed for c in out for t in c.token_ids)
 
 
+@pytest.mark.compat("logits_processors", "single")
 def test_allowed_token_ids_greedy_matches_transformers(llm, hf_model):
     tok = llm.get_tokenizer()
     ids = tok.encode(PROMPT)
@@ -198,6 +199,7 @@ def _check_prompt_logprobs(out, ref: torch.Tensor, k: int) -> None:
         assert set(top) <= set(entry)
 
 
+@pytest.mark.compat("prompt_logprobs", "single")
 @pytest.mark.parametrize("budget", [2048, 7])  # 7: the prompt is prefilled in chunks
 def test_prompt_logprobs_match_transformers(tiny_llama, hf_model, budget):
     llm = LLM(model=str(tiny_llama), max_num_batched_tokens=budget, **ENGINE)
@@ -360,6 +362,7 @@ def _reference_beam_search(
     return sorted(done + live, key=score, reverse=True)[:width]
 
 
+@pytest.mark.compat("beam_search", "single")
 @pytest.mark.parametrize("length_penalty", [1.0, 0.0])
 def test_beam_search_matches_a_reference_over_transformers(llm, hf_model, length_penalty):
     from pagedserve.beam_search import BeamSearchParams

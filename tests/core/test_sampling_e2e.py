@@ -35,6 +35,7 @@ def test_same_seed_same_text_whatever_the_batch(llm):
     assert different != alone
 
 
+@pytest.mark.compat("n_best_of", "single")
 def test_n_samples_share_prompt_blocks_and_differ(llm):
     eng = llm.llm_engine
     hits_before = eng.kv.prefix_hits

@@ -104,6 +104,7 @@ def test_preemption_frees_latest_arrival_and_it_resumes():
     assert s.kv.pool.num_in_use == 0
 
 
+@pytest.mark.compat("priority", "single")
 def test_priority_policy_orders_waiting_and_preempts_lowest_priority():
     s = make(num_blocks=64, budget=8, max_seqs=1, policy="priority")
     s.add_request(req("low", 4, arrival=0, priority=5))

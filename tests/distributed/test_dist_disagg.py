@@ -10,6 +10,7 @@ from dist_helpers import BASE, greedy, make_prompts, running_llm, token_ids
 pytestmark = pytest.mark.timeout(90)
 
 
+@pytest.mark.compat("prefix_caching", "disagg")
 def test_disaggregated_matches_single_instance(tiny_checkpoint_factory, monkeypatch):
     from pagedserve.engine import LLMEngine
     from pagedserve.serving.disagg import DisaggregatedLLM

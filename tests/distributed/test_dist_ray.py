@@ -33,6 +33,7 @@ def checkpoint(tiny_checkpoint_factory):
         return path, token_ids(llm, make_prompts(), greedy())
 
 
+@pytest.mark.compat("chunked_prefill", "tp_ray")
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
 def test_ray_matches_single_process(parallel, ray_cluster, checkpoint):
     path, expected = checkpoint

@@ -115,6 +115,9 @@ def _assert_same(got, want) -> None:
                 assert ge[t] == pytest.approx(we[t], abs=LOGPROB_TOL)
 
 
+@pytest.mark.compat("structured_outputs", "tp_mp")
+@pytest.mark.compat("structured_outputs", "pp")
+@pytest.mark.compat("structured_outputs", "tp_ray")
 def test_structured_outputs_hold_and_match(single, parallel):
     got = _generate(parallel, _structured_cases())
     json_out, regex_out, choice_out, grammar_out = (o.outputs[0] for o in got)
@@ -140,6 +143,9 @@ def _logit_cases(tokenizer) -> list[tuple[str, SamplingParams]]:
     ]
 
 
+@pytest.mark.compat("logits_processors", "tp_mp")
+@pytest.mark.compat("logits_processors", "pp")
+@pytest.mark.compat("logits_processors", "tp_ray")
 def test_logit_bias_allowed_and_bad_words(single, parallel):
     cases = _logit_cases(single.get_tokenizer())
     got = _generate(parallel, cases)
@@ -162,6 +168,9 @@ def test_min_tokens_holds_back_a_stop_token(single, parallel):
     _assert_same(got, _generate(single, cases))
 
 
+@pytest.mark.compat("prompt_logprobs", "tp_mp")
+@pytest.mark.compat("prompt_logprobs", "pp")
+@pytest.mark.compat("prompt_logprobs", "tp_ray")
 def test_prompt_logprobs(single, parallel):
     cases = [
         ("The quick brown fox jumps over the lazy dog", _params(max_tokens=2, prompt_logprobs=2)),
@@ -178,6 +187,9 @@ def test_prompt_logprobs(single, parallel):
                 assert ge[t] == pytest.approx(we[t], abs=LOGPROB_TOL)
 
 
+@pytest.mark.compat("pooling", "tp_mp")
+@pytest.mark.compat("pooling", "pp")
+@pytest.mark.compat("pooling", "tp_ray")
 def test_embeddings(single, parallel):
     prompts = ["A sentence to embed.", "Another, somewhat longer sentence to embed as well."]
     got = [torch.tensor(o.outputs.embedding) for o in parallel.embed(prompts)]

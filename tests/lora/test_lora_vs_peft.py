@@ -50,6 +50,7 @@ def check_against_peft(outs, prompts, loras, hf, paths, atol=2e-3):
             assert abs(entry[tok].logprob - float(row[tok])) < atol, (key, j, entry[tok].logprob, float(row[tok]))
 
 
+@pytest.mark.compat("lora", "single")
 def test_mixed_batch_matches_peft(tiny_llama, setup):
     hf, paths = setup
     llm = LLM(

@@ -134,6 +134,7 @@ def _check_dequantized(arch: str, linear_type: str, written) -> None:
     assert llm.llm_engine.kv.pool.num_in_use == 0
 
 
+@pytest.mark.compat("quant_gguf", "single")
 @pytest.mark.parametrize("arch", _q8_0_params())
 def test_q8_0_blocks_stay_quantized_and_close(arch, written):
     """Blocks kept (``quantization="gguf"``; the kernel quantizes activations to int8 too):

@@ -134,6 +134,7 @@ def _pool_for(name: str, step: int, spare: int) -> int:
 QUICK = {("gemma2", "chunk-over-window"), ("gemma3", "chunk-under-window"), ("qwen2", "ngram-drafts")}
 
 
+@pytest.mark.compat("kv_groups", "single")
 @pytest.mark.parametrize(
     ("name", "engine_kind"),
     [
@@ -245,6 +246,8 @@ def test_unsupported_settings_are_refused(setting, checkpoints):
         LLM(model=str(path), dtype="float32", **setting)
 
 
+@pytest.mark.compat("kv_groups", "pp")
+@pytest.mark.compat("kv_groups", "tp_mp")
 @pytest.mark.parametrize(
     "parallel",
     [dict(pipeline_parallel_size=2), pytest.param(dict(tensor_parallel_size=2), marks=pytest.mark.slow)],

@@ -93,6 +93,7 @@ def preempting_reference(tiny_checkpoint_factory):
     return path, prompts, [hf_greedy(model, p, n) for p, n in zip(prompts, MAX_NEW)]
 
 
+@pytest.mark.compat("preemption_swap", "single")
 @pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
 def test_swap_preemption_gives_identical_outputs(mode, preempting_reference):
     path, prompts, expected = preempting_reference

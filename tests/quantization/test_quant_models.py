@@ -38,6 +38,8 @@ def float_ref(tiny):
     return out
 
 
+@pytest.mark.compat("quant_int8", "single")
+@pytest.mark.compat("quant_fp8", "single")
 @pytest.mark.parametrize("method,ppl_bound,agree_bound", LOAD_TIME)
 def test_quant_load_time_methods(tiny, float_ref, method, ppl_bound, agree_bound):
     llm = make_llm(tiny, quantization=method)
@@ -50,6 +52,7 @@ def test_quant_load_time_methods(tiny, float_ref, method, ppl_bound, agree_bound
     assert agreement(greedy(llm, PROMPTS), float_ref["greedy"]) >= agree_bound
 
 
+@pytest.mark.compat("quant_gptq_awq", "single")
 @pytest.mark.parametrize("method,act_order", [("gptq", True), ("gptq", False), ("awq", False)])
 def test_quant_int4_checkpoint(tiny, float_ref, tmp_path, method, act_order):
     qdir, fake = write_quantized_pair(tiny, tmp_path / method, method, group_size=32, act_order=act_order)

@@ -167,6 +167,7 @@ def greedy(**kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, **kw)
 
 
+@pytest.mark.compat("n_best_of", "dp")
 def test_dp_answers_equal_one_engine(server, offline):
     client = server.openai()
     prompts = ["Hello world", "The quick brown fox", "Once upon a time", "1 2 3 4"]

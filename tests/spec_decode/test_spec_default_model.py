@@ -23,6 +23,7 @@ def expected():
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
+@pytest.mark.compat("spec_self_quantized", "single")
 @pytest.mark.parametrize(
     "spec",
     [

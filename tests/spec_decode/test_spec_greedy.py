@@ -59,6 +59,8 @@ def baseline(target):
     return LLM(model=str(target), kv_cache_memory="32MiB", **KW)
 
 
+@pytest.mark.compat("spec_ngram", "single")
+@pytest.mark.compat("spec_draft_model", "single")
 @pytest.mark.parametrize("kind", ["ngram", "draft_model"])
 def test_greedy_equal_with_prefix_caching_and_chunked_prefill(kind, target, draft, baseline):
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)

@@ -46,6 +46,7 @@ def test_json_schema_output_is_valid_for_every_sample(llm):
         jsonschema.validate(json.loads(o.text), PERSON)
 
 
+@pytest.mark.compat("structured_outputs", "single")
 def test_regex_choice_and_grammar(llm):
     regex = r"[0-9]{3}-[A-Z]{2}"
     for o in _chat(llm, StructuredOutputsParams(regex=regex), n=2, temperature=1.0, seed=1):

@@ -169,8 +169,10 @@ def run(args: argparse.Namespace) -> int:
         from pagedserve.entrypoints.openai.responses_store import store_config_from_args
 
         responses_store = store_config_from_args(args)
-        if dp is not None and config.lora.enable_lora:
-            raise ValueError("--enable-lora is not supported with data parallelism yet")
+        if dp is not None:
+            from pagedserve.config_rules import check_data_parallel
+
+            check_data_parallel(config, dp.size)
         if args.timeout_graceful_shutdown < 0:
             raise ValueError(f"--timeout-graceful-shutdown must be >= 0, got {args.timeout_graceful_shutdown}")
     except ValueError as e:
