@@ -51,28 +51,24 @@ COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_deco
 
 
 def _cell(method: str, deployment: str, parallel: dict, *marks):
-    """``method``: a proposer, or "sharded_draft" (a draft model with draft_tensor_parallel_size=2)."""
-    feature = {
-        "ngram": "spec_ngram",
-        "draft_model": "spec_draft_model",
-        "sharded_draft": "spec_draft_model",
-        "self_quantized": "spec_self_quantized",
-    }
-    return pytest.param(
-        (method, parallel), id=f"{method}-{deployment}", marks=[pytest.mark.compat(feature[method], deployment), *marks]
-    )
+    """``method``: a proposer, or "sharded_draft" (a draft model with draft_tensor_parallel_size=2);
+    ``marks``: the cell's compat mark (written out: the matrix reads literal marks) and others."""
+    return pytest.param((method, parallel), id=f"{method}-{deployment}", marks=list(marks))
 
 
+compat = pytest.mark.compat
+TP_PP = dict(tensor_parallel_size=2, pipeline_parallel_size=2)
 CELLS = [
-    _cell("ngram", "tp_mp", TP2),
-    _cell("draft_model", "tp_mp", TP2),
-    _cell("sharded_draft", "tp_mp", TP2),
-    _cell("self_quantized", "tp_mp", TP2),
-    _cell("ngram", "pp", PP2),
-    _cell("draft_model", "pp", PP2),
-    _cell("ngram", "tp_ray", RAY_TP2, pytest.mark.slow),  # Ray's start-up is the slowest
-    _cell("sharded_draft", "tp_ray", RAY_TP2, pytest.mark.slow),
-    _cell("draft_model", "tp_pp", dict(tensor_parallel_size=2, pipeline_parallel_size=2), pytest.mark.slow),
+    _cell("ngram", "tp_mp", TP2, compat("spec_ngram", "tp_mp")),
+    _cell("draft_model", "tp_mp", TP2, compat("spec_draft_model", "tp_mp")),
+    _cell("sharded_draft", "tp_mp", TP2, compat("spec_draft_model", "tp_mp")),
+    _cell("self_quantized", "tp_mp", TP2, compat("spec_self_quantized", "tp_mp")),
+    _cell("ngram", "pp", PP2, compat("spec_ngram", "pp")),
+    _cell("draft_model", "pp", PP2, compat("spec_draft_model", "pp")),
+    # Ray's start-up is the slowest
+    _cell("ngram", "tp_ray", RAY_TP2, compat("spec_ngram", "tp_ray"), pytest.mark.slow),
+    _cell("sharded_draft", "tp_ray", RAY_TP2, compat("spec_draft_model", "tp_ray"), pytest.mark.slow),
+    _cell("draft_model", "tp_pp", TP_PP, compat("spec_draft_model", "tp_pp"), pytest.mark.slow),
 ]
 
 
