@@ -13,6 +13,7 @@ and passes them in.
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ __all__ = [
     "NATIVE_OPS",
     "NativeCpuKernels",
     "choose_isa",
+    "dequantized_blocks",
     "load_cpu_kernels",
     "unpack_linear_weight",
 ]
@@ -63,6 +65,40 @@ NATIVE_OPS: tuple[str, ...] = (
 LINEAR_MAX_ROWS = 4
 
 _DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+log = logging.getLogger(__name__)
+_logged_quantized_cache = False
+
+
+def dequantized_blocks(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(key_cache, value_cache, block_tables) of just the blocks the sequences read, in
+    ``dtype``: the distinct blocks of each sequence's first ceil(seq_len / block_size)
+    table entries, converted (an 8-bit float widens exactly), in the caches' layout
+    (a head-major cache stays head-major); the tables renumbered into them.  Entries
+    past a sequence's blocks point at block 0 of the result and are never read."""
+    block_size = key_cache.shape[1]
+    width = block_tables.shape[1]
+    n_blocks = (seq_lens.long() + block_size - 1) // block_size
+    used = torch.arange(width).view(1, width) < n_blocks.view(-1, 1)
+    ids = block_tables[used].long()
+    if ids.numel() == 0:
+        ids = torch.zeros(1, dtype=torch.long)
+    distinct, inverse = torch.unique(ids, return_inverse=True)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # index_select on the [blocks, heads, tokens, d] view keeps each head's rows together.
+        return cache.transpose(1, 2).index_select(0, distinct).to(dtype).transpose(1, 2)
+
+    tables = torch.zeros_like(block_tables)
+    if bool(used.any()):
+        tables[used] = inverse.to(tables.dtype)
+    return gather(key_cache), gather(value_cache), tables
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -151,6 +187,11 @@ class NativeCpuKernels:
         if out is None:
             # empty_like is ~1 us cheaper per call than torch.empty(shape, dtype, device).
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        if key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES and dtype in _DTYPES and query.is_cpu:
+            return self._quantized_cache_attention(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                sliding_window, soft_cap, sinks,
+            )  # fmt: skip
         if (
             dtype in _DTYPES
             and key_cache.dtype == dtype
@@ -190,6 +231,27 @@ class NativeCpuKernels:
             sinks=sinks,
         )
 
+    def _quantized_cache_attention(
+        self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out, window, cap, sinks
+    ) -> torch.Tensor:
+        """paged_attention over an 8-bit float cache: the kernel does not read fp8 rows
+        yet, so the blocks the batch reads are dequantized to the query's dtype first
+        (:func:`dequantized_blocks`) and the kernel runs on them (logged once)."""
+        global _logged_quantized_cache
+        if not _logged_quantized_cache:
+            _logged_quantized_cache = True
+            log.warning(
+                "paged_attention: the native CPU kernel does not read %s KV rows in registers yet; each call "
+                "dequantizes the blocks it reads to %s and runs the kernel on them",
+                str(key_cache.dtype).removeprefix("torch."),
+                str(query.dtype).removeprefix("torch."),
+            )
+        kc, vc, tables = dequantized_blocks(key_cache, value_cache, block_tables, seq_lens, query.dtype)
+        return self.paged_attention(
+            query, kc, vc, tables, seq_lens, query_start_loc, scale, out,
+            sliding_window=window, soft_cap=cap, sinks=sinks,
+        )  # fmt: skip
+
     def reshape_and_cache(
         self,
         key: torch.Tensor,
@@ -202,6 +264,9 @@ class NativeCpuKernels:
         slot_mapping int64 [num_tokens], -1 skips."""
         if not key_cache.is_cpu or not key.is_cpu:
             return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        if key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES:  # saturating cast, then the row copy
+            key = reference.quantize_kv(key, key_cache.dtype).contiguous()
+            value = reference.quantize_kv(value, value_cache.dtype).contiguous()
         if key.dtype != key_cache.dtype or key.stride(-1) != 1:
             key = key.to(key_cache.dtype).contiguous()
         if value.dtype != value_cache.dtype or value.stride(-1) != 1:
