@@ -14,7 +14,7 @@ from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.executor.input_batch import ModelInput, prepare_inputs
 from pagedserve.executor.sample_step import StepOutput, finish_step, plan_step, run_head
 from pagedserve.executor.sampler import Sampler
-from pagedserve.kv_cache.kv_dtype import check_kv_cache_dtype, kv_cache_dtype
+from pagedserve.kv_cache import kv_dtype
 from pagedserve.kv_cache.kv_groups import grouped_blocks_for_one_request, kv_cache_groups, layer_slots
 from pagedserve.kv_cache.sliding_window import blocks_for_one_request
 from pagedserve.models.arch_config import ArchConfig
@@ -25,7 +25,14 @@ from pagedserve.offload.kv_tier import allocate_host_kv_cache, apply_kv_transfer
 from pagedserve.platforms import OpRegistry, Platform
 from pagedserve.scheduler import SchedulerOutput
 
-__all__ = ["ModelRunner", "StepOutput", "resolve_dtype", "check_cache_dtype", "kv_bytes_per_block"]
+__all__ = [
+    "ModelRunner",
+    "StepOutput",
+    "resolve_dtype",
+    "check_cache_dtype",
+    "kv_bytes_per_block",
+    "kv_cache_torch_dtype",
+]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -53,7 +60,17 @@ def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
 def check_cache_dtype(cache_dtype: str, dtype: torch.dtype, platforms: Sequence[Platform] = ()) -> None:
     """The KV cache is kept in the model's dtype (``cache_dtype`` "auto" or its name) or
     in a quantized dtype every one of ``platforms`` declares (pagedserve.kv_cache.kv_dtype)."""
-    check_kv_cache_dtype(cache_dtype, dtype, platforms)
+    kv_dtype.check_kv_cache_dtype(cache_dtype, dtype_name(dtype), platforms)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def kv_cache_torch_dtype(cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype for ``cache_dtype`` (checked) and the model's ``dtype``."""
+    return getattr(torch, kv_dtype.kv_cache_dtype(cache_dtype, dtype_name(dtype)))
 
 
 def kv_bytes_per_block(cfg: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -146,8 +163,8 @@ class ModelRunner:
         ``agree``: the minimum over ranks (they must all choose the same layout).
         """
         platforms = list({id(p): p for p in self.layer_platforms}.values())
-        check_kv_cache_dtype(cache.cache_dtype, self.dtype, platforms)  # each segment's platform
-        self.kv_dtype = kv_cache_dtype(cache.cache_dtype, self.dtype)
+        check_cache_dtype(cache.cache_dtype, self.dtype, platforms)  # each segment's platform
+        self.kv_dtype = kv_cache_torch_dtype(cache.cache_dtype, self.dtype)
         windows = getattr(self.model, "windows", None) or [None] * self.arch.num_layers
         groups = kv_cache_groups(windows, cache.free_sliding_window_blocks)
         if len(groups) > 1:

@@ -16,19 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
-
 __all__ = ["QUANTIZED_KV_DTYPES", "KV_DTYPE_ALIASES", "canonical_kv_dtype", "check_kv_cache_dtype", "kv_cache_dtype"]
 
-#: The quantized KV cache dtypes pagedserve implements, by their canonical name.
-QUANTIZED_KV_DTYPES: dict[str, torch.dtype] = {
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
+#: The quantized KV cache dtypes pagedserve implements: canonical name -> the torch
+#: dtype's name (this package stays free of torch; the runner resolves it).
+QUANTIZED_KV_DTYPES: dict[str, str] = {
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
 }
 #: Other accepted spellings (vLLM's "fp8" is e4m3).
 KV_DTYPE_ALIASES: dict[str, str] = {"fp8": "fp8_e4m3"}
-
-_MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def canonical_kv_dtype(name: str) -> str:
@@ -36,8 +33,9 @@ def canonical_kv_dtype(name: str) -> str:
     return KV_DTYPE_ALIASES.get(name, name)
 
 
-def check_kv_cache_dtype(name: str, model_dtype: torch.dtype, platforms: Iterable) -> None:
-    """ValueError unless ``name`` is "auto", ``model_dtype``'s name, or a quantized dtype
+def check_kv_cache_dtype(name: str, model_dtype: str, platforms: Iterable) -> None:
+    """ValueError unless ``name`` is "auto", ``model_dtype`` (a torch dtype's name such as
+    "bfloat16"), or a quantized dtype
     every platform in ``platforms`` declares in ``kv_cache_dtypes``; the message names
     the platform and the dtype."""
     canon = canonical_kv_dtype(name)
@@ -52,8 +50,8 @@ def check_kv_cache_dtype(name: str, model_dtype: torch.dtype, platforms: Iterabl
                     "use kv_cache_dtype='auto'"
                 )
         return
-    if name != "auto" and _MODEL_DTYPES.get(name) is not model_dtype:
-        model = str(model_dtype).replace("torch.", "")
+    if name != "auto" and name != model_dtype:
+        model = model_dtype
         raise ValueError(
             f"cache_dtype={name!r} differs from the model's dtype {model}: the KV cache is kept in the "
             f"model's dtype or a quantized one (use cache_dtype='auto', {model!r} or one of "
@@ -61,6 +59,6 @@ def check_kv_cache_dtype(name: str, model_dtype: torch.dtype, platforms: Iterabl
         )
 
 
-def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The torch dtype of the KV cache for ``kv_cache_dtype=name`` (checked already)."""
+def kv_cache_dtype(name: str, model_dtype: str) -> str:
+    """The torch dtype's name of the KV cache for ``kv_cache_dtype=name`` (checked already)."""
     return QUANTIZED_KV_DTYPES.get(canonical_kv_dtype(name), model_dtype)

@@ -16,10 +16,11 @@ import pytest
 import torch
 from native_build import native_build_failed
 
+from pagedserve.executor.model_runner import check_cache_dtype, kv_cache_torch_dtype
 from pagedserve.kernels import build, reference
 from pagedserve.kernels.cpu import NativeCpuKernels, load_cpu_kernels
 from pagedserve.kernels.cpu.native import dequantized_blocks
-from pagedserve.kv_cache.kv_dtype import QUANTIZED_KV_DTYPES, check_kv_cache_dtype, kv_cache_dtype
+from pagedserve.kv_cache.kv_dtype import QUANTIZED_KV_DTYPES
 from pagedserve.platforms.cpu.attention_ops import attention_candidates
 from pagedserve.platforms.cpu.platform import CpuPlatform
 from pagedserve.platforms.cpu.tuned_attention import TunedAttention
@@ -228,9 +229,9 @@ def test_copy_and_swap_blocks_move_fp8_bytes(kv_dtype):
 
 def test_cpu_platform_declares_both_fp8_formats():
     assert set(CpuPlatform.kv_cache_dtypes) == set(QUANTIZED_KV_DTYPES)
-    assert kv_cache_dtype("fp8", torch.bfloat16) is torch.float8_e4m3fn
-    assert kv_cache_dtype("fp8_e5m2", torch.bfloat16) is torch.float8_e5m2
-    assert kv_cache_dtype("auto", torch.float32) is torch.float32
+    assert kv_cache_torch_dtype("fp8", torch.bfloat16) is torch.float8_e4m3fn
+    assert kv_cache_torch_dtype("fp8_e5m2", torch.bfloat16) is torch.float8_e5m2
+    assert kv_cache_torch_dtype("auto", torch.float32) is torch.float32
 
 
 def test_a_platform_without_the_capability_is_refused_by_name():
@@ -243,7 +244,7 @@ def test_a_platform_without_the_capability_is_refused_by_name():
     for cls in (Bare, CudaPlatform):
         msg = rf"kv_cache_dtype='fp8' is not supported on platform '{cls.name}'.*fp8_e4m3"
         with pytest.raises(ValueError, match=msg):
-            check_kv_cache_dtype("fp8", torch.bfloat16, [cls])
-    check_kv_cache_dtype("fp8_e5m2", torch.bfloat16, [CpuPlatform])
+            check_cache_dtype("fp8", torch.bfloat16, [cls])
+    check_cache_dtype("fp8_e5m2", torch.bfloat16, [CpuPlatform])
     with pytest.raises(ValueError, match="differs from the model's dtype"):
-        check_kv_cache_dtype("float16", torch.bfloat16, [CpuPlatform])
+        check_cache_dtype("float16", torch.bfloat16, [CpuPlatform])
