@@ -201,3 +201,18 @@ def test_handoff_moves_the_quantized_bytes_and_refuses_another_dtype(path):
     other = LLM(**kw)  # float32 cache
     with pytest.raises(ValueError, match="KV blocks of dtype uint8 cannot be written into this engine's float32"):
         other.llm_engine.import_prefix_kv(prompt, kv)
+
+
+@pytest.mark.parametrize("cd", ["auto", "fp8", "fp8_e5m2"])
+def test_simulate_sizes_the_cache_as_the_engine_does(path, cd, tmp_path):
+    from pagedserve.entrypoints.cli import main
+
+    out = tmp_path / "plan.json"
+    argv = ["simulate", "--hardware", "h100-sxm", "--model", str(path), "--dtype", "bfloat16", "--kv-cache-memory",
+            "3MiB", "--kv-cache-dtype", cd, "--num-prompts", "2", "--input-len", "8", "--output-len", "2",
+            "--json-out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    plan = __import__("json").loads(out.read_text())["config"]
+    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_dtype=cd, kv_cache_memory="3MiB")
+    assert plan["num_kv_blocks"] == llm.llm_engine.executor.num_blocks
+    assert plan["kv_bytes_per_block_per_device"] == llm.llm_engine.runner.kv_block_bytes(16)
