@@ -65,6 +65,8 @@ NATIVE_OPS: tuple[str, ...] = (
 LINEAR_MAX_ROWS = 4
 
 _DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+#: Query dtypes of the attention kernels that read 8-bit float KV caches.
+_KV8_QUERY_DTYPES = frozenset({torch.float32, torch.bfloat16})
 
 log = logging.getLogger(__name__)
 _logged_quantized_cache = False
@@ -147,6 +149,9 @@ class NativeCpuKernels:
         self.has_linear = bool(module.has_linear(self._isa))
         #: Whether it has the packed bf16 linear kernel (AVX-512 BF16; see pack_linear_weight).
         self.has_packed_linear = bool(module.has_packed_linear(self._isa))
+        #: Whether its attention reads 8-bit float KV caches in registers (AVX-512), for
+        #: float32 and bf16 queries; elsewhere they are dequantized first.
+        self.has_kv8_attention = bool(module.has_kv8_attention(self._isa))
 
     @property
     def source(self) -> str:
@@ -187,15 +192,14 @@ class NativeCpuKernels:
         if out is None:
             # empty_like is ~1 us cheaper per call than torch.empty(shape, dtype, device).
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        if key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES and dtype in _DTYPES and query.is_cpu:
-            return self._quantized_cache_attention(
-                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                sliding_window, soft_cap, sinks,
-            )  # fmt: skip
+        kv8 = key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES
+        if kv8:  # an 8-bit float cache: read in registers where the instruction set can
+            kernel_dtypes = self.has_kv8_attention and dtype in _KV8_QUERY_DTYPES
+        else:
+            kernel_dtypes = dtype in _DTYPES and key_cache.dtype == dtype
         if (
-            dtype in _DTYPES
-            and key_cache.dtype == dtype
-            and value_cache.dtype == dtype
+            kernel_dtypes
+            and value_cache.dtype == key_cache.dtype
             and out.dtype == dtype
             and query.shape[-1] in self.head_sizes
             and query.is_cpu
@@ -217,6 +221,11 @@ class NativeCpuKernels:
                 sinks,
             )
             return out
+        if kv8 and dtype in _DTYPES and query.is_cpu and value_cache.dtype == key_cache.dtype:
+            return self._quantized_cache_attention(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                sliding_window, soft_cap, sinks,
+            )  # fmt: skip
         return reference.paged_attention(
             query,
             key_cache,
@@ -234,16 +243,19 @@ class NativeCpuKernels:
     def _quantized_cache_attention(
         self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out, window, cap, sinks
     ) -> torch.Tensor:
-        """paged_attention over an 8-bit float cache: the kernel does not read fp8 rows
-        yet, so the blocks the batch reads are dequantized to the query's dtype first
-        (:func:`dequantized_blocks`) and the kernel runs on them (logged once)."""
+        """paged_attention over an 8-bit float cache where the kernel cannot read its rows
+        (an instruction set without the kv8 kernel, a float16 query): the blocks the
+        batch reads are dequantized to the query's dtype first (:func:`dequantized_blocks`)
+        and the kernel runs on them (logged once)."""
         global _logged_quantized_cache
         if not _logged_quantized_cache:
             _logged_quantized_cache = True
             log.warning(
-                "paged_attention: the native CPU kernel does not read %s KV rows in registers yet; each call "
-                "dequantizes the blocks it reads to %s and runs the kernel on them",
+                "paged_attention: the native CPU kernel (%s) does not read %s KV rows for %s queries in "
+                "registers; each call dequantizes the blocks it reads to %s and runs the kernel on them",
+                self.isa,
                 str(key_cache.dtype).removeprefix("torch."),
+                str(query.dtype).removeprefix("torch."),
                 str(query.dtype).removeprefix("torch."),
             )
         kc, vc, tables = dequantized_blocks(key_cache, value_cache, block_tables, seq_lens, query.dtype)

@@ -248,3 +248,53 @@ def test_a_platform_without_the_capability_is_refused_by_name():
     check_cache_dtype("fp8_e5m2", torch.bfloat16, [CpuPlatform])
     with pytest.raises(ValueError, match="differs from the model's dtype"):
         check_cache_dtype("float16", torch.bfloat16, [CpuPlatform])
+
+
+# ---- the native kernel's in-register conversion ---------------------------------------
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=FP8_IDS)
+def test_native_kv8_conversion_is_exact_for_every_byte(every_isa, kv_dtype):
+    """One key per sequence: the output is its value row times probability 1, so each of
+    the 256 byte patterns (NaN included) must come out as its exact float32 value."""
+    values = torch.arange(256, dtype=torch.uint8).view(kv_dtype).view(1, 1, 4, 64)
+    key = torch.zeros(1, 1, 4, 64, dtype=torch.uint8).view(kv_dtype)
+    query = torch.randn(1, 4, 64, generator=gen_for("bytes", kv_dtype))
+    args = (query, key, values, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32))  # fmt: skip
+    want = values.float().view(1, 4, 64)
+    for isa, kernels in every_isa.items():
+        out = torch.full_like(query, 7.0)
+        kernels.paged_attention(*args, 0.125, out)
+        assert torch.equal(out.isnan(), want.isnan()), isa
+        assert torch.equal(out.nan_to_num(), want.nan_to_num()), isa
+
+
+def test_avx512_kernels_read_fp8_rows_without_dequantizing(every_isa, monkeypatch, caplog):
+    import pagedserve.kernels.cpu.native as native_mod
+
+    with_kv8 = {isa: k for isa, k in every_isa.items() if k.has_kv8_attention}
+    assert set(with_kv8) == {i for i in every_isa if i.startswith("avx512")}
+    gen = gen_for("no-dequant")
+    args = fp8_batch(SEQS, (8, 2), 64, 16, torch.bfloat16, torch.float8_e4m3fn, gen)
+    expected = expected_attention(args)
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("the blocks were dequantized")
+
+    monkeypatch.setattr(native_mod, "dequantized_blocks", forbidden)
+    for isa, kernels in with_kv8.items():
+        out = torch.full_like(args[0], float("nan"))
+        kernels.paged_attention(*args, 64**-0.5, out)
+        assert_close(out, expected, torch.bfloat16, isa)
+    monkeypatch.undo()
+    # A float16 query has no kv8 kernel: dequantized, and said once.
+    monkeypatch.setattr(native_mod, "_logged_quantized_cache", False)
+    kernels = next(iter(every_isa.values()))
+    q16 = args[0].to(torch.float16)
+    with caplog.at_level("WARNING", logger=native_mod.__name__):
+        for _ in range(2):
+            out = torch.full_like(q16, float("nan"))
+            kernels.paged_attention(q16, *args[1:], 64**-0.5, out)
+            assert_close(out, expected, torch.float16, "float16 query")
+    assert sum("dequantizes the blocks" in r.message for r in caplog.records) == 1
