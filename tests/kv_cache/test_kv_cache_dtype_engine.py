@@ -216,3 +216,20 @@ def test_simulate_sizes_the_cache_as_the_engine_does(path, cd, tmp_path):
     llm = LLM(model=str(path), dtype="bfloat16", kv_cache_dtype=cd, kv_cache_memory="3MiB")
     assert plan["num_kv_blocks"] == llm.llm_engine.executor.num_blocks
     assert plan["kv_bytes_per_block_per_device"] == llm.llm_engine.runner.kv_block_bytes(16)
+
+
+def test_speculative_draft_and_device_map_with_an_fp8_cache(path):
+    """A draft model keeps its KV in the model's dtype, the target's stays fp8: greedy
+    tokens equal the target alone.  A device map's segments each allocate fp8 caches."""
+    prompts = prompts_for(12, (9, 30))
+    kw = dict(model=str(path), dtype="float32", kv_cache_memory="4MiB", kv_cache_dtype="fp8")
+    want, _ = greedy(LLM(**kw), prompts)
+    spec = LLM(**kw, speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 3})
+    got, _ = greedy(spec, prompts)
+    assert got == want
+    eng = spec.llm_engine
+    assert eng.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert eng.spec.proposer.runner.kv_caches[0][0].dtype == torch.float32
+    mapped = LLM(**kw, device_map="cpu:1,cpu")
+    assert {t.dtype for kv in mapped.llm_engine.runner.kv_caches for t in kv} == {torch.float8_e4m3fn}
+    assert greedy(mapped, prompts)[0] == want
