@@ -80,9 +80,10 @@ class DeviceMapEntry:
         return self.platform if self.count is None else f"{self.platform}:{self.count}"
 
 
-# The KV cache is kept in the model's dtype: "auto" or that dtype's name (checked against
-# the resolved dtype by the engine); fp8 and other cache-only dtypes are refused until they exist.
-_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV cache is kept in the model's dtype ("auto" or that dtype's name, checked against
+# the resolved dtype by the engine) or in an 8-bit float whose support the engine checks
+# against the platform's declared KV dtypes (pagedserve.kv_cache.kv_dtype).
+_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 _SEGMENT = re.compile(r"(?P<name>[^:,\s]+)(?::(?:(?P<first>\d+)-(?P<last>\d+)|(?P<count>\d+)))?")
 
 
@@ -293,7 +294,7 @@ class ModelConfig:
             raise ValueError(f"pooling must be 'last', 'mean' or 'cls', got {self.pooling!r}")
 
 
-#: --kv-cache-dtype values vLLM accepts that pagedserve does not implement yet.
+#: --kv-cache-dtype values of vLLM's fp8 family (the last two are not implemented here).
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 
 
@@ -331,7 +332,9 @@ class CacheConfig:
     cache_dtype: str = field(
         default="auto",
         metadata=_help(
-            "KV-cache dtype: auto (the model's dtype); fp8 variants are not implemented yet", flag="--kv-cache-dtype"
+            "KV-cache dtype: auto (the model's dtype), fp8_e4m3 (alias fp8) or fp8_e5m2: 8-bit keys and values, "
+            "twice the blocks of a bf16 cache, where the platform's attention reads them (docs/memory.md)",
+            flag="--kv-cache-dtype",
         ),
     )
     kv_offload_memory: int | str | None = field(
@@ -369,10 +372,10 @@ class CacheConfig:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory, "kv_cache_memory")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
-        if self.cache_dtype in FP8_KV_CACHE_DTYPES:
+        if self.cache_dtype in FP8_KV_CACHE_DTYPES and self.cache_dtype not in _CACHE_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype={self.cache_dtype!r} is not implemented yet (there is no fp8 KV "
-                "cache yet): the KV cache is stored in the model's dtype; use kv_cache_dtype='auto'"
+                f"kv_cache_dtype={self.cache_dtype!r} is not implemented: the quantized KV caches are "
+                "'fp8_e4m3' (alias 'fp8') and 'fp8_e5m2'"
             )
         if self.kv_offload_memory is not None:
             self.kv_offload_memory = parse_memory(self.kv_offload_memory, "kv_offload_memory")
@@ -385,8 +388,8 @@ class CacheConfig:
         if self.cache_dtype not in _CACHE_DTYPES:
             raise ValueError(
                 f"cache_dtype={self.cache_dtype!r} is not supported: the KV cache is kept in the "
-                f"model's dtype, so cache_dtype must be 'auto' or that dtype's name "
-                f"({', '.join(repr(n) for n in _CACHE_DTYPES[1:])}); there is no fp8 KV cache yet"
+                f"model's dtype or an 8-bit float, so cache_dtype must be 'auto' or one of "
+                f"{', '.join(repr(n) for n in _CACHE_DTYPES[1:])} (int8 is not implemented)"
             )
 
 

@@ -8,6 +8,9 @@ fallback on platforms without a native kernel.
 Layout of one layer's KV cache (the reference layout):
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
 A slot is ``block_id * block_size + offset``; slot ``-1`` means "do not write".
+The cache's dtype is the model's, or an 8-bit float (a quantized KV cache,
+``torch.float8_e4m3fn`` or ``torch.float8_e5m2``): keys and values are written as
+:func:`quantize_kv` casts them (scale 1.0) and attention reads them as float32.
 
 The quantized linear ops (``gguf_linear``, ``int8_linear``, ``w8a8_linear``,
 ``fp8_linear``) take a weight in its stored format; the formats and the computation are
@@ -23,6 +26,8 @@ from pagedserve.kernels import lora_reference, quant_reference, spec_reference
 __all__ = [
     "reshape_and_cache",
     "paged_attention",
+    "quantize_kv",
+    "QUANTIZED_KV_TORCH_DTYPES",
     "rms_norm",
     "fused_add_rms_norm",
     "layer_norm",
@@ -52,6 +57,20 @@ __all__ = [
 ]
 
 
+#: The 8-bit float KV cache dtypes (a platform declares the ones it reads).
+QUANTIZED_KV_TORCH_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in the KV cache's ``dtype``: for an 8-bit float, clamped to its largest
+    finite value, then cast with round to nearest even (a key beyond e5m2's 57344 is
+    stored as 57344, never inf; NaN stays NaN); for other dtypes a plain cast."""
+    if dtype in QUANTIZED_KV_TORCH_DTYPES:
+        big = torch.finfo(dtype).max
+        return x.float().clamp(-big, big).to(dtype)
+    return x.to(dtype)
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -64,6 +83,7 @@ def reshape_and_cache(
     key, value: [num_tokens, num_kv_heads, head_size]
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: int64 [num_tokens]; -1 skips the token (e.g. padding).
+    An 8-bit float cache stores :func:`quantize_kv` of the keys and values.
     """
     block_size = key_cache.shape[1]
     valid = slot_mapping >= 0
@@ -72,8 +92,8 @@ def reshape_and_cache(
     # (block, offset) indexing rather than a flat view: a platform may hand in caches
     # whose storage is not token-major (the CPU platform's are head-major views).
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    key_cache.index_put_((blocks, offsets), key.to(key_cache.dtype))
-    value_cache.index_put_((blocks, offsets), value.to(value_cache.dtype))
+    key_cache.index_put_((blocks, offsets), quantize_kv(key, key_cache.dtype))
+    value_cache.index_put_((blocks, offsets), quantize_kv(value, value_cache.dtype))
 
 
 def paged_attention(
@@ -95,7 +115,8 @@ def paged_attention(
         query[query_start_loc[i]:query_start_loc[i+1]] and are the *last* q_len_i
         positions of that sequence (prefill chunk, prefix-cache continuation or decode).
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
-        (already holding the keys/values of the new tokens).
+        (already holding the keys/values of the new tokens), in query's dtype or an
+        8-bit float (a quantized cache: its values are read exactly, as float32).
     block_tables: int32 [num_seqs, max_blocks]
     seq_lens: int32 [num_seqs], context length including the new tokens.
     query_start_loc: int32 [num_seqs + 1]
@@ -326,6 +347,9 @@ def copy_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, mapping: torch
     """
     if mapping.numel() == 0:
         return
+    if src_cache.dtype in QUANTIZED_KV_TORCH_DTYPES and src_cache.dtype == dst_cache.dtype:
+        # The bytes themselves (index_copy_ has no 8-bit float kernel on the CPU).
+        src_cache, dst_cache = src_cache.view(torch.uint8), dst_cache.view(torch.uint8)
     src_idx = mapping[:, 0].to(src_cache.device)
     dst_idx = mapping[:, 1].to(dst_cache.device)
     dst_cache.index_copy_(0, dst_idx, src_cache.index_select(0, src_idx).to(dst_cache.device))

@@ -106,6 +106,13 @@ class Platform:
     #: bytes/s of a host<->device block copy and FLOP/s of a forward pass.
     host_copy_bandwidth: ClassVar[float] = 5e9
     compute_flops: ClassVar[float] = 5e10
+    #: Quantized KV cache dtypes (interface 1.5) that every ``paged_attention`` and
+    #: ``reshape_and_cache`` this platform registers reads and writes: "fp8_e4m3"
+    #: (``torch.float8_e4m3fn``) and/or "fp8_e5m2" (``torch.float8_e5m2``) caches, with
+    #: kernels/reference.py's semantics (saturating cast on write, scale 1.0).  The engine
+    #: refuses ``kv_cache_dtype`` values not listed here before the weights load.  Empty:
+    #: the KV cache is kept in the model's dtype only.
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

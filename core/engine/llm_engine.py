@@ -76,7 +76,7 @@ class LLMEngine:
         self.pooling = resolve_pooling(config.model.pooling, source.path)
         draft_source = check_draft_model(config, self.arch, mml)  # before any weights load
         self.dtype = resolve_dtype(config.model.dtype, self.platform)
-        check_cache_dtype(config.cache.cache_dtype, self.dtype)
+        check_cache_dtype(config.cache.cache_dtype, self.dtype, [self.platform])
         # Linear weights load quantized when config.model.quantization or the checkpoint asks.
         source = self.model_source = quantize_source(
             source,

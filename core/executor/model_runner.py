@@ -14,6 +14,7 @@ from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.executor.input_batch import ModelInput, prepare_inputs
 from pagedserve.executor.sample_step import StepOutput, finish_step, plan_step, run_head
 from pagedserve.executor.sampler import Sampler
+from pagedserve.kv_cache import kv_dtype
 from pagedserve.kv_cache.kv_groups import grouped_blocks_for_one_request, kv_cache_groups, layer_slots
 from pagedserve.kv_cache.sliding_window import blocks_for_one_request
 from pagedserve.models.arch_config import ArchConfig
@@ -24,7 +25,15 @@ from pagedserve.offload.kv_tier import allocate_host_kv_cache, apply_kv_transfer
 from pagedserve.platforms import OpRegistry, Platform
 from pagedserve.scheduler import SchedulerOutput
 
-__all__ = ["ModelRunner", "StepOutput", "resolve_dtype", "check_cache_dtype", "kv_bytes_per_block", "draft_kv_blocks"]
+__all__ = [
+    "ModelRunner",
+    "StepOutput",
+    "resolve_dtype",
+    "check_cache_dtype",
+    "kv_bytes_per_block",
+    "kv_cache_torch_dtype",
+    "draft_kv_blocks",
+]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -49,14 +58,20 @@ def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
     return dtype
 
 
-def check_cache_dtype(cache_dtype: str, dtype: torch.dtype) -> None:
-    """The KV cache is kept in the model's dtype: ``cache_dtype`` must be "auto" or its name."""
-    if cache_dtype != "auto" and _DTYPES.get(cache_dtype) is not dtype:
-        name = str(dtype).replace("torch.", "")
-        raise ValueError(
-            f"cache_dtype={cache_dtype!r} differs from the model's dtype {name}: the KV cache is "
-            f"kept in the model's dtype (use cache_dtype='auto' or {name!r})"
-        )
+def check_cache_dtype(cache_dtype: str, dtype: torch.dtype, platforms: Sequence[Platform] = ()) -> None:
+    """The KV cache is kept in the model's dtype (``cache_dtype`` "auto" or its name) or
+    in a quantized dtype every one of ``platforms`` declares (pagedserve.kv_cache.kv_dtype)."""
+    kv_dtype.check_kv_cache_dtype(cache_dtype, dtype_name(dtype), platforms)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def kv_cache_torch_dtype(cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype for ``cache_dtype`` (checked) and the model's ``dtype``."""
+    return getattr(torch, kv_dtype.kv_cache_dtype(cache_dtype, dtype_name(dtype)))
 
 
 def kv_bytes_per_block(cfg: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -97,6 +112,9 @@ class ModelRunner:
         self.ops = ops
         self.arch = arch
         self.dtype = dtype
+        #: The KV cache's dtype: the model's, or an 8-bit float (set from the cache
+        #: config by determine_num_blocks).
+        self.kv_dtype = dtype
         self.device = platform.device
         placements = None
         if segments is not None:
@@ -155,6 +173,9 @@ class ModelRunner:
         holds one max-length request in them; otherwise one group keeps every block.
         ``agree``: the minimum over ranks (they must all choose the same layout).
         """
+        platforms = list({id(p): p for p in self.layer_platforms}.values())
+        check_cache_dtype(cache.cache_dtype, self.dtype, platforms)  # each segment's platform
+        self.kv_dtype = kv_cache_torch_dtype(cache.cache_dtype, self.dtype)
         windows = getattr(self.model, "windows", None) or [None] * self.arch.num_layers
         groups = kv_cache_groups(windows, cache.free_sliding_window_blocks)
         if len(groups) > 1:
@@ -220,7 +241,7 @@ class ModelRunner:
             budget = int(platform.total_memory() * util) - sum(w for _, w in members) - act
             num_layers = sum(s.num_layers for s, _ in members) if self.layer_slots is None else self.num_kv_tensors
             layers = replace(self.local_arch, num_layers=num_layers)
-            per_block = kv_bytes_per_block(layers, cache.block_size, self.dtype)
+            per_block = kv_bytes_per_block(layers, cache.block_size, self.kv_dtype)
             if best is None or budget // per_block < best[0] // best[1]:
                 names = ", ".join(dict.fromkeys(s.platform.name for s, _ in members))
                 best = (budget, per_block, f" on {names}" if len(self.segments) > 1 else "")
@@ -232,7 +253,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         a = self.local_arch
         self.kv_caches = [
-            platform.allocate_kv_cache(num_blocks, block_size, a.num_kv_heads, a.head_dim, self.dtype)
+            platform.allocate_kv_cache(num_blocks, block_size, a.num_kv_heads, a.head_dim, self.kv_dtype)
             for platform in self.layer_platforms[: self.num_kv_tensors]
         ]
         if self.layer_slots is not None:
@@ -249,35 +270,51 @@ class ModelRunner:
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes of one KV block over this rank's layers (its KV heads, its stage), or
         over its slots with KV cache groups."""
-        return kv_bytes_per_block(replace(self.local_arch, num_layers=self.num_kv_tensors), block_size, self.dtype)
+        return kv_bytes_per_block(replace(self.local_arch, num_layers=self.num_kv_tensors), block_size, self.kv_dtype)
 
     def allocate_host_kv_cache(self, num_host_blocks: int) -> None:
         """The host KV tier's blocks: per layer a (key, value) pair in host memory, in
         its platform's layout, so that one block index means the same block in both."""
         a = self.local_arch
         self.host_kv_caches = allocate_host_kv_cache(
-            self.layer_platforms, num_host_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.dtype
+            self.layer_platforms, num_host_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.kv_dtype
         )
+
+    def _kv_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The KV caches as the hand-off moves them: an 8-bit float cache as its bytes
+        (uint8 views: collectives and index_copy_ take them on every backend)."""
+        if self.kv_dtype.itemsize == 1 and self.kv_dtype.is_floating_point:
+            return [(k.view(torch.uint8), v.view(torch.uint8)) for k, v in self.kv_caches]
+        return self.kv_caches
 
     def read_kv_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Copy of the KV of ``block_ids``: [num_layers, 2 (key, value), len(block_ids),
-        *the platform's per-block shape], on this runner's device."""
+        *the platform's per-block shape], on this runner's device; an 8-bit float cache's
+        as its bytes (uint8)."""
         index = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
         return torch.stack(
-            [torch.stack([k.index_select(0, index), v.index_select(0, index)]) for k, v in self.kv_caches]
+            [torch.stack([k.index_select(0, index), v.index_select(0, index)]) for k, v in self._kv_views()]
         ).contiguous()
 
     def write_kv_blocks(self, block_ids: Sequence[int], kv: torch.Tensor, rows: Sequence[int]) -> None:
-        """Write ``kv[:, :, rows]`` (shaped as :meth:`read_kv_blocks` returns) into ``block_ids``."""
+        """Write ``kv[:, :, rows]`` (shaped as :meth:`read_kv_blocks` returns) into ``block_ids``;
+        ValueError when ``kv`` comes from a cache of another dtype."""
+        views = self._kv_views()
+        if kv.dtype != views[0][0].dtype:
+            raise ValueError(
+                f"KV blocks of dtype {str(kv.dtype).removeprefix('torch.')} cannot be written into this "
+                f"engine's {str(self.kv_dtype).removeprefix('torch.')} KV cache: both engines of a hand-off "
+                "need the same dtype and kv_cache_dtype"
+            )
         dst = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
         src = torch.tensor(list(rows), dtype=torch.int64, device=kv.device)
-        for layer, (k, v) in enumerate(self.kv_caches):
+        for layer, (k, v) in enumerate(views):
             k.index_copy_(0, dst, kv[layer, 0].index_select(0, src).to(k.device))
             v.index_copy_(0, dst, kv[layer, 1].index_select(0, src).to(v.device))
 
     def empty_kv_blocks(self, num_blocks: int) -> torch.Tensor:
         """An uninitialised buffer shaped as :meth:`read_kv_blocks` returns for ``num_blocks``."""
-        k = self.kv_caches[0][0]
+        k = self._kv_views()[0][0]
         return torch.empty(len(self.kv_caches), 2, num_blocks, *k.shape[1:], dtype=k.dtype, device=self.device)
 
     # -- weights ---------------------------------------------------------------------------

@@ -30,7 +30,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="weight format: none, auto (the config's; default), int8, w8a8, fp8, gptq, awq, int4",
     )
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="KV cache dtype")
+    g.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], help="KV cache dtype"
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -154,7 +156,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         spec,
         hw,
         dtype=dtype,
-        kv_dtype_bytes=1 if args.kv_cache_dtype == "fp8" else None,
+        kv_dtype_bytes=1 if args.kv_cache_dtype != "auto" else None,  # every 8-bit KV dtype
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         block_size=args.block_size,

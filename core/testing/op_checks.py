@@ -576,6 +576,10 @@ def _accepts(fn: Callable, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+#: Platform.kv_cache_dtypes names -> torch dtypes (pagedserve.kv_cache.kv_dtype).
+_KV8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
 def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
     shapes = [
         (block_size, heads, kv_heads, 64, {}) for block_size in (16, 32) for heads, kv_heads in [(4, 4), (4, 2), (8, 2)]
@@ -639,6 +643,49 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
             assert_matches("paged_attention return value (out=None)" + how, fn(*args, **extra), want, dtype)
 
         yield desc, body
+
+    # 8-bit float KV caches the platform declares (Platform.kv_cache_dtypes, interface
+    # 1.5): written by its own reshape_and_cache, read by its paged_attention, against
+    # the reference write and attention on the same inputs.
+    for kv_name in getattr(t.platform, "kv_cache_dtypes", ()):
+        kv_dtype = _KV8_DTYPES.get(kv_name)
+        for block_size, heads, kv_heads, head in [(16, 8, 2, 64), (16, 4, 1, 128)]:
+            desc = f"kv-{kv_name}-bs{block_size}-h{heads}kv{kv_heads}-d{head}"
+
+            def body(block_size=block_size, heads=heads, kv_heads=kv_heads, head=head, desc=desc, kv_dtype=kv_dtype,
+                     kv_name=kv_name) -> None:  # fmt: skip
+                if kv_dtype is None:
+                    raise AssertionError(f"the platform declares an unknown KV cache dtype {kv_name!r}")
+                c = _Case(f"paged_attention{desc}{dtype}", seed, t.device)
+                query, kc, vc, tables, seq_lens, qsl, num_blocks = _attention_inputs(
+                    c, dtype, block_size, heads, kv_heads, head, PAGED_ATTENTION_BATCH
+                )
+                slots = _context_slots(tables, seq_lens, block_size)
+                flat = num_blocks * block_size
+                keys = kc.reshape(flat, kv_heads, head)[slots] * 8  # beyond e4m3's range now and then
+                values = vc.reshape(flat, kv_heads, head)[slots]
+                rk = torch.zeros(kc.shape, dtype=torch.float32).to(kv_dtype)
+                rv = torch.zeros(kc.shape, dtype=torch.float32).to(kv_dtype)
+                reference.reshape_and_cache(keys, values, rk, rv, slots)
+                scale = head**-0.5
+                want = reference.paged_attention(query, rk, rv, tables, seq_lens, qsl, scale)
+                pkc, pvc = t.platform.allocate_kv_cache(num_blocks, block_size, kv_heads, head, kv_dtype)
+                assert pkc.dtype == kv_dtype, f"allocate_kv_cache gave {pkc.dtype} for {kv_dtype}"
+                pkc.view(torch.uint8).zero_()  # as the reference caches, so unwritten rows compare equal
+                pvc.view(torch.uint8).zero_()
+                t.ops.reshape_and_cache(c.dev(keys), c.dev(values), pkc, pvc, c.dev(slots))
+                if t.reference_layout(num_blocks, block_size, kv_heads, head):
+                    written = pkc.cpu().view(torch.uint8)[tables.flatten().long()]
+                    assert torch.equal(written, rk.view(torch.uint8)[tables.flatten().long()]), (
+                        "reshape_and_cache into an 8-bit cache stored other bytes than reference.quantize_kv"
+                    )
+                args = (c.dev(query), pkc, pvc, c.dev(tables), c.dev(seq_lens), c.dev(qsl), scale)
+                out = torch.full(query.shape, NAN, dtype=dtype, device=t.device)
+                got = fn(*args, out=out)
+                assert_matches(f"paged_attention over a {kv_name} cache", got, want, dtype)
+                assert_matches(f"paged_attention out over a {kv_name} cache (poisoned with NaN)", out, want, dtype)
+
+            yield desc, body
 
 
 def _block_copy_cases(op: str, t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:

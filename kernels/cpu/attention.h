@@ -246,10 +246,12 @@ struct SoftCap {
 // cap run exactly the code they ran before).  The sliding window is a runtime bound:
 // it moves where the key loop starts and masks at most a block's worth of keys per
 // query token, a few integer operations per span when off.
-template <class Isa, typename T, int D, class Qk, bool kSoftCap = false>
+// KT: the KV cache's element type (T, or an 8-bit float whose rows are converted to
+// float32 as they are read; q.k then runs on float32 copies of each span's keys).
+template <class Isa, typename T, int D, class Qk, bool kSoftCap = false, typename KT = T>
 struct Attention {
   using V = typename Isa::V;
-  using E = typename Qk::Elem;  // what the q.k product reads: T itself or float32
+  using E = typename Qk::Elem;  // what the q.k product reads: KT itself or float32
   static constexpr int W = Isa::W, NV = D / W;
   // P.V runs over up to kGroupTile query rows at once so each V row is loaded and
   // converted once for all of them; CH vectors of each row's accumulator stay in
@@ -259,7 +261,7 @@ struct Attention {
   static_assert(D % W == 0, "head size must be a multiple of the vector width");
 
   // Cache lines of one K or V row.
-  static constexpr int kRowLines = (D * int(sizeof(T)) + 63) / 64;
+  static constexpr int kRowLines = (D * int(sizeof(KT)) + 63) / 64;
   // How far the prefetch cursor runs ahead of the compute (16 KiB).  Against
   // prefetching each next span whole when the span before it starts, decode attention
   // over 30 layers' caches went from 676 to 499 us per layer at 64 sequences x 190
@@ -267,7 +269,8 @@ struct Attention {
   // leads of 128 to 384 lines measured alike.
   static constexpr int kLeadLines = 256;
   // n rows of a block (stride in elements) -> dense float32 [n, D].
-  static void to_f32(const T* src, int64_t stride, int n, float* dst) {
+  template <typename S>
+  static void to_f32(const S* src, int64_t stride, int n, float* dst) {
     for (int j = 0; j < n; ++j)
 #pragma GCC unroll 32
       for (int v = 0; v < NV; ++v) Isa::store(dst + j * D + v * W, Isa::load(src + j * stride + v * W));
@@ -281,7 +284,7 @@ struct Attention {
   static constexpr int kMaxSegs = kSpanKeys / W;
   struct Span {
     const E* k[kMaxSegs];
-    const T* v[kMaxSegs];
+    const KT* v[kMaxSegs];
     int n[kMaxSegs];
     int segs;
     int64_t ks, vs;
@@ -304,7 +307,7 @@ struct Attention {
         const int m = std::min(sn.n[sg], n - j0);
         for (int j = 0; j < m; ++j) {
           if (pf && c0 == 0) pf->pump(kRowLines);
-          const T* vr = sn.v[sg] + j * sn.vs + c0 * W;
+          const KT* vr = sn.v[sg] + j * sn.vs + c0 * W;
           V vj[CH];
 #pragma GCC unroll 16
           for (int c = 0; c < CH; ++c) vj[c] = Isa::load(vr + c * W);
@@ -399,7 +402,7 @@ struct Attention {
       const void** vr = sc.vrows.data();
       for (int sg = 0, j0 = 0; sg < sn.segs && j0 < n; j0 += sn.n[sg++])
         for (int j = 0, m = std::min(sn.n[sg], n - j0); j < m; ++j) vr[j0 + j] = sn.v[sg] + j * sn.vs;
-      const T* const* rows = reinterpret_cast<const T* const*>(vr);
+      const KT* const* rows = reinterpret_cast<const KT* const*>(vr);
       uint16_t* pb = sc.pb.data();
       for (int g = 0; g < G; g += kGroupTile) {
         float* a = acc + size_t(g) * D;
@@ -459,7 +462,7 @@ struct Attention {
       if (sc.pb.size() < size_t(kGroupTile) * round_up(span, W)) sc.pb.resize(size_t(kGroupTile) * round_up(span, W));
       if (sc.vrows.size() < size_t(span)) sc.vrows.resize(span);
     }
-    if constexpr (!std::is_same_v<E, T>) AttnScratch::grow(sc.kf, size_t(span) * D);
+    if constexpr (!std::is_same_v<E, KT>) AttnScratch::grow(sc.kf, size_t(span) * D);
     std::fill_n(sc.acc.data(), size_t(rows) * D, 0.f);
     std::fill_n(sc.m.data(), rows + W, kNegInf);
     std::fill_n(sc.l.data(), rows, 0.f);
@@ -530,11 +533,11 @@ struct Attention {
                             int key_end) {
     const int bs = p.block_size;
     const int32_t* table = p.block_tables + w.seq * p.bt_stride;
-    const int64_t row_bytes = D * int64_t(sizeof(T));
+    const int64_t row_bytes = D * int64_t(sizeof(KT));
     // Rows [first, last) of block b, kv head h, of one cache.
     auto rows = [&](const void* cache, int64_t s_block, int64_t s_head, int64_t s_tok, int h, int b, int first,
                     int last) {
-      const T* r = static_cast<const T*>(cache) + int64_t(table[b]) * s_block + h * s_head +
+      const KT* r = static_cast<const KT*>(cache) + int64_t(table[b]) * s_block + h * s_head +
                    int64_t(first - b * bs) * s_tok;
       if (s_tok == D)
         pf.add(r, (last - first) * row_bytes);
@@ -560,8 +563,8 @@ struct Attention {
   static Span make_span(const AttnParams& p, AttnScratch& sc, int seq, int h, int kb, int kb_end, int j0, int j1) {
     const int bs = p.block_size;
     const int32_t* table = p.block_tables + seq * p.bt_stride;
-    const T* kc = static_cast<const T*>(p.key_cache) + h * p.kc_stride_head;
-    const T* vc = static_cast<const T*>(p.value_cache) + h * p.vc_stride_head;
+    const KT* kc = static_cast<const KT*>(p.key_cache) + h * p.kc_stride_head;
+    const KT* vc = static_cast<const KT*>(p.value_cache) + h * p.vc_stride_head;
     Span sn;
     sn.segs = kb_end - kb;
     sn.ks = p.kc_stride_tok;
@@ -571,10 +574,10 @@ struct Attention {
       sn.n[i] = last - first;
       const int64_t block = table[b];
       sn.v[i] = vc + block * p.vc_stride_block + int64_t(first - b * bs) * p.vc_stride_tok;
-      if constexpr (std::is_same_v<E, T>)
+      if constexpr (std::is_same_v<E, KT>)
         sn.k[i] = kc + block * p.kc_stride_block + int64_t(first - b * bs) * p.kc_stride_tok;
     }
-    if constexpr (!std::is_same_v<E, T>) {  // float32 copy of the span's keys
+    if constexpr (!std::is_same_v<E, KT>) {  // float32 copy of the span's keys
       float* dst = sc.kf.data();
       for (int b = kb, i = 0; b < kb_end; ++b, ++i) {
         const int first = std::max(j0, b * bs);
@@ -638,10 +641,10 @@ struct Attention {
   }
 };
 
-template <class Isa, typename T, int D>
+template <class Isa, typename T, int D, typename KT = T>
 AttnFns attention_fma_fns() {
-  using K = Attention<Isa, T, D, QkFma<Isa, D>>;
-  using KCap = Attention<Isa, T, D, QkFma<Isa, D>, true>;
+  using K = Attention<Isa, T, D, QkFma<Isa, D>, false, KT>;
+  using KCap = Attention<Isa, T, D, QkFma<Isa, D>, true, KT>;
   return {&K::item, &K::merge, &KCap::item};
 }
 
@@ -663,7 +666,34 @@ AttnFns attention_fns(DType dtype, int head_size) {
     case DType::kFloat32: return by_head(float{});
     case DType::kBFloat16: return by_head(BF16{});
     case DType::kFloat16: return by_head(F16{});
+    default: return {};
   }
+  return {};
+}
+
+// (query dtype float32 or bf16, KV dtype 8-bit float, head size) -> the float32-FMA
+// kernel of Isa reading the cache's rows in registers (Isa::load of FP8E4M3/FP8E5M2).
+template <class Isa>
+AttnFns attention_kv8_fns(DType dtype, DType kv_dtype, int head_size) {
+  auto by_head = [head_size](auto q_tag, auto kv_tag) -> AttnFns {
+    using T = decltype(q_tag);
+    using KT = decltype(kv_tag);
+    switch (head_size) {
+      case 64: return attention_fma_fns<Isa, T, 64, KT>();
+      case 80: return attention_fma_fns<Isa, T, 80, KT>();
+      case 96: return attention_fma_fns<Isa, T, 96, KT>();
+      case 128: return attention_fma_fns<Isa, T, 128, KT>();
+      case 256: return attention_fma_fns<Isa, T, 256, KT>();
+      default: return {};
+    }
+  };
+  auto by_kv = [&](auto q_tag) -> AttnFns {
+    if (kv_dtype == DType::kFloat8E4M3) return by_head(q_tag, FP8E4M3{});
+    if (kv_dtype == DType::kFloat8E5M2) return by_head(q_tag, FP8E5M2{});
+    return {};
+  };
+  if (dtype == DType::kFloat32) return by_kv(float{});
+  if (dtype == DType::kBFloat16) return by_kv(BF16{});
   return {};
 }
 

@@ -53,6 +53,8 @@ DType dtype_of(const at::Tensor& t) {
     case at::kFloat: return DType::kFloat32;
     case at::kBFloat16: return DType::kBFloat16;
     case at::kHalf: return DType::kFloat16;
+    case at::kFloat8_e4m3fn: return DType::kFloat8E4M3;
+    case at::kFloat8_e5m2: return DType::kFloat8E5M2;
     default: TORCH_CHECK(false, "pagedserve: native CPU kernels do not support dtype ", t.scalar_type());
   }
 }
@@ -102,9 +104,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
               "query and out must both be [num_tokens, num_heads, head_size]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "key_cache and value_cache must be [num_blocks, block_size, num_kv_heads, head_size]");
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(),
-              "query, caches and out must share one dtype");
+  const bool kv8 = key_cache.scalar_type() != query.scalar_type() &&
+                  (key_cache.scalar_type() == at::kFloat8_e4m3fn || key_cache.scalar_type() == at::kFloat8_e5m2);
+  TORCH_CHECK((kv8 || key_cache.scalar_type() == query.scalar_type()) &&
+                  value_cache.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "query and out must share one dtype, and the caches that dtype or one 8-bit float dtype");
   check_lastdim(query, "query");
   check_lastdim(key_cache, "key_cache");
   check_lastdim(value_cache, "value_cache");
@@ -120,7 +124,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
                   bt.size(0) >= sl.size(0),
               "expected block_tables [num_seqs, max_blocks], seq_lens [num_seqs], query_start_loc [num_seqs + 1]");
   const int num_seqs = sl.size(0);
-  const AttnFns fns = isa_at(isa).attention(dtype_of(query), head_size);
+  const IsaKernels& kernels = isa_at(isa);
+  TORCH_CHECK(!kv8 || kernels.attention_kv8 != nullptr, "pagedserve: instruction set ", kernels.name,
+              " has no attention kernel for 8-bit KV caches");
+  const AttnFns fns = kv8 ? kernels.attention_kv8(dtype_of(query), dtype_of(key_cache), head_size)
+                          : kernels.attention(dtype_of(query), head_size);
   TORCH_CHECK(fns.item != nullptr, "pagedserve: no native attention kernel for head_size ", head_size);
   TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 1 (0: none), got ", sliding_window);
   TORCH_CHECK_VALUE(soft_cap >= 0, "soft_cap must be > 0 (0: none), got ", soft_cap);
@@ -338,6 +346,7 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const c1
 }
 
 bool has_linear(int64_t isa) { return isa_at(isa).linear_bf16 != nullptr; }
+bool has_kv8_attention(int64_t isa) { return isa_at(isa).attention_kv8 != nullptr; }
 
 // The linear kernels' optional bias: a contiguous bf16 [n] tensor, or undefined.
 at::Tensor bf16_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
@@ -528,6 +537,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "silu(x . gate^T) * (x . up^T) for a packed weight [gate; up]");
   m.def("has_packed_linear", &k::has_packed_linear, "whether an instruction set has the packed linear kernel");
   m.def("has_linear", &k::has_linear, "whether an instruction set has the bf16 linear kernel");
+  m.def("has_kv8_attention", &k::has_kv8_attention,
+        "whether an instruction set's attention reads 8-bit float KV caches (float32/bf16 queries)");
   m.def("bind_threads", &k::bind_threads, "pin OpenMP thread i to core cpus[i]");
   m.def("thread_cpus", &k::thread_cpus, "the core each OpenMP thread runs on");
   m.def("parallel_thread_count", &k::parallel_thread_count, "threads that ran a parallel loop of n items");

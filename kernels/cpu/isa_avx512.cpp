@@ -11,7 +11,9 @@
 namespace pagedserve_cpu {
 
 const IsaKernels* isa_avx512() {
-  static const IsaKernels kernels{"avx512", &attention_fns<Avx512>, &elementwise_fns<Avx512>};
+  static const IsaKernels kernels{
+      "avx512", &attention_fns<Avx512>, &elementwise_fns<Avx512>, nullptr, nullptr, nullptr,
+      &attention_kv8_fns<Avx512>};
   return &kernels;
 }
 
@@ -41,8 +43,11 @@ AttnFns attention_bf16(DType dtype, int head_size) {
 }  // namespace
 
 const IsaKernels* isa_avx512bf16() {
-  static const IsaKernels kernels{"avx512bf16", &attention_bf16, &elementwise_fns<Avx512Bf16>, &SkinnyLinearBf16::run,
-                                  &PackedLinearBf16::run, &PackedLinearBf16::run_gated};
+  // 8-bit KV caches: the AVX-512 kernels (the q.k of an fp8 row runs in float32 anyway).
+  static const IsaKernels kernels{"avx512bf16",           &attention_bf16,
+                                  &elementwise_fns<Avx512Bf16>, &SkinnyLinearBf16::run,
+                                  &PackedLinearBf16::run, &PackedLinearBf16::run_gated,
+                                  &attention_kv8_fns<Avx512>};
   return &kernels;
 }
 #else

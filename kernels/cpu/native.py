@@ -13,6 +13,7 @@ and passes them in.
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ __all__ = [
     "NATIVE_OPS",
     "NativeCpuKernels",
     "choose_isa",
+    "dequantized_blocks",
     "load_cpu_kernels",
     "unpack_linear_weight",
 ]
@@ -63,6 +65,42 @@ NATIVE_OPS: tuple[str, ...] = (
 LINEAR_MAX_ROWS = 4
 
 _DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+#: Query dtypes of the attention kernels that read 8-bit float KV caches.
+_KV8_QUERY_DTYPES = frozenset({torch.float32, torch.bfloat16})
+
+log = logging.getLogger(__name__)
+_logged_quantized_cache = False
+
+
+def dequantized_blocks(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(key_cache, value_cache, block_tables) of just the blocks the sequences read, in
+    ``dtype``: the distinct blocks of each sequence's first ceil(seq_len / block_size)
+    table entries, converted (an 8-bit float widens exactly), in the caches' layout
+    (a head-major cache stays head-major); the tables renumbered into them.  Entries
+    past a sequence's blocks point at block 0 of the result and are never read."""
+    block_size = key_cache.shape[1]
+    width = block_tables.shape[1]
+    n_blocks = (seq_lens.long() + block_size - 1) // block_size
+    used = torch.arange(width).view(1, width) < n_blocks.view(-1, 1)
+    ids = block_tables[used].long()
+    if ids.numel() == 0:
+        ids = torch.zeros(1, dtype=torch.long)
+    distinct, inverse = torch.unique(ids, return_inverse=True)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # index_select on the [blocks, heads, tokens, d] view keeps each head's rows together.
+        return cache.transpose(1, 2).index_select(0, distinct).to(dtype).transpose(1, 2)
+
+    tables = torch.zeros_like(block_tables)
+    if bool(used.any()):
+        tables[used] = inverse.to(tables.dtype)
+    return gather(key_cache), gather(value_cache), tables
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -111,6 +149,9 @@ class NativeCpuKernels:
         self.has_linear = bool(module.has_linear(self._isa))
         #: Whether it has the packed bf16 linear kernel (AVX-512 BF16; see pack_linear_weight).
         self.has_packed_linear = bool(module.has_packed_linear(self._isa))
+        #: Whether its attention reads 8-bit float KV caches in registers (AVX-512), for
+        #: float32 and bf16 queries; elsewhere they are dequantized first.
+        self.has_kv8_attention = bool(module.has_kv8_attention(self._isa))
 
     @property
     def source(self) -> str:
@@ -151,10 +192,14 @@ class NativeCpuKernels:
         if out is None:
             # empty_like is ~1 us cheaper per call than torch.empty(shape, dtype, device).
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        kv8 = key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES
+        if kv8:  # an 8-bit float cache: read in registers where the instruction set can
+            kernel_dtypes = self.has_kv8_attention and dtype in _KV8_QUERY_DTYPES
+        else:
+            kernel_dtypes = dtype in _DTYPES and key_cache.dtype == dtype
         if (
-            dtype in _DTYPES
-            and key_cache.dtype == dtype
-            and value_cache.dtype == dtype
+            kernel_dtypes
+            and value_cache.dtype == key_cache.dtype
             and out.dtype == dtype
             and query.shape[-1] in self.head_sizes
             and query.is_cpu
@@ -176,6 +221,11 @@ class NativeCpuKernels:
                 sinks,
             )
             return out
+        if kv8 and dtype in _DTYPES and query.is_cpu and value_cache.dtype == key_cache.dtype:
+            return self._quantized_cache_attention(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                sliding_window, soft_cap, sinks,
+            )  # fmt: skip
         return reference.paged_attention(
             query,
             key_cache,
@@ -190,6 +240,30 @@ class NativeCpuKernels:
             sinks=sinks,
         )
 
+    def _quantized_cache_attention(
+        self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out, window, cap, sinks
+    ) -> torch.Tensor:
+        """paged_attention over an 8-bit float cache where the kernel cannot read its rows
+        (an instruction set without the kv8 kernel, a float16 query): the blocks the
+        batch reads are dequantized to the query's dtype first (:func:`dequantized_blocks`)
+        and the kernel runs on them (logged once)."""
+        global _logged_quantized_cache
+        if not _logged_quantized_cache:
+            _logged_quantized_cache = True
+            log.warning(
+                "paged_attention: the native CPU kernel (%s) does not read %s KV rows for %s queries in "
+                "registers; each call dequantizes the blocks it reads to %s and runs the kernel on them",
+                self.isa,
+                str(key_cache.dtype).removeprefix("torch."),
+                str(query.dtype).removeprefix("torch."),
+                str(query.dtype).removeprefix("torch."),
+            )
+        kc, vc, tables = dequantized_blocks(key_cache, value_cache, block_tables, seq_lens, query.dtype)
+        return self.paged_attention(
+            query, kc, vc, tables, seq_lens, query_start_loc, scale, out,
+            sliding_window=window, soft_cap=cap, sinks=sinks,
+        )  # fmt: skip
+
     def reshape_and_cache(
         self,
         key: torch.Tensor,
@@ -202,6 +276,9 @@ class NativeCpuKernels:
         slot_mapping int64 [num_tokens], -1 skips."""
         if not key_cache.is_cpu or not key.is_cpu:
             return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        if key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES:  # saturating cast, then the row copy
+            key = reference.quantize_kv(key, key_cache.dtype).contiguous()
+            value = reference.quantize_kv(value, value_cache.dtype).contiguous()
         if key.dtype != key_cache.dtype or key.stride(-1) != 1:
             key = key.to(key_cache.dtype).contiguous()
         if value.dtype != value_cache.dtype or value.stride(-1) != 1:

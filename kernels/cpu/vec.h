@@ -39,6 +39,14 @@ struct BF16 {
 struct F16 {
   uint16_t bits;
 };
+// 8-bit float KV cache elements (torch.float8_e4m3fn, torch.float8_e5m2): only loaded,
+// never stored, by the kernels (the cache write is a saturating cast in torch).
+struct FP8E4M3 {
+  uint8_t bits;
+};
+struct FP8E5M2 {
+  uint8_t bits;
+};
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -286,6 +294,23 @@ struct Avx512 {
   }
   static V load(const F16* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  // e5m2 is the upper byte of an fp16: widen, shift, VCVTPH2PS (exact, inf/NaN included).
+  static V load(const FP8E5M2* p) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+  }
+  // e4m3fn (bias 7, no inf): sign to bit 15, exponent and mantissa to bits 13..7 of an
+  // fp16 (bias 15), times 2^8; subnormals map to fp16 subnormals, so this is exact.
+  // 0x7f/0xff are NaN.
+  static V load(const FP8E4M3* p) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i em = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                      _mm256_slli_epi16(em, 7));
+    const V f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(em, _mm256_set1_epi16(0x7f));
+    return _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
   }
   static void store(float* p, V a) { _mm512_storeu_ps(p, a); }
   // Integer round-to-nearest-even rather than VCVTNEPS2BF16, which flushes denormals

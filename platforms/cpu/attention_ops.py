@@ -138,9 +138,9 @@ def sdpa_paged_attention(
 ) -> torch.Tensor:
     """See reference.paged_attention: per sequence, its K/V gathered from the blocks and
     torch's scaled_dot_product_attention with the causal mask aligned to the end of
-    the context (a chunk's queries are the last positions).  Windows, soft caps and
-    sinks run the reference."""
-    if sliding_window or soft_cap or sinks is not None:
+    the context (a chunk's queries are the last positions).  Windows, soft caps,
+    sinks and 8-bit float caches run the reference."""
+    if sliding_window or soft_cap or sinks is not None or key_cache.dtype != query.dtype:
         return reference.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
             sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,

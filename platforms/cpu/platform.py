@@ -32,6 +32,7 @@ def _meminfo(key: str) -> int | None:
 
 
 class CpuPlatform(Platform):
+    interface_version = "1.5"
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
@@ -44,6 +45,9 @@ class CpuPlatform(Platform):
     # p99 ITL but added prefill steps to the longest prompts, whose p99 TTFT rose
     # (docs/serving.md#latency-under-load).
     default_long_prefill_token_threshold = 512
+    # Every paged_attention candidate reads fp8 caches (the reference by dequantizing,
+    # the native kernel on the touched blocks dequantized: kernels/cpu/native.py).
+    kv_cache_dtypes = ("fp8_e4m3", "fp8_e5m2")
 
     def __init__(self, options: CpuOptions | None = None) -> None:
         #: The environment switches, read once here (PAGEDSERVE_CPU_*; platforms/options.py).

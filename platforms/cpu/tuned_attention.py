@@ -17,8 +17,9 @@ mixed batch of decodes and prefill chunks runs its decodes on the native kernel 
 chunks on AMX tiles where that measured fastest.  A decode step (one token per
 sequence) is one call, decided without reading the metadata.
 
-Windows, soft caps, sinks and dtypes other than bf16 go to the static choice (the
-native kernel runs them; the tiles take bf16 only): nothing is timed for them.
+Windows, soft caps, sinks and dtypes other than bf16 (8-bit float caches included) go
+to the static choice (the native kernel runs them; the tiles take bf16 only): nothing
+is timed for them.
 """
 
 from __future__ import annotations
@@ -163,7 +164,14 @@ class TunedAttention:
     ) -> torch.Tensor:
         """See reference.paged_attention."""
         args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
-        if sliding_window or soft_cap or sinks is not None or query.dtype != torch.bfloat16 or query.shape[0] == 0:
+        if (
+            sliding_window
+            or soft_cap
+            or sinks is not None
+            or query.dtype != torch.bfloat16
+            or key_cache.dtype != torch.bfloat16  # an 8-bit float cache: the native kernel's path
+            or query.shape[0] == 0
+        ):
             return self.static(*args, out, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
         buckets, route = self.route(query, key_cache)
         num_seqs = seq_lens.shape[0]

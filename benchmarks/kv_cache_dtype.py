@@ -1,0 +1,127 @@
+"""fp8 KV cache against the model-dtype cache on the default model (docs/memory.md).
+
+Reports, for kv_cache_dtype auto / fp8_e4m3 / fp8_e5m2 in one process:
+  * KV blocks at a fixed kv_cache_memory;
+  * greedy agreement with the auto cache on 16 prompts (identical continuations, tokens
+    before the first difference, positions equal), and over the prompts' own tokens the
+    top-1 agreement and the largest per-position KL divergence of the next-token
+    distributions (teacher-forced, so one early difference does not hide the rest);
+  * decode throughput at a batch of --batch sequences over --context-token prompts.
+
+    python benchmarks/kv_cache_dtype.py [--batch 64 --context 192 --decode 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagedserve import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n",
+    "The theory of relativity states that",
+    "Here is a recipe for pancakes:",
+    "import numpy as np\n\ndef normalize(x):",
+    "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+    "The three laws of thermodynamics are",
+    "In 1492, Columbus",
+    "SELECT name, age FROM users WHERE",
+    "<|im_start|>user\nWrite a haiku about autumn.<|im_end|>\n<|im_start|>assistant\n",
+    "Photosynthesis is the process by which",
+    "The quick brown fox",
+    "To install the package, run",
+    "<|im_start|>user\nExplain what a linked list is.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def decode_throughput(llm: LLM, args) -> float:
+    """Decode tokens/s of a batch of ``args.batch`` sequences over ``args.context``-token
+    random prompts: the steps after every sequence has its first token, timed alone."""
+    engine = llm.llm_engine
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=1 + args.decode, ignore_eos=True)
+    for i in range(args.batch):
+        ids = torch.randint(100, 40000, (args.context,), generator=gen).tolist()
+        engine.add_request(f"tp{i}", None, params, prompt_token_ids=ids)
+    started: set[str] = set()
+    while len(started) < args.batch:  # prefill (and the first decodes of early finishers)
+        started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
+    steps, t0 = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    elapsed = time.perf_counter() - t0
+    # The whole batch prefills in one step (the budget holds it), so each timed step is a
+    # decode of every sequence.
+    assert steps == args.decode, f"{steps} decode steps, expected {args.decode}"
+    return round(args.batch * steps / elapsed, 1)
+
+
+def run(cd: str, args) -> dict:
+    llm = LLM(
+        None,
+        dtype="bfloat16",
+        kv_cache_dtype=cd,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=1024,
+        max_num_batched_tokens=max(2048, args.batch * args.context),
+    )
+    blocks = llm.llm_engine.executor.num_blocks
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
+    toks = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    if args.forced is None:  # the first (auto) run: teacher-force its continuations
+        args.forced = [llm.get_tokenizer().encode(s) + t for s, t in zip(PROMPTS, toks)]
+    rows_params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=-1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in args.forced], rows_params, use_tqdm=False)
+    rows = [o.prompt_logprob_rows for o in outs]
+    decode_tok_s = decode_throughput(llm, args) if cd in args.throughput else None
+    llm.shutdown()
+    return dict(blocks=blocks, toks=toks, rows=rows, decode_tok_s=decode_tok_s)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kv-cache-memory", default="512MiB")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=192)
+    p.add_argument("--decode", type=int, default=16)
+    p.add_argument("--throughput", default="auto,fp8_e4m3", help="cache dtypes whose decode rate is measured")
+    args = p.parse_args()
+    args.forced = None
+    args.throughput = args.throughput.split(",")
+    base = run("auto", args)
+    print(f"auto: {base['blocks']} blocks at {args.kv_cache_memory}; decode {base['decode_tok_s']} tok/s "
+          f"(batch {args.batch}, {args.context}-token prompts, {args.decode} steps)", flush=True)  # fmt: skip
+    for cd in ("fp8_e4m3", "fp8_e5m2"):
+        r = run(cd, args)
+        same = sum(a == b for a, b in zip(base["toks"], r["toks"]))
+        firsts = [first_difference(a, b) for a, b in zip(base["toks"], r["toks"])]
+        pos = sum(x == y for a, b in zip(base["toks"], r["toks"]) for x, y in zip(a, b))
+        total = sum(len(a) for a in base["toks"])
+        top1 = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(base["rows"], r["rows"]))
+        n = sum(a.shape[0] for a in base["rows"])
+        kl = [torch.nn.functional.kl_div(b, a, log_target=True, reduction="none").sum(-1)
+              for a, b in zip(base["rows"], r["rows"])]  # fmt: skip
+        kl_all = torch.cat(kl)
+        print(
+            f"{cd}: {r['blocks']} blocks ({r['blocks'] / base['blocks']:.2f}x); greedy identical {same}/16, "
+            f"first difference at token {sorted(firsts)} (median {sorted(firsts)[8]}), positions equal "
+            f"{pos}/{total}; teacher-forced top-1 {top1}/{n} = {top1 / n:.3f}, KL mean {kl_all.mean():.4f} "
+            f"max {kl_all.max():.3f}; decode {r['decode_tok_s']} tok/s",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""8-bit float KV caches end to end, on tiny random checkpoints in float32.
+
+Capacity (exactly twice the blocks of a 16-bit cache at one budget, four times a
+32-bit one), logprobs against the model-dtype cache within a measured bound, and the
+features that move or reuse KV blocks: prefix-cache hits, chunked prefill, swap and
+recompute preemption through the host tier (bytes moved exactly), the disaggregated
+hand-off (bytes, and a refusal between different cache dtypes).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.kv_cache.host_tier import KVTransfers
+from pagedserve.offload.kv_tier import apply_kv_transfers
+
+pytestmark = pytest.mark.timeout(600)
+
+SHAPE = dict(arch="llama", num_heads=4, num_kv_heads=2)
+VOCAB = 259
+FP8 = ["fp8_e4m3", "fp8_e5m2"]
+
+
+def u8(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoint_factory):
+    return tiny_checkpoint_factory(**SHAPE)
+
+
+def prompts_for(seed: int, lengths=(1, 5, 17, 30, 44)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+
+
+def prompt_rows(llm: LLM, prompts) -> list[torch.Tensor]:
+    """Each prompt's full next-token log-distributions ([len - 1, vocab] float32)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=-1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.prompt_logprob_rows for o in outs]
+
+
+def greedy(llm: LLM, prompts, n: int = 8):
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+
+# ---- capacity -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,factor", [("bfloat16", 2), ("float32", 4)])
+def test_an_8bit_cache_holds_exactly_2x_a_16bit_one(path, dtype, factor):
+    blocks = {}
+    for cd in ["auto", *FP8]:
+        llm = LLM(model=str(path), dtype=dtype, kv_cache_dtype=cd, kv_cache_memory="3MiB", block_size=16)
+        runner = llm.llm_engine.runner
+        k, v = runner.kv_caches[0]
+        assert k.dtype == v.dtype == {"auto": getattr(torch, dtype), **{
+            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}}[cd]  # fmt: skip
+        a = runner.local_arch
+        elem = k.element_size()
+        per_block = 2 * a.num_layers * 16 * a.num_kv_heads * a.head_dim * elem
+        assert runner.kv_block_bytes(16) == per_block
+        blocks[cd] = llm.llm_engine.executor.num_blocks
+        assert blocks[cd] == (3 << 20) // per_block
+        assert k.shape[0] == blocks[cd]
+    assert blocks["fp8_e4m3"] == blocks["fp8_e5m2"] == factor * blocks["auto"]
+
+
+# ---- accuracy against the model-dtype cache -------------------------------------------
+
+# Measured on this checkpoint and these prompts (float32 model): max |logprob
+# difference| 0.105 (e4m3) and 0.156 (e5m2), largest per-position KL 0.00061 / 0.00142.
+# The bounds are about twice that.  The random tiny model's distributions are nearly
+# flat, so top-1 ties flip easily (agreement bounded loosely).
+BOUNDS = {"fp8_e4m3": dict(max_abs=0.25, kl=0.0015), "fp8_e5m2": dict(max_abs=0.35, kl=0.003)}
+
+
+@pytest.fixture(scope="module")
+def model_dtype_rows(path):
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="8MiB")
+    return prompt_rows(llm, prompts_for(3, (40, 100, 7, 64)))
+
+
+@pytest.mark.parametrize("cd", FP8)
+def test_fp8_cache_logprobs_stay_near_the_model_dtype_cache(path, model_dtype_rows, cd):
+    llm = LLM(model=str(path), dtype="float32", kv_cache_dtype=cd, kv_cache_memory="8MiB")
+    rows = prompt_rows(llm, prompts_for(3, (40, 100, 7, 64)))
+    diff = max((a - b).abs().max().item() for a, b in zip(model_dtype_rows, rows))
+    kl = max(
+        torch.nn.functional.kl_div(b, a, log_target=True, reduction="none").sum(-1).max().item()
+        for a, b in zip(model_dtype_rows, rows)
+    )
+    assert 0 < diff < BOUNDS[cd]["max_abs"], diff  # > 0: the cache really is 8-bit
+    assert kl < BOUNDS[cd]["kl"], kl
+    top1 = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(model_dtype_rows, rows))
+    assert top1 / sum(a.shape[0] for a in rows) > 0.8
+
+
+# ---- features that reuse or move KV blocks --------------------------------------------
+
+
+@pytest.mark.parametrize("cd", FP8)
+def test_prefix_cache_hit_equals_miss(path, cd):
+    prompts = prompts_for(5, (40, 33))
+    miss = LLM(model=str(path), dtype="float32", kv_cache_dtype=cd, kv_cache_memory="4MiB", enable_prefix_caching=False)
+    want_ids, want_lp = greedy(miss, prompts)
+    hit = LLM(model=str(path), dtype="float32", kv_cache_dtype=cd, kv_cache_memory="4MiB")
+    greedy(hit, prompts)  # fills the prefix cache
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = hit.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 32 for o in outs)
+    assert [o.outputs[0].token_ids for o in outs] == want_ids
+    for got, want in zip([o.outputs[0].logprobs for o in outs], want_lp):
+        for g, w in zip(got, want):
+            (tok,) = set(w) & set(g)
+            assert g[tok].logprob == pytest.approx(w[tok].logprob, abs=1e-4)
+
+
+def test_chunked_prefill_equals_one_chunk(path):
+    prompts = prompts_for(6, (90, 50))
+    whole = LLM(model=str(path), dtype="float32", kv_cache_dtype="fp8", kv_cache_memory="4MiB")
+    chunked = LLM(
+        model=str(path), dtype="float32", kv_cache_dtype="fp8", kv_cache_memory="4MiB", max_num_batched_tokens=16,
+        long_prefill_token_threshold=16,
+    )  # fmt: skip
+    for a, b in zip(prompt_rows(whole, prompts), prompt_rows(chunked, prompts)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# ~11 blocks of 8 tokens for 6 requests of up to ~45 tokens: preemption is forced.
+PREEMPTING = dict(
+    dtype="float32", max_num_batched_tokens=64, block_size=8, num_gpu_blocks_override=11, max_model_len=88
+)
+MAX_NEW = [12, 20, 7, 16, 10, 14]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_with_an_fp8_cache_gives_identical_outputs(path, mode):
+    prompts = prompts_for(7, (1, 5, 17, 30, 15, 22))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_NEW]
+    roomy = LLM(model=str(path), **{**PREEMPTING, "num_gpu_blocks_override": 80}, kv_cache_dtype="fp8")
+    expected = [o.outputs[0].token_ids for o in roomy.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]  # fmt: skip
+    assert roomy.llm_engine.scheduler.num_preemptions == 0
+    llm = LLM(model=str(path), **PREEMPTING, kv_cache_dtype="fp8", kv_offload_memory="1MiB", preemption_mode=mode)
+    assert llm.llm_engine.runner.host_kv_caches[0][0].dtype == torch.float8_e4m3fn
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]  # fmt: skip
+    assert got == expected
+    eng = llm.llm_engine
+    assert eng.scheduler.num_preemptions > 0
+    if mode == "swap":
+        assert eng.kv.num_swap_outs > 0 and eng.kv.num_swapped_in_tokens > 0
+
+
+@pytest.mark.parametrize("cd", FP8)
+def test_host_tier_round_trip_moves_the_bytes_exactly(path, cd):
+    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_dtype=cd, kv_cache_memory="2MiB", kv_offload_memory="1MiB")
+    runner = llm.llm_engine.runner
+    gen = torch.Generator().manual_seed(11)
+    for k, v in runner.kv_caches:  # random bytes, NaN and inf patterns included
+        k.view(torch.uint8).copy_(torch.randint(0, 256, k.shape, generator=gen, dtype=torch.uint8))
+        v.view(torch.uint8).copy_(torch.randint(0, 256, v.shape, generator=gen, dtype=torch.uint8))
+    before = [(u8(k).clone(), u8(v).clone()) for k, v in runner.kv_caches]
+    out, back = KVTransfers(), KVTransfers()
+    for src, dst in [(3, 0), (7, 5), (1, 2)]:
+        out.add("out", src, dst)
+    for src, dst in [(0, 10), (5, 11), (2, 12)]:
+        back.add("in", src, dst)
+    swap = [o.swap_blocks for o in runner.layer_ops]
+    apply_kv_transfers(swap, runner.kv_caches, runner.host_kv_caches, out)
+    apply_kv_transfers(swap, runner.kv_caches, runner.host_kv_caches, back)
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before):
+        for src, dst in [(3, 10), (7, 11), (1, 12)]:
+            assert torch.equal(u8(k[dst]), k0[src]) and torch.equal(u8(v[dst]), v0[src])
+        assert torch.equal(u8(k[4]), k0[4])  # untouched
+
+
+def test_handoff_moves_the_quantized_bytes_and_refuses_another_dtype(path):
+    prompt = prompts_for(9, (50,))[0]
+    kw = dict(model=str(path), dtype="float32", kv_cache_memory="4MiB")
+    src = LLM(**kw, kv_cache_dtype="fp8_e5m2")
+    greedy(src, [prompt], 1)
+    kv = src.llm_engine.export_prefix_kv(prompt)
+    assert kv.dtype == torch.uint8 and kv.shape[2] == (len(prompt) - 1) // 16
+    dst = LLM(**kw, kv_cache_dtype="fp8_e5m2")
+    assert dst.llm_engine.import_prefix_kv(prompt, kv) == kv.shape[2]
+    assert torch.equal(dst.llm_engine.export_prefix_kv(prompt), kv)
+    # The adopted blocks serve the prompt as if computed here.
+    want, _ = greedy(src, [prompt], 6)
+    got, _ = greedy(dst, [prompt], 6)
+    assert got == want
+    other = LLM(**kw)  # float32 cache
+    with pytest.raises(ValueError, match="KV blocks of dtype uint8 cannot be written into this engine's float32"):
+        other.llm_engine.import_prefix_kv(prompt, kv)
+
+
+@pytest.mark.parametrize("cd", ["auto", "fp8", "fp8_e5m2"])
+def test_simulate_sizes_the_cache_as_the_engine_does(path, cd, tmp_path):
+    from pagedserve.entrypoints.cli import main
+
+    out = tmp_path / "plan.json"
+    argv = ["simulate", "--hardware", "h100-sxm", "--model", str(path), "--dtype", "bfloat16", "--kv-cache-memory",
+            "3MiB", "--kv-cache-dtype", cd, "--num-prompts", "2", "--input-len", "8", "--output-len", "2",
+            "--json-out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    plan = __import__("json").loads(out.read_text())["config"]
+    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_dtype=cd, kv_cache_memory="3MiB")
+    assert plan["num_kv_blocks"] == llm.llm_engine.executor.num_blocks
+    assert plan["kv_bytes_per_block_per_device"] == llm.llm_engine.runner.kv_block_bytes(16)
+
+
+def test_speculative_draft_and_device_map_with_an_fp8_cache(path):
+    """A draft model keeps its KV in the model's dtype, the target's stays fp8: greedy
+    tokens equal the target alone.  A device map's segments each allocate fp8 caches."""
+    prompts = prompts_for(12, (9, 30))
+    kw = dict(model=str(path), dtype="float32", kv_cache_memory="4MiB", kv_cache_dtype="fp8")
+    want, _ = greedy(LLM(**kw), prompts)
+    spec = LLM(**kw, speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 3})
+    got, _ = greedy(spec, prompts)
+    assert got == want
+    eng = spec.llm_engine
+    assert eng.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert eng.spec.proposer.runner.kv_caches[0][0].dtype == torch.float32
+    mapped = LLM(**kw, device_map="cpu:1,cpu")
+    assert {t.dtype for kv in mapped.llm_engine.runner.kv_caches for t in kv} == {torch.float8_e4m3fn}
+    assert greedy(mapped, prompts)[0] == want
