@@ -151,7 +151,7 @@ def test_stopped_tensor_parallel_worker_fails_every_request_after_the_timeout(ti
     # SIGSTOP: the worker neither exits nor answers.  The collective in flight waits for
     # --distributed-timeout-s, then every request gets an error and the server exits 1.
     model = tiny_checkpoint_factory(arch="llama", num_heads=4, num_kv_heads=2)
-    timeout_s = 20
+    timeout_s = 45
     args = [
         *TINY_ARGS,
         "--tensor-parallel-size",
