@@ -28,9 +28,11 @@ from live_server import TINY_ARGS, LiveServer, kv_cache_usage
 
 pytestmark = pytest.mark.timeout(3600)
 
-#: RSS growth allowed after warm-up (MiB), per server.  Measured (docs/serving.md): at
-#: most 12 MiB over 300 requests and 26 MiB over 10,000.
-RSS_GROWTH_MB = 64
+#: RSS growth allowed after warm-up (MiB), per server, by soak size.  Measured
+#: (docs/serving.md, "Guarantees"): 2.7 / 1.2 MiB (LoRA / speculative server) over 300
+#: requests; 57.0 / 29.8 MiB over 10,000, which is about 6 KiB a request on the LoRA
+#: server and not yet explained (a slow leak or allocator growth).
+RSS_GROWTH_MB = {300: 32, 10_000: 96}
 CONCURRENCY = 24
 REGEX = "[ab]{2,5}c"
 CHOICES = ["alpha", "beta", "gamma"]
@@ -208,7 +210,7 @@ def test_soak_mixed_requests_leak_nothing_and_answer_as_alone(servers, n):
     print(f"soak {n}: {out}")
     assert set(out["counts"]) == set(KINDS), out["counts"]
     for name, (warm, end) in out["rss_mb"].items():
-        assert end - warm <= RSS_GROWTH_MB, f"{name} server RSS grew {end - warm:.1f} MiB after warm-up: {out}"
+        assert end - warm <= RSS_GROWTH_MB[n], f"{name} server RSS grew {end - warm:.1f} MiB after warm-up: {out}"
     for srv in servers:
         assert srv.proc.poll() is None
         assert "Traceback" not in srv.log(), srv.log()[-4000:]
