@@ -17,6 +17,7 @@ from types import ModuleType
 import torch
 
 from pagedserve.kernels import build, reference
+from pagedserve.kernels.cpu.native import OP_CALLS
 
 __all__ = [
     "AMX_FEATURES",
@@ -121,6 +122,7 @@ class AmxAttention:
                 float(scale),
                 out,
             )
+            OP_CALLS["paged_attention:amx"] = OP_CALLS.get("paged_attention:amx", 0) + 1
             return out
         return self.fallback(
             query,

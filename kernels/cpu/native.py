@@ -9,6 +9,12 @@ narrows what the registry accepts.
 Nothing here reads the environment: the CPU platform reads its switches once
 (PAGEDSERVE_CPU_KERNELS, PAGEDSERVE_CPU_ISA; :class:`pagedserve.platforms.options.CpuOptions`)
 and passes them in.
+
+Counted ops: every call of ``paged_attention`` and of the native linears adds one to
+:data:`OP_CALLS` under ``"<op>:<implementation>"`` (a dict increment, well under 1% of
+the smallest call); an attention call that runs the reference records why in
+:data:`FALLBACKS` and logs it once per reason (the reason names the head size or dtype,
+so once per model shape).  ``pagedserve platforms --ops`` shows what falls back.
 """
 
 from __future__ import annotations
@@ -28,12 +34,65 @@ __all__ = [
     "ISA_FEATURES",
     "ISA_ORDER",
     "NATIVE_OPS",
+    "FALLBACKS",
     "NativeCpuKernels",
+    "OP_CALLS",
+    "attention_fallback_reason",
     "choose_isa",
+    "count_call",
+    "count_fallback",
     "dequantized_blocks",
     "load_cpu_kernels",
+    "op_report",
     "unpack_linear_weight",
 ]
+
+logger = logging.getLogger(__name__)
+
+#: Calls of the counted ops in this process, by ``"<op>:<implementation>"``
+#: (``paged_attention:native``, ``paged_attention:reference``, ``packed_linear:native``, ...).
+OP_CALLS: dict[str, int] = {}
+#: Why attention ran the torch reference: ``"<op>: <reason>"`` -> calls.
+FALLBACKS: dict[str, int] = {}
+
+
+def count_call(key: str) -> None:
+    """One more call of ``key`` (``"<op>:<implementation>"``) in :data:`OP_CALLS`."""
+    OP_CALLS[key] = OP_CALLS.get(key, 0) + 1
+
+
+def count_fallback(op: str, reason: str) -> None:
+    """One more call of ``op`` on the torch reference because of ``reason``; the first
+    call for a reason is logged."""
+    key = f"{op}: {reason}"
+    seen = FALLBACKS.get(key)
+    if seen is None:
+        logger.warning("pagedserve: %s runs the torch reference (slow) on this CPU: %s", op, reason)
+        seen = 0
+    FALLBACKS[key] = seen + 1
+    count_call(f"{op}:reference")
+
+
+def op_report() -> dict[str, Any]:
+    """What the counters hold: ``{"calls": OP_CALLS, "fallbacks": FALLBACKS}`` (copies)."""
+    return {"calls": dict(OP_CALLS), "fallbacks": dict(FALLBACKS)}
+
+
+def attention_fallback_reason(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor, head_sizes
+) -> str:
+    """Why the native attention kernel does not take these tensors."""
+    if query.dtype not in _DTYPES:
+        return f"dtype {str(query.dtype).removeprefix('torch.')} (native: float32, bfloat16, float16)"
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype or out.dtype != query.dtype:
+        return f"KV cache dtype {str(key_cache.dtype).removeprefix('torch.')} differs from the query's"
+    if query.shape[-1] not in head_sizes:
+        sizes = ", ".join(str(h) for h in sorted(head_sizes))
+        return f"head size {query.shape[-1]} (native: {sizes})"
+    if not query.is_cpu:
+        return "tensors not on the CPU"
+    return "query or output not contiguous in the head dimension"
+
 
 #: Instruction sets of the kernels, best first.
 ISA_ORDER: tuple[str, ...] = ("avx512bf16", "avx512", "avx2", "scalar")
@@ -220,12 +279,15 @@ class NativeCpuKernels:
                 float(soft_cap or 0.0),
                 sinks,
             )
+            OP_CALLS["paged_attention:native"] = OP_CALLS.get("paged_attention:native", 0) + 1
             return out
         if kv8 and dtype in _DTYPES and query.is_cpu and value_cache.dtype == key_cache.dtype:
             return self._quantized_cache_attention(
                 query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
                 sliding_window, soft_cap, sinks,
             )  # fmt: skip
+        reason = attention_fallback_reason(query, key_cache, value_cache, out, self.head_sizes)
+        count_fallback("paged_attention", reason)
         return reference.paged_attention(
             query,
             key_cache,
@@ -350,6 +412,7 @@ class NativeCpuKernels:
             or (bias is not None and bias.dtype != torch.bfloat16)
         ):
             return reference.linear(x, weight, bias)
+        OP_CALLS["linear:native"] = OP_CALLS.get("linear:native", 0) + 1
         return self.module.linear(x, weight, bias, self._isa)
 
     def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
@@ -381,6 +444,7 @@ class NativeCpuKernels:
         ):
             w = unpack_linear_weight(packed).to(x.dtype)
             return reference.linear(x, w, None if bias is None else bias.to(x.dtype))
+        OP_CALLS["packed_linear:native"] = OP_CALLS.get("packed_linear:native", 0) + 1
         if x.dim() == 2:  # [M, N] already: no view (~0.7 us a call)
             return self.module.packed_linear(x, packed, bias, self._isa)
         lead = x.shape[:-1]
@@ -403,6 +467,7 @@ class NativeCpuKernels:
             or (bias is not None and bias.dtype != torch.bfloat16)
         ):
             return self.silu_and_mul(self.packed_linear(x, packed, bias))
+        OP_CALLS["packed_linear_silu_and_mul:native"] = OP_CALLS.get("packed_linear_silu_and_mul:native", 0) + 1
         if x.dim() == 2:
             return self.module.packed_linear_silu_and_mul(x, packed, bias, self._isa)
         lead = x.shape[:-1]

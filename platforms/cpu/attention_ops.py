@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from pagedserve.kernels import reference
+from pagedserve.kernels.cpu.native import count_call, count_fallback
 
 __all__ = [
     "PREFILL_MIN_TOKENS",
@@ -141,12 +142,14 @@ def sdpa_paged_attention(
     the context (a chunk's queries are the last positions).  Windows, soft caps,
     sinks and 8-bit float caches run the reference."""
     if sliding_window or soft_cap or sinks is not None or key_cache.dtype != query.dtype:
+        count_fallback("paged_attention", "torch SDPA candidate with a window, soft cap, sinks or an 8-bit cache")
         return reference.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
             sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
         )  # fmt: skip
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    count_call("paged_attention:sdpa")
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     for i, ctx in enumerate(lens):
         a, b = qsl[i], qsl[i + 1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import torch
 
@@ -129,3 +130,31 @@ class CpuPlatform(Platform):
         if head_major:
             caches = tuple(t.transpose(1, 2) for t in caches)
         return caches
+
+    def op_report(self) -> dict[str, Any]:
+        """Where the native kernels apply and what ran in this process: ``{"native":
+        whether the native kernels are loaded, "attention_head_sizes": the native
+        attention's head sizes, "calls": {"<op>:<implementation>": calls}, "fallbacks":
+        {"<op>: <reason>": calls}}`` (counters of kernels/cpu/native.py).  Shown by
+        ``pagedserve platforms --ops``."""
+        from pagedserve.kernels.cpu import native
+
+        kernels = native.load_cpu_kernels(preferred_isa=self.options.isa) if self.options.native_kernels else None
+        return {
+            "native": kernels is not None,
+            "attention_head_sizes": sorted(kernels.head_sizes) if kernels is not None else [],
+            **native.op_report(),
+        }
+
+    def attention_fallback(self, head_size: int, dtype: torch.dtype) -> str | None:
+        """Why paged attention of this head size and dtype runs the torch reference here,
+        or None when a native kernel takes it."""
+        report = self.op_report()
+        if not report["native"]:
+            return "native CPU kernels off or not built (PAGEDSERVE_CPU_KERNELS, build errors above)"
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"dtype {str(dtype).removeprefix('torch.')} (native: float32, bfloat16, float16)"
+        if head_size not in report["attention_head_sizes"]:
+            sizes = ", ".join(str(h) for h in report["attention_head_sizes"])
+            return f"head size {head_size} (native: {sizes})"
+        return None

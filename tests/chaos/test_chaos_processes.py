@@ -147,6 +147,63 @@ def test_killed_tensor_parallel_worker_fails_every_request_and_the_server_exits(
         server.stop()
 
 
+def test_stopped_tensor_parallel_worker_fails_every_request_after_the_timeout(tiny_checkpoint_factory, tmp_path):
+    # SIGSTOP: the worker neither exits nor answers.  The collective in flight waits for
+    # --distributed-timeout-s, then every request gets an error and the server exits 1.
+    model = tiny_checkpoint_factory(arch="llama", num_heads=4, num_kv_heads=2)
+    timeout_s = 45
+    args = [
+        *TINY_ARGS,
+        "--tensor-parallel-size",
+        "2",
+        "--distributed-executor-backend",
+        "mp",
+        "--distributed-timeout-s",
+        str(timeout_s),
+    ]
+    server = LiveServer(str(model), args, tmp_path / "log")
+    workers: list[int] = []
+    try:
+        streams = [_Stream(server.url, [5 + i, 6, 7]) for i in range(3)]
+        for s in streams:
+            assert s.first.wait(120) and s.failure is None
+        workers = [p for p in _children(server.proc.pid) if "spawn_main" in _cmdline(p)]
+        assert len(workers) == 1, [(p, _cmdline(p)) for p in _children(server.proc.pid)]
+        start = time.monotonic()
+        os.kill(workers[0], signal.SIGSTOP)
+        for s in streams:
+            s.join(timeout_s + 60)
+            assert not s.is_alive() and s.failure is None, s.failure
+            assert s.lines[-1] == "data: [DONE]", s.lines[-3:]
+            errors = s.errors()
+            assert len(errors) == 1 and "distributed executor failed during step" in errors[0]["message"], s.lines[-3:]
+        assert server.wait(60) == 1, server.log()[-3000:]
+        took = time.monotonic() - start
+        assert took < timeout_s + 40, took
+        assert "the engine failed" in server.log()
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(server.url + "/health", timeout=5)
+        # The stopped worker did not outlive its server.
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{workers[0]}").exists() and "Z" not in _state(workers[0]):
+            assert time.monotonic() < deadline, f"worker {workers[0]} still alive: {_state(workers[0])}"
+            time.sleep(0.2)
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        server.stop()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 @pytest.mark.slow
 def test_killed_data_parallel_replicas_fail_only_their_streams_then_the_server_exits(tiny_llama, tmp_path):
     args = [*TINY_ARGS, "--data-parallel-size", "2", "--threads", "2"]

@@ -35,3 +35,17 @@ def load_hf(path, **kwargs):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, **kwargs)
     model.eval()
     return model
+
+
+@torch.inference_mode()
+def hf_token_logprobs(model, token_ids: list[int]) -> list[float]:
+    """Teacher-forced float32 log-probability of each token given the ones before it
+    (len(token_ids) - 1 values: the first token has none)."""
+    logits = model(input_ids=torch.tensor([token_ids])).logits[0, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(1, torch.tensor(token_ids[1:]).unsqueeze(1)).squeeze(1).tolist()
+
+
+def engine_token_logprobs(prompt_logprobs, token_ids: list[int]) -> list[float]:
+    """The same values from an engine's ``prompt_logprobs`` (entry i: {token: Logprob})."""
+    return [prompt_logprobs[i][t].logprob for i, t in enumerate(token_ids) if i > 0]

@@ -8,6 +8,9 @@
                                          shape and row bucket, the chosen candidate and
                                          every candidate's time, as cached on this machine
     pagedserve platforms --ops --tune    tune first on the default model's dense shapes
+    pagedserve platforms --ops --model PATH
+                                         also whether that model's attention runs a native
+                                         kernel or falls back to the torch reference (why)
     pagedserve platforms check [NAME]    run the conformance kit (pagedserve.testing) on
                                          a platform and print a pass/fail report
 
@@ -74,7 +77,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--model",
         metavar="PATH",
         default=None,
-        help="check: checkpoint folder for the engine check (default: a tiny random Llama)",
+        help="check: checkpoint folder for the engine check (default: a tiny random Llama); "
+        "with --ops: say whether this model's attention runs a native kernel",
     )
     parser.add_argument("--seed", type=int, default=0, help="check: seed of the random inputs (default 0)")
     parser.add_argument(
@@ -111,6 +115,10 @@ class Report:
     error: str | None = None
     ops: list[dict[str, str]] | None = None
     tuning: list[dict[str, Any]] | None = None
+    #: The platform's op_report() (native coverage, counted calls, fallbacks), where it has one.
+    native: dict[str, Any] | None = None
+    #: With --model: {"model", "head_size", "dtype", "attention": "native" or "reference", "reason"}.
+    model_attention: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -124,6 +132,10 @@ class Report:
             out["ops"] = self.ops
         if self.tuning is not None:
             out["tuning"] = self.tuning
+        if self.native is not None:
+            out["native"] = self.native
+        if self.model_attention is not None:
+            out["model_attention"] = self.model_attention
         return out
 
 
@@ -194,8 +206,32 @@ def tuning_rows(ops: Any) -> list[dict[str, Any]] | None:
     return rows
 
 
+def model_attention(platform: Any, model: str) -> dict[str, Any] | None:
+    """Whether ``model``'s paged attention runs a native kernel of ``platform`` in the
+    platform's default dtype (None when the platform cannot say)."""
+    check = getattr(platform, "attention_fallback", None)
+    if check is None:
+        return None
+    from pagedserve.loader import open_model
+    from pagedserve.models.arch_config import ArchConfig
+
+    arch = ArchConfig.from_hf(open_model(model).hf_config)
+    reason = check(arch.head_dim, platform.default_dtype)
+    return {
+        "model": model,
+        "head_size": arch.head_dim,
+        "dtype": _dtype_name(platform.default_dtype),
+        "attention": "native" if reason is None else "reference",
+        "reason": reason,
+    }
+
+
 def collect(
-    device: str | None = None, want_ops: bool = False, env: dict[str, str] | None = None, tune: bool = False
+    device: str | None = None,
+    want_ops: bool = False,
+    env: dict[str, str] | None = None,
+    tune: bool = False,
+    model: str | None = None,
 ) -> Report:
     """Discover, describe and try to select; never raises a PlatformError (it is reported)."""
     from pagedserve.platforms import PlatformError, discover
@@ -213,7 +249,8 @@ def collect(
         info = registry.select(device)
         report.selected = info.name
         if want_ops:
-            ops = registry.resolve_ops(info.cls())
+            platform = info.cls()
+            ops = registry.resolve_ops(platform)
             report.ops = [
                 {"op": name, "source": source, "implementation": _qualname(ops.get(name))}
                 for name, source in ops.table()
@@ -221,6 +258,10 @@ def collect(
             if tune:
                 tune_default_shapes(ops)
             report.tuning = tuning_rows(ops)
+            op_report = getattr(platform, "op_report", None)
+            report.native = op_report() if op_report is not None else None
+            if model is not None:
+                report.model_attention = model_attention(platform, model)
     except PlatformError as exc:
         report.error = str(exc)
     return report
@@ -255,6 +296,12 @@ def _format_text(report: Report, show_ops: bool) -> str:
             )
             if report.tuning is not None:
                 out.append(_format_tuning(report.tuning))
+            if report.native is not None:
+                out.append(_format_native(report.native))
+            if report.model_attention is not None:
+                m = report.model_attention
+                how = "a native kernel" if m["reason"] is None else f"the torch reference (slow): {m['reason']}"
+                out.append(f"\n{m['model']}: paged attention (head size {m['head_size']}, {m['dtype']}) runs {how}")
         return "\n".join(out)
     rows: list[list[str]] = []
     for p in report.platforms:
@@ -277,6 +324,20 @@ def _format_text(report: Report, show_ops: bool) -> str:
         how = "requested" if report.requested else "auto-detected"
         out.append(f"\nselected: {report.selected} ({how})")
     return "\n".join(out)
+
+
+def _format_native(native: dict[str, Any]) -> str:
+    """Native coverage, and the counted calls and fallbacks of this process."""
+    if not native["native"]:
+        return "\nnative kernels: not loaded; every op runs the torch reference"
+    sizes = ", ".join(str(h) for h in native["attention_head_sizes"])
+    lines = [
+        f"\nnative paged attention: head sizes {sizes} (float32, bfloat16, float16); any other "
+        "shape falls back to the torch reference, logged once per reason"
+    ]
+    for reason, calls in native["fallbacks"].items():
+        lines.append(f"  fell back: {reason} ({calls} calls)")
+    return "\n".join(lines)
 
 
 def _format_tuning(rows: list[dict[str, Any]]) -> str:
@@ -333,7 +394,12 @@ def run(args: argparse.Namespace) -> int:
     """Print the listing (or the op table); 1 when no platform can be selected."""
     if getattr(args, "action", None) == "check":
         return run_check(args)
-    report = collect(device=args.device, want_ops=args.ops, tune=getattr(args, "tune", False))
+    report = collect(
+        device=args.device,
+        want_ops=args.ops,
+        tune=getattr(args, "tune", False),
+        model=getattr(args, "model", None) if args.ops else None,
+    )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -22,6 +22,10 @@ __all__ = ["OpenAIServing", "EventStream", "merge_streams", "sse", "SSE_DONE", "
 
 SSE_DONE = "data: [DONE]\n\n"
 _MIN_LOGPROB = -9999.0  # JSON has no -Infinity
+#: Requests whose prompt text has at least this many characters are tokenized in a worker
+#: thread (the tokenizer releases the GIL): a megabyte prompt takes seconds to tokenize,
+#: and the event loop keeps serving the other requests meanwhile.
+THREAD_TOKENIZE_CHARS = 8192
 
 
 def sse(obj: dict) -> str:
@@ -98,6 +102,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
         self.generation_defaults: dict = generation_defaults(engine)
+        self._max_prompt_chars: int | None = None
 
     # -- request checks -----------------------------------------------------------------------
     def model_name(self, requested: str | None) -> str:
@@ -131,6 +136,42 @@ class OpenAIServing:
                 param=field,
             )
         return requested
+
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a text prompt can have and still fit in max_model_len
+        tokens: max_model_len times the longest vocabulary entry (4 times that where the
+        tokenizer has a normalizer, which may shorten the text); None when the tokenizer
+        does not list its vocabulary."""
+        if self._max_prompt_chars is None:
+            backend = getattr(self.tokenizer, "backend", None)
+            vocab = backend.get_vocab(with_added_tokens=True) if hasattr(backend, "get_vocab") else None
+            if not vocab:
+                self._max_prompt_chars = 0
+            else:
+                slack = 1 if getattr(backend, "normalizer", None) is None else 4
+                self._max_prompt_chars = self.engine.max_model_len * max(len(t) for t in vocab) * slack
+        return self._max_prompt_chars or None
+
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """400 for a text prompt too long to fit in max_model_len tokens, before it is
+        tokenized (tokenizing megabytes takes seconds)."""
+        limit = self.max_prompt_chars()
+        if limit is not None and len(text) > limit:
+            raise ApiError(
+                400,
+                f"The prompt has {len(text)} characters: more than can fit in this model's maximum context "
+                f"length of {self.engine.max_model_len} tokens (at most {limit} characters). Please reduce the "
+                "length of the prompt.",
+                param=param,
+            )
+
+    @staticmethod
+    async def off_loop(chars: int, fn, *args):
+        """``fn(*args)``, in a worker thread when ``chars`` (the prompt text's length) is
+        at least THREAD_TOKENIZE_CHARS, so that tokenizing it does not stall other requests."""
+        if chars < THREAD_TOKENIZE_CHARS:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
 
     def validate_prompt(
         self, prompt: str | list[int], param: str, prompt_token_ids: list[int] | None = None

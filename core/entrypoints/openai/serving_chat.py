@@ -34,6 +34,7 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
         """The prompt text and token ids of the conversation."""
         messages = chat_messages(request.messages)
         text = chat_prompt_text(self.tokenizer, request, messages, self.chat_template, self.template_kwargs(request))
+        self.check_prompt_chars(text, "messages")
         # The template already wrote any BOS it wants (unless add_special_tokens says otherwise).
         ids = self.tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
         kept = truncate_prompt(ids, request.truncate_prompt_tokens)
@@ -43,7 +44,10 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
 
     async def create(self, request: ChatCompletionRequest) -> dict | EventStream:
         model = self.model_name(request.model)
-        text, ids = self.render(request)
+        chars = sum(
+            len(m.content) if isinstance(m.content, str) else len(str(m.content)) for m in request.messages or ()
+        )
+        text, ids = await self.off_loop(chars, self.render, request)
         field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         d = self.generation_defaults

@@ -19,10 +19,13 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest) -> dict | EventStream:
         """A completion object, or an async iterator of SSE lines when `stream` is set."""
         model = self.model_name(request.model)
-        prompts = []
-        for p in normalize_prompts(request.prompt):
-            text, ids = completion_prompt(self.tokenizer, request, p)
-            prompts.append(self.validate_prompt(text, "prompt", prompt_token_ids=ids))
+        raw = normalize_prompts(request.prompt)
+        chars = 0
+        for p in raw:
+            if isinstance(p, str):
+                self.check_prompt_chars(p + (request.suffix or ""), "prompt")
+                chars += len(p) + len(request.suffix or "")
+        prompts = await self.off_loop(chars, self._prompts, request, raw)
         d = self.generation_defaults
         default_max = min(_DEFAULT_MAX_TOKENS, d.get("max_tokens", _DEFAULT_MAX_TOKENS))
         params = [
@@ -36,6 +39,14 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             return EventStream(self._stream(request, request_id, model, streams), streams)
         return self._whole(request, request_id, model, await self.collect(streams))
+
+    def _prompts(self, request: CompletionRequest, raw: list) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of every prompt, checked."""
+        prompts = []
+        for p in raw:
+            text, ids = completion_prompt(self.tokenizer, request, p)
+            prompts.append(self.validate_prompt(text, "prompt", prompt_token_ids=ids))
+        return prompts
 
     def _echo(self, request: CompletionRequest, out) -> tuple[str, list[int], list[dict]]:
         """(text, token ids, logprob entries) echoed before a completion: the prompt, or nothing."""
