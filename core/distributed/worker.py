@@ -172,8 +172,9 @@ class Worker:
             raise RuntimeError("host KV tier transfers are not supported with tensor/pipeline parallelism")
         runner, batches = self.draft if draft else self.runner, []
         # The target's verification rows carry their requests' adapters, as execute_driver's do.
-        lora = runner.lora_manager
-        pinned = {s.request.lora_request.lora_int_id for s in out.scheduled if s.request.lora_request is not None}
+        lora = runner.lora_manager  # None for the draft
+        loras = [s.request.lora_request for s in out.scheduled] if lora is not None else []
+        pinned = {x.lora_int_id for x in loras if x is not None}
         for group in split_micro_batches(out, self.num_micro_batches):
             sub = SchedulerOutput(scheduled=[out.scheduled[i] for i in group])
             inp = prepare_inputs(sub, block_ids, runner.block_size, torch.device("cpu"), runner.layer_groups)

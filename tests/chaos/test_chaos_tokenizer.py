@@ -95,5 +95,7 @@ def test_pathological_prompts_within_the_limit_do_not_stall_other_requests(long_
         # Far more than max_model_len tokens: refused after tokenizing, naming the field.
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (name, r.text[:300])
         assert took < 120, (name, took)
-        assert len(plain) >= 2 and max(plain) < took * 0.75, (name, took, plain)
+        # A tokenizer that finished within a second (a fast machine) had nothing to stall.
+        if took > 1.0:
+            assert len(plain) >= 2 and max(plain) < took * 0.75, (name, took, plain)
     server.assert_no_leak()

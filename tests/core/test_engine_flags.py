@@ -9,6 +9,7 @@ import random
 import shutil
 
 import pytest
+import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.entrypoints import cli
@@ -82,8 +83,11 @@ def test_chunked_prefill_off_refuses_a_prompt_longer_than_the_budget(tiny_llama)
 def test_kv_cache_dtype_flag(tiny_llama, capsys):
     llm = LLM(model=str(tiny_llama), kv_cache_dtype="auto", **BASE)
     assert llm.llm_engine.config.cache.cache_dtype == "auto"
-    with pytest.raises(SystemExit, match="kv_cache_dtype='fp8' is not implemented yet"):
-        cli.main(["generate", str(tiny_llama), "--kv-cache-dtype", "fp8"])
+    fp8 = LLM(model=str(tiny_llama), kv_cache_dtype="fp8", **BASE)  # the flag reaches the cache
+    assert fp8.llm_engine.config.cache.cache_dtype == "fp8"
+    assert all(c.dtype == torch.float8_e4m3fn for c in fp8.llm_engine.runner.kv_caches[0])
+    with pytest.raises(SystemExit, match="cache_dtype='int8' is not supported"):
+        cli.main(["generate", str(tiny_llama), "--kv-cache-dtype", "int8"])
 
 
 def write_shuffled_tokenizer(src, dst) -> Tokenizer:
