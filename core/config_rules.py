@@ -107,7 +107,7 @@ def _single_rank_features(cfg: EngineConfig) -> str | None:
             cfg.model.quantization not in _NOT_A_METHOD + _SHARDED_METHODS,
             f"quantization={cfg.model.quantization!r}",
             "its quantized weights are not sharded; use quantization='none' or one rank, or one of "
-            f"{', '.join(_SHARDED_METHODS)}",
+            "gguf, int8, fp8 (w8a8 with pipeline parallelism only)",
         ),
     ]
     if cfg.model.quantization == "w8a8" and cfg.parallel.tensor_parallel_size > 1:
