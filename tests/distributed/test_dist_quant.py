@@ -225,3 +225,10 @@ def test_shard_not_on_block_boundaries_is_dequantized(caplog):
     assert len(lines) == 1 and "Q4_K" in lines[0] and "tensor_parallel_size=2" in lines[0]
     up = model._shard("model.layers.0.mlp.up_proj.weight", w)
     assert isinstance(up, GGUFWeight) and torch.equal(up.data, raw[4:])
+
+
+def test_config_rules_lift_the_refusal_for_the_sharded_methods():
+    from pagedserve import config_rules
+    from pagedserve.quantization.registry import SHARDED_METHODS
+
+    assert config_rules._SHARDED_METHODS == SHARDED_METHODS
