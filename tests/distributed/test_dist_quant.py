@@ -7,7 +7,8 @@ Logprob bound: the same quantized numbers are multiplied in both, but a row-para
 projection sums two half rows and all-reduces them, and the GGUF kernels quantize the
 activations to int8 per 32-value block (unchanged by a split on block boundaries) while
 W8A8 quantizes them per token (a half row's own scale): the sums differ in rounding only.
-Measured on these models: at most ~2e-5 (GGUF, int8, fp8); ``LOGPROB_TOL`` leaves room.
+Measured on this model: 0 (GGUF Q4_1), 1.4e-6 (int8), 1e-6 (fp8), 5e-7 (W8A8 with PP);
+``LOGPROB_TOL`` leaves room.  The default model at TP=3 needs a looser bound (its test says why).
 """
 
 from __future__ import annotations
