@@ -34,6 +34,10 @@ __all__ = [
 # quantization values that load float weights (or decide from the checkpoint): only an
 # explicit method is known to conflict before the checkpoint is opened.
 _NOT_A_METHOD = (None, "auto", "none")
+# quantization methods that tensor/pipeline parallelism shards in their quantized form
+# (pagedserve.quantization.registry.SHARDED_METHODS; a test keeps the two equal); w8a8
+# only with pipeline parallelism (below).
+_SHARDED_METHODS = ("gguf", "int8", "w8a8", "fp8")
 
 
 def _parallel(cfg: EngineConfig) -> str:
@@ -100,11 +104,22 @@ def _single_rank_features(cfg: EngineConfig) -> str | None:
             "every rank would need its own host KV pool",
         ),
         (
-            cfg.model.quantization not in _NOT_A_METHOD,
+            cfg.model.quantization not in _NOT_A_METHOD + _SHARDED_METHODS,
             f"quantization={cfg.model.quantization!r}",
-            "quantized weights are not sharded; use quantization='none' or one rank",
+            "its quantized weights are not sharded; use quantization='none' or one rank, or one of "
+            "gguf, int8, fp8 (w8a8 with pipeline parallelism only)",
         ),
     ]
+    if cfg.model.quantization == "w8a8" and cfg.parallel.tensor_parallel_size > 1:
+        used.append(
+            (
+                True,
+                "quantization='w8a8'",
+                "each rank would quantize its half of a row-parallel projection's activations with "
+                "its own per-token scale, which changes the outputs of one process by up to ~3e-2 in "
+                "logprobs; use quantization='int8' (weight-only), pipeline parallelism, or one rank",
+            )
+        )
     for on, setting, why in used:
         if on:
             return f"{setting} is not supported with tensor/pipeline parallelism yet ({_parallel(cfg)}): {why}"

@@ -86,8 +86,8 @@ def test_cell_kwargs_are_base_plus_feature_plus_deployment():
 def test_refusals_are_the_rules_messages():
     # The rule's own message, word for word, as LLM(...) raises it before weights load.
     with pytest.raises(ValueError) as exc:
-        engine_config_from_kwargs(**cm.cell_kwargs("quant_int8", "tp_mp"))
-    assert cm.cell_refusals("quant_int8", "tp_mp") == [str(exc.value)]
+        engine_config_from_kwargs(**cm.cell_kwargs("quant_gptq_awq", "tp_mp"))
+    assert cm.cell_refusals("quant_gptq_awq", "tp_mp") == [str(exc.value)]
     # Model-shape rules: groups of layers with different windows and a host KV tier.
     (message,) = cm.cell_refusals("kv_groups", "kv_offload")
     assert "kv_offload_memory" in message and "free_sliding_window_blocks=False" in message
@@ -173,15 +173,15 @@ def test_a_refused_cell_claimed_by_a_test_is_a_problem(tmp_path, monkeypatch):
         """
         import pytest
 
-        @pytest.mark.compat("quant_int8", "tp_mp")
+        @pytest.mark.compat("quant_gptq_awq", "tp_mp")
         def test_y():
             pass
         """,
     )
     cells, problems = cm.build_matrix(tmp_path)
-    assert len(problems) == 1 and "(quant_int8, tp_mp) is refused" in problems[0]
+    assert len(problems) == 1 and "(quant_gptq_awq, tp_mp) is refused" in problems[0]
     by = {(c.feature, c.deployment): c.state for c in cells}
-    assert by[("quant_int8", "tp_mp")] == "refused" and by[("n_best_of", "tp_mp")] == "untested"
+    assert by[("quant_gptq_awq", "tp_mp")] == "refused" and by[("n_best_of", "tp_mp")] == "untested"
 
 
 def test_check_command_fails_on_a_stale_doc(tmp_path, capsys):

@@ -90,7 +90,6 @@ class Worker:
         """Join the group, load this rank's shard, agree on the KV block count (the minimum
         over ranks) and allocate it.  Collective: every rank calls it.  Returns the count.
         ``on_ready`` is called just before joining the group (start-up watch)."""
-        from pagedserve.loader import open_model
         from pagedserve.loader.validation import effective_max_model_len
         from pagedserve.platforms import select_platform
 
@@ -103,9 +102,10 @@ class Worker:
         if on_ready is not None:
             on_ready()
         self.parallel = init_distributed(self.init, self.rank, platform.device)
-        source = source or open_model(cfg.model.model)
-        arch = ArchConfig.from_hf(source.hf_config)
         dtype = resolve_dtype(cfg.model.dtype, platform)
+        if source is None:  # ranks other than the engine's load the checkpoint themselves
+            source = self._open_target(platform, ops, dtype)
+        arch = ArchConfig.from_hf(source.hf_config)
         max_model_len = effective_max_model_len(cfg.model.max_model_len, arch.max_position_embeddings, arch.head_dim)
         self.runner = ModelRunner(platform, ops, arch, dtype, self.parallel, max_model_len=max_model_len)
         self.runner.load_weights(source.weights())
@@ -117,6 +117,18 @@ class Worker:
         if spec is not None and spec.draft_tp > 1:
             self.draft = self._load_draft(spec, platform, ops, dtype)
         return num_blocks
+
+    def _open_target(self, platform, ops, dtype: torch.dtype):
+        """The target checkpoint, its linear weights loading quantized as in the engine's
+        process (each rank then keeps its shard of them in their quantized form)."""
+        from pagedserve.loader import open_model
+        from pagedserve.quantization.registry import quantize_source
+
+        cfg = self.config
+        q, spec = cfg.model.quantization, cfg.speculative.speculative_config
+        if spec is not None and spec.method == "self_quantized" and q in (None, "auto"):
+            q = "none"  # as spec_decode.builder.target_quantization: that draft needs float weights
+        return quantize_source(open_model(cfg.model.model), q, platform, ops, dtype, self.init.world_size)
 
     def _load_draft(self, spec, platform, ops, dtype: torch.dtype) -> ModelRunner:
         """This rank's shard of the draft model and of its KV cache (as many blocks on

@@ -6,6 +6,7 @@ names of one layer, how they become the holder's tensors, and one layer's forwar
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, ClassVar
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
 
 __all__ = ["DecoderForCausalLM"]
+
+logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -117,6 +120,8 @@ class DecoderForCausalLM:
         #: Weight offload's (pagedserve.offload.weights, through set_layer_stream): maps the
         #: layer list to the layers to run, streaming host-resident weights one layer ahead.
         self.layer_stream = None
+        #: Quantized formats some of whose tensor-parallel shards were dequantized (logged once).
+        self._dequantized_shards: set[str] = set()
         self.embed: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None
@@ -249,11 +254,13 @@ class DecoderForCausalLM:
             # A tied head's prepared copy is a new weight: the embedding keeps its own form.
             self.lm_head = self.lm_head.prepared()
 
-    def _shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def _shard(self, name: str, t: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
         """This tensor-parallel rank's slice of checkpoint tensor ``name`` (a view)."""
         p = self.parallel
         if p.tp_size == 1:
             return t
+        if isinstance(t, QuantizedWeight):
+            return self._shard_quantized(name, t)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             pad = self.vocab_shard * p.tp_size - t.shape[0]
             if pad:
@@ -262,6 +269,53 @@ class DecoderForCausalLM:
         if not name.startswith("model.layers."):
             return t
         return self.shard_layer_tensor(name.split(".", 3)[3], t)
+
+    def _shard_quantized(self, name: str, w: QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+        """This rank's slice of quantized weight ``name``, kept in its format: the rows
+        and columns the float path would keep (found by sharding index tensors the way
+        ``_shard`` shards the float weight, so every family's split applies), whole rows
+        (with their scales) of a column-parallel weight, whole blocks of each row of a
+        row-parallel one.  Where the format cannot split there (a row-parallel shard
+        that is not a whole number of GGUF blocks), this one weight is dequantized and
+        sliced as a float, with a log line."""
+        n, k = w.out_features, w.in_features
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            # Rows past the vocabulary select zero rows (the last shard's padding).
+            rows, cols = torch.arange(self.vocab_start, self.vocab_start + self.vocab_shard), torch.arange(k)
+        elif name.startswith("model.layers."):
+            local = name.split(".", 3)[3]
+            rows = self.shard_layer_tensor(local, torch.arange(n, dtype=torch.int32).view(n, 1).expand(n, k))[:, 0]
+            cols = self.shard_layer_tensor(local, torch.arange(k, dtype=torch.int32).view(1, k).expand(n, k))[0]
+        else:
+            return w
+        rows, cols = rows.long(), cols.long()
+        start, stop = int(cols[0]), int(cols[-1]) + 1
+        part: QuantizedWeight | None = None
+        if torch.equal(cols, torch.arange(start, stop)):
+            try:
+                part = w if torch.equal(rows, torch.arange(n)) else w.select_rows(rows)
+                if (start, stop) != (0, k):
+                    part = part.select_columns(start, stop)
+            except NotImplementedError:
+                part = None
+        if part is not None:
+            return part
+        kind = str(getattr(w, "type_name", type(w).__name__))
+        if kind not in self._dequantized_shards:
+            self._dequantized_shards.add(kind)
+            logger.info(
+                "%s: its %s shard for tensor_parallel_size=%d (input columns %d-%d of %d) is not whole blocks: "
+                "dequantized to %s (and every other %s weight split the same way)",
+                name,
+                kind,
+                self.parallel.tp_size,
+                start,
+                stop,
+                k,
+                self.dtype,
+                kind,
+            )
+        return self._shard(name, w.dequantize(self.dtype))
 
     def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of layer tensor ``local`` (the name after ``model.layers.<i>.``).
@@ -355,7 +409,11 @@ class DecoderForCausalLM:
             return self.ops.embedding(input_ids, self.embed)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_shard)
-        x = self.ops.embedding(local.masked_fill(outside, 0), self.embed)
+        local = local.masked_fill(outside, 0)
+        if isinstance(self.embed, QuantizedWeight):
+            x = self.embed.embedding(local, self.dtype)
+        else:
+            x = self.ops.embedding(local, self.embed)
         return p.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
 
     def forward_layers(

@@ -89,6 +89,19 @@ class QuantizedWeight(ABC):
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Stack weights along the output dimension (fused q/k/v and gate/up)."""
 
+    def select_rows(self, rows: torch.Tensor) -> QuantizedWeight:
+        """The output rows ``rows`` (int64 ``[n]``; an index of ``out_features`` or more
+        gives a zero row, a padded vocabulary shard's) in this format: a tensor-parallel
+        rank's shard of a column-parallel weight.  NotImplementedError where the format
+        cannot (the weight is then dequantized for sharding)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot select rows")
+
+    def select_columns(self, start: int, stop: int) -> QuantizedWeight | None:
+        """The input columns ``[start, stop)`` in this format (a row-parallel shard), or
+        None where they do not fall on the format's block boundaries.  NotImplementedError
+        where the format cannot."""
+        raise NotImplementedError(f"{type(self).__name__} cannot select columns")
+
     def prepared(self) -> QuantizedWeight:
         """This weight in the form its op multiplies fastest, once at load after fusion
         (``DecoderModel.prepare_linear_weights``); the weight itself by default."""

@@ -58,6 +58,18 @@ class Fp8Weight(QuantizedWeight):
             return self
         return Fp8Weight(self.qweight.to(device), self.scale.to(device), self.op)
 
+    def select_rows(self, rows: torch.Tensor) -> Fp8Weight:
+        idx = rows.clamp(max=self.out_features)
+        q = torch.cat([self.qweight, self.qweight.new_zeros(1, self.in_features)]).index_select(0, idx)
+        s = self.scale
+        if s.dim() == 1:
+            s = torch.cat([s, s.new_zeros(1)]).index_select(0, idx)
+        return Fp8Weight(q, s, self.op)
+
+    def select_columns(self, start: int, stop: int) -> Fp8Weight:
+        # A per-tensor or per-output-channel scale covers each part of a row.
+        return Fp8Weight(self.qweight[:, start:stop], self.scale, self.op)
+
     @classmethod
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
         if any(p.scale.dim() == 0 for p in parts):

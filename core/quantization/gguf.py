@@ -125,6 +125,23 @@ class GGUFWeight(QuantizedWeight):
         """Rows ``ids`` int64 ``[n]`` dequantized -> ``[n, in]`` dtype (an embedding lookup)."""
         return ref.dequantize_gguf(self._blocks().index_select(0, ids), self.type_name).to(dtype)
 
+    def select_rows(self, rows: torch.Tensor) -> GGUFWeight:
+        """Whole rows of blocks; an index past the last row gives a row of zero bytes,
+        which every kept type dequantizes to zeros (a padded vocabulary shard)."""
+        data = self._blocks()
+        data = torch.cat([data, data.new_zeros(1, data.shape[1])]).index_select(0, rows.clamp(max=self.out_features))
+        return GGUFWeight(self.type_name, data, self.in_features, self.op, self.prepare, gated_op=self.gated_op)
+
+    def select_columns(self, start: int, stop: int) -> GGUFWeight | None:
+        """Whole blocks of each row (32 values, 256 for the K-quants); None when
+        ``[start, stop)`` does not fall on block boundaries."""
+        per = ref.GGUF_BLOCK_VALUES[self.type_name]
+        if start % per or stop % per:
+            return None
+        row_bytes = ref.gguf_row_bytes(self.type_name, per)  # the bytes of one block
+        data = self._blocks()[:, start // per * row_bytes : stop // per * row_bytes].contiguous()
+        return GGUFWeight(self.type_name, data, stop - start, self.op, self.prepare, gated_op=self.gated_op)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return ref.dequantize_gguf(self._blocks(), self.type_name).to(dtype)
 

@@ -58,9 +58,23 @@ class Int8Weight(QuantizedWeight):
             return self
         return type(self)(self.qweight.to(device), self.scale.to(device), self.op)
 
+    def select_rows(self, rows: torch.Tensor) -> Int8Weight:
+        q, s = _zero_row(self.qweight), _zero_row(self.scale)
+        idx = rows.clamp(max=self.out_features)
+        return type(self)(q.index_select(0, idx), s.index_select(0, idx), self.op)
+
+    def select_columns(self, start: int, stop: int) -> Int8Weight:
+        # Per-output-channel scales cover whole rows: each part of a row keeps its row's scale.
+        return type(self)(self.qweight[:, start:stop], self.scale, self.op)
+
     @classmethod
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
         return cls(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]), parts[0].op)
+
+
+def _zero_row(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with one zero row appended (the row that padding indices select)."""
+    return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
 
 
 class W8A8Weight(Int8Weight):

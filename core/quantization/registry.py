@@ -3,8 +3,10 @@
 ``quantization`` (``LLM(quantization=...)``, ``--quantization``):
 
 - None / "auto": from the checkpoint: ``quantization_config.quant_method`` of a Hugging
-  Face folder; a .gguf is dequantized (its greedy output then equals transformers' on the
-  same file); pass "gguf" to keep Q4_0/Q4_1/Q8_0 blocks (int8 activations in the dot
+  Face folder; a .gguf keeps its blocks where the platform's ``gguf_linear`` prefers
+  them (with tensor/pipeline parallelism too: ``SHARDED_METHODS`` are sharded in their
+  quantized form), else it is dequantized (its greedy output then equals transformers'
+  on the same file); pass "gguf" to keep Q4_0/Q4_1/Q8_0 blocks (int8 activations in the dot
   products change some greedy choices; speed gains so far are within measurement noise).
 - "none": no quantization (a .gguf is dequantized to the model dtype, as before).
 - a method name: that method ("int8", "w8a8", "fp8" quantize a float checkpoint at load).
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "METHODS",
+    "SHARDED_METHODS",
     "gguf_kept_by_default",
     "register_method",
     "get_method_class",
@@ -47,6 +50,10 @@ METHODS: dict[str, type[QuantizationMethod]] = {}
 
 #: quant_method values of Hugging Face configs that need a kernel we lack: refused by name.
 _HF_ALIASES = {"awq": "awq", "gptq": "gptq", "fp8": "fp8"}
+
+#: Methods whose weights tensor/pipeline parallelism shards in their quantized form
+#: (``QuantizedWeight.select_rows`` / ``select_columns``; DecoderForCausalLM._shard).
+SHARDED_METHODS: tuple[str, ...] = ("gguf", "int8", "w8a8", "fp8")
 
 
 def register_method(cls: type[QuantizationMethod]) -> type[QuantizationMethod]:
@@ -139,7 +146,7 @@ def resolve_quantization(
             )
         return None
     if name == "auto":
-        if auto_name is None or (auto_name == "gguf" and (world_size > 1 or cpu_offload_gb or device_map)):
+        if auto_name is None or (auto_name == "gguf" and (cpu_offload_gb or device_map)):
             return None  # a .gguf then loads dequantized, as it always could
         name, qcfg = auto_name, auto_cfg
     else:
@@ -152,10 +159,11 @@ def resolve_quantization(
     reason = unsupported_reason(cls, platform, ops)
     if reason is not None:
         raise ValueError(f"quantization={name!r} is not supported on platform {platform.name!r}; {reason}")
-    if world_size > 1:
+    if world_size > 1 and name not in SHARDED_METHODS:
         raise ValueError(
             f"quantization={name!r} does not support tensor/pipeline parallelism yet "
-            f"(world size {world_size}); use quantization='none' or one rank"
+            f"(world size {world_size}); use quantization='none' or one rank, or one of "
+            f"{', '.join(SHARDED_METHODS)}, which are sharded in their quantized form"
         )
     if cpu_offload_gb:
         raise ValueError(f"quantization={name!r} cannot be combined with cpu_offload_gb yet")

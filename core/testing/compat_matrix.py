@@ -374,11 +374,11 @@ def matrix_problems(tests_root: Path) -> list[str]:
 #: What a reader of the matrix should know that no cell shows.
 NOTES: tuple[str, ...] = (
     "A cell compares with one process on the same settings. `quantization` left at `auto` "
-    "on a `.gguf` keeps its blocks in one process but loads them dequantized under "
-    "tensor/pipeline parallelism, `cpu_offload_gb` or `device_map` (docs/quantization.md), "
-    "so those outputs are the float model's and differ from a quantized single process; "
-    "the `quant_gguf` row asks for blocks explicitly (`quantization='gguf'`), which those "
-    "deployments refuse.",
+    "on a `.gguf` keeps its blocks in one process and under tensor/pipeline parallelism "
+    "(sharded in blocks) but loads them dequantized under `cpu_offload_gb` or `device_map` "
+    "(docs/quantization.md), so those outputs are the float model's and differ from a "
+    "quantized single process; the `quant_gguf` row asks for blocks explicitly "
+    "(`quantization='gguf'`), which those deployments refuse.",
     "Refusals are the engine's own messages for the tiny test model's shape (4 heads, 2 KV "
     "heads, 2 layers); a model whose heads or layers the ranks cannot split is refused by "
     "`check_parallel_fits_model` as well.",

@@ -188,7 +188,8 @@ REFUSED = [
         r"kv_offload_memory=1073741824 is not supported "
         r"with tensor",
     ),
-    (dict(quantization="int8", tensor_parallel_size=2), r"quantization='int8' is not supported with tensor"),
+    (dict(quantization="gptq", tensor_parallel_size=2), r"quantization='gptq' is not supported with tensor"),
+    (dict(quantization="w8a8", tensor_parallel_size=2), r"quantization='w8a8' is not supported with tensor"),
     (dict(quantization="int8", cpu_offload_gb=1), r"quantization='int8' cannot be combined with cpu_offload_gb"),
     (dict(kv_cache_dtype="fp8_inc"), r"kv_cache_dtype='fp8_inc' is not implemented"),
     (dict(kv_cache_dtype="int8"), r"cache_dtype='int8' is not supported"),

@@ -85,4 +85,4 @@ def test_quant_refusals(tiny, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="quantization='none' cannot load a pre-quantized checkpoint"):
         make_llm(qdir, quantization="none")
     with pytest.raises(ValueError, match="tensor/pipeline parallelism"):
-        make_llm(tiny, quantization="int8", tensor_parallel_size=2)
+        make_llm(tiny, quantization="w8a8", tensor_parallel_size=2)  # int8, fp8, gguf: sharded
