@@ -240,3 +240,27 @@ def test_generation_is_refused(server):
     r = httpx.post(server.url + "/v1/completions", json={"model": "cls", "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 400, r.text
     assert "sequence-classification" in r.json()["error"]["message"]
+
+
+@pytest.mark.compat("pooling", "tp_mp")
+@pytest.mark.compat("pooling", "pp")
+@pytest.mark.parametrize("split", ["tp", "pp"])
+def test_parallel_classify_equals_transformers(checkpoints, split):
+    """Two ranks (mp), tensor or pipeline parallel: the pooled state reaches the engine as
+    the full hidden vector, so the head applies there as on one process."""
+    from pagedserve import LLM
+
+    path = checkpoints("llama", 3)
+    ref = hf_logits(path, PROMPTS)
+    sizes = dict(tensor_parallel_size=2) if split == "tp" else dict(pipeline_parallel_size=2)
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", distributed_executor_backend="mp", **sizes)
+    try:
+        model = llm.llm_engine.runner.model
+        if split == "tp":
+            assert model.num_heads == 2  # half of the 4 heads: really sharded
+        else:
+            assert model.layer_end < 2  # rank 0 holds the first layer only
+        for out, want in zip(llm.classify(PROMPTS), ref):
+            torch.testing.assert_close(torch.tensor(out.outputs.logits), want, rtol=1e-4, atol=1e-4)
+    finally:
+        llm.shutdown()
