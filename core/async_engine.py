@@ -30,7 +30,7 @@ from pagedserve.engine.step_trace import StepTrace
 from pagedserve.engine.step_trace import now as trace_now
 from pagedserve.lora import load_adapter
 from pagedserve.outputs import RequestOutput
-from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams
+from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams, classifier_labels
 from pagedserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -192,6 +192,11 @@ class AsyncLLMEngine(EngineCallbacks):
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.engine.eos_token_ids
+
+    @property
+    def classifier_labels(self) -> list[str] | None:
+        """A sequence-classification model's labels (pagedserve.pooling), else None."""
+        return classifier_labels(self.engine.arch)
 
     @property
     def embedding_size(self) -> int:

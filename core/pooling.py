@@ -14,6 +14,14 @@ Pooling types (sentence-transformers' names in brackets):
 - ``mean`` (pooling_mode_mean_tokens): the mean over every prompt position;
 - ``cls`` (pooling_mode_cls_token): the state of the first prompt token.
 
+Classification (``PoolingParams(task="classify")``, sequence-classification checkpoints
+such as ``LlamaForSequenceClassification``): the request pools ``last`` whatever the
+engine's setting (transformers' semantics: the last token's final hidden state) and the
+engine applies the checkpoint's ``score.weight`` ``[num_labels, hidden]`` to that float32
+vector, so the head composes with tensor and pipeline parallelism as pooling does.  The
+result's ``probs`` are sigmoid(logit) for one label (a cross-encoder's relevance, as
+sentence-transformers' CrossEncoder and vLLM give it) and the softmax over several.
+
 ``mean`` and ``cls`` need the states of positions a prefix-cache hit would skip, so such
 requests skip the prefix-cache lookup (as prompt_logprobs requests do); ``last`` always
 computes its last position and may use the cache.
@@ -33,6 +41,7 @@ __all__ = [
     "PooledPart",
     "PoolingState",
     "EmbeddingOutput",
+    "ClassificationOutput",
     "EmbeddingRequestOutput",
     "PoolSpan",
     "pool_spans",
@@ -40,6 +49,8 @@ __all__ = [
     "pooled_parts",
     "pooling_from_checkpoint",
     "resolve_pooling",
+    "load_score_head",
+    "classifier_labels",
     "needs_every_position",
 ]
 
@@ -60,6 +71,12 @@ class PoolingParams:
 
     normalize: bool = True
     dimensions: int | None = None
+    #: "embed" (the pooled vector) or "classify" (the score head's logits, see above).
+    task: str = "embed"
+
+    def __post_init__(self) -> None:
+        if self.task not in ("embed", "classify"):
+            raise ValueError(f"PoolingParams.task must be 'embed' or 'classify', got {self.task!r}")
 
 
 @dataclass
@@ -80,6 +97,8 @@ class PoolingState:
     pooling: str
     total: torch.Tensor | None = None
     count: int = 0
+    #: A classification request: the float32 score head ``[num_labels, hidden]``.
+    head: torch.Tensor | None = None
 
     def add(self, part: PooledPart) -> None:
         if self.pooling == "mean" and self.total is not None and part.start > 0:
@@ -95,6 +114,8 @@ class PoolingState:
         if self.total is None:
             raise RuntimeError("no hidden states were pooled for this request")
         v = self.total / self.count if self.pooling == "mean" else self.total
+        if self.head is not None:
+            return (self.head @ v).tolist()
         if normalize:
             v = torch.nn.functional.normalize(v, p=2.0, dim=0)
         return v.tolist()
@@ -112,11 +133,28 @@ class EmbeddingOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    """The score head's output for one prompt (vLLM's ``ClassificationOutput``)."""
+
+    logits: list[float]
+
+    @property
+    def probs(self) -> list[float]:
+        """sigmoid(logit) for one label, else the softmax over the labels."""
+        t = torch.tensor(self.logits, dtype=torch.float64)
+        return (torch.sigmoid(t) if len(self.logits) == 1 else torch.softmax(t, 0)).tolist()
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.logits)
+
+
+@dataclass
 class EmbeddingRequestOutput:
     """What ``LLM.embed`` returns per prompt (vLLM's shape): ``outputs.embedding``."""
 
     request_id: str
-    outputs: EmbeddingOutput | None
+    outputs: EmbeddingOutput | ClassificationOutput | None
     prompt_token_ids: list[int]
     prompt: str | None = None
     finished: bool = True
@@ -209,3 +247,31 @@ def resolve_pooling(setting: str | None, path: str | Path | None) -> str:
     if setting is not None:
         return setting
     return pooling_from_checkpoint(path) or "last"
+
+
+def load_score_head(source, num_labels: int | None, hidden_size: int) -> torch.Tensor | None:
+    """The float32 ``score.weight`` ``[num_labels, hidden_size]`` of a sequence-classification
+    checkpoint (``num_labels`` set, see ArchConfig), else None; ValueError when such a
+    checkpoint lacks it or stores another shape (a bias is not supported: transformers'
+    heads have none)."""
+    if num_labels is None:
+        return None
+    weight = source.tensor("score.weight")
+    if weight is None or tuple(weight.shape) != (num_labels, hidden_size):
+        got = "none" if weight is None else f"shape {tuple(weight.shape)}"
+        raise ValueError(
+            f"{source.path}: a sequence-classification checkpoint needs score.weight of shape "
+            f"({num_labels}, {hidden_size}), found {got}"
+        )
+    if source.tensor("score.bias") is not None:
+        raise ValueError(f"{source.path}: a score.bias is not supported (transformers' heads have none)")
+    return weight.float()
+
+
+def classifier_labels(arch) -> list[str] | None:
+    """The label names of a sequence-classification model (config.json ``id2label``,
+    else ``LABEL_<i>`` as transformers names them), or None for a causal LM."""
+    if arch.num_labels is None:
+        return None
+    names = arch.hf_config.get("id2label") or {}
+    return [str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(arch.num_labels)]

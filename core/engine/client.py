@@ -43,6 +43,11 @@ class EngineClient(Protocol):
         ...
 
     @property
+    def classifier_labels(self) -> list[str] | None:
+        """A sequence-classification model's label names; None for a causal LM."""
+        ...
+
+    @property
     def embedding_size(self) -> int:
         """The size of the model's embeddings (its hidden size)."""
         ...

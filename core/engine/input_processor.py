@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from collections.abc import Container
 
+import torch
+
 from pagedserve.config import EngineConfig
 from pagedserve.config_rules import check_logprobs_limit, check_prompt_fits_step
 from pagedserve.engine.output_processor import RequestState, SequenceState
@@ -40,8 +42,11 @@ class InputProcessor:
         lora: LoRAManager | None,
         prefix_caching: bool,
         in_use: Container[str],
+        score_head: torch.Tensor | None = None,
     ) -> None:
         self.config = config
+        #: A sequence-classification checkpoint's float32 head [num_labels, hidden], or None.
+        self.score_head = score_head
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -115,6 +120,11 @@ class InputProcessor:
         lora_request: LoRARequest | None,
     ) -> RequestState:
         """A generation request and its samples (``best_of`` or ``n`` of them)."""
+        if self.score_head is not None:
+            raise ValueError(
+                "this model is a sequence-classification checkpoint (no language-model head): it serves "
+                "scoring, reranking, classification and embeddings, not generation"
+            )
         params = params or SamplingParams()
         self.check_lora_request(lora_request)
         cache_salt = lora_cache_salt(cache_salt, lora_request)
@@ -167,7 +177,14 @@ class InputProcessor:
         priority: int,
         cache_salt: str | None,
     ) -> RequestState:
-        """An embedding request: the prompt is computed, pooled, and the request finishes."""
+        """An embedding request: the prompt is computed, pooled, and the request finishes.
+        ``task="classify"`` pools the last token and applies the score head."""
+        classify = pooling.task == "classify"
+        if classify and self.score_head is None:
+            raise ValueError(
+                "classification needs a sequence-classification checkpoint (a *ForSequenceClassification "
+                "architecture with a score.weight head); this model has none"
+            )
         if pooling.dimensions is not None and pooling.dimensions != self.hidden_size:
             raise ValueError(
                 f"dimensions={pooling.dimensions} is not supported: this model's embeddings have "
@@ -188,8 +205,8 @@ class InputProcessor:
             priority,
             cache_salt,
             self.max_model_len,
-            pooling=self.pooling,
+            pooling="last" if classify else self.pooling,
         )
         seq = SequenceState(req, 0, IncrementalDetokenizer(self.tokenizer, ids, True))
-        state = PoolingState(self.pooling)
+        state = PoolingState(req.pooling, head=self.score_head if classify else None)
         return RequestState(request_id, prompt, ids, [seq], arrival, params=params, pool=state, pooling_params=pooling)

@@ -40,7 +40,7 @@ from pagedserve.models.layers import layer_windows
 from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import select_platform
-from pagedserve.pooling import PoolingParams, resolve_pooling
+from pagedserve.pooling import PoolingParams, load_score_head, resolve_pooling
 from pagedserve.quantization.registry import quantize_source
 from pagedserve.request import RequestStatus
 from pagedserve.sampling_params import SamplingParams
@@ -74,6 +74,8 @@ class LLMEngine:
         self.max_model_len = mml
         #: How embedding requests pool (pagedserve.pooling): setting, checkpoint, else last.
         self.pooling = resolve_pooling(config.model.pooling, source.path)
+        #: A sequence-classification checkpoint's score head (pagedserve.pooling), else None.
+        self.score_head = load_score_head(source, self.arch.num_labels, self.arch.hidden_size)
         draft_source = check_draft_model(config, self.arch, mml)  # before any weights load
         self.dtype = resolve_dtype(config.model.dtype, self.platform)
         check_cache_dtype(config.cache.cache_dtype, self.dtype, [self.platform])
@@ -115,6 +117,7 @@ class LLMEngine:
             self.lora,
             self.kv.enable_prefix_caching,
             self.output_processor.groups,
+            self.score_head,
         )
         #: async_scheduling: output processing beside the next forward (async_pipeline.py).
         self._outputs: OutputStage = (

@@ -21,7 +21,13 @@ from pagedserve.engine.request_options import best_sequences
 from pagedserve.engine.stats import StepCounters
 from pagedserve.loader import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, PoolingState
+from pagedserve.pooling import (
+    ClassificationOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    PoolingState,
+)
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output.engine_hooks import check_grammar_failed, finish_by_grammar
@@ -377,7 +383,9 @@ def _embedding_output(group: RequestState) -> EmbeddingRequestOutput:
     )
     if group.error is None and group.seqs[0].finish_reason == "stop":  # its whole prompt was pooled
         try:
-            out.outputs = EmbeddingOutput(group.pool.result(group.pooling_params.normalize))
+            vector = group.pool.result(group.pooling_params.normalize)
+            kind = ClassificationOutput if group.pool.head is not None else EmbeddingOutput
+            out.outputs = kind(vector)
         except RuntimeError as e:
             out.error = f"{type(e).__name__}: {e}"
     return out

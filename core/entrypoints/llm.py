@@ -1,4 +1,5 @@
-"""The offline API: ``LLM(...).generate(prompts, sampling_params)``, ``LLM.chat``, ``LLM.embed`` and ``LLM.score``."""
+"""The offline API: ``LLM(...).generate(prompts, sampling_params)``, ``LLM.chat``, ``LLM.embed``,
+``LLM.classify`` and ``LLM.score``."""
 
 from __future__ import annotations
 
@@ -19,14 +20,16 @@ from pagedserve.entrypoints.scoring import (
     answer_logprob,
     answer_params,
     answer_token_ids,
+    check_score_labels,
     pair_texts,
+    pair_token_ids,
     relevance,
     rerank_prompt,
 )
 from pagedserve.lora import LoRARequest
 from pagedserve.lora.request import per_prompt_lora
 from pagedserve.outputs import RequestOutput
-from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams
+from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams, classifier_labels
 from pagedserve.sampling_params import SamplingParams
 
 __all__ = ["LLM"]
@@ -149,6 +152,14 @@ class LLM:
             raise RuntimeError(f"embedding request {failed[0].request_id} failed: {failed[0].error}")
         return outputs  # type: ignore[return-value]
 
+    def classify(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """The score head's output per prompt (``out.outputs.probs``, ``.logits``,
+        ``.num_classes``) of a sequence-classification checkpoint, in prompt order
+        (pagedserve.pooling); ValueError for a model without one."""
+        if classifier_labels(self.llm_engine.arch) is None:
+            raise ValueError("classify needs a sequence-classification checkpoint (a score.weight head)")
+        return self.embed(prompts, PoolingParams(task="classify"), use_tqdm)
+
     def score(
         self,
         data_1: str | Sequence[str],
@@ -160,14 +171,25 @@ class LLM:
         (``out.outputs.score``): one query for every text, or one per text.  The model
         judges the pair in Qwen3-Reranker's format and the score is P(yes) against P(no)
         (pagedserve.entrypoints.scoring); ValueError unless "yes" and "no" are single
-        tokens of its vocabulary."""
+        tokens of its vocabulary.  A sequence-classification checkpoint instead scores the
+        tokenizer's pair encoding with its one-label head (``instruction`` must be None)."""
         engine = self.llm_engine
-        yes, no = answer_token_ids(engine.tokenizer)
         pairs = pair_texts(
             data_1 if isinstance(data_1, str) else list(data_1),
             data_2 if isinstance(data_2, str) else list(data_2),
             ("data_1", "data_2"),
         )
+        labels = classifier_labels(engine.arch)
+        if labels is not None:
+            check_score_labels(labels)
+            if instruction is not None:
+                raise ValueError("instruction applies to yes/no rerankers, not to a sequence-classification head")
+            outs = self.classify([pair_token_ids(engine.tokenizer, q, d) for q, d in pairs], use_tqdm)
+            return [
+                ScoringRequestOutput(str(i), ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids)
+                for i, o in enumerate(outs)
+            ]
+        yes, no = answer_token_ids(engine.tokenizer)
         prompts = []
         for query, text in pairs:
             prompt = rerank_prompt(query, text, instruction)

@@ -1,5 +1,13 @@
-"""Relevance scores from a decoder that answers "yes" or "no" (Qwen3-Reranker's method),
-shared by ``LLM.score`` and the server's /v1/score and /v1/rerank.
+"""Relevance scores, shared by ``LLM.score`` and the server's /v1/score and /v1/rerank, by
+one of two methods chosen by the checkpoint:
+
+- a sequence-classification checkpoint (``LlamaForSequenceClassification`` and the like,
+  pagedserve.pooling): the pair is the tokenizer's text-pair encoding of (query, document)
+  (``tokenizer.json``'s pair template: its special tokens and separator, or the two texts'
+  tokens one after the other when it has none), one classification request per pair, and
+  the score is sigmoid(logit) of the one-label head (a cross-encoder's relevance); a head
+  with several labels is refused (use classification);
+- any other decoder is judged as a yes/no answerer (Qwen3-Reranker's method), below.
 
 A (query, document) pair is written in Qwen3-Reranker's prompt format (a judging system
 message, then ``<Instruct>``, ``<Query>`` and ``<Document>`` in the user turn, and an
@@ -26,6 +34,8 @@ __all__ = [
     "answer_params",
     "answer_token_ids",
     "pair_texts",
+    "pair_token_ids",
+    "check_score_labels",
     "relevance",
     "rerank_prompt",
 ]
@@ -84,6 +94,22 @@ def pair_texts(first: str | list[str], second: str | list[str], what: tuple[str,
     if len(a) != len(b):
         raise ValueError(f"'{what[0]}' must have one item or as many as '{what[1]}' ({len(a)} vs {len(b)})")
     return list(zip(a, b))
+
+
+def pair_token_ids(tokenizer: Any, query: str, document: str) -> list[int]:
+    """The text-pair encoding of (query, document) with the tokenizer's special tokens
+    (transformers' ``tokenizer(query, document)``, which encodes the query alone when the
+    document is empty)."""
+    return tokenizer.backend.encode(query, document or None, add_special_tokens=True).ids
+
+
+def check_score_labels(labels: list[str]) -> None:
+    """ValueError unless a sequence-classification head has one label (a relevance)."""
+    if len(labels) != 1:
+        raise ValueError(
+            f"scoring needs a sequence-classification head with one label (a relevance); this model has "
+            f"{len(labels)} ({', '.join(labels)}): use classification instead"
+        )
 
 
 @dataclass

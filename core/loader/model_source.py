@@ -96,6 +96,17 @@ class ModelSource:
             return _named_errors(self._gguf.weights(), self.path)
         return _named_errors(iter_safetensors_weights(self._files), self.path)
 
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """One stored tensor by name (e.g. a sequence-classification ``score.weight``),
+        or None when the checkpoint has none (GGUF files: always None)."""
+        from safetensors import safe_open
+
+        for file in self._files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                if name in f.keys():
+                    return f.get_tensor(name)
+        return None
+
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer (built once, then shared)."""
         if self._tokenizer is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.models.registry import resolve_model_class
+from pagedserve.models.registry import SEQUENCE_CLASSIFICATION, base_architecture, resolve_model_class
 from pagedserve.models.rope import normalize_rope_scaling
 
 __all__ = ["ArchConfig"]
@@ -36,13 +36,20 @@ class ArchConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: Sequence-classification checkpoints (``*ForSequenceClassification``): the labels of
+    #: their ``score.weight`` head; None for a causal LM.  ``architecture`` is then the
+    #: decoder's causal-LM name (registry.SEQUENCE_CLASSIFICATION).
+    num_labels: int | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ArchConfig:
         """Parse ``cfg``; an architecture missing from the registry, or a feature its
         family does not implement, fails here naming it."""
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
-        arch = archs[0]
+        num_labels = None
+        if archs[0] in SEQUENCE_CLASSIFICATION:
+            num_labels = int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2)
+        arch = base_architecture(archs[0])
         model_cls = resolve_model_class(arch)
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -70,6 +77,7 @@ class ArchConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_cls.default_attention_bias)),
             hf_config=dict(cfg),
+            num_labels=num_labels,
         )
         model_cls.check_config(out)
         return out

@@ -212,6 +212,10 @@ class DecoderForCausalLM:
                     self._finish(idx, pending.pop(idx))
             elif "rotary_emb.inv_freq" in name:
                 continue
+            elif name == "score.weight" and self.cfg.num_labels is not None:
+                # A sequence-classification head: the engine applies it to the pooled
+                # last-token state (ModelSource.tensor, pagedserve.pooling); no rank needs it.
+                continue
             elif self.load_global(name, tensor):
                 continue
             else:
@@ -223,7 +227,10 @@ class DecoderForCausalLM:
         if self.embed is None or self.norm is None:
             raise ValueError("checkpoint lacks model.embed_tokens.weight or model.norm.weight")
         if self.lm_head is None:
-            if not self.cfg.tie_word_embeddings and "lm_head.weight" not in seen:
+            # A sequence-classification checkpoint has no LM head; the engine refuses to
+            # generate with it, and the embeddings stand in for the runner's dummy steps.
+            classifier = self.cfg.num_labels is not None
+            if not classifier and not self.cfg.tie_word_embeddings and "lm_head.weight" not in seen:
                 raise ValueError("checkpoint lacks lm_head.weight and does not tie word embeddings")
             # Tied: the same tensor, or a copy when the last placement is on another device.
             self.lm_head = self.embed if self.head_device == self.device else self._param(self.embed, self.head_device)

@@ -17,6 +17,8 @@ __all__ = [
     "supported_architectures",
     "resolve_model_class",
     "gguf_architectures",
+    "SEQUENCE_CLASSIFICATION",
+    "base_architecture",
 ]
 
 
@@ -207,10 +209,26 @@ def supported_architectures() -> list[str]:
     return sorted(_BY_ARCH)
 
 
+#: Sequence-classification checkpoints: the decoder of the causal-LM class plus a
+#: ``score.weight`` head ``[num_labels, hidden]`` on the last token's final hidden state,
+#: applied engine-side to the pooled vector (pagedserve.pooling).
+SEQUENCE_CLASSIFICATION: dict[str, str] = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+}
+
+
+def base_architecture(architecture: str) -> str:
+    """The registered decoder architecture of ``architecture`` (itself unless it is a
+    sequence-classification one)."""
+    return SEQUENCE_CLASSIFICATION.get(architecture, architecture)
+
+
 def resolve_model_class(architecture: str) -> type:
     """The model class for ``architecture``; a ValueError listing the supported ones if
     there is none."""
-    entry = _BY_ARCH.get(architecture)
+    entry = _BY_ARCH.get(base_architecture(architecture))
     if entry is None:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}"

@@ -48,7 +48,7 @@ from pagedserve.engine import EngineStats
 from pagedserve.engine.client import EngineCallbacks
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.outputs import RequestOutput
-from pagedserve.pooling import PoolingParams
+from pagedserve.pooling import PoolingParams, classifier_labels
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.serving.data_parallel import DataParallelConfig, ReplicaSpec, plan_replicas, resolve_platforms
 from pagedserve.serving.replica_launcher import ReplicaStartError, create_launcher
@@ -295,6 +295,11 @@ class DataParallelRouter(EngineCallbacks):
     @property
     def eos_token_ids(self) -> None:
         return None  # beam search runs against one engine
+
+    @property
+    def classifier_labels(self) -> list[str] | None:
+        """A sequence-classification model's labels (pagedserve.pooling), else None."""
+        return classifier_labels(self._check.arch)
 
     @property
     def embedding_size(self) -> int:

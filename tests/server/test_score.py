@@ -136,3 +136,9 @@ def test_relevance_is_the_two_way_softmax():
 
     assert relevance(math.log(0.3), math.log(0.1)) == pytest.approx(0.75)
     assert relevance(0.0, -1e9) == 1.0 and relevance(-1e9, 0.0) == 0.0
+
+
+def test_classify_without_a_score_head_is_refused(server):
+    r = httpx.post(server.url + "/classify", json={"model": "rr", "input": "hello"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "model" and "score.weight" in r.json()["error"]["message"]
