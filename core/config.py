@@ -282,6 +282,13 @@ class ModelConfig:
             choices=["last", "mean", "cls"],
         ),
     )
+    enable_sleep_mode: bool = field(
+        default=False,
+        metadata=_help(
+            "allow LLM.sleep()/wake_up() and the server's POST /sleep, POST /wake_up and GET /is_sleeping: "
+            "free the weights and the KV cache between jobs (docs/memory.md)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half", "fp32", "bf16", "fp16"):

@@ -323,6 +323,34 @@ def _async_scheduling_rule(cfg: EngineConfig) -> str | None:
 RULES.append(_async_scheduling_rule)
 
 
+def _sleep_mode_rule(cfg: EngineConfig) -> str | None:
+    """Sleep drops the model's weights and rebuilds the model on waking (engine sleep in
+    core/engine/llm_engine.py): what holds the model's tensors beside it cannot follow."""
+    if not cfg.model.enable_sleep_mode:
+        return None
+    spec = cfg.speculative.speculative_config
+    used = [
+        (cfg.lora.enable_lora, "enable_lora", "adapters wrap the model's layers; serve adapters without sleep mode"),
+        (
+            bool(cfg.cache.cpu_offload_gb),
+            f"cpu_offload_gb={cfg.cache.cpu_offload_gb}",
+            "weight offload streams the layers from its own host copies; use cpu_offload_gb=0",
+        ),
+        (
+            spec is not None,
+            f"speculative_config method={getattr(spec, 'method', None)!r}",
+            "a draft model keeps its own weights and KV cache; speculate without sleep mode",
+        ),
+    ]
+    for on, setting, why in used:
+        if on:
+            return f"enable_sleep_mode cannot be combined with {setting} yet: {why}"
+    return None
+
+
+RULES.append(_sleep_mode_rule)
+
+
 def check_data_parallel(cfg: EngineConfig, size: int) -> None:
     """ValueError for a setting that ``size`` data-parallel replicas behind one router
     cannot serve (``cfg``: each replica's configuration).  Checked before replicas start."""
@@ -330,6 +358,11 @@ def check_data_parallel(cfg: EngineConfig, size: int) -> None:
         raise ValueError(
             f"nnodes={cfg.parallel.nnodes} cannot be combined with data_parallel_size={size} yet (a replica's "
             "ranks span nodes, the router starts replicas on this node only); use one or the other"
+        )
+    if size > 1 and cfg.model.enable_sleep_mode:
+        raise ValueError(
+            f"enable_sleep_mode cannot be combined with data_parallel_size={size} yet (the router does not "
+            "put its replicas to sleep); use data_parallel_size=1"
         )
     if size > 1 and cfg.lora.enable_lora:
         raise ValueError(

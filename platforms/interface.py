@@ -159,6 +159,11 @@ class Platform:
     def wait_copy(self, handle: Any) -> None:
         """Make work queued from now on wait for the copy behind ``handle``."""
 
+    def release_memory(self) -> None:
+        """Give the device memory the core has just dropped (sleep mode: the weights and
+        the KV cache) back to the device, where an allocator keeps freed blocks for reuse
+        (interface 1.6).  Here: nothing; a platform with a caching allocator empties it."""
+
     def configure_threads(self, threads: int | None, cpu_bind: list[int] | None = None) -> None:
         """Host threads for the model: ``threads`` of torch's pool (None: leave torch's
         choice); ``cpu_bind``: the process runs on these cores only and ``threads``

@@ -290,6 +290,11 @@ class KVCacheManager:
     def swap_out(self, request: Request) -> None:
         raise NotImplementedError("swap preemption needs a host KV tier (kv_offload_memory)")
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash of the device pool (its blocks' contents are
+        gone, e.g. in sleep mode); False, and nothing forgotten, while a block is in use."""
+        return self.pool.reset_prefix_cache()
+
     def take_transfers(self):
         """Block copies to run before the next forward (None: no host tier, no copies)."""
         return None
