@@ -367,6 +367,8 @@ class AsyncLLMEngine(EngineCallbacks):
                     events = []
                     self._step(events)
                     self._publish(events)
+                    if not engine.has_unfinished_requests():
+                        engine.flush_kv_transfers()  # a KV connector's saves of the last step
                 # Nothing runs, yet requests wait (for their grammar's compile, say): poll
                 # gently instead of spinning a core and the GIL away from the server.
                 idle = not events and self._stats.num_running == 0

@@ -351,6 +351,28 @@ def _sleep_mode_rule(cfg: EngineConfig) -> str | None:
 RULES.append(_sleep_mode_rule)
 
 
+def _kv_connector_rule(cfg: EngineConfig) -> str | None:
+    c = cfg.cache.kv_connector
+    if c is None:
+        return None
+    if cfg.parallel.world_size > 1:
+        return (
+            f"kv_connector={c!r} is not supported with tensor/pipeline parallelism yet ({_parallel(cfg)}): "
+            "each rank's KV shard would need its own saves and loads; use one rank"
+        )
+    if cfg.cache.kv_offload_memory is not None:
+        return (
+            f"kv_connector={c!r} cannot be combined with kv_offload_memory={cfg.cache.kv_offload_memory} yet: "
+            "use kv_connector='host' for a host-memory prefix store, or the host tier alone"
+        )
+    if not cfg.cache.enable_prefix_caching:
+        return f"kv_connector={c!r} saves and finds blocks through the prefix cache: it needs enable_prefix_caching"
+    return None
+
+
+RULES.append(_kv_connector_rule)
+
+
 def check_data_parallel(cfg: EngineConfig, size: int) -> None:
     """ValueError for a setting that ``size`` data-parallel replicas behind one router
     cannot serve (``cfg``: each replica's configuration).  Checked before replicas start."""

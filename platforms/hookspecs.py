@@ -59,3 +59,16 @@ def pagedserve_register_ops(platform, ops):
         ``ops.register(name, fn, source=...)`` to override an op.  Every op defaults to
         the torch reference in ``pagedserve.kernels.reference``.
     """
+
+
+@hookspec
+def pagedserve_register_kv_connectors(register):
+    """Register KV connectors (interface 1.6): stores of KV cache blocks by content
+    (:class:`pagedserve.platforms.interface.KVConnector`).
+
+    :param register: call ``register(name, factory)`` once per connector; the engine's
+        ``kv_connector="NAME[:ARG]"`` setting calls ``factory(arg=ARG or None,
+        max_bytes=kv_connector_memory, fingerprint=...)`` (``fingerprint``: a hex string
+        naming the engine's KV layout, also covered by every key) and expects a
+        ``KVConnector``.  The builtin names ``host`` and ``disk`` cannot be taken.
+    """

@@ -163,10 +163,11 @@ class LLMEngine:
             raise ValueError(
                 f"cannot sleep with {busy} request(s) in flight: wait for them to finish or abort them first"
             )
+        # Copies recorded but not run yet (host tier, KV connector saves) read the device cache.
+        pending = self.kv.flush_transfers()
         if not self.kv.reset_prefix_cache():
             raise RuntimeError("KV blocks are still in use with no request in flight")
-        # Copies the host tier recorded but no step ran yet read the device cache: run them now.
-        self.executor.sleep(level, self.kv.take_transfers())
+        self.executor.sleep(level, pending)
         self.sleep_level = level
 
     def wake_up(self) -> None:
@@ -272,6 +273,7 @@ class LLMEngine:
             hook.before_schedule(self.scheduler)
         sched = self.scheduler.schedule()
         if sched.empty:
+            self.flush_kv_transfers()
             return self._outputs.flush()
         # Copies: a request a stop string finishes beside the forward gives its list back.
         block_ids = {s.request.request_id: list(self.kv.block_ids(s.request.request_id)) for s in sched.scheduled}
@@ -286,11 +288,21 @@ class LLMEngine:
         self.scheduler.record_step_latency(time.monotonic() - start)
         return outputs
 
+    def flush_kv_transfers(self) -> None:
+        """Run the block copies still pending once every forward has run (a KV
+        connector's saves of the last step's blocks); for when no step is scheduled."""
+        pending = self.kv.flush_transfers()
+        if pending:
+            self.runner.run_kv_transfers(pending)
+
     def _execute(self, sched, block_ids: dict) -> object:
         return self.executor.execute(sched, block_ids)
 
     def shutdown(self) -> None:
         """Stop worker processes or actors (a no-op for a single-process engine)."""
+        if not self.is_sleeping and not self.has_unfinished_requests():
+            self.flush_kv_transfers()
+        self.kv.close()
         self.executor.shutdown()
         self.structured.shutdown()
         self._outputs.shutdown()

@@ -254,6 +254,7 @@ class LLM:
                             bar.update(1)
                 if not engine.has_unfinished_requests() and pending:
                     raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished")
+            engine.flush_kv_transfers()  # a KV connector's saves of the last step's blocks
         except BaseException:
             engine.abort_request(list(pending))
             raise

@@ -16,11 +16,13 @@ from pagedserve.executor.input_batch import ModelInput, prepare_inputs
 from pagedserve.executor.sample_step import StepOutput, finish_step, plan_step, run_head
 from pagedserve.executor.sampler import Sampler
 from pagedserve.kv_cache import kv_dtype
+from pagedserve.kv_cache.connector import ConnectorTransfers
 from pagedserve.kv_cache.kv_groups import grouped_blocks_for_one_request, kv_cache_groups, layer_slots
 from pagedserve.kv_cache.sliding_window import blocks_for_one_request
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import LayerPlacement
 from pagedserve.models.registry import resolve_model_class
+from pagedserve.offload.connectors import apply_connector_transfers
 from pagedserve.offload.device_map import Segment
 from pagedserve.offload.kv_tier import allocate_host_kv_cache, apply_kv_transfers
 from pagedserve.platforms import OpRegistry, Platform
@@ -158,6 +160,8 @@ class ModelRunner:
         self.layer_slots: list[int] | None = None
         #: Set by pagedserve.lora.LoRAManager.attach with enable_lora.
         self.lora_manager = None
+        #: The KV connector blocks are saved to and loaded from (kv_connector), else None.
+        self.kv_connector = None
         #: Sleep level 1: the host copy of the weights that wake_up loads.
         self._host_weights: list[tuple[str, Any]] | None = None
 
@@ -382,8 +386,21 @@ class ModelRunner:
         self.allocate_kv_cache(self.num_blocks, self.block_size)
 
     def run_kv_transfers(self, transfers) -> None:
-        """Run the host tier's recorded copies (KVTransfers) between the two pools."""
-        apply_kv_transfers([o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, transfers)
+        """Run the host tier's recorded copies (KVTransfers) between the two pools, or a
+        KV connector's saves and loads (ConnectorTransfers)."""
+        if isinstance(transfers, ConnectorTransfers):
+            apply_connector_transfers(self._kv_views(), self.kv_connector, transfers)
+        else:
+            apply_kv_transfers([o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, transfers)
+
+    def use_kv_connector(self, connector) -> None:
+        """Save and load blocks through ``connector`` (a KVConnector; see run_kv_transfers)."""
+        self.kv_connector = connector
+
+    def kv_block_views(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer, the KV cache's tensors as a block's bytes move (an 8-bit float
+        cache as uint8), each indexed by block id first."""
+        return self._kv_views()
 
     # -- weights ---------------------------------------------------------------------------
     def weight_bytes(self) -> int:

@@ -239,5 +239,11 @@ class GroupedKVCacheManager:
     def take_transfers(self):
         return None
 
+    def flush_transfers(self):
+        return None
+
+    def close(self) -> None:
+        pass
+
     def check_invariants(self) -> None:
         self.pool.check_invariants()

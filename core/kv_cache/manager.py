@@ -299,5 +299,12 @@ class KVCacheManager:
         """Block copies to run before the next forward (None: no host tier, no copies)."""
         return None
 
+    def close(self) -> None:
+        """Release what the manager holds outside the process (a KV connector's store)."""
+
+    def flush_transfers(self):
+        """With no step scheduled (every forward has run): every pending copy."""
+        return self.take_transfers()
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
