@@ -15,7 +15,8 @@ LRU eviction, so that a prefix computed by one process is a hit in the next:
   same way every 64 saves and at close.  On opening, the directory is the truth: indexed
   entries whose file is gone are dropped, block files the index does not list (saved
   after its last rewrite) are added by modification time, leftover temporary files are
-  removed, and the store is cut to its size bound.
+  removed, and the store is cut to its size bound.  A block another process saved in
+  the same directory later is found by its file name when first looked up.
 """
 
 from __future__ import annotations
@@ -166,6 +167,15 @@ class DiskKVConnector(KVConnector):
 
     # -- KVConnector ---------------------------------------------------------------------------
     def contains(self, key: str) -> bool:
+        if key in self._lru:
+            return True
+        try:  # saved by another process sharing the directory since this one opened it
+            size = self._file(key).stat().st_size
+        except OSError:
+            return False
+        self._lru[key] = size
+        self._bytes += size
+        self._evict(0)
         return key in self._lru
 
     def save(self, key: str, tensors: list[torch.Tensor]) -> None:

@@ -59,6 +59,8 @@ def wait_for(cond, timeout: float = 20.0) -> bool:
     "parallel",
     [{"tensor_parallel_size": 2}, pytest.param({"pipeline_parallel_size": 2}, marks=pytest.mark.slow)],
 )
+@pytest.mark.compat("sleep_mode", "tp_mp")
+@pytest.mark.compat("sleep_mode", "pp")
 def test_workers_sleep_and_wake(tiny_checkpoint_factory, parallel):
     path = tiny_checkpoint_factory(**SHAPE)
     with running_llm(model=str(path), enable_sleep_mode=True, **parallel) as llm:

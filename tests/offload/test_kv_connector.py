@@ -55,6 +55,7 @@ def block_files(d: Path) -> list[Path]:
     return sorted(d.glob("*.kvb"))
 
 
+@pytest.mark.compat("kv_connector", "single")
 def test_disk_connector_across_restarts_torn_and_corrupt_files(tiny_llama, cold, tmp_path):
     ps, expected, hittable = cold
     d = tmp_path / "kv"
@@ -219,3 +220,44 @@ def test_connector_config_rules(tiny_llama):
         EngineConfig(cache=CacheConfig(kv_connector="host", enable_prefix_caching=False))
     with pytest.raises(ValueError, match="needs a directory"):
         LLM(str(tiny_llama), **ENGINE, kv_connector="disk")
+
+
+def test_conformance_kit_checks_a_plugin_connector(memo_plugin):
+    from pagedserve.testing import run_conformance
+
+    report = run_conformance("cpu", engine=False, only=["connector:"])
+    assert report.ok, report.format()
+    assert [r.id for r in report.results] == ["connector:memo"]
+
+
+def test_conformance_kit_fails_a_lossy_connector():
+    """A connector that keeps blocks in float32 (so a bf16 block comes back as float32)
+    fails its check, named."""
+    from types import SimpleNamespace
+
+    from pagedserve.platforms import KVConnector, discover, hookimpl
+    from pagedserve.testing import run_conformance
+
+    class Lossy(KVConnector):
+        def __init__(self):
+            self.blocks = {}
+
+        def contains(self, key):
+            return key in self.blocks
+
+        def save(self, key, tensors):
+            self.blocks[key] = [t.float() if t.is_floating_point() else t for t in tensors]
+
+        def load(self, key):
+            return self.blocks.get(key)
+
+    @hookimpl
+    def pagedserve_register_kv_connectors(register):
+        register("lossy", lambda arg, max_bytes, fingerprint: Lossy())
+
+    reg = discover()
+    reg.register_plugin(SimpleNamespace(pagedserve_register_kv_connectors=pagedserve_register_kv_connectors), "lossy")
+    report = run_conformance("cpu", registry=reg, engine=False, only=["connector:"])
+    assert not report.ok
+    (failed,) = report.failed
+    assert failed.id == "connector:lossy" and "saved torch.bfloat16" in failed.message

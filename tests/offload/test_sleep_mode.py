@@ -47,6 +47,7 @@ def assert_no_leaks(llm: LLM) -> None:
     assert kv.num_blocks_in_use == 0
 
 
+@pytest.mark.compat("sleep_mode", "single")
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_wake_same_outputs_and_memory_freed(tiny_llama, level):
     llm = LLM(str(tiny_llama), **ENGINE)
@@ -81,6 +82,8 @@ def test_sleep_wake_same_outputs_and_memory_freed(tiny_llama, level):
     assert_no_leaks(llm)
 
 
+@pytest.mark.compat("sleep_mode", "kv_offload")
+@pytest.mark.compat("sleep_mode", "device_map")
 def test_sleep_with_host_tier_and_device_map(tiny_checkpoint_factory):
     """The host KV tier keeps its blocks across sleep (host memory): after waking, prefix
     hits are reloaded from it; a device map's segments are rebuilt in place."""
