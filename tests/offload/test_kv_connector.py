@@ -261,3 +261,23 @@ def test_conformance_kit_fails_a_lossy_connector():
     assert not report.ok
     (failed,) = report.failed
     assert failed.id == "connector:lossy" and "saved torch.bfloat16" in failed.message
+
+
+def test_disk_prefix_from_another_process_is_a_hit(tiny_llama, cold, tmp_path):
+    """A prompt run by a separate Python process leaves its blocks in the directory; this
+    process's engine loads them (keys do not depend on the process)."""
+    import subprocess
+
+    ps, expected, hittable = cold
+    d = tmp_path / "kv"
+    script = (
+        "from pagedserve import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_llama)!r}, dtype='float32', kv_cache_memory='8MiB', block_size=4, "
+        f"kv_connector={'disk:' + str(d)!r})\n"
+        f"llm.generate({ps!r}, SamplingParams(max_tokens=1), use_tqdm=False)\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300, cwd=tmp_path)
+    assert block_files(d)
+    llm = LLM(str(tiny_llama), **ENGINE, kv_connector=f"disk:{d}")
+    assert_same(expected, run(llm, ps))
+    assert llm.llm_engine.kv.num_loaded_blocks == hittable - 22 // 4
