@@ -46,6 +46,11 @@ def test_sleep_refuse_wake_same_answer(client, level):
     assert err["code"] == "engine_sleeping" and "wake" in err["message"]
     r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_sleeping"
+    r = client.post("/v1/embeddings", json={"model": "tiny", "input": "hi"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_sleeping"
+    # What needs no weights still answers (as in vLLM): tokenization, the model list.
+    assert client.post("/tokenize", json={"model": "tiny", "prompt": "hi"}).status_code == 200
+    assert client.get("/v1/models").status_code == 200
     assert client.post("/wake_up").status_code == 200
     assert client.get("/is_sleeping").json() == {"is_sleeping": False}
     again, again_logprobs = completion(client)
