@@ -14,6 +14,7 @@ the step trace) are `StepHook` objects, so `step()` has no branch per feature.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
 import torch
@@ -49,6 +50,8 @@ from pagedserve.spec_decode.builder import build_spec_decoder, check_draft_model
 from pagedserve.structured_output.engine_hooks import build_structured_output_manager
 
 __all__ = ["LLMEngine", "EngineSleepingError"]
+
+logger = logging.getLogger(__name__)
 
 
 class EngineSleepingError(RuntimeError):
@@ -300,9 +303,12 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop worker processes or actors (a no-op for a single-process engine)."""
-        if not self.is_sleeping and not self.has_unfinished_requests():
-            self.flush_kv_transfers()
-        self.kv.close()
+        try:  # a KV connector's last saves and its index; never in the way of stopping
+            if not self.is_sleeping and not self.has_unfinished_requests():
+                self.flush_kv_transfers()
+            self.kv.close()
+        except Exception:  # noqa: BLE001 - logged; the workers must still stop
+            logger.exception("saving the KV connector's blocks at shutdown failed")
         self.executor.shutdown()
         self.structured.shutdown()
         self._outputs.shutdown()
