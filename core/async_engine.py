@@ -16,6 +16,7 @@ keeps serving HTTP while a step runs (docs/serving.md has the measurements).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -26,6 +27,7 @@ from typing import Any
 
 from pagedserve.engine import EngineStats, LLMEngine
 from pagedserve.engine.client import EngineCallbacks
+from pagedserve.engine.llm_engine import EngineSleepingError
 from pagedserve.engine.step_trace import StepTrace
 from pagedserve.engine.step_trace import now as trace_now
 from pagedserve.lora import load_adapter
@@ -81,6 +83,15 @@ class _Add:
 @dataclass
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between steps; its result or error goes
+    to ``future`` (sleep mode)."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
 
 
 _STOP = object()
@@ -275,6 +286,7 @@ class AsyncLLMEngine(EngineCallbacks):
         """
         if self._dead is not None or self._thread is None:
             raise EngineDeadError("the engine is not running")
+        self.engine.check_awake()  # EngineSleepingError (the engine thread checks again)
         text, ids = self.validate(prompt, prompt_token_ids)
         with self._lock:
             if request_id in self._streams:
@@ -311,6 +323,26 @@ class AsyncLLMEngine(EngineCallbacks):
         finally:
             stream.abort()
 
+    # -- sleep mode ------------------------------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    async def sleep(self, level: int = 1) -> None:
+        """``LLMEngine.sleep`` on the engine thread, between steps (ValueError: not enabled,
+        a bad level, requests in flight)."""
+        await self._call(lambda engine: engine.sleep(level))
+
+    async def wake_up(self) -> None:
+        await self._call(lambda engine: engine.wake_up())
+
+    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        if self._dead is not None or self._thread is None:
+            raise EngineDeadError("the engine is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe; unknown or finished ids are ignored)."""
         self._forget(request_id)
@@ -335,6 +367,8 @@ class AsyncLLMEngine(EngineCallbacks):
                     events = []
                     self._step(events)
                     self._publish(events)
+                    if not engine.has_unfinished_requests():
+                        engine.flush_kv_transfers()  # a KV connector's saves of the last step
                 # Nothing runs, yet requests wait (for their grammar's compile, say): poll
                 # gently instead of spinning a core and the GIL away from the server.
                 idle = not events and self._stats.num_running == 0
@@ -373,6 +407,9 @@ class AsyncLLMEngine(EngineCallbacks):
         added = 0
         for cmd in commands:
             if cmd is _STOP:
+                for later in commands:  # a sleep or wake-up queued behind the stop
+                    if isinstance(later, _Call) and not later.future.done():
+                        later.future.set_exception(EngineDeadError("the engine has shut down"))
                 return False
             if isinstance(cmd, _Abort):
                 self.engine.abort_request(cmd.request_ids)
@@ -391,8 +428,13 @@ class AsyncLLMEngine(EngineCallbacks):
                         lora_request=cmd.lora_request,
                     )
                     events.append((cmd.request_id, _ACCEPTED))
-                except ValueError as e:
+                except (ValueError, EngineSleepingError) as e:
                     events.append((cmd.request_id, e))
+            elif isinstance(cmd, _Call):
+                try:
+                    cmd.future.set_result(cmd.fn(self.engine))
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    cmd.future.set_exception(e)
         # Snapshot and counter change together so the queue bound never under-counts.
         stats = self.engine.stats()
         with self._lock:

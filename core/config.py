@@ -282,6 +282,13 @@ class ModelConfig:
             choices=["last", "mean", "cls"],
         ),
     )
+    enable_sleep_mode: bool = field(
+        default=False,
+        metadata=_help(
+            "allow LLM.sleep()/wake_up() and the server's POST /sleep, POST /wake_up and GET /is_sleeping: "
+            "free the weights and the KV cache between jobs (docs/memory.md)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half", "fp32", "bf16", "fp16"):
@@ -344,6 +351,17 @@ class CacheConfig:
             "and preempted requests may swap there (docs/memory.md)"
         ),
     )
+    kv_connector: str | None = field(
+        default=None,
+        metadata=_help(
+            "a store of KV blocks by content below the device cache: 'host' (host memory), 'disk:DIR' (block "
+            "files in DIR, kept across restarts) or a plugin's 'NAME[:ARG]'; full blocks are saved, prefix "
+            "misses loaded from it (docs/memory.md)"
+        ),
+    )
+    kv_connector_memory: int | str = field(
+        default="4GiB", metadata=_help("the most bytes the kv_connector keeps (least recently used dropped first)")
+    )
     preemption_mode: str = field(
         default="auto",
         metadata=_help(
@@ -379,6 +397,9 @@ class CacheConfig:
             )
         if self.kv_offload_memory is not None:
             self.kv_offload_memory = parse_memory(self.kv_offload_memory, "kv_offload_memory")
+        self.kv_connector_memory = parse_memory(self.kv_connector_memory, "kv_connector_memory")
+        if self.kv_connector is not None and not self.kv_connector.partition(":")[0]:
+            raise ValueError(f"kv_connector must be NAME or NAME:ARG, got {self.kv_connector!r}")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'auto', 'swap' or 'recompute', got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.kv_offload_memory is None:

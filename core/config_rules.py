@@ -323,6 +323,56 @@ def _async_scheduling_rule(cfg: EngineConfig) -> str | None:
 RULES.append(_async_scheduling_rule)
 
 
+def _sleep_mode_rule(cfg: EngineConfig) -> str | None:
+    """Sleep drops the model's weights and rebuilds the model on waking (engine sleep in
+    core/engine/llm_engine.py): what holds the model's tensors beside it cannot follow."""
+    if not cfg.model.enable_sleep_mode:
+        return None
+    spec = cfg.speculative.speculative_config
+    used = [
+        (cfg.lora.enable_lora, "enable_lora", "adapters wrap the model's layers; serve adapters without sleep mode"),
+        (
+            bool(cfg.cache.cpu_offload_gb),
+            f"cpu_offload_gb={cfg.cache.cpu_offload_gb}",
+            "weight offload streams the layers from its own host copies; use cpu_offload_gb=0",
+        ),
+        (
+            spec is not None,
+            f"speculative_config method={getattr(spec, 'method', None)!r}",
+            "a draft model keeps its own weights and KV cache; speculate without sleep mode",
+        ),
+    ]
+    for on, setting, why in used:
+        if on:
+            return f"enable_sleep_mode cannot be combined with {setting} yet: {why}"
+    return None
+
+
+RULES.append(_sleep_mode_rule)
+
+
+def _kv_connector_rule(cfg: EngineConfig) -> str | None:
+    c = cfg.cache.kv_connector
+    if c is None:
+        return None
+    if cfg.parallel.world_size > 1:
+        return (
+            f"kv_connector={c!r} is not supported with tensor/pipeline parallelism yet ({_parallel(cfg)}): "
+            "each rank's KV shard would need its own saves and loads; use one rank"
+        )
+    if cfg.cache.kv_offload_memory is not None:
+        return (
+            f"kv_connector={c!r} cannot be combined with kv_offload_memory={cfg.cache.kv_offload_memory} yet: "
+            "use kv_connector='host' for a host-memory prefix store, or the host tier alone"
+        )
+    if not cfg.cache.enable_prefix_caching:
+        return f"kv_connector={c!r} saves and finds blocks through the prefix cache: it needs enable_prefix_caching"
+    return None
+
+
+RULES.append(_kv_connector_rule)
+
+
 def check_data_parallel(cfg: EngineConfig, size: int) -> None:
     """ValueError for a setting that ``size`` data-parallel replicas behind one router
     cannot serve (``cfg``: each replica's configuration).  Checked before replicas start."""
@@ -330,6 +380,11 @@ def check_data_parallel(cfg: EngineConfig, size: int) -> None:
         raise ValueError(
             f"nnodes={cfg.parallel.nnodes} cannot be combined with data_parallel_size={size} yet (a replica's "
             "ranks span nodes, the router starts replicas on this node only); use one or the other"
+        )
+    if size > 1 and cfg.model.enable_sleep_mode:
+        raise ValueError(
+            f"enable_sleep_mode cannot be combined with data_parallel_size={size} yet (the router does not "
+            "put its replicas to sleep); use data_parallel_size=1"
         )
     if size > 1 and cfg.lora.enable_lora:
         raise ValueError(

@@ -189,7 +189,7 @@ class Scheduler:
         out = self._schedule()
         if not out.empty:
             # Copies decided while scheduling (spills, reloads, swaps) run before this
-            # step's forward; an empty step runs nothing, so they wait for the next one.
+            # step's forward; after an empty step the engine runs them (flush_transfers).
             out.kv_transfers = self.kv.take_transfers()
         return out
 

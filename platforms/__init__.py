@@ -25,12 +25,13 @@ import pluggy
 
 from pagedserve.platforms import hookspecs
 from pagedserve.platforms.hookspecs import ENTRY_POINT_GROUP, PLATFORM_INTERFACE_VERSION, PROJECT_NAME, hookimpl
-from pagedserve.platforms.interface import Platform, PlatformError, check_interface_version
+from pagedserve.platforms.interface import KVConnector, Platform, PlatformError, check_interface_version
 from pagedserve.platforms.ops import OpRegistry
 from pagedserve.platforms.options import target_device
 
 __all__ = [
     "Platform",
+    "KVConnector",
     "PlatformError",
     "PlatformInfo",
     "PluginFailure",
@@ -316,6 +317,24 @@ class PlatformRegistry:
                 return info
         reasons = "; ".join(f"{p.name}: {p.probe()[1]}" for p in self.platforms.values())
         raise PlatformError(f"no platform is available ({reasons or 'no platforms discovered'})")
+
+    def kv_connectors(self) -> dict[str, tuple[object, str]]:
+        """Every registered plugin's KV connectors (interface 1.6): name -> (factory,
+        plugin name); PlatformError for a bad or twice-registered name."""
+        found: dict[str, tuple[object, str]] = {}
+        for impl in self.pm.hook.pagedserve_register_kv_connectors.get_hookimpls():
+
+            def register(name: str, factory, plugin: str = impl.plugin_name) -> None:
+                if not isinstance(name, str) or not name or ":" in name:
+                    raise PlatformError(f"plugin {plugin!r} registered a KV connector named {name!r}")
+                if name in found:
+                    raise PlatformError(
+                        f"two plugins register the KV connector {name!r}: {found[name][1]!r} and {plugin!r}"
+                    )
+                found[name] = (factory, plugin)
+
+            impl.function(**({"register": register} if "register" in impl.argnames else {}))
+        return found
 
     def resolve_ops(self, platform: Platform) -> OpRegistry:
         """The op registry for ``platform``: references, then every plugin's overrides.

@@ -59,6 +59,10 @@ class TorchGpuPlatform(Platform):
             event.record(stream)
         return event
 
+    def release_memory(self) -> None:
+        """Hand the caching allocator's free blocks back to the driver."""
+        torch.cuda.empty_cache()
+
     def wait_copy(self, handle) -> None:
         if handle is not None:
             torch.cuda.current_stream().wait_event(handle)

@@ -27,7 +27,7 @@ ENTRY_POINT_GROUP = "pagedserve.platforms"
 
 #: The platform interface version this core provides ("MAJOR.MINOR"): bump the minor
 #: version for every addition, the major version for anything else (docs/platforms.md).
-PLATFORM_INTERFACE_VERSION = "1.5"
+PLATFORM_INTERFACE_VERSION = "1.6"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -58,4 +58,17 @@ def pagedserve_register_ops(platform, ops):
     :param ops: the :class:`pagedserve.platforms.ops.OpRegistry`; call
         ``ops.register(name, fn, source=...)`` to override an op.  Every op defaults to
         the torch reference in ``pagedserve.kernels.reference``.
+    """
+
+
+@hookspec
+def pagedserve_register_kv_connectors(register):
+    """Register KV connectors (interface 1.6): stores of KV cache blocks by content
+    (:class:`pagedserve.platforms.interface.KVConnector`).
+
+    :param register: call ``register(name, factory)`` once per connector; the engine's
+        ``kv_connector="NAME[:ARG]"`` setting calls ``factory(arg=ARG or None,
+        max_bytes=kv_connector_memory, fingerprint=...)`` (``fingerprint``: a hex string
+        naming the engine's KV layout, also covered by every key) and expects a
+        ``KVConnector``.  The builtin names ``host`` and ``disk`` cannot be taken.
     """

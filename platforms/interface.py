@@ -12,6 +12,7 @@ from pagedserve.platforms.hookspecs import PLATFORM_INTERFACE_VERSION
 
 __all__ = [
     "Platform",
+    "KVConnector",
     "PlatformError",
     "PLATFORM_INTERFACE_VERSION",
     "FIRST_INTERFACE_VERSION",
@@ -159,6 +160,11 @@ class Platform:
     def wait_copy(self, handle: Any) -> None:
         """Make work queued from now on wait for the copy behind ``handle``."""
 
+    def release_memory(self) -> None:
+        """Give the device memory the core has just dropped (sleep mode: the weights and
+        the KV cache) back to the device, where an allocator keeps freed blocks for reuse
+        (interface 1.6).  Here: nothing; a platform with a caching allocator empties it."""
+
     def configure_threads(self, threads: int | None, cpu_bind: list[int] | None = None) -> None:
         """Host threads for the model: ``threads`` of torch's pool (None: leave torch's
         choice); ``cpu_bind``: the process runs on these cores only and ``threads``
@@ -200,3 +206,43 @@ class Platform:
         except Exception as exc:  # reported, not hidden: shown in the listing
             info["total_memory_error"] = f"{type(exc).__name__}: {exc}"
         return info
+
+
+class KVConnector:
+    """A store of KV cache blocks keyed by their content (interface 1.6).
+
+    The engine saves each full block its prefix cache registers and, when a new prompt's
+    prefix misses in the device cache, looks the following blocks up here and loads the
+    leading run it finds instead of recomputing them.  A plugin provides connectors
+    through the ``pagedserve_register_kv_connectors`` hook; the builtin ones are ``host``
+    (host memory) and ``disk`` (a directory).
+
+    ``key`` is a hex SHA-256 string that covers the block's tokens, every token before
+    it (and a cache salt), and the engine's KV layout: model, dtype, cache dtype, block
+    size and the block's tensor shapes.  Equal keys mean interchangeable blocks, in this
+    process or another one.  A block is a list of CPU tensors: every tensor the cache has
+    for that block (per layer its key and value, and whatever else a cache format adds,
+    such as scales), in the cache's order.  Calls come from the engine's thread, one at
+    a time.
+    """
+
+    def contains(self, key: str) -> bool:
+        """Whether ``load(key)`` is expected to succeed (a cheap index lookup)."""
+        raise NotImplementedError
+
+    def save(self, key: str, tensors: list[torch.Tensor]) -> None:
+        """Keep the block (the tensors are the connector's to keep); a full store evicts
+        or drops, never raises for lack of room."""
+        raise NotImplementedError
+
+    def load(self, key: str) -> list[torch.Tensor] | None:
+        """The block saved under ``key`` (CPU tensors, the saved dtypes and shapes), or
+        None when it is missing or unreadable: a damaged block must never be returned."""
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, int]:
+        """Counters for logs and tests (blocks, bytes, hits, ...)."""
+        return {}
+
+    def close(self) -> None:
+        """Persist what needs persisting; the engine calls it once, at shutdown."""

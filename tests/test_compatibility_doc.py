@@ -60,6 +60,8 @@ def test_ids_are_the_contract():
         "pooling",
         "prompt_logprobs",
         "priority",
+        "sleep_mode",
+        "kv_connector",
     ]
     assert [d.id for d in cm.DEPLOYMENTS] == [
         "single",

@@ -106,6 +106,21 @@ class DistributedExecutor(Executor):
         except Exception as exc:
             raise self._fail(exc, "step") from exc
 
+    def sleep(self, level: int, transfers=None) -> None:
+        # No host tier with several ranks (config rules), so no transfers.
+        self.check_health()
+        try:
+            self.driver.control_driver("sleep", level)
+        except Exception as exc:
+            raise self._fail(exc, "sleep") from exc
+
+    def wake_up(self) -> None:
+        self.check_health()
+        try:
+            self.driver.control_driver("wake_up")
+        except Exception as exc:
+            raise self._fail(exc, "wake_up") from exc
+
     def check_health(self) -> None:
         if self._failure is None and not self._closed:
             dead = self._dead_workers()

@@ -84,6 +84,8 @@ class Worker:
         #: The draft model's shard (speculative_config draft_tensor_parallel_size > 1).
         self.draft: ModelRunner | None = None
         self.parallel: ParallelContext | None = None
+        #: This rank's checkpoint (the engine's source on rank 0), set by setup.
+        self.source = None
         self.num_micro_batches = 2 if init.pp_size > 1 else 1
 
     def setup(self, source=None, on_ready=None) -> int:
@@ -105,6 +107,7 @@ class Worker:
         dtype = resolve_dtype(cfg.model.dtype, platform)
         if source is None:  # ranks other than the engine's load the checkpoint themselves
             source = self._open_target(platform, ops, dtype)
+        self.source = source  # read again on waking from sleep level 2
         arch = ArchConfig.from_hf(source.hf_config)
         max_model_len = effective_max_model_len(cfg.model.max_model_len, arch.max_position_embeddings, arch.head_dim)
         self.runner = ModelRunner(platform, ops, arch, dtype, self.parallel, max_model_len=max_model_len)
@@ -206,6 +209,22 @@ class Worker:
             return logits[0]
         return torch.cat(logits) if logits else torch.empty(0, runner.arch.vocab_size, device=runner.device)
 
+    def control_driver(self, command: str, *args) -> None:
+        """Rank 0: have every rank run ``command`` (sleep mode: "sleep" with its level,
+        "wake_up"), the others through their loop, in step order."""
+        self.parallel.broadcast_object((command, *args))
+        self.control(command, *args)
+
+    def control(self, command: str, *args) -> None:
+        """Sleep mode on this rank: drop the shard's weights and KV cache, or rebuild them."""
+        if command == "sleep":
+            (level,) = args
+            self.runner.sleep(level, self.source.weights() if level == 1 else None)
+        elif command == "wake_up":
+            self.runner.wake_up(self.source.weights)
+        else:
+            raise ValueError(f"unknown worker command {command!r}")
+
     def stop_workers(self) -> None:
         """Rank 0: tell the other ranks to leave their loop."""
         self.parallel.broadcast_object(None)
@@ -214,7 +233,10 @@ class Worker:
     def run_loop(self) -> None:
         """Ranks > 0: run broadcast steps until the driver sends None."""
         while (batches := self.parallel.broadcast_object()) is not None:
-            self.run_step(batches)
+            if isinstance(batches, tuple):  # a command (control_driver), not a step
+                self.control(*batches)
+            else:
+                self.run_step(batches)
 
     def run_step(self, batches: list[MicroBatch]) -> list[HeadOutput]:
         """Forward every micro-batch through this rank's layers; rank 0 gets each one's

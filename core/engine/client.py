@@ -106,6 +106,16 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    # Sleep mode (enable_sleep_mode; one engine: refused with data parallelism).
+    @property
+    def is_sleeping(self) -> bool: ...
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the weights and KV cache (ValueError: not enabled, bad level, requests in flight)."""
+        ...
+
+    async def wake_up(self) -> None: ...
+
 
 class EngineCallbacks:
     """The two callbacks every EngineClient keeps, and `set_callbacks` for them."""

@@ -14,6 +14,7 @@ the step trace) are `StepHook` objects, so `step()` has no branch per feature.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
 import torch
@@ -48,7 +49,13 @@ from pagedserve.scheduler import Scheduler
 from pagedserve.spec_decode.builder import build_spec_decoder, check_draft_model, target_quantization
 from pagedserve.structured_output.engine_hooks import build_structured_output_manager
 
-__all__ = ["LLMEngine"]
+__all__ = ["LLMEngine", "EngineSleepingError"]
+
+logger = logging.getLogger(__name__)
+
+
+class EngineSleepingError(RuntimeError):
+    """A request reached an engine put to sleep (``LLMEngine.sleep``)."""
 
 
 class LLMEngine:
@@ -131,12 +138,63 @@ class LLMEngine:
         self._forward = functools.reduce(wrap, reversed(self.hooks), self._execute)
         #: Disaggregated prefill/decode: a prompt's cached KV blocks out of and into this engine.
         self._handoff = KVHandoff(self.kv, self.runner)
+        #: Sleep mode: the level the engine sleeps at, None while awake.
+        self.sleep_level: int | None = None
+
+    # -- sleep mode --------------------------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level is not None
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the weights and the KV cache (enable_sleep_mode, docs/memory.md): level 1
+        keeps a host-memory copy of the weights to wake from, level 2 reads the checkpoint
+        again on waking.  Every rank sleeps.  The prefix cache is emptied (its blocks go
+        with the KV cache).  ValueError while requests are in flight; sleeping again does
+        nothing.  Requests are refused (EngineSleepingError) until :meth:`wake_up`."""
+        if not self.config.model.enable_sleep_mode:
+            raise ValueError("sleep needs the engine started with enable_sleep_mode=True (--enable-sleep-mode)")
+        if level not in (1, 2) or isinstance(level, bool):
+            raise ValueError(
+                f"sleep level must be 1 (weights kept in host memory) or 2 (weights reloaded from the "
+                f"checkpoint), got {level!r}"
+            )
+        if self.is_sleeping:
+            return
+        busy = self.get_num_unfinished_requests()
+        if busy:
+            raise ValueError(
+                f"cannot sleep with {busy} request(s) in flight: wait for them to finish or abort them first"
+            )
+        # Copies recorded but not run yet (host tier, KV connector saves) read the device cache.
+        pending = self.kv.flush_transfers()
+        if not self.kv.reset_prefix_cache():
+            raise RuntimeError("KV blocks are still in use with no request in flight")
+        self.executor.sleep(level, pending)
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Reload the weights and allocate an empty KV cache; nothing when awake."""
+        if not self.is_sleeping:
+            return
+        self.executor.wake_up()
+        self.sleep_level = None
+
+    def check_awake(self) -> None:
+        """EngineSleepingError while the engine sleeps."""
+        if self.sleep_level is not None:
+            raise EngineSleepingError(
+                f"the engine is asleep (sleep level {self.sleep_level}): wake it with wake_up() "
+                "(POST /wake_up) before sending requests"
+            )
 
     # -- disaggregated prefill/decode (kv_handoff.py) ----------------------------------------
     def export_prefix_kv(self, token_ids: list[int]) -> torch.Tensor:
+        self.check_awake()
         return self._handoff.export_prefix_kv(token_ids)
 
     def import_prefix_kv(self, token_ids: list[int], kv: torch.Tensor) -> int:
+        self.check_awake()
         return self._handoff.import_prefix_kv(token_ids, kv)
 
     def empty_prefix_kv(self, num_blocks: int) -> torch.Tensor:
@@ -168,6 +226,7 @@ class LLMEngine:
         """Queue a request; raises ValueError (and queues nothing) on bad input.
 
         With ``pooling_params`` it is an embedding request (``params`` is ignored)."""
+        self.check_awake()
         intake = self.input_processor
         if pooling_params is not None:
             args = (prompt, pooling_params, prompt_token_ids, arrival_time, priority, cache_salt)
@@ -217,6 +276,7 @@ class LLMEngine:
             hook.before_schedule(self.scheduler)
         sched = self.scheduler.schedule()
         if sched.empty:
+            self.flush_kv_transfers()
             return self._outputs.flush()
         # Copies: a request a stop string finishes beside the forward gives its list back.
         block_ids = {s.request.request_id: list(self.kv.block_ids(s.request.request_id)) for s in sched.scheduled}
@@ -231,11 +291,24 @@ class LLMEngine:
         self.scheduler.record_step_latency(time.monotonic() - start)
         return outputs
 
+    def flush_kv_transfers(self) -> None:
+        """Run the block copies still pending once every forward has run (a KV
+        connector's saves of the last step's blocks); for when no step is scheduled."""
+        pending = self.kv.flush_transfers()
+        if pending:
+            self.runner.run_kv_transfers(pending)
+
     def _execute(self, sched, block_ids: dict) -> object:
         return self.executor.execute(sched, block_ids)
 
     def shutdown(self) -> None:
         """Stop worker processes or actors (a no-op for a single-process engine)."""
+        try:  # a KV connector's last saves and its index; never in the way of stopping
+            if not self.is_sleeping and not self.has_unfinished_requests():
+                self.flush_kv_transfers()
+            self.kv.close()
+        except Exception:  # noqa: BLE001 - logged; the workers must still stop
+            logger.exception("saving the KV connector's blocks at shutdown failed")
         self.executor.shutdown()
         self.structured.shutdown()
         self._outputs.shutdown()

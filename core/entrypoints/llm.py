@@ -80,6 +80,23 @@ class LLM:
         """Stop the engine's worker processes (tensor/pipeline parallel); idempotent."""
         self.llm_engine.shutdown()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the weights and the KV cache until :meth:`wake_up` (needs
+        ``enable_sleep_mode=True``): level 1 keeps a host-memory copy of the weights, level 2
+        reads the checkpoint again on waking.  ``generate`` and the others raise
+        EngineSleepingError meanwhile.  See docs/memory.md#sleep-mode."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Reload the weights and allocate an empty KV cache.  ``tags`` (vLLM's partial
+        wake-up, e.g. ["weights"]) is not implemented: everything wakes at once."""
+        if tags is not None:
+            raise ValueError(f"wake_up(tags={tags!r}) is not implemented: call wake_up() to wake weights and KV cache")
+        self.llm_engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
@@ -237,6 +254,7 @@ class LLM:
                             bar.update(1)
                 if not engine.has_unfinished_requests() and pending:
                     raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished")
+            engine.flush_kv_transfers()  # a KV connector's saves of the last step's blocks
         except BaseException:
             engine.abort_request(list(pending))
             raise

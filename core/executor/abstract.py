@@ -45,6 +45,16 @@ class Executor(ABC):
             raise ValueError("this executor holds no sharded draft model")
         return self.driver_runner.forward_logits(out, block_ids, num_logits)
 
+    def sleep(self, level: int, transfers=None) -> None:
+        """Sleep mode: every rank drops its weights (level 1 keeping a host copy) and its
+        KV cache; ``transfers``: the host tier's pending copies, run first."""
+        raise ValueError(f"{type(self).__name__} cannot sleep")
+
+    def wake_up(self) -> None:
+        """Every rank reloads its weights (from the host copy, else the checkpoint) and
+        allocates an empty KV cache."""
+        raise ValueError(f"{type(self).__name__} cannot sleep")
+
     def check_health(self) -> None:  # noqa: B027 (optional hook: one process has nothing to check)
         """Raise RuntimeError if a worker is gone."""
 

@@ -59,6 +59,7 @@ class UniProcExecutor(Executor):
                     f"{', '.join(n for n in names if n != platform.name)}, which is not supported "
                     "with quantized weights yet (use quantization='none')"
                 )
+        self.source = source  # read again on waking from sleep level 2
         self.driver_runner = runner = ModelRunner(
             platform, ops, arch, dtype, segments=segments, max_model_len=max_model_len
         )
@@ -68,6 +69,14 @@ class UniProcExecutor(Executor):
 
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepOutput:
         return self.driver_runner.execute(out, block_ids)
+
+    def sleep(self, level: int, transfers=None) -> None:
+        if transfers:
+            self.driver_runner.run_kv_transfers(transfers)
+        self.driver_runner.sleep(level, self.source.weights() if level == 1 else None)
+
+    def wake_up(self) -> None:
+        self.driver_runner.wake_up(self.source.weights)
 
 
 def create_executor(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import gc
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -15,11 +16,13 @@ from pagedserve.executor.input_batch import ModelInput, prepare_inputs
 from pagedserve.executor.sample_step import StepOutput, finish_step, plan_step, run_head
 from pagedserve.executor.sampler import Sampler
 from pagedserve.kv_cache import kv_dtype
+from pagedserve.kv_cache.connector import ConnectorTransfers
 from pagedserve.kv_cache.kv_groups import grouped_blocks_for_one_request, kv_cache_groups, layer_slots
 from pagedserve.kv_cache.sliding_window import blocks_for_one_request
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import LayerPlacement
 from pagedserve.models.registry import resolve_model_class
+from pagedserve.offload.connectors import apply_connector_transfers
 from pagedserve.offload.device_map import Segment
 from pagedserve.offload.kv_tier import allocate_host_kv_cache, apply_kv_transfers
 from pagedserve.platforms import OpRegistry, Platform
@@ -89,6 +92,22 @@ def draft_kv_blocks(target: ModelRunner, draft: ModelRunner) -> int:
     return max(1, min(target.num_blocks, budget // draft.kv_block_bytes(bs)))
 
 
+def _host_copy(t, pin: bool):
+    """A host-memory copy of a checkpoint tensor (or a quantized weight, which moves as one)."""
+    if not isinstance(t, torch.Tensor):
+        return t.to(torch.device("cpu"))
+    t = t.to("cpu", copy=True)
+    return t.pin_memory() if pin else t
+
+
+def _layer_in(name: str, first: int, last: int) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to layers [first, last), or to no layer."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return first <= int(parts[2]) < last
+    return True
+
+
 class ModelRunner:
     """One rank's model and KV cache.
 
@@ -116,14 +135,11 @@ class ModelRunner:
         #: config by determine_num_blocks).
         self.kv_dtype = dtype
         self.device = platform.device
-        placements = None
-        if segments is not None:
-            placements = [
-                LayerPlacement(s.start, s.end, s.ops, s.platform.device, s.platform.to_device) for s in segments
-            ]
-        self.model = resolve_model_class(arch.architecture)(
-            arch, ops, dtype, self.device, parallel, placements, max_positions=max_model_len
-        )
+        self.parallel = parallel
+        self.max_model_len = max_model_len
+        self._placed = segments is not None  # a device map: the model gets its placements
+        self.segments = segments
+        self.model = self._build_model()
         if segments is None:
             segments = [Segment(platform, ops, self.model.layer_start, self.model.layer_end)]
         self.segments = segments
@@ -144,6 +160,21 @@ class ModelRunner:
         self.layer_slots: list[int] | None = None
         #: Set by pagedserve.lora.LoRAManager.attach with enable_lora.
         self.lora_manager = None
+        #: The KV connector blocks are saved to and loaded from (kv_connector), else None.
+        self.kv_connector = None
+        #: Sleep level 1: the host copy of the weights that wake_up loads.
+        self._host_weights: list[tuple[str, Any]] | None = None
+
+    def _build_model(self):
+        """The model object, its weights not loaded yet."""
+        placements = None
+        if self._placed:
+            placements = [
+                LayerPlacement(s.start, s.end, s.ops, s.platform.device, s.platform.to_device) for s in self.segments
+            ]
+        return resolve_model_class(self.arch.architecture)(
+            self.arch, self.ops, self.dtype, self.device, self.parallel, placements, max_positions=self.max_model_len
+        )
 
     def load_weights(self, weights, prepare: bool = True) -> None:
         """Load (HF name, tensor) pairs; ``prepare``: then put dense linear weights in the
@@ -317,6 +348,60 @@ class ModelRunner:
         k = self._kv_views()[0][0]
         return torch.empty(len(self.kv_caches), 2, num_blocks, *k.shape[1:], dtype=k.dtype, device=self.device)
 
+    # -- sleep mode ---------------------------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return self.model is None
+
+    def sleep(self, level: int, weights: Iterable[tuple[str, Any]] | None = None) -> None:
+        """Drop this rank's weights and KV cache (sleep mode) and hand the memory back
+        (``Platform.release_memory``).  Level 1 first keeps a host-memory copy of
+        ``weights`` (the checkpoint's (name, tensor) pairs, those of this rank's layers),
+        which :meth:`wake_up` loads; level 2 keeps nothing.  The host KV tier's blocks are
+        host memory and stay, with their contents."""
+        if self.model is None:
+            raise RuntimeError("the model runner is already asleep")
+        if level == 1:
+            if weights is None:
+                raise ValueError("sleep level 1 needs the weights to keep a host copy of")
+            first, last = self.segments[0].start, self.segments[-1].end
+            pin = self.platform.pin_memory_available
+            self._host_weights = [(n, _host_copy(t, pin)) for n, t in weights if _layer_in(n, first, last)]
+        self.model = None
+        self.kv_caches = []
+        gc.collect()
+        for platform in {id(p): p for p in self.layer_platforms}.values():
+            platform.release_memory()
+
+    def wake_up(self, reload: Callable[[], Iterable[tuple[str, Any]]]) -> None:
+        """Rebuild the model from the level-1 host copy, else from ``reload()`` (the
+        checkpoint's weights, read again), and allocate an empty KV cache of the same
+        number of blocks."""
+        if self.model is not None:
+            raise RuntimeError("the model runner is not asleep")
+        weights = self._host_weights if self._host_weights is not None else reload()
+        self.model = self._build_model()
+        self.load_weights(weights)
+        self._host_weights = None
+        self.allocate_kv_cache(self.num_blocks, self.block_size)
+
+    def run_kv_transfers(self, transfers) -> None:
+        """Run the host tier's recorded copies (KVTransfers) between the two pools, or a
+        KV connector's saves and loads (ConnectorTransfers)."""
+        if isinstance(transfers, ConnectorTransfers):
+            apply_connector_transfers(self._kv_views(), self.kv_connector, transfers)
+        else:
+            apply_kv_transfers([o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, transfers)
+
+    def use_kv_connector(self, connector) -> None:
+        """Save and load blocks through ``connector`` (a KVConnector; see run_kv_transfers)."""
+        self.kv_connector = connector
+
+    def kv_block_views(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer, the KV cache's tensors as a block's bytes move (an 8-bit float
+        cache as uint8), each indexed by block id first."""
+        return self._kv_views()
+
     # -- weights ---------------------------------------------------------------------------
     def weight_bytes(self) -> int:
         """Bytes of this rank's model weights."""
@@ -338,9 +423,7 @@ class ModelRunner:
         (after the final norm) on the last segment's device.  Call in inference mode."""
         if out.kv_transfers:
             # Spills, reloads and swaps decided by the scheduler: all before the forward.
-            apply_kv_transfers(
-                [o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, out.kv_transfers
-            )
+            self.run_kv_transfers(out.kv_transfers)
         inp = prepare_inputs(out, block_ids, self.block_size, self.device, self.layer_groups)
         if self.lora_manager is not None:  # each row's adapter slot, for this forward only
             self.lora_manager.begin_step(

@@ -9,9 +9,11 @@ data-parallel router's prefix affinity all hash blocks with :func:`extend_block_
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Sequence
 
-__all__ = ["BlockHash", "hash_block", "extend_block_hashes", "block_hashes"]
+__all__ = ["BlockHash", "hash_block", "extend_block_hashes", "block_hashes", "extend_content_keys"]
 
 #: (hash value, the key it covers: (parent hash, token ids, extra keys)).
 BlockHash = tuple[int, tuple]
@@ -51,3 +53,27 @@ def block_hashes(
             f"{num_blocks} blocks of {block_size} tokens need {num_blocks * block_size} tokens; got {len(token_ids)}"
         )
     return extend_block_hashes([], token_ids, block_size, num_blocks, cache_salt)
+
+
+def extend_content_keys(
+    keys: list[str],
+    token_ids: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    seed: str,
+    cache_salt: str | None = None,
+) -> list[str]:
+    """:func:`extend_block_hashes`'s chain as SHA-256 hex digests, the same in every
+    process (Python's ``hash`` is not: strings and None hash differently per process):
+    a KV connector's keys.  Block ``i``'s key covers ``seed`` (the engine's KV layout),
+    the cache salt, and every token up to the end of block ``i``."""
+    bs = block_size
+    while len(keys) < num_blocks:
+        i = len(keys)
+        h = hashlib.sha256(bytes.fromhex(keys[-1]) if keys else seed.encode())
+        if i == 0 and cache_salt:
+            h.update(b"salt:" + cache_salt.encode())
+        block = token_ids[i * bs : (i + 1) * bs]
+        h.update(struct.pack(f"<{len(block)}q", *block))
+        keys.append(h.hexdigest())
+    return keys

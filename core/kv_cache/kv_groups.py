@@ -231,8 +231,19 @@ class GroupedKVCacheManager:
     def swap_out(self, request: Request) -> None:
         raise NotImplementedError("swap preemption needs a host KV tier (kv_offload_memory)")
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash of the device pool (its blocks' contents are
+        gone, e.g. in sleep mode); False, and nothing forgotten, while a block is in use."""
+        return self.pool.reset_prefix_cache()
+
     def take_transfers(self):
         return None
+
+    def flush_transfers(self):
+        return None
+
+    def close(self) -> None:
+        pass
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()

@@ -290,9 +290,21 @@ class KVCacheManager:
     def swap_out(self, request: Request) -> None:
         raise NotImplementedError("swap preemption needs a host KV tier (kv_offload_memory)")
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash of the device pool (its blocks' contents are
+        gone, e.g. in sleep mode); False, and nothing forgotten, while a block is in use."""
+        return self.pool.reset_prefix_cache()
+
     def take_transfers(self):
         """Block copies to run before the next forward (None: no host tier, no copies)."""
         return None
+
+    def close(self) -> None:
+        """Release what the manager holds outside the process (a KV connector's store)."""
+
+    def flush_transfers(self):
+        """With no step scheduled (every forward has run): every pending copy."""
+        return self.take_transfers()
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

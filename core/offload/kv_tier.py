@@ -15,10 +15,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.kv_cache.connector import ConnectorKVCacheManager
 from pagedserve.kv_cache.host_tier import IN, KVTransfers, TieredKVCacheManager
 from pagedserve.kv_cache.kv_groups import GroupedKVCacheManager, kv_cache_groups
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.kv_cache.sliding_window import kv_window_for_pool
+from pagedserve.offload.connectors import create_kv_connector, kv_fingerprint
 from pagedserve.offload.cost import PreemptionCostModel
 from pagedserve.platforms import Platform
 
@@ -91,7 +93,16 @@ def build_kv_manager(
     when the runner laid its KV cache out in groups (``layer_groups``)."""
     cache = config.cache
     groups = kv_cache_groups(windows or [], cache.free_sliding_window_blocks)
-    if len(groups) > 1 and runner.layer_groups is not None:  # the rules refuse a host tier here
+    grouped = len(groups) > 1 and runner.layer_groups is not None
+    if cache.kv_connector is not None:
+        if grouped:
+            raise ValueError(
+                f"kv_connector={cache.kv_connector!r} cannot be combined with a model whose layers have different "
+                "attention windows (one block table per layer group) while free_sliding_window_blocks=True: set "
+                "free_sliding_window_blocks=False"
+            )
+        return _connector_manager(config, num_blocks, runner)
+    if grouped:  # the rules refuse a host tier here
         windows = [g.window for g in groups]
         return GroupedKVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, windows)
     if cache.kv_offload_memory is None:
@@ -125,3 +136,21 @@ def build_kv_manager(
     return TieredKVCacheManager(
         num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks=num_host_blocks, swap_policy=policy
     )
+
+
+def _connector_manager(config: EngineConfig, num_blocks: int, runner) -> ConnectorKVCacheManager:
+    """A manager whose full blocks go to, and whose prefix misses come from, the
+    ``kv_connector`` (keeps every block of a request: no freeing of slid-out blocks)."""
+    cache, model = config.cache, config.model
+    views = runner.kv_block_views()
+    extra = {
+        "dtype": str(runner.dtype),
+        "kv_cache_dtype": cache.cache_dtype,
+        "block_size": cache.block_size,
+        "quantization": model.quantization,
+        "tensors": [(str(t.dtype), tuple(t.shape[1:])) for layer in views for t in layer],
+    }
+    fingerprint = kv_fingerprint(model.model, runner.arch.hf_config, extra)
+    connector = create_kv_connector(cache.kv_connector, int(cache.kv_connector_memory), fingerprint)
+    runner.use_kv_connector(connector)
+    return ConnectorKVCacheManager(num_blocks, cache.block_size, connector, fingerprint, cache.enable_prefix_caching)

@@ -155,6 +155,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("pooling", "embeddings / pooling", request="LLM.embed / /v1/embeddings", dp_request="pooling"),
     Feature("prompt_logprobs", "prompt logprobs", request="SamplingParams(prompt_logprobs=...)"),
     Feature("priority", "priorities", {"scheduling_policy": "priority"}, request="priority= per request"),
+    Feature("sleep_mode", "sleep mode", {"enable_sleep_mode": True}, request="LLM.sleep / POST /sleep"),
+    Feature("kv_connector", "KV connector (host, disk)", {"kv_connector": "host"}),
 )
 
 DEPLOYMENTS: tuple[Deployment, ...] = (

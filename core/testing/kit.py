@@ -17,6 +17,7 @@ from pathlib import Path
 from pagedserve.platforms import PlatformError, PlatformRegistry
 from pagedserve.platforms.interface import PLATFORM_INTERFACE_VERSION
 from pagedserve.testing.checks import Check, CheckResult, ConformanceReport, run_checks
+from pagedserve.testing.connector_checks import connector_checks
 from pagedserve.testing.engine_check import engine_greedy_check
 from pagedserve.testing.op_suite import op_checks
 from pagedserve.testing.platform_checks import platform_checks
@@ -35,15 +36,16 @@ def collect_checks(
     seed: int = 0,
     only: Iterable[str] | None = None,
 ) -> list[Check]:
-    """The checks for ``target``: its Platform members, every op it overrides, and
-    (``engine=True``) greedy generation against the CPU reference.
+    """The checks for ``target``: its Platform members, every op it overrides, the KV
+    connectors plugins register, and (``engine=True``) greedy generation against the
+    CPU reference.
 
     model: checkpoint for the engine check (None: a tiny random Llama made on the spot).
     seed: mixed into every case's generator; change it to draw other random inputs.
     only: keep the checks whose id starts with one of these prefixes (``op:linear``,
         ``platform:``) -- for iterating on one op; a conformance claim needs them all.
     """
-    checks = platform_checks(target) + op_checks(target, seed)
+    checks = platform_checks(target) + op_checks(target, seed) + connector_checks(target)
     if engine:
         checks.append(Check(ENGINE_CHECK_ID, lambda: engine_greedy_check(target, model)))
     if only is not None:

@@ -90,6 +90,19 @@ def _copy_async(t: Target, dtype: torch.dtype) -> str:
     return "host->device"
 
 
+def _release_memory(t: Target) -> str:
+    """release_memory (interface 1.6, sleep mode) runs with the platform's tensors freed
+    and leaves live tensors intact (it may only give back memory no tensor holds)."""
+    gen = torch.Generator().manual_seed(99)
+    keep = torch.randn((64, 129), generator=gen)
+    live = keep.to(t.device)
+    dropped = torch.empty((1024, 1024), device=t.device)
+    del dropped
+    t.platform.release_memory()
+    assert_matches("a live tensor after Platform.release_memory", live, keep, keep.dtype, exact=True)
+    return "ran; a live tensor kept its values"
+
+
 def _tuning(t: Target) -> str:
     """The numbers the engine sizes memory and weighs preemption with."""
     p = t.platform
@@ -112,6 +125,7 @@ def platform_checks(target: Target) -> list[Check]:
         Check("platform:dtypes", lambda: _dtypes(t)),
         Check("platform:memory", lambda: _memory(t)),
         Check("platform:tuning", lambda: _tuning(t)),
+        Check("platform:release-unused", lambda: _release_memory(t)),
     ]
     for dtype in t.dtypes():
         name = str(dtype).removeprefix("torch.")

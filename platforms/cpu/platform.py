@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from typing import Any
@@ -57,6 +58,16 @@ class CpuPlatform(Platform):
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
         return True, "the host CPU is always available"
+
+    def release_memory(self) -> None:
+        """Return the heap pages freed tensors leave to the OS (glibc's ``malloc_trim``):
+        torch's CPU tensors come from malloc, which otherwise keeps them for reuse and
+        the process's resident memory would not shrink."""
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+        except OSError:  # not glibc: nothing to trim
+            return
+        libc.malloc_trim(0)
 
     @property
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:  # type: ignore[override]

@@ -47,6 +47,10 @@ class FakePlatform(Platform):
     def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
         return (num_blocks, block_size, num_kv_heads, head_size)
 
+    def release_memory(self):
+        if FAULT == "release-memory":
+            raise RuntimeError("allocator trim failed")
+
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype):
         if FAULT == "kv-dtype":
             dtype = torch.float32
@@ -165,6 +169,7 @@ def test_a_wrong_op_fails_and_is_named(healthy):
         ("rms_norm-raises", "op:rms_norm[", "raised RuntimeError: kernel launch failed"),
         ("memory", "platform:memory", "total_memory() returned 8589934592.0, not an int"),
         ("kv-dtype", "platform:kv-cache[bfloat16", "dtype torch.float32 != requested torch.bfloat16"),
+        ("release-memory", "platform:release-unused", "allocator trim failed"),
     ],
 )
 def test_each_kind_of_fault_is_caught(fault, failing, message):

@@ -217,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         lora_modules=tuple(lora_modules),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         responses_store=responses_store,
+        enable_sleep_mode=config.model.enable_sleep_mode,
         **ops,
     )
     try:

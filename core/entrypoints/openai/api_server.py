@@ -7,7 +7,8 @@ Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, PO
 POST /v1/messages/count_tokens (Anthropic's API and error shape), POST /v1/score, /score, /v1/rerank,
 /rerank, /v2/rerank (yes/no relevance scores), GET /v1/models, GET /health,
 GET /metrics, POST /tokenize, POST /detokenize, GET /version, GET|POST /ping, GET /ready,
-GET /openapi.json, GET /docs.  Every error is OpenAI's JSON error shape; a bad request is
+GET /openapi.json, GET /docs; with --enable-sleep-mode POST /sleep, POST /wake_up and GET
+/is_sleeping.  Every error is OpenAI's JSON error shape; a bad request is
 always a 4xx.
 """
 
@@ -93,6 +94,8 @@ class ServerSettings:
     allow_runtime_lora_updating: bool = False
     #: --responses-store-* : how many stored /v1/responses are kept, how long, where.
     responses_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
+    #: --enable-sleep-mode: POST /sleep, POST /wake_up and GET /is_sleeping exist.
+    enable_sleep_mode: bool = False
 
 
 class _ApiKeyMiddleware:
@@ -198,6 +201,44 @@ async def _respond(request: Request, work: Awaitable[dict | EventStream], drain:
             return Response(status_code=499)
         return _EventStreamResponse(result, drain)
     return JSONResponse(result)
+
+
+def add_sleep_routes(app: FastAPI, engine: EngineClient) -> None:
+    """POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping (vLLM's routes and answers):
+    the engine frees its weights and KV cache between jobs (docs/memory.md#sleep-mode);
+    requests meanwhile get 503 ``engine_sleeping``."""
+
+    @app.post("/sleep")
+    async def sleep(request: Request) -> Response:
+        unknown = sorted(set(request.query_params) - {"level"})
+        if unknown:
+            raise ApiError(
+                400, f"unknown query parameter(s) {', '.join(unknown)}; /sleep takes level", param=unknown[0]
+            )
+        raw = request.query_params.get("level", "1")
+        if raw not in ("1", "2"):
+            raise ApiError(400, f"level must be 1 or 2, got {raw!r}", param="level")
+        try:
+            await engine.sleep(int(raw))
+        except ValueError as e:  # requests in flight (or sleep mode refused by the engine)
+            raise ApiError(409, str(e), code="engine_busy") from None
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request) -> Response:
+        if request.query_params:
+            raise ApiError(
+                400,
+                f"query parameter(s) {', '.join(sorted(request.query_params))} not implemented: /wake_up wakes "
+                "the weights and the KV cache together (no tags)",
+                param=next(iter(request.query_params)),
+            )
+        await engine.wake_up()
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict:
+        return {"is_sleeping": engine.is_sleeping}
 
 
 def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
@@ -346,6 +387,8 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         lambda request, work: _respond(request, work, drain),
     )
     add_lora_routes(app, lora, lambda request: read_body(request, settings.max_body_bytes))
+    if settings.enable_sleep_mode:
+        add_sleep_routes(app, engine)
     install_openapi(
         app,
         {

@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedserve.async_engine import EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from pagedserve.engine.client import EngineClient
+from pagedserve.engine.llm_engine import EngineSleepingError
 from pagedserve.entrypoints.openai.errors import ApiError, error_body
 from pagedserve.entrypoints.openai.serving_fields import field_named, generation_defaults, salt_kwargs
 from pagedserve.entrypoints.openai.serving_lora import REQUEST_LORA
@@ -219,6 +220,8 @@ class OpenAIServing:
                 raise ApiError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
             if isinstance(e, EngineDeadError):
                 raise ApiError(503, str(e), code="engine_unavailable") from None
+            if isinstance(e, EngineSleepingError):  # sleep mode: POST /wake_up first
+                raise ApiError(503, str(e), code="engine_sleeping") from None
             if isinstance(e, ValueError):
                 raise ApiError(400, str(e), param=field_named(str(e), param)) from None
             raise
