@@ -390,6 +390,10 @@ DATA_PARALLEL_REQUEST_REFUSALS: dict[str, str] = {
         "LoRA adapters are not supported with data parallelism (data_parallel_size > 1) yet: replicas serve "
         "the base model; serve adapters with data_parallel_size=1"
     ),
+    "images": (
+        "requests with images are not supported with data parallelism (data_parallel_size > 1) yet: the router's "
+        "prefix hashes do not cover images; serve images with data_parallel_size=1"
+    ),
 }
 
 

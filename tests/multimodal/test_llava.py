@@ -102,7 +102,10 @@ def test_chat_content_parts(llava_dir):
     llm = _llm(folder)
     try:
         img = random_image(21)
-        parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": png_data_uri(img)}}]
+        parts = [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": png_data_uri(img)}},
+        ]
         out = llm.chat([{"role": "user", "content": parts}], _params(5), use_tqdm=False)[0]
         prompt = "<|im_start|>user\nWhat is this?\n<image><|im_end|>\n<|im_start|>assistant\n"
         _check(out, *hf_greedy(model, folder, prompt, [img], 5), "chat data uri")
