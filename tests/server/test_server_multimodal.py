@@ -5,7 +5,6 @@ files outside the allowed folder and too many images are 400s, never 5xx."""
 from __future__ import annotations
 
 import base64
-import io
 
 import httpx
 import pytest
