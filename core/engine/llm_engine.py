@@ -109,7 +109,11 @@ class LLMEngine:
         self.lora = LoRAManager.attach(config.lora, self.runner)  # enable_lora (docs/lora.md)
         max_loras = config.lora.max_loras if self.lora is not None else None
         long_prefill = self.platform.default_long_prefill_token_threshold
-        self.scheduler = Scheduler(config.scheduler, self.kv, mml, long_prefill, max_loras=max_loras)
+        # A vision-language model's per-step encoder budget: a step's worth of image tokens.
+        encoder_budget = config.scheduler.max_num_batched_tokens if self.runner.vision is not None else 0
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, mml, long_prefill, max_loras=max_loras, encoder_budget=encoder_budget
+        )
         self.counters = StepCounters()
         self.output_processor = OutputProcessor(self._release, self.counters)
         self.input_processor = InputProcessor(
