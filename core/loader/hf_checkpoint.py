@@ -163,7 +163,9 @@ def flatten_vision_language(config: dict[str, Any]) -> dict[str, Any]:
     rest["architecture"] = archs[0]
     out["multimodal"] = rest
     out["architectures"] = None  # the registry names the text family from model_type
-    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
+    if config.get("tie_word_embeddings") is not None:  # the composite model's setting decides
+        out["tie_word_embeddings"] = config["tie_word_embeddings"]
+    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
         if out.get(key) is None and config.get(key) is not None:
             out[key] = config[key]
     return out

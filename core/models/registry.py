@@ -297,9 +297,21 @@ def resolve_vision_class(architecture: str) -> type | None:
     return None if entry is None else entry.load()
 
 
+#: Language models of vision-language checkpoints that are a registered family for text:
+#: Qwen-VL's decoders use M-RoPE, which is plain RoPE when a prompt has no image (the
+#: three position components are equal).
+_TEXT_MODEL_TYPES = {
+    "qwen2_vl_text": "Qwen2ForCausalLM",
+    "qwen2_5_vl_text": "Qwen2ForCausalLM",
+    "qwen3_vl_text": "Qwen3ForCausalLM",
+}
+
+
 def text_architecture(model_type: str | None, vision_architecture: str) -> str:
     """The registered decoder architecture of a vision-language checkpoint whose
     ``text_config.model_type`` is ``model_type``; ValueError naming both otherwise."""
+    if model_type in _TEXT_MODEL_TYPES:
+        return _TEXT_MODEL_TYPES[model_type]
     for e in _ENTRIES:
         if e.model_type == model_type:
             return e.architecture
