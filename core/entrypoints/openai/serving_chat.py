@@ -96,7 +96,8 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
         streams = await self.submit(
             request_id, [(text, ids)], [params], "messages", request.priority, request.cache_salt, extra
         )
-        echo = echo_prefix(request, chat_messages(self.image_messages(request)[0]))
+        # (Only an echoed message's text is read: images are not decoded a second time.)
+        echo = echo_prefix(request, chat_messages(self.image_messages(request)[0])) if request.echo else ""
         if request.stream:
             return EventStream(self._stream(request, request_id, model, streams[0], echo), streams)
         return self._whole(request, request_id, model, (await self.collect(streams))[0], echo)
