@@ -62,11 +62,13 @@ class Scheduler:
         encoder_budget: int = 0,
     ) -> None:
         self.config = config
-        #: Image tokens whose vision-encoder output one step may compute (0: no images).
-        #: A chunk that would start encoding more is cut before the image that does not
-        #: fit; an image larger than the whole budget is encoded alone in its step.
+        #: Image tokens whose vision-encoder output one step may compute, and that the
+        #: encoder cache may hold for prompts still being prefilled (0: no images).  A
+        #: chunk that would start encoding more is cut before the image that does not
+        #: fit; an image larger than the whole budget is encoded alone.
         self.encoder_budget = encoder_budget
         self._encoder_left = 0
+        self._encoder_cache_left = 0
         #: Per running request: the images (content hashes) a chunk of it has already
         #: encoded since it was last admitted (their outputs are in the encoder cache).
         self._encoded: dict[str, set[str]] = {}
@@ -204,13 +206,26 @@ class Scheduler:
         return [m for m in request.mm_items if m.offset < start + n and m.end > start and m.hash not in done]
 
     def _encoder_fit(self, request: Request, n: int) -> int:
-        """``n`` cut before the first image this step's encoder budget has no room for."""
-        left = self._encoder_left
+        """``n`` cut before the first image that this step's encoder budget, or the
+        encoder cache's room, cannot take."""
+        left, room, budget = self._encoder_left, self._encoder_cache_left, self.encoder_budget
         for item in self._new_images(request, n):
-            if item.length > left and not (left == self.encoder_budget and item.length > self.encoder_budget):
+            alone = left == budget and room == budget and item.length > budget
+            if (item.length > left or item.length > room) and not alone:
                 return max(item.offset - request.num_computed_tokens, 0)
             left -= item.length
+            room -= item.length
         return n
+
+    def _held_image_tokens(self) -> int:
+        """Image tokens whose encoder outputs running requests still hold: images they
+        started encoding and have not prefilled to the end."""
+        total = 0
+        for r in self.running:
+            done = self._encoded.get(r.request_id)
+            if done:
+                total += sum(m.length for m in r.mm_items if m.hash in done and m.end > r.num_computed_tokens)
+        return total
 
     def schedule(self) -> SchedulerOutput:
         out = self._schedule()
@@ -227,6 +242,8 @@ class Scheduler:
         decoding = with_decodes > 0 and any(not _is_prefill(r) for r in self.running)
         self._prefill_left = with_decodes if decoding else None
         self._encoder_left = self.encoder_budget
+        if self.encoder_budget:
+            self._encoder_cache_left = self.encoder_budget - self._held_image_tokens()
 
         # 1. Running requests, oldest first; preempt from the back when blocks run out.
         i = 0
@@ -314,6 +331,7 @@ class Scheduler:
         if request.mm_items and self.encoder_budget:
             for item in self._new_images(request, n):
                 self._encoder_left -= item.length
+                self._encoder_cache_left -= item.length
                 self._encoded.setdefault(request.request_id, set()).add(item.hash)
         out.scheduled.append(ScheduledRequest(request, n, samples, list(request.spec_token_ids)))
         out.num_batched_tokens += n

@@ -1,7 +1,7 @@
 """The scheduler's encoder budget (no model): a step starts encoding at most a budget of
 image tokens, cutting a chunk before the image that does not fit; an image larger than
 the budget is encoded alone; an image a request already encoded is free in its later
-chunks."""
+chunks; images held for prompts still being prefilled count against the same budget."""
 
 from __future__ import annotations
 
@@ -53,3 +53,13 @@ def test_two_requests_share_a_step_budget():
     assert _step(s) == {"a": 20, "b": 4}  # b's image would pass the budget: b gets its text before it
     got = _step(s)
     assert got["b"] == 16
+
+
+def test_held_images_count_until_their_prompt_passes_them():
+    s = _scheduler(budget=8, encoder_budget=20)
+    s.add_request(_request("a", 30, [(2, 16, "x")]))
+    assert _step(s) == {"a": 8}  # starts x: 16 of 20 held
+    s.add_request(_request("b", 12, [(0, 8, "y")], start=100))
+    assert _step(s) == {"a": 8}  # y (8) does not fit beside x; b waits
+    assert _step(s) == {"a": 8}  # a finishes x in this step (still held when it is scheduled)
+    assert _step(s) == {"a": 6, "b": 2}  # x released: y starts (the step's 8 tokens shared)
