@@ -112,3 +112,26 @@ def test_bomb_header_and_too_many_images_are_400(llava_server):
 def test_image_into_text_model_is_400(tiny_server):
     r = _chat(tiny_server, _question(png_data_uri(random_image(4))), model="tiny")
     assert r.status_code == 400 and "takes no images" in r.json()["error"]["message"], r.text
+
+
+def test_streamed_answer_equals_the_whole_one(llava_server):
+    server = llava_server[0]
+    parts = _question(png_data_uri(random_image(61)))
+    whole = _chat(server, parts, max_tokens=6).json()["choices"][0]["message"]["content"]
+    body = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": parts}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+    }
+    text = ""
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers=server.headers(), timeout=120
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = __import__("json").loads(line[6:])["choices"][0]["delta"]
+                text += delta.get("content") or ""
+    assert text == whole
