@@ -15,7 +15,7 @@ from pagedserve.engine.output_processor import RequestState, SequenceState
 from pagedserve.engine.request_options import check_request_params, sample_params, truncate_prompt
 from pagedserve.loader import IncrementalDetokenizer
 from pagedserve.lora import LoRAManager, LoRARequest, lora_cache_salt
-from pagedserve.multimodal.processor import MultiModalProcessor
+from pagedserve.multimodal.processor import MultiModalInputs, MultiModalProcessor
 from pagedserve.pooling import PoolingParams, PoolingState
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
@@ -184,10 +184,17 @@ class InputProcessor:
         return group
 
     def expand_images(
-        self, prompt: str | list[int] | None, data: dict, params: SamplingParams
-    ) -> tuple[str, list[int], list]:
+        self, prompt: str | list[int] | None, data: dict | MultiModalInputs, params: SamplingParams
+    ) -> tuple[str | None, list[int], list]:
         """(prompt, token ids with the image placeholders expanded, image items) of a
-        prompt with ``multi_modal_data``; ValueError naming what does not fit."""
+        prompt with ``multi_modal_data`` (or already processed: MultiModalInputs);
+        ValueError naming what does not fit."""
+        if isinstance(data, MultiModalInputs):
+            if self.mm_processor is None:
+                raise ValueError("this engine takes no images")
+            if params.truncate_prompt_tokens is not None:
+                raise ValueError("truncate_prompt_tokens cannot be combined with images")
+            return prompt if isinstance(prompt, str) else None, list(data.prompt_token_ids), list(data.items)
         if not isinstance(data, dict):
             raise ValueError(f"multi_modal_data must be a dict like {{'image': image}}, got {type(data).__name__}")
         unknown = set(data) - {"image"}

@@ -7,13 +7,30 @@ from __future__ import annotations
 
 import pathlib
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.config import EngineConfig, images_per_prompt
 from pagedserve.multimodal.limits import MediaLimits
 from pagedserve.multimodal.media import MultiModalItem, check_image, image_hash
 
-__all__ = ["MultiModalProcessor", "image_token_runs", "build_mm_processor", "media_limits"]
+__all__ = [
+    "MultiModalInputs",
+    "MultiModalProcessor",
+    "image_token_runs",
+    "build_mm_processor",
+    "media_limits",
+]
+
+
+@dataclass
+class MultiModalInputs:
+    """A prompt already through the processor (e.g. on a server's worker thread, so the
+    engine's thread does not run it): its expanded token ids and its images' items.
+    ``add_request(..., multi_modal_data=MultiModalInputs(...))`` takes it as it is."""
+
+    prompt_token_ids: list[int]
+    items: list[MultiModalItem] = field(default_factory=list)
 
 
 def media_limits(config: EngineConfig) -> MediaLimits:
@@ -61,6 +78,8 @@ class MultiModalProcessor:
         self.limits = limits
         self._processor: Any = None
         self._lock = threading.Lock()
+        #: One call at a time: a fast tokenizer is not safe to call from several threads.
+        self._call_lock = threading.Lock()
 
     @property
     def processor(self):
@@ -104,7 +123,8 @@ class MultiModalProcessor:
         images = [check_image(im, self.limits) for im in images]
         proc = self.processor
         try:
-            out = proc(text=[prompt], images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
+            with self._call_lock:
+                out = proc(text=[prompt], images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
         except ValueError as e:
             raise ValueError(f"the prompt and its {len(images)} image(s) do not match: {e}") from None
         ids = [int(t) for t in out["input_ids"][0].tolist()]

@@ -59,7 +59,7 @@ async def start_chat(chat: OpenAIServingChat, body: dict, request_id: str, renam
         )
         params = to_sampling_params(request, max_tokens, chat.generation_defaults)
         chat.constrain_tools(request, params)
-        extra = {"multi_modal_data": {"image": images}} if images else None
+        extra = {"multi_modal_data": images} if images else None
         (stream,) = await chat.submit(request_id, [(text, ids)], [params], "messages", extra=extra)
     except ApiError as e:
         raise renamed_error(e, rename) from None

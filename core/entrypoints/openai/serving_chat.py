@@ -21,6 +21,7 @@ from pagedserve.entrypoints.openai.serving_fields import (
 from pagedserve.entrypoints.openai.tools import ToolOptions
 from pagedserve.multimodal.chat import chat_images, has_image_parts
 from pagedserve.multimodal.limits import MediaLimits
+from pagedserve.multimodal.processor import MultiModalInputs
 
 __all__ = ["OpenAIServingChat"]
 
@@ -38,14 +39,18 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
         text, ids, _ = self.render_with_images(request)
         return text, ids
 
+    def mm_processor(self):
+        """The engine's image processor (a vision-language model with images on), else None."""
+        inner = getattr(self.engine, "engine", None)  # the LLMEngine behind an AsyncLLMEngine
+        return getattr(getattr(inner, "input_processor", None), "mm_processor", None)
+
     def image_messages(self, request: ChatCompletionRequest) -> tuple[list, list]:
         """(the messages with each image part as the model's placeholder text, the
         images in order); a 400 naming the part of a bad image."""
         messages = list(request.messages or ())
         if not has_image_parts([m.content for m in messages]):
             return messages, []
-        inner = getattr(self.engine, "engine", None)  # the LLMEngine behind an AsyncLLMEngine
-        mm = getattr(getattr(inner, "input_processor", None), "mm_processor", None)
+        mm = self.mm_processor()
         try:
             converted, images = chat_images(
                 [{"content": m.content} for m in messages],
@@ -57,22 +62,31 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
             raise ApiError(400, str(e), param=where) from None
         return [m.model_copy(update={"content": c["content"]}) for m, c in zip(messages, converted)], images
 
-    def render_with_images(self, request: ChatCompletionRequest) -> tuple[str, list[int], list]:
-        """The prompt text and token ids of the conversation, and its images."""
+    def render_with_images(self, request: ChatCompletionRequest) -> tuple[str, list[int], MultiModalInputs | None]:
+        """The prompt text and token ids of the conversation; with images, the ids are
+        the processor's (placeholders expanded) and the images come processed."""
         plain, images = self.image_messages(request)
         messages = chat_messages(plain)
         text = chat_prompt_text(self.tokenizer, request, messages, self.chat_template, self.template_kwargs(request))
         self.check_prompt_chars(text, "messages")
+        if images:
+            if request.truncate_prompt_tokens is not None:
+                raise ApiError(
+                    400, "truncate_prompt_tokens cannot be combined with images.", param="truncate_prompt_tokens"
+                )
+            # The processor runs here, on the request's worker thread, not on the engine's.
+            try:
+                ids, items = self.mm_processor().process(text, images, bool(request.add_special_tokens))
+            except ValueError as e:
+                raise ApiError(400, str(e), param="messages") from None
+            text, ids = self.validate_prompt(text, "messages", prompt_token_ids=ids)
+            return text, ids, MultiModalInputs(ids, items)
         # The template already wrote any BOS it wants (unless add_special_tokens says otherwise).
         ids = self.tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
         kept = truncate_prompt(ids, request.truncate_prompt_tokens)
         if len(kept) < len(ids):
             text, ids = self.tokenizer.decode(kept, skip_special_tokens=False), kept
-        if images and request.truncate_prompt_tokens is not None:
-            raise ApiError(
-                400, "truncate_prompt_tokens cannot be combined with images.", param="truncate_prompt_tokens"
-            )
-        return (*self.validate_prompt(text, "messages", prompt_token_ids=ids), images)
+        return (*self.validate_prompt(text, "messages", prompt_token_ids=ids), None)
 
     async def create(self, request: ChatCompletionRequest) -> dict | EventStream:
         model = self.model_name(request.model)
@@ -92,7 +106,7 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
             if images:
                 raise ApiError(400, "use_beam_search cannot be combined with images yet.", param="use_beam_search")
             return await beam_search_response(self, request, request_id, model, [(text, ids)], [params], chat=True)
-        extra = {"multi_modal_data": {"image": images}} if images else None
+        extra = {"multi_modal_data": images} if images else None
         streams = await self.submit(
             request_id, [(text, ids)], [params], "messages", request.priority, request.cache_salt, extra
         )
