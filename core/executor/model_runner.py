@@ -261,7 +261,10 @@ class ModelRunner:
             + sched.max_num_seqs * self.arch.vocab_size * 8
         )
         groups: dict[str, list[tuple[Segment, int]]] = {}
-        for seg, weights in zip(self.segments, self.model.placement_weight_bytes()):
+        per_segment = self.model.placement_weight_bytes()
+        if self.vision is not None:  # the vision side sits with the embedding, on the first device
+            per_segment[0] += self.vision.weight_bytes()
+        for seg, weights in zip(self.segments, per_segment):
             groups.setdefault(str(seg.platform.device), []).append((seg, weights))
         best = None
         for members in groups.values():
