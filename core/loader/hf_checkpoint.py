@@ -123,7 +123,14 @@ def normalize_hf_config(config: dict[str, Any], weight_names: set[str] | None = 
 
 #: Checkpoint name prefixes of a vision-language model's vision side (its tower and
 #: projector), after :func:`text_weight_name`.
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "vision_model.", "connector.", "visual.")
+VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "vision_model.",
+    "connector.",
+    "visual.",
+    "image_newline",
+)
 
 #: Where a ``*ForConditionalGeneration`` checkpoint keeps its language model: the
 #: transformers 4.x layout (``language_model.model.*``, ``language_model.lm_head``) and

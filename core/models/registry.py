@@ -280,6 +280,13 @@ _VISION_LANGUAGE: tuple[VisionLanguageEntry, ...] = (
         "LlavaVision",
         notes="CLIP ViT tower (a chosen hidden layer, CLS dropped or kept), two-layer MLP projector",
     ),
+    VisionLanguageEntry(
+        "LlavaNextForConditionalGeneration",
+        "llava_next",
+        "pagedserve.models.llava",
+        "LlavaNextVision",
+        notes="LLaVA's tower and projector over a base view and anyres tiles, unpadded, a newline per row",
+    ),
 )
 
 _VL_BY_ARCH: dict[str, VisionLanguageEntry] = {e.architecture: e for e in _VISION_LANGUAGE}

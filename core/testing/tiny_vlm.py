@@ -16,7 +16,16 @@ from PIL import Image
 
 from pagedserve.testing.tiny_model import write_byte_tokenizer
 
-__all__ = ["IMAGE_TOKEN", "TEMPLATE", "build_llava", "random_image", "png_data_uri", "hf_greedy", "png_bytes"]
+__all__ = [
+    "IMAGE_TOKEN",
+    "TEMPLATE",
+    "build_llava",
+    "build_llava_next",
+    "random_image",
+    "png_data_uri",
+    "hf_greedy",
+    "png_bytes",
+]
 
 IMAGE_TOKEN = "<image>"
 TEMPLATE = (
@@ -117,6 +126,48 @@ def build_llava(folder: pathlib.Path, text_type: str = "llama", **extra):
     return model
 
 
+def build_llava_next(folder: pathlib.Path, text_type: str = "llama"):
+    """A tiny LLaVA-NeXT checkpoint (anyres tiles of 28 px: 1x2, 2x1 and 2x2 grids) and
+    processor in ``folder``; returns the float32 transformers model."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_byte_tokenizer(folder)
+    image_id = add_image_token(folder)
+    size = VISION["image_size"]
+    pinpoints = [[size, 2 * size], [2 * size, size], [2 * size, 2 * size]]
+    cfg = transformers.LlavaNextConfig(
+        text_config=dict(TEXT, model_type=text_type, vocab_size=image_id + 1),
+        vision_config=VISION,
+        image_token_index=image_id,
+        projector_hidden_act="gelu",
+        image_grid_pinpoints=pinpoints,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.LlavaNextForConditionalGeneration(cfg)
+    init_weights(model)
+    model.to(torch.float32).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"), bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
+    image_processor = transformers.LlavaNextImageProcessor(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}, image_grid_pinpoints=pinpoints
+    )
+    processor = transformers.LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=VISION["patch_size"],
+        vision_feature_select_strategy="default",
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+        chat_template=TEMPLATE,
+    )
+    processor.save_pretrained(folder)
+    return model
+
+
 def random_image(seed: int, size: tuple[int, int] = (40, 52)):
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
@@ -139,7 +190,7 @@ def hf_greedy(model, folder: pathlib.Path, prompt: str, images: list, max_new: i
     processor = transformers.AutoProcessor.from_pretrained(str(folder))
     enc = processor(text=[prompt], images=images or None, return_tensors="pt")
     ids = enc["input_ids"][0].tolist()
-    extra = {"pixel_values": enc["pixel_values"]} if images else {}
+    extra = {k: enc[k] for k in ("pixel_values", "image_sizes") if k in enc} if images else {}
     out_ids, tokens, logprobs = list(ids), [], []
     for _ in range(max_new):
         logits = model(input_ids=torch.tensor([out_ids]), **extra).logits[0, -1].float()
