@@ -152,7 +152,26 @@ def test_text_only_loading(llava_dir):
         llm.shutdown()
 
 
-def test_images_refused_with_tensor_parallelism(llava_dir):
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
+        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
+        (dict(quantization="int8"), "quantization='int8'"),
+        (dict(device_map="cpu"), "device_map"),
+    ],
+)
+def test_images_refused_with_what_they_do_not_support(llava_dir, setting, message):
     folder, _ = llava_dir
-    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
-        _llm(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=rf"images of LlavaForConditionalGeneration .*{message}.*image=0"):
+        _llm(folder, **setting)
+
+
+def test_token_id_prompts_with_images_are_refused(llava_dir):
+    folder, _ = llava_dir
+    llm = _llm(folder)
+    try:
+        with pytest.raises(ValueError, match="must be text"):
+            llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": random_image(1)}}, use_tqdm=False)
+    finally:
+        llm.shutdown()
