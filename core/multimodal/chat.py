@@ -45,8 +45,8 @@ def chat_images(
             where = f"messages[{i}].content[{j}]"
             if placeholder is None:
                 raise ValueError(
-                    f"'{where}': this model takes no images (not a supported vision-language checkpoint, or images "
-                    "are off with limit_mm_per_prompt image=0)"
+                    f"'{where}': this model takes no images (image blocks need a supported multimodal "
+                    "(vision-language) checkpoint with images on; limit_mm_per_prompt image=0 turns them off)"
                 )
             try:
                 images.append(_part_image(part, kind, limits))

@@ -135,3 +135,25 @@ def test_streamed_answer_equals_the_whole_one(llava_server):
                 delta = __import__("json").loads(line[6:])["choices"][0]["delta"]
                 text += delta.get("content") or ""
     assert text == whole
+
+
+def test_anthropic_image_blocks(llava_server):
+    """/v1/messages image blocks (base64 source) answer what the same chat request answers."""
+    server = llava_server[0]
+    img = random_image(71)
+    whole = _chat(server, _question(png_data_uri(img)), max_tokens=5).json()["choices"][0]["message"]["content"]
+    data = base64.b64encode(png_bytes(img)).decode()
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    body = {
+        "model": server.model,
+        "max_tokens": 5,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, block]}],
+    }
+    r = httpx.post(server.url + "/v1/messages", json=body, headers=server.headers(), timeout=120)
+    assert r.status_code == 200, r.text
+    assert "".join(b["text"] for b in r.json()["content"] if b["type"] == "text") == whole
+    bad = {"type": "image", "source": {"type": "url", "url": "https://example.com/x.png"}}
+    body["messages"][0]["content"] = [bad]
+    r = httpx.post(server.url + "/v1/messages", json=body, headers=server.headers(), timeout=120)
+    assert r.status_code == 400 and "not fetched" in r.text, r.text
