@@ -78,6 +78,7 @@ class _Add:
     cache_salt: str | None = None
     pooling_params: PoolingParams | None = None
     lora_request: Any = None
+    multi_modal_data: dict | None = None
 
 
 @dataclass
@@ -275,6 +276,7 @@ class AsyncLLMEngine(EngineCallbacks):
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: Any = None,
+        multi_modal_data: dict | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream once the engine thread has accepted it.
 
@@ -297,7 +299,18 @@ class AsyncLLMEngine(EngineCallbacks):
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         self._commands.put(
-            _Add(request_id, text, ids, params, time.monotonic(), priority, cache_salt, pooling_params, lora_request)
+            _Add(
+                request_id,
+                text,
+                ids,
+                params,
+                time.monotonic(),
+                priority,
+                cache_salt,
+                pooling_params,
+                lora_request,
+                multi_modal_data,
+            )
         )
         try:
             await stream._accepted
@@ -426,6 +439,7 @@ class AsyncLLMEngine(EngineCallbacks):
                         cache_salt=cmd.cache_salt,
                         pooling_params=cmd.pooling_params,
                         lora_request=cmd.lora_request,
+                        multi_modal_data=cmd.multi_modal_data,
                     )
                     events.append((cmd.request_id, _ACCEPTED))
                 except (ValueError, EngineSleepingError) as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -11,6 +12,8 @@ from pagedserve.config_rules import check_engine_config
 from pagedserve.structured_params import BACKENDS, REASONING_PARSERS, structured_outputs_fields
 
 __all__ = [
+    "parse_limit_mm_per_prompt",
+    "images_per_prompt",
     "ModelConfig",
     "CacheConfig",
     "SchedulerConfig",
@@ -211,6 +214,52 @@ def device_map_layers(entries: Sequence[DeviceMapEntry], num_layers: int) -> lis
     return out
 
 
+#: Modalities of multimodal inputs (``limit_mm_per_prompt`` keys).
+MODALITIES = ("image",)
+#: Images per prompt when ``limit_mm_per_prompt`` is unset.
+DEFAULT_IMAGES_PER_PROMPT = 4
+
+
+def parse_limit_mm_per_prompt(value: str | dict | None) -> dict[str, int] | None:
+    """``{"image": 2}`` from a dict, vLLM's JSON spelling ``'{"image": 2}'`` or the short
+    ``image=2[,...]``; None stays None (the default).  ValueError naming an unknown
+    modality or a negative count."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"limit_mm_per_prompt {text!r} is not valid JSON: {e}") from e
+        else:
+            pairs = [p.split("=", 1) for p in text.split(",") if p.strip()]
+            if not pairs or any(len(p) != 2 for p in pairs):
+                raise ValueError(f"limit_mm_per_prompt {text!r}: use JSON like '{{\"image\": 2}}' or image=2")
+            value = {k.strip(): v.strip() for k, v in pairs}
+    if not isinstance(value, dict):
+        raise ValueError(f"limit_mm_per_prompt must be a mapping like {{'image': 2}}, got {value!r}")
+    out: dict[str, int] = {}
+    for k, v in value.items():
+        if k not in MODALITIES:
+            raise ValueError(f"limit_mm_per_prompt: unknown modality {k!r} (supported: {', '.join(MODALITIES)})")
+        try:
+            n = int(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"limit_mm_per_prompt[{k!r}] must be an integer, got {v!r}") from None
+        if n < 0:
+            raise ValueError(f"limit_mm_per_prompt[{k!r}] must be >= 0, got {n}")
+        out[k] = n
+    return out
+
+
+def images_per_prompt(model: ModelConfig) -> int:
+    """Most images a prompt may have under ``model.limit_mm_per_prompt`` (0: images off)."""
+    limits = model.limit_mm_per_prompt or {}
+    return int(limits.get("image", DEFAULT_IMAGES_PER_PROMPT))
+
+
 def _help(text: str, **extra) -> dict:
     """Field metadata: ``help`` is the flag's help text and the docs' description; the
     optional keys (``flag``, ``aliases``, ``choices``, ``parse``, ``metavar``, ``cli``)
@@ -290,7 +339,21 @@ class ModelConfig:
         ),
     )
 
+    limit_mm_per_prompt: dict | str | None = field(
+        default=None,
+        metadata=_help(
+            "most images per prompt of a vision-language model, JSON like '{\"image\": 2}' or image=2; image=0 "
+            "serves its language model alone (the vision weights are not loaded); default: 4 images",
+            parse="pagedserve.config:parse_limit_mm_per_prompt",
+        ),
+    )
+    allowed_local_media_path: str | None = field(
+        default=None,
+        metadata=_help("a folder whose files chat requests may name as file:// image URLs; unset: none may"),
+    )
+
     def __post_init__(self) -> None:
+        self.limit_mm_per_prompt = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "check_engine_config",
     "check_parallel_fits_model",
+    "check_multimodal",
     "check_sliding_window_cache",
     "check_kv_cache_groups",
     "check_prompt_fits_step",
@@ -177,6 +178,43 @@ def check_engine_config(cfg: EngineConfig) -> None:
         message = rule(cfg)
         if message is not None:
             raise ValueError(message)
+
+
+def check_multimodal(cfg: EngineConfig, multimodal: dict | None) -> None:
+    """ValueError when images of a vision-language checkpoint (``multimodal``: its config
+    beyond the language model, None for a text model) are on with a setting they do not
+    work with yet.  Checked when the checkpoint's config is read, before weights load."""
+    limits = cfg.model.limit_mm_per_prompt or {}
+    if not multimodal or limits.get("image", 1) == 0:
+        return
+    arch = multimodal.get("architecture", "this vision-language model")
+    off = "or serve the language model alone with limit_mm_per_prompt={'image': 0} (--limit-mm-per-prompt image=0)"
+    conflicts = [
+        (cfg.parallel.world_size > 1, _parallel(cfg), "the vision encoder runs on one rank only"),
+        (
+            cfg.speculative.speculative_config is not None,
+            "speculative_config",
+            "drafts do not see image embeddings",
+        ),
+        (
+            cfg.device.device_map is not None,
+            f"device_map={cfg.device.device_map!r}",
+            "the vision encoder is not placed",
+        ),
+        (
+            cfg.model.quantization not in _NOT_A_METHOD,
+            f"quantization={cfg.model.quantization!r}",
+            "the vision tower's weights would be quantized like the decoder's",
+        ),
+        (
+            bool(cfg.cache.cpu_offload_gb),
+            f"cpu_offload_gb={cfg.cache.cpu_offload_gb}",
+            "weights are streamed per layer",
+        ),
+    ]
+    for on, setting, why in conflicts:
+        if on:
+            raise ValueError(f"images of {arch} cannot be combined with {setting} yet ({why}); drop {setting} {off}")
 
 
 def check_parallel_fits_model(cfg: EngineConfig, arch: Any) -> None:
@@ -406,6 +444,10 @@ DATA_PARALLEL_REQUEST_REFUSALS: dict[str, str] = {
     "lora": (
         "LoRA adapters are not supported with data parallelism (data_parallel_size > 1) yet: replicas serve "
         "the base model; serve adapters with data_parallel_size=1"
+    ),
+    "images": (
+        "requests with images are not supported with data parallelism (data_parallel_size > 1) yet: the router's "
+        "prefix hashes do not cover images; serve images with data_parallel_size=1"
     ),
 }
 

@@ -50,6 +50,8 @@ class Request:
     pooling: str | None = None
     #: The LoRA adapter (pagedserve.lora.LoRARequest) it runs with; None: the base model.
     lora_request: Any = None
+    #: The prompt's images (pagedserve.multimodal.MultiModalItem), in prompt order.
+    mm_items: list[Any] = field(default_factory=list)
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -66,6 +68,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def mm_spans(self) -> tuple[tuple[int, int, str], ...]:
+        """(offset, length, content hash) of each image's tokens in the prompt."""
+        return tuple((m.offset, m.length, m.hash) for m in self.mm_items)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -59,8 +59,19 @@ class Scheduler:
         default_long_prefill: int = 0,
         max_loras: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        encoder_budget: int = 0,
     ) -> None:
         self.config = config
+        #: Image tokens whose vision-encoder output one step may compute, and that the
+        #: encoder cache may hold for prompts still being prefilled (0: no images).  A
+        #: chunk that would start encoding more is cut before the image that does not
+        #: fit; an image larger than the whole budget is encoded alone.
+        self.encoder_budget = encoder_budget
+        self._encoder_left = 0
+        self._encoder_cache_left = 0
+        #: Per running request: the images (content hashes) a chunk of it has already
+        #: encoded since it was last admitted (their outputs are in the encoder cache).
+        self._encoded: dict[str, set[str]] = {}
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -129,6 +140,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        self._encoded.pop(request_id, None)
         return request
 
     @property
@@ -158,6 +170,7 @@ class Scheduler:
             self.kv.free(request)
             request.num_computed_tokens = 0
         request.spec_token_ids = []  # proposed again once it runs
+        self._encoded.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -183,7 +196,36 @@ class Scheduler:
         # after outgrowing the budget can exceed it, and it is chunked rather than starved.
         if not self.config.enable_chunked_prefill and budget < n <= self.config.max_num_batched_tokens:
             return 0
-        return min(n, budget)
+        n = min(n, budget)
+        return self._encoder_fit(request, n) if request.mm_items and self.encoder_budget else n
+
+    def _new_images(self, request: Request, n: int) -> list:
+        """The images whose tokens the next ``n`` tokens of ``request`` touch and whose
+        encoder output this request has not computed since it was admitted."""
+        start, done = request.num_computed_tokens, self._encoded.get(request.request_id, ())
+        return [m for m in request.mm_items if m.offset < start + n and m.end > start and m.hash not in done]
+
+    def _encoder_fit(self, request: Request, n: int) -> int:
+        """``n`` cut before the first image that this step's encoder budget, or the
+        encoder cache's room, cannot take."""
+        left, room, budget = self._encoder_left, self._encoder_cache_left, self.encoder_budget
+        for item in self._new_images(request, n):
+            alone = left == budget and room == budget and item.length > budget
+            if (item.length > left or item.length > room) and not alone:
+                return max(item.offset - request.num_computed_tokens, 0)
+            left -= item.length
+            room -= item.length
+        return n
+
+    def _held_image_tokens(self) -> int:
+        """Image tokens whose encoder outputs running requests still hold: images they
+        started encoding and have not prefilled to the end."""
+        total = 0
+        for r in self.running:
+            done = self._encoded.get(r.request_id)
+            if done:
+                total += sum(m.length for m in r.mm_items if m.hash in done and m.end > r.num_computed_tokens)
+        return total
 
     def schedule(self) -> SchedulerOutput:
         out = self._schedule()
@@ -199,6 +241,9 @@ class Scheduler:
         with_decodes = self.max_prefill_tokens_with_decodes
         decoding = with_decodes > 0 and any(not _is_prefill(r) for r in self.running)
         self._prefill_left = with_decodes if decoding else None
+        self._encoder_left = self.encoder_budget
+        if self.encoder_budget:
+            self._encoder_cache_left = self.encoder_budget - self._held_image_tokens()
 
         # 1. Running requests, oldest first; preempt from the back when blocks run out.
         i = 0
@@ -283,6 +328,11 @@ class Scheduler:
         samples = request.num_computed_tokens + n >= request.num_tokens
         if self._prefill_left is not None and _is_prefill(request):
             self._prefill_left -= n
+        if request.mm_items and self.encoder_budget:
+            for item in self._new_images(request, n):
+                self._encoder_left -= item.length
+                self._encoder_cache_left -= item.length
+                self._encoded.setdefault(request.request_id, set()).add(item.hash)
         out.scheduled.append(ScheduledRequest(request, n, samples, list(request.spec_token_ids)))
         out.num_batched_tokens += n
 

@@ -35,6 +35,8 @@ __all__ = [
     "silu_and_mul",
     "gelu_and_mul",
     "gelu",
+    "quick_gelu",
+    "encoder_attention",
     "fused_moe",
     "prepare_moe_weights",
     "copy_blocks",
@@ -265,6 +267,33 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
 def gelu(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     """GELU of a non-gated MLP (StarCoder2): "tanh" approximation or "none" (erf)."""
     return torch.nn.functional.gelu(x, approximate=approximate)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's activation: ``x * sigmoid(1.702 x)``, computed in float32, in x's dtype."""
+    xf = x.float()
+    return (xf * torch.sigmoid(1.702 * xf)).to(x.dtype)
+
+
+def encoder_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Bidirectional (non-causal) attention of a vision encoder over a varlen batch.
+
+    query, key, value [num_tokens, num_heads, head_size]; cu_seqlens int32
+    [num_seqs + 1] (each sequence's start, then the total): every token attends to every
+    token of its own sequence.  Softmax in float32; returns [num_tokens, num_heads,
+    head_size] in query's dtype.
+    """
+    out = torch.empty_like(query)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q = query[start:end].float().transpose(0, 1)  # [heads, n, d]
+        k = key[start:end].float().transpose(0, 1)
+        v = value[start:end].float().transpose(0, 1)
+        probs = torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1)
+        out[start:end] = (probs @ v).transpose(0, 1).to(query.dtype)
+    return out
 
 
 def fused_moe(
@@ -531,6 +560,8 @@ OP_NAMES: tuple[str, ...] = (
     "silu_and_mul",
     "gelu_and_mul",
     "gelu",
+    "quick_gelu",
+    "encoder_attention",
     "fused_moe",
     "prepare_moe_weights",
     "linear",

@@ -102,6 +102,7 @@ class EngineClient(Protocol):
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: Any = None,
+        multi_modal_data: dict | None = None,
     ) -> RequestStream: ...
 
     def abort(self, request_id: str) -> None: ...

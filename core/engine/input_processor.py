@@ -15,6 +15,7 @@ from pagedserve.engine.output_processor import RequestState, SequenceState
 from pagedserve.engine.request_options import check_request_params, sample_params, truncate_prompt
 from pagedserve.loader import IncrementalDetokenizer
 from pagedserve.lora import LoRAManager, LoRARequest, lora_cache_salt
+from pagedserve.multimodal.processor import MultiModalInputs, MultiModalProcessor
 from pagedserve.pooling import PoolingParams, PoolingState
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
@@ -43,8 +44,11 @@ class InputProcessor:
         prefix_caching: bool,
         in_use: Container[str],
         score_head: torch.Tensor | None = None,
+        mm_processor: MultiModalProcessor | None = None,
     ) -> None:
         self.config = config
+        #: A vision-language model's processor (images on), else None.
+        self.mm_processor = mm_processor
         #: A sequence-classification checkpoint's float32 head [num_labels, hidden], or None.
         self.score_head = score_head
         self.tokenizer = tokenizer
@@ -118,8 +122,11 @@ class InputProcessor:
         priority: int,
         cache_salt: str | None,
         lora_request: LoRARequest | None,
+        multi_modal_data: dict | None = None,
     ) -> RequestState:
-        """A generation request and its samples (``best_of`` or ``n`` of them)."""
+        """A generation request and its samples (``best_of`` or ``n`` of them);
+        ``multi_modal_data``: ``{"image": PIL image or list of them}`` for a text prompt
+        whose placeholders the model's processor expands."""
         if self.score_head is not None:
             raise ValueError(
                 "this model is a sequence-classification checkpoint (no language-model head): it serves "
@@ -130,7 +137,15 @@ class InputProcessor:
         cache_salt = lora_cache_salt(cache_salt, lora_request)
         check_logprobs_limit(self.config.model, params)
         self._check_id(request_id)
+        mm_items: list = []
+        if multi_modal_data:
+            prompt, prompt_token_ids, mm_items = self.expand_images(prompt, multi_modal_data, params)
         prompt, ids = self.validate_prompt(prompt, prompt_token_ids, params.truncate_prompt_tokens)
+        if not mm_items and self.mm_processor is not None and self.mm_processor.image_token_id in ids:
+            raise ValueError(
+                f"the prompt holds the image token (id {self.mm_processor.image_token_id}) but no image was given "
+                "(multi_modal_data / image_url content parts)"
+            )
         encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         check_request_params(params, self.vocab_size, encode)
         policy = self.config.scheduler.policy
@@ -161,11 +176,45 @@ class InputProcessor:
                 wait_for=first if share else None,
                 lora_request=lora_request,
                 structured=self.structured.new_state(compiled) if compiled is not None else None,
+                mm_items=mm_items,
             )
             first = first or req
             detok = IncrementalDetokenizer(self.tokenizer, ids, child_params.skip_special_tokens)
             group.seqs.append(SequenceState(req, i, detok, logprobs=[] if child_params.logprobs is not None else None))
         return group
+
+    def expand_images(
+        self, prompt: str | list[int] | None, data: dict | MultiModalInputs, params: SamplingParams
+    ) -> tuple[str | None, list[int], list]:
+        """(prompt, token ids with the image placeholders expanded, image items) of a
+        prompt with ``multi_modal_data`` (or already processed: MultiModalInputs);
+        ValueError naming what does not fit."""
+        if isinstance(data, MultiModalInputs):
+            if self.mm_processor is None:
+                raise ValueError("this engine takes no images")
+            if params.truncate_prompt_tokens is not None:
+                raise ValueError("truncate_prompt_tokens cannot be combined with images")
+            return prompt if isinstance(prompt, str) else None, list(data.prompt_token_ids), list(data.items)
+        if not isinstance(data, dict):
+            raise ValueError(f"multi_modal_data must be a dict like {{'image': image}}, got {type(data).__name__}")
+        unknown = set(data) - {"image"}
+        if unknown:
+            raise ValueError(f"multi_modal_data: unsupported modalities {sorted(unknown)} (supported: image)")
+        images = data.get("image")
+        images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+        if self.mm_processor is None:
+            raise ValueError(
+                "this engine takes no images: the model is not a supported vision-language checkpoint, or images "
+                "are off (limit_mm_per_prompt image=0)"
+            )
+        if not isinstance(prompt, str):
+            raise ValueError(
+                "a prompt with images must be text, so that the model's processor expands its placeholders"
+            )
+        if params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot be combined with images (it could cut an image's tokens)")
+        ids, items = self.mm_processor.process(prompt, images)
+        return prompt, ids, items
 
     def process_pooling(
         self,

@@ -20,7 +20,12 @@ import time
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.config_rules import check_kv_cache_groups, check_parallel_fits_model, check_sliding_window_cache
+from pagedserve.config_rules import (
+    check_kv_cache_groups,
+    check_multimodal,
+    check_parallel_fits_model,
+    check_sliding_window_cache,
+)
 from pagedserve.engine.async_pipeline import AsyncPipeline
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.kv_handoff import KVHandoff
@@ -38,6 +43,7 @@ from pagedserve.loader.validation import effective_max_model_len
 from pagedserve.lora import LoRAManager, LoRARequest
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import layer_windows
+from pagedserve.multimodal.processor import build_mm_processor
 from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import select_platform
@@ -69,6 +75,7 @@ class LLMEngine:
         self.model_source = source
         self.arch = ArchConfig.from_hf(source.hf_config)
         check_parallel_fits_model(config, self.arch)
+        check_multimodal(config, self.arch.multimodal)  # images with what they cannot combine with yet
         # The window by which the KV manager frees slid-out blocks (None: keeps them all).
         windows = layer_windows(self.arch.hf_config, self.arch.num_layers)
         kv_window = check_sliding_window_cache(config, uniform_window(windows))
@@ -109,7 +116,11 @@ class LLMEngine:
         self.lora = LoRAManager.attach(config.lora, self.runner)  # enable_lora (docs/lora.md)
         max_loras = config.lora.max_loras if self.lora is not None else None
         long_prefill = self.platform.default_long_prefill_token_threshold
-        self.scheduler = Scheduler(config.scheduler, self.kv, mml, long_prefill, max_loras=max_loras)
+        # A vision-language model's per-step encoder budget: a step's worth of image tokens.
+        encoder_budget = config.scheduler.max_num_batched_tokens if self.runner.vision is not None else 0
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, mml, long_prefill, max_loras=max_loras, encoder_budget=encoder_budget
+        )
         self.counters = StepCounters()
         self.output_processor = OutputProcessor(self._release, self.counters)
         self.input_processor = InputProcessor(
@@ -125,6 +136,7 @@ class LLMEngine:
             self.kv.enable_prefix_caching,
             self.output_processor.groups,
             self.score_head,
+            build_mm_processor(config, source.path, self.runner),
         )
         #: async_scheduling: output processing beside the next forward (async_pipeline.py).
         self._outputs: OutputStage = (
@@ -222,18 +234,22 @@ class LLMEngine:
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        multi_modal_data: dict | None = None,
     ) -> None:
         """Queue a request; raises ValueError (and queues nothing) on bad input.
+        ``multi_modal_data``: ``{"image": image or [images]}`` (docs/multimodal.md).
 
         With ``pooling_params`` it is an embedding request (``params`` is ignored)."""
         self.check_awake()
         intake = self.input_processor
+        if pooling_params is not None and multi_modal_data:
+            raise ValueError("embedding requests with images are not supported yet")
         if pooling_params is not None:
             args = (prompt, pooling_params, prompt_token_ids, arrival_time, priority, cache_salt)
             group = intake.process_pooling(request_id, *args)
         else:
             args = (prompt, params, prompt_token_ids, arrival_time, priority, cache_salt, lora_request)
-            group = intake.process(request_id, *args)
+            group = intake.process(request_id, *args, multi_modal_data=multi_modal_data)
         for seq in group.seqs:
             self.scheduler.add_request(seq.request)
         self.output_processor.add(group)
@@ -245,6 +261,7 @@ class LLMEngine:
         """Free what the scheduler, the sampler and the hooks hold for one sample."""
         self.scheduler.finish_request(request_id, status)
         self.runner.sampler.forget(request_id)
+        self.runner.forget(request_id)
         for hook in self.hooks:
             hook.forget(request_id)
 

@@ -28,6 +28,8 @@ from pagedserve.entrypoints.scoring import (
 )
 from pagedserve.lora import LoRARequest
 from pagedserve.lora.request import per_prompt_lora
+from pagedserve.multimodal.chat import chat_images, has_image_parts
+from pagedserve.multimodal.processor import media_limits
 from pagedserve.outputs import RequestOutput
 from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams, classifier_labels
 from pagedserve.sampling_params import SamplingParams
@@ -132,21 +134,46 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         engine = self.llm_engine
-        # Validate everything first so one bad prompt does not leave others queued.
+        images = [self.multi_modal_data(p) for p in prompts]
+        # Validate everything first so one bad prompt does not leave others queued (a
+        # prompt with images is checked when queued: its processor expands it).
         normalized = [
-            engine.validate_prompt(*self.split_prompt(p), sp.truncate_prompt_tokens) for p, sp in zip(prompts, params)
+            (self.split_prompt(p)[0], None)
+            if mm
+            else engine.validate_prompt(*self.split_prompt(p), sp.truncate_prompt_tokens)
+            for p, sp, mm in zip(prompts, params, images)
         ]
         loras = per_prompt_lora(lora_request, len(prompts))
         for lora in dict.fromkeys(x for x in loras if x is not None):
             engine.check_lora_request(lora)
         ids = []
-        for i, ((text, tokens), sp) in enumerate(zip(normalized, params)):
-            rid = str(next(self._counter))
-            engine.add_request(
-                rid, text, sp, prompt_token_ids=tokens, priority=priority[i] if priority else 0, lora_request=loras[i]
-            )
-            ids.append(rid)
+        try:
+            for i, ((text, tokens), sp) in enumerate(zip(normalized, params)):
+                rid = str(next(self._counter))
+                engine.add_request(
+                    rid,
+                    text,
+                    sp,
+                    prompt_token_ids=tokens,
+                    priority=priority[i] if priority else 0,
+                    lora_request=loras[i],
+                    multi_modal_data=images[i],
+                )
+                ids.append(rid)
+        except ValueError:
+            engine.abort_request(ids)  # a bad prompt with images: nothing stays queued
+            raise
         return self._run(ids, use_tqdm)
+
+    @staticmethod
+    def multi_modal_data(prompt: Prompt) -> dict | None:
+        """A dict prompt's ``multi_modal_data`` (``{"image": image or [images]}``), else None."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+            if unknown:
+                raise ValueError(f"prompt dict has unsupported keys {sorted(unknown)}")
+            return prompt.get("multi_modal_data") or None
+        return None
 
     def embed(
         self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, use_tqdm: bool = False
@@ -303,8 +330,13 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.llm_engine.tokenizer
         template = chat_template or self.llm_engine.config.model.chat_template
+        limits = media_limits(self.llm_engine.config)
+        mm = self.llm_engine.input_processor.mm_processor
         prompts = []
         for conv in conversations:
+            images: list = []
+            if has_image_parts([m.get("content") for m in conv if isinstance(m, dict)]):
+                conv, images = chat_images(conv, limits, mm.placeholder if mm is not None else None)
             text = tok.apply_chat_template(
                 conv,
                 add_generation_prompt=add_generation_prompt,
@@ -313,7 +345,10 @@ class LLM:
             )
             if continue_final_message:
                 text = cut_after_final_message(text, conv)
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+            if images:
+                prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+            else:
+                prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 

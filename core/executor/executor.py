@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, images_per_prompt
 from pagedserve.executor.abstract import Executor
 from pagedserve.executor.model_runner import ModelRunner, StepOutput
 from pagedserve.models.arch_config import ArchConfig
@@ -61,7 +61,13 @@ class UniProcExecutor(Executor):
                 )
         self.source = source  # read again on waking from sleep level 2
         self.driver_runner = runner = ModelRunner(
-            platform, ops, arch, dtype, segments=segments, max_model_len=max_model_len
+            platform,
+            ops,
+            arch,
+            dtype,
+            segments=segments,
+            max_model_len=max_model_len,
+            vision=images_per_prompt(config.model) > 0,
         )
         runner.load_weights(source.weights(), prepare=config.cache.cpu_offload_gb <= 0)
         self.num_blocks = runner.determine_num_blocks(config.cache, config.scheduler, max_model_len)

@@ -21,7 +21,8 @@ from pagedserve.kv_cache.kv_groups import grouped_blocks_for_one_request, kv_cac
 from pagedserve.kv_cache.sliding_window import blocks_for_one_request
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import LayerPlacement
-from pagedserve.models.registry import resolve_model_class
+from pagedserve.models.registry import resolve_model_class, resolve_vision_class
+from pagedserve.multimodal.encoder_cache import EncoderCache
 from pagedserve.offload.connectors import apply_connector_transfers
 from pagedserve.offload.device_map import Segment
 from pagedserve.offload.kv_tier import allocate_host_kv_cache, apply_kv_transfers
@@ -126,6 +127,7 @@ class ModelRunner:
         parallel: ParallelContext | None = None,
         segments: list[Segment] | None = None,
         max_model_len: int | None = None,
+        vision: bool = False,
     ) -> None:
         self.platform = platform
         self.ops = ops
@@ -140,6 +142,18 @@ class ModelRunner:
         self._placed = segments is not None  # a device map: the model gets its placements
         self.segments = segments
         self.model = self._build_model()
+        #: A vision-language model's vision side (``vision``: images are on), else None;
+        #: its outputs by image, while prompts are prefilled.
+        self.vision = None
+        self.encoder_cache = EncoderCache()
+        if vision and arch.multimodal:
+            vision_cls = resolve_vision_class(arch.multimodal["architecture"])
+            if vision_cls is None:
+                raise ValueError(
+                    f"images are not supported for {arch.multimodal['architecture']} yet; serve its language "
+                    "model alone with limit_mm_per_prompt={'image': 0} (--limit-mm-per-prompt image=0)"
+                )
+            self.vision = vision_cls(arch, ops, dtype, self.device)
         if segments is None:
             segments = [Segment(platform, ops, self.model.layer_start, self.model.layer_end)]
         self.segments = segments
@@ -181,9 +195,24 @@ class ModelRunner:
         form each platform's ``linear`` runs fastest (``prepare_linear_weight``).  Weights
         streamed by weight offload stay plain."""
         with torch.inference_mode():
-            self.model.load_weights(weights)
+            vision: list[tuple[str, torch.Tensor]] = []
+            self.model.load_weights(self._split_vision(weights, vision))
+            if self.vision is not None:
+                self.vision.load_weights(vision)
             if prepare:
                 self.model.prepare_linear_weights()
+
+    def _split_vision(self, weights, vision: list) -> Iterator[tuple[str, torch.Tensor]]:
+        """The language model's weights; a vision-language checkpoint's vision tensors go
+        to ``vision`` (or are skipped when images are off)."""
+        from pagedserve.loader.hf_checkpoint import VISION_PREFIXES
+
+        for name, t in weights:
+            if self.arch.multimodal and name.startswith(VISION_PREFIXES):
+                if self.vision is not None:
+                    vision.append((name, t))
+                continue
+            yield name, t
 
     # -- KV cache -----------------------------------------------------------------------
     def determine_num_blocks(
@@ -263,7 +292,10 @@ class ModelRunner:
             + sched.max_num_seqs * self.arch.vocab_size * 8
         )
         groups: dict[str, list[tuple[Segment, int]]] = {}
-        for seg, weights in zip(self.segments, self.model.placement_weight_bytes()):
+        per_segment = self.model.placement_weight_bytes()
+        if self.vision is not None:  # the vision side sits with the embedding, on the first device
+            per_segment[0] += self.vision.weight_bytes()
+        for seg, weights in zip(self.segments, per_segment):
             groups.setdefault(str(seg.platform.device), []).append((seg, weights))
         best = None
         for members in groups.values():
@@ -381,7 +413,10 @@ class ModelRunner:
             raise RuntimeError("the model runner is not asleep")
         weights = self._host_weights if self._host_weights is not None else reload()
         self.model = self._build_model()
-        self.load_weights(weights)
+        with torch.inference_mode():
+            # A vision side stays resident while asleep: only the language model reloads.
+            self.model.load_weights(self._split_vision(weights, []))
+            self.model.prepare_linear_weights()
         self._host_weights = None
         self.allocate_kv_cache(self.num_blocks, self.block_size)
 
@@ -404,8 +439,8 @@ class ModelRunner:
 
     # -- weights ---------------------------------------------------------------------------
     def weight_bytes(self) -> int:
-        """Bytes of this rank's model weights."""
-        return self.model.weight_bytes()
+        """Bytes of this rank's model weights (with a vision side's)."""
+        return self.model.weight_bytes() + (self.vision.weight_bytes() if self.vision is not None else 0)
 
     def stream_layers(self, stream: Callable[[Sequence[Any]], Iterator[Any]] | None) -> None:
         """Run the layers through ``stream`` (weight offload's WeightStreamer: the layer
@@ -430,10 +465,45 @@ class ModelRunner:
                 [(s.request.lora_request, s.num_new_tokens) for s in out.scheduled], self.device
             )
         try:
-            return inp, self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
+            embeds = self._image_embeds(out) if self.vision is not None else None
+            if embeds is None:
+                return inp, self.model.forward(inp.input_ids, inp.meta, self.kv_caches)
+            return inp, self.model.forward(inp.input_ids, inp.meta, self.kv_caches, embeds)
         finally:
             if self.lora_manager is not None:
                 self.lora_manager.end_step()
+
+    def _image_embeds(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(batch rows, embeddings) of the image tokens this step computes: each image's
+        encoder output comes from the encoder cache (encoded the first time), and a
+        request that prefilled an image's last token releases it."""
+        rows, values = [], []
+        base = 0
+        cache = self.encoder_cache
+        for s in out.scheduled:
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            for item in r.mm_items:
+                lo, hi = max(start, item.offset), min(end, item.end)
+                if lo >= hi:
+                    continue
+                emb = cache.get(item, r.request_id, self.vision.embed_image)
+                if emb.shape[0] != item.length:
+                    raise ValueError(
+                        f"the vision model gives {emb.shape[0]} embeddings for an image with {item.length} tokens"
+                    )
+                rows.append(torch.arange(base + lo - start, base + hi - start, dtype=torch.int64))
+                values.append(emb[lo - item.offset : hi - item.offset])
+                if hi == item.end:
+                    cache.release(item.hash, r.request_id)
+            base += s.num_new_tokens
+        if not rows:
+            return None
+        return torch.cat(rows).to(self.device), torch.cat(values)
+
+    def forget(self, request_id: str) -> None:
+        """A finished or aborted request: drop its holds on encoder outputs."""
+        self.encoder_cache.forget(request_id)
 
     def forward_logits(
         self, out: SchedulerOutput, block_ids: dict[str, list[int]], num_logits: list[int]

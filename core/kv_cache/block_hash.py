@@ -26,20 +26,30 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: tuple
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_blocks: int, cache_salt: str | None = None
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    cache_salt: str | None = None,
+    mm_spans: Sequence[tuple[int, int, str]] = (),
 ) -> list[BlockHash]:
     """Append to ``hashes`` (the chain of the first ``len(hashes)`` blocks of
     ``token_ids``) the hashes of the following blocks up to ``num_blocks``; returns it.
 
     Lets a caller keep a request's chain and extend it as its tokens become known.
     ``cache_salt`` is an extra key of the first block only (a different salt, a
-    different chain).
+    different chain).  ``mm_spans``: (offset, length, content hash) of the prompt's
+    images; a block holding any of an image's tokens has that image's hash among its
+    extra keys, so the same placeholder tokens with a different image miss.
     """
     bs = block_size
     while len(hashes) < num_blocks:
         i = len(hashes)
         parent = hashes[-1][0] if hashes else None
         extra = (cache_salt,) if (i == 0 and cache_salt) else ()
+        if mm_spans:
+            lo, hi = i * bs, (i + 1) * bs
+            extra += tuple(h for off, n, h in mm_spans if off < hi and off + n > lo)
         hashes.append(hash_block(parent, tuple(token_ids[i * bs : (i + 1) * bs]), extra))
     return hashes
 

@@ -88,7 +88,12 @@ class KVCacheManager:
         hashes = self._req_hashes.setdefault(request.request_id, [])
         # May hold more hashes than asked for (computed earlier for a longer span).
         return extend_block_hashes(
-            hashes, request.all_token_ids, self.block_size, num_tokens // self.block_size, request.cache_salt
+            hashes,
+            request.all_token_ids,
+            self.block_size,
+            num_tokens // self.block_size,
+            request.cache_salt,
+            request.mm_spans,
         )
 
     def _lookup(self, h: BlockHash) -> KVBlock | None:

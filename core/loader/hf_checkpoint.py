@@ -19,6 +19,8 @@ __all__ = [
     "normalize_hf_config",
     "read_eos_token_ids",
     "read_json",
+    "text_weight_name",
+    "VISION_PREFIXES",
 ]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -100,7 +102,7 @@ def normalize_hf_config(config: dict[str, Any], weight_names: set[str] | None = 
         weight_names: the checkpoint's tensor names; when given, a missing
             `tie_word_embeddings` is inferred from whether `lm_head.weight` is stored.
     """
-    out = dict(config)
+    out = flatten_vision_language(config)
     _require(out, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"))
     out.setdefault("num_key_value_heads", out["num_attention_heads"])
     if out.get("head_dim") is None:
@@ -116,6 +118,63 @@ def normalize_hf_config(config: dict[str, Any], weight_names: set[str] | None = 
     if out.get("torch_dtype") is None:
         out["torch_dtype"] = out.get("dtype") or "float32"
     out.setdefault("architectures", None)
+    return out
+
+
+#: Checkpoint name prefixes of a vision-language model's vision side (its tower and
+#: projector), after :func:`text_weight_name`.
+VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "vision_model.",
+    "connector.",
+    "visual.",
+    "image_newline",
+)
+
+#: Where a ``*ForConditionalGeneration`` checkpoint keeps its language model: the
+#: transformers 4.x layout (``language_model.model.*``, ``language_model.lm_head``) and
+#: the 5.x one (``model.language_model.*``, ``lm_head``, ``model.vision_tower.*``).
+_TEXT_RENAMES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+    ("model.text_model.", "model."),
+)
+
+
+def text_weight_name(name: str) -> str:
+    """A vision-language checkpoint's tensor name in the decoder-only spelling
+    (``model.layers.0...``, ``lm_head.weight``); vision tensors lose a leading
+    ``model.`` (``vision_tower.*``, ``multi_modal_projector.*``).  Other names are
+    returned unchanged."""
+    for old, new in _TEXT_RENAMES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    if name.startswith("model.") and name[6:].startswith(VISION_PREFIXES):
+        return name[6:]
+    return name
+
+
+def flatten_vision_language(config: dict[str, Any]) -> dict[str, Any]:
+    """A ``*ForConditionalGeneration`` config (a ``text_config`` beside a
+    ``vision_config``) as its language model's config, with everything else kept under
+    ``multimodal`` (``architecture``, ``model_type``, ``vision_config``, the image token
+    id...); any other config is returned as a copy."""
+    text = config.get("text_config")
+    if not isinstance(text, dict) or "vision_config" not in config:
+        return dict(config)
+    out = dict(text)
+    rest = {k: v for k, v in config.items() if k != "text_config"}
+    archs = config.get("architectures") or [config.get("model_type", "?")]
+    rest["architecture"] = archs[0]
+    out["multimodal"] = rest
+    out["architectures"] = None  # the registry names the text family from model_type
+    if config.get("tie_word_embeddings") is not None:  # the composite model's setting decides
+        out["tie_word_embeddings"] = config["tie_word_embeddings"]
+    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
+        if out.get(key) is None and config.get(key) is not None:
+            out[key] = config[key]
     return out
 
 

@@ -22,6 +22,7 @@ from pagedserve.loader.hf_checkpoint import (
     normalize_hf_config,
     read_eos_token_ids,
     read_json,
+    text_weight_name,
 )
 from pagedserve.loader.model_path import resolve_model_path
 from pagedserve.loader.tokenizer import Tokenizer
@@ -65,7 +66,7 @@ class ModelSource:
             self.format = "hf"
             self._gguf = None
             self._files = find_safetensors_files(path)
-            shapes = self._weight_shapes()
+            shapes = {text_weight_name(n): s for n, s in self._weight_shapes().items()}
             self.hf_config = normalize_hf_config(read_json(path / "config.json"), set(shapes))
             self.eos_token_ids = read_eos_token_ids(path, self.hf_config)
         # Values no model can have, or that the tensors contradict, fail here by name rather
@@ -90,11 +91,16 @@ class ModelSource:
         """Yield `(hf_parameter_name, tensor)` for every stored parameter, one at a time.
 
         safetensors tensors keep their stored dtype; GGUF tensors are dequantized to float32.
-        `lm_head.weight` is absent when the checkpoint ties it to the embeddings.
+        `lm_head.weight` is absent when the checkpoint ties it to the embeddings.  A
+        vision-language checkpoint's names come in the decoder-only spelling, its vision
+        tensors as ``vision_tower.*`` / ``multi_modal_projector.*`` (`text_weight_name`).
         """
         if self._gguf is not None:
             return _named_errors(self._gguf.weights(), self.path)
-        return _named_errors(iter_safetensors_weights(self._files), self.path)
+        named = iter_safetensors_weights(self._files)
+        if self.hf_config.get("multimodal"):
+            named = ((text_weight_name(n), t) for n, t in named)
+        return _named_errors(named, self.path)
 
     def tensor(self, name: str) -> torch.Tensor | None:
         """One stored tensor by name (e.g. a sequence-classification ``score.weight``),

@@ -6,7 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.models.registry import SEQUENCE_CLASSIFICATION, base_architecture, resolve_model_class
+from pagedserve.models.registry import (
+    SEQUENCE_CLASSIFICATION,
+    base_architecture,
+    resolve_model_class,
+    text_architecture,
+)
 from pagedserve.models.rope import normalize_rope_scaling
 
 __all__ = ["ArchConfig"]
@@ -40,12 +45,19 @@ class ArchConfig:
     #: their ``score.weight`` head; None for a causal LM.  ``architecture`` is then the
     #: decoder's causal-LM name (registry.SEQUENCE_CLASSIFICATION).
     num_labels: int | None = None
+    #: A vision-language checkpoint's (``*ForConditionalGeneration``) config outside its
+    #: language model: ``architecture`` (the vision-language class), ``vision_config``,
+    #: the image token id...; None for a text-only checkpoint, or when images are off.
+    multimodal: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ArchConfig:
         """Parse ``cfg``; an architecture missing from the registry, or a feature its
         family does not implement, fails here naming it."""
+        multimodal = cfg.get("multimodal")
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        if multimodal:  # the language model of a *ForConditionalGeneration checkpoint
+            archs = [text_architecture(cfg.get("model_type"), multimodal["architecture"])]
         num_labels = None
         if archs[0] in SEQUENCE_CLASSIFICATION:
             num_labels = int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2)
@@ -78,6 +90,7 @@ class ArchConfig:
             attention_bias=bool(cfg.get("attention_bias", model_cls.default_attention_bias)),
             hf_config=dict(cfg),
             num_labels=num_labels,
+            multimodal=multimodal or None,
         )
         model_cls.check_config(out)
         return out

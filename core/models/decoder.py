@@ -401,9 +401,21 @@ class DecoderForCausalLM:
         None runs them as they are."""
         self.layer_stream = stream
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
-        """input_ids int64 [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        x, residual = self.forward_layers(self.embed_tokens(input_ids), None, meta, kv_caches)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """input_ids int64 [num_tokens] -> final hidden states [num_tokens, hidden].
+
+        ``embeds`` (rows int64 [m], values [m, hidden]): embeddings that replace those of
+        the tokens at ``rows`` (a vision-language model's image features)."""
+        x = self.embed_tokens(input_ids)
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
+        x, residual = self.forward_layers(x, None, meta, kv_caches)
         return self.final_norm(x, residual)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,10 @@ __all__ = [
     "gguf_architectures",
     "SEQUENCE_CLASSIFICATION",
     "base_architecture",
+    "VisionLanguageEntry",
+    "vision_language_entries",
+    "resolve_vision_class",
+    "text_architecture",
 ]
 
 
@@ -246,3 +250,80 @@ def gguf_architectures() -> dict[str, tuple[str, str]]:
         for g in e.gguf:
             out.setdefault(g, (e.model_type, e.architecture))
     return out
+
+
+@dataclass(frozen=True)
+class VisionLanguageEntry:
+    """A ``*ForConditionalGeneration`` architecture: its language model is any
+    registered decoder family (named by ``text_config.model_type``), its vision side the
+    class ``module.class_name`` (vision tower, projector, where image features go).
+
+    image_token_key: config.json's key for the image placeholder token id.
+    """
+
+    architecture: str
+    model_type: str
+    module: str
+    class_name: str
+    image_token_key: str = "image_token_index"
+    notes: str = ""
+
+    def load(self) -> type:
+        return getattr(importlib.import_module(self.module), self.class_name)
+
+
+_VISION_LANGUAGE: tuple[VisionLanguageEntry, ...] = (
+    VisionLanguageEntry(
+        "LlavaForConditionalGeneration",
+        "llava",
+        "pagedserve.models.llava",
+        "LlavaVision",
+        notes="CLIP ViT tower (a chosen hidden layer, CLS dropped or kept), two-layer MLP projector",
+    ),
+    VisionLanguageEntry(
+        "LlavaNextForConditionalGeneration",
+        "llava_next",
+        "pagedserve.models.llava",
+        "LlavaNextVision",
+        notes="LLaVA's tower and projector over a base view and anyres tiles, unpadded, a newline per row",
+    ),
+)
+
+_VL_BY_ARCH: dict[str, VisionLanguageEntry] = {e.architecture: e for e in _VISION_LANGUAGE}
+
+
+def vision_language_entries() -> list[VisionLanguageEntry]:
+    """Every registered vision-language architecture, in registry order."""
+    return list(_VISION_LANGUAGE)
+
+
+def resolve_vision_class(architecture: str) -> type | None:
+    """The vision-side class of vision-language ``architecture``; None when images of
+    that architecture are not supported (its text part may still load)."""
+    entry = _VL_BY_ARCH.get(architecture)
+    return None if entry is None else entry.load()
+
+
+#: Language models of vision-language checkpoints that are a registered family for text:
+#: Qwen-VL's decoders use M-RoPE, which is plain RoPE when a prompt has no image (the
+#: three position components are equal).
+_TEXT_MODEL_TYPES = {
+    "qwen2_vl_text": "Qwen2ForCausalLM",
+    "qwen2_5_vl_text": "Qwen2ForCausalLM",
+    "qwen3_vl_text": "Qwen3ForCausalLM",
+}
+
+
+def text_architecture(model_type: str | None, vision_architecture: str) -> str:
+    """The registered decoder architecture of a vision-language checkpoint whose
+    ``text_config.model_type`` is ``model_type``; ValueError naming both otherwise."""
+    if model_type in _TEXT_MODEL_TYPES:
+        return _TEXT_MODEL_TYPES[model_type]
+    for e in _ENTRIES:
+        if e.model_type == model_type:
+            return e.architecture
+    types = ", ".join(sorted({e.model_type for e in _ENTRIES}))
+    raise ValueError(
+        f"{vision_architecture}: its language model (text_config.model_type={model_type!r}) is not a supported "
+        f"decoder family; supported model types: {types}"
+    )

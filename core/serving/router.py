@@ -353,6 +353,7 @@ class DataParallelRouter(EngineCallbacks):
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: Any = None,
+        multi_modal_data: dict | None = None,
     ) -> RequestStream:
         """Route a request and return its stream once its replica has accepted it
         (``cache_salt``, ``pooling_params`` and ``lora_request`` are refused: see
@@ -361,7 +362,13 @@ class DataParallelRouter(EngineCallbacks):
         Raises ValueError (bad prompt, before anything is sent), QueueFullError (every
         live replica's waiting queue is full), EngineDeadError (no replica left).
         """
-        for name, value in (("cache_salt", cache_salt), ("pooling", pooling_params), ("lora", lora_request)):
+        refusable = (
+            ("cache_salt", cache_salt),
+            ("pooling", pooling_params),
+            ("lora", lora_request),
+            ("images", multi_modal_data),
+        )
+        for name, value in refusable:
             if value is not None:
                 raise ValueError(data_parallel_request_refusal(name))
         if self._loop is None or self._closing:

@@ -53,13 +53,14 @@ async def start_chat(chat: OpenAIServingChat, body: dict, request_id: str, renam
             where = ".".join(str(p) for p in err["loc"])
             raise ApiError(400, f"Invalid value for '{where}': {err['msg']}.", param=where) from None
         chat.model_name(request.model)  # sets the request's LoRA adapter, if the name is one
-        text, ids = chat.render(request)
+        text, ids, images = chat.render_with_images(request)
         max_tokens = chat.resolve_max_tokens(
             request.max_completion_tokens, len(ids), chat.generation_defaults.get("max_tokens"), "max_completion_tokens"
         )
         params = to_sampling_params(request, max_tokens, chat.generation_defaults)
         chat.constrain_tools(request, params)
-        (stream,) = await chat.submit(request_id, [(text, ids)], [params], "messages")
+        extra = {"multi_modal_data": images} if images else None
+        (stream,) = await chat.submit(request_id, [(text, ids)], [params], "messages", extra=extra)
     except ApiError as e:
         raise renamed_error(e, rename) from None
     return ChatRun(request, request_id, ids, stream, chat.chat_output(request))

@@ -157,13 +157,17 @@ def _chat_messages(request: MessagesRequest) -> list[dict]:
 
 def _user_blocks(blocks: list, where: str) -> list[dict]:
     """tool_result blocks become tool turns (first, as the calls they answer came last);
-    the text blocks one user turn."""
-    tools, texts = [], []
+    the text and image blocks one user turn (images as chat image_url parts, which the
+    chat layer checks and refuses for a text-only model)."""
+    tools, texts, parts = [], [], []
     for j, b in enumerate(blocks):
         at = f"{where}[{j}]"
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text":
             texts.append(_text_of_blocks([b], where))
+            parts.append({"type": "text", "text": texts[-1]})
+        elif kind == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_source_url(b, at)}})
         elif kind == "tool_result":
             _check_block_fields(b, at, ("type", "tool_use_id", "content", "is_error"))
             if not isinstance(b.get("tool_use_id"), str):
@@ -173,11 +177,26 @@ def _user_blocks(blocks: list, where: str) -> list[dict]:
             if b.get("is_error"):
                 text = f"Error: {text}"
             tools.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
-        elif kind in ("image", "document"):
+        elif kind == "document":
             raise _media_block(kind, at)
         else:
             raise _bad(at, f"'{at}': content blocks of type {kind!r} are not supported in a user turn.")
+    if len(parts) > len(texts):  # with images: the parts in order
+        return [*tools, {"role": "user", "content": parts}]
     return tools + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
+
+
+def _image_source_url(block: dict, where: str) -> str:
+    """An Anthropic image block's source as a chat image URL: base64 data as a data URI,
+    a URL as it is (remote URLs are refused later: nothing is fetched)."""
+    _check_block_fields(block, where, ("type", "source"))
+    src = block.get("source")
+    kind = src.get("type") if isinstance(src, dict) else None
+    if kind == "base64" and isinstance(src.get("media_type"), str) and isinstance(src.get("data"), str):
+        return f"data:{src['media_type']};base64,{src['data']}"
+    if kind == "url" and isinstance(src.get("url"), str):
+        return src["url"]
+    raise _bad(f"{where}.source", f"'{where}.source' must be a base64 or url image source.")
 
 
 def _assistant_blocks(blocks: list, where: str) -> dict:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pagedserve.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from pagedserve.engine.request_options import truncate_prompt
 from pagedserve.entrypoints.openai.chat_tools import ChatToolsMixin
+from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, chat_messages, to_sampling_params
 from pagedserve.entrypoints.openai.serving_base import SSE_DONE, EventStream, OpenAIServing, sse
 from pagedserve.entrypoints.openai.serving_beam import beam_search_response
@@ -18,6 +19,9 @@ from pagedserve.entrypoints.openai.serving_fields import (
     response_id,
 )
 from pagedserve.entrypoints.openai.tools import ToolOptions
+from pagedserve.multimodal.chat import chat_images, has_image_parts
+from pagedserve.multimodal.limits import MediaLimits
+from pagedserve.multimodal.processor import MultiModalInputs
 
 __all__ = ["OpenAIServingChat"]
 
@@ -32,22 +36,64 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
 
     def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt text and token ids of the conversation."""
-        messages = chat_messages(request.messages)
+        text, ids, _ = self.render_with_images(request)
+        return text, ids
+
+    def mm_processor(self):
+        """The engine's image processor (a vision-language model with images on), else None."""
+        inner = getattr(self.engine, "engine", None)  # the LLMEngine behind an AsyncLLMEngine
+        return getattr(getattr(inner, "input_processor", None), "mm_processor", None)
+
+    def image_messages(self, request: ChatCompletionRequest) -> tuple[list, list]:
+        """(the messages with each image part as the model's placeholder text, the
+        images in order); a 400 naming the part of a bad image."""
+        messages = list(request.messages or ())
+        if not has_image_parts([m.content for m in messages]):
+            return messages, []
+        mm = self.mm_processor()
+        try:
+            converted, images = chat_images(
+                [{"content": m.content} for m in messages],
+                mm.limits if mm is not None else MediaLimits(),
+                mm.placeholder if mm is not None else None,
+            )
+        except ValueError as e:
+            where = str(e).split("'")[1] if str(e).startswith("'") else "messages"
+            raise ApiError(400, str(e), param=where) from None
+        return [m.model_copy(update={"content": c["content"]}) for m, c in zip(messages, converted)], images
+
+    def render_with_images(self, request: ChatCompletionRequest) -> tuple[str, list[int], MultiModalInputs | None]:
+        """The prompt text and token ids of the conversation; with images, the ids are
+        the processor's (placeholders expanded) and the images come processed."""
+        plain, images = self.image_messages(request)
+        messages = chat_messages(plain)
         text = chat_prompt_text(self.tokenizer, request, messages, self.chat_template, self.template_kwargs(request))
         self.check_prompt_chars(text, "messages")
+        if images:
+            if request.truncate_prompt_tokens is not None:
+                raise ApiError(
+                    400, "truncate_prompt_tokens cannot be combined with images.", param="truncate_prompt_tokens"
+                )
+            # The processor runs here, on the request's worker thread, not on the engine's.
+            try:
+                ids, items = self.mm_processor().process(text, images, bool(request.add_special_tokens))
+            except ValueError as e:
+                raise ApiError(400, str(e), param="messages") from None
+            text, ids = self.validate_prompt(text, "messages", prompt_token_ids=ids)
+            return text, ids, MultiModalInputs(ids, items)
         # The template already wrote any BOS it wants (unless add_special_tokens says otherwise).
         ids = self.tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
         kept = truncate_prompt(ids, request.truncate_prompt_tokens)
         if len(kept) < len(ids):
             text, ids = self.tokenizer.decode(kept, skip_special_tokens=False), kept
-        return self.validate_prompt(text, "messages", prompt_token_ids=ids)
+        return (*self.validate_prompt(text, "messages", prompt_token_ids=ids), None)
 
     async def create(self, request: ChatCompletionRequest) -> dict | EventStream:
         model = self.model_name(request.model)
         chars = sum(
             len(m.content) if isinstance(m.content, str) else len(str(m.content)) for m in request.messages or ()
         )
-        text, ids = await self.off_loop(chars, self.render, request)
+        text, ids, images = await self.off_loop(chars, self.render_with_images, request)
         field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         d = self.generation_defaults
@@ -57,11 +103,15 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
         self.constrain_tools(request, params)
         request_id = response_id("chatcmpl", request, self.new_id("chatcmpl"))
         if request.use_beam_search:
+            if images:
+                raise ApiError(400, "use_beam_search cannot be combined with images yet.", param="use_beam_search")
             return await beam_search_response(self, request, request_id, model, [(text, ids)], [params], chat=True)
+        extra = {"multi_modal_data": images} if images else None
         streams = await self.submit(
-            request_id, [(text, ids)], [params], "messages", request.priority, request.cache_salt
+            request_id, [(text, ids)], [params], "messages", request.priority, request.cache_salt, extra
         )
-        echo = echo_prefix(request, chat_messages(request.messages))
+        # (Only an echoed message's text is read: images are not decoded a second time.)
+        echo = echo_prefix(request, chat_messages(self.image_messages(request)[0])) if request.echo else ""
         if request.stream:
             return EventStream(self._stream(request, request_id, model, streams[0], echo), streams)
         return self._whole(request, request_id, model, (await self.collect(streams))[0], echo)

@@ -91,12 +91,13 @@ class AnthropicServingMessages:
         chat = self.chat
         model = chat.model_name(request.model)
         creq = self._chat_request(request)
-        text, ids = chat.render(creq)
+        text, ids, images = chat.render_with_images(creq)
         max_tokens = chat.resolve_max_tokens(request.max_tokens, len(ids), None)
         params = to_sampling_params(creq, max_tokens, chat.generation_defaults)
         chat.constrain_tools(creq, params)
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
-        streams = await chat.submit(message_id, [(text, ids)], [params], "messages")
+        extra = {"multi_modal_data": images} if images else None  # processed images (pagedserve.multimodal)
+        streams = await chat.submit(message_id, [(text, ids)], [params], "messages", extra=extra)
         if request.stream:
             return EventStream(self._stream(creq, message_id, model, streams[0]), streams)
         out = (await chat.collect(streams))[0]

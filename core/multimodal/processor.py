@@ -1,0 +1,167 @@
+"""MultiModalProcessor: the checkpoint's own transformers processor (its image
+processor, with PIL, and its tokenizer) turns a prompt with image placeholders and the
+images into token ids -- each placeholder expanded into as many image tokens as the
+vision model produces for that image -- and the vision model's inputs."""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.config import EngineConfig, images_per_prompt
+from pagedserve.multimodal.limits import MediaLimits
+from pagedserve.multimodal.media import MultiModalItem, check_image, image_hash
+
+__all__ = [
+    "MultiModalInputs",
+    "MultiModalProcessor",
+    "image_token_runs",
+    "build_mm_processor",
+    "media_limits",
+]
+
+
+@dataclass
+class MultiModalInputs:
+    """A prompt already through the processor (e.g. on a server's worker thread, so the
+    engine's thread does not run it): its expanded token ids and its images' items.
+    ``add_request(..., multi_modal_data=MultiModalInputs(...))`` takes it as it is."""
+
+    prompt_token_ids: list[int]
+    items: list[MultiModalItem] = field(default_factory=list)
+
+
+def media_limits(config: EngineConfig) -> MediaLimits:
+    """The engine's limits on one request's images."""
+    m = config.model
+    return MediaLimits(max_images=images_per_prompt(m), allowed_local_media_path=m.allowed_local_media_path)
+
+
+def build_mm_processor(config: EngineConfig, folder: pathlib.Path, runner) -> MultiModalProcessor | None:
+    """The processor of a vision-language model whose vision side ``runner`` loaded
+    (images on); None otherwise."""
+    vision = getattr(runner, "vision", None)
+    if vision is None:
+        return None
+    return MultiModalProcessor(folder, vision.image_token_id, media_limits(config))
+
+
+def image_token_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
+    """(offset, length) of each maximal run of ``token_id`` in ``ids``."""
+    runs: list[tuple[int, int]] = []
+    i, n = 0, len(ids)
+    while i < n:
+        if ids[i] == token_id:
+            j = i
+            while j < n and ids[j] == token_id:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+class MultiModalProcessor:
+    """Prompt + images -> (token ids, one :class:`MultiModalItem` per image).
+
+    folder: the checkpoint (processor_config.json / preprocessor_config.json beside the
+    tokenizer); image_token_id: the placeholder token the processor expands;
+    placeholder: its text (what a chat template writes for an image part).
+    """
+
+    def __init__(self, folder: pathlib.Path, image_token_id: int, limits: MediaLimits) -> None:
+        self.folder = folder
+        self.image_token_id = image_token_id
+        self.limits = limits
+        self._processor: Any = None
+        self._lock = threading.Lock()
+        #: One call at a time: a fast tokenizer is not safe to call from several threads.
+        self._call_lock = threading.Lock()
+
+    @property
+    def processor(self):
+        """The transformers processor, loaded on first use (ValueError when the
+        checkpoint has none)."""
+        with self._lock:
+            if self._processor is None:
+                from transformers import AutoProcessor
+
+                try:
+                    self._processor = AutoProcessor.from_pretrained(str(self.folder))
+                except Exception as e:  # noqa: BLE001 - transformers raises many kinds; name the folder
+                    raise ValueError(
+                        f"the checkpoint {str(self.folder)!r} has no usable image processor "
+                        f"(processor_config.json / preprocessor_config.json): {e}"
+                    ) from e
+                if not hasattr(self._processor, "image_processor"):
+                    raise ValueError(f"the checkpoint {str(self.folder)!r} has no image processor")
+            return self._processor
+
+    @property
+    def placeholder(self) -> str:
+        """The image placeholder text a prompt holds once per image (the processor's
+        ``image_token``, e.g. ``<image>``)."""
+        proc = self.processor
+        token = getattr(proc, "image_token", None) or getattr(proc, "boi_token", None)
+        if not isinstance(token, str):
+            raise ValueError(f"the processor of {str(self.folder)!r} names no image placeholder token")
+        return token
+
+    def process(
+        self, prompt: str, images: list, add_special_tokens: bool = True
+    ) -> tuple[list[int], list[MultiModalItem]]:
+        """Token ids of ``prompt`` with its image placeholders expanded, and the images'
+        items in prompt order.  ValueError when the placeholders and images disagree."""
+        if len(images) > self.limits.max_images:
+            raise ValueError(
+                f"the prompt has {len(images)} images; at most {self.limits.max_images} are accepted "
+                "(--limit-mm-per-prompt)"
+            )
+        images = [check_image(im, self.limits) for im in images]
+        proc = self.processor
+        try:
+            with self._call_lock:
+                out = proc(text=[prompt], images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
+        except ValueError as e:
+            raise ValueError(f"the prompt and its {len(images)} image(s) do not match: {e}") from None
+        ids = [int(t) for t in out["input_ids"][0].tolist()]
+        runs = image_token_runs(ids, self.image_token_id)
+        spans = _split_runs(runs, len(images))
+        if spans is None:
+            raise ValueError(
+                f"the prompt expands to {sum(n for _, n in runs)} image tokens in {len(runs)} run(s) for "
+                f"{len(images)} image(s); each image needs its own placeholder"
+            )
+        tensors = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids")}
+        items = []
+        for i, ((offset, length), image) in enumerate(zip(spans, images)):
+            data = {k: _one(v, i, len(images)) for k, v in tensors.items()}
+            items.append(MultiModalItem("image", offset, length, image_hash(image), data))
+        return ids, items
+
+
+def _split_runs(runs: list[tuple[int, int]], num_images: int) -> list[tuple[int, int]] | None:
+    """One (offset, length) span per image: the runs themselves, or adjacent images'
+    merged runs split equally (fixed-size images, e.g. LLaVA's)."""
+    if len(runs) == num_images:
+        return runs
+    total = sum(n for _, n in runs)
+    if num_images == 0 or total % num_images:
+        return None
+    per = total // num_images
+    spans = []
+    for offset, n in runs:
+        if n % per:
+            return None
+        spans += [(offset + k * per, per) for k in range(n // per)]
+    return spans
+
+
+def _one(value, index: int, count: int):
+    """Image ``index``'s slice of a processor output batched over ``count`` images."""
+    if hasattr(value, "shape") and value.ndim and value.shape[0] == count:
+        return value[index : index + 1]
+    return value

@@ -1,0 +1,202 @@
+"""Tiny random vision-language checkpoints with their processors saved beside them
+(the byte-level test tokenizer plus an image placeholder token, and transformers'
+PIL image processor), and the transformers reference they are compared with.  Used by
+the tests; needs transformers and Pillow."""
+
+from __future__ import annotations
+
+import base64
+import io
+import pathlib
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+
+from pagedserve.testing.tiny_model import write_byte_tokenizer
+
+__all__ = [
+    "IMAGE_TOKEN",
+    "TEMPLATE",
+    "build_llava",
+    "build_llava_next",
+    "random_image",
+    "png_data_uri",
+    "hf_greedy",
+    "png_bytes",
+]
+
+IMAGE_TOKEN = "<image>"
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def add_image_token(folder: pathlib.Path) -> int:
+    """Add ``<image>`` as a special token to the folder's byte tokenizer; its id."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True)])
+    tok.save(str(folder / "tokenizer.json"))
+    return tok.token_to_id(IMAGE_TOKEN)
+
+
+def init_weights(model, seed: int = 0) -> None:
+    """Wider-than-default random weights (greedy choices are not near-ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.2 if "embed" in name else 0.08))
+            elif "bias" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:  # class embeddings
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+
+
+TEXT = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+VISION = dict(
+    model_type="clip_vision_model",
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    image_size=28,
+    patch_size=7,
+    projection_dim=32,
+    hidden_act="quick_gelu",
+)
+
+
+def build_llava(folder: pathlib.Path, text_type: str = "llama", **extra):
+    """A tiny LLaVA checkpoint (16 image tokens per image) and processor in ``folder``;
+    returns the float32 transformers model."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_byte_tokenizer(folder)
+    image_id = add_image_token(folder)
+    text = dict(TEXT, model_type=text_type, vocab_size=image_id + 1)
+    cfg = transformers.LlavaConfig(
+        text_config=text,
+        vision_config=VISION,
+        image_token_index=image_id,
+        projector_hidden_act="gelu",
+        vision_feature_layer=extra.pop("vision_feature_layer", -2),
+        vision_feature_select_strategy=extra.pop("vision_feature_select_strategy", "default"),
+        **extra,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.LlavaForConditionalGeneration(cfg)
+    init_weights(model)
+    model.to(torch.float32).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"), bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
+    size = VISION["image_size"]
+    image_processor = transformers.CLIPImageProcessor(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    )
+    processor = transformers.LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=VISION["patch_size"],
+        vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+        chat_template=TEMPLATE,
+    )
+    processor.save_pretrained(folder)
+    return model
+
+
+def build_llava_next(folder: pathlib.Path, text_type: str = "llama"):
+    """A tiny LLaVA-NeXT checkpoint (anyres tiles of 28 px: 1x2, 2x1 and 2x2 grids) and
+    processor in ``folder``; returns the float32 transformers model."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_byte_tokenizer(folder)
+    image_id = add_image_token(folder)
+    size = VISION["image_size"]
+    pinpoints = [[size, 2 * size], [2 * size, size], [2 * size, 2 * size]]
+    cfg = transformers.LlavaNextConfig(
+        text_config=dict(TEXT, model_type=text_type, vocab_size=image_id + 1),
+        vision_config=VISION,
+        image_token_index=image_id,
+        projector_hidden_act="gelu",
+        image_grid_pinpoints=pinpoints,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.LlavaNextForConditionalGeneration(cfg)
+    init_weights(model)
+    model.to(torch.float32).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"), bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
+    image_processor = transformers.LlavaNextImageProcessor(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}, image_grid_pinpoints=pinpoints
+    )
+    processor = transformers.LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=VISION["patch_size"],
+        vision_feature_select_strategy="default",
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+        chat_template=TEMPLATE,
+    )
+    processor.save_pretrained(folder)
+    return model
+
+
+def random_image(seed: int, size: tuple[int, int] = (40, 52)):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def png_bytes(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def png_data_uri(image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+@torch.inference_mode()
+def hf_greedy(model, folder: pathlib.Path, prompt: str, images: list, max_new: int):
+    """transformers' greedy tokens and their logprobs (one full forward per step), and
+    the prompt's ids as its processor expands them."""
+    processor = transformers.AutoProcessor.from_pretrained(str(folder))
+    enc = processor(text=[prompt], images=images or None, return_tensors="pt")
+    ids = enc["input_ids"][0].tolist()
+    extra = {k: enc[k] for k in ("pixel_values", "image_sizes") if k in enc} if images else {}
+    out_ids, tokens, logprobs = list(ids), [], []
+    for _ in range(max_new):
+        logits = model(input_ids=torch.tensor([out_ids]), **extra).logits[0, -1].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        tok = int(lp.argmax())
+        tokens.append(tok)
+        logprobs.append(float(lp[tok]))
+        out_ids.append(tok)
+    return ids, tokens, logprobs

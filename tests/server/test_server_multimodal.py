@@ -1,0 +1,159 @@
+"""Images in /v1/chat/completions on a tiny LLaVA: data URIs and file:// URLs (under
+--allowed-local-media-path) answer what transformers answers; bad images, remote URLs,
+files outside the allowed folder and too many images are 400s, never 5xx."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+from pagedserve.testing.tiny_vlm import build_llava, hf_greedy, png_bytes, png_data_uri, random_image  # noqa: E402
+
+PROMPT = "<|im_start|>user\nWhat is this?\n<image><|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def llava_server(server_factory, tiny_server_args, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llava-server")
+    model = build_llava(folder)
+    media = tmp_path_factory.mktemp("media")
+    server = server_factory(
+        str(folder),
+        [*tiny_server_args, "--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path", str(media)],
+    )
+    return server, model, folder, media
+
+
+def _chat(server, parts, max_tokens=5, model=None):
+    body = {
+        "model": model or server.model,
+        "messages": [{"role": "user", "content": parts}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+    }
+    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=server.headers(), timeout=120)
+
+
+def _question(url: str) -> list[dict]:
+    return [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+
+
+def test_data_uri_and_file_url_match_transformers(llava_server):
+    server, model, folder, media = llava_server
+    img = random_image(41)
+    _, tokens, logprobs = hf_greedy(model, folder, PROMPT, [img], 5)
+    tok = __import__("transformers").AutoProcessor.from_pretrained(str(folder)).tokenizer
+    for url in (png_data_uri(img), (media / "a.png").as_uri()):
+        if url.startswith("file:"):
+            (media / "a.png").write_bytes(png_bytes(img))
+        r = _chat(server, _question(url))
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["message"]["content"] == tok.decode(tokens)
+        got = [e["logprob"] for e in choice["logprobs"]["content"]]
+        assert got == pytest.approx(logprobs, abs=2e-4)
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A valid small PNG whose header claims ``width`` x ``height`` (a decompression bomb's header)."""
+    import struct
+    import zlib
+
+    data = bytearray(png_bytes(random_image(1, (4, 4))))
+    ihdr = 8  # after the signature: length, b"IHDR", then width, height
+    data[ihdr + 8 : ihdr + 16] = struct.pack(">II", width, height)
+    crc = zlib.crc32(bytes(data[ihdr + 4 : ihdr + 8 + 13]))
+    data[ihdr + 8 + 13 : ihdr + 8 + 17] = struct.pack(">I", crc)
+    return bytes(data)
+
+
+def _uri(raw: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(raw).decode()
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("https://example.com/cat.png", "remote image URLs are not fetched"),
+        (_uri(b"not an image at all"), "not an image"),
+        (_uri(png_bytes(random_image(2))[:60]), "truncated or corrupt"),
+        (_uri(b"\x00" * 10, "gif"), "not an image"),
+        ("data:text/plain;base64,aGVsbG8=", "not an image type"),
+        ("data:image/png;base64,@@@", "not valid base64"),
+        ("file:///etc/passwd", "outside --allowed-local-media-path"),
+        ("ftp://x/y.png", "unsupported image URL scheme"),
+    ],
+)
+def test_bad_images_are_400(llava_server, url, message):
+    server = llava_server[0]
+    r = _chat(server, _question(url))
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"]
+
+
+def test_bomb_header_and_too_many_images_are_400(llava_server):
+    server = llava_server[0]
+    r = _chat(server, _question(_uri(_png_claiming(100_000, 100_000))))
+    assert r.status_code == 400 and "pixels" in r.json()["error"]["message"], r.text
+    url = png_data_uri(random_image(3))
+    three = [{"type": "image_url", "image_url": {"url": url}} for _ in range(3)]
+    r = _chat(server, three)
+    assert r.status_code == 400 and "limit-mm-per-prompt" in r.json()["error"]["message"], r.text
+    # The server still answers.
+    assert _chat(server, _question(url), max_tokens=1).status_code == 200
+
+
+def test_image_into_text_model_is_400(tiny_server):
+    r = _chat(tiny_server, _question(png_data_uri(random_image(4))), model="tiny")
+    assert r.status_code == 400 and "takes no images" in r.json()["error"]["message"], r.text
+
+
+def test_streamed_answer_equals_the_whole_one(llava_server):
+    server = llava_server[0]
+    parts = _question(png_data_uri(random_image(61)))
+    whole = _chat(server, parts, max_tokens=6).json()["choices"][0]["message"]["content"]
+    body = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": parts}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+    }
+    text = ""
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers=server.headers(), timeout=120
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = __import__("json").loads(line[6:])["choices"][0]["delta"]
+                text += delta.get("content") or ""
+    assert text == whole
+
+
+def test_anthropic_image_blocks(llava_server):
+    """/v1/messages image blocks (base64 source) answer what the same chat request answers."""
+    server = llava_server[0]
+    img = random_image(71)
+    whole = _chat(server, _question(png_data_uri(img)), max_tokens=5).json()["choices"][0]["message"]["content"]
+    data = base64.b64encode(png_bytes(img)).decode()
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    body = {
+        "model": server.model,
+        "max_tokens": 5,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, block]}],
+    }
+    r = httpx.post(server.url + "/v1/messages", json=body, headers=server.headers(), timeout=120)
+    assert r.status_code == 200, r.text
+    assert "".join(b["text"] for b in r.json()["content"] if b["type"] == "text") == whole
+    bad = {"type": "image", "source": {"type": "url", "url": "https://example.com/x.png"}}
+    body["messages"][0]["content"] = [bad]
+    r = httpx.post(server.url + "/v1/messages", json=body, headers=server.headers(), timeout=120)
+    assert r.status_code == 400 and "not fetched" in r.text, r.text
