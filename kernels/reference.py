@@ -22,6 +22,14 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels import lora_reference, quant_reference, spec_reference
+from pagedserve.kernels.recurrent_reference import (
+    RECURRENT_OP_NAMES,
+    causal_conv1d,
+    causal_conv1d_update,
+    gated_delta_rule,
+    gated_delta_rule_recurrent,
+    rms_norm_gated,
+)
 
 __all__ = [
     "reshape_and_cache",
@@ -53,6 +61,11 @@ __all__ = [
     "fp8_linear",
     "rejection_sample",
     "lora_linear",
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "gated_delta_rule",
+    "gated_delta_rule_recurrent",
+    "rms_norm_gated",
     "OP_NAMES",
 ]
 
@@ -549,4 +562,5 @@ OP_NAMES: tuple[str, ...] = (
     "fp8_linear",
     "rejection_sample",
     "lora_linear",
+    *RECURRENT_OP_NAMES,
 )

@@ -54,6 +54,7 @@ _LLAMA = "pagedserve.models.llama"
 
 _GEMMA = "pagedserve.models.gemma"
 _MOE = "pagedserve.models.moe"
+_QWEN3_5 = "pagedserve.models.qwen3_5"
 
 _ENTRIES: tuple[ModelEntry, ...] = (
     ModelEntry(
@@ -193,6 +194,26 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         gguf=("deepseek2",),
         notes="DeepSeek-V2 / V2-Lite: MLA (keys and values decompressed into the paged cache), "
         "MoE with shared experts, greedy or group-limited routing",
+    ),
+    ModelEntry(
+        "Qwen3_5ForCausalLM",
+        "qwen3_5_text",
+        _QWEN3_5,
+        "Qwen3_5ForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="text only; Gated DeltaNet layers (recurrent state in state pages) 3 : 1 with gated attention "
+        "(output gate, partial rotary, (1 + w) norms); no prefix caching",
+    ),
+    ModelEntry(
+        "Qwen3NextForCausalLM",
+        "qwen3_next",
+        _QWEN3_5,
+        "Qwen3NextForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="Qwen3.5's layers with MoE (gated shared expert) and per-key-head packed DeltaNet projections; "
+        "no prefix caching",
     ),
 )
 
