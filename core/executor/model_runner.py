@@ -198,7 +198,7 @@ class ModelRunner:
             if has_state:
                 per_block = self.kv_block_bytes(bs)
                 raise ValueError(
-                    f"the KV cache budget ({max(num_blocks, 0)} pages of {per_block / 2**20:.2f} MiB) cannot hold "
+                    f"the KV cache budget ({max(num_blocks, 0)} pages of {per_block / 2**10:.1f} KiB) cannot hold "
                     f"even one request of max_model_len={max_model_len} tokens: its attention blocks and "
                     f"{self.state_pages} recurrent-state pages per state layer group need {need} pages; raise "
                     "kv_cache_memory / memory_utilization or lower max_model_len"
