@@ -2,7 +2,8 @@
 
 Layers with a fixed-size state instead of attention over every key: the short causal
 convolution in front of them (with its cache of the last ``width - 1`` inputs), Gated
-DeltaNet (Qwen3.5, Qwen3-Next) and its gated RMSNorm.  Each op works on a varlen batch:
+DeltaNet (Qwen3.5, Qwen3-Next), Mamba 2's state-space scan (Granite 4) and their gated
+RMSNorms.  Each op works on a varlen batch:
 the tokens of all sequences flattened (``[num_tokens, ...]``) with ``query_start_loc``
 (int32 ``[num_seqs + 1]``) marking each sequence's slice, and one state per sequence.
 States are float32 and updated in place; the caller starts a sequence's first chunk from
@@ -33,6 +34,8 @@ __all__ = [
     "gated_delta_rule",
     "gated_delta_rule_recurrent",
     "rms_norm_gated",
+    "mamba2_ssd",
+    "mamba2_ssd_step",
     "RECURRENT_OP_NAMES",
 ]
 
@@ -208,12 +211,119 @@ def gated_delta_rule(
     return out
 
 
-def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x [n, d] times ``weight`` [d], then times silu(gate [n, d]) (norm before
-    the gate, as Gated DeltaNet's output norm); float32 inside, x's dtype out."""
-    xf = x.float()
-    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return (h * F.silu(gate.float())).to(x.dtype)
+def rms_norm_gated(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    norm_before_gate: bool = True,
+    group_size: int | None = None,
+) -> torch.Tensor:
+    """Gated RMSNorm of x [n, d] with gate [n, d] and ``weight`` [d]; float32 inside,
+    x's dtype out.  ``norm_before_gate``: rms_norm(x) * weight * silu(gate) (Gated
+    DeltaNet's output norm); else rms_norm(x * silu(gate)) * weight (Mamba 2's).  The
+    mean of squares runs over groups of ``group_size`` channels (None: all ``d``)."""
+    n, d = x.shape
+    size = d if group_size is None else group_size
+    xf, gf = x.float(), F.silu(gate.float())
+    if not norm_before_gate:
+        xf = xf * gf
+    grouped = xf.view(n, d // size, size)
+    h = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)).view(n, d) * weight.float()
+    if norm_before_gate:
+        h = h * gf
+    return h.to(x.dtype)
+
+
+def _ssd_inputs(x, dt, B, C):
+    """float32 x [.., H, P], dt [.., H], and B, C [.., G, N] repeated to the H heads."""
+    rep = x.shape[-2] // B.shape[-2]
+    return x.float(), dt.float(), B.float().repeat_interleave(rep, dim=-2), C.float().repeat_interleave(rep, dim=-2)
+
+
+def mamba2_ssd_step(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """Mamba 2's selective state update for one token per sequence (decode).
+
+    x: [num_seqs, heads, head_dim]; dt: [num_seqs, heads], the step sizes (after
+    softplus and any clamp); A, D: float32 [heads] (A < 0); B, C: [num_seqs, groups,
+    d_state] (heads split evenly over groups); state: float32 [num_seqs, heads, head_dim,
+    d_state], updated in place::
+
+        state <- exp(dt * A) * state + dt * x B^T;   y = state C + D * x
+
+    Returns y [num_seqs, heads, head_dim] in x's dtype.
+    """
+    xf, dtf, Bf, Cf = _ssd_inputs(x, dt, B, C)
+    decay = (dtf * A.float()).exp()[..., None, None]
+    s = state * decay + (dtf[..., None] * xf).unsqueeze(-1) * Bf.unsqueeze(-2)
+    state.copy_(s)
+    y = torch.einsum("shpn,shn->shp", s, Cf) + D.float()[:, None] * xf
+    return y.to(x.dtype)
+
+
+def _ssd_chunks(x, dt, A, B, C, s, chunk):
+    """One sequence, float32: x [H, L, P], dt [H, L], A [H], B, C [H, L, N], s [H, P, N]
+    -> (y without the D term [H, L, P], final state)."""
+    H, L, P = x.shape
+    out = torch.empty_like(x)
+    for c0 in range(0, L, chunk):
+        c1 = min(L, c0 + chunk)
+        xc, dtc, Bc, Cc = x[:, c0:c1], dt[:, c0:c1], B[:, c0:c1], C[:, c0:c1]
+        cum = (dtc * A[:, None]).cumsum(-1)  # [H, C] log decay from the chunk start through each token
+        diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)
+        causal = torch.ones(c1 - c0, c1 - c0, dtype=torch.bool, device=x.device).tril()
+        decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+        # y_i = exp(cum_i) C_i . S0 + sum_{j <= i} exp(cum_i - cum_j) (C_i . B_j) dt_j x_j
+        scores = (Cc @ Bc.transpose(-1, -2)) * decay
+        u = xc * dtc.unsqueeze(-1)
+        out[:, c0:c1] = scores @ u + (Cc @ s.transpose(-1, -2)) * cum.exp().unsqueeze(-1)
+        last = cum[:, -1:]
+        s = s * last.exp()[..., None] + (u * (last - cum).exp().unsqueeze(-1)).transpose(-1, -2) @ Bc
+    return out, s
+
+
+def mamba2_ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    chunk_size: int = 256,
+) -> torch.Tensor:
+    """Mamba 2's state-space scan in chunks (SSD) over a varlen batch: the recursion of
+    :func:`mamba2_ssd_step` for every token.  x: [num_tokens, heads, head_dim]; dt:
+    [num_tokens, heads]; B, C: [num_tokens, groups, d_state]; state: float32 [num_seqs,
+    heads, head_dim, d_state], each sequence's state before its tokens (zeros to start
+    one), updated in place.  Returns y [num_tokens, heads, head_dim] in x's dtype."""
+    xf, dtf, Bf, Cf = _ssd_inputs(x, dt, B, C)
+    Af, Df = A.float(), D.float()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    starts = query_start_loc.tolist()
+    for i in range(len(starts) - 1):
+        s, e = starts[i], starts[i + 1]
+        y, final = _ssd_chunks(
+            xf[s:e].transpose(0, 1),
+            dtf[s:e].t(),
+            Af,
+            Bf[s:e].transpose(0, 1),
+            Cf[s:e].transpose(0, 1),
+            state[i],
+            chunk_size,
+        )
+        out[s:e] = (y.transpose(0, 1) + Df[:, None] * xf[s:e]).to(x.dtype)
+        state[i] = final
+    return out
 
 
 RECURRENT_OP_NAMES: tuple[str, ...] = (
@@ -222,4 +332,6 @@ RECURRENT_OP_NAMES: tuple[str, ...] = (
     "gated_delta_rule",
     "gated_delta_rule_recurrent",
     "rms_norm_gated",
+    "mamba2_ssd",
+    "mamba2_ssd_step",
 )

@@ -28,6 +28,8 @@ from pagedserve.kernels.recurrent_reference import (
     causal_conv1d_update,
     gated_delta_rule,
     gated_delta_rule_recurrent,
+    mamba2_ssd,
+    mamba2_ssd_step,
     rms_norm_gated,
 )
 
@@ -66,6 +68,8 @@ __all__ = [
     "gated_delta_rule",
     "gated_delta_rule_recurrent",
     "rms_norm_gated",
+    "mamba2_ssd",
+    "mamba2_ssd_step",
     "OP_NAMES",
 ]
 

@@ -215,6 +215,16 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         notes="Qwen3.5's layers with MoE (gated shared expert) and per-key-head packed DeltaNet projections; "
         "no prefix caching",
     ),
+    ModelEntry(
+        "GraniteMoeHybridForCausalLM",
+        "granitemoehybrid",
+        "pagedserve.models.granite_hybrid",
+        "GraniteMoeHybridForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="Granite 4: Mamba 2 layers (SSD scan, state in state pages) beside attention without RoPE, "
+        "MoE plus a shared MLP, Granite multipliers; no prefix caching",
+    ),
 )
 
 _BY_ARCH: dict[str, ModelEntry] = {e.architecture: e for e in _ENTRIES}

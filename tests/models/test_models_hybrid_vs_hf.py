@@ -28,34 +28,60 @@ BASE = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=12,
-    linear_conv_kernel_dim=4,
     max_position_embeddings=256,
     rms_norm_eps=1e-5,
     bos_token_id=1,
     eos_token_id=2,
     tie_word_embeddings=False,
 )
+#: Gated DeltaNet shapes (Qwen3.5, Qwen3-Next): 2 key heads of 8, 4 value heads of 12.
+DELTANET = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_conv_kernel_dim=4,
+)
 
 #: name -> (transformers config class, model class, config overrides)
 CASES: dict[str, tuple[str, str, dict]] = {
-    "qwen3_5-deltanet-gated-attn": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "qwen3_5-deltanet-gated-attn": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", DELTANET),
     "qwen3_5-tied-mixed-order": (
         "Qwen3_5TextConfig",
         "Qwen3_5ForCausalLM",
         dict(
+            DELTANET,
             tie_word_embeddings=True,
             layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
             linear_num_value_heads=2,
+        ),
+    ),
+    "granite4-mamba2-moe-nope": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            layer_types=["mamba", "attention", "mamba", "mamba"],
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            mamba_chunk_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=48,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.3,
+            logits_scaling=2.5,
         ),
     ),
     "qwen3next-moe-shared-expert": (
         "Qwen3NextConfig",
         "Qwen3NextForCausalLM",
         dict(
+            DELTANET,
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
@@ -93,7 +119,7 @@ def _init_weights(model) -> None:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.2 if "embed" in name else 0.08))
-            elif "A_log" in name or "dt_bias" in name:
+            elif "A_log" in name or "dt_bias" in name or name.endswith(".D"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.7)
             elif "linear_attn.norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
