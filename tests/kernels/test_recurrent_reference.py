@@ -120,3 +120,59 @@ def test_rms_norm_gated_matches_transformers():
     with torch.no_grad():
         norm.weight.copy_(torch.randn(12, generator=gen))
         torch.testing.assert_close(ref.rms_norm_gated(x, z, norm.weight, 1e-5), norm(x, z))
+
+
+def _ssd_inputs(gen: torch.Generator, lens: list[int], heads: int = 4, head_dim: int = 6, groups: int = 2, n: int = 5):
+    t = sum(lens)
+    x = torch.randn(t, heads, head_dim, generator=gen)
+    dt = F.softplus(torch.randn(t, heads, generator=gen))
+    A = -torch.rand(heads, generator=gen) * 2 - 0.1
+    B = torch.randn(t, groups, n, generator=gen)
+    C = torch.randn(t, groups, n, generator=gen)
+    D = torch.randn(heads, generator=gen)
+    state = torch.randn(len(lens), heads, head_dim, n, generator=gen) * 0.3
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return x, dt, A, B, C, D, state, qsl
+
+
+@pytest.mark.parametrize("chunk", [3, 16, 256])
+def test_mamba2_ssd_chunked_equals_its_recursion(chunk):
+    gen = torch.Generator().manual_seed(10 + chunk)
+    x, dt, A, B, C, D, state, qsl = _ssd_inputs(gen, [1, 21, 40, 7])
+    s_chunked = state.clone()
+    out = ref.mamba2_ssd(x, dt, A, B, C, D, s_chunked, qsl, chunk)
+    want = torch.full_like(x, float("nan"))
+    s_want = state.clone()
+    for i in range(len(qsl) - 1):
+        s = s_want[i : i + 1].clone()
+        for t in range(int(qsl[i]), int(qsl[i + 1])):
+            sl = slice(t, t + 1)
+            want[sl] = ref.mamba2_ssd_step(x[sl], dt[sl], A, B[sl], C[sl], D, s)
+        s_want[i] = s[0]
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s_chunked, s_want, rtol=1e-4, atol=1e-4)
+
+
+def test_mamba2_step_is_the_state_space_recursion():
+    gen = torch.Generator().manual_seed(4)
+    x, dt, A, B, C, D, state, _ = _ssd_inputs(gen, [1, 1, 1])
+    s = state.clone()
+    y = ref.mamba2_ssd_step(x, dt, A, B, C, D, s)
+    for i in range(3):
+        for h in range(4):
+            g = h // 2  # 4 heads over 2 groups
+            new = torch.exp(dt[i, h] * A[h]) * state[i, h] + dt[i, h] * torch.outer(x[i, h], B[i, g])
+            torch.testing.assert_close(s[i, h], new)
+            torch.testing.assert_close(y[i, h], new @ C[i, g] + D[h] * x[i, h])
+
+
+def test_grouped_gate_first_rms_norm_matches_granite():
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridRMSNormGated
+
+    gen = torch.Generator().manual_seed(5)
+    x, z = torch.randn(5, 16, generator=gen), torch.randn(5, 16, generator=gen)
+    norm = GraniteMoeHybridRMSNormGated(16, group_size=8, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16, generator=gen))
+        got = ref.rms_norm_gated(x, z, norm.weight, 1e-5, norm_before_gate=False, group_size=8)
+        torch.testing.assert_close(got, norm(x, z))
