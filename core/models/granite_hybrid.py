@@ -22,12 +22,12 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.decoder import DecoderForCausalLM, KVCache
 from pagedserve.models.layers import add_rms_norm, fuse, gated_mlp, layer_windows, linear, paged_attention, qkv_split
-from pagedserve.models.recurrent import StateLayout, chunk_info
+from pagedserve.models.mamba2 import Mamba2Mixer
+from pagedserve.models.recurrent import StateLayout
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
@@ -71,7 +71,7 @@ class GraniteHybridLayer:
     )
 
 
-class GraniteMoeHybridForCausalLM(DecoderForCausalLM):
+class GraniteMoeHybridForCausalLM(Mamba2Mixer, DecoderForCausalLM):
     layer_class = GraniteHybridLayer
     linear_fields = ("qkv", "o", "in_proj", "out_proj", "gate_up", "down")
     tensor_parallel = False
@@ -114,6 +114,7 @@ class GraniteMoeHybridForCausalLM(DecoderForCausalLM):
         self.top_k = int(hf.get("num_experts_per_tok") or 0)
         self.use_rope = hf.get("position_embedding_type") == "rope"
         self.residual_multiplier = float(hf.get("residual_multiplier", 1.0))
+        self.mamba_eps = cfg.rms_norm_eps
 
     def attention_scale(self) -> float:
         return float(self.cfg.hf_config.get("attention_multiplier", self.cfg.head_dim**-0.5))
@@ -208,32 +209,3 @@ class GraniteMoeHybridForCausalLM(DecoderForCausalLM):
             top, ids = logits.topk(self.top_k, dim=-1)
             out = out + ops.fused_moe(h, layer.w13, layer.w2, torch.softmax(top, dim=-1), ids, "silu")
         return out * self.residual_multiplier, residual
-
-    def _mamba(
-        self, ops, layer: GraniteHybridLayer, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        n = h.shape[0]
-        z, xbc, dt = linear(ops, h, layer.in_proj).split([self.d_inner, self.conv_dim, self.heads], dim=-1)
-        has_state, decode = chunk_info(meta)
-        conv_state, state = self.state.read(kv_cache, meta.block_tables, has_state)
-        if decode:
-            xbc = ops.causal_conv1d_update(xbc, layer.conv, layer.conv_bias, conv_state, "silu")
-        else:
-            xbc = ops.causal_conv1d(
-                xbc, layer.conv, layer.conv_bias, conv_state, meta.query_start_loc, has_state, "silu"
-            )
-        gn = self.groups * self.d_state
-        xs, B, C = xbc.split([self.d_inner, gn, gn], dim=-1)
-        xs = xs.reshape(n, self.heads, self.head_dim)
-        B, C = B.reshape(n, self.groups, self.d_state), C.reshape(n, self.groups, self.d_state)
-        step = F.softplus(dt.float() + layer.dt_bias)
-        if self.dt_limit != (0.0, math.inf):
-            step = step.clamp(*self.dt_limit)
-        if decode:
-            y = ops.mamba2_ssd_step(xs, step, layer.A, B, C, layer.D, state)
-        else:
-            y = ops.mamba2_ssd(xs, step, layer.A, B, C, layer.D, state, meta.query_start_loc, self.chunk)
-        self.state.write(kv_cache, meta.block_tables, [conv_state, state])
-        size = self.d_inner // self.groups
-        y = ops.rms_norm_gated(y.reshape(n, self.d_inner), z, layer.out_norm, self.cfg.rms_norm_eps, False, size)
-        return linear(ops, y, layer.out_proj)

@@ -37,6 +37,7 @@ __all__ = [
     "GATED_ACTIVATIONS",
     "head_rms_norm",
     "layer_windows",
+    "block_types",
     "route_topk",
 ]
 
@@ -219,6 +220,14 @@ def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | str | None]
     window = hf.get("sliding_window")
     if hf.get("use_sliding_window") is False:
         window = None  # Qwen2/Qwen3/SmolLM3 keep a window size they do not use
+    blocks = block_types(hf)
+    if blocks is not None:
+        # Nemotron-H: one mixer per layer.  Its MLP layers keep no KV; they sit in
+        # recurrent-state groups (fixed pages per request they never read) rather than
+        # in attention groups (pages per token).
+        if len(blocks) != num_layers:
+            raise ValueError(f"layers_block_type has {len(blocks)} entries for {num_layers} layers")
+        return [None if b == "full_attention" else RECURRENT_STATE for b in blocks]
     types = hf.get("layer_types")
     if types is not None:
         if len(types) != num_layers:
@@ -241,6 +250,26 @@ def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | str | None]
     return [
         w if w is None or w == RECURRENT_STATE else None if limit is not None and w >= limit else int(w) for w in out
     ]
+
+
+#: Nemotron-H's ``hybrid_override_pattern`` letters -> ``layers_block_type`` names.
+_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def block_types(hf: dict[str, Any]) -> list[str] | None:
+    """Each layer's mixer of a one-mixer-per-layer config (Nemotron-H: ``layers_block_type``,
+    or ``hybrid_override_pattern`` such as ``"M-M*-"``), None for other configs."""
+    blocks = hf.get("layers_block_type")
+    if blocks is None and isinstance(hf.get("hybrid_override_pattern"), str):
+        pattern = hf["hybrid_override_pattern"]
+        unknown = sorted(set(pattern) - _PATTERN.keys())
+        if unknown:
+            raise ValueError(f"hybrid_override_pattern letters {unknown} are not supported (M, *, -, E)")
+        blocks = [_PATTERN[c] for c in pattern]
+    if blocks is None:
+        return None
+    names = {"mamba": "linear_attention", "attention": "full_attention"}
+    return [names.get(b, b) for b in blocks]
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

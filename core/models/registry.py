@@ -225,6 +225,16 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         notes="Granite 4: Mamba 2 layers (SSD scan, state in state pages) beside attention without RoPE, "
         "MoE plus a shared MLP, Granite multipliers; no prefix caching",
     ),
+    ModelEntry(
+        "NemotronHForCausalLM",
+        "nemotron_h",
+        "pagedserve.models.nemotron_h",
+        "NemotronHForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="one mixer per layer: Mamba 2, attention without RoPE, squared-ReLU MLP (`backbone.*` names); "
+        "MoE layers refused; no prefix caching",
+    ),
 )
 
 _BY_ARCH: dict[str, ModelEntry] = {e.architecture: e for e in _ENTRIES}

@@ -77,6 +77,20 @@ CASES: dict[str, tuple[str, str, dict]] = {
             logits_scaling=2.5,
         ),
     ),
+    "nemotronh-mamba2-mlp-attn": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention"],
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=8,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=32,
+            layer_norm_epsilon=1e-5,
+        ),
+    ),
     "qwen3next-moe-shared-expert": (
         "Qwen3NextConfig",
         "Qwen3NextForCausalLM",
@@ -111,9 +125,10 @@ def _prompts(seed: int) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 19, 31, 150, 5)]
 
 
-def _init_weights(model) -> None:
+def _init_weights(model, zero_centered: bool) -> None:
     """Wider-than-default weights spread the logits; decays of both signs of A_log and
-    dt_bias; (1 + w) norms near 1, the DeltaNet's output norm (w) near 1."""
+    dt_bias; norms near 1 (Qwen's ``(1 + w)`` ones: w near 0; its DeltaNet's output norm
+    multiplies by w)."""
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -121,9 +136,9 @@ def _init_weights(model) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.2 if "embed" in name else 0.08))
             elif "A_log" in name or "dt_bias" in name or name.endswith(".D"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.7)
-            elif "linear_attn.norm" in name:
+            elif "norm" in name and (not zero_centered or "linear_attn.norm" in name):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
+            else:  # biases, (1 + w) norm weights
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
 
 
@@ -135,7 +150,7 @@ def build_checkpoint(path, case: str):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(config)
-    _init_weights(model)
+    _init_weights(model, config_cls.startswith("Qwen"))
     model.to(torch.float32).eval()
     model.save_pretrained(path, safe_serialization=True)
     return model
