@@ -14,6 +14,8 @@ gated full attention (``layer_types``; 3 : 1 in the released checkpoints).
   per-head q/k RMSNorm, partial rotary (``partial_rotary_factor``), and the attention
   output times ``sigmoid(gate)`` before o_proj.
 - Every RMSNorm but the DeltaNet's output norm multiplies by ``1 + w`` (folded in at load).
+- Qwen3.5-MoE: the same layers with sparse MLPs (routed experts plus a sigmoid-gated
+  shared expert) in every layer.
 - Qwen3-Next: the same layers with Qwen2-MoE-style sparse MLPs (routed experts plus a
   sigmoid-gated shared expert) and its checkpoint's per-key-head packing of the DeltaNet
   projections (``in_proj_qkvz``, ``in_proj_ba``), reordered at load.
@@ -44,7 +46,7 @@ from pagedserve.models.recurrent import StateLayout, chunk_info
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
 
-__all__ = ["Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5Layer"]
+__all__ = ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5Layer"]
 
 _ATTN = ("q_proj", "k_proj", "v_proj")
 
@@ -116,7 +118,9 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             self.renormalize = bool(hf.get("norm_topk_prob", True))
             step = int(hf.get("decoder_sparse_step", 1) or 1)
             dense = set(hf.get("mlp_only_layers") or [])
-            self.sparse = [i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers)]
+            self.sparse = [
+                self.num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers)
+            ]
         else:
             self.sparse = [False] * cfg.num_layers
 
@@ -269,6 +273,13 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         out = ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu")
         gate = torch.sigmoid(linear(ops, h, layer.shared_gate))
         return out + gate * gated_mlp(ops, h, layer.gate_up, layer.down)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE (text): Qwen3.5's layers with sparse MLPs (routed experts plus a
+    sigmoid-gated shared expert) in every layer."""
+
+    moe = True
 
 
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):

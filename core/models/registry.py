@@ -206,6 +206,15 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "(output gate, partial rotary, (1 + w) norms); no prefix caching",
     ),
     ModelEntry(
+        "Qwen3_5MoeForCausalLM",
+        "qwen3_5_moe_text",
+        _QWEN3_5,
+        "Qwen3_5MoeForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="text only; Qwen3.5's layers with MoE (gated shared expert) in every layer; no prefix caching",
+    ),
+    ModelEntry(
         "Qwen3NextForCausalLM",
         "qwen3_next",
         _QWEN3_5,

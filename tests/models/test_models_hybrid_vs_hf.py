@@ -91,6 +91,13 @@ CASES: dict[str, tuple[str, str, dict]] = {
             layer_norm_epsilon=1e-5,
         ),
     ),
+    "qwen3_5moe-experts-every-layer": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        dict(
+            DELTANET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=40
+        ),
+    ),
     "qwen3next-moe-shared-expert": (
         "Qwen3NextConfig",
         "Qwen3NextForCausalLM",
@@ -194,8 +201,18 @@ def _check(outs, expected, what: str) -> None:
                 assert math.isclose(entry[tok].logprob, logprobs[j], abs_tol=2e-4), (what, i, j)
 
 
-@pytest.mark.parametrize("engine_kind", list(ENGINES))
-@pytest.mark.parametrize("case", list(CASES))
+def _cases() -> list:
+    """Every family under preemption (its 150-token prompt in 64-token chunks: the state
+    carried across steps); the first Qwen3.5 case under every engine; the rest are slow."""
+    out = []
+    for case in CASES:
+        for kind in ENGINES:
+            quick = kind == "preempting" or case == "qwen3_5-deltanet-gated-attn"
+            out.append(pytest.param(case, kind, marks=() if quick else pytest.mark.slow, id=f"{case}-{kind}"))
+    return out
+
+
+@pytest.mark.parametrize(("case", "engine_kind"), _cases())
 def test_hybrid_greedy_and_logprobs_match_transformers(case, engine_kind, checkpoints):
     path, prompts, expected = checkpoints(case)
     llm = LLM(model=str(path), **COMMON, **ENGINES[engine_kind])
