@@ -24,6 +24,7 @@ __all__ = [
     "check_kv_cache_groups",
     "check_recurrent_state",
     "RECURRENT_STATE",
+    "NO_KV_CACHE",
     "check_prompt_fits_step",
     "check_logprobs_limit",
     "check_data_parallel",
@@ -226,6 +227,9 @@ def check_sliding_window_cache(cfg: EngineConfig, window: int | None) -> int | N
 #: short convolutions) instead of a growing key/value list: its KV cache group holds a
 #: fixed number of pages per request (pagedserve.kv_cache.state_group).
 RECURRENT_STATE = "recurrent"
+#: The "window" of a layer that keeps nothing per request (an MLP-only layer of a
+#: one-mixer-per-layer model such as Nemotron-H): it belongs to no KV cache group.
+NO_KV_CACHE = "no_kv"
 
 
 def check_kv_cache_groups(cfg: EngineConfig, windows: list[int | str | None]) -> None:

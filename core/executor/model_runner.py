@@ -231,7 +231,7 @@ class ModelRunner:
         """Each model layer's group, and each local layer's slot (a pipeline stage
         allocates only the slots its layers use)."""
         self.state_groups = frozenset(i for i, g in enumerate(groups) if g.is_state)
-        group_of, slot_of = layer_slots(groups)
+        group_of, slot_of = layer_slots(groups, self.arch.num_layers)
         self.layer_groups = group_of
         local = slot_of[self.model.layer_start : self.model.layer_end]
         used = sorted(set(local))

@@ -24,7 +24,9 @@ group (see :meth:`GroupedKVCacheManager.get_computed_blocks`).
 Layers with a recurrent state (window :data:`RECURRENT_STATE`: Gated DeltaNet, Mamba 2)
 form groups of their own whose requests hold a fixed number of pages each, their state
 (:mod:`pagedserve.kv_cache.state_group`); those groups exist whatever
-``free_sliding_window_blocks`` says, and they never hit the prefix cache.
+``free_sliding_window_blocks`` says, and they never hit the prefix cache.  Layers that
+keep nothing per request (window :data:`NO_KV_CACHE`: Nemotron-H's MLP layers) are in no
+group.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedserve.config_rules import RECURRENT_STATE
+from pagedserve.config_rules import NO_KV_CACHE, RECURRENT_STATE
 from pagedserve.kv_cache.block_pool import BlockPool, KVBlock
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.kv_cache.sliding_window import first_visible_block, max_blocks_held, uniform_window
@@ -46,9 +48,10 @@ __all__ = [
     "GroupedKVCacheManager",
     "grouped_blocks_for_one_request",
     "RECURRENT_STATE",
+    "NO_KV_CACHE",
 ]
 
-#: A layer's window: tokens it attends to (None: all), or RECURRENT_STATE.
+#: A layer's window: tokens it attends to (None: all), RECURRENT_STATE, or NO_KV_CACHE.
 Window = int | str | None
 
 
@@ -76,17 +79,21 @@ def kv_cache_groups(windows: Sequence[Window], free_slid_out: bool = True) -> li
     last; with ``free_slid_out`` off the attention layers of a model with recurrent
     layers are one full-attention type (every block kept).
     """
-    n = len(windows)
-    if n and all(w == RECURRENT_STATE for w in windows):
-        return [KVGroup(RECURRENT_STATE, tuple(range(n)))]
-    if RECURRENT_STATE in windows and not free_slid_out:
-        windows = [w if w == RECURRENT_STATE else None for w in windows]
+    # Layers that keep nothing per request (Nemotron-H's MLP layers) belong to no group.
+    kept = [(i, w) for i, w in enumerate(windows) if w != NO_KV_CACHE]
+    ws = [w for _, w in kept]
+    every = tuple(i for i, _ in kept)
+    if ws and all(w == RECURRENT_STATE for w in ws):
+        return [KVGroup(RECURRENT_STATE, every)]
+    if RECURRENT_STATE in ws and not free_slid_out:
+        kept = [(i, w if w == RECURRENT_STATE else None) for i, w in kept]
+        ws = [w for _, w in kept]
         free_slid_out = True
-    if not free_slid_out or n == 0 or all(w == windows[0] for w in windows):
-        window = uniform_window(windows) if free_slid_out else None
-        return [KVGroup(window, tuple(range(n)))]
-    by_window: dict[int | None, list[int]] = {}
-    for i, w in enumerate(windows):
+    if not free_slid_out or not ws or all(w == ws[0] for w in ws):
+        window = uniform_window(ws) if free_slid_out else None
+        return [KVGroup(window, every)]
+    by_window: dict[Window, list[int]] = {}
+    for i, w in kept:
         by_window.setdefault(w, []).append(i)
     sizes = [len(v) for v in by_window.values()]
     size = max(sizes) if max(sizes) < 1.25 * min(sizes) else min(sizes)
@@ -94,10 +101,12 @@ def kv_cache_groups(windows: Sequence[Window], free_slid_out: bool = True) -> li
     return [KVGroup(w, tuple(by_window[w][i : i + size])) for w in order for i in range(0, len(by_window[w]), size)]
 
 
-def layer_slots(groups: Sequence[KVGroup]) -> tuple[list[int], list[int]]:
-    """(group index, slot index) of each model layer: the slot is the layer's place in
-    its group, the KV tensor it shares with the same place of every other group."""
-    n = sum(len(g.layers) for g in groups)
+def layer_slots(groups: Sequence[KVGroup], num_layers: int | None = None) -> tuple[list[int], list[int]]:
+    """(group index, slot index) of each of ``num_layers`` model layers (None: the layers
+    of ``groups``): the slot is the layer's place in its group, the KV tensor it shares
+    with the same place of every other group.  A layer in no group (it keeps no KV) gets
+    (0, 0), which it never reads."""
+    n = sum(len(g.layers) for g in groups) if num_layers is None else num_layers
     group_of, slot_of = [0] * n, [0] * n
     for gi, g in enumerate(groups):
         for j, layer in enumerate(g.layers):

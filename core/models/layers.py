@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedserve.config_rules import RECURRENT_STATE
+from pagedserve.config_rules import NO_KV_CACHE, RECURRENT_STATE
 from pagedserve.models.rope import rope_cos_sin_cache
 from pagedserve.quantization.base import QuantizedWeight
 
@@ -222,12 +222,11 @@ def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | str | None]
         window = None  # Qwen2/Qwen3/SmolLM3 keep a window size they do not use
     blocks = block_types(hf)
     if blocks is not None:
-        # Nemotron-H: one mixer per layer.  Its MLP layers keep no KV; they sit in
-        # recurrent-state groups (fixed pages per request they never read) rather than
-        # in attention groups (pages per token).
+        # Nemotron-H: one mixer per layer; its MLP layers keep nothing per request.
         if len(blocks) != num_layers:
             raise ValueError(f"layers_block_type has {len(blocks)} entries for {num_layers} layers")
-        return [None if b == "full_attention" else RECURRENT_STATE for b in blocks]
+        kinds = {"full_attention": None, "linear_attention": RECURRENT_STATE}
+        return [kinds.get(b, NO_KV_CACHE) for b in blocks]
     types = hf.get("layer_types")
     if types is not None:
         if len(types) != num_layers:

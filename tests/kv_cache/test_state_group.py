@@ -9,11 +9,13 @@ import random
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.kv_cache.kv_groups import (
+    NO_KV_CACHE,
     RECURRENT_STATE,
     GroupedKVCacheManager,
     KVGroup,
     grouped_blocks_for_one_request,
     kv_cache_groups,
+    layer_slots,
 )
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
@@ -39,6 +41,14 @@ def test_state_layers_group_apart_and_last():
     # One request of 40 tokens: 10 attention blocks, 3 pages in each state group, the null block.
     assert grouped_blocks_for_one_request(kv_cache_groups([S, None, S, None]), BS, 40, 8, state_pages=3) == 14
     assert grouped_blocks_for_one_request(kv_cache_groups([S, S, S, None]), BS, 40, 8, state_pages=3) == 20
+
+
+def test_layers_without_kv_belong_to_no_group():
+    # Nemotron-H "M-*-M": its MLP layers keep nothing; they map to (group 0, slot 0), unread.
+    groups = kv_cache_groups([S, NO_KV_CACHE, None, NO_KV_CACHE, S])
+    assert groups == [KVGroup(None, (2,)), KVGroup(S, (0,)), KVGroup(S, (4,))]
+    assert layer_slots(groups, 5) == ([1, 0, 0, 0, 2], [0, 0, 0, 0, 0])
+    assert grouped_blocks_for_one_request(groups, BS, 40, 8, state_pages=3) == 1 + 10 + 3 + 3
 
 
 def test_state_pages_are_fixed_per_request_and_freed():
