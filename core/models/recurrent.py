@@ -50,7 +50,7 @@ class StateLayout:
     def read(
         self, kv_cache: tuple[torch.Tensor, torch.Tensor], pages: torch.Tensor, has_state: torch.Tensor
     ) -> list[torch.Tensor]:
-        """Each state tensor, float32 ``[num_seqs, *shape]`` (a copy): read from the pages
+        """Each state tensor, float32 contiguous ``[num_seqs, *shape]`` (a copy): read from the pages
         (``pages``: int [num_seqs, num_pages], the group's block tables) where ``has_state``,
         zeros elsewhere (a page not written yet may hold anything, NaN included)."""
         k, v = kv_cache
@@ -58,7 +58,8 @@ class StateLayout:
         n = idx.shape[0]
         flat = torch.cat([k[idx].reshape(n, -1), v[idx].reshape(n, -1)], dim=1)[:, : self.numel].float()
         flat = torch.where(has_state.view(n, 1), flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
-        return [t.reshape(n, *s) for t, s in zip(flat.split(self.sizes, dim=1), self.shapes)]
+        # Contiguous: kernels update them in place through raw pointers.
+        return [t.reshape(n, *s).contiguous() for t, s in zip(flat.split(self.sizes, dim=1), self.shapes)]
 
     def write(
         self, kv_cache: tuple[torch.Tensor, torch.Tensor], pages: torch.Tensor, states: Sequence[torch.Tensor]

@@ -32,6 +32,7 @@ def _gdn_step_kernel(
     beta_ptr,
     state_ptr,
     out_ptr,
+    scale,
     HK: tl.constexpr,
     HV: tl.constexpr,
     DK: tl.constexpr,
@@ -53,7 +54,7 @@ def _gdn_step_kernel(
     if L2NORM:
         q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-    q = q * (1.0 / tl.sqrt(float(DK)))
+    q = q * scale
     g = tl.load(g_ptr + s * HV + h).to(tl.float32)
     beta = tl.load(beta_ptr + s * HV + h).to(tl.float32)
     base = state_ptr + (s * HV + h) * DK * DV
@@ -82,9 +83,8 @@ def gated_delta_rule_recurrent_triton(q, k, v, g, beta, state, use_qk_l2norm: bo
     if n == 0:
         return out
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    _gdn_step_kernel[(n, hv)](
-        q, k, v, g, beta, state, out, hk, hv, dk, dv, next_power_of_2(dk), next_power_of_2(dv), bool(use_qk_l2norm)
-    )
+    bk, bv = next_power_of_2(dk), next_power_of_2(dv)
+    _gdn_step_kernel[(n, hv)](q, k, v, g, beta, state, out, dk**-0.5, hk, hv, dk, dv, bk, bv, bool(use_qk_l2norm))
     return out
 
 
