@@ -13,7 +13,15 @@ import torch.nn.functional as F
 from pagedserve.kernels import reference as ref
 
 transformers = pytest.importorskip("transformers")
-from transformers.models.qwen3_5 import modeling_qwen3_5 as hf  # noqa: E402
+
+
+def _hf():
+    """transformers' Qwen3.5 modeling module, imported when a test runs: importing it can
+    import triton, which must not happen at collection, before the Triton tests set
+    TRITON_INTERPRET."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return modeling_qwen3_5
 
 
 def _gdn_inputs(gen: torch.Generator, lens: list[int], hk: int = 2, hv: int = 4, dk: int = 8, dv: int = 12):
@@ -53,6 +61,7 @@ def test_chunked_gated_delta_rule_equals_its_recursion(chunk):
 
 
 def test_gated_delta_rule_matches_transformers_and_carries_state_across_calls():
+    hf = _hf()
     gen = torch.Generator().manual_seed(1)
     q, k, v, g, beta, state, _ = _gdn_inputs(gen, [50])
     want, s_want = hf.torch_chunk_gated_delta_rule(
@@ -114,6 +123,7 @@ def test_causal_conv1d_varlen_continues_its_cache():
 
 
 def test_rms_norm_gated_matches_transformers():
+    hf = _hf()
     gen = torch.Generator().manual_seed(3)
     x, z = torch.randn(6, 12, generator=gen), torch.randn(6, 12, generator=gen)
     norm = hf.Qwen3_5RMSNormGated(12, eps=1e-5)
