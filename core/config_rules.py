@@ -23,6 +23,9 @@ __all__ = [
     "check_multimodal",
     "check_sliding_window_cache",
     "check_kv_cache_groups",
+    "check_recurrent_state",
+    "RECURRENT_STATE",
+    "NO_KV_CACHE",
     "check_prompt_fits_step",
     "check_logprobs_limit",
     "check_data_parallel",
@@ -258,12 +261,25 @@ def check_sliding_window_cache(cfg: EngineConfig, window: int | None) -> int | N
     return window
 
 
-def check_kv_cache_groups(cfg: EngineConfig, windows: list[int | None]) -> None:
+#: The "window" of a layer that keeps a fixed-size recurrent state (Gated DeltaNet, Mamba 2,
+#: short convolutions) instead of a growing key/value list: its KV cache group holds a
+#: fixed number of pages per request (pagedserve.kv_cache.state_group).
+RECURRENT_STATE = "recurrent"
+#: The "window" of a layer that keeps nothing per request (an MLP-only layer of a
+#: one-mixer-per-layer model such as Nemotron-H): it belongs to no KV cache group.
+NO_KV_CACHE = "no_kv"
+
+
+def check_kv_cache_groups(cfg: EngineConfig, windows: list[int | str | None]) -> None:
     """ValueError for a setting that KV cache groups (layers with different windows whose
-    slid-out blocks are freed: Gemma 2/3, Qwen2 ``max_window_layers``) cannot serve.
+    slid-out blocks are freed: Gemma 2/3, Qwen2 ``max_window_layers``; layers with a
+    recurrent state) cannot serve.
 
     Checked when the checkpoint's config is read, before weights load.
     """
+    if RECURRENT_STATE in windows:
+        check_recurrent_state(cfg)
+        return
     if not cfg.cache.free_sliding_window_blocks or len(set(windows)) < 2:
         return
     spec = cfg.speculative.speculative_config
@@ -279,6 +295,54 @@ def check_kv_cache_groups(cfg: EngineConfig, windows: list[int | None]) -> None:
                 "a model whose layers have different attention windows (one block table per layer group); set "
                 "free_sliding_window_blocks=False (--no-free-sliding-window-blocks) to keep every block"
             )
+
+
+def check_recurrent_state(cfg: EngineConfig) -> None:
+    """ValueError for a setting that a model with recurrent-state layers (Qwen3.5 and
+    Qwen3-Next's Gated DeltaNet, Mamba 2 hybrids) cannot serve: its state holds every
+    token computed so far and cannot be rewound, shared from a prefix or split.
+
+    Checked when the checkpoint's config is read, before weights load.
+    """
+    spec = cfg.speculative.speculative_config
+    kv_dtype = cfg.cache.cache_dtype
+    used = [
+        (
+            cfg.cache.enable_prefix_caching,
+            "enable_prefix_caching=True",
+            "the recurrent state is not checkpointed at block boundaries, so a cached prefix cannot be "
+            "resumed; set enable_prefix_caching=False (--no-enable-prefix-caching)",
+        ),
+        (
+            cfg.cache.kv_offload_memory is not None,
+            f"kv_offload_memory={cfg.cache.kv_offload_memory}",
+            "the host KV tier does not swap state pages; leave kv_offload_memory unset (preemption recomputes)",
+        ),
+        (
+            spec is not None,
+            f"speculative_config method={getattr(spec, 'method', None)!r}",
+            "rejected draft tokens cannot be taken out of a recurrent state; leave speculative_config unset",
+        ),
+        (
+            cfg.device.device_map is not None,
+            f"device_map={cfg.device.device_map!r}",
+            "KV cache groups keep every layer on one platform; leave device_map unset",
+        ),
+        (
+            cfg.parallel.world_size > 1,
+            f"tensor/pipeline parallelism ({_parallel(cfg)})",
+            "the recurrent layers are not sharded yet; use one rank",
+        ),
+        (
+            kv_dtype not in ("auto", "float32", "bfloat16", "float16"),
+            f"kv_cache_dtype={kv_dtype!r}",
+            "recurrent states live in the KV cache's pages and an 8-bit cache cannot hold them; "
+            "use kv_cache_dtype='auto'",
+        ),
+    ]
+    for on, setting, why in used:
+        if on:
+            raise ValueError(f"{setting} cannot be combined with a model that has recurrent-state layers: {why}")
 
 
 def check_prompt_fits_step(scheduler: Any, num_prompt_tokens: int) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels import lora_reference, quant_reference, spec_reference
+from pagedserve.kernels import lora_reference, quant_reference, recurrent_reference, spec_reference
 
 __all__ = [
     "reshape_and_cache",
@@ -55,6 +55,13 @@ __all__ = [
     "fp8_linear",
     "rejection_sample",
     "lora_linear",
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "gated_delta_rule",
+    "gated_delta_rule_recurrent",
+    "rms_norm_gated",
+    "mamba2_ssd",
+    "mamba2_ssd_step",
     "OP_NAMES",
 ]
 
@@ -549,6 +556,48 @@ def lora_linear(
     return lora_reference.lora_linear(y, x, lora_a, lora_b, token_slots)
 
 
+# -- recurrent layers (Gated DeltaNet, Mamba 2): specified in recurrent_reference ----------
+def causal_conv1d(x, weight, bias, conv_state, query_start_loc, has_state, activation="silu"):
+    """Varlen causal depthwise convolution continuing each sequence's window (in place):
+    x [num_tokens, dim] -> [num_tokens, dim].  See :func:`recurrent_reference.causal_conv1d`."""
+    return recurrent_reference.causal_conv1d(x, weight, bias, conv_state, query_start_loc, has_state, activation)
+
+
+def causal_conv1d_update(x, weight, bias, conv_state, activation="silu"):
+    """One token per sequence: x [num_seqs, dim] -> [num_seqs, dim], window shifted in place.
+    See :func:`recurrent_reference.causal_conv1d_update`."""
+    return recurrent_reference.causal_conv1d_update(x, weight, bias, conv_state, activation)
+
+
+def gated_delta_rule(q, k, v, g, beta, state, query_start_loc, use_qk_l2norm=True, chunk_size=64):
+    """Chunked Gated DeltaNet over a varlen batch, states updated in place.
+    See :func:`recurrent_reference.gated_delta_rule`."""
+    return recurrent_reference.gated_delta_rule(q, k, v, g, beta, state, query_start_loc, use_qk_l2norm, chunk_size)
+
+
+def gated_delta_rule_recurrent(q, k, v, g, beta, state, use_qk_l2norm=True):
+    """Gated DeltaNet, one token per sequence (decode), states updated in place.
+    See :func:`recurrent_reference.gated_delta_rule_recurrent`."""
+    return recurrent_reference.gated_delta_rule_recurrent(q, k, v, g, beta, state, use_qk_l2norm)
+
+
+def mamba2_ssd(x, dt, A, B, C, D, state, query_start_loc, chunk_size=256):
+    """Mamba 2's chunked state-space scan over a varlen batch, states updated in place.
+    See :func:`recurrent_reference.mamba2_ssd`."""
+    return recurrent_reference.mamba2_ssd(x, dt, A, B, C, D, state, query_start_loc, chunk_size)
+
+
+def mamba2_ssd_step(x, dt, A, B, C, D, state):
+    """Mamba 2's state update, one token per sequence (decode), states updated in place.
+    See :func:`recurrent_reference.mamba2_ssd_step`."""
+    return recurrent_reference.mamba2_ssd_step(x, dt, A, B, C, D, state)
+
+
+def rms_norm_gated(x, gate, weight, eps, norm_before_gate=True, group_size=None):
+    """Gated (grouped) RMSNorm of x [n, d].  See :func:`recurrent_reference.rms_norm_gated`."""
+    return recurrent_reference.rms_norm_gated(x, gate, weight, eps, norm_before_gate, group_size)
+
+
 #: Names of every op in the registry, in the order `pagedserve platforms --ops` shows them.
 OP_NAMES: tuple[str, ...] = (
     "paged_attention",
@@ -580,4 +629,5 @@ OP_NAMES: tuple[str, ...] = (
     "fp8_linear",
     "rejection_sample",
     "lora_linear",
+    *recurrent_reference.RECURRENT_OP_NAMES,
 )

@@ -31,12 +31,14 @@ def prepare_inputs(
     block_size: int,
     device: torch.device,
     layer_groups: Sequence[int] | None = None,
+    state_groups: frozenset[int] = frozenset(),
 ) -> ModelInput:
     """Positions, slot mapping, block tables, seq lens and query offsets for one step.
 
     ``block_ids``: per request its block ids, or with KV cache groups (``layer_groups``:
     each model layer's group) one list per group; each group gets its own block tables
-    and slot mapping.  One Python iteration per *request* (to read its token slice and
+    and slot mapping; a recurrent-state group (``state_groups``) gets its requests' state
+    pages as block tables and no slots (-1).  One Python iteration per *request* (to read its token slice and
     block lists); everything per token is numpy arithmetic.
     """
     reqs = out.scheduled
@@ -70,11 +72,16 @@ def prepare_inputs(
         return torch.from_numpy(a).to(device)
 
     metas = []
-    for group_tables in tables:
+    for g, group_tables in enumerate(tables):
         block_tables = np.zeros((len(reqs), max(len(b) for b in group_tables)), dtype=np.int32)
         for i, b in enumerate(group_tables):
             block_tables[i, : len(b)] = b
-        slots = block_tables[req_idx, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        if g in state_groups:
+            slots = np.full(total, -1, dtype=np.int64)
+        else:
+            slots = (
+                block_tables[req_idx, positions // block_size].astype(np.int64) * block_size + positions % block_size
+            )
         metas.append((t(slots), t(block_tables)))
     meta = AttentionMetadata(
         positions=t(positions),

@@ -172,6 +172,10 @@ class ModelRunner:
         #: layer's KV tensor ("slot"); None: one group, one tensor per layer.
         self.layer_groups: list[int] | None = None
         self.layer_slots: list[int] | None = None
+        #: Pages per request of each recurrent-state KV cache group (0: none; kv_cache/state_group.py).
+        self.state_pages = 0
+        #: The recurrent-state groups' indices (their block tables list state pages, not tokens).
+        self.state_groups: frozenset[int] = frozenset()
         #: Set by pagedserve.lora.LoRAManager.attach with enable_lora.
         self.lora_manager = None
         #: The KV connector blocks are saved to and loaded from (kv_connector), else None.
@@ -238,13 +242,27 @@ class ModelRunner:
         self.kv_dtype = kv_cache_torch_dtype(cache.cache_dtype, self.dtype)
         windows = getattr(self.model, "windows", None) or [None] * self.arch.num_layers
         groups = kv_cache_groups(windows, cache.free_sliding_window_blocks)
-        if len(groups) > 1:
+        has_state = any(g.is_state for g in groups)
+        if has_state:
+            # A state page is one slot's key and value pages (block_size * kv heads * head_dim each).
+            page = 2 * cache.block_size * self.local_arch.num_kv_heads * self.local_arch.head_dim
+            self.state_pages = -(-self.model.state_numel() // page)
+        if len(groups) > 1 or has_state:
             self._use_groups(groups)
             num_blocks = self._kv_budget(cache, sched)[2]
             num_blocks = num_blocks if agree is None else agree(num_blocks)
             bs, step = cache.block_size, sched.max_num_batched_tokens
-            if num_blocks >= grouped_blocks_for_one_request(groups, bs, max_model_len, step):
+            need = grouped_blocks_for_one_request(groups, bs, max_model_len, step, self.state_pages)
+            if num_blocks >= need:
                 return int(num_blocks)
+            if has_state:
+                per_block = self.kv_block_bytes(bs)
+                raise ValueError(
+                    f"the KV cache budget ({max(num_blocks, 0)} pages of {per_block / 2**10:.1f} KiB) cannot hold "
+                    f"even one request of max_model_len={max_model_len} tokens: its attention blocks and "
+                    f"{self.state_pages} recurrent-state pages per state layer group need {need} pages; raise "
+                    "kv_cache_memory / memory_utilization or lower max_model_len"
+                )
             self.layer_groups = self.layer_slots = None  # too small for groups: keep every block
         needed = blocks_for_one_request(cache, sched, max_model_len, windows)
         budget, per_block, num_blocks, where = self._kv_budget(cache, sched)
@@ -272,7 +290,8 @@ class ModelRunner:
     def _use_groups(self, groups: list) -> None:
         """Each model layer's group, and each local layer's slot (a pipeline stage
         allocates only the slots its layers use)."""
-        group_of, slot_of = layer_slots(groups)
+        self.state_groups = frozenset(i for i, g in enumerate(groups) if g.is_state)
+        group_of, slot_of = layer_slots(groups, self.arch.num_layers)
         self.layer_groups = group_of
         local = slot_of[self.model.layer_start : self.model.layer_end]
         used = sorted(set(local))
@@ -459,7 +478,7 @@ class ModelRunner:
         if out.kv_transfers:
             # Spills, reloads and swaps decided by the scheduler: all before the forward.
             self.run_kv_transfers(out.kv_transfers)
-        inp = prepare_inputs(out, block_ids, self.block_size, self.device, self.layer_groups)
+        inp = prepare_inputs(out, block_ids, self.block_size, self.device, self.layer_groups, self.state_groups)
         if self.lora_manager is not None:  # each row's adapter slot, for this forward only
             self.lora_manager.begin_step(
                 [(s.request.lora_request, s.num_new_tokens) for s in out.scheduled], self.device

@@ -20,6 +20,13 @@ generations mostly full ones) instead of a ratio fixed at start-up.
 :class:`GroupedKVCacheManager` coordinates one :class:`KVCacheManager` per group over the
 shared pool: allocation is all groups or none, and a prefix hit must be valid in every
 group (see :meth:`GroupedKVCacheManager.get_computed_blocks`).
+
+Layers with a recurrent state (window :data:`RECURRENT_STATE`: Gated DeltaNet, Mamba 2)
+form groups of their own whose requests hold a fixed number of pages each, their state
+(:mod:`pagedserve.kv_cache.state_group`); those groups exist whatever
+``free_sliding_window_blocks`` says, and they never hit the prefix cache.  Layers that
+keep nothing per request (window :data:`NO_KV_CACHE`: Nemotron-H's MLP layers) are in no
+group.
 """
 
 from __future__ import annotations
@@ -27,48 +34,79 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedserve.config_rules import NO_KV_CACHE, RECURRENT_STATE
 from pagedserve.kv_cache.block_pool import BlockPool, KVBlock
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.kv_cache.sliding_window import first_visible_block, max_blocks_held, uniform_window
+from pagedserve.kv_cache.state_group import StateGroupManager
 from pagedserve.request import Request
 
-__all__ = ["KVGroup", "kv_cache_groups", "layer_slots", "GroupedKVCacheManager", "grouped_blocks_for_one_request"]
+__all__ = [
+    "KVGroup",
+    "kv_cache_groups",
+    "layer_slots",
+    "GroupedKVCacheManager",
+    "grouped_blocks_for_one_request",
+    "RECURRENT_STATE",
+    "NO_KV_CACHE",
+]
+
+#: A layer's window: tokens it attends to (None: all), RECURRENT_STATE, or NO_KV_CACHE.
+Window = int | str | None
 
 
 @dataclass(frozen=True)
 class KVGroup:
-    """Layers (model-wide indices) that share one block table; ``window`` None: full attention."""
+    """Layers (model-wide indices) that share one block table; ``window`` None: full
+    attention, RECURRENT_STATE: a fixed number of state pages per request."""
 
-    window: int | None
+    window: Window
     layers: tuple[int, ...]
 
+    @property
+    def is_state(self) -> bool:
+        return self.window == RECURRENT_STATE
 
-def kv_cache_groups(windows: Sequence[int | None], free_slid_out: bool = True) -> list[KVGroup]:
+
+def kv_cache_groups(windows: Sequence[Window], free_slid_out: bool = True) -> list[KVGroup]:
     """The KV cache groups of a model whose layer ``i`` has window ``windows[i]``.
 
     One group of every layer when the layers share one window (or none), or when
     ``free_slid_out`` is off (every block is kept, one table serves all layers).
     Otherwise one group per type and window, split to ``group_size`` layers each: the
     fewest layers of a type, or the most when they differ by less than 25% (little
-    padding), as vLLM chooses.  Full-attention groups come first.
+    padding), as vLLM chooses.  Full-attention groups come first, recurrent-state ones
+    last; with ``free_slid_out`` off the attention layers of a model with recurrent
+    layers are one full-attention type (every block kept).
     """
-    n = len(windows)
-    if not free_slid_out or n == 0 or all(w == windows[0] for w in windows):
-        window = uniform_window(windows) if free_slid_out else None
-        return [KVGroup(window, tuple(range(n)))]
-    by_window: dict[int | None, list[int]] = {}
-    for i, w in enumerate(windows):
+    # Layers that keep nothing per request (Nemotron-H's MLP layers) belong to no group.
+    kept = [(i, w) for i, w in enumerate(windows) if w != NO_KV_CACHE]
+    ws = [w for _, w in kept]
+    every = tuple(i for i, _ in kept)
+    if ws and all(w == RECURRENT_STATE for w in ws):
+        return [KVGroup(RECURRENT_STATE, every)]
+    if RECURRENT_STATE in ws and not free_slid_out:
+        kept = [(i, w if w == RECURRENT_STATE else None) for i, w in kept]
+        ws = [w for _, w in kept]
+        free_slid_out = True
+    if not free_slid_out or not ws or all(w == ws[0] for w in ws):
+        window = uniform_window(ws) if free_slid_out else None
+        return [KVGroup(window, every)]
+    by_window: dict[Window, list[int]] = {}
+    for i, w in kept:
         by_window.setdefault(w, []).append(i)
     sizes = [len(v) for v in by_window.values()]
     size = max(sizes) if max(sizes) < 1.25 * min(sizes) else min(sizes)
-    order = sorted(by_window, key=lambda w: (w is not None, w or 0))
+    order = sorted(by_window, key=lambda w: (w == RECURRENT_STATE, w is not None, 0 if isinstance(w, str) else w or 0))
     return [KVGroup(w, tuple(by_window[w][i : i + size])) for w in order for i in range(0, len(by_window[w]), size)]
 
 
-def layer_slots(groups: Sequence[KVGroup]) -> tuple[list[int], list[int]]:
-    """(group index, slot index) of each model layer: the slot is the layer's place in
-    its group, the KV tensor it shares with the same place of every other group."""
-    n = sum(len(g.layers) for g in groups)
+def layer_slots(groups: Sequence[KVGroup], num_layers: int | None = None) -> tuple[list[int], list[int]]:
+    """(group index, slot index) of each of ``num_layers`` model layers (None: the layers
+    of ``groups``): the slot is the layer's place in its group, the KV tensor it shares
+    with the same place of every other group.  A layer in no group (it keeps no KV) gets
+    (0, 0), which it never reads."""
+    n = sum(len(g.layers) for g in groups) if num_layers is None else num_layers
     group_of, slot_of = [0] * n, [0] * n
     for gi, g in enumerate(groups):
         for j, layer in enumerate(g.layers):
@@ -76,21 +114,36 @@ def layer_slots(groups: Sequence[KVGroup]) -> tuple[list[int], list[int]]:
     return group_of, slot_of
 
 
+def group_blocks_held(window: Window, num_tokens: int, block_size: int, max_step_tokens: int, state_pages: int) -> int:
+    """Most pages one request of ``num_tokens`` tokens holds at once in a group of ``window``."""
+    if window == RECURRENT_STATE:
+        return state_pages
+    return max_blocks_held(num_tokens, block_size, window, max_step_tokens)
+
+
 def grouped_blocks_for_one_request(
-    groups: Sequence[KVGroup], block_size: int, max_model_len: int, max_step_tokens: int
+    groups: Sequence[KVGroup], block_size: int, max_model_len: int, max_step_tokens: int, state_pages: int = 0
 ) -> int:
     """Pages a pool needs for one request of ``max_model_len`` tokens: each group's most
-    blocks held at once, plus the null block."""
-    return 1 + sum(max_blocks_held(max_model_len, block_size, g.window, max_step_tokens) for g in groups)
+    blocks held at once (``state_pages`` in a recurrent-state group), plus the null block."""
+    return 1 + sum(group_blocks_held(g.window, max_model_len, block_size, max_step_tokens, state_pages) for g in groups)
 
 
 class GroupedKVCacheManager:
     """Block tables per KV cache group over one pool; the interface of KVCacheManager.
 
     ``block_ids`` gives one list per group (group order of :func:`kv_cache_groups`).
+    ``state_pages``: pages per request of each recurrent-state group.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, windows: Sequence[int | None]):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        windows: Sequence[Window],
+        state_pages: int = 0,
+    ):
         if num_blocks < 2:
             raise ValueError(f"KV cache groups need >= 2 blocks (one is the null block), got {num_blocks}")
         self.block_size = block_size
@@ -100,8 +153,13 @@ class GroupedKVCacheManager:
         self.windows = list(windows)
         self.pool = BlockPool(num_blocks - 1, enable_caching=enable_prefix_caching)
         self.null_block = KVBlock(num_blocks - 1, ref_cnt=1)
+        self.state_pages = state_pages
         self.groups = [
-            KVCacheManager(num_blocks, block_size, enable_prefix_caching, w, shared=(self.pool, self.null_block, i))
+            StateGroupManager(self.pool, state_pages)
+            if w == RECURRENT_STATE
+            else KVCacheManager(
+                num_blocks, block_size, enable_prefix_caching, w, shared=(self.pool, self.null_block, i)
+            )
             for i, w in enumerate(self.windows)
         ]
         self.peak_blocks_in_use = 0
@@ -138,7 +196,7 @@ class GroupedKVCacheManager:
 
     def can_fit(self, num_tokens: int, max_step_tokens: int | None = None) -> bool:
         step = num_tokens if max_step_tokens is None else max_step_tokens
-        need = sum(max_blocks_held(num_tokens, self.block_size, w, step) for w in self.windows)
+        need = sum(group_blocks_held(w, num_tokens, self.block_size, step, self.state_pages) for w in self.windows)
         return need <= self.pool.num_blocks
 
     # -- prefix caching -------------------------------------------------------------------
@@ -168,7 +226,7 @@ class GroupedKVCacheManager:
         while n > 0:
             ok = True
             for w, t in zip(self.windows, trailing):
-                first = 0 if w is None else first_visible_block(n * bs, w, bs)
+                first = 0 if w is None or w == RECURRENT_STATE else first_visible_block(n * bs, w, bs)
                 if t[n] < n - first:
                     ok = False
                     break

@@ -31,8 +31,9 @@ __all__ = [
 
 def uniform_window(windows: Sequence[int | None] | None) -> int | None:
     """The window every layer shares, or None when some layer attends to every key or
-    the windows differ (then no block can be freed while its request runs)."""
-    if not windows or windows[0] is None or any(w != windows[0] for w in windows):
+    the windows differ (then no block can be freed while its request runs), or for
+    layers with a recurrent state (``config_rules.RECURRENT_STATE``)."""
+    if not windows or not isinstance(windows[0], int) or any(w != windows[0] for w in windows):
         return None
     return int(windows[0])
 

@@ -72,6 +72,19 @@ def find_safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
     raise FileNotFoundError(f"Model folder {str(folder)!r} holds no *.safetensors weights.")
 
 
+#: Checkpoint names of the Mamba-style layout (Nemotron-H's ``backbone.*``) -> the Llama-style ones.
+_BACKBONE_NAMES = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm_f.weight": "model.norm.weight"}
+
+
+def canonical_name(name: str) -> str:
+    """A stored tensor's name in the Llama layout every family loads (``model.embed_tokens``,
+    ``model.layers.<i>.``, ``model.norm``): ``backbone.*`` checkpoints (Nemotron-H) renamed."""
+    if not name.startswith("backbone."):
+        return name
+    name = "model." + name[len("backbone.") :]
+    return _BACKBONE_NAMES.get(name, name)
+
+
 def iter_safetensors_weights(files: list[pathlib.Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` for every tensor of `files`, in its stored dtype, on the CPU.
 
@@ -87,7 +100,7 @@ def iter_safetensors_weights(files: list[pathlib.Path]) -> Iterator[tuple[str, t
                 if name in seen:
                     raise ValueError(f"Tensor {name!r} appears in more than one shard (again in {path.name}).")
                 seen.add(name)
-                yield name, f.get_tensor(name)
+                yield canonical_name(name), f.get_tensor(name)
 
 
 def normalize_hf_config(config: dict[str, Any], weight_names: set[str] | None = None) -> dict[str, Any]:
@@ -103,6 +116,12 @@ def normalize_hf_config(config: dict[str, Any], weight_names: set[str] | None = 
             `tie_word_embeddings` is inferred from whether `lm_head.weight` is stored.
     """
     out = flatten_vision_language(config)
+    # Nemotron-H: the layer count is the length of its per-layer mixer list.
+    blocks = out.get("layers_block_type") or out.get("hybrid_override_pattern")
+    if "num_hidden_layers" not in out and isinstance(blocks, (list, str)):
+        out["num_hidden_layers"] = len(blocks)
+    if "rms_norm_eps" not in out and "layer_norm_epsilon" in out and blocks is not None:
+        out["rms_norm_eps"] = out["layer_norm_epsilon"]
     _require(out, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"))
     out.setdefault("num_key_value_heads", out["num_attention_heads"])
     if out.get("head_dim") is None:

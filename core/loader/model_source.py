@@ -17,6 +17,7 @@ import torch
 from pagedserve.loader.errors import ModelLoadError
 from pagedserve.loader.gguf_checkpoint import GGUFCheckpoint
 from pagedserve.loader.hf_checkpoint import (
+    canonical_name,
     find_safetensors_files,
     iter_safetensors_weights,
     normalize_hf_config,
@@ -82,7 +83,7 @@ class ModelSource:
             try:
                 with safe_open(str(file), framework="pt", device="cpu") as f:
                     for name in f.keys():
-                        shapes[name] = tuple(f.get_slice(name).get_shape())
+                        shapes[canonical_name(name)] = tuple(f.get_slice(name).get_shape())
             except Exception as e:  # noqa: BLE001 - SafetensorError does not name the file
                 raise ModelLoadError(file, _describe(e)) from e
         return shapes

@@ -107,6 +107,8 @@ def expected_shapes(
         layer["self_attn.o_proj.weight"] = (hidden, heads * config["v_head_dim"])
     # q/k norms are per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2).
     alternatives = {"self_attn.q_norm.weight": [(hd,), (q,)], "self_attn.k_norm.weight": [(hd,), (kv,)]}
+    if "linear_num_value_heads" in config:  # Qwen3.5 / Qwen3-Next gated attention: each head's query and gate
+        alternatives["self_attn.q_proj.weight"] = [(2 * q, hidden)]
     if inter is not None:
         layer.update(
             {

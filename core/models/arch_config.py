@@ -77,7 +77,8 @@ class ArchConfig:
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
+            # A MoE-only family (Qwen3.5-MoE) sizes its experts alone.
+            intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,

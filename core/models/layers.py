@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedserve.config_rules import NO_KV_CACHE, RECURRENT_STATE
 from pagedserve.models.rope import rope_cos_sin_cache
 from pagedserve.quantization.base import QuantizedWeight
 
@@ -36,10 +37,15 @@ __all__ = [
     "GATED_ACTIVATIONS",
     "head_rms_norm",
     "layer_windows",
+    "block_types",
     "route_topk",
 ]
 
 Weight = torch.Tensor | QuantizedWeight
+
+#: ``layer_types`` entries of layers with a recurrent state instead of attention
+#: (Qwen3.5 / Qwen3-Next Gated DeltaNet, Granite 4's Mamba 2).
+_STATE_LAYER_TYPES = ("linear_attention", "mamba")
 
 
 @dataclass(frozen=True)
@@ -203,32 +209,66 @@ def head_rms_norm(ops, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return ops.rms_norm(x.reshape(n * heads, d), weight, eps).view(n, heads, d)
 
 
-def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | None]:
+def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | str | None]:
     """Each layer's sliding window (None: full attention), as transformers reads it:
     none when ``use_sliding_window`` is false; else ``layer_types`` when the config has
     it, else Qwen2-style ``max_window_layers``, else Mistral-style ``sliding_window`` on
     every layer.  A window
-    no shorter than ``max_position_embeddings`` is no window."""
+    no shorter than ``max_position_embeddings`` is no window.  A layer with a recurrent
+    state instead of attention (``layer_types`` ``linear_attention`` or ``mamba``) has the
+    window ``RECURRENT_STATE`` (its KV cache group holds state pages: kv_cache/state_group.py)."""
     window = hf.get("sliding_window")
     if hf.get("use_sliding_window") is False:
         window = None  # Qwen2/Qwen3/SmolLM3 keep a window size they do not use
+    blocks = block_types(hf)
+    if blocks is not None:
+        # Nemotron-H: one mixer per layer; its MLP layers keep nothing per request.
+        if len(blocks) != num_layers:
+            raise ValueError(f"layers_block_type has {len(blocks)} entries for {num_layers} layers")
+        kinds = {"full_attention": None, "linear_attention": RECURRENT_STATE}
+        return [kinds.get(b, NO_KV_CACHE) for b in blocks]
     types = hf.get("layer_types")
     if types is not None:
         if len(types) != num_layers:
             raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
-        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        known = {"full_attention", "sliding_attention", *_STATE_LAYER_TYPES, "attention"}
+        unknown = sorted(set(types) - known)
         if unknown:
-            raise ValueError(f"layer_types {unknown} are not supported (supported: full_attention, sliding_attention)")
-        out = [window if t == "sliding_attention" else None for t in types]
+            raise ValueError(f"layer_types {unknown} are not supported (supported: {', '.join(sorted(known))})")
+        out = [
+            RECURRENT_STATE if t in _STATE_LAYER_TYPES else window if t == "sliding_attention" else None for t in types
+        ]
     elif "use_sliding_window" in hf:
         first = hf.get("max_window_layers", num_layers)
         out = [window if i >= first else None for i in range(num_layers)]
     else:
         out = [window] * num_layers
-    if any(w is not None and w < 1 for w in out):
+    if any(isinstance(w, int) and w < 1 for w in out):
         raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
     limit = hf.get("max_position_embeddings")
-    return [None if w is None or (limit is not None and w >= limit) else int(w) for w in out]
+    return [
+        w if w is None or w == RECURRENT_STATE else None if limit is not None and w >= limit else int(w) for w in out
+    ]
+
+
+#: Nemotron-H's ``hybrid_override_pattern`` letters -> ``layers_block_type`` names.
+_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def block_types(hf: dict[str, Any]) -> list[str] | None:
+    """Each layer's mixer of a one-mixer-per-layer config (Nemotron-H: ``layers_block_type``,
+    or ``hybrid_override_pattern`` such as ``"M-M*-"``), None for other configs."""
+    blocks = hf.get("layers_block_type")
+    if blocks is None and isinstance(hf.get("hybrid_override_pattern"), str):
+        pattern = hf["hybrid_override_pattern"]
+        unknown = sorted(set(pattern) - _PATTERN.keys())
+        if unknown:
+            raise ValueError(f"hybrid_override_pattern letters {unknown} are not supported (M, *, -, E)")
+        blocks = [_PATTERN[c] for c in pattern]
+    if blocks is None:
+        return None
+    names = {"mamba": "linear_attention", "attention": "full_attention"}
+    return [names.get(b, b) for b in blocks]
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

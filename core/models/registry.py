@@ -58,6 +58,7 @@ _LLAMA = "pagedserve.models.llama"
 
 _GEMMA = "pagedserve.models.gemma"
 _MOE = "pagedserve.models.moe"
+_QWEN3_5 = "pagedserve.models.qwen3_5"
 
 _ENTRIES: tuple[ModelEntry, ...] = (
     ModelEntry(
@@ -197,6 +198,55 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         gguf=("deepseek2",),
         notes="DeepSeek-V2 / V2-Lite: MLA (keys and values decompressed into the paged cache), "
         "MoE with shared experts, greedy or group-limited routing",
+    ),
+    ModelEntry(
+        "Qwen3_5ForCausalLM",
+        "qwen3_5_text",
+        _QWEN3_5,
+        "Qwen3_5ForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="text only; Gated DeltaNet layers (recurrent state in state pages) 3 : 1 with gated attention "
+        "(output gate, partial rotary, (1 + w) norms); no prefix caching",
+    ),
+    ModelEntry(
+        "Qwen3_5MoeForCausalLM",
+        "qwen3_5_moe_text",
+        _QWEN3_5,
+        "Qwen3_5MoeForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="text only; Qwen3.5's layers with MoE (gated shared expert) in every layer; no prefix caching",
+    ),
+    ModelEntry(
+        "Qwen3NextForCausalLM",
+        "qwen3_next",
+        _QWEN3_5,
+        "Qwen3NextForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="Qwen3.5's layers with MoE (gated shared expert) and per-key-head packed DeltaNet projections; "
+        "no prefix caching",
+    ),
+    ModelEntry(
+        "GraniteMoeHybridForCausalLM",
+        "granitemoehybrid",
+        "pagedserve.models.granite_hybrid",
+        "GraniteMoeHybridForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="Granite 4: Mamba 2 layers (SSD scan, state in state pages) beside attention without RoPE, "
+        "MoE plus a shared MLP, Granite multipliers; no prefix caching",
+    ),
+    ModelEntry(
+        "NemotronHForCausalLM",
+        "nemotron_h",
+        "pagedserve.models.nemotron_h",
+        "NemotronHForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="one mixer per layer: Mamba 2, attention without RoPE, squared-ReLU MLP (`backbone.*` names); "
+        "MoE layers refused; no prefix caching",
     ),
 )
 

@@ -93,7 +93,7 @@ def build_kv_manager(
     when the runner laid its KV cache out in groups (``layer_groups``)."""
     cache = config.cache
     groups = kv_cache_groups(windows or [], cache.free_sliding_window_blocks)
-    grouped = len(groups) > 1 and runner.layer_groups is not None
+    grouped = runner.layer_groups is not None
     if cache.kv_connector is not None:
         if grouped:
             raise ValueError(
@@ -104,7 +104,8 @@ def build_kv_manager(
         return _connector_manager(config, num_blocks, runner)
     if grouped:  # the rules refuse a host tier here
         windows = [g.window for g in groups]
-        return GroupedKVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, windows)
+        state_pages = getattr(runner, "state_pages", 0)  # recurrent-state groups' pages per request
+        return GroupedKVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, windows, state_pages)
     if cache.kv_offload_memory is None:
         if max_model_len is not None:
             sliding_window = kv_window_for_pool(sliding_window, num_blocks, cache, config.scheduler, max_model_len)

@@ -1,7 +1,8 @@
 """The op checks of a target: every op it overrides against the reference, on the
 cases of :mod:`pagedserve.testing.op_checks` (dense ops) and
 :mod:`pagedserve.testing.quant_op_checks` (quantized linear ops, which build on the
-dense module's helpers; assembling both here keeps the two free of a circle).
+dense module's helpers; assembling both here keeps the two free of a circle) and
+:mod:`pagedserve.testing.recurrent_op_checks` (the recurrent layers' ops).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from pagedserve.testing.checks import Check, CheckSkipped
 from pagedserve.testing.op_checks import OP_CASES, Body, _dtype_name
 from pagedserve.testing.quant_op_checks import QUANT_CASES
+from pagedserve.testing.recurrent_op_checks import RECURRENT_CASES
 from pagedserve.testing.target import Target
 
 __all__ = ["op_checks"]
@@ -32,7 +34,7 @@ def op_checks(target: Target, seed: int = 0) -> list[Check]:
     """One check per (overridden op, dtype, case); ops left to the reference are not checked."""
     checks: list[Check] = []
     for name, source in target.overridden_ops().items():
-        cases = OP_CASES.get(name) or QUANT_CASES.get(name)
+        cases = OP_CASES.get(name) or QUANT_CASES.get(name) or RECURRENT_CASES.get(name)
         if cases is None:
 
             def skip(name=name) -> None:

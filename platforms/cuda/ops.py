@@ -1,8 +1,8 @@
 """Op overrides of the CUDA platform.
 
-By default the Triton kernels serve ``paged_attention``, ``reshape_and_cache`` and
-``gguf_linear``.  ``PAGEDSERVE_CUDA_KERNELS=cuda`` selects the CUDA C++ kernels for
-attention and the cache instead (and adds ``copy_blocks``/``swap_blocks``); they are
+By default the Triton kernels serve ``paged_attention``, ``reshape_and_cache``,
+``gguf_linear`` and the recurrent layers' decode steps.  ``PAGEDSERVE_CUDA_KERNELS=cuda``
+selects the CUDA C++ kernels for attention and the cache instead (and adds ``copy_blocks``/``swap_blocks``); they are
 compiled on first selection, into the cache described in
 :mod:`pagedserve.kernels.cuda.build`.  ``PAGEDSERVE_CUDA_KERNELS=triton`` is the
 default.  The other quantized linear ops come from platforms/cuda/quant_ops.py.
@@ -27,7 +27,12 @@ TRITON_OPS: tuple[str, ...] = (
     "apply_token_bitmask",
     "lora_linear",
     "fused_moe",
+    "gated_delta_rule_recurrent",
+    "mamba2_ssd_step",
+    "causal_conv1d_update",
 )
+#: The recurrent layers' decode-step ops (kernels/triton/recurrent.py).
+_RECURRENT_OPS: tuple[str, ...] = ("gated_delta_rule_recurrent", "mamba2_ssd_step", "causal_conv1d_update")
 #: The ops the CUDA C++ kernels serve under PAGEDSERVE_CUDA_KERNELS=cuda.
 _CUDA_CPP_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks")
 
@@ -38,9 +43,17 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
     from pagedserve.kernels.triton.lora import lora_linear_triton
     from pagedserve.kernels.triton.moe import fused_moe_triton
     from pagedserve.kernels.triton.quant_gguf import gguf_linear_triton
+    from pagedserve.kernels.triton.recurrent import (
+        causal_conv1d_update_triton,
+        gated_delta_rule_recurrent_triton,
+        mamba2_ssd_step_triton,
+    )
 
     return {
         **triton_ops(),
+        "gated_delta_rule_recurrent": gated_delta_rule_recurrent_triton,
+        "mamba2_ssd_step": mamba2_ssd_step_triton,
+        "causal_conv1d_update": causal_conv1d_update_triton,
         "gguf_linear": gguf_linear_triton,
         "lora_linear": lora_linear_triton,
         "fused_moe": fused_moe_triton,
@@ -81,4 +94,6 @@ def register_cuda_ops(ops: OpRegistry, options: GpuOptions | None = None) -> Non
     for name in _CUDA_CPP_OPS:
         ops.register(name, getattr(cuda_ops, name), source="cuda")
     # No CUDA C++ kernel for GGUF blocks or experts: Triton's serve them in either mode.
-    register_triton_ops(ops, "cuda", names=("gguf_linear", "apply_token_bitmask", "lora_linear", "fused_moe"))
+    register_triton_ops(
+        ops, "cuda", names=("gguf_linear", "apply_token_bitmask", "lora_linear", "fused_moe", *_RECURRENT_OPS)
+    )

@@ -88,14 +88,25 @@ def test_disk_connector_across_restarts_torn_and_corrupt_files(tiny_llama, cold,
     third = LLM(str(tiny_llama), **ENGINE, kv_connector=f"disk:{d}")
     assert_same(expected, run(third, ps))  # damaged blocks were recomputed, never loaded
     stats = third.llm_engine.runner.kv_connector.stats()
-    assert stats["corrupt"] == 2 and stats["torn_temp_files_removed"] == 1
+    # Which two blocks are damaged varies (file names follow the checkpoint's fingerprint): a
+    # damaged block behind the other damaged one in the same
+    # prompt is not looked up (the run of hits ended before it) and may be overwritten by the
+    # recomputed block's save.  At least one is found; none is ever loaded (outputs above).
+    assert 1 <= stats["corrupt"] <= 2 and stats["torn_temp_files_removed"] == 1
     # Each damaged block ends the run of hits of its prompt; it and what follows are recomputed
     # (and saved again).
     kv3 = third.llm_engine.kv
     assert 0 < kv3.num_loaded_blocks < hittable - 22 // 4
-    assert kv3.num_saved_blocks >= 2
+    assert kv3.num_saved_blocks >= 1  # a damaged block a lookup found is saved again
     assert not list(d.glob(".*.tmp"))
     third.shutdown()
+    # Whatever is left on disk: each damaged file was found exactly once, by the run or now.
+    reopened = DiskKVConnector(d, max_bytes=1 << 30)
+    for f in block_files(d):
+        reopened.load(f.name[: -len(".kvb")])
+    assert stats["corrupt"] + reopened.stats().get("corrupt", 0) <= 2
+    assert all(reopened.load(f.name[: -len(".kvb")]) is not None for f in block_files(d))
+    reopened.close()
 
 
 def test_disk_connector_size_bound_and_index(tmp_path):

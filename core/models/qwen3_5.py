@@ -1,0 +1,307 @@
+"""Qwen3.5 (text) and Qwen3-Next: Gated DeltaNet linear-attention layers interleaved with
+gated full attention (``layer_types``; 3 : 1 in the released checkpoints).
+
+- Gated DeltaNet layer: one fused input projection (q, k, v for the short convolution,
+  the output gate z, and the per-head write strength b and decay input a), a causal
+  depthwise convolution with SiLU over q/k/v (``ops.causal_conv1d``, with its window in
+  the request's state), the delta rule over L2-normalised q and k
+  (``ops.gated_delta_rule`` in chunks for prefill, ``ops.gated_delta_rule_recurrent``
+  for decode; decay ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``),
+  a gated RMSNorm per value head (``ops.rms_norm_gated``) and the output projection.
+  Its state (convolution window and ``[heads, dk, dv]`` matrix) lives in the request's
+  state pages (pagedserve.models.recurrent; kv_cache/state_group.py).
+- Gated attention: q_proj yields each head's query and an output gate side by side;
+  per-head q/k RMSNorm, partial rotary (``partial_rotary_factor``), and the attention
+  output times ``sigmoid(gate)`` before o_proj.
+- Every RMSNorm but the DeltaNet's output norm multiplies by ``1 + w`` (folded in at load).
+- Qwen3.5-MoE: the same layers with sparse MLPs (routed experts plus a sigmoid-gated
+  shared expert) in every layer.
+- Qwen3-Next: the same layers with Qwen2-MoE-style sparse MLPs (routed experts plus a
+  sigmoid-gated shared expert) and its checkpoint's per-key-head packing of the DeltaNet
+  projections (``in_proj_qkvz``, ``in_proj_ba``), reordered at load.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.models.arch_config import ArchConfig
+from pagedserve.models.decoder import DecoderForCausalLM, KVCache
+from pagedserve.models.layers import (
+    add_rms_norm,
+    fuse,
+    gated_mlp,
+    head_rms_norm,
+    layer_windows,
+    linear,
+    paged_attention,
+    route_topk,
+)
+from pagedserve.models.quantized_experts import stack_experts
+from pagedserve.models.recurrent import StateLayout, chunk_info
+
+if TYPE_CHECKING:
+    from pagedserve.executor.attention_metadata import AttentionMetadata
+
+__all__ = ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5Layer"]
+
+_ATTN = ("q_proj", "k_proj", "v_proj")
+
+
+class Qwen3_5Layer:
+    """One layer's weights.  ``linear``: True for a Gated DeltaNet layer.  Attention:
+    qkv [heads * 2 * d + 2 * kv_heads * d, hidden] (each head's query then gate, k, v),
+    q_norm / k_norm [d] (holding 1 + w), o.  DeltaNet: in_proj [conv_dim + value_dim + 2 *
+    v_heads, hidden] (q, k, v, z, b, a), conv [conv_dim, width], dt_bias, A (= -exp(A_log),
+    float32) [v_heads], out_norm [dv], out_proj.  MLP: gate_up, down (dense or the shared
+    expert), router, w13, w2, shared_gate (sparse)."""
+
+    __slots__ = (
+        "linear",
+        "input_norm",
+        "post_norm",
+        "qkv",
+        "q_norm",
+        "k_norm",
+        "o",
+        "in_proj",
+        "conv",
+        "dt_bias",
+        "A",
+        "out_norm",
+        "out_proj",
+        "gate_up",
+        "down",
+        "router",
+        "w13",
+        "w2",
+        "shared_gate",
+    )
+
+
+class Qwen3_5ForCausalLM(DecoderForCausalLM):
+    layer_class = Qwen3_5Layer
+    linear_fields = ("qkv", "o", "in_proj", "out_proj", "gate_up", "down")
+    tensor_parallel = False
+    #: Sparse MLPs (Qwen3-Next).
+    moe: ClassVar[bool] = False
+
+    @classmethod
+    def check_config(cls, cfg: ArchConfig) -> None:
+        super().check_config(cfg)
+        hf = cfg.hf_config
+        windows = layer_windows(hf, cfg.num_layers)
+        if any(isinstance(w, int) for w in windows):
+            raise ValueError(f"{cfg.architecture}: sliding-window layers are not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{cfg.architecture}: hidden_act {hf.get('hidden_act')!r} is not supported (silu)")
+        if hf["linear_num_value_heads"] % hf["linear_num_key_heads"]:
+            raise ValueError(f"{cfg.architecture}: linear_num_value_heads must be a multiple of linear_num_key_heads")
+
+    def __init__(self, cfg: ArchConfig, *args, **kwargs) -> None:
+        super().__init__(cfg, *args, **kwargs)
+        hf = cfg.hf_config
+        self.windows = layer_windows(hf, cfg.num_layers)
+        self.is_linear = [t == "linear_attention" for t in hf["layer_types"]]
+        self.k_heads, self.v_heads = int(hf["linear_num_key_heads"]), int(hf["linear_num_value_heads"])
+        self.dk, self.dv = int(hf["linear_key_head_dim"]), int(hf["linear_value_head_dim"])
+        self.width = int(hf["linear_conv_kernel_dim"])
+        self.key_dim, self.value_dim = self.k_heads * self.dk, self.v_heads * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.state = StateLayout([(self.conv_dim, self.width - 1), (self.v_heads, self.dk, self.dv)])
+        if self.moe:
+            self.num_experts = int(hf["num_experts"])
+            self.top_k = int(hf["num_experts_per_tok"])
+            self.renormalize = bool(hf.get("norm_topk_prob", True))
+            step = int(hf.get("decoder_sparse_step", 1) or 1)
+            dense = set(hf.get("mlp_only_layers") or [])
+            self.sparse = [
+                self.num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers)
+            ]
+        else:
+            self.sparse = [False] * cfg.num_layers
+
+    def state_numel(self) -> int:
+        """Elements of one request's state in one DeltaNet layer (what a state group's
+        pages must hold)."""
+        return self.state.numel
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(weights)
+        # The final norm multiplies by (1 + w) too (a tied LM head keeps the plain embedding).
+        self.norm = self._param(self.norm.float() + 1.0, self.head_device)
+
+    # -- weights ------------------------------------------------------------------------------
+    def linear_attn_names(self) -> set[str]:
+        names = {"dt_bias", "A_log", "conv1d.weight", "norm.weight", "out_proj.weight"}
+        names |= {f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")}
+        return {"linear_attn." + n for n in names}
+
+    def layer_weight_names(self, layer: int) -> frozenset[str]:
+        names = {"input_layernorm.weight", "post_attention_layernorm.weight"}
+        if self.is_linear[layer]:
+            names |= self.linear_attn_names()
+        else:
+            names |= {f"self_attn.{p}.weight" for p in (*_ATTN, "o_proj", "q_norm", "k_norm")}
+        if not self.sparse[layer]:
+            return frozenset(names | {f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")})
+        names |= {"mlp.gate.weight", "mlp.shared_expert_gate.weight"}
+        names |= {f"mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+        names |= {
+            f"mlp.experts.{e}.{p}.weight"
+            for e in range(self.num_experts)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        }
+        return frozenset(names)
+
+    def linear_in_proj(self, w: dict[str, Any]) -> list[torch.Tensor]:
+        """The DeltaNet input projections in the order q, k, v, z, b, a."""
+        a = "linear_attn."
+        return [w[a + f"in_proj_{p}.weight"] for p in ("qkv", "z", "b", "a")]
+
+    def finish_layer(self, layer: Qwen3_5Layer, w: dict[str, Any], param) -> None:
+        for name in Qwen3_5Layer.__slots__:
+            setattr(layer, name, None)
+        one_plus = lambda t: param(t.float() + 1.0)  # noqa: E731
+        layer.input_norm = one_plus(w["input_layernorm.weight"])
+        layer.post_norm = one_plus(w["post_attention_layernorm.weight"])
+        layer.linear = "linear_attn.dt_bias" in w
+        if layer.linear:
+            a = "linear_attn."
+            layer.in_proj = param(fuse(self.linear_in_proj(w)))
+            layer.conv = param(w[a + "conv1d.weight"].reshape(self.conv_dim, self.width))
+            layer.dt_bias = param(w[a + "dt_bias"]).float()
+            layer.A = -param(w[a + "A_log"]).float().exp()
+            layer.out_norm = param(w[a + "norm.weight"])
+            layer.out_proj = param(w[a + "out_proj.weight"])
+        else:
+            a = "self_attn."
+            layer.qkv = param(fuse([w[a + p + ".weight"] for p in _ATTN]))
+            layer.q_norm = one_plus(w[a + "q_norm.weight"])
+            layer.k_norm = one_plus(w[a + "k_norm.weight"])
+            layer.o = param(w[a + "o_proj.weight"])
+        if "mlp.gate.weight" in w:
+            m = "mlp."
+            experts = range(self.num_experts)
+            layer.router = param(w[m + "gate.weight"])
+            gate_up = [[w[f"{m}experts.{e}.gate_proj.weight"], w[f"{m}experts.{e}.up_proj.weight"]] for e in experts]
+            down = [w[f"{m}experts.{e}.down_proj.weight"] for e in experts]
+            layer.w13, layer.w2 = stack_experts(gate_up, down, param, fuse, self.cfg.architecture)
+            s = m + "shared_expert."
+            layer.gate_up = param(fuse([w[s + "gate_proj.weight"], w[s + "up_proj.weight"]]))
+            layer.down = param(w[s + "down_proj.weight"])
+            layer.shared_gate = param(w[m + "shared_expert_gate.weight"])
+        else:
+            layer.gate_up = param(fuse([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
+            layer.down = param(w["mlp.down_proj.weight"])
+
+    def prepare_linear_weights(self) -> None:
+        super().prepare_linear_weights()
+        for pl in self.placements:
+            for layer in self.layers[pl.start - self.layer_start : pl.end - self.layer_start]:
+                if isinstance(layer.w13, torch.Tensor):
+                    layer.w13, layer.w2 = pl.ops.prepare_moe_weights(layer.w13, layer.w2)
+
+    # -- forward ------------------------------------------------------------------------------
+    def layer_forward(
+        self,
+        ops,
+        placement: int,
+        index: int,
+        layer: Qwen3_5Layer,
+        kv_cache: KVCache,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = self.cfg.rms_norm_eps
+        h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
+        if layer.linear:
+            h = self._delta_net(ops, layer, h, kv_cache, meta)
+        else:
+            h = self._gated_attention(ops, placement, layer, h, kv_cache, meta)
+        h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
+        return self._mlp(ops, layer, h), residual
+
+    def _gated_attention(
+        self, ops, placement: int, layer: Qwen3_5Layer, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        n, a, eps = h.shape[0], self.attn, self.cfg.rms_norm_eps
+        qg, k, v = linear(ops, h, layer.qkv).split([2 * a.q_size, a.kv_size, a.kv_size], dim=-1)
+        qg = qg.view(n, a.num_heads, 2 * a.head_dim)
+        q, gate = qg[..., : a.head_dim].contiguous(), qg[..., a.head_dim :].reshape(n, a.q_size)
+        q = head_rms_norm(ops, q, layer.q_norm, eps)
+        k = head_rms_norm(ops, k.reshape(n, a.num_kv_heads, a.head_dim), layer.k_norm, eps)
+        v = v.reshape(n, a.num_kv_heads, a.head_dim)
+        q, k = self.rope(ops, placement, meta.positions, q, k)
+        out = paged_attention(ops, q, k, v, kv_cache, meta, a.scale) * torch.sigmoid(gate)
+        return linear(ops, out, layer.o)
+
+    def _delta_net(
+        self, ops, layer: Qwen3_5Layer, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        n = h.shape[0]
+        mixed, z, b, a = linear(ops, h, layer.in_proj).split(
+            [self.conv_dim, self.value_dim, self.v_heads, self.v_heads], dim=-1
+        )
+        has_state, decode = chunk_info(meta)
+        conv_state, state = self.state.read(kv_cache, meta.block_tables, has_state)
+        if decode:
+            mixed = ops.causal_conv1d_update(mixed, layer.conv, None, conv_state, "silu")
+        else:
+            mixed = ops.causal_conv1d(mixed, layer.conv, None, conv_state, meta.query_start_loc, has_state, "silu")
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.reshape(n, self.k_heads, self.dk), k.reshape(n, self.k_heads, self.dk)
+        v = v.reshape(n, self.v_heads, self.dv)
+        beta = torch.sigmoid(b.float())
+        g = layer.A * F.softplus(a.float() + layer.dt_bias)
+        if decode:
+            o = ops.gated_delta_rule_recurrent(q, k, v, g, beta, state, True)
+        else:
+            o = ops.gated_delta_rule(q, k, v, g, beta, state, meta.query_start_loc, True)
+        self.state.write(kv_cache, meta.block_tables, [conv_state, state])
+        o = ops.rms_norm_gated(o.reshape(-1, self.dv), z.reshape(-1, self.dv), layer.out_norm, self.cfg.rms_norm_eps)
+        return linear(ops, o.reshape(n, self.value_dim), layer.out_proj)
+
+    def _mlp(self, ops, layer: Qwen3_5Layer, h: torch.Tensor) -> torch.Tensor:
+        if layer.w13 is None:
+            return gated_mlp(ops, h, layer.gate_up, layer.down)
+        weights, ids = route_topk(linear(ops, h, layer.router), self.top_k, self.renormalize)
+        out = ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu")
+        gate = torch.sigmoid(linear(ops, h, layer.shared_gate))
+        return out + gate * gated_mlp(ops, h, layer.gate_up, layer.down)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE (text): Qwen3.5's layers with sparse MLPs (routed experts plus a
+    sigmoid-gated shared expert) in every layer."""
+
+    moe = True
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next: sparse MLPs, and DeltaNet projections packed per key head."""
+
+    moe = True
+
+    def linear_attn_names(self) -> set[str]:
+        names = {"dt_bias", "A_log", "conv1d.weight", "norm.weight", "out_proj.weight"}
+        names |= {"in_proj_qkvz.weight", "in_proj_ba.weight"}
+        return {"linear_attn." + n for n in names}
+
+    def linear_in_proj(self, w: dict[str, Any]) -> list[torch.Tensor]:
+        """``in_proj_qkvz`` holds, for each key head, its q [dk], k [dk], then its value
+        heads' v and z ([v_heads / k_heads * dv] each); ``in_proj_ba`` for each key head
+        its value heads' b then a.  Reordered to q, k, v, z, b, a (each head-major)."""
+        a = "linear_attn."
+        kh, r = self.k_heads, self.v_heads // self.k_heads
+        qkvz = w[a + "in_proj_qkvz.weight"]
+        hidden = qkvz.shape[-1]
+        q, k, v, z = qkvz.view(kh, 2 * self.dk + 2 * r * self.dv, hidden).split(
+            [self.dk, self.dk, r * self.dv, r * self.dv], dim=1
+        )
+        b, a_ = w[a + "in_proj_ba.weight"].view(kh, 2 * r, hidden).split([r, r], dim=1)
+        return [t.reshape(-1, hidden) for t in (q, k, v, z, b, a_)]

@@ -1,0 +1,188 @@
+"""Conformance cases of the recurrent-layer ops (kernels/recurrent_reference.py): each
+overriding implementation against the reference on fresh random inputs, its outputs and
+its in-place state updates both compared.  Varlen batches mix a one-token sequence, a
+fresh sequence (no state), and sequences longer than a scan chunk continuing a state.
+States are float32 whatever the model dtype; outputs are compared in the dtype's
+tolerance, states in float32's scaled by the same factor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import reference
+from pagedserve.testing.op_checks import TOLERANCES, Cases, _Case, assert_matches
+from pagedserve.testing.target import Target
+
+__all__ = ["RECURRENT_CASES"]
+
+#: Tokens of each sequence of a varlen case: one token, a short chunk, one past a scan chunk.
+LENS = (1, 9, 70)
+
+
+def _qsl(c: _Case, lens: tuple[int, ...]) -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lens).cumsum(0)
+    return c.dev(out)
+
+
+def _state_check(what: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Compare float32 states within the tolerance of the model dtype the inputs came in."""
+    tol = TOLERANCES[dtype]
+    g, w = got.detach().cpu(), want.detach().cpu()
+    if g.shape != w.shape or not torch.allclose(g, w, atol=tol["atol"] * 10, rtol=tol["rtol"] * 10):
+        err = float((g - w).abs().nan_to_num(nan=float("inf")).max()) if g.shape == w.shape else float("nan")
+        raise AssertionError(f"{what}: the updated state differs from the reference (max abs error {err:.4g})")
+
+
+def _causal_conv1d(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for dim, width, bias in [(24, 4, True), (40, 3, False)]:
+        desc = f"dim{dim}-width{width}{'-bias' if bias else ''}"
+
+        def body(dim=dim, width=width, bias=bias, desc=desc) -> None:
+            c = _Case(f"causal_conv1d{desc}{dtype}", seed, t.device)
+            x = c.randn(sum(LENS), dim, dtype=dtype)
+            w, b = c.randn(dim, width, dtype=dtype), c.randn(dim, dtype=dtype) if bias else None
+            state = c.randn(len(LENS), dim, width - 1)
+            has = torch.tensor([True, False, True])
+            want_state = state.clone()
+            want = reference.causal_conv1d(x, w, b, want_state, _qsl(c, LENS).cpu(), has, "silu")
+            got_state = c.dev(state)
+            got = fn(c.dev(x), c.dev(w), None if b is None else c.dev(b), got_state, _qsl(c, LENS), c.dev(has), "silu")
+            assert_matches("causal_conv1d", got, want, dtype)
+            _state_check("causal_conv1d", got_state, want_state, dtype)
+
+        yield desc, body
+
+
+def _causal_conv1d_update(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for seqs, dim, width in [(1, 24, 4), (5, 40, 4)]:
+        desc = f"{seqs}seqs-dim{dim}"
+
+        def body(seqs=seqs, dim=dim, width=width, desc=desc) -> None:
+            c = _Case(f"causal_conv1d_update{desc}{dtype}", seed, t.device)
+            x, w, b = c.randn(seqs, dim, dtype=dtype), c.randn(dim, width, dtype=dtype), c.randn(dim, dtype=dtype)
+            state = c.randn(seqs, dim, width - 1)
+            want_state = state.clone()
+            want = reference.causal_conv1d_update(x, w, b, want_state, "silu")
+            got_state = c.dev(state)
+            assert_matches("causal_conv1d_update", fn(c.dev(x), c.dev(w), c.dev(b), got_state, "silu"), want, dtype)
+            _state_check("causal_conv1d_update", got_state, want_state, dtype)
+
+        yield desc, body
+
+
+def _gdn_inputs(c: _Case, tokens: int, seqs: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    hk, hv, dk, dv = 2, 4, 16, 24
+    q, k = c.randn(tokens, hk, dk, dtype=dtype), c.randn(tokens, hk, dk, dtype=dtype)
+    v = c.randn(tokens, hv, dv, dtype=dtype)
+    g = -F.softplus(c.randn(tokens, hv))
+    beta = torch.sigmoid(c.randn(tokens, hv))
+    return [q, k, v, g, beta, c.randn(seqs, hv, dk, dv, scale=0.3)]
+
+
+def _gated_delta_rule(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for chunk in (16, 64):
+        desc = f"chunk{chunk}"
+
+        def body(chunk=chunk, desc=desc) -> None:
+            c = _Case(f"gated_delta_rule{desc}{dtype}", seed, t.device)
+            q, k, v, g, beta, state = _gdn_inputs(c, sum(LENS), len(LENS), dtype)
+            state[1] = 0  # a fresh sequence
+            want_state = state.clone()
+            want = reference.gated_delta_rule(q, k, v, g, beta, want_state, _qsl(c, LENS).cpu(), True, chunk)
+            got_state = c.dev(state)
+            args = [c.dev(a) for a in (q, k, v, g, beta)]
+            got = fn(*args, got_state, _qsl(c, LENS), True, chunk)
+            assert_matches("gated_delta_rule", got, want, dtype)
+            _state_check("gated_delta_rule", got_state, want_state, dtype)
+
+        yield desc, body
+
+
+def _gated_delta_rule_recurrent(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for seqs in (1, 6):
+        desc = f"{seqs}seqs"
+
+        def body(seqs=seqs, desc=desc) -> None:
+            c = _Case(f"gated_delta_rule_recurrent{desc}{dtype}", seed, t.device)
+            q, k, v, g, beta, state = _gdn_inputs(c, seqs, seqs, dtype)
+            want_state = state.clone()
+            want = reference.gated_delta_rule_recurrent(q, k, v, g, beta, want_state, True)
+            got_state = c.dev(state)
+            got = fn(*[c.dev(a) for a in (q, k, v, g, beta)], got_state, True)
+            assert_matches("gated_delta_rule_recurrent", got, want, dtype)
+            _state_check("gated_delta_rule_recurrent", got_state, want_state, dtype)
+
+        yield desc, body
+
+
+def _ssd_inputs(c: _Case, tokens: int, seqs: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    heads, head_dim, groups, n = 4, 16, 2, 8
+    x = c.randn(tokens, heads, head_dim, dtype=dtype)
+    dt = F.softplus(c.randn(tokens, heads))
+    A = -(c.randn(heads).abs() + 0.1)
+    B, C = c.randn(tokens, groups, n, dtype=dtype), c.randn(tokens, groups, n, dtype=dtype)
+    return [x, dt, A, B, C, c.randn(heads), c.randn(seqs, heads, head_dim, n, scale=0.3)]
+
+
+def _mamba2_ssd(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for chunk in (8, 256):
+        desc = f"chunk{chunk}"
+
+        def body(chunk=chunk, desc=desc) -> None:
+            c = _Case(f"mamba2_ssd{desc}{dtype}", seed, t.device)
+            x, dt, A, B, C, D, state = _ssd_inputs(c, sum(LENS), len(LENS), dtype)
+            state[1] = 0
+            want_state = state.clone()
+            want = reference.mamba2_ssd(x, dt, A, B, C, D, want_state, _qsl(c, LENS).cpu(), chunk)
+            got_state = c.dev(state)
+            got = fn(*[c.dev(a) for a in (x, dt, A, B, C, D)], got_state, _qsl(c, LENS), chunk)
+            assert_matches("mamba2_ssd", got, want, dtype)
+            _state_check("mamba2_ssd", got_state, want_state, dtype)
+
+        yield desc, body
+
+
+def _mamba2_ssd_step(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for seqs in (1, 6):
+        desc = f"{seqs}seqs"
+
+        def body(seqs=seqs, desc=desc) -> None:
+            c = _Case(f"mamba2_ssd_step{desc}{dtype}", seed, t.device)
+            x, dt, A, B, C, D, state = _ssd_inputs(c, seqs, seqs, dtype)
+            want_state = state.clone()
+            want = reference.mamba2_ssd_step(x, dt, A, B, C, D, want_state)
+            got_state = c.dev(state)
+            got = fn(*[c.dev(a) for a in (x, dt, A, B, C, D)], got_state)
+            assert_matches("mamba2_ssd_step", got, want, dtype)
+            _state_check("mamba2_ssd_step", got_state, want_state, dtype)
+
+        yield desc, body
+
+
+def _rms_norm_gated(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for before, group in [(True, None), (False, 16)]:
+        desc = f"{'norm-then-gate' if before else 'gate-then-norm'}-group{group}"
+
+        def body(before=before, group=group, desc=desc) -> None:
+            c = _Case(f"rms_norm_gated{desc}{dtype}", seed, t.device)
+            x, z = c.randn(7, 64, dtype=dtype, scale=2.0), c.randn(7, 64, dtype=dtype)
+            w = (1 + c.randn(64, scale=0.1)).to(dtype)
+            want = reference.rms_norm_gated(x, z, w, 1e-5, before, group)
+            assert_matches("rms_norm_gated", fn(c.dev(x), c.dev(z), c.dev(w), 1e-5, before, group), want, dtype)
+
+        yield desc, body
+
+
+RECURRENT_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
+    "causal_conv1d": _causal_conv1d,
+    "causal_conv1d_update": _causal_conv1d_update,
+    "gated_delta_rule": _gated_delta_rule,
+    "gated_delta_rule_recurrent": _gated_delta_rule_recurrent,
+    "mamba2_ssd": _mamba2_ssd,
+    "mamba2_ssd_step": _mamba2_ssd_step,
+    "rms_norm_gated": _rms_norm_gated,
+}

@@ -1,0 +1,82 @@
+"""A hybrid family through the OpenAI-compatible server: ``pagedserve serve`` on a tiny
+random Qwen3.5 checkpoint (Gated DeltaNet and gated attention) with prefix caching off
+(``--no-enable-prefix-caching``, which the recurrent state needs) and 8-token chunks
+returns transformers' greedy logprobs for concurrent token-id prompts of different
+lengths.  (That it refuses prefix caching is checked through ``LLM`` in
+test_models_hybrid_vs_hf.)"""
+
+from __future__ import annotations
+
+import math
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from test_models_hybrid_vs_hf import _prompts, build_checkpoint, hf_reference
+
+CASE = "qwen3_5-deltanet-gated-attn"
+MAX_NEW = 6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(ckpt, port: int, log, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(ckpt), "--port", str(port)]
+    args += ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--threads", "1", "--served-model-name", "tiny"]
+    return subprocess.Popen([*args, *extra], stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_hybrid_server_completions_match_transformers(tmp_path):
+    model = build_checkpoint(tmp_path / "ckpt", CASE)
+    prompts = _prompts(3)[:3]
+    expected = [hf_reference(model, p, MAX_NEW) for p in prompts]
+
+    port = _free_port()
+    log = open(tmp_path / "server.log", "wb")
+    proc = _serve(
+        tmp_path / "ckpt",
+        port,
+        log,
+        "--no-enable-prefix-caching",
+        "--max-num-batched-tokens",
+        "8",
+        "--block-size",
+        "4",
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text(errors="replace")[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not become healthy"
+            time.sleep(0.25)
+
+        def complete(prompt: list[int]) -> list[float]:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0.0}
+            body |= {"ignore_eos": True, "logprobs": 0}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:  # batched together in the server's steps
+            results = list(pool.map(complete, prompts))
+        for got, (_, logprobs) in zip(results, expected):
+            assert len(got) == len(logprobs)
+            for a, b in zip(got, logprobs):
+                assert math.isclose(a, b, abs_tol=2e-4)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
