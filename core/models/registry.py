@@ -116,6 +116,13 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         notes="post-norm layers, q/k norm over the whole projection",
     ),
     ModelEntry(
+        "Olmo3ForCausalLM",
+        "olmo3",
+        "pagedserve.models.olmo3",
+        "Olmo3ForCausalLM",
+        notes="OLMo 2 plus sliding-window layers (`layer_types`) and a RoPE per layer type",
+    ),
+    ModelEntry(
         "Glm4ForCausalLM",
         "glm4",
         "pagedserve.models.glm4",

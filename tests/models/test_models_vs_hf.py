@@ -74,6 +74,24 @@ CASES: dict[str, tuple[str, str, dict]] = {
         dict(partial_rotary_factor=0.5, sliding_window=9, pad_token_id=0),
     ),
     "olmo2-postnorm": ("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0)),
+    "olmo3-window-per-type-rope": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        dict(
+            pad_token_id=0,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "rope_theta": 20000.0,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+            },
+        ),
+    ),
     "glm4-interleaved-partial-rope": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=24, pad_token_id=0)),
     "starcoder2-layernorm-window": (
         "Starcoder2Config",
