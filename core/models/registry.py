@@ -198,7 +198,8 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "pagedserve.models.deepseek_v2",
         "DeepseekV2ForCausalLM",
         gguf=("deepseek2",),
-        notes="DeepSeek-V2 / V2-Lite: MLA (keys and values decompressed into the paged cache), "
+        notes="DeepSeek-V2 / V2-Lite: MLA with the latent cached (576 values per token, "
+        "`mla_paged_attention`), "
         "MoE with shared experts, greedy or group-limited routing",
     ),
 )
