@@ -254,3 +254,29 @@ def test_engine_allocates_the_latent_cache(tmp_path):
     k, v = runner.kv_caches[0]
     assert tuple(k.shape[1:]) == tuple(v.shape[1:]) == (16, 1, 16)
     assert runner.num_blocks == 2**20 // (3 * 2 * 16 * 16 * 4)
+
+
+def test_latent_cache_swapped_out_and_back_and_forked_matches_transformers(tmp_path):
+    """Swap preemption through the host tier moves the latent halves and back; n=2 forks
+    share the prompt's latent blocks: transformers' greedy tokens and logprobs."""
+    import math
+
+    from test_models_vs_hf import ENGINES, MAX_NEW, _prompts, build_checkpoint, hf_reference
+
+    from pagedserve import LLM, SamplingParams
+
+    model = build_checkpoint(tmp_path, "deepseekv2-qlora-grouped-yarn")
+    prompts = _prompts(11)
+    expected = [hf_reference(model, p, n) for p, n in zip(prompts, MAX_NEW)]
+    engine = {**ENGINES["preempting"], "kv_offload_memory": "1MiB", "preemption_mode": "swap"}
+    llm = LLM(model=str(tmp_path), dtype="float32", **engine)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0, n=2) for n in MAX_NEW]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outs, expected):
+        assert len(out.outputs) == 2
+        for got in out.outputs:
+            assert got.token_ids == tokens
+            for tok, entry, ref in zip(got.token_ids, got.logprobs, logprobs):
+                assert math.isclose(entry[tok].logprob, ref, abs_tol=2e-4)
+    eng = llm.llm_engine
+    assert eng.scheduler.num_preemptions > 0 and eng.kv.num_swap_outs > 0
