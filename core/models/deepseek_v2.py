@@ -124,6 +124,8 @@ def route_deepseek(
 
 class DeepseekV2ForCausalLM(DecoderForCausalLM):
     layer_class = DeepseekV2Layer
+    #: Whether the checkpoint's rope rows pair adjacent dimensions (reordered at load).
+    rope_interleaved = True
     linear_fields = ("q", "q_a", "q_b", "kv_a", "o", "gate_up", "down")
 
     @classmethod
@@ -159,10 +161,15 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         # renormalise; transformers (the reference here) does neither.
         if int(hf.get("moe_layer_freq", 1) or 1) != 1:
             refuse(f"moe_layer_freq={hf['moe_layer_freq']} (1)")
-        if hf.get("norm_topk_prob") and int(hf.get("num_experts_per_tok") or 1) > 1:
-            refuse("norm_topk_prob=true")
         if int(hf.get("n_shared_experts") or 0) < 1:
             refuse("n_shared_experts=0 (at least one shared expert)")
+        cls.check_routing(hf, refuse)
+
+    @classmethod
+    def check_routing(cls, hf: dict[str, Any], refuse) -> None:
+        """Refuse (``refuse(what)``) router settings this family does not implement."""
+        if hf.get("norm_topk_prob") and int(hf.get("num_experts_per_tok") or 1) > 1:
+            refuse("norm_topk_prob=true")
         method = hf.get("topk_method", "greedy") or "greedy"
         if method not in _TOPK_METHODS:
             refuse(f"topk_method {method!r} (supported: {', '.join(_TOPK_METHODS)})")
@@ -243,6 +250,8 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
     def _rope_ordered(self, t: Any, heads: int, head: int, device: torch.device) -> tuple[Any, torch.Tensor | None]:
         """A float weight with its rope rows in rotate-half order, or a quantized one as
         stored with that order for its output columns (int64 on ``device``)."""
+        if not self.rope_interleaved:
+            return t, None
         if isinstance(t, QuantizedWeight):
             return t, self._rope_rows_rotate_half(torch.arange(t.out_features), heads, head).to(device)
         return self._rope_rows_rotate_half(t, heads, head), None
@@ -339,6 +348,12 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         # Each head's W_UV: [heads, n, rank] x [heads, rank, v].
         return torch.bmm(o.transpose(0, 1), layer.w_uv).transpose(0, 1).reshape(n, heads * self.v_dim)
 
+    def route(self, h: torch.Tensor, layer: DeepseekV2Layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """A MoE layer's (weights float32 [T, top_k], expert ids int64 [T, top_k])."""
+        return route_deepseek(
+            h, layer.router, self.top_k, self.topk_method, self.n_group, self.topk_group, self.routed_scaling
+        )
+
     def layer_forward(
         self,
         ops,
@@ -356,9 +371,7 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         h, residual = ops.fused_add_rms_norm(self.parallel.all_reduce(h), residual, layer.post_norm, eps)
         out = gated_mlp(ops, h, layer.gate_up, layer.down)
         if layer.router is not None:
-            weights, ids = route_deepseek(
-                h, layer.router, self.top_k, self.topk_method, self.n_group, self.topk_group, self.routed_scaling
-            )
+            weights, ids = self.route(h, layer)
             if isinstance(layer.w13, list):
                 out = out + quantized_experts_moe(ops, h, layer.w13, layer.w2, weights, ids)
             else:

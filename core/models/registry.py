@@ -202,6 +202,14 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "`mla_paged_attention`), "
         "MoE with shared experts, greedy or group-limited routing",
     ),
+    ModelEntry(
+        "DeepseekV3ForCausalLM",
+        "deepseek_v3",
+        "pagedserve.models.deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        notes="DeepSeek-V3 / R1 layout: V2's MLA (latent cached) with sigmoid routing over expert groups, "
+        "score-correction biases, `routed_scaling_factor`, `first_k_dense_replace`",
+    ),
 )
 
 _BY_ARCH: dict[str, ModelEntry] = {e.architecture: e for e in _ENTRIES}

@@ -34,6 +34,8 @@ QUANTIZED = [
     "qwen3moe-qknorm",
     "deepseekv2-lite-mla",
     "deepseekv2-qlora-grouped-yarn",
+    "deepseekv3-groups-yarn",
+    "olmo3-window-per-type-rope",
 ]
 
 
@@ -123,6 +125,8 @@ TP_CASES = [
     "qwen3moe-qknorm",
     "deepseekv2-lite-mla",
     "deepseekv2-qlora-grouped-yarn",
+    "deepseekv3-groups-yarn",
+    "olmo3-window-per-type-rope",
 ]
 
 

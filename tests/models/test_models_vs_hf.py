@@ -79,7 +79,7 @@ CASES: dict[str, tuple[str, str, dict]] = {
         "Olmo3ForCausalLM",
         dict(
             pad_token_id=0,
-            sliding_window=6,
+            sliding_window=5,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={
                 "full_attention": {
@@ -162,6 +162,55 @@ CASES: dict[str, tuple[str, str, dict]] = {
                 "mscale": 0.707,
                 "mscale_all_dim": 0.707,
             },
+        ),
+    ),
+    "deepseekv3-groups-yarn": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=20,
+            kv_lora_rank=16,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=8,
+            v_head_dim=20,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            moe_intermediate_size=24,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
+    "deepseekv3-rotate-half-unnormalised": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=0,
+            norm_topk_prob=False,
+            rope_interleave=False,
         ),
     ),
     "gptoss-sinks-window-moe": (
@@ -247,6 +296,9 @@ def _init_weights(model, gemma_norms: bool) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
             else:  # norm weights, applied as (1 + w) by Gemma, as w elsewhere
                 p.copy_((0.0 if gemma_norms else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:  # DeepSeek-V3's routing biases (zeros when built)
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
 
 
 def build_checkpoint(path, case: str, **extra):
