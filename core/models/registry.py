@@ -183,6 +183,16 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         notes="text only; Gemma 2 plus q/k norms and a local RoPE base on sliding layers",
     ),
     ModelEntry(
+        "Gemma4ForCausalLM",
+        "gemma4_text",
+        "pagedserve.models.gemma4",
+        "Gemma4ForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="text only, without per-layer embeddings, KV sharing or the MoE block (refused by name): "
+        "w-scaled norms, value norm, a head size and KV heads per layer type, proportional RoPE, layer scalars",
+    ),
+    ModelEntry(
         "GptOssForCausalLM",
         "gpt_oss",
         "pagedserve.models.gpt_oss",

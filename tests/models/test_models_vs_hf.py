@@ -258,6 +258,36 @@ CASES: dict[str, tuple[str, str, dict]] = {
             rope_scaling={"rope_type": "linear", "factor": 2.0},
         ),
     ),
+    "gemma4-global-heads-proportional-rope": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            head_dim=16,
+            global_head_dim=32,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            num_hidden_layers=4,
+            hidden_size_per_layer_input=0,
+            final_logit_softcapping=5.0,
+        ),
+    ),
+    "gemma4-k-eq-v-global-kv-heads": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            head_dim=24,
+            global_head_dim=40,
+            attention_k_eq_v=True,
+            num_global_key_value_heads=1,
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            hidden_size_per_layer_input=0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 20000.0},
+            },
+        ),
+    ),
 }
 
 ENGINES = {
@@ -299,6 +329,8 @@ def _init_weights(model, gemma_norms: bool) -> None:
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:  # DeepSeek-V3's routing biases (zeros when built)
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+            elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (ones when built)
+                b.copy_(0.6 + 0.8 * torch.rand(b.shape, generator=gen))
 
 
 def build_checkpoint(path, case: str, **extra):
@@ -309,7 +341,8 @@ def build_checkpoint(path, case: str, **extra):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(config)
-    _init_weights(model, config_cls.startswith("Gemma"))
+    # Gemma 1-3 norms multiply by (1 + w); Gemma 4's by w, as everyone else's.
+    _init_weights(model, config_cls.startswith("Gemma") and not config_cls.startswith("Gemma4"))
     model.to(torch.float32).eval()
     model.save_pretrained(path, safe_serialization=True)
     return model
