@@ -110,3 +110,27 @@ def test_published_v3_config_caches_576_values_per_token():
 def test_unimplemented_config_values_are_refused_by_name(change, named):
     with pytest.raises(ValueError, match=named):
         ArchConfig.from_hf({**V3, **change})
+
+
+@pytest.mark.parametrize("engine", [{"kv_cache_dtype": "fp8"}, {"dtype": "bfloat16"}], ids=["fp8-latent", "bf16"])
+def test_latent_cache_in_fp8_and_bf16_stays_close_to_transformers(engine, tmp_path):
+    """The latent halves stored as 8-bit floats (or the whole model in bf16): the first
+    greedy token and its logprob stay close to transformers float32."""
+    import math
+
+    from test_models_vs_hf import _prompts, build_checkpoint, hf_reference
+
+    from pagedserve import LLM, SamplingParams
+
+    model = build_checkpoint(tmp_path, "deepseekv3-groups-yarn")
+    prompts = _prompts(5)[1:4]
+    expected = [hf_reference(model, p, 1) for p in prompts]
+    llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", **{"dtype": "float32", **engine})
+    k, _ = llm.llm_engine.runner.kv_caches[0]
+    assert tuple(k.shape[2:]) == (1, 12)  # kv_lora_rank 16 + rope 8, in halves
+    assert k.dtype == (torch.float8_e4m3fn if "kv_cache_dtype" in engine else torch.bfloat16)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=0), use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outs, expected):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        assert math.isclose(got.logprobs[0][tokens[0]].logprob, logprobs[0], abs_tol=0.05)
