@@ -1,13 +1,14 @@
 """The latent (MLA) attention op: the reference against plain multi-head attention over
-the decompressed keys and values it stands for, and the registered op (the CPU
-platform's) on the conformance cases."""
+the decompressed keys and values it stands for, the registered op (the CPU platform's)
+and the native CPU kernel (kernels/cpu/mla_attention.cpp) on the conformance cases."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from native_build import require_native
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import build, reference
 from pagedserve.testing.checks import Check
 from pagedserve.testing.op_checks import OP_CASES
 from pagedserve.testing.target import select_target
@@ -78,3 +79,32 @@ def test_registered_mla_op_conforms(dtype):
     fn = target.ops.get("mla_paged_attention")
     results = [Check(d, b).run() for d, b in OP_CASES["mla_paged_attention"](target, fn, dtype, 0)]
     assert len(results) == 3 and all(r.status == "passed" for r in results), [r.message for r in results]
+
+
+@pytest.mark.skipif(build.no_compiler_declared(), reason="PAGEDSERVE_NO_COMPILER=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_cpu_kernel_conforms(dtype):
+    from pagedserve.kernels.cpu import mla_native
+
+    require_native(mla_native.load_mla_kernels, mla_native.mla_build_spec, "the latent-attention CPU kernel")
+    target = select_target("cpu")
+    cases = OP_CASES["mla_paged_attention"](target, mla_native.mla_paged_attention, dtype, 0)
+    results = [Check(d, b).run() for d, b in cases]
+    assert len(results) == 3 and all(r.status == "passed" for r in results), [r.message for r in results]
+
+
+def test_native_entry_hands_an_fp8_cache_and_bad_shapes_to_the_reference():
+    """An 8-bit cache is read by the reference (the kernel reads one dtype); a cache too
+    narrow for the query is refused as the reference refuses it."""
+    from pagedserve.kernels.cpu import mla_native
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 2, 10, generator=gen)
+    kc, vc = torch.randn(2, 4, 1, 5, generator=gen), torch.randn(2, 4, 1, 5, generator=gen)
+    tables, lens = torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    qsl = torch.tensor([0, 3], dtype=torch.int32)
+    k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    want = reference.mla_paged_attention(q, k8, v8, tables, lens, qsl, 0.5, 6)
+    torch.testing.assert_close(mla_native.mla_paged_attention(q, k8, v8, tables, lens, qsl, 0.5, 6), want)
+    with pytest.raises(ValueError, match="do not fit"):
+        mla_native.mla_paged_attention(q, kc[..., :4], vc[..., :4], tables, lens, qsl, 0.5, 6)
