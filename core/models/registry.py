@@ -187,7 +187,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "gemma4_text",
         "pagedserve.models.gemma4",
         "Gemma4ForCausalLM",
-        quantized=False,
         tensor_parallel=False,
         notes="text only, without per-layer embeddings, KV sharing or the MoE block (refused by name): "
         "w-scaled norms, value norm, a head size and KV heads per layer type, proportional RoPE, layer scalars",

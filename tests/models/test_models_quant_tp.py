@@ -36,6 +36,7 @@ QUANTIZED = [
     "deepseekv2-qlora-grouped-yarn",
     "deepseekv3-groups-yarn",
     "olmo3-window-per-type-rope",
+    "gemma4-k-eq-v-global-kv-heads",
 ]
 
 
