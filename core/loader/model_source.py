@@ -24,6 +24,7 @@ from pagedserve.loader.hf_checkpoint import (
     read_json,
 )
 from pagedserve.loader.model_path import resolve_model_path
+from pagedserve.loader.text_part import text_part, text_weight_name
 from pagedserve.loader.tokenizer import Tokenizer
 from pagedserve.loader.validation import check_config, check_tensor_shapes
 
@@ -56,6 +57,7 @@ class ModelSource:
     def _open(self, path: pathlib.Path) -> None:
         if path.is_file():
             self.format = "gguf"
+            self._text_prefix: str | None = None
             self._gguf: GGUFCheckpoint | None = GGUFCheckpoint(path)
             self._files: list[pathlib.Path] = []
             self.hf_config: dict[str, Any] = self._gguf.hf_config()
@@ -66,7 +68,15 @@ class ModelSource:
             self._gguf = None
             self._files = find_safetensors_files(path)
             shapes = self._weight_shapes()
-            self.hf_config = normalize_hf_config(read_json(path / "config.json"), set(shapes))
+            config = read_json(path / "config.json")
+            # A multimodal wrapper's text decoder (loader/text_part.py): its config and tensors.
+            part = text_part(config)
+            self._text_prefix = None
+            if part is not None:
+                config, self._text_prefix = part
+                renamed = {n: text_weight_name(n, self._text_prefix) for n in shapes}
+                shapes = {new: shapes[old] for old, new in renamed.items() if new is not None}
+            self.hf_config = normalize_hf_config(config, set(shapes))
             self.eos_token_ids = read_eos_token_ids(path, self.hf_config)
         # Values no model can have, or that the tensors contradict, fail here by name rather
         # than as an arithmetic error, a huge allocation or garbage output later.
@@ -94,7 +104,11 @@ class ModelSource:
         """
         if self._gguf is not None:
             return _named_errors(self._gguf.weights(), self.path)
-        return _named_errors(iter_safetensors_weights(self._files), self.path)
+        weights = iter_safetensors_weights(self._files)
+        if self._text_prefix is not None:
+            prefix = self._text_prefix
+            weights = ((new, t) for name, t in weights if (new := text_weight_name(name, prefix)) is not None)
+        return _named_errors(weights, self.path)
 
     def tensor(self, name: str) -> torch.Tensor | None:
         """One stored tensor by name (e.g. a sequence-classification ``score.weight``),
