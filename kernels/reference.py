@@ -28,6 +28,7 @@ __all__ = [
     "paged_attention",
     "quantize_kv",
     "QUANTIZED_KV_TORCH_DTYPES",
+    "mla_paged_attention",
     "rms_norm",
     "fused_add_rms_norm",
     "layer_norm",
@@ -198,6 +199,63 @@ def paged_attention(
             probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         o = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))  # [kvh, g, q_len, d]
         out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size).to(out.dtype)
+    return out
+
+
+def mla_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Varlen causal multi-head latent attention (DeepSeek's MLA, up-projections absorbed)
+    over a latent paged cache, for a mixed batch as :func:`paged_attention` takes it.
+
+    Each cached token is one vector of ``L = kv_lora_rank + rope_dim`` values: the normed
+    KV latent then the rotated rope key, shared by every head.  It is stored split over
+    the layer's ordinary (key, value) pair, one KV head of ``D = ceil(L / 2)`` each:
+    ``concat(key_cache[token], value_cache[token])[:L]`` (the padding, if any, is never
+    read), so allocation, swap and hand-off move it as any cache.
+    query: [num_tokens, num_heads, L]: each head's query times its key up-projection
+        (kv_lora_rank values) then its rotated rope query.
+    key_cache, value_cache: [num_blocks, block_size, 1, D], holding the new tokens already
+        (written by ``reshape_and_cache`` as the two halves); query's dtype or an 8-bit
+        float (read exactly, as float32).
+    block_tables, seq_lens, query_start_loc: as :func:`paged_attention`.
+    score = scale * query . entry; the value is the entry's first ``kv_lora_rank`` values.
+    Returns out: [num_tokens, num_heads, kv_lora_rank] in query's dtype (the caller applies
+    each head's value up-projection).  Accumulation is in float32.
+    """
+    num_tokens, num_heads, width = query.shape
+    block_size, kv_heads, half = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    if kv_heads != 1 or tuple(value_cache.shape) != tuple(key_cache.shape):
+        raise ValueError(f"a latent cache is one KV head in key and value alike, got {tuple(key_cache.shape)}")
+    if not 0 < kv_lora_rank < width <= 2 * half:
+        raise ValueError(f"kv_lora_rank={kv_lora_rank} and query width {width} do not fit 2 x {half} cached values")
+    if out is None:
+        out = query.new_empty(num_tokens, num_heads, kv_lora_rank)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, ctx in enumerate(lens):
+        q_start, q_end = qsl[i], qsl[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        blocks = block_tables[i, : (ctx + block_size - 1) // block_size].long()
+        k = key_cache[blocks].reshape(-1, half)[:ctx].float()
+        v = value_cache[blocks].reshape(-1, half)[:ctx].float()
+        entry = torch.cat([k, v], dim=-1)[:, :width]  # [ctx, L]
+        q = query[q_start:q_end].float().transpose(0, 1)  # [heads, q_len, L]
+        scores = torch.matmul(q, entry.t()) * scale  # [heads, q_len, ctx]
+        q_pos = torch.arange(ctx - q_len, ctx, device=query.device).view(q_len, 1)
+        k_pos = torch.arange(ctx, device=query.device).view(1, ctx)
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1), entry[:, :kv_lora_rank])  # [heads, q_len, R]
+        out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
     return out
 
 
@@ -601,6 +659,7 @@ def rms_norm_gated(x, gate, weight, eps, norm_before_gate=True, group_size=None)
 #: Names of every op in the registry, in the order `pagedserve platforms --ops` shows them.
 OP_NAMES: tuple[str, ...] = (
     "paged_attention",
+    "mla_paged_attention",
     "reshape_and_cache",
     "rms_norm",
     "fused_add_rms_norm",

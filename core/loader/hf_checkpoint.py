@@ -140,8 +140,8 @@ def normalize_hf_config(config: dict[str, Any], weight_names: set[str] | None = 
     return out
 
 
-#: Checkpoint name prefixes of a vision-language model's vision side (its tower and
-#: projector), after :func:`text_weight_name`.
+#: Checkpoint name prefixes of a vision-language model's non-text side (its towers and
+#: projectors; Gemma 4's audio tower and embedders too), after :func:`text_weight_name`.
 VISION_PREFIXES = (
     "vision_tower.",
     "multi_modal_projector.",
@@ -149,6 +149,9 @@ VISION_PREFIXES = (
     "connector.",
     "visual.",
     "image_newline",
+    "embed_vision.",
+    "audio_tower.",
+    "embed_audio.",
 )
 
 #: Where a ``*ForConditionalGeneration`` checkpoint keeps its language model: the

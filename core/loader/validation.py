@@ -77,6 +77,22 @@ def _check_positive_float(
         raise ModelLoadError(path, f"{prefix}{key}={value!r} must be finite and in (0, {high}]")
 
 
+def _per_layer_attention(config: dict[str, Any]) -> set[tuple[int, int]]:
+    """(head_dim, num_key_value_heads) pairs that per-layer overrides give some layers."""
+    hd, kv = config["head_dim"], config["num_key_value_heads"]
+    per_layer = config.get("per_layer_config")
+    overrides = list(per_layer.values()) if isinstance(per_layer, dict) else []
+    if config.get("global_head_dim"):
+        overrides.append(
+            {"head_dim": config["global_head_dim"], "num_key_value_heads": config.get("num_global_key_value_heads")}
+        )
+    out = set()
+    for o in overrides:
+        if isinstance(o, dict):
+            out.add((int(o.get("head_dim") or hd), int(o.get("num_key_value_heads") or kv)))
+    return out
+
+
 def expected_shapes(
     config: dict[str, Any],
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], dict[str, list[tuple[int, ...]]]]:
@@ -109,6 +125,20 @@ def expected_shapes(
     alternatives = {"self_attn.q_norm.weight": [(hd,), (q,)], "self_attn.k_norm.weight": [(hd,), (kv,)]}
     if "linear_num_value_heads" in config:  # Qwen3.5 / Qwen3-Next gated attention: each head's query and gate
         alternatives["self_attn.q_proj.weight"] = [(2 * q, hidden)]
+    # Head sizes / KV heads per layer (transformers' per_layer_config, Gemma 4's
+    # global_head_dim): each layer's attention tensors may take any of the layers' shapes.
+    shapes = {(hd, config["num_key_value_heads"])} | _per_layer_attention(config)
+    if len(shapes) > 1:
+        heads = config["num_attention_heads"]
+        for name, shape_of in (
+            ("self_attn.q_proj.weight", lambda d, k: (heads * d, hidden)),
+            ("self_attn.k_proj.weight", lambda d, k: (k * d, hidden)),
+            ("self_attn.v_proj.weight", lambda d, k: (k * d, hidden)),
+            ("self_attn.o_proj.weight", lambda d, k: (hidden, heads * d)),
+            ("self_attn.q_norm.weight", lambda d, k: (d,)),
+            ("self_attn.k_norm.weight", lambda d, k: (d,)),
+        ):
+            alternatives[name] = sorted({shape_of(d, k) for d, k in shapes})
     if inter is not None:
         layer.update(
             {

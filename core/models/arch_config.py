@@ -81,7 +81,7 @@ class ArchConfig:
             intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            num_kv_heads=model_cls.kv_cache_heads(cfg),
             head_dim=model_cls.kv_head_dim(cfg),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),

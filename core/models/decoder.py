@@ -132,6 +132,12 @@ class DecoderForCausalLM:
 
     # -- family hooks -----------------------------------------------------------------------
     @classmethod
+    def kv_cache_heads(cls, hf: dict) -> int:
+        """KV heads the cache stores per token for config.json ``hf`` (before tensor
+        parallelism): the checkpoint's key/value heads."""
+        return hf.get("num_key_value_heads") or hf["num_attention_heads"]
+
+    @classmethod
     def kv_head_dim(cls, hf: dict) -> int:
         """The attention (and KV cache) head size for config.json ``hf``."""
         return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]

@@ -6,10 +6,20 @@ MLA: the query comes straight from ``q_proj`` (V2-Lite) or through a low-rank
 ``q_a_proj`` -> RMSNorm -> ``q_b_proj``; ``kv_a_proj_with_mqa`` gives a compressed KV
 latent of ``kv_lora_rank`` and one rope key of ``qk_rope_head_dim`` shared by every head;
 the normed latent goes through ``kv_b_proj`` to each head's non-rotated key
-(``qk_nope_head_dim``) and value (``v_head_dim``).  Here the keys and values are
-decompressed per head and stored in the ordinary paged KV cache, with one head size
-``max(qk_nope + qk_rope, v_head_dim)`` for both (zero-padded); the attention output is
-sliced back to ``v_head_dim``.  Caching the latent itself (vLLM's MLA) is not done.
+(``qk_nope_head_dim``) and value (``v_head_dim``).
+
+The KV cache holds the latent, not the decompressed keys and values: per token the
+normed latent and the rotated rope key (``kv_lora_rank + qk_rope_head_dim`` values, 576
+for V2/V2-Lite/V3), one "head" shared by all, stored as two halves in the layer's
+ordinary (key, value) pair (``kv_cache_heads`` 1, ``kv_head_dim`` half of it), so
+that allocation, swap, the host tier and prefix caching move it as any cache.  For
+V2-Lite's shapes that is 576 values per token and layer instead of 2 x 16 heads x 192
+(10.7x fewer).  Attention absorbs the key up-projection into the query (each head's
+``q_nope`` times its ``W_UK`` gives a query over the latent), runs the ``mla_paged_attention``
+op over the cached vectors (score = q_latent . latent + q_rope . k_rope; the value is the
+latent), then applies each head's ``W_UV`` to the result, as vLLM's MLA backends do for
+decode.  Prefill runs the same absorbed form.  ``kv_b_proj`` is kept as the two float
+per-head matrices (a quantized one is dequantized at load).
 
 RoPE pairs adjacent dimensions (transformers multiplies complex numbers); as for GLM-4
 the rope rows of the query projection and of ``kv_a_proj_with_mqa`` are reordered evens
@@ -43,7 +53,7 @@ import torch
 
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.decoder import DecoderForCausalLM, KVCache
-from pagedserve.models.layers import RotaryEmbedding, add_rms_norm, fuse, gated_mlp, linear, paged_attention
+from pagedserve.models.layers import RotaryEmbedding, add_rms_norm, fuse, gated_mlp, linear
 from pagedserve.models.quantized_experts import quantized_experts_moe, stack_experts
 from pagedserve.quantization.base import QuantizedWeight
 
@@ -59,9 +69,10 @@ _TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 class DeepseekV2Layer:
     """One layer's weights.  q (direct query) or q_a, q_a_norm, q_b (low-rank query);
-    kv_a [kv_lora_rank + rope, hidden], kv_a_norm, kv_b [heads * (nope + v), kv_lora_rank],
-    o; a dense layer has gate_up/down only, a MoE layer router (float32 [E, hidden]),
-    w13 [E, 2 * I, hidden], w2 [E, hidden, I] (or, quantized, lists of E weights) and the
+    kv_a [kv_lora_rank + rope, hidden], kv_a_norm, kv_b_proj as w_uk [heads, nope,
+    kv_lora_rank] and w_uv [heads, kv_lora_rank, v] (float), o; a dense layer has
+    gate_up/down only, a MoE layer router (float32 [E, hidden]), w13 [E, 2 * I, hidden],
+    w2 [E, hidden, I] (or, quantized, lists of E weights) and the
     shared experts as gate_up/down.  q_order / kv_a_order (int64 over the output columns)
     when a quantized q / kv_a kept its stored rows: the rotate-half order, applied at run time."""
 
@@ -74,7 +85,8 @@ class DeepseekV2Layer:
         "q_b",
         "kv_a",
         "kv_a_norm",
-        "kv_b",
+        "w_uk",
+        "w_uv",
         "o",
         "router",
         "w13",
@@ -112,12 +124,20 @@ def route_deepseek(
 
 class DeepseekV2ForCausalLM(DecoderForCausalLM):
     layer_class = DeepseekV2Layer
-    linear_fields = ("q", "q_a", "q_b", "kv_a", "kv_b", "o", "gate_up", "down")
+    #: Whether the checkpoint's rope rows pair adjacent dimensions (reordered at load).
+    rope_interleaved = True
+    linear_fields = ("q", "q_a", "q_b", "kv_a", "o", "gate_up", "down")
+
+    @classmethod
+    def kv_cache_heads(cls, hf: dict[str, Any]) -> int:
+        """One latent vector per token, shared by every head (and every rank)."""
+        return 1
 
     @classmethod
     def kv_head_dim(cls, hf: dict[str, Any]) -> int:
-        """Keys (nope + rope) and values share the cache's one head size."""
-        return max(int(hf["qk_nope_head_dim"]) + int(hf["qk_rope_head_dim"]), int(hf["v_head_dim"]))
+        """Half the latent vector (kv_lora_rank + qk_rope_head_dim, rounded up): the key
+        tensor holds the first half, the value tensor the second."""
+        return -(-(int(hf["kv_lora_rank"]) + int(hf["qk_rope_head_dim"])) // 2)
 
     @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
@@ -128,8 +148,9 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         def refuse(what: str) -> None:
             raise ValueError(f"{name}: {what} is not supported")
 
-        if cfg.num_kv_heads != cfg.num_heads:
-            refuse(f"num_key_value_heads={cfg.num_kv_heads} != num_attention_heads={cfg.num_heads}")
+        kv_heads = hf.get("num_key_value_heads") or cfg.num_heads
+        if kv_heads != cfg.num_heads:
+            refuse(f"num_key_value_heads={kv_heads} != num_attention_heads={cfg.num_heads}")
         if hf.get("hidden_act", "silu") != "silu":
             refuse(f"hidden_act {hf.get('hidden_act')!r} (silu)")
         if hf.get("mlp_bias"):
@@ -140,10 +161,15 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         # renormalise; transformers (the reference here) does neither.
         if int(hf.get("moe_layer_freq", 1) or 1) != 1:
             refuse(f"moe_layer_freq={hf['moe_layer_freq']} (1)")
-        if hf.get("norm_topk_prob") and int(hf.get("num_experts_per_tok") or 1) > 1:
-            refuse("norm_topk_prob=true")
         if int(hf.get("n_shared_experts") or 0) < 1:
             refuse("n_shared_experts=0 (at least one shared expert)")
+        cls.check_routing(hf, refuse)
+
+    @classmethod
+    def check_routing(cls, hf: dict[str, Any], refuse) -> None:
+        """Refuse (``refuse(what)``) router settings this family does not implement."""
+        if hf.get("norm_topk_prob") and int(hf.get("num_experts_per_tok") or 1) > 1:
+            refuse("norm_topk_prob=true")
         method = hf.get("topk_method", "greedy") or "greedy"
         if method not in _TOPK_METHODS:
             refuse(f"topk_method {method!r} (supported: {', '.join(_TOPK_METHODS)})")
@@ -224,6 +250,8 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
     def _rope_ordered(self, t: Any, heads: int, head: int, device: torch.device) -> tuple[Any, torch.Tensor | None]:
         """A float weight with its rope rows in rotate-half order, or a quantized one as
         stored with that order for its output columns (int64 on ``device``)."""
+        if not self.rope_interleaved:
+            return t, None
         if isinstance(t, QuantizedWeight):
             return t, self._rope_rows_rotate_half(torch.arange(t.out_features), heads, head).to(device)
         return self._rope_rows_rotate_half(t, heads, head), None
@@ -248,7 +276,12 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         )
         layer.kv_a = param(kv_a)
         layer.kv_a_norm = param(w[a + "kv_a_layernorm.weight"])
-        layer.kv_b = param(w[a + "kv_b_proj.weight"])
+        kv_b = w[a + "kv_b_proj.weight"]
+        if isinstance(kv_b, QuantizedWeight):
+            kv_b = kv_b.dequantize()
+        kv_b = kv_b.float().view(heads, self.nope + self.v_dim, self.kv_rank)
+        layer.w_uk = param(kv_b[:, : self.nope].contiguous())
+        layer.w_uv = param(kv_b[:, self.nope :].transpose(1, 2).contiguous())
         layer.o = param(w[a + "o_proj.weight"])
         layer.router = layer.w13 = layer.w2 = None
         m = "mlp." if "mlp.gate.weight" not in w else "mlp.shared_experts."
@@ -283,8 +316,8 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
     def attention(
         self, ops, placement: int, layer: DeepseekV2Layer, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """MLA with decompressed per-head keys and values: h [n, hidden] -> [n, heads * v_head_dim]."""
-        n, heads, d = h.shape[0], self.num_heads, self.cfg.head_dim
+        """MLA over the latent cache: h [n, hidden] -> [n, heads * v_head_dim]."""
+        n, heads, rank, rope = h.shape[0], self.num_heads, self.kv_rank, self.rope_dim
         if layer.q is not None:
             q = linear(ops, h, layer.q)
         else:
@@ -294,21 +327,32 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
             q = q.index_select(-1, layer.q_order)
         if layer.kv_a_order is not None:
             kv_a = kv_a.index_select(-1, layer.kv_a_order)
-        q_nope, q_pe = q.view(n, heads, self.nope + self.rope_dim).split([self.nope, self.rope_dim], dim=-1)
-        latent, k_pe = kv_a.split([self.kv_rank, self.rope_dim], dim=-1)
-        kv = linear(ops, ops.rms_norm(latent.contiguous(), layer.kv_a_norm, _LATENT_NORM_EPS), layer.kv_b)
-        k_nope, v = kv.view(n, heads, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
-        q_pe, k_pe = self.rope(ops, placement, meta.positions, q_pe.contiguous(), k_pe.reshape(n, 1, self.rope_dim))
-        qk_pad = d - self.nope - self.rope_dim
-        q = torch.cat([q_nope, q_pe] + ([q_pe.new_zeros(n, heads, qk_pad)] if qk_pad else []), dim=-1)
-        k = torch.cat(
-            [k_nope, k_pe.expand(n, heads, self.rope_dim)] + ([k_nope.new_zeros(n, heads, qk_pad)] if qk_pad else []),
-            dim=-1,
+        q_nope, q_pe = q.view(n, heads, self.nope + rope).split([self.nope, rope], dim=-1)
+        latent, k_pe = kv_a.split([rank, rope], dim=-1)
+        latent = ops.rms_norm(latent.contiguous(), layer.kv_a_norm, _LATENT_NORM_EPS)
+        q_pe, k_pe = self.rope(ops, placement, meta.positions, q_pe.contiguous(), k_pe.reshape(n, 1, rope))
+        # The cached vector [latent | k_rope], padded to the two halves of the cache pair.
+        half = self.cfg.head_dim
+        parts = [latent, k_pe.reshape(n, rope)]
+        if 2 * half > rank + rope:
+            parts.append(latent.new_zeros(n, 2 * half - rank - rope))
+        entry = torch.cat(parts, dim=-1).view(n, 2, 1, half)
+        k_cache, v_cache = kv_cache
+        ops.reshape_and_cache(entry[:, 0].contiguous(), entry[:, 1].contiguous(), k_cache, v_cache, meta.slot_mapping)
+        # Absorb W_UK: [heads, n, nope] x [heads, nope, rank] -> the query over the latent.
+        q_latent = torch.bmm(q_nope.transpose(0, 1), layer.w_uk).transpose(0, 1)
+        query = torch.cat([q_latent, q_pe], dim=-1)
+        o = ops.mla_paged_attention(
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.attn.scale, rank
         )
-        if d > self.v_dim:
-            v = torch.cat([v, v.new_zeros(n, heads, d - self.v_dim)], dim=-1)
-        out = paged_attention(ops, q, k, v.contiguous(), kv_cache, meta, self.attn.scale)
-        return out.view(n, heads, d)[..., : self.v_dim].reshape(n, heads * self.v_dim)
+        # Each head's W_UV: [heads, n, rank] x [heads, rank, v].
+        return torch.bmm(o.transpose(0, 1), layer.w_uv).transpose(0, 1).reshape(n, heads * self.v_dim)
+
+    def route(self, h: torch.Tensor, layer: DeepseekV2Layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """A MoE layer's (weights float32 [T, top_k], expert ids int64 [T, top_k])."""
+        return route_deepseek(
+            h, layer.router, self.top_k, self.topk_method, self.n_group, self.topk_group, self.routed_scaling
+        )
 
     def layer_forward(
         self,
@@ -327,9 +371,7 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         h, residual = ops.fused_add_rms_norm(self.parallel.all_reduce(h), residual, layer.post_norm, eps)
         out = gated_mlp(ops, h, layer.gate_up, layer.down)
         if layer.router is not None:
-            weights, ids = route_deepseek(
-                h, layer.router, self.top_k, self.topk_method, self.n_group, self.topk_group, self.routed_scaling
-            )
+            weights, ids = self.route(h, layer)
             if isinstance(layer.w13, list):
                 out = out + quantized_experts_moe(ops, h, layer.w13, layer.w2, weights, ids)
             else:

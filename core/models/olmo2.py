@@ -66,6 +66,14 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
             return self.kv_rows(t)
         return super().shard_layer_tensor(local, t)
 
+    def window_of(self, index: int) -> int | None:
+        """Layer ``index``'s sliding window (OLMo 2 has none)."""
+        return None
+
+    def rope_for(self, index: int):
+        """Layer ``index``'s rotary embedding."""
+        return self.rope
+
     def finish_layer(self, layer: Olmo2Layer, w: dict[str, Any], param) -> None:
         a = "self_attn."
         layer.post_attn_norm = param(w["post_attention_layernorm.weight"])
@@ -94,8 +102,9 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self._qk_norm(ops, q, k, layer, eps)
         q, k, v = qkv_split(torch.cat([q, k, v], dim=-1), self.attn)
-        q, k = self.rope(ops, placement, meta.positions, q, k)
-        h = linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o)
+        q, k = self.rope_for(index)(ops, placement, meta.positions, q, k)
+        attn = paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale, self.window_of(index))
+        h = linear(ops, attn, layer.o)
         stream = stream + ops.rms_norm(self.parallel.all_reduce(h), layer.post_attn_norm, eps)
         h = self.parallel.all_reduce(gated_mlp(ops, stream, layer.gate_up, layer.down))
         return ops.rms_norm(h, layer.post_ff_norm, eps), stream

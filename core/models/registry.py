@@ -121,6 +121,13 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         notes="post-norm layers, q/k norm over the whole projection",
     ),
     ModelEntry(
+        "Olmo3ForCausalLM",
+        "olmo3",
+        "pagedserve.models.olmo3",
+        "Olmo3ForCausalLM",
+        notes="OLMo 2 plus sliding-window layers (`layer_types`) and a RoPE per layer type",
+    ),
+    ModelEntry(
         "Glm4ForCausalLM",
         "glm4",
         "pagedserve.models.glm4",
@@ -181,6 +188,15 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         notes="text only; Gemma 2 plus q/k norms and a local RoPE base on sliding layers",
     ),
     ModelEntry(
+        "Gemma4ForCausalLM",
+        "gemma4_text",
+        "pagedserve.models.gemma4",
+        "Gemma4ForCausalLM",
+        tensor_parallel=False,
+        notes="text only, without per-layer embeddings, KV sharing or the MoE block (refused by name): "
+        "w-scaled norms, value norm, a head size and KV heads per layer type, proportional RoPE, layer scalars",
+    ),
+    ModelEntry(
         "GptOssForCausalLM",
         "gpt_oss",
         "pagedserve.models.gpt_oss",
@@ -196,7 +212,8 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "pagedserve.models.deepseek_v2",
         "DeepseekV2ForCausalLM",
         gguf=("deepseek2",),
-        notes="DeepSeek-V2 / V2-Lite: MLA (keys and values decompressed into the paged cache), "
+        notes="DeepSeek-V2 / V2-Lite: MLA with the latent cached (576 values per token, "
+        "`mla_paged_attention`), "
         "MoE with shared experts, greedy or group-limited routing",
     ),
     ModelEntry(
@@ -247,6 +264,14 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         tensor_parallel=False,
         notes="one mixer per layer: Mamba 2, attention without RoPE, squared-ReLU MLP (`backbone.*` names); "
         "MoE layers refused; no prefix caching",
+    ),
+    ModelEntry(
+        "DeepseekV3ForCausalLM",
+        "deepseek_v3",
+        "pagedserve.models.deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        notes="DeepSeek-V3 / R1 layout: V2's MLA (latent cached) with sigmoid routing over expert groups, "
+        "score-correction biases, `routed_scaling_factor`, `first_k_dense_replace`",
     ),
 )
 

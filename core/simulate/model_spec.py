@@ -257,13 +257,14 @@ def _weight_format(cfg: dict[str, Any]) -> str:
 
 
 def _mla_attention(cfg: dict[str, Any], hidden: int, heads: int) -> tuple[int, int, int]:
-    """Multi-head latent attention (DeepSeek-V2): the projections' weights, and the KV heads
-    and head size pagedserve caches (keys and values decompressed per head, both padded to
-    the larger of the q/k and v head sizes)."""
+    """Multi-head latent attention (DeepSeek-V2/V3): the projections' weights, and the KV
+    heads and head size pagedserve caches: the latent and the rope key, one vector of
+    ``kv_lora_rank + qk_rope_head_dim`` per token shared by every head (and every
+    tensor-parallel rank), stored as one KV head of half of it in the key and value caches."""
     nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
     v_dim, kv_rank = int(cfg["v_head_dim"]), int(cfg["kv_lora_rank"])
     qk = nope + rope
     q_rank = cfg.get("q_lora_rank")
     q = hidden * heads * qk if not q_rank else hidden * int(q_rank) + int(q_rank) * heads * qk
     kv = hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim)
-    return q + kv + heads * v_dim * hidden, heads, max(qk, v_dim)
+    return q + kv + heads * v_dim * hidden, 1, -(-(kv_rank + rope) // 2)

@@ -688,6 +688,43 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
             yield desc, body
 
 
+def _mla_paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    """Latent attention over a one-head cache pair: DeepSeek V2/V3's widths (512 + 64, in
+    halves of 288), a small one, and an odd width whose second half is padded."""
+    for block_size, heads, rank, rope in [(16, 4, 512, 64), (16, 8, 24, 8), (32, 3, 17, 6)]:
+        desc = f"bs{block_size}-h{heads}-rank{rank}-rope{rope}"
+
+        def body(block_size=block_size, heads=heads, rank=rank, rope=rope, desc=desc) -> None:
+            c = _Case(f"mla_paged_attention{desc}{dtype}", seed, t.device)
+            width = rank + rope
+            half = -(-width // 2)
+            _, kc, vc, tables, seq_lens, qsl, num_blocks = _attention_inputs(c, dtype, block_size, 1, 1, half)
+            query = c.randn(int(qsl[-1]), heads, width, dtype=dtype, scale=0.3)
+            scale = (width // 3) ** -0.5
+            want = reference.mla_paged_attention(query, kc, vc, tables, seq_lens, qsl, scale, rank)
+            pkc, pvc = t.platform.allocate_kv_cache(num_blocks, block_size, 1, half, dtype)
+            how = ""
+            if t.reference_layout(num_blocks, block_size, 1, half):
+                pkc.copy_(kc)
+                pvc.copy_(vc)
+            else:
+                how = " (cache written with the platform's reshape_and_cache)"
+                pkc.copy_(torch.randn(pkc.shape, generator=c.gen).to(dtype))
+                pvc.copy_(torch.randn(pvc.shape, generator=c.gen).to(dtype))
+                slots = _context_slots(tables, seq_lens, block_size)
+                flat = num_blocks * block_size
+                keys, values = kc.reshape(flat, 1, half)[slots], vc.reshape(flat, 1, half)[slots]
+                t.ops.reshape_and_cache(c.dev(keys), c.dev(values), pkc, pvc, c.dev(slots))
+            args = (c.dev(query), pkc, pvc, c.dev(tables), c.dev(seq_lens), c.dev(qsl), scale, rank)
+            out = torch.full((query.shape[0], heads, rank), NAN, dtype=dtype, device=t.device)
+            got = fn(*args, out=out)
+            assert_matches("mla_paged_attention return value (out=...)" + how, got, want, dtype)
+            assert_matches("mla_paged_attention out (poisoned with NaN before the call)" + how, out, want, dtype)
+            assert_matches("mla_paged_attention return value (out=None)" + how, fn(*args), want, dtype)
+
+        yield desc, body
+
+
 def _block_copy_cases(op: str, t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
     host = torch.device("cpu")
     if op == "copy_blocks":
@@ -800,6 +837,7 @@ def _lora_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Case
 #: Op name -> its cases (assembled with the quantized ones by pagedserve.testing.op_suite).
 OP_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "paged_attention": _paged_attention,
+    "mla_paged_attention": _mla_paged_attention,
     "reshape_and_cache": _reshape_and_cache,
     "rms_norm": _rms_norm,
     "fused_add_rms_norm": _fused_add_rms_norm,

@@ -101,5 +101,8 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
         from pagedserve.platforms.cpu.moe_ops import register_cpu_moe_ops
 
         ops.register("rejection_sample", spec_native.rejection_sample, source=spec_native.SOURCE)
+        from pagedserve.kernels.cpu import mla_native
+
+        ops.register("mla_paged_attention", mla_native.mla_paged_attention, source=mla_native.SOURCE)
         register_cpu_lora_ops(ops)
         register_cpu_moe_ops(ops, prepack=options.prepack)

@@ -94,8 +94,9 @@ def test_router_matches_transformers(method):
 
 def test_published_lite_config_parses():
     cfg = ArchConfig.from_hf(dict(LITE))
-    assert cfg.head_dim == 24  # one cache head size for keys (16 + 8) and values (16)
-    assert cfg.num_kv_heads == cfg.num_heads == 4
+    # The latent cache: one vector of kv_lora_rank + rope = 40 per token, in two halves.
+    assert cfg.head_dim == 20
+    assert cfg.num_kv_heads == 1 and cfg.num_heads == 4
     assert cfg.rope_scaling["factor"] == 40
 
 
@@ -181,8 +182,10 @@ def test_quantized_latent_attention_stays_close_to_transformers(method, tmp_path
     expected = [hf_reference(model, p, 1) for p in prompts]
     llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization=method)
     layer = llm.llm_engine.runner.model.layers[0]
-    for name in ("q_a", "q_b", "kv_a", "kv_b", "o", "gate_up", "down"):
+    for name in ("q_a", "q_b", "kv_a", "o", "gate_up", "down"):
         assert isinstance(getattr(layer, name), QuantizedWeight), name
+    # kv_b_proj is absorbed into the attention: its two per-head halves dequantized.
+    assert layer.w_uk.dtype == layer.w_uv.dtype == torch.float32
     assert all(isinstance(w, QuantizedWeight) for w in [*layer.w13, *layer.w2])
     assert isinstance(layer.q_a_norm, torch.Tensor) and isinstance(layer.kv_a_norm, torch.Tensor)
     assert layer.router.dtype == torch.float32
@@ -219,3 +222,61 @@ def test_expert_width_tensor_parallelism_cannot_split_is_refused_before_loading(
         ValueError, match=r"tensor_parallel_size=2 must divide the experts' moe_intermediate_size \(33\)"
     ):
         LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2)
+
+
+def test_latent_cache_holds_ten_times_the_blocks_of_decompressed_heads_for_v2_lite():
+    """V2-Lite's published shapes (no weights): one 576-value latent per token and layer
+    instead of 16 heads' keys and values of 192 each."""
+    from pagedserve.executor.model_runner import kv_bytes_per_block
+
+    lite = {**LITE, "hidden_size": 2048, "num_hidden_layers": 27, "num_attention_heads": 16}
+    lite |= {"num_key_value_heads": 16, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128}
+    lite |= {"v_head_dim": 128, "vocab_size": 102400}
+    cfg = ArchConfig.from_hf(lite)
+    assert (cfg.num_kv_heads, cfg.head_dim) == (1, 288)
+    latent = kv_bytes_per_block(cfg, 16, torch.bfloat16)
+    decompressed = kv_bytes_per_block(dataclasses.replace(cfg, num_kv_heads=16, head_dim=192), 16, torch.bfloat16)
+    assert latent == 27 * 16 * 576 * 2
+    budget = 4 * 2**30
+    assert (budget // decompressed, budget // latent) == (809, 8630)
+
+
+def test_engine_allocates_the_latent_cache(tmp_path):
+    """The running engine's cache pair is one head of half the latent each, and its block
+    count at a fixed budget follows."""
+    from test_models_vs_hf import build_checkpoint
+
+    from pagedserve import LLM
+
+    build_checkpoint(tmp_path, "deepseekv2-lite-mla")  # kv_lora_rank 24 + rope 8
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="1MiB", block_size=16)
+    runner = llm.llm_engine.runner
+    k, v = runner.kv_caches[0]
+    assert tuple(k.shape[1:]) == tuple(v.shape[1:]) == (16, 1, 16)
+    assert runner.num_blocks == 2**20 // (3 * 2 * 16 * 16 * 4)
+
+
+def test_latent_cache_swapped_out_and_back_and_forked_matches_transformers(tmp_path):
+    """Swap preemption through the host tier moves the latent halves and back; n=2 forks
+    share the prompt's latent blocks: transformers' greedy tokens and logprobs."""
+    import math
+
+    from test_models_vs_hf import ENGINES, MAX_NEW, _prompts, build_checkpoint, hf_reference
+
+    from pagedserve import LLM, SamplingParams
+
+    model = build_checkpoint(tmp_path, "deepseekv2-qlora-grouped-yarn")
+    prompts = _prompts(11)
+    expected = [hf_reference(model, p, n) for p, n in zip(prompts, MAX_NEW)]
+    engine = {**ENGINES["preempting"], "kv_offload_memory": "1MiB", "preemption_mode": "swap"}
+    llm = LLM(model=str(tmp_path), dtype="float32", **engine)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0, n=2) for n in MAX_NEW]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outs, expected):
+        assert len(out.outputs) == 2
+        for got in out.outputs:
+            assert got.token_ids == tokens
+            for tok, entry, ref in zip(got.token_ids, got.logprobs, logprobs):
+                assert math.isclose(entry[tok].logprob, ref, abs_tol=2e-4)
+    eng = llm.llm_engine
+    assert eng.scheduler.num_preemptions > 0 and eng.kv.num_swap_outs > 0

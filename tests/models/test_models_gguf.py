@@ -145,9 +145,9 @@ def test_q8_0_blocks_stay_quantized_and_close(arch, written):
     assert isinstance(layer.o, GGUFWeight) and isinstance(getattr(layer, "qkv", None) or layer.q, GGUFWeight)
     if arch == "glm4":  # stored q/k rows: the fused output is reordered at run time
         assert layer.qkv_order is not None
-    if arch == "deepseek2":  # stored rope rows of q and kv_a: reordered at run time; kv_b merged in float
+    if arch == "deepseek2":  # stored rope rows of q and kv_a: reordered at run time; kv_b absorbed in float
         assert isinstance(layer.kv_a, GGUFWeight) and layer.q_order is not None and layer.kv_a_order is not None
-        assert isinstance(layer.kv_b, torch.Tensor)
+        assert isinstance(layer.w_uk, torch.Tensor) and isinstance(layer.w_uv, torch.Tensor)
     if arch in EXPERT_BLOCKS_KEPT:  # one GGUFWeight per expert (models.quantized_experts)
         layer = llm.llm_engine.runner.model.layers[-1]
         experts = [*layer.w13, *layer.w2]

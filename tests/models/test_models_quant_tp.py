@@ -34,6 +34,9 @@ QUANTIZED = [
     "qwen3moe-qknorm",
     "deepseekv2-lite-mla",
     "deepseekv2-qlora-grouped-yarn",
+    "deepseekv3-groups-yarn",
+    "olmo3-window-per-type-rope",
+    "gemma4-k-eq-v-global-kv-heads",
 ]
 
 
@@ -123,6 +126,8 @@ TP_CASES = [
     "qwen3moe-qknorm",
     "deepseekv2-lite-mla",
     "deepseekv2-qlora-grouped-yarn",
+    "deepseekv3-groups-yarn",
+    "olmo3-window-per-type-rope",
 ]
 
 

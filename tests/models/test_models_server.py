@@ -16,7 +16,14 @@ import httpx
 import pytest
 from test_models_vs_hf import _prompts, build_checkpoint, hf_reference
 
-CASES = ["gemma2-window-softcap", "qwen3moe-qknorm", "deepseekv2-lite-mla", "gptoss-sinks-window-moe"]
+CASES = [
+    "gemma2-window-softcap",
+    "qwen3moe-qknorm",
+    "deepseekv2-lite-mla",
+    "gptoss-sinks-window-moe",
+    "deepseekv3-groups-yarn",
+    "olmo3-window-per-type-rope",
+]
 MAX_NEW = 6
 
 

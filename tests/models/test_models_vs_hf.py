@@ -74,6 +74,24 @@ CASES: dict[str, tuple[str, str, dict]] = {
         dict(partial_rotary_factor=0.5, sliding_window=9, pad_token_id=0),
     ),
     "olmo2-postnorm": ("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0)),
+    "olmo3-window-per-type-rope": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        dict(
+            pad_token_id=0,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "rope_theta": 20000.0,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+            },
+        ),
+    ),
     "glm4-interleaved-partial-rope": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=24, pad_token_id=0)),
     "starcoder2-layernorm-window": (
         "Starcoder2Config",
@@ -146,6 +164,55 @@ CASES: dict[str, tuple[str, str, dict]] = {
             },
         ),
     ),
+    "deepseekv3-groups-yarn": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=20,
+            kv_lora_rank=16,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=8,
+            v_head_dim=20,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            moe_intermediate_size=24,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
+    "deepseekv3-rotate-half-unnormalised": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=0,
+            norm_topk_prob=False,
+            rope_interleave=False,
+        ),
+    ),
     "gptoss-sinks-window-moe": (
         "GptOssConfig",
         "GptOssForCausalLM",
@@ -191,6 +258,36 @@ CASES: dict[str, tuple[str, str, dict]] = {
             rope_scaling={"rope_type": "linear", "factor": 2.0},
         ),
     ),
+    "gemma4-global-heads-proportional-rope": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            head_dim=16,
+            global_head_dim=32,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            num_hidden_layers=4,
+            hidden_size_per_layer_input=0,
+            final_logit_softcapping=5.0,
+        ),
+    ),
+    "gemma4-k-eq-v-global-kv-heads": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            head_dim=24,
+            global_head_dim=40,
+            attention_k_eq_v=True,
+            num_global_key_value_heads=1,
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            hidden_size_per_layer_input=0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 20000.0},
+            },
+        ),
+    ),
 }
 
 ENGINES = {
@@ -229,6 +326,11 @@ def _init_weights(model, gemma_norms: bool) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
             else:  # norm weights, applied as (1 + w) by Gemma, as w elsewhere
                 p.copy_((0.0 if gemma_norms else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:  # DeepSeek-V3's routing biases (zeros when built)
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+            elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (ones when built)
+                b.copy_(0.6 + 0.8 * torch.rand(b.shape, generator=gen))
 
 
 def build_checkpoint(path, case: str, **extra):
@@ -239,7 +341,8 @@ def build_checkpoint(path, case: str, **extra):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(config)
-    _init_weights(model, config_cls.startswith("Gemma"))
+    # Gemma 1-3 norms multiply by (1 + w); Gemma 4's by w, as everyone else's.
+    _init_weights(model, config_cls.startswith("Gemma") and not config_cls.startswith("Gemma4"))
     model.to(torch.float32).eval()
     model.save_pretrained(path, safe_serialization=True)
     return model

@@ -255,10 +255,9 @@ def test_plans_every_registry_architecture_from_its_config(arch, write_config):
     )
     _check_conservation(result, args)
     if cfg.get("kv_lora_rank"):
-        # DeepSeek-V2's latent attention: every head's key and value are cached, both
-        # padded to the larger of the q/k and v head sizes.
-        qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
-        assert plan.model.num_kv_heads == 8 and plan.model.head_dim == max(qk, cfg["v_head_dim"])
+        # DeepSeek's latent attention: one latent + rope key per token, in two halves.
+        latent = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+        assert plan.model.num_kv_heads == 1 and plan.model.head_dim == -(-latent // 2)
     else:
         # head_dim: the config's own where the family sets one (Gemma 256, Qwen3 128), else hidden / heads.
         assert plan.model.num_kv_heads == 2 and plan.model.head_dim == (cfg.get("head_dim") or 256 // 8)
