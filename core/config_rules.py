@@ -26,8 +26,7 @@ __all__ = [
     "check_logprobs_limit",
     "check_data_parallel",
     "check_disaggregated",
-    "data_parallel_request_refusal",
-    "DATA_PARALLEL_REQUEST_REFUSALS",
+    "disaggregated_request_refusal",
     "RULES",
 ]
 
@@ -97,11 +96,6 @@ def _single_rank_features(cfg: EngineConfig) -> str | None:
             bool(cfg.cache.cpu_offload_gb),
             f"cpu_offload_gb={cfg.cache.cpu_offload_gb}",
             "weight streaming runs on one rank",
-        ),
-        (
-            cfg.cache.kv_offload_memory is not None,
-            f"kv_offload_memory={cfg.cache.kv_offload_memory}",
-            "every rank would need its own host KV pool",
         ),
         (
             cfg.model.quantization not in _NOT_A_METHOD + _SHARDED_METHODS,
@@ -331,34 +325,6 @@ def check_data_parallel(cfg: EngineConfig, size: int) -> None:
             f"nnodes={cfg.parallel.nnodes} cannot be combined with data_parallel_size={size} yet (a replica's "
             "ranks span nodes, the router starts replicas on this node only); use one or the other"
         )
-    if size > 1 and cfg.lora.enable_lora:
-        raise ValueError(
-            f"enable_lora cannot be combined with data_parallel_size={size} yet (the router does not route "
-            "adapters to replicas); serve adapters with data_parallel_size=1"
-        )
-
-
-#: Requests the data-parallel router refuses (by what they ask for), each with its message.
-DATA_PARALLEL_REQUEST_REFUSALS: dict[str, str] = {
-    "pooling": (
-        "embedding requests (pooling_params) are not supported with data parallelism (data_parallel_size > 1) "
-        "yet: the router does not route them; serve embeddings with data_parallel_size=1"
-    ),
-    "cache_salt": (
-        "cache_salt is not supported with data parallelism (data_parallel_size > 1) yet: the router's prefix "
-        "affinity does not key on it; leave cache_salt unset or serve with data_parallel_size=1"
-    ),
-    "lora": (
-        "LoRA adapters are not supported with data parallelism (data_parallel_size > 1) yet: replicas serve "
-        "the base model; serve adapters with data_parallel_size=1"
-    ),
-}
-
-
-def data_parallel_request_refusal(what: str) -> str:
-    """The message the data-parallel router refuses a request asking for ``what`` with
-    (a key of :data:`DATA_PARALLEL_REQUEST_REFUSALS`)."""
-    return DATA_PARALLEL_REQUEST_REFUSALS[what]
 
 
 def check_disaggregated(cfg: EngineConfig, windows: list[int | None] | None = None) -> None:
@@ -382,3 +348,19 @@ def check_disaggregated(cfg: EngineConfig, windows: list[int | None] | None = No
             "different attention windows (KV cache groups) with free_sliding_window_blocks=True cannot be "
             "combined with it: set free_sliding_window_blocks=False"
         )
+
+
+#: Requests a disaggregated prefill/decode pair refuses (by what they ask for), each with its message.
+_DISAGGREGATED_REQUEST_REFUSALS: dict[str, str] = {
+    "pooling": (
+        "embedding requests (LLM.embed, pooling_params) cannot be combined with disaggregated prefill/decode: "
+        "an embedding is the prompt's pass alone, with no decode phase to hand its KV to; embed on one "
+        "instance (an LLM, or the decode instance DisaggregatedLLM.llm)"
+    ),
+}
+
+
+def disaggregated_request_refusal(what: str) -> str:
+    """The message ``DisaggregatedLLM`` refuses a request asking for ``what`` with (a key
+    of ``_DISAGGREGATED_REQUEST_REFUSALS``: "pooling")."""
+    return _DISAGGREGATED_REQUEST_REFUSALS[what]

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve import config_rules
 from pagedserve.entrypoints.engine_args import engine_config_from_kwargs
 from pagedserve.testing import compat_matrix as cm
 
@@ -92,8 +91,7 @@ def test_refusals_are_the_rules_messages():
     (message,) = cm.cell_refusals("kv_groups", "kv_offload")
     assert "kv_offload_memory" in message and "free_sliding_window_blocks=False" in message
     # Deployment rules beside the engine.
-    (message,) = cm.cell_refusals("pooling", "dp")
-    assert message == config_rules.data_parallel_request_refusal("pooling")
+    assert cm.cell_refusals("pooling", "dp") == cm.cell_refusals("lora", "dp") == []
     (message,) = cm.cell_refusals("kv_groups", "disagg")
     assert "disaggregated" in message and "free_sliding_window_blocks=False" in message
 

@@ -136,6 +136,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: The host KV tier's blocks, same layout (empty without kv_offload_memory).
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_host_blocks = 0
         self.block_size = 16
         self.num_blocks = 0
         #: With KV cache groups (kv_groups.py): each model layer's group, and each local
@@ -279,6 +280,12 @@ class ModelRunner:
         self.host_kv_caches = allocate_host_kv_cache(
             self.layer_platforms, num_host_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.kv_dtype
         )
+        self.num_host_blocks = num_host_blocks
+
+    def apply_kv_transfers(self, transfers) -> None:
+        """Run a step's host-tier copies (spills, reloads, swaps: a KVTransfers) on this
+        rank's share of the KV cache, before its forward."""
+        apply_kv_transfers([o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, transfers)
 
     def _kv_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The KV caches as the hand-off moves them: an 8-bit float cache as its bytes
@@ -338,9 +345,7 @@ class ModelRunner:
         (after the final norm) on the last segment's device.  Call in inference mode."""
         if out.kv_transfers:
             # Spills, reloads and swaps decided by the scheduler: all before the forward.
-            apply_kv_transfers(
-                [o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, out.kv_transfers
-            )
+            self.apply_kv_transfers(out.kv_transfers)
         inp = prepare_inputs(out, block_ids, self.block_size, self.device, self.layer_groups)
         if self.lora_manager is not None:  # each row's adapter slot, for this forward only
             self.lora_manager.begin_step(

@@ -85,9 +85,9 @@ class Feature:
     ``_MODEL`` stands for the model's own path); ``default_kwargs``: the settings on the
     default model where they differ.  ``request``: what a request sets to use it (a
     per-request feature has no settings).  ``windows``: the per-layer attention windows of
-    the model the feature needs (None: the tiny model's, no windows).  ``dp_request``: the
-    key of ``config_rules.DATA_PARALLEL_REQUEST_REFUSALS`` a data-parallel router refuses
-    such requests by."""
+    the model the feature needs (None: the tiny model's, no windows).  ``disagg_request``:
+    the key of ``config_rules.disaggregated_request_refusal`` that a disaggregated
+    prefill/decode pair refuses such requests by."""
 
     id: str
     title: str
@@ -95,7 +95,7 @@ class Feature:
     default_kwargs: Mapping[str, Any] | None = None
     request: str = ""
     windows: tuple[int | None, ...] | None = None
-    dp_request: str | None = None
+    disagg_request: str | None = None
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ FEATURES: tuple[Feature, ...] = (
         {"free_sliding_window_blocks": True},
         windows=(8, None),
     ),
-    Feature("pooling", "embeddings / pooling", request="LLM.embed / /v1/embeddings", dp_request="pooling"),
+    Feature("pooling", "embeddings / pooling", request="LLM.embed / /v1/embeddings", disagg_request="pooling"),
     Feature("prompt_logprobs", "prompt logprobs", request="SamplingParams(prompt_logprobs=...)"),
     Feature("priority", "priorities", {"scheduling_policy": "priority"}, request="priority= per request"),
 )
@@ -222,10 +222,10 @@ def cell_refusals(feature: str, deployment: str) -> list[str]:
     ]
     if d.data_parallel_size > 1:
         checks.append(lambda: config_rules.check_data_parallel(cfg, d.data_parallel_size))
-        if f.dp_request is not None:
-            checks.append(lambda: _raise(config_rules.data_parallel_request_refusal(f.dp_request)))
     if d.disaggregated:
         checks.append(lambda: config_rules.check_disaggregated(cfg, windows))
+        if f.disagg_request is not None:
+            checks.append(lambda: _raise(config_rules.disaggregated_request_refusal(f.disagg_request)))
     out = []
     for check in checks:
         try:
@@ -382,9 +382,9 @@ NOTES: tuple[str, ...] = (
     "Refusals are the engine's own messages for the tiny test model's shape (4 heads, 2 KV "
     "heads, 2 layers); a model whose heads or layers the ranks cannot split is refused by "
     "`check_parallel_fits_model` as well.",
-    "`disagg` reaches only what `DisaggregatedLLM.generate` takes (prompts and sampling "
-    "parameters): beam search, embeddings, priorities and adapters are not reachable "
-    "through it, so those cells stay untested.",
+    "`disagg` serves what `DisaggregatedLLM.generate` and `.beam_search` take (prompts, "
+    "sampling parameters, priorities, adapters: the prefill instance runs each prompt under "
+    "its adapter); embeddings have no decode phase and are refused.",
     "Tests that need Ray, peft, onnxruntime or the default model's package skip where it is missing; "
     "their cells count as tested from the marker.",
 )
