@@ -144,23 +144,11 @@ def _multinode_rule(cfg: EngineConfig) -> str | None:
     return None
 
 
-def _quantization_offload_rule(cfg: EngineConfig) -> str | None:
-    q = cfg.model.quantization
-    if q not in _NOT_A_METHOD and cfg.cache.cpu_offload_gb:
-        return (
-            f"quantization={q!r} cannot be combined with cpu_offload_gb={cfg.cache.cpu_offload_gb} yet: "
-            "streamed layers are float; use quantization='none', or keep the quantized weights resident "
-            "(cpu_offload_gb=0), which quantization already shrinks"
-        )
-    return None
-
-
 #: Every cross-section rule: a function returning the error message, or None.
 RULES: list[Callable[[EngineConfig], str | None]] = [
     _device_map_rule,
     _uni_backend_rule,
     _single_rank_features,
-    _quantization_offload_rule,
     _multinode_rule,
 ]
 

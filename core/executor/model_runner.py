@@ -148,12 +148,15 @@ class ModelRunner:
 
     def load_weights(self, weights, prepare: bool = True) -> None:
         """Load (HF name, tensor) pairs; ``prepare``: then put dense linear weights in the
-        form each platform's ``linear`` runs fastest (``prepare_linear_weight``).  Weights
-        streamed by weight offload stay plain."""
+        form each platform's ``linear`` runs fastest (``prepare_linear_weight``).  Dense
+        weights streamed by weight offload stay plain (``prepare=False``); quantized ones
+        take their prepared form either way."""
         with torch.inference_mode():
             self.model.load_weights(weights)
             if prepare:
                 self.model.prepare_linear_weights()
+            else:
+                self.model.prepare_quantized_weights()
 
     # -- KV cache -----------------------------------------------------------------------
     def determine_num_blocks(

@@ -146,7 +146,7 @@ def resolve_quantization(
             )
         return None
     if name == "auto":
-        if auto_name is None or (auto_name == "gguf" and (cpu_offload_gb or device_map)):
+        if auto_name is None or (auto_name == "gguf" and device_map):
             return None  # a .gguf then loads dequantized, as it always could
         name, qcfg = auto_name, auto_cfg
     else:
@@ -165,8 +165,6 @@ def resolve_quantization(
             f"(world size {world_size}); use quantization='none' or one rank, or one of "
             f"{', '.join(SHARDED_METHODS)}, which are sharded in their quantized form"
         )
-    if cpu_offload_gb:
-        raise ValueError(f"quantization={name!r} cannot be combined with cpu_offload_gb yet")
     return cls(ops, dtype, qcfg)
 
 

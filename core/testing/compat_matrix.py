@@ -164,7 +164,8 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
     Deployment("pp", "PP=2", {"pipeline_parallel_size": 2}),
     Deployment("tp_pp", "TP=2 x PP=2", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
     Deployment("dp", "2 data-parallel replicas", data_parallel_size=2),
-    Deployment("cpu_offload", "cpu_offload_gb", {"cpu_offload_gb": 0.0001}),
+    # 300 kB: every layer of the tiny float32 model (about 148 kB each) streams.
+    Deployment("cpu_offload", "cpu_offload_gb", {"cpu_offload_gb": 0.0003}),
     # A small device pool, so that cached blocks spill to the host tier and come back.
     Deployment("kv_offload", "host KV tier", {"kv_offload_memory": "4MiB", "num_gpu_blocks_override": 32}),
     Deployment("device_map", "device_map", {"device_map": "cpu:1,cpu"}),
@@ -374,11 +375,10 @@ def matrix_problems(tests_root: Path) -> list[str]:
 #: What a reader of the matrix should know that no cell shows.
 NOTES: tuple[str, ...] = (
     "A cell compares with one process on the same settings. `quantization` left at `auto` "
-    "on a `.gguf` keeps its blocks in one process and under tensor/pipeline parallelism "
-    "(sharded in blocks) but loads them dequantized under `cpu_offload_gb` or `device_map` "
-    "(docs/quantization.md), so those outputs are the float model's and differ from a "
-    "quantized single process; the `quant_gguf` row asks for blocks explicitly "
-    "(`quantization='gguf'`), which those deployments refuse.",
+    "on a `.gguf` keeps its blocks in one process, under tensor/pipeline parallelism "
+    "(sharded in blocks) and under `cpu_offload_gb` (streamed as blocks) but loads them "
+    "dequantized under `device_map` (docs/quantization.md); the `quant_gguf` row asks for "
+    "blocks explicitly (`quantization='gguf'`).",
     "Refusals are the engine's own messages for the tiny test model's shape (4 heads, 2 KV "
     "heads, 2 layers); a model whose heads or layers the ranks cannot split is refused by "
     "`check_parallel_fits_model` as well.",

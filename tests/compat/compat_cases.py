@@ -622,7 +622,10 @@ IN_USE: dict[str, Callable[[LLM], bool]] = {
     "tp_mp": lambda llm: llm.llm_engine.runner.model.num_heads == TINY_HF_CONFIG["num_attention_heads"] // 2,
     "tp_ray": lambda llm: llm.llm_engine.runner.model.num_heads == TINY_HF_CONFIG["num_attention_heads"] // 2,
     "pp": lambda llm: llm.llm_engine.runner.model.layer_end < llm.llm_engine.arch.num_layers,
-    "cpu_offload": lambda llm: llm.llm_engine.weight_streamer is not None,
+    # Layers' weights live on the host and were streamed in for the forwards.
+    "cpu_offload": lambda llm: (
+        (s := llm.llm_engine.weight_streamer) is not None and bool(s.offloaded) and s.num_layer_copies > 0
+    ),
     # The plugin's platform runs the model, its linear op the plugin's (ONNX Runtime).
     "plugin_ort": lambda llm: llm.llm_engine.ops.source("linear") == "pagedserve_ort",
     # Blocks of every prompt longer than one block came from the prefill instance.

@@ -185,7 +185,6 @@ REFUSED = [
     (dict(cpu_offload_gb=1, pipeline_parallel_size=2), r"cpu_offload_gb=1 is not supported with tensor"),
     (dict(quantization="gptq", tensor_parallel_size=2), r"quantization='gptq' is not supported with tensor"),
     (dict(quantization="w8a8", tensor_parallel_size=2), r"quantization='w8a8' is not supported with tensor"),
-    (dict(quantization="int8", cpu_offload_gb=1), r"quantization='int8' cannot be combined with cpu_offload_gb"),
     (dict(kv_cache_dtype="fp8_inc"), r"kv_cache_dtype='fp8_inc' is not implemented"),
     (dict(kv_cache_dtype="int8"), r"cache_dtype='int8' is not supported"),
     (dict(preemption_mode="swap"), r"needs a host KV tier"),
