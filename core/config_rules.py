@@ -36,7 +36,7 @@ _NOT_A_METHOD = (None, "auto", "none")
 # quantization methods that tensor/pipeline parallelism shards in their quantized form
 # (pagedserve.quantization.registry.SHARDED_METHODS; a test keeps the two equal); w8a8
 # only with pipeline parallelism (below).
-_SHARDED_METHODS = ("gguf", "int8", "w8a8", "fp8")
+_SHARDED_METHODS = ("gguf", "int8", "w8a8", "fp8", "gptq", "awq")
 
 
 def _parallel(cfg: EngineConfig) -> str:

@@ -53,7 +53,7 @@ _HF_ALIASES = {"awq": "awq", "gptq": "gptq", "fp8": "fp8"}
 
 #: Methods whose weights tensor/pipeline parallelism shards in their quantized form
 #: (``QuantizedWeight.select_rows`` / ``select_columns``; DecoderForCausalLM._shard).
-SHARDED_METHODS: tuple[str, ...] = ("gguf", "int8", "w8a8", "fp8")
+SHARDED_METHODS: tuple[str, ...] = ("gguf", "int8", "w8a8", "fp8", "gptq", "awq")
 
 
 def register_method(cls: type[QuantizationMethod]) -> type[QuantizationMethod]:
