@@ -61,6 +61,8 @@ SLOW_CELLS = (
     ("kv_groups", "tp_mp"),
     # Swaps run on every rank's share; tp_mp's cell checks that on each CI run.
     ("preemption_swap", "pp"),
+    # tests/distributed/test_dist_quant.py runs GPTQ and AWQ at TP=2 on each CI run.
+    ("quant_gptq_awq", "tp_mp"),
 )
 
 assert set(CASES) >= set(COMPAT_FEATURES)
