@@ -213,7 +213,6 @@ def check_kv_cache_groups(cfg: EngineConfig, windows: list[int | None]) -> None:
     spec = cfg.speculative.speculative_config
     used = [
         (cfg.cache.kv_offload_memory is not None, f"kv_offload_memory={cfg.cache.kv_offload_memory}"),
-        (cfg.device.device_map is not None, f"device_map={cfg.device.device_map!r}"),
         (spec is not None and spec.method != "ngram", f"speculative_config method={getattr(spec, 'method', None)!r}"),
     ]
     for on, setting in used:

@@ -143,6 +143,8 @@ class ModelRunner:
         #: layer's KV tensor ("slot"); None: one group, one tensor per layer.
         self.layer_groups: list[int] | None = None
         self.layer_slots: list[int] | None = None
+        #: With KV cache groups: the platform that allocates each slot tensor.
+        self.slot_platforms: list[Platform] = []
         #: Set by pagedserve.lora.LoRAManager.attach with enable_lora.
         self.lora_manager = None
 
@@ -214,18 +216,23 @@ class ModelRunner:
         return budget, per_block, budget // per_block, where
 
     def _use_groups(self, groups: list) -> None:
-        """Each model layer's group, and each local layer's slot (a pipeline stage
-        allocates only the slots its layers use)."""
+        """Each model layer's group, and each local layer's slot tensor (a pipeline stage
+        allocates only the slots its layers use; under a device map each segment has
+        its own slot tensors, allocated by its platform, so no tensor spans two)."""
         group_of, slot_of = layer_slots(groups)
         self.layer_groups = group_of
-        local = slot_of[self.model.layer_start : self.model.layer_end]
-        used = sorted(set(local))
-        self.layer_slots = [used.index(s) for s in local]
+        self.layer_slots, self.slot_platforms = [], []
+        for seg in self.segments:
+            part = slot_of[seg.start : seg.end]
+            used = sorted(set(part))
+            base = len(self.slot_platforms)
+            self.layer_slots += [base + used.index(s) for s in part]
+            self.slot_platforms += [seg.platform] * len(used)
 
     @property
     def num_kv_tensors(self) -> int:
         """KV (key, value) pairs this rank allocates: one per layer, or one per slot."""
-        return len(self.model.layers) if self.layer_slots is None else max(self.layer_slots) + 1
+        return len(self.model.layers) if self.layer_slots is None else len(self.slot_platforms)
 
     def _memory_budget(self, cache: CacheConfig, sched: SchedulerConfig) -> tuple[int, int, str]:
         """(KV bytes, bytes per block of the layers they hold, " on <platforms>") of the
@@ -256,13 +263,13 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         a = self.local_arch
+        platforms = self.layer_platforms if self.layer_slots is None else self.slot_platforms
         self.kv_caches = [
             platform.allocate_kv_cache(num_blocks, block_size, a.num_kv_heads, a.head_dim, self.kv_dtype)
-            for platform in self.layer_platforms[: self.num_kv_tensors]
+            for platform in platforms
         ]
         if self.layer_slots is not None:
-            # KV cache groups: a layer's cache is its slot's tensor (one device: the
-            # engine's rules refuse device maps with groups).
+            # KV cache groups: a layer's cache is its slot's tensor (its segment's own).
             self.kv_caches = [self.kv_caches[s] for s in self.layer_slots]
         # The last block is the null block of a sliding-window manager (never written by
         # requests, never read by a conforming kernel); zeroed once so that a kernel that

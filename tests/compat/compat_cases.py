@@ -301,6 +301,14 @@ def _kv_groups(llm: LLM, pool: Engines):
         assert llm.llm_engine.kv_cache_groups > 1, "the windowed layers got no KV cache group"
     else:
         assert isinstance(llm.llm_engine.kv, GroupedKVCacheManager), "the windowed layers got no KV cache group"
+        runner = llm.llm_engine.runner
+        # Under a device map each segment's layers share slot tensors among themselves only.
+        owners: dict[int, int] = {}
+        layer = 0
+        for i, seg in enumerate(runner.segments):
+            for k, _ in runner.kv_caches[layer : layer + seg.num_layers]:
+                assert owners.setdefault(k.data_ptr(), i) == i, "a KV slot tensor spans two device-map segments"
+            layer += seg.num_layers
     return _generate(llm, [p[:20] for p in _prompts(12)], _params(max_tokens=40))
 
 
@@ -632,6 +640,8 @@ IN_USE: dict[str, Callable[[LLM], bool]] = {
     "disagg": lambda llm: llm.disagg.num_injected_blocks > 0,
     # The small device pool spills evicted cached blocks to the host tier (or swaps).
     "kv_offload": lambda llm: llm.llm_engine.kv.num_spilled_blocks + llm.llm_engine.kv.num_swap_outs > 0,
+    # The layers run on more than one segment of the map.
+    "device_map": lambda llm: len(llm.llm_engine.runner.segments) > 1,
     # Both replicas served requests of this cell's engine.
     "dp": lambda llm: all(s.routed > 0 and s.alive for s in llm.router.replica_status()),
 }
