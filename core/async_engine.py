@@ -163,11 +163,6 @@ class AsyncLLMEngine(EngineCallbacks):
             wait to be scheduled; default `engine.config.scheduler.max_queue_len`.
     """
 
-    #: add_request takes cache_salt (the data-parallel router does not yet).
-    supports_cache_salt = True
-    #: Embedding requests (add_request(pooling_params=...)); the data-parallel router has none.
-    supports_pooling = True
-
     def __init__(self, engine: LLMEngine, max_queue_len: int | None = None) -> None:
         self.engine = engine
         self.max_queue_len = max_queue_len if max_queue_len is not None else engine.config.scheduler.max_queue_len

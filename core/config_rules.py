@@ -30,8 +30,7 @@ __all__ = [
     "check_logprobs_limit",
     "check_data_parallel",
     "check_disaggregated",
-    "data_parallel_request_refusal",
-    "DATA_PARALLEL_REQUEST_REFUSALS",
+    "disaggregated_request_refusal",
     "RULES",
 ]
 
@@ -41,7 +40,7 @@ _NOT_A_METHOD = (None, "auto", "none")
 # quantization methods that tensor/pipeline parallelism shards in their quantized form
 # (pagedserve.quantization.registry.SHARDED_METHODS; a test keeps the two equal); w8a8
 # only with pipeline parallelism (below).
-_SHARDED_METHODS = ("gguf", "int8", "w8a8", "fp8")
+_SHARDED_METHODS = ("gguf", "int8", "w8a8", "fp8", "gptq", "awq")
 
 
 def _parallel(cfg: EngineConfig) -> str:
@@ -103,11 +102,6 @@ def _single_rank_features(cfg: EngineConfig) -> str | None:
             "weight streaming runs on one rank",
         ),
         (
-            cfg.cache.kv_offload_memory is not None,
-            f"kv_offload_memory={cfg.cache.kv_offload_memory}",
-            "every rank would need its own host KV pool",
-        ),
-        (
             cfg.model.quantization not in _NOT_A_METHOD + _SHARDED_METHODS,
             f"quantization={cfg.model.quantization!r}",
             "its quantized weights are not sharded; use quantization='none' or one rank, or one of "
@@ -154,23 +148,11 @@ def _multinode_rule(cfg: EngineConfig) -> str | None:
     return None
 
 
-def _quantization_offload_rule(cfg: EngineConfig) -> str | None:
-    q = cfg.model.quantization
-    if q not in _NOT_A_METHOD and cfg.cache.cpu_offload_gb:
-        return (
-            f"quantization={q!r} cannot be combined with cpu_offload_gb={cfg.cache.cpu_offload_gb} yet: "
-            "streamed layers are float; use quantization='none', or keep the quantized weights resident "
-            "(cpu_offload_gb=0), which quantization already shrinks"
-        )
-    return None
-
-
 #: Every cross-section rule: a function returning the error message, or None.
 RULES: list[Callable[[EngineConfig], str | None]] = [
     _device_map_rule,
     _uni_backend_rule,
     _single_rank_features,
-    _quantization_offload_rule,
     _multinode_rule,
 ]
 
@@ -285,7 +267,6 @@ def check_kv_cache_groups(cfg: EngineConfig, windows: list[int | str | None]) ->
     spec = cfg.speculative.speculative_config
     used = [
         (cfg.cache.kv_offload_memory is not None, f"kv_offload_memory={cfg.cache.kv_offload_memory}"),
-        (cfg.device.device_map is not None, f"device_map={cfg.device.device_map!r}"),
         (spec is not None and spec.method != "ngram", f"speculative_config method={getattr(spec, 'method', None)!r}"),
     ]
     for on, setting in used:
@@ -488,27 +469,10 @@ def check_data_parallel(cfg: EngineConfig, size: int) -> None:
             f"enable_sleep_mode cannot be combined with data_parallel_size={size} yet (the router does not "
             "put its replicas to sleep); use data_parallel_size=1"
         )
-    if size > 1 and cfg.lora.enable_lora:
-        raise ValueError(
-            f"enable_lora cannot be combined with data_parallel_size={size} yet (the router does not route "
-            "adapters to replicas); serve adapters with data_parallel_size=1"
-        )
 
 
 #: Requests the data-parallel router refuses (by what they ask for), each with its message.
 DATA_PARALLEL_REQUEST_REFUSALS: dict[str, str] = {
-    "pooling": (
-        "embedding requests (pooling_params) are not supported with data parallelism (data_parallel_size > 1) "
-        "yet: the router does not route them; serve embeddings with data_parallel_size=1"
-    ),
-    "cache_salt": (
-        "cache_salt is not supported with data parallelism (data_parallel_size > 1) yet: the router's prefix "
-        "affinity does not key on it; leave cache_salt unset or serve with data_parallel_size=1"
-    ),
-    "lora": (
-        "LoRA adapters are not supported with data parallelism (data_parallel_size > 1) yet: replicas serve "
-        "the base model; serve adapters with data_parallel_size=1"
-    ),
     "images": (
         "requests with images are not supported with data parallelism (data_parallel_size > 1) yet: the router's "
         "prefix hashes do not cover images; serve images with data_parallel_size=1"
@@ -543,3 +507,19 @@ def check_disaggregated(cfg: EngineConfig, windows: list[int | None] | None = No
             "different attention windows (KV cache groups) with free_sliding_window_blocks=True cannot be "
             "combined with it: set free_sliding_window_blocks=False"
         )
+
+
+#: Requests a disaggregated prefill/decode pair refuses (by what they ask for), each with its message.
+_DISAGGREGATED_REQUEST_REFUSALS: dict[str, str] = {
+    "pooling": (
+        "embedding requests (LLM.embed, pooling_params) cannot be combined with disaggregated prefill/decode: "
+        "an embedding is the prompt's pass alone, with no decode phase to hand its KV to; embed on one "
+        "instance (an LLM, or the decode instance DisaggregatedLLM.llm)"
+    ),
+}
+
+
+def disaggregated_request_refusal(what: str) -> str:
+    """The message ``DisaggregatedLLM`` refuses a request asking for ``what`` with (a key
+    of ``_DISAGGREGATED_REQUEST_REFUSALS``: "pooling")."""
+    return _DISAGGREGATED_REQUEST_REFUSALS[what]

@@ -51,6 +51,9 @@ class MicroBatch:
     lora: Any = None
     #: Run the sharded draft model (speculative decoding) instead of the target.
     draft: bool = False
+    #: The step's host KV tier copies (a KVTransfers), on its first micro-batch only: every
+    #: rank runs them on its own share of the KV cache before the step's forward.
+    kv_transfers: Any = None
 
 
 def split_micro_batches(out: SchedulerOutput, n: int) -> list[list[int]]:
@@ -115,6 +118,13 @@ class Worker:
         local = self.runner.determine_num_blocks(cfg.cache, cfg.scheduler, max_model_len, self.parallel.min_over_ranks)
         num_blocks = self.parallel.min_over_ranks(local)
         self.runner.allocate_kv_cache(num_blocks, cfg.cache.block_size)
+        if cfg.cache.kv_offload_memory is not None:
+            # kv_offload_memory per rank, like the device budget; one block index means one
+            # block on every rank, so every rank holds the smallest rank's count.
+            per_block = self.runner.kv_block_bytes(cfg.cache.block_size)
+            num_host = self.parallel.min_over_ranks(int(cfg.cache.kv_offload_memory) // per_block)
+            if num_host >= 1:  # else the engine's build_kv_manager says why it holds no block
+                self.runner.allocate_host_kv_cache(num_host)
         LoRAManager.attach(cfg.lora, self.runner)  # enable_lora: this rank's adapter shards
         spec = cfg.speculative.speculative_config
         if spec is not None and spec.draft_tp > 1:
@@ -150,9 +160,6 @@ class Worker:
     # -- driver side ------------------------------------------------------------------------
     def execute_driver(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepOutput:
         """Rank 0: broadcast the step, run its share, sample once."""
-        if getattr(out, "kv_transfers", None):
-            # Host-tier copies would have to run on every rank's shard (config rejects it).
-            raise RuntimeError("host KV tier transfers are not supported with tensor/pipeline parallelism")
         runner = self.runner
         lora = runner.lora_manager
         # The step's adapters keep their slots through all of its micro-batches.
@@ -167,6 +174,7 @@ class Worker:
             lora_step = lora.plan(rows, pinned) if lora is not None else None
             batches.append(MicroBatch(inp.input_ids, inp.meta, plan.rows, lora_step))
             plans.append(plan)
+        batches[0].kv_transfers = getattr(out, "kv_transfers", None) or None
         self.parallel.broadcast_object(batches)
         heads = self.run_step(batches)
         result = StepOutput({}, {})
@@ -183,8 +191,8 @@ class Worker:
         return their logits ``[sum(num_logits), vocab]``.  The other ranks run it as any
         step: the rows are the micro-batches' TailRows.  ``draft``: the sharded draft
         model's forward (its own block ids and KV cache)."""
-        if getattr(out, "kv_transfers", None):
-            raise RuntimeError("host KV tier transfers are not supported with tensor/pipeline parallelism")
+        if draft and getattr(out, "kv_transfers", None):
+            raise RuntimeError("the draft model's KV cache has no host tier")
         runner, batches = self.draft if draft else self.runner, []
         # The target's verification rows carry their requests' adapters, as execute_driver's do.
         lora = runner.lora_manager  # None for the draft
@@ -203,6 +211,7 @@ class Worker:
             )
             tail = TailRows(idx, len(idx), PromptRows(), [])
             batches.append(MicroBatch(inp.input_ids, inp.meta, tail, lora_step, draft=draft))
+        batches[0].kv_transfers = getattr(out, "kv_transfers", None) or None
         self.parallel.broadcast_object(batches)
         logits = [h.logits for h in self.run_step(batches) if h.logits is not None]
         if len(logits) == 1:
@@ -248,6 +257,8 @@ class Worker:
         heads: list[HeadOutput] = []
         pending = []  # isend handles; their tensors stay referenced until waited on
         with torch.inference_mode():
+            if batches and batches[0].kv_transfers:  # spills, reloads, swaps: before the forward
+                runner.run_kv_transfers(batches[0].kv_transfers)
             for mb in batches:
                 if runner.lora_manager is not None:  # every rank fills the same slots in the same order
                     runner.lora_manager.apply(mb.lora)

@@ -21,10 +21,6 @@ __all__ = ["EngineCallbacks", "EngineClient"]
 
 
 class EngineClient(Protocol):
-    #: add_request takes ``cache_salt``.
-    supports_cache_salt: bool
-    #: Embedding requests (``add_request(pooling_params=...)``).
-    supports_pooling: bool
     #: The error that stopped the engine(s), or None.
     fatal_error: BaseException | None
 

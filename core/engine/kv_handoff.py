@@ -15,16 +15,18 @@ class KVHandoff:
         self.kv = kv
         self.runner = runner
 
-    def export_prefix_kv(self, token_ids: list[int]) -> torch.Tensor:
-        """KV of the prompt's leading cached full blocks, never the block of its last token:
+    def export_prefix_kv(self, token_ids: list[int], cache_salt: str | None = None) -> torch.Tensor:
+        """KV of the prompt's leading cached full blocks (keyed by ``cache_salt``: a
+        request's salt, with its adapter folded in), never the block of its last token:
         [num_layers, 2, num_blocks, *per-block shape] (see ModelRunner.read_kv_blocks)."""
         num_blocks = (len(token_ids) - 1) // self.kv.block_size
-        return self.runner.read_kv_blocks(self.kv.cached_prefix(token_ids, num_blocks))
+        return self.runner.read_kv_blocks(self.kv.cached_prefix(token_ids, num_blocks, cache_salt))
 
-    def import_prefix_kv(self, token_ids: list[int], kv: torch.Tensor) -> int:
-        """Cache ``kv`` (as export_prefix_kv returns it) as the prompt's leading blocks, as
-        many as free blocks allow; returns how many were added (the rest is recomputed)."""
-        rows, block_ids = self.kv.adopt_prefix(token_ids, kv.shape[2])
+    def import_prefix_kv(self, token_ids: list[int], kv: torch.Tensor, cache_salt: str | None = None) -> int:
+        """Cache ``kv`` (as export_prefix_kv returns it) as the prompt's leading blocks under
+        ``cache_salt``, as many as free blocks allow; returns how many were added (the rest
+        is recomputed)."""
+        rows, block_ids = self.kv.adopt_prefix(token_ids, kv.shape[2], cache_salt)
         if block_ids:
             self.runner.write_kv_blocks(block_ids, kv, rows)
         return len(block_ids)

@@ -201,13 +201,13 @@ class LLMEngine:
             )
 
     # -- disaggregated prefill/decode (kv_handoff.py) ----------------------------------------
-    def export_prefix_kv(self, token_ids: list[int]) -> torch.Tensor:
+    def export_prefix_kv(self, token_ids: list[int], cache_salt: str | None = None) -> torch.Tensor:
         self.check_awake()
-        return self._handoff.export_prefix_kv(token_ids)
+        return self._handoff.export_prefix_kv(token_ids, cache_salt)
 
-    def import_prefix_kv(self, token_ids: list[int], kv: torch.Tensor) -> int:
+    def import_prefix_kv(self, token_ids: list[int], kv: torch.Tensor, cache_salt: str | None = None) -> int:
         self.check_awake()
-        return self._handoff.import_prefix_kv(token_ids, kv)
+        return self._handoff.import_prefix_kv(token_ids, kv, cache_salt)
 
     def empty_prefix_kv(self, num_blocks: int) -> torch.Tensor:
         return self._handoff.empty_prefix_kv(num_blocks)

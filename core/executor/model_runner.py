@@ -166,6 +166,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: The host KV tier's blocks, same layout (empty without kv_offload_memory).
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_host_blocks = 0
         self.block_size = 16
         self.num_blocks = 0
         #: With KV cache groups (kv_groups.py): each model layer's group, and each local
@@ -176,6 +177,8 @@ class ModelRunner:
         self.state_pages = 0
         #: The recurrent-state groups' indices (their block tables list state pages, not tokens).
         self.state_groups: frozenset[int] = frozenset()
+        #: With KV cache groups: the platform that allocates each slot tensor.
+        self.slot_platforms: list[Platform] = []
         #: Set by pagedserve.lora.LoRAManager.attach with enable_lora.
         self.lora_manager = None
         #: The KV connector blocks are saved to and loaded from (kv_connector), else None.
@@ -196,8 +199,9 @@ class ModelRunner:
 
     def load_weights(self, weights, prepare: bool = True) -> None:
         """Load (HF name, tensor) pairs; ``prepare``: then put dense linear weights in the
-        form each platform's ``linear`` runs fastest (``prepare_linear_weight``).  Weights
-        streamed by weight offload stay plain."""
+        form each platform's ``linear`` runs fastest (``prepare_linear_weight``).  Dense
+        weights streamed by weight offload stay plain (``prepare=False``); quantized ones
+        take their prepared form either way."""
         with torch.inference_mode():
             vision: list[tuple[str, torch.Tensor]] = []
             self.model.load_weights(self._split_vision(weights, vision))
@@ -205,6 +209,8 @@ class ModelRunner:
                 self.vision.load_weights(vision)
             if prepare:
                 self.model.prepare_linear_weights()
+            else:
+                self.model.prepare_quantized_weights()
 
     def _split_vision(self, weights, vision: list) -> Iterator[tuple[str, torch.Tensor]]:
         """The language model's weights; a vision-language checkpoint's vision tensors go
@@ -288,19 +294,24 @@ class ModelRunner:
         return budget, per_block, budget // per_block, where
 
     def _use_groups(self, groups: list) -> None:
-        """Each model layer's group, and each local layer's slot (a pipeline stage
-        allocates only the slots its layers use)."""
+        """Each model layer's group, and each local layer's slot tensor (a pipeline stage
+        allocates only the slots its layers use; under a device map each segment has
+        its own slot tensors, allocated by its platform, so no tensor spans two)."""
         self.state_groups = frozenset(i for i, g in enumerate(groups) if g.is_state)
         group_of, slot_of = layer_slots(groups, self.arch.num_layers)
         self.layer_groups = group_of
-        local = slot_of[self.model.layer_start : self.model.layer_end]
-        used = sorted(set(local))
-        self.layer_slots = [used.index(s) for s in local]
+        self.layer_slots, self.slot_platforms = [], []
+        for seg in self.segments:
+            part = slot_of[seg.start : seg.end]
+            used = sorted(set(part))
+            base = len(self.slot_platforms)
+            self.layer_slots += [base + used.index(s) for s in part]
+            self.slot_platforms += [seg.platform] * len(used)
 
     @property
     def num_kv_tensors(self) -> int:
         """KV (key, value) pairs this rank allocates: one per layer, or one per slot."""
-        return len(self.model.layers) if self.layer_slots is None else max(self.layer_slots) + 1
+        return len(self.model.layers) if self.layer_slots is None else len(self.slot_platforms)
 
     def _memory_budget(self, cache: CacheConfig, sched: SchedulerConfig) -> tuple[int, int, str]:
         """(KV bytes, bytes per block of the layers they hold, " on <platforms>") of the
@@ -334,13 +345,13 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         a = self.local_arch
+        platforms = self.layer_platforms if self.layer_slots is None else self.slot_platforms
         self.kv_caches = [
             platform.allocate_kv_cache(num_blocks, block_size, a.num_kv_heads, a.head_dim, self.kv_dtype)
-            for platform in self.layer_platforms[: self.num_kv_tensors]
+            for platform in platforms
         ]
         if self.layer_slots is not None:
-            # KV cache groups: a layer's cache is its slot's tensor (one device: the
-            # engine's rules refuse device maps with groups).
+            # KV cache groups: a layer's cache is its slot's tensor (its segment's own).
             self.kv_caches = [self.kv_caches[s] for s in self.layer_slots]
         # The last block is the null block of a sliding-window manager (never written by
         # requests, never read by a conforming kernel); zeroed once so that a kernel that
@@ -361,6 +372,7 @@ class ModelRunner:
         self.host_kv_caches = allocate_host_kv_cache(
             self.layer_platforms, num_host_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.kv_dtype
         )
+        self.num_host_blocks = num_host_blocks
 
     def _kv_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The KV caches as the hand-off moves them: an 8-bit float cache as its bytes

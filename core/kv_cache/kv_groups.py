@@ -243,7 +243,7 @@ class GroupedKVCacheManager:
             out.append([self.null_block] * first + run[first:n])
         return out, n * bs
 
-    def cached_prefix(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
+    def cached_prefix(self, token_ids: Sequence[int], num_blocks: int, cache_salt: str | None = None) -> list[int]:
         raise ValueError(
             "the disaggregated prefill/decode hand-off sends one block list per request; a model with "
             "KV cache groups (layers with different windows) has one per group: set "

@@ -131,26 +131,29 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     # -- hand-off of cached blocks between engines (disaggregated prefill/decode) ----------
-    def cached_prefix(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
-        """Block ids of the leading cached full blocks of ``token_ids`` (no salt), at most
-        ``num_blocks``; stops at the first block not cached."""
+    def cached_prefix(self, token_ids: Sequence[int], num_blocks: int, cache_salt: str | None = None) -> list[int]:
+        """Block ids of the leading cached full blocks of ``token_ids`` (keyed by
+        ``cache_salt``, as a request's are), at most ``num_blocks``; stops at the first
+        block not cached."""
         ids = []
-        for h, key in block_hashes(token_ids, self.block_size, num_blocks):
+        for h, key in block_hashes(token_ids, self.block_size, num_blocks, cache_salt):
             block = self.pool.lookup(h, key)
             if block is None:
                 break
             ids.append(block.block_id)
         return ids
 
-    def adopt_prefix(self, token_ids: Sequence[int], num_blocks: int) -> tuple[list[int], list[int]]:
+    def adopt_prefix(
+        self, token_ids: Sequence[int], num_blocks: int, cache_salt: str | None = None
+    ) -> tuple[list[int], list[int]]:
         """Register free blocks in the prefix cache for the first ``num_blocks`` full
-        blocks of ``token_ids`` (no salt) that are not cached yet, as many as the free
-        blocks allow: returns (their indices in the prompt, their block ids).
+        blocks of ``token_ids`` (keyed by ``cache_salt``) that are not cached yet, as many
+        as the free blocks allow: returns (their indices in the prompt, their block ids).
 
         The blocks stay unreferenced (evictable, tails first); their KV must be written
         before the next step can look them up.
         """
-        hashes = block_hashes(token_ids, self.block_size, num_blocks)
+        hashes = block_hashes(token_ids, self.block_size, num_blocks, cache_salt)
         todo = [i for i, (h, key) in enumerate(hashes) if self.pool.lookup(h, key) is None]
         todo = todo[: max(0, self.pool.num_free_blocks)]
         if not todo:

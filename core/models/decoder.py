@@ -267,6 +267,19 @@ class DecoderForCausalLM:
             # A tied head's prepared copy is a new weight: the embedding keeps its own form.
             self.lm_head = self.lm_head.prepared()
 
+    def prepare_quantized_weights(self) -> None:
+        """Only the quantized linear weights (and a quantized LM head) take their prepared
+        form: under weight offload dense weights stay plain for the staging layers, while
+        a prepared quantized weight streams as its tensors and multiplies as it does when
+        resident."""
+        for layer in self.layers:
+            for name in self.linear_fields:
+                w = getattr(layer, name)
+                if isinstance(w, QuantizedWeight):
+                    setattr(layer, name, w.prepared())
+        if isinstance(self.lm_head, QuantizedWeight):
+            self.lm_head = self.lm_head.prepared()
+
     def _shard(self, name: str, t: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
         """This tensor-parallel rank's slice of checkpoint tensor ``name`` (a view)."""
         p = self.parallel

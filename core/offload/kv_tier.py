@@ -88,7 +88,7 @@ def build_kv_manager(
 
     The runner is not imported (it imports :func:`apply_kv_transfers` from here); this
     uses its public methods ``kv_block_bytes``, ``allocate_host_kv_cache`` and
-    ``weight_bytes`` and its ``layer_platforms`` and ``dtype``.  ``windows`` (each layer's):
+    ``weight_bytes`` and its ``layer_platforms``, ``num_host_blocks`` and ``dtype``.  ``windows`` (each layer's):
     layers with different windows get one block table per KV cache group (kv_groups.py)
     when the runner laid its KV cache out in groups (``layer_groups``)."""
     cache = config.cache
@@ -110,15 +110,18 @@ def build_kv_manager(
         if max_model_len is not None:
             sliding_window = kv_window_for_pool(sliding_window, num_blocks, cache, config.scheduler, max_model_len)
         return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, sliding_window)
-    config.validate()  # one rank only: every rank would need its own host pool and copies
+    config.validate()
     per_block = runner.kv_block_bytes(cache.block_size)
-    num_host_blocks = int(cache.kv_offload_memory) // per_block
+    # Under tensor/pipeline parallelism every rank's worker has allocated its own share
+    # of the host tier (the smallest rank's count of blocks); one process allocates here.
+    num_host_blocks = runner.num_host_blocks or int(cache.kv_offload_memory) // per_block
     if num_host_blocks < 1:
         raise ValueError(
             f"kv_offload_memory={cache.kv_offload_memory} bytes holds no KV block "
-            f"({per_block} bytes each); raise it or leave it unset"
+            f"({per_block} bytes each on a rank); raise it or leave it unset"
         )
-    runner.allocate_host_kv_cache(num_host_blocks)
+    if not runner.num_host_blocks:
+        runner.allocate_host_kv_cache(num_host_blocks)
     # Under a device map each layer copies and computes at its platform's rate: the
     # effective rate is the layer-weighted harmonic mean (one platform: its own).
     platforms = runner.layer_platforms

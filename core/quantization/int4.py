@@ -23,6 +23,31 @@ __all__ = ["GPTQWeight", "AWQWeight", "GPTQMethod", "AWQMethod"]
 TILE_N = 512
 
 
+def _pack_int4_cols(q: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 ``[R, C]`` in [0, 15] -> int32 ``[R, C/8]``, the inverse of
+    ``quant_reference.unpack_int4_cols`` (``order[i]``: the column nibble i holds)."""
+    q = q.to(torch.int64).view(q.shape[0], -1, 8)
+    if order is not None:
+        q = q[:, :, list(order)]
+    words = (q << torch.arange(0, 32, 4, dtype=torch.int64, device=q.device)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _select_out(packed: torch.Tensor, rows: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
+    """Output channels ``rows`` of an int32 ``[R, out/8]`` tensor packed along them (an
+    index of ``out`` or more selects a zero channel); NotImplementedError unless whole
+    words come out."""
+    if len(rows) % 8:
+        raise NotImplementedError(f"{len(rows)} output channels are not whole packed int32 words")
+    q = ref.unpack_int4_cols(packed, order)
+    q = torch.cat([q, q.new_zeros(q.shape[0], 1)], 1).index_select(1, rows.clamp(max=q.shape[1]))
+    return _pack_int4_cols(q, order)
+
+
+def _zero_col(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(t.shape[0], 1)], 1)
+
+
 class _Int4Weight(QuantizedWeight):
     """Common part: scales fp16 ``[G, out]``; qzeros int32 ``[G, out/8]``."""
 
@@ -68,6 +93,23 @@ class GPTQWeight(_Int4Weight):
             return self
         return GPTQWeight(*(t.to(device) for t in (self.qweight, self.qzeros, self.scales, self.g_idx)))
 
+    def select_rows(self, rows: torch.Tensor) -> GPTQWeight:
+        # Output channels are qweight's and scales' columns; qzeros packs 8 of them a word.
+        idx = rows.clamp(max=self.out_features)
+        return GPTQWeight(
+            _zero_col(self.qweight).index_select(1, idx),
+            _select_out(self.qzeros, rows, None),
+            _zero_col(self.scales).index_select(1, idx),  # a zero scale: a zero channel
+            self.g_idx,
+        )
+
+    def select_columns(self, start: int, stop: int) -> GPTQWeight | None:
+        # Inputs are packed 8 a word along qweight's rows; g_idx keeps naming each input's
+        # group (act order too), so every group's scales and zeros stay.
+        if start % 8 or stop % 8:
+            return None
+        return GPTQWeight(self.qweight[start // 8 : stop // 8], self.qzeros, self.scales, self.g_idx[start:stop])
+
     @classmethod
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
         if any(not torch.equal(p.g_idx, parts[0].g_idx) for p in parts):
@@ -101,6 +143,23 @@ class AWQWeight(_Int4Weight):
         if self.qweight.device == device:
             return self
         return AWQWeight(*(t.to(device) for t in (self.qweight, self.qzeros, self.scales)), self.group_size)
+
+    def select_rows(self, rows: torch.Tensor) -> AWQWeight:
+        # Output channels are packed 8 a word (AWQ order) in qweight and qzeros.
+        return AWQWeight(
+            _select_out(self.qweight, rows, ref.AWQ_ORDER),
+            _select_out(self.qzeros, rows, ref.AWQ_ORDER),
+            _zero_col(self.scales).index_select(1, rows.clamp(max=self.out_features)),
+            self.group_size,
+        )
+
+    def select_columns(self, start: int, stop: int) -> AWQWeight | None:
+        # Input rows in whole groups of group_size: their scales and zeros come along.
+        g = self.group_size
+        if start % g or stop % g:
+            return None
+        groups = slice(start // g, stop // g)
+        return AWQWeight(self.qweight[start:stop], self.qzeros[groups], self.scales[groups], g)
 
     @classmethod
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:

@@ -53,7 +53,7 @@ _HF_ALIASES = {"awq": "awq", "gptq": "gptq", "fp8": "fp8"}
 
 #: Methods whose weights tensor/pipeline parallelism shards in their quantized form
 #: (``QuantizedWeight.select_rows`` / ``select_columns``; DecoderForCausalLM._shard).
-SHARDED_METHODS: tuple[str, ...] = ("gguf", "int8", "w8a8", "fp8")
+SHARDED_METHODS: tuple[str, ...] = ("gguf", "int8", "w8a8", "fp8", "gptq", "awq")
 
 
 def register_method(cls: type[QuantizationMethod]) -> type[QuantizationMethod]:
@@ -146,7 +146,7 @@ def resolve_quantization(
             )
         return None
     if name == "auto":
-        if auto_name is None or (auto_name == "gguf" and (cpu_offload_gb or device_map)):
+        if auto_name is None or (auto_name == "gguf" and device_map):
             return None  # a .gguf then loads dequantized, as it always could
         name, qcfg = auto_name, auto_cfg
     else:
@@ -165,8 +165,6 @@ def resolve_quantization(
             f"(world size {world_size}); use quantization='none' or one rank, or one of "
             f"{', '.join(SHARDED_METHODS)}, which are sharded in their quantized form"
         )
-    if cpu_offload_gb:
-        raise ValueError(f"quantization={name!r} cannot be combined with cpu_offload_gb yet")
     return cls(ops, dtype, qcfg)
 
 

@@ -6,12 +6,14 @@ a per-server key) and runs the same loop as `AsyncLLMEngine`'s thread: apply que
 and aborts between steps, step, send the outputs.
 
 Router -> replica messages:
-    ("add", request_id, prompt, prompt_token_ids, params, priority, sent_at)
+    ("add", request_id, prompt, prompt_token_ids, params, priority, sent_at, cache_salt,
+     pooling_params, lora_request)
     ("abort", [request_id, ...])
     ("stop",)
 Replica -> router messages:
     ("hello", index, pid)                            on connecting
-    ("ready", {"pid", "platform", "num_blocks"})    once, after the model is loaded
+    ("ready", {"pid", "platform", "num_blocks", "weights", "kv_cache_groups"})
+                                                     once, after the model is loaded
     ("events", [(request_id, kind, payload), ...], EngineStats)
         kind: "accepted" | "output" (a cumulative RequestOutput) | "invalid" (ValueError
         text: bad input) | "failed" (the step running it failed; text)
@@ -90,13 +92,21 @@ class ReplicaLoop:
                 if kind == "abort":
                     engine.abort_request(msg[1])
                 elif kind == "add":
-                    _, rid, prompt, ids, params, priority, sent_at = msg
+                    _, rid, prompt, ids, params, priority, sent_at, salt, pooling, lora = msg
                     # Time spent in transit (one step at most) counts as queueing, as in
                     # AsyncLLMEngine; wall clocks agree across machines, monotonic ones do not.
                     arrival = time.monotonic() - max(0.0, time.time() - sent_at)
                     try:
                         engine.add_request(
-                            rid, prompt, params, prompt_token_ids=ids, arrival_time=arrival, priority=priority
+                            rid,
+                            prompt,
+                            params,
+                            prompt_token_ids=ids,
+                            arrival_time=arrival,
+                            priority=priority,
+                            cache_salt=salt,
+                            pooling_params=pooling,
+                            lora_request=lora,
                         )
                         events.append((rid, "accepted", None))
                     except ValueError as e:
@@ -139,6 +149,22 @@ def _select_device(spec: ReplicaSpec) -> None:
     torch.accelerator.set_device_index(spec.device_index)
 
 
+def _ready_info(engine) -> dict:
+    """What the router learns of a loaded replica: its process, platform and KV blocks, the
+    form of its weights (a quantization method's name, else "float") and its KV cache
+    groups (layers with different attention windows keep one block table per group)."""
+    from pagedserve.kv_cache.kv_groups import GroupedKVCacheManager
+
+    method = getattr(engine.model_source, "method", None)
+    return {
+        "pid": os.getpid(),
+        "platform": engine.platform.name,
+        "num_blocks": engine.executor.num_blocks,
+        "weights": method.name if method is not None else "float",
+        "kv_cache_groups": len(engine.kv.groups) if isinstance(engine.kv, GroupedKVCacheManager) else 1,
+    }
+
+
 def run_replica(spec: ReplicaSpec, config: EngineConfig, address, authkey: bytes, log_level: str = "INFO") -> None:
     """Entry point of a replica process or actor: load, serve until told to stop."""
     logging.basicConfig(
@@ -156,9 +182,7 @@ def run_replica(spec: ReplicaSpec, config: EngineConfig, address, authkey: bytes
 
         _select_device(spec)
         engine = LLMEngine(replica_config(config, spec))
-        conn.send(
-            ("ready", {"pid": os.getpid(), "platform": engine.platform.name, "num_blocks": engine.executor.num_blocks})
-        )
+        conn.send(("ready", _ready_info(engine)))
         ReplicaLoop(engine, conn).run()
     except Exception as e:
         logger.error("replica %d failed: %s", spec.index, traceback.format_exc())

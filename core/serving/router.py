@@ -47,6 +47,7 @@ from pagedserve.config_rules import data_parallel_request_refusal
 from pagedserve.engine import EngineStats
 from pagedserve.engine.client import EngineCallbacks
 from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.lora import LoRARequest, load_adapter, lora_cache_salt
 from pagedserve.outputs import RequestOutput
 from pagedserve.pooling import PoolingParams, classifier_labels
 from pagedserve.sampling_params import SamplingParams
@@ -101,6 +102,8 @@ class ReplicaStatus:
     routed: int  # requests sent to it so far
     affinity_routed: int  # of which chosen for prefix-cache affinity
     stats: EngineStats  # its last report
+    weights: str = "float"  # its quantization method's name, else "float"
+    kv_cache_groups: int = 1  # block tables of its KV cache (layers with different windows)
 
 
 class _Replica:
@@ -111,6 +114,8 @@ class _Replica:
         self.pid: int = info["pid"]
         self.platform: str = info["platform"]
         self.num_blocks: int = info["num_blocks"]
+        self.weights: str = info.get("weights", "float")
+        self.kv_cache_groups: int = info.get("kv_cache_groups", 1)
         self.alive = True
         self.exit_reason: str | None = None
         self.stats = _NO_STATS
@@ -141,6 +146,12 @@ class _InFlight:
     accepted: bool = False
 
 
+def _cache_key(cache_salt: str | None, lora_request: Any) -> str | None:
+    """What besides the tokens keys a prompt's cached blocks in an engine (prefix affinity
+    keys on the same; a bad ``lora_request`` is the replica's engine's to refuse)."""
+    return lora_cache_salt(cache_salt, lora_request if isinstance(lora_request, LoRARequest) else None)
+
+
 class DataParallelRouter(EngineCallbacks):
     """Routes requests over data-parallel replicas; an `EngineClient` like AsyncLLMEngine.
 
@@ -153,10 +164,6 @@ class DataParallelRouter(EngineCallbacks):
         startup_timeout_s: how long replicas may take to load (default: the parallel
             config's ``distributed_timeout_s``).
     """
-
-    #: Neither cache salts nor embedding requests are routed yet.
-    supports_cache_salt = False
-    supports_pooling = False
 
     def __init__(
         self,
@@ -180,6 +187,7 @@ class DataParallelRouter(EngineCallbacks):
         self.dp = dp
         source = open_model(config.model.model)
         arch = ArchConfig.from_hf(source.hf_config)
+        self._eos_token_ids = frozenset(source.eos_token_ids)
         self._tokenizer = engine_tokenizer(config.model, source, arch.vocab_size)
         mml = config.model.max_model_len or arch.max_position_embeddings
         if mml > arch.max_position_embeddings:
@@ -217,9 +225,10 @@ class DataParallelRouter(EngineCallbacks):
         self._replicas = [_Replica(spec, *ready[spec.index]) for spec in self.specs]
         for r in self._replicas:
             logger.info(
-                "data-parallel replica %d ready: %s, %d KV blocks, %d thread(s)",
+                "data-parallel replica %d ready: %s, %s weights, %d KV blocks, %d thread(s)",
                 r.index,
                 r.describe(),
+                r.weights,
                 r.num_blocks,
                 r.spec.threads,
             )
@@ -293,8 +302,10 @@ class DataParallelRouter(EngineCallbacks):
         return EngineStats(**combined)
 
     @property
-    def eos_token_ids(self) -> None:
-        return None  # beam search runs against one engine
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's, as every replica's engine reads them (beam search steps go to
+        whichever replica the policy picks: each step is a set of whole prompts)."""
+        return self._eos_token_ids
 
     @property
     def classifier_labels(self) -> list[str] | None:
@@ -307,10 +318,12 @@ class DataParallelRouter(EngineCallbacks):
 
     @property
     def lora_enabled(self) -> bool:
-        return False  # replicas serve the base model
+        return self.config.lora.enable_lora
 
     def check_lora_adapter(self, path: str) -> None:
-        raise ValueError(data_parallel_request_refusal("lora"))
+        """Load the adapter at ``path`` once here (ValueError when it cannot serve this
+        model); each replica loads it again from the path on its first request."""
+        load_adapter(path, self._check.arch, self.config.lora.max_lora_rank)
 
     def generation_defaults(self) -> dict:
         from pagedserve.loader.generation_config import load_generation_defaults
@@ -322,7 +335,17 @@ class DataParallelRouter(EngineCallbacks):
     def replica_status(self) -> list[ReplicaStatus]:
         return [
             ReplicaStatus(
-                r.index, r.platform, r.pid, r.alive, r.exit_reason, r.num_seqs, r.routed, r.affinity_routed, r.stats
+                r.index,
+                r.platform,
+                r.pid,
+                r.alive,
+                r.exit_reason,
+                r.num_seqs,
+                r.routed,
+                r.affinity_routed,
+                r.stats,
+                r.weights,
+                r.kv_cache_groups,
             )
             for r in self._replicas
         ]
@@ -355,28 +378,24 @@ class DataParallelRouter(EngineCallbacks):
         lora_request: Any = None,
         multi_modal_data: dict | None = None,
     ) -> RequestStream:
-        """Route a request and return its stream once its replica has accepted it
-        (``cache_salt``, ``pooling_params`` and ``lora_request`` are refused: see
-        ``supports_*``).
+        """Route a request and return its stream once its replica has accepted it.  The
+        request's ``cache_salt``, embedding parameters (``pooling_params``) and adapter
+        (``lora_request``) travel with it; the replica's engine checks them as one engine
+        does (its ValueError fails the request).
 
         Raises ValueError (bad prompt, before anything is sent), QueueFullError (every
         live replica's waiting queue is full), EngineDeadError (no replica left).
         """
-        refusable = (
-            ("cache_salt", cache_salt),
-            ("pooling", pooling_params),
-            ("lora", lora_request),
-            ("images", multi_modal_data),
-        )
-        for name, value in refusable:
-            if value is not None:
-                raise ValueError(data_parallel_request_refusal(name))
+        if multi_modal_data is not None:
+            raise ValueError(data_parallel_request_refusal("images"))
         if self._loop is None or self._closing:
             raise EngineDeadError("the engine is not running")
         text, ids = self.validate(prompt, prompt_token_ids)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        hashes = self.policy.prefix_hashes(ids)
+        # A salted prompt's or an adapter's blocks are their own in a replica's prefix
+        # cache: affinity keys on both.
+        hashes = self.policy.prefix_hashes(ids, _cache_key(cache_salt, lora_request))
         while True:
             r, reason = self._route(hashes)
             stream = RequestStream(request_id, self)
@@ -387,7 +406,9 @@ class DataParallelRouter(EngineCallbacks):
             r.routed += 1
             r.affinity_routed += reason == "affinity"
             self.policy.record(hashes, r.index)
-            r.outbox.put(("add", request_id, text, ids, params, priority, time.time()))
+            r.outbox.put(
+                ("add", request_id, text, ids, params, priority, time.time(), cache_salt, pooling_params, lora_request)
+            )
             try:
                 await stream._accepted
             except _ReplicaLost:

@@ -105,8 +105,9 @@ class RoutingPolicy:
     def score(self, load: ReplicaLoad) -> float:
         return load.num_seqs + self.kv_weight * min(max(load.kv_usage, 0.0), 1.0)
 
-    def prefix_hashes(self, token_ids: Sequence[int]) -> list[int]:
-        """Chained hashes of the prompt's full blocks, at most ``max_blocks``.
+    def prefix_hashes(self, token_ids: Sequence[int], key: str | None = None) -> list[int]:
+        """Chained hashes of the prompt's full blocks, at most ``max_blocks`` (``key``:
+        what else keys the blocks in an engine's cache, a cache salt or an adapter).
 
         The block holding the last prompt token is left out: an engine always computes
         that token, so only the blocks before it can be prefix-cache hits.
@@ -114,7 +115,7 @@ class RoutingPolicy:
         if not self.enable_affinity:
             return []
         n = min((len(token_ids) - 1) // self.block_size, self.max_blocks)
-        return [h for h, _ in block_hashes(token_ids, self.block_size, max(n, 0))]
+        return [h for h, _ in block_hashes(token_ids, self.block_size, max(n, 0), key)]
 
     def choose(self, prefix_hashes: Sequence[int], loads: Sequence[ReplicaLoad]) -> RoutingChoice:
         """The replica for a prompt with these prefix hashes; NoReplicaAvailable if none."""

@@ -85,9 +85,9 @@ class Feature:
     ``_MODEL`` stands for the model's own path); ``default_kwargs``: the settings on the
     default model where they differ.  ``request``: what a request sets to use it (a
     per-request feature has no settings).  ``windows``: the per-layer attention windows of
-    the model the feature needs (None: the tiny model's, no windows).  ``dp_request``: the
-    key of ``config_rules.DATA_PARALLEL_REQUEST_REFUSALS`` a data-parallel router refuses
-    such requests by."""
+    the model the feature needs (None: the tiny model's, no windows).  ``disagg_request``:
+    the key of ``config_rules.disaggregated_request_refusal`` that a disaggregated
+    prefill/decode pair refuses such requests by."""
 
     id: str
     title: str
@@ -95,7 +95,7 @@ class Feature:
     default_kwargs: Mapping[str, Any] | None = None
     request: str = ""
     windows: tuple[int | None, ...] | None = None
-    dp_request: str | None = None
+    disagg_request: str | None = None
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ FEATURES: tuple[Feature, ...] = (
         {"free_sliding_window_blocks": True},
         windows=(8, None),
     ),
-    Feature("pooling", "embeddings / pooling", request="LLM.embed / /v1/embeddings", dp_request="pooling"),
+    Feature("pooling", "embeddings / pooling", request="LLM.embed / /v1/embeddings", disagg_request="pooling"),
     Feature("prompt_logprobs", "prompt logprobs", request="SamplingParams(prompt_logprobs=...)"),
     Feature("priority", "priorities", {"scheduling_policy": "priority"}, request="priority= per request"),
     Feature("sleep_mode", "sleep mode", {"enable_sleep_mode": True}, request="LLM.sleep / POST /sleep"),
@@ -166,7 +166,8 @@ DEPLOYMENTS: tuple[Deployment, ...] = (
     Deployment("pp", "PP=2", {"pipeline_parallel_size": 2}),
     Deployment("tp_pp", "TP=2 x PP=2", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
     Deployment("dp", "2 data-parallel replicas", data_parallel_size=2),
-    Deployment("cpu_offload", "cpu_offload_gb", {"cpu_offload_gb": 0.0001}),
+    # 300 kB: every layer of the tiny float32 model (about 148 kB each) streams.
+    Deployment("cpu_offload", "cpu_offload_gb", {"cpu_offload_gb": 0.0003}),
     # A small device pool, so that cached blocks spill to the host tier and come back.
     Deployment("kv_offload", "host KV tier", {"kv_offload_memory": "4MiB", "num_gpu_blocks_override": 32}),
     Deployment("device_map", "device_map", {"device_map": "cpu:1,cpu"}),
@@ -224,10 +225,10 @@ def cell_refusals(feature: str, deployment: str) -> list[str]:
     ]
     if d.data_parallel_size > 1:
         checks.append(lambda: config_rules.check_data_parallel(cfg, d.data_parallel_size))
-        if f.dp_request is not None:
-            checks.append(lambda: _raise(config_rules.data_parallel_request_refusal(f.dp_request)))
     if d.disaggregated:
         checks.append(lambda: config_rules.check_disaggregated(cfg, windows))
+        if f.disagg_request is not None:
+            checks.append(lambda: _raise(config_rules.disaggregated_request_refusal(f.disagg_request)))
     out = []
     for check in checks:
         try:
@@ -376,17 +377,16 @@ def matrix_problems(tests_root: Path) -> list[str]:
 #: What a reader of the matrix should know that no cell shows.
 NOTES: tuple[str, ...] = (
     "A cell compares with one process on the same settings. `quantization` left at `auto` "
-    "on a `.gguf` keeps its blocks in one process and under tensor/pipeline parallelism "
-    "(sharded in blocks) but loads them dequantized under `cpu_offload_gb` or `device_map` "
-    "(docs/quantization.md), so those outputs are the float model's and differ from a "
-    "quantized single process; the `quant_gguf` row asks for blocks explicitly "
-    "(`quantization='gguf'`), which those deployments refuse.",
+    "on a `.gguf` keeps its blocks in one process, under tensor/pipeline parallelism "
+    "(sharded in blocks) and under `cpu_offload_gb` (streamed as blocks) but loads them "
+    "dequantized under `device_map` (docs/quantization.md); the `quant_gguf` row asks for "
+    "blocks explicitly (`quantization='gguf'`).",
     "Refusals are the engine's own messages for the tiny test model's shape (4 heads, 2 KV "
     "heads, 2 layers); a model whose heads or layers the ranks cannot split is refused by "
     "`check_parallel_fits_model` as well.",
-    "`disagg` reaches only what `DisaggregatedLLM.generate` takes (prompts and sampling "
-    "parameters): beam search, embeddings, priorities and adapters are not reachable "
-    "through it, so those cells stay untested.",
+    "`disagg` serves what `DisaggregatedLLM.generate` and `.beam_search` take (prompts, "
+    "sampling parameters, priorities, adapters: the prefill instance runs each prompt under "
+    "its adapter); embeddings have no decode phase and are refused.",
     "Tests that need Ray, peft, onnxruntime or the default model's package skip where it is missing; "
     "their cells count as tested from the marker.",
 )

@@ -4,13 +4,17 @@ settings, and how the two results compare; the engines, shared across cells."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import itertools
 import json
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -293,7 +297,18 @@ def _kv_groups(llm: LLM, pool: Engines):
     the windowed group frees slid-out blocks that others reuse."""
     from pagedserve.kv_cache.kv_groups import GroupedKVCacheManager
 
-    assert isinstance(llm.llm_engine.kv, GroupedKVCacheManager), "the windowed layers got no KV cache group"
+    if isinstance(llm, DataParallelEngine):
+        assert llm.llm_engine.kv_cache_groups > 1, "the windowed layers got no KV cache group"
+    else:
+        assert isinstance(llm.llm_engine.kv, GroupedKVCacheManager), "the windowed layers got no KV cache group"
+        runner = llm.llm_engine.runner
+        # Under a device map each segment's layers share slot tensors among themselves only.
+        owners: dict[int, int] = {}
+        layer = 0
+        for i, seg in enumerate(runner.segments):
+            for k, _ in runner.kv_caches[layer : layer + seg.num_layers]:
+                assert owners.setdefault(k.data_ptr(), i) == i, "a KV slot tensor spans two device-map segments"
+            layer += seg.num_layers
     return _generate(llm, [p[:20] for p in _prompts(12)], _params(max_tokens=40))
 
 
@@ -355,14 +370,135 @@ class DisaggregatedEngine:
         self.llm_engine = self.disagg.llm.llm_engine
 
     def generate(self, prompts, params, use_tqdm: bool = False, **kw):
-        assert not kw, f"DisaggregatedLLM.generate takes no {', '.join(kw)}"
-        return self.disagg.generate(prompts, params)
+        return self.disagg.generate(prompts, params, **kw)
+
+    def beam_search(self, prompts, params: BeamSearchParams):
+        return self.disagg.beam_search(prompts, params)
 
     def get_tokenizer(self):
         return self.disagg.llm.get_tokenizer()
 
     def shutdown(self) -> None:
         self.disagg.shutdown()
+
+
+class _RouterStats:
+    """The counters the cases read off an engine, from the replicas' combined reports."""
+
+    def __init__(self, router, config) -> None:
+        self._router = router
+        self.config = config
+
+    @property
+    def prefix_hits(self) -> int:
+        return self._router.stats().prefix_cache_hits
+
+    @property
+    def num_swap_outs(self) -> int:
+        return self._router.stats().num_swap_outs
+
+    @property
+    def num_spilled_blocks(self) -> int:
+        return self._router.stats().kv_blocks_spilled
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._router.stats().num_preemptions
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self._router.stats().spec_decode_num_draft_tokens
+
+
+class _RouterView:
+    """What the cases read of ``llm.llm_engine``, answered by the router: counters from
+    the replicas' reports, the weights' form and KV cache groups from what each replica
+    reported when it loaded (every replica must agree)."""
+
+    def __init__(self, router, config) -> None:
+        self.router = router
+        counters = _RouterStats(router, config.scheduler)
+        self.kv = self.scheduler = counters
+        self.spec = counters if config.speculative.speculative_config is not None else None
+        (weights,) = {s.weights for s in router.replica_status()}
+        self.model_source = SimpleNamespace(method=None if weights == "float" else SimpleNamespace(name=weights))
+        (self.kv_cache_groups,) = {s.kv_cache_groups for s in router.replica_status()}
+
+
+class DataParallelEngine:
+    """Two data-parallel replicas behind the router that ``pagedserve serve
+    --data-parallel-size 2`` runs, where the cases expect an LLM: every request of a call
+    goes to the router at once (so that both replicas serve), on an event loop of its own."""
+
+    def __init__(self, **kwargs) -> None:
+        from pagedserve.serving.data_parallel import DataParallelConfig
+        from pagedserve.serving.router import DataParallelRouter
+
+        config = engine_config_from_kwargs(**kwargs)
+        self.router = DataParallelRouter(config, DataParallelConfig(size=2), log_level="warning")
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="compat-dp-loop", daemon=True)
+        self.thread.start()
+        self._call(self._start())
+        self.llm_engine = _RouterView(self.router, config)
+        self._ids = itertools.count()
+
+    async def _start(self) -> None:
+        self.router.start()
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=240)
+
+    async def _one(self, prompt, params, **kw):
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt["prompt_token_ids"])
+        stream = await self.router.add_request(f"c{next(self._ids)}", text, params, prompt_token_ids=ids, **kw)
+        last = None
+        async for out in stream:
+            last = out
+        assert last is not None and last.finished
+        return last
+
+    async def _all(self, calls):
+        return await asyncio.gather(*calls)
+
+    def generate(self, prompts, params, use_tqdm: bool = False, priority=None, lora_request=None):
+        n = len(prompts)
+        params = params if isinstance(params, list) else [params] * n
+        priority = priority if priority is not None else [0] * n
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * n
+        calls = [
+            self._one(p, sp, priority=pr, lora_request=lo) for p, sp, pr, lo in zip(prompts, params, priority, loras)
+        ]
+        return self._call(self._all(calls))
+
+    def embed(self, prompts):
+        from pagedserve.pooling import PoolingParams
+
+        calls = [self._one(p, SamplingParams(max_tokens=1), pooling_params=PoolingParams()) for p in prompts]
+        return self._call(self._all(calls))
+
+    def beam_search(self, prompts, params: BeamSearchParams):
+        """As LLM.beam_search: each step's beams go to the router together."""
+        from pagedserve.beam_search import BeamSearch
+
+        ids = [p["prompt_token_ids"] for p in prompts]
+        search = BeamSearch(ids, params, self.router.eos_token_ids, self.router.max_model_len)
+
+        def expand(tokens, step):
+            outs = self.generate([{"prompt_token_ids": t} for t in tokens], step)
+            return [o.outputs[0].logprobs[0] for o in outs]
+
+        search.run(expand)
+        return search.outputs(lambda t: self.router.tokenizer.decode(t))
+
+    def get_tokenizer(self):
+        return self.router.tokenizer
+
+    def shutdown(self) -> None:
+        self.router.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
 
 
 def ray_engine(**kwargs) -> LLM:
@@ -381,7 +517,11 @@ def ray_engine(**kwargs) -> LLM:
 
 
 #: How a deployment's engine is made when not by LLM(**cell_kwargs).
-FACTORIES: dict[str, Callable[..., object]] = {"disagg": DisaggregatedEngine, "tp_ray": ray_engine}
+FACTORIES: dict[str, Callable[..., object]] = {
+    "disagg": DisaggregatedEngine,
+    "tp_ray": ray_engine,
+    "dp": DataParallelEngine,
+}
 
 
 def _helper(folder: str, name: str):
@@ -490,13 +630,20 @@ IN_USE: dict[str, Callable[[LLM], bool]] = {
     "tp_mp": lambda llm: llm.llm_engine.runner.model.num_heads == TINY_HF_CONFIG["num_attention_heads"] // 2,
     "tp_ray": lambda llm: llm.llm_engine.runner.model.num_heads == TINY_HF_CONFIG["num_attention_heads"] // 2,
     "pp": lambda llm: llm.llm_engine.runner.model.layer_end < llm.llm_engine.arch.num_layers,
-    "cpu_offload": lambda llm: llm.llm_engine.weight_streamer is not None,
+    # Layers' weights live on the host and were streamed in for the forwards.
+    "cpu_offload": lambda llm: (
+        (s := llm.llm_engine.weight_streamer) is not None and bool(s.offloaded) and s.num_layer_copies > 0
+    ),
     # The plugin's platform runs the model, its linear op the plugin's (ONNX Runtime).
     "plugin_ort": lambda llm: llm.llm_engine.ops.source("linear") == "pagedserve_ort",
     # Blocks of every prompt longer than one block came from the prefill instance.
     "disagg": lambda llm: llm.disagg.num_injected_blocks > 0,
     # The small device pool spills evicted cached blocks to the host tier (or swaps).
     "kv_offload": lambda llm: llm.llm_engine.kv.num_spilled_blocks + llm.llm_engine.kv.num_swap_outs > 0,
+    # The layers run on more than one segment of the map.
+    "device_map": lambda llm: len(llm.llm_engine.runner.segments) > 1,
+    # Both replicas served requests of this cell's engine.
+    "dp": lambda llm: all(s.routed > 0 and s.alive for s in llm.router.replica_status()),
 }
 
 

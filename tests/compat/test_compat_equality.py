@@ -54,7 +54,16 @@ SLOW = ("tp_pp", "tp_ray")
 #: Cells that need an engine of their own on a multi-process deployment (about 10 s to
 #: start on two cores) and test nothing the rank split could change (the scheduler runs
 #: in the engine's process).
-SLOW_CELLS = (("priority", "tp_mp"), ("priority", "pp"), ("priority", "tp_ray"), ("kv_groups", "tp_mp"))
+SLOW_CELLS = (
+    ("priority", "tp_mp"),
+    ("priority", "pp"),
+    ("priority", "tp_ray"),
+    ("kv_groups", "tp_mp"),
+    # Swaps run on every rank's share; tp_mp's cell checks that on each CI run.
+    ("preemption_swap", "pp"),
+    # tests/distributed/test_dist_quant.py runs GPTQ and AWQ at TP=2 on each CI run.
+    ("quant_gptq_awq", "tp_mp"),
+)
 
 assert set(CASES) >= set(COMPAT_FEATURES)
 

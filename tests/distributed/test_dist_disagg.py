@@ -37,7 +37,8 @@ def test_disaggregated_matches_single_instance(tiny_checkpoint_factory, monkeypa
 
         # The decode side really uses the handed-over KV: zeroing it changes the outputs.
         real_import = LLMEngine.import_prefix_kv
-        monkeypatch.setattr(LLMEngine, "import_prefix_kv", lambda eng, toks, kv: real_import(eng, toks, kv * 0))
+        zeroed = lambda eng, toks, kv, salt=None: real_import(eng, toks, kv * 0, salt)  # noqa: E731
+        monkeypatch.setattr(LLMEngine, "import_prefix_kv", zeroed)
         corrupted = dllm.generate(others, greedy(10))
         assert [o.outputs[0].token_ids for o in corrupted] != expected_others
     finally:

@@ -1,6 +1,7 @@
 """Quantized weights under tensor and pipeline parallelism (mp executor, gloo on CPU): each
 rank keeps its shard in the quantized format (GGUF blocks split by whole rows and whole
-blocks; int8 / fp8 rows with their scales, columns with whole-row scales), and the greedy
+blocks; int8 / fp8 rows with their scales, columns with whole-row scales; GPTQ / AWQ
+output channels in whole packed words, inputs in whole words or groups), and the greedy
 tokens and logprobs equal one process with the same quantization.
 
 Logprob bound: the same quantized numbers are multiplied in both, but a row-parallel
@@ -58,12 +59,16 @@ def _same(got, want, tol: float = LOGPROB_TOL) -> float:
     return worst
 
 
-def _convert():
-    path = Path(__file__).resolve().parents[1] / "models" / "gguf_convert.py"
-    spec = importlib.util.spec_from_file_location("dist_quant_gguf_convert", path)
+def _helper(folder: str, name: str):
+    path = Path(__file__).resolve().parents[1] / folder / name
+    spec = importlib.util.spec_from_file_location(f"dist_quant_{Path(name).stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _convert():
+    return _helper("models", "gguf_convert.py")
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +83,12 @@ def models(tiny_checkpoint_factory, tmp_path_factory) -> dict[str, str]:
     hf = transformers.AutoModelForCausalLM.from_pretrained(float_path, dtype=torch.float32)
     hf.resize_token_embeddings(hf.config.vocab_size + 1, mean_resizing=False)  # the converter's extra merge
     gguf_path = _convert().write_gguf_like_llama_cpp(folder / "q4_1.gguf", hf, "llama", "Q4_1")
-    return {"float": str(float_path), "gguf": str(gguf_path)}
+    paths = {"float": str(float_path), "gguf": str(gguf_path)}
+    # GPTQ (act order) and AWQ checkpoints of the same model, groups of 32 inputs.
+    support = _helper("quantization", "test_quant_support.py")
+    for method in ("gptq", "awq"):
+        paths[method] = str(support.write_quantized_pair(float_path, tmp_path_factory.mktemp(method) / "q", method)[0])
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +97,7 @@ def reference(models):
 
     def get(method: str):
         if method not in cache:
-            model = models["gguf" if method == "gguf" else "float"]
+            model = models.get(method, models["float"])
             with running_llm(model=model, quantization=method) as llm:
                 cache[method] = _run(llm)
         return cache[method]
@@ -100,9 +110,17 @@ def _kept(model, method: str, tiny: bool = True) -> None:
     blocks, its embedding and LM head too)."""
     from pagedserve.quantization.fp8 import Fp8Weight
     from pagedserve.quantization.gguf import GGUFWeight
+    from pagedserve.quantization.int4 import AWQWeight, GPTQWeight
     from pagedserve.quantization.int8 import Int8Weight, W8A8Weight
 
-    kind = {"gguf": GGUFWeight, "int8": Int8Weight, "w8a8": W8A8Weight, "fp8": Fp8Weight}[method]
+    kind = {
+        "gguf": GGUFWeight,
+        "int8": Int8Weight,
+        "w8a8": W8A8Weight,
+        "fp8": Fp8Weight,
+        "gptq": GPTQWeight,
+        "awq": AWQWeight,
+    }[method]
     for layer in model.layers:
         for name in type(model).linear_fields:
             w = getattr(layer, name)
@@ -120,13 +138,16 @@ CELLS = [
     pytest.param("int8", 1, 2, marks=pytest.mark.compat("quant_int8", "pp")),
     pytest.param("w8a8", 1, 2),
     pytest.param("fp8", 2, 1, marks=pytest.mark.compat("quant_fp8", "tp_mp")),
+    # Packed int4: output channels in whole words, inputs in whole words (GPTQ) or groups (AWQ).
+    pytest.param("gptq", 2, 1, marks=pytest.mark.compat("quant_gptq_awq", "tp_mp")),
+    pytest.param("awq", 2, 1, marks=pytest.mark.compat("quant_gptq_awq", "tp_mp")),
 ]
 
 
 @pytest.mark.parametrize("method,tp,pp", CELLS)
 def test_quantized_shards_match_single_process(models, reference, method, tp, pp):
     want = reference(method)
-    model = models["gguf" if method == "gguf" else "float"]
+    model = models.get(method, models["float"])
     with running_llm(
         model=model,
         quantization=method,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.quantization.base import QuantizedWeight
 
 SHAPE = dict(arch="llama", num_heads=4, num_kv_heads=2, num_layers=4)
 ENGINE = dict(dtype="float32", block_size=8, kv_cache_memory="4MiB", max_model_len=128)
@@ -91,3 +92,36 @@ def test_no_offload_by_default_and_budget_below_one_layer(setup):
     assert generate(llm) == expected
     with pytest.raises(ValueError, match="cpu_offload_gb"):
         LLM(model=str(path), **ENGINE, cpu_offload_gb=-1.0)
+
+
+def _quantized_bytes(layer) -> int:
+    total = 0
+    for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down"):
+        w = getattr(layer, name)
+        total += sum(t.numel() * t.element_size() for t in (w.tensors() if isinstance(w, QuantizedWeight) else [w]))
+    return total
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_layers_stream_their_quantized_bytes(method, setup):
+    """Offloaded quantized layers keep their integers and scales (not a float copy) on the
+    host, stream them into staging weights of the same kind, and answer as resident ones."""
+    path = setup[0]
+    resident = LLM(model=str(path), **ENGINE, quantization=method)
+    expected = generate(resident)
+    layers = resident.llm_engine.runner.model.layers
+    per_layer = _quantized_bytes(layers[0])
+    assert per_layer < setup[2] / 3  # int8/fp8 weights with float norms: well under the float32 layer
+    llm = LLM(model=str(path), **ENGINE, quantization=method, cpu_offload_gb=2.5 * per_layer / 1e9)
+    streamer = llm.llm_engine.weight_streamer
+    assert streamer.offloaded == [0, 1] and streamer.offloaded_bytes == 2 * per_layer
+    runner = llm.llm_engine.runner
+    for i in streamer.offloaded:
+        w = runner.model.layers[i].gate_up
+        assert isinstance(w, QuantizedWeight) and w.qweight.itemsize == 1
+    assert generate(llm) == expected
+    assert streamer.num_layer_copies > 0
+    # The forward reads the host copy: scaling one layer's quantized scales changes the outputs.
+    with torch.inference_mode():
+        runner.model.layers[1].gate_up.scale.mul_(-3.0)
+    assert generate(llm) != expected

@@ -49,7 +49,7 @@ def test_quant_gguf_default_model():
 def test_blocks_are_kept_by_default_where_the_native_kernel_runs():
     """quantization unset: a .gguf stays in blocks where the platform's gguf_linear is the
     native CPU kernel (the measured decode win), and loads dequantized otherwise and
-    wherever blocks are not supported (tensor parallel, weight offload, layer maps)."""
+    wherever blocks are not supported (layer maps); weight offload streams them."""
     from pagedserve.platforms.ops import PREFERS_QUANTIZED
     from pagedserve.quantization.registry import gguf_kept_by_default
 
@@ -62,5 +62,7 @@ def test_blocks_are_kept_by_default_where_the_native_kernel_runs():
     assert isinstance(engine.runner.model.layers[0].qkv, GGUFWeight) == kept
     mapped = LLM(dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=256, device_map="cpu:10,cpu")
     assert not isinstance(mapped.llm_engine.runner.model.layers[0].qkv, GGUFWeight)
+    # Weight offload streams the blocks as they are (offload/weights.py).
     offloaded = LLM(dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=256, cpu_offload_gb=0.01)
-    assert not isinstance(offloaded.llm_engine.runner.model.layers[0].qkv, GGUFWeight)
+    assert offloaded.llm_engine.weight_streamer.offloaded
+    assert isinstance(offloaded.llm_engine.runner.model.layers[0].qkv, GGUFWeight) == kept

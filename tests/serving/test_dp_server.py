@@ -199,6 +199,31 @@ def test_dp_answers_equal_one_engine(server, offline):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_ref
 
 
+@pytest.mark.compat("pooling", "dp")
+@pytest.mark.compat("beam_search", "dp")
+def test_embeddings_beam_search_and_cache_salt_reach_the_replicas(server, offline):
+    """Requests the router once refused: /v1/embeddings, use_beam_search, cache_salt."""
+    texts = ["Hello world", "The quick brown fox jumps"]
+    r = httpx.post(server.url + "/v1/embeddings", timeout=60, json={"model": "tiny", "input": texts})
+    assert r.status_code == 200, r.text
+    got = [d["embedding"] for d in r.json()["data"]]
+    want = [o.outputs.embedding for o in offline.embed(texts)]
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(list(w), abs=1e-4)
+    from pagedserve.beam_search import BeamSearchParams
+
+    body = {"model": "tiny", "prompt": texts[0], "max_tokens": 5, "n": 3, "use_beam_search": True}
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json=body)
+    assert r.status_code == 200, r.text
+    ref = offline.beam_search([texts[0]], BeamSearchParams(beam_width=3, max_tokens=5))[0]
+    assert [c["text"] for c in r.json()["choices"]] == [s.text for s in ref.sequences]
+    salted = {"model": "tiny", "prompt": texts[1], "max_tokens": 6, "temperature": 0, "cache_salt": "user-1"}
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json=salted)
+    assert r.status_code == 200, r.text
+    plain = offline.generate([texts[1]], greedy(max_tokens=6), use_tqdm=False)[0].outputs[0].text
+    assert r.json()["choices"][0]["text"] == plain
+
+
 def test_bad_input_is_refused_by_the_router(server):
     r = httpx.post(
         server.url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": [5] * 1100, "max_tokens": 4}

@@ -21,7 +21,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
-from pagedserve.config_rules import data_parallel_request_refusal
 from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.protocol import normalize_prompts, parse_request
 from pagedserve.entrypoints.openai.request_fields import HONOURED, REFUSED, Field, refuse_unimplemented
@@ -84,8 +83,6 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def create(self, request: EmbeddingRequest) -> dict:
         refuse_unimplemented(request, EMBEDDING_FIELDS)
         model = self.model_name(request.model)
-        if not self.engine.supports_pooling:
-            raise ApiError(400, data_parallel_request_refusal("pooling"), param="input")
         hidden = self.engine.embedding_size
         if request.dimensions is not None and request.dimensions != hidden:
             raise ApiError(

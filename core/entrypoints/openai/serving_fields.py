@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.config_rules import data_parallel_request_refusal
 from pagedserve.engine.client import EngineClient
 from pagedserve.engine.request_options import continue_final_message, truncate_prompt
 from pagedserve.entrypoints.openai.errors import ApiError
@@ -142,8 +141,6 @@ def salt_kwargs(engine: EngineClient, cache_salt: str | None) -> dict[str, str]:
         return {}
     if not cache_salt:
         raise ApiError(400, "'cache_salt' must be a non-empty string.", param="cache_salt")
-    if not engine.supports_cache_salt:
-        raise ApiError(400, data_parallel_request_refusal("cache_salt"), param="cache_salt")
     return {"cache_salt": cache_salt}
 
 

@@ -27,7 +27,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
-from pagedserve.config_rules import data_parallel_request_refusal
 from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.protocol import normalize_prompts, parse_request
 from pagedserve.entrypoints.openai.serving_base import OpenAIServing
@@ -84,8 +83,6 @@ class OpenAIServingScore(OpenAIServing):
         self, prompts: list[tuple[str | None, list[int]]], field: str, priority: int, prefix: str
     ) -> tuple[str, list]:
         """(request id, the ClassificationOutput of each prompt)."""
-        if not self.engine.supports_pooling:
-            raise ApiError(400, data_parallel_request_refusal("pooling"), param=field)
         request_id = self.new_id(prefix)
         params = [SamplingParams(max_tokens=1)] * len(prompts)
         extra = {"pooling_params": PoolingParams(task="classify")}
