@@ -377,7 +377,8 @@ class ModelRunner:
         self.model = None
         self.kv_caches = []
         gc.collect()
-        for platform in {id(p): p for p in self.layer_platforms}.values():
+        experts = [self.experts.platform] if self.experts is not None else []
+        for platform in {id(p): p for p in [*self.layer_platforms, *experts]}.values():
             platform.release_memory()
 
     def wake_up(self, reload: Callable[[], Iterable[tuple[str, Any]]]) -> None:

@@ -297,3 +297,16 @@ def test_the_flag_keeps_the_classes(plugin):
     assert device_map_arg("*=cpu, experts=cpu-moe") == "experts=cpu-moe,*=cpu"
     with pytest.raises(argparse.ArgumentTypeError, match="unknown platform 'gpu9'"):
         device_map_arg("experts=gpu9,*=cpu")
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_keep_the_experts_placed(level, plugin, checkpoints):
+    path, want = checkpoints("qwen3moe")
+    llm = LLM(model=str(path), device_map="experts=cpu-moe,*=cpu", enable_sleep_mode=True, **ENGINE)
+    llm.sleep(level)
+    llm.wake_up()
+    plugin.CALLS.clear()
+    got = two_rounds(llm)
+    assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in want]
+    assert llm.llm_engine.runner.model.expert_placement is not None
+    assert set(plugin.CALLS) == {"fused_moe"}  # rebuilt on waking, the experts still run on cpu-moe
