@@ -54,7 +54,7 @@ class UniProcExecutor(Executor):
             model_cls = resolve_model_class(arch.architecture)
             experts = resolve_expert_segment(device_map, segments, dtype, model_cls, arch.hf_config)
             method = getattr(source, "method", None)  # a quantized source (pagedserve.quantization)
-            names = sorted({s.platform.name for s in segments})
+            names = sorted({s.platform.name for s in [*segments, *([experts] if experts else [])]})
             if method is not None and len(names) > 1:
                 raise ValueError(
                     f"quantization={method.name!r} was chosen for platform {platform.name!r}; "

@@ -91,7 +91,10 @@ class _MoEForCausalLM(LlamaForCausalLM):
     def place_experts(self, placement: LayerPlacement) -> None:
         """Keep every layer's routed experts on ``placement`` (called before loading)."""
         if not any(self.sparse):
-            raise ValueError(f"{self.cfg.architecture}: no layer has routed experts to place")
+            raise ValueError(
+                f"device_map places the routed experts, but no layer of this {self.cfg.architecture} checkpoint "
+                "has any (mlp_only_layers / decoder_sparse_step make every layer dense); drop 'experts=' from the map"
+            )
         self.expert_placement = placement
 
     def _layer_placement(self, index: int) -> LayerPlacement:
