@@ -6,7 +6,7 @@ through a real entry point: ``cpu-moe``, the host CPU with counted reference ops
 ``fused_moe`` must run every routed-expert step and nothing else of the model may run
 on it; the outputs (greedy tokens and logprobs) must equal the one-platform run, with
 chunked prefill and prefix caching on.  Tiny Qwen3-MoE and Qwen2-MoE (shared expert, a
-dense layer) checkpoints come from transformers' own classes.
+dense layer) and Mixtral checkpoints come from transformers' own classes.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ CASES = {
         dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=24, norm_topk_prob=True),
         3,
     ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2), 3),
     "qwen2moe-shared-dense": (
         "Qwen2MoeConfig",
         "Qwen2MoeForCausalLM",
