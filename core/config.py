@@ -28,6 +28,9 @@ __all__ = [
     "FP8_KV_CACHE_DTYPES",
     "parse_device_map",
     "device_map_layers",
+    "DEVICE_MAP_CLASSES",
+    "device_map_classes",
+    "normalize_device_map",
 ]
 
 _UNITS = {
@@ -90,6 +93,53 @@ _CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "f
 _SEGMENT = re.compile(r"(?P<name>[^:,\s]+)(?::(?:(?P<first>\d+)-(?P<last>\d+)|(?P<count>\d+)))?")
 
 
+#: Tensor classes a device map can place apart from their layers (``experts=cpu,*=cuda``):
+#: ``experts`` is every MoE layer's routed experts (shared experts and the router stay
+#: with their layer).
+DEVICE_MAP_CLASSES = ("experts",)
+_PLATFORM = re.compile(r"[^:,=\s]+")
+
+
+def device_map_classes(value: str) -> tuple[str, dict[str, str]]:
+    """A device map split into its layer map and its tensor classes' platforms.
+
+    The per-layer form (``"cuda:20,cpu"``) has no classes: ``(value, {})``.  The class
+    form ``"experts=cpu,*=cuda"`` gives ``("cuda", {"experts": "cpu"})``: ``*`` (every
+    tensor no class names) is required and is the engine's platform.  A class takes a
+    whole platform: layer counts or ranges inside the class form are refused (the two
+    forms do not combine).  ValueError naming the bad item.
+    """
+    if "=" not in value:
+        return value, {}
+    known = ", ".join((*DEVICE_MAP_CLASSES, "*"))
+    classes: dict[str, str] = {}
+    for part in (p.strip() for p in value.split(",")):
+        name, sep, platform = (s.strip() for s in part.partition("="))
+        if not sep:
+            raise ValueError(
+                f"device_map={value!r}: {part!r} is not CLASS=PLATFORM; a map by tensor class names every "
+                f"item's class ({known}), e.g. 'experts=cpu,*=cuda', and does not combine with layer counts"
+            )
+        if name not in (*DEVICE_MAP_CLASSES, "*"):
+            raise ValueError(f"device_map={value!r}: unknown tensor class {name!r} (known: {known})")
+        if name in classes:
+            raise ValueError(f"device_map={value!r} places the tensor class {name!r} twice")
+        if not _PLATFORM.fullmatch(platform):
+            raise ValueError(
+                f"device_map={value!r}: {part!r} must name one platform (e.g. 'experts=cpu'); layer counts "
+                "and ranges belong to the per-layer form ('cuda:20,cpu'), which does not combine with "
+                "tensor classes"
+            )
+        classes[name] = platform
+    if "*" not in classes:
+        raise ValueError(
+            f"device_map={value!r} places no platform for the other tensors; add '*=PLATFORM' "
+            "(the engine's platform, e.g. 'experts=cpu,*=cuda')"
+        )
+    main = classes.pop("*")
+    return main, {c: classes[c] for c in DEVICE_MAP_CLASSES if c in classes}
+
+
 def parse_device_map(value: str | Sequence[str | tuple[str, int | None]]) -> tuple[DeviceMapEntry, ...]:
     """Syntax of a device map (docs/memory.md); ValueError naming the bad segment.
 
@@ -97,10 +147,11 @@ def parse_device_map(value: str | Sequence[str | tuple[str, int | None]]) -> tup
     segment without a count takes the rest).  ``"cpu:0-14,cpu-ref:15-29"``: inclusive
     layer ranges, which must then be given for every segment (returned in layer order).
     A sequence of segment strings or ``(platform, count)`` pairs means the same as the
-    comma-joined string.
+    comma-joined string.  A map by tensor class (:func:`device_map_classes`) gives the
+    entry of its ``*`` platform, which runs every layer.
     """
     if isinstance(value, str):
-        parts = value.split(",")
+        parts = device_map_classes(value)[0].split(",")
     else:
         parts = []
         for item in value:
@@ -151,6 +202,17 @@ def parse_device_map(value: str | Sequence[str | tuple[str, int | None]]) -> tup
         entries = sorted(entries, key=lambda e: e.first)
         _check_ranges(entries, None)
     return tuple(entries)
+
+
+def normalize_device_map(value: str | Sequence[str | tuple[str, int | None]]) -> str:
+    """A device map's canonical string: ``"cpu:20,cuda"`` or ``"experts=cpu,*=cuda"``
+    (classes first, ``*`` last); ValueError as :func:`parse_device_map`."""
+    if not isinstance(value, str) and any(isinstance(i, str) and "=" in i for i in value):
+        value = ",".join(value)
+    entries = parse_device_map(value)
+    classes = device_map_classes(value)[1] if isinstance(value, str) else {}
+    layers = [f"*={entries[0].platform}"] if classes else list(map(str, entries))
+    return ",".join([*(f"{c}={p}" for c, p in classes.items()), *layers])
 
 
 def _layers(a: int, b: int) -> str:
@@ -703,10 +765,11 @@ def parse_cpu_list(text: str) -> list[int]:
 class DeviceConfig:
     """Platform selection (None = PAGEDSERVE_TARGET_DEVICE or auto-detect) and threads.
 
-    device_map: decoder layers split across platforms (docs/memory.md); normalised to
-        its string form.  Its first platform is the engine's platform (``device`` may
-        only repeat it): it embeds the tokens and its default dtype is what
-        ``dtype="auto"`` picks.
+    device_map: decoder layers split across platforms, or tensor classes placed apart
+        ("experts=cpu,*=cuda") (docs/memory.md); normalised to its string form.  Its
+        first platform (the ``*`` one of a map by class) is the engine's platform
+        (``device`` may only repeat it): it embeds the tokens and its default dtype is
+        what ``dtype="auto"`` picks.
     """
 
     device: str | None = field(
@@ -717,7 +780,8 @@ class DeviceConfig:
         default=None,
         metadata=_help(
             "decoder layers split across platforms: 'cuda:20,cpu' (the first 20 layers on cuda, the rest on cpu) "
-            "or inclusive ranges 'cpu:0-14,cuda:15-29' (docs/memory.md)",
+            "or inclusive ranges 'cpu:0-14,cuda:15-29'; or by tensor class: 'experts=cpu,*=cuda' (every MoE "
+            "layer's routed experts on cpu, the rest on cuda) (docs/memory.md)",
             parse="pagedserve.entrypoints.cli.device_map_arg:device_map_arg",
             metavar="MAP",
         ),
@@ -747,9 +811,8 @@ class DeviceConfig:
                 )
         if self.device_map is None:
             return
-        entries = parse_device_map(self.device_map)
-        self.device_map = ",".join(map(str, entries))
-        first = entries[0].platform
+        self.device_map = normalize_device_map(self.device_map)
+        first = parse_device_map(self.device_map)[0].platform
         from pagedserve.platforms.options import target_device  # platform selection's one reader
 
         for source, name in (("device", self.device), ("PAGEDSERVE_TARGET_DEVICE", target_device())):

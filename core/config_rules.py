@@ -69,8 +69,8 @@ def _device_map_rule(cfg: EngineConfig) -> str | None:
             "than being streamed"
         )
     q = cfg.model.quantization
-    # DeviceConfig normalises the map to "platform[:count|:first-last],...".
-    platforms = {segment.split(":")[0].strip() for segment in str(dm).split(",")}
+    # DeviceConfig normalises the map to "platform[:count|:first-last],..." or "class=platform,...".
+    platforms = {segment.split("=")[-1].split(":")[0].strip() for segment in str(dm).split(",")}
     if q not in _NOT_A_METHOD and len(platforms) > 1:
         return (
             f"quantization={q!r} cannot be combined with device_map={dm!r}, which places layers on "

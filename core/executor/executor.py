@@ -24,7 +24,8 @@ from pagedserve.config import EngineConfig, images_per_prompt
 from pagedserve.executor.abstract import Executor
 from pagedserve.executor.model_runner import ModelRunner, StepOutput
 from pagedserve.models.arch_config import ArchConfig
-from pagedserve.offload.device_map import resolve_device_map
+from pagedserve.models.registry import resolve_model_class
+from pagedserve.offload.device_map import resolve_device_map, resolve_expert_segment
 from pagedserve.platforms import OpRegistry, Platform
 from pagedserve.scheduler import SchedulerOutput
 
@@ -46,12 +47,14 @@ class UniProcExecutor(Executor):
         source,
         max_model_len: int,
     ) -> None:
-        segments = None
+        segments = experts = None
         device_map = config.device.device_map
         if device_map is not None:
             segments = resolve_device_map(device_map, arch.num_layers, platform, ops, dtype)
+            model_cls = resolve_model_class(arch.architecture)
+            experts = resolve_expert_segment(device_map, segments, dtype, model_cls, arch.hf_config)
             method = getattr(source, "method", None)  # a quantized source (pagedserve.quantization)
-            names = sorted({s.platform.name for s in segments})
+            names = sorted({s.platform.name for s in [*segments, *([experts] if experts else [])]})
             if method is not None and len(names) > 1:
                 raise ValueError(
                     f"quantization={method.name!r} was chosen for platform {platform.name!r}; "
@@ -68,6 +71,7 @@ class UniProcExecutor(Executor):
             segments=segments,
             max_model_len=max_model_len,
             vision=images_per_prompt(config.model) > 0,
+            experts=experts,
         )
         runner.load_weights(source.weights(), prepare=config.cache.cpu_offload_gb <= 0)
         self.num_blocks = runner.determine_num_blocks(config.cache, config.scheduler, max_model_len)

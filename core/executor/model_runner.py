@@ -128,6 +128,7 @@ class ModelRunner:
         segments: list[Segment] | None = None,
         max_model_len: int | None = None,
         vision: bool = False,
+        experts: Segment | None = None,
     ) -> None:
         self.platform = platform
         self.ops = ops
@@ -141,6 +142,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self._placed = segments is not None  # a device map: the model gets its placements
         self.segments = segments
+        #: A map by tensor class: where the routed experts live and run (else None).
+        self.experts = experts
         self.model = self._build_model()
         #: A vision-language model's vision side (``vision``: images are on), else None;
         #: its outputs by image, while prompts are prefilled.
@@ -193,9 +196,13 @@ class ModelRunner:
             placements = [
                 LayerPlacement(s.start, s.end, s.ops, s.platform.device, s.platform.to_device) for s in self.segments
             ]
-        return resolve_model_class(self.arch.architecture)(
+        model = resolve_model_class(self.arch.architecture)(
             self.arch, self.ops, self.dtype, self.device, self.parallel, placements, max_positions=self.max_model_len
         )
+        if self.experts is not None:
+            e = self.experts
+            model.place_experts(LayerPlacement(e.start, e.end, e.ops, e.platform.device, e.platform.to_device))
+        return model
 
     def load_weights(self, weights, prepare: bool = True) -> None:
         """Load (HF name, tensor) pairs; ``prepare``: then put dense linear weights in the
@@ -433,7 +440,8 @@ class ModelRunner:
         self.model = None
         self.kv_caches = []
         gc.collect()
-        for platform in {id(p): p for p in self.layer_platforms}.values():
+        experts = [self.experts.platform] if self.experts is not None else []
+        for platform in {id(p): p for p in [*self.layer_platforms, *experts]}.values():
             platform.release_memory()
 
     def wake_up(self, reload: Callable[[], Iterable[tuple[str, Any]]]) -> None:

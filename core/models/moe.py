@@ -7,6 +7,12 @@ per expert and run through :mod:`pagedserve.models.quantized_experts`, the quant
 linear ops grouped as ``fused_moe`` groups them.  Routing (softmax, top-k, optional renormalisation)
 is plain torch on the router logits.
 
+A device map by tensor class (``experts=cpu,*=cuda``, :meth:`_MoEForCausalLM.place_experts`)
+keeps every layer's routed experts (w13, w2) on another placement: the router, the
+shared expert and attention stay with the layer, and each MoE layer moves its hidden
+states and routing to the experts' device, runs that placement's ``fused_moe`` there and
+moves the result back.
+
 Tensor parallelism shards every expert's intermediate dimension (each rank keeps its
 rows of each expert's gate and up and its columns of each down, so the ``fused_moe``
 op runs unchanged on smaller experts) and the shared expert the same way; the router
@@ -21,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from pagedserve.models.arch_config import ArchConfig
-from pagedserve.models.layers import fuse, gated_mlp, linear, route_topk
+from pagedserve.models.layers import LayerPlacement, fuse, gated_mlp, linear, route_topk
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.quantized_experts import quantized_experts_moe, stack_experts
 
@@ -73,6 +79,36 @@ class _MoEForCausalLM(LlamaForCausalLM):
         dense = set(hf.get("mlp_only_layers") or [])
         self.sparse = [i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers)]
         self.activation = hf.get("hidden_act", "silu")
+        #: Where the routed experts live and run when a device map places them apart
+        #: (place_experts), else None: with their layer.
+        self.expert_placement: LayerPlacement | None = None
+
+    @classmethod
+    def places_experts(cls, hf: dict) -> bool:
+        """Whether config.json ``hf`` has routed experts a device map can place."""
+        return bool(hf.get("num_local_experts") or hf.get("num_experts"))
+
+    def place_experts(self, placement: LayerPlacement) -> None:
+        """Keep every layer's routed experts on ``placement`` (called before loading)."""
+        if not any(self.sparse):
+            raise ValueError(
+                f"device_map places the routed experts, but no layer of this {self.cfg.architecture} checkpoint "
+                "has any (mlp_only_layers / decoder_sparse_step make every layer dense); drop 'experts=' from the map"
+            )
+        self.expert_placement = placement
+
+    def _layer_placement(self, index: int) -> LayerPlacement:
+        return next(pl for pl in self.placements if pl.start <= index < pl.end)
+
+    def placement_weight_bytes(self) -> list[int]:
+        """As the base, less the routed experts where a device map keeps them elsewhere."""
+        out = super().placement_weight_bytes()
+        if self.expert_placement is None:
+            return out
+        for i, pl in enumerate(self.placements):
+            for layer in self.layers[pl.start - self.layer_start : pl.end - self.layer_start]:
+                out[i] -= sum(t.nbytes for t in (layer.w13, layer.w2) if isinstance(t, torch.Tensor))
+        return out
 
     @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
@@ -118,6 +154,9 @@ class _MoEForCausalLM(LlamaForCausalLM):
         layer.router = param(w[m + "gate.weight"])
         gate_up = [[w[f"{m}experts.{e}.{g}.weight"], w[f"{m}experts.{e}.{u}.weight"]] for e in experts]
         down = [w[f"{m}experts.{e}.{d}.weight"] for e in experts]
+        if self.expert_placement is not None:
+            device = self.expert_placement.device
+            param = lambda t: self._param(t, device)  # noqa: E731 (the experts' device)
         layer.w13, layer.w2 = stack_experts(gate_up, down, param, fuse, f"{self.cfg.architecture} ({g}, {u}, {d})")
         if self.shared_expert:
             s = m + "shared_expert."
@@ -131,9 +170,10 @@ class _MoEForCausalLM(LlamaForCausalLM):
         quantized experts each take their prepared form (e.g. repacked GGUF blocks)."""
         super().prepare_linear_weights()
         for pl in self.placements:
+            ops = (self.expert_placement or pl).ops
             for layer in self.layers[pl.start - self.layer_start : pl.end - self.layer_start]:
                 if isinstance(layer.w13, torch.Tensor):
-                    layer.w13, layer.w2 = pl.ops.prepare_moe_weights(layer.w13, layer.w2)
+                    layer.w13, layer.w2 = ops.prepare_moe_weights(layer.w13, layer.w2)
                 elif isinstance(layer.w13, list):
                     layer.w13 = [w.prepared() for w in layer.w13]
                     layer.w2 = [w.prepared() for w in layer.w2]
@@ -144,6 +184,10 @@ class _MoEForCausalLM(LlamaForCausalLM):
         weights, ids = route_topk(linear(ops, h, layer.router), self.top_k, self.renormalize)
         if isinstance(layer.w13, list):
             out = quantized_experts_moe(ops, h, layer.w13, layer.w2, weights, ids)
+        elif self.expert_placement is not None:  # only the activations and the routing cross
+            ep = self.expert_placement
+            out = ep.ops.fused_moe(ep.move(h), layer.w13, layer.w2, ep.move(weights), ep.move(ids), "silu")
+            out = self._layer_placement(index).move(out)
         else:
             out = ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu")
         if layer.shared_gate is not None:

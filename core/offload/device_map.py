@@ -9,6 +9,12 @@ platform's kernels, and activations move between segments through
 ``Platform.to_device``.  The embedding goes with the first segment, the final norm
 and LM head with the last.
 
+A map by tensor class, ``"experts=cpu,*=cuda"``, runs every layer on the ``*``
+platform except the routed experts of each MoE layer, which live on (and run with the
+``fused_moe`` of) the ``experts`` platform: only the hidden states cross to it and the
+experts' output back (:func:`resolve_expert_segment`, ``place_experts`` of the MoE
+families in pagedserve.models.moe).
+
 The block manager is shared, so every layer has the same number of KV blocks: the
 runner sizes one block count that fits every device (see
 ``ModelRunner.determine_num_blocks``), and each platform allocates its layers' tensors
@@ -22,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.config import device_map_layers, parse_device_map
+from pagedserve.config import device_map_classes, device_map_layers, parse_device_map
 from pagedserve.platforms import OpRegistry, Platform, PlatformRegistry, discover
 
-__all__ = ["Segment", "resolve_device_map", "check_device_map_platforms"]
+__all__ = ["Segment", "resolve_device_map", "resolve_expert_segment", "check_device_map_platforms"]
 
 
 @dataclass
@@ -54,6 +60,7 @@ def check_device_map_platforms(device_map: str, registry: PlatformRegistry | Non
     message lists the platforms that are."""
     reg = registry or _registry()
     names = dict.fromkeys(e.platform for e in parse_device_map(device_map))
+    names.update(dict.fromkeys(device_map_classes(device_map)[1].values()))
     for name in names:
         info = reg.platforms.get(name)
         if info is not None and info.probe()[0]:
@@ -88,18 +95,46 @@ def resolve_device_map(
         )
     reg = check_device_map_platforms(device_map)
     platforms: dict[str, tuple[Platform, OpRegistry]] = {primary.name: (primary, primary_ops)}
-    segments = []
-    for name, start, end in spans:
-        if name not in platforms:
-            platform = reg.select(name).cls()
-            platforms[name] = (platform, reg.resolve_ops(platform))
-        platform, ops = platforms[name]
-        if dtype not in platform.supported_dtypes:
-            supported = ", ".join(str(d).replace("torch.", "") for d in platform.supported_dtypes)
-            raise ValueError(
-                f"device_map={device_map!r}: platform {name!r} does not support dtype "
-                f"{str(dtype).replace('torch.', '')} (supported: {supported}); pass a dtype every "
-                "platform of the map supports"
-            )
-        segments.append(Segment(platform, ops, start, end))
-    return segments
+    return [Segment(*_instance(device_map, name, reg, platforms, dtype), start, end) for name, start, end in spans]
+
+
+def _instance(
+    device_map: str, name: str, reg: PlatformRegistry, platforms: dict[str, tuple[Platform, OpRegistry]], dtype
+) -> tuple[Platform, OpRegistry]:
+    """Platform ``name`` and its ops, made once per map; ValueError for a dtype it lacks."""
+    if name not in platforms:
+        platform = reg.select(name).cls()
+        platforms[name] = (platform, reg.resolve_ops(platform))
+    platform, ops = platforms[name]
+    if dtype not in platform.supported_dtypes:
+        supported = ", ".join(str(d).replace("torch.", "") for d in platform.supported_dtypes)
+        raise ValueError(
+            f"device_map={device_map!r}: platform {name!r} does not support dtype "
+            f"{str(dtype).replace('torch.', '')} (supported: {supported}); pass a dtype every "
+            "platform of the map supports"
+        )
+    return platform, ops
+
+
+def resolve_expert_segment(
+    device_map: str, segments: list[Segment], dtype: torch.dtype, model_cls: type, hf_config: dict
+) -> Segment | None:
+    """Where the map puts the routed experts (all layers), or None when it does not.
+
+    ``segments`` are :func:`resolve_device_map`'s (their platforms are reused by name).
+    ValueError, before any weight loads, when ``model_cls`` (for the checkpoint's
+    ``hf_config``) has no routed experts the map could place.
+    """
+    classes = device_map_classes(device_map)[1]
+    if "experts" not in classes:
+        return None
+    name = classes["experts"]
+    if not getattr(model_cls, "places_experts", lambda hf: False)(hf_config):
+        raise ValueError(
+            f"device_map={device_map!r} places the routed experts, but {model_cls.__name__} has none it can "
+            "place (expert placement serves Mixtral, Qwen2-MoE and Qwen3-MoE); drop 'experts=' from the map"
+        )
+    platforms = {s.platform.name: (s.platform, s.ops) for s in segments}
+    reg = check_device_map_platforms(device_map)
+    platform, ops = _instance(device_map, name, reg, platforms, dtype)
+    return Segment(platform, ops, segments[0].start, segments[-1].end)

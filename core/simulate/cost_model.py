@@ -14,12 +14,25 @@ through the stages in turn, without micro-batches):
     pp comm    (pp - 1) x (lat + T H b_act / (IC e_ic))
     kv copies  blocks moved between device and host x block bytes / (HOST e_host)
     offload    streamed weight bytes / (HOST e_host)                   (cpu_offload_gb)
+    experts    L_moe x max(2 T k P_e / R_x(T),  E(T) P_e b_w / (BW_x e_mem,x))   (experts on the host)
+    crossing   L_moe x 2 x (lat + T (H b_act + 6 k) / (HOST e_host))             (experts on the host)
     overhead   step_overhead + S x per_seq_overhead + T x per_token_overhead
 
 ``R(T)`` is the matmul rate at ``T`` rows (a calibrated curve for the weight format, the
 LM head's own where calibrated, or ``peak x e_matmul``); ``P_active`` counts the top-k experts of a mixture-of-experts
 layer and ``P_read(T)`` the experts the batch is expected to touch (all of them once
-the batch is large).  Everything is a pure function of the batch: no torch, no device.
+the batch is large).
+
+With the routed experts on the host (``experts_hw``, the device map's
+``experts=cpu,*=cuda``) the ``linear`` term leaves them out and ``experts`` prices them
+on the host's profile (subscript x: its matmul rate and memory; ``k`` experts per token
+of ``P_e`` weights, ``E(T)`` the experts touched, over the ``L_moe`` MoE layers), and
+``crossing`` adds the activations each MoE layer moves over the device's host link: the
+hidden states to the host and the experts' output back (``H b_act`` bytes a token each
+way) and the routing (``k`` float32 weights and int64 ids a token, ``12 k`` bytes, taken
+as ``6 k`` each way), each crossing paying the device's ``interconnect_latency_s``.  The
+steps stay serial (the device waits for the host's experts).  Everything is a pure
+function of the batch: no torch, no device.
 """
 
 from __future__ import annotations
@@ -64,6 +77,7 @@ class CostModel:
         pipeline_parallel_size: int = 1,
         block_size: int = 16,
         cpu_offload_bytes: float = 0.0,
+        experts_hw: HardwareProfile | None = None,
     ) -> None:
         if dtype not in _DTYPE_BYTES:
             raise ValueError(f"dtype {dtype!r}: one of {', '.join(_DTYPE_BYTES)}")
@@ -81,6 +95,14 @@ class CostModel:
         self.kv_bytes = kv_dtype_bytes if kv_dtype_bytes is not None else self.act_bytes
         self.block_size = block_size
         self.cpu_offload_bytes = cpu_offload_bytes
+        if experts_hw is not None:
+            if not model.num_moe_layers:
+                raise ValueError(f"{model.name} has no routed experts to place on {experts_hw.name!r}")
+            if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
+                raise ValueError("routed experts on the host cannot be combined with tensor/pipeline parallelism")
+            if hw.host_bandwidth <= 0:
+                raise ValueError(f"hardware {hw.name!r} has no host_bandwidth: cannot place the experts on the host")
+        self.experts_hw = experts_hw
         # weight-only formats multiply in the activation dtype
         self.compute_kind = COMPUTE_KIND.get(
             model.weight_format, "float32" if model.weight_format == "float32" else dtype
@@ -96,7 +118,15 @@ class CostModel:
         return 2 * layers * self.block_size * self.kv_heads_per_rank * self.model.head_dim * self.kv_bytes
 
     def weight_bytes_per_device(self) -> float:
-        return self.model.weight_bytes(self.dtype) / (self.tp * self.pp)
+        """Weight bytes on each device (less the routed experts when they are on the host)."""
+        return (self.model.weight_bytes(self.dtype) - self.expert_bytes_on_host()) / (self.tp * self.pp)
+
+    def expert_bytes_on_host(self) -> float:
+        """Bytes of the routed experts kept in host memory (0 unless ``experts_hw``)."""
+        m = self.model
+        if self.experts_hw is None:
+            return 0.0
+        return m.num_moe_layers * m.num_experts * m.expert_params * m.bytes_per_weight
 
     # -- time -----------------------------------------------------------------------------------
     def _linear(self, flops: float, weight_bytes: float, rows: float, fmt: str | None = None) -> float:
@@ -111,9 +141,20 @@ class CostModel:
         bw = hw.memory_bandwidth * hw.eff("memory")
         out: dict[str, float] = {}
         bpw = m.bytes_per_weight
-        out["linear"] = (
-            self._linear(2.0 * T * m.layer_params_active / tp, m.layer_params_read(T) * bpw / tp, T) if T else 0.0
-        )
+        active, read = m.layer_params_active, m.layer_params_read(T)
+        if self.experts_hw is not None:  # the routed experts run on the host
+            routed_active = m.num_moe_layers * m.experts_per_token * m.expert_params
+            routed_read = m.num_moe_layers * m.expected_experts_touched(T) * m.expert_params
+            active, read = active - routed_active, read - routed_read
+            x = self.experts_hw
+            rate = x.matmul_rate(self.fmt, self.compute_kind, T) if T else 1.0
+            x_bw = x.memory_bandwidth * x.eff("memory")
+            out["experts"] = max(2.0 * T * routed_active / rate, routed_read * bpw / x_bw) if T else 0.0
+            per_token = m.hidden_size * self.act_bytes + 6 * m.experts_per_token
+            host_link = hw.host_bandwidth * hw.eff("host")
+            crossing = hw.interconnect_latency_s + T * per_token / host_link
+            out["expert_crossing"] = m.num_moe_layers * 2 * crossing if T else 0.0
+        out["linear"] = self._linear(2.0 * T * active / tp, read * bpw / tp, T) if T else 0.0
         if N:
             head_bpw = bpw if not m.tie_word_embeddings else WEIGHT_BYTES[self.dtype]
             # the LM head's own calibrated curve when there is one (it may run another kernel)

@@ -65,6 +65,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="GB of layer weights kept in host memory and streamed every step",
     )
+    g.add_argument(
+        "--experts-hardware",
+        default=None,
+        metavar="PROFILE",
+        help="the routed experts of every MoE layer in host memory, run on this host profile (e.g. cpu-generic) "
+        "while the rest runs on --hardware: what `serve --device-map experts=cpu,*=cuda` does",
+    )
 
 
 @dataclass
@@ -99,6 +106,8 @@ class Plan:
             "total_params": m.total_params,
             "active_params": m.layer_params_active + m.embedding_params * (1 if m.tie_word_embeddings else 2),
             "weight_bytes_per_device": self.cost.weight_bytes_per_device(),
+            "experts_hardware": self.cost.experts_hw.name if self.cost.experts_hw else None,
+            "expert_bytes_on_host": self.cost.expert_bytes_on_host(),
             "kv_bytes_per_block_per_device": self.cost.kv_bytes_per_block(),
             "num_kv_blocks": self.num_blocks,
             "num_host_kv_blocks": self.num_host_blocks,
@@ -149,6 +158,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
         policy=args.scheduling_policy,
         delay_factor=args.scheduler_delay_factor,
     )
+    experts_hw = None
+    if getattr(args, "experts_hardware", None):
+        experts_hw = load_profile(args.experts_hardware).for_format(spec.weight_format)
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     if spec.num_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {spec.num_heads} attention heads")
@@ -161,7 +173,17 @@ def build_plan(args: argparse.Namespace) -> Plan:
         pipeline_parallel_size=pp,
         block_size=args.block_size,
         cpu_offload_bytes=args.cpu_offload_gb * 1e9 / (tp * pp),
+        experts_hw=experts_hw,
     )
+    if experts_hw is not None and cost.expert_bytes_on_host() > experts_hw.memory_bytes:
+        raise ValueError(
+            f"--experts-hardware {experts_hw.name}: the routed experts' {cost.expert_bytes_on_host() / 1e9:.1f} GB "
+            f"do not fit its {experts_hw.memory_bytes / 1e9:.1f} GB of memory"
+        )
+    if experts_hw is not None and args.cpu_offload_gb:
+        raise ValueError(
+            "--experts-hardware cannot be combined with --cpu-offload-gb (as device_map and cpu_offload_gb)"
+        )
     mml = args.max_model_len or spec.max_position_embeddings
     if mml > spec.max_position_embeddings:
         raise ValueError(
