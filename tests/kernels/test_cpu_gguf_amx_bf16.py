@@ -10,8 +10,8 @@ import pytest
 import torch
 from native_build import require_native
 
-from pagedserve.kernels import reference
 from pagedserve.kernels import quant_reference as ref
+from pagedserve.kernels import reference
 from pagedserve.kernels.cpu import load_cpu_kernels, quant_gguf_amx
 from pagedserve.platforms.cpu import quant_ops as cpu_quant
 
