@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "amx.h"
@@ -272,41 +273,59 @@ inline __m512i pair_bf16(__m512 a, __m512 b) {
   return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
-// Column group (16 columns) of nb packed blocks -> nb B tiles of bf16 at out.
+// x with the bits of v placed at [lo, lo + width) of each 32-bit lane from bit `at`.
+template <int AT, int LO>
+inline __m512i move_bits(__m512i v) {
+  if constexpr (AT <= LO)
+    return _mm512_slli_epi32(v, LO - AT);
+  else
+    return _mm512_srli_epi32(v, AT - LO);
+}
+
+// 1 + q / 2^W as float32 bits (q the W-bit field at bit AT of each lane): the field
+// moved to the top of the mantissa and the exponent of 1.0 set in one ternary-logic op
+// ((a & mask) | one); d * q + m is then one FMA: (2^W d) * that + (m - 2^W d).
+template <int AT, int W>
+inline __m512 one_plus(__m512i raw) {
+  constexpr int lo = 23 - W;
+  const __m512i mask = _mm512_set1_epi32(((1 << W) - 1) << lo);
+  const __m512i one = _mm512_set1_epi32(0x3F800000);
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(move_bits<AT, lo>(raw), mask, one, 0xEA));
+}
+
+// Block b of one column group (16 columns x 32 k) -> one B tile of bf16 at t.
 template <int64_t TYPE>
-void dequant_group(const uint8_t* wg, int64_t nb, uint8_t* out) {
-  const int gbb = group_block_bytes(TYPE);
+inline void dequant_block(const uint8_t* e, uint8_t* t) {
   constexpr int qb = TYPE == Q8_0 ? 512 : 256;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* e = wg + b * gbb;
-    uint8_t* t = out + b * kTileBytes;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e + qb)));
-    if constexpr (TYPE == Q8_0) {
-      // Line p: k = 4p + j at byte j of each column's 32 bits, value + 128.
-      const __m512 off = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
-      const __m512i byte = _mm512_set1_epi32(0xFF);
-      for (int p = 0; p < 8; ++p) {
-        const __m512i raw = _mm512_loadu_si512(e + p * 64);
-        __m512 f[4];
-        for (int j = 0; j < 4; ++j)
-          f[j] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(raw, 8 * j), byte)), off);
-        _mm512_storeu_si512(t + (2 * p) * 64, pair_bf16(f[0], f[1]));
-        _mm512_storeu_si512(t + (2 * p + 1) * 64, pair_bf16(f[2], f[3]));
-      }
-    } else {
-      // Line p: low nibbles k = 8p + j, high nibbles k = 8p + 4 + j (byte j of a column).
-      const __m512 m = TYPE == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e + qb + 32)))
-                                    : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-      const __m512i nib = _mm512_set1_epi32(0x0F);
-      for (int p = 0; p < 4; ++p) {
-        const __m512i raw = _mm512_loadu_si512(e + p * 64);
-        __m512 f[8];
-        for (int j = 0; j < 8; ++j) {
-          const int shift = 8 * (j & 3) + 4 * (j >> 2);
-          f[j] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(raw, shift), nib)), m);
-        }
-        for (int r = 0; r < 4; ++r) _mm512_storeu_si512(t + (4 * p + r) * 64, pair_bf16(f[2 * r], f[2 * r + 1]));
-      }
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e + qb)));
+  if constexpr (TYPE == Q8_0) {
+    // Line p: k = 4p + j at byte j of each column's 32 bits, value + 128:
+    // d * (byte - 128) = (256 d) * (1 + byte / 256) - 384 d.
+    const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(256.f)), c = _mm512_mul_ps(d, _mm512_set1_ps(-384.f));
+    for (int p = 0; p < 8; ++p) {
+      const __m512i raw = _mm512_loadu_si512(e + p * 64);
+      const __m512 f0 = _mm512_fmadd_ps(s, one_plus<0, 8>(raw), c), f1 = _mm512_fmadd_ps(s, one_plus<8, 8>(raw), c);
+      const __m512 f2 = _mm512_fmadd_ps(s, one_plus<16, 8>(raw), c), f3 = _mm512_fmadd_ps(s, one_plus<24, 8>(raw), c);
+      _mm512_store_si512(t + (2 * p) * 64, pair_bf16(f0, f1));
+      _mm512_store_si512(t + (2 * p + 1) * 64, pair_bf16(f2, f3));
+    }
+  } else {
+    // Line p: low nibbles k = 8p + j, high nibbles k = 8p + 4 + j (byte j of a column):
+    // d * q + m = (16 d) * (1 + q / 16) + (m - 16 d); Q4_0's m is -8 d.
+    const __m512 m = TYPE == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e + qb + 32)))
+                                  : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+    const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(16.f)), c = _mm512_sub_ps(m, s);
+    for (int p = 0; p < 4; ++p) {
+      const __m512i raw = _mm512_loadu_si512(e + p * 64);
+      uint8_t* row = t + 4 * p * 64;
+      _mm512_store_si512(row, pair_bf16(_mm512_fmadd_ps(s, one_plus<0, 4>(raw), c),
+                                        _mm512_fmadd_ps(s, one_plus<8, 4>(raw), c)));
+      _mm512_store_si512(row + 64, pair_bf16(_mm512_fmadd_ps(s, one_plus<16, 4>(raw), c),
+                                             _mm512_fmadd_ps(s, one_plus<24, 4>(raw), c)));
+      _mm512_store_si512(row + 128, pair_bf16(_mm512_fmadd_ps(s, one_plus<4, 4>(raw), c),
+                                              _mm512_fmadd_ps(s, one_plus<12, 4>(raw), c)));
+      _mm512_store_si512(row + 192, pair_bf16(_mm512_fmadd_ps(s, one_plus<20, 4>(raw), c),
+                                              _mm512_fmadd_ps(s, one_plus<28, 4>(raw), c)));
     }
   }
 }
@@ -334,8 +353,12 @@ inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_m
 // Rows [m0, m0 + 16 MT) of the column groups cg[0..NG): C tiles stored, bias added and
 // rounded to y's dtype (gated: silu(gate) * up of the two groups, as the registry's
 // silu_and_mul rounds it after a gguf_linear of that dtype).
-template <int MT, int NG, bool GATED>
-void tile(const uint16_t* x, int64_t K, const uint8_t* const* b, int64_t m0, const int64_t* cg, const Out& o) {
+// ``side(k)`` runs in the k loop next to the tile products of block k: the next column
+// pair's dequantization of block k there (vector work the out-of-order core overlaps
+// with the tile unit's), a no-op otherwise.
+template <int MT, int NG, bool GATED, class Side>
+void tile(const uint16_t* x, int64_t K, const uint8_t* const* b, int64_t m0, const int64_t* cg, const Out& o,
+          const Side& side) {
   const int64_t nb = K / QK;
   _tile_zero(0);
   if constexpr (NG > 1) _tile_zero(1);
@@ -351,6 +374,7 @@ void tile(const uint16_t* x, int64_t K, const uint8_t* const* b, int64_t m0, con
     if constexpr (NG > 1) _tile_dpbf16ps(1, 4, 7);
     if constexpr (MT > 1) _tile_dpbf16ps(2, 5, 6);
     if constexpr (MT > 1 && NG > 1) _tile_dpbf16ps(3, 5, 7);
+    side(k);
   }
   alignas(64) float c[MT][NG][16][16];
   _tile_stored(0, c[0][0], 64);
@@ -393,36 +417,57 @@ void tile(const uint16_t* x, int64_t K, const uint8_t* const* b, int64_t m0, con
 }
 
 // Column groups in pairs (gated: gate group g with up group g + half), per thread: the
-// pair dequantized once, then every row tile.
+// pair dequantized once into one of two buffers, then every row tile; the next pair's
+// blocks are dequantized into the other buffer during the first row tile's k loop.
 template <int64_t TYPE, bool GATED>
 void run(const uint16_t* x, int64_t Mp, int64_t K, const uint8_t* w, int64_t groups, const Out& o) {
-  const int64_t nb = K / QK, group_stride = nb * group_block_bytes(TYPE);
+  const int64_t nb = K / QK, group_stride = nb * group_block_bytes(TYPE), gbb = group_block_bytes(TYPE);
   const int64_t pairs = GATED ? groups / 2 : (groups + 1) / 2;
+  const auto groups_of = [&](int64_t p, int64_t* cg) {
+    cg[0] = GATED ? p : 2 * p;
+    cg[1] = GATED ? p + o.half : 2 * p + 1;
+    return GATED || cg[1] < groups;
+  };
   at::parallel_for(0, pairs, 1, [&](int64_t pb, int64_t pe) {
     TileScope scope(tile_config());
-    std::vector<uint8_t> buf(2 * nb * kTileBytes + 64);
-    uint8_t* b0 = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
+    std::vector<uint8_t> buf(4 * nb * kTileBytes + 64);
+    uint8_t* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
+    uint8_t* bufs[2] = {base, base + 2 * nb * kTileBytes};
+    const auto dequant = [&](int64_t p, uint8_t* dst, int64_t k) {
+      int64_t cg[2];
+      const bool two = groups_of(p, cg);
+      dequant_block<TYPE>(w + cg[0] * group_stride + k * gbb, dst + k * kTileBytes);
+      if (two) dequant_block<TYPE>(w + cg[1] * group_stride + k * gbb, dst + (nb + k) * kTileBytes);
+    };
+    for (int64_t k = 0; k < nb; ++k) dequant(pb, bufs[0], k);
+    const auto none = [](int64_t) {};
     for (int64_t p = pb; p < pe; ++p) {
       int64_t cg[2];
-      cg[0] = GATED ? p : 2 * p;
-      cg[1] = GATED ? p + o.half : 2 * p + 1;
-      const bool two = GATED || cg[1] < groups;
-      const uint8_t* b[2] = {b0, b0 + nb * kTileBytes};
-      dequant_group<TYPE>(w + cg[0] * group_stride, nb, b0);
-      if (two) dequant_group<TYPE>(w + cg[1] * group_stride, nb, b0 + nb * kTileBytes);
+      const bool two = groups_of(p, cg);
+      uint8_t* cur = bufs[(p - pb) & 1];
+      uint8_t* nxt = bufs[(p - pb + 1) & 1];
+      const uint8_t* b[2] = {cur, cur + nb * kTileBytes};
+      const bool ahead = p + 1 < pe;
+      const auto next = [&](int64_t k) { dequant(p + 1, nxt, k); };
+      bool first = true;
+      const auto step = [&](auto mt, int64_t m0) {
+        constexpr int MT = decltype(mt)::value;
+        if (first && ahead) {
+          if (two)
+            tile<MT, 2, GATED>(x, K, b, m0, cg, o, next);
+          else
+            tile<MT, 1, false>(x, K, b, m0, cg, o, next);
+        } else {
+          if (two)
+            tile<MT, 2, GATED>(x, K, b, m0, cg, o, none);
+          else
+            tile<MT, 1, false>(x, K, b, m0, cg, o, none);
+        }
+        first = false;
+      };
       int64_t m0 = 0;
-      for (; m0 + 32 <= Mp; m0 += 32) {
-        if (two)
-          tile<2, 2, GATED>(x, K, b, m0, cg, o);
-        else
-          tile<2, 1, false>(x, K, b, m0, cg, o);
-      }
-      if (m0 < Mp) {
-        if (two)
-          tile<1, 2, GATED>(x, K, b, m0, cg, o);
-        else
-          tile<1, 1, false>(x, K, b, m0, cg, o);
-      }
+      for (; m0 + 32 <= Mp; m0 += 32) step(std::integral_constant<int, 2>{}, m0);
+      if (m0 < Mp) step(std::integral_constant<int, 1>{}, m0);
     }
   });
 }
