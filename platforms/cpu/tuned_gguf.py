@@ -35,7 +35,7 @@ from types import ModuleType
 import torch
 
 from pagedserve.kernels import quant_reference as qref
-from pagedserve.platforms.cpu.tuning import BUCKETS, Tuner, plan_rows
+from pagedserve.platforms.cpu.tuning import BUCKETS, TUNE_SLICE_ROWS, Tuner, plan_rows
 
 __all__ = ["TunedGguf", "AMX_BF16_MIN_ROWS", "TUNE_MIN_ELEMENTS"]
 
@@ -121,9 +121,11 @@ class TunedGguf:
         n, k = packed.shape[0] * 16, packed.shape[1] * 32
         if n * k < self.min_elements:
             return packed
-        key = f"N={n},K={k},{type_name}"
+        # A large weight (the LM head) is timed on its first column groups (a view).
+        groups = min(packed.shape[0], TUNE_SLICE_ROWS // 16)
+        key = f"N={n},K={k},{type_name}" + (f",timed_rows={groups * 16}" if groups < packed.shape[0] else "")
         type_id = qref.GGUF_TYPE_IDS[type_name]
-        plan = self.tuner.tune("gguf_linear", key, self._runners(self.kernels, packed, type_id), self.buckets)
+        plan = self.tuner.tune("gguf_linear", key, self._runners(self.kernels, packed[:groups], type_id), self.buckets)
         chosen = [self.kernels[plan.chosen[b]] for b in plan.buckets]
         setattr(packed, _ROUTE, _Route(key, type_name, plan.buckets, chosen))
         return packed
@@ -167,6 +169,7 @@ class TunedGguf:
         if route is None or data.shape[0] % 2 or self.gated_kernels is None:
             return self.static_gated(x, data, type_name, bias)
         if route.gated is None:
+            # A gated weight's halves are timed whole (gate and up are paired by position).
             runners = self._runners(self.gated_kernels, data, route.type_id)
             plan = self.tuner.tune("gguf_linear_silu_and_mul", route.key, runners, route.buckets)
             route.gated = [self.gated_kernels[plan.chosen[b]] for b in plan.buckets]
