@@ -418,7 +418,8 @@ void tile(const uint16_t* x, int64_t K, const uint8_t* const* b, int64_t m0, con
 
 // Column groups in pairs (gated: gate group g with up group g + half), per thread: the
 // pair dequantized once into one of two buffers, then every row tile; the next pair's
-// blocks are dequantized into the other buffer during the first row tile's k loop.
+// blocks are dequantized into the other buffer inside this pair's k loops, spread
+// evenly over its row tiles.
 template <int64_t TYPE, bool GATED>
 void run(const uint16_t* x, int64_t Mp, int64_t K, const uint8_t* w, int64_t groups, const Out& o) {
   const int64_t nb = K / QK, group_stride = nb * group_block_bytes(TYPE), gbb = group_block_bytes(TYPE);
@@ -440,7 +441,8 @@ void run(const uint16_t* x, int64_t Mp, int64_t K, const uint8_t* w, int64_t gro
       if (two) dequant_block<TYPE>(w + cg[1] * group_stride + k * gbb, dst + (nb + k) * kTileBytes);
     };
     for (int64_t k = 0; k < nb; ++k) dequant(pb, bufs[0], k);
-    const auto none = [](int64_t) {};
+    // The next pair's nb blocks spread evenly over this pair's tiles x nb k steps.
+    const int64_t tiles = (Mp + 31) / 32;
     for (int64_t p = pb; p < pe; ++p) {
       int64_t cg[2];
       const bool two = groups_of(p, cg);
@@ -448,22 +450,18 @@ void run(const uint16_t* x, int64_t Mp, int64_t K, const uint8_t* w, int64_t gro
       uint8_t* nxt = bufs[(p - pb + 1) & 1];
       const uint8_t* b[2] = {cur, cur + nb * kTileBytes};
       const bool ahead = p + 1 < pe;
-      const auto next = [&](int64_t k) { dequant(p + 1, nxt, k); };
-      bool first = true;
+      int64_t done = ahead ? 0 : nb, tile_index = 0;
+      const auto next = [&](int64_t k) {
+        const int64_t target = (tile_index * nb + k + 1) / tiles;
+        for (; done < target; ++done) dequant(p + 1, nxt, done);
+      };
       const auto step = [&](auto mt, int64_t m0) {
         constexpr int MT = decltype(mt)::value;
-        if (first && ahead) {
-          if (two)
-            tile<MT, 2, GATED>(x, K, b, m0, cg, o, next);
-          else
-            tile<MT, 1, false>(x, K, b, m0, cg, o, next);
-        } else {
-          if (two)
-            tile<MT, 2, GATED>(x, K, b, m0, cg, o, none);
-          else
-            tile<MT, 1, false>(x, K, b, m0, cg, o, none);
-        }
-        first = false;
+        if (two)
+          tile<MT, 2, GATED>(x, K, b, m0, cg, o, next);
+        else
+          tile<MT, 1, false>(x, K, b, m0, cg, o, next);
+        ++tile_index;
       };
       int64_t m0 = 0;
       for (; m0 + 32 <= Mp; m0 += 32) step(std::integral_constant<int, 2>{}, m0);
