@@ -268,7 +268,7 @@ constexpr int kTileBytes = 1024;
 
 // bf16 of a and b interleaved per 32-bit lane: lane c = bf16(a[c]) | bf16(b[c]) << 16.
 inline __m512i pair_bf16(__m512 a, __m512 b) {
-  static const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
