@@ -12,7 +12,8 @@ step, huge pages, clock and load (benchmarks/run_facts.py).  The JSON written ho
 every pass's full facts.  ``--gguf`` runs the default model's own GGUF file (the default
 path, dtype auto, no prefix caching: as compare_llamacpp.py's pagedserve-gguf); a
 variant ``base:PYTHONPATH=<an older tree's package>`` puts two versions of pagedserve
-side by side.
+side by side; ``--gguf-variants gguf`` runs the variant named ``gguf`` on the GGUF file
+and the others on the bf16 folder (the two paths interleaved in one run).
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--variant", action="append", default=None, help="NAME:KEY=VALUE,... (repeatable)")
     p.add_argument("--gguf", action="store_true", help="the default model's GGUF file (dtype auto)")
+    p.add_argument(
+        "--gguf-variants",
+        default="",
+        help="comma-separated variant names that run the GGUF file (the others the bf16 folder): "
+        "the default GGUF path against the bf16 path in one interleaved run",
+    )
     args = p.parse_args()
     variants = [parse_variant(v) for v in (args.variant or ["default:"])]
     model_dir = prepare_model_dir(args.model_dir)
@@ -85,15 +92,18 @@ def main() -> int:
             }
         ],
     }
+    gguf_spec = dict(model=str(default_gguf_path()), dtype="auto", enable_prefix_caching=False)
     if args.gguf:
-        spec.update(model=str(default_gguf_path()), dtype="auto", enable_prefix_caching=False)
+        spec.update(gguf_spec)
+    gguf_variants = {v for v in args.gguf_variants.split(",") if v}
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or _HERE.parent / "bench_results" / f"run_variance-{args.workload}-{stamp}.json"
     report: dict = {"machine": machine_info(), "spec": spec, "passes": {name: [] for name, _ in variants}}
     for i in range(args.repeat):
         for name, env in variants:
+            vspec = {**spec, **gguf_spec} if name in gguf_variants else spec
             result = launch(
-                "pagedserve", sys.executable, spec, out.with_name(f"{out.stem}-{name}.log"), env, args.timeout
+                "pagedserve", sys.executable, vspec, out.with_name(f"{out.stem}-{name}.log"), env, args.timeout
             )
             run = result["runs"][0]
             report["passes"][name].append(run)

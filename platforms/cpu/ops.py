@@ -89,7 +89,7 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
                 dense_ops.make_linear_silu_and_mul(ops.get("linear"), ops.get("silu_and_mul"), native),
                 source=source,
             )
-    register_cpu_quant_ops(ops, options)
+    register_cpu_quant_ops(ops, options, tuner)
     from pagedserve.kernels import build
 
     # These build on first use (an engine without speculation, adapters or experts never

@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from pagedserve.kernels.cpu.quant_gguf_amx import load_gguf_amx
 from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 from pagedserve.platforms.ops import GGUF_EXTENDED, PREFERS_QUANTIZED, OpRegistry
 from pagedserve.platforms.options import CpuOptions
+
+if TYPE_CHECKING:
+    from pagedserve.platforms.cpu.tuning import Tuner
 
 __all__ = [
     "register_cpu_quant_ops",
@@ -209,12 +213,14 @@ def w8a8_linear(
     return y.to(x.dtype)
 
 
-def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None:
+def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None, tuner: Tuner | None = None) -> None:
     """Install the CPU's quantized linear ops into ``ops`` (see the module docstring).
 
     Loads the native GGUF kernel, compiling it on first use; where it is switched off
     (``options.quant_kernels``; None: the environment now) or cannot be built,
-    ``gguf_linear`` stays the reference (the loader has warned why).
+    ``gguf_linear`` stays the reference (the loader has warned why).  With a ``tuner``
+    (tuning on) and AMX on the CPU, repacked weights are dispatched per row-count bucket
+    between the VNNI kernel and the AMX-BF16 one by measurement (platforms/cpu/tuned_gguf.py).
     """
     options = CpuOptions.from_env() if options is None else options
     module = load_quant_kernels() if options.quant_kernels else None
@@ -222,21 +228,37 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None) -
         # The measured decode win (docs/quantization.md, "Default on CPU"): .gguf weights
         # stay in blocks by default where this kernel runs.
         source = f"cpu-native-quant({module.isa()})"
-        amx = load_gguf_amx() if options.gguf_amx and options.gguf_repack and module.has_packed() else None
-        if amx is not None:
-            linear = make_gguf_linear_amx(gguf_linear, amx)
-            ops.register(
-                "gguf_linear", linear, source=f"{source}+amx-int8", capabilities=(PREFERS_QUANTIZED, GGUF_EXTENDED)
+        repack = module.has_packed() and options.gguf_repack
+        amx = load_gguf_amx() if repack and (options.gguf_amx or tuner is not None) else None
+        if amx is not None and tuner is not None:
+            from pagedserve.platforms.cpu.tuned_gguf import TunedGguf
+
+            static_gated = make_gguf_linear_silu_and_mul(gguf_linear, ops.get("silu_and_mul"))
+            tuned = TunedGguf(
+                tuner, module, amx, prepare_gguf_weight, gguf_linear, static_gated, amx_int8=options.gguf_amx
             )
-        else:
-            ops.register("gguf_linear", gguf_linear, source=source, capabilities=(PREFERS_QUANTIZED, GGUF_EXTENDED))
-        if module.has_packed() and options.gguf_repack:
-            ops.register("prepare_gguf_weight", prepare_gguf_weight, source=source)
+            tsource = f"{source}+tuned(" + ",".join(sorted(tuned.kernels)) + ")"
+            ops.register(
+                "gguf_linear", tuned.gguf_linear, source=tsource, capabilities=(PREFERS_QUANTIZED, GGUF_EXTENDED)
+            )
+            ops.register("prepare_gguf_weight", tuned.prepare_op(), source=tsource)
             if module.has_packed_gated():
-                fused = make_gguf_linear_silu_and_mul(
-                    ops.get("gguf_linear"), ops.get("silu_and_mul"), amx_rows=amx is not None
+                ops.register("gguf_linear_silu_and_mul", tuned.gguf_linear_silu_and_mul, source=tsource)
+        else:
+            if amx is not None:
+                linear = make_gguf_linear_amx(gguf_linear, amx)
+                ops.register(
+                    "gguf_linear", linear, source=f"{source}+amx-int8", capabilities=(PREFERS_QUANTIZED, GGUF_EXTENDED)
                 )
-                ops.register("gguf_linear_silu_and_mul", fused, source=source)
+            else:
+                ops.register("gguf_linear", gguf_linear, source=source, capabilities=(PREFERS_QUANTIZED, GGUF_EXTENDED))
+            if repack:
+                ops.register("prepare_gguf_weight", prepare_gguf_weight, source=source)
+                if module.has_packed_gated():
+                    fused = make_gguf_linear_silu_and_mul(
+                        ops.get("gguf_linear"), ops.get("silu_and_mul"), amx_rows=amx is not None
+                    )
+                    ops.register("gguf_linear_silu_and_mul", fused, source=source)
     ops.register("int8_linear", int8_linear, source="torch")
     ops.register("w8a8_linear", w8a8_linear, source="torch")
     ops.register("fp8_linear", qref.fp8_linear_dense, source="torch")

@@ -23,7 +23,9 @@ bucket, the weight is also kept in that layout while the dual-layout memory budg
 On the Xeon with AMX the native kernel wins 1-4 rows and oneDNN the rest, so both are
 kept there; where one layout wins everywhere nothing is duplicated.
 
-Weights of fewer than ``TUNE_MIN_ELEMENTS`` elements are not timed (the static order).
+Weights of fewer than ``TUNE_MIN_ELEMENTS`` elements are not timed (the static order);
+weights of more than ``tuning.TUNE_SLICE_ROWS`` output rows (the LM head) are timed on
+their first rows (the key says ``timed_rows=``), which is several times cheaper.
 
 ``linear_silu_and_mul`` is tuned at its first call on a weight (gate/up weights look
 like any other at load): the native fused kernel where the weight has the native layout,
@@ -44,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.platforms.cpu import dense_ops
-from pagedserve.platforms.cpu.tuning import BUCKETS, Plan, Tuner, geometric_mean, plan_rows
+from pagedserve.platforms.cpu.tuning import BUCKETS, TUNE_SLICE_ROWS, Plan, Tuner, geometric_mean, plan_rows
 
 __all__ = ["TunedLinear", "Route", "choose_layouts", "DUAL_GAIN", "CANDIDATE_LAYOUT", "TUNE_MIN_ELEMENTS"]
 
@@ -120,8 +122,10 @@ class TunedLinear:
         dual_bytes: int,
         buckets: tuple[int, ...] = BUCKETS,
         min_elements: int = TUNE_MIN_ELEMENTS,
+        slice_rows: int = TUNE_SLICE_ROWS,
     ) -> None:
         self.tuner, self.native, self.silu_and_mul = tuner, native, silu_and_mul
+        self.slice_rows = max(int(slice_rows), 16)
         self.buckets, self.min_elements = buckets, max(min_elements, 1)
         self.dual_bytes_left = dual_bytes
         self.static_linear = dense_ops.make_linear(plain, native)
@@ -164,14 +168,25 @@ class TunedLinear:
         ):
             return dense_ops.prepare_linear_weight(weight, self.native)
         n, k = weight.shape
-        key = f"N={n},K={k},bfloat16"
+        # A large weight (the LM head) is timed on a slice of its rows, packed apart: the
+        # kernels' work per output row is the same, the timing many times cheaper.
+        timed_rows = min(n, self.slice_rows)
+        key = f"N={n},K={k},bfloat16" + (f",timed_rows={timed_rows}" if timed_rows < n else "")
         avail = self._available(n, k)
         packed: dict[str, torch.Tensor] = {}
+        timed: dict[str, torch.Tensor] = {}
 
         def layout(lay: str) -> torch.Tensor:
             if lay not in packed:
                 packed[lay] = self._pack(lay, weight)
             return packed[lay]
+
+        def timed_layout(lay: str) -> torch.Tensor:
+            if timed_rows == n:
+                return layout(lay)
+            if lay not in timed:
+                timed[lay] = self._pack(lay, weight[:timed_rows])
+            return timed[lay]
 
         def runner(cand: str):
             fn = self.kernels[cand]
@@ -179,13 +194,14 @@ class TunedLinear:
             def make(rows: int):
                 if cand == "native_skinny" and rows > 4:
                     return None  # it hands larger batches to torch: the "torch" candidate
-                x, w = torch.randn(rows, k, dtype=torch.bfloat16), layout(CANDIDATE_LAYOUT[cand])
+                x, w = torch.randn(rows, k, dtype=torch.bfloat16), timed_layout(CANDIDATE_LAYOUT[cand])
                 return lambda: fn(x, w, None)
 
             return make
 
         cands = {c: runner(c) for c in self.kernels if CANDIDATE_LAYOUT[c] in avail}
         plan = self.tuner.tune("linear", key, cands, self.buckets)
+        timed.clear()
         nbytes = weight.numel() * weight.element_size()
         primary, second = choose_layouts(plan, CANDIDATE_LAYOUT, self.dual_bytes_left >= nbytes)
         if second is not None:

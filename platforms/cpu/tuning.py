@@ -57,6 +57,7 @@ import torch
 
 __all__ = [
     "BUCKETS",
+    "TUNE_SLICE_ROWS",
     "timing_threads",
     "Plan",
     "Runner",
@@ -75,7 +76,13 @@ BUCKETS: tuple[int, ...] = (1, 4, 16, 64, 256, 512)
 PRUNE_RATIO = 3.0
 #: A candidate this many times slower than the best at two buckets in a row is not timed
 #: at the larger buckets (absent there: it cannot be chosen).
-DROP_RATIO = 8.0
+DROP_RATIO = 4.0
+#: After the warm-up, candidates this far apart (every other one's best warm-up call this
+#: many times the best one's) are not timed in rounds: the order cannot change.
+CLEAR_RATIO = 2.5
+#: Output rows of a weight that the linear candidates are timed on: a larger weight (an
+#: LM head) is timed on a slice of that many rows (the per-row work is the same).
+TUNE_SLICE_ROWS = 8192
 #: Timed rounds per candidate: at least MIN_ROUNDS (all a call slower than SLOW_CALL_S
 #: gets), more for cheap calls while a round costs under ROUND_BUDGET_S / rounds.
 MIN_ROUNDS, MAX_ROUNDS = 3, 15
@@ -85,8 +92,9 @@ ROUND_BUDGET_S = 0.02
 WARM_RETIME_S = 0.1
 #: Bumped when the meaning of cached figures changes (2: two timed warm-up calls before
 #: pruning; plans timed before could hold one disturbed sample as a candidate's figure;
-#: 3: candidates dropped from larger buckets only after two slow buckets).
-FORMAT = 3
+#: 3: candidates dropped from larger buckets only after two slow buckets; 4: drop ratio
+#: 4, no rounds for clear winners, large weights timed on a slice).
+FORMAT = 4
 
 #: runner(bucket) -> the call to time (inputs of ``bucket`` rows prepared), or None.
 Runner = Callable[[int], Callable[[], object] | None]
@@ -141,7 +149,10 @@ def measure(
 
     On a loaded 2-core machine a call that needs both threads often waits a scheduler
     slice (~20 ms) for one: more rounds for cheap calls (up to ``MAX_ROUNDS`` within
-    ``ROUND_BUDGET_S``) make one undisturbed sample likely; slow calls get ``MIN_ROUNDS``."""
+    ``ROUND_BUDGET_S``) make one undisturbed sample likely; slow calls get ``MIN_ROUNDS``.
+    Where one candidate is ``CLEAR_RATIO`` times faster than every other after the
+    warm-up, no rounds are timed (a disturbed sample only ever makes a call look slower,
+    so the order of figures that far apart does not change)."""
     warm: dict[str, list[float]] = {}
     for name, call in calls.items():
         t0 = clock()
@@ -159,6 +170,11 @@ def measure(
     samples: dict[str, list[float]] = {n: list(w) for n, w in warm.items()}
     best = min(min(w) for w in warm.values())
     live = [n for n in calls if min(warm[n]) <= best * PRUNE_RATIO]
+    first = min(warm, key=lambda n: min(warm[n]))
+    if all(min(w) > best * CLEAR_RATIO for n, w in warm.items() if n != first):
+        # Far apart already (or alone): rounds would only refine figures that cannot
+        # change the order.
+        return {n: min(s) for n, s in samples.items()}
     fit = int(ROUND_BUDGET_S / max(best * len(live), 1e-9))
     if best > WARM_RETIME_S:
         n_rounds = 1  # calls of a tenth of a second and more: a second sample each

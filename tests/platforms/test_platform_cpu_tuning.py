@@ -244,3 +244,39 @@ def test_every_dispatched_candidate_matches_the_reference(mixed):
             route.gated = None
             _force(tl, "linear_silu_and_mul", n, k, gated_names, {b: g for b in tl.buckets})
             _check_linear(tl, w, prepared, gen)
+
+
+def test_far_apart_candidates_get_no_rounds():
+    """After the warm-up a winner ``CLEAR_RATIO`` ahead of every other candidate is not
+    timed further (the order cannot change); close candidates are."""
+    clock = FakeClock()
+    calls: dict[str, int] = {}
+    far = fake_candidates(clock, {"fast": {1: 2.0**-14}, "slow": {1: 2.0**-12}}, calls)  # 4x apart
+    assert measure({n: r(1) for n, r in far.items()}, clock) == {"fast": 2.0**-14, "slow": 2.0**-12}
+    assert calls == {"fast": 3, "slow": 3}  # the first call and two timed warm-up calls only
+    calls.clear()
+    close = fake_candidates(clock, {"a": {1: 2.0**-14}, "b": {1: 1.5 * 2.0**-14}}, calls)
+    measure({n: r(1) for n, r in close.items()}, clock)
+    assert calls["a"] > 3 and calls["b"] > 3
+
+
+def test_a_large_weight_is_timed_on_a_slice():
+    """Output rows past ``slice_rows`` are not timed: the plan's key names the rows timed,
+    the timed calls see that many, and the prepared weight runs whole."""
+    native = load_cpu_kernels()
+    native = native if native is not None and native.has_packed_linear else None
+    seen: list[int] = []
+    tl = TunedLinear(
+        Tuner(None, threads=1), native, reference.linear, reference.silu_and_mul, dual_bytes=0, slice_rows=64
+    )
+    torch_linear = tl.kernels["torch"]
+    tl.kernels["torch"] = lambda x, w, b=None: (seen.append(w.shape[0]), torch_linear(x, w, b))[1]
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(512, 160, generator=gen) / 160**0.5).bfloat16()
+    prepared = tl.prepare(w)
+    (plan,) = tl.tuner.plans.values()
+    assert plan.key == "N=512,K=160,bfloat16,timed_rows=64"
+    assert seen and set(seen) == {64}
+    x = torch.randn(20, 160, generator=gen).bfloat16()
+    want = reference.linear(x.float(), w.float())
+    torch.testing.assert_close(tl.linear(x, prepared).float(), want, atol=2e-2, rtol=1.6e-2)

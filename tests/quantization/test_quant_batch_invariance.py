@@ -17,7 +17,12 @@ WORDS = "the of and to in is was for on that with as by at from his her they whi
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = LLM()  # the default model: SmolLM2-135M-Instruct Q4_1 blocks, the CPU's native kernel
+    # Measured dispatch off: on a CPU with AMX it sends steps of a few dozen rows and more
+    # to the AMX-BF16 GGUF kernel, which rounds otherwise than the int8 kernel
+    # (docs/kernels_cpu.md, "Batch invariance"); without AMX the setting changes nothing.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDSERVE_CPU_TUNE", "0")
+        llm = LLM()  # the default model: SmolLM2-135M-Instruct Q4_1 blocks, the CPU's native kernel
     yield llm
     llm.shutdown()
 
