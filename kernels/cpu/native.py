@@ -140,7 +140,8 @@ def dequantized_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(key_cache, value_cache, block_tables) of just the blocks the sequences read, in
     ``dtype``: the distinct blocks of each sequence's first ceil(seq_len / block_size)
-    table entries, converted (an 8-bit float widens exactly), in the caches' layout
+    table entries, converted (an 8-bit float widens exactly; an int8 row is its values
+    times its scale, rounded once to ``dtype``), in the caches' layout
     (a head-major cache stays head-major); the tables renumbered into them.  Entries
     past a sequence's blocks point at block 0 of the result and are never read."""
     block_size = key_cache.shape[1]
@@ -154,7 +155,10 @@ def dequantized_blocks(
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
         # index_select on the [blocks, heads, tokens, d] view keeps each head's rows together.
-        return cache.transpose(1, 2).index_select(0, distinct).to(dtype).transpose(1, 2)
+        picked = cache.transpose(1, 2).index_select(0, distinct)
+        if cache.dtype in reference.SCALED_KV_TORCH_DTYPES:  # int8 rows: values * their scale
+            picked = reference.dequantize_kv(picked, picked.shape[-1] - reference.INT8_KV_SCALE_BYTES)
+        return picked.to(dtype).transpose(1, 2)
 
     tables = torch.zeros_like(block_tables)
     if bool(used.any()):
@@ -281,7 +285,8 @@ class NativeCpuKernels:
             )
             OP_CALLS["paged_attention:native"] = OP_CALLS.get("paged_attention:native", 0) + 1
             return out
-        if kv8 and dtype in _DTYPES and query.is_cpu and value_cache.dtype == key_cache.dtype:
+        scaled = key_cache.dtype in reference.SCALED_KV_TORCH_DTYPES
+        if (kv8 or scaled) and dtype in _DTYPES and query.is_cpu and value_cache.dtype == key_cache.dtype:
             return self._quantized_cache_attention(
                 query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
                 sliding_window, soft_cap, sinks,
@@ -305,8 +310,9 @@ class NativeCpuKernels:
     def _quantized_cache_attention(
         self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out, window, cap, sinks
     ) -> torch.Tensor:
-        """paged_attention over an 8-bit float cache where the kernel cannot read its rows
-        (an instruction set without the kv8 kernel, a float16 query): the blocks the
+        """paged_attention over an 8-bit cache where the kernel cannot read its rows (an
+        int8 cache; an fp8 one on an instruction set without the kv8 kernel or for a
+        float16 query): the blocks the
         batch reads are dequantized to the query's dtype first (:func:`dequantized_blocks`)
         and the kernel runs on them (logged once)."""
         global _logged_quantized_cache
@@ -341,6 +347,9 @@ class NativeCpuKernels:
         if key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES:  # saturating cast, then the row copy
             key = reference.quantize_kv(key, key_cache.dtype).contiguous()
             value = reference.quantize_kv(value, value_cache.dtype).contiguous()
+        elif key_cache.dtype in reference.SCALED_KV_TORCH_DTYPES:  # int8 rows with their scales, then the copy
+            key = reference.quantize_kv_int8(key)
+            value = reference.quantize_kv_int8(value)
         if key.dtype != key_cache.dtype or key.stride(-1) != 1:
             key = key.to(key_cache.dtype).contiguous()
         if value.dtype != value_cache.dtype or value.stride(-1) != 1:
