@@ -3,9 +3,10 @@ checkpoints in float32.
 
 Capacity (exactly twice the blocks of a 16-bit cache at one budget, four times a
 32-bit one; int8 rows carry 4 more bytes for their scale), logprobs against the
-model-dtype cache within a measured bound, and the features that move or reuse KV blocks: prefix-cache hits, chunked prefill, swap and
-recompute preemption through the host tier (bytes moved exactly), the disaggregated
-hand-off (bytes, and a refusal between different cache dtypes).
+model-dtype cache within a measured bound, and the features that move or reuse KV
+blocks: prefix-cache hits, chunked prefill, swap and recompute preemption through the
+host tier (bytes moved exactly), the disaggregated hand-off (bytes, and a refusal
+between different cache dtypes).
 """
 
 from __future__ import annotations
