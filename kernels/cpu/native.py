@@ -311,10 +311,12 @@ class NativeCpuKernels:
         self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out, window, cap, sinks
     ) -> torch.Tensor:
         """paged_attention over an 8-bit cache where the kernel cannot read its rows (an
-        int8 cache; an fp8 one on an instruction set without the kv8 kernel or for a
-        float16 query): the blocks the
-        batch reads are dequantized to the query's dtype first (:func:`dequantized_blocks`)
-        and the kernel runs on them (logged once)."""
+        fp8 one on an instruction set without the kv8 kernel or for a float16 query, an
+        int8 one where the int8 kernel is missing): the blocks the batch reads are
+        dequantized first (:func:`dequantized_blocks`) and the kernel runs on them (logged
+        once).  fp8 widens exactly to the query's dtype; int8 rows times their scales do
+        not fit 16 bits, so those run in float32 (query, blocks and output)."""
+        work = torch.float32 if key_cache.dtype in reference.SCALED_KV_TORCH_DTYPES else query.dtype
         global _logged_quantized_cache
         if not _logged_quantized_cache:
             _logged_quantized_cache = True
@@ -324,13 +326,21 @@ class NativeCpuKernels:
                 self.isa,
                 str(key_cache.dtype).removeprefix("torch."),
                 str(query.dtype).removeprefix("torch."),
-                str(query.dtype).removeprefix("torch."),
+                str(work).removeprefix("torch."),
             )
-        kc, vc, tables = dequantized_blocks(key_cache, value_cache, block_tables, seq_lens, query.dtype)
-        return self.paged_attention(
-            query, kc, vc, tables, seq_lens, query_start_loc, scale, out,
+        kc, vc, tables = dequantized_blocks(key_cache, value_cache, block_tables, seq_lens, work)
+        if work == query.dtype:
+            return self.paged_attention(
+                query, kc, vc, tables, seq_lens, query_start_loc, scale, out,
+                sliding_window=window, soft_cap=cap, sinks=sinks,
+            )  # fmt: skip
+        result = self.paged_attention(
+            query.float(), kc, vc, tables, seq_lens, query_start_loc, scale,
             sliding_window=window, soft_cap=cap, sinks=sinks,
         )  # fmt: skip
+        if out is None:
+            return result.to(query.dtype)
+        return out.copy_(result)
 
     def reshape_and_cache(
         self,
