@@ -243,3 +243,38 @@ def test_copy_and_swap_blocks_move_values_and_scales():
     assert torch.equal(dst[0], src[4]) and torch.equal(dst[3], src[1])
     for b in (1, 2, 4):
         assert torch.equal(dst[b], before[b])
+
+
+# ---- the conformance kit's int8 cases --------------------------------------------------
+
+
+def _kit_int8_cases(target, fn, dtype):
+    from pagedserve.testing.op_checks import OP_CASES
+
+    return [(d, b) for d, b in OP_CASES["paged_attention"](target, fn, dtype, 0) if d.startswith("kv-int8")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_conformance_kit_int8_cases_pass_on_the_cpu_platform(dtype):
+    from pagedserve.testing.target import select_target
+
+    target = select_target("cpu")
+    cases = _kit_int8_cases(target, target.ops.get("paged_attention"), dtype)
+    assert len(cases) == 2
+    for _desc, body in cases:
+        body()
+
+
+def test_conformance_kit_int8_cases_catch_an_attention_that_ignores_the_scales():
+    from pagedserve.testing.target import select_target
+
+    target = select_target("cpu")
+
+    def unscaled(query, key_cache, value_cache, *rest, **kw):  # reads the values, not values * scale
+        d = query.shape[-1]
+        k, v = key_cache[..., :d].float(), value_cache[..., :d].float()
+        return reference.paged_attention(query, k, v, *rest, **kw)
+
+    for _desc, body in _kit_int8_cases(target, unscaled, torch.float32):
+        with pytest.raises(AssertionError, match="paged_attention over a KV cache of int8"):
+            body()
