@@ -1,6 +1,7 @@
-"""fp8 KV cache against the model-dtype cache on the default model (docs/memory.md).
+"""8-bit KV caches against the model-dtype cache on the default model (docs/memory.md).
 
-Reports, for kv_cache_dtype auto / fp8_e4m3 / fp8_e5m2 in one process:
+Reports, for kv_cache_dtype auto and each of --dtypes (fp8_e4m3, fp8_e5m2, int8) in one
+process:
   * KV blocks at a fixed kv_cache_memory;
   * greedy agreement with the auto cache on 16 prompts (identical continuations, tokens
     before the first difference, positions equal), and over the prompts' own tokens the
@@ -8,7 +9,7 @@ Reports, for kv_cache_dtype auto / fp8_e4m3 / fp8_e5m2 in one process:
     distributions (teacher-forced, so one early difference does not hide the rest);
   * decode throughput at a batch of --batch sequences over --context-token prompts.
 
-    python benchmarks/kv_cache_dtype.py [--batch 64 --context 192 --decode 16]
+    python benchmarks/kv_cache_dtype.py [--batch 64 --context 192 --decode 16] [--dtypes int8]
 """
 
 from __future__ import annotations
@@ -96,14 +97,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=192)
     p.add_argument("--decode", type=int, default=16)
-    p.add_argument("--throughput", default="auto,fp8_e4m3", help="cache dtypes whose decode rate is measured")
+    p.add_argument("--dtypes", default="fp8_e4m3,fp8_e5m2,int8", help="quantized cache dtypes compared with auto")
+    p.add_argument("--throughput", default="auto,fp8_e4m3,int8", help="cache dtypes whose decode rate is measured")
     args = p.parse_args()
     args.forced = None
     args.throughput = args.throughput.split(",")
     base = run("auto", args)
     print(f"auto: {base['blocks']} blocks at {args.kv_cache_memory}; decode {base['decode_tok_s']} tok/s "
           f"(batch {args.batch}, {args.context}-token prompts, {args.decode} steps)", flush=True)  # fmt: skip
-    for cd in ("fp8_e4m3", "fp8_e5m2"):
+    for cd in args.dtypes.split(","):
         r = run(cd, args)
         same = sum(a == b for a, b in zip(base["toks"], r["toks"]))
         firsts = [first_difference(a, b) for a, b in zip(base["toks"], r["toks"])]

@@ -212,8 +212,9 @@ class NativeCpuKernels:
         self.has_linear = bool(module.has_linear(self._isa))
         #: Whether it has the packed bf16 linear kernel (AVX-512 BF16; see pack_linear_weight).
         self.has_packed_linear = bool(module.has_packed_linear(self._isa))
-        #: Whether its attention reads 8-bit float KV caches in registers (AVX-512), for
-        #: float32 and bf16 queries; elsewhere they are dequantized first.
+        #: Whether its attention reads 8-bit KV caches (fp8, int8 with row scales) in
+        #: registers (AVX-512), for float32 and bf16 queries; elsewhere they are
+        #: dequantized first.
         self.has_kv8_attention = bool(module.has_kv8_attention(self._isa))
 
     @property
@@ -255,8 +256,9 @@ class NativeCpuKernels:
         if out is None:
             # empty_like is ~1 us cheaper per call than torch.empty(shape, dtype, device).
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        kv8 = key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES
-        if kv8:  # an 8-bit float cache: read in registers where the instruction set can
+        scaled = key_cache.dtype in reference.SCALED_KV_TORCH_DTYPES
+        kv8 = scaled or key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES
+        if kv8:  # an 8-bit cache: read in registers where the instruction set can
             kernel_dtypes = self.has_kv8_attention and dtype in _KV8_QUERY_DTYPES
         else:
             kernel_dtypes = dtype in _DTYPES and key_cache.dtype == dtype
@@ -285,8 +287,7 @@ class NativeCpuKernels:
             )
             OP_CALLS["paged_attention:native"] = OP_CALLS.get("paged_attention:native", 0) + 1
             return out
-        scaled = key_cache.dtype in reference.SCALED_KV_TORCH_DTYPES
-        if (kv8 or scaled) and dtype in _DTYPES and query.is_cpu and value_cache.dtype == key_cache.dtype:
+        if kv8 and dtype in _DTYPES and query.is_cpu and value_cache.dtype == key_cache.dtype:
             return self._quantized_cache_attention(
                 query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
                 sliding_window, soft_cap, sinks,

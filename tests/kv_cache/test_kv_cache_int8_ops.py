@@ -122,6 +122,20 @@ def test_row_sizes_agree_between_core_and_the_reference():
     assert "int8" in CpuPlatform.kv_cache_dtypes
 
 
+def test_gpu_platforms_declare_int8_only():
+    """Their Triton kernels (and the CUDA C++ ops, which hand int8 caches to Triton) read
+    int8 caches (tests/kernels/test_triton_int8_kv.py) but no fp8 one."""
+    from pagedserve.executor.model_runner import check_cache_dtype
+    from pagedserve.platforms.cuda import CudaPlatform
+    from pagedserve.platforms.rocm import RocmPlatform
+
+    for cls in (CudaPlatform, RocmPlatform):
+        assert cls.kv_cache_dtypes == ("int8",)
+        check_cache_dtype("int8", torch.bfloat16, [cls])
+        with pytest.raises(ValueError, match=f"kv_cache_dtype='fp8' is not supported on platform '{cls.name}'"):
+            check_cache_dtype("fp8", torch.bfloat16, [cls])
+
+
 # ---- the cache write ------------------------------------------------------------------
 
 
