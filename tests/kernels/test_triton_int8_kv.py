@@ -65,15 +65,15 @@ def test_triton_write_refuses_rows_without_room_for_the_scale():
 
 
 @pytest.mark.parametrize(
-    "seqs,heads,extra",
+    "seqs,heads,extra,dtype",
     [
-        ([(1, 13), (6, 6), (3, 21)], (4, 2), {}),
-        ([(1, 30), (4, 17)], (4, 1), {"sliding_window": 9}),
-        ([(2, 11)], (2, 2), {"soft_cap": 3.0}),
+        ([(1, 13), (6, 6), (3, 21)], (4, 2), {}, torch.float32),
+        ([(1, 13), (3, 21)], (4, 2), {}, torch.float16),
+        ([(1, 30), (4, 17)], (4, 1), {"sliding_window": 9}, torch.float32),
+        ([(2, 11)], (2, 2), {"soft_cap": 3.0}, torch.float32),
     ],
-    ids=["mixed-gqa", "window", "soft-cap"],
+    ids=["mixed-gqa-fp32", "gqa-fp16", "window", "soft-cap"],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_triton_attention_reads_int8_caches(seqs, heads, extra, dtype):
     gen = gen_for("attn", repr(seqs), dtype)
     num_heads, kvh = heads
