@@ -230,6 +230,37 @@ def test_every_cpu_attention_candidate_reads_int8_caches(every_isa):
     assert tuned.plans == {}, "an int8 cache was timed on the bf16 candidates"
 
 
+def test_avx512_kernels_read_int8_rows_without_dequantizing(every_isa, monkeypatch):
+    """AVX-512 reads int8 rows and their scales in registers (float32 and bf16 queries);
+    the other instruction sets and float16 queries run on the dequantized blocks."""
+    import pagedserve.kernels.cpu.native as native_mod
+
+    with_kv8 = {isa: k for isa, k in every_isa.items() if k.has_kv8_attention}
+    assert set(with_kv8) == {i for i in every_isa if i.startswith("avx512")}
+    gen = gen_for("no-dequant")
+    args = int8_batch(SEQS, (8, 2), 64, 16, torch.bfloat16, gen)
+    expected = expected_attention(args)
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("the blocks were dequantized")
+
+    monkeypatch.setattr(native_mod, "dequantized_blocks", forbidden)
+    for isa, kernels in with_kv8.items():
+        for q in (args[0], args[0].float()):
+            out = torch.full_like(q, float("nan"))
+            kernels.paged_attention(q, *args[1:], 64**-0.5, out)
+            assert_close(out, expected, q.dtype, f"{isa} {q.dtype}")
+    monkeypatch.undo()
+    called = []
+    real = native_mod.dequantized_blocks
+    monkeypatch.setattr(native_mod, "dequantized_blocks", lambda *a: called.append(1) or real(*a))
+    q16 = args[0].to(torch.float16)
+    out = torch.full_like(q16, float("nan"))
+    next(iter(every_isa.values())).paged_attention(q16, *args[1:], 64**-0.5, out)
+    assert_close(out, expected, torch.float16, "float16 query")
+    assert called, "a float16 query has no in-register int8 kernel: its blocks are dequantized"
+
+
 def test_dequantized_blocks_applies_the_scales():
     gen = gen_for("dequant")
     q, kc, vc, tables, seq_lens, qsl = int8_batch(SEQS, (4, 2), 64, 16, torch.float32, gen)
