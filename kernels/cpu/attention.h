@@ -270,7 +270,6 @@ struct Attention {
   // keys and from 1530 to 1185 at 32 x 1000 (same process, alternating, medians);
   // leads of 128 to 384 lines measured alike.
   static constexpr int kLeadLines = 256;
-  // n rows of a block (stride in elements) -> dense float32 [n, D].
   // n rows of a block (stride in elements) -> dense float32 [n, D]; rows of an int8
   // cache come out times their scales (q * s in float32, as the reference reads them).
   template <typename S>
