@@ -1,6 +1,7 @@
-"""fp8 KV cache against the model-dtype cache on the default model (docs/memory.md).
+"""8-bit KV caches against the model-dtype cache on the default model (docs/memory.md).
 
-Reports, for kv_cache_dtype auto / fp8_e4m3 / fp8_e5m2 in one process:
+Reports, for kv_cache_dtype auto and each of --dtypes (fp8_e4m3, fp8_e5m2, int8) in one
+process:
   * KV blocks at a fixed kv_cache_memory;
   * greedy agreement with the auto cache on 16 prompts (identical continuations, tokens
     before the first difference, positions equal), and over the prompts' own tokens the
@@ -8,7 +9,8 @@ Reports, for kv_cache_dtype auto / fp8_e4m3 / fp8_e5m2 in one process:
     distributions (teacher-forced, so one early difference does not hide the rest);
   * decode throughput at a batch of --batch sequences over --context-token prompts.
 
-    python benchmarks/kv_cache_dtype.py [--batch 64 --context 192 --decode 16]
+    python benchmarks/kv_cache_dtype.py [--batch 64 --context 192 --decode 16] [--dtypes int8]
+    python benchmarks/kv_cache_dtype.py --rounds 5 --throughput auto,int8   # decode rates only, A B A B ...
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ def decode_throughput(llm: LLM, args) -> float:
     return round(args.batch * steps / elapsed, 1)
 
 
-def run(cd: str, args) -> dict:
-    llm = LLM(
+def make_llm(cd: str, args) -> LLM:
+    return LLM(
         None,
         dtype="bfloat16",
         kv_cache_dtype=cd,
@@ -76,6 +78,31 @@ def run(cd: str, args) -> dict:
         max_model_len=1024,
         max_num_batched_tokens=max(2048, args.batch * args.context),
     )
+
+
+def interleaved_throughput(args) -> None:
+    """Decode tok/s of each --throughput dtype, the engines held together and measured in
+    turn (A B C A B C ...) for --rounds rounds; the median of each, and the median of the
+    per-round ratios to the first dtype (a loaded machine's drift hits both sides)."""
+    names = args.throughput
+    llms = {cd: make_llm(cd, args) for cd in names}
+    rates: dict[str, list[float]] = {cd: [] for cd in names}
+    for r in range(args.rounds):
+        for cd in names:
+            rates[cd].append(decode_throughput(llms[cd], args))
+        print(f"round {r + 1}: " + ", ".join(f"{cd} {rates[cd][-1]}" for cd in names), flush=True)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    base = names[0]
+    for cd in names:
+        ratios = [a / b for a, b in zip(rates[cd], rates[base])]
+        print(f"{cd}: median {med(rates[cd])} tok/s; per-round ratio to {base} median {med(ratios):.2f} "
+              f"(min {min(ratios):.2f}, max {max(ratios):.2f})", flush=True)  # fmt: skip
+    for llm in llms.values():
+        llm.shutdown()
+
+
+def run(cd: str, args) -> dict:
+    llm = make_llm(cd, args)
     blocks = llm.llm_engine.executor.num_blocks
     greedy = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
     toks = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
@@ -96,14 +123,19 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=192)
     p.add_argument("--decode", type=int, default=16)
-    p.add_argument("--throughput", default="auto,fp8_e4m3", help="cache dtypes whose decode rate is measured")
+    p.add_argument("--dtypes", default="fp8_e4m3,fp8_e5m2,int8", help="quantized cache dtypes compared with auto")
+    p.add_argument("--throughput", default="auto,fp8_e4m3,int8", help="cache dtypes whose decode rate is measured")
+    p.add_argument("--rounds", type=int, default=0, help="only the decode rates, interleaved over this many rounds")
     args = p.parse_args()
     args.forced = None
     args.throughput = args.throughput.split(",")
+    if args.rounds:
+        interleaved_throughput(args)
+        return
     base = run("auto", args)
     print(f"auto: {base['blocks']} blocks at {args.kv_cache_memory}; decode {base['decode_tok_s']} tok/s "
           f"(batch {args.batch}, {args.context}-token prompts, {args.decode} steps)", flush=True)  # fmt: skip
-    for cd in ("fp8_e4m3", "fp8_e5m2"):
+    for cd in args.dtypes.split(","):
         r = run(cd, args)
         same = sum(a == b for a, b in zip(base["toks"], r["toks"]))
         firsts = [first_difference(a, b) for a, b in zip(base["toks"], r["toks"])]

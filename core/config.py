@@ -89,7 +89,7 @@ class DeviceMapEntry:
 # The KV cache is kept in the model's dtype ("auto" or that dtype's name, checked against
 # the resolved dtype by the engine) or in an 8-bit float whose support the engine checks
 # against the platform's declared KV dtypes (pagedserve.kv_cache.kv_dtype).
-_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 _SEGMENT = re.compile(r"(?P<name>[^:,\s]+)(?::(?:(?P<first>\d+)-(?P<last>\d+)|(?P<count>\d+)))?")
 
 
@@ -464,8 +464,9 @@ class CacheConfig:
     cache_dtype: str = field(
         default="auto",
         metadata=_help(
-            "KV-cache dtype: auto (the model's dtype), fp8_e4m3 (alias fp8) or fp8_e5m2: 8-bit keys and values, "
-            "twice the blocks of a bf16 cache, where the platform's attention reads them (docs/memory.md)",
+            "KV-cache dtype: auto (the model's dtype), fp8_e4m3 (alias fp8), fp8_e5m2 or int8 (with a scale per "
+            "token and head): 8-bit keys and values, about twice the blocks of a bf16 cache, where the platform's "
+            "attention reads them (docs/memory.md)",
             flag="--kv-cache-dtype",
         ),
     )
@@ -518,7 +519,7 @@ class CacheConfig:
         if self.cache_dtype in FP8_KV_CACHE_DTYPES and self.cache_dtype not in _CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype={self.cache_dtype!r} is not implemented: the quantized KV caches are "
-                "'fp8_e4m3' (alias 'fp8') and 'fp8_e5m2'"
+                "'fp8_e4m3' (alias 'fp8'), 'fp8_e5m2' and 'int8'"
             )
         if self.kv_offload_memory is not None:
             self.kv_offload_memory = parse_memory(self.kv_offload_memory, "kv_offload_memory")
@@ -534,8 +535,8 @@ class CacheConfig:
         if self.cache_dtype not in _CACHE_DTYPES:
             raise ValueError(
                 f"cache_dtype={self.cache_dtype!r} is not supported: the KV cache is kept in the "
-                f"model's dtype or an 8-bit float, so cache_dtype must be 'auto' or one of "
-                f"{', '.join(repr(n) for n in _CACHE_DTYPES[1:])} (int8 is not implemented)"
+                f"model's dtype or an 8-bit type, so cache_dtype must be 'auto' or one of "
+                f"{', '.join(repr(n) for n in _CACHE_DTYPES[1:])}"
             )
 
 

@@ -12,6 +12,14 @@ The cache's dtype is the model's, or an 8-bit float (a quantized KV cache,
 ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``): keys and values are written as
 :func:`quantize_kv` casts them (scale 1.0) and attention reads them as float32.
 
+An int8 cache (``torch.int8``) keeps a scale with every row: its last dimension is
+``head_size + 4`` (:func:`kv_row_size`), the ``head_size`` int8 values followed by the
+4 bytes of a float32 scale (native byte order), so one (token, kv head) row is
+``q[0..head_size) * scale``.  The scale is computed on write, per token and head:
+``absmax(row) / 127`` (:func:`quantize_kv_int8`).  Keeping the scales inside the block
+means everything that moves blocks as bytes (copies, the host tier, hand-offs) moves
+them too.
+
 The quantized linear ops (``gguf_linear``, ``int8_linear``, ``w8a8_linear``,
 ``fp8_linear``) take a weight in its stored format; the formats and the computation are
 specified in :mod:`pagedserve.kernels.quant_reference`, which these ops call.
@@ -27,8 +35,13 @@ __all__ = [
     "reshape_and_cache",
     "paged_attention",
     "quantize_kv",
+    "quantize_kv_int8",
+    "dequantize_kv",
+    "kv_row_size",
+    "INT8_KV_SCALE_BYTES",
     "QUANTIZED_KV_TORCH_DTYPES",
     "mla_paged_attention",
+    "SCALED_KV_TORCH_DTYPES",
     "rms_norm",
     "fused_add_rms_norm",
     "layer_norm",
@@ -69,6 +82,37 @@ __all__ = [
 
 #: The 8-bit float KV cache dtypes (a platform declares the ones it reads).
 QUANTIZED_KV_TORCH_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: KV cache dtypes whose rows carry a float32 scale after the values (head_size + 4 wide).
+SCALED_KV_TORCH_DTYPES: tuple[torch.dtype, ...] = (torch.int8,)
+#: Bytes of the per-row scale of a scaled (int8) KV cache: one float32.
+INT8_KV_SCALE_BYTES = 4
+
+
+def kv_row_size(head_size: int, dtype: torch.dtype) -> int:
+    """The last dimension of a KV cache of ``dtype`` for ``head_size``: ``head_size``, or
+    ``head_size + 4`` for an int8 cache (the row's float32 scale rides along)."""
+    return head_size + INT8_KV_SCALE_BYTES if dtype in SCALED_KV_TORCH_DTYPES else head_size
+
+
+def quantize_kv_int8(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``x [..., d]`` -> int8 ``[..., d + 4]``: per row ``s = absmax(x) / 127`` (float32),
+    the values ``round_half_even(x / s)`` (within [-127, 127]; all zero when ``s == 0``),
+    then the 4 bytes of ``s``."""
+    xf = x.float()
+    s = xf.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.where(s > 0, xf / s, torch.zeros_like(xf)).round_().clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, s.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor, head_size: int) -> torch.Tensor:
+    """The float32 values ``[..., head_size]`` of KV cache rows ``[..., kv_row_size]`` (an
+    int8 cache's ``q * s``; any other dtype widened exactly)."""
+    if rows.dtype in SCALED_KV_TORCH_DTYPES:
+        if rows.shape[-1] != head_size + INT8_KV_SCALE_BYTES:
+            raise ValueError(f"int8 KV rows must be head_size + 4 = {head_size + 4} wide, got {rows.shape[-1]}")
+        s = rows[..., head_size:].contiguous().view(torch.float32)
+        return rows[..., :head_size].float() * s
+    return rows.float()
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -93,7 +137,8 @@ def reshape_and_cache(
     key, value: [num_tokens, num_kv_heads, head_size]
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: int64 [num_tokens]; -1 skips the token (e.g. padding).
-    An 8-bit float cache stores :func:`quantize_kv` of the keys and values.
+    An 8-bit float cache stores :func:`quantize_kv` of the keys and values; an int8
+    cache ``[..., head_size + 4]`` stores :func:`quantize_kv_int8` of each row.
     """
     block_size = key_cache.shape[1]
     valid = slot_mapping >= 0
@@ -102,6 +147,10 @@ def reshape_and_cache(
     # (block, offset) indexing rather than a flat view: a platform may hand in caches
     # whose storage is not token-major (the CPU platform's are head-major views).
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    if key_cache.dtype in SCALED_KV_TORCH_DTYPES:
+        key_cache.index_put_((blocks, offsets), quantize_kv_int8(key))
+        value_cache.index_put_((blocks, offsets), quantize_kv_int8(value))
+        return
     key_cache.index_put_((blocks, offsets), quantize_kv(key, key_cache.dtype))
     value_cache.index_put_((blocks, offsets), quantize_kv(value, value_cache.dtype))
 
@@ -126,7 +175,9 @@ def paged_attention(
         positions of that sequence (prefill chunk, prefix-cache continuation or decode).
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
         (already holding the keys/values of the new tokens), in query's dtype or an
-        8-bit float (a quantized cache: its values are read exactly, as float32).
+        8-bit float (a quantized cache: its values are read exactly, as float32), or
+        int8 ``[..., head_size + 4]`` read as ``q * scale`` in float32
+        (:func:`dequantize_kv`).
     block_tables: int32 [num_seqs, max_blocks]
     seq_lens: int32 [num_seqs], context length including the new tokens.
     query_start_loc: int32 [num_seqs + 1]
@@ -178,8 +229,9 @@ def paged_attention(
             first_block = max(0, ctx - q_len - sliding_window + 1) // block_size
         k_start = first_block * block_size
         blocks = block_tables[i, first_block:n_blocks].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[: ctx - k_start].float()
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[: ctx - k_start].float()
+        row = key_cache.shape[3]
+        k = dequantize_kv(key_cache[blocks].reshape(-1, num_kv_heads, row)[: ctx - k_start], head_size)
+        v = dequantize_kv(value_cache[blocks].reshape(-1, num_kv_heads, row)[: ctx - k_start], head_size)
         q = query[q_start:q_end].float()
         # [kv_heads, group, q_len, d] x [kv_heads, d, ctx - k_start]
         qh = q.view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)

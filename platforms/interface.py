@@ -110,9 +110,11 @@ class Platform:
     #: Quantized KV cache dtypes (interface 1.5) that every ``paged_attention`` and
     #: ``reshape_and_cache`` this platform registers reads and writes: "fp8_e4m3"
     #: (``torch.float8_e4m3fn``) and/or "fp8_e5m2" (``torch.float8_e5m2``) caches, with
-    #: kernels/reference.py's semantics (saturating cast on write, scale 1.0).  The engine
-    #: refuses ``kv_cache_dtype`` values not listed here before the weights load.  Empty:
-    #: the KV cache is kept in the model's dtype only.
+    #: kernels/reference.py's semantics (saturating cast on write, scale 1.0), and/or
+    #: "int8" (``torch.int8`` rows of ``head_size + 4``: the values then a float32 scale
+    #: per token and head, computed on write; ``allocate_kv_cache`` then receives that row
+    #: size as ``head_size``).  The engine refuses ``kv_cache_dtype`` values not listed
+    #: here before the weights load.  Empty: the KV cache is kept in the model's dtype only.
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ()
 
     @classmethod

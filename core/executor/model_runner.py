@@ -79,8 +79,15 @@ def kv_cache_torch_dtype(cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def kv_bytes_per_block(cfg: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block over ``cfg``'s layers (an int8 cache's row scales included)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * kv_row_size(cfg.head_dim, dtype) * elem
+
+
+def kv_row_size(head_dim: int, dtype: torch.dtype) -> int:
+    """The last dimension of a KV cache of ``dtype``: ``head_dim``, or ``head_dim + 4`` for
+    int8 (each row's float32 scale; pagedserve.kv_cache.kv_dtype)."""
+    return kv_dtype.kv_row_size(head_dim, dtype_name(dtype))
 
 
 def draft_kv_blocks(target: ModelRunner, draft: ModelRunner) -> int:
@@ -354,7 +361,9 @@ class ModelRunner:
         a = self.local_arch
         platforms = self.layer_platforms if self.layer_slots is None else self.slot_platforms
         self.kv_caches = [
-            platform.allocate_kv_cache(num_blocks, block_size, a.num_kv_heads, a.head_dim, self.kv_dtype)
+            platform.allocate_kv_cache(
+                num_blocks, block_size, a.num_kv_heads, kv_row_size(a.head_dim, self.kv_dtype), self.kv_dtype
+            )
             for platform in platforms
         ]
         if self.layer_slots is not None:
@@ -377,7 +386,12 @@ class ModelRunner:
         its platform's layout, so that one block index means the same block in both."""
         a = self.local_arch
         self.host_kv_caches = allocate_host_kv_cache(
-            self.layer_platforms, num_host_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.kv_dtype
+            self.layer_platforms,
+            num_host_blocks,
+            self.block_size,
+            a.num_kv_heads,
+            kv_row_size(a.head_dim, self.kv_dtype),
+            self.kv_dtype,
         )
         self.num_host_blocks = num_host_blocks
 

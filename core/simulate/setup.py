@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.kv_cache.kv_dtype import kv_row_size
 from pagedserve.simulate.cost_model import CostModel
 from pagedserve.simulate.hardware import HardwareProfile, load_profile
 from pagedserve.simulate.model_spec import ModelSpec, load_model_config
@@ -31,7 +32,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="weight format: none, auto (the config's; default), int8, w8a8, fp8, gptq, awq, int4",
     )
     g.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], help="KV cache dtype"
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
+        help="KV cache dtype",
     )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -168,7 +172,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         spec,
         hw,
         dtype=dtype,
-        kv_dtype_bytes=1 if args.kv_cache_dtype != "auto" else None,  # every 8-bit KV dtype
+        kv_dtype_bytes=_kv_dtype_bytes(args.kv_cache_dtype, spec.head_dim),
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         block_size=args.block_size,
@@ -244,3 +248,11 @@ def _num_device_blocks(
             "--tensor-parallel-size/--pipeline-parallel-size or quantize"
         )
     return int(budget // per_block)
+
+
+def _kv_dtype_bytes(name: str, head_dim: int) -> float | None:
+    """Bytes per cached value of ``--kv-cache-dtype``: None (the model's dtype), 1 for fp8,
+    1 + 4 / head_dim for int8 (each row's float32 scale rides in the block)."""
+    if name == "auto":
+        return None
+    return kv_row_size(head_dim, "int8") / head_dim if name == "int8" else 1.0

@@ -577,7 +577,7 @@ def _accepts(fn: Callable, name: str) -> bool:
 
 
 #: Platform.kv_cache_dtypes names -> torch dtypes (pagedserve.kv_cache.kv_dtype).
-_KV8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_KV8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 
 
 def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
@@ -644,9 +644,10 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
 
         yield desc, body
 
-    # 8-bit float KV caches the platform declares (Platform.kv_cache_dtypes, interface
-    # 1.5): written by its own reshape_and_cache, read by its paged_attention, against
-    # the reference write and attention on the same inputs.
+    # 8-bit KV caches the platform declares (Platform.kv_cache_dtypes, interface 1.5):
+    # written by its own reshape_and_cache, read by its paged_attention, against the
+    # reference write and attention on the same inputs.  An int8 cache's rows are
+    # head_size + 4 wide (values, then the row's float32 scale).
     for kv_name in getattr(t.platform, "kv_cache_dtypes", ()):
         kv_dtype = _KV8_DTYPES.get(kv_name)
         for block_size, heads, kv_heads, head in [(16, 8, 2, 64), (16, 4, 1, 128)]:
@@ -664,26 +665,31 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
                 flat = num_blocks * block_size
                 keys = kc.reshape(flat, kv_heads, head)[slots] * 8  # beyond e4m3's range now and then
                 values = vc.reshape(flat, kv_heads, head)[slots]
-                rk = torch.zeros(kc.shape, dtype=torch.float32).to(kv_dtype)
-                rv = torch.zeros(kc.shape, dtype=torch.float32).to(kv_dtype)
+                row = reference.kv_row_size(head, kv_dtype)
+                if kv_dtype == torch.int8:  # a few rows with an outlier: their scale only grows
+                    keys[::5, :, 0] *= 20
+                ref_shape = (*kc.shape[:3], row)
+                rk = torch.zeros(ref_shape, dtype=torch.float32).to(kv_dtype)
+                rv = torch.zeros(ref_shape, dtype=torch.float32).to(kv_dtype)
                 reference.reshape_and_cache(keys, values, rk, rv, slots)
                 scale = head**-0.5
                 want = reference.paged_attention(query, rk, rv, tables, seq_lens, qsl, scale)
-                pkc, pvc = t.platform.allocate_kv_cache(num_blocks, block_size, kv_heads, head, kv_dtype)
+                pkc, pvc = t.platform.allocate_kv_cache(num_blocks, block_size, kv_heads, row, kv_dtype)
                 assert pkc.dtype == kv_dtype, f"allocate_kv_cache gave {pkc.dtype} for {kv_dtype}"
                 pkc.view(torch.uint8).zero_()  # as the reference caches, so unwritten rows compare equal
                 pvc.view(torch.uint8).zero_()
                 t.ops.reshape_and_cache(c.dev(keys), c.dev(values), pkc, pvc, c.dev(slots))
-                if t.reference_layout(num_blocks, block_size, kv_heads, head):
+                if t.reference_layout(num_blocks, block_size, kv_heads, row):
                     written = pkc.cpu().view(torch.uint8)[tables.flatten().long()]
                     assert torch.equal(written, rk.view(torch.uint8)[tables.flatten().long()]), (
-                        "reshape_and_cache into an 8-bit cache stored other bytes than reference.quantize_kv"
+                        "reshape_and_cache into an 8-bit cache stored other bytes than the reference's "
+                        "(quantize_kv, or quantize_kv_int8 for int8)"
                     )
                 args = (c.dev(query), pkc, pvc, c.dev(tables), c.dev(seq_lens), c.dev(qsl), scale)
                 out = torch.full(query.shape, NAN, dtype=dtype, device=t.device)
                 got = fn(*args, out=out)
-                assert_matches(f"paged_attention over a {kv_name} cache", got, want, dtype)
-                assert_matches(f"paged_attention out over a {kv_name} cache (poisoned with NaN)", out, want, dtype)
+                assert_matches(f"paged_attention over a KV cache of {kv_name}", got, want, dtype)
+                assert_matches(f"paged_attention out over a KV cache of {kv_name} (NaN-poisoned)", out, want, dtype)
 
             yield desc, body
 

@@ -260,20 +260,31 @@ struct Attention {
   static constexpr int CH = acc_chunk(NV, Isa::kMaxAccRegs / kGroupTile);
   static_assert(D % W == 0, "head size must be a multiple of the vector width");
 
+  // Elements of one K or V row in the cache (an int8 row ends with its float32 scale).
+  static constexpr int kRowElems = D + (kRowScaled<KT> ? 4 : 0);
   // Cache lines of one K or V row.
-  static constexpr int kRowLines = (D * int(sizeof(KT)) + 63) / 64;
+  static constexpr int kRowLines = (kRowElems * int(sizeof(KT)) + 63) / 64;
   // How far the prefetch cursor runs ahead of the compute (16 KiB).  Against
   // prefetching each next span whole when the span before it starts, decode attention
   // over 30 layers' caches went from 676 to 499 us per layer at 64 sequences x 190
   // keys and from 1530 to 1185 at 32 x 1000 (same process, alternating, medians);
   // leads of 128 to 384 lines measured alike.
   static constexpr int kLeadLines = 256;
-  // n rows of a block (stride in elements) -> dense float32 [n, D].
+  // n rows of a block (stride in elements) -> dense float32 [n, D]; rows of an int8
+  // cache come out times their scales (q * s in float32, as the reference reads them).
   template <typename S>
   static void to_f32(const S* src, int64_t stride, int n, float* dst) {
-    for (int j = 0; j < n; ++j)
+    for (int j = 0; j < n; ++j) {
+      if constexpr (kRowScaled<S>) {
+        const V sc = Isa::set1(row_scale<D>(src + j * stride));
 #pragma GCC unroll 32
-      for (int v = 0; v < NV; ++v) Isa::store(dst + j * D + v * W, Isa::load(src + j * stride + v * W));
+        for (int v = 0; v < NV; ++v)
+          Isa::store(dst + j * D + v * W, Isa::mul(Isa::load(src + j * stride + v * W), sc));
+      } else {
+#pragma GCC unroll 32
+        for (int v = 0; v < NV; ++v) Isa::store(dst + j * D + v * W, Isa::load(src + j * stride + v * W));
+      }
+    }
   }
 
   // Keys of one kv head taken together by the online softmax: up to kMaxSegs runs
@@ -307,13 +318,17 @@ struct Attention {
         const int m = std::min(sn.n[sg], n - j0);
         for (int j = 0; j < m; ++j) {
           if (pf && c0 == 0) pf->pump(kRowLines);
-          const KT* vr = sn.v[sg] + j * sn.vs + c0 * W;
+          const KT* vrow = sn.v[sg] + j * sn.vs;
+          const KT* vr = vrow + c0 * W;
+          // An int8 row's scale folds into its probabilities: p * (s * q) = (p * s) * q.
+          float vscale = 1.f;
+          if constexpr (kRowScaled<KT>) vscale = row_scale<D>(vrow);
           V vj[CH];
 #pragma GCC unroll 16
           for (int c = 0; c < CH; ++c) vj[c] = Isa::load(vr + c * W);
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
-            const V pr = Isa::set1(p[r * sp + j0 + j]);
+            const V pr = Isa::set1(kRowScaled<KT> ? p[r * sp + j0 + j] * vscale : p[r * sp + j0 + j]);
 #pragma GCC unroll 16
             for (int c = 0; c < CH; ++c) a[r][c] = Isa::fma(pr, vj[c], a[r][c]);
           }
@@ -533,13 +548,13 @@ struct Attention {
                             int key_end) {
     const int bs = p.block_size;
     const int32_t* table = p.block_tables + w.seq * p.bt_stride;
-    const int64_t row_bytes = D * int64_t(sizeof(KT));
+    const int64_t row_bytes = kRowElems * int64_t(sizeof(KT));
     // Rows [first, last) of block b, kv head h, of one cache.
     auto rows = [&](const void* cache, int64_t s_block, int64_t s_head, int64_t s_tok, int h, int b, int first,
                     int last) {
       const KT* r = static_cast<const KT*>(cache) + int64_t(table[b]) * s_block + h * s_head +
                    int64_t(first - b * bs) * s_tok;
-      if (s_tok == D)
+      if (s_tok == kRowElems)
         pf.add(r, (last - first) * row_bytes);
       else
         for (int j = 0; j < last - first; ++j) pf.add(r + j * s_tok, row_bytes);
@@ -671,8 +686,9 @@ AttnFns attention_fns(DType dtype, int head_size) {
   return {};
 }
 
-// (query dtype float32 or bf16, KV dtype 8-bit float, head size) -> the float32-FMA
-// kernel of Isa reading the cache's rows in registers (Isa::load of FP8E4M3/FP8E5M2).
+// (query dtype float32 or bf16, KV dtype 8-bit float or int8, head size) -> the
+// float32-FMA kernel of Isa reading the cache's rows in registers (Isa::load of
+// FP8E4M3/FP8E5M2/I8S; int8 rows scaled as they are read).
 template <class Isa>
 AttnFns attention_kv8_fns(DType dtype, DType kv_dtype, int head_size) {
   auto by_head = [head_size](auto q_tag, auto kv_tag) -> AttnFns {
@@ -690,6 +706,7 @@ AttnFns attention_kv8_fns(DType dtype, DType kv_dtype, int head_size) {
   auto by_kv = [&](auto q_tag) -> AttnFns {
     if (kv_dtype == DType::kFloat8E4M3) return by_head(q_tag, FP8E4M3{});
     if (kv_dtype == DType::kFloat8E5M2) return by_head(q_tag, FP8E5M2{});
+    if (kv_dtype == DType::kInt8) return by_head(q_tag, I8S{});
     return {};
   };
   if (dtype == DType::kFloat32) return by_kv(float{});

@@ -55,6 +55,7 @@ DType dtype_of(const at::Tensor& t) {
     case at::kHalf: return DType::kFloat16;
     case at::kFloat8_e4m3fn: return DType::kFloat8E4M3;
     case at::kFloat8_e5m2: return DType::kFloat8E5M2;
+    case at::kChar: return DType::kInt8;
     default: TORCH_CHECK(false, "pagedserve: native CPU kernels do not support dtype ", t.scalar_type());
   }
 }
@@ -104,17 +105,21 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
               "query and out must both be [num_tokens, num_heads, head_size]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "key_cache and value_cache must be [num_blocks, block_size, num_kv_heads, head_size]");
+  const bool scaled = key_cache.scalar_type() == at::kChar;  // int8 rows + a float32 scale each
   const bool kv8 = key_cache.scalar_type() != query.scalar_type() &&
-                  (key_cache.scalar_type() == at::kFloat8_e4m3fn || key_cache.scalar_type() == at::kFloat8_e5m2);
+                   (key_cache.scalar_type() == at::kFloat8_e4m3fn || key_cache.scalar_type() == at::kFloat8_e5m2 ||
+                    scaled);
   TORCH_CHECK((kv8 || key_cache.scalar_type() == query.scalar_type()) &&
                   value_cache.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "query and out must share one dtype, and the caches that dtype or one 8-bit float dtype");
+              "query and out must share one dtype, and the caches that dtype or one 8-bit dtype");
   check_lastdim(query, "query");
   check_lastdim(key_cache, "key_cache");
   check_lastdim(value_cache, "value_cache");
   check_lastdim(out, "out");
   const int num_heads = query.size(1), head_size = query.size(2), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_size, "cache head_size ", key_cache.size(3), " != query head_size ", head_size);
+  const int row = head_size + (scaled ? 4 : 0);  // an int8 row carries its scale's 4 bytes
+  TORCH_CHECK(key_cache.size(3) == row, "cache rows of ", key_cache.size(3), " elements for query head_size ", head_size,
+              scaled ? " (int8: head_size + 4)" : "");
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads=", num_heads,
               " is not a multiple of num_kv_heads=", num_kv_heads);
   const at::Tensor bt = block_tables_in.to(at::kInt).contiguous();

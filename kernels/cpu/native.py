@@ -140,7 +140,8 @@ def dequantized_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(key_cache, value_cache, block_tables) of just the blocks the sequences read, in
     ``dtype``: the distinct blocks of each sequence's first ceil(seq_len / block_size)
-    table entries, converted (an 8-bit float widens exactly), in the caches' layout
+    table entries, converted (an 8-bit float widens exactly; an int8 row is its values
+    times its scale, rounded once to ``dtype``), in the caches' layout
     (a head-major cache stays head-major); the tables renumbered into them.  Entries
     past a sequence's blocks point at block 0 of the result and are never read."""
     block_size = key_cache.shape[1]
@@ -154,7 +155,10 @@ def dequantized_blocks(
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
         # index_select on the [blocks, heads, tokens, d] view keeps each head's rows together.
-        return cache.transpose(1, 2).index_select(0, distinct).to(dtype).transpose(1, 2)
+        picked = cache.transpose(1, 2).index_select(0, distinct)
+        if cache.dtype in reference.SCALED_KV_TORCH_DTYPES:  # int8 rows: values * their scale
+            picked = reference.dequantize_kv(picked, picked.shape[-1] - reference.INT8_KV_SCALE_BYTES)
+        return picked.to(dtype).transpose(1, 2)
 
     tables = torch.zeros_like(block_tables)
     if bool(used.any()):
@@ -208,8 +212,9 @@ class NativeCpuKernels:
         self.has_linear = bool(module.has_linear(self._isa))
         #: Whether it has the packed bf16 linear kernel (AVX-512 BF16; see pack_linear_weight).
         self.has_packed_linear = bool(module.has_packed_linear(self._isa))
-        #: Whether its attention reads 8-bit float KV caches in registers (AVX-512), for
-        #: float32 and bf16 queries; elsewhere they are dequantized first.
+        #: Whether its attention reads 8-bit KV caches (fp8, int8 with row scales) in
+        #: registers (AVX-512), for float32 and bf16 queries; elsewhere they are
+        #: dequantized first.
         self.has_kv8_attention = bool(module.has_kv8_attention(self._isa))
 
     @property
@@ -251,8 +256,9 @@ class NativeCpuKernels:
         if out is None:
             # empty_like is ~1 us cheaper per call than torch.empty(shape, dtype, device).
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        kv8 = key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES
-        if kv8:  # an 8-bit float cache: read in registers where the instruction set can
+        scaled = key_cache.dtype in reference.SCALED_KV_TORCH_DTYPES
+        kv8 = scaled or key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES
+        if kv8:  # an 8-bit cache: read in registers where the instruction set can
             kernel_dtypes = self.has_kv8_attention and dtype in _KV8_QUERY_DTYPES
         else:
             kernel_dtypes = dtype in _DTYPES and key_cache.dtype == dtype
@@ -305,10 +311,13 @@ class NativeCpuKernels:
     def _quantized_cache_attention(
         self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out, window, cap, sinks
     ) -> torch.Tensor:
-        """paged_attention over an 8-bit float cache where the kernel cannot read its rows
-        (an instruction set without the kv8 kernel, a float16 query): the blocks the
-        batch reads are dequantized to the query's dtype first (:func:`dequantized_blocks`)
-        and the kernel runs on them (logged once)."""
+        """paged_attention over an 8-bit cache where the kernel cannot read its rows (an
+        fp8 one on an instruction set without the kv8 kernel or for a float16 query, an
+        int8 one where the int8 kernel is missing): the blocks the batch reads are
+        dequantized first (:func:`dequantized_blocks`) and the kernel runs on them (logged
+        once).  fp8 widens exactly to the query's dtype; int8 rows times their scales do
+        not fit 16 bits, so those run in float32 (query, blocks and output)."""
+        work = torch.float32 if key_cache.dtype in reference.SCALED_KV_TORCH_DTYPES else query.dtype
         global _logged_quantized_cache
         if not _logged_quantized_cache:
             _logged_quantized_cache = True
@@ -318,13 +327,21 @@ class NativeCpuKernels:
                 self.isa,
                 str(key_cache.dtype).removeprefix("torch."),
                 str(query.dtype).removeprefix("torch."),
-                str(query.dtype).removeprefix("torch."),
+                str(work).removeprefix("torch."),
             )
-        kc, vc, tables = dequantized_blocks(key_cache, value_cache, block_tables, seq_lens, query.dtype)
-        return self.paged_attention(
-            query, kc, vc, tables, seq_lens, query_start_loc, scale, out,
+        kc, vc, tables = dequantized_blocks(key_cache, value_cache, block_tables, seq_lens, work)
+        if work == query.dtype:
+            return self.paged_attention(
+                query, kc, vc, tables, seq_lens, query_start_loc, scale, out,
+                sliding_window=window, soft_cap=cap, sinks=sinks,
+            )  # fmt: skip
+        result = self.paged_attention(
+            query.float(), kc, vc, tables, seq_lens, query_start_loc, scale,
             sliding_window=window, soft_cap=cap, sinks=sinks,
         )  # fmt: skip
+        if out is None:
+            return result.to(query.dtype)
+        return out.copy_(result)
 
     def reshape_and_cache(
         self,
@@ -341,6 +358,9 @@ class NativeCpuKernels:
         if key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES:  # saturating cast, then the row copy
             key = reference.quantize_kv(key, key_cache.dtype).contiguous()
             value = reference.quantize_kv(value, value_cache.dtype).contiguous()
+        elif key_cache.dtype in reference.SCALED_KV_TORCH_DTYPES:  # int8 rows with their scales, then the copy
+            key = reference.quantize_kv_int8(key)
+            value = reference.quantize_kv_int8(value)
         if key.dtype != key_cache.dtype or key.stride(-1) != 1:
             key = key.to(key_cache.dtype).contiguous()
         if value.dtype != value_cache.dtype or value.stride(-1) != 1:

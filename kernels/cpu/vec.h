@@ -47,6 +47,21 @@ struct FP8E4M3 {
 struct FP8E5M2 {
   uint8_t bits;
 };
+// int8 KV cache elements (torch.int8): a row is D of them followed by the row's float32
+// scale (kernels/reference.py, quantize_kv_int8); loaded as integers, scaled per row.
+struct I8S {
+  int8_t bits;
+};
+// Whether rows of KV element type KT carry a float32 scale after their D values.
+template <typename KT>
+inline constexpr bool kRowScaled = std::is_same_v<KT, I8S>;
+// The scale of a row of D values of a scaled KV cache.
+template <int D, typename KT>
+inline float row_scale(const KT* row) {
+  float s;
+  std::memcpy(&s, reinterpret_cast<const char*>(row + D), sizeof s);
+  return s;
+}
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -311,6 +326,10 @@ struct Avx512 {
     const V f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
     const __mmask16 nan = _mm256_cmpeq_epi16_mask(em, _mm256_set1_epi16(0x7f));
     return _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  }
+  // int8 values widened exactly (the row's scale is applied by the caller).
+  static V load(const I8S* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   static void store(float* p, V a) { _mm512_storeu_ps(p, a); }
   // Integer round-to-nearest-even rather than VCVTNEPS2BF16, which flushes denormals

@@ -6,9 +6,10 @@ than silently elsewhere:
 
 - paged_attention: the C++ kernel is a decode kernel; batches with more query tokens
   than sequences (prefill chunks) go to the Triton kernel, as do mixed query/cache
-  dtypes and head sizes without a compiled kernel.
+  dtypes (an int8 cache among them) and head sizes without a compiled kernel.
 - reshape_and_cache: the C++ kernel copies without converting; when the new keys'
-  dtype differs from the cache's, the Triton kernel (which converts) runs instead.
+  dtype differs from the cache's (an int8 cache: quantized with row scales), the
+  Triton kernel runs instead.
 - copy_blocks / swap_blocks: pools that both live on the CPU use the reference.
 """
 

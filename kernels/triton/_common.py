@@ -13,6 +13,7 @@ import torch
 
 __all__ = [
     "FLOAT_DTYPES",
+    "KV_DTYPES",
     "interpreter_enabled",
     "next_power_of_2",
     "check_tensor",
@@ -21,6 +22,9 @@ __all__ = [
 
 #: Activation and KV-cache dtypes the Triton kernels accept.
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+#: KV-cache dtypes of the attention and cache-write kernels: the float ones, and int8
+#: rows of head_size values followed by their float32 scale (kernels/reference.py).
+KV_DTYPES: tuple[torch.dtype, ...] = (*FLOAT_DTYPES, torch.int8)
 
 
 def interpreter_enabled() -> bool:

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from pagedserve.kernels.triton._common import (
     FLOAT_DTYPES,
+    KV_DTYPES,
     check_same_device,
     check_tensor,
     interpreter_enabled,
@@ -81,6 +82,8 @@ def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     qsl_ptr,
@@ -121,6 +124,7 @@ def _paged_attention_kernel(
     WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     SINKS: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -182,6 +186,13 @@ def _paged_attention_kernel(
         kv_mask = n_valid[None, :] & dim_valid[:, None]
         k = tl.load(k_cache_ptr + k_off[None, :] + dims[:, None], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=tl.trans(kv_mask), other=0.0)
+        if KV_INT8:
+            # Each int8 row ends with its float32 scale: element (off + head_size) / 4 of
+            # the cache's float32 view (rows and strides are multiples of 4 bytes).
+            ks = tl.load(k_scale_ptr + (k_off + head_size) // 4, mask=n_valid, other=0.0)
+            vs = tl.load(v_scale_ptr + (v_off + head_size) // 4, mask=n_valid, other=0.0)
+            k = k.to(tl.float32) * ks[None, :]
+            v = v.to(tl.float32) * vs[:, None]
         if DOT_FP32:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
@@ -335,8 +346,8 @@ def _check_inputs(
     out: torch.Tensor | None,
 ) -> None:
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    check_tensor("value_cache", value_cache, ndim=4, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_tensor("key_cache", key_cache, ndim=4, dtypes=KV_DTYPES, last_dim_contiguous=True)
+    check_tensor("value_cache", value_cache, ndim=4, dtypes=KV_DTYPES, last_dim_contiguous=True)
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), last_dim_contiguous=True)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), contiguous=True)
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), contiguous=True)
@@ -361,7 +372,13 @@ def _check_inputs(
     if key_cache.dtype != value_cache.dtype:
         raise ValueError(f"key_cache dtype {key_cache.dtype} != value_cache dtype {value_cache.dtype}")
     num_kv_heads, cache_head_size = key_cache.shape[2], key_cache.shape[3]
-    if cache_head_size != head_size:
+    if key_cache.dtype == torch.int8:  # rows of head_size values, then a float32 scale
+        if cache_head_size != head_size + 4 or head_size % 4:
+            raise ValueError(
+                f"an int8 cache needs rows of query head_size + 4 = {head_size + 4} (head_size a multiple of 4), "
+                f"got {cache_head_size}"
+            )
+    elif cache_head_size != head_size:
         raise ValueError(f"query head_size {head_size} != cache head_size {cache_head_size}")
     if not 1 <= head_size <= MAX_HEAD_SIZE:
         raise ValueError(f"head_size {head_size} is outside the supported range 1..{MAX_HEAD_SIZE}")
@@ -427,6 +444,12 @@ def _check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tenso
     return sinks.to(device=query.device, dtype=torch.float32).contiguous()
 
 
+def _scale_view(cache: torch.Tensor) -> torch.Tensor:
+    """An int8 cache as float32 (where the kernel reads each row's scale); other caches
+    as they are (the kernel then reads no scale)."""
+    return cache.view(torch.float32) if cache.dtype == torch.int8 else cache
+
+
 def _use_fp32_dot(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """fp32 caches need exact fp32 products (not TF32); mixed query/cache dtypes meet
     in fp32; and the interpreter computes bf16 arithmetic on raw uint16 storage, so
@@ -490,10 +513,13 @@ def paged_attention_fixed_splits(
         p_strides, l_strides = (0, 0, 0), (0, 0)
 
     grid = (num_q_blocks, num_kv_heads, num_splits)
+    kv_int8 = key_cache.dtype == torch.int8
     _paged_attention_kernel[grid](
         query,
         key_cache,
         value_cache,
+        _scale_view(key_cache),
+        _scale_view(value_cache),
         block_tables,
         seq_lens,
         query_start_loc,
@@ -531,6 +557,7 @@ def paged_attention_fixed_splits(
         WINDOW=sliding_window is not None,
         SOFT_CAP=soft_cap is not None,
         SINKS=sinks is not None,
+        KV_INT8=kv_int8,
         num_warps=num_warps,
     )
     if split:
@@ -573,7 +600,9 @@ def paged_attention(
         dim); the tokens of sequence i are query[query_start_loc[i]:query_start_loc[i+1]]
         and are its last q_len_i positions.
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], one
-        float dtype (may differ from query's; then products run in fp32).
+        float dtype (may differ from query's; then products run in fp32), or int8
+        [..., head_size + 4]: each row's values times the float32 scale after them
+        (kernels/reference.py), products in fp32.
     block_tables: int32 [num_seqs, max_blocks]; seq_lens: int32 [num_seqs] (context
         length including the new tokens); query_start_loc: int32 [num_seqs + 1].
     out: optional [num_tokens, num_heads, head_size] float tensor to write into.

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from pagedserve.kernels.triton._common import (
     FLOAT_DTYPES,
+    KV_DTYPES,
     check_same_device,
     check_tensor,
     next_power_of_2,
@@ -29,6 +30,8 @@ def _reshape_and_cache_kernel(
     value_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     slot_mapping_ptr,
     num_kv_heads,
     head_size,
@@ -45,6 +48,7 @@ def _reshape_and_cache_kernel(
     stride_vch,
     HEADS_PER_PROG: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
     token = tl.program_id(0)
     head_start = tl.program_id(1) * HEADS_PER_PROG
@@ -65,8 +69,32 @@ def _reshape_and_cache_kernel(
 
     dst_k = key_cache_ptr + block * stride_kcb + offset * stride_kcs + heads[:, None] * stride_kch + dims[None, :]
     dst_v = value_cache_ptr + block * stride_vcb + offset * stride_vcs + heads[:, None] * stride_vch + dims[None, :]
-    tl.store(dst_k, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst_v, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    if KV_INT8:
+        # Per (token, head) row: s = absmax / 127, values round_half_even(x / s), and s
+        # stored in the 4 bytes after them (element (offset + head_size) / 4 of the
+        # cache's float32 view), as reference.quantize_kv_int8.
+        row_k = block * stride_kcb + offset * stride_kcs + heads * stride_kch
+        row_v = block * stride_vcb + offset * stride_vcs + heads * stride_vch
+        _store_int8_rows(k.to(tl.float32), key_cache_ptr, k_scale_ptr, row_k, dims, heads, num_kv_heads, head_size)
+        _store_int8_rows(v.to(tl.float32), value_cache_ptr, v_scale_ptr, row_v, dims, heads, num_kv_heads, head_size)
+    else:
+        tl.store(dst_k, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst_v, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_int8_rows(x, cache_ptr, scale_ptr, row, dims, heads, num_kv_heads, head_size):
+    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_size)
+    x = tl.where(mask, x, 0.0)
+    s = tl.max(tl.abs(x), 1) / 127.0
+    s_safe = tl.where(s > 0.0, s, 1.0)
+    y = tl.math.div_rn(x, s_safe[:, None])
+    # Round half to even: adding and removing 1.5 * 2^23 leaves the integer float32 rounds to.
+    y = (y + 12582912.0) - 12582912.0
+    y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+    y = tl.where(s[:, None] > 0.0, y, 0.0)
+    tl.store(cache_ptr + row[:, None] + dims[None, :], y.to(tl.int8), mask=mask)
+    tl.store(scale_ptr + (row + head_size) // 4, s, mask=heads < num_kv_heads)
 
 
 def reshape_and_cache(
@@ -80,15 +108,17 @@ def reshape_and_cache(
 
     key, value: [num_tokens, num_kv_heads, head_size] (fp32/bf16/fp16; converted to
         the cache dtype on store).
-    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], one dtype.
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], one dtype;
+        or int8 [..., head_size + 4]: each row quantized with its scale after it
+        (reference.quantize_kv_int8).
     slot_mapping: int64 [num_tokens]; slot = block_id * block_size + offset; -1 skips
         the token.  Slots past the end of the cache are not checked (that would need a
         device sync); the caller guarantees them.
     """
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     check_tensor("value", value, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    check_tensor("value_cache", value_cache, ndim=4, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_tensor("key_cache", key_cache, ndim=4, dtypes=KV_DTYPES, last_dim_contiguous=True)
+    check_tensor("value_cache", value_cache, ndim=4, dtypes=KV_DTYPES, last_dim_contiguous=True)
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,), contiguous=True)
     check_same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
     if key.shape != value.shape:
@@ -98,10 +128,13 @@ def reshape_and_cache(
     if key_cache.dtype != value_cache.dtype:
         raise ValueError(f"key_cache dtype {key_cache.dtype} != value_cache dtype {value_cache.dtype}")
     num_tokens, num_kv_heads, head_size = key.shape
-    if tuple(key_cache.shape[2:]) != (num_kv_heads, head_size):
+    kv_int8 = key_cache.dtype == torch.int8
+    row = head_size + 4 if kv_int8 else head_size  # an int8 row ends with its float32 scale
+    if tuple(key_cache.shape[2:]) != (num_kv_heads, row) or (kv_int8 and head_size % 4):
         raise ValueError(
             f"key has {num_kv_heads} heads of size {head_size} but the cache holds "
             f"{key_cache.shape[2]} heads of size {key_cache.shape[3]}"
+            + (" (an int8 cache needs head_size + 4, head_size a multiple of 4)" if kv_int8 else "")
         )
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
@@ -116,6 +149,8 @@ def reshape_and_cache(
         value,
         key_cache,
         value_cache,
+        key_cache.view(torch.float32) if kv_int8 else key_cache,
+        value_cache.view(torch.float32) if kv_int8 else value_cache,
         slot_mapping,
         num_kv_heads,
         head_size,
@@ -132,4 +167,5 @@ def reshape_and_cache(
         value_cache.stride(2),
         HEADS_PER_PROG=heads_per_prog,
         HEAD_PAD=head_pad,
+        KV_INT8=kv_int8,
     )

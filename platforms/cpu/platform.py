@@ -47,9 +47,11 @@ class CpuPlatform(Platform):
     # p99 ITL but added prefill steps to the longest prompts, whose p99 TTFT rose
     # (docs/serving.md#latency-under-load).
     default_long_prefill_token_threshold = 512
-    # Every paged_attention candidate reads fp8 caches (the reference by dequantizing,
-    # the native kernel on the touched blocks dequantized: kernels/cpu/native.py).
-    kv_cache_dtypes = ("fp8_e4m3", "fp8_e5m2")
+    # Every paged_attention candidate reads fp8 and int8 caches (the reference by
+    # dequantizing; the native kernel reads fp8 rows in registers with AVX-512 and
+    # otherwise runs on the touched blocks dequantized: kernels/cpu/native.py; the AMX
+    # and tuned dispatch send every non-bf16 cache to the native kernel).
+    kv_cache_dtypes = ("fp8_e4m3", "fp8_e5m2", "int8")
 
     def __init__(self, options: CpuOptions | None = None) -> None:
         #: The environment switches, read once here (PAGEDSERVE_CPU_*; platforms/options.py).

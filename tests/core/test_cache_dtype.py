@@ -1,8 +1,8 @@
-"""cache_dtype: the model's dtype, or an 8-bit float KV cache the platform declares.
+"""cache_dtype: the model's dtype, or an 8-bit KV cache the platform declares.
 
 ``cache_dtype`` may be "auto", the name of the dtype the model runs in, or fp8_e4m3
-(alias fp8) / fp8_e5m2 where the platform's attention reads them; anything else (int8,
-vLLM's fp8_inc, a dtype other than the model's) is an error, never a silent no-op.  A
+(alias fp8) / fp8_e5m2 / int8 where the platform's attention reads them; anything else
+(int4, vLLM's fp8_inc, a dtype other than the model's) is an error, never a silent no-op.  A
 platform that does not declare a quantized dtype is refused by name before any
 weights load.
 """
@@ -24,7 +24,7 @@ def tiny_model(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("cache-dtype-model"), writer="safetensors")
 
 
-@pytest.mark.parametrize("name", ["int8", "float64", "fp4"])
+@pytest.mark.parametrize("name", ["int4", "float64", "fp4"])
 def test_config_refuses_unknown_cache_dtypes(name):
     with pytest.raises(ValueError, match=rf"cache_dtype={name!r} is not supported.*'fp8_e5m2'"):
         CacheConfig(cache_dtype=name)
@@ -36,8 +36,8 @@ def test_config_refuses_vllm_fp8_variants_not_implemented(name):
         CacheConfig(cache_dtype=name)
 
 
-@pytest.mark.parametrize("name", ["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"])
-def test_config_accepts_auto_model_dtype_names_and_fp8(name):
+@pytest.mark.parametrize("name", ["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"])
+def test_config_accepts_auto_model_dtype_names_and_8bit(name):
     assert CacheConfig(cache_dtype=name).cache_dtype == name
 
 
@@ -63,8 +63,10 @@ def test_engine_accepts_model_dtype_name(tiny_model):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("name,dtype", [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
-def test_engine_allocates_the_fp8_cache(tiny_model, name, dtype):
+@pytest.mark.parametrize(
+    "name,dtype", [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2), ("int8", torch.int8)]
+)
+def test_engine_allocates_the_8bit_cache(tiny_model, name, dtype):
     engine = _engine(tiny_model, name)
     try:
         assert {t.dtype for kv in engine.runner.kv_caches for t in kv} == {dtype}

@@ -86,8 +86,10 @@ def test_kv_cache_dtype_flag(tiny_llama, capsys):
     fp8 = LLM(model=str(tiny_llama), kv_cache_dtype="fp8", **BASE)  # the flag reaches the cache
     assert fp8.llm_engine.config.cache.cache_dtype == "fp8"
     assert all(c.dtype == torch.float8_e4m3fn for c in fp8.llm_engine.runner.kv_caches[0])
-    with pytest.raises(SystemExit, match="cache_dtype='int8' is not supported"):
-        cli.main(["generate", str(tiny_llama), "--kv-cache-dtype", "int8"])
+    int8 = LLM(model=str(tiny_llama), kv_cache_dtype="int8", **BASE)
+    assert all(c.dtype == torch.int8 for c in int8.llm_engine.runner.kv_caches[0])
+    with pytest.raises(SystemExit, match="cache_dtype='int4' is not supported"):
+        cli.main(["generate", str(tiny_llama), "--kv-cache-dtype", "int4"])
 
 
 def write_shuffled_tokenizer(src, dst) -> Tokenizer:

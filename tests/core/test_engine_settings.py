@@ -185,7 +185,7 @@ REFUSED = [
     (dict(cpu_offload_gb=1, pipeline_parallel_size=2), r"cpu_offload_gb=1 is not supported with tensor"),
     (dict(quantization="w8a8", tensor_parallel_size=2), r"quantization='w8a8' is not supported with tensor"),
     (dict(kv_cache_dtype="fp8_inc"), r"kv_cache_dtype='fp8_inc' is not implemented"),
-    (dict(kv_cache_dtype="int8"), r"cache_dtype='int8' is not supported"),
+    (dict(kv_cache_dtype="int4"), r"cache_dtype='int4' is not supported"),
     (dict(preemption_mode="swap"), r"needs a host KV tier"),
 ]
 
@@ -218,8 +218,8 @@ def test_refused_combination_from_the_command_line_fails_fast(no_model_work):
         SystemExit, match="pagedserve generate: cpu_offload_gb=1.0 is not supported with tensor/pipeline parallelism"
     ):
         cli.main(["generate", "--tensor-parallel-size", "2", "--cpu-offload-gb", "1"])
-    with pytest.raises(SystemExit, match="pagedserve generate: cache_dtype='int8' is not supported"):
-        cli.main(["generate", "--kv-cache-dtype", "int8"])
+    with pytest.raises(SystemExit, match="pagedserve generate: cache_dtype='int4' is not supported"):
+        cli.main(["generate", "--kv-cache-dtype", "int4"])
     with pytest.raises(ValueError, match="quantization='w8a8' is not supported with tensor"):
         serve_cmd.build_engine_config(parse(["serve", "-tp", "2", "--quantization", "w8a8"]))
     assert time.perf_counter() - t0 < 1.0

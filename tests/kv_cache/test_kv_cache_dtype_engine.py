@@ -1,10 +1,12 @@
-"""8-bit float KV caches end to end, on tiny random checkpoints in float32.
+"""8-bit KV caches (fp8, and int8 with per-token-head scales) end to end, on tiny random
+checkpoints in float32.
 
 Capacity (exactly twice the blocks of a 16-bit cache at one budget, four times a
-32-bit one), logprobs against the model-dtype cache within a measured bound, and the
-features that move or reuse KV blocks: prefix-cache hits, chunked prefill, swap and
-recompute preemption through the host tier (bytes moved exactly), the disaggregated
-hand-off (bytes, and a refusal between different cache dtypes).
+32-bit one; int8 rows carry 4 more bytes for their scale), logprobs against the
+model-dtype cache within a measured bound, and the features that move or reuse KV
+blocks: prefix-cache hits, chunked prefill, swap and recompute preemption through the
+host tier (bytes moved exactly), the disaggregated hand-off (bytes, and a refusal
+between different cache dtypes).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ pytestmark = pytest.mark.timeout(600)
 SHAPE = dict(arch="llama", num_heads=4, num_kv_heads=2)
 VOCAB = 259
 FP8 = ["fp8_e4m3", "fp8_e5m2"]
+KV8 = [*FP8, "int8"]
 
 
 def u8(t: torch.Tensor) -> torch.Tensor:
@@ -58,20 +61,24 @@ def greedy(llm: LLM, prompts, n: int = 8):
 @pytest.mark.parametrize("dtype,factor", [("bfloat16", 2), ("float32", 4)])
 def test_an_8bit_cache_holds_exactly_2x_a_16bit_one(path, dtype, factor):
     blocks = {}
-    for cd in ["auto", *FP8]:
+    for cd in ["auto", *KV8]:
         llm = LLM(model=str(path), dtype=dtype, kv_cache_dtype=cd, kv_cache_memory="3MiB", block_size=16)
         runner = llm.llm_engine.runner
         k, v = runner.kv_caches[0]
-        assert k.dtype == v.dtype == {"auto": getattr(torch, dtype), **{
+        assert k.dtype == v.dtype == {"auto": getattr(torch, dtype), "int8": torch.int8, **{
             "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}}[cd]  # fmt: skip
         a = runner.local_arch
         elem = k.element_size()
-        per_block = 2 * a.num_layers * 16 * a.num_kv_heads * a.head_dim * elem
+        row = a.head_dim + 4 if cd == "int8" else a.head_dim  # int8: the row's float32 scale
+        assert k.shape[-1] == row
+        per_block = 2 * a.num_layers * 16 * a.num_kv_heads * row * elem
         assert runner.kv_block_bytes(16) == per_block
         blocks[cd] = llm.llm_engine.executor.num_blocks
         assert blocks[cd] == (3 << 20) // per_block
         assert k.shape[0] == blocks[cd]
     assert blocks["fp8_e4m3"] == blocks["fp8_e5m2"] == factor * blocks["auto"]
+    head_dim = llm.llm_engine.runner.local_arch.head_dim
+    assert blocks["int8"] == int(factor * blocks["auto"] * head_dim / (head_dim + 4))
 
 
 # ---- accuracy against the model-dtype cache -------------------------------------------
@@ -80,7 +87,13 @@ def test_an_8bit_cache_holds_exactly_2x_a_16bit_one(path, dtype, factor):
 # difference| 0.105 (e4m3) and 0.156 (e5m2), largest per-position KL 0.00061 / 0.00142.
 # The bounds are about twice that.  The random tiny model's distributions are nearly
 # flat, so top-1 ties flip easily (agreement bounded loosely).
-BOUNDS = {"fp8_e4m3": dict(max_abs=0.25, kl=0.0015), "fp8_e5m2": dict(max_abs=0.35, kl=0.003)}
+# int8 with per-token-head scales: 0.0171 and 0.000013.
+INT8_MAX_ABS, INT8_KL = 0.04, 3e-5
+BOUNDS = {
+    "fp8_e4m3": dict(max_abs=0.25, kl=0.0015),
+    "fp8_e5m2": dict(max_abs=0.35, kl=0.003),
+    "int8": dict(max_abs=INT8_MAX_ABS, kl=INT8_KL),
+}
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +102,8 @@ def model_dtype_rows(path):
     return prompt_rows(llm, prompts_for(3, (40, 100, 7, 64)))
 
 
-@pytest.mark.parametrize("cd", FP8)
-def test_fp8_cache_logprobs_stay_near_the_model_dtype_cache(path, model_dtype_rows, cd):
+@pytest.mark.parametrize("cd", KV8)
+def test_8bit_cache_logprobs_stay_near_the_model_dtype_cache(path, model_dtype_rows, cd):
     llm = LLM(model=str(path), dtype="float32", kv_cache_dtype=cd, kv_cache_memory="8MiB")
     rows = prompt_rows(llm, prompts_for(3, (40, 100, 7, 64)))
     diff = max((a - b).abs().max().item() for a, b in zip(model_dtype_rows, rows))
@@ -107,7 +120,7 @@ def test_fp8_cache_logprobs_stay_near_the_model_dtype_cache(path, model_dtype_ro
 # ---- features that reuse or move KV blocks --------------------------------------------
 
 
-@pytest.mark.parametrize("cd", FP8)
+@pytest.mark.parametrize("cd", KV8)
 def test_prefix_cache_hit_equals_miss(path, cd):
     prompts = prompts_for(5, (40, 33))
     miss = LLM(model=str(path), dtype="float32", kv_cache_dtype=cd, kv_cache_memory="4MiB", enable_prefix_caching=False)
@@ -124,11 +137,12 @@ def test_prefix_cache_hit_equals_miss(path, cd):
             assert g[tok].logprob == pytest.approx(w[tok].logprob, abs=1e-4)
 
 
-def test_chunked_prefill_equals_one_chunk(path):
+@pytest.mark.parametrize("cd", ["fp8", "int8"])
+def test_chunked_prefill_equals_one_chunk(path, cd):
     prompts = prompts_for(6, (90, 50))
-    whole = LLM(model=str(path), dtype="float32", kv_cache_dtype="fp8", kv_cache_memory="4MiB")
+    whole = LLM(model=str(path), dtype="float32", kv_cache_dtype=cd, kv_cache_memory="4MiB")
     chunked = LLM(
-        model=str(path), dtype="float32", kv_cache_dtype="fp8", kv_cache_memory="4MiB", max_num_batched_tokens=16,
+        model=str(path), dtype="float32", kv_cache_dtype=cd, kv_cache_memory="4MiB", max_num_batched_tokens=16,
         long_prefill_token_threshold=16,
     )  # fmt: skip
     for a, b in zip(prompt_rows(whole, prompts), prompt_rows(chunked, prompts)):
@@ -142,16 +156,18 @@ PREEMPTING = dict(
 MAX_NEW = [12, 20, 7, 16, 10, 14]
 
 
+@pytest.mark.parametrize("cd,kv_dtype", [("fp8", torch.float8_e4m3fn), ("int8", torch.int8)])
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preemption_with_an_fp8_cache_gives_identical_outputs(path, mode):
+def test_preemption_with_an_8bit_cache_gives_identical_outputs(path, mode, cd, kv_dtype):
     prompts = prompts_for(7, (1, 5, 17, 30, 15, 22))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_NEW]
-    roomy = LLM(model=str(path), **{**PREEMPTING, "num_gpu_blocks_override": 80}, kv_cache_dtype="fp8")
+    roomy = LLM(model=str(path), **{**PREEMPTING, "num_gpu_blocks_override": 80}, kv_cache_dtype=cd)
     expected = [o.outputs[0].token_ids for o in roomy.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]  # fmt: skip
     assert roomy.llm_engine.scheduler.num_preemptions == 0
-    llm = LLM(model=str(path), **PREEMPTING, kv_cache_dtype="fp8", kv_offload_memory="1MiB", preemption_mode=mode)
-    assert llm.llm_engine.runner.host_kv_caches[0][0].dtype == torch.float8_e4m3fn
+    llm = LLM(model=str(path), **PREEMPTING, kv_cache_dtype=cd, kv_offload_memory="1MiB", preemption_mode=mode)
+    host_k = llm.llm_engine.runner.host_kv_caches[0][0]
+    assert host_k.dtype == kv_dtype and host_k.shape[1:] == llm.llm_engine.runner.kv_caches[0][0].shape[1:]
     got = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]  # fmt: skip
     assert got == expected
@@ -161,7 +177,7 @@ def test_preemption_with_an_fp8_cache_gives_identical_outputs(path, mode):
         assert eng.kv.num_swap_outs > 0 and eng.kv.num_swapped_in_tokens > 0
 
 
-@pytest.mark.parametrize("cd", FP8)
+@pytest.mark.parametrize("cd", KV8)
 def test_host_tier_round_trip_moves_the_bytes_exactly(path, cd):
     llm = LLM(model=str(path), dtype="bfloat16", kv_cache_dtype=cd, kv_cache_memory="2MiB", kv_offload_memory="1MiB")
     runner = llm.llm_engine.runner
@@ -184,14 +200,15 @@ def test_host_tier_round_trip_moves_the_bytes_exactly(path, cd):
         assert torch.equal(u8(k[4]), k0[4])  # untouched
 
 
-def test_handoff_moves_the_quantized_bytes_and_refuses_another_dtype(path):
+@pytest.mark.parametrize("cd,wire", [("fp8_e5m2", torch.uint8), ("int8", torch.int8)])
+def test_handoff_moves_the_quantized_bytes_and_refuses_another_dtype(path, cd, wire):
     prompt = prompts_for(9, (50,))[0]
     kw = dict(model=str(path), dtype="float32", kv_cache_memory="4MiB")
-    src = LLM(**kw, kv_cache_dtype="fp8_e5m2")
+    src = LLM(**kw, kv_cache_dtype=cd)
     greedy(src, [prompt], 1)
     kv = src.llm_engine.export_prefix_kv(prompt)
-    assert kv.dtype == torch.uint8 and kv.shape[2] == (len(prompt) - 1) // 16
-    dst = LLM(**kw, kv_cache_dtype="fp8_e5m2")
+    assert kv.dtype == wire and kv.shape[2] == (len(prompt) - 1) // 16
+    dst = LLM(**kw, kv_cache_dtype=cd)
     assert dst.llm_engine.import_prefix_kv(prompt, kv) == kv.shape[2]
     assert torch.equal(dst.llm_engine.export_prefix_kv(prompt), kv)
     # The adopted blocks serve the prompt as if computed here.
@@ -199,11 +216,12 @@ def test_handoff_moves_the_quantized_bytes_and_refuses_another_dtype(path):
     got, _ = greedy(dst, [prompt], 6)
     assert got == want
     other = LLM(**kw)  # float32 cache
-    with pytest.raises(ValueError, match="KV blocks of dtype uint8 cannot be written into this engine's float32"):
+    name = str(wire).removeprefix("torch.")
+    with pytest.raises(ValueError, match=f"KV blocks of dtype {name} cannot be written into this engine's float32"):
         other.llm_engine.import_prefix_kv(prompt, kv)
 
 
-@pytest.mark.parametrize("cd", ["auto", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("cd", ["auto", "fp8", "fp8_e5m2", "int8"])
 def test_simulate_sizes_the_cache_as_the_engine_does(path, cd, tmp_path):
     from pagedserve.entrypoints.cli import main
 
