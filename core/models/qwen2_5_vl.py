@@ -146,7 +146,9 @@ class Qwen2_5_VLVision:
             base = frame * gh * gw
             for wr in range(0, gh, side):
                 for wc in range(0, gw, side):
-                    units = [base + r * gw + c for r in range(wr, min(wr + side, gh)) for c in range(wc, min(wc + side, gw))]
+                    units = [
+                        base + r * gw + c for r in range(wr, min(wr + side, gh)) for c in range(wc, min(wc + side, gw))
+                    ]
                     order += units
                     bounds.append(bounds[-1] + len(units) * m * m)
         full = [frame * h * w for frame in range(t + 1)]
@@ -184,7 +186,12 @@ class Qwen2_5_VLVision:
             x = x + linear(ops, ops.silu_and_mul(linear(ops, hs, b.gate_up, b.gate_up_b)), b.down, b.down_b)
         g = self.merger
         hs = ops.rms_norm(x, g["ln_q.weight"], 1e-6).view(n // mu, mu * d)
-        hs = linear(ops, ops.gelu(linear(ops, hs, g["mlp.0.weight"], g["mlp.0.bias"]), "none"), g["mlp.2.weight"], g["mlp.2.bias"])
+        hs = linear(
+            ops,
+            ops.gelu(linear(ops, hs, g["mlp.0.weight"], g["mlp.0.bias"]), "none"),
+            g["mlp.2.weight"],
+            g["mlp.2.bias"],
+        )
         return hs[torch.argsort(order).to(hs.device)]
 
     # -- M-RoPE positions -------------------------------------------------------------------

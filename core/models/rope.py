@@ -176,12 +176,14 @@ def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float, scaling:
 def mrope_section(hf: dict) -> list[int] | None:
     """The M-RoPE split of the rotary frequencies into (temporal, height, width) parts
     (Qwen-VL's ``mrope_section``, in ``rope_scaling`` or transformers 5's
-    ``rope_parameters``); None for a plain RoPE model."""
+    ``rope_parameters``); None for a plain RoPE model.  Interleaved M-RoPE (Qwen3-VL's
+    ``mrope_interleaved``) is not implemented: None too, as its text alone (three equal
+    positions) is plain RoPE, and its images are refused."""
     for key in ("rope_parameters", "rope_scaling"):
         params = hf.get(key)
         if isinstance(params, dict) and params.get("mrope_section"):
             if params.get("mrope_interleaved"):
-                raise ValueError("interleaved M-RoPE (mrope_interleaved) is not supported")
+                return None
             return [int(v) for v in params["mrope_section"]]
     return None
 
