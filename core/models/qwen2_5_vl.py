@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -49,8 +50,20 @@ def load_qwen_vl_processor(folder: str):
     return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
 
 
+@dataclass
 class _Block:
-    __slots__ = ("norm1", "norm2", "qkv", "qkv_b", "proj", "proj_b", "gate_up", "gate_up_b", "down", "down_b")
+    """One vision layer's weights; ``gate_up`` fuses the MLP's gate and up projections."""
+
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+    qkv: torch.Tensor
+    qkv_b: torch.Tensor
+    proj: torch.Tensor
+    proj_b: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_b: torch.Tensor
+    down: torch.Tensor
+    down_b: torch.Tensor
 
 
 class Qwen2_5_VLVision:
@@ -84,7 +97,7 @@ class Qwen2_5_VLVision:
         theta = float(rope.get("rope_theta", v.get("rope_theta", 10000.0)))
         quarter = self.head_dim // 2
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
-        self.blocks = [_Block() for _ in range(self.depth)]
+        self.blocks: list[_Block | None] = [None] * self.depth
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
         self.patch_weight: torch.Tensor | None = None
         self.merger: dict[str, torch.Tensor] = {}
@@ -108,28 +121,34 @@ class Qwen2_5_VLVision:
                 got = self._pending.setdefault(i, {})
                 got[rest] = t
                 if len(got) == len(_BLOCK_NAMES):
-                    self._finish(self.blocks[i], self._pending.pop(i))
+                    self.blocks[i] = self._block(self._pending.pop(i))
             elif local.startswith("merger.") and local[len("merger.") :] in _MERGER_NAMES:
                 self.merger[local[len("merger.") :]] = self._param(t)
             else:
                 raise ValueError(f"unexpected vision weight {name!r}")
-        missing = [i for i, b in enumerate(self.blocks) if not hasattr(b, "qkv")]
+        missing = [i for i, b in enumerate(self.blocks) if b is None]
         if missing or self.patch_weight is None or set(self.merger) != _MERGER_NAMES:
             raise ValueError(f"Qwen2.5-VL's vision weights are incomplete (blocks missing: {missing})")
 
-    def _finish(self, b: _Block, w: dict[str, torch.Tensor]) -> None:
+    def _block(self, w: dict[str, torch.Tensor]) -> _Block:
         p = self._param
-        b.norm1, b.norm2 = p(w["norm1.weight"]), p(w["norm2.weight"])
-        b.qkv, b.qkv_b = p(w["attn.qkv.weight"]), p(w["attn.qkv.bias"])
-        b.proj, b.proj_b = p(w["attn.proj.weight"]), p(w["attn.proj.bias"])
-        b.gate_up = p(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
-        b.gate_up_b = p(torch.cat([w["mlp.gate_proj.bias"], w["mlp.up_proj.bias"]]))
-        b.down, b.down_b = p(w["mlp.down_proj.weight"]), p(w["mlp.down_proj.bias"])
+        return _Block(
+            norm1=p(w["norm1.weight"]),
+            norm2=p(w["norm2.weight"]),
+            qkv=p(w["attn.qkv.weight"]),
+            qkv_b=p(w["attn.qkv.bias"]),
+            proj=p(w["attn.proj.weight"]),
+            proj_b=p(w["attn.proj.bias"]),
+            gate_up=p(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]])),
+            gate_up_b=p(torch.cat([w["mlp.gate_proj.bias"], w["mlp.up_proj.bias"]])),
+            down=p(w["mlp.down_proj.weight"]),
+            down_b=p(w["mlp.down_proj.bias"]),
+        )
 
     def weight_bytes(self) -> int:
         tensors = [self.patch_weight, *self.merger.values()]
         for b in self.blocks:
-            tensors += [getattr(b, n, None) for n in _Block.__slots__]
+            tensors += [getattr(b, f.name) for f in fields(b)] if b is not None else []
         return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
 
     # -- the tower --------------------------------------------------------------------------
