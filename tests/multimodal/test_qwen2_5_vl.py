@@ -114,6 +114,28 @@ def test_vision_tower_matches_transformers(qwen_vl_dir):
         llm.shutdown()
 
 
+def test_mrope_positions_match_transformers(qwen_vl_dir):
+    """The prompt's 3-D positions and the delta of later tokens, as transformers'
+    get_rope_index computes them, for images of different grids with text around."""
+    folder, model = qwen_vl_dir
+    llm = _llm(folder)
+    try:
+        vision = llm.llm_engine.runner.vision
+        prompt = f"x {IMAGE} yy {IMAGE} and {IMAGE} z"
+        images = _images([(5, (40, 52)), (6, (24, 56)), (7, (36, 28))])
+        enc = vision.load_processor(str(folder))(text=[prompt], images=images, return_tensors="pt")
+        want, delta = model.model.get_rope_index(
+            enc["input_ids"], mm_token_type_ids=enc["mm_token_type_ids"], image_grid_thw=enc["image_grid_thw"]
+        )
+        ids, items = llm.llm_engine.input_processor.mm_processor.process(prompt, images)
+        assert ids == enc["input_ids"][0].tolist()
+        table, got_delta = vision.mrope_positions(len(ids), items)
+        assert table.tolist() == want[:, 0].tolist()
+        assert got_delta == int(delta) < 0
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("engine_kind", list(ENGINES))
 def test_qwen2_5_vl_matches_transformers(engine_kind, qwen_vl_dir):
     folder, model = qwen_vl_dir
