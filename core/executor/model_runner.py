@@ -463,7 +463,9 @@ class ModelRunner:
             self.run_kv_transfers(out.kv_transfers)
         inp = prepare_inputs(out, block_ids, self.block_size, self.device, self.layer_groups)
         if self.vision is not None and getattr(self.vision, "uses_mrope", False):
-            inp = replace(inp, meta=replace(inp.meta, positions=self._mrope_positions(out)))
+            pos = self._mrope_positions(out)
+            groups = [replace(g, positions=pos) for g in inp.meta.groups]  # KV cache groups' metadata too
+            inp = replace(inp, meta=replace(inp.meta, positions=pos, groups=groups))
         if self.lora_manager is not None:  # each row's adapter slot, for this forward only
             self.lora_manager.begin_step(
                 [(s.request.lora_request, s.num_new_tokens) for s in out.scheduled], self.device
