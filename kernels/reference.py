@@ -46,6 +46,7 @@ __all__ = [
     "fused_add_rms_norm",
     "layer_norm",
     "rotary_embedding",
+    "mrope_rotary_embedding",
     "silu_and_mul",
     "gelu_and_mul",
     "gelu",
@@ -366,6 +367,37 @@ def rotary_embedding(
         return torch.cat([y, x_pass], dim=-1).to(x.dtype)
 
     return apply(query), apply(key)
+
+
+def mrope_rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    mrope_section: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-VL's multimodal RoPE (M-RoPE), as transformers applies it: positions int64
+    [3, num_tokens] (temporal, height, width); rotary frequency ``j`` (of rotary_dim / 2)
+    turns by the temporal position for the first ``mrope_section[0]`` frequencies, the
+    height for the next ``mrope_section[1]``, the width for the last ``mrope_section[2]``.
+    Not an op of its own: the model picks each token's table rows and runs
+    ``rotary_embedding``; this rotates by each of the three positions in full and keeps
+    each frequency's pair of dims from its own part.  Other arguments as
+    :func:`rotary_embedding`."""
+    rot = cos_sin_cache.shape[-1]
+    half = rot // 2
+    if sum(mrope_section) != half:
+        raise ValueError(f"mrope_section {mrope_section} does not add up to {half} frequencies")
+    owner = []
+    for part, count in enumerate(mrope_section):
+        owner += [part] * count
+    turned = [rotary_embedding(positions[c], query, key, cos_sin_cache) for c in range(3)]
+    q_out, k_out = query.clone(), key.clone()
+    for j, part in enumerate(owner):
+        for col in (j, j + half):  # a frequency rotates dims j and j + rotary_dim / 2
+            q_out[..., col] = turned[part][0][..., col]
+            k_out[..., col] = turned[part][1][..., col]
+    return q_out, k_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

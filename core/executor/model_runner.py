@@ -156,6 +156,8 @@ class ModelRunner:
         #: its outputs by image, while prompts are prefilled.
         self.vision = None
         self.encoder_cache = EncoderCache()
+        #: M-RoPE models: per request its prompt's positions [3, prompt len] and the delta of later tokens.
+        self._mrope: dict[str, tuple[np.ndarray, int]] = {}
         if vision and arch.multimodal:
             vision_cls = resolve_vision_class(arch.multimodal["architecture"])
             if vision_cls is None:
@@ -513,6 +515,10 @@ class ModelRunner:
             # Spills, reloads and swaps decided by the scheduler: all before the forward.
             self.run_kv_transfers(out.kv_transfers)
         inp = prepare_inputs(out, block_ids, self.block_size, self.device, self.layer_groups, self.state_groups)
+        if self.vision is not None and getattr(self.vision, "uses_mrope", False):
+            pos = self._mrope_positions(out)
+            groups = [replace(g, positions=pos) for g in inp.meta.groups]  # KV cache groups' metadata too
+            inp = replace(inp, meta=replace(inp.meta, positions=pos, groups=groups))
         if self.lora_manager is not None:  # each row's adapter slot, for this forward only
             self.lora_manager.begin_step(
                 [(s.request.lora_request, s.num_new_tokens) for s in out.scheduled], self.device
@@ -554,9 +560,31 @@ class ModelRunner:
             return None
         return torch.cat(rows).to(self.device), torch.cat(values)
 
+    def _mrope_positions(self, out: SchedulerOutput) -> torch.Tensor:
+        """M-RoPE positions int64 [3, num_tokens] of the step's tokens: a prompt token's
+        from its request's table (image tokens on their grid), a later token's its index
+        plus the request's delta.  Indexed by token, so chunks, prefix-cache hits and
+        recomputation after preemption read the same positions."""
+        parts = []
+        for s in out.scheduled:
+            r = s.request
+            known = self._mrope.get(r.request_id)
+            if known is None:
+                known = self.vision.mrope_positions(len(r.prompt_token_ids), r.mm_items)
+                self._mrope[r.request_id] = known
+            table, delta = known
+            idx = np.arange(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens)
+            pos = np.repeat((idx + delta)[None], 3, axis=0)
+            inside = idx < table.shape[1]
+            pos[:, inside] = table[:, idx[inside]]
+            parts.append(pos)
+        return torch.from_numpy(np.concatenate(parts, axis=1)).to(self.device)
+
     def forget(self, request_id: str) -> None:
-        """A finished or aborted request: drop its holds on encoder outputs."""
+        """A finished or aborted request: drop its holds on encoder outputs (and its
+        M-RoPE positions)."""
         self.encoder_cache.forget(request_id)
+        self._mrope.pop(request_id, None)
 
     def forward_logits(
         self, out: SchedulerOutput, block_ids: dict[str, list[int]], num_logits: list[int]

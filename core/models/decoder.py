@@ -14,8 +14,8 @@ import torch
 
 from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.models.arch_config import ArchConfig
-from pagedserve.models.layers import AttentionShape, LayerPlacement, RotaryEmbedding, linear
-from pagedserve.models.rope import check_rope_scaling
+from pagedserve.models.layers import AttentionShape, LayerPlacement, MRotaryEmbedding, RotaryEmbedding, linear
+from pagedserve.models.rope import check_rope_scaling, mrope_section
 from pagedserve.quantization.base import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -147,6 +147,11 @@ class DecoderForCausalLM:
 
     def make_rope(self, devices: list[torch.device]) -> RotaryEmbedding | None:
         cfg = self.cfg
+        section = mrope_section(cfg.hf_config)
+        if section is not None:  # Qwen-VL: 3-D positions for image tokens
+            return MRotaryEmbedding(
+                self.rotary_dim(), self.max_positions, cfg.rope_theta, cfg.rope_scaling, devices, section
+            )
         return RotaryEmbedding(self.rotary_dim(), self.max_positions, cfg.rope_theta, cfg.rope_scaling, devices)
 
     def rotary_dim(self) -> int:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedserve.config_rules import NO_KV_CACHE, RECURRENT_STATE
-from pagedserve.models.rope import rope_cos_sin_cache
+from pagedserve.models.rope import mrope_cos_sin, rope_cos_sin_cache
 from pagedserve.quantization.base import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -97,6 +97,24 @@ class RotaryEmbedding:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [n, heads, head_dim], k [n, kv_heads, head_dim] -> rotated (q, k)."""
         return ops.rotary_embedding(positions, q, k, self.tables[placement])
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen-VL's multimodal RoPE: positions [3, n] (temporal, height, width; image
+    tokens differ in each, text tokens have three equal ones) rotate each part of the
+    frequencies (``section``) by its own position; 1-D positions [n] are plain RoPE
+    (what M-RoPE is when the three are equal)."""
+
+    def __init__(self, rotary_dim, max_position, base, scaling, devices, section: list[int]) -> None:
+        super().__init__(rotary_dim, max_position, base, scaling, devices)
+        self.section = list(section)
+
+    def __call__(self, ops, placement, positions, q, k):
+        if positions.dim() == 1:
+            return super().__call__(ops, placement, positions, q, k)
+        rows = mrope_cos_sin(self.tables[placement], positions, self.section)
+        index = torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device)
+        return ops.rotary_embedding(index, q, k, rows)
 
 
 def fuse(parts: list[Weight]) -> Weight:

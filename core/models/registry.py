@@ -362,6 +362,14 @@ _VISION_LANGUAGE: tuple[VisionLanguageEntry, ...] = (
         "LlavaNextVision",
         notes="LLaVA's tower and projector over a base view and anyres tiles, unpadded, a newline per row",
     ),
+    VisionLanguageEntry(
+        "Qwen2_5_VLForConditionalGeneration",
+        "qwen2_5_vl",
+        "pagedserve.models.qwen2_5_vl",
+        "Qwen2_5_VLVision",
+        image_token_key="image_token_id",
+        notes="window-attention ViT (2-D rotary, RMSNorm, SwiGLU), 2x2 patch merger; M-RoPE positions",
+    ),
 )
 
 _VL_BY_ARCH: dict[str, VisionLanguageEntry] = {e.architecture: e for e in _VISION_LANGUAGE}

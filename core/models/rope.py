@@ -20,7 +20,14 @@ import math
 
 import torch
 
-__all__ = ["rope_cos_sin_cache", "check_rope_scaling", "normalize_rope_scaling", "SUPPORTED_ROPE_TYPES"]
+__all__ = [
+    "rope_cos_sin_cache",
+    "check_rope_scaling",
+    "normalize_rope_scaling",
+    "mrope_section",
+    "mrope_cos_sin",
+    "SUPPORTED_ROPE_TYPES",
+]
 
 #: rope_scaling types implemented here ("default" is plain RoPE; "su" is longrope's old name).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "su")
@@ -164,3 +171,33 @@ def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float, scaling:
     t = torch.arange(max_position, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
     return torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], dim=-1)
+
+
+def mrope_section(hf: dict) -> list[int] | None:
+    """The M-RoPE split of the rotary frequencies into (temporal, height, width) parts
+    (Qwen-VL's ``mrope_section``, in ``rope_scaling`` or transformers 5's
+    ``rope_parameters``); None for a plain RoPE model.  Interleaved M-RoPE (Qwen3-VL's
+    ``mrope_interleaved``) is not implemented: None too, as its text alone (three equal
+    positions) is plain RoPE, and its images are refused."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = hf.get(key)
+        if isinstance(params, dict) and params.get("mrope_section"):
+            if params.get("mrope_interleaved"):
+                return None
+            return [int(v) for v in params["mrope_section"]]
+    return None
+
+
+def mrope_cos_sin(cos_sin_cache: torch.Tensor, positions: torch.Tensor, section: list[int]) -> torch.Tensor:
+    """Per-token cat(cos, sin) rows [num_tokens, rotary_dim] of M-RoPE: positions int64
+    [3, num_tokens] (temporal, height, width); the first ``section[0]`` frequencies take
+    their angle from the temporal position, the next ``section[1]`` from the height, the
+    last ``section[2]`` from the width.  A plain RoPE table indexed with these rows and
+    ``arange(num_tokens)`` applies M-RoPE."""
+    rot = cos_sin_cache.shape[-1]
+    if sum(section) != rot // 2:
+        raise ValueError(f"mrope_section {section} does not add up to the {rot // 2} rotary frequencies")
+    part = torch.repeat_interleave(torch.arange(3), torch.tensor(section)).to(positions.device)
+    part = torch.cat([part, part])  # cos columns, then sin columns
+    rows = cos_sin_cache[positions]  # [3, n, rot]
+    return rows.gather(0, part.view(1, 1, rot).expand(1, rows.shape[1], rot)).squeeze(0)

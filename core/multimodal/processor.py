@@ -45,7 +45,9 @@ def build_mm_processor(config: EngineConfig, folder: pathlib.Path, runner) -> Mu
     vision = getattr(runner, "vision", None)
     if vision is None:
         return None
-    return MultiModalProcessor(folder, vision.image_token_id, media_limits(config))
+    return MultiModalProcessor(
+        folder, vision.image_token_id, media_limits(config), load=getattr(vision, "load_processor", None)
+    )
 
 
 def image_token_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
@@ -72,8 +74,10 @@ class MultiModalProcessor:
     placeholder: its text (what a chat template writes for an image part).
     """
 
-    def __init__(self, folder: pathlib.Path, image_token_id: int, limits: MediaLimits) -> None:
+    def __init__(self, folder: pathlib.Path, image_token_id: int, limits: MediaLimits, load=None) -> None:
         self.folder = folder
+        #: How the model's processor is built from the folder (default: AutoProcessor).
+        self._load = load
         self.image_token_id = image_token_id
         self.limits = limits
         self._processor: Any = None
@@ -90,7 +94,8 @@ class MultiModalProcessor:
                 from transformers import AutoProcessor
 
                 try:
-                    self._processor = AutoProcessor.from_pretrained(str(self.folder))
+                    load = self._load or AutoProcessor.from_pretrained
+                    self._processor = load(str(self.folder))
                 except Exception as e:  # noqa: BLE001 - transformers raises many kinds; name the folder
                     raise ValueError(
                         f"the checkpoint {str(self.folder)!r} has no usable image processor "
@@ -135,10 +140,14 @@ class MultiModalProcessor:
                 f"the prompt expands to {sum(n for _, n in runs)} image tokens in {len(runs)} run(s) for "
                 f"{len(images)} image(s); each image needs its own placeholder"
             )
-        tensors = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids")}
+        skip = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+        tensors = {k: v for k, v in out.items() if k not in skip}
+        patches = _patch_slices(tensors)
         items = []
         for i, ((offset, length), image) in enumerate(zip(spans, images)):
             data = {k: _one(v, i, len(images)) for k, v in tensors.items()}
+            if patches is not None:  # the images' patches, concatenated (Qwen-VL)
+                data["pixel_values"] = tensors["pixel_values"][patches[i] : patches[i + 1]]
             items.append(MultiModalItem("image", offset, length, image_hash(image), data))
         return ids, items
 
@@ -165,3 +174,16 @@ def _one(value, index: int, count: int):
     if hasattr(value, "shape") and value.ndim and value.shape[0] == count:
         return value[index : index + 1]
     return value
+
+
+def _patch_slices(tensors: dict) -> list[int] | None:
+    """Each image's first row in ``pixel_values`` when the processor concatenates the
+    images' patches (``image_grid_thw``: patches per image), else None."""
+    grid = tensors.get("image_grid_thw")
+    if grid is None or "pixel_values" not in tensors:
+        return None
+    counts = grid.prod(dim=-1).tolist()
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + int(c))
+    return bounds

@@ -21,6 +21,8 @@ __all__ = [
     "TEMPLATE",
     "build_llava",
     "build_llava_next",
+    "build_qwen2_5_vl",
+    "hf_greedy_qwen",
     "random_image",
     "png_data_uri",
     "hf_greedy",
@@ -168,6 +170,70 @@ def build_llava_next(folder: pathlib.Path, text_type: str = "llama"):
     return model
 
 
+QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def build_qwen2_5_vl(folder: pathlib.Path):
+    """A tiny Qwen2.5-VL checkpoint and processor in ``folder``: 4-pixel patches merged
+    2x2 (an image's tokens: its resized height and width / 8, multiplied), windows of 2x2
+    merged patches, full attention in vision layer 1 of 3; returns the float32
+    transformers model."""
+    from tokenizers import AddedToken, Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_byte_tokenizer(folder)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in QWEN_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    start, _end, image_id, video_id = (tok.token_to_id(t) for t in QWEN_TOKENS)
+    text = dict(
+        TEXT,
+        vocab_size=video_id + 1,
+        head_dim=16,
+        rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]},
+        rope_theta=10000.0,
+    )
+    vision = dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=4,
+        out_hidden_size=TEXT["hidden_size"],
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=16,
+        fullatt_block_indexes=[1],
+    )
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=image_id,
+        video_token_id=video_id,
+        vision_start_token_id=start,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    init_weights(model)
+    model.to(torch.float32).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8 * 4, max_pixels=48 * 48
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"), bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
+    fast.chat_template = TEMPLATE
+    # The processor itself is rebuilt from these two (its video processor needs torchvision).
+    image_processor.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return model
+
+
 def random_image(seed: int, size: tuple[int, int] = (40, 52)):
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
@@ -194,6 +260,32 @@ def hf_greedy(model, folder: pathlib.Path, prompt: str, images: list, max_new: i
     out_ids, tokens, logprobs = list(ids), [], []
     for _ in range(max_new):
         logits = model(input_ids=torch.tensor([out_ids]), **extra).logits[0, -1].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        tok = int(lp.argmax())
+        tokens.append(tok)
+        logprobs.append(float(lp[tok]))
+        out_ids.append(tok)
+    return ids, tokens, logprobs
+
+
+@torch.inference_mode()
+def hf_greedy_qwen(model, folder: pathlib.Path, prompt: str, images: list, max_new: int):
+    """:func:`hf_greedy` for Qwen2.5-VL: the image grids and the token types (text for the
+    generated tokens) go with every full forward, so transformers computes the M-RoPE
+    positions of the whole sequence each step."""
+    from pagedserve.models.qwen2_5_vl import load_qwen_vl_processor
+
+    processor = load_qwen_vl_processor(str(folder))
+    enc = processor(text=[prompt], images=images or None, return_tensors="pt")
+    ids = enc["input_ids"][0].tolist()
+    extra = {k: enc[k] for k in ("pixel_values", "image_grid_thw") if k in enc} if images else {}
+    types = enc["mm_token_type_ids"][0].tolist() if images else None
+    out_ids, tokens, logprobs = list(ids), [], []
+    for _ in range(max_new):
+        kw = dict(extra)
+        if types is not None:
+            kw["mm_token_type_ids"] = torch.tensor([types + [0] * (len(out_ids) - len(types))])
+        logits = model(input_ids=torch.tensor([out_ids]), **kw).logits[0, -1].float()
         lp = torch.log_softmax(logits, dim=-1)
         tok = int(lp.argmax())
         tokens.append(tok)

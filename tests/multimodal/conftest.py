@@ -15,3 +15,12 @@ def llava_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llava")
     model = build_llava(folder)
     return folder, model
+
+
+@pytest.fixture(scope="session")
+def qwen_vl_dir(tmp_path_factory):
+    from pagedserve.testing.tiny_vlm import build_qwen2_5_vl
+
+    folder = tmp_path_factory.mktemp("qwen2_5_vl")
+    model = build_qwen2_5_vl(folder)
+    return folder, model

@@ -157,3 +157,22 @@ def test_anthropic_image_blocks(llava_server):
     body["messages"][0]["content"] = [bad]
     r = httpx.post(server.url + "/v1/messages", json=body, headers=server.headers(), timeout=120)
     assert r.status_code == 400 and "not fetched" in r.text, r.text
+
+
+def test_qwen2_5_vl_image_url(server_factory, tiny_server_args, tmp_path_factory):
+    """Qwen2.5-VL (M-RoPE positions, window-attention ViT) through the server with a data URI."""
+    from pagedserve.models.qwen2_5_vl import load_qwen_vl_processor
+    from pagedserve.testing.tiny_vlm import build_qwen2_5_vl, hf_greedy_qwen
+
+    folder = tmp_path_factory.mktemp("qwen-vl-server")
+    model = build_qwen2_5_vl(folder)
+    server = server_factory(str(folder), list(tiny_server_args))
+    img = random_image(43, (40, 52))
+    prompt = "<|im_start|>user\nWhat is this?\n<|image_pad|><|im_end|>\n<|im_start|>assistant\n"
+    _, tokens, logprobs = hf_greedy_qwen(model, folder, prompt, [img], 5)
+    r = _chat(server, _question(png_data_uri(img)))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == load_qwen_vl_processor(str(folder)).tokenizer.decode(tokens)
+    got = [e["logprob"] for e in choice["logprobs"]["content"]]
+    assert got == pytest.approx(logprobs, abs=2e-4)
