@@ -111,10 +111,12 @@ GGUF_SHAPES: tuple[tuple[int, int, int, bool], ...] = (
 
 #: (rows, in, out, bias) of the cases of the extended types (Q5_0, Q5_1 and the K-quants,
 #: whose blocks hold 256 values: in a multiple of 256), for a gguf_linear that declares
-#: them (the ``gguf_extended_types`` capability): batch sizes 1, 3, 17, 64.
+#: them (the ``gguf_extended_types`` capability): batch sizes 1, 3, 5, 17, 64; outputs
+#: of 3 and 5 groups of 16 (repacked: partial column tiles) and not a multiple of 16.
 GGUF_EXTENDED_SHAPES: tuple[tuple[int, int, int, bool], ...] = (
     (1, 256, 48, False),
     (3, 512, 40, True),
+    (5, 512, 80, True),
     (17, 256, 24, True),
     (64, 768, 16, False),
 )

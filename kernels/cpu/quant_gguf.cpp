@@ -251,6 +251,7 @@ void gguf_ext_gemm(const int8_t* xq, const float* xd, const float* xds, int64_t 
 // The tiled kernel on repacked Q4_K / Q6_K weights (quant_gguf_kpacked.cpp).
 bool gguf_kpacked_type(int64_t type);
 torch::Tensor gguf_kpack_weight(torch::Tensor weight, int64_t type);
+torch::Tensor gguf_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor ids);
 void gguf_kpacked_gemm(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K, const uint8_t* w,
                        int64_t groups, int64_t type, void* y, bool y_bf16, const float* bias);
 
@@ -480,5 +481,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return gguf_kpacked_type(type) ? gguf_kpack_weight(weight, type) : gguf_pack_weight(weight, type);
       },
       "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32 (K/256: Q4_K, Q6_K), 16*block_bytes]");
+  m.def("unpack_rows", &gguf_unpack_rows, py::call_guard<py::gil_scoped_release>(),
+        "rows ids of a packed weight as the file's blocks uint8 [n, row_bytes]");
   m.def("has_kpacked", &gguf_kpacked_type, "whether ggml type id `type` has the K-quant tiled kernel");
 }

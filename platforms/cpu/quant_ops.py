@@ -14,7 +14,7 @@
   size exactly); ``gguf_linear`` then runs the tiled kernel on them.  Other weights keep
   the row kernel.  ``PAGEDSERVE_CPU_GGUF_REPACK=0`` keeps the file's blocks.
 - ``gguf_embedding``: rows of repacked blocks (a tied embedding shares its LM head's
-  repacked weight): only the 16-row groups holding the ids are unpacked.
+  repacked weight): only those rows are unpacked (``unpack_rows``), then dequantized.
 - ``gguf_linear_silu_and_mul``: where the tiled kernel has its gated variant, a gated
   MLP's [gate; up] weight repacked as above runs in one pass that writes silu(gate) * up
   (rounded bit for bit as ``silu_and_mul(gguf_linear(...))``), never the [M, 2d]
@@ -201,12 +201,11 @@ def unpack_gguf_weight(packed: torch.Tensor, type_name: str) -> torch.Tensor:
 
 def gguf_embedding(ids: torch.Tensor, data: torch.Tensor, type_name: str, dtype: torch.dtype) -> torch.Tensor:
     """See reference.gguf_embedding: rows of the file's blocks, or of their repacked form
-    (only the 16-row groups holding ``ids`` are unpacked, each once), dequantized."""
+    (only the rows ``ids`` are unpacked, by the kernel module's ``unpack_rows``), dequantized."""
     if data.dim() != 3:
         return reference.gguf_embedding(ids, data, type_name, dtype)
-    groups, inverse = torch.unique(torch.div(ids, 16, rounding_mode="floor"), return_inverse=True)
-    blocks = unpack_gguf_weight(data.index_select(0, groups), type_name)  # [16 * len(groups), row_bytes]
-    return qref.dequantize_gguf(blocks.index_select(0, inverse * 16 + ids % 16), type_name).to(dtype)
+    blocks = load_quant_kernels().unpack_rows(data, qref.GGUF_TYPE_IDS[type_name], ids.long())
+    return qref.dequantize_gguf(blocks, type_name).to(dtype)
 
 
 def _unpack_nibble_lines(lines: torch.Tensor) -> torch.Tensor:

@@ -229,6 +229,18 @@ def test_embedding_rows_come_from_the_repacked_weight(type_name):
         want = ref.dequantize_gguf(raw, type_name)[ids].to(dtype)
         assert torch.equal(prepared.embedding(ids, dtype), want)
         assert torch.equal(w.embedding(ids, dtype), want)
+    # The native row gather against the torch unpacking of the whole weight, every type.
+    for t in cpu_quant.PACKED_TYPES:
+        if t in cpu_quant.KPACKED_TYPES and not module.has_kpacked(ref.GGUF_TYPE_IDS[t]):
+            continue
+        k = ref.GGUF_BLOCK_VALUES[t] * 2
+        noise = torch.randint(0, 256, (48, ref.gguf_row_bytes(t, k)), dtype=torch.uint8, generator=gen)
+        packed = cpu_quant.prepare_gguf_weight(noise, t)
+        rows = module.unpack_rows(packed, ref.GGUF_TYPE_IDS[t], torch.tensor([47, 0, 16, 16, 5]))
+        assert torch.equal(rows, cpu_quant.unpack_gguf_weight(packed, t)[[47, 0, 16, 16, 5]]), t
+        assert torch.equal(rows, noise[[47, 0, 16, 16, 5]]), t
+    with pytest.raises(RuntimeError, match="out of range"):
+        module.unpack_rows(packed, ref.GGUF_TYPE_IDS[t], torch.tensor([48]))
     # Without a rows op for the prepared form, its rows are refused, not misread.
     bare = GGUFWeight(type_name, raw, 512, cpu_quant.gguf_linear, cpu_quant.prepare_gguf_weight).prepared()
     assert not bare.embeds_prepared
