@@ -224,7 +224,29 @@ def _fp8_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases
         yield desc, body
 
 
+def _gguf_embedding(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    """``fn`` on rows (repeated, out of order) of blocks put through the registry's
+    ``prepare_gguf_weight``: exactly the reference's dequantized rows."""
+    prepare = t.ops.get("prepare_gguf_weight")
+    for type_name, shapes in _gguf_cases(t):
+        k = shapes[0][1]
+        for n in (48, 40):  # repacked (a multiple of 16) or not
+            desc = f"{type_name}-{n}x{k}"
+
+            def body(type_name=type_name, n=n, k=k, desc=desc) -> None:
+                c = _Case(f"gguf_embedding{desc}{dtype}", seed, t.device)
+                data = _random_gguf(c, type_name, n, k)
+                ids = torch.tensor([n - 1, 0, 17, 17, 5, n // 2])
+                got = fn(c.dev(ids), prepare(c.dev(data), type_name), type_name, dtype)
+                want = reference.gguf_embedding(ids, data, type_name, dtype)
+                if got.shape != want.shape or got.dtype != want.dtype or not torch.equal(got.cpu(), want):
+                    raise AssertionError(f"gguf_embedding {desc}: rows differ from the reference's")
+
+            yield desc, body
+
+
 QUANT_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
+    "gguf_embedding": _gguf_embedding,
     "gguf_linear": _gguf_linear,
     # A platform's prepare_gguf_weight is checked through its (or the reference's) gguf_linear.
     "prepare_gguf_weight": lambda t, fn, d, s: _gguf_linear(t, t.ops.get("gguf_linear"), d, s, prepare=fn),

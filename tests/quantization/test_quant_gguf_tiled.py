@@ -46,7 +46,7 @@ def test_weights_the_tiled_kernel_cannot_take_stay_blocks():
     assert cpu_quant.prepare_gguf_weight(data[:0], "Q4_1").shape[0] == 0
 
 
-@pytest.mark.parametrize("op", ["gguf_linear", "prepare_gguf_weight"])
+@pytest.mark.parametrize("op", ["gguf_linear", "prepare_gguf_weight", "gguf_embedding"])
 def test_cpu_conformance_cases(op):
     """The kit's cases (rows 1..300, outputs that are and are not multiples of 16,
     with and without bias, float32 and bfloat16) for the CPU's own ops."""
