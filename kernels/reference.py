@@ -65,6 +65,7 @@ __all__ = [
     "gguf_linear",
     "prepare_gguf_weight",
     "gguf_linear_silu_and_mul",
+    "gguf_embedding",
     "int8_linear",
     "w8a8_linear",
     "fp8_linear",
@@ -639,6 +640,15 @@ def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
     return data
 
 
+def gguf_embedding(ids: torch.Tensor, data: torch.Tensor, type_name: str, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[n]``) of GGUF blocks ``data`` of ``type_name``, or of their form
+    from the same registry's ``prepare_gguf_weight``, dequantized -> ``[n, K]`` ``dtype``
+    (an embedding lookup, so that a tied embedding and LM head share one prepared weight).
+
+    Reference: the prepared form is the blocks themselves."""
+    return quant_reference.dequantize_gguf(data.index_select(0, ids), type_name).to(dtype)
+
+
 def int8_linear(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -767,6 +777,7 @@ OP_NAMES: tuple[str, ...] = (
     "gguf_linear",
     "prepare_gguf_weight",
     "gguf_linear_silu_and_mul",
+    "gguf_embedding",
     "int8_linear",
     "w8a8_linear",
     "fp8_linear",

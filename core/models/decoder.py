@@ -256,7 +256,8 @@ class DecoderForCausalLM:
         (e.g. the CPU's one-time oneDNN packing); quantized weights take their own
         prepared form (``QuantizedWeight.prepared``, e.g. repacked GGUF blocks).
         A tied LM head gets a prepared copy when the op returns a new tensor, the plain
-        embedding staying for token lookups."""
+        embedding staying for token lookups, unless the quantized embedding reads its rows
+        from the prepared form (then both are that one weight)."""
         for pl in self.placements:
             prepare = pl.ops.prepare_linear_weight
             for layer in self.layers[pl.start - self.layer_start : pl.end - self.layer_start]:
@@ -269,8 +270,12 @@ class DecoderForCausalLM:
         if isinstance(self.lm_head, torch.Tensor):
             self.lm_head = self.head_ops.prepare_linear_weight(self.lm_head)
         elif isinstance(self.lm_head, QuantizedWeight):
-            # A tied head's prepared copy is a new weight: the embedding keeps its own form.
+            tied = self.lm_head is self.embed
             self.lm_head = self.lm_head.prepared()
+            # A tied head's prepared form is a new weight; where rows can be read from it,
+            # the embedding shares it (no second copy of the vocabulary), else keeps its own.
+            if tied and getattr(self.lm_head, "embeds_prepared", False):
+                self.embed = self.lm_head
 
     def prepare_quantized_weights(self) -> None:
         """Only the quantized linear weights (and a quantized LM head) take their prepared

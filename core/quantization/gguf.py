@@ -10,9 +10,9 @@ the op registry's ``gguf_linear``, handed to it at load: the platforms choose th
 (the native CPU kernel of kernels/cpu/quant_gguf.cpp, Triton on CUDA/ROCm, the torch
 reference elsewhere; see docs/quantization.md).  Once fused, each linear weight is put
 through the registry's ``prepare_gguf_weight`` (``GGUFWeight.prepared``): the CPU
-repacks the blocks for its tiled int8 GEMM there, in place of the file's blocks.  The
-tied embedding of a GGUF model stays in blocks (rows are dequantized on lookup); its LM
-head is a prepared copy.
+repacks the blocks for its tiled int8 GEMM there, in place of the file's blocks.  A tied
+embedding and LM head share one prepared weight: embedding rows come from it through the
+registry's ``gguf_embedding`` (no second copy of the vocabulary's blocks).
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ class GGUFWeight(QuantizedWeight):
     gated_op: the same registry's ``gguf_linear_silu_and_mul`` (None: ``op`` then the
         registry's ``silu_and_mul``), which a fused [gate; up] weight runs as a gated
         MLP's first half (:meth:`apply_silu_and_mul`).
+    embed_op: the same registry's ``gguf_embedding`` (None: the reference, blocks only),
+        which reads rows of the blocks or of their prepared form (:meth:`embedding`).
     """
 
     # Every gguf_linear (the int8 kernels, the reference) sums in float32: as in llama.cpp,
@@ -76,6 +78,7 @@ class GGUFWeight(QuantizedWeight):
         prepare: Callable | None = None,
         packed: torch.Tensor | None = None,
         gated_op: Callable | None = None,
+        embed_op: Callable | None = None,
     ) -> None:
         if type_name not in GGUF_KEPT_TYPES:
             raise ValueError(f"GGUF type {type_name} is not kept quantized (supported: {', '.join(GGUF_KEPT_TYPES)})")
@@ -92,6 +95,13 @@ class GGUFWeight(QuantizedWeight):
         self.prepare = prepare
         self.packed = packed
         self.gated_op = gated_op
+        self.embed_op = embed_op
+
+    def _like(self, data: torch.Tensor | None, in_features: int, packed: torch.Tensor | None = None) -> GGUFWeight:
+        """A weight of this type with this one's ops."""
+        return GGUFWeight(
+            self.type_name, data, in_features, self.op, self.prepare, packed, self.gated_op, self.embed_op
+        )
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.op(x, self.data if self.packed is None else self.packed, self.type_name, bias)
@@ -105,13 +115,20 @@ class GGUFWeight(QuantizedWeight):
         """This weight with its blocks replaced by ``prepare(data)`` (the same bytes in the
         platform's own layout), or self without ``prepare``, when already prepared or when
         the op takes the blocks as they are.  A prepared weight only multiplies: its
-        blocks are gone (a tied LM head's copy is prepared, the embedding keeps its blocks)."""
+        blocks are gone: rows for an embedding lookup come from the prepared form through
+        ``embed_op`` (a tied embedding and LM head share it: :attr:`embeds_prepared`)."""
         if self.prepare is None or self.packed is not None:
             return self
         packed = self.prepare(self.data, self.type_name)
         if packed is self.data:
             return self
-        return GGUFWeight(self.type_name, None, self.in_features, self.op, self.prepare, packed, self.gated_op)
+        return self._like(None, self.in_features, packed)
+
+    @property
+    def embeds_prepared(self) -> bool:
+        """Whether :meth:`embedding` reads the prepared form (the registry's ``gguf_embedding``
+        was handed over), so that the prepared weight can serve as the embedding too."""
+        return self.embed_op is not None
 
     def _blocks(self) -> torch.Tensor:
         if self.data is None:
@@ -123,6 +140,8 @@ class GGUFWeight(QuantizedWeight):
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` int64 ``[n]`` dequantized -> ``[n, in]`` dtype (an embedding lookup)."""
+        if self.packed is not None and self.embed_op is not None:
+            return self.embed_op(ids, self.packed, self.type_name, dtype)
         return ref.dequantize_gguf(self._blocks().index_select(0, ids), self.type_name).to(dtype)
 
     def select_rows(self, rows: torch.Tensor) -> GGUFWeight:
@@ -130,7 +149,7 @@ class GGUFWeight(QuantizedWeight):
         which every kept type dequantizes to zeros (a padded vocabulary shard)."""
         data = self._blocks()
         data = torch.cat([data, data.new_zeros(1, data.shape[1])]).index_select(0, rows.clamp(max=self.out_features))
-        return GGUFWeight(self.type_name, data, self.in_features, self.op, self.prepare, gated_op=self.gated_op)
+        return self._like(data, self.in_features)
 
     def select_columns(self, start: int, stop: int) -> GGUFWeight | None:
         """Whole blocks of each row (32 values, 256 for the K-quants); None when
@@ -140,7 +159,7 @@ class GGUFWeight(QuantizedWeight):
             return None
         row_bytes = ref.gguf_row_bytes(self.type_name, per)  # the bytes of one block
         data = self._blocks()[:, start // per * row_bytes : stop // per * row_bytes].contiguous()
-        return GGUFWeight(self.type_name, data, stop - start, self.op, self.prepare, gated_op=self.gated_op)
+        return self._like(data, stop - start)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return ref.dequantize_gguf(self._blocks(), self.type_name).to(dtype)
@@ -152,9 +171,7 @@ class GGUFWeight(QuantizedWeight):
         if self.tensors()[0].device == device:
             return self
         # A prepared form belongs to its platform: only the blocks move.
-        return GGUFWeight(
-            self.type_name, self._blocks().to(device), self.in_features, self.op, self.prepare, gated_op=self.gated_op
-        )
+        return self._like(self._blocks().to(device), self.in_features)
 
     @classmethod
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -178,7 +195,7 @@ def _cat_blocks(parts: list[QuantizedWeight]) -> GGUFWeight:
     first = parts[0]
     assert isinstance(first, GGUFWeight)
     data = torch.cat([p._blocks() for p in parts])  # type: ignore[attr-defined]
-    return GGUFWeight(first.type_name, data, first.in_features, first.op, first.prepare, gated_op=first.gated_op)
+    return first._like(data, first.in_features)
 
 
 def _out_features_of(packed: torch.Tensor, in_features: int, type_name: str) -> int:
@@ -230,14 +247,16 @@ class GGUFMethod(QuantizationMethod):
         if gguf is None:
             raise ValueError(f"quantization='gguf' needs a .gguf file; {source.path} is a Hugging Face folder")
         op, prepare = self.ops.gguf_linear, self.ops.prepare_gguf_weight
-        gated = self.ops.gguf_linear_silu_and_mul
+        gated, embed = self.ops.gguf_linear_silu_and_mul, getattr(self.ops, "gguf_embedding", None)
+        if prepare is not reference.prepare_gguf_weight and embed is reference.gguf_embedding:
+            embed = None  # the reference reads rows of blocks, not of another prepared form
         kept = gguf_kept_types(self.ops)
         _log_dequantized(gguf.tensor_types(), kept)
         for name, t in gguf.weights(keep_quantized=kept):
             if isinstance(t, torch.Tensor):
                 yield name, t
             else:
-                yield name, GGUFWeight(t.type_name, t.data, t.shape[1], op, prepare, gated_op=gated)
+                yield name, GGUFWeight(t.type_name, t.data, t.shape[1], op, prepare, gated_op=gated, embed_op=embed)
 
 
 #: Types that are floats already: loading them as floats is no fallback.

@@ -111,10 +111,12 @@ GGUF_SHAPES: tuple[tuple[int, int, int, bool], ...] = (
 
 #: (rows, in, out, bias) of the cases of the extended types (Q5_0, Q5_1 and the K-quants,
 #: whose blocks hold 256 values: in a multiple of 256), for a gguf_linear that declares
-#: them (the ``gguf_extended_types`` capability): batch sizes 1, 3, 17, 64.
+#: them (the ``gguf_extended_types`` capability): batch sizes 1, 3, 5, 17, 64; outputs
+#: of 3 and 5 groups of 16 (repacked: partial column tiles) and not a multiple of 16.
 GGUF_EXTENDED_SHAPES: tuple[tuple[int, int, int, bool], ...] = (
     (1, 256, 48, False),
     (3, 512, 40, True),
+    (5, 512, 80, True),
     (17, 256, 24, True),
     (64, 768, 16, False),
 )
@@ -222,7 +224,29 @@ def _fp8_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases
         yield desc, body
 
 
+def _gguf_embedding(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    """``fn`` on rows (repeated, out of order) of blocks put through the registry's
+    ``prepare_gguf_weight``: exactly the reference's dequantized rows."""
+    prepare = t.ops.get("prepare_gguf_weight")
+    for type_name, shapes in _gguf_cases(t):
+        k = shapes[0][1]
+        for n in (48, 40):  # repacked (a multiple of 16) or not
+            desc = f"{type_name}-{n}x{k}"
+
+            def body(type_name=type_name, n=n, k=k, desc=desc) -> None:
+                c = _Case(f"gguf_embedding{desc}{dtype}", seed, t.device)
+                data = _random_gguf(c, type_name, n, k)
+                ids = torch.tensor([n - 1, 0, 17, 17, 5, n // 2])
+                got = fn(c.dev(ids), prepare(c.dev(data), type_name), type_name, dtype)
+                want = reference.gguf_embedding(ids, data, type_name, dtype)
+                if got.shape != want.shape or got.dtype != want.dtype or not torch.equal(got.cpu(), want):
+                    raise AssertionError(f"gguf_embedding {desc}: rows differ from the reference's")
+
+            yield desc, body
+
+
 QUANT_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
+    "gguf_embedding": _gguf_embedding,
     "gguf_linear": _gguf_linear,
     # A platform's prepare_gguf_weight is checked through its (or the reference's) gguf_linear.
     "prepare_gguf_weight": lambda t, fn, d, s: _gguf_linear(t, t.ops.get("gguf_linear"), d, s, prepare=fn),

@@ -248,6 +248,13 @@ bool gguf_ext_type(int64_t type, int* values, int* bytes);
 void gguf_ext_gemm(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K, const uint8_t* w,
                    int64_t N, int64_t type, float* y);
 
+// The tiled kernel on repacked Q4_K / Q6_K weights (quant_gguf_kpacked.cpp).
+bool gguf_kpacked_type(int64_t type);
+torch::Tensor gguf_kpack_weight(torch::Tensor weight, int64_t type);
+torch::Tensor gguf_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor ids);
+void gguf_kpacked_gemm(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K, const uint8_t* w,
+                       int64_t groups, int64_t type, void* y, bool y_bf16, const float* bias);
+
 // The tiled kernel on repacked weights (quant_gguf_packed.cpp).
 bool gguf_packed_available();
 torch::Tensor gguf_pack_weight(torch::Tensor weight, int64_t type);
@@ -309,6 +316,13 @@ int64_t check_gguf_args(const torch::Tensor& x, const torch::Tensor& weight, int
   TORCH_CHECK(K % QK == 0, "gguf_linear: K=", K, " is not a multiple of 32");
   const int64_t nb = K / QK;
   int ext_values = 0, ext_bytes = 0;
+  if (gguf_ext_type(type, &ext_values, &ext_bytes) && packed && gguf_kpacked_type(type)) {
+    TORCH_CHECK(K % ext_values == 0, "gguf_linear: K=", K, " is not a multiple of ", ext_values,
+                " (the block of ggml type ", type, ")");
+    TORCH_CHECK(weight.size(1) == K / ext_values && weight.size(2) == 16 * ext_bytes, "gguf_linear: packed weight ",
+                weight.sizes(), " does not hold K=", K, " values of this type");
+    return N;
+  }
   if (gguf_ext_type(type, &ext_values, &ext_bytes) && !packed) {
     TORCH_CHECK(K % ext_values == 0, "gguf_linear: K=", K, " is not a multiple of ", ext_values,
                 " (the block of ggml type ", type, ")");
@@ -368,7 +382,10 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
   const int64_t N = check_gguf_args(x, weight, type), M = x.size(0), K = x.size(1);
   const QuantizedX qx = quantize_activations(x, type);
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-  if (weight.dim() == 3)
+  if (weight.dim() == 3 && gguf_kpacked_type(type))
+    gguf_kpacked_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
+                      y.data_ptr<float>(), false, nullptr);
+  else if (weight.dim() == 3)
     gguf_packed_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(),
                      weight.size(0), type, y.data_ptr<float>(), false, nullptr);
   else
@@ -390,6 +407,12 @@ torch::Tensor gguf_linear_out(torch::Tensor x, torch::Tensor weight, int64_t typ
   }
   const QuantizedX qx = quantize_activations(x, type);
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  if (weight.dim() == 3 && gguf_kpacked_type(type)) {
+    auto y = torch::empty({M, N}, x.options());
+    gguf_kpacked_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
+                      y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr);
+    return y;
+  }
   if (weight.dim() == 3) {
     auto y = torch::empty({M, N}, x.options());
     gguf_packed_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(),
@@ -411,6 +434,7 @@ torch::Tensor gguf_linear_silu_out(torch::Tensor x, torch::Tensor weight, int64_
   x = x.contiguous();
   weight = weight.contiguous();
   TORCH_CHECK(weight.dim() == 3, "gguf_linear_silu_and_mul: the weight must be packed by pack_weight");
+  TORCH_CHECK(!gguf_kpacked_type(type), "gguf_linear_silu_and_mul: no gated kernel for ggml type id ", type);
   TORCH_CHECK(gguf_packed_gated_available(), "gguf_linear_silu_and_mul: this build has no gated packed kernel");
   const int64_t N = check_gguf_args(x, weight, type), M = x.size(0), K = x.size(1);
   TORCH_CHECK(weight.size(0) % 2 == 0, "gguf_linear_silu_and_mul: N=", N, " is not 2 x a multiple of 16");
@@ -451,5 +475,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_packed_gated", &gguf_packed_gated_available, "whether the gated tiled kernel is built");
   m.def("isa", &isa, "instruction set compiled in");
   m.def("has_packed", &gguf_packed_available, "whether the tiled kernel on repacked weights is built");
-  m.def("pack_weight", &gguf_pack_weight, "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32, 16*block_bytes]");
+  m.def(
+      "pack_weight",
+      [](torch::Tensor weight, int64_t type) {
+        return gguf_kpacked_type(type) ? gguf_kpack_weight(weight, type) : gguf_pack_weight(weight, type);
+      },
+      "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32 (K/256: Q4_K, Q6_K), 16*block_bytes]");
+  m.def("unpack_rows", &gguf_unpack_rows, py::call_guard<py::gil_scoped_release>(),
+        "rows ids of a packed weight as the file's blocks uint8 [n, row_bytes]");
+  m.def("has_kpacked", &gguf_kpacked_type, "whether ggml type id `type` has the K-quant tiled kernel");
 }

@@ -1,6 +1,6 @@
 """The native CPU kernel for GGUF blocks (kernels/cpu/quant_gguf.cpp, the tiled
 kernel on repacked weights in quant_gguf_packed.cpp, Q5_0/Q5_1 and the K-quants in
-quant_gguf_kquant.cpp): built just in time
+quant_gguf_kquant.cpp, tiled on repacked Q4_K / Q6_K in quant_gguf_kpacked.cpp): built just in time
 by :func:`pagedserve.kernels.build.load_extension`, into the same persistent cache (and
 under the same build lock), as a separate extension so that it never invalidates the
 main CPU kernels' build.
@@ -20,7 +20,12 @@ from pagedserve.kernels import build
 
 __all__ = ["load_quant_kernels", "quant_build_spec"]
 
-SOURCES: tuple[str, ...] = ("quant_gguf.cpp", "quant_gguf_packed.cpp", "quant_gguf_kquant.cpp")
+SOURCES: tuple[str, ...] = (
+    "quant_gguf.cpp",
+    "quant_gguf_packed.cpp",
+    "quant_gguf_kquant.cpp",
+    "quant_gguf_kpacked.cpp",
+)
 #: Headers of the main kernels the gated epilogue includes (its SiLU-and-mul).
 HEADERS: tuple[str, ...] = ("elementwise.h", "kernels.h", "vec.h")
 
@@ -38,7 +43,7 @@ def quant_build_spec() -> build.ExtensionSpec:
 @functools.lru_cache(maxsize=1)
 def load_quant_kernels() -> ModuleType | None:
     """The compiled module (``gguf_linear``, ``gguf_linear_out``, ``gguf_linear_silu_out``,
-    ``isa``, ``has_packed``, ``has_packed_gated``, ``pack_weight``), or
+    ``isa``, ``has_packed``, ``has_packed_gated``, ``has_kpacked``, ``pack_weight``), or
     None with a warning saying why."""
     try:
         return build.load_extension(quant_build_spec(), "quantized CPU kernels")[0]

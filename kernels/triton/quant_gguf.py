@@ -1,6 +1,9 @@
-"""Matmul on GGUF Q4_0 / Q4_1 / Q8_0 blocks in Triton (CUDA and ROCm): each program
-dequantizes a [BLOCK_N, 32] tile of weight blocks in registers and accumulates
-``x_tile @ w_tile^T`` in float32, so the weight is read once, in its 4.5-8.5 bits.
+"""Matmul on GGUF blocks in Triton (CUDA and ROCm): Q4_0 / Q4_1 / Q8_0, Q5_0 / Q5_1 and the
+K-quants Q4_K / Q5_K / Q6_K.  Each program dequantizes a [BLOCK_N, 32] tile of weight
+blocks in registers and accumulates ``x_tile @ w_tile^T`` in float32, so the weight is
+read once, in its 4.5-8.5 bits.  A K-quant super-block of 256 values is read as 8 pieces
+of 32: piece j's 6-bit scale and minimum (Q4_K / Q5_K) or its two int8 scales of 16
+values (Q6_K) are decoded with its quants.
 
 Reference: :func:`pagedserve.kernels.quant_reference.gguf_linear`.
 """
@@ -11,12 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.quant_reference import GGUF_BLOCK_BYTES
+from pagedserve.kernels.quant_reference import GGUF_BLOCK_BYTES, GGUF_BLOCK_VALUES
 from pagedserve.kernels.triton._common import FLOAT_DTYPES, next_power_of_2
 
 __all__ = ["gguf_linear_triton"]
 
-_TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+_TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 
 
 @triton.jit
@@ -24,6 +27,27 @@ def _half_at(ptr, offs, mask):
     lo = tl.load(ptr + offs, mask=mask, other=0).to(tl.uint16)
     hi = tl.load(ptr + offs + 1, mask=mask, other=0).to(tl.uint16)
     return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _u32_at(ptr, offs, mask):
+    b0 = tl.load(ptr + offs, mask=mask, other=0).to(tl.uint32)
+    b1 = tl.load(ptr + offs + 1, mask=mask, other=0).to(tl.uint32)
+    b2 = tl.load(ptr + offs + 2, mask=mask, other=0).to(tl.uint32)
+    b3 = tl.load(ptr + offs + 3, mask=mask, other=0).to(tl.uint32)
+    return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+
+
+@triton.jit
+def _kscale(ptr, offs, mask, sub, MINS: tl.constexpr):
+    """Q4_K / Q5_K: sub-block ``sub``'s 6-bit scale (or minimum: MINS) from scales[12] at offs."""
+    lo = sub < 4
+    # Sub-blocks 0-3: low 6 bits of byte sub (scales) / sub + 4 (minimums); 4-7: a nibble
+    # of byte sub + 4 (low: scales, high: minimums) below the top bits of byte sub - 4 / sub.
+    first = tl.load(ptr + offs + tl.where(lo, sub + 4 * MINS, sub + 4), mask=mask, other=0).to(tl.int32)
+    top = tl.load(ptr + offs + tl.where(lo, sub, sub - 4 + 4 * MINS), mask=mask, other=0).to(tl.int32)
+    nibble = (first >> (4 * MINS)) & 0xF
+    return tl.where(lo, first & 0x3F, nibble | ((top >> 6) << 4)).to(tl.float32)
 
 
 @triton.jit
@@ -50,9 +74,48 @@ def _gguf_linear_kernel(
     mask_n = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for b in range(0, NB):
-        base = rn.to(tl.int64) * row_bytes + b * BB  # [BLOCK_N]
-        d = _half_at(w_ptr, base, mask_n)
-        if TYPE == 2:  # Q8_0: d | int8 q[32]
+        if TYPE >= 5:  # K-quants: piece `sub` of 32 values of super-block b // 8
+            sub = b % 8
+            base = rn.to(tl.int64) * row_bytes + (b // 8) * BB  # [BLOCK_N]
+        else:
+            base = rn.to(tl.int64) * row_bytes + b * BB  # [BLOCK_N]
+        if TYPE == 7:  # Q6_K: ql[128] | qh[64] | int8 scales[16] | d
+            d = _half_at(w_ptr, base + 208, mask_n)
+        else:
+            d = _half_at(w_ptr, base, mask_n)
+        if TYPE == 7:
+            # Piece sub = 4 h + c: low 4 bits in the low (c < 2) or high nibble of
+            # ql[64 h + 32 (c % 2) + l], top 2 in bits 2c of qh[32 h + l]; a scale per 16.
+            h = sub // 4
+            c = sub % 4
+            lo = tl.load(w_ptr + base[:, None] + 64 * h + 32 * (c % 2) + j[None, :], mask=mask_n[:, None], other=0)
+            hi = tl.load(w_ptr + base[:, None] + 128 + 32 * h + j[None, :], mask=mask_n[:, None], other=0)
+            low = (lo.to(tl.int32) >> (4 * (c // 2))) & 0xF
+            q = (low | (((hi.to(tl.int32) >> (2 * c)) & 3) << 4)) - 32
+            sc = tl.load(w_ptr + base[:, None] + 192 + 2 * sub + j[None, :] // 16, mask=mask_n[:, None], other=0)
+            w = q.to(tl.float32) * (sc.to(tl.int8, bitcast=True).to(tl.float32) * d[:, None])
+        elif TYPE >= 5:  # Q4_K: d | dmin | scales[12] | qs[128]; Q5_K: ... | qh[32] | qs[128]
+            qs_at: tl.constexpr = 48 if TYPE == 6 else 16
+            byte = tl.load(w_ptr + base[:, None] + qs_at + 32 * (sub // 2) + j[None, :], mask=mask_n[:, None], other=0)
+            q = (byte.to(tl.int32) >> (4 * (sub % 2))) & 0xF
+            if TYPE == 6:
+                qh = tl.load(w_ptr + base[:, None] + 16 + j[None, :], mask=mask_n[:, None], other=0)
+                q = q | (((qh.to(tl.int32) >> sub) & 1) << 4)
+            sc = _kscale(w_ptr, base + 4, mask_n, sub, 0)
+            mn = _kscale(w_ptr, base + 4, mask_n, sub, 1)
+            dmin = _half_at(w_ptr, base + 2, mask_n)
+            w = q.to(tl.float32) * (d * sc)[:, None] - (dmin * mn)[:, None]
+        elif TYPE == 3 or TYPE == 4:  # Q5_0: d | u32 qh | qs[16]; Q5_1: d | m | u32 qh | qs[16]
+            qh_at: tl.constexpr = 4 if TYPE == 4 else 2
+            qh = _u32_at(w_ptr, base + qh_at, mask_n)
+            byte = tl.load(w_ptr + base[:, None] + qh_at + 4 + (j[None, :] % 16), mask=mask_n[:, None], other=0)
+            nib = (byte.to(tl.int32) >> ((j[None, :] // 16) * 4)) & 0xF
+            q = nib | (((qh[:, None] >> j[None, :].to(tl.uint32)) & 1).to(tl.int32) << 4)
+            if TYPE == 4:
+                w = q.to(tl.float32) * d[:, None] + _half_at(w_ptr, base + 2, mask_n)[:, None]
+            else:
+                w = (q - 16).to(tl.float32) * d[:, None]
+        elif TYPE == 2:  # Q8_0: d | int8 q[32]
             q = tl.load(w_ptr + base[:, None] + 2 + j[None, :], mask=mask_n[:, None], other=0)
             w = q.to(tl.int8, bitcast=True).to(tl.float32) * d[:, None]
         else:  # Q4_0: d | qs[16]; Q4_1: d | m | qs[16]; element j < 16 low nibble, else high
@@ -71,8 +134,9 @@ def _gguf_linear_kernel(
 def gguf_linear_triton(
     x: torch.Tensor, raw: torch.Tensor, type_name: str, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x ``[M, K]`` (float32/bfloat16/float16) @ GGUF rows uint8 ``[N, K/32 * block_bytes]``^T
-    (+ bias ``[N]``) -> ``[M, N]`` in x.dtype."""
+    """x ``[M, K]`` (float32/bfloat16/float16) @ GGUF rows uint8 ``[N, K/block_values *
+    block_bytes]``^T (+ bias ``[N]``) -> ``[M, N]`` in x.dtype (block_values 256 for the
+    K-quants, else 32)."""
     if type_name not in _TYPE_CODES:
         raise ValueError(f"gguf_linear_triton: type {type_name!r} unsupported (supported: {', '.join(_TYPE_CODES)})")
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
@@ -80,8 +144,8 @@ def gguf_linear_triton(
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.device != x.device:
         raise ValueError("gguf_linear_triton: raw must be 2-D uint8 on x's device")
     m, k = x.shape
-    bb = GGUF_BLOCK_BYTES[type_name]
-    if k % 32 or raw.shape[1] != k // 32 * bb:
+    bb, per = GGUF_BLOCK_BYTES[type_name], GGUF_BLOCK_VALUES[type_name]
+    if k % per or raw.shape[1] != k // per * bb:
         raise ValueError(f"gguf_linear_triton: rows of {raw.shape[1]} bytes do not hold K={k} {type_name} values")
     x = x.contiguous()
     raw = raw.contiguous()

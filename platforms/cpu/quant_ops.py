@@ -10,8 +10,11 @@
 - ``prepare_gguf_weight``: where the kernel has its tiled AVX-512 VNNI GEMM, Q4_0/Q4_1/
   Q5_0/Q8_0 blocks of a multiple of 16 rows are repacked for it once at load
   (kernels/cpu/quant_gguf_packed.cpp: 16 output columns interleaved per 4 k, scales
-  beside them); ``gguf_linear`` then runs the tiled kernel on them.  Other weights keep
+  beside them; Q4_K and Q6_K likewise in kernels/cpu/quant_gguf_kpacked.cpp, the file's
+  size exactly); ``gguf_linear`` then runs the tiled kernel on them.  Other weights keep
   the row kernel.  ``PAGEDSERVE_CPU_GGUF_REPACK=0`` keeps the file's blocks.
+- ``gguf_embedding``: rows of repacked blocks (a tied embedding shares its LM head's
+  repacked weight): only those rows are unpacked (``unpack_rows``), then dequantized.
 - ``gguf_linear_silu_and_mul``: where the tiled kernel has its gated variant, a gated
   MLP's [gate; up] weight repacked as above runs in one pass that writes silu(gate) * up
   (rounded bit for bit as ``silu_and_mul(gguf_linear(...))``), never the [M, 2d]
@@ -47,6 +50,7 @@ __all__ = [
     "gguf_linear",
     "make_gguf_linear_silu_and_mul",
     "prepare_gguf_weight",
+    "gguf_embedding",
     "unpack_gguf_weight",
     "int8_linear",
     "w8a8_linear",
@@ -66,8 +70,12 @@ CPU_DENSE_MIN_ROWS: int | None = None
 GGUF_AMX_MIN_ROWS = 128
 #: Activation dtypes the native kernels take (others go to the reference or a dense path).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-#: Block types the tiled kernel takes repacked (the others keep the file's blocks).
-PACKED_TYPES = (*qref.GGUF_BASE_TYPES, "Q5_0")
+#: Block types the tiled kernel takes repacked (the others keep the file's blocks); the
+#: gated kernel takes the first four (GATED_TYPES), the K-quants only where the build has
+#: their tiled kernel (kernels/cpu/quant_gguf_kpacked.cpp, ``has_kpacked``).
+GATED_TYPES = (*qref.GGUF_BASE_TYPES, "Q5_0")
+KPACKED_TYPES = ("Q4_K", "Q6_K")
+PACKED_TYPES = (*GATED_TYPES, *KPACKED_TYPES)
 
 
 def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,6 +139,7 @@ def make_gguf_linear_silu_and_mul(
         if (
             data.dim() == 3
             and data.shape[0] % 2 == 0
+            and type_name in GATED_TYPES
             and x.dim() == 2
             and x.dtype in _NATIVE_DTYPES
             and CPU_DENSE_MIN_ROWS is None
@@ -143,13 +152,15 @@ def make_gguf_linear_silu_and_mul(
 
 
 def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
-    """See reference.prepare_gguf_weight: Q4_0/Q4_1/Q5_0/Q8_0 CPU blocks of a multiple of
-    16 rows -> the tiled kernel's packed layout (where this build has it); else ``data``."""
+    """See reference.prepare_gguf_weight: Q4_0/Q4_1/Q5_0/Q8_0 (and Q4_K/Q6_K) CPU blocks of a
+    multiple of 16 rows -> the tiled kernel's packed layout (where this build has it); else
+    ``data``."""
     module = load_quant_kernels()
     if (
         module is None
         or not module.has_packed()
         or type_name not in PACKED_TYPES
+        or (type_name in KPACKED_TYPES and not module.has_kpacked(qref.GGUF_TYPE_IDS[type_name]))
         or data.dim() != 2
         or data.dtype != torch.uint8
         or data.device.type != "cpu"
@@ -163,6 +174,8 @@ def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
 def unpack_gguf_weight(packed: torch.Tensor, type_name: str) -> torch.Tensor:
     """The inverse of :func:`prepare_gguf_weight`'s repacking: uint8 ``[N/16, K/32, 16 *
     block_bytes]`` -> the file's blocks uint8 ``[N, K/32 * block_bytes]``."""
+    if type_name in KPACKED_TYPES:
+        return _unpack_kquant(packed, type_name)
     g, nb, _ = packed.shape
     bb = qref.GGUF_BLOCK_BYTES[type_name]
     qb = 512 if type_name == "Q8_0" else 256
@@ -188,6 +201,49 @@ def unpack_gguf_weight(packed: torch.Tensor, type_name: str) -> torch.Tensor:
     scales = entry[..., qb:].reshape(g, nb, -1, 16, 2).permute(0, 3, 1, 2, 4).reshape(g, 16, nb, -1)
     blocks = torch.cat([scales, q], dim=-1)  # d (and m) first, then the quants, as ggml stores them
     return blocks.reshape(g * 16, nb * bb)
+
+
+def gguf_embedding(ids: torch.Tensor, data: torch.Tensor, type_name: str, dtype: torch.dtype) -> torch.Tensor:
+    """See reference.gguf_embedding: rows of the file's blocks, or of their repacked form
+    (only the rows ``ids`` are unpacked, by the kernel module's ``unpack_rows``), dequantized."""
+    if data.dim() != 3:
+        return reference.gguf_embedding(ids, data, type_name, dtype)
+    blocks = load_quant_kernels().unpack_rows(data, qref.GGUF_TYPE_IDS[type_name], ids.long())
+    return qref.dequantize_gguf(blocks, type_name).to(dtype)
+
+
+def _unpack_nibble_lines(lines: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[g, nsb, 8, 256]`` sub-blocks of nibble lines (4 lines of 64 bytes, byte
+    4c+t of line p: column c at k = 8p+t low, 8p+4+t high) -> ``[g, 16, nsb, 8, 32]``."""
+    g, nsb = lines.shape[:2]
+    v = lines.reshape(g, nsb, 8, 4, 16, 4)
+    vals = torch.stack([v & 0x0F, v >> 4], dim=4)  # [g, nsb, sub, p, h, c, t]
+    return vals.permute(0, 5, 1, 2, 3, 4, 6).reshape(g, 16, nsb, 8, 32)
+
+
+def _unpack_kquant(packed: torch.Tensor, type_name: str) -> torch.Tensor:
+    """Q4_K / Q6_K entries (kernels/cpu/quant_gguf_kpacked.cpp) -> the file's blocks."""
+    g, nsb, _ = packed.shape
+    if type_name == "Q4_K":
+        q = _unpack_nibble_lines(packed[..., :2048].reshape(g, nsb, 8, 256))  # 0..15
+        pairs = q.reshape(g, 16, nsb, 4, 2, 32)
+        qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(g, 16, nsb, 128)
+        tail = packed[..., 2048:]
+        d = tail[..., :64].reshape(g, nsb, 2, 16, 2).permute(0, 3, 1, 2, 4).reshape(g, 16, nsb, 4)  # d, dmin
+        sc = tail[..., 64:].reshape(g, nsb, 12, 16).permute(0, 3, 1, 2)
+        return torch.cat([d, sc, qs], dim=-1).reshape(g * 16, nsb * 144)
+    subs = packed[..., :3072].reshape(g, nsb, 8, 384)
+    low = _unpack_nibble_lines(subs[..., :256].contiguous())
+    top = subs[..., 256:].reshape(g, nsb, 8, 2, 16, 4, 1) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    top = (top & 3).permute(0, 4, 1, 2, 3, 6, 5).reshape(g, 16, nsb, 8, 32)  # [.., sub, half, i, t]
+    q = (low | (top << 4)).reshape(g, 16, nsb, 2, 4, 32)  # values 128h + 32c + l
+    ql = (q[..., 0:2, :] & 0x0F) | ((q[..., 2:4, :] & 0x0F) << 4)  # [.., h, c % 2, l]
+    qh = ((q >> 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)).sum(-2, dtype=torch.uint8)
+    tail = packed[..., 3072:]
+    sc = tail[..., :256].reshape(g, nsb, 16, 16).permute(0, 3, 1, 2)
+    d = tail[..., 256:].reshape(g, nsb, 16, 2).permute(0, 2, 1, 3)
+    blocks = torch.cat([ql.reshape(g, 16, nsb, 128), qh.reshape(g, 16, nsb, 64), sc, d], dim=-1)
+    return blocks.reshape(g * 16, nsb * 210)
 
 
 def int8_linear(
@@ -242,6 +298,7 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None, t
                 "gguf_linear", tuned.gguf_linear, source=tsource, capabilities=(PREFERS_QUANTIZED, GGUF_EXTENDED)
             )
             ops.register("prepare_gguf_weight", tuned.prepare_op(), source=tsource)
+            ops.register("gguf_embedding", gguf_embedding, source=source)
             if module.has_packed_gated():
                 ops.register("gguf_linear_silu_and_mul", tuned.gguf_linear_silu_and_mul, source=tsource)
         else:
@@ -254,6 +311,7 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None, t
                 ops.register("gguf_linear", gguf_linear, source=source, capabilities=(PREFERS_QUANTIZED, GGUF_EXTENDED))
             if repack:
                 ops.register("prepare_gguf_weight", prepare_gguf_weight, source=source)
+                ops.register("gguf_embedding", gguf_embedding, source=source)
                 if module.has_packed_gated():
                     fused = make_gguf_linear_silu_and_mul(
                         ops.get("gguf_linear"), ops.get("silu_and_mul"), amx_rows=amx is not None

@@ -118,7 +118,12 @@ def test_quantized_kernels_load_through_load_extension(monkeypatch, tmp_path):
         quant_native.load_quant_kernels.cache_clear()
     ((spec, label),) = seen
     assert label == "quantized CPU kernels" and spec.directory.parent == tmp_path
-    assert [s.name for s in spec.sources] == ["quant_gguf.cpp", "quant_gguf_packed.cpp", "quant_gguf_kquant.cpp"]
+    assert [s.name for s in spec.sources] == [
+        "quant_gguf.cpp",
+        "quant_gguf_packed.cpp",
+        "quant_gguf_kquant.cpp",
+        "quant_gguf_kpacked.cpp",
+    ]
     assert spec.cuda_cflags is None
 
 

@@ -147,8 +147,105 @@ def test_cpu_kernel_refuses_bad_shapes():
         module.gguf_linear(torch.randn(1, 224), raw[:, :126], ref.GGUF_TYPE_IDS["Q4_K"])
     with pytest.raises(RuntimeError, match="bytes"):
         module.gguf_linear(torch.randn(1, 256), raw[:, :100], ref.GGUF_TYPE_IDS["Q4_K"])
-    # K-quants are not repacked (Q5_0 is): prepare keeps their blocks.
-    assert cpu_quant.prepare_gguf_weight(raw.repeat(4, 1), "Q4_K").dim() == 2
+    # Q5_K has no tiled kernel: prepare keeps its blocks (Q4_K / Q6_K: see below).
+    q5k = torch.zeros(16, ref.gguf_row_bytes("Q5_K", 256), dtype=torch.uint8)
+    assert cpu_quant.prepare_gguf_weight(q5k, "Q5_K").dim() == 2
+    # Rows not a multiple of 16 keep their blocks too.
+    assert cpu_quant.prepare_gguf_weight(raw, "Q4_K").dim() == 2
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_kquants_are_repacked_for_the_tiled_kernel(type_name):
+    """Q4_K and Q6_K (a Q4_K_M's down projections) repack losslessly into the file's size;
+    the tiled kernel on them matches the int8-activation reference and the row kernel to
+    float32 summation order, writes every output (poisoned first), each row alone the
+    same as among others; the gated op takes the two ops in sequence for them."""
+    module = native()
+    tid = ref.GGUF_TYPE_IDS[type_name]
+    if not (module.has_packed() and module.has_kpacked(tid)):
+        pytest.skip("no AVX-512 VNNI tiled K-quant kernel here")
+    gen = torch.Generator().manual_seed(11)
+    bb = ref.GGUF_BLOCK_BYTES[type_name]
+    # Every byte random (any scale, any bit pattern) for the layout round trip.
+    noise = torch.randint(0, 256, (48, 3 * bb), dtype=torch.uint8, generator=gen)
+    packed = cpu_quant.prepare_gguf_weight(noise, type_name)
+    assert packed.shape == (3, 3, 16 * bb) and packed.dtype == torch.uint8
+    assert torch.equal(cpu_quant.unpack_gguf_weight(packed, type_name), noise)
+    prior = torch.utils.deterministic.fill_uninitialized_memory, torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True  # new outputs start as NaN
+    try:
+        # 80 columns: 5 groups (a partial column tile); K 256 and the default model's 1536.
+        for n, k in ((80, 256), (32, 1536)):
+            raw = random_blocks(type_name, n, k, gen)
+            packed = cpu_quant.prepare_gguf_weight(raw, type_name)
+            assert packed.dim() == 3 and packed.nbytes == raw.nbytes
+            for dtype in (torch.float32, torch.bfloat16):
+                for m in (1, 3, 4, 7, 17):
+                    x = torch.randn(m, k, generator=gen).to(dtype)
+                    tiled = module.gguf_linear(x, packed, tid)
+                    assert torch.isfinite(tiled).all()
+                    exact = int8_activation_reference(x, raw, type_name)
+                    assert (tiled - exact).abs().max().item() <= 2e-5 * exact.abs().max().item(), (n, k, m)
+                    rows = module.gguf_linear(x, raw, tid)
+                    assert ((tiled - rows).abs().max() / rows.abs().max()).item() < 1e-5
+                    for i in {0, m // 2, m - 1}:
+                        assert torch.equal(module.gguf_linear(x[i : i + 1], packed, tid)[0], tiled[i])
+                    bias = torch.randn(n, generator=gen)
+                    out = cpu_quant.gguf_linear(x, packed, type_name, bias)
+                    assert out.dtype == dtype
+                    torch.testing.assert_close(out.float(), (tiled + bias).to(dtype).float(), rtol=0, atol=0)
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = prior[0]
+        torch.use_deterministic_algorithms(prior[1])
+    with pytest.raises(RuntimeError, match="does not hold"):
+        module.gguf_linear(torch.randn(1, 512), packed, tid)
+    from pagedserve.testing.target import select_target
+
+    ops = select_target("cpu").ops
+    gated = cpu_quant.make_gguf_linear_silu_and_mul(cpu_quant.gguf_linear, ops.get("silu_and_mul"))
+    x = torch.randn(5, 1536, generator=gen, dtype=torch.float32).bfloat16()
+    want = ops.get("silu_and_mul")(cpu_quant.gguf_linear(x, packed, type_name))
+    assert torch.equal(gated(x, packed, type_name), want)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q6_K"])
+def test_embedding_rows_come_from_the_repacked_weight(type_name):
+    """A tied embedding reads its rows from the LM head's repacked form: the file's rows
+    dequantized exactly, repeated and out-of-order ids included."""
+    module = native()
+    tid = ref.GGUF_TYPE_IDS[type_name]
+    if not module.has_packed() or (type_name != "Q8_0" and not module.has_kpacked(tid)):
+        pytest.skip("no AVX-512 VNNI tiled kernel for this type here")
+    gen = torch.Generator().manual_seed(12)
+    raw = random_blocks(type_name, 96, 512, gen)
+    ids = torch.tensor([95, 0, 17, 17, 40, 3, 95, 64])
+    w = GGUFWeight(
+        type_name, raw, 512, cpu_quant.gguf_linear, cpu_quant.prepare_gguf_weight, embed_op=cpu_quant.gguf_embedding
+    )
+    prepared = w.prepared()
+    assert prepared.data is None and prepared.embeds_prepared
+    for dtype in (torch.float32, torch.bfloat16):
+        want = ref.dequantize_gguf(raw, type_name)[ids].to(dtype)
+        assert torch.equal(prepared.embedding(ids, dtype), want)
+        assert torch.equal(w.embedding(ids, dtype), want)
+    # The native row gather against the torch unpacking of the whole weight, every type.
+    for t in cpu_quant.PACKED_TYPES:
+        if t in cpu_quant.KPACKED_TYPES and not module.has_kpacked(ref.GGUF_TYPE_IDS[t]):
+            continue
+        k = ref.GGUF_BLOCK_VALUES[t] * 2
+        noise = torch.randint(0, 256, (48, ref.gguf_row_bytes(t, k)), dtype=torch.uint8, generator=gen)
+        packed = cpu_quant.prepare_gguf_weight(noise, t)
+        rows = module.unpack_rows(packed, ref.GGUF_TYPE_IDS[t], torch.tensor([47, 0, 16, 16, 5]))
+        assert torch.equal(rows, cpu_quant.unpack_gguf_weight(packed, t)[[47, 0, 16, 16, 5]]), t
+        assert torch.equal(rows, noise[[47, 0, 16, 16, 5]]), t
+    with pytest.raises(RuntimeError, match="out of range"):
+        module.unpack_rows(packed, ref.GGUF_TYPE_IDS[t], torch.tensor([48]))
+    # Without a rows op for the prepared form, its rows are refused, not misread.
+    bare = GGUFWeight(type_name, raw, 512, cpu_quant.gguf_linear, cpu_quant.prepare_gguf_weight).prepared()
+    assert not bare.embeds_prepared
+    with pytest.raises(ValueError, match="repacked at load"):
+        bare.embedding(ids, torch.float32)
 
 
 def test_q5_0_is_repacked_for_the_tiled_kernel():

@@ -2,8 +2,8 @@
 the repacking is lossless, the CPU conformance cases of ``gguf_linear`` and
 ``prepare_gguf_weight`` pass, the tiled kernel agrees with the row kernel to float32
 rounding, each row's result is bit for bit independent of the other rows, and the model's
-linear weights take the packed form once at load (the tied embedding keeps its blocks,
-the LM head is a prepared copy)."""
+linear weights take the packed form once at load (a tied embedding and LM head share
+the packed weight, rows read from it)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_weights_the_tiled_kernel_cannot_take_stay_blocks():
     assert cpu_quant.prepare_gguf_weight(data[:0], "Q4_1").shape[0] == 0
 
 
-@pytest.mark.parametrize("op", ["gguf_linear", "prepare_gguf_weight"])
+@pytest.mark.parametrize("op", ["gguf_linear", "prepare_gguf_weight", "gguf_embedding"])
 def test_cpu_conformance_cases(op):
     """The kit's cases (rows 1..300, outputs that are and are not multiples of 16,
     with and without bias, float32 and bfloat16) for the CPU's own ops."""
@@ -150,7 +150,10 @@ def test_default_model_linears_are_repacked_at_load():
     for name in model.linear_fields:
         w = getattr(layer, name)
         assert isinstance(w, GGUFWeight) and w.data is None and w.packed.dim() == 3, name
-    # Tied: the LM head is a prepared copy, the embedding keeps its blocks for lookups.
-    assert model.embed.data is not None and model.lm_head.packed is not None
-    assert model.lm_head.nbytes == model.embed.nbytes
+    # Tied: embedding and LM head are one prepared weight (rows read from the packed form).
+    assert model.embed is model.lm_head and model.lm_head.packed is not None
+    ids = torch.tensor([0, 1, 17, 49151])
+    tokens = model.embed_tokens(ids)
+    blocks = cpu_quant.unpack_gguf_weight(model.lm_head.packed, model.lm_head.type_name)
+    assert torch.equal(tokens, ref.dequantize_gguf(blocks[ids], model.lm_head.type_name).to(tokens.dtype))
     llm.shutdown()
