@@ -501,6 +501,18 @@ def check_disaggregated(cfg: EngineConfig, windows: list[int | None] | None = No
             f"disaggregated prefill/decode instances are single-rank: tensor/pipeline parallelism "
             f"({_parallel(cfg)}) cannot be combined with them yet; use one rank per instance"
         )
+    if cfg.model.enable_sleep_mode:
+        raise ValueError(
+            "enable_sleep_mode cannot be combined with disaggregated prefill/decode yet: the prefill instance "
+            "runs in a process of its own that has no sleep command, and DisaggregatedLLM no sleep/wake_up; "
+            "sleep a single instance (LLM) instead"
+        )
+    if cfg.cache.kv_connector is not None:
+        raise ValueError(
+            f"kv_connector={cfg.cache.kv_connector!r} cannot be combined with disaggregated prefill/decode yet: "
+            "the decode instance adopts the prompt blocks handed over without saving them to the connector's "
+            "store, so its store never holds a prompt's prefix; use kv_connector on a single instance (LLM)"
+        )
     if windows is not None and cfg.cache.free_sliding_window_blocks and len(set(windows)) > 1:
         raise ValueError(
             "disaggregated prefill/decode hands over one block list per prompt; a model whose layers have "

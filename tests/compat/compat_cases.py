@@ -312,6 +312,36 @@ def _kv_groups(llm: LLM, pool: Engines):
     return _generate(llm, [p[:20] for p in _prompts(12)], _params(max_tokens=40))
 
 
+def _sleep_mode(llm: LLM, pool: Engines):
+    """Outputs after sleeping at each level and waking equal the ones before (and the
+    single process's)."""
+    prompts = _prompts(5)
+    before = _generate(llm, prompts, _params())
+    after = []
+    for level in (1, 2):
+        llm.sleep(level)
+        assert llm.is_sleeping(), f"sleep({level}) left the engine awake"
+        llm.wake_up()
+        assert not llm.is_sleeping()
+        after = _generate(llm, prompts, _params())
+        _same_generations(after, before)
+    return before + after
+
+
+def _kv_connector(llm: LLM, pool: Engines):
+    """The prompts' blocks are saved to the connector's store; with the device prefix cache
+    emptied, the same prompts load their prefixes from the store instead of recomputing."""
+    prompts = _prompts(6)
+    engine = llm.llm_engine
+    first = _generate(llm, prompts, _params())
+    engine.flush_kv_transfers()
+    assert engine.kv.reset_prefix_cache(), "KV blocks still in use with no request in flight"
+    loaded = engine.kv.num_loaded_blocks
+    again = _generate(llm, prompts, _params())
+    assert engine.kv.num_loaded_blocks > loaded, "no prefix block was loaded from the connector's store"
+    return first + again
+
+
 @dataclass(frozen=True)
 class Case:
     run: Callable[[LLM, Engines], object]
@@ -340,6 +370,8 @@ CASES: dict[str, Case] = {
     "spec_ngram": Case(_speculative),
     "spec_draft_model": Case(_speculative),
     "spec_self_quantized": Case(_speculative),
+    "sleep_mode": Case(_sleep_mode),
+    "kv_connector": Case(_kv_connector),
 }
 
 
