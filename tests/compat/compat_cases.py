@@ -329,17 +329,18 @@ def _sleep_mode(llm: LLM, pool: Engines):
 
 
 def _kv_connector(llm: LLM, pool: Engines):
-    """The prompts' blocks are saved to the connector's store; with the device prefix cache
-    emptied, the same prompts load their prefixes from the store instead of recomputing."""
-    prompts = _prompts(6)
-    engine = llm.llm_engine
+    """The prompts' full blocks are saved to the connector's store; longer prompts then
+    evict them from the small device pool, and the first prompts again load their prefixes
+    from the store instead of recomputing them."""
+    prompts, kv = _prompts(6), llm.llm_engine.kv
+    gen = torch.Generator().manual_seed(7)
+    fillers = [torch.randint(3, TINY_HF_CONFIG["vocab_size"], (40,), generator=gen).tolist() for _ in range(6)]
     first = _generate(llm, prompts, _params())
-    engine.flush_kv_transfers()
-    assert engine.kv.reset_prefix_cache(), "KV blocks still in use with no request in flight"
-    loaded = engine.kv.num_loaded_blocks
+    filled = _generate(llm, fillers, _params(max_tokens=2))
+    loaded = kv.num_loaded_blocks
     again = _generate(llm, prompts, _params())
-    assert engine.kv.num_loaded_blocks > loaded, "no prefix block was loaded from the connector's store"
-    return first + again
+    assert kv.num_loaded_blocks > loaded, "no prefix block was loaded from the connector's store"
+    return first + filled + again
 
 
 @dataclass(frozen=True)
@@ -436,6 +437,10 @@ class _RouterStats:
     @property
     def num_preemptions(self) -> int:
         return self._router.stats().num_preemptions
+
+    @property
+    def num_loaded_blocks(self) -> int:
+        return self._router.stats().kv_connector_blocks_loaded
 
     @property
     def num_draft_tokens(self) -> int:
