@@ -220,6 +220,14 @@ def check_parallel_fits_model(cfg: EngineConfig, arch: Any) -> None:
         size = arch.hf_config.get(key)
         if size and size % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide the experts' {key} ({size})")
+    quant = arch.hf_config.get("quantization_config") or {}
+    if tp > 1 and str(quant.get("quant_method", "")).lower() == "mxfp4" and (arch.intermediate_size // 32) % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} cannot split this checkpoint's MXFP4 experts (quant_method='mxfp4'): "
+            f"each rank keeps whole blocks of 32 values and intermediate_size ({arch.intermediate_size}) is "
+            f"{arch.intermediate_size // 32} blocks; use a tensor_parallel_size that divides "
+            f"{arch.intermediate_size // 32}"
+        )
     if pp > arch.num_layers:
         raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {arch.num_layers} layers")
 
