@@ -220,6 +220,14 @@ def check_parallel_fits_model(cfg: EngineConfig, arch: Any) -> None:
         size = arch.hf_config.get(key)
         if size and size % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide the experts' {key} ({size})")
+    quant = arch.hf_config.get("quantization_config") or {}
+    if tp > 1 and str(quant.get("quant_method", "")).lower() == "mxfp4" and (arch.intermediate_size // 32) % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} cannot split this checkpoint's MXFP4 experts (quant_method='mxfp4'): "
+            f"each rank keeps whole blocks of 32 values and intermediate_size ({arch.intermediate_size}) is "
+            f"{arch.intermediate_size // 32} blocks; use a tensor_parallel_size that divides "
+            f"{arch.intermediate_size // 32}"
+        )
     if pp > arch.num_layers:
         raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {arch.num_layers} layers")
 
@@ -500,6 +508,18 @@ def check_disaggregated(cfg: EngineConfig, windows: list[int | None] | None = No
         raise ValueError(
             f"disaggregated prefill/decode instances are single-rank: tensor/pipeline parallelism "
             f"({_parallel(cfg)}) cannot be combined with them yet; use one rank per instance"
+        )
+    if cfg.model.enable_sleep_mode:
+        raise ValueError(
+            "enable_sleep_mode cannot be combined with disaggregated prefill/decode yet: the prefill instance "
+            "runs in a process of its own that has no sleep command, and DisaggregatedLLM no sleep/wake_up; "
+            "sleep a single instance (LLM) instead"
+        )
+    if cfg.cache.kv_connector is not None:
+        raise ValueError(
+            f"kv_connector={cfg.cache.kv_connector!r} cannot be combined with disaggregated prefill/decode yet: "
+            "the decode instance adopts the prompt blocks handed over without saving them to the connector's "
+            "store, so its store never holds a prompt's prefix; use kv_connector on a single instance (LLM)"
         )
     if windows is not None and cfg.cache.free_sliding_window_blocks and len(set(windows)) > 1:
         raise ValueError(

@@ -41,6 +41,8 @@ class EngineStats:
     num_swap_ins: int = 0  # swapped-out requests resumed (requests)
     kv_blocks_swapped_out: int = 0  # blocks copied to host by swap-outs
     kv_blocks_swapped_in: int = 0  # blocks copied back by swap-ins
+    kv_connector_blocks_loaded: int = 0  # prefix blocks loaded from the KV connector's store (kv_connector)
+    kv_connector_blocks_saved: int = 0  # full blocks saved to the KV connector's store
     #: Steps by tokens scheduled, cumulative per bucket of ITERATION_TOKEN_BUCKETS (the
     #: last count is the +Inf bucket), and the tokens of all steps together.
     iteration_tokens_buckets: tuple[int, ...] = ()

@@ -79,6 +79,13 @@ class ConnectorKVCacheManager(KVCacheManager):
             keys, request.all_token_ids, self.block_size, num_blocks, self.seed, request.cache_salt
         )
 
+    def counters(self) -> dict[str, int | float]:
+        """The connector's counters, named as ``EngineStats`` fields."""
+        return {
+            "kv_connector_blocks_loaded": self.num_loaded_blocks,
+            "kv_connector_blocks_saved": self.num_saved_blocks,
+        }
+
     # -- lookup ------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         blocks, num_tokens = super().get_computed_blocks(request)

@@ -14,8 +14,14 @@ The released checkpoints store the expert weights as MXFP4 (``quantization_confi
 ``quant_method = "mxfp4"``: ``gate_up_proj_blocks`` / ``_scales`` [E, 2I, hidden / 32,
 16] / [E, 2I, hidden / 32] with interleaved gate/up rows, ``down_proj_blocks`` /
 ``_scales`` [E, hidden, I / 32, 16] / [E, hidden, I / 32]); they are dequantized at
-load to the model dtype (:mod:`pagedserve.models.mxfp4`).  Tensor parallelism is not
-implemented for this family: refused when the config is read.
+load to the model dtype (:mod:`pagedserve.models.mxfp4`).
+
+Tensor parallelism splits attention by heads (each rank keeps its query heads' sinks) and
+every expert's intermediate dimension (its rows of gate and up -- whole gate/up pairs of
+the interleaved columns -- and its columns of down; MXFP4 blocks split along whole
+blocks), as the MoE families do; the router is replicated.  The row-parallel biases
+(``o_proj.bias``, ``down_proj_bias``) are kept by rank 0 alone (zeros elsewhere), so the
+all-reduce of the partial sums adds each once.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedserve.models.arch_config import ArchConfig
-from pagedserve.models.decoder import DecoderForCausalLM, KVCache
+from pagedserve.models.decoder import DecoderForCausalLM, KVCache, even_slice
 from pagedserve.models.layers import add_rms_norm, fuse, layer_windows, linear, paged_attention, qkv_split
 from pagedserve.models.mxfp4 import dequantize_mxfp4
 
@@ -67,12 +73,11 @@ def deinterleave_gate_up(gate_up: torch.Tensor, bias: torch.Tensor) -> tuple[tor
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
-    """Inference-only GPT-OSS (see the module docstring); one rank, any pipeline split."""
+    """Inference-only GPT-OSS (see the module docstring); any tensor/pipeline split."""
 
     layer_class = GptOssLayer
     linear_fields = ("qkv", "o")
     default_attention_bias = True
-    tensor_parallel = False
 
     @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
@@ -106,6 +111,30 @@ class GptOssForCausalLM(DecoderForCausalLM):
         suffixes = ("_blocks", "_scales") if self.mxfp4 else ("",)
         names |= {f"mlp.experts.{p}{s}" for p in ("gate_up_proj", "down_proj") for s in suffixes}
         return frozenset(names)
+
+    def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice (see the module docstring); attention weights as the decoder
+        splits them."""
+        r, tp = self.parallel.tp_rank, self.parallel.tp_size
+        name = local.removeprefix("mlp.")
+        if local == "self_attn.sinks":
+            return t[r * self.num_heads : (r + 1) * self.num_heads]
+        if local in ("self_attn.o_proj.bias", "mlp.experts.down_proj_bias"):
+            return t if r == 0 else torch.zeros_like(t)
+        # The intermediate dimension: gate_up's last (interleaved pairs stay whole), its
+        # MXFP4 blocks' and scales' rows; down's rows, its MXFP4 blocks' and scales' blocks.
+        dims = {
+            "experts.gate_up_proj": -1,
+            "experts.gate_up_proj_bias": -1,
+            "experts.gate_up_proj_blocks": 1,
+            "experts.gate_up_proj_scales": 1,
+            "experts.down_proj": 1,
+            "experts.down_proj_blocks": 2,
+            "experts.down_proj_scales": 2,
+        }
+        if name in dims:
+            return even_slice(local, t, dims[name] % t.dim(), r, tp)
+        return super().shard_layer_tensor(local, t)
 
     def finish_layer(self, layer: GptOssLayer, w: dict[str, Any], param) -> None:
         a, e = "self_attn.", "mlp.experts."
@@ -146,8 +175,9 @@ class GptOssForCausalLM(DecoderForCausalLM):
         q, k, v = qkv_split(linear(ops, h, layer.qkv, layer.qkv_bias), self.attn)
         q, k = self.rope(ops, placement, meta.positions, q, k)
         attn = paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale, self.windows[index], sinks=layer.sinks)
-        h, residual = ops.fused_add_rms_norm(linear(ops, attn, layer.o, layer.o_bias), residual, layer.post_norm, eps)
-        return self.moe(ops, layer, h), residual
+        x = self.parallel.all_reduce(linear(ops, attn, layer.o, layer.o_bias))
+        h, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, eps)
+        return self.parallel.all_reduce(self.moe(ops, layer, h)), residual
 
     def moe(self, ops, layer: GptOssLayer, h: torch.Tensor) -> torch.Tensor:
         """Router (biased; softmax over each token's top-k logits), then the experts:

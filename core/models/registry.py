@@ -202,7 +202,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "pagedserve.models.gpt_oss",
         "GptOssForCausalLM",
         quantized=False,
-        tensor_parallel=False,
         notes="attention sinks, alternating sliding/full layers, YaRN, biased MoE with the clamped SwiGLU "
         "(`swigluoai`); bf16/fp32 safetensors, MXFP4 experts dequantized at load",
     ),

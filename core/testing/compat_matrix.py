@@ -156,7 +156,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("prompt_logprobs", "prompt logprobs", request="SamplingParams(prompt_logprobs=...)"),
     Feature("priority", "priorities", {"scheduling_policy": "priority"}, request="priority= per request"),
     Feature("sleep_mode", "sleep mode", {"enable_sleep_mode": True}, request="LLM.sleep / POST /sleep"),
-    Feature("kv_connector", "KV connector (host, disk)", {"kv_connector": "host"}),
+    # A small device pool, so that cached prefixes are evicted and loaded back from the store.
+    Feature("kv_connector", "KV connector (host, disk)", {"kv_connector": "host", "num_gpu_blocks_override": 32}),
 )
 
 DEPLOYMENTS: tuple[Deployment, ...] = (

@@ -312,6 +312,37 @@ def _kv_groups(llm: LLM, pool: Engines):
     return _generate(llm, [p[:20] for p in _prompts(12)], _params(max_tokens=40))
 
 
+def _sleep_mode(llm: LLM, pool: Engines):
+    """Outputs after sleeping at each level and waking equal the ones before (and the
+    single process's)."""
+    prompts = _prompts(5)
+    before = _generate(llm, prompts, _params())
+    after = []
+    for level in (1, 2):
+        llm.sleep(level)
+        assert llm.is_sleeping(), f"sleep({level}) left the engine awake"
+        llm.wake_up()
+        assert not llm.is_sleeping()
+        after = _generate(llm, prompts, _params())
+        _same_generations(after, before)
+    return before + after
+
+
+def _kv_connector(llm: LLM, pool: Engines):
+    """The prompts' full blocks are saved to the connector's store; longer prompts then
+    evict them from the small device pool, and the first prompts again load their prefixes
+    from the store instead of recomputing them."""
+    prompts, kv = _prompts(6), llm.llm_engine.kv
+    gen = torch.Generator().manual_seed(7)
+    fillers = [torch.randint(3, TINY_HF_CONFIG["vocab_size"], (40,), generator=gen).tolist() for _ in range(6)]
+    first = _generate(llm, prompts, _params())
+    filled = _generate(llm, fillers, _params(max_tokens=2))
+    loaded = kv.num_loaded_blocks
+    again = _generate(llm, prompts, _params())
+    assert kv.num_loaded_blocks > loaded, "no prefix block was loaded from the connector's store"
+    return first + filled + again
+
+
 @dataclass(frozen=True)
 class Case:
     run: Callable[[LLM, Engines], object]
@@ -340,6 +371,8 @@ CASES: dict[str, Case] = {
     "spec_ngram": Case(_speculative),
     "spec_draft_model": Case(_speculative),
     "spec_self_quantized": Case(_speculative),
+    "sleep_mode": Case(_sleep_mode),
+    "kv_connector": Case(_kv_connector),
 }
 
 
@@ -404,6 +437,10 @@ class _RouterStats:
     @property
     def num_preemptions(self) -> int:
         return self._router.stats().num_preemptions
+
+    @property
+    def num_loaded_blocks(self) -> int:
+        return self._router.stats().kv_connector_blocks_loaded
 
     @property
     def num_draft_tokens(self) -> int:

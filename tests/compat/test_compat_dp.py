@@ -39,6 +39,7 @@ COMPAT_FEATURES = (
     "spec_draft_model",
     "spec_self_quantized",
     "lora",
+    "kv_connector",
 )
 COMPAT_DEPLOYMENTS = ("dp",)
 #: Each needs a router of its own and tests a setting each replica's engine applies as one

@@ -47,6 +47,8 @@ COMPAT_FEATURES = (
     "spec_self_quantized",
     "quant_fp8",
     "lora",
+    "sleep_mode",
+    "kv_connector",
 )
 COMPAT_DEPLOYMENTS = ("tp_mp", "pp", "tp_pp", "tp_ray", "cpu_offload", "kv_offload", "device_map")
 #: Deployments whose engines start slowly on two cores (four worker processes; a Ray head).
@@ -63,6 +65,12 @@ SLOW_CELLS = (
     ("preemption_swap", "pp"),
     # tests/distributed/test_dist_quant.py runs GPTQ and AWQ at TP=2 on each CI run.
     ("quant_gptq_awq", "tp_mp"),
+    # tests/distributed/test_dist_sleep.py (TP=2 on each CI run, PP=2) and
+    # tests/offload/test_sleep_mode.py (host tier, device map) run these.
+    ("sleep_mode", "tp_mp"),
+    ("sleep_mode", "pp"),
+    ("sleep_mode", "kv_offload"),
+    ("sleep_mode", "device_map"),
 )
 
 assert set(CASES) >= set(COMPAT_FEATURES)

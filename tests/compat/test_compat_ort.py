@@ -42,6 +42,8 @@ COMPAT_FEATURES = (
     "quant_fp8",
     "quant_gptq_awq",
     "kv_groups",
+    "sleep_mode",
+    "kv_connector",
 )
 COMPAT_DEPLOYMENTS = ("plugin_ort",)
 assert set(CASES) >= set(COMPAT_FEATURES)

@@ -32,6 +32,10 @@ def test_disaggregated_rules():
     with pytest.raises(ValueError, match="free_sliding_window_blocks=False"):
         config_rules.check_disaggregated(_cfg(), [8, None])
     config_rules.check_disaggregated(_cfg(free_sliding_window_blocks=False), [8, None])
+    with pytest.raises(ValueError, match=r"enable_sleep_mode cannot be combined with disaggregated.*single instance"):
+        config_rules.check_disaggregated(_cfg(enable_sleep_mode=True))
+    with pytest.raises(ValueError, match=r"kv_connector='host' cannot be combined with disaggregated.*single instance"):
+        config_rules.check_disaggregated(_cfg(kv_connector="host"))
 
 
 def test_disaggregated_llm_refuses_before_starting_anything(tiny_llama):
@@ -39,6 +43,8 @@ def test_disaggregated_llm_refuses_before_starting_anything(tiny_llama):
 
     with pytest.raises(ValueError, match="enable_prefix_caching=False"):
         DisaggregatedLLM(model=str(tiny_llama), enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="enable_sleep_mode cannot be combined with disaggregated"):
+        DisaggregatedLLM(model=str(tiny_llama), enable_sleep_mode=True)
 
 
 def test_quantized_weights_on_a_map_over_two_platforms_are_refused():

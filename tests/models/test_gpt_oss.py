@@ -16,11 +16,12 @@ transformers = pytest.importorskip("transformers")
 
 
 def _hf_config(**extra) -> dict:
-    cfg = transformers.GptOssConfig(
+    shape = dict(
         vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, sliding_window=4, num_local_experts=3, num_experts_per_tok=2,
-        max_position_embeddings=128, **extra,
-    ).to_dict()  # fmt: skip
+        max_position_embeddings=128,
+    )  # fmt: skip
+    cfg = transformers.GptOssConfig(**{**shape, **extra}).to_dict()
     return {**cfg, "architectures": ["GptOssForCausalLM"]}
 
 
@@ -42,14 +43,19 @@ def test_layer_types_give_alternating_windows():
 
     arch = ArchConfig.from_hf(_hf_config())
     assert layer_windows(arch.hf_config, arch.num_layers) == [4, None]
-    assert not arch.tensor_parallel
+    assert arch.tensor_parallel  # tests/models/test_models_quant_tp.py runs it at TP=2
 
 
-def test_tensor_parallelism_is_refused_when_the_config_is_read():
+def test_tensor_parallelism_fits_when_the_config_is_read():
     cfg = EngineConfig()
     cfg.parallel.tensor_parallel_size = 2
-    with pytest.raises(ValueError, match="GptOssForCausalLM does not support tensor parallelism"):
-        check_parallel_fits_model(cfg, ArchConfig.from_hf(_hf_config()))
+    check_parallel_fits_model(cfg, ArchConfig.from_hf(_hf_config()))
+    # MXFP4 experts split along whole 32-value blocks: 2880 values are 90 blocks.
+    mx = dict(intermediate_size=2880, quantization_config={"quant_method": "mxfp4"})
+    check_parallel_fits_model(cfg, ArchConfig.from_hf(_hf_config(**mx)))
+    cfg.parallel.tensor_parallel_size = 4
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 cannot split .* MXFP4 experts.*divides 90"):
+        check_parallel_fits_model(cfg, ArchConfig.from_hf(_hf_config(**mx)))
 
 
 def test_mxfp4_is_dequantized_for_gpt_oss_and_refused_by_name_elsewhere():

@@ -116,18 +116,28 @@ def _greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     return tokens, lps
 
 
-def test_mxfp4_checkpoint_matches_transformers_on_the_dequantized_weights(tmp_path):
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mxfp4_checkpoint_matches_transformers_on_the_dequantized_weights(tmp_path, tp):
+    """At TP=2 each rank keeps whole MXFP4 blocks of every expert's intermediate rows."""
     model, packed = _build(tmp_path / "ckpt")
     assert any(k.endswith("gate_up_proj_blocks") for k in packed)
     prompts = [[5, 77, 140, 33, 9, 201, 18, 64, 99, 12, 250], [7], [40, 41, 42, 43, 44, 45, 46]]
     expected = [_greedy(model, p, 8) for p in prompts]
     llm = LLM(
         model=str(tmp_path / "ckpt"), dtype="float32", kv_cache_memory="8MiB", block_size=4,
-        max_num_batched_tokens=8, enable_prefix_caching=True,
+        max_num_batched_tokens=8, enable_prefix_caching=True, tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else None,
     )  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
-    for out, (tokens, lps) in zip(llm.generate(prompts, params, use_tqdm=False), expected):
-        got = out.outputs[0]
-        assert got.token_ids == tokens
-        for tok, entry, want in zip(got.token_ids, got.logprobs, lps):
-            assert math.isclose(entry[tok].logprob, want, abs_tol=2e-4)
+    try:
+        layer = llm.llm_engine.runner.model.layers[0]
+        assert tuple(layer.w13.shape) == (EXPERTS, 2 * INTER // tp, HIDDEN)
+        assert tuple(layer.w2.shape) == (EXPERTS, HIDDEN, INTER // tp) and layer.sinks.shape == (4 // tp,)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+        for out, (tokens, lps) in zip(llm.generate(prompts, params, use_tqdm=False), expected):
+            got = out.outputs[0]
+            assert got.token_ids == tokens
+            for tok, entry, want in zip(got.token_ids, got.logprobs, lps):
+                assert math.isclose(entry[tok].logprob, want, abs_tol=2e-4)
+    finally:
+        llm.shutdown()

@@ -128,6 +128,7 @@ TP_CASES = [
     "deepseekv2-qlora-grouped-yarn",
     "deepseekv3-groups-yarn",
     "olmo3-window-per-type-rope",
+    "gptoss-sinks-window-moe",
 ]
 
 

@@ -154,6 +154,25 @@ def test_host_connector_reloads_evicted_prefixes(tiny_llama, cold):
     assert kv.num_loaded_blocks > loaded
     kv.pool.check_invariants()
     assert kv.num_blocks_in_use == 0
+    # The counters in EngineStats and on /metrics.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedserve.entrypoints.openai.metrics import ServerMetrics
+
+    stats = llm.llm_engine.stats()
+    assert stats.kv_connector_blocks_loaded == kv.num_loaded_blocks
+    assert stats.kv_connector_blocks_saved == kv.num_saved_blocks > 0
+    text = ServerMetrics(llm.llm_engine.stats, "tiny").render().decode()
+    totals = {
+        s.name: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name.startswith("pagedserve:kv_connector_blocks_") and s.name.endswith("_total")
+    }
+    assert totals == {
+        "pagedserve:kv_connector_blocks_loaded_total": kv.num_loaded_blocks,
+        "pagedserve:kv_connector_blocks_saved_total": kv.num_saved_blocks,
+    }
 
 
 def test_host_connector_lru_bound():

@@ -200,6 +200,16 @@ class _EngineCollector(Collector):
         yield self._counter(
             "pagedserve:kv_blocks_swapped_in", "KV blocks copied back by swap-ins.", s.kv_blocks_swapped_in
         )
+        yield self._counter(
+            "pagedserve:kv_connector_blocks_loaded",
+            "Prefix KV blocks loaded from the KV connector's store instead of computed.",
+            s.kv_connector_blocks_loaded,
+        )
+        yield self._counter(
+            "pagedserve:kv_connector_blocks_saved",
+            "Full KV blocks saved to the KV connector's store.",
+            s.kv_connector_blocks_saved,
+        )
 
 
 def token_buckets(max_model_len: int) -> list[int]:
