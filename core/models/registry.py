@@ -266,6 +266,16 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "MoE layers refused; no prefix caching",
     ),
     ModelEntry(
+        "Lfm2ForCausalLM",
+        "lfm2",
+        "pagedserve.models.lfm2",
+        "Lfm2ForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="LFM2: gated short-convolution layers (window in state pages) beside attention with q/k norms; "
+        "no prefix caching",
+    ),
+    ModelEntry(
         "DeepseekV3ForCausalLM",
         "deepseek_v3",
         "pagedserve.models.deepseek_v3",

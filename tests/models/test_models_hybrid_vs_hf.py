@@ -91,6 +91,28 @@ CASES: dict[str, tuple[str, str, dict]] = {
             layer_norm_epsilon=1e-5,
         ),
     ),
+    "lfm2-shortconv-bias-attn": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(
+            layer_types=["conv", "full_attention", "conv", "conv"],
+            conv_L_cache=3,
+            conv_bias=True,
+            norm_eps=1e-5,
+            block_multiple_of=32,  # intermediate 96 -> 2/3 of it, rounded up to 32: 64
+        ),
+    ),
+    "lfm2-tied-width4-no-bias": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(
+            layer_types=["full_attention", "conv", "conv", "full_attention"],
+            conv_L_cache=4,
+            norm_eps=1e-5,
+            block_auto_adjust_ff_dim=False,
+            tie_word_embeddings=True,
+        ),
+    ),
     "qwen3_5moe-experts-every-layer": (
         "Qwen3_5MoeTextConfig",
         "Qwen3_5MoeForCausalLM",
@@ -203,11 +225,12 @@ def _check(outs, expected, what: str) -> None:
 
 def _cases() -> list:
     """Every family under preemption (its 150-token prompt in 64-token chunks: the state
-    carried across steps); the first Qwen3.5 case under every engine; the rest are slow."""
+    carried across steps); the first Qwen3.5 and LFM2 cases under every engine; the rest
+    are slow."""
     out = []
     for case in CASES:
         for kind in ENGINES:
-            quick = kind == "preempting" or case == "qwen3_5-deltanet-gated-attn"
+            quick = kind == "preempting" or case in ("qwen3_5-deltanet-gated-attn", "lfm2-shortconv-bias-attn")
             out.append(pytest.param(case, kind, marks=() if quick else pytest.mark.slow, id=f"{case}-{kind}"))
     return out
 
@@ -227,8 +250,9 @@ def test_hybrid_greedy_and_logprobs_match_transformers(case, engine_kind, checkp
         assert eng.scheduler.num_preemptions > 0
 
 
-def test_hybrid_n2_samples_each_carry_their_state(checkpoints):
-    path, prompts, expected = checkpoints("qwen3_5-deltanet-gated-attn")
+@pytest.mark.parametrize("case", ["qwen3_5-deltanet-gated-attn", "lfm2-shortconv-bias-attn"])
+def test_hybrid_n2_samples_each_carry_their_state(checkpoints, case):
+    path, prompts, expected = checkpoints(case)
     llm = LLM(model=str(path), **COMMON, **ENGINES["chunked-small"])
     params = [SamplingParams(n=2, temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_NEW]
     outs = llm.generate(prompts, params, use_tqdm=False)
