@@ -246,6 +246,9 @@ def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | str | None]
         kinds = {"full_attention": None, "linear_attention": RECURRENT_STATE}
         return [kinds.get(b, NO_KV_CACHE) for b in blocks]
     types = hf.get("layer_types")
+    if types is None and "attn_layer_period" in hf:  # Jamba: attention every period-th layer
+        period, offset = int(hf["attn_layer_period"]), int(hf.get("attn_layer_offset", 4))
+        types = ["full_attention" if i % period == offset else "mamba" for i in range(num_layers)]
     if types is not None:
         if len(types) != num_layers:
             raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")

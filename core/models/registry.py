@@ -276,6 +276,16 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "no prefix caching",
     ),
     ModelEntry(
+        "JambaForCausalLM",
+        "jamba",
+        "pagedserve.models.jamba",
+        "JambaForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="Jamba: Mamba 1 layers (selective scan, state in state pages) beside attention without RoPE "
+        "(`attn_layer_period`), MoE every `expert_layer_period` layers; no prefix caching",
+    ),
+    ModelEntry(
         "DeepseekV3ForCausalLM",
         "deepseek_v3",
         "pagedserve.models.deepseek_v3",

@@ -1,4 +1,5 @@
-"""Hybrid families (Gated DeltaNet layers beside gated attention) against transformers,
+"""Hybrid families (Gated DeltaNet, Mamba 1 and 2 or short-convolution layers beside
+attention) against transformers,
 float32, on tiny random checkpoints built from transformers' own classes: the same
 greedy tokens and logprobs through ``LLM`` for a batch of prompts of different lengths,
 run whole, in chunks smaller than a DeltaNet chunk (64 tokens) and larger than one,
@@ -111,6 +112,22 @@ CASES: dict[str, tuple[str, str, dict]] = {
             norm_eps=1e-5,
             block_auto_adjust_ff_dim=False,
             tie_word_embeddings=True,
+        ),
+    ),
+    "jamba-mamba1-moe-attn": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        dict(
+            attn_layer_period=4,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            mamba_dt_rank=8,
         ),
     ),
     "qwen3_5moe-experts-every-layer": (
@@ -250,7 +267,7 @@ def test_hybrid_greedy_and_logprobs_match_transformers(case, engine_kind, checkp
         assert eng.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("case", ["qwen3_5-deltanet-gated-attn", "lfm2-shortconv-bias-attn"])
+@pytest.mark.parametrize("case", ["qwen3_5-deltanet-gated-attn", "lfm2-shortconv-bias-attn", "jamba-mamba1-moe-attn"])
 def test_hybrid_n2_samples_each_carry_their_state(checkpoints, case):
     path, prompts, expected = checkpoints(case)
     llm = LLM(model=str(path), **COMMON, **ENGINES["chunked-small"])
