@@ -293,3 +293,11 @@ def test_hybrid_refuses_what_a_recurrent_state_cannot_do(checkpoints, settings, 
     with pytest.raises(ValueError, match="recurrent-state layers") as err:
         LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", **settings)
     assert named in str(err.value)
+
+
+@pytest.mark.parametrize("case", ["lfm2-shortconv-bias-attn", "jamba-mamba1-moe-attn"])
+def test_conv_and_mamba1_layers_refuse_prefix_caching(checkpoints, case):
+    path, _, _ = checkpoints(case)
+    with pytest.raises(ValueError, match="recurrent-state layers") as err:
+        LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", enable_prefix_caching=True)
+    assert "enable_prefix_caching=True" in str(err.value)
