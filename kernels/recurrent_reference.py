@@ -2,8 +2,9 @@
 
 Layers with a fixed-size state instead of attention over every key: the short causal
 convolution in front of them (with its cache of the last ``width - 1`` inputs), Gated
-DeltaNet (Qwen3.5, Qwen3-Next), Mamba 2's state-space scan (Granite 4) and their gated
-RMSNorms.  Each op works on a varlen batch:
+DeltaNet (Qwen3.5, Qwen3-Next), Mamba 2's state-space scan (Granite 4), Mamba 1's
+selective scan (a ``[dim, d_state]`` state with a decay per channel and state entry:
+Jamba) and their gated RMSNorms.  Each op works on a varlen batch:
 the tokens of all sequences flattened (``[num_tokens, ...]``) with ``query_start_loc``
 (int32 ``[num_seqs + 1]``) marking each sequence's slice, and one state per sequence.
 States are float32 and updated in place; the caller starts a sequence's first chunk from
@@ -36,6 +37,8 @@ __all__ = [
     "rms_norm_gated",
     "mamba2_ssd",
     "mamba2_ssd_step",
+    "mamba1_scan",
+    "mamba1_scan_step",
     "RECURRENT_OP_NAMES",
 ]
 
@@ -326,6 +329,75 @@ def mamba2_ssd(
     return out
 
 
+def mamba1_scan_step(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, state
+) -> torch.Tensor:
+    """Mamba 1's selective state update for one token per sequence (decode).
+
+    x, dt: [num_seqs, dim] (dt the step sizes, after softplus); A: float32 [dim, d_state]
+    (A < 0); B, C: [num_seqs, d_state]; D: float32 [dim]; state: float32 [num_seqs, dim,
+    d_state], updated in place::
+
+        state <- exp(dt A) * state + dt x B^T;   y = state C + D * x
+
+    Returns y [num_seqs, dim] in x's dtype.
+    """
+    xf, dtf = x.float(), dt.float()
+    s = state * (dtf.unsqueeze(-1) * A.float()).exp() + (dtf * xf).unsqueeze(-1) * B.float().unsqueeze(-2)
+    state.copy_(s)
+    y = torch.einsum("sdn,sn->sd", s, C.float()) + D.float() * xf
+    return y.to(x.dtype)
+
+
+def _scan_chunks(x, dt, A, B, C, s, chunk):
+    """One sequence, float32: x, dt [L, D], A [D, N], B, C [L, N], s [D, N] -> (y without
+    the D term [L, D], final state).  In a chunk, with ``cum_t = sum_{j <= t} dt_j A``::
+
+        h_t = exp(cum_t) s + sum_{j <= t} exp(cum_t - cum_j) dt_j x_j B_j
+    """
+    L = x.shape[0]
+    out = torch.empty_like(x)
+    for c0 in range(0, L, chunk):
+        c1 = min(L, c0 + chunk)
+        n = c1 - c0
+        cum = (dt[c0:c1].unsqueeze(-1) * A).cumsum(0)  # [n, D, N]
+        u = (dt[c0:c1] * x[c0:c1]).unsqueeze(-1) * B[c0:c1].unsqueeze(1)  # [n, D, N]
+        diff = cum.unsqueeze(1) - cum.unsqueeze(0)  # [t, j, D, N]
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril().view(n, n, 1, 1)
+        decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+        h = (decay * u.unsqueeze(0)).sum(1) + cum.exp() * s  # [n, D, N]
+        out[c0:c1] = torch.einsum("tdn,tn->td", h, C[c0:c1])
+        s = h[-1]
+    return out, s
+
+
+def mamba1_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    chunk_size: int = 16,
+) -> torch.Tensor:
+    """Mamba 1's selective scan over a varlen batch, in chunks: the recursion of
+    :func:`mamba1_scan_step` for every token.  x, dt: [num_tokens, dim]; B, C:
+    [num_tokens, d_state]; A float32 [dim, d_state]; D float32 [dim]; state: float32
+    [num_seqs, dim, d_state], each sequence's state before its tokens (zeros to start one),
+    updated in place.  Returns y [num_tokens, dim] in x's dtype."""
+    xf, dtf, Bf, Cf, Af = x.float(), dt.float(), B.float(), C.float(), A.float()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    starts = query_start_loc.tolist()
+    for i in range(len(starts) - 1):
+        s, e = starts[i], starts[i + 1]
+        y, final = _scan_chunks(xf[s:e], dtf[s:e], Af, Bf[s:e], Cf[s:e], state[i], chunk_size)
+        out[s:e] = (y + D.float() * xf[s:e]).to(x.dtype)
+        state[i] = final
+    return out
+
+
 RECURRENT_OP_NAMES: tuple[str, ...] = (
     "causal_conv1d",
     "causal_conv1d_update",
@@ -334,4 +406,6 @@ RECURRENT_OP_NAMES: tuple[str, ...] = (
     "rms_norm_gated",
     "mamba2_ssd",
     "mamba2_ssd_step",
+    "mamba1_scan",
+    "mamba1_scan_step",
 )

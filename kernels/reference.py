@@ -708,7 +708,7 @@ def lora_linear(
     return lora_reference.lora_linear(y, x, lora_a, lora_b, token_slots)
 
 
-# -- recurrent layers (Gated DeltaNet, Mamba 2): specified in recurrent_reference ----------
+# -- recurrent layers (Gated DeltaNet, Mamba 1 and 2): specified in recurrent_reference ----
 def causal_conv1d(x, weight, bias, conv_state, query_start_loc, has_state, activation="silu"):
     """Varlen causal depthwise convolution continuing each sequence's window (in place):
     x [num_tokens, dim] -> [num_tokens, dim].  See :func:`recurrent_reference.causal_conv1d`."""
@@ -743,6 +743,18 @@ def mamba2_ssd_step(x, dt, A, B, C, D, state):
     """Mamba 2's state update, one token per sequence (decode), states updated in place.
     See :func:`recurrent_reference.mamba2_ssd_step`."""
     return recurrent_reference.mamba2_ssd_step(x, dt, A, B, C, D, state)
+
+
+def mamba1_scan(x, dt, A, B, C, D, state, query_start_loc, chunk_size=16):
+    """Mamba 1's selective scan over a varlen batch, states updated in place.
+    See :func:`recurrent_reference.mamba1_scan`."""
+    return recurrent_reference.mamba1_scan(x, dt, A, B, C, D, state, query_start_loc, chunk_size)
+
+
+def mamba1_scan_step(x, dt, A, B, C, D, state):
+    """Mamba 1's state update, one token per sequence (decode), states updated in place.
+    See :func:`recurrent_reference.mamba1_scan_step`."""
+    return recurrent_reference.mamba1_scan_step(x, dt, A, B, C, D, state)
 
 
 def rms_norm_gated(x, gate, weight, eps, norm_before_gate=True, group_size=None):

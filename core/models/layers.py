@@ -45,7 +45,7 @@ Weight = torch.Tensor | QuantizedWeight
 
 #: ``layer_types`` entries of layers with a recurrent state instead of attention
 #: (Qwen3.5 / Qwen3-Next Gated DeltaNet, Granite 4's Mamba 2).
-_STATE_LAYER_TYPES = ("linear_attention", "mamba")
+_STATE_LAYER_TYPES = ("linear_attention", "mamba", "conv")
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | str | None]
     it, else Qwen2-style ``max_window_layers``, else Mistral-style ``sliding_window`` on
     every layer.  A window
     no shorter than ``max_position_embeddings`` is no window.  A layer with a recurrent
-    state instead of attention (``layer_types`` ``linear_attention`` or ``mamba``) has the
+    state instead of attention (``layer_types`` ``linear_attention``, ``mamba`` or LFM2's ``conv``) has the
     window ``RECURRENT_STATE`` (its KV cache group holds state pages: kv_cache/state_group.py)."""
     window = hf.get("sliding_window")
     if hf.get("use_sliding_window") is False:
@@ -246,6 +246,9 @@ def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | str | None]
         kinds = {"full_attention": None, "linear_attention": RECURRENT_STATE}
         return [kinds.get(b, NO_KV_CACHE) for b in blocks]
     types = hf.get("layer_types")
+    if types is None and "attn_layer_period" in hf:  # Jamba: attention every period-th layer
+        period, offset = int(hf["attn_layer_period"]), int(hf.get("attn_layer_offset", 4))
+        types = ["full_attention" if i % period == offset else "mamba" for i in range(num_layers)]
     if types is not None:
         if len(types) != num_layers:
             raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")

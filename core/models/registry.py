@@ -265,6 +265,26 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "MoE layers refused; no prefix caching",
     ),
     ModelEntry(
+        "Lfm2ForCausalLM",
+        "lfm2",
+        "pagedserve.models.lfm2",
+        "Lfm2ForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="LFM2: gated short-convolution layers (window in state pages) beside attention with q/k norms; "
+        "no prefix caching",
+    ),
+    ModelEntry(
+        "JambaForCausalLM",
+        "jamba",
+        "pagedserve.models.jamba",
+        "JambaForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="Jamba: Mamba 1 layers (selective scan, state in state pages) beside attention without RoPE "
+        "(`attn_layer_period`), MoE every `expert_layer_period` layers; no prefix caching",
+    ),
+    ModelEntry(
         "DeepseekV3ForCausalLM",
         "deepseek_v3",
         "pagedserve.models.deepseek_v3",

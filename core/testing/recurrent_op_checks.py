@@ -163,6 +163,49 @@ def _mamba2_ssd_step(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
         yield desc, body
 
 
+def _scan_inputs(c: _Case, tokens: int, seqs: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    dim, n = 24, 8
+    x, dt = c.randn(tokens, dim, dtype=dtype), F.softplus(c.randn(tokens, dim))
+    A = -(c.randn(dim, n).abs() + 0.1)
+    B, C = c.randn(tokens, n, dtype=dtype), c.randn(tokens, n, dtype=dtype)
+    return [x, dt, A, B, C, c.randn(dim), c.randn(seqs, dim, n, scale=0.3)]
+
+
+def _mamba1_scan(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for chunk in (4, 16):
+        desc = f"chunk{chunk}"
+
+        def body(chunk=chunk, desc=desc) -> None:
+            c = _Case(f"mamba1_scan{desc}{dtype}", seed, t.device)
+            x, dt, A, B, C, D, state = _scan_inputs(c, sum(LENS), len(LENS), dtype)
+            state[1] = 0
+            want_state = state.clone()
+            want = reference.mamba1_scan(x, dt, A, B, C, D, want_state, _qsl(c, LENS).cpu(), chunk)
+            got_state = c.dev(state)
+            got = fn(*[c.dev(a) for a in (x, dt, A, B, C, D)], got_state, _qsl(c, LENS), chunk)
+            assert_matches("mamba1_scan", got, want, dtype)
+            _state_check("mamba1_scan", got_state, want_state, dtype)
+
+        yield desc, body
+
+
+def _mamba1_scan_step(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    for seqs in (1, 6):
+        desc = f"{seqs}seqs"
+
+        def body(seqs=seqs, desc=desc) -> None:
+            c = _Case(f"mamba1_scan_step{desc}{dtype}", seed, t.device)
+            x, dt, A, B, C, D, state = _scan_inputs(c, seqs, seqs, dtype)
+            want_state = state.clone()
+            want = reference.mamba1_scan_step(x, dt, A, B, C, D, want_state)
+            got_state = c.dev(state)
+            got = fn(*[c.dev(a) for a in (x, dt, A, B, C, D)], got_state)
+            assert_matches("mamba1_scan_step", got, want, dtype)
+            _state_check("mamba1_scan_step", got_state, want_state, dtype)
+
+        yield desc, body
+
+
 def _rms_norm_gated(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
     for before, group in [(True, None), (False, 16)]:
         desc = f"{'norm-then-gate' if before else 'gate-then-norm'}-group{group}"
@@ -184,5 +227,7 @@ RECURRENT_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]
     "gated_delta_rule_recurrent": _gated_delta_rule_recurrent,
     "mamba2_ssd": _mamba2_ssd,
     "mamba2_ssd_step": _mamba2_ssd_step,
+    "mamba1_scan": _mamba1_scan,
+    "mamba1_scan_step": _mamba1_scan_step,
     "rms_norm_gated": _rms_norm_gated,
 }

@@ -4,6 +4,8 @@
   ``[dk, dv]`` state in registers, decays it, writes the delta-rule update and reads the
   output (q and k L2-normalised in the kernel when asked).
 - ``mamba2_ssd_step``: one program per (sequence, head), ``[head_dim, d_state]`` state.
+- ``mamba1_scan_step``: one program per (sequence, block of channels), each channel's
+  ``[d_state]`` state row with its own decays ``exp(dt * A[channel])``.
 - ``causal_conv1d_update``: one program per (sequence, block of channels) shifts the
   window and applies the depthwise filter, bias and SiLU.
 
@@ -20,7 +22,12 @@ import triton.language as tl
 
 from pagedserve.kernels.triton._common import FLOAT_DTYPES, check_same_device, check_tensor, next_power_of_2
 
-__all__ = ["gated_delta_rule_recurrent_triton", "mamba2_ssd_step_triton", "causal_conv1d_update_triton"]
+__all__ = [
+    "gated_delta_rule_recurrent_triton",
+    "mamba2_ssd_step_triton",
+    "mamba1_scan_step_triton",
+    "causal_conv1d_update_triton",
+]
 
 
 @triton.jit
@@ -144,6 +151,60 @@ def mamba2_ssd_step_triton(x, dt, A, B, C, D, state) -> torch.Tensor:
     _ssd_step_kernel[(n, heads)](
         x, dt, A, B, C, D, state, out, heads, groups, p, d_state, next_power_of_2(p), next_power_of_2(d_state)
     )
+    return out
+
+
+@triton.jit
+def _scan_step_kernel(
+    x_ptr,
+    dt_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    d_ptr,
+    state_ptr,
+    out_ptr,
+    DIM: tl.constexpr,
+    N: tl.constexpr,
+    BD: tl.constexpr,
+    BN: tl.constexpr,
+):
+    s = tl.program_id(0)
+    od = tl.program_id(1) * BD + tl.arange(0, BD)
+    on = tl.arange(0, BN)
+    md = od < DIM
+    mn = on < N
+    m2 = md[:, None] & mn[None, :]
+    x = tl.load(x_ptr + s * DIM + od, mask=md, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + s * DIM + od, mask=md, other=0.0).to(tl.float32)
+    d = tl.load(d_ptr + od, mask=md, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + od[:, None] * N + on[None, :], mask=m2, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + s * N + on, mask=mn, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + s * N + on, mask=mn, other=0.0).to(tl.float32)
+    offs = (s * DIM + od[:, None]) * N + on[None, :]
+    st = tl.load(state_ptr + offs, mask=m2, other=0.0) * tl.exp(dt[:, None] * a) + (dt * x)[:, None] * b[None, :]
+    tl.store(state_ptr + offs, st, mask=m2)
+    y = tl.sum(st * c[None, :], axis=1) + d * x
+    tl.store(out_ptr + s * DIM + od, y.to(out_ptr.dtype.element_ty), mask=md)
+
+
+def mamba1_scan_step_triton(x, dt, A, B, C, D, state) -> torch.Tensor:
+    """See :func:`pagedserve.kernels.recurrent_reference.mamba1_scan_step`."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("B", B, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("state", state, ndim=3, dtypes=(torch.float32,), contiguous=True)
+    check_same_device(x=x, dt=dt, A=A, B=B, C=C, D=D, state=state)
+    n, dim = x.shape
+    d_state = B.shape[1]
+    if tuple(state.shape) != (n, dim, d_state) or tuple(A.shape) != (dim, d_state):
+        raise ValueError(f"state must be [{n}, {dim}, {d_state}] and A [{dim}, {d_state}]")
+    out = torch.empty_like(x)
+    if n == 0:
+        return out
+    x, dt, A, B, C, D = (t.contiguous() for t in (x, dt, A, B, C, D))
+    bn = next_power_of_2(d_state)
+    bd = max(1, min(next_power_of_2(dim), 4096 // bn))
+    _scan_step_kernel[(n, triton.cdiv(dim, bd))](x, dt, A, B, C, D, state, out, dim, d_state, bd, bn)
     return out
 
 

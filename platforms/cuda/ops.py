@@ -29,10 +29,16 @@ TRITON_OPS: tuple[str, ...] = (
     "fused_moe",
     "gated_delta_rule_recurrent",
     "mamba2_ssd_step",
+    "mamba1_scan_step",
     "causal_conv1d_update",
 )
 #: The recurrent layers' decode-step ops (kernels/triton/recurrent.py).
-_RECURRENT_OPS: tuple[str, ...] = ("gated_delta_rule_recurrent", "mamba2_ssd_step", "causal_conv1d_update")
+_RECURRENT_OPS: tuple[str, ...] = (
+    "gated_delta_rule_recurrent",
+    "mamba2_ssd_step",
+    "mamba1_scan_step",
+    "causal_conv1d_update",
+)
 #: The ops the CUDA C++ kernels serve under PAGEDSERVE_CUDA_KERNELS=cuda.
 _CUDA_CPP_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks")
 
@@ -46,6 +52,7 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
     from pagedserve.kernels.triton.recurrent import (
         causal_conv1d_update_triton,
         gated_delta_rule_recurrent_triton,
+        mamba1_scan_step_triton,
         mamba2_ssd_step_triton,
     )
 
@@ -53,6 +60,7 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         **triton_ops(),
         "gated_delta_rule_recurrent": gated_delta_rule_recurrent_triton,
         "mamba2_ssd_step": mamba2_ssd_step_triton,
+        "mamba1_scan_step": mamba1_scan_step_triton,
         "causal_conv1d_update": causal_conv1d_update_triton,
         "gguf_linear": gguf_linear_triton,
         "lora_linear": lora_linear_triton,

@@ -1,6 +1,6 @@
 """The conformance kit checks the recurrent-layer ops a platform registers: the reference
 set passes in every dtype, and a wrong one (a state left un-updated, a chunk boundary
-dropped, a fresh sequence reading its stale state) fails under the op's id."""
+dropped, a fresh sequence reading its stale state, a carried scan state dropped) fails under the op's id."""
 
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ def faulty(fault: str | None) -> dict[str, object]:
             return out
 
         impls["gated_delta_rule"] = gdn
+    if fault == "scan-drops-initial-state":
+
+        def scan(x, dt, A, B, C, D, state, qsl, chunk_size=16):
+            return rref.mamba1_scan(x, dt, A, B, C, D, state.zero_(), qsl, chunk_size)
+
+        impls["mamba1_scan"] = scan
     if fault == "conv-ignores-has-state":
 
         def conv(x, weight, bias, conv_state, qsl, has_state, activation="silu"):
@@ -90,6 +96,7 @@ def test_reference_recurrent_ops_pass_in_every_dtype(healthy):
     ids = {r.id for r in healthy.results}
     assert {i.split("[")[0] for i in ids} == {f"op:{op}" for op in OPS}
     assert "op:gated_delta_rule[bfloat16-chunk16]" in ids and "op:mamba2_ssd_step[float32-6seqs]" in ids
+    assert "op:mamba1_scan[bfloat16-chunk4]" in ids
 
 
 @pytest.mark.parametrize(
@@ -98,6 +105,7 @@ def test_reference_recurrent_ops_pass_in_every_dtype(healthy):
         ("ssd-step-state-not-written", "mamba2_ssd_step"),
         ("gdn-drops-last-token", "gated_delta_rule"),
         ("conv-ignores-has-state", "causal_conv1d"),
+        ("scan-drops-initial-state", "mamba1_scan"),
     ],
 )
 def test_a_wrong_recurrent_op_fails_under_its_name(healthy, fault, op):

@@ -186,3 +186,65 @@ def test_grouped_gate_first_rms_norm_matches_granite():
         norm.weight.copy_(torch.randn(16, generator=gen))
         got = ref.rms_norm_gated(x, z, norm.weight, 1e-5, norm_before_gate=False, group_size=8)
         torch.testing.assert_close(got, norm(x, z))
+
+
+def _scan_inputs(gen: torch.Generator, lens: list[int], dim: int = 12, n: int = 5):
+    t = sum(lens)
+    x = torch.randn(t, dim, generator=gen)
+    dt = F.softplus(torch.randn(t, dim, generator=gen))
+    A = -torch.rand(dim, n, generator=gen) * 2 - 0.1
+    B, C = torch.randn(t, n, generator=gen), torch.randn(t, n, generator=gen)
+    D = torch.randn(dim, generator=gen)
+    state = torch.randn(len(lens), dim, n, generator=gen) * 0.3
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return x, dt, A, B, C, D, state, qsl
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 256])
+def test_mamba1_scan_chunked_equals_its_recursion(chunk):
+    gen = torch.Generator().manual_seed(20 + chunk)
+    x, dt, A, B, C, D, state, qsl = _scan_inputs(gen, [1, 21, 40, 7])
+    s_chunked = state.clone()
+    out = ref.mamba1_scan(x, dt, A, B, C, D, s_chunked, qsl, chunk)
+    want = torch.full_like(x, float("nan"))
+    s_want = state.clone()
+    for i in range(len(qsl) - 1):
+        s = s_want[i : i + 1].clone()
+        for t in range(int(qsl[i]), int(qsl[i + 1])):
+            sl = slice(t, t + 1)
+            want[sl] = ref.mamba1_scan_step(x[sl], dt[sl], A, B[sl], C[sl], D, s)
+        s_want[i] = s[0]
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s_chunked, s_want, rtol=1e-4, atol=1e-4)
+
+
+def test_mamba1_step_is_the_selective_recursion():
+    gen = torch.Generator().manual_seed(6)
+    x, dt, A, B, C, D, state, _ = _scan_inputs(gen, [1, 1, 1])
+    s = state.clone()
+    y = ref.mamba1_scan_step(x, dt, A, B, C, D, s)
+    for i in range(3):
+        for d in range(x.shape[1]):
+            new = torch.exp(dt[i, d] * A[d]) * state[i, d] + dt[i, d] * x[i, d] * B[i]
+            torch.testing.assert_close(s[i, d], new)
+            torch.testing.assert_close(y[i, d], new @ C[i] + D[d] * x[i, d])
+
+
+def test_mamba1_scan_and_step_match_transformers_jamba():
+    """transformers' slow path: its scan from a zero state (prefill), then its one-step
+    update continuing the returned state (decode)."""
+    from transformers.models.jamba import modeling_jamba as hf
+
+    gen = torch.Generator().manual_seed(7)
+    x, dt, A, B, C, D, _, _ = _scan_inputs(gen, [23])
+    state = torch.zeros(1, x.shape[1], A.shape[1])
+    got = ref.mamba1_scan(x[:-1], dt[:-1], A, B[:-1], C[:-1], D, state, torch.tensor([0, 22], dtype=torch.int32))
+    want, hf_state = hf.mamba_selective_scan(
+        x[:-1].t()[None], dt[:-1].t()[None], A, B[:-1].t()[None], C[:-1].t()[None], D, return_last_state=True
+    )
+    torch.testing.assert_close(got, want[0].t(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, hf_state, rtol=1e-4, atol=1e-4)
+    got_step = ref.mamba1_scan_step(x[-1:], dt[-1:], A, B[-1:], C[-1:], D, state)
+    want_step = hf.mamba_selective_state_update(hf_state, x[-1:], dt[-1:], A, B[-1:], C[-1:], D)
+    torch.testing.assert_close(got_step, want_step, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, hf_state, rtol=1e-4, atol=1e-4)

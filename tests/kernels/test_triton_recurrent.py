@@ -71,6 +71,24 @@ def test_mamba2_ssd_step(dtype, seqs, heads, groups, p, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("seqs", "dim", "n"), [(1, 24, 8), (5, 300, 5)])
+def test_mamba1_scan_step(dtype, seqs, dim, n):
+    gen = _gen(4)
+    x = torch.randn(seqs, dim, generator=gen).to(dtype)
+    dt = F.softplus(torch.randn(seqs, dim, generator=gen))
+    A = -(torch.rand(dim, n, generator=gen) * 2 + 0.1)
+    B, C = torch.randn(seqs, n, generator=gen).to(dtype), torch.randn(seqs, n, generator=gen).to(dtype)
+    D = torch.randn(dim, generator=gen)
+    state = torch.randn(seqs, dim, n, generator=gen) * 0.3
+    want_state = state.clone()
+    want = reference.mamba1_scan_step(x, dt, A, B, C, D, want_state)
+    got_state = state.clone().to(DEVICE)
+    got = recurrent.mamba1_scan_step_triton(*_dev(x, dt, A, B, C, D), got_state)
+    torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
+    torch.testing.assert_close(got_state.cpu(), want_state, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("seqs", "dim", "width", "bias", "act"), [(1, 24, 4, True, "silu"), (4, 300, 3, False, None)])
 def test_causal_conv1d_update(dtype, seqs, dim, width, bias, act):
     gen = _gen(3)

@@ -1,5 +1,5 @@
 """How hybrid configs name their layers: ``layer_types`` (Qwen3.5 / Qwen3-Next
-``linear_attention``, Granite 4 ``mamba`` / ``attention``), Nemotron-H's
+``linear_attention``, Granite 4 ``mamba`` / ``attention``, LFM2 ``conv``, Jamba's ``attn_layer_period``), Nemotron-H's
 ``layers_block_type`` or ``hybrid_override_pattern``, read as each layer's KV cache kind;
 Nemotron-H's ``backbone.*`` tensor names and its implied layer count."""
 
@@ -19,6 +19,10 @@ def test_layer_types_mark_recurrent_layers():
     assert layer_windows(qwen, 4) == [S, S, S, None]
     granite = {"layer_types": ["mamba", "attention", "mamba"]}
     assert layer_windows(granite, 3) == [S, None, S]
+    lfm2 = {"layer_types": ["conv", "full_attention", "conv"]}
+    assert layer_windows(lfm2, 3) == [S, None, S]
+    jamba = {"attn_layer_period": 4, "attn_layer_offset": 1}  # Jamba writes no per-layer list
+    assert layer_windows(jamba, 6) == [S, None, S, S, S, None]
     with pytest.raises(ValueError, match="retention"):
         layer_windows({"layer_types": ["retention"]}, 1)
 

@@ -1,5 +1,5 @@
 """A hybrid family through the OpenAI-compatible server: ``pagedserve serve`` on a tiny
-random Qwen3.5 checkpoint (Gated DeltaNet and gated attention) with prefix caching off
+random Qwen3.5 checkpoint (Gated DeltaNet and gated attention; LFM2 and Jamba too, slow) with prefix caching off
 (``--no-enable-prefix-caching``, which the recurrent state needs) and 8-token chunks
 returns transformers' greedy logprobs for concurrent token-id prompts of different
 lengths.  (That it refuses prefix caching is checked through ``LLM`` in
@@ -15,9 +15,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 from test_models_hybrid_vs_hf import _prompts, build_checkpoint, hf_reference
 
-CASE = "qwen3_5-deltanet-gated-attn"
+#: Qwen3.5 runs in CI; LFM2 (short convolutions) and Jamba (Mamba 1, MoE) are slow.
+CASES = [
+    "qwen3_5-deltanet-gated-attn",
+    pytest.param("lfm2-shortconv-bias-attn", marks=pytest.mark.slow),
+    pytest.param("jamba-mamba1-moe-attn", marks=pytest.mark.slow),
+]
 MAX_NEW = 6
 
 
@@ -33,8 +39,9 @@ def _serve(ckpt, port: int, log, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([*args, *extra], stdout=log, stderr=subprocess.STDOUT)
 
 
-def test_hybrid_server_completions_match_transformers(tmp_path):
-    model = build_checkpoint(tmp_path / "ckpt", CASE)
+@pytest.mark.parametrize("case", CASES)
+def test_hybrid_server_completions_match_transformers(tmp_path, case):
+    model = build_checkpoint(tmp_path / "ckpt", case)
     prompts = _prompts(3)[:3]
     expected = [hf_reference(model, p, MAX_NEW) for p in prompts]
 

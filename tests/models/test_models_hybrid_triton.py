@@ -1,6 +1,7 @@
 """The Triton decode-step kernels of the recurrent layers inside the engine: a Qwen3.5
-(Gated DeltaNet) and a Granite 4 (Mamba 2) tiny checkpoint decode with
-``gated_delta_rule_recurrent``, ``mamba2_ssd_step`` and ``causal_conv1d_update`` served
+(Gated DeltaNet), a Granite 4 (Mamba 2), an LFM2 (short convolutions) and a Jamba
+(Mamba 1) tiny checkpoint decode with ``gated_delta_rule_recurrent``,
+``mamba2_ssd_step``, ``mamba1_scan_step`` and ``causal_conv1d_update`` served
 by kernels/triton/recurrent.py (Triton's interpreter without a GPU), and give
 transformers' greedy tokens and logprobs."""
 
@@ -26,12 +27,19 @@ from pagedserve.kernels.triton import recurrent  # noqa: E402
 STEP_OPS = {
     "gated_delta_rule_recurrent": recurrent.gated_delta_rule_recurrent_triton,
     "mamba2_ssd_step": recurrent.mamba2_ssd_step_triton,
+    "mamba1_scan_step": recurrent.mamba1_scan_step_triton,
     "causal_conv1d_update": recurrent.causal_conv1d_update_triton,
 }
 
 
 @pytest.mark.parametrize(
-    "case", ["qwen3_5-deltanet-gated-attn", pytest.param("granite4-mamba2-moe-nope", marks=pytest.mark.slow)]
+    "case",
+    [
+        "qwen3_5-deltanet-gated-attn",
+        pytest.param("granite4-mamba2-moe-nope", marks=pytest.mark.slow),
+        pytest.param("lfm2-shortconv-bias-attn", marks=pytest.mark.slow),
+        pytest.param("jamba-mamba1-moe-attn", marks=pytest.mark.slow),
+    ],
 )
 def test_triton_step_kernels_in_the_engine_match_transformers(case, tmp_path):
     model = build_checkpoint(tmp_path / "ckpt", case)
@@ -50,6 +58,9 @@ def test_triton_step_kernels_in_the_engine_match_transformers(case, tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert "causal_conv1d_update" in calls and len(calls) >= 2 * 4  # 4 decode steps, conv and scan per layer
+    scan = {"qwen3_5": "gated_delta_rule_recurrent", "granite4": "mamba2_ssd_step", "jamba": "mamba1_scan_step"}
+    family = case.split("-")[0]
+    assert family not in scan or scan[family] in calls, (case, sorted(set(calls)))
     for out, (tokens, logprobs) in zip(outs, expected):
         got = out.outputs[0]
         assert got.token_ids == tokens

@@ -1,4 +1,5 @@
-"""Hybrid families (Gated DeltaNet layers beside gated attention) against transformers,
+"""Hybrid families (Gated DeltaNet, Mamba 1 and 2 or short-convolution layers beside
+attention) against transformers,
 float32, on tiny random checkpoints built from transformers' own classes: the same
 greedy tokens and logprobs through ``LLM`` for a batch of prompts of different lengths,
 run whole, in chunks smaller than a DeltaNet chunk (64 tokens) and larger than one,
@@ -89,6 +90,44 @@ CASES: dict[str, tuple[str, str, dict]] = {
             conv_kernel=4,
             chunk_size=32,
             layer_norm_epsilon=1e-5,
+        ),
+    ),
+    "lfm2-shortconv-bias-attn": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(
+            layer_types=["conv", "full_attention", "conv", "conv"],
+            conv_L_cache=3,
+            conv_bias=True,
+            norm_eps=1e-5,
+            block_multiple_of=32,  # intermediate 96 -> 2/3 of it, rounded up to 32: 64
+        ),
+    ),
+    "lfm2-tied-width4-no-bias": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(
+            layer_types=["full_attention", "conv", "conv", "full_attention"],
+            conv_L_cache=4,
+            norm_eps=1e-5,
+            block_auto_adjust_ff_dim=False,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "jamba-mamba1-moe-attn": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        dict(
+            attn_layer_period=4,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            mamba_dt_rank=8,
         ),
     ),
     "qwen3_5moe-experts-every-layer": (
@@ -203,11 +242,12 @@ def _check(outs, expected, what: str) -> None:
 
 def _cases() -> list:
     """Every family under preemption (its 150-token prompt in 64-token chunks: the state
-    carried across steps); the first Qwen3.5 case under every engine; the rest are slow."""
+    carried across steps); the first Qwen3.5 and LFM2 cases under every engine; the rest
+    are slow."""
     out = []
     for case in CASES:
         for kind in ENGINES:
-            quick = kind == "preempting" or case == "qwen3_5-deltanet-gated-attn"
+            quick = kind == "preempting" or case in ("qwen3_5-deltanet-gated-attn", "lfm2-shortconv-bias-attn")
             out.append(pytest.param(case, kind, marks=() if quick else pytest.mark.slow, id=f"{case}-{kind}"))
     return out
 
@@ -227,8 +267,9 @@ def test_hybrid_greedy_and_logprobs_match_transformers(case, engine_kind, checkp
         assert eng.scheduler.num_preemptions > 0
 
 
-def test_hybrid_n2_samples_each_carry_their_state(checkpoints):
-    path, prompts, expected = checkpoints("qwen3_5-deltanet-gated-attn")
+@pytest.mark.parametrize("case", ["qwen3_5-deltanet-gated-attn", "lfm2-shortconv-bias-attn", "jamba-mamba1-moe-attn"])
+def test_hybrid_n2_samples_each_carry_their_state(checkpoints, case):
+    path, prompts, expected = checkpoints(case)
     llm = LLM(model=str(path), **COMMON, **ENGINES["chunked-small"])
     params = [SamplingParams(n=2, temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_NEW]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -252,3 +293,11 @@ def test_hybrid_refuses_what_a_recurrent_state_cannot_do(checkpoints, settings, 
     with pytest.raises(ValueError, match="recurrent-state layers") as err:
         LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", **settings)
     assert named in str(err.value)
+
+
+@pytest.mark.parametrize("case", ["lfm2-shortconv-bias-attn", "jamba-mamba1-moe-attn"])
+def test_conv_and_mamba1_layers_refuse_prefix_caching(checkpoints, case):
+    path, _, _ = checkpoints(case)
+    with pytest.raises(ValueError, match="recurrent-state layers") as err:
+        LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", enable_prefix_caching=True)
+    assert "enable_prefix_caching=True" in str(err.value)
