@@ -85,6 +85,13 @@ class CpuOptions:
     #: rows on AMX int8 tiles where the CPU has them (bit for bit the VNNI kernel's
     #: result; off by default: 1.0-1.3x the VNNI kernel, docs/kernels_cpu.md).
     gguf_amx: bool = False
+    #: PAGEDSERVE_CPU_GGUF_AMX_BF16: with measured dispatch on (``tune``), repacked GGUF
+    #: Q4_0/Q4_1/Q8_0 linears may run on AMX-BF16 tiles at the row counts where that
+    #: measures faster (platforms/cpu/tuned_gguf.py).  Off by default: the two kernels
+    #: round differently, so a request's output would depend on how many rows its step
+    #: ran with (a prefix-cache hit or another batch could change a greedy answer); off,
+    #: the default GGUF path stays batch invariant.
+    gguf_amx_bf16: bool = False
     #: PAGEDSERVE_CPU_KV_LAYOUT: "head" (each kv head's rows of a block together) or "token".
     kv_layout: str = "head"
     #: PAGEDSERVE_CPU_HUGE_PAGES: advise the KV caches onto transparent huge pages.
@@ -105,6 +112,7 @@ class CpuOptions:
             tune_dual_mb=env_int(env, "PAGEDSERVE_CPU_TUNE_DUAL_MB", 1024),
             gguf_repack=env_flag(env, "PAGEDSERVE_CPU_GGUF_REPACK", True),
             gguf_amx=env_flag(env, "PAGEDSERVE_CPU_GGUF_AMX", False),
+            gguf_amx_bf16=env_flag(env, "PAGEDSERVE_CPU_GGUF_AMX_BF16", False),
             kv_layout=env_choice(env, "PAGEDSERVE_CPU_KV_LAYOUT", "head", ("head", "token")),
             huge_pages=env_flag(env, "PAGEDSERVE_CPU_HUGE_PAGES", False),
             amx_attention=env_flag(env, "PAGEDSERVE_CPU_AMX_ATTENTION", True),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
-__all__ = ["ModelSpec", "load_model_config", "DEFAULT_MODEL_CONFIG", "WEIGHT_BYTES"]
+__all__ = ["ModelSpec", "load_model_config", "DEFAULT_MODEL_CONFIG", "WEIGHT_BYTES", "UNMODELED_ARCHITECTURES"]
 
 #: The default model's config (SmolLM2-135M-Instruct, as its GGUF metadata reads).
 DEFAULT_MODEL_CONFIG = "smollm2-135m-instruct.json"
@@ -98,6 +98,25 @@ def load_model_config(model: str | None) -> dict[str, Any]:
         raise ValueError(f"--model {model!r} is not valid JSON: {e}") from e
 
 
+#: Families the planner cannot price yet, by architecture: their per-request state or
+#: per-layer shapes are not in :class:`ModelSpec` (a plan would be silently wrong).
+UNMODELED_ARCHITECTURES: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "Qwen3_5ForCausalLM",
+            "Qwen3_5MoeForCausalLM",
+            "Qwen3NextForCausalLM",
+            "GraniteMoeHybridForCausalLM",
+            "NemotronHForCausalLM",
+            "Lfm2ForCausalLM",
+            "JambaForCausalLM",
+        ),
+        "its recurrent-state layers (state pages per request, scan and convolution costs)",
+    ),
+    "Gemma4ForCausalLM": "its per-layer head sizes and KV heads",
+}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Parameter counts (in weights) and shapes of a decoder-only model."""
@@ -129,6 +148,12 @@ class ModelSpec:
     def from_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         if isinstance(cfg.get("text_config"), dict):
             cfg = {**cfg["text_config"], "quantization_config": cfg.get("quantization_config")}
+        for arch in cfg.get("architectures") or ():
+            if arch in UNMODELED_ARCHITECTURES:
+                raise ValueError(
+                    f"the capacity planner cannot model {arch} yet: {UNMODELED_ARCHITECTURES[arch]} "
+                    "are not priced; plan a transformer of similar size instead"
+                )
         try:
             hidden = int(_first(cfg, "hidden_size", "n_embd", "d_model"))
             layers = int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers"))

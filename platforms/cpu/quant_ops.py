@@ -275,8 +275,9 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None, t
     Loads the native GGUF kernel, compiling it on first use; where it is switched off
     (``options.quant_kernels``; None: the environment now) or cannot be built,
     ``gguf_linear`` stays the reference (the loader has warned why).  With a ``tuner``
-    (tuning on) and AMX on the CPU, repacked weights are dispatched per row-count bucket
-    between the VNNI kernel and the AMX-BF16 one by measurement (platforms/cpu/tuned_gguf.py).
+    (tuning on), ``options.gguf_amx_bf16`` and AMX on the CPU, repacked weights are
+    dispatched per row-count bucket between the VNNI kernel and the AMX-BF16 one by
+    measurement (platforms/cpu/tuned_gguf.py).
     """
     options = CpuOptions.from_env() if options is None else options
     module = load_quant_kernels() if options.quant_kernels else None
@@ -285,8 +286,9 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None, t
         # stay in blocks by default where this kernel runs.
         source = f"cpu-native-quant({module.isa()})"
         repack = module.has_packed() and options.gguf_repack
-        amx = load_gguf_amx() if repack and (options.gguf_amx or tuner is not None) else None
-        if amx is not None and tuner is not None:
+        tuned_amx = tuner is not None and options.gguf_amx_bf16
+        amx = load_gguf_amx() if repack and (options.gguf_amx or tuned_amx) else None
+        if amx is not None and tuned_amx:
             from pagedserve.platforms.cpu.tuned_gguf import TunedGguf
 
             static_gated = make_gguf_linear_silu_and_mul(gguf_linear, ops.get("silu_and_mul"))

@@ -108,7 +108,7 @@ needs_amx = pytest.mark.skipif(
 def test_registered_ops_run_their_plan():
     ops = OpRegistry()
     tuner = Tuner(None, threads=1)
-    cpu_quant.register_cpu_quant_ops(ops, CpuOptions(), tuner)
+    cpu_quant.register_cpu_quant_ops(ops, CpuOptions(gguf_amx_bf16=True), tuner)
     assert "+tuned(" in ops.source("gguf_linear")
     gen = torch.Generator().manual_seed(2)
     n, k = 512, 256  # 2**17 elements: tuned

@@ -15,7 +15,6 @@ import torch
 
 from pagedserve.kernels import quant_reference as qref
 from pagedserve.kernels import reference
-from pagedserve.kernels.cpu.quant_gguf_amx import load_gguf_amx
 from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 from pagedserve.platforms import OpRegistry, discover, hookimpl
 from pagedserve.platforms.cpu import CpuPlatform
@@ -52,14 +51,12 @@ def test_cpu_registers_the_native_gguf_kernel_where_it_loads(monkeypatch, fresh_
     monkeypatch.delenv("PAGEDSERVE_CPU_KERNELS", raising=False)
     monkeypatch.delenv("PAGEDSERVE_QUANT_CPU_KERNELS", raising=False)
     monkeypatch.delenv("PAGEDSERVE_CPU_TUNE", raising=False)
+    monkeypatch.delenv("PAGEDSERVE_CPU_GGUF_AMX_BF16", raising=False)
     ops = OpRegistry()
     register_cpu_ops(ops)
     if load_quant_kernels() is None:
         assert ops.gguf_linear is reference.gguf_linear and ops.source("gguf_linear") == "reference"
-    elif load_quant_kernels().has_packed() and load_gguf_amx() is not None:
-        # AMX: the VNNI and AMX-BF16 kernels dispatched by measurement (tuned_gguf.py).
-        assert ops.source("gguf_linear") == f"cpu-native-quant({load_quant_kernels().isa()})+tuned(amx_bf16,vnni)"
-    else:
+    else:  # the AMX-BF16 dispatch is opt-in (PAGEDSERVE_CPU_GGUF_AMX_BF16): off, the VNNI kernel
         assert ops.gguf_linear is cpu_quant.gguf_linear
         assert ops.source("gguf_linear") == f"cpu-native-quant({load_quant_kernels().isa()})"
     assert ops.int8_linear is cpu_quant.int8_linear and ops.w8a8_linear is cpu_quant.w8a8_linear
