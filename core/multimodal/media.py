@@ -56,9 +56,18 @@ def image_hash(image) -> str:
     return h.hexdigest()
 
 
+def _pil():
+    """The PIL package (Pillow), or a RuntimeError that says how to install it."""
+    try:
+        import PIL.Image
+    except ImportError as e:
+        raise RuntimeError("images need Pillow: pip install 'pagedserve[multimodal]'") from e
+    return PIL
+
+
 def check_image(image, limits: MediaLimits):
     """A PIL image given directly (offline API): its pixel count checked; returned as RGB."""
-    from PIL import Image
+    Image = _pil().Image
 
     if not isinstance(image, Image.Image):
         raise ValueError(f"an image must be a PIL.Image.Image, got {type(image).__name__}")
@@ -77,7 +86,8 @@ def _check_pixels(size: tuple[int, int], limits: MediaLimits) -> None:
 def load_image_bytes(data: bytes, limits: MediaLimits):
     """Decode an encoded image (PNG, JPEG, ...) into an RGB PIL image, checking its size
     and pixel count first."""
-    from PIL import Image, UnidentifiedImageError
+    Image = _pil().Image
+    UnidentifiedImageError = Image.UnidentifiedImageError
 
     if len(data) > limits.max_bytes:
         raise ValueError(f"image is {len(data)} bytes; at most {limits.max_bytes} are accepted")
