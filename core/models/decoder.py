@@ -251,6 +251,14 @@ class DecoderForCausalLM:
         dev = self._layer_device[local]
         self.finish_layer(self.layers[local], weights, lambda t: self._param(t, dev))
 
+    def prepare_stacked_experts(self) -> None:
+        """Each layer's stacked routed experts (``w13``/``w2`` tensors; families with MoE
+        layers) through its placement's ``prepare_moe_weights``."""
+        for pl in self.placements:
+            for layer in self.layers[pl.start - self.layer_start : pl.end - self.layer_start]:
+                if isinstance(getattr(layer, "w13", None), torch.Tensor):
+                    layer.w13, layer.w2 = pl.ops.prepare_moe_weights(layer.w13, layer.w2)
+
     def prepare_linear_weights(self) -> None:
         """Hand every dense linear weight to its placement's ``prepare_linear_weight`` op
         (e.g. the CPU's one-time oneDNN packing); quantized weights take their own

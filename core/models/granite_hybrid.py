@@ -176,10 +176,7 @@ class GraniteMoeHybridForCausalLM(Mamba2Mixer, DecoderForCausalLM):
 
     def prepare_linear_weights(self) -> None:
         super().prepare_linear_weights()
-        for pl in self.placements:
-            for layer in self.layers[pl.start - self.layer_start : pl.end - self.layer_start]:
-                if isinstance(layer.w13, torch.Tensor):
-                    layer.w13, layer.w2 = pl.ops.prepare_moe_weights(layer.w13, layer.w2)
+        self.prepare_stacked_experts()
 
     # -- forward ------------------------------------------------------------------------------
     def layer_forward(

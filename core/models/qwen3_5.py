@@ -200,10 +200,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     def prepare_linear_weights(self) -> None:
         super().prepare_linear_weights()
-        for pl in self.placements:
-            for layer in self.layers[pl.start - self.layer_start : pl.end - self.layer_start]:
-                if isinstance(layer.w13, torch.Tensor):
-                    layer.w13, layer.w2 = pl.ops.prepare_moe_weights(layer.w13, layer.w2)
+        self.prepare_stacked_experts()
 
     # -- forward ------------------------------------------------------------------------------
     def layer_forward(
