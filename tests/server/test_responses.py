@@ -15,7 +15,11 @@ import pytest
 from pagedserve.loader.model_path import default_model_path
 
 MODEL = "smollm2-135m-instruct"
-QUESTION = "What is the capital of France?"
+# "Answer in one word." gives the default model's greedy answer a wide margin ("The" 1.5 nats
+# ahead of the next token in transformers' float32 on the dequantized file); the bare question
+# is a near tie there ("The" -1.88 against "L" -1.97), which the int8-activation kernels
+# break either way depending on the CPU's ISA.
+QUESTION = "What is the capital of France? Answer in one word."
 WEATHER = {
     "type": "function",
     "name": "get_weather",
