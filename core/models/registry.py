@@ -389,6 +389,15 @@ _VISION_LANGUAGE: tuple[VisionLanguageEntry, ...] = (
         image_token_key="image_token_id",
         notes="window-attention ViT (2-D rotary, RMSNorm, SwiGLU), 2x2 patch merger; M-RoPE positions",
     ),
+    VisionLanguageEntry(
+        "Qwen3VLForConditionalGeneration",
+        "qwen3_vl",
+        "pagedserve.models.qwen3_vl",
+        "Qwen3VLVision",
+        image_token_key="image_token_id",
+        notes="ViT with interpolated learned positions and 2-D rotary, 2x2 patch merger, DeepStack features "
+        "added after the first decoder layers; interleaved M-RoPE positions",
+    ),
 )
 
 _VL_BY_ARCH: dict[str, VisionLanguageEntry] = {e.architecture: e for e in _VISION_LANGUAGE}
