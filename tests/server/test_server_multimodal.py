@@ -2,7 +2,8 @@
 LLaVA: data URIs and file:// URLs (under --allowed-local-media-path) answer what
 transformers answers; bad images, remote URLs, files outside the allowed folder, too many
 images, unsupported ``input_image`` fields and image placeholders in /v1/completions are
-400s, never 5xx.  Qwen2.5-VL and Qwen3-VL through chat (and Qwen3-VL through responses)."""
+400s, never 5xx.  Qwen2.5-VL and Qwen3-VL through chat (and Qwen3-VL through responses
+and with a video_url part)."""
 
 from __future__ import annotations
 
@@ -287,3 +288,23 @@ def test_qwen3_vl_chat_and_responses(server_factory, tiny_server_args, tmp_path_
     part = _output_text(r.json())
     assert part["text"] == text
     assert [e["logprob"] for e in part["logprobs"]] == pytest.approx(logprobs, abs=2e-4)
+    # A video_url part: an animated GIF (4 frames of 500 ms: temporal patches at 0.25 s and
+    # 1.25 s) expands to its timestamps and video tokens; video containers are 400s.
+    import io
+
+    frames = [random_image(50 + i, (32, 24)) for i in range(4)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=500, loop=0)
+    gif = "data:image/gif;base64," + base64.b64encode(buf.getvalue()).decode()
+    proc = load_qwen_vl_processor(str(folder), "Qwen3VLProcessor")
+    grid = proc.image_processor(images=[frames[0]], return_tensors="pt")["image_grid_thw"][0]
+    pads = "<|video_pad|>" * (int(grid[1] * grid[2]) // 4)
+    video = "".join(f"<{t} seconds><|vision_start|>{pads}<|vision_end|>" for t in ("0.2", "1.2"))
+    want = len(proc.tokenizer(prompt.replace("<|image_pad|>", video))["input_ids"])
+    parts = [{"type": "text", "text": "What is this?"}, {"type": "video_url", "video_url": {"url": gif}}]
+    r = _chat(server, parts, max_tokens=2)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == want
+    mp4 = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+    r = _chat(server, mp4)
+    assert r.status_code == 400 and "cannot be decoded" in r.json()["error"]["message"], r.text
