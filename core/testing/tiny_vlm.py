@@ -244,12 +244,13 @@ def _save_qwen_processor(folder: pathlib.Path) -> None:
     fast.save_pretrained(folder)
 
 
-def build_qwen3_vl(folder: pathlib.Path):
+def build_qwen3_vl(folder: pathlib.Path, moe: bool = False):
     """A tiny Qwen3-VL checkpoint and processor in ``folder``: 4-pixel patches merged 2x2,
     a 4x4 grid of learned position embeddings (resampled to every image's grid), 3 vision
     layers of which 0 and 2 feed DeepStack features into decoder layers 0 and 1 (of 3),
     interleaved M-RoPE with a section that leaves the last two frequencies temporal; returns the
-    float32 transformers model."""
+    float32 transformers model.  ``moe``: Qwen3-VL-MoE instead (4 experts, top 2, layer 1
+    dense)."""
     start, end, image_id, video_id = _qwen_tokenizer(folder)
     text = dict(
         TEXT,
@@ -275,7 +276,10 @@ def build_qwen3_vl(folder: pathlib.Path):
         num_position_embeddings=16,
         deepstack_visual_indexes=[0, 2],
     )
-    cfg = transformers.Qwen3VLConfig(
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1])
+    config_class = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
+    cfg = config_class(
         text_config=text,
         vision_config=vision,
         image_token_id=image_id,
@@ -286,7 +290,10 @@ def build_qwen3_vl(folder: pathlib.Path):
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = transformers.Qwen3VLForConditionalGeneration(cfg)
+        model_class = (
+            transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration
+        )
+        model = model_class(cfg)
     init_weights(model)
     model.to(torch.float32).eval()
     model.save_pretrained(folder, safe_serialization=True)
@@ -339,7 +346,9 @@ def hf_greedy_qwen(
     from pagedserve.models.qwen2_5_vl import load_qwen_vl_processor
 
     if processor_class is None:
-        qwen3 = isinstance(model, transformers.Qwen3VLForConditionalGeneration)
+        qwen3 = isinstance(
+            model, (transformers.Qwen3VLForConditionalGeneration, transformers.Qwen3VLMoeForConditionalGeneration)
+        )
         processor_class = "Qwen3VLProcessor" if qwen3 else "Qwen2_5_VLProcessor"
     processor = load_qwen_vl_processor(str(folder), processor_class)
     enc = processor(text=[prompt], images=images or None, return_tensors="pt")

@@ -215,3 +215,37 @@ def test_chat_content_parts(qwen3_vl_dir):
         _check(out, *hf_greedy_qwen(model, folder, prompt, [img], 5), "chat data uri")
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["transformers", "published"])
+def test_qwen3_vl_moe_matches_transformers(layout, tmp_path):
+    """Qwen3-VL-MoE: the same vision side over a Qwen3-MoE language model whose experts
+    are fused in the checkpoint (one dense layer), with images and chunked prefill; the
+    fused tensors as transformers saves them and transposed, as Qwen publishes them."""
+    from safetensors.torch import load_file, save_file
+
+    from pagedserve.testing.tiny_vlm import build_qwen3_vl
+
+    model = build_qwen3_vl(tmp_path, moe=True)
+    if layout == "published":
+        path = tmp_path / "model.safetensors"
+        tensors = load_file(str(path))
+        fused = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+        assert len(fused) == 4  # two sparse layers
+        for k in fused:
+            tensors[k] = tensors[k].transpose(1, 2).contiguous()
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    prompts = PROMPTS[1:]
+    images = {p: _images(spec) for p, spec in prompts}
+    expected = [hf_greedy_qwen(model, tmp_path, p, images[p], 5) for p, _ in prompts]
+    llm = _llm(tmp_path, **ENGINES["chunked+prefix"])
+    try:
+        outs = llm.generate(
+            [{"prompt": p, "multi_modal_data": {"image": images[p]}} for p, _ in prompts],
+            [_params(5)] * len(prompts),
+            use_tqdm=False,
+        )
+        for i, (out, exp) in enumerate(zip(outs, expected)):
+            _check(out, *exp, (layout, i))
+    finally:
+        llm.shutdown()
