@@ -14,6 +14,8 @@ from pagedserve.structured_params import BACKENDS, REASONING_PARSERS, structured
 __all__ = [
     "parse_limit_mm_per_prompt",
     "images_per_prompt",
+    "videos_per_prompt",
+    "vision_inputs_on",
     "ModelConfig",
     "CacheConfig",
     "SchedulerConfig",
@@ -277,9 +279,11 @@ def device_map_layers(entries: Sequence[DeviceMapEntry], num_layers: int) -> lis
 
 
 #: Modalities of multimodal inputs (``limit_mm_per_prompt`` keys).
-MODALITIES = ("image",)
+MODALITIES = ("image", "video")
 #: Images per prompt when ``limit_mm_per_prompt`` is unset.
 DEFAULT_IMAGES_PER_PROMPT = 4
+#: Videos per prompt when ``limit_mm_per_prompt`` names none and images are on.
+DEFAULT_VIDEOS_PER_PROMPT = 1
 
 
 def parse_limit_mm_per_prompt(value: str | dict | None) -> dict[str, int] | None:
@@ -320,6 +324,21 @@ def images_per_prompt(model: ModelConfig) -> int:
     """Most images a prompt may have under ``model.limit_mm_per_prompt`` (0: images off)."""
     limits = model.limit_mm_per_prompt or {}
     return int(limits.get("image", DEFAULT_IMAGES_PER_PROMPT))
+
+
+def videos_per_prompt(model: ModelConfig) -> int:
+    """Most videos a prompt may have: ``limit_mm_per_prompt["video"]``, else one when
+    images are on and none when they are off (``image=0`` alone serves the language
+    model alone)."""
+    limits = model.limit_mm_per_prompt or {}
+    if "video" in limits:
+        return int(limits["video"])
+    return DEFAULT_VIDEOS_PER_PROMPT if images_per_prompt(model) > 0 else 0
+
+
+def vision_inputs_on(model: ModelConfig) -> bool:
+    """Whether a vision-language model's vision side loads (images or videos are on)."""
+    return images_per_prompt(model) > 0 or videos_per_prompt(model) > 0
 
 
 def _help(text: str, **extra) -> dict:
@@ -404,8 +423,9 @@ class ModelConfig:
     limit_mm_per_prompt: dict | str | None = field(
         default=None,
         metadata=_help(
-            "most images per prompt of a vision-language model, JSON like '{\"image\": 2}' or image=2; image=0 "
-            "serves its language model alone (the vision weights are not loaded); default: 4 images",
+            "most images (and videos) per prompt of a vision-language model, JSON like '{\"image\": 2}' or "
+            "image=2,video=1; image=0 serves its language model alone (the vision weights are not loaded); "
+            "default: 4 images and 1 video (no video with image=0)",
             parse="pagedserve.config:parse_limit_mm_per_prompt",
         ),
     )

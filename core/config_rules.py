@@ -170,7 +170,8 @@ def check_multimodal(cfg: EngineConfig, multimodal: dict | None) -> None:
     beyond the language model, None for a text model) are on with a setting they do not
     work with yet.  Checked when the checkpoint's config is read, before weights load."""
     limits = cfg.model.limit_mm_per_prompt or {}
-    if not multimodal or limits.get("image", 1) == 0:
+    # The vision side is off with image=0 unless videos are asked for (config.vision_inputs_on).
+    if not multimodal or (limits.get("image", 1) == 0 and not limits.get("video", 0)):
         return
     arch = multimodal.get("architecture", "this vision-language model")
     off = "or serve the language model alone with limit_mm_per_prompt={'image': 0} (--limit-mm-per-prompt image=0)"

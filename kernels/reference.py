@@ -376,11 +376,15 @@ def mrope_rotary_embedding(
     key: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     mrope_section: list[int],
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen-VL's multimodal RoPE (M-RoPE), as transformers applies it: positions int64
     [3, num_tokens] (temporal, height, width); rotary frequency ``j`` (of rotary_dim / 2)
     turns by the temporal position for the first ``mrope_section[0]`` frequencies, the
     height for the next ``mrope_section[1]``, the width for the last ``mrope_section[2]``.
+    ``interleaved`` (Qwen3-VL): the parts alternate instead -- frequency ``j`` turns by
+    the height when ``j % 3 == 1`` and ``j < 3 * mrope_section[1]``, by the width when
+    ``j % 3 == 2`` and ``j < 3 * mrope_section[2]``, by the temporal position otherwise.
     Not an op of its own: the model picks each token's table rows and runs
     ``rotary_embedding``; this rotates by each of the three positions in full and keeps
     each frequency's pair of dims from its own part.  Other arguments as
@@ -392,6 +396,13 @@ def mrope_rotary_embedding(
     owner = []
     for part, count in enumerate(mrope_section):
         owner += [part] * count
+    if interleaved:
+        owner = [0] * half
+        for j in range(half):
+            if j % 3 == 1 and j < 3 * mrope_section[1]:
+                owner[j] = 1
+            elif j % 3 == 2 and j < 3 * mrope_section[2]:
+                owner[j] = 2
     turned = [rotary_embedding(positions[c], query, key, cos_sin_cache) for c in range(3)]
     q_out, k_out = query.clone(), key.clone()
     for j, part in enumerate(owner):

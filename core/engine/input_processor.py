@@ -16,6 +16,7 @@ from pagedserve.engine.request_options import check_request_params, sample_param
 from pagedserve.loader import IncrementalDetokenizer
 from pagedserve.lora import LoRAManager, LoRARequest, lora_cache_salt
 from pagedserve.multimodal.processor import MultiModalInputs, MultiModalProcessor
+from pagedserve.multimodal.video import video_list
 from pagedserve.pooling import PoolingParams, PoolingState
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
@@ -146,6 +147,12 @@ class InputProcessor:
                 f"the prompt holds the image token (id {self.mm_processor.image_token_id}) but no image was given "
                 "(multi_modal_data / image_url content parts)"
             )
+        video_id = self.mm_processor.video_token_id if self.mm_processor is not None else None
+        if video_id is not None and video_id in ids and not any(m.modality == "video" for m in mm_items):
+            raise ValueError(
+                f"the prompt holds the video token (id {video_id}) but no video was given "
+                "(multi_modal_data / video_url content parts)"
+            )
         encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         check_request_params(params, self.vocab_size, encode)
         policy = self.config.scheduler.policy
@@ -197,11 +204,12 @@ class InputProcessor:
             return prompt if isinstance(prompt, str) else None, list(data.prompt_token_ids), list(data.items)
         if not isinstance(data, dict):
             raise ValueError(f"multi_modal_data must be a dict like {{'image': image}}, got {type(data).__name__}")
-        unknown = set(data) - {"image"}
+        unknown = set(data) - {"image", "video"}
         if unknown:
-            raise ValueError(f"multi_modal_data: unsupported modalities {sorted(unknown)} (supported: image)")
+            raise ValueError(f"multi_modal_data: unsupported modalities {sorted(unknown)} (supported: image, video)")
         images = data.get("image")
         images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+        videos = video_list(data.get("video"))
         if self.mm_processor is None:
             raise ValueError(
                 "this engine takes no images: the model is not a supported vision-language checkpoint, or images "
@@ -213,7 +221,7 @@ class InputProcessor:
             )
         if params.truncate_prompt_tokens is not None:
             raise ValueError("truncate_prompt_tokens cannot be combined with images (it could cut an image's tokens)")
-        ids, items = self.mm_processor.process(prompt, images)
+        ids, items = self.mm_processor.process(prompt, images, videos=videos)
         return prompt, ids, items
 
     def process_pooling(

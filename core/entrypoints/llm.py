@@ -28,7 +28,7 @@ from pagedserve.entrypoints.scoring import (
 )
 from pagedserve.lora import LoRARequest
 from pagedserve.lora.request import per_prompt_lora
-from pagedserve.multimodal.chat import chat_images, has_image_parts
+from pagedserve.multimodal.chat import chat_media, has_image_parts
 from pagedserve.multimodal.processor import media_limits
 from pagedserve.outputs import RequestOutput
 from pagedserve.pooling import EmbeddingRequestOutput, PoolingParams, classifier_labels
@@ -335,8 +335,10 @@ class LLM:
         prompts = []
         for conv in conversations:
             images: list = []
+            videos: list = []
             if has_image_parts([m.get("content") for m in conv if isinstance(m, dict)]):
-                conv, images = chat_images(conv, limits, mm.placeholder if mm is not None else None)
+                placeholders = (mm.placeholder, mm.video_placeholder) if mm is not None else (None, None)
+                conv, images, videos = chat_media(conv, limits, *placeholders)
             text = tok.apply_chat_template(
                 conv,
                 add_generation_prompt=add_generation_prompt,
@@ -345,8 +347,9 @@ class LLM:
             )
             if continue_final_message:
                 text = cut_after_final_message(text, conv)
-            if images:
-                prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+            if images or videos:
+                data = {"image": images, **({"video": videos} if videos else {})}
+                prompts.append({"prompt": text, "multi_modal_data": data})
             else:
                 prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

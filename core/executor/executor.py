@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.config import EngineConfig, images_per_prompt
+from pagedserve.config import EngineConfig, vision_inputs_on
 from pagedserve.executor.abstract import Executor
 from pagedserve.executor.model_runner import ModelRunner, StepOutput
 from pagedserve.models.arch_config import ArchConfig
@@ -70,7 +70,7 @@ class UniProcExecutor(Executor):
             dtype,
             segments=segments,
             max_model_len=max_model_len,
-            vision=images_per_prompt(config.model) > 0,
+            vision=vision_inputs_on(config.model),
             experts=experts,
         )
         runner.load_weights(source.weights(), prepare=config.cache.cpu_offload_gb <= 0)

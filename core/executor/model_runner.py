@@ -532,10 +532,13 @@ class ModelRunner:
             if self.lora_manager is not None:
                 self.lora_manager.end_step()
 
-    def _image_embeds(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _image_embeds(self, out: SchedulerOutput) -> tuple | None:
         """(batch rows, embeddings) of the image tokens this step computes: each image's
         encoder output comes from the encoder cache (encoded the first time), and a
-        request that prefilled an image's last token releases it."""
+        request that prefilled an image's last token releases it.  A vision side with
+        ``deepstack_layers`` k > 0 (Qwen3-VL) encodes [tokens, (1 + k) * hidden]: the
+        embeddings, then the features added after each of the first k decoder layers
+        (cached together, so chunks and other requests read them all); they come third."""
         rows, values = [], []
         base = 0
         cache = self.encoder_cache
@@ -558,7 +561,12 @@ class ModelRunner:
             base += s.num_new_tokens
         if not rows:
             return None
-        return torch.cat(rows).to(self.device), torch.cat(values)
+        index, values = torch.cat(rows).to(self.device), torch.cat(values)
+        layers = getattr(self.vision, "deepstack_layers", 0)
+        if not layers:
+            return index, values
+        parts = values.view(values.shape[0], layers + 1, -1).unbind(1)
+        return index, parts[0], list(parts[1:])
 
     def _mrope_positions(self, out: SchedulerOutput) -> torch.Tensor:
         """M-RoPE positions int64 [3, num_tokens] of the step's tokens: a prompt token's

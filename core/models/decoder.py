@@ -15,7 +15,7 @@ import torch
 from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import AttentionShape, LayerPlacement, MRotaryEmbedding, RotaryEmbedding, linear
-from pagedserve.models.rope import check_rope_scaling, mrope_section
+from pagedserve.models.rope import check_rope_scaling, mrope_interleaved, mrope_section
 from pagedserve.quantization.base import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -150,7 +150,13 @@ class DecoderForCausalLM:
         section = mrope_section(cfg.hf_config)
         if section is not None:  # Qwen-VL: 3-D positions for image tokens
             return MRotaryEmbedding(
-                self.rotary_dim(), self.max_positions, cfg.rope_theta, cfg.rope_scaling, devices, section
+                self.rotary_dim(),
+                self.max_positions,
+                cfg.rope_theta,
+                cfg.rope_scaling,
+                devices,
+                section,
+                mrope_interleaved(cfg.hf_config),
             )
         return RotaryEmbedding(self.rotary_dim(), self.max_positions, cfg.rope_theta, cfg.rope_scaling, devices)
 
@@ -443,16 +449,21 @@ class DecoderForCausalLM:
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
-        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        embeds: tuple | None = None,
     ) -> torch.Tensor:
         """input_ids int64 [num_tokens] -> final hidden states [num_tokens, hidden].
 
-        ``embeds`` (rows int64 [m], values [m, hidden]): embeddings that replace those of
-        the tokens at ``rows`` (a vision-language model's image features)."""
+        ``embeds`` (rows int64 [m], values [m, hidden][, deepstack]): embeddings that
+        replace those of the tokens at ``rows`` (a vision-language model's image
+        features); ``deepstack`` (Qwen3-VL), a list of [m, hidden]: entry ``i`` is added
+        to the same rows' hidden states after decoder layer ``i``."""
         x = self.embed_tokens(input_ids)
+        deepstack = None
         if embeds is not None:
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
-        x, residual = self.forward_layers(x, None, meta, kv_caches)
+            if len(embeds) > 2 and embeds[2]:
+                deepstack = (embeds[0], list(embeds[2]))
+        x, residual = self.forward_layers(x, None, meta, kv_caches, deepstack)
         return self.final_norm(x, residual)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -473,21 +484,29 @@ class DecoderForCausalLM:
         return p.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
 
     def forward_layers(
-        self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata, kv_caches: list[KVCache]
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this stage's layers; (x, residual) [num_tokens, hidden] in and out
         (residual None before the first layer), which is what pipeline stages exchange.
-        Under a device map they come back on the last placement's device."""
+        Under a device map they come back on the last placement's device.  ``deepstack``
+        (rows, per-layer additions): see :meth:`forward`."""
         if len(self.placements) == 1:
             layers = self.layers if self.layer_stream is None else self.layer_stream(self.layers)
-            return self._run_layers(self.ops, 0, self.layer_start, layers, kv_caches, x, residual, meta)
+            return self._run_layers(self.ops, 0, self.layer_start, layers, kv_caches, x, residual, meta, deepstack)
         base = self.layer_start
         for i, pl in enumerate(self.placements):
             x = pl.move(x)
             residual = None if residual is None else pl.move(residual)
+            if deepstack is not None:
+                deepstack = (pl.move(deepstack[0]), [pl.move(t) for t in deepstack[1]])
             lo, hi = pl.start - base, pl.end - base
             x, residual = self._run_layers(
-                pl.ops, i, pl.start, self.layers[lo:hi], kv_caches[lo:hi], x, residual, meta.apply(pl.move)
+                pl.ops, i, pl.start, self.layers[lo:hi], kv_caches[lo:hi], x, residual, meta.apply(pl.move), deepstack
             )
         return x, residual
 
@@ -501,6 +520,7 @@ class DecoderForCausalLM:
         x: torch.Tensor,
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
+        deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``layers`` (model-wide indices from ``first``) with the op registry ``ops``;
         every tensor on the same device."""
@@ -508,6 +528,9 @@ class DecoderForCausalLM:
             # Each layer attends through its KV cache group's block tables (one group: meta).
             layer_meta = meta.for_layer(first + i)
             x, residual = self.layer_forward(ops, placement, first + i, layer, kv, x, residual, layer_meta)
+            if deepstack is not None and first + i < len(deepstack[1]):
+                # The layer's hidden state is x + residual: adding to x adds to it.
+                x = x.index_add(0, deepstack[0], deepstack[1][first + i].to(x.dtype))
         return x, residual
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -102,17 +102,20 @@ class RotaryEmbedding:
 class MRotaryEmbedding(RotaryEmbedding):
     """Qwen-VL's multimodal RoPE: positions [3, n] (temporal, height, width; image
     tokens differ in each, text tokens have three equal ones) rotate each part of the
-    frequencies (``section``) by its own position; 1-D positions [n] are plain RoPE
-    (what M-RoPE is when the three are equal)."""
+    frequencies (``section``; interleaved across them for Qwen3-VL) by its own
+    position; 1-D positions [n] are plain RoPE (what M-RoPE is when the three are equal)."""
 
-    def __init__(self, rotary_dim, max_position, base, scaling, devices, section: list[int]) -> None:
+    def __init__(
+        self, rotary_dim, max_position, base, scaling, devices, section: list[int], interleaved: bool = False
+    ) -> None:
         super().__init__(rotary_dim, max_position, base, scaling, devices)
         self.section = list(section)
+        self.interleaved = interleaved
 
     def __call__(self, ops, placement, positions, q, k):
         if positions.dim() == 1:
             return super().__call__(ops, placement, positions, q, k)
-        rows = mrope_cos_sin(self.tables[placement], positions, self.section)
+        rows = mrope_cos_sin(self.tables[placement], positions, self.section, self.interleaved)
         index = torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device)
         return ops.rotary_embedding(index, q, k, rows)
 

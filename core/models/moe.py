@@ -216,6 +216,52 @@ class Qwen2MoeForCausalLM(_MoEForCausalLM):
 
 
 class Qwen3MoeForCausalLM(_MoEForCausalLM):
-    """Qwen3-MoE: Qwen3 attention (per-head q/k norms), routed experts, no shared one."""
+    """Qwen3-MoE: Qwen3 attention (per-head q/k norms), routed experts, no shared one.
+
+    Also the language model of Qwen3-VL-MoE (``text_config.model_type`` qwen3_vl_moe_text),
+    whose checkpoints fuse each layer's experts into ``mlp.experts.gate_up_proj`` and
+    ``mlp.experts.down_proj`` -- [E, hidden, 2 * I] (gate, then up) and [E, I, hidden] as
+    Qwen publishes them, or [E, 2 * I, hidden] and [E, hidden, I] as transformers 5 holds
+    and saves them (told apart by shape as transformers does: its layout when it fits)
+    -- and always renormalise the top-k routing weights."""
 
     qk_norm = True
+
+    def __init__(self, cfg: ArchConfig, *args, **kwargs) -> None:
+        super().__init__(cfg, *args, **kwargs)
+        self.fused_experts = cfg.hf_config.get("model_type") == "qwen3_vl_moe_text"
+        if self.fused_experts:
+            self.renormalize = True
+            if self.parallel.tp_size > 1:
+                raise ValueError(
+                    "Qwen3-VL-MoE's fused expert tensors are not split for tensor parallelism yet; "
+                    "use tensor_parallel_size=1"
+                )
+
+    def layer_weight_names(self, layer: int) -> frozenset[str]:
+        names = super().layer_weight_names(layer)
+        if not self.fused_experts or not self.sparse[layer]:
+            return names
+        m = self.moe_prefix + "experts."
+        fused = {m + "gate_up_proj", m + "down_proj"}
+        return frozenset({n for n in names if not n.startswith(m)} | fused)
+
+    def finish_layer(self, layer: MoELayer, w: dict[str, Any], param) -> None:
+        m = self.moe_prefix + "experts."
+        if self.fused_experts and m + "gate_up_proj" in w:
+            gate_up, down = w.pop(m + "gate_up_proj"), w.pop(m + "down_proj")
+            n, inter, hidden = self.num_experts, int(self.cfg.hf_config["moe_intermediate_size"]), self.cfg.hidden_size
+            if tuple(gate_up.shape) != (n, 2 * inter, hidden):
+                gate_up = gate_up.transpose(1, 2)  # as published: [E, hidden, 2 * I]
+            if tuple(down.shape) != (n, hidden, inter):
+                down = down.transpose(1, 2)  # as published: [E, I, hidden]
+            if tuple(gate_up.shape) != (n, 2 * inter, hidden) or tuple(down.shape) != (n, hidden, inter):
+                raise ValueError(
+                    f"Qwen3-VL-MoE's fused experts have shapes {list(gate_up.shape)} / {list(down.shape)}; expected "
+                    f"[{n}, {hidden}, {2 * inter}] / [{n}, {inter}, {hidden}] or their transposes"
+                )
+            for e in range(n):  # each expert's [out, in] weights
+                w[f"{m}{e}.gate_proj.weight"] = gate_up[e, :inter]
+                w[f"{m}{e}.up_proj.weight"] = gate_up[e, inter:]
+                w[f"{m}{e}.down_proj.weight"] = down[e]
+        super().finish_layer(layer, w, param)

@@ -17,7 +17,7 @@ import torch
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import linear
 
-__all__ = ["Qwen2_5_VLVision", "load_qwen_vl_processor"]
+__all__ = ["Qwen2_5_VLVision", "load_qwen_vl_processor", "qwen_vl_mrope_positions"]
 
 _BLOCK_NAMES = frozenset(
     f"{p}.{x}"
@@ -29,25 +29,55 @@ _processor_classes: dict[str, type] = {}
 _processor_lock = threading.Lock()
 
 
-def load_qwen_vl_processor(folder: str):
-    """The checkpoint's ``Qwen2_5_VLProcessor`` for images only: its image processor
-    (PIL backend) and tokenizer, without the video processor (which needs torchvision)."""
+def load_qwen_vl_processor(folder: str, processor_class: str = "Qwen2_5_VLProcessor"):
+    """The checkpoint's ``Qwen2_5_VLProcessor`` (or ``processor_class``, e.g.
+    ``Qwen3VLProcessor``) for images only: its image processor (PIL backend) and
+    tokenizer, without the video processor (which needs torchvision)."""
     import transformers
 
     with _processor_lock:
-        cls = _processor_classes.get("qwen2_5_vl")
+        cls = _processor_classes.get(processor_class)
         if cls is None:
 
-            class ImageOnlyProcessor(transformers.Qwen2_5_VLProcessor):
+            class ImageOnlyProcessor(getattr(transformers, processor_class)):
                 def check_argument_for_proper_class(self, argument_name, argument):
                     if argument_name == "video_processor" and argument is None:
                         return None
                     return super().check_argument_for_proper_class(argument_name, argument)
 
-            cls = _processor_classes["qwen2_5_vl"] = ImageOnlyProcessor
+                def validate_inputs(self, *args, **kwargs):
+                    # Videos are expanded in the text before the call (expand_video): their
+                    # tokens are text here, with no video to count them against.
+                    token, self.video_token = self.video_token, None
+                    try:
+                        return super().validate_inputs(*args, **kwargs)
+                    finally:
+                        self.video_token = token
+
+            cls = _processor_classes[processor_class] = ImageOnlyProcessor
     image_processor = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
+
+
+def qwen_video_patches(image_processor, frames: list, temporal_patch: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """A video's patches as transformers' Qwen-VL video processors lay them out, from the
+    image processor (PIL; the video processors need torchvision): the frames (padded
+    with the last one to a multiple of ``temporal_patch``) are resized and normalized
+    one by one as images are, and temporal patch ``g`` takes its slot ``s`` from frame
+    ``g * temporal_patch + s`` (an image's patch holds its one frame in every slot).
+    Returns (pixel_values [t * h * w, 3 * temporal_patch * patch * patch], (t, h, w))."""
+    frames = list(frames) + [frames[-1]] * (-len(frames) % temporal_patch)
+    out = image_processor(images=frames, return_tensors="pt")
+    pixels, grid = out["pixel_values"], out["image_grid_thw"]
+    if grid.shape[0] != len(frames) or (grid != grid[:1]).any() or int(grid[0, 0]) != 1:
+        raise ValueError(f"a video's frames were resized to different grids: {grid.tolist()}")
+    _, h, w = (int(x) for x in grid[0].tolist())
+    t = len(frames) // temporal_patch
+    per = pixels.shape[-1] // (3 * temporal_patch)  # pixels of a patch
+    v = pixels.view(t, temporal_patch, h * w, 3, temporal_patch, per)
+    v = torch.diagonal(v, dim1=1, dim2=4)  # [t, h * w, 3, per, slot]: frame g * tp + s in slot s
+    return v.permute(0, 1, 2, 4, 3).reshape(t * h * w, -1).contiguous(), (t, h, w)
 
 
 @dataclass
@@ -82,6 +112,9 @@ class Qwen2_5_VLVision:
         v = mm["vision_config"]
         self.ops, self.dtype, self.device = ops, dtype, device
         self.image_token_id = int(mm.get("image_token_id", 151655))
+        self.video_token_id = int(mm.get("video_token_id", 151656))
+        self.temporal_patch = int(v.get("temporal_patch_size", 2))
+        self.tokens_per_second = float(v.get("tokens_per_second", 4))
         self.hidden = int(v["hidden_size"])
         self.heads = int(v["num_heads"])
         self.head_dim = self.hidden // self.heads
@@ -213,28 +246,56 @@ class Qwen2_5_VLVision:
         )
         return hs[torch.argsort(order).to(hs.device)]
 
+    # -- videos -----------------------------------------------------------------------------
+    def expand_video(self, processor, video) -> tuple[str, list[dict]]:
+        """A video (:class:`pagedserve.multimodal.video.Video`) -> (the text replacing its
+        placeholder: one video token per merged patch of its t x h x w grid, [its data]).
+        The tower reads a video's patches as an image's with t > 1; its temporal M-RoPE
+        positions step by ``tokens_per_second * second_per_grid_ts`` (seconds per
+        temporal patch: ``temporal_patch_size / fps``)."""
+        pixels, (t, h, w) = qwen_video_patches(processor.image_processor, video.frames, self.temporal_patch)
+        data = {
+            "pixel_values": pixels,
+            "image_grid_thw": torch.tensor([[t, h, w]]),
+            "second_per_grid_ts": self.temporal_patch / video.fps,
+        }
+        return processor.video_token * (t * h * w // self.merge**2), [data]
+
     # -- M-RoPE positions -------------------------------------------------------------------
     def mrope_positions(self, num_tokens: int, items: list) -> tuple[np.ndarray, int]:
-        """The M-RoPE positions int64 [3, num_tokens] of a prompt of ``num_tokens`` tokens
-        with images ``items`` (offset, length, ``image_grid_thw``), and the delta every
-        later token's position gets (its index + delta, all three equal): text counts on
-        from the previous token; an image's tokens sit on a t x h x w grid (merged
-        patches) starting where the text stopped, and the text after it starts past the
-        grid's largest side."""
-        out = np.empty((3, num_tokens), dtype=np.int64)
-        cur, done = 0, 0
-        for item in sorted(items, key=lambda it: it.offset):
-            gap = item.offset - done
-            out[:, done : item.offset] = np.arange(cur, cur + gap)
-            cur += gap
-            t, h, w = (int(x) for x in item.data["image_grid_thw"].reshape(-1)[:3].tolist())
-            gh, gw = h // self.merge, w // self.merge
-            if t * gh * gw != item.length:
-                raise ValueError(f"an image grid of {t}x{gh}x{gw} tokens for an image span of {item.length}")
-            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
-            out[:, item.offset : item.end] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + cur
-            cur += max(gh, gw)
-            done = item.end
-        out[:, done:] = np.arange(cur, cur + num_tokens - done)
-        cur += num_tokens - done
-        return out, cur - num_tokens
+        """See :func:`qwen_vl_mrope_positions`."""
+        return qwen_vl_mrope_positions(num_tokens, items, self.merge, self.tokens_per_second)
+
+
+def qwen_vl_mrope_positions(
+    num_tokens: int, items: list, merge: int, tokens_per_second: float = 1.0
+) -> tuple[np.ndarray, int]:
+    """The M-RoPE positions int64 [3, num_tokens] of a prompt of ``num_tokens`` tokens
+    with images ``items`` (offset, length, ``image_grid_thw``; patches merged ``merge`` x
+    ``merge``), and the delta every later token's position gets (its index + delta, all
+    three equal; past the largest position): text counts on from the previous token; an
+    image's tokens sit on a t x h x w grid (merged patches) starting where the text
+    stopped, and the text after it starts past the grid's largest side (Qwen2.5-VL and
+    Qwen3-VL alike).  A video item with ``second_per_grid_ts`` (Qwen2.5-VL) has its
+    temporal positions ``floor(t * tokens_per_second * second_per_grid_ts)`` from there
+    (computed in float32 as transformers does)."""
+    out = np.empty((3, num_tokens), dtype=np.int64)
+    cur, done = 0, 0
+    for item in sorted(items, key=lambda it: it.offset):
+        gap = item.offset - done
+        out[:, done : item.offset] = np.arange(cur, cur + gap)
+        cur += gap
+        t, h, w = (int(x) for x in item.data["image_grid_thw"].reshape(-1)[:3].tolist())
+        gh, gw = h // merge, w // merge
+        if t * gh * gw != item.length:
+            raise ValueError(f"an image grid of {t}x{gh}x{gw} tokens for an image span of {item.length}")
+        steps = np.arange(t)
+        if "second_per_grid_ts" in item.data:
+            interval = np.float32(tokens_per_second) * np.float32(item.data["second_per_grid_ts"])
+            steps = (steps.astype(np.float32) * interval).astype(np.int64)
+        tt, hh, ww = np.meshgrid(steps, np.arange(gh), np.arange(gw), indexing="ij")
+        out[:, item.offset : item.end] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + cur
+        cur += max(gh, gw)
+        done = item.end
+    out[:, done:] = np.arange(cur, cur + num_tokens - done)
+    return out, (int(out.max()) + 1 if num_tokens else 0) - num_tokens

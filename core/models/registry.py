@@ -389,6 +389,23 @@ _VISION_LANGUAGE: tuple[VisionLanguageEntry, ...] = (
         image_token_key="image_token_id",
         notes="window-attention ViT (2-D rotary, RMSNorm, SwiGLU), 2x2 patch merger; M-RoPE positions",
     ),
+    VisionLanguageEntry(
+        "Qwen3VLForConditionalGeneration",
+        "qwen3_vl",
+        "pagedserve.models.qwen3_vl",
+        "Qwen3VLVision",
+        image_token_key="image_token_id",
+        notes="ViT with interpolated learned positions and 2-D rotary, 2x2 patch merger, DeepStack features "
+        "added after the first decoder layers; interleaved M-RoPE positions",
+    ),
+    VisionLanguageEntry(
+        "Qwen3VLMoeForConditionalGeneration",
+        "qwen3_vl_moe",
+        "pagedserve.models.qwen3_vl",
+        "Qwen3VLVision",
+        image_token_key="image_token_id",
+        notes="Qwen3-VL's vision side over a Qwen3-MoE language model (fused expert tensors)",
+    ),
 )
 
 _VL_BY_ARCH: dict[str, VisionLanguageEntry] = {e.architecture: e for e in _VISION_LANGUAGE}
@@ -413,6 +430,7 @@ _TEXT_MODEL_TYPES = {
     "qwen2_vl_text": "Qwen2ForCausalLM",
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3_vl_text": "Qwen3ForCausalLM",
+    "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
 }
 
 

@@ -25,6 +25,8 @@ __all__ = [
     "check_rope_scaling",
     "normalize_rope_scaling",
     "mrope_section",
+    "mrope_interleaved",
+    "mrope_parts",
     "mrope_cos_sin",
     "SUPPORTED_ROPE_TYPES",
 ]
@@ -176,28 +178,53 @@ def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float, scaling:
 def mrope_section(hf: dict) -> list[int] | None:
     """The M-RoPE split of the rotary frequencies into (temporal, height, width) parts
     (Qwen-VL's ``mrope_section``, in ``rope_scaling`` or transformers 5's
-    ``rope_parameters``); None for a plain RoPE model.  Interleaved M-RoPE (Qwen3-VL's
-    ``mrope_interleaved``) is not implemented: None too, as its text alone (three equal
-    positions) is plain RoPE, and its images are refused."""
+    ``rope_parameters``); None for a plain RoPE model."""
+    params = _mrope_params(hf)
+    return None if params is None else [int(v) for v in params["mrope_section"]]
+
+
+def mrope_interleaved(hf: dict) -> bool:
+    """Whether the M-RoPE parts interleave across the frequencies (Qwen3-VL's
+    ``mrope_interleaved``) instead of taking contiguous runs of them (Qwen2.5-VL)."""
+    params = _mrope_params(hf)
+    return bool(params is not None and params.get("mrope_interleaved"))
+
+
+def _mrope_params(hf: dict) -> dict | None:
     for key in ("rope_parameters", "rope_scaling"):
         params = hf.get(key)
         if isinstance(params, dict) and params.get("mrope_section"):
-            if params.get("mrope_interleaved"):
-                return None
-            return [int(v) for v in params["mrope_section"]]
+            return params
     return None
 
 
-def mrope_cos_sin(cos_sin_cache: torch.Tensor, positions: torch.Tensor, section: list[int]) -> torch.Tensor:
+def mrope_parts(section: list[int], interleaved: bool = False) -> list[int]:
+    """Which position (0 temporal, 1 height, 2 width) each of the ``sum(section)`` rotary
+    frequencies turns by.  Contiguous (Qwen2.5-VL): ``section[0]`` temporal ones, then
+    ``section[1]`` height, then ``section[2]`` width.  Interleaved (Qwen3-VL): frequency
+    ``j`` is height when ``j % 3 == 1`` and ``j < 3 * section[1]``, width when
+    ``j % 3 == 2`` and ``j < 3 * section[2]``, temporal otherwise."""
+    n = sum(section)
+    if not interleaved:
+        return [part for part, count in enumerate(section) for _ in range(count)]
+    parts = [0] * n
+    for part in (1, 2):
+        for j in range(part, min(3 * section[part], n), 3):
+            parts[j] = part
+    return parts
+
+
+def mrope_cos_sin(
+    cos_sin_cache: torch.Tensor, positions: torch.Tensor, section: list[int], interleaved: bool = False
+) -> torch.Tensor:
     """Per-token cat(cos, sin) rows [num_tokens, rotary_dim] of M-RoPE: positions int64
-    [3, num_tokens] (temporal, height, width); the first ``section[0]`` frequencies take
-    their angle from the temporal position, the next ``section[1]`` from the height, the
-    last ``section[2]`` from the width.  A plain RoPE table indexed with these rows and
-    ``arange(num_tokens)`` applies M-RoPE."""
+    [3, num_tokens] (temporal, height, width); each rotary frequency takes its angle from
+    the position :func:`mrope_parts` gives it.  A plain RoPE table indexed with these
+    rows and ``arange(num_tokens)`` applies M-RoPE."""
     rot = cos_sin_cache.shape[-1]
     if sum(section) != rot // 2:
         raise ValueError(f"mrope_section {section} does not add up to the {rot // 2} rotary frequencies")
-    part = torch.repeat_interleave(torch.arange(3), torch.tensor(section)).to(positions.device)
+    part = torch.tensor(mrope_parts(section, interleaved), dtype=torch.int64, device=positions.device)
     part = torch.cat([part, part])  # cos columns, then sin columns
     rows = cos_sin_cache[positions]  # [3, n, rot]
     return rows.gather(0, part.view(1, 1, rot).expand(1, rows.shape[1], rot)).squeeze(0)

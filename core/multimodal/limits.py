@@ -18,9 +18,13 @@ class MediaLimits:
     max_pixels: width * height of one image, read from its header before any pixel is
         decoded (decompression bombs).
     allowed_local_media_path: the folder ``file://`` URLs must lie under; None refuses them.
+    max_videos: videos per prompt (``limit_mm_per_prompt["video"]``).
+    max_video_frames: frames of one video (each one checked as an image's pixels).
     """
 
     max_images: int = 4
     max_bytes: int = 20 * 2**20
     max_pixels: int = 40_000_000
     allowed_local_media_path: str | None = None
+    max_videos: int = 1
+    max_video_frames: int = 256

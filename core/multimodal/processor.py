@@ -10,9 +10,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.config import EngineConfig, images_per_prompt
+from pagedserve.config import EngineConfig, images_per_prompt, videos_per_prompt
 from pagedserve.multimodal.limits import MediaLimits
 from pagedserve.multimodal.media import MultiModalItem, check_image, image_hash
+from pagedserve.multimodal.video import check_video
 
 __all__ = [
     "MultiModalInputs",
@@ -36,7 +37,11 @@ class MultiModalInputs:
 def media_limits(config: EngineConfig) -> MediaLimits:
     """The engine's limits on one request's images."""
     m = config.model
-    return MediaLimits(max_images=images_per_prompt(m), allowed_local_media_path=m.allowed_local_media_path)
+    return MediaLimits(
+        max_images=images_per_prompt(m),
+        allowed_local_media_path=m.allowed_local_media_path,
+        max_videos=videos_per_prompt(m),
+    )
 
 
 def build_mm_processor(config: EngineConfig, folder: pathlib.Path, runner) -> MultiModalProcessor | None:
@@ -46,7 +51,12 @@ def build_mm_processor(config: EngineConfig, folder: pathlib.Path, runner) -> Mu
     if vision is None:
         return None
     return MultiModalProcessor(
-        folder, vision.image_token_id, media_limits(config), load=getattr(vision, "load_processor", None)
+        folder,
+        vision.image_token_id,
+        media_limits(config),
+        load=getattr(vision, "load_processor", None),
+        video=getattr(vision, "expand_video", None),
+        video_token_id=getattr(vision, "video_token_id", None),
     )
 
 
@@ -74,10 +84,23 @@ class MultiModalProcessor:
     placeholder: its text (what a chat template writes for an image part).
     """
 
-    def __init__(self, folder: pathlib.Path, image_token_id: int, limits: MediaLimits, load=None) -> None:
+    def __init__(
+        self,
+        folder: pathlib.Path,
+        image_token_id: int,
+        limits: MediaLimits,
+        load=None,
+        video=None,
+        video_token_id: int | None = None,
+    ) -> None:
         self.folder = folder
         #: How the model's processor is built from the folder (default: AutoProcessor).
         self._load = load
+        #: The vision side's ``expand_video(processor, video)``: (the text that replaces
+        #: the video's placeholder, one data dict per run of ``video_token_id`` in it);
+        #: None when the model takes no videos.
+        self._video = video
+        self.video_token_id = video_token_id
         self.image_token_id = image_token_id
         self.limits = limits
         self._processor: Any = None
@@ -115,11 +138,43 @@ class MultiModalProcessor:
             raise ValueError(f"the processor of {str(self.folder)!r} names no image placeholder token")
         return token
 
+    @property
+    def video_placeholder(self) -> str | None:
+        """The video placeholder text (the processor's ``video_token``), or None when the
+        model takes no videos."""
+        token = getattr(self.processor, "video_token", None) if self._video is not None else None
+        return token if isinstance(token, str) else None
+
+    def _expand_videos(self, prompt: str, videos: list) -> tuple[str, list, list[list[dict]]]:
+        """(the prompt with each video placeholder replaced by the video's text, the
+        checked videos, each video's data dicts: one per run of video tokens)."""
+        if self._video is None or self.video_token_id is None:
+            raise ValueError("this model takes no videos")
+        if len(videos) > self.limits.max_videos:
+            raise ValueError(
+                f"the prompt has {len(videos)} videos; at most {self.limits.max_videos} are accepted "
+                "(--limit-mm-per-prompt video=N)"
+            )
+        videos = [check_video(v, self.limits) for v in videos]
+        token = self.video_placeholder
+        pieces = prompt.split(token)
+        if len(pieces) - 1 != len(videos):
+            raise ValueError(
+                f"the prompt has {len(pieces) - 1} video placeholder(s) ({token}) for {len(videos)} video(s)"
+            )
+        text, parts = pieces[0], []
+        for video, rest in zip(videos, pieces[1:]):
+            replacement, data = self._video(self.processor, video)
+            text += replacement + rest
+            parts.append(data)
+        return text, videos, parts
+
     def process(
-        self, prompt: str, images: list, add_special_tokens: bool = True
+        self, prompt: str, images: list, add_special_tokens: bool = True, videos: list | None = None
     ) -> tuple[list[int], list[MultiModalItem]]:
-        """Token ids of ``prompt`` with its image placeholders expanded, and the images'
-        items in prompt order.  ValueError when the placeholders and images disagree."""
+        """Token ids of ``prompt`` with its image (and video) placeholders expanded, and
+        the items of its images and videos in prompt order.  ValueError when the
+        placeholders and images or videos disagree."""
         if len(images) > self.limits.max_images:
             raise ValueError(
                 f"the prompt has {len(images)} images; at most {self.limits.max_images} are accepted "
@@ -127,9 +182,15 @@ class MultiModalProcessor:
             )
         images = [check_image(im, self.limits) for im in images]
         proc = self.processor
+        video_parts: list[list[dict]] = []
+        if videos:
+            with self._call_lock:
+                prompt, videos, video_parts = self._expand_videos(prompt, list(videos))
         try:
             with self._call_lock:
-                out = proc(text=[prompt], images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
+                out = proc(
+                    text=[prompt], images=images or None, return_tensors="pt", add_special_tokens=add_special_tokens
+                )
         except ValueError as e:
             raise ValueError(f"the prompt and its {len(images)} image(s) do not match: {e}") from None
         ids = [int(t) for t in out["input_ids"][0].tolist()]
@@ -149,7 +210,27 @@ class MultiModalProcessor:
             if patches is not None:  # the images' patches, concatenated (Qwen-VL)
                 data["pixel_values"] = tensors["pixel_values"][patches[i] : patches[i + 1]]
             items.append(MultiModalItem("image", offset, length, image_hash(image), data))
+        if video_parts or (self.video_token_id is not None and self.video_token_id in ids):
+            items += _video_items(ids, self.video_token_id, videos or [], video_parts)
+            items.sort(key=lambda it: it.offset)
         return ids, items
+
+
+def _video_items(ids: list[int], token_id: int, videos: list, parts: list[list[dict]]) -> list[MultiModalItem]:
+    """One item per run of video tokens: a video's data dicts in order (a video may be
+    several runs, e.g. one per frame group with timestamps between)."""
+    runs = image_token_runs(ids, token_id)
+    flat = [(video, k, len(datas), data) for video, datas in zip(videos, parts) for k, data in enumerate(datas)]
+    if len(runs) != len(flat):
+        raise ValueError(
+            f"the prompt holds {len(runs)} run(s) of video tokens for {len(flat)} expected from its "
+            f"{len(videos)} video(s); video tokens may only come from video placeholders"
+        )
+    items = []
+    for (offset, length), (video, k, count, data) in zip(runs, flat):
+        key = video.hash if count == 1 else f"{video.hash}:{k}"
+        items.append(MultiModalItem("video", offset, length, key, data))
+    return items
 
 
 def _split_runs(runs: list[tuple[int, int]], num_images: int) -> list[tuple[int, int]] | None:

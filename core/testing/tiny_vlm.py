@@ -22,6 +22,7 @@ __all__ = [
     "build_llava",
     "build_llava_next",
     "build_qwen2_5_vl",
+    "build_qwen3_vl",
     "hf_greedy_qwen",
     "random_image",
     "png_data_uri",
@@ -178,14 +179,7 @@ def build_qwen2_5_vl(folder: pathlib.Path):
     2x2 (an image's tokens: its resized height and width / 8, multiplied), windows of 2x2
     merged patches, full attention in vision layer 1 of 3; returns the float32
     transformers model."""
-    from tokenizers import AddedToken, Tokenizer
-
-    folder.mkdir(parents=True, exist_ok=True)
-    write_byte_tokenizer(folder)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True) for t in QWEN_TOKENS])
-    tok.save(str(folder / "tokenizer.json"))
-    start, _end, image_id, video_id = (tok.token_to_id(t) for t in QWEN_TOKENS)
+    start, _end, image_id, video_id = _qwen_tokenizer(folder)
     text = dict(
         TEXT,
         vocab_size=video_id + 1,
@@ -219,6 +213,23 @@ def build_qwen2_5_vl(folder: pathlib.Path):
     init_weights(model)
     model.to(torch.float32).eval()
     model.save_pretrained(folder, safe_serialization=True)
+    _save_qwen_processor(folder)
+    return model
+
+
+def _qwen_tokenizer(folder: pathlib.Path) -> tuple[int, int, int, int]:
+    """The byte tokenizer with Qwen-VL's vision tokens; their ids (start, end, image, video)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_byte_tokenizer(folder)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in QWEN_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    return tuple(tok.token_to_id(t) for t in QWEN_TOKENS)
+
+
+def _save_qwen_processor(folder: pathlib.Path) -> None:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     image_processor = Qwen2VLImageProcessorPil(
@@ -231,6 +242,62 @@ def build_qwen2_5_vl(folder: pathlib.Path):
     # The processor itself is rebuilt from these two (its video processor needs torchvision).
     image_processor.save_pretrained(folder)
     fast.save_pretrained(folder)
+
+
+def build_qwen3_vl(folder: pathlib.Path, moe: bool = False):
+    """A tiny Qwen3-VL checkpoint and processor in ``folder``: 4-pixel patches merged 2x2,
+    a 4x4 grid of learned position embeddings (resampled to every image's grid), 3 vision
+    layers of which 0 and 2 feed DeepStack features into decoder layers 0 and 1 (of 3),
+    interleaved M-RoPE with a section that leaves the last two frequencies temporal; returns the
+    float32 transformers model.  ``moe``: Qwen3-VL-MoE instead (4 experts, top 2, layer 1
+    dense)."""
+    start, end, image_id, video_id = _qwen_tokenizer(folder)
+    text = dict(
+        TEXT,
+        num_hidden_layers=3,
+        vocab_size=video_id + 1,
+        head_dim=16,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=4,
+        out_hidden_size=TEXT["hidden_size"],
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0, 2],
+    )
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1])
+    config_class = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
+    cfg = config_class(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=image_id,
+        video_token_id=video_id,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model_class = (
+            transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration
+        )
+        model = model_class(cfg)
+    init_weights(model)
+    model.to(torch.float32).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    _save_qwen_processor(folder)
     return model
 
 
@@ -269,13 +336,21 @@ def hf_greedy(model, folder: pathlib.Path, prompt: str, images: list, max_new: i
 
 
 @torch.inference_mode()
-def hf_greedy_qwen(model, folder: pathlib.Path, prompt: str, images: list, max_new: int):
-    """:func:`hf_greedy` for Qwen2.5-VL: the image grids and the token types (text for the
-    generated tokens) go with every full forward, so transformers computes the M-RoPE
-    positions of the whole sequence each step."""
+def hf_greedy_qwen(
+    model, folder: pathlib.Path, prompt: str, images: list, max_new: int, processor_class: str | None = None
+):
+    """:func:`hf_greedy` for Qwen2.5-VL / Qwen3-VL: the image grids and the token types
+    (text for the generated tokens) go with every full forward, so transformers computes
+    the M-RoPE positions of the whole sequence each step.  ``processor_class``: the
+    transformers processor (default: the model's, Qwen2_5_VLProcessor or Qwen3VLProcessor)."""
     from pagedserve.models.qwen2_5_vl import load_qwen_vl_processor
 
-    processor = load_qwen_vl_processor(str(folder))
+    if processor_class is None:
+        qwen3 = isinstance(
+            model, (transformers.Qwen3VLForConditionalGeneration, transformers.Qwen3VLMoeForConditionalGeneration)
+        )
+        processor_class = "Qwen3VLProcessor" if qwen3 else "Qwen2_5_VLProcessor"
+    processor = load_qwen_vl_processor(str(folder), processor_class)
     enc = processor(text=[prompt], images=images or None, return_tensors="pt")
     ids = enc["input_ids"][0].tolist()
     extra = {k: enc[k] for k in ("pixel_values", "image_grid_thw") if k in enc} if images else {}

@@ -24,3 +24,12 @@ def qwen_vl_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen2_5_vl")
     model = build_qwen2_5_vl(folder)
     return folder, model
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_dir(tmp_path_factory):
+    from pagedserve.testing.tiny_vlm import build_qwen3_vl
+
+    folder = tmp_path_factory.mktemp("qwen3_vl")
+    model = build_qwen3_vl(folder)
+    return folder, model

@@ -99,7 +99,8 @@ def test_limit_mm_per_prompt_spellings():
     assert parse_limit_mm_per_prompt("image=0") == {"image": 0}
     assert parse_limit_mm_per_prompt({"image": 3}) == {"image": 3}
     assert parse_limit_mm_per_prompt(None) is None
-    for bad, message in (('{"video": 1}', "unknown modality"), ("image=-1", ">= 0"), ("image", "use JSON")):
+    assert parse_limit_mm_per_prompt("image=1,video=2") == {"image": 1, "video": 2}
+    for bad, message in (('{"audio": 1}', "unknown modality"), ("image=-1", ">= 0"), ("image", "use JSON")):
         with pytest.raises(ValueError, match=message):
             parse_limit_mm_per_prompt(bad)
 

@@ -96,7 +96,7 @@ CASES = {
 
 
 #: Cases whose images are supported (tests/multimodal/test_qwen2_5_vl.py): not refused without image=0.
-WITH_IMAGES = {"qwen2.5-vl"}
+WITH_IMAGES = {"qwen2.5-vl", "qwen3-vl"}
 
 
 @torch.inference_mode()

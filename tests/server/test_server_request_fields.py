@@ -451,6 +451,7 @@ REFUSED_VALUES: dict[str, Any] = {
     "vllm_xargs": {"k": 1},
     "mm_processor_kwargs": {"k": 1},
     "prompt_embeds": "AAAA",
+    "multi_modal_data": {"image": "data:image/png;base64,AAAA"},
     "functions": [{"name": "f"}],
     "function_call": "auto",
     "modalities": ["audio"],

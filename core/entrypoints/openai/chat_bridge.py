@@ -53,7 +53,9 @@ async def start_chat(chat: OpenAIServingChat, body: dict, request_id: str, renam
             where = ".".join(str(p) for p in err["loc"])
             raise ApiError(400, f"Invalid value for '{where}': {err['msg']}.", param=where) from None
         chat.model_name(request.model)  # sets the request's LoRA adapter, if the name is one
-        text, ids, images = chat.render_with_images(request)
+        # Images are decoded and processed off the event loop, as for chat completions.
+        chars = sum(len(m.content) if isinstance(m.content, str) else len(str(m.content)) for m in request.messages)
+        text, ids, images = await chat.off_loop(chars, chat.render_with_images, request)
         max_tokens = chat.resolve_max_tokens(
             request.max_completion_tokens, len(ids), chat.generation_defaults.get("max_tokens"), "max_completion_tokens"
         )

@@ -105,6 +105,9 @@ COMPLETION_FIELDS: dict[str, Field] = {
     **_SHARED,
     "prompt": Field(HONOURED, None, "a string, strings, token ids or lists of token ids"),
     "prompt_embeds": Field(REFUSED, None, "prompt embeddings instead of tokens"),
+    "multi_modal_data": Field(
+        REFUSED, None, "images or videos of a completion (send them as chat image_url / video_url parts)"
+    ),
     "logprobs": Field(HONOURED, None, "logprobs of the k most likely tokens per position (0-20)"),
     "suffix": Field(
         HONOURED, None, "text after the completion (fill-in-the-middle; 400 if the model has no FIM tokens)"

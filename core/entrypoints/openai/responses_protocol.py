@@ -5,7 +5,9 @@ honoured or refused; a refused field set to anything but its default is a 400 na
 Fields in no list are ignored, as on the other endpoints.
 
 Input items become chat messages: a ``message`` item keeps its role (``developer`` is a
-system turn) and its text parts; ``function_call`` items become the ``tool_calls`` of an
+system turn) and its text parts, and a user message its ``input_image`` parts (as chat
+``image_url`` parts: a data URI or an allowed file URL; ``detail`` "auto" only);
+``function_call`` items become the ``tool_calls`` of an
 assistant turn (consecutive calls share one turn, after any assistant text before them);
 a ``function_call_output`` is a ``tool`` turn answering its ``call_id``; ``reasoning``
 items of earlier output are left out of the prompt, as chat templates leave out earlier
@@ -15,6 +17,7 @@ turns' reasoning.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -23,7 +26,15 @@ from pagedserve.entrypoints.openai.errors import ApiError
 from pagedserve.entrypoints.openai.request_fields import HONOURED, REFUSED, Field, refuse_unimplemented
 from pagedserve.entrypoints.openai.structured import checked_params
 
-__all__ = ["ResponsesRequest", "RESPONSES_FIELDS", "LOGPROBS_INCLUDE", "chat_body", "items_of", "check_request"]
+__all__ = [
+    "ResponsesRequest",
+    "RESPONSES_FIELDS",
+    "LOGPROBS_INCLUDE",
+    "chat_body",
+    "items_of",
+    "check_request",
+    "located",
+]
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -172,32 +183,75 @@ def items_of(value: str | list[Any] | None, field: str = "input") -> list[dict]:
 _TEXT_PARTS = {"input_text", "output_text", "text"}
 
 
+def _part_text(part: Any, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "refusal" and isinstance(part.get("refusal"), str):
+        return part["refusal"]
+    if kind not in _TEXT_PARTS:
+        raise ApiError(400, f"'{where}': only text content parts are supported, got {kind!r}.", param=where)
+    if not isinstance(part.get("text"), str):
+        raise ApiError(400, f"'{where}.text' must be a string.", param=f"{where}.text")
+    return part["text"]
+
+
 def _text_of(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ApiError(400, f"'{where}' must be a string or a list of content parts.", param=where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-            continue
-        if kind not in _TEXT_PARTS:
-            raise ApiError(
-                400, f"'{where}[{j}]': only text content parts are supported, got {kind!r}.", param=f"{where}[{j}]"
-            )
-        if not isinstance(part.get("text"), str):
-            raise ApiError(400, f"'{where}[{j}].text' must be a string.", param=f"{where}[{j}].text")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return "\n".join(_part_text(part, f"{where}[{j}]") for j, part in enumerate(content))
+
+
+def _has_images(content: Any) -> bool:
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_image" for p in content)
+
+
+def _image_part(part: dict, where: str) -> dict:
+    """An ``input_image`` part as a chat ``image_url`` part (the URL is checked and the
+    image decoded where chat images are: a data URI, or a file URL under
+    --allowed-local-media-path)."""
+    unknown = sorted(set(part) - {"type", "image_url", "detail", "file_id"})
+    if unknown:
+        raise ApiError(400, f"'{where}' has unknown field(s) {', '.join(unknown)}.", param=where)
+    if part.get("file_id") is not None:
+        raise ApiError(
+            400,
+            f"'{where}.file_id': uploaded files are not supported (no Files API); send 'image_url' as a "
+            "data URI (data:image/png;base64,...) or a file:// URL under --allowed-local-media-path.",
+            param=f"{where}.file_id",
+        )
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise ApiError(400, f"'{where}.image_url' must be a non-empty string (a data URI or URL).", param=where)
+    detail = part.get("detail")
+    if detail not in (None, "auto"):
+        raise ApiError(
+            400,
+            f"'{where}.detail' {detail!r} is not supported: the model's image processor picks the resolution "
+            "('auto' only).",
+            param=f"{where}.detail",
+        )
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _message(item: dict, where: str) -> dict:
     role = item.get("role")
     if role not in ("user", "assistant", "system", "developer"):
         raise ApiError(400, f"'{where}.role' must be user, assistant, system or developer.", param=f"{where}.role")
-    return {"role": role, "content": _text_of(item.get("content"), f"{where}.content")}
+    content = item.get("content")
+    if not _has_images(content):
+        return {"role": role, "content": _text_of(content, f"{where}.content")}
+    # input_image parts: chat content parts (text and image_url), in order.
+    parts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if role != "user":
+                raise ApiError(400, f"'{at}': images are accepted in user messages only.", param=at)
+            parts.append(_image_part(part, at))
+        else:
+            parts.append({"type": "text", "text": _part_text(part, at)})
+    return {"role": role, "content": parts}
 
 
 def _function_call(item: dict, where: str) -> dict:
@@ -215,9 +269,15 @@ def _function_call(item: dict, where: str) -> dict:
     }
 
 
-def chat_messages_of(items: list[dict], instructions: str | None, field: str = "input") -> list[dict]:
-    """Chat-completions messages of ``items`` (see the module docstring)."""
+def chat_messages_of(
+    items: list[dict], instructions: str | None, field: str = "input", origins: list[str] | None = None
+) -> list[dict]:
+    """Chat-completions messages of ``items`` (see the module docstring).  ``origins``,
+    when given, receives each message's place in the request (``input[3]``,
+    ``instructions``), so that an error the chat layer finds in ``messages[i]`` can
+    name it (:func:`located`)."""
     messages: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
+    where_of = ["instructions"] if instructions else []
     for i, item in enumerate(items):
         where = f"{field}[{i}]"
         kind = item.get("type", "message")
@@ -243,9 +303,28 @@ def chat_messages_of(items: list[dict], instructions: str | None, field: str = "
                 f"'{where}.type' {kind!r} is not supported (message, function_call, function_call_output, reasoning).",
                 param=f"{where}.type",
             )
+        where_of += [where] * (len(messages) - len(where_of))
     if not any(m["role"] != "system" for m in messages):
         raise ApiError(400, f"'{field}' must hold at least one message or function call output.", param=field)
+    if origins is not None:
+        origins[:] = where_of
     return messages
+
+
+def located(e: ApiError, origins: list[str], field: str = "input") -> ApiError:
+    """A chat-layer error about ``messages[i]...`` (an image part's, say) naming the
+    request item message ``i`` came from (``origins`` of :func:`chat_messages_of`)."""
+    param = e.param or ""
+    match = re.match(r"messages\[(\d+)\](.*)", param)
+    if match is None:
+        if param != "messages":
+            return e
+        new = field
+    else:
+        i, rest = int(match.group(1)), match.group(2)
+        new = origins[i] + rest if i < len(origins) else field
+    message = e.message.replace(f"'{param}'", f"'{new}'")
+    return ApiError(e.status, message, param=new, code=e.code, type=e.type, headers=e.headers)
 
 
 # -- tools, tool_choice, text.format -> chat fields ---------------------------------------------

@@ -19,7 +19,7 @@ from pagedserve.entrypoints.openai.serving_fields import (
     response_id,
 )
 from pagedserve.entrypoints.openai.tools import ToolOptions
-from pagedserve.multimodal.chat import chat_images, has_image_parts
+from pagedserve.multimodal.chat import chat_media, has_image_parts
 from pagedserve.multimodal.limits import MediaLimits
 from pagedserve.multimodal.processor import MultiModalInputs
 
@@ -47,36 +47,44 @@ class OpenAIServingChat(ChatToolsMixin, OpenAIServing):
     def image_messages(self, request: ChatCompletionRequest) -> tuple[list, list]:
         """(the messages with each image part as the model's placeholder text, the
         images in order); a 400 naming the part of a bad image."""
+        messages, images, _ = self.media_messages(request)
+        return messages, images
+
+    def media_messages(self, request: ChatCompletionRequest) -> tuple[list, list, list]:
+        """(the messages with each image and video part as the model's placeholder text,
+        the images in order, the videos in order); a 400 naming the part of a bad one."""
         messages = list(request.messages or ())
         if not has_image_parts([m.content for m in messages]):
-            return messages, []
+            return messages, [], []
         mm = self.mm_processor()
         try:
-            converted, images = chat_images(
+            converted, images, videos = chat_media(
                 [{"content": m.content} for m in messages],
                 mm.limits if mm is not None else MediaLimits(),
                 mm.placeholder if mm is not None else None,
+                mm.video_placeholder if mm is not None else None,
             )
         except ValueError as e:
             where = str(e).split("'")[1] if str(e).startswith("'") else "messages"
             raise ApiError(400, str(e), param=where) from None
-        return [m.model_copy(update={"content": c["content"]}) for m, c in zip(messages, converted)], images
+        updated = [m.model_copy(update={"content": c["content"]}) for m, c in zip(messages, converted)]
+        return updated, images, videos
 
     def render_with_images(self, request: ChatCompletionRequest) -> tuple[str, list[int], MultiModalInputs | None]:
         """The prompt text and token ids of the conversation; with images, the ids are
         the processor's (placeholders expanded) and the images come processed."""
-        plain, images = self.image_messages(request)
+        plain, images, videos = self.media_messages(request)
         messages = chat_messages(plain)
         text = chat_prompt_text(self.tokenizer, request, messages, self.chat_template, self.template_kwargs(request))
         self.check_prompt_chars(text, "messages")
-        if images:
+        if images or videos:
             if request.truncate_prompt_tokens is not None:
                 raise ApiError(
                     400, "truncate_prompt_tokens cannot be combined with images.", param="truncate_prompt_tokens"
                 )
             # The processor runs here, on the request's worker thread, not on the engine's.
             try:
-                ids, items = self.mm_processor().process(text, images, bool(request.add_special_tokens))
+                ids, items = self.mm_processor().process(text, images, bool(request.add_special_tokens), videos=videos)
             except ValueError as e:
                 raise ApiError(400, str(e), param="messages") from None
             text, ids = self.validate_prompt(text, "messages", prompt_token_ids=ids)

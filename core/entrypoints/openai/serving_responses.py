@@ -31,6 +31,7 @@ from pagedserve.entrypoints.openai.responses_protocol import (
     chat_messages_of,
     check_request,
     items_of,
+    located,
 )
 from pagedserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from pagedserve.entrypoints.openai.serving_base import EventStream
@@ -91,9 +92,15 @@ class OpenAIServingResponses:
             )
         model = self.chat.model_name(r.model)
         items = _with_ids(self._conversation(r))
-        messages = chat_messages_of(items, r.instructions)
+        origins: list[str] = []
+        messages = chat_messages_of(items, r.instructions, origins=origins)
         response_id = new_item_id("resp")
-        run = await start_chat(self.chat, chat_body(r, model, messages), response_id, RENAME)
+        try:
+            # messages[i] is renamed after the item it came from (an image part's error, say).
+            rename = {k: v for k, v in RENAME.items() if k != "messages"}
+            run = await start_chat(self.chat, chat_body(r, model, messages), response_id, rename)
+        except ApiError as e:
+            raise located(e, origins) from None
         base = self._base(r, response_id, model)
         if r.stream:
             return EventStream(self._stream(r, run, base, items), [run.stream])

@@ -1,0 +1,251 @@
+"""Qwen3-VL through ``LLM`` against transformers' ``Qwen3VLForConditionalGeneration``,
+float32: greedy tokens and their logprobs for one image, two images of different sizes
+and no image, with chunked prefill splitting image spans (DeepStack features added to
+the chunk's rows of each image), prefix caching (a follow-up turn reads the image's
+cached blocks; the encoder does not run) and forced preemption; the vision tower
+(interpolated position embeddings, DeepStack mergers); interleaved M-RoPE against
+transformers' rotary embedding and the plain-torch reference; chat content parts."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.kernels import reference
+from pagedserve.models.layers import MRotaryEmbedding
+from pagedserve.models.rope import mrope_parts
+from pagedserve.testing.tiny_vlm import hf_greedy_qwen, png_data_uri, random_image
+
+transformers = pytest.importorskip("transformers")
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+ENGINES = {
+    # Chunks of 8 tokens over 20-30 token images: every image span is split across steps.
+    "chunked+prefix": dict(max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4),
+    # 9 blocks of 8 tokens for 4 requests of 33-71 tokens: preemption is forced.
+    "preempting": dict(
+        max_num_batched_tokens=64,
+        enable_prefix_caching=True,
+        block_size=8,
+        num_gpu_blocks_override=9,
+        max_model_len=72,
+    ),
+}
+PROMPTS = [
+    ("no picture here, just text", []),
+    (f"A {IMAGE}", [(4, (24, 56))]),
+    (f"Look: {IMAGE} what is it?", [(1, (40, 52))]),
+    (f"{IMAGE} and {IMAGE}, compare.", [(2, (36, 28)), (3, (52, 40))]),
+]
+MAX_NEW = [7, 9, 8, 6]
+
+
+def _images(spec):
+    return [random_image(seed, size) for seed, size in spec]
+
+
+def _llm(folder, **kw) -> LLM:
+    return LLM(str(folder), dtype="float32", kv_cache_memory=2**22, max_model_len=kw.pop("max_model_len", 256), **kw)
+
+
+def _check(out, ids, tokens, logprobs, where):
+    assert out.prompt_token_ids == ids, where
+    got = out.outputs[0]
+    assert list(got.token_ids) == tokens, where
+    for j, (tok, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+        assert math.isclose(entry[tok].logprob, logprobs[j], abs_tol=2e-4), (where, j)
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
+
+
+def test_interleaved_mrope_matches_transformers_and_reference():
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding, apply_rotary_pos_emb
+
+    # 16 frequencies: height/width alternate up to 15, the last one stays temporal.
+    section, head_dim, n = [6, 5, 5], 32, 11
+    assert mrope_parts(section, True) == [0, 1, 2] * 5 + [0]
+    cfg = transformers.Qwen3VLTextConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        head_dim=head_dim,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5000.0,
+            "mrope_section": section,
+            "mrope_interleaved": True,
+        },
+    )
+    gen = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 40, (3, n), generator=gen)
+    q = torch.randn(n, 2, head_dim, generator=gen)
+    k = torch.randn(n, 1, head_dim, generator=gen)
+    cos, sin = Qwen3VLTextRotaryEmbedding(cfg)(q, positions.unsqueeze(1))
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    rope = MRotaryEmbedding(head_dim, 64, 5000.0, None, [torch.device("cpu")], section, interleaved=True)
+    ops = SimpleNamespace(rotary_embedding=reference.rotary_embedding)
+    got_q, got_k = rope(ops, 0, positions, q, k)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    ref_q, ref_k = reference.mrope_rotary_embedding(positions, q, k, rope.tables[0], section, interleaved=True)
+    torch.testing.assert_close(got_q, ref_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_k, ref_k, atol=1e-6, rtol=1e-6)
+    # The contiguous split (Qwen2.5-VL) is another rotation.
+    contiguous = MRotaryEmbedding(head_dim, 64, 5000.0, None, [torch.device("cpu")], section)
+    assert not torch.allclose(contiguous(ops, 0, positions, q, k)[0], got_q, atol=1e-3)
+
+
+def test_vision_tower_matches_transformers(qwen3_vl_dir):
+    """The tower alone, images of two sizes: the merged embeddings and each DeepStack feature."""
+    folder, model = qwen3_vl_dir
+    llm = _llm(folder)
+    try:
+        vision = llm.llm_engine.runner.vision
+        assert vision.deepstack_layers == 2
+        proc = vision.load_processor(str(folder))
+        for seed, size in ((7, (44, 60)), (8, (28, 44))):
+            enc = proc(text=[IMAGE], images=[random_image(seed, size)], return_tensors="pt")
+            t, h, w = enc["image_grid_thw"][0].tolist()
+            assert h != w and h != 4  # the 4x4 position grid is resampled
+            with torch.inference_mode():
+                out = model.model.visual(enc["pixel_values"], grid_thw=enc["image_grid_thw"])
+                got = vision.embed_image({"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]})
+            assert got.shape == (t * h * w // 4, 3 * 64)
+            want = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    finally:
+        llm.shutdown()
+
+
+def test_mrope_positions_match_transformers(qwen3_vl_dir):
+    folder, model = qwen3_vl_dir
+    llm = _llm(folder)
+    try:
+        vision = llm.llm_engine.runner.vision
+        prompt = f"x {IMAGE} yy {IMAGE} and {IMAGE} z"
+        images = _images([(5, (40, 52)), (6, (24, 56)), (7, (36, 28))])
+        enc = vision.load_processor(str(folder))(text=[prompt], images=images, return_tensors="pt")
+        want, delta = model.model.get_rope_index(
+            enc["input_ids"], mm_token_type_ids=enc["mm_token_type_ids"], image_grid_thw=enc["image_grid_thw"]
+        )
+        ids, items = llm.llm_engine.input_processor.mm_processor.process(prompt, images)
+        assert ids == enc["input_ids"][0].tolist()
+        table, got_delta = vision.mrope_positions(len(ids), items)
+        assert table.tolist() == want[:, 0].tolist()
+        assert got_delta == int(delta) < 0
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("engine_kind", list(ENGINES))
+def test_qwen3_vl_matches_transformers(engine_kind, qwen3_vl_dir):
+    folder, model = qwen3_vl_dir
+    images = {p: _images(spec) for p, spec in PROMPTS}
+    expected = [hf_greedy_qwen(model, folder, p, images[p], n) for (p, _), n in zip(PROMPTS, MAX_NEW)]
+    # The image matters, and so do its DeepStack features.
+    prompt, imgs = PROMPTS[2][0], images[PROMPTS[2][0]]
+    other = hf_greedy_qwen(model, folder, prompt, [random_image(99, (40, 52))], 1)
+    assert abs(other[2][0] - expected[2][2][0]) > 1e-3
+    visual = model.model.visual
+    kept = visual.deepstack_visual_indexes
+    try:
+        visual.deepstack_visual_indexes = []
+        without = hf_greedy_qwen(model, folder, prompt, imgs, 1)
+    finally:
+        visual.deepstack_visual_indexes = kept
+    assert abs(without[2][0] - expected[2][2][0]) > 1e-3
+    llm = _llm(folder, **ENGINES[engine_kind])
+    try:
+        prompts = [
+            {"prompt": p, "multi_modal_data": {"image": images[p]}} if images[p] else {"prompt": p} for p, _ in PROMPTS
+        ]
+        outs = llm.generate(prompts, [_params(n) for n in MAX_NEW], use_tqdm=False)
+        for i, (out, exp) in enumerate(zip(outs, expected)):
+            _check(out, *exp, (engine_kind, i))
+        if engine_kind == "preempting":
+            assert llm.llm_engine.scheduler.num_preemptions > 0
+        runner = llm.llm_engine.runner
+        assert len(runner.encoder_cache) == 0 and not runner._mrope  # nothing held once requests finish
+    finally:
+        llm.shutdown()
+
+
+def test_image_prefix_caching(qwen3_vl_dir):
+    """A follow-up turn with the same image hits the image's cached blocks (the encoder
+    does not run); another image behind the same tokens misses."""
+    folder, model = qwen3_vl_dir
+    llm = _llm(folder, max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4)
+    cache = llm.llm_engine.runner.encoder_cache
+    try:
+        a, b = random_image(11, (40, 52)), random_image(12, (40, 52))
+        first = f"Here {IMAGE} is a picture."
+        out = llm.generate({"prompt": first, "multi_modal_data": {"image": a}}, _params(4), use_tqdm=False)[0]
+        _check(out, *hf_greedy_qwen(model, folder, first, [a], 4), "first turn")
+        assert cache.encoder_runs == 1
+        image_id = llm.llm_engine.runner.vision.image_token_id
+        image_end = len(out.prompt_token_ids) - out.prompt_token_ids[::-1].index(image_id)
+        follow = first + " And now more text after it."
+        again = llm.generate({"prompt": follow, "multi_modal_data": {"image": a}}, _params(5), use_tqdm=False)[0]
+        _check(again, *hf_greedy_qwen(model, folder, follow, [a], 5), "same image")
+        assert again.num_cached_tokens >= image_end
+        assert cache.encoder_runs == 1
+        other = llm.generate({"prompt": follow, "multi_modal_data": {"image": b}}, _params(5), use_tqdm=False)[0]
+        _check(other, *hf_greedy_qwen(model, folder, follow, [b], 5), "other image")
+        assert cache.encoder_runs == 2
+    finally:
+        llm.shutdown()
+
+
+def test_chat_content_parts(qwen3_vl_dir):
+    folder, model = qwen3_vl_dir
+    llm = _llm(folder)
+    try:
+        img = random_image(21, (40, 52))
+        parts = [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": png_data_uri(img)}},
+        ]
+        out = llm.chat([{"role": "user", "content": parts}], _params(5), use_tqdm=False)[0]
+        prompt = "<|im_start|>user\nWhat is this?\n<|image_pad|><|im_end|>\n<|im_start|>assistant\n"
+        _check(out, *hf_greedy_qwen(model, folder, prompt, [img], 5), "chat data uri")
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["transformers", "published"])
+def test_qwen3_vl_moe_matches_transformers(layout, tmp_path):
+    """Qwen3-VL-MoE: the same vision side over a Qwen3-MoE language model whose experts
+    are fused in the checkpoint (one dense layer), with images and chunked prefill; the
+    fused tensors as transformers saves them and transposed, as Qwen publishes them."""
+    from safetensors.torch import load_file, save_file
+
+    from pagedserve.testing.tiny_vlm import build_qwen3_vl
+
+    model = build_qwen3_vl(tmp_path, moe=True)
+    if layout == "published":
+        path = tmp_path / "model.safetensors"
+        tensors = load_file(str(path))
+        fused = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+        assert len(fused) == 4  # two sparse layers
+        for k in fused:
+            tensors[k] = tensors[k].transpose(1, 2).contiguous()
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    prompts = PROMPTS[1:]
+    images = {p: _images(spec) for p, spec in prompts}
+    expected = [hf_greedy_qwen(model, tmp_path, p, images[p], 5) for p, _ in prompts]
+    llm = _llm(tmp_path, **ENGINES["chunked+prefix"])
+    try:
+        outs = llm.generate(
+            [{"prompt": p, "multi_modal_data": {"image": images[p]}} for p, _ in prompts],
+            [_params(5)] * len(prompts),
+            use_tqdm=False,
+        )
+        for i, (out, exp) in enumerate(zip(outs, expected)):
+            _check(out, *exp, (layout, i))
+    finally:
+        llm.shutdown()
