@@ -94,7 +94,9 @@ def _check(llm, prompts, expected, n: int = 1) -> None:
 
     from pagedserve import SamplingParams
 
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=0, n=n) for m in MAX_NEW]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=0, n=n) for m in MAX_NEW[: len(prompts)]
+    ]
     for round_ in range(2):  # the second round hits the prefix cache
         outs = llm.generate(prompts, params, use_tqdm=False)
         for i, (out, (tokens, logprobs)) in enumerate(zip(outs, expected)):
