@@ -249,3 +249,22 @@ def test_pipeline_stages_are_refused_with_per_layer_embeddings(all_features):
 
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 cannot split Gemma4ForCausalLM: per-layer"):
         LLM(model=str(all_features[0]), pipeline_parallel_size=2)
+
+
+def test_all_features_with_ngram_drafts_match_transformers(all_features, tmp_path):
+    """Prompts that repeat themselves, so that n-gram drafts are proposed (and mostly
+    rejected: the KV-sharing layers' sources are rewritten, PLE inputs recomputed)."""
+    from pagedserve import LLM
+
+    model = transformers.Gemma4ForCausalLM.from_pretrained(str(all_features[0])).eval()
+    prompts = [[5, 6, 7, 8, 9] * 3, [40, 41, 42] * 5 + [40], [100, 101, 102, 103] * 3]
+    expected = [_reference(model, p, m) for p, m in zip(prompts, (9, 14, 6))]
+    llm = LLM(
+        model=str(all_features[0]),
+        dtype="float32",
+        kv_cache_memory="16MiB",
+        block_size=4,
+        max_num_batched_tokens=16,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2},
+    )
+    _check(llm, prompts, expected)
