@@ -268,3 +268,4 @@ def test_all_features_with_ngram_drafts_match_transformers(all_features, tmp_pat
         speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2},
     )
     _check(llm, prompts, expected)
+    assert llm.llm_engine.stats().spec_decode_num_draft_tokens > 0
