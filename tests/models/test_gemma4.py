@@ -269,3 +269,15 @@ def test_all_features_with_ngram_drafts_match_transformers(all_features, tmp_pat
     )
     _check(llm, prompts, expected)
     assert llm.llm_engine.stats().spec_decode_num_draft_tokens > 0
+
+
+def test_all_features_under_a_device_map(all_features):
+    """Two segments: the per-layer inputs move to the second; a sharing layer whose
+    source is on another segment is refused before weights load."""
+    from pagedserve import LLM
+
+    path, prompts, expected = all_features
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", block_size=4, device_map="cpu:1,cpu")
+    _check(llm, prompts[:3], expected[:3])
+    with pytest.raises(ValueError, match="layer 4 reads the KV cache of layer 2"):
+        LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", device_map="cpu:3,cpu")
