@@ -231,6 +231,9 @@ def check_parallel_fits_model(cfg: EngineConfig, arch: Any) -> None:
         )
     if pp > arch.num_layers:
         raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {arch.num_layers} layers")
+    why = getattr(arch, "pipeline_refusal", None) if pp > 1 else None
+    if why:
+        raise ValueError(f"pipeline_parallel_size={pp} cannot split {arch.architecture}: {why}")
 
 
 def check_sliding_window_cache(cfg: EngineConfig, window: int | None) -> int | None:

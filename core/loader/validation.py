@@ -147,6 +147,11 @@ def expected_shapes(
                 "mlp.down_proj.weight": (hidden, inter),
             }
         )
+        if config.get("use_double_wide_mlp"):  # Gemma 4: the KV-sharing layers' MLPs are twice as wide
+            for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+                rows, cols = layer[name]
+                wide = (2 * rows, cols) if rows == inter else (rows, 2 * cols)
+                alternatives[name] = [(rows, cols), wide]
     return glob, layer, alternatives
 
 

@@ -100,3 +100,8 @@ class ArchConfig:
     def tensor_parallel(self) -> bool:
         """Whether this architecture's family shards over tensor-parallel ranks."""
         return bool(resolve_model_class(self.architecture).tensor_parallel)
+
+    @property
+    def pipeline_refusal(self) -> str | None:
+        """Why this checkpoint cannot be split into pipeline stages (its family says), or None."""
+        return resolve_model_class(self.architecture).pipeline_refusal(self.hf_config)

@@ -67,6 +67,11 @@ class DecoderForCausalLM:
     tensor_parallel: ClassVar[bool] = True
 
     @classmethod
+    def pipeline_refusal(cls, hf: dict) -> str | None:
+        """Why config.json ``hf`` cannot be split into pipeline stages, or None."""
+        return None
+
+    @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
         """Raise ValueError naming any feature of ``cfg`` this family does not implement."""
         check_rope_scaling(cfg.rope_scaling)

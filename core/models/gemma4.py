@@ -1,5 +1,5 @@
-"""Gemma 4 (text, ``Gemma4ForCausalLM``), as transformers implements it, for the configs
-without its per-layer embeddings, KV sharing and MoE block (refused by name).
+"""Gemma 4 (text, ``Gemma4ForCausalLM``), as transformers implements it, with the
+released checkpoints' per-layer embeddings, KV sharing and MoE block.
 
 What differs from Gemma 3: RMSNorm weights multiply as ``w`` (not ``1 + w``); values
 get an RMSNorm without weight, queries and keys a per-head one, and the attention scale
@@ -12,6 +12,25 @@ frequencies rotate, with exponents over the whole head size; the rest stay still
 each layer's output (the whole residual stream) is multiplied by its ``layer_scalar``.
 Sandwich norms, GeGLU, scaled embeddings and final-logit soft-capping are Gemma 2/3's.
 
+Per-layer embeddings (PLE, ``hidden_size_per_layer_input`` P > 0: E2B/E4B): once per
+step every token gets ``[num_layers, P]`` inputs, ``(norm(proj(embedding) / sqrt(hidden))
++ table[token] * sqrt(P)) / sqrt(2)``, from a ``[vocab, num_layers * P]`` table (kept in
+the checkpoint's dtype when that is narrower) and a projection of the token's scaled
+embedding; each layer ends with ``stream += norm(proj(act(gate(stream)) * input_i))``.
+They depend on the token alone, so chunked prefill, prefix caching and preemption need
+nothing more.
+
+KV sharing (``num_kv_shared_layers``): the last layers each read the keys and values of
+the last earlier layer of their attention type (gemma4_config.kv_sources): they have no
+k/v projections, write nothing and get no KV cache of their own (their cache "window" is
+``NO_KV_CACHE``, so the KV cache groups leave them out); they attend over their source's
+cache with their source's block tables.
+
+The MoE block (``enable_moe_block``): beside the dense MLP, a router (a weightless norm
+of the stream times ``scale / sqrt(hidden)``, softmax, top-k, renormalised, times
+``per_expert_scale``) and experts run through the ``fused_moe`` op; the two outputs are
+normed and summed before the post-feed-forward norm.
+
 The paged cache has one head size and KV head count for every layer: the largest of
 each.  A layer with smaller heads zero-pads its queries, keys and values (the scores do
 not change; the output is sliced back) and a layer with fewer KV heads repeats each so
@@ -21,14 +40,21 @@ sliding layers (half their cache is padding at the published sizes).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.decoder import DecoderForCausalLM, KVCache
+from pagedserve.models.gemma4_config import (
+    MOE_ACTIVATIONS,
+    check_gemma4_config,
+    kv_sources,
+    layer_shapes,
+    layer_types,
+)
 from pagedserve.models.layers import (
-    GATED_ACTIVATIONS,
     RotaryEmbedding,
     fuse,
     gated_mlp,
@@ -36,6 +62,7 @@ from pagedserve.models.layers import (
     layer_windows,
     linear,
     paged_attention,
+    route_topk,
 )
 
 if TYPE_CHECKING:
@@ -46,6 +73,12 @@ __all__ = ["Gemma4ForCausalLM", "Gemma4Layer", "ProportionalRotaryEmbedding"]
 _DEFAULT_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+
+_PLE_NAMES = {
+    "model.embed_tokens_per_layer.weight": "ple_table",
+    "model.per_layer_model_projection.weight": "ple_projection",
+    "model.per_layer_projection_norm.weight": "ple_norm",
 }
 
 
@@ -67,7 +100,10 @@ class ProportionalRotaryEmbedding(RotaryEmbedding):
 
 class Gemma4Layer:
     """One layer: the four sandwich norms [hidden], q/k norms [head], q/k/v or q/k
-    (``attention_k_eq_v``), o, gate_up, down, and the layer scalar (a Python float)."""
+    (``attention_k_eq_v``; q alone on a KV-sharing layer), o, gate_up, down, the layer
+    scalar (a Python float); with PLE its gate [P, hidden], projection [hidden, P] and
+    norm [hidden]; with the MoE block the router [E, hidden], its scale [hidden], the
+    per-expert scale [E], w13 [E, 2 * I, hidden], w2 [E, hidden, I] and three norms."""
 
     __slots__ = (
         "input_norm",
@@ -83,85 +119,55 @@ class Gemma4Layer:
         "gate_up",
         "down",
         "scalar",
+        "ple_gate",
+        "ple_proj",
+        "post_ple_norm",
+        "router",
+        "router_scale",
+        "expert_scale",
+        "w13",
+        "w2",
+        "post_ff_norm_1",
+        "pre_ff_norm_2",
+        "post_ff_norm_2",
     )
-
-
-def _layer_types(hf: dict[str, Any], num_layers: int) -> list[str]:
-    """``layer_types``, or transformers' default (5 sliding : 1 full); the last layer is
-    always full attention, as transformers forces it."""
-    types = list(
-        hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers)]
-    )
-    if types:
-        types[-1] = "full_attention"
-    return types
-
-
-def _layer_shapes(hf: dict[str, Any], num_layers: int) -> list[tuple[int, int]]:
-    """(head_dim, kv_heads) of every layer: ``per_layer_config`` overrides (keyed by layer
-    index, as transformers writes them) or ``global_head_dim`` / ``num_global_key_value_heads``
-    on the full-attention layers."""
-    head = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
-    kv = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
-    per_layer = hf.get("per_layer_config")
-    types = _layer_types(hf, num_layers)
-    out = []
-    for i, kind in enumerate(types):
-        if isinstance(per_layer, dict):
-            over = per_layer.get(str(i)) or per_layer.get(i) or {}
-        elif kind == "full_attention":
-            over = {"head_dim": hf.get("global_head_dim", 512)}
-            if hf.get("attention_k_eq_v") and hf.get("num_global_key_value_heads"):
-                over["num_key_value_heads"] = hf["num_global_key_value_heads"]
-        else:
-            over = {}
-        out.append((int(over.get("head_dim") or head), int(over.get("num_key_value_heads") or kv)))
-    return out
 
 
 class Gemma4ForCausalLM(DecoderForCausalLM):
     layer_class = Gemma4Layer
-    linear_fields = ("q", "k", "v", "o", "gate_up", "down")
+    linear_fields = ("q", "k", "v", "o", "gate_up", "down", "ple_gate", "ple_proj")
     tensor_parallel = False
 
     @classmethod
     def kv_cache_heads(cls, hf: dict[str, Any]) -> int:
-        return max(kv for _, kv in _layer_shapes(hf, hf["num_hidden_layers"]))
+        return max(kv for _, kv in layer_shapes(hf, hf["num_hidden_layers"]))
 
     @classmethod
     def kv_head_dim(cls, hf: dict[str, Any]) -> int:
-        return max(d for d, _ in _layer_shapes(hf, hf["num_hidden_layers"]))
+        return max(d for d, _ in layer_shapes(hf, hf["num_hidden_layers"]))
+
+    @classmethod
+    def pipeline_refusal(cls, hf: dict[str, Any]) -> str | None:
+        if int(hf.get("hidden_size_per_layer_input") or 0):
+            return "per-layer embeddings (hidden_size_per_layer_input > 0) are computed from the token ids on one stage"
+        if int(hf.get("num_kv_shared_layers") or 0):
+            return "KV-sharing layers (num_kv_shared_layers > 0) read the cache of an earlier layer on the same stage"
+        return None
 
     @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
         super().check_config(cfg)
-        hf, name = cfg.hf_config, cfg.architecture
-
-        def refuse(what: str) -> None:
-            raise ValueError(f"{name}: {what} is not supported")
-
-        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-        if act not in GATED_ACTIVATIONS:
-            refuse(f"hidden_activation {act!r}")
+        hf = cfg.hf_config
         if cfg.attention_bias:
-            refuse("attention_bias=true")
-        if hf.get("use_bidirectional_attention"):
-            refuse(f"use_bidirectional_attention={hf['use_bidirectional_attention']!r}")
-        if int(hf.get("hidden_size_per_layer_input") or 0):
-            refuse("per-layer input embeddings (hidden_size_per_layer_input > 0, Gemma 4 E2B/E4B)")
-        if int(hf.get("num_kv_shared_layers") or 0):
-            refuse("num_kv_shared_layers > 0 (layers reusing another layer's KV)")
-        if hf.get("enable_moe_block"):
-            refuse("enable_moe_block=true (the MoE block)")
-        heads = cfg.num_heads
-        for i, (_, kv) in enumerate(_layer_shapes(hf, cfg.num_layers)):
-            if heads % kv or cfg.num_kv_heads % kv:
-                refuse(f"layer {i}'s {kv} KV heads with {heads} heads and {cfg.num_kv_heads} KV heads elsewhere")
-        layer_windows({**hf, "layer_types": _layer_types(hf, cfg.num_layers)}, cfg.num_layers)
+            raise ValueError(f"{cfg.architecture}: attention_bias=true is not supported")
+        check_gemma4_config(hf, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
+        layer_windows({**hf, "layer_types": layer_types(hf, cfg.num_layers)}, cfg.num_layers)
         for kind, params in cls._rope_params(hf).items():
             rope_type = params.get("rope_type", "default")
             if rope_type not in ("default", "proportional"):
-                refuse(f"{kind} rope_type {rope_type!r} (default, proportional)")
+                raise ValueError(
+                    f"{cfg.architecture}: {kind} rope_type {rope_type!r} is not supported (default, proportional)"
+                )
 
     @staticmethod
     def _rope_params(hf: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -171,14 +177,35 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
 
     def __init__(self, cfg: ArchConfig, *args, **kwargs) -> None:
         hf = cfg.hf_config
-        self.layer_types = _layer_types(hf, cfg.num_layers)
-        self.shapes = _layer_shapes(hf, cfg.num_layers)
+        self.layer_types = layer_types(hf, cfg.num_layers)
+        self.shapes = layer_shapes(hf, cfg.num_layers)
         super().__init__(cfg, *args, **kwargs)
         self.activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-        self.windows = layer_windows({**hf, "layer_types": self.layer_types}, cfg.num_layers)
+        typed = {**hf, "layer_types": self.layer_types}
+        #: Each layer's KV cache kind (the runner groups layers by it): a KV-sharing layer has none.
+        self.windows = layer_windows(typed, cfg.num_layers)
+        #: Each layer's attention window (None: full), a KV-sharing layer's its source's.
+        self.attn_windows = layer_windows({**typed, "num_kv_shared_layers": 0}, cfg.num_layers)
+        self.kv_sources = kv_sources(hf, cfg.num_layers)
+        for i, src in enumerate(self.kv_sources):
+            here = self.layer_start <= i < self.layer_end
+            if here and src is not None and not any(pl.start <= src and i < pl.end for pl in self.placements):
+                raise ValueError(
+                    f"layer {i} reads the KV cache of layer {src} (num_kv_shared_layers), which this "
+                    "pipeline stage or device-map segment does not hold: keep them on one"
+                )
         self.final_soft_cap: float | None = hf.get("final_logit_softcapping")
         self.k_eq_v = bool(hf.get("attention_k_eq_v"))
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=self.dtype)
+        self.ple_size = int(hf.get("hidden_size_per_layer_input") or 0)
+        self.ple_table: torch.Tensor | None = None
+        self.ple_projection: torch.Tensor | None = None
+        self.ple_norm: torch.Tensor | None = None
+        self.ple_scale = torch.tensor(self.ple_size**0.5, dtype=self.dtype)
+        #: The step's per-layer inputs [n, num_layers, P] while ``forward`` runs the layers.
+        self._per_layer_inputs: torch.Tensor | None = None
+        self.moe = bool(hf.get("enable_moe_block"))
+        self.top_k = int(hf.get("top_k_experts") or 0)
 
     def attention_scale(self) -> float:
         return 1.0
@@ -198,6 +225,7 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
             self.ropes[kind] = rope
         return self.ropes[self.layer_types[-1]]
 
+    # -- loading ------------------------------------------------------------------------------
     def _uses_v(self, layer: int) -> bool:
         return not (self.k_eq_v and self.layer_types[layer] == "full_attention")
 
@@ -209,33 +237,130 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
             "post_feedforward_layernorm.weight",
             "layer_scalar",
             "self_attn.q_proj.weight",
-            "self_attn.k_proj.weight",
             "self_attn.o_proj.weight",
             "self_attn.q_norm.weight",
-            "self_attn.k_norm.weight",
             "mlp.gate_proj.weight",
             "mlp.up_proj.weight",
             "mlp.down_proj.weight",
         }
-        if self._uses_v(layer):
-            names.add("self_attn.v_proj.weight")
+        if self.kv_sources[layer] is None:
+            names |= {"self_attn.k_proj.weight", "self_attn.k_norm.weight"}
+            if self._uses_v(layer):
+                names.add("self_attn.v_proj.weight")
+        if self.ple_size:
+            names |= {"per_layer_input_gate.weight", "per_layer_projection.weight", "post_per_layer_input_norm.weight"}
+        if self.moe:
+            names |= {
+                "router.proj.weight",
+                "router.scale",
+                "router.per_expert_scale",
+                "experts.gate_up_proj",
+                "experts.down_proj",
+                "post_feedforward_layernorm_1.weight",
+                "pre_feedforward_layernorm_2.weight",
+                "post_feedforward_layernorm_2.weight",
+            }
         return frozenset(names)
 
     def finish_layer(self, layer: Gemma4Layer, w: dict[str, Any], param) -> None:
         a = "self_attn."
+
+        def opt(name: str):
+            return param(w[name]) if name in w else None
+
         layer.input_norm = param(w["input_layernorm.weight"])
         layer.post_attn_norm = param(w["post_attention_layernorm.weight"])
         layer.pre_ff_norm = param(w["pre_feedforward_layernorm.weight"])
         layer.post_ff_norm = param(w["post_feedforward_layernorm.weight"])
         layer.scalar = float(w["layer_scalar"].float().reshape(-1)[0])
         layer.q = param(w[a + "q_proj.weight"])
-        layer.k = param(w[a + "k_proj.weight"])
-        layer.v = param(w[a + "v_proj.weight"]) if a + "v_proj.weight" in w else None
+        layer.k, layer.v, layer.k_norm = opt(a + "k_proj.weight"), opt(a + "v_proj.weight"), opt(a + "k_norm.weight")
         layer.q_norm = param(w[a + "q_norm.weight"])
-        layer.k_norm = param(w[a + "k_norm.weight"])
         layer.o = param(w[a + "o_proj.weight"])
         layer.gate_up = param(fuse([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
         layer.down = param(w["mlp.down_proj.weight"])
+        layer.ple_gate = opt("per_layer_input_gate.weight")
+        layer.ple_proj = opt("per_layer_projection.weight")
+        layer.post_ple_norm = opt("post_per_layer_input_norm.weight")
+        layer.router = opt("router.proj.weight")
+        layer.router_scale = opt("router.scale")
+        layer.expert_scale = opt("router.per_expert_scale")
+        layer.w13, layer.w2 = opt("experts.gate_up_proj"), opt("experts.down_proj")
+        layer.post_ff_norm_1 = opt("post_feedforward_layernorm_1.weight")
+        layer.pre_ff_norm_2 = opt("pre_feedforward_layernorm_2.weight")
+        layer.post_ff_norm_2 = opt("post_feedforward_layernorm_2.weight")
+
+    def load_global(self, name: str, tensor: torch.Tensor) -> bool:
+        field = _PLE_NAMES.get(name)
+        if field is None or not self.ple_size:
+            return False
+        if field == "ple_table" and tensor.dtype.itemsize <= self.dtype.itemsize:
+            # vocab x layers x P values (4.7 GB in bf16 at E2B): not widened to a wider model dtype.
+            setattr(self, field, tensor.to(self.device).contiguous())
+        else:
+            setattr(self, field, self._param(tensor))
+        return True
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(weights)
+        missing = [n for n, f in _PLE_NAMES.items() if self.ple_size and getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"checkpoint lacks {', '.join(missing)} (hidden_size_per_layer_input > 0)")
+
+    def prepare_linear_weights(self) -> None:
+        super().prepare_linear_weights()
+        self.prepare_stacked_experts()
+
+    def placement_weight_bytes(self) -> list[int]:
+        out = super().placement_weight_bytes()
+        out[0] += sum(t.nbytes for t in (self.ple_table, self.ple_projection, self.ple_norm) if t is not None)
+        return out
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if not self.ple_size:
+            return super().forward(input_ids, meta, kv_caches, embeds)
+        x = self.embed_tokens(input_ids)
+        ids = input_ids
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
+            # As transformers: an image token's table row is the pad token's.
+            pad = int(self.cfg.hf_config.get("pad_token_id") or 0)
+            ids = input_ids.index_fill(0, embeds[0], pad)
+        self._per_layer_inputs = self.per_layer_inputs(ids, x)
+        try:
+            x, residual = self.forward_layers(x, None, meta, kv_caches)
+        finally:
+            self._per_layer_inputs = None
+        return self.final_norm(x, residual)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """input_ids int64 [n], x [n, hidden] (the scaled embeddings) -> the per-layer
+        inputs [n, num_layers, P] in the model dtype."""
+        n, layers, p = input_ids.shape[0], self.cfg.num_layers, self.ple_size
+        proj = linear(self.ops, x, self.ple_projection) * self.cfg.hidden_size**-0.5
+        proj = self.ops.rms_norm(proj.reshape(n * layers, p), self.ple_norm, self.cfg.rms_norm_eps)
+        rows = self.ple_table.index_select(0, input_ids).to(self.dtype) * self.ple_scale.to(x.device)
+        return (proj.view(n, layers, p) + rows.view(n, layers, p)) * 2.0**-0.5
+
+    def _run_layers(self, ops, placement, first, layers, kv_caches, x, residual, meta):
+        """The base walk, with a KV-sharing layer given its source layer's cache and block
+        tables (the source is on the same placement: checked at construction)."""
+        kv_caches = list(kv_caches)
+        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+            index = first + i
+            src = self.kv_sources[index]
+            if src is not None:
+                kv = kv_caches[src - first]
+            layer_meta = meta.for_layer(index if src is None else src)
+            x, residual = self.layer_forward(ops, placement, index, layer, kv, x, residual, layer_meta)
+        return x, residual
 
     def attention(
         self, ops, placement: int, index: int, layer: Gemma4Layer, h: torch.Tensor, kv_cache: KVCache, meta
@@ -244,18 +369,45 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
         n, heads, eps = h.shape[0], self.num_heads, self.cfg.rms_norm_eps
         d, kv = self.shapes[index]
         cache_d, cache_kv = self.cfg.head_dim, self.num_kv_heads
-        q = head_rms_norm(ops, linear(ops, h, layer.q).view(n, heads, d), layer.q_norm, eps)
+        rope = self.ropes[self.layer_types[index]]
+        q = head_rms_norm(ops, linear(ops, h, layer.q).view(n, heads, d), layer.q_norm, eps).contiguous()
+        window = self.attn_windows[index]
+        if layer.k is None:  # a KV-sharing layer: its source wrote the keys and values
+            q, _ = rope(ops, placement, meta.positions, q, q[:, :1].contiguous())
+            if d < cache_d:
+                q = torch.nn.functional.pad(q, (0, cache_d - d))
+            k_cache, v_cache = kv_cache
+            extra = {} if window is None else {"sliding_window": window}
+            out = ops.paged_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 1.0, **extra
+            )
+            return out.view(n, heads, cache_d)[..., :d].reshape(n, heads * d)
         k_raw = linear(ops, h, layer.k).view(n, kv, d)
         v = k_raw if layer.v is None else linear(ops, h, layer.v).view(n, kv, d)
         k = head_rms_norm(ops, k_raw, layer.k_norm, eps)
         v = head_rms_norm(ops, v, torch.ones(d, dtype=v.dtype, device=v.device), eps)
-        q, k = self.ropes[self.layer_types[index]](ops, placement, meta.positions, q.contiguous(), k.contiguous())
+        q, k = rope(ops, placement, meta.positions, q, k.contiguous())
         if kv < cache_kv:  # each KV head once per cache head its query heads read
             k, v = (t.repeat_interleave(cache_kv // kv, dim=1) for t in (k, v))
         if d < cache_d:
             q, k, v = (torch.nn.functional.pad(t, (0, cache_d - d)) for t in (q, k, v))
-        out = paged_attention(ops, q, k.contiguous(), v.contiguous(), kv_cache, meta, 1.0, self.windows[index])
+        out = paged_attention(ops, q, k.contiguous(), v.contiguous(), kv_cache, meta, 1.0, window)
         return out.view(n, heads, cache_d)[..., :d].reshape(n, heads * d)
+
+    def feed_forward(self, ops, layer: Gemma4Layer, stream: torch.Tensor) -> torch.Tensor:
+        """The dense MLP, plus the MoE block when the model has one: [n, hidden] -> [n, hidden]
+        before the post-feed-forward norm."""
+        eps = self.cfg.rms_norm_eps
+        h = gated_mlp(ops, ops.rms_norm(stream, layer.pre_ff_norm, eps), layer.gate_up, layer.down, self.activation)
+        if layer.w13 is None:
+            return h
+        ones = torch.ones(stream.shape[-1], dtype=stream.dtype, device=stream.device)
+        routed = ops.rms_norm(stream, ones, eps) * layer.router_scale * self.cfg.hidden_size**-0.5
+        weights, ids = route_topk(linear(ops, routed, layer.router), self.top_k, renormalize=True)
+        weights = weights * layer.expert_scale[ids]
+        x2 = ops.rms_norm(stream, layer.pre_ff_norm_2, eps)
+        experts = ops.fused_moe(x2, layer.w13, layer.w2, weights, ids, MOE_ACTIVATIONS[self.activation])
+        return ops.rms_norm(h, layer.post_ff_norm_1, eps) + ops.rms_norm(experts, layer.post_ff_norm_2, eps)
 
     def layer_forward(
         self,
@@ -276,8 +428,18 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
             layer.o,
         )
         stream = stream + ops.rms_norm(h, layer.post_attn_norm, eps)
-        h = gated_mlp(ops, ops.rms_norm(stream, layer.pre_ff_norm, eps), layer.gate_up, layer.down, self.activation)
-        h = ops.rms_norm(h, layer.post_ff_norm, eps)
+        h = ops.rms_norm(self.feed_forward(ops, layer, stream), layer.post_ff_norm, eps)
+        if layer.ple_gate is not None:
+            if self._per_layer_inputs is None:
+                raise RuntimeError("per-layer embeddings: run the layers through forward()")
+            stream = stream + h
+            ple = self.placements[placement].move(self._per_layer_inputs[:, index])
+            g = linear(ops, stream, layer.ple_gate)
+            if self.activation == "silu":
+                g = torch.nn.functional.silu(g)
+            else:
+                g = ops.gelu(g, "tanh" if self.activation == "gelu_pytorch_tanh" else "none")
+            h = ops.rms_norm(linear(ops, g * ple, layer.ple_proj), layer.post_ple_norm, eps)
         # The scalar multiplies the whole stream: handed on as (x, residual), both scaled.
         return h * layer.scalar, stream * layer.scalar
 

@@ -237,7 +237,9 @@ def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | str | None]
     every layer.  A window
     no shorter than ``max_position_embeddings`` is no window.  A layer with a recurrent
     state instead of attention (``layer_types`` ``linear_attention``, ``mamba`` or LFM2's ``conv``) has the
-    window ``RECURRENT_STATE`` (its KV cache group holds state pages: kv_cache/state_group.py)."""
+    window ``RECURRENT_STATE`` (its KV cache group holds state pages: kv_cache/state_group.py).
+    A layer that reads another layer's keys and values (the last ``num_kv_shared_layers``
+    of Gemma 4) keeps none: ``NO_KV_CACHE``."""
     window = hf.get("sliding_window")
     if hf.get("use_sliding_window") is False:
         window = None  # Qwen2/Qwen3/SmolLM3 keep a window size they do not use
@@ -270,9 +272,14 @@ def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | str | None]
     if any(isinstance(w, int) and w < 1 for w in out):
         raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
     limit = hf.get("max_position_embeddings")
-    return [
+    out = [
         w if w is None or w == RECURRENT_STATE else None if limit is not None and w >= limit else int(w) for w in out
     ]
+    # Gemma 4's last num_kv_shared_layers layers read an earlier layer's keys and values.
+    shared = int(hf.get("num_kv_shared_layers") or 0)
+    if 0 < shared < num_layers:
+        out[num_layers - shared :] = [NO_KV_CACHE] * shared
+    return out
 
 
 #: Nemotron-H's ``hybrid_override_pattern`` letters -> ``layers_block_type`` names.

@@ -193,8 +193,8 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "pagedserve.models.gemma4",
         "Gemma4ForCausalLM",
         tensor_parallel=False,
-        notes="text only, without per-layer embeddings, KV sharing or the MoE block (refused by name): "
-        "w-scaled norms, value norm, a head size and KV heads per layer type, proportional RoPE, layer scalars",
+        notes="text only: w-scaled norms, value norm, a head size and KV heads per layer type, proportional "
+        "RoPE, layer scalars, per-layer embeddings, KV sharing (no cache for the sharing layers), the MoE block",
     ),
     ModelEntry(
         "GptOssForCausalLM",

@@ -113,7 +113,7 @@ UNMODELED_ARCHITECTURES: dict[str, str] = {
         ),
         "its recurrent-state layers (state pages per request, scan and convolution costs)",
     ),
-    "Gemma4ForCausalLM": "its per-layer head sizes and KV heads",
+    "Gemma4ForCausalLM": "its per-layer head sizes and KV heads, per-layer embeddings and KV-sharing layers",
 }
 
 
