@@ -223,6 +223,61 @@ at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at
   return out;
 }
 
+// out[i] = act(acc[i]) in T for i < n, vectorized (the activation's exp dominates a
+// decode step's convolution).
+template <typename T>
+void activate_store(const float* acc, int64_t n, bool act, T* out) {
+  auto run = [&](auto ops, int64_t i) {
+    using Ops = decltype(ops);
+    const typename Ops::V a = Ops::load(acc + i);
+    Ops::store(out + i, act ? silu<Ops>(a) : a);
+  };
+  int64_t i = 0;
+  for (; i + Isa::W <= n; i += Isa::W) run(Isa{}, i);
+  for (; i < n; ++i) run(Lane1{}, i);
+}
+
+// One token per sequence, channels [c0, c1): y = w . [window, x] (+ bias), then the
+// window shifts by one.  K (the filter width) fixed at compile time for the usual 3 and 4.
+template <typename T, int K>
+void conv_step(const T* x, const float* w, const float* b, float* win, int64_t c0, int64_t c1, bool act, T* out) {
+  constexpr int H = K - 1;
+  float buf[kConvChannels];
+  for (int64_t c = c0; c < c1; ++c) {
+    float* sw = win + c * H;
+    const float* wc = w + c * K;
+    const float xv = to_float(x[c]);
+    float acc = 0.f;
+    for (int j = 0; j < H; ++j) acc += sw[j] * wc[j];
+    acc += xv * wc[H];
+    if (b != nullptr) acc += b[c];
+    for (int j = 0; j + 1 < H; ++j) sw[j] = sw[j + 1];
+    sw[H - 1] = xv;
+    buf[c - c0] = acc;
+  }
+  activate_store<T>(buf, c1 - c0, act, out + c0);
+}
+
+template <typename T>
+void conv_step_any(const T* x, const float* w, const float* b, float* win, int64_t K, int64_t c0, int64_t c1, bool act,
+                   T* out) {
+  const int64_t H = K - 1;
+  float buf[kConvChannels];
+  for (int64_t c = c0; c < c1; ++c) {
+    float* sw = win + c * H;
+    const float* wc = w + c * K;
+    const float xv = to_float(x[c]);
+    float acc = 0.f;
+    for (int64_t j = 0; j < H; ++j) acc += sw[j] * wc[j];
+    acc += xv * wc[H];
+    if (b != nullptr) acc += b[c];
+    for (int64_t j = 0; j + 1 < H; ++j) sw[j] = sw[j + 1];
+    if (H > 0) sw[H - 1] = xv;
+    buf[c - c0] = acc;
+  }
+  activate_store<T>(buf, c1 - c0, act, out + c0);
+}
+
 at::Tensor causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                 const at::Tensor& conv_state, bool silu_act) {
   const char* op = "causal_conv1d_update";
@@ -249,19 +304,17 @@ at::Tensor causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight, c
     const T* xp = cptr<T>(x);
     T* o = mptr<T>(out);
     const int64_t xs = x.stride(0);
-    at::parallel_for(0, S * dim, 2048, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t s = i / dim, c = i % dim;
-        float* win = st + i * H;
-        const float* wc = w + c * K;
-        const float xv = to_float(xp[s * xs + c]);
-        float acc = 0.f;
-        for (int64_t j = 0; j < H; ++j) acc += win[j] * wc[j];
-        acc += xv * wc[H];
-        if (b != nullptr) acc += b[c];
-        for (int64_t j = 0; j + 1 < H; ++j) win[j] = win[j + 1];
-        if (H > 0) win[H - 1] = xv;
-        o[s * dim + c] = from_float<T>(silu_act ? silu1(acc) : acc);
+    const int64_t blocks = (dim + kConvChannels - 1) / kConvChannels;
+    at::parallel_for(0, S * blocks, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t s = item / blocks, c0 = (item % blocks) * kConvChannels;
+        const int64_t c1 = std::min(dim, c0 + kConvChannels);
+        if (K == 4)
+          conv_step<T, 4>(xp + s * xs, w, b, st + s * dim * 3, c0, c1, silu_act, o + s * dim);
+        else if (K == 3)
+          conv_step<T, 3>(xp + s * xs, w, b, st + s * dim * 2, c0, c1, silu_act, o + s * dim);
+        else
+          conv_step_any<T>(xp + s * xs, w, b, st + s * dim * H, K, c0, c1, silu_act, o + s * dim);
       }
     });
   });

@@ -72,7 +72,9 @@ def load_recurrent_kernels() -> ModuleType | None:
         spec = recurrent_build_spec()
         bad = build.unsupported_arch_flags(list(spec.arch_flags), build.read_cpu_features())
         if bad:
-            raise build.KernelBuildError(f"this CPU lacks the instructions of {' '.join(bad)} (from {spec.arch_origin})")
+            raise build.KernelBuildError(
+                f"this CPU lacks the instructions of {' '.join(bad)} (from {spec.arch_origin})"
+            )
         return build.load_extension(spec, "recurrent-layer CPU kernels")[0]
     except build.KernelBuildError as exc:
         warnings.warn(f"recurrent-layer CPU kernels unavailable ({exc}); using the torch reference", stacklevel=2)
@@ -196,9 +198,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, state, use_qk_l2norm=True):
     if module is None:
         return ref.gated_delta_rule_recurrent(*args)
     qsl = _one_per_seq(q.shape[0])
-    return module.gated_delta_rule(
-        _rows(q), _rows(k), _rows(v), _f32(g), _f32(beta), state, qsl, bool(use_qk_l2norm)
-    )
+    return module.gated_delta_rule(_rows(q), _rows(k), _rows(v), _f32(g), _f32(beta), state, qsl, bool(use_qk_l2norm))
 
 
 def _ssd_ok(x, dt, A, B, C, D, state, seqs: int) -> bool:
@@ -226,9 +226,7 @@ def mamba2_ssd(x, dt, A, B, C, D, state, query_start_loc, chunk_size=256):
     module = _module() if ok else None
     if module is None:
         return ref.mamba2_ssd(*args)
-    return module.mamba2_ssd(
-        _rows(x), _f32(dt), _f32(A), _rows(B), _rows(C), _f32(D), state, _qsl(query_start_loc)
-    )
+    return module.mamba2_ssd(_rows(x), _f32(dt), _f32(A), _rows(B), _rows(C), _f32(D), state, _qsl(query_start_loc))
 
 
 def mamba2_ssd_step(x, dt, A, B, C, D, state):
@@ -264,9 +262,7 @@ def mamba1_scan(x, dt, A, B, C, D, state, query_start_loc, chunk_size=16):
     module = _module() if ok else None
     if module is None:
         return ref.mamba1_scan(*args)
-    return module.mamba1_scan(
-        _rows(x), _f32(dt), _f32(A), _rows(B), _rows(C), _f32(D), state, _qsl(query_start_loc)
-    )
+    return module.mamba1_scan(_rows(x), _f32(dt), _f32(A), _rows(B), _rows(C), _f32(D), state, _qsl(query_start_loc))
 
 
 def mamba1_scan_step(x, dt, A, B, C, D, state):
