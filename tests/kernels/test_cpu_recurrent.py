@@ -198,3 +198,24 @@ def test_avx2_and_portable_builds_pass_the_conformance_cases(native, monkeypatch
                 if result.status != "passed":
                     failures.append(f"{op}[{desc}] {dtype}: {result.message}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delta_rule_without_qk_normalisation(native, dtype):
+    """use_qk_l2norm=False (q only scaled), prefill then decode on the same states."""
+    gen = torch.Generator().manual_seed(8)
+    q, k = (torch.randn(6, 3, 12, generator=gen).mul(0.3).to(dtype) for _ in range(2))
+    v = torch.randn(6, 3, 10, generator=gen).to(dtype)
+    g, beta = -F.softplus(torch.randn(6, 3, generator=gen)), torch.rand(6, 3, generator=gen)
+    state = torch.randn(2, 3, 12, 10, generator=gen) * 0.3
+    qsl = torch.tensor([0, 2, 4], dtype=torch.int32)
+    want_state = state.clone()
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    want = ref.gated_delta_rule(q[:4], k[:4], v[:4], g[:4], beta[:4], want_state, qsl, False)
+    torch.testing.assert_close(
+        native.gated_delta_rule(q[:4], k[:4], v[:4], g[:4], beta[:4], state, qsl, False), want, **tol
+    )
+    want = ref.gated_delta_rule_recurrent(q[4:], k[4:], v[4:], g[4:], beta[4:], want_state, False)
+    got = native.gated_delta_rule_recurrent(q[4:], k[4:], v[4:], g[4:], beta[4:], state, False)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(state, want_state, atol=1e-4, rtol=1e-4)
