@@ -109,6 +109,7 @@ CPU_EXTENSIONS: tuple[tuple[str, str, str], ...] = (
     ("pagedserve.kernels.cpu.spec_native", "spec_build_spec", "speculative-decoding CPU kernel"),
     ("pagedserve.kernels.cpu.lora_native", "lora_build_spec", "LoRA CPU kernel"),
     ("pagedserve.kernels.cpu.moe_native", "moe_build_spec", "MoE CPU kernel"),
+    ("pagedserve.kernels.cpu.recurrent_native", "recurrent_build_spec", "recurrent-layer CPU kernels"),
     ("pagedserve.kernels.cpu.attention_amx", "amx_build_spec", "AMX attention CPU kernel"),
     ("pagedserve.kernels.cpu.quant_gguf_amx", "gguf_amx_build_spec", "AMX int8 GGUF CPU kernel"),
 )

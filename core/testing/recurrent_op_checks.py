@@ -2,18 +2,23 @@
 overriding implementation against the reference on fresh random inputs, its outputs and
 its in-place state updates both compared.  Varlen batches mix a one-token sequence, a
 fresh sequence (no state), and sequences longer than a scan chunk continuing a state.
-States are float32 whatever the model dtype; outputs are compared in the dtype's
-tolerance, states in float32's scaled by the same factor."""
+Each op also runs at odd shapes (head and state sizes that are not a multiple of a
+vector, more columns or channels than one work item of a native kernel takes, grouped
+heads), and the allocator is handed NaN-filled blocks first (the ops return fresh
+tensors: an element a kernel forgets then likely reads NaN).  States are float32
+whatever the model dtype; outputs are compared in the dtype's tolerance, states in
+float32's scaled by the same factor."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import reference
-from pagedserve.testing.op_checks import TOLERANCES, Cases, _Case, assert_matches
+from pagedserve.testing.op_checks import TOLERANCES, Cases, _Case, _poison_allocator, assert_matches
 from pagedserve.testing.target import Target
 
 __all__ = ["RECURRENT_CASES"]
@@ -28,6 +33,10 @@ def _qsl(c: _Case, lens: tuple[int, ...]) -> torch.Tensor:
     return c.dev(out)
 
 
+def _poison(c: _Case, dtype: torch.dtype, *shapes: tuple[int, ...]) -> None:
+    _poison_allocator(c.device, dtype, *(math.prod(s) for s in shapes))
+
+
 def _state_check(what: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     """Compare float32 states within the tolerance of the model dtype the inputs came in."""
     tol = TOLERANCES[dtype]
@@ -38,7 +47,7 @@ def _state_check(what: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.
 
 
 def _causal_conv1d(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for dim, width, bias in [(24, 4, True), (40, 3, False)]:
+    for dim, width, bias in [(24, 4, True), (40, 3, False), (70, 2, True)]:
         desc = f"dim{dim}-width{width}{'-bias' if bias else ''}"
 
         def body(dim=dim, width=width, bias=bias, desc=desc) -> None:
@@ -50,6 +59,7 @@ def _causal_conv1d(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Ca
             want_state = state.clone()
             want = reference.causal_conv1d(x, w, b, want_state, _qsl(c, LENS).cpu(), has, "silu")
             got_state = c.dev(state)
+            _poison(c, dtype, x.shape)
             got = fn(c.dev(x), c.dev(w), None if b is None else c.dev(b), got_state, _qsl(c, LENS), c.dev(has), "silu")
             assert_matches("causal_conv1d", got, want, dtype)
             _state_check("causal_conv1d", got_state, want_state, dtype)
@@ -58,7 +68,7 @@ def _causal_conv1d(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Ca
 
 
 def _causal_conv1d_update(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for seqs, dim, width in [(1, 24, 4), (5, 40, 4)]:
+    for seqs, dim, width in [(1, 24, 4), (5, 40, 4), (3, 70, 3)]:
         desc = f"{seqs}seqs-dim{dim}"
 
         def body(seqs=seqs, dim=dim, width=width, desc=desc) -> None:
@@ -68,14 +78,21 @@ def _causal_conv1d_update(t: Target, fn: Callable, dtype: torch.dtype, seed: int
             want_state = state.clone()
             want = reference.causal_conv1d_update(x, w, b, want_state, "silu")
             got_state = c.dev(state)
+            _poison(c, dtype, x.shape)
             assert_matches("causal_conv1d_update", fn(c.dev(x), c.dev(w), c.dev(b), got_state, "silu"), want, dtype)
             _state_check("causal_conv1d_update", got_state, want_state, dtype)
 
         yield desc, body
 
 
-def _gdn_inputs(c: _Case, tokens: int, seqs: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    hk, hv, dk, dv = 2, 4, 16, 24
+#: (key heads, value heads, dk, dv) of the Gated DeltaNet cases: the base shape, and odd
+#: head sizes with more value columns than a native work item's 64 and two value heads
+#: per key head.
+GDN_SHAPES = {"": (2, 4, 16, 24), "-odd": (1, 2, 33, 80)}
+
+
+def _gdn_inputs(c: _Case, tokens: int, seqs: int, dtype: torch.dtype, shape: str = "") -> list[torch.Tensor]:
+    hk, hv, dk, dv = GDN_SHAPES[shape]
     q, k = c.randn(tokens, hk, dk, dtype=dtype), c.randn(tokens, hk, dk, dtype=dtype)
     v = c.randn(tokens, hv, dv, dtype=dtype)
     g = -F.softplus(c.randn(tokens, hv))
@@ -84,17 +101,18 @@ def _gdn_inputs(c: _Case, tokens: int, seqs: int, dtype: torch.dtype) -> list[to
 
 
 def _gated_delta_rule(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for chunk in (16, 64):
-        desc = f"chunk{chunk}"
+    for chunk, shape in [(16, ""), (64, ""), (64, "-odd")]:
+        desc = f"chunk{chunk}{shape}"
 
-        def body(chunk=chunk, desc=desc) -> None:
+        def body(chunk=chunk, shape=shape, desc=desc) -> None:
             c = _Case(f"gated_delta_rule{desc}{dtype}", seed, t.device)
-            q, k, v, g, beta, state = _gdn_inputs(c, sum(LENS), len(LENS), dtype)
+            q, k, v, g, beta, state = _gdn_inputs(c, sum(LENS), len(LENS), dtype, shape)
             state[1] = 0  # a fresh sequence
             want_state = state.clone()
             want = reference.gated_delta_rule(q, k, v, g, beta, want_state, _qsl(c, LENS).cpu(), True, chunk)
             got_state = c.dev(state)
             args = [c.dev(a) for a in (q, k, v, g, beta)]
+            _poison(c, dtype, v.shape)
             got = fn(*args, got_state, _qsl(c, LENS), True, chunk)
             assert_matches("gated_delta_rule", got, want, dtype)
             _state_check("gated_delta_rule", got_state, want_state, dtype)
@@ -103,15 +121,16 @@ def _gated_delta_rule(t: Target, fn: Callable, dtype: torch.dtype, seed: int) ->
 
 
 def _gated_delta_rule_recurrent(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for seqs in (1, 6):
-        desc = f"{seqs}seqs"
+    for seqs, shape in [(1, ""), (6, ""), (5, "-odd")]:
+        desc = f"{seqs}seqs{shape}"
 
-        def body(seqs=seqs, desc=desc) -> None:
+        def body(seqs=seqs, shape=shape, desc=desc) -> None:
             c = _Case(f"gated_delta_rule_recurrent{desc}{dtype}", seed, t.device)
-            q, k, v, g, beta, state = _gdn_inputs(c, seqs, seqs, dtype)
+            q, k, v, g, beta, state = _gdn_inputs(c, seqs, seqs, dtype, shape)
             want_state = state.clone()
             want = reference.gated_delta_rule_recurrent(q, k, v, g, beta, want_state, True)
             got_state = c.dev(state)
+            _poison(c, dtype, v.shape)
             got = fn(*[c.dev(a) for a in (q, k, v, g, beta)], got_state, True)
             assert_matches("gated_delta_rule_recurrent", got, want, dtype)
             _state_check("gated_delta_rule_recurrent", got_state, want_state, dtype)
@@ -119,8 +138,13 @@ def _gated_delta_rule_recurrent(t: Target, fn: Callable, dtype: torch.dtype, see
         yield desc, body
 
 
-def _ssd_inputs(c: _Case, tokens: int, seqs: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    heads, head_dim, groups, n = 4, 16, 2, 8
+#: (heads, head_dim, groups, d_state) of the Mamba 2 cases: the base shape, and an odd
+#: head size with a state wider than one vector plus a tail.
+SSD_SHAPES = {"": (4, 16, 2, 8), "-odd": (6, 5, 3, 24)}
+
+
+def _ssd_inputs(c: _Case, tokens: int, seqs: int, dtype: torch.dtype, shape: str = "") -> list[torch.Tensor]:
+    heads, head_dim, groups, n = SSD_SHAPES[shape]
     x = c.randn(tokens, heads, head_dim, dtype=dtype)
     dt = F.softplus(c.randn(tokens, heads))
     A = -(c.randn(heads).abs() + 0.1)
@@ -129,16 +153,17 @@ def _ssd_inputs(c: _Case, tokens: int, seqs: int, dtype: torch.dtype) -> list[to
 
 
 def _mamba2_ssd(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for chunk in (8, 256):
-        desc = f"chunk{chunk}"
+    for chunk, shape in [(8, ""), (256, ""), (32, "-odd")]:
+        desc = f"chunk{chunk}{shape}"
 
-        def body(chunk=chunk, desc=desc) -> None:
+        def body(chunk=chunk, shape=shape, desc=desc) -> None:
             c = _Case(f"mamba2_ssd{desc}{dtype}", seed, t.device)
-            x, dt, A, B, C, D, state = _ssd_inputs(c, sum(LENS), len(LENS), dtype)
+            x, dt, A, B, C, D, state = _ssd_inputs(c, sum(LENS), len(LENS), dtype, shape)
             state[1] = 0
             want_state = state.clone()
             want = reference.mamba2_ssd(x, dt, A, B, C, D, want_state, _qsl(c, LENS).cpu(), chunk)
             got_state = c.dev(state)
+            _poison(c, dtype, x.shape)
             got = fn(*[c.dev(a) for a in (x, dt, A, B, C, D)], got_state, _qsl(c, LENS), chunk)
             assert_matches("mamba2_ssd", got, want, dtype)
             _state_check("mamba2_ssd", got_state, want_state, dtype)
@@ -147,15 +172,16 @@ def _mamba2_ssd(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases
 
 
 def _mamba2_ssd_step(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for seqs in (1, 6):
-        desc = f"{seqs}seqs"
+    for seqs, shape in [(1, ""), (6, ""), (5, "-odd")]:
+        desc = f"{seqs}seqs{shape}"
 
-        def body(seqs=seqs, desc=desc) -> None:
+        def body(seqs=seqs, shape=shape, desc=desc) -> None:
             c = _Case(f"mamba2_ssd_step{desc}{dtype}", seed, t.device)
-            x, dt, A, B, C, D, state = _ssd_inputs(c, seqs, seqs, dtype)
+            x, dt, A, B, C, D, state = _ssd_inputs(c, seqs, seqs, dtype, shape)
             want_state = state.clone()
             want = reference.mamba2_ssd_step(x, dt, A, B, C, D, want_state)
             got_state = c.dev(state)
+            _poison(c, dtype, x.shape)
             got = fn(*[c.dev(a) for a in (x, dt, A, B, C, D)], got_state)
             assert_matches("mamba2_ssd_step", got, want, dtype)
             _state_check("mamba2_ssd_step", got_state, want_state, dtype)
@@ -163,8 +189,13 @@ def _mamba2_ssd_step(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
         yield desc, body
 
 
-def _scan_inputs(c: _Case, tokens: int, seqs: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    dim, n = 24, 8
+#: (channels, d_state) of the Mamba 1 cases: the base shape, and more channels than a
+#: native work item's 16 with a state of one vector plus a tail.
+SCAN_SHAPES = {"": (24, 8), "-odd": (37, 20)}
+
+
+def _scan_inputs(c: _Case, tokens: int, seqs: int, dtype: torch.dtype, shape: str = "") -> list[torch.Tensor]:
+    dim, n = SCAN_SHAPES[shape]
     x, dt = c.randn(tokens, dim, dtype=dtype), F.softplus(c.randn(tokens, dim))
     A = -(c.randn(dim, n).abs() + 0.1)
     B, C = c.randn(tokens, n, dtype=dtype), c.randn(tokens, n, dtype=dtype)
@@ -172,16 +203,17 @@ def _scan_inputs(c: _Case, tokens: int, seqs: int, dtype: torch.dtype) -> list[t
 
 
 def _mamba1_scan(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for chunk in (4, 16):
-        desc = f"chunk{chunk}"
+    for chunk, shape in [(4, ""), (16, ""), (16, "-odd")]:
+        desc = f"chunk{chunk}{shape}"
 
-        def body(chunk=chunk, desc=desc) -> None:
+        def body(chunk=chunk, shape=shape, desc=desc) -> None:
             c = _Case(f"mamba1_scan{desc}{dtype}", seed, t.device)
-            x, dt, A, B, C, D, state = _scan_inputs(c, sum(LENS), len(LENS), dtype)
+            x, dt, A, B, C, D, state = _scan_inputs(c, sum(LENS), len(LENS), dtype, shape)
             state[1] = 0
             want_state = state.clone()
             want = reference.mamba1_scan(x, dt, A, B, C, D, want_state, _qsl(c, LENS).cpu(), chunk)
             got_state = c.dev(state)
+            _poison(c, dtype, x.shape)
             got = fn(*[c.dev(a) for a in (x, dt, A, B, C, D)], got_state, _qsl(c, LENS), chunk)
             assert_matches("mamba1_scan", got, want, dtype)
             _state_check("mamba1_scan", got_state, want_state, dtype)
@@ -190,15 +222,16 @@ def _mamba1_scan(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Case
 
 
 def _mamba1_scan_step(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for seqs in (1, 6):
-        desc = f"{seqs}seqs"
+    for seqs, shape in [(1, ""), (6, ""), (5, "-odd")]:
+        desc = f"{seqs}seqs{shape}"
 
-        def body(seqs=seqs, desc=desc) -> None:
+        def body(seqs=seqs, shape=shape, desc=desc) -> None:
             c = _Case(f"mamba1_scan_step{desc}{dtype}", seed, t.device)
-            x, dt, A, B, C, D, state = _scan_inputs(c, seqs, seqs, dtype)
+            x, dt, A, B, C, D, state = _scan_inputs(c, seqs, seqs, dtype, shape)
             want_state = state.clone()
             want = reference.mamba1_scan_step(x, dt, A, B, C, D, want_state)
             got_state = c.dev(state)
+            _poison(c, dtype, x.shape)
             got = fn(*[c.dev(a) for a in (x, dt, A, B, C, D)], got_state)
             assert_matches("mamba1_scan_step", got, want, dtype)
             _state_check("mamba1_scan_step", got_state, want_state, dtype)
@@ -207,14 +240,15 @@ def _mamba1_scan_step(t: Target, fn: Callable, dtype: torch.dtype, seed: int) ->
 
 
 def _rms_norm_gated(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for before, group in [(True, None), (False, 16)]:
-        desc = f"{'norm-then-gate' if before else 'gate-then-norm'}-group{group}"
+    for before, group, d in [(True, None, 64), (False, 16, 64), (True, 12, 36)]:
+        desc = f"{'norm-then-gate' if before else 'gate-then-norm'}-group{group}" + ("" if d == 64 else f"-d{d}")
 
-        def body(before=before, group=group, desc=desc) -> None:
+        def body(before=before, group=group, d=d, desc=desc) -> None:
             c = _Case(f"rms_norm_gated{desc}{dtype}", seed, t.device)
-            x, z = c.randn(7, 64, dtype=dtype, scale=2.0), c.randn(7, 64, dtype=dtype)
-            w = (1 + c.randn(64, scale=0.1)).to(dtype)
+            x, z = c.randn(7, d, dtype=dtype, scale=2.0), c.randn(7, d, dtype=dtype)
+            w = (1 + c.randn(d, scale=0.1)).to(dtype)
             want = reference.rms_norm_gated(x, z, w, 1e-5, before, group)
+            _poison(c, dtype, x.shape)
             assert_matches("rms_norm_gated", fn(c.dev(x), c.dev(z), c.dev(w), 1e-5, before, group), want, dtype)
 
         yield desc, body

@@ -104,5 +104,11 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
         from pagedserve.kernels.cpu import mla_native
 
         ops.register("mla_paged_attention", mla_native.mla_paged_attention, source=mla_native.SOURCE)
+        from pagedserve.kernels.cpu import recurrent_native
+
+        # Gated DeltaNet, Mamba 1/2, the short convolutions: native over the reference
+        # (each call still hands inputs the kernels do not take to the reference).
+        for name, fn in recurrent_native.OPS.items():
+            ops.register(name, fn, source=recurrent_native.SOURCE)
         register_cpu_lora_ops(ops)
         register_cpu_moe_ops(ops, prepack=options.prepack)
