@@ -220,6 +220,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "qwen3_5_text",
         _QWEN3_5,
         "Qwen3_5ForCausalLM",
+        gguf=("qwen35",),
         quantized=False,
         tensor_parallel=False,
         notes="text only; Gated DeltaNet layers (recurrent state in state pages) 3 : 1 with gated attention "
@@ -230,6 +231,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "qwen3_5_moe_text",
         _QWEN3_5,
         "Qwen3_5MoeForCausalLM",
+        gguf=("qwen35moe",),
         quantized=False,
         tensor_parallel=False,
         notes="text only; Qwen3.5's layers with MoE (gated shared expert) in every layer; no prefix caching",
@@ -249,6 +251,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "granitemoehybrid",
         "pagedserve.models.granite_hybrid",
         "GraniteMoeHybridForCausalLM",
+        gguf=("granitehybrid",),
         quantized=False,
         tensor_parallel=False,
         notes="Granite 4: Mamba 2 layers (SSD scan, state in state pages) beside attention without RoPE, "
@@ -269,6 +272,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "lfm2",
         "pagedserve.models.lfm2",
         "Lfm2ForCausalLM",
+        gguf=("lfm2",),
         quantized=False,
         tensor_parallel=False,
         notes="LFM2: gated short-convolution layers (window in state pages) beside attention with q/k norms; "
