@@ -311,7 +311,10 @@ class GGUFCheckpoint:
                 pieces = merged.setdefault(names[0], {})
                 pieces[piece[1]] = tensor
                 if len(pieces) == piece[2]:
-                    yield names[0], self._merge(names[0], [pieces[i] for i in sorted(merged.pop(names[0]))], keep_quantized)
+                    yield (
+                        names[0],
+                        self._merge(names[0], [pieces[i] for i in sorted(merged.pop(names[0]))], keep_quantized),
+                    )
                 continue
             local = names[0].split(".", 3)[3] if names[0].startswith("model.layers.") and len(names) == 1 else None
             order = row_order(self.arch, local, config) if local is not None else None
@@ -352,9 +355,7 @@ class GGUFCheckpoint:
                 yield from ((name, torch.from_numpy(values[e])) for e, name in enumerate(names))
 
     @staticmethod
-    def _merge(
-        name: str, parts: list[GGUFTensor], keep_quantized: Collection[str]
-    ) -> torch.Tensor | GGUFBlocks:
+    def _merge(name: str, parts: list[GGUFTensor], keep_quantized: Collection[str]) -> torch.Tensor | GGUFBlocks:
         """One tensor from the parts the converter split it into, rows concatenated in
         order: their blocks when all are 2-D of one kept type, else float32."""
         kinds = {t.ggml_type.name for t in parts}

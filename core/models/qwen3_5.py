@@ -40,7 +40,7 @@ from pagedserve.models.layers import (
     paged_attention,
     route_topk,
 )
-from pagedserve.models.quantized_experts import stack_experts
+from pagedserve.models.quantized_experts import quantized_experts_moe, stack_experts
 from pagedserve.models.recurrent import StateLayout, chunk_info
 
 if TYPE_CHECKING:
@@ -267,7 +267,10 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         if layer.w13 is None:
             return gated_mlp(ops, h, layer.gate_up, layer.down)
         weights, ids = route_topk(linear(ops, h, layer.router), self.top_k, self.renormalize)
-        out = ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu")
+        if isinstance(layer.w13, list):  # quantized experts (GGUF blocks kept), one weight each
+            out = quantized_experts_moe(ops, h, layer.w13, layer.w2, weights, ids)
+        else:
+            out = ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu")
         gate = torch.sigmoid(linear(ops, h, layer.shared_gate))
         return out + gate * gated_mlp(ops, h, layer.gate_up, layer.down)
 

@@ -199,7 +199,11 @@ def _hybrid_tensor(name: str, a: np.ndarray, arch: str, hp: dict[str, Any]) -> l
             a = -np.exp(a)
         if name.endswith(".dt_bias"):
             name = name[: -len("dt_bias")] + "dt_proj.bias"
-    if arch in ("qwen35", "qwen35moe") and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+    if (
+        arch in ("qwen35", "qwen35moe")
+        and name.endswith("norm.weight")
+        and not name.endswith("linear_attn.norm.weight")
+    ):
         a = a + np.float32(1.0)
     if arch == "lfm2" and name.endswith("conv.conv.weight"):
         a = a.squeeze(1)
@@ -228,7 +232,10 @@ def _hybrid_tensor(name: str, a: np.ndarray, arch: str, hp: dict[str, Any]) -> l
                 name = name[: -len("dt_bias")] + "dt_proj.bias"
         elif name.endswith("block_sparse_moe.input_linear.weight"):  # GraniteMoeModel: gate, up
             half = a.shape[-2] // 2
-            return [(f"blk.{layer}.ffn_gate_exps.weight", a[..., :half, :]), (f"blk.{layer}.ffn_up_exps.weight", a[..., half:, :])]
+            return [
+                (f"blk.{layer}.ffn_gate_exps.weight", a[..., :half, :]),
+                (f"blk.{layer}.ffn_up_exps.weight", a[..., half:, :]),
+            ]
         elif name.endswith("shared_mlp.input_linear.weight"):
             half, sfx = a.shape[-2] // 2, "_shexp" if experts else ""
             return [(f"blk.{layer}.ffn_gate{sfx}.weight", a[:half]), (f"blk.{layer}.ffn_up{sfx}.weight", a[half:])]
@@ -394,7 +401,9 @@ def quantization_roundtrip(model: Any, arch: str, linear_type: str) -> None:
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     with torch.no_grad():
         for name, p in model.named_parameters():
-            router = name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "router.layer.weight"))
+            router = name.endswith(
+                ("mlp.gate.weight", "shared_expert_gate.weight", "router.weight", "router.layer.weight")
+            )
             conv = name.endswith(("conv1d.weight", "conv.conv.weight"))
             if p.dim() < 2 or p.shape[-1] % block or router or conv:
                 continue

@@ -39,8 +39,10 @@ HYBRID_GGUF_CASES: dict[str, tuple[str, dict, str]] = {
     "granitehybrid": ("granite4-mamba2-moe-nope", {}, "GraniteMoeHybridForCausalLM"),
 }
 MAX_NEW = 6
-#: Chunks of 8 tokens (state carried across steps) on pages of 4.
-ENGINE = dict(dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=8, block_size=4)
+#: Chunks of 8 tokens (state carried across steps) on pages of 4; a max_model_len, since
+#: llama.cpp writes a context of 2**20 for Granite 4 without RoPE.
+COMMON = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=256, enable_prefix_caching=False)
+ENGINE = dict(COMMON, max_num_batched_tokens=8, block_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +119,7 @@ def test_hybrid_q8_0_blocks_stay_quantized_and_close(arch, written):
     (Qwen3.5's value-head reorder moved as stored rows and whole column blocks): the
     first greedy token and its logprob stay close to transformers on the file's weights."""
     _, path, prompts, _, first = written(arch, "Q8_0")
-    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
+    llm = LLM(model=str(path), quantization="gguf", **COMMON)
     layers = llm.llm_engine.runner.model.layers
     recurrent = next(layer for layer in layers if getattr(layer, "in_proj", None) is not None)
     assert isinstance(recurrent.in_proj, GGUFWeight) and isinstance(recurrent.out_proj, GGUFWeight)
