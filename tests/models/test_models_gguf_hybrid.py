@@ -143,3 +143,27 @@ def test_hybrid_gguf_not_implemented_is_refused_by_name(arch, tmp_path):
     writer.close()
     with pytest.raises(ValueError, match=f"GGUF of {arch} is not supported yet; load the Hugging Face checkpoint"):
         LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
+
+
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        ("qwen35", ["ae\u0301b", " ", "7"]),  # Qwen3.5: a letter's combining mark stays with it
+        ("qwen2", ["ae", "\u0301b", " ", "7"]),
+        ("lfm2", ["ae", "\u0301b", " ", "7"]),  # llama.cpp splits LFM2 as Llama 3
+    ],
+)
+def test_hybrid_pre_tokenizers_split_as_llama_cpp(pre, pieces):
+    from pagedserve.loader.gguf_tokenizer import build_gguf_tokenizer, bytes_to_unicode
+
+    spelling = bytes_to_unicode()
+    metadata = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": [spelling[b] for b in range(256)],
+        "tokenizer.ggml.merges": [],
+    }
+    backend = build_gguf_tokenizer(metadata)
+    got = [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str("ae\u0301b 7")]
+    decoded = ["".join(chr(b) for b in bytes({v: k for k, v in spelling.items()}[c] for c in p)) for p in got]
+    assert [d.encode("latin-1").decode("utf-8") for d in decoded] == pieces
