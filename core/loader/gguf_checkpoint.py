@@ -145,7 +145,7 @@ class GGUFCheckpoint:
             "model_type": model_type,
             "vocab_size": int(self._arch("vocab_size", len(tokens) if tokens else 0)),
             "hidden_size": hidden_size,
-            "intermediate_size": self._required("feed_forward_length"),
+            "intermediate_size": self._feed_forward_length(),
             "num_hidden_layers": self._required("block_count"),
             "num_attention_heads": num_heads,
             "num_key_value_heads": self._kv_heads(num_heads),
@@ -164,6 +164,14 @@ class GGUFCheckpoint:
             "torch_dtype": self._float_dtype(),
         }
         return arch_config(self.arch, self._meta, base)
+
+    def _feed_forward_length(self) -> int:
+        """``feed_forward_length``; Nemotron-H stores one entry per layer (0 but for its
+        MLP layers): the largest."""
+        value = self._arch("feed_forward_length")
+        if isinstance(value, (list, tuple)):
+            return max((int(v) for v in value), default=0)
+        return self._required("feed_forward_length")
 
     def _kv_heads(self, num_heads: int) -> int:
         """``attention.head_count_kv``; the hybrid families store one entry per layer (0 for

@@ -31,7 +31,12 @@ export:
   ``rope.scaling.finetuned`` (llama.cpp's default: true); the vocabulary size key is
   padded to a multiple of 8, the embedding's rows are the model's.
 
-Other hybrid names llama.cpp writes (``qwen3next``, ``nemotron_h``, ``nemotron_h_moe``,
+- ``nemotron_h``: Mamba 2 layers as for Granite 4, q/k rows interleaved likewise (the
+  converter class derives from ``GraniteHybridModel``), each layer's kind from its
+  ``attention.head_count_kv`` / ``feed_forward_length`` entries (llama.cpp's rule: KV heads:
+  attention; a feed-forward size: MLP; neither: Mamba 2), vocabulary padded as Granite's.
+
+Other hybrid names llama.cpp writes (``qwen3next``, ``nemotron_h_moe``,
 ``jamba``, ``falcon-h1``, ``lfm2moe``) are refused by name (``UNSUPPORTED_HYBRID``).
 """
 
@@ -57,7 +62,6 @@ __all__ = ["HYBRID_ARCHS", "UNSUPPORTED_HYBRID", "column_groups", "row_order"]
 #: checkpoints only, with the HF class to use instead.
 UNSUPPORTED_HYBRID = {
     "qwen3next": "Qwen3NextForCausalLM",
-    "nemotron_h": "NemotronHForCausalLM",
     "nemotron_h_moe": "NemotronHForCausalLM (MoE layers are not implemented either)",
     "jamba": "JambaForCausalLM",
     "falcon-h1": "FalconH1ForCausalLM (not implemented)",
@@ -312,6 +316,54 @@ _MAMBA2_TENSORS = {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ssm_dt.bias": "m
 _MAMBA2_FIXES = {"mamba.A_log": _A_LOG, "mamba.D": _FLAT, "mamba.norm.weight": _FLAT, "mamba.conv1d.weight": _CONV}
 
 
+# -- Nemotron-H ---------------------------------------------------------------------------
+
+
+def _nemotron_h(meta: Metadata, base: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp: a layer with KV heads is attention, one with a feed-forward size an MLP,
+    one with neither Mamba 2 (``attention.head_count_kv`` and ``feed_forward_length`` are
+    per-layer arrays); the MLP is squared ReLU, not stored."""
+    kv = _kv_heads_per_layer(meta)
+    ff = meta.get("feed_forward_length")
+    ff = [int(f) for f in ff] if isinstance(ff, (list, tuple)) else [0] * len(kv)
+    if len(ff) != len(kv):
+        meta.refuse(f"a feed_forward_length array of {len(ff)} entries for {len(kv)} layers")
+    kinds = ["full_attention" if h else "mlp" if f else "linear_attention" for h, f in zip(kv, ff)]
+    heads, inner = int(meta.get("ssm.time_step_rank")), int(meta.get("ssm.inner_size"))
+    mamba_layers = [i for i, k in enumerate(kinds) if k == "linear_attention"]
+    eps = meta.get("attention.layer_norm_rms_epsilon", meta.get("attention.layer_norm_epsilon", 1e-5))
+    return {
+        "vocab_size": _vocab_from_embedding(meta, base),
+        "layers_block_type": kinds,
+        "num_key_value_heads": max(kv) or base["num_attention_heads"],
+        "intermediate_size": max(ff) or base["hidden_size"],
+        "mamba_num_heads": heads,
+        "mamba_head_dim": inner // heads,
+        "ssm_state_size": int(meta.get("ssm.state_size")),
+        "n_groups": int(meta.get("ssm.group_count", 1)),
+        "conv_kernel": int(meta.get("ssm.conv_kernel")),
+        "use_conv_bias": bool(mamba_layers) and f"blk.{mamba_layers[0]}.ssm_conv1d.bias" in meta.names,
+        "layer_norm_epsilon": float(eps),
+        "rms_norm_eps": float(eps),
+        "mlp_hidden_act": "relu2",
+    }
+
+
+_NEMOTRON_H_BLOCK = {
+    "attn_norm": "norm",
+    "attn_q": "mixer.q_proj",
+    "attn_k": "mixer.k_proj",
+    "attn_v": "mixer.v_proj",
+    "attn_output": "mixer.o_proj",
+    "ffn_up": "mixer.up_proj",
+    "ffn_down": "mixer.down_proj",
+    "ssm_in": "mixer.in_proj",
+    "ssm_conv1d": "mixer.conv1d",
+    "ssm_norm": "mixer.norm",
+    "ssm_out": "mixer.out_proj",
+}
+
+
 HYBRID_ARCHS: dict[str, GGUFArch] = {
     "qwen35": _qwen35_arch("qwen3_5_text", "Qwen3_5ForCausalLM", moe=False),
     "qwen35moe": _qwen35_arch("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", moe=True),
@@ -336,6 +388,15 @@ HYBRID_ARCHS: dict[str, GGUFArch] = {
             ("shared_mlp.input_linear.weight", ("ffn_gate", "ffn_up")),  # no experts
         ),
         config=_granitehybrid,
+    ),
+    "nemotron_h": GGUFArch(
+        "nemotron_h",
+        "NemotronHForCausalLM",
+        dict(_NEMOTRON_H_BLOCK),
+        permute_qk=True,  # GraniteHybridModel's undo_permute, inherited
+        tensors={k: v.replace("mamba.", "mixer.") for k, v in _MAMBA2_TENSORS.items()},
+        fixes={k.replace("mamba.", "mixer."): v for k, v in _MAMBA2_FIXES.items()},
+        config=_nemotron_h,
     ),
 }
 

@@ -262,6 +262,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "nemotron_h",
         "pagedserve.models.nemotron_h",
         "NemotronHForCausalLM",
+        gguf=("nemotron_h",),
         quantized=False,
         tensor_parallel=False,
         notes="one mixer per layer: Mamba 2, attention without RoPE, squared-ReLU MLP (`backbone.*` names); "

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 #: Families whose converter class derives from llama.cpp's LlamaModel (Q/K rows interleaved).
-LLAMA_DERIVED = ("llama", "granite", "smollm3", "granitehybrid")
+LLAMA_DERIVED = ("llama", "granite", "smollm3", "granitehybrid", "nemotron_h")
 #: Hybrid families (recurrent-state layers): their own metadata and tensor rewrites.
-HYBRID = ("qwen35", "qwen35moe", "lfm2", "granitehybrid")
+HYBRID = ("qwen35", "qwen35moe", "lfm2", "granitehybrid", "nemotron_h")
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -108,11 +108,11 @@ def _hybrid_metadata(w: Any, arch: str, hp: dict[str, Any]) -> None:
     n = hp["num_hidden_layers"]
     rope = _rope(hp)
     w.add_block_count(n)
-    w.add_context_length(2**20 if arch == "granitehybrid" else hp["max_position_embeddings"])
+    w.add_context_length(2**20 if arch in ("granitehybrid", "nemotron_h") else hp["max_position_embeddings"])
     w.add_embedding_length(hp["hidden_size"])
     w.add_head_count(hp["num_attention_heads"])
     w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
-    w.add_layer_norm_rms_eps(hp.get("rms_norm_eps") or hp["norm_eps"])
+    w.add_layer_norm_rms_eps(hp.get("rms_norm_eps") or hp.get("norm_eps") or hp["layer_norm_epsilon"])
     experts = hp.get("num_local_experts") or hp.get("num_experts")
     if experts:
         w.add_expert_count(experts)
@@ -168,6 +168,21 @@ def _hybrid_metadata(w: Any, arch: str, hp: dict[str, Any]) -> None:
         attention = ("attention", "full_attention")
         w.add_head_count_kv([hp["num_key_value_heads"] if t in attention else 0 for t in hp["layer_types"]])
         w.add_rope_scaling_finetuned(False)
+    if arch == "nemotron_h":  # NemotronHModel over GraniteHybridModel (no multipliers in its config)
+        kinds = hp["layers_block_type"]
+        w.add_vocab_size(-(hp["vocab_size"] // -8) * 8)
+        w.add_rope_dimension_count(hp["hidden_size"] // hp["num_attention_heads"])
+        w.add_ssm_conv_kernel(hp["conv_kernel"])
+        w.add_ssm_state_size(hp["ssm_state_size"])
+        w.add_ssm_group_count(hp["n_groups"])
+        w.add_ssm_inner_size(hp["mamba_num_heads"] * hp["mamba_head_dim"])
+        w.add_ssm_time_step_rank(hp["mamba_num_heads"])
+        w.add_head_count_kv([hp["num_key_value_heads"] if k == "full_attention" else 0 for k in kinds])
+        w.add_rope_scaling_finetuned(False)
+        w.add_key_length(hp["head_dim"])
+        w.add_value_length(hp["head_dim"])
+        # As for a hybrid_override_pattern string ('-': MLP), what the published checkpoints carry.
+        w.add_feed_forward_length([hp["intermediate_size"] if k == "mlp" else 0 for k in kinds])
 
 
 def _tile(a: np.ndarray, k: int, r: int, d: int, axis: int = 0) -> np.ndarray:
@@ -207,6 +222,19 @@ def _hybrid_tensor(name: str, a: np.ndarray, arch: str, hp: dict[str, Any]) -> l
         a = a + np.float32(1.0)
     if arch == "lfm2" and name.endswith("conv.conv.weight"):
         a = a.squeeze(1)
+    if arch == "nemotron_h":  # the checkpoint's names on disk: backbone.*
+        name = "backbone." + name[len("model.") :] if name.startswith("model.") else name
+        if ".mixer." in name and name.endswith(("conv1d.weight", ".A_log", ".D", "mixer.norm.weight", ".dt_bias")):
+            if name.endswith("conv1d.weight"):
+                a = a.squeeze()
+            elif name.endswith((".A_log", ".D")):
+                a = a.reshape(*a.shape, 1)
+            elif name.endswith("mixer.norm.weight"):
+                a = a.reshape(hp["n_groups"], -1)
+            if name.endswith(".A_log"):
+                a = -np.exp(a)
+            if name.endswith(".dt_bias"):
+                name = name[: -len("dt_bias")] + "dt_proj.bias"
     if arch == "granitehybrid":
         # The checkpoint's names on disk (transformers renames them in memory).
         for memory, disk in (
@@ -292,7 +320,7 @@ def _tensors(model: Any, arch: str, split_kv_b: bool = True) -> dict[str, np.nda
     """HF name -> float32 array after the converter's rewrites (names still HF-like);
     ``split_kv_b``: DeepSeek-V2's kv_b_proj as current converters write it (attn_k_b and
     attn_v_b), else whole as older ones did (attn_kv_b)."""
-    hp = model.config.to_dict()
+    hp = {**model.config.to_dict(), "num_hidden_layers": model.config.num_hidden_layers}
     out: dict[str, np.ndarray] = {}
     for name, t in model.state_dict().items():
         a = t.detach().float().numpy().copy()
@@ -359,7 +387,7 @@ def write_gguf_like_llama_cpp(
     and F32 tensors (GGUF name -> values), for files using features not implemented.
     split_kv_b: see ``_tensors``.
     """
-    hp = model.config.to_dict()
+    hp = {**model.config.to_dict(), "num_hidden_layers": model.config.num_hidden_layers}
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny {arch}")
     _metadata(writer, arch, hp)

@@ -1,4 +1,4 @@
-"""GGUF files of the hybrid families (Qwen3.5 dense and MoE, LFM2, Granite 4) against
+"""GGUF files of the hybrid families (Qwen3.5 dense and MoE, LFM2, Granite 4, Nemotron-H) against
 transformers: a tiny random checkpoint from transformers' config class
 (test_models_hybrid_vs_hf's cases), written as llama.cpp's converter writes it
 (``gguf_convert``: A = -exp(A_log), squeezed convolutions, Qwen3.5's (1 + w) norms and
@@ -37,6 +37,7 @@ HYBRID_GGUF_CASES: dict[str, tuple[str, dict, str]] = {
     "qwen35moe": ("qwen3_5moe-experts-every-layer", _QWEN_HEADS, "Qwen3_5MoeForCausalLM"),
     "lfm2": ("lfm2-shortconv-bias-attn", {}, "Lfm2ForCausalLM"),
     "granitehybrid": ("granite4-mamba2-moe-nope", {}, "GraniteMoeHybridForCausalLM"),
+    "nemotron_h": ("nemotronh-mamba2-mlp-attn", {}, "NemotronHForCausalLM"),
 }
 MAX_NEW = 6
 #: Chunks of 8 tokens (state carried across steps) on pages of 4; a max_model_len, since
@@ -94,7 +95,9 @@ def test_hybrid_f32_gguf_matches_transformers(arch, written):
     _check(arch, "F32", written)
 
 
-@pytest.mark.parametrize("arch", ["qwen35", pytest.param("lfm2", marks=pytest.mark.slow), "granitehybrid"])
+@pytest.mark.parametrize(
+    "arch", ["qwen35", pytest.param("lfm2", marks=pytest.mark.slow), "granitehybrid", "nemotron_h"]
+)
 def test_hybrid_q8_0_gguf_dequantized_matches_transformers(arch, written):
     _check(arch, "Q8_0", written)
 
@@ -113,7 +116,15 @@ def _check(arch: str, linear_type: str, written) -> None:
 
 
 @pytest.mark.compat("quant_gguf", "single")
-@pytest.mark.parametrize("arch", ["qwen35", "lfm2", "granitehybrid", pytest.param("qwen35moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "qwen35",
+        "lfm2",
+        "granitehybrid",
+        *(pytest.param(a, marks=pytest.mark.slow) for a in ("qwen35moe", "nemotron_h")),
+    ],
+)
 def test_hybrid_q8_0_blocks_stay_quantized_and_close(arch, written):
     """Blocks kept (``quantization="gguf"``) for the recurrent layers' projections too
     (Qwen3.5's value-head reorder moved as stored rows and whole column blocks): the
@@ -130,7 +141,7 @@ def test_hybrid_q8_0_blocks_stay_quantized_and_close(arch, written):
         assert math.isclose(out.outputs[0].logprobs[0][tok].logprob, float(reference[tok]), abs_tol=0.05)
 
 
-@pytest.mark.parametrize("arch", ["qwen3next", "nemotron_h", "jamba", "falcon-h1"])
+@pytest.mark.parametrize("arch", ["qwen3next", "nemotron_h_moe", "jamba", "falcon-h1"])
 def test_hybrid_gguf_not_implemented_is_refused_by_name(arch, tmp_path):
     import gguf
 
