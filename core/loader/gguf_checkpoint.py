@@ -319,10 +319,9 @@ class GGUFCheckpoint:
                 pieces = merged.setdefault(names[0], {})
                 pieces[piece[1]] = tensor
                 if len(pieces) == piece[2]:
-                    yield (
-                        names[0],
-                        self._merge(names[0], [pieces[i] for i in sorted(merged.pop(names[0]))], keep_quantized),
-                    )
+                    parts = [pieces[i] for i in sorted(merged.pop(names[0]))]
+                    order = row_order(self.arch, piece[0], config)
+                    yield names[0], self._merge(names[0], parts, keep_quantized, order)
                 continue
             local = names[0].split(".", 3)[3] if names[0].startswith("model.layers.") and len(names) == 1 else None
             order = row_order(self.arch, local, config) if local is not None else None
@@ -363,20 +362,26 @@ class GGUFCheckpoint:
                 yield from ((name, torch.from_numpy(values[e])) for e, name in enumerate(names))
 
     @staticmethod
-    def _merge(name: str, parts: list[GGUFTensor], keep_quantized: Collection[str]) -> torch.Tensor | GGUFBlocks:
+    def _merge(
+        name: str, parts: list[GGUFTensor], keep_quantized: Collection[str], order: np.ndarray | None = None
+    ) -> torch.Tensor | GGUFBlocks:
         """One tensor from the parts the converter split it into, rows concatenated in
-        order: their blocks when all are 2-D of one kept type, else float32."""
+        order (then, with ``order``, row ``i`` is the concatenation's row ``order[i]``):
+        their blocks when all are 2-D of one kept type, else float32."""
         kinds = {t.ggml_type.name for t in parts}
         cols = {t.numpy_shape[-1] for t in parts}
         if len(cols) != 1 or len({t.numpy_shape[:-2] for t in parts}) != 1:
             shapes = ", ".join(str(list(t.numpy_shape)) for t in parts)
             raise ValueError(f"{name}: its parts {shapes} do not put back together along their rows")
         if len(kinds) == 1 and kinds <= set(keep_quantized) and all(len(t.numpy_shape) == 2 for t in parts):
-            rows = [np.asarray(t.data).reshape(t.numpy_shape[0], -1) for t in parts]
-            shape = (sum(t.numpy_shape[0] for t in parts), parts[0].numpy_shape[1])
-            return GGUFBlocks(parts[0].ggml_type.name, shape, torch.from_numpy(np.concatenate(rows)))
-        values = [dequantize(t.data, t.ggml_type.name, t.numpy_shape) for t in parts]
-        return torch.from_numpy(np.ascontiguousarray(np.concatenate(values, axis=-2)))
+            rows = np.concatenate([np.asarray(t.data).reshape(t.numpy_shape[0], -1) for t in parts])
+            shape = (rows.shape[0], parts[0].numpy_shape[1])
+            rows = rows if order is None else rows[order]
+            return GGUFBlocks(parts[0].ggml_type.name, shape, torch.from_numpy(np.ascontiguousarray(rows)))
+        values = np.concatenate([dequantize(t.data, t.ggml_type.name, t.numpy_shape) for t in parts], axis=-2)
+        if order is not None:
+            values = values[..., order, :]
+        return torch.from_numpy(np.ascontiguousarray(values))
 
     def _kept_expert_layers(self, keep_quantized: Collection[str]) -> set[str]:
         """Layers (as numbered in tensor names) whose stacked experts keep their blocks: every

@@ -36,7 +36,11 @@ export:
   ``attention.head_count_kv`` / ``feed_forward_length`` entries (llama.cpp's rule: KV heads:
   attention; a feed-forward size: MLP; neither: Mamba 2), vocabulary padded as Granite's.
 
-Other hybrid names llama.cpp writes (``qwen3next``, ``nemotron_h_moe``,
+- ``qwen3next``: Qwen3.5's rewrites without the value-head reorder; ``in_proj_qkvz`` (packed
+  per key head) split into ``attn_qkv`` and ``attn_gate`` (each head-major), packed back
+  here; ``in_proj_ba`` stored as it is (``ssm_ba``).
+
+Other hybrid names llama.cpp writes (``nemotron_h_moe``,
 ``jamba``, ``falcon-h1``, ``lfm2moe``) are refused by name (``UNSUPPORTED_HYBRID``).
 """
 
@@ -61,7 +65,6 @@ __all__ = ["HYBRID_ARCHS", "UNSUPPORTED_HYBRID", "column_groups", "row_order"]
 #: llama.cpp architectures of hybrid families pagedserve loads from Hugging Face
 #: checkpoints only, with the HF class to use instead.
 UNSUPPORTED_HYBRID = {
-    "qwen3next": "Qwen3NextForCausalLM",
     "nemotron_h_moe": "NemotronHForCausalLM (MoE layers are not implemented either)",
     "jamba": "JambaForCausalLM",
     "falcon-h1": "FalconH1ForCausalLM (not implemented)",
@@ -144,6 +147,44 @@ def _qwen35_columns(name: str, hf: dict[str, Any]) -> tuple[np.ndarray, int] | N
     if r == 1 or name != "linear_attn.out_proj.weight":
         return None
     return _untile(k, r, 1), dv
+
+
+def _qwen3next_rows(name: str, hf: dict[str, Any]) -> np.ndarray | None:
+    """``in_proj_qkvz`` from ``attn_qkv`` then ``attn_gate`` (q, k, v, z each head-major):
+    each key head's q, k, then its value heads' v and z, as the checkpoint packs them."""
+    if name != "linear_attn.in_proj_qkvz.weight":
+        return None
+    k, r, dk, dv = _qwen35_sizes(hf)
+    q, kk, v, z = (np.arange(n) for n in (k * dk, k * dk, k * r * dv, k * r * dv))
+    starts = np.cumsum([0, k * dk, k * dk, k * r * dv])
+    per_head = [
+        np.concatenate(
+            [
+                starts[0] + q[h * dk : (h + 1) * dk],
+                starts[1] + kk[h * dk : (h + 1) * dk],
+                starts[2] + v[h * r * dv : (h + 1) * r * dv],
+                starts[3] + z[h * r * dv : (h + 1) * r * dv],
+            ]
+        )
+        for h in range(k)
+    ]
+    return np.concatenate(per_head)
+
+
+def _qwen3next(meta: Metadata, base: dict[str, Any]) -> dict[str, Any]:
+    out = _qwen35(meta, base)
+    sparse = set(meta.layers_with("ffn_gate_inp"))
+    shared = meta.get("expert_shared_feed_forward_length")
+    out.update(
+        num_experts=int(meta.get("expert_count", 0) or 0),
+        num_experts_per_tok=int(meta.get("expert_used_count", 0) or 0),
+        moe_intermediate_size=int(meta.get("expert_feed_forward_length", base["intermediate_size"])),
+        shared_expert_intermediate_size=int(shared) if shared is not None else base["intermediate_size"],
+        norm_topk_prob=True,  # llama.cpp always renormalises Qwen3-Next's top-k weights
+        mlp_only_layers=[i for i in range(meta.num_layers()) if i not in sparse],
+        decoder_sparse_step=1,
+    )
+    return out
 
 
 def _qwen35(meta: Metadata, base: dict[str, Any]) -> dict[str, Any]:
@@ -364,9 +405,29 @@ _NEMOTRON_H_BLOCK = {
 }
 
 
+_QWEN3NEXT_BLOCK = {
+    **{k: v for k, v in _QWEN35_BLOCK.items() if k not in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")},
+    **{k: v for k, v in _QWEN_MOE_BLOCK.items() if k not in _LLAMA_BLOCK},
+    "ssm_ba": "linear_attn.in_proj_ba",
+}
+
+
 HYBRID_ARCHS: dict[str, GGUFArch] = {
     "qwen35": _qwen35_arch("qwen3_5_text", "Qwen3_5ForCausalLM", moe=False),
     "qwen35moe": _qwen35_arch("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", moe=True),
+    "qwen3next": GGUFArch(
+        "qwen3_next",
+        "Qwen3NextForCausalLM",
+        _QWEN3NEXT_BLOCK,
+        norm_shift=1.0,
+        unshifted_norms=frozenset({"linear_attn.norm.weight"}),
+        experts=dict(_QWEN_EXPERTS),
+        tensors=dict(_QWEN35_TENSORS),
+        fixes=dict(_QWEN35_FIXES),
+        merged=(("linear_attn.in_proj_qkvz.weight", ("attn_qkv", "attn_gate")),),
+        rows=_qwen3next_rows,
+        config=_qwen3next,
+    ),
     "lfm2": GGUFArch(
         "lfm2",
         "Lfm2ForCausalLM",

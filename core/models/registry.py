@@ -241,6 +241,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "qwen3_next",
         _QWEN3_5,
         "Qwen3NextForCausalLM",
+        gguf=("qwen3next",),
         quantized=False,
         tensor_parallel=False,
         notes="Qwen3.5's layers with MoE (gated shared expert) and per-key-head packed DeltaNet projections; "

@@ -21,7 +21,7 @@ import torch
 #: Families whose converter class derives from llama.cpp's LlamaModel (Q/K rows interleaved).
 LLAMA_DERIVED = ("llama", "granite", "smollm3", "granitehybrid", "nemotron_h")
 #: Hybrid families (recurrent-state layers): their own metadata and tensor rewrites.
-HYBRID = ("qwen35", "qwen35moe", "lfm2", "granitehybrid", "nemotron_h")
+HYBRID = ("qwen35", "qwen35moe", "qwen3next", "lfm2", "granitehybrid", "nemotron_h")
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -117,14 +117,14 @@ def _hybrid_metadata(w: Any, arch: str, hp: dict[str, Any]) -> None:
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(hp["num_experts_per_tok"])
-    if arch in ("qwen35", "qwen35moe"):
+    if arch in ("qwen35", "qwen35moe", "qwen3next"):
         head_dim = hp["head_dim"]
         if hp.get("intermediate_size") is not None:
             w.add_feed_forward_length(hp["intermediate_size"])
         w.add_head_count_kv(hp["num_key_value_heads"])
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-        if arch == "qwen35moe":
+        if arch in ("qwen35moe", "qwen3next"):
             w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
             w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
         w.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
@@ -135,7 +135,8 @@ def _hybrid_metadata(w: Any, arch: str, hp: dict[str, Any]) -> None:
         w.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in hp["layer_types"]])
         w.add_full_attention_interval(hp.get("full_attention_interval", 4))
         w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
-        w.add_rope_dimension_sections([11, 11, 10, 0])  # _Qwen35MRopeMixin's default
+        if arch != "qwen3next":
+            w.add_rope_dimension_sections([11, 11, 10, 0])  # _Qwen35MRopeMixin's default
     if arch == "lfm2":
         w.add_head_count_kv([hp["num_key_value_heads"] if t != "conv" else 0 for t in hp["layer_types"]])
         w.add_vocab_size(hp["vocab_size"])
@@ -214,11 +215,26 @@ def _hybrid_tensor(name: str, a: np.ndarray, arch: str, hp: dict[str, Any]) -> l
             a = -np.exp(a)
         if name.endswith(".dt_bias"):
             name = name[: -len("dt_bias")] + "dt_proj.bias"
-    if (
-        arch in ("qwen35", "qwen35moe")
-        and name.endswith("norm.weight")
-        and not name.endswith("linear_attn.norm.weight")
-    ):
+    if arch == "qwen3next" and ".linear_attn." in name:  # Qwen3NextModel.modify_tensors
+        if name.endswith(".A_log"):
+            a = -np.exp(a)
+        elif name.endswith(".dt_bias"):
+            name = name[: -len("dt_bias")] + "dt_proj.bias"
+        elif name.endswith("conv1d.weight"):
+            a = a.squeeze()
+        elif name.endswith("in_proj_qkvz.weight"):  # per key head [q, k, v, z] -> q, k, v of all heads; z
+            k, v = hp["linear_num_key_heads"], hp["linear_num_value_heads"]
+            dk, dv = hp["linear_key_head_dim"], hp["linear_value_head_dim"]
+            sizes = [dk, dk, v // k * dv, v // k * dv]
+            per_head = a.reshape(k, sum(sizes), a.shape[-1])
+            q, kk, vv, z = np.split(per_head, np.cumsum(sizes)[:-1], axis=1)
+            flat = [t.reshape(-1, a.shape[-1]) for t in (q, kk, vv, z)]
+            layer = name.split(".")[2]
+            return [
+                (f"blk.{layer}.attn_qkv.weight", np.concatenate(flat[:3])),
+                (f"blk.{layer}.attn_gate.weight", flat[3]),
+            ]
+    if arch.startswith("qwen3") and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         a = a + np.float32(1.0)
     if arch == "lfm2" and name.endswith("conv.conv.weight"):
         a = a.squeeze(1)
