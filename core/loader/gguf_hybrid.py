@@ -2,7 +2,8 @@
 
 What llama.cpp's converter (``convert_hf_to_gguf.py`` and its ``conversion/`` modules in
 the tree llama-cpp-python 0.3.36 vendors: ``Qwen3NextModel``,
-``_LinearAttentionVReorderBase``, ``LFM2Model``, ``Mamba2Model``, ``GraniteHybridModel``)
+``_LinearAttentionVReorderBase``, ``LFM2Model``, ``Mamba2Model``, ``GraniteHybridModel``,
+``NemotronHModel``)
 does to these checkpoints, and how it is undone here so the models see a safetensors
 export:
 
