@@ -41,8 +41,12 @@ export:
   per key head) split into ``attn_qkv`` and ``attn_gate`` (each head-major), packed back
   here; ``in_proj_ba`` stored as it is (``ssm_ba``).
 
-Other hybrid names llama.cpp writes (``nemotron_h_moe``,
-``jamba``, ``falcon-h1``, ``lfm2moe``) are refused by name (``UNSUPPORTED_HYBRID``).
+- ``jamba``: Mamba 1 layers (``ssm_a = -exp(A_log)`` ``[d_inner, d_state]``, conv1d
+  squeezed, ``ssm_x``, ``ssm_dt`` weight and bias, the three inner norms); attention and
+  MoE layers found from the KV-head array and the router tensors, as the periods and
+  offsets of the config.
+
+Other hybrid names llama.cpp writes (``nemotron_h_moe``, ``falcon-h1``, ``lfm2moe``) are refused by name (``UNSUPPORTED_HYBRID``).
 """
 
 from __future__ import annotations
@@ -67,7 +71,6 @@ __all__ = ["HYBRID_ARCHS", "UNSUPPORTED_HYBRID", "column_groups", "row_order"]
 #: checkpoints only, with the HF class to use instead.
 UNSUPPORTED_HYBRID = {
     "nemotron_h_moe": "NemotronHForCausalLM (MoE layers are not implemented either)",
-    "jamba": "JambaForCausalLM",
     "falcon-h1": "FalconH1ForCausalLM (not implemented)",
     "lfm2moe": "Lfm2MoeForCausalLM (not implemented)",
 }
@@ -413,6 +416,70 @@ _QWEN3NEXT_BLOCK = {
 }
 
 
+# -- Jamba ---------------------------------------------------------------------------------
+
+
+def _period(meta: Metadata, layers: list[int], what: str) -> tuple[int, int]:
+    """(period, offset) with ``layers`` exactly the ``i % period == offset`` ones."""
+    n = meta.num_layers()
+    offset = layers[0]
+    period = layers[1] - layers[0] if len(layers) > 1 else n
+    if layers != [i for i in range(n) if i % period == offset]:
+        meta.refuse(f"{what} layers {layers}, which are not every n-th layer")
+    return period, offset
+
+
+def _jamba(meta: Metadata, base: dict[str, Any]) -> dict[str, Any]:
+    kv = _kv_heads_per_layer(meta)
+    attention = [i for i, h in enumerate(kv) if h]
+    if not attention:
+        meta.refuse("no attention layer (every attention.head_count_kv entry is 0)")
+    attn_period, attn_offset = _period(meta, attention, "attention")
+    sparse = meta.layers_with("ffn_gate_inp")
+    expert_period, expert_offset = _period(meta, sparse, "MoE") if sparse else (meta.num_layers() + 1, 0)
+    hidden, inner = base["hidden_size"], int(meta.get("ssm.inner_size"))
+    if inner % hidden:
+        meta.refuse(f"ssm.inner_size {inner}, not a multiple of the hidden size {hidden}")
+    mamba = [i for i, h in enumerate(kv) if not h]
+    return {
+        "num_key_value_heads": max(kv),
+        "attn_layer_period": attn_period,
+        "attn_layer_offset": attn_offset,
+        "expert_layer_period": expert_period,
+        "expert_layer_offset": expert_offset,
+        "num_experts": int(meta.get("expert_count", 1) or 1) if sparse else 1,
+        "num_experts_per_tok": int(meta.get("expert_used_count", 2) or 2),
+        "mamba_d_state": int(meta.get("ssm.state_size")),
+        "mamba_d_conv": int(meta.get("ssm.conv_kernel")),
+        "mamba_expand": inner // hidden,
+        "mamba_dt_rank": int(meta.get("ssm.time_step_rank")),
+        "mamba_conv_bias": bool(mamba) and f"blk.{mamba[0]}.ssm_conv1d.bias" in meta.names,
+        "mamba_proj_bias": False,
+    }
+
+
+_JAMBA_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "pre_ff_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ssm_in": "mamba.in_proj",
+    "ssm_conv1d": "mamba.conv1d",
+    "ssm_x": "mamba.x_proj",
+    "ssm_dt": "mamba.dt_proj",
+    "ssm_dt_norm": "mamba.dt_layernorm",
+    "ssm_b_norm": "mamba.b_layernorm",
+    "ssm_c_norm": "mamba.c_layernorm",
+    "ssm_out": "mamba.out_proj",
+    "ffn_gate_inp": "feed_forward.router",
+    "ffn_gate": "feed_forward.gate_proj",
+    "ffn_up": "feed_forward.up_proj",
+    "ffn_down": "feed_forward.down_proj",
+}
+
+
 HYBRID_ARCHS: dict[str, GGUFArch] = {
     "qwen35": _qwen35_arch("qwen3_5_text", "Qwen3_5ForCausalLM", moe=False),
     "qwen35moe": _qwen35_arch("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", moe=True),
@@ -450,6 +517,17 @@ HYBRID_ARCHS: dict[str, GGUFArch] = {
             ("shared_mlp.input_linear.weight", ("ffn_gate", "ffn_up")),  # no experts
         ),
         config=_granitehybrid,
+    ),
+    "jamba": GGUFArch(
+        "jamba",
+        "JambaForCausalLM",
+        dict(_JAMBA_BLOCK),
+        experts=dict(_QWEN_EXPERTS),
+        expert_prefix="feed_forward.experts",
+        tensors={"ssm_a": "mamba.A_log", "ssm_d": "mamba.D"},
+        globals={"output_norm.weight": "model.final_layernorm.weight"},
+        fixes={"mamba.A_log": Fix(lambda s: s, _a_log), "mamba.conv1d.weight": _CONV},
+        config=_jamba,
     ),
     "nemotron_h": GGUFArch(
         "nemotron_h",

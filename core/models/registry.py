@@ -285,6 +285,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "jamba",
         "pagedserve.models.jamba",
         "JambaForCausalLM",
+        gguf=("jamba",),
         quantized=False,
         tensor_parallel=False,
         notes="Jamba: Mamba 1 layers (selective scan, state in state pages) beside attention without RoPE "

@@ -21,7 +21,7 @@ import torch
 #: Families whose converter class derives from llama.cpp's LlamaModel (Q/K rows interleaved).
 LLAMA_DERIVED = ("llama", "granite", "smollm3", "granitehybrid", "nemotron_h")
 #: Hybrid families (recurrent-state layers): their own metadata and tensor rewrites.
-HYBRID = ("qwen35", "qwen35moe", "qwen3next", "lfm2", "granitehybrid", "nemotron_h")
+HYBRID = ("qwen35", "qwen35moe", "qwen3next", "lfm2", "granitehybrid", "nemotron_h", "jamba")
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -169,6 +169,15 @@ def _hybrid_metadata(w: Any, arch: str, hp: dict[str, Any]) -> None:
         attention = ("attention", "full_attention")
         w.add_head_count_kv([hp["num_key_value_heads"] if t in attention else 0 for t in hp["layer_types"]])
         w.add_rope_scaling_finetuned(False)
+    if arch == "jamba":  # JambaModel.set_gguf_parameters
+        n = hp["num_hidden_layers"]
+        off, per = hp["attn_layer_offset"], hp["attn_layer_period"]
+        w.add_feed_forward_length(hp["intermediate_size"])
+        w.add_head_count_kv([hp["num_key_value_heads"] if i >= off and (i - off) % per == 0 else 0 for i in range(n)])
+        w.add_ssm_conv_kernel(hp["mamba_d_conv"])
+        w.add_ssm_inner_size(hp["mamba_expand"] * hp["hidden_size"])
+        w.add_ssm_state_size(hp["mamba_d_state"])
+        w.add_ssm_time_step_rank(hp["mamba_dt_rank"])
     if arch == "nemotron_h":  # NemotronHModel over GraniteHybridModel (no multipliers in its config)
         kinds = hp["layers_block_type"]
         w.add_vocab_size(-(hp["vocab_size"] // -8) * 8)
@@ -238,6 +247,20 @@ def _hybrid_tensor(name: str, a: np.ndarray, arch: str, hp: dict[str, Any]) -> l
         a = a + np.float32(1.0)
     if arch == "lfm2" and name.endswith("conv.conv.weight"):
         a = a.squeeze(1)
+    if arch == "jamba":  # JambaModel.modify_tensors
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("feed_forward.experts.gate_up_proj"):  # stacked in memory, split like the converter
+            half = a.shape[-2] // 2
+            return [
+                (f"blk.{layer}.ffn_gate_exps.weight", a[:, :half]),
+                (f"blk.{layer}.ffn_up_exps.weight", a[:, half:]),
+            ]
+        if name.endswith("feed_forward.experts.down_proj"):
+            return [(f"blk.{layer}.ffn_down_exps.weight", a)]
+        if name.endswith("mamba.conv1d.weight"):
+            a = a.squeeze()
+        if name.endswith(".A_log"):
+            a = -np.exp(a)
     if arch == "nemotron_h":  # the checkpoint's names on disk: backbone.*
         name = "backbone." + name[len("model.") :] if name.startswith("model.") else name
         if ".mixer." in name and name.endswith(("conv1d.weight", ".A_log", ".D", "mixer.norm.weight", ".dt_bias")):
