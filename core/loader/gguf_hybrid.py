@@ -46,7 +46,8 @@ export:
   MoE layers found from the KV-head array and the router tensors, as the periods and
   offsets of the config.
 
-Other hybrid names llama.cpp writes (``nemotron_h_moe``, ``falcon-h1``, ``lfm2moe``) are refused by name (``UNSUPPORTED_HYBRID``).
+Other hybrid names llama.cpp writes (``nemotron_h_moe``, ``falcon-h1``, ``lfm2moe``) are
+refused by name (``UNSUPPORTED_HYBRID``).
 """
 
 from __future__ import annotations
