@@ -21,7 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GGUFArch", "GGUF_ARCHS", "Metadata", "arch_config", "expert_target"]
+import numpy as np
+
+__all__ = ["Fix", "GGUFArch", "GGUF_ARCHS", "Metadata", "arch_config", "expert_target"]
 
 #: Block tensors shared by the Llama-like layouts: GGUF part -> HF suffix under ``model.layers.<i>.``.
 _LLAMA_BLOCK = {
@@ -89,15 +91,49 @@ _DEEPSEEK2_BLOCK = {
 }
 
 
+class Fix:
+    """A converter rewrite of one tensor that is not a rename, undone at load: ``shape``
+    maps the stored (numpy-order) shape to the Hugging Face one, ``values`` the float32
+    values (already in the stored shape) to the Hugging Face values.  A fixed tensor always
+    loads dequantized."""
+
+    def __init__(
+        self,
+        shape: Callable[[tuple[int, ...]], tuple[int, ...]],
+        values: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> None:
+        self.shape, self._values = shape, values
+
+    def apply(self, a: np.ndarray) -> np.ndarray:
+        if self._values is not None:
+            a = self._values(a)
+        return np.ascontiguousarray(a.reshape(self.shape(a.shape)), dtype=np.float32)
+
+
 @dataclass(frozen=True)
 class GGUFArch:
     """One ``general.architecture``: the HF family, names, and the converter's rewrites.
 
     block: GGUF block part (``blk.<i>.<part>.weight``) -> HF suffix (``model.layers.<i>.<suffix>``).
+    tensors: whole GGUF block tensor names (``ssm_a``, ``ssm_dt.bias``, ...) -> HF names
+        under ``model.layers.<i>.`` (with their suffix); looked up before ``block``.
+    globals: GGUF names outside the blocks -> HF names, over the common ones.
+    merged: (HF name under ``model.layers.<i>.``, the GGUF block parts the converter split
+        it into, in order) pairs; the parts' rows (the second-to-last numpy axis) are
+        concatenated back.
+    fixes: HF name under ``model.layers.<i>.`` -> the :class:`Fix` that undoes what the
+        converter did to it (besides a rename).
+    rows: (HF name under ``model.layers.<i>.``, HF config) -> the stored row of each HF
+        row, or None: rows the converter reordered (moved as stored bytes, so quantized
+        blocks stay).
+    columns: (HF name, HF config) -> (the stored group of each HF group of columns, the
+        group's width), or None: columns the converter reordered in groups.
     permute_qk: llama.cpp interleaved each head's Q/K rows (weights and biases).
-    norm_shift: added by the converter to every ``*norm.weight`` (Gemma's 1 + w).
+    norm_shift: added by the converter to every ``*norm.weight`` (Gemma's 1 + w) but
+        those named in ``unshifted_norms`` (HF names under ``model.layers.<i>.``).
     experts: stacked expert part -> one expert's HF matrix name; ``expert_prefix`` is
         the HF path of the experts (``mlp.experts.<e>.<name>.weight``).
+    config: the architecture's own config entries (else ``ARCH_CONFIG`` by model type).
     """
 
     model_type: str
@@ -107,6 +143,22 @@ class GGUFArch:
     norm_shift: float = 0.0
     experts: dict[str, str] = field(default_factory=dict)
     expert_prefix: str = "mlp.experts"
+    tensors: dict[str, str] = field(default_factory=dict)
+    globals: dict[str, str] = field(default_factory=dict)
+    merged: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    fixes: dict[str, Fix] = field(default_factory=dict)
+    unshifted_norms: frozenset[str] = frozenset()
+    rows: Callable[[str, dict[str, Any]], np.ndarray | None] | None = None
+    columns: Callable[[str, dict[str, Any]], tuple[np.ndarray, int] | None] | None = None
+    config: Callable[[Metadata, dict[str, Any]], dict[str, Any]] | None = None
+
+    def merged_part(self, part: str) -> tuple[str, int, int] | None:
+        """(HF name under ``model.layers.<i>.``, position, number of parts) of a GGUF part
+        of a merged tensor, else None."""
+        for name, parts in self.merged:
+            if part in parts:
+                return name, parts.index(part), len(parts)
+        return None
 
 
 GGUF_ARCHS: dict[str, GGUFArch] = {
@@ -149,8 +201,17 @@ class Metadata:
     refuse(feature): raise naming a feature the file uses that pagedserve does not implement.
     """
 
-    def __init__(self, arch: str, metadata: dict[str, Any], tensor_names: set[str], where: str) -> None:
+    def __init__(
+        self,
+        arch: str,
+        metadata: dict[str, Any],
+        tensor_names: set[str],
+        where: str,
+        shapes: dict[str, tuple[int, ...]] | None = None,
+    ) -> None:
         self.arch, self.metadata, self.names, self.where = arch, metadata, tensor_names, where
+        #: Stored (numpy-order) shape of each tensor, by GGUF name.
+        self.shapes = shapes or {}
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.arch}.{key}", default)
@@ -388,5 +449,5 @@ ARCH_CONFIG: dict[str, Callable[[Metadata, dict[str, Any]], dict[str, Any]]] = {
 
 def arch_config(arch: GGUFArch, meta: Metadata, base: dict[str, Any]) -> dict[str, Any]:
     """``base`` (the generic config) completed with ``arch``'s own entries."""
-    extra = ARCH_CONFIG.get(arch.model_type)
+    extra = arch.config or ARCH_CONFIG.get(arch.model_type)
     return {**base, **extra(meta, base)} if extra is not None else base

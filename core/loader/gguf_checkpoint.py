@@ -22,6 +22,7 @@ import torch
 
 from pagedserve.loader.dequant import dequantize
 from pagedserve.loader.gguf_arch import GGUF_ARCHS, MIXTRAL, GGUFArch, Metadata, arch_config, expert_target
+from pagedserve.loader.gguf_hybrid import HYBRID_ARCHS, UNSUPPORTED_HYBRID, column_groups, row_order
 from pagedserve.loader.gguf_mla import SPLIT_KV_B_PARTS, merge_kv_b, merged_kv_b_shape
 from pagedserve.loader.gguf_reader import GGUFReader, GGUFTensor
 
@@ -30,8 +31,9 @@ __all__ = ["GGUFBlocks", "GGUFCheckpoint", "SUPPORTED_GGUF_ARCHITECTURES", "reve
 # Architectures whose GGUF tensors this module translates; value: (model_type, HF class
 # name).  The model registry lists the same names (its `gguf` column; a test keeps the two
 # in step); a `llama` file with expert tensors loads as Mixtral.
+_ARCHS: dict[str, GGUFArch] = {**GGUF_ARCHS, **HYBRID_ARCHS}
 SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    name: (arch.model_type, arch.architecture) for name, arch in GGUF_ARCHS.items()
+    name: (arch.model_type, arch.architecture) for name, arch in _ARCHS.items()
 }
 
 # ggml type names `dequant.dequantize` handles, natively or through `gguf.quants`. Other types
@@ -46,7 +48,9 @@ _GLOBAL_NAMES = {
     "output_norm.bias": "model.norm.bias",
     "output.weight": "lm_head.weight",
 }
-_BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# blk.<layer>.<part>[.weight|.bias]: parts may hold dots (LFM2's shortconv.conv), and some
+# tensors have no suffix (the SSM families' ssm_a, ssm_d).
+_BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?")
 # llama.cpp stores Llama 3.1's RoPE frequency factors as a tensor; the model has no such parameter.
 _NON_PARAMETERS = frozenset({"rope_freqs.weight"})
 # Rows llama.cpp's converter reorders for Llama-derived families (`GGUFArch.permute_qk`).
@@ -77,14 +81,22 @@ class GGUFCheckpoint:
             raise ValueError(f"Could not read GGUF file {str(path)!r}: {e}") from e
         self.metadata: dict[str, Any] = self._reader.metadata
         self.architecture: str = str(self.metadata.get("general.architecture", ""))
+        if self.architecture in UNSUPPORTED_HYBRID:
+            raise ValueError(
+                f"GGUF file {str(path)!r} has architecture {self.architecture!r}: GGUF of "
+                f"{self.architecture} is not supported yet; load the Hugging Face checkpoint "
+                f"({UNSUPPORTED_HYBRID[self.architecture]}). Supported GGUF architectures: "
+                f"{', '.join(sorted(SUPPORTED_GGUF_ARCHITECTURES))}."
+            )
         if self.architecture not in SUPPORTED_GGUF_ARCHITECTURES:
             raise ValueError(
                 f"GGUF file {str(path)!r} has architecture {self.architecture!r}; supported: "
                 f"{', '.join(sorted(SUPPORTED_GGUF_ARCHITECTURES))}."
             )
         self.tensor_names: list[str] = [t.name for t in self._reader.tensors]
-        self._meta = Metadata(self.architecture, self.metadata, set(self.tensor_names), repr(str(path)))
-        self.arch: GGUFArch = GGUF_ARCHS[self.architecture]
+        shapes = {t.name: tuple(t.numpy_shape) for t in self._reader.tensors}
+        self._meta = Metadata(self.architecture, self.metadata, set(self.tensor_names), repr(str(path)), shapes)
+        self.arch: GGUFArch = _ARCHS[self.architecture]
         if self.architecture == "llama" and (self._arch("expert_count") or self._meta.layers_with("ffn_gate_exps")):
             self.arch = MIXTRAL
         self.hf_config()  # refuses a feature the family does not implement, by name, first
@@ -133,10 +145,10 @@ class GGUFCheckpoint:
             "model_type": model_type,
             "vocab_size": int(self._arch("vocab_size", len(tokens) if tokens else 0)),
             "hidden_size": hidden_size,
-            "intermediate_size": self._required("feed_forward_length"),
+            "intermediate_size": self._feed_forward_length(),
             "num_hidden_layers": self._required("block_count"),
             "num_attention_heads": num_heads,
-            "num_key_value_heads": int(self._arch("attention.head_count_kv", num_heads)),
+            "num_key_value_heads": self._kv_heads(num_heads),
             "head_dim": self._head_dim(hidden_size, num_heads),
             "hidden_act": "silu",
             "rms_norm_eps": float(self._arch("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -152,6 +164,22 @@ class GGUFCheckpoint:
             "torch_dtype": self._float_dtype(),
         }
         return arch_config(self.arch, self._meta, base)
+
+    def _feed_forward_length(self) -> int:
+        """``feed_forward_length``; Nemotron-H stores one entry per layer (0 but for its
+        MLP layers): the largest."""
+        value = self._arch("feed_forward_length")
+        if isinstance(value, (list, tuple)):
+            return max((int(v) for v in value), default=0)
+        return self._required("feed_forward_length")
+
+    def _kv_heads(self, num_heads: int) -> int:
+        """``attention.head_count_kv``; the hybrid families store one entry per layer (0 for
+        a recurrent layer): their attention layers' count."""
+        value = self._arch("attention.head_count_kv", num_heads)
+        if isinstance(value, (list, tuple)):
+            return max((int(v) for v in value), default=0) or num_heads
+        return int(value)
 
     def _head_dim(self, hidden_size: int, num_heads: int) -> int:
         key_length = self._arch("attention.key_length")
@@ -201,32 +229,63 @@ class GGUFCheckpoint:
         tensor ``[n_expert, rows, cols]`` gives one ``[rows, cols]`` entry per expert."""
         out: dict[str, tuple[int, ...]] = {}
         split: dict[str, dict[str, tuple[int, ...]]] = {}
+        merged: dict[str, dict[int, tuple[int, ...]]] = {}
         for t in self._parameters():
             names = self._targets(t)
             if self._split_part(t) is not None:
                 split.setdefault(names[0], {})[self._split_part(t)] = tuple(t.numpy_shape)
                 continue
+            if self._merged_part(t) is not None:
+                merged.setdefault(names[0], {})[self._merged_part(t)[1]] = tuple(t.numpy_shape)
+                continue
             shape = t.numpy_shape[1:] if len(names) > 1 else t.numpy_shape
-            out.update((name, tuple(shape)) for name in names)
+            fix = self._fix(names[0])
+            out.update((name, tuple(fix.shape(tuple(shape)) if fix else shape)) for name in names)
         for name, parts in split.items():
             if len(parts) == 2:
                 out[name] = merged_kv_b_shape(*(parts[p] for p in SPLIT_KV_B_PARTS), name)
+        for name, pieces in merged.items():
+            shapes = [pieces[i] for i in sorted(pieces)]
+            out[name] = (*shapes[0][:-2], sum(s[-2] for s in shapes), shapes[0][-1])
         return out
 
     def tensor_types(self) -> dict[str, str]:
         """ggml type name of every parameter, by Hugging Face name (F32 for a kv_b_proj
         put back together from attn_k_b / attn_v_b: it loads dequantized)."""
-        return {
-            name: "F32" if self._split_part(t) is not None else t.ggml_type.name
-            for t in self._parameters()
-            for name in self._targets(t)
-        }
+        out: dict[str, str] = {}
+        for t in self._parameters():
+            names = self._targets(t)
+            dequantized = self._split_part(t) is not None or self._fix(names[0]) is not None
+            if self._merged_part(t) is not None and out.get(names[0], t.ggml_type.name) != t.ggml_type.name:
+                dequantized = True  # parts of different types: put back together as floats
+            out.update((name, "F32" if dequantized else t.ggml_type.name) for name in names)
+        return out
 
     def _split_part(self, tensor: GGUFTensor) -> str | None:
         """``attn_k_b`` / ``attn_v_b`` for a part of a split kv_b_proj (``gguf_mla``), else None."""
         match = _BLOCK_PATTERN.fullmatch(tensor.name)
         part = None if match is None else match.group(2)
         return part if part in SPLIT_KV_B_PARTS and part in self.arch.block else None
+
+    def _merged_part(self, tensor: GGUFTensor) -> tuple[str, int, int] | None:
+        """(HF name under ``model.layers.<i>.``, position, number of parts) of a part of a
+        tensor the converter split (``GGUFArch.merged``), else None."""
+        match = _BLOCK_PATTERN.fullmatch(tensor.name)
+        if match is None or match.group(3) != "weight":
+            return None
+        return self.arch.merged_part(match.group(2))
+
+    def _fix(self, hf_name: str):
+        """The architecture's :class:`~pagedserve.loader.gguf_arch.Fix` of ``hf_name``, else None."""
+        if not self.arch.fixes or not hf_name.startswith("model.layers."):
+            return None
+        return self.arch.fixes.get(hf_name.split(".", 3)[3])
+
+    def _shifted_norm(self, hf_name: str) -> bool:
+        """Whether the converter stored ``hf_name`` as ``w + norm_shift``."""
+        if not self.arch.norm_shift or not hf_name.endswith("norm.weight"):
+            return False
+        return not (hf_name.startswith("model.layers.") and hf_name.split(".", 3)[3] in self.arch.unshifted_norms)
 
     def _parameters(self) -> list[GGUFTensor]:
         return [t for t in self._reader.tensors if t.name not in _NON_PARAMETERS]
@@ -244,6 +303,7 @@ class GGUFCheckpoint:
         config = self.hf_config()
         kept_expert_layers = self._kept_expert_layers(keep_quantized)
         split: dict[str, dict[str, np.ndarray]] = {}
+        merged: dict[str, dict[int, GGUFTensor]] = {}
         for tensor in self._parameters():
             names = self._targets(tensor)
             data = tensor.data
@@ -253,6 +313,30 @@ class GGUFCheckpoint:
                 got[part] = dequantize(data, tensor.ggml_type.name, tensor.numpy_shape)
                 if len(got) == 2:
                     yield names[0], torch.from_numpy(merge_kv_b(*(got.pop(p) for p in SPLIT_KV_B_PARTS), names[0]))
+                continue
+            piece = self._merged_part(tensor)
+            if piece is not None:  # a part of a tensor the converter split: yielded once all came
+                pieces = merged.setdefault(names[0], {})
+                pieces[piece[1]] = tensor
+                if len(pieces) == piece[2]:
+                    parts = [pieces[i] for i in sorted(merged.pop(names[0]))]
+                    order = row_order(self.arch, piece[0], config)
+                    yield names[0], self._merge(names[0], parts, keep_quantized, order)
+                continue
+            local = names[0].split(".", 3)[3] if names[0].startswith("model.layers.") and len(names) == 1 else None
+            order = row_order(self.arch, local, config) if local is not None else None
+            if order is not None:  # rows are whole blocks: moved as stored bytes
+                data = np.asarray(data).reshape(tensor.numpy_shape[0], -1)[order]
+            groups = column_groups(self.arch, local, config) if local is not None else None
+            fix = self._fix(names[0])
+            if groups is not None:
+                data, moved = _reorder_column_groups(data, tensor, *groups)
+                if not moved:  # groups are not whole blocks: reordered as floats, loaded as floats
+                    yield names[0], torch.from_numpy(data)
+                    continue
+            if fix is not None:
+                values = dequantize(data, tensor.ggml_type.name, tensor.numpy_shape)
+                yield names[0], torch.from_numpy(fix.apply(values))
                 continue
             if len(names) > 1 and self._layer(tensor) in kept_expert_layers:
                 yield from self._expert_blocks(tensor, names)
@@ -270,12 +354,34 @@ class GGUFCheckpoint:
             # Always a fresh writable array, even for F32: the map is read-only, and tensors
             # handed out must not keep the file mapped.
             values = dequantize(data, tensor.ggml_type.name, tensor.numpy_shape)
-            if self.arch.norm_shift and names[0].endswith("norm.weight"):
+            if self._shifted_norm(names[0]):
                 values -= np.float32(self.arch.norm_shift)
             if len(names) == 1:
                 yield names[0], torch.from_numpy(values)
             else:
                 yield from ((name, torch.from_numpy(values[e])) for e, name in enumerate(names))
+
+    @staticmethod
+    def _merge(
+        name: str, parts: list[GGUFTensor], keep_quantized: Collection[str], order: np.ndarray | None = None
+    ) -> torch.Tensor | GGUFBlocks:
+        """One tensor from the parts the converter split it into, rows concatenated in
+        order (then, with ``order``, row ``i`` is the concatenation's row ``order[i]``):
+        their blocks when all are 2-D of one kept type, else float32."""
+        kinds = {t.ggml_type.name for t in parts}
+        cols = {t.numpy_shape[-1] for t in parts}
+        if len(cols) != 1 or len({t.numpy_shape[:-2] for t in parts}) != 1:
+            shapes = ", ".join(str(list(t.numpy_shape)) for t in parts)
+            raise ValueError(f"{name}: its parts {shapes} do not put back together along their rows")
+        if len(kinds) == 1 and kinds <= set(keep_quantized) and all(len(t.numpy_shape) == 2 for t in parts):
+            rows = np.concatenate([np.asarray(t.data).reshape(t.numpy_shape[0], -1) for t in parts])
+            shape = (rows.shape[0], parts[0].numpy_shape[1])
+            rows = rows if order is None else rows[order]
+            return GGUFBlocks(parts[0].ggml_type.name, shape, torch.from_numpy(np.ascontiguousarray(rows)))
+        values = np.concatenate([dequantize(t.data, t.ggml_type.name, t.numpy_shape) for t in parts], axis=-2)
+        if order is not None:
+            values = values[..., order, :]
+        return torch.from_numpy(np.ascontiguousarray(values))
 
     def _kept_expert_layers(self, keep_quantized: Collection[str]) -> set[str]:
         """Layers (as numbered in tensor names) whose stacked experts keep their blocks: every
@@ -304,19 +410,42 @@ class GGUFCheckpoint:
     def _targets(self, tensor: GGUFTensor) -> list[str]:
         """Hugging Face names of one GGUF tensor: one, or one per expert of a stacked tensor."""
         gguf_name = tensor.name
+        if gguf_name in self.arch.globals:
+            return [self.arch.globals[gguf_name]]
         if gguf_name in _GLOBAL_NAMES:
             return [_GLOBAL_NAMES[gguf_name]]
         match = _BLOCK_PATTERN.fullmatch(gguf_name)
         if match is not None:
             layer, part, kind = match.groups()
-            if part in self.arch.block:
+            local = part if kind is None else f"{part}.{kind}"
+            if local in self.arch.tensors:
+                return [f"model.layers.{layer}.{self.arch.tensors[local]}"]
+            if kind is not None and part in self.arch.block:
                 return [f"model.layers.{layer}.{self.arch.block[part]}.{kind}"]
+            if kind == "weight" and self.arch.merged_part(part) is not None:
+                return [f"model.layers.{layer}.{self.arch.merged_part(part)[0]}"]
             if part in self.arch.experts and kind == "weight" and len(tensor.numpy_shape) == 3:
                 return [expert_target(self.arch, int(layer), part, e) for e in range(tensor.numpy_shape[0])]
         raise ValueError(
             f"GGUF tensor {gguf_name!r} in {str(self.path)!r} has no Hugging Face counterpart for "
             f"architecture {self.architecture!r}."
         )
+
+
+def _reorder_column_groups(
+    data: np.ndarray, tensor: GGUFTensor, order: np.ndarray, width: int
+) -> tuple[np.ndarray, bool]:
+    """Columns of a 2-D tensor put back in Hugging Face order, in groups of ``width``
+    (``order``: the stored group of each HF group).  As stored bytes when a group is whole
+    blocks ((bytes, True)); else dequantized ((float32 values, False))."""
+    rows, cols = tensor.numpy_shape
+    kind = tensor.ggml_type
+    if width % kind.block_size == 0:
+        group_bytes = width // kind.block_size * kind.type_size
+        moved = np.asarray(data).reshape(rows, len(order), group_bytes)[:, order].reshape(rows, -1)
+        return moved, True
+    values = dequantize(data, kind.name, tensor.numpy_shape).reshape(rows, len(order), width)
+    return np.ascontiguousarray(values[:, order].reshape(rows, cols)), False
 
 
 def reverse_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:

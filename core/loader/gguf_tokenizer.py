@@ -37,6 +37,11 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5: letters keep their combining marks (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35).
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # `tokenizer.ggml.pre` names whose merges were learned on a split other than GPT-2's; every
 # other name (including SmolLM2's "smollm") keeps ByteLevel's built-in GPT-2 split.
 _PRE_TOKENIZER_SPLITS = {
@@ -46,7 +51,9 @@ _PRE_TOKENIZER_SPLITS = {
     "smaug-bpe": _LLAMA3_SPLIT,
     "falcon3": _LLAMA3_SPLIT,
     "dbrx": _LLAMA3_SPLIT,
+    "lfm2": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT,
+    "qwen35": _QWEN35_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 

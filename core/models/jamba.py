@@ -33,7 +33,7 @@ from pagedserve.models.layers import (
     qkv_split,
     route_topk,
 )
-from pagedserve.models.quantized_experts import stack_experts
+from pagedserve.models.quantized_experts import quantized_experts_moe, stack_experts
 from pagedserve.models.recurrent import StateLayout, chunk_info
 
 if TYPE_CHECKING:
@@ -220,4 +220,6 @@ class JambaForCausalLM(DecoderForCausalLM):
         if layer.w13 is None:
             return gated_mlp(ops, h, layer.gate_up, layer.down), residual
         weights, ids = route_topk(linear(ops, h, layer.router), self.top_k, renormalize=False)
+        if isinstance(layer.w13, list):  # quantized experts (GGUF blocks kept), one weight each
+            return quantized_experts_moe(ops, h, layer.w13, layer.w2, weights, ids), residual
         return ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu"), residual

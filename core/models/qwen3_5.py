@@ -40,8 +40,9 @@ from pagedserve.models.layers import (
     paged_attention,
     route_topk,
 )
-from pagedserve.models.quantized_experts import stack_experts
+from pagedserve.models.quantized_experts import quantized_experts_moe, stack_experts
 from pagedserve.models.recurrent import StateLayout, chunk_info
+from pagedserve.quantization.base import QuantizedWeight
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
@@ -267,7 +268,10 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         if layer.w13 is None:
             return gated_mlp(ops, h, layer.gate_up, layer.down)
         weights, ids = route_topk(linear(ops, h, layer.router), self.top_k, self.renormalize)
-        out = ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu")
+        if isinstance(layer.w13, list):  # quantized experts (GGUF blocks kept), one weight each
+            out = quantized_experts_moe(ops, h, layer.w13, layer.w2, weights, ids)
+        else:
+            out = ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu")
         gate = torch.sigmoid(linear(ops, h, layer.shared_gate))
         return out + gate * gated_mlp(ops, h, layer.gate_up, layer.down)
 
@@ -289,16 +293,26 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
         names |= {"in_proj_qkvz.weight", "in_proj_ba.weight"}
         return {"linear_attn." + n for n in names}
 
-    def linear_in_proj(self, w: dict[str, Any]) -> list[torch.Tensor]:
+    def linear_in_proj(self, w: dict[str, Any]) -> list:
         """``in_proj_qkvz`` holds, for each key head, its q [dk], k [dk], then its value
         heads' v and z ([v_heads / k_heads * dv] each); ``in_proj_ba`` for each key head
-        its value heads' b then a.  Reordered to q, k, v, z, b, a (each head-major)."""
+        its value heads' b then a.  Their rows reordered to q, k, v, z and b, a (each
+        head-major), as row selections, so a quantized weight (GGUF blocks) stays one."""
         a = "linear_attn."
         kh, r = self.k_heads, self.v_heads // self.k_heads
-        qkvz = w[a + "in_proj_qkvz.weight"]
-        hidden = qkvz.shape[-1]
-        q, k, v, z = qkvz.view(kh, 2 * self.dk + 2 * r * self.dv, hidden).split(
-            [self.dk, self.dk, r * self.dv, r * self.dv], dim=1
-        )
-        b, a_ = w[a + "in_proj_ba.weight"].view(kh, 2 * r, hidden).split([r, r], dim=1)
-        return [t.reshape(-1, hidden) for t in (q, k, v, z, b, a_)]
+        qkvz = _select_rows(w[a + "in_proj_qkvz.weight"], _head_major(kh, [self.dk, self.dk, r * self.dv, r * self.dv]))
+        ba = _select_rows(w[a + "in_proj_ba.weight"], _head_major(kh, [r, r]))
+        return [qkvz, ba]
+
+
+def _head_major(heads: int, sizes: list[int]) -> torch.Tensor:
+    """Row order that turns per-head packed rows (each head: its ``sizes`` parts in turn)
+    into each part for every head in turn."""
+    per, offsets = sum(sizes), [sum(sizes[:i]) for i in range(len(sizes))]
+    return torch.cat(
+        [torch.arange(h * per + off, h * per + off + n) for off, n in zip(offsets, sizes) for h in range(heads)]
+    )
+
+
+def _select_rows(t, rows: torch.Tensor):
+    return t.select_rows(rows) if isinstance(t, QuantizedWeight) else t.index_select(0, rows)

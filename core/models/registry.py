@@ -220,6 +220,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "qwen3_5_text",
         _QWEN3_5,
         "Qwen3_5ForCausalLM",
+        gguf=("qwen35",),
         quantized=False,
         tensor_parallel=False,
         notes="text only; Gated DeltaNet layers (recurrent state in state pages) 3 : 1 with gated attention "
@@ -230,6 +231,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "qwen3_5_moe_text",
         _QWEN3_5,
         "Qwen3_5MoeForCausalLM",
+        gguf=("qwen35moe",),
         quantized=False,
         tensor_parallel=False,
         notes="text only; Qwen3.5's layers with MoE (gated shared expert) in every layer; no prefix caching",
@@ -239,6 +241,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "qwen3_next",
         _QWEN3_5,
         "Qwen3NextForCausalLM",
+        gguf=("qwen3next",),
         quantized=False,
         tensor_parallel=False,
         notes="Qwen3.5's layers with MoE (gated shared expert) and per-key-head packed DeltaNet projections; "
@@ -249,6 +252,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "granitemoehybrid",
         "pagedserve.models.granite_hybrid",
         "GraniteMoeHybridForCausalLM",
+        gguf=("granitehybrid",),
         quantized=False,
         tensor_parallel=False,
         notes="Granite 4: Mamba 2 layers (SSD scan, state in state pages) beside attention without RoPE, "
@@ -259,6 +263,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "nemotron_h",
         "pagedserve.models.nemotron_h",
         "NemotronHForCausalLM",
+        gguf=("nemotron_h",),
         quantized=False,
         tensor_parallel=False,
         notes="one mixer per layer: Mamba 2, attention without RoPE, squared-ReLU MLP (`backbone.*` names); "
@@ -269,6 +274,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "lfm2",
         "pagedserve.models.lfm2",
         "Lfm2ForCausalLM",
+        gguf=("lfm2",),
         quantized=False,
         tensor_parallel=False,
         notes="LFM2: gated short-convolution layers (window in state pages) beside attention with q/k norms; "
@@ -279,6 +285,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "jamba",
         "pagedserve.models.jamba",
         "JambaForCausalLM",
+        gguf=("jamba",),
         quantized=False,
         tensor_parallel=False,
         notes="Jamba: Mamba 1 layers (selective scan, state in state pages) beside attention without RoPE "

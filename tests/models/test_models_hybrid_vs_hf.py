@@ -188,11 +188,11 @@ def _init_weights(model, zero_centered: bool) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
 
 
-def build_checkpoint(path, case: str):
+def build_checkpoint(path, case: str, **extra):
     config_cls, model_cls, overrides = CASES[case]
     path.mkdir(parents=True, exist_ok=True)
     write_byte_tokenizer(path)
-    config = getattr(transformers, config_cls)(**{**BASE, **overrides})
+    config = getattr(transformers, config_cls)(**{**BASE, **overrides, **extra})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(config)
