@@ -11,8 +11,8 @@ kernel, in GOP/s and as a fraction of the int8 VNNI peak (``--int8-peak``, GOP/s
 default estimated from /proc/cpuinfo); with --gguf-mlp, the 30 gated MLPs' first halves
 on Q4_1 [gate; up] blocks, gguf_linear then silu_and_mul against the fused
 gguf_linear_silu_and_mul, the two alternating; with --gguf-types, every GGUF block type
-with a CPU kernel (Q4_1 and Q5_0 on the file's blocks and repacked, Q8_0, Q5_1, Q4_K,
-Q5_K, Q6_K) on the default model's gate_up (576 -> 3072; K-quants need K a multiple of 256, so
+with a CPU kernel (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K on the file's blocks and repacked,
+Q8_0 repacked) on the default model's gate_up (576 -> 3072; K-quants need K a multiple of 256, so
 they take 768 -> 3072) and down (1536 -> 576) layers; with --window, attention with a sliding window
 (512) and a soft-cap (50) at decode and prefill shapes; with --candidates, every
 paged_attention implementation of the CPU platform (native, AMX tiles where the CPU has
@@ -417,9 +417,10 @@ def bench_gguf_types(rows: list[int], clock: Callable[[], float] = time.perf_cou
     quant = load_quant_kernels()
     if quant is None:
         raise SystemExit("the GGUF CPU kernel is unavailable on this machine")
-    variants = [("Q4_1 tiled", "Q4_1", True), ("Q5_0 tiled", "Q5_0", True), ("Q4_1", "Q4_1", False)]
-    variants += [("Q8_0", "Q8_0", False)]
-    variants += [(t, t, False) for t in qref.GGUF_EXTENDED_TYPES]
+    # Each type on its tiled kernel (repacked at load) and on the row kernel (the file's blocks).
+    variants = [("Q4_1 tiled", "Q4_1", True), ("Q4_1", "Q4_1", False), ("Q8_0 tiled", "Q8_0", True)]
+    for t in qref.GGUF_EXTENDED_TYPES:
+        variants += [(f"{t} tiled", t, True), (t, t, False)]
     out = []
     for k0, n in GGUF_TYPE_SHAPES:
         times: dict[tuple[str, int], float] = {}
@@ -429,7 +430,7 @@ def bench_gguf_types(rows: list[int], clock: Callable[[], float] = time.perf_cou
             tid = qref.GGUF_TYPE_IDS[type_name]
             ws = [random_gguf_blocks(type_name, n, k) for _ in range(layers)]
             if packed:
-                if not quant.has_packed():
+                if not quant.has_packed() or (per == 256 and not quant.has_kpacked(tid)):
                     continue
                 ws = [quant.pack_weight(w, tid) for w in ws]
             for m in rows:

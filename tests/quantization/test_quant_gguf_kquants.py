@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -36,6 +37,20 @@ QUANTIZER_ERROR = {"Q5_0": 0.06, "Q5_1": 0.05, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K"
 
 def native():
     return require_native(load_quant_kernels, quant_build_spec, "the quantized CPU kernels")
+
+
+@contextlib.contextmanager
+def nan_outputs():
+    """torch's deterministic mode: every new tensor (a kernel's output too) starts as NaN."""
+    prior = torch.utils.deterministic.fill_uninitialized_memory, torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        assert torch.empty(4).isnan().all()
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = prior[0]
+        torch.use_deterministic_algorithms(prior[1])
 
 
 def random_blocks(type_name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -147,16 +162,16 @@ def test_cpu_kernel_refuses_bad_shapes():
         module.gguf_linear(torch.randn(1, 224), raw[:, :126], ref.GGUF_TYPE_IDS["Q4_K"])
     with pytest.raises(RuntimeError, match="bytes"):
         module.gguf_linear(torch.randn(1, 256), raw[:, :100], ref.GGUF_TYPE_IDS["Q4_K"])
-    # Q5_K has no tiled kernel: prepare keeps its blocks (Q4_K / Q6_K: see below).
-    q5k = torch.zeros(16, ref.gguf_row_bytes("Q5_K", 256), dtype=torch.uint8)
-    assert cpu_quant.prepare_gguf_weight(q5k, "Q5_K").dim() == 2
-    # Rows not a multiple of 16 keep their blocks too.
-    assert cpu_quant.prepare_gguf_weight(raw, "Q4_K").dim() == 2
+    # Rows not a multiple of 16 keep their blocks (the row kernel's), every packed type.
+    for type_name in EXTENDED:
+        odd = torch.zeros(24, ref.gguf_row_bytes(type_name, 256), dtype=torch.uint8)
+        assert cpu_quant.prepare_gguf_weight(odd, type_name).dim() == 2, type_name
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_kquants_are_repacked_for_the_tiled_kernel(type_name):
-    """Q4_K and Q6_K (a Q4_K_M's down projections) repack losslessly into the file's size;
+    """Q4_K and Q6_K (a Q4_K_M's down projections) and Q5_K (a Q5_K_M's) repack
+    losslessly into the file's size;
     the tiled kernel on them matches the int8-activation reference and the row kernel to
     float32 summation order, writes every output (poisoned first), each row alone the
     same as among others; the gated op takes the two ops in sequence for them."""
@@ -209,13 +224,13 @@ def test_kquants_are_repacked_for_the_tiled_kernel(type_name):
     assert torch.equal(gated(x, packed, type_name), want)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_embedding_rows_come_from_the_repacked_weight(type_name):
     """A tied embedding reads its rows from the LM head's repacked form: the file's rows
     dequantized exactly, repeated and out-of-order ids included."""
     module = native()
     tid = ref.GGUF_TYPE_IDS[type_name]
-    if not module.has_packed() or (type_name != "Q8_0" and not module.has_kpacked(tid)):
+    if not module.has_packed() or (type_name in cpu_quant.KPACKED_TYPES and not module.has_kpacked(tid)):
         pytest.skip("no AVX-512 VNNI tiled kernel for this type here")
     gen = torch.Generator().manual_seed(12)
     raw = random_blocks(type_name, 96, 512, gen)
@@ -248,27 +263,37 @@ def test_embedding_rows_come_from_the_repacked_weight(type_name):
         bare.embedding(ids, torch.float32)
 
 
-def test_q5_0_is_repacked_for_the_tiled_kernel():
-    """Q5_0 (the bulk of a small model's Q4_K_M) repacks losslessly, and the tiled kernel
-    on it gives the row kernel's result to float32 summation order, each row alone the
-    same as among others; the gated op equals the two ops in sequence bit for bit."""
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])
+def test_q5_x_is_repacked_for_the_tiled_kernel(type_name):
+    """Q5_0 (the bulk of a small model's Q4_K_M) and Q5_1 repack losslessly, and the
+    tiled kernel on them matches the int8-activation reference and gives the row kernel's
+    result to float32 summation order, each row alone the same as among others; the
+    gated op equals the two ops in sequence bit for bit."""
     module = native()
     if not module.has_packed():
         pytest.skip("no AVX-512 VNNI tiled GGUF kernel here")
     gen = torch.Generator().manual_seed(7)
-    raw = random_blocks("Q5_0", 64, 576, gen)
-    packed = cpu_quant.prepare_gguf_weight(raw, "Q5_0")
-    assert packed.shape == (4, 18, 16 * 22) and packed.dtype == torch.uint8
-    assert torch.equal(cpu_quant.unpack_gguf_weight(packed, "Q5_0"), raw)
-    tid = ref.GGUF_TYPE_IDS["Q5_0"]
+    bb = ref.GGUF_BLOCK_BYTES[type_name]
+    # Every byte random (any scale, any bit pattern) for the layout round trip.
+    noise = torch.randint(0, 256, (32, 3 * bb), dtype=torch.uint8, generator=gen)
+    assert torch.equal(cpu_quant.unpack_gguf_weight(cpu_quant.prepare_gguf_weight(noise, type_name), type_name), noise)
+    raw = random_blocks(type_name, 64, 576, gen)
+    packed = cpu_quant.prepare_gguf_weight(raw, type_name)
+    assert packed.shape == (4, 18, 16 * bb) and packed.dtype == torch.uint8
+    assert torch.equal(cpu_quant.unpack_gguf_weight(packed, type_name), raw)
+    tid = ref.GGUF_TYPE_IDS[type_name]
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(17, 576, generator=gen).to(dtype)
         rows = module.gguf_linear(x, raw, tid)
-        tiled = module.gguf_linear(x, packed, tid)
+        with nan_outputs():  # the kernel's output starts as NaN: every element must be written
+            tiled = module.gguf_linear(x, packed, tid)
+        assert torch.isfinite(tiled).all()
+        exact = int8_activation_reference(x, raw, type_name)
+        assert (tiled - exact).abs().max().item() <= 2e-5 * exact.abs().max().item()
         assert ((tiled - rows).abs().max() / rows.abs().max()).item() < 1e-5
         assert torch.equal(module.gguf_linear(x[5:6], packed, tid)[0], tiled[5])
         bias = torch.randn(64, generator=gen)
-        out = cpu_quant.gguf_linear(x, packed, "Q5_0", bias)
+        out = cpu_quant.gguf_linear(x, packed, type_name, bias)
         assert out.dtype == dtype and torch.equal(out, module.gguf_linear_out(x, packed, tid, bias))
         if module.has_packed_gated():
             from pagedserve.testing.target import select_target
