@@ -40,7 +40,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from profile_decode import time_ops  # noqa: E402
 from workloads import WORKLOADS, default_gguf_path, make_workload  # noqa: E402
 
-
 #: Upper bounds of the row-count buckets of the GGUF linears' table.
 ROW_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
 
@@ -81,9 +80,9 @@ def time_gguf_weights(model, record, unfused_mlp: bool = False, by_rows=None) ->
 
     weights = [(f, getattr(layer, f)) for layer in model.layers for f in model.linear_fields]
     weights.append(("lm_head", getattr(model, "lm_head", None)))
-    for field, w in weights:
-        parts = [(f"gguf {field} {p.type_name}", p) for p in w.parts] if isinstance(w, StackedWeight) else []
-        for name, w in parts or [(f"gguf {field}", w)]:
+    for field, weight in weights:
+        parts = [(f"gguf {field} {p.type_name}", p) for p in weight.parts] if isinstance(weight, StackedWeight) else []
+        for name, w in parts or [(f"gguf {field}", weight)]:
             if not isinstance(w, GGUFWeight):
                 continue
             if field == "gate_up" and unfused_mlp:
@@ -253,7 +252,11 @@ def print_by_rows(by_rows: dict) -> None:
         text = [f"{c[0]} / {c[1]:.2f} / {c[2]:.2f}" if c[0] else "" for c in cells]
         print(f"| {n} | " + " | ".join(text) + f" | {sum(c[2] for c in cells):.2f} |")
     totals = [sum((by_rows.get((n, b), _Cell()) for n in names), _Cell()) for b in buckets]
-    print("| all | " + " | ".join(f"{c[0]} / {c[1]:.2f} / {c[2]:.2f}" for c in totals) + f" | {sum(c[2] for c in totals):.2f} |")
+    print(
+        "| all | "
+        + " | ".join(f"{c[0]} / {c[1]:.2f} / {c[2]:.2f}" for c in totals)
+        + f" | {sum(c[2] for c in totals):.2f} |"
+    )
 
 
 def _quantized_weights(model) -> list:

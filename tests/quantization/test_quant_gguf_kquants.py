@@ -28,7 +28,7 @@ from pagedserve.kernels import quant_reference as ref
 from pagedserve.kernels.cpu.quant_native import load_quant_kernels, quant_build_spec
 from pagedserve.models.layers import fuse
 from pagedserve.platforms.cpu import quant_ops as cpu_quant
-from pagedserve.quantization.gguf import GGUF_KEPT_TYPES, GGUFWeight, StackedWeight, gguf_kept_types
+from pagedserve.quantization.gguf import GGUF_KEPT_TYPES, GGUFWeight, StackedWeight, gguf_kept_types, widen_blocks
 
 EXTENDED = ref.GGUF_EXTENDED_TYPES
 #: Relative error of one format's round-to-nearest on Gaussian rows (measured 1.7-6.5%).
@@ -311,9 +311,10 @@ def test_fuse_keeps_each_type():
     def w(type_name: str, rows: int) -> GGUFWeight:
         return GGUFWeight(type_name, random_blocks(type_name, rows, 256, gen), 256, op)
 
-    q, k, v = w("Q5_0", 32), w("Q5_0", 16), w("Q8_0", 16)
+    # Parts that do not convert exactly (Q4_K and Q6_K): runs of one type, one kernel each.
+    q, k, v = w("Q4_K", 32), w("Q4_K", 16), w("Q6_K", 16)
     fused = fuse([q, k, v])
-    assert isinstance(fused, StackedWeight) and [p.type_name for p in fused.parts] == ["Q5_0", "Q8_0"]
+    assert isinstance(fused, StackedWeight) and [p.type_name for p in fused.parts] == ["Q4_K", "Q6_K"]
     assert fused.parts[0].out_features == 48 and fused.shape == (64, 256)
     same = fuse([w("Q4_K", 16), w("Q4_K", 16)])
     assert isinstance(same, GGUFWeight) and same.type_name == "Q4_K" and same.out_features == 32
@@ -321,6 +322,37 @@ def test_fuse_keeps_each_type():
     want = x @ torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]).t()
     assert ((fused.apply(x) - want).norm() / want.norm()).item() < 2.5e-2
     assert torch.equal(fused.dequantize(), torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]))
+
+
+@pytest.mark.parametrize(
+    "types, widest",
+    [(("Q5_0", "Q5_0", "Q8_0"), "Q8_0"), (("Q4_0", "Q8_0", "Q5_0"), "Q8_0"), (("Q4_0", "Q5_0"), "Q5_0")]
+    + [(("Q4_1", "Q5_1", "Q4_1"), "Q5_1")],
+)
+def test_fuse_widens_parts_that_convert_exactly(types, widest):
+    """A Q4_K_M's [q; k] Q5_0 beside a Q8_0 v: one Q8_0 weight holding exactly the parts'
+    values (one kernel call instead of two), its kernel within float32 summation of the
+    int8-activation product; the parts keep their rows and order."""
+    gen = torch.Generator().manual_seed(13)
+    k = 96
+    parts = [
+        GGUFWeight(t, random_blocks(t, 16 * (i + 1), k, gen), k, cpu_quant.gguf_linear, cpu_quant.prepare_gguf_weight)
+        for i, t in enumerate(types)
+    ]
+    fused = fuse(parts)
+    assert isinstance(fused, GGUFWeight) and fused.type_name == widest
+    assert fused.out_features == sum(p.out_features for p in parts)
+    assert fused.data.shape == (fused.out_features, ref.gguf_row_bytes(widest, k))
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    x = torch.randn(5, k, generator=gen)
+    exact = int8_activation_reference(x, fused.data, widest)
+    with nan_outputs():
+        outs = [fused.apply(x), fused.prepared().apply(x)]  # the file's layout, then repacked
+    for got in outs:
+        assert torch.isfinite(got).all()
+        assert (got - exact).abs().max().item() <= 2e-5 * exact.abs().max().item()
+    with pytest.raises(ValueError, match="do not convert exactly"):
+        widen_blocks(parts[0].data, "Q8_0", "Q5_0")
 
 
 def test_fuse_dequantizes_blocks_beside_a_float_part(caplog):
@@ -448,8 +480,9 @@ def test_mixed_type_gguf_loads_kept_and_matches_the_dequantized_model(tmp_path):
     kept = LLM(model=str(path), quantization="gguf", **kw)
     model = kept.llm_engine.runner.model
     layer0, layer1 = model.layers[0], model.layers[1]
-    # Each tensor in its own type: [q; k] Q5_0 fused, v Q8_0 beside it; down Q6_K kept.
-    assert [p.type_name for p in layer0.qkv.parts] == ["Q5_0", "Q8_0"]
+    # Each tensor in its own type, or a wider one holding the same values: [q; k] Q5_0
+    # and v Q8_0 fused as Q8_0; gate Q4_K and up Q6_K apart; down Q6_K kept.
+    assert isinstance(layer0.qkv, GGUFWeight) and layer0.qkv.type_name == "Q8_0"
     assert [p.type_name for p in layer0.gate_up.parts] == ["Q4_K", "Q6_K"]
     assert layer0.down.type_name == "Q6_K" and layer1.down.type_name == "Q4_K"
     assert layer1.gate_up.type_name == "Q5_0" and layer1.o.type_name == "Q6_K"
