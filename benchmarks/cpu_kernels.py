@@ -11,8 +11,8 @@ kernel, in GOP/s and as a fraction of the int8 VNNI peak (``--int8-peak``, GOP/s
 default estimated from /proc/cpuinfo); with --gguf-mlp, the 30 gated MLPs' first halves
 on Q4_1 [gate; up] blocks, gguf_linear then silu_and_mul against the fused
 gguf_linear_silu_and_mul, the two alternating; with --gguf-types, every GGUF block type
-with a CPU kernel (Q4_1 and Q5_0 on the file's blocks and repacked, Q8_0, Q5_1, Q4_K,
-Q5_K, Q6_K) on the default model's gate_up (576 -> 3072; K-quants need K a multiple of 256, so
+with a CPU kernel (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K on the file's blocks and repacked,
+Q8_0 repacked) on the default model's gate_up (576 -> 3072; K-quants need K a multiple of 256, so
 they take 768 -> 3072) and down (1536 -> 576) layers; with --window, attention with a sliding window
 (512) and a soft-cap (50) at decode and prefill shapes; with --candidates, every
 paged_attention implementation of the CPU platform (native, AMX tiles where the CPU has
@@ -417,9 +417,10 @@ def bench_gguf_types(rows: list[int], clock: Callable[[], float] = time.perf_cou
     quant = load_quant_kernels()
     if quant is None:
         raise SystemExit("the GGUF CPU kernel is unavailable on this machine")
-    variants = [("Q4_1 tiled", "Q4_1", True), ("Q5_0 tiled", "Q5_0", True), ("Q4_1", "Q4_1", False)]
-    variants += [("Q8_0", "Q8_0", False)]
-    variants += [(t, t, False) for t in qref.GGUF_EXTENDED_TYPES]
+    # Each type on its tiled kernel (repacked at load) and on the row kernel (the file's blocks).
+    variants = [("Q4_1 tiled", "Q4_1", True), ("Q4_1", "Q4_1", False), ("Q8_0 tiled", "Q8_0", True)]
+    for t in qref.GGUF_EXTENDED_TYPES:
+        variants += [(f"{t} tiled", t, True), (t, t, False)]
     out = []
     for k0, n in GGUF_TYPE_SHAPES:
         times: dict[tuple[str, int], float] = {}
@@ -429,7 +430,7 @@ def bench_gguf_types(rows: list[int], clock: Callable[[], float] = time.perf_cou
             tid = qref.GGUF_TYPE_IDS[type_name]
             ws = [random_gguf_blocks(type_name, n, k) for _ in range(layers)]
             if packed:
-                if not quant.has_packed():
+                if not quant.has_packed() or (per == 256 and not quant.has_kpacked(tid)):
                     continue
                 ws = [quant.pack_weight(w, tid) for w in ws]
             for m in rows:
@@ -439,6 +440,35 @@ def bench_gguf_types(rows: list[int], clock: Callable[[], float] = time.perf_cou
         for m in rows:
             out.append((f"{k0}->{n}", m, *(times[label, m] for label in labels)))
     return [tuple(["shape", "rows", *labels])] + out
+
+
+def bench_gguf_stacked(
+    rows: list[int], clock: Callable[[], float] = time.perf_counter, layers: int = 15
+) -> list[tuple]:
+    """A Q4_K_M's mixed q/k/v (the default model's: [q; k] Q5_0 576 + 192 rows, v Q8_0 192
+    rows, K 576) in ``layers`` copies: as two repacked weights (two kernel calls, outputs
+    concatenated: a StackedWeight) against one Q8_0 weight holding the same values
+    (``widen_blocks``), bf16 activations: ms per ``layers`` calls and the ratio."""
+    from pagedserve.kernels import quant_reference as qref
+    from pagedserve.platforms.cpu import quant_ops
+    from pagedserve.quantization.gguf import GGUFWeight, widen_blocks
+
+    def weight(t: str, data: torch.Tensor) -> GGUFWeight:
+        return GGUFWeight(t, data, 576, quant_ops.gguf_linear, quant_ops.prepare_gguf_weight).prepared()
+
+    stacked, widened = [], []
+    for _ in range(layers):
+        qk, v = random_gguf_blocks("Q5_0", 768, 576), random_gguf_blocks("Q8_0", 192, 576)
+        stacked.append((weight("Q5_0", qk), weight("Q8_0", v)))
+        widened.append(weight("Q8_0", torch.cat([widen_blocks(qk, "Q5_0", "Q8_0"), v])))
+    assert qref.GGUF_BLOCK_BYTES["Q8_0"] == 34
+    out = []
+    for m in rows:
+        x = torch.randn(m, 576).bfloat16()
+        t_two = time_call(lambda: [torch.cat([a.apply(x), b.apply(x)], dim=-1) for a, b in stacked], clock=clock)
+        t_one = time_call(lambda: [w.apply(x) for w in widened], clock=clock)
+        out.append((m, t_two * 1e3, t_one * 1e3, t_two / t_one))
+    return out
 
 
 def bench_gguf_mlp(native, rows: list[int], clock: Callable[[], float] = time.perf_counter) -> list[tuple]:
@@ -561,6 +591,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--gguf-types", action="store_true", help="--rows: the default model's layers in every GGUF type with a kernel"
     )
+    parser.add_argument(
+        "--gguf-stacked", action="store_true", help="--rows: a Q4_K_M's mixed q/k/v, two calls vs one widened weight"
+    )
     parser.add_argument("--skip-attention", action="store_true", help="leave out the paged_attention table")
     parser.add_argument("--moe", action="store_true", help="also time fused_moe (reference vs native)")
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 16, 64, 256], help="batch sizes for --moe")
@@ -645,6 +678,9 @@ def main(argv: list[str] | None = None) -> None:
             ("rows", "unfused ms", "fused ms", "fused GOP/s", "unfused / fused (median of pairs)"),
             bench_gguf_mlp(native, args.rows, clock),
         )
+    if args.gguf_stacked:
+        print("\n15 mixed q/k/v layers ([q; k] Q5_0 + v Q8_0), two calls vs one widened Q8_0 weight, bf16:\n")
+        _print_table(("rows", "two calls ms", "one Q8_0 ms", "two / one"), bench_gguf_stacked(args.rows, clock))
     if args.gguf_types:
         print("\n30 layers per shape in each GGUF block type, bf16 activations, ms (K-quants: K 768 for 576):\n")
         header, *rows = bench_gguf_types(args.rows, clock)

@@ -14,10 +14,13 @@ outputs).  ``--async-scheduling`` profiles that setting (docs/async_scheduling.m
 sets the prompt length of "fixed": ``--workload fixed --num-requests 1 --input-len 1024
 --output-len 1`` is one 1024-token prefill).  ``--gguf`` profiles the default model's
 own GGUF file (the default path: blocks kept, ``dtype`` auto) instead of the bf16
-folder, and times its quantized linear layers by kind ("gguf qkv", "gguf o", "gguf
-gate_up+silu" or "gguf gate_up", "gguf down", "gguf lm_head": they hold their ops from
-load, outside the registry's timers); ``--unfused-mlp`` runs its MLPs as gguf_linear then
-silu_and_mul, as before the fused op.  The timers
+folder (``--gguf FILE``: another .gguf, e.g. a Q4_K_M), and times its quantized linear
+layers by kind ("gguf qkv", "gguf o", "gguf gate_up+silu" or "gguf gate_up", "gguf
+down", "gguf lm_head": they hold their ops from load, outside the registry's timers; the
+parts of a fused projection that mixes block types are timed apart, e.g. "gguf qkv
+Q8_0"), then prints those linears by row count per call (wall and process CPU seconds:
+on a loaded machine the CPU seconds are what compares); ``--unfused-mlp`` runs its MLPs
+as gguf_linear then silu_and_mul, as before the fused op.  The timers
 cost a few microseconds per op call, so the workload runs slightly slower than in
 compare_vllm.py.
 """
@@ -37,34 +40,56 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from profile_decode import time_ops  # noqa: E402
 from workloads import WORKLOADS, default_gguf_path, make_workload  # noqa: E402
 
+#: Upper bounds of the row-count buckets of the GGUF linears' table.
+ROW_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
 
-def _timed(fn, name: str, record):
+
+def _timed(fn, name: str, record, by_rows=None):
     def timed(*a, **kw):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             return fn(*a, **kw)
         finally:
-            record(name, time.perf_counter() - t0)
+            wall = time.perf_counter() - t0
+            record(name, wall)
+            if by_rows is not None:
+                rows = a[0].shape[0]
+                bucket = next((b for b in ROW_BUCKETS if rows <= b), ROW_BUCKETS[-1])
+                by_rows[name, bucket] += (1, wall, time.process_time() - c0)
 
     return timed
 
 
-def time_gguf_weights(model, record, unfused_mlp: bool = False) -> None:
+class _Cell(tuple):
+    """(calls, wall seconds, CPU seconds), added element-wise."""
+
+    def __new__(cls, v=(0, 0.0, 0.0)):
+        return super().__new__(cls, v)
+
+    def __add__(self, other):
+        return _Cell(tuple(a + b for a, b in zip(self, other)))
+
+
+def time_gguf_weights(model, record, unfused_mlp: bool = False, by_rows=None) -> None:
     """Wrap the ops each GGUF linear weight of ``model`` holds in timers named by layer
-    kind; ``unfused_mlp`` drops the [gate; up] weights' fused op (gguf_linear, then the
-    registry's silu_and_mul)."""
-    from pagedserve.quantization import GGUFWeight
+    kind (a mixed-type fusion's parts apart, named with their type); ``unfused_mlp``
+    drops the [gate; up] weights' fused op (gguf_linear, then the registry's
+    silu_and_mul).  ``by_rows``: a defaultdict(_Cell) that also gets each call's time
+    under (name, row bucket)."""
+    from pagedserve.quantization import GGUFWeight, StackedWeight
 
     weights = [(f, getattr(layer, f)) for layer in model.layers for f in model.linear_fields]
     weights.append(("lm_head", getattr(model, "lm_head", None)))
-    for field, w in weights:
-        if not isinstance(w, GGUFWeight):
-            continue
-        if field == "gate_up" and unfused_mlp:
-            w.gated_op = None
-        w.op = _timed(w.op, f"gguf {field}", record)
-        if w.gated_op is not None:
-            w.gated_op = _timed(w.gated_op, f"gguf {field}+silu", record)
+    for field, weight in weights:
+        parts = [(f"gguf {field} {p.type_name}", p) for p in weight.parts] if isinstance(weight, StackedWeight) else []
+        for name, w in parts or [(f"gguf {field}", weight)]:
+            if not isinstance(w, GGUFWeight):
+                continue
+            if field == "gate_up" and unfused_mlp:
+                w.gated_op = None
+            w.op = _timed(w.op, name, record, by_rows)
+            if w.gated_op is not None:
+                w.gated_op = _timed(w.gated_op, f"{name}+silu", record, by_rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=None, help="override the workload's size")
     p.add_argument("--output-len", type=int, default=None, help="override the workload's output length")
     p.add_argument("--input-len", type=int, default=None, help="override the prompt length of fixed/short")
-    p.add_argument("--gguf", action="store_true", help="the default model's GGUF file instead of the bf16 folder")
+    p.add_argument(
+        "--gguf",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="FILE",
+        help="a .gguf instead of the bf16 folder (alone: the default model's GGUF file)",
+    )
     p.add_argument("--unfused-mlp", action="store_true", help="GGUF: gate/up GEMM, then silu_and_mul (as before)")
     p.add_argument("--async-scheduling", action="store_true", help="overlap output processing with the forward")
     p.add_argument("--cprofile", type=int, default=0, help="also print cProfile's N most costly functions (slower)")
@@ -90,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.executor import model_runner
 
     if args.gguf:
-        args.model_dir = str(default_gguf_path())
+        args.model_dir = str(default_gguf_path()) if args.gguf == "default" else args.gguf
     llm = LLM(
         model=args.model_dir,
         dtype="auto" if args.gguf else "bfloat16",
@@ -112,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         op_total[0] += seconds
 
     time_ops(ops, record)
+    by_rows: dict[tuple[str, int], _Cell] = collections.defaultdict(_Cell)
     if args.gguf:
-        time_gguf_weights(llm.llm_engine.runner.model, record, args.unfused_mlp)
+        time_gguf_weights(llm.llm_engine.runner.model, record, args.unfused_mlp, by_rows)
     else:
         # Quantized weights were handed their op at load: give them the timed one.
         for w in _quantized_weights(llm.llm_engine.runner.model):
@@ -202,7 +235,28 @@ def main(argv: list[str] | None = None) -> int:
             f"| {max(b, 1)}-{b + 7} | {len(rows)} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {ms[3]:.1f} "
             f"| {in_ops / (secs + out):.1%} | {sum(r[0] for r in rows) / (secs + out):.0f} |"
         )
+    if by_rows:
+        print_by_rows(by_rows)
     return 0
+
+
+def print_by_rows(by_rows: dict) -> None:
+    """The GGUF linears' calls, wall and CPU seconds by row count per call."""
+    names = sorted({n for n, _ in by_rows})
+    buckets = sorted({b for _, b in by_rows})
+    print("\nGGUF linears by rows per call (calls / wall s / CPU s):\n")
+    print("| op | " + " | ".join(f"rows <= {b}" for b in buckets) + " | total CPU s |")
+    print("|---|" + "---:|" * (len(buckets) + 1))
+    for n in names:
+        cells = [by_rows.get((n, b), _Cell()) for b in buckets]
+        text = [f"{c[0]} / {c[1]:.2f} / {c[2]:.2f}" if c[0] else "" for c in cells]
+        print(f"| {n} | " + " | ".join(text) + f" | {sum(c[2] for c in cells):.2f} |")
+    totals = [sum((by_rows.get((n, b), _Cell()) for n in names), _Cell()) for b in buckets]
+    print(
+        "| all | "
+        + " | ".join(f"{c[0]} / {c[1]:.2f} / {c[2]:.2f}" for c in totals)
+        + f" | {sum(c[2] for c in totals):.2f} |"
+    )
 
 
 def _quantized_weights(model) -> list:

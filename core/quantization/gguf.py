@@ -4,8 +4,10 @@ them (``GGUF_EXTENDED``); other types are dequantized at load, with a log line n
 
 The stored bytes of the .gguf file are the loaded format.  A file mixing types (llama.cpp's
 Q4_K_M falls back to Q5_0 / Q8_0 per tensor) keeps each tensor in its own: a fused
-projection (q/k/v, gate/up) whose parts differ is a :class:`StackedWeight` of same-type
-runs, and one mixing blocks with a dequantized part is dequantized whole (``fuse``).  A weight multiplies through
+projection (q/k/v, gate/up) whose parts differ is one weight of the widest type where the
+others convert to it exactly (Q4_0 / Q5_0 parts beside a Q8_0 one become Q8_0 blocks of the
+same values: :func:`widen_blocks`), else a :class:`StackedWeight` of same-type runs, and
+one mixing blocks with a dequantized part is dequantized whole (``fuse``).  A weight multiplies through
 the op registry's ``gguf_linear``, handed to it at load: the platforms choose the kernel
 (the native CPU kernel of kernels/cpu/quant_gguf.cpp, Triton on CUDA/ROCm, the torch
 reference elsewhere; see docs/quantization.md).  Once fused, each linear weight is put
@@ -175,8 +177,13 @@ class GGUFWeight(QuantizedWeight):
 
     @classmethod
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """One weight of the parts' type where all share it, else a :class:`StackedWeight` of
-        runs of consecutive parts of one type (a Q4_K_M's [q; k] Q5_0 and v Q8_0: two)."""
+        """One weight of the parts' type where all share it, or of the widest type where the
+        others convert to it exactly (a Q4_K_M's [q; k] Q5_0 and v Q8_0: all Q8_0, one
+        kernel call; :func:`widen_blocks`), else a :class:`StackedWeight` of runs of
+        consecutive parts of one type."""
+        target = _common_type(parts)
+        if target is not None and any(p.type_name != target for p in parts):  # type: ignore[attr-defined]
+            return _cat_blocks([p if p.type_name == target else _widened(p, target) for p in parts])  # type: ignore[attr-defined]
         runs: list[list[QuantizedWeight]] = []
         for p in parts:
             if runs and _same_blocks(runs[-1][0], p):
@@ -185,6 +192,74 @@ class GGUFWeight(QuantizedWeight):
                 runs.append([p])
         fused = [_cat_blocks(run) if isinstance(run[0], GGUFWeight) and len(run) > 1 else run[0] for run in runs]
         return fused[0] if len(fused) == 1 else StackedWeight(fused)
+
+
+#: Exact conversions of 32-value block types: every value of the narrower type is a value
+#: of the wider one with the same fp16 scale (and minimum), see :func:`widen_blocks`.
+WIDER_TYPES: dict[str, tuple[str, ...]] = {"Q4_0": ("Q5_0", "Q8_0"), "Q5_0": ("Q8_0",), "Q4_1": ("Q5_1",)}
+
+
+def _common_type(parts: list[QuantizedWeight]) -> str | None:
+    """The type every part is or widens to exactly (None: parts that are not all GGUF
+    blocks, or no such type)."""
+    if not all(isinstance(p, GGUFWeight) and p.data is not None for p in parts):
+        return None
+    types = {p.type_name for p in parts}  # type: ignore[attr-defined]
+    for t in types:
+        if all(o == t or t in WIDER_TYPES.get(o, ()) for o in types):
+            return t
+    return None
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., 16]`` -> int16 ``[..., 32]``: the low nibbles, then the high ones."""
+    q = qs.to(torch.int16)
+    return torch.cat([q & 0x0F, q >> 4], dim=-1)
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., 4]`` (a little-endian u32) -> int16 ``[..., 32]``: bit j."""
+    return ((qh.to(torch.int16)[..., None] >> torch.arange(8, dtype=torch.int16)) & 1).flatten(-2)
+
+
+def widen_blocks(data: torch.Tensor, type_name: str, target: str) -> torch.Tensor:
+    """GGUF blocks uint8 ``[n, row_bytes]`` of ``type_name`` as blocks of ``target`` holding
+    exactly the same values (``target`` in ``WIDER_TYPES[type_name]``): Q4_0 ``d (q - 8)``
+    and Q5_0 ``d (q - 16)`` as Q8_0 ``d q'`` with ``q' = q - 8`` or ``q - 16``; Q4_0 as Q5_0
+    with ``q + 8``; Q4_1 ``d q + m`` as Q5_1 with no fifth bits."""
+    if target not in WIDER_TYPES.get(type_name, ()):
+        raise ValueError(f"GGUF {type_name} blocks do not convert exactly to {target}")
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, ref.GGUF_BLOCK_BYTES[type_name])
+    head = blocks[..., : 4 if type_name == "Q4_1" else 2]  # d (and m)
+    if type_name == "Q4_1":  # Q5_1: d | m | qh = 0 | the same qs
+        zeros = torch.zeros(*blocks.shape[:2], 4, dtype=torch.uint8)
+        return torch.cat([head, zeros, blocks[..., 4:]], dim=-1).reshape(n, -1)
+    if type_name == "Q4_0":
+        q = _nibbles(blocks[..., 2:18]) - 8
+    else:
+        q = (_nibbles(blocks[..., 6:22]) | (_fifth_bits(blocks[..., 2:6]) << 4)) - 16
+    if target == "Q8_0":
+        return torch.cat([head, q.to(torch.int8).view(torch.uint8)], dim=-1).reshape(n, -1)
+    q = q + 16  # Q4_0 -> Q5_0: 8..23
+    low = (q & 0x0F).to(torch.uint8)
+    qs = low[..., :16] | (low[..., 16:] << 4)
+    weights = torch.ones(8, dtype=torch.int16) << torch.arange(8, dtype=torch.int16)
+    qh = ((q >> 4).reshape(*q.shape[:-1], 4, 8) * weights).sum(-1).to(torch.uint8)
+    return torch.cat([head, qh, qs], dim=-1).reshape(n, -1)
+
+
+def _widened(w: GGUFWeight, target: str) -> GGUFWeight:
+    return GGUFWeight(
+        target,
+        widen_blocks(w._blocks(), w.type_name, target),
+        w.in_features,
+        w.op,
+        w.prepare,
+        None,
+        w.gated_op,
+        w.embed_op,
+    )
 
 
 def _same_blocks(a: QuantizedWeight, b: QuantizedWeight) -> bool:

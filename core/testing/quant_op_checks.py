@@ -168,7 +168,7 @@ def _gguf_linear_silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed:
     prepare = t.ops.get("prepare_gguf_weight")
     types = quant_reference.GGUF_BASE_TYPES
     if t.ops.has_capability("gguf_linear", "gguf_extended_types"):
-        types += ("Q5_0",)  # a 32-value extended type (the CPU's tiled kernel takes it packed)
+        types += ("Q5_0", "Q5_1")  # the 32-value extended types (the CPU's tiled kernel takes them packed)
     for type_name in types:
         for m, k, d, bias in GGUF_GATED_SHAPES:
             desc = _desc(m, k, 2 * d, bias, f"{type_name}-")

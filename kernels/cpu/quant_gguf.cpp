@@ -31,18 +31,19 @@ namespace {
 
 constexpr int QK = 32;
 
-enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8 };
+enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };
 
 // Bytes of one 32-value block of the types this file's row kernel (and the packed
-// kernel: Q5_0 too) reads; the others' in gguf_ext_type.
+// kernel: Q5_0 and Q5_1 too) reads; the others' in gguf_ext_type.
 inline int block_bytes(int64_t t) {
   switch (t) {
     case Q4_0: return 18;
     case Q4_1: return 20;
     case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
   }
-  TORCH_CHECK(false, "unsupported ggml type id ", t, " (supported: Q4_0=2, Q4_1=3, Q8_0=8; Q5_0=6 packed)");
+  TORCH_CHECK(false, "unsupported ggml type id ", t, " (supported: Q4_0=2, Q4_1=3, Q8_0=8; Q5_0=6, Q5_1=7 packed)");
 }
 
 inline float fp16_to_float(uint16_t h) {
@@ -480,7 +481,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](torch::Tensor weight, int64_t type) {
         return gguf_kpacked_type(type) ? gguf_kpack_weight(weight, type) : gguf_pack_weight(weight, type);
       },
-      "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32 (K/256: Q4_K, Q6_K), 16*block_bytes]");
+      "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32 (K/256: Q4_K, Q5_K, Q6_K), 16*block_bytes]");
   m.def("unpack_rows", &gguf_unpack_rows, py::call_guard<py::gil_scoped_release>(),
         "rows ids of a packed weight as the file's blocks uint8 [n, row_bytes]");
   m.def("has_kpacked", &gguf_kpacked_type, "whether ggml type id `type` has the K-quant tiled kernel");

@@ -1,4 +1,4 @@
-// Tiled GEMM on the K-quants Q4_K and Q6_K repacked once at load (AVX-512 VNNI), the
+// Tiled GEMM on the K-quants Q4_K, Q5_K and Q6_K repacked once at load (AVX-512 VNNI), the
 // super-block counterpart of quant_gguf_packed.cpp's Q4_x / Q5_0 / Q8_0 kernel.
 //
 // The row kernel (quant_gguf_kquant.cpp) decodes a weight row's super-blocks once per 8
@@ -16,6 +16,10 @@
 //        then 16 fp16 d, 16 fp16 dmin, and the 12 scale bytes transposed: byte 16r+c =
 //        byte r of column c's scales[12] (the 6-bit scales and minimums, unpacked here
 //        for 16 columns at once with 128-bit masks and shifts).
+//   Q5_K (2816 bytes): 8 sub-blocks of 320 bytes: the low 4 bits of q (0..31) in Q4_K's
+//        lines, then 8 masks of 64 bits (as quant_gguf_packed's Q5_0: mask 2p+h holds in
+//        bit 4c+t the fifth bit of column c's value at k = 8p+4h+t, one masked byte add
+//        of 16 per unpacked line); then Q4_K's tail (d, dmin, transposed scales[12]).
 //   Q6_K (3360 bytes): 8 sub-blocks of 384 bytes: the low 4 bits of q (0..63) in the
 //        lines above, then 2 lines of 64 bytes of top bits: byte 4c+t of line h holds in
 //        bits 2i..2i+1 the top 2 bits of column c's value at k = 16h+4i+t; then the int8
@@ -23,7 +27,7 @@
 //        fp16 d.
 //
 // Numerics: the same int8 activations (quantized once per call by quant_gguf.cpp) and the
-// same exact integer dot product per 32 values (Q4_K) or 16 values (Q6_K, q - 32 through
+// same exact integer dot product per 32 values (Q4_K, Q5_K) or 16 values (Q6_K, q - 32 through
 // the unsigned q and the integer sum of the 16 activations) as the row kernel, and the
 // same float products: acc += (d*sc * d_x) * dot, the minimum term -dmin*mn * d_x * sum(x)
 // summed apart and added at the end.  Only the float32 summation order differs (a few
@@ -59,15 +63,17 @@ namespace {
 constexpr int QK = 32;
 constexpr int QKK = 256;
 constexpr int kCols = 16;
-enum KType : int64_t { Q4_K = 12, Q6_K = 14 };
+enum KType : int64_t { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
+constexpr int kblock_bytes(int64_t t) { return t == Q4_K ? 144 : t == Q5_K ? 176 : 210; }
+constexpr int sub_bytes(int64_t t) { return t == Q4_K ? 256 : t == Q5_K ? 320 : 384; }
 template <int64_t T>
 constexpr int kblock_bytes() {
-  return T == Q4_K ? 144 : 210;
+  return kblock_bytes(T);
 }
 template <int64_t T>
 constexpr int sub_bytes() {  // packed bytes of one 32-value sub-block of 16 columns
-  return T == Q4_K ? 256 : 384;
+  return sub_bytes(T);
 }
 
 inline uint32_t load_u32(const uint8_t* p) {
@@ -76,14 +82,17 @@ inline uint32_t load_u32(const uint8_t* p) {
   return v;
 }
 
-// The 256 integers of one super-block of a column: Q4_K 0..15, Q6_K 0..63 (q before - 32).
+// The 256 integers of one super-block of a column: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63
+// (q before - 32).
 void decode_ints(const uint8_t* blk, int64_t type, uint8_t* q) {
-  if (type == Q4_K) {
-    const uint8_t* qs = blk + 16;
+  if (type == Q4_K || type == Q5_K) {
+    const uint8_t* qs = blk + (type == Q5_K ? 48 : 16);
+    const uint8_t* qh = blk + 16;  // Q5_K: bit j of qh[l] is sub-block j's fifth bit
     for (int j = 0; j < 8; ++j)
       for (int l = 0; l < QK; ++l) {
         const uint8_t byte = qs[32 * (j / 2) + l];
         q[32 * j + l] = (j % 2) ? byte >> 4 : byte & 0x0F;
+        if (type == Q5_K) q[32 * j + l] |= uint8_t(((qh[l] >> j) & 1) << 4);
       }
   } else {
     const uint8_t* ql = blk;
@@ -101,7 +110,7 @@ void decode_ints(const uint8_t* blk, int64_t type, uint8_t* q) {
 
 // One (group, super-block) entry from the 16 columns' blocks (row stride row_bytes).
 void pack_kentry(const uint8_t* w, int64_t row_bytes, int64_t type, uint8_t* dst) {
-  const int sb = type == Q4_K ? 256 : 384;
+  const int sb = sub_bytes(type);
   std::memset(dst, 0, 8 * sb);
   uint8_t q[QKK];
   for (int c = 0; c < kCols; ++c) {
@@ -114,10 +123,13 @@ void pack_kentry(const uint8_t* w, int64_t row_bytes, int64_t type, uint8_t* dst
         const int group = k / 4;  // lines 2p (low nibble) and 2p+1 (high) share byte line p
         sub[(group / 2) * 64 + c * 4 + k % 4] |= (group % 2) ? uint8_t((v & 0x0F) << 4) : uint8_t(v & 0x0F);
         if (type == Q6_K) sub[256 + (k / 16) * 64 + c * 4 + k % 4] |= uint8_t((v >> 4) << (2 * ((k % 16) / 4)));
+        // Q5_K's fifth bit: mask `group` (= 2p + h), bit 4c + t.
+        const int bit = c * 4 + k % 4;
+        if (type == Q5_K && (v >> 4)) sub[256 + group * 8 + bit / 8] |= uint8_t(1u << (bit % 8));
       }
     }
     uint8_t* tail = dst + 8 * sb;
-    if (type == Q4_K) {
+    if (type == Q4_K || type == Q5_K) {
       std::memcpy(tail + 2 * c, blk, 2);
       std::memcpy(tail + 32 + 2 * c, blk + 2, 2);
       for (int r = 0; r < 12; ++r) tail[64 + 16 * r + c] = blk[4 + r];
@@ -197,7 +209,7 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* e[NG];
     for (int j = 0; j < NG; ++j) e[j] = w + (g0 + j) * group_stride + s * EB;
-    if constexpr (T == Q4_K) {
+    if constexpr (T == Q4_K || T == Q5_K) {
       __m512 dv[NG], mv[NG];
       __m128i sc[NG][8], mn[NG][8];
       for (int j = 0; j < NG; ++j) {
@@ -217,6 +229,13 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
           for (int h = 0; h < 2; ++h) {
             __m512i wv[NG];
             for (int j = 0; j < NG; ++j) wv[j] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4);
+            if constexpr (T == Q5_K) {
+              for (int j = 0; j < NG; ++j) {
+                uint64_t bits;
+                std::memcpy(&bits, e[j] + sub * SB + 256 + (2 * p + h) * 8, 8);
+                wv[j] = _mm512_mask_add_epi8(wv[j], _cvtu64_mask64(bits), wv[j], _mm512_set1_epi8(16));
+              }
+            }
             for (int i = 0; i < MT; ++i) {
               int32_t x4;
               std::memcpy(&x4, a.q + (m0 + i) * a.k + b * QK + 8 * p + 4 * h, 4);
@@ -360,19 +379,19 @@ void run(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, cons
 // Whether `type` has the K-quant tiled kernel in this build.
 bool gguf_kpacked_type(int64_t type) {
 #if defined(PAGEDSERVE_GGUF_KPACKED)
-  return type == Q4_K || type == Q6_K;
+  return type == Q4_K || type == Q5_K || type == Q6_K;
 #else
   (void)type;
   return false;
 #endif
 }
 
-// weight: uint8 [N, K/256 * block_bytes] Q4_K / Q6_K blocks, N a multiple of 16 -> the
+// weight: uint8 [N, K/256 * block_bytes] Q4_K / Q5_K / Q6_K blocks, N a multiple of 16 -> the
 // packed layout above, uint8 [N/16, K/256, 16 * block_bytes].
 torch::Tensor gguf_kpack_weight(torch::Tensor weight, int64_t type) {
   TORCH_CHECK(gguf_kpacked_type(type), "gguf_pack_weight: no K-quant tiled kernel for ggml type id ", type);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8, "gguf_pack_weight: uint8 [N, row_bytes]");
-  const int bb = type == Q4_K ? 144 : 210;
+  const int bb = kblock_bytes(type);
   weight = weight.contiguous();
   const int64_t N = weight.size(0), row_bytes = weight.size(1);
   TORCH_CHECK(N % kCols == 0, "gguf_pack_weight: N=", N, " is not a multiple of ", kCols);
@@ -407,30 +426,44 @@ void unpack_block(const uint8_t* e, int c, int64_t type, uint8_t* blk) {
     }
     case 2:
     case 3:
-    case 6: {  // Q4_0 d | qs; Q4_1 d | m | qs; Q5_0 d | qh | qs (fifth bits in 8 masks)
+    case 6:
+    case 7: {  // Q4_0 d | qs; Q4_1 d | m | qs; Q5_0 d | qh | qs; Q5_1 d | m | qh | qs (fifth bits in 8 masks)
+      const bool has_min = type == 3 || type == 7;
       std::memcpy(blk, e + 256 + 2 * c, 2);
-      if (type == 3) std::memcpy(blk + 2, e + 256 + 32 + 2 * c, 2);
-      uint8_t* qs = blk + (type == 2 ? 2 : type == 3 ? 4 : 6);
+      if (has_min) std::memcpy(blk + 2, e + 256 + 32 + 2 * c, 2);
+      uint8_t* qs = blk + (type == 2 ? 2 : type == 3 ? 4 : type == 6 ? 6 : 8);
       uint32_t qh = 0;
       for (int k = 0; k < 16; ++k) qs[k] = nibble(e, k) | uint8_t(nibble(e, k + 16) << 4);
-      if (type == 6) {
+      if (type == 6 || type == 7) {
+        const uint8_t* masks = e + 256 + (has_min ? 64 : 32);
         for (int k = 0; k < QK; ++k) {
           const int bit = c * 4 + k % 4;
-          qh |= uint32_t((e[256 + 32 + (k / 4) * 8 + bit / 8] >> (bit % 8)) & 1) << k;
+          qh |= uint32_t((masks[(k / 4) * 8 + bit / 8] >> (bit % 8)) & 1) << k;
         }
-        std::memcpy(blk + 2, &qh, 4);
+        std::memcpy(blk + (has_min ? 4 : 2), &qh, 4);
       }
       return;
     }
-    case Q4_K: {
-      const uint8_t* tail = e + 8 * 256;
+    case Q4_K:
+    case Q5_K: {
+      const int sb = sub_bytes(type);
+      const uint8_t* tail = e + 8 * sb;
       std::memcpy(blk, tail + 2 * c, 2);
       std::memcpy(blk + 2, tail + 32 + 2 * c, 2);
       for (int r = 0; r < 12; ++r) blk[4 + r] = tail[64 + 16 * r + c];
-      uint8_t* qs = blk + 16;
-      std::memset(qs, 0, 128);
-      for (int j = 0; j < 8; ++j)
-        for (int k = 0; k < QK; ++k) qs[32 * (j / 2) + k] |= uint8_t(nibble(e + 256 * j, k) << (4 * (j % 2)));
+      uint8_t* qh = blk + 16;  // Q5_K only
+      uint8_t* qs = blk + (type == Q5_K ? 48 : 16);
+      std::memset(blk + 16, 0, type == Q5_K ? 160 : 128);
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t* sub = e + sb * j;
+        for (int k = 0; k < QK; ++k) {
+          qs[32 * (j / 2) + k] |= uint8_t(nibble(sub, k) << (4 * (j % 2)));
+          if (type == Q5_K) {
+            const int bit = c * 4 + k % 4;
+            qh[k] |= uint8_t(((sub[256 + (k / 4) * 8 + bit / 8] >> (bit % 8)) & 1) << j);
+          }
+        }
+      }
       return;
     }
     case Q6_K: {
@@ -503,6 +536,7 @@ void gguf_kpacked_gemm(const int8_t* xq, const float* xd, const float* xds, int6
   const Output o{y, y_bf16, bias, groups * kCols};
   switch (type) {
     case Q4_K: run<Q4_K>(a, w, M, groups, o); return;
+    case Q5_K: run<Q5_K>(a, w, M, groups, o); return;
     case Q6_K: run<Q6_K>(a, w, M, groups, o); return;
   }
   TORCH_CHECK(false, "gguf_packed_gemm: no K-quant tiled kernel for ggml type id ", type);

@@ -1,4 +1,4 @@
-// Tiled GEMM on GGUF Q4_0 / Q4_1 / Q5_0 / Q8_0 weights repacked once at load (AVX-512 VNNI).
+// Tiled GEMM on GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights repacked once at load (AVX-512 VNNI).
 //
 // The row-by-row kernel of quant_gguf.cpp reduces each (activation row, weight row) dot
 // product horizontally and reads every weight row once per 8 activation rows, so from a
@@ -16,6 +16,7 @@
 //   Q5_0:        Q4_0's lines and scales (the low 4 bits of each value), then 8 masks of
 //                64 bits, mask 2p+h holding in bit 4c+t the fifth bit of column c's value
 //                at k = 8p+4h+t: one masked byte add of 16 per unpacked line.
+//   Q5_1:        Q4_1's lines, scales and minimums, then Q5_0's 8 masks of the fifth bits.
 //   Q8_0:        8 lines of 64 bytes, byte 4c+t of line p = column c's int8 value at
 //                k = 4p+t plus 128 (an unsigned operand for vpdpbusd, the 128 * sum(x)
 //                subtracted again); then the 16 fp16 scales.
@@ -23,7 +24,7 @@
 // Numerics: the same int8 activations (quant_gguf.cpp quantizes them once per call),
 // the same exact integer dot product per block, and the same block scale math as the
 // row kernel: acc += (d_w * d_x) * dot in float32, the minimum term (m_w * d_x * sum(x),
-// -8 d_w for Q4_0, -16 d_w for Q5_0) summed apart and added at the end.  Only the float32 summation order
+// -8 d_w for Q4_0, -16 d_w for Q5_0, m_w for Q4_1 / Q5_1) summed apart and added at the end.  Only the float32 summation order
 // differs (the row kernel adds 8 partial lanes per block and reduces them at the end),
 // a few units in the last place.  Each row's result depends on that row alone.
 #include <torch/extension.h>
@@ -61,44 +62,50 @@ namespace {
 
 constexpr int QK = 32;
 constexpr int kCols = 16;
-enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8 };
+enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };
 
 int packed_block_bytes(int64_t type) {
   switch (type) {
     case Q4_0: return 18;
     case Q4_1: return 20;
     case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
   }
-  TORCH_CHECK(false, "gguf packing: unsupported ggml type id ", type, " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8)");
+  TORCH_CHECK(false, "gguf packing: unsupported ggml type id ", type,
+              " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8)");
 }
 
 // Bytes of quants in one packed (group, block) entry, before the scales.
 inline int quant_bytes(int64_t type) { return type == Q8_0 ? 512 : 256; }
+// Q5_0 / Q5_1: where the 8 fifth-bit masks start (after the scales, and Q5_1's minimums).
+constexpr int mask_offset(int64_t type) { return 256 + (type == Q5_1 ? 64 : 32); }
+inline bool has_fifth_bit(int64_t type) { return type == Q5_0 || type == Q5_1; }
 
 void pack_entry(const uint8_t* w, int64_t row_bytes, int64_t type, int bb, uint8_t* dst) {
   const int qb = quant_bytes(type);
   std::memset(dst, 0, qb);
-  if (type == Q5_0) std::memset(dst + qb + 32, 0, 64);
+  if (has_fifth_bit(type)) std::memset(dst + mask_offset(type), 0, 64);
   for (int c = 0; c < kCols; ++c) {
     const uint8_t* blk = w + c * row_bytes;
     if (type == Q8_0) {
       for (int k = 0; k < QK; ++k) dst[(k / 4) * 64 + c * 4 + k % 4] = blk[2 + k] ^ 0x80;
     } else {
-      const uint8_t* qs = blk + (type == Q4_1 ? 4 : type == Q5_0 ? 6 : 2);
+      const uint8_t* qs = blk + (type == Q4_1 ? 4 : type == Q5_0 ? 6 : type == Q5_1 ? 8 : 2);
       uint32_t qh = 0;
-      if (type == Q5_0) std::memcpy(&qh, blk + 2, 4);
+      if (has_fifth_bit(type)) std::memcpy(&qh, blk + (type == Q5_1 ? 4 : 2), 4);
       for (int k = 0; k < QK; ++k) {
         const uint8_t q = k < 16 ? (qs[k] & 0x0F) : (qs[k - 16] >> 4);
         const int group = k / 4;  // 4 consecutive k; groups 2p and 2p+1 share line p
         dst[(group / 2) * 64 + c * 4 + k % 4] |= (group % 2) ? uint8_t(q << 4) : q;
-        // Q5_0's fifth bit: mask `group` (= 2p + h), bit 4c + t.
+        // Q5_x's fifth bit: mask `group` (= 2p + h), bit 4c + t.
         const int bit = c * 4 + k % 4;
-        if (type == Q5_0 && ((qh >> k) & 1)) dst[qb + 32 + group * 8 + bit / 8] |= uint8_t(1u << (bit % 8));
+        if (has_fifth_bit(type) && ((qh >> k) & 1))
+          dst[mask_offset(type) + group * 8 + bit / 8] |= uint8_t(1u << (bit % 8));
       }
     }
     std::memcpy(dst + qb + 2 * c, blk, 2);
-    if (type == Q4_1) std::memcpy(dst + qb + 32 + 2 * c, blk + 2, 2);
+    if (type == Q4_1 || type == Q5_1) std::memcpy(dst + qb + 32 + 2 * c, blk + 2, 2);
   }
   (void)bb;
 }
@@ -142,7 +149,7 @@ inline __m256i to_bf16(__m512 v) {
 
 template <int64_t TYPE>
 constexpr int group_block_bytes() {
-  return kCols * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : TYPE == Q5_0 ? 22 : 34);
+  return kCols * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : TYPE == Q5_0 ? 22 : TYPE == Q5_1 ? 24 : 34);
 }
 
 // The integer dot products of one block for rows [m0, m0 + MT) x NG column groups:
@@ -173,10 +180,10 @@ inline void block_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512
       for (int h = 0; h < 2; ++h) {
         __m512i wv[NG];
         for (int j = 0; j < NG; ++j) wv[j] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4);
-        if constexpr (TYPE == Q5_0) {
+        if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
           for (int j = 0; j < NG; ++j) {
             uint64_t bits;
-            std::memcpy(&bits, wb[j] + 256 + 32 + (2 * p + h) * 8, 8);
+            std::memcpy(&bits, wb[j] + mask_offset(TYPE) + (2 * p + h) * 8, 8);
             wv[j] = _mm512_mask_add_epi8(wv[j], _cvtu64_mask64(bits), wv[j], _mm512_set1_epi8(16));
           }
         }
@@ -287,7 +294,7 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
       __m512 mw[NG];
       for (int j = 0; j < NG; ++j) {
         const uint8_t* s = wg[j] + b * gbb + qb;
-        if constexpr (TYPE == Q4_1) {
+        if constexpr (TYPE == Q4_1 || TYPE == Q5_1) {
           mw[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
         } else {
           mw[j] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))),
@@ -454,6 +461,7 @@ void gguf_packed_gemm(const int8_t* xq, const float* xd, const float* xds, const
     case Q4_0: run<Q4_0>(a, w, M, groups, o); return;
     case Q4_1: run<Q4_1>(a, w, M, groups, o); return;
     case Q5_0: run<Q5_0>(a, w, M, groups, o); return;
+    case Q5_1: run<Q5_1>(a, w, M, groups, o); return;
     case Q8_0: run<Q8_0>(a, w, M, groups, o); return;
   }
   TORCH_CHECK(false, "gguf_packed_gemm: unsupported ggml type id ", type);
@@ -476,6 +484,7 @@ void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, 
     case Q4_0: run_gated<Q4_0>(a, w, M, o); return;
     case Q4_1: run_gated<Q4_1>(a, w, M, o); return;
     case Q5_0: run_gated<Q5_0>(a, w, M, o); return;
+    case Q5_1: run_gated<Q5_1>(a, w, M, o); return;
     case Q8_0: run_gated<Q8_0>(a, w, M, o); return;
   }
   TORCH_CHECK(false, "gguf_packed_gemm_silu: unsupported ggml type id ", type);

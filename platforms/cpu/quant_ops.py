@@ -8,11 +8,11 @@
   the same whatever else is in its batch (docs/quantization.md).
   ``PAGEDSERVE_QUANT_CPU_KERNELS=0`` keeps the reference.
 - ``prepare_gguf_weight``: where the kernel has its tiled AVX-512 VNNI GEMM, Q4_0/Q4_1/
-  Q5_0/Q8_0 blocks of a multiple of 16 rows are repacked for it once at load
+  Q5_0/Q5_1/Q8_0 blocks of a multiple of 16 rows are repacked for it once at load
   (kernels/cpu/quant_gguf_packed.cpp: 16 output columns interleaved per 4 k, scales
-  beside them; Q4_K and Q6_K likewise in kernels/cpu/quant_gguf_kpacked.cpp, the file's
-  size exactly); ``gguf_linear`` then runs the tiled kernel on them.  Other weights keep
-  the row kernel.  ``PAGEDSERVE_CPU_GGUF_REPACK=0`` keeps the file's blocks.
+  beside them; Q4_K, Q5_K and Q6_K likewise in kernels/cpu/quant_gguf_kpacked.cpp, the
+  file's size exactly); ``gguf_linear`` then runs the tiled kernel on them.  Other
+  weights keep the row kernel.  ``PAGEDSERVE_CPU_GGUF_REPACK=0`` keeps the file's blocks.
 - ``gguf_embedding``: rows of repacked blocks (a tied embedding shares its LM head's
   repacked weight): only those rows are unpacked (``unpack_rows``), then dequantized.
 - ``gguf_linear_silu_and_mul``: where the tiled kernel has its gated variant, a gated
@@ -71,10 +71,10 @@ GGUF_AMX_MIN_ROWS = 128
 #: Activation dtypes the native kernels take (others go to the reference or a dense path).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 #: Block types the tiled kernel takes repacked (the others keep the file's blocks); the
-#: gated kernel takes the first four (GATED_TYPES), the K-quants only where the build has
-#: their tiled kernel (kernels/cpu/quant_gguf_kpacked.cpp, ``has_kpacked``).
-GATED_TYPES = (*qref.GGUF_BASE_TYPES, "Q5_0")
-KPACKED_TYPES = ("Q4_K", "Q6_K")
+#: gated kernel takes the 32-value types (GATED_TYPES), the K-quants only where the build
+#: has their tiled kernel (kernels/cpu/quant_gguf_kpacked.cpp, ``has_kpacked``).
+GATED_TYPES = (*qref.GGUF_BASE_TYPES, "Q5_0", "Q5_1")
+KPACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 PACKED_TYPES = (*GATED_TYPES, *KPACKED_TYPES)
 
 
@@ -152,8 +152,8 @@ def make_gguf_linear_silu_and_mul(
 
 
 def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
-    """See reference.prepare_gguf_weight: Q4_0/Q4_1/Q5_0/Q8_0 (and Q4_K/Q6_K) CPU blocks of a
-    multiple of 16 rows -> the tiled kernel's packed layout (where this build has it); else
+    """See reference.prepare_gguf_weight: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (and Q4_K/Q5_K/Q6_K) CPU
+    blocks of a multiple of 16 rows -> the tiled kernel's packed layout (where this build has it); else
     ``data``."""
     module = load_quant_kernels()
     if (
@@ -189,15 +189,12 @@ def unpack_gguf_weight(packed: torch.Tensor, type_name: str) -> torch.Tensor:
         vals = torch.stack([lines & 0x0F, lines >> 4], dim=3)  # [g, nb, 4, 2, 16, 4]
         v = vals.permute(0, 4, 1, 2, 3, 5).reshape(g, 16, nb, 32)
         q = v[..., :16] | (v[..., 16:] << 4)
-    if type_name == "Q5_0":
-        # 8 masks of 64 bits (mask 2p + h, bit 4c + t: the fifth bit at k = 8p + 4h + t)
-        # -> each column's qh, bit k of a little-endian uint32.
-        shifts = torch.arange(8, dtype=torch.uint8)
-        bits = (entry[..., qb + 32 : qb + 96].reshape(g, nb, 8, 8, 1) >> shifts) & 1  # [g, nb, mask, byte, bit]
-        bits = bits.reshape(g, nb, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(g, 16, nb, 4, 8)  # [.., k // 8, k % 8]
-        qh = (bits << shifts).sum(-1, dtype=torch.uint8)  # [g, 16, nb, 4]
-        d = entry[..., qb : qb + 32].reshape(g, nb, 16, 2).permute(0, 2, 1, 3)
-        return torch.cat([d, qh, q], dim=-1).reshape(g * 16, nb * bb)
+    if type_name in ("Q5_0", "Q5_1"):
+        # Scales (and Q5_1's minimums), then 8 masks of 64 bits -> each column's qh.
+        heads = 64 if type_name == "Q5_1" else 32
+        qh = _fifth_bits(entry[..., qb + heads : qb + heads + 64]).reshape(g, 16, nb, 4)
+        dm = entry[..., qb : qb + heads].reshape(g, nb, heads // 32, 16, 2).permute(0, 3, 1, 2, 4)
+        return torch.cat([dm.reshape(g, 16, nb, heads // 16), qh, q], dim=-1).reshape(g * 16, nb * bb)
     scales = entry[..., qb:].reshape(g, nb, -1, 16, 2).permute(0, 3, 1, 2, 4).reshape(g, 16, nb, -1)
     blocks = torch.cat([scales, q], dim=-1)  # d (and m) first, then the quants, as ggml stores them
     return blocks.reshape(g * 16, nb * bb)
@@ -212,6 +209,17 @@ def gguf_embedding(ids: torch.Tensor, data: torch.Tensor, type_name: str, dtype:
     return qref.dequantize_gguf(blocks, type_name).to(dtype)
 
 
+def _fifth_bits(masks: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[g, n, 64]``: 8 masks of 64 bits (mask 2p + h, bit 4c + t: the fifth bit of
+    column c at k = 8p + 4h + t) -> ``[g, 16, n, 32]`` bits, value k of column c as bit
+    k % 8 of byte k // 8 (a little-endian uint32 per column: Q5_x's qh)."""
+    g, n = masks.shape[:2]
+    shifts = torch.arange(8, dtype=torch.uint8)
+    bits = (masks.reshape(g, n, 8, 8, 1) >> shifts) & 1  # [g, n, mask, byte, bit]
+    bits = bits.reshape(g, n, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(g, 16, n, 4, 8)  # [.., k // 8, k % 8]
+    return (bits << shifts).sum(-1, dtype=torch.uint8)  # [g, 16, n, 4]
+
+
 def _unpack_nibble_lines(lines: torch.Tensor) -> torch.Tensor:
     """uint8 ``[g, nsb, 8, 256]`` sub-blocks of nibble lines (4 lines of 64 bytes, byte
     4c+t of line p: column c at k = 8p+t low, 8p+4+t high) -> ``[g, 16, nsb, 8, 32]``."""
@@ -222,16 +230,25 @@ def _unpack_nibble_lines(lines: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_kquant(packed: torch.Tensor, type_name: str) -> torch.Tensor:
-    """Q4_K / Q6_K entries (kernels/cpu/quant_gguf_kpacked.cpp) -> the file's blocks."""
+    """Q4_K / Q5_K / Q6_K entries (kernels/cpu/quant_gguf_kpacked.cpp) -> the file's blocks."""
     g, nsb, _ = packed.shape
-    if type_name == "Q4_K":
-        q = _unpack_nibble_lines(packed[..., :2048].reshape(g, nsb, 8, 256))  # 0..15
+    if type_name in ("Q4_K", "Q5_K"):
+        sb = 256 if type_name == "Q4_K" else 320
+        subs = packed[..., : 8 * sb].reshape(g, nsb, 8, sb)
+        q = _unpack_nibble_lines(subs[..., :256].contiguous())  # 0..15
         pairs = q.reshape(g, 16, nsb, 4, 2, 32)
         qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(g, 16, nsb, 128)
-        tail = packed[..., 2048:]
+        tail = packed[..., 8 * sb :]
         d = tail[..., :64].reshape(g, nsb, 2, 16, 2).permute(0, 3, 1, 2, 4).reshape(g, 16, nsb, 4)  # d, dmin
         sc = tail[..., 64:].reshape(g, nsb, 12, 16).permute(0, 3, 1, 2)
-        return torch.cat([d, sc, qs], dim=-1).reshape(g * 16, nsb * 144)
+        if type_name == "Q4_K":
+            return torch.cat([d, sc, qs], dim=-1).reshape(g * 16, nsb * 144)
+        # Sub-block j's fifth bits -> bit j of qh[l].
+        bits = _fifth_bits(subs[..., 256:].reshape(g, nsb * 8, 64).contiguous())  # [g, 16, nsb * 8, 4]
+        shifts = torch.arange(8, dtype=torch.uint8)
+        fifth = (bits.reshape(g, 16, nsb, 8, 4, 1) >> shifts) & 1  # [g, 16, nsb, j, l // 8, l % 8]
+        qh = (fifth.reshape(g, 16, nsb, 8, 32) << shifts.view(8, 1)).sum(-2, dtype=torch.uint8)
+        return torch.cat([d, sc, qh, qs], dim=-1).reshape(g * 16, nsb * 176)
     subs = packed[..., :3072].reshape(g, nsb, 8, 384)
     low = _unpack_nibble_lines(subs[..., :256].contiguous())
     top = subs[..., 256:].reshape(g, nsb, 8, 2, 16, 4, 1) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -27,7 +28,7 @@ from pagedserve.kernels import quant_reference as ref
 from pagedserve.kernels.cpu.quant_native import load_quant_kernels, quant_build_spec
 from pagedserve.models.layers import fuse
 from pagedserve.platforms.cpu import quant_ops as cpu_quant
-from pagedserve.quantization.gguf import GGUF_KEPT_TYPES, GGUFWeight, StackedWeight, gguf_kept_types
+from pagedserve.quantization.gguf import GGUF_KEPT_TYPES, GGUFWeight, StackedWeight, gguf_kept_types, widen_blocks
 
 EXTENDED = ref.GGUF_EXTENDED_TYPES
 #: Relative error of one format's round-to-nearest on Gaussian rows (measured 1.7-6.5%).
@@ -36,6 +37,20 @@ QUANTIZER_ERROR = {"Q5_0": 0.06, "Q5_1": 0.05, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K"
 
 def native():
     return require_native(load_quant_kernels, quant_build_spec, "the quantized CPU kernels")
+
+
+@contextlib.contextmanager
+def nan_outputs():
+    """torch's deterministic mode: every new tensor (a kernel's output too) starts as NaN."""
+    prior = torch.utils.deterministic.fill_uninitialized_memory, torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        assert torch.empty(4).isnan().all()
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = prior[0]
+        torch.use_deterministic_algorithms(prior[1])
 
 
 def random_blocks(type_name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -147,16 +162,16 @@ def test_cpu_kernel_refuses_bad_shapes():
         module.gguf_linear(torch.randn(1, 224), raw[:, :126], ref.GGUF_TYPE_IDS["Q4_K"])
     with pytest.raises(RuntimeError, match="bytes"):
         module.gguf_linear(torch.randn(1, 256), raw[:, :100], ref.GGUF_TYPE_IDS["Q4_K"])
-    # Q5_K has no tiled kernel: prepare keeps its blocks (Q4_K / Q6_K: see below).
-    q5k = torch.zeros(16, ref.gguf_row_bytes("Q5_K", 256), dtype=torch.uint8)
-    assert cpu_quant.prepare_gguf_weight(q5k, "Q5_K").dim() == 2
-    # Rows not a multiple of 16 keep their blocks too.
-    assert cpu_quant.prepare_gguf_weight(raw, "Q4_K").dim() == 2
+    # Rows not a multiple of 16 keep their blocks (the row kernel's), every packed type.
+    for type_name in EXTENDED:
+        odd = torch.zeros(24, ref.gguf_row_bytes(type_name, 256), dtype=torch.uint8)
+        assert cpu_quant.prepare_gguf_weight(odd, type_name).dim() == 2, type_name
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_kquants_are_repacked_for_the_tiled_kernel(type_name):
-    """Q4_K and Q6_K (a Q4_K_M's down projections) repack losslessly into the file's size;
+    """Q4_K and Q6_K (a Q4_K_M's down projections) and Q5_K (a Q5_K_M's) repack
+    losslessly into the file's size;
     the tiled kernel on them matches the int8-activation reference and the row kernel to
     float32 summation order, writes every output (poisoned first), each row alone the
     same as among others; the gated op takes the two ops in sequence for them."""
@@ -209,13 +224,13 @@ def test_kquants_are_repacked_for_the_tiled_kernel(type_name):
     assert torch.equal(gated(x, packed, type_name), want)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_embedding_rows_come_from_the_repacked_weight(type_name):
     """A tied embedding reads its rows from the LM head's repacked form: the file's rows
     dequantized exactly, repeated and out-of-order ids included."""
     module = native()
     tid = ref.GGUF_TYPE_IDS[type_name]
-    if not module.has_packed() or (type_name != "Q8_0" and not module.has_kpacked(tid)):
+    if not module.has_packed() or (type_name in cpu_quant.KPACKED_TYPES and not module.has_kpacked(tid)):
         pytest.skip("no AVX-512 VNNI tiled kernel for this type here")
     gen = torch.Generator().manual_seed(12)
     raw = random_blocks(type_name, 96, 512, gen)
@@ -248,27 +263,37 @@ def test_embedding_rows_come_from_the_repacked_weight(type_name):
         bare.embedding(ids, torch.float32)
 
 
-def test_q5_0_is_repacked_for_the_tiled_kernel():
-    """Q5_0 (the bulk of a small model's Q4_K_M) repacks losslessly, and the tiled kernel
-    on it gives the row kernel's result to float32 summation order, each row alone the
-    same as among others; the gated op equals the two ops in sequence bit for bit."""
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])
+def test_q5_x_is_repacked_for_the_tiled_kernel(type_name):
+    """Q5_0 (the bulk of a small model's Q4_K_M) and Q5_1 repack losslessly, and the
+    tiled kernel on them matches the int8-activation reference and gives the row kernel's
+    result to float32 summation order, each row alone the same as among others; the
+    gated op equals the two ops in sequence bit for bit."""
     module = native()
     if not module.has_packed():
         pytest.skip("no AVX-512 VNNI tiled GGUF kernel here")
     gen = torch.Generator().manual_seed(7)
-    raw = random_blocks("Q5_0", 64, 576, gen)
-    packed = cpu_quant.prepare_gguf_weight(raw, "Q5_0")
-    assert packed.shape == (4, 18, 16 * 22) and packed.dtype == torch.uint8
-    assert torch.equal(cpu_quant.unpack_gguf_weight(packed, "Q5_0"), raw)
-    tid = ref.GGUF_TYPE_IDS["Q5_0"]
+    bb = ref.GGUF_BLOCK_BYTES[type_name]
+    # Every byte random (any scale, any bit pattern) for the layout round trip.
+    noise = torch.randint(0, 256, (32, 3 * bb), dtype=torch.uint8, generator=gen)
+    assert torch.equal(cpu_quant.unpack_gguf_weight(cpu_quant.prepare_gguf_weight(noise, type_name), type_name), noise)
+    raw = random_blocks(type_name, 64, 576, gen)
+    packed = cpu_quant.prepare_gguf_weight(raw, type_name)
+    assert packed.shape == (4, 18, 16 * bb) and packed.dtype == torch.uint8
+    assert torch.equal(cpu_quant.unpack_gguf_weight(packed, type_name), raw)
+    tid = ref.GGUF_TYPE_IDS[type_name]
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(17, 576, generator=gen).to(dtype)
         rows = module.gguf_linear(x, raw, tid)
-        tiled = module.gguf_linear(x, packed, tid)
+        with nan_outputs():  # the kernel's output starts as NaN: every element must be written
+            tiled = module.gguf_linear(x, packed, tid)
+        assert torch.isfinite(tiled).all()
+        exact = int8_activation_reference(x, raw, type_name)
+        assert (tiled - exact).abs().max().item() <= 2e-5 * exact.abs().max().item()
         assert ((tiled - rows).abs().max() / rows.abs().max()).item() < 1e-5
         assert torch.equal(module.gguf_linear(x[5:6], packed, tid)[0], tiled[5])
         bias = torch.randn(64, generator=gen)
-        out = cpu_quant.gguf_linear(x, packed, "Q5_0", bias)
+        out = cpu_quant.gguf_linear(x, packed, type_name, bias)
         assert out.dtype == dtype and torch.equal(out, module.gguf_linear_out(x, packed, tid, bias))
         if module.has_packed_gated():
             from pagedserve.testing.target import select_target
@@ -286,9 +311,10 @@ def test_fuse_keeps_each_type():
     def w(type_name: str, rows: int) -> GGUFWeight:
         return GGUFWeight(type_name, random_blocks(type_name, rows, 256, gen), 256, op)
 
-    q, k, v = w("Q5_0", 32), w("Q5_0", 16), w("Q8_0", 16)
+    # Parts that do not convert exactly (Q4_K and Q6_K): runs of one type, one kernel each.
+    q, k, v = w("Q4_K", 32), w("Q4_K", 16), w("Q6_K", 16)
     fused = fuse([q, k, v])
-    assert isinstance(fused, StackedWeight) and [p.type_name for p in fused.parts] == ["Q5_0", "Q8_0"]
+    assert isinstance(fused, StackedWeight) and [p.type_name for p in fused.parts] == ["Q4_K", "Q6_K"]
     assert fused.parts[0].out_features == 48 and fused.shape == (64, 256)
     same = fuse([w("Q4_K", 16), w("Q4_K", 16)])
     assert isinstance(same, GGUFWeight) and same.type_name == "Q4_K" and same.out_features == 32
@@ -296,6 +322,37 @@ def test_fuse_keeps_each_type():
     want = x @ torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]).t()
     assert ((fused.apply(x) - want).norm() / want.norm()).item() < 2.5e-2
     assert torch.equal(fused.dequantize(), torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]))
+
+
+@pytest.mark.parametrize(
+    "types, widest",
+    [(("Q5_0", "Q5_0", "Q8_0"), "Q8_0"), (("Q4_0", "Q8_0", "Q5_0"), "Q8_0"), (("Q4_0", "Q5_0"), "Q5_0")]
+    + [(("Q4_1", "Q5_1", "Q4_1"), "Q5_1")],
+)
+def test_fuse_widens_parts_that_convert_exactly(types, widest):
+    """A Q4_K_M's [q; k] Q5_0 beside a Q8_0 v: one Q8_0 weight holding exactly the parts'
+    values (one kernel call instead of two), its kernel within float32 summation of the
+    int8-activation product; the parts keep their rows and order."""
+    gen = torch.Generator().manual_seed(13)
+    k = 96
+    parts = [
+        GGUFWeight(t, random_blocks(t, 16 * (i + 1), k, gen), k, cpu_quant.gguf_linear, cpu_quant.prepare_gguf_weight)
+        for i, t in enumerate(types)
+    ]
+    fused = fuse(parts)
+    assert isinstance(fused, GGUFWeight) and fused.type_name == widest
+    assert fused.out_features == sum(p.out_features for p in parts)
+    assert fused.data.shape == (fused.out_features, ref.gguf_row_bytes(widest, k))
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    x = torch.randn(5, k, generator=gen)
+    exact = int8_activation_reference(x, fused.data, widest)
+    with nan_outputs():
+        outs = [fused.apply(x), fused.prepared().apply(x)]  # the file's layout, then repacked
+    for got in outs:
+        assert torch.isfinite(got).all()
+        assert (got - exact).abs().max().item() <= 2e-5 * exact.abs().max().item()
+    with pytest.raises(ValueError, match="do not convert exactly"):
+        widen_blocks(parts[0].data, "Q8_0", "Q5_0")
 
 
 def test_fuse_dequantizes_blocks_beside_a_float_part(caplog):
@@ -423,8 +480,9 @@ def test_mixed_type_gguf_loads_kept_and_matches_the_dequantized_model(tmp_path):
     kept = LLM(model=str(path), quantization="gguf", **kw)
     model = kept.llm_engine.runner.model
     layer0, layer1 = model.layers[0], model.layers[1]
-    # Each tensor in its own type: [q; k] Q5_0 fused, v Q8_0 beside it; down Q6_K kept.
-    assert [p.type_name for p in layer0.qkv.parts] == ["Q5_0", "Q8_0"]
+    # Each tensor in its own type, or a wider one holding the same values: [q; k] Q5_0
+    # and v Q8_0 fused as Q8_0; gate Q4_K and up Q6_K apart; down Q6_K kept.
+    assert isinstance(layer0.qkv, GGUFWeight) and layer0.qkv.type_name == "Q8_0"
     assert [p.type_name for p in layer0.gate_up.parts] == ["Q4_K", "Q6_K"]
     assert layer0.down.type_name == "Q6_K" and layer1.down.type_name == "Q4_K"
     assert layer1.gate_up.type_name == "Q5_0" and layer1.o.type_name == "Q6_K"

@@ -18,7 +18,7 @@ from pagedserve.quantization.gguf import GGUFWeight, StackedWeight
 from pagedserve.testing.op_suite import op_checks
 from pagedserve.testing.target import select_target
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0")
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")
 
 
 def _packed_kernel_available() -> bool:

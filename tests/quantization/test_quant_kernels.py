@@ -31,7 +31,7 @@ def random_gguf(type_name: str, n: int, k: int, gen: torch.Generator) -> torch.T
     bb, nb = ref.GGUF_BLOCK_BYTES[type_name], k // 32
     raw = torch.randint(0, 256, (n, nb, bb), dtype=torch.uint8, generator=gen)
     raw[..., 0:2] = (torch.rand(n, nb, generator=gen) * 0.02 + 1e-3).half().view(torch.uint8).reshape(n, nb, 2)
-    if type_name == "Q4_1":
+    if type_name in ("Q4_1", "Q5_1"):  # the minimum
         raw[..., 2:4] = (torch.randn(n, nb, generator=gen) * 0.05).half().view(torch.uint8).reshape(n, nb, 2)
     return raw.reshape(n, -1)
 
