@@ -46,7 +46,11 @@ def build_mm_processor(config: EngineConfig, folder: pathlib.Path, runner) -> Mu
     if vision is None:
         return None
     return MultiModalProcessor(
-        folder, vision.image_token_id, media_limits(config), load=getattr(vision, "load_processor", None)
+        folder,
+        vision.image_token_id,
+        media_limits(config),
+        load=getattr(vision, "load_processor", None),
+        items=getattr(vision, "mm_items", None),
     )
 
 
@@ -74,10 +78,14 @@ class MultiModalProcessor:
     placeholder: its text (what a chat template writes for an image part).
     """
 
-    def __init__(self, folder: pathlib.Path, image_token_id: int, limits: MediaLimits, load=None) -> None:
+    def __init__(self, folder: pathlib.Path, image_token_id: int, limits: MediaLimits, load=None, items=None) -> None:
         self.folder = folder
         #: How the model's processor is built from the folder (default: AutoProcessor).
         self._load = load
+        #: How the model's items come from the processor's output: (processor, ids, image
+        #: token runs, number of images, output tensors, image hashes) -> (offset, length,
+        #: hash, data) per item (several per image: SmolVLM's tiles); default: one per image.
+        self._items = items
         self.image_token_id = image_token_id
         self.limits = limits
         self._processor: Any = None
@@ -134,14 +142,18 @@ class MultiModalProcessor:
             raise ValueError(f"the prompt and its {len(images)} image(s) do not match: {e}") from None
         ids = [int(t) for t in out["input_ids"][0].tolist()]
         runs = image_token_runs(ids, self.image_token_id)
+        if self._items is not None:
+            tensors = {k: v for k, v in out.items() if k not in _NOT_IMAGE_DATA}
+            hashes = [image_hash(im) for im in images]
+            made = self._items(proc, ids, runs, len(images), tensors, hashes)
+            return ids, [MultiModalItem("image", o, n, h, d) for o, n, h, d in made]
         spans = _split_runs(runs, len(images))
         if spans is None:
             raise ValueError(
                 f"the prompt expands to {sum(n for _, n in runs)} image tokens in {len(runs)} run(s) for "
                 f"{len(images)} image(s); each image needs its own placeholder"
             )
-        skip = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
-        tensors = {k: v for k, v in out.items() if k not in skip}
+        tensors = {k: v for k, v in out.items() if k not in _NOT_IMAGE_DATA}
         patches = _patch_slices(tensors)
         items = []
         for i, ((offset, length), image) in enumerate(zip(spans, images)):
@@ -150,6 +162,10 @@ class MultiModalProcessor:
                 data["pixel_values"] = tensors["pixel_values"][patches[i] : patches[i + 1]]
             items.append(MultiModalItem("image", offset, length, image_hash(image), data))
         return ids, items
+
+
+#: Processor outputs that are not an image's data.
+_NOT_IMAGE_DATA = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
 
 def _split_runs(runs: list[tuple[int, int]], num_images: int) -> list[tuple[int, int]] | None:

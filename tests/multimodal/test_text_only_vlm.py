@@ -95,8 +95,9 @@ CASES = {
 }
 
 
-#: Cases whose images are supported (tests/multimodal/test_qwen2_5_vl.py): not refused without image=0.
-WITH_IMAGES = {"qwen2.5-vl"}
+#: Cases whose images are supported (tests/multimodal/test_qwen2_5_vl.py, test_gemma3.py): not
+#: refused without image=0.
+WITH_IMAGES = {"qwen2.5-vl", "gemma3"}
 
 
 @torch.inference_mode()
