@@ -153,7 +153,14 @@ def test_prefix_hit_ending_inside_an_image(gemma3_dir):
     hit is kept (those tokens were computed with the whole image in one step) and the
     image's remaining tokens are computed together, seeing the cached ones."""
     folder, model = gemma3_dir
-    llm = _llm(folder, max_num_batched_tokens=32, enable_prefix_caching=True, block_size=4, num_gpu_blocks_override=16)
+    llm = _llm(
+        folder,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=True,
+        block_size=4,
+        num_gpu_blocks_override=16,
+        max_model_len=64,
+    )
     try:
         img = random_image(13, (40, 52))
         prompt = f"Here {IMAGE} is a picture."
@@ -161,10 +168,9 @@ def test_prefix_hit_ending_inside_an_image(gemma3_dir):
         ids = first.prompt_token_ids
         image_id = llm.llm_engine.runner.vision.image_token_id
         start, end = ids.index(image_id), len(ids) - ids[::-1].index(image_id)
-        # A text request taking all but the first few blocks evicts the image's tail blocks.
-        keep = (start + 8) // 4  # blocks of the first prompt that stay cached: 1-2 blocks into the image
-        filler = "z" * ((16 - keep) * 4 - 3)
-        llm.generate(filler, _params(1), use_tqdm=False)
+        # A text request of 44 tokens (11 of the 16 blocks, then its output's) evicts the
+        # first prompt's blocks from its tail: the cached chain left ends inside the image.
+        llm.generate("z" * 44, _params(1), use_tqdm=False)
         again = llm.generate({"prompt": prompt, "multi_modal_data": {"image": img}}, _params(4), use_tqdm=False)[0]
         assert start < again.num_cached_tokens < end, (start, again.num_cached_tokens, end)
         _check(again, *hf_greedy_gemma3(model, folder, prompt, [img], 4), "hit inside the image")
