@@ -115,11 +115,13 @@ def test_native_kernel_never_reads_slid_out_blocks(every_isa):
     q, kc, vc, tables, seq_lens, qsl = make_batch(SEQS, 4, 2, 64, 8, torch.float32, gen)
     ends = random_key_ends(gen, seq_lens, qsl, 2)
     want = reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.125, sliding_window=9, key_ends=ends)
-    null = kc.shape[0] - 1
+    owned = {int(b) for i, ctx in enumerate(seq_lens.tolist()) for b in tables[i, : (ctx + 7) // 8]}
+    null = next(b for b in range(kc.shape[0]) if b not in owned)  # a spare block no sequence owns
     kc[null], vc[null] = float("nan"), float("nan")
     for i, ctx in enumerate(seq_lens.tolist()):
         q_len = int(qsl[i + 1] - qsl[i])
         tables[i, : max(0, ctx - q_len - 9 + 1) // 8] = null
+    assert (tables == null).sum() > 10
     for isa, kernels in every_isa.items():
         got = kernels.paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.125, sliding_window=9, key_ends=ends)
         assert_close(got, want, torch.float32, isa)
