@@ -1,8 +1,8 @@
 """SmolVLM and Idefics3 images through ``LLM`` against transformers, float32: greedy
 tokens and their logprobs for images split into different tile grids (the row/column
 tokens the processor inserts, the global view last), two images and none, whole
-prompts and chunked prefill with prefix caching (chunks split a tile's tokens; a
-follow-up turn reads the cached tiles and skips the encoder); the tower and
+prompts, chunked prefill with prefix caching (chunks split a tile's tokens) and forced
+preemption; a follow-up turn reads the cached tiles and skips the encoder; the tower and
 pixel-shuffle connector alone."""
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ MAX_NEW = [5, 6, 5, 4]
 ENGINES = {
     "whole": dict(),
     "chunked+prefix": dict(max_num_batched_tokens=24, enable_prefix_caching=True, block_size=4),
+    # 34 blocks of 8 tokens for 4 requests of 30-230 tokens: preemption is forced.
+    "preempting": dict(
+        max_num_batched_tokens=256, enable_prefix_caching=True, block_size=8, num_gpu_blocks_override=34
+    ),
 }
 
 
@@ -45,7 +49,7 @@ def _images(spec):
 
 
 def _llm(folder, **kw) -> LLM:
-    return LLM(str(folder), dtype="float32", kv_cache_memory=2**22, max_model_len=512, **kw)
+    return LLM(str(folder), dtype="float32", kv_cache_memory=2**22, max_model_len=kw.pop("max_model_len", 256), **kw)
 
 
 def _check(out, ids, tokens, logprobs, where):
@@ -90,6 +94,8 @@ def test_matches_transformers(engine_kind, smolvlm_dir):
         outs = llm.generate(prompts, [_params(n) for n in MAX_NEW], use_tqdm=False)
         for i, (out, exp) in enumerate(zip(outs, expected)):
             _check(out, *exp, (engine_kind, i))
+        if engine_kind == "preempting":
+            assert llm.llm_engine.scheduler.num_preemptions > 0
         assert len(llm.llm_engine.runner.encoder_cache) == 0
     finally:
         llm.shutdown()
