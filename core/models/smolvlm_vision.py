@@ -134,6 +134,10 @@ class SmolVLMVision:
         pixels = pixels.reshape(-1, *pixels.shape[-3:])
         if len(runs) > pixels.shape[0]:
             raise ValueError(f"{len(runs)} image-token runs for {pixels.shape[0]} tiles")
+        mask = tensors.get("pixel_attention_mask")
+        if mask is not None and not bool(mask.reshape(-1, *mask.shape[-2:])[: len(runs)].all()):
+            # Padded tiles would need the tower's patch mask and bucketed positions.
+            raise ValueError("tiles with padding are not supported (the image processor should resize to whole tiles)")
         items, image, tile = [], 0, 0
         for k, (offset, length) in enumerate(runs):
             if length != self.tokens:
