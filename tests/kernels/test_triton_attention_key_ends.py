@@ -23,8 +23,7 @@ from tests.kernels.test_triton_attention_sinks import _batch  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("num_splits, window", [(1, None), (3, 6)], ids=["single-pass", "split-window"])
 def test_key_ends_match_reference(num_splits, window):
     gen = torch.Generator().manual_seed(num_splits * 10 + (window or 0))
     q, kc, vc, tables, seq_lens, qsl = _batch(gen, 6, 2, 32, 4, [(1, 1), (40, 12), (29, 29), (21, 1)])

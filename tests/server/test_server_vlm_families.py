@@ -20,7 +20,7 @@ from pagedserve.testing.tiny_vlm import (  # noqa: E402
 )
 
 
-@pytest.mark.parametrize("family", ["gemma3", "smolvlm"])
+@pytest.mark.parametrize("family", ["gemma3", pytest.param("smolvlm", marks=pytest.mark.slow)])
 def test_image_url(family, server_factory, tiny_server_args, tmp_path_factory):
     from pagedserve.models.gemma3_vision import load_gemma3_processor
     from pagedserve.models.smolvlm_vision import load_smolvlm_processor
