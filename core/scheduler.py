@@ -60,8 +60,12 @@ class Scheduler:
         max_loras: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         encoder_budget: int = 0,
+        whole_image_spans: bool = False,
     ) -> None:
         self.config = config
+        #: Whether a chunk may end inside an image's tokens: not when they attend to each
+        #: other both ways (Gemma 3), so all of them must be computed in one step.
+        self.whole_image_spans = whole_image_spans
         #: Image tokens whose vision-encoder output one step may compute, and that the
         #: encoder cache may hold for prompts still being prefilled (0: no images).  A
         #: chunk that would start encoding more is cut before the image that does not
@@ -197,7 +201,25 @@ class Scheduler:
         if not self.config.enable_chunked_prefill and budget < n <= self.config.max_num_batched_tokens:
             return 0
         n = min(n, budget)
+        if request.mm_items and self.whole_image_spans:
+            n = self._whole_spans(request, n, budget)
         return self._encoder_fit(request, n) if request.mm_items and self.encoder_budget else n
+
+    def _whole_spans(self, request: Request, n: int, budget: int) -> int:
+        """``n`` moved so the chunk does not end inside an image's tokens: cut before an
+        image it would split, or, when the chunk starts at or inside one (a prefix-cache
+        hit may end inside an image: those cached tokens were computed with the whole
+        image), taken to the image's end when the step's budget holds it, past the
+        per-request and with-decodes prompt caps (else 0: the request waits)."""
+        start = request.num_computed_tokens
+        if n == 0:
+            return 0
+        for item in request.mm_items:
+            if item.offset < start + n < item.end:
+                if item.offset > start:
+                    return item.offset - start
+                return item.end - start if item.end - start <= budget else 0
+        return n
 
     def _new_images(self, request: Request, n: int) -> list:
         """The images whose tokens the next ``n`` tokens of ``request`` touch and whose
@@ -327,7 +349,7 @@ class Scheduler:
             request.first_scheduled_time = self.clock()
         samples = request.num_computed_tokens + n >= request.num_tokens
         if self._prefill_left is not None and _is_prefill(request):
-            self._prefill_left -= n
+            self._prefill_left = max(0, self._prefill_left - n)  # a whole image may pass it
         if request.mm_items and self.encoder_budget:
             for item in self._new_images(request, n):
                 self._encoder_left -= item.length

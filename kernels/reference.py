@@ -169,6 +169,7 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged KV cache for a mixed batch.
 
@@ -213,6 +214,8 @@ def paged_attention(
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
         raise ValueError(f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}")
+    if key_ends is not None and tuple(key_ends.shape) != (num_tokens,):
+        raise ValueError(f"key_ends must be [num_tokens={num_tokens}], got {tuple(key_ends.shape)}")
     if out is None:
         out = torch.empty_like(query)
     qsl = query_start_loc.tolist()
@@ -222,6 +225,12 @@ def paged_attention(
         q_len = q_end - q_start
         if q_len == 0:
             continue
+        ends = None
+        if key_ends is not None:
+            ends = key_ends[q_start:q_end].to(device=query.device, dtype=torch.int64).view(q_len, 1)
+            own = torch.arange(ctx - q_len + 1, ctx + 1, device=query.device).view(q_len, 1)
+            if bool((ends < own).any()) or bool((ends > ctx).any()):
+                raise ValueError(f"sequence {i}: key_ends must lie in [position + 1, seq_len={ctx}]")
         n_blocks = (ctx + block_size - 1) // block_size
         # Blocks wholly before the first key any query of this sequence sees may have
         # been freed (their table entries point at a null block of arbitrary content,
@@ -242,7 +251,7 @@ def paged_attention(
             scores = torch.tanh(scores / soft_cap) * soft_cap
         q_pos = torch.arange(ctx - q_len, ctx, device=query.device).view(q_len, 1)
         k_pos = torch.arange(k_start, ctx, device=query.device).view(1, ctx - k_start)
-        masked = k_pos > q_pos
+        masked = k_pos > q_pos if ends is None else k_pos >= ends
         if sliding_window is not None:
             masked |= k_pos <= q_pos - sliding_window
         scores.masked_fill_(masked, float("-inf"))

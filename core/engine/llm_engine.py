@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, images_per_prompt
 from pagedserve.config_rules import (
     check_kv_cache_groups,
     check_multimodal,
@@ -43,6 +43,7 @@ from pagedserve.loader.validation import effective_max_model_len
 from pagedserve.lora import LoRAManager, LoRARequest
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import layer_windows
+from pagedserve.models.registry import resolve_vision_class
 from pagedserve.multimodal.processor import build_mm_processor
 from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.outputs import RequestOutput
@@ -76,6 +77,11 @@ class LLMEngine:
         self.arch = ArchConfig.from_hf(source.hf_config)
         check_parallel_fits_model(config, self.arch)
         check_multimodal(config, self.arch.multimodal)  # images with what they cannot combine with yet
+        if self.arch.multimodal and images_per_prompt(config.model) > 0:
+            # The vision side's own needs of the engine (Gemma 3: an image in one step).
+            vision_cls = resolve_vision_class(self.arch.multimodal["architecture"])
+            if vision_cls is not None and hasattr(vision_cls, "check_engine"):
+                vision_cls.check_engine(config, self.arch, self.ops, source.path)
         # The window by which the KV manager frees slid-out blocks (None: keeps them all).
         windows = layer_windows(self.arch.hf_config, self.arch.num_layers)
         kv_window = check_sliding_window_cache(config, uniform_window(windows))
@@ -119,7 +125,13 @@ class LLMEngine:
         # A vision-language model's per-step encoder budget: a step's worth of image tokens.
         encoder_budget = config.scheduler.max_num_batched_tokens if self.runner.vision is not None else 0
         self.scheduler = Scheduler(
-            config.scheduler, self.kv, mml, long_prefill, max_loras=max_loras, encoder_budget=encoder_budget
+            config.scheduler,
+            self.kv,
+            mml,
+            long_prefill,
+            max_loras=max_loras,
+            encoder_budget=encoder_budget,
+            whole_image_spans=bool(getattr(self.runner.vision, "bidirectional_images", False)),
         )
         self.counters = StepCounters()
         self.output_processor = OutputProcessor(self._release, self.counters)

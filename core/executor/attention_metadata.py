@@ -21,6 +21,10 @@ class AttentionMetadata:
     With KV cache groups (pagedserve.kv_cache.kv_groups) ``block_tables`` and
     ``slot_mapping`` are the first group's; ``groups`` holds every group's metadata and
     ``layer_groups`` each model layer's group, and :meth:`for_layer` picks a layer's.
+
+    ``key_ends`` (int32 [num_tokens], or None): where a query token sees keys up to a
+    later position than its own (``paged_attention``'s ``key_ends``: the tokens of a
+    span attending to each other both ways, Gemma 3's images); None: causal.
     """
 
     positions: torch.Tensor
@@ -31,6 +35,7 @@ class AttentionMetadata:
     #: Per model layer its KV cache group (None: one group, every layer uses this one).
     layer_groups: tuple[int, ...] | None = None
     groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
+    key_ends: torch.Tensor | None = None
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata of model layer ``layer``: its group's block tables and slots."""
@@ -41,6 +46,8 @@ class AttentionMetadata:
     def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> AttentionMetadata:
         """The same metadata with ``fn`` applied to every tensor (a device move)."""
         moved = AttentionMetadata(*(fn(getattr(self, f.name)) for f in fields(self)[:5]))
+        if self.key_ends is not None:
+            moved.key_ends = fn(self.key_ends)
         if self.layer_groups is None:
             return moved
         groups = [replace(moved, block_tables=fn(g.block_tables), slot_mapping=fn(g.slot_mapping)) for g in self.groups]

@@ -519,6 +519,11 @@ class ModelRunner:
             pos = self._mrope_positions(out)
             groups = [replace(g, positions=pos) for g in inp.meta.groups]  # KV cache groups' metadata too
             inp = replace(inp, meta=replace(inp.meta, positions=pos, groups=groups))
+        if self.vision is not None and getattr(self.vision, "bidirectional_images", False):
+            ends = self._image_key_ends(out)
+            if ends is not None:
+                groups = [replace(g, key_ends=ends) for g in inp.meta.groups]
+                inp = replace(inp, meta=replace(inp.meta, key_ends=ends, groups=groups))
         if self.lora_manager is not None:  # each row's adapter slot, for this forward only
             self.lora_manager.begin_step(
                 [(s.request.lora_request, s.num_new_tokens) for s in out.scheduled], self.device
@@ -567,6 +572,32 @@ class ModelRunner:
             return index, values
         parts = values.view(values.shape[0], layers + 1, -1).unbind(1)
         return index, parts[0], list(parts[1:])
+
+    def _image_key_ends(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """``key_ends`` int32 [num_tokens] of a step with image tokens that attend to each
+        other both ways (Gemma 3): each one sees keys up to its image's end (the
+        scheduler computes an image's tokens in one step), every other token up to its
+        own position; None when the step computes no image token (causal)."""
+        parts, images = [], False
+        for s in out.scheduled:
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            ends = np.arange(start + 1, end + 1, dtype=np.int32)
+            for item in r.mm_items:
+                lo, hi = max(start, item.offset), min(end, item.end)
+                if lo >= hi:
+                    continue
+                if item.end > end:
+                    raise RuntimeError(
+                        f"request {r.request_id!r}: a step computes tokens {start}-{end} of an image at "
+                        f"{item.offset}-{item.end}, whose tokens must be computed together"
+                    )
+                ends[lo - start : hi - start] = item.end
+                images = True
+            parts.append(ends)
+        if not images:
+            return None
+        return torch.from_numpy(np.concatenate(parts)).to(self.device)
 
     def _mrope_positions(self, out: SchedulerOutput) -> torch.Tensor:
         """M-RoPE positions int64 [3, num_tokens] of the step's tokens: a prompt token's

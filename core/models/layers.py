@@ -184,7 +184,8 @@ def paged_attention(
 
     ``sliding_window`` (keys within that many positions, the query's own included) and
     ``soft_cap`` (``cap * tanh(score / cap)``) and ``sinks`` (float32 [heads], GPT-OSS's
-    per-head sink logits) are passed only when set, so a platform
+    per-head sink logits) and ``meta.key_ends`` (query tokens seeing keys past their own
+    position: Gemma 3's image spans) are passed only when set, so a platform
     whose attention op lacks them still serves every model that does not use them.
     """
     k_cache, v_cache = kv_cache
@@ -196,6 +197,8 @@ def paged_attention(
         extra["soft_cap"] = soft_cap
     if sinks is not None:
         extra["sinks"] = sinks
+    if meta.key_ends is not None:
+        extra["key_ends"] = meta.key_ends
     out = ops.paged_attention(
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, **extra
     )

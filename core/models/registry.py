@@ -413,6 +413,31 @@ _VISION_LANGUAGE: tuple[VisionLanguageEntry, ...] = (
         image_token_key="image_token_id",
         notes="Qwen3-VL's vision side over a Qwen3-MoE language model (fused expert tensors)",
     ),
+    VisionLanguageEntry(
+        "Gemma3ForConditionalGeneration",
+        "gemma3",
+        "pagedserve.models.gemma3_vision",
+        "Gemma3Vision",
+        notes="SigLIP tower, patches average-pooled to `mm_tokens_per_image`, (1 + w) RMSNorm, projection; "
+        "an image's tokens attend to each other both ways (`key_ends`), computed in one step; no pan-and-scan",
+    ),
+    VisionLanguageEntry(
+        "SmolVLMForConditionalGeneration",
+        "smolvlm",
+        "pagedserve.models.smolvlm_vision",
+        "SmolVLMVision",
+        image_token_key="image_token_id",
+        notes="SigLIP-style tower per tile (a grid of tiles plus the global view, row/column tokens), "
+        "pixel-shuffle connector; one item per tile",
+    ),
+    VisionLanguageEntry(
+        "Idefics3ForConditionalGeneration",
+        "idefics3",
+        "pagedserve.models.smolvlm_vision",
+        "SmolVLMVision",
+        image_token_key="image_token_id",
+        notes="SmolVLM's vision side (the same tiles, tower and connector)",
+    ),
 )
 
 _VL_BY_ARCH: dict[str, VisionLanguageEntry] = {e.architecture: e for e in _VISION_LANGUAGE}

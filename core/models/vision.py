@@ -174,6 +174,15 @@ class VisionTower:
             states.append(x.view(b, t, d))
         return states
 
+    def last_hidden_state(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values [B, 3, H, W] -> [B, T, hidden]: the last layer's output after the
+        post-layernorm (SigLIP's ``last_hidden_state``, what Gemma 3 projects)."""
+        x = self.forward(pixel_values)[-1]
+        b, t, d = x.shape
+        if self.post_norm is None:
+            raise ValueError("the vision tower has no post_layernorm")
+        return self.ops.layer_norm(x.reshape(b * t, d), self.post_norm[0], self.post_norm[1], self.eps).view(b, t, d)
+
     def weight_bytes(self) -> int:
         tensors = [self.patch_weight, self.patch_bias, self.class_embedding, self.position_embedding]
         tensors += list(self.pre_norm or ()) + list(self.post_norm or ())

@@ -57,6 +57,7 @@ def build_mm_processor(config: EngineConfig, folder: pathlib.Path, runner) -> Mu
         load=getattr(vision, "load_processor", None),
         video=getattr(vision, "expand_video", None),
         video_token_id=getattr(vision, "video_token_id", None),
+        items=getattr(vision, "mm_items", None),
     )
 
 
@@ -92,6 +93,7 @@ class MultiModalProcessor:
         load=None,
         video=None,
         video_token_id: int | None = None,
+        items=None,
     ) -> None:
         self.folder = folder
         #: How the model's processor is built from the folder (default: AutoProcessor).
@@ -101,6 +103,10 @@ class MultiModalProcessor:
         #: None when the model takes no videos.
         self._video = video
         self.video_token_id = video_token_id
+        #: How the model's items come from the processor's output: (processor, ids, image
+        #: token runs, number of images, output tensors, image hashes) -> (offset, length,
+        #: hash, data) per item (several per image: SmolVLM's tiles); default: one per image.
+        self._items = items
         self.image_token_id = image_token_id
         self.limits = limits
         self._processor: Any = None
@@ -195,14 +201,18 @@ class MultiModalProcessor:
             raise ValueError(f"the prompt and its {len(images)} image(s) do not match: {e}") from None
         ids = [int(t) for t in out["input_ids"][0].tolist()]
         runs = image_token_runs(ids, self.image_token_id)
+        if self._items is not None:
+            tensors = {k: v for k, v in out.items() if k not in _NOT_IMAGE_DATA}
+            hashes = [image_hash(im) for im in images]
+            made = self._items(proc, ids, runs, len(images), tensors, hashes)
+            return ids, [MultiModalItem("image", o, n, h, d) for o, n, h, d in made]
         spans = _split_runs(runs, len(images))
         if spans is None:
             raise ValueError(
                 f"the prompt expands to {sum(n for _, n in runs)} image tokens in {len(runs)} run(s) for "
                 f"{len(images)} image(s); each image needs its own placeholder"
             )
-        skip = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
-        tensors = {k: v for k, v in out.items() if k not in skip}
+        tensors = {k: v for k, v in out.items() if k not in _NOT_IMAGE_DATA}
         patches = _patch_slices(tensors)
         items = []
         for i, ((offset, length), image) in enumerate(zip(spans, images)):
@@ -231,6 +241,10 @@ def _video_items(ids: list[int], token_id: int, videos: list, parts: list[list[d
         key = video.hash if count == 1 else f"{video.hash}:{k}"
         items.append(MultiModalItem("video", offset, length, key, data))
     return items
+
+
+#: Processor outputs that are not an image's data.
+_NOT_IMAGE_DATA = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
 
 def _split_runs(runs: list[tuple[int, int]], num_images: int) -> list[tuple[int, int]] | None:

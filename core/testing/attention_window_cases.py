@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SINK_CASES", "WINDOW_BATCH", "WINDOW_CASES", "point_slid_out_at_nan_block", "random_sinks"]
+__all__ = [
+    "SINK_CASES",
+    "SPAN_CASES",
+    "WINDOW_BATCH",
+    "WINDOW_CASES",
+    "point_slid_out_at_nan_block",
+    "random_key_ends",
+    "random_sinks",
+]
 
 #: (context length, new tokens) per sequence: a one-token prompt, decodes far past the
 #: window, a whole prompt longer than the window, a prefill chunk after cached context.
@@ -40,6 +48,38 @@ SINK_CASES: tuple[tuple[int, int, int, int, dict], ...] = (
     (8, 4, 1, 64, {"sliding_window": 7, "soft_cap": 5.0, "sinks": 30.0}),
     (32, 6, 2, 128, {"sinks": 30.0}),
 )
+
+
+#: Spans attending both ways (``key_ends``; Gemma 3's images): ``{"key_ends": n}``
+#: stands for up to n random spans among each sequence's query tokens
+#: (``random_key_ends``).  Alone, with windows shorter and longer than the spans (long
+#: contexts, slid-out entries at the NaN block), with soft-cap, GQA 1-4.
+SPAN_CASES: tuple[tuple[int, int, int, int, dict], ...] = (
+    (16, 4, 2, 64, {"key_ends": 2}),
+    (4, 4, 2, 64, {"sliding_window": 7, "key_ends": 3}),
+    (16, 8, 2, 128, {"sliding_window": 40, "key_ends": 1}),
+    (8, 6, 2, 80, {"sliding_window": 33, "soft_cap": 5.0, "key_ends": 2}),
+)
+
+
+def random_key_ends(
+    gen: torch.Generator, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, spans: int
+) -> torch.Tensor:
+    """int32 [num_tokens] ``key_ends`` with up to ``spans`` random disjoint spans of at
+    least two tokens among each sequence's query tokens: a span's tokens see keys up to
+    its end, every other token up to its own position."""
+    qsl = query_start_loc.tolist()
+    out = []
+    for i, ctx in enumerate(seq_lens.tolist()):
+        q_len = qsl[i + 1] - qsl[i]
+        ends = list(range(ctx - q_len + 1, ctx + 1))
+        if q_len >= 2:
+            cuts = sorted(torch.randperm(q_len + 1, generator=gen)[: 2 * spans].tolist())
+            for a, b in zip(cuts[0::2], cuts[1::2]):
+                if b - a >= 2:
+                    ends[a:b] = [ctx - q_len + b] * (b - a)
+        out += ends
+    return torch.tensor(out, dtype=torch.int32)
 
 
 def random_sinks(gen: torch.Generator, heads: int, spread: float) -> torch.Tensor:

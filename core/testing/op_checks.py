@@ -19,9 +19,11 @@ import torch
 from pagedserve.kernels import reference
 from pagedserve.testing.attention_window_cases import (
     SINK_CASES,
+    SPAN_CASES,
     WINDOW_BATCH,
     WINDOW_CASES,
     point_slid_out_at_nan_block,
+    random_key_ends,
     random_sinks,
 )
 from pagedserve.testing.checks import CheckSkipped
@@ -594,6 +596,8 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
     ]
     # Contexts several windows long; slid-out table entries point at a NaN block.
     cases = [(shape, False) for shape in shapes] + [(shape, True) for shape in WINDOW_CASES + SINK_CASES]
+    # Spans attending both ways in the mixed batch, and with windows over long contexts.
+    cases += [(shape, False) for shape in SPAN_CASES[:1]] + [(shape, True) for shape in SPAN_CASES[1:]]
     for (block_size, heads, kv_heads, head, extra), slid_out in cases:
         desc = f"bs{block_size}-h{heads}kv{kv_heads}-d{head}" + "".join(f"-{k}{v}" for k, v in extra.items())
         if slid_out:
@@ -613,6 +617,8 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
             )
             if "sinks" in extra:  # a spread stands for random per-head sink logits
                 extra = {**extra, "sinks": c.dev(random_sinks(c.gen, heads, extra["sinks"]))}
+            if "key_ends" in extra:  # a count stands for random spans of each sequence's queries
+                extra = {**extra, "key_ends": c.dev(random_key_ends(c.gen, seq_lens, qsl, extra["key_ends"]))}
             scale = head**-0.5
             want = reference.paged_attention(query, kc, vc, tables, seq_lens, qsl, scale, **extra)
             slots = _context_slots(tables, seq_lens, block_size)

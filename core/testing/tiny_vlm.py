@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import pathlib
 
 import numpy as np
@@ -23,6 +24,11 @@ __all__ = [
     "build_llava_next",
     "build_qwen2_5_vl",
     "build_qwen3_vl",
+    "build_gemma3",
+    "hf_greedy_gemma3",
+    "GEMMA3_IMAGE",
+    "build_smolvlm",
+    "hf_greedy_smolvlm",
     "hf_greedy_qwen",
     "random_image",
     "png_data_uri",
@@ -299,6 +305,185 @@ def build_qwen3_vl(folder: pathlib.Path, moe: bool = False):
     model.save_pretrained(folder, safe_serialization=True)
     _save_qwen_processor(folder)
     return model
+
+
+GEMMA3_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+#: What a Gemma 3 prompt holds once per image (the processor expands it).
+GEMMA3_IMAGE = GEMMA3_TOKENS[0]
+
+
+def build_gemma3(folder: pathlib.Path, tokens_per_image: int = 16, sliding_window: int = 6):
+    """A tiny Gemma 3 checkpoint and processor in ``folder``: a SigLIP tower over 32-pixel
+    images of 4-pixel patches (8 x 8), pooled to ``tokens_per_image`` tokens; a decoder of
+    a sliding-window layer (``sliding_window`` tokens, shorter than an image) and a
+    full-attention one, head size 64 (a native attention kernel's); returns the float32
+    transformers model."""
+    from tokenizers import AddedToken, Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_byte_tokenizer(folder)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in GEMMA3_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    boi, eoi, image_id = (tok.token_to_id(t) for t in GEMMA3_TOKENS)
+    text = dict(
+        TEXT,
+        model_type="gemma3_text",
+        vocab_size=image_id + 1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        rms_norm_eps=1e-6,
+    )
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=4,
+        vision_use_head=False,
+    )
+    cfg = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=tokens_per_image,
+        image_token_index=image_id,
+        boi_token_index=boi,
+        eoi_token_index=eoi,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.Gemma3ForConditionalGeneration(cfg)
+    init_weights(model)
+    model.to(torch.float32).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        extra_special_tokens={
+            "boi_token": GEMMA3_TOKENS[0],
+            "eoi_token": GEMMA3_TOKENS[1],
+            "image_token": GEMMA3_TOKENS[2],
+        },
+    )
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    image_processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, do_pan_and_scan=False)
+    processor = transformers.Gemma3Processor(
+        image_processor=image_processor, tokenizer=fast, chat_template=TEMPLATE, image_seq_length=tokens_per_image
+    )
+    processor.save_pretrained(folder)
+    return model
+
+
+@torch.inference_mode()
+def hf_greedy_gemma3(model, folder: pathlib.Path, prompt: str, images: list, max_new: int):
+    """:func:`hf_greedy` for Gemma 3: the token types go with every full forward (text
+    for the generated tokens), so transformers' mask lets each image's tokens see each
+    other both ways."""
+    from pagedserve.models.gemma3_vision import load_gemma3_processor
+
+    processor = load_gemma3_processor(str(folder))
+    enc = processor(text=[prompt], images=images or None, return_tensors="pt")
+    ids = enc["input_ids"][0].tolist()
+    extra = {"pixel_values": enc["pixel_values"]} if images else {}
+    types = enc["token_type_ids"][0].tolist() if images else None
+    out_ids, tokens, logprobs = list(ids), [], []
+    for _ in range(max_new):
+        kw = dict(extra)
+        if types is not None:
+            kw["token_type_ids"] = torch.tensor([types + [0] * (len(out_ids) - len(types))])
+        logits = model(input_ids=torch.tensor([out_ids]), **kw).logits[0, -1].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        tok = int(lp.argmax())
+        tokens.append(tok)
+        logprobs.append(float(lp[tok]))
+        out_ids.append(tok)
+    return ids, tokens, logprobs
+
+
+SMOLVLM_TOKENS = ("<image>", "<fake_token_around_image>", "<global-img>")
+
+
+def build_smolvlm(folder: pathlib.Path, idefics3: bool = False):
+    """A tiny SmolVLM (or Idefics3) checkpoint and processor in ``folder``: 32-pixel tiles
+    of 4-pixel patches (8 x 8), pixel-shuffled 2 x 2 into 16 tokens per tile; images
+    resized to at most 64 pixels a side and split into up to 2 x 2 tiles plus the global
+    view; a Llama decoder.  Returns the float32 transformers model."""
+    from tokenizers import AddedToken, Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_byte_tokenizer(folder)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SMOLVLM_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    image_id = tok.token_to_id(SMOLVLM_TOKENS[0])
+    vision = dict(
+        model_type="idefics3_vision" if idefics3 else "smolvlm_vision",
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=4,
+    )
+    config_cls = transformers.Idefics3Config if idefics3 else transformers.SmolVLMConfig
+    model_cls = (
+        transformers.Idefics3ForConditionalGeneration if idefics3 else transformers.SmolVLMForConditionalGeneration
+    )
+    cfg = config_cls(
+        text_config=dict(TEXT, model_type="llama", vocab_size=tok.get_vocab_size()),
+        vision_config=vision,
+        image_token_id=image_id,
+        scale_factor=2,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = model_cls(cfg)
+    init_weights(model)
+    model.to(torch.float32).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"), bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(folder)
+    if idefics3:
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil as Pil
+    else:
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil as Pil
+    Pil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True).save_pretrained(folder)
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_len": 16}), encoding="utf-8")
+    return model
+
+
+@torch.inference_mode()
+def hf_greedy_smolvlm(model, folder: pathlib.Path, prompt: str, images: list, max_new: int):
+    """:func:`hf_greedy` for SmolVLM / Idefics3: the tiles and their pixel masks go with
+    every full forward."""
+    from pagedserve.models.smolvlm_vision import load_smolvlm_processor
+
+    processor = load_smolvlm_processor(str(folder))
+    enc = processor(text=[prompt], images=[images] if images else None, return_tensors="pt")
+    ids = enc["input_ids"][0].tolist()
+    extra = {k: enc[k] for k in ("pixel_values", "pixel_attention_mask") if k in enc} if images else {}
+    out_ids, tokens, logprobs = list(ids), [], []
+    for _ in range(max_new):
+        logits = model(input_ids=torch.tensor([out_ids]), **extra).logits[0, -1].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        tok = int(lp.argmax())
+        tokens.append(tok)
+        logprobs.append(float(lp[tok]))
+        out_ids.append(tok)
+    return ids, tokens, logprobs
 
 
 def random_image(seed: int, size: tuple[int, int] = (40, 52)):

@@ -499,8 +499,13 @@ struct Attention {
       for (int r = 0; r < rows; ++r)
         to_f32(query + rm.offset(r, p.q_stride_tok, p.q_stride_head), 0, 1, sc.q.data() + size_t(r) * D);
     }
-    // Keys visible to the item's last token; earlier tokens see fewer (causal).
-    const int key_end = std::min(w.ctx_end, first_pos + w.tok_end);
+    // Keys visible to the item's last token; earlier tokens see fewer (causal), unless
+    // key_ends lets a span's tokens see further.
+    const int32_t* ends = p.key_ends == nullptr ? nullptr : p.key_ends + q0 + w.tok_begin;
+    int tile_end = first_pos + w.tok_end;
+    if (ends != nullptr)
+      for (int t = 0; t < n_tok; ++t) tile_end = std::max(tile_end, int(ends[t]));
+    const int key_end = std::min(w.ctx_end, tile_end);
     const int key_begin = first_key(p, w, first_pos);
     const int bps = blocks_per_span(bs);
     // Software prefetch for single-token (decode) items only: a tile of several query
@@ -518,7 +523,7 @@ struct Attention {
         const Span sn = make_span(p, sc, w.seq, h, kb, kb_end, j0, j1);
         for (int t = 0; t < n_tok; ++t) {
           const int pos = first_pos + w.tok_begin + t;
-          const int visible = std::min(j1, pos + 1) - j0;
+          const int visible = std::min(j1, ends == nullptr ? pos + 1 : int(ends[t])) - j0;
           const int skip = p.sliding_window > 0 ? std::max(0, pos - p.sliding_window + 1 - j0) : 0;
           if (visible <= skip) continue;
           const int r = (h - w.kv_begin) * n_tok * G + t * G;

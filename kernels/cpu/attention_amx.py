@@ -100,12 +100,13 @@ class AmxAttention:
         sliding_window: int | None = None,
         soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
+        key_ends: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """See reference.paged_attention.  Windows, soft caps, sinks, other dtypes and
-        head sizes run the fallback (the platform's: the native kernel)."""
+        """See reference.paged_attention.  Windows, soft caps, sinks, key ends, other
+        dtypes and head sizes run the fallback (the platform's: the native kernel)."""
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        plain = sliding_window is None and soft_cap is None and sinks is None
+        plain = sliding_window is None and soft_cap is None and sinks is None and key_ends is None
         if (
             plain
             and out.dtype == torch.bfloat16
@@ -136,6 +137,7 @@ class AmxAttention:
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             sinks=sinks,
+            key_ends=key_ends,
         )
 
 

@@ -39,6 +39,15 @@ inline int64_t tile_cost(int64_t first_pos, int64_t t0, int64_t t1, int group, i
   return group * (u * a + u * (u + 1) / 2 + capped * window);
 }
 
+// One past the last key tokens [t0, t1) of sequence s see: the last one's position + 1,
+// or further with key_ends (a span attending both ways).
+inline int tile_key_end(const AttnParams& p, int s, int first_pos, int t0, int t1) {
+  int end = first_pos + t1;
+  if (p.key_ends != nullptr)
+    for (int t = t0; t < t1; ++t) end = std::max(end, int(p.key_ends[p.query_start_loc[s] + t]));
+  return end;
+}
+
 // First block of a sequence any of its queries can see: with a window, earlier table
 // entries may name freed blocks (any id) and are neither checked nor read.
 inline int first_visible_block(const AttnParams& p, int ctx, int q_len) {
@@ -64,6 +73,14 @@ inline void validate_attention(const AttnParams& p, int num_seqs, int max_blocks
     if (n_blocks > max_blocks)
       throw std::invalid_argument("sequence " + std::to_string(s) + " needs " + std::to_string(n_blocks) +
                                   " blocks but block_tables has " + std::to_string(max_blocks) + " columns");
+    if (p.key_ends != nullptr)
+      for (int t = 0; t < q_len; ++t) {
+        const int end = p.key_ends[p.query_start_loc[s] + t], pos = ctx - q_len + t;
+        if (end <= pos || end > ctx)
+          throw std::invalid_argument("sequence " + std::to_string(s) + ": key_ends " + std::to_string(end) +
+                                      " of the token at position " + std::to_string(pos) + " is outside [" +
+                                      std::to_string(pos + 1) + ", " + std::to_string(ctx) + "]");
+      }
     const int32_t* row = p.block_tables + s * p.bt_stride;
     for (int b = first_visible_block(p, ctx, q_len); b < n_blocks; ++b)
       if (row[b] < 0 || row[b] >= num_blocks)
@@ -95,7 +112,7 @@ inline AttnPlan plan_attention(const AttnParams& p, int num_seqs, int num_thread
     const int first_pos = p.seq_lens[s] - q_len;
     for (int t0 = 0; t0 < q_len; t0 += tile_tokens) {
       const int t1 = std::min(q_len, t0 + tile_tokens);
-      const int keys = first_pos + t1;
+      const int keys = tile_key_end(p, s, first_pos, t0, t1);
       // Block-aligned start of the keys the tile's first token sees (0 without a window).
       int begin = 0;
       if (p.sliding_window > 0)

@@ -100,7 +100,8 @@ void parallel_rows(int64_t rows, int64_t cols, const F& f) {
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
                      const at::Tensor& query_start_loc_in, double scale, at::Tensor out, int64_t isa,
-                     int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& sinks_in) {
+                     int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& sinks_in,
+                     const std::optional<at::Tensor>& key_ends_in) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "query and out must both be [num_tokens, num_heads, head_size]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
@@ -155,6 +156,13 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
       num_heads, num_kv_heads, int32_t(key_cache.size(1)), head_size, float(scale),
       int32_t(std::min<int64_t>(sliding_window, INT32_MAX)), float(soft_cap)};
   if (sinks.defined()) p.sinks = sinks.data_ptr<float>();
+  at::Tensor key_ends;
+  if (key_ends_in.has_value()) {
+    key_ends = key_ends_in->to(at::kInt).contiguous();
+    TORCH_CHECK_VALUE(key_ends.dim() == 1 && key_ends.size(0) == query.size(0), "key_ends must be [num_tokens=",
+                      query.size(0), "], got ", key_ends.sizes());
+    p.key_ends = key_ends.data_ptr<int32_t>();
+  }
   validate_attention(p, num_seqs, bt.size(1), key_cache.size(0), query.size(0));
   const AttnPlan plan = plan_attention(p, num_seqs, at::get_num_threads());
   at::Tensor partials;

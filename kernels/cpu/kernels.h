@@ -46,6 +46,10 @@ struct AttnParams {
   // no value (GPT-OSS); nullptr: none.  Applied once per output row, when the row's
   // (max, sum) is final: in finish() or, for split contexts, in merge().
   const float* sinks = nullptr;
+  // int32 [num_tokens]: query token t sees keys k < key_ends[t] instead of k <= its
+  // position (a span attending both ways: Gemma 3's image tokens); nullptr: causal.
+  // Each lies in [position + 1, seq_len]; the window still bounds keys from below.
+  const int32_t* key_ends = nullptr;
 };
 
 // One unit of work: query tokens [tok_begin, tok_end) of a sequence (indices within

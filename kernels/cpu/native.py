@@ -241,13 +241,15 @@ class NativeCpuKernels:
         sliding_window: int | None = None,
         soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
+        key_ends: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See reference.paged_attention: query [num_tokens, num_heads, head_size];
         caches [num_blocks, block_size, num_kv_heads, head_size]; int32 metadata.
         ``sliding_window`` and ``soft_cap`` are kernel parameters: the key loop starts
         at the first block the window reaches (slid-out table entries are never read)
         and the cap applies to the scaled scores before the online softmax; ``sinks``
-        (float32 [num_heads]) join each row's denominator once its softmax is final."""
+        (float32 [num_heads]) join each row's denominator once its softmax is final;
+        ``key_ends`` (int32 [num_tokens]) moves each query row's last key."""
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         if soft_cap is not None and not soft_cap > 0:
@@ -284,13 +286,14 @@ class NativeCpuKernels:
                 sliding_window or 0,
                 float(soft_cap or 0.0),
                 sinks,
+                key_ends,
             )
             OP_CALLS["paged_attention:native"] = OP_CALLS.get("paged_attention:native", 0) + 1
             return out
         if kv8 and dtype in _DTYPES and query.is_cpu and value_cache.dtype == key_cache.dtype:
             return self._quantized_cache_attention(
                 query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                sliding_window, soft_cap, sinks,
+                sliding_window, soft_cap, sinks, key_ends,
             )  # fmt: skip
         reason = attention_fallback_reason(query, key_cache, value_cache, out, self.head_sizes)
         count_fallback("paged_attention", reason)
@@ -306,10 +309,23 @@ class NativeCpuKernels:
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             sinks=sinks,
+            key_ends=key_ends,
         )
 
     def _quantized_cache_attention(
-        self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out, window, cap, sinks
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        out,
+        window,
+        cap,
+        sinks,
+        key_ends=None,
     ) -> torch.Tensor:
         """paged_attention over an 8-bit cache where the kernel cannot read its rows (an
         fp8 one on an instruction set without the kv8 kernel or for a float16 query, an
@@ -333,11 +349,11 @@ class NativeCpuKernels:
         if work == query.dtype:
             return self.paged_attention(
                 query, kc, vc, tables, seq_lens, query_start_loc, scale, out,
-                sliding_window=window, soft_cap=cap, sinks=sinks,
+                sliding_window=window, soft_cap=cap, sinks=sinks, key_ends=key_ends,
             )  # fmt: skip
         result = self.paged_attention(
             query.float(), kc, vc, tables, seq_lens, query_start_loc, scale,
-            sliding_window=window, soft_cap=cap, sinks=sinks,
+            sliding_window=window, soft_cap=cap, sinks=sinks, key_ends=key_ends,
         )  # fmt: skip
         if out is None:
             return result.to(query.dtype)

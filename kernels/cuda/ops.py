@@ -35,6 +35,7 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`pagedserve.kernels.reference.paged_attention`.
 
@@ -45,6 +46,7 @@ def paged_attention(
     sliding_window / soft_cap: parameters of both the C++ decode kernel and the Triton
     kernel (each starts a query's key loop at its window, never reading slid-out blocks).
     sinks: float32 [num_heads] sink logits (GPT-OSS), a parameter of both kernels too.
+    key_ends (spans attending both ways): the Triton kernel's only.
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
@@ -58,7 +60,7 @@ def paged_attention(
     num_tokens, _, head_size = query.shape
     same_dtype = query.dtype == key_cache.dtype == value_cache.dtype and (out is None or out.dtype == query.dtype)
     decode_shaped = num_tokens <= seq_lens.shape[0]
-    if decode_shaped and same_dtype and ext.supports_head_size(head_size):
+    if decode_shaped and same_dtype and key_ends is None and ext.supports_head_size(head_size):
         if out is None:
             out = torch.empty_like(query)
         ext.paged_attention_decode(
@@ -89,6 +91,7 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         sinks=sinks,
+        key_ends=key_ends,
     )
 
 

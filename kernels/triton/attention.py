@@ -98,6 +98,7 @@ def _paged_attention_kernel(
     window,
     soft_cap,
     sinks_ptr,
+    key_ends_ptr,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -125,6 +126,7 @@ def _paged_attention_kernel(
     SOFT_CAP: tl.constexpr,
     SINKS: tl.constexpr,
     KV_INT8: tl.constexpr,
+    KEY_ENDS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -158,6 +160,11 @@ def _paged_attention_kernel(
 
     # Causal: the last query row of this block sees keys up to its own position.
     kv_end = context_len + tl.minimum((q_local + 1) * BLOCK_Q, q_len)
+    row_end = context_len + q_pos + 1
+    if KEY_ENDS:
+        # Rows of a span attending both ways see keys up to their key_ends.
+        row_end = tl.load(key_ends_ptr + tokens, mask=row_valid, other=0)
+        kv_end = tl.maximum(kv_end, tl.max(row_end, 0))
     # With a window, the first row sees no key before win_lo, and table entries of
     # blocks wholly before it may name freed blocks (arbitrary content): never load them.
     win_lo = 0
@@ -203,7 +210,10 @@ def _paged_attention_kernel(
             s = soft_cap * (2.0 * tl.sigmoid(2.0 * t) - 1.0) * _LOG2E_C
         else:
             s = s * qk_scale
-        visible = n_valid[None, :] & (offs_n[None, :] <= q_abs[:, None])
+        if KEY_ENDS:
+            visible = n_valid[None, :] & (offs_n[None, :] < row_end[:, None])
+        else:
+            visible = n_valid[None, :] & (offs_n[None, :] <= q_abs[:, None])
         if WINDOW:
             visible = visible & (offs_n[None, :] > q_abs[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -444,6 +454,17 @@ def _check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tenso
     return sinks.to(device=query.device, dtype=torch.float32).contiguous()
 
 
+def _check_key_ends(key_ends: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+    """key_ends [num_tokens] as a contiguous int32 tensor on query's device, or None.
+    Their range ([position + 1, seq_len]) is the caller's contract: checking it here
+    would cost a host sync per call."""
+    if key_ends is None:
+        return None
+    if tuple(key_ends.shape) != (query.shape[0],):
+        raise ValueError(f"key_ends must be [num_tokens={query.shape[0]}], got {tuple(key_ends.shape)}")
+    return key_ends.to(device=query.device, dtype=torch.int32).contiguous()
+
+
 def _scale_view(cache: torch.Tensor) -> torch.Tensor:
     """An int8 cache as float32 (where the kernel reads each row's scale); other caches
     as they are (the kernel then reads no scale)."""
@@ -474,6 +495,7 @@ def paged_attention_fixed_splits(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`paged_attention` with the number of KV splits given (1 = single pass).
 
@@ -483,6 +505,7 @@ def paged_attention_fixed_splits(
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
     _check_window_and_cap(sliding_window, soft_cap)
     sinks = _check_sinks(sinks, query)
+    key_ends = _check_key_ends(key_ends, query)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if out is None:
@@ -499,7 +522,9 @@ def paged_attention_fixed_splits(
     block_m, tile_n, num_warps = _tile_config(num_tokens <= 2 * num_seqs, group, head_pad, dot_fp32)
     block_q = block_m // group
     num_q_blocks = num_tokens // block_q + num_seqs
-    max_context = _keys_per_program(block_tables.shape[1] * block_size, block_q, sliding_window)
+    # A span's rows see past the window's reach of one query block: bound by the table.
+    window_bound = sliding_window if key_ends is None else None
+    max_context = _keys_per_program(block_tables.shape[1] * block_size, block_q, window_bound)
     split = num_splits > 1
     split_chunk = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), tile_n) * tile_n
 
@@ -534,6 +559,7 @@ def paged_attention_fixed_splits(
         sliding_window or 0,
         soft_cap or 1.0,
         out if sinks is None else sinks,  # unused without sinks
+        seq_lens if key_ends is None else key_ends,  # unused without key_ends
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -558,6 +584,7 @@ def paged_attention_fixed_splits(
         SOFT_CAP=soft_cap is not None,
         SINKS=sinks is not None,
         KV_INT8=kv_int8,
+        KEY_ENDS=key_ends is not None,
         num_warps=num_warps,
     )
     if split:
@@ -593,6 +620,7 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged KV cache for a mixed batch.
 
@@ -612,6 +640,9 @@ def paged_attention(
         entries of blocks that slid out of every row's window are never read.
     sinks: optional float32 [num_heads] sink logits (GPT-OSS), in each row's softmax
         denominator; a split-KV run adds them once, in the reduction.
+    key_ends: optional int32 [num_tokens]: each query row sees keys below its entry
+        instead of up to its own position (a span attending both ways, as the
+        reference); a program walks up to its rows' largest entry.
     Returns out in query's dtype (or out's, when given).  head_size <= 256.
 
     Chooses between the single-pass and split-KV kernels with
@@ -628,7 +659,9 @@ def paged_attention(
         num_tokens,
         num_seqs,
         num_kv_heads,
-        max_context=_keys_per_program(block_tables.shape[1] * key_cache.shape[1], block_m // group, sliding_window),
+        max_context=_keys_per_program(
+            block_tables.shape[1] * key_cache.shape[1], block_m // group, sliding_window if key_ends is None else None
+        ),
         num_sms=_num_sms(query.device),
         block_q=block_m // group,
     )
@@ -645,4 +678,5 @@ def paged_attention(
         sliding_window,
         soft_cap,
         sinks,
+        key_ends,
     )

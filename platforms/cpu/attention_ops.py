@@ -86,8 +86,8 @@ def call_runs(
 def make_prefill_split(prefill: AttentionFn, decode: AttentionFn, min_tokens: int = PREFILL_MIN_TOKENS) -> AttentionFn:
     """paged_attention running ``prefill`` on the sequences with at least ``min_tokens``
     query tokens and ``decode`` on the others, by runs of consecutive sequences
-    (:func:`call_runs`).  Windows, soft caps and sinks go to ``decode`` whole (the
-    native kernel has them)."""
+    (:func:`call_runs`).  Windows, soft caps, sinks and key ends go to ``decode``
+    whole (the native kernel has them)."""
 
     def paged_attention(
         query: torch.Tensor,
@@ -101,13 +101,16 @@ def make_prefill_split(prefill: AttentionFn, decode: AttentionFn, min_tokens: in
         sliding_window: int | None = None,
         soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
+        key_ends: torch.Tensor | None = None,
     ) -> torch.Tensor:
         args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
         num_seqs = seq_lens.shape[0]
         # A decode step (one token per sequence) never reaches the tiles: decided
         # without reading the metadata.
-        if query.shape[0] < min_tokens or query.shape[0] <= num_seqs or sliding_window or soft_cap or sinks is not None:
-            return decode(*args, out, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+        extras = sliding_window or soft_cap or sinks is not None or key_ends is not None
+        if query.shape[0] < min_tokens or query.shape[0] <= num_seqs or extras:
+            extra = {"key_ends": key_ends} if key_ends is not None else {}
+            return decode(*args, out, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, **extra)
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
         qsl = query_start_loc.tolist()
@@ -136,16 +139,18 @@ def sdpa_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See reference.paged_attention: per sequence, its K/V gathered from the blocks and
     torch's scaled_dot_product_attention with the causal mask aligned to the end of
-    the context (a chunk's queries are the last positions).  Windows, soft caps,
-    sinks and 8-bit float caches run the reference."""
+    the context (a chunk's queries are the last positions), or each row's keys below
+    its ``key_ends``.  Windows, soft caps, sinks and 8-bit float caches run the
+    reference."""
     if sliding_window or soft_cap or sinks is not None or key_cache.dtype != query.dtype:
         count_fallback("paged_attention", "torch SDPA candidate with a window, soft cap, sinks or an 8-bit cache")
         return reference.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
-            sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+            sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, key_ends=key_ends,
         )  # fmt: skip
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -162,6 +167,12 @@ def sdpa_paged_attention(
         # torch.nn.attention.bias's causal_lower_right runs the same kernel but its
         # import costs seconds in a fresh process (a measured-dispatch tuning figure).
         mask: Any = torch.ones(b - a, ctx, dtype=torch.bool).tril(ctx - (b - a)) if b - a > 1 else None
+        if key_ends is not None:
+            ends = key_ends[a:b].long().view(-1, 1)
+            own = torch.arange(ctx - (b - a) + 1, ctx + 1).view(-1, 1)
+            if bool((ends < own).any()) or bool((ends > ctx).any()):
+                raise ValueError(f"sequence {i}: key_ends must lie in [position + 1, seq_len={ctx}]")
+            mask = torch.arange(ctx).view(1, ctx) < ends
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[a:b].copy_(o[0].transpose(0, 1))
     return out

@@ -161,9 +161,14 @@ class TunedAttention:
         sliding_window: int | None = None,
         soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
+        key_ends: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See reference.paged_attention."""
         args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+        if key_ends is not None:  # measured without them: the static choice runs them
+            return self.static(
+                *args, out, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, key_ends=key_ends
+            )
         if (
             sliding_window
             or soft_cap
@@ -198,11 +203,12 @@ class TunedAttention:
             sliding_window: int | None = None,
             soft_cap: float | None = None,
             sinks: torch.Tensor | None = None,
+            key_ends: torch.Tensor | None = None,
         ) -> torch.Tensor:
             """See reference.paged_attention (TunedAttention.paged_attention)."""
             return self.paged_attention(
                 query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+                sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, key_ends=key_ends,
             )  # fmt: skip
 
         paged_attention.tuning_report = self.report  # type: ignore[attr-defined]

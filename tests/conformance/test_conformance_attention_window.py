@@ -1,7 +1,7 @@
 """The conformance kit's paged_attention cases (windows shorter than the prompt, prefill
 chunks, decodes, mixed batches, GQA, soft-cap with and without a window, head sizes
 64-128, slid-out table entries pointing at a NaN block, attention sinks with and
-without a window) run against three
+without a window, spans attending both ways with and without a window) run against three
 implementations on the CPU platform's caches: its own op (the native kernel), the torch
 reference itself, and the Triton kernel under TRITON_INTERPRET=1."""
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.testing.attention_window_cases import SINK_CASES, WINDOW_CASES
+from pagedserve.testing.attention_window_cases import SINK_CASES, SPAN_CASES, WINDOW_CASES
 from pagedserve.testing.op_checks import OP_CASES
 from pagedserve.testing.target import select_target
 
@@ -41,10 +41,11 @@ def _run_cases(target, fn, dtype: torch.dtype, windowed_only: bool) -> list[str]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cpu_platform_op_passes_every_case(cpu_target, dtype):
     ran = _run_cases(cpu_target, cpu_target.ops.get("paged_attention"), dtype, windowed_only=False)
-    cases = WINDOW_CASES + SINK_CASES
+    cases = WINDOW_CASES + SINK_CASES + SPAN_CASES[1:]  # the span cases after the first run long
     assert sum("slidout-nan" in d for d in ran) == sum("sliding_window" in e for *_, e in cases)
     assert sum("sinks" in d for d in ran) == len(SINK_CASES)
-    assert len(ran) >= 7 + 4 + len(cases)
+    assert sum("key_ends" in d for d in ran) == len(SPAN_CASES)
+    assert len(ran) >= 7 + 4 + len(cases) + 1
 
 
 def test_reference_passes_the_windowed_cases(cpu_target):
@@ -77,4 +78,5 @@ def test_triton_interpreter_passes_the_windowed_cases():
         [sys.executable, "-c", _TRITON_SCRIPT], capture_output=True, text=True, env=env, timeout=600, cwd=REPO_ROOT
     )
     assert res.returncode == 0, res.stderr[-4000:]
-    assert f"cases {2 * (4 + len(WINDOW_CASES) + len(SINK_CASES))}" in res.stdout
+    spans = sum("sliding_window" in e or "soft_cap" in e for *_, e in SPAN_CASES)
+    assert f"cases {2 * (4 + len(WINDOW_CASES) + len(SINK_CASES) + spans)}" in res.stdout

@@ -190,8 +190,9 @@ def test_attention_without_gqa_fails_only_the_gqa_cases():
     failed = {r.id for r in report.failed}
     attention = {r.id for r in report.results}
     # With one KV head, h % 1 == h // group: only several KV heads shared by groups tell.
-    # The fake takes no sliding_window / soft_cap / sinks: those cases are skipped, not failed.
-    windowed = {r.id for r in report.results if any(k in r.id for k in ("sliding_window", "soft_cap", "sinks"))}
+    # The fake takes no sliding_window / soft_cap / sinks / key_ends: those cases are skipped, not failed.
+    extras = ("sliding_window", "soft_cap", "sinks", "key_ends")
+    windowed = {r.id for r in report.results if any(k in r.id for k in extras)}
     assert windowed and all(r.status == "skipped" for r in report.results if r.id in windowed)
     gqa = {i for i in attention - windowed if "h4kv4" not in i and "kv1" not in i}
     assert failed == gqa and gqa and gqa != attention
@@ -352,8 +353,9 @@ def test_an_own_kv_layout_is_checked_through_its_own_cache_writes(broken):
     # The cache writes cannot be compared slot by slot with the reference layout...
     assert {s for i, s in statuses.items() if i.startswith("op:reshape_and_cache[")} == {"skipped"}
     attention = [r for r in report.results if r.id.startswith("op:paged_attention[")]
-    # This plugin's attention takes no sliding_window / soft_cap / sinks: those cases are skipped.
-    attention = [r for r in attention if not any(k in r.id for k in ("sliding_window", "soft_cap", "sinks"))]
+    # This plugin's attention takes no sliding_window / soft_cap / sinks / key_ends: those cases are skipped.
+    extras = ("sliding_window", "soft_cap", "sinks", "key_ends")
+    attention = [r for r in attention if not any(k in r.id for k in extras)]
     if not broken:
         assert report.ok and {r.status for r in attention} == {"passed"}
     else:  # ...so they are checked by attention reading what they wrote

@@ -95,8 +95,9 @@ CASES = {
 }
 
 
-#: Cases whose images are supported (tests/multimodal/test_qwen2_5_vl.py): not refused without image=0.
-WITH_IMAGES = {"qwen2.5-vl", "qwen3-vl"}
+#: Cases whose images are supported (tests/multimodal/test_qwen2_5_vl.py, test_qwen3_vl.py,
+#: test_gemma3.py, test_smolvlm.py): not refused without image=0.
+WITH_IMAGES = {"qwen2.5-vl", "qwen3-vl", "gemma3", "smolvlm"}
 
 
 @torch.inference_mode()

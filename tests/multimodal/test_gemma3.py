@@ -1,0 +1,234 @@
+"""Gemma 3 images through ``LLM`` against transformers' ``Gemma3ForConditionalGeneration``,
+float32: greedy tokens and their logprobs for no image, one image and two images, the
+image tokens attending to each other both ways (transformers' token-type mask) in a
+decoder with a sliding-window layer shorter than an image and a full-attention layer;
+with chunked prefill (chunks end before or after an image, never inside), prefix caching
+(a follow-up turn reads the image's cached blocks and skips the encoder; a hit that ends
+inside an image), forced preemption; the vision tower and projector alone; refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.testing.tiny_vlm import GEMMA3_IMAGE, build_gemma3, hf_greedy_gemma3, png_data_uri, random_image
+
+transformers = pytest.importorskip("transformers")
+
+IMAGE = GEMMA3_IMAGE
+ENGINES = {
+    "whole": dict(),
+    # Chunks of 20 tokens over prompts of 30-70 with 16-token images: cut before images.
+    "chunked+prefix": dict(max_num_batched_tokens=20, enable_prefix_caching=True, block_size=4),
+    # 12 blocks of 8 tokens for 4 requests of 10-70 tokens: preemption is forced.
+    "preempting": dict(
+        max_num_batched_tokens=80,
+        enable_prefix_caching=True,
+        block_size=8,
+        num_gpu_blocks_override=12,
+        max_model_len=88,
+    ),
+}
+PROMPTS = [
+    ("no picture here, just text", []),
+    (f"A {IMAGE}", [(4, (24, 56))]),
+    (f"Look: {IMAGE} what is it?", [(1, (40, 52))]),
+    (f"{IMAGE} and {IMAGE}, compare.", [(2, (36, 28)), (3, (52, 40))]),
+]
+MAX_NEW = [7, 9, 8, 6]
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma3")
+    return folder, build_gemma3(folder)
+
+
+def _images(spec):
+    return [random_image(seed, size) for seed, size in spec]
+
+
+def _llm(folder, **kw) -> LLM:
+    return LLM(str(folder), dtype="float32", kv_cache_memory=2**22, max_model_len=kw.pop("max_model_len", 256), **kw)
+
+
+def _check(out, ids, tokens, logprobs, where):
+    assert out.prompt_token_ids == ids, where
+    got = out.outputs[0]
+    assert list(got.token_ids) == tokens, where
+    for j, (tok, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+        assert math.isclose(entry[tok].logprob, logprobs[j], abs_tol=2e-4), (where, j)
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
+
+
+def test_vision_matches_transformers(gemma3_dir):
+    folder, model = gemma3_dir
+    llm = _llm(folder)
+    try:
+        vision = llm.llm_engine.runner.vision
+        enc = vision.load_processor(str(folder))(text=[IMAGE], images=[random_image(7, (44, 60))], return_tensors="pt")
+        with torch.inference_mode():
+            want = model.model.get_image_features(enc["pixel_values"]).pooler_output[0]
+            got = vision.embed_image({"pixel_values": enc["pixel_values"]})
+        assert got.shape == (16, 64)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    finally:
+        llm.shutdown()
+
+
+def test_bidirectional_mask_matters(gemma3_dir):
+    """transformers without the token types (causal image tokens) answers otherwise: the
+    comparisons below would catch a causal implementation."""
+    folder, model = gemma3_dir
+    prompt, spec = PROMPTS[2]
+    ids, _, logprobs = hf_greedy_gemma3(model, folder, prompt, _images(spec), 1)
+    proc = llm_processor(folder)
+    enc = proc(text=[prompt], images=_images(spec), return_tensors="pt")
+    with torch.inference_mode():
+        logits = model(input_ids=enc["input_ids"], pixel_values=enc["pixel_values"]).logits[0, -1]
+    causal = torch.log_softmax(logits.float(), -1).max().item()
+    assert abs(causal - logprobs[0]) > 1e-3
+
+
+def llm_processor(folder):
+    from pagedserve.models.gemma3_vision import load_gemma3_processor
+
+    return load_gemma3_processor(str(folder))
+
+
+@pytest.mark.parametrize("engine_kind", list(ENGINES))
+def test_gemma3_matches_transformers(engine_kind, gemma3_dir):
+    folder, model = gemma3_dir
+    images = {p: _images(spec) for p, spec in PROMPTS}
+    expected = [hf_greedy_gemma3(model, folder, p, images[p], n) for (p, _), n in zip(PROMPTS, MAX_NEW)]
+    llm = _llm(folder, **ENGINES[engine_kind])
+    try:
+        prompts = [
+            {"prompt": p, "multi_modal_data": {"image": images[p]}} if images[p] else {"prompt": p} for p, _ in PROMPTS
+        ]
+        outs = llm.generate(prompts, [_params(n) for n in MAX_NEW], use_tqdm=False)
+        for i, (out, exp) in enumerate(zip(outs, expected)):
+            _check(out, *exp, (engine_kind, i))
+        if engine_kind == "preempting":
+            assert llm.llm_engine.scheduler.num_preemptions > 0
+        assert len(llm.llm_engine.runner.encoder_cache) == 0  # nothing held once requests finish
+    finally:
+        llm.shutdown()
+
+
+def test_image_prefix_caching(gemma3_dir):
+    """A follow-up turn with the same image hits the image's cached blocks (the encoder
+    does not run again); another image behind the same tokens misses."""
+    folder, model = gemma3_dir
+    llm = _llm(folder, max_num_batched_tokens=20, enable_prefix_caching=True, block_size=4)
+    cache = llm.llm_engine.runner.encoder_cache
+    try:
+        a, b = random_image(11, (40, 52)), random_image(12, (40, 52))
+        first = f"Here {IMAGE} is a picture."
+        out = llm.generate({"prompt": first, "multi_modal_data": {"image": a}}, _params(4), use_tqdm=False)[0]
+        assert cache.encoder_runs == 1
+        image_id = llm.llm_engine.runner.vision.image_token_id
+        image_end = len(out.prompt_token_ids) - out.prompt_token_ids[::-1].index(image_id)
+        follow = first + " And now more text after it."
+        again = llm.generate({"prompt": follow, "multi_modal_data": {"image": a}}, _params(5), use_tqdm=False)[0]
+        _check(again, *hf_greedy_gemma3(model, folder, follow, [a], 5), "same image")
+        assert again.num_cached_tokens >= image_end
+        assert cache.encoder_runs == 1
+        other = llm.generate({"prompt": follow, "multi_modal_data": {"image": b}}, _params(5), use_tqdm=False)[0]
+        _check(other, *hf_greedy_gemma3(model, folder, follow, [b], 5), "other image")
+        assert cache.encoder_runs == 2
+    finally:
+        llm.shutdown()
+
+
+def test_prefix_hit_ending_inside_an_image(gemma3_dir):
+    """Blocks evicted tail first can leave a cached chain that ends inside an image: the
+    hit is kept (those tokens were computed with the whole image in one step) and the
+    image's remaining tokens are computed together, seeing the cached ones."""
+    folder, model = gemma3_dir
+    llm = _llm(
+        folder,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=True,
+        block_size=4,
+        num_gpu_blocks_override=16,
+        max_model_len=64,
+    )
+    try:
+        img = random_image(13, (40, 52))
+        prompt = f"Here {IMAGE} is a picture."
+        first = llm.generate({"prompt": prompt, "multi_modal_data": {"image": img}}, _params(2), use_tqdm=False)[0]
+        ids = first.prompt_token_ids
+        image_id = llm.llm_engine.runner.vision.image_token_id
+        start, end = ids.index(image_id), len(ids) - ids[::-1].index(image_id)
+        # A text request of 44 tokens (11 of the 16 blocks, then its output's) evicts the
+        # first prompt's blocks from its tail: the cached chain left ends inside the image.
+        llm.generate("z" * 44, _params(1), use_tqdm=False)
+        again = llm.generate({"prompt": prompt, "multi_modal_data": {"image": img}}, _params(4), use_tqdm=False)[0]
+        assert start < again.num_cached_tokens < end, (start, again.num_cached_tokens, end)
+        _check(again, *hf_greedy_gemma3(model, folder, prompt, [img], 4), "hit inside the image")
+    finally:
+        llm.shutdown()
+
+
+def test_chat_with_a_data_uri(gemma3_dir):
+    folder, model = gemma3_dir
+    llm = _llm(folder)
+    try:
+        img = random_image(21, (40, 52))
+        parts = [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": png_data_uri(img)}},
+        ]
+        out = llm.chat([{"role": "user", "content": parts}], _params(5), use_tqdm=False)[0]
+        prompt = f"<|im_start|>user\nWhat is this?\n{IMAGE}<|im_end|>\n<|im_start|>assistant\n"
+        _check(out, *hf_greedy_gemma3(model, folder, prompt, [img], 5), "chat data uri")
+    finally:
+        llm.shutdown()
+
+
+def test_refusals(gemma3_dir, tmp_path):
+    folder, _ = gemma3_dir
+    with pytest.raises(ValueError, match="max_num_batched_tokens >= 16"):
+        _llm(folder, max_num_batched_tokens=12)
+    # Pan-and-scan crops are not implemented: refused at start-up.
+    copy = tmp_path / "pan"
+    copy.mkdir()
+    for f in folder.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    name = "processor_config.json" if (copy / "processor_config.json").is_file() else "preprocessor_config.json"
+    cfg = json.loads((copy / name).read_text())
+    target = cfg["image_processor"] if isinstance(cfg.get("image_processor"), dict) else cfg
+    target["do_pan_and_scan"] = True
+    (copy / name).write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="pan-and-scan"):
+        _llm(copy)
+    # Text alone still loads.
+    llm = _llm(copy, limit_mm_per_prompt={"image": 0})
+    llm.shutdown()
+
+
+def test_attention_op_without_key_ends_is_refused(gemma3_dir):
+    from types import SimpleNamespace
+
+    from pagedserve.loader import open_model
+    from pagedserve.models.arch_config import ArchConfig
+    from pagedserve.models.gemma3_vision import Gemma3Vision
+
+    folder, _ = gemma3_dir
+    arch = ArchConfig.from_hf(open_model(str(folder)).hf_config)
+
+    def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out=None):
+        raise AssertionError("not called")
+
+    ops = SimpleNamespace(paged_attention=paged_attention, source=lambda name: "a plugin")
+    engine = SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=64))
+    with pytest.raises(ValueError, match="key_ends"):
+        Gemma3Vision.check_engine(engine, arch, ops)

@@ -1,0 +1,118 @@
+"""SmolVLM and Idefics3 images through ``LLM`` against transformers, float32: greedy
+tokens and their logprobs for images split into different tile grids (the row/column
+tokens the processor inserts, the global view last), two images and none, whole
+prompts, chunked prefill with prefix caching (chunks split a tile's tokens) and forced
+preemption; a follow-up turn reads the cached tiles and skips the encoder; the tower and
+pixel-shuffle connector alone."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.testing.tiny_vlm import build_smolvlm, hf_greedy_smolvlm, random_image
+
+transformers = pytest.importorskip("transformers")
+
+IMAGE = "<image>"
+# Resized to 64 pixels on the long side, then rounded up to whole 32-pixel tiles:
+# 64 x 28 -> 1 x 2 tiles, 20 x 24 -> 2 x 2, 24 x 56 -> 2 x 1 (rows x columns), each
+# with the global view last.
+PROMPTS = [
+    ("no picture here, just text", []),
+    (f"A {IMAGE} wide one", [(4, (64, 28))]),
+    (f"Look: {IMAGE} what is it?", [(1, (20, 24))]),
+    (f"{IMAGE} and {IMAGE}, compare.", [(2, (60, 64)), (3, (24, 56))]),
+]
+MAX_NEW = [5, 6, 5, 4]
+ENGINES = {
+    "whole": dict(),
+    "chunked+prefix": dict(max_num_batched_tokens=24, enable_prefix_caching=True, block_size=4),
+    # 34 blocks of 8 tokens for 4 requests of 30-230 tokens: preemption is forced.
+    "preempting": dict(
+        max_num_batched_tokens=256, enable_prefix_caching=True, block_size=8, num_gpu_blocks_override=34
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=["smolvlm", "idefics3"])
+def smolvlm_dir(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return folder, build_smolvlm(folder, idefics3=request.param == "idefics3")
+
+
+def _images(spec):
+    return [random_image(seed, size) for seed, size in spec]
+
+
+def _llm(folder, **kw) -> LLM:
+    return LLM(str(folder), dtype="float32", kv_cache_memory=2**22, max_model_len=kw.pop("max_model_len", 256), **kw)
+
+
+def _check(out, ids, tokens, logprobs, where):
+    assert out.prompt_token_ids == ids, where
+    got = out.outputs[0]
+    assert list(got.token_ids) == tokens, where
+    for j, (tok, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+        assert math.isclose(entry[tok].logprob, logprobs[j], abs_tol=2e-4), (where, j)
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
+
+
+def test_tile_embeddings_match_transformers(smolvlm_dir):
+    folder, model = smolvlm_dir
+    llm = _llm(folder)
+    try:
+        runner = llm.llm_engine.runner
+        proc = runner.vision.load_processor(str(folder))
+        enc = proc(text=[IMAGE], images=[[random_image(7, (60, 64))]], return_tensors="pt")
+        with torch.inference_mode():
+            want = model.model.get_image_features(enc["pixel_values"], enc["pixel_attention_mask"]).pooler_output[0]
+            tiles = enc["pixel_values"][0]
+            got = torch.cat([runner.vision.embed_image({"pixel_values": tiles[k : k + 1]}) for k in range(5)])
+        assert got.shape == want.shape == (5 * 16, 64)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("engine_kind", list(ENGINES))
+def test_matches_transformers(engine_kind, smolvlm_dir):
+    folder, model = smolvlm_dir
+    images = {p: _images(spec) for p, spec in PROMPTS}
+    expected = [hf_greedy_smolvlm(model, folder, p, images[p], n) for (p, _), n in zip(PROMPTS, MAX_NEW)]
+    llm = _llm(folder, **ENGINES[engine_kind])
+    try:
+        prompts = [
+            {"prompt": p, "multi_modal_data": {"image": images[p]}} if images[p] else {"prompt": p} for p, _ in PROMPTS
+        ]
+        outs = llm.generate(prompts, [_params(n) for n in MAX_NEW], use_tqdm=False)
+        for i, (out, exp) in enumerate(zip(outs, expected)):
+            _check(out, *exp, (engine_kind, i))
+        if engine_kind == "preempting":
+            assert llm.llm_engine.scheduler.num_preemptions > 0
+        assert len(llm.llm_engine.runner.encoder_cache) == 0
+    finally:
+        llm.shutdown()
+
+
+def test_follow_up_turn_reads_cached_tiles(smolvlm_dir):
+    folder, model = smolvlm_dir
+    llm = _llm(folder, max_num_batched_tokens=24, enable_prefix_caching=True, block_size=4)
+    cache = llm.llm_engine.runner.encoder_cache
+    try:
+        img = random_image(11, (64, 28))  # 2 tiles and the global view
+        first = f"Here {IMAGE} is a picture."
+        llm.generate({"prompt": first, "multi_modal_data": {"image": [img]}}, _params(3), use_tqdm=False)
+        assert cache.encoder_runs == 3
+        follow = first + " And now more text after it."
+        again = llm.generate({"prompt": follow, "multi_modal_data": {"image": [img]}}, _params(4), use_tqdm=False)[0]
+        _check(again, *hf_greedy_smolvlm(model, folder, follow, [img], 4), "follow-up")
+        assert cache.encoder_runs == 3
+    finally:
+        llm.shutdown()
