@@ -223,7 +223,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         quantized=False,
         tensor_parallel=False,
         notes="text only; Gated DeltaNet layers (recurrent state in state pages) 3 : 1 with gated attention "
-        "(output gate, partial rotary, (1 + w) norms); no prefix caching",
+        "(output gate, partial rotary, (1 + w) norms)",
     ),
     ModelEntry(
         "Qwen3_5MoeForCausalLM",
@@ -232,7 +232,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "Qwen3_5MoeForCausalLM",
         quantized=False,
         tensor_parallel=False,
-        notes="text only; Qwen3.5's layers with MoE (gated shared expert) in every layer; no prefix caching",
+        notes="text only; Qwen3.5's layers with MoE (gated shared expert) in every layer",
     ),
     ModelEntry(
         "Qwen3NextForCausalLM",
@@ -241,8 +241,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "Qwen3NextForCausalLM",
         quantized=False,
         tensor_parallel=False,
-        notes="Qwen3.5's layers with MoE (gated shared expert) and per-key-head packed DeltaNet projections; "
-        "no prefix caching",
+        notes="Qwen3.5's layers with MoE (gated shared expert) and per-key-head packed DeltaNet projections",
     ),
     ModelEntry(
         "GraniteMoeHybridForCausalLM",
@@ -252,7 +251,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         quantized=False,
         tensor_parallel=False,
         notes="Granite 4: Mamba 2 layers (SSD scan, state in state pages) beside attention without RoPE, "
-        "MoE plus a shared MLP, Granite multipliers; no prefix caching",
+        "MoE plus a shared MLP, Granite multipliers",
     ),
     ModelEntry(
         "NemotronHForCausalLM",
@@ -262,7 +261,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         quantized=False,
         tensor_parallel=False,
         notes="one mixer per layer: Mamba 2, attention without RoPE, squared-ReLU MLP (`backbone.*` names); "
-        "MoE layers refused; no prefix caching",
+        "MoE layers refused",
     ),
     ModelEntry(
         "Lfm2ForCausalLM",
@@ -271,8 +270,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "Lfm2ForCausalLM",
         quantized=False,
         tensor_parallel=False,
-        notes="LFM2: gated short-convolution layers (window in state pages) beside attention with q/k norms; "
-        "no prefix caching",
+        notes="LFM2: gated short-convolution layers (window in state pages) beside attention with q/k norms",
     ),
     ModelEntry(
         "JambaForCausalLM",
@@ -282,7 +280,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         quantized=False,
         tensor_parallel=False,
         notes="Jamba: Mamba 1 layers (selective scan, state in state pages) beside attention without RoPE "
-        "(`attn_layer_period`), MoE every `expert_layer_period` layers; no prefix caching",
+        "(`attn_layer_period`), MoE every `expert_layer_period` layers",
     ),
     ModelEntry(
         "DeepseekV3ForCausalLM",
