@@ -64,9 +64,15 @@ def build_model(path: Path, layers: int, hidden: int) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
+#: CPU seconds of this process per variant (the engine runs in it): steadier than wall
+#: time on a loaded machine.
+CPU: dict[int, float] = {}
+
+
 def ttft(llm: LLM, prompt: list[int]) -> float:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     llm.generate([prompt], ONE, use_tqdm=False)
+    CPU[id(llm)] = time.process_time() - c0
     return time.perf_counter() - t0
 
 
@@ -95,20 +101,27 @@ def main() -> None:
     for llm in engines.values():
         ttft(llm, tokens(args.prefix + 16))  # warm-up: kernels, threads
     times: dict[str, list[float]] = {name: [] for name in engines}
+    cpu: dict[str, list[float]] = {name: [] for name in engines}
     cached = engines["cached"]
     for _ in range(args.rounds):
         prefix = tokens(args.prefix)
         ttft(cached, prefix + tokens(16))  # computes the prefix and its checkpoints
         hits = cached.llm_engine.kv.prefix_hits
         times["cached"].append(ttft(cached, prefix + tokens(16)))
+        cpu["cached"].append(CPU[id(cached)])
         assert cached.llm_engine.kv.prefix_hits - hits == args.prefix  # the prefix hit, whole
         for name, llm in engines.items():
             if name != "cached":
                 times[name].append(ttft(llm, tokens(args.prefix + 16)))
-    base = statistics.median(times["off"])
+                cpu[name].append(CPU[id(llm)])
+        print("round:", ", ".join(f"{name} {ts[-1] * 1e3:.0f} ms" for name, ts in times.items()), flush=True)
+    base, base_cpu = statistics.median(times["off"]), statistics.median(cpu["off"])
     for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"{name:>20}: median TTFT {med * 1e3:8.1f} ms  ({med / base:5.2f}x off)  runs {len(ts)}")
+        med, c = statistics.median(ts), statistics.median(cpu[name])
+        print(
+            f"{name:>20}: median TTFT {med * 1e3:8.1f} ms ({med / base:5.2f}x off), CPU {c:6.2f} s "
+            f"({c / base_cpu:5.2f}x off), runs {len(ts)}"
+        )
     eng = cached.llm_engine
     runner, kv = eng.runner, eng.kv
     page = runner.kv_block_bytes(eng.config.cache.block_size)
