@@ -474,6 +474,14 @@ class CacheConfig:
         ),
     )
     enable_prefix_caching: bool = field(default=True, metadata=_help("reuse the KV blocks of shared prompt prefixes"))
+    state_checkpoint_interval: int = field(
+        default=4,
+        metadata=_help(
+            "blocks between the prefix-cache checkpoints of a recurrent state (hybrid models: Qwen3.5, Granite 4, "
+            "Jamba, ...): a cached prefix of such a model ends at a multiple of this many blocks; each checkpoint "
+            "takes a request's state pages (docs/models.md)"
+        ),
+    )
     num_gpu_blocks_override: int | None = field(
         default=None,
         metadata=_help(
@@ -534,6 +542,8 @@ class CacheConfig:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory, "kv_cache_memory")
+        if self.state_checkpoint_interval < 1:
+            raise ValueError(f"state_checkpoint_interval must be >= 1 block, got {self.state_checkpoint_interval}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.cache_dtype in FP8_KV_CACHE_DTYPES and self.cache_dtype not in _CACHE_DTYPES:

@@ -301,12 +301,6 @@ def check_recurrent_state(cfg: EngineConfig) -> None:
     kv_dtype = cfg.cache.cache_dtype
     used = [
         (
-            cfg.cache.enable_prefix_caching,
-            "enable_prefix_caching=True",
-            "the recurrent state is not checkpointed at block boundaries, so a cached prefix cannot be "
-            "resumed; set enable_prefix_caching=False (--no-enable-prefix-caching)",
-        ),
-        (
             cfg.cache.kv_offload_memory is not None,
             f"kv_offload_memory={cfg.cache.kv_offload_memory}",
             "the host KV tier does not swap state pages; leave kv_offload_memory unset (preemption recomputes)",

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.kv_cache.host_tier import KVTransfers
@@ -33,6 +34,8 @@ class ScheduledRequest:
     samples: bool
     #: Draft tokens scheduled after the known ones, to verify (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
+    #: Recurrent-state checkpoint work of this chunk (kv_cache.state_group.StateStep), or None.
+    state: Any = None
 
 
 @dataclass
@@ -355,7 +358,9 @@ class Scheduler:
                 self._encoder_left -= item.length
                 self._encoder_cache_left -= item.length
                 self._encoded.setdefault(request.request_id, set()).add(item.hash)
-        out.scheduled.append(ScheduledRequest(request, n, samples, list(request.spec_token_ids)))
+        state_step = getattr(self.kv, "state_step", None)
+        state = state_step(request) if state_step is not None else None
+        out.scheduled.append(ScheduledRequest(request, n, samples, list(request.spec_token_ids), state))
         out.num_batched_tokens += n
 
     def update_after_step(

@@ -36,6 +36,12 @@ class AttentionMetadata:
     layer_groups: tuple[int, ...] | None = None
     groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
     key_ends: torch.Tensor | None = None
+    #: A recurrent-state group's checkpoint work this step (None: none): ``copies``
+    #: (row, checkpoint page ids) to copy into that row's state pages before its chunk,
+    #: ``captures`` (row, offset in its chunk, page ids) to write its state into after
+    #: that many of its tokens (kv_cache/state_group.py; models/recurrent.py runs them).
+    state_copies: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    state_captures: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata of model layer ``layer``: its group's block tables and slots."""
@@ -50,5 +56,14 @@ class AttentionMetadata:
             moved.key_ends = fn(self.key_ends)
         if self.layer_groups is None:
             return moved
-        groups = [replace(moved, block_tables=fn(g.block_tables), slot_mapping=fn(g.slot_mapping)) for g in self.groups]
+        groups = [
+            replace(
+                moved,
+                block_tables=fn(g.block_tables),
+                slot_mapping=fn(g.slot_mapping),
+                state_copies=g.state_copies,
+                state_captures=g.state_captures,
+            )
+            for g in self.groups
+        ]
         return replace(moved, layer_groups=self.layer_groups, groups=groups)

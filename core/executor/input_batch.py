@@ -92,6 +92,8 @@ def prepare_inputs(
     )
     if layer_groups is not None:
         groups = [replace(meta, slot_mapping=sm, block_tables=bt) for sm, bt in metas]
+        for g in state_groups:
+            groups[g].state_copies, groups[g].state_captures = _state_work(reqs, g)
         meta.layer_groups, meta.groups = tuple(layer_groups), groups
     return ModelInput(
         input_ids=torch.tensor(tokens, dtype=torch.int64, device=device),
@@ -99,6 +101,20 @@ def prepare_inputs(
         logits_indices=t(qsl[1:] - 1),
         request_ids=[s.request.request_id for s in reqs],
     )
+
+
+def _state_work(reqs: Sequence, group: int) -> tuple[tuple, tuple]:
+    """(copies, captures) of recurrent-state group ``group`` this step, by batch row
+    (AttentionMetadata.state_copies / state_captures), from each request's StateStep."""
+    copies, captures = [], []
+    for row, s in enumerate(reqs):
+        step = s.state
+        if step is None:
+            continue
+        if group in step.copy_from:
+            copies.append((row, step.copy_from[group]))
+        captures.extend((row, offset, pages[group]) for offset, pages in step.captures if group in pages)
+    return tuple(copies), tuple(captures)
 
 
 def _decode_inputs(reqs: Sequence, block_ids: dict, block_size: int, device: torch.device) -> ModelInput | None:

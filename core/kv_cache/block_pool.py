@@ -164,6 +164,12 @@ class BlockPool:
         block.hash_key = hash_key
         self.cached[block_hash] = block
 
+    def uncache(self, block: KVBlock) -> None:
+        """Forget an unreferenced block's hash (it stays free, no longer a hit)."""
+        if block.ref_cnt:
+            raise RuntimeError(f"KV block {block.block_id} is in use: its hash cannot be forgotten")
+        self._uncache(block)
+
     def _uncache(self, block: KVBlock) -> None:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]

@@ -21,12 +21,13 @@ generations mostly full ones) instead of a ratio fixed at start-up.
 shared pool: allocation is all groups or none, and a prefix hit must be valid in every
 group (see :meth:`GroupedKVCacheManager.get_computed_blocks`).
 
-Layers with a recurrent state (window :data:`RECURRENT_STATE`: Gated DeltaNet, Mamba 2)
-form groups of their own whose requests hold a fixed number of pages each, their state
-(:mod:`pagedserve.kv_cache.state_group`); those groups exist whatever
-``free_sliding_window_blocks`` says, and they never hit the prefix cache.  Layers that
-keep nothing per request (window :data:`NO_KV_CACHE`: Nemotron-H's MLP layers) are in no
-group.
+Layers with a recurrent state (window :data:`RECURRENT_STATE`: Gated DeltaNet, Mamba 1
+and 2, short convolutions) form groups of their own whose requests hold a fixed number of
+pages each, their state (:mod:`pagedserve.kv_cache.state_group`); those groups exist
+whatever ``free_sliding_window_blocks`` says.  Their prefix-cache entries are checkpoints
+of the state every ``state_checkpoint_interval`` blocks, and a prefix hit must end at
+one.  Layers that keep nothing per request (window :data:`NO_KV_CACHE`: Nemotron-H's MLP
+layers) are in no group.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pagedserve.config_rules import NO_KV_CACHE, RECURRENT_STATE
 from pagedserve.kv_cache.block_pool import BlockPool, KVBlock
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.kv_cache.sliding_window import first_visible_block, max_blocks_held, uniform_window
-from pagedserve.kv_cache.state_group import StateGroupManager
+from pagedserve.kv_cache.state_group import StateGroupManager, StateStep
 from pagedserve.request import Request
 
 __all__ = [
@@ -133,7 +134,8 @@ class GroupedKVCacheManager:
     """Block tables per KV cache group over one pool; the interface of KVCacheManager.
 
     ``block_ids`` gives one list per group (group order of :func:`kv_cache_groups`).
-    ``state_pages``: pages per request of each recurrent-state group.
+    ``state_pages``: pages per request of each recurrent-state group (and per checkpoint);
+    ``state_checkpoint_interval``: blocks between the checkpoints of their states.
     """
 
     def __init__(
@@ -143,6 +145,7 @@ class GroupedKVCacheManager:
         enable_prefix_caching: bool,
         windows: Sequence[Window],
         state_pages: int = 0,
+        state_checkpoint_interval: int = 4,
     ):
         if num_blocks < 2:
             raise ValueError(f"KV cache groups need >= 2 blocks (one is the null block), got {num_blocks}")
@@ -151,17 +154,18 @@ class GroupedKVCacheManager:
         #: Not one window for every layer: see ``windows``.
         self.sliding_window = None
         self.windows = list(windows)
-        self.pool = BlockPool(num_blocks - 1, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks - 1, enable_caching=enable_prefix_caching, on_evict=self._on_evict)
         self.null_block = KVBlock(num_blocks - 1, ref_cnt=1)
         self.state_pages = state_pages
         self.groups = [
-            StateGroupManager(self.pool, state_pages)
+            StateGroupManager(self.pool, state_pages, i, block_size, state_checkpoint_interval)
             if w == RECURRENT_STATE
             else KVCacheManager(
                 num_blocks, block_size, enable_prefix_caching, w, shared=(self.pool, self.null_block, i)
             )
             for i, w in enumerate(self.windows)
         ]
+        self.state_groups = [g for g in self.groups if isinstance(g, StateGroupManager)]
         self.peak_blocks_in_use = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -204,10 +208,12 @@ class GroupedKVCacheManager:
         """Per group the hits of a new request, and the tokens they hold.
 
         A hit of ``n`` blocks is valid when every full-attention group has all of the
-        first ``n`` blocks cached and every windowed group has the blocks from the first
+        first ``n`` blocks cached, every windowed group has the blocks from the first
         one a query after them still sees (``first_visible_block(n * block_size)``) to
-        the ``n``-th (vLLM's sliding-window hit rule); the longest ``n`` valid in every
-        group wins.  A windowed group's entries before that point are the null block.
+        the ``n``-th (vLLM's sliding-window hit rule), and every recurrent-state group
+        has a checkpoint at the end of block ``n``; the longest ``n`` valid in every
+        group wins.  A windowed group's entries before that point are the null block; a
+        state group's hit is its checkpoint's pages.
         """
         empty: list[list[KVBlock]] = [[] for _ in self.groups]
         if not self.enable_prefix_caching:
@@ -225,8 +231,13 @@ class GroupedKVCacheManager:
         n = max_hit
         while n > 0:
             ok = True
-            for w, t in zip(self.windows, trailing):
-                first = 0 if w is None or w == RECURRENT_STATE else first_visible_block(n * bs, w, bs)
+            for w, t, run in zip(self.windows, trailing, runs):
+                if w == RECURRENT_STATE:
+                    if run[n - 1] is None:
+                        ok = False
+                        break
+                    continue
+                first = 0 if w is None else first_visible_block(n * bs, w, bs)
                 if t[n] < n - first:
                     ok = False
                     break
@@ -239,6 +250,9 @@ class GroupedKVCacheManager:
             return empty, 0
         out = []
         for w, run in zip(self.windows, runs):
+            if w == RECURRENT_STATE:
+                out.append(list(run[n - 1]))
+                continue
             first = 0 if w is None else first_visible_block(n * bs, w, bs)
             out.append([self.null_block] * first + run[first:n])
         return out, n * bs
@@ -267,9 +281,46 @@ class GroupedKVCacheManager:
         for p in plans:
             self.pool.touch(p[3])
         new = [b for g, p in zip(self.groups, plans) for b in g.commit_slots(request, num_new_tokens, p, touch=False)]
+        if self.enable_prefix_caching and self.state_groups:
+            self._plan_checkpoints(request, num_new_tokens)
         self.num_scheduled_tokens += num_new_tokens
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.pool.num_in_use)
         return new
+
+    def _plan_checkpoints(self, request: Request, num_new_tokens: int) -> None:
+        """Pages for the state checkpoints at the boundaries this step's tokens of
+        ``request`` reach that some state group lacks, as long as the pool has them free
+        (a checkpoint is an optimisation: without room, none is written)."""
+        first = self.state_groups[0]
+        for tokens, h in first.boundaries(request, num_new_tokens):
+            missing = [g for g in self.state_groups if g.checkpoint(h) is None and not g.pending(h)]
+            if not missing:
+                continue
+            if self.pool.num_free_blocks < self.state_pages * len(missing):
+                return
+            for g in missing:
+                g.add_capture(request, tokens, h, self.pool.get_new_blocks(self.state_pages))
+
+    def state_step(self, request: Request) -> StateStep | None:
+        """The state-page work of ``request``'s chunk in the step being scheduled (call
+        before its ``num_computed_tokens`` advance): checkpoint pages to copy into its
+        own (a prefix hit), checkpoints to write."""
+        if not self.state_groups:
+            return None
+        step = StateStep()
+        caps: dict[int, dict[int, tuple[int, ...]]] = {}
+        for g in self.state_groups:
+            src, captures = g.step_work(request)
+            if src is not None:
+                step.copy_from[g.group] = src
+            for offset, pages in captures:
+                caps.setdefault(offset, {})[g.group] = pages
+        step.captures = sorted(caps.items())
+        return step if step.copy_from or step.captures else None
+
+    def _on_evict(self, block: KVBlock) -> None:
+        for g in self.state_groups:
+            g.forget_siblings(block)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         for g in self.groups:
@@ -282,7 +333,7 @@ class GroupedKVCacheManager:
     def block_ids(self, request_id: str) -> list[list[int]]:
         return [g.block_ids(request_id) for g in self.groups]
 
-    # -- tiers: none with groups (config_rules refuses kv_offload_memory) ---------------------
+    # -- tiers: none with groups (config_rules refuses kv_offload_memory) --------------------
     def should_swap(self, request: Request) -> bool:
         return False
 
@@ -295,10 +346,14 @@ class GroupedKVCacheManager:
         return self.pool.reset_prefix_cache()
 
     def take_transfers(self):
+        """No copies between tiers; the step is handed out: its state checkpoints are
+        cached and the pages held for it released (state_group.py, "Timing")."""
+        for g in self.state_groups:
+            g.end_step()
         return None
 
     def flush_transfers(self):
-        return None
+        return self.take_transfers()
 
     def close(self) -> None:
         pass

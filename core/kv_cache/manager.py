@@ -303,6 +303,10 @@ class KVCacheManager:
         gone, e.g. in sleep mode); False, and nothing forgotten, while a block is in use."""
         return self.pool.reset_prefix_cache()
 
+    def state_step(self, request: Request) -> None:
+        """Recurrent-state work of ``request`` this step (kv_groups.py): none here."""
+        return None
+
     def take_transfers(self):
         """Block copies to run before the next forward (None: no host tier, no copies)."""
         return None

@@ -34,7 +34,7 @@ from pagedserve.models.layers import (
     route_topk,
 )
 from pagedserve.models.quantized_experts import quantized_experts_moe, stack_experts
-from pagedserve.models.recurrent import StateLayout, chunk_info
+from pagedserve.models.recurrent import StateLayout, chunk_info, run_with_checkpoints
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
@@ -212,7 +212,7 @@ class JambaForCausalLM(DecoderForCausalLM):
         eps = self.cfg.rms_norm_eps
         h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
         if layer.mamba:
-            h = self._mamba(ops, layer, h, kv_cache, meta)
+            h = run_with_checkpoints(lambda x, m: self._mamba(ops, layer, x, kv_cache, m), h, kv_cache, meta)
         else:
             q, k, v = qkv_split(linear(ops, h, layer.qkv), self.attn)
             h = linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o)

@@ -29,7 +29,7 @@ from pagedserve.models.layers import (
     paged_attention,
     qkv_split,
 )
-from pagedserve.models.recurrent import StateLayout, chunk_info
+from pagedserve.models.recurrent import StateLayout, chunk_info, run_with_checkpoints
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
@@ -165,7 +165,7 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = add_rms_norm(ops, x, residual, layer.input_norm, self.eps)
         if layer.conv_layer:
-            h = self._short_conv(ops, layer, h, kv_cache, meta)
+            h = run_with_checkpoints(lambda x, m: self._short_conv(ops, layer, x, kv_cache, m), h, kv_cache, meta)
         else:
             q, k, v = qkv_split(linear(ops, h, layer.qkv), self.attn)
             q, k = head_rms_norm(ops, q, layer.q_norm, self.eps), head_rms_norm(ops, k, layer.k_norm, self.eps)

@@ -41,7 +41,7 @@ from pagedserve.models.layers import (
     route_topk,
 )
 from pagedserve.models.quantized_experts import quantized_experts_moe, stack_experts
-from pagedserve.models.recurrent import StateLayout, chunk_info
+from pagedserve.models.recurrent import StateLayout, chunk_info, run_with_checkpoints
 from pagedserve.quantization.base import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         eps = self.cfg.rms_norm_eps
         h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
         if layer.linear:
-            h = self._delta_net(ops, layer, h, kv_cache, meta)
+            h = run_with_checkpoints(lambda x, m: self._delta_net(ops, layer, x, kv_cache, m), h, kv_cache, meta)
         else:
             h = self._gated_attention(ops, placement, layer, h, kv_cache, meta)
         h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)

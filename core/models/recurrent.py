@@ -8,12 +8,19 @@ pages that hold its state.  The state is the concatenation of the layer's state 
 value pages of those block ids, in the cache's dtype.  The model reads it in float32
 before a layer's ops and writes it back after them; a request's first chunk (nothing
 computed before it) starts from zeros, whatever its pages held before.
+
+Prefix caching (kv_cache/state_group.py): :func:`run_with_checkpoints` runs a recurrent
+layer's mixer for a step whose metadata lists state checkpoints: it copies a prefix
+hit's checkpoint pages into the request's own state pages first, and where a checkpoint
+is due inside a request's chunk it runs the mixer over the chunk in segments ending
+there, copying the state pages into the checkpoint's after each.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +28,7 @@ import torch
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
 
-__all__ = ["StateLayout", "chunk_info"]
+__all__ = ["StateLayout", "chunk_info", "run_with_checkpoints"]
 
 
 def chunk_info(meta: AttentionMetadata) -> tuple[torch.Tensor, bool]:
@@ -74,3 +81,95 @@ class StateLayout:
         half = num_pages * page
         k[idx] = flat[:, :half].reshape(n, num_pages, *k.shape[1:])
         v[idx] = flat[:, half:].reshape(n, num_pages, *v.shape[1:])
+
+
+def _copy_pages(kv_cache: tuple[torch.Tensor, torch.Tensor], src: list[int], dst: list[int]) -> None:
+    """Pages ``dst`` of the layer's key and value tensors = pages ``src``."""
+    if not src:
+        return
+    k, v = kv_cache
+    s = torch.tensor(src, dtype=torch.int64, device=k.device)
+    d = torch.tensor(dst, dtype=torch.int64, device=k.device)
+    k.index_copy_(0, d, k.index_select(0, s))
+    v.index_copy_(0, d, v.index_select(0, s))
+
+
+def run_with_checkpoints(
+    mixer: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor],
+    h: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """``mixer(h, meta)`` (a recurrent layer's forward over its state pages) with the
+    step's state checkpoint work of the layer's group (``meta.state_copies`` and
+    ``state_captures``): hits' checkpoints copied into their rows' state pages first;
+    each capture's state, after its offset in the row's chunk, copied into its pages.
+
+    A capture inside a chunk splits the mixer's run: round ``r`` runs the ``r``-th
+    segment of every row that has one (metadata of those rows, their tokens, seq lens
+    ending at the segment), so the row's state pages hold its state at each segment's
+    end, exactly as if its chunk had ended there."""
+    copies, captures = meta.state_copies, meta.state_captures
+    if not copies and not captures:
+        return mixer(h, meta)
+    tables = meta.block_tables.tolist()
+    if copies:
+        src = [p for _, pages in copies for p in pages]
+        dst = [p for row, pages in copies for p in tables[row][: len(pages)]]
+        _copy_pages(kv_cache, src, dst)
+    qsl = meta.query_start_loc.tolist()
+    num_seqs = len(qsl) - 1
+    qlen = [qsl[i + 1] - qsl[i] for i in range(num_seqs)]
+    due: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+    for row, offset, pages in captures:
+        due.setdefault((row, offset), []).append(pages)
+    bounds = [[0] for _ in range(num_seqs)]
+    for row, offset in sorted(due):
+        if 0 < offset < qlen[row]:
+            bounds[row].append(offset)
+    for row in range(num_seqs):
+        bounds[row].append(qlen[row])
+
+    def capture(done: list[tuple[int, int]]) -> None:
+        src, dst = [], []
+        for row, offset in done:
+            for pages in due.get((row, offset), ()):
+                src += tables[row][: len(pages)]
+                dst += pages
+        _copy_pages(kv_cache, src, dst)
+
+    rounds = max(len(b) for b in bounds) - 1
+    if rounds == 1:
+        out = mixer(h, meta)
+        capture([(row, qlen[row]) for row in range(num_seqs)])
+        return out
+    out = None
+    seq_lens = meta.seq_lens.tolist()
+    dev = meta.query_start_loc.device
+    for r in range(rounds):
+        rows = [i for i in range(num_seqs) if len(bounds[i]) > r + 1]
+        idx = torch.cat(
+            [torch.arange(qsl[i] + bounds[i][r], qsl[i] + bounds[i][r + 1], dtype=torch.int64) for i in rows]
+        ).to(h.device)
+        lens = [bounds[i][r + 1] - bounds[i][r] for i in rows]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        sub = replace(
+            meta,
+            positions=meta.positions.index_select(0, idx.to(meta.positions.device)),
+            slot_mapping=meta.slot_mapping.index_select(0, idx.to(meta.slot_mapping.device)),
+            block_tables=meta.block_tables[torch.tensor(rows, dtype=torch.int64, device=meta.block_tables.device)],
+            seq_lens=torch.tensor(
+                [seq_lens[i] - qlen[i] + bounds[i][r + 1] for i in rows], dtype=meta.seq_lens.dtype, device=dev
+            ),
+            query_start_loc=torch.tensor(starts, dtype=meta.query_start_loc.dtype, device=dev),
+            state_copies=(),
+            state_captures=(),
+        )
+        part = mixer(h.index_select(0, idx), sub)
+        if out is None:
+            out = part.new_empty(h.shape[0], *part.shape[1:])
+        out.index_copy_(0, idx, part)
+        capture([(i, bounds[i][r + 1]) for i in rows])
+    return out

@@ -224,7 +224,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         quantized=False,
         tensor_parallel=False,
         notes="text only; Gated DeltaNet layers (recurrent state in state pages) 3 : 1 with gated attention "
-        "(output gate, partial rotary, (1 + w) norms); no prefix caching",
+        "(output gate, partial rotary, (1 + w) norms)",
     ),
     ModelEntry(
         "Qwen3_5MoeForCausalLM",
@@ -234,7 +234,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         gguf=("qwen35moe",),
         quantized=False,
         tensor_parallel=False,
-        notes="text only; Qwen3.5's layers with MoE (gated shared expert) in every layer; no prefix caching",
+        notes="text only; Qwen3.5's layers with MoE (gated shared expert) in every layer",
     ),
     ModelEntry(
         "Qwen3NextForCausalLM",
@@ -244,8 +244,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         gguf=("qwen3next",),
         quantized=False,
         tensor_parallel=False,
-        notes="Qwen3.5's layers with MoE (gated shared expert) and per-key-head packed DeltaNet projections; "
-        "no prefix caching",
+        notes="Qwen3.5's layers with MoE (gated shared expert) and per-key-head packed DeltaNet projections",
     ),
     ModelEntry(
         "GraniteMoeHybridForCausalLM",
@@ -256,7 +255,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         quantized=False,
         tensor_parallel=False,
         notes="Granite 4: Mamba 2 layers (SSD scan, state in state pages) beside attention without RoPE, "
-        "MoE plus a shared MLP, Granite multipliers; no prefix caching",
+        "MoE plus a shared MLP, Granite multipliers",
     ),
     ModelEntry(
         "NemotronHForCausalLM",
@@ -267,7 +266,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         quantized=False,
         tensor_parallel=False,
         notes="one mixer per layer: Mamba 2, attention without RoPE, squared-ReLU MLP (`backbone.*` names); "
-        "MoE layers refused; no prefix caching",
+        "MoE layers refused",
     ),
     ModelEntry(
         "Lfm2ForCausalLM",
@@ -277,8 +276,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         gguf=("lfm2",),
         quantized=False,
         tensor_parallel=False,
-        notes="LFM2: gated short-convolution layers (window in state pages) beside attention with q/k norms; "
-        "no prefix caching",
+        notes="LFM2: gated short-convolution layers (window in state pages) beside attention with q/k norms",
     ),
     ModelEntry(
         "JambaForCausalLM",
@@ -289,7 +287,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         quantized=False,
         tensor_parallel=False,
         notes="Jamba: Mamba 1 layers (selective scan, state in state pages) beside attention without RoPE "
-        "(`attn_layer_period`), MoE every `expert_layer_period` layers; no prefix caching",
+        "(`attn_layer_period`), MoE every `expert_layer_period` layers",
     ),
     ModelEntry(
         "DeepseekV3ForCausalLM",

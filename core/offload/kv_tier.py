@@ -105,7 +105,14 @@ def build_kv_manager(
     if grouped:  # the rules refuse a host tier here
         windows = [g.window for g in groups]
         state_pages = getattr(runner, "state_pages", 0)  # recurrent-state groups' pages per request
-        return GroupedKVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, windows, state_pages)
+        return GroupedKVCacheManager(
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            windows,
+            state_pages,
+            cache.state_checkpoint_interval,
+        )
     if cache.kv_offload_memory is None:
         if max_model_len is not None:
             sliding_window = kv_window_for_pool(sliding_window, num_blocks, cache, config.scheduler, max_model_len)

@@ -103,3 +103,95 @@ def test_scheduler_with_state_groups_preempts_without_leaks():
     assert not sched.has_unfinished()
     assert kv.num_blocks_in_use == 0 and not kv.req_blocks
     assert sched.num_preemptions > 0
+
+
+def _state_pages_cached(kv) -> dict[tuple, int]:
+    """Per checkpoint (group, block key) the number of its pages cached now."""
+    out: dict[tuple, int] = {}
+    for block in kv.pool.cached.values():
+        key = block.hash_key
+        if len(key) == 4 and key[1] == "state":
+            out[(key[0], key[3])] = out.get((key[0], key[3]), 0) + 1
+    return out
+
+
+def test_checkpoints_are_written_then_hit_at_their_boundaries():
+    # Blocks of 4 tokens, a checkpoint every 2 blocks (8 tokens), 2 pages per state.
+    kv = GroupedKVCacheManager(60, BS, True, [None, S, S], state_pages=2, state_checkpoint_interval=2)
+    prompt = [random.Random(1).randrange(3, 200) for _ in range(20)]
+    a = req("a", prompt)
+    assert kv.get_computed_blocks(a) == ([[], [], []], 0)
+    assert kv.allocate_slots(a, 20) is not None
+    # 5 attention blocks, 2 own pages per state group, checkpoints at 8 and 16 tokens in both.
+    assert kv.num_blocks_in_use == 5 + 2 * 2 + 2 * 2 * 2
+    step = kv.state_step(a)
+    assert step.copy_from == {} and [offset for offset, _ in step.captures] == [8, 16]
+    assert all(set(pages) == {1, 2} and all(len(p) == 2 for p in pages.values()) for _, pages in step.captures)
+    b = req("b", prompt[:18] + [7, 7, 7, 7, 7, 7])
+    # Not written yet (this step's forward writes them): no hit in the same step.
+    assert kv.get_computed_blocks(b)[1] == 0
+    assert kv.take_transfers() is None  # the step is handed out: cached, references dropped
+    assert kv.num_blocks_in_use == 5 + 2 * 2
+    a.num_computed_tokens = 20
+    hits, n = kv.get_computed_blocks(b)
+    # 18 shared tokens: 4 full shared blocks, the checkpoint at block 4 (16 tokens).
+    assert n == 16 and len(hits[0]) == 4 and all(len(h) == 2 for h in hits[1:])
+    b.num_computed_tokens = n
+    assert kv.allocate_slots(b, 8, hits) is not None
+    step = kv.state_step(b)
+    assert step.copy_from == {g: tuple(x.block_id for x in hits[g]) for g in (1, 2)}
+    assert [offset for offset, _ in step.captures] == [24 - 16]  # its own boundary at 24 tokens
+    assert kv.state_step(a) is None  # a's work was handed out with its step
+    kv.take_transfers()
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_blocks_in_use == 0
+    kv.check_invariants()
+    assert set(_state_pages_cached(kv).values()) == {2} and len(_state_pages_cached(kv)) == 2 * 3
+
+
+def test_evicting_a_checkpoint_page_forgets_the_checkpoint():
+    kv = GroupedKVCacheManager(40, BS, True, [None, S], state_pages=3, state_checkpoint_interval=1)
+    a = req("a", list(range(3, 19)))  # 16 tokens: checkpoints at 4, 8, 12, 16
+    kv.allocate_slots(a, 16)
+    kv.take_transfers()
+    a.num_computed_tokens = 16
+    kv.free(a)
+    assert len(_state_pages_cached(kv)) == 4
+    # A big request takes most of the pool, evicting some checkpoint pages: each checkpoint
+    # is then either whole or forgotten, never partly cached.
+    big = req("big", list(range(100, 196)))  # 24 blocks + 3 state pages
+    assert kv.allocate_slots(big, 96) is not None
+    counts = _state_pages_cached(kv)
+    assert set(counts.values()) <= {3} and len(counts) < 4
+    kv.take_transfers()
+    kv.free(big)
+    kv.check_invariants()
+
+
+def test_scheduler_with_checkpoints_preempts_and_hits_without_leaks():
+    kv = GroupedKVCacheManager(40, BS, True, [None, S, S], state_pages=2, state_checkpoint_interval=1)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10), kv, max_model_len=64)
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 200) for _ in range(12)]
+    reqs = [req(f"r{i}", shared + [rng.randrange(3, 200) for _ in range(1 + i * 3)], max_tokens=20) for i in range(6)]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(2000):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        for s in out.scheduled:
+            assert kv.group_blocks_held(s.request.request_id)[1:] == [2, 2]
+            if s.state is not None:  # captures at block ends inside the chunk
+                assert all(0 < off <= s.num_new_tokens for off, _ in s.state.captures)
+                assert all((s.request.num_computed_tokens + off) % BS == 0 for off, _ in s.state.captures)
+        sampled = {s.request.request_id: rng.randrange(3, 200) for s in out.scheduled if s.samples}
+        for r in sched.update_after_step(out, sampled):
+            if r.num_output_tokens >= r.sampling_params.max_tokens:
+                sched.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+        kv.check_invariants()
+    assert not sched.has_unfinished()
+    assert kv.num_blocks_in_use == 0 and not kv.req_blocks
+    assert sched.num_preemptions > 0
+    assert kv.prefix_hits > 0 and sum(r.num_cached_tokens for r in reqs) > 0

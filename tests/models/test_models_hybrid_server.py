@@ -1,9 +1,8 @@
 """A hybrid family through the OpenAI-compatible server: ``pagedserve serve`` on a tiny
-random Qwen3.5 checkpoint (Gated DeltaNet and gated attention; LFM2 and Jamba too, slow) with prefix caching off
-(``--no-enable-prefix-caching``, which the recurrent state needs) and 8-token chunks
-returns transformers' greedy logprobs for concurrent token-id prompts of different
-lengths.  (That it refuses prefix caching is checked through ``LLM`` in
-test_models_hybrid_vs_hf.)"""
+random Qwen3.5 checkpoint (Gated DeltaNet and gated attention; LFM2 and Jamba too, slow) with prefix caching on
+(state checkpoints every 2 blocks of 4 tokens) and 8-token chunks returns transformers'
+greedy logprobs for concurrent token-id prompts of different lengths, the second time
+from cached prefixes."""
 
 from __future__ import annotations
 
@@ -51,7 +50,8 @@ def test_hybrid_server_completions_match_transformers(tmp_path, case):
         tmp_path / "ckpt",
         port,
         log,
-        "--no-enable-prefix-caching",
+        "--state-checkpoint-interval",
+        "2",
         "--max-num-batched-tokens",
         "8",
         "--block-size",
@@ -77,12 +77,13 @@ def test_hybrid_server_completions_match_transformers(tmp_path, case):
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["logprobs"]["token_logprobs"]
 
-        with ThreadPoolExecutor(len(prompts)) as pool:  # batched together in the server's steps
-            results = list(pool.map(complete, prompts))
-        for got, (_, logprobs) in zip(results, expected):
-            assert len(got) == len(logprobs)
-            for a, b in zip(got, logprobs):
-                assert math.isclose(a, b, abs_tol=2e-4)
+        for _ in range(2):  # the second round hits the prefixes (and checkpoints) of the first
+            with ThreadPoolExecutor(len(prompts)) as pool:  # batched together in the server's steps
+                results = list(pool.map(complete, prompts))
+            for got, (_, logprobs) in zip(results, expected):
+                assert len(got) == len(logprobs)
+                for a, b in zip(got, logprobs):
+                    assert math.isclose(a, b, abs_tol=2e-4)
     finally:
         proc.terminate()
         proc.wait(30)

@@ -280,7 +280,6 @@ def test_hybrid_n2_samples_each_carry_their_state(checkpoints, case):
 @pytest.mark.parametrize(
     ("settings", "named"),
     [
-        (dict(enable_prefix_caching=True), "enable_prefix_caching=True"),
         (dict(enable_prefix_caching=False, kv_offload_memory="4MiB"), "kv_offload_memory"),
         (
             dict(enable_prefix_caching=False, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
@@ -293,11 +292,3 @@ def test_hybrid_refuses_what_a_recurrent_state_cannot_do(checkpoints, settings, 
     with pytest.raises(ValueError, match="recurrent-state layers") as err:
         LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", **settings)
     assert named in str(err.value)
-
-
-@pytest.mark.parametrize("case", ["lfm2-shortconv-bias-attn", "jamba-mamba1-moe-attn"])
-def test_conv_and_mamba1_layers_refuse_prefix_caching(checkpoints, case):
-    path, _, _ = checkpoints(case)
-    with pytest.raises(ValueError, match="recurrent-state layers") as err:
-        LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", enable_prefix_caching=True)
-    assert "enable_prefix_caching=True" in str(err.value)
