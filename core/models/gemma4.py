@@ -349,9 +349,11 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
         rows = self.ple_table.index_select(0, input_ids).to(self.dtype) * self.ple_scale.to(x.device)
         return (proj.view(n, layers, p) + rows.view(n, layers, p)) * 2.0**-0.5
 
-    def _run_layers(self, ops, placement, first, layers, kv_caches, x, residual, meta):
+    def _run_layers(self, ops, placement, first, layers, kv_caches, x, residual, meta, deepstack=None):
         """The base walk, with a KV-sharing layer given its source layer's cache and block
-        tables (the source is on the same placement: checked at construction)."""
+        tables (the source is on the same placement: checked at construction).  Gemma 4
+        has no DeepStack features (``deepstack`` is always None here)."""
+        assert deepstack is None, "Gemma 4 takes no DeepStack features"
         kv_caches = list(kv_caches)
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
             index = first + i
