@@ -74,13 +74,13 @@ def decode_throughput(llm: LLM, args) -> float:
 
 
 def mixed_throughput(llm: LLM, args) -> float:
-    """Prompt + output tokens/s of --batch requests with prompts of 32-512 random tokens
+    """Prompt + output tokens/s of --mixed-requests requests with prompts of 32-512 random tokens
     and 8-48 output tokens, at most 16 running and a 512-token step budget, so that most
     steps carry prefill chunks beside decodes."""
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(1)
     total = 0
-    for i in range(args.batch):
+    for i in range(args.mixed_requests):
         n = int(torch.randint(32, 513, (1,), generator=gen))
         out = int(torch.randint(8, 49, (1,), generator=gen))
         ids = torch.randint(100, 40000, (n,), generator=gen).tolist()
@@ -162,6 +162,7 @@ def main() -> None:
     p.add_argument("--throughput", default="auto,fp8_e4m3,int8", help="cache dtypes whose decode rate is measured")
     p.add_argument("--rounds", type=int, default=0, help="only the decode rates, interleaved over this many rounds")
     p.add_argument("--mixed", action="store_true", help="with --rounds: also the mixed workload's rates")
+    p.add_argument("--mixed-requests", type=int, default=32, help="requests of the mixed workload")
     args = p.parse_args()
     args.forced = None
     args.throughput = args.throughput.split(",")

@@ -25,8 +25,8 @@ import argparse
 import os
 import random
 import shutil
-import subprocess
 import statistics
+import subprocess
 import tempfile
 import time
 

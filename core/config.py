@@ -559,7 +559,6 @@ class CacheConfig:
                 f"{', '.join(repr(n) for n in _CACHE_DTYPES[1:])}"
             )
 
-
     def _check_kv_scales(self) -> None:
         if self.kv_cache_scales not in ("auto", "row", "tensor"):
             raise ValueError(f"kv_cache_scales must be 'auto', 'row' or 'tensor', got {self.kv_cache_scales!r}")

@@ -274,7 +274,9 @@ class DecoderForCausalLM:
         if parts[4] not in ("k_scale", "v_scale", "kv_scale"):
             return False
         if tensor.numel() != 1:
-            raise ValueError(f"{name} must hold one value (a per-layer KV cache scale), got shape {tuple(tensor.shape)}")
+            raise ValueError(
+                f"{name} must hold one value (a per-layer KV cache scale), got shape {tuple(tensor.shape)}"
+            )
         value = float(tensor.float().reshape(()))
         if not value > 0 or value == float("inf"):
             raise ValueError(f"{name} = {value} is not a positive finite KV cache scale")

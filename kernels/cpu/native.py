@@ -263,7 +263,10 @@ class NativeCpuKernels:
         if out is None:
             # empty_like is ~1 us cheaper per call than torch.empty(shape, dtype, device).
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        kv8 = key_cache.dtype in reference.SCALED_KV_TORCH_DTYPES or key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES
+        kv8 = (
+            key_cache.dtype in reference.SCALED_KV_TORCH_DTYPES
+            or key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES
+        )
         if kv8:  # an 8-bit cache: read in registers where the instruction set can
             kernel_dtypes = self.has_kv8_attention and dtype in _KV8_QUERY_DTYPES
         else:

@@ -86,7 +86,11 @@ def test_checkpoint_scales_divide_the_cache_and_attention_undoes_them(path, tmp_
             b = runner.kv_caches[layer][t].float() * s
             normal = (a.abs() >= 2**-5) & (a.abs() <= 400) & (b.abs() >= 2**-5 * s) & (b.abs() <= 400 * s)
             assert normal.sum() > 1000
-            assert torch.equal(a[normal], b[normal]), (layer, t)
+            if layer == 0:  # the same keys and values: the same fp8 values
+                assert torch.equal(a[normal], b[normal]), (layer, t)
+            else:  # its inputs passed through layer 0's (differently rounded) attention
+                close = torch.isclose(a[normal], b[normal], rtol=2**-3, atol=0)
+                assert close.float().mean() > 0.98, (layer, t)
     # ...and attention undoes the scales (scores 4x or 0.5x, values 4x or 0.5x if it did
     # not): outputs as at scale 1.0 up to the rounding of values near e4m3's subnormals.
     diff = max_diff(want, got)
@@ -118,15 +122,24 @@ def test_a_scale_file_gives_calibrated_scales(path, tmp_path):
     rounded up), not powers of two: within the fp8 bounds of the float32 cache."""
     ps = prompts(5, (60, 33))
     ref = LLM(model=str(path), **KW)
+    for kv in ref.llm_engine.runner.kv_caches:  # unwritten rows read as 0 below
+        for t in kv:
+            t.zero_()
     want = prompt_rows(ref, ps)
     amax = max(t.abs().max().item() for kv in ref.llm_engine.runner.kv_caches for t in kv)
     scale = amax * 1.5 / 448
-    doc = {"model_type": "llama", "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": scale, "1": scale}}}}
+    doc = {
+        "model_type": "llama",
+        "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": scale, "1": scale}}},
+    }
     file = tmp_path / "kv_cache_scales.json"
     file.write_text(json.dumps(doc))
     llm = LLM(model=str(path), kv_cache_dtype="fp8", quantization_param_path=str(file), **KW)
     runner = llm.llm_engine.runner
     assert not runner.kv_row_scaled and runner.kv_layer_scales == {0: (scale, scale), 1: (scale, scale)}
+    for kv in runner.kv_caches:
+        for t in kv:
+            t.view(torch.uint8).zero_()
     got = prompt_rows(llm, ps)
     diff = max_diff(want, got)
     assert 0 < diff < 0.25, diff  # the e4m3 bound of tests/kv_cache/test_kv_cache_dtype_engine.py
