@@ -95,13 +95,15 @@ def test_an_8bit_cache_holds_exactly_2x_a_16bit_one(path, dtype, factor):
 # per-position KL 0.00061 / 0.00142.  The bounds are about twice that.  The random tiny
 # model's distributions are nearly flat, so top-1 ties flip easily (agreement bounded
 # loosely).  int8 with per-token-head scales: 0.0171 and 0.000013.
-# fp8 with per-token-head scales (the default): ROWS_MEASURED.
+# fp8 with per-token-head scales (the default): 0.0866 (e4m3) and 0.1665 (e5m2), KL
+# 0.00040 / 0.00163 (on this tiny model's near-flat distributions e5m2's rows do not
+# beat scale 1.0; on the default model they halve its KL, docs/memory.md).
 INT8_MAX_ABS, INT8_KL = 0.04, 3e-5
 BOUNDS = {
     ("fp8_e4m3", "tensor"): dict(max_abs=0.25, kl=0.0015),
     ("fp8_e5m2", "tensor"): dict(max_abs=0.35, kl=0.003),
-    ("fp8_e4m3", "row"): dict(max_abs=0.25, kl=0.0015),
-    ("fp8_e5m2", "row"): dict(max_abs=0.35, kl=0.003),
+    ("fp8_e4m3", "row"): dict(max_abs=0.18, kl=0.001),
+    ("fp8_e5m2", "row"): dict(max_abs=0.35, kl=0.0035),
     ("int8", "auto"): dict(max_abs=INT8_MAX_ABS, kl=INT8_KL),
 }
 
