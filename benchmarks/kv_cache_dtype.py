@@ -1,16 +1,20 @@
 """8-bit KV caches against the model-dtype cache on the default model (docs/memory.md).
 
 Reports, for kv_cache_dtype auto and each of --dtypes (fp8_e4m3, fp8_e5m2, int8) in one
-process:
+process (a dtype may name its fp8 scales: ``fp8_e4m3@tensor`` is the per-layer scale 1.0
+of vLLM's fp8 cache, ``fp8_e4m3`` alone rows with their computed scales):
   * KV blocks at a fixed kv_cache_memory;
   * greedy agreement with the auto cache on 16 prompts (identical continuations, tokens
     before the first difference, positions equal), and over the prompts' own tokens the
     top-1 agreement and the largest per-position KL divergence of the next-token
     distributions (teacher-forced, so one early difference does not hide the rest);
-  * decode throughput at a batch of --batch sequences over --context-token prompts.
+  * decode throughput at a batch of --batch sequences over --context-token prompts, and
+    with --mixed a mixed workload (prompts of 32-512 tokens arriving while others
+    decode, chunked prefill): prompt + output tokens per second.
 
     python benchmarks/kv_cache_dtype.py [--batch 64 --context 192 --decode 16] [--dtypes int8]
     python benchmarks/kv_cache_dtype.py --rounds 5 --throughput auto,int8   # decode rates only, A B A B ...
+    python benchmarks/kv_cache_dtype.py --rounds 3 --mixed --throughput auto,fp8_e4m3,fp8_e4m3@tensor,int8
 """
 
 from __future__ import annotations
@@ -69,34 +73,65 @@ def decode_throughput(llm: LLM, args) -> float:
     return round(args.batch * steps / elapsed, 1)
 
 
-def make_llm(cd: str, args) -> LLM:
+def mixed_throughput(llm: LLM, args) -> float:
+    """Prompt + output tokens/s of --mixed-requests requests with prompts of 32-512 random tokens
+    and 8-48 output tokens, at most 16 running and a 512-token step budget, so that most
+    steps carry prefill chunks beside decodes."""
+    engine = llm.llm_engine
+    gen = torch.Generator().manual_seed(1)
+    total = 0
+    for i in range(args.mixed_requests):
+        n = int(torch.randint(32, 513, (1,), generator=gen))
+        out = int(torch.randint(8, 49, (1,), generator=gen))
+        ids = torch.randint(100, 40000, (n,), generator=gen).tolist()
+        engine.add_request(f"mx{i}", None, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True),
+                           prompt_token_ids=ids)  # fmt: skip
+        total += n + out
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return round(total / (time.perf_counter() - t0), 1)
+
+
+def make_llm(spec: str, args, mixed: bool = False) -> LLM:
+    """``spec``: a kv_cache_dtype, optionally ``@`` its kv_cache_scales (``fp8_e4m3@tensor``)."""
+    cd, _, scales = spec.partition("@")
+    budget = dict(max_num_seqs=16, max_num_batched_tokens=512) if mixed else dict(
+        max_num_batched_tokens=max(2048, args.batch * args.context))  # fmt: skip
     return LLM(
         None,
         dtype="bfloat16",
         kv_cache_dtype=cd,
+        kv_cache_scales=scales or "auto",
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=1024,
-        max_num_batched_tokens=max(2048, args.batch * args.context),
+        **budget,
     )
 
 
 def interleaved_throughput(args) -> None:
-    """Decode tok/s of each --throughput dtype, the engines held together and measured in
-    turn (A B C A B C ...) for --rounds rounds; the median of each, and the median of the
-    per-round ratios to the first dtype (a loaded machine's drift hits both sides)."""
+    """Decode tok/s (and with --mixed the mixed workload's tok/s) of each --throughput
+    dtype, the engines held together and measured in turn (A B C A B C ...) for --rounds
+    rounds; the median of each, and the median of the per-round ratios to the first dtype
+    (a loaded machine's drift hits both sides)."""
     names = args.throughput
-    llms = {cd: make_llm(cd, args) for cd in names}
-    rates: dict[str, list[float]] = {cd: [] for cd in names}
+    kinds = {"decode": (decode_throughput, False)}
+    if args.mixed:
+        kinds["mixed"] = (mixed_throughput, True)
+    llms = {(cd, kind): make_llm(cd, args, mixed) for cd in names for kind, (_, mixed) in kinds.items()}
+    rates: dict[tuple[str, str], list[float]] = {key: [] for key in llms}
     for r in range(args.rounds):
-        for cd in names:
-            rates[cd].append(decode_throughput(llms[cd], args))
-        print(f"round {r + 1}: " + ", ".join(f"{cd} {rates[cd][-1]}" for cd in names), flush=True)
+        for kind, (measure, _) in kinds.items():
+            for cd in names:
+                rates[cd, kind].append(measure(llms[cd, kind], args))
+            print(f"round {r + 1} {kind}: " + ", ".join(f"{cd} {rates[cd, kind][-1]}" for cd in names), flush=True)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     base = names[0]
-    for cd in names:
-        ratios = [a / b for a, b in zip(rates[cd], rates[base])]
-        print(f"{cd}: median {med(rates[cd])} tok/s; per-round ratio to {base} median {med(ratios):.2f} "
-              f"(min {min(ratios):.2f}, max {max(ratios):.2f})", flush=True)  # fmt: skip
+    for kind in kinds:
+        for cd in names:
+            ratios = [a / b for a, b in zip(rates[cd, kind], rates[base, kind])]
+            print(f"{kind} {cd}: median {med(rates[cd, kind])} tok/s; per-round ratio to {base} median "
+                  f"{med(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f})", flush=True)  # fmt: skip
     for llm in llms.values():
         llm.shutdown()
 
@@ -126,6 +161,8 @@ def main() -> None:
     p.add_argument("--dtypes", default="fp8_e4m3,fp8_e5m2,int8", help="quantized cache dtypes compared with auto")
     p.add_argument("--throughput", default="auto,fp8_e4m3,int8", help="cache dtypes whose decode rate is measured")
     p.add_argument("--rounds", type=int, default=0, help="only the decode rates, interleaved over this many rounds")
+    p.add_argument("--mixed", action="store_true", help="with --rounds: also the mixed workload's rates")
+    p.add_argument("--mixed-requests", type=int, default=32, help="requests of the mixed workload")
     args = p.parse_args()
     args.forced = None
     args.throughput = args.throughput.split(",")

@@ -99,6 +99,10 @@ def simulate(
         "0.92",
         "--kv-cache-dtype",
         kv_cache_dtype,
+        # vLLM's fp8 KV cache: one scale per layer, 1 byte per value (pagedserve's default
+        # keeps a scale per row).
+        "--kv-cache-scales",
+        "tensor" if kv_cache_dtype != "auto" else "auto",
     ]
     args = build_parser(argv).parse_args(argv)
     return _simulate(build_plan(args), args)[1]["tokens_per_s"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -498,6 +499,24 @@ class CacheConfig:
             flag="--kv-cache-dtype",
         ),
     )
+    kv_cache_scales: str = field(
+        default="auto",
+        metadata=_help(
+            "scales of an fp8 KV cache: row (a float32 scale per token and KV head, computed on write and kept "
+            "in the block), tensor (one per layer: the checkpoint's k_scale/v_scale or --quantization-param-path, "
+            "else 1.0; twice the blocks of bf16) or auto (tensor when per-layer scales are given, else row); "
+            "int8 always uses row scales (docs/memory.md)",
+            choices=["auto", "row", "tensor"],
+        ),
+    )
+    quantization_param_path: str | None = field(
+        default=None,
+        metadata=_help(
+            "a JSON file of per-layer fp8 KV cache scales (older vLLM's kv_cache_scales format: "
+            '{"kv_cache": {"scaling_factor": {"TP_RANK": {"LAYER": SCALE}}}}), used with kv_cache_scales '
+            "tensor or auto"
+        ),
+    )
     kv_offload_memory: int | str | None = field(
         default=None,
         metadata=_help(
@@ -551,6 +570,7 @@ class CacheConfig:
                 f"kv_cache_dtype={self.cache_dtype!r} is not implemented: the quantized KV caches are "
                 "'fp8_e4m3' (alias 'fp8'), 'fp8_e5m2' and 'int8'"
             )
+        self._check_kv_scales()
         if self.kv_offload_memory is not None:
             self.kv_offload_memory = parse_memory(self.kv_offload_memory, "kv_offload_memory")
         self.kv_connector_memory = parse_memory(self.kv_connector_memory, "kv_connector_memory")
@@ -568,6 +588,25 @@ class CacheConfig:
                 f"model's dtype or an 8-bit type, so cache_dtype must be 'auto' or one of "
                 f"{', '.join(repr(n) for n in _CACHE_DTYPES[1:])}"
             )
+
+    def _check_kv_scales(self) -> None:
+        if self.kv_cache_scales not in ("auto", "row", "tensor"):
+            raise ValueError(f"kv_cache_scales must be 'auto', 'row' or 'tensor', got {self.kv_cache_scales!r}")
+        fp8 = self.cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2")
+        if self.kv_cache_scales == "tensor" and not fp8:
+            raise ValueError(
+                f"kv_cache_scales='tensor' applies to an fp8 KV cache, not kv_cache_dtype={self.cache_dtype!r} "
+                "(int8 always keeps a scale per row); use kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2'"
+            )
+        if self.quantization_param_path is not None:
+            if not fp8 or self.kv_cache_scales == "row":
+                raise ValueError(
+                    "quantization_param_path gives per-layer fp8 KV cache scales: it needs kv_cache_dtype "
+                    f"'fp8_e4m3' or 'fp8_e5m2' and kv_cache_scales 'tensor' or 'auto' (got {self.cache_dtype!r}, "
+                    f"{self.kv_cache_scales!r})"
+                )
+            if not os.path.isfile(self.quantization_param_path):
+                raise ValueError(f"quantization_param_path {self.quantization_param_path!r} is not a file")
 
 
 @dataclass

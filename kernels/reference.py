@@ -8,17 +8,24 @@ fallback on platforms without a native kernel.
 Layout of one layer's KV cache (the reference layout):
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
 A slot is ``block_id * block_size + offset``; slot ``-1`` means "do not write".
-The cache's dtype is the model's, or an 8-bit float (a quantized KV cache,
-``torch.float8_e4m3fn`` or ``torch.float8_e5m2``): keys and values are written as
-:func:`quantize_kv` casts them (scale 1.0) and attention reads them as float32.
+The cache's dtype is the model's, or an 8-bit one (a quantized KV cache).  Rows of a
+quantized cache either carry their own scale or share a per-layer one:
 
-An int8 cache (``torch.int8``) keeps a scale with every row: its last dimension is
-``head_size + 4`` (:func:`kv_row_size`), the ``head_size`` int8 values followed by the
-4 bytes of a float32 scale (native byte order), so one (token, kv head) row is
-``q[0..head_size) * scale``.  The scale is computed on write, per token and head:
-``absmax(row) / 127`` (:func:`quantize_kv_int8`).  Keeping the scales inside the block
-means everything that moves blocks as bytes (copies, the host tier, hand-offs) moves
-them too.
+* **Row-scaled** (int8 always; ``torch.float8_e4m3fn``/``torch.float8_e5m2`` by
+  default): the last dimension is ``head_size + 4`` (:func:`kv_row_size`), the
+  ``head_size`` 8-bit values followed by the 4 bytes of a float32 scale (native byte
+  order), so one (token, kv head) row is ``q[0..head_size) * scale``.  The scale is
+  computed on write, per token and head: ``absmax(row) / 127`` for int8, ``absmax(row) /
+  the format's largest finite value`` for fp8 (:func:`quantize_kv_rows`).  Keeping the
+  scales inside the block means everything that moves blocks as bytes (copies, the host
+  tier, hand-offs, connectors) moves them too.  A cache is row-scaled exactly when its
+  rows are ``head_size + 4`` wide (:func:`kv_rows_scaled`).
+* **Unscaled fp8** (rows ``head_size`` wide): keys and values are written as
+  :func:`quantize_kv` casts them (saturating, scale 1.0).  A per-layer scale (a
+  checkpoint's ``k_scale``/``v_scale``) is applied around the ops, not inside them
+  (pagedserve.models.layers.paged_attention).
+
+Attention reads every cache as float32 (:func:`dequantize_kv`).
 
 The quantized linear ops (``gguf_linear``, ``int8_linear``, ``w8a8_linear``,
 ``fp8_linear``) take a weight in its stored format; the formats and the computation are
@@ -36,9 +43,12 @@ __all__ = [
     "paged_attention",
     "quantize_kv",
     "quantize_kv_int8",
+    "quantize_kv_rows",
     "dequantize_kv",
+    "kv_rows_scaled",
     "kv_row_size",
     "INT8_KV_SCALE_BYTES",
+    "KV_SCALE_BYTES",
     "QUANTIZED_KV_TORCH_DTYPES",
     "mla_paged_attention",
     "SCALED_KV_TORCH_DTYPES",
@@ -84,34 +94,68 @@ __all__ = [
 
 #: The 8-bit float KV cache dtypes (a platform declares the ones it reads).
 QUANTIZED_KV_TORCH_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
-#: KV cache dtypes whose rows carry a float32 scale after the values (head_size + 4 wide).
+#: KV cache dtypes whose rows always carry a float32 scale after the values (head_size + 4
+#: wide); an 8-bit float cache carries one when its rows are that wide (kv_rows_scaled).
 SCALED_KV_TORCH_DTYPES: tuple[torch.dtype, ...] = (torch.int8,)
-#: Bytes of the per-row scale of a scaled (int8) KV cache: one float32.
-INT8_KV_SCALE_BYTES = 4
+#: Bytes of the per-row scale of a row-scaled KV cache: one float32.
+KV_SCALE_BYTES = 4
+INT8_KV_SCALE_BYTES = KV_SCALE_BYTES
 
 
-def kv_row_size(head_size: int, dtype: torch.dtype) -> int:
-    """The last dimension of a KV cache of ``dtype`` for ``head_size``: ``head_size``, or
-    ``head_size + 4`` for an int8 cache (the row's float32 scale rides along)."""
-    return head_size + INT8_KV_SCALE_BYTES if dtype in SCALED_KV_TORCH_DTYPES else head_size
+def kv_row_size(head_size: int, dtype: torch.dtype, scaled: bool | None = None) -> int:
+    """The last dimension of a KV cache of ``dtype`` for ``head_size``: ``head_size + 4``
+    for a row-scaled cache (the row's float32 scale rides along), else ``head_size``.
+    ``scaled``: whether an 8-bit float cache is row-scaled (None: yes, the default); an
+    int8 cache always is, other dtypes never."""
+    if dtype in SCALED_KV_TORCH_DTYPES:
+        if scaled is False:
+            raise ValueError("an int8 KV cache always carries a scale per row")
+        return head_size + KV_SCALE_BYTES
+    if dtype in QUANTIZED_KV_TORCH_DTYPES and scaled is not False:
+        return head_size + KV_SCALE_BYTES
+    return head_size
+
+
+def kv_rows_scaled(cache: torch.Tensor, head_size: int) -> bool:
+    """Whether the rows of KV ``cache`` ``[..., row]`` carry a float32 scale: an int8 cache
+    (whose rows must then be ``head_size + 4`` wide), or an 8-bit float one whose rows
+    are ``head_size + 4`` wide."""
+    row = cache.shape[-1]
+    if cache.dtype in SCALED_KV_TORCH_DTYPES:
+        if row != head_size + KV_SCALE_BYTES:
+            raise ValueError(f"int8 KV rows must be head_size + 4 = {head_size + 4} wide, got {row}")
+        return True
+    return cache.dtype in QUANTIZED_KV_TORCH_DTYPES and row == head_size + KV_SCALE_BYTES
 
 
 def quantize_kv_int8(x: torch.Tensor) -> torch.Tensor:
     """Rows ``x [..., d]`` -> int8 ``[..., d + 4]``: per row ``s = absmax(x) / 127`` (float32),
     the values ``round_half_even(x / s)`` (within [-127, 127]; all zero when ``s == 0``),
     then the 4 bytes of ``s``."""
+    return quantize_kv_rows(x, torch.int8)
+
+
+def quantize_kv_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``x [..., d]`` -> ``dtype`` ``[..., d + 4]`` (int8 or an 8-bit float): per row
+    ``s = absmax(x) / top`` in float32, ``top`` 127 for int8 or the format's largest finite
+    value (448 for e4m3, 57344 for e5m2); the values ``x / s`` (float32 division) rounded
+    to nearest even into ``dtype`` and clamped to [-top, top] (all zero when ``s == 0``),
+    then the 4 bytes of ``s``."""
+    top = 127.0 if dtype == torch.int8 else torch.finfo(dtype).max
     xf = x.float()
-    s = xf.abs().amax(dim=-1, keepdim=True) / 127.0
-    q = torch.where(s > 0, xf / s, torch.zeros_like(xf)).round_().clamp_(-127, 127).to(torch.int8)
-    return torch.cat([q, s.contiguous().view(torch.int8)], dim=-1)
+    s = xf.abs().amax(dim=-1, keepdim=True) / top
+    y = torch.where(s > 0, xf / s, torch.zeros_like(xf))
+    if dtype == torch.int8:
+        q = y.round_().clamp_(-top, top).to(torch.int8)
+    else:
+        q = y.clamp_(-top, top).to(dtype)
+    return torch.cat([q, s.contiguous().view(dtype)], dim=-1)
 
 
 def dequantize_kv(rows: torch.Tensor, head_size: int) -> torch.Tensor:
-    """The float32 values ``[..., head_size]`` of KV cache rows ``[..., kv_row_size]`` (an
-    int8 cache's ``q * s``; any other dtype widened exactly)."""
-    if rows.dtype in SCALED_KV_TORCH_DTYPES:
-        if rows.shape[-1] != head_size + INT8_KV_SCALE_BYTES:
-            raise ValueError(f"int8 KV rows must be head_size + 4 = {head_size + 4} wide, got {rows.shape[-1]}")
+    """The float32 values ``[..., head_size]`` of KV cache rows ``[..., kv_row_size]`` (a
+    row-scaled cache's ``q * s``; any other dtype widened exactly)."""
+    if kv_rows_scaled(rows, head_size):
         s = rows[..., head_size:].contiguous().view(torch.float32)
         return rows[..., :head_size].float() * s
     return rows.float()
@@ -139,8 +183,9 @@ def reshape_and_cache(
     key, value: [num_tokens, num_kv_heads, head_size]
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: int64 [num_tokens]; -1 skips the token (e.g. padding).
-    An 8-bit float cache stores :func:`quantize_kv` of the keys and values; an int8
-    cache ``[..., head_size + 4]`` stores :func:`quantize_kv_int8` of each row.
+    A row-scaled cache ``[..., head_size + 4]`` (int8, or an 8-bit float one that wide)
+    stores :func:`quantize_kv_rows` of each row; an unscaled 8-bit float cache stores
+    :func:`quantize_kv` of the keys and values.
     """
     block_size = key_cache.shape[1]
     valid = slot_mapping >= 0
@@ -149,9 +194,9 @@ def reshape_and_cache(
     # (block, offset) indexing rather than a flat view: a platform may hand in caches
     # whose storage is not token-major (the CPU platform's are head-major views).
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    if key_cache.dtype in SCALED_KV_TORCH_DTYPES:
-        key_cache.index_put_((blocks, offsets), quantize_kv_int8(key))
-        value_cache.index_put_((blocks, offsets), quantize_kv_int8(value))
+    if kv_rows_scaled(key_cache, key.shape[-1]):
+        key_cache.index_put_((blocks, offsets), quantize_kv_rows(key, key_cache.dtype))
+        value_cache.index_put_((blocks, offsets), quantize_kv_rows(value, value_cache.dtype))
         return
     key_cache.index_put_((blocks, offsets), quantize_kv(key, key_cache.dtype))
     value_cache.index_put_((blocks, offsets), quantize_kv(value, value_cache.dtype))
@@ -179,8 +224,8 @@ def paged_attention(
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
         (already holding the keys/values of the new tokens), in query's dtype or an
         8-bit float (a quantized cache: its values are read exactly, as float32), or
-        int8 ``[..., head_size + 4]`` read as ``q * scale`` in float32
-        (:func:`dequantize_kv`).
+        row-scaled int8 or 8-bit float ``[..., head_size + 4]`` read as ``q * scale``
+        in float32 (:func:`dequantize_kv`).
     block_tables: int32 [num_seqs, max_blocks]
     seq_lens: int32 [num_seqs], context length including the new tokens.
     query_start_loc: int32 [num_seqs + 1]

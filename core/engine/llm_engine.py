@@ -34,7 +34,7 @@ from pagedserve.engine.stats import EngineStats, StepCounters
 from pagedserve.engine.step_hooks import SpecDecodeHook, StepHook, TraceHook
 from pagedserve.engine.step_trace import StepTrace
 from pagedserve.executor.executor import create_executor
-from pagedserve.executor.model_runner import check_cache_dtype, resolve_dtype
+from pagedserve.executor.model_runner import check_cache_dtype, check_kv_scales, resolve_dtype
 from pagedserve.kv_cache.sliding_window import uniform_window
 from pagedserve.loader import open_model
 from pagedserve.loader.generation_config import load_generation_defaults
@@ -99,6 +99,7 @@ class LLMEngine:
         draft_source = check_draft_model(config, self.arch, mml)  # before any weights load
         self.dtype = resolve_dtype(config.model.dtype, self.platform)
         check_cache_dtype(config.cache.cache_dtype, self.dtype, [self.platform])
+        check_kv_scales(config.cache, self.arch.architecture)  # latent attention: unscaled rows only
         # Linear weights load quantized when config.model.quantization or the checkpoint asks.
         source = self.model_source = quantize_source(
             source,

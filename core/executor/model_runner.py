@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -29,11 +30,15 @@ from pagedserve.offload.kv_tier import allocate_host_kv_cache, apply_kv_transfer
 from pagedserve.platforms import OpRegistry, Platform
 from pagedserve.scheduler import SchedulerOutput
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "ModelRunner",
     "StepOutput",
     "resolve_dtype",
     "check_cache_dtype",
+    "check_kv_scales",
+    "load_kv_scale_file",
     "kv_bytes_per_block",
     "kv_cache_torch_dtype",
     "draft_kv_blocks",
@@ -78,16 +83,59 @@ def kv_cache_torch_dtype(cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     return getattr(torch, kv_dtype.kv_cache_dtype(cache_dtype, dtype_name(dtype)))
 
 
-def kv_bytes_per_block(cfg: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over ``cfg``'s layers (an int8 cache's row scales included)."""
+def kv_bytes_per_block(cfg: ArchConfig, block_size: int, dtype: torch.dtype, row_scaled: bool | None = None) -> int:
+    """Bytes of one KV block over ``cfg``'s layers (a row-scaled cache's scales included)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * kv_row_size(cfg.head_dim, dtype) * elem
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * kv_row_size(cfg.head_dim, dtype, row_scaled) * elem
 
 
-def kv_row_size(head_dim: int, dtype: torch.dtype) -> int:
+def kv_row_size(head_dim: int, dtype: torch.dtype, row_scaled: bool | None = None) -> int:
     """The last dimension of a KV cache of ``dtype``: ``head_dim``, or ``head_dim + 4`` for
-    int8 (each row's float32 scale; pagedserve.kv_cache.kv_dtype)."""
-    return kv_dtype.kv_row_size(head_dim, dtype_name(dtype))
+    a row-scaled cache (int8; fp8 unless ``row_scaled`` is False: each row's float32
+    scale; pagedserve.kv_cache.kv_dtype)."""
+    return kv_dtype.kv_row_size(head_dim, dtype_name(dtype), row_scaled)
+
+
+def check_kv_scales(cache: CacheConfig, architecture: str) -> None:
+    """ValueError, before weights load, for a row-scaled KV cache with a model family
+    whose attention reads no row scales (latent attention: DeepSeek V2/V3)."""
+    if getattr(resolve_model_class(architecture), "row_scaled_kv", True):
+        return
+    name = kv_dtype.canonical_kv_dtype(cache.cache_dtype)
+    if name == "int8" or (name in ("fp8_e4m3", "fp8_e5m2") and cache.kv_cache_scales == "row"):
+        raise ValueError(
+            f"kv_cache_dtype={cache.cache_dtype!r} with row scales cannot serve {architecture}: its latent "
+            "attention reads no per-row scales; use an fp8 kv_cache_dtype with kv_cache_scales='tensor' or "
+            "'auto', or kv_cache_dtype='auto'"
+        )
+
+
+def load_kv_scale_file(path: str, tp_rank: int, num_layers: int) -> dict[int, tuple[float, float]]:
+    """Per-layer (k_scale, v_scale) from an older vLLM ``kv_cache_scales`` JSON file
+    (``{"kv_cache": {"scaling_factor": {"TP_RANK": {"LAYER": SCALE}}}}``: one scale for
+    keys and values alike); this rank's entry, else rank 0's."""
+    import json
+
+    with open(path) as f:
+        try:
+            doc = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"quantization_param_path {path!r} is not JSON: {e}") from None
+    try:
+        by_rank = doc["kv_cache"]["scaling_factor"]
+        table = by_rank.get(str(tp_rank), by_rank.get("0", by_rank.get(0)))
+        if not isinstance(table, dict):
+            raise KeyError(str(tp_rank))
+        scales = {int(layer): float(v) for layer, v in table.items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(
+            f"quantization_param_path {path!r} has no kv_cache.scaling_factor table of per-layer scales "
+            f"for tensor-parallel rank {tp_rank} or 0 ({type(e).__name__}: {e})"
+        ) from None
+    bad = [f"{layer}: {v}" for layer, v in scales.items() if not 0 < v < float("inf") or not 0 <= layer < num_layers]
+    if bad:
+        raise ValueError(f"quantization_param_path {path!r}: invalid layers or scales ({', '.join(bad[:5])})")
+    return {layer: (v, v) for layer, v in scales.items()}
 
 
 def draft_kv_blocks(target: ModelRunner, draft: ModelRunner) -> int:
@@ -144,6 +192,11 @@ class ModelRunner:
         #: The KV cache's dtype: the model's, or an 8-bit float (set from the cache
         #: config by determine_num_blocks).
         self.kv_dtype = dtype
+        #: Whether the KV cache's rows carry a float32 scale each (int8; fp8 by
+        #: kv_cache_scales), and the per-layer (k, v) scales of a tensor-scaled fp8 cache
+        #: (None: none, or 1.0); set by determine_num_blocks.
+        self.kv_row_scaled = False
+        self.kv_layer_scales: dict[int, tuple[float, float]] | None = None
         self.device = platform.device
         self.parallel = parallel
         self.max_model_len = max_model_len
@@ -262,6 +315,7 @@ class ModelRunner:
         platforms = list({id(p): p for p in self.layer_platforms}.values())
         check_cache_dtype(cache.cache_dtype, self.dtype, platforms)  # each segment's platform
         self.kv_dtype = kv_cache_torch_dtype(cache.cache_dtype, self.dtype)
+        self._resolve_kv_scales(cache)
         windows = getattr(self.model, "windows", None) or [None] * self.arch.num_layers
         groups = kv_cache_groups(windows, cache.free_sliding_window_blocks)
         has_state = any(g.is_state for g in groups)
@@ -296,6 +350,30 @@ class ModelRunner:
                 "memory_utilization or lower max_model_len"
             )
         return int(num_blocks)
+
+    def _resolve_kv_scales(self, cache: CacheConfig) -> None:
+        """Row scales or per-layer scales for the KV cache (pagedserve.kv_cache.kv_dtype):
+        per-layer ones come from ``quantization_param_path``, else the checkpoint."""
+        given: dict[int, tuple[float, float]] | None = None
+        if cache.quantization_param_path is not None:
+            tp_rank = self.parallel.tp_rank if self.parallel is not None else 0
+            given = load_kv_scale_file(cache.quantization_param_path, tp_rank, self.arch.num_layers)
+        elif getattr(self.model, "checkpoint_kv_scales", None):
+            given = {}
+            for layer, (k, v) in self.model.checkpoint_kv_scales.items():
+                if k is None or v is None:
+                    raise ValueError(f"the checkpoint has only one of k_scale and v_scale for layer {layer}")
+                given[layer] = (k, v)
+        if not getattr(self.model, "row_scaled_kv", True) and cache.kv_cache_scales == "auto":
+            mode = "tensor"  # latent attention reads unscaled rows only
+        else:
+            mode = cache.kv_cache_scales
+        self.kv_row_scaled, self.kv_layer_scales = kv_dtype.resolve_kv_scales(mode, dtype_name(self.kv_dtype), given)
+        if given and self.kv_row_scaled and self.kv_dtype.is_floating_point and self.kv_dtype.itemsize == 1:
+            logger.info("fp8 KV cache with row scales computed on write: the per-layer k/v scales given are not used")
+        if self.kv_layer_scales is not None and not getattr(self.model, "row_scaled_kv", True):
+            raise ValueError("per-layer KV cache scales are not applied by latent attention (DeepSeek V2/V3)")
+        self.model.kv_scales = self.kv_layer_scales
 
     def _kv_budget(self, cache: CacheConfig, sched: SchedulerConfig) -> tuple[int, int, int, str]:
         """(KV bytes, bytes per block, blocks, " on <platforms>") in the current layout."""
@@ -350,7 +428,7 @@ class ModelRunner:
             budget = int(platform.total_memory() * util) - sum(w for _, w in members) - act
             num_layers = sum(s.num_layers for s, _ in members) if self.layer_slots is None else self.num_kv_tensors
             layers = replace(self.local_arch, num_layers=num_layers)
-            per_block = kv_bytes_per_block(layers, cache.block_size, self.kv_dtype)
+            per_block = kv_bytes_per_block(layers, cache.block_size, self.kv_dtype, self.kv_row_scaled)
             if best is None or budget // per_block < best[0] // best[1]:
                 names = ", ".join(dict.fromkeys(s.platform.name for s, _ in members))
                 best = (budget, per_block, f" on {names}" if len(self.segments) > 1 else "")
@@ -364,7 +442,11 @@ class ModelRunner:
         platforms = self.layer_platforms if self.layer_slots is None else self.slot_platforms
         self.kv_caches = [
             platform.allocate_kv_cache(
-                num_blocks, block_size, a.num_kv_heads, kv_row_size(a.head_dim, self.kv_dtype), self.kv_dtype
+                num_blocks,
+                block_size,
+                a.num_kv_heads,
+                kv_row_size(a.head_dim, self.kv_dtype, self.kv_row_scaled),
+                self.kv_dtype,
             )
             for platform in platforms
         ]
@@ -381,7 +463,8 @@ class ModelRunner:
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes of one KV block over this rank's layers (its KV heads, its stage), or
         over its slots with KV cache groups."""
-        return kv_bytes_per_block(replace(self.local_arch, num_layers=self.num_kv_tensors), block_size, self.kv_dtype)
+        layers = replace(self.local_arch, num_layers=self.num_kv_tensors)
+        return kv_bytes_per_block(layers, block_size, self.kv_dtype, self.kv_row_scaled)
 
     def allocate_host_kv_cache(self, num_host_blocks: int) -> None:
         """The host KV tier's blocks: per layer a (key, value) pair in host memory, in
@@ -392,7 +475,7 @@ class ModelRunner:
             num_host_blocks,
             self.block_size,
             a.num_kv_heads,
-            kv_row_size(a.head_dim, self.kv_dtype),
+            kv_row_size(a.head_dim, self.kv_dtype, self.kv_row_scaled),
             self.kv_dtype,
         )
         self.num_host_blocks = num_host_blocks
@@ -422,6 +505,12 @@ class ModelRunner:
                 f"KV blocks of dtype {str(kv.dtype).removeprefix('torch.')} cannot be written into this "
                 f"engine's {str(self.kv_dtype).removeprefix('torch.')} KV cache: both engines of a hand-off "
                 "need the same dtype and kv_cache_dtype"
+            )
+        if tuple(kv.shape[3:]) != tuple(views[0][0].shape[1:]):
+            raise ValueError(
+                f"KV blocks shaped {tuple(kv.shape[3:])} cannot be written into this engine's KV cache blocks "
+                f"{tuple(views[0][0].shape[1:])}: both engines of a hand-off need the same model, block size, "
+                "kv_cache_dtype and kv_cache_scales (rows with or without their scales)"
             )
         dst = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
         src = torch.tensor(list(rows), dtype=torch.int64, device=kv.device)
@@ -468,6 +557,7 @@ class ModelRunner:
             raise RuntimeError("the model runner is not asleep")
         weights = self._host_weights if self._host_weights is not None else reload()
         self.model = self._build_model()
+        self.model.kv_scales = self.kv_layer_scales
         with torch.inference_mode():
             # A vision side stays resident while asleep: only the language model reloads.
             self.model.load_weights(self._split_vision(weights, []))

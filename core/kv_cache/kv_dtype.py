@@ -1,20 +1,26 @@
 """KV cache dtypes: the model's dtype, or an 8-bit type the platform's attention reads.
 
 ``kv_cache_dtype`` ("auto", the model dtype's name, or one of :data:`QUANTIZED_KV_DTYPES`)
-becomes the torch dtype of every layer's key and value cache.  An fp8 cache holds the
-keys and values cast (round to nearest even, saturating at the format's largest finite
-value) with a per-layer scale of 1.0, vLLM's default when a checkpoint carries no
-``k_scale``/``v_scale``: e4m3 keeps 3 mantissa bits over [-448, 448], e5m2 2 bits over
-[-57344, 57344].  Checkpoint scales are not read (docs/memory.md).
+becomes the torch dtype of every layer's key and value cache.
 
-An ``int8`` cache keeps a float32 scale per token and KV head beside its values, inside
-the block: each row is ``head_dim`` int8 values then the scale's 4 bytes
-(:func:`kv_row_size`), the scale computed on write (``absmax / 127``;
-kernels/reference.py).  Blocks therefore move as plain bytes with their scales.
+Rows of a quantized cache carry their own scale (**row scales**, the default) or share
+a per-layer one (**tensor scales**, fp8 only), by ``kv_cache_scales``
+(:func:`resolve_kv_scales`):
+
+* ``row``: a float32 scale per token and KV head, computed on write, sits after the
+  row's values inside the block: each row is ``head_dim`` 8-bit values then the scale's
+  4 bytes (:func:`kv_row_size`), ``absmax / 127`` for int8, ``absmax / 448`` (e4m3) or
+  ``absmax / 57344`` (e5m2) for fp8 (kernels/reference.py, ``quantize_kv_rows``).
+  Blocks therefore move as plain bytes with their scales, and no value saturates.
+* ``tensor`` (fp8): rows of ``head_dim`` values cast with one scale per layer and for
+  keys and values each, vLLM's fp8 KV cache: the checkpoint's ``k_scale``/``v_scale``
+  (or a ``quantization_param_path`` JSON file), else 1.0 (values beyond the format's
+  range saturate).  Twice the blocks of a bf16 cache instead of ``2 d / (d + 4)`` times.
+* ``auto``: ``tensor`` when per-layer scales are given (checkpoint or file), else ``row``.
 
 A platform lists the names its attention implementations read in
-``Platform.kv_cache_dtypes`` (interface 1.5); the engine refuses any other before the
-weights load (:func:`check_kv_cache_dtype`).
+``Platform.kv_cache_dtypes`` (interface 1.5; an fp8 name means both layouts); the engine
+refuses any other before the weights load (:func:`check_kv_cache_dtype`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ __all__ = [
     "check_kv_cache_dtype",
     "kv_cache_dtype",
     "kv_row_size",
+    "KV_SCALE_MODES",
+    "resolve_kv_scales",
 ]
 
 #: The quantized KV cache dtypes pagedserve implements: canonical name -> the torch
@@ -38,10 +46,14 @@ QUANTIZED_KV_DTYPES: dict[str, str] = {
     "fp8_e5m2": "float8_e5m2",
     "int8": "int8",
 }
-#: Bytes of the float32 scale each row of an int8 KV cache carries after its values.
+#: Bytes of the float32 scale each row of a row-scaled KV cache carries after its values.
 KV_SCALE_BYTES = 4
-#: Torch dtype names of the KV caches whose rows carry that scale.
+#: Torch dtype names of the KV caches whose rows always carry that scale.
 SCALED_KV_DTYPES = frozenset({"int8"})
+#: Torch dtype names of the 8-bit float caches (row scales or a per-layer scale).
+FP8_KV_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
+#: ``kv_cache_scales`` values.
+KV_SCALE_MODES = ("auto", "row", "tensor")
 #: Other accepted spellings (vLLM's "fp8" is e4m3).
 KV_DTYPE_ALIASES: dict[str, str] = {"fp8": "fp8_e4m3"}
 
@@ -82,7 +94,26 @@ def kv_cache_dtype(name: str, model_dtype: str) -> str:
     return QUANTIZED_KV_DTYPES.get(canonical_kv_dtype(name), model_dtype)
 
 
-def kv_row_size(head_dim: int, torch_dtype_name: str) -> int:
+def kv_row_size(head_dim: int, torch_dtype_name: str, row_scaled: bool | None = None) -> int:
     """The last dimension of a KV cache whose torch dtype is named ``torch_dtype_name``:
-    ``head_dim``, or ``head_dim + 4`` for int8 (the row's float32 scale)."""
-    return head_dim + KV_SCALE_BYTES if torch_dtype_name in SCALED_KV_DTYPES else head_dim
+    ``head_dim + 4`` for a row-scaled cache (the row's float32 scale), else ``head_dim``.
+    ``row_scaled``: whether an fp8 cache has row scales (None: yes, the default); int8
+    always has, other dtypes never."""
+    if torch_dtype_name in SCALED_KV_DTYPES or (torch_dtype_name in FP8_KV_DTYPES and row_scaled is not False):
+        return head_dim + KV_SCALE_BYTES
+    return head_dim
+
+
+def resolve_kv_scales(
+    mode: str, torch_dtype_name: str, layer_scales: dict[int, tuple[float, float]] | None
+) -> tuple[bool, dict[int, tuple[float, float]] | None]:
+    """(whether the cache's rows carry their scales, the per-layer (k_scale, v_scale) to
+    apply around attention or None) for ``kv_cache_scales=mode``, the cache's torch dtype
+    name and the per-layer scales given (checkpoint or file; None: none given)."""
+    if torch_dtype_name in SCALED_KV_DTYPES:
+        return True, None
+    if torch_dtype_name not in FP8_KV_DTYPES:
+        return False, None
+    if mode == "row" or (mode == "auto" and not layer_scales):
+        return True, None
+    return False, layer_scales or None

@@ -14,7 +14,14 @@ import torch
 
 from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.models.arch_config import ArchConfig
-from pagedserve.models.layers import AttentionShape, LayerPlacement, MRotaryEmbedding, RotaryEmbedding, linear
+from pagedserve.models.layers import (
+    AttentionShape,
+    LayerPlacement,
+    MRotaryEmbedding,
+    RotaryEmbedding,
+    ScaledKVCache,
+    linear,
+)
 from pagedserve.models.rope import check_rope_scaling, mrope_interleaved, mrope_section
 from pagedserve.quantization.base import QuantizedWeight
 
@@ -134,6 +141,16 @@ class DecoderForCausalLM:
         #: (possibly absurd) max_position_embeddings.
         self.max_positions = min(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.rope = self.make_rope([pl.device for pl in placements])
+        #: A checkpoint's per-layer fp8 KV cache scales (``model.layers.N.self_attn.k_scale``
+        #: / ``.v_scale``, vLLM's names), [k, v] by model-wide layer; read while loading.
+        self.checkpoint_kv_scales: dict[int, list[float | None]] = {}
+        #: Per-layer (k_scale, v_scale) applied around attention for a tensor-scaled fp8
+        #: cache (set by the runner; None: none).
+        self.kv_scales: dict[int, tuple[float, float]] | None = None
+
+    #: Whether this family's attention reads row-scaled KV caches and per-layer scales
+    #: (every family through layers.paged_attention; not latent attention).
+    row_scaled_kv: ClassVar[bool] = True
 
     # -- family hooks -----------------------------------------------------------------------
     @classmethod
@@ -208,6 +225,8 @@ class DecoderForCausalLM:
         seen: set[str] = set()
         for name, tensor in weights:
             seen.add(name)
+            if self._kv_scale(name, tensor):
+                continue
             tensor = self._shard(name, tensor)
             if name == "model.embed_tokens.weight":
                 self.embed = self._param(tensor)
@@ -256,6 +275,26 @@ class DecoderForCausalLM:
                 raise ValueError("checkpoint lacks lm_head.weight and does not tie word embeddings")
             # Tied: the same tensor, or a copy when the last placement is on another device.
             self.lm_head = self.embed if self.head_device == self.device else self._param(self.embed, self.head_device)
+
+    def _kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Keep a checkpoint's per-layer KV cache scale (``model.layers.N.self_attn.k_scale``,
+        ``.v_scale``, or an older ``.kv_scale`` for both); False for any other tensor."""
+        parts = name.split(".")
+        if len(parts) != 5 or parts[:2] != ["model", "layers"] or parts[3] != "self_attn":
+            return False
+        if parts[4] not in ("k_scale", "v_scale", "kv_scale"):
+            return False
+        if tensor.numel() != 1:
+            raise ValueError(
+                f"{name} must hold one value (a per-layer KV cache scale), got shape {tuple(tensor.shape)}"
+            )
+        value = float(tensor.float().reshape(()))
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"{name} = {value} is not a positive finite KV cache scale")
+        pair = self.checkpoint_kv_scales.setdefault(int(parts[2]), [None, None])
+        for i in {"k_scale": (0,), "v_scale": (1,), "kv_scale": (0, 1)}[parts[4]]:
+            pair[i] = value
+        return True
 
     def _finish(self, idx: int, weights: dict[str, torch.Tensor]) -> None:
         local = idx - self.layer_start
@@ -529,7 +568,10 @@ class DecoderForCausalLM:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``layers`` (model-wide indices from ``first``) with the op registry ``ops``;
         every tensor on the same device."""
+        scales = self.kv_scales
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+            if scales is not None and first + i in scales:  # a tensor-scaled fp8 cache
+                kv = ScaledKVCache(kv[0], kv[1], *scales[first + i])
             # Each layer attends through its KV cache group's block tables (one group: meta).
             layer_meta = meta.for_layer(first + i)
             x, residual = self.layer_forward(ops, placement, first + i, layer, kv, x, residual, layer_meta)

@@ -127,6 +127,8 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
     #: Whether the checkpoint's rope rows pair adjacent dimensions (reordered at load).
     rope_interleaved = True
     linear_fields = ("q", "q_a", "q_b", "kv_a", "o", "gate_up", "down")
+    #: Latent attention reads unscaled cache rows only (no row scales, no per-layer scales).
+    row_scaled_kv = False
 
     @classmethod
     def kv_cache_heads(cls, hf: dict[str, Any]) -> int:

@@ -56,6 +56,7 @@ from pagedserve.models.gemma4_config import (
 )
 from pagedserve.models.layers import (
     RotaryEmbedding,
+    ScaledKVCache,
     fuse,
     gated_mlp,
     head_rms_norm,
@@ -355,11 +356,15 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
         has no DeepStack features (``deepstack`` is always None here)."""
         assert deepstack is None, "Gemma 4 takes no DeepStack features"
         kv_caches = list(kv_caches)
+        scales = self.kv_scales
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
             index = first + i
             src = self.kv_sources[index]
             if src is not None:
                 kv = kv_caches[src - first]
+            owner = index if src is None else src
+            if scales is not None and owner in scales:  # a tensor-scaled fp8 cache: the owner's scales
+                kv = ScaledKVCache(kv[0], kv[1], *scales[owner])
             layer_meta = meta.for_layer(index if src is None else src)
             x, residual = self.layer_forward(ops, placement, index, layer, kv, x, residual, layer_meta)
         return x, residual

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "LayerPlacement",
+    "ScaledKVCache",
     "AttentionShape",
     "RotaryEmbedding",
     "fuse",
@@ -189,6 +190,16 @@ def paged_attention(
     whose attention op lacks them still serves every model that does not use them.
     """
     k_cache, v_cache = kv_cache
+    k_scale = v_scale = 1.0
+    if isinstance(kv_cache, ScaledKVCache):
+        # One scale per layer (a tensor-scaled fp8 cache): the cache holds k / k_scale and
+        # v / v_scale, so q.k = k_scale * (q.k_stored) and the output is v_scale times the
+        # attention over the stored values; the kernels stay those of an unscaled cache.
+        k_scale, v_scale = kv_cache.k_scale, kv_cache.v_scale
+        if k_scale != 1.0:
+            k = k.float() / k_scale
+        if v_scale != 1.0:
+            v = v.float() / v_scale
     ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     extra: dict[str, Any] = {}
     if sliding_window is not None:
@@ -200,9 +211,25 @@ def paged_attention(
     if meta.key_ends is not None:
         extra["key_ends"] = meta.key_ends
     out = ops.paged_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, **extra
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * k_scale, **extra
     )
+    if v_scale != 1.0:
+        out = out * v_scale
     return out.view(q.shape[0], -1)
+
+
+class ScaledKVCache(tuple):
+    """One layer's (key_cache, value_cache) with the per-layer scales of a tensor-scaled
+    fp8 cache: the cache stores ``k / k_scale`` and ``v / v_scale`` (vLLM's fp8 KV
+    cache with a checkpoint's ``k_scale``/``v_scale``)."""
+
+    k_scale: float
+    v_scale: float
+
+    def __new__(cls, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: float, v_scale: float):
+        self = super().__new__(cls, (key_cache, value_cache))
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
+        return self
 
 
 #: transformers' ``hidden_act`` names of the gated MLPs implemented here.

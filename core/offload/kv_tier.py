@@ -157,6 +157,8 @@ def _connector_manager(config: EngineConfig, num_blocks: int, runner) -> Connect
     extra = {
         "dtype": str(runner.dtype),
         "kv_cache_dtype": cache.cache_dtype,
+        # Blocks written with other per-layer scales hold other values (row scales ride in the rows).
+        "kv_layer_scales": sorted((runner.kv_layer_scales or {}).items()),
         "block_size": cache.block_size,
         "quantization": model.quantization,
         "tensors": [(str(t.dtype), tuple(t.shape[1:])) for layer in views for t in layer],

@@ -37,6 +37,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
         help="KV cache dtype",
     )
+    g.add_argument(
+        "--kv-cache-scales",
+        default="auto",
+        choices=["auto", "row", "tensor"],
+        help="fp8 KV cache scales: row (a float32 scale per row, the engine's default) or tensor (per layer)",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -151,6 +157,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         enable_prefix_caching=args.enable_prefix_caching,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         cache_dtype=args.kv_cache_dtype,
+        kv_cache_scales=getattr(args, "kv_cache_scales", "auto"),
         kv_offload_memory=args.kv_offload_memory,
         preemption_mode=args.preemption_mode,
         cpu_offload_gb=args.cpu_offload_gb,
@@ -172,7 +179,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         spec,
         hw,
         dtype=dtype,
-        kv_dtype_bytes=_kv_dtype_bytes(args.kv_cache_dtype, spec.head_dim),
+        kv_dtype_bytes=_kv_dtype_bytes(args.kv_cache_dtype, spec.head_dim, getattr(args, "kv_cache_scales", "auto")),
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         block_size=args.block_size,
@@ -250,9 +257,12 @@ def _num_device_blocks(
     return int(budget // per_block)
 
 
-def _kv_dtype_bytes(name: str, head_dim: int) -> float | None:
-    """Bytes per cached value of ``--kv-cache-dtype``: None (the model's dtype), 1 for fp8,
-    1 + 4 / head_dim for int8 (each row's float32 scale rides in the block)."""
+def _kv_dtype_bytes(name: str, head_dim: int, scales: str = "auto") -> float | None:
+    """Bytes per cached value of ``--kv-cache-dtype``: None (the model's dtype), 1 + 4 /
+    head_dim for a row-scaled cache (int8, and fp8 unless ``scales`` is "tensor": each
+    row's float32 scale rides in the block; "auto" prices row scales, the engine's choice
+    without a checkpoint's per-layer scales), 1 for fp8 with per-layer scales."""
     if name == "auto":
         return None
-    return kv_row_size(head_dim, "int8") / head_dim if name == "int8" else 1.0
+    torch_name = "int8" if name == "int8" else "float8_e4m3fn"
+    return kv_row_size(head_dim, torch_name, scales != "tensor") / head_dim

@@ -654,13 +654,21 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
     # written by its own reshape_and_cache, read by its paged_attention, against the
     # reference write and attention on the same inputs.  An int8 cache's rows are
     # head_size + 4 wide (values, then the row's float32 scale).
+    # An fp8 name covers both of its layouts: rows with their scales (the default) and
+    # unscaled rows (kv_cache_scales="tensor").
+    variants = []
     for kv_name in getattr(t.platform, "kv_cache_dtypes", ()):
+        variants.append((kv_name, True))
+        if kv_name.startswith("fp8"):
+            variants.append((kv_name, False))
+    for kv_name, row_scaled in variants:
         kv_dtype = _KV8_DTYPES.get(kv_name)
         for block_size, heads, kv_heads, head in [(16, 8, 2, 64), (16, 4, 1, 128)]:
-            desc = f"kv-{kv_name}-bs{block_size}-h{heads}kv{kv_heads}-d{head}"
+            layout = "-rows" if row_scaled and kv_name.startswith("fp8") else ""
+            desc = f"kv-{kv_name}{layout}-bs{block_size}-h{heads}kv{kv_heads}-d{head}"
 
             def body(block_size=block_size, heads=heads, kv_heads=kv_heads, head=head, desc=desc, kv_dtype=kv_dtype,
-                     kv_name=kv_name) -> None:  # fmt: skip
+                     kv_name=kv_name, row_scaled=row_scaled) -> None:  # fmt: skip
                 if kv_dtype is None:
                     raise AssertionError(f"the platform declares an unknown KV cache dtype {kv_name!r}")
                 c = _Case(f"paged_attention{desc}{dtype}", seed, t.device)
@@ -671,8 +679,8 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
                 flat = num_blocks * block_size
                 keys = kc.reshape(flat, kv_heads, head)[slots] * 8  # beyond e4m3's range now and then
                 values = vc.reshape(flat, kv_heads, head)[slots]
-                row = reference.kv_row_size(head, kv_dtype)
-                if kv_dtype == torch.int8:  # a few rows with an outlier: their scale only grows
+                row = reference.kv_row_size(head, kv_dtype, row_scaled)
+                if row_scaled:  # a few rows with an outlier (beyond e4m3's range): their scale only grows
                     keys[::5, :, 0] *= 20
                 ref_shape = (*kc.shape[:3], row)
                 rk = torch.zeros(ref_shape, dtype=torch.float32).to(kv_dtype)
@@ -689,13 +697,14 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
                     written = pkc.cpu().view(torch.uint8)[tables.flatten().long()]
                     assert torch.equal(written, rk.view(torch.uint8)[tables.flatten().long()]), (
                         "reshape_and_cache into an 8-bit cache stored other bytes than the reference's "
-                        "(quantize_kv, or quantize_kv_int8 for int8)"
+                        "(quantize_kv_rows for rows with their scales, quantize_kv for unscaled fp8)"
                     )
                 args = (c.dev(query), pkc, pvc, c.dev(tables), c.dev(seq_lens), c.dev(qsl), scale)
                 out = torch.full(query.shape, NAN, dtype=dtype, device=t.device)
                 got = fn(*args, out=out)
-                assert_matches(f"paged_attention over a KV cache of {kv_name}", got, want, dtype)
-                assert_matches(f"paged_attention out over a KV cache of {kv_name} (NaN-poisoned)", out, want, dtype)
+                what = f"a KV cache of {kv_name}" + (" with row scales" if row_scaled else " without scales")
+                assert_matches(f"paged_attention over {what}", got, want, dtype)
+                assert_matches(f"paged_attention out over {what} (NaN-poisoned)", out, want, dtype)
 
             yield desc, body
 

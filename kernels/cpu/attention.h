@@ -260,7 +260,7 @@ struct Attention {
   static constexpr int CH = acc_chunk(NV, Isa::kMaxAccRegs / kGroupTile);
   static_assert(D % W == 0, "head size must be a multiple of the vector width");
 
-  // Elements of one K or V row in the cache (an int8 row ends with its float32 scale).
+  // Elements of one K or V row in the cache (a row-scaled row ends with its float32 scale).
   static constexpr int kRowElems = D + (kRowScaled<KT> ? 4 : 0);
   // Cache lines of one K or V row.
   static constexpr int kRowLines = (kRowElems * int(sizeof(KT)) + 63) / 64;
@@ -270,8 +270,8 @@ struct Attention {
   // keys and from 1530 to 1185 at 32 x 1000 (same process, alternating, medians);
   // leads of 128 to 384 lines measured alike.
   static constexpr int kLeadLines = 256;
-  // n rows of a block (stride in elements) -> dense float32 [n, D]; rows of an int8
-  // cache come out times their scales (q * s in float32, as the reference reads them).
+  // n rows of a block (stride in elements) -> dense float32 [n, D]; rows of a
+  // row-scaled (int8 or fp8) cache come out times their scales (q * s in float32, as the reference reads them).
   template <typename S>
   static void to_f32(const S* src, int64_t stride, int n, float* dst) {
     for (int j = 0; j < n; ++j) {
@@ -320,7 +320,7 @@ struct Attention {
           if (pf && c0 == 0) pf->pump(kRowLines);
           const KT* vrow = sn.v[sg] + j * sn.vs;
           const KT* vr = vrow + c0 * W;
-          // An int8 row's scale folds into its probabilities: p * (s * q) = (p * s) * q.
+          // A scaled row's scale folds into its probabilities: p * (s * q) = (p * s) * q.
           float vscale = 1.f;
           if constexpr (kRowScaled<KT>) vscale = row_scale<D>(vrow);
           V vj[CH];
@@ -693,7 +693,7 @@ AttnFns attention_fns(DType dtype, int head_size) {
 
 // (query dtype float32 or bf16, KV dtype 8-bit float or int8, head size) -> the
 // float32-FMA kernel of Isa reading the cache's rows in registers (Isa::load of
-// FP8E4M3/FP8E5M2/I8S; int8 rows scaled as they are read).
+// FP8E4M3/FP8E5M2/I8S/FP8E4M3S/FP8E5M2S; row-scaled rows scaled as they are read).
 template <class Isa>
 AttnFns attention_kv8_fns(DType dtype, DType kv_dtype, int head_size) {
   auto by_head = [head_size](auto q_tag, auto kv_tag) -> AttnFns {
@@ -712,6 +712,8 @@ AttnFns attention_kv8_fns(DType dtype, DType kv_dtype, int head_size) {
     if (kv_dtype == DType::kFloat8E4M3) return by_head(q_tag, FP8E4M3{});
     if (kv_dtype == DType::kFloat8E5M2) return by_head(q_tag, FP8E5M2{});
     if (kv_dtype == DType::kInt8) return by_head(q_tag, I8S{});
+    if (kv_dtype == DType::kFloat8E4M3Scaled) return by_head(q_tag, FP8E4M3S{});
+    if (kv_dtype == DType::kFloat8E5M2Scaled) return by_head(q_tag, FP8E5M2S{});
     return {};
   };
   if (dtype == DType::kFloat32) return by_kv(float{});

@@ -106,10 +106,9 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
               "query and out must both be [num_tokens, num_heads, head_size]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "key_cache and value_cache must be [num_blocks, block_size, num_kv_heads, head_size]");
-  const bool scaled = key_cache.scalar_type() == at::kChar;  // int8 rows + a float32 scale each
-  const bool kv8 = key_cache.scalar_type() != query.scalar_type() &&
-                   (key_cache.scalar_type() == at::kFloat8_e4m3fn || key_cache.scalar_type() == at::kFloat8_e5m2 ||
-                    scaled);
+  const bool fp8 = key_cache.scalar_type() == at::kFloat8_e4m3fn || key_cache.scalar_type() == at::kFloat8_e5m2;
+  const bool int8 = key_cache.scalar_type() == at::kChar;  // int8 rows + a float32 scale each
+  const bool kv8 = key_cache.scalar_type() != query.scalar_type() && (fp8 || int8);
   TORCH_CHECK((kv8 || key_cache.scalar_type() == query.scalar_type()) &&
                   value_cache.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
               "query and out must share one dtype, and the caches that dtype or one 8-bit dtype");
@@ -118,9 +117,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   check_lastdim(value_cache, "value_cache");
   check_lastdim(out, "out");
   const int num_heads = query.size(1), head_size = query.size(2), num_kv_heads = key_cache.size(2);
-  const int row = head_size + (scaled ? 4 : 0);  // an int8 row carries its scale's 4 bytes
+  // A row-scaled row carries its float32 scale's 4 bytes: always int8, fp8 when that wide.
+  const bool scaled = int8 || (fp8 && key_cache.size(3) == head_size + 4);
+  const int row = head_size + (scaled ? 4 : 0);
   TORCH_CHECK(key_cache.size(3) == row, "cache rows of ", key_cache.size(3), " elements for query head_size ", head_size,
-              scaled ? " (int8: head_size + 4)" : "");
+              int8 ? " (int8: head_size + 4)" : "");
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads=", num_heads,
               " is not a multiple of num_kv_heads=", num_kv_heads);
   const at::Tensor bt = block_tables_in.to(at::kInt).contiguous();
@@ -133,7 +134,10 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   const IsaKernels& kernels = isa_at(isa);
   TORCH_CHECK(!kv8 || kernels.attention_kv8 != nullptr, "pagedserve: instruction set ", kernels.name,
               " has no attention kernel for 8-bit KV caches");
-  const AttnFns fns = kv8 ? kernels.attention_kv8(dtype_of(query), dtype_of(key_cache), head_size)
+  DType kv_dtype = kv8 ? dtype_of(key_cache) : DType::kFloat32;
+  if (fp8 && scaled)
+    kv_dtype = key_cache.scalar_type() == at::kFloat8_e4m3fn ? DType::kFloat8E4M3Scaled : DType::kFloat8E5M2Scaled;
+  const AttnFns fns = kv8 ? kernels.attention_kv8(dtype_of(query), kv_dtype, head_size)
                           : kernels.attention(dtype_of(query), head_size);
   TORCH_CHECK(fns.item != nullptr, "pagedserve: no native attention kernel for head_size ", head_size);
   TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 1 (0: none), got ", sliding_window);

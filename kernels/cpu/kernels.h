@@ -14,6 +14,8 @@ enum class DType : int32_t {
   kFloat8E4M3 = 3,
   kFloat8E5M2 = 4,
   kInt8 = 5,  // a KV cache of int8 rows, each followed by its float32 scale
+  kFloat8E4M3Scaled = 6,  // 8-bit float KV rows, each followed by its float32 scale
+  kFloat8E5M2Scaled = 7,
 };
 
 // Head sizes the attention kernel is instantiated for.
@@ -176,8 +178,8 @@ struct IsaKernels {
   PackedLinearFn packed_linear_bf16 = nullptr;  // likewise
   PackedLinearFn packed_linear_silu_bf16 = nullptr;  // likewise; blocks of the d-wide output
   // Attention of a float32 or bf16 query over an 8-bit float KV cache (kv_dtype
-  // kFloat8E4M3 or kFloat8E5M2; or kInt8 rows times their scales), converted to float32 in
-  // registers; AVX-512 only.
+  // kFloat8E4M3 or kFloat8E5M2; or kInt8 / kFloat8E4M3Scaled / kFloat8E5M2Scaled rows
+  // times their scales), converted to float32 in registers; AVX-512 only.
   AttnFns (*attention_kv8)(DType dtype, DType kv_dtype, int head_size) = nullptr;
 };
 

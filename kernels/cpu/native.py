@@ -137,11 +137,14 @@ def dequantized_blocks(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     dtype: torch.dtype,
+    head_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(key_cache, value_cache, block_tables) of just the blocks the sequences read, in
     ``dtype``: the distinct blocks of each sequence's first ceil(seq_len / block_size)
-    table entries, converted (an 8-bit float widens exactly; an int8 row is its values
-    times its scale, rounded once to ``dtype``), in the caches' layout
+    table entries, converted (an unscaled 8-bit float widens exactly; a row-scaled row,
+    int8 or an fp8 one ``head_size + 4`` wide, is its values times its scale, rounded
+    once to ``dtype``; ``head_size`` defaults to the row less 4 for int8, the row
+    otherwise), in the caches' layout
     (a head-major cache stays head-major); the tables renumbered into them.  Entries
     past a sequence's blocks point at block 0 of the result and are never read."""
     block_size = key_cache.shape[1]
@@ -156,8 +159,12 @@ def dequantized_blocks(
     def gather(cache: torch.Tensor) -> torch.Tensor:
         # index_select on the [blocks, heads, tokens, d] view keeps each head's rows together.
         picked = cache.transpose(1, 2).index_select(0, distinct)
-        if cache.dtype in reference.SCALED_KV_TORCH_DTYPES:  # int8 rows: values * their scale
-            picked = reference.dequantize_kv(picked, picked.shape[-1] - reference.INT8_KV_SCALE_BYTES)
+        head = head_size
+        if head is None:
+            scaled = cache.dtype in reference.SCALED_KV_TORCH_DTYPES
+            head = picked.shape[-1] - (reference.KV_SCALE_BYTES if scaled else 0)
+        if reference.kv_rows_scaled(picked, head):  # values * their row's scale
+            picked = reference.dequantize_kv(picked, head)
         return picked.to(dtype).transpose(1, 2)
 
     tables = torch.zeros_like(block_tables)
@@ -258,8 +265,10 @@ class NativeCpuKernels:
         if out is None:
             # empty_like is ~1 us cheaper per call than torch.empty(shape, dtype, device).
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        scaled = key_cache.dtype in reference.SCALED_KV_TORCH_DTYPES
-        kv8 = scaled or key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES
+        kv8 = (
+            key_cache.dtype in reference.SCALED_KV_TORCH_DTYPES
+            or key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES
+        )
         if kv8:  # an 8-bit cache: read in registers where the instruction set can
             kernel_dtypes = self.has_kv8_attention and dtype in _KV8_QUERY_DTYPES
         else:
@@ -331,9 +340,11 @@ class NativeCpuKernels:
         fp8 one on an instruction set without the kv8 kernel or for a float16 query, an
         int8 one where the int8 kernel is missing): the blocks the batch reads are
         dequantized first (:func:`dequantized_blocks`) and the kernel runs on them (logged
-        once).  fp8 widens exactly to the query's dtype; int8 rows times their scales do
-        not fit 16 bits, so those run in float32 (query, blocks and output)."""
-        work = torch.float32 if key_cache.dtype in reference.SCALED_KV_TORCH_DTYPES else query.dtype
+        once).  Unscaled fp8 widens exactly to the query's dtype; row-scaled rows (int8,
+        fp8 with row scales) times their scales do not fit 16 bits, so those run in
+        float32 (query, blocks and output)."""
+        head = query.shape[-1]
+        work = torch.float32 if reference.kv_rows_scaled(key_cache, head) else query.dtype
         global _logged_quantized_cache
         if not _logged_quantized_cache:
             _logged_quantized_cache = True
@@ -345,7 +356,7 @@ class NativeCpuKernels:
                 str(query.dtype).removeprefix("torch."),
                 str(work).removeprefix("torch."),
             )
-        kc, vc, tables = dequantized_blocks(key_cache, value_cache, block_tables, seq_lens, work)
+        kc, vc, tables = dequantized_blocks(key_cache, value_cache, block_tables, seq_lens, work, head)
         if work == query.dtype:
             return self.paged_attention(
                 query, kc, vc, tables, seq_lens, query_start_loc, scale, out,
@@ -371,12 +382,12 @@ class NativeCpuKernels:
         slot_mapping int64 [num_tokens], -1 skips."""
         if not key_cache.is_cpu or not key.is_cpu:
             return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-        if key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES:  # saturating cast, then the row copy
+        if reference.kv_rows_scaled(key_cache, key.shape[-1]):  # rows with their scales, then the copy
+            key = reference.quantize_kv_rows(key, key_cache.dtype)
+            value = reference.quantize_kv_rows(value, value_cache.dtype)
+        elif key_cache.dtype in reference.QUANTIZED_KV_TORCH_DTYPES:  # saturating cast, then the row copy
             key = reference.quantize_kv(key, key_cache.dtype).contiguous()
             value = reference.quantize_kv(value, value_cache.dtype).contiguous()
-        elif key_cache.dtype in reference.SCALED_KV_TORCH_DTYPES:  # int8 rows with their scales, then the copy
-            key = reference.quantize_kv_int8(key)
-            value = reference.quantize_kv_int8(value)
         if key.dtype != key_cache.dtype or key.stride(-1) != 1:
             key = key.to(key_cache.dtype).contiguous()
         if value.dtype != value_cache.dtype or value.stride(-1) != 1:

@@ -52,9 +52,19 @@ struct FP8E5M2 {
 struct I8S {
   int8_t bits;
 };
+// Row-scaled 8-bit float KV cache elements: a row is D of them followed by the row's
+// float32 scale (kernels/reference.py, quantize_kv_rows); loaded as their unscaled
+// format, scaled per row.
+struct FP8E4M3S {
+  uint8_t bits;
+};
+struct FP8E5M2S {
+  uint8_t bits;
+};
 // Whether rows of KV element type KT carry a float32 scale after their D values.
 template <typename KT>
-inline constexpr bool kRowScaled = std::is_same_v<KT, I8S>;
+inline constexpr bool kRowScaled =
+    std::is_same_v<KT, I8S> || std::is_same_v<KT, FP8E4M3S> || std::is_same_v<KT, FP8E5M2S>;
 // The scale of a row of D values of a scaled KV cache.
 template <int D, typename KT>
 inline float row_scale(const KT* row) {
@@ -327,6 +337,9 @@ struct Avx512 {
     const __mmask16 nan = _mm256_cmpeq_epi16_mask(em, _mm256_set1_epi16(0x7f));
     return _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
   }
+  // Row-scaled fp8: the values as unscaled fp8 (the row's scale is applied by the caller).
+  static V load(const FP8E5M2S* p) { return load(reinterpret_cast<const FP8E5M2*>(p)); }
+  static V load(const FP8E4M3S* p) { return load(reinterpret_cast<const FP8E4M3*>(p)); }
   // int8 values widened exactly (the row's scale is applied by the caller).
   static V load(const I8S* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
