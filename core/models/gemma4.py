@@ -384,10 +384,15 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
             if d < cache_d:
                 q = torch.nn.functional.pad(q, (0, cache_d - d))
             k_cache, v_cache = kv_cache
+            # A tensor-scaled fp8 cache holds k / k_scale and v / v_scale (layers.paged_attention).
+            k_scale = getattr(kv_cache, "k_scale", 1.0)
+            v_scale = getattr(kv_cache, "v_scale", 1.0)
             extra = {} if window is None else {"sliding_window": window}
             out = ops.paged_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 1.0, **extra
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, k_scale, **extra
             )
+            if v_scale != 1.0:
+                out = out * v_scale
             return out.view(n, heads, cache_d)[..., :d].reshape(n, heads * d)
         k_raw = linear(ops, h, layer.k).view(n, kv, d)
         v = k_raw if layer.v is None else linear(ops, h, layer.v).view(n, kv, d)
