@@ -278,7 +278,11 @@ def check_kv_cache_groups(cfg: EngineConfig, windows: list[int | str | None]) ->
         return
     spec = cfg.speculative.speculative_config
     used = [
-        (cfg.cache.kv_offload_memory is not None, f"kv_offload_memory={cfg.cache.kv_offload_memory}"),
+        (
+            cfg.cache.kv_offload_memory is not None and cfg.cache.preemption_mode == "recompute",
+            f"kv_offload_memory={cfg.cache.kv_offload_memory} with preemption_mode='recompute' (the host tier of "
+            "KV cache groups serves swap preemption only)",
+        ),
         (spec is not None and spec.method != "ngram", f"speculative_config method={getattr(spec, 'method', None)!r}"),
     ]
     for on, setting in used:
@@ -301,9 +305,10 @@ def check_recurrent_state(cfg: EngineConfig) -> None:
     kv_dtype = cfg.cache.cache_dtype
     used = [
         (
-            cfg.cache.kv_offload_memory is not None,
-            f"kv_offload_memory={cfg.cache.kv_offload_memory}",
-            "the host KV tier does not swap state pages; leave kv_offload_memory unset (preemption recomputes)",
+            cfg.cache.kv_offload_memory is not None and cfg.cache.preemption_mode == "recompute",
+            f"kv_offload_memory={cfg.cache.kv_offload_memory} with preemption_mode='recompute'",
+            "the host KV tier of KV cache groups serves swap preemption only (no prefix spill); set "
+            "preemption_mode='auto' or 'swap', or leave kv_offload_memory unset",
         ),
         (
             spec is not None,

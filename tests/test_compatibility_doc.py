@@ -87,12 +87,16 @@ def test_cell_kwargs_are_base_plus_feature_plus_deployment():
 
 def test_refusals_are_the_rules_messages():
     # The rule's own message, word for word, as the engine raises it before weights load
-    # (a model-shape rule: groups of layers with different windows and a host KV tier).
-    cfg = engine_config_from_kwargs(**cm.cell_kwargs("kv_groups", "kv_offload"))
+    # (a model-shape rule: groups of layers with different windows and a host KV tier
+    # that could only spill, under preemption_mode="recompute"; the cell's tier swaps).
+    cfg = engine_config_from_kwargs(**cm.cell_kwargs("kv_groups", "kv_offload"), preemption_mode="recompute")
     with pytest.raises(ValueError) as exc:
         config_rules.check_kv_cache_groups(cfg, [8, None])
-    assert cm.cell_refusals("kv_groups", "kv_offload") == [str(exc.value)]
     assert "kv_offload_memory" in str(exc.value) and "free_sliding_window_blocks=False" in str(exc.value)
+    config_rules.check_kv_cache_groups(
+        engine_config_from_kwargs(**cm.cell_kwargs("kv_groups", "kv_offload")), [8, None]
+    )
+    assert cm.cell_refusals("kv_groups", "kv_offload") == []
     # Deployment rules beside the engine.
     assert cm.cell_refusals("pooling", "dp") == cm.cell_refusals("lora", "dp") == []
     (message,) = cm.cell_refusals("kv_groups", "disagg")
@@ -174,15 +178,15 @@ def test_a_refused_cell_claimed_by_a_test_is_a_problem(tmp_path, monkeypatch):
         """
         import pytest
 
-        @pytest.mark.compat("kv_groups", "kv_offload")
+        @pytest.mark.compat("kv_groups", "disagg")
         def test_y():
             pass
         """,
     )
     cells, problems = cm.build_matrix(tmp_path)
-    assert len(problems) == 1 and "(kv_groups, kv_offload) is refused" in problems[0]
+    assert len(problems) == 1 and "(kv_groups, disagg) is refused" in problems[0]
     by = {(c.feature, c.deployment): c.state for c in cells}
-    assert by[("kv_groups", "kv_offload")] == "refused" and by[("n_best_of", "tp_mp")] == "untested"
+    assert by[("kv_groups", "disagg")] == "refused" and by[("n_best_of", "tp_mp")] == "untested"
 
 
 def test_check_command_fails_on_a_stale_doc(tmp_path, capsys):

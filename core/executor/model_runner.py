@@ -470,8 +470,9 @@ class ModelRunner:
         """The host KV tier's blocks: per layer a (key, value) pair in host memory, in
         its platform's layout, so that one block index means the same block in both."""
         a = self.local_arch
+        # With KV cache groups one pair per slot tensor (the layers of a slot share it).
         self.host_kv_caches = allocate_host_kv_cache(
-            self.layer_platforms,
+            self.layer_platforms if self.layer_slots is None else self.slot_platforms,
             num_host_blocks,
             self.block_size,
             a.num_kv_heads,
@@ -570,8 +571,20 @@ class ModelRunner:
         KV connector's saves and loads (ConnectorTransfers)."""
         if isinstance(transfers, ConnectorTransfers):
             apply_connector_transfers(self._kv_views(), self.kv_connector, transfers)
-        else:
+        elif self.layer_slots is None:
             apply_kv_transfers([o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, transfers)
+        else:
+            # KV cache groups: one copy per slot tensor, through the first layer that uses it.
+            first = {}
+            for layer, slot in enumerate(self.layer_slots):
+                first.setdefault(slot, layer)
+            layers = [first[s] for s in range(len(self.slot_platforms))]
+            apply_kv_transfers(
+                [self.layer_ops[i].swap_blocks for i in layers],
+                [self.kv_caches[i] for i in layers],
+                self.host_kv_caches,
+                transfers,
+            )
 
     def use_kv_connector(self, connector) -> None:
         """Save and load blocks through ``connector`` (a KVConnector; see run_kv_transfers)."""

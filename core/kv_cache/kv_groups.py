@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from pagedserve.config_rules import NO_KV_CACHE, RECURRENT_STATE
 from pagedserve.kv_cache.block_pool import BlockPool, KVBlock
+from pagedserve.kv_cache.host_tier import IN, OUT, KVTransfers, SwapPolicy
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.kv_cache.sliding_window import first_visible_block, max_blocks_held, uniform_window
 from pagedserve.kv_cache.state_group import StateGroupManager, StateStep
@@ -136,6 +137,14 @@ class GroupedKVCacheManager:
     ``block_ids`` gives one list per group (group order of :func:`kv_cache_groups`).
     ``state_pages``: pages per request of each recurrent-state group (and per checkpoint);
     ``state_checkpoint_interval``: blocks between the checkpoints of their states.
+
+    ``num_host_blocks`` > 0: a host tier of that many pages for swap preemption
+    (``swap_policy`` decides when it is cheaper than recompute).  A swap-out copies
+    every page a request still reads, in every group (a windowed group's visible
+    blocks, a state group's state pages), to host pages and frees them; allocate_slots
+    swaps it back in to fresh device pages, each group's table rebuilt as before
+    (leading null blocks where blocks slid out).  The host tier does not spill prefix
+    cache blocks (evicted blocks and checkpoints are dropped, as without it).
     """
 
     def __init__(
@@ -146,6 +155,8 @@ class GroupedKVCacheManager:
         windows: Sequence[Window],
         state_pages: int = 0,
         state_checkpoint_interval: int = 4,
+        num_host_blocks: int = 0,
+        swap_policy: SwapPolicy | None = None,
     ):
         if num_blocks < 2:
             raise ValueError(f"KV cache groups need >= 2 blocks (one is the null block), got {num_blocks}")
@@ -170,6 +181,18 @@ class GroupedKVCacheManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.num_scheduled_tokens = 0
+        self.host = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks > 0 else None
+        self.swap_policy = swap_policy
+        self._transfers = KVTransfers()
+        # Host pages a pending copy reads or writes: one reference each until taken.
+        self._pinned: list[KVBlock] = []
+        # Host copies of swapped-out requests (one reference each), per group.
+        self._swapped: dict[str, list[list[KVBlock]]] = {}
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.num_swapped_in_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -180,7 +203,16 @@ class GroupedKVCacheManager:
 
     def counters(self) -> dict[str, int | float]:
         """Further gauges and counters, named as ``EngineStats`` fields (none without a host tier)."""
-        return {}
+        if self.host is None:
+            return {}
+        return {
+            "host_kv_cache_blocks": self.host.num_blocks,
+            "host_kv_cache_usage": self.host.usage(),
+            "num_swap_outs": self.num_swap_outs,
+            "num_swap_ins": self.num_swap_ins,
+            "kv_blocks_swapped_out": self.num_swapped_out_blocks,
+            "kv_blocks_swapped_in": self.num_swapped_in_blocks,
+        }
 
     @property
     def num_blocks_in_use(self) -> int:
@@ -280,7 +312,11 @@ class GroupedKVCacheManager:
         # it: otherwise one group could evict (and reuse) a block another group hit.
         for p in plans:
             self.pool.touch(p[3])
-        new = [b for g, p in zip(self.groups, plans) for b in g.commit_slots(request, num_new_tokens, p, touch=False)]
+        news = [g.commit_slots(request, num_new_tokens, p, touch=False) for g, p in zip(self.groups, plans)]
+        swapped = self._swapped.pop(request.request_id, None)
+        if swapped is not None:
+            self._swap_in(request, swapped, news)
+        new = [b for n in news for b in n]
         if self.enable_prefix_caching and self.state_groups:
             self._plan_checkpoints(request, num_new_tokens)
         self.num_scheduled_tokens += num_new_tokens
@@ -329,28 +365,100 @@ class GroupedKVCacheManager:
     def free(self, request: Request) -> None:
         for g in self.groups:
             g.free(request)
+        swapped = self._swapped.pop(request.request_id, None)
+        if swapped:
+            self.host.free_blocks(reversed([b for blocks in swapped for b in blocks]))
 
     def block_ids(self, request_id: str) -> list[list[int]]:
         return [g.block_ids(request_id) for g in self.groups]
 
-    # -- tiers: none with groups (config_rules refuses kv_offload_memory) --------------------
+    # -- swap preemption (a host tier of num_host_blocks pages) ------------------------------
+    def _live_blocks(self, request: Request) -> list[list[KVBlock]]:
+        """Per group, the pages of ``request`` that its computed tokens still need: a
+        token group's blocks from the first one a query still sees to the last computed
+        one, a state group's state pages."""
+        rid, done = request.request_id, request.num_computed_tokens
+        n = -(-done // self.block_size)
+        out = []
+        for w, g in zip(self.windows, self.groups):
+            blocks = g.req_blocks.get(rid, [])
+            if w == RECURRENT_STATE:
+                out.append(list(blocks))
+                continue
+            first = 0 if w is None else first_visible_block(done, w, self.block_size)
+            live = blocks[first:n]
+            if any(b is self.null_block for b in live):
+                raise AssertionError(f"request {rid}: a visible block of window {w} was freed")
+            out.append(live)
+        return out
+
     def should_swap(self, request: Request) -> bool:
-        return False
+        """Whether to preempt ``request`` by swap-out rather than by recompute."""
+        if self.host is None or self.swap_policy is None or request.num_computed_tokens == 0:
+            return False
+        if not any(request.request_id in g.req_blocks for g in self.groups):
+            return False
+        n = sum(len(b) for b in self._live_blocks(request))
+        return self.swap_policy(n, request.num_computed_tokens) and self.host.num_free_blocks >= n
 
     def swap_out(self, request: Request) -> None:
-        raise NotImplementedError("swap preemption needs a host KV tier (kv_offload_memory)")
+        """Copy every group's live pages of ``request`` to host pages and free its device
+        pages; its ``num_computed_tokens`` stays, and allocate_slots swaps it back in.
+        (Only a request not scheduled in the current step is preempted, so it has no
+        pending checkpoint work.)"""
+        if self.host is None:
+            raise NotImplementedError("swap preemption needs a host KV tier (kv_offload_memory)")
+        host_blocks = []
+        for blocks in self._live_blocks(request):
+            hbs = self.host.get_new_blocks(len(blocks))
+            for b, hb in zip(blocks, hbs):
+                self._transfers.add(OUT, b.block_id, hb.block_id)
+            # A second reference pins each while its copy is pending, even if the request
+            # is aborted before then.
+            self.host.touch(hbs)
+            self._pinned.extend(hbs)
+            self.num_swapped_out_blocks += len(hbs)
+            host_blocks.append(hbs)
+        for g in self.groups:
+            g.free(request)
+        self._swapped[request.request_id] = host_blocks
+        self.num_swap_outs += 1
+
+    def _swap_in(self, request: Request, swapped: list[list[KVBlock]], news: list[list[KVBlock]]) -> None:
+        """Copy a swapped-out request's host pages into the first of the device pages
+        each group just allocated for it (its table: leading null blocks, then these)."""
+        for gi, (sources, new) in enumerate(zip(swapped, news)):
+            if len(new) < len(sources):
+                rid = request.request_id
+                raise AssertionError(
+                    f"request {rid}: group {gi}: {len(sources)} pages to swap in, {len(new)} allocated"
+                )
+            for src, dst in zip(sources, new):
+                self._transfers.add(IN, src.block_id, dst.block_id)
+            self._pinned.extend(sources)  # their reference is released once the copy is taken
+            self.num_swapped_in_blocks += len(sources)
+        self.num_swapped_in_tokens += request.num_computed_tokens
+        self.num_swap_ins += 1
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._swapped
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash of the device pool (its blocks' contents are
         gone, e.g. in sleep mode); False, and nothing forgotten, while a block is in use."""
         return self.pool.reset_prefix_cache()
 
-    def take_transfers(self):
-        """No copies between tiers; the step is handed out: its state checkpoints are
-        cached and the pages held for it released (state_group.py, "Timing")."""
+    def take_transfers(self) -> KVTransfers | None:
+        """The step is handed out: its state checkpoints are cached and the pages held
+        for it released (state_group.py, "Timing"); the host tier's copies decided since
+        the last call (run before the next forward) are returned and their pins released."""
         for g in self.state_groups:
             g.end_step()
-        return None
+        transfers, self._transfers = self._transfers, KVTransfers()
+        pinned, self._pinned = self._pinned, []
+        if pinned:
+            self.host.free_blocks(reversed(pinned))
+        return transfers or None
 
     def flush_transfers(self):
         return self.take_transfers()
@@ -359,4 +467,17 @@ class GroupedKVCacheManager:
         pass
 
     def check_invariants(self) -> None:
+        """The device pool consistent; with a host tier, it too, and every host reference
+        accounted for by a swapped-out request or a pending copy."""
         self.pool.check_invariants()
+        if self.host is None:
+            return
+        self.host.check_invariants()
+        refs: dict[int, int] = {}
+        for b in [b for blocks in self._swapped.values() for bs in blocks for b in bs] + self._pinned:
+            refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in self.host.blocks:
+            if b.ref_cnt != refs.get(b.block_id, 0):
+                raise AssertionError(
+                    f"host page {b.block_id}: ref_cnt {b.ref_cnt}, {refs.get(b.block_id, 0)} known holders"
+                )

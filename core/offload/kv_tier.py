@@ -102,9 +102,10 @@ def build_kv_manager(
                 "free_sliding_window_blocks=False"
             )
         return _connector_manager(config, num_blocks, runner)
-    if grouped:  # the rules refuse a host tier here
+    if grouped:
         windows = [g.window for g in groups]
         state_pages = getattr(runner, "state_pages", 0)  # recurrent-state groups' pages per request
+        num_host_blocks, policy = _host_tier(config, runner) if cache.kv_offload_memory is not None else (0, None)
         return GroupedKVCacheManager(
             num_blocks,
             cache.block_size,
@@ -112,11 +113,24 @@ def build_kv_manager(
             windows,
             state_pages,
             cache.state_checkpoint_interval,
+            num_host_blocks=num_host_blocks,
+            swap_policy=policy,
         )
     if cache.kv_offload_memory is None:
         if max_model_len is not None:
             sliding_window = kv_window_for_pool(sliding_window, num_blocks, cache, config.scheduler, max_model_len)
         return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, sliding_window)
+    num_host_blocks, policy = _host_tier(config, runner)
+    return TieredKVCacheManager(
+        num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks=num_host_blocks, swap_policy=policy
+    )
+
+
+def _host_tier(config: EngineConfig, runner) -> tuple[int, PreemptionCostModel | None]:
+    """(host blocks, swap policy) of the ``kv_offload_memory`` tier: its host KV tensors
+    allocated on ``runner`` (unless every rank's worker did), the policy None under
+    ``preemption_mode="recompute"``."""
+    cache = config.cache
     config.validate()
     per_block = runner.kv_block_bytes(cache.block_size)
     # Under tensor/pipeline parallelism every rank's worker has allocated its own share
@@ -143,10 +157,7 @@ def build_kv_manager(
         host_copy_bandwidth=rate("host_copy_bandwidth"),
         compute_flops=rate("compute_flops"),
     )
-    policy = None if cache.preemption_mode == "recompute" else cost
-    return TieredKVCacheManager(
-        num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks=num_host_blocks, swap_policy=policy
-    )
+    return num_host_blocks, None if cache.preemption_mode == "recompute" else cost
 
 
 def _connector_manager(config: EngineConfig, num_blocks: int, runner) -> ConnectorKVCacheManager:

@@ -675,8 +675,9 @@ IN_USE: dict[str, Callable[[LLM], bool]] = {
     "plugin_ort": lambda llm: llm.llm_engine.ops.source("linear") == "pagedserve_ort",
     # Blocks of every prompt longer than one block came from the prefill instance.
     "disagg": lambda llm: llm.disagg.num_injected_blocks > 0,
-    # The small device pool spills evicted cached blocks to the host tier (or swaps).
-    "kv_offload": lambda llm: llm.llm_engine.kv.num_spilled_blocks + llm.llm_engine.kv.num_swap_outs > 0,
+    # The small device pool spills evicted cached blocks to the host tier (or swaps; KV
+    # cache groups' tier only swaps).
+    "kv_offload": lambda llm: getattr(llm.llm_engine.kv, "num_spilled_blocks", 0) + llm.llm_engine.kv.num_swap_outs > 0,
     # The layers run on more than one segment of the map.
     "device_map": lambda llm: len(llm.llm_engine.runner.segments) > 1,
     # Both replicas served requests of this cell's engine.

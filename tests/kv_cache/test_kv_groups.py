@@ -1,7 +1,7 @@
 """KV cache groups without a model: how layers are grouped, one block table per group over
 one pool, slid-out blocks freed only in windowed groups, prefix hits valid in every group
-(vLLM's sliding-window hit rule), all-or-nothing allocation, and no leaks through the
-scheduler with preemption."""
+(vLLM's sliding-window hit rule), all-or-nothing allocation, swap to a host tier, and no
+leaks through the scheduler with preemption."""
 
 from __future__ import annotations
 
@@ -174,3 +174,52 @@ def test_too_small_for_one_request_is_refused_at_admission():
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv, max_model_len=64)
     with pytest.raises(ValueError, match="KV blocks"):
         sched.add_request(req("a", list(range(3, 40))))
+
+
+def test_swap_moves_every_groups_live_pages_and_aborts_leak_nothing():
+    """Swap-out copies a full group's computed blocks, a windowed group's visible ones and
+    a state group's pages to host; swap-in rebuilds each table (leading null blocks in the
+    windowed group) and copies them back into the first new pages; an abort while
+    swapped, or before the copies are taken, gives every host page back."""
+    from pagedserve.kv_cache.host_tier import IN, OUT
+    from pagedserve.kv_cache.kv_groups import RECURRENT_STATE
+
+    kv = GroupedKVCacheManager(
+        64, BS, False, [None, W, RECURRENT_STATE], state_pages=2, num_host_blocks=40, swap_policy=lambda n, t: True
+    )
+    r = req("a", list(range(22)))
+    assert kv.allocate_slots(r, 22) is not None
+    r.num_computed_tokens = 22
+    kv.take_transfers()
+    full, windowed, state = kv.req_blocks["a"]
+    first = first_visible_block(22, W, BS)
+    live = [b.block_id for b in full[:6] + windowed[first:6] + state]
+    assert first > 0 and kv.should_swap(r)
+    kv.swap_out(r)
+    assert kv.num_blocks_in_use == 0 and kv.is_swapped("a")
+    kv.check_invariants()
+    out = kv.take_transfers()
+    assert [d for d, _ in out.runs] == [OUT] and [s for s, _ in out.runs[0][1]] == live
+    host = [h for _, h in out.runs[0][1]]
+    # Resume: 22 computed tokens stay, one more to compute.
+    new = kv.allocate_slots(r, 1)
+    assert new is not None and not kv.is_swapped("a")
+    full, windowed, state = kv.req_blocks["a"]
+    assert windowed[:first] == [kv.null_block] * first
+    back = kv.take_transfers()
+    assert [d for d, _ in back.runs] == [IN]
+    assert back.runs[0][1] == list(zip(host, [b.block_id for b in full[:6] + windowed[first:6] + state]))
+    assert kv.num_swap_outs == kv.num_swap_ins == 1 and kv.counters()["kv_blocks_swapped_in"] == len(live)
+    kv.check_invariants()
+    # Aborted while swapped out, once before its copies were taken and once after.
+    for take_first in (False, True):
+        kv.swap_out(r)
+        if take_first:
+            kv.take_transfers()
+        r.status = RequestStatus.FINISHED_ABORTED
+        kv.free(r)
+        kv.check_invariants()
+        kv.take_transfers()
+        assert kv.host.num_in_use == 0 and kv.num_blocks_in_use == 0
+        r.status = RequestStatus.RUNNING
+        assert kv.allocate_slots(r, 1) is not None

@@ -3,7 +3,7 @@ attention) against transformers,
 float32, on tiny random checkpoints built from transformers' own classes: the same
 greedy tokens and logprobs through ``LLM`` for a batch of prompts of different lengths,
 run whole, in chunks smaller than a DeltaNet chunk (64 tokens) and larger than one,
-under preemption (recompute), and with ``n=2``.  Their recurrent state lives in state
+under preemption (recompute, and swap to the host KV tier), and with ``n=2``.  Their recurrent state lives in state
 pages of the KV cache (kv_cache/state_group.py); what cannot work with it is refused.
 """
 
@@ -277,10 +277,47 @@ def test_hybrid_n2_samples_each_carry_their_state(checkpoints, case):
     _check(outs, expected, "n=2")
 
 
+#: The "preempting" engine with a host tier that every preemption swaps to.
+SWAPPING = dict(ENGINES["preempting"], preemption_mode="swap", kv_offload_memory="4MiB")
+
+
+@pytest.mark.parametrize(
+    ("case", "prefix"),
+    [
+        ("qwen3_5-deltanet-gated-attn", False),
+        ("lfm2-shortconv-bias-attn", True),
+        pytest.param("granite4-mamba2-moe-nope", False, marks=pytest.mark.slow),
+        pytest.param("jamba-mamba1-moe-attn", True, marks=pytest.mark.slow),
+    ],
+)
+def test_hybrid_swap_preemption_matches_transformers(case, prefix, checkpoints):
+    """Preemption by swap moves every group's pages (attention blocks and state pages)
+    to host and back: the same tokens and logprobs as transformers, swaps counted in
+    the engine's statistics, and no device or host page left held."""
+    path, prompts, expected = checkpoints(case)
+    llm = LLM(model=str(path), **dict(COMMON, enable_prefix_caching=prefix), **SWAPPING)
+    eng = llm.llm_engine
+    kv = eng.kv
+    assert kv.host is not None and kv.state_groups
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_NEW]
+    for round_ in range(2):
+        _check(llm.generate(prompts, params, use_tqdm=False), expected, f"swap round {round_} (prefix {prefix})")
+        assert kv.pool.num_in_use == 0 and kv.host.num_in_use == 0
+        kv.check_invariants()
+    stats = eng.stats()
+    assert stats.num_swap_outs > 0 and stats.num_swap_ins == stats.num_swap_outs
+    assert stats.kv_blocks_swapped_in == stats.kv_blocks_swapped_out > 0
+    # Every swap moved state pages too (a state group's pages are live in every request).
+    assert stats.kv_blocks_swapped_out >= stats.num_swap_outs * kv.state_pages * len(kv.state_groups)
+
+
 @pytest.mark.parametrize(
     ("settings", "named"),
     [
-        (dict(enable_prefix_caching=False, kv_offload_memory="4MiB"), "kv_offload_memory"),
+        (
+            dict(enable_prefix_caching=False, kv_offload_memory="4MiB", preemption_mode="recompute"),
+            "kv_offload_memory",
+        ),
         (
             dict(enable_prefix_caching=False, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
             "speculative_config",

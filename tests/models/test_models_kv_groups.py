@@ -72,6 +72,8 @@ ENGINES = {
         spare=8,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2},
     ),
+    # Every preemption swaps every group's blocks to a host tier and back.
+    "swap-preemption": dict(max_num_batched_tokens=13, spare=6, preemption_mode="swap", kv_offload_memory="4MiB"),
 }
 
 
@@ -131,7 +133,12 @@ def _pool_for(name: str, step: int, spare: int) -> int:
 
 
 #: Each model with one engine kind in the quick suite; every other pairing is slow.
-QUICK = {("gemma2", "chunk-over-window"), ("gemma3", "chunk-under-window"), ("qwen2", "ngram-drafts")}
+QUICK = {
+    ("gemma2", "chunk-over-window"),
+    ("gemma3", "chunk-under-window"),
+    ("qwen2", "ngram-drafts"),
+    ("gemma3", "swap-preemption"),
+}
 
 
 @pytest.mark.compat("kv_groups", "single")
@@ -188,6 +195,11 @@ def test_long_generation_in_a_small_pool_matches_transformers(name, engine_kind,
     assert kv.num_blocks_in_use == 0 and not kv.req_blocks
     assert eng.scheduler.num_preemptions > 0  # the pool cannot run all four at once
     kv.check_invariants()
+    if "kv_offload_memory" in kw:
+        stats = eng.stats()
+        assert stats.num_swap_outs > 0 and stats.num_swap_ins == stats.num_swap_outs
+        assert stats.kv_blocks_swapped_in == stats.kv_blocks_swapped_out > 0
+        assert kv.host.num_in_use == 0
 
 
 @pytest.mark.parametrize("name", [pytest.param(m, marks=() if m == "gemma3" else pytest.mark.slow) for m in MODELS])
@@ -236,7 +248,7 @@ def test_freeing_off_keeps_one_group(checkpoints):
 @pytest.mark.parametrize(
     "setting",
     [
-        dict(kv_offload_memory="1MiB", kv_cache_memory="4MiB"),
+        dict(kv_offload_memory="1MiB", kv_cache_memory="4MiB", preemption_mode="recompute"),
         dict(speculative_config={"method": "self_quantized", "num_speculative_tokens": 2}),
     ],
 )
@@ -250,8 +262,15 @@ def test_unsupported_settings_are_refused(setting, checkpoints):
 @pytest.mark.compat("kv_groups", "tp_mp")
 @pytest.mark.parametrize(
     "parallel",
-    [dict(pipeline_parallel_size=2), pytest.param(dict(tensor_parallel_size=2), marks=pytest.mark.slow)],
-    ids=["pp2", "tp2"],
+    [
+        dict(pipeline_parallel_size=2),
+        pytest.param(dict(tensor_parallel_size=2), marks=pytest.mark.slow),
+        # Each rank's host tier holds its slots' share; every preemption swaps.
+        pytest.param(
+            dict(pipeline_parallel_size=2, preemption_mode="swap", kv_offload_memory="1MiB"), marks=pytest.mark.slow
+        ),
+    ],
+    ids=["pp2", "tp2", "pp2-swap"],
 )
 def test_tensor_and_pipeline_parallel(parallel, checkpoints):
     """Every rank lays its KV out in the same groups; a pipeline stage allocates only the
@@ -276,6 +295,9 @@ def test_tensor_and_pipeline_parallel(parallel, checkpoints):
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_NEW[:3]]
         _check(llm.generate(prompts[:3], params, use_tqdm=False), expected[:3])
         assert eng.kv.num_blocks_in_use == 0 and eng.scheduler.num_preemptions > 0
+        if "kv_offload_memory" in parallel:
+            assert eng.kv.num_swap_outs > 0 and eng.kv.num_swap_ins == eng.kv.num_swap_outs
+            eng.kv.check_invariants()
     finally:
         llm.shutdown()
 
