@@ -54,7 +54,7 @@ import torch
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.decoder import DecoderForCausalLM, KVCache
 from pagedserve.models.layers import RotaryEmbedding, add_rms_norm, fuse, gated_mlp, linear
-from pagedserve.models.quantized_experts import quantized_experts_moe, stack_experts
+from pagedserve.models.quantized_experts import prepare_expert_lists, quantized_experts_moe, stack_experts
 from pagedserve.quantization.base import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -312,8 +312,7 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
                 if isinstance(layer.w13, torch.Tensor):
                     layer.w13, layer.w2 = pl.ops.prepare_moe_weights(layer.w13, layer.w2)
                 elif isinstance(layer.w13, list):
-                    layer.w13 = [w.prepared() for w in layer.w13]
-                    layer.w2 = [w.prepared() for w in layer.w2]
+                    layer.w13, layer.w2 = prepare_expert_lists(pl.ops, layer.w13, layer.w2)
 
     def attention(
         self, ops, placement: int, layer: DeepseekV2Layer, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata

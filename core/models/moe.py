@@ -29,7 +29,7 @@ import torch
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import LayerPlacement, fuse, gated_mlp, linear, route_topk
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.models.quantized_experts import quantized_experts_moe, stack_experts
+from pagedserve.models.quantized_experts import prepare_expert_lists, quantized_experts_moe, stack_experts
 
 __all__ = ["MoELayer", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
 
@@ -175,8 +175,7 @@ class _MoEForCausalLM(LlamaForCausalLM):
                 if isinstance(layer.w13, torch.Tensor):
                     layer.w13, layer.w2 = ops.prepare_moe_weights(layer.w13, layer.w2)
                 elif isinstance(layer.w13, list):
-                    layer.w13 = [w.prepared() for w in layer.w13]
-                    layer.w2 = [w.prepared() for w in layer.w2]
+                    layer.w13, layer.w2 = prepare_expert_lists(ops, layer.w13, layer.w2)
 
     def mlp_forward(self, ops, index: int, layer: MoELayer, h: torch.Tensor) -> torch.Tensor:
         if layer.w13 is None:

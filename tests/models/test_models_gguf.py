@@ -313,13 +313,17 @@ def test_deepseek2_features_not_implemented_are_refused_by_name(name, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_deepseek2_split_kv_b_file_on_two_tensor_parallel_ranks(written):
-    """A Q8_0 file (dequantized under tensor parallelism) whose kv_b_proj comes put back
-    together from attn_k_b/attn_v_b, sharded per head over two ranks: transformers'
-    tokens and logprobs on the weights the file holds."""
+@pytest.mark.parametrize("quantization", ["none", None])
+def test_deepseek2_split_kv_b_file_on_two_tensor_parallel_ranks(quantization, written):
+    """A Q8_0 file whose kv_b_proj comes put back together from attn_k_b/attn_v_b, sharded
+    per head over two ranks.  Dequantized (``quantization="none"``): transformers' tokens
+    and logprobs on the weights the file holds.  Blocks kept (the default for a .gguf):
+    each rank's expert down_proj shard is not whole blocks, so it comes dequantized beside
+    the kept gate/up blocks (a partly quantized layer of experts); the first greedy token
+    and its logprob stay close, as with blocks kept on one rank."""
     import torch.distributed as dist
 
-    path, prompts, expected, _ = written("deepseek2", "Q8_0")
+    path, prompts, expected, first = written("deepseek2", "Q8_0")
     llm = LLM(
         model=str(path),
         dtype="float32",
@@ -328,14 +332,26 @@ def test_deepseek2_split_kv_b_file_on_two_tensor_parallel_ranks(written):
         block_size=4,
         tensor_parallel_size=2,
         distributed_executor_backend="mp",
+        quantization=quantization,
     )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
-        for out, (tokens, logprobs) in zip(llm.generate(prompts, params, use_tqdm=False), expected):
-            got = out.outputs[0]
-            assert got.token_ids == tokens
-            for tok, entry, ref in zip(got.token_ids, got.logprobs, logprobs):
-                assert math.isclose(entry[tok].logprob, ref, abs_tol=2e-4)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if quantization == "none":
+            for out, (tokens, logprobs) in zip(outs, expected):
+                got = out.outputs[0]
+                assert got.token_ids == tokens
+                for tok, entry, ref in zip(got.token_ids, got.logprobs, logprobs):
+                    assert math.isclose(entry[tok].logprob, ref, abs_tol=2e-4)
+        else:
+            layer = llm.llm_engine.runner.model.layers[-1]  # rank 0's last (MoE) layer
+            assert len(layer.w13) == len(layer.w2) > 1
+            assert all(isinstance(w, GGUFWeight) for w in layer.w13)
+            assert all(isinstance(w, torch.Tensor) for w in layer.w2)
+            for out, reference in zip(outs, first):
+                tok = out.outputs[0].token_ids[0]
+                assert float(reference[tok]) >= float(reference.max()) - 0.05
+                assert math.isclose(out.outputs[0].logprobs[0][tok].logprob, float(reference[tok]), abs_tol=0.05)
     finally:
         llm.shutdown()
     assert not dist.is_initialized()

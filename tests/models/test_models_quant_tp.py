@@ -93,6 +93,45 @@ def test_quantized_experts_follow_the_fused_moe_reference():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_partly_quantized_experts_keep_each_weight_as_loaded():
+    """A layer whose expert gate/up are quantized beside float down weights (a GGUF
+    down_proj dequantized for its tensor-parallel shard) keeps per-expert lists, each
+    weight as loaded, and runs them to ``fused_moe``'s reference on the dequantized
+    weights; an all-float layer is still stacked for ``fused_moe``."""
+    import torch
+
+    from pagedserve.kernels import reference
+    from pagedserve.models.layers import fuse, route_topk
+    from pagedserve.models.quantized_experts import prepare_expert_lists, quantized_experts_moe, stack_experts
+    from pagedserve.quantization.int8 import quantize_int8_per_channel
+
+    gen = torch.Generator().manual_seed(1)
+    experts, hidden, inter, tokens = 4, 24, 16, 9
+    gate_up = [
+        [Int8Weight(*quantize_int8_per_channel(torch.randn(inter, hidden, generator=gen))) for _ in range(2)]
+        for _ in range(experts)
+    ]
+    down = [torch.randn(hidden, inter, generator=gen) for _ in range(experts)]
+    w13, w2 = stack_experts(gate_up, down, lambda t: t, fuse, "test")
+    assert isinstance(w13, list) and isinstance(w2, list)
+    assert all(isinstance(w, Int8Weight) for w in w13) and all(isinstance(w, torch.Tensor) for w in w2)
+    ops = SimpleNamespace(
+        silu_and_mul=reference.silu_and_mul, linear=reference.linear, prepare_linear_weight=lambda w: w.clone()
+    )
+    w13, w2 = prepare_expert_lists(ops, w13, w2)
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights, ids = route_topk(torch.randn(tokens, experts, generator=gen), 2, True)
+    got = quantized_experts_moe(ops, x, w13, w2, weights, ids)
+    dense13 = torch.stack([torch.cat([w.dequantize() for w in pair]) for pair in gate_up])
+    want = reference.fused_moe(x, dense13, torch.stack(down), weights, ids, "silu")
+    assert ids[:, 0].unique().numel() > 1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+    floats = [[w.dequantize() for w in pair] for pair in gate_up]
+    s13, s2 = stack_experts(floats, down, lambda t: t, fuse, "test")
+    assert torch.equal(s13, dense13) and torch.equal(s2, torch.stack(down))
+
+
 def test_registry_and_classes_agree_on_tensor_parallelism():
     for e in model_entries():
         assert e.load().tensor_parallel == e.tensor_parallel, e.architecture
