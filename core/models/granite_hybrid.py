@@ -27,7 +27,7 @@ from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.decoder import DecoderForCausalLM, KVCache
 from pagedserve.models.layers import add_rms_norm, fuse, gated_mlp, layer_windows, linear, paged_attention, qkv_split
 from pagedserve.models.mamba2 import Mamba2Mixer
-from pagedserve.models.recurrent import StateLayout, run_with_checkpoints
+from pagedserve.models.recurrent import StateLayout
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
@@ -193,7 +193,7 @@ class GraniteMoeHybridForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         eps = self.cfg.rms_norm_eps
         h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
         if layer.mamba:
-            h = run_with_checkpoints(lambda x, m: self._mamba(ops, layer, x, kv_cache, m), h, kv_cache, meta)
+            h = self._mamba(ops, layer, h, kv_cache, meta)
         else:
             q, k, v = qkv_split(linear(ops, h, layer.qkv), self.attn)
             if self.use_rope:

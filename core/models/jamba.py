@@ -34,7 +34,7 @@ from pagedserve.models.layers import (
     route_topk,
 )
 from pagedserve.models.quantized_experts import quantized_experts_moe, stack_experts
-from pagedserve.models.recurrent import StateLayout, chunk_info, run_with_checkpoints
+from pagedserve.models.recurrent import StateLayout, chunk_info, run_segmented
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
@@ -178,8 +178,18 @@ class JambaForCausalLM(DecoderForCausalLM):
 
     # -- forward ------------------------------------------------------------------------------
     def _mamba(self, ops, layer: JambaLayer, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata):
-        eps = self.cfg.rms_norm_eps
+        """The Mamba mixer: its input and output projections once over the step's tokens,
+        the rest (:meth:`_mamba_scan`) in segments where checkpoints are due."""
         xs, z = linear(ops, h, layer.in_proj).chunk(2, dim=-1)
+        (y,) = run_segmented(lambda t, m: (self._mamba_scan(ops, layer, t[0], kv_cache, m),), (xs,), kv_cache, meta)
+        return linear(ops, y * F.silu(z), layer.out_proj)
+
+    def _mamba_scan(
+        self, ops, layer: JambaLayer, xs: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The convolution, the (small) projections of its output to the step sizes and B, C,
+        and the selective scan over the state pages: y [n, d_inner]."""
+        eps = self.cfg.rms_norm_eps
         has_state, decode = chunk_info(meta)
         conv_state, state = self.state.read(kv_cache, meta.block_tables, has_state)
         if decode:
@@ -196,7 +206,7 @@ class JambaForCausalLM(DecoderForCausalLM):
         else:
             y = ops.mamba1_scan(xs, dt, layer.A, B, C, layer.D, state, meta.query_start_loc)
         self.state.write(kv_cache, meta.block_tables, [conv_state, state])
-        return linear(ops, y * F.silu(z), layer.out_proj)
+        return y
 
     def layer_forward(
         self,
@@ -212,7 +222,7 @@ class JambaForCausalLM(DecoderForCausalLM):
         eps = self.cfg.rms_norm_eps
         h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
         if layer.mamba:
-            h = run_with_checkpoints(lambda x, m: self._mamba(ops, layer, x, kv_cache, m), h, kv_cache, meta)
+            h = self._mamba(ops, layer, h, kv_cache, meta)
         else:
             q, k, v = qkv_split(linear(ops, h, layer.qkv), self.attn)
             h = linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o)

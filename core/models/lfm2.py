@@ -29,7 +29,7 @@ from pagedserve.models.layers import (
     paged_attention,
     qkv_split,
 )
-from pagedserve.models.recurrent import StateLayout, chunk_info, run_with_checkpoints
+from pagedserve.models.recurrent import StateLayout, chunk_info, run_segmented
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
@@ -141,8 +141,16 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
     def _short_conv(
         self, ops, layer: Lfm2Layer, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
+        """The gated short convolution: projections once over the step's tokens, the
+        convolution (:meth:`_conv`) in segments where checkpoints are due."""
         B, C, x = linear(ops, h, layer.in_proj, layer.in_bias).chunk(3, dim=-1)
-        bx = B * x
+        (y,) = run_segmented(lambda xs, m: (self._conv(ops, layer, xs[0], kv_cache, m),), (B * x,), kv_cache, meta)
+        return linear(ops, C * y, layer.out_proj, layer.out_bias)
+
+    def _conv(
+        self, ops, layer: Lfm2Layer, bx: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The convolution over the window in the state pages."""
         has_state, decode = chunk_info(meta)
         (window,) = self.state.read(kv_cache, meta.block_tables, has_state)
         if decode:
@@ -150,7 +158,7 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
         else:
             y = ops.causal_conv1d(bx, layer.conv, layer.conv_bias, window, meta.query_start_loc, has_state, None)
         self.state.write(kv_cache, meta.block_tables, [window])
-        return linear(ops, C * y, layer.out_proj, layer.out_bias)
+        return y
 
     def layer_forward(
         self,
@@ -165,7 +173,7 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = add_rms_norm(ops, x, residual, layer.input_norm, self.eps)
         if layer.conv_layer:
-            h = run_with_checkpoints(lambda x, m: self._short_conv(ops, layer, x, kv_cache, m), h, kv_cache, meta)
+            h = self._short_conv(ops, layer, h, kv_cache, meta)
         else:
             q, k, v = qkv_split(linear(ops, h, layer.qkv), self.attn)
             q, k = head_rms_norm(ops, q, layer.q_norm, self.eps), head_rms_norm(ops, k, layer.k_norm, self.eps)

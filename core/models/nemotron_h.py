@@ -19,7 +19,7 @@ from pagedserve.models.decoder import DecoderForCausalLM, KVCache
 from pagedserve.models.granite_hybrid import _json_float
 from pagedserve.models.layers import add_rms_norm, block_types, fuse, layer_windows, linear, paged_attention, qkv_split
 from pagedserve.models.mamba2 import Mamba2Mixer
-from pagedserve.models.recurrent import StateLayout, run_with_checkpoints
+from pagedserve.models.recurrent import StateLayout
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
@@ -154,8 +154,7 @@ class NemotronHForCausalLM(Mamba2Mixer, DecoderForCausalLM):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = add_rms_norm(ops, x, residual, layer.norm, self.eps)
         if layer.kind == "linear_attention":
-            mixer = lambda x, m: self._mamba(ops, layer, x, kv_cache, m)  # noqa: E731
-            return run_with_checkpoints(mixer, h, kv_cache, meta), residual
+            return self._mamba(ops, layer, h, kv_cache, meta), residual
         if layer.kind == "full_attention":
             q, k, v = qkv_split(linear(ops, h, layer.qkv), self.attn)
             return linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o), residual

@@ -41,7 +41,7 @@ from pagedserve.models.layers import (
     route_topk,
 )
 from pagedserve.models.quantized_experts import quantized_experts_moe, stack_experts
-from pagedserve.models.recurrent import StateLayout, chunk_info, run_with_checkpoints
+from pagedserve.models.recurrent import StateLayout, chunk_info, run_segmented
 from pagedserve.quantization.base import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         eps = self.cfg.rms_norm_eps
         h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
         if layer.linear:
-            h = run_with_checkpoints(lambda x, m: self._delta_net(ops, layer, x, kv_cache, m), h, kv_cache, meta)
+            h = self._delta_net(ops, layer, h, kv_cache, meta)
         else:
             h = self._gated_attention(ops, placement, layer, h, kv_cache, meta)
         h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
@@ -241,10 +241,32 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     def _delta_net(
         self, ops, layer: Qwen3_5Layer, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
+        """The DeltaNet mixer: its projections and gates once over the step's tokens, the
+        convolution and scan (:meth:`_delta_scan`) in segments where checkpoints are due."""
         n = h.shape[0]
         mixed, z, b, a = linear(ops, h, layer.in_proj).split(
             [self.conv_dim, self.value_dim, self.v_heads, self.v_heads], dim=-1
         )
+        beta = torch.sigmoid(b.float())
+        g = layer.A * F.softplus(a.float() + layer.dt_bias)
+        (o,) = run_segmented(
+            lambda xs, m: (self._delta_scan(ops, layer, *xs, kv_cache, m),), (mixed, g, beta), kv_cache, meta
+        )
+        o = ops.rms_norm_gated(o.reshape(-1, self.dv), z.reshape(-1, self.dv), layer.out_norm, self.cfg.rms_norm_eps)
+        return linear(ops, o.reshape(n, self.value_dim), layer.out_proj)
+
+    def _delta_scan(
+        self,
+        ops,
+        layer: Qwen3_5Layer,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The convolution and the gated delta rule over the state pages: o [n, v_heads, dv]."""
+        n = mixed.shape[0]
         has_state, decode = chunk_info(meta)
         conv_state, state = self.state.read(kv_cache, meta.block_tables, has_state)
         if decode:
@@ -254,15 +276,12 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(n, self.k_heads, self.dk), k.reshape(n, self.k_heads, self.dk)
         v = v.reshape(n, self.v_heads, self.dv)
-        beta = torch.sigmoid(b.float())
-        g = layer.A * F.softplus(a.float() + layer.dt_bias)
         if decode:
             o = ops.gated_delta_rule_recurrent(q, k, v, g, beta, state, True)
         else:
             o = ops.gated_delta_rule(q, k, v, g, beta, state, meta.query_start_loc, True)
         self.state.write(kv_cache, meta.block_tables, [conv_state, state])
-        o = ops.rms_norm_gated(o.reshape(-1, self.dv), z.reshape(-1, self.dv), layer.out_norm, self.cfg.rms_norm_eps)
-        return linear(ops, o.reshape(n, self.value_dim), layer.out_proj)
+        return o
 
     def _mlp(self, ops, layer: Qwen3_5Layer, h: torch.Tensor) -> torch.Tensor:
         if layer.w13 is None:

@@ -9,11 +9,13 @@ value pages of those block ids, in the cache's dtype.  The model reads it in flo
 before a layer's ops and writes it back after them; a request's first chunk (nothing
 computed before it) starts from zeros, whatever its pages held before.
 
-Prefix caching (kv_cache/state_group.py): :func:`run_with_checkpoints` runs a recurrent
-layer's mixer for a step whose metadata lists state checkpoints: it copies a prefix
-hit's checkpoint pages into the request's own state pages first, and where a checkpoint
-is due inside a request's chunk it runs the mixer over the chunk in segments ending
-there, copying the state pages into the checkpoint's after each.
+Prefix caching (kv_cache/state_group.py): :func:`run_segmented` runs the state-carrying
+core of a recurrent layer (its convolution and scan) for a step whose metadata lists
+state checkpoints: it copies a prefix hit's checkpoint pages into the request's own
+state pages first, and where a checkpoint is due inside a request's chunk it runs the
+core over the chunk in segments ending there, copying the state pages into the
+checkpoint's after each; the layer's projections run once over the whole step.
+:func:`run_with_checkpoints` does the same for a layer's whole mixer.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
 
-__all__ = ["StateLayout", "chunk_info", "run_with_checkpoints"]
+__all__ = ["StateLayout", "chunk_info", "run_segmented", "run_with_checkpoints"]
 
 
 def chunk_info(meta: AttentionMetadata) -> tuple[torch.Tensor, bool]:
@@ -100,18 +102,33 @@ def run_with_checkpoints(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """``mixer(h, meta)`` (a recurrent layer's forward over its state pages) with the
-    step's state checkpoint work of the layer's group (``meta.state_copies`` and
-    ``state_captures``): hits' checkpoints copied into their rows' state pages first;
-    each capture's state, after its offset in the row's chunk, copied into its pages.
+    """``mixer(h, meta)`` (a recurrent layer's whole forward over its state pages) with the
+    step's state checkpoint work: :func:`run_segmented` with ``h`` as its one input."""
+    return run_segmented(lambda xs, m: (mixer(xs[0], m),), (h,), kv_cache, meta)[0]
 
-    A capture inside a chunk splits the mixer's run: round ``r`` runs the ``r``-th
+
+def run_segmented(
+    core: Callable[[tuple[torch.Tensor, ...], AttentionMetadata], tuple[torch.Tensor, ...]],
+    inputs: tuple[torch.Tensor, ...],
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+) -> tuple[torch.Tensor, ...]:
+    """``core(inputs, meta)`` (the state-carrying part of a recurrent layer: its convolution
+    and scan over its state pages; ``inputs`` and the outputs are token-major, row ``t``
+    of each belongs to token ``t``) with the step's state checkpoint work of the layer's
+    group (``meta.state_copies`` and ``state_captures``): hits' checkpoints copied into
+    their rows' state pages first; each capture's state, after its offset in the row's
+    chunk, copied into its pages.
+
+    A capture inside a chunk splits the core's run: round ``r`` runs the ``r``-th
     segment of every row that has one (metadata of those rows, their tokens, seq lens
     ending at the segment), so the row's state pages hold its state at each segment's
-    end, exactly as if its chunk had ended there."""
+    end, exactly as if its chunk had ended there.  Only the core is segmented: a layer
+    runs its per-token work (projections, gates, output norm and projection) once over
+    the whole step, before and after."""
     copies, captures = meta.state_copies, meta.state_captures
     if not copies and not captures:
-        return mixer(h, meta)
+        return core(inputs, meta)
     tables = meta.block_tables.tolist()
     if copies:
         src = [p for _, pages in copies for p in pages]
@@ -140,17 +157,18 @@ def run_with_checkpoints(
 
     rounds = max(len(b) for b in bounds) - 1
     if rounds == 1:
-        out = mixer(h, meta)
+        outs = core(inputs, meta)
         capture([(row, qlen[row]) for row in range(num_seqs)])
-        return out
-    out = None
+        return outs
+    num_tokens = inputs[0].shape[0]
+    outs: list[torch.Tensor] | None = None
     seq_lens = meta.seq_lens.tolist()
     dev = meta.query_start_loc.device
     for r in range(rounds):
         rows = [i for i in range(num_seqs) if len(bounds[i]) > r + 1]
         idx = torch.cat(
             [torch.arange(qsl[i] + bounds[i][r], qsl[i] + bounds[i][r + 1], dtype=torch.int64) for i in rows]
-        ).to(h.device)
+        ).to(inputs[0].device)
         lens = [bounds[i][r + 1] - bounds[i][r] for i in rows]
         starts = [0]
         for n in lens:
@@ -167,9 +185,10 @@ def run_with_checkpoints(
             state_copies=(),
             state_captures=(),
         )
-        part = mixer(h.index_select(0, idx), sub)
-        if out is None:
-            out = part.new_empty(h.shape[0], *part.shape[1:])
-        out.index_copy_(0, idx, part)
+        parts = core(tuple(x.index_select(0, idx) for x in inputs), sub)
+        if outs is None:
+            outs = [p.new_empty(num_tokens, *p.shape[1:]) for p in parts]
+        for out, part in zip(outs, parts):
+            out.index_copy_(0, idx, part)
         capture([(i, bounds[i][r + 1]) for i in rows])
-    return out
+    return tuple(outs)
