@@ -35,12 +35,13 @@ tokens by default), so prompts a few blocks long hit too.
 Capturing a boundary inside a chunk.  A chunk of prefill usually spans several
 boundaries.  The scheduler does not cut chunks there (each cut would be one more step
 through every layer); instead the step's metadata lists, per request, the offsets in its
-chunk where a checkpoint is due, and each recurrent layer runs its mixer over the chunk
-in segments that end at those offsets (``models.recurrent.run_with_checkpoints``),
-copying its state pages into the checkpoint's pages after each segment.  The segments
-compute exactly what chunks ending there would (the layer's own chunked-prefill path,
-which tests check against transformers), and only the recurrent mixers are split: the
-attention, MLP and projection work of the step stays one batch.  A boundary at the end
+chunk where a checkpoint is due, and each recurrent layer runs the part of it that
+carries state (its convolution and scan) in segments that end at those offsets
+(``models.recurrent.run_segmented``), copying its state pages into the checkpoint's
+pages after each segment.  The segments compute exactly what chunks ending there would
+(the layer's own chunked-prefill path, which tests check against transformers), and
+only that part is split: the projections, attention and MLP work of the step stays
+one batch.  A boundary at the end
 of a chunk (every boundary a decode step crosses) costs one page copy.
 
 Timing.  Pages of a checkpoint are taken when its step is scheduled and written by that
