@@ -9,12 +9,11 @@ inside an image), forced preemption; the vision tower and projector alone; refus
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
+from vlm_checks import check_output, greedy_params, make_images, make_llm
 
-from pagedserve import LLM, SamplingParams
 from pagedserve.testing.tiny_vlm import GEMMA3_IMAGE, build_gemma3, hf_greedy_gemma3, png_data_uri, random_image
 
 transformers = pytest.importorskip("transformers")
@@ -48,29 +47,9 @@ def gemma3_dir(tmp_path_factory):
     return folder, build_gemma3(folder)
 
 
-def _images(spec):
-    return [random_image(seed, size) for seed, size in spec]
-
-
-def _llm(folder, **kw) -> LLM:
-    return LLM(str(folder), dtype="float32", kv_cache_memory=2**22, max_model_len=kw.pop("max_model_len", 256), **kw)
-
-
-def _check(out, ids, tokens, logprobs, where):
-    assert out.prompt_token_ids == ids, where
-    got = out.outputs[0]
-    assert list(got.token_ids) == tokens, where
-    for j, (tok, entry) in enumerate(zip(got.token_ids, got.logprobs)):
-        assert math.isclose(entry[tok].logprob, logprobs[j], abs_tol=2e-4), (where, j)
-
-
-def _params(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
-
-
 def test_vision_matches_transformers(gemma3_dir):
     folder, model = gemma3_dir
-    llm = _llm(folder)
+    llm = make_llm(folder)
     try:
         vision = llm.llm_engine.runner.vision
         enc = vision.load_processor(str(folder))(text=[IMAGE], images=[random_image(7, (44, 60))], return_tensors="pt")
@@ -88,9 +67,9 @@ def test_bidirectional_mask_matters(gemma3_dir):
     comparisons below would catch a causal implementation."""
     folder, model = gemma3_dir
     prompt, spec = PROMPTS[2]
-    ids, _, logprobs = hf_greedy_gemma3(model, folder, prompt, _images(spec), 1)
+    ids, _, logprobs = hf_greedy_gemma3(model, folder, prompt, make_images(spec), 1)
     proc = llm_processor(folder)
-    enc = proc(text=[prompt], images=_images(spec), return_tensors="pt")
+    enc = proc(text=[prompt], images=make_images(spec), return_tensors="pt")
     with torch.inference_mode():
         logits = model(input_ids=enc["input_ids"], pixel_values=enc["pixel_values"]).logits[0, -1]
     causal = torch.log_softmax(logits.float(), -1).max().item()
@@ -106,16 +85,16 @@ def llm_processor(folder):
 @pytest.mark.parametrize("engine_kind", list(ENGINES))
 def test_gemma3_matches_transformers(engine_kind, gemma3_dir):
     folder, model = gemma3_dir
-    images = {p: _images(spec) for p, spec in PROMPTS}
+    images = {p: make_images(spec) for p, spec in PROMPTS}
     expected = [hf_greedy_gemma3(model, folder, p, images[p], n) for (p, _), n in zip(PROMPTS, MAX_NEW)]
-    llm = _llm(folder, **ENGINES[engine_kind])
+    llm = make_llm(folder, **ENGINES[engine_kind])
     try:
         prompts = [
             {"prompt": p, "multi_modal_data": {"image": images[p]}} if images[p] else {"prompt": p} for p, _ in PROMPTS
         ]
-        outs = llm.generate(prompts, [_params(n) for n in MAX_NEW], use_tqdm=False)
+        outs = llm.generate(prompts, [greedy_params(n) for n in MAX_NEW], use_tqdm=False)
         for i, (out, exp) in enumerate(zip(outs, expected)):
-            _check(out, *exp, (engine_kind, i))
+            check_output(out, *exp, (engine_kind, i))
         if engine_kind == "preempting":
             assert llm.llm_engine.scheduler.num_preemptions > 0
         assert len(llm.llm_engine.runner.encoder_cache) == 0  # nothing held once requests finish
@@ -127,22 +106,22 @@ def test_image_prefix_caching(gemma3_dir):
     """A follow-up turn with the same image hits the image's cached blocks (the encoder
     does not run again); another image behind the same tokens misses."""
     folder, model = gemma3_dir
-    llm = _llm(folder, max_num_batched_tokens=20, enable_prefix_caching=True, block_size=4)
+    llm = make_llm(folder, max_num_batched_tokens=20, enable_prefix_caching=True, block_size=4)
     cache = llm.llm_engine.runner.encoder_cache
     try:
         a, b = random_image(11, (40, 52)), random_image(12, (40, 52))
         first = f"Here {IMAGE} is a picture."
-        out = llm.generate({"prompt": first, "multi_modal_data": {"image": a}}, _params(4), use_tqdm=False)[0]
+        out = llm.generate({"prompt": first, "multi_modal_data": {"image": a}}, greedy_params(4), use_tqdm=False)[0]
         assert cache.encoder_runs == 1
         image_id = llm.llm_engine.runner.vision.image_token_id
         image_end = len(out.prompt_token_ids) - out.prompt_token_ids[::-1].index(image_id)
         follow = first + " And now more text after it."
-        again = llm.generate({"prompt": follow, "multi_modal_data": {"image": a}}, _params(5), use_tqdm=False)[0]
-        _check(again, *hf_greedy_gemma3(model, folder, follow, [a], 5), "same image")
+        again = llm.generate({"prompt": follow, "multi_modal_data": {"image": a}}, greedy_params(5), use_tqdm=False)[0]
+        check_output(again, *hf_greedy_gemma3(model, folder, follow, [a], 5), "same image")
         assert again.num_cached_tokens >= image_end
         assert cache.encoder_runs == 1
-        other = llm.generate({"prompt": follow, "multi_modal_data": {"image": b}}, _params(5), use_tqdm=False)[0]
-        _check(other, *hf_greedy_gemma3(model, folder, follow, [b], 5), "other image")
+        other = llm.generate({"prompt": follow, "multi_modal_data": {"image": b}}, greedy_params(5), use_tqdm=False)[0]
+        check_output(other, *hf_greedy_gemma3(model, folder, follow, [b], 5), "other image")
         assert cache.encoder_runs == 2
     finally:
         llm.shutdown()
@@ -153,7 +132,7 @@ def test_prefix_hit_ending_inside_an_image(gemma3_dir):
     hit is kept (those tokens were computed with the whole image in one step) and the
     image's remaining tokens are computed together, seeing the cached ones."""
     folder, model = gemma3_dir
-    llm = _llm(
+    llm = make_llm(
         folder,
         max_num_batched_tokens=32,
         enable_prefix_caching=True,
@@ -164,32 +143,36 @@ def test_prefix_hit_ending_inside_an_image(gemma3_dir):
     try:
         img = random_image(13, (40, 52))
         prompt = f"Here {IMAGE} is a picture."
-        first = llm.generate({"prompt": prompt, "multi_modal_data": {"image": img}}, _params(2), use_tqdm=False)[0]
+        first = llm.generate({"prompt": prompt, "multi_modal_data": {"image": img}}, greedy_params(2), use_tqdm=False)[
+            0
+        ]
         ids = first.prompt_token_ids
         image_id = llm.llm_engine.runner.vision.image_token_id
         start, end = ids.index(image_id), len(ids) - ids[::-1].index(image_id)
         # A text request of 44 tokens (11 of the 16 blocks, then its output's) evicts the
         # first prompt's blocks from its tail: the cached chain left ends inside the image.
-        llm.generate("z" * 44, _params(1), use_tqdm=False)
-        again = llm.generate({"prompt": prompt, "multi_modal_data": {"image": img}}, _params(4), use_tqdm=False)[0]
+        llm.generate("z" * 44, greedy_params(1), use_tqdm=False)
+        again = llm.generate({"prompt": prompt, "multi_modal_data": {"image": img}}, greedy_params(4), use_tqdm=False)[
+            0
+        ]
         assert start < again.num_cached_tokens < end, (start, again.num_cached_tokens, end)
-        _check(again, *hf_greedy_gemma3(model, folder, prompt, [img], 4), "hit inside the image")
+        check_output(again, *hf_greedy_gemma3(model, folder, prompt, [img], 4), "hit inside the image")
     finally:
         llm.shutdown()
 
 
 def test_chat_with_a_data_uri(gemma3_dir):
     folder, model = gemma3_dir
-    llm = _llm(folder)
+    llm = make_llm(folder)
     try:
         img = random_image(21, (40, 52))
         parts = [
             {"type": "text", "text": "What is this?"},
             {"type": "image_url", "image_url": {"url": png_data_uri(img)}},
         ]
-        out = llm.chat([{"role": "user", "content": parts}], _params(5), use_tqdm=False)[0]
+        out = llm.chat([{"role": "user", "content": parts}], greedy_params(5), use_tqdm=False)[0]
         prompt = f"<|im_start|>user\nWhat is this?\n{IMAGE}<|im_end|>\n<|im_start|>assistant\n"
-        _check(out, *hf_greedy_gemma3(model, folder, prompt, [img], 5), "chat data uri")
+        check_output(out, *hf_greedy_gemma3(model, folder, prompt, [img], 5), "chat data uri")
     finally:
         llm.shutdown()
 
@@ -197,7 +180,7 @@ def test_chat_with_a_data_uri(gemma3_dir):
 def test_refusals(gemma3_dir, tmp_path):
     folder, _ = gemma3_dir
     with pytest.raises(ValueError, match="max_num_batched_tokens >= 16"):
-        _llm(folder, max_num_batched_tokens=12)
+        make_llm(folder, max_num_batched_tokens=12)
     # Pan-and-scan crops are not implemented: refused at start-up.
     copy = tmp_path / "pan"
     copy.mkdir()
@@ -209,9 +192,9 @@ def test_refusals(gemma3_dir, tmp_path):
     target["do_pan_and_scan"] = True
     (copy / name).write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="pan-and-scan"):
-        _llm(copy)
+        make_llm(copy)
     # Text alone still loads.
-    llm = _llm(copy, limit_mm_per_prompt={"image": 0})
+    llm = make_llm(copy, limit_mm_per_prompt={"image": 0})
     llm.shutdown()
 
 

@@ -7,11 +7,9 @@ placeholder tokens a miss); chat content parts; text-only loading (image=0)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
+from vlm_checks import check_output, greedy_params, make_llm
 
-from pagedserve import LLM, SamplingParams
 from pagedserve.testing.tiny_vlm import hf_greedy, png_data_uri, random_image
 
 ENGINES = {
@@ -32,22 +30,6 @@ PROMPTS = [
 MAX_NEW = [8, 6, 7, 5]
 
 
-def _llm(folder, **kw) -> LLM:
-    return LLM(str(folder), dtype="float32", kv_cache_memory=2**22, max_model_len=kw.pop("max_model_len", 256), **kw)
-
-
-def _check(out, ids, tokens, logprobs, where):
-    assert out.prompt_token_ids == ids, where
-    got = out.outputs[0]
-    assert list(got.token_ids) == tokens, where
-    for j, (tok, entry) in enumerate(zip(got.token_ids, got.logprobs)):
-        assert math.isclose(entry[tok].logprob, logprobs[j], abs_tol=2e-4), (where, j)
-
-
-def _params(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
-
-
 @pytest.mark.parametrize("engine_kind", list(ENGINES))
 def test_llava_matches_transformers(engine_kind, llava_dir):
     folder, model = llava_dir
@@ -56,14 +38,14 @@ def test_llava_matches_transformers(engine_kind, llava_dir):
     # The image matters: another image behind the same prompt changes the logprobs.
     other = hf_greedy(model, folder, PROMPTS[0][0], [random_image(99)], 1)
     assert abs(other[2][0] - expected[0][2][0]) > 1e-3
-    llm = _llm(folder, **ENGINES[engine_kind])
+    llm = make_llm(folder, **ENGINES[engine_kind])
     try:
         prompts = [
             {"prompt": p, "multi_modal_data": {"image": images[p]}} if images[p] else {"prompt": p} for p, _ in PROMPTS
         ]
-        outs = llm.generate(prompts, [_params(n) for n in MAX_NEW], use_tqdm=False)
+        outs = llm.generate(prompts, [greedy_params(n) for n in MAX_NEW], use_tqdm=False)
         for i, (out, exp) in enumerate(zip(outs, expected)):
-            _check(out, *exp, (engine_kind, i))
+            check_output(out, *exp, (engine_kind, i))
         if engine_kind == "preempting":
             assert llm.llm_engine.scheduler.num_preemptions > 0
         assert len(llm.llm_engine.runner.encoder_cache) == 0  # nothing held once prompts are in
@@ -73,24 +55,24 @@ def test_llava_matches_transformers(engine_kind, llava_dir):
 
 def test_encoder_cache_and_image_prefix_caching(llava_dir):
     folder, model = llava_dir
-    llm = _llm(folder, max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4)
+    llm = make_llm(folder, max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4)
     cache = llm.llm_engine.runner.encoder_cache
     try:
         a, b = random_image(11), random_image(12)
         first = "Here <image> is a picture."
-        out = llm.generate({"prompt": first, "multi_modal_data": {"image": a}}, _params(4), use_tqdm=False)[0]
+        out = llm.generate({"prompt": first, "multi_modal_data": {"image": a}}, greedy_params(4), use_tqdm=False)[0]
         # 16 image tokens over chunks of 8: encoded once, read by each chunk.
         assert cache.encoder_runs == 1
         image_end = out.prompt_token_ids.index(llm.llm_engine.runner.vision.image_token_id) + 16
         follow = first + " And now more text after it."
         ids, tokens, logprobs = hf_greedy(model, folder, follow, [a], 5)
-        again = llm.generate({"prompt": follow, "multi_modal_data": {"image": a}}, _params(5), use_tqdm=False)[0]
-        _check(again, ids, tokens, logprobs, "same image")
+        again = llm.generate({"prompt": follow, "multi_modal_data": {"image": a}}, greedy_params(5), use_tqdm=False)[0]
+        check_output(again, ids, tokens, logprobs, "same image")
         assert again.num_cached_tokens >= image_end  # the image's blocks were a hit
         assert cache.encoder_runs == 1  # ... so the encoder did not run
         ids, tokens, logprobs = hf_greedy(model, folder, follow, [b], 5)
-        other = llm.generate({"prompt": follow, "multi_modal_data": {"image": b}}, _params(5), use_tqdm=False)[0]
-        _check(other, ids, tokens, logprobs, "other image")
+        other = llm.generate({"prompt": follow, "multi_modal_data": {"image": b}}, greedy_params(5), use_tqdm=False)[0]
+        check_output(other, ids, tokens, logprobs, "other image")
         assert other.num_cached_tokens <= image_end - 16  # same placeholder tokens, another image: a miss
         assert cache.encoder_runs == 2
     finally:
@@ -99,20 +81,20 @@ def test_encoder_cache_and_image_prefix_caching(llava_dir):
 
 def test_chat_content_parts(llava_dir):
     folder, model = llava_dir
-    llm = _llm(folder)
+    llm = make_llm(folder)
     try:
         img = random_image(21)
         parts = [
             {"type": "text", "text": "What is this?"},
             {"type": "image_url", "image_url": {"url": png_data_uri(img)}},
         ]
-        out = llm.chat([{"role": "user", "content": parts}], _params(5), use_tqdm=False)[0]
+        out = llm.chat([{"role": "user", "content": parts}], greedy_params(5), use_tqdm=False)[0]
         prompt = "<|im_start|>user\nWhat is this?\n<image><|im_end|>\n<|im_start|>assistant\n"
-        _check(out, *hf_greedy(model, folder, prompt, [img], 5), "chat data uri")
+        check_output(out, *hf_greedy(model, folder, prompt, [img], 5), "chat data uri")
         pil = [{"type": "image_pil", "image_pil": img}, {"type": "text", "text": "What is this?"}]
-        out = llm.chat([{"role": "user", "content": pil}], _params(5), use_tqdm=False)[0]
+        out = llm.chat([{"role": "user", "content": pil}], greedy_params(5), use_tqdm=False)[0]
         prompt = "<|im_start|>user\n<image>\nWhat is this?<|im_end|>\n<|im_start|>assistant\n"
-        _check(out, *hf_greedy(model, folder, prompt, [img], 5), "chat pil")
+        check_output(out, *hf_greedy(model, folder, prompt, [img], 5), "chat pil")
         with pytest.raises(ValueError, match="remote image URLs are not fetched"):
             llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])
     finally:
@@ -121,7 +103,7 @@ def test_chat_content_parts(llava_dir):
 
 def test_bad_image_requests_are_refused(llava_dir):
     folder, _ = llava_dir
-    llm = _llm(folder, limit_mm_per_prompt='{"image": 1}')
+    llm = make_llm(folder, limit_mm_per_prompt='{"image": 1}')
     try:
         img = random_image(31)
         with pytest.raises(ValueError, match="at most 1"):
@@ -140,12 +122,12 @@ def test_bad_image_requests_are_refused(llava_dir):
 def test_text_only_loading(llava_dir):
     """image=0: the language model alone (no vision weights), equal to transformers on text."""
     folder, model = llava_dir
-    llm = _llm(folder, limit_mm_per_prompt="image=0")
+    llm = make_llm(folder, limit_mm_per_prompt="image=0")
     try:
         assert llm.llm_engine.runner.vision is None
         prompt = "just some text"
-        out = llm.generate(prompt, _params(6), use_tqdm=False)[0]
-        _check(out, *hf_greedy(model, folder, prompt, [], 6), "text only")
+        out = llm.generate(prompt, greedy_params(6), use_tqdm=False)[0]
+        check_output(out, *hf_greedy(model, folder, prompt, [], 6), "text only")
         with pytest.raises(ValueError, match="takes no images"):
             llm.generate({"prompt": "<image>", "multi_modal_data": {"image": random_image(1)}}, use_tqdm=False)
     finally:
@@ -164,12 +146,12 @@ def test_text_only_loading(llava_dir):
 def test_images_refused_with_what_they_do_not_support(llava_dir, setting, message):
     folder, _ = llava_dir
     with pytest.raises(ValueError, match=rf"images of LlavaForConditionalGeneration .*{message}.*image=0"):
-        _llm(folder, **setting)
+        make_llm(folder, **setting)
 
 
 def test_token_id_prompts_with_images_are_refused(llava_dir):
     folder, _ = llava_dir
-    llm = _llm(folder)
+    llm = make_llm(folder)
     try:
         with pytest.raises(ValueError, match="must be text"):
             llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": random_image(1)}}, use_tqdm=False)

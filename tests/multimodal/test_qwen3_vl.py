@@ -8,13 +8,12 @@ transformers' rotary embedding and the plain-torch reference; chat content parts
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from vlm_checks import check_output, greedy_params, make_images, make_llm
 
-from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import reference
 from pagedserve.models.layers import MRotaryEmbedding
 from pagedserve.models.rope import mrope_parts
@@ -42,26 +41,6 @@ PROMPTS = [
     (f"{IMAGE} and {IMAGE}, compare.", [(2, (36, 28)), (3, (52, 40))]),
 ]
 MAX_NEW = [7, 9, 8, 6]
-
-
-def _images(spec):
-    return [random_image(seed, size) for seed, size in spec]
-
-
-def _llm(folder, **kw) -> LLM:
-    return LLM(str(folder), dtype="float32", kv_cache_memory=2**22, max_model_len=kw.pop("max_model_len", 256), **kw)
-
-
-def _check(out, ids, tokens, logprobs, where):
-    assert out.prompt_token_ids == ids, where
-    got = out.outputs[0]
-    assert list(got.token_ids) == tokens, where
-    for j, (tok, entry) in enumerate(zip(got.token_ids, got.logprobs)):
-        assert math.isclose(entry[tok].logprob, logprobs[j], abs_tol=2e-4), (where, j)
-
-
-def _params(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
 
 
 def test_interleaved_mrope_matches_transformers_and_reference():
@@ -103,7 +82,7 @@ def test_interleaved_mrope_matches_transformers_and_reference():
 def test_vision_tower_matches_transformers(qwen3_vl_dir):
     """The tower alone, images of two sizes: the merged embeddings and each DeepStack feature."""
     folder, model = qwen3_vl_dir
-    llm = _llm(folder)
+    llm = make_llm(folder)
     try:
         vision = llm.llm_engine.runner.vision
         assert vision.deepstack_layers == 2
@@ -124,11 +103,11 @@ def test_vision_tower_matches_transformers(qwen3_vl_dir):
 
 def test_mrope_positions_match_transformers(qwen3_vl_dir):
     folder, model = qwen3_vl_dir
-    llm = _llm(folder)
+    llm = make_llm(folder)
     try:
         vision = llm.llm_engine.runner.vision
         prompt = f"x {IMAGE} yy {IMAGE} and {IMAGE} z"
-        images = _images([(5, (40, 52)), (6, (24, 56)), (7, (36, 28))])
+        images = make_images([(5, (40, 52)), (6, (24, 56)), (7, (36, 28))])
         enc = vision.load_processor(str(folder))(text=[prompt], images=images, return_tensors="pt")
         want, delta = model.model.get_rope_index(
             enc["input_ids"], mm_token_type_ids=enc["mm_token_type_ids"], image_grid_thw=enc["image_grid_thw"]
@@ -145,7 +124,7 @@ def test_mrope_positions_match_transformers(qwen3_vl_dir):
 @pytest.mark.parametrize("engine_kind", list(ENGINES))
 def test_qwen3_vl_matches_transformers(engine_kind, qwen3_vl_dir):
     folder, model = qwen3_vl_dir
-    images = {p: _images(spec) for p, spec in PROMPTS}
+    images = {p: make_images(spec) for p, spec in PROMPTS}
     expected = [hf_greedy_qwen(model, folder, p, images[p], n) for (p, _), n in zip(PROMPTS, MAX_NEW)]
     # The image matters, and so do its DeepStack features.
     prompt, imgs = PROMPTS[2][0], images[PROMPTS[2][0]]
@@ -159,14 +138,14 @@ def test_qwen3_vl_matches_transformers(engine_kind, qwen3_vl_dir):
     finally:
         visual.deepstack_visual_indexes = kept
     assert abs(without[2][0] - expected[2][2][0]) > 1e-3
-    llm = _llm(folder, **ENGINES[engine_kind])
+    llm = make_llm(folder, **ENGINES[engine_kind])
     try:
         prompts = [
             {"prompt": p, "multi_modal_data": {"image": images[p]}} if images[p] else {"prompt": p} for p, _ in PROMPTS
         ]
-        outs = llm.generate(prompts, [_params(n) for n in MAX_NEW], use_tqdm=False)
+        outs = llm.generate(prompts, [greedy_params(n) for n in MAX_NEW], use_tqdm=False)
         for i, (out, exp) in enumerate(zip(outs, expected)):
-            _check(out, *exp, (engine_kind, i))
+            check_output(out, *exp, (engine_kind, i))
         if engine_kind == "preempting":
             assert llm.llm_engine.scheduler.num_preemptions > 0
         runner = llm.llm_engine.runner
@@ -179,23 +158,23 @@ def test_image_prefix_caching(qwen3_vl_dir):
     """A follow-up turn with the same image hits the image's cached blocks (the encoder
     does not run); another image behind the same tokens misses."""
     folder, model = qwen3_vl_dir
-    llm = _llm(folder, max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4)
+    llm = make_llm(folder, max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4)
     cache = llm.llm_engine.runner.encoder_cache
     try:
         a, b = random_image(11, (40, 52)), random_image(12, (40, 52))
         first = f"Here {IMAGE} is a picture."
-        out = llm.generate({"prompt": first, "multi_modal_data": {"image": a}}, _params(4), use_tqdm=False)[0]
-        _check(out, *hf_greedy_qwen(model, folder, first, [a], 4), "first turn")
+        out = llm.generate({"prompt": first, "multi_modal_data": {"image": a}}, greedy_params(4), use_tqdm=False)[0]
+        check_output(out, *hf_greedy_qwen(model, folder, first, [a], 4), "first turn")
         assert cache.encoder_runs == 1
         image_id = llm.llm_engine.runner.vision.image_token_id
         image_end = len(out.prompt_token_ids) - out.prompt_token_ids[::-1].index(image_id)
         follow = first + " And now more text after it."
-        again = llm.generate({"prompt": follow, "multi_modal_data": {"image": a}}, _params(5), use_tqdm=False)[0]
-        _check(again, *hf_greedy_qwen(model, folder, follow, [a], 5), "same image")
+        again = llm.generate({"prompt": follow, "multi_modal_data": {"image": a}}, greedy_params(5), use_tqdm=False)[0]
+        check_output(again, *hf_greedy_qwen(model, folder, follow, [a], 5), "same image")
         assert again.num_cached_tokens >= image_end
         assert cache.encoder_runs == 1
-        other = llm.generate({"prompt": follow, "multi_modal_data": {"image": b}}, _params(5), use_tqdm=False)[0]
-        _check(other, *hf_greedy_qwen(model, folder, follow, [b], 5), "other image")
+        other = llm.generate({"prompt": follow, "multi_modal_data": {"image": b}}, greedy_params(5), use_tqdm=False)[0]
+        check_output(other, *hf_greedy_qwen(model, folder, follow, [b], 5), "other image")
         assert cache.encoder_runs == 2
     finally:
         llm.shutdown()
@@ -203,16 +182,16 @@ def test_image_prefix_caching(qwen3_vl_dir):
 
 def test_chat_content_parts(qwen3_vl_dir):
     folder, model = qwen3_vl_dir
-    llm = _llm(folder)
+    llm = make_llm(folder)
     try:
         img = random_image(21, (40, 52))
         parts = [
             {"type": "text", "text": "What is this?"},
             {"type": "image_url", "image_url": {"url": png_data_uri(img)}},
         ]
-        out = llm.chat([{"role": "user", "content": parts}], _params(5), use_tqdm=False)[0]
+        out = llm.chat([{"role": "user", "content": parts}], greedy_params(5), use_tqdm=False)[0]
         prompt = "<|im_start|>user\nWhat is this?\n<|image_pad|><|im_end|>\n<|im_start|>assistant\n"
-        _check(out, *hf_greedy_qwen(model, folder, prompt, [img], 5), "chat data uri")
+        check_output(out, *hf_greedy_qwen(model, folder, prompt, [img], 5), "chat data uri")
     finally:
         llm.shutdown()
 
@@ -236,16 +215,16 @@ def test_qwen3_vl_moe_matches_transformers(layout, tmp_path):
             tensors[k] = tensors[k].transpose(1, 2).contiguous()
         save_file(tensors, str(path), metadata={"format": "pt"})
     prompts = PROMPTS[1:]
-    images = {p: _images(spec) for p, spec in prompts}
+    images = {p: make_images(spec) for p, spec in prompts}
     expected = [hf_greedy_qwen(model, tmp_path, p, images[p], 5) for p, _ in prompts]
-    llm = _llm(tmp_path, **ENGINES["chunked+prefix"])
+    llm = make_llm(tmp_path, **ENGINES["chunked+prefix"])
     try:
         outs = llm.generate(
             [{"prompt": p, "multi_modal_data": {"image": images[p]}} for p, _ in prompts],
-            [_params(5)] * len(prompts),
+            [greedy_params(5)] * len(prompts),
             use_tqdm=False,
         )
         for i, (out, exp) in enumerate(zip(outs, expected)):
-            _check(out, *exp, (layout, i))
+            check_output(out, *exp, (layout, i))
     finally:
         llm.shutdown()

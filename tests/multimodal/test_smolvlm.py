@@ -7,12 +7,10 @@ pixel-shuffle connector alone."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from vlm_checks import check_output, greedy_params, make_images, make_llm
 
-from pagedserve import LLM, SamplingParams
 from pagedserve.testing.tiny_vlm import build_smolvlm, hf_greedy_smolvlm, random_image
 
 transformers = pytest.importorskip("transformers")
@@ -44,29 +42,9 @@ def smolvlm_dir(request, tmp_path_factory):
     return folder, build_smolvlm(folder, idefics3=request.param == "idefics3")
 
 
-def _images(spec):
-    return [random_image(seed, size) for seed, size in spec]
-
-
-def _llm(folder, **kw) -> LLM:
-    return LLM(str(folder), dtype="float32", kv_cache_memory=2**22, max_model_len=kw.pop("max_model_len", 256), **kw)
-
-
-def _check(out, ids, tokens, logprobs, where):
-    assert out.prompt_token_ids == ids, where
-    got = out.outputs[0]
-    assert list(got.token_ids) == tokens, where
-    for j, (tok, entry) in enumerate(zip(got.token_ids, got.logprobs)):
-        assert math.isclose(entry[tok].logprob, logprobs[j], abs_tol=2e-4), (where, j)
-
-
-def _params(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
-
-
 def test_tile_embeddings_match_transformers(smolvlm_dir):
     folder, model = smolvlm_dir
-    llm = _llm(folder)
+    llm = make_llm(folder)
     try:
         runner = llm.llm_engine.runner
         proc = runner.vision.load_processor(str(folder))
@@ -84,16 +62,16 @@ def test_tile_embeddings_match_transformers(smolvlm_dir):
 @pytest.mark.parametrize("engine_kind", list(ENGINES))
 def test_matches_transformers(engine_kind, smolvlm_dir):
     folder, model = smolvlm_dir
-    images = {p: _images(spec) for p, spec in PROMPTS}
+    images = {p: make_images(spec) for p, spec in PROMPTS}
     expected = [hf_greedy_smolvlm(model, folder, p, images[p], n) for (p, _), n in zip(PROMPTS, MAX_NEW)]
-    llm = _llm(folder, **ENGINES[engine_kind])
+    llm = make_llm(folder, **ENGINES[engine_kind])
     try:
         prompts = [
             {"prompt": p, "multi_modal_data": {"image": images[p]}} if images[p] else {"prompt": p} for p, _ in PROMPTS
         ]
-        outs = llm.generate(prompts, [_params(n) for n in MAX_NEW], use_tqdm=False)
+        outs = llm.generate(prompts, [greedy_params(n) for n in MAX_NEW], use_tqdm=False)
         for i, (out, exp) in enumerate(zip(outs, expected)):
-            _check(out, *exp, (engine_kind, i))
+            check_output(out, *exp, (engine_kind, i))
         if engine_kind == "preempting":
             assert llm.llm_engine.scheduler.num_preemptions > 0
         assert len(llm.llm_engine.runner.encoder_cache) == 0
@@ -103,16 +81,18 @@ def test_matches_transformers(engine_kind, smolvlm_dir):
 
 def test_follow_up_turn_reads_cached_tiles(smolvlm_dir):
     folder, model = smolvlm_dir
-    llm = _llm(folder, max_num_batched_tokens=24, enable_prefix_caching=True, block_size=4)
+    llm = make_llm(folder, max_num_batched_tokens=24, enable_prefix_caching=True, block_size=4)
     cache = llm.llm_engine.runner.encoder_cache
     try:
         img = random_image(11, (64, 28))  # 2 tiles and the global view
         first = f"Here {IMAGE} is a picture."
-        llm.generate({"prompt": first, "multi_modal_data": {"image": [img]}}, _params(3), use_tqdm=False)
+        llm.generate({"prompt": first, "multi_modal_data": {"image": [img]}}, greedy_params(3), use_tqdm=False)
         assert cache.encoder_runs == 3
         follow = first + " And now more text after it."
-        again = llm.generate({"prompt": follow, "multi_modal_data": {"image": [img]}}, _params(4), use_tqdm=False)[0]
-        _check(again, *hf_greedy_smolvlm(model, folder, follow, [img], 4), "follow-up")
+        again = llm.generate(
+            {"prompt": follow, "multi_modal_data": {"image": [img]}}, greedy_params(4), use_tqdm=False
+        )[0]
+        check_output(again, *hf_greedy_smolvlm(model, folder, follow, [img], 4), "follow-up")
         assert cache.encoder_runs == 3
     finally:
         llm.shutdown()
