@@ -21,6 +21,7 @@ __all__ = [
     "IMAGE_TOKEN",
     "TEMPLATE",
     "build_llava",
+    "save_random_model",
     "build_llava_next",
     "build_qwen2_5_vl",
     "build_qwen3_vl",
@@ -68,6 +69,18 @@ def init_weights(model, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
 
 
+def save_random_model(model_class, cfg, folder: pathlib.Path):
+    """``model_class(cfg)`` with :func:`init_weights`' random weights, float32 in eval
+    mode, saved to ``folder`` as safetensors; returns the model (the transformers reference)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = model_class(cfg)
+    init_weights(model)
+    model.to(torch.float32).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
 TEXT = dict(
     hidden_size=64,
     intermediate_size=96,
@@ -109,12 +122,7 @@ def build_llava(folder: pathlib.Path, text_type: str = "llama", **extra):
         vision_feature_select_strategy=extra.pop("vision_feature_select_strategy", "default"),
         **extra,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.LlavaForConditionalGeneration(cfg)
-    init_weights(model)
-    model.to(torch.float32).eval()
-    model.save_pretrained(folder, safe_serialization=True)
+    model = save_random_model(transformers.LlavaForConditionalGeneration, cfg, folder)
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(folder / "tokenizer.json"), bos_token="<|im_start|>", eos_token="<|im_end|>"
     )
@@ -152,12 +160,7 @@ def build_llava_next(folder: pathlib.Path, text_type: str = "llama"):
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.LlavaNextForConditionalGeneration(cfg)
-    init_weights(model)
-    model.to(torch.float32).eval()
-    model.save_pretrained(folder, safe_serialization=True)
+    model = save_random_model(transformers.LlavaNextForConditionalGeneration, cfg, folder)
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(folder / "tokenizer.json"), bos_token="<|im_start|>", eos_token="<|im_end|>"
     )
@@ -213,12 +216,7 @@ def build_qwen2_5_vl(folder: pathlib.Path):
         vision_start_token_id=start,
         tie_word_embeddings=False,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
-    init_weights(model)
-    model.to(torch.float32).eval()
-    model.save_pretrained(folder, safe_serialization=True)
+    model = save_random_model(transformers.Qwen2_5_VLForConditionalGeneration, cfg, folder)
     _save_qwen_processor(folder)
     return model
 
@@ -294,15 +292,10 @@ def build_qwen3_vl(folder: pathlib.Path, moe: bool = False):
         vision_end_token_id=end,
         tie_word_embeddings=False,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model_class = (
-            transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration
-        )
-        model = model_class(cfg)
-    init_weights(model)
-    model.to(torch.float32).eval()
-    model.save_pretrained(folder, safe_serialization=True)
+    model_class = (
+        transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration
+    )
+    model = save_random_model(model_class, cfg, folder)
     _save_qwen_processor(folder)
     return model
 
@@ -357,12 +350,7 @@ def build_gemma3(folder: pathlib.Path, tokens_per_image: int = 16, sliding_windo
         eoi_token_index=eoi,
         tie_word_embeddings=False,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.Gemma3ForConditionalGeneration(cfg)
-    init_weights(model)
-    model.to(torch.float32).eval()
-    model.save_pretrained(folder, safe_serialization=True)
+    model = save_random_model(transformers.Gemma3ForConditionalGeneration, cfg, folder)
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(folder / "tokenizer.json"),
         bos_token="<|im_start|>",
@@ -445,12 +433,7 @@ def build_smolvlm(folder: pathlib.Path, idefics3: bool = False):
         scale_factor=2,
         tie_word_embeddings=False,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = model_cls(cfg)
-    init_weights(model)
-    model.to(torch.float32).eval()
-    model.save_pretrained(folder, safe_serialization=True)
+    model = save_random_model(model_cls, cfg, folder)
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(folder / "tokenizer.json"), bos_token="<|im_start|>", eos_token="<|im_end|>"
     )
