@@ -685,10 +685,29 @@ IN_USE: dict[str, Callable[[LLM], bool]] = {
 }
 
 
+def _fill_prefix_cache(llm: LLM) -> None:
+    """Leave the device pool full of cached blocks of unrelated prompts, so that the
+    cell's own requests must evict some (which the host tier spills), whether the pool
+    hands out a fresh engine or one earlier cells used (a deployment's engine is kept
+    only until another is needed: the order of the cells must not decide)."""
+    kv = llm.llm_engine.kv
+    if not hasattr(kv, "num_spilled_blocks"):  # KV cache groups' tier only swaps
+        return
+    gen = torch.Generator().manual_seed(1234)
+    size = 4 * kv.block_size  # four full blocks each, cached when they finish
+    prompts = [
+        torch.randint(3, TINY_HF_CONFIG["vocab_size"], (size,), generator=gen).tolist()
+        for _ in range(kv.pool.num_blocks // 4 + 1)
+    ]
+    _generate(llm, prompts, _params(max_tokens=1))
+
+
 def check_cell(engines: Engines, feature: str, deployment: str) -> None:
     """The cell's result equals the single process's, and its deployment was used."""
     want = engines.reference(feature)
     llm = engines.get(feature, deployment)
+    if deployment == "kv_offload" and feature != "pooling":  # an embedding engine does not generate
+        _fill_prefix_cache(llm)
     got = CASES[feature].run(llm, engines)
     CASES[feature].same(got, want)
     if deployment in IN_USE:
