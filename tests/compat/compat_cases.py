@@ -685,7 +685,7 @@ IN_USE: dict[str, Callable[[LLM], bool]] = {
 }
 
 
-def _fill_prefix_cache(llm: LLM) -> None:
+def _fill_prefix_cache(llm: LLM, embed: bool = False) -> None:
     """Leave the device pool full of cached blocks of unrelated prompts, so that the
     cell's own requests must evict some (which the host tier spills), whether the pool
     hands out a fresh engine or one earlier cells used (a deployment's engine is kept
@@ -699,15 +699,18 @@ def _fill_prefix_cache(llm: LLM) -> None:
         torch.randint(3, TINY_HF_CONFIG["vocab_size"], (size,), generator=gen).tolist()
         for _ in range(kv.pool.num_blocks // 4 + 1)
     ]
-    _generate(llm, prompts, _params(max_tokens=1))
+    if embed:  # an embedding engine's prompts are cached blocks too
+        llm.embed([{"prompt_token_ids": p} for p in prompts])
+    else:
+        _generate(llm, prompts, _params(max_tokens=1))
 
 
 def check_cell(engines: Engines, feature: str, deployment: str) -> None:
     """The cell's result equals the single process's, and its deployment was used."""
     want = engines.reference(feature)
     llm = engines.get(feature, deployment)
-    if deployment == "kv_offload" and feature != "pooling":  # an embedding engine does not generate
-        _fill_prefix_cache(llm)
+    if deployment == "kv_offload":
+        _fill_prefix_cache(llm, embed=feature == "pooling")
     got = CASES[feature].run(llm, engines)
     CASES[feature].same(got, want)
     if deployment in IN_USE:
