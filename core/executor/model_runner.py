@@ -373,7 +373,7 @@ class ModelRunner:
             logger.info("fp8 KV cache with row scales computed on write: the per-layer k/v scales given are not used")
         if self.kv_layer_scales is not None and not getattr(self.model, "row_scaled_kv", True):
             raise ValueError("per-layer KV cache scales are not applied by latent attention (DeepSeek V2/V3)")
-        self.model.kv_scales = self.kv_layer_scales
+        self.model.set_kv_scales(self.kv_layer_scales)
 
     def _kv_budget(self, cache: CacheConfig, sched: SchedulerConfig) -> tuple[int, int, int, str]:
         """(KV bytes, bytes per block, blocks, " on <platforms>") in the current layout."""
@@ -558,7 +558,7 @@ class ModelRunner:
             raise RuntimeError("the model runner is not asleep")
         weights = self._host_weights if self._host_weights is not None else reload()
         self.model = self._build_model()
-        self.model.kv_scales = self.kv_layer_scales
+        self.model.set_kv_scales(self.kv_layer_scales)
         with torch.inference_mode():
             # A vision side stays resident while asleep: only the language model reloads.
             self.model.load_weights(self._split_vision(weights, []))

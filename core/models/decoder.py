@@ -148,6 +148,11 @@ class DecoderForCausalLM:
         #: cache (set by the runner; None: none).
         self.kv_scales: dict[int, tuple[float, float]] | None = None
 
+    def set_kv_scales(self, scales: dict[int, tuple[float, float]] | None) -> None:
+        """The per-layer (k_scale, v_scale) of a tensor-scaled fp8 cache, by model-wide
+        layer (None: none); the runner decides them when it sizes the KV cache."""
+        self.kv_scales = scales
+
     #: Whether this family's attention reads row-scaled KV caches and per-layer scales
     #: (every family through layers.paged_attention; not latent attention).
     row_scaled_kv: ClassVar[bool] = True

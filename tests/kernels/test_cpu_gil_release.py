@@ -92,7 +92,9 @@ def test_paged_attention_releases_gil(module, one_thread):
         out = torch.full_like(q, float("nan"))
 
         def call():
-            module.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, 0.125, out, isa, 0, 0.0, None)
+            module.paged_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, qsl, 0.125, out, isa, 0, 0.0, None, None
+            )
             assert not out.isnan().any()
 
         return call
