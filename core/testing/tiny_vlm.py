@@ -383,18 +383,7 @@ def hf_greedy_gemma3(model, folder: pathlib.Path, prompt: str, images: list, max
     ids = enc["input_ids"][0].tolist()
     extra = {"pixel_values": enc["pixel_values"]} if images else {}
     types = enc["token_type_ids"][0].tolist() if images else None
-    out_ids, tokens, logprobs = list(ids), [], []
-    for _ in range(max_new):
-        kw = dict(extra)
-        if types is not None:
-            kw["token_type_ids"] = torch.tensor([types + [0] * (len(out_ids) - len(types))])
-        logits = model(input_ids=torch.tensor([out_ids]), **kw).logits[0, -1].float()
-        lp = torch.log_softmax(logits, dim=-1)
-        tok = int(lp.argmax())
-        tokens.append(tok)
-        logprobs.append(float(lp[tok]))
-        out_ids.append(tok)
-    return ids, tokens, logprobs
+    return greedy_loop(model, ids, extra, max_new, types, "token_type_ids")
 
 
 SMOLVLM_TOKENS = ("<image>", "<fake_token_around_image>", "<global-img>")
@@ -458,9 +447,20 @@ def hf_greedy_smolvlm(model, folder: pathlib.Path, prompt: str, images: list, ma
     enc = processor(text=[prompt], images=[images] if images else None, return_tensors="pt")
     ids = enc["input_ids"][0].tolist()
     extra = {k: enc[k] for k in ("pixel_values", "pixel_attention_mask") if k in enc} if images else {}
+    return greedy_loop(model, ids, extra, max_new)
+
+
+@torch.inference_mode()
+def greedy_loop(model, ids: list[int], extra: dict, max_new: int, types: list[int] | None = None, types_key: str = ""):
+    """(ids, greedy tokens, their logprobs) of ``model`` from the prompt ``ids``, one full
+    forward per step with ``extra`` inputs; ``types`` (the processor's per-token type ids,
+    passed as ``types_key``) grow with zeros for the generated tokens."""
     out_ids, tokens, logprobs = list(ids), [], []
     for _ in range(max_new):
-        logits = model(input_ids=torch.tensor([out_ids]), **extra).logits[0, -1].float()
+        kw = dict(extra)
+        if types is not None:
+            kw[types_key] = torch.tensor([types + [0] * (len(out_ids) - len(types))])
+        logits = model(input_ids=torch.tensor([out_ids]), **kw).logits[0, -1].float()
         lp = torch.log_softmax(logits, dim=-1)
         tok = int(lp.argmax())
         tokens.append(tok)
@@ -492,15 +492,7 @@ def hf_greedy(model, folder: pathlib.Path, prompt: str, images: list, max_new: i
     enc = processor(text=[prompt], images=images or None, return_tensors="pt")
     ids = enc["input_ids"][0].tolist()
     extra = {k: enc[k] for k in ("pixel_values", "image_sizes") if k in enc} if images else {}
-    out_ids, tokens, logprobs = list(ids), [], []
-    for _ in range(max_new):
-        logits = model(input_ids=torch.tensor([out_ids]), **extra).logits[0, -1].float()
-        lp = torch.log_softmax(logits, dim=-1)
-        tok = int(lp.argmax())
-        tokens.append(tok)
-        logprobs.append(float(lp[tok]))
-        out_ids.append(tok)
-    return ids, tokens, logprobs
+    return greedy_loop(model, ids, extra, max_new)
 
 
 @torch.inference_mode()
@@ -523,15 +515,4 @@ def hf_greedy_qwen(
     ids = enc["input_ids"][0].tolist()
     extra = {k: enc[k] for k in ("pixel_values", "image_grid_thw") if k in enc} if images else {}
     types = enc["mm_token_type_ids"][0].tolist() if images else None
-    out_ids, tokens, logprobs = list(ids), [], []
-    for _ in range(max_new):
-        kw = dict(extra)
-        if types is not None:
-            kw["mm_token_type_ids"] = torch.tensor([types + [0] * (len(out_ids) - len(types))])
-        logits = model(input_ids=torch.tensor([out_ids]), **kw).logits[0, -1].float()
-        lp = torch.log_softmax(logits, dim=-1)
-        tok = int(lp.argmax())
-        tokens.append(tok)
-        logprobs.append(float(lp[tok]))
-        out_ids.append(tok)
-    return ids, tokens, logprobs
+    return greedy_loop(model, ids, extra, max_new, types, "mm_token_type_ids")
