@@ -28,6 +28,11 @@ class KVHandoff:
         is recomputed)."""
         rows, block_ids = self.kv.adopt_prefix(token_ids, kv.shape[2], cache_salt)
         if block_ids:
+            # Adopting may have evicted cached blocks, whose copies to a host tier or KV
+            # connector are queued for the next step: they must read the old KV first.
+            pending = self.kv.flush_transfers()
+            if pending:
+                self.runner.run_kv_transfers(pending)
             self.runner.write_kv_blocks(block_ids, kv, rows)
         return len(block_ids)
 
