@@ -167,3 +167,12 @@ def test_falcon_h1_refuses_pipeline_stages(falcon):
     path, _, _ = falcon("norm-before-gate")
     with pytest.raises(ValueError, match="cannot split FalconH1ForCausalLM: .*side by side"):
         LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", pipeline_parallel_size=2)
+
+
+def test_falcon_h1_disaggregated_hand_off_is_refused(falcon):
+    """Its engine layers' windows (token blocks and state pages) reach the hand-off's check."""
+    from pagedserve.serving.disagg import DisaggregatedLLM
+
+    path, _, _ = falcon("norm-before-gate")
+    with pytest.raises(ValueError, match="KV cache groups"):
+        DisaggregatedLLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
