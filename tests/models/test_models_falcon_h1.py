@@ -18,6 +18,7 @@ from test_models_hybrid_vs_hf import (
     COMMON,
     ENGINES,
     MAX_NEW,
+    SWAPPING,
     _check,
     _init_weights,
     _prompts,
@@ -139,6 +140,19 @@ def test_falcon_h1_greedy_and_logprobs_match_transformers(case, engine_kind, fal
     eng.kv.pool.check_invariants()
     if engine_kind == "preempting":
         assert eng.scheduler.num_preemptions > 0
+
+
+@pytest.mark.slow
+def test_falcon_h1_swap_preemption_matches_transformers(falcon):
+    """Swapped-out requests take both halves' pages to host and back: the attention
+    blocks and the Mamba state pages."""
+    path, prompts, expected = falcon("norm-before-gate")
+    llm = LLM(model=str(path), **COMMON, **SWAPPING)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_NEW]
+    _check(llm.generate(prompts, params, use_tqdm=False), expected, "swap")
+    stats = llm.llm_engine.stats()
+    assert stats.num_swap_outs > 0 and stats.num_swap_ins == stats.num_swap_outs
+    assert llm.llm_engine.kv.pool.num_in_use == 0 and llm.llm_engine.kv.host.num_in_use == 0
 
 
 def test_falcon_h1_n2_samples_each_carry_their_state(falcon):
