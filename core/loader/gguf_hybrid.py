@@ -71,8 +71,8 @@ __all__ = ["HYBRID_ARCHS", "UNSUPPORTED_HYBRID", "column_groups", "row_order"]
 #: llama.cpp architectures of hybrid families pagedserve loads from Hugging Face
 #: checkpoints only, with the HF class to use instead.
 UNSUPPORTED_HYBRID = {
-    "nemotron_h_moe": "NemotronHForCausalLM (MoE layers are not implemented either)",
-    "falcon-h1": "FalconH1ForCausalLM (not implemented)",
+    "nemotron_h_moe": "NemotronHForCausalLM",
+    "falcon-h1": "FalconH1ForCausalLM",
     "lfm2moe": "Lfm2MoeForCausalLM (not implemented)",
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.models.layers import engine_layer_count
 from pagedserve.models.registry import (
     SEQUENCE_CLASSIFICATION,
     base_architecture,
@@ -23,7 +24,8 @@ class ArchConfig:
     from which a family reads its own extras (soft-caps, windows, multipliers...).
 
     ``num_kv_heads``, ``head_dim`` and ``num_layers`` size the KV cache; a runner keeps a
-    copy with this rank's share of them (``dataclasses.replace``).
+    copy with this rank's share of them (``dataclasses.replace``).  ``num_layers`` counts
+    the layers the engine runs (``layers.engine_layer_count``: a Falcon-H1 layer is two).
     """
 
     architecture: str
@@ -79,7 +81,7 @@ class ArchConfig:
             hidden_size=hidden,
             # A MoE-only family (Qwen3.5-MoE) sizes its experts alone.
             intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=engine_layer_count(cfg),  # Falcon-H1: two per checkpoint layer
             num_heads=heads,
             num_kv_heads=model_cls.kv_cache_heads(cfg),
             head_dim=model_cls.kv_head_dim(cfg),

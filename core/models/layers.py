@@ -38,6 +38,8 @@ __all__ = [
     "GATED_ACTIVATIONS",
     "head_rms_norm",
     "layer_windows",
+    "engine_layer_count",
+    "FALCON_H1",
     "block_types",
     "route_topk",
 ]
@@ -270,6 +272,11 @@ def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | str | None]
     window ``RECURRENT_STATE`` (its KV cache group holds state pages: kv_cache/state_group.py).
     A layer that reads another layer's keys and values (the last ``num_kv_shared_layers``
     of Gemma 4) keeps none: ``NO_KV_CACHE``."""
+    if hf.get("model_type") == FALCON_H1:
+        # Attention and Mamba 2 side by side in each layer: two engine layers each.
+        if num_layers != engine_layer_count(hf):
+            raise ValueError(f"Falcon-H1 runs {engine_layer_count(hf)} engine layers, not {num_layers}")
+        return [None, RECURRENT_STATE] * (num_layers // 2)
     window = hf.get("sliding_window")
     if hf.get("use_sliding_window") is False:
         window = None  # Qwen2/Qwen3/SmolLM3 keep a window size they do not use
@@ -310,6 +317,20 @@ def layer_windows(hf: dict[str, Any], num_layers: int) -> list[int | str | None]
     if 0 < shared < num_layers:
         out[num_layers - shared :] = [NO_KV_CACHE] * shared
     return out
+
+
+#: ``model_type`` of Falcon-H1, whose every layer runs attention and Mamba 2 side by side.
+FALCON_H1 = "falcon_h1"
+
+
+def engine_layer_count(hf: dict[str, Any]) -> int:
+    """Layers the engine runs, caches and groups for config.json ``hf``: its
+    ``num_hidden_layers``, except Falcon-H1's, which are two each (``2 * i``: the layer's
+    attention; ``2 * i + 1``: its Mamba 2 mixer and MLP; models/falcon_h1.py), so that
+    the attention half has a KV cache group of token blocks and the Mamba half one of
+    state pages (kv_cache/kv_groups.py), with no other change to the engine."""
+    n = int(hf["num_hidden_layers"])
+    return 2 * n if hf.get("model_type") == FALCON_H1 else n
 
 
 #: Nemotron-H's ``hybrid_override_pattern`` letters -> ``layers_block_type`` names.

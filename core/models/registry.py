@@ -265,8 +265,18 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         gguf=("nemotron_h",),
         quantized=False,
         tensor_parallel=False,
-        notes="one mixer per layer: Mamba 2, attention without RoPE, squared-ReLU MLP (`backbone.*` names); "
-        "MoE layers refused",
+        notes="one mixer per layer: Mamba 2, attention without RoPE, squared-ReLU MLP (`backbone.*` names), "
+        "Nemotron 3's MoE (sigmoid group routing, squared-ReLU experts, optional latent projection, shared MLP)",
+    ),
+    ModelEntry(
+        "FalconH1ForCausalLM",
+        "falcon_h1",
+        "pagedserve.models.falcon_h1",
+        "FalconH1ForCausalLM",
+        quantized=False,
+        tensor_parallel=False,
+        notes="attention (RoPE) and Mamba 2 side by side in every layer, run as two engine layers (token blocks "
+        "and state pages); muP multipliers folded into the weights; optional gated output norm, `mamba_d_ssm`",
     ),
     ModelEntry(
         "Lfm2ForCausalLM",

@@ -39,7 +39,7 @@ from pagedserve.kv_cache.kv_groups import GroupedKVCacheManager
 from pagedserve.loader import open_model
 from pagedserve.lora import LoRARequest, lora_cache_salt
 from pagedserve.lora.request import per_prompt_lora
-from pagedserve.models.layers import layer_windows
+from pagedserve.models.layers import engine_layer_count, layer_windows
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -102,7 +102,7 @@ class DisaggregatedLLM:
         # windows from the checkpoint's config.
         check_disaggregated(config)
         hf_config = open_model(config.model.model).hf_config
-        check_disaggregated(config, layer_windows(hf_config, hf_config["num_hidden_layers"]))
+        check_disaggregated(config, layer_windows(hf_config, engine_layer_count(hf_config)))
         self.timeout_s = timeout_s
         self.llm = LLM.from_engine_config(config)
         engine = self.llm.llm_engine
