@@ -14,6 +14,7 @@ import math
 import random
 
 import pytest
+import test_models_hybrid_vs_hf as vs_hf
 import torch.distributed as dist
 from test_models_hybrid_vs_hf import BASE, CASES, DELTANET, VOCAB, build_checkpoint, hf_reference
 
@@ -148,6 +149,40 @@ def test_pp2_matches_one_process_and_transformers(case, tmp_path):
     _same(two, expected, 2e-4, "PP=2 vs transformers")
     assert facts["hits"] > 0 and facts["in_use"] == 0
     assert facts["layers"] == (0, 2)  # rank 0 holds the first stage's two layers
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_tp2_swap_preemption_matches_transformers(tmp_path):
+    """Swap preemption under TP=2: every rank copies its shard of the request's attention
+    blocks and state pages to its own host pages and back."""
+    model = build_checkpoint(tmp_path, "qwen3_5-deltanet-gated-attn")
+    prompts = vs_hf._prompts(3)  # lengths 1 to 150 against 32 pages of 8 tokens
+    expected = [hf_reference(model, p, n) for p, n in zip(prompts, vs_hf.MAX_NEW)]
+    swap = dict(vs_hf.ENGINES["preempting"], preemption_mode="swap", kv_offload_memory="4MiB")
+    llm = LLM(
+        model=str(tmp_path),
+        **dict(vs_hf.COMMON, enable_prefix_caching=False),
+        **swap,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in vs_hf.MAX_NEW]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got = [
+            (
+                list(o.outputs[0].token_ids),
+                [e[t].logprob for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+            )
+            for o in outs
+        ]
+        _same(got, expected, 2e-4, "TP=2 with swap preemption vs transformers")
+        stats = llm.llm_engine.stats()
+        assert stats.num_swap_outs > 0 and stats.num_swap_ins == stats.num_swap_outs
+        assert llm.llm_engine.kv.pool.num_in_use == 0 and llm.llm_engine.kv.host.num_in_use == 0
+    finally:
+        llm.shutdown()
     assert not dist.is_initialized()
 
 
