@@ -217,6 +217,10 @@ def check_parallel_fits_model(cfg: EngineConfig, arch: Any) -> None:
             f"intermediate_size ({arch.intermediate_size}), and divide or be a multiple of the "
             f"KV heads ({arch.num_kv_heads})"
         )
+    refusal = getattr(arch, "tensor_parallel_refusal", None)
+    why = refusal(tp) if tp > 1 and refusal is not None else None
+    if why:  # the family's own counts (a recurrent layer's heads, groups or channels)
+        raise ValueError(f"tensor_parallel_size={tp} cannot split {arch.architecture}: {why}")
     for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # experts split the same way
         size = arch.hf_config.get(key)
         if size and size % tp:
@@ -297,7 +301,9 @@ def check_kv_cache_groups(cfg: EngineConfig, windows: list[int | str | None]) ->
 def check_recurrent_state(cfg: EngineConfig) -> None:
     """ValueError for a setting that a model with recurrent-state layers (Qwen3.5 and
     Qwen3-Next's Gated DeltaNet, Mamba 2 hybrids) cannot serve: its state holds every
-    token computed so far and cannot be rewound, shared from a prefix or split.
+    token computed so far and cannot be rewound.  Tensor parallelism splits each layer's
+    heads or channels and its state with them (each family's counts are checked by
+    :func:`check_parallel_fits_model`); pipeline stages hold whole layers.
 
     Checked when the checkpoint's config is read, before weights load.
     """
@@ -319,11 +325,6 @@ def check_recurrent_state(cfg: EngineConfig) -> None:
             cfg.device.device_map is not None,
             f"device_map={cfg.device.device_map!r}",
             "KV cache groups keep every layer on one platform; leave device_map unset",
-        ),
-        (
-            cfg.parallel.world_size > 1,
-            f"tensor/pipeline parallelism ({_parallel(cfg)})",
-            "the recurrent layers are not sharded yet; use one rank",
         ),
         (
             kv_dtype not in ("auto", "float32", "bfloat16", "float16"),

@@ -168,7 +168,9 @@ class Worker:
         batches, plans = [], []
         for group in split_micro_batches(out, self.num_micro_batches):
             sub = SchedulerOutput(scheduled=[out.scheduled[i] for i in group])
-            inp = prepare_inputs(sub, block_ids, runner.block_size, torch.device("cpu"), runner.layer_groups)
+            inp = prepare_inputs(
+                sub, block_ids, runner.block_size, torch.device("cpu"), runner.layer_groups, runner.state_groups
+            )
             plan = plan_step(sub.scheduled, inp.logits_indices, runner.arch.vocab_size)
             rows = [(s.request.lora_request, s.num_new_tokens) for s in sub.scheduled]
             lora_step = lora.plan(rows, pinned) if lora is not None else None
@@ -200,7 +202,9 @@ class Worker:
         pinned = {x.lora_int_id for x in loras if x is not None}
         for group in split_micro_batches(out, self.num_micro_batches):
             sub = SchedulerOutput(scheduled=[out.scheduled[i] for i in group])
-            inp = prepare_inputs(sub, block_ids, runner.block_size, torch.device("cpu"), runner.layer_groups)
+            inp = prepare_inputs(
+                sub, block_ids, runner.block_size, torch.device("cpu"), runner.layer_groups, runner.state_groups
+            )
             ends = np.cumsum([s.num_new_tokens for s in sub.scheduled]).tolist()
             rows = [np.arange(e - num_logits[i], e) for e, i in zip(ends, group) if num_logits[i]]
             idx = torch.from_numpy(np.concatenate(rows)) if rows else torch.empty(0, dtype=torch.int64)

@@ -103,6 +103,11 @@ class ArchConfig:
         """Whether this architecture's family shards over tensor-parallel ranks."""
         return bool(resolve_model_class(self.architecture).tensor_parallel)
 
+    def tensor_parallel_refusal(self, tp: int) -> str | None:
+        """Why this checkpoint cannot be split over ``tp`` tensor-parallel ranks beyond the
+        attention and MLP counts (its family's own counts), or None."""
+        return resolve_model_class(self.architecture).tensor_parallel_refusal(self.hf_config, tp)
+
     @property
     def pipeline_refusal(self) -> str | None:
         """Why this checkpoint cannot be split into pipeline stages (its family says), or None."""

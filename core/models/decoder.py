@@ -28,7 +28,7 @@ from pagedserve.quantization.base import QuantizedWeight
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
 
-__all__ = ["DecoderForCausalLM"]
+__all__ = ["DecoderForCausalLM", "even_slice", "shard_parts"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,15 @@ def even_slice(name: str, t: torch.Tensor, dim: int, rank: int, tp: int) -> torc
         raise ValueError(f"tensor_parallel_size={tp} must divide dimension {dim} ({size}) of {name}")
     n = size // tp
     return t.narrow(dim, rank * n, n)
+
+
+def shard_parts(name: str, t: torch.Tensor, sizes: list[int], rank: int, tp: int, dim: int = 0) -> torch.Tensor:
+    """Part ``rank`` of ``tp`` of each of the consecutive parts of ``t`` along ``dim``
+    (``sizes``), concatenated: a projection whose outputs fuse several head-split
+    tensors (a recurrent layer's q/k/v, or x/B/C) keeps each one's share."""
+    if sum(sizes) != t.shape[dim]:
+        raise ValueError(f"{name}: dimension {dim} is {t.shape[dim]}, expected {sum(sizes)} ({sizes})")
+    return torch.cat([even_slice(name, part, dim, rank, tp) for part in t.split(sizes, dim=dim)], dim=dim)
 
 
 class DecoderForCausalLM:
@@ -76,6 +85,13 @@ class DecoderForCausalLM:
     @classmethod
     def pipeline_refusal(cls, hf: dict) -> str | None:
         """Why config.json ``hf`` cannot be split into pipeline stages, or None."""
+        return None
+
+    @classmethod
+    def tensor_parallel_refusal(cls, hf: dict, tp: int) -> str | None:
+        """Why config.json ``hf`` cannot be split over ``tp`` tensor-parallel ranks beyond
+        the attention and MLP counts every family checks (a family's own counts: a
+        recurrent layer's heads or channels), or None."""
         return None
 
     @classmethod

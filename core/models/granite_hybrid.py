@@ -14,6 +14,9 @@ embedding, attention, residual and logits multipliers.
   softmax scale is ``attention_multiplier``.
 - MoE: softmax over the top-k router logits; experts stored stacked
   (``input_linear`` [E, 2 * I, hidden], gate rows then up rows; ``output_linear``).
+- Tensor parallelism: the Mamba 2 layers split by heads and groups
+  (:mod:`pagedserve.models.mamba2`), attention by heads, the experts and the shared MLP
+  by their intermediate rows; the ranks' mixer and MLP outputs are summed.
 """
 
 from __future__ import annotations
@@ -24,10 +27,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedserve.models.arch_config import ArchConfig
-from pagedserve.models.decoder import DecoderForCausalLM, KVCache
+from pagedserve.models.decoder import DecoderForCausalLM, KVCache, even_slice
 from pagedserve.models.layers import add_rms_norm, fuse, gated_mlp, layer_windows, linear, paged_attention, qkv_split
 from pagedserve.models.mamba2 import Mamba2Mixer
-from pagedserve.models.recurrent import StateLayout
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
@@ -74,7 +76,6 @@ class GraniteHybridLayer:
 class GraniteMoeHybridForCausalLM(Mamba2Mixer, DecoderForCausalLM):
     layer_class = GraniteHybridLayer
     linear_fields = ("qkv", "o", "in_proj", "out_proj", "gate_up", "down")
-    tensor_parallel = False
 
     @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
@@ -92,24 +93,31 @@ class GraniteMoeHybridForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         if heads % groups:
             raise ValueError(f"{cfg.architecture}: mamba_n_heads must be a multiple of mamba_n_groups")
 
+    @classmethod
+    def tensor_parallel_refusal(cls, hf: dict, tp: int) -> str | None:
+        heads, groups = int(hf["mamba_n_heads"]), int(hf.get("mamba_n_groups", 1))
+        why = cls.mamba_refusal(heads, groups, tp, ("mamba_n_heads", "mamba_n_groups"))
+        shared = int(hf.get("shared_intermediate_size") or 0)
+        if why is None and shared % tp:
+            why = f"it must divide the shared MLP's shared_intermediate_size ({shared})"
+        return why
+
     def __init__(self, cfg: ArchConfig, *args, **kwargs) -> None:
         super().__init__(cfg, *args, **kwargs)
         hf = cfg.hf_config
         self.windows = layer_windows(hf, cfg.num_layers)
-        self.heads, self.head_dim = int(hf["mamba_n_heads"]), int(hf["mamba_d_head"])
-        self.groups, self.d_state = int(hf.get("mamba_n_groups", 1)), int(hf["mamba_d_state"])
-        self.width = int(hf["mamba_d_conv"])
-        self.d_inner = int(hf.get("mamba_expand", 2) * cfg.hidden_size)
-        if self.d_inner != self.heads * self.head_dim:
+        heads, head_dim = int(hf["mamba_n_heads"]), int(hf["mamba_d_head"])
+        d_inner = int(hf.get("mamba_expand", 2) * cfg.hidden_size)
+        if d_inner != heads * head_dim:
             raise ValueError(
-                f"{cfg.architecture}: mamba_expand * hidden_size ({self.d_inner}) must equal "
-                f"mamba_n_heads * mamba_d_head ({self.heads * self.head_dim})"
+                f"{cfg.architecture}: mamba_expand * hidden_size ({d_inner}) must equal "
+                f"mamba_n_heads * mamba_d_head ({heads * head_dim})"
             )
-        self.conv_dim = self.d_inner + 2 * self.groups * self.d_state
+        groups, d_state = int(hf.get("mamba_n_groups", 1)), int(hf["mamba_d_state"])
+        self.set_mamba_shapes(heads, head_dim, groups, d_state, int(hf["mamba_d_conv"]))
         self.chunk = int(hf.get("mamba_chunk_size", 256))
         limit = hf.get("time_step_limit") or (0.0, math.inf)
         self.dt_limit = (_json_float(limit[0]), _json_float(limit[1]))
-        self.state = StateLayout([(self.conv_dim, self.width - 1), (self.heads, self.head_dim, self.d_state)])
         self.num_experts = int(hf.get("num_local_experts") or 0)
         self.top_k = int(hf.get("num_experts_per_tok") or 0)
         self.use_rope = hf.get("position_embedding_type") == "rope"
@@ -120,8 +128,23 @@ class GraniteMoeHybridForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         return float(self.cfg.hf_config.get("attention_multiplier", self.cfg.head_dim**-0.5))
 
     def state_numel(self) -> int:
-        """Elements of one request's state in one Mamba layer."""
+        """Elements of one request's state in one Mamba layer on this rank."""
         return self.state.numel
+
+    def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
+        """Mamba 2 tensors by heads and groups; the stacked experts ([E, 2 * I, hidden] gate
+        then up rows, [E, hidden, I]) and the shared MLP by intermediate rows."""
+        r, tp = self.parallel.tp_rank, self.parallel.tp_size
+        parts = local.split(".")
+        if parts[0] == "mamba":
+            return self.shard_mamba_tensor(parts[1], local, t)
+        if parts[0] in ("block_sparse_moe", "shared_mlp") and parts[-2] in ("input_linear", "output_linear"):
+            experts = parts[0] == "block_sparse_moe"
+            if parts[-2] == "input_linear":
+                dim = 1 if experts else 0
+                return torch.cat([even_slice(local, half, dim, r, tp) for half in t.chunk(2, dim=dim)], dim=dim)
+            return even_slice(local, t, 2 if experts else 1, r, tp)
+        return super().shard_layer_tensor(local, t)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed_tokens(input_ids) * float(self.cfg.hf_config.get("embedding_multiplier", 1.0))
@@ -199,10 +222,11 @@ class GraniteMoeHybridForCausalLM(Mamba2Mixer, DecoderForCausalLM):
             if self.use_rope:
                 q, k = self.rope(ops, placement, meta.positions, q, k)
             h = linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o)
+        h = self.parallel.all_reduce(h)  # row-parallel out_proj / o_proj: summed over the ranks
         h, residual = ops.fused_add_rms_norm(h * self.residual_multiplier, residual, layer.post_norm, eps)
         out = gated_mlp(ops, h, layer.gate_up, layer.down)
         if layer.w13 is not None:
             logits = linear(ops, h, layer.router).float()
             top, ids = logits.topk(self.top_k, dim=-1)
             out = out + ops.fused_moe(h, layer.w13, layer.w2, torch.softmax(top, dim=-1), ids, "silu")
-        return out * self.residual_multiplier, residual
+        return self.parallel.all_reduce(out) * self.residual_multiplier, residual

@@ -12,6 +12,12 @@ every expert, top-k weights not renormalised).
   ``out_proj``.  Its state (convolution window and ``[d_inner, d_state]``) lives in the
   request's state pages (pagedserve.models.recurrent).
 - Attention: no rotary embedding.
+- Tensor parallelism: each rank keeps a contiguous share of the Mamba layer's
+  ``d_inner`` channels (x and z rows of ``in_proj``, the convolution, ``dt_proj``'s
+  rows and bias, ``A_log``, ``D``, ``out_proj``'s columns) and of their state.
+  ``x_proj`` reads every channel, so it is row-parallel: the ranks' partial step
+  inputs, B and C are summed before their norms.  Attention splits by heads, the MLP
+  and experts by intermediate rows; mixer and MLP outputs are summed over the ranks.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.models.arch_config import ArchConfig
-from pagedserve.models.decoder import DecoderForCausalLM, KVCache
+from pagedserve.models.decoder import DecoderForCausalLM, KVCache, even_slice
 from pagedserve.models.layers import (
     add_rms_norm,
     fuse,
@@ -82,7 +88,6 @@ class JambaLayer:
 class JambaForCausalLM(DecoderForCausalLM):
     layer_class = JambaLayer
     linear_fields = ("qkv", "o", "in_proj", "x_proj", "dt_proj", "out_proj", "gate_up", "down")
-    tensor_parallel = False
 
     @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
@@ -95,12 +100,20 @@ class JambaForCausalLM(DecoderForCausalLM):
         if int(hf.get("attn_layer_offset", 4)) >= int(hf.get("attn_layer_period", 8)):
             raise ValueError(f"{cfg.architecture}: attn_layer_offset must be smaller than attn_layer_period")
 
+    @classmethod
+    def tensor_parallel_refusal(cls, hf: dict, tp: int) -> str | None:
+        d_inner = int(hf.get("mamba_expand", 2)) * int(hf["hidden_size"])
+        if d_inner % tp:
+            return f"it must divide the Mamba channels (mamba_expand * hidden_size = {d_inner})"
+        return None
+
     def __init__(self, cfg: ArchConfig, *args, **kwargs) -> None:
         super().__init__(cfg, *args, **kwargs)
         hf = cfg.hf_config
         self.windows = layer_windows(hf, cfg.num_layers)
         self.d_state, self.width = int(hf.get("mamba_d_state", 16)), int(hf.get("mamba_d_conv", 4))
-        self.d_inner = int(hf.get("mamba_expand", 2)) * cfg.hidden_size
+        #: This rank's share of the Mamba channels.
+        self.d_inner = int(hf.get("mamba_expand", 2)) * cfg.hidden_size // self.parallel.tp_size
         rank = hf.get("mamba_dt_rank", "auto")
         self.rank = -(-cfg.hidden_size // 16) if rank == "auto" else int(rank)
         self.state = StateLayout([(self.d_inner, self.width - 1), (self.d_inner, self.d_state)])
@@ -110,8 +123,22 @@ class JambaForCausalLM(DecoderForCausalLM):
         self.moe_layers = [self.num_experts > 1 and i % period == offset for i in range(cfg.num_layers)]
 
     def state_numel(self) -> int:
-        """Elements of one request's state in one Mamba layer."""
+        """Elements of one request's state in one Mamba layer on this rank."""
         return self.state.numel
+
+    def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
+        """The Mamba layer's tensors by channels (see the module); the rest as every family."""
+        parts = local.split(".")
+        if parts[0] != "mamba":
+            return super().shard_layer_tensor(local, t)
+        r, tp = self.parallel.tp_rank, self.parallel.tp_size
+        if parts[1] == "in_proj":  # x rows then z rows
+            return torch.cat([even_slice(local, half, 0, r, tp) for half in t.chunk(2)])
+        if parts[1] in ("conv1d", "dt_proj", "A_log", "D"):
+            return even_slice(local, t, 0, r, tp)
+        if parts[1] in ("x_proj", "out_proj"):
+            return even_slice(local, t, 1, r, tp)
+        return t  # the step, B and C norms
 
     # -- weights ------------------------------------------------------------------------------
     def load_global(self, name: str, tensor: torch.Tensor) -> bool:
@@ -196,7 +223,9 @@ class JambaForCausalLM(DecoderForCausalLM):
             xs = ops.causal_conv1d_update(xs, layer.conv, layer.conv_bias, conv_state, "silu")
         else:
             xs = ops.causal_conv1d(xs, layer.conv, layer.conv_bias, conv_state, meta.query_start_loc, has_state, "silu")
-        ts, B, C = linear(ops, xs, layer.x_proj).split([self.rank, self.d_state, self.d_state], dim=-1)
+        # Row-parallel: every rank's channels contribute to the step inputs, B and C.
+        proj = self.parallel.all_reduce(linear(ops, xs, layer.x_proj))
+        ts, B, C = proj.split([self.rank, self.d_state, self.d_state], dim=-1)
         ts = ops.rms_norm(ts.contiguous(), layer.dt_norm, eps)
         B = ops.rms_norm(B.contiguous(), layer.b_norm, eps)
         C = ops.rms_norm(C.contiguous(), layer.c_norm, eps)
@@ -226,10 +255,11 @@ class JambaForCausalLM(DecoderForCausalLM):
         else:
             q, k, v = qkv_split(linear(ops, h, layer.qkv), self.attn)
             h = linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o)
-        h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
+        # Row-parallel out_proj / o_proj and down projections: summed over the ranks.
+        h, residual = ops.fused_add_rms_norm(self.parallel.all_reduce(h), residual, layer.post_norm, eps)
         if layer.w13 is None:
-            return gated_mlp(ops, h, layer.gate_up, layer.down), residual
+            return self.parallel.all_reduce(gated_mlp(ops, h, layer.gate_up, layer.down)), residual
         weights, ids = route_topk(linear(ops, h, layer.router), self.top_k, renormalize=False)
         if isinstance(layer.w13, list):  # quantized experts (GGUF blocks kept), one weight each
-            return quantized_experts_moe(ops, h, layer.w13, layer.w2, weights, ids), residual
-        return ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu"), residual
+            return self.parallel.all_reduce(quantized_experts_moe(ops, h, layer.w13, layer.w2, weights, ids)), residual
+        return self.parallel.all_reduce(ops.fused_moe(h, layer.w13, layer.w2, weights, ids, "silu")), residual

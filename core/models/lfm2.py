@@ -9,6 +9,10 @@
 - Attention: RMS norm of each query and key head (``q_layernorm``, ``k_layernorm``)
   before RoPE; output ``out_proj``.
 - MLP ``w2(silu(w1(x)) * w3(x))``; the final norm is ``model.embedding_norm``.
+- Tensor parallelism: each rank keeps a contiguous share of the conv layer's hidden
+  channels (B, C and x rows of ``in_proj``, the convolution, the columns of
+  ``out_proj``) and of its window; attention splits by heads, the MLP by intermediate
+  rows; each output is summed over the ranks before its (whole) bias is added.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedserve.models.arch_config import ArchConfig
-from pagedserve.models.decoder import DecoderForCausalLM, KVCache
+from pagedserve.models.decoder import DecoderForCausalLM, KVCache, even_slice, shard_parts
 from pagedserve.models.layers import (
     add_rms_norm,
     fuse,
@@ -67,7 +71,6 @@ class Lfm2Layer:
 class Lfm2ForCausalLM(DecoderForCausalLM):
     layer_class = Lfm2Layer
     linear_fields = ("qkv", "o", "in_proj", "out_proj", "gate_up", "down")
-    tensor_parallel = False
 
     @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
@@ -81,6 +84,12 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
         if int(cfg.hf_config.get("conv_L_cache", 3)) < 2:
             raise ValueError(f"{cfg.architecture}: conv_L_cache must be at least 2")
 
+    @classmethod
+    def tensor_parallel_refusal(cls, hf: dict, tp: int) -> str | None:
+        if int(hf["hidden_size"]) % tp:
+            return f"it must divide the short convolution's channels (hidden_size={hf['hidden_size']})"
+        return None
+
     def __init__(self, cfg: ArchConfig, *args, **kwargs) -> None:
         super().__init__(cfg, *args, **kwargs)
         hf = cfg.hf_config
@@ -88,11 +97,29 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
         self.eps = float(hf.get("norm_eps", cfg.rms_norm_eps))
         self.width = int(hf.get("conv_L_cache", 3))
         self.conv_bias = bool(hf.get("conv_bias", False))
-        self.state = StateLayout([(cfg.hidden_size, self.width - 1)])
+        #: This rank's share of the conv layers' channels.
+        self.channels = cfg.hidden_size // self.parallel.tp_size
+        self.state = StateLayout([(self.channels, self.width - 1)])
 
     def state_numel(self) -> int:
-        """Elements of one request's state in one conv layer."""
+        """Elements of one request's state in one conv layer on this rank."""
         return self.state.numel
+
+    def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
+        """The conv layer's tensors by channels, attention's ``out_proj`` by heads (see the
+        module); the rest as every family.  Row-parallel biases stay whole."""
+        r, tp = self.parallel.tp_rank, self.parallel.tp_size
+        parts = local.split(".")
+        if parts[:2] == ["conv", "in_proj"]:  # B, C, x (weight and bias)
+            hidden = self.cfg.hidden_size
+            return shard_parts(local, t, [hidden] * 3, r, tp)
+        if parts[:2] == ["conv", "conv"]:
+            return even_slice(local, t, 0, r, tp)
+        if parts[1] == "out_proj" and parts[2] == "weight":
+            if parts[0] == "conv":
+                return even_slice(local, t, 1, r, tp)
+            return t[:, r * self.q_size : (r + 1) * self.q_size]  # attention's o_proj
+        return super().shard_layer_tensor(local, t)
 
     # -- weights ------------------------------------------------------------------------------
     def load_global(self, name: str, tensor: torch.Tensor) -> bool:
@@ -119,9 +146,8 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
         layer.post_norm = param(w["ffn_norm.weight"])
         layer.conv_layer = "conv.conv.weight" in w
         if layer.conv_layer:
-            hidden = self.cfg.hidden_size
             layer.in_proj = param(w["conv.in_proj.weight"])
-            layer.conv = param(w["conv.conv.weight"].reshape(hidden, self.width))
+            layer.conv = param(w["conv.conv.weight"].reshape(self.channels, self.width))
             layer.out_proj = param(w["conv.out_proj.weight"])
             if self.conv_bias:
                 layer.in_bias = param(w["conv.in_proj.bias"])
@@ -145,7 +171,8 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
         convolution (:meth:`_conv`) in segments where checkpoints are due."""
         B, C, x = linear(ops, h, layer.in_proj, layer.in_bias).chunk(3, dim=-1)
         (y,) = run_segmented(lambda xs, m: (self._conv(ops, layer, xs[0], kv_cache, m),), (B * x,), kv_cache, meta)
-        return linear(ops, C * y, layer.out_proj, layer.out_bias)
+        out = self.parallel.all_reduce(linear(ops, C * y, layer.out_proj))  # row-parallel: summed over the ranks
+        return out if layer.out_bias is None else out + layer.out_bias
 
     def _conv(
         self, ops, layer: Lfm2Layer, bx: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -178,9 +205,11 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
             q, k, v = qkv_split(linear(ops, h, layer.qkv), self.attn)
             q, k = head_rms_norm(ops, q, layer.q_norm, self.eps), head_rms_norm(ops, k, layer.k_norm, self.eps)
             q, k = self.rope(ops, placement, meta.positions, q, k)
-            h = linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o)
+            h = self.parallel.all_reduce(
+                linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o)
+            )
         h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, self.eps)
-        return gated_mlp(ops, h, layer.gate_up, layer.down), residual
+        return self.parallel.all_reduce(gated_mlp(ops, h, layer.gate_up, layer.down)), residual
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h, _ = self.head_ops.fused_add_rms_norm(x, residual, self.norm, self.eps)

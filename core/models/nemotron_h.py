@@ -13,6 +13,11 @@ weights the plain scores, renormalised with ``norm_topk_prob``, times
 ``fc1_latent_proj`` before the experts, ``fc2_latent_proj`` after), plus a shared
 squared-ReLU MLP.  The experts run grouped by expert (one pair of GEMMs per active
 expert: ``fused_moe`` has no non-gated activation).
+
+Tensor parallelism splits the Mamba 2 layers by heads and groups
+(:mod:`pagedserve.models.mamba2`), attention by heads, the MLP by its intermediate rows;
+each mixer's output is summed over the ranks.  A model with MoE layers is refused under
+tensor parallelism (the experts are not split).
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ from pagedserve.models.deepseek_v3 import route_sigmoid_groups
 from pagedserve.models.granite_hybrid import _json_float
 from pagedserve.models.layers import add_rms_norm, block_types, fuse, layer_windows, linear, paged_attention, qkv_split
 from pagedserve.models.mamba2 import Mamba2Mixer
-from pagedserve.models.recurrent import StateLayout
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
@@ -73,7 +77,6 @@ class NemotronHLayer:
 class NemotronHForCausalLM(Mamba2Mixer, DecoderForCausalLM):
     layer_class = NemotronHLayer
     linear_fields = ("qkv", "o", "in_proj", "out_proj", "up", "down")
-    tensor_parallel = False
 
     @classmethod
     def kv_head_dim(cls, hf: dict) -> int:
@@ -110,21 +113,26 @@ class NemotronHForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         if int(hf["mamba_num_heads"]) % int(hf.get("n_groups", 1)):
             raise ValueError(f"{cfg.architecture}: mamba_num_heads must be a multiple of n_groups")
 
+    @classmethod
+    def tensor_parallel_refusal(cls, hf: dict, tp: int) -> str | None:
+        if "moe" in block_types(hf):
+            return "its MoE layers (E in hybrid_override_pattern) are not split over ranks; use one rank"
+        heads, groups = int(hf["mamba_num_heads"]), int(hf.get("n_groups", 1))
+        return cls.mamba_refusal(heads, groups, tp, ("mamba_num_heads", "n_groups"))
+
     def __init__(self, cfg: ArchConfig, *args, **kwargs) -> None:
         super().__init__(cfg, *args, **kwargs)
         hf = cfg.hf_config
         self.windows = layer_windows(hf, cfg.num_layers)
         self.kinds = block_types(hf)
         self.eps = self.mamba_eps = float(hf.get("layer_norm_epsilon", cfg.rms_norm_eps))
-        self.heads, self.head_dim = int(hf["mamba_num_heads"]), int(hf["mamba_head_dim"])
-        self.groups, self.d_state = int(hf.get("n_groups", 1)), int(hf["ssm_state_size"])
-        self.width = int(hf["conv_kernel"])
-        self.d_inner = self.heads * self.head_dim
-        self.conv_dim = self.d_inner + 2 * self.groups * self.d_state
+        heads, groups = int(hf["mamba_num_heads"]), int(hf.get("n_groups", 1))
+        self.set_mamba_shapes(
+            heads, int(hf["mamba_head_dim"]), groups, int(hf["ssm_state_size"]), int(hf["conv_kernel"])
+        )
         self.chunk = int(hf.get("chunk_size", 128))
         limit = hf.get("time_step_limit") or (0.0, math.inf)
         self.dt_limit = (_json_float(limit[0]), _json_float(limit[1]))
-        self.state = StateLayout([(self.conv_dim, self.width - 1), (self.heads, self.head_dim, self.d_state)])
         self.num_experts = int(hf.get("n_routed_experts") or 0)
         self.top_k = int(hf.get("num_experts_per_tok") or 0)
         self.n_group, self.topk_group = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
@@ -133,8 +141,17 @@ class NemotronHForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         self.latent = hf.get("moe_latent_size") is not None
 
     def state_numel(self) -> int:
-        """Elements of one request's state in one Mamba layer."""
+        """Elements of one request's state in one Mamba layer on this rank."""
         return self.state.numel
+
+    def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
+        """A Mamba 2 mixer's tensors by heads and groups; attention and MLP as every family."""
+        parts = local.split(".")
+        if parts[0] == "mixer":
+            out = self.shard_mamba_tensor(parts[1], local, t)
+            if out is not None:
+                return out
+        return super().shard_layer_tensor(local, t)
 
     # -- weights ------------------------------------------------------------------------------
     def layer_weight_names(self, layer: int) -> frozenset[str]:
@@ -209,17 +226,19 @@ class NemotronHForCausalLM(Mamba2Mixer, DecoderForCausalLM):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = add_rms_norm(ops, x, residual, layer.norm, self.eps)
         if layer.kind == "linear_attention":
-            return self._mamba(ops, layer, h, kv_cache, meta), residual
-        if layer.kind == "full_attention":
+            out = self._mamba(ops, layer, h, kv_cache, meta)
+        elif layer.kind == "full_attention":
             q, k, v = qkv_split(linear(ops, h, layer.qkv), self.attn)
-            return linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o), residual
-        out = linear(ops, torch.relu(linear(ops, h, layer.up)).square(), layer.down)
-        if layer.kind == "moe":
-            out = out + self._moe(ops, layer, h)
-        return out, residual
+            out = linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o)
+        else:
+            out = linear(ops, torch.relu(linear(ops, h, layer.up)).square(), layer.down)
+            if layer.kind == "moe":
+                out = out + self._moe(ops, layer, h)
+        return self.parallel.all_reduce(out), residual  # each mixer's last projection is row-parallel
 
     def _moe(self, ops, layer: NemotronHLayer, h: torch.Tensor) -> torch.Tensor:
-        """The routed experts of a MoE layer, h [n, hidden] -> [n, hidden]."""
+        """The routed experts of a MoE layer, h [n, hidden] -> [n, hidden] (one rank: a
+        model with MoE layers is refused under tensor parallelism)."""
         weights, ids = route_sigmoid_groups(
             h,
             layer.router,

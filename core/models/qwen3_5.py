@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.models.arch_config import ArchConfig
-from pagedserve.models.decoder import DecoderForCausalLM, KVCache
+from pagedserve.models.decoder import DecoderForCausalLM, KVCache, even_slice, shard_parts
 from pagedserve.models.layers import (
     add_rms_norm,
     fuse,
@@ -84,9 +84,15 @@ class Qwen3_5Layer:
 
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
+    """With tensor parallelism each rank holds a contiguous share of the DeltaNet's key
+    heads and of their value heads (each value head reads key head ``j // (v_heads /
+    k_heads)``, so the shares match): the q/k/v rows of ``in_proj`` and of the
+    convolution, z, b, a, ``dt_bias``, ``A_log`` and the columns of ``out_proj``
+    (row-parallel, summed over ranks), and its state holds only those heads.  The gated
+    output norm is per value head, so it stays local."""
+
     layer_class = Qwen3_5Layer
     linear_fields = ("qkv", "o", "in_proj", "out_proj", "gate_up", "down")
-    tensor_parallel = False
     #: Sparse MLPs (Qwen3-Next).
     moe: ClassVar[bool] = False
 
@@ -102,12 +108,25 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         if hf["linear_num_value_heads"] % hf["linear_num_key_heads"]:
             raise ValueError(f"{cfg.architecture}: linear_num_value_heads must be a multiple of linear_num_key_heads")
 
+    @classmethod
+    def tensor_parallel_refusal(cls, hf: dict, tp: int) -> str | None:
+        kh, vh = int(hf["linear_num_key_heads"]), int(hf["linear_num_value_heads"])
+        if kh % tp:
+            return (
+                f"it must divide the Gated DeltaNet key heads (linear_num_key_heads={kh}; each rank keeps whole "
+                f"key heads with their {vh // kh} value heads each)"
+            )
+        return None
+
     def __init__(self, cfg: ArchConfig, *args, **kwargs) -> None:
         super().__init__(cfg, *args, **kwargs)
         hf = cfg.hf_config
         self.windows = layer_windows(hf, cfg.num_layers)
         self.is_linear = [t == "linear_attention" for t in hf["layer_types"]]
-        self.k_heads, self.v_heads = int(hf["linear_num_key_heads"]), int(hf["linear_num_value_heads"])
+        tp = self.parallel.tp_size
+        #: The checkpoint's DeltaNet key and value heads; this rank keeps a 1/tp share of each.
+        self.global_heads = int(hf["linear_num_key_heads"]), int(hf["linear_num_value_heads"])
+        self.k_heads, self.v_heads = self.global_heads[0] // tp, self.global_heads[1] // tp
         self.dk, self.dv = int(hf["linear_key_head_dim"]), int(hf["linear_value_head_dim"])
         self.width = int(hf["linear_conv_kernel_dim"])
         self.key_dim, self.value_dim = self.k_heads * self.dk, self.v_heads * self.dv
@@ -126,9 +145,30 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             self.sparse = [False] * cfg.num_layers
 
     def state_numel(self) -> int:
-        """Elements of one request's state in one DeltaNet layer (what a state group's
-        pages must hold)."""
+        """Elements of one request's state in one DeltaNet layer on this rank (what a state
+        group's pages must hold)."""
         return self.state.numel
+
+    def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
+        """The DeltaNet's tensors split by heads (see the class); the gated attention's
+        ``q_proj`` by heads of query and gate rows; the rest as every family."""
+        r, tp = self.parallel.tp_rank, self.parallel.tp_size
+        parts = local.split(".")
+        if parts[0] == "linear_attn":
+            kh, vh = self.global_heads
+            if parts[1] in ("in_proj_qkv", "conv1d"):  # q, k, v: each split by heads
+                return shard_parts(local, t, [kh * self.dk, kh * self.dk, vh * self.dv], r, tp)
+            if parts[1] in ("in_proj_z", "in_proj_b", "in_proj_a", "dt_bias", "A_log"):
+                return even_slice(local, t, 0, r, tp)
+            if parts[1] in ("in_proj_qkvz", "in_proj_ba"):  # Qwen3-Next: packed per key head
+                return even_slice(local, t, 0, r, tp)
+            if parts[1] == "out_proj":
+                return even_slice(local, t, 1, r, tp)
+            return t  # the per-head output norm
+        if parts[-2] == "q_proj":  # each head's query then its output gate
+            n = 2 * self.q_size
+            return t[r * n : (r + 1) * n]
+        return super().shard_layer_tensor(local, t)
 
     def load_weights(self, weights) -> None:
         super().load_weights(weights)
@@ -221,8 +261,9 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             h = self._delta_net(ops, layer, h, kv_cache, meta)
         else:
             h = self._gated_attention(ops, placement, layer, h, kv_cache, meta)
-        h, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, eps)
-        return self._mlp(ops, layer, h), residual
+        # Row-parallel out_proj / o_proj and down projections: summed over the ranks.
+        h, residual = ops.fused_add_rms_norm(self.parallel.all_reduce(h), residual, layer.post_norm, eps)
+        return self.parallel.all_reduce(self._mlp(ops, layer, h)), residual
 
     def _gated_attention(
         self, ops, placement: int, layer: Qwen3_5Layer, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata

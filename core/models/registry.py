@@ -222,7 +222,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "Qwen3_5ForCausalLM",
         gguf=("qwen35",),
         quantized=False,
-        tensor_parallel=False,
         notes="text only; Gated DeltaNet layers (recurrent state in state pages) 3 : 1 with gated attention "
         "(output gate, partial rotary, (1 + w) norms)",
     ),
@@ -233,7 +232,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "Qwen3_5MoeForCausalLM",
         gguf=("qwen35moe",),
         quantized=False,
-        tensor_parallel=False,
         notes="text only; Qwen3.5's layers with MoE (gated shared expert) in every layer",
     ),
     ModelEntry(
@@ -243,7 +241,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "Qwen3NextForCausalLM",
         gguf=("qwen3next",),
         quantized=False,
-        tensor_parallel=False,
         notes="Qwen3.5's layers with MoE (gated shared expert) and per-key-head packed DeltaNet projections",
     ),
     ModelEntry(
@@ -253,7 +250,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "GraniteMoeHybridForCausalLM",
         gguf=("granitehybrid",),
         quantized=False,
-        tensor_parallel=False,
         notes="Granite 4: Mamba 2 layers (SSD scan, state in state pages) beside attention without RoPE, "
         "MoE plus a shared MLP, Granite multipliers",
     ),
@@ -264,9 +260,9 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "NemotronHForCausalLM",
         gguf=("nemotron_h",),
         quantized=False,
-        tensor_parallel=False,
         notes="one mixer per layer: Mamba 2, attention without RoPE, squared-ReLU MLP (`backbone.*` names), "
-        "Nemotron 3's MoE (sigmoid group routing, squared-ReLU experts, optional latent projection, shared MLP)",
+        "Nemotron 3's MoE (sigmoid group routing, squared-ReLU experts, optional latent projection, shared MLP; "
+        "one rank only)",
     ),
     ModelEntry(
         "FalconH1ForCausalLM",
@@ -285,7 +281,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "Lfm2ForCausalLM",
         gguf=("lfm2",),
         quantized=False,
-        tensor_parallel=False,
         notes="LFM2: gated short-convolution layers (window in state pages) beside attention with q/k norms",
     ),
     ModelEntry(
@@ -295,7 +290,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "JambaForCausalLM",
         gguf=("jamba",),
         quantized=False,
-        tensor_parallel=False,
         notes="Jamba: Mamba 1 layers (selective scan, state in state pages) beside attention without RoPE "
         "(`attn_layer_period`), MoE every `expert_layer_period` layers",
     ),

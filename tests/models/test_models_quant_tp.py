@@ -1,5 +1,6 @@
 """The registry's *quantized* and *tensor parallel* columns, proven for every family
-beyond the Llama and Qwen2 of tests/quantization and tests/distributed: load-time int8
+beyond the Llama and Qwen2 of tests/quantization and tests/distributed (and the hybrid
+families of test_models_hybrid_tp.py): load-time int8
 stays close to transformers; two tensor-parallel ranks (mp executor, gloo) give
 transformers' greedy tokens and logprobs (experts of MoE families included: quantized
 experts through their own path, sharded experts through ``fused_moe``); a family class
@@ -172,8 +173,12 @@ TP_CASES = [
 
 
 def test_every_tensor_parallel_family_is_covered():
+    from test_models_hybrid_tp import TP_CASES as HYBRID_TP_CASES
+    from test_models_hybrid_vs_hf import CASES as HYBRID_CASES
+
     marked = {e.architecture for e in model_entries() if e.tensor_parallel} - {"LlamaForCausalLM", "Qwen2ForCausalLM"}
-    assert marked == {CASES[c][1] for c in TP_CASES}
+    hybrid = {HYBRID_CASES[c][1] for c in HYBRID_TP_CASES}  # tests/models/test_models_hybrid_tp.py
+    assert marked == {CASES[c][1] for c in TP_CASES} | hybrid
 
 
 @pytest.mark.timeout(180)
