@@ -109,3 +109,20 @@ def test_nemotron_h_moe_prefix_hits(nemotron):
     path, prompts, expected = nemotron("moe-groups", prefix=True)
     eng = LLM(model=str(path), **PREFIX_COMMON, max_num_batched_tokens=20).llm_engine
     _hit_then_check(eng, prompts, expected, "nemotron-h moe")
+
+
+def test_moe_layers_are_refused_under_tensor_parallelism_before_weights_load():
+    from pagedserve.config import EngineConfig
+    from pagedserve.config_rules import check_parallel_fits_model
+    from pagedserve.models.arch_config import ArchConfig
+
+    hf = transformers.NemotronHConfig(**{**BASE, **MOE}).to_dict()
+    arch = ArchConfig.from_hf(
+        {"num_hidden_layers": len(MOE["layers_block_type"]), **hf, "architectures": ["NemotronHForCausalLM"]}
+    )
+    cfg = EngineConfig()
+    cfg.parallel.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="cannot split NemotronHForCausalLM: its MoE layers"):
+        check_parallel_fits_model(cfg, arch)
+    cfg.parallel.tensor_parallel_size = 1
+    check_parallel_fits_model(cfg, arch)
