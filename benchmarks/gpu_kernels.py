@@ -10,7 +10,10 @@ with sliding windows and soft-caps (slid-out block-table entries point at a NaN 
 (3) measure the device's copy bandwidth with a large device-to-device copy; (4) time
 decode attention at batch 1..256 and contexts 1k..32k (GQA 8:1, head 128, bf16) and
 print achieved bandwidth (bytes of K/V read per call / time) as a share of the copy
-bandwidth; (5) optionally run `pagedserve.LLM` on the default model for tokens/s.
+bandwidth; (5) check the recurrent layers' Triton kernels (decode steps and prefill
+forms) against kernels/recurrent_reference.py and time them beside it at the shapes of
+Qwen3.5, Granite 4 and Jamba (benchmarks/gpu_recurrent.py); (6) optionally run
+`pagedserve.LLM` on the default model for tokens/s.
 
 Exits with status 2 and a message on a machine without a GPU; status 1 if a kernel
 disagrees with the reference.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import pathlib
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +31,9 @@ from collections.abc import Callable
 import torch
 
 from pagedserve.kernels import reference
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from gpu_recurrent import check_recurrent, time_recurrent  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 4, 128, 16
 
@@ -373,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = check_kernels(cuda_ext)
     print("\n== sliding window and soft-cap (slid-out blocks point at a NaN block)")
     ok &= check_window_kernels(cuda_ext)
+    print("\n== recurrent layers' Triton kernels against kernels/recurrent_reference.py")
+    ok &= check_recurrent(_compare)
 
     copy_gbs = copy_bandwidth_gbs()
     print(f"\n== device copy bandwidth: {copy_gbs:.0f} GB/s (read + write of a 1 GiB copy)")
@@ -386,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     time_decode(cuda_ext, copy_gbs, batches, contexts, int(free * args.mem_fraction))
     print("\n== reshape_and_cache, bf16")
     time_cache_writes(cuda_ext, copy_gbs)
+    print("\n== recurrent layers' ops, bf16 activations, float32 states: Triton and the torch reference")
+    time_recurrent(_time_ms, args.quick)
     if not args.no_e2e:
         print()
         end_to_end(num_prompts=64, max_tokens=128)

@@ -1,7 +1,7 @@
 """Op overrides of the CUDA platform.
 
 By default the Triton kernels serve ``paged_attention``, ``reshape_and_cache``,
-``gguf_linear`` and the recurrent layers' decode steps.  ``PAGEDSERVE_CUDA_KERNELS=cuda``
+``gguf_linear`` and the recurrent layers' ops (decode steps and prefill forms).  ``PAGEDSERVE_CUDA_KERNELS=cuda``
 selects the CUDA C++ kernels for attention and the cache instead (and adds ``copy_blocks``/``swap_blocks``); they are
 compiled on first selection, into the cache described in
 :mod:`pagedserve.kernels.cuda.build`.  ``PAGEDSERVE_CUDA_KERNELS=triton`` is the
@@ -31,13 +31,22 @@ TRITON_OPS: tuple[str, ...] = (
     "mamba2_ssd_step",
     "mamba1_scan_step",
     "causal_conv1d_update",
+    "gated_delta_rule",
+    "mamba2_ssd",
+    "mamba1_scan",
+    "causal_conv1d",
 )
-#: The recurrent layers' decode-step ops (kernels/triton/recurrent.py).
+#: The recurrent layers' ops: decode steps (kernels/triton/recurrent.py) and prefill
+#: forms (kernels/triton/recurrent_prefill.py).
 _RECURRENT_OPS: tuple[str, ...] = (
     "gated_delta_rule_recurrent",
     "mamba2_ssd_step",
     "mamba1_scan_step",
     "causal_conv1d_update",
+    "gated_delta_rule",
+    "mamba2_ssd",
+    "mamba1_scan",
+    "causal_conv1d",
 )
 #: The ops the CUDA C++ kernels serve under PAGEDSERVE_CUDA_KERNELS=cuda.
 _CUDA_CPP_OPS: tuple[str, ...] = ("paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks")
@@ -55,6 +64,7 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         mamba1_scan_step_triton,
         mamba2_ssd_step_triton,
     )
+    from pagedserve.kernels.triton.recurrent_prefill import PREFILL_KERNELS
 
     return {
         **triton_ops(),
@@ -62,6 +72,7 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
         "mamba2_ssd_step": mamba2_ssd_step_triton,
         "mamba1_scan_step": mamba1_scan_step_triton,
         "causal_conv1d_update": causal_conv1d_update_triton,
+        **PREFILL_KERNELS,
         "gguf_linear": gguf_linear_triton,
         "lora_linear": lora_linear_triton,
         "fused_moe": fused_moe_triton,
