@@ -269,7 +269,12 @@ def _kit_cases(target, fn, dtype):
 
 @pytest.mark.parametrize(
     "platform,dtype",
-    [("cuda", torch.float32), ("cuda", torch.bfloat16), ("rocm", torch.float16)],
+    [
+        ("cuda", torch.float32),
+        # The same kernels again (about 15 s of interpreter each): slow.
+        pytest.param("cuda", torch.bfloat16, marks=pytest.mark.slow),
+        pytest.param("rocm", torch.float16, marks=pytest.mark.slow),
+    ],
     ids=["cuda-fp32", "cuda-bf16", "rocm-fp16"],
 )
 def test_conformance_kit_8bit_cases_pass_on_the_gpu_platforms(platform, dtype):
