@@ -6,13 +6,15 @@
 
 Steps: (1) build the CUDA extension (CUDA machines only; ROCm runs the Triton kernels
 alone); (2) check every kernel against kernels/reference.py on random inputs, attention also
-with sliding windows and soft-caps (slid-out block-table entries point at a NaN block);
-(3) measure the device's copy bandwidth with a large device-to-device copy; (4) time
-decode attention at batch 1..256 and contexts 1k..32k (GQA 8:1, head 128, bf16) and
-print achieved bandwidth (bytes of K/V read per call / time) as a share of the copy
-bandwidth; (5) check the recurrent layers' Triton kernels (decode steps and prefill
-forms) against kernels/recurrent_reference.py and time them beside it at the shapes of
-Qwen3.5, Granite 4 and Jamba (benchmarks/gpu_recurrent.py); (6) optionally run
+with sliding windows and soft-caps (slid-out block-table entries point at a NaN block), and
+8-bit KV caches (int8 and fp8, with and without row scales) written by Triton and read by
+Triton and the CUDA decode kernel; (3) measure the device's copy bandwidth with a large
+device-to-device copy; (4) time decode attention at batch 1..256 and contexts 1k..32k (GQA
+8:1, head 128, bf16), and over each 8-bit cache, and print achieved bandwidth (bytes of K/V
+read per call / time) as a share of the copy bandwidth; (5) check the recurrent layers'
+Triton kernels (decode steps and prefill forms) against kernels/recurrent_reference.py and
+time them beside it at the shapes of Qwen3.5, Granite 4 and Jamba
+(benchmarks/gpu_recurrent.py); (6) optionally run
 `pagedserve.LLM` on the default model for tokens/s.
 
 Exits with status 2 and a message on a machine without a GPU; status 1 if a kernel
@@ -233,6 +235,119 @@ def check_kernels(cuda_ext, device: str = "cuda") -> bool:
     return ok
 
 
+#: 8-bit KV caches (kernels/reference.py): name -> (cache dtype, rows carry a float32 scale).
+KV8_CASES: dict[str, tuple[torch.dtype, bool]] = {
+    "int8 rows": (torch.int8, True),
+    "fp8_e4m3 rows": (torch.float8_e4m3fn, True),
+    "fp8_e5m2 rows": (torch.float8_e5m2, True),
+    "fp8_e4m3": (torch.float8_e4m3fn, False),
+    "fp8_e5m2": (torch.float8_e5m2, False),
+}
+
+
+def kv8_caches(args: tuple, kv_dtype: torch.dtype, rows: bool, scale_keys: float = 8.0) -> tuple:
+    """``args`` with both caches rewritten as 8-bit caches by the reference write (keys
+    spread wider, every fifth row with an outlier far beyond e4m3's range)."""
+    query, key_cache, value_cache, tables, seq_lens, qsl, scale = args
+    num_blocks, block_size, kv_heads, head = key_cache.shape
+    keys = key_cache.float().flatten(0, 1) * scale_keys
+    keys[::5, :, 0] *= 40
+    values = value_cache.float().flatten(0, 1)
+    shape = (num_blocks, block_size, kv_heads, head + 4 if rows else head)
+    # Written on the host: the reference's 8-bit tensor ops need not exist on the device.
+    k8, v8 = torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)
+    reference.reshape_and_cache(keys.cpu(), values.cpu(), k8, v8, torch.arange(keys.shape[0]))
+    return query, k8.to(key_cache.device), v8.to(key_cache.device), tables, seq_lens, qsl, scale
+
+
+def reference_on_host(args: tuple, **extra) -> torch.Tensor:
+    """reference.paged_attention on host copies of ``args`` (a float32 query), returned
+    on the query's device."""
+    host = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    host[0] = host[0].float()
+    extra = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
+    return reference.paged_attention(*host, **extra).to(args[0].device)
+
+
+def check_kv8_kernels(cuda_ext, device: str = "cuda") -> bool:
+    """int8 and fp8 KV caches: the Triton write stores the reference's bytes; Triton
+    attention (single pass, split-KV, with a window and soft cap over a NaN block) and
+    the CUDA C++ decode kernel read them as the reference does."""
+    from pagedserve.kernels.triton import attention, cache
+
+    ok = True
+    tol = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+    for name, (kv_dtype, rows) in KV8_CASES.items():
+        key = torch.randn(77, NUM_KV_HEADS, HEAD_SIZE, device=device) * 100
+        value = torch.randn_like(key)
+        shape = (8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE + 4 if rows else HEAD_SIZE)
+        init = torch.randint(0, 256, shape, dtype=torch.uint8, device=device).view(kv_dtype)
+        slots = torch.randperm(8 * BLOCK_SIZE, device=device)[:77]
+        slots[::7] = -1
+        for dtype in (torch.bfloat16, torch.float32):
+            exp_k, exp_v, k, v = init.cpu().clone(), init.cpu().clone(), init.clone(), init.clone()
+            reference.reshape_and_cache(key.to(dtype).cpu(), value.to(dtype).cpu(), exp_k, exp_v, slots.cpu())
+            cache.reshape_and_cache(key.to(dtype), value.to(dtype), k, v, slots)
+            same = torch.equal(k.view(torch.uint8).cpu(), exp_k.view(torch.uint8)) and torch.equal(
+                v.view(torch.uint8).cpu(), exp_v.view(torch.uint8)
+            )
+            print(f"  {'PASS' if same else 'FAIL'}  triton reshape_and_cache {name} from {dtype} (bytes)")
+            ok &= same
+        for dtype in (torch.bfloat16, torch.float32):
+            tag = f"{name} {str(dtype).replace('torch.', '')}"
+            for label, base in (
+                ("mixed batch", mixed_batch(device, dtype)),
+                ("decode 4 x 3000", decode_batch(4, 3000, dtype, device)),
+            ):
+                args = kv8_caches(base, kv_dtype, rows)
+                expected = reference_on_host(args)
+                for splits in (1, 4):
+                    out = torch.full_like(args[0], float("nan"))
+                    attention.paged_attention_fixed_splits(*args, num_splits=splits, out=out)
+                    ok &= _compare(f"triton attention {tag} {label} splits={splits}", out, expected, tol[dtype])
+                if cuda_ext is not None and label.startswith("decode"):
+                    out = torch.full_like(args[0], float("nan"))
+                    cuda_ext.paged_attention_decode(out, *args)
+                    ok &= _compare(f"cuda attention {tag} {label}", out, expected, tol[dtype])
+            extra = {"sliding_window": 200, "soft_cap": 30.0}
+            base = decode_batch(4, 3000, dtype, device)
+            query, k8, v8, _, seq_lens, qsl, scale = kv8_caches(base, kv_dtype, rows)
+            expected = reference_on_host((query, k8, v8, *base[3:6], scale), **extra)
+            # Slid-out table entries point at an appended block of NaN bytes (NaN scales when scaled).
+            tables = with_nan_slid_out(base, extra["sliding_window"])[3]
+            nan_block = torch.full_like(k8[:1].view(torch.uint8), 0x7F)
+            if rows:
+                nan_block[..., HEAD_SIZE:] = torch.tensor([float("nan")]).view(torch.uint8).to(device)
+            k8, v8 = (torch.cat([c.view(torch.uint8), nan_block]).view(kv_dtype) for c in (k8, v8))
+            args = (query, k8, v8, tables, seq_lens, qsl, scale)
+            out = torch.full_like(query, float("nan"))
+            attention.paged_attention_fixed_splits(*args, num_splits=1, out=out, **extra)
+            ok &= _compare(f"triton attention {tag} window+cap", out, expected, tol[dtype])
+            if cuda_ext is not None:
+                out = torch.full_like(query, float("nan"))
+                cuda_ext.paged_attention_decode(out, *args, extra["sliding_window"], extra["soft_cap"])
+                ok &= _compare(f"cuda attention {tag} window+cap", out, expected, tol[dtype])
+    return ok
+
+
+def time_kv8_decode(cuda_ext, copy_gbs: float) -> None:
+    """Decode attention at batch 32 x 4096 keys over each 8-bit cache next to bf16."""
+    from pagedserve.kernels.triton import attention
+
+    base = decode_batch(32, 4096, torch.bfloat16)
+    rows = [("bf16", base)] + [(name, kv8_caches(base, *spec)) for name, spec in KV8_CASES.items()]
+    for name, args in rows:
+        kv_bytes = args[1].numel() * args[1].element_size() * 2
+        cells = []
+        impls = [("triton", lambda a=args: attention.paged_attention(*a))]
+        if cuda_ext is not None:
+            impls.append(("cuda", lambda a=args: cuda_ext.paged_attention_decode(torch.empty_like(a[0]), *a)))
+        for impl, fn in impls:
+            ms = _time_ms(fn)
+            cells.append(f"{impl} {ms:7.3f} ms ({kv_bytes / (ms * 1e-3) / 1e9 / copy_gbs:4.0%} of copy bw)")
+        print(f"  {name:<14} " + "   ".join(cells))
+
+
 def _decode_row(cuda_ext, copy_gbs: float, batch: int, context: int, sms: int) -> str:
     """One table row: Triton (heuristic and single pass) and CUDA decode timings."""
     from pagedserve.kernels.triton import attention
@@ -382,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     ok &= check_window_kernels(cuda_ext)
     print("\n== recurrent layers' Triton kernels against kernels/recurrent_reference.py")
     ok &= check_recurrent(_compare)
+    print("\n== 8-bit KV caches (int8 and fp8 rows with their scales, unscaled fp8)")
+    ok &= check_kv8_kernels(cuda_ext)
 
     copy_gbs = copy_bandwidth_gbs()
     print(f"\n== device copy bandwidth: {copy_gbs:.0f} GB/s (read + write of a 1 GiB copy)")
@@ -397,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     time_cache_writes(cuda_ext, copy_gbs)
     print("\n== recurrent layers' ops, bf16 activations, float32 states: Triton and the torch reference")
     time_recurrent(_time_ms, args.quick)
+    print("\n== decode attention over 8-bit caches, batch 32 x 4096 keys (bandwidth: cache bytes read)")
+    time_kv8_decode(cuda_ext, copy_gbs)
     if not args.no_e2e:
         print()
         end_to_end(num_prompts=64, max_tokens=128)

@@ -19,10 +19,11 @@ class TorchGpuPlatform(Platform):
     # PCIe 4.0 x16 with pinned host memory; a mid-range GPU's dense bf16 rate.
     host_copy_bandwidth = 20e9
     compute_flops = 1e14
-    # The Triton attention and cache write read and write int8 caches (rows with their
-    # scales; kernels/triton); the CUDA C++ ops hand int8 caches to them and copy blocks
-    # as bytes.  No fp8 cache: neither kernel reads one.
-    kv_cache_dtypes = ("int8",)
+    # The Triton attention and cache write read and write every 8-bit cache: int8 rows
+    # with their scales, fp8 (e4m3, e5m2) rows with or without them (kernels/triton,
+    # fp8 decoded in integer ops, so GPUs without fp8 instructions read them too); the
+    # CUDA C++ ops hand 8-bit caches to them and copy blocks as bytes.
+    kv_cache_dtypes = ("fp8_e4m3", "fp8_e5m2", "int8")
     #: "cuda" or "hip": which torch build this platform needs.
     torch_build: str = ""
     build_hint: str = ""

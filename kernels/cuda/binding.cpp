@@ -28,6 +28,33 @@ ps_dtype_t to_ps_dtype(const at::Tensor& t, const char* name) {
   return PS_FLOAT32;  // unreachable
 }
 
+// The attention kernel's reading of a cache of `cache`'s dtype for a query of `query`'s.
+ps_kv_dtype_t to_ps_kv_dtype(const at::Tensor& cache, const at::Tensor& query) {
+  if (cache.scalar_type() == query.scalar_type()) return PS_KV_AS_QUERY;
+  switch (cache.scalar_type()) {
+    case at::kChar:
+      return PS_KV_INT8;
+    case at::kFloat8_e4m3fn:
+      return PS_KV_FP8_E4M3;
+    case at::kFloat8_e5m2:
+      return PS_KV_FP8_E5M2;
+    default:
+      TORCH_CHECK_VALUE(false, "query, out, key_cache and value_cache must share one dtype, or the caches be int8, ",
+                        "float8_e4m3fn or float8_e5m2; got ", query.scalar_type(), " and ", cache.scalar_type());
+  }
+  return PS_KV_AS_QUERY;  // unreachable
+}
+
+// 8-bit caches are read as 32-bit words: pointers and strides must be 4-byte multiples.
+void check_words(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.stride(-1) == 1, name, " must have stride 1 in its last dimension, got strides ", t.strides());
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0, name, " must start on a 4-byte boundary");
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    TORCH_CHECK_VALUE(t.stride(d) % 4 == 0, name, " stride ", t.stride(d), " of dim ", d,
+                      " is not a multiple of 4 bytes");
+  }
+}
+
 void check_on(const at::Tensor& t, const char* name, const at::Device& device) {
   TORCH_CHECK_VALUE(t.device() == device, name, " is on ", t.device(), " but the kernel runs on ", device);
 }
@@ -81,10 +108,11 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
     check_on(t, name, device);
   }
   const ps_dtype_t dtype = to_ps_dtype(query, "query");
-  TORCH_CHECK_VALUE(out.scalar_type() == query.scalar_type() && key_cache.scalar_type() == query.scalar_type() &&
-                        value_cache.scalar_type() == query.scalar_type(),
-                    "query, out, key_cache and value_cache must share one dtype; got ", query.scalar_type(), ", ",
-                    out.scalar_type(), ", ", key_cache.scalar_type(), ", ", value_cache.scalar_type());
+  TORCH_CHECK_VALUE(out.scalar_type() == query.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+                    "query, out, key_cache and value_cache must share one dtype (the caches may be 8-bit, both "
+                    "alike); got ", query.scalar_type(), ", ", out.scalar_type(), ", ", key_cache.scalar_type(), ", ",
+                    value_cache.scalar_type());
+  const ps_kv_dtype_t kv_dtype = to_ps_kv_dtype(key_cache, query);
   check_int(block_tables, "block_tables", at::kInt);
   check_int(seq_lens, "seq_lens", at::kInt);
   check_int(query_start_loc, "query_start_loc", at::kInt);
@@ -94,8 +122,18 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
   const int64_t num_heads = query.size(1);
   const int64_t head_size = query.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
-  TORCH_CHECK_VALUE(key_cache.size(3) == head_size, "cache head_size ", key_cache.size(3), " != query head_size ",
-                    head_size);
+  // 8-bit rows: head_size values, then (int8 always, fp8 optionally) the row's float32 scale.
+  const bool rows_scaled = kv_dtype != PS_KV_AS_QUERY && key_cache.size(3) == head_size + 4;
+  if (kv_dtype == PS_KV_AS_QUERY) {
+    TORCH_CHECK_VALUE(key_cache.size(3) == head_size, "cache head_size ", key_cache.size(3), " != query head_size ",
+                      head_size);
+  } else if (kv_dtype == PS_KV_INT8) {
+    TORCH_CHECK_VALUE(rows_scaled, "an int8 cache needs rows of query head_size + 4 = ", head_size + 4, ", got ",
+                      key_cache.size(3));
+  } else {
+    TORCH_CHECK_VALUE(rows_scaled || key_cache.size(3) == head_size, "an fp8 cache needs rows of query head_size ",
+                      head_size, " or head_size + 4 (with their scale), got ", key_cache.size(3));
+  }
   TORCH_CHECK_VALUE(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads=", num_heads,
                     " is not a multiple of num_kv_heads=", num_kv_heads);
   TORCH_CHECK_VALUE(ps_paged_attention_supports_head_size(static_cast<int>(head_size)),
@@ -110,8 +148,13 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
                     "seq_lens and query_start_loc must be contiguous");
   check_vectorizable(query, "query");
   check_vectorizable(out, "out");
-  check_vectorizable(key_cache, "key_cache");
-  check_vectorizable(value_cache, "value_cache");
+  if (kv_dtype == PS_KV_AS_QUERY) {
+    check_vectorizable(key_cache, "key_cache");
+    check_vectorizable(value_cache, "value_cache");
+  } else {
+    check_words(key_cache, "key_cache");
+    check_words(value_cache, "value_cache");
+  }
   TORCH_CHECK_VALUE(sliding_window >= 0 && sliding_window <= INT32_MAX,
                     "sliding_window must be in [1, 2^31) (0: none), got ", sliding_window);
   TORCH_CHECK_VALUE(soft_cap >= 0, "soft_cap must be > 0 (0: none), got ", soft_cap);
@@ -144,6 +187,8 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
   p.dtype = dtype;
   p.sliding_window = static_cast<int>(sliding_window);
   p.soft_cap = static_cast<float>(soft_cap);
+  p.kv_dtype = kv_dtype;
+  p.kv_rows_scaled = rows_scaled ? 1 : 0;
   if (sinks.has_value()) {
     check_on(*sinks, "sinks", device);
     TORCH_CHECK_VALUE(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == num_heads &&
@@ -273,7 +318,8 @@ bool supports_head_size(int64_t head_size) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pagedserve CUDA kernels (paged attention decode, KV-cache writes and block copies)";
-  m.def("paged_attention_decode", &paged_attention_decode, "Paged attention for decode-shaped batches",
+  m.def("paged_attention_decode", &paged_attention_decode,
+        "Paged attention for decode-shaped batches (caches in the query's dtype, or int8 / fp8)",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), py::arg("sliding_window") = 0,
         py::arg("soft_cap") = 0.0, py::arg("sinks") = py::none());

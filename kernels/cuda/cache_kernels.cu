@@ -114,7 +114,7 @@ extern "C" const char* ps_error_string(int code) {
     case PS_ERR_UNSUPPORTED_HEAD_SIZE:
       return "no kernel compiled for this head size";
     case PS_ERR_UNSUPPORTED_DTYPE:
-      return "unsupported dtype (expected float32, float16 or bfloat16)";
+      return "unsupported dtype (expected float32, float16 or bfloat16; attention caches also int8 or fp8)";
     case PS_ERR_BAD_ARGUMENT:
       return "invalid argument (shape, count or copy kind)";
     default:

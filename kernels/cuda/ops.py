@@ -6,10 +6,13 @@ than silently elsewhere:
 
 - paged_attention: the C++ kernel is a decode kernel; batches with more query tokens
   than sequences (prefill chunks) go to the Triton kernel, as do mixed query/cache
-  dtypes (an int8 cache among them) and head sizes without a compiled kernel.
+  dtypes (8-bit caches among them) and head sizes without a compiled kernel.  The C++
+  kernel reads int8 and fp8 caches too (``paged_attention_decode``, checked against
+  the reference by benchmarks/gpu_kernels.py), but has not yet run on a GPU, so these
+  ops keep sending 8-bit caches to Triton until that check has passed on one.
 - reshape_and_cache: the C++ kernel copies without converting; when the new keys'
-  dtype differs from the cache's (an int8 cache: quantized with row scales), the
-  Triton kernel runs instead.
+  dtype differs from the cache's (an 8-bit cache: quantized, with or without row
+  scales), the Triton kernel runs instead.
 - copy_blocks / swap_blocks: pools that both live on the CPU use the reference.
 """
 

@@ -24,6 +24,11 @@
 // (GPT-OSS): a per-head logit joins the final merge's max and denominator, once, with
 // no value; the key loop is unchanged.  kSinks is a template flag: the extra live
 // value spilled a register in the sm_90 build, and layers without sinks keep today's code.
+//
+// 8-bit caches (kKv8; int8, fp8 e4m3fn or e5m2, kernels/reference.py): each lane loads
+// its VEC bytes as 32-bit words and widens them exactly (common.cuh), so the lane layout
+// is the query dtype's.  With row scales, the key's scale multiplies the reduced score
+// and the value's the probability that weights its row: one multiply per key each.
 
 #include <math.h>
 
@@ -36,7 +41,7 @@ namespace {
 constexpr int kNumWarps = 4;
 constexpr int kNumThreads = kNumWarps * 32;
 
-template <typename T, int HEAD_SIZE, bool kSinks>
+template <typename T, int HEAD_SIZE, bool kSinks, bool kKv8>
 __global__ void __launch_bounds__(kNumThreads)
     paged_attention_decode_kernel(ps_paged_attention_params p) {
   constexpr int VEC = VecWidth<T>::value;
@@ -59,6 +64,10 @@ __global__ void __launch_bounds__(kNumThreads)
   const T* __restrict__ query = static_cast<const T*>(p.query);
   const T* __restrict__ key_cache = static_cast<const T*>(p.key_cache);
   const T* __restrict__ value_cache = static_cast<const T*>(p.value_cache);
+  const uint8_t* __restrict__ key_cache8 = static_cast<const uint8_t*>(p.key_cache);
+  const uint8_t* __restrict__ value_cache8 = static_cast<const uint8_t*>(p.value_cache);
+  const ps_kv_dtype_t kv_dtype = p.kv_dtype;
+  const bool rows_scaled = kKv8 && p.kv_rows_scaled != 0;
   T* __restrict__ out = static_cast<T*>(p.out);
 
   const int q_begin = p.query_start_loc[seq];
@@ -102,6 +111,7 @@ __global__ void __launch_bounds__(kNumThreads)
       int64_t k_base = 0;
       int64_t v_base = 0;
       float score = 0.f;
+      float k_scale = 1.f;
       if (valid) {
         const int64_t block = block_table[j / p.block_size];
         const int64_t slot = j % p.block_size;
@@ -112,16 +122,23 @@ __global__ void __launch_bounds__(kNumThreads)
           const int v = sub + i * TPK;
           if (v < NUM_VECS) {
             float k[VEC];
-            load_vec_as_float(key_cache + k_base + v * VEC, k);
+            if constexpr (kKv8) {
+              load_kv8_as_float<VEC>(key_cache8 + k_base + v * VEC, kv_dtype, k);
+            } else {
+              load_vec_as_float(key_cache + k_base + v * VEC, k);
+            }
 #pragma unroll
             for (int e = 0; e < VEC; ++e) score += q[i * VEC + e] * k[e];
           }
         }
+        if (rows_scaled) k_scale = load_row_scale(key_cache8 + k_base + HEAD_SIZE);
       }
       // Every lane runs the shuffles (invalid keys contribute 0 and are skipped below);
       // xor offsets below TPK stay inside one key group.
 #pragma unroll
       for (int mask = TPK / 2; mask > 0; mask >>= 1) score += __shfl_xor_sync(kFullMask, score, mask);
+      // Every lane of the key group read the same row scale (1 without scales).
+      score *= k_scale;
       if (p.soft_cap > 0.f) score = p.soft_cap * tanhf(score / p.soft_cap);
 
       if (valid) {
@@ -129,14 +146,20 @@ __global__ void __launch_bounds__(kNumThreads)
         const float alpha = __expf(m - m_new);  // m = -inf on the first key gives 0
         const float prob = __expf(score - m_new);
         l = l * alpha + prob;
+        // The value row's scale folds into the weight of its row (not into l).
+        const float weight = rows_scaled ? prob * load_row_scale(value_cache8 + v_base + HEAD_SIZE) : prob;
 #pragma unroll
         for (int i = 0; i < VPT; ++i) {
           const int v = sub + i * TPK;
           if (v < NUM_VECS) {
             float val[VEC];
-            load_vec_as_float(value_cache + v_base + v * VEC, val);
+            if constexpr (kKv8) {
+              load_kv8_as_float<VEC>(value_cache8 + v_base + v * VEC, kv_dtype, val);
+            } else {
+              load_vec_as_float(value_cache + v_base + v * VEC, val);
+            }
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[i * VEC + e] = acc[i * VEC + e] * alpha + prob * val[e];
+            for (int e = 0; e < VEC; ++e) acc[i * VEC + e] = acc[i * VEC + e] * alpha + weight * val[e];
           }
         }
         m = m_new;
@@ -203,13 +226,21 @@ __global__ void __launch_bounds__(kNumThreads)
   }
 }
 
-template <typename T, int HEAD_SIZE>
-int launch(const ps_paged_attention_params& p, cudaStream_t stream) {
+template <typename T, int HEAD_SIZE, bool kKv8>
+void launch_sinks(const ps_paged_attention_params& p, cudaStream_t stream) {
   const dim3 grid(p.num_heads, p.num_seqs);
   if (p.sinks != nullptr)
-    paged_attention_decode_kernel<T, HEAD_SIZE, true><<<grid, kNumThreads, 0, stream>>>(p);
+    paged_attention_decode_kernel<T, HEAD_SIZE, true, kKv8><<<grid, kNumThreads, 0, stream>>>(p);
   else
-    paged_attention_decode_kernel<T, HEAD_SIZE, false><<<grid, kNumThreads, 0, stream>>>(p);
+    paged_attention_decode_kernel<T, HEAD_SIZE, false, kKv8><<<grid, kNumThreads, 0, stream>>>(p);
+}
+
+template <typename T, int HEAD_SIZE>
+int launch(const ps_paged_attention_params& p, cudaStream_t stream) {
+  if (p.kv_dtype == PS_KV_AS_QUERY)
+    launch_sinks<T, HEAD_SIZE, false>(p, stream);
+  else
+    launch_sinks<T, HEAD_SIZE, true>(p, stream);
   return launch_status();
 }
 
@@ -249,6 +280,20 @@ extern "C" int ps_paged_attention_decode(const ps_paged_attention_params* p, voi
   if (p == nullptr || p->num_kv_heads <= 0 || p->num_heads % p->num_kv_heads != 0 || p->block_size <= 0 ||
       p->sliding_window < 0 || !(p->soft_cap >= 0.f)) {
     return PS_ERR_BAD_ARGUMENT;
+  }
+  // Row scales belong to 8-bit caches, and an int8 cache always has them.
+  switch (p->kv_dtype) {
+    case PS_KV_AS_QUERY:
+      if (p->kv_rows_scaled) return PS_ERR_BAD_ARGUMENT;
+      break;
+    case PS_KV_INT8:
+      if (!p->kv_rows_scaled) return PS_ERR_BAD_ARGUMENT;
+      break;
+    case PS_KV_FP8_E4M3:
+    case PS_KV_FP8_E5M2:
+      break;
+    default:
+      return PS_ERR_UNSUPPORTED_DTYPE;
   }
   if (p->num_seqs == 0 || p->num_heads == 0) return PS_OK;
   if (p->num_seqs > 65535) return PS_ERR_BAD_ARGUMENT;  // gridDim.y limit

@@ -24,6 +24,15 @@ typedef enum {
   PS_BFLOAT16 = 2,
 } ps_dtype_t;
 
+/* How the attention kernel reads a KV cache: in the query's dtype, or 8-bit values
+ * (int8, fp8 e4m3fn, fp8 e5m2; kernels/reference.py) widened exactly to float32. */
+typedef enum {
+  PS_KV_AS_QUERY = 0,
+  PS_KV_INT8 = 1,
+  PS_KV_FP8_E4M3 = 2,
+  PS_KV_FP8_E5M2 = 3,
+} ps_kv_dtype_t;
+
 enum {
   PS_OK = 0,
   PS_ERR_UNSUPPORTED_HEAD_SIZE = -1,
@@ -42,8 +51,12 @@ enum {
  *   block_tables:           int32 [num_seqs, >= max blocks of any sequence]
  *   seq_lens:               int32 [num_seqs]
  *   query_start_loc:        int32 [num_seqs + 1]
- * query, out and both caches share one dtype; every pointer and every stride times
- * the element size is a multiple of 16 bytes. */
+ * query, out and both caches share one dtype (kv_dtype PS_KV_AS_QUERY); every pointer
+ * and every stride times the element size is a multiple of 16 bytes.  Or the caches
+ * hold 8-bit values (kv_dtype PS_KV_INT8 / PS_KV_FP8_E4M3 / PS_KV_FP8_E5M2; strides in
+ * bytes, the cache pointers and strides multiples of 4 bytes): rows of head_size values
+ * (kv_rows_scaled 0, fp8 only), or of head_size values followed by the 4 bytes of the
+ * row's float32 scale (kv_rows_scaled 1, int8 always), read as values * scale. */
 typedef struct {
   void* out;
   const void* query;
@@ -68,6 +81,8 @@ typedef struct {
   float soft_cap;
   /* float32 [num_heads] sink logits in each softmax denominator (no value), or NULL. */
   const float* sinks;
+  ps_kv_dtype_t kv_dtype;
+  int kv_rows_scaled;
 } ps_paged_attention_params;
 
 int ps_paged_attention_decode(const ps_paged_attention_params* p, void* stream);

@@ -35,11 +35,16 @@ import triton.language as tl
 from pagedserve.kernels.triton._common import (
     FLOAT_DTYPES,
     KV_DTYPES,
+    KV_E5M2,
+    KV_FLOAT,
+    KV_INT8,
     check_same_device,
     check_tensor,
     interpreter_enabled,
+    kv_layout,
     next_power_of_2,
 )
+from pagedserve.kernels.triton.fp8 import fp8_to_float32
 
 __all__ = [
     "paged_attention",
@@ -60,6 +65,10 @@ MAX_SPLITS = 64
 _INTERPRETER_SMS = 8
 _LOG2E = 1.4426950408889634
 _LOG2E_C: tl.constexpr = tl.constexpr(_LOG2E)  # the same, readable inside kernels
+# The KV_FMT values (kernels/triton/_common.py), readable inside kernels.
+_FLOAT: tl.constexpr = tl.constexpr(KV_FLOAT)
+_INT8: tl.constexpr = tl.constexpr(KV_INT8)
+_E5M2: tl.constexpr = tl.constexpr(KV_E5M2)
 
 
 @triton.jit
@@ -125,7 +134,8 @@ def _paged_attention_kernel(
     WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     SINKS: tl.constexpr,
-    KV_INT8: tl.constexpr,
+    KV_FMT: tl.constexpr,
+    KV_ROWS: tl.constexpr,
     KEY_ENDS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -193,13 +203,19 @@ def _paged_attention_kernel(
         kv_mask = n_valid[None, :] & dim_valid[:, None]
         k = tl.load(k_cache_ptr + k_off[None, :] + dims[:, None], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=tl.trans(kv_mask), other=0.0)
-        if KV_INT8:
-            # Each int8 row ends with its float32 scale: element (off + head_size) / 4 of
-            # the cache's float32 view (rows and strides are multiples of 4 bytes).
+        if KV_FMT == _INT8:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        elif KV_FMT != _FLOAT:  # fp8 bytes (the cache's uint8 view), decoded exactly
+            k = fp8_to_float32(k, KV_FMT == _E5M2)
+            v = fp8_to_float32(v, KV_FMT == _E5M2)
+        if KV_ROWS:
+            # Each row ends with its float32 scale: element (off + head_size) / 4 of the
+            # cache's float32 view (rows and strides are multiples of 4 bytes).
             ks = tl.load(k_scale_ptr + (k_off + head_size) // 4, mask=n_valid, other=0.0)
             vs = tl.load(v_scale_ptr + (v_off + head_size) // 4, mask=n_valid, other=0.0)
-            k = k.to(tl.float32) * ks[None, :]
-            v = v.to(tl.float32) * vs[:, None]
+            k = k * ks[None, :]
+            v = v * vs[:, None]
         if DOT_FP32:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
@@ -381,15 +397,8 @@ def _check_inputs(
         raise ValueError(f"key_cache shape {tuple(key_cache.shape)} != value_cache shape {tuple(value_cache.shape)}")
     if key_cache.dtype != value_cache.dtype:
         raise ValueError(f"key_cache dtype {key_cache.dtype} != value_cache dtype {value_cache.dtype}")
-    num_kv_heads, cache_head_size = key_cache.shape[2], key_cache.shape[3]
-    if key_cache.dtype == torch.int8:  # rows of head_size values, then a float32 scale
-        if cache_head_size != head_size + 4 or head_size % 4:
-            raise ValueError(
-                f"an int8 cache needs rows of query head_size + 4 = {head_size + 4} (head_size a multiple of 4), "
-                f"got {cache_head_size}"
-            )
-    elif cache_head_size != head_size:
-        raise ValueError(f"query head_size {head_size} != cache head_size {cache_head_size}")
+    num_kv_heads = key_cache.shape[2]
+    kv_layout("key_cache", key_cache, head_size)  # raises for a row width that fits no layout
     if not 1 <= head_size <= MAX_HEAD_SIZE:
         raise ValueError(f"head_size {head_size} is outside the supported range 1..{MAX_HEAD_SIZE}")
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
@@ -465,12 +474,6 @@ def _check_key_ends(key_ends: torch.Tensor | None, query: torch.Tensor) -> torch
     return key_ends.to(device=query.device, dtype=torch.int32).contiguous()
 
 
-def _scale_view(cache: torch.Tensor) -> torch.Tensor:
-    """An int8 cache as float32 (where the kernel reads each row's scale); other caches
-    as they are (the kernel then reads no scale)."""
-    return cache.view(torch.float32) if cache.dtype == torch.int8 else cache
-
-
 def _use_fp32_dot(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """fp32 caches need exact fp32 products (not TF32); mixed query/cache dtypes meet
     in fp32; and the interpreter computes bf16 arithmetic on raw uint16 storage, so
@@ -538,13 +541,14 @@ def paged_attention_fixed_splits(
         p_strides, l_strides = (0, 0, 0), (0, 0)
 
     grid = (num_q_blocks, num_kv_heads, num_splits)
-    kv_int8 = key_cache.dtype == torch.int8
+    k_layout = kv_layout("key_cache", key_cache, head_size)
+    v_layout = kv_layout("value_cache", value_cache, head_size)
     _paged_attention_kernel[grid](
         query,
-        key_cache,
-        value_cache,
-        _scale_view(key_cache),
-        _scale_view(value_cache),
+        k_layout.values,
+        v_layout.values,
+        k_layout.scales,
+        v_layout.scales,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -583,7 +587,8 @@ def paged_attention_fixed_splits(
         WINDOW=sliding_window is not None,
         SOFT_CAP=soft_cap is not None,
         SINKS=sinks is not None,
-        KV_INT8=kv_int8,
+        KV_FMT=k_layout.fmt,
+        KV_ROWS=k_layout.rows_scaled,
         KEY_ENDS=key_ends is not None,
         num_warps=num_warps,
     )
@@ -628,9 +633,10 @@ def paged_attention(
         dim); the tokens of sequence i are query[query_start_loc[i]:query_start_loc[i+1]]
         and are its last q_len_i positions.
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], one
-        float dtype (may differ from query's; then products run in fp32), or int8
-        [..., head_size + 4]: each row's values times the float32 scale after them
-        (kernels/reference.py), products in fp32.
+        float dtype (may differ from query's; then products run in fp32), or
+        float8_e4m3fn / float8_e5m2 (read exactly, products in fp32); or int8,
+        float8_e4m3fn or float8_e5m2 [..., head_size + 4]: each row's values times the
+        float32 scale after them (kernels/reference.py), products in fp32.
     block_tables: int32 [num_seqs, max_blocks]; seq_lens: int32 [num_seqs] (context
         length including the new tokens); query_start_loc: int32 [num_seqs + 1].
     out: optional [num_tokens, num_heads, head_size] float tensor to write into.

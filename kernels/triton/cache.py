@@ -12,16 +12,25 @@ import triton.language as tl
 from pagedserve.kernels.triton._common import (
     FLOAT_DTYPES,
     KV_DTYPES,
+    KV_E5M2,
+    KV_FLOAT,
+    KV_INT8,
     check_same_device,
     check_tensor,
+    kv_layout,
     next_power_of_2,
 )
+from pagedserve.kernels.triton.fp8 import float32_to_fp8
 
 __all__ = ["reshape_and_cache"]
 
 # Upper bound on elements one program moves per tensor: keeps the tile in registers
 # for wide models (e.g. 8 KV heads x 256) while still giving each program enough work.
 _MAX_TILE_ELEMS = 4096
+# The KV_FMT values, readable inside kernels.
+_INT8: tl.constexpr = tl.constexpr(KV_INT8)
+_E5M2: tl.constexpr = tl.constexpr(KV_E5M2)
+_FLOAT: tl.constexpr = tl.constexpr(KV_FLOAT)
 
 
 @triton.jit
@@ -48,7 +57,8 @@ def _reshape_and_cache_kernel(
     stride_vch,
     HEADS_PER_PROG: tl.constexpr,
     HEAD_PAD: tl.constexpr,
-    KV_INT8: tl.constexpr,
+    KV_FMT: tl.constexpr,
+    ROWS_SCALED: tl.constexpr,
 ):
     token = tl.program_id(0)
     head_start = tl.program_id(1) * HEADS_PER_PROG
@@ -69,31 +79,52 @@ def _reshape_and_cache_kernel(
 
     dst_k = key_cache_ptr + block * stride_kcb + offset * stride_kcs + heads[:, None] * stride_kch + dims[None, :]
     dst_v = value_cache_ptr + block * stride_vcb + offset * stride_vcs + heads[:, None] * stride_vch + dims[None, :]
-    if KV_INT8:
-        # Per (token, head) row: s = absmax / 127, values round_half_even(x / s), and s
-        # stored in the 4 bytes after them (element (offset + head_size) / 4 of the
-        # cache's float32 view), as reference.quantize_kv_int8.
+    if ROWS_SCALED:
+        # Per (token, head) row: s = absmax / top, the values x / s rounded into the
+        # format, and s stored in the 4 bytes after them (element (offset + head_size) / 4
+        # of the cache's float32 view), as reference.quantize_kv_rows.
         row_k = block * stride_kcb + offset * stride_kcs + heads * stride_kch
         row_v = block * stride_vcb + offset * stride_vcs + heads * stride_vch
-        _store_int8_rows(k.to(tl.float32), key_cache_ptr, k_scale_ptr, row_k, dims, heads, num_kv_heads, head_size)
-        _store_int8_rows(v.to(tl.float32), value_cache_ptr, v_scale_ptr, row_v, dims, heads, num_kv_heads, head_size)
-    else:
+        _store_scaled_rows(
+            k.to(tl.float32), key_cache_ptr, k_scale_ptr, row_k, dims, heads, num_kv_heads, head_size, KV_FMT
+        )
+        _store_scaled_rows(
+            v.to(tl.float32), value_cache_ptr, v_scale_ptr, row_v, dims, heads, num_kv_heads, head_size, KV_FMT
+        )
+    elif KV_FMT == _FLOAT:
         tl.store(dst_k, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(dst_v, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Unscaled fp8 (reference.quantize_kv): saturated at the largest finite value,
+        # rounded to nearest even, written as bytes through the cache's uint8 view.
+        tl.store(dst_k, float32_to_fp8(k.to(tl.float32), KV_FMT == _E5M2).to(tl.uint8), mask=mask)
+        tl.store(dst_v, float32_to_fp8(v.to(tl.float32), KV_FMT == _E5M2).to(tl.uint8), mask=mask)
 
 
 @triton.jit
-def _store_int8_rows(x, cache_ptr, scale_ptr, row, dims, heads, num_kv_heads, head_size):
+def _store_scaled_rows(x, cache_ptr, scale_ptr, row, dims, heads, num_kv_heads, head_size, KV_FMT: tl.constexpr):
     mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_size)
     x = tl.where(mask, x, 0.0)
-    s = tl.max(tl.abs(x), 1) / 127.0
+    if KV_FMT == _INT8:
+        top = 127.0
+    elif KV_FMT == _E5M2:
+        top = 57344.0
+    else:
+        top = 448.0
+    amax = tl.max(tl.abs(x), 1)
+    # IEEE division (a plain `/` may be approximate on GPUs): the reference's bytes.
+    s = tl.math.div_rn(amax, tl.full(amax.shape, top, tl.float32))
     s_safe = tl.where(s > 0.0, s, 1.0)
     y = tl.math.div_rn(x, s_safe[:, None])
-    # Round half to even: adding and removing 1.5 * 2^23 leaves the integer float32 rounds to.
-    y = (y + 12582912.0) - 12582912.0
-    y = tl.minimum(tl.maximum(y, -127.0), 127.0)
     y = tl.where(s[:, None] > 0.0, y, 0.0)
-    tl.store(cache_ptr + row[:, None] + dims[None, :], y.to(tl.int8), mask=mask)
+    dst = cache_ptr + row[:, None] + dims[None, :]
+    if KV_FMT == _INT8:
+        # Round half to even: adding and removing 1.5 * 2^23 leaves the integer float32 rounds to.
+        y = (y + 12582912.0) - 12582912.0
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+        tl.store(dst, y.to(tl.int8), mask=mask)
+    else:
+        tl.store(dst, float32_to_fp8(y, KV_FMT == _E5M2).to(tl.uint8), mask=mask)
     tl.store(scale_ptr + (row + head_size) // 4, s, mask=heads < num_kv_heads)
 
 
@@ -108,9 +139,11 @@ def reshape_and_cache(
 
     key, value: [num_tokens, num_kv_heads, head_size] (fp32/bf16/fp16; converted to
         the cache dtype on store).
-    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], one dtype;
-        or int8 [..., head_size + 4]: each row quantized with its scale after it
-        (reference.quantize_kv_int8).
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], one dtype:
+        a float one (a plain cast), or float8_e4m3fn / float8_e5m2 (reference.quantize_kv:
+        saturating, round to nearest even); or int8, float8_e4m3fn or float8_e5m2
+        [..., head_size + 4]: each row quantized with its float32 scale after it
+        (reference.quantize_kv_rows).
     slot_mapping: int64 [num_tokens]; slot = block_id * block_size + offset; -1 skips
         the token.  Slots past the end of the cache are not checked (that would need a
         device sync); the caller guarantees them.
@@ -128,14 +161,10 @@ def reshape_and_cache(
     if key_cache.dtype != value_cache.dtype:
         raise ValueError(f"key_cache dtype {key_cache.dtype} != value_cache dtype {value_cache.dtype}")
     num_tokens, num_kv_heads, head_size = key.shape
-    kv_int8 = key_cache.dtype == torch.int8
-    row = head_size + 4 if kv_int8 else head_size  # an int8 row ends with its float32 scale
-    if tuple(key_cache.shape[2:]) != (num_kv_heads, row) or (kv_int8 and head_size % 4):
-        raise ValueError(
-            f"key has {num_kv_heads} heads of size {head_size} but the cache holds "
-            f"{key_cache.shape[2]} heads of size {key_cache.shape[3]}"
-            + (" (an int8 cache needs head_size + 4, head_size a multiple of 4)" if kv_int8 else "")
-        )
+    if key_cache.shape[2] != num_kv_heads:
+        raise ValueError(f"key has {num_kv_heads} heads but the cache holds {key_cache.shape[2]}")
+    k_layout = kv_layout("key_cache", key_cache, head_size)
+    v_layout = kv_layout("value_cache", value_cache, head_size)
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
     if num_tokens == 0:
@@ -147,10 +176,10 @@ def reshape_and_cache(
     _reshape_and_cache_kernel[grid](
         key,
         value,
-        key_cache,
-        value_cache,
-        key_cache.view(torch.float32) if kv_int8 else key_cache,
-        value_cache.view(torch.float32) if kv_int8 else value_cache,
+        k_layout.values,
+        v_layout.values,
+        k_layout.scales,
+        v_layout.scales,
         slot_mapping,
         num_kv_heads,
         head_size,
@@ -167,5 +196,6 @@ def reshape_and_cache(
         value_cache.stride(2),
         HEADS_PER_PROG=heads_per_prog,
         HEAD_PAD=head_pad,
-        KV_INT8=kv_int8,
+        KV_FMT=k_layout.fmt,
+        ROWS_SCALED=k_layout.rows_scaled,
     )

@@ -264,6 +264,43 @@ def test_gpu_paged_attention_sinks(cuda_ext, dtype, extra, spread):
     torch.testing.assert_close(got.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+#: 8-bit caches the decode kernel reads: (cache dtype, rows carry a float32 scale).
+KV8 = {
+    "int8": (torch.int8, True),
+    "e4m3-rows": (torch.float8_e4m3fn, True),
+    "e5m2-rows": (torch.float8_e5m2, True),
+    "e4m3": (torch.float8_e4m3fn, False),
+    "e5m2": (torch.float8_e5m2, False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv", list(KV8))
+@pytest.mark.parametrize("extra", [{}, {"sliding_window": 40, "soft_cap": 5.0}], ids=["plain", "window-cap"])
+def test_gpu_paged_attention_decode_reads_8bit_caches(cuda_ext, dtype, kv, extra):
+    """int8 and fp8 caches (rows with their scales, and unscaled fp8) written by the
+    reference, keys with outliers; decodes and a walked 3-token chunk."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    q, kc, vc, bt, sl, qsl = _random_batch([(1, 1), (1, 300), (3, 77), (1, 1000)], 2, 4, 128, 16, dtype, gen)
+    kv_dtype, rows = KV8[kv]
+    keys, values = kc.float().flatten(0, 1).cpu() * 8, vc.float().flatten(0, 1).cpu()
+    keys[::5, :, 0] *= 40  # beyond e4m3's range: a row scale absorbs it, unscaled saturates
+    shape = (*kc.shape[:3], 128 + 4 if rows else 128)
+    # The reference writes and reads on the host (its 8-bit tensor ops need not exist on the GPU).
+    k8, v8 = torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)
+    reference.reshape_and_cache(keys, values, k8, v8, torch.arange(keys.shape[0]))
+    meta = [t.cpu() for t in (bt, sl, qsl)]
+    expected = reference.paged_attention(q.float().cpu(), k8, v8, *meta, 128**-0.5, **extra).cuda()
+    k8, v8 = k8.cuda(), v8.cuda()
+    out = torch.full_like(q, float("nan"))
+    window, cap = extra.get("sliding_window", 0), extra.get("soft_cap", 0.0)
+    cuda_ext.paged_attention_decode(out, q, k8, v8, bt, sl, qsl, 128**-0.5, window, cap)
+    torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+    with pytest.raises(ValueError, match="needs rows of query head_size"):
+        cuda_ext.paged_attention_decode(out, q, k8[..., :120], v8[..., :120], bt, sl, qsl, 0.1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_reshape_and_cache(cuda_ext, dtype):

@@ -374,10 +374,12 @@ from pagedserve.kernels.triton import attention, cache
 
 INT_PTRS = {"block_tables_ptr", "seq_lens_ptr", "qsl_ptr"}
 
-def signature(fn, dtype, int64_ptrs=()):
+def signature(fn, dtype, int64_ptrs=(), ptr_types=None):
     sig = {}
     for name in fn.arg_names:
-        if name.isupper():
+        if ptr_types and name in ptr_types:
+            sig[name] = ptr_types[name]
+        elif name.isupper():
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             if name in INT_PTRS:
@@ -410,20 +412,40 @@ for dtype, tdtype, head, group, decode, splits, windowed in [
     bm, tn, warps = attention._tile_config(decode, group, head_pad, fp32)
     for split in splits:
         consts = dict(GROUP=group, BLOCK_M=bm, BLOCK_Q=bm // group, TILE_N=tn, HEAD_PAD=head_pad,
-                      DOT_FP32=fp32, SPLIT=split, WINDOW=windowed, SOFT_CAP=windowed, SINKS=windowed)
+                      DOT_FP32=fp32, SPLIT=split, WINDOW=windowed, SOFT_CAP=windowed, SINKS=windowed,
+                      KV_FMT=0, KV_ROWS=False, KEY_ENDS=False)
         jobs.append((f"attn-{dtype[1:]}-d{head}-g{group}-{'decode' if decode else 'prefill'}"
                      f"{'-split' if split else ''}{'-window-cap-sinks' if windowed else ''}",
-                     attention._paged_attention_kernel, dtype, consts, warps, ()))
+                     attention._paged_attention_kernel, dtype, consts, warps, (), None))
+# 8-bit caches (KV_FMT 1 int8, 2 e4m3, 3 e5m2): bytes through a uint8 (int8) view, row
+# scales through a float32 one; products in fp32.
+CACHE_PTRS = ("k_cache_ptr", "v_cache_ptr", "key_cache_ptr", "value_cache_ptr")
+SCALE_PTRS = ("k_scale_ptr", "v_scale_ptr")
+for fmt, rows, head, group, decode in [(2, True, 128, 4, True), (3, False, 128, 4, False), (2, False, 64, 1, True),
+                                       (3, True, 256, 2, False), (1, True, 128, 8, True)]:
+    head_pad = max(16, triton.next_power_of_2(head))
+    bm, tn, warps = attention._tile_config(decode, group, head_pad, True)
+    consts = dict(GROUP=group, BLOCK_M=bm, BLOCK_Q=bm // group, TILE_N=tn, HEAD_PAD=head_pad, DOT_FP32=True,
+                  SPLIT=False, WINDOW=False, SOFT_CAP=False, SINKS=False, KV_FMT=fmt, KV_ROWS=rows, KEY_ENDS=False)
+    ptrs = {n: "*i8" if fmt == 1 else "*u8" for n in CACHE_PTRS}
+    ptrs.update({n: "*fp32" if rows else ptrs["k_cache_ptr"] for n in SCALE_PTRS})
+    jobs.append((f"attn-kv{fmt}{'-rows' if rows else ''}-d{head}-g{group}-{'decode' if decode else 'prefill'}",
+                 attention._paged_attention_kernel, "*bf16", consts, warps, (), ptrs))
 for name, consts in (("reduce-d128", dict(SPLIT_PAD=8, HEAD_PAD=128, SINKS=False)),
                      ("reduce-d64-sinks", dict(SPLIT_PAD=4, HEAD_PAD=64, SINKS=True))):
-    jobs.append((name, attention._reduce_splits_kernel, "*bf16", consts, 4, ()))
-jobs.append(("cache-d128", cache._reshape_and_cache_kernel, "*bf16", dict(HEADS_PER_PROG=8, HEAD_PAD=128), 4,
-             ("slot_mapping_ptr",)))
+    jobs.append((name, attention._reduce_splits_kernel, "*bf16", consts, 4, (), None))
+jobs.append(("cache-d128", cache._reshape_and_cache_kernel, "*bf16",
+             dict(HEADS_PER_PROG=8, HEAD_PAD=128, KV_FMT=0, ROWS_SCALED=False), 4, ("slot_mapping_ptr",), None))
+for fmt, rows in [(1, True), (2, True), (3, True), (2, False), (3, False)]:
+    ptrs = {n: "*i8" if fmt == 1 else "*u8" for n in CACHE_PTRS}
+    ptrs.update({n: "*fp32" if rows else ptrs["key_cache_ptr"] for n in SCALE_PTRS})
+    jobs.append((f"cache-kv{fmt}{'-rows' if rows else ''}-d128", cache._reshape_and_cache_kernel, "*bf16",
+                 dict(HEADS_PER_PROG=8, HEAD_PAD=128, KV_FMT=fmt, ROWS_SCALED=rows), 4, ("slot_mapping_ptr",), ptrs))
 for tname, target in targets.items():
-    for name, fn, dtype, consts, warps, i64 in jobs:
+    for name, fn, dtype, consts, warps, i64, ptrs in jobs:
         key = f"{tname}:{name}"
         try:
-            compiled = triton.compile(ASTSource(fn, signature(fn, dtype, i64), consts), target=target,
+            compiled = triton.compile(ASTSource(fn, signature(fn, dtype, i64, ptrs), consts), target=target,
                                       options={"num_warps": warps})
             results[key] = "ok" if compiled.asm else "empty"
         except Exception as exc:

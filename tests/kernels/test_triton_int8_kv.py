@@ -60,7 +60,7 @@ def test_triton_write_stores_the_reference_bytes(dtype, head_major):
 def test_triton_write_refuses_rows_without_room_for_the_scale():
     key = torch.randn(2, 1, 32)
     kc = torch.zeros(2, 4, 1, 32, dtype=torch.int8)
-    with pytest.raises(ValueError, match="int8 cache needs head_size \\+ 4"):
+    with pytest.raises(ValueError, match="int8 cache needs rows of query head_size \\+ 4"):
         cache.reshape_and_cache(key, key, kc, kc.clone(), torch.tensor([0, 1]))
 
 

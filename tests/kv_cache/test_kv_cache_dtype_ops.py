@@ -235,13 +235,16 @@ def test_cpu_platform_declares_both_fp8_formats():
 
 
 def test_a_platform_without_the_capability_is_refused_by_name():
-    from pagedserve.platforms.cuda import CudaPlatform
     from pagedserve.platforms.interface import Platform
 
     class Bare(Platform):
         name = "bare"
 
-    for cls in (Bare, CudaPlatform):
+    class Int8Only(Platform):
+        name = "int8-only"
+        kv_cache_dtypes = ("int8",)
+
+    for cls in (Bare, Int8Only):
         msg = rf"kv_cache_dtype='fp8' is not supported on platform '{cls.name}'.*fp8_e4m3"
         with pytest.raises(ValueError, match=msg):
             check_cache_dtype("fp8", torch.bfloat16, [cls])

@@ -123,18 +123,17 @@ def test_row_sizes_agree_between_core_and_the_reference():
     assert "int8" in CpuPlatform.kv_cache_dtypes
 
 
-def test_gpu_platforms_declare_int8_only():
-    """Their Triton kernels (and the CUDA C++ ops, which hand int8 caches to Triton) read
-    int8 caches (tests/kernels/test_triton_int8_kv.py) but no fp8 one."""
+def test_gpu_platforms_declare_every_8bit_dtype():
+    """Their Triton kernels (and the CUDA C++ ops, which hand 8-bit caches to Triton) read
+    int8 and fp8 caches (tests/kernels/test_triton_int8_kv.py, test_triton_fp8_kv.py)."""
     from pagedserve.executor.model_runner import check_cache_dtype
     from pagedserve.platforms.cuda import CudaPlatform
     from pagedserve.platforms.rocm import RocmPlatform
 
     for cls in (CudaPlatform, RocmPlatform):
-        assert cls.kv_cache_dtypes == ("int8",)
-        check_cache_dtype("int8", torch.bfloat16, [cls])
-        with pytest.raises(ValueError, match=f"kv_cache_dtype='fp8' is not supported on platform '{cls.name}'"):
-            check_cache_dtype("fp8", torch.bfloat16, [cls])
+        assert set(cls.kv_cache_dtypes) == {"int8", "fp8_e4m3", "fp8_e5m2"}
+        for name in ("int8", "fp8", "fp8_e4m3", "fp8_e5m2"):
+            check_cache_dtype(name, torch.bfloat16, [cls])
 
 
 # ---- the cache write ------------------------------------------------------------------
