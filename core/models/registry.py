@@ -262,7 +262,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         quantized=False,
         notes="one mixer per layer: Mamba 2, attention without RoPE, squared-ReLU MLP (`backbone.*` names), "
         "Nemotron 3's MoE (sigmoid group routing, squared-ReLU experts, optional latent projection, shared MLP; "
-        "one rank only)",
+        "a model with MoE layers runs on one rank)",
     ),
     ModelEntry(
         "FalconH1ForCausalLM",
