@@ -297,7 +297,9 @@ def check_kv_cache_groups(cfg: EngineConfig, windows: list[int | str | None]) ->
 def check_recurrent_state(cfg: EngineConfig) -> None:
     """ValueError for a setting that a model with recurrent-state layers (Qwen3.5 and
     Qwen3-Next's Gated DeltaNet, Mamba 2 hybrids) cannot serve: its state holds every
-    token computed so far and cannot be rewound, shared from a prefix or split.
+    token computed so far and cannot be rewound, shared from a prefix or split.  (Its
+    own verification steps keep the state after each draft position and keep the
+    accepted one: kv_cache/state_group.py; a draft model's state could not be kept so.)
 
     Checked when the checkpoint's config is read, before weights load.
     """
@@ -311,9 +313,11 @@ def check_recurrent_state(cfg: EngineConfig) -> None:
             "preemption_mode='auto' or 'swap', or leave kv_offload_memory unset",
         ),
         (
-            spec is not None,
-            f"speculative_config method={getattr(spec, 'method', None)!r}",
-            "rejected draft tokens cannot be taken out of a recurrent state; leave speculative_config unset",
+            spec is not None and spec.method == "self_quantized",
+            "speculative_config method='self_quantized'",
+            "its draft (the model itself, quantized) would keep a recurrent state of its own, which drafting "
+            "cannot rewind past rejected tokens; use method 'ngram', or 'draft_model' with a draft without "
+            "recurrent layers",
         ),
         (
             cfg.device.device_map is not None,
