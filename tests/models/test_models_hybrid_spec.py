@@ -136,6 +136,29 @@ def test_hybrid_ngram_under_preemption_and_n2(case, hybrid):
     _accepted_and_rejected(llm)
 
 
+def test_hybrid_ngram_under_swap_preemption(hybrid):
+    """Preemption by swap (the host KV tier) between verification steps: a request's
+    state pages move out and back as its state at its last accepted token."""
+    path, prompts, expected = hybrid(CASES[0])
+    llm = LLM(
+        model=str(path),
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=96,
+        max_model_len=80,
+        preemption_mode="swap",
+        kv_offload_memory="4MiB",
+        speculative_config=NGRAM,
+        **COMMON,
+    )
+    _check(llm.generate(prompts, _params(n=2), use_tqdm=False), expected, "swapping n=2")
+    stats = llm.llm_engine.stats()
+    assert stats.num_swap_outs > 0 and stats.num_swap_ins == stats.num_swap_outs
+    kv = llm.llm_engine.kv
+    assert kv.pool.num_in_use == 0 and kv.host.num_in_use == 0
+    kv.check_invariants()
+    _accepted_and_rejected(llm)
+
+
 def test_hybrid_ngram_equals_engine_without_drafts(hybrid):
     """Against the engine's own output without speculation, logprobs of the top 3 too."""
     path, prompts, _ = hybrid(CASES[1])
