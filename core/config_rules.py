@@ -303,7 +303,9 @@ def check_recurrent_state(cfg: EngineConfig) -> None:
     Qwen3-Next's Gated DeltaNet, Mamba 2 hybrids) cannot serve: its state holds every
     token computed so far and cannot be rewound.  Tensor parallelism splits each layer's
     heads or channels and its state with them (each family's counts are checked by
-    :func:`check_parallel_fits_model`); pipeline stages hold whole layers.
+    :func:`check_parallel_fits_model`); pipeline stages hold whole layers.  Its own
+    speculative verification steps keep the state after each draft position and keep the
+    accepted one (kv_cache/state_group.py); a draft model's state could not be kept so.
 
     Checked when the checkpoint's config is read, before weights load.
     """
@@ -317,9 +319,11 @@ def check_recurrent_state(cfg: EngineConfig) -> None:
             "preemption_mode='auto' or 'swap', or leave kv_offload_memory unset",
         ),
         (
-            spec is not None,
-            f"speculative_config method={getattr(spec, 'method', None)!r}",
-            "rejected draft tokens cannot be taken out of a recurrent state; leave speculative_config unset",
+            spec is not None and spec.method == "self_quantized",
+            "speculative_config method='self_quantized'",
+            "its draft (the model itself, quantized) would keep a recurrent state of its own, which drafting "
+            "cannot rewind past rejected tokens; use method 'ngram', or 'draft_model' with a draft without "
+            "recurrent layers",
         ),
         (
             cfg.device.device_map is not None,

@@ -381,10 +381,11 @@ class Scheduler:
             if s.spec_token_ids:
                 acc = accepted.get(request.request_id, []) if accepted else []
                 request.num_computed_tokens -= len(s.spec_token_ids) - len(acc)
-                self.kv.trim(request, request.num_computed_tokens)
                 request.spec_token_ids = []
                 for token in acc:
                     request.append_token(token)
+                # After the accepted tokens are known: a recurrent state's trim hashes them.
+                self.kv.trim(request, request.num_computed_tokens)
             if s.samples and request.pooling is None:  # a pooling request samples nothing
                 request.append_token(sampled[request.request_id])
                 if request.first_token_time is None:

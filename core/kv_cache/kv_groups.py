@@ -344,14 +344,18 @@ class GroupedKVCacheManager:
         if not self.state_groups:
             return None
         step = StateStep()
-        caps: dict[int, dict[int, tuple[int, ...]]] = {}
+        # Keyed by (offset, its rank among the group's captures there): a checkpoint and
+        # a draft position may want the state at the same offset.
+        caps: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {}
         for g in self.state_groups:
             src, captures = g.step_work(request)
             if src is not None:
                 step.copy_from[g.group] = src
+            seen: dict[int, int] = {}
             for offset, pages in captures:
-                caps.setdefault(offset, {})[g.group] = pages
-        step.captures = sorted(caps.items())
+                j = seen[offset] = seen.get(offset, -1) + 1
+                caps.setdefault((offset, j), {})[g.group] = pages
+        step.captures = [(offset, pages) for (offset, _), pages in sorted(caps.items())]
         return step if step.copy_from or step.captures else None
 
     def _on_evict(self, block: KVBlock) -> None:

@@ -37,12 +37,25 @@ boundaries.  The scheduler does not cut chunks there (each cut would be one more
 through every layer); instead the step's metadata lists, per request, the offsets in its
 chunk where a checkpoint is due, and each recurrent layer runs the part of it that
 carries state (its convolution and scan) in segments that end at those offsets
-(``models.recurrent.run_segmented``), copying its state pages into the checkpoint's
-pages after each segment.  The segments compute exactly what chunks ending there would
-(the layer's own chunked-prefill path, which tests check against transformers), and
-only that part is split: the projections, attention and MLP work of the step stays
-one batch.  A boundary at the end
-of a chunk (every boundary a decode step crosses) costs one page copy.
+(``models.recurrent.run_segmented``), on its state tensors (read from the pages once
+and written back once), writing them into the checkpoint's pages after each segment.
+The segments compute exactly what chunks ending there would (the layer's own
+chunked-prefill path, which tests check against transformers), and only that part is
+split: the projections, attention and MLP work of the step stays one batch.  A
+boundary at the end of a chunk (every boundary a decode step crosses) costs one more
+page write.
+
+Speculative decoding.  A step that verifies ``k`` draft tokens of a request computes
+its known token(s) and the drafts in one chunk, but the request keeps only the state
+after its last accepted token.  So the chunk also captures the state after each of
+its first ``k`` positions that may end the accepted run (offsets ``m .. m + k - 1`` of
+a chunk of ``m`` known tokens), in ``k`` sets of ``pages`` fresh pages taken with the
+step's slots (:meth:`StateGroupManager.commit_slots`); the layers write them like
+checkpoints (``models.recurrent.run_segmented``).  When the drafts are verified,
+:meth:`StateGroupManager.trim` hands the request the pages of the state at its
+``num_computed_tokens`` (its own pages when every draft was accepted: they hold the
+state at the chunk's end) and frees the rest, without copying a page.  Drafts are
+optional: when the pool lacks those pages the scheduler drops them.
 
 Timing.  Pages of a checkpoint are taken when its step is scheduled and written by that
 step's forward; they are registered and their reference dropped when the scheduler hands
@@ -109,6 +122,10 @@ class StateGroupManager:
         # being written (pages held, with the hash they will be registered under).
         self._copy_from: dict[str, list[KVBlock]] = {}
         self._captures: dict[str, list[tuple[int, BlockHash, list[KVBlock]]]] = {}
+        # Drafts being verified, until trim: (tokens computed after the position, the
+        # pages that state is written into) for each position that may end the
+        # accepted run but the chunk's last.
+        self._spec: dict[str, list[tuple[int, list[KVBlock]]]] = {}
         #: Checkpoints written so far (for measurements).
         self.num_checkpoints = 0
 
@@ -170,6 +187,10 @@ class StateGroupManager:
             (tokens - request.num_computed_tokens, tuple(b.block_id for b in pages))
             for tokens, _, pages in self._captures.get(request.request_id, ())
         ]
+        caps += [
+            (tokens - request.num_computed_tokens, tuple(b.block_id for b in pages))
+            for tokens, pages in self._spec.get(request.request_id, ())
+        ]
         return (tuple(b.block_id for b in src) if src else None), caps
 
     def end_step(self) -> None:
@@ -206,11 +227,13 @@ class StateGroupManager:
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] | None = None
     ) -> tuple[int, int, int, list[KVBlock]]:
         """(pages to take, free-queue pages the hit revives, 0, the hit's checkpoint pages):
-        ``pages`` for a request that holds none, else none."""
+        ``pages`` for a request that holds none, else none; plus ``pages`` for each draft
+        token the chunk verifies (the states it may end at, see "Speculative decoding")."""
         hit = list(computed_blocks or [])
         if hit and request.request_id in self.req_blocks:
             raise ValueError("a running request has no prefix-cache hit to take")
         needed = 0 if request.request_id in self.req_blocks else self.pages
+        needed += self.pages * _num_drafts(request, num_new_tokens)
         return needed, sum(1 for b in hit if b.ref_cnt == 0), 0, hit
 
     def commit_slots(
@@ -223,18 +246,62 @@ class StateGroupManager:
             self._copy_from[request.request_id] = hit  # referenced until end_step
         if not needed:
             return []
+        rid = request.request_id
+        if rid in self._spec:
+            raise ValueError(f"request {rid}: drafts of an earlier step are still unverified")
         new = self.pool.get_new_blocks(needed)
-        self.req_blocks[request.request_id] = new
+        k = _num_drafts(request, num_new_tokens)
+        if rid not in self.req_blocks:
+            self.req_blocks[rid] = new[: self.pages]
+        if k:
+            # The state after the chunk's known tokens and a drafts, for a < k; the
+            # request's own pages get the state after the whole chunk (all accepted).
+            first = request.num_computed_tokens + num_new_tokens - k
+            spec = new[len(new) - k * self.pages :]
+            self._spec[rid] = [(first + a, spec[a * self.pages : (a + 1) * self.pages]) for a in range(k)]
         return new
 
     def trim(self, request: Request, num_tokens: int) -> None:
-        """Nothing to give back: the pages hold the state, not tokens (no drafts run here)."""
+        """The drafts of the request's chunk are verified, it has ``num_tokens`` computed
+        tokens and its accepted drafts are appended to its tokens: it keeps the pages
+        that hold its state there (the chunk's capture at that position, or its own
+        pages when every draft was accepted) and the others are freed; the state at a
+        checkpoint boundary an accepted draft crossed (before the last one) is cached as
+        that boundary's checkpoint."""
+        spec = self._spec.pop(request.request_id, None)
+        if spec is None:
+            return
+        rid = request.request_id
+        free: list[KVBlock] = []
+        kept = False
+        step = self.interval * self.block_size
+        for tokens, pages in spec:
+            if tokens == num_tokens:
+                free += self.req_blocks[rid]
+                self.req_blocks[rid] = pages
+                kept = True
+                continue
+            if tokens < num_tokens and tokens % step == 0 and self.pool.enable_caching:
+                # An accepted draft crossed a checkpoint boundary: its state there is a checkpoint.
+                h = self.block_hashes(request, tokens // self.block_size)[tokens // self.block_size - 1]
+                if self.checkpoint(h) is None:
+                    for j, block in enumerate(pages):
+                        self.pool.cache_block(block, *state_page_key(self.group, j, h))
+                    self.num_checkpoints += all(b.block_hash is not None for b in pages)
+            free += pages
+        if not kept and num_tokens != spec[-1][0] + 1:
+            raise AssertionError(
+                f"request {rid}: no state captured at {num_tokens} tokens (drafts verified from {spec[0][0]})"
+            )
+        self.pool.free_blocks(reversed(free))
 
     def free(self, request: Request) -> None:
         """Release a finished, aborted or preempted request's pages (and the checkpoints
         it was to write this step, never cached: its forward may not run)."""
         rid = request.request_id
         self.pool.free_blocks(reversed(self.req_blocks.pop(rid, [])))
+        for _, pages in self._spec.pop(rid, []):
+            self.pool.free_blocks(reversed(pages))
         for _, _, pages in self._captures.pop(rid, []):
             self.pool.free_blocks(reversed(pages))
         hit = self._copy_from.pop(rid, None)
@@ -245,3 +312,10 @@ class StateGroupManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+
+def _num_drafts(request: Request, num_new_tokens: int) -> int:
+    """Draft tokens among the ``num_new_tokens`` scheduled of ``request`` (the scheduler
+    schedules a request's drafts whole, after all of its known tokens)."""
+    known = request.num_tokens - request.num_computed_tokens
+    return max(0, min(len(request.spec_token_ids), num_new_tokens - known))

@@ -291,7 +291,7 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         if self.dt_limit != (0.0, math.inf):
             step = step.clamp(*self.dt_limit)
         (y,) = run_segmented(
-            lambda xs, m: (self._mamba_scan(ops, layer, *xs, kv_cache, m),), (xbc, step), kv_cache, meta
+            lambda xs, m, st: (self._mamba_scan(ops, layer, *xs, st, m),), (xbc, step), kv_cache, meta, self.state
         )
         y = y.reshape(n, self.d_inner)
         if layer.out_norm is not None:

@@ -208,17 +208,19 @@ class JambaForCausalLM(DecoderForCausalLM):
         """The Mamba mixer: its input and output projections once over the step's tokens,
         the rest (:meth:`_mamba_scan`) in segments where checkpoints are due."""
         xs, z = linear(ops, h, layer.in_proj).chunk(2, dim=-1)
-        (y,) = run_segmented(lambda t, m: (self._mamba_scan(ops, layer, t[0], kv_cache, m),), (xs,), kv_cache, meta)
+        (y,) = run_segmented(
+            lambda t, m, st: (self._mamba_scan(ops, layer, t[0], st, m),), (xs,), kv_cache, meta, self.state
+        )
         return linear(ops, y * F.silu(z), layer.out_proj)
 
     def _mamba_scan(
-        self, ops, layer: JambaLayer, xs: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self, ops, layer: JambaLayer, xs: torch.Tensor, states: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         """The convolution, the (small) projections of its output to the step sizes and B, C,
-        and the selective scan over the state pages: y [n, d_inner]."""
+        and the selective scan over ``states`` (updated in place): y [n, d_inner]."""
         eps = self.cfg.rms_norm_eps
         has_state, decode = chunk_info(meta)
-        conv_state, state = self.state.read(kv_cache, meta.block_tables, has_state)
+        conv_state, state = states
         if decode:
             xs = ops.causal_conv1d_update(xs, layer.conv, layer.conv_bias, conv_state, "silu")
         else:
@@ -234,7 +236,6 @@ class JambaForCausalLM(DecoderForCausalLM):
             y = ops.mamba1_scan_step(xs, dt, layer.A, B, C, layer.D, state)
         else:
             y = ops.mamba1_scan(xs, dt, layer.A, B, C, layer.D, state, meta.query_start_loc)
-        self.state.write(kv_cache, meta.block_tables, [conv_state, state])
         return y
 
     def layer_forward(

@@ -170,21 +170,22 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
         """The gated short convolution: projections once over the step's tokens, the
         convolution (:meth:`_conv`) in segments where checkpoints are due."""
         B, C, x = linear(ops, h, layer.in_proj, layer.in_bias).chunk(3, dim=-1)
-        (y,) = run_segmented(lambda xs, m: (self._conv(ops, layer, xs[0], kv_cache, m),), (B * x,), kv_cache, meta)
+        (y,) = run_segmented(
+            lambda xs, m, st: (self._conv(ops, layer, xs[0], st, m),), (B * x,), kv_cache, meta, self.state
+        )
         out = self.parallel.all_reduce(linear(ops, C * y, layer.out_proj))  # row-parallel: summed over the ranks
         return out if layer.out_bias is None else out + layer.out_bias
 
     def _conv(
-        self, ops, layer: Lfm2Layer, bx: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self, ops, layer: Lfm2Layer, bx: torch.Tensor, states: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        """The convolution over the window in the state pages."""
+        """The convolution over ``states`` (the rows' windows, updated in place)."""
         has_state, decode = chunk_info(meta)
-        (window,) = self.state.read(kv_cache, meta.block_tables, has_state)
+        (window,) = states
         if decode:
             y = ops.causal_conv1d_update(bx, layer.conv, layer.conv_bias, window, None)
         else:
             y = ops.causal_conv1d(bx, layer.conv, layer.conv_bias, window, meta.query_start_loc, has_state, None)
-        self.state.write(kv_cache, meta.block_tables, [window])
         return y
 
     def layer_forward(

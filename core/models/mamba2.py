@@ -105,7 +105,7 @@ class Mamba2Mixer:
         if self.dt_limit != (0.0, math.inf):
             step = step.clamp(*self.dt_limit)
         (y,) = run_segmented(
-            lambda xs, m: (self._mamba_scan(ops, layer, *xs, kv_cache, m),), (xbc, step), kv_cache, meta
+            lambda xs, m, st: (self._mamba_scan(ops, layer, *xs, st, m),), (xbc, step), kv_cache, meta, self.state
         )
         y = y.reshape(n, self.d_inner)
         if self.group_ranks > 1:
@@ -131,13 +131,14 @@ class Mamba2Mixer:
         layer,
         xbc: torch.Tensor,
         step: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        states: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """The convolution and SSD scan over the state pages: y [n, heads, head_dim]."""
+        """The convolution and SSD scan over ``states`` (the rows' convolution windows and
+        SSM states, updated in place): y [n, heads, head_dim]."""
         n = xbc.shape[0]
         has_state, decode = chunk_info(meta)
-        conv_state, state = self.state.read(kv_cache, meta.block_tables, has_state)
+        conv_state, state = states
         if decode:
             xbc = ops.causal_conv1d_update(xbc, layer.conv, layer.conv_bias, conv_state, "silu")
         else:
@@ -152,5 +153,4 @@ class Mamba2Mixer:
             y = ops.mamba2_ssd_step(xs, step, layer.A, B, C, layer.D, state)
         else:
             y = ops.mamba2_ssd(xs, step, layer.A, B, C, layer.D, state, meta.query_start_loc, self.chunk)
-        self.state.write(kv_cache, meta.block_tables, [conv_state, state])
         return y

@@ -291,7 +291,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         beta = torch.sigmoid(b.float())
         g = layer.A * F.softplus(a.float() + layer.dt_bias)
         (o,) = run_segmented(
-            lambda xs, m: (self._delta_scan(ops, layer, *xs, kv_cache, m),), (mixed, g, beta), kv_cache, meta
+            lambda xs, m, st: (self._delta_scan(ops, layer, *xs, st, m),), (mixed, g, beta), kv_cache, meta, self.state
         )
         o = ops.rms_norm_gated(o.reshape(-1, self.dv), z.reshape(-1, self.dv), layer.out_norm, self.cfg.rms_norm_eps)
         return linear(ops, o.reshape(n, self.value_dim), layer.out_proj)
@@ -303,13 +303,14 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         mixed: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
-        kv_cache: KVCache,
+        states: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """The convolution and the gated delta rule over the state pages: o [n, v_heads, dv]."""
+        """The convolution and the gated delta rule over ``states`` (the rows' convolution
+        windows and DeltaNet states, updated in place): o [n, v_heads, dv]."""
         n = mixed.shape[0]
         has_state, decode = chunk_info(meta)
-        conv_state, state = self.state.read(kv_cache, meta.block_tables, has_state)
+        conv_state, state = states
         if decode:
             mixed = ops.causal_conv1d_update(mixed, layer.conv, None, conv_state, "silu")
         else:
@@ -321,7 +322,6 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             o = ops.gated_delta_rule_recurrent(q, k, v, g, beta, state, True)
         else:
             o = ops.gated_delta_rule(q, k, v, g, beta, state, meta.query_start_loc, True)
-        self.state.write(kv_cache, meta.block_tables, [conv_state, state])
         return o
 
     def _mlp(self, ops, layer: Qwen3_5Layer, h: torch.Tensor) -> torch.Tensor:

@@ -9,13 +9,14 @@ value pages of those block ids, in the cache's dtype.  The model reads it in flo
 before a layer's ops and writes it back after them; a request's first chunk (nothing
 computed before it) starts from zeros, whatever its pages held before.
 
-Prefix caching (kv_cache/state_group.py): :func:`run_segmented` runs the state-carrying
-core of a recurrent layer (its convolution and scan) for a step whose metadata lists
-state checkpoints: it copies a prefix hit's checkpoint pages into the request's own
-state pages first, and where a checkpoint is due inside a request's chunk it runs the
-core over the chunk in segments ending there, copying the state pages into the
-checkpoint's after each; the layer's projections run once over the whole step.
-:func:`run_with_checkpoints` does the same for a layer's whole mixer.
+Prefix caching and speculative decoding (kv_cache/state_group.py): :func:`run_segmented`
+runs the state-carrying core of a recurrent layer (its convolution and scan) over its
+state, read from the pages once and written back once.  It copies a prefix hit's
+checkpoint pages into the request's own state pages first, and where the step's
+metadata wants the state at an offset inside a request's chunk (a checkpoint, or a
+draft position) it runs the core over the chunk in segments ending there, writing the
+state tensors into the capture's pages after each; the layer's projections run once
+over the whole step.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
 
-__all__ = ["StateLayout", "chunk_info", "run_segmented", "run_with_checkpoints"]
+__all__ = ["StateLayout", "chunk_info", "run_segmented"]
 
 
 def chunk_info(meta: AttentionMetadata) -> tuple[torch.Tensor, bool]:
@@ -96,44 +97,43 @@ def _copy_pages(kv_cache: tuple[torch.Tensor, torch.Tensor], src: list[int], dst
     v.index_copy_(0, d, v.index_select(0, s))
 
 
-def run_with_checkpoints(
-    mixer: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor],
-    h: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
-    meta: AttentionMetadata,
-) -> torch.Tensor:
-    """``mixer(h, meta)`` (a recurrent layer's whole forward over its state pages) with the
-    step's state checkpoint work: :func:`run_segmented` with ``h`` as its one input."""
-    return run_segmented(lambda xs, m: (mixer(xs[0], m),), (h,), kv_cache, meta)[0]
-
-
 def run_segmented(
-    core: Callable[[tuple[torch.Tensor, ...], AttentionMetadata], tuple[torch.Tensor, ...]],
+    core: Callable[[tuple[torch.Tensor, ...], AttentionMetadata, list[torch.Tensor]], tuple[torch.Tensor, ...]],
     inputs: tuple[torch.Tensor, ...],
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
+    layout: StateLayout,
 ) -> tuple[torch.Tensor, ...]:
-    """``core(inputs, meta)`` (the state-carrying part of a recurrent layer: its convolution
-    and scan over its state pages; ``inputs`` and the outputs are token-major, row ``t``
-    of each belongs to token ``t``) with the step's state checkpoint work of the layer's
-    group (``meta.state_copies`` and ``state_captures``): hits' checkpoints copied into
-    their rows' state pages first; each capture's state, after its offset in the row's
-    chunk, copied into its pages.
+    """``core(inputs, meta, states)`` (the state-carrying part of a recurrent layer: its
+    convolution and scan; ``states``: its state tensors for ``meta``'s rows, as
+    :meth:`StateLayout.read` returns them, which the core's ops update in place;
+    ``inputs`` and the outputs are token-major, row ``t`` of each belongs to token
+    ``t``) over the layer's state pages (``layout``), with the step's state work of the
+    layer's group (``meta.state_copies`` and ``state_captures``): hits' checkpoints
+    copied into their rows' state pages first; each capture's state, after its offset
+    in the row's chunk, written into its pages (a prefix-cache checkpoint, or the state
+    after a draft position that verification may keep: kv_cache/state_group.py).
 
-    A capture inside a chunk splits the core's run: round ``r`` runs the ``r``-th
-    segment of every row that has one (metadata of those rows, their tokens, seq lens
-    ending at the segment), so the row's state pages hold its state at each segment's
-    end, exactly as if its chunk had ended there.  Only the core is segmented: a layer
-    runs its per-token work (projections, gates, output norm and projection) once over
-    the whole step, before and after."""
+    The state is read from the pages once and written back once.  A capture inside a
+    chunk splits the core's run: round ``r`` runs the ``r``-th segment of every row that
+    has one (metadata of those rows, their tokens, seq lens ending at the segment) on
+    those rows' state tensors, exactly as if the row's chunk had ended there, and the
+    captures at the segment's end are written from the tensors.  Only the core is
+    segmented: a layer runs its per-token work (projections, gates, output norm and
+    projection) once over the whole step, before and after."""
     copies, captures = meta.state_copies, meta.state_captures
-    if not copies and not captures:
-        return core(inputs, meta)
-    tables = meta.block_tables.tolist()
+    tables = meta.block_tables
     if copies:
+        rows = tables.tolist()
         src = [p for _, pages in copies for p in pages]
-        dst = [p for row, pages in copies for p in tables[row][: len(pages)]]
+        dst = [p for row, pages in copies for p in rows[row][: len(pages)]]
         _copy_pages(kv_cache, src, dst)
+    has_state, _ = chunk_info(meta)
+    states = layout.read(kv_cache, tables, has_state)
+    if not captures:
+        outs = core(inputs, meta, states)
+        layout.write(kv_cache, tables, states)
+        return outs
     qsl = meta.query_start_loc.tolist()
     num_seqs = len(qsl) - 1
     qlen = [qsl[i + 1] - qsl[i] for i in range(num_seqs)]
@@ -147,18 +147,24 @@ def run_segmented(
     for row in range(num_seqs):
         bounds[row].append(qlen[row])
 
-    def capture(done: list[tuple[int, int]]) -> None:
-        src, dst = [], []
+    def capture(done: list[tuple[int, int]], part: list[torch.Tensor], pos: dict[int, int]) -> None:
+        """Write the states after ``done`` (row, offset) pairs, rows ``pos[row]`` of ``part``."""
+        idx, pages = [], []
         for row, offset in done:
-            for pages in due.get((row, offset), ()):
-                src += tables[row][: len(pages)]
-                dst += pages
-        _copy_pages(kv_cache, src, dst)
+            for p in due.get((row, offset), ()):
+                idx.append(pos[row])
+                pages.append(p)
+        if idx:
+            sel = torch.tensor(idx, dtype=torch.int64, device=part[0].device)
+            dst = torch.tensor(pages, dtype=torch.int64, device=kv_cache[0].device)
+            layout.write(kv_cache, dst, [t.index_select(0, sel) for t in part])
 
+    every = {i: i for i in range(num_seqs)}
     rounds = max(len(b) for b in bounds) - 1
     if rounds == 1:
-        outs = core(inputs, meta)
-        capture([(row, qlen[row]) for row in range(num_seqs)])
+        outs = core(inputs, meta, states)
+        capture([(row, qlen[row]) for row in range(num_seqs)], states, every)
+        layout.write(kv_cache, tables, states)
         return outs
     num_tokens = inputs[0].shape[0]
     outs: list[torch.Tensor] | None = None
@@ -173,11 +179,12 @@ def run_segmented(
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
+        row_idx = torch.tensor(rows, dtype=torch.int64, device=tables.device)
         sub = replace(
             meta,
             positions=meta.positions.index_select(0, idx.to(meta.positions.device)),
             slot_mapping=meta.slot_mapping.index_select(0, idx.to(meta.slot_mapping.device)),
-            block_tables=meta.block_tables[torch.tensor(rows, dtype=torch.int64, device=meta.block_tables.device)],
+            block_tables=tables[row_idx],
             seq_lens=torch.tensor(
                 [seq_lens[i] - qlen[i] + bounds[i][r + 1] for i in rows], dtype=meta.seq_lens.dtype, device=dev
             ),
@@ -185,10 +192,17 @@ def run_segmented(
             state_copies=(),
             state_captures=(),
         )
-        parts = core(tuple(x.index_select(0, idx) for x in inputs), sub)
+        whole = len(rows) == num_seqs
+        sel = row_idx.to(states[0].device)
+        part = states if whole else [t.index_select(0, sel) for t in states]
+        parts = core(tuple(x.index_select(0, idx) for x in inputs), sub, part)
+        if not whole:
+            for t, p in zip(states, part):
+                t.index_copy_(0, sel, p)
         if outs is None:
             outs = [p.new_empty(num_tokens, *p.shape[1:]) for p in parts]
-        for out, part in zip(outs, parts):
-            out.index_copy_(0, idx, part)
-        capture([(i, bounds[i][r + 1]) for i in rows])
+        for out, p in zip(outs, parts):
+            out.index_copy_(0, idx, p)
+        capture([(i, bounds[i][r + 1]) for i in rows], part, every if whole else {row: j for j, row in enumerate(rows)})
+    layout.write(kv_cache, tables, states)
     return tuple(outs)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.config_rules import check_parallel_fits_model
+from pagedserve.config_rules import RECURRENT_STATE, check_parallel_fits_model
 from pagedserve.executor.abstract import Executor
 from pagedserve.executor.model_runner import ModelRunner, draft_kv_blocks
 from pagedserve.loader import open_model
+from pagedserve.models.layers import layer_windows
 from pagedserve.models.llama import ArchConfig
 from pagedserve.quantization.registry import quantize_source
 from pagedserve.spec_config import SpeculativeConfig
@@ -35,10 +36,10 @@ def _draft_source(spec: SpeculativeConfig, config: EngineConfig):
 
 
 def check_draft_model(config: EngineConfig, target: ArchConfig, max_model_len: int):
-    """ValueError when the draft cannot draft for ``target``: another vocabulary, a
-    shorter context, or (sharded with draft_tensor_parallel_size) heads the ranks cannot
-    split.  Reads only the draft's config; returns its opened source (None for proposers
-    without a model)."""
+    """ValueError when the draft cannot draft for ``target``: another vocabulary,
+    recurrent-state layers (Qwen3.5, Mamba hybrids), a shorter context, or (sharded
+    with draft_tensor_parallel_size) heads the ranks cannot split.  Reads only the
+    draft's config; returns its opened source (None for proposers without a model)."""
     spec = config.speculative.speculative_config
     if spec is None or spec.method == "ngram":
         return None
@@ -48,6 +49,12 @@ def check_draft_model(config: EngineConfig, target: ArchConfig, max_model_len: i
         raise ValueError(
             f"speculative_config: the draft model {spec.model!r} has a vocabulary of {arch.vocab_size} "
             f"tokens, the target {target.vocab_size}; a draft must share the target's vocabulary"
+        )
+    if RECURRENT_STATE in layer_windows(source.hf_config, arch.num_layers):
+        raise ValueError(
+            f"speculative_config: the draft model {spec.model!r} ({arch.architecture}) has recurrent-state "
+            "layers, whose state drafting cannot rewind past the tokens the target rejects; use a draft "
+            "without recurrent layers, or method 'ngram'"
         )
     if arch.max_position_embeddings < max_model_len:
         raise ValueError(

@@ -319,8 +319,11 @@ def test_hybrid_swap_preemption_matches_transformers(case, prefix, checkpoints):
             "kv_offload_memory",
         ),
         (
-            dict(enable_prefix_caching=False, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-            "speculative_config",
+            dict(
+                enable_prefix_caching=False,
+                speculative_config={"method": "self_quantized", "num_speculative_tokens": 2},
+            ),
+            "self_quantized",
         ),
     ],
 )
