@@ -190,3 +190,26 @@ def test_falcon_h1_disaggregated_hand_off_is_refused(falcon):
     path, _, _ = falcon("norm-before-gate")
     with pytest.raises(ValueError, match="KV cache groups"):
         DisaggregatedLLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_falcon_h1_ngram_speculation_equals_transformers(falcon, tmp_path):
+    """n-gram drafts verified through both halves of every layer: the attention blocks of
+    rejected drafts are dropped and the Mamba state kept at the last accepted token."""
+    import random
+
+    from test_models_hybrid_spec import NGRAM, _accepted_and_rejected
+
+    path, _, _ = falcon("norm-before-gate")
+    model = transformers.FalconH1ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(5)
+    motif = [rng.randrange(3, 250) for _ in range(5)]
+    noise = [rng.randrange(3, 250) for _ in range(30)]
+    prompts = [motif * 4 + noise[:3], noise[:9] + motif * 2, noise[10:30] + motif]
+    lengths = (24, 20, 16)
+    expected = [hf_reference(model, p, n) for p, n in zip(prompts, lengths)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths]
+    for budget in (512, 7):
+        llm = LLM(model=str(path), **COMMON, max_num_batched_tokens=budget, speculative_config=NGRAM)
+        _check(llm.generate(prompts, params, use_tqdm=False), expected, f"ngram, budget {budget}")
+        assert llm.llm_engine.kv.pool.num_in_use == 0
+        _accepted_and_rejected(llm)
