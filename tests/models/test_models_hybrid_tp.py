@@ -230,3 +230,30 @@ def test_the_recurrent_rule_no_longer_refuses_parallelism():
         cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size = tp, pp
         check_parallel_fits_model(cfg, arch)
         check_kv_cache_groups(cfg, windows)
+
+
+def test_tp2_ngram_speculation_matches_transformers(tmp_path):
+    """n-gram drafts verified at TP=2: every rank captures its shard of the state after
+    each draft position and keeps the one at the last accepted token."""
+    import test_models_hybrid_spec as spec
+
+    model = build_checkpoint(tmp_path, "qwen3_5-deltanet-gated-attn")
+    prompts = spec._prompts(len("qwen3_5-deltanet-gated-attn"))
+    expected = [hf_reference(model, p, n) for p, n in zip(prompts, spec.MAX_NEW)]
+    llm = LLM(
+        model=str(tmp_path),
+        **spec.COMMON,
+        max_num_batched_tokens=7,
+        speculative_config=spec.NGRAM,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
+    try:
+        for round_ in range(2):  # the second round hits the checkpoints both ranks wrote
+            spec._check(llm.generate(prompts, spec._params(), use_tqdm=False), expected, f"TP=2 round {round_}")
+            assert llm.llm_engine.kv.pool.num_in_use == 0
+        spec._accepted_and_rejected(llm)
+        assert llm.llm_engine.stats().prefix_cache_hits > 0
+    finally:
+        llm.shutdown()
+    assert not dist.is_initialized()
