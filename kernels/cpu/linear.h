@@ -90,7 +90,10 @@ struct SkinnyLinearBf16 {
 // horizontal reduction and each weight load serves kTileM rows.  A tile is up to 4
 // column blocks (64 columns) x kTileM rows: 24 accumulators, 4 weight loads and 6
 // broadcasts per pair of k.  Weights of a tile are read once from memory and then
-// reused from L1/L2 for the following row tiles.
+// reused from L1/L2 for the following row tiles; while those run, the next column
+// tile's weights are prefetched in software (one line per block and pair of k), so
+// that a column tile's first row tile waits less for memory (docs/benchmarks.md, "Zen 4
+// decode GEMM": 2-6% on a decode step's GEMMs from 4 rows on).
 //
 // The gated variant (Gated = true) computes silu(x . gate^T) * (x . up^T) for a weight
 // [gate; up] of N = 2d rows, as silu_and_mul(linear(x, w)) would: a tile takes NB/2
@@ -101,8 +104,10 @@ struct PackedLinearBf16 {
   static constexpr int kTileM = 6, kMaxNB = 4;
 
   // Output columns nb0 * 16 onward (gated: of the d-wide product) for rows [m0, m0 + MT).
+  // pf[0, npf): 16-column blocks (of the next column tile) to prefetch, one cache line of
+  // each per pair of k, so that a row tile brings npf whole blocks towards L2.
   template <int MT, int NB, bool Gated>
-  static void tile(const PackedLinearArgs& a, int64_t m0, int64_t nb0) {
+  static void tile(const PackedLinearArgs& a, int64_t m0, int64_t nb0, const BF16* const* pf, int npf) {
     static_assert(!Gated || NB % 2 == 0, "a gated tile pairs gate and up blocks");
     constexpr int NO = Gated ? NB / 2 : NB;  // output blocks
     const int64_t kp_count = a.k / 2;
@@ -117,6 +122,7 @@ struct PackedLinearBf16 {
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < kp_count; ++kp) {
+      for (int p = 0; p < npf; ++p) _mm_prefetch(reinterpret_cast<const char*>(pf[p] + kp * 32), _MM_HINT_T1);
       __m512i wv[NB];
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j)
@@ -154,16 +160,43 @@ struct PackedLinearBf16 {
     }
   }
 
+  // Rows [m_begin, m_end) of the column tile at block nb0.  While its row tiles run, the
+  // weights of the next column tile (blocks nb0 + NO on, gated: of both halves) are
+  // prefetched, spread over the row tiles: the first row tile of a column tile otherwise
+  // waits for memory while the later ones run from L2.
   template <int NB, bool Gated>
   static void rows(const PackedLinearArgs& a, int64_t m_begin, int64_t m_end, int64_t nb0) {
+    constexpr int NO = Gated ? NB / 2 : NB;
+    const int64_t wb = (a.k / 2) * 32, out_blocks = Gated ? a.n / 32 : a.n / 16;
+    const BF16* w = static_cast<const BF16*>(a.w);
+    const BF16* next[kMaxNB];
+    int nnext = 0;
+    for (int j = 0; j < NO && nb0 + NO + j < out_blocks; ++j) {
+      next[nnext++] = w + (nb0 + NO + j) * wb;
+      if constexpr (Gated) next[nnext++] = w + ((a.n / 32) + nb0 + NO + j) * wb;
+    }
+    const int64_t row_tiles = (m_end - m_begin + kTileM - 1) / kTileM;
+    const int per_tile = int((nnext + row_tiles - 1) / row_tiles);  // blocks each row tile fetches
     int64_t m0 = m_begin;
-    for (; m0 + kTileM <= m_end; m0 += kTileM) tile<kTileM, NB, Gated>(a, m0, nb0);
+    int done = 0;
+    auto fetch = [&](int& npf) {
+      npf = std::max(0, std::min(per_tile, nnext - done));
+      const BF16* const* p = next + done;
+      done += npf;
+      return p;
+    };
+    int npf;
+    for (; m0 + kTileM <= m_end; m0 += kTileM) {
+      const BF16* const* p = fetch(npf);
+      tile<kTileM, NB, Gated>(a, m0, nb0, p, npf);
+    }
+    const BF16* const* p = fetch(npf);
     switch (m_end - m0) {
-      case 1: tile<1, NB, Gated>(a, m0, nb0); break;
-      case 2: tile<2, NB, Gated>(a, m0, nb0); break;
-      case 3: tile<3, NB, Gated>(a, m0, nb0); break;
-      case 4: tile<4, NB, Gated>(a, m0, nb0); break;
-      case 5: tile<5, NB, Gated>(a, m0, nb0); break;
+      case 1: tile<1, NB, Gated>(a, m0, nb0, p, npf); break;
+      case 2: tile<2, NB, Gated>(a, m0, nb0, p, npf); break;
+      case 3: tile<3, NB, Gated>(a, m0, nb0, p, npf); break;
+      case 4: tile<4, NB, Gated>(a, m0, nb0, p, npf); break;
+      case 5: tile<5, NB, Gated>(a, m0, nb0, p, npf); break;
       default: break;
     }
   }
