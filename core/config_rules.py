@@ -302,7 +302,6 @@ def check_recurrent_state(cfg: EngineConfig) -> None:
     Checked when the checkpoint's config is read, before weights load.
     """
     spec = cfg.speculative.speculative_config
-    kv_dtype = cfg.cache.cache_dtype
     used = [
         (
             cfg.cache.kv_offload_memory is not None and cfg.cache.preemption_mode == "recompute",
@@ -324,12 +323,6 @@ def check_recurrent_state(cfg: EngineConfig) -> None:
             cfg.parallel.world_size > 1,
             f"tensor/pipeline parallelism ({_parallel(cfg)})",
             "the recurrent layers are not sharded yet; use one rank",
-        ),
-        (
-            kv_dtype not in ("auto", "float32", "bfloat16", "float16"),
-            f"kv_cache_dtype={kv_dtype!r}",
-            "recurrent states live in the KV cache's pages and an 8-bit cache cannot hold them; "
-            "use kv_cache_dtype='auto'",
         ),
     ]
     for on, setting, why in used:

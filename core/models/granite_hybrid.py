@@ -109,7 +109,9 @@ class GraniteMoeHybridForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         self.chunk = int(hf.get("mamba_chunk_size", 256))
         limit = hf.get("time_step_limit") or (0.0, math.inf)
         self.dt_limit = (_json_float(limit[0]), _json_float(limit[1]))
-        self.state = StateLayout([(self.conv_dim, self.width - 1), (self.heads, self.head_dim, self.d_state)])
+        self.state = StateLayout(
+            [(self.conv_dim, self.width - 1), (self.heads, self.head_dim, self.d_state)], self.dtype
+        )
         self.num_experts = int(hf.get("num_local_experts") or 0)
         self.top_k = int(hf.get("num_experts_per_tok") or 0)
         self.use_rope = hf.get("position_embedding_type") == "rope"
@@ -119,9 +121,10 @@ class GraniteMoeHybridForCausalLM(Mamba2Mixer, DecoderForCausalLM):
     def attention_scale(self) -> float:
         return float(self.cfg.hf_config.get("attention_multiplier", self.cfg.head_dim**-0.5))
 
-    def state_numel(self) -> int:
-        """Elements of one request's state in one Mamba layer."""
-        return self.state.numel
+    def state_bytes(self, cache_dtype: torch.dtype) -> int:
+        """Bytes of one request's state in one Mamba layer (what a state group's pages must
+        hold), stored in the model's dtype whatever the KV cache's ``cache_dtype``."""
+        return self.state.nbytes(cache_dtype)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed_tokens(input_ids) * float(self.cfg.hf_config.get("embedding_multiplier", 1.0))

@@ -88,11 +88,12 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
         self.eps = float(hf.get("norm_eps", cfg.rms_norm_eps))
         self.width = int(hf.get("conv_L_cache", 3))
         self.conv_bias = bool(hf.get("conv_bias", False))
-        self.state = StateLayout([(cfg.hidden_size, self.width - 1)])
+        self.state = StateLayout([(cfg.hidden_size, self.width - 1)], self.dtype)
 
-    def state_numel(self) -> int:
-        """Elements of one request's state in one conv layer."""
-        return self.state.numel
+    def state_bytes(self, cache_dtype: torch.dtype) -> int:
+        """Bytes of one request's state in one conv layer (what a state group's pages must
+        hold), stored in the model's dtype whatever the KV cache's ``cache_dtype``."""
+        return self.state.nbytes(cache_dtype)
 
     # -- weights ------------------------------------------------------------------------------
     def load_global(self, name: str, tensor: torch.Tensor) -> bool:

@@ -94,11 +94,14 @@ class NemotronHForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         self.chunk = int(hf.get("chunk_size", 128))
         limit = hf.get("time_step_limit") or (0.0, math.inf)
         self.dt_limit = (_json_float(limit[0]), _json_float(limit[1]))
-        self.state = StateLayout([(self.conv_dim, self.width - 1), (self.heads, self.head_dim, self.d_state)])
+        self.state = StateLayout(
+            [(self.conv_dim, self.width - 1), (self.heads, self.head_dim, self.d_state)], self.dtype
+        )
 
-    def state_numel(self) -> int:
-        """Elements of one request's state in one Mamba layer."""
-        return self.state.numel
+    def state_bytes(self, cache_dtype: torch.dtype) -> int:
+        """Bytes of one request's state in one Mamba layer (what a state group's pages must
+        hold), stored in the model's dtype whatever the KV cache's ``cache_dtype``."""
+        return self.state.nbytes(cache_dtype)
 
     # -- weights ------------------------------------------------------------------------------
     def layer_weight_names(self, layer: int) -> frozenset[str]:
