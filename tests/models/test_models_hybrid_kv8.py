@@ -79,8 +79,10 @@ def _greedy(llm: LLM, prompts, n: int = 1):
     return outs
 
 
-def _same(outs, want, what: str, tol: float = 2e-4) -> None:
-    """Every sample of ``outs`` has the tokens of ``want``'s first and their logprobs."""
+def _same(outs, want, what: str, tol: float = 2e-4) -> float:
+    """Every sample of ``outs`` has the tokens of ``want``'s first and their logprobs;
+    the largest logprob difference."""
+    worst = 0.0
     for i, (out, ref) in enumerate(zip(outs, want)):
         ref = ref.outputs[0]
         for got in out.outputs:
@@ -88,6 +90,14 @@ def _same(outs, want, what: str, tol: float = 2e-4) -> None:
             for j, tok in enumerate(got.token_ids):
                 a, b = got.logprobs[j][tok].logprob, ref.logprobs[j][tok].logprob
                 assert math.isclose(a, b, abs_tol=tol), (what, i, j, a, b)
+                worst = max(worst, abs(a - b))
+    return worst
+
+
+#: Logprob tolerance of the same 8-bit engine run another way: a key computed in another
+#: batch shape may differ in its last float32 bit and round to the neighbouring 8-bit
+#: value (measured: up to 2.1e-4 with e5m2's 2 mantissa bits in the preempting engines).
+SAME_TOL = {"int8": 2e-4, "fp8_e4m3": 1e-3, "fp8_e5m2": 1e-3}
 
 
 def _no_leaks(llm: LLM) -> None:
@@ -228,7 +238,8 @@ def test_features_equal_the_plain_8bit_engine(case, cd, checkpoint):
         llm = LLM(model=str(path), **BASE, kv_cache_dtype=cd, enable_prefix_caching=False, **kw)
         eng = llm.llm_engine
         assert eng.runner.kv_caches[0][0].element_size() == 1 and eng.runner.state_pages >= 1
-        _same(_greedy(llm, prompts), want, f"{cd} {name}")
+        diff = _same(_greedy(llm, prompts), want, f"{cd} {name}", SAME_TOL[cd])
+        print(f"{case} {cd} {name}: max |logprob diff| {diff:.3g}")
         _no_leaks(llm)
         if name != "chunked":
             assert eng.scheduler.num_preemptions > 0, name
@@ -240,7 +251,7 @@ def test_features_equal_the_plain_8bit_engine(case, cd, checkpoint):
     llm = LLM(model=str(path), **BASE, kv_cache_dtype=cd, **FEATURES["chunked"])
     outs = _greedy(llm, prompts, n=2)
     assert all(len(o.outputs) == 2 for o in outs)
-    _same(outs, want, f"{cd} n=2")
+    _same(outs, want, f"{cd} n=2", SAME_TOL[cd])
     # Prefix caching: a checkpoint every 8 tokens; B shares A's first 45 tokens (hits 40),
     # C shares its first 10 (hits 8).
     rng = random.Random(9)
@@ -252,6 +263,6 @@ def test_features_equal_the_plain_8bit_engine(case, cd, checkpoint):
     first = _greedy(llm, [a])
     rest = llm.generate([{"prompt_token_ids": p} for p in (b, c)], _params()[1:3], use_tqdm=False)
     assert [o.num_cached_tokens for o in rest] == [40, 8]
-    _same(first + rest, want, f"{cd} prefix hits")
+    _same(first + rest, want, f"{cd} prefix hits", SAME_TOL[cd])
     assert sum(g.num_checkpoints for g in llm.llm_engine.kv.state_groups) > 0
     _no_leaks(llm)
