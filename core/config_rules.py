@@ -315,11 +315,6 @@ def check_recurrent_state(cfg: EngineConfig) -> None:
             "rejected draft tokens cannot be taken out of a recurrent state; leave speculative_config unset",
         ),
         (
-            cfg.device.device_map is not None,
-            f"device_map={cfg.device.device_map!r}",
-            "KV cache groups keep every layer on one platform; leave device_map unset",
-        ),
-        (
             cfg.parallel.world_size > 1,
             f"tensor/pipeline parallelism ({_parallel(cfg)})",
             "the recurrent layers are not sharded yet; use one rank",

@@ -1,5 +1,5 @@
-"""Hybrid models (recurrent-state layers beside attention) with an 8-bit KV cache, on the
-tiny random float32 checkpoints of test_models_hybrid_vs_hf.py.
+"""Hybrid models (recurrent-state layers beside attention) with an 8-bit KV cache, and
+under a device map, on the tiny random float32 checkpoints of test_models_hybrid_vs_hf.py.
 
 With ``kv_cache_dtype`` int8 or fp8 the attention layers' keys and values are 8-bit
 rows with their scales, while the recurrent layers' state stays in the model's dtype,
@@ -8,7 +8,8 @@ pages per request follow from bytes, and the engine stays within the bounds of t
 quantized-KV engine tests of the model-dtype cache (prompt logprob distributions, top-1
 and greedy agreement).  Prefix-cache hits, chunked prefill, preemption (recompute, and
 swap through a host tier) and ``n=2`` give the tokens and logprobs of the same 8-bit
-engine run plainly.
+engine run plainly.  ``device_map="cpu:2,cpu"`` (each segment its own slot tensors and
+state pages) gives one device's tokens and logprobs.
 """
 
 from __future__ import annotations
@@ -265,4 +266,36 @@ def test_features_equal_the_plain_8bit_engine(case, cd, checkpoint):
     assert [o.num_cached_tokens for o in rest] == [40, 8]
     _same(first + rest, want, f"{cd} prefix hits", SAME_TOL[cd])
     assert sum(g.num_checkpoints for g in llm.llm_engine.kv.state_groups) > 0
+    _no_leaks(llm)
+
+
+# ---- device map ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case,cd",
+    [
+        (QWEN, "int8"),
+        pytest.param(QWEN, "auto", marks=pytest.mark.slow),
+        pytest.param(MAMBA2, "fp8_e4m3", marks=pytest.mark.slow),
+    ],
+)
+def test_device_map_equals_one_device(case, cd, checkpoint):
+    """Two CPU segments (layers 0-1, 2-3): each allocates its own slot tensors, state
+    pages included; with swap preemption through a host tier too."""
+    path = checkpoint(case)
+    prompts = _prompts(6)
+    kw = dict(BASE, kv_cache_dtype=cd, **FEATURES["swap"])
+    want = _greedy(LLM(model=str(path), **kw), prompts)
+    llm = LLM(model=str(path), **kw, device_map="cpu:2,cpu")
+    runner = llm.llm_engine.runner
+    assert len(runner.segments) == 2 and runner.state_pages >= 1
+    owners: dict[int, int] = {}
+    layer = 0
+    for i, seg in enumerate(runner.segments):
+        for k, _ in runner.kv_caches[layer : layer + seg.num_layers]:
+            assert owners.setdefault(k.data_ptr(), i) == i, "a KV slot tensor spans two device-map segments"
+        layer += seg.num_layers
+    _same(_greedy(llm, prompts), want, f"device map {cd}", tol=1e-5)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
     _no_leaks(llm)
