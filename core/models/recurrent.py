@@ -78,7 +78,12 @@ class StateLayout:
         idx = pages.long()
         n = idx.shape[0]
         raw = torch.cat([_row_bytes(k[idx], n), _row_bytes(v[idx], n)], dim=1)
-        flat = raw[:, : self.numel * dtype.itemsize].contiguous().view(dtype).float()
+        flat = raw[:, : self.numel * dtype.itemsize]
+        if raw.shape[1] % dtype.itemsize:
+            # Rows not a whole number of elements: no view of the slice; a fresh copy
+            # (not .contiguous(), which keeps a single row's stride).
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        flat = flat.view(dtype).float()
         flat = torch.where(has_state.view(n, 1), flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
         # Contiguous: kernels update them in place through raw pointers.
         return [t.reshape(n, *s).contiguous() for t, s in zip(flat.split(self.sizes, dim=1), self.shapes)]
@@ -96,8 +101,9 @@ class StateLayout:
         state = torch.cat([s.reshape(n, -1) for s in states], dim=1).to(dtype)
         flat[:, : self.numel * dtype.itemsize] = state.view(torch.uint8)
         half = num_pages * page
-        k[idx] = flat[:, :half].contiguous().view(k.dtype).reshape(n, num_pages, *k.shape[1:])
-        v[idx] = flat[:, half:].contiguous().view(v.dtype).reshape(n, num_pages, *v.shape[1:])
+        # (half is whole pages, so a whole number of the cache's elements: a view.)
+        k[idx] = flat[:, :half].view(k.dtype).reshape(n, num_pages, *k.shape[1:])
+        v[idx] = flat[:, half:].view(v.dtype).reshape(n, num_pages, *v.shape[1:])
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

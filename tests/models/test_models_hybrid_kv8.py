@@ -142,6 +142,21 @@ def test_state_lies_over_any_cache_as_bytes(cache, state):
     assert all(not z[0].any() for z in zeros) and torch.equal(zeros[1][1], want[1][1].to(state).float())
 
 
+def test_state_over_pages_of_an_odd_number_of_bytes():
+    """Pages of 7 bytes (a row of 7 int8 values, one token, one head): a float32 state of 5
+    values over 3 pages (42 bytes of key and value pages, not a whole number of float32
+    values) and reads back exactly."""
+    k = torch.randint(-128, 128, (6, 1, 1, 7), dtype=torch.int8)
+    v = k.clone()
+    layout = StateLayout([(5,)], torch.float32)
+    for tables in ([[4, 0, 2]], [[4, 0, 2], [1, 3, 5]]):  # one request, two
+        tables = torch.tensor(tables, dtype=torch.int32)
+        want = torch.randn(len(tables), 5)
+        layout.write((k, v), tables, [want])
+        (got,) = layout.read((k, v), tables, torch.ones(len(tables), dtype=torch.bool))
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("case", [QWEN, MAMBA2])
 def test_state_pages_under_an_8bit_cache_count_bytes(case, checkpoint):
     """The state stays in the model's dtype: its pages are its bytes over a slot page's
