@@ -127,7 +127,7 @@ def main() -> None:
     page = runner.kv_block_bytes(eng.config.cache.block_size)
     groups = len(kv.state_groups)
     layers = sum(1 for w in runner.model.windows if w == RECURRENT_STATE)
-    state_bytes = layers * runner.model.state_numel() * torch.empty((), dtype=runner.kv_dtype).element_size()
+    state_bytes = layers * runner.model.state_bytes(runner.kv_dtype)
     pool_mib = groups * kv.state_pages * page / 2**20
     print(
         f"one checkpoint (every {default} blocks of {eng.config.cache.block_size} tokens by default): {groups} "

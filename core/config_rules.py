@@ -310,7 +310,6 @@ def check_recurrent_state(cfg: EngineConfig) -> None:
     Checked when the checkpoint's config is read, before weights load.
     """
     spec = cfg.speculative.speculative_config
-    kv_dtype = cfg.cache.cache_dtype
     used = [
         (
             cfg.cache.kv_offload_memory is not None and cfg.cache.preemption_mode == "recompute",
@@ -324,17 +323,6 @@ def check_recurrent_state(cfg: EngineConfig) -> None:
             "its draft (the model itself, quantized) would keep a recurrent state of its own, which drafting "
             "cannot rewind past rejected tokens; use method 'ngram', or 'draft_model' with a draft without "
             "recurrent layers",
-        ),
-        (
-            cfg.device.device_map is not None,
-            f"device_map={cfg.device.device_map!r}",
-            "KV cache groups keep every layer on one platform; leave device_map unset",
-        ),
-        (
-            kv_dtype not in ("auto", "float32", "bfloat16", "float16"),
-            f"kv_cache_dtype={kv_dtype!r}",
-            "recurrent states live in the KV cache's pages and an 8-bit cache cannot hold them; "
-            "use kv_cache_dtype='auto'",
         ),
     ]
     for on, setting, why in used:

@@ -320,9 +320,12 @@ class ModelRunner:
         groups = kv_cache_groups(windows, cache.free_sliding_window_blocks)
         has_state = any(g.is_state for g in groups)
         if has_state:
-            # A state page is one slot's key and value pages (block_size * kv heads * head_dim each).
-            page = 2 * cache.block_size * self.local_arch.num_kv_heads * self.local_arch.head_dim
-            self.state_pages = -(-self.model.state_numel() // page)
+            # A state page is one slot's key and value pages, taken as bytes: an 8-bit cache's
+            # (rows with their scales) hold a state in the model's dtype over more pages.
+            page = kv_bytes_per_block(
+                replace(self.local_arch, num_layers=1), cache.block_size, self.kv_dtype, self.kv_row_scaled
+            )
+            self.state_pages = -(-self.model.state_bytes(self.kv_dtype) // page)
         if len(groups) > 1 or has_state:
             self._use_groups(groups)
             num_blocks = self._kv_budget(cache, sched)[2]

@@ -138,16 +138,19 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         self.chunk = int(hf.get("mamba_chunk_size", 256))
         limit = hf.get("time_step_limit") or (0.0, math.inf)
         self.dt_limit = (_json_float(limit[0]), _json_float(limit[1]))
-        self.state = StateLayout([(self.conv_dim, self.width - 1), (self.heads, self.head_dim, self.d_state)])
+        self.state = StateLayout(
+            [(self.conv_dim, self.width - 1), (self.heads, self.head_dim, self.d_state)], self.dtype
+        )
         self.mamba_eps = cfg.rms_norm_eps
         self.mamba_rms_norm = bool(hf.get("mamba_rms_norm", False))
         self.norm_before_gate = bool(hf.get("mamba_norm_before_gate", True))
         self.embedding_multiplier = float(hf.get("embedding_multiplier", 1.0))
         self.lm_head_multiplier = float(hf.get("lm_head_multiplier", 1.0))
 
-    def state_numel(self) -> int:
-        """Elements of one request's state in one Mamba half."""
-        return self.state.numel
+    def state_bytes(self, cache_dtype: torch.dtype) -> int:
+        """Bytes of one request's state in one Mamba half (what a state group's pages must
+        hold), stored in the model's dtype whatever the KV cache's ``cache_dtype``."""
+        return self.state.nbytes(cache_dtype)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed_tokens(input_ids) * self.embedding_multiplier

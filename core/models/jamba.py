@@ -116,15 +116,17 @@ class JambaForCausalLM(DecoderForCausalLM):
         self.d_inner = int(hf.get("mamba_expand", 2)) * cfg.hidden_size // self.parallel.tp_size
         rank = hf.get("mamba_dt_rank", "auto")
         self.rank = -(-cfg.hidden_size // 16) if rank == "auto" else int(rank)
-        self.state = StateLayout([(self.d_inner, self.width - 1), (self.d_inner, self.d_state)])
+        self.state = StateLayout([(self.d_inner, self.width - 1), (self.d_inner, self.d_state)], self.dtype)
         self.num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 1)
         self.top_k = int(hf.get("num_experts_per_tok", 2))
         period, offset = int(hf.get("expert_layer_period", 2)), int(hf.get("expert_layer_offset", 1))
         self.moe_layers = [self.num_experts > 1 and i % period == offset for i in range(cfg.num_layers)]
 
-    def state_numel(self) -> int:
-        """Elements of one request's state in one Mamba layer on this rank."""
-        return self.state.numel
+    def state_bytes(self, cache_dtype: torch.dtype) -> int:
+        """Bytes of one request's state in one Mamba layer on this rank (what a state
+        group's pages must hold), stored in the model's dtype whatever the KV cache's
+        ``cache_dtype``."""
+        return self.state.nbytes(cache_dtype)
 
     def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
         """The Mamba layer's tensors by channels (see the module); the rest as every family."""

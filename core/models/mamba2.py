@@ -64,7 +64,7 @@ class Mamba2Mixer:
         self.d_state, self.width = d_state, width
         self.d_inner = self.heads * head_dim
         self.conv_dim = self.d_inner + 2 * self.groups * d_state
-        self.state = StateLayout([(self.conv_dim, width - 1), (self.heads, head_dim, d_state)])
+        self.state = StateLayout([(self.conv_dim, width - 1), (self.heads, head_dim, d_state)], self.dtype)
 
     def shard_mamba_tensor(self, leaf: str, name: str, t: torch.Tensor) -> torch.Tensor | None:
         """This rank's slice of the Mamba 2 tensor ``leaf`` (``in_proj``, ``conv1d``,

@@ -131,7 +131,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         self.width = int(hf["linear_conv_kernel_dim"])
         self.key_dim, self.value_dim = self.k_heads * self.dk, self.v_heads * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.state = StateLayout([(self.conv_dim, self.width - 1), (self.v_heads, self.dk, self.dv)])
+        self.state = StateLayout([(self.conv_dim, self.width - 1), (self.v_heads, self.dk, self.dv)], self.dtype)
         if self.moe:
             self.num_experts = int(hf["num_experts"])
             self.top_k = int(hf["num_experts_per_tok"])
@@ -144,10 +144,11 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         else:
             self.sparse = [False] * cfg.num_layers
 
-    def state_numel(self) -> int:
-        """Elements of one request's state in one DeltaNet layer on this rank (what a state
-        group's pages must hold)."""
-        return self.state.numel
+    def state_bytes(self, cache_dtype: torch.dtype) -> int:
+        """Bytes of one request's state in one DeltaNet layer on this rank (what a state
+        group's pages must hold), stored in the model's dtype whatever the KV cache's
+        ``cache_dtype``."""
+        return self.state.nbytes(cache_dtype)
 
     def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
         """The DeltaNet's tensors split by heads (see the class); the gated attention's

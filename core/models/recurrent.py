@@ -4,8 +4,9 @@ through its KV cache group's state pages (pagedserve.kv_cache.state_group).
 A recurrent layer (Gated DeltaNet, Mamba 2) is given the (key, value) tensors of its
 group's slot like any layer; its group's block table lists, per request, the ``pages``
 pages that hold its state.  The state is the concatenation of the layer's state tensors
-(the convolution window, then the recurrent state), laid over the key pages then the
-value pages of those block ids, in the cache's dtype.  The model reads it in float32
+(the convolution window, then the recurrent state), laid over the bytes of the key pages
+then the value pages of those block ids, in the model's dtype whatever the cache's (an
+8-bit cache's pages hold a bf16 or float32 state unchanged).  The model reads it in float32
 before a layer's ops and writes it back after them; a request's first chunk (nothing
 computed before it) starts from zeros, whatever its pages held before.
 
@@ -46,16 +47,26 @@ def chunk_info(meta: AttentionMetadata) -> tuple[torch.Tensor, bool]:
 
 class StateLayout:
     """The state tensors of one recurrent layer (``shapes``: one per-request shape each,
-    e.g. ``[(conv_dim, width - 1), (heads, dk, dv)]``) and how they lie in its pages."""
+    e.g. ``[(conv_dim, width - 1), (heads, dk, dv)]``) and how they lie in its pages.
 
-    def __init__(self, shapes: Sequence[tuple[int, ...]]) -> None:
+    ``dtype``: what the state is stored in (the model's dtype; None: the cache's).  The
+    pages are taken as bytes, so a state of any dtype lies over a cache of any dtype: over
+    an 8-bit cache (int8, fp8) a bf16 or float32 state keeps every bit, it only needs
+    more pages (:meth:`nbytes` over a slot page's bytes)."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype | None = None) -> None:
         self.shapes = [tuple(s) for s in shapes]
         self.sizes = [math.prod(s) for s in self.shapes]
+        self.dtype = dtype
 
     @property
     def numel(self) -> int:
         """Elements of one request's state."""
         return sum(self.sizes)
+
+    def nbytes(self, cache_dtype: torch.dtype) -> int:
+        """Bytes of one request's state in a cache of ``cache_dtype``."""
+        return self.numel * (self.dtype or cache_dtype).itemsize
 
     def read(
         self, kv_cache: tuple[torch.Tensor, torch.Tensor], pages: torch.Tensor, has_state: torch.Tensor
@@ -63,10 +74,17 @@ class StateLayout:
         """Each state tensor, float32 contiguous ``[num_seqs, *shape]`` (a copy): read from the pages
         (``pages``: int [num_seqs, num_pages], the group's block tables) where ``has_state``,
         zeros elsewhere (a page not written yet may hold anything, NaN included)."""
-        k, v = kv_cache
+        k, v = (_bytes(t) for t in kv_cache)
+        dtype = self.dtype or kv_cache[0].dtype
         idx = pages.long()
         n = idx.shape[0]
-        flat = torch.cat([k[idx].reshape(n, -1), v[idx].reshape(n, -1)], dim=1)[:, : self.numel].float()
+        raw = torch.cat([_row_bytes(k[idx], n), _row_bytes(v[idx], n)], dim=1)
+        flat = raw[:, : self.numel * dtype.itemsize]
+        if raw.shape[1] % dtype.itemsize:
+            # Rows not a whole number of elements: no view of the slice; a fresh copy
+            # (not .contiguous(), which keeps a single row's stride).
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        flat = flat.view(dtype).float()
         flat = torch.where(has_state.view(n, 1), flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
         # Contiguous: kernels update them in place through raw pointers.
         return [t.reshape(n, *s).contiguous() for t, s in zip(flat.split(self.sizes, dim=1), self.shapes)]
@@ -74,23 +92,37 @@ class StateLayout:
     def write(
         self, kv_cache: tuple[torch.Tensor, torch.Tensor], pages: torch.Tensor, states: Sequence[torch.Tensor]
     ) -> None:
-        """Store ``states`` (as :meth:`read` returns them) into the pages, in the cache's dtype."""
-        k, v = kv_cache
+        """Store ``states`` (as :meth:`read` returns them) into the pages, in the state's dtype."""
+        k, v = (_bytes(t) for t in kv_cache)
+        dtype = self.dtype or kv_cache[0].dtype
         idx = pages.long()
         n, num_pages = idx.shape
-        page = math.prod(k.shape[1:])
-        flat = torch.zeros(n, 2 * num_pages * page, dtype=k.dtype, device=k.device)
-        flat[:, : self.numel] = torch.cat([s.reshape(n, -1) for s in states], dim=1).to(k.dtype)
+        page = math.prod(k.shape[1:]) * k.element_size()
+        flat = torch.zeros(n, 2 * num_pages * page, dtype=torch.uint8, device=k.device)
+        state = torch.cat([s.reshape(n, -1) for s in states], dim=1).to(dtype)
+        flat[:, : self.numel * dtype.itemsize] = state.view(torch.uint8)
         half = num_pages * page
-        k[idx] = flat[:, :half].reshape(n, num_pages, *k.shape[1:])
-        v[idx] = flat[:, half:].reshape(n, num_pages, *v.shape[1:])
+        # (half is whole pages, so a whole number of the cache's elements: a view.)
+        k[idx] = flat[:, :half].view(k.dtype).reshape(n, num_pages, *k.shape[1:])
+        v[idx] = flat[:, half:].view(v.dtype).reshape(n, num_pages, *v.shape[1:])
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An 8-bit cache as its bytes (uint8: indexing and copies take them on every
+    backend, fp8 included); a wider one as it is (viewed as bytes once gathered)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
+
+
+def _row_bytes(pages: torch.Tensor, n: int) -> torch.Tensor:
+    """Gathered pages ``[n, num_pages, ...]`` as one row of bytes per request."""
+    return pages.reshape(n, -1).view(torch.uint8)
 
 
 def _copy_pages(kv_cache: tuple[torch.Tensor, torch.Tensor], src: list[int], dst: list[int]) -> None:
     """Pages ``dst`` of the layer's key and value tensors = pages ``src``."""
     if not src:
         return
-    k, v = kv_cache
+    k, v = (_bytes(t) for t in kv_cache)
     s = torch.tensor(src, dtype=torch.int64, device=k.device)
     d = torch.tensor(dst, dtype=torch.int64, device=k.device)
     k.index_copy_(0, d, k.index_select(0, s))

@@ -98,7 +98,7 @@ def _run(path, **parallel) -> tuple[list, dict]:
         facts = dict(
             hits=eng.kv.prefix_hits - hits,
             state_pages=eng.runner.state_pages,
-            state_numel=eng.runner.model.state_numel(),
+            state_numel=eng.runner.model.state.numel,
             in_use=eng.kv.pool.num_in_use,
             layers=(eng.runner.model.layer_start, eng.runner.model.layer_end),
         )
