@@ -194,20 +194,25 @@ def test_falcon_h1_disaggregated_hand_off_is_refused(falcon):
         DisaggregatedLLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
 
 
+def _ngram_prompts() -> tuple[list[list[int]], tuple[int, ...]]:
+    """Prompts with a repeated motif (drafts found, some accepted, some rejected) and
+    their generation lengths."""
+    import random
+
+    rng = random.Random(5)
+    motif = [rng.randrange(3, 250) for _ in range(5)]
+    noise = [rng.randrange(3, 250) for _ in range(30)]
+    return [motif * 4 + noise[:3], noise[:9] + motif * 2, noise[10:30] + motif], (24, 20, 16)
+
+
 def test_falcon_h1_ngram_speculation_equals_transformers(falcon, tmp_path):
     """n-gram drafts verified through both halves of every layer: the attention blocks of
     rejected drafts are dropped and the Mamba state kept at the last accepted token."""
-    import random
-
     from test_models_hybrid_spec import NGRAM, _accepted_and_rejected
 
     path, _, _ = falcon("norm-before-gate")
     model = transformers.FalconH1ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    rng = random.Random(5)
-    motif = [rng.randrange(3, 250) for _ in range(5)]
-    noise = [rng.randrange(3, 250) for _ in range(30)]
-    prompts = [motif * 4 + noise[:3], noise[:9] + motif * 2, noise[10:30] + motif]
-    lengths = (24, 20, 16)
+    prompts, lengths = _ngram_prompts()
     expected = [hf_reference(model, p, n) for p, n in zip(prompts, lengths)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths]
     for budget in (512, 7):
@@ -278,3 +283,33 @@ def test_falcon_h1_counts_the_ranks_cannot_split_are_refused_when_the_config_is_
     assert named in str(err.value)
     cfg.parallel.tensor_parallel_size = 1  # one rank always
     check_parallel_fits_model(cfg, arch)
+
+
+@pytest.mark.slow
+def test_falcon_h1_tp2_ngram_speculation_matches_transformers(tmp_path):
+    """n-gram drafts verified at TP=2: every rank keeps its shard of the Mamba state at the
+    last accepted token; a second round hits the checkpoints both ranks wrote."""
+    import test_models_hybrid_spec as spec
+    import torch.distributed as dist
+
+    model = build_falcon_h1(tmp_path, "no-norm-biases-tied", mamba_rms_norm=True, mamba_n_groups=1)
+    prompts, lengths = _ngram_prompts()
+    expected = [hf_reference(model, p, n) for p, n in zip(prompts, lengths)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths]
+    llm = LLM(
+        model=str(tmp_path),
+        **spec.COMMON,
+        max_num_batched_tokens=7,
+        speculative_config=spec.NGRAM,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
+    try:
+        for round_ in range(2):
+            spec._check(llm.generate(prompts, params, use_tqdm=False), expected, f"TP=2 round {round_}")
+            assert llm.llm_engine.kv.pool.num_in_use == 0
+        spec._accepted_and_rejected(llm)
+        assert llm.llm_engine.stats().prefix_cache_hits > 0
+    finally:
+        llm.shutdown()
+    assert not dist.is_initialized()
