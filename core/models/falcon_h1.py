@@ -28,9 +28,19 @@ Mamba 2 as Granite 4's (:class:`~pagedserve.models.mamba2.Mamba2Mixer`: the conv
 and SSD scan over state pages), with ``mamba_d_ssm`` channels (default
 ``mamba_expand * hidden_size``), optional biases (``mamba_proj_bias`` on ``in_proj``,
 ``projectors_bias`` on ``out_proj``) and the output gate as the config says: without
-``mamba_rms_norm`` ``y * silu(z)``; with it a grouped gated RMSNorm, normalising before
-the gate (``mamba_norm_before_gate``) or after.  Attention: RoPE, q/k/v/o biases with
-``attention_bias``; MLP biases with ``mlp_bias``.
+``mamba_rms_norm`` ``y * silu(z)``; with it a gated RMSNorm over ``mamba_n_groups``
+groups, normalising before the gate (``mamba_norm_before_gate``) or after.  Attention:
+RoPE, q/k/v/o biases with ``attention_bias``; MLP biases with ``mlp_bias``.
+
+Tensor parallelism: the Mamba 2 mixer splits by heads and groups as Granite 4's
+(:mod:`pagedserve.models.mamba2`: the z, x, B, C and dt rows of ``in_proj`` with their
+bias and folded ``ssm_multipliers``, the convolution's channels, the norm's channels,
+the columns of ``out_proj``; a norm group spanning ranks adds their sums of squares),
+attention by heads, the MLP by intermediate rows.  The attention half hands its
+row-parallel partial output to the Mamba half, which adds its own and sums the ranks'
+once (one all-reduce for both mixers), then adds the two row-parallel biases (o_proj's
+and out_proj's, whole on every rank and summed at load); the MLP's down projection is
+summed over the ranks, then its bias added.
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ from pagedserve.models.decoder import DecoderForCausalLM, KVCache
 from pagedserve.models.granite_hybrid import _json_float
 from pagedserve.models.layers import add_rms_norm, fuse, gated_mlp, layer_windows, linear, paged_attention, qkv_split
 from pagedserve.models.mamba2 import Mamba2Mixer
-from pagedserve.models.recurrent import StateLayout, run_segmented
+from pagedserve.models.recurrent import run_segmented
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
@@ -56,16 +66,18 @@ __all__ = ["FalconH1ForCausalLM", "FalconH1Layer"]
 
 _ATTN = ("q_proj", "k_proj", "v_proj")
 _MLP = ("gate_proj", "up_proj")
+_O_BIAS = "self_attn.o_proj.bias"
 _MAMBA = ("dt_bias", "A_log", "D", "conv1d.weight", "in_proj.weight", "out_proj.weight")
 
 
 class FalconH1Layer:
     """One engine layer (half a checkpoint layer).  ``attention``: True for the attention
-    half (qkv [q + 2 kv, hidden], qkv_bias, o, o_bias); else the Mamba half (in_proj
+    half (qkv [q + 2 kv, hidden], qkv_bias, o); else the Mamba half (in_proj
     [d_inner + conv_dim + heads, hidden], in_bias, conv [conv_dim, width], conv_bias,
     dt_bias, A (float32, = -exp(A_log)), D, out_norm [d_inner] or None, out_proj,
-    out_bias) with the MLP (ff_norm, gate_up [2 * inter, hidden], gate_up_bias, down,
-    down_bias).  Both halves hold the layer's ``input_norm``; multipliers are folded in."""
+    out_bias: out_proj's bias plus o_proj's, added once both mixers' outputs are summed)
+    with the MLP (ff_norm, gate_up [2 * inter, hidden], gate_up_bias, down, down_bias).
+    Both halves hold the layer's ``input_norm``; multipliers are folded in."""
 
     __slots__ = (
         "attention",
@@ -73,7 +85,6 @@ class FalconH1Layer:
         "qkv",
         "qkv_bias",
         "o",
-        "o_bias",
         "in_proj",
         "in_bias",
         "conv",
@@ -100,11 +111,15 @@ def _scaled(t: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
 class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
     layer_class = FalconH1Layer
     linear_fields = ("qkv", "o", "in_proj", "out_proj", "gate_up", "down")
-    tensor_parallel = False
 
     @classmethod
     def pipeline_refusal(cls, hf: dict) -> str | None:
         return "Falcon-H1's layers run attention and Mamba 2 side by side (two engine layers each, one stage)"
+
+    @classmethod
+    def tensor_parallel_refusal(cls, hf: dict, tp: int) -> str | None:
+        heads, groups = int(hf["mamba_n_heads"]), int(hf.get("mamba_n_groups", 1))
+        return cls.mamba_refusal(heads, groups, tp, ("mamba_n_heads", "mamba_n_groups"))
 
     @classmethod
     def check_config(cls, cfg: ArchConfig) -> None:
@@ -123,24 +138,21 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         hf = cfg.hf_config
         # [None, RECURRENT_STATE] * layers: each half's KV cache group (kv_cache/kv_groups.py).
         self.windows = layer_windows(hf, cfg.num_layers)
-        self.heads, self.groups = int(hf["mamba_n_heads"]), int(hf.get("mamba_n_groups", 1))
+        heads, groups = int(hf["mamba_n_heads"]), int(hf.get("mamba_n_groups", 1))
         d_ssm = hf.get("mamba_d_ssm")
-        self.d_inner = int(d_ssm) if d_ssm is not None else int(hf.get("mamba_expand", 2) * cfg.hidden_size)
+        d_inner = int(d_ssm) if d_ssm is not None else int(hf.get("mamba_expand", 2) * cfg.hidden_size)
         head_dim = hf.get("mamba_d_head", "auto")
-        self.head_dim = self.d_inner // self.heads if head_dim in (None, "auto") else int(head_dim)
-        if self.d_inner != self.heads * self.head_dim:
+        head_dim = d_inner // heads if head_dim in (None, "auto") else int(head_dim)
+        if d_inner != heads * head_dim:
             raise ValueError(
-                f"{cfg.architecture}: the Mamba width ({self.d_inner}) must equal mamba_n_heads * mamba_d_head "
-                f"({self.heads} * {self.head_dim})"
+                f"{cfg.architecture}: the Mamba width ({d_inner}) must equal mamba_n_heads * mamba_d_head "
+                f"({heads} * {head_dim})"
             )
-        self.d_state, self.width = int(hf["mamba_d_state"]), int(hf.get("mamba_d_conv", 4))
-        self.conv_dim = self.d_inner + 2 * self.groups * self.d_state
+        # This rank's heads, groups, d_inner, conv_dim and state layout.
+        self.set_mamba_shapes(heads, head_dim, groups, int(hf["mamba_d_state"]), int(hf.get("mamba_d_conv", 4)))
         self.chunk = int(hf.get("mamba_chunk_size", 256))
         limit = hf.get("time_step_limit") or (0.0, math.inf)
         self.dt_limit = (_json_float(limit[0]), _json_float(limit[1]))
-        self.state = StateLayout(
-            [(self.conv_dim, self.width - 1), (self.heads, self.head_dim, self.d_state)], self.dtype
-        )
         self.mamba_eps = cfg.rms_norm_eps
         self.mamba_rms_norm = bool(hf.get("mamba_rms_norm", False))
         self.norm_before_gate = bool(hf.get("mamba_norm_before_gate", True))
@@ -151,6 +163,16 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         """Bytes of one request's state in one Mamba half (what a state group's pages must
         hold), stored in the model's dtype whatever the KV cache's ``cache_dtype``."""
         return self.state.nbytes(cache_dtype)
+
+    def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
+        """The Mamba 2 mixer's tensors by heads and groups (``out_proj``'s bias whole: it is
+        added after the all-reduce); attention and MLP as every family."""
+        parts = local.split(".")
+        if parts[0] == "mamba" and local != "mamba.out_proj.bias":
+            out = self.shard_mamba_tensor(parts[1], local, t)
+            if out is not None:
+                return out
+        return super().shard_layer_tensor(local, t)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed_tokens(input_ids) * self.embedding_multiplier
@@ -165,7 +187,8 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
     @staticmethod
     def _engine_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoint names as engine layers: ``model.layers.<i>.self_attn.*`` to layer
-        ``2 * i``, the rest of layer ``i`` to ``2 * i + 1``, its input norm to both;
+        ``2 * i``, the rest of layer ``i`` (and o_proj's bias, added with out_proj's after
+        both mixers' outputs are summed) to ``2 * i + 1``, its input norm to both;
         ``model.final_layernorm`` is the final norm."""
         for name, t in weights:
             if name == "model.final_layernorm.weight":
@@ -180,7 +203,7 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
                 yield attn, t
                 yield rest, t
             else:
-                yield (attn if local.startswith("self_attn.") else rest), t
+                yield (attn if local.startswith("self_attn.") and local != _O_BIAS else rest), t
 
     def layer_weight_names(self, layer: int) -> frozenset[str]:
         hf = self.cfg.hf_config
@@ -188,7 +211,7 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         if layer % 2 == 0:
             names |= {f"self_attn.{p}.weight" for p in (*_ATTN, "o_proj")}
             if self.cfg.attention_bias:
-                names |= {f"self_attn.{p}.bias" for p in (*_ATTN, "o_proj")}
+                names |= {f"self_attn.{p}.bias" for p in _ATTN}
             return frozenset(names)
         names |= {"mamba." + n for n in _MAMBA} | {"pre_ff_layernorm.weight"}
         names |= {f"feed_forward.{p}.weight" for p in (*_MLP, "down_proj")}
@@ -197,6 +220,7 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
             "mamba.in_proj.bias": hf.get("mamba_proj_bias", False),
             "mamba.out_proj.bias": hf.get("projectors_bias", False),
             "mamba.norm.weight": self.mamba_rms_norm,
+            _O_BIAS: self.cfg.attention_bias,
         }
         names |= {n for n, on in optional.items() if on}
         if hf.get("mlp_bias", False):
@@ -219,7 +243,6 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
             if self.cfg.attention_bias:
                 qb, kb, vb = (w[a + p + ".bias"] for p in _ATTN)
                 layer.qkv_bias = param(torch.cat([qb, _scaled(kb, key), vb]))
-                layer.o_bias = param(_scaled(w[a + "o_proj.bias"], scale_out))
             return
         m = "mamba."
         mup = self._mup_vector()
@@ -234,8 +257,12 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         layer.D = param(w[m + "D"]).float()
         layer.out_norm = param(w[m + "norm.weight"]) if m + "norm.weight" in w else None
         layer.out_proj = param(_scaled(w[m + "out_proj.weight"], scale_out))
-        if m + "out_proj.bias" in w:
-            layer.out_bias = param(_scaled(w[m + "out_proj.bias"], scale_out))
+        # The two mixers' row-parallel biases (whole on every rank), added once as one.
+        biases = [_scaled(w[m + "out_proj.bias"], scale_out)] if m + "out_proj.bias" in w else []
+        if _O_BIAS in w:
+            biases.append(_scaled(w[_O_BIAS], float(hf.get("attention_out_multiplier", 1.0))))
+        if biases:
+            layer.out_bias = param(sum(b.float() for b in biases).to(biases[0].dtype))
         f = "feed_forward."
         gate_mult, down_mult = (float(x) for x in hf.get("mlp_multipliers") or (1.0, 1.0))
         layer.ff_norm = param(w["pre_ff_layernorm.weight"])
@@ -246,12 +273,16 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
             layer.down_bias = param(_scaled(w[f + "down_proj.bias"], down_mult))
 
     def _mup_vector(self) -> torch.Tensor:
-        """float32 [d_inner + conv_dim + heads]: ``ssm_multipliers`` over in_proj's z, x,
-        B, C and dt rows (transformers' ``compute_mup_vector``)."""
+        """float32 [d_inner + conv_dim + heads] (this rank's rows): ``ssm_multipliers`` over
+        in_proj's z, x, B, C and dt rows (transformers' ``compute_mup_vector``)."""
         mults = [float(x) for x in self.cfg.hf_config.get("ssm_multipliers") or [1.0] * 5]
-        gn = self.groups * self.d_state
-        sizes = [self.d_inner, self.d_inner, gn, gn, self.heads]
-        return torch.cat([torch.full((n,), s, dtype=torch.float32) for n, s in zip(sizes, mults)])
+        d_inner, groups, heads = self.mamba_global
+        gn = groups * self.d_state
+        sizes = [d_inner, d_inner, gn, gn, heads]
+        full = torch.cat([torch.full((n,), s, dtype=torch.float32) for n, s in zip(sizes, mults)])
+        if self.parallel.tp_size == 1:
+            return full
+        return self.shard_mamba_tensor("in_proj", "mamba.in_proj.weight", full)
 
     # -- forward ------------------------------------------------------------------------------
     def layer_forward(
@@ -272,22 +303,28 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
             q, k, v = qkv_split(linear(ops, h, layer.qkv, layer.qkv_bias), self.attn)
             q, k = self.rope(ops, placement, meta.positions, q, k)
             attn = paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale)
-            return linear(ops, attn, layer.o, layer.o_bias), residual
-        # (x, residual): the attention half's output and the layer's input stream.
+            # This rank's share of o_proj's output (summed over the ranks, with o_proj's
+            # bias, by the Mamba half).
+            return linear(ops, attn, layer.o), residual
+        # (x, residual): the attention half's partial output and the layer's input stream.
         h = ops.rms_norm(residual, layer.input_norm, eps)
-        mixed = x + self._falcon_mamba(ops, layer, h, kv_cache, meta)
+        mixed = self.parallel.all_reduce(x + self._falcon_mamba(ops, layer, h, kv_cache, meta))
+        if layer.out_bias is not None:
+            mixed = mixed + layer.out_bias
         h, residual = ops.fused_add_rms_norm(mixed, residual, layer.ff_norm, eps)
         if layer.gate_up_bias is None:
-            return gated_mlp(ops, h, layer.gate_up, layer.down), residual
+            return self.parallel.all_reduce(gated_mlp(ops, h, layer.gate_up, layer.down)), residual
         up = ops.silu_and_mul(linear(ops, h, layer.gate_up, layer.gate_up_bias))
-        return linear(ops, up, layer.down, layer.down_bias), residual
+        if self.parallel.tp_size == 1:
+            return linear(ops, up, layer.down, layer.down_bias), residual
+        return self.parallel.all_reduce(linear(ops, up, layer.down)) + layer.down_bias, residual
 
     def _falcon_mamba(
         self, ops, layer: FalconH1Layer, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """The Mamba 2 mixer, h [n, hidden] -> [n, hidden]: projections and output gate once
         over the step, the convolution and scan (``Mamba2Mixer._mamba_scan``) in segments
-        where state checkpoints are due."""
+        where state checkpoints are due; this rank's partial sum, without out_proj's bias."""
         n = h.shape[0]
         z, xbc, dt = linear(ops, h, layer.in_proj, layer.in_bias).split([self.d_inner, self.conv_dim, self.heads], -1)
         step = F.softplus(dt.float() + layer.dt_bias)
@@ -297,9 +334,10 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
             lambda xs, m, st: (self._mamba_scan(ops, layer, *xs, st, m),), (xbc, step), kv_cache, meta, self.state
         )
         y = y.reshape(n, self.d_inner)
-        if layer.out_norm is not None:
-            size = self.d_inner // self.groups
-            y = ops.rms_norm_gated(y, z, layer.out_norm, self.mamba_eps, self.norm_before_gate, size)
-        else:
+        if layer.out_norm is None:
             y = (y.float() * F.silu(z.float())).to(h.dtype)
-        return linear(ops, y, layer.out_proj, layer.out_bias)
+        elif self.group_ranks > 1:  # a norm group spans ranks (fewer groups than ranks)
+            y = self._spanning_gated_norm(y, z, layer.out_norm, self.norm_before_gate)
+        else:
+            y = ops.rms_norm_gated(y, z, layer.out_norm, self.mamba_eps, self.norm_before_gate, self.norm_size)
+        return linear(ops, y, layer.out_proj)

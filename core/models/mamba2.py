@@ -1,4 +1,4 @@
-"""The Mamba 2 mixer shared by Granite 4 and Nemotron-H: a model class mixes it in and
+"""The Mamba 2 mixer shared by Granite 4, Nemotron-H and Falcon-H1: a model class mixes it in and
 sets its shapes (``set_mamba_shapes``: ``d_inner``, ``conv_dim``, ``heads``,
 ``head_dim``, ``groups``, ``d_state``, ``state``: a StateLayout; and ``chunk``,
 ``dt_limit``, ``mamba_eps``); a layer holds ``in_proj``, ``conv``, ``conv_bias``,
@@ -114,16 +114,21 @@ class Mamba2Mixer:
             y = ops.rms_norm_gated(y, z, layer.out_norm, self.mamba_eps, False, self.norm_size)
         return linear(ops, y, layer.out_proj)
 
-    def _spanning_gated_norm(self, y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``rms_norm_gated(y, z, weight, eps, False, norm_size)`` (Mamba 2's norm after the
-        gate) where one norm group spans ``group_ranks`` ranks, each holding its channels
-        of it: the sums of squares of the ranks that share this rank's group are added."""
+    def _spanning_gated_norm(
+        self, y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, norm_before_gate: bool = False
+    ) -> torch.Tensor:
+        """``rms_norm_gated(y, z, weight, eps, norm_before_gate, norm_size)`` (Mamba 2's norm
+        after the gate by default) where one norm group spans ``group_ranks`` ranks, each
+        holding its channels of it: the sums of squares of the ranks that share this rank's
+        group are added."""
         p, k = self.parallel, self.group_ranks
-        g = y.float() * F.silu(z.float())
+        gate = F.silu(z.float())
+        g = y.float() if norm_before_gate else y.float() * gate
         sums = p.all_gather(g.square().sum(-1, keepdim=True), dim=-1)  # [n, tp]
         first = p.tp_rank // k * k
         mean = sums[:, first : first + k].sum(-1, keepdim=True) / self.norm_size
-        return (g * torch.rsqrt(mean + self.mamba_eps) * weight.float()).to(y.dtype)
+        out = g * torch.rsqrt(mean + self.mamba_eps) * weight.float()
+        return (out * gate if norm_before_gate else out).to(y.dtype)
 
     def _mamba_scan(
         self,

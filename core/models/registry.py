@@ -270,7 +270,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "pagedserve.models.falcon_h1",
         "FalconH1ForCausalLM",
         quantized=False,
-        tensor_parallel=False,
         notes="attention (RoPE) and Mamba 2 side by side in every layer, run as two engine layers (token blocks "
         "and state pages); muP multipliers folded into the weights; optional gated output norm, `mamba_d_ssm`",
     ),

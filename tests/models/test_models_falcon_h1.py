@@ -4,7 +4,9 @@ greedy tokens and logprobs through ``LLM`` for prompts of different lengths, run
 in chunks smaller and larger than the Mamba chunk (32 tokens), under preemption
 (recompute), with ``n=2`` and with prefix caching (hits on state checkpoints).  Each
 checkpoint layer runs as two engine layers: its attention in a KV cache group of token
-blocks, its Mamba 2 in a group of state pages."""
+blocks, its Mamba 2 in a group of state pages.  Two tensor-parallel ranks give the same
+tokens and logprobs, and counts the ranks cannot split are refused when the config is
+read."""
 
 from __future__ import annotations
 
@@ -75,10 +77,10 @@ CASES: dict[str, dict] = {
 }
 
 
-def build_falcon_h1(path, case: str):
+def build_falcon_h1(path, case: str, **extra):
     path.mkdir(parents=True, exist_ok=True)
     write_byte_tokenizer(path)
-    config = transformers.FalconH1Config(**{**BASE, **CASES[case]})
+    config = transformers.FalconH1Config(**{**BASE, **CASES[case], **extra})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = transformers.FalconH1ForCausalLM(config)
@@ -192,20 +194,25 @@ def test_falcon_h1_disaggregated_hand_off_is_refused(falcon):
         DisaggregatedLLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
 
 
+def _ngram_prompts() -> tuple[list[list[int]], tuple[int, ...]]:
+    """Prompts with a repeated motif (drafts found, some accepted, some rejected) and
+    their generation lengths."""
+    import random
+
+    rng = random.Random(5)
+    motif = [rng.randrange(3, 250) for _ in range(5)]
+    noise = [rng.randrange(3, 250) for _ in range(30)]
+    return [motif * 4 + noise[:3], noise[:9] + motif * 2, noise[10:30] + motif], (24, 20, 16)
+
+
 def test_falcon_h1_ngram_speculation_equals_transformers(falcon, tmp_path):
     """n-gram drafts verified through both halves of every layer: the attention blocks of
     rejected drafts are dropped and the Mamba state kept at the last accepted token."""
-    import random
-
     from test_models_hybrid_spec import NGRAM, _accepted_and_rejected
 
     path, _, _ = falcon("norm-before-gate")
     model = transformers.FalconH1ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    rng = random.Random(5)
-    motif = [rng.randrange(3, 250) for _ in range(5)]
-    noise = [rng.randrange(3, 250) for _ in range(30)]
-    prompts = [motif * 4 + noise[:3], noise[:9] + motif * 2, noise[10:30] + motif]
-    lengths = (24, 20, 16)
+    prompts, lengths = _ngram_prompts()
     expected = [hf_reference(model, p, n) for p, n in zip(prompts, lengths)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths]
     for budget in (512, 7):
@@ -213,3 +220,96 @@ def test_falcon_h1_ngram_speculation_equals_transformers(falcon, tmp_path):
         _check(llm.generate(prompts, params, use_tqdm=False), expected, f"ngram, budget {budget}")
         assert llm.llm_engine.kv.pool.num_in_use == 0
         _accepted_and_rejected(llm)
+
+
+#: TP=2 shapes.  The quick one: every bias, the gated norm before the gate, and one Mamba
+#: group for two ranks (each keeps it; the norm's group spans both ranks).
+TP_CASES = {
+    "biases-one-group": (
+        "no-norm-biases-tied",
+        dict(mamba_rms_norm=True, mamba_norm_before_gate=True, mamba_n_groups=1, num_key_value_heads=1),
+    ),
+    "norm-before-gate": ("norm-before-gate", {}),
+    "norm-after-gate-one-group": ("norm-after-gate", dict(mamba_n_groups=1)),
+    "no-norm-biases-tied": ("no-norm-biases-tied", {}),
+}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n == "biases-one-group" else pytest.mark.slow) for n in TP_CASES]
+)
+def test_falcon_h1_tp2_matches_one_process_and_transformers(name, tmp_path):
+    """Two ranks (mp executor, gloo) against transformers and the one-process engine, with
+    chunks crossing state checkpoints and prefix hits on them (test_models_hybrid_tp's
+    engine and prompts); each rank's state pages hold its share of the state."""
+    import test_models_hybrid_tp as tp
+    import torch.distributed as dist
+
+    case, extra = TP_CASES[name]
+    model = build_falcon_h1(tmp_path, case, **extra)
+    expected = [hf_reference(model, p, tp.MAX_NEW) for p in tp._prompts(7)]
+    one, one_facts = tp._run(tmp_path)
+    tp._same(one, expected, 2e-4, "one process vs transformers")
+    two, two_facts = tp._run(tmp_path, tensor_parallel_size=2, distributed_executor_backend="mp")
+    tp._same(two, expected, 2e-4, "TP=2 vs transformers")
+    tp._same(two, one, 1e-4, "TP=2 vs one process")
+    assert two_facts["hits"] > 0 and one_facts["hits"] > 0
+    assert two_facts["in_use"] == 0 and two_facts["state_pages"] >= 1
+    if extra.get("mamba_n_groups") == 1:  # half the heads, plus the B and C both ranks keep
+        assert one_facts["state_numel"] / 2 < two_facts["state_numel"] < one_facts["state_numel"]
+    else:
+        assert two_facts["state_numel"] * 2 == one_facts["state_numel"]
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (dict(mamba_n_heads=6, mamba_d_head=8, mamba_d_ssm=48, mamba_n_groups=3), "mamba_n_groups=3"),
+        (dict(mamba_n_heads=3, mamba_d_head=16, mamba_d_ssm=48, mamba_n_groups=1), "mamba_n_heads=3"),
+    ],
+)
+def test_falcon_h1_counts_the_ranks_cannot_split_are_refused_when_the_config_is_read(extra, named):
+    from pagedserve.config import EngineConfig
+    from pagedserve.config_rules import check_parallel_fits_model
+    from pagedserve.models.arch_config import ArchConfig
+
+    hf = transformers.FalconH1Config(**{**BASE, **CASES["norm-before-gate"], **extra}).to_dict()
+    arch = ArchConfig.from_hf({**hf, "architectures": ["FalconH1ForCausalLM"]})
+    cfg = EngineConfig()
+    cfg.parallel.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 cannot split FalconH1ForCausalLM") as err:
+        check_parallel_fits_model(cfg, arch)
+    assert named in str(err.value)
+    cfg.parallel.tensor_parallel_size = 1  # one rank always
+    check_parallel_fits_model(cfg, arch)
+
+
+@pytest.mark.slow
+def test_falcon_h1_tp2_ngram_speculation_matches_transformers(tmp_path):
+    """n-gram drafts verified at TP=2: every rank keeps its shard of the Mamba state at the
+    last accepted token; a second round hits the checkpoints both ranks wrote."""
+    import test_models_hybrid_spec as spec
+    import torch.distributed as dist
+
+    model = build_falcon_h1(tmp_path, "no-norm-biases-tied", mamba_rms_norm=True, mamba_n_groups=1)
+    prompts, lengths = _ngram_prompts()
+    expected = [hf_reference(model, p, n) for p, n in zip(prompts, lengths)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths]
+    llm = LLM(
+        model=str(tmp_path),
+        **spec.COMMON,
+        max_num_batched_tokens=7,
+        speculative_config=spec.NGRAM,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
+    try:
+        for round_ in range(2):
+            spec._check(llm.generate(prompts, params, use_tqdm=False), expected, f"TP=2 round {round_}")
+            assert llm.llm_engine.kv.pool.num_in_use == 0
+        spec._accepted_and_rejected(llm)
+        assert llm.llm_engine.stats().prefix_cache_hits > 0
+    finally:
+        llm.shutdown()
+    assert not dist.is_initialized()
