@@ -5,7 +5,8 @@ cache.  The quick case has every released feature (per-layer embeddings, KV shar
 the MoE block) and full-attention layers with one KV head of their own head size
 (``attention_k_eq_v``), which both ranks keep while the sliding layers' two KV heads
 split; the other splits four KV heads on the sliding layers and two on the full
-ones, with a cache of two heads per rank.  Per-layer KV head counts the ranks cannot
+ones, with a cache of two heads per rank; load-time int8 at two ranks gives what it
+gives in one process (slow).  Per-layer KV head counts the ranks cannot
 split are refused when the config is read, naming the layer and the count."""
 
 from __future__ import annotations
@@ -90,6 +91,36 @@ def test_tp2_matches_one_process_and_transformers(case, tmp_path):
     assert two_facts["kv_heads"] == max(1, one_facts["kv_heads"] // 2)
     for (d1, kv1, _), (d2, kv2, first) in zip(one_facts["local_shapes"], two_facts["local_shapes"]):
         assert d2 == d1 and kv2 == max(1, kv1 // 2) and first == 0
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_tp2_int8_matches_one_process(tmp_path):
+    """Load-time int8: each rank quantizes its own rows of the column-parallel weights and
+    keeps whole rows (with their scales) of the row-parallel ones' columns."""
+    from pagedserve.quantization import Int8Weight
+
+    _build(tmp_path, **CASES["all-features-k-eq-v"])
+    prompts = [[5, 9, 100, 31, 7, 8, 200, 44, 3, 17, 19, 23, 5, 9, 100], [50, 60, 70]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    got = []
+    for parallel in ({}, dict(tensor_parallel_size=2, distributed_executor_backend="mp")):
+        llm = LLM(model=str(tmp_path), **ENGINE, quantization="int8", **parallel)
+        try:
+            assert isinstance(llm.llm_engine.runner.model.layers[0].q, Int8Weight)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            got.append(
+                [
+                    (
+                        list(o.outputs[0].token_ids),
+                        [e[t].logprob for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+                    )
+                    for o in outs
+                ]
+            )
+        finally:
+            llm.shutdown()
+    _same(got[1], got[0], 1e-4, "int8 TP=2 vs int8 one process")
     assert not dist.is_initialized()
 
 
