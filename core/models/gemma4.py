@@ -94,6 +94,10 @@ _PLE_NAMES = {
 }
 
 
+#: Layer tensors whose split depends on the layer's head size and KV heads.
+_PER_LAYER_SHAPED = frozenset(f"self_attn.{p}_proj.weight" for p in "qkvo")
+
+
 class ProportionalRotaryEmbedding(RotaryEmbedding):
     """transformers' "proportional" RoPE over a whole head of ``head_dim``: frequency i is
     ``base ** (-2i / head_dim) / factor`` for the first ``int(fraction * head_dim / 2)``
@@ -326,23 +330,28 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
         layer.post_ff_norm_2 = opt("post_feedforward_layernorm_2.weight")
 
     def _shard(self, name: str, t):
+        """The base's, with the model-wide layer of ``name`` known to ``shard_layer_tensor``
+        while it splits (its names lack the index; the head size and KV heads are per layer)."""
         self._shard_layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
-        return super()._shard(name, t)
+        try:
+            return super()._shard(name, t)
+        finally:
+            self._shard_layer = None
 
     def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
         """The attention projections by this layer's head size and KV heads, the stacked
         experts by intermediate rows; the rest as every family (see the module docstring)."""
         r, tp = self.parallel.tp_rank, self.parallel.tp_size
-        if self._shard_layer is None:
-            raise RuntimeError(f"{local}: sharded without its layer index")
-        d, kv, first = self.local_shapes[self._shard_layer]
-        q = self.num_heads * d
-        if local == "self_attn.q_proj.weight":
-            return t[r * q : (r + 1) * q]
-        if local in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
-            return t[first * d : (first + kv) * d]
-        if local == "self_attn.o_proj.weight":
-            return t[:, r * q : (r + 1) * q]
+        if local in _PER_LAYER_SHAPED:
+            if self._shard_layer is None:
+                raise RuntimeError(f"{local}: split outside _shard, without its layer's head size and KV heads")
+            d, kv, first = self.local_shapes[self._shard_layer]
+            q = self.num_heads * d
+            if local == "self_attn.q_proj.weight":
+                return t[r * q : (r + 1) * q]
+            if local == "self_attn.o_proj.weight":
+                return t[:, r * q : (r + 1) * q]
+            return t[first * d : (first + kv) * d]  # k_proj, v_proj
         if local == "experts.gate_up_proj":  # [E, 2 * I, hidden]: gate rows, then up rows
             return torch.cat([even_slice(local, half, 1, r, tp) for half in t.chunk(2, dim=1)], dim=1)
         if local == "experts.down_proj":  # [E, hidden, I]
