@@ -6,7 +6,8 @@ the MoE block) and full-attention layers with one KV head of their own head size
 (``attention_k_eq_v``), which both ranks keep while the sliding layers' two KV heads
 split; the other splits four KV heads on the sliding layers and two on the full
 ones, with a cache of two heads per rank; load-time int8 at two ranks gives what it
-gives in one process (slow).  Per-layer KV head counts the ranks cannot
+gives in one process, and recompute preemption with n=2 and n-gram drafts match
+transformers at two ranks (both slow).  Per-layer KV head counts the ranks cannot
 split are refused when the config is read, naming the layer and the count."""
 
 from __future__ import annotations
@@ -121,6 +122,42 @@ def test_tp2_int8_matches_one_process(tmp_path):
         finally:
             llm.shutdown()
     _same(got[1], got[0], 1e-4, "int8 TP=2 vs int8 one process")
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_tp2_preemption_n2_and_ngram_drafts_match_transformers(tmp_path):
+    """test_gemma4's preemption and n-gram cases at two ranks: recompute preemption with
+    two samples a request, then repeating prompts whose drafts are mostly rejected."""
+    from test_gemma4 import _check, _reference
+
+    model = _build(tmp_path, **CASES["all-features-k-eq-v"])
+    prompts, expected = _expected(model, 7)
+    tp = dict(tensor_parallel_size=2, distributed_executor_backend="mp")
+    llm = LLM(
+        model=str(tmp_path),
+        dtype="float32",
+        max_num_batched_tokens=64,
+        enable_prefix_caching=True,
+        block_size=8,
+        num_gpu_blocks_override=10,
+        max_model_len=80,
+        **tp,
+    )
+    try:
+        _check(llm, prompts, expected, n=2)
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
+    prompts = [[5, 6, 7, 8, 9] * 3, [40, 41, 42] * 5 + [40], [100, 101, 102, 103] * 3]
+    expected = [_reference(model, p, m) for p, m in zip(prompts, (9, 14, 6))]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    llm = LLM(model=str(tmp_path), **{**ENGINE, "max_num_batched_tokens": 16}, speculative_config=spec, **tp)
+    try:
+        _check(llm, prompts, expected)
+        assert llm.llm_engine.stats().spec_decode_num_draft_tokens > 0
+    finally:
+        llm.shutdown()
     assert not dist.is_initialized()
 
 
