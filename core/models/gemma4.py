@@ -36,6 +36,17 @@ each.  A layer with smaller heads zero-pads its queries, keys and values (the sc
 not change; the output is sliced back) and a layer with fewer KV heads repeats each so
 that every query head still reads its own -- exact, at the cost of KV memory on the
 sliding layers (half their cache is padding at the published sizes).
+
+Tensor parallelism splits each layer by its own shape: a rank keeps ``heads / tp`` query
+heads of that layer's head size and ``kv / tp`` of its KV heads (or, with fewer KV heads
+than ranks, the one its query heads read, replicated as the other families do); the
+cache holds ``max(kv) / tp`` heads (at least one) per rank.  ``o_proj`` and ``down_proj``
+are row-parallel, summed over the ranks before their norms; the MoE block's experts are
+split by intermediate rows (``gate_up_proj`` rows of each half, ``down_proj`` columns)
+and their sum reduced apart from the dense MLP's, as each has its own norm.  Routers,
+norms, layer scalars and the per-layer embeddings (table, projection, and each layer's
+gate and projection) stay whole on every rank: they act on the whole stream.  A
+KV-sharing layer reads its source layer's shard of the cache on the same rank.
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedserve.models.arch_config import ArchConfig
-from pagedserve.models.decoder import DecoderForCausalLM, KVCache
+from pagedserve.models.decoder import DecoderForCausalLM, KVCache, even_slice
 from pagedserve.models.gemma4_config import (
     MOE_ACTIVATIONS,
     check_gemma4_config,
@@ -81,6 +92,10 @@ _PLE_NAMES = {
     "model.per_layer_model_projection.weight": "ple_projection",
     "model.per_layer_projection_norm.weight": "ple_norm",
 }
+
+
+#: Layer tensors whose split depends on the layer's head size and KV heads.
+_PER_LAYER_SHAPED = frozenset(f"self_attn.{p}_proj.weight" for p in "qkvo")
 
 
 class ProportionalRotaryEmbedding(RotaryEmbedding):
@@ -137,7 +152,6 @@ class Gemma4Layer:
 class Gemma4ForCausalLM(DecoderForCausalLM):
     layer_class = Gemma4Layer
     linear_fields = ("q", "k", "v", "o", "gate_up", "down", "ple_gate", "ple_proj")
-    tensor_parallel = False
 
     @classmethod
     def kv_cache_heads(cls, hf: dict[str, Any]) -> int:
@@ -153,6 +167,17 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
             return "per-layer embeddings (hidden_size_per_layer_input > 0) are computed from the token ids on one stage"
         if int(hf.get("num_kv_shared_layers") or 0):
             return "KV-sharing layers (num_kv_shared_layers > 0) read the cache of an earlier layer on the same stage"
+        return None
+
+    @classmethod
+    def tensor_parallel_refusal(cls, hf: dict[str, Any], tp: int) -> str | None:
+        n = int(hf["num_hidden_layers"])
+        for i, ((_, kv), kind) in enumerate(zip(layer_shapes(hf, n), layer_types(hf, n))):
+            if kv % tp and tp % kv:
+                return (
+                    f"layer {i} ({kind}) has {kv} KV heads: the ranks must divide them or be a multiple of them "
+                    "(num_key_value_heads, num_global_key_value_heads or per_layer_config)"
+                )
         return None
 
     @classmethod
@@ -205,8 +230,21 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
         self.ple_scale = torch.tensor(self.ple_size**0.5, dtype=self.dtype)
         #: The step's per-layer inputs [n, num_layers, P] while ``forward`` runs the layers.
         self._per_layer_inputs: torch.Tensor | None = None
+        #: The token ids of the last ``embed_tokens`` (with PLE), for ``forward_layers``.
+        self._embedded_ids: torch.Tensor | None = None
         self.moe = bool(hf.get("enable_moe_block"))
         self.top_k = int(hf.get("top_k_experts") or 0)
+        r, tp = self.parallel.tp_rank, self.parallel.tp_size
+        #: Per layer, this rank's (head size, KV heads, first KV head of the checkpoint's).
+        self.local_shapes = [(d, max(1, kv // tp), r * kv // tp) for d, kv in self.shapes]
+        for i, (_, kv, _) in enumerate(self.local_shapes):
+            if self.num_kv_heads % kv or self.num_heads % self.num_kv_heads:
+                raise ValueError(
+                    f"layer {i}: {kv} KV heads per rank do not divide the cache's {self.num_kv_heads} "
+                    f"(tensor_parallel_size={tp})"
+                )
+        #: The model-wide layer whose tensor ``_shard`` is splitting (shard_layer_tensor's names lack it).
+        self._shard_layer: int | None = None
 
     def attention_scale(self) -> float:
         return 1.0
@@ -291,6 +329,37 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
         layer.pre_ff_norm_2 = opt("pre_feedforward_layernorm_2.weight")
         layer.post_ff_norm_2 = opt("post_feedforward_layernorm_2.weight")
 
+    def _shard(self, name: str, t):
+        """The base's, with the model-wide layer of ``name`` known to ``shard_layer_tensor``
+        while it splits (its names lack the index; the head size and KV heads are per layer)."""
+        self._shard_layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        try:
+            return super()._shard(name, t)
+        finally:
+            self._shard_layer = None
+
+    def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
+        """The attention projections by this layer's head size and KV heads, the stacked
+        experts by intermediate rows; the rest as every family (see the module docstring)."""
+        r, tp = self.parallel.tp_rank, self.parallel.tp_size
+        if local in _PER_LAYER_SHAPED:
+            if self._shard_layer is None:
+                raise RuntimeError(f"{local}: split outside _shard, without its layer's head size and KV heads")
+            d, kv, first = self.local_shapes[self._shard_layer]
+            q = self.num_heads * d
+            if local == "self_attn.q_proj.weight":
+                return t[r * q : (r + 1) * q]
+            if local == "self_attn.o_proj.weight":
+                return t[:, r * q : (r + 1) * q]
+            return t[first * d : (first + kv) * d]  # k_proj, v_proj
+        if local == "experts.gate_up_proj":  # [E, 2 * I, hidden]: gate rows, then up rows
+            return torch.cat([even_slice(local, half, 1, r, tp) for half in t.chunk(2, dim=1)], dim=1)
+        if local == "experts.down_proj":  # [E, hidden, I]
+            return even_slice(local, t, 2, r, tp)
+        if "." not in local:  # layer_scalar
+            return t
+        return super().shard_layer_tensor(local, t)
+
     def load_global(self, name: str, tensor: torch.Tensor) -> bool:
         field = _PLE_NAMES.get(name)
         if field is None or not self.ple_size:
@@ -334,12 +403,28 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
             # As transformers: an image token's table row is the pad token's.
             pad = int(self.cfg.hf_config.get("pad_token_id") or 0)
             ids = input_ids.index_fill(0, embeds[0], pad)
+        self._embedded_ids = None
         self._per_layer_inputs = self.per_layer_inputs(ids, x)
         try:
             x, residual = self.forward_layers(x, None, meta, kv_caches)
         finally:
             self._per_layer_inputs = None
         return self.final_norm(x, residual)
+
+    def forward_layers(self, x, residual, meta, kv_caches, deepstack=None):
+        """The base's; with PLE and no per-layer inputs yet (the other tensor-parallel
+        ranks embed the tokens and run the layers without ``forward``: distributed.worker),
+        they are computed from the ids and output of the last ``embed_tokens`` first."""
+        if not self.ple_size or self._per_layer_inputs is not None:
+            return super().forward_layers(x, residual, meta, kv_caches, deepstack)
+        ids, self._embedded_ids = self._embedded_ids, None
+        if ids is None or residual is not None or ids.shape[0] != x.shape[0]:
+            raise RuntimeError("per-layer embeddings: run the layers on the output of embed_tokens")
+        self._per_layer_inputs = self.per_layer_inputs(ids, x)
+        try:
+            return super().forward_layers(x, residual, meta, kv_caches, deepstack)
+        finally:
+            self._per_layer_inputs = None
 
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """input_ids int64 [n], x [n, hidden] (the scaled embeddings) -> the per-layer
@@ -374,7 +459,7 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
     ) -> torch.Tensor:
         """h [n, hidden] normed -> [n, heads * this layer's head size]."""
         n, heads, eps = h.shape[0], self.num_heads, self.cfg.rms_norm_eps
-        d, kv = self.shapes[index]
+        d, kv, _ = self.local_shapes[index]
         cache_d, cache_kv = self.cfg.head_dim, self.num_kv_heads
         rope = self.ropes[self.layer_types[index]]
         q = head_rms_norm(ops, linear(ops, h, layer.q).view(n, heads, d), layer.q_norm, eps).contiguous()
@@ -408,17 +493,19 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
 
     def feed_forward(self, ops, layer: Gemma4Layer, stream: torch.Tensor) -> torch.Tensor:
         """The dense MLP, plus the MoE block when the model has one: [n, hidden] -> [n, hidden]
-        before the post-feed-forward norm."""
-        eps = self.cfg.rms_norm_eps
+        before the post-feed-forward norm (summed over the tensor-parallel ranks)."""
+        eps, p = self.cfg.rms_norm_eps, self.parallel
         h = gated_mlp(ops, ops.rms_norm(stream, layer.pre_ff_norm, eps), layer.gate_up, layer.down, self.activation)
         if layer.w13 is None:
-            return h
+            return p.all_reduce(h)
         ones = torch.ones(stream.shape[-1], dtype=stream.dtype, device=stream.device)
         routed = ops.rms_norm(stream, ones, eps) * layer.router_scale * self.cfg.hidden_size**-0.5
         weights, ids = route_topk(linear(ops, routed, layer.router), self.top_k, renormalize=True)
         weights = weights * layer.expert_scale[ids]
         x2 = ops.rms_norm(stream, layer.pre_ff_norm_2, eps)
         experts = ops.fused_moe(x2, layer.w13, layer.w2, weights, ids, MOE_ACTIVATIONS[self.activation])
+        if p.tp_size > 1:  # both partial sums in one reduction; each is normed on its own
+            h, experts = (t.contiguous() for t in p.all_reduce(torch.cat([h, experts], dim=-1)).chunk(2, dim=-1))
         return ops.rms_norm(h, layer.post_ff_norm_1, eps) + ops.rms_norm(experts, layer.post_ff_norm_2, eps)
 
     def layer_forward(
@@ -439,6 +526,7 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
             self.attention(ops, placement, index, layer, ops.rms_norm(stream, layer.input_norm, eps), kv_cache, meta),
             layer.o,
         )
+        h = self.parallel.all_reduce(h)  # row-parallel o_proj
         stream = stream + ops.rms_norm(h, layer.post_attn_norm, eps)
         h = ops.rms_norm(self.feed_forward(ops, layer, stream), layer.post_ff_norm, eps)
         if layer.ple_gate is not None:
@@ -457,6 +545,8 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super().embed_tokens(input_ids)
+        if self.ple_size:  # the per-layer inputs of a forward_layers that follows (see there)
+            self._embedded_ids = input_ids
         return x * self.embed_scale.to(x.device)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:

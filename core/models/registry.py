@@ -192,7 +192,6 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         "gemma4_text",
         "pagedserve.models.gemma4",
         "Gemma4ForCausalLM",
-        tensor_parallel=False,
         notes="text only: w-scaled norms, value norm, a head size and KV heads per layer type, proportional "
         "RoPE, layer scalars, per-layer embeddings, KV sharing (no cache for the sharing layers), the MoE block",
     ),

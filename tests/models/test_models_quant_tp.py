@@ -169,6 +169,7 @@ TP_CASES = [
     "deepseekv3-groups-yarn",
     "olmo3-window-per-type-rope",
     "gptoss-sinks-window-moe",
+    "gemma4-k-eq-v-global-kv-heads",
 ]
 
 
