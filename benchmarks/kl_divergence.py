@@ -10,7 +10,8 @@ The reference is the bf16 folder benchmarks/workloads.py writes (the package's Q
 weights dequantized, then rounded to bf16: the only float form of the default model's
 weights at hand), run in float32 by pagedserve and, for llama.cpp, an F32 GGUF of the same
 folder written by llama.cpp's own convert_hf_to_gguf.py (--f32-gguf; `--convert` writes
-it: needs `sentencepiece` in the Python that runs it, --convert-python).  The Q4_1 row
+it: needs `sentencepiece` in the Python that runs it, --convert-python; or
+`gguf_bf16.py DEFAULT.gguf F32.gguf --f32`, the same values without the converter).  The Q4_1 row
 therefore measures what an engine's Q4_1 path adds beyond the weights themselves
 (activation quantization, accumulation order, bf16 rounding of the weights); files made
 by llama-quantize from the F32 GGUF (--quantize) measure their own quantization on top.
