@@ -313,3 +313,15 @@ def test_falcon_h1_tp2_ngram_speculation_matches_transformers(tmp_path):
     finally:
         llm.shutdown()
     assert not dist.is_initialized()
+
+
+def test_falcon_h1_through_the_server(falcon, tmp_path):
+    """``pagedserve serve`` on a Falcon-H1 checkpoint: concurrent completions with prefix
+    caching and 8-token chunks give transformers' logprobs, twice (the second round hits)."""
+    from test_models_hybrid_server import MAX_NEW as SERVER_NEW
+    from test_models_hybrid_server import check_server_matches
+
+    path, prompts, _ = falcon("norm-before-gate")
+    model = transformers.FalconH1ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = prompts[:3]
+    check_server_matches(path, prompts, [hf_reference(model, p, SERVER_NEW) for p in prompts], tmp_path)

@@ -42,12 +42,17 @@ def _serve(ckpt, port: int, log, *extra: str) -> subprocess.Popen:
 def test_hybrid_server_completions_match_transformers(tmp_path, case):
     model = build_checkpoint(tmp_path / "ckpt", case)
     prompts = _prompts(3)[:3]
-    expected = [hf_reference(model, p, MAX_NEW) for p in prompts]
+    check_server_matches(tmp_path / "ckpt", prompts, [hf_reference(model, p, MAX_NEW) for p in prompts], tmp_path)
 
+
+def check_server_matches(ckpt, prompts: list[list[int]], expected, tmp_path) -> None:
+    """``pagedserve serve`` on ``ckpt`` (prefix caching, state checkpoints every 2 blocks
+    of 4 tokens, 8-token chunks): concurrent completions of ``prompts``, twice (the second
+    round from cached prefixes), give ``expected``'s logprobs."""
     port = _free_port()
     log = open(tmp_path / "server.log", "wb")
     proc = _serve(
-        tmp_path / "ckpt",
+        ckpt,
         port,
         log,
         "--state-checkpoint-interval",
