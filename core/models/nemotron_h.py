@@ -16,8 +16,12 @@ expert: ``fused_moe`` has no non-gated activation).
 
 Tensor parallelism splits the Mamba 2 layers by heads and groups
 (:mod:`pagedserve.models.mamba2`), attention by heads, the MLP by its intermediate rows;
-each mixer's output is summed over the ranks.  A model with MoE layers is refused under
-tensor parallelism (the experts are not split).
+each mixer's output is summed over the ranks.  A MoE layer splits every routed expert
+and the shared MLP by intermediate rows; every rank routes identically from the whole
+``h`` (router, score-correction bias and group choice are replicated) and keeps the
+latent projections whole: ``fc2_latent_proj`` applied to the rank's partial latent sum
+is linear, so the layer's one all-reduce (of the shared MLP's partial plus the experts'
+partial) is exact.
 """
 
 from __future__ import annotations
@@ -115,10 +119,14 @@ class NemotronHForCausalLM(Mamba2Mixer, DecoderForCausalLM):
 
     @classmethod
     def tensor_parallel_refusal(cls, hf: dict, tp: int) -> str | None:
-        if "moe" in block_types(hf):
-            return "its MoE layers (E in hybrid_override_pattern) are not split over ranks; use one rank"
         heads, groups = int(hf["mamba_num_heads"]), int(hf.get("n_groups", 1))
-        return cls.mamba_refusal(heads, groups, tp, ("mamba_num_heads", "n_groups"))
+        why = cls.mamba_refusal(heads, groups, tp, ("mamba_num_heads", "n_groups"))
+        if why is None and "moe" in block_types(hf):  # experts and shared MLP split by intermediate rows
+            for key in ("moe_intermediate_size", "moe_shared_expert_intermediate_size"):
+                size = int(hf.get(key) or 0)
+                if size % tp:
+                    return f"it must divide the MoE layers' {key} ({size})"
+        return why
 
     def __init__(self, cfg: ArchConfig, *args, **kwargs) -> None:
         super().__init__(cfg, *args, **kwargs)
@@ -239,8 +247,9 @@ class NemotronHForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         return self.parallel.all_reduce(out), residual  # each mixer's last projection is row-parallel
 
     def _moe(self, ops, layer: NemotronHLayer, h: torch.Tensor) -> torch.Tensor:
-        """The routed experts of a MoE layer, h [n, hidden] -> [n, hidden] (one rank: a
-        model with MoE layers is refused under tensor parallelism)."""
+        """The routed experts of a MoE layer, h [n, hidden] -> [n, hidden]: under tensor
+        parallelism this rank's partial sum (its intermediate rows of every expert, through
+        the whole ``fc2_latent_proj``), which the layer's all-reduce completes."""
         weights, ids = route_sigmoid_groups(
             h,
             layer.router,

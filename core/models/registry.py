@@ -260,8 +260,7 @@ _ENTRIES: tuple[ModelEntry, ...] = (
         gguf=("nemotron_h",),
         quantized=False,
         notes="one mixer per layer: Mamba 2, attention without RoPE, squared-ReLU MLP (`backbone.*` names), "
-        "Nemotron 3's MoE (sigmoid group routing, squared-ReLU experts, optional latent projection, shared MLP; "
-        "a model with MoE layers runs on one rank)",
+        "Nemotron 3's MoE (sigmoid group routing, squared-ReLU experts, optional latent projection, shared MLP)",
     ),
     ModelEntry(
         "FalconH1ForCausalLM",

@@ -2,7 +2,8 @@
 score-correction bias, squared-ReLU experts, an optional latent projection, a shared
 MLP) against transformers, float32, on tiny random checkpoints built from
 ``NemotronHConfig``: greedy tokens and logprobs through ``LLM`` beside Mamba 2 and
-attention layers, whole and in chunks, under preemption, and with prefix hits."""
+attention layers, whole and in chunks, under preemption, with prefix hits, and over two
+ranks (experts and shared MLP split by intermediate rows)."""
 
 from __future__ import annotations
 
@@ -111,18 +112,46 @@ def test_nemotron_h_moe_prefix_hits(nemotron):
     _hit_then_check(eng, prompts, expected, "nemotron-h moe")
 
 
-def test_moe_layers_are_refused_under_tensor_parallelism_before_weights_load():
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=() if c == "moe-groups" else pytest.mark.slow, id=c) for c in CASES]
+)
+def test_moe_tp2_matches_one_process_and_transformers(case, tmp_path):
+    """Two ranks (mp executor, gloo): each keeps its intermediate rows of every expert and
+    of the shared MLP, routes from the whole input, and keeps the latent projections whole;
+    the layer's one all-reduce sums the partials.  Chunks cross state checkpoints and a
+    second round hits them."""
+    import torch.distributed as dist
+    from test_models_hybrid_tp import MAX_NEW as TP_NEW
+    from test_models_hybrid_tp import _prompts as tp_prompts
+    from test_models_hybrid_tp import _run, _same
+
+    model = build_nemotron_moe(tmp_path, case)
+    expected = [hf_reference(model, p, TP_NEW) for p in tp_prompts(7)]
+    one, one_facts = _run(tmp_path)
+    _same(one, expected, 2e-4, "one process vs transformers")
+    two, two_facts = _run(tmp_path, tensor_parallel_size=2, distributed_executor_backend="mp")
+    _same(two, expected, 2e-4, "TP=2 vs transformers")
+    _same(two, one, 1e-4, "TP=2 vs one process")
+    assert two_facts["hits"] > 0 and one_facts["hits"] > 0 and two_facts["in_use"] == 0
+    assert two_facts["state_numel"] * 2 == one_facts["state_numel"]
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(("key", "size"), [("moe_intermediate_size", 33), ("moe_shared_expert_intermediate_size", 45)])
+def test_moe_sizes_the_ranks_cannot_split_are_refused_before_weights_load(key, size):
     from pagedserve.config import EngineConfig
     from pagedserve.config_rules import check_parallel_fits_model
     from pagedserve.models.arch_config import ArchConfig
 
-    hf = transformers.NemotronHConfig(**{**BASE, **MOE}).to_dict()
+    hf = transformers.NemotronHConfig(**{**BASE, **MOE, key: size}).to_dict()
     arch = ArchConfig.from_hf(
         {"num_hidden_layers": len(MOE["layers_block_type"]), **hf, "architectures": ["NemotronHForCausalLM"]}
     )
     cfg = EngineConfig()
     cfg.parallel.tensor_parallel_size = 2
-    with pytest.raises(ValueError, match="cannot split NemotronHForCausalLM: its MoE layers"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 cannot split NemotronHForCausalLM") as err:
         check_parallel_fits_model(cfg, arch)
+    assert f"{key} ({size})" in str(err.value)
     cfg.parallel.tensor_parallel_size = 1
     check_parallel_fits_model(cfg, arch)
