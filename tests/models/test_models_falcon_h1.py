@@ -13,8 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_models_hybrid_prefix_cache import COMMON as PREFIX_COMMON
-from test_models_hybrid_prefix_cache import _hit_then_check
-from test_models_hybrid_prefix_cache import _prompts as prefix_prompts
+from test_models_hybrid_prefix_cache import _hit_then_check, cached_references
 from test_models_hybrid_vs_hf import (
     BASE,
     COMMON,
@@ -23,7 +22,6 @@ from test_models_hybrid_vs_hf import (
     SWAPPING,
     _check,
     _init_weights,
-    _prompts,
     hf_reference,
 )
 
@@ -92,23 +90,7 @@ def build_falcon_h1(path, case: str, **extra):
 
 @pytest.fixture(scope="module")
 def falcon(tmp_path_factory):
-    cache: dict[str, tuple] = {}
-
-    def get(case: str, prefix: bool = False):
-        key = (case, prefix)
-        if key not in cache:
-            path = tmp_path_factory.mktemp(case)
-            model = build_falcon_h1(path, case)
-            if prefix:
-                prompts = prefix_prompts(len(case))
-                expected = [hf_reference(model, p, 8) for p in prompts]
-            else:
-                prompts = _prompts(len(case))
-                expected = [hf_reference(model, p, n) for p, n in zip(prompts, MAX_NEW)]
-            cache[key] = (path, prompts, expected)
-        return cache[key]
-
-    return get
+    return cached_references(tmp_path_factory, build_falcon_h1)
 
 
 def test_each_layer_is_an_attention_and_a_state_engine_layer():

@@ -18,7 +18,9 @@ import random
 
 import pytest
 import torch
+from test_models_hybrid_vs_hf import MAX_NEW as FEATURE_NEW
 from test_models_hybrid_vs_hf import VOCAB, build_checkpoint, hf_reference
+from test_models_hybrid_vs_hf import _prompts as feature_prompts
 
 from pagedserve import LLM, SamplingParams
 
@@ -45,6 +47,30 @@ def _prompts(seed: int) -> tuple[list[int], list[int], list[int]]:
     b = a[:45] + [rng.randrange(3, VOCAB) for _ in range(20)]
     c = a[:10] + [rng.randrange(3, VOCAB) for _ in range(2)]
     return a, b, c
+
+
+def cached_references(tmp_path_factory, build):
+    """``get(case, prefix=False)`` -> (checkpoint folder, prompts, transformers' greedy
+    tokens and logprobs), each case built once by ``build(path, case)`` (which returns the
+    transformers model): the feature prompts of test_models_hybrid_vs_hf.py, or
+    (``prefix``) this module's prefix-sharing prompts with ``MAX_NEW`` new tokens each."""
+    cache: dict[tuple, tuple] = {}
+
+    def get(case: str, prefix: bool = False):
+        key = (case, prefix)
+        if key not in cache:
+            path = tmp_path_factory.mktemp(case)
+            model = build(path, case)
+            if prefix:
+                prompts = _prompts(len(case))
+                expected = [hf_reference(model, p, MAX_NEW) for p in prompts]
+            else:
+                prompts = feature_prompts(len(case))
+                expected = [hf_reference(model, p, n) for p, n in zip(prompts, FEATURE_NEW)]
+            cache[key] = (path, prompts, expected)
+        return cache[key]
+
+    return get
 
 
 @pytest.fixture(scope="module")

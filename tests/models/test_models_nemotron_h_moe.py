@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from test_models_hybrid_prefix_cache import COMMON as PREFIX_COMMON
-from test_models_hybrid_prefix_cache import _hit_then_check
-from test_models_hybrid_prefix_cache import _prompts as prefix_prompts
-from test_models_hybrid_vs_hf import BASE, COMMON, ENGINES, MAX_NEW, _check, _init_weights, _prompts, hf_reference
+from test_models_hybrid_prefix_cache import _hit_then_check, cached_references
+from test_models_hybrid_vs_hf import BASE, COMMON, ENGINES, MAX_NEW, _check, _init_weights, hf_reference
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.testing.tiny_model import write_byte_tokenizer
@@ -65,23 +64,7 @@ def build_nemotron_moe(path, case: str):
 
 @pytest.fixture(scope="module")
 def nemotron(tmp_path_factory):
-    cache: dict[tuple, tuple] = {}
-
-    def get(case: str, prefix: bool = False):
-        key = (case, prefix)
-        if key not in cache:
-            path = tmp_path_factory.mktemp(case)
-            model = build_nemotron_moe(path, case)
-            if prefix:
-                prompts = prefix_prompts(len(case))
-                expected = [hf_reference(model, p, 8) for p in prompts]
-            else:
-                prompts = _prompts(len(case))
-                expected = [hf_reference(model, p, n) for p, n in zip(prompts, MAX_NEW)]
-            cache[key] = (path, prompts, expected)
-        return cache[key]
-
-    return get
+    return cached_references(tmp_path_factory, build_nemotron_moe)
 
 
 def _cases() -> list:
