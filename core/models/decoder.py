@@ -164,6 +164,16 @@ class DecoderForCausalLM:
         #: cache (set by the runner; None: none).
         self.kv_scales: dict[int, tuple[float, float]] | None = None
 
+    def state_bytes(self, cache_dtype: torch.dtype) -> int:
+        """Bytes of one request's state in one recurrent-state layer on this rank (what a
+        state group's pages must hold): ``self.state``, the family's
+        :class:`~pagedserve.models.recurrent.StateLayout`, stored in the model's dtype
+        whatever the KV cache's ``cache_dtype``."""
+        state = getattr(self, "state", None)
+        if state is None:
+            raise TypeError(f"{type(self).__name__} has no recurrent-state layers")
+        return state.nbytes(cache_dtype)
+
     def set_kv_scales(self, scales: dict[int, tuple[float, float]] | None) -> None:
         """The per-layer (k_scale, v_scale) of a tensor-scaled fp8 cache, by model-wide
         layer (None: none); the runner decides them when it sizes the KV cache."""

@@ -159,11 +159,6 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         self.embedding_multiplier = float(hf.get("embedding_multiplier", 1.0))
         self.lm_head_multiplier = float(hf.get("lm_head_multiplier", 1.0))
 
-    def state_bytes(self, cache_dtype: torch.dtype) -> int:
-        """Bytes of one request's state in one Mamba half (what a state group's pages must
-        hold), stored in the model's dtype whatever the KV cache's ``cache_dtype``."""
-        return self.state.nbytes(cache_dtype)
-
     def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
         """The Mamba 2 mixer's tensors by heads and groups (``out_proj``'s bias whole: it is
         added after the all-reduce); attention and MLP as every family."""

@@ -127,12 +127,6 @@ class GraniteMoeHybridForCausalLM(Mamba2Mixer, DecoderForCausalLM):
     def attention_scale(self) -> float:
         return float(self.cfg.hf_config.get("attention_multiplier", self.cfg.head_dim**-0.5))
 
-    def state_bytes(self, cache_dtype: torch.dtype) -> int:
-        """Bytes of one request's state in one Mamba layer on this rank (what a state
-        group's pages must hold), stored in the model's dtype whatever the KV cache's
-        ``cache_dtype``."""
-        return self.state.nbytes(cache_dtype)
-
     def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
         """Mamba 2 tensors by heads and groups; the stacked experts ([E, 2 * I, hidden] gate
         then up rows, [E, hidden, I]) and the shared MLP by intermediate rows."""

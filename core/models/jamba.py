@@ -122,12 +122,6 @@ class JambaForCausalLM(DecoderForCausalLM):
         period, offset = int(hf.get("expert_layer_period", 2)), int(hf.get("expert_layer_offset", 1))
         self.moe_layers = [self.num_experts > 1 and i % period == offset for i in range(cfg.num_layers)]
 
-    def state_bytes(self, cache_dtype: torch.dtype) -> int:
-        """Bytes of one request's state in one Mamba layer on this rank (what a state
-        group's pages must hold), stored in the model's dtype whatever the KV cache's
-        ``cache_dtype``."""
-        return self.state.nbytes(cache_dtype)
-
     def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
         """The Mamba layer's tensors by channels (see the module); the rest as every family."""
         parts = local.split(".")

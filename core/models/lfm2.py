@@ -101,12 +101,6 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
         self.channels = cfg.hidden_size // self.parallel.tp_size
         self.state = StateLayout([(self.channels, self.width - 1)], self.dtype)
 
-    def state_bytes(self, cache_dtype: torch.dtype) -> int:
-        """Bytes of one request's state in one conv layer on this rank (what a state
-        group's pages must hold), stored in the model's dtype whatever the KV cache's
-        ``cache_dtype``."""
-        return self.state.nbytes(cache_dtype)
-
     def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
         """The conv layer's tensors by channels, attention's ``out_proj`` by heads (see the
         module); the rest as every family.  Row-parallel biases stay whole."""

@@ -148,12 +148,6 @@ class NemotronHForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         self.routed_scaling = float(hf.get("routed_scaling_factor", 1.0))
         self.latent = hf.get("moe_latent_size") is not None
 
-    def state_bytes(self, cache_dtype: torch.dtype) -> int:
-        """Bytes of one request's state in one Mamba layer on this rank (what a state
-        group's pages must hold), stored in the model's dtype whatever the KV cache's
-        ``cache_dtype``."""
-        return self.state.nbytes(cache_dtype)
-
     def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
         """A Mamba 2 mixer's tensors by heads and groups; attention and MLP as every family."""
         parts = local.split(".")

@@ -144,12 +144,6 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         else:
             self.sparse = [False] * cfg.num_layers
 
-    def state_bytes(self, cache_dtype: torch.dtype) -> int:
-        """Bytes of one request's state in one DeltaNet layer on this rank (what a state
-        group's pages must hold), stored in the model's dtype whatever the KV cache's
-        ``cache_dtype``."""
-        return self.state.nbytes(cache_dtype)
-
     def shard_layer_tensor(self, local: str, t: torch.Tensor) -> torch.Tensor:
         """The DeltaNet's tensors split by heads (see the class); the gated attention's
         ``q_proj`` by heads of query and gate rows; the rest as every family."""
