@@ -50,14 +50,12 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.decoder import DecoderForCausalLM, KVCache
 from pagedserve.models.granite_hybrid import _json_float
 from pagedserve.models.layers import add_rms_norm, fuse, gated_mlp, layer_windows, linear, paged_attention, qkv_split
 from pagedserve.models.mamba2 import Mamba2Mixer
-from pagedserve.models.recurrent import run_segmented
 
 if TYPE_CHECKING:
     from pagedserve.executor.attention_metadata import AttentionMetadata
@@ -303,7 +301,7 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
             return linear(ops, attn, layer.o), residual
         # (x, residual): the attention half's partial output and the layer's input stream.
         h = ops.rms_norm(residual, layer.input_norm, eps)
-        mixed = self.parallel.all_reduce(x + self._falcon_mamba(ops, layer, h, kv_cache, meta))
+        mixed = self.parallel.all_reduce(x + self._mamba(ops, layer, h, kv_cache, meta))
         if layer.out_bias is not None:
             mixed = mixed + layer.out_bias
         h, residual = ops.fused_add_rms_norm(mixed, residual, layer.ff_norm, eps)
@@ -313,26 +311,3 @@ class FalconH1ForCausalLM(Mamba2Mixer, DecoderForCausalLM):
         if self.parallel.tp_size == 1:
             return linear(ops, up, layer.down, layer.down_bias), residual
         return self.parallel.all_reduce(linear(ops, up, layer.down)) + layer.down_bias, residual
-
-    def _falcon_mamba(
-        self, ops, layer: FalconH1Layer, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """The Mamba 2 mixer, h [n, hidden] -> [n, hidden]: projections and output gate once
-        over the step, the convolution and scan (``Mamba2Mixer._mamba_scan``) in segments
-        where state checkpoints are due; this rank's partial sum, without out_proj's bias."""
-        n = h.shape[0]
-        z, xbc, dt = linear(ops, h, layer.in_proj, layer.in_bias).split([self.d_inner, self.conv_dim, self.heads], -1)
-        step = F.softplus(dt.float() + layer.dt_bias)
-        if self.dt_limit != (0.0, math.inf):
-            step = step.clamp(*self.dt_limit)
-        (y,) = run_segmented(
-            lambda xs, m, st: (self._mamba_scan(ops, layer, *xs, st, m),), (xbc, step), kv_cache, meta, self.state
-        )
-        y = y.reshape(n, self.d_inner)
-        if layer.out_norm is None:
-            y = (y.float() * F.silu(z.float())).to(h.dtype)
-        elif self.group_ranks > 1:  # a norm group spans ranks (fewer groups than ranks)
-            y = self._spanning_gated_norm(y, z, layer.out_norm, self.norm_before_gate)
-        else:
-            y = ops.rms_norm_gated(y, z, layer.out_norm, self.mamba_eps, self.norm_before_gate, self.norm_size)
-        return linear(ops, y, layer.out_proj)

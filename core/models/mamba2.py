@@ -38,6 +38,9 @@ class Mamba2Mixer:
     rank's partial sum under tensor parallelism), with the step's state checkpoint work
     (``models.recurrent.run_segmented``)."""
 
+    #: Whether the gated output norm normalises before the gate (Falcon-H1's option).
+    norm_before_gate = False
+
     @staticmethod
     def mamba_refusal(heads: int, groups: int, tp: int, names: tuple[str, str]) -> str | None:
         """Why ``tp`` ranks cannot split a Mamba 2 layer of ``heads`` heads in ``groups``
@@ -98,9 +101,14 @@ class Mamba2Mixer:
     ) -> torch.Tensor:
         """The mixer with its state-checkpoint work: projections, step sizes and the gated
         output norm once over the step's tokens, the convolution and SSD scan
-        (:meth:`_mamba_scan`) in segments where checkpoints are due."""
+        (:meth:`_mamba_scan`) in segments where checkpoints are due.  ``layer.in_bias`` (if
+        the layer has one) is added to the input projection; without ``layer.out_norm``
+        the output is gated alone (``y * silu(z)``); the norm normalises before the gate
+        where ``norm_before_gate`` (Falcon-H1's option).  Returns this rank's partial sum
+        (``out_proj`` is row-parallel, without its bias)."""
         n = h.shape[0]
-        z, xbc, dt = linear(ops, h, layer.in_proj).split([self.d_inner, self.conv_dim, self.heads], dim=-1)
+        proj = linear(ops, h, layer.in_proj, getattr(layer, "in_bias", None))
+        z, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
         step = F.softplus(dt.float() + layer.dt_bias)
         if self.dt_limit != (0.0, math.inf):
             step = step.clamp(*self.dt_limit)
@@ -108,10 +116,12 @@ class Mamba2Mixer:
             lambda xs, m, st: (self._mamba_scan(ops, layer, *xs, st, m),), (xbc, step), kv_cache, meta, self.state
         )
         y = y.reshape(n, self.d_inner)
-        if self.group_ranks > 1:
-            y = self._spanning_gated_norm(y, z, layer.out_norm)
+        if layer.out_norm is None:
+            y = (y.float() * F.silu(z.float())).to(h.dtype)
+        elif self.group_ranks > 1:  # a norm group spans ranks (fewer groups than ranks)
+            y = self._spanning_gated_norm(y, z, layer.out_norm, self.norm_before_gate)
         else:
-            y = ops.rms_norm_gated(y, z, layer.out_norm, self.mamba_eps, False, self.norm_size)
+            y = ops.rms_norm_gated(y, z, layer.out_norm, self.mamba_eps, self.norm_before_gate, self.norm_size)
         return linear(ops, y, layer.out_proj)
 
     def _spanning_gated_norm(
