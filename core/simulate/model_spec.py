@@ -110,6 +110,7 @@ UNMODELED_ARCHITECTURES: dict[str, str] = {
             "NemotronHForCausalLM",
             "Lfm2ForCausalLM",
             "JambaForCausalLM",
+            "FalconH1ForCausalLM",
         ),
         "its recurrent-state layers (state pages per request, scan and convolution costs)",
     ),
