@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.config_rules import check_engine_config
+from pagedserve.config_rules import check_engine_config, device_layout_kv_connector
 from pagedserve.structured_params import BACKENDS, REASONING_PARSERS, structured_outputs_fields
 
 __all__ = [
@@ -579,7 +579,11 @@ class CacheConfig:
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'auto', 'swap' or 'recompute', got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.kv_offload_memory is None:
-            raise ValueError("preemption_mode='swap' needs a host KV tier: set kv_offload_memory")
+            if self.kv_connector is None or not device_layout_kv_connector(self.kv_connector):
+                raise ValueError(
+                    "preemption_mode='swap' needs a host KV tier: set kv_offload_memory "
+                    "(or a device-layout kv_connector)"
+                )
         if not self.cpu_offload_gb >= 0:
             raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
         if self.cache_dtype not in _CACHE_DTYPES:

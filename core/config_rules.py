@@ -438,11 +438,30 @@ def _sleep_mode_rule(cfg: EngineConfig) -> str | None:
 RULES.append(_sleep_mode_rule)
 
 
+def device_layout_kv_connector(spec: str) -> bool:
+    """Whether ``kv_connector=spec`` names a plugin's device-layout connector (platform
+    interface 1.7: a tier in the device cache's layout, one store per rank); the builtin
+    ``host`` and ``disk`` are content stores.  A name no plugin registers is not one (its
+    creation says so, naming the available connectors)."""
+    from pagedserve.platforms import PlatformError, discover
+
+    name = spec.partition(":")[0]
+    if name in ("host", "disk"):
+        return False
+    try:
+        return discover().kv_connector_is_device_layout(name)
+    except PlatformError:
+        return False  # reported, named, when the connector is created
+
+
 def _kv_connector_rule(cfg: EngineConfig) -> str | None:
     c = cfg.cache.kv_connector
     if c is None:
         return None
-    if cfg.parallel.world_size > 1:
+    # A device-layout tier (interface 1.7) keeps one store per rank and carries swap
+    # preemption without prefix caching; a content store does neither.
+    tier = (cfg.parallel.world_size > 1 or not cfg.cache.enable_prefix_caching) and device_layout_kv_connector(c)
+    if cfg.parallel.world_size > 1 and not tier:
         return (
             f"kv_connector={c!r} is not supported with tensor/pipeline parallelism yet ({_parallel(cfg)}): "
             "each rank's KV shard would need its own saves and loads; use one rank"
@@ -452,7 +471,7 @@ def _kv_connector_rule(cfg: EngineConfig) -> str | None:
             f"kv_connector={c!r} cannot be combined with kv_offload_memory={cfg.cache.kv_offload_memory} yet: "
             "use kv_connector='host' for a host-memory prefix store, or the host tier alone"
         )
-    if not cfg.cache.enable_prefix_caching:
+    if not cfg.cache.enable_prefix_caching and not tier:
         return f"kv_connector={c!r} saves and finds blocks through the prefix cache: it needs enable_prefix_caching"
     return None
 
