@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from pagedserve.config_rules import device_layout_kv_connector
+from pagedserve.config_rules import BUILTIN_KV_CONNECTORS, kv_connector_refusal
 from pagedserve.kv_cache.connector import ConnectorTransfers
 from pagedserve.platforms import DeviceLayoutKVConnector, KVConnector, PlatformError, discover
 from pagedserve.platforms.interface import SAVE_MODES
@@ -48,6 +48,8 @@ __all__ = [
     "BUILTIN_CONNECTORS",
     "create_kv_connector",
     "create_tier_connector",
+    "is_device_layout_connector",
+    "check_kv_connector",
     "apply_connector_transfers",
     "kv_fingerprint",
 ]
@@ -303,12 +305,40 @@ def create_tier_connector(cache) -> DeviceLayoutKVConnector | None:
     or a content store, which rank 0 alone creates with the layout's fingerprint)."""
     if cache.kv_offload_memory is not None:
         return HostTierConnector(int(cache.kv_offload_memory))
-    if cache.kv_connector is None or not device_layout_kv_connector(cache.kv_connector):
+    if cache.kv_connector is None or not is_device_layout_connector(cache.kv_connector):
         return None
     connector = create_kv_connector(cache.kv_connector, int(cache.kv_connector_memory), "")
     if not connector.device_layout:
         raise ValueError(f"kv_connector={cache.kv_connector!r} declared device_layout but returned a content store")
     return connector
+
+
+def is_device_layout_connector(spec: str) -> bool:
+    """Whether the connector ``spec`` names is a device-layout tier (interface 1.7), told
+    from its registration before one is created: a factory (a DeviceLayoutKVConnector
+    subclass, or a function) with a true ``device_layout`` attribute.  The builtin
+    ``host`` and ``disk`` are stores by content; a name no plugin registers is not one
+    (creating it names the available connectors)."""
+    name = spec.partition(":")[0]
+    if name in BUILTIN_CONNECTORS:
+        return False
+    try:
+        return discover().kv_connector_is_device_layout(name)
+    except PlatformError as exc:
+        raise ValueError(f"kv_connector={spec!r}: {exc}") from None
+
+
+def check_kv_connector(config) -> None:
+    """ValueError for a plugin's ``kv_connector`` the settings (``config``: EngineConfig)
+    cannot use, by the rules the builtin connectors are checked with when the settings
+    are (config_rules.kv_connector_refusal), now that its kind can be told; called by
+    the engine before weights load."""
+    spec = config.cache.kv_connector
+    if spec is None or spec.partition(":")[0] in BUILTIN_KV_CONNECTORS:
+        return
+    refusal = kv_connector_refusal(config, is_device_layout_connector(spec))
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def apply_connector_transfers(

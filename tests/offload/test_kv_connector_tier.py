@@ -17,8 +17,9 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import CacheConfig, EngineConfig, ParallelConfig
+from pagedserve.config_rules import BUILTIN_KV_CONNECTORS
 from pagedserve.kv_cache.connector import ConnectorKVCacheManager
-from pagedserve.offload.connectors import HostTierConnector
+from pagedserve.offload.connectors import BUILTIN_CONNECTORS, HostTierConnector, check_kv_connector
 from pagedserve.request import Request, RequestStatus
 
 SHAPE = dict(arch="llama", num_heads=4, num_kv_heads=2)
@@ -347,21 +348,31 @@ def test_on_evict_content_store_in_the_engine(tier_plugin, tiny_checkpoint_facto
 
 def test_device_layout_connector_config_rules(tier_plugin, tiny_checkpoint_factory, tmp_path):
     """A device-layout connector is accepted with tensor/pipeline parallelism, swap
-    preemption and without prefix caching; a content store still is not."""
+    preemption and without prefix caching; a content store still is not -- a plugin's
+    kind is told from its registration before weights load (the settings themselves
+    cannot import the plugins)."""
     tp2 = ParallelConfig(tensor_parallel_size=2)
-    EngineConfig(cache=CacheConfig(kv_connector="filetier:/x"), parallel=tp2)
-    EngineConfig(cache=CacheConfig(kv_connector="filetier:/x", preemption_mode="swap", enable_prefix_caching=False))
+    check_kv_connector(EngineConfig(cache=CacheConfig(kv_connector="filetier:/x"), parallel=tp2))
+    check_kv_connector(
+        EngineConfig(cache=CacheConfig(kv_connector="filetier:/x", preemption_mode="swap", enable_prefix_caching=False))
+    )
     with pytest.raises(ValueError, match="kv_connector='evictstore' is not supported with tensor/pipeline"):
-        EngineConfig(cache=CacheConfig(kv_connector="evictstore"), parallel=tp2)
+        check_kv_connector(EngineConfig(cache=CacheConfig(kv_connector="evictstore"), parallel=tp2))
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
-        EngineConfig(cache=CacheConfig(kv_connector="evictstore", enable_prefix_caching=False))
-    with pytest.raises(ValueError, match="needs a host KV tier"):
-        CacheConfig(kv_connector="evictstore", preemption_mode="swap")
+        check_kv_connector(EngineConfig(cache=CacheConfig(kv_connector="evictstore", enable_prefix_caching=False)))
+    path = tiny_checkpoint_factory(**SHAPE)
+    with pytest.raises(ValueError, match="needs a host KV tier: kv_connector='evictstore' is a store by content"):
+        LLM(model=str(path), **PREEMPTING, kv_connector="evictstore", preemption_mode="swap")
+    assert not tier_plugin.EVICT_STORES  # refused before the engine built anything
     with pytest.raises(ValueError, match="cannot be combined with kv_offload_memory"):
         EngineConfig(cache=CacheConfig(kv_connector="filetier:/x", kv_offload_memory="1MiB"))
+    # The builtin names are content stores, refused with the settings.
+    with pytest.raises(ValueError, match="needs a host KV tier"):
+        CacheConfig(kv_connector="host", preemption_mode="swap")
+    assert set(BUILTIN_CONNECTORS) == set(BUILTIN_KV_CONNECTORS)
     with pytest.raises(ValueError, match=r"kv_connector='filetier:.*' with kv_connector_memory=100 bytes holds no"):
         LLM(
-            model=str(tiny_checkpoint_factory(**SHAPE)),
+            model=str(path),
             **PREEMPTING,
             kv_connector=f"filetier:{tmp_path}",
             kv_connector_memory=100,
