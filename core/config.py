@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.config_rules import check_engine_config
+from pagedserve.config_rules import BUILTIN_KV_CONNECTORS, check_engine_config
 from pagedserve.structured_params import BACKENDS, REASONING_PARSERS, structured_outputs_fields
 
 __all__ = [
@@ -578,7 +578,11 @@ class CacheConfig:
             raise ValueError(f"kv_connector must be NAME or NAME:ARG, got {self.kv_connector!r}")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'auto', 'swap' or 'recompute', got {self.preemption_mode!r}")
-        if self.preemption_mode == "swap" and self.kv_offload_memory is None:
+        # A plugin's kv_connector may be a device-layout tier (checked before weights load).
+        plugin_connector = self.kv_connector is not None and self.kv_connector.partition(":")[0] not in (
+            BUILTIN_KV_CONNECTORS
+        )
+        if self.preemption_mode == "swap" and self.kv_offload_memory is None and not plugin_connector:
             raise ValueError("preemption_mode='swap' needs a host KV tier: set kv_offload_memory")
         if not self.cpu_offload_gb >= 0:
             raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")

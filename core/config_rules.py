@@ -438,11 +438,22 @@ def _sleep_mode_rule(cfg: EngineConfig) -> str | None:
 RULES.append(_sleep_mode_rule)
 
 
-def _kv_connector_rule(cfg: EngineConfig) -> str | None:
+#: The builtin KV connectors (pagedserve.offload.connectors): stores by content.  Whether
+#: a plugin's connector is a device-layout tier (platform interface 1.7) is known from its
+#: registration only, which this module cannot import (no torch here):
+#: pagedserve.offload.connectors.check_kv_connector applies the same rules to it before
+#: weights load.
+BUILTIN_KV_CONNECTORS = ("host", "disk")
+
+
+def kv_connector_refusal(cfg: EngineConfig, device_layout: bool) -> str | None:
+    """Why the settings cannot use their ``kv_connector`` (None: they can), given whether
+    it is a device-layout tier, which keeps one store per rank and carries swap
+    preemption without prefix caching; a store by content does neither."""
     c = cfg.cache.kv_connector
     if c is None:
         return None
-    if cfg.parallel.world_size > 1:
+    if cfg.parallel.world_size > 1 and not device_layout:
         return (
             f"kv_connector={c!r} is not supported with tensor/pipeline parallelism yet ({_parallel(cfg)}): "
             "each rank's KV shard would need its own saves and loads; use one rank"
@@ -452,9 +463,19 @@ def _kv_connector_rule(cfg: EngineConfig) -> str | None:
             f"kv_connector={c!r} cannot be combined with kv_offload_memory={cfg.cache.kv_offload_memory} yet: "
             "use kv_connector='host' for a host-memory prefix store, or the host tier alone"
         )
-    if not cfg.cache.enable_prefix_caching:
+    if not cfg.cache.enable_prefix_caching and not device_layout:
         return f"kv_connector={c!r} saves and finds blocks through the prefix cache: it needs enable_prefix_caching"
+    if cfg.cache.preemption_mode == "swap" and not device_layout:
+        return f"preemption_mode='swap' needs a host KV tier: kv_connector={c!r} is a store by content"
     return None
+
+
+def _kv_connector_rule(cfg: EngineConfig) -> str | None:
+    c = cfg.cache.kv_connector
+    if c is not None and c.partition(":")[0] not in BUILTIN_KV_CONNECTORS:
+        # A plugin's connector: its kind is checked before weights load (see above).
+        return kv_connector_refusal(cfg, device_layout=True)
+    return kv_connector_refusal(cfg, device_layout=False)
 
 
 RULES.append(_kv_connector_rule)

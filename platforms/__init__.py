@@ -25,13 +25,20 @@ import pluggy
 
 from pagedserve.platforms import hookspecs
 from pagedserve.platforms.hookspecs import ENTRY_POINT_GROUP, PLATFORM_INTERFACE_VERSION, PROJECT_NAME, hookimpl
-from pagedserve.platforms.interface import KVConnector, Platform, PlatformError, check_interface_version
+from pagedserve.platforms.interface import (
+    DeviceLayoutKVConnector,
+    KVConnector,
+    Platform,
+    PlatformError,
+    check_interface_version,
+)
 from pagedserve.platforms.ops import OpRegistry
 from pagedserve.platforms.options import target_device
 
 __all__ = [
     "Platform",
     "KVConnector",
+    "DeviceLayoutKVConnector",
     "PlatformError",
     "PlatformInfo",
     "PluginFailure",
@@ -335,6 +342,14 @@ class PlatformRegistry:
 
             impl.function(**({"register": register} if "register" in impl.argnames else {}))
         return found
+
+    def kv_connector_is_device_layout(self, name: str) -> bool:
+        """Whether the plugin KV connector ``name`` registered a device-layout factory
+        (interface 1.7: a ``DeviceLayoutKVConnector`` subclass, or a factory with a true
+        ``device_layout`` attribute), told before one is created; False for a name no
+        plugin registered.  PlatformError as :meth:`kv_connectors`."""
+        found = self.kv_connectors().get(name)
+        return found is not None and bool(getattr(found[0], "device_layout", False))
 
     def resolve_ops(self, platform: Platform) -> OpRegistry:
         """The op registry for ``platform``: references, then every plugin's overrides.

@@ -27,7 +27,7 @@ ENTRY_POINT_GROUP = "pagedserve.platforms"
 
 #: The platform interface version this core provides ("MAJOR.MINOR"): bump the minor
 #: version for every addition, the major version for anything else (docs/platforms.md).
-PLATFORM_INTERFACE_VERSION = "1.6"
+PLATFORM_INTERFACE_VERSION = "1.7"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -71,4 +71,12 @@ def pagedserve_register_kv_connectors(register):
         max_bytes=kv_connector_memory, fingerprint=...)`` (``fingerprint``: a hex string
         naming the engine's KV layout, also covered by every key) and expects a
         ``KVConnector``.  The builtin names ``host`` and ``disk`` cannot be taken.
+
+    Interface 1.7: the factory may return a
+    :class:`pagedserve.platforms.interface.DeviceLayoutKVConnector` (a tier of block
+    slots laid out as the device's KV cache, one store per rank, that carries swap
+    preemption and spills as the builtin host tier does), and any connector may set
+    ``save_mode = "on-evict"``.  Register the class itself (or a factory with a true
+    ``device_layout`` attribute) so that the engine can tell a device-layout connector
+    before creating one: with tensor/pipeline parallelism only those are accepted.
     """

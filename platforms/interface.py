@@ -13,6 +13,8 @@ from pagedserve.platforms.hookspecs import PLATFORM_INTERFACE_VERSION
 __all__ = [
     "Platform",
     "KVConnector",
+    "DeviceLayoutKVConnector",
+    "SAVE_MODES",
     "PlatformError",
     "PLATFORM_INTERFACE_VERSION",
     "FIRST_INTERFACE_VERSION",
@@ -210,6 +212,10 @@ class Platform:
         return info
 
 
+#: The KV connector save modes (interface 1.7; see ``KVConnector.save_mode``).
+SAVE_MODES = ("write-through", "on-evict")
+
+
 class KVConnector:
     """A store of KV cache blocks keyed by their content (interface 1.6).
 
@@ -226,7 +232,18 @@ class KVConnector:
     for that block (per layer its key and value, and whatever else a cache format adds,
     such as scales), in the cache's order.  Calls come from the engine's thread, one at
     a time.
+
+    Interface 1.7 adds two class attributes (their defaults are 1.6's behaviour):
+    ``save_mode`` -- ``"write-through"``: every full block is saved as the prefix cache
+    registers it; ``"on-evict"``: a block is saved only when the device cache's LRU
+    evicts it (a workload that fits on the device saves nothing) -- and
+    ``device_layout``, true only for a :class:`DeviceLayoutKVConnector`.
     """
+
+    #: When the engine saves full blocks (interface 1.7): one of :data:`SAVE_MODES`.
+    save_mode: ClassVar[str] = "write-through"
+    #: True for a :class:`DeviceLayoutKVConnector` (interface 1.7).
+    device_layout: ClassVar[bool] = False
 
     def contains(self, key: str) -> bool:
         """Whether ``load(key)`` is expected to succeed (a cheap index lookup)."""
@@ -248,3 +265,86 @@ class KVConnector:
 
     def close(self) -> None:
         """Persist what needs persisting; the engine calls it once, at shutdown."""
+
+
+class DeviceLayoutKVConnector(KVConnector):
+    """A KV connector that is a tier of block slots in the device's layout (interface 1.7).
+
+    The builtin host tier (``kv_offload_memory``) is one: its slots are host memory.  A
+    plugin's (a CXL memory node, a file on an NVMe drive mapped into memory, ...) gets the
+    same roles through ``kv_connector="NAME"``: spills of blocks the device cache evicts
+    (``save_mode`` is ``"on-evict"``), prefix hits reloaded from them, and swap
+    preemption.  The connector supplies storage and copies; the engine keeps the index:
+
+    * **Slots, per rank.**  Every rank creates its own connector (with tensor/pipeline
+      parallelism each holds its KV heads of its stage's layers) and :meth:`allocate`
+      gives, per layer (or KV cache group slot), a key and a value tensor of ``num_blocks``
+      slots shaped as ``platform.kv_cache_shape`` says, so that one block index means
+      the same block in the device cache and in the store, and one slot index means one
+      block on every rank (every rank gets the smallest rank's :meth:`num_blocks`).
+    * **Entries, kept by the engine on rank 0.**  Two kinds share the slots: *content*
+      entries (a block's prefix-cache hash; evicted least recently used first to make
+      room) and *handle* entries (a swapped-out request's blocks, by request and block
+      index; never evicted until the request takes them back or is aborted).  The
+      store has no eviction of its own: a slot keeps what was last copied into it.
+    * **Copies, planned on rank 0 and run on every rank.**  Before each forward every
+      rank runs the step's copies against its own slots, in order, batched: one
+      :meth:`save_blocks` or :meth:`load_blocks` per run of copies, layer and tensor,
+      which by default is the platform's ``swap_blocks`` op (an asynchronous kernel
+      where the platform has one).
+
+    The 1.6 methods ``contains``/``save``/``load`` address blocks by content key and are
+    not called for a device-layout connector: the engine looks blocks up in its index.
+    """
+
+    device_layout: ClassVar[bool] = True
+    save_mode: ClassVar[str] = "on-evict"
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = int(max_bytes)
+
+    def num_blocks(self, bytes_per_block: int) -> int:
+        """Slots this rank's store holds for blocks of ``bytes_per_block`` bytes (its
+        share of one block: its layers, its KV heads).  Here: ``max_bytes`` of them."""
+        return self.max_bytes // bytes_per_block
+
+    def allocate(
+        self,
+        platform: Platform,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's (key, value) slots, ``platform.kv_cache_shape(num_blocks, ...)``
+        each, in ``dtype``, where ``platform``'s ``swap_blocks`` copies to and from them.
+        Here: host memory, pinned when the platform can pin, zeroed (a read of a slot
+        never written is deterministic)."""
+        shape = platform.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+        def alloc() -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=platform.pin_memory_available)
+
+        return alloc(), alloc()
+
+    def save_blocks(self, swap_blocks: Any, device: torch.Tensor, store: torch.Tensor, mapping: torch.Tensor) -> None:
+        """Copy device blocks ``mapping[:, 0]`` of one layer's key or value cache into
+        slots ``mapping[:, 1]`` of the matching tensor :meth:`allocate` returned
+        (``mapping``: int64 ``[n, 2]`` on the CPU).  Here: ``swap_blocks(device, store,
+        mapping)``, the platform's op."""
+        swap_blocks(device, store, mapping)
+
+    def load_blocks(self, swap_blocks: Any, store: torch.Tensor, device: torch.Tensor, mapping: torch.Tensor) -> None:
+        """Copy slots ``mapping[:, 0]`` into device blocks ``mapping[:, 1]``.  Here:
+        ``swap_blocks(store, device, mapping)``."""
+        swap_blocks(store, device, mapping)
+
+    def contains(self, key: str) -> bool:
+        raise TypeError(f"{type(self).__name__} is a device-layout KV connector: the engine indexes its slots")
+
+    def save(self, key: str, tensors: list[torch.Tensor]) -> None:
+        raise TypeError(f"{type(self).__name__} is a device-layout KV connector: blocks move by save_blocks")
+
+    def load(self, key: str) -> list[torch.Tensor] | None:
+        raise TypeError(f"{type(self).__name__} is a device-layout KV connector: blocks move by load_blocks")

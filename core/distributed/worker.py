@@ -30,6 +30,7 @@ from pagedserve.executor.prompt_logprobs import PromptRows
 from pagedserve.executor.sample_step import HeadOutput, StepOutput, TailRows, finish_step, plan_step, run_head
 from pagedserve.lora import LoRAManager
 from pagedserve.models.arch_config import ArchConfig
+from pagedserve.offload.connectors import create_tier_connector
 from pagedserve.scheduler import SchedulerOutput
 
 __all__ = ["Worker", "MicroBatch", "split_micro_batches", "run_worker_process", "default_threads"]
@@ -51,8 +52,9 @@ class MicroBatch:
     lora: Any = None
     #: Run the sharded draft model (speculative decoding) instead of the target.
     draft: bool = False
-    #: The step's host KV tier copies (a KVTransfers), on its first micro-batch only: every
-    #: rank runs them on its own share of the KV cache before the step's forward.
+    #: The step's device-layout KV connector copies (the host tier's KVTransfers), on its
+    #: first micro-batch only: every rank runs them between its own share of the KV cache
+    #: and its own store before the step's forward.
     kv_transfers: Any = None
 
 
@@ -118,12 +120,16 @@ class Worker:
         local = self.runner.determine_num_blocks(cfg.cache, cfg.scheduler, max_model_len, self.parallel.min_over_ranks)
         num_blocks = self.parallel.min_over_ranks(local)
         self.runner.allocate_kv_cache(num_blocks, cfg.cache.block_size)
-        if cfg.cache.kv_offload_memory is not None:
-            # kv_offload_memory per rank, like the device budget; one block index means one
-            # block on every rank, so every rank holds the smallest rank's count.
+        tier = create_tier_connector(cfg.cache)
+        if tier is not None:
+            # The device-layout KV connector (the host tier of kv_offload_memory, or a
+            # plugin's): this rank's own store, its bytes per rank like the device budget;
+            # one block index means one block on every rank, so every rank holds the
+            # smallest rank's count.  Rank 0 plans the copies, every rank runs them.
             per_block = self.runner.kv_block_bytes(cfg.cache.block_size)
-            num_host = self.parallel.min_over_ranks(int(cfg.cache.kv_offload_memory) // per_block)
+            num_host = self.parallel.min_over_ranks(tier.num_blocks(per_block))
             if num_host >= 1:  # else the engine's build_kv_manager says why it holds no block
+                self.runner.use_kv_connector(tier)
                 self.runner.allocate_host_kv_cache(num_host)
         LoRAManager.attach(cfg.lora, self.runner)  # enable_lora: this rank's adapter shards
         spec = cfg.speculative.speculative_config

@@ -46,6 +46,7 @@ from pagedserve.models.layers import layer_windows
 from pagedserve.models.registry import resolve_vision_class
 from pagedserve.multimodal.processor import build_mm_processor
 from pagedserve.offload import build_kv_manager, offload_weights
+from pagedserve.offload.connectors import check_kv_connector
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import select_platform
 from pagedserve.pooling import PoolingParams, load_score_head, resolve_pooling
@@ -100,6 +101,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.model.dtype, self.platform)
         check_cache_dtype(config.cache.cache_dtype, self.dtype, [self.platform])
         check_kv_scales(config.cache, self.arch.architecture)  # latent attention: unscaled rows only
+        check_kv_connector(config)  # a plugin's: a store by content or a device-layout tier (interface 1.7)
         # Linear weights load quantized when config.model.quantization or the checkpoint asks.
         source = self.model_source = quantize_source(
             source,

@@ -24,7 +24,7 @@ from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import LayerPlacement
 from pagedserve.models.registry import resolve_model_class, resolve_vision_class
 from pagedserve.multimodal.encoder_cache import EncoderCache
-from pagedserve.offload.connectors import apply_connector_transfers
+from pagedserve.offload.connectors import HostTierConnector, apply_connector_transfers
 from pagedserve.offload.device_map import Segment
 from pagedserve.offload.kv_tier import allocate_host_kv_cache, apply_kv_transfers
 from pagedserve.platforms import OpRegistry, Platform
@@ -229,7 +229,8 @@ class ModelRunner:
         self.local_arch = replace(arch, num_kv_heads=self.model.num_kv_heads, num_layers=len(self.model.layers))
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        #: The host KV tier's blocks, same layout (empty without kv_offload_memory).
+        #: The device-layout KV connector's blocks on this rank (the host tier's with
+        #: kv_offload_memory), in the device cache's layout; empty without one.
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_host_blocks = 0
         self.block_size = 16
@@ -246,7 +247,8 @@ class ModelRunner:
         self.slot_platforms: list[Platform] = []
         #: Set by pagedserve.lora.LoRAManager.attach with enable_lora.
         self.lora_manager = None
-        #: The KV connector blocks are saved to and loaded from (kv_connector), else None.
+        #: The KV connector blocks are saved to and loaded from (the host tier's with
+        #: kv_offload_memory, a kv_connector's), else None.
         self.kv_connector = None
         #: Sleep level 1: the host copy of the weights that wake_up loads.
         self._host_weights: list[tuple[str, Any]] | None = None
@@ -470,9 +472,13 @@ class ModelRunner:
         return kv_bytes_per_block(layers, block_size, self.kv_dtype, self.kv_row_scaled)
 
     def allocate_host_kv_cache(self, num_host_blocks: int) -> None:
-        """The host KV tier's blocks: per layer a (key, value) pair in host memory, in
-        its platform's layout, so that one block index means the same block in both."""
+        """The device-layout KV connector's blocks on this rank (the host tier's, unless
+        :meth:`use_kv_connector` gave another): per layer a (key, value) pair allocated by
+        the connector in its platform's layout, so that one block index means the same
+        block in both."""
         a = self.local_arch
+        if not getattr(self.kv_connector, "device_layout", False):
+            self.kv_connector = HostTierConnector(0)  # the builtin host tier: host memory
         # With KV cache groups one pair per slot tensor (the layers of a slot share it).
         self.host_kv_caches = allocate_host_kv_cache(
             self.layer_platforms if self.layer_slots is None else self.slot_platforms,
@@ -481,6 +487,7 @@ class ModelRunner:
             a.num_kv_heads,
             kv_row_size(a.head_dim, self.kv_dtype, self.kv_row_scaled),
             self.kv_dtype,
+            self.kv_connector,
         )
         self.num_host_blocks = num_host_blocks
 
@@ -570,12 +577,19 @@ class ModelRunner:
         self.allocate_kv_cache(self.num_blocks, self.block_size)
 
     def run_kv_transfers(self, transfers) -> None:
-        """Run the host tier's recorded copies (KVTransfers) between the two pools, or a
-        KV connector's saves and loads (ConnectorTransfers)."""
+        """Run the KV connector's work of a step: a device-layout connector's (the host
+        tier's) recorded copies (KVTransfers) between the device cache and this rank's
+        store, or a content store's saves and loads (ConnectorTransfers)."""
         if isinstance(transfers, ConnectorTransfers):
             apply_connector_transfers(self._kv_views(), self.kv_connector, transfers)
         elif self.layer_slots is None:
-            apply_kv_transfers([o.swap_blocks for o in self.layer_ops], self.kv_caches, self.host_kv_caches, transfers)
+            apply_kv_transfers(
+                [o.swap_blocks for o in self.layer_ops],
+                self.kv_caches,
+                self.host_kv_caches,
+                transfers,
+                self.kv_connector,
+            )
         else:
             # KV cache groups: one copy per slot tensor, through the first layer that uses it.
             first = {}
@@ -587,10 +601,12 @@ class ModelRunner:
                 [self.kv_caches[i] for i in layers],
                 self.host_kv_caches,
                 transfers,
+                self.kv_connector,
             )
 
     def use_kv_connector(self, connector) -> None:
-        """Save and load blocks through ``connector`` (a KVConnector; see run_kv_transfers)."""
+        """Save and load blocks through ``connector`` (a KVConnector; see run_kv_transfers):
+        a device-layout one before :meth:`allocate_host_kv_cache` allocates its store."""
         self.kv_connector = connector
 
     def kv_block_views(self) -> list[tuple[torch.Tensor, ...]]:

@@ -9,6 +9,11 @@ plugin's store) and whose prefix lookups continue there after the device cache m
   N+1's copies (or at the next idle step, ``flush_transfers``), which run before that
   step's forward: the device block cannot have been overwritten yet.  Blocks the
   connector already holds are not saved again.
+* **Save on evict** (a connector whose ``save_mode`` is ``"on-evict"``, interface 1.7).
+  A registered block's key is remembered instead, and the block is saved only when the
+  device pool's LRU evicts it (``BlockPool.on_evict``, while a step is scheduled): its
+  forward has run, and the save runs with that step's copies, before any load or
+  forward can overwrite it.  A workload that fits on the device saves nothing.
 * **Load.**  ``get_computed_blocks`` takes the device hits, then asks the connector for
   the following blocks (up to the last prompt token, always recomputed) and keeps the
   leading run it returns; ``allocate_slots`` gives them the first new device blocks and
@@ -58,9 +63,16 @@ class ConnectorKVCacheManager(KVCacheManager):
     def __init__(
         self, num_blocks: int, block_size: int, connector: Any, seed: str, enable_prefix_caching: bool = True
     ) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        self.on_evict_saves = getattr(connector, "save_mode", "write-through") == "on-evict"
+        super().__init__(
+            num_blocks, block_size, enable_prefix_caching, on_evict=self._evicted if self.on_evict_saves else None
+        )
         self.connector = connector
         self.seed = seed
+        # On-evict saves: each registered device block's content key; saves of blocks
+        # evicted while this step is scheduled (their forwards have run).
+        self._block_keys: dict[int, tuple[int, str]] = {}  # block id -> (its hash, its key)
+        self._evicted_saves: list[tuple[int, str]] = []
         self._keys: dict[str, list[str]] = {}
         # Per waiting request: (index of its first connector hit, the hits' (key, tensors)).
         self._hits: dict[str, tuple[int, list[tuple[str, Any]]]] = {}
@@ -136,12 +148,29 @@ class ConnectorKVCacheManager(KVCacheManager):
         end = self._num_cached.get(request.request_id, 0)
         if end <= start:
             return
+        keys = self._content_keys(request, end)
+        if self.on_evict_saves:
+            for i in range(start, end):
+                if blocks[i].block_hash is not None:  # registered (first writer of its hash)
+                    self._block_keys[blocks[i].block_id] = (blocks[i].block_hash, keys[i])
+            return
         loaded = {key for _, key, _ in self._loads}
-        for i, key in enumerate(self._content_keys(request, end)[start:end], start):
+        for i, key in enumerate(keys[start:end], start):
             if key in self._queued or key in loaded or self.connector.contains(key):
                 continue
             self._saves.append((blocks[i].block_id, key))
             self._queued.add(key)
+
+    def _evicted(self, block: KVBlock) -> None:
+        """On-evict saves: the device pool is about to forget ``block``'s hash."""
+        entry = self._block_keys.pop(block.block_id, None)
+        if entry is None or entry[0] != block.block_hash:  # registered under another hash since
+            return
+        key = entry[1]
+        if key in self._queued or self.connector.contains(key):
+            return
+        self._evicted_saves.append((block.block_id, key))
+        self._queued.add(key)
 
     def free(self, request: Request) -> None:
         super().free(request)
@@ -153,16 +182,16 @@ class ConnectorKVCacheManager(KVCacheManager):
     def take_transfers(self) -> ConnectorTransfers | None:
         """Called once per scheduled step: the saves of blocks earlier forwards wrote and
         this schedule's loads; this schedule's saves wait for its forward."""
-        out = ConnectorTransfers(self._ready, self._loads)
-        self._ready, self._saves, self._loads = self._saves, [], []
+        out = ConnectorTransfers(self._ready + self._evicted_saves, self._loads)
+        self._ready, self._saves, self._loads, self._evicted_saves = self._saves, [], [], []
         self._queued.difference_update(key for _, key in out.saves)
         self.num_saved_blocks += len(out.saves)
         return out or None
 
     def flush_transfers(self) -> ConnectorTransfers | None:
         """With no step scheduled (every forward has run): every pending save."""
-        out = ConnectorTransfers(self._ready + self._saves, self._loads)
-        self._ready, self._saves, self._loads = [], [], []
+        out = ConnectorTransfers(self._ready + self._saves + self._evicted_saves, self._loads)
+        self._ready, self._saves, self._loads, self._evicted_saves = [], [], [], []
         self._queued.clear()
         self.num_saved_blocks += len(out.saves)
         return out or None
@@ -172,6 +201,9 @@ class ConnectorKVCacheManager(KVCacheManager):
 
     def reset_prefix_cache(self) -> bool:
         # Saves not yet run read blocks whose contents the caller is about to drop.
-        if self._ready or self._saves or self._loads:
+        if self._ready or self._saves or self._loads or self._evicted_saves:
             raise RuntimeError("flush_transfers() before resetting the prefix cache: saves are pending")
-        return super().reset_prefix_cache()
+        if not super().reset_prefix_cache():
+            return False
+        self._block_keys.clear()
+        return True

@@ -1,4 +1,5 @@
-"""Host KV tier: a second, larger pool of KV blocks in host memory.
+"""Host KV tier: a second, larger pool of KV blocks in host memory -- or in any store a
+device-layout KV connector supplies (interface 1.7; the host tier is the builtin one).
 
 It serves two purposes:
 
@@ -10,9 +11,13 @@ It serves two purposes:
   host (swap-out) and copying them back when it resumes (swap-in) instead of
   recomputing its whole context.
 
-This module is bookkeeping only (no torch): every copy is recorded in a ``KVTransfers``
-list, which the scheduler hands to the executor once per step and the executor runs,
-in order, before that step's forward.  Host blocks read or written by a pending copy are
+This module is the connector's index, kept on rank 0 (no torch): which store slot holds
+which block.  Two kinds of entries share the slots: *content* entries (a block's
+prefix-cache hash; LRU-evicted for room) and *handle* entries (a swapped-out request's
+blocks, by request and block index: ``_swapped``; never evicted until swap-in or abort).
+Every copy is recorded in a ``KVTransfers`` list, which the scheduler hands to the
+executor once per step and every rank runs, in order, against its own store before
+that step's forward (pagedserve.offload.kv_tier.apply_kv_transfers).  Host blocks read or written by a pending copy are
 pinned (hold a reference) until the copies are taken, so no later decision in the same
 step can reuse them.  The host pool is a ``BlockPool`` like the device one, so host
 eviction is LRU too.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.kv_cache.block_pool import BlockPool, KVBlock
 from pagedserve.kv_cache.manager import KVCacheManager
@@ -81,8 +87,12 @@ class TieredKVCacheManager(KVCacheManager):
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 1,
         swap_policy: SwapPolicy | None = None,
+        connector: Any = None,
     ) -> None:
         super().__init__(num_blocks, block_size, enable_prefix_caching, on_evict=self._spill)
+        #: The device-layout KV connector whose slots ``host`` indexes (opaque here; the
+        #: runners copy through it), closed with the manager; None in bookkeeping tests.
+        self.connector = connector
         self.host = BlockPool(num_host_blocks, enable_caching=True)
         self.swap_policy = swap_policy
         self._transfers = KVTransfers()
@@ -246,6 +256,10 @@ class TieredKVCacheManager(KVCacheManager):
             "kv_blocks_swapped_out": self.num_swapped_out_blocks,
             "kv_blocks_swapped_in": self.num_swapped_in_blocks,
         }
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
 
     # -- per step ---------------------------------------------------------------------------
     def take_transfers(self) -> KVTransfers | None:

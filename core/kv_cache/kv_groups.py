@@ -157,6 +157,7 @@ class GroupedKVCacheManager:
         state_checkpoint_interval: int = 4,
         num_host_blocks: int = 0,
         swap_policy: SwapPolicy | None = None,
+        connector: object = None,
     ):
         if num_blocks < 2:
             raise ValueError(f"KV cache groups need >= 2 blocks (one is the null block), got {num_blocks}")
@@ -182,6 +183,8 @@ class GroupedKVCacheManager:
         self.prefix_hits = 0
         self.num_scheduled_tokens = 0
         self.host = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks > 0 else None
+        #: The device-layout KV connector whose slots ``host`` indexes (host_tier.py), or None.
+        self.connector = connector
         self.swap_policy = swap_policy
         self._transfers = KVTransfers()
         # Host pages a pending copy reads or writes: one reference each until taken.
@@ -468,7 +471,8 @@ class GroupedKVCacheManager:
         return self.take_transfers()
 
     def close(self) -> None:
-        pass
+        if self.connector is not None:
+            self.connector.close()
 
     def check_invariants(self) -> None:
         """The device pool consistent; with a host tier, it too, and every host reference

@@ -1,5 +1,7 @@
-"""KV connectors: the builtin ``host`` and ``disk`` stores, plugin lookup, and the copies
-between a connector and the KV cache (bookkeeping: pagedserve.kv_cache.connector).
+"""KV connectors: the builtin ``host`` and ``disk`` stores, the builtin host tier
+(``kv_offload_memory``: a device-layout connector, interface 1.7), plugin lookup, and the
+copies between a connector and the KV cache (bookkeeping: pagedserve.kv_cache.connector
+for content stores, pagedserve.kv_cache.host_tier for device-layout ones).
 
 ``disk`` keeps one file per block in a directory, with an index, bounded in size with
 LRU eviction, so that a prefix computed by one process is a hit in the next:
@@ -34,14 +36,20 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from pagedserve.config_rules import BUILTIN_KV_CONNECTORS, kv_connector_refusal
 from pagedserve.kv_cache.connector import ConnectorTransfers
-from pagedserve.platforms import KVConnector, PlatformError, discover
+from pagedserve.platforms import DeviceLayoutKVConnector, KVConnector, PlatformError, discover
+from pagedserve.platforms.interface import SAVE_MODES
 
 __all__ = [
+    "HostTierConnector",
     "HostKVConnector",
     "DiskKVConnector",
     "BUILTIN_CONNECTORS",
     "create_kv_connector",
+    "create_tier_connector",
+    "is_device_layout_connector",
+    "check_kv_connector",
     "apply_connector_transfers",
     "kv_fingerprint",
 ]
@@ -57,6 +65,13 @@ _INDEX_EVERY = 64
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class HostTierConnector(DeviceLayoutKVConnector):
+    """The builtin host tier (``kv_offload_memory``): ``max_bytes`` of block slots per
+    rank in host memory, laid out as each layer's platform lays out its KV cache, pinned
+    when the platform can pin, copied by the platform's ``swap_blocks``.  Every default
+    of :class:`DeviceLayoutKVConnector` is this tier's behaviour; the class names it."""
 
 
 class HostKVConnector(KVConnector):
@@ -269,7 +284,61 @@ def create_kv_connector(spec: str, max_bytes: int, fingerprint: str) -> KVConnec
     connector = factory(arg=arg or None, max_bytes=max_bytes, fingerprint=fingerprint)
     if not isinstance(connector, KVConnector):
         raise ValueError(f"kv_connector {name!r} of plugin {plugin!r} returned {connector!r}, not a KVConnector")
+    if connector.save_mode not in SAVE_MODES:
+        raise ValueError(
+            f"kv_connector {name!r} of plugin {plugin!r} has save_mode={connector.save_mode!r}; "
+            f"expected one of {', '.join(SAVE_MODES)}"
+        )
+    if connector.device_layout and not isinstance(connector, DeviceLayoutKVConnector):
+        raise ValueError(
+            f"kv_connector {name!r} of plugin {plugin!r} sets device_layout without subclassing "
+            "DeviceLayoutKVConnector (interface 1.7)"
+        )
     return connector
+
+
+def create_tier_connector(cache) -> DeviceLayoutKVConnector | None:
+    """The device-layout connector of the engine's cache settings (``cache``: its
+    CacheConfig), created in the calling process (every rank creates its own): the
+    builtin host tier of ``kv_offload_memory`` bytes, or a plugin's device-layout
+    ``kv_connector`` of ``kv_connector_memory`` bytes; None for neither (no connector,
+    or a content store, which rank 0 alone creates with the layout's fingerprint)."""
+    if cache.kv_offload_memory is not None:
+        return HostTierConnector(int(cache.kv_offload_memory))
+    if cache.kv_connector is None or not is_device_layout_connector(cache.kv_connector):
+        return None
+    connector = create_kv_connector(cache.kv_connector, int(cache.kv_connector_memory), "")
+    if not connector.device_layout:
+        raise ValueError(f"kv_connector={cache.kv_connector!r} declared device_layout but returned a content store")
+    return connector
+
+
+def is_device_layout_connector(spec: str) -> bool:
+    """Whether the connector ``spec`` names is a device-layout tier (interface 1.7), told
+    from its registration before one is created: a factory (a DeviceLayoutKVConnector
+    subclass, or a function) with a true ``device_layout`` attribute.  The builtin
+    ``host`` and ``disk`` are stores by content; a name no plugin registers is not one
+    (creating it names the available connectors)."""
+    name = spec.partition(":")[0]
+    if name in BUILTIN_CONNECTORS:
+        return False
+    try:
+        return discover().kv_connector_is_device_layout(name)
+    except PlatformError as exc:
+        raise ValueError(f"kv_connector={spec!r}: {exc}") from None
+
+
+def check_kv_connector(config) -> None:
+    """ValueError for a plugin's ``kv_connector`` the settings (``config``: EngineConfig)
+    cannot use, by the rules the builtin connectors are checked with when the settings
+    are (config_rules.kv_connector_refusal), now that its kind can be told; called by
+    the engine before weights load."""
+    spec = config.cache.kv_connector
+    if spec is None or spec.partition(":")[0] in BUILTIN_KV_CONNECTORS:
+        return
+    refusal = kv_connector_refusal(config, is_device_layout_connector(spec))
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def apply_connector_transfers(
