@@ -527,9 +527,9 @@ class CacheConfig:
     kv_connector: str | None = field(
         default=None,
         metadata=_help(
-            "a store of KV blocks by content below the device cache: 'host' (host memory), 'disk:DIR' (block "
-            "files in DIR, kept across restarts) or a plugin's 'NAME[:ARG]'; full blocks are saved, prefix "
-            "misses loaded from it (docs/memory.md)"
+            "a KV store below the device cache: 'host' (host memory), 'disk:DIR' (block files in DIR, kept "
+            "across restarts) -- stores by content: full blocks saved, prefix misses loaded -- or a plugin's "
+            "'NAME[:ARG]', a store by content or a device-layout tier like kv_offload_memory's (docs/memory.md)"
         ),
     )
     kv_connector_memory: int | str = field(

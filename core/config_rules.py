@@ -240,21 +240,38 @@ def check_parallel_fits_model(cfg: EngineConfig, arch: Any) -> None:
         raise ValueError(f"pipeline_parallel_size={pp} cannot split {arch.architecture}: {why}")
 
 
-def check_sliding_window_cache(cfg: EngineConfig, window: int | None) -> int | None:
+def _device_tier(cfg: EngineConfig, device_layout_connector: bool) -> str | None:
+    """The setting that gives the engine a device-layout KV tier (the host tier of
+    ``kv_offload_memory``, or a plugin's device-layout ``kv_connector``: interface 1.7),
+    as the refusals name it; None without one."""
+    if cfg.cache.kv_offload_memory is not None:
+        return "kv_offload_memory (a host KV tier)"
+    if device_layout_connector and cfg.cache.kv_connector is not None:
+        return f"kv_connector={cfg.cache.kv_connector!r} (a device-layout KV tier)"
+    return None
+
+
+def check_sliding_window_cache(
+    cfg: EngineConfig, window: int | None, device_layout_connector: bool = False
+) -> int | None:
     """The window by which the KV manager frees slid-out blocks (``window``: the one
     every layer of the model shares, or None), None when freeing is off; ValueError for
-    a setting that cannot work with freed blocks.
+    a setting that cannot work with freed blocks (``device_layout_connector``: whether
+    the settings' ``kv_connector`` is a plugin's device-layout tier, which is held to
+    the host tier's rules).
 
     Checked when the checkpoint's config is read, before weights load.
     """
     if window is None or not cfg.cache.free_sliding_window_blocks:
         return None
-    if cfg.cache.kv_offload_memory is not None:
+    tier = _device_tier(cfg, device_layout_connector)
+    if tier is not None:
+        unset = "kv_offload_memory" if cfg.cache.kv_offload_memory is not None else "kv_connector"
         raise ValueError(
-            f"kv_offload_memory (a host KV tier) cannot be combined with freeing the KV blocks that slid out "
+            f"{tier} cannot be combined with freeing the KV blocks that slid out "
             f"of this model's {window}-token attention window (host swap-in and reload assume every block of "
             "a request is held); set free_sliding_window_blocks=False (--no-free-sliding-window-blocks) "
-            "or leave kv_offload_memory unset"
+            f"or leave {unset} unset"
         )
     return window
 
@@ -268,7 +285,9 @@ RECURRENT_STATE = "recurrent"
 NO_KV_CACHE = "no_kv"
 
 
-def check_kv_cache_groups(cfg: EngineConfig, windows: list[int | str | None]) -> None:
+def check_kv_cache_groups(
+    cfg: EngineConfig, windows: list[int | str | None], device_layout_connector: bool = False
+) -> None:
     """ValueError for a setting that KV cache groups (layers with different windows whose
     slid-out blocks are freed: Gemma 2/3, Qwen2 ``max_window_layers``; layers with a
     recurrent state) cannot serve.
@@ -281,10 +300,11 @@ def check_kv_cache_groups(cfg: EngineConfig, windows: list[int | str | None]) ->
     if not cfg.cache.free_sliding_window_blocks or len(set(windows)) < 2:
         return
     spec = cfg.speculative.speculative_config
+    tier = _device_tier(cfg, device_layout_connector)
     used = [
         (
-            cfg.cache.kv_offload_memory is not None and cfg.cache.preemption_mode == "recompute",
-            f"kv_offload_memory={cfg.cache.kv_offload_memory} with preemption_mode='recompute' (the host tier of "
+            tier is not None and cfg.cache.preemption_mode == "recompute",
+            f"{tier} with preemption_mode='recompute' (the device-layout tier of "
             "KV cache groups serves swap preemption only)",
         ),
         (spec is not None and spec.method != "ngram", f"speculative_config method={getattr(spec, 'method', None)!r}"),

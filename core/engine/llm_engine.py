@@ -46,7 +46,7 @@ from pagedserve.models.layers import layer_windows
 from pagedserve.models.registry import resolve_vision_class
 from pagedserve.multimodal.processor import build_mm_processor
 from pagedserve.offload import build_kv_manager, offload_weights
-from pagedserve.offload.connectors import check_kv_connector
+from pagedserve.offload.connectors import check_kv_connector, is_device_layout_connector
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import select_platform
 from pagedserve.pooling import PoolingParams, load_score_head, resolve_pooling
@@ -85,8 +85,9 @@ class LLMEngine:
                 vision_cls.check_engine(config, self.arch, self.ops, source.path)
         # The window by which the KV manager frees slid-out blocks (None: keeps them all).
         windows = layer_windows(self.arch.hf_config, self.arch.num_layers)
-        kv_window = check_sliding_window_cache(config, uniform_window(windows))
-        check_kv_cache_groups(config, windows)  # layers with different windows: one table per group
+        tier = config.cache.kv_connector is not None and is_device_layout_connector(config.cache.kv_connector)
+        kv_window = check_sliding_window_cache(config, uniform_window(windows), tier)
+        check_kv_cache_groups(config, windows, tier)  # layers with different windows: one table per group
         self.tokenizer = engine_tokenizer(config.model, source, self.arch.vocab_size)
         self.eos_token_ids = frozenset(source.eos_token_ids)
         #: SamplingParams defaults from generation_config.json (see loader/generation_config.py).

@@ -457,3 +457,29 @@ def test_plugin_tier_under_tensor_parallelism(tier_plugin, tiny_checkpoint_facto
     assert stats.num_swap_outs > 0 and stats.num_swap_ins == stats.num_swap_outs
     pids = {f.name.split("-")[0] for f in store.glob("*.kv")}
     assert len(pids) == 2  # one store per rank
+
+
+@pytest.mark.parametrize("max_window_layers", [0, 1])
+def test_plugin_tier_with_freed_window_blocks_is_refused(
+    tier_plugin, tiny_checkpoint_factory, tmp_path, max_window_layers
+):
+    """A plugin's device-layout tier is held to the host tier's rules for windowed
+    models: with the slid-out blocks freed (one window for every layer, or KV cache
+    groups with recompute preemption) it is refused before weights load or a store is
+    made; keeping every block serves."""
+    path = tiny_checkpoint_factory(
+        arch="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=max_window_layers
+    )
+    spec = f"filetier:{tmp_path}"
+    match = (
+        rf"kv_connector='{spec}' \(a device-layout KV tier\) cannot be combined with freeing"
+        if max_window_layers == 0
+        else rf"kv_connector='{spec}' \(a device-layout KV tier\) with preemption_mode='recompute'"
+    )
+    mode = {} if max_window_layers == 0 else {"preemption_mode": "recompute"}
+    with pytest.raises(ValueError, match=match):
+        LLM(model=str(path), **PREEMPTING, kv_connector=spec, **mode)
+    assert not tier_plugin.INSTANCES
+    llm = LLM(model=str(path), **PREEMPTING, kv_connector=spec, free_sliding_window_blocks=False)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and tier_plugin.INSTANCES
