@@ -5,7 +5,8 @@
 Runs one workload of benchmarks/workloads.py (the same requests, seeds and engine
 settings as compare_vllm.py) through pagedserve with every op of the registry wrapped
 in a wall-clock timer.  A step is a "prefill" step when any of its requests is still
-in its prompt, else a "decode" step.  Prints seconds per op for each kind, the rest of
+in its prompt ("mixed" when decodes ride along), else a "decode" step.  Prints seconds
+per op for each kind, the rest of
 the model runner's step (Python, input preparation, sampling) as "else", and decode
 steps grouped by batch size, each split into the ops, the runner outside its ops and
 the engine's step outside the runner (scheduling, detokenization, stop checks,
@@ -20,7 +21,13 @@ down", "gguf lm_head": they hold their ops from load, outside the registry's tim
 parts of a fused projection that mixes block types are timed apart, e.g. "gguf qkv
 Q8_0"), then prints those linears by row count per call (wall and process CPU seconds:
 on a loaded machine the CPU seconds are what compares); ``--unfused-mlp`` runs its MLPs
-as gguf_linear then silu_and_mul, as before the fused op.  The timers
+as gguf_linear then silu_and_mul, as before the fused op.  On the bf16 folder the
+dense linears are tabled by weight shape and rows per call (seconds and GFLOP/s; the
+LM head is the ``576->49152`` row of the default model), and ``paged_attention`` by
+step kind with its query-key pairs (prompt chunks apart from decodes) and nanoseconds
+per pair and layer.  ``--clock cpu`` times everything in process CPU seconds instead of
+wall-clock seconds (with ``--threads 1`` that is the one compute thread's time, which a
+loaded machine inflates far less than wall time).  The timers
 cost a few microseconds per op call, so the workload runs slightly slower than in
 compare_vllm.py.
 """
@@ -40,7 +47,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from profile_decode import time_ops  # noqa: E402
 from workloads import WORKLOADS, default_gguf_path, make_workload  # noqa: E402
 
-#: Upper bounds of the row-count buckets of the GGUF linears' table.
+#: A plain token id for the warm-up prompt (the first ids are special tokens).
+MIN_ID = 100
+#: Upper bounds of the row-count buckets of the linears' tables.
 ROW_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
 
 
@@ -116,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unfused-mlp", action="store_true", help="GGUF: gate/up GEMM, then silu_and_mul (as before)")
     p.add_argument("--async-scheduling", action="store_true", help="overlap output processing with the forward")
     p.add_argument("--cprofile", type=int, default=0, help="also print cProfile's N most costly functions (slower)")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="time ops and steps in wall-clock or process CPU seconds",
+    )
     args = p.parse_args(argv)
 
     from pagedserve import LLM, SamplingParams
@@ -134,17 +149,26 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         async_scheduling=args.async_scheduling,
     )
+    # Warm up outside the timers (first-call allocations, and ops tuned at their first
+    # call: paged_attention where it has candidates), as `pagedserve bench throughput` does.
+    llm.generate([[MIN_ID] * 16], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     ops = llm.llm_engine.ops
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     kind = ["decode"]
     spent: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     op_total = [0.0]
 
+    timer_calls = [0]
+
     def record(name: str, seconds: float) -> None:
         spent[kind[0]].update({name: seconds})
         op_total[0] += seconds
+        timer_calls[0] += 1
 
-    time_ops(ops, record)
+    time_ops(ops, record, clock)
     by_rows: dict[tuple[str, int], _Cell] = collections.defaultdict(_Cell)
+    dense: dict[tuple[str, int], list] = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    attn: dict[str, list] = collections.defaultdict(lambda: [0, 0.0, 0, 0])
     if args.gguf:
         time_gguf_weights(llm.llm_engine.runner.model, record, args.unfused_mlp, by_rows)
     else:
@@ -152,17 +176,19 @@ def main(argv: list[str] | None = None) -> int:
         for w in _quantized_weights(llm.llm_engine.runner.model):
             if w.op is not None and hasattr(ops, w.op.__name__):
                 w.op = ops.get(w.op.__name__)
+        time_dense(ops, clock, dense)
+    time_attention(ops, clock, attn, kind)
 
     steps: list[tuple[str, int, float, float]] = []  # (kind, requests, seconds, of which in ops)
     execute = model_runner.ModelRunner.execute
 
     def timed_execute(self, out, block_ids):
-        kind[0] = "prefill" if any(s.num_new_tokens > 1 for s in out.scheduled) else "decode"
-        t0, ops0 = time.perf_counter(), op_total[0]
+        kind[0] = step_kind(out.scheduled)
+        t0, ops0 = clock(), op_total[0]
         try:
             return execute(self, out, block_ids)
         finally:
-            steps.append((kind[0], len(out.scheduled), time.perf_counter() - t0, op_total[0] - ops0))
+            steps.append((kind[0], len(out.scheduled), clock() - t0, op_total[0] - ops0))
 
     model_runner.ModelRunner.execute = timed_execute
     # The engine's whole step (scheduling, output processing, detokenization) around the runner.
@@ -171,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     step = type(llm.llm_engine).step
 
     def timed_step(self):
-        t0, ran = time.perf_counter(), len(steps)
+        t0, ran = clock(), len(steps)
         try:
             return step(self)
         finally:
-            seconds = time.perf_counter() - t0
+            seconds = clock() - t0
             engine_step[0] += seconds
             if len(steps) > ran:
                 outside[ran] = seconds - steps[ran][2]
@@ -191,23 +217,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in w.requests]
     profiler = cProfile.Profile() if args.cprofile else None
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if profiler is not None:
         profiler.enable()
     outs = llm.generate([r.prompt_token_ids for r in w.requests], params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     if profiler is not None:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(
         f"{args.workload}: {tokens} output tokens in {wall:.2f} s = {tokens / wall:.1f} tokens/s "
-        f"(with op timers), {len(steps)} steps\n"
+        f"(with op timers), {cpu:.2f} CPU s = {tokens / cpu:.1f} tokens per CPU s, {len(steps)} steps\n"
     )
     in_runner = sum(s[2] for s in steps)
     in_ops = sum(sum(c.values()) for c in spent.values())
+    if args.clock == "cpu":
+        wall = cpu  # the rows below are in CPU seconds
+    # What the op timers themselves cost (mostly "runner outside ops"): a timed op call
+    # reads the clock twice, and the dense and attention tables' wrappers twice more.
+    t0 = clock()
+    for _ in range(1000):
+        clock()
+    per_read = (clock() - t0) / 1001
     print(
-        f"wall {wall:.2f} s: engine steps {engine_step[0]:.2f} s (model runner {in_runner:.2f} s, of which ops "
+        f"op timers: {timer_calls[0]} timed calls, about {per_read * 1e6:.2f} us per clock read: "
+        f"~{timer_calls[0] * 4 * per_read:.2f} {args.clock} s of the run are the timers' own\n"
+    )
+    print(
+        f"{args.clock} {wall:.2f} s: engine steps {engine_step[0]:.2f} s (model runner {in_runner:.2f} s, of which ops "
         f"{in_ops:.2f} s); runner outside ops {in_runner - in_ops:.2f} s, engine outside the runner "
         f"{engine_step[0] - in_runner:.2f} s, outside the engine's steps {wall - engine_step[0]:.2f} s\n"
     )
@@ -215,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     used = [n for n in names if spent["prefill"][n] + spent["decode"][n] >= 0.005]
     print("| steps | count | seconds | " + " | ".join(used) + " | else |")
     print("|---|---:|---:|" + "---:|" * (len(used) + 1))
-    for k in ("prefill", "decode"):
+    for k in STEP_KINDS:
         total = sum(s for kk, _, s, _ in steps if kk == k)
         cells = [f"{spent[k][n]:.2f}" for n in used]
         rest = total - sum(spent[k].values())
@@ -237,7 +275,122 @@ def main(argv: list[str] | None = None) -> int:
         )
     if by_rows:
         print_by_rows(by_rows)
+    if dense:
+        print_dense(dense, args.clock)
+    print_attention(attn, args.clock)
     return 0
+
+
+STEP_KINDS = ("prefill", "mixed", "decode")
+
+
+def step_kind(scheduled) -> str:
+    """ "prefill": every request of the step is in its prompt; "mixed": prompt chunks and
+    decodes; "decode": no request in its prompt."""
+    chunks = sum(1 for s in scheduled if s.request.num_computed_tokens < s.request.num_prompt_tokens)
+    if not chunks:
+        return "decode"
+    return "prefill" if chunks == len(scheduled) else "mixed"
+
+
+def time_dense(ops, clock, dense: dict) -> None:
+    """Wrap the registry's bf16 ``linear`` and ``linear_silu_and_mul`` so that each call
+    adds (calls, seconds, FLOP, weight bytes) to ``dense[("op K->N", row bucket)]``; N is
+    the output width (gated: the d-wide product of a [gate; up] weight of 2d rows)."""
+
+    def wrap(name: str, gated: bool):
+        fn = ops.get(name)
+
+        def timed(x, weight, bias=None, **kw):
+            t0 = clock()
+            y = fn(x, weight, bias, **kw)
+            seconds = clock() - t0
+            rows, k, n = x.numel() // x.shape[-1], x.shape[-1], y.shape[-1]
+            bucket = next((b for b in ROW_BUCKETS if rows <= b), ROW_BUCKETS[-1])
+            cell = dense[f"{name} {k}->{n}", bucket]
+            cell[0] += 1
+            cell[1] += seconds
+            cell[2] += 2.0 * rows * k * n * (2 if gated else 1)
+            cell[3] += 2.0 * k * n * (2 if gated else 1)
+            return y
+
+        ops.register(name, timed, source=ops.source(name))
+
+    wrap("linear", False)
+    wrap("linear_silu_and_mul", True)
+
+
+def time_attention(ops, clock, attn: dict, kind: list) -> None:
+    """Wrap ``paged_attention`` so that each call adds (calls, seconds, prompt-chunk
+    query-key pairs, decode pairs) to ``attn[step kind]`` (pairs counted causally)."""
+    fn = ops.get("paged_attention")
+    memo: list = [None, (0, 0)]  # the step's seq_lens tensor, its pairs (every layer alike)
+
+    def timed(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *a, **kw):
+        t0 = clock()
+        out = fn(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *a, **kw)
+        seconds = clock() - t0
+        if memo[0] is not seq_lens:
+            qsl, ctx = query_start_loc.tolist(), seq_lens.tolist()
+            chunk = decode = 0
+            for i, c in enumerate(ctx):
+                q = qsl[i + 1] - qsl[i]
+                pairs = q * (c - q + 1) + q * (q - 1) // 2
+                if q > 1:
+                    chunk += pairs
+                else:
+                    decode += pairs
+            memo[0], memo[1] = seq_lens, (chunk, decode)
+        cell = attn[kind[0]]
+        cell[0] += 1
+        cell[1] += seconds
+        cell[2] += memo[1][0]
+        cell[3] += memo[1][1]
+        return out
+
+    ops.register("paged_attention", timed, source=ops.source("paged_attention"))
+
+
+def print_dense(dense: dict, clock: str) -> None:
+    """The bf16 linears by shape and rows per call: calls / seconds / GFLOP/s / GB/s of
+    weights (each call reads its whole weight)."""
+    names = sorted({n for n, _ in dense}, key=lambda n: (n.split()[0], int(n.split()[1].split("->")[0])))
+    buckets = sorted({b for _, b in dense})
+    print(f"\ndense linears by rows per call (calls / {clock} s / GFLOP/s / weight GB/s):\n")
+    print("| op | " + " | ".join(f"rows <= {b}" for b in buckets) + f" | total {clock} s | GFLOP/s |")
+    print("|---|" + "---:|" * (len(buckets) + 2))
+
+    def cell(c) -> str:
+        rate = max(c[1], 1e-9) * 1e9
+        return f"{c[0]} / {c[1]:.2f} / {c[2] / rate:.0f} / {c[3] / rate:.1f}" if c[0] else ""
+
+    for n in names:
+        cells = [dense.get((n, b), [0, 0.0, 0.0, 0.0]) for b in buckets]
+        tot = [sum(c[i] for c in cells) for i in range(4)]
+        print(
+            f"| {n} | "
+            + " | ".join(cell(c) for c in cells)
+            + f" | {tot[1]:.2f} | {tot[2] / max(tot[1], 1e-9) / 1e9:.0f} |"
+        )
+    by_b = [[sum(dense.get((n, b), [0, 0.0, 0.0, 0.0])[i] for n in names) for i in range(4)] for b in buckets]
+    tot = [sum(c[i] for c in by_b) for i in range(4)]
+    print(
+        "| all | " + " | ".join(cell(c) for c in by_b) + f" | {tot[1]:.2f} | {tot[2] / max(tot[1], 1e-9) / 1e9:.0f} |"
+    )
+
+
+def print_attention(attn: dict, clock: str) -> None:
+    """paged_attention by step kind: calls, seconds, query-key pairs, ns per pair."""
+    print(f"\npaged_attention by step kind ({clock} s; pairs summed over layers):\n")
+    print("| steps | calls | seconds | prompt-chunk pairs (M) | decode pairs (M) | ns per pair |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for k in STEP_KINDS:
+        if k in attn:
+            calls, s, chunk, decode = attn[k]
+            print(
+                f"| {k} | {calls} | {s:.2f} | {chunk / 1e6:.1f} | {decode / 1e6:.1f} "
+                f"| {1e9 * s / max(chunk + decode, 1):.1f} |"
+            )
 
 
 def print_by_rows(by_rows: dict) -> None:

@@ -111,6 +111,7 @@ CPU_EXTENSIONS: tuple[tuple[str, str, str], ...] = (
     ("pagedserve.kernels.cpu.moe_native", "moe_build_spec", "MoE CPU kernel"),
     ("pagedserve.kernels.cpu.recurrent_native", "recurrent_build_spec", "recurrent-layer CPU kernels"),
     ("pagedserve.kernels.cpu.attention_amx", "amx_build_spec", "AMX attention CPU kernel"),
+    ("pagedserve.kernels.cpu.prefill_attn", "bf16_prefill_build_spec", "AVX-512 BF16 prefill attention CPU kernel"),
     ("pagedserve.kernels.cpu.quant_gguf_amx", "gguf_amx_build_spec", "AMX int8 GGUF CPU kernel"),
 )
 

@@ -96,8 +96,9 @@ class CpuOptions:
     kv_layout: str = "head"
     #: PAGEDSERVE_CPU_HUGE_PAGES: advise the KV caches onto transparent huge pages.
     huge_pages: bool = False
-    #: PAGEDSERVE_CPU_AMX_ATTENTION: prefill attention on AMX tiles where the CPU has AMX
-    #: (platforms/cpu/attention_ops.py; off: the native kernel for every sequence).
+    #: PAGEDSERVE_CPU_AMX_ATTENTION: prefill attention on AMX tiles where the CPU has AMX,
+    #: else on AVX-512 BF16 register tiles where it has those (platforms/cpu/attention_ops.py;
+    #: off: the native kernel for every sequence).
     amx_attention: bool = True
 
     @classmethod

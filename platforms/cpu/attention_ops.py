@@ -7,13 +7,18 @@ Candidates (each with kernels/reference.py's exact signature):
                  only where the CPU has AMX.
     amx_prefill  AMX for the sequences with at least PREFILL_MIN_TOKENS query tokens,
                  native for the rest (decodes) of the same batch; only with AMX.
+    bf16_tiles   the same scheme on AVX-512 BF16 registers (kernels/cpu/prefill_attn_bf16.cpp)
+                 for every sequence; only where the CPU has AVX-512 BF16 and no AMX.
+    bf16_prefill bf16_tiles for the sequences with at least PREFILL_MIN_TOKENS query
+                 tokens, native for the rest; likewise.
     sdpa         torch's scaled_dot_product_attention per sequence over K/V gathered
                  from the blocks (oneDNN/brgemm flash attention, AMX where it exists).
 
 The AMX kernel packs each sequence's keys and values into tile layouts once per call,
 which the query tiles of a prefill chunk share; a decode's 3 rows of a 16-row tile do
 not amortise that, and the native kernel is faster there (docs/kernels_cpu.md, "AMX
-attention", has the crossover).
+attention", has the crossover).  The AVX-512 BF16 kernel packs alike and has the same
+crossover ("Prefill attention on AVX-512 BF16 registers").
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ PREFILL_MIN_TOKENS = 8
 AttentionFn = Callable[..., torch.Tensor]
 #: The candidates that run a whole batch one way (measured dispatch times these and
 #: splits batches itself; ``amx_prefill`` is already a split).
-WHOLE_BATCH = ("native", "amx", "sdpa")
+WHOLE_BATCH = ("native", "amx", "bf16_tiles", "sdpa")
 
 
 def call_runs(
@@ -182,6 +187,7 @@ def attention_candidates(native: Any) -> dict[str, AttentionFn]:
     """Every paged_attention implementation available here, by name (module doc);
     ``native`` is the loaded native kernels (kernels/cpu/native.py) or None."""
     from pagedserve.kernels.cpu.attention_amx import load_amx_attention
+    from pagedserve.kernels.cpu.prefill_attn import load_bf16_prefill_attention
 
     candidates: dict[str, AttentionFn] = {}
     if native is not None:
@@ -193,5 +199,13 @@ def attention_candidates(native: Any) -> dict[str, AttentionFn]:
         candidates["amx"] = amx.paged_attention
         if native is not None:
             candidates["amx_prefill"] = make_prefill_split(amx.paged_attention, native.paged_attention)
+    else:  # no AMX: the same tiling on AVX-512 BF16 registers, where the CPU has them
+        tiles = load_bf16_prefill_attention()
+        if tiles is not None:
+            if native is not None:
+                tiles = tiles.with_fallback(native.paged_attention)
+            candidates["bf16_tiles"] = tiles.paged_attention
+            if native is not None:
+                candidates["bf16_prefill"] = make_prefill_split(tiles.paged_attention, native.paged_attention)
     candidates["sdpa"] = sdpa_paged_attention
     return candidates

@@ -17,9 +17,9 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
     packs bf16 linear weights at load: in the layouts of the kernels measured fastest
     on this machine (platforms/cpu/tuned_linear.py), or with PAGEDSERVE_CPU_TUNE=0 for
     the native packed kernel where it is built, else oneDNN (platforms/cpu/dense_ops.py).
-    Where the CPU has AMX, paged attention is likewise chosen by measurement per
-    query-token bucket (platforms/cpu/tuned_attention.py; tuning off: AMX tiles for
-    prefill sequences, native for the rest).
+    Where the CPU has AMX, or else AVX-512 BF16, paged attention is likewise chosen by
+    measurement per query-token bucket (platforms/cpu/tuned_attention.py; tuning off:
+    AMX tiles, else the AVX-512 BF16 tiling, for prefill sequences, native for the rest).
     PAGEDSERVE_CPU_KERNELS=0 keeps every op the torch reference, quantized ones
     included.  When the native kernels cannot be built, their torch references stay
     registered; the loader has already warned why.
@@ -48,9 +48,11 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
         # AMX tiles where they measure faster (per query-token bucket, at the first call
         # of each head configuration: platforms/cpu/tuned_attention.py), else (tuning
         # off) for prefill sequences, native for decodes (docs/kernels_cpu.md, "AMX
-        # attention"); without AMX the native kernel stays, untimed.
+        # attention"); without AMX the same with the AVX-512 BF16 tiling where the CPU
+        # has it; otherwise the native kernel stays, untimed.
         candidates = attention_candidates(kernels)
-        split = candidates.get("amx_prefill")
+        split_name = "amx_prefill" if "amx_prefill" in candidates else "bf16_prefill"
+        split = candidates.get(split_name)
         if split is not None and tuner is not None:
             from pagedserve.platforms.cpu.tuned_attention import TunedAttention
 
@@ -59,7 +61,7 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
             source = f"{kernels.source}+tuned(" + ",".join(sorted(whole)) + ")"
             ops.register("paged_attention", tuned_attn.op(), source=source)
         elif split is not None:
-            ops.register("paged_attention", split, source=f"{kernels.source}+amx-prefill")
+            ops.register("paged_attention", split, source=f"{kernels.source}+{split_name.replace('_', '-')}")
     native = kernels if kernels is not None and kernels.has_packed_linear else None
     if options.prepack and tuner is not None and (native is not None or dense_ops.onednn_available()):
         # Measured dispatch (platforms/cpu/tuned_linear.py): the kernels timed on the

@@ -65,7 +65,8 @@ def test_engine_at_native_head_size_runs_native_attention(head_dim, tiny_checkpo
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bf16_engine_runs_native_or_amx_attention(head_dim, tiny_checkpoint_factory):
-    # The served dtype: prefill may go to the AMX tiles, decode to the native kernel.
+    # The served dtype: prefill may go to the AMX tiles (or, without AMX, the AVX-512
+    # BF16 tiling), decode to the native kernel.
     path = tiny_checkpoint_factory(arch="llama", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=head_dim)
     prompts = _prompts(259)
     llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="16MiB")
@@ -73,7 +74,8 @@ def test_bf16_engine_runs_native_or_amx_attention(head_dim, tiny_checkpoint_fact
     seq = prompts[2]
     out = llm.generate([seq], SamplingParams(max_tokens=6, prompt_logprobs=0, ignore_eos=True), use_tqdm=False)[0]
     ran = _delta(before)
-    assert ran.get("paged_attention:native", 0) + ran.get("paged_attention:amx", 0) > 0, ran
+    tiles = ran.get("paged_attention:amx", 0) + ran.get("paged_attention:bf16_prefill", 0)
+    assert ran.get("paged_attention:native", 0) + tiles > 0, ran
     assert "paged_attention:reference" not in ran, ran
     assert ran.get("paged_attention:native", 0) > 0, ran  # the decode steps
     ours = engine_token_logprobs(out.prompt_logprobs, seq)

@@ -12,6 +12,7 @@ import torch
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.cpu.attention_amx import amx_unavailable_reason, load_amx_attention
+from pagedserve.kernels.cpu.prefill_attn import bf16_prefill_unavailable_reason
 from pagedserve.platforms.cpu.attention_ops import attention_candidates, make_prefill_split, sdpa_paged_attention
 from tests.kernels.test_cpu_kernels import assert_close, make_batch, num_threads
 
@@ -215,10 +216,13 @@ def test_platform_registers_amx_prefill_where_amx_exists(cpu_kernels):
     register_cpu_ops(ops_tuned, CpuOptions.from_env({}))
     assert ops_off.source("paged_attention") == cpu_kernels.source
     has_amx = amx_unavailable_reason() is None
-    want = f"{cpu_kernels.source}+amx-prefill" if has_amx else cpu_kernels.source
-    assert ops.source("paged_attention") == want
-    tuned = f"{cpu_kernels.source}+tuned(amx,native,sdpa)" if has_amx else cpu_kernels.source
-    assert ops_tuned.source("paged_attention") == tuned
+    # Without AMX, the AVX-512 BF16 tiling where the CPU has it (tests/kernels/test_cpu_prefill_attn.py).
+    has_bf16 = not has_amx and bf16_prefill_unavailable_reason() is None
+    want = "+amx-prefill" if has_amx else "+bf16-prefill" if has_bf16 else ""
+    assert ops.source("paged_attention") == cpu_kernels.source + want
+    tiles = "amx" if has_amx else "bf16_tiles"
+    tuned = f"+tuned({','.join(sorted([tiles, 'native', 'sdpa']))})" if has_amx or has_bf16 else ""
+    assert ops_tuned.source("paged_attention") == cpu_kernels.source + tuned
 
 
 def test_amx_build_is_gated_on_the_cpu_flags(monkeypatch, tmp_path):

@@ -13,6 +13,7 @@ import torch
 from pagedserve.kernels import reference
 from pagedserve.kernels.cpu import load_cpu_kernels
 from pagedserve.kernels.cpu.attention_amx import amx_unavailable_reason
+from pagedserve.kernels.cpu.prefill_attn import bf16_prefill_unavailable_reason
 from pagedserve.platforms.cpu.attention_ops import WHOLE_BATCH, attention_candidates
 from pagedserve.platforms.cpu.tuned_attention import OP, TunedAttention, head_key, synthetic_batch
 from pagedserve.platforms.cpu.tuning import Plan, Tuner, TuningCache
@@ -199,9 +200,13 @@ def test_off_switch():
     on, off = _table({}), _table({"PAGEDSERVE_CPU_TUNE": "0"})
     no_amx = _table({"PAGEDSERVE_CPU_AMX_ATTENTION": "0"})
     assert "+" not in no_amx["paged_attention"]
-    if amx_unavailable_reason() is not None:
+    if amx_unavailable_reason() is None:
+        assert on["paged_attention"].endswith("+tuned(amx,native,sdpa)")
+        assert off["paged_attention"].endswith("+amx-prefill")
+    elif bf16_prefill_unavailable_reason() is None:
+        # No AMX: the AVX-512 BF16 tiling takes the AMX kernel's place.
+        assert on["paged_attention"].endswith("+tuned(bf16_tiles,native,sdpa)")
+        assert off["paged_attention"].endswith("+bf16-prefill")
+    else:
         # One candidate that matters: nothing to time, the native kernel as before.
         assert on["paged_attention"] == off["paged_attention"] == no_amx["paged_attention"]
-        return
-    assert on["paged_attention"].endswith("+tuned(amx,native,sdpa)")
-    assert off["paged_attention"].endswith("+amx-prefill")
