@@ -68,7 +68,6 @@ struct AttnScratch {
   std::vector<const void*> vrows;  // a span's V rows, in key order (paired P.V)
   std::vector<uint16_t> kvb;       // a span's 8-bit K then V rows as bf16 (Kv8Bf16)
   std::vector<float> kvsc;         // their row scales (K's times the softmax scale)
-  std::vector<int16_t> qi;         // query rows quantized to int16 (QkI8Wssd)
   static void grow(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
   }
@@ -96,7 +95,7 @@ struct QkFma {
   using Elem = float;
   using QElem = float;  // what the query rows are read as
   static constexpr bool kPairedPV = false;
-  static constexpr bool kIntRows = false;
+  static constexpr bool kConvV = true;
   using V = typename Isa::V;
   static constexpr int W = Isa::W, NV = D / W;
 
@@ -132,7 +131,8 @@ struct QkBf16Dot {
   using Elem = BF16;
   using QElem = BF16;
   using VElem = BF16;  // the V rows pv() reads
-  static constexpr bool kIntRows = false;
+  // 8-bit caches (Attention::kConvBf16): V rows converted to bf16 copies too.
+  static constexpr bool kConvV = true;
   using V = __m512;
   static constexpr int NC = (D + 31) / 32;
   // P.V with VDPBF16PS too (head sizes that are whole 32-value vectors): see pv().
@@ -242,20 +242,22 @@ struct QkBf16Dot {
   }
 };
 
-// fp8 KV rows -> bf16 rows, exactly: every e4m3 and e5m2 value is a bf16 value
+// 8-bit KV rows -> bf16 rows, exactly: every e4m3, e5m2 and int8 value is a bf16 value
 // (subnormals, infinities and NaNs included).  Two 128-entry byte tables give the high
 // and the low byte of the bf16 bits of each byte's magnitude (VPERMI2B reads the low 7
-// bits of each index byte, the magnitude of these sign-magnitude formats), the sign bit
-// is ORed back, and VPERMT2B interleaves the two halves into 16-bit lanes in order: per
-// 64 values one load, four permutes and one logic op, against a widening, a
-// half-to-float conversion and, for e4m3, a multiply and a NaN blend per 16 values to
-// float32.  The rows then take the bf16 kernel's VDPBF16PS q.k and paired P.V, once per
-// span for every query head of the group.  (int8 rows take QkI8Wssd instead.)
+// bits of each index byte: the magnitude for the sign-magnitude fp8 formats, |x| for
+// int8), the sign bit is ORed back, and VPERMT2B interleaves the two halves into 16-bit
+// lanes in order: per 64 values one load, four permutes and one logic op, against a
+// widening, an integer-to-float or half-to-float conversion and, for e4m3, a multiply
+// and a NaN blend per 16 values to float32.  The rows then take the bf16 kernel's
+// VDPBF16PS q.k and paired P.V, once per span for every query head of the group.
 template <typename KT>
 struct Kv8Bf16Tables {
   alignas(64) uint8_t hi[128], lo[128];
   static float magnitude(int i) {
-    if constexpr (std::is_same_v<KT, FP8E4M3> || std::is_same_v<KT, FP8E4M3S>) {
+    if constexpr (std::is_same_v<KT, I8S>) {
+      return float(i);
+    } else if constexpr (std::is_same_v<KT, FP8E4M3> || std::is_same_v<KT, FP8E4M3S>) {
       const int e = i >> 3, m = i & 7;
       if (i == 0x7f) return std::numeric_limits<float>::quiet_NaN();
       return e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
@@ -314,9 +316,16 @@ __attribute__((target("avx512vbmi"), noinline)) void kv8_rows_to_bf16(const KT* 
     for (int c = 0; c < D; c += 64) {
       const bool half = D - c == 32;  // head size 96: a last run of 32 values
       const __m512i x = half ? _mm512_maskz_loadu_epi8(0xffffffffull, r + c) : _mm512_loadu_si512(r + c);
-      __m512i h = _mm512_permutex2var_epi8(th0, x, th1);
-      const __m512i l = _mm512_permutex2var_epi8(tl0, x, tl1);
+      __m512i ix = x;
+      __mmask64 min_int8 = 0;
+      if constexpr (std::is_same_v<KT, I8S>) {
+        min_int8 = _mm512_cmpeq_epi8_mask(x, sign);  // -128: |x| = 0x80 reads entry 0
+        ix = _mm512_abs_epi8(x);
+      }
+      __m512i h = _mm512_permutex2var_epi8(th0, ix, th1);
+      const __m512i l = _mm512_permutex2var_epi8(tl0, ix, tl1);
       h = _mm512_ternarylogic_epi32(h, x, sign, 0xf8);  // h | (x & 0x80)
+      if constexpr (std::is_same_v<KT, I8S>) h = _mm512_mask_mov_epi8(h, min_int8, _mm512_set1_epi8(char(0xc3)));
       _mm512_storeu_si512(o + c, _mm512_permutex2var_epi8(l, i0, h));
       if (!half) _mm512_storeu_si512(o + c + 32, _mm512_permutex2var_epi8(l, i1, h));
     }
@@ -324,96 +333,23 @@ __attribute__((target("avx512vbmi"), noinline)) void kv8_rows_to_bf16(const KT* 
   }
 }
 
-// Whether this CPU runs QkI8Wssd (AVX512-VNNI: Ice Lake, Cooper Lake, Zen 4 onwards).
+// Whether this CPU runs PvI8Wssd (AVX512-VNNI: Ice Lake, Cooper Lake, Zen 4 onwards).
 inline bool kv8_vnni_supported() {
   static const bool ok = __builtin_cpu_supports("avx512vnni");
   return ok;
 }
 
-// Transpose-and-add tree of Avx512::reduce_tree on int32 lanes (exact sums).
-inline __m512i reduce_tree_epi32(const __m512i* a) {
-  __m512i c[8], d[4], e[2];
-  for (int i = 0; i < 8; ++i)
-    c[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
-                            _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    d[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(c[2 * i], c[2 * i + 1]),
-                            _mm512_unpackhi_epi64(c[2 * i], c[2 * i + 1]));
-  for (int i = 0; i < 2; ++i)
-    e[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(d[2 * i], d[2 * i + 1], 0x88),
-                            _mm512_shuffle_i32x4(d[2 * i], d[2 * i + 1], 0xdd));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(e[0], e[1], 0x88), _mm512_shuffle_i32x4(e[0], e[1], 0xdd));
-}
-
-// int8 rows (I8S) read in place with integer dot products (VPDPWSSD: pairs of int16
-// products summed into int32, exact): each query row is quantized once per work item
-// to int16 with its own scale (max |q| / 32767: an error of at most 1/65534 of its
-// largest element, against bf16's 1/512 of each), the K rows are sign-extended to int16
-// (VPMOVSXBW) as they are read, and score = int32 sum * q scale * (K row scale * softmax
-// scale).  P.V pairs two keys per instruction like QkBf16Dot's: each probability times
-// its V row's scale is quantized per query row and span to int16 (max / 32767), the V
-// rows are sign-extended, and the int32 sums come back to float32 times that scale.
-// No conversion pass, no copy of a row: half the bytes of bf16 for about its work.
+// P.V over int8 V rows (I8S) read in place with integer dot products (VPDPWSSD: pairs
+// of int16 products summed into int32, exact).  Pairs two keys per instruction like
+// QkBf16Dot::pv; each probability times its V row's scale is quantized per query row
+// and span to int16 (max / 32767: an error of at most 1/65534 of the largest term,
+// where bf16 rounding costs up to 1/512 of each), the V rows are sign-extended
+// (VPMOVSXBW) as they are read, and the int32 sums come back to float32 times that
+// scale: no conversion pass and no copy of a V row.
 template <int D>
-struct QkI8Wssd {
-  using Elem = I8S;
-  using QElem = int16_t;  // quantized query rows: D values then the float32 scale's bits
-  using VElem = I8S;
-  static constexpr bool kPairedPV = true;
-  static constexpr bool kIntRows = true;
-  static constexpr int NC = D / 32;
-  static constexpr int kQRow = D + 2;  // int16 elements of a quantized query row
+struct PvI8Wssd {
   static_assert(D % 32 == 0, "whole 32-value vectors");
-
-  template <typename T>
-  static void quantize_query(const T* q, int16_t* dst) {
-    __m512 x[D / 16];
-    __m512 mx = _mm512_setzero_ps();
-    for (int v = 0; v < D / 16; ++v) {
-      x[v] = Avx512::load(q + 16 * v);
-      mx = _mm512_max_ps(mx, _mm512_abs_ps(x[v]));
-    }
-    const float m = _mm512_reduce_max_ps(mx);
-    const float inv = m > 0.f && std::isfinite(m) ? 32767.f / m : 0.f;
-    const __m512 vi = _mm512_set1_ps(inv);
-    for (int v = 0; v < D / 16; ++v)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * v),
-                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x[v], vi))));
-    const float s = inv > 0.f ? m / 32767.f : (m > 0.f ? std::numeric_limits<float>::quiet_NaN() : 0.f);
-    std::memcpy(dst + D, &s, sizeof s);
-  }
-  static float query_scale(const int16_t* q) {
-    float s;
-    std::memcpy(&s, q + D, sizeof s);
-    return s;
-  }
-
-  template <bool kFull>
-  __attribute__((target("avx512vnni"), noinline)) static __m512 chunk(const int16_t* q, const I8S* k, int64_t ks,
-                                                                       int n) {
-    __m512i qv[NC];
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_si512(q + 32 * c);
-    __m512i acc[16];
-#pragma GCC unroll 16
-    for (int t = 0; t < 16; ++t) {
-      if (kFull || t < n) {
-        const int8_t* kr = reinterpret_cast<const int8_t*>(k + t * ks);
-        __m512i a = _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int c = 0; c < NC; ++c)
-          a = _mm512_dpwssd_epi32(
-              a, qv[c], _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr + 32 * c))));
-        acc[t] = a;
-      } else {
-        acc[t] = _mm512_setzero_si512();
-      }
-    }
-    return _mm512_cvtepi32_ps(reduce_tree_epi32(acc));
-  }
-
-  // QkBf16Dot::pv over int8 V rows; vsc: the V rows' scales (always given: I8S rows
-  // are scaled), finite past n.
+  // vsc: the V rows' scales (always given: I8S rows are scaled), finite past n.
   template <int R>
   __attribute__((target("avx512vnni"), noinline)) static void pv(float* acc, const float* alpha, const float* p,
                                                                  int sp, const I8S* const* rows, int n,
@@ -488,6 +424,20 @@ struct QkI8Wssd {
     }
   }
 };
+
+// int8 caches with a bf16 query: K rows converted to bf16 copies once per span
+// (kv8_rows_to_bf16, exact) for QkBf16Dot's q.k, so the scores are as exact as the bf16
+// kernel's; V rows read in place by PvI8Wssd.
+template <int D>
+struct QkI8Bf16Dot : QkBf16Dot<D> {
+  using VElem = I8S;
+  static constexpr bool kConvV = false;
+  template <int R>
+  static void pv(float* acc, const float* alpha, const float* p, int sp, const I8S* const* rows, int n,
+                 uint16_t* pb, KvPrefetcher* pf, const float* vsc) {
+    PvI8Wssd<D>::template pv<R>(acc, alpha, p, sp, rows, n, pb, pf, vsc);
+  }
+};
 #endif
 
 // cap * tanh(x / cap) as cap - 2 cap / (exp(2 x / cap) + 1): exact limits +-cap where
@@ -520,12 +470,9 @@ struct Attention {
   // An 8-bit cache read through bf16 copies of its rows (see kv8_rows_to_bf16).
   static constexpr bool kConvBf16 = std::is_same_v<E, BF16> && !std::is_same_v<KT, BF16>;
   static_assert(!kConvBf16 || Qk::kPairedPV, "bf16 copies of 8-bit rows take the paired P.V");
-  // int8 rows read in place by integer dot products (QkI8Wssd), the query quantized.
-  static constexpr bool kIntRows = Qk::kIntRows;
-  static_assert(!kIntRows || std::is_same_v<KT, I8S>, "integer dot products read int8 rows");
   using QE = typename Qk::QElem;  // what the q.k product reads of the query
   // Row scales gathered per span (Span::ksc, vsc) rather than applied as rows are read.
-  static constexpr bool kScaledSpan = (kConvBf16 || kIntRows) && kRowScaled<KT>;
+  static constexpr bool kScaledSpan = kConvBf16 && kRowScaled<KT>;
   // P.V runs over up to kGroupTile query rows at once so each V row is loaded and
   // converted once for all of them; CH vectors of each row's accumulator stay in
   // registers.
@@ -634,8 +581,7 @@ struct Attention {
   // The window's masking stays out of the loop (mask_head): it concerns at most one
   // span per query token.
   static float scores(const QE* q, const Span& sn, int n, int skip, const AttnParams& p, float* s, KvPrefetcher* pf) {
-    V vscale = Isa::set1(p.scale);
-    if constexpr (kIntRows) vscale = Isa::set1(Qk::query_scale(q));  // p.scale is in sn.ksc
+    const V vscale = Isa::set1(p.scale);
     V vmax = Isa::set1(kNegInf);
     for (int sg = 0, j0 = 0; sg < sn.segs && j0 < n; j0 += sn.n[sg++]) {
       const int m = std::min(sn.n[sg], n - j0);
@@ -645,7 +591,6 @@ struct Attention {
         if (pf) pf->pump(W * kRowLines);
         V x = Isa::mul(Qk::template chunk<true>(q, k + c * sn.ks, sn.ks, W),
                        kScaledSpan ? Isa::load(sn.ksc + j0 + c) : vscale);
-        if constexpr (kIntRows) x = Isa::mul(x, vscale);
         if constexpr (kSoftCap) x = SoftCap<Isa>(p.soft_cap)(x);
         Isa::store(s + j0 + c, x);
         vmax = Isa::max(vmax, x);
@@ -654,7 +599,6 @@ struct Attention {
         if (pf) pf->pump((m - c) * kRowLines);
         V x = Isa::mul(Qk::template chunk<false>(q, k + c * sn.ks, sn.ks, m - c),
                        kScaledSpan ? Isa::load(sn.ksc + j0 + c) : vscale);
-        if constexpr (kIntRows) x = Isa::mul(x, vscale);
         if constexpr (kSoftCap) x = SoftCap<Isa>(p.soft_cap)(x);
         x = Isa::mask_tail(x, m - c, kNegInf);
         Isa::store(s + j0 + c, x);
@@ -698,7 +642,7 @@ struct Attention {
     float* acc = sc.acc.data() + size_t(row0) * D;
     if constexpr (Qk::kPairedPV) {
       const void** vr = sc.vrows.data();
-      if constexpr (kConvBf16) {
+      if constexpr (kConvBf16 && Qk::kConvV) {
         for (int j = 0; j < n; ++j) vr[j] = sn.vb + int64_t(j) * D;
       } else {
         for (int sg = 0, j0 = 0; sg < sn.segs && j0 < n; j0 += sn.n[sg++])
@@ -772,7 +716,6 @@ struct Attention {
     } else if constexpr (!std::is_same_v<E, KT>) {
       AttnScratch::grow(sc.kf, size_t(span) * D);
     }
-    if constexpr (kIntRows) AttnScratch::grow(sc.kvsc, size_t(2) * (round_up(span, W) + W));
     std::fill_n(sc.acc.data(), size_t(rows) * D, 0.f);
     std::fill_n(sc.m.data(), rows + W, kNegInf);
     std::fill_n(sc.l.data(), rows, 0.f);
@@ -789,11 +732,7 @@ struct Attention {
     AttnScratch& sc = attn_scratch();
     prepare(sc, rows, G, bs);
     const T* query = static_cast<const T*>(p.query) + int64_t(q0 + w.tok_begin) * p.q_stride_tok;
-    if constexpr (kIntRows) {  // int16 copy of the item's query rows, each with its scale
-      if (sc.qi.size() < size_t(rows) * Qk::kQRow) sc.qi.resize(size_t(rows) * Qk::kQRow);
-      for (int r = 0; r < rows; ++r)
-        Qk::quantize_query(query + rm.offset(r, p.q_stride_tok, p.q_stride_head), sc.qi.data() + size_t(r) * Qk::kQRow);
-    } else if constexpr (!std::is_same_v<QE, T>) {  // float32 copy of the item's query rows
+    if constexpr (!std::is_same_v<QE, T>) {  // float32 copy of the item's query rows
       AttnScratch::grow(sc.q, size_t(rows) * D);
       for (int r = 0; r < rows; ++r)
         to_f32(query + rm.offset(r, p.q_stride_tok, p.q_stride_head), 0, 1, sc.q.data() + size_t(r) * D);
@@ -828,9 +767,7 @@ struct Attention {
           const int r = (h - w.kv_begin) * n_tok * G + t * G;
           // The converted path paced the prefetch as it read the rows (make_span).
           KvPrefetcher* tpf = kConvBf16 ? nullptr : pf;
-          if constexpr (kIntRows)
-            token_rows(sc, r, G, sc.qi.data() + size_t(r) * Qk::kQRow, Qk::kQRow, sn, visible, skip, p, tpf);
-          else if constexpr (std::is_same_v<QE, T>)
+          if constexpr (std::is_same_v<QE, T>)
             token_rows(sc, r, G, query + t * p.q_stride_tok + int64_t(h) * G * p.q_stride_head, p.q_stride_head,
                        sn, visible, skip, p, tpf);
           else
@@ -922,7 +859,11 @@ struct Attention {
       off = 0;
       for (int i = 0; i < sn.segs; ++i) {
         if (pf) pf->pump((sn.n[i] * row_bytes + 63) / 64);
-        kv8_rows_to_bf16<KT, D>(sn.v[i], p.vc_stride_tok, sn.n[i], vd + size_t(off) * D, vsc + off, 1.f);
+        if constexpr (Qk::kConvV) {
+          kv8_rows_to_bf16<KT, D>(sn.v[i], p.vc_stride_tok, sn.n[i], vd + size_t(off) * D, vsc + off, 1.f);
+        } else {  // read in place by Qk::pv: only their scales
+          for (int j = 0; j < sn.n[i]; ++j) vsc[off + j] = row_scale<D>(sn.v[i] + j * sn.vs);
+        }
         off += sn.n[i];
       }
       if constexpr (kRowScaled<KT>) {  // lanes past the keys: finite (a probability 0 times it)
@@ -934,22 +875,6 @@ struct Attention {
       sn.ksc = ksc;
       sn.vsc = vsc;
 #endif
-    } else if constexpr (kIntRows) {  // rows read in place; their scales gathered
-      const int span = blocks_per_span(bs) * bs, cap = round_up(span, W) + W;
-      float* ksc = sc.kvsc.data();
-      float* vsc = ksc + cap;
-      int off = 0;
-      for (int i = 0; i < sn.segs; ++i) {
-        for (int j = 0; j < sn.n[i]; ++j) {
-          ksc[off + j] = row_scale<D>(sn.k[i] + j * sn.ks) * p.scale;
-          vsc[off + j] = row_scale<D>(sn.v[i] + j * sn.vs);
-        }
-        off += sn.n[i];
-      }
-      std::fill(ksc + off, ksc + round_up(off, W), 0.f);
-      std::fill(vsc + off, vsc + round_up(off, W), 0.f);
-      sn.ksc = ksc;
-      sn.vsc = vsc;
     } else if constexpr (!std::is_same_v<E, KT>) {  // float32 copy of the span's keys
       float* dst = sc.kf.data();
       for (int b = kb, i = 0; b < kb_end; ++b, ++i) {

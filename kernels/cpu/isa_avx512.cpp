@@ -59,18 +59,18 @@ AttnFns kv8_qk_fns() {
 template <int D, typename KT>
 AttnFns kv8_bf16_fns() {
   if constexpr (std::is_same_v<KT, I8S>) {
-    if (kv8_vnni_supported()) return kv8_qk_fns<D, KT, QkI8Wssd<D>>();
+    if (kv8_bf16_supported() && kv8_vnni_supported()) return kv8_qk_fns<D, KT, QkI8Bf16Dot<D>>();
   } else {
     if (kv8_bf16_supported()) return kv8_qk_fns<D, KT, QkBf16Dot<D>>();
   }
   return attention_kv8_fns<Avx512>(DType::kBFloat16, kv8_dtype<KT>(), D);
 }
 
-// 8-bit KV caches with a bf16 query (head sizes of whole 32-value vectors): int8 rows
-// in place with VPDPWSSD (QkI8Wssd, AVX512-VNNI); fp8 rows converted to bf16 once per
-// span and read with VDPBF16PS (kv8_rows_to_bf16, AVX512-VBMI).  A float32 query, head
-// size 80 and CPUs without those extensions take the AVX-512 kernel (rows widened to
-// float32 in registers).
+// 8-bit KV caches with a bf16 query (head sizes of whole 32-value vectors): K rows (and
+// fp8 V rows) converted to bf16 once per span and read with VDPBF16PS
+// (kv8_rows_to_bf16, AVX512-VBMI); int8 V rows in place with VPDPWSSD (PvI8Wssd,
+// AVX512-VNNI).  A float32 query, head size 80 and CPUs without those extensions take
+// the AVX-512 kernel (rows widened to float32 in registers).
 AttnFns attention_kv8_bf16(DType dtype, DType kv_dtype, int head_size) {
   if (dtype != DType::kBFloat16) return attention_kv8_fns<Avx512>(dtype, kv_dtype, head_size);
   auto by_head = [&](auto kv_tag) -> AttnFns {

@@ -1,15 +1,17 @@
 """bf16 queries over 8-bit KV caches in the native CPU kernel (every runnable instruction
-set; with AVX512-BF16 and VBMI the rows are converted to bf16 once per span by table
-lookup and run the bf16 kernel's VDPBF16PS q.k and paired P.V, row scales joining the
-scores and the probabilities).
+set; with AVX512-BF16 and VBMI the K rows, and fp8 V rows, are converted to bf16 once
+per span by table lookup and run the bf16 kernel's VDPBF16PS q.k and paired P.V; int8 V
+rows are read in place with VPDPWSSD (VNNI); row scales join the scores and the
+probabilities).
 
 Every byte of every 8-bit format must come out exact (one key, probability 1, so the
 output is the value row; infinities stay infinite, NaN stays NaN); random batches of
 each cache kind (int8 rows, fp8 rows with their scales, unscaled fp8) at every head size
 the kernel has, GQA groups of 3 and 4, decodes, prefill tiles, an odd number of keys,
 split contexts merged across threads, windows over NaN-scaled blocks and soft caps match
-the reference on the dequantized float32 cache.  Fresh random inputs, outputs poisoned
-with NaN, blocks no sequence owns given NaN scales (or NaN values).
+the reference on the dequantized float32 cache, also with query outlier channels that
+make logits in the hundreds.  Fresh random inputs, outputs poisoned with NaN, blocks no
+sequence owns given NaN scales (or NaN values).
 """
 
 from __future__ import annotations
@@ -200,3 +202,22 @@ def test_block_size_32_and_token_major_rows(every_isa):
             out = torch.full_like(q, float("nan"))
             kernels.paged_attention(*a, 0.125, out)
             assert_close(out, expected, torch.bfloat16, f"{isa} {what}")
+
+
+@pytest.mark.parametrize("kind", KINDS[:2], ids=KIND_IDS[:2])
+@pytest.mark.parametrize("mult", [50.0, 500.0])
+def test_query_with_an_outlier_channel(every_isa, kind, mult):
+    """A query channel 50 or 500 times the others (a model's massive activations) makes
+    logits in the hundreds, where an approximate q.k (say a query quantized to int16 by
+    its largest element, 2^-15 of it) moves near-tied keys' probabilities by percents."""
+    gen = gen_for("q-outlier", kind[0], mult)
+    q, kc, vc, tables, seq_lens, qsl = kv8_batch(SEQS, (9, 3), 64, kind, gen)
+    q = q.float()
+    q[:, :, 5] *= mult
+    q[:, ::2, 17] *= -0.6 * mult
+    args = (q.bfloat16(), kc, vc, tables, seq_lens, qsl)
+    expected = expected_attention(args)
+    for isa, kernels in every_isa.items():
+        out = torch.full_like(args[0], float("nan"))
+        kernels.paged_attention(*args, 0.125, out)
+        assert_close(out, expected, torch.bfloat16, f"{isa} {kind[0]} outlier query x{mult}")
