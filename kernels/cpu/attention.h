@@ -66,7 +66,7 @@ struct AttnScratch {
   std::vector<float> q, acc, m, l, kf, scores, m_new, alpha;
   std::vector<uint16_t> pb;         // probabilities rounded to bf16 (paired P.V)
   std::vector<const void*> vrows;  // a span's V rows, in key order (paired P.V)
-  std::vector<uint16_t> kvb;       // a span's 8-bit K then V rows as bf16 (Kv8Bf16)
+  std::vector<uint16_t> kvb;       // a span's 8-bit K then V rows as bf16 (kv8_rows_to_bf16)
   std::vector<float> kvsc;         // their row scales (K's times the softmax scale)
   static void grow(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
@@ -459,9 +459,10 @@ struct SoftCap {
 // query token, a few integer operations per span when off.
 // KT: the KV cache's element type (T, or an 8-bit float whose rows are converted to
 // float32 as they are read; q.k then runs on float32 copies of each span's keys).
-// With Qk = QkBf16Dot and an 8-bit KT, each span's K and V rows are converted to bf16
-// once (kv8_rows_to_bf16) and run the bf16 kernel's q.k and P.V; row scales join the
-// scores (times the softmax scale) and the probabilities (p * s before the rounding).
+// With Qk = QkBf16Dot (or QkI8Bf16Dot) and an 8-bit KT, each span's K rows (and V rows
+// where Qk::kConvV; int8 V rows are read in place) are converted to bf16 once
+// (kv8_rows_to_bf16) and run the bf16 kernel's q.k and P.V; row scales join the scores
+// (times the softmax scale) and the probabilities (p * s before the rounding).
 template <class Isa, typename T, int D, class Qk, bool kSoftCap = false, typename KT = T>
 struct Attention {
   using V = typename Isa::V;
