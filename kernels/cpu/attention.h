@@ -66,6 +66,8 @@ struct AttnScratch {
   std::vector<float> q, acc, m, l, kf, scores, m_new, alpha;
   std::vector<uint16_t> pb;         // probabilities rounded to bf16 (paired P.V)
   std::vector<const void*> vrows;  // a span's V rows, in key order (paired P.V)
+  std::vector<uint16_t> kvb;       // a span's 8-bit K then V rows as bf16 (kv8_rows_to_bf16)
+  std::vector<float> kvsc;         // their row scales (K's times the softmax scale)
   static void grow(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
   }
@@ -91,7 +93,9 @@ constexpr int acc_chunk(int nv, int cap) {
 template <class Isa, int D>
 struct QkFma {
   using Elem = float;
+  using QElem = float;  // what the query rows are read as
   static constexpr bool kPairedPV = false;
+  static constexpr bool kConvV = true;
   using V = typename Isa::V;
   static constexpr int W = Isa::W, NV = D / W;
 
@@ -125,6 +129,10 @@ struct QkFma {
 template <int D>
 struct QkBf16Dot {
   using Elem = BF16;
+  using QElem = BF16;
+  using VElem = BF16;  // the V rows pv() reads
+  // 8-bit caches (Attention::kConvBf16): V rows converted to bf16 copies too.
+  static constexpr bool kConvV = true;
   using V = __m512;
   static constexpr int NC = (D + 31) / 32;
   // P.V with VDPBF16PS too (head sizes that are whole 32-value vectors): see pv().
@@ -170,16 +178,20 @@ struct QkBf16Dot {
   // probabilities); the sums stay float32.  The interleave works within 128-bit lanes,
   // so accumulator dword 4L+i holds value 8L+i (lo) or 8L+4+i (hi) of each 32; the
   // end of the call puts them back in order.
+  // vsc (or nullptr): each V row's scale, folded into its probability before the
+  // rounding (p * (s * v) = (p * s) * v); finite past n.
   template <int R>
   static void pv(float* acc, const float* alpha, const float* p, int sp, const BF16* const* rows, int n,
-                 uint16_t* pb, KvPrefetcher* pf) {
+                 uint16_t* pb, KvPrefetcher* pf, const float* vsc = nullptr) {
     constexpr int kRowLines = (D * 2 + 63) / 64;
     static_assert(D % 32 == 0, "paired P.V needs whole 32-value vectors");
     constexpr int NZ = D / 32, ZC = NZ % 2 == 0 ? 2 : 1;  // 32-value chunks per row; per pass
     for (int r = 0; r < R; ++r)  // p is zero past n up to sp (a multiple of 16)
-      for (int c = 0; c < sp; c += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + r * sp + c),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * sp + c)));
+      for (int c = 0; c < sp; c += 16) {
+        __m512 pr = _mm512_loadu_ps(p + r * sp + c);
+        if (vsc != nullptr) pr = _mm512_mul_ps(pr, _mm512_loadu_ps(vsc + c));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + r * sp + c), (__m256i)_mm512_cvtneps_pbh(pr));
+      }
     const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i idx1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int z0 = 0; z0 < NZ; z0 += ZC) {
@@ -190,9 +202,11 @@ struct QkBf16Dot {
         for (int z = 0; z < 2 * ZC; ++z) a[r][z] = _mm512_setzero_ps();
       for (int j = 0; j < n; j += 2) {
         if (pf && z0 == 0) pf->pump(2 * kRowLines);
-        // An odd last key pairs with itself: its partner's p is 0 (the padding of p).
+        // An odd last key pairs with a row of zeros (its partner's p is 0, the padding
+        // of p; pairing it with itself would turn an infinite value into 0 * inf = NaN).
+        alignas(64) static const uint16_t kZeroRow[D] = {};
         const BF16* vt = rows[j] + 32 * z0;
-        const BF16* vu = (j + 1 < n ? rows[j + 1] : rows[j]) + 32 * z0;
+        const BF16* vu = (j + 1 < n ? rows[j + 1] : reinterpret_cast<const BF16*>(kZeroRow)) + 32 * z0;
         __m512i lo[ZC], hi[ZC];
 #pragma GCC unroll 4
         for (int z = 0; z < ZC; ++z) {
@@ -227,6 +241,203 @@ struct QkBf16Dot {
     }
   }
 };
+
+// 8-bit KV rows -> bf16 rows, exactly: every e4m3, e5m2 and int8 value is a bf16 value
+// (subnormals, infinities and NaNs included).  Two 128-entry byte tables give the high
+// and the low byte of the bf16 bits of each byte's magnitude (VPERMI2B reads the low 7
+// bits of each index byte: the magnitude for the sign-magnitude fp8 formats, |x| for
+// int8), the sign bit is ORed back, and VPERMT2B interleaves the two halves into 16-bit
+// lanes in order: per 64 values one load, four permutes and one logic op, against a
+// widening, an integer-to-float or half-to-float conversion and, for e4m3, a multiply
+// and a NaN blend per 16 values to float32.  The rows then take the bf16 kernel's
+// VDPBF16PS q.k and paired P.V, once per span for every query head of the group.
+template <typename KT>
+struct Kv8Bf16Tables {
+  alignas(64) uint8_t hi[128], lo[128];
+  static float magnitude(int i) {
+    if constexpr (std::is_same_v<KT, I8S>) {
+      return float(i);
+    } else if constexpr (std::is_same_v<KT, FP8E4M3> || std::is_same_v<KT, FP8E4M3S>) {
+      const int e = i >> 3, m = i & 7;
+      if (i == 0x7f) return std::numeric_limits<float>::quiet_NaN();
+      return e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
+    } else {
+      static_assert(std::is_same_v<KT, FP8E5M2> || std::is_same_v<KT, FP8E5M2S>, "8-bit KV element");
+      const int e = i >> 2, m = i & 3;
+      if (e == 31) return m == 0 ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+      return e == 0 ? std::ldexp(float(m), -16) : std::ldexp(float(4 + m), e - 17);
+    }
+  }
+  Kv8Bf16Tables() {
+    for (int i = 0; i < 128; ++i) {
+      const uint16_t b = from_float<BF16>(magnitude(i)).bits;
+      hi[i] = uint8_t(b >> 8);
+      lo[i] = uint8_t(b & 0xff);
+    }
+  }
+  static const Kv8Bf16Tables& get() {
+    static const Kv8Bf16Tables t;
+    return t;
+  }
+};
+
+// Whether this CPU runs kv8_rows_to_bf16 (AVX512-VBMI: Zen 4 onwards, Ice Lake onwards;
+// not Cooper Lake, whose bf16 8-bit caches then take the float32 kernel).
+inline bool kv8_bf16_supported() {
+  static const bool ok = __builtin_cpu_supports("avx512vbmi");
+  return ok;
+}
+
+// Rows j < n of D values (src + j * stride) -> dst[j * D, (j + 1) * D) as bf16 bits;
+// a row-scaled row's scale times mul -> scales[j].  Compiled for VBMI alone (the
+// callers are not), so it converts whole runs of rows per call.
+template <typename KT, int D>
+__attribute__((target("avx512vbmi"), noinline)) void kv8_rows_to_bf16(const KT* src, int64_t stride, int n,
+                                                                      uint16_t* dst, float* scales, float mul) {
+  static_assert(D % 32 == 0, "rows of whole 32-value vectors");
+  const Kv8Bf16Tables<KT>& t = Kv8Bf16Tables<KT>::get();
+  const __m512i th0 = _mm512_load_si512(t.hi), th1 = _mm512_load_si512(t.hi + 64);
+  const __m512i tl0 = _mm512_load_si512(t.lo), tl1 = _mm512_load_si512(t.lo + 64);
+  const __m512i sign = _mm512_set1_epi8(char(0x80));
+  // Byte 2k of 16-bit lane k takes low byte k (index k), byte 2k + 1 high byte k (64 + k);
+  // the second 32 lanes take values 32..63.
+  alignas(64) static const uint8_t kInterleave[128] = {
+#define PS_I2(k) uint8_t(k), uint8_t(64 + (k))
+#define PS_I8(k) PS_I2(k), PS_I2(k + 1), PS_I2(k + 2), PS_I2(k + 3), PS_I2(k + 4), PS_I2(k + 5), PS_I2(k + 6), PS_I2(k + 7)
+      PS_I8(0), PS_I8(8), PS_I8(16), PS_I8(24), PS_I8(32), PS_I8(40), PS_I8(48), PS_I8(56)
+#undef PS_I8
+#undef PS_I2
+  };
+  const __m512i i0 = _mm512_load_si512(kInterleave), i1 = _mm512_load_si512(kInterleave + 64);
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* r = reinterpret_cast<const uint8_t*>(src + j * stride);
+    uint16_t* o = dst + int64_t(j) * D;
+#pragma GCC unroll 4
+    for (int c = 0; c < D; c += 64) {
+      const bool half = D - c == 32;  // head size 96: a last run of 32 values
+      const __m512i x = half ? _mm512_maskz_loadu_epi8(0xffffffffull, r + c) : _mm512_loadu_si512(r + c);
+      __m512i ix = x;
+      __mmask64 min_int8 = 0;
+      if constexpr (std::is_same_v<KT, I8S>) {
+        min_int8 = _mm512_cmpeq_epi8_mask(x, sign);  // -128: |x| = 0x80 reads entry 0
+        ix = _mm512_abs_epi8(x);
+      }
+      __m512i h = _mm512_permutex2var_epi8(th0, ix, th1);
+      const __m512i l = _mm512_permutex2var_epi8(tl0, ix, tl1);
+      h = _mm512_ternarylogic_epi32(h, x, sign, 0xf8);  // h | (x & 0x80)
+      if constexpr (std::is_same_v<KT, I8S>) h = _mm512_mask_mov_epi8(h, min_int8, _mm512_set1_epi8(char(0xc3)));
+      _mm512_storeu_si512(o + c, _mm512_permutex2var_epi8(l, i0, h));
+      if (!half) _mm512_storeu_si512(o + c + 32, _mm512_permutex2var_epi8(l, i1, h));
+    }
+    if constexpr (kRowScaled<KT>) scales[j] = row_scale<D>(src + j * stride) * mul;
+  }
+}
+
+// Whether this CPU runs PvI8Wssd (AVX512-VNNI: Ice Lake, Cooper Lake, Zen 4 onwards).
+inline bool kv8_vnni_supported() {
+  static const bool ok = __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+// P.V over int8 V rows (I8S) read in place with integer dot products (VPDPWSSD: pairs
+// of int16 products summed into int32, exact).  Pairs two keys per instruction like
+// QkBf16Dot::pv; each probability times its V row's scale is quantized per query row
+// and span to int16 (max / 32767: an error of at most 1/65534 of the largest term,
+// where bf16 rounding costs up to 1/512 of each), the V rows are sign-extended
+// (VPMOVSXBW) as they are read, and the int32 sums come back to float32 times that
+// scale: no conversion pass and no copy of a V row.
+template <int D>
+struct PvI8Wssd {
+  static_assert(D % 32 == 0, "whole 32-value vectors");
+  // vsc: the V rows' scales (always given: I8S rows are scaled), finite past n.
+  template <int R>
+  __attribute__((target("avx512vnni"), noinline)) static void pv(float* acc, const float* alpha, const float* p,
+                                                                 int sp, const I8S* const* rows, int n,
+                                                                 uint16_t* pbu, KvPrefetcher* pf,
+                                                                 const float* vsc) {
+    constexpr int kRowLines = (2 * (D + 4) + 63) / 64;
+    constexpr int NZ = D / 32, ZC = NZ % 2 == 0 ? 2 : 1;
+    int16_t* pb = reinterpret_cast<int16_t*>(pbu);
+    // The int32 sums of n products (|v| <= 128) stay below 2^31.
+    const float top = n <= 256 ? 32767.f : 32767.f * 256.f / float(n);
+    float ps[R];
+    for (int r = 0; r < R; ++r) {
+      __m512 mx = _mm512_setzero_ps();
+      for (int c = 0; c < sp; c += 16)
+        mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_loadu_ps(p + r * sp + c), _mm512_loadu_ps(vsc + c)));
+      const float m = _mm512_reduce_max_ps(mx);  // >= 0: probabilities times scales
+      const bool ok = m > 0.f && std::isfinite(m);
+      const __m512 vi = _mm512_set1_ps(ok ? top / m : 0.f);
+      ps[r] = ok ? m / top : (m > 0.f ? std::numeric_limits<float>::quiet_NaN() : 0.f);
+      for (int c = 0; c < sp; c += 16) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(p + r * sp + c), _mm512_loadu_ps(vsc + c));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + r * sp + c),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x, vi))));
+      }
+    }
+    const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i idx1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    alignas(64) static const int8_t kZeroRow[D + 4] = {};
+    for (int z0 = 0; z0 < NZ; z0 += ZC) {
+      __m512i a[R][2 * ZC];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int z = 0; z < 2 * ZC; ++z) a[r][z] = _mm512_setzero_si512();
+      for (int j = 0; j < n; j += 2) {
+        if (pf && z0 == 0) pf->pump(kRowLines);
+        const int8_t* vt = reinterpret_cast<const int8_t*>(rows[j]) + 32 * z0;
+        const int8_t* vu = (j + 1 < n ? reinterpret_cast<const int8_t*>(rows[j + 1]) : kZeroRow) + 32 * z0;
+        __m512i lo[ZC], hi[ZC];
+#pragma GCC unroll 4
+        for (int z = 0; z < ZC; ++z) {
+          const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vt + 32 * z)));
+          const __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vu + 32 * z)));
+          lo[z] = _mm512_unpacklo_epi16(x, y);
+          hi[z] = _mm512_unpackhi_epi16(x, y);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, pb + r * sp + j, sizeof(pair));
+          const __m512i pp = _mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+          for (int z = 0; z < ZC; ++z) {
+            a[r][2 * z] = _mm512_dpwssd_epi32(a[r][2 * z], lo[z], pp);
+            a[r][2 * z + 1] = _mm512_dpwssd_epi32(a[r][2 * z + 1], hi[z], pp);
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 va = _mm512_set1_ps(alpha[r]), vs = _mm512_set1_ps(ps[r]);
+#pragma GCC unroll 4
+        for (int z = 0; z < ZC; ++z) {
+          float* o = acc + r * D + 32 * (z0 + z);
+          const __m512 f0 = _mm512_cvtepi32_ps(a[r][2 * z]), f1 = _mm512_cvtepi32_ps(a[r][2 * z + 1]);
+          const __m512 n0 = _mm512_permutex2var_ps(f0, idx0, f1);
+          const __m512 n1 = _mm512_permutex2var_ps(f0, idx1, f1);
+          _mm512_storeu_ps(o, _mm512_fmadd_ps(n0, vs, _mm512_mul_ps(_mm512_loadu_ps(o), va)));
+          _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(n1, vs, _mm512_mul_ps(_mm512_loadu_ps(o + 16), va)));
+        }
+      }
+    }
+  }
+};
+
+// int8 caches with a bf16 query: K rows converted to bf16 copies once per span
+// (kv8_rows_to_bf16, exact) for QkBf16Dot's q.k, so the scores are as exact as the bf16
+// kernel's; V rows read in place by PvI8Wssd.
+template <int D>
+struct QkI8Bf16Dot : QkBf16Dot<D> {
+  using VElem = I8S;
+  static constexpr bool kConvV = false;
+  template <int R>
+  static void pv(float* acc, const float* alpha, const float* p, int sp, const I8S* const* rows, int n,
+                 uint16_t* pb, KvPrefetcher* pf, const float* vsc) {
+    PvI8Wssd<D>::template pv<R>(acc, alpha, p, sp, rows, n, pb, pf, vsc);
+  }
+};
 #endif
 
 // cap * tanh(x / cap) as cap - 2 cap / (exp(2 x / cap) + 1): exact limits +-cap where
@@ -248,11 +459,21 @@ struct SoftCap {
 // query token, a few integer operations per span when off.
 // KT: the KV cache's element type (T, or an 8-bit float whose rows are converted to
 // float32 as they are read; q.k then runs on float32 copies of each span's keys).
+// With Qk = QkBf16Dot (or QkI8Bf16Dot) and an 8-bit KT, each span's K rows (and V rows
+// where Qk::kConvV; int8 V rows are read in place) are converted to bf16 once
+// (kv8_rows_to_bf16) and run the bf16 kernel's q.k and P.V; row scales join the scores
+// (times the softmax scale) and the probabilities (p * s before the rounding).
 template <class Isa, typename T, int D, class Qk, bool kSoftCap = false, typename KT = T>
 struct Attention {
   using V = typename Isa::V;
-  using E = typename Qk::Elem;  // what the q.k product reads: KT itself or float32
+  using E = typename Qk::Elem;  // what the q.k product reads: KT itself, float32 or bf16
   static constexpr int W = Isa::W, NV = D / W;
+  // An 8-bit cache read through bf16 copies of its rows (see kv8_rows_to_bf16).
+  static constexpr bool kConvBf16 = std::is_same_v<E, BF16> && !std::is_same_v<KT, BF16>;
+  static_assert(!kConvBf16 || Qk::kPairedPV, "bf16 copies of 8-bit rows take the paired P.V");
+  using QE = typename Qk::QElem;  // what the q.k product reads of the query
+  // Row scales gathered per span (Span::ksc, vsc) rather than applied as rows are read.
+  static constexpr bool kScaledSpan = kConvBf16 && kRowScaled<KT>;
   // P.V runs over up to kGroupTile query rows at once so each V row is loaded and
   // converted once for all of them; CH vectors of each row's accumulator stay in
   // registers.
@@ -299,6 +520,11 @@ struct Attention {
     int n[kMaxSegs];
     int segs;
     int64_t ks, vs;
+    // kConvBf16: the span's V rows as bf16, D apart, in key order; with row scales, each
+    // key's score multiplier (its K row's scale times the softmax scale) and V row scale.
+    const BF16* vb = nullptr;
+    const float* ksc = nullptr;
+    const float* vsc = nullptr;
   };
 
   // acc_r = acc_r * alpha_r + sum_j p_r[j] * v_j for R rows (row stride D, score
@@ -355,7 +581,7 @@ struct Attention {
   // multiple of W keys, so chunks never straddle two blocks.
   // The window's masking stays out of the loop (mask_head): it concerns at most one
   // span per query token.
-  static float scores(const E* q, const Span& sn, int n, int skip, const AttnParams& p, float* s, KvPrefetcher* pf) {
+  static float scores(const QE* q, const Span& sn, int n, int skip, const AttnParams& p, float* s, KvPrefetcher* pf) {
     const V vscale = Isa::set1(p.scale);
     V vmax = Isa::set1(kNegInf);
     for (int sg = 0, j0 = 0; sg < sn.segs && j0 < n; j0 += sn.n[sg++]) {
@@ -364,14 +590,16 @@ struct Attention {
       int c = 0;
       for (; c + W <= m; c += W) {
         if (pf) pf->pump(W * kRowLines);
-        V x = Isa::mul(Qk::template chunk<true>(q, k + c * sn.ks, sn.ks, W), vscale);
+        V x = Isa::mul(Qk::template chunk<true>(q, k + c * sn.ks, sn.ks, W),
+                       kScaledSpan ? Isa::load(sn.ksc + j0 + c) : vscale);
         if constexpr (kSoftCap) x = SoftCap<Isa>(p.soft_cap)(x);
         Isa::store(s + j0 + c, x);
         vmax = Isa::max(vmax, x);
       }
       if (c < m) {
         if (pf) pf->pump((m - c) * kRowLines);
-        V x = Isa::mul(Qk::template chunk<false>(q, k + c * sn.ks, sn.ks, m - c), vscale);
+        V x = Isa::mul(Qk::template chunk<false>(q, k + c * sn.ks, sn.ks, m - c),
+                       kScaledSpan ? Isa::load(sn.ksc + j0 + c) : vscale);
         if constexpr (kSoftCap) x = SoftCap<Isa>(p.soft_cap)(x);
         x = Isa::mask_tail(x, m - c, kNegInf);
         Isa::store(s + j0 + c, x);
@@ -389,7 +617,7 @@ struct Attention {
   // Kept out of item(): a build in which GCC inlined it there (with the window's
   // masking inside the score loop) ran layers without a window 30% slower, decode and
   // prefill alike; this one times like the kernel before windows (docs/benchmarks.md).
-  [[gnu::noinline]] static void token_rows(AttnScratch& sc, int row0, int G, const E* q, int64_t qs, const Span& sn,
+  [[gnu::noinline]] static void token_rows(AttnScratch& sc, int row0, int G, const QE* q, int64_t qs, const Span& sn,
                                            int n, int skip, const AttnParams& p, KvPrefetcher* pf) {
     const int sp = round_up(n, W);
     float* s = sc.scores.data();
@@ -415,17 +643,23 @@ struct Attention {
     float* acc = sc.acc.data() + size_t(row0) * D;
     if constexpr (Qk::kPairedPV) {
       const void** vr = sc.vrows.data();
-      for (int sg = 0, j0 = 0; sg < sn.segs && j0 < n; j0 += sn.n[sg++])
-        for (int j = 0, m = std::min(sn.n[sg], n - j0); j < m; ++j) vr[j0 + j] = sn.v[sg] + j * sn.vs;
-      const KT* const* rows = reinterpret_cast<const KT* const*>(vr);
+      if constexpr (kConvBf16 && Qk::kConvV) {
+        for (int j = 0; j < n; ++j) vr[j] = sn.vb + int64_t(j) * D;
+      } else {
+        for (int sg = 0, j0 = 0; sg < sn.segs && j0 < n; j0 += sn.n[sg++])
+          for (int j = 0, m = std::min(sn.n[sg], n - j0); j < m; ++j) vr[j0 + j] = sn.v[sg] + j * sn.vs;
+      }
+      const typename Qk::VElem* const* rows = reinterpret_cast<const typename Qk::VElem* const*>(vr);
       uint16_t* pb = sc.pb.data();
+      const float* vsc = kScaledSpan ? sn.vsc : nullptr;
       for (int g = 0; g < G; g += kGroupTile) {
         float* a = acc + size_t(g) * D;
+        KvPrefetcher* f = g == 0 ? pf : nullptr;
         switch (std::min(kGroupTile, G - g)) {
-          case 1: Qk::template pv<1>(a, alpha + g, s + g * sp, sp, rows, n, pb, g == 0 ? pf : nullptr); break;
-          case 2: Qk::template pv<2>(a, alpha + g, s + g * sp, sp, rows, n, pb, g == 0 ? pf : nullptr); break;
-          case 3: Qk::template pv<3>(a, alpha + g, s + g * sp, sp, rows, n, pb, g == 0 ? pf : nullptr); break;
-          default: Qk::template pv<4>(a, alpha + g, s + g * sp, sp, rows, n, pb, g == 0 ? pf : nullptr); break;
+          case 1: Qk::template pv<1>(a, alpha + g, s + g * sp, sp, rows, n, pb, f, vsc); break;
+          case 2: Qk::template pv<2>(a, alpha + g, s + g * sp, sp, rows, n, pb, f, vsc); break;
+          case 3: Qk::template pv<3>(a, alpha + g, s + g * sp, sp, rows, n, pb, f, vsc); break;
+          default: Qk::template pv<4>(a, alpha + g, s + g * sp, sp, rows, n, pb, f, vsc); break;
         }
       }
       return;
@@ -477,7 +711,12 @@ struct Attention {
       if (sc.pb.size() < size_t(kGroupTile) * round_up(span, W)) sc.pb.resize(size_t(kGroupTile) * round_up(span, W));
       if (sc.vrows.size() < size_t(span)) sc.vrows.resize(span);
     }
-    if constexpr (!std::is_same_v<E, KT>) AttnScratch::grow(sc.kf, size_t(span) * D);
+    if constexpr (kConvBf16) {
+      if (sc.kvb.size() < size_t(2) * span * D) sc.kvb.resize(size_t(2) * span * D);
+      AttnScratch::grow(sc.kvsc, size_t(2) * (round_up(span, W) + W));
+    } else if constexpr (!std::is_same_v<E, KT>) {
+      AttnScratch::grow(sc.kf, size_t(span) * D);
+    }
     std::fill_n(sc.acc.data(), size_t(rows) * D, 0.f);
     std::fill_n(sc.m.data(), rows + W, kNegInf);
     std::fill_n(sc.l.data(), rows, 0.f);
@@ -494,7 +733,7 @@ struct Attention {
     AttnScratch& sc = attn_scratch();
     prepare(sc, rows, G, bs);
     const T* query = static_cast<const T*>(p.query) + int64_t(q0 + w.tok_begin) * p.q_stride_tok;
-    if constexpr (!std::is_same_v<E, T>) {  // float32 copy of the item's query rows
+    if constexpr (!std::is_same_v<QE, T>) {  // float32 copy of the item's query rows
       AttnScratch::grow(sc.q, size_t(rows) * D);
       for (int r = 0; r < rows; ++r)
         to_f32(query + rm.offset(r, p.q_stride_tok, p.q_stride_head), 0, 1, sc.q.data() + size_t(r) * D);
@@ -520,18 +759,20 @@ struct Attention {
       const int kb_end = std::min(kb + bps, (key_end + bs - 1) / bs);
       const int j0 = std::max(key_begin, kb * bs), j1 = std::min(key_end, kb_end * bs);
       for (int h = w.kv_begin; h < w.kv_end; ++h) {
-        const Span sn = make_span(p, sc, w.seq, h, kb, kb_end, j0, j1);
+        const Span sn = make_span(p, sc, w.seq, h, kb, kb_end, j0, j1, kConvBf16 ? pf : nullptr);
         for (int t = 0; t < n_tok; ++t) {
           const int pos = first_pos + w.tok_begin + t;
           const int visible = std::min(j1, ends == nullptr ? pos + 1 : int(ends[t])) - j0;
           const int skip = p.sliding_window > 0 ? std::max(0, pos - p.sliding_window + 1 - j0) : 0;
           if (visible <= skip) continue;
           const int r = (h - w.kv_begin) * n_tok * G + t * G;
-          if constexpr (std::is_same_v<E, T>)
+          // The converted path paced the prefetch as it read the rows (make_span).
+          KvPrefetcher* tpf = kConvBf16 ? nullptr : pf;
+          if constexpr (std::is_same_v<QE, T>)
             token_rows(sc, r, G, query + t * p.q_stride_tok + int64_t(h) * G * p.q_stride_head, p.q_stride_head,
-                       sn, visible, skip, p, pf);
+                       sn, visible, skip, p, tpf);
           else
-            token_rows(sc, r, G, sc.q.data() + size_t(r) * D, D, sn, visible, skip, p, pf);
+            token_rows(sc, r, G, sc.q.data() + size_t(r) * D, D, sn, visible, skip, p, tpf);
         }
       }
     }
@@ -579,8 +820,10 @@ struct Attention {
     }
   }
 
-  // Row pointers of keys [j0, j1) (blocks [kb, kb_end)) of kv head h.
-  static Span make_span(const AttnParams& p, AttnScratch& sc, int seq, int h, int kb, int kb_end, int j0, int j1) {
+  // Row pointers of keys [j0, j1) (blocks [kb, kb_end)) of kv head h; kConvBf16: their
+  // rows converted, the prefetch (pf, or nullptr) pumped as they are read.
+  static Span make_span(const AttnParams& p, AttnScratch& sc, int seq, int h, int kb, int kb_end, int j0, int j1,
+                        KvPrefetcher* pf = nullptr) {
     const int bs = p.block_size;
     const int32_t* table = p.block_tables + seq * p.bt_stride;
     const KT* kc = static_cast<const KT*>(p.key_cache) + h * p.kc_stride_head;
@@ -597,7 +840,43 @@ struct Attention {
       if constexpr (std::is_same_v<E, KT>)
         sn.k[i] = kc + block * p.kc_stride_block + int64_t(first - b * bs) * p.kc_stride_tok;
     }
-    if constexpr (!std::is_same_v<E, KT>) {  // float32 copy of the span's keys
+    if constexpr (kConvBf16) {
+#if defined(PAGEDSERVE_HAVE_AVX512BF16)
+      const int span = blocks_per_span(bs) * bs, cap = round_up(span, W) + W;
+      uint16_t* kd = sc.kvb.data();
+      uint16_t* vd = kd + size_t(span) * D;
+      float* ksc = sc.kvsc.data();
+      float* vsc = ksc + cap;
+      const int64_t row_bytes = kRowElems * int64_t(sizeof(KT));
+      int off = 0;
+      for (int b = kb, i = 0; b < kb_end; ++b, ++i) {
+        const int first = std::max(j0, b * bs);
+        if (pf) pf->pump((sn.n[i] * row_bytes + 63) / 64);
+        kv8_rows_to_bf16<KT, D>(kc + table[b] * p.kc_stride_block + int64_t(first - b * bs) * p.kc_stride_tok,
+                                p.kc_stride_tok, sn.n[i], kd + size_t(off) * D, ksc + off, p.scale);
+        sn.k[i] = reinterpret_cast<const E*>(kd + size_t(off) * D);
+        off += sn.n[i];
+      }
+      off = 0;
+      for (int i = 0; i < sn.segs; ++i) {
+        if (pf) pf->pump((sn.n[i] * row_bytes + 63) / 64);
+        if constexpr (Qk::kConvV) {
+          kv8_rows_to_bf16<KT, D>(sn.v[i], p.vc_stride_tok, sn.n[i], vd + size_t(off) * D, vsc + off, 1.f);
+        } else {  // read in place by Qk::pv: only their scales
+          for (int j = 0; j < sn.n[i]; ++j) vsc[off + j] = row_scale<D>(sn.v[i] + j * sn.vs);
+        }
+        off += sn.n[i];
+      }
+      if constexpr (kRowScaled<KT>) {  // lanes past the keys: finite (a probability 0 times it)
+        std::fill(ksc + off, ksc + round_up(off, W), 0.f);
+        std::fill(vsc + off, vsc + round_up(off, W), 0.f);
+      }
+      sn.ks = D;
+      sn.vb = reinterpret_cast<const BF16*>(vd);
+      sn.ksc = ksc;
+      sn.vsc = vsc;
+#endif
+    } else if constexpr (!std::is_same_v<E, KT>) {  // float32 copy of the span's keys
       float* dst = sc.kf.data();
       for (int b = kb, i = 0; b < kb_end; ++b, ++i) {
         const int first = std::max(j0, b * bs);
