@@ -167,12 +167,11 @@ inline __m512i fifth_bits_at_4(__m512i f, int line) {
   }
 }
 
-// Gated tiles (2 column groups) of at most this many rows unpack Q5_x lines with
-// gf2p8affineqb where the build has GFNI (one vector operation a line more than Q4_x's
-// unpacking; the shift + vpternlogd merge takes two): with few rows the unpacking is the
-// critical work.  Taller tiles, and the 3-group tiles of the plain GEMM, take the shift +
-// vpternlogd merge, measured faster there on Zen 4 (gf2p8affineqb competes with vpdpbusd
-// for execution ports; docs/quantization.md).
+// Tiles of at most this many rows unpack Q5_x lines with gf2p8affineqb where the build has
+// GFNI (one vector operation a line more than Q4_x's unpacking; the shift + vpternlogd
+// merge takes two): with few rows the unpacking is the critical work.  Taller tiles take
+// the shift + vpternlogd merge, measured faster there on Zen 4 (gf2p8affineqb competes
+// with vpdpbusd for execution ports; docs/quantization.md).
 #ifndef PAGEDSERVE_GGUF_GFNI_MAX_ROWS
 #define PAGEDSERVE_GGUF_GFNI_MAX_ROWS 4
 #endif
@@ -198,7 +197,7 @@ inline void block_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512
   } else {
     constexpr bool q5 = TYPE == Q5_0 || TYPE == Q5_1;
 #if defined(__GFNI__)
-    constexpr bool gfni = q5 && MT <= PAGEDSERVE_GGUF_GFNI_MAX_ROWS && NG <= 2;
+    constexpr bool gfni = q5 && MT <= PAGEDSERVE_GGUF_GFNI_MAX_ROWS;
 #else
     constexpr bool gfni = false;
 #endif
