@@ -17,9 +17,10 @@
 //        byte r of column c's scales[12] (the 6-bit scales and minimums, unpacked here
 //        for 16 columns at once with 128-bit masks and shifts).
 //   Q5_K (2816 bytes): 8 sub-blocks of 320 bytes: the low 4 bits of q (0..31) in Q4_K's
-//        lines, then 8 masks of 64 bits (as quant_gguf_packed's Q5_0: mask 2p+h holds in
-//        bit 4c+t the fifth bit of column c's value at k = 8p+4h+t, one masked byte add
-//        of 16 per unpacked line); then Q4_K's tail (d, dmin, transposed scales[12]).
+//        lines, then 64 bytes of fifth bits (as quant_gguf_packed's Q5_0: bit j of byte
+//        4c+t is the fifth bit of column c's value at k = 4j+t, moved to bit 4 of unpacked
+//        line j by a shift and merged with one vpternlogd); then Q4_K's tail (d, dmin,
+//        transposed scales[12]).
 //   Q6_K (3360 bytes): 8 sub-blocks of 384 bytes: the low 4 bits of q (0..63) in the
 //        lines above, then 2 lines of 64 bytes of top bits: byte 4c+t of line h holds in
 //        bits 2i..2i+1 the top 2 bits of column c's value at k = 16h+4i+t; then the int8
@@ -123,9 +124,8 @@ void pack_kentry(const uint8_t* w, int64_t row_bytes, int64_t type, uint8_t* dst
         const int group = k / 4;  // lines 2p (low nibble) and 2p+1 (high) share byte line p
         sub[(group / 2) * 64 + c * 4 + k % 4] |= (group % 2) ? uint8_t((v & 0x0F) << 4) : uint8_t(v & 0x0F);
         if (type == Q6_K) sub[256 + (k / 16) * 64 + c * 4 + k % 4] |= uint8_t((v >> 4) << (2 * ((k % 16) / 4)));
-        // Q5_K's fifth bit: mask `group` (= 2p + h), bit 4c + t.
-        const int bit = c * 4 + k % 4;
-        if (type == Q5_K && (v >> 4)) sub[256 + group * 8 + bit / 8] |= uint8_t(1u << (bit % 8));
+        // Q5_K's fifth bit: bit `group` (= 2p + h, the unpacked line) of byte 4c + t.
+        if (type == Q5_K && (v >> 4)) sub[256 + c * 4 + k % 4] |= uint8_t(1u << group);
       }
     }
     uint8_t* tail = dst + 8 * sb;
@@ -177,6 +177,21 @@ inline __m512 load_halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Q5_K's fifth bits of unpacked line j (bit j of every byte) at bit 4 (quant_gguf_packed's
+// fifth_bits_at_4: a 16-bit shift of at most 4 places never crosses a byte here).
+inline __m512i fifth_bits_at_4(__m512i f, int line) {
+  switch (line) {
+    case 0: return _mm512_slli_epi16(f, 4);
+    case 1: return _mm512_slli_epi16(f, 3);
+    case 2: return _mm512_slli_epi16(f, 2);
+    case 3: return _mm512_slli_epi16(f, 1);
+    case 4: return f;
+    case 5: return _mm512_srli_epi16(f, 1);
+    case 6: return _mm512_srli_epi16(f, 2);
+    default: return _mm512_srli_epi16(f, 3);
+  }
+}
+
 // Q4_K: the 16 columns' scales (sc) and minimums (mn) of the 8 sub-blocks, as bytes,
 // from the transposed scales[12] (rows r = 0..11 of 16 bytes).
 inline void unpack_scales16(const uint8_t* t, __m128i (&sc)[8], __m128i (&mn)[8]) {
@@ -222,6 +237,9 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
         __m512i iacc[MT][NG];
         for (int i = 0; i < MT; ++i)
           for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_setzero_si512();
+        __m512i fifth[NG];
+        if constexpr (T == Q5_K)
+          for (int j = 0; j < NG; ++j) fifth[j] = _mm512_loadu_si512(e[j] + sub * SB + 256);
 #pragma GCC unroll 4
         for (int p = 0; p < 4; ++p) {
           __m512i raw[NG];
@@ -229,13 +247,10 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
           for (int h = 0; h < 2; ++h) {
             __m512i wv[NG];
             for (int j = 0; j < NG; ++j) wv[j] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4);
-            if constexpr (T == Q5_K) {
-              for (int j = 0; j < NG; ++j) {
-                uint64_t bits;
-                std::memcpy(&bits, e[j] + sub * SB + 256 + (2 * p + h) * 8, 8);
-                wv[j] = _mm512_mask_add_epi8(wv[j], _cvtu64_mask64(bits), wv[j], _mm512_set1_epi8(16));
-              }
-            }
+            if constexpr (T == Q5_K)
+              for (int j = 0; j < NG; ++j)  // wv | (fifth bit at bit 4 & 0x10)
+                wv[j] = _mm512_ternarylogic_epi32(wv[j], fifth_bits_at_4(fifth[j], 2 * p + h), _mm512_set1_epi8(0x10),
+                                                  0xF8);
             for (int i = 0; i < MT; ++i) {
               int32_t x4;
               std::memcpy(&x4, a.q + (m0 + i) * a.k + b * QK + 8 * p + 4 * h, 4);
@@ -427,7 +442,7 @@ void unpack_block(const uint8_t* e, int c, int64_t type, uint8_t* blk) {
     case 2:
     case 3:
     case 6:
-    case 7: {  // Q4_0 d | qs; Q4_1 d | m | qs; Q5_0 d | qh | qs; Q5_1 d | m | qh | qs (fifth bits in 8 masks)
+    case 7: {  // Q4_0 d | qs; Q4_1 d | m | qs; Q5_0 d | qh | qs; Q5_1 d | m | qh | qs (fifth bits: 64 bytes)
       const bool has_min = type == 3 || type == 7;
       std::memcpy(blk, e + 256 + 2 * c, 2);
       if (has_min) std::memcpy(blk + 2, e + 256 + 32 + 2 * c, 2);
@@ -435,11 +450,8 @@ void unpack_block(const uint8_t* e, int c, int64_t type, uint8_t* blk) {
       uint32_t qh = 0;
       for (int k = 0; k < 16; ++k) qs[k] = nibble(e, k) | uint8_t(nibble(e, k + 16) << 4);
       if (type == 6 || type == 7) {
-        const uint8_t* masks = e + 256 + (has_min ? 64 : 32);
-        for (int k = 0; k < QK; ++k) {
-          const int bit = c * 4 + k % 4;
-          qh |= uint32_t((masks[(k / 4) * 8 + bit / 8] >> (bit % 8)) & 1) << k;
-        }
+        const uint8_t* fifth = e + 256 + (has_min ? 64 : 32);  // bit k / 4 of byte 4c + k % 4
+        for (int k = 0; k < QK; ++k) qh |= uint32_t((fifth[c * 4 + k % 4] >> (k / 4)) & 1) << k;
         std::memcpy(blk + (has_min ? 4 : 2), &qh, 4);
       }
       return;
@@ -458,10 +470,7 @@ void unpack_block(const uint8_t* e, int c, int64_t type, uint8_t* blk) {
         const uint8_t* sub = e + sb * j;
         for (int k = 0; k < QK; ++k) {
           qs[32 * (j / 2) + k] |= uint8_t(nibble(sub, k) << (4 * (j % 2)));
-          if (type == Q5_K) {
-            const int bit = c * 4 + k % 4;
-            qh[k] |= uint8_t(((sub[256 + (k / 4) * 8 + bit / 8] >> (bit % 8)) & 1) << j);
-          }
+          if (type == Q5_K) qh[k] |= uint8_t(((sub[256 + c * 4 + k % 4] >> (k / 4)) & 1) << j);
         }
       }
       return;

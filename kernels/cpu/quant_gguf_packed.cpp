@@ -13,10 +13,11 @@
 //   Q4_0 / Q4_1: 4 lines of 64 bytes, byte 4c+t of line p holding column c's value at
 //                k = 8p+t in its low nibble and k = 8p+4+t in its high nibble; then the
 //                16 columns' fp16 scales d; Q4_1 then their fp16 minimums m.
-//   Q5_0:        Q4_0's lines and scales (the low 4 bits of each value), then 8 masks of
-//                64 bits, mask 2p+h holding in bit 4c+t the fifth bit of column c's value
-//                at k = 8p+4h+t: one masked byte add of 16 per unpacked line.
-//   Q5_1:        Q4_1's lines, scales and minimums, then Q5_0's 8 masks of the fifth bits.
+//   Q5_0:        Q4_0's lines and scales (the low 4 bits of each value), then 64 bytes of
+//                fifth bits: bit j of byte 4c+t is the fifth bit of column c's value at
+//                k = 4j+t (unpacked line j = 2p+h), moved to bit 4 of the line by a shift
+//                (or a gf2p8affineqb) and merged with one vpternlogd.
+//   Q5_1:        Q4_1's lines, scales and minimums, then Q5_0's 64 bytes of fifth bits.
 //   Q8_0:        8 lines of 64 bytes, byte 4c+t of line p = column c's int8 value at
 //                k = 4p+t plus 128 (an unsigned operand for vpdpbusd, the 128 * sum(x)
 //                subtracted again); then the 16 fp16 scales.
@@ -78,7 +79,7 @@ int packed_block_bytes(int64_t type) {
 
 // Bytes of quants in one packed (group, block) entry, before the scales.
 inline int quant_bytes(int64_t type) { return type == Q8_0 ? 512 : 256; }
-// Q5_0 / Q5_1: where the 8 fifth-bit masks start (after the scales, and Q5_1's minimums).
+// Q5_0 / Q5_1: where the 64 bytes of fifth bits start (after the scales, and Q5_1's minimums).
 constexpr int mask_offset(int64_t type) { return 256 + (type == Q5_1 ? 64 : 32); }
 inline bool has_fifth_bit(int64_t type) { return type == Q5_0 || type == Q5_1; }
 
@@ -98,10 +99,8 @@ void pack_entry(const uint8_t* w, int64_t row_bytes, int64_t type, int bb, uint8
         const uint8_t q = k < 16 ? (qs[k] & 0x0F) : (qs[k - 16] >> 4);
         const int group = k / 4;  // 4 consecutive k; groups 2p and 2p+1 share line p
         dst[(group / 2) * 64 + c * 4 + k % 4] |= (group % 2) ? uint8_t(q << 4) : q;
-        // Q5_x's fifth bit: mask `group` (= 2p + h), bit 4c + t.
-        const int bit = c * 4 + k % 4;
-        if (has_fifth_bit(type) && ((qh >> k) & 1))
-          dst[mask_offset(type) + group * 8 + bit / 8] |= uint8_t(1u << (bit % 8));
+        // Q5_x's fifth bit: bit `group` (= 2p + h, the unpacked line) of byte 4c + t.
+        if (has_fifth_bit(type) && ((qh >> k) & 1)) dst[mask_offset(type) + c * 4 + k % 4] |= uint8_t(1u << group);
       }
     }
     std::memcpy(dst + qb + 2 * c, blk, 2);
@@ -152,6 +151,31 @@ constexpr int group_block_bytes() {
   return kCols * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : TYPE == Q5_0 ? 22 : TYPE == Q5_1 ? 24 : 34);
 }
 
+// Q5_x's fifth bits of unpacked line j (bit j of every byte) at bit 4, the other bits
+// arbitrary (the merge keeps bit 4 alone): one 16-bit shift, which never moves a bit
+// across bytes here (at most 4 places, from bit j <= 7 to bit 4).
+inline __m512i fifth_bits_at_4(__m512i f, int line) {
+  switch (line) {
+    case 0: return _mm512_slli_epi16(f, 4);
+    case 1: return _mm512_slli_epi16(f, 3);
+    case 2: return _mm512_slli_epi16(f, 2);
+    case 3: return _mm512_slli_epi16(f, 1);
+    case 4: return f;
+    case 5: return _mm512_srli_epi16(f, 1);
+    case 6: return _mm512_srli_epi16(f, 2);
+    default: return _mm512_srli_epi16(f, 3);
+  }
+}
+
+// Tiles of at most this many rows unpack Q5_x lines with gf2p8affineqb where the build has
+// GFNI (one vector operation a line more than Q4_x's unpacking; the shift + vpternlogd
+// merge takes two): with few rows the unpacking is the critical work.  Taller tiles take
+// the shift + vpternlogd merge, measured faster there on Zen 4 (gf2p8affineqb competes
+// with vpdpbusd for execution ports; docs/quantization.md).
+#ifndef PAGEDSERVE_GGUF_GFNI_MAX_ROWS
+#define PAGEDSERVE_GGUF_GFNI_MAX_ROWS 4
+#endif
+
 // The integer dot products of one block for rows [m0, m0 + MT) x NG column groups:
 // iacc[i][j] lane c = sum over the block's 32 k of q_w(column c) * x(row i).
 template <int MT, int NG, int64_t TYPE>
@@ -171,7 +195,16 @@ inline void block_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512
       }
     }
   } else {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    constexpr bool q5 = TYPE == Q5_0 || TYPE == Q5_1;
+#if defined(__GFNI__)
+    constexpr bool gfni = q5 && MT <= PAGEDSERVE_GGUF_GFNI_MAX_ROWS;
+#else
+    constexpr bool gfni = false;
+#endif
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+    __m512i fifth[NG];
+    if constexpr (q5)
+      for (int j = 0; j < NG; ++j) fifth[j] = _mm512_loadu_si512(wb[j] + mask_offset(TYPE));
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
       // Low nibbles (k = 8p..8p+3) then high (8p+4..8p+7): only NG unpacked lines live.
@@ -179,13 +212,23 @@ inline void block_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512
       for (int j = 0; j < NG; ++j) raw[j] = _mm512_loadu_si512(wb[j] + p * 64);
       for (int h = 0; h < 2; ++h) {
         __m512i wv[NG];
-        for (int j = 0; j < NG; ++j) wv[j] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4);
-        if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+        if constexpr (gfni) {
+#if defined(__GFNI__)
+          // Bit 2p+h of each fifth-bit byte to bit 4, every other bit 0 (the matrix's
+          // byte 3 selects the output's bit 4); the high nibble to bits 0-3 likewise.
+          const __m512i pick = _mm512_set1_epi64(static_cast<long long>((1ull << (2 * p + h)) << 24));
+          const __m512i high = _mm512_set1_epi64(static_cast<long long>(0x1020408000000000ull));
           for (int j = 0; j < NG; ++j) {
-            uint64_t bits;
-            std::memcpy(&bits, wb[j] + mask_offset(TYPE) + (2 * p + h) * 8, 8);
-            wv[j] = _mm512_mask_add_epi8(wv[j], _cvtu64_mask64(bits), wv[j], _mm512_set1_epi8(16));
+            const __m512i top = _mm512_gf2p8affine_epi64_epi8(fifth[j], pick, 0);
+            wv[j] = h ? _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(raw[j], high, 0), top)
+                      : _mm512_ternarylogic_epi32(raw[j], top, low4, 0xEC);  // (raw & low4) | top
           }
+#endif
+        } else {
+          for (int j = 0; j < NG; ++j) wv[j] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4);
+          if constexpr (q5)
+            for (int j = 0; j < NG; ++j)  // wv | (fifth bit at bit 4 & 0x10)
+              wv[j] = _mm512_ternarylogic_epi32(wv[j], fifth_bits_at_4(fifth[j], 2 * p + h), bit4, 0xF8);
         }
         for (int i = 0; i < MT; ++i) {
           int32_t x4;
@@ -332,22 +375,30 @@ constexpr int kTileM = PAGEDSERVE_GGUF_TILE_M, kTileG = PAGEDSERVE_GGUF_TILE_G;
 // call has a partial row tile).
 constexpr int64_t kChunkM = PAGEDSERVE_GGUF_CHUNK_M;
 
-// Rows [m_begin, m_end) of NG column groups from g0, TM rows per full tile.
+// The tile of h <= H rows at m0.
+template <int H, int NG, int64_t TYPE, bool GATED>
+inline void tile_of_height(int64_t h, const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0,
+                           int64_t g0, const Output& o) {
+  if constexpr (H >= 1) {
+    if (h == H) return tile<H, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o);
+    tile_of_height<H - 1, NG, TYPE, GATED>(h, a, w, group_stride, m0, g0, o);
+  }
+}
+
+// Rows [m_begin, m_end) of NG column groups from g0, in ceil(rows / TM) tiles of heights
+// as even as they go (16 rows of 5-row tiles as 4 + 4 + 4 + 4, not 5 + 5 + 5 + 1: no
+// short tile that unpacks the weights for one row).
 template <int NG, int64_t TYPE, bool GATED = false, int TM = kTileM>
 void rows(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m_begin, int64_t m_end, int64_t g0,
           const Output& o) {
-  static_assert(TM <= 8, "row remainders are instantiated up to 7 rows");
-  int64_t m0 = m_begin;
-  for (; m0 + TM <= m_end; m0 += TM) tile<TM, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o);
-  switch (m_end - m0) {
-    case 0: break;
-    case 1: tile<1, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o); break;
-    case 2: tile<2, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o); break;
-    case 3: tile<3, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o); break;
-    case 4: tile<4, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o); break;
-    case 5: tile<5, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o); break;
-    case 6: tile<6, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o); break;
-    default: tile<7, NG, TYPE, GATED>(a, w, group_stride, m0, g0, o); break;
+  static_assert(TM >= 1 && TM <= 8, "tiles are instantiated up to 8 rows");
+  const int64_t count = m_end - m_begin;
+  if (count <= 0) return;
+  const int64_t tiles = (count + TM - 1) / TM;
+  for (int64_t t = 0, m0 = m_begin; t < tiles; ++t) {
+    const int64_t h = count / tiles + (t < count % tiles);
+    tile_of_height<TM, NG, TYPE, GATED>(h, a, w, group_stride, m0, g0, o);
+    m0 += h;
   }
 }
 
@@ -383,7 +434,15 @@ void run(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, cons
 #ifndef PAGEDSERVE_GGUF_GATED_TILE_M
 #define PAGEDSERVE_GGUF_GATED_TILE_M 5
 #endif
-constexpr int kGatedPairs = PAGEDSERVE_GGUF_GATED_PAIRS, kGatedTileM = PAGEDSERVE_GGUF_GATED_TILE_M;
+// Q5_x's gated tiles are taller: their unpacking costs more per line, spread over more rows.
+#ifndef PAGEDSERVE_GGUF_GATED_TILE_M_Q5
+#define PAGEDSERVE_GGUF_GATED_TILE_M_Q5 6
+#endif
+constexpr int kGatedPairs = PAGEDSERVE_GGUF_GATED_PAIRS;
+template <int64_t TYPE>
+constexpr int gated_tile_m() {
+  return TYPE == Q5_0 || TYPE == Q5_1 ? PAGEDSERVE_GGUF_GATED_TILE_M_Q5 : PAGEDSERVE_GGUF_GATED_TILE_M;
+}
 
 // As run(), over the o.half gate groups, each tile taking its up groups along.
 template <int64_t TYPE>
@@ -395,10 +454,10 @@ void run_gated(const Activations& a, const uint8_t* w, int64_t M, const Output& 
       const int64_t me = std::min(M, mb + kChunkM);
       for (int64_t g0 = gb; g0 < ge;) {
         if (ge - g0 >= kGatedPairs) {
-          rows<2 * kGatedPairs, TYPE, true, kGatedTileM>(a, w, group_stride, mb, me, g0, o);
+          rows<2 * kGatedPairs, TYPE, true, gated_tile_m<TYPE>()>(a, w, group_stride, mb, me, g0, o);
           g0 += kGatedPairs;
         } else {
-          rows<2, TYPE, true, kGatedTileM>(a, w, group_stride, mb, me, g0, o);
+          rows<2, TYPE, true, gated_tile_m<TYPE>()>(a, w, group_stride, mb, me, g0, o);
           g0 += 1;
         }
       }

@@ -190,9 +190,9 @@ def unpack_gguf_weight(packed: torch.Tensor, type_name: str) -> torch.Tensor:
         v = vals.permute(0, 4, 1, 2, 3, 5).reshape(g, 16, nb, 32)
         q = v[..., :16] | (v[..., 16:] << 4)
     if type_name in ("Q5_0", "Q5_1"):
-        # Scales (and Q5_1's minimums), then 8 masks of 64 bits -> each column's qh.
+        # Scales (and Q5_1's minimums), then 64 bytes of fifth bits -> each column's qh.
         heads = 64 if type_name == "Q5_1" else 32
-        qh = _fifth_bits(entry[..., qb + heads : qb + heads + 64]).reshape(g, 16, nb, 4)
+        qh = _fifth_bit_bytes(entry[..., qb + heads : qb + heads + 64]).reshape(g, 16, nb, 4)
         dm = entry[..., qb : qb + heads].reshape(g, nb, heads // 32, 16, 2).permute(0, 3, 1, 2, 4)
         return torch.cat([dm.reshape(g, 16, nb, heads // 16), qh, q], dim=-1).reshape(g * 16, nb * bb)
     scales = entry[..., qb:].reshape(g, nb, -1, 16, 2).permute(0, 3, 1, 2, 4).reshape(g, 16, nb, -1)
@@ -209,15 +209,15 @@ def gguf_embedding(ids: torch.Tensor, data: torch.Tensor, type_name: str, dtype:
     return qref.dequantize_gguf(blocks, type_name).to(dtype)
 
 
-def _fifth_bits(masks: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[g, n, 64]``: 8 masks of 64 bits (mask 2p + h, bit 4c + t: the fifth bit of
-    column c at k = 8p + 4h + t) -> ``[g, 16, n, 32]`` bits, value k of column c as bit
-    k % 8 of byte k // 8 (a little-endian uint32 per column: Q5_x's qh)."""
-    g, n = masks.shape[:2]
+def _fifth_bit_bytes(fifth: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[g, n, 64]``: Q5_0 / Q5_1's (and a Q5_K sub-block's) fifth bits as the tiled kernels store them (bit j
+    of byte 4c + t: column c at k = 4j + t) -> ``[g, 16, n, 4]``, value k of column c as
+    bit k % 8 of byte k // 8 (a little-endian uint32 per column: Q5_x's qh)."""
+    g, n = fifth.shape[:2]
     shifts = torch.arange(8, dtype=torch.uint8)
-    bits = (masks.reshape(g, n, 8, 8, 1) >> shifts) & 1  # [g, n, mask, byte, bit]
-    bits = bits.reshape(g, n, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(g, 16, n, 4, 8)  # [.., k // 8, k % 8]
-    return (bits << shifts).sum(-1, dtype=torch.uint8)  # [g, 16, n, 4]
+    bits = (fifth.reshape(g, n, 16, 1, 4) >> shifts.view(8, 1)) & 1  # [g, n, c, j, t]: k = 4j + t
+    bits = bits.reshape(g, n, 16, 4, 8).permute(0, 2, 1, 3, 4)  # [g, c, n, k // 8, k % 8]
+    return (bits << shifts).sum(-1, dtype=torch.uint8)
 
 
 def _unpack_nibble_lines(lines: torch.Tensor) -> torch.Tensor:
@@ -244,7 +244,7 @@ def _unpack_kquant(packed: torch.Tensor, type_name: str) -> torch.Tensor:
         if type_name == "Q4_K":
             return torch.cat([d, sc, qs], dim=-1).reshape(g * 16, nsb * 144)
         # Sub-block j's fifth bits -> bit j of qh[l].
-        bits = _fifth_bits(subs[..., 256:].reshape(g, nsb * 8, 64).contiguous())  # [g, 16, nsb * 8, 4]
+        bits = _fifth_bit_bytes(subs[..., 256:].reshape(g, nsb * 8, 64).contiguous())  # [g, 16, nsb * 8, 4]
         shifts = torch.arange(8, dtype=torch.uint8)
         fifth = (bits.reshape(g, 16, nsb, 8, 4, 1) >> shifts) & 1  # [g, 16, nsb, j, l // 8, l % 8]
         qh = (fifth.reshape(g, 16, nsb, 8, 32) << shifts.view(8, 1)).sum(-2, dtype=torch.uint8)

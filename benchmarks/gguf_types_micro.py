@@ -1,0 +1,156 @@
+"""Each GGUF block type's tiled GEMM against Q4_1's on the default model's layer shapes.
+
+    python benchmarks/gguf_types_micro.py [--types Q4_1 Q5_0 Q8_0 Q4_K Q6_K] [--rows 1 16 64 256]
+                                          [--shapes qkv o gate_up down] [--rounds 9] [--layers 30]
+
+One thread, CPU time (``time.thread_time``) of ``--layers`` calls on distinct weights (read
+from memory, as in a decode step), repacked at load as the model repacks them, bf16
+activations and outputs; gate_up through the gated kernel (``gguf_linear_silu_out``) as
+the model runs it, the others through ``gguf_linear_out``.  The types take turns call set
+by call set (round r: every type once, the order rotated each round), so a drift in the
+machine's speed reaches them alike; each type's figure is the median over the rounds of
+microseconds per call, and its ratio to Q4_1 the median of the per-round ratios (with
+their minimum and maximum).  K-quant blocks hold 256 values, so they take only the shapes
+whose input is a multiple of 256 (the default model's down projection).
+
+``--only TYPE`` times one type alone (``--rounds`` passes of every shape and row count),
+for whole-process comparisons of two types, each its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+__all__ = ["SHAPES", "random_blocks", "prepare", "bench", "main"]
+
+#: The default model's linear layers (in, out), [gate; up] as one gated weight.
+SHAPES: dict[str, tuple[int, int]] = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
+
+
+def random_blocks(type_name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 [n, row bytes] of ``type_name``: random quants (every bit pattern of the
+    quants, K-quant sub-block scales included) with fp16 block scales of realistic size."""
+    from pagedserve.kernels import quant_reference as qref
+
+    bb, per = qref.GGUF_BLOCK_BYTES[type_name], qref.GGUF_BLOCK_VALUES[type_name]
+    raw = torch.randint(0, 256, (n, k // per, bb), dtype=torch.uint8, generator=gen)
+    halves = {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2], "Q5_1": [0, 2]}.get(type_name, [0])
+    for at in halves:
+        scale = (torch.rand(n, k // per, generator=gen) * 0.02 + 1e-3) / (32 if per == 256 else 1)
+        raw[..., at : at + 2] = scale.half().view(torch.uint8).reshape(n, -1, 2)
+    return raw.reshape(n, -1)
+
+
+def prepare(quant, type_name: str, n: int, k: int, layers: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """``layers`` random weights [n, k] of ``type_name``, repacked for the tiled kernel."""
+    from pagedserve.kernels import quant_reference as qref
+
+    tid = qref.GGUF_TYPE_IDS[type_name]
+    return [quant.pack_weight(random_blocks(type_name, n, k, gen), tid) for _ in range(layers)]
+
+
+def applies(type_name: str, shape: str) -> bool:
+    from pagedserve.kernels import quant_reference as qref
+
+    return SHAPES[shape][0] % qref.GGUF_BLOCK_VALUES[type_name] == 0 and not (
+        shape == "gate_up" and qref.GGUF_BLOCK_VALUES[type_name] == 256
+    )
+
+
+def bench(
+    quant, types: list[str], shapes: list[str], rows: list[int], rounds: int, layers: int, seed: int = 0
+) -> list[dict]:
+    """One dict per (shape, rows, type): median us per call over ``rounds`` and, for types
+    other than the first, the median / min / max of the per-round ratios to the first."""
+    from pagedserve.kernels import quant_reference as qref
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for shape in shapes:
+        k, n = SHAPES[shape]
+        here = [t for t in types if applies(t, shape)]
+        if not here:
+            continue
+        weights = {t: prepare(quant, t, n, k, layers, gen) for t in here}
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).bfloat16()
+
+            def calls(t: str) -> None:
+                tid = qref.GGUF_TYPE_IDS[t]
+                fn = quant.gguf_linear_silu_out if shape == "gate_up" else quant.gguf_linear_out
+                for w in weights[t]:
+                    fn(x, w, tid)
+
+            times: dict[str, list[float]] = {t: [] for t in here}
+            for t in here:  # warm-up
+                calls(t)
+            for r in range(rounds):
+                order = here[r % len(here) :] + here[: r % len(here)]
+                for t in order:
+                    t0 = time.thread_time()
+                    calls(t)
+                    times[t].append((time.thread_time() - t0) / layers * 1e6)
+            base = times[here[0]]
+            for t in here:
+                ratios = [a / b for a, b in zip(times[t], base)]
+                out.append(
+                    dict(
+                        shape=f"{shape} {k}->{n}",
+                        rows=m,
+                        type=t,
+                        us=statistics.median(times[t]),
+                        ratio=statistics.median(ratios),
+                        lo=min(ratios),
+                        hi=max(ratios),
+                    )
+                )
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--types", nargs="+", default=["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 256])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--only", default=None, help="time this one type alone (whole-process comparisons)")
+    args = p.parse_args()
+    from pagedserve.kernels.cpu.quant_native import load_quant_kernels
+
+    torch.set_num_threads(args.threads)
+    quant = load_quant_kernels()
+    if quant is None or not quant.has_packed():
+        raise SystemExit("the tiled GGUF kernel is unavailable on this machine")
+    if args.only:
+        res = bench(quant, [args.only], args.shapes, args.rows, args.rounds, args.layers)
+        total = sum(r["us"] * args.layers * args.rounds for r in res) * 1e-6
+        print(f"{args.only}: {total:.3f} s of calls")
+        return 0
+    print(f"torch {torch.__version__}, {args.threads} thread(s), {args.layers} layers, {args.rounds} rounds, CPU time")
+    print(
+        f"| shape | rows | {' | '.join(args.types)} | {' | '.join(t + ' / ' + args.types[0] for t in args.types[1:])} |"
+    )
+    print("|---|---:|" + "---:|" * (2 * len(args.types) - 1))
+    res = bench(quant, args.types, args.shapes, args.rows, args.rounds, args.layers)
+    for shape in dict.fromkeys(r["shape"] for r in res):
+        for m in args.rows:
+            row = {r["type"]: r for r in res if r["shape"] == shape and r["rows"] == m}
+            us = " | ".join(f"{row[t]['us']:.1f}" if t in row else "" for t in args.types)
+            ratio = " | ".join(
+                f"{row[t]['ratio']:.2f}x ({row[t]['lo']:.2f}-{row[t]['hi']:.2f})"
+                if t in row and args.types[0] in row
+                else ""
+                for t in args.types[1:]
+            )
+            print(f"| {shape} | {m} | {us} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
