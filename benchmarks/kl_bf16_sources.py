@@ -6,7 +6,11 @@ forward pass scored against the same float32 reference, as `pagedserve eval kl` 
 Variants (default: all, in this order):
 
 =====================  ================================================================
-``bf16``               the default path: bf16 activations, residual stream and KV cache
+``bf16``               ``residual_dtype="model"``: bf16 activations, residual stream and
+                       KV cache (the default path before the float32 stream)
+``auto``               the default path (``residual_dtype="auto"``): bf16 activations and
+                       KV cache, the residual stream in float32 with the o and down
+                       projections writing their float32 sums into it
 ``f32``                ``dtype="float32"``: every activation and the KV cache in float32
 ``res32``              bf16 activations, but the residual stream kept in float32 (each
                        sublayer's bf16 output added to it unrounded; the RMSNorm computed
@@ -18,11 +22,11 @@ Variants (default: all, in this order):
 =====================  ================================================================
 
 The weights and the int8 activation blocks are the same in every variant, so the
-differences are the bf16 roundings alone.  The variants other than ``bf16`` and ``f32``
-replace the Llama layer's forward for the run (a measurement, not a supported path; the
-Llama family only, without tensor parallelism).  The reference is benchmarks/workloads.py's
-bf16 folder of the default model in float32, the text /usr/share/common-licenses/GPL-3,
-chunks of 512 tokens, their second halves scored.
+differences are the bf16 roundings alone.  The ``res32*`` variants replace the Llama
+layer's forward for the run (a measurement, not a supported path; the Llama family
+only, without tensor parallelism); ``res32_out32`` is what ``auto`` implements.  The
+reference is benchmarks/workloads.py's bf16 folder of the default model in float32, the
+text /usr/share/common-licenses/GPL-3, chunks of 512 tokens, their second halves scored.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from workloads import default_gguf_path, prepare_model_dir  # noqa: E402
 
-VARIANTS = ("bf16", "f32", "res32", "res32_out32", "res32_out32_emb32")
+VARIANTS = ("bf16", "f32", "res32", "res32_out32", "res32_out32_emb32", "auto")
+#: The residual_dtype setting of each variant (the res32 ones replace the layer's forward).
+RESIDUAL = {"auto": "auto", "f32": "auto"}
 TEXT = pathlib.Path("/usr/share/common-licenses/GPL-3")
 CTX = 512
 
@@ -122,7 +128,8 @@ def main() -> int:
                 cls.layer_forward, base.final_norm = _patches(flags)
             if "emb32" in flags:
                 base.embed_tokens = embed32
-            llm = LLM(model=model, dtype="float32" if name == "f32" else "auto", **common)
+            residual = RESIDUAL.get(name, "model")
+            llm = LLM(model=model, dtype="float32" if name == "f32" else "auto", residual_dtype=residual, **common)
             acc, t0 = KLAccumulator(), time.perf_counter()
             for lo in range(0, len(chunks), 2):
                 part = chunks[lo : lo + 2]

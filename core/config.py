@@ -36,6 +36,9 @@ __all__ = [
     "normalize_device_map",
 ]
 
+#: The residual_dtype setting's values (ModelConfig.residual_dtype; models/decoder.py).
+RESIDUAL_DTYPES: tuple[str, ...] = ("auto", "float32", "model")
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -369,6 +372,15 @@ class ModelConfig:
         default=None,
         metadata=_help("context length (prompt plus output) in tokens; default: the model's max_position_embeddings"),
     )
+    residual_dtype: str = field(
+        default="auto",
+        metadata=_help(
+            "dtype of the residual stream between decoder layers: auto (float32 beside bf16/fp16 activations "
+            "where the o and down projections are GGUF blocks kept quantized, which write their float32 sums "
+            "into it; else the model's dtype), float32, or model (docs/quantization.md)",
+            choices=list(RESIDUAL_DTYPES),
+        ),
+    )
     seed: int = field(default=0, metadata=_help("seed of the engine's random state"))
     tokenizer: str | None = field(
         default=None,
@@ -441,6 +453,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}; got {self.residual_dtype!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.pooling not in (None, "last", "mean", "cls"):

@@ -215,9 +215,16 @@ def _finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> t
     return y.to(dtype)
 
 
-def gguf_linear(x: torch.Tensor, raw: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x ``[M, K]`` @ dequantized GGUF rows ``[N, K]``^T (+ bias ``[N]``) -> ``[M, N]`` x.dtype."""
-    return _finish(x.float() @ dequantize_gguf(raw, type_name).t(), bias, x.dtype)
+def gguf_linear(
+    x: torch.Tensor,
+    raw: torch.Tensor,
+    type_name: str,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x ``[M, K]`` @ dequantized GGUF rows ``[N, K]``^T (+ bias ``[N]``) -> ``[M, N]`` in
+    ``out_dtype`` (None: x.dtype)."""
+    return _finish(x.float() @ dequantize_gguf(raw, type_name).t(), bias, x.dtype if out_dtype is None else out_dtype)
 
 
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -375,15 +375,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual <- x + residual; returns (rms_norm(residual), residual).
 
     Implementations may update ``x`` and ``residual`` in place; callers must not
     reuse them afterwards except through the returned tensors.
+
+    A float32 ``residual`` may come with a narrower ``x`` (bfloat16, float16): a float32
+    residual stream beside low-precision activations (op capability
+    ``float32_residual``, interface 1.7).  The sum is then computed and kept in float32,
+    and the normalised row times ``weight`` is computed in float32 and rounded once to
+    ``out_dtype``.  ``out_dtype`` (None: x's dtype) lets a float32 ``x`` (a projection
+    that wrote its float32 sums unrounded) return the row in the activations' dtype.
+    With ``residual`` in x's dtype and ``out_dtype`` None or x's dtype this is the
+    plain op (its rounding steps unchanged).
     """
-    residual = x + residual
-    return rms_norm(residual, weight, eps), residual
+    out = x.dtype if out_dtype is None else out_dtype
+    if residual.dtype == x.dtype and out == x.dtype:
+        residual = x + residual
+        return rms_norm(residual, weight, eps), residual
+    if residual.dtype != torch.float32:
+        raise ValueError(
+            f"fused_add_rms_norm: residual {residual.dtype} with x {x.dtype} and out_dtype {out}: only a float32 "
+            "residual may differ from them"
+        )
+    residual = residual + x.float()
+    return rms_norm(residual, weight, eps).to(out), residual
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -668,7 +690,13 @@ def apply_token_bitmask(
     return logits
 
 
-def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gguf_linear(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    type_name: str,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """y = x @ W.T + bias for W kept in GGUF blocks.
 
     x: [M, K] float32/bfloat16/float16; data: uint8 [N, K/32 * block_bytes], the ggml
@@ -676,8 +704,13 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch
     bias: [N] or None.  Returns [M, N] in x.dtype, computed in float32.  An
     implementation may quantize x to int8 per 32-value block (as llama.cpp does); the
     conformance kit allows for that error.
+
+    ``out_dtype`` (None: x's dtype) is the result's dtype: float32 returns the float32
+    sums (+ bias) unrounded whatever x's dtype (op capability ``gguf_out_dtype``,
+    interface 1.7), as a float32 x of the same values would give; a projection feeding
+    a float32 residual stream writes it so.
     """
-    return quant_reference.gguf_linear(x, data, type_name, bias)
+    return quant_reference.gguf_linear(x, data, type_name, bias, out_dtype)
 
 
 def gguf_linear_silu_and_mul(

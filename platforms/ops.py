@@ -19,7 +19,16 @@ from typing import Any
 
 from pagedserve.kernels import reference
 
-__all__ = ["OpRegistry", "OpEntry", "OP_CAPABILITIES", "PREFERS_QUANTIZED", "GGUF_EXTENDED"]
+__all__ = [
+    "OpRegistry",
+    "OpEntry",
+    "OP_CAPABILITIES",
+    "PREFERS_QUANTIZED",
+    "GGUF_EXTENDED",
+    "FLOAT32_RESIDUAL",
+    "GGUF_OUT_DTYPE",
+    "REFERENCE_CAPABILITIES",
+]
 
 #: A quantized linear op declaring this runs faster on the quantized weights than the
 #: dense ``linear`` on dequantized ones at decode batch sizes, so a quantized checkpoint
@@ -29,11 +38,27 @@ PREFERS_QUANTIZED = "prefers_quantized"
 #: Q4_0/Q4_1/Q8_0 (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: ``quant_reference.GGUF_EXTENDED_TYPES``),
 #: so a .gguf keeps those blocks too; elsewhere they are dequantized at load.
 GGUF_EXTENDED = "gguf_extended_types"
+#: A ``fused_add_rms_norm`` declaring this takes a float32 residual beside a bfloat16 /
+#: float16 ``x`` and an ``out_dtype`` for the normalised row (reference.fused_add_rms_norm),
+#: so that a model may keep its residual stream in float32 (``residual_dtype``).
+FLOAT32_RESIDUAL = "float32_residual"
+#: A ``gguf_linear`` declaring this takes ``out_dtype`` (reference.gguf_linear): float32
+#: sums written unrounded from a bfloat16 / float16 x.  Without it a GGUF weight asked for
+#: float32 output feeds the op a float32 copy of x (the same values, one more pass).
+GGUF_OUT_DTYPE = "gguf_out_dtype"
 
 #: Every capability an op implementation may declare (interface 1.3), with its meaning.
 OP_CAPABILITIES: dict[str, str] = {
     PREFERS_QUANTIZED: "faster on quantized weights than dense linear on dequantized ones at decode batch sizes",
     GGUF_EXTENDED: "gguf_linear: a kernel for Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks too (kept quantized at load)",
+    FLOAT32_RESIDUAL: "fused_add_rms_norm: a float32 residual beside a bf16/fp16 x, and out_dtype (interface 1.7)",
+    GGUF_OUT_DTYPE: "gguf_linear: out_dtype, float32 sums unrounded from a bf16/fp16 x (interface 1.7)",
+}
+
+#: The capabilities of the reference implementations (registered by every OpRegistry).
+REFERENCE_CAPABILITIES: dict[str, tuple[str, ...]] = {
+    "fused_add_rms_norm": (FLOAT32_RESIDUAL,),
+    "gguf_linear": (GGUF_OUT_DTYPE,),
 }
 
 
@@ -50,7 +75,9 @@ class OpRegistry:
     def __init__(self) -> None:
         self._entries: dict[str, OpEntry] = {}
         for name in reference.OP_NAMES:
-            self.register(name, getattr(reference, name), source="reference")
+            self.register(
+                name, getattr(reference, name), source="reference", capabilities=REFERENCE_CAPABILITIES.get(name, ())
+            )
         # A fused op's default is the composition of this registry's own parts, looked up
         # at call time: a platform that overrides only the parts (e.g. a linear taking
         # its own prepared weights) gets them without registering the fused op.

@@ -115,7 +115,15 @@ class Worker:
         self.source = source  # read again on waking from sleep level 2
         arch = ArchConfig.from_hf(source.hf_config)
         max_model_len = effective_max_model_len(cfg.model.max_model_len, arch.max_position_embeddings, arch.head_dim)
-        self.runner = ModelRunner(platform, ops, arch, dtype, self.parallel, max_model_len=max_model_len)
+        self.runner = ModelRunner(
+            platform,
+            ops,
+            arch,
+            dtype,
+            self.parallel,
+            max_model_len=max_model_len,
+            residual_dtype=cfg.model.residual_dtype,
+        )
         self.runner.load_weights(source.weights())
         local = self.runner.determine_num_blocks(cfg.cache, cfg.scheduler, max_model_len, self.parallel.min_over_ranks)
         num_blocks = self.parallel.min_over_ranks(local)
@@ -277,7 +285,8 @@ class Worker:
                 if p.is_first_stage:
                     x, residual = model.embed_tokens(ids), None
                 else:
-                    x = torch.empty(ids.shape[0], hidden, dtype=runner.dtype, device=dev)
+                    # A float32 residual stream crosses stages in float32, x with it.
+                    x = torch.empty(ids.shape[0], hidden, dtype=model.residual_dtype, device=dev)
                     residual = torch.empty_like(x)
                     prev = p.stage_peer(p.pp_rank - 1)
                     dist.recv(x, src=prev)
@@ -285,7 +294,7 @@ class Worker:
                 x, residual = model.forward_layers(x, residual, meta, runner.kv_caches)
                 if not p.is_last_stage:
                     nxt = p.stage_peer(p.pp_rank + 1)
-                    x, residual = x.contiguous(), residual.contiguous()
+                    x, residual = x.to(model.residual_dtype).contiguous(), residual.contiguous()
                     pending += [(dist.isend(x, dst=nxt), x), (dist.isend(residual, dst=nxt), residual)]
                     continue
                 head = run_head(model, model.final_norm(x, residual), mb.tail, lambda t: t.to(dev))

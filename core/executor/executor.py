@@ -72,6 +72,7 @@ class UniProcExecutor(Executor):
             max_model_len=max_model_len,
             vision=vision_inputs_on(config.model),
             experts=experts,
+            residual_dtype=config.model.residual_dtype,
         )
         runner.load_weights(source.weights(), prepare=config.cache.cpu_offload_gb <= 0)
         self.num_blocks = runner.determine_num_blocks(config.cache, config.scheduler, max_model_len)

@@ -184,6 +184,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         vision: bool = False,
         experts: Segment | None = None,
+        residual_dtype: str = "auto",
     ) -> None:
         self.platform = platform
         self.ops = ops
@@ -204,6 +205,8 @@ class ModelRunner:
         self.segments = segments
         #: A map by tensor class: where the routed experts live and run (else None).
         self.experts = experts
+        #: The ``residual_dtype`` setting (resolved by the model once its weights load).
+        self.residual_dtype = residual_dtype
         self.model = self._build_model()
         #: A vision-language model's vision side (``vision``: images are on), else None;
         #: its outputs by image, while prompts are prefilled.
@@ -266,6 +269,7 @@ class ModelRunner:
         if self.experts is not None:
             e = self.experts
             model.place_experts(LayerPlacement(e.start, e.end, e.ops, e.platform.device, e.platform.to_device))
+        model.set_residual_dtype(self.residual_dtype)  # refuses an impossible "float32" before any weight loads
         return model
 
     def load_weights(self, weights, prepare: bool = True) -> None:
@@ -276,6 +280,7 @@ class ModelRunner:
         with torch.inference_mode():
             vision: list[tuple[str, torch.Tensor]] = []
             self.model.load_weights(self._split_vision(weights, vision))
+            self.model.set_residual_dtype(self.residual_dtype)  # "auto" looks at the loaded projections
             if self.vision is not None:
                 self.vision.load_weights(vision)
             if prepare:

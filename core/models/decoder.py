@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from pagedserve.config import RESIDUAL_DTYPES
 from pagedserve.distributed.parallel_state import ParallelContext
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.layers import (
@@ -81,6 +82,10 @@ class DecoderForCausalLM:
     default_attention_bias: ClassVar[bool] = False
     #: Whether ``_shard`` knows how to split this family's weights (the registry's column).
     tensor_parallel: ClassVar[bool] = True
+    #: Whether this family's layers keep a float32 residual stream beside narrower
+    #: activations when asked (``residual_dtype``; :meth:`set_residual_dtype`): they pass
+    #: ``stream_dtype`` to ``layers.add_rms_norm`` and ``layers.residual_linear``.
+    float32_residual: ClassVar[bool] = False
 
     @classmethod
     def pipeline_refusal(cls, hf: dict) -> str | None:
@@ -163,6 +168,11 @@ class DecoderForCausalLM:
         #: Per-layer (k_scale, v_scale) applied around attention for a tensor-scaled fp8
         #: cache (set by the runner; None: none).
         self.kv_scales: dict[int, tuple[float, float]] | None = None
+        #: The residual stream's dtype (what pipeline stages exchange), and the same when
+        #: it differs from the activations' (float32 beside bf16/fp16), else None: what
+        #: the layers pass as ``stream_dtype`` (set by :meth:`set_residual_dtype`).
+        self.residual_dtype: torch.dtype = dtype
+        self.stream_dtype: torch.dtype | None = None
 
     def state_bytes(self, cache_dtype: torch.dtype) -> int:
         """Bytes of one request's state in one recurrent-state layer on this rank (what a
@@ -173,6 +183,51 @@ class DecoderForCausalLM:
         if state is None:
             raise TypeError(f"{type(self).__name__} has no recurrent-state layers")
         return state.nbytes(cache_dtype)
+
+    def residual_refusal(self) -> str | None:
+        """Why this model cannot keep a float32 residual stream beside its activations, or
+        None: the family's layers do not (``float32_residual``), or an op registry's
+        ``fused_add_rms_norm`` does not take a float32 residual (``float32_residual``)."""
+        if not self.float32_residual:
+            return f"{self.cfg.architecture}'s layers keep their residual stream in the model's dtype"
+        for ops in {id(pl.ops): pl.ops for pl in self.placements}.values():
+            has = getattr(ops, "has_capability", None)
+            if has is None or not has("fused_add_rms_norm", "float32_residual"):
+                return (
+                    "the platform's fused_add_rms_norm does not take a float32 residual (capability float32_residual)"
+                )
+        return None
+
+    def float32_sums(self) -> bool:
+        """Whether the loaded o / down projections (``residual_fields``) return float32 sums
+        (``QuantizedWeight.float32_accumulation``: GGUF blocks kept quantized; a file's
+        float tensors beside them add to the stream in bf16)."""
+        weights = [getattr(layer, name, None) for layer in self.layers for name in self.residual_fields]
+        return any(isinstance(w, QuantizedWeight) and w.float32_accumulation for w in weights)
+
+    #: Holder attributes of the projections that write into the residual stream.
+    residual_fields: ClassVar[tuple[str, ...]] = ("o", "down")
+
+    def set_residual_dtype(self, setting: str) -> None:
+        """The residual stream's dtype from the ``residual_dtype`` setting: "model" keeps
+        the model's dtype; "float32" keeps float32 (refused, naming why, where
+        :meth:`residual_refusal` says so); "auto" is float32 where the model's dtype is
+        narrower, the family and ops can, and the o / down projections sum in float32 (a
+        GGUF model kept in blocks: docs/quantization.md), else the model's dtype.  The
+        runner calls it before the weights load (the refusal) and again after ("auto")."""
+        if setting not in RESIDUAL_DTYPES:
+            raise ValueError(f"residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}; got {setting!r}")
+        stream = self.dtype
+        if self.dtype != torch.float32 and setting != "model":
+            refusal = self.residual_refusal()
+            if setting == "float32" and refusal is not None:
+                raise ValueError(f"residual_dtype='float32' is not supported here: {refusal}")
+            if setting == "float32" or (refusal is None and self.float32_sums()):
+                stream = torch.float32
+            elif refusal is not None and self.float32_sums():
+                logger.info("residual_dtype='auto': the residual stream stays %s: %s", self.dtype, refusal)
+        self.residual_dtype = stream
+        self.stream_dtype = None if stream == self.dtype else stream
 
     def set_kv_scales(self, scales: dict[int, tuple[float, float]] | None) -> None:
         """The per-layer (k_scale, v_scale) of a tensor-scaled fp8 cache, by model-wide
@@ -612,6 +667,9 @@ class DecoderForCausalLM:
         return x, residual
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.stream_dtype is not None:  # a float32 stream: the row in the model's dtype
+            h, _ = self.head_ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps, out_dtype=self.dtype)
+            return h
         h, _ = self.head_ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return h
 

@@ -28,6 +28,7 @@ from pagedserve.models.layers import (
     linear,
     paged_attention,
     qkv_split,
+    residual_linear,
 )
 from pagedserve.models.rope import check_rope_scaling, normalize_rope_scaling
 
@@ -62,6 +63,7 @@ class GemmaForCausalLM(DecoderForCausalLM):
 
     layer_class = GemmaLayer
     linear_fields = ("qkv", "o", "gate_up", "down")
+    float32_residual = True
     sandwich_norms: ClassVar[bool] = False
     qk_norm: ClassVar[bool] = False
 
@@ -146,18 +148,19 @@ class GemmaForCausalLM(DecoderForCausalLM):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        eps = self.cfg.rms_norm_eps
-        h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
+        eps, stream = self.cfg.rms_norm_eps, self.stream_dtype
+        h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps, stream, self.dtype)
         q, k, v = qkv_split(linear(ops, h, layer.qkv), self.attn)
         if layer.q_norm is not None:
             q, k = head_rms_norm(ops, q, layer.q_norm, eps), head_rms_norm(ops, k, layer.k_norm, eps)
         q, k = self.rope_for(index)(ops, placement, meta.positions, q, k)
         attn = paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale, self.windows[index], self.attn_soft_cap)
-        h = self.parallel.all_reduce(linear(ops, attn, layer.o))
+        # With a float32 stream the o / down sums stay float32 through the sandwich norms.
+        h = self.parallel.all_reduce(residual_linear(ops, attn, layer.o, stream))
         if layer.post_attn_norm is not None:
             h = ops.rms_norm(h, layer.post_attn_norm, eps)
-        h, residual = ops.fused_add_rms_norm(h, residual, layer.pre_ff_norm, eps)
-        h = self.parallel.all_reduce(gated_mlp(ops, h, layer.gate_up, layer.down, self.activation))
+        h, residual = add_rms_norm(ops, h, residual, layer.pre_ff_norm, eps, stream, self.dtype)
+        h = self.parallel.all_reduce(gated_mlp(ops, h, layer.gate_up, layer.down, self.activation, stream))
         if layer.post_ff_norm is not None:
             h = ops.rms_norm(h, layer.post_ff_norm, eps)
         return h, residual

@@ -31,6 +31,7 @@ __all__ = [
     "RotaryEmbedding",
     "fuse",
     "linear",
+    "residual_linear",
     "add_rms_norm",
     "qkv_split",
     "paged_attention",
@@ -152,14 +153,41 @@ def linear(ops, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
     return ops.linear(x, w, bias)
 
 
+def residual_linear(
+    ops, x: torch.Tensor, w: Weight, out_dtype: torch.dtype | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A projection whose output joins the residual stream (o, down): :func:`linear`, but
+    with a float32 stream (``out_dtype``, the model's ``stream_dtype``) a weight that sums
+    in float32 (``float32_accumulation``: GGUF blocks) returns those sums unrounded; other
+    weights return x's dtype, which the norm op adds to the stream in float32."""
+    if out_dtype is not None and isinstance(w, QuantizedWeight) and w.float32_accumulation:
+        return w.apply(x, bias, out_dtype)  # type: ignore[call-arg]
+    return linear(ops, x, w, bias)
+
+
 def add_rms_norm(
-    ops, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ops,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    stream_dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-norm residual stream: (norm(x + residual), x + residual), [n, hidden] each;
-    ``residual`` None (before the first layer) means x is the stream itself."""
+    ``residual`` None (before the first layer) means x is the stream itself.
+
+    ``stream_dtype`` (float32; None: the stream is in x's dtype) keeps the stream in it
+    beside activations of ``dtype`` (the model's): x may then be of either, the sum is
+    float32 and the normalised row comes back in ``dtype`` (reference.fused_add_rms_norm)."""
+    if stream_dtype is None:
+        if residual is None:
+            return ops.rms_norm(x, weight, eps), x
+        return ops.fused_add_rms_norm(x, residual, weight, eps)
     if residual is None:
-        return ops.rms_norm(x, weight, eps), x
-    return ops.fused_add_rms_norm(x, residual, weight, eps)
+        h = ops.rms_norm(x, weight, eps)
+        return (h if h.dtype == dtype else h.to(dtype)), x.to(stream_dtype)
+    return ops.fused_add_rms_norm(x, residual, weight, eps, out_dtype=dtype)
 
 
 def qkv_split(qkv: torch.Tensor, shape: AttentionShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -238,10 +266,18 @@ class ScaledKVCache(tuple):
 GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
 
-def gated_mlp(ops, x: torch.Tensor, gate_up: Weight, down: Weight, activation: str = "silu") -> torch.Tensor:
+def gated_mlp(
+    ops,
+    x: torch.Tensor,
+    gate_up: Weight,
+    down: Weight,
+    activation: str = "silu",
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Gated MLP: down(act(gate(x)) * up(x)); gate_up [2 * inter, hidden] fused; act SiLU
     or GELU (GeGLU; "gelu_pytorch_tanh" is its tanh approximation).
-    x [n, hidden] -> [n, hidden] (before any tensor-parallel all-reduce)."""
+    x [n, hidden] -> [n, hidden] (before any tensor-parallel all-reduce); ``out_dtype``:
+    the down projection's into a float32 residual stream (:func:`residual_linear`)."""
     if activation == "silu":
         if isinstance(gate_up, QuantizedWeight):  # its format may fuse the two (GGUF)
             h = gate_up.apply_silu_and_mul(x, ops.silu_and_mul)
@@ -253,7 +289,7 @@ def gated_mlp(ops, x: torch.Tensor, gate_up: Weight, down: Weight, activation: s
         h = ops.gelu_and_mul(linear(ops, x, gate_up), "tanh" if activation == "gelu_pytorch_tanh" else "none")
     else:
         raise ValueError(f"activation {activation!r} is not supported (supported: {', '.join(GATED_ACTIVATIONS)})")
-    return linear(ops, h, down)
+    return residual_linear(ops, h, down, out_dtype)
 
 
 def head_rms_norm(ops, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

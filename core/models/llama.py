@@ -23,6 +23,7 @@ from pagedserve.models.layers import (
     linear,
     paged_attention,
     qkv_split,
+    residual_linear,
 )
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
     layer_class = LlamaLayer
     linear_fields = ("qkv", "o", "gate_up", "down")
+    float32_residual = True
 
     #: Whether each head's q and k are RMS-normalised before RoPE (Qwen3).
     qk_norm: ClassVar[bool] = False
@@ -115,26 +117,27 @@ class LlamaForCausalLM(DecoderForCausalLM):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        eps = self.cfg.rms_norm_eps
-        h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps)
+        eps, stream = self.cfg.rms_norm_eps, self.stream_dtype
+        h, residual = add_rms_norm(ops, x, residual, layer.input_norm, eps, stream, self.dtype)
         q, k, v = qkv_split(linear(ops, h, layer.qkv, layer.qkv_bias), self.attn)
         if layer.q_norm is not None:
             q, k = head_rms_norm(ops, q, layer.q_norm, eps), head_rms_norm(ops, k, layer.k_norm, eps)
         if self.rope_layers[index]:
             q, k = self.rope(ops, placement, meta.positions, q, k)
         attn = paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale, self.windows[index])
-        x = self.parallel.all_reduce(linear(ops, attn, layer.o))
+        x = self.parallel.all_reduce(residual_linear(ops, attn, layer.o, stream))
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier
-        h, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, eps)
+        h, residual = add_rms_norm(ops, x, residual, layer.post_norm, eps, stream, self.dtype)
         x = self.parallel.all_reduce(self.mlp_forward(ops, index, layer, h))
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier
         return x, residual
 
     def mlp_forward(self, ops, index: int, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
-        """The feed-forward block of model-wide layer ``index``: h [n, hidden] -> [n, hidden]."""
-        return gated_mlp(ops, h, layer.gate_up, layer.down)
+        """The feed-forward block of model-wide layer ``index``: h [n, hidden] -> [n, hidden]
+        (float32 from GGUF blocks into a float32 residual stream, else h's dtype)."""
+        return gated_mlp(ops, h, layer.gate_up, layer.down, out_dtype=self.stream_dtype)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -59,7 +59,9 @@ class QuantizedWeight(ABC):
     in_features: int
     #: Whether ``apply`` accumulates in float32 whatever x's dtype (only its result is
     #: rounded to x.dtype): an LM head given float32 activations then returns its logits
-    #: unrounded at no extra cost, which ``DecoderModel.compute_logits`` does.
+    #: unrounded at no extra cost, which ``DecoderModel.compute_logits`` does.  Such a
+    #: weight's ``apply`` also takes ``out_dtype`` (None: x's dtype), float32 returning its
+    #: sums unrounded from bf16 activations (a projection into a float32 residual stream).
     float32_accumulation: ClassVar[bool] = False
 
     @abstractmethod

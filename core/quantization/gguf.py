@@ -39,6 +39,9 @@ GGUF_KEPT_TYPES: tuple[str, ...] = GGUF_BASE_TYPES + GGUF_EXTENDED_TYPES
 #: platform's gguf_linear takes GGUF_EXTENDED_TYPES too (a string here: the core does
 #: not import the platforms package).
 _EXTENDED_CAPABILITY = "gguf_extended_types"
+#: The op capability (``pagedserve.platforms.ops.GGUF_OUT_DTYPE``) of a gguf_linear that
+#: takes ``out_dtype``.
+_OUT_DTYPE_CAPABILITY = "gguf_out_dtype"
 
 
 def gguf_kept_types(ops) -> tuple[str, ...]:
@@ -64,6 +67,9 @@ class GGUFWeight(QuantizedWeight):
         MLP's first half (:meth:`apply_silu_and_mul`).
     embed_op: the same registry's ``gguf_embedding`` (None: the reference, blocks only),
         which reads rows of the blocks or of their prepared form (:meth:`embedding`).
+    op_out_dtype: whether ``op`` takes ``out_dtype`` (the registry's ``gguf_linear``
+        declares ``gguf_out_dtype``; the reference does); else :meth:`apply` asked for
+        float32 output hands it a float32 copy of x.
     """
 
     # Every gguf_linear (the int8 kernels, the reference) sums in float32: as in llama.cpp,
@@ -81,6 +87,7 @@ class GGUFWeight(QuantizedWeight):
         packed: torch.Tensor | None = None,
         gated_op: Callable | None = None,
         embed_op: Callable | None = None,
+        op_out_dtype: bool | None = None,
     ) -> None:
         if type_name not in GGUF_KEPT_TYPES:
             raise ValueError(f"GGUF type {type_name} is not kept quantized (supported: {', '.join(GGUF_KEPT_TYPES)})")
@@ -98,15 +105,34 @@ class GGUFWeight(QuantizedWeight):
         self.packed = packed
         self.gated_op = gated_op
         self.embed_op = embed_op
+        self.op_out_dtype = op is None if op_out_dtype is None else op_out_dtype
 
     def _like(self, data: torch.Tensor | None, in_features: int, packed: torch.Tensor | None = None) -> GGUFWeight:
         """A weight of this type with this one's ops."""
         return GGUFWeight(
-            self.type_name, data, in_features, self.op, self.prepare, packed, self.gated_op, self.embed_op
+            self.type_name,
+            data,
+            in_features,
+            self.op,
+            self.prepare,
+            packed,
+            self.gated_op,
+            self.embed_op,
+            self.op_out_dtype,
         )
 
-    def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.op(x, self.data if self.packed is None else self.packed, self.type_name, bias)
+    def apply(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """x ``[M, in]`` -> ``[M, out]`` in ``out_dtype`` (None: x's dtype)."""
+        data = self.data if self.packed is None else self.packed
+        if out_dtype is None or out_dtype == x.dtype:
+            return self.op(x, data, self.type_name, bias)
+        if self.op_out_dtype:
+            return self.op(x, data, self.type_name, bias, out_dtype)
+        if out_dtype == torch.float32:  # the same values in float32: the float32 sums come back
+            return self.op(x.float(), data, self.type_name, bias)
+        return self.op(x, data, self.type_name, bias).to(out_dtype)
 
     def apply_silu_and_mul(self, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if self.gated_op is None:
@@ -286,9 +312,18 @@ class StackedWeight(QuantizedWeight):
         self.parts = parts
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
+        #: Float32 sums (and ``out_dtype``) where every part has them.
+        self.float32_accumulation = all(p.float32_accumulation for p in parts)  # type: ignore[misc]
 
-    def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch.cat([p.apply(x) for p in self.parts], dim=-1)
+    def apply(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        if out_dtype is None or out_dtype == x.dtype:
+            y = torch.cat([p.apply(x) for p in self.parts], dim=-1)
+        elif self.float32_accumulation:
+            y = torch.cat([p.apply(x, None, out_dtype) for p in self.parts], dim=-1)  # type: ignore[call-arg]
+        else:
+            y = torch.cat([p.apply(x) for p in self.parts], dim=-1).to(out_dtype)
         return y if bias is None else y + bias.to(y.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -323,6 +358,8 @@ class GGUFMethod(QuantizationMethod):
             raise ValueError(f"quantization='gguf' needs a .gguf file; {source.path} is a Hugging Face folder")
         op, prepare = self.ops.gguf_linear, self.ops.prepare_gguf_weight
         gated, embed = self.ops.gguf_linear_silu_and_mul, getattr(self.ops, "gguf_embedding", None)
+        has = getattr(self.ops, "has_capability", None)
+        out_dtype = op is reference.gguf_linear or (has is not None and has("gguf_linear", _OUT_DTYPE_CAPABILITY))
         if prepare is not reference.prepare_gguf_weight and embed is reference.gguf_embedding:
             embed = None  # the reference reads rows of blocks, not of another prepared form
         kept = gguf_kept_types(self.ops)
@@ -331,7 +368,19 @@ class GGUFMethod(QuantizationMethod):
             if isinstance(t, torch.Tensor):
                 yield name, t
             else:
-                yield name, GGUFWeight(t.type_name, t.data, t.shape[1], op, prepare, gated_op=gated, embed_op=embed)
+                yield (
+                    name,
+                    GGUFWeight(
+                        t.type_name,
+                        t.data,
+                        t.shape[1],
+                        op,
+                        prepare,
+                        gated_op=gated,
+                        embed_op=embed,
+                        op_out_dtype=out_dtype,
+                    ),
+                )
 
 
 #: Types that are floats already: loading them as floats is no fallback.

@@ -313,6 +313,24 @@ def _fused_add_rms_norm(t: Target, fn: Callable, dtype: torch.dtype, seed: int) 
             assert_matches("fused_add_rms_norm residual output", got[1], want[1], dtype)
 
         yield desc, body
+    if dtype == torch.float32 or not t.ops.has_capability("fused_add_rms_norm", "float32_residual"):
+        return
+    # A float32 residual stream: x of dtype beside it, or x float32 with out_dtype=dtype.
+    for n, hidden, x_dtype in [(1, 64, dtype), (7, 128, torch.float32), (33, 96, dtype), (5, 96, torch.float32)]:
+        desc = f"{n}x{hidden}-float32-residual-x-{_dtype_name(x_dtype)}"
+
+        def body32(n=n, hidden=hidden, x_dtype=x_dtype, desc=desc) -> None:
+            c = _Case(f"fused_add_rms_norm{desc}{dtype}", seed, t.device)
+            x, res = c.randn(n, hidden, dtype=x_dtype), c.randn(n, hidden, scale=2.0)
+            w = (1 + c.randn(hidden, scale=0.1)).to(dtype)
+            got = fn(c.dev(x), c.dev(res), c.dev(w), 1e-5, out_dtype=dtype)
+            want = reference.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5, out_dtype=dtype)
+            if not isinstance(got, tuple) or len(got) != 2:
+                raise AssertionError(f"fused_add_rms_norm: expected (normed, residual), got {type(got).__name__}")
+            assert_matches("fused_add_rms_norm (float32 residual) normed output", got[0], want[0], dtype)
+            assert_matches("fused_add_rms_norm (float32 residual) residual", got[1], want[1], torch.float32)
+
+        yield desc, body32
 
 
 def _rope_cache(max_pos: int, rot: int, theta: float = 10000.0) -> torch.Tensor:

@@ -148,6 +148,26 @@ def _gguf_linear(t: Target, fn: Callable, dtype: torch.dtype, seed: int, prepare
                 assert_close_relative("gguf_linear", got, want, dtype, _tol("gguf_linear", dtype))
 
             yield desc, body
+    if dtype == torch.float32 or not t.ops.has_capability("gguf_linear", "gguf_out_dtype"):
+        return
+    # out_dtype=float32 from narrower activations: the float32 sums, unrounded.
+    for type_name, shapes in _gguf_cases(t):
+        for m, k, n, bias in shapes[:2]:
+            desc = _desc(m, k, n, bias, f"{type_name}-") + "-out-float32"
+
+            def body32(type_name=type_name, m=m, k=k, n=n, bias=bias, desc=desc) -> None:
+                c = _Case(f"gguf_linear{desc}{dtype}", seed, t.device)
+                data, x = _random_gguf(c, type_name, n, k), c.randn(m, k, dtype=dtype)
+                b = c.randn(n, dtype=dtype) if bias else None
+                weight = c.dev(data) if prepare is None else prepare(c.dev(data), type_name)
+                got = fn(c.dev(x), weight, type_name, None if b is None else c.dev(b), torch.float32)
+                want = reference.gguf_linear(x, data, type_name, b, torch.float32)
+                # The activations' quantization error stays; the bf16 rounding of y is gone.
+                assert_close_relative(
+                    "gguf_linear out_dtype=float32", got, want, torch.float32, _tol("gguf_linear", dtype)
+                )
+
+            yield desc, body32
 
 
 #: (rows, in, d, bias) of the gguf_linear_silu_and_mul cases ([gate; up] of 2*d rows): d a

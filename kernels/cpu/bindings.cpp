@@ -243,6 +243,28 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
   parallel_rows(rows, hidden, [&](int64_t b, int64_t e) { fn(a, b, e); });
 }
 
+// The float32 residual stream: residual (float32, in place) <- x + residual, with x of
+// out's dtype or float32; out <- rms_norm(residual) * weight computed in float32, rounded
+// once to out's dtype (weight's).  out may be x (same dtype).
+void fused_add_rms_norm_f32res(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, at::Tensor out,
+                               double eps, int64_t isa) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && out.is_contiguous() && x.sizes() == residual.sizes() &&
+                  out.sizes() == x.sizes() && x.device().is_cpu() && residual.device().is_cpu() &&
+                  out.device().is_cpu(),
+              "x, residual and out must be contiguous CPU tensors of one shape");
+  TORCH_CHECK(residual.scalar_type() == at::kFloat, "the residual must be float32");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() || x.scalar_type() == at::kFloat,
+              "x must be float32 or of out's dtype");
+  const int64_t hidden = x.size(-1), rows = hidden ? x.numel() / hidden : 0;
+  TORCH_CHECK(weight.numel() == hidden && weight.scalar_type() == out.scalar_type(),
+              "weight must be [hidden] in out's dtype");
+  const at::Tensor w = weight.contiguous();
+  const AddRmsNormF32Args a{x.data_ptr(), x.scalar_type() == at::kFloat, residual.data_ptr<float>(), w.data_ptr(),
+                            out.data_ptr(), hidden, float(eps)};
+  const auto fn = elementwise(out, isa).fused_add_rms_norm_f32res;
+  parallel_rows(rows, hidden, [&](int64_t b, int64_t e) { fn(a, b, e); });
+}
+
 void rotary_embedding(const at::Tensor& positions_in, at::Tensor query, at::Tensor key,
                       const at::Tensor& cos_sin_cache, int64_t isa) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && key.size(0) == query.size(0) && key.size(2) == query.size(2) &&
@@ -541,6 +563,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &k::reshape_and_cache, nogil, "write key/value rows into the paged cache");
   m.def("rms_norm", &k::rms_norm, nogil, "RMSNorm over the last dimension");
   m.def("fused_add_rms_norm", &k::fused_add_rms_norm, nogil, "residual += x; x = rms_norm(residual), in place");
+  m.def("fused_add_rms_norm_f32res", &k::fused_add_rms_norm_f32res, nogil,
+        "float32 residual += x; out = rms_norm(residual) * weight rounded once to out's dtype");
   m.def("rotary_embedding", &k::rotary_embedding, nogil, "neox rotary embedding of query and key, in place");
   m.def("silu_and_mul", &k::silu_and_mul, nogil, "silu(x[..., :d]) * x[..., d:]");
   m.def("embedding", &k::embedding, nogil, "rows of weight [vocab, hidden] picked by 1-D token ids");

@@ -58,6 +58,43 @@ struct Elementwise {
     }
   }
 
+  // res (float32) <- x + res over n values, x of float or T.
+  template <typename S>
+  static void add_into_f32(const S* x, float* res, int64_t n) {
+    int64_t i = 0;
+    for (; i + W <= n; i += W) Isa::store(res + i, Isa::add(Isa::load(res + i), Isa::load(x + i)));
+    for (; i < n; ++i) res[i] = res[i] + to_float(x[i]);
+  }
+
+  // The float32 residual stream (AddRmsNormF32Args): the reference's
+  // (res * rsqrt(mean(res^2) + eps) * weight).to(T), one rounding.  The whole row is added
+  // before any of out is written, so out may be x.
+  static void fused_add_rms_norm_f32res(const AddRmsNormF32Args& a, int64_t begin, int64_t end) {
+    const T* w = static_cast<const T*>(a.weight);
+    for (int64_t row = begin; row < end; ++row) {
+      float* res = a.residual + row * a.hidden;
+      if (a.x_f32)
+        add_into_f32(static_cast<const float*>(a.x) + row * a.hidden, res, a.hidden);
+      else
+        add_into_f32(static_cast<const T*>(a.x) + row * a.hidden, res, a.hidden);
+      V ss = Isa::zero();
+      int64_t i = 0;
+      for (; i + W <= a.hidden; i += W) {
+        const V v = Isa::load(res + i);
+        ss = Isa::fma(v, v, ss);
+      }
+      float s = Isa::reduce_add(ss);
+      for (; i < a.hidden; ++i) s += res[i] * res[i];
+      const float r = 1.f / std::sqrt(s / float(a.hidden) + a.eps);
+      const V vr = Isa::set1(r);
+      T* out = static_cast<T*>(a.out) + row * a.hidden;
+      i = 0;
+      for (; i + W <= a.hidden; i += W)
+        Isa::store(out + i, Isa::mul(Isa::mul(Isa::load(res + i), vr), Isa::load(w + i)));
+      for (; i < a.hidden; ++i) out[i] = from_float<T>(res[i] * r * to_float(w[i]));
+    }
+  }
+
   // (x1, x2) <- (x1 cos - x2 sin, x2 cos + x1 sin) over the first rot_dim elements.
   static void rotate(T* x, const float* cos, const float* sin, int half) {
     int i = 0;
@@ -177,7 +214,8 @@ EltFns elementwise_fns(DType dtype) {
   auto fns = [](auto tag) -> EltFns {
     using T = decltype(tag);
     using K = Elementwise<Isa, T>;
-    return {&K::rms_norm, &K::fused_add_rms_norm, &K::rotary, &K::silu_and_mul, &argmax_rows<Isa, T>};
+    return {&K::rms_norm,     &K::fused_add_rms_norm,  &K::rotary,
+            &K::silu_and_mul, &argmax_rows<Isa, T>, &K::fused_add_rms_norm_f32res};
   };
   switch (dtype) {
     case DType::kFloat32: return fns(float{});

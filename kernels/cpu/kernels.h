@@ -100,6 +100,19 @@ struct AddRmsNormArgs {  // residual <- x + residual; x <- rms_norm(residual)
   float eps;
 };
 
+// A float32 residual stream beside activations of the storage type T: residual (float32)
+// <- x + residual, with x of T or float32 (x_f32); out (T) <- the normalised row times
+// weight (T), computed in float32 and rounded once.  out may be x when x is of T.
+struct AddRmsNormF32Args {
+  const void* x;
+  bool x_f32;
+  float* residual;
+  const void* weight;
+  void* out;
+  int64_t hidden;
+  float eps;
+};
+
 struct RotaryArgs {  // rows are tokens; query and key rotated in place
   const int64_t* positions;
   void* query;
@@ -137,6 +150,7 @@ struct EltFns {
   RowsFn<RotaryArgs> rotary = nullptr;
   RowsFn<SiluMulArgs> silu_and_mul = nullptr;
   RowsFn<ArgmaxArgs> argmax = nullptr;
+  RowsFn<AddRmsNormF32Args> fused_add_rms_norm_f32res = nullptr;
 };
 
 // y = x . w^T (+ bias) for a few rows of x, all bf16; columns [n_begin, n_end).

@@ -401,9 +401,18 @@ class NativeCpuKernels:
         return self.module.rms_norm(x, _as_dtype(weight, x.dtype), float(eps), self._isa)
 
     def fused_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """See reference.fused_add_rms_norm; updates x (normed) and residual in place."""
+        """See reference.fused_add_rms_norm; updates x (normed) and residual in place (a
+        float32 residual beside a narrower x or out_dtype: the residual in place, the row
+        into x where it is of out_dtype, else a new tensor)."""
+        if (out_dtype is not None and out_dtype != x.dtype) or residual.dtype != x.dtype:
+            return self._fused_add_rms_norm_f32res(x, residual, weight, eps, out_dtype or x.dtype)
         if (
             x.dtype not in _DTYPES
             or residual.dtype != x.dtype
@@ -417,6 +426,27 @@ class NativeCpuKernels:
             return reference.fused_add_rms_norm(x, residual, weight, eps)
         self.module.fused_add_rms_norm(x, residual, _as_dtype(weight, x.dtype), float(eps), self._isa)
         return x, residual
+
+    def _fused_add_rms_norm_f32res(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A float32 residual stream (reference.fused_add_rms_norm's mixed case)."""
+        if (
+            residual.dtype != torch.float32
+            or out_dtype not in _DTYPES
+            or x.dtype not in (out_dtype, torch.float32)
+            or not x.is_cpu
+            or not residual.is_cpu
+            or x.shape != residual.shape
+            or not x.is_contiguous()
+            or not residual.is_contiguous()
+            # x and residual differ in dtype, so overlap is judged on their byte ranges.
+            or (x.data_ptr() < residual.data_ptr() + residual.nbytes and residual.data_ptr() < x.data_ptr() + x.nbytes)
+        ):
+            return reference.fused_add_rms_norm(x, residual, weight, eps, out_dtype)
+        out = x if x.dtype == out_dtype else torch.empty(x.shape, dtype=out_dtype)
+        self.module.fused_add_rms_norm_f32res(x, residual, _as_dtype(weight, out_dtype), out, float(eps), self._isa)
+        return out, residual
 
     def rotary_embedding(
         self,

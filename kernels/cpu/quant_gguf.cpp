@@ -396,8 +396,11 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
 
 // As gguf_linear, plus bias (float [N], or None) and the result in x's dtype: the float32
 // sum + bias rounded once, as gguf_linear(x, w) + bias then .to(x.dtype) would give; the
-// tiled kernel writes it directly (no float32 [M, N] pass through memory).
-torch::Tensor gguf_linear_out(torch::Tensor x, torch::Tensor weight, int64_t type, std::optional<torch::Tensor> bias) {
+// tiled kernel writes it directly (no float32 [M, N] pass through memory).  float32_out:
+// the float32 sums (+ bias) unrounded whatever x's dtype (a projection writing into a
+// float32 residual stream); the activations quantize the same either way.
+torch::Tensor gguf_linear_out(torch::Tensor x, torch::Tensor weight, int64_t type, std::optional<torch::Tensor> bias,
+                              bool float32_out) {
   x = x.contiguous();
   weight = weight.contiguous();
   const int64_t N = check_gguf_args(x, weight, type), M = x.size(0), K = x.size(1);
@@ -407,15 +410,16 @@ torch::Tensor gguf_linear_out(torch::Tensor x, torch::Tensor weight, int64_t typ
     TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "gguf_linear: bias of shape ", bias->sizes(), " for N=", N);
   }
   const QuantizedX qx = quantize_activations(x, type);
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const bool bf16 = x.scalar_type() == torch::kBFloat16 && !float32_out;
+  const auto out_options = x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat);
   if (weight.dim() == 3 && gguf_kpacked_type(type)) {
-    auto y = torch::empty({M, N}, x.options());
+    auto y = torch::empty({M, N}, out_options);
     gguf_kpacked_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
                       y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr);
     return y;
   }
   if (weight.dim() == 3) {
-    auto y = torch::empty({M, N}, x.options());
+    auto y = torch::empty({M, N}, out_options);
     gguf_packed_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(),
                      weight.size(0), type, y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr);
     return y;
@@ -468,8 +472,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear, py::call_guard<py::gil_scoped_release>(),
         "x [M,K] @ GGUF blocks [N, row_bytes] (or packed)^T -> float32 [M,N]");
   m.def("gguf_linear_out", &gguf_linear_out, py::call_guard<py::gil_scoped_release>(),
-        "gguf_linear + bias, in x's dtype", py::arg("x"), py::arg("weight"), py::arg("type"),
-        py::arg("bias") = py::none());
+        "gguf_linear + bias, in x's dtype (float32 with float32_out)", py::arg("x"), py::arg("weight"),
+        py::arg("type"), py::arg("bias") = py::none(), py::arg("float32_out") = false);
   m.def("gguf_linear_silu_out", &gguf_linear_silu_out, py::call_guard<py::gil_scoped_release>(),
         "silu_and_mul(gguf_linear_out(...)) for a packed [gate; up] weight", py::arg("x"), py::arg("weight"),
         py::arg("type"), py::arg("bias") = py::none());

@@ -132,11 +132,15 @@ def _gguf_linear_kernel(
 
 
 def gguf_linear_triton(
-    x: torch.Tensor, raw: torch.Tensor, type_name: str, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    raw: torch.Tensor,
+    type_name: str,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x ``[M, K]`` (float32/bfloat16/float16) @ GGUF rows uint8 ``[N, K/block_values *
-    block_bytes]``^T (+ bias ``[N]``) -> ``[M, N]`` in x.dtype (block_values 256 for the
-    K-quants, else 32)."""
+    block_bytes]``^T (+ bias ``[N]``) -> ``[M, N]`` in ``out_dtype`` (None: x.dtype; the
+    float32 sums are rounded once) (block_values 256 for the K-quants, else 32)."""
     if type_name not in _TYPE_CODES:
         raise ValueError(f"gguf_linear_triton: type {type_name!r} unsupported (supported: {', '.join(_TYPE_CODES)})")
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
@@ -170,4 +174,4 @@ def gguf_linear_triton(
     )
     if bias is not None:
         y += bias.float()
-    return y.to(x.dtype)
+    return y.to(x.dtype if out_dtype is None else out_dtype)

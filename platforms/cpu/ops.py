@@ -3,7 +3,7 @@ the quantized linear ops (platforms/cpu/quant_ops.py)."""
 
 from __future__ import annotations
 
-from pagedserve.platforms.ops import OpRegistry
+from pagedserve.platforms.ops import REFERENCE_CAPABILITIES, OpRegistry
 from pagedserve.platforms.options import CpuOptions
 
 __all__ = ["register_cpu_ops"]
@@ -34,7 +34,7 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
     kernels = load_cpu_kernels(preferred_isa=options.isa)
     if kernels is not None:
         for name, fn in kernels.ops().items():
-            ops.register(name, fn, source=kernels.source)
+            ops.register(name, fn, source=kernels.source, capabilities=REFERENCE_CAPABILITIES.get(name, ()))
     # One tuner (and cache file object) for every tuned op: two would overwrite each
     # other's entries on disk.
     tuner = None

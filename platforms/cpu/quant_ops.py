@@ -39,7 +39,7 @@ from pagedserve.kernels import quant_reference as qref
 from pagedserve.kernels import reference
 from pagedserve.kernels.cpu.quant_gguf_amx import load_gguf_amx
 from pagedserve.kernels.cpu.quant_native import load_quant_kernels
-from pagedserve.platforms.ops import GGUF_EXTENDED, PREFERS_QUANTIZED, OpRegistry
+from pagedserve.platforms.ops import GGUF_EXTENDED, GGUF_OUT_DTYPE, PREFERS_QUANTIZED, OpRegistry
 from pagedserve.platforms.options import CpuOptions
 
 if TYPE_CHECKING:
@@ -76,27 +76,55 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 GATED_TYPES = (*qref.GGUF_BASE_TYPES, "Q5_0", "Q5_1")
 KPACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 PACKED_TYPES = (*GATED_TYPES, *KPACKED_TYPES)
+#: What every native ``gguf_linear`` registered here declares.
+_GGUF_CAPABILITIES = (PREFERS_QUANTIZED, GGUF_EXTENDED, GGUF_OUT_DTYPE)
 
 
-def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gguf_linear(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    type_name: str,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``reference.gguf_linear`` through the native kernel (registered only where it loads);
     ``data`` may also be repacked by :func:`prepare_gguf_weight` (uint8 ``[N/16, K/32, 16 *
-    block_bytes]``), which only the native kernel reads."""
+    block_bytes]``), which only the native kernel reads.  ``out_dtype`` float32: the
+    kernel writes its float32 sums unrounded (``float32_out``)."""
     packed = data.dim() == 3
-    if x.dim() == 2 and x.dtype in _NATIVE_DTYPES and CPU_DENSE_MIN_ROWS is None and type_name in qref.GGUF_TYPE_IDS:
+    out = x.dtype if out_dtype is None else out_dtype
+    if (
+        x.dim() == 2
+        and x.dtype in _NATIVE_DTYPES
+        and out in (x.dtype, torch.float32)
+        and CPU_DENSE_MIN_ROWS is None
+        and type_name in qref.GGUF_TYPE_IDS
+    ):
         # Every linear of a decode step (121 calls at batch 1): the kernel returns [M, N]
-        # in x's dtype, so the reshapes and the cast below would be no-ops at ~0.8 us each.
-        return load_quant_kernels().gguf_linear_out(x, data, qref.GGUF_TYPE_IDS[type_name], bias)
+        # in x's dtype (or float32), so the reshapes and the cast below would be no-ops at
+        # ~0.8 us each.
+        return load_quant_kernels().gguf_linear_out(x, data, qref.GGUF_TYPE_IDS[type_name], bias, out != x.dtype)
     if not packed and (x.dtype not in _NATIVE_DTYPES or x.dim() != 2 or type_name not in qref.GGUF_TYPE_IDS):
-        return reference.gguf_linear(x, data, type_name, bias)
+        return reference.gguf_linear(x, data, type_name, bias, out_dtype)
     if CPU_DENSE_MIN_ROWS is not None and x.shape[0] >= CPU_DENSE_MIN_ROWS:
-        return qref.gguf_linear_dense(x, unpack_gguf_weight(data, type_name) if packed else data, type_name, bias)
+        y = qref.gguf_linear_dense(x, unpack_gguf_weight(data, type_name) if packed else data, type_name, bias)
+        return y.to(out)
     x2 = x.reshape(-1, x.shape[-1])
     # Bias added to the float32 sum and rounded once to x's dtype inside the kernel.
     y = load_quant_kernels().gguf_linear_out(
-        x2 if x2.dtype in _NATIVE_DTYPES else x2.float(), data, qref.GGUF_TYPE_IDS[type_name], bias
+        x2 if x2.dtype in _NATIVE_DTYPES else x2.float(),
+        data,
+        qref.GGUF_TYPE_IDS[type_name],
+        bias,
+        out == torch.float32,
     )
-    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+    return y.to(out).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _float32_input(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """x for a kernel without an output dtype of its own asked for float32 output: a float32
+    copy of x (the same values, so the same int8 activation blocks), whose result is float32."""
+    return x.float() if out_dtype == torch.float32 and x.dtype != torch.float32 else x
 
 
 def make_gguf_linear_amx(linear: Callable[..., torch.Tensor], amx) -> Callable[..., torch.Tensor]:
@@ -104,7 +132,11 @@ def make_gguf_linear_amx(linear: Callable[..., torch.Tensor], amx) -> Callable[.
     to the AMX module ``amx`` (:func:`load_gguf_amx`), everything else to ``linear``."""
 
     def gguf_linear_amx(
-        x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch.Tensor | None = None
+        x: torch.Tensor,
+        data: torch.Tensor,
+        type_name: str,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """See reference.gguf_linear; ``data`` may be packed by ``prepare_gguf_weight``."""
         if (
@@ -113,9 +145,10 @@ def make_gguf_linear_amx(linear: Callable[..., torch.Tensor], amx) -> Callable[.
             and x.shape[0] >= GGUF_AMX_MIN_ROWS
             and x.dtype in _NATIVE_DTYPES
             and type_name in qref.GGUF_BASE_TYPES
+            and out_dtype in (None, x.dtype, torch.float32)
         ):
-            return amx.gguf_linear_out(x, data, qref.GGUF_TYPE_IDS[type_name], bias)
-        return linear(x, data, type_name, bias)
+            return amx.gguf_linear_out(_float32_input(x, out_dtype), data, qref.GGUF_TYPE_IDS[type_name], bias)
+        return linear(x, data, type_name, bias, out_dtype)
 
     return gguf_linear_amx
 
@@ -313,9 +346,7 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None, t
                 tuner, module, amx, prepare_gguf_weight, gguf_linear, static_gated, amx_int8=options.gguf_amx
             )
             tsource = f"{source}+tuned(" + ",".join(sorted(tuned.kernels)) + ")"
-            ops.register(
-                "gguf_linear", tuned.gguf_linear, source=tsource, capabilities=(PREFERS_QUANTIZED, GGUF_EXTENDED)
-            )
+            ops.register("gguf_linear", tuned.gguf_linear, source=tsource, capabilities=_GGUF_CAPABILITIES)
             ops.register("prepare_gguf_weight", tuned.prepare_op(), source=tsource)
             ops.register("gguf_embedding", gguf_embedding, source=source)
             if module.has_packed_gated():
@@ -323,11 +354,9 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None, t
         else:
             if amx is not None:
                 linear = make_gguf_linear_amx(gguf_linear, amx)
-                ops.register(
-                    "gguf_linear", linear, source=f"{source}+amx-int8", capabilities=(PREFERS_QUANTIZED, GGUF_EXTENDED)
-                )
+                ops.register("gguf_linear", linear, source=f"{source}+amx-int8", capabilities=_GGUF_CAPABILITIES)
             else:
-                ops.register("gguf_linear", gguf_linear, source=source, capabilities=(PREFERS_QUANTIZED, GGUF_EXTENDED))
+                ops.register("gguf_linear", gguf_linear, source=source, capabilities=_GGUF_CAPABILITIES)
             if repack:
                 ops.register("prepare_gguf_weight", prepare_gguf_weight, source=source)
                 ops.register("gguf_embedding", gguf_embedding, source=source)

@@ -153,12 +153,21 @@ class TunedGguf:
         return route if type_name == route.type_name else None
 
     def gguf_linear(
-        self, x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        data: torch.Tensor,
+        type_name: str,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """See reference.gguf_linear; ``data`` as returned by :meth:`prepare`."""
+        """See reference.gguf_linear; ``data`` as returned by :meth:`prepare`.  The routed
+        kernels write x's dtype: float32 output comes from a float32 copy of x (the same
+        values, so the same int8 blocks and bf16 tiles)."""
         route = self._route(x, data, type_name)
-        if route is None:
-            return self.static_linear(x, data, type_name, bias)
+        if route is None or out_dtype not in (None, x.dtype, torch.float32):
+            return self.static_linear(x, data, type_name, bias, out_dtype)
+        if out_dtype == torch.float32:
+            x = x.float()
         return route.pick(x.shape[0], route.linear)(x, data, route.type_id, bias)
 
     def gguf_linear_silu_and_mul(

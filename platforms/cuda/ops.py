@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from pagedserve.platforms.ops import OpRegistry
+from pagedserve.platforms.ops import GGUF_OUT_DTYPE, OpRegistry
 from pagedserve.platforms.options import GpuOptions
 
 __all__ = ["register_cuda_ops", "register_triton_ops", "TRITON_OPS"]
@@ -79,6 +79,10 @@ def _triton_kernels() -> dict[str, Callable[..., Any]]:
     }
 
 
+#: What the Triton kernels declare (platforms/ops.py OP_CAPABILITIES).
+_TRITON_CAPABILITIES: dict[str, tuple[str, ...]] = {"gguf_linear": (GGUF_OUT_DTYPE,)}
+
+
 def register_triton_ops(ops: OpRegistry, platform_name: str, names: tuple[str, ...] = TRITON_OPS) -> None:
     """Install the Triton kernels of ``names``; without triton the reference ops stay, with a warning."""
     try:
@@ -92,7 +96,7 @@ def register_triton_ops(ops: OpRegistry, platform_name: str, names: tuple[str, .
         )
         return
     for name in names:
-        ops.register(name, kernels[name], source="triton")
+        ops.register(name, kernels[name], source="triton", capabilities=_TRITON_CAPABILITIES.get(name, ()))
 
 
 def register_cuda_ops(ops: OpRegistry, options: GpuOptions | None = None) -> None:

@@ -26,6 +26,14 @@ for t in ("Q4_0", "Q4_1", "Q8_0"):
         out = gguf_linear_triton(x.to(dev), raw.to(dev), t, b.to(dev)).cpu()
         err = rel_err(out, ref.gguf_linear(x, raw, t, b))
         assert err < 1e-5, (t, m, n, err)
+        # out_dtype: bf16 activations writing their float32 sums (a float32 residual stream).
+        xb = x.bfloat16()
+        out32 = gguf_linear_triton(xb.to(dev), raw.to(dev), t, b.to(dev), out_dtype=torch.float32).cpu()
+        assert out32.dtype == torch.float32
+        err = rel_err(out32, ref.gguf_linear(xb, raw, t, b, torch.float32))
+        assert err < 1e-5, (t, m, n, "out_dtype", err)
+        plain = gguf_linear_triton(xb.to(dev), raw.to(dev), t, b.to(dev)).cpu()
+        assert plain.dtype == torch.bfloat16 and torch.equal(plain, out32.bfloat16())
 print("ok")
 """
 

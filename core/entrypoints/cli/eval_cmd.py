@@ -43,6 +43,11 @@ def add_parser(subparsers) -> None:
     kl.add_argument("--batch", type=int, default=2, help="chunks per engine call (default 2)")
     kl.add_argument("--dtype", default="auto", help="the model's activation dtype (default: its default)")
     kl.add_argument("--reference-dtype", default="float32", help="the reference's dtype (default float32)")
+    kl.add_argument(
+        "--residual-dtype",
+        default="auto",
+        help="the model's residual stream dtype: auto, float32 or model (default auto)",
+    )
     kl.add_argument("--quantization", default=None, help="the model's quantization method (default: from the file)")
     kl.add_argument("--threads", type=int, default=None, help="CPU threads of both engines")
     kl.add_argument("--json", default=None, help="also write the report as JSON to this file")
@@ -190,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     common = {"max_model_len": args.ctx + 1, "enable_prefix_caching": False, "max_num_seqs": max(1, args.batch)}
     if args.threads is not None:
         common["threads"] = args.threads
-    model_kw = dict(common, dtype=args.dtype)
+    model_kw = dict(common, dtype=args.dtype, residual_dtype=args.residual_dtype)
     if args.quantization is not None:
         model_kw["quantization"] = args.quantization
     try:
