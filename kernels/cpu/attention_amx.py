@@ -63,6 +63,8 @@ class AmxAttention:
     """The loaded kernel: :meth:`paged_attention` has the reference's signature."""
 
     source = "cpu-amx"
+    #: Its key in native.OP_CALLS.
+    op_call = "paged_attention:amx"
 
     def __init__(self, module: ModuleType, fallback: Callable[..., torch.Tensor] | None = None) -> None:
         self.module = module
@@ -72,7 +74,7 @@ class AmxAttention:
 
     def with_fallback(self, fallback: Callable[..., torch.Tensor]) -> AmxAttention:
         """The same kernel, sending what the tiles do not take to ``fallback``."""
-        return AmxAttention(self.module, fallback)
+        return type(self)(self.module, fallback)
 
     def supports(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
         """Whether the tiles take these tensors (else the caller's fallback runs)."""
@@ -123,7 +125,7 @@ class AmxAttention:
                 float(scale),
                 out,
             )
-            OP_CALLS["paged_attention:amx"] = OP_CALLS.get("paged_attention:amx", 0) + 1
+            OP_CALLS[self.op_call] = OP_CALLS.get(self.op_call, 0) + 1
             return out
         return self.fallback(
             query,

@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
-from types import ModuleType
 
-import torch
-
-from pagedserve.kernels import build, reference
-from pagedserve.kernels.cpu.native import OP_CALLS
+from pagedserve.kernels import build
+from pagedserve.kernels.cpu.attention_amx import AmxAttention
 
 __all__ = [
     "BF16_FEATURES",
@@ -61,86 +57,13 @@ def bf16_prefill_build_spec() -> build.ExtensionSpec:
     return build.cpu_extension_spec("prefillbf16", SOURCES, arch, origin, headers=HEADERS)
 
 
-class Bf16PrefillAttention:
-    """The loaded kernel: :meth:`paged_attention` has the reference's signature."""
+class Bf16PrefillAttention(AmxAttention):
+    """The loaded kernel: the AMX kernel's interface (:meth:`paged_attention` has the
+    reference's signature; windows, soft caps, sinks, key ends, other dtypes and head
+    sizes run the fallback, the platform's native kernel), on register tiles."""
 
     source = "cpu-bf16-prefill"
-
-    def __init__(self, module: ModuleType, fallback: Callable[..., torch.Tensor] | None = None) -> None:
-        self.module = module
-        self.head_sizes = frozenset(module.head_sizes())
-        #: What runs what the kernel does not take (default: the reference).
-        self.fallback = reference.paged_attention if fallback is None else fallback
-
-    def with_fallback(self, fallback: Callable[..., torch.Tensor]) -> Bf16PrefillAttention:
-        """The same kernel, sending what it does not take to ``fallback``."""
-        return Bf16PrefillAttention(self.module, fallback)
-
-    def supports(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-        """Whether the kernel takes these tensors (else the fallback runs)."""
-        return (
-            query.dtype == torch.bfloat16
-            and key_cache.dtype == torch.bfloat16
-            and value_cache.dtype == torch.bfloat16
-            and query.shape[-1] in self.head_sizes
-            and query.is_cpu
-            and query.stride(-1) == 1
-            and key_cache.stride(-1) == 1
-            and value_cache.stride(-1) == 1
-        )
-
-    def paged_attention(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        scale: float,
-        out: torch.Tensor | None = None,
-        sliding_window: int | None = None,
-        soft_cap: float | None = None,
-        sinks: torch.Tensor | None = None,
-        key_ends: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """See reference.paged_attention.  Windows, soft caps, sinks, key ends, other
-        dtypes and head sizes run the fallback (the platform's: the native kernel)."""
-        if out is None:
-            out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        plain = sliding_window is None and soft_cap is None and sinks is None and key_ends is None
-        if (
-            plain
-            and out.dtype == torch.bfloat16
-            and out.stride(-1) == 1
-            and self.supports(query, key_cache, value_cache)
-        ):
-            self.module.paged_attention(
-                query,
-                key_cache,
-                value_cache,
-                block_tables.to(torch.int32).contiguous(),
-                seq_lens.to(torch.int32).contiguous(),
-                query_start_loc.to(torch.int32).contiguous(),
-                float(scale),
-                out,
-            )
-            OP_CALLS["paged_attention:bf16_prefill"] = OP_CALLS.get("paged_attention:bf16_prefill", 0) + 1
-            return out
-        return self.fallback(
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale,
-            out,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
-            sinks=sinks,
-            key_ends=key_ends,
-        )
+    op_call = "paged_attention:bf16_prefill"
 
 
 @functools.lru_cache(maxsize=1)
