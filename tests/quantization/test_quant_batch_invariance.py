@@ -20,9 +20,14 @@ def llm():
     # Measured dispatch off: on a CPU with AMX it sends steps of a few dozen rows and more
     # to the AMX-BF16 GGUF kernel, which rounds otherwise than the int8 kernel
     # (docs/kernels_cpu.md, "Batch invariance"); without AMX the setting changes nothing.
+    # Prefix caching off: a prompt run alone after the batch would hit its cached blocks
+    # and compute a shorter chunk, which the register-tile prefill attention (AMX, or
+    # AVX-512 BF16 without it) may hand to another kernel: that is chunking, not batch,
+    # variance (docs/kernels_cpu.md, "Chunking invariance").
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDSERVE_CPU_TUNE", "0")
-        llm = LLM()  # the default model: SmolLM2-135M-Instruct Q4_1 blocks, the CPU's native kernel
+        # the default model: SmolLM2-135M-Instruct Q4_1 blocks, the CPU's native kernel
+        llm = LLM(enable_prefix_caching=False)
     yield llm
     llm.shutdown()
 
