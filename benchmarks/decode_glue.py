@@ -17,13 +17,19 @@ timing of calls this short is little disturbed by other work on a shared machine
 trees can be compared here where end-to-end figures drown in noise (run it with each
 tree's interpreter, alternating).  The stubs make the outputs meaningless: the process
 exits after timing.
+
+``--steps N`` first times N real decode steps of the same requests (before the stubs):
+the median CPU seconds of the calling thread per step (with one thread, the step's whole
+work) and the median wall time, the end-to-end figure to set beside the glue.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
+import time
 import timeit
 
 import torch
@@ -81,6 +87,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--passes", type=int, default=3, help="figures printed per measure")
+    p.add_argument("--steps", type=int, default=0, help="also time this many real decode steps first")
     args = p.parse_args()
     from pagedserve import LLM, SamplingParams
 
@@ -111,6 +118,17 @@ def main() -> int:
     for _ in range(6):
         eng.step()
     model.layer_forward = forward
+    if args.steps:
+        cpu, wall = [], []
+        for _ in range(args.steps):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            eng.step()
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+        print(
+            f"real decode step (batch {args.batch}, {args.dtype}, {args.steps} steps): median "
+            f"{statistics.median(cpu) * 1e3:.3f} ms CPU, {statistics.median(wall) * 1e3:.3f} ms wall"
+        )
     stubs = _stubs()
     for name, mod in list(sys.modules.items()):
         if name.startswith(("pagedserve_quant_", "pagedserve_cpu_")):
