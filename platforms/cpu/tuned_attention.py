@@ -45,6 +45,8 @@ CONTEXT = 512
 #: Sequences in a decode bucket's batch; larger buckets hold TOKENS // q sequences.
 DECODE_BATCH = 8
 TOKENS = 64
+#: Decode kernels remembered per KV cache tensor (a model has one per layer).
+_MAX_DECODE_ENTRIES = 1024
 
 
 def kv_layout(key_cache: torch.Tensor) -> str:
@@ -187,13 +189,24 @@ class TunedAttention:
         buckets, route = self.route(query, key_cache)
         num_seqs = seq_lens.shape[0]
         if query.shape[0] <= num_seqs:  # a decode step: one call, no metadata read
-            self._decode[id(key_cache)] = (weakref.ref(key_cache), query.dtype, query.shape[1], route[0])
+            self._remember_decode(query, key_cache, route[0])
             return route[0](*args, out)
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
         qsl = query_start_loc.tolist()
         fns = [self._pick(buckets, route, qsl[i + 1] - qsl[i]) for i in range(num_seqs)]
         return call_runs(fns, qsl, *args, out)
+
+    def _remember_decode(self, query: torch.Tensor, key_cache: torch.Tensor, fn: AttentionFn) -> None:
+        """Keep ``fn`` as the decode kernel of ``key_cache`` (see :meth:`op`); the entry goes
+        when the tensor does (a cache that is rebuilt, or a view made per call, never
+        piles up entries), and at most ``_MAX_DECODE_ENTRIES`` are kept."""
+        decode = self._decode
+        if len(decode) >= _MAX_DECODE_ENTRIES:
+            decode.clear()
+        key = id(key_cache)
+        ref = weakref.ref(key_cache, lambda _, key=key: decode.pop(key, None))
+        decode[key] = (ref, query.dtype, query.shape[1], fn)
 
     def op(self) -> AttentionFn:
         """:meth:`paged_attention` as the registry's op, carrying ``tuning_report()``.  A

@@ -111,7 +111,7 @@ def test_decode_steps_of_a_routed_cache_go_straight_to_its_kernel():
     full = tuned.route
 
     def counted(query, key_cache):
-        keys.append(key_cache)
+        keys.append(query.shape)  # (not the tensor: the test drops one below)
         return full(query, key_cache)
 
     tuned.route = counted  # type: ignore[method-assign]
@@ -121,7 +121,9 @@ def test_decode_steps_of_a_routed_cache_go_straight_to_its_kernel():
     assert len(keys) == 1 and len(calls) == 3  # routed once; every step ran the 1-token bucket's kernel
     other = (decode[0], decode[1].clone(), *decode[2:])  # a new cache tensor: routed anew
     op(*other, 0.125, torch.empty_like(decode[0]))
-    assert len(keys) == 2
+    assert len(keys) == 2 and len(tuned._decode) == 2
+    del other  # its cache tensor goes, and its entry with it
+    assert len(tuned._decode) == 1
     mixed = make_batch([(9, 40), (1, 30)], 4, 2, 64, 16, BF16, gen_for("fast-mixed"))
     op(mixed[0], decode[1], decode[2], *mixed[3:], 0.125, torch.empty_like(mixed[0]))
     assert len(keys) == 3  # not a decode step: the full route
