@@ -23,7 +23,11 @@ pagedserve runs in a fresh process through engine_runner.py (`LLM.generate` over
 requests of a workload). llama-server gets `-t/-tb --threads`, continuous batching and one
 slot per request (`-np N -c N*ctx`), and all N requests at once through `/completion`
 (token ids, `n_predict`, `ignore_eos`, temperature 0, `cache_prompt: false`). Throughput
-is output tokens over the wall time of the whole workload, after a one-token warm-up.
+is output tokens over the wall time of the whole workload, in the steady state: each engine
+first runs the first workload's first request whole (pagedserve once per process, after a
+one-token warm-up; llama-server once per server), untimed in the table, so that batch-1 is
+not an engine's first request; pagedserve's first request is printed and kept in the JSON
+(`first_request`, with its CPU seconds and thread facts) as what a first request costs.
 
 Agreement (issue 23's rule): greedy outputs of --agreement-tokens tokens for 16 chat
 prompts (pagedserve's tokenizer and chat template, sent as token ids), with the top-k
@@ -136,7 +140,9 @@ def run_llamacpp(args, model: pathlib.Path, label: str, workloads, out: pathlib.
         with ServerProcess(
             f"llama-server ({label})", cmd, port, out.with_name(f"{out.stem}-{label}-{name}.log")
         ) as srv:
-            asyncio.run(_complete_all(srv.url, [_body(w.requests[0].prompt_token_ids[:16], 1)], args.timeout))
+            first = workloads[0][1].requests[0]
+            # As for pagedserve (engine_runner's first_request): one whole request before the timed one.
+            asyncio.run(_complete_all(srv.url, [_body(first.prompt_token_ids, first.max_tokens)], args.timeout))
             bodies = [_body(r.prompt_token_ids, r.max_tokens) for r in w.requests]
             load = os.getloadavg()
             t0 = time.perf_counter()
@@ -174,11 +180,21 @@ def run_pagedserve(args, label: str, model: str, dtype: str, model_dir, vocab, w
         # batch-N and fixed share seeded prompts and llama-server runs with cache_prompt
         # false: no prefix-cache hits across workloads.
         "enable_prefix_caching": False,
+        # The first workload's first request runs whole (and is reported) before the timed
+        # workloads: the batch-1 figure is the steady state, not the engine's first request.
+        "first_request": True,
         "workloads": [s for _, s in wspecs],
     }
     result = launch(
         "pagedserve", args.pagedserve_python, spec, out.with_name(f"{out.stem}-{label}.log"), None, args.timeout
     )
+    first = result.get("first_request")
+    if first is not None:
+        print(
+            f"  {label:16s} {'first':9s} {first['output_tokens_per_s']:8.1f} output tokens/s (the engine's first "
+            f"request, {first['prompt_tokens']} + {first['output_tokens']} tokens, untimed in the table)",
+            flush=True,
+        )
     for (name, w), run in zip(workloads, result["runs"]):
         if run["digest"] != workload_digest(w):
             raise RuntimeError(f"{label} ran a different {name} workload")

@@ -231,6 +231,14 @@ def paged_attention(
         if v_scale != 1.0:
             v = v.float() / v_scale
     ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    if sliding_window is None and soft_cap is None and sinks is None and meta.key_ends is None:
+        # Most layers of most models: no keyword arguments to collect (once per layer and step).
+        out = ops.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * k_scale
+        )
+        if v_scale != 1.0:
+            out = out * v_scale
+        return out.view(q.shape[0], -1)
     extra: dict[str, Any] = {}
     if sliding_window is not None:
         extra["sliding_window"] = sliding_window

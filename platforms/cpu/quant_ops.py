@@ -76,6 +76,8 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 GATED_TYPES = (*qref.GGUF_BASE_TYPES, "Q5_0", "Q5_1")
 KPACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 PACKED_TYPES = (*GATED_TYPES, *KPACKED_TYPES)
+#: ggml type ids by name (the kernels' ``type`` argument).
+_TYPE_IDS = qref.GGUF_TYPE_IDS
 #: What every native ``gguf_linear`` registered here declares.
 _GGUF_CAPABILITIES = (PREFERS_QUANTIZED, GGUF_EXTENDED, GGUF_OUT_DTYPE)
 
@@ -91,19 +93,23 @@ def gguf_linear(
     ``data`` may also be repacked by :func:`prepare_gguf_weight` (uint8 ``[N/16, K/32, 16 *
     block_bytes]``), which only the native kernel reads.  ``out_dtype`` float32: the
     kernel writes its float32 sums unrounded (``float32_out``)."""
-    packed = data.dim() == 3
-    out = x.dtype if out_dtype is None else out_dtype
+    dtype = x.dtype
+    type_id = _TYPE_IDS.get(type_name)
     if (
-        x.dim() == 2
-        and x.dtype in _NATIVE_DTYPES
-        and out in (x.dtype, torch.float32)
+        type_id is not None
+        and (dtype is torch.bfloat16 or dtype is torch.float32)
+        and (out_dtype is None or out_dtype is dtype or out_dtype is torch.float32)
+        and x.dim() == 2
         and CPU_DENSE_MIN_ROWS is None
-        and type_name in qref.GGUF_TYPE_IDS
     ):
         # Every linear of a decode step (121 calls at batch 1): the kernel returns [M, N]
         # in x's dtype (or float32), so the reshapes and the cast below would be no-ops at
-        # ~0.8 us each.
-        return load_quant_kernels().gguf_linear_out(x, data, qref.GGUF_TYPE_IDS[type_name], bias, out != x.dtype)
+        # ~0.8 us each.  (dtypes are singletons: ``is`` tests them in a few ns.)
+        return load_quant_kernels().gguf_linear_out(
+            x, data, type_id, bias, out_dtype is torch.float32 and dtype is not out_dtype
+        )
+    packed = data.dim() == 3
+    out = dtype if out_dtype is None else out_dtype
     if not packed and (x.dtype not in _NATIVE_DTYPES or x.dim() != 2 or type_name not in qref.GGUF_TYPE_IDS):
         return reference.gguf_linear(x, data, type_name, bias, out_dtype)
     if CPU_DENSE_MIN_ROWS is not None and x.shape[0] >= CPU_DENSE_MIN_ROWS:
@@ -169,16 +175,17 @@ def make_gguf_linear_silu_and_mul(
         x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """See reference.gguf_linear_silu_and_mul; ``data`` may be packed by ``prepare_gguf_weight``."""
+        dtype = x.dtype
         if (
-            data.dim() == 3
+            type_name in GATED_TYPES
+            and (dtype is torch.bfloat16 or dtype is torch.float32)
+            and data.dim() == 3
             and data.shape[0] % 2 == 0
-            and type_name in GATED_TYPES
             and x.dim() == 2
-            and x.dtype in _NATIVE_DTYPES
             and CPU_DENSE_MIN_ROWS is None
             and not (amx_rows and x.shape[0] >= GGUF_AMX_MIN_ROWS)
         ):
-            return module.gguf_linear_silu_out(x, data, qref.GGUF_TYPE_IDS[type_name], bias)
+            return module.gguf_linear_silu_out(x, data, _TYPE_IDS[type_name], bias)
         return silu_and_mul(linear(x, data, type_name, bias))
 
     return gguf_linear_silu_and_mul

@@ -238,8 +238,9 @@ class TunedLinear:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """See reference.linear; ``weight`` as returned by :meth:`prepare`."""
         route: Route | None = getattr(weight, _ROUTE, None)
-        rows = x.numel() // max(x.shape[-1], 1)
-        if route is None or rows == 0 or x.dtype != torch.bfloat16 or (bias is not None and bias.dtype != x.dtype):
+        # dtypes are singletons (``is``); a 2-D x (every decode linear) has its rows first.
+        rows = x.shape[0] if x.dim() == 2 else x.numel() // max(x.shape[-1], 1)
+        if route is None or rows == 0 or x.dtype is not torch.bfloat16 or (bias is not None and bias.dtype != x.dtype):
             return self.static_linear(x, weight, bias)
         fn, w = route.pick(rows, route.entries)
         return fn(x, w, bias)
@@ -247,8 +248,8 @@ class TunedLinear:
     def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
         """See reference.linear_silu_and_mul; tuned at the first call on each shape."""
         route: Route | None = getattr(weight, _ROUTE, None)
-        rows = x.numel() // max(x.shape[-1], 1)
-        if route is None or rows == 0 or x.dtype != torch.bfloat16 or (bias is not None and bias.dtype != x.dtype):
+        rows = x.shape[0] if x.dim() == 2 else x.numel() // max(x.shape[-1], 1)
+        if route is None or rows == 0 or x.dtype is not torch.bfloat16 or (bias is not None and bias.dtype != x.dtype):
             return self.static_gated(x, weight, bias)
         if route.gated is None:
             route.gated = self._tune_gated(route)

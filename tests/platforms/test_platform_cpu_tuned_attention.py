@@ -100,6 +100,39 @@ def test_one_choice_is_one_call_on_the_whole_batch_and_decodes_skip_the_metadata
     assert calls == [(1.0, [40] * 5, [1] * 5)]
 
 
+def test_decode_steps_of_a_routed_cache_go_straight_to_its_kernel():
+    """The registry's op remembers a decode step's kernel per KV cache tensor: later decode
+    steps on that cache call it without building the head key; another cache, a prefill
+    chunk, or a window go the full way (and the static op)."""
+    decode = make_batch([(1, 40)] * 5, 4, 2, 64, 16, BF16, gen_for("fast"))
+    tuned, calls = fake_tuned(FASTEST, decode)
+    op = tuned.op()
+    keys: list = []
+    full = tuned.route
+
+    def counted(query, key_cache):
+        keys.append(query.shape)  # (not the tensor: the test drops one below)
+        return full(query, key_cache)
+
+    tuned.route = counted  # type: ignore[method-assign]
+    for _ in range(3):
+        out = torch.full_like(decode[0], float("nan"))
+        assert op(*decode, 0.125, out) is out and (out == 1.0).all()
+    assert len(keys) == 1 and len(calls) == 3  # routed once; every step ran the 1-token bucket's kernel
+    other = (decode[0], decode[1].clone(), *decode[2:])  # a new cache tensor: routed anew
+    op(*other, 0.125, torch.empty_like(decode[0]))
+    assert len(keys) == 2 and len(tuned._decode) == 2
+    del other  # its cache tensor goes, and its entry with it
+    assert len(tuned._decode) == 1
+    mixed = make_batch([(9, 40), (1, 30)], 4, 2, 64, 16, BF16, gen_for("fast-mixed"))
+    op(mixed[0], decode[1], decode[2], *mixed[3:], 0.125, torch.empty_like(mixed[0]))
+    assert len(keys) == 3  # not a decode step: the full route
+    seen: list = []
+    tuned.static = lambda *a, **kw: seen.append(kw) or a[7]
+    op(*decode, 0.125, torch.empty_like(decode[0]), sliding_window=8)
+    assert seen == [{"sliding_window": 8, "soft_cap": None, "sinks": None}]
+
+
 @pytest.mark.parametrize("extra", [{"sliding_window": 8}, {"soft_cap": 30.0}, {"sinks": "sinks"}, {"dtype": "fp32"}])
 def test_what_is_not_tuned_runs_the_static_op(extra):
     args = make_batch(MIXED, 4, 2, 64, 16, BF16, gen_for("static"))
