@@ -146,6 +146,14 @@ class TunedLinear:
             return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
         return w
 
+    def _builds(self, candidates) -> dict[str, str]:
+        """The native kernels' build for each candidate that runs them (the tuning cache
+        files their figures under it: a rebuilt kernel is timed again)."""
+        if self.native is None:
+            return {}
+        build = getattr(self.native.module, "__name__", "")
+        return {c: build for c in candidates if c.startswith("native")}
+
     def _available(self, n: int, k: int) -> set[str]:
         """Layouts a [n, k] bf16 weight can take here (without packing it)."""
         out = {"plain"}
@@ -200,7 +208,7 @@ class TunedLinear:
             return make
 
         cands = {c: runner(c) for c in self.kernels if CANDIDATE_LAYOUT[c] in avail}
-        plan = self.tuner.tune("linear", key, cands, self.buckets)
+        plan = self.tuner.tune("linear", key, cands, self.buckets, self._builds(cands))
         timed.clear()
         nbytes = weight.numel() * weight.element_size()
         primary, second = choose_layouts(plan, CANDIDATE_LAYOUT, self.dual_bytes_left >= nbytes)
@@ -280,5 +288,6 @@ class TunedLinear:
 
             return make
 
-        plan = self.tuner.tune("linear_silu_and_mul", route.key, {n: runner(n) for n in kernels}, route.buckets)
+        cands = {n: runner(n) for n in kernels}
+        plan = self.tuner.tune("linear_silu_and_mul", route.key, cands, route.buckets, self._builds(cands))
         return [kernels[plan.chosen[b]] for b in plan.buckets]
