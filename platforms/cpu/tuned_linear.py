@@ -139,9 +139,11 @@ class TunedLinear:
                 self.kernels["native_skinny"] = native.linear
 
     # -- load ---------------------------------------------------------------------------
-    def _pack(self, layout: str, w: torch.Tensor) -> torch.Tensor | None:
+    def _pack(self, layout: str, w: torch.Tensor, kept: bool = True) -> torch.Tensor | None:
+        """``w`` in ``layout``; ``kept``: for the model (the native layout then goes to the
+        kernels' huge-page arena), else a copy only timed."""
         if layout == "native":
-            return self.native.pack_linear_weight(w) if self.native is not None else None
+            return self.native.pack_linear_weight(w, arena=kept) if self.native is not None else None
         if layout == "onednn":
             return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
         return w
@@ -186,14 +188,14 @@ class TunedLinear:
 
         def layout(lay: str) -> torch.Tensor:
             if lay not in packed:
-                packed[lay] = self._pack(lay, weight)
+                packed[lay] = self._pack(lay, weight, kept=False)
             return packed[lay]
 
         def timed_layout(lay: str) -> torch.Tensor:
             if timed_rows == n:
                 return layout(lay)
             if lay not in timed:
-                timed[lay] = self._pack(lay, weight[:timed_rows])
+                timed[lay] = self._pack(lay, weight[:timed_rows], kept=False)
             return timed[lay]
 
         def runner(cand: str):
@@ -214,7 +216,10 @@ class TunedLinear:
         primary, second = choose_layouts(plan, CANDIDATE_LAYOUT, self.dual_bytes_left >= nbytes)
         if second is not None:
             self.dual_bytes_left -= nbytes
-        keep = {lay: layout(lay) for lay in (primary, second) if lay is not None}
+        # The native layout is packed again for keeps, into the kernels' huge-page arena
+        # (the copy timed above may be dropped, and would leave a hole there).
+        kept = [lay for lay in (primary, second) if lay is not None]
+        keep = {lay: self._pack(lay, weight) if lay == "native" else layout(lay) for lay in kept}
         entries = []
         for b in plan.buckets:
             times = {c: s for c, s in plan.times[b].items() if CANDIDATE_LAYOUT[c] in keep}
