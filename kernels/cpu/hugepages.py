@@ -44,6 +44,22 @@ def _madvise():
     return fn
 
 
+@functools.lru_cache(maxsize=1)
+def _libc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def _malloc_trim() -> None:
+    fn = _libc_trim()
+    if fn is not None:
+        fn(0)
+
+
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Ask Linux to back the 2 MiB-aligned part of ``tensor``'s storage with huge pages.
 
@@ -112,6 +128,10 @@ class HugePageArena:
         return t
 
     def _new_slab(self, nbytes: int) -> tuple[torch.UntypedStorage, int]:
+        # Packing at load frees each plain weight once its packed copy is in a slab, and
+        # slabs do not reuse malloc's heap: hand the freed heap pages back first, or the
+        # process keeps ~half the weights' size resident in holes nothing refills.
+        _malloc_trim()
         size = self.slab_bytes if nbytes <= self.slab_bytes // 4 else -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
         raw = torch.empty(size + HUGE_PAGE_BYTES, dtype=torch.uint8)  # room to align the start
         ptr = raw.data_ptr()
