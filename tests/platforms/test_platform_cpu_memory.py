@@ -134,3 +134,38 @@ def test_prepared_bf16_weights_in_the_arena(on):
         got = native(x, p)
         want = reference.linear(x.float(), w.float()).bfloat16()
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
+
+
+def test_tuned_weights_go_to_the_arena_and_timing_copies_do_not():
+    """The measured dispatch's kept native weight is carved from the arena right after the
+    previous one (no hole left by the copy it timed), and runs like the reference."""
+    from pagedserve.kernels.cpu import load_cpu_kernels
+    from pagedserve.platforms.cpu.tuned_linear import TunedLinear
+    from pagedserve.platforms.cpu.tuning import Plan, Tuner
+
+    native = load_cpu_kernels()
+    if native is None or not native.has_packed_linear:
+        pytest.skip("no native packed bf16 kernel here (AVX-512 BF16)")
+    native.weight_arena = arena = HugePageArena()
+    tl = TunedLinear(
+        Tuner(None, threads=1), native, reference.linear, reference.silu_and_mul, dual_bytes=0, min_elements=1
+    )
+    gen = torch.Generator().manual_seed(5)
+    first = arena.empty((1000,), torch.bfloat16)
+    w = (torch.randn(96, 64, generator=gen) / 8).bfloat16()
+    names = sorted(tl.kernels)
+    times = {b: {c: (1.0 if c == "native_packed" else 5.0) for c in names} for b in tl.buckets}
+    tl.tuner.plans[("linear", "N=96,K=64,bfloat16", tuple(names))] = Plan(
+        "linear", "N=96,K=64,bfloat16", tl.buckets, times
+    )
+    prepared = tl.prepare(w)  # cached plan: packed once, into the arena
+    assert prepared.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    assert prepared.data_ptr() == first.data_ptr() + 2048  # 2000 bytes rounded up to 64
+    w2 = (torch.randn(48, 160, generator=gen) / 13).bfloat16()
+    prepared2 = tl.prepare(w2)  # timed now: the timing copies stay outside the arena
+    if prepared2.dim() == 4:
+        assert prepared2.data_ptr() == prepared.data_ptr() + prepared.nbytes
+    for weight, p in ((w, prepared), (w2, prepared2)):
+        x = torch.randn(7, weight.shape[1], generator=gen).bfloat16()
+        want = reference.linear(x.float(), weight.float())
+        torch.testing.assert_close(tl.linear(x, p).float(), want, atol=2e-2, rtol=1.6e-2)
