@@ -13,9 +13,17 @@ down) and the LM head, 268 MB read from memory per step; ``qkv``, ``o``, ``gate_
 ``down``, ``lm_head`` one weight each (the small ones stay in L2/L3 between calls).
 
 Outputs of A and B are compared as well (``same`` says whether they are bitwise equal).
+For ``step``, a row per op kind follows the step's row (``step:qkv``, ...: the calls of
+that kind within the same steps, timed apart), with the weight GB/s of each.
+
+``--huge-pages`` puts the weights in a huge-page arena as the CPU platform does
+(kernels/cpu/hugepages.py; ``b``: only B's copy, which with ``--a`` and ``--b`` the same
+build measures what the huge pages alone are worth; ``none``: both on plain pages;
+default ``both``).
 
     python benchmarks/decode_gemm_ab.py --a OLD.so [--b NEW.so] [--rows 1 4 16 64]
         [--threads 1 2] [--shapes step lm_head] [--rounds 15] [--peak-gflops 233] [--cpu-time]
+        [--huge-pages both|b|none]
 
 ``--b`` defaults to the build of the current sources (compiled first if needed). An
 older build is the ``.so`` in its folder of the kernel cache
@@ -68,51 +76,50 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return w.contiguous().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def make_weights(shape: str, seed: int = 0) -> list[tuple[torch.Tensor, bool]]:
-    """Packed weights of ``shape`` (``step``: every GEMM of a decode step)."""
+def make_weights(shape: str, seed: int = 0, arena=None) -> list[tuple[str, torch.Tensor, bool]]:
+    """(op kind, packed weight, gated) of ``shape`` (``step``: every GEMM of a decode
+    step, in the order a step runs them: per layer qkv, o, gate/up, down; then the LM
+    head), packed into ``arena`` (a HugePageArena) when given."""
     gen = torch.Generator().manual_seed(seed)
     names = list(SHAPES) if shape == "step" else [shape]
-    out = []
+    by_name: dict[str, list[tuple[str, torch.Tensor, bool]]] = {}
     for name in names:
         k, n, gated, copies = SHAPES[name]
         for _ in range(copies if shape == "step" else 1):
-            out.append((_pack((torch.randn(n, k, generator=gen) * 0.05).bfloat16()), gated))
-    return out
+            wp = _pack((torch.randn(n, k, generator=gen) * 0.05).bfloat16())
+            if arena is not None:
+                wp = arena.empty(wp.shape, wp.dtype).copy_(wp)
+            by_name.setdefault(name, []).append((name, wp, gated))
+    layers = max(len(v) for v in by_name.values())
+    return [w for i in range(layers) for ws in by_name.values() for w in ws[i : i + 1]]
 
 
-def _runner(module: ModuleType, weights, x_by_k: dict[int, torch.Tensor]):
+def _runner(module: ModuleType, weights, x_by_k: dict[int, torch.Tensor], clock):
+    """run() -> (outputs, seconds per op kind) of one pass over ``weights``."""
     isa = list(module.compiled_isas()).index("avx512bf16")
     plain, gated_fn = module.packed_linear, module.packed_linear_silu_and_mul
 
-    def run() -> list[torch.Tensor]:
-        return [(gated_fn if gated else plain)(x_by_k[wp.shape[1] * 2], wp, None, isa) for wp, gated in weights]
+    def run() -> tuple[list[torch.Tensor], dict[str, float]]:
+        outs, per = [], {}
+        for name, wp, gated in weights:
+            t0 = clock()
+            outs.append((gated_fn if gated else plain)(x_by_k[wp.shape[1] * 2], wp, None, isa))
+            per[name] = per.get(name, 0.0) + clock() - t0
+        return outs, per
 
     return run
 
 
-def _flop(weights, rows: int) -> float:
-    return sum(2.0 * rows * wp.shape[0] * 16 * wp.shape[1] * 2 for wp, _ in weights)
+def _flop(weights, rows: int, kind: str | None = None) -> float:
+    return sum(2.0 * rows * wp.shape[0] * 16 * wp.shape[1] * 2 for name, wp, _ in weights if kind in (None, name))
 
 
-def compare(mod_a, mod_b, shape: str, rows: int, rounds: int, clock=time.perf_counter, seed: int = 0) -> dict:
-    weights = make_weights(shape, seed)
-    gen = torch.Generator().manual_seed(seed + rows)
-    x_by_k = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (576, 1536)}
-    run_a, run_b = _runner(mod_a, weights, x_by_k), _runner(mod_b, weights, x_by_k)
-    out_a, out_b = run_a(), run_b()
-    same = all(torch.equal(p, q) for p, q in zip(out_a, out_b))
-    del out_a, out_b
-    ta, tb, ratios = [], [], []
-    for r in range(rounds):
-        pair = {}
-        for name in "ab" if r % 2 == 0 else "ba":
-            fn = run_a if name == "a" else run_b
-            t0 = clock()
-            fn()
-            pair[name] = clock() - t0
-        ta.append(pair["a"])
-        tb.append(pair["b"])
-        ratios.append(pair["b"] / pair["a"])
+def _bytes(weights, kind: str | None = None) -> float:
+    return sum(wp.numel() * wp.element_size() for name, wp, _ in weights if kind in (None, name))
+
+
+def _summary(ta: list[float], tb: list[float], flop: float, nbytes: float) -> dict:
+    ratios = [b / a for a, b in zip(ta, tb)]
     return {
         "a_ms": statistics.median(ta) * 1e3,
         "b_ms": statistics.median(tb) * 1e3,
@@ -121,9 +128,50 @@ def compare(mod_a, mod_b, shape: str, rows: int, rounds: int, clock=time.perf_co
         "ratio": statistics.median(ratios),
         "ratio_lo": min(ratios),
         "ratio_hi": max(ratios),
-        "flop": _flop(weights, rows),
-        "same": same,
+        "flop": flop,
+        "bytes": nbytes,
     }
+
+
+def compare(
+    mod_a,
+    mod_b,
+    shape: str,
+    rows: int,
+    rounds: int,
+    clock=time.perf_counter,
+    seed: int = 0,
+    huge_pages: str = "both",
+) -> dict:
+    """Per-round ratios B/A of ``shape`` at ``rows``; for ``step`` also per op kind
+    (``result["kinds"]``).  ``huge_pages``: whose weights sit in a huge-page arena
+    (``both``, ``b``, ``none``)."""
+    from pagedserve.kernels.cpu.hugepages import HugePageArena
+
+    weights_a = make_weights(shape, seed, HugePageArena() if huge_pages == "both" else None)
+    weights_b = weights_a if huge_pages != "b" else make_weights(shape, seed, HugePageArena())
+    gen = torch.Generator().manual_seed(seed + rows)
+    x_by_k = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (576, 1536)}
+    run_a, run_b = _runner(mod_a, weights_a, x_by_k, clock), _runner(mod_b, weights_b, x_by_k, clock)
+    (out_a, _), (out_b, _) = run_a(), run_b()
+    same = all(torch.equal(p, q) for p, q in zip(out_a, out_b))
+    del out_a, out_b
+    kinds = list(dict.fromkeys(name for name, _, _ in weights_a))
+    ta: dict[str | None, list[float]] = {k: [] for k in (None, *kinds)}
+    tb: dict[str | None, list[float]] = {k: [] for k in (None, *kinds)}
+    for r in range(rounds):
+        for name in "ab" if r % 2 == 0 else "ba":
+            fn, into = (run_a, ta) if name == "a" else (run_b, tb)
+            t0 = clock()
+            _, per = fn()
+            into[None].append(clock() - t0)
+            for kind in kinds:
+                into[kind].append(per[kind])
+    out = _summary(ta[None], tb[None], _flop(weights_a, rows), _bytes(weights_a))
+    out["same"] = same
+    if shape == "step":
+        out["kinds"] = {k: _summary(ta[k], tb[k], _flop(weights_a, rows, k), _bytes(weights_a, k)) for k in kinds}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,6 +183,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", nargs="+", choices=["step", *SHAPES], default=["step"])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--peak-gflops", type=float, default=None, help="per-core peak, for a %% column")
+    parser.add_argument(
+        "--huge-pages",
+        choices=["both", "b", "none"],
+        default="both",
+        help="weights in a huge-page arena: both builds' (default, as the CPU platform packs "
+        "them), only B's (with --a and --b the same build: the huge pages' own effect), neither",
+    )
     parser.add_argument(
         "--cpu-time",
         action="store_true",
@@ -152,22 +207,32 @@ def main(argv: list[str] | None = None) -> None:
     clock = time.process_time if args.cpu_time else time.perf_counter
     print(
         f"# A {mod_a.__name__}  B {mod_b.__name__}; {'CPU' if args.cpu_time else 'wall'} time; "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"huge pages: {args.huge_pages}; load average {os.getloadavg()[0]:.1f}"
     )
-    print("| shape | threads | rows | A ms (median) | B ms (median) | B/A median | B/A min-max | B GFLOP/s | same |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|---|")
+    print(
+        "| shape | threads | rows | A ms (median) | B ms (median) | B/A median | B/A min-max "
+        "| B GFLOP/s | B weight GB/s | same |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---|")
+
+    def row(name: str, threads: int, rows: int, r: dict, same: str) -> None:
+        gf = r["flop"] / (r["b_ms"] * 1e-3) * 1e-9
+        gbs = r["bytes"] / (r["b_ms"] * 1e-3) * 1e-9
+        pct = f" ({100 * gf / (args.peak_gflops * threads):.0f}%)" if args.peak_gflops else ""
+        print(
+            f"| {name} | {threads} | {rows} | {r['a_ms']:.2f} | {r['b_ms']:.2f} | {r['ratio']:.3f} | "
+            f"{r['ratio_lo']:.2f}-{r['ratio_hi']:.2f} | {gf:.0f}{pct} | {gbs:.1f} | {same} |",
+            flush=True,
+        )
+
     for threads in args.threads:
         torch.set_num_threads(threads)
         for shape in args.shapes:
             for rows in args.rows:
-                r = compare(mod_a, mod_b, shape, rows, args.rounds, clock)
-                gf = r["flop"] / (r["b_ms"] * 1e-3) * 1e-9
-                pct = f" ({100 * gf / (args.peak_gflops * threads):.0f}%)" if args.peak_gflops else ""
-                print(
-                    f"| {shape} | {threads} | {rows} | {r['a_ms']:.2f} | {r['b_ms']:.2f} | {r['ratio']:.3f} | "
-                    f"{r['ratio_lo']:.2f}-{r['ratio_hi']:.2f} | {gf:.0f}{pct} | {'yes' if r['same'] else 'NO'} |",
-                    flush=True,
-                )
+                r = compare(mod_a, mod_b, shape, rows, args.rounds, clock, huge_pages=args.huge_pages)
+                row(shape, threads, rows, r, "yes" if r["same"] else "NO")
+                for kind, rk in r.get("kinds", {}).items():
+                    row(f"{shape}:{kind}", threads, rows, rk, "")
     print(f"# load average {os.getloadavg()[0]:.1f}")
 
 

@@ -96,6 +96,9 @@ class CpuOptions:
     kv_layout: str = "head"
     #: PAGEDSERVE_CPU_HUGE_PAGES: advise the KV caches onto transparent huge pages.
     huge_pages: bool = False
+    #: PAGEDSERVE_CPU_WEIGHT_HUGE_PAGES: put the natively packed bf16 linear weights
+    #: side by side on transparent huge pages (kernels/cpu/hugepages.py, HugePageArena).
+    weight_huge_pages: bool = True
     #: PAGEDSERVE_CPU_AMX_ATTENTION: prefill attention on AMX tiles where the CPU has AMX,
     #: else on AVX-512 BF16 register tiles where it has those (platforms/cpu/attention_ops.py;
     #: off: the native kernel for every sequence).
@@ -116,6 +119,7 @@ class CpuOptions:
             gguf_amx_bf16=env_flag(env, "PAGEDSERVE_CPU_GGUF_AMX_BF16", False),
             kv_layout=env_choice(env, "PAGEDSERVE_CPU_KV_LAYOUT", "head", ("head", "token")),
             huge_pages=env_flag(env, "PAGEDSERVE_CPU_HUGE_PAGES", False),
+            weight_huge_pages=env_flag(env, "PAGEDSERVE_CPU_WEIGHT_HUGE_PAGES", True),
             amx_attention=env_flag(env, "PAGEDSERVE_CPU_AMX_ATTENTION", True),
         )
 

@@ -223,6 +223,10 @@ class NativeCpuKernels:
         #: registers (AVX-512), for float32 and bf16 queries; elsewhere they are
         #: dequantized first.
         self.has_kv8_attention = bool(module.has_kv8_attention(self._isa))
+        #: Where pack_linear_weight puts packed weights: a HugePageArena (the CPU
+        #: platform sets one unless PAGEDSERVE_CPU_WEIGHT_HUGE_PAGES=0), else torch's
+        #: allocator.
+        self.weight_arena = None
 
     @property
     def source(self) -> str:
@@ -504,10 +508,13 @@ class NativeCpuKernels:
         OP_CALLS["linear:native"] = OP_CALLS.get("linear:native", 0) + 1
         return self.module.linear(x, weight, bias, self._isa)
 
-    def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def pack_linear_weight(self, weight: torch.Tensor, arena: bool = True) -> torch.Tensor | None:
         """A bf16 weight [N, K] -> the packed kernel's layout [N/16, K/2, 16, 2] (for every
         16 output columns, the (w[n][k], w[n][k+1]) pairs of each pair of k), or None
-        when this build has no packed kernel or N % 16 or K % 2 is not 0."""
+        when this build has no packed kernel or N % 16 or K % 2 is not 0.  In
+        :attr:`weight_arena` when one is set and ``arena`` (a weight kept for the model,
+        not a short-lived copy): on huge pages, the packed kernel's weight reads cost
+        fewer TLB misses (docs/kernels_cpu.md)."""
         if (
             not self.has_packed_linear
             or weight.dim() != 2
@@ -519,7 +526,10 @@ class NativeCpuKernels:
         ):
             return None
         n, k = weight.shape
-        return weight.contiguous().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        pairs = weight.contiguous().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
+        if self.weight_arena is None or not arena:
+            return pairs.contiguous()
+        return self.weight_arena.empty(pairs.shape, torch.bfloat16).copy_(pairs)
 
     def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """reference.linear(x, w, bias) for ``packed = pack_linear_weight(w)``: bf16 x

@@ -32,6 +32,10 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
     if not options.native_kernels:
         return
     kernels = load_cpu_kernels(preferred_isa=options.isa)
+    if kernels is not None and options.weight_huge_pages:
+        from pagedserve.kernels.cpu.hugepages import HugePageArena
+
+        kernels.weight_arena = HugePageArena()
     if kernels is not None:
         for name, fn in kernels.ops().items():
             ops.register(name, fn, source=kernels.source, capabilities=REFERENCE_CAPABILITIES.get(name, ()))

@@ -139,12 +139,22 @@ class TunedLinear:
                 self.kernels["native_skinny"] = native.linear
 
     # -- load ---------------------------------------------------------------------------
-    def _pack(self, layout: str, w: torch.Tensor) -> torch.Tensor | None:
+    def _pack(self, layout: str, w: torch.Tensor, kept: bool = True) -> torch.Tensor | None:
+        """``w`` in ``layout``; ``kept``: for the model (the native layout then goes to the
+        kernels' huge-page arena), else a copy only timed."""
         if layout == "native":
-            return self.native.pack_linear_weight(w) if self.native is not None else None
+            return self.native.pack_linear_weight(w, arena=kept) if self.native is not None else None
         if layout == "onednn":
             return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
         return w
+
+    def _builds(self, candidates) -> dict[str, str]:
+        """The native kernels' build for each candidate that runs them (the tuning cache
+        files their figures under it: a rebuilt kernel is timed again)."""
+        if self.native is None:
+            return {}
+        build = getattr(self.native.module, "__name__", "")
+        return {c: build for c in candidates if c.startswith("native")}
 
     def _available(self, n: int, k: int) -> set[str]:
         """Layouts a [n, k] bf16 weight can take here (without packing it)."""
@@ -178,14 +188,14 @@ class TunedLinear:
 
         def layout(lay: str) -> torch.Tensor:
             if lay not in packed:
-                packed[lay] = self._pack(lay, weight)
+                packed[lay] = self._pack(lay, weight, kept=False)
             return packed[lay]
 
         def timed_layout(lay: str) -> torch.Tensor:
             if timed_rows == n:
                 return layout(lay)
             if lay not in timed:
-                timed[lay] = self._pack(lay, weight[:timed_rows])
+                timed[lay] = self._pack(lay, weight[:timed_rows], kept=False)
             return timed[lay]
 
         def runner(cand: str):
@@ -200,13 +210,16 @@ class TunedLinear:
             return make
 
         cands = {c: runner(c) for c in self.kernels if CANDIDATE_LAYOUT[c] in avail}
-        plan = self.tuner.tune("linear", key, cands, self.buckets)
+        plan = self.tuner.tune("linear", key, cands, self.buckets, self._builds(cands))
         timed.clear()
         nbytes = weight.numel() * weight.element_size()
         primary, second = choose_layouts(plan, CANDIDATE_LAYOUT, self.dual_bytes_left >= nbytes)
         if second is not None:
             self.dual_bytes_left -= nbytes
-        keep = {lay: layout(lay) for lay in (primary, second) if lay is not None}
+        # The native layout is packed again for keeps, into the kernels' huge-page arena
+        # (the copy timed above may be dropped, and would leave a hole there).
+        kept = [lay for lay in (primary, second) if lay is not None]
+        keep = {lay: self._pack(lay, weight) if lay == "native" else layout(lay) for lay in kept}
         entries = []
         for b in plan.buckets:
             times = {c: s for c, s in plan.times[b].items() if CANDIDATE_LAYOUT[c] in keep}
@@ -281,5 +294,6 @@ class TunedLinear:
 
             return make
 
-        plan = self.tuner.tune("linear_silu_and_mul", route.key, {n: runner(n) for n in kernels}, route.buckets)
+        cands = {n: runner(n) for n in kernels}
+        plan = self.tuner.tune("linear_silu_and_mul", route.key, cands, route.buckets, self._builds(cands))
         return [kernels[plan.chosen[b]] for b in plan.buckets]

@@ -35,7 +35,9 @@ The cache file (:class:`TuningCache`) lives under the kernel cache root
 (kernels/build.py) in ``tuning/``, one file per machine identity: the CPU model name, its
 flags that matter, torch's version and its thread count (:func:`machine_identity`); a
 different CPU or torch never reads another's figures.  Inside, entries are keyed by op,
-shape key and candidate names, so a new candidate set retunes.
+shape key and candidate names (with the build of each native candidate where the op
+names it: ``native_packed@pagedserve_cpu_<hash>``), so a new candidate set, or a kernel
+whose sources or flags changed, retunes.
 """
 
 from __future__ import annotations
@@ -309,18 +311,32 @@ class Tuner:
         self.plans: dict[tuple[str, str, tuple[str, ...]], Plan] = {}
         self.seconds = 0.0  # spent timing in this process
 
-    def tune(self, op: str, key: str, candidates: Mapping[str, Runner], buckets: Sequence[int] = BUCKETS) -> Plan:
-        """The plan of ``op`` on ``key``: from memory, the cache, or timed now."""
+    def tune(
+        self,
+        op: str,
+        key: str,
+        candidates: Mapping[str, Runner],
+        buckets: Sequence[int] = BUCKETS,
+        builds: Mapping[str, str] | None = None,
+    ) -> Plan:
+        """The plan of ``op`` on ``key``: from memory, the cache, or timed now.
+
+        ``builds``: candidate -> the build of the native code it runs (the kernel
+        extension's name, which hashes its sources and flags).  The cache files its
+        figures under those too, so a changed kernel is timed again rather than
+        dispatched on the figures of the one before."""
         names = sorted(candidates)
         found = self.plans.get((op, key, tuple(names)))
+        builds = builds or {}
+        filed = sorted(f"{n}@{builds[n]}" if builds.get(n) else n for n in names)
         if found is None and self.cache is not None:
-            found = self.cache.get(op, key, names)
+            found = self.cache.get(op, key, filed)
             if found is not None and found.buckets != tuple(buckets):
                 found = None
         if found is None:
             found = self._time(op, key, candidates, tuple(buckets))
             if self.cache is not None:
-                self.cache.put(found, names)
+                self.cache.put(found, filed)
         self.plans[(op, key, tuple(names))] = found
         return found
 

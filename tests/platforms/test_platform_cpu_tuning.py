@@ -136,6 +136,27 @@ def test_cache_is_reused_on_the_same_machine_only(tmp_path):
     assert json.loads(cache.path.read_text())["identity"] == IDENTITY
 
 
+def test_a_rebuilt_kernel_is_timed_again(tmp_path):
+    """A candidate's build (the native extension's name, a hash of its sources) files its
+    figures: the same build reads them back, another one times the candidates again."""
+    clock = FakeClock()
+    costs = {"native": {1: 1.0, 4: 3.0}, "other": {1: 2.0, 4: 2.0}}
+    calls: dict[str, int] = {}
+
+    def tune(build: str) -> Plan:
+        tuner = Tuner(TuningCache.default(identity=IDENTITY, root=tmp_path), clock=clock, threads=1)
+        return tuner.tune("linear", "N=8,K=8", fake_candidates(clock, costs, calls), (1, 4), {"native": build})
+
+    assert not tune("pagedserve_cpu_aaaa").cached
+    timed = dict(calls)
+    assert tune("pagedserve_cpu_aaaa").cached and calls == timed
+    costs["native"] = {1: 5.0, 4: 0.5}  # the rebuilt kernel is slower at 1 row, faster at 4
+    rebuilt = tune("pagedserve_cpu_bbbb")
+    assert not rebuilt.cached and calls["native"] > timed["native"]
+    assert rebuilt.chosen == {1: "other", 4: "native"}
+    assert tune("pagedserve_cpu_aaaa").chosen == {1: "native", 4: "other"}  # both stay filed
+
+
 def _plan(times: dict[int, dict[str, float]]) -> Plan:
     return Plan("linear", "k", tuple(sorted(times)), times)
 

@@ -51,6 +51,7 @@ def test_cpu_options_from_env():
             "PAGEDSERVE_CPU_KV_LAYOUT": "Token",
             "PAGEDSERVE_CPU_HUGE_PAGES": "yes",
             "PAGEDSERVE_CPU_GGUF_REPACK": "0",
+            "PAGEDSERVE_CPU_WEIGHT_HUGE_PAGES": "off",
         }
     )
     assert got == CpuOptions(
@@ -60,6 +61,7 @@ def test_cpu_options_from_env():
         prepack=False,
         kv_layout="token",
         huge_pages=True,
+        weight_huge_pages=False,
         gguf_repack=False,
     )
 
