@@ -15,25 +15,33 @@ Cache kinds: ``bf16``, ``int8`` (rows with their float32 scales), ``fp8_e4m3`` a
 ``fp8_e5m2`` (rows with their scales, the engine's default layout), ``fp8_e4m3@tensor``
 (unscaled rows, scale 1.0); ``KIND/ISA`` runs that kind on the kernels of instruction set
 ISA (``int8/avx512``: the float32 in-register 8-bit kernel, for an A/B against
-``avx512bf16``'s).  GB/s counts the KV bytes a call must read (every visible key and
-value row once, scales included); ``--roofline-gbps`` (a read bandwidth measured with
-``benchmarks/stream_bw.c`` at the same thread count) adds the fraction of it reached.
+``avx512bf16``'s); ``KIND:base`` runs it on another build of the kernels, ``--base-so``
+(say the one a checkout of main built), for a before/after in one process.  GB/s counts
+the KV bytes a call must read (every visible key and value row once, scales included);
+``--roofline-gbps`` (a read bandwidth measured with ``benchmarks/stream_bw.c`` at the
+same thread count) adds the fraction of it reached.
 
     python benchmarks/kv_attention_micro.py --batch 32 64 --contexts 128 960 4096 \\
         --threads 1 2 --kinds bf16,int8,fp8_e4m3,int8/avx512,fp8_e4m3/avx512
+    python benchmarks/kv_attention_micro.py --clock cpu --threads 1 --kinds bf16:base,bf16 \\
+        --base-so ~/.cache/pagedserve/kernels/pagedserve_cpu_<key>/pagedserve_cpu_<key>.so
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.cpu import load_cpu_kernels
+from pagedserve.kernels.cpu.native import NativeCpuKernels
 
 HEADS, KV_HEADS, HEAD, BLOCK = 9, 3, 64, 16
 
@@ -58,12 +66,25 @@ def make_cache(kind: str, blocks: int, gen: torch.Generator) -> torch.Tensor:
     raise SystemExit(f"unknown cache kind {kind!r}")
 
 
+def load_base_kernels(path: str, isa: str) -> NativeCpuKernels:
+    """Another build of the CPU kernels (its .so, by path), bound to instruction set isa."""
+    so = Path(path).expanduser()
+    name = so.name.split(".")[0]
+    spec = importlib.util.spec_from_file_location(name, so)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load {so}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return NativeCpuKernels(module, isa)
+
+
 def row_bytes(cache: torch.Tensor) -> int:
     return cache.shape[-1] * cache.element_size()
 
 
 def run_point(
-    batch: int, ctx: int, specs: list[tuple[str, str | None]], args, kernels_by_isa, roof_gbps: float | None
+    batch: int, ctx: int, specs: list[tuple[str, str | None, bool]], args, kernels_by_isa, roof_gbps: float | None
 ) -> list[tuple]:
     gen = torch.Generator().manual_seed(batch * 100003 + ctx)
     per_seq = math.ceil(ctx / BLOCK)
@@ -73,7 +94,7 @@ def run_point(
     q = torch.randn(batch, HEADS, HEAD, generator=gen, dtype=torch.bfloat16)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
-    kinds = sorted({k for k, _ in specs})
+    kinds = sorted({k for k, _, _ in specs})
     data = {}
     for kind in kinds:
         data[kind] = [
@@ -89,8 +110,8 @@ def run_point(
     times: dict[int, list[float]] = {i: [] for i in range(len(specs))}
 
     def sweep(i: int) -> float:
-        kind, isa = specs[i]
-        k = kernels_by_isa[isa]
+        kind, isa, base = specs[i]
+        k = kernels_by_isa[isa, base]
         t0 = clock()
         for kc, vc, tables in data[kind]:
             k.paged_attention(q, kc, vc, tables, seq_lens, qsl, HEAD**-0.5, out)
@@ -102,14 +123,14 @@ def run_point(
         for i in range(len(specs)):
             times[i].append(sweep(i))
     rows = []
-    for i, (kind, isa) in enumerate(specs):
+    for i, (kind, isa, base) in enumerate(specs):
         ts = times[i]
         ratios = sorted(a / b for a, b in zip(ts, times[0]))
         kc = data[kind][0][0]
         nbytes = batch * ctx * KV_HEADS * 2 * row_bytes(kc)
         med = statistics.median(ts)
         gbps = nbytes / med / 1e9
-        name = kind if isa is None else f"{kind}/{isa}"
+        name = (kind if isa is None else f"{kind}/{isa}") + (":base" if base else "")
         roof = f"{gbps / roof_gbps:.2f}" if roof_gbps else "-"
         rows.append(
             (
@@ -132,7 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 960])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--kinds", default="bf16,int8,fp8_e4m3", help="KIND[/ISA],...; the first is the base")
+    parser.add_argument(
+        "--kinds", default="bf16,int8,fp8_e4m3", help="KIND[/ISA][:base],...; the first is the one ratios divide by"
+    )
     parser.add_argument("--isa", default=None, help="instruction set of kinds without /ISA (default: the best)")
     parser.add_argument("--samples", type=int, default=9)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="wall time or process CPU time")
@@ -141,13 +164,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--roofline-gbps", type=float, nargs="+", default=None, help="measured read GB/s, one per --threads entry"
     )
+    parser.add_argument("--base-so", default=None, help="another build of the CPU kernels (.so) for KIND:base")
     args = parser.parse_args(argv)
-    specs: list[tuple[str, str | None]] = []
+    specs: list[tuple[str, str | None, bool]] = []
     for item in args.kinds.split(","):
+        item, _, tag = item.partition(":")
+        if tag not in ("", "base"):
+            raise SystemExit(f"unknown tag {tag!r} in {item}:{tag} (only :base)")
         kind, _, isa = item.partition("/")
-        specs.append((kind, isa or args.isa))
-    kernels_by_isa = {isa: load_cpu_kernels(isa=isa) for isa in {s[1] for s in specs}}
-    print("kernels:", {isa: k.isa for isa, k in kernels_by_isa.items()})
+        specs.append((kind, isa or args.isa, tag == "base"))
+    if any(base for _, _, base in specs) and args.base_so is None:
+        raise SystemExit("KIND:base needs --base-so")
+    kernels_by_isa = {}
+    for _, isa, base in specs:
+        if (isa, base) not in kernels_by_isa:
+            own = load_cpu_kernels(isa=isa)
+            kernels_by_isa[isa, base] = load_base_kernels(args.base_so, own.isa) if base else own
+    print("kernels:", {f"{isa}{':base' if base else ''}": k.isa for (isa, base), k in kernels_by_isa.items()})
     unit = "us/call" if args.clock == "wall" else "CPU us/call"
     header = ("kind", "batch", "ctx", "layers", unit, "GB/s", "of roof", "ratio", "quartiles")
     for t, threads in enumerate(args.threads):
