@@ -60,7 +60,7 @@
 #define PAGEDSERVE_GGUF_TILE_G 3
 #endif
 // Q5_x's plain tiles: taller and narrower (their unpacking costs more per line, spread
-// over more rows; 6 x 2 measured 3-20% faster than 5 x 3 on Zen 4 at 1-256 rows).
+// over more rows; 6 x 2 measured 2-20% faster than 5 x 3 on Zen 4 at 1-256 rows).
 #ifndef PAGEDSERVE_GGUF_TILE_M_Q5
 #define PAGEDSERVE_GGUF_TILE_M_Q5 6
 #endif
@@ -187,9 +187,9 @@ inline __m512i fifth_bits_at_4(__m512i f, int line) {
 // How many blocks ahead a tile prefetches its weights' bytes: a column group's weights are
 // one short sequential stream (K 576: 18 blocks, 6 KB), over before the hardware
 // prefetchers ramp up, so the plain GEMM on 4- and 5-bit blocks asks for them 2 blocks
-// ahead (0.6-0.9x the time of 1-4-row calls on Zen 4, no loss from 64 rows).  Q8_0's
-// (34 bytes per 32 values) lost 5-25% that way, and the gated tiles 15-80% at 1-4 rows;
-// Q5_x's gated tiles gained 5-7% from 16 rows 1 block ahead, neutral below.
+// ahead (0.55-0.9x the time of 1-4-row calls on Zen 4, no loss from 64 rows).  Q8_0's
+// (34 bytes per 32 values) lost 5-25% that way, and the gated tiles 12-40% at 1-4 rows;
+// Q5_x's gated tiles gained 1-6% from 16 rows 1 block ahead, within 2% below.
 #ifndef PAGEDSERVE_GGUF_PREFETCH
 #define PAGEDSERVE_GGUF_PREFETCH 2
 #endif
