@@ -447,27 +447,37 @@ def bench_gguf_stacked(
 ) -> list[tuple]:
     """A Q4_K_M's mixed q/k/v (the default model's: [q; k] Q5_0 576 + 192 rows, v Q8_0 192
     rows, K 576) in ``layers`` copies: as two repacked weights (two kernel calls, outputs
-    concatenated: a StackedWeight) against one Q8_0 weight holding the same values
-    (``widen_blocks``), bf16 activations: ms per ``layers`` calls and the ratio."""
+    concatenated), as the same two in one ``gguf_linear_stacked`` call (a StackedWeight
+    on the CPU), and as one Q8_0 weight holding the same values (``widen_blocks``); and a
+    Q5_K_M's ([q; k] Q5_1) two calls and one stacked call.  bf16 activations: ms per
+    ``layers`` calls."""
     from pagedserve.kernels import quant_reference as qref
     from pagedserve.platforms.cpu import quant_ops
-    from pagedserve.quantization.gguf import GGUFWeight, widen_blocks
+    from pagedserve.quantization.gguf import GGUFWeight, StackedWeight, widen_blocks
+
+    stacked_op = quant_ops.make_gguf_linear_stacked(quant_ops.gguf_linear)
 
     def weight(t: str, data: torch.Tensor) -> GGUFWeight:
-        return GGUFWeight(t, data, 576, quant_ops.gguf_linear, quant_ops.prepare_gguf_weight).prepared()
+        return GGUFWeight(
+            t, data, 576, quant_ops.gguf_linear, quant_ops.prepare_gguf_weight, op_out_dtype=True, stacked_op=stacked_op
+        ).prepared()
 
-    stacked, widened = [], []
+    two, widened, two51 = [], [], []
     for _ in range(layers):
         qk, v = random_gguf_blocks("Q5_0", 768, 576), random_gguf_blocks("Q8_0", 192, 576)
-        stacked.append((weight("Q5_0", qk), weight("Q8_0", v)))
+        two.append(StackedWeight([weight("Q5_0", qk), weight("Q8_0", v)]))
         widened.append(weight("Q8_0", torch.cat([widen_blocks(qk, "Q5_0", "Q8_0"), v])))
+        two51.append(StackedWeight([weight("Q5_1", random_gguf_blocks("Q5_1", 768, 576)), weight("Q8_0", v)]))
     assert qref.GGUF_BLOCK_BYTES["Q8_0"] == 34
     out = []
     for m in rows:
         x = torch.randn(m, 576).bfloat16()
-        t_two = time_call(lambda: [torch.cat([a.apply(x), b.apply(x)], dim=-1) for a, b in stacked], clock=clock)
+        t_two = time_call(lambda: [torch.cat([p.apply(x) for p in w.parts], dim=-1) for w in two], clock=clock)
+        t_stacked = time_call(lambda: [w.apply(x) for w in two], clock=clock)
         t_one = time_call(lambda: [w.apply(x) for w in widened], clock=clock)
-        out.append((m, t_two * 1e3, t_one * 1e3, t_two / t_one))
+        t_two51 = time_call(lambda: [torch.cat([p.apply(x) for p in w.parts], dim=-1) for w in two51], clock=clock)
+        t_stacked51 = time_call(lambda: [w.apply(x) for w in two51], clock=clock)
+        out.append((m, *(t * 1e3 for t in (t_two, t_stacked, t_one, t_two51, t_stacked51))))
     return out
 
 
@@ -592,7 +602,9 @@ def main(argv: list[str] | None = None) -> None:
         "--gguf-types", action="store_true", help="--rows: the default model's layers in every GGUF type with a kernel"
     )
     parser.add_argument(
-        "--gguf-stacked", action="store_true", help="--rows: a Q4_K_M's mixed q/k/v, two calls vs one widened weight"
+        "--gguf-stacked",
+        action="store_true",
+        help="--rows: mixed q/k/v, two calls vs one stacked call vs one widened weight",
     )
     parser.add_argument("--skip-attention", action="store_true", help="leave out the paged_attention table")
     parser.add_argument("--moe", action="store_true", help="also time fused_moe (reference vs native)")
@@ -679,8 +691,19 @@ def main(argv: list[str] | None = None) -> None:
             bench_gguf_mlp(native, args.rows, clock),
         )
     if args.gguf_stacked:
-        print("\n15 mixed q/k/v layers ([q; k] Q5_0 + v Q8_0), two calls vs one widened Q8_0 weight, bf16:\n")
-        _print_table(("rows", "two calls ms", "one Q8_0 ms", "two / one"), bench_gguf_stacked(args.rows, clock))
+        print(
+            "\n15 mixed q/k/v layers ([q; k] Q5_0 or Q5_1 + v Q8_0): two calls, one stacked call,"
+            " one widened Q8_0 weight, bf16:\n"
+        )
+        cols = (
+            "rows",
+            "Q5_0+Q8_0 two calls ms",
+            "one stacked call",
+            "one Q8_0 weight",
+            "Q5_1+Q8_0 two calls",
+            "one stacked call",
+        )
+        _print_table(cols, bench_gguf_stacked(args.rows, clock))
     if args.gguf_types:
         print("\n30 layers per shape in each GGUF block type, bf16 activations, ms (K-quants: K 768 for 576):\n")
         header, *rows = bench_gguf_types(args.rows, clock)

@@ -75,6 +75,7 @@ __all__ = [
     "gguf_linear",
     "prepare_gguf_weight",
     "gguf_linear_silu_and_mul",
+    "gguf_linear_stacked",
     "gguf_embedding",
     "int8_linear",
     "w8a8_linear",
@@ -726,6 +727,30 @@ def gguf_linear_silu_and_mul(
     return silu_and_mul(gguf_linear(x, data, type_name, bias))
 
 
+def gguf_linear_stacked(
+    x: torch.Tensor,
+    data: list[torch.Tensor],
+    type_names: list[str],
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Several GGUF weights with one input, side by side: ``gguf_linear(x, data[i],
+    type_names[i], bias_i, out_dtype)`` concatenated along the output, ``bias_i`` the
+    part's slice of ``bias`` ``[sum N_i]`` (each part's float32 sum plus its bias rounded
+    once); ``data[i]`` as the same registry's ``prepare_gguf_weight`` returned it.  A
+    fused projection whose parts keep different block types (a Q5_K_M's [q; k] Q5_1
+    beside a Q8_0 v) multiplies through it.
+
+    An op registry's default is its own ``gguf_linear`` once per part; a platform may
+    quantize x once and write every part's columns in place in one pass."""
+    ys, at = [], 0
+    for d, t in zip(data, type_names):
+        n = d.numel() // quant_reference.gguf_row_bytes(t, x.shape[-1])  # a prepared form holds the blocks' bytes
+        ys.append(gguf_linear(x, d, t, None if bias is None else bias[at : at + n], out_dtype))
+        at += n
+    return torch.cat(ys, dim=-1)
+
+
 def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
     """GGUF blocks uint8 ``[N, K/32 * block_bytes]`` of ``type_name`` -> the form the same
     registry's ``gguf_linear`` takes, once at load (never on the step path).
@@ -887,6 +912,7 @@ OP_NAMES: tuple[str, ...] = (
     "gguf_linear",
     "prepare_gguf_weight",
     "gguf_linear_silu_and_mul",
+    "gguf_linear_stacked",
     "gguf_embedding",
     "int8_linear",
     "w8a8_linear",

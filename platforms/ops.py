@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.kernels import reference
+import torch
+
+from pagedserve.kernels import quant_reference, reference
 
 __all__ = [
     "OpRegistry",
@@ -83,6 +85,7 @@ class OpRegistry:
         # its own prepared weights) gets them without registering the fused op.
         self.register("linear_silu_and_mul", self._linear_silu_and_mul, source="reference")
         self.register("gguf_linear_silu_and_mul", self._gguf_linear_silu_and_mul, source="reference")
+        self.register("gguf_linear_stacked", self._gguf_linear_stacked, source="reference")
 
     def _linear_silu_and_mul(self, x, weight, bias=None):
         """See reference.linear_silu_and_mul: this registry's silu_and_mul(linear(...))."""
@@ -91,6 +94,16 @@ class OpRegistry:
     def _gguf_linear_silu_and_mul(self, x, data, type_name, bias=None):
         """See reference.gguf_linear_silu_and_mul: this registry's silu_and_mul(gguf_linear(...))."""
         return self.silu_and_mul(self.gguf_linear(x, data, type_name, bias))
+
+    def _gguf_linear_stacked(self, x, data, type_names, bias=None, out_dtype=None):
+        """See reference.gguf_linear_stacked: this registry's gguf_linear once per part."""
+        ys, at = [], 0
+        for d, t in zip(data, type_names):
+            n = d.numel() // quant_reference.gguf_row_bytes(t, x.shape[-1])  # a prepared form holds the blocks' bytes
+            b = None if bias is None else bias[at : at + n]
+            ys.append(self.gguf_linear(x, d, t, b) if out_dtype is None else self.gguf_linear(x, d, t, b, out_dtype))
+            at += n
+        return torch.cat(ys, dim=-1)
 
     def register(self, name: str, fn: Callable[..., Any], source: str = "", capabilities: Iterable[str] = ()) -> None:
         """Make ``name`` resolve to ``fn``; ``source`` says where it came from;

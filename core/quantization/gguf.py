@@ -70,6 +70,9 @@ class GGUFWeight(QuantizedWeight):
     op_out_dtype: whether ``op`` takes ``out_dtype`` (the registry's ``gguf_linear``
         declares ``gguf_out_dtype``; the reference does); else :meth:`apply` asked for
         float32 output hands it a float32 copy of x.
+    stacked_op: the same registry's ``gguf_linear_stacked`` (None: a
+        :class:`StackedWeight` of such weights applies them one by one), through which a
+        fused projection of parts of different types multiplies in one call.
     """
 
     # Every gguf_linear (the int8 kernels, the reference) sums in float32: as in llama.cpp,
@@ -88,6 +91,7 @@ class GGUFWeight(QuantizedWeight):
         gated_op: Callable | None = None,
         embed_op: Callable | None = None,
         op_out_dtype: bool | None = None,
+        stacked_op: Callable | None = None,
     ) -> None:
         if type_name not in GGUF_KEPT_TYPES:
             raise ValueError(f"GGUF type {type_name} is not kept quantized (supported: {', '.join(GGUF_KEPT_TYPES)})")
@@ -106,6 +110,7 @@ class GGUFWeight(QuantizedWeight):
         self.gated_op = gated_op
         self.embed_op = embed_op
         self.op_out_dtype = op is None if op_out_dtype is None else op_out_dtype
+        self.stacked_op = stacked_op
 
     def _like(self, data: torch.Tensor | None, in_features: int, packed: torch.Tensor | None = None) -> GGUFWeight:
         """A weight of this type with this one's ops."""
@@ -119,6 +124,7 @@ class GGUFWeight(QuantizedWeight):
             self.gated_op,
             self.embed_op,
             self.op_out_dtype,
+            self.stacked_op,
         )
 
     def apply(
@@ -285,6 +291,8 @@ def _widened(w: GGUFWeight, target: str) -> GGUFWeight:
         None,
         w.gated_op,
         w.embed_op,
+        w.op_out_dtype,
+        w.stacked_op,
     )
 
 
@@ -314,10 +322,22 @@ class StackedWeight(QuantizedWeight):
         self.out_features = sum(p.out_features for p in parts)
         #: Float32 sums (and ``out_dtype``) where every part has them.
         self.float32_accumulation = all(p.float32_accumulation for p in parts)  # type: ignore[misc]
+        # GGUF blocks whose ops share one gguf_linear_stacked multiply through it in one call
+        # (asked for another out_dtype only where their gguf_linear takes it).
+        ops = {getattr(p, "stacked_op", None) for p in parts}
+        gguf = all(isinstance(p, GGUFWeight) for p in parts)
+        self._stacked_op: Callable | None = ops.pop() if gguf and len(ops) == 1 else None
+        self._stacked_out_dtype = gguf and all(p.op_out_dtype for p in parts)  # type: ignore[attr-defined]
+        self._type_names = [p.type_name for p in parts] if gguf else []  # type: ignore[attr-defined]
 
     def apply(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
+        op = self._stacked_op
+        if op is not None and (out_dtype is None or out_dtype == x.dtype or self._stacked_out_dtype):
+            # One call: each part's sums (+ its bias) rounded once, written side by side.
+            data = [p.data if p.packed is None else p.packed for p in self.parts]  # type: ignore[attr-defined]
+            return op(x, data, self._type_names, bias, None if out_dtype == x.dtype else out_dtype)
         if out_dtype is None or out_dtype == x.dtype:
             y = torch.cat([p.apply(x) for p in self.parts], dim=-1)
         elif self.float32_accumulation:
@@ -358,6 +378,7 @@ class GGUFMethod(QuantizationMethod):
             raise ValueError(f"quantization='gguf' needs a .gguf file; {source.path} is a Hugging Face folder")
         op, prepare = self.ops.gguf_linear, self.ops.prepare_gguf_weight
         gated, embed = self.ops.gguf_linear_silu_and_mul, getattr(self.ops, "gguf_embedding", None)
+        stacked = getattr(self.ops, "gguf_linear_stacked", None)
         has = getattr(self.ops, "has_capability", None)
         out_dtype = op is reference.gguf_linear or (has is not None and has("gguf_linear", _OUT_DTYPE_CAPABILITY))
         if prepare is not reference.prepare_gguf_weight and embed is reference.gguf_embedding:
@@ -379,6 +400,7 @@ class GGUFMethod(QuantizationMethod):
                         gated_op=gated,
                         embed_op=embed,
                         op_out_dtype=out_dtype,
+                        stacked_op=stacked,
                     ),
                 )
 

@@ -1,5 +1,6 @@
 """Checks of the quantized linear ops (``gguf_linear``, ``gguf_linear_silu_and_mul``,
-``int8_linear``, ``w8a8_linear``, ``fp8_linear``) a platform overrides, against :mod:`pagedserve.kernels.reference`.
+``gguf_linear_stacked``, ``int8_linear``, ``w8a8_linear``, ``fp8_linear``) a platform overrides,
+against :mod:`pagedserve.kernels.reference`.
 
 Weights are random bytes in each stored format (GGUF blocks with realistic fp16 scales,
 int8 and e4m3 values with per-channel or per-tensor scales), activations fresh
@@ -205,6 +206,51 @@ def _gguf_linear_silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed:
             yield desc, body
 
 
+#: (rows, in, bias) of the gguf_linear_stacked cases, each over every mix below.
+GGUF_STACKED_SHAPES: tuple[tuple[int, int, bool], ...] = ((1, 64, False), (7, 96, True), (130, 64, True))
+
+
+def _gguf_stacked_mixes(t: Target) -> list[tuple[tuple[str, int], ...]]:
+    """Parts (type, rows) of the gguf_linear_stacked cases: a Q4_0 [q; k] beside a Q8_0 v
+    and parts of rows not a multiple of 16; with the extended types, a Q5_K_M's Q5_1
+    beside Q8_0, and Q5_0 parts on both sides of a Q8_0 one."""
+    mixes = [(("Q4_0", 32), ("Q8_0", 16)), (("Q8_0", 16), ("Q4_1", 24), ("Q4_0", 16))]
+    if t.ops.has_capability("gguf_linear", "gguf_extended_types"):
+        mixes += [(("Q5_1", 48), ("Q8_0", 16)), (("Q5_0", 16), ("Q8_0", 32), ("Q5_0", 16))]
+    return mixes
+
+
+def _gguf_linear_stacked(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    """``fn`` on parts put through the registry's ``prepare_gguf_weight`` against the
+    reference on the blocks (float32 output too, where ``gguf_linear`` takes it)."""
+    prepare = t.ops.get("prepare_gguf_weight")
+    out32 = dtype != torch.float32 and t.ops.has_capability("gguf_linear", "gguf_out_dtype")
+    for mix in _gguf_stacked_mixes(t):
+        for m, k, bias in GGUF_STACKED_SHAPES:
+            n = sum(rows for _, rows in mix)
+            desc = _desc(m, k, n, bias, "+".join(type_name for type_name, _ in mix) + "-")
+
+            def body(mix=mix, m=m, k=k, n=n, bias=bias, desc=desc) -> None:
+                c = _Case(f"gguf_linear_stacked{desc}{dtype}", seed, t.device)
+                types = [type_name for type_name, _ in mix]
+                data = [_random_gguf(c, type_name, rows, k) for type_name, rows in mix]
+                x = c.randn(m, k, dtype=dtype)
+                b = c.randn(n, dtype=dtype) if bias else None
+                weights = [prepare(c.dev(d), type_name) for d, type_name in zip(data, types)]
+                for out_dtype in (None, torch.float32) if out32 else (None,):
+                    got = fn(c.dev(x), weights, types, None if b is None else c.dev(b), out_dtype)
+                    want = reference.gguf_linear_stacked(x, data, types, b, out_dtype)
+                    assert_close_relative(
+                        f"gguf_linear_stacked out_dtype={out_dtype}",
+                        got,
+                        want,
+                        out_dtype or dtype,
+                        _tol("gguf_linear", dtype),
+                    )
+
+            yield desc, body
+
+
 def _int8_cases(op: str) -> Callable[[Target, Callable, torch.dtype, int], Cases]:
     ref = getattr(reference, op)
 
@@ -271,6 +317,7 @@ QUANT_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = 
     # A platform's prepare_gguf_weight is checked through its (or the reference's) gguf_linear.
     "prepare_gguf_weight": lambda t, fn, d, s: _gguf_linear(t, t.ops.get("gguf_linear"), d, s, prepare=fn),
     "gguf_linear_silu_and_mul": _gguf_linear_silu_and_mul,
+    "gguf_linear_stacked": _gguf_linear_stacked,
     "int8_linear": _int8_cases("int8_linear"),
     "w8a8_linear": _int8_cases("w8a8_linear"),
     "fp8_linear": _fp8_linear,

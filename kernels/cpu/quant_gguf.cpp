@@ -22,6 +22,7 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -262,6 +263,9 @@ torch::Tensor gguf_pack_weight(torch::Tensor weight, int64_t type);
 void gguf_packed_gemm(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
                       int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
                       const float* bias);
+void gguf_packed_gemm_multi(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
+                            int64_t K, const std::vector<const uint8_t*>& w, const std::vector<int64_t>& groups,
+                            const std::vector<int64_t>& types, void* y, bool y_bf16, const float* bias);
 bool gguf_packed_gated_available();
 void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
                            int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
@@ -457,6 +461,43 @@ torch::Tensor gguf_linear_silu_out(torch::Tensor x, torch::Tensor weight, int64_
   return y;
 }
 
+// gguf_linear_out over several weights packed by gguf_pack_weight side by side (a fused
+// projection whose parts have different 32-value block types, e.g. [q; k] Q5_0 beside a
+// Q8_0 v): y [M, sum N_i] = the parts' results concatenated (+ bias float32 [sum N_i]),
+// bit for bit, with the activations quantized once and one parallel region.  The parts
+// must agree on Q4_1's fp16 activation sums (all Q4_1 or none).
+torch::Tensor gguf_linear_multi_out(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+                                    std::optional<torch::Tensor> bias, bool float32_out) {
+  TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "gguf_linear_multi: one type per weight");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<const uint8_t*> w;
+  std::vector<int64_t> groups;
+  int64_t N = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    weights[i] = weights[i].contiguous();
+    const int64_t t = types[i];
+    TORCH_CHECK(weights[i].dim() == 3 && (t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0),
+                "gguf_linear_multi: every part must be a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight packed by pack_weight");
+    TORCH_CHECK((types[i] == Q4_1) == (types[0] == Q4_1),
+                "gguf_linear_multi: Q4_1 parts quantize the activations' sums differently from the others");
+    N += check_gguf_args(x, weights[i], types[i]);
+    w.push_back(weights[i].data_ptr<uint8_t>());
+    groups.push_back(weights[i].size(0));
+  }
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(torch::kFloat).contiguous();
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "gguf_linear_multi: bias of shape ", bias->sizes(), " for N=", N);
+  }
+  const QuantizedX qx = quantize_activations(x, types[0]);
+  const bool bf16 = x.scalar_type() == torch::kBFloat16 && !float32_out;
+  auto y = torch::empty({M, N}, x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat));
+  gguf_packed_gemm_multi(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, w, groups, types, y.data_ptr(), bf16,
+                         b.defined() ? b.data_ptr<float>() : nullptr);
+  return y;
+}
+
 std::string isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return "avx512vnni";
@@ -477,6 +518,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_silu_out", &gguf_linear_silu_out, py::call_guard<py::gil_scoped_release>(),
         "silu_and_mul(gguf_linear_out(...)) for a packed [gate; up] weight", py::arg("x"), py::arg("weight"),
         py::arg("type"), py::arg("bias") = py::none());
+  m.def("gguf_linear_multi_out", &gguf_linear_multi_out, py::call_guard<py::gil_scoped_release>(),
+        "gguf_linear_out over several packed weights side by side, outputs concatenated", py::arg("x"),
+        py::arg("weights"), py::arg("types"), py::arg("bias") = py::none(), py::arg("float32_out") = false);
   m.def("has_packed_gated", &gguf_packed_gated_available, "whether the gated tiled kernel is built");
   m.def("isa", &isa, "instruction set compiled in");
   m.def("has_packed", &gguf_packed_available, "whether the tiled kernel on repacked weights is built");

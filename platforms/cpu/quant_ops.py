@@ -19,6 +19,10 @@
   MLP's [gate; up] weight repacked as above runs in one pass that writes silu(gate) * up
   (rounded bit for bit as ``silu_and_mul(gguf_linear(...))``), never the [M, 2d]
   intermediate; other weights and inputs take the registry's two ops.
+- ``gguf_linear_stacked``: a fused projection whose parts keep different 32-value block
+  types (a Q5_K_M's [q; k] Q5_1 beside a Q8_0 v), repacked as above, in one native call
+  (activations quantized once, one parallel region, each part's columns written in
+  place); other parts take ``gguf_linear`` once per part.
 - With ``CpuOptions.gguf_amx`` (off by default) and AMX int8 on the CPU, repacked
   Q4_0/Q4_1/Q8_0 weights at ``GGUF_AMX_MIN_ROWS`` rows or more run on AMX tiles
   (kernels/cpu/quant_gguf_amx.cpp; the same packed weight, bit for bit the tiled VNNI
@@ -49,6 +53,7 @@ __all__ = [
     "register_cpu_quant_ops",
     "gguf_linear",
     "make_gguf_linear_silu_and_mul",
+    "make_gguf_linear_stacked",
     "prepare_gguf_weight",
     "gguf_embedding",
     "unpack_gguf_weight",
@@ -189,6 +194,49 @@ def make_gguf_linear_silu_and_mul(
         return silu_and_mul(linear(x, data, type_name, bias))
 
     return gguf_linear_silu_and_mul
+
+
+def make_gguf_linear_stacked(
+    linear: Callable[..., torch.Tensor], amx_rows: bool = False
+) -> Callable[..., torch.Tensor]:
+    """``gguf_linear_stacked`` that runs parts all repacked by :func:`prepare_gguf_weight`
+    in the 32-value types (a Q5_K_M's [q; k] Q5_1 beside a Q8_0 v) as one native call:
+    the activations quantized once, one parallel region, each part writing its columns
+    of the output in place (bit for bit the parts' ``gguf_linear`` results side by side).
+    Other parts, a Q4_1 part beside another type (its activation sums are rounded
+    differently) and, with ``amx_rows``, calls of ``GGUF_AMX_MIN_ROWS`` rows or more take
+    ``linear`` (the registry's ``gguf_linear``) once per part."""
+    module = load_quant_kernels()
+
+    def gguf_linear_stacked(
+        x: torch.Tensor,
+        data: list[torch.Tensor],
+        type_names: list[str],
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """See reference.gguf_linear_stacked; ``data`` may be packed by ``prepare_gguf_weight``."""
+        out = x.dtype if out_dtype is None else out_dtype
+        if (
+            x.dim() == 2
+            and x.dtype in _NATIVE_DTYPES
+            and out in (x.dtype, torch.float32)
+            and CPU_DENSE_MIN_ROWS is None
+            and all(d.dim() == 3 for d in data)
+            and all(t in GATED_TYPES for t in type_names)
+            and len({t == "Q4_1" for t in type_names}) == 1
+            and not (amx_rows and x.shape[0] >= GGUF_AMX_MIN_ROWS)
+        ):
+            ids = [qref.GGUF_TYPE_IDS[t] for t in type_names]
+            return module.gguf_linear_multi_out(x, list(data), ids, bias, out != x.dtype)
+        ys, at = [], 0
+        for d, t in zip(data, type_names):
+            n = d.numel() // qref.gguf_row_bytes(t, x.shape[-1])
+            ys.append(linear(x, d, t, None if bias is None else bias[at : at + n], out_dtype))
+            at += n
+        return torch.cat(ys, dim=-1)
+
+    return gguf_linear_stacked
 
 
 def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
@@ -372,6 +420,8 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None, t
                         ops.get("gguf_linear"), ops.get("silu_and_mul"), amx_rows=amx is not None
                     )
                     ops.register("gguf_linear_silu_and_mul", fused, source=source)
+                stacked = make_gguf_linear_stacked(ops.get("gguf_linear"), amx_rows=amx is not None)
+                ops.register("gguf_linear_stacked", stacked, source=source)
     ops.register("int8_linear", int8_linear, source="torch")
     ops.register("w8a8_linear", w8a8_linear, source="torch")
     ops.register("fp8_linear", qref.fp8_linear_dense, source="torch")

@@ -97,7 +97,8 @@ def test_cpu_kv_cache_allocation_and_block_copy(clean_env):
 def test_op_registry_defaults_to_the_reference_for_every_op():
     ops = OpRegistry()
     assert [name for name, _ in ops.table()] == list(reference.OP_NAMES)
-    composite = {"linear_silu_and_mul", "gguf_linear_silu_and_mul"}  # the registry's own parts, composed
+    # The registry's own parts, composed.
+    composite = {"linear_silu_and_mul", "gguf_linear_silu_and_mul", "gguf_linear_stacked"}
     for name in reference.OP_NAMES:
         assert ops.source(name) == "reference"
         assert (ops.get(name) is getattr(reference, name)) == (name not in composite), name
