@@ -101,10 +101,9 @@ def bench(
         here = [t for t in types if applies(t, shape)]
         if not here:
             continue
-        raw = {b: [random_blocks(b, n, k, gen) for _ in range(layers)] for b in dict.fromkeys(t.split("@")[0] for t in here)}
-        weights = {
-            t: [module(t).pack_weight(r, qref.GGUF_TYPE_IDS[t.split("@")[0]]) for r in raw[t.split("@")[0]]] for t in here
-        }
+        bases = {t: t.split("@")[0] for t in here}
+        raw = {b: [random_blocks(b, n, k, gen) for _ in range(layers)] for b in dict.fromkeys(bases.values())}
+        weights = {t: [module(t).pack_weight(r, qref.GGUF_TYPE_IDS[bases[t]]) for r in raw[bases[t]]] for t in here}
         for m in rows:
             x = torch.randn(m, k, generator=gen).bfloat16()
 
@@ -189,7 +188,8 @@ def main() -> int:
         print("\nthis build / --before, medians of the per-round ratios (min-max):")
         for r in res:
             if "vs_before" in r:
-                print(f"| {r['shape']} | {r['rows']} | {r['type']} | {r['vs_before']:.3f} ({r['vs_lo']:.2f}-{r['vs_hi']:.2f}) |")
+                spread = f"{r['vs_lo']:.2f}-{r['vs_hi']:.2f}"
+                print(f"| {r['shape']} | {r['rows']} | {r['type']} | {r['vs_before']:.3f} ({spread}) |")
     return 0
 
 
