@@ -31,8 +31,10 @@
 // same exact integer dot product per 32 values (Q4_K, Q5_K) or 16 values (Q6_K, q - 32 through
 // the unsigned q and the integer sum of the 16 activations) as the row kernel, and the
 // same float products: acc += (d*sc * d_x) * dot, the minimum term -dmin*mn * d_x * sum(x)
-// summed apart and added at the end.  Only the float32 summation order differs (a few
-// units in the last place).  Each row's result depends on that row alone.
+// summed apart and added at the end; Q6_K joins a block's two halves before its one d_x
+// step, acc += d_x * (d*sc_0 * dot_0 + d*sc_1 * dot_1).  Only the float32 rounding and
+// summation order differ (a few units in the last place).  Each row's result depends on
+// that row alone.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -347,9 +349,12 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
         accumulate<MT, NG>(a, m0, b, wsc, iacc, facc);
       }
     } else {
+      // The first half's scaled sums wait in L1 for the second's: one d_x step per 32 values.
+      alignas(64) float first[MT][NG][kCols];
       for (int j = 0; j < NG; ++j) dv[j] = load_halves(e[j] + 8 * SB + 256);
       for (int sub = 0; sub < 8; ++sub) {
         const int64_t b = s * 8 + sub;
+#pragma GCC unroll 2
         for (int half = 0; half < 2; ++half) {
           __m512i init[MT];
           const int8_t* xh[MT];
@@ -370,7 +375,20 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
             const __m128i scb = load128(e[j] + 8 * SB + 16 * (2 * sub + half));
             wsc[j] = _mm512_mul_ps(dv[j], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scb)));  // d * scale, exact
           }
-          accumulate<MT, NG>(a, m0, b, wsc, iacc, facc);
+          if (half == 0) {
+            for (int i = 0; i < MT; ++i)
+              for (int j = 0; j < NG; ++j)
+                _mm512_store_ps(first[i][j], _mm512_mul_ps(wsc[j], _mm512_cvtepi32_ps(iacc[i][j])));
+          } else {  // facc += d_x * (first + d*scale * dot)
+            for (int i = 0; i < MT; ++i) {
+              const __m512 dx = _mm512_set1_ps(a.d[(m0 + i) * a.nb + b]);
+              for (int j = 0; j < NG; ++j) {
+                const __m512 dot = _mm512_cvtepi32_ps(iacc[i][j]);
+                const __m512 both = _mm512_fmadd_ps(wsc[j], dot, _mm512_load_ps(first[i][j]));
+                _mm512_store_ps(facc[i][j], _mm512_fmadd_ps(both, dx, _mm512_load_ps(facc[i][j])));
+              }
+            }
+          }
         }
       }
     }
