@@ -14,7 +14,10 @@ their minimum and maximum).  K-quant blocks hold 256 values, so they take only t
 whose input is a multiple of 256 (the default model's down projection).
 
 ``--only TYPE`` times one type alone (``--rounds`` passes of every shape and row count),
-for whole-process comparisons of two types, each its own process.
+for whole-process comparisons of two types, each its own process.  ``--before SO`` loads a
+second build of the quantized kernels (another checkout's ``pagedserve_quant_*.so``) beside
+this one: every type then also runs on it as ``TYPE@before`` (the same blocks, packed by
+that build), in the same rounds, for before/after ratios in one process.
 """
 
 from __future__ import annotations
@@ -53,20 +56,43 @@ def prepare(quant, type_name: str, n: int, k: int, layers: int, gen: torch.Gener
     return [quant.pack_weight(random_blocks(type_name, n, k, gen), tid) for _ in range(layers)]
 
 
+def load_module(path: str):
+    """A built quantized-kernel extension (``pagedserve_quant_*.so``) imported under its own name."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(Path(path).name.split(".")[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def applies(type_name: str, shape: str) -> bool:
     from pagedserve.kernels import quant_reference as qref
 
+    type_name = type_name.split("@")[0]
     return SHAPES[shape][0] % qref.GGUF_BLOCK_VALUES[type_name] == 0 and not (
         shape == "gate_up" and qref.GGUF_BLOCK_VALUES[type_name] == 256
     )
 
 
 def bench(
-    quant, types: list[str], shapes: list[str], rows: list[int], rounds: int, layers: int, seed: int = 0
+    quant,
+    types: list[str],
+    shapes: list[str],
+    rows: list[int],
+    rounds: int,
+    layers: int,
+    seed: int = 0,
+    before=None,
 ) -> list[dict]:
     """One dict per (shape, rows, type): median us per call over ``rounds`` and, for types
-    other than the first, the median / min / max of the per-round ratios to the first."""
+    other than the first, the median / min / max of the per-round ratios to the first.
+    ``before``: a second kernel module; ``TYPE@before`` entries of ``types`` run on it."""
     from pagedserve.kernels import quant_reference as qref
+
+    def module(t: str):
+        return before if t.endswith("@before") else quant
 
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -75,13 +101,16 @@ def bench(
         here = [t for t in types if applies(t, shape)]
         if not here:
             continue
-        weights = {t: prepare(quant, t, n, k, layers, gen) for t in here}
+        bases = {t: t.split("@")[0] for t in here}
+        raw = {b: [random_blocks(b, n, k, gen) for _ in range(layers)] for b in dict.fromkeys(bases.values())}
+        weights = {t: [module(t).pack_weight(r, qref.GGUF_TYPE_IDS[bases[t]]) for r in raw[bases[t]]] for t in here}
         for m in rows:
             x = torch.randn(m, k, generator=gen).bfloat16()
 
             def calls(t: str) -> None:
-                tid = qref.GGUF_TYPE_IDS[t]
-                fn = quant.gguf_linear_silu_out if shape == "gate_up" else quant.gguf_linear_out
+                tid = qref.GGUF_TYPE_IDS[t.split("@")[0]]
+                mod = module(t)
+                fn = mod.gguf_linear_silu_out if shape == "gate_up" else mod.gguf_linear_out
                 for w in weights[t]:
                     fn(x, w, tid)
 
@@ -97,17 +126,19 @@ def bench(
             base = times[here[0]]
             for t in here:
                 ratios = [a / b for a, b in zip(times[t], base)]
-                out.append(
-                    dict(
-                        shape=f"{shape} {k}->{n}",
-                        rows=m,
-                        type=t,
-                        us=statistics.median(times[t]),
-                        ratio=statistics.median(ratios),
-                        lo=min(ratios),
-                        hi=max(ratios),
-                    )
+                row = dict(
+                    shape=f"{shape} {k}->{n}",
+                    rows=m,
+                    type=t,
+                    us=statistics.median(times[t]),
+                    ratio=statistics.median(ratios),
+                    lo=min(ratios),
+                    hi=max(ratios),
                 )
+                if t + "@before" in times:  # this build / the other, round by round
+                    vs = [a / b for a, b in zip(times[t], times[t + "@before"])]
+                    row.update(vs_before=statistics.median(vs), vs_lo=min(vs), vs_hi=max(vs))
+                out.append(row)
     return out
 
 
@@ -120,6 +151,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--only", default=None, help="time this one type alone (whole-process comparisons)")
+    p.add_argument("--before", default=None, help="a second build's .so: each type also runs on it as TYPE@before")
     args = p.parse_args()
     from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 
@@ -127,6 +159,9 @@ def main() -> int:
     quant = load_quant_kernels()
     if quant is None or not quant.has_packed():
         raise SystemExit("the tiled GGUF kernel is unavailable on this machine")
+    before = load_module(args.before) if args.before else None
+    if before is not None:
+        args.types = [x for t in args.types for x in (t, t + "@before")]
     if args.only:
         res = bench(quant, [args.only], args.shapes, args.rows, args.rounds, args.layers)
         total = sum(r["us"] * args.layers * args.rounds for r in res) * 1e-6
@@ -137,7 +172,7 @@ def main() -> int:
         f"| shape | rows | {' | '.join(args.types)} | {' | '.join(t + ' / ' + args.types[0] for t in args.types[1:])} |"
     )
     print("|---|---:|" + "---:|" * (2 * len(args.types) - 1))
-    res = bench(quant, args.types, args.shapes, args.rows, args.rounds, args.layers)
+    res = bench(quant, args.types, args.shapes, args.rows, args.rounds, args.layers, before=before)
     for shape in dict.fromkeys(r["shape"] for r in res):
         for m in args.rows:
             row = {r["type"]: r for r in res if r["shape"] == shape and r["rows"] == m}
@@ -149,6 +184,12 @@ def main() -> int:
                 for t in args.types[1:]
             )
             print(f"| {shape} | {m} | {us} | {ratio} |")
+    if before is not None:
+        print("\nthis build / --before, medians of the per-round ratios (min-max):")
+        for r in res:
+            if "vs_before" in r:
+                spread = f"{r['vs_lo']:.2f}-{r['vs_hi']:.2f}"
+                print(f"| {r['shape']} | {r['rows']} | {r['type']} | {r['vs_before']:.3f} ({spread}) |")
     return 0
 
 

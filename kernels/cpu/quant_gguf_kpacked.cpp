@@ -31,8 +31,10 @@
 // same exact integer dot product per 32 values (Q4_K, Q5_K) or 16 values (Q6_K, q - 32 through
 // the unsigned q and the integer sum of the 16 activations) as the row kernel, and the
 // same float products: acc += (d*sc * d_x) * dot, the minimum term -dmin*mn * d_x * sum(x)
-// summed apart and added at the end.  Only the float32 summation order differs (a few
-// units in the last place).  Each row's result depends on that row alone.
+// summed apart and added at the end; Q6_K joins a block's two halves before its one d_x
+// step, acc += d_x * (d*sc_0 * dot_0 + d*sc_1 * dot_1).  Only the float32 rounding and
+// summation order differ (a few units in the last place).  Each row's result depends on
+// that row alone.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -46,14 +48,22 @@
 #define PAGEDSERVE_GGUF_KPACKED 1
 #endif
 
-// Register tile (rows x 16-column groups) and row chunk, compile-time overridable.  On the
-// default model's down projection (K 1536, N 576), one thread, loaded machine, 6 x 2 was
-// within noise of 4 x 3 and 5 x 3 at 1 row and 0-9% faster at 16-256 rows.
+// Register tiles (rows x 16-column groups) and row chunk, compile-time overridable:
+// PAGEDSERVE_GGUF_K_TILE_* for Q4_K / Q5_K, PAGEDSERVE_GGUF_Q6K_TILE_* for Q6_K (figures
+// in docs/quantization.md).  The minimum term of Q4_K / Q5_K is summed in a second pass
+// over the super-blocks, so the main loop's registers hold only the integer accumulators
+// (as in quant_gguf_packed.cpp's tile), not float ones beside them.
 #ifndef PAGEDSERVE_GGUF_K_TILE_M
-#define PAGEDSERVE_GGUF_K_TILE_M 6
+#define PAGEDSERVE_GGUF_K_TILE_M 5
 #endif
 #ifndef PAGEDSERVE_GGUF_K_TILE_G
-#define PAGEDSERVE_GGUF_K_TILE_G 2
+#define PAGEDSERVE_GGUF_K_TILE_G 3
+#endif
+#ifndef PAGEDSERVE_GGUF_Q6K_TILE_M
+#define PAGEDSERVE_GGUF_Q6K_TILE_M 6
+#endif
+#ifndef PAGEDSERVE_GGUF_Q6K_TILE_G
+#define PAGEDSERVE_GGUF_Q6K_TILE_G 2
 #endif
 #ifndef PAGEDSERVE_GGUF_K_CHUNK_M
 #define PAGEDSERVE_GGUF_K_CHUNK_M 240
@@ -146,7 +156,7 @@ struct Activations {
   const int8_t* q;    // [M, K]
   const float* d;     // [M, nb]
   const float* ds;    // [M, nb] d * integer sum
-  const int32_t* s16; // [M, K/16] integer sums of 16 values (Q6_K), else null
+  const int32_t* c16; // [M, K/16] -32 * the integer sum of 16 values (Q6_K's q - 32), else null
   int64_t k, nb;
 };
 
@@ -192,142 +202,216 @@ inline __m512i fifth_bits_at_4(__m512i f, int line) {
   }
 }
 
-// Q4_K: the 16 columns' scales (sc) and minimums (mn) of the 8 sub-blocks, as bytes,
-// from the transposed scales[12] (rows r = 0..11 of 16 bytes).
-inline void unpack_scales16(const uint8_t* t, __m128i (&sc)[8], __m128i (&mn)[8]) {
+// Q4_K / Q5_K: the 16 columns' 6-bit scales (MINS false) or minimums (MINS true) of the 8
+// sub-blocks, as bytes, from the transposed scales[12] (rows r = 0..11 of 16 bytes):
+// sub-blocks 0-3 take the low 6 bits of rows 0-3 (scales) or 4-7 (minimums), sub-blocks
+// 4-7 the low (scales) or high (minimums) nibbles of rows 8-11 with the top two bits of
+// rows 0-3 / 4-7 above them.
+template <bool MINS>
+inline void unpack_scales16(const uint8_t* t, __m128i (&v)[8]) {
   const __m128i m6 = _mm_set1_epi8(0x3F), m4 = _mm_set1_epi8(0x0F), m30 = _mm_set1_epi8(0x30);
   for (int j = 0; j < 4; ++j) {
-    const __m128i a = load128(t + 16 * j), b = load128(t + 16 * (4 + j)), c = load128(t + 16 * (8 + j));
-    sc[j] = _mm_and_si128(a, m6);
-    mn[j] = _mm_and_si128(b, m6);
-    // Top two bits of a (b) become bits 4-5 above the low (high) nibble of c.
-    sc[4 + j] = _mm_or_si128(_mm_and_si128(c, m4), _mm_and_si128(_mm_srli_epi16(a, 2), m30));
-    mn[4 + j] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), m4), _mm_and_si128(_mm_srli_epi16(b, 2), m30));
+    const __m128i a = load128(t + 16 * (MINS ? 4 + j : j)), c = load128(t + 16 * (8 + j));
+    const __m128i nibble = MINS ? _mm_srli_epi16(c, 4) : c;
+    v[j] = _mm_and_si128(a, m6);
+    v[4 + j] = _mm_or_si128(_mm_and_si128(nibble, m4), _mm_and_si128(_mm_srli_epi16(a, 2), m30));
+  }
+}
+
+// Q4_K / Q5_K: the integer dot products of one 32-value sub-block for MT rows x NG column
+// groups: iacc[i][j] lane c = sum over the 32 k of column c's q (0..15, Q5_K 0..31) times
+// row i's x.  xb[i]: the row's 32 activations; wb[j]: the group's packed sub-block.
+template <int MT, int NG, int64_t T>
+inline void sub_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512i (&iacc)[MT][NG]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_setzero_si512();
+  __m512i fifth[NG];
+  if constexpr (T == Q5_K)
+    for (int j = 0; j < NG; ++j) fifth[j] = _mm512_loadu_si512(wb[j] + 256);
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) {
+    __m512i raw[NG];
+    for (int j = 0; j < NG; ++j) raw[j] = _mm512_loadu_si512(wb[j] + p * 64);
+    for (int h = 0; h < 2; ++h) {
+      __m512i wv[NG];
+      for (int j = 0; j < NG; ++j) wv[j] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4);
+      if constexpr (T == Q5_K)
+        for (int j = 0; j < NG; ++j)  // wv | (fifth bit at bit 4 & 0x10)
+          wv[j] = _mm512_ternarylogic_epi32(wv[j], fifth_bits_at_4(fifth[j], 2 * p + h), _mm512_set1_epi8(0x10), 0xF8);
+      for (int i = 0; i < MT; ++i) {
+        int32_t x4;
+        std::memcpy(&x4, xb[i] + 8 * p + 4 * h, 4);
+        const __m512i xv = _mm512_set1_epi32(x4);
+        for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
+      }
+    }
+  }
+}
+
+// Q6_K: the integer dot products of one 16-value half of a sub-block, sum (q - 32) x: the
+// accumulators start at init[i] = -32 * sum(x) of row i's 16 activations (xh[i]), so the
+// unsigned q (0..63) goes into vpdpbusd and no correction is subtracted per column.
+// lines[j]: the half's 2 nibble lines; top[j]: its line of top bits, pair i (bits 2i,
+// 2i+1) of byte 4c+t belonging to unpacked line i.  The pairs are masked once per half
+// (0x33: pairs 0 and 2; 0xCC: 1 and 3), so one shift puts each line's pair at bits 4-5
+// with bits 6-7 clear, and one vpternlogd takes bits 0-3 from the nibble line, 4-7 from
+// that: 2.75 vector operations per unpacked line.
+template <int MT, int NG>
+inline void half_dots(const int8_t* const* xh, const __m512i (&init)[MT], const uint8_t* const* lines,
+                      const uint8_t* const* top, __m512i (&iacc)[MT][NG]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), m33 = _mm512_set1_epi8(0x33);
+  const __m512i mcc = _mm512_set1_epi8(static_cast<char>(0xCC));
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NG; ++j) iacc[i][j] = init[i];
+  __m512i u[NG], v[NG];
+  for (int j = 0; j < NG; ++j) {
+    const __m512i hv = _mm512_loadu_si512(top[j]);
+    u[j] = _mm512_and_si512(hv, m33);
+    v[j] = _mm512_and_si512(hv, mcc);
+  }
+#pragma GCC unroll 2
+  for (int pp = 0; pp < 2; ++pp) {
+    __m512i raw[NG];
+    for (int j = 0; j < NG; ++j) raw[j] = _mm512_loadu_si512(lines[j] + pp * 64);
+    for (int h = 0; h < 2; ++h) {
+      const int line = 2 * pp + h;
+      __m512i wv[NG];
+      for (int j = 0; j < NG; ++j) {
+        __m512i t;
+        switch (line) {
+          case 0: t = _mm512_slli_epi16(u[j], 4); break;
+          case 1: t = _mm512_slli_epi16(v[j], 2); break;
+          case 2: t = u[j]; break;
+          default: t = _mm512_srli_epi16(v[j], 2); break;
+        }
+        // Bits 0-3 of lo are the value's low 4 bits (bits 4-7 are not read).
+        const __m512i lo = h ? _mm512_srli_epi16(raw[j], 4) : raw[j];
+        wv[j] = _mm512_ternarylogic_epi32(lo, t, low4, 0xE4);  // low4 ? lo : t
+      }
+      for (int i = 0; i < MT; ++i) {
+        int32_t x4;
+        std::memcpy(&x4, xh[i] + 4 * line, 4);
+        const __m512i xv = _mm512_set1_epi32(x4);
+        for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
+      }
+    }
+  }
+}
+
+// facc[i][j] += (wsc[j] * d_x(row i, block b)) * float(iacc[i][j]), the row kernel's float step.
+template <int MT, int NG>
+inline void accumulate(const Activations& a, int64_t m0, int64_t b, const __m512 (&wsc)[NG],
+                       const __m512i (&iacc)[MT][NG], float (&facc)[MT][NG][kCols]) {
+  for (int i = 0; i < MT; ++i) {
+    const __m512 dx = _mm512_set1_ps(a.d[(m0 + i) * a.nb + b]);
+    for (int j = 0; j < NG; ++j)
+      _mm512_store_ps(facc[i][j], _mm512_fmadd_ps(_mm512_mul_ps(wsc[j], dx), _mm512_cvtepi32_ps(iacc[i][j]),
+                                                  _mm512_load_ps(facc[i][j])));
   }
 }
 
 // Rows [m0, m0 + MT) x NG column groups from g0.  Float accumulators in an L1 buffer (as
-// the Q4_x tile), integer accumulators MT x NG in registers.
+// the Q4_x tile), integer accumulators MT x NG in registers; Q4_K / Q5_K's minimum term
+// (-dmin * mn * d_x * sum(x), per sub-block) summed in a second pass, in the same order.
 template <int MT, int NG, int64_t T>
 void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0, int64_t g0, const Output& o) {
   constexpr int SB = sub_bytes<T>();
   constexpr int EB = kCols * kblock_bytes<T>();
   alignas(64) float facc[MT][NG][kCols];
-  __m512 fext[MT][NG];
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NG; ++j) {
-      _mm512_store_ps(facc[i][j], _mm512_setzero_ps());
-      fext[i][j] = _mm512_setzero_ps();
-    }
+    for (int j = 0; j < NG; ++j) _mm512_store_ps(facc[i][j], _mm512_setzero_ps());
   const int64_t nsb = a.k / QKK;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int8_t* xr[MT];
+  for (int i = 0; i < MT; ++i) xr[i] = a.q + (m0 + i) * a.k;
+  const uint8_t* wg[NG];
+  for (int j = 0; j < NG; ++j) wg[j] = w + (g0 + j) * group_stride;
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* e[NG];
-    for (int j = 0; j < NG; ++j) e[j] = w + (g0 + j) * group_stride + s * EB;
+    for (int j = 0; j < NG; ++j) e[j] = wg[j] + s * EB;
+    __m512 dv[NG];
     if constexpr (T == Q4_K || T == Q5_K) {
-      __m512 dv[NG], mv[NG];
-      __m128i sc[NG][8], mn[NG][8];
+      __m128i sc[NG][8];
       for (int j = 0; j < NG; ++j) {
         dv[j] = load_halves(e[j] + 8 * SB);
-        mv[j] = load_halves(e[j] + 8 * SB + 32);
-        unpack_scales16(e[j] + 8 * SB + 64, sc[j], mn[j]);
+        unpack_scales16<false>(e[j] + 8 * SB + 64, sc[j]);
       }
       for (int sub = 0; sub < 8; ++sub) {
         const int64_t b = s * 8 + sub;
+        const int8_t* xb[MT];
+        for (int i = 0; i < MT; ++i) xb[i] = xr[i] + b * QK;
+        const uint8_t* wb[NG];
+        for (int j = 0; j < NG; ++j) wb[j] = e[j] + sub * SB;
         __m512i iacc[MT][NG];
-        for (int i = 0; i < MT; ++i)
-          for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_setzero_si512();
-        __m512i fifth[NG];
-        if constexpr (T == Q5_K)
-          for (int j = 0; j < NG; ++j) fifth[j] = _mm512_loadu_si512(e[j] + sub * SB + 256);
-#pragma GCC unroll 4
-        for (int p = 0; p < 4; ++p) {
-          __m512i raw[NG];
-          for (int j = 0; j < NG; ++j) raw[j] = _mm512_loadu_si512(e[j] + sub * SB + p * 64);
-          for (int h = 0; h < 2; ++h) {
-            __m512i wv[NG];
-            for (int j = 0; j < NG; ++j) wv[j] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4);
-            if constexpr (T == Q5_K)
-              for (int j = 0; j < NG; ++j)  // wv | (fifth bit at bit 4 & 0x10)
-                wv[j] = _mm512_ternarylogic_epi32(wv[j], fifth_bits_at_4(fifth[j], 2 * p + h), _mm512_set1_epi8(0x10),
-                                                  0xF8);
-            for (int i = 0; i < MT; ++i) {
-              int32_t x4;
-              std::memcpy(&x4, a.q + (m0 + i) * a.k + b * QK + 8 * p + 4 * h, 4);
-              const __m512i xv = _mm512_set1_epi32(x4);
-              for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
-            }
-          }
-        }
-        __m512 wsc[NG], wmn[NG];
-        for (int j = 0; j < NG; ++j) {
-          wsc[j] = _mm512_mul_ps(dv[j], bytes_to_ps(sc[j][sub]));  // d * sc, exact in float32
-          wmn[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), mv[j]), bytes_to_ps(mn[j][sub]));
-        }
-        for (int i = 0; i < MT; ++i) {
-          const int64_t xi = (m0 + i) * a.nb + b;
-          const __m512 dx = _mm512_set1_ps(a.d[xi]), dsx = _mm512_set1_ps(a.ds[xi]);
-          for (int j = 0; j < NG; ++j) {
-            _mm512_store_ps(facc[i][j], _mm512_fmadd_ps(_mm512_mul_ps(wsc[j], dx), _mm512_cvtepi32_ps(iacc[i][j]),
-                                                        _mm512_load_ps(facc[i][j])));
-            fext[i][j] = _mm512_fmadd_ps(wmn[j], dsx, fext[i][j]);
-          }
-        }
+        sub_dots<MT, NG, T>(xb, wb, iacc);
+        __m512 wsc[NG];
+        for (int j = 0; j < NG; ++j) wsc[j] = _mm512_mul_ps(dv[j], bytes_to_ps(sc[j][sub]));  // d * sc, exact
+        accumulate<MT, NG>(a, m0, b, wsc, iacc, facc);
       }
     } else {
-      __m512 dv[NG];
+      // The first half's scaled sums wait in L1 for the second's: one d_x step per 32 values.
+      alignas(64) float first[MT][NG][kCols];
       for (int j = 0; j < NG; ++j) dv[j] = load_halves(e[j] + 8 * SB + 256);
-      const __m512i m30 = _mm512_set1_epi8(0x30);
       for (int sub = 0; sub < 8; ++sub) {
         const int64_t b = s * 8 + sub;
-        for (int half = 0; half < 2; ++half) {
-          __m512i iacc[MT][NG];
-          for (int i = 0; i < MT; ++i)
-            for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_setzero_si512();
-          __m512i hv[NG];
-          for (int j = 0; j < NG; ++j) hv[j] = _mm512_loadu_si512(e[j] + sub * SB + 256 + half * 64);
 #pragma GCC unroll 2
-          for (int pp = 0; pp < 2; ++pp) {
-            const int p = 2 * half + pp;
-            __m512i raw[NG];
-            for (int j = 0; j < NG; ++j) raw[j] = _mm512_loadu_si512(e[j] + sub * SB + p * 64);
-            for (int h = 0; h < 2; ++h) {
-              const int line = 2 * pp + h;  // 4-value group within the 16: top bits at 2 * line
-              __m512i wv[NG];
-              for (int j = 0; j < NG; ++j) {
-                const __m512i lo = _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4);
-                __m512i top;
-                switch (line) {
-                  case 0: top = _mm512_slli_epi16(hv[j], 4); break;
-                  case 1: top = _mm512_slli_epi16(hv[j], 2); break;
-                  case 2: top = hv[j]; break;
-                  default: top = _mm512_srli_epi16(hv[j], 2); break;
-                }
-                wv[j] = _mm512_or_si512(lo, _mm512_and_si512(top, m30));
-              }
-              for (int i = 0; i < MT; ++i) {
-                int32_t x4;
-                std::memcpy(&x4, a.q + (m0 + i) * a.k + b * QK + 16 * half + 4 * line, 4);
-                const __m512i xv = _mm512_set1_epi32(x4);
-                for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
-              }
-            }
+        for (int half = 0; half < 2; ++half) {
+          __m512i init[MT];
+          const int8_t* xh[MT];
+          for (int i = 0; i < MT; ++i) {
+            init[i] = _mm512_set1_epi32(a.c16[(m0 + i) * (a.k / 16) + 2 * b + half]);
+            xh[i] = xr[i] + b * QK + 16 * half;
           }
+          const uint8_t* lines[NG];
+          const uint8_t* top[NG];
+          for (int j = 0; j < NG; ++j) {
+            lines[j] = e[j] + sub * SB + 128 * half;
+            top[j] = e[j] + sub * SB + 256 + 64 * half;
+          }
+          __m512i iacc[MT][NG];
+          half_dots<MT, NG>(xh, init, lines, top, iacc);
           __m512 wsc[NG];
           for (int j = 0; j < NG; ++j) {
             const __m128i scb = load128(e[j] + 8 * SB + 16 * (2 * sub + half));
             wsc[j] = _mm512_mul_ps(dv[j], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scb)));  // d * scale, exact
           }
-          for (int i = 0; i < MT; ++i) {
-            const int64_t xi = (m0 + i) * a.nb + b;
-            const __m512 dx = _mm512_set1_ps(a.d[xi]);
-            const __m512i corr = _mm512_set1_epi32(32 * a.s16[(m0 + i) * (a.k / 16) + 2 * b + half]);
-            for (int j = 0; j < NG; ++j) {
-              const __m512i dot = _mm512_sub_epi32(iacc[i][j], corr);  // sum (q - 32) x
-              _mm512_store_ps(facc[i][j], _mm512_fmadd_ps(_mm512_mul_ps(wsc[j], dx), _mm512_cvtepi32_ps(dot),
-                                                          _mm512_load_ps(facc[i][j])));
+          if (half == 0) {
+            for (int i = 0; i < MT; ++i)
+              for (int j = 0; j < NG; ++j)
+                _mm512_store_ps(first[i][j], _mm512_mul_ps(wsc[j], _mm512_cvtepi32_ps(iacc[i][j])));
+          } else {  // facc += d_x * (first + d*scale * dot)
+            for (int i = 0; i < MT; ++i) {
+              const __m512 dx = _mm512_set1_ps(a.d[(m0 + i) * a.nb + b]);
+              for (int j = 0; j < NG; ++j) {
+                const __m512 dot = _mm512_cvtepi32_ps(iacc[i][j]);
+                const __m512 both = _mm512_fmadd_ps(wsc[j], dot, _mm512_load_ps(first[i][j]));
+                _mm512_store_ps(facc[i][j], _mm512_fmadd_ps(both, dx, _mm512_load_ps(facc[i][j])));
+              }
             }
           }
+        }
+      }
+    }
+  }
+  __m512 fext[MT][NG];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NG; ++j) fext[i][j] = _mm512_setzero_ps();
+  if constexpr (T == Q4_K || T == Q5_K) {
+    for (int64_t s = 0; s < nsb; ++s) {
+      __m512 mv[NG];
+      __m128i mn[NG][8];
+      for (int j = 0; j < NG; ++j) {
+        const uint8_t* tail = wg[j] + s * EB + 8 * SB;
+        mv[j] = _mm512_sub_ps(_mm512_setzero_ps(), load_halves(tail + 32));  // -dmin
+        unpack_scales16<true>(tail + 64, mn[j]);
+      }
+      for (int sub = 0; sub < 8; ++sub) {
+        const int64_t b = s * 8 + sub;
+        __m512 wmn[NG];
+        for (int j = 0; j < NG; ++j) wmn[j] = _mm512_mul_ps(mv[j], bytes_to_ps(mn[j][sub]));
+        for (int i = 0; i < MT; ++i) {
+          const __m512 dsx = _mm512_set1_ps(a.ds[(m0 + i) * a.nb + b]);
+          for (int j = 0; j < NG; ++j) fext[i][j] = _mm512_fmadd_ps(wmn[j], dsx, fext[i][j]);
         }
       }
     }
@@ -347,40 +431,56 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
   }
 }
 
-constexpr int kTileM = PAGEDSERVE_GGUF_K_TILE_M, kTileG = PAGEDSERVE_GGUF_K_TILE_G;
+template <int64_t T>
+constexpr int tile_rows() {
+  return T == Q6_K ? PAGEDSERVE_GGUF_Q6K_TILE_M : PAGEDSERVE_GGUF_K_TILE_M;
+}
+template <int64_t T>
+constexpr int tile_groups() {
+  return T == Q6_K ? PAGEDSERVE_GGUF_Q6K_TILE_G : PAGEDSERVE_GGUF_K_TILE_G;
+}
 constexpr int64_t kChunkM = PAGEDSERVE_GGUF_K_CHUNK_M;
 
-template <int NG, int64_t T>
+// The tile of h <= H rows at m0.
+template <int H, int NG, int64_t T>
+inline void tile_of_height(int64_t h, const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0,
+                           int64_t g0, const Output& o) {
+  if constexpr (H >= 1) {
+    if (h == H) return tile<H, NG, T>(a, w, group_stride, m0, g0, o);
+    tile_of_height<H - 1, NG, T>(h, a, w, group_stride, m0, g0, o);
+  }
+}
+
+// Rows [m_begin, m_end) of NG column groups from g0, in ceil(rows / TM) tiles of heights
+// as even as they go (as quant_gguf_packed.cpp: no short tile that unpacks the weights for
+// one row).
+template <int TM, int NG, int64_t T>
 void rows(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m_begin, int64_t m_end, int64_t g0,
           const Output& o) {
-  static_assert(kTileM >= 1 && kTileM <= 8, "row remainders are instantiated up to 7 rows");
-  int64_t m0 = m_begin;
-  for (; m0 + kTileM <= m_end; m0 += kTileM) tile<kTileM, NG, T>(a, w, group_stride, m0, g0, o);
-  switch (m_end - m0) {
-    case 0: break;
-    case 1: tile<1, NG, T>(a, w, group_stride, m0, g0, o); break;
-    case 2: tile<2, NG, T>(a, w, group_stride, m0, g0, o); break;
-    case 3: tile<3, NG, T>(a, w, group_stride, m0, g0, o); break;
-    case 4: tile<4, NG, T>(a, w, group_stride, m0, g0, o); break;
-    case 5: tile<5, NG, T>(a, w, group_stride, m0, g0, o); break;
-    case 6: tile<6, NG, T>(a, w, group_stride, m0, g0, o); break;
-    default: tile<7, NG, T>(a, w, group_stride, m0, g0, o); break;
+  const int64_t count = m_end - m_begin;
+  if (count <= 0) return;
+  const int64_t tiles = (count + TM - 1) / TM;
+  for (int64_t t = 0, m0 = m_begin; t < tiles; ++t) {
+    const int64_t h = count / tiles + (t < count % tiles);
+    tile_of_height<TM, NG, T>(h, a, w, group_stride, m0, g0, o);
+    m0 += h;
   }
 }
 
 template <int64_t T>
 void run(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, const Output& o) {
-  static_assert(kTileG >= 1 && kTileG <= 4, "column tiles are instantiated up to 4 groups");
+  constexpr int TM = tile_rows<T>(), TG = tile_groups<T>();
+  static_assert(TM >= 1 && TM <= 8 && TG >= 1 && TG <= 4, "tiles are instantiated up to 8 rows x 4 groups");
   const int64_t group_stride = (a.k / QKK) * kCols * kblock_bytes<T>();
   at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
     for (int64_t mb = 0; mb < M; mb += kChunkM) {
       const int64_t me = std::min(M, mb + kChunkM);
-      for (int64_t g0 = gb; g0 < ge; g0 += kTileG) {
-        switch (std::min<int64_t>(kTileG, ge - g0)) {
-          case 1: rows<1, T>(a, w, group_stride, mb, me, g0, o); break;
-          case 2: rows<std::min(2, kTileG), T>(a, w, group_stride, mb, me, g0, o); break;
-          case 3: rows<std::min(3, kTileG), T>(a, w, group_stride, mb, me, g0, o); break;
-          default: rows<kTileG, T>(a, w, group_stride, mb, me, g0, o); break;
+      for (int64_t g0 = gb; g0 < ge; g0 += TG) {
+        switch (std::min<int64_t>(TG, ge - g0)) {
+          case 1: rows<TM, 1, T>(a, w, group_stride, mb, me, g0, o); break;
+          case 2: rows<TM, std::min(2, TG), T>(a, w, group_stride, mb, me, g0, o); break;
+          case 3: rows<TM, std::min(3, TG), T>(a, w, group_stride, mb, me, g0, o); break;
+          default: rows<TM, TG, T>(a, w, group_stride, mb, me, g0, o); break;
         }
       }
     }
@@ -531,17 +631,22 @@ torch::Tensor gguf_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor
 void gguf_kpacked_gemm(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K, const uint8_t* w,
                        int64_t groups, int64_t type, void* y, bool y_bf16, const float* bias) {
 #if defined(PAGEDSERVE_GGUF_KPACKED)
-  std::vector<int32_t> s16;
+  // Q6_K: -32 * the integer sum of every 16 activations (a sum of absolute differences of
+  // x + 128 against zero per 8 bytes), the start of its 16-value dot products.
+  std::vector<int32_t> c16;
   if (type == Q6_K) {
-    s16.resize(static_cast<size_t>(M * (K / 16)));
+    const int64_t nh = K / 16;
+    c16.resize(static_cast<size_t>(M * nh));
+    const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80)), zero = _mm_setzero_si128();
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t h = 0; h < K / 16; ++h) {
-        int32_t s = 0;
-        for (int l = 0; l < 16; ++l) s += xq[m * K + 16 * h + l];
-        s16[m * (K / 16) + h] = s;
+      for (int64_t h = 0; h < nh; ++h) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + m * K + 16 * h));
+        const __m128i sad = _mm_sad_epu8(_mm_xor_si128(v, flip), zero);
+        const int32_t sum = _mm_cvtsi128_si32(sad) + _mm_extract_epi32(sad, 2) - 16 * 128;
+        c16[m * nh + h] = -32 * sum;
       }
   }
-  const Activations a{xq, xd, xds, s16.empty() ? nullptr : s16.data(), K, K / QK};
+  const Activations a{xq, xd, xds, c16.empty() ? nullptr : c16.data(), K, K / QK};
   const Output o{y, y_bf16, bias, groups * kCols};
   switch (type) {
     case Q4_K: run<Q4_K>(a, w, M, groups, o); return;
