@@ -29,7 +29,6 @@ __all__ = [
     "GGUF_EXTENDED",
     "FLOAT32_RESIDUAL",
     "GGUF_OUT_DTYPE",
-    "GGUF_STACKED_ONE_CALL",
     "REFERENCE_CAPABILITIES",
 ]
 
@@ -49,11 +48,6 @@ FLOAT32_RESIDUAL = "float32_residual"
 #: sums written unrounded from a bfloat16 / float16 x.  Without it a GGUF weight asked for
 #: float32 output feeds the op a float32 copy of x (the same values, one more pass).
 GGUF_OUT_DTYPE = "gguf_out_dtype"
-#: A ``gguf_linear_stacked`` declaring this multiplies parts of different block types in
-#: one call (activations quantized once, one parallel region), so a fusion whose parts
-#: differ in type (a Q4_K_M's [q; k] Q5_0 beside a Q8_0 v) keeps each part's own blocks
-#: instead of widening them to one type (more bytes) for a single ``gguf_linear`` call.
-GGUF_STACKED_ONE_CALL = "gguf_stacked_one_call"
 
 #: Every capability an op implementation may declare (interface 1.3), with its meaning.
 OP_CAPABILITIES: dict[str, str] = {
@@ -61,7 +55,6 @@ OP_CAPABILITIES: dict[str, str] = {
     GGUF_EXTENDED: "gguf_linear: a kernel for Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks too (kept quantized at load)",
     FLOAT32_RESIDUAL: "fused_add_rms_norm: a float32 residual beside a bf16/fp16 x, and out_dtype (interface 1.7)",
     GGUF_OUT_DTYPE: "gguf_linear: out_dtype, float32 sums unrounded from a bf16/fp16 x (interface 1.7)",
-    GGUF_STACKED_ONE_CALL: "gguf_linear_stacked: one call over parts of different types; fusions keep each part's type (1.8)",
 }
 
 #: The capabilities of the reference implementations (registered by every OpRegistry).

@@ -42,9 +42,6 @@ _EXTENDED_CAPABILITY = "gguf_extended_types"
 #: The op capability (``pagedserve.platforms.ops.GGUF_OUT_DTYPE``) of a gguf_linear that
 #: takes ``out_dtype``.
 _OUT_DTYPE_CAPABILITY = "gguf_out_dtype"
-#: The op capability (``pagedserve.platforms.ops.GGUF_STACKED_ONE_CALL``) of a
-#: gguf_linear_stacked that runs parts of different types in one call.
-_ONE_CALL_CAPABILITY = "gguf_stacked_one_call"
 
 
 def gguf_kept_types(ops) -> tuple[str, ...]:
@@ -76,9 +73,6 @@ class GGUFWeight(QuantizedWeight):
     stacked_op: the same registry's ``gguf_linear_stacked`` (None: a
         :class:`StackedWeight` of such weights applies them one by one), through which a
         fused projection of parts of different types multiplies in one call.
-    stacked_one_call: whether ``stacked_op`` is one call over parts of different types
-        (the registry's declares ``gguf_stacked_one_call``): then :meth:`concat` keeps
-        each part's type instead of widening the narrower ones to the widest.
     """
 
     # Every gguf_linear (the int8 kernels, the reference) sums in float32: as in llama.cpp,
@@ -98,7 +92,6 @@ class GGUFWeight(QuantizedWeight):
         embed_op: Callable | None = None,
         op_out_dtype: bool | None = None,
         stacked_op: Callable | None = None,
-        stacked_one_call: bool = False,
     ) -> None:
         if type_name not in GGUF_KEPT_TYPES:
             raise ValueError(f"GGUF type {type_name} is not kept quantized (supported: {', '.join(GGUF_KEPT_TYPES)})")
@@ -118,7 +111,6 @@ class GGUFWeight(QuantizedWeight):
         self.embed_op = embed_op
         self.op_out_dtype = op is None if op_out_dtype is None else op_out_dtype
         self.stacked_op = stacked_op
-        self.stacked_one_call = stacked_one_call
 
     def _like(self, data: torch.Tensor | None, in_features: int, packed: torch.Tensor | None = None) -> GGUFWeight:
         """A weight of this type with this one's ops."""
@@ -133,7 +125,6 @@ class GGUFWeight(QuantizedWeight):
             self.embed_op,
             self.op_out_dtype,
             self.stacked_op,
-            self.stacked_one_call,
         )
 
     def apply(
@@ -221,13 +212,9 @@ class GGUFWeight(QuantizedWeight):
         """One weight of the parts' type where all share it, or of the widest type where the
         others convert to it exactly (a Q4_K_M's [q; k] Q5_0 and v Q8_0: all Q8_0, one
         kernel call; :func:`widen_blocks`), else a :class:`StackedWeight` of runs of
-        consecutive parts of one type.  Where the parts' ``gguf_linear_stacked`` is one
-        call over different types (``stacked_one_call``), parts that would widen to Q8_0
-        keep their own types instead (Q4_0 / Q5_0 beside Q8_0: 1.5-1.9x fewer bytes,
-        measured faster: docs/quantization.md); the cheap widenings stay."""
+        consecutive parts of one type."""
         target = _common_type(parts)
-        keep = target == "Q8_0" and all(getattr(p, "stacked_one_call", False) for p in parts)
-        if target is not None and not keep and any(p.type_name != target for p in parts):  # type: ignore[attr-defined]
+        if target is not None and any(p.type_name != target for p in parts):  # type: ignore[attr-defined]
             return _cat_blocks([p if p.type_name == target else _widened(p, target) for p in parts])  # type: ignore[attr-defined]
         runs: list[list[QuantizedWeight]] = []
         for p in parts:
@@ -306,7 +293,6 @@ def _widened(w: GGUFWeight, target: str) -> GGUFWeight:
         w.embed_op,
         w.op_out_dtype,
         w.stacked_op,
-        w.stacked_one_call,
     )
 
 
@@ -395,7 +381,6 @@ class GGUFMethod(QuantizationMethod):
         stacked = getattr(self.ops, "gguf_linear_stacked", None)
         has = getattr(self.ops, "has_capability", None)
         out_dtype = op is reference.gguf_linear or (has is not None and has("gguf_linear", _OUT_DTYPE_CAPABILITY))
-        one_call = stacked is not None and has is not None and has("gguf_linear_stacked", _ONE_CALL_CAPABILITY)
         if prepare is not reference.prepare_gguf_weight and embed is reference.gguf_embedding:
             embed = None  # the reference reads rows of blocks, not of another prepared form
         kept = gguf_kept_types(self.ops)
@@ -416,7 +401,6 @@ class GGUFMethod(QuantizationMethod):
                         embed_op=embed,
                         op_out_dtype=out_dtype,
                         stacked_op=stacked,
-                        stacked_one_call=one_call,
                     ),
                 )
 

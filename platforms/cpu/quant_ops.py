@@ -43,13 +43,7 @@ from pagedserve.kernels import quant_reference as qref
 from pagedserve.kernels import reference
 from pagedserve.kernels.cpu.quant_gguf_amx import load_gguf_amx
 from pagedserve.kernels.cpu.quant_native import load_quant_kernels
-from pagedserve.platforms.ops import (
-    GGUF_EXTENDED,
-    GGUF_OUT_DTYPE,
-    GGUF_STACKED_ONE_CALL,
-    PREFERS_QUANTIZED,
-    OpRegistry,
-)
+from pagedserve.platforms.ops import GGUF_EXTENDED, GGUF_OUT_DTYPE, PREFERS_QUANTIZED, OpRegistry
 from pagedserve.platforms.options import CpuOptions
 
 if TYPE_CHECKING:
@@ -427,9 +421,7 @@ def register_cpu_quant_ops(ops: OpRegistry, options: CpuOptions | None = None, t
                     )
                     ops.register("gguf_linear_silu_and_mul", fused, source=source)
                 stacked = make_gguf_linear_stacked(ops.get("gguf_linear"), amx_rows=amx is not None)
-                ops.register(
-                    "gguf_linear_stacked", stacked, source=source, capabilities=(GGUF_STACKED_ONE_CALL,)
-                )
+                ops.register("gguf_linear_stacked", stacked, source=source)
     ops.register("int8_linear", int8_linear, source="torch")
     ops.register("w8a8_linear", w8a8_linear, source="torch")
     ops.register("fp8_linear", qref.fp8_linear_dense, source="torch")

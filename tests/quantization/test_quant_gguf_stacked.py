@@ -200,31 +200,3 @@ def test_stacked_weight_makes_one_call():
     plain = StackedWeight([GGUFWeight(p.type_name, None, k, op, packed=p.packed) for p in prepared.parts])
     calls.clear()
     assert torch.equal(plain.apply(x), torch.cat([p.apply(x) for p in prepared.parts], dim=-1)) and not calls
-
-
-def test_concat_keeps_types_only_under_a_one_call_stacked_op():
-    """[q; k] Q5_0 beside a Q8_0 v: with a stacked op that is one call over different types
-    (``stacked_one_call``, the CPU registry's ``gguf_stacked_one_call``) the parts keep
-    their types; without it they widen to one Q8_0 weight holding the same values (one
-    gguf_linear call); a cheap widening (Q4_1 into Q5_1) happens either way."""
-    gen = torch.Generator().manual_seed(37)
-    k = 64
-    stacked = cpu_quant.make_gguf_linear_stacked(cpu_quant.gguf_linear)
-
-    def parts(types, one_call):
-        return [
-            GGUFWeight(t, random_gguf(t, n, k, gen), k, stacked_op=stacked, stacked_one_call=one_call)
-            for t, n in types
-        ]
-
-    kept = GGUFWeight.concat(parts((("Q5_0", 32), ("Q5_0", 16), ("Q8_0", 16)), True))
-    assert isinstance(kept, StackedWeight) and [p.type_name for p in kept.parts] == ["Q5_0", "Q8_0"]
-    widened = GGUFWeight.concat(parts((("Q5_0", 32), ("Q8_0", 16)), False))
-    assert isinstance(widened, GGUFWeight) and widened.type_name == "Q8_0"
-    for one_call in (True, False):
-        both = parts((("Q4_1", 32), ("Q5_1", 16)), one_call)
-        cheap = GGUFWeight.concat(both)
-        assert isinstance(cheap, GGUFWeight) and cheap.type_name == "Q5_1"
-        x = torch.randn(3, k, generator=gen)
-        want = torch.cat([reference.gguf_linear(x, p.data, p.type_name) for p in both], dim=-1)
-        assert torch.equal(reference.gguf_linear(x, cheap.data, "Q5_1"), want)
