@@ -36,16 +36,24 @@ AMX_FEATURES: frozenset[str] = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"}
 AMX_FLAGS: tuple[str, ...] = ("-mamx-tile", "-mamx-bf16")
 
 
-def amx_unavailable_reason(features: frozenset[str] | None = None, arch: list[str] | None = None) -> str | None:
-    """Why the AMX attention cannot be used here, or None where it can."""
+def bf16_kernel_unavailable_reason(
+    needed: frozenset[str], features: frozenset[str] | None = None, arch: list[str] | None = None
+) -> str | None:
+    """Why a kernel built on the main kernels' AVX-512 BF16 arch flags and needing the CPU
+    flags ``needed`` cannot be used here, or None where it can."""
     features = build.read_cpu_features() if features is None else features
-    missing = sorted(AMX_FEATURES - features)
+    missing = sorted(needed - features)
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
     arch = build.cpu_arch_flags()[0] if arch is None else arch
     if "-mavx512bf16" not in arch:
         return "the arch flags leave out AVX-512 BF16 (PAGEDSERVE_CPU_ARCH_FLAGS)"
     return None
+
+
+def amx_unavailable_reason(features: frozenset[str] | None = None, arch: list[str] | None = None) -> str | None:
+    """Why the AMX attention cannot be used here, or None where it can."""
+    return bf16_kernel_unavailable_reason(AMX_FEATURES, features, arch)
 
 
 def applicable() -> bool:

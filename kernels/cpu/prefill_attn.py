@@ -15,7 +15,7 @@ import functools
 import warnings
 
 from pagedserve.kernels import build
-from pagedserve.kernels.cpu.attention_amx import AmxAttention
+from pagedserve.kernels.cpu.attention_amx import AmxAttention, bf16_kernel_unavailable_reason
 
 __all__ = [
     "BF16_FEATURES",
@@ -36,14 +36,7 @@ def bf16_prefill_unavailable_reason(
     features: frozenset[str] | None = None, arch: list[str] | None = None
 ) -> str | None:
     """Why the AVX-512 BF16 prefill attention cannot be used here, or None where it can."""
-    features = build.read_cpu_features() if features is None else features
-    missing = sorted(BF16_FEATURES - features)
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    arch = build.cpu_arch_flags()[0] if arch is None else arch
-    if "-mavx512bf16" not in arch:
-        return "the arch flags leave out AVX-512 BF16 (PAGEDSERVE_CPU_ARCH_FLAGS)"
-    return None
+    return bf16_kernel_unavailable_reason(BF16_FEATURES, features, arch)
 
 
 def applicable() -> bool:
