@@ -260,6 +260,7 @@ void gguf_kpacked_gemm(const int8_t* xq, const float* xd, const float* xds, int6
 // The tiled kernel on repacked weights (quant_gguf_packed.cpp).
 bool gguf_packed_available();
 torch::Tensor gguf_pack_weight(torch::Tensor weight, int64_t type);
+torch::Tensor gguf_packed_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor ids);
 void gguf_packed_gemm(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
                       int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
                       const float* bias);
@@ -530,7 +531,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return gguf_kpacked_type(type) ? gguf_kpack_weight(weight, type) : gguf_pack_weight(weight, type);
       },
       "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32 (K/256: Q4_K, Q5_K, Q6_K), 16*block_bytes]");
-  m.def("unpack_rows", &gguf_unpack_rows, py::call_guard<py::gil_scoped_release>(),
-        "rows ids of a packed weight as the file's blocks uint8 [n, row_bytes]");
+  m.def(
+      "unpack_rows",
+      [](torch::Tensor packed, int64_t type, torch::Tensor ids) {
+        // Q5_0 / Q5_1: their packing's own inverse (quant_gguf_packed.cpp); the others here.
+        return type == Q5_0 || type == Q5_1 ? gguf_packed_unpack_rows(packed, type, ids)
+                                            : gguf_unpack_rows(packed, type, ids);
+      },
+      py::call_guard<py::gil_scoped_release>(), "rows ids of a packed weight as the file's blocks uint8 [n, row_bytes]");
   m.def("has_kpacked", &gguf_kpacked_type, "whether ggml type id `type` has the K-quant tiled kernel");
 }

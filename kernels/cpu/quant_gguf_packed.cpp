@@ -13,21 +13,30 @@
 //   Q4_0 / Q4_1: 4 lines of 64 bytes, byte 4c+t of line p holding column c's value at
 //                k = 8p+t in its low nibble and k = 8p+4+t in its high nibble; then the
 //                16 columns' fp16 scales d; Q4_1 then their fp16 minimums m.
-//   Q5_0:        Q4_0's lines and scales (the low 4 bits of each value), then 64 bytes of
-//                fifth bits: bit j of byte 4c+t is the fifth bit of column c's value at
-//                k = 4j+t (unpacked line j = 2p+h), moved to bit 4 of the line by a shift
-//                (or a gf2p8affineqb) and merged with one vpternlogd.
-//   Q5_1:        Q4_1's lines, scales and minimums, then Q5_0's 64 bytes of fifth bits.
+//   Q5_0:        4 lines of 64 bytes, byte 4c+t of line p holding column c's 5-bit value
+//                at k = 8p+t in bits 3-7 and the low 3 bits of the one at k = 8p+4+t in
+//                bits 0-2; then the 16 fp16 scales d; then 64 top bytes, bits 2p and 2p+1
+//                of byte 4c+t holding bits 3-4 of the value at k = 8p+4+t.  Line 2p
+//                unpacks with a shift and a mask, line 2p+1 with one vpternlogd of the
+//                line and its top bits (bits 2p, 2p+1 moved to 3-4 by a gf2p8affineqb, or
+//                a shift and a mask): 2 and 3 (2 with GFNI) vector operations, where a
+//                low 4-bit line and a separate fifth-bit plane took 3 and 4.
+//   Q5_1:        Q5_0's lines, then the scales, the minimums and Q5_0's 64 top bytes.
 //   Q8_0:        8 lines of 64 bytes, byte 4c+t of line p = column c's int8 value at
 //                k = 4p+t plus 128 (an unsigned operand for vpdpbusd, the 128 * sum(x)
 //                subtracted again); then the 16 fp16 scales.
 //
 // Numerics: the same int8 activations (quant_gguf.cpp quantizes them once per call),
-// the same exact integer dot product per block, and the same block scale math as the
-// row kernel: acc += (d_w * d_x) * dot in float32, the minimum term (m_w * d_x * sum(x),
-// -8 d_w for Q4_0, -16 d_w for Q5_0, m_w for Q4_1 / Q5_1) summed apart and added at the end.  Only the float32 summation order
-// differs (the row kernel adds 8 partial lanes per block and reduces them at the end),
-// a few units in the last place.  Each row's result depends on that row alone.
+// the same exact integer dot product per block as the row kernel, and acc += (d_w * d_x)
+// * dot in float32.  The symmetric types' offset is part of the integer dot product here
+// (as in ggml's own q4_0 / q5_0 / q8_0 dot products): each block's accumulators start at
+// -8, -16 or -128 times the block's integer activation sum (Q4_0, Q5_0, Q8_0's +128
+// storage), so dot = sum (q - offset) x exactly and there is no minimum term; the row
+// kernel adds that term (-8 d_w d_x sum(x), -16 d_w ...) apart, a difference of float32
+// rounding only.  Q4_1 / Q5_1's minimum term (m_w * d_x * sum(x)) is summed apart and
+// added at the end, as the row kernel does.  Otherwise only the float32 summation order
+// differs (the row kernel adds 8 partial lanes per block and reduces them at the end), a
+// few units in the last place.  Each row's result depends on that row alone.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -88,7 +97,7 @@ int packed_block_bytes(int64_t type) {
 
 // Bytes of quants in one packed (group, block) entry, before the scales.
 inline int quant_bytes(int64_t type) { return type == Q8_0 ? 512 : 256; }
-// Q5_0 / Q5_1: where the 64 bytes of fifth bits start (after the scales, and Q5_1's minimums).
+// Q5_0 / Q5_1: where the 64 top bytes start (after the scales, and Q5_1's minimums).
 constexpr int mask_offset(int64_t type) { return 256 + (type == Q5_1 ? 64 : 32); }
 inline bool has_fifth_bit(int64_t type) { return type == Q5_0 || type == Q5_1; }
 
@@ -107,15 +116,43 @@ void pack_entry(const uint8_t* w, int64_t row_bytes, int64_t type, int bb, uint8
       for (int k = 0; k < QK; ++k) {
         const uint8_t q = k < 16 ? (qs[k] & 0x0F) : (qs[k - 16] >> 4);
         const int group = k / 4;  // 4 consecutive k; groups 2p and 2p+1 share line p
-        dst[(group / 2) * 64 + c * 4 + k % 4] |= (group % 2) ? uint8_t(q << 4) : q;
-        // Q5_x's fifth bit: bit `group` (= 2p + h, the unpacked line) of byte 4c + t.
-        if (has_fifth_bit(type) && ((qh >> k) & 1)) dst[mask_offset(type) + c * 4 + k % 4] |= uint8_t(1u << group);
+        uint8_t& line = dst[(group / 2) * 64 + c * 4 + k % 4];
+        if (has_fifth_bit(type)) {
+          const uint8_t v = uint8_t(q | (((qh >> k) & 1) << 4));
+          if (group % 2 == 0) {
+            line |= uint8_t(v << 3);
+          } else {  // bits 3-4 to bits 2p, 2p+1 (group - 1 = 2p) of the top byte
+            line |= uint8_t(v & 7);
+            dst[mask_offset(type) + c * 4 + k % 4] |= uint8_t((v >> 3) << (group - 1));
+          }
+        } else {
+          line |= (group % 2) ? uint8_t(q << 4) : q;
+        }
       }
     }
     std::memcpy(dst + qb + 2 * c, blk, 2);
     if (type == Q4_1 || type == Q5_1) std::memcpy(dst + qb + 32 + 2 * c, blk + 2, 2);
   }
   (void)bb;
+}
+
+// Column c's Q5_0 / Q5_1 block of the packed entry e, in the file's layout (blk).
+void unpack_entry(const uint8_t* e, int c, int64_t type, uint8_t* blk) {
+  const bool has_min = type == Q5_1;
+  std::memcpy(blk, e + 256 + 2 * c, 2);
+  if (has_min) std::memcpy(blk + 2, e + 256 + 32 + 2 * c, 2);
+  uint8_t* qs = blk + (has_min ? 8 : 6);
+  std::memset(qs, 0, 16);
+  uint32_t qh = 0;
+  const uint8_t* top = e + mask_offset(type);
+  for (int k = 0; k < QK; ++k) {
+    const int group = k / 4, t = k % 4;
+    const uint8_t byte = e[(group / 2) * 64 + c * 4 + t];
+    const int v = group % 2 == 0 ? byte >> 3 : (byte & 7) | (((top[c * 4 + t] >> (group - 1)) & 3) << 3);
+    qs[k % 16] |= uint8_t((v & 15) << (k < 16 ? 0 : 4));
+    qh |= uint32_t(v >> 4) << k;
+  }
+  std::memcpy(blk + (has_min ? 4 : 2), &qh, 4);
 }
 
 #if defined(PAGEDSERVE_GGUF_PACKED)
@@ -160,27 +197,19 @@ constexpr int group_block_bytes() {
   return kCols * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : TYPE == Q5_0 ? 22 : TYPE == Q5_1 ? 24 : 34);
 }
 
-// Q5_x's fifth bits of unpacked line j (bit j of every byte) at bit 4, the other bits
-// arbitrary (the merge keeps bit 4 alone): one 16-bit shift, which never moves a bit
-// across bytes here (at most 4 places, from bit j <= 7 to bit 4).
-inline __m512i fifth_bits_at_4(__m512i f, int line) {
-  switch (line) {
-    case 0: return _mm512_slli_epi16(f, 4);
-    case 1: return _mm512_slli_epi16(f, 3);
-    case 2: return _mm512_slli_epi16(f, 2);
-    case 3: return _mm512_slli_epi16(f, 1);
-    case 4: return f;
-    case 5: return _mm512_srli_epi16(f, 1);
-    case 6: return _mm512_srli_epi16(f, 2);
-    default: return _mm512_srli_epi16(f, 3);
-  }
+// The stored value's offset of the symmetric types (value = d * (q - offset)): each
+// block's integer accumulators start at -offset * sum(x), so that the dot product is
+// sum (q - offset) x with no float term for it (Q8_0's int8 values are stored + 128 as
+// vpdpbusd's unsigned operand; Q4_1 / Q5_1 have a minimum instead, summed apart).
+template <int64_t TYPE>
+constexpr int32_t offset() {
+  return TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q8_0 ? 128 : 0;
 }
 
-// Tiles of at most this many rows unpack Q5_x lines with gf2p8affineqb where the build has
-// GFNI (one vector operation a line more than Q4_x's unpacking; the shift + vpternlogd
-// merge takes two): with few rows the unpacking is the critical work.  Taller tiles take
-// the shift + vpternlogd merge, measured faster there on Zen 4 (gf2p8affineqb competes
-// with vpdpbusd for execution ports; docs/quantization.md).
+// Tiles of at most this many rows move Q5_x's top bits with gf2p8affineqb where the build
+// has GFNI (one vector operation; a shift and a mask otherwise): with few rows the
+// unpacking is the critical work.  Taller tiles take the shift and mask (gf2p8affineqb
+// competes with vpdpbusd for execution ports on Zen 4; docs/quantization.md).
 #ifndef PAGEDSERVE_GGUF_GFNI_MAX_ROWS
 #define PAGEDSERVE_GGUF_GFNI_MAX_ROWS 4
 #endif
@@ -214,11 +243,10 @@ constexpr int prefetch_blocks() {
 }
 
 // The integer dot products of one block for rows [m0, m0 + MT) x NG column groups:
-// iacc[i][j] lane c = sum over the block's 32 k of q_w(column c) * x(row i).
+// iacc[i][j] lane c += sum over the block's 32 k of q_w(column c) * x(row i), q_w the
+// stored unsigned value (the caller starts iacc at the offset term, see tile()).
 template <int MT, int NG, int64_t TYPE, class Cfg = TileCfg>
 inline void block_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512i (&iacc)[MT][NG]) {
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_setzero_si512();
   if constexpr (TYPE == Q8_0) {
 #pragma GCC unroll 8
     for (int p = 0; p < 8; ++p) {
@@ -231,17 +259,54 @@ inline void block_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512
         for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
       }
     }
-  } else {
-    constexpr bool q5 = TYPE == Q5_0 || TYPE == Q5_1;
+  } else if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
 #if defined(__GFNI__)
-    constexpr bool gfni = q5 && MT <= Cfg::gfni_max_rows;
+    constexpr bool gfni = MT <= Cfg::gfni_max_rows;
 #else
     constexpr bool gfni = false;
 #endif
-    const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
-    __m512i fifth[NG];
-    if constexpr (q5)
-      for (int j = 0; j < NG; ++j) fifth[j] = _mm512_loadu_si512(wb[j] + mask_offset(TYPE));
+    __m512i top[NG];
+    for (int j = 0; j < NG; ++j) top[j] = _mm512_loadu_si512(wb[j] + mask_offset(TYPE));
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      // Line 2p (k = 8p..8p+3) then 2p+1 (8p+4..8p+7): only NG unpacked lines live.
+      __m512i raw[NG];
+      for (int j = 0; j < NG; ++j) raw[j] = _mm512_loadu_si512(wb[j] + p * 64);
+      for (int h = 0; h < 2; ++h) {
+        __m512i wv[NG];
+        if (h == 0) {  // bits 3-7
+          for (int j = 0; j < NG; ++j) wv[j] = _mm512_and_si512(_mm512_srli_epi16(raw[j], 3), _mm512_set1_epi8(0x1F));
+        } else {  // bits 0-2, and bits 2p, 2p+1 of the top bytes as bits 3-4
+          for (int j = 0; j < NG; ++j) {
+            __m512i hi;
+            if constexpr (gfni) {
+#if defined(__GFNI__)
+              // The matrix's byte 7 - i selects the input bits of output bit i.
+              hi = _mm512_gf2p8affine_epi64_epi8(
+                  top[j], _mm512_set1_epi64(static_cast<long long>((1ull << (2 * p + 32)) | (2ull << (2 * p + 24)))), 0);
+#endif
+            } else {
+              // 16-bit shifts: bits 3-4 of each byte come from its own bits 2p, 2p+1.
+              const __m512i f = top[j];
+              const __m512i moved = p == 0   ? _mm512_slli_epi16(f, 3)
+                                    : p == 1 ? _mm512_slli_epi16(f, 1)
+                                    : p == 2 ? _mm512_srli_epi16(f, 1)
+                                             : _mm512_srli_epi16(f, 3);
+              hi = _mm512_and_si512(moved, _mm512_set1_epi8(0x18));
+            }
+            wv[j] = _mm512_ternarylogic_epi32(raw[j], hi, _mm512_set1_epi8(0x07), 0xEC);  // (raw & 7) | hi
+          }
+        }
+        for (int i = 0; i < MT; ++i) {
+          int32_t x4;
+          std::memcpy(&x4, xb[i] + 8 * p + 4 * h, 4);
+          const __m512i xv = _mm512_set1_epi32(x4);
+          for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
+        }
+      }
+    }
+  } else {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
       // Low nibbles (k = 8p..8p+3) then high (8p+4..8p+7): only NG unpacked lines live.
@@ -249,24 +314,7 @@ inline void block_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512
       for (int j = 0; j < NG; ++j) raw[j] = _mm512_loadu_si512(wb[j] + p * 64);
       for (int h = 0; h < 2; ++h) {
         __m512i wv[NG];
-        if constexpr (gfni) {
-#if defined(__GFNI__)
-          // Bit 2p+h of each fifth-bit byte to bit 4, every other bit 0 (the matrix's
-          // byte 3 selects the output's bit 4); the high nibble to bits 0-3 likewise.
-          const __m512i pick = _mm512_set1_epi64(static_cast<long long>((1ull << (2 * p + h)) << 24));
-          const __m512i high = _mm512_set1_epi64(static_cast<long long>(0x1020408000000000ull));
-          for (int j = 0; j < NG; ++j) {
-            const __m512i top = _mm512_gf2p8affine_epi64_epi8(fifth[j], pick, 0);
-            wv[j] = h ? _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(raw[j], high, 0), top)
-                      : _mm512_ternarylogic_epi32(raw[j], top, low4, 0xEC);  // (raw & low4) | top
-          }
-#endif
-        } else {
-          for (int j = 0; j < NG; ++j) wv[j] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4);
-          if constexpr (q5)
-            for (int j = 0; j < NG; ++j)  // wv | (fifth bit at bit 4 & 0x10)
-              wv[j] = _mm512_ternarylogic_epi32(wv[j], fifth_bits_at_4(fifth[j], 2 * p + h), bit4, 0xF8);
-        }
+        for (int j = 0; j < NG; ++j) wv[j] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4);
         for (int i = 0; i < MT; ++i) {
           int32_t x4;
           std::memcpy(&x4, xb[i] + 8 * p + 4 * h, 4);
@@ -327,10 +375,11 @@ inline void store_gated(const float (&)[MT][NG][kCols], const __m512 (&)[MT][NG]
 // Rows [m0, m0 + MT) x columns of NG groups starting at group g0.  The float32
 // accumulators live in an L1 buffer rather than registers, so that the register file
 // holds MT x NG int32 accumulators (each weight line feeds MT rows, each activation
-// broadcast NG groups).  Per (row, group, block) the float work is the same as the row
-// kernel's: acc += (d_w * d_x) * float(dot); the minimum term (m_w d_x sum(x), -8 d_w
-// for Q4_0) is summed apart over the blocks afterwards and added at the end, so every
-// lane adds the same values in the same order whatever the tile shape.
+// broadcast NG groups).  Per (row, group, block) the float work is the row kernel's
+// acc += (d_w * d_x) * float(dot), dot holding the symmetric types' offset term already
+// (see offset()); Q4_1 / Q5_1's minimum term (m_w d_x sum(x)) is summed apart over the
+// blocks afterwards and added at the end, so every lane adds the same values in the same
+// order whatever the tile shape.
 // GATED: the first NG/2 groups are gate columns g0.., the last NG/2 the up columns
 // g0 + o.half..; the epilogue rounds both as gguf_linear's output would be rounded and
 // writes silu_and_mul's result (the main kernels' silu_mul) at the gate columns.
@@ -351,6 +400,15 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
     const uint8_t* wb[NG];
     for (int j = 0; j < NG; ++j) wb[j] = wg[j] + b * gbb;
     __m512i iacc[MT][NG];
+    if constexpr (offset<TYPE>() != 0) {
+      for (int i = 0; i < MT; ++i) {
+        const __m512i start = _mm512_set1_epi32(-offset<TYPE>() * a.sum[(m0 + i) * a.nb + b]);
+        for (int j = 0; j < NG; ++j) iacc[i][j] = start;
+      }
+    } else {
+      for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_setzero_si512();
+    }
     constexpr int pf = prefetch_blocks<Cfg, TYPE, GATED>();
     if constexpr (pf > 0) {
       if (b + pf < a.nb)
@@ -365,29 +423,19 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
     for (int i = 0; i < MT; ++i) {
       const int64_t xi = (m0 + i) * a.nb + b;
       const __m512 dx = _mm512_set1_ps(a.d[xi]);
-      for (int j = 0; j < NG; ++j) {
-        __m512i dot = iacc[i][j];
-        if constexpr (TYPE == Q8_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * a.sum[xi]));
-        _mm512_store_ps(facc[i][j], _mm512_fmadd_ps(_mm512_mul_ps(dw[j], dx), _mm512_cvtepi32_ps(dot),
+      for (int j = 0; j < NG; ++j)
+        _mm512_store_ps(facc[i][j], _mm512_fmadd_ps(_mm512_mul_ps(dw[j], dx), _mm512_cvtepi32_ps(iacc[i][j]),
                                                     _mm512_load_ps(facc[i][j])));
-      }
     }
   }
   __m512 fext[MT][NG];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NG; ++j) fext[i][j] = _mm512_setzero_ps();
-  if constexpr (TYPE != Q8_0) {
+  if constexpr (TYPE == Q4_1 || TYPE == Q5_1) {
     for (int64_t b = 0; b < a.nb; ++b) {
       __m512 mw[NG];
-      for (int j = 0; j < NG; ++j) {
-        const uint8_t* s = wg[j] + b * gbb + qb;
-        if constexpr (TYPE == Q4_1 || TYPE == Q5_1) {
-          mw[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
-        } else {
-          mw[j] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))),
-                                _mm512_set1_ps(TYPE == Q5_0 ? -16.f : -8.f));
-        }
-      }
+      for (int j = 0; j < NG; ++j)
+        mw[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg[j] + b * gbb + qb + 32)));
       for (int i = 0; i < MT; ++i) {
         const __m512 dsx = _mm512_set1_ps(a.ds[(m0 + i) * a.nb + b]);
         for (int j = 0; j < NG; ++j) fext[i][j] = _mm512_fmadd_ps(mw[j], dsx, fext[i][j]);
@@ -450,22 +498,62 @@ void rows(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
 // tile narrower).  A tile's weights are read from memory once and reused from cache by
 // the following row tiles; large M (prefill) goes in chunks of rows whose activations
 // stay in L2 while the column tiles pass over them.
-template <int64_t TYPE>
-void run_groups(const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge, const Output& o) {
-  constexpr bool q5 = TYPE == Q5_0 || TYPE == Q5_1;
-  constexpr int TM = q5 ? PAGEDSERVE_GGUF_TILE_M_Q5 : kTileM, TG = q5 ? PAGEDSERVE_GGUF_TILE_G_Q5 : kTileG;
+template <int64_t TYPE, int TM, int TG, class Cfg = TileCfg>
+void run_tiles(const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge, const Output& o) {
   static_assert(TM <= 8 && TG <= 4, "tile remainders are instantiated up to 8 rows x 4 groups");
   const int64_t group_stride = a.nb * group_block_bytes<TYPE>();
   for (int64_t mb = 0; mb < M; mb += kChunkM) {
     const int64_t me = std::min(M, mb + kChunkM);
     for (int64_t g0 = gb; g0 < ge; g0 += TG) {
       switch (std::min<int64_t>(TG, ge - g0)) {
-        case 1: rows<1, TYPE, false, TM>(a, w, group_stride, mb, me, g0, o); break;
-        case 2: rows<std::min(2, TG), TYPE, false, TM>(a, w, group_stride, mb, me, g0, o); break;
-        case 3: rows<std::min(3, TG), TYPE, false, TM>(a, w, group_stride, mb, me, g0, o); break;
-        default: rows<TG, TYPE, false, TM>(a, w, group_stride, mb, me, g0, o); break;
+        case 1: rows<1, TYPE, false, TM, Cfg>(a, w, group_stride, mb, me, g0, o); break;
+        case 2: rows<std::min(2, TG), TYPE, false, TM, Cfg>(a, w, group_stride, mb, me, g0, o); break;
+        case 3: rows<std::min(3, TG), TYPE, false, TM, Cfg>(a, w, group_stride, mb, me, g0, o); break;
+        default: rows<TG, TYPE, false, TM, Cfg>(a, w, group_stride, mb, me, g0, o); break;
       }
     }
+  }
+}
+
+// Calls of at most this many rows (decode steps: one row tile, whose weights are read
+// once from memory) take tiles of their own width and prefetch distance: Q5_x's as its
+// taller tiles (2 groups, 2 blocks ahead; 3 and 4 groups, 1 and 4 blocks ahead measured
+// within noise), Q8_0's 4 groups wide (7-15% less time than 3 at 1-4 rows on Zen 4).
+// The tiles' shapes and their figures: docs/quantization.md.
+#ifndef PAGEDSERVE_GGUF_FEW_ROWS
+#define PAGEDSERVE_GGUF_FEW_ROWS 4
+#endif
+#ifndef PAGEDSERVE_GGUF_TILE_G_Q5_FEW
+#define PAGEDSERVE_GGUF_TILE_G_Q5_FEW 2
+#endif
+#ifndef PAGEDSERVE_GGUF_PREFETCH_Q5_FEW
+#define PAGEDSERVE_GGUF_PREFETCH_Q5_FEW PAGEDSERVE_GGUF_PREFETCH
+#endif
+#ifndef PAGEDSERVE_GGUF_TILE_G_Q8_FEW
+#define PAGEDSERVE_GGUF_TILE_G_Q8_FEW 4
+#endif
+#ifndef PAGEDSERVE_GGUF_PREFETCH_Q8_FEW
+#define PAGEDSERVE_GGUF_PREFETCH_Q8_FEW 0
+#endif
+struct FewRowsQ5Cfg : TileCfg {
+  static constexpr int prefetch = PAGEDSERVE_GGUF_PREFETCH_Q5_FEW;
+};
+struct FewRowsQ8Cfg : TileCfg {
+  static constexpr int prefetch = PAGEDSERVE_GGUF_PREFETCH_Q8_FEW;
+};
+
+template <int64_t TYPE>
+void run_groups(const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge, const Output& o) {
+  constexpr int FM = PAGEDSERVE_GGUF_FEW_ROWS;
+  static_assert(FM >= 1 && FM <= 8, "few-row tiles are instantiated up to 8 rows");
+  if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+    if (M <= FM) return run_tiles<TYPE, FM, PAGEDSERVE_GGUF_TILE_G_Q5_FEW, FewRowsQ5Cfg>(a, w, M, gb, ge, o);
+    return run_tiles<TYPE, PAGEDSERVE_GGUF_TILE_M_Q5, PAGEDSERVE_GGUF_TILE_G_Q5>(a, w, M, gb, ge, o);
+  } else if constexpr (TYPE == Q8_0) {
+    if (M <= FM) return run_tiles<TYPE, FM, PAGEDSERVE_GGUF_TILE_G_Q8_FEW, FewRowsQ8Cfg>(a, w, M, gb, ge, o);
+    return run_tiles<TYPE, kTileM, kTileG>(a, w, M, gb, ge, o);
+  } else {
+    return run_tiles<TYPE, kTileM, kTileG>(a, w, M, gb, ge, o);
   }
 }
 
@@ -564,6 +652,33 @@ torch::Tensor gguf_pack_weight(torch::Tensor weight, int64_t type) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = 0; b < nb; ++b)
         pack_entry(src + g * kCols * row_bytes + b * bb, row_bytes, type, bb, dst + (g * nb + b) * kCols * bb);
+  });
+  return out;
+}
+
+// Rows `ids` (int64 [n]) of a packed Q5_0 / Q5_1 weight [N/16, nb, 16 * block_bytes] in
+// the file's blocks, uint8 [n, nb * block_bytes] (the inverse of pack_entry for those rows).
+torch::Tensor gguf_packed_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor ids) {
+  TORCH_CHECK(has_fifth_bit(type), "gguf_packed_unpack_rows: Q5_0 or Q5_1 expected, not ggml type id ", type);
+  const int bb = packed_block_bytes(type);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.size(2) == kCols * bb,
+              "gguf_unpack_rows: packed uint8 [N/16, blocks, 16 * block_bytes] expected");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "gguf_unpack_rows: ids must be int64 [n]");
+  packed = packed.contiguous();
+  ids = ids.contiguous();
+  const int64_t groups = packed.size(0), nb = packed.size(1), eb = packed.size(2), n = ids.size(0);
+  auto out = torch::empty({n, nb * bb}, packed.options());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < groups * kCols, "gguf_unpack_rows: row ", id[i], " out of range");
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = id[i] / kCols;
+      const int c = static_cast<int>(id[i] % kCols);
+      for (int64_t b = 0; b < nb; ++b) unpack_entry(src + (g * nb + b) * eb, c, type, dst + (i * nb + b) * bb);
+    }
   });
   return out;
 }

@@ -37,7 +37,7 @@ def quant_build_spec() -> build.ExtensionSpec:
     # The main kernels do not use VNNI, so their automatic flags leave it out.
     if "-mavx512vl" in arch and "avx512_vnni" in features and "-mavx512vnni" not in arch:
         arch = [*arch, "-mavx512vnni"]
-    # Q5_x's tiled kernel unpacks fifth bits with gf2p8affineqb on short tiles where the CPU has it.
+    # Q5_x's tiled kernel moves its top bits with gf2p8affineqb in short tiles where the CPU has it.
     if "-mavx512vnni" in arch and "gfni" in features and "-mgfni" not in arch:
         arch = [*arch, "-mgfni"]
     return build.cpu_extension_spec("quant", SOURCES, arch, origin, headers=HEADERS)

@@ -271,18 +271,27 @@ def unpack_gguf_weight(packed: torch.Tensor, type_name: str) -> torch.Tensor:
     if type_name == "Q8_0":
         # [8 lines][16 columns][4 k] of value + 128 -> [column][k = 4 * line + t]
         q = (entry[..., :qb].reshape(g, nb, 8, 16, 4) ^ 0x80).permute(0, 3, 1, 2, 4).reshape(g, 16, nb, 32)
+    elif type_name in ("Q5_0", "Q5_1"):
+        # [4 lines][16 columns][4 t]: the 5-bit value at k = 8p + t in bits 3-7, bits 0-2 of
+        # the one at k = 8p + 4 + t in bits 0-2 (its bits 3-4: bits 2p, 2p+1 of the top
+        # bytes after the scales and Q5_1's minimums).
+        heads = 64 if type_name == "Q5_1" else 32
+        lines = entry[..., :qb].reshape(g, nb, 4, 16, 4)
+        top = entry[..., qb + heads : qb + heads + 64].reshape(g, nb, 1, 16, 4)
+        p2 = torch.arange(0, 8, 2, dtype=torch.uint8).view(4, 1, 1)
+        vals = torch.stack([lines >> 3, (lines & 7) | (((top >> p2) & 3) << 3)], dim=3)  # [g, nb, 4, 2, 16, 4]
+        v = vals.permute(0, 4, 1, 2, 3, 5).reshape(g, 16, nb, 32)
+        q = (v[..., :16] & 0x0F) | ((v[..., 16:] & 0x0F) << 4)
+        shifts = torch.arange(8, dtype=torch.uint8)
+        qh = ((v >> 4).reshape(g, 16, nb, 4, 8) << shifts).sum(-1, dtype=torch.uint8)  # bit k % 8 of byte k // 8
+        dm = entry[..., qb : qb + heads].reshape(g, nb, heads // 32, 16, 2).permute(0, 3, 1, 2, 4)
+        return torch.cat([dm.reshape(g, 16, nb, heads // 16), qh, q], dim=-1).reshape(g * 16, nb * bb)
     else:
         # [4 lines][16 columns][4 t]: low nibble k = 8p + t, high nibble k = 8p + 4 + t
         lines = entry[..., :qb].reshape(g, nb, 4, 16, 4)
         vals = torch.stack([lines & 0x0F, lines >> 4], dim=3)  # [g, nb, 4, 2, 16, 4]
         v = vals.permute(0, 4, 1, 2, 3, 5).reshape(g, 16, nb, 32)
         q = v[..., :16] | (v[..., 16:] << 4)
-    if type_name in ("Q5_0", "Q5_1"):
-        # Scales (and Q5_1's minimums), then 64 bytes of fifth bits -> each column's qh.
-        heads = 64 if type_name == "Q5_1" else 32
-        qh = _fifth_bit_bytes(entry[..., qb + heads : qb + heads + 64]).reshape(g, 16, nb, 4)
-        dm = entry[..., qb : qb + heads].reshape(g, nb, heads // 32, 16, 2).permute(0, 3, 1, 2, 4)
-        return torch.cat([dm.reshape(g, 16, nb, heads // 16), qh, q], dim=-1).reshape(g * 16, nb * bb)
     scales = entry[..., qb:].reshape(g, nb, -1, 16, 2).permute(0, 3, 1, 2, 4).reshape(g, 16, nb, -1)
     blocks = torch.cat([scales, q], dim=-1)  # d (and m) first, then the quants, as ggml stores them
     return blocks.reshape(g * 16, nb * bb)
@@ -298,7 +307,7 @@ def gguf_embedding(ids: torch.Tensor, data: torch.Tensor, type_name: str, dtype:
 
 
 def _fifth_bit_bytes(fifth: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[g, n, 64]``: Q5_0 / Q5_1's (and a Q5_K sub-block's) fifth bits as the tiled kernels store them (bit j
+    """uint8 ``[g, n, 64]``: a Q5_K sub-block's fifth bits as its tiled kernel stores them (bit j
     of byte 4c + t: column c at k = 4j + t) -> ``[g, 16, n, 4]``, value k of column c as
     bit k % 8 of byte k // 8 (a little-endian uint32 per column: Q5_x's qh)."""
     g, n = fifth.shape[:2]
