@@ -68,6 +68,31 @@
 #ifndef PAGEDSERVE_GGUF_K_CHUNK_M
 #define PAGEDSERVE_GGUF_K_CHUNK_M 240
 #endif
+// How far ahead a tile prefetches its column groups' weights, in sub-blocks of 32 values
+// (an eighth of a (group, super-block) entry: 288 bytes Q4_K, 352 Q5_K, 420 Q6_K); 0: none.
+// A group's weights are one short sequential stream (K 1536: 6 entries, 14-20 KB), as in
+// quant_gguf_packed.cpp; one super-block ahead took 0.78-0.85x main's time at 4 rows and
+// 0.86-0.94x at 16 on Zen 4, within noise from 64 (docs/quantization.md).
+#ifndef PAGEDSERVE_GGUF_Q4K_PREFETCH
+#define PAGEDSERVE_GGUF_Q4K_PREFETCH 8
+#endif
+#ifndef PAGEDSERVE_GGUF_Q5K_PREFETCH
+#define PAGEDSERVE_GGUF_Q5K_PREFETCH 8
+#endif
+#ifndef PAGEDSERVE_GGUF_Q6K_PREFETCH
+#define PAGEDSERVE_GGUF_Q6K_PREFETCH 8
+#endif
+// Calls of at most PAGEDSERVE_GGUF_K_SMALL_M rows take tiles of PAGEDSERVE_GGUF_K_SMALL_G
+// column groups (0: the tiles above): at one or two rows a tile's integer accumulators
+// are few dependency chains of vpdpbusd, so more column groups keep more of them in flight.
+// 2 rows x 4 groups measured within noise of the tiles above (Q6_K 0.90x at one row, the
+// others 0.95-1.04x), so it is off.
+#ifndef PAGEDSERVE_GGUF_K_SMALL_M
+#define PAGEDSERVE_GGUF_K_SMALL_M 0
+#endif
+#ifndef PAGEDSERVE_GGUF_K_SMALL_G
+#define PAGEDSERVE_GGUF_K_SMALL_G 4
+#endif
 
 namespace {
 
@@ -185,6 +210,28 @@ inline __m512 bytes_to_ps(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_
 inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline __m512 load_halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int64_t T>
+constexpr int prefetch_subs() {
+  return T == Q4_K ? PAGEDSERVE_GGUF_Q4K_PREFETCH : T == Q5_K ? PAGEDSERVE_GGUF_Q5K_PREFETCH
+                                                              : PAGEDSERVE_GGUF_Q6K_PREFETCH;
+}
+
+// Prefetches the cache lines of the eighth of a group's weight stream that sub-block
+// `sub` of super-block `s` is PF sub-blocks ahead of (bytes [(8s + sub + PF) EB/8, + EB/8)
+// of the group's entries), none past the group's last entry.
+template <int64_t T, int PF>
+inline void prefetch_ahead(const uint8_t* group, int64_t nsb, int64_t s, int sub) {
+  if constexpr (PF > 0) {
+    constexpr int64_t EB = kCols * kblock_bytes<T>(), PART = EB / 8;
+    const int64_t at = (8 * s + sub + PF) * PART;
+    if (at >= nsb * EB) return;
+    const uintptr_t first = reinterpret_cast<uintptr_t>(group + at) & ~uintptr_t(63);
+    const uintptr_t last = reinterpret_cast<uintptr_t>(group + at + PART - 1) & ~uintptr_t(63);
+    for (uintptr_t line = first; line <= last; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+  }
 }
 
 // Q5_K's fifth bits of unpacked line j (bit j of every byte) at bit 4 (quant_gguf_packed's
@@ -338,6 +385,7 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
       }
       for (int sub = 0; sub < 8; ++sub) {
         const int64_t b = s * 8 + sub;
+        for (int j = 0; j < NG; ++j) prefetch_ahead<T, prefetch_subs<T>()>(wg[j], nsb, s, sub);
         const int8_t* xb[MT];
         for (int i = 0; i < MT; ++i) xb[i] = xr[i] + b * QK;
         const uint8_t* wb[NG];
@@ -354,6 +402,7 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
       for (int j = 0; j < NG; ++j) dv[j] = load_halves(e[j] + 8 * SB + 256);
       for (int sub = 0; sub < 8; ++sub) {
         const int64_t b = s * 8 + sub;
+        for (int j = 0; j < NG; ++j) prefetch_ahead<T, prefetch_subs<T>()>(wg[j], nsb, s, sub);
 #pragma GCC unroll 2
         for (int half = 0; half < 2; ++half) {
           __m512i init[MT];
@@ -467,23 +516,39 @@ void rows(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
   }
 }
 
+// Rows [m_begin, m_end) of g <= NG column groups from g0, TM-row tiles.
+template <int TM, int NG, int64_t T>
+inline void rows_of_width(int64_t g, const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m_begin,
+                          int64_t m_end, int64_t g0, const Output& o) {
+  if constexpr (NG >= 1) {
+    if (g == NG) return rows<TM, NG, T>(a, w, group_stride, m_begin, m_end, g0, o);
+    rows_of_width<TM, NG - 1, T>(g, a, w, group_stride, m_begin, m_end, g0, o);
+  }
+}
+
+// Column groups [gb, ge) in TG-group steps, every row chunk.
+template <int TM, int TG, int64_t T>
+void columns(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t M, int64_t gb, int64_t ge,
+             const Output& o) {
+  for (int64_t mb = 0; mb < M; mb += kChunkM) {
+    const int64_t me = std::min(M, mb + kChunkM);
+    for (int64_t g0 = gb; g0 < ge; g0 += TG)
+      rows_of_width<TM, TG, T>(std::min<int64_t>(TG, ge - g0), a, w, group_stride, mb, me, g0, o);
+  }
+}
+
 template <int64_t T>
 void run(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, const Output& o) {
   constexpr int TM = tile_rows<T>(), TG = tile_groups<T>();
-  static_assert(TM >= 1 && TM <= 8 && TG >= 1 && TG <= 4, "tiles are instantiated up to 8 rows x 4 groups");
+  constexpr int SM = PAGEDSERVE_GGUF_K_SMALL_M, SG = PAGEDSERVE_GGUF_K_SMALL_G;
+  static_assert(TM >= 1 && TM <= 8 && TG >= 1 && TG <= 8, "tiles are instantiated up to 8 rows x 8 groups");
+  static_assert(SM >= 0 && SM <= TM && SG >= 1 && SG <= 8, "small tiles: at most the tile's rows, 8 groups");
   const int64_t group_stride = (a.k / QKK) * kCols * kblock_bytes<T>();
   at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
-    for (int64_t mb = 0; mb < M; mb += kChunkM) {
-      const int64_t me = std::min(M, mb + kChunkM);
-      for (int64_t g0 = gb; g0 < ge; g0 += TG) {
-        switch (std::min<int64_t>(TG, ge - g0)) {
-          case 1: rows<TM, 1, T>(a, w, group_stride, mb, me, g0, o); break;
-          case 2: rows<TM, std::min(2, TG), T>(a, w, group_stride, mb, me, g0, o); break;
-          case 3: rows<TM, std::min(3, TG), T>(a, w, group_stride, mb, me, g0, o); break;
-          default: rows<TM, TG, T>(a, w, group_stride, mb, me, g0, o); break;
-        }
-      }
-    }
+    if (SM > 0 && M <= SM)
+      columns<std::max(SM, 1), SG, T>(a, w, group_stride, M, gb, ge, o);
+    else
+      columns<TM, TG, T>(a, w, group_stride, M, gb, ge, o);
   });
 }
 
