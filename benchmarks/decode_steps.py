@@ -23,9 +23,10 @@ being woken shows up there).
 ``packed_linear`` / ``packed_linear_silu_and_mul`` calls of ``--gemm-steps`` engine steps
 are timed in place (``--gemm-clock``: wall clock, or the calling thread's CPU time,
 around each call), and each recorded step is replayed at once: the same calls on the
-same weights and inputs, back to back.  In place / back to back per op kind says what running between the model's other ops costs a GEMM (cold
-caches, sleeping pool threads, the next weight's first lines); ``--flush-mb N`` also
-replays with an N MB buffer read between calls (a stand-in for the attention's KV reads).
+same weights and inputs, back to back.  In place / back to back per op kind says what
+running between the model's other ops costs a GEMM (cold caches, sleeping pool threads,
+the next weight's first lines); ``--flush-mb N`` also replays with an N MiB buffer read
+between calls (a stand-in for the attention's KV reads).
 
 Variants are ``NAME:KEY=VALUE,...`` environment settings, e.g. ``spin3k:`` (the default
 ``import pagedserve`` sets), ``spin300k:GOMP_SPINCOUNT=300000``,
