@@ -446,6 +446,18 @@ at::Tensor packed_linear_impl(const at::Tensor& x, const at::Tensor& wp, const c
   const int64_t tiles = (blocks + per_tile - 1) / per_tile, threads = at::get_num_threads();
   int64_t chunks = 1;
   while (chunks * 2 <= (m + 5) / 6 && tiles * chunks < 8 * threads) chunks *= 2;
+  if (chunks == 1 && threads > 1 && tiles >= threads && tiles % threads != 0) {
+    // Up to 11 rows the call streams its weights and whole tiles split unevenly (the
+    // default model's o and down projections: 9 tiles, 5 against 4): each thread takes
+    // an equal run of 16-column blocks instead, its last tile possibly narrower.
+    // Columns are computed alike whatever tile holds them: the output is the same.
+    // (Fewer tiles than threads: a weight too small to be worth waking more threads.)
+    const int64_t parts = std::min(threads, blocks);
+    at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) fn(a, 0, m, blocks * p / parts, blocks * (p + 1) / parts);
+    });
+    return out;
+  }
   const int64_t rows_per = ((m + chunks - 1) / chunks + 5) / 6 * 6;
   at::parallel_for(0, tiles * chunks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {

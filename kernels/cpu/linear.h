@@ -93,7 +93,9 @@ struct SkinnyLinearBf16 {
 // reused from L1/L2 for the following row tiles; while those run, the next column
 // tile's weights are prefetched in software (one line per block and pair of k), so
 // that a column tile's first row tile waits less for memory (docs/benchmarks.md, "Zen 4
-// decode GEMM": 2-6% on a decode step's GEMMs from 4 rows on).
+// decode GEMM": 2-6% on a decode step's GEMMs from 4 rows on).  The first column tile
+// of each thread's range has no tile before it to fetch it: its first row tile also
+// prefetches its own blocks kSelfAhead lines ahead of its loads.
 //
 // The gated variant (Gated = true) computes silu(x . gate^T) * (x . up^T) for a weight
 // [gate; up] of N = 2d rows, as silu_and_mul(linear(x, w)) would: a tile takes NB/2
@@ -102,6 +104,9 @@ struct SkinnyLinearBf16 {
 // intermediate values never reach memory.
 struct PackedLinearBf16 {
   static constexpr int kTileM = 6, kMaxNB = 4;
+  // Lines (pairs of k) ahead of the loads that a thread's first tile prefetches of its
+  // own blocks: about a memory latency of 4 streams at one core's bandwidth.
+  static constexpr int kSelfAhead = 16;
 
   // Output columns nb0 * 16 onward (gated: of the d-wide product) for rows [m0, m0 + MT).
   // pf[0, npf): 16-column blocks (of the next column tile) to prefetch, one cache line of
@@ -164,12 +169,20 @@ struct PackedLinearBf16 {
   // weights of the next column tile (blocks nb0 + NO on, gated: of both halves) are
   // prefetched, spread over the row tiles: the first row tile of a column tile otherwise
   // waits for memory while the later ones run from L2.
+  // first: the first column tile of this thread's range (see kSelfAhead).
   template <int NB, bool Gated>
-  static void rows(const PackedLinearArgs& a, int64_t m_begin, int64_t m_end, int64_t nb0) {
+  static void rows(const PackedLinearArgs& a, int64_t m_begin, int64_t m_end, int64_t nb0, bool first) {
     constexpr int NO = Gated ? NB / 2 : NB;
     const int64_t wb = (a.k / 2) * 32, out_blocks = Gated ? a.n / 32 : a.n / 16;
     const BF16* w = static_cast<const BF16*>(a.w);
-    const BF16* next[kMaxNB];
+    // [0, NB): this tile's own blocks kSelfAhead lines on (first tile only), then the
+    // next column tile's blocks.
+    const BF16* pf_all[2 * kMaxNB];
+    int nself = 0;
+    if (first)
+      for (int j = 0; j < NB; ++j)
+        pf_all[nself++] = w + (j < NO ? (nb0 + j) * wb : ((a.n / 32) + nb0 + j - NO) * wb) + kSelfAhead * 32;
+    const BF16** next = pf_all + nself;
     int nnext = 0;
     for (int j = 0; j < NO && nb0 + NO + j < out_blocks; ++j) {
       next[nnext++] = w + (nb0 + NO + j) * wb;
@@ -179,10 +192,16 @@ struct PackedLinearBf16 {
     const int per_tile = int((nnext + row_tiles - 1) / row_tiles);  // blocks each row tile fetches
     int64_t m0 = m_begin;
     int done = 0;
+    // The first row tile's list starts with the own blocks, right before its share.
     auto fetch = [&](int& npf) {
       npf = std::max(0, std::min(per_tile, nnext - done));
       const BF16* const* p = next + done;
       done += npf;
+      if (nself > 0) {
+        p -= nself;
+        npf += nself;
+        nself = 0;
+      }
       return p;
     };
     int npf;
@@ -204,11 +223,12 @@ struct PackedLinearBf16 {
   // Rows [m_begin, m_end) x 16-column blocks [nb_begin, nb_end), 64 columns at a time.
   static void run(const PackedLinearArgs& a, int64_t m_begin, int64_t m_end, int64_t nb_begin, int64_t nb_end) {
     for (int64_t nb = nb_begin; nb < nb_end; nb += kMaxNB) {
+      const bool first = nb == nb_begin;
       switch (std::min<int64_t>(kMaxNB, nb_end - nb)) {
-        case 1: rows<1, false>(a, m_begin, m_end, nb); break;
-        case 2: rows<2, false>(a, m_begin, m_end, nb); break;
-        case 3: rows<3, false>(a, m_begin, m_end, nb); break;
-        default: rows<4, false>(a, m_begin, m_end, nb); break;
+        case 1: rows<1, false>(a, m_begin, m_end, nb, first); break;
+        case 2: rows<2, false>(a, m_begin, m_end, nb, first); break;
+        case 3: rows<3, false>(a, m_begin, m_end, nb, first); break;
+        default: rows<4, false>(a, m_begin, m_end, nb, first); break;
       }
     }
   }
@@ -219,9 +239,9 @@ struct PackedLinearBf16 {
                         int64_t nb_end) {
     for (int64_t nb = nb_begin; nb < nb_end; nb += kMaxNB / 2) {
       if (nb_end - nb >= 2)
-        rows<4, true>(a, m_begin, m_end, nb);
+        rows<4, true>(a, m_begin, m_end, nb, nb == nb_begin);
       else
-        rows<2, true>(a, m_begin, m_end, nb);
+        rows<2, true>(a, m_begin, m_end, nb, nb == nb_begin);
     }
   }
 };

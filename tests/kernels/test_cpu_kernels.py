@@ -404,6 +404,38 @@ def test_packed_linear(packed_kernels, m, k, n, bias):
     )
 
 
+@pytest.mark.parametrize(
+    "m,k,n,gated",
+    [(1, 576, 576, False), (4, 1536, 576, False), (11, 64, 144, False), (2, 34, 16, False), (3, 64, 160, True)],
+)
+def test_packed_linear_split_over_threads(packed_kernels, m, k, n, gated):
+    """Up to 11 rows with whole tiles splitting unevenly over the threads (9 tiles of
+    the default model's o and down on 2 threads; 9 blocks in 3 tiles; gated: 5 output
+    blocks), each thread takes an equal run of 16-column blocks: outputs bit-identical
+    to one thread's and close to the reference (a column left unwritten would not be)."""
+    kernels = packed_kernels
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    packed = kernels.pack_linear_weight(w)
+    fn = kernels.packed_linear_silu_and_mul if gated else kernels.packed_linear
+    if gated:  # the [m, n] product rounded to bf16 before the SiLU, as the kernel does
+        want = reference.linear_silu_and_mul(x, w, b)
+    else:
+        want = reference.linear(x.float(), w.float(), b.float()).bfloat16()
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(fn(x, packed, b))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    assert_close(outs[1], want, torch.bfloat16)
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("m,k,d", [(1, 576, 1536), (7, 64, 48), (13, 100, 16), (64, 576, 96), (130, 34, 32)])
 def test_packed_linear_silu_and_mul(packed_kernels, m, k, d, bias):
