@@ -4,8 +4,9 @@
 
 Loads MODEL (default: the default GGUF model) on one thread, runs a few decode steps of
 ``--batch`` requests, then replaces every kernel of the compiled CPU modules that a decode
-step calls (the GGUF and packed bf16 linears, norms, rotary, cache write, attention,
-argmax, embedding) with a stub that returns a preallocated output of the right shape, and
+step calls (the GGUF and packed bf16 linears, norms, rotary, cache write, attention, the
+call that fuses those three, argmax, embedding) with a stub that returns a preallocated
+output of the right shape, and
 times with the minimum of many short repeats:
 
     layer   one decoder layer's ``layer_forward`` (layer 5, real tensors of that step)
@@ -68,6 +69,7 @@ def _stubs():
         "rotary_embedding": none,
         "reshape_and_cache": none,
         "paged_attention": none,
+        "rotary_paged_attention": none,
         "rms_norm": lambda x, w, eps, isa: buf(tuple(x.shape), x.dtype),
         # A plain token (not a special one), so that detokenization advances as usual.
         "argmax": lambda x, isa: buf((x.shape[0],), torch.int64).fill_(1234),

@@ -56,6 +56,7 @@ __all__ = [
     "fused_add_rms_norm",
     "layer_norm",
     "rotary_embedding",
+    "rotary_paged_attention",
     "mrope_rotary_embedding",
     "silu_and_mul",
     "gelu_and_mul",
@@ -445,6 +446,39 @@ def rotary_embedding(
         return torch.cat([y, x_pass], dim=-1).to(x.dtype)
 
     return apply(query), apply(key)
+
+
+def rotary_paged_attention(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One attention layer's work after the q/k/v projection: :func:`rotary_embedding`
+    of query and key, :func:`reshape_and_cache` of the rotated keys and the values,
+    then :func:`paged_attention` of the rotated queries over the cache (no window, soft
+    cap, sinks or key ends).
+
+    positions int64 [num_tokens]; query [num_tokens, num_heads, head_size]; key, value
+    [num_tokens, num_kv_heads, head_size]; cos_sin_cache float32 [max_position,
+    rotary_dim]; the rest as those three ops take them.  Returns out [num_tokens,
+    num_heads, head_size] in query's dtype; the caches hold the new keys and values.
+    Implementations may rotate ``query`` and ``key`` in place (callers must not reuse
+    them).  A platform fuses the three into one call where that saves work (the CPU's
+    decode steps); the registry's default is the composition of its own three ops.
+    """
+    q, k = rotary_embedding(positions, query, key, cos_sin_cache)
+    reshape_and_cache(k, value, key_cache, value_cache, slot_mapping)
+    return paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
 
 
 def mrope_rotary_embedding(
@@ -894,6 +928,7 @@ OP_NAMES: tuple[str, ...] = (
     "fused_add_rms_norm",
     "layer_norm",
     "rotary_embedding",
+    "rotary_paged_attention",
     "silu_and_mul",
     "gelu_and_mul",
     "gelu",

@@ -86,6 +86,7 @@ class OpRegistry:
         self.register("linear_silu_and_mul", self._linear_silu_and_mul, source="reference")
         self.register("gguf_linear_silu_and_mul", self._gguf_linear_silu_and_mul, source="reference")
         self.register("gguf_linear_stacked", self._gguf_linear_stacked, source="reference")
+        self.register("rotary_paged_attention", self._rotary_paged_attention, source="reference")
 
     def _linear_silu_and_mul(self, x, weight, bias=None):
         """See reference.linear_silu_and_mul: this registry's silu_and_mul(linear(...))."""
@@ -94,6 +95,16 @@ class OpRegistry:
     def _gguf_linear_silu_and_mul(self, x, data, type_name, bias=None):
         """See reference.gguf_linear_silu_and_mul: this registry's silu_and_mul(gguf_linear(...))."""
         return self.silu_and_mul(self.gguf_linear(x, data, type_name, bias))
+
+    def _rotary_paged_attention(
+        self, positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping, block_tables,
+        seq_lens, query_start_loc, scale, out=None,
+    ):  # fmt: skip
+        """See reference.rotary_paged_attention: this registry's rotary_embedding,
+        reshape_and_cache and paged_attention."""
+        query, key = self.rotary_embedding(positions, query, key, cos_sin_cache)
+        self.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return self.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
 
     def _gguf_linear_stacked(self, x, data, type_names, bias=None, out_dtype=None):
         """See reference.gguf_linear_stacked: this registry's gguf_linear once per part."""

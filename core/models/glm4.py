@@ -19,7 +19,15 @@ import torch
 
 from pagedserve.models.arch_config import ArchConfig
 from pagedserve.models.decoder import DecoderForCausalLM, KVCache
-from pagedserve.models.layers import add_rms_norm, fuse, gated_mlp, layer_windows, linear, paged_attention, qkv_split
+from pagedserve.models.layers import (
+    add_rms_norm,
+    fuse,
+    gated_mlp,
+    layer_windows,
+    linear,
+    qkv_split,
+    rope_paged_attention,
+)
 from pagedserve.quantization.base import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -123,8 +131,8 @@ class Glm4ForCausalLM(DecoderForCausalLM):
         if layer.qkv_order is not None:
             qkv = qkv.index_select(-1, layer.qkv_order)
         q, k, v = qkv_split(qkv, self.attn)
-        q, k = self.rope(ops, placement, meta.positions, q, k)
-        h = linear(ops, paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale), layer.o)
+        attn = rope_paged_attention(ops, self.rope, placement, q, k, v, kv_cache, meta, self.attn.scale)
+        h = linear(ops, attn, layer.o)
         h = self.parallel.all_reduce(h)
         h, residual = ops.fused_add_rms_norm(
             ops.rms_norm(h, layer.post_attn_norm, eps), residual, layer.pre_ff_norm, eps

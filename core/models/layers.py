@@ -35,6 +35,7 @@ __all__ = [
     "add_rms_norm",
     "qkv_split",
     "paged_attention",
+    "rope_paged_attention",
     "gated_mlp",
     "GATED_ACTIVATIONS",
     "head_rms_norm",
@@ -102,6 +103,11 @@ class RotaryEmbedding:
         """q [n, heads, head_dim], k [n, kv_heads, head_dim] -> rotated (q, k)."""
         return ops.rotary_embedding(positions, q, k, self.tables[placement])
 
+    def plain_table(self, placement: int, positions: torch.Tensor) -> torch.Tensor | None:
+        """The cos/sin table this rotation hands ``ops.rotary_embedding`` with
+        ``positions`` themselves, or None where it is not that op over them."""
+        return self.tables[placement]
+
 
 class MRotaryEmbedding(RotaryEmbedding):
     """Qwen-VL's multimodal RoPE: positions [3, n] (temporal, height, width; image
@@ -115,6 +121,9 @@ class MRotaryEmbedding(RotaryEmbedding):
         super().__init__(rotary_dim, max_position, base, scaling, devices)
         self.section = list(section)
         self.interleaved = interleaved
+
+    def plain_table(self, placement: int, positions: torch.Tensor) -> torch.Tensor | None:
+        return self.tables[placement] if positions.dim() == 1 else None
 
     def __call__(self, ops, placement, positions, q, k):
         if positions.dim() == 1:
@@ -254,6 +263,38 @@ def paged_attention(
     if v_scale != 1.0:
         out = out * v_scale
     return out.view(q.shape[0], -1)
+
+
+def rope_paged_attention(
+    ops,
+    rope: RotaryEmbedding | None,
+    placement: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``rope`` on q and k (None: no rotation), then :func:`paged_attention`: q [n, heads,
+    d] -> [n, heads * d].  Where nothing else joins the three ops (the rotation is plain
+    RoPE over ``meta.positions``, no window and no key ends, a cache without per-layer
+    scales) this is one op, ``ops.rotary_paged_attention``: on the CPU one native call
+    per layer of a decode step instead of three, each with its Python wrapper, argument
+    conversion and checks (docs/kernels_cpu.md, "Fused decode attention call")."""
+    plain = sliding_window is None and meta.key_ends is None and not isinstance(kv_cache, ScaledKVCache)
+    if rope is not None and plain:
+        table = rope.plain_table(placement, meta.positions)
+        if table is not None:
+            out = ops.rotary_paged_attention(
+                meta.positions, q, k, v, table, kv_cache[0], kv_cache[1], meta.slot_mapping,
+                meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+            )  # fmt: skip
+            return out.view(q.shape[0], -1)
+    if rope is not None:
+        q, k = rope(ops, placement, meta.positions, q, k)
+    return paged_attention(ops, q, k, v, kv_cache, meta, scale, sliding_window)
 
 
 class ScaledKVCache(tuple):

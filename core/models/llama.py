@@ -21,9 +21,9 @@ from pagedserve.models.layers import (
     head_rms_norm,
     layer_windows,
     linear,
-    paged_attention,
     qkv_split,
     residual_linear,
+    rope_paged_attention,
 )
 
 if TYPE_CHECKING:
@@ -122,9 +122,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
         q, k, v = qkv_split(linear(ops, h, layer.qkv, layer.qkv_bias), self.attn)
         if layer.q_norm is not None:
             q, k = head_rms_norm(ops, q, layer.q_norm, eps), head_rms_norm(ops, k, layer.k_norm, eps)
-        if self.rope_layers[index]:
-            q, k = self.rope(ops, placement, meta.positions, q, k)
-        attn = paged_attention(ops, q, k, v, kv_cache, meta, self.attn.scale, self.windows[index])
+        rope = self.rope if self.rope_layers[index] else None
+        attn = rope_paged_attention(ops, rope, placement, q, k, v, kv_cache, meta, self.attn.scale, self.windows[index])
         x = self.parallel.all_reduce(residual_linear(ops, attn, layer.o, stream))
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier

@@ -727,6 +727,74 @@ def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> 
             yield desc, body
 
 
+#: (context length, new tokens) per sequence of rotary_paged_attention's decode batch
+#: (what the CPU fuses into one call): contexts inside one block, ending on a block's
+#: last slot, one past it, and several blocks long.
+ROTARY_DECODE_BATCH: tuple[tuple[int, int], ...] = ((1, 1), (16, 1), (17, 1), (33, 1), (70, 1), (5, 1))
+
+
+def _rotary_paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+    """rotary_paged_attention against the reference (rotary, cache write, attention) on
+    decode batches and on the mixed batch, rotary over the whole head and over part of
+    it; the new tokens' cache slots and the output are poisoned with NaN first."""
+    shapes = [
+        (16, 4, 2, 64, 64, ROTARY_DECODE_BATCH, "decode"),
+        (32, 8, 2, 64, 64, ROTARY_DECODE_BATCH, "decode"),
+        (16, 4, 1, 128, 128, ROTARY_DECODE_BATCH, "decode"),
+        (16, 4, 2, 64, 32, ROTARY_DECODE_BATCH, "decode-partial"),
+        (16, 8, 2, 64, 64, PAGED_ATTENTION_BATCH, "mixed"),
+    ]
+    for block_size, heads, kv_heads, head, rot, batch, kind in shapes:
+        desc = f"{kind}-bs{block_size}-h{heads}kv{kv_heads}-d{head}-rot{rot}"
+
+        def body(block_size=block_size, heads=heads, kv_heads=kv_heads, head=head, rot=rot, batch=batch,
+                 desc=desc) -> None:  # fmt: skip
+            c = _Case(f"rotary_paged_attention{desc}{dtype}", seed, t.device)
+            # Scattered blocks; table entries past each sequence's blocks name other blocks.
+            query, kc, vc, tables, seq_lens, qsl, num_blocks = _attention_inputs(
+                c, dtype, block_size, heads, kv_heads, head, batch
+            )
+            n = query.shape[0]
+            key, value = c.randn(n, kv_heads, head, dtype=dtype), c.randn(n, kv_heads, head, dtype=dtype)
+            # The new tokens: the last q_len positions of each sequence, and their slots.
+            positions = torch.cat([torch.arange(ctx - q, ctx) for ctx, q in batch])
+            slots = torch.cat(
+                [_context_slots(tables[i : i + 1], seq_lens[i : i + 1], block_size)[ctx - q :]
+                 for i, (ctx, q) in enumerate(batch)]
+            )  # fmt: skip
+            flat_k, flat_v = kc.view(-1, kv_heads, head), vc.view(-1, kv_heads, head)
+            flat_k[slots] = NAN  # an op that attends before (or without) writing them reads NaN
+            flat_v[slots] = NAN
+            cos_sin = _rope_cache(256, rot)
+            scale = head**-0.5
+            want_kc, want_vc = kc.clone(), vc.clone()
+            want = reference.rotary_paged_attention(
+                positions, query.clone(), key.clone(), value.clone(), cos_sin, want_kc, want_vc, slots, tables,
+                seq_lens, qsl, scale,
+            )  # fmt: skip
+            if not t.reference_layout(num_blocks, block_size, kv_heads, head):
+                raise CheckSkipped("the platform declares its own KV layout; its caches are not filled here")
+            for out_given in (True, False):
+                pkc, pvc = t.platform.allocate_kv_cache(num_blocks, block_size, kv_heads, head, dtype)
+                pkc.copy_(kc)
+                pvc.copy_(vc)
+                out = torch.full(query.shape, NAN, dtype=dtype, device=t.device)
+                args = (c.dev(positions), c.dev(query), c.dev(key), c.dev(value), c.dev(cos_sin), pkc, pvc,
+                        c.dev(slots), c.dev(tables), c.dev(seq_lens), c.dev(qsl), scale)  # fmt: skip
+                got = fn(*args, out=out) if out_given else fn(*args)
+                what = "rotary_paged_attention " + (
+                    "out (poisoned with NaN before the call)" if out_given else "(out=None)"
+                )
+                assert_matches(what, out if out_given else got, want, dtype)
+                if out_given:
+                    assert_matches("rotary_paged_attention return value (out=...)", got, want, dtype)
+                # The new keys (rotated) and values in the cache; every other slot untouched.
+                assert_matches("rotary_paged_attention key_cache", pkc, want_kc, dtype, equal_nan=True)
+                assert_matches("rotary_paged_attention value_cache", pvc, want_vc, dtype, exact=True, equal_nan=True)
+
+        yield desc, body
+
+
 def _mla_paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
     """Latent attention over a one-head cache pair: DeepSeek V2/V3's widths (512 + 64, in
     halves of 288), a small one, and an odd width whose second half is padded."""
@@ -881,6 +949,7 @@ OP_CASES: dict[str, Callable[[Target, Callable, torch.dtype, int], Cases]] = {
     "rms_norm": _rms_norm,
     "fused_add_rms_norm": _fused_add_rms_norm,
     "rotary_embedding": _rotary_embedding,
+    "rotary_paged_attention": _rotary_paged_attention,
     "silu_and_mul": _silu_and_mul,
     "gelu_and_mul": _gelu_and_mul,
     "fused_moe": _fused_moe,

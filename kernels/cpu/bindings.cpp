@@ -97,11 +97,23 @@ void parallel_rows(int64_t rows, int64_t cols, const F& f) {
   at::parallel_for(0, rows, grain, f);
 }
 
-void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                     const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
-                     const at::Tensor& query_start_loc_in, double scale, at::Tensor out, int64_t isa,
-                     int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& sinks_in,
-                     const std::optional<at::Tensor>& key_ends_in) {
+// One paged-attention call with every argument checked, ready to run: the int32
+// metadata (and sinks, key ends) it reads, held for the call's duration.
+struct AttentionCall {
+  at::Tensor bt, sl, qsl, sinks, key_ends;
+  AttnParams p;
+  AttnFns fns;
+  AttnItemFn item;
+  int num_seqs;
+  int64_t head_size;
+  at::TensorOptions float_options;
+};
+
+AttentionCall prepare_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
+                                const at::Tensor& query_start_loc_in, double scale, at::Tensor out, int64_t isa,
+                                int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& sinks_in,
+                                const std::optional<at::Tensor>& key_ends_in) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "query and out must both be [num_tokens, num_heads, head_size]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
@@ -124,33 +136,33 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
               int8 ? " (int8: head_size + 4)" : "");
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads=", num_heads,
               " is not a multiple of num_kv_heads=", num_kv_heads);
-  const at::Tensor bt = block_tables_in.to(at::kInt).contiguous();
-  const at::Tensor sl = seq_lens_in.to(at::kInt).contiguous();
-  const at::Tensor qsl = query_start_loc_in.to(at::kInt).contiguous();
+  AttentionCall c;
+  c.bt = block_tables_in.to(at::kInt).contiguous();
+  c.sl = seq_lens_in.to(at::kInt).contiguous();
+  c.qsl = query_start_loc_in.to(at::kInt).contiguous();
+  const at::Tensor &bt = c.bt, &sl = c.sl, &qsl = c.qsl;
   TORCH_CHECK(bt.dim() == 2 && sl.dim() == 1 && qsl.dim() == 1 && qsl.size(0) == sl.size(0) + 1 &&
                   bt.size(0) >= sl.size(0),
               "expected block_tables [num_seqs, max_blocks], seq_lens [num_seqs], query_start_loc [num_seqs + 1]");
-  const int num_seqs = sl.size(0);
+  c.num_seqs = sl.size(0);
   const IsaKernels& kernels = isa_at(isa);
   TORCH_CHECK(!kv8 || kernels.attention_kv8 != nullptr, "pagedserve: instruction set ", kernels.name,
               " has no attention kernel for 8-bit KV caches");
   DType kv_dtype = kv8 ? dtype_of(key_cache) : DType::kFloat32;
   if (fp8 && scaled)
     kv_dtype = key_cache.scalar_type() == at::kFloat8_e4m3fn ? DType::kFloat8E4M3Scaled : DType::kFloat8E5M2Scaled;
-  const AttnFns fns = kv8 ? kernels.attention_kv8(dtype_of(query), kv_dtype, head_size)
-                          : kernels.attention(dtype_of(query), head_size);
-  TORCH_CHECK(fns.item != nullptr, "pagedserve: no native attention kernel for head_size ", head_size);
+  c.fns = kv8 ? kernels.attention_kv8(dtype_of(query), kv_dtype, head_size) : kernels.attention(dtype_of(query), head_size);
+  TORCH_CHECK(c.fns.item != nullptr, "pagedserve: no native attention kernel for head_size ", head_size);
   TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 1 (0: none), got ", sliding_window);
   TORCH_CHECK_VALUE(soft_cap >= 0, "soft_cap must be > 0 (0: none), got ", soft_cap);
-  const AttnItemFn item = soft_cap > 0 ? fns.item_soft_cap : fns.item;
-  at::Tensor sinks;
+  c.item = soft_cap > 0 ? c.fns.item_soft_cap : c.fns.item;
   if (sinks_in.has_value()) {
-    sinks = sinks_in->to(at::kFloat).contiguous();
-    TORCH_CHECK_VALUE(sinks.dim() == 1 && sinks.size(0) == num_heads, "sinks must be [num_heads=", num_heads,
-                      "], got ", sinks.sizes());
+    c.sinks = sinks_in->to(at::kFloat).contiguous();
+    TORCH_CHECK_VALUE(c.sinks.dim() == 1 && c.sinks.size(0) == num_heads, "sinks must be [num_heads=", num_heads,
+                      "], got ", c.sinks.sizes());
   }
 
-  AttnParams p{
+  c.p = AttnParams{
       query.data_ptr(), query.stride(0), query.stride(1),
       key_cache.data_ptr(), value_cache.data_ptr(),
       key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -159,28 +171,48 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
       out.data_ptr(), out.stride(0), out.stride(1),
       num_heads, num_kv_heads, int32_t(key_cache.size(1)), head_size, float(scale),
       int32_t(std::min<int64_t>(sliding_window, INT32_MAX)), float(soft_cap)};
-  if (sinks.defined()) p.sinks = sinks.data_ptr<float>();
-  at::Tensor key_ends;
+  if (c.sinks.defined()) c.p.sinks = c.sinks.data_ptr<float>();
   if (key_ends_in.has_value()) {
-    key_ends = key_ends_in->to(at::kInt).contiguous();
-    TORCH_CHECK_VALUE(key_ends.dim() == 1 && key_ends.size(0) == query.size(0), "key_ends must be [num_tokens=",
-                      query.size(0), "], got ", key_ends.sizes());
-    p.key_ends = key_ends.data_ptr<int32_t>();
+    c.key_ends = key_ends_in->to(at::kInt).contiguous();
+    TORCH_CHECK_VALUE(c.key_ends.dim() == 1 && c.key_ends.size(0) == query.size(0), "key_ends must be [num_tokens=",
+                      query.size(0), "], got ", c.key_ends.sizes());
+    c.p.key_ends = c.key_ends.data_ptr<int32_t>();
   }
-  validate_attention(p, num_seqs, bt.size(1), key_cache.size(0), query.size(0));
-  const AttnPlan plan = plan_attention(p, num_seqs, at::get_num_threads());
+  validate_attention(c.p, c.num_seqs, bt.size(1), key_cache.size(0), query.size(0));
+  c.head_size = head_size;
+  c.float_options = query.options().dtype(at::kFloat);
+  return c;
+}
+
+void run_attention(const AttentionCall& c) {
+  const AttnPlan plan = plan_attention(c.p, c.num_seqs, at::get_num_threads());
   at::Tensor partials;
   float* pp = nullptr;
   if (plan.partial_rows > 0) {
-    partials = at::empty({plan.partial_rows, head_size + 2}, query.options().dtype(at::kFloat));
+    partials = at::empty({plan.partial_rows, c.head_size + 2}, c.float_options);
     pp = partials.data_ptr<float>();
   }
-  parallel_dynamic(plan.work.size(), [&](int64_t i) { item(p, plan.work[i], pp); });
-  parallel_dynamic(plan.merges.size(), [&](int64_t i) { fns.merge(p, plan.merges[i], pp); });
+  const AttnItemFn item = c.item;
+  parallel_dynamic(plan.work.size(), [&](int64_t i) { item(c.p, plan.work[i], pp); });
+  parallel_dynamic(plan.merges.size(), [&](int64_t i) { c.fns.merge(c.p, plan.merges[i], pp); });
 }
 
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
-                       const at::Tensor& slot_mapping_in) {
+void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
+                     const at::Tensor& query_start_loc_in, double scale, at::Tensor out, int64_t isa,
+                     int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& sinks_in,
+                     const std::optional<at::Tensor>& key_ends_in) {
+  run_attention(prepare_attention(query, key_cache, value_cache, block_tables_in, seq_lens_in, query_start_loc_in,
+                                  scale, out, isa, sliding_window, soft_cap, sinks_in, key_ends_in));
+}
+
+// A checked cache write: the int64 slots it reads, held for the call's duration.
+struct CacheWrite {
+  at::Tensor slots;
+};
+
+CacheWrite prepare_cache_write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                               const at::Tensor& value_cache, const at::Tensor& slot_mapping_in) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [num_tokens, num_kv_heads, head_size]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
                   key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2),
@@ -191,13 +223,21 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   check_lastdim(value, "value");
   check_lastdim(key_cache, "key_cache");
   check_lastdim(value_cache, "value_cache");
-  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
-  const int64_t num_tokens = key.size(0), heads = key.size(1);
-  TORCH_CHECK(slots.numel() == num_tokens, "slot_mapping has ", slots.numel(), " entries for ", num_tokens, " tokens");
-  const int64_t block_size = key_cache.size(1), num_slots = key_cache.size(0) * block_size;
-  const int64_t* sm = slots.data_ptr<int64_t>();
+  CacheWrite w{slot_mapping_in.to(at::kLong).contiguous()};
+  const int64_t num_tokens = key.size(0);
+  TORCH_CHECK(w.slots.numel() == num_tokens, "slot_mapping has ", w.slots.numel(), " entries for ", num_tokens,
+              " tokens");
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* sm = w.slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t)  // check everything before writing anything
     TORCH_CHECK(sm[t] < num_slots, "slot ", sm[t], " out of range for a cache of ", num_slots, " slots");
+  return w;
+}
+
+void run_cache_write(const CacheWrite& w, const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                     at::Tensor& value_cache) {
+  const int64_t num_tokens = key.size(0), heads = key.size(1), block_size = key_cache.size(1);
+  const int64_t* sm = w.slots.data_ptr<int64_t>();
   const int64_t elem = key.element_size(), row_bytes = key.size(2) * elem;
   auto copy = [&](const at::Tensor& src, at::Tensor& dst, int64_t t, int64_t slot) {
     const char* s = static_cast<const char*>(src.data_ptr()) + t * src.stride(0) * elem;
@@ -213,6 +253,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
       copy(value, value_cache, t, sm[t]);
     }
   });
+}
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+                       const at::Tensor& slot_mapping_in) {
+  run_cache_write(prepare_cache_write(key, value, key_cache, value_cache, slot_mapping_in), key, value, key_cache,
+                  value_cache);
 }
 
 EltFns elementwise(const at::Tensor& x, int64_t isa) { return isa_at(isa).elementwise(dtype_of(x)); }
@@ -265,8 +311,15 @@ void fused_add_rms_norm_f32res(const at::Tensor& x, at::Tensor residual, const a
   parallel_rows(rows, hidden, [&](int64_t b, int64_t e) { fn(a, b, e); });
 }
 
-void rotary_embedding(const at::Tensor& positions_in, at::Tensor query, at::Tensor key,
-                      const at::Tensor& cos_sin_cache, int64_t isa) {
+// A checked rotary call: the int64 positions it reads, held for the call's duration.
+struct RotaryCall {
+  at::Tensor positions;
+  RotaryArgs args;
+  RowsFn<RotaryArgs> fn;
+};
+
+RotaryCall prepare_rotary(const at::Tensor& positions_in, at::Tensor& query, at::Tensor& key,
+                          const at::Tensor& cos_sin_cache, int64_t isa) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && key.size(0) == query.size(0) && key.size(2) == query.size(2) &&
                   key.scalar_type() == query.scalar_type(),
               "query [num_tokens, num_heads, head_size] and key [num_tokens, num_kv_heads, head_size] expected");
@@ -276,16 +329,55 @@ void rotary_embedding(const at::Tensor& positions_in, at::Tensor query, at::Tens
               "cos_sin_cache must be a contiguous float32 [max_position, rotary_dim] tensor");
   const int64_t rot = cos_sin_cache.size(1), num_tokens = query.size(0), max_pos = cos_sin_cache.size(0);
   TORCH_CHECK(rot % 2 == 0 && rot <= query.size(2), "rotary_dim ", rot, " must be even and <= head_size");
-  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
-  TORCH_CHECK(positions.numel() == num_tokens, "one position per token expected");
-  const int64_t* pos = positions.data_ptr<int64_t>();
+  RotaryCall c;
+  c.positions = positions_in.to(at::kLong).contiguous();
+  TORCH_CHECK(c.positions.numel() == num_tokens, "one position per token expected");
+  const int64_t* pos = c.positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the cos/sin cache of ", max_pos);
-  const RotaryArgs a{pos, query.data_ptr(), query.stride(0), query.stride(1), int32_t(query.size(1)),
-                     key.data_ptr(), key.stride(0), key.stride(1), int32_t(key.size(1)),
-                     int32_t(query.size(2)), int32_t(rot), cos_sin_cache.data_ptr<float>(), rot};
-  const auto fn = elementwise(query, isa).rotary;
-  parallel_rows(num_tokens, (query.size(1) + key.size(1)) * rot, [&](int64_t b, int64_t e) { fn(a, b, e); });
+  c.args = RotaryArgs{pos, query.data_ptr(), query.stride(0), query.stride(1), int32_t(query.size(1)),
+                      key.data_ptr(), key.stride(0), key.stride(1), int32_t(key.size(1)),
+                      int32_t(query.size(2)), int32_t(rot), cos_sin_cache.data_ptr<float>(), rot};
+  c.fn = elementwise(query, isa).rotary;
+  return c;
+}
+
+void run_rotary(const RotaryCall& c) {
+  const RotaryArgs& a = c.args;
+  const auto fn = c.fn;
+  parallel_rows(c.positions.numel(), int64_t(a.num_q_heads + a.num_k_heads) * a.rot_dim,
+                [&](int64_t b, int64_t e) { fn(a, b, e); });
+}
+
+void rotary_embedding(const at::Tensor& positions_in, at::Tensor query, at::Tensor key,
+                      const at::Tensor& cos_sin_cache, int64_t isa) {
+  run_rotary(prepare_rotary(positions_in, query, key, cos_sin_cache, isa));
+}
+
+// rotary_embedding, reshape_and_cache and paged_attention in one call (see
+// reference.rotary_paged_attention): every argument of the three is checked before
+// anything is written; then query and key are rotated in place, key and value written
+// into the cache, and the attention runs over it.  The rotation and the write are row
+// kernels that run inline at decode sizes (kSerialElems), so a decode step's call opens
+// the attention's parallel region(s) and no other.  Same kernels as the three separate
+// calls: the same results, bit for bit.
+void rotary_paged_attention(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& value,
+                            const at::Tensor& cos_sin_cache, at::Tensor key_cache, at::Tensor value_cache,
+                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                            at::Tensor out, int64_t isa) {
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(),
+              "rotary_paged_attention: the KV cache must be of the keys' dtype (8-bit caches take the separate ops)");
+  TORCH_CHECK(key.dim() == 3 && key.size(1) == key_cache.size(2),
+              "key must be [num_tokens, num_kv_heads, head_size] matching the cache");
+  TORCH_CHECK(query.data_ptr() != key.data_ptr(), "query and key must not share storage");
+  const RotaryCall rot = prepare_rotary(positions, query, key, cos_sin_cache, isa);
+  const CacheWrite write = prepare_cache_write(key, value, key_cache, value_cache, slot_mapping);
+  const AttentionCall attn = prepare_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                               scale, out, isa, 0, 0.0, std::nullopt, std::nullopt);
+  run_rotary(rot);
+  run_cache_write(write, key, value, key_cache, value_cache);
+  run_attention(attn);
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa) {
@@ -578,6 +670,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm_f32res", &k::fused_add_rms_norm_f32res, nogil,
         "float32 residual += x; out = rms_norm(residual) * weight rounded once to out's dtype");
   m.def("rotary_embedding", &k::rotary_embedding, nogil, "neox rotary embedding of query and key, in place");
+  m.def("rotary_paged_attention", &k::rotary_paged_attention, nogil,
+        "rotary_embedding, reshape_and_cache and paged_attention in one call (writes out)");
   m.def("silu_and_mul", &k::silu_and_mul, nogil, "silu(x[..., :d]) * x[..., d:]");
   m.def("embedding", &k::embedding, nogil, "rows of weight [vocab, hidden] picked by 1-D token ids");
   m.def("argmax", &k::argmax, nogil, "index of the largest value of each row (first of ties, NaN first)");

@@ -489,6 +489,60 @@ class NativeCpuKernels:
         self.module.rotary_embedding(positions, query, key, cos_sin_cache, self._isa)
         return query, key
 
+    def rotary_paged_attention(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See reference.rotary_paged_attention: one native call (rotary in place on query
+        and key, the cache write, the attention) where the three native kernels take the
+        inputs (a KV cache of the query's dtype: an 8-bit one takes the separate ops, whose
+        write quantizes in torch); otherwise those three ops one after the other."""
+        dtype = query.dtype
+        if out is None:
+            out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        if (
+            dtype in _DTYPES
+            and key.dtype is dtype
+            and value.dtype is dtype
+            and key_cache.dtype is dtype
+            and value_cache.dtype is dtype
+            and out.dtype is dtype
+            and query.shape[-1] in self.head_sizes
+            and query.dim() == 3
+            and key.dim() == 3
+            and query.is_cpu
+            and query.stride(-1) == 1
+            and key.stride(-1) == 1
+            and value.stride(-1) == 1
+            and out.stride(-1) == 1
+            and query.data_ptr() != key.data_ptr()
+            and cos_sin_cache.dtype is torch.float32
+            and cos_sin_cache.is_contiguous()
+        ):
+            self.module.rotary_paged_attention(
+                positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping,
+                block_tables, seq_lens, query_start_loc, float(scale), out, self._isa,
+            )  # fmt: skip
+            # It ran the native attention kernel: counted as such too.
+            OP_CALLS["rotary_paged_attention:native"] = OP_CALLS.get("rotary_paged_attention:native", 0) + 1
+            OP_CALLS["paged_attention:native"] = OP_CALLS.get("paged_attention:native", 0) + 1
+            return out
+        query, key = self.rotary_embedding(positions, query, key, cos_sin_cache)
+        self.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return self.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """See reference.linear.  Up to LINEAR_MAX_ROWS bf16 rows (decode) go to the skinny
         kernel, which reads each weight once; larger batches to torch's GEMM."""

@@ -37,6 +37,7 @@ __all__ = [
     "attention_candidates",
     "call_runs",
     "make_prefill_split",
+    "make_rotary_paged_attention",
     "sdpa_paged_attention",
 ]
 
@@ -123,6 +124,45 @@ def make_prefill_split(prefill: AttentionFn, decode: AttentionFn, min_tokens: in
         return call_runs(fns, qsl, *args, out)
 
     return paged_attention
+
+
+def make_rotary_paged_attention(native: Any, ops: Any, decode_native: Callable[..., bool] | None = None) -> Callable:
+    """rotary_paged_attention (reference.rotary_paged_attention) of the CPU platform: a
+    decode step (one query token per sequence) whose attention is the native kernel
+    goes to the native fused call (kernels/cpu/native.py: rotary, cache write and
+    attention in one call); anything else (prefill chunks, which the tiled kernels may
+    take) runs ``ops``'s own rotary_embedding, reshape_and_cache and paged_attention.
+    ``decode_native(query, key_cache)``: whether the registry's paged_attention runs a
+    decode step over that cache on the native kernel (measured dispatch may choose
+    another); None: it always does."""
+    fused = native.rotary_paged_attention
+
+    def rotary_paged_attention(
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See reference.rotary_paged_attention."""
+        if 0 < query.shape[0] <= seq_lens.shape[0] and (decode_native is None or decode_native(query, key_cache)):
+            return fused(
+                positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping,
+                block_tables, seq_lens, query_start_loc, scale, out,
+            )  # fmt: skip
+        query, key = ops.rotary_embedding(positions, query, key, cos_sin_cache)
+        ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
+
+    return rotary_paged_attention
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, ctx: int) -> torch.Tensor:

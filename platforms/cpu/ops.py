@@ -3,6 +3,8 @@ the quantized linear ops (platforms/cpu/quant_ops.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pagedserve.platforms.ops import REFERENCE_CAPABILITIES, OpRegistry
 from pagedserve.platforms.options import CpuOptions
 
@@ -24,6 +26,8 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
     included.  When the native kernels cannot be built, their torch references stay
     registered; the loader has already warned why.
     """
+    import torch
+
     from pagedserve.kernels.cpu import load_cpu_kernels
     from pagedserve.platforms.cpu import dense_ops
     from pagedserve.platforms.cpu.quant_ops import register_cpu_quant_ops
@@ -46,6 +50,7 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
         from pagedserve.platforms.cpu.tuning import Tuner, TuningCache
 
         tuner = Tuner(TuningCache.default())
+    decode_native: Callable[..., bool] | None = None
     if kernels is not None and options.amx_attention:
         from pagedserve.platforms.cpu.attention_ops import WHOLE_BATCH, attention_candidates
 
@@ -64,8 +69,24 @@ def register_cpu_ops(ops: OpRegistry, options: CpuOptions | None = None) -> None
             tuned_attn = TunedAttention(tuner, whole, static=split)
             source = f"{kernels.source}+tuned(" + ",".join(sorted(whole)) + ")"
             ops.register("paged_attention", tuned_attn.op(), source=source)
+            native_attention = candidates["native"]
+
+            def tuned_decode_native(query, key_cache) -> bool:
+                # Other dtypes go to the static split, whose decodes run native.
+                if query.dtype is not torch.bfloat16 or key_cache.dtype is not torch.bfloat16:
+                    return True
+                return tuned_attn.decode_kernel(query, key_cache) is native_attention
+
+            decode_native = tuned_decode_native
+
         elif split is not None:
             ops.register("paged_attention", split, source=f"{kernels.source}+{split_name.replace('_', '-')}")
+    if kernels is not None:
+        from pagedserve.platforms.cpu.attention_ops import make_rotary_paged_attention
+
+        # Decode steps in one native call where their attention is the native kernel.
+        fused = make_rotary_paged_attention(kernels, ops, decode_native)
+        ops.register("rotary_paged_attention", fused, source=f"{kernels.source}+fused-decode")
     native = kernels if kernels is not None and kernels.has_packed_linear else None
     if options.prepack and tuner is not None and (native is not None or dense_ops.onednn_available()):
         # Measured dispatch (platforms/cpu/tuned_linear.py): the kernels timed on the

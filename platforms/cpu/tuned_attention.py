@@ -197,6 +197,17 @@ class TunedAttention:
         fns = [self._pick(buckets, route, qsl[i + 1] - qsl[i]) for i in range(num_seqs)]
         return call_runs(fns, qsl, *args, out)
 
+    def decode_kernel(self, query: torch.Tensor, key_cache: torch.Tensor) -> AttentionFn:
+        """The candidate a decode step (one bf16 query token per sequence, no window, cap,
+        sinks or key ends) over ``key_cache`` runs (tuned on first use): what a fused op
+        that embeds one kernel asks before it takes the step."""
+        found = self._decode.get(id(key_cache))
+        if found is not None and found[0]() is key_cache and found[1] is query.dtype and found[2] == query.shape[1]:
+            return found[3]
+        fn = self.route(query, key_cache)[1][0]
+        self._remember_decode(query, key_cache, fn)
+        return fn
+
     def _remember_decode(self, query: torch.Tensor, key_cache: torch.Tensor, fn: AttentionFn) -> None:
         """Keep ``fn`` as the decode kernel of ``key_cache`` (see :meth:`op`); the entry goes
         when the tensor does (a cache that is rebuilt, or a view made per call, never

@@ -84,7 +84,9 @@ def pagedserve_register_platforms(register):
 @hookimpl
 def pagedserve_register_ops(platform, ops):
     if isinstance(platform, HeadMajorCpuPlatform):
-        impls = {name: getattr(reference, name) for name in reference.OP_NAMES}
+        # rotary_paged_attention keeps the registry's default, the composition of these
+        # parts (the reference one composes the reference parts, for the reference layout).
+        impls = {name: getattr(reference, name) for name in reference.OP_NAMES if name != "rotary_paged_attention"}
         impls.update(reshape_and_cache=reshape_and_cache, paged_attention=paged_attention)
         for name, fn in impls.items():
             ops.register(name, counted(name, fn), source="cpu-hm")

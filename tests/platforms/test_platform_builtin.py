@@ -98,7 +98,7 @@ def test_op_registry_defaults_to_the_reference_for_every_op():
     ops = OpRegistry()
     assert [name for name, _ in ops.table()] == list(reference.OP_NAMES)
     # The registry's own parts, composed.
-    composite = {"linear_silu_and_mul", "gguf_linear_silu_and_mul", "gguf_linear_stacked"}
+    composite = {"linear_silu_and_mul", "gguf_linear_silu_and_mul", "gguf_linear_stacked", "rotary_paged_attention"}
     for name in reference.OP_NAMES:
         assert ops.source(name) == "reference"
         assert (ops.get(name) is getattr(reference, name)) == (name not in composite), name
