@@ -194,7 +194,14 @@ def test_preemption_with_an_8bit_cache_gives_identical_outputs(path, mode, cd, k
 
 @pytest.mark.parametrize("cd", KV8)
 def test_host_tier_round_trip_moves_the_bytes_exactly(path, cd):
-    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_dtype=cd, kv_cache_memory="2MiB", kv_offload_memory="1MiB")
+    llm = LLM(
+        model=str(path),
+        dtype="bfloat16",
+        kv_cache_dtype=cd,
+        kv_cache_memory="2MiB",
+        kv_offload_memory="1MiB",
+        block_size=16,
+    )
     runner = llm.llm_engine.runner
     gen = torch.Generator().manual_seed(11)
     for k, v in runner.kv_caches:  # random bytes, NaN and inf patterns included
@@ -219,7 +226,7 @@ def test_host_tier_round_trip_moves_the_bytes_exactly(path, cd):
 def test_handoff_moves_the_quantized_bytes_and_refuses_another_dtype(path, cd, wire):
     """(fp8 rows with their scales: the bytes of both; an engine with unscaled rows is refused.)"""
     prompt = prompts_for(9, (50,))[0]
-    kw = dict(model=str(path), dtype="float32", kv_cache_memory="4MiB")
+    kw = dict(model=str(path), dtype="float32", kv_cache_memory="4MiB", block_size=16)
     src = LLM(**kw, kv_cache_dtype=cd)
     greedy(src, [prompt], 1)
     kv = src.llm_engine.export_prefix_kv(prompt)
