@@ -479,7 +479,7 @@ class CacheConfig:
         default=None,
         metadata=_help(
             "tokens per KV-cache block (a power of two); default: the platform's (`pagedserve platforms`: 16 on "
-            "CUDA and ROCm, 64 on the CPU; 16 for models with recurrent-state layers; docs/memory.md)"
+            "the builtin platforms; at most 16 for models with recurrent-state layers; docs/memory.md)"
         ),
     )
     kv_cache_memory: int | str | None = field(

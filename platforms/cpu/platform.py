@@ -48,10 +48,11 @@ class CpuPlatform(Platform):
     # (docs/serving.md#latency-under-load).
     default_long_prefill_token_threshold = 512
     # Decode attention streams each kv head's rows of a block as one contiguous run
-    # (head-major storage, allocate_kv_cache): 16-token blocks make those runs 2 KiB at the
-    # default model's head size, which the memory system reads at a fraction of a
-    # sequential stream; longer runs read faster (docs/benchmarks.md, "Zen 4 KV block size").
-    default_block_size = 64
+    # (head-major storage, allocate_kv_cache), and longer runs read faster; but end to end
+    # on Zen 4, 32/64/128-token blocks left the bf16 workloads within noise of 16 and made
+    # the default GGUF path's fixed workload 5-9% slower (docs/benchmarks.md, "Zen 4 KV
+    # block size"), while costing prefix-cache granularity and last-block memory: 16.
+    default_block_size = 16
     # Every paged_attention candidate reads fp8 and int8 caches (the reference by
     # dequantizing; the native kernel reads fp8 rows in registers with AVX-512 and
     # otherwise runs on the touched blocks dequantized: kernels/cpu/native.py; the AMX

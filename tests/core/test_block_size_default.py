@@ -17,10 +17,10 @@ from pagedserve.platforms.cpu.platform import CpuPlatform
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_the_cpu_platform_has_its_own_default_and_others_keep_16():
+def test_each_platform_has_a_default_block_size():
     assert Platform.default_block_size == 16
     cpu = CpuPlatform.default_block_size
-    assert cpu > 16 and cpu & (cpu - 1) == 0
+    assert cpu >= 16 and cpu & (cpu - 1) == 0
     assert CpuPlatform().describe()["default_block_size"] == cpu
 
 
@@ -61,9 +61,11 @@ def test_a_block_size_that_is_no_power_of_two_is_refused():
         CacheConfig(block_size=24)
 
 
-def test_the_engine_runs_with_the_cpu_default_unless_told_otherwise(tiny_llama, caplog):
-    cpu = CpuPlatform.default_block_size
-    prompt = list(range(5, 5 + cpu + 9))  # past one CPU block: a block boundary inside the prompt
+def test_the_engine_runs_with_the_platform_default_unless_told_otherwise(tiny_llama, caplog, monkeypatch):
+    # A default other than 16 (whatever the CPU's is), so that the user's 16 is told apart.
+    default = 32
+    monkeypatch.setattr(CpuPlatform, "default_block_size", default)
+    prompt = list(range(5, 5 + default + 9))  # past one default block: a block boundary inside the prompt
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
     outs = {}
     for block_size in (None, 16):
@@ -72,7 +74,7 @@ def test_the_engine_runs_with_the_cpu_default_unless_told_otherwise(tiny_llama, 
             llm = LLM(model=str(tiny_llama), dtype="float32", max_model_len=256, kv_cache_memory="8MiB", **kwargs)
         try:
             engine = llm.llm_engine
-            want = cpu if block_size is None else block_size
+            want = default if block_size is None else block_size
             assert engine.config.cache.block_size == want
             assert engine.runner.block_size == want and engine.kv.block_size == want
             assert engine.runner.kv_caches[0][0].shape[1] == want
