@@ -475,7 +475,13 @@ class CacheConfig:
     docs/memory.md.
     """
 
-    block_size: int = field(default=16, metadata=_help("tokens per KV-cache block (a power of two)"))
+    block_size: int | None = field(
+        default=None,
+        metadata=_help(
+            "tokens per KV-cache block (a power of two); default: the platform's (`pagedserve platforms`: 16 on "
+            "the builtin platforms; at most 16 for models with recurrent-state layers; docs/memory.md)"
+        ),
+    )
     kv_cache_memory: int | str | None = field(
         default=None,
         metadata=_help("bytes for KV-cache blocks, e.g. 4GiB; takes precedence over --gpu-memory-utilization"),
@@ -569,7 +575,7 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.memory_utilization is not None and not 0.0 < self.memory_utilization <= 1.0:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")

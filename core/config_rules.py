@@ -11,7 +11,7 @@ workers spawned.  Rules that need the model's shape (heads, layers) are in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,6 +24,8 @@ __all__ = [
     "check_sliding_window_cache",
     "check_kv_cache_groups",
     "check_recurrent_state",
+    "resolve_block_size",
+    "RECURRENT_STATE_BLOCK_SIZE",
     "RECURRENT_STATE",
     "NO_KV_CACHE",
     "check_prompt_fits_step",
@@ -283,6 +285,51 @@ RECURRENT_STATE = "recurrent"
 #: The "window" of a layer that keeps nothing per request (an MLP-only layer of a
 #: one-mixer-per-layer model such as Nemotron-H): it belongs to no KV cache group.
 NO_KV_CACHE = "no_kv"
+
+
+#: The KV block size of a model with recurrent-state layers when the user sets none:
+#: its prefix-cache checkpoints fall every ``state_checkpoint_interval`` blocks, and
+#: each state layer group's pages are blocks, so a platform's larger default would
+#: coarsen both.
+RECURRENT_STATE_BLOCK_SIZE = 16
+
+
+def resolve_block_size(
+    cfg: EngineConfig, platform_defaults: Sequence[int], windows: Sequence[int | str | None] = ()
+) -> tuple[EngineConfig, str]:
+    """``cfg`` with ``cache.block_size`` set, and how it was chosen (for the log).
+
+    The user's block size always wins.  Otherwise the platform's
+    ``default_block_size``; ``platform_defaults`` holds one per platform the model's
+    layers run on (several under a device map: the smallest, so that no platform gets
+    blocks larger than it asked for); and at most :data:`RECURRENT_STATE_BLOCK_SIZE`
+    for a model with recurrent-state layers (``windows``: each layer's, as
+    ``layer_windows`` gives them).  Resolved before anything sizes the KV cache; every
+    rank and every instance built from the returned config uses the same value.  ``cfg``
+    itself is left as it is (a config may be used again on another platform).
+    """
+    import dataclasses
+
+    if cfg.cache.block_size is not None:
+        return cfg, f"block_size={cfg.cache.block_size} (set)"
+    if not platform_defaults:
+        raise ValueError("resolve_block_size needs the default block size of at least one platform")
+    size = min(platform_defaults)
+    how = (
+        f"the platform's default {size}"
+        if len(set(platform_defaults)) == 1
+        else f"the smallest platform default {size}"
+    )
+    if RECURRENT_STATE in windows and size > RECURRENT_STATE_BLOCK_SIZE:
+        how = (
+            f"{RECURRENT_STATE_BLOCK_SIZE} for a model with recurrent-state layers (prefix-cache checkpoints every "
+            f"state_checkpoint_interval blocks; the platform's default is {size})"
+        )
+        size = RECURRENT_STATE_BLOCK_SIZE
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"a platform's default_block_size must be a power of two >= 1, got {size}")
+    cache = dataclasses.replace(cfg.cache, block_size=size)
+    return dataclasses.replace(cfg, cache=cache), f"block_size={size}: {how}"
 
 
 def check_kv_cache_groups(

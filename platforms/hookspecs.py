@@ -27,7 +27,7 @@ ENTRY_POINT_GROUP = "pagedserve.platforms"
 
 #: The platform interface version this core provides ("MAJOR.MINOR"): bump the minor
 #: version for every addition, the major version for anything else (docs/platforms.md).
-PLATFORM_INTERFACE_VERSION = "1.9"
+PLATFORM_INTERFACE_VERSION = "1.10"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -84,6 +84,7 @@ class Platform:
         supported_dtypes: dtypes this platform can run models in.
         pin_memory_available: whether host tensors can be pinned for async copies.
         default_memory_utilization: the memory fraction used when the user gives none.
+        default_block_size: tokens per KV-cache block when the user gives none.
         interface_version: the platform interface version ("MAJOR.MINOR") the class was
             written against; checked against PLATFORM_INTERFACE_VERSION when it is
             registered.  Undeclared means FIRST_INTERFACE_VERSION.
@@ -105,6 +106,13 @@ class Platform:
     #: takes long next to a decode step caps it, to bound the inter-token latency of
     #: the decodes sharing the step.
     default_long_prefill_token_threshold: ClassVar[int] = 0
+    #: Tokens per KV-cache block when the user sets no block_size (interface 1.10): a
+    #: power of two.  A larger block makes each KV head's rows of a block one longer
+    #: contiguous run, which a device whose attention streams scattered blocks reads
+    #: faster; a smaller one caches prompt prefixes at a finer grain and wastes less of
+    #: each sequence's last block.  Where a device map spans several platforms the
+    #: engine takes the smallest of theirs.
+    default_block_size: ClassVar[int] = 16
     #: Order-of-magnitude figures for the swap-vs-recompute preemption cost model:
     #: bytes/s of a host<->device block copy and FLOP/s of a forward pass.
     host_copy_bandwidth: ClassVar[float] = 5e9
@@ -204,7 +212,10 @@ class Platform:
 
     def describe(self) -> dict[str, Any]:
         """A few facts for `pagedserve platforms` (dtype, memory)."""
-        info: dict[str, Any] = {"default_dtype": str(self.default_dtype).replace("torch.", "")}
+        info: dict[str, Any] = {
+            "default_dtype": str(self.default_dtype).replace("torch.", ""),
+            "default_block_size": self.default_block_size,
+        }
         try:
             info["total_memory"] = self.total_memory()
         except Exception as exc:  # reported, not hidden: shown in the listing

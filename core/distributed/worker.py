@@ -114,6 +114,7 @@ class Worker:
             source = self._open_target(platform, ops, dtype)
         self.source = source  # read again on waking from sleep level 2
         arch = ArchConfig.from_hf(source.hf_config)
+        cfg = self.config = self._agree_on_block_size(cfg, platform, arch)
         max_model_len = effective_max_model_len(cfg.model.max_model_len, arch.max_position_embeddings, arch.head_dim)
         self.runner = ModelRunner(
             platform,
@@ -144,6 +145,26 @@ class Worker:
         if spec is not None and spec.draft_tp > 1:
             self.draft = self._load_draft(spec, platform, ops, dtype)
         return num_blocks
+
+    def _agree_on_block_size(self, cfg: EngineConfig, platform, arch: ArchConfig) -> EngineConfig:
+        """``cfg`` with the KV block size every rank uses.  The engine's own ranks get it
+        resolved; a worker node's ranks (``--headless``) resolve their node's settings as
+        the engine does; ValueError on every rank when two ranks differ (different
+        platforms' defaults), since their block tables would not match."""
+        from pagedserve.config_rules import resolve_block_size
+        from pagedserve.models.layers import layer_windows
+
+        if cfg.cache.block_size is None:
+            windows = layer_windows(arch.hf_config, arch.num_layers)
+            cfg = resolve_block_size(cfg, [platform.default_block_size], windows)[0]
+        bs = cfg.cache.block_size
+        low, high = self.parallel.min_over_ranks(bs), -self.parallel.min_over_ranks(-bs)
+        if low != high:
+            raise ValueError(
+                f"the ranks' KV block sizes differ ({low} to {high} tokens; rank {self.rank}: {bs}), as their "
+                "platforms' defaults do: set block_size (--block-size) on every node"
+            )
+        return cfg
 
     def _open_target(self, platform, ops, dtype: torch.dtype):
         """The target checkpoint, its linear weights loading quantized as in the engine's

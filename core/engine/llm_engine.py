@@ -25,6 +25,7 @@ from pagedserve.config_rules import (
     check_multimodal,
     check_parallel_fits_model,
     check_sliding_window_cache,
+    resolve_block_size,
 )
 from pagedserve.engine.async_pipeline import AsyncPipeline
 from pagedserve.engine.input_processor import InputProcessor
@@ -47,6 +48,7 @@ from pagedserve.models.registry import resolve_vision_class
 from pagedserve.multimodal.processor import build_mm_processor
 from pagedserve.offload import build_kv_manager, offload_weights
 from pagedserve.offload.connectors import check_kv_connector, is_device_layout_connector
+from pagedserve.offload.device_map import device_map_platform_classes
 from pagedserve.outputs import RequestOutput
 from pagedserve.platforms import select_platform
 from pagedserve.pooling import PoolingParams, load_score_head, resolve_pooling
@@ -85,6 +87,8 @@ class LLMEngine:
                 vision_cls.check_engine(config, self.arch, self.ops, source.path)
         # The window by which the KV manager frees slid-out blocks (None: keeps them all).
         windows = layer_windows(self.arch.hf_config, self.arch.num_layers)
+        # The KV block size (the user's, else the platform's), before anything sizes the cache.
+        self.config = config = self._resolve_block_size(config, windows)
         tier = config.cache.kv_connector is not None and is_device_layout_connector(config.cache.kv_connector)
         kv_window = check_sliding_window_cache(config, uniform_window(windows), tier)
         check_kv_cache_groups(config, windows, tier)  # layers with different windows: one table per group
@@ -168,6 +172,16 @@ class LLMEngine:
         self._handoff = KVHandoff(self.kv, self.runner)
         #: Sleep mode: the level the engine sleeps at, None while awake.
         self.sleep_level: int | None = None
+
+    def _resolve_block_size(self, config: EngineConfig, windows: list) -> EngineConfig:
+        """``config`` with its block size resolved (config_rules.resolve_block_size): the
+        platforms of a device map each have a default."""
+        defaults = [self.platform.default_block_size]
+        if config.device.device_map is not None:
+            defaults += [cls.default_block_size for cls in device_map_platform_classes(config.device.device_map)]
+        config, how = resolve_block_size(config, defaults, windows)
+        logger.info("KV cache blocks of %d tokens (%s)", config.cache.block_size, how)
+        return config
 
     # -- sleep mode --------------------------------------------------------------------------
     @property

@@ -236,7 +236,7 @@ class ModelRunner:
         #: kv_offload_memory), in the device cache's layout; empty without one.
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_host_blocks = 0
-        self.block_size = 16
+        self.block_size = platform.default_block_size  # allocate_kv_cache sets the engine's
         self.num_blocks = 0
         #: With KV cache groups (kv_groups.py): each model layer's group, and each local
         #: layer's KV tensor ("slot"); None: one group, one tensor per layer.

@@ -31,7 +31,13 @@ import torch
 from pagedserve.config import device_map_classes, device_map_layers, parse_device_map
 from pagedserve.platforms import OpRegistry, Platform, PlatformRegistry, discover
 
-__all__ = ["Segment", "resolve_device_map", "resolve_expert_segment", "check_device_map_platforms"]
+__all__ = [
+    "Segment",
+    "resolve_device_map",
+    "resolve_expert_segment",
+    "check_device_map_platforms",
+    "device_map_platform_classes",
+]
 
 
 @dataclass
@@ -75,6 +81,15 @@ def check_device_map_platforms(device_map: str, registry: PlatformRegistry | Non
             f"available platforms: {available}"
         )
     return reg
+
+
+def device_map_platform_classes(device_map: str) -> list[type[Platform]]:
+    """The platform classes of the map's layer segments (each once; a routed-experts
+    platform holds no KV cache and is left out); ValueError as
+    :func:`check_device_map_platforms`."""
+    reg = check_device_map_platforms(device_map)
+    names = dict.fromkeys(e.platform for e in parse_device_map(device_map))
+    return [reg.platforms[name].cls for name in names]
 
 
 def resolve_device_map(

@@ -196,10 +196,11 @@ class DataParallelRouter(EngineCallbacks):
             )
         self._check = _PromptCheck(self._tokenizer, arch, mml, config)
         self.max_queue_len = config.scheduler.max_queue_len
-        self.policy = policy or RoutingPolicy(
-            config.cache.block_size, enable_affinity=config.cache.enable_prefix_caching
-        )
         platforms = resolve_platforms(dp.devices, check_available=dp.backend == "mp")
+        # Affinity hashes prompts by blocks: the replicas' block size (each replica resolves
+        # an unset one from its platform; the smallest of their defaults here).
+        block_size = config.cache.block_size or min(p.default_block_size for p in platforms)
+        self.policy = policy or RoutingPolicy(block_size, enable_affinity=config.cache.enable_prefix_caching)
         c = config.cache
         no_budget = c.kv_cache_memory is None and c.memory_utilization is None and c.num_gpu_blocks_override is None
         self.specs = plan_replicas(

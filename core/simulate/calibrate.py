@@ -163,9 +163,10 @@ def _memory_bandwidth(torch, clock: Clock) -> float:
     return 2 * src.numel() * 4 / sec  # read + write
 
 
-def _attention(torch, platform, ops, dtype, clock: Clock) -> tuple[float, float]:
-    """(decode K/V bytes/s, prefill FLOP/s) of paged_attention, default-model head shapes."""
-    heads, kv_heads, d, bs = 9, 3, 64, 16
+def _attention(torch, platform, ops, dtype, clock: Clock, bs: int) -> tuple[float, float]:
+    """(decode K/V bytes/s, prefill FLOP/s) of paged_attention, default-model head shapes,
+    over blocks of ``bs`` tokens (the engine's)."""
+    heads, kv_heads, d = 9, 3, 64
     nseq, ctx = 32, 1024
     blocks_per = ctx // bs
     num_blocks = nseq * blocks_per + 64
@@ -358,7 +359,7 @@ def calibrate(
             f"{int(curves[fmt][-1][0])} rows ({time.perf_counter() - t0:.0f} s)"
         )
         bw = _memory_bandwidth(torch, clock)
-        att_bw, att_flops = _attention(torch, platform, ops, dtype, clock)
+        att_bw, att_flops = _attention(torch, platform, ops, dtype, clock, int(engine.config.cache.block_size))
         log(
             f"  memory {bw / 1e9:.1f} GB/s; attention {att_bw / 1e9:.1f} GB/s decode, {att_flops / 1e9:.1f} GFLOP/s "
             f"prefill ({time.perf_counter() - t0:.0f} s)"
@@ -383,6 +384,7 @@ def calibrate(
         attention_flops=att_flops,
         default_memory_utilization=0.5,
         long_prefill_token_threshold=int(platform.default_long_prefill_token_threshold),
+        block_size=int(engine.config.cache.block_size),
         description=f"measured by `pagedserve simulate calibrate` on {platform.name} "
         f"({nthreads} threads, {timer} time) at {time.strftime('%Y-%m-%d %H:%M:%S')}",
         sources=[

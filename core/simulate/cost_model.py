@@ -75,7 +75,7 @@ class CostModel:
         kv_dtype_bytes: float | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
-        block_size: int = 16,
+        block_size: int | None = None,
         cpu_offload_bytes: float = 0.0,
         experts_hw: HardwareProfile | None = None,
     ) -> None:
@@ -93,7 +93,8 @@ class CostModel:
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
         self.act_bytes = _DTYPE_BYTES[dtype]
         self.kv_bytes = kv_dtype_bytes if kv_dtype_bytes is not None else self.act_bytes
-        self.block_size = block_size
+        #: Tokens per KV block (None: the profile's, the platform's default as the engine resolves it).
+        self.block_size = block_size or hw.block_size
         self.cpu_offload_bytes = cpu_offload_bytes
         if experts_hw is not None:
             if not model.num_moe_layers:

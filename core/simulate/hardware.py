@@ -100,8 +100,15 @@ class HardwareProfile:
     #: step's prompt tokens beside decodes) when prompts may be chunked: the CPU
     #: platform's 512 (``Platform.default_long_prefill_token_threshold``); 0: none.
     long_prefill_token_threshold: int = 0
+    #: The platform's default KV block size (``Platform.default_block_size``): what the
+    #: planner sizes blocks with when ``--block-size`` is not given.
+    block_size: int = 16
 
     def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(
+                f"hardware profile {self.name!r}: block_size must be a power of two, got {self.block_size}"
+            )
         for key in ("memory_bytes", "memory_bandwidth"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {key} must be positive")

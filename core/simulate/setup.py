@@ -49,7 +49,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--scheduler-delay-factor", type=float, default=0.0)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument(
+        "--block-size", type=int, default=None, help="tokens per KV block (default: the hardware profile's platform's)"
+    )
     g.add_argument(
         "--kv-cache-memory",
         default=None,
@@ -150,8 +152,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
     spec = _weight_format(spec, args.quantization, dtype)
     # A calibrated profile prices each weight format with what was measured for it.
     hw = hw.for_format(spec.weight_format)
+    block_size = args.block_size or hw.block_size  # unset: the platform's default, as the engine resolves it
     cache = CacheConfig(
-        block_size=args.block_size,
+        block_size=block_size,
         kv_cache_memory=args.kv_cache_memory,
         memory_utilization=args.memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
@@ -182,7 +185,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         kv_dtype_bytes=_kv_dtype_bytes(args.kv_cache_dtype, spec.head_dim, getattr(args, "kv_cache_scales", "auto")),
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
-        block_size=args.block_size,
+        block_size=block_size,
         cpu_offload_bytes=args.cpu_offload_gb * 1e9 / (tp * pp),
         experts_hw=experts_hw,
     )

@@ -11,6 +11,7 @@ are exact.  No model, no weights, no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -86,6 +87,8 @@ class Simulator:
     ) -> None:
         self.cost = cost
         self.clock = 0.0
+        if cache.block_size is None:  # the profile's platform default, as the engine resolves it
+            cache = dataclasses.replace(cache, block_size=cost.block_size)
         if num_host_blocks > 0:
             self.kv: KVCacheManager = TieredKVCacheManager(
                 num_blocks,

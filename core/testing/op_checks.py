@@ -517,8 +517,13 @@ def _apply_token_bitmask(t: Target, fn: Callable, dtype: torch.dtype, seed: int)
         yield desc, body
 
 
+def _block_sizes(t: Target) -> list[int]:
+    """Block sizes the kit checks: 16 and 32, and the platform's default block size."""
+    return sorted({16, 32, int(t.platform.default_block_size)})
+
+
 def _reshape_and_cache(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for block_size in (16, 32):
+    for block_size in _block_sizes(t):
         for kv_heads, head in [(2, 64), (1, 128)]:
             desc = f"bs{block_size}-kv{kv_heads}-d{head}"
 
@@ -602,7 +607,9 @@ _KV8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "
 
 def _paged_attention(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
     shapes = [
-        (block_size, heads, kv_heads, 64, {}) for block_size in (16, 32) for heads, kv_heads in [(4, 4), (4, 2), (8, 2)]
+        (block_size, heads, kv_heads, 64, {})
+        for block_size in _block_sizes(t)
+        for heads, kv_heads in [(4, 4), (4, 2), (8, 2)]
     ]
     shapes.append((16, 4, 1, 128, {}))
     # Windows shorter than the contexts (and than some prefill chunks); Gemma-2-style soft-cap.

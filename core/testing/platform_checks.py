@@ -111,8 +111,11 @@ def _tuning(t: Target) -> str:
     for member in ("host_copy_bandwidth", "compute_flops"):
         value = getattr(p, member)
         assert isinstance(value, (int, float)) and 0 < value < float("inf"), f"{member} is {value!r}"
+    bs = p.default_block_size
+    assert isinstance(bs, int) and bs >= 1 and bs & (bs - 1) == 0, f"default_block_size is {bs!r}, not a power of two"
     return (
-        f"memory utilization {util:g}, host copy {p.host_copy_bandwidth:.3g} B/s, compute {p.compute_flops:.3g} FLOP/s"
+        f"memory utilization {util:g}, host copy {p.host_copy_bandwidth:.3g} B/s, compute {p.compute_flops:.3g} "
+        f"FLOP/s, KV blocks of {bs} tokens"
     )
 
 
@@ -129,7 +132,7 @@ def platform_checks(target: Target) -> list[Check]:
     ]
     for dtype in t.dtypes():
         name = str(dtype).removeprefix("torch.")
-        for block_size in (16, 32):
+        for block_size in sorted({16, 32, int(t.platform.default_block_size)}):
             checks.append(
                 Check(f"platform:kv-cache[{name}-bs{block_size}]", lambda d=dtype, b=block_size: _kv_cache(t, d, b))
             )

@@ -47,6 +47,13 @@ class CpuPlatform(Platform):
     # p99 ITL but added prefill steps to the longest prompts, whose p99 TTFT rose
     # (docs/serving.md#latency-under-load).
     default_long_prefill_token_threshold = 512
+    # Decode attention streams each kv head's rows of a block as one contiguous run
+    # (head-major storage, allocate_kv_cache), and longer runs read faster; but end to end
+    # on Zen 4 (loaded) no larger block was faster on both workloads: 32 tokens 1.03-1.04x
+    # on the mixed one, 0.96-0.97x on the fixed one; 64 and 128 no faster on either
+    # (docs/benchmarks.md, "Zen 4 KV block size"), and each costs prefix-cache granularity
+    # and last-block memory: 16.
+    default_block_size = 16
     # Every paged_attention candidate reads fp8 and int8 caches (the reference by
     # dequantizing; the native kernel reads fp8 rows in registers with AVX-512 and
     # otherwise runs on the touched blocks dequantized: kernels/cpu/native.py; the AMX

@@ -19,7 +19,8 @@ from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.request import Request
 from pagedserve.scheduler import Scheduler
 
-ENGINE = {"dtype": "float32", "kv_cache_memory": "64MiB", "threads": 1}
+# 16-token blocks: the preemption and prefix-cache cases below count in them.
+ENGINE = {"dtype": "float32", "kv_cache_memory": "64MiB", "threads": 1, "block_size": 16}
 VOCAB = 259  # the tiny checkpoint's byte tokenizer: 3 specials + 256 bytes
 PROMPT = "The quick brown fox jumps over"
 
@@ -215,7 +216,13 @@ def test_prompt_logprobs_match_transformers(tiny_llama, hf_model, budget):
 def test_prompt_logprobs_survive_preemption(tiny_llama, hf_model):
     # A cache of 4 blocks of 16 tokens: three requests cannot all grow, so some are preempted.
     llm = LLM(
-        model=str(tiny_llama), num_gpu_blocks_override=5, max_model_len=64, max_num_seqs=3, dtype="float32", threads=1
+        model=str(tiny_llama),
+        num_gpu_blocks_override=5,
+        block_size=16,
+        max_model_len=64,
+        max_num_seqs=3,
+        dtype="float32",
+        threads=1,
     )
     prompts = [PROMPT, "Pack my box with", "Sphinx of black quartz"]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
@@ -437,6 +444,7 @@ def test_logits_processors_are_unchanged_by_preemption_and_chunking(tiny_llama, 
     small = LLM(
         model=str(tiny_llama),
         num_gpu_blocks_override=5,
+        block_size=16,
         max_model_len=64,
         max_num_seqs=3,
         max_num_batched_tokens=8,

@@ -138,9 +138,10 @@ def test_8bit_cache_logprobs_stay_near_the_model_dtype_cache(path, model_dtype_r
 @pytest.mark.parametrize("cd", KV8)
 def test_prefix_cache_hit_equals_miss(path, cd):
     prompts = prompts_for(5, (40, 33))
-    miss = LLM(model=str(path), dtype="float32", kv_cache_dtype=cd, kv_cache_memory="4MiB", enable_prefix_caching=False)
+    kw = dict(model=str(path), dtype="float32", kv_cache_dtype=cd, kv_cache_memory="4MiB", block_size=16)
+    miss = LLM(**kw, enable_prefix_caching=False)
     want_ids, want_lp = greedy(miss, prompts)
-    hit = LLM(model=str(path), dtype="float32", kv_cache_dtype=cd, kv_cache_memory="4MiB")
+    hit = LLM(**kw)  # 16-token blocks: two of each prompt come from the cache
     greedy(hit, prompts)  # fills the prefix cache
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     outs = hit.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -194,7 +195,14 @@ def test_preemption_with_an_8bit_cache_gives_identical_outputs(path, mode, cd, k
 
 @pytest.mark.parametrize("cd", KV8)
 def test_host_tier_round_trip_moves_the_bytes_exactly(path, cd):
-    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_dtype=cd, kv_cache_memory="2MiB", kv_offload_memory="1MiB")
+    llm = LLM(
+        model=str(path),
+        dtype="bfloat16",
+        kv_cache_dtype=cd,
+        kv_cache_memory="2MiB",
+        kv_offload_memory="1MiB",
+        block_size=16,
+    )
     runner = llm.llm_engine.runner
     gen = torch.Generator().manual_seed(11)
     for k, v in runner.kv_caches:  # random bytes, NaN and inf patterns included
@@ -219,7 +227,7 @@ def test_host_tier_round_trip_moves_the_bytes_exactly(path, cd):
 def test_handoff_moves_the_quantized_bytes_and_refuses_another_dtype(path, cd, wire):
     """(fp8 rows with their scales: the bytes of both; an engine with unscaled rows is refused.)"""
     prompt = prompts_for(9, (50,))[0]
-    kw = dict(model=str(path), dtype="float32", kv_cache_memory="4MiB")
+    kw = dict(model=str(path), dtype="float32", kv_cache_memory="4MiB", block_size=16)
     src = LLM(**kw, kv_cache_dtype=cd)
     greedy(src, [prompt], 1)
     kv = src.llm_engine.export_prefix_kv(prompt)
@@ -250,10 +258,17 @@ def test_simulate_sizes_the_cache_as_the_engine_does(path, cd, scales, tmp_path)
     out = tmp_path / "plan.json"
     argv = ["simulate", "--hardware", "h100-sxm", "--model", str(path), "--dtype", "bfloat16", "--kv-cache-memory",
             "3MiB", "--kv-cache-dtype", cd, "--kv-cache-scales", scales, "--num-prompts", "2", "--input-len", "8",
-            "--output-len", "2", "--json-out", str(out)]  # fmt: skip
+            "--output-len", "2", "--block-size", "16", "--json-out", str(out)]  # fmt: skip
     assert main(argv) == 0
     plan = __import__("json").loads(out.read_text())["config"]
-    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_dtype=cd, kv_cache_memory="3MiB", kv_cache_scales=scales)
+    llm = LLM(
+        model=str(path),
+        dtype="bfloat16",
+        kv_cache_dtype=cd,
+        kv_cache_memory="3MiB",
+        kv_cache_scales=scales,
+        block_size=16,
+    )
     assert plan["num_kv_blocks"] == llm.llm_engine.executor.num_blocks
     assert plan["kv_bytes_per_block_per_device"] == llm.llm_engine.runner.kv_block_bytes(16)
 

@@ -60,6 +60,7 @@ def test_mixed_batch_matches_peft(tiny_llama, setup):
         max_loras=4,
         max_lora_rank=16,
         num_gpu_blocks_override=14,
+        block_size=16,
         max_model_len=128,
         max_num_batched_tokens=64,
         enable_prefix_caching=True,

@@ -22,7 +22,7 @@ def test_adopted_blocks_do_not_overwrite_the_kv_their_eviction_spills(tiny_check
     b = [rng.randrange(3, 250) for _ in range(8 * BLOCK + 1)]  # eight full blocks: the whole pool
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
 
-    src = LLM(model=str(path), enable_prefix_caching=True)
+    src = LLM(model=str(path), enable_prefix_caching=True, block_size=BLOCK)
     src.generate([{"prompt_token_ids": b}], SamplingParams(max_tokens=1), use_tqdm=False)
     kv_b = src.llm_engine.export_prefix_kv(b)
     assert kv_b.shape[2] == 8
@@ -31,6 +31,7 @@ def test_adopted_blocks_do_not_overwrite_the_kv_their_eviction_spills(tiny_check
     dst = LLM(
         model=str(path),
         enable_prefix_caching=True,
+        block_size=BLOCK,
         num_gpu_blocks_override=8,
         kv_offload_memory="4MiB",
         max_model_len=128,

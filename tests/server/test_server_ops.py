@@ -15,6 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.platforms.cpu.platform import CpuPlatform
 from tests.server.conftest import STARTUP_TIMEOUT_S, TINY_SERVER_ARGS, ServerProcess, free_port
 
 HISTOGRAMS = [
@@ -120,7 +121,9 @@ def test_every_vllm_histogram_counts_a_streamed_request(tiny_server, http):
     for name in HISTOGRAMS:
         assert before[f"pagedserve:{name}"].type == "histogram", name
     info = before["pagedserve:cache_config_info"].samples[0]
-    assert info.value == 1.0 and info.labels["block_size"] == "16" and info.labels["engine"] == "0"
+    # No --block-size: the label is the block size the engine resolved from the CPU platform.
+    block = str(CpuPlatform.default_block_size)
+    assert info.value == 1.0 and info.labels["block_size"] == block and info.labels["engine"] == "0"
 
     prompt = [random.Random(11).randrange(3, 250) for _ in range(29)]
     with http.stream(

@@ -42,6 +42,8 @@ SERVER_ARGS = [
     "2",
     "--threads",
     "2",
+    "--block-size",  # the affinity case counts its prefix in 16-token blocks
+    "16",
 ]
 CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a story"}]
 

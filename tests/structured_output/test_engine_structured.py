@@ -181,7 +181,7 @@ def test_preemption_keeps_grammars_consistent():
     except FileNotFoundError as e:
         pytest.skip(f"the default model is not installed: {e}")
     # 10 blocks of 16 tokens cannot hold four ~60-token sequences: some are preempted.
-    small = LLM(max_model_len=160, num_gpu_blocks_override=12, threads=1, enable_prefix_caching=False)
+    small = LLM(max_model_len=160, num_gpu_blocks_override=12, block_size=16, threads=1, enable_prefix_caching=False)
     prompts = [f"Person number {i} as JSON:" for i in range(4)]
     schema = {
         **PERSON,

@@ -72,6 +72,7 @@ def run_pagedserve(args: argparse.Namespace, work) -> dict:
         "load_s": load_s,
         "dtype": str(llm.llm_engine.dtype).replace("torch.", ""),
         "platform": llm.llm_engine.platform.name,
+        "block_size": llm.llm_engine.config.cache.block_size,
         "device_map": args.device_map,
         "preemptions": llm.llm_engine.scheduler.num_preemptions,
     }

@@ -154,6 +154,7 @@ def _platform_row(info: Any) -> dict[str, Any]:
         "available": ok,
         "reason": reason,
         "default_dtype": None,
+        "default_block_size": getattr(info.cls, "default_block_size", None),
         "total_memory": None,
     }
     try:
@@ -313,13 +314,14 @@ def _format_text(report: Report, show_ops: bool) -> str:
                 p["origin"],
                 "yes" if p["available"] else "no",
                 p["default_dtype"] or "-",
+                str(p["default_block_size"] or "-"),
                 human_bytes(p["total_memory"]),
                 reason,
             ]
         )
     for f in report.failures:
-        rows.append([f"! {f['plugin']}", f["origin"], "failed", "-", "-", f["error"]])
-    out.append(_table(["  PLATFORM", "ORIGIN", "AVAILABLE", "DTYPE", "MEMORY", "REASON"], rows))
+        rows.append([f"! {f['plugin']}", f["origin"], "failed", "-", "-", "-", f["error"]])
+    out.append(_table(["  PLATFORM", "ORIGIN", "AVAILABLE", "DTYPE", "BLOCK", "MEMORY", "REASON"], rows))
     if report.selected is not None:
         how = "requested" if report.requested else "auto-detected"
         out.append(f"\nselected: {report.selected} ({how})")

@@ -193,10 +193,11 @@ def run(args: argparse.Namespace) -> int:
             names[0],
             engine.max_model_len,
             engine.runner.num_blocks,
-            config.cache.block_size,
+            engine.config.cache.block_size,
             engine.platform.name,
         )
         ops["cache_info"]["num_blocks"] = str(engine.runner.num_blocks)
+        ops["cache_info"]["block_size"] = str(engine.config.cache.block_size)  # resolved from the platform if unset
         check_lora_modules(engine, lora_modules)  # a bad adapter stops the start, named
         served = AsyncLLMEngine(engine)
     else:
@@ -207,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, PlatformError, ReplicaStartError) as e:
             raise SystemExit(f"pagedserve serve: {e}") from None
         log.info("model %s served by %d data-parallel replicas (%s backend)", names[0], dp.size, dp.backend)
+        # Each replica resolves an unset block size from its platform; the routing's is the smallest.
+        ops["cache_info"]["block_size"] = str(served.policy.block_size)
     settings = ServerSettings(
         served_model_names=names,
         api_key=resolve_api_key(args),
