@@ -17,7 +17,7 @@
 //        byte r of column c's scales[12] (the 6-bit scales and minimums, unpacked here
 //        for 16 columns at once with 128-bit masks and shifts).
 //   Q5_K (2816 bytes): 8 sub-blocks of 320 bytes: the low 4 bits of q (0..31) in Q4_K's
-//        lines, then 64 bytes of fifth bits (as quant_gguf_packed's Q5_0: bit j of byte
+//        lines, then 64 bytes of fifth bits (a plane of its own: bit j of byte
 //        4c+t is the fifth bit of column c's value at k = 4j+t, moved to bit 4 of unpacked
 //        line j by a shift and merged with one vpternlogd); then Q4_K's tail (d, dmin,
 //        transposed scales[12]).
@@ -234,8 +234,8 @@ inline void prefetch_ahead(const uint8_t* group, int64_t nsb, int64_t s, int sub
   }
 }
 
-// Q5_K's fifth bits of unpacked line j (bit j of every byte) at bit 4 (quant_gguf_packed's
-// fifth_bits_at_4: a 16-bit shift of at most 4 places never crosses a byte here).
+// Q5_K's fifth bits of unpacked line j (bit j of every byte) at bit 4
+// (a 16-bit shift of at most 4 places never crosses a byte here).
 inline __m512i fifth_bits_at_4(__m512i f, int line) {
   switch (line) {
     case 0: return _mm512_slli_epi16(f, 4);
@@ -592,7 +592,7 @@ namespace {
 
 // Column c's block of the packed (group, block) entry e, in the file's layout (blk).
 void unpack_block(const uint8_t* e, int c, int64_t type, uint8_t* blk) {
-  // The 4-bit lines shared by Q4_0 / Q4_1 / Q5_0 / Q4_K / Q6_K: value k of 32 in `lines`.
+  // The 4-bit lines shared by Q4_0 / Q4_1 / Q4_K / Q6_K: value k of 32 in `lines`.
   const auto nibble = [c](const uint8_t* lines, int k) -> uint8_t {
     const int group = k / 4;
     const uint8_t byte = lines[(group / 2) * 64 + c * 4 + k % 4];
@@ -605,20 +605,11 @@ void unpack_block(const uint8_t* e, int c, int64_t type, uint8_t* blk) {
       return;
     }
     case 2:
-    case 3:
-    case 6:
-    case 7: {  // Q4_0 d | qs; Q4_1 d | m | qs; Q5_0 d | qh | qs; Q5_1 d | m | qh | qs (fifth bits: 64 bytes)
-      const bool has_min = type == 3 || type == 7;
+    case 3: {  // Q4_0 d | qs; Q4_1 d | m | qs (Q5_0 / Q5_1 unpack in quant_gguf_packed.cpp)
       std::memcpy(blk, e + 256 + 2 * c, 2);
-      if (has_min) std::memcpy(blk + 2, e + 256 + 32 + 2 * c, 2);
-      uint8_t* qs = blk + (type == 2 ? 2 : type == 3 ? 4 : type == 6 ? 6 : 8);
-      uint32_t qh = 0;
+      if (type == 3) std::memcpy(blk + 2, e + 256 + 32 + 2 * c, 2);
+      uint8_t* qs = blk + (type == 2 ? 2 : 4);
       for (int k = 0; k < 16; ++k) qs[k] = nibble(e, k) | uint8_t(nibble(e, k + 16) << 4);
-      if (type == 6 || type == 7) {
-        const uint8_t* fifth = e + 256 + (has_min ? 64 : 32);  // bit k / 4 of byte 4c + k % 4
-        for (int k = 0; k < QK; ++k) qh |= uint32_t((fifth[c * 4 + k % 4] >> (k / 4)) & 1) << k;
-        std::memcpy(blk + (has_min ? 4 : 2), &qh, 4);
-      }
       return;
     }
     case Q4_K:
