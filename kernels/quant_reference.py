@@ -49,6 +49,8 @@ __all__ = [
     "GGUF_BLOCK_VALUES",
     "GGUF_BASE_TYPES",
     "GGUF_EXTENDED_TYPES",
+    "GGUF_OPTIONAL_TYPES",
+    "gguf_type_capability",
     "gguf_row_bytes",
     "kquant_scales_mins",
     "AWQ_ORDER",
@@ -98,6 +100,10 @@ GGUF_TYPE_IDS: dict[str, int] = {
 #: where it declares so (``pagedserve.platforms.ops.GGUF_EXTENDED``).
 GGUF_BASE_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q8_0")
 GGUF_EXTENDED_TYPES: tuple[str, ...] = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+#: Types a platform's gguf_linear takes one by one: each where it declares the op
+#: capability ``gguf_type_capability(name)`` (``"gguf_type:NAME"``), so adding a type
+#: here never changes what an existing capability promises.
+GGUF_OPTIONAL_TYPES: tuple[str, ...] = ()
 #: AWQ's pack order: nibble i of each int32 holds column AWQ_ORDER[i] of its 8 columns.
 AWQ_ORDER: tuple[int, ...] = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -105,6 +111,12 @@ AWQ_ORDER: tuple[int, ...] = (0, 2, 4, 6, 1, 3, 5, 7)
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The fp16 field at byte ``start`` of each block ``[..., block_bytes]`` -> float32 ``[..., 1]``."""
     return blocks[..., start : start + 2].contiguous().view(torch.float16).float()
+
+
+def gguf_type_capability(type_name: str) -> str:
+    """The op capability under which a gguf_linear takes ``type_name`` (one of
+    GGUF_OPTIONAL_TYPES) kept in its blocks."""
+    return f"gguf_type:{type_name}"
 
 
 def gguf_row_bytes(type_name: str, k: int) -> int:

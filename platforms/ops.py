@@ -40,6 +40,9 @@ PREFERS_QUANTIZED = "prefers_quantized"
 #: Q4_0/Q4_1/Q8_0 (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: ``quant_reference.GGUF_EXTENDED_TYPES``),
 #: so a .gguf keeps those blocks too; elsewhere they are dequantized at load.
 GGUF_EXTENDED = "gguf_extended_types"
+#: One capability per type of ``quant_reference.GGUF_OPTIONAL_TYPES`` (``"gguf_type:NAME"``,
+#: :func:`~pagedserve.kernels.quant_reference.gguf_type_capability`): a ``gguf_linear``
+#: declaring it has a kernel for that type, so a .gguf keeps its blocks (interface 1.10).
 #: A ``fused_add_rms_norm`` declaring this takes a float32 residual beside a bfloat16 /
 #: float16 ``x`` and an ``out_dtype`` for the normalised row (reference.fused_add_rms_norm),
 #: so that a model may keep its residual stream in float32 (``residual_dtype``).
@@ -55,6 +58,10 @@ OP_CAPABILITIES: dict[str, str] = {
     GGUF_EXTENDED: "gguf_linear: a kernel for Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks too (kept quantized at load)",
     FLOAT32_RESIDUAL: "fused_add_rms_norm: a float32 residual beside a bf16/fp16 x, and out_dtype (interface 1.7)",
     GGUF_OUT_DTYPE: "gguf_linear: out_dtype, float32 sums unrounded from a bf16/fp16 x (interface 1.7)",
+    **{
+        quant_reference.gguf_type_capability(t): f"gguf_linear: a kernel for {t} blocks (kept quantized at load)"
+        for t in quant_reference.GGUF_OPTIONAL_TYPES
+    },
 }
 
 #: The capabilities of the reference implementations (registered by every OpRegistry).

@@ -26,7 +26,13 @@ import torch
 
 from pagedserve.kernels import quant_reference as ref
 from pagedserve.kernels import reference
-from pagedserve.kernels.quant_reference import GGUF_BASE_TYPES, GGUF_EXTENDED_TYPES, GGUF_TYPE_IDS
+from pagedserve.kernels.quant_reference import (
+    GGUF_BASE_TYPES,
+    GGUF_EXTENDED_TYPES,
+    GGUF_OPTIONAL_TYPES,
+    GGUF_TYPE_IDS,
+    gguf_type_capability,
+)
 from pagedserve.quantization.base import QuantizationMethod, QuantizedWeight
 
 __all__ = ["GGUFWeight", "GGUFMethod", "GGUF_KEPT_TYPES", "GGUF_TYPE_IDS", "gguf_kept_types"]
@@ -34,7 +40,7 @@ __all__ = ["GGUFWeight", "GGUFMethod", "GGUF_KEPT_TYPES", "GGUF_TYPE_IDS", "gguf
 logger = logging.getLogger(__name__)
 
 #: ggml types a GGUFWeight may hold; which of them a load keeps: :func:`gguf_kept_types`.
-GGUF_KEPT_TYPES: tuple[str, ...] = GGUF_BASE_TYPES + GGUF_EXTENDED_TYPES
+GGUF_KEPT_TYPES: tuple[str, ...] = GGUF_BASE_TYPES + GGUF_EXTENDED_TYPES + GGUF_OPTIONAL_TYPES
 #: The op capability (``pagedserve.platforms.ops.GGUF_EXTENDED``) under which a
 #: platform's gguf_linear takes GGUF_EXTENDED_TYPES too (a string here: the core does
 #: not import the platforms package).
@@ -46,11 +52,14 @@ _OUT_DTYPE_CAPABILITY = "gguf_out_dtype"
 
 def gguf_kept_types(ops) -> tuple[str, ...]:
     """The ggml types a .gguf keeps in blocks with op registry ``ops``: Q4_0/Q4_1/Q8_0,
-    plus Q5_0/Q5_1/Q4_K/Q5_K/Q6_K where its ``gguf_linear`` declares a kernel for them."""
+    plus Q5_0/Q5_1/Q4_K/Q5_K/Q6_K where its ``gguf_linear`` declares a kernel for them
+    (``gguf_extended_types``), plus each of GGUF_OPTIONAL_TYPES whose ``gguf_type:NAME``
+    capability it declares."""
     has = getattr(ops, "has_capability", None)
-    if has is not None and has("gguf_linear", _EXTENDED_CAPABILITY):
-        return GGUF_KEPT_TYPES
-    return GGUF_BASE_TYPES
+    if has is None:
+        return GGUF_BASE_TYPES
+    kept = GGUF_BASE_TYPES + (GGUF_EXTENDED_TYPES if has("gguf_linear", _EXTENDED_CAPABILITY) else ())
+    return kept + tuple(t for t in GGUF_OPTIONAL_TYPES if has("gguf_linear", gguf_type_capability(t)))
 
 
 class GGUFWeight(QuantizedWeight):
