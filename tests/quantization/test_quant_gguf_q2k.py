@@ -74,7 +74,7 @@ def test_test_quantizer_blocks_read_back_with_gguf():
     raw = quantize(x, T)
     assert raw.shape == (5, 3 * 84) and raw.dtype == np.uint8
     back = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q2_K)
-    assert np.linalg.norm(back - x) / np.linalg.norm(x) < 0.45
+    assert np.linalg.norm(back - x) / np.linalg.norm(x) < 0.35  # 2 bits: 26% measured
     assert np.array_equal(ref.dequantize_gguf(torch.from_numpy(raw), T).numpy(), back)
 
 
