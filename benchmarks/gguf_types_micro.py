@@ -11,7 +11,8 @@ by call set (round r: every type once, the order rotated each round), so a drift
 machine's speed reaches them alike; each type's figure is the median over the rounds of
 microseconds per call, and its ratio to Q4_1 the median of the per-round ratios (with
 their minimum and maximum).  K-quant blocks hold 256 values, so they take only the shapes
-whose input is a multiple of 256 (the default model's down projection).
+whose input is a multiple of 256 (the default model's down projection).  The type ``bf16``
+is the same shapes' dequantized weights through aten's bf16 linear (gate_up excepted).
 
 ``--only TYPE`` times one type alone (``--rounds`` passes of every shape and row count),
 for whole-process comparisons of two types, each its own process.  ``--before SO`` loads a
@@ -28,8 +29,11 @@ import time
 
 import torch
 
-__all__ = ["SHAPES", "random_blocks", "prepare", "bench", "main"]
+__all__ = ["SHAPES", "DENSE", "random_blocks", "prepare", "bench", "main"]
 
+#: The pseudo-type of a dequantized bf16 weight (``torch.nn.functional.linear``), for
+#: comparison; not on the gated shape.
+DENSE = "bf16"
 #: The default model's linear layers (in, out), [gate; up] as one gated weight.
 SHAPES: dict[str, tuple[int, int]] = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 
@@ -41,7 +45,9 @@ def random_blocks(type_name: str, n: int, k: int, gen: torch.Generator) -> torch
 
     bb, per = qref.GGUF_BLOCK_BYTES[type_name], qref.GGUF_BLOCK_VALUES[type_name]
     raw = torch.randint(0, 256, (n, k // per, bb), dtype=torch.uint8, generator=gen)
-    halves = {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2], "Q5_1": [0, 2]}.get(type_name, [0])
+    halves = {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q2_K": [80, 82]}.get(
+        type_name, [0]
+    )
     for at in halves:
         scale = (torch.rand(n, k // per, generator=gen) * 0.02 + 1e-3) / (32 if per == 256 else 1)
         raw[..., at : at + 2] = scale.half().view(torch.uint8).reshape(n, -1, 2)
@@ -71,6 +77,8 @@ def applies(type_name: str, shape: str) -> bool:
     from pagedserve.kernels import quant_reference as qref
 
     type_name = type_name.split("@")[0]
+    if type_name == DENSE:
+        return shape != "gate_up"
     return SHAPES[shape][0] % qref.GGUF_BLOCK_VALUES[type_name] == 0 and not (
         shape == "gate_up" and qref.GGUF_BLOCK_VALUES[type_name] == 256
     )
@@ -101,13 +109,19 @@ def bench(
         here = [t for t in types if applies(t, shape)]
         if not here:
             continue
-        bases = {t: t.split("@")[0] for t in here}
+        bases = {t: t.split("@")[0] for t in here if t != DENSE}
         raw = {b: [random_blocks(b, n, k, gen) for _ in range(layers)] for b in dict.fromkeys(bases.values())}
-        weights = {t: [module(t).pack_weight(r, qref.GGUF_TYPE_IDS[bases[t]]) for r in raw[bases[t]]] for t in here}
+        weights = {t: [module(t).pack_weight(r, qref.GGUF_TYPE_IDS[bases[t]]) for r in raw[bases[t]]] for t in bases}
+        if DENSE in here:  # dequantized weights: one bf16 matmul (aten's) per call
+            weights[DENSE] = [torch.randn(n, k, generator=gen).bfloat16() for _ in range(layers)]
         for m in rows:
             x = torch.randn(m, k, generator=gen).bfloat16()
 
             def calls(t: str) -> None:
+                if t == DENSE:
+                    for w in weights[t]:
+                        torch.nn.functional.linear(x, w)
+                    return
                 tid = qref.GGUF_TYPE_IDS[t.split("@")[0]]
                 mod = module(t)
                 fn = mod.gguf_linear_silu_out if shape == "gate_up" else mod.gguf_linear_out

@@ -27,7 +27,10 @@ Formats:
   two sub-blocks (low nibbles, then high nibbles), and Q5_K's fifth bit of element l of
   sub-block j is bit j of ``qh[l]``.  Q6_K ``u8 ql[128] | u8 qh[64] | int8 scales[16] |
   d`` holds 16 sub-blocks of 16: value = d*scale*(q - 32), q 6 bits (four from ``ql``,
-  two from ``qh``; see :func:`_q6_k`).
+  two from ``qh``; see :func:`_q6_k`).  Q2_K ``u8 scales[16] | u8 qs[64] | d | dmin``
+  holds 16 sub-blocks of 16 with a 4-bit scale (low nibble of ``scales[r]``) and a 4-bit
+  minimum (high nibble): value = d*sc*q - dmin*mn, q 2 bits; element 32j + l of the
+  128-value half h (j = 0..3, l = 0..31) is bits 2j, 2j+1 of ``qs[32h + l]`` (:func:`_q2_k`).
 - INT8: int8 ``[N, K]`` with float32 per-output-channel scales ``[N]``.
 - FP8: ``float8_e4m3fn`` ``[N, K]`` with a float32 scale ``[]`` (per tensor) or ``[N]``.
 - GPTQ (AutoGPTQ / transformers, ``checkpoint_format="gptq"``): qweight int32
@@ -81,6 +84,7 @@ GGUF_BLOCK_BYTES: dict[str, int] = {
     "Q4_K": 144,
     "Q5_K": 176,
     "Q6_K": 210,
+    "Q2_K": 84,
 }
 #: Values per block of each type of GGUF_BLOCK_BYTES.
 GGUF_BLOCK_VALUES: dict[str, int] = {t: 256 if t.endswith("_K") else 32 for t in GGUF_BLOCK_BYTES}
@@ -94,6 +98,7 @@ GGUF_TYPE_IDS: dict[str, int] = {
     "Q4_K": 12,
     "Q5_K": 13,
     "Q6_K": 14,
+    "Q2_K": 10,
 }
 #: The 32-value types of the first kernels (Q4_0, Q4_1, Q8_0): the others are the
 #: "extended" types (GGUF_EXTENDED_TYPES), which a platform's gguf_linear takes only
@@ -103,7 +108,7 @@ GGUF_EXTENDED_TYPES: tuple[str, ...] = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 #: Types a platform's gguf_linear takes one by one: each where it declares the op
 #: capability ``gguf_type_capability(name)`` (``"gguf_type:NAME"``), so adding a type
 #: here never changes what an existing capability promises.
-GGUF_OPTIONAL_TYPES: tuple[str, ...] = ()
+GGUF_OPTIONAL_TYPES: tuple[str, ...] = ("Q2_K",)
 #: AWQ's pack order: nibble i of each int32 holds column AWQ_ORDER[i] of its 8 columns.
 AWQ_ORDER: tuple[int, ...] = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -218,7 +223,28 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return q.reshape(*lead, 16, 16).float() * (d * scales)[..., None]
 
 
-_EXTENDED_DEQUANT = {"Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Two halves of 128 values, each from 32 bytes of ``qs``: element 32j + l of half h
+    is ``(qs[32h + l] >> 2j) & 3``; value d * (scales[v // 16] & 15) * q - dmin *
+    (scales[v // 16] >> 4) for element v of the super-block (as ggml: the two products
+    first, in float32)."""
+    lead = blocks.shape[:-1]
+    qs = blocks[..., 16:80].long().reshape(*lead, 2, 1, 32)  # [half, 1, l]
+    q = (qs >> (2 * torch.arange(4, device=blocks.device)).reshape(4, 1)) & 3  # [..., 2, 4, 32]
+    s = blocks[..., 0:16].long()
+    dl = _half(blocks, 80) * (s & 0x0F).float()  # [..., 16]
+    ml = _half(blocks, 82) * (s >> 4).float()
+    return (dl[..., None] * q.reshape(*lead, 16, 16).float() - ml[..., None]).flatten(-2)
+
+
+_EXTENDED_DEQUANT = {
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+    "Q2_K": _q2_k,
+}
 
 
 def _finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

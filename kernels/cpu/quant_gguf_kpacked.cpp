@@ -99,7 +99,7 @@ namespace {
 constexpr int QK = 32;
 constexpr int QKK = 256;
 constexpr int kCols = 16;
-enum KType : int64_t { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum KType : int64_t { Q4_K = 12, Q5_K = 13, Q6_K = 14, Q2_K = 10 };
 
 constexpr int kblock_bytes(int64_t t) { return t == Q4_K ? 144 : t == Q5_K ? 176 : 210; }
 constexpr int sub_bytes(int64_t t) { return t == Q4_K ? 256 : t == Q5_K ? 320 : 384; }
@@ -556,10 +556,17 @@ void run(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, cons
 
 }  // namespace
 
+// Q2_K's tiled kernel and packing (quant_gguf_q2k.cpp).
+bool gguf_q2k_tiled();
+torch::Tensor gguf_q2k_pack_weight(torch::Tensor weight);
+void gguf_q2k_unpack_block(const uint8_t* e, int c, uint8_t* blk);
+void gguf_q2k_packed_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
+                          void* y, bool y_bf16, const float* bias);
+
 // Whether `type` has the K-quant tiled kernel in this build.
 bool gguf_kpacked_type(int64_t type) {
 #if defined(PAGEDSERVE_GGUF_KPACKED)
-  return type == Q4_K || type == Q5_K || type == Q6_K;
+  return type == Q4_K || type == Q5_K || type == Q6_K || (type == Q2_K && gguf_q2k_tiled());
 #else
   (void)type;
   return false;
@@ -570,6 +577,7 @@ bool gguf_kpacked_type(int64_t type) {
 // packed layout above, uint8 [N/16, K/256, 16 * block_bytes].
 torch::Tensor gguf_kpack_weight(torch::Tensor weight, int64_t type) {
   TORCH_CHECK(gguf_kpacked_type(type), "gguf_pack_weight: no K-quant tiled kernel for ggml type id ", type);
+  if (type == Q2_K) return gguf_q2k_pack_weight(weight);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8, "gguf_pack_weight: uint8 [N, row_bytes]");
   const int bb = kblock_bytes(type);
   weight = weight.contiguous();
@@ -631,6 +639,7 @@ void unpack_block(const uint8_t* e, int c, int64_t type, uint8_t* blk) {
       }
       return;
     }
+    case Q2_K: gguf_q2k_unpack_block(e, c, blk); return;
     case Q6_K: {
       const uint8_t* tail = e + 8 * 384;
       uint8_t* ql = blk;
@@ -687,6 +696,7 @@ torch::Tensor gguf_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor
 void gguf_kpacked_gemm(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K, const uint8_t* w,
                        int64_t groups, int64_t type, void* y, bool y_bf16, const float* bias) {
 #if defined(PAGEDSERVE_GGUF_KPACKED)
+  if (type == Q2_K) return gguf_q2k_packed_gemm(xq, xd, M, K, w, groups, y, y_bf16, bias);
   // Q6_K: -32 * the integer sum of every 16 activations (a sum of absolute differences of
   // x + 128 against zero per 8 bytes), the start of its 16-value dot products.
   std::vector<int32_t> c16;

@@ -343,7 +343,12 @@ void gemm(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_
 
 }  // namespace
 
-// Whether `type` (a ggml type id) is one of this file's; its block's values and bytes.
+// Q2_K's row kernel (quant_gguf_q2k.cpp).
+void gguf_q2k_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                       float* y);
+
+// Whether `type` (a ggml type id) is one of this file's (or Q2_K, whose row kernel is in
+// quant_gguf_q2k.cpp); its block's values and bytes.
 bool gguf_ext_type(int64_t type, int* values, int* bytes) {
   switch (type) {
     case Q5_0: *values = 32; *bytes = 22; return true;
@@ -351,6 +356,7 @@ bool gguf_ext_type(int64_t type, int* values, int* bytes) {
     case Q4_K: *values = 256; *bytes = 144; return true;
     case Q5_K: *values = 256; *bytes = 176; return true;
     case Q6_K: *values = 256; *bytes = 210; return true;
+    case 10: *values = 256; *bytes = 84; return true;  // Q2_K
   }
   return false;
 }
@@ -365,6 +371,7 @@ void gguf_ext_gemm(const int8_t* xq, const float* xd, const float* xds, int64_t 
     case Q4_K: gemm<Q4_K>(xq, xd, xds, M, K, w, N, y); break;
     case Q5_K: gemm<Q5_K>(xq, xd, xds, M, K, w, N, y); break;
     case Q6_K: gemm<Q6_K>(xq, xd, xds, M, K, w, N, y); break;
+    case 10: gguf_q2k_row_gemm(xq, xd, M, K, w, N, y); break;  // Q2_K
     default: TORCH_CHECK(false, "gguf_linear: ggml type id ", type, " has no kernel here");
   }
 }

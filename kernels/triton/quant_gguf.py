@@ -1,9 +1,10 @@
 """Matmul on GGUF blocks in Triton (CUDA and ROCm): Q4_0 / Q4_1 / Q8_0, Q5_0 / Q5_1 and the
-K-quants Q4_K / Q5_K / Q6_K.  Each program dequantizes a [BLOCK_N, 32] tile of weight
+K-quants Q4_K / Q5_K / Q6_K, Q2_K (tested under the interpreter only: no platform declares it
+for Triton until a GPU run has checked it).  Each program dequantizes a [BLOCK_N, 32] tile of weight
 blocks in registers and accumulates ``x_tile @ w_tile^T`` in float32, so the weight is
 read once, in its 4.5-8.5 bits.  A K-quant super-block of 256 values is read as 8 pieces
 of 32: piece j's 6-bit scale and minimum (Q4_K / Q5_K) or its two int8 scales of 16
-values (Q6_K) are decoded with its quants.
+values (Q6_K, and Q2_K's two 4-bit scales and minimums) are decoded with its quants.
 
 Reference: :func:`pagedserve.kernels.quant_reference.gguf_linear`.
 """
@@ -19,7 +20,7 @@ from pagedserve.kernels.triton._common import FLOAT_DTYPES, next_power_of_2
 
 __all__ = ["gguf_linear_triton"]
 
-_TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+_TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "Q2_K": 8}
 
 
 @triton.jit
@@ -81,9 +82,19 @@ def _gguf_linear_kernel(
             base = rn.to(tl.int64) * row_bytes + b * BB  # [BLOCK_N]
         if TYPE == 7:  # Q6_K: ql[128] | qh[64] | int8 scales[16] | d
             d = _half_at(w_ptr, base + 208, mask_n)
+        elif TYPE == 8:  # Q2_K: scales[16] | qs[64] | d | dmin
+            d = _half_at(w_ptr, base + 80, mask_n)
         else:
             d = _half_at(w_ptr, base, mask_n)
-        if TYPE == 7:
+        if TYPE == 8:
+            # Piece sub = 4 h + c: bits 2c of qs[32 h + l]; sub-blocks 2 sub, 2 sub + 1 of 16
+            # with scales[r] = 4-bit scale (low nibble) and minimum (high nibble).
+            byte = tl.load(w_ptr + base[:, None] + 16 + 32 * (sub // 4) + j[None, :], mask=mask_n[:, None], other=0)
+            q = (byte.to(tl.int32) >> (2 * (sub % 4))) & 3
+            sb = tl.load(w_ptr + base[:, None] + 2 * sub + j[None, :] // 16, mask=mask_n[:, None], other=0).to(tl.int32)
+            dmin = _half_at(w_ptr, base + 82, mask_n)
+            w = q.to(tl.float32) * ((sb & 0xF).to(tl.float32) * d[:, None]) - (sb >> 4).to(tl.float32) * dmin[:, None]
+        elif TYPE == 7:
             # Piece sub = 4 h + c: low 4 bits in the low (c < 2) or high nibble of
             # ql[64 h + 32 (c % 2) + l], top 2 in bits 2c of qh[32 h + l]; a scale per 16.
             h = sub // 4

@@ -2,17 +2,19 @@
 
 - ``gguf_linear``: the native kernel of kernels/cpu/quant_gguf.cpp (int8 activations per
   32-value block, VNNI/AVX2 dot products; Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks in
-  kernels/cpu/quant_gguf_kquant.cpp, declared by the ``GGUF_EXTENDED`` capability, so
-  that a .gguf keeps them) where it builds and loads, at every row count:
+  kernels/cpu/quant_gguf_kquant.cpp, declared by the ``GGUF_EXTENDED`` capability, and
+  Q2_K in kernels/cpu/quant_gguf_q2k.cpp, declared by ``gguf_type:Q2_K``, so that a
+  .gguf keeps them) where it builds and loads, at every row count:
   each row's result is then independent of the other rows, so a greedy request answers
   the same whatever else is in its batch (docs/quantization.md).
   ``PAGEDSERVE_QUANT_CPU_KERNELS=0`` keeps the reference.
 - ``prepare_gguf_weight``: where the kernel has its tiled AVX-512 VNNI GEMM, Q4_0/Q4_1/
   Q5_0/Q5_1/Q8_0 blocks of a multiple of 16 rows are repacked for it once at load
   (kernels/cpu/quant_gguf_packed.cpp: 16 output columns interleaved per 4 k, scales
-  beside them; Q4_K, Q5_K and Q6_K likewise in kernels/cpu/quant_gguf_kpacked.cpp, the
-  file's size exactly); ``gguf_linear`` then runs the tiled kernel on them.  Other
-  weights keep the row kernel.  ``PAGEDSERVE_CPU_GGUF_REPACK=0`` keeps the file's blocks.
+  beside them; Q4_K, Q5_K and Q6_K likewise in kernels/cpu/quant_gguf_kpacked.cpp,
+  Q2_K in kernels/cpu/quant_gguf_q2k.cpp, the file's size exactly); ``gguf_linear``
+  then runs the tiled kernel on them.  Other weights keep the row kernel.
+  ``PAGEDSERVE_CPU_GGUF_REPACK=0`` keeps the file's blocks.
 - ``gguf_embedding``: rows of repacked blocks (a tied embedding shares its LM head's
   repacked weight): only those rows are unpacked (``unpack_rows``), then dequantized.
 - ``gguf_linear_silu_and_mul``: where the tiled kernel has its gated variant, a gated
@@ -79,12 +81,18 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 #: gated kernel takes the 32-value types (GATED_TYPES), the K-quants only where the build
 #: has their tiled kernel (kernels/cpu/quant_gguf_kpacked.cpp, ``has_kpacked``).
 GATED_TYPES = (*qref.GGUF_BASE_TYPES, "Q5_0", "Q5_1")
-KPACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+KPACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K")
 PACKED_TYPES = (*GATED_TYPES, *KPACKED_TYPES)
 #: ggml type ids by name (the kernels' ``type`` argument).
 _TYPE_IDS = qref.GGUF_TYPE_IDS
-#: What every native ``gguf_linear`` registered here declares.
-_GGUF_CAPABILITIES = (PREFERS_QUANTIZED, GGUF_EXTENDED, GGUF_OUT_DTYPE)
+#: What every native ``gguf_linear`` registered here declares: the optional types too
+#: (Q2_K: a row kernel in every build, tiled on repacked blocks with AVX-512 VNNI).
+_GGUF_CAPABILITIES = (
+    PREFERS_QUANTIZED,
+    GGUF_EXTENDED,
+    GGUF_OUT_DTYPE,
+    *(qref.gguf_type_capability(t) for t in ("Q2_K",)),
+)
 
 
 def gguf_linear(
@@ -327,8 +335,11 @@ def _unpack_nibble_lines(lines: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_kquant(packed: torch.Tensor, type_name: str) -> torch.Tensor:
-    """Q4_K / Q5_K / Q6_K entries (kernels/cpu/quant_gguf_kpacked.cpp) -> the file's blocks."""
+    """Q4_K / Q5_K / Q6_K entries (kernels/cpu/quant_gguf_kpacked.cpp) and Q2_K ones
+    (quant_gguf_q2k.cpp) -> the file's blocks."""
     g, nsb, _ = packed.shape
+    if type_name == "Q2_K":
+        return _unpack_q2_k(packed)
     if type_name in ("Q4_K", "Q5_K"):
         sb = 256 if type_name == "Q4_K" else 320
         subs = packed[..., : 8 * sb].reshape(g, nsb, 8, sb)
@@ -358,6 +369,20 @@ def _unpack_kquant(packed: torch.Tensor, type_name: str) -> torch.Tensor:
     d = tail[..., 256:].reshape(g, nsb, 16, 2).permute(0, 2, 1, 3)
     blocks = torch.cat([ql.reshape(g, 16, nsb, 128), qh.reshape(g, 16, nsb, 64), sc, d], dim=-1)
     return blocks.reshape(g * 16, nsb * 210)
+
+
+def _unpack_q2_k(packed: torch.Tensor) -> torch.Tensor:
+    """Q2_K entries (16 lines of 64 bytes: byte 4c + t of line r holds in bits 2i, 2i+1
+    column c's q at k = 16r + 4i + t; then scales[16] transposed, 16 d, 16 dmin) -> the
+    file's blocks (scales[16] | qs[64] | d | dmin)."""
+    g, nsb, _ = packed.shape
+    two = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    lines = packed[..., :1024].reshape(g, nsb, 16, 1, 16, 4)  # [g, s, r, 1, c, t]
+    q = ((lines >> two.view(4, 1, 1)) & 3).permute(0, 4, 1, 2, 3, 5).reshape(g, 16, nsb, 2, 4, 32)  # k = 128h + 32j + l
+    qs = (q << two.view(4, 1)).sum(-2, dtype=torch.uint8)  # [g, c, s, h, l]: bits 2j of qs[32h + l]
+    sc = packed[..., 1024:1280].reshape(g, nsb, 16, 16).permute(0, 3, 1, 2)
+    dm = packed[..., 1280:].reshape(g, nsb, 2, 16, 2).permute(0, 3, 1, 2, 4).reshape(g, 16, nsb, 4)
+    return torch.cat([sc, qs.reshape(g, 16, nsb, 64), dm], dim=-1).reshape(g * 16, nsb * 84)
 
 
 def int8_linear(

@@ -1,4 +1,4 @@
-"""A quantizer for tests: float rows -> GGUF blocks of Q5_0, Q5_1, Q4_K, Q5_K and Q6_K,
+"""A quantizer for tests: float rows -> GGUF blocks of Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and Q2_K,
 written from the block formats' definitions (ggml-common.h), with plain round-to-nearest
 choices (no search for the best scales, as llama-quantize does: tests need valid blocks,
 not the best ones).  ``gguf.quants`` quantizes only some of these types, so tests check
@@ -124,7 +124,27 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     return out.astype(np.uint8).reshape(x.shape[0], -1)
 
 
-QUANTIZERS = {"Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+def _q2_k(x: np.ndarray) -> np.ndarray:
+    """16 sub-blocks of 16 per super-block: 4-bit scale and minimum (over fp16 d, dmin),
+    q = 0..3; value d*sc*q - dmin*mn."""
+    b = x.reshape(x.shape[0], -1, 16, 16)
+    lo = np.minimum(b.min(axis=-1), 0)  # sub-block minimum, <= 0 so mn >= 0
+    scale = (b.max(axis=-1) - lo) / 3
+    d = (scale.max(axis=-1, keepdims=True) / 15).astype(np.float32)
+    dmin = ((-lo).max(axis=-1, keepdims=True) / 15).astype(np.float32)
+    d16, dmin16 = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(scale * _inv(d16)), 0, 15).astype(np.uint8)
+    mn = np.clip(np.rint(-lo * _inv(dmin16)), 0, 15).astype(np.uint8)
+    step = (d16 * sc)[..., None]
+    q = np.clip(np.rint((b + (dmin16 * mn)[..., None]) * _inv(step)), 0, 3).astype(np.uint8)
+    # Element 32j + l of half h: bits 2j, 2j+1 of qs[32h + l].
+    q = q.reshape(*b.shape[:2], 2, 4, 32)
+    qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 2) | (q[:, :, :, 2] << 4) | (q[:, :, :, 3] << 6)).reshape(*b.shape[:2], 64)
+    out = np.concatenate([sc | (mn << 4), qs, _f16(d), _f16(dmin)], axis=-1)
+    return out.astype(np.uint8).reshape(x.shape[0], -1)
+
+
+QUANTIZERS = {"Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q2_K": _q2_k}
 
 
 def quantize(x: np.ndarray, type_name: str) -> np.ndarray:

@@ -1,0 +1,446 @@
+// Matmul on GGUF Q2_K blocks kept quantized: a row kernel on the file's blocks (any N, any
+// build) and a tiled AVX-512 VNNI kernel on a layout repacked once at load (N a multiple
+// of 16), on the same int8 activations as the other types (quantized once per call by
+// quant_gguf.cpp: int8 per 32 values, fp16 scale d_x).
+//
+// Q2_K (ggml-common.h), 84 bytes per 256 values: scales[16] | qs[64] | d | dmin (fp16):
+// 16 sub-blocks of 16 values, scales[r] = 4-bit scale sc (low nibble) and 4-bit minimum mn
+// (high nibble) of sub-block r; element 32j + l of the 128-value half h is bits 2j, 2j+1
+// of qs[32h + l]; value d*sc*q - dmin*mn.
+//
+// Numerics (both kernels): per 32-value activation block b (sub-blocks 2b and 2b + 1),
+// the integer sc_0 * sum(q x) + sc_1 * sum(q x) exactly, then acc += (d * d_x) * that;
+// the minimum term -dmin * mn * (d_x * s16) with s16 the integer sum of the 16
+// activations of the sub-block, summed apart and added at the end.  The per-16 sums
+// (d_x * s16, float32) are computed once per activation row per call.  Only float32
+// rounding and summation order differ from the exact product of the int8 activations
+// with the dequantized weight.  Each row's result depends on that row alone.
+//
+// Packed layout: uint8 [N/16, K/256, 16 * 84] (the file's size exactly), one entry of 1344
+// bytes per (16-column group, super-block):
+//   16 lines of 64 bytes, line r = sub-block r: byte 4c + t holds in bits 2i, 2i+1 column
+//   c's q at k = 16r + 4i + t (one shift and mask per unpacked line of 4 k x 16 columns);
+//   then the scale bytes transposed (byte 16r + c = scales[r] of column c), 16 fp16 d and
+//   16 fp16 dmin.
+// The tile folds each sub-block's 4-bit scale into its unpacked weights: a vpshufb table
+// per 128-bit lane (4 columns) maps q to q * sc (0..45, still an unsigned byte for
+// vpdpbusd), built once per sub-block and column group with one vpmullw, so the two
+// sub-blocks of an activation block share one integer accumulator and one float step.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PAGEDSERVE_GGUF_Q2K_TILED 1
+#endif
+
+// Register tile (rows x 16-column groups), row chunk and weight prefetch distance (in
+// 32-value pieces of a group's entries, 168 bytes each; 0: none), compile-time overridable.
+#ifndef PAGEDSERVE_GGUF_Q2K_TILE_M
+#define PAGEDSERVE_GGUF_Q2K_TILE_M 4
+#endif
+#ifndef PAGEDSERVE_GGUF_Q2K_TILE_G
+#define PAGEDSERVE_GGUF_Q2K_TILE_G 3
+#endif
+#ifndef PAGEDSERVE_GGUF_Q2K_CHUNK_M
+#define PAGEDSERVE_GGUF_Q2K_CHUNK_M 240
+#endif
+#ifndef PAGEDSERVE_GGUF_Q2K_PREFETCH
+#define PAGEDSERVE_GGUF_Q2K_PREFETCH 8
+#endif
+
+namespace {
+
+constexpr int QK = 32;
+constexpr int QKK = 256;
+constexpr int kCols = 16;
+constexpr int kBlockBytes = 84;
+constexpr int kEntryBytes = kCols * kBlockBytes;  // 1344
+constexpr int kScalesAt = 1024;                    // 16 lines of 64 bytes first
+constexpr int kDAt = kScalesAt + 256;
+constexpr int kDminAt = kDAt + 32;
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// Element v (0..255) of a Q2_K block: its 2-bit q.
+inline int q_of(const uint8_t* blk, int v) {
+  const int h = v / 128, j = (v % 128) / 32, l = v % 32;
+  return (blk[16 + 32 * h + l] >> (2 * j)) & 3;
+}
+
+// d_x * (integer sum of each 16 activations), float32 [M, K/16]: the minimum term's sums.
+std::vector<float> sums16(const int8_t* xq, const float* xd, int64_t M, int64_t K) {
+  const int64_t n16 = K / 16;
+  std::vector<float> out(static_cast<size_t>(M * n16));
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t r = 0; r < n16; ++r) {
+        const int8_t* x = xq + m * K + 16 * r;
+        int s = 0;
+        for (int t = 0; t < 16; ++t) s += x[t];
+        out[m * n16 + r] = xd[m * (K / QK) + r / 2] * static_cast<float>(s);
+      }
+  });
+  return out;
+}
+
+// The row kernel: one weight row against up to 8 activation rows (each decoded block
+// serves them all).
+template <int MB>
+void row_dot(const uint8_t* w, int64_t nsb, const int8_t* const* xq, const float* const* xd,
+             const float* const* s16, float* out) {
+  float acc[MB], ext[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = ext[m] = 0.f;
+  uint8_t q[QKK];
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* blk = w + s * kBlockBytes;
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 4; ++j)
+        for (int l = 0; l < 32; ++l) q[128 * h + 32 * j + l] = (blk[16 + 32 * h + l] >> (2 * j)) & 3;
+    const float d = half_to_float(blk + 80), dmin = half_to_float(blk + 82);
+    for (int b = 0; b < 8; ++b) {
+      const int sc0 = blk[2 * b] & 0x0F, sc1 = blk[2 * b + 1] & 0x0F;
+      const int64_t xb = s * 8 + b;
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* x = xq[m] + xb * QK;
+        int lo = 0, hi = 0;
+        for (int t = 0; t < 16; ++t) lo += q[32 * b + t] * x[t];
+        for (int t = 16; t < QK; ++t) hi += q[32 * b + t] * x[t];
+        acc[m] += (d * xd[m][xb]) * static_cast<float>(sc0 * lo + sc1 * hi);
+      }
+    }
+    // The minimum term after the main one, in the tiled kernel's order (per super-block).
+    for (int r = 0; r < 16; ++r) {
+      const float mn = -dmin * static_cast<float>(blk[r] >> 4);
+      for (int m = 0; m < MB; ++m) ext[m] += mn * s16[m][s * 16 + r];
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = acc[m] + ext[m];
+}
+
+template <int MB>
+void row_block(const uint8_t* w, int64_t row_bytes, int64_t nsb, const int8_t* const* xq, const float* const* xd,
+               const float* const* s16, float* y, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  float out[MB];
+  for (int64_t n = n0; n < n1; ++n) {
+    row_dot<MB>(w + n * row_bytes, nsb, xq, xd, s16, out);
+    for (int m = 0; m < MB; ++m) y[(m0 + m) * N + n] = out[m];
+  }
+}
+
+}  // namespace
+
+// y float32 [M, N] = int8 activation blocks (xq [M, K], xd [M, K/32]) times Q2_K rows
+// w [N, K/256 * 84] in the file's layout.
+void gguf_q2k_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                       float* y) {
+  const int64_t nsb = K / QKK, row_bytes = nsb * kBlockBytes, nb = K / QK, n16 = K / 16;
+  const std::vector<float> s16 = sums16(xq, xd, M, K);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    const int8_t* xr[8];
+    const float* dr[8];
+    const float* sr[8];
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t mb = std::min<int64_t>(8, M - m0);
+      for (int64_t i = 0; i < mb; ++i) {
+        xr[i] = xq + (m0 + i) * K;
+        dr[i] = xd + (m0 + i) * nb;
+        sr[i] = s16.data() + (m0 + i) * n16;
+      }
+      switch (mb) {
+        case 1: row_block<1>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
+        case 2: row_block<2>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
+        case 3: row_block<3>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
+        case 4: row_block<4>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
+        case 5: row_block<5>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
+        case 6: row_block<6>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
+        case 7: row_block<7>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
+        default: row_block<8>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
+      }
+    }
+  });
+}
+
+// Whether this build has the tiled kernel (and so packs Q2_K weights).
+bool gguf_q2k_tiled() {
+#if defined(PAGEDSERVE_GGUF_Q2K_TILED)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// weight: uint8 [N, K/256 * 84] Q2_K blocks, N a multiple of 16 -> the packed layout above.
+torch::Tensor gguf_q2k_pack_weight(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8, "gguf_pack_weight: uint8 [N, row_bytes]");
+  weight = weight.contiguous();
+  const int64_t N = weight.size(0), row_bytes = weight.size(1);
+  TORCH_CHECK(N % kCols == 0, "gguf_pack_weight: N=", N, " is not a multiple of ", kCols);
+  TORCH_CHECK(row_bytes % kBlockBytes == 0, "gguf_pack_weight: rows of ", row_bytes, " bytes are not whole blocks");
+  const int64_t nsb = row_bytes / kBlockBytes, groups = N / kCols;
+  auto out = torch::empty({groups, nsb, kEntryBytes}, weight.options());
+  const uint8_t* src = weight.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t s = 0; s < nsb; ++s) {
+        uint8_t* e = dst + (g * nsb + s) * kEntryBytes;
+        std::memset(e, 0, kScalesAt);
+        for (int c = 0; c < kCols; ++c) {
+          const uint8_t* blk = src + (g * kCols + c) * row_bytes + s * kBlockBytes;
+          for (int k = 0; k < QKK; ++k) {
+            const int r = k / 16, i = (k % 16) / 4, t = k % 4;
+            e[64 * r + 4 * c + t] |= static_cast<uint8_t>(q_of(blk, k) << (2 * i));
+          }
+          for (int r = 0; r < 16; ++r) e[kScalesAt + 16 * r + c] = blk[r];
+          std::memcpy(e + kDAt + 2 * c, blk + 80, 2);
+          std::memcpy(e + kDminAt + 2 * c, blk + 82, 2);
+        }
+      }
+  });
+  return out;
+}
+
+// Column c's block, in the file's layout (blk), of the packed entry e.
+void gguf_q2k_unpack_block(const uint8_t* e, int c, uint8_t* blk) {
+  std::memset(blk + 16, 0, 64);
+  for (int v = 0; v < QKK; ++v) {
+    const int r = v / 16, i = (v % 16) / 4, t = v % 4;
+    const int q = (e[64 * r + 4 * c + t] >> (2 * i)) & 3;
+    const int h = v / 128, j = (v % 128) / 32, l = v % 32;
+    blk[16 + 32 * h + l] |= static_cast<uint8_t>(q << (2 * j));
+  }
+  for (int r = 0; r < 16; ++r) blk[r] = e[kScalesAt + 16 * r + c];
+  std::memcpy(blk + 80, e + kDAt + 2 * c, 2);
+  std::memcpy(blk + 82, e + kDminAt + 2 * c, 2);
+}
+
+#if defined(PAGEDSERVE_GGUF_Q2K_TILED)
+namespace {
+
+struct Activations {
+  const int8_t* q;   // [M, K]
+  const float* d;    // [M, K/32]
+  const float* s16;  // [M, K/16] d_x * integer sum of 16
+  int64_t k, nb, n16;
+};
+
+struct Output {
+  void* y;
+  bool bf16;
+  const float* bias;
+  int64_t ldy;
+};
+
+// float32 -> bf16 rounded to nearest even (as torch's .to(bfloat16)).
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+#endif
+}
+
+inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m512 load_halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The vpshufb table of sub-block r of a group entry e: in 128-bit lane l (columns 4l..4l+3),
+// byte 4cl + q = q * sc of column 4l + cl (q = 0..3).  The lane's 16 scale bytes are
+// broadcast, each column's scale moved to bytes 4cl and 4cl + 2 (zeros above), and one
+// 16-bit multiply by 0x0100 / 0x0302 writes the pair (0, sc) / (2 sc, 3 sc).
+inline __m512i scale_table(const uint8_t* e, int r) {
+  const __m512i sc = _mm512_and_si512(_mm512_broadcast_i32x4(load128(e + kScalesAt + 16 * r)), _mm512_set1_epi8(0x0F));
+  // Index bytes 4cl and 4cl + 2 of lane l: 4l + cl; the others 0x80 (zero).
+  const __m512i idx = _mm512_set_epi32(
+      static_cast<int>(0x800F800Fu), static_cast<int>(0x800E800Eu), static_cast<int>(0x800D800Du),
+      static_cast<int>(0x800C800Cu), static_cast<int>(0x800B800Bu), static_cast<int>(0x800A800Au),
+      static_cast<int>(0x80098009u), static_cast<int>(0x80088008u), static_cast<int>(0x80078007u),
+      static_cast<int>(0x80068006u), static_cast<int>(0x80058005u), static_cast<int>(0x80048004u),
+      static_cast<int>(0x80038003u), static_cast<int>(0x80028002u), static_cast<int>(0x80018001u),
+      static_cast<int>(0x80008000u));
+  return _mm512_mullo_epi16(_mm512_shuffle_epi8(sc, idx), _mm512_set1_epi32(0x03020100));
+}
+
+template <int PF>
+inline void prefetch_ahead(const uint8_t* group, int64_t nsb, int64_t s, int piece) {
+  if constexpr (PF > 0) {
+    constexpr int64_t PART = kEntryBytes / 8;
+    const int64_t at = (8 * s + piece + PF) * PART;
+    if (at >= nsb * kEntryBytes) return;
+    const uintptr_t first = reinterpret_cast<uintptr_t>(group + at) & ~uintptr_t(63);
+    const uintptr_t last = reinterpret_cast<uintptr_t>(group + at + PART - 1) & ~uintptr_t(63);
+    for (uintptr_t line = first; line <= last; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+  }
+}
+
+// Rows [m0, m0 + MT) x NG column groups from g0.  Integer accumulators MT x NG in registers
+// (one per 32-value activation block), float ones in an L1 buffer; the minimum term in a
+// second pass over the super-blocks.
+template <int MT, int NG>
+void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0, int64_t g0, const Output& o) {
+  alignas(64) float facc[MT][NG][kCols];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NG; ++j) _mm512_store_ps(facc[i][j], _mm512_setzero_ps());
+  const int64_t nsb = a.k / QKK;
+  const int8_t* xr[MT];
+  for (int i = 0; i < MT; ++i) xr[i] = a.q + (m0 + i) * a.k;
+  const uint8_t* wg[NG];
+  for (int j = 0; j < NG; ++j) wg[j] = w + (g0 + j) * group_stride;
+  const __m512i three = _mm512_set1_epi8(3);
+  // Byte b of a line: 4 * (its column within the 128-bit lane) = b & 12.
+  const __m512i lane_col = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* e[NG];
+    __m512 dv[NG];
+    for (int j = 0; j < NG; ++j) {
+      e[j] = wg[j] + s * kEntryBytes;
+      dv[j] = load_halves(e[j] + kDAt);
+    }
+    for (int piece = 0; piece < 8; ++piece) {
+      const int64_t b = s * 8 + piece;
+      for (int j = 0; j < NG; ++j) prefetch_ahead<PAGEDSERVE_GGUF_Q2K_PREFETCH>(wg[j], nsb, s, piece);
+      __m512i iacc[MT][NG];
+      for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const int r = 2 * piece + h;
+        __m512i table[NG], raw[NG];
+        for (int j = 0; j < NG; ++j) {
+          table[j] = scale_table(e[j], r);
+          raw[j] = _mm512_loadu_si512(e[j] + 64 * r);
+        }
+#pragma GCC unroll 4
+        for (int line = 0; line < 4; ++line) {
+          __m512i wv[NG];
+          for (int j = 0; j < NG; ++j) {
+            const __m512i q = line ? _mm512_srli_epi16(raw[j], 2 * line) : raw[j];
+            // (q & 3) | 4 * column-in-lane: the table index of q * sc.
+            wv[j] = _mm512_shuffle_epi8(table[j], _mm512_ternarylogic_epi32(q, three, lane_col, 0xEA));
+          }
+          for (int i = 0; i < MT; ++i) {
+            int32_t x4;
+            std::memcpy(&x4, xr[i] + b * QK + 16 * h + 4 * line, 4);
+            const __m512i xv = _mm512_set1_epi32(x4);
+            for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
+          }
+        }
+      }
+      for (int i = 0; i < MT; ++i) {
+        const __m512 dx = _mm512_set1_ps(a.d[(m0 + i) * a.nb + b]);
+        for (int j = 0; j < NG; ++j)
+          _mm512_store_ps(facc[i][j], _mm512_fmadd_ps(_mm512_mul_ps(dv[j], dx), _mm512_cvtepi32_ps(iacc[i][j]),
+                                                      _mm512_load_ps(facc[i][j])));
+      }
+    }
+  }
+  __m512 fext[MT][NG];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NG; ++j) fext[i][j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    __m512 mv[NG];
+    for (int j = 0; j < NG; ++j) mv[j] = _mm512_sub_ps(_mm512_setzero_ps(), load_halves(wg[j] + s * kEntryBytes + kDminAt));
+    for (int r = 0; r < 16; ++r) {
+      __m512 wmn[NG];
+      for (int j = 0; j < NG; ++j) {
+        const __m128i mn = _mm_and_si128(_mm_srli_epi16(load128(wg[j] + s * kEntryBytes + kScalesAt + 16 * r), 4),
+                                         _mm_set1_epi8(0x0F));
+        wmn[j] = _mm512_mul_ps(mv[j], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));  // -dmin * mn, exact
+      }
+      for (int i = 0; i < MT; ++i) {
+        const __m512 sx = _mm512_set1_ps(a.s16[(m0 + i) * a.n16 + s * 16 + r]);
+        for (int j = 0; j < NG; ++j) fext[i][j] = _mm512_fmadd_ps(wmn[j], sx, fext[i][j]);
+      }
+    }
+  }
+  for (int j = 0; j < NG; ++j) {
+    const int64_t n0 = (g0 + j) * kCols;
+    const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + n0) : _mm512_setzero_ps();
+    for (int i = 0; i < MT; ++i) {
+      __m512 v = _mm512_add_ps(_mm512_load_ps(facc[i][j]), fext[i][j]);
+      if (o.bias) v = _mm512_add_ps(v, bias);
+      const int64_t at = (m0 + i) * o.ldy + n0;
+      if (o.bf16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(o.y) + at), to_bf16(v));
+      else
+        _mm512_storeu_ps(static_cast<float*>(o.y) + at, v);
+    }
+  }
+}
+
+// The tile of h <= H rows at m0.
+template <int H, int NG>
+inline void tile_of_height(int64_t h, const Activations& a, const uint8_t* w, int64_t stride, int64_t m0, int64_t g0,
+                           const Output& o) {
+  if constexpr (H >= 1) {
+    if (h == H) return tile<H, NG>(a, w, stride, m0, g0, o);
+    tile_of_height<H - 1, NG>(h, a, w, stride, m0, g0, o);
+  }
+}
+
+// Rows [mb, me) of NG column groups from g0, in tiles of heights as even as they go.
+template <int TM, int NG>
+void rows(const Activations& a, const uint8_t* w, int64_t stride, int64_t mb, int64_t me, int64_t g0,
+          const Output& o) {
+  const int64_t count = me - mb;
+  if (count <= 0) return;
+  const int64_t tiles = (count + TM - 1) / TM;
+  for (int64_t t = 0, m0 = mb; t < tiles; ++t) {
+    const int64_t h = count / tiles + (t < count % tiles);
+    tile_of_height<TM, NG>(h, a, w, stride, m0, g0, o);
+    m0 += h;
+  }
+}
+
+template <int TM, int NG>
+inline void rows_of_width(int64_t g, const Activations& a, const uint8_t* w, int64_t stride, int64_t mb, int64_t me,
+                          int64_t g0, const Output& o) {
+  if constexpr (NG >= 1) {
+    if (g == NG) return rows<TM, NG>(a, w, stride, mb, me, g0, o);
+    rows_of_width<TM, NG - 1>(g, a, w, stride, mb, me, g0, o);
+  }
+}
+
+}  // namespace
+#endif  // PAGEDSERVE_GGUF_Q2K_TILED
+
+// y [M, N] = quantized activations (xq [M, K], xd [M, K/32]) @ packed Q2_K weight
+// [N/16, K/256, 1344]^T (+ bias float32 [N] or null), float32, or bf16 (y_bf16) rounded
+// once from the float32 sum.
+void gguf_q2k_packed_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
+                          void* y, bool y_bf16, const float* bias) {
+#if defined(PAGEDSERVE_GGUF_Q2K_TILED)
+  constexpr int TM = PAGEDSERVE_GGUF_Q2K_TILE_M, TG = PAGEDSERVE_GGUF_Q2K_TILE_G;
+  static_assert(TM >= 1 && TM <= 8 && TG >= 1 && TG <= 8, "tiles of up to 8 rows x 8 groups");
+  const std::vector<float> s16 = sums16(xq, xd, M, K);
+  const Activations a{xq, xd, s16.data(), K, K / QK, K / 16};
+  const Output o{y, y_bf16, bias, groups * kCols};
+  const int64_t stride = (K / QKK) * kEntryBytes;
+  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
+    for (int64_t mb = 0; mb < M; mb += PAGEDSERVE_GGUF_Q2K_CHUNK_M) {
+      const int64_t me = std::min<int64_t>(M, mb + PAGEDSERVE_GGUF_Q2K_CHUNK_M);
+      for (int64_t g0 = gb; g0 < ge; g0 += TG)
+        rows_of_width<TM, TG>(std::min<int64_t>(TG, ge - g0), a, w, stride, mb, me, g0, o);
+    }
+  });
+#else
+  (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
+  TORCH_CHECK(false, "gguf_packed_gemm: this build has no AVX-512 VNNI Q2_K kernel");
+#endif
+}
