@@ -85,6 +85,8 @@ def _random_gguf(c: _Case, type_name: str, n: int, k: int) -> torch.Tensor:
         half(2, (torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3) / 8)  # dmin; times 6-bit minimums
     elif type_name == "Q6_K":
         half(208, (torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3) / 64)  # d; times int8 scales
+    elif type_name == "Q3_K":
+        half(108, (torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3) / 32)  # d; times 6-bit scales - 32
     else:
         half(0, torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3)
     if type_name in ("Q4_1", "Q5_1"):
@@ -129,6 +131,10 @@ def _gguf_cases(t: Target) -> list[tuple[str, tuple[tuple[int, int, int, bool], 
         cases += [(type_name, GGUF_EXTENDED_SHAPES) for type_name in quant_reference.GGUF_EXTENDED_TYPES]
         # Q5_0 / Q5_1 rows of a multiple of 32 values only.
         cases += [(type_name, ((5, 96, 40, True), (17, 160, 16, False))) for type_name in ("Q5_0", "Q5_1")]
+    # Each optional type (256-value blocks) where the op declares its own capability.
+    for type_name in quant_reference.GGUF_OPTIONAL_TYPES:
+        if t.ops.has_capability("gguf_linear", quant_reference.gguf_type_capability(type_name)):
+            cases.append((type_name, GGUF_EXTENDED_SHAPES))
     return cases
 
 
