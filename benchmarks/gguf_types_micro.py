@@ -11,8 +11,10 @@ by call set (round r: every type once, the order rotated each round), so a drift
 machine's speed reaches them alike; each type's figure is the median over the rounds of
 microseconds per call, and its ratio to Q4_1 the median of the per-round ratios (with
 their minimum and maximum).  K-quant blocks hold 256 values, so they take only the shapes
-whose input is a multiple of 256 (the default model's down projection).  The type ``bf16``
-is the same shapes' dequantized weights through aten's bf16 linear (gate_up excepted).
+whose input is a multiple of 256 (the default model's down projection).  Two pseudo-types
+set other paths beside them: ``BF16`` (the weight dequantized to bf16 at load, one
+``torch.nn.functional.linear`` per call: what a dequantizing load runs; not on gate_up) and
+``TYPE/rows`` (the row kernel on the file's blocks, not repacked).
 
 ``--only TYPE`` times one type alone (``--rounds`` passes of every shape and row count),
 for whole-process comparisons of two types, each its own process.  ``--before SO`` loads a
@@ -29,11 +31,8 @@ import time
 
 import torch
 
-__all__ = ["SHAPES", "DENSE", "random_blocks", "prepare", "bench", "main"]
+__all__ = ["SHAPES", "random_blocks", "prepare", "bench", "main"]
 
-#: The pseudo-type of a dequantized bf16 weight (``torch.nn.functional.linear``), for
-#: comparison; not on the gated shape.
-DENSE = "bf16"
 #: The default model's linear layers (in, out), [gate; up] as one gated weight.
 SHAPES: dict[str, tuple[int, int]] = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 
@@ -45,7 +44,7 @@ def random_blocks(type_name: str, n: int, k: int, gen: torch.Generator) -> torch
 
     bb, per = qref.GGUF_BLOCK_BYTES[type_name], qref.GGUF_BLOCK_VALUES[type_name]
     raw = torch.randint(0, 256, (n, k // per, bb), dtype=torch.uint8, generator=gen)
-    halves = {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q2_K": [80, 82]}.get(
+    halves = {"Q6_K": [208], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q2_K": [80, 82]}.get(
         type_name, [0]
     )
     for at in halves:
@@ -73,12 +72,20 @@ def load_module(path: str):
     return module
 
 
+def base_type(t: str) -> str:
+    """The ggml type of a column of the table (``Q4_K@before``, ``Q3_K/rows``: Q4_K, Q3_K)."""
+    return t.split("@")[0].split("/")[0]
+
+
 def applies(type_name: str, shape: str) -> bool:
     from pagedserve.kernels import quant_reference as qref
 
-    type_name = type_name.split("@")[0]
-    if type_name == DENSE:
-        return shape != "gate_up"
+    if type_name == "BF16" or type_name.endswith("/rows"):  # no gated kernel for these
+        if shape == "gate_up":
+            return False
+        if type_name == "BF16":
+            return True
+    type_name = base_type(type_name)
     return SHAPES[shape][0] % qref.GGUF_BLOCK_VALUES[type_name] == 0 and not (
         shape == "gate_up" and qref.GGUF_BLOCK_VALUES[type_name] == 256
     )
@@ -109,20 +116,25 @@ def bench(
         here = [t for t in types if applies(t, shape)]
         if not here:
             continue
-        bases = {t: t.split("@")[0] for t in here if t != DENSE}
+        bases = {t: base_type(t) for t in here if t != "BF16"}
         raw = {b: [random_blocks(b, n, k, gen) for _ in range(layers)] for b in dict.fromkeys(bases.values())}
-        weights = {t: [module(t).pack_weight(r, qref.GGUF_TYPE_IDS[bases[t]]) for r in raw[bases[t]]] for t in bases}
-        if DENSE in here:  # dequantized weights: one bf16 matmul (aten's) per call
-            weights[DENSE] = [torch.randn(n, k, generator=gen).bfloat16() for _ in range(layers)]
+        weights = {
+            t: raw[bases[t]]
+            if t.endswith("/rows")
+            else [module(t).pack_weight(r, qref.GGUF_TYPE_IDS[bases[t]]) for r in raw[bases[t]]]
+            for t in bases
+        }
+        if "BF16" in here:
+            weights["BF16"] = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for _ in range(layers)]
         for m in rows:
             x = torch.randn(m, k, generator=gen).bfloat16()
 
             def calls(t: str) -> None:
-                if t == DENSE:
+                if t == "BF16":
                     for w in weights[t]:
                         torch.nn.functional.linear(x, w)
                     return
-                tid = qref.GGUF_TYPE_IDS[t.split("@")[0]]
+                tid = qref.GGUF_TYPE_IDS[base_type(t)]
                 mod = module(t)
                 fn = mod.gguf_linear_silu_out if shape == "gate_up" else mod.gguf_linear_out
                 for w in weights[t]:

@@ -31,6 +31,9 @@ Formats:
   holds 16 sub-blocks of 16 with a 4-bit scale (low nibble of ``scales[r]``) and a 4-bit
   minimum (high nibble): value = d*sc*q - dmin*mn, q 2 bits; element 32j + l of the
   128-value half h (j = 0..3, l = 0..31) is bits 2j, 2j+1 of ``qs[32h + l]`` (:func:`_q2_k`).
+  Q3_K ``u8 hmask[32] | u8 qs[64] | u8 scales[12] | d`` holds 16 sub-blocks of 16: value
+  = d*(sc - 32)*(q - 4), q 3 bits (two from ``qs``, the third from ``hmask``) and sc 6
+  bits (see :func:`_q3_k`).
 - INT8: int8 ``[N, K]`` with float32 per-output-channel scales ``[N]``.
 - FP8: ``float8_e4m3fn`` ``[N, K]`` with a float32 scale ``[]`` (per tensor) or ``[N]``.
 - GPTQ (AutoGPTQ / transformers, ``checkpoint_format="gptq"``): qweight int32
@@ -56,6 +59,7 @@ __all__ = [
     "gguf_type_capability",
     "gguf_row_bytes",
     "kquant_scales_mins",
+    "q3_k_scales",
     "AWQ_ORDER",
     "dequantize_gguf",
     "gguf_linear",
@@ -85,6 +89,7 @@ GGUF_BLOCK_BYTES: dict[str, int] = {
     "Q5_K": 176,
     "Q6_K": 210,
     "Q2_K": 84,
+    "Q3_K": 110,
 }
 #: Values per block of each type of GGUF_BLOCK_BYTES.
 GGUF_BLOCK_VALUES: dict[str, int] = {t: 256 if t.endswith("_K") else 32 for t in GGUF_BLOCK_BYTES}
@@ -99,6 +104,7 @@ GGUF_TYPE_IDS: dict[str, int] = {
     "Q5_K": 13,
     "Q6_K": 14,
     "Q2_K": 10,
+    "Q3_K": 11,
 }
 #: The 32-value types of the first kernels (Q4_0, Q4_1, Q8_0): the others are the
 #: "extended" types (GGUF_EXTENDED_TYPES), which a platform's gguf_linear takes only
@@ -108,7 +114,7 @@ GGUF_EXTENDED_TYPES: tuple[str, ...] = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 #: Types a platform's gguf_linear takes one by one: each where it declares the op
 #: capability ``gguf_type_capability(name)`` (``"gguf_type:NAME"``), so adding a type
 #: here never changes what an existing capability promises.
-GGUF_OPTIONAL_TYPES: tuple[str, ...] = ("Q2_K",)
+GGUF_OPTIONAL_TYPES: tuple[str, ...] = ("Q2_K", "Q3_K")
 #: AWQ's pack order: nibble i of each int32 holds column AWQ_ORDER[i] of its 8 columns.
 AWQ_ORDER: tuple[int, ...] = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -237,6 +243,32 @@ def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
     return (dl[..., None] * q.reshape(*lead, 16, 16).float() - ml[..., None]).flatten(-2)
 
 
+def q3_k_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Q3_K ``scales[12]`` (uint8 ``[..., 12]``) -> the 16 sub-blocks' 6-bit scales, int64
+    ``[..., 16]`` (before ``- 32``): the low 4 bits of scale i are the low (i < 8) or high
+    nibble of byte i % 8, its top 2 bits bits 2 (i // 4) of byte 8 + i % 4."""
+    s = scales.long()
+    low = torch.cat([s[..., 0:8] & 0x0F, s[..., 0:8] >> 4], dim=-1)
+    shifts = (2 * torch.arange(4, device=scales.device)).reshape(4, 1)
+    top = (s[..., None, 8:12] >> shifts) & 3  # [..., i // 4, i % 4]
+    return low | (top.flatten(-2) << 4)
+
+
+def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Two halves of 128 values, each from 32 bytes of ``qs``: element 32j + l of half n
+    (j = 0..3, l = 0..31) has low bits ``(qs[32n + l] >> 2j) & 3`` and, where bit 4n + j
+    of ``hmask[l]`` is set, 4 more; value d * (sc[v // 16] - 32) * (q - 4) for element v
+    of the super-block (q 0..7)."""
+    lead = blocks.shape[:-1]
+    qs = blocks[..., 32:96].long().reshape(*lead, 2, 1, 32)  # [half, 1, l]
+    low = (qs >> (2 * torch.arange(4, device=blocks.device)).reshape(4, 1)) & 3  # [..., 2, 4, 32]
+    high = _bits(blocks[..., 0:32]).transpose(-1, -2).reshape(*lead, 2, 4, 32)  # bit 4n + j of hmask[l]
+    q = low + 4 * high - 4
+    sc = (q3_k_scales(blocks[..., 96:108]) - 32).float()
+    d = _half(blocks, 108)
+    return q.reshape(*lead, 16, 16).float() * (d * sc)[..., None]
+
+
 _EXTENDED_DEQUANT = {
     "Q5_0": _q5_0,
     "Q5_1": _q5_1,
@@ -244,6 +276,7 @@ _EXTENDED_DEQUANT = {
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
     "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
 }
 
 

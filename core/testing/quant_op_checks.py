@@ -88,6 +88,8 @@ def _random_gguf(c: _Case, type_name: str, n: int, k: int) -> torch.Tensor:
     elif type_name == "Q2_K":
         half(80, (torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3) / 8)  # d; times 4-bit scales
         half(82, (torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3) / 8)  # dmin; times 4-bit minimums
+    elif type_name == "Q3_K":
+        half(108, (torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3) / 32)  # d; times 6-bit scales - 32
     else:
         half(0, torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3)
     if type_name in ("Q4_1", "Q5_1"):

@@ -1,5 +1,6 @@
 // Matmul on GGUF (ggml) quantized weights kept in their blocks: Q4_0, Q4_1, Q8_0 here;
-// Q5_0, Q5_1, Q4_K, Q5_K and Q6_K in quant_gguf_kquant.cpp, on the same activations.
+// Q5_0, Q5_1, Q4_K, Q5_K and Q6_K in quant_gguf_kquant.cpp, Q3_K in quant_gguf_q3k.cpp, on
+// the same activations.
 //
 // y[m, n] = sum_k x[m, k] * W[n, k], with W stored as ggml blocks of 32 values per
 // row ([N, K/32 * block_bytes] uint8, exactly the bytes of the .gguf file).  As in
@@ -268,11 +269,31 @@ void gguf_packed_gemm_multi(const int8_t* xq, const float* xd, const float* xds,
                             int64_t K, const std::vector<const uint8_t*>& w, const std::vector<int64_t>& groups,
                             const std::vector<int64_t>& types, void* y, bool y_bf16, const float* bias);
 bool gguf_packed_gated_available();
+// Q3_K, row kernel and tiled kernel (quant_gguf_q3k.cpp).
+bool gguf_q3k_block(int64_t type, int* values, int* bytes);
+bool gguf_q3k_tiled();
+void gguf_q3k_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                       float* y);
+torch::Tensor gguf_q3k_pack(torch::Tensor weight);
+torch::Tensor gguf_q3k_unpack_rows(torch::Tensor packed, torch::Tensor ids);
+void gguf_q3k_tiled_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
+                         void* y, bool y_bf16, const float* bias);
+
 void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
                            int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
                            const float* bias);
 
 namespace {
+
+constexpr int64_t Q3_K = 11;
+
+// The block of a type of another file (quant_gguf_kquant.cpp, quant_gguf_q3k.cpp).
+bool other_block(int64_t type, int* values, int* bytes) {
+  return gguf_ext_type(type, values, bytes) || gguf_q3k_block(type, values, bytes);
+}
+
+// Whether `type` has a tiled kernel on a 256-value layout in this build.
+bool k_tiled(int64_t type) { return gguf_kpacked_type(type) || (type == Q3_K && gguf_q3k_tiled()); }
 
 // Activations quantized per 32-value block, once per call (not per output tile).
 struct QuantizedX {
@@ -322,14 +343,14 @@ int64_t check_gguf_args(const torch::Tensor& x, const torch::Tensor& weight, int
   TORCH_CHECK(K % QK == 0, "gguf_linear: K=", K, " is not a multiple of 32");
   const int64_t nb = K / QK;
   int ext_values = 0, ext_bytes = 0;
-  if (gguf_ext_type(type, &ext_values, &ext_bytes) && packed && gguf_kpacked_type(type)) {
+  if (other_block(type, &ext_values, &ext_bytes) && packed && k_tiled(type)) {
     TORCH_CHECK(K % ext_values == 0, "gguf_linear: K=", K, " is not a multiple of ", ext_values,
                 " (the block of ggml type ", type, ")");
     TORCH_CHECK(weight.size(1) == K / ext_values && weight.size(2) == 16 * ext_bytes, "gguf_linear: packed weight ",
                 weight.sizes(), " does not hold K=", K, " values of this type");
     return N;
   }
-  if (gguf_ext_type(type, &ext_values, &ext_bytes) && !packed) {
+  if (other_block(type, &ext_values, &ext_bytes) && !packed) {
     TORCH_CHECK(K % ext_values == 0, "gguf_linear: K=", K, " is not a multiple of ", ext_values,
                 " (the block of ggml type ", type, ")");
     TORCH_CHECK(weight.size(1) == K / ext_values * ext_bytes, "gguf_linear: weight rows hold ", weight.size(1),
@@ -353,6 +374,10 @@ void row_gemm(const QuantizedX& qx, int64_t M, int64_t K, const torch::Tensor& w
   const int64_t nb = K / QK, N = weight.size(0), row_bytes = weight.size(1);
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   int ext_values = 0, ext_bytes = 0;
+  if (type == Q3_K) {
+    gguf_q3k_row_gemm(qx.q.get(), qx.d.get(), M, K, wp, N, yp);
+    return;
+  }
   if (gguf_ext_type(type, &ext_values, &ext_bytes)) {
     gguf_ext_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, wp, N, type, yp);
     return;
@@ -388,7 +413,10 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
   const int64_t N = check_gguf_args(x, weight, type), M = x.size(0), K = x.size(1);
   const QuantizedX qx = quantize_activations(x, type);
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-  if (weight.dim() == 3 && gguf_kpacked_type(type))
+  if (weight.dim() == 3 && type == Q3_K)
+    gguf_q3k_tiled_gemm(qx.q.get(), qx.d.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), y.data_ptr<float>(),
+                        false, nullptr);
+  else if (weight.dim() == 3 && gguf_kpacked_type(type))
     gguf_kpacked_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
                       y.data_ptr<float>(), false, nullptr);
   else if (weight.dim() == 3)
@@ -417,6 +445,12 @@ torch::Tensor gguf_linear_out(torch::Tensor x, torch::Tensor weight, int64_t typ
   const QuantizedX qx = quantize_activations(x, type);
   const bool bf16 = x.scalar_type() == torch::kBFloat16 && !float32_out;
   const auto out_options = x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat);
+  if (weight.dim() == 3 && type == Q3_K) {
+    auto y = torch::empty({M, N}, out_options);
+    gguf_q3k_tiled_gemm(qx.q.get(), qx.d.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), y.data_ptr(), bf16,
+                        b.defined() ? b.data_ptr<float>() : nullptr);
+    return y;
+  }
   if (weight.dim() == 3 && gguf_kpacked_type(type)) {
     auto y = torch::empty({M, N}, out_options);
     gguf_kpacked_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
@@ -444,7 +478,7 @@ torch::Tensor gguf_linear_silu_out(torch::Tensor x, torch::Tensor weight, int64_
   x = x.contiguous();
   weight = weight.contiguous();
   TORCH_CHECK(weight.dim() == 3, "gguf_linear_silu_and_mul: the weight must be packed by pack_weight");
-  TORCH_CHECK(!gguf_kpacked_type(type), "gguf_linear_silu_and_mul: no gated kernel for ggml type id ", type);
+  TORCH_CHECK(!k_tiled(type), "gguf_linear_silu_and_mul: no gated kernel for ggml type id ", type);
   TORCH_CHECK(gguf_packed_gated_available(), "gguf_linear_silu_and_mul: this build has no gated packed kernel");
   const int64_t N = check_gguf_args(x, weight, type), M = x.size(0), K = x.size(1);
   TORCH_CHECK(weight.size(0) % 2 == 0, "gguf_linear_silu_and_mul: N=", N, " is not 2 x a multiple of 16");
@@ -528,16 +562,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "pack_weight",
       [](torch::Tensor weight, int64_t type) {
+        if (type == Q3_K) return gguf_q3k_pack(weight);
         return gguf_kpacked_type(type) ? gguf_kpack_weight(weight, type) : gguf_pack_weight(weight, type);
       },
-      "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32 (K/256: Q4_K, Q5_K, Q6_K), 16*block_bytes]");
+      "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32 (K/256: Q3_K, Q4_K, Q5_K, Q6_K), 16*block_bytes]");
   m.def(
       "unpack_rows",
       [](torch::Tensor packed, int64_t type, torch::Tensor ids) {
-        // Q5_0 / Q5_1: their packing's own inverse (quant_gguf_packed.cpp); the others here.
+        // Q5_0 / Q5_1 / Q3_K: their packing's own inverse (quant_gguf_packed.cpp,
+        // quant_gguf_q3k.cpp); the others here.
+        if (type == Q3_K) return gguf_q3k_unpack_rows(packed, ids);
         return type == Q5_0 || type == Q5_1 ? gguf_packed_unpack_rows(packed, type, ids)
                                             : gguf_unpack_rows(packed, type, ids);
       },
       py::call_guard<py::gil_scoped_release>(), "rows ids of a packed weight as the file's blocks uint8 [n, row_bytes]");
-  m.def("has_kpacked", &gguf_kpacked_type, "whether ggml type id `type` has the K-quant tiled kernel");
+  m.def("has_kpacked", &k_tiled, "whether ggml type id `type` has a K-quant tiled kernel");
 }

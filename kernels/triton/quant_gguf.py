@@ -1,10 +1,10 @@
 """Matmul on GGUF blocks in Triton (CUDA and ROCm): Q4_0 / Q4_1 / Q8_0, Q5_0 / Q5_1 and the
-K-quants Q4_K / Q5_K / Q6_K, Q2_K (tested under the interpreter only: no platform declares it
-for Triton until a GPU run has checked it).  Each program dequantizes a [BLOCK_N, 32] tile of weight
+K-quants Q4_K / Q5_K / Q6_K, Q2_K and Q3_K (the last two tested under the interpreter only: no
+platform declares them for Triton until a GPU run has checked them).  Each program dequantizes a [BLOCK_N, 32] tile of weight
 blocks in registers and accumulates ``x_tile @ w_tile^T`` in float32, so the weight is
-read once, in its 4.5-8.5 bits.  A K-quant super-block of 256 values is read as 8 pieces
+read once, in its 2.6-8.5 bits.  A K-quant super-block of 256 values is read as 8 pieces
 of 32: piece j's 6-bit scale and minimum (Q4_K / Q5_K) or its two int8 scales of 16
-values (Q6_K, and Q2_K's two 4-bit scales and minimums) are decoded with its quants.
+values (Q6_K; Q2_K: two 4-bit scales and minimums; Q3_K: two 6-bit scales) are decoded with its quants.
 
 Reference: :func:`pagedserve.kernels.quant_reference.gguf_linear`.
 """
@@ -20,7 +20,7 @@ from pagedserve.kernels.triton._common import FLOAT_DTYPES, next_power_of_2
 
 __all__ = ["gguf_linear_triton"]
 
-_TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "Q2_K": 8}
+_TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "Q2_K": 8, "Q3_K": 9}
 
 
 @triton.jit
@@ -84,6 +84,8 @@ def _gguf_linear_kernel(
             d = _half_at(w_ptr, base + 208, mask_n)
         elif TYPE == 8:  # Q2_K: scales[16] | qs[64] | d | dmin
             d = _half_at(w_ptr, base + 80, mask_n)
+        elif TYPE == 9:  # Q3_K: hmask[32] | qs[64] | scales[12] | d
+            d = _half_at(w_ptr, base + 108, mask_n)
         else:
             d = _half_at(w_ptr, base, mask_n)
         if TYPE == 8:
@@ -105,6 +107,20 @@ def _gguf_linear_kernel(
             q = (low | (((hi.to(tl.int32) >> (2 * c)) & 3) << 4)) - 32
             sc = tl.load(w_ptr + base[:, None] + 192 + 2 * sub + j[None, :] // 16, mask=mask_n[:, None], other=0)
             w = q.to(tl.float32) * (sc.to(tl.int8, bitcast=True).to(tl.float32) * d[:, None])
+        elif TYPE == 9:
+            # Piece sub = 4 n + c: low 2 bits at bits 2c of qs[32 n + l], the third (4) at bit
+            # sub of hmask[l], q - 4; scale i = 2 sub + l // 16: the low (i < 8) or high nibble
+            # of scales[i % 8] below bits 2 (i // 4) of scales[8 + i % 4], minus 32.
+            lo = tl.load(w_ptr + base[:, None] + 32 + 32 * (sub // 4) + j[None, :], mask=mask_n[:, None], other=0)
+            hm = tl.load(w_ptr + base[:, None] + j[None, :], mask=mask_n[:, None], other=0)
+            q = ((lo.to(tl.int32) >> (2 * (sub % 4))) & 3) + 4 * ((hm.to(tl.int32) >> sub) & 1) - 4
+            i = 2 * sub + j // 16
+            s_lo = tl.load(w_ptr + base[:, None] + 96 + (i % 8)[None, :], mask=mask_n[:, None], other=0)
+            s_hi = tl.load(w_ptr + base[:, None] + 104 + (i % 4)[None, :], mask=mask_n[:, None], other=0)
+            sc = ((s_lo.to(tl.int32) >> (4 * (i // 8))[None, :]) & 0xF) | (
+                ((s_hi.to(tl.int32) >> (2 * (i // 4))[None, :]) & 3) << 4
+            )
+            w = q.to(tl.float32) * ((sc - 32).to(tl.float32) * d[:, None])
         elif TYPE >= 5:  # Q4_K: d | dmin | scales[12] | qs[128]; Q5_K: ... | qh[32] | qs[128]
             qs_at: tl.constexpr = 48 if TYPE == 6 else 16
             byte = tl.load(w_ptr + base[:, None] + qs_at + 32 * (sub // 2) + j[None, :], mask=mask_n[:, None], other=0)

@@ -3,8 +3,9 @@
 - ``gguf_linear``: the native kernel of kernels/cpu/quant_gguf.cpp (int8 activations per
   32-value block, VNNI/AVX2 dot products; Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks in
   kernels/cpu/quant_gguf_kquant.cpp, declared by the ``GGUF_EXTENDED`` capability, and
-  Q2_K in kernels/cpu/quant_gguf_q2k.cpp, declared by ``gguf_type:Q2_K``, so that a
-  .gguf keeps them) where it builds and loads, at every row count:
+  Q2_K and Q3_K in kernels/cpu/quant_gguf_q2k.cpp and quant_gguf_q3k.cpp, each declared by
+  its ``gguf_type:NAME`` capability, so that a .gguf keeps them) where it builds and
+  loads, at every row count:
   each row's result is then independent of the other rows, so a greedy request answers
   the same whatever else is in its batch (docs/quantization.md).
   ``PAGEDSERVE_QUANT_CPU_KERNELS=0`` keeps the reference.
@@ -12,9 +13,9 @@
   Q5_0/Q5_1/Q8_0 blocks of a multiple of 16 rows are repacked for it once at load
   (kernels/cpu/quant_gguf_packed.cpp: 16 output columns interleaved per 4 k, scales
   beside them; Q4_K, Q5_K and Q6_K likewise in kernels/cpu/quant_gguf_kpacked.cpp,
-  Q2_K in kernels/cpu/quant_gguf_q2k.cpp, the file's size exactly); ``gguf_linear``
-  then runs the tiled kernel on them.  Other weights keep the row kernel.
-  ``PAGEDSERVE_CPU_GGUF_REPACK=0`` keeps the file's blocks.
+  Q2_K and Q3_K in kernels/cpu/quant_gguf_q2k.cpp and quant_gguf_q3k.cpp, the file's
+  size exactly); ``gguf_linear`` then runs the tiled kernel on them.  Other weights keep
+  the row kernel.  ``PAGEDSERVE_CPU_GGUF_REPACK=0`` keeps the file's blocks.
 - ``gguf_embedding``: rows of repacked blocks (a tied embedding shares its LM head's
   repacked weight): only those rows are unpacked (``unpack_rows``), then dequantized.
 - ``gguf_linear_silu_and_mul``: where the tiled kernel has its gated variant, a gated
@@ -79,19 +80,21 @@ GGUF_AMX_MIN_ROWS = 128
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 #: Block types the tiled kernel takes repacked (the others keep the file's blocks); the
 #: gated kernel takes the 32-value types (GATED_TYPES), the K-quants only where the build
-#: has their tiled kernel (kernels/cpu/quant_gguf_kpacked.cpp, ``has_kpacked``).
+#: has their tiled kernel (kernels/cpu/quant_gguf_kpacked.cpp, quant_gguf_q3k.cpp: ``has_kpacked``).
 GATED_TYPES = (*qref.GGUF_BASE_TYPES, "Q5_0", "Q5_1")
-KPACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K")
+KPACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
 PACKED_TYPES = (*GATED_TYPES, *KPACKED_TYPES)
 #: ggml type ids by name (the kernels' ``type`` argument).
 _TYPE_IDS = qref.GGUF_TYPE_IDS
-#: What every native ``gguf_linear`` registered here declares: the optional types too
-#: (Q2_K: a row kernel in every build, tiled on repacked blocks with AVX-512 VNNI).
+#: GGUF_OPTIONAL_TYPES the native kernel multiplies (row kernel everywhere, tiled on
+#: repacked blocks with AVX-512 VNNI where built).
+NATIVE_OPTIONAL_TYPES = ("Q2_K", "Q3_K")
+#: What every native ``gguf_linear`` registered here declares.
 _GGUF_CAPABILITIES = (
     PREFERS_QUANTIZED,
     GGUF_EXTENDED,
     GGUF_OUT_DTYPE,
-    *(qref.gguf_type_capability(t) for t in ("Q2_K",)),
+    *(qref.gguf_type_capability(t) for t in NATIVE_OPTIONAL_TYPES),
 )
 
 
@@ -248,7 +251,7 @@ def make_gguf_linear_stacked(
 
 
 def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
-    """See reference.prepare_gguf_weight: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (and Q4_K/Q5_K/Q6_K) CPU
+    """See reference.prepare_gguf_weight: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (and Q3_K/Q4_K/Q5_K/Q6_K) CPU
     blocks of a multiple of 16 rows -> the tiled kernel's packed layout (where this build has it); else
     ``data``."""
     module = load_quant_kernels()
@@ -334,9 +337,31 @@ def _unpack_nibble_lines(lines: torch.Tensor) -> torch.Tensor:
     return vals.permute(0, 5, 1, 2, 3, 4, 6).reshape(g, 16, nsb, 8, 32)
 
 
+def _unpack_q3_k(packed: torch.Tensor) -> torch.Tensor:
+    """Q3_K entries (kernels/cpu/quant_gguf_q3k.cpp: per sub-block three lines V0-V2 of 64
+    bytes, byte 4c+t of column c; the q of line L, at k = 4L + t, in bits 3 (L % 2) of V[L // 2]
+    for L < 6, lines 6 and 7 in bits 6-7 of V0 / V1 with their third bit at bit L of V2; then
+    the scales[12] transposed and 16 fp16 d) -> the file's blocks."""
+    g, nsb, _ = packed.shape
+    v = packed[..., :1536].reshape(g, nsb, 8, 3, 16, 4).long()  # [g, nsb, sub, V, c, t]
+    v0, v1, v2 = v[..., 0, :, :], v[..., 1, :, :], v[..., 2, :, :]
+    lines = [v0 & 7, (v0 >> 3) & 7, v1 & 7, (v1 >> 3) & 7, v2 & 7, (v2 >> 3) & 7]
+    lines += [(v0 >> 6) | (((v2 >> 6) & 1) << 2), (v1 >> 6) | ((v2 >> 7) << 2)]
+    q = torch.stack(lines, dim=-2).permute(0, 3, 1, 2, 4, 5)  # [g, c, nsb, sub, L, t]
+    q = q.reshape(g, 16, nsb, 2, 4, 32)  # value 128n + 32j + l
+    qs = ((q & 3) << (2 * torch.arange(4)).view(4, 1)).sum(-2)  # [.., n, l]: bits 2j of qs[32n + l]
+    hm = ((q >> 2).reshape(g, 16, nsb, 8, 32) << torch.arange(8).view(8, 1)).sum(-2)  # bit 4n + j of hmask[l]
+    sc = packed[..., 1536:1728].reshape(g, nsb, 12, 16).permute(0, 3, 1, 2)
+    d = packed[..., 1728:].reshape(g, nsb, 16, 2).permute(0, 2, 1, 3)
+    quants = torch.cat([hm, qs.reshape(g, 16, nsb, 64)], dim=-1).to(torch.uint8)
+    return torch.cat([quants, sc, d], dim=-1).reshape(g * 16, nsb * 110)
+
+
 def _unpack_kquant(packed: torch.Tensor, type_name: str) -> torch.Tensor:
-    """Q4_K / Q5_K / Q6_K entries (kernels/cpu/quant_gguf_kpacked.cpp) and Q2_K ones
-    (quant_gguf_q2k.cpp) -> the file's blocks."""
+    """Q2_K / Q3_K / Q4_K / Q5_K / Q6_K entries (kernels/cpu/quant_gguf_kpacked.cpp,
+    quant_gguf_q2k.cpp, quant_gguf_q3k.cpp) -> the file's blocks."""
+    if type_name == "Q3_K":
+        return _unpack_q3_k(packed)
     g, nsb, _ = packed.shape
     if type_name == "Q2_K":
         return _unpack_q2_k(packed)

@@ -1,4 +1,4 @@
-"""A quantizer for tests: float rows -> GGUF blocks of Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and Q2_K,
+"""A quantizer for tests: float rows -> GGUF blocks of Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K,
 written from the block formats' definitions (ggml-common.h), with plain round-to-nearest
 choices (no search for the best scales, as llama-quantize does: tests need valid blocks,
 not the best ones).  ``gguf.quants`` quantizes only some of these types, so tests check
@@ -144,7 +144,32 @@ def _q2_k(x: np.ndarray) -> np.ndarray:
     return out.astype(np.uint8).reshape(x.shape[0], -1)
 
 
-QUANTIZERS = {"Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q2_K": _q2_k}
+def _q3_k(x: np.ndarray) -> np.ndarray:
+    """hmask[32] | qs[64] | scales[12] | d: value d * (sc - 32) * (q - 4) per 16 values, sc 6
+    bits, q 3 bits; element 32j + l of half n keeps its low 2 bits at bits 2j of qs[32n + l]
+    and its third at bit 4n + j of hmask[l]."""
+    b = x.reshape(x.shape[0], -1, 16, 16)
+    amax_at = np.abs(b).argmax(axis=-1)[..., None]
+    scale = np.take_along_axis(b, amax_at, axis=-1)[..., 0] / -4  # signed, so q - 4 reaches -4
+    big_at = np.abs(scale).argmax(axis=-1)[..., None]
+    d = (np.take_along_axis(scale, big_at, axis=-1) / -32).astype(np.float32)  # its sub-block at -32
+    d16 = d.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(scale * _inv(d16)), -32, 31)
+    step = (d16 * sc)[..., None]
+    q = (np.clip(np.rint(b * _inv(step)), -4, 3) + 4).astype(np.uint8).reshape(*b.shape[:2], 2, 4, 32)
+    shifts = np.arange(4, dtype=np.uint8).reshape(4, 1) * 2
+    qs = ((q & 3) << shifts).sum(axis=-2, dtype=np.uint8).reshape(*b.shape[:2], 64)
+    bits = (q >> 2).reshape(*b.shape[:2], 8, 32)  # [4n + j, l]
+    hmask = (bits << np.arange(8, dtype=np.uint8).reshape(8, 1)).sum(axis=-2, dtype=np.uint8)
+    s6 = (sc + 32).astype(np.uint8)  # [..., 16]
+    low = (s6[..., :8] & 15) | ((s6[..., 8:] & 15) << 4)
+    top = (s6 >> 4).reshape(*b.shape[:2], 4, 4)  # [i // 4, i % 4]
+    high = (top << (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)).sum(axis=-2, dtype=np.uint8)
+    out = np.concatenate([hmask, qs, low, high, _f16(d)], axis=-1)
+    return out.astype(np.uint8).reshape(x.shape[0], -1)
+
+
+QUANTIZERS = {"Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def quantize(x: np.ndarray, type_name: str) -> np.ndarray:

@@ -32,7 +32,7 @@ from pagedserve.quantization.gguf import GGUF_KEPT_TYPES, GGUFWeight, StackedWei
 
 EXTENDED = ref.GGUF_EXTENDED_TYPES
 #: Relative error of one format's round-to-nearest on Gaussian rows (measured 1.7-6.5%; Q2_K 26%).
-QUANTIZER_ERROR = {"Q5_0": 0.06, "Q5_1": 0.05, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.03, "Q2_K": 0.35}
+QUANTIZER_ERROR = {"Q5_0": 0.06, "Q5_1": 0.05, "Q3_K": 0.25, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.03, "Q2_K": 0.35}
 
 
 def native():
