@@ -31,8 +31,8 @@ from pagedserve.platforms.cpu import quant_ops as cpu_quant
 from pagedserve.quantization.gguf import GGUF_KEPT_TYPES, GGUFWeight, StackedWeight, gguf_kept_types, widen_blocks
 
 EXTENDED = ref.GGUF_EXTENDED_TYPES
-#: Relative error of one format's round-to-nearest on Gaussian rows (measured 1.7-6.5%).
-QUANTIZER_ERROR = {"Q5_0": 0.06, "Q5_1": 0.05, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.03}
+#: Relative error of one format's round-to-nearest on Gaussian rows (measured 1.7-7.1%).
+QUANTIZER_ERROR = {"Q5_0": 0.06, "Q5_1": 0.05, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.03, "IQ4_NL": 0.08}
 
 
 def native():
@@ -375,7 +375,8 @@ def test_kept_types_follow_the_capability(caplog):
     plain = OpRegistry()
     assert gguf_kept_types(plain) == ref.GGUF_BASE_TYPES
     plain.register("gguf_linear", cpu_quant.gguf_linear, source="test", capabilities=(GGUF_EXTENDED,))
-    assert set(gguf_kept_types(plain)) == set(GGUF_KEPT_TYPES) >= set(EXTENDED)
+    # Not the optional types: each needs its own capability (test_quant_gguf_iq4nl.py).
+    assert set(gguf_kept_types(plain)) == set(GGUF_KEPT_TYPES) - set(ref.GGUF_OPTIONAL_TYPES) >= set(EXTENDED)
     with caplog.at_level(logging.INFO, logger="pagedserve.quantization.gguf"):
         _log_dequantized({"a": "Q4_K", "b": "Q4_K", "c": "F16", "d": "Q3_K", "e": "Q8_0"}, ref.GGUF_BASE_TYPES)
     lines = [r.getMessage() for r in caplog.records]
