@@ -13,6 +13,11 @@ microseconds per call, and its ratio to Q4_1 the median of the per-round ratios 
 their minimum and maximum).  K-quant blocks hold 256 values, so they take only the shapes
 whose input is a multiple of 256 (the default model's down projection).
 
+``BF16`` among ``--types`` is the dense path a type without a kept kernel takes: the
+first other type's random weights dequantized at load to bf16 and put through the CPU
+platform's ``prepare_linear_weight``, then its ``linear`` / ``linear_silu_and_mul`` (the
+model's own ops for a dequantized .gguf).
+
 ``--only TYPE`` times one type alone (``--rounds`` passes of every shape and row count),
 for whole-process comparisons of two types, each its own process.  ``--before SO`` loads a
 second build of the quantized kernels (another checkout's ``pagedserve_quant_*.so``) beside
@@ -56,6 +61,13 @@ def prepare(quant, type_name: str, n: int, k: int, layers: int, gen: torch.Gener
     return [quant.pack_weight(random_blocks(type_name, n, k, gen), tid) for _ in range(layers)]
 
 
+def dense_ops():
+    """The CPU platform's op registry (its bf16 ``linear`` for the dense candidate)."""
+    from pagedserve.testing.target import select_target
+
+    return select_target("cpu").ops
+
+
 def load_module(path: str):
     """A built quantized-kernel extension (``pagedserve_quant_*.so``) imported under its own name."""
     import importlib.util
@@ -67,10 +79,16 @@ def load_module(path: str):
     return module
 
 
+#: The dense candidate's name among ``--types``.
+DENSE = "BF16"
+
+
 def applies(type_name: str, shape: str) -> bool:
     from pagedserve.kernels import quant_reference as qref
 
     type_name = type_name.split("@")[0]
+    if type_name == DENSE:
+        return True
     return SHAPES[shape][0] % qref.GGUF_BLOCK_VALUES[type_name] == 0 and not (
         shape == "gate_up" and qref.GGUF_BLOCK_VALUES[type_name] == 256
     )
@@ -102,12 +120,29 @@ def bench(
         if not here:
             continue
         bases = {t: t.split("@")[0] for t in here}
-        raw = {b: [random_blocks(b, n, k, gen) for _ in range(layers)] for b in dict.fromkeys(bases.values())}
-        weights = {t: [module(t).pack_weight(r, qref.GGUF_TYPE_IDS[bases[t]]) for r in raw[bases[t]]] for t in here}
+        quantized = [b for b in dict.fromkeys(bases.values()) if b != DENSE]
+        raw = {b: [random_blocks(b, n, k, gen) for _ in range(layers)] for b in quantized}
+        weights = {
+            t: [module(t).pack_weight(r, qref.GGUF_TYPE_IDS[bases[t]]) for r in raw[bases[t]]]
+            for t in here
+            if bases[t] != DENSE
+        }
+        if DENSE in here:
+            ops = dense_ops()
+            source = raw[quantized[0]] if quantized else [random_blocks("Q8_0", n, k, gen) for _ in range(layers)]
+            name = quantized[0] if quantized else "Q8_0"
+            weights[DENSE] = [
+                ops.prepare_linear_weight(qref.dequantize_gguf(r, name).bfloat16().contiguous()) for r in source
+            ]
         for m in rows:
             x = torch.randn(m, k, generator=gen).bfloat16()
 
             def calls(t: str) -> None:
+                if t == DENSE:
+                    fn = ops.linear_silu_and_mul if shape == "gate_up" else ops.linear
+                    for w in weights[t]:
+                        fn(x, w)
+                    return
                 tid = qref.GGUF_TYPE_IDS[t.split("@")[0]]
                 mod = module(t)
                 fn = mod.gguf_linear_silu_out if shape == "gate_up" else mod.gguf_linear_out
