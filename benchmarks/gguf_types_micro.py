@@ -12,9 +12,11 @@ machine's speed reaches them alike; each type's figure is the median over the ro
 microseconds per call, and its ratio to Q4_1 the median of the per-round ratios (with
 their minimum and maximum).  K-quant blocks hold 256 values, so they take only the shapes
 whose input is a multiple of 256 (the default model's down projection).  Two pseudo-types
-set other paths beside them: ``BF16`` (the weight dequantized to bf16 at load, one
-``torch.nn.functional.linear`` per call: what a dequantizing load runs; not on gate_up) and
-``TYPE/rows`` (the row kernel on the file's blocks, not repacked).
+set other paths beside them: ``BF16``, the dense path a type without a kept kernel takes
+(the first other type's random weights dequantized at load to bf16 and put through the
+CPU platform's ``prepare_linear_weight``, then its ``linear`` / ``linear_silu_and_mul``:
+the model's own ops for a dequantized .gguf), and ``TYPE/rows`` (the row kernel on the
+file's blocks, not repacked; not on gate_up).
 
 ``--only TYPE`` times one type alone (``--rounds`` passes of every shape and row count),
 for whole-process comparisons of two types, each its own process.  ``--before SO`` loads a
@@ -44,9 +46,15 @@ def random_blocks(type_name: str, n: int, k: int, gen: torch.Generator) -> torch
 
     bb, per = qref.GGUF_BLOCK_BYTES[type_name], qref.GGUF_BLOCK_VALUES[type_name]
     raw = torch.randint(0, 256, (n, k // per, bb), dtype=torch.uint8, generator=gen)
-    halves = {"Q6_K": [208], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q2_K": [80, 82]}.get(
-        type_name, [0]
-    )
+    halves = {
+        "Q6_K": [208],
+        "Q3_K": [108],
+        "Q4_K": [0, 2],
+        "Q5_K": [0, 2],
+        "Q4_1": [0, 2],
+        "Q5_1": [0, 2],
+        "Q2_K": [80, 82],
+    }.get(type_name, [0])
     for at in halves:
         scale = (torch.rand(n, k // per, generator=gen) * 0.02 + 1e-3) / (32 if per == 256 else 1)
         raw[..., at : at + 2] = scale.half().view(torch.uint8).reshape(n, -1, 2)
@@ -72,6 +80,17 @@ def load_module(path: str):
     return module
 
 
+def dense_ops():
+    """The CPU platform's op registry (its bf16 ``linear`` for the dense candidate)."""
+    from pagedserve.testing.target import select_target
+
+    return select_target("cpu").ops
+
+
+#: The dense candidate's name among ``--types``.
+DENSE = "BF16"
+
+
 def base_type(t: str) -> str:
     """The ggml type of a column of the table (``Q4_K@before``, ``Q3_K/rows``: Q4_K, Q3_K)."""
     return t.split("@")[0].split("/")[0]
@@ -80,11 +99,10 @@ def base_type(t: str) -> str:
 def applies(type_name: str, shape: str) -> bool:
     from pagedserve.kernels import quant_reference as qref
 
-    if type_name == "BF16" or type_name.endswith("/rows"):  # no gated kernel for these
-        if shape == "gate_up":
-            return False
-        if type_name == "BF16":
-            return True
+    if type_name == DENSE:
+        return True
+    if type_name.endswith("/rows") and shape == "gate_up":  # no gated row kernel
+        return False
     type_name = base_type(type_name)
     return SHAPES[shape][0] % qref.GGUF_BLOCK_VALUES[type_name] == 0 and not (
         shape == "gate_up" and qref.GGUF_BLOCK_VALUES[type_name] == 256
@@ -116,23 +134,30 @@ def bench(
         here = [t for t in types if applies(t, shape)]
         if not here:
             continue
-        bases = {t: base_type(t) for t in here if t != "BF16"}
-        raw = {b: [random_blocks(b, n, k, gen) for _ in range(layers)] for b in dict.fromkeys(bases.values())}
+        bases = {t: base_type(t) for t in here if t != DENSE}
+        quantized = list(dict.fromkeys(bases.values()))
+        raw = {b: [random_blocks(b, n, k, gen) for _ in range(layers)] for b in quantized}
         weights = {
             t: raw[bases[t]]
             if t.endswith("/rows")
             else [module(t).pack_weight(r, qref.GGUF_TYPE_IDS[bases[t]]) for r in raw[bases[t]]]
             for t in bases
         }
-        if "BF16" in here:
-            weights["BF16"] = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for _ in range(layers)]
+        if DENSE in here:
+            ops = dense_ops()
+            source = raw[quantized[0]] if quantized else [random_blocks("Q8_0", n, k, gen) for _ in range(layers)]
+            name = quantized[0] if quantized else "Q8_0"
+            weights[DENSE] = [
+                ops.prepare_linear_weight(qref.dequantize_gguf(r, name).bfloat16().contiguous()) for r in source
+            ]
         for m in rows:
             x = torch.randn(m, k, generator=gen).bfloat16()
 
             def calls(t: str) -> None:
-                if t == "BF16":
+                if t == DENSE:
+                    fn = ops.linear_silu_and_mul if shape == "gate_up" else ops.linear
                     for w in weights[t]:
-                        torch.nn.functional.linear(x, w)
+                        fn(x, w)
                     return
                 tid = qref.GGUF_TYPE_IDS[base_type(t)]
                 mod = module(t)

@@ -34,6 +34,9 @@ Formats:
   Q3_K ``u8 hmask[32] | u8 qs[64] | u8 scales[12] | d`` holds 16 sub-blocks of 16: value
   = d*(sc - 32)*(q - 4), q 3 bits (two from ``qs``, the third from ``hmask``) and sc 6
   bits (see :func:`_q3_k`).
+- GGUF IQ4_NL (non-linear 4-bit, 32 values per block): ``d | u8 qs[16]``, the nibbles
+  placed as Q4_0's, each an index into the fixed table ``IQ4_NL_VALUES`` of 16 int8
+  values (ggml's ``kvalues_iq4nl``): value = d * IQ4_NL_VALUES[nibble].
 - INT8: int8 ``[N, K]`` with float32 per-output-channel scales ``[N]``.
 - FP8: ``float8_e4m3fn`` ``[N, K]`` with a float32 scale ``[]`` (per tensor) or ``[N]``.
 - GPTQ (AutoGPTQ / transformers, ``checkpoint_format="gptq"``): qweight int32
@@ -56,6 +59,7 @@ __all__ = [
     "GGUF_BASE_TYPES",
     "GGUF_EXTENDED_TYPES",
     "GGUF_OPTIONAL_TYPES",
+    "IQ4_NL_VALUES",
     "gguf_type_capability",
     "gguf_row_bytes",
     "kquant_scales_mins",
@@ -90,6 +94,7 @@ GGUF_BLOCK_BYTES: dict[str, int] = {
     "Q6_K": 210,
     "Q2_K": 84,
     "Q3_K": 110,
+    "IQ4_NL": 18,
 }
 #: Values per block of each type of GGUF_BLOCK_BYTES.
 GGUF_BLOCK_VALUES: dict[str, int] = {t: 256 if t.endswith("_K") else 32 for t in GGUF_BLOCK_BYTES}
@@ -105,6 +110,7 @@ GGUF_TYPE_IDS: dict[str, int] = {
     "Q6_K": 14,
     "Q2_K": 10,
     "Q3_K": 11,
+    "IQ4_NL": 20,
 }
 #: The 32-value types of the first kernels (Q4_0, Q4_1, Q8_0): the others are the
 #: "extended" types (GGUF_EXTENDED_TYPES), which a platform's gguf_linear takes only
@@ -114,7 +120,9 @@ GGUF_EXTENDED_TYPES: tuple[str, ...] = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 #: Types a platform's gguf_linear takes one by one: each where it declares the op
 #: capability ``gguf_type_capability(name)`` (``"gguf_type:NAME"``), so adding a type
 #: here never changes what an existing capability promises.
-GGUF_OPTIONAL_TYPES: tuple[str, ...] = ("Q2_K", "Q3_K")
+GGUF_OPTIONAL_TYPES: tuple[str, ...] = ("Q2_K", "Q3_K", "IQ4_NL")
+#: IQ4_NL's 16 levels (ggml-common.h ``kvalues_iq4nl``), indexed by the stored nibble.
+IQ4_NL_VALUES: tuple[int, ...] = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 #: AWQ's pack order: nibble i of each int32 holds column AWQ_ORDER[i] of its 8 columns.
 AWQ_ORDER: tuple[int, ...] = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -269,6 +277,12 @@ def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     return q.reshape(*lead, 16, 16).float() * (d * sc)[..., None]
 
 
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    qs = blocks[..., 2:18].long()
+    table = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32, device=blocks.device)
+    return table[torch.cat([qs & 0x0F, qs >> 4], dim=-1)] * _half(blocks, 0)
+
+
 _EXTENDED_DEQUANT = {
     "Q5_0": _q5_0,
     "Q5_1": _q5_1,
@@ -277,6 +291,7 @@ _EXTENDED_DEQUANT = {
     "Q6_K": _q6_k,
     "Q2_K": _q2_k,
     "Q3_K": _q3_k,
+    "IQ4_NL": _iq4_nl,
 }
 
 

@@ -1,6 +1,8 @@
 """GGUF weights kept in their blocks: Q4_0 / Q4_1 / Q8_0 everywhere, Q5_0 / Q5_1 and the
 K-quants Q4_K / Q5_K / Q6_K where the platform's ``gguf_linear`` declares a kernel for
-them (``GGUF_EXTENDED``); other types are dequantized at load, with a log line naming them.
+them (``GGUF_EXTENDED``), each type of GGUF_OPTIONAL_TYPES (IQ4_NL) where it declares
+that type's ``gguf_type:NAME``; other types are dequantized at load, with a log line
+naming them.
 
 The stored bytes of the .gguf file are the loaded format.  A file mixing types (llama.cpp's
 Q4_K_M falls back to Q5_0 / Q8_0 per tensor) keeps each tensor in its own: a fused

@@ -128,16 +128,26 @@ GGUF_EXTENDED_SHAPES: tuple[tuple[int, int, int, bool], ...] = (
 )
 
 
+def _optional_types(t: Target) -> list[str]:
+    """The types of GGUF_OPTIONAL_TYPES whose ``gguf_type:NAME`` the target's gguf_linear declares."""
+    return [
+        type_name
+        for type_name in quant_reference.GGUF_OPTIONAL_TYPES
+        if t.ops.has_capability("gguf_linear", quant_reference.gguf_type_capability(type_name))
+    ]
+
+
 def _gguf_cases(t: Target) -> list[tuple[str, tuple[tuple[int, int, int, bool], ...]]]:
     cases = [(type_name, GGUF_SHAPES) for type_name in quant_reference.GGUF_BASE_TYPES]
     if t.ops.has_capability("gguf_linear", "gguf_extended_types"):
         cases += [(type_name, GGUF_EXTENDED_SHAPES) for type_name in quant_reference.GGUF_EXTENDED_TYPES]
         # Q5_0 / Q5_1 rows of a multiple of 32 values only.
         cases += [(type_name, ((5, 96, 40, True), (17, 160, 16, False))) for type_name in ("Q5_0", "Q5_1")]
-    # Each optional type (Q2_K, ...) where the gguf_linear declares its ``gguf_type:NAME``.
-    for type_name in quant_reference.GGUF_OPTIONAL_TYPES:
-        if t.ops.has_capability("gguf_linear", quant_reference.gguf_type_capability(type_name)):
-            cases.append((type_name, GGUF_EXTENDED_SHAPES))
+    # Each declared optional type: a 32-value type (IQ4_NL) the base types' shapes, a
+    # 256-value one the K-quants'.
+    for type_name in _optional_types(t):
+        per = quant_reference.GGUF_BLOCK_VALUES[type_name]
+        cases.append((type_name, GGUF_SHAPES if per == 32 else GGUF_EXTENDED_SHAPES))
     return cases
 
 
@@ -199,6 +209,7 @@ def _gguf_linear_silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed:
     types = quant_reference.GGUF_BASE_TYPES
     if t.ops.has_capability("gguf_linear", "gguf_extended_types"):
         types += ("Q5_0", "Q5_1")  # the 32-value extended types (the CPU's tiled kernel takes them packed)
+    types += tuple(x for x in _optional_types(t) if quant_reference.GGUF_BLOCK_VALUES[x] == 32)
     for type_name in types:
         for m, k, d, bias in GGUF_GATED_SHAPES:
             desc = _desc(m, k, 2 * d, bias, f"{type_name}-")
@@ -222,10 +233,17 @@ GGUF_STACKED_SHAPES: tuple[tuple[int, int, bool], ...] = ((1, 64, False), (7, 96
 def _gguf_stacked_mixes(t: Target) -> list[tuple[tuple[str, int], ...]]:
     """Parts (type, rows) of the gguf_linear_stacked cases: a Q4_0 [q; k] beside a Q8_0 v
     and parts of rows not a multiple of 16; with the extended types, a Q5_K_M's Q5_1
-    beside Q8_0, and Q5_0 parts on both sides of a Q8_0 one."""
+    beside Q8_0, and Q5_0 parts on both sides of a Q8_0 one; with IQ4_NL, its [q; k]
+    beside a Q8_0 v (llama-quantize's fallback for a tensor it cannot give IQ4_NL) and
+    beside Q4_1 (whose activation sums are rounded differently) and beside Q5_0."""
     mixes = [(("Q4_0", 32), ("Q8_0", 16)), (("Q8_0", 16), ("Q4_1", 24), ("Q4_0", 16))]
-    if t.ops.has_capability("gguf_linear", "gguf_extended_types"):
+    extended = t.ops.has_capability("gguf_linear", "gguf_extended_types")
+    if extended:
         mixes += [(("Q5_1", 48), ("Q8_0", 16)), (("Q5_0", 16), ("Q8_0", 32), ("Q5_0", 16))]
+    if "IQ4_NL" in _optional_types(t):
+        mixes += [(("IQ4_NL", 32), ("Q8_0", 16)), (("Q4_1", 16), ("IQ4_NL", 24))]
+        if extended:
+            mixes += [(("IQ4_NL", 48), ("Q5_0", 16))]
     return mixes
 
 

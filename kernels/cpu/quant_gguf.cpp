@@ -1,6 +1,6 @@
 // Matmul on GGUF (ggml) quantized weights kept in their blocks: Q4_0, Q4_1, Q8_0 here;
-// Q5_0, Q5_1, Q4_K, Q5_K and Q6_K in quant_gguf_kquant.cpp, Q3_K in quant_gguf_q3k.cpp, on
-// the same activations.
+// Q5_0, Q5_1, Q4_K, Q5_K and Q6_K in quant_gguf_kquant.cpp, Q3_K in quant_gguf_q3k.cpp,
+// IQ4_NL in quant_gguf_iq4nl.cpp, on the same activations.
 //
 // y[m, n] = sum_k x[m, k] * W[n, k], with W stored as ggml blocks of 32 values per
 // row ([N, K/32 * block_bytes] uint8, exactly the bytes of the .gguf file).  As in
@@ -33,10 +33,11 @@ namespace {
 
 constexpr int QK = 32;
 
-enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };
+enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20 };
 
 // Bytes of one 32-value block of the types this file's row kernel (and the packed
-// kernel: Q5_0 and Q5_1 too) reads; the others' in gguf_ext_type.
+// kernel: Q5_0 and Q5_1 too; IQ4_NL's row kernel: quant_gguf_iq4nl.cpp) reads; the
+// others' in gguf_ext_type.
 inline int block_bytes(int64_t t) {
   switch (t) {
     case Q4_0: return 18;
@@ -44,8 +45,10 @@ inline int block_bytes(int64_t t) {
     case Q5_0: return 22;
     case Q5_1: return 24;
     case Q8_0: return 34;
+    case IQ4_NL: return 18;
   }
-  TORCH_CHECK(false, "unsupported ggml type id ", t, " (supported: Q4_0=2, Q4_1=3, Q8_0=8; Q5_0=6, Q5_1=7 packed)");
+  TORCH_CHECK(false, "unsupported ggml type id ", t,
+              " (supported: Q4_0=2, Q4_1=3, Q8_0=8, IQ4_NL=20; Q5_0=6, Q5_1=7 packed)");
 }
 
 inline float fp16_to_float(uint16_t h) {
@@ -251,6 +254,10 @@ bool gguf_ext_type(int64_t type, int* values, int* bytes);
 void gguf_ext_gemm(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K, const uint8_t* w,
                    int64_t N, int64_t type, float* y);
 
+// IQ4_NL's row kernel (quant_gguf_iq4nl.cpp; its tiled kernel is quant_gguf_packed.cpp's).
+void gguf_iq4nl_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                         float* y);
+
 // The tiled kernel on repacked Q4_K / Q6_K weights (quant_gguf_kpacked.cpp).
 bool gguf_kpacked_type(int64_t type);
 torch::Tensor gguf_kpack_weight(torch::Tensor weight, int64_t type);
@@ -373,6 +380,10 @@ int64_t check_gguf_args(const torch::Tensor& x, const torch::Tensor& weight, int
 void row_gemm(const QuantizedX& qx, int64_t M, int64_t K, const torch::Tensor& weight, int64_t type, float* yp) {
   const int64_t nb = K / QK, N = weight.size(0), row_bytes = weight.size(1);
   const uint8_t* wp = weight.data_ptr<uint8_t>();
+  if (type == IQ4_NL) {
+    gguf_iq4nl_row_gemm(qx.q.get(), qx.d.get(), M, K, wp, N, yp);
+    return;
+  }
   int ext_values = 0, ext_bytes = 0;
   if (type == Q3_K) {
     gguf_q3k_row_gemm(qx.q.get(), qx.d.get(), M, K, wp, N, yp);
@@ -512,8 +523,8 @@ torch::Tensor gguf_linear_multi_out(torch::Tensor x, std::vector<torch::Tensor> 
   for (size_t i = 0; i < weights.size(); ++i) {
     weights[i] = weights[i].contiguous();
     const int64_t t = types[i];
-    TORCH_CHECK(weights[i].dim() == 3 && (t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0),
-                "gguf_linear_multi: every part must be a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight packed by pack_weight");
+    TORCH_CHECK(weights[i].dim() == 3 && (t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == IQ4_NL),
+                "gguf_linear_multi: every part must be a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL weight packed by pack_weight");
     TORCH_CHECK((types[i] == Q4_1) == (types[0] == Q4_1),
                 "gguf_linear_multi: Q4_1 parts quantize the activations' sums differently from the others");
     N += check_gguf_args(x, weights[i], types[i]);
@@ -570,10 +581,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "unpack_rows",
       [](torch::Tensor packed, int64_t type, torch::Tensor ids) {
         // Q5_0 / Q5_1 / Q3_K: their packing's own inverse (quant_gguf_packed.cpp,
-        // quant_gguf_q3k.cpp); the others here.
+        // quant_gguf_q3k.cpp); the others in quant_gguf_kpacked.cpp (IQ4_NL's entries are
+        // Q4_0's, byte for byte).
         if (type == Q3_K) return gguf_q3k_unpack_rows(packed, ids);
-        return type == Q5_0 || type == Q5_1 ? gguf_packed_unpack_rows(packed, type, ids)
-                                            : gguf_unpack_rows(packed, type, ids);
+        if (type == Q5_0 || type == Q5_1) return gguf_packed_unpack_rows(packed, type, ids);
+        return gguf_unpack_rows(packed, type == IQ4_NL ? Q4_0 : type, ids);
       },
       py::call_guard<py::gil_scoped_release>(), "rows ids of a packed weight as the file's blocks uint8 [n, row_bytes]");
   m.def("has_kpacked", &k_tiled, "whether ggml type id `type` has a K-quant tiled kernel");

@@ -1,4 +1,4 @@
-// Tiled GEMM on GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights repacked once at load (AVX-512 VNNI).
+// Tiled GEMM on GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL weights repacked once at load (AVX-512 VNNI).
 //
 // The row-by-row kernel of quant_gguf.cpp reduces each (activation row, weight row) dot
 // product horizontally and reads every weight row once per 8 activation rows, so from a
@@ -13,6 +13,11 @@
 //   Q4_0 / Q4_1: 4 lines of 64 bytes, byte 4c+t of line p holding column c's value at
 //                k = 8p+t in its low nibble and k = 8p+4+t in its high nibble; then the
 //                16 columns' fp16 scales d; Q4_1 then their fp16 minimums m.
+//   IQ4_NL:      Q4_0's entry byte for byte (its blocks are Q4_0's, the nibbles indexes
+//                into a table of 16 levels, quant_gguf_iq4nl.h): a line's nibbles are
+//                masked as Q4_0's, then one vpshufb turns them into level + 128, the
+//                unsigned operand of vpdpbusd, the 128 * sum(x) subtracted again (Q8_0's
+//                offset).
 //   Q5_0:        4 lines of 64 bytes, byte 4c+t of line p holding column c's 5-bit value
 //                at k = 8p+t in bits 3-7 and the low 3 bits of the one at k = 8p+4+t in
 //                bits 0-2; then the 16 fp16 scales d; then 64 top bytes, bits 2p and 2p+1
@@ -30,8 +35,8 @@
 // the same exact integer dot product per block as the row kernel, and acc += (d_w * d_x)
 // * dot in float32.  The symmetric types' offset is part of the integer dot product here
 // (as in ggml's own q4_0 / q5_0 / q8_0 dot products): each block's accumulators start at
-// -8, -16 or -128 times the block's integer activation sum (Q4_0, Q5_0, Q8_0's +128
-// storage), so dot = sum (q - offset) x exactly and there is no minimum term; the row
+// -8, -16 or -128 times the block's integer activation sum (Q4_0, Q5_0, Q8_0's and
+// IQ4_NL's +128 storage), so dot = sum (q - offset) x exactly and there is no minimum term; the row
 // kernel adds that term (-8 d_w d_x sum(x), -16 d_w ...) apart, a difference of float32
 // rounding only.  Q4_1 / Q5_1's minimum term (m_w * d_x * sum(x)) is summed apart and
 // added at the end, as the row kernel does.  Otherwise only the float32 summation order
@@ -49,6 +54,8 @@
 #include <immintrin.h>
 #define PAGEDSERVE_GGUF_PACKED 1
 #endif
+
+#include "quant_gguf_iq4nl.h"
 
 // The gated epilogue (silu(gate) * up) is the main kernels' own SiLU-and-mul
 // (elementwise.h), so that the fused op rounds bit for bit as the two ops in sequence.
@@ -81,7 +88,7 @@ namespace {
 
 constexpr int QK = 32;
 constexpr int kCols = 16;
-enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };
+enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = pagedserve_iq4nl::kTypeId };
 
 int packed_block_bytes(int64_t type) {
   switch (type) {
@@ -90,9 +97,10 @@ int packed_block_bytes(int64_t type) {
     case Q5_0: return 22;
     case Q5_1: return 24;
     case Q8_0: return 34;
+    case IQ4_NL: return pagedserve_iq4nl::kBlockBytes;
   }
   TORCH_CHECK(false, "gguf packing: unsupported ggml type id ", type,
-              " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8)");
+              " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, IQ4_NL=20)");
 }
 
 // Bytes of quants in one packed (group, block) entry, before the scales.
@@ -194,16 +202,17 @@ inline __m256i to_bf16(__m512 v) {
 
 template <int64_t TYPE>
 constexpr int group_block_bytes() {
-  return kCols * (TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : TYPE == Q5_0 ? 22 : TYPE == Q5_1 ? 24 : 34);
+  return kCols * (TYPE == Q4_0 || TYPE == IQ4_NL ? 18 : TYPE == Q4_1 ? 20 : TYPE == Q5_0 ? 22 : TYPE == Q5_1 ? 24 : 34);
 }
 
 // The stored value's offset of the symmetric types (value = d * (q - offset)): each
 // block's integer accumulators start at -offset * sum(x), so that the dot product is
-// sum (q - offset) x with no float term for it (Q8_0's int8 values are stored + 128 as
-// vpdpbusd's unsigned operand; Q4_1 / Q5_1 have a minimum instead, summed apart).
+// sum (q - offset) x with no float term for it (Q8_0's int8 values, and IQ4_NL's levels
+// once looked up, are + 128 as vpdpbusd's unsigned operand; Q4_1 / Q5_1 have a minimum
+// instead, summed apart).
 template <int64_t TYPE>
 constexpr int32_t offset() {
-  return TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q8_0 ? 128 : 0;
+  return TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q8_0 || TYPE == IQ4_NL ? 128 : 0;
 }
 
 // Tiles of at most this many rows move Q5_x's top bits with gf2p8affineqb where the build
@@ -307,6 +316,7 @@ inline void block_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512
     }
   } else {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
+    [[maybe_unused]] const __m512i levels = pagedserve_iq4nl::levels_u8_512();
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
       // Low nibbles (k = 8p..8p+3) then high (8p+4..8p+7): only NG unpacked lines live.
@@ -315,6 +325,8 @@ inline void block_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512
       for (int h = 0; h < 2; ++h) {
         __m512i wv[NG];
         for (int j = 0; j < NG; ++j) wv[j] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4);
+        if constexpr (TYPE == IQ4_NL)  // nibble -> its level + 128
+          for (int j = 0; j < NG; ++j) wv[j] = _mm512_shuffle_epi8(levels, wv[j]);
         for (int i = 0; i < MT; ++i) {
           int32_t x4;
           std::memcpy(&x4, xb[i] + 8 * p + 4 * h, 4);
@@ -571,6 +583,7 @@ void run_groups_of(int64_t type, const Activations& a, const uint8_t* w, int64_t
     case Q5_0: return run_groups<Q5_0>(a, w, M, gb, ge, o);
     case Q5_1: return run_groups<Q5_1>(a, w, M, gb, ge, o);
     case Q8_0: return run_groups<Q8_0>(a, w, M, gb, ge, o);
+    case IQ4_NL: return run_groups<IQ4_NL>(a, w, M, gb, ge, o);
   }
 }
 
@@ -697,6 +710,7 @@ void gguf_packed_gemm(const int8_t* xq, const float* xd, const float* xds, const
     case Q5_0: run<Q5_0>(a, w, M, groups, o); return;
     case Q5_1: run<Q5_1>(a, w, M, groups, o); return;
     case Q8_0: run<Q8_0>(a, w, M, groups, o); return;
+    case IQ4_NL: run<IQ4_NL>(a, w, M, groups, o); return;
   }
   TORCH_CHECK(false, "gguf_packed_gemm: unsupported ggml type id ", type);
 #else
@@ -720,6 +734,7 @@ void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, 
     case Q5_0: run_gated<Q5_0>(a, w, M, o); return;
     case Q5_1: run_gated<Q5_1>(a, w, M, o); return;
     case Q8_0: run_gated<Q8_0>(a, w, M, o); return;
+    case IQ4_NL: run_gated<IQ4_NL>(a, w, M, o); return;
   }
   TORCH_CHECK(false, "gguf_packed_gemm_silu: unsupported ggml type id ", type);
 #else

@@ -1,6 +1,8 @@
-"""Matmul on GGUF blocks in Triton (CUDA and ROCm): Q4_0 / Q4_1 / Q8_0, Q5_0 / Q5_1 and the
-K-quants Q4_K / Q5_K / Q6_K, Q2_K and Q3_K (the last two tested under the interpreter only: no
-platform declares them for Triton until a GPU run has checked them).  Each program dequantizes a [BLOCK_N, 32] tile of weight
+"""Matmul on GGUF blocks in Triton (CUDA and ROCm): Q4_0 / Q4_1 / Q8_0, Q5_0 / Q5_1, the
+K-quants Q4_K / Q5_K / Q6_K, Q2_K and Q3_K, and IQ4_NL (its nibbles looked up in a 16-entry
+table of levels held in device memory); Q2_K, Q3_K and IQ4_NL are tested under the
+interpreter only: no platform declares them for Triton until a GPU run has checked them.
+Each program dequantizes a [BLOCK_N, 32] tile of weight
 blocks in registers and accumulates ``x_tile @ w_tile^T`` in float32, so the weight is
 read once, in its 2.6-8.5 bits.  A K-quant super-block of 256 values is read as 8 pieces
 of 32: piece j's 6-bit scale and minimum (Q4_K / Q5_K) or its two int8 scales of 16
@@ -15,12 +17,32 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.quant_reference import GGUF_BLOCK_BYTES, GGUF_BLOCK_VALUES
+from pagedserve.kernels.quant_reference import GGUF_BLOCK_BYTES, GGUF_BLOCK_VALUES, IQ4_NL_VALUES
 from pagedserve.kernels.triton._common import FLOAT_DTYPES, next_power_of_2
 
 __all__ = ["gguf_linear_triton"]
 
-_TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "Q2_K": 8, "Q3_K": 9}
+_TYPE_CODES = {
+    "Q4_0": 0,
+    "Q4_1": 1,
+    "Q8_0": 2,
+    "Q5_0": 3,
+    "Q5_1": 4,
+    "Q4_K": 5,
+    "Q5_K": 6,
+    "Q6_K": 7,
+    "Q2_K": 8,
+    "Q3_K": 9,
+    "IQ4_NL": 10,
+}
+#: IQ4_NL's levels as float32, one copy per device (read by every launch; others ignore it).
+_LEVELS: dict[torch.device, torch.Tensor] = {}
+
+
+def _levels(device: torch.device) -> torch.Tensor:
+    if device not in _LEVELS:
+        _LEVELS[device] = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32, device=device)
+    return _LEVELS[device]
 
 
 @triton.jit
@@ -56,6 +78,7 @@ def _gguf_linear_kernel(
     x_ptr,
     w_ptr,
     y_ptr,
+    levels_ptr,
     M,
     N,
     NB,
@@ -75,7 +98,9 @@ def _gguf_linear_kernel(
     mask_n = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for b in range(0, NB):
-        if TYPE >= 5:  # K-quants: piece `sub` of 32 values of super-block b // 8
+        if TYPE == 10:  # IQ4_NL: 32-value blocks
+            base = rn.to(tl.int64) * row_bytes + b * BB  # [BLOCK_N]
+        elif TYPE >= 5:  # K-quants: piece `sub` of 32 values of super-block b // 8
             sub = b % 8
             base = rn.to(tl.int64) * row_bytes + (b // 8) * BB  # [BLOCK_N]
         else:
@@ -121,6 +146,10 @@ def _gguf_linear_kernel(
                 ((s_hi.to(tl.int32) >> (2 * (i // 4))[None, :]) & 3) << 4
             )
             w = q.to(tl.float32) * ((sc - 32).to(tl.float32) * d[:, None])
+        elif TYPE == 10:  # IQ4_NL: d | qs[16], the nibbles (placed as Q4_0's) index the levels
+            byte = tl.load(w_ptr + base[:, None] + 2 + (j[None, :] % 16), mask=mask_n[:, None], other=0)
+            nib = (byte.to(tl.int32) >> ((j[None, :] // 16) * 4)) & 0xF
+            w = tl.load(levels_ptr + nib) * d[:, None]
         elif TYPE >= 5:  # Q4_K: d | dmin | scales[12] | qs[128]; Q5_K: ... | qh[32] | qs[128]
             qs_at: tl.constexpr = 48 if TYPE == 6 else 16
             byte = tl.load(w_ptr + base[:, None] + qs_at + 32 * (sub // 2) + j[None, :], mask=mask_n[:, None], other=0)
@@ -189,6 +218,7 @@ def gguf_linear_triton(
         x,
         raw,
         y,
+        _levels(x.device),
         m,
         n,
         k // 32,

@@ -3,14 +3,14 @@
 - ``gguf_linear``: the native kernel of kernels/cpu/quant_gguf.cpp (int8 activations per
   32-value block, VNNI/AVX2 dot products; Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks in
   kernels/cpu/quant_gguf_kquant.cpp, declared by the ``GGUF_EXTENDED`` capability, and
-  Q2_K and Q3_K in kernels/cpu/quant_gguf_q2k.cpp and quant_gguf_q3k.cpp, each declared by
-  its ``gguf_type:NAME`` capability, so that a .gguf keeps them) where it builds and
-  loads, at every row count:
+  Q2_K, Q3_K and IQ4_NL in kernels/cpu/quant_gguf_q2k.cpp, quant_gguf_q3k.cpp and
+  quant_gguf_iq4nl.cpp, each declared by its ``gguf_type:NAME`` capability, so that a
+  .gguf keeps them) where it builds and loads, at every row count:
   each row's result is then independent of the other rows, so a greedy request answers
   the same whatever else is in its batch (docs/quantization.md).
   ``PAGEDSERVE_QUANT_CPU_KERNELS=0`` keeps the reference.
 - ``prepare_gguf_weight``: where the kernel has its tiled AVX-512 VNNI GEMM, Q4_0/Q4_1/
-  Q5_0/Q5_1/Q8_0 blocks of a multiple of 16 rows are repacked for it once at load
+  Q5_0/Q5_1/Q8_0/IQ4_NL blocks of a multiple of 16 rows are repacked for it once at load
   (kernels/cpu/quant_gguf_packed.cpp: 16 output columns interleaved per 4 k, scales
   beside them; Q4_K, Q5_K and Q6_K likewise in kernels/cpu/quant_gguf_kpacked.cpp,
   Q2_K and Q3_K in kernels/cpu/quant_gguf_q2k.cpp and quant_gguf_q3k.cpp, the file's
@@ -80,15 +80,16 @@ GGUF_AMX_MIN_ROWS = 128
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 #: Block types the tiled kernel takes repacked (the others keep the file's blocks); the
 #: gated kernel takes the 32-value types (GATED_TYPES), the K-quants only where the build
-#: has their tiled kernel (kernels/cpu/quant_gguf_kpacked.cpp, quant_gguf_q3k.cpp: ``has_kpacked``).
-GATED_TYPES = (*qref.GGUF_BASE_TYPES, "Q5_0", "Q5_1")
+#: has their tiled kernel (kernels/cpu/quant_gguf_kpacked.cpp, quant_gguf_q2k.cpp,
+#: quant_gguf_q3k.cpp: ``has_kpacked``).
+GATED_TYPES = (*qref.GGUF_BASE_TYPES, "Q5_0", "Q5_1", "IQ4_NL")
 KPACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
 PACKED_TYPES = (*GATED_TYPES, *KPACKED_TYPES)
 #: ggml type ids by name (the kernels' ``type`` argument).
 _TYPE_IDS = qref.GGUF_TYPE_IDS
-#: GGUF_OPTIONAL_TYPES the native kernel multiplies (row kernel everywhere, tiled on
-#: repacked blocks with AVX-512 VNNI where built).
-NATIVE_OPTIONAL_TYPES = ("Q2_K", "Q3_K")
+#: Types of ``qref.GGUF_OPTIONAL_TYPES`` the native kernel takes (every build: a row
+#: kernel; the tiled one on repacked blocks where AVX-512 VNNI is built).
+NATIVE_OPTIONAL_TYPES = ("Q2_K", "Q3_K", "IQ4_NL")
 #: What every native ``gguf_linear`` registered here declares.
 _GGUF_CAPABILITIES = (
     PREFERS_QUANTIZED,
@@ -251,7 +252,7 @@ def make_gguf_linear_stacked(
 
 
 def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
-    """See reference.prepare_gguf_weight: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (and Q3_K/Q4_K/Q5_K/Q6_K) CPU
+    """See reference.prepare_gguf_weight: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL (and Q2_K/Q3_K/Q4_K/Q5_K/Q6_K) CPU
     blocks of a multiple of 16 rows -> the tiled kernel's packed layout (where this build has it); else
     ``data``."""
     module = load_quant_kernels()
@@ -298,6 +299,7 @@ def unpack_gguf_weight(packed: torch.Tensor, type_name: str) -> torch.Tensor:
         dm = entry[..., qb : qb + heads].reshape(g, nb, heads // 32, 16, 2).permute(0, 3, 1, 2, 4)
         return torch.cat([dm.reshape(g, 16, nb, heads // 16), qh, q], dim=-1).reshape(g * 16, nb * bb)
     else:
+        # Q4_0 / Q4_1 / IQ4_NL (Q4_0's entries):
         # [4 lines][16 columns][4 t]: low nibble k = 8p + t, high nibble k = 8p + 4 + t
         lines = entry[..., :qb].reshape(g, nb, 4, 16, 4)
         vals = torch.stack([lines & 0x0F, lines >> 4], dim=3)  # [g, nb, 4, 2, 16, 4]

@@ -1,4 +1,4 @@
-"""A quantizer for tests: float rows -> GGUF blocks of Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K,
+"""A quantizer for tests: float rows -> GGUF blocks of Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_NL,
 written from the block formats' definitions (ggml-common.h), with plain round-to-nearest
 choices (no search for the best scales, as llama-quantize does: tests need valid blocks,
 not the best ones).  ``gguf.quants`` quantizes only some of these types, so tests check
@@ -169,7 +169,41 @@ def _q3_k(x: np.ndarray) -> np.ndarray:
     return out.astype(np.uint8).reshape(x.shape[0], -1)
 
 
-QUANTIZERS = {"Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+#: IQ4_NL's 16 levels (ggml-common.h kvalues_iq4nl), ascending.
+IQ4_NL_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _nearest_level(v: np.ndarray) -> np.ndarray:
+    """Index of the level nearest to each of ``v`` (values in level units)."""
+    return np.abs(v[..., None] - IQ4_NL_LEVELS).argmin(axis=-1).astype(np.uint8)
+
+
+def _iq4_nl(x: np.ndarray) -> np.ndarray:
+    """d | qs[16] with value d * level[nibble]: d puts the value of largest magnitude on the
+    level -127 (as ggml starts its search), then the least-squares scale for the chosen
+    levels, rounded to fp16, and the levels chosen again for it."""
+    b = x.reshape(x.shape[0], -1, 32)
+    amax_at = np.abs(b).argmax(axis=-1)[..., None]
+    mx = np.take_along_axis(b, amax_at, axis=-1)
+    q = IQ4_NL_LEVELS[_nearest_level(b * _inv((mx / -127).astype(np.float32)))]
+    sq = (q * q).sum(axis=-1, keepdims=True)
+    d = np.where(sq > 0, (q * b).sum(axis=-1, keepdims=True) / np.where(sq > 0, sq, 1), 0).astype(np.float32)
+    d16 = d.astype(np.float16).astype(np.float32)
+    idx = _nearest_level(b * _inv(d16))
+    out = np.concatenate([_f16(d), _pack_nibbles_32(idx)], axis=-1)
+    return out.reshape(x.shape[0], -1)
+
+
+QUANTIZERS = {
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+    "IQ4_NL": _iq4_nl,
+}
 
 
 def quantize(x: np.ndarray, type_name: str) -> np.ndarray:

@@ -1,0 +1,139 @@
+// The row kernel for GGUF IQ4_NL weights kept in the file's blocks (fp16 d | qs[16], the
+// nibbles indexes into a table of 16 int8 levels: quant_gguf_iq4nl.h).  It serves the
+// weights the tiled kernel does not take (rows not a multiple of 16, builds without
+// AVX-512 VNNI, PAGEDSERVE_CPU_GGUF_REPACK=0); repacked weights run the tiled kernel of
+// quant_gguf_packed.cpp, whose entry for IQ4_NL is Q4_0's.
+//
+// The activations are the int8 blocks of 32 every GGUF kernel takes (quant_gguf.cpp
+// quantizes them once per call, as llama.cpp's q8_0 blocks: IQ4_NL's vec_dot type): per
+// block, y += (d_w * d_x) * sum(level(q) * x_q), as ggml_vec_dot_iq4_nl_q8_0.  A block's
+// 32 nibbles become their levels with one vpshufb per 16; the product then is Q8_0's: the
+// levels' signs moved into the activations (vpsignb) and |level| (<= 127) the unsigned
+// operand of vpdpbusd (AVX-512 VNNI) or vpmaddubsw + vpmaddwd (AVX2; pair sums <= 2 *
+// 127 * 127 < 2^15, no saturation).  Otherwise a scalar loop with the same integers.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "quant_gguf_iq4nl.h"
+
+namespace {
+
+constexpr int QK = 32;
+using pagedserve_iq4nl::kBlockBytes;
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+struct XRow {
+  const int8_t* q;  // [K]
+  const float* d;   // [K / 32]
+};
+
+#if defined(__AVX2__)
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  lo = _mm_add_ps(lo, _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+// A block's 32 levels (int8), element j < 16 from the low nibbles, j + 16 the high ones.
+inline __m256i block_levels(const uint8_t* qs, __m256i levels) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
+  return _mm256_shuffle_epi8(levels, nib);  // per 128-bit lane, both lanes holding the table
+}
+#endif
+
+// Dot products of one weight row (nb blocks) with MB activation rows.
+template <int MB>
+void row_dot(const uint8_t* w, int64_t nb, const XRow* xr, float* out) {
+#if defined(__AVX2__)
+  const __m256i levels = pagedserve_iq4nl::levels_s8_256();
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * kBlockBytes;
+    const float dw = half_to_float(blk);
+    const __m256i wq = block_levels(blk + 2, levels);
+    const __m256i wabs = _mm256_sign_epi8(wq, wq);
+    for (int m = 0; m < MB; ++m) {
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[m].q + b * QK));
+      const __m256i dot = dot_u8s8(wabs, _mm256_sign_epi8(xq, wq));
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xr[m].d[b]), _mm256_cvtepi32_ps(dot), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = hsum(acc[m]);
+#else
+  for (int m = 0; m < MB; ++m) out[m] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * kBlockBytes;
+    const float dw = half_to_float(blk);
+    int8_t q[QK];
+    for (int i = 0; i < 16; ++i) {
+      q[i] = pagedserve_iq4nl::kValues[blk[2 + i] & 0x0F];
+      q[i + 16] = pagedserve_iq4nl::kValues[blk[2 + i] >> 4];
+    }
+    for (int m = 0; m < MB; ++m) {
+      const int8_t* xq = xr[m].q + b * QK;
+      int dot = 0;
+      for (int i = 0; i < QK; ++i) dot += q[i] * xq[i];
+      out[m] += dw * xr[m].d[b] * static_cast<float>(dot);
+    }
+  }
+#endif
+}
+
+template <int MB>
+void run_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, const XRow* xr, float* y, int64_t N, int64_t m0,
+              int64_t n0, int64_t n1) {
+  float out[MB];
+  for (int64_t n = n0; n < n1; ++n) {
+    row_dot<MB>(w + n * row_bytes, nb, xr, out);
+    for (int m = 0; m < MB; ++m) y[(m0 + m) * N + n] = out[m];
+  }
+}
+
+}  // namespace
+
+// y float32 [M, N] = the int8 activation blocks (xq [M, K], scales xd [M, K/32]) times the
+// IQ4_NL weight rows w [N, K/32 * 18] (the file's blocks).
+void gguf_iq4nl_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                         float* y) {
+  const int64_t nb = K / QK, row_bytes = nb * kBlockBytes;
+  // Weight rows across threads; each thread reads its rows once per 8 activation rows.
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    XRow xr[8];
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t mb = std::min<int64_t>(8, M - m0);
+      for (int64_t i = 0; i < mb; ++i) xr[i] = {xq + (m0 + i) * K, xd + (m0 + i) * nb};
+      switch (mb) {
+        case 1: run_rows<1>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
+        case 2: run_rows<2>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
+        case 3: run_rows<3>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
+        case 4: run_rows<4>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
+        case 5: run_rows<5>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
+        case 6: run_rows<6>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
+        case 7: run_rows<7>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
+        default: run_rows<8>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
+      }
+    }
+  });
+}
