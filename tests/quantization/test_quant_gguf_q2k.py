@@ -202,8 +202,9 @@ def test_cpu_declares_q2k_and_passes_the_conformance_cases():
         for c in op_checks(target)
         if f"-{T}-" in c.id and c.id.split("[")[0] in ("op:gguf_linear", "op:prepare_gguf_weight", "op:gguf_embedding")
     ]
-    # At least float32 and bfloat16 x 5 shapes x 2 ops, plus 2 dtypes x 2 embedding sizes.
-    assert len(checks) >= 2 * 5 * 2 + 4, [c.id for c in checks]
+    # At least float32 and bfloat16 x 5 shapes of gguf_linear, plus 2 dtypes x 2 embedding
+    # sizes (prepare_gguf_weight's cases too where the build repacks for its tiled kernel).
+    assert len(checks) >= 2 * 5 + 4, [c.id for c in checks]
     failed = [f"{r.id}: {r.message}" for r in (c.run() for c in checks) if r.status != "passed"]
     assert not failed, "\n".join(failed)
 
