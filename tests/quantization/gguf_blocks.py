@@ -215,3 +215,76 @@ def quantize(x: np.ndarray, type_name: str) -> np.ndarray:
     import gguf
 
     return gguf.quants.quantize(x, gguf.GGMLQuantizationType[type_name])
+
+
+def write_tiny_llama_gguf(
+    path,
+    layer_types,
+    embed_type: str,
+    *,
+    hidden: int,
+    inter: int,
+    heads: int,
+    kv_heads: int,
+    name: str,
+    seed: int = 0,
+):
+    """A Llama GGUF of ``len(layer_types)`` layers, each layer's projections (attn_q, attn_k,
+    attn_v, attn_output, ffn_gate, ffn_up, ffn_down) in the types its dict of
+    ``layer_types`` names, quantized by :func:`quantize`; a tied embedding of
+    ``embed_type``; F32 norms; the byte-level test tokenizer (261 tokens).  Returns ``path``."""
+    import gguf
+
+    from tests.loader.tiny_checkpoints import _byte_vocab
+
+    tokens, types = _byte_vocab()
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(name)
+    writer.add_block_count(len(layer_types))
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["h e", "l l"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    kv = kv_heads * hidden // heads
+
+    def add(tensor: str, rows: int, cols: int | None, qtype: str = "F32", std: float = 0.08) -> None:
+        values = rng.standard_normal((rows, cols) if cols else (rows,)).astype(np.float32)
+        values = values * std if cols else 1.0 + 0.1 * values
+        kind = gguf.GGMLQuantizationType[qtype]
+        if qtype in ("F32", "F16"):
+            writer.add_tensor(tensor, values.astype(np.float16 if qtype == "F16" else np.float32), raw_dtype=kind)
+        else:
+            writer.add_tensor(tensor, quantize(values, qtype), raw_dtype=kind)
+
+    add("token_embd.weight", len(tokens), hidden, embed_type, std=0.1)
+    shapes = {
+        "attn_q": (hidden, hidden),
+        "attn_k": (kv, hidden),
+        "attn_v": (kv, hidden),
+        "attn_output": (hidden, hidden),
+        "ffn_gate": (inter, hidden),
+        "ffn_up": (inter, hidden),
+        "ffn_down": (hidden, inter),
+    }
+    for i, layer in enumerate(layer_types):
+        add(f"blk.{i}.attn_norm.weight", hidden, None)
+        add(f"blk.{i}.ffn_norm.weight", hidden, None)
+        for part, (rows, cols) in shapes.items():
+            add(f"blk.{i}.{part}.weight", rows, cols, layer[part])
+    add("output_norm.weight", hidden, None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

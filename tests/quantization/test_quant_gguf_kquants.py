@@ -21,7 +21,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from gguf_blocks import QUANTIZERS, quantize
+from gguf_blocks import QUANTIZERS, quantize, write_tiny_llama_gguf
 from native_build import require_native
 
 from pagedserve.kernels import quant_reference as ref
@@ -407,61 +407,17 @@ HIDDEN, INTER, HEADS, KV_HEADS = 256, 512, 4, 2
 def write_mixed_gguf(path, seed: int = 0):
     """A 2-layer Llama GGUF (hidden 256, so every K-quant fits) with LAYER_TYPES, a tied
     Q6_K embedding and the byte-level test tokenizer."""
-    import gguf
-
-    from tests.loader.tiny_checkpoints import _byte_vocab
-
-    tokens, types = _byte_vocab()
-    rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny mixed llama")
-    writer.add_block_count(len(LAYER_TYPES))
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(INTER)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(["h e", "l l"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    kv = KV_HEADS * HIDDEN // HEADS
-
-    def add(name: str, rows: int, cols: int | None, qtype: str = "F32", std: float = 0.08) -> None:
-        values = rng.standard_normal((rows, cols) if cols else (rows,)).astype(np.float32)
-        values = values * std if cols else 1.0 + 0.1 * values
-        kind = gguf.GGMLQuantizationType[qtype]
-        if qtype in ("F32", "F16"):
-            writer.add_tensor(name, values.astype(np.float16 if qtype == "F16" else np.float32), raw_dtype=kind)
-        else:
-            writer.add_tensor(name, quantize(values, qtype), raw_dtype=kind)
-
-    add("token_embd.weight", len(tokens), HIDDEN, "Q6_K", std=0.1)
-    shapes = {
-        "attn_q": (HIDDEN, HIDDEN),
-        "attn_k": (kv, HIDDEN),
-        "attn_v": (kv, HIDDEN),
-        "attn_output": (HIDDEN, HIDDEN),
-        "ffn_gate": (INTER, HIDDEN),
-        "ffn_up": (INTER, HIDDEN),
-        "ffn_down": (HIDDEN, INTER),
-    }
-    for i, layer in enumerate(LAYER_TYPES):
-        add(f"blk.{i}.attn_norm.weight", HIDDEN, None)
-        add(f"blk.{i}.ffn_norm.weight", HIDDEN, None)
-        for part, (rows, cols) in shapes.items():
-            add(f"blk.{i}.{part}.weight", rows, cols, layer[part])
-    add("output_norm.weight", HIDDEN, None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tiny_llama_gguf(
+        path,
+        LAYER_TYPES,
+        "Q6_K",
+        hidden=HIDDEN,
+        inter=INTER,
+        heads=HEADS,
+        kv_heads=KV_HEADS,
+        name="tiny mixed llama",
+        seed=seed,
+    )
 
 
 def _with_reference_op(w):

@@ -24,7 +24,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from gguf_blocks import quantize
+from gguf_blocks import quantize, write_tiny_llama_gguf
 from test_quant_gguf_kquants import _with_reference_op, int8_activation_reference, nan_outputs, native
 
 from pagedserve.kernels import quant_reference as ref
@@ -271,59 +271,17 @@ HIDDEN, INTER, HEADS, KV_HEADS = 256, 512, 4, 2
 def write_q3k_gguf(path, seed: int = 0):
     """A 2-layer Llama GGUF with LAYER_TYPES, a tied Q3_K embedding and the byte-level test
     tokenizer (its 261 rows: the LM head keeps the row kernel's blocks)."""
-    import gguf
-
-    from tests.loader.tiny_checkpoints import _byte_vocab
-
-    tokens, types = _byte_vocab()
-    rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny q3_k llama")
-    writer.add_block_count(len(LAYER_TYPES))
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(INTER)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(["h e", "l l"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    kv = KV_HEADS * HIDDEN // HEADS
-
-    def add(name: str, rows: int, cols: int | None, qtype: str = "F32", std: float = 0.08) -> None:
-        values = rng.standard_normal((rows, cols) if cols else (rows,)).astype(np.float32)
-        values = values * std if cols else 1.0 + 0.1 * values
-        kind = gguf.GGMLQuantizationType[qtype]
-        data = values if qtype == "F32" else quantize(values, qtype)
-        writer.add_tensor(name, data, raw_dtype=kind)
-
-    add("token_embd.weight", len(tokens), HIDDEN, "Q3_K", std=0.1)
-    shapes = {
-        "attn_q": (HIDDEN, HIDDEN),
-        "attn_k": (kv, HIDDEN),
-        "attn_v": (kv, HIDDEN),
-        "attn_output": (HIDDEN, HIDDEN),
-        "ffn_gate": (INTER, HIDDEN),
-        "ffn_up": (INTER, HIDDEN),
-        "ffn_down": (HIDDEN, INTER),
-    }
-    for i, layer in enumerate(LAYER_TYPES):
-        add(f"blk.{i}.attn_norm.weight", HIDDEN, None)
-        add(f"blk.{i}.ffn_norm.weight", HIDDEN, None)
-        for part, (rows, cols) in shapes.items():
-            add(f"blk.{i}.{part}.weight", rows, cols, layer[part])
-    add("output_norm.weight", HIDDEN, None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tiny_llama_gguf(
+        path,
+        LAYER_TYPES,
+        "Q3_K",
+        hidden=HIDDEN,
+        inter=INTER,
+        heads=HEADS,
+        kv_heads=KV_HEADS,
+        name="tiny q3_k llama",
+        seed=seed,
+    )
 
 
 def test_q3k_gguf_loads_kept_and_matches_the_dequantized_model(tmp_path):
