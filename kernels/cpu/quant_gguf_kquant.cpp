@@ -35,6 +35,14 @@
 #include <cstdint>
 #include <cstring>
 
+#include "quant_gguf_common.h"
+
+using pagedserve_gguf::half_to_float;
+#if defined(__AVX2__)
+using pagedserve_gguf::dot_u8s8;
+using pagedserve_gguf::hsum;
+#endif
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -44,12 +52,6 @@ namespace {
 constexpr int QK = 32;
 
 enum ExtType : int64_t { Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-}
 
 inline uint32_t load_u32(const uint8_t* p) {
   uint32_t v;
@@ -149,21 +151,6 @@ void decode_scalar(const uint8_t* blk, Decoded<T>& out) {
 }
 
 #if defined(__AVX2__)
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  lo = _mm_add_ps(lo, _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
 
 inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 

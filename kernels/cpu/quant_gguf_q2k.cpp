@@ -34,6 +34,15 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_gguf_common.h"
+
+using pagedserve_gguf::half_to_float;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+using pagedserve_gguf::Output;
+using pagedserve_gguf::prefetch_lines;
+using pagedserve_gguf::to_bf16;
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PAGEDSERVE_GGUF_Q2K_TILED 1
@@ -64,12 +73,6 @@ constexpr int kEntryBytes = kCols * kBlockBytes;  // 1344
 constexpr int kScalesAt = 1024;                    // 16 lines of 64 bytes first
 constexpr int kDAt = kScalesAt + 256;
 constexpr int kDminAt = kDAt + 32;
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-}
 
 // Element v (0..255) of a Q2_K block: its 2-bit q.
 inline int q_of(const uint8_t* blk, int v) {
@@ -234,27 +237,6 @@ struct Activations {
   int64_t k, nb, n16;
 };
 
-struct Output {
-  void* y;
-  bool bf16;
-  const float* bias;
-  int64_t ldy;
-};
-
-// float32 -> bf16 rounded to nearest even (as torch's .to(bfloat16)).
-inline __m256i to_bf16(__m512 v) {
-#if defined(__AVX512BF16__)
-  return (__m256i)_mm512_cvtneps_pbh(v);
-#else
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(r);
-#endif
-}
-
 inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline __m512 load_halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -282,11 +264,7 @@ inline void prefetch_ahead(const uint8_t* group, int64_t nsb, int64_t s, int pie
   if constexpr (PF > 0) {
     constexpr int64_t PART = kEntryBytes / 8;
     const int64_t at = (8 * s + piece + PF) * PART;
-    if (at >= nsb * kEntryBytes) return;
-    const uintptr_t first = reinterpret_cast<uintptr_t>(group + at) & ~uintptr_t(63);
-    const uintptr_t last = reinterpret_cast<uintptr_t>(group + at + PART - 1) & ~uintptr_t(63);
-    for (uintptr_t line = first; line <= last; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+    prefetch_lines(group, at, PART, nsb * kEntryBytes);
   }
 }
 

@@ -34,6 +34,19 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#include "quant_gguf_common.h"
+
+using pagedserve_gguf::half_to_float;
+#if defined(__AVX2__)
+using pagedserve_gguf::dot_u8s8;
+using pagedserve_gguf::hsum;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+using pagedserve_gguf::Output;
+using pagedserve_gguf::prefetch_lines;
+using pagedserve_gguf::to_bf16;
+#endif
 #include <vector>
 
 #if defined(__AVX2__)
@@ -76,12 +89,6 @@ constexpr int kDAt = kScalesAt + 12 * kCols;                 // 1728: 16 fp16 d
 constexpr int kEntryBytes = kDAt + 2 * kCols;                // 1760 = 16 * 110
 static_assert(kEntryBytes == kCols * kBlockBytes, "the packed entry holds the file's bytes");
 
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-}
-
 // The 16 six-bit scales of a block minus 32 (-32..31).
 inline void block_scales(const uint8_t* s, int8_t* out) {
   for (int i = 0; i < 16; ++i) {
@@ -112,21 +119,6 @@ struct XRow {
 };
 
 #if defined(__AVX2__)
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  lo = _mm_add_ps(lo, _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
 
 inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
@@ -272,27 +264,6 @@ struct Activations {
   int64_t k, nb;
 };
 
-struct Output {
-  void* y;
-  bool bf16;
-  const float* bias;
-  int64_t ldy;
-};
-
-// float32 -> bf16 rounded to nearest even (as torch's .to(bfloat16)).
-inline __m256i to_bf16(__m512 v) {
-#if defined(__AVX512BF16__)
-  return (__m256i)_mm512_cvtneps_pbh(v);
-#else
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(r);
-#endif
-}
-
 inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
 // The 16 columns' 16 scales (sc - 32, as int8) of an entry from its transposed scales[12].
@@ -369,11 +340,7 @@ inline void prefetch_ahead(const uint8_t* group, int64_t nsb, int64_t s, int sub
   if constexpr (PAGEDSERVE_GGUF_Q3K_PREFETCH > 0) {
     constexpr int64_t PART = kEntryBytes / 8;
     const int64_t at = (8 * s + sub + PAGEDSERVE_GGUF_Q3K_PREFETCH) * PART;
-    if (at >= nsb * kEntryBytes) return;
-    const uintptr_t first = reinterpret_cast<uintptr_t>(group + at) & ~uintptr_t(63);
-    const uintptr_t last = reinterpret_cast<uintptr_t>(group + at + PART - 1) & ~uintptr_t(63);
-    for (uintptr_t line = first; line <= last; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+    prefetch_lines(group, at, PART, nsb * kEntryBytes);
   }
 }
 

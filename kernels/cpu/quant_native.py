@@ -32,8 +32,8 @@ SOURCES: tuple[str, ...] = (
     "quant_gguf_iq4nl.cpp",
 )
 #: Headers of the main kernels the gated epilogue includes (its SiLU-and-mul), and
-#: IQ4_NL's table (quant_gguf_iq4nl.h).
-HEADERS: tuple[str, ...] = ("elementwise.h", "kernels.h", "vec.h", "quant_gguf_iq4nl.h")
+#: IQ4_NL's table (quant_gguf_iq4nl.h) and the GGUF files' shared helpers (quant_gguf_common.h).
+HEADERS: tuple[str, ...] = ("elementwise.h", "kernels.h", "vec.h", "quant_gguf_iq4nl.h", "quant_gguf_common.h")
 
 
 def quant_build_spec() -> build.ExtensionSpec:

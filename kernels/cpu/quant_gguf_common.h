@@ -1,0 +1,80 @@
+// Small helpers the GGUF kernel files of the quantized CPU extension share (fp16 fields,
+// the AVX2 row kernels' unsigned x signed byte dot product and horizontal sum, the tiled
+// kernels' bf16 rounding, output descriptor and weight prefetch).  Each file brings them
+// into its own anonymous namespace with using-declarations.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace pagedserve_gguf {
+
+// The fp16 field at p (any alignment) as float32.
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+#if defined(__AVX2__)
+// Per 32-bit lane: the sum of four products of u's unsigned and s's signed bytes
+// (vpdpbusd where AVX-512 VNNI/VL exists; else vpmaddubsw, whose pairwise 16-bit sums
+// cannot saturate for the operands these kernels pass, then vpmaddwd).
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  lo = _mm_add_ps(lo, _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// float32 -> bf16 rounded to nearest even, NaN kept quiet (as torch's .to(bfloat16)).
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+#endif
+}
+
+// Where a tiled kernel writes its [rows, 16-column group] results: float32 or bf16 y with
+// ldy elements per row, an optional float32 bias.
+struct Output {
+  void* y;
+  bool bf16;
+  const float* bias;
+  int64_t ldy;
+};
+
+// Prefetches the cache lines of bytes [at, at + len) of base into L1, nothing when at is
+// at or past end (the stream's last byte + 1).
+inline void prefetch_lines(const uint8_t* base, int64_t at, int64_t len, int64_t end) {
+  if (at >= end) return;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(base + at) & ~uintptr_t(63);
+  const uintptr_t last = reinterpret_cast<uintptr_t>(base + at + len - 1) & ~uintptr_t(63);
+  for (uintptr_t line = first; line <= last; line += 64) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+}
+#endif
+
+}  // namespace pagedserve_gguf
