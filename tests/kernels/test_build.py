@@ -124,6 +124,9 @@ def test_quantized_kernels_load_through_load_extension(monkeypatch, tmp_path):
         "quant_gguf_packed.cpp",
         "quant_gguf_kquant.cpp",
         "quant_gguf_kpacked.cpp",
+        "quant_gguf_q2k.cpp",
+        "quant_gguf_q3k.cpp",
+        "quant_gguf_iq4nl.cpp",
     ]
     assert spec.cuda_cflags is None
 

@@ -55,6 +55,16 @@ def block_files(d: Path) -> list[Path]:
     return sorted(d.glob("*.kvb"))
 
 
+def first_block_file(model, tokens: list[int], d: Path) -> Path:
+    """The block file the disk connector writes for the first block of ``tokens`` (one
+    full block and a token: an engine on the fresh directory ``d`` saves just that one)."""
+    llm = LLM(str(model), **ENGINE, kv_connector=f"disk:{d}")
+    llm.generate([tokens], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    llm.shutdown()
+    (saved,) = block_files(d)
+    return saved
+
+
 @pytest.mark.compat("kv_connector", "single")
 def test_disk_connector_across_restarts_torn_and_corrupt_files(tiny_llama, cold, tmp_path):
     ps, expected, hittable = cold
@@ -77,9 +87,13 @@ def test_disk_connector_across_restarts_torn_and_corrupt_files(tiny_llama, cold,
     second.shutdown()
     del second
 
-    # Damage: a torn write (truncated file), a flipped byte, a stray temporary file.
+    # Damage: a torn write (truncated file), a flipped byte, a stray temporary file.  The
+    # damaged files are the first blocks of the two prompts that share nothing, which every
+    # lookup of those prompts reads first (file names follow the content and the checkpoint's
+    # fingerprint: a probe engine on a fresh directory saves just that block to learn it).
+    torn, flipped = (d / first_block_file(tiny_llama, p[:5], tmp_path / f"probe{i}").name for i, p in enumerate(ps[:2]))
     files = block_files(d)
-    torn, flipped = files[0], files[1]
+    assert torn in files and flipped in files
     torn.write_bytes(torn.read_bytes()[:-7])
     data = bytearray(flipped.read_bytes())
     data[-3] ^= 0x40
@@ -88,11 +102,9 @@ def test_disk_connector_across_restarts_torn_and_corrupt_files(tiny_llama, cold,
     third = LLM(str(tiny_llama), **ENGINE, kv_connector=f"disk:{d}")
     assert_same(expected, run(third, ps))  # damaged blocks were recomputed, never loaded
     stats = third.llm_engine.runner.kv_connector.stats()
-    # Which two blocks are damaged varies (file names follow the checkpoint's fingerprint): a
-    # damaged block behind the other damaged one in the same
-    # prompt is not looked up (the run of hits ended before it) and may be overwritten by the
-    # recomputed block's save.  At least one is found; none is ever loaded (outputs above).
-    assert 1 <= stats["corrupt"] <= 2 and stats["torn_temp_files_removed"] == 1
+    # Both damaged blocks are found (each is the first a lookup of its prompt reads) and
+    # none is ever loaded (outputs above).
+    assert stats["corrupt"] == 2 and stats["torn_temp_files_removed"] == 1
     # Each damaged block ends the run of hits of its prompt; it and what follows are recomputed
     # (and saved again).
     kv3 = third.llm_engine.kv
