@@ -288,3 +288,20 @@ def write_tiny_llama_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def run_triton_interpreted(script: str) -> None:
+    """Runs ``script`` (which prints "ok" when its checks pass) in a subprocess under the
+    Triton interpreter (TRITON_INTERPRET must be set before triton is imported), from this
+    folder with tests/ on the path as under pytest; fails with the end of its stderr."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (os.path.dirname(here), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=here, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

@@ -20,14 +20,11 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from gguf_blocks import quantize, write_tiny_llama_gguf
+from gguf_blocks import quantize, run_triton_interpreted, write_tiny_llama_gguf
 from native_build import require_native
 
 from pagedserve.kernels import quant_reference as ref
@@ -325,13 +322,7 @@ print("ok")
 
 def test_triton_kernel_interpreted():
     pytest.importorskip("triton")
-    here = os.path.dirname(__file__)
-    path = os.pathsep.join(p for p in (os.path.dirname(here), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT], cwd=here, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    run_triton_interpreted(TRITON_SCRIPT)
 
 
 # --- a tiny Llama GGUF of IQ4_NL tensors ----------------------------------------------------

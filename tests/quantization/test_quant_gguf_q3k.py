@@ -17,14 +17,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
-from gguf_blocks import quantize, write_tiny_llama_gguf
+from gguf_blocks import quantize, run_triton_interpreted, write_tiny_llama_gguf
 from test_quant_gguf_kquants import _with_reference_op, int8_activation_reference, nan_outputs, native
 
 from pagedserve.kernels import quant_reference as ref
@@ -247,13 +243,7 @@ print("ok")
 
 def test_triton_kernel_interpreted():
     pytest.importorskip("triton")
-    here = os.path.dirname(__file__)
-    path = os.pathsep.join(p for p in (os.path.dirname(here), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT], cwd=here, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    run_triton_interpreted(TRITON_SCRIPT)
 
 
 # --- a tiny llama GGUF with Q3_K ------------------------------------------------------
