@@ -11,6 +11,14 @@ side (`main`) reads a spec JSON file, measures
 
 and writes a result JSON file. The top level imports only the standard library; each
 engine is imported inside its own function.
+
+With ``--rounds N`` (N > 1) the comparison interleaves instead: each engine starts once,
+alone (start-up measured as above), then waits; round r runs the workload with seed
+``--seed + r`` on one engine, then on the other (the order alternating: A B, B A, ...), so
+that the two runs of a round share the machine's state, and a drift in a noisy machine's
+speed reaches both engines alike.  Each round's ratio is reported and their median is the
+figure.  Random prompts with a fresh seed per round keep prefix caching from helping any
+round after the first.  An engine that waits holds its memory and no core.
 """
 
 from __future__ import annotations
@@ -95,6 +103,100 @@ def launch(
         return json.loads(result_file.read_text())
 
 
+class _WaitingChild:
+    """An engine process of an interleaved comparison: it starts, measures its start-up,
+    then runs round r's workload when the parent creates ``go-r`` in its control folder
+    and creates ``done-r`` when that run is over (see `_Rounds`, the child side)."""
+
+    def __init__(self, engine: str, python: str, spec: dict[str, Any], log_path: pathlib.Path, env: dict[str, str]):
+        self.engine = engine
+        self.log_path = log_path
+        self.tmp = tempfile.TemporaryDirectory(prefix="pagedserve-bench-")
+        tmp = pathlib.Path(self.tmp.name)
+        self.control = tmp / "control"
+        self.control.mkdir()
+        self.result_file = tmp / "result.json"
+        spec_file = tmp / "spec.json"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 (closed in finish)
+        child_env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            **env,
+        }
+        spec_file.write_text(
+            json.dumps({**spec, "engine": engine, "control": str(self.control), "launch_time": time.time()})
+        )
+        self.proc = subprocess.Popen(
+            [python, str(_HERE / "engine_runner.py"), str(spec_file), str(self.result_file)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            cwd=tmp,
+        )
+
+    def _failed(self, what: str) -> RuntimeError:
+        self.log.flush()
+        tail = "".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines(True)[-40:])
+        return RuntimeError(f"{self.engine} {what} (exit {self.proc.poll()}); log {self.log_path}:\n{tail}")
+
+    def wait_for(self, name: str, timeout_s: float) -> None:
+        """Until the child creates ``name`` in its control folder; raises if it dies or takes too long."""
+        deadline = time.monotonic() + timeout_s
+        while not (self.control / name).exists():
+            if self.proc.poll() is not None:
+                raise self._failed(f"exited before {name}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise self._failed(f"did not reach {name} in {timeout_s:.0f} s")
+            time.sleep(0.02)
+
+    def run_round(self, r: int, timeout_s: float) -> None:
+        (self.control / f"go-{r}").touch()
+        self.wait_for(f"done-{r}", timeout_s)
+
+    def cpu_s(self) -> float:
+        """CPU seconds of the child and every process below it so far (vLLM runs its engine
+        core in a process of its own), from /proc; 0.0 where /proc is missing."""
+        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        total, todo = 0, [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                # utime and stime are fields 14 and 15; the name in parentheses may hold spaces.
+                fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+                for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, IndexError, ValueError):
+                continue
+        return total / tick
+
+    def finish(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise self._failed("did not exit") from None
+        if self.proc.returncode != 0 or not self.result_file.is_file():
+            raise self._failed("failed")
+        result = json.loads(self.result_file.read_text())
+        self.close()
+        return result
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        self.kill()
+        self.log.close()
+        self.tmp.cleanup()
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on: CPU model, core count, load, date and the pagedserve commit."""
     model = platform.processor()
@@ -148,6 +250,13 @@ def add_common_arguments(p: argparse.ArgumentParser, default_workload: str = "fi
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache size for the paged engines")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before an engine run is killed")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="N > 1: start each engine once and interleave N runs of the workload (seed + r in round r), "
+        "the order alternating; reports every round's ratio and their median",
+    )
     p.add_argument("--out", type=pathlib.Path, default=None, help="result JSON (default: bench_results/...)")
 
 
@@ -212,6 +321,8 @@ def run_comparison(args: argparse.Namespace, baseline: str, pythons: dict[str, s
         "engines": {},
     }
     print(f"workload {args.workload}: {json.dumps(workload.describe())}", flush=True)
+    if args.rounds > 1:
+        return _run_rounds(args, baseline, pythons, spec, wspec, report, out)
     for engine in ("pagedserve", baseline):
         env = vllm_env(args.threads, args.kv_cache_gib) if engine == "vllm" else {}
         load_before = os.getloadavg()
@@ -250,7 +361,132 @@ def run_comparison(args: argparse.Namespace, baseline: str, pythons: dict[str, s
     return report
 
 
+def _run_rounds(
+    args: argparse.Namespace,
+    baseline: str,
+    pythons: dict[str, str],
+    spec: dict[str, Any],
+    wspec: dict[str, Any],
+    report: dict[str, Any],
+    out: pathlib.Path,
+) -> dict[str, Any]:
+    """`run_comparison` with ``--rounds N``: both engines started once, one after the other
+    (each start-up alone), then N rounds of the workload (seed + r), A B then B A."""
+    import statistics
+
+    engines = ("pagedserve", baseline)
+    spec = {**spec, "workloads": [{**wspec, "seed": args.seed + r} for r in range(args.rounds)]}
+    report["settings"]["rounds"] = args.rounds
+    children: dict[str, _WaitingChild] = {}
+    try:
+        for engine in engines:
+            env = vllm_env(args.threads, args.kv_cache_gib) if engine == "vllm" else {}
+            print(f"starting {engine} ({pythons[engine]}) ...", flush=True)
+            children[engine] = _WaitingChild(
+                engine, pythons[engine], spec, out.with_name(f"{out.stem}-{engine}.log"), env
+            )
+            # The next engine starts only when this one waits: start-ups never overlap.
+            children[engine].wait_for("ready", args.timeout)
+        loads: list = []
+        facts: dict[str, list] = {e: [] for e in engines}
+        for r in range(args.rounds):
+            order = engines if r % 2 == 0 else engines[::-1]
+            loads.append(os.getloadavg())
+            for engine in order:
+                # An engine's pool threads may still spin for a moment after its run.
+                time.sleep(1.0)
+                cpu0 = {e: c.cpu_s() for e, c in children.items()}
+                t0 = time.perf_counter()
+                children[engine].run_round(r, args.timeout)
+                wall = time.perf_counter() - t0
+                cpu = {e: c.cpu_s() - cpu0[e] for e, c in children.items()}
+                # What each engine's processes used while `engine` ran: the runner's CPU (all
+                # its processes), and the other's, which should be close to nothing.
+                facts[engine].append(
+                    {
+                        "round": r,
+                        "wall_s": wall,
+                        "cpu_s": cpu[engine],
+                        "other_cpu_s": sum(v for e, v in cpu.items() if e != engine),
+                    }
+                )
+            print(f"  round {r} done ({' then '.join(order)}; load avg {loads[-1][0]:.1f})", flush=True)
+        for engine in engines:
+            report["engines"][engine] = children[engine].finish(args.timeout)
+    finally:
+        for child in children.values():
+            child.close()
+    ours, base = (report["engines"][e]["runs"] for e in engines)
+    for engine in engines:
+        report["engines"][engine]["round_process_facts"] = facts[engine]
+    rounds = []
+    for r, (a, b) in enumerate(zip(ours, base)):
+        if a["digest"] != b["digest"]:
+            raise RuntimeError(f"round {r}: the engines ran different workloads ({a['digest']} != {b['digest']})")
+        rounds.append(
+            {
+                "round": r,
+                "seed": args.seed + r,
+                "first": engines[r % 2],
+                "loadavg": loads[r],
+                "pagedserve_tokens_per_s": a["output_tokens_per_s"],
+                f"{baseline}_tokens_per_s": b["output_tokens_per_s"],
+                # Process-tree CPU seconds over the round's run (whole generate plus the hand-off).
+                "pagedserve_cpu_s": facts["pagedserve"][r]["cpu_s"],
+                f"{baseline}_cpu_s": facts[baseline][r]["cpu_s"],
+                "waiting_engine_cpu_s": [facts[e][r]["other_cpu_s"] for e in engines],
+                "ratio": a["output_tokens_per_s"] / b["output_tokens_per_s"],
+                "request0_outputs_match": a["request0_output_ids"] == b["request0_output_ids"],
+            }
+        )
+        print(
+            f"  round {r} (seed {args.seed + r}, {engines[r % 2]} first): pagedserve "
+            f"{a['output_tokens_per_s']:.1f}, {baseline} {b['output_tokens_per_s']:.1f} output tokens/s: "
+            f"x{rounds[-1]['ratio']:.2f}; CPU s {facts['pagedserve'][r]['cpu_s']:.1f} / "
+            f"{facts[baseline][r]['cpu_s']:.1f}; the waiting engine's meanwhile: "
+            f"{facts['pagedserve'][r]['other_cpu_s']:.2f} / {facts[baseline][r]['other_cpu_s']:.2f}",
+            flush=True,
+        )
+    ratios = [x["ratio"] for x in rounds]
+    report["rounds"] = rounds
+    report["throughput_ratio"] = statistics.median(ratios)
+    report["throughput_ratio_range"] = [min(ratios), max(ratios)]
+    report["startup_ratio"] = report["engines"]["pagedserve"]["startup_s"] / report["engines"][baseline]["startup_s"]
+    report["request0_outputs_match"] = all(x["request0_outputs_match"] for x in rounds)
+    print(
+        f"pagedserve / {baseline}: throughput x{report['throughput_ratio']:.2f} (median of {len(ratios)} rounds, "
+        f"{min(ratios):.2f}-{max(ratios):.2f}), start-up x{report['startup_ratio']:.2f}; request 0 greedy output "
+        f"{'matches in every round' if report['request0_outputs_match'] else 'differs in some round'}",
+        flush=True,
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}", flush=True)
+    return report
+
+
 # --------------------------------------------------------------------------- child side
+
+
+class _Rounds(list):
+    """The workloads of an interleaved comparison (child side of `_WaitingChild`): indexing
+    them waits for nothing; iterating them waits for the parent's ``go-r`` before round r
+    and marks ``done-r`` after it ("ready" before the first wait)."""
+
+    def __init__(self, workloads: list, control: str) -> None:
+        super().__init__(workloads)
+        self.control = pathlib.Path(control)
+
+    def __iter__(self):
+        parent = os.getppid()
+        (self.control / "ready").touch()
+        for r, w in enumerate(list.__iter__(self)):
+            while not (self.control / f"go-{r}").exists():
+                if os.getppid() != parent:  # the parent died: do not wait forever
+                    raise SystemExit(f"the parent of this benchmark run is gone (round {r})")
+                time.sleep(0.01)
+            yield w
+            (self.control / f"done-{r}").touch()
 
 
 def _run_pagedserve(spec: dict[str, Any], workloads: list, on_first_token) -> tuple[dict, list[dict]]:
@@ -435,6 +671,8 @@ def main(argv: list[str]) -> int:
         )
         for w in spec["workloads"]
     ]
+    if spec.get("control"):
+        workloads = _Rounds(workloads, spec["control"])
     stamps: dict[str, float] = {}
     run = {"pagedserve": _run_pagedserve, "vllm": _run_vllm, "transformers": _run_transformers}[spec["engine"]]
     info, runs = run(spec, workloads, lambda: stamps.setdefault("first_token", time.time()))
