@@ -1,91 +1,24 @@
 """int8 KV caches with a scale per token and KV head (kv_cache_dtype int8) at the op level.
 
 An int8 cache row is ``head_size`` int8 values followed by the 4 bytes of a float32
-scale (``absmax / 127``, computed on write; kernels/reference.py).  The write (reference
-and native) stores exactly those bytes; every CPU attention implementation (the native
-kernel with each runnable instruction set, the AMX candidates, sdpa, the tuned op) on an
-int8 cache matches the reference on the dequantized float32 cache; block copies move
-values and scales together.  Fresh random inputs, outputs poisoned with NaN, blocks no
-sequence owns given NaN scales, block tables with random ids in their unused columns.
+scale (``absmax / 127``, computed on write; kernels/reference.py).  Here: the format's
+rounding and scale, the row sizes core and the reference agree on, and the conformance
+kit's int8 cases.  The write, every CPU attention implementation, dequantized blocks and
+block copies on int8 caches (beside the fp8 kinds) are in test_kv_cache_8bit_ops.py.
 """
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
-from native_build import native_build_failed
 
 from pagedserve.executor.model_runner import kv_cache_torch_dtype, kv_row_size
-from pagedserve.kernels import build, reference
-from pagedserve.kernels.cpu import NativeCpuKernels, load_cpu_kernels
-from pagedserve.kernels.cpu.native import dequantized_blocks
+from pagedserve.kernels import reference
 from pagedserve.kv_cache import kv_dtype
-from pagedserve.platforms.cpu.attention_ops import attention_candidates
 from pagedserve.platforms.cpu.platform import CpuPlatform
-from pagedserve.platforms.cpu.tuned_attention import TunedAttention
-from pagedserve.platforms.cpu.tuning import Tuner
-from tests.kernels.test_cpu_kernels import assert_close, make_batch, runnable_isas
+from tests.kv_cache.kv8_inputs import gen_for
 
 pytestmark = pytest.mark.timeout(600)
-
-# (q_len, seq_len): decodes, a whole prompt, prefix-cache continuations, block edges.
-SEQS = [(1, 37), (23, 23), (20, 150), (1, 300), (16, 64), (1, 1), (5, 48)]
-NAN_SCALE = torch.tensor([float("nan")]).view(torch.int8)
-
-
-@pytest.fixture(scope="module")
-def every_isa() -> dict[str, NativeCpuKernels]:
-    try:
-        mod, _ = build.load_cpu_extension()
-    except build.KernelBuildError as exc:
-        native_build_failed("the native CPU kernels", exc)
-    return {isa: load_cpu_kernels(isa=isa) for isa in runnable_isas(mod)}
-
-
-def gen_for(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def int8_cache(values: torch.Tensor, head_major: bool) -> torch.Tensor:
-    """``values [blocks, block_size, kv_heads, d]`` quantized into an int8 cache
-    ``[..., d + 4]`` (head-major storage like the CPU platform's, or token-major)."""
-    nb, bs, kvh, d = values.shape
-    if head_major:
-        cache = torch.empty(nb, kvh, bs, d + 4, dtype=torch.int8).transpose(1, 2)
-    else:
-        cache = torch.empty(nb, bs, kvh, d + 4, dtype=torch.int8)
-    cache.copy_(reference.quantize_kv_int8(values))
-    return cache
-
-
-def int8_batch(seqs, heads, head_size, block_size, dtype, gen, head_major=True, key_scale=4.0):
-    """make_batch's inputs with int8 caches (keys spread wider than values, some rows with
-    an outlier, as a model's are) and every block no sequence reads given NaN scales."""
-    q, kc, vc, tables, seq_lens, qsl = make_batch(seqs, *heads, head_size, block_size, torch.float32, gen)
-    kc = kc * key_scale
-    kc[::3, :, :, 0] *= 8.0  # large-magnitude channels: a per-row scale keeps the rest fine
-    kc, vc = int8_cache(kc, head_major), int8_cache(vc, head_major)
-    owned = set()
-    for i, ctx in enumerate(seq_lens.tolist()):
-        owned.update(tables[i, : (ctx + block_size - 1) // block_size].tolist())
-    for b in range(kc.shape[0]):
-        if b not in owned:
-            kc[b, ..., head_size:] = NAN_SCALE
-            vc[b, ..., head_size:] = NAN_SCALE
-    return q.to(dtype), kc, vc, tables, seq_lens, qsl
-
-
-def dequantized(cache: torch.Tensor) -> torch.Tensor:
-    return reference.dequantize_kv(cache, cache.shape[-1] - 4)
-
-
-def expected_attention(args, **extra) -> torch.Tensor:
-    """The reference on float32 copies of everything (the caches dequantized)."""
-    q, kc, vc, *meta = args
-    return reference.paged_attention(q.float(), dequantized(kc), dequantized(vc), *meta, q.shape[-1] ** -0.5, **extra)
-
 
 # ---- the format -----------------------------------------------------------------------
 
@@ -134,160 +67,6 @@ def test_gpu_platforms_declare_every_8bit_dtype():
         assert set(cls.kv_cache_dtypes) == {"int8", "fp8_e4m3", "fp8_e5m2"}
         for name in ("int8", "fp8", "fp8_e4m3", "fp8_e5m2"):
             check_cache_dtype(name, torch.bfloat16, [cls])
-
-
-# ---- the cache write ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "token-major"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_reshape_and_cache_writes_values_and_scales(every_isa, head_major, dtype):
-    gen = gen_for("write", head_major, dtype)
-    blocks, bs, kvh, d = 9, 16, 2, 64
-    shape = (blocks, kvh, bs, d + 4) if head_major else (blocks, bs, kvh, d + 4)
-    # Caches full of random bytes: a slot not written must keep its bytes.
-    init = torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
-    if head_major:
-        init = init.transpose(1, 2)
-    n = 40
-    key = (torch.randn(n, kvh, d, generator=gen) * 50).to(dtype)
-    value = torch.randn(n, kvh, d, generator=gen).to(dtype)
-    slots = torch.randperm(blocks * bs, generator=gen)[:n]
-    slots[5] = -1  # padding: not written
-    want_k, want_v = init.clone(), init.clone()
-    reference.reshape_and_cache(key, value, want_k, want_v, slots)
-    manual = init.clone()
-    for t in range(n):
-        if slots[t] >= 0:
-            manual[slots[t] // bs, slots[t] % bs] = reference.quantize_kv_int8(key[t])
-    assert torch.equal(want_k, manual)
-    for isa, kernels in every_isa.items():
-        kc, vc = init.clone(), init.clone()
-        if head_major:
-            assert kc.stride(1) < kc.stride(2)
-        kernels.reshape_and_cache(key, value, kc, vc, slots)
-        assert torch.equal(kc, want_k), isa
-        assert torch.equal(vc, want_v), isa
-
-
-# ---- attention ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "fp32", "fp16"])
-@pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
-def test_native_attention_reads_int8_caches(every_isa, dtype, head_size, heads):
-    gen = gen_for("attn", dtype, head_size, heads)
-    args = int8_batch(SEQS, heads, head_size, 16, dtype, gen)
-    expected = expected_attention(args)
-    scale = head_size**-0.5
-    ref = reference.paged_attention(*args, scale, torch.full_like(args[0], float("nan")))
-    assert_close(ref, expected, dtype, "reference on the int8 cache")
-    for isa, kernels in every_isa.items():
-        out = torch.full_like(args[0], float("nan"))
-        assert kernels.paged_attention(*args, scale, out) is out
-        assert_close(out, expected, dtype, f"{isa} int8")
-
-
-@pytest.mark.parametrize(
-    "extra",
-    [{"sliding_window": 7}, {"sliding_window": 33, "soft_cap": 4.0}, {"soft_cap": 2.5}],
-    ids=["w7", "w33-cap", "cap"],
-)
-def test_native_attention_int8_window_soft_cap_and_slid_out_blocks(every_isa, extra):
-    """Slid-out table entries point at a block with NaN scales, which must never be read."""
-    gen = gen_for("window", repr(extra))
-    q, kc, vc, tables, seq_lens, qsl = int8_batch(SEQS, (9, 3), 64, 16, torch.bfloat16, gen)
-    nan_block = int(dequantized(kc).flatten(1).isnan().all(1).nonzero()[0])
-    window = extra.get("sliding_window")
-    if window is not None:
-        for i, ctx in enumerate(seq_lens.tolist()):
-            q_len = int(qsl[i + 1] - qsl[i])
-            first = max(0, ctx - q_len - window + 1) // 16
-            tables[i, :first] = nan_block
-    args = (q, kc, vc, tables, seq_lens, qsl)
-    expected = expected_attention(args, **extra)
-    assert not expected.isnan().any()
-    for isa, kernels in every_isa.items():
-        out = torch.full_like(q, float("nan"))
-        kernels.paged_attention(*args, 64**-0.5, out, **extra)
-        assert_close(out, expected, torch.bfloat16, f"{isa} {extra}")
-
-
-def test_every_cpu_attention_candidate_reads_int8_caches(every_isa):
-    kernels = next(iter(every_isa.values()))
-    candidates = attention_candidates(kernels)
-    gen = gen_for("candidates")
-    args = int8_batch(SEQS, (9, 3), 64, 16, torch.bfloat16, gen)
-    expected = expected_attention(args)
-    # The tuned op must route an int8 cache away from the timed (bf16) candidates.
-    tuned = TunedAttention(Tuner(None), {"sdpa": candidates["sdpa"]}, static=kernels.paged_attention)
-    fns = dict(candidates, tuned=tuned.op())
-    for name, fn in fns.items():
-        out = torch.full_like(args[0], float("nan"))
-        fn(*args, 64**-0.5, out)
-        assert_close(out, expected, torch.bfloat16, f"{name} int8")
-    assert tuned.plans == {}, "an int8 cache was timed on the bf16 candidates"
-
-
-def test_avx512_kernels_read_int8_rows_without_dequantizing(every_isa, monkeypatch):
-    """AVX-512 reads int8 rows and their scales in registers (float32 and bf16 queries);
-    the other instruction sets and float16 queries run on the dequantized blocks."""
-    import pagedserve.kernels.cpu.native as native_mod
-
-    with_kv8 = {isa: k for isa, k in every_isa.items() if k.has_kv8_attention}
-    assert set(with_kv8) == {i for i in every_isa if i.startswith("avx512")}
-    gen = gen_for("no-dequant")
-    args = int8_batch(SEQS, (8, 2), 64, 16, torch.bfloat16, gen)
-    expected = expected_attention(args)
-
-    def forbidden(*_a, **_k):
-        raise AssertionError("the blocks were dequantized")
-
-    monkeypatch.setattr(native_mod, "dequantized_blocks", forbidden)
-    for isa, kernels in with_kv8.items():
-        for q in (args[0], args[0].float()):
-            out = torch.full_like(q, float("nan"))
-            kernels.paged_attention(q, *args[1:], 64**-0.5, out)
-            assert_close(out, expected, q.dtype, f"{isa} {q.dtype}")
-    monkeypatch.undo()
-    called = []
-    real = native_mod.dequantized_blocks
-    monkeypatch.setattr(native_mod, "dequantized_blocks", lambda *a: called.append(1) or real(*a))
-    q16 = args[0].to(torch.float16)
-    out = torch.full_like(q16, float("nan"))
-    next(iter(every_isa.values())).paged_attention(q16, *args[1:], 64**-0.5, out)
-    assert_close(out, expected, torch.float16, "float16 query")
-    assert called, "a float16 query has no in-register int8 kernel: its blocks are dequantized"
-
-
-def test_dequantized_blocks_applies_the_scales():
-    gen = gen_for("dequant")
-    q, kc, vc, tables, seq_lens, qsl = int8_batch(SEQS, (4, 2), 64, 16, torch.float32, gen)
-    k2, v2, t2 = dequantized_blocks(kc, vc, tables, seq_lens, torch.float32)
-    read = {b for i, ctx in enumerate(seq_lens.tolist()) for b in tables[i, : (ctx + 15) // 16].tolist()}
-    assert k2.shape == (len(read), 16, 2, 64) and k2.dtype == torch.float32
-    assert k2.stride(1) < k2.stride(2), "the head-major layout is kept"
-    assert not k2.isnan().any() and not v2.isnan().any()
-    for i, ctx in enumerate(seq_lens.tolist()):
-        for j in range((ctx + 15) // 16):
-            assert torch.equal(k2[t2[i, j]], dequantized(kc[tables[i, j]]))
-            assert torch.equal(v2[t2[i, j]], dequantized(vc[tables[i, j]]))
-
-
-# ---- block copies (prefix-cache copies, the host tier's swaps) -------------------------
-
-
-def test_copy_and_swap_blocks_move_values_and_scales():
-    gen = gen_for("copy")
-    src = torch.randint(-128, 128, (6, 2, 16, 68), generator=gen, dtype=torch.int8).transpose(1, 2)
-    dst = torch.randint(-128, 128, (5, 2, 16, 68), generator=gen, dtype=torch.int8).transpose(1, 2)
-    before = dst.clone()
-    mapping = torch.tensor([[4, 0], [1, 3]])
-    reference.swap_blocks(src, dst, mapping)
-    assert torch.equal(dst[0], src[4]) and torch.equal(dst[3], src[1])
-    for b in (1, 2, 4):
-        assert torch.equal(dst[b], before[b])
 
 
 # ---- the conformance kit's int8 cases --------------------------------------------------

@@ -16,86 +16,17 @@ sequence owns given NaN scales (or NaN values).
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
-from native_build import native_build_failed
 
-from pagedserve.kernels import build, reference
-from pagedserve.kernels.cpu import NativeCpuKernels, load_cpu_kernels
-from tests.kernels.test_cpu_kernels import assert_close, make_batch, runnable_isas
+from tests.kernels.test_cpu_kernels import assert_close
+from tests.kv_cache.kv8_inputs import KIND_IDS, KINDS, dequantized, expected_attention, gen_for, kv8_batch
 
 pytestmark = pytest.mark.timeout(600)
 
-# (kind id, cache dtype, row-scaled)
-KINDS = [
-    ("int8", torch.int8, True),
-    ("e4m3-rows", torch.float8_e4m3fn, True),
-    ("e5m2-rows", torch.float8_e5m2, True),
-    ("e4m3", torch.float8_e4m3fn, False),
-    ("e5m2", torch.float8_e5m2, False),
-]
-KIND_IDS = [k[0] for k in KINDS]
 # (q_len, seq_len): decodes (odd and even key counts, one key), a whole prompt, prefix
 # continuations, block edges.
 SEQS = [(1, 37), (23, 23), (20, 150), (1, 300), (16, 64), (1, 1), (5, 48), (1, 64), (1, 129)]
-
-
-@pytest.fixture(scope="module")
-def every_isa() -> dict[str, NativeCpuKernels]:
-    try:
-        mod, _ = build.load_cpu_extension()
-    except build.KernelBuildError as exc:
-        native_build_failed("the native CPU kernels", exc)
-    return {isa: load_cpu_kernels(isa=isa) for isa in runnable_isas(mod)}
-
-
-def gen_for(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def quantized_cache(values: torch.Tensor, kv: torch.dtype, scaled: bool) -> torch.Tensor:
-    """``values [blocks, block_size, kv_heads, d]`` -> a head-major 8-bit cache (rows with
-    their scales when ``scaled``, else the values cast at scale 1.0)."""
-    nb, bs, kvh, d = values.shape
-    rows = reference.quantize_kv_rows(values, kv) if scaled else reference.quantize_kv(values, kv)
-    cache = torch.empty(nb, kvh, bs, rows.shape[-1], dtype=kv).transpose(1, 2)
-    cache.view(torch.uint8).copy_(rows.view(torch.uint8))
-    return cache
-
-
-def kv8_batch(seqs, heads, head_size, kind, gen, block_size=16):
-    _, kv, scaled = kind
-    q, kc, vc, tables, seq_lens, qsl = make_batch(seqs, *heads, head_size, block_size, torch.float32, gen)
-    kc = kc * 4.0
-    kc[::3, :, :, 0] *= 8.0  # an outlier channel
-    kc, vc = quantized_cache(kc, kv, scaled), quantized_cache(vc, kv, scaled)
-    owned = set()
-    for i, ctx in enumerate(seq_lens.tolist()):
-        owned.update(tables[i, : (ctx + block_size - 1) // block_size].tolist())
-    nan = torch.tensor([float("nan")]).view(kv)
-    for b in range(kc.shape[0]):
-        if b not in owned:
-            if scaled:
-                kc[b, ..., head_size:] = nan
-                vc[b, ..., head_size:] = nan
-            else:
-                kc[b].view(torch.uint8).fill_(0x7F)  # NaN in both formats
-                vc[b].view(torch.uint8).fill_(0x7F)
-    return q.bfloat16(), kc, vc, tables, seq_lens, qsl
-
-
-def dequantized(cache: torch.Tensor, head_size: int) -> torch.Tensor:
-    if cache.shape[-1] == head_size:
-        return cache.float()
-    return reference.dequantize_kv(cache, head_size)
-
-
-def expected_attention(args, **extra) -> torch.Tensor:
-    q, kc, vc, *meta = args
-    d = q.shape[-1]
-    return reference.paged_attention(q.float(), dequantized(kc, d), dequantized(vc, d), *meta, d**-0.5, **extra)
 
 
 # ---- exact conversion -------------------------------------------------------------------
