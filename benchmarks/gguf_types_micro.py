@@ -91,6 +91,11 @@ def dense_ops():
 DENSE = "BF16"
 
 
+def row_path(t: str) -> bool:
+    """Whether a column runs the row kernel (``Q3_K/rows``, ``Q3_K/rows@before``)."""
+    return t.split("@")[0].endswith("/rows")
+
+
 def base_type(t: str) -> str:
     """The ggml type of a column of the table (``Q4_K@before``, ``Q3_K/rows``: Q4_K, Q3_K)."""
     return t.split("@")[0].split("/")[0]
@@ -101,7 +106,7 @@ def applies(type_name: str, shape: str) -> bool:
 
     if type_name == DENSE:
         return True
-    if type_name.endswith("/rows") and shape == "gate_up":  # no gated row kernel
+    if row_path(type_name) and shape == "gate_up":  # no gated row kernel
         return False
     type_name = base_type(type_name)
     return SHAPES[shape][0] % qref.GGUF_BLOCK_VALUES[type_name] == 0 and not (
@@ -139,7 +144,7 @@ def bench(
         raw = {b: [random_blocks(b, n, k, gen) for _ in range(layers)] for b in quantized}
         weights = {
             t: raw[bases[t]]
-            if t.endswith("/rows")
+            if row_path(t)
             else [module(t).pack_weight(r, qref.GGUF_TYPE_IDS[bases[t]]) for r in raw[bases[t]]]
             for t in bases
         }

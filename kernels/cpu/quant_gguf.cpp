@@ -29,6 +29,8 @@
 #include <immintrin.h>
 #endif
 
+#include "quant_gguf_common.h"
+
 namespace {
 
 constexpr int QK = 32;
@@ -237,16 +239,6 @@ void row_dot(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* xr, flo
 #endif
 }
 
-template <int MB>
-void run_rows(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t nb, const QuantRow* xr,
-              float* y, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
-  float out[MB];
-  for (int64_t n = n0; n < n1; ++n) {
-    row_dot<MB>(type, w + n * row_bytes, nb, xr, out);
-    for (int m = 0; m < MB; ++m) y[(m0 + m) * N + n] = out[m];
-  }
-}
-
 }  // namespace
 
 // The other block types (quant_gguf_kquant.cpp).
@@ -394,23 +386,11 @@ void row_gemm(const QuantizedX& qx, int64_t M, int64_t K, const torch::Tensor& w
     return;
   }
   // Rows of W across threads; each thread streams its rows once per 8 activation rows.
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    QuantRow xr[8];
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      const int64_t mb = std::min<int64_t>(8, M - m0);
-      for (int64_t i = 0; i < mb; ++i) xr[i] = {&qx.q[(m0 + i) * K], &qx.d[(m0 + i) * nb], &qx.ds[(m0 + i) * nb]};
-      switch (mb) {
-        case 1: run_rows<1>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
-        case 2: run_rows<2>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
-        case 3: run_rows<3>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
-        case 4: run_rows<4>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
-        case 5: run_rows<5>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
-        case 6: run_rows<6>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
-        case 7: run_rows<7>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
-        default: run_rows<8>(type, wp, row_bytes, nb, xr, yp, N, m0, n0, n1); break;
-      }
-    }
-  });
+  pagedserve_gguf::row_kernel_gemm<QuantRow>(
+      M, N, wp, row_bytes, yp, [&](int64_t m) { return QuantRow{&qx.q[m * K], &qx.d[m * nb], &qx.ds[m * nb]}; },
+      [&](auto mb, const uint8_t* wr, const QuantRow* xr, float* out) {
+        row_dot<decltype(mb)::value>(type, wr, nb, xr, out);
+      });
 }
 
 }  // namespace

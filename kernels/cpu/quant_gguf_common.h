@@ -1,13 +1,17 @@
 // Small helpers the GGUF kernel files of the quantized CPU extension share (fp16 fields,
-// the AVX2 row kernels' unsigned x signed byte dot product and horizontal sum, the tiled
-// kernels' bf16 rounding, output descriptor and weight prefetch).  Each file brings them
-// into its own anonymous namespace with using-declarations.
+// the row kernels' driver over activation rows and output columns, the AVX2 row kernels'
+// unsigned x signed byte dot product and horizontal sum, the tiled kernels' bf16 rounding,
+// output descriptor and weight prefetch).  Each file brings them into its own anonymous
+// namespace with using-declarations.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -20,6 +24,72 @@ inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// -- the row kernels' driver -------------------------------------------------------------
+//
+// Every type's row kernel (weights in the file's blocks, not repacked: the only path of the
+// AVX2-only and scalar builds) is one templated function
+//   template <int MB> void row_dot(const uint8_t* w_row, ..., const XRow* xr, float* out)
+// writing out[0..MB), the dot products of one weight row with MB (1..8) activation rows,
+// each of which it reads through its XRow (the file's per-row activation pointers).
+// row_kernel_gemm does the rest, the same for every type:
+//   y float32 [M, N] (row stride N) = M activation rows times the N weight rows at w,
+//   row_bytes apart.
+// The weight rows are split across threads (at::parallel_for over n, grain 16); each thread
+// takes the activations 8 rows at a time, so that every weight row it decodes serves up to
+// 8 of them: for rows m0..m0+mb it fills xr[i] = x_row(m0 + i), then, for each weight row n
+// of its range, calls
+//   dot(std::integral_constant<int, mb>{}, w + n * row_bytes, xr, out)
+// (mb a compile-time constant, 1..8, dispatched by with_rows) and stores out[m] to
+// y[(m0 + m) * N + n].  A file's use, with XRow { q, d } and nb blocks per row:
+//   pagedserve_gguf::row_kernel_gemm<XRow>(
+//       M, N, w, row_bytes, y, [&](int64_t m) { return XRow{xq + m * K, xd + m * nb}; },
+//       [&](auto mb, const uint8_t* wr, const XRow* xr, float* out) {
+//         row_dot<decltype(mb)::value>(wr, nb, xr, out);
+//       });
+
+// The row-count dispatch: f(std::integral_constant<int, mb>{}) for mb in 1..7, 8 otherwise.
+template <class F>
+inline void with_rows(int64_t mb, F&& f) {
+  switch (mb) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// Weight rows n0..n1 against the MB activation rows xr (rows m0.. of y).
+template <int MB, class XRow, class Dot>
+void row_kernel_rows(const Dot& dot, const uint8_t* w, int64_t row_bytes, const XRow* xr, float* y, int64_t N,
+                     int64_t m0, int64_t n0, int64_t n1) {
+  float out[MB];
+  for (int64_t n = n0; n < n1; ++n) {
+    dot(std::integral_constant<int, MB>{}, w + n * row_bytes, xr, out);
+    for (int m = 0; m < MB; ++m) y[(m0 + m) * N + n] = out[m];
+  }
+}
+
+// See above: x_row(m) -> XRow of activation row m; dot(integral_constant<int, MB>, w_row,
+// const XRow* xr, float* out).
+template <class XRow, class XRowOf, class Dot>
+void row_kernel_gemm(int64_t M, int64_t N, const uint8_t* w, int64_t row_bytes, float* y, const XRowOf& x_row,
+                     const Dot& dot) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    XRow xr[8];
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t mb = std::min<int64_t>(8, M - m0);
+      for (int64_t i = 0; i < mb; ++i) xr[i] = x_row(m0 + i);
+      with_rows(mb, [&](auto rows) {
+        row_kernel_rows<decltype(rows)::value>(dot, w, row_bytes, xr, y, N, m0, n0, n1);
+      });
+    }
+  });
 }
 
 #if defined(__AVX2__)

@@ -21,6 +21,7 @@
 #include "quant_gguf_common.h"
 
 using pagedserve_gguf::half_to_float;
+using pagedserve_gguf::row_kernel_gemm;
 #if defined(__AVX2__)
 using pagedserve_gguf::dot_u8s8;
 using pagedserve_gguf::hsum;
@@ -88,16 +89,6 @@ void row_dot(const uint8_t* w, int64_t nb, const XRow* xr, float* out) {
 #endif
 }
 
-template <int MB>
-void run_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, const XRow* xr, float* y, int64_t N, int64_t m0,
-              int64_t n0, int64_t n1) {
-  float out[MB];
-  for (int64_t n = n0; n < n1; ++n) {
-    row_dot<MB>(w + n * row_bytes, nb, xr, out);
-    for (int m = 0; m < MB; ++m) y[(m0 + m) * N + n] = out[m];
-  }
-}
-
 }  // namespace
 
 // y float32 [M, N] = the int8 activation blocks (xq [M, K], scales xd [M, K/32]) times the
@@ -106,21 +97,9 @@ void gguf_iq4nl_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K
                          float* y) {
   const int64_t nb = K / QK, row_bytes = nb * kBlockBytes;
   // Weight rows across threads; each thread reads its rows once per 8 activation rows.
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    XRow xr[8];
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      const int64_t mb = std::min<int64_t>(8, M - m0);
-      for (int64_t i = 0; i < mb; ++i) xr[i] = {xq + (m0 + i) * K, xd + (m0 + i) * nb};
-      switch (mb) {
-        case 1: run_rows<1>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
-        case 2: run_rows<2>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
-        case 3: run_rows<3>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
-        case 4: run_rows<4>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
-        case 5: run_rows<5>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
-        case 6: run_rows<6>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
-        case 7: run_rows<7>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
-        default: run_rows<8>(w, row_bytes, nb, xr, y, N, m0, n0, n1); break;
-      }
-    }
-  });
+  row_kernel_gemm<XRow>(
+      M, N, w, row_bytes, y, [&](int64_t m) { return XRow{xq + m * K, xd + m * nb}; },
+      [&](auto mb, const uint8_t* wr, const XRow* xr, float* out) {
+        row_dot<decltype(mb)::value>(wr, nb, xr, out);
+      });
 }

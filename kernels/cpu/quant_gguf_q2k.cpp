@@ -37,6 +37,7 @@
 #include "quant_gguf_common.h"
 
 using pagedserve_gguf::half_to_float;
+using pagedserve_gguf::row_kernel_gemm;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 using pagedserve_gguf::Output;
 using pagedserve_gguf::prefetch_lines;
@@ -96,11 +97,17 @@ std::vector<float> sums16(const int8_t* xq, const float* xd, int64_t M, int64_t 
   return out;
 }
 
+// One activation row as the row kernel reads it.
+struct XRow {
+  const int8_t* q;    // [K]
+  const float* d;     // [K / 32]
+  const float* s16;   // [K / 16], d_x * the integer sum of each 16 (sums16)
+};
+
 // The row kernel: one weight row against up to 8 activation rows (each decoded block
 // serves them all).
 template <int MB>
-void row_dot(const uint8_t* w, int64_t nsb, const int8_t* const* xq, const float* const* xd,
-             const float* const* s16, float* out) {
+void row_dot(const uint8_t* w, int64_t nsb, const XRow* xr, float* out) {
   float acc[MB], ext[MB];
   for (int m = 0; m < MB; ++m) acc[m] = ext[m] = 0.f;
   uint8_t q[QKK];
@@ -114,30 +121,20 @@ void row_dot(const uint8_t* w, int64_t nsb, const int8_t* const* xq, const float
       const int sc0 = blk[2 * b] & 0x0F, sc1 = blk[2 * b + 1] & 0x0F;
       const int64_t xb = s * 8 + b;
       for (int m = 0; m < MB; ++m) {
-        const int8_t* x = xq[m] + xb * QK;
+        const int8_t* x = xr[m].q + xb * QK;
         int lo = 0, hi = 0;
         for (int t = 0; t < 16; ++t) lo += q[32 * b + t] * x[t];
         for (int t = 16; t < QK; ++t) hi += q[32 * b + t] * x[t];
-        acc[m] += (d * xd[m][xb]) * static_cast<float>(sc0 * lo + sc1 * hi);
+        acc[m] += (d * xr[m].d[xb]) * static_cast<float>(sc0 * lo + sc1 * hi);
       }
     }
     // The minimum term after the main one, in the tiled kernel's order (per super-block).
     for (int r = 0; r < 16; ++r) {
       const float mn = -dmin * static_cast<float>(blk[r] >> 4);
-      for (int m = 0; m < MB; ++m) ext[m] += mn * s16[m][s * 16 + r];
+      for (int m = 0; m < MB; ++m) ext[m] += mn * xr[m].s16[s * 16 + r];
     }
   }
   for (int m = 0; m < MB; ++m) out[m] = acc[m] + ext[m];
-}
-
-template <int MB>
-void row_block(const uint8_t* w, int64_t row_bytes, int64_t nsb, const int8_t* const* xq, const float* const* xd,
-               const float* const* s16, float* y, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
-  float out[MB];
-  for (int64_t n = n0; n < n1; ++n) {
-    row_dot<MB>(w + n * row_bytes, nsb, xq, xd, s16, out);
-    for (int m = 0; m < MB; ++m) y[(m0 + m) * N + n] = out[m];
-  }
 }
 
 }  // namespace
@@ -148,29 +145,12 @@ void gguf_q2k_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, 
                        float* y) {
   const int64_t nsb = K / QKK, row_bytes = nsb * kBlockBytes, nb = K / QK, n16 = K / 16;
   const std::vector<float> s16 = sums16(xq, xd, M, K);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    const int8_t* xr[8];
-    const float* dr[8];
-    const float* sr[8];
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      const int64_t mb = std::min<int64_t>(8, M - m0);
-      for (int64_t i = 0; i < mb; ++i) {
-        xr[i] = xq + (m0 + i) * K;
-        dr[i] = xd + (m0 + i) * nb;
-        sr[i] = s16.data() + (m0 + i) * n16;
-      }
-      switch (mb) {
-        case 1: row_block<1>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
-        case 2: row_block<2>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
-        case 3: row_block<3>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
-        case 4: row_block<4>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
-        case 5: row_block<5>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
-        case 6: row_block<6>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
-        case 7: row_block<7>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
-        default: row_block<8>(w, row_bytes, nsb, xr, dr, sr, y, N, m0, n0, n1); break;
-      }
-    }
-  });
+  // Weight rows across threads; each thread decodes its rows once per 8 activation rows.
+  row_kernel_gemm<XRow>(
+      M, N, w, row_bytes, y, [&](int64_t m) { return XRow{xq + m * K, xd + m * nb, s16.data() + m * n16}; },
+      [&](auto mb, const uint8_t* wr, const XRow* xr, float* out) {
+        row_dot<decltype(mb)::value>(wr, nsb, xr, out);
+      });
 }
 
 // Whether this build has the tiled kernel (and so packs Q2_K weights).
