@@ -388,7 +388,7 @@ void row_gemm(const QuantizedX& qx, int64_t M, int64_t K, const torch::Tensor& w
   // Rows of W across threads; each thread streams its rows once per 8 activation rows.
   pagedserve_gguf::row_kernel_gemm<QuantRow>(
       M, N, wp, row_bytes, yp, [&](int64_t m) { return QuantRow{&qx.q[m * K], &qx.d[m * nb], &qx.ds[m * nb]}; },
-      [&](auto mb, const uint8_t* wr, const QuantRow* xr, float* out) {
+      [type, nb](auto mb, const uint8_t* wr, const QuantRow* xr, float* out) {
         row_dot<decltype(mb)::value>(type, wr, nb, xr, out);
       });
 }
