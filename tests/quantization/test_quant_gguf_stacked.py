@@ -1,8 +1,9 @@
 """``gguf_linear_stacked``: a fused projection whose parts keep different GGUF block types
 (a Q5_K_M's [q; k] Q5_1 beside a Q8_0 v) multiplied in one call.  The CPU's native call
-(kernels/cpu/quant_gguf_packed.cpp ``gguf_packed_gemm_multi``: activations quantized once,
-one parallel region, each part writing its columns in place) gives bit for bit the parts'
-``gguf_linear`` results side by side, at every row count and thread count; the op agrees
+(kernels/cpu/quant_gguf.cpp ``gguf_linear_multi_out``: activations quantized once, one
+parallel region, each part writing its columns in place) gives bit for bit the parts'
+``gguf_linear`` results side by side, at every row count and thread count (K-quant parts:
+test_quant_gguf_kquant_fused.py); the op agrees
 with the reference; a ``StackedWeight`` of such parts makes one call; the registry's
 default is its own ``gguf_linear`` once per part."""
 
@@ -125,8 +126,8 @@ def test_cpu_op_agrees_with_the_reference(mix):
 
 @needs_packed
 def test_cpu_op_falls_back_per_part():
-    """Parts the native call does not take (a Q4_1 beside a Q8_0, a weight of rows not a
-    multiple of 16 left in the file's blocks, a K-quant) go through ``gguf_linear`` once per part."""
+    """Parts the native call does not take (a Q4_1 beside a Q8_0 or a K-quant, a weight of
+    rows not a multiple of 16 left in the file's blocks) go through ``gguf_linear`` once per part."""
     gen = torch.Generator().manual_seed(34)
     k = 256
     calls = []
@@ -136,7 +137,7 @@ def test_cpu_op_falls_back_per_part():
         return cpu_quant.gguf_linear(x, d, t, b, out_dtype)
 
     op = cpu_quant.make_gguf_linear_stacked(linear)
-    for mix in ((("Q4_1", 16), ("Q8_0", 16)), (("Q5_0", 40), ("Q8_0", 16)), (("Q5_0", 32), ("Q6_K", 16))):
+    for mix in ((("Q4_1", 16), ("Q8_0", 16)), (("Q5_0", 40), ("Q8_0", 16)), (("Q4_1", 32), ("Q6_K", 16))):
         blocks, packed = _parts(mix, k, gen)
         types = [t for t, _ in mix]
         x = torch.randn(4, k, generator=gen)
