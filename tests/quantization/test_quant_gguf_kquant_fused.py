@@ -333,3 +333,18 @@ def test_tiny_kquant_model_runs_fused_with_the_dequantized_models_logprobs(tmp_p
         layer.qkv = _unfused(layer.qkv)
     unfused = sequence_logprobs(kept, ids)
     assert torch.equal(fused, unfused)
+
+
+def test_cpu_conformance_cases_of_the_256_value_types():
+    """The kit's gated and stacked cases with a K-quant in them, on the CPU's own ops."""
+    from pagedserve.testing.op_suite import op_checks
+    from pagedserve.testing.target import select_target
+
+    target = select_target("cpu")
+    if "gguf_linear_stacked" not in target.overridden_ops():
+        pytest.skip("the CPU platform keeps the registry's composite ops here")
+    ids = ("op:gguf_linear_silu_and_mul[", "op:gguf_linear_stacked[")
+    checks = [c for c in op_checks(target) if c.id.startswith(ids) and "_K" in c.id]
+    assert len(checks) >= 2 * (5 * 3 + 4 * 2)  # dtypes x (gated types x shapes + stacked mixes x shapes)
+    failed = [f"{r.id}: {r.message}" for r in (c.run() for c in checks) if r.status != "passed"]
+    assert not failed, "\n".join(failed)
