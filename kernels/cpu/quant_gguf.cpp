@@ -542,11 +542,12 @@ torch::Tensor gguf_linear_silu_out(torch::Tensor x, torch::Tensor weight, int64_
 // projection whose parts have different block types: [q; k] Q5_0 beside a Q8_0 v, a
 // Q4_K_M's [q; k] Q4_K beside a Q6_K v, or 32-value and K-quant parts together): y [M, sum
 // N_i] = the parts' results concatenated (+ bias float32 [sum N_i]), bit for bit, with the
-// activations quantized once (every type reads the same int8 blocks of 32 with their fp16
-// scales and sums; the K-quants' per-16 sums, Q2_K's, Q3_K's and Q6_K's, derived from
-// them once per part) and one parallel region over every part's column groups, each part
-// writing its column range of y in place with its own tiles.  The parts must agree on
-// Q4_1's fp16 activation sums (all Q4_1 or none).  The groups are split across threads by
+// activations quantized once per format (every type reads the same int8 blocks of 32 with
+// their fp16 scales and sums, but Q4_1, whose d * sum is rounded to fp16: parts of both
+// kinds take two quantizations; the K-quants' per-16 sums, Q2_K's, Q3_K's and Q6_K's,
+// derived from them once per part) and one parallel region over every part's column
+// groups, each part writing its column range of y in place with its own tiles.  The
+// groups are split across threads by
 // the bytes they read where rows are few (a Q8_0 group reads 272 bytes per 256 values, a
 // Q4_K one 144), evenly by count otherwise.
 torch::Tensor gguf_linear_multi_out(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
@@ -563,8 +564,6 @@ torch::Tensor gguf_linear_multi_out(torch::Tensor x, std::vector<torch::Tensor> 
     TORCH_CHECK(weights[i].dim() == 3 && (packed32(t) || k_tiled(t)),
                 "gguf_linear_multi: every part must be a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL weight, or a K-quant "
                 "weight of this build's tiled kernel, packed by pack_weight");
-    TORCH_CHECK((t == Q4_1) == (types[0] == Q4_1),
-                "gguf_linear_multi: Q4_1 parts quantize the activations' sums differently from the others");
     N += check_gguf_args(x, weights[i], t);
     groups[i] = weights[i].size(0);
     int values = QK, bytes = 0;
@@ -576,13 +575,19 @@ torch::Tensor gguf_linear_multi_out(torch::Tensor x, std::vector<torch::Tensor> 
     b = bias->to(torch::kFloat).contiguous();
     TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "gguf_linear_multi: bias of shape ", bias->sizes(), " for N=", N);
   }
-  const QuantizedX qx = quantize_activations(x, types[0]);
+  // One quantization per activation format the parts read: Q4_1's (fp16 sums), the others'.
+  std::optional<QuantizedX> q41, plain;
+  for (const int64_t t : types) {
+    if (t == Q4_1 && !q41) q41.emplace(quantize_activations(x, Q4_1));
+    if (t != Q4_1 && !plain) plain.emplace(quantize_activations(x, t));
+  }
   const bool bf16 = x.scalar_type() == torch::kBFloat16 && !float32_out;
   auto y = torch::empty({M, N}, x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat));
   std::vector<pagedserve_gguf::PartRunner> run(parts);
   for (size_t i = 0; i < parts; ++i) {
     const uint8_t* w = weights[i].data_ptr<uint8_t>();
     const int64_t t = types[i];
+    const QuantizedX& qx = t == Q4_1 ? *q41 : *plain;
     if (packed32(t))
       run[i] = gguf_packed_part(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, w, t, bf16);
     else if (t == Q3_K)

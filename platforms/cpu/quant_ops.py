@@ -26,8 +26,8 @@
 - ``gguf_linear_stacked``: a fused projection whose parts keep different block types (a
   Q5_K_M's [q; k] Q5_1 beside a Q8_0 v, a Q4_K_M's [q; k] Q4_K beside a Q6_K v, 32-value
   and K-quant parts together), repacked as above, in one native call (activations
-  quantized once, one parallel region, each part's columns written in place); other
-  parts take ``gguf_linear`` once per part.
+  quantized once per format, one parallel region, each part's columns written in place);
+  other parts take ``gguf_linear`` once per part.
 - With ``CpuOptions.gguf_amx`` (off by default) and AMX int8 on the CPU, repacked
   Q4_0/Q4_1/Q8_0 weights at ``GGUF_AMX_MIN_ROWS`` rows or more run on AMX tiles
   (kernels/cpu/quant_gguf_amx.cpp; the same packed weight, bit for bit the tiled VNNI
@@ -220,12 +220,11 @@ def make_gguf_linear_stacked(
     """``gguf_linear_stacked`` that runs parts all repacked by :func:`prepare_gguf_weight`
     (a Q5_K_M's [q; k] Q5_1 beside a Q8_0 v, a Q4_K_M's [q; k] Q4_K beside a Q6_K v, any mix
     of the 32-value types and the K-quants) as one native call: the activations quantized
-    once (every type reads the same int8 blocks), one parallel region, each part writing
-    its columns of the output in place (bit for bit the parts' ``gguf_linear`` results side
-    by side).  Other parts, a Q4_1 part beside another type (its activation sums are
-    rounded differently) and, with ``amx_rows``, calls of ``GGUF_AMX_MIN_ROWS`` rows or more
-    with a part of the AMX kernel's types take ``linear`` (the registry's ``gguf_linear``)
-    once per part."""
+    once per format (every type reads the same int8 blocks but Q4_1, whose activation sums
+    are rounded to fp16), one parallel region, each part writing its columns of the output
+    in place (bit for bit the parts' ``gguf_linear`` results side by side).  Other parts
+    and, with ``amx_rows``, calls of ``GGUF_AMX_MIN_ROWS`` rows or more with a part of the
+    AMX kernel's types take ``linear`` (the registry's ``gguf_linear``) once per part."""
     module = load_quant_kernels()
 
     def gguf_linear_stacked(
@@ -244,7 +243,6 @@ def make_gguf_linear_stacked(
             and CPU_DENSE_MIN_ROWS is None
             and all(d.dim() == 3 for d in data)
             and all(t in PACKED_TYPES for t in type_names)
-            and len({t == "Q4_1" for t in type_names}) == 1
             and not (
                 amx_rows and x.shape[0] >= GGUF_AMX_MIN_ROWS and any(t in qref.GGUF_BASE_TYPES for t in type_names)
             )

@@ -9,8 +9,8 @@ kernels/cpu/quant_gguf_kpacked.cpp, quant_gguf_q2k.cpp and quant_gguf_q3k.cpp, a
   the float reference; gate widths not a multiple of 16 take the two ops.
 - ``gguf_linear_multi_out`` on a Q4_K_M's [q; k] Q4_K beside its Q6_K v (and mixes of every
   K-quant with 32-value parts) is bit for bit the parts one by one, side by side, at every
-  row and thread count; a Q4_1 part beside a K-quant is refused by the native call and
-  taken part by part by the op.
+  row and thread count (a Q4_1 part beside them too: its fp16-rounded activation sums
+  quantized apart in the same call).
 - A tiny Llama GGUF of K-quants (dims multiples of 256) runs its MLPs and q/k/v through
   them: logprobs within the int8-activation error of the dequantized model, and the same
   bits as the unfused ops.
@@ -180,6 +180,7 @@ MIXES = [
     (("Q5_K", 32), ("Q6_K", 16), ("Q8_0", 16)),
     (("Q6_K", 16), ("Q4_0", 32), ("Q3_K", 16), ("Q2_K", 32)),
     (("Q5_0", 32), ("Q4_K", 16), ("IQ4_NL", 16), ("Q5_1", 16)),
+    (("Q4_1", 16), ("Q4_K", 32), ("Q4_1", 16), ("Q6_K", 16)),
 ]
 
 
@@ -232,7 +233,8 @@ def test_native_stacked_call_is_the_parts_side_by_side(mix, threads):
 def test_stacked_op_agrees_with_the_reference_and_takes_one_call():
     """The registered op on [q; k] Q4_K + Q6_K v: one native call (the linear op is not
     called), within the int8-activation error of the float reference; a Q4_1 part beside a
-    K-quant (its activation sums rounded otherwise) is refused natively and goes part by part."""
+    K-quant (its activation sums rounded otherwise) in one call too, the parts' bits; a part
+    left in the file's blocks (rows not a multiple of 16) makes the op go part by part."""
     mix = (("Q4_K", 48), ("Q6_K", 16))
     if not _mix_available(mix):
         pytest.skip("no tiled K-quant kernel here")
@@ -260,16 +262,18 @@ def test_stacked_op_agrees_with_the_reference_and_takes_one_call():
             rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
             assert rel < 2.5e-2 + 1e-2, (m, out_dtype, rel)
     q41 = cpu_quant.prepare_gguf_weight(_blocks("Q4_1", 16, k, rng), "Q4_1")
+    rows24 = cpu_quant.prepare_gguf_weight(_blocks("Q6_K", 24, k, rng), "Q6_K")
+    assert rows24.dim() == 2
     x = torch.randn(4, k, generator=gen)
-    module = load_quant_kernels()
-    with pytest.raises(RuntimeError, match="Q4_1"):
-        module.gguf_linear_multi_out(x, [packed[0], q41], [ref.GGUF_TYPE_IDS["Q4_K"], ref.GGUF_TYPE_IDS["Q4_1"]])
-    calls.clear()
-    got = op(x, [packed[0], q41], ["Q4_K", "Q4_1"])
-    assert calls == ["Q4_K", "Q4_1"]
-    assert torch.equal(
-        got, torch.cat([cpu_quant.gguf_linear(x, packed[0], "Q4_K"), cpu_quant.gguf_linear(x, q41, "Q4_1")], -1)
-    )
+    for parts, names, want_calls in (
+        ([packed[0], q41], ["Q4_K", "Q4_1"], []),
+        ([packed[0], rows24], ["Q4_K", "Q6_K"], ["Q4_K", "Q6_K"]),
+    ):
+        calls.clear()
+        got = op(x, parts, names)
+        assert calls == want_calls
+        want = torch.cat([cpu_quant.gguf_linear(x, d, t) for d, t in zip(parts, names)], -1)
+        assert torch.equal(got, want), names
 
 
 # --- a tiny K-quant model --------------------------------------------------------------
