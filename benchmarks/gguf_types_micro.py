@@ -2,6 +2,7 @@
 
     python benchmarks/gguf_types_micro.py [--types Q4_1 Q5_0 Q8_0 Q4_K Q6_K] [--rows 1 16 64 256]
                                           [--shapes qkv o gate_up down] [--rounds 9] [--layers 30]
+                                          [--dims HIDDEN INTER [--kv KV]] [--fusion]
 
 One thread, CPU time (``time.thread_time``) of ``--layers`` calls on distinct weights (read
 from memory, as in a decode step), repacked at load as the model repacks them, bf16
@@ -11,7 +12,7 @@ by call set (round r: every type once, the order rotated each round), so a drift
 machine's speed reaches them alike; each type's figure is the median over the rounds of
 microseconds per call, and its ratio to Q4_1 the median of the per-round ratios (with
 their minimum and maximum).  K-quant blocks hold 256 values, so they take only the shapes
-whose input is a multiple of 256 (the default model's down projection).  Two pseudo-types
+whose input is a multiple of 256 (of the default model's, the down projection).  Two pseudo-types
 set other paths beside them: ``BF16``, the dense path a type without a kept kernel takes
 (the first other type's random weights dequantized at load to bf16 and put through the
 CPU platform's ``prepare_linear_weight``, then its ``linear`` / ``linear_silu_and_mul``:
@@ -19,7 +20,18 @@ the model's own ops for a dequantized .gguf), and ``TYPE/rows`` (the row kernel 
 file's blocks, not repacked; not on gate_up).
 
 ``--only TYPE`` times one type alone (``--rounds`` passes of every shape and row count),
-for whole-process comparisons of two types, each its own process.  ``--before SO`` loads a
+for whole-process comparisons of two types, each its own process.  ``--dims HIDDEN INTER``
+replaces the default model's shapes by a layer of those sizes (qkv HIDDEN -> HIDDEN + 2 KV,
+``--kv`` default HIDDEN / 4; o; gate_up HIDDEN -> 2 INTER; down INTER -> HIDDEN): ``--dims
+2048 8192`` is a Llama-3.2-1B-like layer, where the K-quants fit every projection.
+
+``--fusion`` times the fused calls against the unfused ones instead, interleaved as above:
+gate_up of ``--gate-type`` (default Q4_K) through the gated kernel (``gguf_linear_silu_out``)
+against ``gguf_linear_out`` then the CPU platform's ``silu_and_mul`` (the [M, 2 INTER]
+intermediate written and read back), and qkv of ``--qkv-types`` (q, k, v; default Q4_K Q4_K
+Q6_K, a Q4_K_M's: adjacent parts of one type fused as the model fuses them) through one
+``gguf_linear_multi_out`` against ``gguf_linear_out`` per part and ``torch.cat`` (what the
+stacked op does for parts it cannot take).  ``--before SO`` loads a
 second build of the quantized kernels (another checkout's ``pagedserve_quant_*.so``) beside
 this one: every type then also runs on it as ``TYPE@before`` (the same blocks, packed by
 that build), in the same rounds, for before/after ratios in one process.
@@ -109,9 +121,7 @@ def applies(type_name: str, shape: str) -> bool:
     if row_path(type_name) and shape == "gate_up":  # no gated row kernel
         return False
     type_name = base_type(type_name)
-    return SHAPES[shape][0] % qref.GGUF_BLOCK_VALUES[type_name] == 0 and not (
-        shape == "gate_up" and qref.GGUF_BLOCK_VALUES[type_name] == 256
-    )
+    return SHAPES[shape][0] % qref.GGUF_BLOCK_VALUES[type_name] == 0
 
 
 def bench(
@@ -198,6 +208,89 @@ def bench(
     return out
 
 
+def set_dims(hidden: int, inter: int, kv: int | None = None) -> None:
+    """SHAPES for a layer of hidden size ``hidden``, MLP size ``inter`` and ``kv`` key/value
+    columns (default hidden / 4)."""
+    kv = hidden // 4 if kv is None else kv
+    SHAPES.clear()
+    SHAPES.update(
+        {
+            "qkv": (hidden, hidden + 2 * kv),
+            "o": (hidden, hidden),
+            "gate_up": (hidden, 2 * inter),
+            "down": (inter, hidden),
+        }
+    )
+
+
+def fusion_bench(
+    quant, gate_type: str, qkv_types: list[str], rows: list[int], rounds: int, layers: int, seed: int = 0
+) -> list[dict]:
+    """One dict per (call, rows, variant): median us per call and the median / min / max of
+    the per-round ratios fused / unfused (see the module docstring)."""
+    from pagedserve.kernels import quant_reference as qref
+    from pagedserve.testing.target import select_target
+
+    silu_and_mul = select_target("cpu").ops.get("silu_and_mul")
+    gen = torch.Generator().manual_seed(seed)
+    hidden, n_gate_up = SHAPES["gate_up"]
+    n_q = SHAPES["o"][1]
+    kv = (SHAPES["qkv"][1] - n_q) // 2
+    # q, k, v rows; adjacent parts of one type as one weight (the model's fusion).
+    parts: list[list] = []
+    for t, n in zip(qkv_types, (n_q, kv, kv)):
+        if parts and parts[-1][0] == t:
+            parts[-1][1] += n
+        else:
+            parts.append([t, n])
+    gid = qref.GGUF_TYPE_IDS[gate_type]
+    gate_w = [quant.pack_weight(random_blocks(gate_type, n_gate_up, hidden, gen), gid) for _ in range(layers)]
+    qkv_ids = [qref.GGUF_TYPE_IDS[t] for t, _ in parts]
+    qkv_w = [
+        [quant.pack_weight(random_blocks(t, n, hidden, gen), qref.GGUF_TYPE_IDS[t]) for t, n in parts]
+        for _ in range(layers)
+    ]
+    qkv_name = "+".join(f"{t}x{n}" for t, n in parts)
+    variants = {
+        f"gate_up {gate_type} {hidden}->{n_gate_up}": {
+            "fused": lambda x: [quant.gguf_linear_silu_out(x, w, gid) for w in gate_w],
+            "unfused": lambda x: [silu_and_mul(quant.gguf_linear_out(x, w, gid)) for w in gate_w],
+        },
+        f"qkv {qkv_name} {hidden}->{SHAPES['qkv'][1]}": {
+            "fused": lambda x: [quant.gguf_linear_multi_out(x, ws, qkv_ids) for ws in qkv_w],
+            "unfused": lambda x: [
+                torch.cat([quant.gguf_linear_out(x, w, i) for w, i in zip(ws, qkv_ids)], dim=-1) for ws in qkv_w
+            ],
+        },
+    }
+    out = []
+    for call, fns in variants.items():
+        names = list(fns)
+        for m in rows:
+            x = torch.randn(m, hidden, generator=gen).bfloat16()
+            times: dict[str, list[float]] = {v: [] for v in names}
+            for v in names:  # warm-up
+                fns[v](x)
+            for r in range(rounds):
+                for v in names[r % 2 :] + names[: r % 2]:
+                    t0 = time.thread_time()
+                    fns[v](x)
+                    times[v].append((time.thread_time() - t0) / layers * 1e6)
+            ratios = [a / b for a, b in zip(times["fused"], times["unfused"])]
+            out.append(
+                dict(
+                    call=call,
+                    rows=m,
+                    fused=statistics.median(times["fused"]),
+                    unfused=statistics.median(times["unfused"]),
+                    ratio=statistics.median(ratios),
+                    lo=min(ratios),
+                    hi=max(ratios),
+                )
+            )
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--types", nargs="+", default=["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
@@ -208,13 +301,32 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--only", default=None, help="time this one type alone (whole-process comparisons)")
     p.add_argument("--before", default=None, help="a second build's .so: each type also runs on it as TYPE@before")
+    p.add_argument("--dims", nargs=2, type=int, default=None, metavar=("HIDDEN", "INTER"), help="layer sizes")
+    p.add_argument("--kv", type=int, default=None, help="with --dims: key/value columns (default HIDDEN / 4)")
+    p.add_argument("--fusion", action="store_true", help="fused against unfused gate_up and qkv calls")
+    p.add_argument("--gate-type", default="Q4_K")
+    p.add_argument("--qkv-types", nargs=3, default=["Q4_K", "Q4_K", "Q6_K"], metavar=("Q", "K", "V"))
     args = p.parse_args()
+    if args.dims:
+        set_dims(*args.dims, args.kv)
     from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 
     torch.set_num_threads(args.threads)
     quant = load_quant_kernels()
     if quant is None or not quant.has_packed():
         raise SystemExit("the tiled GGUF kernel is unavailable on this machine")
+    if args.fusion:
+        print(
+            f"torch {torch.__version__}, {args.threads} thread(s), {args.layers} layers, {args.rounds} rounds, CPU time"
+        )
+        print("| call | rows | fused us | unfused us | fused / unfused (min-max) |")
+        print("|---|---:|---:|---:|---:|")
+        for r in fusion_bench(quant, args.gate_type, args.qkv_types, args.rows, args.rounds, args.layers):
+            spread = f"{r['lo']:.2f}-{r['hi']:.2f}"
+            print(
+                f"| {r['call']} | {r['rows']} | {r['fused']:.1f} | {r['unfused']:.1f} | {r['ratio']:.3f} ({spread}) |"
+            )
+        return 0
     before = load_module(args.before) if args.before else None
     if before is not None:
         args.types = [x for t in args.types for x in (t, t + "@before")]

@@ -200,6 +200,15 @@ GGUF_GATED_SHAPES: tuple[tuple[int, int, int, bool], ...] = (
     (3, 96, 40, True),
     (300, 96, 80, True),
 )
+#: The same for the 256-value types (the K-quants: in a multiple of 256): the CPU's gated
+#: K-quant tiles at 1 and 17 rows, a gate width that is not a multiple of 16.  One row
+#: takes K 512: with K 256 the int8 activations' error of a single row (one draw shared by
+#: every output) reaches 3.6% on random K-quant blocks, above the allowance.
+GGUF_GATED_EXTENDED_SHAPES: tuple[tuple[int, int, int, bool], ...] = (
+    (1, 512, 48, False),
+    (17, 512, 32, True),
+    (5, 256, 40, True),
+)
 
 
 def _gguf_linear_silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
@@ -210,8 +219,14 @@ def _gguf_linear_silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed:
     if t.ops.has_capability("gguf_linear", "gguf_extended_types"):
         types += ("Q5_0", "Q5_1")  # the 32-value extended types (the CPU's tiled kernel takes them packed)
     types += tuple(x for x in _optional_types(t) if quant_reference.GGUF_BLOCK_VALUES[x] == 32)
-    for type_name in types:
-        for m, k, d, bias in GGUF_GATED_SHAPES:
+    cases = [(type_name, GGUF_GATED_SHAPES) for type_name in types]
+    # The 256-value types: the K-quants of the extended types, and the optional ones declared.
+    ktypes = tuple(x for x in _optional_types(t) if quant_reference.GGUF_BLOCK_VALUES[x] == 256)
+    if t.ops.has_capability("gguf_linear", "gguf_extended_types"):
+        ktypes = ("Q4_K", "Q5_K", "Q6_K", *ktypes)
+    cases += [(type_name, GGUF_GATED_EXTENDED_SHAPES) for type_name in ktypes]
+    for type_name, shapes in cases:
+        for m, k, d, bias in shapes:
             desc = _desc(m, k, 2 * d, bias, f"{type_name}-")
 
             def body(type_name=type_name, m=m, k=k, d=d, bias=bias, desc=desc) -> None:
@@ -226,8 +241,10 @@ def _gguf_linear_silu_and_mul(t: Target, fn: Callable, dtype: torch.dtype, seed:
             yield desc, body
 
 
-#: (rows, in, bias) of the gguf_linear_stacked cases, each over every mix below.
+#: (rows, in, bias) of the gguf_linear_stacked cases, each over every mix below (mixes with
+#: a 256-value part: the second shapes).
 GGUF_STACKED_SHAPES: tuple[tuple[int, int, bool], ...] = ((1, 64, False), (7, 96, True), (130, 64, True))
+GGUF_STACKED_EXTENDED_SHAPES: tuple[tuple[int, int, bool], ...] = ((1, 256, False), (17, 512, True))
 
 
 def _gguf_stacked_mixes(t: Target) -> list[tuple[tuple[str, int], ...]]:
@@ -235,7 +252,9 @@ def _gguf_stacked_mixes(t: Target) -> list[tuple[tuple[str, int], ...]]:
     and parts of rows not a multiple of 16; with the extended types, a Q5_K_M's Q5_1
     beside Q8_0, and Q5_0 parts on both sides of a Q8_0 one; with IQ4_NL, its [q; k]
     beside a Q8_0 v (llama-quantize's fallback for a tensor it cannot give IQ4_NL) and
-    beside Q4_1 (whose activation sums are rounded differently) and beside Q5_0."""
+    beside Q4_1 (whose activation sums are rounded differently) and beside Q5_0; a Q4_K_M's
+    [q; k] Q4_K beside a Q6_K v, K-quants beside 32-value parts, and the optional 256-value
+    types (Q2_K, Q3_K) beside a Q6_K."""
     mixes = [(("Q4_0", 32), ("Q8_0", 16)), (("Q8_0", 16), ("Q4_1", 24), ("Q4_0", 16))]
     extended = t.ops.has_capability("gguf_linear", "gguf_extended_types")
     if extended:
@@ -244,6 +263,12 @@ def _gguf_stacked_mixes(t: Target) -> list[tuple[tuple[str, int], ...]]:
         mixes += [(("IQ4_NL", 32), ("Q8_0", 16)), (("Q4_1", 16), ("IQ4_NL", 24))]
         if extended:
             mixes += [(("IQ4_NL", 48), ("Q5_0", 16))]
+    if extended:
+        mixes += [(("Q4_K", 32), ("Q6_K", 16)), (("Q5_K", 16), ("Q8_0", 16), ("Q4_1", 16))]
+        mixes += [(("Q6_K", 16), ("Q5_0", 32), ("Q4_K", 16))]
+        kopt = [x for x in _optional_types(t) if quant_reference.GGUF_BLOCK_VALUES[x] == 256]
+        if kopt:
+            mixes += [(*((x, 16) for x in kopt), ("Q6_K", 16))]
     return mixes
 
 
@@ -253,7 +278,8 @@ def _gguf_linear_stacked(t: Target, fn: Callable, dtype: torch.dtype, seed: int)
     prepare = t.ops.get("prepare_gguf_weight")
     out32 = dtype != torch.float32 and t.ops.has_capability("gguf_linear", "gguf_out_dtype")
     for mix in _gguf_stacked_mixes(t):
-        for m, k, bias in GGUF_STACKED_SHAPES:
+        wide = any(quant_reference.GGUF_BLOCK_VALUES[type_name] == 256 for type_name, _ in mix)
+        for m, k, bias in GGUF_STACKED_EXTENDED_SHAPES if wide else GGUF_STACKED_SHAPES:
             n = sum(rows for _, rows in mix)
             desc = _desc(m, k, n, bias, "+".join(type_name for type_name, _ in mix) + "-")
 

@@ -18,12 +18,15 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <optional>
 #include <vector>
+
+#include "quant_gguf_common.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -256,6 +259,11 @@ torch::Tensor gguf_kpack_weight(torch::Tensor weight, int64_t type);
 torch::Tensor gguf_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor ids);
 void gguf_kpacked_gemm(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K, const uint8_t* w,
                        int64_t groups, int64_t type, void* y, bool y_bf16, const float* bias);
+bool gguf_kpacked_gated(int64_t type);
+void gguf_kpacked_gemm_silu(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K,
+                            const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16, const float* bias);
+pagedserve_gguf::PartRunner gguf_kpacked_part(const int8_t* xq, const float* xd, const float* xds, int64_t M,
+                                              int64_t K, const uint8_t* w, int64_t type, bool y_bf16);
 
 // The tiled kernel on repacked weights (quant_gguf_packed.cpp).
 bool gguf_packed_available();
@@ -264,9 +272,9 @@ torch::Tensor gguf_packed_unpack_rows(torch::Tensor packed, int64_t type, torch:
 void gguf_packed_gemm(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
                       int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
                       const float* bias);
-void gguf_packed_gemm_multi(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
-                            int64_t K, const std::vector<const uint8_t*>& w, const std::vector<int64_t>& groups,
-                            const std::vector<int64_t>& types, void* y, bool y_bf16, const float* bias);
+pagedserve_gguf::PartRunner gguf_packed_part(const int8_t* xq, const float* xd, const float* xds,
+                                             const int32_t* xsum, int64_t M, int64_t K, const uint8_t* w,
+                                             int64_t type, bool y_bf16);
 bool gguf_packed_gated_available();
 // Q3_K, row kernel and tiled kernel (quant_gguf_q3k.cpp).
 bool gguf_q3k_block(int64_t type, int* values, int* bytes);
@@ -277,6 +285,11 @@ torch::Tensor gguf_q3k_pack(torch::Tensor weight);
 torch::Tensor gguf_q3k_unpack_rows(torch::Tensor packed, torch::Tensor ids);
 void gguf_q3k_tiled_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
                          void* y, bool y_bf16, const float* bias);
+bool gguf_q3k_gated();
+void gguf_q3k_tiled_gemm_silu(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
+                              int64_t groups, void* y, bool y_bf16, const float* bias);
+pagedserve_gguf::PartRunner gguf_q3k_part(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
+                                          bool y_bf16);
 
 void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
                            int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
@@ -293,6 +306,16 @@ bool other_block(int64_t type, int* values, int* bytes) {
 
 // Whether `type` has a tiled kernel on a 256-value layout in this build.
 bool k_tiled(int64_t type) { return gguf_kpacked_type(type) || (type == Q3_K && gguf_q3k_tiled()); }
+
+// Whether that tiled kernel has its gated variant (gguf_linear_silu_out) in this build.
+bool k_gated(int64_t type) {
+  return (gguf_kpacked_type(type) && gguf_kpacked_gated(type)) || (type == Q3_K && gguf_q3k_tiled() && gguf_q3k_gated());
+}
+
+// Whether `type` is one of the 32-value types of the tiled kernel (quant_gguf_packed.cpp).
+bool packed32(int64_t type) {
+  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == IQ4_NL;
+}
 
 // Activations quantized per 32-value block, once per call (not per output tile).
 struct QuantizedX {
@@ -469,8 +492,9 @@ torch::Tensor gguf_linear_silu_out(torch::Tensor x, torch::Tensor weight, int64_
   x = x.contiguous();
   weight = weight.contiguous();
   TORCH_CHECK(weight.dim() == 3, "gguf_linear_silu_and_mul: the weight must be packed by pack_weight");
-  TORCH_CHECK(!k_tiled(type), "gguf_linear_silu_and_mul: no gated kernel for ggml type id ", type);
-  TORCH_CHECK(gguf_packed_gated_available(), "gguf_linear_silu_and_mul: this build has no gated packed kernel");
+  const bool k = k_tiled(type);
+  TORCH_CHECK(!k || k_gated(type), "gguf_linear_silu_and_mul: no gated kernel for ggml type id ", type);
+  TORCH_CHECK(k || gguf_packed_gated_available(), "gguf_linear_silu_and_mul: this build has no gated packed kernel");
   const int64_t N = check_gguf_args(x, weight, type), M = x.size(0), K = x.size(1);
   TORCH_CHECK(weight.size(0) % 2 == 0, "gguf_linear_silu_and_mul: N=", N, " is not 2 x a multiple of 16");
   torch::Tensor b;
@@ -481,46 +505,104 @@ torch::Tensor gguf_linear_silu_out(torch::Tensor x, torch::Tensor weight, int64_
   }
   const QuantizedX qx = quantize_activations(x, type);
   auto y = torch::empty({M, N / 2}, x.options());
-  gguf_packed_gemm_silu(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(),
-                        weight.size(0), type, y.data_ptr(), x.scalar_type() == torch::kBFloat16,
-                        b.defined() ? b.data_ptr<float>() : nullptr);
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  if (type == Q3_K)
+    gguf_q3k_tiled_gemm_silu(qx.q.get(), qx.d.get(), M, K, wp, weight.size(0), y.data_ptr(), bf16, bp);
+  else if (k)
+    gguf_kpacked_gemm_silu(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, wp, weight.size(0), type, y.data_ptr(), bf16, bp);
+  else
+    gguf_packed_gemm_silu(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, wp, weight.size(0), type,
+                          y.data_ptr(), bf16, bp);
   return y;
 }
 
 // gguf_linear_out over several weights packed by gguf_pack_weight side by side (a fused
-// projection whose parts have different 32-value block types, e.g. [q; k] Q5_0 beside a
-// Q8_0 v): y [M, sum N_i] = the parts' results concatenated (+ bias float32 [sum N_i]),
-// bit for bit, with the activations quantized once and one parallel region.  The parts
-// must agree on Q4_1's fp16 activation sums (all Q4_1 or none).
+// projection whose parts have different block types: [q; k] Q5_0 beside a Q8_0 v, a
+// Q4_K_M's [q; k] Q4_K beside a Q6_K v, or 32-value and K-quant parts together): y [M, sum
+// N_i] = the parts' results concatenated (+ bias float32 [sum N_i]), bit for bit, with the
+// activations quantized once per format (every type reads the same int8 blocks of 32 with
+// their fp16 scales and sums, but Q4_1, whose d * sum is rounded to fp16: parts of both
+// kinds take two quantizations; the K-quants' per-16 sums, Q2_K's, Q3_K's and Q6_K's,
+// derived from them once per part) and one parallel region over every part's column
+// groups, each part writing its column range of y in place with its own tiles.  The
+// groups are split across threads by
+// the bytes they read where rows are few (a Q8_0 group reads 272 bytes per 256 values, a
+// Q4_K one 144), evenly by count otherwise.
 torch::Tensor gguf_linear_multi_out(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
                                     std::optional<torch::Tensor> bias, bool float32_out) {
   TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "gguf_linear_multi: one type per weight");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  std::vector<const uint8_t*> w;
-  std::vector<int64_t> groups;
+  const size_t parts = weights.size();
+  std::vector<int64_t> groups(parts), cost(parts);
   int64_t N = 0;
-  for (size_t i = 0; i < weights.size(); ++i) {
+  for (size_t i = 0; i < parts; ++i) {
     weights[i] = weights[i].contiguous();
     const int64_t t = types[i];
-    TORCH_CHECK(weights[i].dim() == 3 && (t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == IQ4_NL),
-                "gguf_linear_multi: every part must be a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL weight packed by pack_weight");
-    TORCH_CHECK((types[i] == Q4_1) == (types[0] == Q4_1),
-                "gguf_linear_multi: Q4_1 parts quantize the activations' sums differently from the others");
-    N += check_gguf_args(x, weights[i], types[i]);
-    w.push_back(weights[i].data_ptr<uint8_t>());
-    groups.push_back(weights[i].size(0));
+    TORCH_CHECK(weights[i].dim() == 3 && (packed32(t) || k_tiled(t)),
+                "gguf_linear_multi: every part must be a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL weight, or a K-quant "
+                "weight of this build's tiled kernel, packed by pack_weight");
+    N += check_gguf_args(x, weights[i], t);
+    groups[i] = weights[i].size(0);
+    int values = QK, bytes = 0;
+    if (!packed32(t)) other_block(t, &values, &bytes);
+    cost[i] = packed32(t) ? 8 * block_bytes(t) : bytes * (256 / values);  // bytes per 256 values
   }
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->to(torch::kFloat).contiguous();
     TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "gguf_linear_multi: bias of shape ", bias->sizes(), " for N=", N);
   }
-  const QuantizedX qx = quantize_activations(x, types[0]);
+  // One quantization per activation format the parts read: Q4_1's (fp16 sums), the others'.
+  std::optional<QuantizedX> q41, plain;
+  for (const int64_t t : types) {
+    if (t == Q4_1 && !q41) q41.emplace(quantize_activations(x, Q4_1));
+    if (t != Q4_1 && !plain) plain.emplace(quantize_activations(x, t));
+  }
   const bool bf16 = x.scalar_type() == torch::kBFloat16 && !float32_out;
   auto y = torch::empty({M, N}, x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat));
-  gguf_packed_gemm_multi(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, w, groups, types, y.data_ptr(), bf16,
-                         b.defined() ? b.data_ptr<float>() : nullptr);
+  std::vector<pagedserve_gguf::PartRunner> run(parts);
+  for (size_t i = 0; i < parts; ++i) {
+    const uint8_t* w = weights[i].data_ptr<uint8_t>();
+    const int64_t t = types[i];
+    const QuantizedX& qx = t == Q4_1 ? *q41 : *plain;
+    if (packed32(t))
+      run[i] = gguf_packed_part(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, w, t, bf16);
+    else if (t == Q3_K)
+      run[i] = gguf_q3k_part(qx.q.get(), qx.d.get(), M, K, w, bf16);
+    else
+      run[i] = gguf_kpacked_part(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, w, t, bf16);
+  }
+  const bool by_bytes = M <= 16;
+  std::vector<int64_t> start(parts + 1, 0), column(parts, 0);
+  int64_t total_groups = 0;
+  for (size_t i = 0; i < parts; ++i) {
+    if (!by_bytes) cost[i] = 1;
+    start[i + 1] = start[i] + groups[i] * cost[i];
+    if (i > 0) column[i] = column[i - 1] + groups[i - 1] * 16;
+    total_groups += groups[i];
+  }
+  const int64_t total = start[parts];
+  const size_t esize = bf16 ? 2 : 4;
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  char* yp = static_cast<char*>(y.data_ptr());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total_groups));
+  at::parallel_for(0, threads, 1, [&](int64_t tb, int64_t te) {
+    for (int64_t t = tb; t < te; ++t) {
+      // This thread's share of the cost, [lo, hi); a group goes to the thread whose share
+      // holds its first unit of cost.
+      const int64_t lo = total * t / threads, hi = total * (t + 1) / threads;
+      for (size_t i = 0; i < parts; ++i) {
+        const auto first_at = [&](int64_t c) {
+          return std::clamp<int64_t>((c - start[i] + cost[i] - 1) / cost[i], 0, groups[i]);
+        };
+        const int64_t gb = first_at(lo), ge = first_at(hi);
+        if (gb < ge) run[i](gb, ge, yp + column[i] * esize, bp ? bp + column[i] : nullptr, N);
+      }
+    }
+  });
   return y;
 }
 
@@ -569,4 +651,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::call_guard<py::gil_scoped_release>(), "rows ids of a packed weight as the file's blocks uint8 [n, row_bytes]");
   m.def("has_kpacked", &k_tiled, "whether ggml type id `type` has a K-quant tiled kernel");
+  m.def("has_kpacked_gated", &k_gated, "whether ggml type id `type` has a gated K-quant tiled kernel");
 }

@@ -11,13 +11,21 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace pagedserve_gguf {
+
+// One part of a stacked call (quant_gguf.cpp gguf_linear_multi_out), its activations and
+// weight bound: writes column groups [gb, ge) of its weight for every row at y (the part's
+// first column, ldy elements per row) with bias (the part's, or null), inside the caller's
+// parallel region (no region of its own).
+using PartRunner = std::function<void(int64_t gb, int64_t ge, void* y, const float* bias, int64_t ldy)>;
 
 // The fp16 field at p (any alignment) as float32.
 inline float half_to_float(const uint8_t* p) {
@@ -129,13 +137,32 @@ inline __m256i to_bf16(__m512 v) {
 }
 
 // Where a tiled kernel writes its [rows, 16-column group] results: float32 or bf16 y with
-// ldy elements per row, an optional float32 bias.
+// ldy elements per row, an optional float32 bias.  Gated tiles pair gate group g with up
+// group g + half and write silu(gate) * up at group g (quant_gguf_gated.h).
 struct Output {
   void* y;
   bool bf16;
   const float* bias;
   int64_t ldy;
+  int64_t half = 0;
 };
+
+// factor * the integer sum of every 16 int8 activations, int32 [M, K/16] (a sum of absolute
+// differences of x + 128 against zero per 8 bytes): the start of the 16-value dot products
+// of Q6_K (factor -32: q - 32 through the unsigned q) and Q3_K (-4).
+inline std::vector<int32_t> scaled_sums16(const int8_t* xq, int64_t M, int64_t K, int32_t factor) {
+  const int64_t nh = K / 16;
+  std::vector<int32_t> out(static_cast<size_t>(M * nh));
+  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80)), zero = _mm_setzero_si128();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t h = 0; h < nh; ++h) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + m * K + 16 * h));
+      const __m128i sad = _mm_sad_epu8(_mm_xor_si128(v, flip), zero);
+      const int32_t sum = _mm_cvtsi128_si32(sad) + _mm_extract_epi32(sad, 2) - 16 * 128;
+      out[m * nh + h] = factor * sum;
+    }
+  return out;
+}
 
 // Prefetches the cache lines of bytes [at, at + len) of base into L1, nothing when at is
 // at or past end (the stream's last byte + 1).

@@ -41,13 +41,17 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "quant_gguf_common.h"
+#include "quant_gguf_gated.h"
 
+using pagedserve_gguf::PartRunner;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 using pagedserve_gguf::Output;
 using pagedserve_gguf::prefetch_lines;
+using pagedserve_gguf::scaled_sums16;
 using pagedserve_gguf::to_bf16;
 #endif
 
@@ -100,6 +104,17 @@ using pagedserve_gguf::to_bf16;
 #endif
 #ifndef PAGEDSERVE_GGUF_K_SMALL_G
 #define PAGEDSERVE_GGUF_K_SMALL_G 4
+#endif
+// The gated tiles (gguf_linear_silu_out on a [gate; up] weight): rows, and gate/up pairs of
+// column groups per tile (2 x this many groups in registers).
+#ifndef PAGEDSERVE_GGUF_K_GATED_TILE_M
+#define PAGEDSERVE_GGUF_K_GATED_TILE_M 5
+#endif
+#ifndef PAGEDSERVE_GGUF_Q6K_GATED_TILE_M
+#define PAGEDSERVE_GGUF_Q6K_GATED_TILE_M 6
+#endif
+#ifndef PAGEDSERVE_GGUF_K_GATED_PAIRS
+#define PAGEDSERVE_GGUF_K_GATED_PAIRS 1
 #endif
 
 namespace {
@@ -344,7 +359,10 @@ inline void accumulate(const Activations& a, int64_t m0, int64_t b, const __m512
 // Rows [m0, m0 + MT) x NG column groups from g0.  Float accumulators in an L1 buffer (as
 // the Q4_x tile), integer accumulators MT x NG in registers; Q4_K / Q5_K's minimum term
 // (-dmin * mn * d_x * sum(x), per sub-block) summed in a second pass, in the same order.
-template <int MT, int NG, int64_t T>
+// GATED: the first NG/2 groups are gate groups g0.., the last NG/2 their up groups
+// g0 + o.half..; every lane sums exactly as in a plain tile, and the epilogue writes
+// silu(gate) * up at the gate columns (quant_gguf_gated.h).
+template <int MT, int NG, int64_t T, bool GATED = false>
 void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0, int64_t g0, const Output& o) {
   constexpr int SB = sub_bytes<T>();
   constexpr int EB = kCols * kblock_bytes<T>();
@@ -355,7 +373,7 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
   const int8_t* xr[MT];
   for (int i = 0; i < MT; ++i) xr[i] = a.q + (m0 + i) * a.k;
   const uint8_t* wg[NG];
-  for (int j = 0; j < NG; ++j) wg[j] = w + (g0 + j) * group_stride;
+  for (int j = 0; j < NG; ++j) wg[j] = w + (GATED && j >= NG / 2 ? g0 + o.half + j - NG / 2 : g0 + j) * group_stride;
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* e[NG];
     for (int j = 0; j < NG; ++j) e[j] = wg[j] + s * EB;
@@ -448,6 +466,19 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
       }
     }
   }
+  if constexpr (GATED) {
+#if defined(PAGEDSERVE_GGUF_K_GATED)
+    constexpr int P = NG / 2;
+    for (int j = 0; j < P; ++j) {
+      const int64_t ng = (g0 + j) * kCols, nu = (g0 + o.half + j) * kCols;
+      for (int i = 0; i < MT; ++i)
+        pagedserve_gguf::store_silu_mul(_mm512_add_ps(_mm512_load_ps(facc[i][j]), fext[i][j]),
+                                        _mm512_add_ps(_mm512_load_ps(facc[i][j + P]), fext[i][j + P]), o, ng, nu,
+                                        (m0 + i) * o.ldy + ng);
+    }
+#endif
+    return;
+  }
   for (int j = 0; j < NG; ++j) {
     const int64_t n0 = (g0 + j) * kCols;
     const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + n0) : _mm512_setzero_ps();
@@ -474,19 +505,19 @@ constexpr int tile_groups() {
 constexpr int64_t kChunkM = PAGEDSERVE_GGUF_K_CHUNK_M;
 
 // The tile of h <= H rows at m0.
-template <int H, int NG, int64_t T>
+template <int H, int NG, int64_t T, bool GATED = false>
 inline void tile_of_height(int64_t h, const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0,
                            int64_t g0, const Output& o) {
   if constexpr (H >= 1) {
-    if (h == H) return tile<H, NG, T>(a, w, group_stride, m0, g0, o);
-    tile_of_height<H - 1, NG, T>(h, a, w, group_stride, m0, g0, o);
+    if (h == H) return tile<H, NG, T, GATED>(a, w, group_stride, m0, g0, o);
+    tile_of_height<H - 1, NG, T, GATED>(h, a, w, group_stride, m0, g0, o);
   }
 }
 
 // Rows [m_begin, m_end) of NG column groups from g0, in ceil(rows / TM) tiles of heights
 // as even as they go (as quant_gguf_packed.cpp: no short tile that unpacks the weights for
 // one row).
-template <int TM, int NG, int64_t T>
+template <int TM, int NG, int64_t T, bool GATED = false>
 void rows(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m_begin, int64_t m_end, int64_t g0,
           const Output& o) {
   const int64_t count = m_end - m_begin;
@@ -494,7 +525,7 @@ void rows(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
   const int64_t tiles = (count + TM - 1) / TM;
   for (int64_t t = 0, m0 = m_begin; t < tiles; ++t) {
     const int64_t h = count / tiles + (t < count % tiles);
-    tile_of_height<TM, NG, T>(h, a, w, group_stride, m0, g0, o);
+    tile_of_height<TM, NG, T, GATED>(h, a, w, group_stride, m0, g0, o);
     m0 += h;
   }
 }
@@ -520,20 +551,63 @@ void columns(const Activations& a, const uint8_t* w, int64_t group_stride, int64
   }
 }
 
+// Column groups [gb, ge) for all M rows, on the calling thread.
 template <int64_t T>
-void run(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, const Output& o) {
+void run_groups(const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge, const Output& o) {
   constexpr int TM = tile_rows<T>(), TG = tile_groups<T>();
   constexpr int SM = PAGEDSERVE_GGUF_K_SMALL_M, SG = PAGEDSERVE_GGUF_K_SMALL_G;
   static_assert(TM >= 1 && TM <= 8 && TG >= 1 && TG <= 8, "tiles are instantiated up to 8 rows x 8 groups");
   static_assert(SM >= 0 && SM <= TM && SG >= 1 && SG <= 8, "small tiles: at most the tile's rows, 8 groups");
   const int64_t group_stride = (a.k / QKK) * kCols * kblock_bytes<T>();
-  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
-    if (SM > 0 && M <= SM)
-      columns<std::max(SM, 1), SG, T>(a, w, group_stride, M, gb, ge, o);
-    else
-      columns<TM, TG, T>(a, w, group_stride, M, gb, ge, o);
+  if (SM > 0 && M <= SM)
+    columns<std::max(SM, 1), SG, T>(a, w, group_stride, M, gb, ge, o);
+  else
+    columns<TM, TG, T>(a, w, group_stride, M, gb, ge, o);
+}
+
+template <int64_t T>
+void run(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, const Output& o) {
+  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) { run_groups<T>(a, w, M, gb, ge, o); });
+}
+
+void run_groups_of(int64_t type, const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge,
+                   const Output& o) {
+  switch (type) {
+    case Q4_K: return run_groups<Q4_K>(a, w, M, gb, ge, o);
+    case Q5_K: return run_groups<Q5_K>(a, w, M, gb, ge, o);
+    case Q6_K: return run_groups<Q6_K>(a, w, M, gb, ge, o);
+  }
+  TORCH_CHECK(false, "gguf_packed_gemm: no K-quant tiled kernel for ggml type id ", type);
+}
+
+#if defined(PAGEDSERVE_GGUF_K_GATED)
+template <int64_t T>
+constexpr int gated_tile_rows() {
+  return T == Q6_K ? PAGEDSERVE_GGUF_Q6K_GATED_TILE_M : PAGEDSERVE_GGUF_K_GATED_TILE_M;
+}
+
+// As run(), over the o.half gate groups, each tile taking its up groups along.
+template <int64_t T>
+void run_gated(const Activations& a, const uint8_t* w, int64_t M, const Output& o) {
+  constexpr int TM = gated_tile_rows<T>(), P = PAGEDSERVE_GGUF_K_GATED_PAIRS;
+  static_assert(TM >= 1 && TM <= 8 && P >= 1 && P <= 2, "gated tiles: up to 8 rows, 1 or 2 pairs");
+  const int64_t group_stride = (a.k / QKK) * kCols * kblock_bytes<T>();
+  at::parallel_for(0, o.half, 1, [&](int64_t gb, int64_t ge) {
+    for (int64_t mb = 0; mb < M; mb += kChunkM) {
+      const int64_t me = std::min(M, mb + kChunkM);
+      for (int64_t g0 = gb; g0 < ge;) {
+        if (ge - g0 >= P) {
+          rows<TM, 2 * P, T, true>(a, w, group_stride, mb, me, g0, o);
+          g0 += P;
+        } else {
+          rows<TM, 2, T, true>(a, w, group_stride, mb, me, g0, o);
+          g0 += 1;
+        }
+      }
+    }
   });
 }
+#endif
 
 #endif  // PAGEDSERVE_GGUF_KPACKED
 
@@ -545,6 +619,10 @@ torch::Tensor gguf_q2k_pack_weight(torch::Tensor weight);
 void gguf_q2k_unpack_block(const uint8_t* e, int c, uint8_t* blk);
 void gguf_q2k_packed_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
                           void* y, bool y_bf16, const float* bias);
+bool gguf_q2k_gated();
+void gguf_q2k_packed_gemm_silu(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
+                               int64_t groups, void* y, bool y_bf16, const float* bias);
+PartRunner gguf_q2k_part(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, bool y_bf16);
 
 // Whether `type` has the K-quant tiled kernel in this build.
 bool gguf_kpacked_type(int64_t type) {
@@ -680,21 +758,8 @@ void gguf_kpacked_gemm(const int8_t* xq, const float* xd, const float* xds, int6
                        int64_t groups, int64_t type, void* y, bool y_bf16, const float* bias) {
 #if defined(PAGEDSERVE_GGUF_KPACKED)
   if (type == Q2_K) return gguf_q2k_packed_gemm(xq, xd, M, K, w, groups, y, y_bf16, bias);
-  // Q6_K: -32 * the integer sum of every 16 activations (a sum of absolute differences of
-  // x + 128 against zero per 8 bytes), the start of its 16-value dot products.
-  std::vector<int32_t> c16;
-  if (type == Q6_K) {
-    const int64_t nh = K / 16;
-    c16.resize(static_cast<size_t>(M * nh));
-    const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80)), zero = _mm_setzero_si128();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t h = 0; h < nh; ++h) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + m * K + 16 * h));
-        const __m128i sad = _mm_sad_epu8(_mm_xor_si128(v, flip), zero);
-        const int32_t sum = _mm_cvtsi128_si32(sad) + _mm_extract_epi32(sad, 2) - 16 * 128;
-        c16[m * nh + h] = -32 * sum;
-      }
-  }
+  // Q6_K: -32 * the integer sum of every 16 activations, the start of its 16-value dot products.
+  const std::vector<int32_t> c16 = type == Q6_K ? scaled_sums16(xq, M, K, -32) : std::vector<int32_t>{};
   const Activations a{xq, xd, xds, c16.empty() ? nullptr : c16.data(), K, K / QK};
   const Output o{y, y_bf16, bias, groups * kCols};
   switch (type) {
@@ -706,5 +771,57 @@ void gguf_kpacked_gemm(const int8_t* xq, const float* xd, const float* xds, int6
 #else
   (void)xq, (void)xd, (void)xds, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
   TORCH_CHECK(false, "gguf_packed_gemm: this build has no AVX-512 VNNI K-quant kernel (type ", type, ")");
+#endif
+}
+
+// Whether `type` (a gguf_kpacked_type) has the gated tiled kernel in this build.
+bool gguf_kpacked_gated(int64_t type) {
+#if defined(PAGEDSERVE_GGUF_K_GATED)
+  return gguf_kpacked_type(type) && (type != Q2_K || gguf_q2k_gated());
+#else
+  (void)type;
+  return false;
+#endif
+}
+
+// silu(y[:, :d]) * y[:, d:] of gguf_kpacked_gemm for a packed [gate; up] weight of 2 * half
+// column groups (d = 16 * half): y [M, d] float32 or bf16 (y_bf16), each half rounded first
+// as gguf_kpacked_gemm rounds its output, then the main kernels' SiLU-and-mul.
+void gguf_kpacked_gemm_silu(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K,
+                            const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16, const float* bias) {
+#if defined(PAGEDSERVE_GGUF_K_GATED)
+  TORCH_CHECK(groups % 2 == 0, "gguf_linear_silu_and_mul: ", groups, " column groups do not split into gate and up");
+  if (type == Q2_K) return gguf_q2k_packed_gemm_silu(xq, xd, M, K, w, groups, y, y_bf16, bias);
+  const std::vector<int32_t> c16 = type == Q6_K ? scaled_sums16(xq, M, K, -32) : std::vector<int32_t>{};
+  const Activations a{xq, xd, xds, c16.empty() ? nullptr : c16.data(), K, K / QK};
+  const Output o{y, y_bf16, bias, groups / 2 * kCols, groups / 2};
+  switch (type) {
+    case Q4_K: run_gated<Q4_K>(a, w, M, o); return;
+    case Q5_K: run_gated<Q5_K>(a, w, M, o); return;
+    case Q6_K: run_gated<Q6_K>(a, w, M, o); return;
+  }
+  TORCH_CHECK(false, "gguf_linear_silu_and_mul: no gated K-quant kernel for ggml type id ", type);
+#else
+  (void)xq, (void)xd, (void)xds, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
+  TORCH_CHECK(false, "gguf_linear_silu_and_mul: this build has no gated K-quant kernel (type ", type, ")");
+#endif
+}
+
+// A packed Q2_K / Q4_K / Q5_K / Q6_K weight as one part of a stacked call (PartRunner): the
+// activations' extra sums (Q6_K's, Q2_K's) computed here, once, before the parallel region.
+PartRunner gguf_kpacked_part(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K,
+                             const uint8_t* w, int64_t type, bool y_bf16) {
+#if defined(PAGEDSERVE_GGUF_KPACKED)
+  TORCH_CHECK(gguf_kpacked_type(type), "gguf_linear_multi: no K-quant tiled kernel for ggml type id ", type);
+  if (type == Q2_K) return gguf_q2k_part(xq, xd, M, K, w, y_bf16);
+  auto c16 = std::make_shared<const std::vector<int32_t>>(type == Q6_K ? scaled_sums16(xq, M, K, -32)
+                                                                       : std::vector<int32_t>{});
+  return [=](int64_t gb, int64_t ge, void* y, const float* bias, int64_t ldy) {
+    const Activations a{xq, xd, xds, c16->empty() ? nullptr : c16->data(), K, K / QK};
+    run_groups_of(type, a, w, M, gb, ge, Output{y, y_bf16, bias, ldy});
+  };
+#else
+  (void)xq, (void)xd, (void)xds, (void)M, (void)K, (void)w, (void)y_bf16;
+  TORCH_CHECK(false, "gguf_linear_multi: this build has no AVX-512 VNNI K-quant kernel (type ", type, ")");
 #endif
 }

@@ -55,6 +55,7 @@
 #define PAGEDSERVE_GGUF_PACKED 1
 #endif
 
+#include "quant_gguf_common.h"
 #include "quant_gguf_iq4nl.h"
 
 // The gated epilogue (silu(gate) * up) is the main kernels' own SiLU-and-mul
@@ -742,53 +743,20 @@ void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, 
 #endif
 }
 
-// y [M, sum of the parts' columns] for several packed weights side by side (a fused
-// projection whose parts have different types: [q; k] Q5_0 or Q5_1 beside a Q8_0 v):
-// one parallel region over every part's column groups, each part writing its column
-// range of y in place with its own tiles, from the same quantized activations (so each
-// part's columns are bit for bit what gguf_packed_gemm gives for that part alone).
-// The groups are split across threads by the bytes they read where rows are few (a
-// Q8_0 group reads 34 bytes per 32 values, a Q5_0 one 22), evenly by count otherwise.
-void gguf_packed_gemm_multi(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
-                            int64_t K, const std::vector<const uint8_t*>& w, const std::vector<int64_t>& groups,
-                            const std::vector<int64_t>& types, void* y, bool y_bf16, const float* bias) {
+// A packed weight of a 32-value type as one part of a stacked call (quant_gguf.cpp
+// gguf_linear_multi_out): its column groups [gb, ge) with its own tiles, on the caller's
+// thread, from the call's activations (so its columns are bit for bit what gguf_packed_gemm
+// gives for that part alone).
+pagedserve_gguf::PartRunner gguf_packed_part(const int8_t* xq, const float* xd, const float* xds,
+                                             const int32_t* xsum, int64_t M, int64_t K, const uint8_t* w,
+                                             int64_t type, bool y_bf16) {
+  packed_block_bytes(type);  // checks the type
 #if defined(PAGEDSERVE_GGUF_PACKED)
-  const size_t parts = w.size();
-  TORCH_CHECK(parts > 0 && groups.size() == parts && types.size() == parts, "gguf_packed_gemm_multi: parts");
-  const Activations a{xq, xd, xds, xsum, K, K / QK};
-  int64_t total_groups = 0;
-  for (size_t i = 0; i < parts; ++i) {
-    packed_block_bytes(types[i]);  // checks the type
-    total_groups += groups[i];
-  }
-  const int64_t ldy = total_groups * kCols;
-  const bool by_bytes = M <= 16;
-  std::vector<int64_t> cost(parts), start(parts + 1, 0), column(parts, 0);
-  for (size_t i = 0; i < parts; ++i) {
-    cost[i] = by_bytes ? packed_block_bytes(types[i]) : 1;
-    start[i + 1] = start[i] + groups[i] * cost[i];
-    if (i > 0) column[i] = column[i - 1] + groups[i - 1] * kCols;
-  }
-  const int64_t total = start[parts];
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total_groups));
-  at::parallel_for(0, threads, 1, [&](int64_t tb, int64_t te) {
-    for (int64_t t = tb; t < te; ++t) {
-      // This thread's share of the cost, [lo, hi); a group goes to the thread whose share
-      // holds its first unit of cost.
-      const int64_t lo = total * t / threads, hi = total * (t + 1) / threads;
-      for (size_t i = 0; i < parts; ++i) {
-        const auto first_at = [&](int64_t c) {
-          return std::clamp<int64_t>((c - start[i] + cost[i] - 1) / cost[i], 0, groups[i]);
-        };
-        const int64_t gb = first_at(lo), ge = first_at(hi);
-        if (gb >= ge) continue;
-        const size_t esize = y_bf16 ? 2 : 4;
-        const Output o{static_cast<char*>(y) + column[i] * esize, y_bf16, bias ? bias + column[i] : nullptr, ldy};
-        run_groups_of(types[i], a, w[i], M, gb, ge, o);
-      }
-    }
-  });
+  return [=](int64_t gb, int64_t ge, void* y, const float* bias, int64_t ldy) {
+    run_groups_of(type, Activations{xq, xd, xds, xsum, K, K / QK}, w, M, gb, ge, Output{y, y_bf16, bias, ldy});
+  };
 #else
-  TORCH_CHECK(false, "gguf_packed_gemm_multi: this build has no AVX-512 VNNI packed kernel");
+  (void)xq, (void)xd, (void)xds, (void)xsum, (void)M, (void)K, (void)w, (void)y_bf16;
+  TORCH_CHECK(false, "gguf_linear_multi: this build has no AVX-512 VNNI packed kernel");
 #endif
 }

@@ -32,12 +32,15 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "quant_gguf_common.h"
+#include "quant_gguf_gated.h"
 
 using pagedserve_gguf::half_to_float;
 using pagedserve_gguf::row_kernel_gemm;
+using pagedserve_gguf::PartRunner;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 using pagedserve_gguf::Output;
 using pagedserve_gguf::prefetch_lines;
@@ -250,8 +253,10 @@ inline void prefetch_ahead(const uint8_t* group, int64_t nsb, int64_t s, int pie
 
 // Rows [m0, m0 + MT) x NG column groups from g0.  Integer accumulators MT x NG in registers
 // (one per 32-value activation block), float ones in an L1 buffer; the minimum term in a
-// second pass over the super-blocks.
-template <int MT, int NG>
+// second pass over the super-blocks.  GATED: the first NG/2 groups are gate groups g0.., the
+// last NG/2 their up groups g0 + o.half.., the epilogue writes silu(gate) * up at the gate
+// columns (quant_gguf_gated.h), each lane summed as in a plain tile.
+template <int MT, int NG, bool GATED = false>
 void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0, int64_t g0, const Output& o) {
   alignas(64) float facc[MT][NG][kCols];
   for (int i = 0; i < MT; ++i)
@@ -260,7 +265,7 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
   const int8_t* xr[MT];
   for (int i = 0; i < MT; ++i) xr[i] = a.q + (m0 + i) * a.k;
   const uint8_t* wg[NG];
-  for (int j = 0; j < NG; ++j) wg[j] = w + (g0 + j) * group_stride;
+  for (int j = 0; j < NG; ++j) wg[j] = w + (GATED && j >= NG / 2 ? g0 + o.half + j - NG / 2 : g0 + j) * group_stride;
   const __m512i three = _mm512_set1_epi8(3);
   // Byte b of a line: 4 * (its column within the 128-bit lane) = b & 12.
   const __m512i lane_col = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);
@@ -327,6 +332,19 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
       }
     }
   }
+  if constexpr (GATED) {
+#if defined(PAGEDSERVE_GGUF_K_GATED)
+    constexpr int P = NG / 2;
+    for (int j = 0; j < P; ++j) {
+      const int64_t ng = (g0 + j) * kCols, nu = (g0 + o.half + j) * kCols;
+      for (int i = 0; i < MT; ++i)
+        pagedserve_gguf::store_silu_mul(_mm512_add_ps(_mm512_load_ps(facc[i][j]), fext[i][j]),
+                                        _mm512_add_ps(_mm512_load_ps(facc[i][j + P]), fext[i][j + P]), o, ng, nu,
+                                        (m0 + i) * o.ldy + ng);
+    }
+#endif
+    return;
+  }
   for (int j = 0; j < NG; ++j) {
     const int64_t n0 = (g0 + j) * kCols;
     const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + n0) : _mm512_setzero_ps();
@@ -343,17 +361,17 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
 }
 
 // The tile of h <= H rows at m0.
-template <int H, int NG>
+template <int H, int NG, bool GATED = false>
 inline void tile_of_height(int64_t h, const Activations& a, const uint8_t* w, int64_t stride, int64_t m0, int64_t g0,
                            const Output& o) {
   if constexpr (H >= 1) {
-    if (h == H) return tile<H, NG>(a, w, stride, m0, g0, o);
-    tile_of_height<H - 1, NG>(h, a, w, stride, m0, g0, o);
+    if (h == H) return tile<H, NG, GATED>(a, w, stride, m0, g0, o);
+    tile_of_height<H - 1, NG, GATED>(h, a, w, stride, m0, g0, o);
   }
 }
 
 // Rows [mb, me) of NG column groups from g0, in tiles of heights as even as they go.
-template <int TM, int NG>
+template <int TM, int NG, bool GATED = false>
 void rows(const Activations& a, const uint8_t* w, int64_t stride, int64_t mb, int64_t me, int64_t g0,
           const Output& o) {
   const int64_t count = me - mb;
@@ -361,7 +379,7 @@ void rows(const Activations& a, const uint8_t* w, int64_t stride, int64_t mb, in
   const int64_t tiles = (count + TM - 1) / TM;
   for (int64_t t = 0, m0 = mb; t < tiles; ++t) {
     const int64_t h = count / tiles + (t < count % tiles);
-    tile_of_height<TM, NG>(h, a, w, stride, m0, g0, o);
+    tile_of_height<TM, NG, GATED>(h, a, w, stride, m0, g0, o);
     m0 += h;
   }
 }
@@ -375,6 +393,18 @@ inline void rows_of_width(int64_t g, const Activations& a, const uint8_t* w, int
   }
 }
 
+// Column groups [gb, ge) for every row, on the calling thread.
+void run_groups(const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge, const Output& o) {
+  constexpr int TM = PAGEDSERVE_GGUF_Q2K_TILE_M, TG = PAGEDSERVE_GGUF_Q2K_TILE_G;
+  static_assert(TM >= 1 && TM <= 8 && TG >= 1 && TG <= 8, "tiles of up to 8 rows x 8 groups");
+  const int64_t stride = (a.k / QKK) * kEntryBytes;
+  for (int64_t mb = 0; mb < M; mb += PAGEDSERVE_GGUF_Q2K_CHUNK_M) {
+    const int64_t me = std::min<int64_t>(M, mb + PAGEDSERVE_GGUF_Q2K_CHUNK_M);
+    for (int64_t g0 = gb; g0 < ge; g0 += TG)
+      rows_of_width<TM, TG>(std::min<int64_t>(TG, ge - g0), a, w, stride, mb, me, g0, o);
+  }
+}
+
 }  // namespace
 #endif  // PAGEDSERVE_GGUF_Q2K_TILED
 
@@ -384,21 +414,65 @@ inline void rows_of_width(int64_t g, const Activations& a, const uint8_t* w, int
 void gguf_q2k_packed_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
                           void* y, bool y_bf16, const float* bias) {
 #if defined(PAGEDSERVE_GGUF_Q2K_TILED)
-  constexpr int TM = PAGEDSERVE_GGUF_Q2K_TILE_M, TG = PAGEDSERVE_GGUF_Q2K_TILE_G;
-  static_assert(TM >= 1 && TM <= 8 && TG >= 1 && TG <= 8, "tiles of up to 8 rows x 8 groups");
   const std::vector<float> s16 = sums16(xq, xd, M, K);
   const Activations a{xq, xd, s16.data(), K, K / QK, K / 16};
   const Output o{y, y_bf16, bias, groups * kCols};
+  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) { run_groups(a, w, M, gb, ge, o); });
+#else
+  (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
+  TORCH_CHECK(false, "gguf_packed_gemm: this build has no AVX-512 VNNI Q2_K kernel");
+#endif
+}
+
+// Whether this build has the gated tiled Q2_K kernel.
+bool gguf_q2k_gated() {
+#if defined(PAGEDSERVE_GGUF_Q2K_TILED) && defined(PAGEDSERVE_GGUF_K_GATED)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Gated tiles (gate/up pairs per tile) and their rows.
+#ifndef PAGEDSERVE_GGUF_Q2K_GATED_TILE_M
+#define PAGEDSERVE_GGUF_Q2K_GATED_TILE_M 4
+#endif
+
+// silu(y[:, :d]) * y[:, d:] of gguf_q2k_packed_gemm for a packed [gate; up] weight of
+// `groups` column groups (d = 8 * groups), y [M, d], each half rounded first as
+// gguf_q2k_packed_gemm rounds its output, then the main kernels' SiLU-and-mul.
+void gguf_q2k_packed_gemm_silu(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
+                               int64_t groups, void* y, bool y_bf16, const float* bias) {
+#if defined(PAGEDSERVE_GGUF_Q2K_TILED) && defined(PAGEDSERVE_GGUF_K_GATED)
+  constexpr int TM = PAGEDSERVE_GGUF_Q2K_GATED_TILE_M;
+  static_assert(TM >= 1 && TM <= 8, "tiles of up to 8 rows");
+  const std::vector<float> s16 = sums16(xq, xd, M, K);
+  const Activations a{xq, xd, s16.data(), K, K / QK, K / 16};
+  const Output o{y, y_bf16, bias, groups / 2 * kCols, groups / 2};
   const int64_t stride = (K / QKK) * kEntryBytes;
-  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
+  at::parallel_for(0, o.half, 1, [&](int64_t gb, int64_t ge) {
     for (int64_t mb = 0; mb < M; mb += PAGEDSERVE_GGUF_Q2K_CHUNK_M) {
       const int64_t me = std::min<int64_t>(M, mb + PAGEDSERVE_GGUF_Q2K_CHUNK_M);
-      for (int64_t g0 = gb; g0 < ge; g0 += TG)
-        rows_of_width<TM, TG>(std::min<int64_t>(TG, ge - g0), a, w, stride, mb, me, g0, o);
+      for (int64_t g0 = gb; g0 < ge; ++g0) rows<TM, 2, true>(a, w, stride, mb, me, g0, o);
     }
   });
 #else
   (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
-  TORCH_CHECK(false, "gguf_packed_gemm: this build has no AVX-512 VNNI Q2_K kernel");
+  TORCH_CHECK(false, "gguf_linear_silu_and_mul: this build has no gated Q2_K kernel");
+#endif
+}
+
+// A packed Q2_K weight as one part of a stacked call: its per-16 activation sums computed
+// here, once, before the caller's parallel region.
+PartRunner gguf_q2k_part(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, bool y_bf16) {
+#if defined(PAGEDSERVE_GGUF_Q2K_TILED)
+  auto s16 = std::make_shared<const std::vector<float>>(sums16(xq, xd, M, K));
+  return [=](int64_t gb, int64_t ge, void* y, const float* bias, int64_t ldy) {
+    const Activations a{xq, xd, s16->data(), K, K / QK, K / 16};
+    run_groups(a, w, M, gb, ge, Output{y, y_bf16, bias, ldy});
+  };
+#else
+  (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)y_bf16;
+  TORCH_CHECK(false, "gguf_linear_multi: this build has no AVX-512 VNNI Q2_K kernel");
 #endif
 }

@@ -34,11 +34,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 #include "quant_gguf_common.h"
+#include "quant_gguf_gated.h"
 
 using pagedserve_gguf::half_to_float;
 using pagedserve_gguf::row_kernel_gemm;
+using pagedserve_gguf::PartRunner;
 #if defined(__AVX2__)
 using pagedserve_gguf::dot_u8s8;
 using pagedserve_gguf::hsum;
@@ -46,6 +49,7 @@ using pagedserve_gguf::hsum;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 using pagedserve_gguf::Output;
 using pagedserve_gguf::prefetch_lines;
+using pagedserve_gguf::scaled_sums16;
 using pagedserve_gguf::to_bf16;
 #endif
 #include <vector>
@@ -336,8 +340,11 @@ inline void prefetch_ahead(const uint8_t* group, int64_t nsb, int64_t s, int sub
 }
 
 // Rows [m0, m0 + MT) x NG column groups from g0.  Integer accumulators MT x NG in registers,
-// one 16-value half at a time; float accumulators in an L1 buffer.
-template <int MT, int NG>
+// one 16-value half at a time; float accumulators in an L1 buffer.  GATED: the first NG/2
+// groups are gate groups g0.., the last NG/2 their up groups g0 + o.half.., the epilogue
+// writes silu(gate) * up at the gate columns (quant_gguf_gated.h), each lane summed as in a
+// plain tile.
+template <int MT, int NG, bool GATED = false>
 void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0, int64_t g0, const Output& o) {
   alignas(64) float facc[MT][NG][kCols];
   alignas(64) float first[MT][NG][kCols];
@@ -347,7 +354,7 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
   const int8_t* xr[MT];
   for (int i = 0; i < MT; ++i) xr[i] = a.q + (m0 + i) * a.k;
   const uint8_t* wg[NG];
-  for (int j = 0; j < NG; ++j) wg[j] = w + (g0 + j) * group_stride;
+  for (int j = 0; j < NG; ++j) wg[j] = w + (GATED && j >= NG / 2 ? g0 + o.half + j - NG / 2 : g0 + j) * group_stride;
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* e[NG];
     __m512 dv[NG];
@@ -402,6 +409,18 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
       }
     }
   }
+  if constexpr (GATED) {
+#if defined(PAGEDSERVE_GGUF_K_GATED)
+    constexpr int P = NG / 2;
+    for (int j = 0; j < P; ++j) {
+      const int64_t ng = (g0 + j) * kCols, nu = (g0 + o.half + j) * kCols;
+      for (int i = 0; i < MT; ++i)
+        pagedserve_gguf::store_silu_mul(_mm512_load_ps(facc[i][j]), _mm512_load_ps(facc[i][j + P]), o, ng, nu,
+                                        (m0 + i) * o.ldy + ng);
+    }
+#endif
+    return;
+  }
   for (int j = 0; j < NG; ++j) {
     const int64_t n0 = (g0 + j) * kCols;
     const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + n0) : _mm512_setzero_ps();
@@ -418,24 +437,24 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
 }
 
 // The tile of h <= H rows at m0.
-template <int H, int NG>
+template <int H, int NG, bool GATED = false>
 inline void tile_of_height(int64_t h, const Activations& a, const uint8_t* w, int64_t gs, int64_t m0, int64_t g0,
                            const Output& o) {
   if constexpr (H >= 1) {
-    if (h == H) return tile<H, NG>(a, w, gs, m0, g0, o);
-    tile_of_height<H - 1, NG>(h, a, w, gs, m0, g0, o);
+    if (h == H) return tile<H, NG, GATED>(a, w, gs, m0, g0, o);
+    tile_of_height<H - 1, NG, GATED>(h, a, w, gs, m0, g0, o);
   }
 }
 
 // Rows [mb, me) of NG column groups from g0, in tiles of heights as even as they go.
-template <int TM, int NG>
+template <int TM, int NG, bool GATED = false>
 void rows(const Activations& a, const uint8_t* w, int64_t gs, int64_t mb, int64_t me, int64_t g0, const Output& o) {
   const int64_t count = me - mb;
   if (count <= 0) return;
   const int64_t tiles = (count + TM - 1) / TM;
   for (int64_t t = 0, m0 = mb; t < tiles; ++t) {
     const int64_t h = count / tiles + (t < count % tiles);
-    tile_of_height<TM, NG>(h, a, w, gs, m0, g0, o);
+    tile_of_height<TM, NG, GATED>(h, a, w, gs, m0, g0, o);
     m0 += h;
   }
 }
@@ -449,18 +468,39 @@ inline void rows_of_width(int64_t g, const Activations& a, const uint8_t* w, int
   }
 }
 
-void run_tiled(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, const Output& o) {
+// Column groups [gb, ge) for every row, on the calling thread.
+void run_groups(const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge, const Output& o) {
   constexpr int TM = PAGEDSERVE_GGUF_Q3K_TILE_M, TG = PAGEDSERVE_GGUF_Q3K_TILE_G;
   static_assert(TM >= 1 && TM <= 8 && TG >= 1 && TG <= 4, "Q3_K tiles: up to 8 rows x 4 groups");
   const int64_t gs = (a.k / QKK) * kEntryBytes;
-  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
+  for (int64_t mb = 0; mb < M; mb += PAGEDSERVE_GGUF_Q3K_CHUNK_M) {
+    const int64_t me = std::min<int64_t>(M, mb + PAGEDSERVE_GGUF_Q3K_CHUNK_M);
+    for (int64_t g0 = gb; g0 < ge; g0 += TG)
+      rows_of_width<TM, TG>(std::min<int64_t>(TG, ge - g0), a, w, gs, mb, me, g0, o);
+  }
+}
+
+void run_tiled(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, const Output& o) {
+  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) { run_groups(a, w, M, gb, ge, o); });
+}
+
+#if defined(PAGEDSERVE_GGUF_K_GATED)
+#ifndef PAGEDSERVE_GGUF_Q3K_GATED_TILE_M
+#define PAGEDSERVE_GGUF_Q3K_GATED_TILE_M PAGEDSERVE_GGUF_Q3K_TILE_M
+#endif
+// As run_tiled, over the o.half gate groups, each tile taking its up group along.
+void run_gated(const Activations& a, const uint8_t* w, int64_t M, const Output& o) {
+  constexpr int TM = PAGEDSERVE_GGUF_Q3K_GATED_TILE_M;
+  static_assert(TM >= 1 && TM <= 8, "Q3_K gated tiles: up to 8 rows");
+  const int64_t gs = (a.k / QKK) * kEntryBytes;
+  at::parallel_for(0, o.half, 1, [&](int64_t gb, int64_t ge) {
     for (int64_t mb = 0; mb < M; mb += PAGEDSERVE_GGUF_Q3K_CHUNK_M) {
       const int64_t me = std::min<int64_t>(M, mb + PAGEDSERVE_GGUF_Q3K_CHUNK_M);
-      for (int64_t g0 = gb; g0 < ge; g0 += TG)
-        rows_of_width<TM, TG>(std::min<int64_t>(TG, ge - g0), a, w, gs, mb, me, g0, o);
+      for (int64_t g0 = gb; g0 < ge; ++g0) rows<TM, 2, true>(a, w, gs, mb, me, g0, o);
     }
   });
 }
+#endif
 
 #endif  // PAGEDSERVE_GGUF_Q3K_TILED
 
@@ -547,23 +587,55 @@ torch::Tensor gguf_q3k_unpack_rows(torch::Tensor packed, torch::Tensor ids) {
 void gguf_q3k_tiled_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
                          void* y, bool y_bf16, const float* bias) {
 #if defined(PAGEDSERVE_GGUF_Q3K_TILED)
-  // -4 * the integer sum of every 16 activations (a sum of absolute differences of x + 128
-  // against zero per 8 bytes): the start of each 16-value dot product of the unsigned q.
-  const int64_t nh = K / 16;
-  std::vector<int32_t> c16(static_cast<size_t>(M * nh));
-  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80)), zero = _mm_setzero_si128();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t h = 0; h < nh; ++h) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + m * K + 16 * h));
-      const __m128i sad = _mm_sad_epu8(_mm_xor_si128(v, flip), zero);
-      const int32_t sum = _mm_cvtsi128_si32(sad) + _mm_extract_epi32(sad, 2) - 16 * 128;
-      c16[m * nh + h] = -4 * sum;
-    }
+  // -4 * the integer sum of every 16 activations: the start of each 16-value dot product of
+  // the unsigned q.
+  const std::vector<int32_t> c16 = scaled_sums16(xq, M, K, -4);
   const Activations a{xq, xd, c16.data(), K, K / QK};
   const Output o{y, y_bf16, bias, groups * kCols};
   run_tiled(a, w, M, groups, o);
 #else
   (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
   TORCH_CHECK(false, "gguf_linear: this build has no tiled Q3_K kernel (AVX-512 VNNI)");
+#endif
+}
+
+// Whether this build has the gated tiled Q3_K kernel.
+bool gguf_q3k_gated() {
+#if defined(PAGEDSERVE_GGUF_Q3K_TILED) && defined(PAGEDSERVE_GGUF_K_GATED)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// silu(y[:, :d]) * y[:, d:] of gguf_q3k_tiled_gemm for a packed [gate; up] weight of
+// `groups` column groups (d = 8 * groups), y [M, d], each half rounded first as
+// gguf_q3k_tiled_gemm rounds its output, then the main kernels' SiLU-and-mul.
+void gguf_q3k_tiled_gemm_silu(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
+                              int64_t groups, void* y, bool y_bf16, const float* bias) {
+#if defined(PAGEDSERVE_GGUF_Q3K_TILED) && defined(PAGEDSERVE_GGUF_K_GATED)
+  TORCH_CHECK(groups % 2 == 0, "gguf_linear_silu_and_mul: ", groups, " column groups do not split into gate and up");
+  const std::vector<int32_t> c16 = scaled_sums16(xq, M, K, -4);
+  const Activations a{xq, xd, c16.data(), K, K / QK};
+  const Output o{y, y_bf16, bias, groups / 2 * kCols, groups / 2};
+  run_gated(a, w, M, o);
+#else
+  (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
+  TORCH_CHECK(false, "gguf_linear_silu_and_mul: this build has no gated Q3_K kernel");
+#endif
+}
+
+// A packed Q3_K weight as one part of a stacked call: its per-16 activation sums computed
+// here, once, before the caller's parallel region.
+PartRunner gguf_q3k_part(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, bool y_bf16) {
+#if defined(PAGEDSERVE_GGUF_Q3K_TILED)
+  auto c16 = std::make_shared<const std::vector<int32_t>>(scaled_sums16(xq, M, K, -4));
+  return [=](int64_t gb, int64_t ge, void* y, const float* bias, int64_t ldy) {
+    const Activations a{xq, xd, c16->data(), K, K / QK};
+    run_groups(a, w, M, gb, ge, Output{y, y_bf16, bias, ldy});
+  };
+#else
+  (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)y_bf16;
+  TORCH_CHECK(false, "gguf_linear_multi: this build has no tiled Q3_K kernel (AVX-512 VNNI)");
 #endif
 }

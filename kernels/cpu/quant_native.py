@@ -32,8 +32,16 @@ SOURCES: tuple[str, ...] = (
     "quant_gguf_iq4nl.cpp",
 )
 #: Headers of the main kernels the gated epilogue includes (its SiLU-and-mul), and
-#: IQ4_NL's table (quant_gguf_iq4nl.h) and the GGUF files' shared helpers (quant_gguf_common.h).
-HEADERS: tuple[str, ...] = ("elementwise.h", "kernels.h", "vec.h", "quant_gguf_iq4nl.h", "quant_gguf_common.h")
+#: IQ4_NL's table (quant_gguf_iq4nl.h), the GGUF files' shared helpers (quant_gguf_common.h)
+#: and the K-quants' gated epilogue (quant_gguf_gated.h).
+HEADERS: tuple[str, ...] = (
+    "elementwise.h",
+    "kernels.h",
+    "vec.h",
+    "quant_gguf_iq4nl.h",
+    "quant_gguf_common.h",
+    "quant_gguf_gated.h",
+)
 
 
 def quant_build_spec() -> build.ExtensionSpec:
@@ -52,7 +60,8 @@ def quant_build_spec() -> build.ExtensionSpec:
 @functools.lru_cache(maxsize=1)
 def load_quant_kernels() -> ModuleType | None:
     """The compiled module (``gguf_linear``, ``gguf_linear_out``, ``gguf_linear_silu_out``,
-    ``isa``, ``has_packed``, ``has_packed_gated``, ``has_kpacked``, ``pack_weight``), or
+    ``gguf_linear_multi_out``, ``isa``, ``has_packed``, ``has_packed_gated``, ``has_kpacked``,
+    ``has_kpacked_gated``, ``pack_weight``), or
     None with a warning saying why."""
     try:
         return build.load_extension(quant_build_spec(), "quantized CPU kernels")[0]

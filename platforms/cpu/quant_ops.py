@@ -19,13 +19,15 @@
 - ``gguf_embedding``: rows of repacked blocks (a tied embedding shares its LM head's
   repacked weight): only those rows are unpacked (``unpack_rows``), then dequantized.
 - ``gguf_linear_silu_and_mul``: where the tiled kernel has its gated variant, a gated
-  MLP's [gate; up] weight repacked as above runs in one pass that writes silu(gate) * up
-  (rounded bit for bit as ``silu_and_mul(gguf_linear(...))``), never the [M, 2d]
-  intermediate; other weights and inputs take the registry's two ops.
-- ``gguf_linear_stacked``: a fused projection whose parts keep different 32-value block
-  types (a Q5_K_M's [q; k] Q5_1 beside a Q8_0 v), repacked as above, in one native call
-  (activations quantized once, one parallel region, each part's columns written in
-  place); other parts take ``gguf_linear`` once per part.
+  MLP's [gate; up] weight repacked as above (the 32-value types, and the K-quants Q2_K-Q6_K
+  where ``has_kpacked_gated``) runs in one pass that writes silu(gate) * up (rounded bit
+  for bit as ``silu_and_mul(gguf_linear(...))``), never the [M, 2d] intermediate; other
+  weights and inputs take the registry's two ops.
+- ``gguf_linear_stacked``: a fused projection whose parts keep different block types (a
+  Q5_K_M's [q; k] Q5_1 beside a Q8_0 v, a Q4_K_M's [q; k] Q4_K beside a Q6_K v, 32-value
+  and K-quant parts together), repacked as above, in one native call (activations
+  quantized once per format, one parallel region, each part's columns written in place);
+  other parts take ``gguf_linear`` once per part.
 - With ``CpuOptions.gguf_amx`` (off by default) and AMX int8 on the CPU, repacked
   Q4_0/Q4_1/Q8_0 weights at ``GGUF_AMX_MIN_ROWS`` rows or more run on AMX tiles
   (kernels/cpu/quant_gguf_amx.cpp; the same packed weight, bit for bit the tiled VNNI
@@ -81,7 +83,8 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 #: Block types the tiled kernel takes repacked (the others keep the file's blocks); the
 #: gated kernel takes the 32-value types (GATED_TYPES), the K-quants only where the build
 #: has their tiled kernel (kernels/cpu/quant_gguf_kpacked.cpp, quant_gguf_q2k.cpp,
-#: quant_gguf_q3k.cpp: ``has_kpacked``).
+#: quant_gguf_q3k.cpp: ``has_kpacked``) and, for the gated op, its gated variant
+#: (``has_kpacked_gated``).
 GATED_TYPES = (*qref.GGUF_BASE_TYPES, "Q5_0", "Q5_1", "IQ4_NL")
 KPACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
 PACKED_TYPES = (*GATED_TYPES, *KPACKED_TYPES)
@@ -184,9 +187,12 @@ def make_gguf_linear_silu_and_mul(
     """``gguf_linear_silu_and_mul`` that runs [gate; up] weights repacked by
     :func:`prepare_gguf_weight` through the gated tiled kernel, anything else through
     ``silu_and_mul(linear(...))`` (the registry's ``gguf_linear`` and ``silu_and_mul``).
-    ``amx_rows``: calls of ``GGUF_AMX_MIN_ROWS`` rows or more take ``linear`` (the AMX
-    kernel there; the gated kernel rounds bit for bit as the two ops in sequence)."""
+    ``amx_rows``: calls of ``GGUF_AMX_MIN_ROWS`` rows or more on the AMX kernel's types take
+    ``linear`` (the AMX kernel there; the gated kernel rounds bit for bit as the two ops in
+    sequence)."""
     module = load_quant_kernels()
+    # The K-quants whose tiled kernel has its gated variant in this build.
+    kgated = {t for t in KPACKED_TYPES if module.has_kpacked_gated(_TYPE_IDS[t])}
 
     def gguf_linear_silu_and_mul(
         x: torch.Tensor, data: torch.Tensor, type_name: str, bias: torch.Tensor | None = None
@@ -194,13 +200,13 @@ def make_gguf_linear_silu_and_mul(
         """See reference.gguf_linear_silu_and_mul; ``data`` may be packed by ``prepare_gguf_weight``."""
         dtype = x.dtype
         if (
-            type_name in GATED_TYPES
+            (type_name in GATED_TYPES or type_name in kgated)
             and (dtype is torch.bfloat16 or dtype is torch.float32)
             and data.dim() == 3
             and data.shape[0] % 2 == 0
             and x.dim() == 2
             and CPU_DENSE_MIN_ROWS is None
-            and not (amx_rows and x.shape[0] >= GGUF_AMX_MIN_ROWS)
+            and not (amx_rows and x.shape[0] >= GGUF_AMX_MIN_ROWS and type_name in qref.GGUF_BASE_TYPES)
         ):
             return module.gguf_linear_silu_out(x, data, _TYPE_IDS[type_name], bias)
         return silu_and_mul(linear(x, data, type_name, bias))
@@ -212,12 +218,13 @@ def make_gguf_linear_stacked(
     linear: Callable[..., torch.Tensor], amx_rows: bool = False
 ) -> Callable[..., torch.Tensor]:
     """``gguf_linear_stacked`` that runs parts all repacked by :func:`prepare_gguf_weight`
-    in the 32-value types (a Q5_K_M's [q; k] Q5_1 beside a Q8_0 v) as one native call:
-    the activations quantized once, one parallel region, each part writing its columns
-    of the output in place (bit for bit the parts' ``gguf_linear`` results side by side).
-    Other parts, a Q4_1 part beside another type (its activation sums are rounded
-    differently) and, with ``amx_rows``, calls of ``GGUF_AMX_MIN_ROWS`` rows or more take
-    ``linear`` (the registry's ``gguf_linear``) once per part."""
+    (a Q5_K_M's [q; k] Q5_1 beside a Q8_0 v, a Q4_K_M's [q; k] Q4_K beside a Q6_K v, any mix
+    of the 32-value types and the K-quants) as one native call: the activations quantized
+    once per format (every type reads the same int8 blocks but Q4_1, whose activation sums
+    are rounded to fp16), one parallel region, each part writing its columns of the output
+    in place (bit for bit the parts' ``gguf_linear`` results side by side).  Other parts
+    and, with ``amx_rows``, calls of ``GGUF_AMX_MIN_ROWS`` rows or more with a part of the
+    AMX kernel's types take ``linear`` (the registry's ``gguf_linear``) once per part."""
     module = load_quant_kernels()
 
     def gguf_linear_stacked(
@@ -235,9 +242,10 @@ def make_gguf_linear_stacked(
             and out in (x.dtype, torch.float32)
             and CPU_DENSE_MIN_ROWS is None
             and all(d.dim() == 3 for d in data)
-            and all(t in GATED_TYPES for t in type_names)
-            and len({t == "Q4_1" for t in type_names}) == 1
-            and not (amx_rows and x.shape[0] >= GGUF_AMX_MIN_ROWS)
+            and all(t in PACKED_TYPES for t in type_names)
+            and not (
+                amx_rows and x.shape[0] >= GGUF_AMX_MIN_ROWS and any(t in qref.GGUF_BASE_TYPES for t in type_names)
+            )
         ):
             ids = [qref.GGUF_TYPE_IDS[t] for t in type_names]
             return module.gguf_linear_multi_out(x, list(data), ids, bias, out != x.dtype)

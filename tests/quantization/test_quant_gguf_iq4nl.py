@@ -223,7 +223,7 @@ def test_gated_op_is_the_two_ops_bit_for_bit(dtype):
 @pytest.mark.parametrize("other", ["Q8_0", "Q5_0", "Q4_0"])
 def test_stacked_op_runs_iq4_nl_beside_other_types_in_one_call(other):
     """IQ4_NL [q; k] beside another 32-value type's v: one native call, each part's columns
-    bit for bit its own op's; beside Q4_1 (fp16 activation sums) one call per part."""
+    bit for bit its own op's; beside Q4_1 (fp16 activation sums, quantized apart) too."""
     module = packed_kernel(native())
     gen = torch.Generator().manual_seed(7)
     stacked = cpu_quant.make_gguf_linear_stacked(cpu_quant.gguf_linear)

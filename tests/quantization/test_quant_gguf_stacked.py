@@ -1,8 +1,9 @@
 """``gguf_linear_stacked``: a fused projection whose parts keep different GGUF block types
 (a Q5_K_M's [q; k] Q5_1 beside a Q8_0 v) multiplied in one call.  The CPU's native call
-(kernels/cpu/quant_gguf_packed.cpp ``gguf_packed_gemm_multi``: activations quantized once,
-one parallel region, each part writing its columns in place) gives bit for bit the parts'
-``gguf_linear`` results side by side, at every row count and thread count; the op agrees
+(kernels/cpu/quant_gguf.cpp ``gguf_linear_multi_out``: activations quantized once, one
+parallel region, each part writing its columns in place) gives bit for bit the parts'
+``gguf_linear`` results side by side, at every row count and thread count (K-quant parts:
+test_quant_gguf_kquant_fused.py); the op agrees
 with the reference; a ``StackedWeight`` of such parts makes one call; the registry's
 default is its own ``gguf_linear`` once per part."""
 
@@ -35,6 +36,8 @@ MIXES = [
     (("Q5_1", 32), ("Q8_0", 48)),
     (("Q8_0", 16), ("Q4_0", 80), ("Q5_1", 16), ("Q5_0", 32)),
     (("Q4_1", 16), ("Q4_1", 32)),
+    # Q4_1's activation sums are rounded to fp16: a second quantization in the same call.
+    (("Q5_0", 32), ("Q4_1", 16), ("Q8_0", 16), ("Q4_1", 16)),
 ]
 
 
@@ -83,12 +86,9 @@ def test_native_call_is_the_parts_side_by_side(mix, dtype, threads):
 def test_native_call_refuses_what_it_cannot_take():
     gen = torch.Generator().manual_seed(32)
     module = load_quant_kernels()
-    q41 = cpu_quant.prepare_gguf_weight(random_gguf("Q4_1", 16, 64, gen), "Q4_1")
     q80 = cpu_quant.prepare_gguf_weight(random_gguf("Q8_0", 16, 64, gen), "Q8_0")
     x = torch.randn(3, 64, generator=gen)
     ids = ref.GGUF_TYPE_IDS
-    with pytest.raises(RuntimeError, match="Q4_1"):
-        module.gguf_linear_multi_out(x, [q41, q80], [ids["Q4_1"], ids["Q8_0"]])
     with pytest.raises(RuntimeError, match="packed"):
         module.gguf_linear_multi_out(x, [random_gguf("Q8_0", 16, 64, gen)], [ids["Q8_0"]])
     with pytest.raises(RuntimeError, match="bias"):
@@ -125,8 +125,8 @@ def test_cpu_op_agrees_with_the_reference(mix):
 
 @needs_packed
 def test_cpu_op_falls_back_per_part():
-    """Parts the native call does not take (a Q4_1 beside a Q8_0, a weight of rows not a
-    multiple of 16 left in the file's blocks, a K-quant) go through ``gguf_linear`` once per part."""
+    """Parts the native call does not take (a weight of rows not a multiple of 16 left in
+    the file's blocks, beside 32-value or K-quant parts) go through ``gguf_linear`` once per part."""
     gen = torch.Generator().manual_seed(34)
     k = 256
     calls = []
@@ -136,7 +136,7 @@ def test_cpu_op_falls_back_per_part():
         return cpu_quant.gguf_linear(x, d, t, b, out_dtype)
 
     op = cpu_quant.make_gguf_linear_stacked(linear)
-    for mix in ((("Q4_1", 16), ("Q8_0", 16)), (("Q5_0", 40), ("Q8_0", 16)), (("Q5_0", 32), ("Q6_K", 16))):
+    for mix in ((("Q5_0", 40), ("Q8_0", 16)), (("Q4_K", 24), ("Q6_K", 16))):
         blocks, packed = _parts(mix, k, gen)
         types = [t for t, _ in mix]
         x = torch.randn(4, k, generator=gen)
