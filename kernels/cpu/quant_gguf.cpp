@@ -1,6 +1,6 @@
 // Matmul on GGUF (ggml) quantized weights kept in their blocks: Q4_0, Q4_1, Q8_0 here;
 // Q5_0, Q5_1, Q4_K, Q5_K and Q6_K in quant_gguf_kquant.cpp, Q3_K in quant_gguf_q3k.cpp,
-// IQ4_NL in quant_gguf_iq4nl.cpp, on the same activations.
+// IQ4_NL in quant_gguf_iq4nl.cpp, IQ4_XS in quant_gguf_iq4xs.cpp, on the same activations.
 //
 // y[m, n] = sum_k x[m, k] * W[n, k], with W stored as ggml blocks of 32 values per
 // row ([N, K/32 * block_bytes] uint8, exactly the bytes of the .gguf file).  As in
@@ -285,6 +285,15 @@ torch::Tensor gguf_q3k_pack(torch::Tensor weight);
 torch::Tensor gguf_q3k_unpack_rows(torch::Tensor packed, torch::Tensor ids);
 void gguf_q3k_tiled_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
                          void* y, bool y_bf16, const float* bias);
+// IQ4_XS, row kernel and tiled kernel (quant_gguf_iq4xs.cpp).
+bool gguf_iq4xs_block(int64_t type, int* values, int* bytes);
+bool gguf_iq4xs_tiled();
+void gguf_iq4xs_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                         float* y);
+torch::Tensor gguf_iq4xs_pack(torch::Tensor weight);
+torch::Tensor gguf_iq4xs_unpack_rows(torch::Tensor packed, torch::Tensor ids);
+void gguf_iq4xs_tiled_gemm(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
+                           const uint8_t* w, int64_t groups, void* y, bool y_bf16, const float* bias);
 
 void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
                            int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
@@ -293,14 +302,19 @@ void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, 
 namespace {
 
 constexpr int64_t Q3_K = 11;
+constexpr int64_t IQ4_XS = 23;
 
-// The block of a type of another file (quant_gguf_kquant.cpp, quant_gguf_q3k.cpp).
+// The block of a type of another file (quant_gguf_kquant.cpp, quant_gguf_q3k.cpp,
+// quant_gguf_iq4xs.cpp).
 bool other_block(int64_t type, int* values, int* bytes) {
-  return gguf_ext_type(type, values, bytes) || gguf_q3k_block(type, values, bytes);
+  return gguf_ext_type(type, values, bytes) || gguf_q3k_block(type, values, bytes) ||
+         gguf_iq4xs_block(type, values, bytes);
 }
 
 // Whether `type` has a tiled kernel on a 256-value layout in this build.
-bool k_tiled(int64_t type) { return gguf_kpacked_type(type) || (type == Q3_K && gguf_q3k_tiled()); }
+bool k_tiled(int64_t type) {
+  return gguf_kpacked_type(type) || (type == Q3_K && gguf_q3k_tiled()) || (type == IQ4_XS && gguf_iq4xs_tiled());
+}
 
 // Activations quantized per 32-value block, once per call (not per output tile).
 struct QuantizedX {
@@ -389,6 +403,10 @@ void row_gemm(const QuantizedX& qx, int64_t M, int64_t K, const torch::Tensor& w
     gguf_q3k_row_gemm(qx.q.get(), qx.d.get(), M, K, wp, N, yp);
     return;
   }
+  if (type == IQ4_XS) {
+    gguf_iq4xs_row_gemm(qx.q.get(), qx.d.get(), M, K, wp, N, yp);
+    return;
+  }
   if (gguf_ext_type(type, &ext_values, &ext_bytes)) {
     gguf_ext_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, wp, N, type, yp);
     return;
@@ -427,6 +445,9 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
   if (weight.dim() == 3 && type == Q3_K)
     gguf_q3k_tiled_gemm(qx.q.get(), qx.d.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), y.data_ptr<float>(),
                         false, nullptr);
+  else if (weight.dim() == 3 && type == IQ4_XS)
+    gguf_iq4xs_tiled_gemm(qx.q.get(), qx.d.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0),
+                          y.data_ptr<float>(), false, nullptr);
   else if (weight.dim() == 3 && gguf_kpacked_type(type))
     gguf_kpacked_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
                       y.data_ptr<float>(), false, nullptr);
@@ -460,6 +481,12 @@ torch::Tensor gguf_linear_out(torch::Tensor x, torch::Tensor weight, int64_t typ
     auto y = torch::empty({M, N}, out_options);
     gguf_q3k_tiled_gemm(qx.q.get(), qx.d.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), y.data_ptr(), bf16,
                         b.defined() ? b.data_ptr<float>() : nullptr);
+    return y;
+  }
+  if (weight.dim() == 3 && type == IQ4_XS) {
+    auto y = torch::empty({M, N}, out_options);
+    gguf_iq4xs_tiled_gemm(qx.q.get(), qx.d.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0),
+                          y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr);
     return y;
   }
   if (weight.dim() == 3 && gguf_kpacked_type(type)) {
@@ -574,16 +601,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "pack_weight",
       [](torch::Tensor weight, int64_t type) {
         if (type == Q3_K) return gguf_q3k_pack(weight);
+        if (type == IQ4_XS) return gguf_iq4xs_pack(weight);
         return gguf_kpacked_type(type) ? gguf_kpack_weight(weight, type) : gguf_pack_weight(weight, type);
       },
-      "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32 (K/256: Q3_K, Q4_K, Q5_K, Q6_K), 16*block_bytes]");
+      "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32 (K/256: Q2_K-Q6_K, IQ4_XS), 16*block_bytes]");
   m.def(
       "unpack_rows",
       [](torch::Tensor packed, int64_t type, torch::Tensor ids) {
-        // Q5_0 / Q5_1 / Q3_K: their packing's own inverse (quant_gguf_packed.cpp,
-        // quant_gguf_q3k.cpp); the others in quant_gguf_kpacked.cpp (IQ4_NL's entries are
-        // Q4_0's, byte for byte).
+        // Q5_0 / Q5_1 / Q3_K / IQ4_XS: their packing's own inverse (quant_gguf_packed.cpp,
+        // quant_gguf_q3k.cpp, quant_gguf_iq4xs.cpp); the others in quant_gguf_kpacked.cpp
+        // (IQ4_NL's entries are Q4_0's, byte for byte).
         if (type == Q3_K) return gguf_q3k_unpack_rows(packed, ids);
+        if (type == IQ4_XS) return gguf_iq4xs_unpack_rows(packed, ids);
         if (type == Q5_0 || type == Q5_1) return gguf_packed_unpack_rows(packed, type, ids);
         return gguf_unpack_rows(packed, type == IQ4_NL ? Q4_0 : type, ids);
       },
