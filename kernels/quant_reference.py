@@ -104,9 +104,7 @@ GGUF_BLOCK_BYTES: dict[str, int] = {
     "IQ4_XS": 136,
 }
 #: Values per block of each type of GGUF_BLOCK_BYTES (256: the K-quants' and IQ4_XS's super-blocks).
-GGUF_BLOCK_VALUES: dict[str, int] = {
-    t: 256 if t.endswith("_K") or t == "IQ4_XS" else 32 for t in GGUF_BLOCK_BYTES
-}
+GGUF_BLOCK_VALUES: dict[str, int] = {t: 256 if t.endswith("_K") or t == "IQ4_XS" else 32 for t in GGUF_BLOCK_BYTES}
 #: ggml's type ids (``enum ggml_type``) of the block types kept quantized.
 GGUF_TYPE_IDS: dict[str, int] = {
     "Q4_0": 2,

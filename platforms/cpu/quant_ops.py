@@ -14,8 +14,9 @@
   (kernels/cpu/quant_gguf_packed.cpp: 16 output columns interleaved per 4 k, scales
   beside them; Q4_K, Q5_K and Q6_K likewise in kernels/cpu/quant_gguf_kpacked.cpp,
   Q2_K, Q3_K and IQ4_XS in kernels/cpu/quant_gguf_q2k.cpp, quant_gguf_q3k.cpp and
-  quant_gguf_iq4xs.cpp, the file's size exactly); ``gguf_linear`` then runs the tiled kernel on them.  Other weights keep
-  the row kernel.  ``PAGEDSERVE_CPU_GGUF_REPACK=0`` keeps the file's blocks.
+  quant_gguf_iq4xs.cpp, the file's size exactly); ``gguf_linear`` then runs the tiled
+  kernel on them.  Other weights keep the row kernel.  ``PAGEDSERVE_CPU_GGUF_REPACK=0``
+  keeps the file's blocks.
 - ``gguf_embedding``: rows of repacked blocks (a tied embedding shares its LM head's
   repacked weight): only those rows are unpacked (``unpack_rows``), then dequantized.
 - ``gguf_linear_silu_and_mul``: where the tiled kernel has its gated variant, a gated
