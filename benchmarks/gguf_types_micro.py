@@ -47,8 +47,18 @@ import torch
 
 __all__ = ["SHAPES", "random_blocks", "prepare", "bench", "main"]
 
-#: The default model's linear layers (in, out), [gate; up] as one gated weight.
-SHAPES: dict[str, tuple[int, int]] = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
+#: The default model's linear layers (in, out), [gate; up] as one gated weight (the default
+#: ``--shapes``), and two of a 1-2B model's (inputs a multiple of 256, as every linear of the
+#: 7-70B files that hold IQ4_XS / K-quants throughout): ``d2048`` 2048 -> 2048 and
+#: ``up2048`` 2048 -> 8192, through the plain GEMM (use ``--layers 8`` or so: 30 bf16 copies
+#: of the second take 1 GB).
+MODEL_SHAPES: dict[str, tuple[int, int]] = {
+    "qkv": (576, 960),
+    "o": (576, 576),
+    "gate_up": (576, 3072),
+    "down": (1536, 576),
+}
+SHAPES: dict[str, tuple[int, int]] = {**MODEL_SHAPES, "d2048": (2048, 2048), "up2048": (2048, 8192)}
 
 
 def random_blocks(type_name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -295,7 +305,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--types", nargs="+", default=["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
     p.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 256])
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=list(MODEL_SHAPES), choices=list(SHAPES))
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)

@@ -37,6 +37,11 @@ Formats:
 - GGUF IQ4_NL (non-linear 4-bit, 32 values per block): ``d | u8 qs[16]``, the nibbles
   placed as Q4_0's, each an index into the fixed table ``IQ4_NL_VALUES`` of 16 int8
   values (ggml's ``kvalues_iq4nl``): value = d * IQ4_NL_VALUES[nibble].
+- GGUF IQ4_XS (256 values per super-block, 136 bytes): ``d | u16 scales_h | u8
+  scales_l[4] | u8 qs[128]``: 8 sub-blocks of 32 with IQ4_NL's levels and a 6-bit
+  sub-block scale ``ls`` (low 4 bits: nibble ``j % 2`` of ``scales_l[j // 2]``; top 2:
+  bits 2j, 2j+1 of ``scales_h``): value = (d * (ls - 32)) * IQ4_NL_VALUES[nibble]; sub-block
+  j's nibbles are ``qs[16j : 16j + 16]``, placed as IQ4_NL's (:func:`_iq4_xs`).
 - INT8: int8 ``[N, K]`` with float32 per-output-channel scales ``[N]``.
 - FP8: ``float8_e4m3fn`` ``[N, K]`` with a float32 scale ``[]`` (per tensor) or ``[N]``.
 - GPTQ (AutoGPTQ / transformers, ``checkpoint_format="gptq"``): qweight int32
@@ -64,6 +69,7 @@ __all__ = [
     "gguf_row_bytes",
     "kquant_scales_mins",
     "q3_k_scales",
+    "iq4_xs_scales",
     "AWQ_ORDER",
     "dequantize_gguf",
     "gguf_linear",
@@ -95,9 +101,10 @@ GGUF_BLOCK_BYTES: dict[str, int] = {
     "Q2_K": 84,
     "Q3_K": 110,
     "IQ4_NL": 18,
+    "IQ4_XS": 136,
 }
-#: Values per block of each type of GGUF_BLOCK_BYTES.
-GGUF_BLOCK_VALUES: dict[str, int] = {t: 256 if t.endswith("_K") else 32 for t in GGUF_BLOCK_BYTES}
+#: Values per block of each type of GGUF_BLOCK_BYTES (256: the K-quants' and IQ4_XS's super-blocks).
+GGUF_BLOCK_VALUES: dict[str, int] = {t: 256 if t.endswith("_K") or t == "IQ4_XS" else 32 for t in GGUF_BLOCK_BYTES}
 #: ggml's type ids (``enum ggml_type``) of the block types kept quantized.
 GGUF_TYPE_IDS: dict[str, int] = {
     "Q4_0": 2,
@@ -111,6 +118,7 @@ GGUF_TYPE_IDS: dict[str, int] = {
     "Q2_K": 10,
     "Q3_K": 11,
     "IQ4_NL": 20,
+    "IQ4_XS": 23,
 }
 #: The 32-value types of the first kernels (Q4_0, Q4_1, Q8_0): the others are the
 #: "extended" types (GGUF_EXTENDED_TYPES), which a platform's gguf_linear takes only
@@ -120,7 +128,7 @@ GGUF_EXTENDED_TYPES: tuple[str, ...] = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 #: Types a platform's gguf_linear takes one by one: each where it declares the op
 #: capability ``gguf_type_capability(name)`` (``"gguf_type:NAME"``), so adding a type
 #: here never changes what an existing capability promises.
-GGUF_OPTIONAL_TYPES: tuple[str, ...] = ("Q2_K", "Q3_K", "IQ4_NL")
+GGUF_OPTIONAL_TYPES: tuple[str, ...] = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 #: IQ4_NL's 16 levels (ggml-common.h ``kvalues_iq4nl``), indexed by the stored nibble.
 IQ4_NL_VALUES: tuple[int, ...] = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 #: AWQ's pack order: nibble i of each int32 holds column AWQ_ORDER[i] of its 8 columns.
@@ -283,6 +291,30 @@ def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
     return table[torch.cat([qs & 0x0F, qs >> 4], dim=-1)] * _half(blocks, 0)
 
 
+def iq4_xs_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS blocks ``[..., 136]`` -> the 8 sub-blocks' 6-bit scales minus 32, int64
+    ``[..., 8]`` (-32..31): the low 4 bits of scale j are nibble ``j % 2`` of
+    ``scales_l[j // 2]`` (byte 4 + j // 2), its top 2 bits bits 2j, 2j+1 of the
+    little-endian uint16 ``scales_h`` (bytes 2-3)."""
+    low = blocks[..., 4:8].long()
+    low = torch.stack([low & 0x0F, low >> 4], dim=-1).flatten(-2)
+    high = blocks[..., 2].long() | (blocks[..., 3].long() << 8)
+    top = (high[..., None] >> (2 * torch.arange(8, device=blocks.device))) & 3
+    return (low | (top << 4)) - 32
+
+
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    """Sub-block j (32 values) from ``qs[16j : 16j + 16]`` (element l < 16 the low nibble
+    of byte l, l + 16 its high nibble): (d * (ls_j - 32)) * level, the scale product first
+    in float32, as ggml's dequantize_row_iq4_xs."""
+    lead = blocks.shape[:-1]
+    qs = blocks[..., 8:136].long().reshape(*lead, 8, 16)
+    table = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32, device=blocks.device)
+    levels = table[torch.cat([qs & 0x0F, qs >> 4], dim=-1)]  # [..., 8, 32]
+    dl = _half(blocks, 0) * iq4_xs_scales(blocks).float()  # [..., 8]
+    return (dl[..., None] * levels).flatten(-2)
+
+
 _EXTENDED_DEQUANT = {
     "Q5_0": _q5_0,
     "Q5_1": _q5_1,
@@ -292,6 +324,7 @@ _EXTENDED_DEQUANT = {
     "Q2_K": _q2_k,
     "Q3_K": _q3_k,
     "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
 }
 
 

@@ -38,9 +38,13 @@ SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
 
 # ggml type names `dequant.dequantize` handles, natively or through `gguf.quants`. Other types
 # (the rest of the IQ family, the ternary ones) exist but are rare and unverified here, so they
-# are refused by name.  IQ4_NL is checked: `quant_reference.dequantize_gguf` against `gguf.quants`.
+# are refused by name.  IQ4_NL and IQ4_XS are checked: `quant_reference.dequantize_gguf` against
+# `gguf.quants`.
 _SUPPORTED_TYPES = frozenset(
-    {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"}
+    {
+        *("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"),
+        *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"),
+    }
 )
 
 _GLOBAL_NAMES = {

@@ -1,6 +1,6 @@
 """GGUF weights kept in their blocks: Q4_0 / Q4_1 / Q8_0 everywhere, Q5_0 / Q5_1 and the
 K-quants Q4_K / Q5_K / Q6_K where the platform's ``gguf_linear`` declares a kernel for
-them (``GGUF_EXTENDED``), each type of GGUF_OPTIONAL_TYPES (IQ4_NL) where it declares
+them (``GGUF_EXTENDED``), each type of GGUF_OPTIONAL_TYPES (Q2_K, Q3_K, IQ4_NL, IQ4_XS) where it declares
 that type's ``gguf_type:NAME``; other types are dequantized at load, with a log line
 naming them.
 
@@ -66,7 +66,7 @@ def gguf_kept_types(ops) -> tuple[str, ...]:
 
 class GGUFWeight(QuantizedWeight):
     """data: uint8 ``[out, in/block_values * block_bytes]`` ggml blocks of type ``type_name``
-    (32 values per block, 256 for the K-quants).
+    (32 values per block, 256 for the K-quants and IQ4_XS).
 
     op: the ``gguf_linear`` op to multiply with (the platform's, from its op registry);
         None means the torch reference.
@@ -197,7 +197,7 @@ class GGUFWeight(QuantizedWeight):
         return self._like(data, self.in_features)
 
     def select_columns(self, start: int, stop: int) -> GGUFWeight | None:
-        """Whole blocks of each row (32 values, 256 for the K-quants); None when
+        """Whole blocks of each row (32 values, 256 for the K-quants and IQ4_XS); None when
         ``[start, stop)`` does not fall on block boundaries."""
         per = ref.GGUF_BLOCK_VALUES[self.type_name]
         if start % per or stop % per:

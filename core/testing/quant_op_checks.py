@@ -90,6 +90,8 @@ def _random_gguf(c: _Case, type_name: str, n: int, k: int) -> torch.Tensor:
         half(82, (torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3) / 8)  # dmin; times 4-bit minimums
     elif type_name == "Q3_K":
         half(108, (torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3) / 32)  # d; times 6-bit scales - 32
+    elif type_name == "IQ4_XS":
+        half(0, (torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3) / 256)  # d; times (6-bit scales - 32) * levels
     else:
         half(0, torch.rand(n, nb, generator=c.gen) * 0.02 + 1e-3)
     if type_name in ("Q4_1", "Q5_1"):

@@ -1,6 +1,6 @@
 // Matmul on GGUF (ggml) quantized weights kept in their blocks: Q4_0, Q4_1, Q8_0 here;
 // Q5_0, Q5_1, Q4_K, Q5_K and Q6_K in quant_gguf_kquant.cpp, Q3_K in quant_gguf_q3k.cpp,
-// IQ4_NL in quant_gguf_iq4nl.cpp, on the same activations.
+// IQ4_NL in quant_gguf_iq4nl.cpp, IQ4_XS in quant_gguf_iq4xs.cpp, on the same activations.
 //
 // y[m, n] = sum_k x[m, k] * W[n, k], with W stored as ggml blocks of 32 values per
 // row ([N, K/32 * block_bytes] uint8, exactly the bytes of the .gguf file).  As in
@@ -290,6 +290,15 @@ void gguf_q3k_tiled_gemm_silu(const int8_t* xq, const float* xd, int64_t M, int6
                               int64_t groups, void* y, bool y_bf16, const float* bias);
 pagedserve_gguf::PartRunner gguf_q3k_part(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
                                           bool y_bf16);
+// IQ4_XS, row kernel and tiled kernel (quant_gguf_iq4xs.cpp).
+bool gguf_iq4xs_block(int64_t type, int* values, int* bytes);
+bool gguf_iq4xs_tiled();
+void gguf_iq4xs_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                         float* y);
+torch::Tensor gguf_iq4xs_pack(torch::Tensor weight);
+torch::Tensor gguf_iq4xs_unpack_rows(torch::Tensor packed, torch::Tensor ids);
+void gguf_iq4xs_tiled_gemm(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
+                           const uint8_t* w, int64_t groups, void* y, bool y_bf16, const float* bias);
 
 void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
                            int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
@@ -298,14 +307,19 @@ void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, 
 namespace {
 
 constexpr int64_t Q3_K = 11;
+constexpr int64_t IQ4_XS = 23;
 
-// The block of a type of another file (quant_gguf_kquant.cpp, quant_gguf_q3k.cpp).
+// The block of a type of another file (quant_gguf_kquant.cpp, quant_gguf_q3k.cpp,
+// quant_gguf_iq4xs.cpp).
 bool other_block(int64_t type, int* values, int* bytes) {
-  return gguf_ext_type(type, values, bytes) || gguf_q3k_block(type, values, bytes);
+  return gguf_ext_type(type, values, bytes) || gguf_q3k_block(type, values, bytes) ||
+         gguf_iq4xs_block(type, values, bytes);
 }
 
 // Whether `type` has a tiled kernel on a 256-value layout in this build.
-bool k_tiled(int64_t type) { return gguf_kpacked_type(type) || (type == Q3_K && gguf_q3k_tiled()); }
+bool k_tiled(int64_t type) {
+  return gguf_kpacked_type(type) || (type == Q3_K && gguf_q3k_tiled()) || (type == IQ4_XS && gguf_iq4xs_tiled());
+}
 
 // Whether that tiled kernel has its gated variant (gguf_linear_silu_out) in this build.
 bool k_gated(int64_t type) {
@@ -404,6 +418,10 @@ void row_gemm(const QuantizedX& qx, int64_t M, int64_t K, const torch::Tensor& w
     gguf_q3k_row_gemm(qx.q.get(), qx.d.get(), M, K, wp, N, yp);
     return;
   }
+  if (type == IQ4_XS) {
+    gguf_iq4xs_row_gemm(qx.q.get(), qx.d.get(), M, K, wp, N, yp);
+    return;
+  }
   if (gguf_ext_type(type, &ext_values, &ext_bytes)) {
     gguf_ext_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, wp, N, type, yp);
     return;
@@ -430,6 +448,9 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
   if (weight.dim() == 3 && type == Q3_K)
     gguf_q3k_tiled_gemm(qx.q.get(), qx.d.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), y.data_ptr<float>(),
                         false, nullptr);
+  else if (weight.dim() == 3 && type == IQ4_XS)
+    gguf_iq4xs_tiled_gemm(qx.q.get(), qx.d.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0),
+                          y.data_ptr<float>(), false, nullptr);
   else if (weight.dim() == 3 && gguf_kpacked_type(type))
     gguf_kpacked_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
                       y.data_ptr<float>(), false, nullptr);
@@ -463,6 +484,12 @@ torch::Tensor gguf_linear_out(torch::Tensor x, torch::Tensor weight, int64_t typ
     auto y = torch::empty({M, N}, out_options);
     gguf_q3k_tiled_gemm(qx.q.get(), qx.d.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), y.data_ptr(), bf16,
                         b.defined() ? b.data_ptr<float>() : nullptr);
+    return y;
+  }
+  if (weight.dim() == 3 && type == IQ4_XS) {
+    auto y = torch::empty({M, N}, out_options);
+    gguf_iq4xs_tiled_gemm(qx.q.get(), qx.d.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0),
+                          y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr);
     return y;
   }
   if (weight.dim() == 3 && gguf_kpacked_type(type)) {
@@ -541,9 +568,10 @@ torch::Tensor gguf_linear_multi_out(torch::Tensor x, std::vector<torch::Tensor> 
   for (size_t i = 0; i < parts; ++i) {
     weights[i] = weights[i].contiguous();
     const int64_t t = types[i];
-    TORCH_CHECK(weights[i].dim() == 3 && (packed32(t) || k_tiled(t)),
+    // IQ4_XS has no part runner (its tiled kernel writes whole outputs): its parts run alone.
+    TORCH_CHECK(weights[i].dim() == 3 && (packed32(t) || (k_tiled(t) && t != IQ4_XS)),
                 "gguf_linear_multi: every part must be a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL weight, or a K-quant "
-                "weight of this build's tiled kernel, packed by pack_weight");
+                "(Q2_K-Q6_K) weight of this build's tiled kernel, packed by pack_weight");
     N += check_gguf_args(x, weights[i], t);
     groups[i] = weights[i].size(0);
     int values = QK, bytes = 0;
@@ -636,16 +664,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "pack_weight",
       [](torch::Tensor weight, int64_t type) {
         if (type == Q3_K) return gguf_q3k_pack(weight);
+        if (type == IQ4_XS) return gguf_iq4xs_pack(weight);
         return gguf_kpacked_type(type) ? gguf_kpack_weight(weight, type) : gguf_pack_weight(weight, type);
       },
-      "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32 (K/256: Q3_K, Q4_K, Q5_K, Q6_K), 16*block_bytes]");
+      "GGUF blocks uint8 [N, row_bytes] -> packed [N/16, K/32 (K/256: Q2_K-Q6_K, IQ4_XS), 16*block_bytes]");
   m.def(
       "unpack_rows",
       [](torch::Tensor packed, int64_t type, torch::Tensor ids) {
-        // Q5_0 / Q5_1 / Q3_K: their packing's own inverse (quant_gguf_packed.cpp,
-        // quant_gguf_q3k.cpp); the others in quant_gguf_kpacked.cpp (IQ4_NL's entries are
-        // Q4_0's, byte for byte).
+        // Q5_0 / Q5_1 / Q3_K / IQ4_XS: their packing's own inverse (quant_gguf_packed.cpp,
+        // quant_gguf_q3k.cpp, quant_gguf_iq4xs.cpp); the others in quant_gguf_kpacked.cpp
+        // (IQ4_NL's entries are Q4_0's, byte for byte).
         if (type == Q3_K) return gguf_q3k_unpack_rows(packed, ids);
+        if (type == IQ4_XS) return gguf_iq4xs_unpack_rows(packed, ids);
         if (type == Q5_0 || type == Q5_1) return gguf_packed_unpack_rows(packed, type, ids);
         return gguf_unpack_rows(packed, type == IQ4_NL ? Q4_0 : type, ids);
       },

@@ -2,7 +2,7 @@
 kernel on repacked weights in quant_gguf_packed.cpp, Q5_0/Q5_1 and the K-quants in
 quant_gguf_kquant.cpp, tiled on repacked Q4_K / Q5_K / Q6_K in quant_gguf_kpacked.cpp, Q2_K in
 quant_gguf_q2k.cpp, Q3_K row by row and tiled in quant_gguf_q3k.cpp, IQ4_NL's row kernel in
-quant_gguf_iq4nl.cpp): built just in time
+quant_gguf_iq4nl.cpp, IQ4_XS row by row and tiled in quant_gguf_iq4xs.cpp): built just in time
 by :func:`pagedserve.kernels.build.load_extension`, into the same persistent cache (and
 under the same build lock), as a separate extension so that it never invalidates the
 main CPU kernels' build.
@@ -30,10 +30,11 @@ SOURCES: tuple[str, ...] = (
     "quant_gguf_q2k.cpp",
     "quant_gguf_q3k.cpp",
     "quant_gguf_iq4nl.cpp",
+    "quant_gguf_iq4xs.cpp",
 )
 #: Headers of the main kernels the gated epilogue includes (its SiLU-and-mul), and
-#: IQ4_NL's table (quant_gguf_iq4nl.h), the GGUF files' shared helpers (quant_gguf_common.h)
-#: and the K-quants' gated epilogue (quant_gguf_gated.h).
+#: IQ4_NL's table (quant_gguf_iq4nl.h, IQ4_XS's too), the GGUF files' shared helpers
+#: (quant_gguf_common.h) and the K-quants' gated epilogue (quant_gguf_gated.h).
 HEADERS: tuple[str, ...] = (
     "elementwise.h",
     "kernels.h",

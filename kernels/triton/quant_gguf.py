@@ -1,12 +1,14 @@
 """Matmul on GGUF blocks in Triton (CUDA and ROCm): Q4_0 / Q4_1 / Q8_0, Q5_0 / Q5_1, the
-K-quants Q4_K / Q5_K / Q6_K, Q2_K and Q3_K, and IQ4_NL (its nibbles looked up in a 16-entry
-table of levels held in device memory); Q2_K, Q3_K and IQ4_NL are tested under the
-interpreter only: no platform declares them for Triton until a GPU run has checked them.
+K-quants Q4_K / Q5_K / Q6_K, Q2_K and Q3_K, and IQ4_NL and IQ4_XS (their nibbles looked up
+in a 16-entry table of levels held in device memory); Q2_K, Q3_K, IQ4_NL and IQ4_XS are
+tested under the interpreter only: no platform declares them for Triton until a GPU run has
+checked them.
 Each program dequantizes a [BLOCK_N, 32] tile of weight
 blocks in registers and accumulates ``x_tile @ w_tile^T`` in float32, so the weight is
 read once, in its 2.6-8.5 bits.  A K-quant super-block of 256 values is read as 8 pieces
 of 32: piece j's 6-bit scale and minimum (Q4_K / Q5_K) or its two int8 scales of 16
-values (Q6_K; Q2_K: two 4-bit scales and minimums; Q3_K: two 6-bit scales) are decoded with its quants.
+values (Q6_K; Q2_K: two 4-bit scales and minimums; Q3_K: two 6-bit scales; IQ4_XS: one 6-bit
+scale) are decoded with its quants.
 
 Reference: :func:`pagedserve.kernels.quant_reference.gguf_linear`.
 """
@@ -34,8 +36,9 @@ _TYPE_CODES = {
     "Q2_K": 8,
     "Q3_K": 9,
     "IQ4_NL": 10,
+    "IQ4_XS": 11,
 }
-#: IQ4_NL's levels as float32, one copy per device (read by every launch; others ignore it).
+#: IQ4_NL's (and IQ4_XS's) levels as float32, one copy per device (read by every launch; others ignore it).
 _LEVELS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -150,6 +153,17 @@ def _gguf_linear_kernel(
             byte = tl.load(w_ptr + base[:, None] + 2 + (j[None, :] % 16), mask=mask_n[:, None], other=0)
             nib = (byte.to(tl.int32) >> ((j[None, :] // 16) * 4)) & 0xF
             w = tl.load(levels_ptr + nib) * d[:, None]
+        elif TYPE == 11:
+            # IQ4_XS: d | u16 scales_h | scales_l[4] | qs[128]; piece sub's nibbles (placed
+            # as IQ4_NL's) in qs[16 sub:16 sub + 16]; its 6-bit scale the nibble sub % 2 of
+            # scales_l[sub // 2] below bits 2 sub of scales_h; (d * (ls - 32)) * level.
+            byte = tl.load(w_ptr + base[:, None] + 8 + 16 * sub + (j[None, :] % 16), mask=mask_n[:, None], other=0)
+            nib = (byte.to(tl.int32) >> ((j[None, :] // 16) * 4)) & 0xF
+            s_lo = tl.load(w_ptr + base + 4 + sub // 2, mask=mask_n, other=0).to(tl.int32)
+            s_h0 = tl.load(w_ptr + base + 2, mask=mask_n, other=0).to(tl.int32)
+            s_h1 = tl.load(w_ptr + base + 3, mask=mask_n, other=0).to(tl.int32)
+            ls = ((s_lo >> (4 * (sub % 2))) & 0xF) | ((((s_h0 | (s_h1 << 8)) >> (2 * sub)) & 3) << 4)
+            w = tl.load(levels_ptr + nib) * (d * (ls - 32).to(tl.float32))[:, None]
         elif TYPE >= 5:  # Q4_K: d | dmin | scales[12] | qs[128]; Q5_K: ... | qh[32] | qs[128]
             qs_at: tl.constexpr = 48 if TYPE == 6 else 16
             byte = tl.load(w_ptr + base[:, None] + qs_at + 32 * (sub // 2) + j[None, :], mask=mask_n[:, None], other=0)
@@ -196,7 +210,7 @@ def gguf_linear_triton(
 ) -> torch.Tensor:
     """x ``[M, K]`` (float32/bfloat16/float16) @ GGUF rows uint8 ``[N, K/block_values *
     block_bytes]``^T (+ bias ``[N]``) -> ``[M, N]`` in ``out_dtype`` (None: x.dtype; the
-    float32 sums are rounded once) (block_values 256 for the K-quants, else 32)."""
+    float32 sums are rounded once) (block_values 256 for the K-quants and IQ4_XS, else 32)."""
     if type_name not in _TYPE_CODES:
         raise ValueError(f"gguf_linear_triton: type {type_name!r} unsupported (supported: {', '.join(_TYPE_CODES)})")
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:

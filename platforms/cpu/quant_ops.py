@@ -3,9 +3,9 @@
 - ``gguf_linear``: the native kernel of kernels/cpu/quant_gguf.cpp (int8 activations per
   32-value block, VNNI/AVX2 dot products; Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks in
   kernels/cpu/quant_gguf_kquant.cpp, declared by the ``GGUF_EXTENDED`` capability, and
-  Q2_K, Q3_K and IQ4_NL in kernels/cpu/quant_gguf_q2k.cpp, quant_gguf_q3k.cpp and
-  quant_gguf_iq4nl.cpp, each declared by its ``gguf_type:NAME`` capability, so that a
-  .gguf keeps them) where it builds and loads, at every row count:
+  Q2_K, Q3_K, IQ4_NL and IQ4_XS in kernels/cpu/quant_gguf_q2k.cpp, quant_gguf_q3k.cpp,
+  quant_gguf_iq4nl.cpp and quant_gguf_iq4xs.cpp, each declared by its ``gguf_type:NAME``
+  capability, so that a .gguf keeps them) where it builds and loads, at every row count:
   each row's result is then independent of the other rows, so a greedy request answers
   the same whatever else is in its batch (docs/quantization.md).
   ``PAGEDSERVE_QUANT_CPU_KERNELS=0`` keeps the reference.
@@ -13,9 +13,10 @@
   Q5_0/Q5_1/Q8_0/IQ4_NL blocks of a multiple of 16 rows are repacked for it once at load
   (kernels/cpu/quant_gguf_packed.cpp: 16 output columns interleaved per 4 k, scales
   beside them; Q4_K, Q5_K and Q6_K likewise in kernels/cpu/quant_gguf_kpacked.cpp,
-  Q2_K and Q3_K in kernels/cpu/quant_gguf_q2k.cpp and quant_gguf_q3k.cpp, the file's
-  size exactly); ``gguf_linear`` then runs the tiled kernel on them.  Other weights keep
-  the row kernel.  ``PAGEDSERVE_CPU_GGUF_REPACK=0`` keeps the file's blocks.
+  Q2_K, Q3_K and IQ4_XS in kernels/cpu/quant_gguf_q2k.cpp, quant_gguf_q3k.cpp and
+  quant_gguf_iq4xs.cpp, the file's size exactly); ``gguf_linear`` then runs the tiled
+  kernel on them.  Other weights keep the row kernel.  ``PAGEDSERVE_CPU_GGUF_REPACK=0``
+  keeps the file's blocks.
 - ``gguf_embedding``: rows of repacked blocks (a tied embedding shares its LM head's
   repacked weight): only those rows are unpacked (``unpack_rows``), then dequantized.
 - ``gguf_linear_silu_and_mul``: where the tiled kernel has its gated variant, a gated
@@ -83,16 +84,20 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 #: Block types the tiled kernel takes repacked (the others keep the file's blocks); the
 #: gated kernel takes the 32-value types (GATED_TYPES), the K-quants only where the build
 #: has their tiled kernel (kernels/cpu/quant_gguf_kpacked.cpp, quant_gguf_q2k.cpp,
-#: quant_gguf_q3k.cpp: ``has_kpacked``) and, for the gated op, its gated variant
-#: (``has_kpacked_gated``).
+#: quant_gguf_q3k.cpp, quant_gguf_iq4xs.cpp: ``has_kpacked``) and, for the gated op, its
+#: gated variant (``has_kpacked_gated``: not IQ4_XS, which runs the tiled GEMM then
+#: ``silu_and_mul``).
 GATED_TYPES = (*qref.GGUF_BASE_TYPES, "Q5_0", "Q5_1", "IQ4_NL")
-KPACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
+KPACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS")
 PACKED_TYPES = (*GATED_TYPES, *KPACKED_TYPES)
+#: Types one native stacked call takes as parts (IQ4_XS's tiled kernel has no part runner:
+#: a stack with an IQ4_XS part runs its parts one by one).
+STACKED_TYPES = tuple(t for t in PACKED_TYPES if t != "IQ4_XS")
 #: ggml type ids by name (the kernels' ``type`` argument).
 _TYPE_IDS = qref.GGUF_TYPE_IDS
 #: Types of ``qref.GGUF_OPTIONAL_TYPES`` the native kernel takes (every build: a row
 #: kernel; the tiled one on repacked blocks where AVX-512 VNNI is built).
-NATIVE_OPTIONAL_TYPES = ("Q2_K", "Q3_K", "IQ4_NL")
+NATIVE_OPTIONAL_TYPES = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 #: What every native ``gguf_linear`` registered here declares.
 _GGUF_CAPABILITIES = (
     PREFERS_QUANTIZED,
@@ -242,7 +247,7 @@ def make_gguf_linear_stacked(
             and out in (x.dtype, torch.float32)
             and CPU_DENSE_MIN_ROWS is None
             and all(d.dim() == 3 for d in data)
-            and all(t in PACKED_TYPES for t in type_names)
+            and all(t in STACKED_TYPES for t in type_names)
             and not (
                 amx_rows and x.shape[0] >= GGUF_AMX_MIN_ROWS and any(t in qref.GGUF_BASE_TYPES for t in type_names)
             )
@@ -260,7 +265,7 @@ def make_gguf_linear_stacked(
 
 
 def prepare_gguf_weight(data: torch.Tensor, type_name: str) -> torch.Tensor:
-    """See reference.prepare_gguf_weight: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL (and Q2_K/Q3_K/Q4_K/Q5_K/Q6_K) CPU
+    """See reference.prepare_gguf_weight: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL (and Q2_K-Q6_K, IQ4_XS) CPU
     blocks of a multiple of 16 rows -> the tiled kernel's packed layout (where this build has it); else
     ``data``."""
     module = load_quant_kernels()
@@ -368,10 +373,12 @@ def _unpack_q3_k(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_kquant(packed: torch.Tensor, type_name: str) -> torch.Tensor:
-    """Q2_K / Q3_K / Q4_K / Q5_K / Q6_K entries (kernels/cpu/quant_gguf_kpacked.cpp,
-    quant_gguf_q2k.cpp, quant_gguf_q3k.cpp) -> the file's blocks."""
+    """Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS entries (kernels/cpu/quant_gguf_kpacked.cpp,
+    quant_gguf_q2k.cpp, quant_gguf_q3k.cpp, quant_gguf_iq4xs.cpp) -> the file's blocks."""
     if type_name == "Q3_K":
         return _unpack_q3_k(packed)
+    if type_name == "IQ4_XS":
+        return _unpack_iq4_xs(packed)
     g, nsb, _ = packed.shape
     if type_name == "Q2_K":
         return _unpack_q2_k(packed)
@@ -404,6 +411,18 @@ def _unpack_kquant(packed: torch.Tensor, type_name: str) -> torch.Tensor:
     d = tail[..., 256:].reshape(g, nsb, 16, 2).permute(0, 2, 1, 3)
     blocks = torch.cat([ql.reshape(g, 16, nsb, 128), qh.reshape(g, 16, nsb, 64), sc, d], dim=-1)
     return blocks.reshape(g * 16, nsb * 210)
+
+
+def _unpack_iq4_xs(packed: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS entries (kernels/cpu/quant_gguf_iq4xs.cpp: per sub-block Q4_K's 4 nibble lines,
+    then 16 fp16 d, 16 uint16 scales_h and scales_l[4] transposed) -> the file's blocks
+    (d | scales_h | scales_l[4] | qs[128], sub-block j's nibbles in qs[16j:16j + 16])."""
+    g, nsb, _ = packed.shape
+    q = _unpack_nibble_lines(packed[..., :2048].reshape(g, nsb, 8, 256).contiguous())  # [g, 16, nsb, 8, 32]
+    qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(g, 16, nsb, 128)
+    halves = packed[..., 2048:2112].reshape(g, nsb, 2, 16, 2).permute(0, 3, 1, 2, 4).reshape(g, 16, nsb, 4)
+    low = packed[..., 2112:].reshape(g, nsb, 4, 16).permute(0, 3, 1, 2)
+    return torch.cat([halves, low, qs], dim=-1).reshape(g * 16, nsb * 136)
 
 
 def _unpack_q2_k(packed: torch.Tensor) -> torch.Tensor:

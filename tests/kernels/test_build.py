@@ -127,6 +127,7 @@ def test_quantized_kernels_load_through_load_extension(monkeypatch, tmp_path):
         "quant_gguf_q2k.cpp",
         "quant_gguf_q3k.cpp",
         "quant_gguf_iq4nl.cpp",
+        "quant_gguf_iq4xs.cpp",
     ]
     assert spec.cuda_cflags is None
 

@@ -1,4 +1,5 @@
-"""A quantizer for tests: float rows -> GGUF blocks of Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_NL,
+"""A quantizer for tests: float rows -> GGUF blocks of Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL
+and IQ4_XS,
 written from the block formats' definitions (ggml-common.h), with plain round-to-nearest
 choices (no search for the best scales, as llama-quantize does: tests need valid blocks,
 not the best ones).  ``gguf.quants`` quantizes only some of these types, so tests check
@@ -194,6 +195,32 @@ def _iq4_nl(x: np.ndarray) -> np.ndarray:
     return out.reshape(x.shape[0], -1)
 
 
+def _iq4_xs(x: np.ndarray) -> np.ndarray:
+    """d | u16 scales_h | scales_l[4] | qs[128] with value (d * (ls - 32)) * level[nibble] per
+    sub-block of 32: each sub-block's scale as IQ4_NL's (largest magnitude on -127, then least
+    squares), d putting the sub-block scale of largest magnitude at ls - 32 = -32 (as ggml), the
+    6-bit scales rounded to nearest, and the levels chosen again for the rounded scales."""
+    b = x.reshape(x.shape[0], -1, 8, 32)
+    amax_at = np.abs(b).argmax(axis=-1)[..., None]
+    mx = np.take_along_axis(b, amax_at, axis=-1)
+    q = IQ4_NL_LEVELS[_nearest_level(b * _inv((mx / -127).astype(np.float32)))]
+    sq = (q * q).sum(axis=-1)
+    scale = np.where(sq > 0, (q * b).sum(axis=-1) / np.where(sq > 0, sq, 1), 0).astype(np.float32)  # [..., 8]
+    big_at = np.abs(scale).argmax(axis=-1)[..., None]
+    d = (np.take_along_axis(scale, big_at, axis=-1) / -32).astype(np.float32)  # [..., 1]
+    d16 = d.astype(np.float16).astype(np.float32)
+    ls = np.clip(np.rint(scale * _inv(d16)), -32, 31).astype(np.int64) + 32  # 0..63
+    step = (d16 * (ls - 32).astype(np.float32))[..., None]
+    idx = _nearest_level(b * _inv(step))  # [..., 8, 32]
+    low = (ls & 15).astype(np.uint8)
+    scales_l = low[..., 0::2] | (low[..., 1::2] << 4)  # [..., 4]
+    high = ((ls >> 4) << (2 * np.arange(8))).sum(axis=-1).astype("<u2")  # [...]
+    scales_h = np.ascontiguousarray(high[..., None]).view(np.uint8)  # little-endian uint16
+    qs = _pack_nibbles_32(idx).reshape(*b.shape[:2], 128)
+    out = np.concatenate([_f16(d), scales_h, scales_l, qs], axis=-1)
+    return out.astype(np.uint8).reshape(x.shape[0], -1)
+
+
 QUANTIZERS = {
     "Q5_0": _q5_0,
     "Q5_1": _q5_1,
@@ -203,6 +230,7 @@ QUANTIZERS = {
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
     "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
 }
 
 

@@ -264,10 +264,18 @@ def test_stacked_op_agrees_with_the_reference_and_takes_one_call():
     q41 = cpu_quant.prepare_gguf_weight(_blocks("Q4_1", 16, k, rng), "Q4_1")
     rows24 = cpu_quant.prepare_gguf_weight(_blocks("Q6_K", 24, k, rng), "Q6_K")
     assert rows24.dim() == 2
+    # IQ4_XS's tiled kernel has no part runner: a stack with an IQ4_XS part goes part by
+    # part, and the native call refuses one by name.
+    iq4xs = cpu_quant.prepare_gguf_weight(_blocks("IQ4_XS", 16, k, rng), "IQ4_XS")
     x = torch.randn(4, k, generator=gen)
+    with pytest.raises(RuntimeError, match="every part must be"):
+        load_quant_kernels().gguf_linear_multi_out(
+            x, [packed[0], iq4xs], [ref.GGUF_TYPE_IDS["Q4_K"], ref.GGUF_TYPE_IDS["IQ4_XS"]], None, False
+        )
     for parts, names, want_calls in (
         ([packed[0], q41], ["Q4_K", "Q4_1"], []),
         ([packed[0], rows24], ["Q4_K", "Q6_K"], ["Q4_K", "Q6_K"]),
+        ([packed[0], iq4xs], ["Q4_K", "IQ4_XS"], ["Q4_K", "IQ4_XS"]),
     ):
         calls.clear()
         got = op(x, parts, names)

@@ -41,6 +41,7 @@ QUANTIZER_ERROR = {
     "Q6_K": 0.03,
     "Q2_K": 0.35,
     "IQ4_NL": 0.08,
+    "IQ4_XS": 0.09,
 }
 
 
