@@ -173,16 +173,6 @@ void row_dot(const uint8_t* w, int64_t nsb, const XRow* xr, float* out) {
 #endif
 }
 
-template <int MB>
-void run_rows(const uint8_t* w, int64_t row_bytes, int64_t nsb, const XRow* xr, float* y, int64_t N, int64_t m0,
-              int64_t n0, int64_t n1) {
-  float out[MB];
-  for (int64_t n = n0; n < n1; ++n) {
-    row_dot<MB>(w + n * row_bytes, nsb, xr, out);
-    for (int m = 0; m < MB; ++m) y[(m0 + m) * N + n] = out[m];
-  }
-}
-
 // -- packing -----------------------------------------------------------------------------------
 
 // One (group, super-block) entry from the 16 columns' blocks (row stride row_bytes).
@@ -417,23 +407,11 @@ void gguf_iq4xs_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K
                          float* y) {
   const int64_t nb = K / QK, nsb = K / QKK, row_bytes = nsb * kBlockBytes;
   // Weight rows across threads; each thread decodes its rows once per 8 activation rows.
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    XRow xr[8];
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      const int64_t mb = std::min<int64_t>(8, M - m0);
-      for (int64_t i = 0; i < mb; ++i) xr[i] = {xq + (m0 + i) * K, xd + (m0 + i) * nb};
-      switch (mb) {
-        case 1: run_rows<1>(w, row_bytes, nsb, xr, y, N, m0, n0, n1); break;
-        case 2: run_rows<2>(w, row_bytes, nsb, xr, y, N, m0, n0, n1); break;
-        case 3: run_rows<3>(w, row_bytes, nsb, xr, y, N, m0, n0, n1); break;
-        case 4: run_rows<4>(w, row_bytes, nsb, xr, y, N, m0, n0, n1); break;
-        case 5: run_rows<5>(w, row_bytes, nsb, xr, y, N, m0, n0, n1); break;
-        case 6: run_rows<6>(w, row_bytes, nsb, xr, y, N, m0, n0, n1); break;
-        case 7: run_rows<7>(w, row_bytes, nsb, xr, y, N, m0, n0, n1); break;
-        default: run_rows<8>(w, row_bytes, nsb, xr, y, N, m0, n0, n1); break;
-      }
-    }
-  });
+  pagedserve_gguf::row_kernel_gemm<XRow>(
+      M, N, w, row_bytes, y, [&](int64_t m) { return XRow{xq + m * K, xd + m * nb}; },
+      [nsb](auto mb, const uint8_t* wr, const XRow* xr, float* out) {
+        row_dot<decltype(mb)::value>(wr, nsb, xr, out);
+      });
 }
 
 // weight: uint8 [N, K/256 * 136] IQ4_XS blocks, N a multiple of 16 -> the packed layout above,
