@@ -26,6 +26,7 @@ import pytest
 import torch
 from gguf_blocks import quantize, run_triton_interpreted, write_tiny_llama_gguf
 from native_build import require_native
+from test_quant_gguf_kquants import check_kept_against_dequantized
 
 from pagedserve.kernels import quant_reference as ref
 from pagedserve.kernels.cpu.quant_native import load_quant_kernels, quant_build_spec
@@ -352,56 +353,24 @@ def write_iq4_nl_gguf(path, seed: int = 0):
     )
 
 
-def _with_reference_op(w):
-    """``w`` with each GGUF part multiplying through the float reference (repacked parts unpacked)."""
-    from pagedserve.kernels import reference
-
-    if isinstance(w, StackedWeight):
-        return StackedWeight([_with_reference_op(p) for p in w.parts])
-    if not isinstance(w, GGUFWeight):
-        return w
-    data = w.data if w.packed is None else cpu_quant.unpack_gguf_weight(w.packed, w.type_name)
-    return GGUFWeight(w.type_name, data, w.in_features, reference.gguf_linear)
-
-
 def test_iq4_nl_gguf_loads_kept_and_matches_the_dequantized_model(tmp_path):
-    from test_quant_support import sequence_logprobs
-
-    from pagedserve import LLM, SamplingParams
-
     module = native()
-    path = write_iq4_nl_gguf(tmp_path / "iq4nl.gguf")
-    kw = dict(dtype="float32", kv_cache_memory="8MiB", max_model_len=128)
-    ids = list(range(3, 60))
-    want = sequence_logprobs(LLM(model=str(path), quantization="none", **kw), ids)
-    kept = LLM(model=str(path), quantization="gguf", **kw)
-    model = kept.llm_engine.runner.model
-    layer0, layer1 = model.layers
-    packed = module.has_packed()
-    for w in (layer0.qkv, layer0.o, layer0.gate_up, layer0.down, layer1.o, layer1.down):
-        assert isinstance(w, GGUFWeight) and w.type_name == T
-        assert (w.packed is not None) == packed  # repacked at load where the tiled kernel is built
-    # IQ4_NL beside Q8_0 / Q5_0: a StackedWeight, each part in its own type (one native call;
-    # IQ4_NL is not widened to Q8_0, which would hold its values but nearly double its bytes).
-    assert [p.type_name for p in layer1.qkv.parts] == [T, "Q8_0"]
-    assert [p.type_name for p in layer1.gate_up.parts] == [T, "Q5_0"]
-    head = model.lm_head
-    assert isinstance(head, GGUFWeight) and head.type_name == T
-    assert head.out_features % 16 and head.packed is None  # the vocabulary: the row kernel's
-    got = sequence_logprobs(kept, ids)
-    assert torch.isfinite(got).all()
-    diff = (got - want).abs()
-    # Only the int8 activations differ (as for the other kept types).
-    assert diff.max().item() < 0.3 and diff.mean().item() < 0.08, (diff.max().item(), diff.mean().item())
-    greedy = kept.generate([ids[:8]], SamplingParams(max_tokens=4, temperature=0))
-    assert len(greedy[0].outputs[0].token_ids) == 4
-    # The same kept blocks multiplied by the float reference: the dequantized model's numbers.
-    for layer in model.layers:
-        for field in ("qkv", "o", "gate_up", "down"):
-            setattr(layer, field, _with_reference_op(getattr(layer, field)))
-    model.lm_head = _with_reference_op(model.lm_head)
-    exact = sequence_logprobs(kept, ids)
-    assert (exact - want).abs().max().item() < 1e-3, (exact - want).abs().max().item()
+
+    def check(model):
+        layer0, layer1 = model.layers
+        packed = module.has_packed()
+        for w in (layer0.qkv, layer0.o, layer0.gate_up, layer0.down, layer1.o, layer1.down):
+            assert isinstance(w, GGUFWeight) and w.type_name == T
+            assert (w.packed is not None) == packed  # repacked at load where the tiled kernel is built
+        # IQ4_NL beside Q8_0 / Q5_0: a StackedWeight, each part in its own type (one native call;
+        # IQ4_NL is not widened to Q8_0, which would hold its values but nearly double its bytes).
+        assert [p.type_name for p in layer1.qkv.parts] == [T, "Q8_0"]
+        assert [p.type_name for p in layer1.gate_up.parts] == [T, "Q5_0"]
+        head = model.lm_head
+        assert isinstance(head, GGUFWeight) and head.type_name == T
+        assert head.out_features % 16 and head.packed is None  # the vocabulary: the row kernel's
+
+    check_kept_against_dequantized(write_iq4_nl_gguf(tmp_path / "iq4nl.gguf"), check, greedy=True)
 
 
 def test_fuse_keeps_iq4_nl_in_its_own_blocks():

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_blocks import quantize, run_triton_interpreted, write_tiny_llama_gguf
-from test_quant_gguf_kquants import _with_reference_op, int8_activation_reference, nan_outputs, native
+from test_quant_gguf_kquants import check_kept_against_dequantized, int8_activation_reference, nan_outputs, native
 
 from pagedserve.kernels import quant_reference as ref
 from pagedserve.models.layers import fuse
@@ -329,42 +329,22 @@ def write_iq4xs_gguf(path, seed: int = 0):
 
 
 def test_iq4xs_gguf_loads_kept_and_matches_the_dequantized_model(tmp_path):
-    from test_quant_support import sequence_logprobs
-
-    from pagedserve import LLM, SamplingParams
-
     module = native()
-    path = write_iq4xs_gguf(tmp_path / "iq4xs.gguf")
-    kw = dict(dtype="float32", kv_cache_memory="8MiB", max_model_len=128)
-    ids = list(range(3, 60))
-    want = sequence_logprobs(LLM(model=str(path), quantization="none", **kw), ids)
-    kept = LLM(model=str(path), quantization="gguf", **kw)
-    model = kept.llm_engine.runner.model
-    layer0, layer1 = model.layers[0], model.layers[1]
-    for field in ("qkv", "o", "gate_up", "down"):
-        w = getattr(layer0, field)
-        assert isinstance(w, GGUFWeight) and w.type_name == T, field
-        if module.has_packed() and module.has_kpacked(TID):
-            assert w.packed is not None and w.packed.dim() == 3, field  # repacked for the tiled kernel
-    assert isinstance(layer1.qkv, StackedWeight) and [p.type_name for p in layer1.qkv.parts] == [T, "Q8_0"]
-    assert [p.type_name for p in layer1.gate_up.parts] == [T, "IQ4_NL"]
-    assert layer1.o.type_name == "Q4_K" and layer1.down.type_name == T
-    head = model.lm_head
-    assert head.type_name == T and head.out_features % 16 and head.packed is None  # 261 rows: the row kernel's
-    got = sequence_logprobs(kept, ids)
-    assert torch.isfinite(got).all()
-    diff = (got - want).abs()
-    # Only the int8 activations differ (as for the other kept types).
-    assert diff.max().item() < 0.3 and diff.mean().item() < 0.08, (diff.max().item(), diff.mean().item())
-    greedy = kept.generate([ids[:8]], SamplingParams(max_tokens=4, temperature=0))
-    assert len(greedy[0].outputs[0].token_ids) == 4
-    # The same kept blocks multiplied by the float reference: the dequantized model's numbers.
-    for layer in model.layers:
+
+    def check(model):
+        layer0, layer1 = model.layers[0], model.layers[1]
         for field in ("qkv", "o", "gate_up", "down"):
-            setattr(layer, field, _with_reference_op(getattr(layer, field)))
-    model.lm_head = _with_reference_op(model.lm_head)
-    exact = sequence_logprobs(kept, ids)
-    assert (exact - want).abs().max().item() < 1e-3, (exact - want).abs().max().item()
+            w = getattr(layer0, field)
+            assert isinstance(w, GGUFWeight) and w.type_name == T, field
+            if module.has_packed() and module.has_kpacked(TID):
+                assert w.packed is not None and w.packed.dim() == 3, field  # repacked for the tiled kernel
+        assert isinstance(layer1.qkv, StackedWeight) and [p.type_name for p in layer1.qkv.parts] == [T, "Q8_0"]
+        assert [p.type_name for p in layer1.gate_up.parts] == [T, "IQ4_NL"]
+        assert layer1.o.type_name == "Q4_K" and layer1.down.type_name == T
+        head = model.lm_head
+        assert head.type_name == T and head.out_features % 16 and head.packed is None  # 261 rows: the row kernel's
+
+    check_kept_against_dequantized(write_iq4xs_gguf(tmp_path / "iq4xs.gguf"), check, greedy=True)
 
 
 def test_fuse_keeps_iq4xs_in_its_own_blocks():

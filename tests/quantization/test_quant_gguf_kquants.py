@@ -434,39 +434,52 @@ def _with_reference_op(w):
     return GGUFWeight(w.type_name, data, w.in_features, reference.gguf_linear)
 
 
-def test_mixed_type_gguf_loads_kept_and_matches_the_dequantized_model(tmp_path):
+def check_kept_against_dequantized(path, check_model, greedy: bool = False) -> None:
+    """The GGUF at ``path`` loaded dequantized (``quantization="none"``: the loader's
+    gguf.quants, float linears) and kept (``quantization="gguf"``): ``check_model(model)``
+    asserts what the kept model holds; then its logprobs are within the int8-activation
+    error of the dequantized model's (the mixed-type model measures max |dlogprob| 0.13,
+    and 0.125 for the same model stored all Q8_0, against logprobs of mean -6.9 and
+    standard deviation 1.8), ``greedy`` generates a few tokens, and with every kept weight
+    multiplying through the float reference (rows, block layouts and fusions all in place)
+    the model gives the dequantized model's numbers."""
     from test_quant_support import sequence_logprobs
 
-    from pagedserve import LLM
+    from pagedserve import LLM, SamplingParams
 
-    native()
-    path = write_mixed_gguf(tmp_path / "mixed.gguf")
     kw = dict(dtype="float32", kv_cache_memory="8MiB", max_model_len=128)
     ids = list(range(3, 60))
     want = sequence_logprobs(LLM(model=str(path), quantization="none", **kw), ids)
     kept = LLM(model=str(path), quantization="gguf", **kw)
     model = kept.llm_engine.runner.model
-    layer0, layer1 = model.layers[0], model.layers[1]
-    # Each tensor in its own type, or a wider one holding the same values: [q; k] Q5_0
-    # and v Q8_0 fused as Q8_0; gate Q4_K and up Q6_K apart; down Q6_K kept.
-    assert isinstance(layer0.qkv, GGUFWeight) and layer0.qkv.type_name == "Q8_0"
-    assert [p.type_name for p in layer0.gate_up.parts] == ["Q4_K", "Q6_K"]
-    assert layer0.down.type_name == "Q6_K" and layer1.down.type_name == "Q4_K"
-    assert layer1.gate_up.type_name == "Q5_0" and layer1.o.type_name == "Q6_K"
-    assert isinstance(layer1.qkv, torch.Tensor)  # the F16 k: fused as floats
-    assert model.lm_head.type_name == "Q6_K"  # the tied embedding's prepared copy
+    check_model(model)
     got = sequence_logprobs(kept, ids)
     assert torch.isfinite(got).all()
-    # Only the int8 activations differ: measured max |dlogprob| 0.13 here, and 0.125 for
-    # the same model stored all Q8_0 (the first kernels), against logprobs of mean -6.9
-    # and standard deviation 1.8.
     diff = (got - want).abs()
     assert diff.max().item() < 0.3 and diff.mean().item() < 0.08, (diff.max().item(), diff.mean().item())
-    # The same kept blocks multiplied by the float reference: the dequantized model's
-    # numbers (rows, block layouts and fusions all in place).
+    if greedy:
+        out = kept.generate([ids[:8]], SamplingParams(max_tokens=4, temperature=0))
+        assert len(out[0].outputs[0].token_ids) == 4
     for layer in model.layers:
         for field in ("qkv", "o", "gate_up", "down"):
             setattr(layer, field, _with_reference_op(getattr(layer, field)))
     model.lm_head = _with_reference_op(model.lm_head)
     exact = sequence_logprobs(kept, ids)
     assert (exact - want).abs().max().item() < 1e-3, (exact - want).abs().max().item()
+
+
+def test_mixed_type_gguf_loads_kept_and_matches_the_dequantized_model(tmp_path):
+    native()
+
+    def check(model):
+        layer0, layer1 = model.layers[0], model.layers[1]
+        # Each tensor in its own type, or a wider one holding the same values: [q; k] Q5_0
+        # and v Q8_0 fused as Q8_0; gate Q4_K and up Q6_K apart; down Q6_K kept.
+        assert isinstance(layer0.qkv, GGUFWeight) and layer0.qkv.type_name == "Q8_0"
+        assert [p.type_name for p in layer0.gate_up.parts] == ["Q4_K", "Q6_K"]
+        assert layer0.down.type_name == "Q6_K" and layer1.down.type_name == "Q4_K"
+        assert layer1.gate_up.type_name == "Q5_0" and layer1.o.type_name == "Q6_K"
+        assert isinstance(layer1.qkv, torch.Tensor)  # the F16 k: fused as floats
+        assert model.lm_head.type_name == "Q6_K"  # the tied embedding's prepared copy
+
+    check_kept_against_dequantized(write_mixed_gguf(tmp_path / "mixed.gguf"), check)
