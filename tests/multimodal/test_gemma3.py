@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from vlm_checks import check_output, greedy_params, make_images, make_llm
+from vlm_checks import IMAGE_PROMPTS_MAX_NEW, check_output, greedy_params, image_prompts, make_images, make_llm
 
 from pagedserve.testing.tiny_vlm import GEMMA3_IMAGE, build_gemma3, hf_greedy_gemma3, png_data_uri, random_image
 
@@ -32,13 +32,8 @@ ENGINES = {
         max_model_len=88,
     ),
 }
-PROMPTS = [
-    ("no picture here, just text", []),
-    (f"A {IMAGE}", [(4, (24, 56))]),
-    (f"Look: {IMAGE} what is it?", [(1, (40, 52))]),
-    (f"{IMAGE} and {IMAGE}, compare.", [(2, (36, 28)), (3, (52, 40))]),
-]
-MAX_NEW = [7, 9, 8, 6]
+PROMPTS = image_prompts(IMAGE)
+MAX_NEW = IMAGE_PROMPTS_MAX_NEW
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vlm_checks import check_output, greedy_params, make_images, make_llm
+from vlm_checks import (
+    IMAGE_PROMPTS_MAX_NEW,
+    QWEN_ENGINES,
+    QWEN_IMAGE,
+    check_output,
+    greedy_params,
+    image_prompts,
+    make_images,
+    make_llm,
+)
 
 from pagedserve.kernels import reference
 from pagedserve.models.layers import MRotaryEmbedding
@@ -20,27 +29,10 @@ from pagedserve.testing.tiny_vlm import hf_greedy_qwen, png_data_uri, random_ima
 
 transformers = pytest.importorskip("transformers")
 
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-ENGINES = {
-    # Chunks of 8 tokens over 20-30 token images: every image span is split across steps.
-    "chunked+prefix": dict(max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4),
-    # 9 blocks of 8 tokens for 4 requests of 33-71 tokens: preemption is forced.
-    "preempting": dict(
-        max_num_batched_tokens=64,
-        enable_prefix_caching=True,
-        block_size=8,
-        num_gpu_blocks_override=9,
-        max_model_len=72,
-    ),
-}
-# Images of different sizes give different grids (and so different position deltas).
-PROMPTS = [
-    ("no picture here, just text", []),
-    (f"A {IMAGE}", [(4, (24, 56))]),
-    (f"Look: {IMAGE} what is it?", [(1, (40, 52))]),
-    (f"{IMAGE} and {IMAGE}, compare.", [(2, (36, 28)), (3, (52, 40))]),
-]
-MAX_NEW = [7, 9, 8, 6]
+IMAGE = QWEN_IMAGE
+ENGINES = QWEN_ENGINES
+PROMPTS = image_prompts(IMAGE)
+MAX_NEW = IMAGE_PROMPTS_MAX_NEW
 
 
 def test_mrope_matches_transformers_and_reference():

@@ -16,6 +16,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from vlm_checks import QWEN_IMAGE
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.models.qwen2_5_vl import load_qwen_vl_processor, qwen_video_patches
@@ -25,7 +26,7 @@ from pagedserve.testing.tiny_vlm import random_image
 
 transformers = pytest.importorskip("transformers")
 
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+IMAGE = QWEN_IMAGE
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 
 

@@ -8,7 +8,46 @@ import math
 from pagedserve import LLM, SamplingParams
 from pagedserve.testing.tiny_vlm import random_image
 
-__all__ = ["make_images", "make_llm", "check_output", "greedy_params"]
+__all__ = [
+    "IMAGE_PROMPTS_MAX_NEW",
+    "QWEN_ENGINES",
+    "QWEN_IMAGE",
+    "check_output",
+    "greedy_params",
+    "image_prompts",
+    "make_images",
+    "make_llm",
+]
+
+#: Qwen2.5-VL / Qwen3-VL's image placeholder.
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+#: Qwen2.5-VL / Qwen3-VL engines beside the plain one.
+QWEN_ENGINES = {
+    # Chunks of 8 tokens over 20-30 token images: every image span is split across steps.
+    "chunked+prefix": dict(max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4),
+    # 9 blocks of 8 tokens for 4 requests of 33-71 tokens: preemption is forced.
+    "preempting": dict(
+        max_num_batched_tokens=64,
+        enable_prefix_caching=True,
+        block_size=8,
+        num_gpu_blocks_override=9,
+        max_model_len=72,
+    ),
+}
+#: Tokens to generate for each of `image_prompts`.
+IMAGE_PROMPTS_MAX_NEW = [7, 9, 8, 6]
+
+
+def image_prompts(image: str) -> list[tuple[str, list]]:
+    """Prompts with no image, one, one and two around the placeholder ``image``, each image
+    ``(seed, (width, height))``: images of different sizes give different grids (and so
+    different position deltas)."""
+    return [
+        ("no picture here, just text", []),
+        (f"A {image}", [(4, (24, 56))]),
+        (f"Look: {image} what is it?", [(1, (40, 52))]),
+        (f"{image} and {image}, compare.", [(2, (36, 28)), (3, (52, 40))]),
+    ]
 
 
 def make_images(spec):
