@@ -136,3 +136,18 @@ def cpu_kernels():
     except build.KernelBuildError as exc:
         native_build_failed("the native CPU kernels", exc)
     return load_cpu_kernels()
+
+
+@pytest.fixture(scope="module")
+def every_isa():
+    """The native CPU kernels bound to each instruction set this build and CPU can run
+    (attention tests run each input through all of them, the reference computed once)."""
+    from pagedserve.kernels import build
+    from pagedserve.kernels.cpu import load_cpu_kernels
+    from tests.kernels.test_cpu_kernels import runnable_isas
+
+    try:
+        mod, _ = build.load_cpu_extension()
+    except build.KernelBuildError as exc:
+        native_build_failed("the native CPU kernels", exc)
+    return {isa: load_cpu_kernels(isa=isa) for isa in runnable_isas(mod)}

@@ -9,27 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from native_build import native_build_failed
 
-from pagedserve.kernels import build, reference
-from pagedserve.kernels.cpu import NativeCpuKernels, load_cpu_kernels
+from pagedserve.kernels import reference
 from pagedserve.platforms.cpu.attention_ops import sdpa_paged_attention
 from pagedserve.testing.attention_window_cases import random_key_ends
-from tests.kernels.test_cpu_kernels import assert_close, make_batch, num_threads, runnable_isas
+from tests.kernels.test_cpu_kernels import assert_close, make_batch, num_threads
 
 pytestmark = pytest.mark.timeout(600)
 
 # (q_len, seq_len): a whole prompt, chunks after cached context, decodes, a long chunk.
 SEQS = [(23, 23), (1, 37), (20, 90), (40, 170), (1, 1), (16, 64)]
-
-
-@pytest.fixture(scope="module")
-def every_isa() -> dict[str, NativeCpuKernels]:
-    try:
-        mod, _ = build.load_cpu_extension()
-    except build.KernelBuildError as exc:
-        native_build_failed("the native CPU kernels", exc)
-    return {isa: load_cpu_kernels(isa=isa) for isa in runnable_isas(mod)}
 
 
 def _dense(q, k, v, spans: list[tuple[int, int]], scale: float, window: int | None) -> torch.Tensor:

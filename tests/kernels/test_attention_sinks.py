@@ -11,24 +11,13 @@ import zlib
 
 import pytest
 import torch
-from native_build import native_build_failed
 
-from pagedserve.kernels import build, reference
-from pagedserve.kernels.cpu import NativeCpuKernels, load_cpu_kernels
-from tests.kernels.test_cpu_kernels import assert_close, make_batch, num_threads, runnable_isas
+from pagedserve.kernels import reference
+from tests.kernels.test_cpu_kernels import assert_close, make_batch, num_threads
 
 pytestmark = pytest.mark.timeout(600)
 
 SEQS = [(1, 37), (23, 23), (20, 300), (1, 700), (16, 64), (1, 1), (5, 48), (40, 170)]
-
-
-@pytest.fixture(scope="module")
-def every_isa() -> dict[str, NativeCpuKernels]:
-    try:
-        mod, _ = build.load_cpu_extension()
-    except build.KernelBuildError as exc:
-        native_build_failed("the native CPU kernels", exc)
-    return {isa: load_cpu_kernels(isa=isa) for isa in runnable_isas(mod)}
 
 
 def _sinks(heads: int, spread: float, gen: torch.Generator) -> torch.Tensor:

@@ -10,23 +10,12 @@ import zlib
 
 import pytest
 import torch
-from native_build import native_build_failed
 
-from pagedserve.kernels import build, reference
-from pagedserve.kernels.cpu import NativeCpuKernels, load_cpu_kernels
-from tests.kernels.test_cpu_kernels import assert_close, make_batch, num_threads, runnable_isas
+from pagedserve.kernels import reference
+from pagedserve.kernels.cpu import NativeCpuKernels
+from tests.kernels.test_cpu_kernels import assert_close, make_batch, num_threads
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def every_isa() -> dict[str, NativeCpuKernels]:
-    """The kernels bound to each instruction set this build and CPU can run."""
-    try:
-        mod, _ = build.load_cpu_extension()
-    except build.KernelBuildError as exc:
-        native_build_failed("the native CPU kernels", exc)
-    return {isa: load_cpu_kernels(isa=isa) for isa in runnable_isas(mod)}
 
 
 # (q_len, seq_len): decodes short and long, a whole prompt, chunks after a prefix,
