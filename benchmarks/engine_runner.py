@@ -36,7 +36,16 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["ENGINES", "add_common_arguments", "launch", "machine_info", "run_comparison", "vllm_env", "workload_digest"]
+__all__ = [
+    "ENGINES",
+    "add_common_arguments",
+    "add_rounds_argument",
+    "launch",
+    "machine_info",
+    "run_comparison",
+    "vllm_env",
+    "workload_digest",
+]
 
 ENGINES = ("pagedserve", "vllm", "transformers")
 
@@ -250,6 +259,12 @@ def add_common_arguments(p: argparse.ArgumentParser, default_workload: str = "fi
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache size for the paged engines")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before an engine run is killed")
+
+    p.add_argument("--out", type=pathlib.Path, default=None, help="result JSON (default: bench_results/...)")
+
+
+def add_rounds_argument(p: argparse.ArgumentParser) -> None:
+    """``--rounds`` of the two-engine comparisons (`run_comparison`)."""
     p.add_argument(
         "--rounds",
         type=int,
@@ -257,7 +272,6 @@ def add_common_arguments(p: argparse.ArgumentParser, default_workload: str = "fi
         help="N > 1: start each engine once and interleave N runs of the workload (seed + r in round r), "
         "the order alternating; reports every round's ratio and their median",
     )
-    p.add_argument("--out", type=pathlib.Path, default=None, help="result JSON (default: bench_results/...)")
 
 
 def vllm_env(threads: int, kv_cache_gib: float) -> dict[str, str]:
@@ -321,7 +335,7 @@ def run_comparison(args: argparse.Namespace, baseline: str, pythons: dict[str, s
         "engines": {},
     }
     print(f"workload {args.workload}: {json.dumps(workload.describe())}", flush=True)
-    if args.rounds > 1:
+    if getattr(args, "rounds", 1) > 1:
         return _run_rounds(args, baseline, pythons, spec, wspec, report, out)
     for engine in ("pagedserve", baseline):
         env = vllm_env(args.threads, args.kv_cache_gib) if engine == "vllm" else {}
