@@ -174,7 +174,8 @@ def test_gated_kernel_entry_refuses_bad_arguments():
 # --- stacked ---------------------------------------------------------------------------
 
 #: Parts (type, rows): a Q4_K_M's [q; k] Q4_K beside its Q6_K v, a Q5_K_M's, every K-quant
-#: and IQ4_XS beside 32-value parts (an IQ4_XS [q; k] beside a Q4_K and a Q8_0 v); column groups of unequal sizes so that threads' shares end inside parts.
+#: and IQ4_XS beside 32-value parts (an IQ4_XS [q; k] beside a Q4_K and a Q8_0 v); column
+#: groups of unequal sizes so that threads' shares end inside parts.
 MIXES = [
     (("Q4_K", 48), ("Q6_K", 16)),
     (("Q5_K", 32), ("Q6_K", 16), ("Q8_0", 16)),
