@@ -256,7 +256,7 @@ def _gguf_stacked_mixes(t: Target) -> list[tuple[tuple[str, int], ...]]:
     beside a Q8_0 v (llama-quantize's fallback for a tensor it cannot give IQ4_NL) and
     beside Q4_1 (whose activation sums are rounded differently) and beside Q5_0; a Q4_K_M's
     [q; k] Q4_K beside a Q6_K v, K-quants beside 32-value parts, and the optional 256-value
-    types (Q2_K, Q3_K) beside a Q6_K."""
+    types (Q2_K, Q3_K, IQ4_XS) beside a Q6_K."""
     mixes = [(("Q4_0", 32), ("Q8_0", 16)), (("Q8_0", 16), ("Q4_1", 24), ("Q4_0", 16))]
     extended = t.ops.has_capability("gguf_linear", "gguf_extended_types")
     if extended:

@@ -299,6 +299,11 @@ torch::Tensor gguf_iq4xs_pack(torch::Tensor weight);
 torch::Tensor gguf_iq4xs_unpack_rows(torch::Tensor packed, torch::Tensor ids);
 void gguf_iq4xs_tiled_gemm(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
                            const uint8_t* w, int64_t groups, void* y, bool y_bf16, const float* bias);
+bool gguf_iq4xs_gated();
+void gguf_iq4xs_tiled_gemm_silu(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
+                                const uint8_t* w, int64_t groups, void* y, bool y_bf16, const float* bias);
+pagedserve_gguf::PartRunner gguf_iq4xs_part(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M,
+                                            int64_t K, const uint8_t* w, bool y_bf16);
 
 void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
                            int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
@@ -323,7 +328,9 @@ bool k_tiled(int64_t type) {
 
 // Whether that tiled kernel has its gated variant (gguf_linear_silu_out) in this build.
 bool k_gated(int64_t type) {
-  return (gguf_kpacked_type(type) && gguf_kpacked_gated(type)) || (type == Q3_K && gguf_q3k_tiled() && gguf_q3k_gated());
+  return (gguf_kpacked_type(type) && gguf_kpacked_gated(type)) ||
+         (type == Q3_K && gguf_q3k_tiled() && gguf_q3k_gated()) ||
+         (type == IQ4_XS && gguf_iq4xs_tiled() && gguf_iq4xs_gated());
 }
 
 // Whether `type` is one of the 32-value types of the tiled kernel (quant_gguf_packed.cpp).
@@ -537,6 +544,9 @@ torch::Tensor gguf_linear_silu_out(torch::Tensor x, torch::Tensor weight, int64_
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   if (type == Q3_K)
     gguf_q3k_tiled_gemm_silu(qx.q.get(), qx.d.get(), M, K, wp, weight.size(0), y.data_ptr(), bf16, bp);
+  else if (type == IQ4_XS)
+    gguf_iq4xs_tiled_gemm_silu(qx.q.get(), qx.d.get(), qx.sum.get(), M, K, wp, weight.size(0), y.data_ptr(), bf16,
+                               bp);
   else if (k)
     gguf_kpacked_gemm_silu(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, wp, weight.size(0), type, y.data_ptr(), bf16, bp);
   else
@@ -568,10 +578,9 @@ torch::Tensor gguf_linear_multi_out(torch::Tensor x, std::vector<torch::Tensor> 
   for (size_t i = 0; i < parts; ++i) {
     weights[i] = weights[i].contiguous();
     const int64_t t = types[i];
-    // IQ4_XS has no part runner (its tiled kernel writes whole outputs): its parts run alone.
-    TORCH_CHECK(weights[i].dim() == 3 && (packed32(t) || (k_tiled(t) && t != IQ4_XS)),
+    TORCH_CHECK(weights[i].dim() == 3 && (packed32(t) || k_tiled(t)),
                 "gguf_linear_multi: every part must be a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL weight, or a K-quant "
-                "(Q2_K-Q6_K) weight of this build's tiled kernel, packed by pack_weight");
+                "(Q2_K-Q6_K) or IQ4_XS weight of this build's tiled kernel, packed by pack_weight");
     N += check_gguf_args(x, weights[i], t);
     groups[i] = weights[i].size(0);
     int values = QK, bytes = 0;
@@ -600,6 +609,8 @@ torch::Tensor gguf_linear_multi_out(torch::Tensor x, std::vector<torch::Tensor> 
       run[i] = gguf_packed_part(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, w, t, bf16);
     else if (t == Q3_K)
       run[i] = gguf_q3k_part(qx.q.get(), qx.d.get(), M, K, w, bf16);
+    else if (t == IQ4_XS)
+      run[i] = gguf_iq4xs_part(qx.q.get(), qx.d.get(), qx.sum.get(), M, K, w, bf16);
     else
       run[i] = gguf_kpacked_part(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, w, t, bf16);
   }

@@ -35,6 +35,11 @@
 // sub-block's integer accumulators at -128 * sum(x_q) of the row's activation block, so the
 // dot product is exact with no correction per column; the 16 columns' 8 scales are unpacked
 // once per super-block into an L1 buffer of d * (ls - 32).
+//
+// Gated tiles (gguf_linear_silu_out on a packed [gate; up] weight, as quant_gguf_q3k.cpp's):
+// one gate group and its up group per tile, each summed exactly as in a plain tile, then
+// quant_gguf_gated.h's epilogue writes silu(gate) * up.  Part runner (gguf_linear_multi_out):
+// the tiled kernel over a range of column groups inside the caller's parallel region.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -43,8 +48,10 @@
 #include <cstring>
 
 #include "quant_gguf_common.h"
+#include "quant_gguf_gated.h"
 
 using pagedserve_gguf::half_to_float;
+using pagedserve_gguf::PartRunner;
 #if defined(__AVX2__)
 using pagedserve_gguf::dot_u8s8;
 using pagedserve_gguf::hsum;
@@ -280,7 +287,10 @@ inline void sub_dots(const int8_t* const* xb, const __m512i (&init)[MT], const u
 
 // Rows [m0, m0 + MT) x NG column groups from g0.  Integer accumulators MT x NG in registers
 // (one sub-block at a time), float accumulators and the super-block's scales in L1 buffers.
-template <int MT, int NG>
+// GATED: the first NG/2 groups are gate groups g0.., the last NG/2 their up groups
+// g0 + o.half.., the epilogue writes silu(gate) * up at the gate columns
+// (quant_gguf_gated.h), each lane summed as in a plain tile.
+template <int MT, int NG, bool GATED = false>
 void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0, int64_t g0, const Output& o) {
   alignas(64) float facc[MT][NG][kCols];
   alignas(64) float wsc[NG][8][kCols];
@@ -290,7 +300,7 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
   const int8_t* xr[MT];
   for (int i = 0; i < MT; ++i) xr[i] = a.q + (m0 + i) * a.k;
   const uint8_t* wg[NG];
-  for (int j = 0; j < NG; ++j) wg[j] = w + (g0 + j) * group_stride;
+  for (int j = 0; j < NG; ++j) wg[j] = w + (GATED && j >= NG / 2 ? g0 + o.half + j - NG / 2 : g0 + j) * group_stride;
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* e[NG];
     for (int j = 0; j < NG; ++j) {
@@ -318,6 +328,18 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
       }
     }
   }
+  if constexpr (GATED) {
+#if defined(PAGEDSERVE_GGUF_K_GATED)
+    constexpr int P = NG / 2;
+    for (int j = 0; j < P; ++j) {
+      const int64_t ng = (g0 + j) * kCols, nu = (g0 + o.half + j) * kCols;
+      for (int i = 0; i < MT; ++i)
+        pagedserve_gguf::store_silu_mul(_mm512_load_ps(facc[i][j]), _mm512_load_ps(facc[i][j + P]), o, ng, nu,
+                                        (m0 + i) * o.ldy + ng);
+    }
+#endif
+    return;
+  }
   for (int j = 0; j < NG; ++j) {
     const int64_t n0 = (g0 + j) * kCols;
     const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + n0) : _mm512_setzero_ps();
@@ -334,25 +356,25 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
 }
 
 // The tile of h <= H rows at m0.
-template <int H, int NG>
+template <int H, int NG, bool GATED = false>
 inline void tile_of_height(int64_t h, const Activations& a, const uint8_t* w, int64_t gs, int64_t m0, int64_t g0,
                            const Output& o) {
   if constexpr (H >= 1) {
-    if (h == H) return tile<H, NG>(a, w, gs, m0, g0, o);
-    tile_of_height<H - 1, NG>(h, a, w, gs, m0, g0, o);
+    if (h == H) return tile<H, NG, GATED>(a, w, gs, m0, g0, o);
+    tile_of_height<H - 1, NG, GATED>(h, a, w, gs, m0, g0, o);
   }
 }
 
 // Rows [mb, me) of NG column groups from g0, in tiles of heights as even as they go (no short
 // tile that unpacks the weights for one row).
-template <int TM, int NG>
+template <int TM, int NG, bool GATED = false>
 void rows(const Activations& a, const uint8_t* w, int64_t gs, int64_t mb, int64_t me, int64_t g0, const Output& o) {
   const int64_t count = me - mb;
   if (count <= 0) return;
   const int64_t tiles = (count + TM - 1) / TM;
   for (int64_t t = 0, m0 = mb; t < tiles; ++t) {
     const int64_t h = count / tiles + (t < count % tiles);
-    tile_of_height<TM, NG>(h, a, w, gs, m0, g0, o);
+    tile_of_height<TM, NG, GATED>(h, a, w, gs, m0, g0, o);
     m0 += h;
   }
 }
@@ -367,18 +389,39 @@ inline void rows_of_width(int64_t g, const Activations& a, const uint8_t* w, int
   }
 }
 
-void run_tiled(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, const Output& o) {
+// Column groups [gb, ge) for every row, on the calling thread.
+void run_groups(const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge, const Output& o) {
   constexpr int TM = PAGEDSERVE_GGUF_IQ4XS_TILE_M, TG = PAGEDSERVE_GGUF_IQ4XS_TILE_G;
   static_assert(TM >= 1 && TM <= 8 && TG >= 1 && TG <= 4, "IQ4_XS tiles: up to 8 rows x 4 groups");
   const int64_t gs = (a.k / QKK) * kEntryBytes;
-  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
+  for (int64_t mb = 0; mb < M; mb += PAGEDSERVE_GGUF_IQ4XS_CHUNK_M) {
+    const int64_t me = std::min<int64_t>(M, mb + PAGEDSERVE_GGUF_IQ4XS_CHUNK_M);
+    for (int64_t g0 = gb; g0 < ge; g0 += TG)
+      rows_of_width<TM, TG>(std::min<int64_t>(TG, ge - g0), a, w, gs, mb, me, g0, o);
+  }
+}
+
+void run_tiled(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, const Output& o) {
+  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) { run_groups(a, w, M, gb, ge, o); });
+}
+
+#if defined(PAGEDSERVE_GGUF_K_GATED)
+#ifndef PAGEDSERVE_GGUF_IQ4XS_GATED_TILE_M
+#define PAGEDSERVE_GGUF_IQ4XS_GATED_TILE_M PAGEDSERVE_GGUF_IQ4XS_TILE_M
+#endif
+// As run_tiled, over the o.half gate groups, each tile taking its up group along.
+void run_gated(const Activations& a, const uint8_t* w, int64_t M, const Output& o) {
+  constexpr int TM = PAGEDSERVE_GGUF_IQ4XS_GATED_TILE_M;
+  static_assert(TM >= 1 && TM <= 8, "IQ4_XS gated tiles: up to 8 rows");
+  const int64_t gs = (a.k / QKK) * kEntryBytes;
+  at::parallel_for(0, o.half, 1, [&](int64_t gb, int64_t ge) {
     for (int64_t mb = 0; mb < M; mb += PAGEDSERVE_GGUF_IQ4XS_CHUNK_M) {
       const int64_t me = std::min<int64_t>(M, mb + PAGEDSERVE_GGUF_IQ4XS_CHUNK_M);
-      for (int64_t g0 = gb; g0 < ge; g0 += TG)
-        rows_of_width<TM, TG>(std::min<int64_t>(TG, ge - g0), a, w, gs, mb, me, g0, o);
+      for (int64_t g0 = gb; g0 < ge; ++g0) rows<TM, 2, true>(a, w, gs, mb, me, g0, o);
     }
   });
 }
+#endif
 
 #endif  // PAGEDSERVE_GGUF_IQ4XS_TILED
 
@@ -473,5 +516,45 @@ void gguf_iq4xs_tiled_gemm(const int8_t* xq, const float* xd, const int32_t* xsu
 #else
   (void)xq, (void)xd, (void)xsum, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
   TORCH_CHECK(false, "gguf_linear: this build has no tiled IQ4_XS kernel (AVX-512 VNNI)");
+#endif
+}
+
+// Whether this build has the gated tiled IQ4_XS kernel.
+bool gguf_iq4xs_gated() {
+#if defined(PAGEDSERVE_GGUF_IQ4XS_TILED) && defined(PAGEDSERVE_GGUF_K_GATED)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// silu(y[:, :d]) * y[:, d:] of gguf_iq4xs_tiled_gemm for a packed [gate; up] weight of
+// `groups` column groups (d = 8 * groups), y [M, d], each half rounded first as
+// gguf_iq4xs_tiled_gemm rounds its output, then the main kernels' SiLU-and-mul.
+void gguf_iq4xs_tiled_gemm_silu(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
+                                const uint8_t* w, int64_t groups, void* y, bool y_bf16, const float* bias) {
+#if defined(PAGEDSERVE_GGUF_IQ4XS_TILED) && defined(PAGEDSERVE_GGUF_K_GATED)
+  TORCH_CHECK(groups % 2 == 0, "gguf_linear_silu_and_mul: ", groups, " column groups do not split into gate and up");
+  const Activations a{xq, xd, xsum, K, K / QK};
+  const Output o{y, y_bf16, bias, groups / 2 * kCols, groups / 2};
+  run_gated(a, w, M, o);
+#else
+  (void)xq, (void)xd, (void)xsum, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
+  TORCH_CHECK(false, "gguf_linear_silu_and_mul: this build has no gated IQ4_XS kernel");
+#endif
+}
+
+// A packed IQ4_XS weight as one part of a stacked call (its activation block sums are the
+// caller's, computed once with the activations).
+PartRunner gguf_iq4xs_part(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
+                           const uint8_t* w, bool y_bf16) {
+#if defined(PAGEDSERVE_GGUF_IQ4XS_TILED)
+  return [=](int64_t gb, int64_t ge, void* y, const float* bias, int64_t ldy) {
+    const Activations a{xq, xd, xsum, K, K / QK};
+    run_groups(a, w, M, gb, ge, Output{y, y_bf16, bias, ldy});
+  };
+#else
+  (void)xq, (void)xd, (void)xsum, (void)M, (void)K, (void)w, (void)y_bf16;
+  TORCH_CHECK(false, "gguf_linear_multi: this build has no tiled IQ4_XS kernel (AVX-512 VNNI)");
 #endif
 }

@@ -21,12 +21,12 @@
   repacked weight): only those rows are unpacked (``unpack_rows``), then dequantized.
 - ``gguf_linear_silu_and_mul``: where the tiled kernel has its gated variant, a gated
   MLP's [gate; up] weight repacked as above (the 32-value types, and the K-quants Q2_K-Q6_K
-  where ``has_kpacked_gated``) runs in one pass that writes silu(gate) * up (rounded bit
+  and IQ4_XS where ``has_kpacked_gated``) runs in one pass that writes silu(gate) * up (rounded bit
   for bit as ``silu_and_mul(gguf_linear(...))``), never the [M, 2d] intermediate; other
   weights and inputs take the registry's two ops.
 - ``gguf_linear_stacked``: a fused projection whose parts keep different block types (a
   Q5_K_M's [q; k] Q5_1 beside a Q8_0 v, a Q4_K_M's [q; k] Q4_K beside a Q6_K v, 32-value
-  and K-quant parts together), repacked as above, in one native call (activations
+  and K-quant or IQ4_XS parts together), repacked as above, in one native call (activations
   quantized once per format, one parallel region, each part's columns written in place);
   other parts take ``gguf_linear`` once per part.
 - With ``CpuOptions.gguf_amx`` (off by default) and AMX int8 on the CPU, repacked
@@ -85,14 +85,13 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 #: gated kernel takes the 32-value types (GATED_TYPES), the K-quants only where the build
 #: has their tiled kernel (kernels/cpu/quant_gguf_kpacked.cpp, quant_gguf_q2k.cpp,
 #: quant_gguf_q3k.cpp, quant_gguf_iq4xs.cpp: ``has_kpacked``) and, for the gated op, its
-#: gated variant (``has_kpacked_gated``: not IQ4_XS, which runs the tiled GEMM then
-#: ``silu_and_mul``).
+#: gated variant (``has_kpacked_gated``).
 GATED_TYPES = (*qref.GGUF_BASE_TYPES, "Q5_0", "Q5_1", "IQ4_NL")
 KPACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS")
 PACKED_TYPES = (*GATED_TYPES, *KPACKED_TYPES)
-#: Types one native stacked call takes as parts (IQ4_XS's tiled kernel has no part runner:
-#: a stack with an IQ4_XS part runs its parts one by one).
-STACKED_TYPES = tuple(t for t in PACKED_TYPES if t != "IQ4_XS")
+#: Types one native stacked call takes as parts (every repacked type: a part's weight is
+#: 3-d only where the build has its tiled kernel).
+STACKED_TYPES = PACKED_TYPES
 #: ggml type ids by name (the kernels' ``type`` argument).
 _TYPE_IDS = qref.GGUF_TYPE_IDS
 #: Types of ``qref.GGUF_OPTIONAL_TYPES`` the native kernel takes (every build: a row

@@ -7,7 +7,8 @@
   product with the activations rounded to int8 blocks as the kernels round them, and within
   the int8-activation error (relative 2.5e-2) of the float reference; every row the same
   alone; the repacking lossless (native and torch inverses), embedding rows read from it;
-  the gated and stacked ops the plain op's numbers.
+  the gated and stacked ops (one native call where the build has the gated tiles) the plain
+  op's numbers.
 - The CPU declares ``gguf_type:IQ4_XS`` and a load keeps IQ4_XS; the kit's conformance cases
   for it; the Triton kernel under the interpreter.
 - A tiny random Llama GGUF with IQ4_XS tensors (alone, fused with IQ4_XS, beside Q8_0 / Q4_K /
@@ -195,30 +196,41 @@ def test_tiled_kernel_matches_reference_and_row_kernel(dtype):
         module.gguf_linear(torch.randn(1, 512), packed, TID)
 
 
-def test_gated_and_stacked_ops_take_the_plain_op():
-    """No gated kernel for IQ4_XS: the fused op is the two ops in sequence; a stacked
-    projection of IQ4_XS beside Q8_0 / IQ4_NL parts is each part's own op side by side."""
-    _tiled_module()
+def test_gated_and_stacked_ops_equal_the_plain_op():
+    """The gated op is the two ops in sequence, bit for bit, and runs as one native call
+    (the linear op not called) where the build has the gated IQ4_XS tiles; a stacked
+    projection of IQ4_XS beside Q8_0 / IQ4_NL parts is each part's own op side by side, in
+    one native call."""
+    module = _tiled_module()
     from pagedserve.testing.target import select_target
+
+    calls = []
+
+    def linear(x, d, t, b=None, out_dtype=None):
+        calls.append(t)
+        return cpu_quant.gguf_linear(x, d, t, b, out_dtype)
 
     gen = torch.Generator().manual_seed(6)
     silu_and_mul = select_target("cpu").ops.get("silu_and_mul")
-    gated = cpu_quant.make_gguf_linear_silu_and_mul(cpu_quant.gguf_linear, silu_and_mul)
+    gated = cpu_quant.make_gguf_linear_silu_and_mul(linear, silu_and_mul)
     packed = cpu_quant.prepare_gguf_weight(random_iq4xs(64, 512, gen), T)
     x = torch.randn(5, 512, generator=gen).bfloat16()
     assert torch.equal(gated(x, packed, T), silu_and_mul(cpu_quant.gguf_linear(x, packed, T)))
-    stacked = cpu_quant.make_gguf_linear_stacked(cpu_quant.gguf_linear)
-    parts = [(T, 48), ("Q8_0", 16), ("IQ4_NL", 32), (T, 24)]
+    assert calls == ([] if module.has_kpacked_gated(TID) else [T])
+    stacked = cpu_quant.make_gguf_linear_stacked(linear)
+    parts = [(T, 48), ("Q8_0", 16), ("IQ4_NL", 32), (T, 32)]
     weights = [cpu_quant.prepare_gguf_weight(random_blocks(n, 512, gen, t), t) for t, n in parts]
     types = [t for t, _ in parts]
-    bias = torch.randn(120, generator=gen)
+    bias = torch.randn(128, generator=gen)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(6, 512, generator=gen).to(dtype)
         at, want = 0, []
         for w, (t, n) in zip(weights, parts):
             want.append(cpu_quant.gguf_linear(x, w, t, bias[at : at + n]))
             at += n
+        calls.clear()
         assert torch.equal(stacked(x, weights, types, bias), torch.cat(want, dim=-1))
+        assert calls == []
 
 
 def test_embedding_rows_come_from_the_repacked_weight():

@@ -1,14 +1,14 @@
-"""The K-quants' gated MLP and stacked projections in one native call (the gated tiles of
-kernels/cpu/quant_gguf_kpacked.cpp, quant_gguf_q2k.cpp and quant_gguf_q3k.cpp, and
-``gguf_linear_multi_out`` over K-quant and 32-value parts):
+"""The K-quants' and IQ4_XS's gated MLP and stacked projections in one native call (the
+gated tiles of kernels/cpu/quant_gguf_kpacked.cpp, quant_gguf_q2k.cpp, quant_gguf_q3k.cpp and
+quant_gguf_iq4xs.cpp, and ``gguf_linear_multi_out`` over K-quant, IQ4_XS and 32-value parts):
 
-- ``gguf_linear_silu_out`` on a repacked Q2_K / Q3_K / Q4_K / Q5_K / Q6_K [gate; up] weight
+- ``gguf_linear_silu_out`` on a repacked Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS [gate; up] weight
   is bit for bit ``silu_and_mul(gguf_linear_out(...))`` (the CPU registry's silu_and_mul),
   outputs poisoned first, at 1/3/16/17/64 rows and more, with and without bias, float32 and
   bfloat16, each row independent of the others, and within the int8-activation error of
   the float reference; gate widths not a multiple of 16 take the two ops.
 - ``gguf_linear_multi_out`` on a Q4_K_M's [q; k] Q4_K beside its Q6_K v (and mixes of every
-  K-quant with 32-value parts) is bit for bit the parts one by one, side by side, at every
+  K-quant and IQ4_XS with 32-value parts) is bit for bit the parts one by one, side by side, at every
   row and thread count (a Q4_1 part beside them too: its fp16-rounded activation sums
   quantized apart in the same call).
 - A tiny Llama GGUF of K-quants (dims multiples of 256) runs its MLPs and q/k/v through
@@ -31,7 +31,7 @@ from pagedserve.kernels.cpu.quant_native import load_quant_kernels
 from pagedserve.platforms.cpu import quant_ops as cpu_quant
 from pagedserve.quantization.gguf import GGUFWeight, StackedWeight
 
-KTYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
+KTYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS")
 #: Relative error of the gated op against the float reference: the int8 activations' error
 #: of both halves of the product (the conformance kit's allowance for this op) plus bf16.
 GATED_REL = 3e-2 + 1e-2
@@ -121,7 +121,7 @@ def test_gated_rows_are_batch_invariant(type_name):
             assert torch.equal(module.gguf_linear_silu_out(part, packed, tid)[0], full[i]), (i, count)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q3_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q3_K", "IQ4_XS"])
 def test_gated_op_takes_the_kernel_or_the_two_ops(type_name):
     """The registered op runs the gated kernel on a repacked [gate; up] of an even number of
     column groups (the linear op is not called), and the two ops (linear, then silu_and_mul)
@@ -174,13 +174,16 @@ def test_gated_kernel_entry_refuses_bad_arguments():
 # --- stacked ---------------------------------------------------------------------------
 
 #: Parts (type, rows): a Q4_K_M's [q; k] Q4_K beside its Q6_K v, a Q5_K_M's, every K-quant
-#: beside 32-value parts; column groups of unequal sizes so that threads' shares end inside parts.
+#: and IQ4_XS beside 32-value parts (an IQ4_XS [q; k] beside a Q4_K and a Q8_0 v); column
+#: groups of unequal sizes so that threads' shares end inside parts.
 MIXES = [
     (("Q4_K", 48), ("Q6_K", 16)),
     (("Q5_K", 32), ("Q6_K", 16), ("Q8_0", 16)),
     (("Q6_K", 16), ("Q4_0", 32), ("Q3_K", 16), ("Q2_K", 32)),
     (("Q5_0", 32), ("Q4_K", 16), ("IQ4_NL", 16), ("Q5_1", 16)),
     (("Q4_1", 16), ("Q4_K", 32), ("Q4_1", 16), ("Q6_K", 16)),
+    (("IQ4_XS", 32), ("Q4_K", 16), ("Q8_0", 16)),
+    (("Q4_1", 16), ("IQ4_XS", 16), ("Q3_K", 16), ("IQ4_NL", 16)),
 ]
 
 
@@ -233,8 +236,9 @@ def test_native_stacked_call_is_the_parts_side_by_side(mix, threads):
 def test_stacked_op_agrees_with_the_reference_and_takes_one_call():
     """The registered op on [q; k] Q4_K + Q6_K v: one native call (the linear op is not
     called), within the int8-activation error of the float reference; a Q4_1 part beside a
-    K-quant (its activation sums rounded otherwise) in one call too, the parts' bits; a part
-    left in the file's blocks (rows not a multiple of 16) makes the op go part by part."""
+    K-quant (its activation sums rounded otherwise) and an IQ4_XS part beside a K-quant in
+    one call too, the parts' bits; a part left in the file's blocks (rows not a multiple of
+    16) makes the op go part by part."""
     mix = (("Q4_K", 48), ("Q6_K", 16))
     if not _mix_available(mix):
         pytest.skip("no tiled K-quant kernel here")
@@ -264,19 +268,14 @@ def test_stacked_op_agrees_with_the_reference_and_takes_one_call():
     q41 = cpu_quant.prepare_gguf_weight(_blocks("Q4_1", 16, k, rng), "Q4_1")
     rows24 = cpu_quant.prepare_gguf_weight(_blocks("Q6_K", 24, k, rng), "Q6_K")
     assert rows24.dim() == 2
-    # IQ4_XS's tiled kernel has no part runner: a stack with an IQ4_XS part goes part by
-    # part, and the native call refuses one by name.
-    iq4xs = cpu_quant.prepare_gguf_weight(_blocks("IQ4_XS", 16, k, rng), "IQ4_XS")
     x = torch.randn(4, k, generator=gen)
-    with pytest.raises(RuntimeError, match="every part must be"):
-        load_quant_kernels().gguf_linear_multi_out(
-            x, [packed[0], iq4xs], [ref.GGUF_TYPE_IDS["Q4_K"], ref.GGUF_TYPE_IDS["IQ4_XS"]], None, False
-        )
-    for parts, names, want_calls in (
-        ([packed[0], q41], ["Q4_K", "Q4_1"], []),
-        ([packed[0], rows24], ["Q4_K", "Q6_K"], ["Q4_K", "Q6_K"]),
-        ([packed[0], iq4xs], ["Q4_K", "IQ4_XS"], ["Q4_K", "IQ4_XS"]),
-    ):
+    cases = [([packed[0], q41], ["Q4_K", "Q4_1"], []), ([packed[0], rows24], ["Q4_K", "Q6_K"], ["Q4_K", "Q6_K"])]
+    if _mix_available((("IQ4_XS", 16),)):
+        # IQ4_XS's tiled kernel runs as one part of the native call.
+        iq4xs = cpu_quant.prepare_gguf_weight(_blocks("IQ4_XS", 16, k, rng), "IQ4_XS")
+        assert iq4xs.dim() == 3
+        cases.append(([iq4xs, packed[0]], ["IQ4_XS", "Q4_K"], []))
+    for parts, names, want_calls in cases:
         calls.clear()
         got = op(x, parts, names)
         assert calls == want_calls
@@ -348,7 +347,7 @@ def test_tiny_kquant_model_runs_fused_with_the_dequantized_models_logprobs(tmp_p
 
 
 def test_cpu_conformance_cases_of_the_256_value_types():
-    """The kit's gated and stacked cases with a K-quant in them, on the CPU's own ops."""
+    """The kit's gated and stacked cases with a K-quant or IQ4_XS in them, on the CPU's own ops."""
     from pagedserve.testing.op_suite import op_checks
     from pagedserve.testing.target import select_target
 
@@ -356,7 +355,9 @@ def test_cpu_conformance_cases_of_the_256_value_types():
     if "gguf_linear_stacked" not in target.overridden_ops():
         pytest.skip("the CPU platform keeps the registry's composite ops here")
     ids = ("op:gguf_linear_silu_and_mul[", "op:gguf_linear_stacked[")
-    checks = [c for c in op_checks(target) if c.id.startswith(ids) and "_K" in c.id]
-    assert len(checks) >= 2 * (5 * 3 + 4 * 2)  # dtypes x (gated types x shapes + stacked mixes x shapes)
+    checks = [c for c in op_checks(target) if c.id.startswith(ids) and ("_K" in c.id or "IQ4_XS" in c.id)]
+    assert len(checks) >= 2 * (6 * 3 + 4 * 2)  # dtypes x (gated types x shapes + stacked mixes x shapes)
+    assert any("gguf_linear_silu_and_mul" in c.id and "IQ4_XS" in c.id for c in checks)
+    assert any("gguf_linear_stacked" in c.id and "IQ4_XS" in c.id for c in checks)
     failed = [f"{r.id}: {r.message}" for r in (c.run() for c in checks) if r.status != "passed"]
     assert not failed, "\n".join(failed)
