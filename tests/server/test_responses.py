@@ -38,7 +38,15 @@ def server(server_factory):
         default_model_path()
     except FileNotFoundError as e:
         pytest.skip(f"the default model is not installed: {e}")
-    return server_factory(None, ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--threads", "1"])
+    return server_factory(
+        None,
+        ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--threads", "1"],
+        # The tests compare a response with the chat completion of the same prompt, which
+        # reads the first one's blocks from the prefix cache: only the static, chunk-invariant
+        # kernels give both the same greedy tokens (measured dispatch picks attention per
+        # query count; docs/kernels_cpu.md, "Chunking invariance").
+        env={"PAGEDSERVE_CPU_TUNE": "0", "PAGEDSERVE_CPU_AMX_ATTENTION": "0"},
+    )
 
 
 @pytest.fixture(scope="module")
