@@ -5,6 +5,8 @@ off switch, and every candidate the tuner can dispatch against kernels/reference
 from __future__ import annotations
 
 import json
+import pathlib
+import tempfile
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from pagedserve.kernels import reference
 from pagedserve.kernels.cpu import load_cpu_kernels
 from pagedserve.platforms.cpu import dense_ops
 from pagedserve.platforms.cpu.tuned_linear import CANDIDATE_LAYOUT, TunedLinear, choose_layouts
-from pagedserve.platforms.cpu.tuning import Plan, Tuner, TuningCache, measure
+from pagedserve.platforms.cpu.tuning import Plan, Tuner, TuningCache, measure, plan_rows
 from pagedserve.platforms.ops import OpRegistry
 from pagedserve.platforms.options import CpuOptions
 
@@ -301,3 +303,112 @@ def test_a_large_weight_is_timed_on_a_slice():
     x = torch.randn(20, 160, generator=gen).bfloat16()
     want = reference.linear(x.float(), w.float())
     torch.testing.assert_close(tl.linear(x, prepared).float(), want, atol=2e-2, rtol=1.6e-2)
+
+
+# -- plans timed while the machine ran slow ------------------------------------------
+
+
+class Host:
+    """A fake machine on the fake clock: while ``busy`` (a thread descheduled by the host)
+    every call takes ``slowdown[name]`` times its cost, and the machine probe 2x its own."""
+
+    PROBE = 2.0**-12
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.busy = False
+        self.slowdown: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.probes = 0
+
+    def probe(self) -> float:
+        self.probes += 1
+        return self.PROBE * (2.0 if self.busy else 1.0)
+
+    def candidates(self, costs: dict[str, float]):
+        def runner(name: str):
+            def make(bucket: int):
+                def call():
+                    self.calls[name] = self.calls.get(name, 0) + 1
+                    self.clock.now += costs[name] * (self.slowdown.get(name, 1.0) if self.busy else 1.0)
+
+                return call
+
+            return make
+
+        return {name: runner(name) for name in costs}
+
+
+def _load(host: Host, root, costs, identity=IDENTITY) -> Plan:
+    tuner = Tuner(TuningCache.default(identity=identity, root=root), clock=host.clock, threads=2, probe=host.probe)
+    return tuner.tune("linear", "N=8,K=8", host.candidates(costs), (1, 4))
+
+
+def test_a_plan_timed_on_a_slow_machine_is_timed_again_when_it_runs_at_full_speed(tmp_path, caplog):
+    """A busy host makes the native kernel's two-thread calls wait (3x), oneDNN's less:
+    the first plan picks oneDNN.  A later load on the same busy machine keeps it (timing
+    again would measure the same disturbance); the first load that probes the machine at
+    full speed finds the plan 2x slow, times it again and keeps the smaller figures
+    (native wins); after that the plan is read untimed."""
+    costs = {"native": 2.0**-14, "onednn": 1.5 * 2.0**-14}  # binary fractions: exact figures
+    host = Host(FakeClock())
+    host.busy, host.slowdown = True, {"native": 3.0, "onednn": 1.25}
+
+    first = _load(host, tmp_path, costs)
+    assert first.chosen == {1: "onednn", 4: "onednn"} and first.probe == 2 * Host.PROBE
+    assert first.slowdown == 1.0 and not first.slow  # nothing faster on record yet
+
+    calls = dict(host.calls)
+    still_busy = _load(host, tmp_path, costs)
+    assert still_busy.cached and host.calls == calls and still_busy.chosen == first.chosen
+
+    host.busy = False
+    with caplog.at_level("INFO", logger="pagedserve.platforms.cpu.tuning"):
+        quiet = _load(host, tmp_path, costs)
+    assert "2.0x slower than its best; timing it again" in caplog.text
+    assert host.calls["native"] > calls["native"]
+    assert quiet.chosen == {1: "native", 4: "native"} and quiet.times[1] == costs
+    assert quiet.retimes == 1 and quiet.probe == Host.PROBE and not quiet.slow
+
+    calls, probes = dict(host.calls), host.probes
+    again = _load(host, tmp_path, costs)
+    assert again.cached and again.chosen == quiet.chosen and host.calls == calls
+    assert host.probes == probes + 1  # one probe per process, none for the plan
+    rows = {r["rows"]: r for r in plan_rows([first, again])}
+    assert rows[1]["slowdown"] == 1.0 and not rows[1]["slow"]
+
+
+def test_a_slow_plan_is_timed_again_at_most_max_retimes():
+    """A machine that is only briefly at full speed at each load (the probe quiet, the
+    calls disturbed) times a slow plan again at MAX_RETIMES loads, then no more."""
+    from pagedserve.platforms.cpu.tuning import MAX_RETIMES
+
+    class Flaky(Host):
+        fresh = True
+
+        def probe(self) -> float:
+            self.probes += 1
+            # quiet: a later process's first probe only (the first process is busy throughout)
+            quiet, self.fresh = self.fresh and self.probes > 1, False
+            return self.PROBE * (1.0 if quiet else 2.0)
+
+    host = Flaky(FakeClock())
+    host.busy, host.slowdown = True, {"a": 2.0, "b": 2.0}
+    costs = {"a": 2.0**-14, "b": 1.25 * 2.0**-14}
+    with tempfile.TemporaryDirectory() as root:
+        timed = []
+        for _ in range(MAX_RETIMES + 2):
+            host.fresh = True
+            before = sum(host.calls.values())
+            plan = _load(host, pathlib.Path(root), costs, dict(IDENTITY, cpu="Flaky CPU"))
+            timed.append(sum(host.calls.values()) > before)
+    assert timed == [True] * (MAX_RETIMES + 1) + [False]
+    assert plan.retimes == MAX_RETIMES
+
+
+def test_machine_probe_times_a_real_call():
+    from pagedserve.platforms.cpu.tuning import machine_probe
+
+    ticks = iter(range(1000))
+    # On a clock that advances one unit per read, every call takes exactly one unit.
+    assert machine_probe(clock=lambda: float(next(ticks))) == 1.0

@@ -349,12 +349,33 @@ def _format_tuning(rows: list[dict[str, Any]]) -> str:
             "\nmeasured choices: none cached on this machine yet (loading a model tunes its "
             "shapes; `pagedserve platforms --ops --tune` tunes the default model's)"
         )
+
+    def machine(r: dict[str, Any]) -> str:
+        slowdown = r.get("slowdown")
+        return "-" if slowdown is None else f"{slowdown:.2f}x" + (" slow" if r.get("slow") else "")
+
     body = [
-        [r["op"], r["key"], str(r["rows"]), r["chosen"], "  ".join(f"{n} {t:g}" for n, t in r["times_us"].items())]
+        [
+            r["op"],
+            r["key"],
+            str(r["rows"]),
+            r["chosen"],
+            machine(r),
+            "  ".join(f"{n} {t:g}" for n, t in r["times_us"].items()),
+        ]
         for r in rows
     ]
-    return "\nmeasured choices (cached on this machine; times in us, fastest first):\n" + _table(
-        ["OP", "SHAPE", "ROWS", "CHOSEN", "TIMES"], body
+    note = ""
+    if any(r.get("slow") for r in rows):
+        note = (
+            "\n(slow: timed while this machine ran slower than its best; timed again at the next load "
+            "that finds it at full speed, the smaller figures kept)"
+        )
+    return (
+        "\nmeasured choices (cached on this machine; times in us, fastest first; MACHINE: how much "
+        "slower the machine ran while the plan was timed than at its best):\n"
+        + _table(["OP", "SHAPE", "ROWS", "CHOSEN", "MACHINE", "TIMES"], body)
+        + note
     )
 
 
