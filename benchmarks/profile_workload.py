@@ -17,8 +17,9 @@ sets the prompt length of "fixed": ``--workload fixed --num-requests 1 --input-l
 own GGUF file (the default path: blocks kept, ``dtype`` auto) instead of the bf16
 folder (``--gguf FILE``: another .gguf, e.g. a Q4_K_M), and times its quantized linear
 layers by kind ("gguf qkv", "gguf o", "gguf gate_up+silu" or "gguf gate_up", "gguf
-down", "gguf lm_head": they hold their ops from load, outside the registry's timers; the
-parts of a fused projection that mixes block types are timed apart, e.g. "gguf qkv
+down", "gguf lm_head": they hold their ops from load, outside the registry's timers; a
+fused projection that mixes block types runs as one stacked call, "gguf qkv
+Q4_K+Q4_K+Q6_K", and where it cannot, its parts are timed apart, e.g. "gguf qkv
 Q8_0"), then prints those linears by row count per call (wall and process CPU seconds:
 on a loaded machine the CPU seconds are what compares); ``--unfused-mlp`` runs its MLPs
 as gguf_linear then silu_and_mul, as before the fused op.  On the bf16 folder the
@@ -90,6 +91,11 @@ def time_gguf_weights(model, record, unfused_mlp: bool = False, by_rows=None) ->
     weights = [(f, getattr(layer, f)) for layer in model.layers for f in model.linear_fields]
     weights.append(("lm_head", getattr(model, "lm_head", None)))
     for field, weight in weights:
+        stacked = getattr(weight, "_stacked_op", None) if isinstance(weight, StackedWeight) else None
+        if stacked is not None:
+            # The parts in one native call (their own ops then run only as a fallback).
+            types = "+".join(p.type_name for p in weight.parts)
+            weight._stacked_op = _timed(stacked, f"gguf {field} {types}", record, by_rows)
         parts = [(f"gguf {field} {p.type_name}", p) for p in weight.parts] if isinstance(weight, StackedWeight) else []
         for name, w in parts or [(f"gguf {field}", weight)]:
             if not isinstance(w, GGUFWeight):
