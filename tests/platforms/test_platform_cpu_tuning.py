@@ -412,3 +412,14 @@ def test_machine_probe_times_a_real_call():
     ticks = iter(range(1000))
     # On a clock that advances one unit per read, every call takes exactly one unit.
     assert machine_probe(clock=lambda: float(next(ticks))) == 1.0
+
+
+def test_a_plan_timed_again_keeps_the_smaller_figures_of_the_same_thread_count():
+    old = Plan("op", "k", (1, 4), {1: {"a": 2.0, "b": 1.0}, 4: {"a": 3.0}}, threads=2, probe=2.0, retimes=1)
+    fresh = Plan("op", "k", (1, 4), {1: {"a": 0.5, "b": 1.5}, 4: {"a": 4.0, "b": 1.0}}, threads=2, probe=1.0)
+    merged = old.merged(fresh)
+    assert merged.times == {1: {"a": 0.5, "b": 1.0}, 4: {"a": 3.0, "b": 1.0}}
+    assert merged.chosen == {1: "a", 4: "b"} and merged.probe == 1.0 and merged.retimes == 2
+    one_thread = Plan("op", "k", (1, 4), {1: {"a": 9.0}, 4: {"a": 9.0}}, threads=1, probe=1.0)
+    replaced = old.merged(one_thread)
+    assert replaced.times == one_thread.times and replaced.threads == 1 and replaced.retimes == 2
