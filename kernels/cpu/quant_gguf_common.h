@@ -1,10 +1,12 @@
 // Small helpers the GGUF kernel files of the quantized CPU extension share (fp16 fields,
-// the row kernels' driver over activation rows and output columns, the AVX2 row kernels'
+// the tiled types' repacking loops, the row kernels' driver over activation rows and output
+// columns, the AVX2 row kernels'
 // unsigned x signed byte dot product and horizontal sum, the tiled kernels' bf16 rounding,
 // output descriptor and weight prefetch).  Each file brings them into its own anonymous
 // namespace with using-declarations.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -32,6 +34,60 @@ inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// -- repacking ----------------------------------------------------------------------------
+//
+// Every tiled type repacks a weight uint8 [N, row_bytes] of N a multiple of 16 (blocks of
+// block_bytes) into uint8 [N/16, blocks, 16 * block_bytes]: entry (g, b), the file's size,
+// holds block b of the 16 rows of column group g.
+
+// The packed weight: pack_entry(the first row's block b of group g, row_bytes, entry (g, b))
+// for every entry, the groups split across threads.  blocks: the blocks' name for the error
+// ("blocks", "Q3_K blocks").
+template <class PackEntry>
+at::Tensor pack_groups(at::Tensor weight, int64_t block_bytes, const char* blocks, const PackEntry& pack_entry) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte, "gguf_pack_weight: uint8 [N, row_bytes]");
+  weight = weight.contiguous();
+  const int64_t N = weight.size(0), row_bytes = weight.size(1), eb = 16 * block_bytes;
+  TORCH_CHECK(N % 16 == 0, "gguf_pack_weight: N=", N, " is not a multiple of ", 16);
+  TORCH_CHECK(row_bytes % block_bytes == 0, "gguf_pack_weight: rows of ", row_bytes, " bytes are not whole ", blocks);
+  const int64_t nb = row_bytes / block_bytes, groups = N / 16;
+  auto out = at::empty({groups, nb, eb}, weight.options());
+  const uint8_t* src = weight.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b)
+        pack_entry(src + g * 16 * row_bytes + b * block_bytes, row_bytes, dst + (g * nb + b) * eb);
+  });
+  return out;
+}
+
+// Rows `ids` (int64 [n]) of a packed weight [N/16, blocks, 16 * block_bytes] (its shape
+// checked by the caller) in the file's blocks, uint8 [n, blocks * block_bytes]:
+// unpack_block(entry, column c of its 16, the block) for each of their blocks.
+template <class UnpackBlock>
+at::Tensor unpack_group_rows(at::Tensor packed, at::Tensor ids, int64_t block_bytes, const UnpackBlock& unpack_block) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "gguf_unpack_rows: ids must be int64 [n]");
+  packed = packed.contiguous();
+  ids = ids.contiguous();
+  const int64_t groups = packed.size(0), nb = packed.size(1), eb = packed.size(2), n = ids.size(0);
+  auto out = at::empty({n, nb * block_bytes}, packed.options());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < groups * 16, "gguf_unpack_rows: row ", id[i], " out of range");
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = id[i] / 16;
+      const int c = static_cast<int>(id[i] % 16);
+      for (int64_t b = 0; b < nb; ++b)
+        unpack_block(src + (g * nb + b) * eb, c, dst + (i * nb + b) * block_bytes);
+    }
+  });
+  return out;
 }
 
 // -- the row kernels' driver -------------------------------------------------------------
@@ -122,7 +178,9 @@ inline float hsum(__m256 v) {
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// float32 -> bf16 rounded to nearest even, NaN kept quiet (as torch's .to(bfloat16)).
+// float32 -> bf16 rounded to nearest even, NaN kept quiet (as torch's .to(bfloat16);
+// vcvtneps2bf16 also flushes float32 subnormals to zero, which torch does not, a case
+// these sums never reach).  The fallback equals the instruction on every other input.
 inline __m256i to_bf16(__m512 v) {
 #if defined(__AVX512BF16__)
   return (__m256i)_mm512_cvtneps_pbh(v);

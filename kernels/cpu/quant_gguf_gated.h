@@ -1,10 +1,8 @@
-// The gated epilogue of the tiled GGUF kernels on 256-value blocks (quant_gguf_kpacked.cpp,
-// quant_gguf_q2k.cpp, quant_gguf_q3k.cpp): silu(gate) * up of one row's 16 columns.  Each
-// half is finished as the plain tile finishes its output (bias added to the float32 sum,
-// then rounded to bf16 for bf16 output, float32 kept otherwise), then the main kernels' own
-// SiLU-and-mul (elementwise.h) runs on the two, so the fused op is bit for bit
-// silu_and_mul(gguf_linear_out(...)) -- as quant_gguf_packed.cpp's gated tiles do for the
-// 32-value types.
+// The gated epilogue of the tiled GGUF kernels (every type's, through quant_gguf_tiles.h's
+// store_tile): silu(gate) * up of one row's 16 columns.  Each half is finished as the plain
+// tile finishes its output (bias added to the float32 sum, then rounded to bf16 for bf16
+// output, float32 kept otherwise), then the main kernels' own SiLU-and-mul (elementwise.h)
+// runs on the two, so the fused op is bit for bit silu_and_mul(gguf_linear_out(...)).
 #pragma once
 
 #include "elementwise.h"

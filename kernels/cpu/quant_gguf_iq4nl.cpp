@@ -39,17 +39,6 @@ struct XRow {
   const float* d;   // [K / 32]
 };
 
-#if defined(__AVX2__)
-
-// A block's 32 levels (int8), element j < 16 from the low nibbles, j + 16 the high ones.
-inline __m256i block_levels(const uint8_t* qs, __m256i levels) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
-  return _mm256_shuffle_epi8(levels, nib);  // per 128-bit lane, both lanes holding the table
-}
-#endif
-
 // Dot products of one weight row (nb blocks) with MB activation rows.
 template <int MB>
 void row_dot(const uint8_t* w, int64_t nb, const XRow* xr, float* out) {
@@ -60,7 +49,7 @@ void row_dot(const uint8_t* w, int64_t nb, const XRow* xr, float* out) {
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * kBlockBytes;
     const float dw = half_to_float(blk);
-    const __m256i wq = block_levels(blk + 2, levels);
+    const __m256i wq = pagedserve_iq4nl::nibble_levels(blk + 2, levels);
     const __m256i wabs = _mm256_sign_epi8(wq, wq);
     for (int m = 0; m < MB; ++m) {
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[m].q + b * QK));

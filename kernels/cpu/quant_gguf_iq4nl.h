@@ -35,6 +35,15 @@ inline __m256i levels_s8_256() {
   const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kValues));
   return _mm256_set_m128i(t, t);
 }
+
+// The 32 levels (int8) of 16 bytes of nibbles qs (an IQ4_NL block's, an IQ4_XS sub-block's):
+// element j < 16 from the low nibbles, j + 16 from the high ones; levels: levels_s8_256().
+inline __m256i nibble_levels(const uint8_t* qs, __m256i levels) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
+  return _mm256_shuffle_epi8(levels, nib);  // per 128-bit lane, both lanes holding the table
+}
 #endif
 
 }  // namespace pagedserve_iq4nl

@@ -48,7 +48,7 @@
 #include <cstring>
 
 #include "quant_gguf_common.h"
-#include "quant_gguf_gated.h"
+#include "quant_gguf_tiles.h"
 
 using pagedserve_gguf::half_to_float;
 using pagedserve_gguf::PartRunner;
@@ -59,7 +59,6 @@ using pagedserve_gguf::hsum;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 using pagedserve_gguf::Output;
 using pagedserve_gguf::prefetch_lines;
-using pagedserve_gguf::to_bf16;
 #endif
 
 #include "quant_gguf_iq4nl.h"
@@ -122,17 +121,6 @@ struct XRow {
   const float* d;   // [K / 32]
 };
 
-#if defined(__AVX2__)
-// A sub-block's 32 levels (int8) from its 16 bytes of nibbles: element l < 16 from the low
-// nibbles, l + 16 from the high ones.
-inline __m256i sub_levels(const uint8_t* qs, __m256i levels) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
-  return _mm256_shuffle_epi8(levels, nib);  // per 128-bit lane, both lanes holding the table
-}
-#endif
-
 // Dot products of one weight row (nsb blocks) with MB activation rows.
 template <int MB>
 void row_dot(const uint8_t* w, int64_t nsb, const XRow* xr, float* out) {
@@ -148,7 +136,7 @@ void row_dot(const uint8_t* w, int64_t nsb, const XRow* xr, float* out) {
     for (int j = 0; j < 8; ++j) {
       const int64_t b = s * 8 + j;
       const float dl = d * static_cast<float>(sc[j]);  // exact
-      const __m256i wq = sub_levels(blk + 8 + 16 * j, levels);
+      const __m256i wq = pagedserve_iq4nl::nibble_levels(blk + 8 + 16 * j, levels);
       const __m256i wabs = _mm256_sign_epi8(wq, wq);
       for (int m = 0; m < MB; ++m) {
         const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[m].q + b * QK));
@@ -263,44 +251,26 @@ inline void prefetch_ahead(const uint8_t* group, int64_t nsb, int64_t s, int sub
 template <int MT, int NG>
 inline void sub_dots(const int8_t* const* xb, const __m512i (&init)[MT], const uint8_t* const* wb,
                      __m512i (&iacc)[MT][NG]) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i levels = pagedserve_iq4nl::levels_u8_512();
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NG; ++j) iacc[i][j] = init[i];
-#pragma GCC unroll 4
-  for (int p = 0; p < 4; ++p) {
-    __m512i raw[NG];
-    for (int j = 0; j < NG; ++j) raw[j] = _mm512_loadu_si512(wb[j] + p * 64);
-    for (int h = 0; h < 2; ++h) {
-      __m512i wv[NG];
-      for (int j = 0; j < NG; ++j)  // nibble -> its level + 128
-        wv[j] = _mm512_shuffle_epi8(levels, _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4));
-      for (int i = 0; i < MT; ++i) {
-        int32_t x4;
-        std::memcpy(&x4, xb[i] + 8 * p + 4 * h, 4);
-        const __m512i xv = _mm512_set1_epi32(x4);
-        for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
-      }
-    }
-  }
+  pagedserve_gguf::nibble_dots<MT, NG>(xb, wb, iacc, [&](__m512i (&wv)[NG], int) {
+    for (int j = 0; j < NG; ++j) wv[j] = _mm512_shuffle_epi8(levels, wv[j]);  // nibble -> its level + 128
+  });
 }
 
-// Rows [m0, m0 + MT) x NG column groups from g0.  Integer accumulators MT x NG in registers
-// (one sub-block at a time), float accumulators and the super-block's scales in L1 buffers.
-// GATED: the first NG/2 groups are gate groups g0.., the last NG/2 their up groups
-// g0 + o.half.., the epilogue writes silu(gate) * up at the gate columns
-// (quant_gguf_gated.h), each lane summed as in a plain tile.
-template <int MT, int NG, bool GATED = false>
+// Rows [m0, m0 + MT) x NG column groups from g0 (quant_gguf_tiles.h).  Integer accumulators
+// MT x NG in registers (one sub-block at a time), float accumulators and the super-block's
+// scales in L1 buffers.  GATED: the first NG/2 groups are gate groups g0.., the last NG/2
+// their up groups g0 + o.half.., each lane summed as in a plain tile.
+template <int MT, int NG, bool GATED>
 void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0, int64_t g0, const Output& o) {
   alignas(64) float facc[MT][NG][kCols];
   alignas(64) float wsc[NG][8][kCols];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NG; ++j) _mm512_store_ps(facc[i][j], _mm512_setzero_ps());
-  const int64_t nsb = a.k / QKK;
   const int8_t* xr[MT];
-  for (int i = 0; i < MT; ++i) xr[i] = a.q + (m0 + i) * a.k;
   const uint8_t* wg[NG];
-  for (int j = 0; j < NG; ++j) wg[j] = w + (GATED && j >= NG / 2 ? g0 + o.half + j - NG / 2 : g0 + j) * group_stride;
+  pagedserve_gguf::tile_start<MT, NG, GATED>(a.q, a.k, w, group_stride, m0, g0, o, facc, xr, wg);
+  const int64_t nsb = a.k / QKK;
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* e[NG];
     for (int j = 0; j < NG; ++j) {
@@ -320,108 +290,28 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
       for (int j = 0; j < NG; ++j) wb[j] = e[j] + sub * kSubBytes;
       __m512i iacc[MT][NG];
       sub_dots<MT, NG>(xb, init, wb, iacc);
-      for (int i = 0; i < MT; ++i) {
-        const __m512 dx = _mm512_set1_ps(a.d[(m0 + i) * a.nb + b]);
-        for (int j = 0; j < NG; ++j)
-          _mm512_store_ps(facc[i][j], _mm512_fmadd_ps(_mm512_mul_ps(_mm512_load_ps(wsc[j][sub]), dx),
-                                                      _mm512_cvtepi32_ps(iacc[i][j]), _mm512_load_ps(facc[i][j])));
-      }
+      __m512 ws[NG];
+      for (int j = 0; j < NG; ++j) ws[j] = _mm512_load_ps(wsc[j][sub]);
+      pagedserve_gguf::accumulate<MT, NG>(a.d, a.nb, m0, b, ws, iacc, facc);
     }
   }
-  if constexpr (GATED) {
-#if defined(PAGEDSERVE_GGUF_K_GATED)
-    constexpr int P = NG / 2;
-    for (int j = 0; j < P; ++j) {
-      const int64_t ng = (g0 + j) * kCols, nu = (g0 + o.half + j) * kCols;
-      for (int i = 0; i < MT; ++i)
-        pagedserve_gguf::store_silu_mul(_mm512_load_ps(facc[i][j]), _mm512_load_ps(facc[i][j + P]), o, ng, nu,
-                                        (m0 + i) * o.ldy + ng);
-    }
-#endif
-    return;
-  }
-  for (int j = 0; j < NG; ++j) {
-    const int64_t n0 = (g0 + j) * kCols;
-    const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + n0) : _mm512_setzero_ps();
-    for (int i = 0; i < MT; ++i) {
-      __m512 v = _mm512_load_ps(facc[i][j]);
-      if (o.bias) v = _mm512_add_ps(v, bias);
-      const int64_t at = (m0 + i) * o.ldy + n0;
-      if (o.bf16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(o.y) + at), to_bf16(v));
-      else
-        _mm512_storeu_ps(static_cast<float*>(o.y) + at, v);
-    }
-  }
+  pagedserve_gguf::store_tile<MT, NG, GATED>(facc, m0, g0, o);
 }
 
-// The tile of h <= H rows at m0.
-template <int H, int NG, bool GATED = false>
-inline void tile_of_height(int64_t h, const Activations& a, const uint8_t* w, int64_t gs, int64_t m0, int64_t g0,
-                           const Output& o) {
-  if constexpr (H >= 1) {
-    if (h == H) return tile<H, NG, GATED>(a, w, gs, m0, g0, o);
-    tile_of_height<H - 1, NG, GATED>(h, a, w, gs, m0, g0, o);
-  }
-}
-
-// Rows [mb, me) of NG column groups from g0, in tiles of heights as even as they go (no short
-// tile that unpacks the weights for one row).
-template <int TM, int NG, bool GATED = false>
-void rows(const Activations& a, const uint8_t* w, int64_t gs, int64_t mb, int64_t me, int64_t g0, const Output& o) {
-  const int64_t count = me - mb;
-  if (count <= 0) return;
-  const int64_t tiles = (count + TM - 1) / TM;
-  for (int64_t t = 0, m0 = mb; t < tiles; ++t) {
-    const int64_t h = count / tiles + (t < count % tiles);
-    tile_of_height<TM, NG, GATED>(h, a, w, gs, m0, g0, o);
-    m0 += h;
-  }
-}
-
-// Rows [mb, me) of g <= NG column groups from g0.
-template <int TM, int NG>
-inline void rows_of_width(int64_t g, const Activations& a, const uint8_t* w, int64_t gs, int64_t mb, int64_t me,
-                          int64_t g0, const Output& o) {
-  if constexpr (NG >= 1) {
-    if (g == NG) return rows<TM, NG>(a, w, gs, mb, me, g0, o);
-    rows_of_width<TM, NG - 1>(g, a, w, gs, mb, me, g0, o);
-  }
-}
-
-// Column groups [gb, ge) for every row, on the calling thread.
-void run_groups(const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge, const Output& o) {
-  constexpr int TM = PAGEDSERVE_GGUF_IQ4XS_TILE_M, TG = PAGEDSERVE_GGUF_IQ4XS_TILE_G;
-  static_assert(TM >= 1 && TM <= 8 && TG >= 1 && TG <= 4, "IQ4_XS tiles: up to 8 rows x 4 groups");
-  const int64_t gs = (a.k / QKK) * kEntryBytes;
-  for (int64_t mb = 0; mb < M; mb += PAGEDSERVE_GGUF_IQ4XS_CHUNK_M) {
-    const int64_t me = std::min<int64_t>(M, mb + PAGEDSERVE_GGUF_IQ4XS_CHUNK_M);
-    for (int64_t g0 = gb; g0 < ge; g0 += TG)
-      rows_of_width<TM, TG>(std::min<int64_t>(TG, ge - g0), a, w, gs, mb, me, g0, o);
-  }
-}
-
-void run_tiled(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, const Output& o) {
-  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) { run_groups(a, w, M, gb, ge, o); });
-}
-
-#if defined(PAGEDSERVE_GGUF_K_GATED)
 #ifndef PAGEDSERVE_GGUF_IQ4XS_GATED_TILE_M
 #define PAGEDSERVE_GGUF_IQ4XS_GATED_TILE_M PAGEDSERVE_GGUF_IQ4XS_TILE_M
 #endif
-// As run_tiled, over the o.half gate groups, each tile taking its up group along.
-void run_gated(const Activations& a, const uint8_t* w, int64_t M, const Output& o) {
-  constexpr int TM = PAGEDSERVE_GGUF_IQ4XS_GATED_TILE_M;
-  static_assert(TM >= 1 && TM <= 8, "IQ4_XS gated tiles: up to 8 rows");
-  const int64_t gs = (a.k / QKK) * kEntryBytes;
-  at::parallel_for(0, o.half, 1, [&](int64_t gb, int64_t ge) {
-    for (int64_t mb = 0; mb < M; mb += PAGEDSERVE_GGUF_IQ4XS_CHUNK_M) {
-      const int64_t me = std::min<int64_t>(M, mb + PAGEDSERVE_GGUF_IQ4XS_CHUNK_M);
-      for (int64_t g0 = gb; g0 < ge; ++g0) rows<TM, 2, true>(a, w, gs, mb, me, g0, o);
-    }
-  });
-}
-#endif
+
+// The tiles' policy (quant_gguf_tiles.h).
+struct Tiles
+    : pagedserve_gguf::TileShape<QKK, kEntryBytes, PAGEDSERVE_GGUF_IQ4XS_CHUNK_M, PAGEDSERVE_GGUF_IQ4XS_TILE_M,
+                                 PAGEDSERVE_GGUF_IQ4XS_TILE_G, PAGEDSERVE_GGUF_IQ4XS_GATED_TILE_M> {
+  using Activations = ::Activations;
+  template <int MT, int NG, bool GATED>
+  static void tile(const Activations& a, const uint8_t* w, int64_t gs, int64_t m0, int64_t g0, const Output& o) {
+    ::tile<MT, NG, GATED>(a, w, gs, m0, g0, o);
+  }
+};
 
 #endif  // PAGEDSERVE_GGUF_IQ4XS_TILED
 
@@ -460,22 +350,7 @@ void gguf_iq4xs_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K
 // weight: uint8 [N, K/256 * 136] IQ4_XS blocks, N a multiple of 16 -> the packed layout above,
 // uint8 [N/16, K/256, 2176].
 torch::Tensor gguf_iq4xs_pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8, "gguf_pack_weight: uint8 [N, row_bytes]");
-  weight = weight.contiguous();
-  const int64_t N = weight.size(0), row_bytes = weight.size(1);
-  TORCH_CHECK(N % kCols == 0, "gguf_pack_weight: N=", N, " is not a multiple of ", kCols);
-  TORCH_CHECK(row_bytes % kBlockBytes == 0, "gguf_pack_weight: rows of ", row_bytes,
-              " bytes are not whole IQ4_XS blocks");
-  const int64_t nsb = row_bytes / kBlockBytes, groups = N / kCols;
-  auto out = torch::empty({groups, nsb, kEntryBytes}, weight.options());
-  const uint8_t* src = weight.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t s = 0; s < nsb; ++s)
-        pack_entry(src + g * kCols * row_bytes + s * kBlockBytes, row_bytes, dst + (g * nsb + s) * kEntryBytes);
-  });
-  return out;
+  return pagedserve_gguf::pack_groups(weight, kBlockBytes, "IQ4_XS blocks", pack_entry);
 }
 
 // Rows `ids` (int64 [n]) of a packed IQ4_XS weight [N/16, K/256, 2176] in the file's blocks,
@@ -483,25 +358,7 @@ torch::Tensor gguf_iq4xs_pack(torch::Tensor weight) {
 torch::Tensor gguf_iq4xs_unpack_rows(torch::Tensor packed, torch::Tensor ids) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.size(2) == kEntryBytes,
               "gguf_unpack_rows: packed IQ4_XS uint8 [N/16, K/256, 2176] expected");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "gguf_unpack_rows: ids must be int64 [n]");
-  packed = packed.contiguous();
-  ids = ids.contiguous();
-  const int64_t groups = packed.size(0), nsb = packed.size(1), n = ids.size(0);
-  auto out = torch::empty({n, nsb * kBlockBytes}, packed.options());
-  const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(id[i] >= 0 && id[i] < groups * kCols, "gguf_unpack_rows: row ", id[i], " out of range");
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = id[i] / kCols;
-      const int c = static_cast<int>(id[i] % kCols);
-      for (int64_t s = 0; s < nsb; ++s)
-        unpack_block(src + (g * nsb + s) * kEntryBytes, c, dst + (i * nsb + s) * kBlockBytes);
-    }
-  });
-  return out;
+  return pagedserve_gguf::unpack_group_rows(packed, ids, kBlockBytes, unpack_block);
 }
 
 // y [M, N] = quantized activations (xq [M, K], xd [M, K/32], xsum [M, K/32] their integer
@@ -510,9 +367,8 @@ torch::Tensor gguf_iq4xs_unpack_rows(torch::Tensor packed, torch::Tensor ids) {
 void gguf_iq4xs_tiled_gemm(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
                            const uint8_t* w, int64_t groups, void* y, bool y_bf16, const float* bias) {
 #if defined(PAGEDSERVE_GGUF_IQ4XS_TILED)
-  const Activations a{xq, xd, xsum, K, K / QK};
-  const Output o{y, y_bf16, bias, groups * kCols};
-  run_tiled(a, w, M, groups, o);
+  pagedserve_gguf::run_tiled<Tiles>(Activations{xq, xd, xsum, K, K / QK}, w, M, groups,
+                                    Output{y, y_bf16, bias, groups * kCols});
 #else
   (void)xq, (void)xd, (void)xsum, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
   TORCH_CHECK(false, "gguf_linear: this build has no tiled IQ4_XS kernel (AVX-512 VNNI)");
@@ -535,9 +391,8 @@ void gguf_iq4xs_tiled_gemm_silu(const int8_t* xq, const float* xd, const int32_t
                                 const uint8_t* w, int64_t groups, void* y, bool y_bf16, const float* bias) {
 #if defined(PAGEDSERVE_GGUF_IQ4XS_TILED) && defined(PAGEDSERVE_GGUF_K_GATED)
   TORCH_CHECK(groups % 2 == 0, "gguf_linear_silu_and_mul: ", groups, " column groups do not split into gate and up");
-  const Activations a{xq, xd, xsum, K, K / QK};
-  const Output o{y, y_bf16, bias, groups / 2 * kCols, groups / 2};
-  run_gated(a, w, M, o);
+  pagedserve_gguf::run_gated<Tiles>(Activations{xq, xd, xsum, K, K / QK}, w, M,
+                                    Output{y, y_bf16, bias, groups / 2 * kCols, groups / 2});
 #else
   (void)xq, (void)xd, (void)xsum, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
   TORCH_CHECK(false, "gguf_linear_silu_and_mul: this build has no gated IQ4_XS kernel");
@@ -549,10 +404,7 @@ void gguf_iq4xs_tiled_gemm_silu(const int8_t* xq, const float* xd, const int32_t
 PartRunner gguf_iq4xs_part(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
                            const uint8_t* w, bool y_bf16) {
 #if defined(PAGEDSERVE_GGUF_IQ4XS_TILED)
-  return [=](int64_t gb, int64_t ge, void* y, const float* bias, int64_t ldy) {
-    const Activations a{xq, xd, xsum, K, K / QK};
-    run_groups(a, w, M, gb, ge, Output{y, y_bf16, bias, ldy});
-  };
+  return pagedserve_gguf::part_runner<Tiles>(Activations{xq, xd, xsum, K, K / QK}, w, M, y_bf16);
 #else
   (void)xq, (void)xd, (void)xsum, (void)M, (void)K, (void)w, (void)y_bf16;
   TORCH_CHECK(false, "gguf_linear_multi: this build has no tiled IQ4_XS kernel (AVX-512 VNNI)");

@@ -45,14 +45,13 @@
 #include <vector>
 
 #include "quant_gguf_common.h"
-#include "quant_gguf_gated.h"
+#include "quant_gguf_tiles.h"
 
 using pagedserve_gguf::PartRunner;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 using pagedserve_gguf::Output;
 using pagedserve_gguf::prefetch_lines;
 using pagedserve_gguf::scaled_sums16;
-using pagedserve_gguf::to_bf16;
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -268,30 +267,16 @@ inline void unpack_scales16(const uint8_t* t, __m128i (&v)[8]) {
 // row i's x.  xb[i]: the row's 32 activations; wb[j]: the group's packed sub-block.
 template <int MT, int NG, int64_t T>
 inline void sub_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512i (&iacc)[MT][NG]) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_setzero_si512();
   __m512i fifth[NG];
   if constexpr (T == Q5_K)
     for (int j = 0; j < NG; ++j) fifth[j] = _mm512_loadu_si512(wb[j] + 256);
-#pragma GCC unroll 4
-  for (int p = 0; p < 4; ++p) {
-    __m512i raw[NG];
-    for (int j = 0; j < NG; ++j) raw[j] = _mm512_loadu_si512(wb[j] + p * 64);
-    for (int h = 0; h < 2; ++h) {
-      __m512i wv[NG];
-      for (int j = 0; j < NG; ++j) wv[j] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4);
-      if constexpr (T == Q5_K)
-        for (int j = 0; j < NG; ++j)  // wv | (fifth bit at bit 4 & 0x10)
-          wv[j] = _mm512_ternarylogic_epi32(wv[j], fifth_bits_at_4(fifth[j], 2 * p + h), _mm512_set1_epi8(0x10), 0xF8);
-      for (int i = 0; i < MT; ++i) {
-        int32_t x4;
-        std::memcpy(&x4, xb[i] + 8 * p + 4 * h, 4);
-        const __m512i xv = _mm512_set1_epi32(x4);
-        for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
-      }
-    }
-  }
+  pagedserve_gguf::nibble_dots<MT, NG>(xb, wb, iacc, [&](__m512i (&wv)[NG], int line) {
+    if constexpr (T == Q5_K)
+      for (int j = 0; j < NG; ++j)  // wv | (fifth bit at bit 4 & 0x10)
+        wv[j] = _mm512_ternarylogic_epi32(wv[j], fifth_bits_at_4(fifth[j], line), _mm512_set1_epi8(0x10), 0xF8);
+  });
 }
 
 // Q6_K: the integer dot products of one 16-value half of a sub-block, sum (q - 32) x: the
@@ -334,46 +319,25 @@ inline void half_dots(const int8_t* const* xh, const __m512i (&init)[MT], const 
         const __m512i lo = h ? _mm512_srli_epi16(raw[j], 4) : raw[j];
         wv[j] = _mm512_ternarylogic_epi32(lo, t, low4, 0xE4);  // low4 ? lo : t
       }
-      for (int i = 0; i < MT; ++i) {
-        int32_t x4;
-        std::memcpy(&x4, xh[i] + 4 * line, 4);
-        const __m512i xv = _mm512_set1_epi32(x4);
-        for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
-      }
+      pagedserve_gguf::dot4<MT, NG>(xh, 4 * line, wv, iacc);
     }
   }
 }
 
-// facc[i][j] += (wsc[j] * d_x(row i, block b)) * float(iacc[i][j]), the row kernel's float step.
-template <int MT, int NG>
-inline void accumulate(const Activations& a, int64_t m0, int64_t b, const __m512 (&wsc)[NG],
-                       const __m512i (&iacc)[MT][NG], float (&facc)[MT][NG][kCols]) {
-  for (int i = 0; i < MT; ++i) {
-    const __m512 dx = _mm512_set1_ps(a.d[(m0 + i) * a.nb + b]);
-    for (int j = 0; j < NG; ++j)
-      _mm512_store_ps(facc[i][j], _mm512_fmadd_ps(_mm512_mul_ps(wsc[j], dx), _mm512_cvtepi32_ps(iacc[i][j]),
-                                                  _mm512_load_ps(facc[i][j])));
-  }
-}
-
-// Rows [m0, m0 + MT) x NG column groups from g0.  Float accumulators in an L1 buffer (as
-// the Q4_x tile), integer accumulators MT x NG in registers; Q4_K / Q5_K's minimum term
-// (-dmin * mn * d_x * sum(x), per sub-block) summed in a second pass, in the same order.
-// GATED: the first NG/2 groups are gate groups g0.., the last NG/2 their up groups
-// g0 + o.half..; every lane sums exactly as in a plain tile, and the epilogue writes
-// silu(gate) * up at the gate columns (quant_gguf_gated.h).
-template <int MT, int NG, int64_t T, bool GATED = false>
+// Rows [m0, m0 + MT) x NG column groups from g0 (quant_gguf_tiles.h).  Float accumulators
+// in an L1 buffer (as the Q4_x tile), integer accumulators MT x NG in registers; Q4_K /
+// Q5_K's minimum term (-dmin * mn * d_x * sum(x), per sub-block) summed in a second pass, in
+// the same order.  GATED: the first NG/2 groups are gate groups g0.., the last NG/2 their up
+// groups g0 + o.half..; every lane sums exactly as in a plain tile.
+template <int MT, int NG, int64_t T, bool GATED>
 void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0, int64_t g0, const Output& o) {
   constexpr int SB = sub_bytes<T>();
   constexpr int EB = kCols * kblock_bytes<T>();
   alignas(64) float facc[MT][NG][kCols];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NG; ++j) _mm512_store_ps(facc[i][j], _mm512_setzero_ps());
-  const int64_t nsb = a.k / QKK;
   const int8_t* xr[MT];
-  for (int i = 0; i < MT; ++i) xr[i] = a.q + (m0 + i) * a.k;
   const uint8_t* wg[NG];
-  for (int j = 0; j < NG; ++j) wg[j] = w + (GATED && j >= NG / 2 ? g0 + o.half + j - NG / 2 : g0 + j) * group_stride;
+  pagedserve_gguf::tile_start<MT, NG, GATED>(a.q, a.k, w, group_stride, m0, g0, o, facc, xr, wg);
+  const int64_t nsb = a.k / QKK;
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* e[NG];
     for (int j = 0; j < NG; ++j) e[j] = wg[j] + s * EB;
@@ -395,7 +359,7 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
         sub_dots<MT, NG, T>(xb, wb, iacc);
         __m512 wsc[NG];
         for (int j = 0; j < NG; ++j) wsc[j] = _mm512_mul_ps(dv[j], bytes_to_ps(sc[j][sub]));  // d * sc, exact
-        accumulate<MT, NG>(a, m0, b, wsc, iacc, facc);
+        pagedserve_gguf::accumulate<MT, NG>(a.d, a.nb, m0, b, wsc, iacc, facc);
       }
     } else {
       // The first half's scaled sums wait in L1 for the second's: one d_x step per 32 values.
@@ -425,20 +389,7 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
             const __m128i scb = load128(e[j] + 8 * SB + 16 * (2 * sub + half));
             wsc[j] = _mm512_mul_ps(dv[j], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scb)));  // d * scale, exact
           }
-          if (half == 0) {
-            for (int i = 0; i < MT; ++i)
-              for (int j = 0; j < NG; ++j)
-                _mm512_store_ps(first[i][j], _mm512_mul_ps(wsc[j], _mm512_cvtepi32_ps(iacc[i][j])));
-          } else {  // facc += d_x * (first + d*scale * dot)
-            for (int i = 0; i < MT; ++i) {
-              const __m512 dx = _mm512_set1_ps(a.d[(m0 + i) * a.nb + b]);
-              for (int j = 0; j < NG; ++j) {
-                const __m512 dot = _mm512_cvtepi32_ps(iacc[i][j]);
-                const __m512 both = _mm512_fmadd_ps(wsc[j], dot, _mm512_load_ps(first[i][j]));
-                _mm512_store_ps(facc[i][j], _mm512_fmadd_ps(both, dx, _mm512_load_ps(facc[i][j])));
-              }
-            }
-          }
+          pagedserve_gguf::accumulate_half<MT, NG>(half, a.d, a.nb, m0, b, wsc, iacc, first, facc);
         }
       }
     }
@@ -466,33 +417,20 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
       }
     }
   }
-  if constexpr (GATED) {
-#if defined(PAGEDSERVE_GGUF_K_GATED)
-    constexpr int P = NG / 2;
-    for (int j = 0; j < P; ++j) {
-      const int64_t ng = (g0 + j) * kCols, nu = (g0 + o.half + j) * kCols;
-      for (int i = 0; i < MT; ++i)
-        pagedserve_gguf::store_silu_mul(_mm512_add_ps(_mm512_load_ps(facc[i][j]), fext[i][j]),
-                                        _mm512_add_ps(_mm512_load_ps(facc[i][j + P]), fext[i][j + P]), o, ng, nu,
-                                        (m0 + i) * o.ldy + ng);
-    }
-#endif
-    return;
-  }
-  for (int j = 0; j < NG; ++j) {
-    const int64_t n0 = (g0 + j) * kCols;
-    const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + n0) : _mm512_setzero_ps();
-    for (int i = 0; i < MT; ++i) {
-      __m512 v = _mm512_add_ps(_mm512_load_ps(facc[i][j]), fext[i][j]);
-      if (o.bias) v = _mm512_add_ps(v, bias);
-      const int64_t at = (m0 + i) * o.ldy + n0;
-      if (o.bf16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(o.y) + at), to_bf16(v));
-      else
-        _mm512_storeu_ps(static_cast<float*>(o.y) + at, v);
-    }
-  }
+  pagedserve_gguf::store_tile<MT, NG, GATED>(facc, fext, m0, g0, o);
 }
+
+// The tiles of type T (a policy, quant_gguf_tiles.h): TM x TG plain tiles, GTM-row gated tiles.
+template <int64_t T, int TM, int TG, int GTM>
+struct TilesOf
+    : pagedserve_gguf::TileShape<QKK, kCols * kblock_bytes<T>(), PAGEDSERVE_GGUF_K_CHUNK_M, TM, TG, GTM,
+                                 PAGEDSERVE_GGUF_K_GATED_PAIRS> {
+  using Activations = ::Activations;
+  template <int MT, int NG, bool GATED>
+  static void tile(const Activations& a, const uint8_t* w, int64_t gs, int64_t m0, int64_t g0, const Output& o) {
+    ::tile<MT, NG, T, GATED>(a, w, gs, m0, g0, o);
+  }
+};
 
 template <int64_t T>
 constexpr int tile_rows() {
@@ -502,112 +440,31 @@ template <int64_t T>
 constexpr int tile_groups() {
   return T == Q6_K ? PAGEDSERVE_GGUF_Q6K_TILE_G : PAGEDSERVE_GGUF_K_TILE_G;
 }
-constexpr int64_t kChunkM = PAGEDSERVE_GGUF_K_CHUNK_M;
-
-// The tile of h <= H rows at m0.
-template <int H, int NG, int64_t T, bool GATED = false>
-inline void tile_of_height(int64_t h, const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0,
-                           int64_t g0, const Output& o) {
-  if constexpr (H >= 1) {
-    if (h == H) return tile<H, NG, T, GATED>(a, w, group_stride, m0, g0, o);
-    tile_of_height<H - 1, NG, T, GATED>(h, a, w, group_stride, m0, g0, o);
-  }
-}
-
-// Rows [m_begin, m_end) of NG column groups from g0, in ceil(rows / TM) tiles of heights
-// as even as they go (as quant_gguf_packed.cpp: no short tile that unpacks the weights for
-// one row).
-template <int TM, int NG, int64_t T, bool GATED = false>
-void rows(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m_begin, int64_t m_end, int64_t g0,
-          const Output& o) {
-  const int64_t count = m_end - m_begin;
-  if (count <= 0) return;
-  const int64_t tiles = (count + TM - 1) / TM;
-  for (int64_t t = 0, m0 = m_begin; t < tiles; ++t) {
-    const int64_t h = count / tiles + (t < count % tiles);
-    tile_of_height<TM, NG, T, GATED>(h, a, w, group_stride, m0, g0, o);
-    m0 += h;
-  }
-}
-
-// Rows [m_begin, m_end) of g <= NG column groups from g0, TM-row tiles.
-template <int TM, int NG, int64_t T>
-inline void rows_of_width(int64_t g, const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m_begin,
-                          int64_t m_end, int64_t g0, const Output& o) {
-  if constexpr (NG >= 1) {
-    if (g == NG) return rows<TM, NG, T>(a, w, group_stride, m_begin, m_end, g0, o);
-    rows_of_width<TM, NG - 1, T>(g, a, w, group_stride, m_begin, m_end, g0, o);
-  }
-}
-
-// Column groups [gb, ge) in TG-group steps, every row chunk.
-template <int TM, int TG, int64_t T>
-void columns(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t M, int64_t gb, int64_t ge,
-             const Output& o) {
-  for (int64_t mb = 0; mb < M; mb += kChunkM) {
-    const int64_t me = std::min(M, mb + kChunkM);
-    for (int64_t g0 = gb; g0 < ge; g0 += TG)
-      rows_of_width<TM, TG, T>(std::min<int64_t>(TG, ge - g0), a, w, group_stride, mb, me, g0, o);
-  }
-}
-
-// Column groups [gb, ge) for all M rows, on the calling thread.
-template <int64_t T>
-void run_groups(const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge, const Output& o) {
-  constexpr int TM = tile_rows<T>(), TG = tile_groups<T>();
-  constexpr int SM = PAGEDSERVE_GGUF_K_SMALL_M, SG = PAGEDSERVE_GGUF_K_SMALL_G;
-  static_assert(TM >= 1 && TM <= 8 && TG >= 1 && TG <= 8, "tiles are instantiated up to 8 rows x 8 groups");
-  static_assert(SM >= 0 && SM <= TM && SG >= 1 && SG <= 8, "small tiles: at most the tile's rows, 8 groups");
-  const int64_t group_stride = (a.k / QKK) * kCols * kblock_bytes<T>();
-  if (SM > 0 && M <= SM)
-    columns<std::max(SM, 1), SG, T>(a, w, group_stride, M, gb, ge, o);
-  else
-    columns<TM, TG, T>(a, w, group_stride, M, gb, ge, o);
-}
-
-template <int64_t T>
-void run(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, const Output& o) {
-  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) { run_groups<T>(a, w, M, gb, ge, o); });
-}
-
-void run_groups_of(int64_t type, const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge,
-                   const Output& o) {
-  switch (type) {
-    case Q4_K: return run_groups<Q4_K>(a, w, M, gb, ge, o);
-    case Q5_K: return run_groups<Q5_K>(a, w, M, gb, ge, o);
-    case Q6_K: return run_groups<Q6_K>(a, w, M, gb, ge, o);
-  }
-  TORCH_CHECK(false, "gguf_packed_gemm: no K-quant tiled kernel for ggml type id ", type);
-}
-
-#if defined(PAGEDSERVE_GGUF_K_GATED)
 template <int64_t T>
 constexpr int gated_tile_rows() {
   return T == Q6_K ? PAGEDSERVE_GGUF_Q6K_GATED_TILE_M : PAGEDSERVE_GGUF_K_GATED_TILE_M;
 }
-
-// As run(), over the o.half gate groups, each tile taking its up groups along.
+static_assert(PAGEDSERVE_GGUF_K_SMALL_M >= 0 &&
+                  PAGEDSERVE_GGUF_K_SMALL_M <= std::min(PAGEDSERVE_GGUF_K_TILE_M, PAGEDSERVE_GGUF_Q6K_TILE_M),
+              "small tiles: at most the tiles' rows");
+// Type T's tiles; calls of at most PAGEDSERVE_GGUF_K_SMALL_M rows (0: none) in tiles of
+// PAGEDSERVE_GGUF_K_SMALL_G groups.
 template <int64_t T>
-void run_gated(const Activations& a, const uint8_t* w, int64_t M, const Output& o) {
-  constexpr int TM = gated_tile_rows<T>(), P = PAGEDSERVE_GGUF_K_GATED_PAIRS;
-  static_assert(TM >= 1 && TM <= 8 && P >= 1 && P <= 2, "gated tiles: up to 8 rows, 1 or 2 pairs");
-  const int64_t group_stride = (a.k / QKK) * kCols * kblock_bytes<T>();
-  at::parallel_for(0, o.half, 1, [&](int64_t gb, int64_t ge) {
-    for (int64_t mb = 0; mb < M; mb += kChunkM) {
-      const int64_t me = std::min(M, mb + kChunkM);
-      for (int64_t g0 = gb; g0 < ge;) {
-        if (ge - g0 >= P) {
-          rows<TM, 2 * P, T, true>(a, w, group_stride, mb, me, g0, o);
-          g0 += P;
-        } else {
-          rows<TM, 2, T, true>(a, w, group_stride, mb, me, g0, o);
-          g0 += 1;
-        }
-      }
-    }
-  });
+struct Tiles : TilesOf<T, tile_rows<T>(), tile_groups<T>(), gated_tile_rows<T>()> {
+  static constexpr int64_t kFewRows = PAGEDSERVE_GGUF_K_SMALL_M;
+  using Few = TilesOf<T, std::max(PAGEDSERVE_GGUF_K_SMALL_M, 1), PAGEDSERVE_GGUF_K_SMALL_G, gated_tile_rows<T>()>;
+};
+
+// f(Tiles<T>{}) for the K-quant type `type` (op: the caller's name, for the error).
+template <class F>
+void with_tiles(int64_t type, const char* op, F&& f) {
+  switch (type) {
+    case Q4_K: return f(Tiles<Q4_K>{});
+    case Q5_K: return f(Tiles<Q5_K>{});
+    case Q6_K: return f(Tiles<Q6_K>{});
+  }
+  TORCH_CHECK(false, op, ": no K-quant tiled kernel for ggml type id ", type);
 }
-#endif
 
 #endif  // PAGEDSERVE_GGUF_KPACKED
 
@@ -639,22 +496,10 @@ bool gguf_kpacked_type(int64_t type) {
 torch::Tensor gguf_kpack_weight(torch::Tensor weight, int64_t type) {
   TORCH_CHECK(gguf_kpacked_type(type), "gguf_pack_weight: no K-quant tiled kernel for ggml type id ", type);
   if (type == Q2_K) return gguf_q2k_pack_weight(weight);
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8, "gguf_pack_weight: uint8 [N, row_bytes]");
-  const int bb = kblock_bytes(type);
-  weight = weight.contiguous();
-  const int64_t N = weight.size(0), row_bytes = weight.size(1);
-  TORCH_CHECK(N % kCols == 0, "gguf_pack_weight: N=", N, " is not a multiple of ", kCols);
-  TORCH_CHECK(row_bytes % bb == 0, "gguf_pack_weight: rows of ", row_bytes, " bytes are not whole blocks");
-  const int64_t nsb = row_bytes / bb, groups = N / kCols;
-  auto out = torch::empty({groups, nsb, kCols * bb}, weight.options());
-  const uint8_t* src = weight.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t s = 0; s < nsb; ++s)
-        pack_kentry(src + g * kCols * row_bytes + s * bb, row_bytes, type, dst + (g * nsb + s) * kCols * bb);
-  });
-  return out;
+  return pagedserve_gguf::pack_groups(weight, kblock_bytes(type), "blocks",
+                                      [type](const uint8_t* w, int64_t row_bytes, uint8_t* dst) {
+                                        pack_kentry(w, row_bytes, type, dst);
+                                      });
 }
 
 namespace {
@@ -731,25 +576,10 @@ void unpack_block(const uint8_t* e, int c, int64_t type, uint8_t* blk) {
 torch::Tensor gguf_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor ids) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.size(2) % kCols == 0,
               "gguf_unpack_rows: packed uint8 [N/16, blocks, 16 * block_bytes] expected");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "gguf_unpack_rows: ids must be int64 [n]");
-  packed = packed.contiguous();
-  ids = ids.contiguous();
-  const int64_t groups = packed.size(0), nb = packed.size(1), eb = packed.size(2), bb = eb / kCols;
-  const int64_t n = ids.size(0);
-  auto out = torch::empty({n, nb * bb}, packed.options());
-  const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(id[i] >= 0 && id[i] < groups * kCols, "gguf_unpack_rows: row ", id[i], " out of range");
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = id[i] / kCols;
-      const int c = static_cast<int>(id[i] % kCols);
-      for (int64_t b = 0; b < nb; ++b) unpack_block(src + (g * nb + b) * eb, c, type, dst + (i * nb + b) * bb);
-    }
-  });
-  return out;
+  return pagedserve_gguf::unpack_group_rows(packed, ids, packed.size(2) / kCols,
+                                            [type](const uint8_t* e, int c, uint8_t* blk) {
+                                              unpack_block(e, c, type, blk);
+                                            });
 }
 
 // y [M, N] = quantized activations @ packed K-quant weight [N/16, K/256, 16 * bb]^T (+ bias
@@ -762,12 +592,8 @@ void gguf_kpacked_gemm(const int8_t* xq, const float* xd, const float* xds, int6
   const std::vector<int32_t> c16 = type == Q6_K ? scaled_sums16(xq, M, K, -32) : std::vector<int32_t>{};
   const Activations a{xq, xd, xds, c16.empty() ? nullptr : c16.data(), K, K / QK};
   const Output o{y, y_bf16, bias, groups * kCols};
-  switch (type) {
-    case Q4_K: run<Q4_K>(a, w, M, groups, o); return;
-    case Q5_K: run<Q5_K>(a, w, M, groups, o); return;
-    case Q6_K: run<Q6_K>(a, w, M, groups, o); return;
-  }
-  TORCH_CHECK(false, "gguf_packed_gemm: no K-quant tiled kernel for ggml type id ", type);
+  with_tiles(type, "gguf_packed_gemm",
+             [&](auto tiles) { pagedserve_gguf::run_tiled<decltype(tiles)>(a, w, M, groups, o); });
 #else
   (void)xq, (void)xd, (void)xds, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
   TORCH_CHECK(false, "gguf_packed_gemm: this build has no AVX-512 VNNI K-quant kernel (type ", type, ")");
@@ -795,12 +621,8 @@ void gguf_kpacked_gemm_silu(const int8_t* xq, const float* xd, const float* xds,
   const std::vector<int32_t> c16 = type == Q6_K ? scaled_sums16(xq, M, K, -32) : std::vector<int32_t>{};
   const Activations a{xq, xd, xds, c16.empty() ? nullptr : c16.data(), K, K / QK};
   const Output o{y, y_bf16, bias, groups / 2 * kCols, groups / 2};
-  switch (type) {
-    case Q4_K: run_gated<Q4_K>(a, w, M, o); return;
-    case Q5_K: run_gated<Q5_K>(a, w, M, o); return;
-    case Q6_K: run_gated<Q6_K>(a, w, M, o); return;
-  }
-  TORCH_CHECK(false, "gguf_linear_silu_and_mul: no gated K-quant kernel for ggml type id ", type);
+  with_tiles(type, "gguf_linear_silu_and_mul",
+             [&](auto tiles) { pagedserve_gguf::run_gated<decltype(tiles)>(a, w, M, o); });
 #else
   (void)xq, (void)xd, (void)xds, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
   TORCH_CHECK(false, "gguf_linear_silu_and_mul: this build has no gated K-quant kernel (type ", type, ")");
@@ -816,10 +638,11 @@ PartRunner gguf_kpacked_part(const int8_t* xq, const float* xd, const float* xds
   if (type == Q2_K) return gguf_q2k_part(xq, xd, M, K, w, y_bf16);
   auto c16 = std::make_shared<const std::vector<int32_t>>(type == Q6_K ? scaled_sums16(xq, M, K, -32)
                                                                        : std::vector<int32_t>{});
-  return [=](int64_t gb, int64_t ge, void* y, const float* bias, int64_t ldy) {
-    const Activations a{xq, xd, xds, c16->empty() ? nullptr : c16->data(), K, K / QK};
-    run_groups_of(type, a, w, M, gb, ge, Output{y, y_bf16, bias, ldy});
-  };
+  const Activations a{xq, xd, xds, c16->empty() ? nullptr : c16->data(), K, K / QK};
+  PartRunner run;
+  with_tiles(type, "gguf_linear_multi",
+             [&](auto tiles) { run = pagedserve_gguf::part_runner<decltype(tiles)>(a, w, M, y_bf16, c16); });
+  return run;
 #else
   (void)xq, (void)xd, (void)xds, (void)M, (void)K, (void)w, (void)y_bf16;
   TORCH_CHECK(false, "gguf_linear_multi: this build has no AVX-512 VNNI K-quant kernel (type ", type, ")");

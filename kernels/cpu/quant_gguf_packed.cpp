@@ -57,11 +57,12 @@
 
 #include "quant_gguf_common.h"
 #include "quant_gguf_iq4nl.h"
+#include "quant_gguf_tiles.h"
 
-// The gated epilogue (silu(gate) * up) is the main kernels' own SiLU-and-mul
-// (elementwise.h), so that the fused op rounds bit for bit as the two ops in sequence.
-#include "elementwise.h"
-#if defined(PAGEDSERVE_GGUF_PACKED) && defined(PAGEDSERVE_HAVE_AVX512)
+// The gated epilogue (silu(gate) * up, quant_gguf_gated.h) is the main kernels' own
+// SiLU-and-mul (elementwise.h), so that the fused op rounds bit for bit as the two ops in
+// sequence.
+#if defined(PAGEDSERVE_GGUF_PACKED) && defined(PAGEDSERVE_GGUF_K_GATED)
 #define PAGEDSERVE_GGUF_GATED 1
 #endif
 
@@ -166,6 +167,8 @@ void unpack_entry(const uint8_t* e, int c, int64_t type, uint8_t* blk) {
 
 #if defined(PAGEDSERVE_GGUF_PACKED)
 
+using pagedserve_gguf::Output;
+
 struct Activations {
   const int8_t* q;     // [M, K]
   const float* d;      // [M, nb]
@@ -173,33 +176,6 @@ struct Activations {
   const int32_t* sum;  // [M, nb] integer sums
   int64_t k, nb;
 };
-
-// Where a tile's results go: float32, or bf16 rounded to nearest even (torch's
-// .to(bfloat16)), bias (float32 [N], may be null) added first.  Gated tiles (see
-// tile()) pair column group g with group g + half and write silu(gate) * up at group g.
-struct Output {
-  void* y;
-  bool bf16;
-  const float* bias;
-  int64_t ldy;
-  int64_t half = 0;
-};
-
-// float32 -> bf16 rounded to nearest even, NaN kept quiet (as torch's .to(bfloat16);
-// vcvtneps2bf16 also flushes float32 subnormals to zero, which torch does not, a case
-// these sums never reach).  The fallback equals the instruction on every other input.
-inline __m256i to_bf16(__m512 v) {
-#if defined(__AVX512BF16__)
-  return (__m256i)_mm512_cvtneps_pbh(v);
-#else
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(r);
-#endif
-}
 
 template <int64_t TYPE>
 constexpr int group_block_bytes() {
@@ -262,12 +238,7 @@ inline void block_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512
     for (int p = 0; p < 8; ++p) {
       __m512i wv[NG];
       for (int j = 0; j < NG; ++j) wv[j] = _mm512_loadu_si512(wb[j] + p * 64);
-      for (int i = 0; i < MT; ++i) {
-        int32_t x4;
-        std::memcpy(&x4, xb[i] + 4 * p, 4);
-        const __m512i xv = _mm512_set1_epi32(x4);
-        for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
-      }
+      pagedserve_gguf::dot4<MT, NG>(xb, 4 * p, wv, iacc);
     }
   } else if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
 #if defined(__GFNI__)
@@ -307,83 +278,17 @@ inline void block_dots(const int8_t* const* xb, const uint8_t* const* wb, __m512
             wv[j] = _mm512_ternarylogic_epi32(raw[j], hi, _mm512_set1_epi8(0x07), 0xEC);  // (raw & 7) | hi
           }
         }
-        for (int i = 0; i < MT; ++i) {
-          int32_t x4;
-          std::memcpy(&x4, xb[i] + 8 * p + 4 * h, 4);
-          const __m512i xv = _mm512_set1_epi32(x4);
-          for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
-        }
+        pagedserve_gguf::dot4<MT, NG>(xb, 8 * p + 4 * h, wv, iacc);
       }
     }
   } else {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
     [[maybe_unused]] const __m512i levels = pagedserve_iq4nl::levels_u8_512();
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      // Low nibbles (k = 8p..8p+3) then high (8p+4..8p+7): only NG unpacked lines live.
-      __m512i raw[NG];
-      for (int j = 0; j < NG; ++j) raw[j] = _mm512_loadu_si512(wb[j] + p * 64);
-      for (int h = 0; h < 2; ++h) {
-        __m512i wv[NG];
-        for (int j = 0; j < NG; ++j) wv[j] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[j], 4) : raw[j], low4);
-        if constexpr (TYPE == IQ4_NL)  // nibble -> its level + 128
-          for (int j = 0; j < NG; ++j) wv[j] = _mm512_shuffle_epi8(levels, wv[j]);
-        for (int i = 0; i < MT; ++i) {
-          int32_t x4;
-          std::memcpy(&x4, xb[i] + 8 * p + 4 * h, 4);
-          const __m512i xv = _mm512_set1_epi32(x4);
-          for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
-        }
-      }
-    }
+    pagedserve_gguf::nibble_dots<MT, NG>(xb, wb, iacc, [&](__m512i (&wv)[NG], int) {
+      if constexpr (TYPE == IQ4_NL)  // nibble -> its level + 128
+        for (int j = 0; j < NG; ++j) wv[j] = _mm512_shuffle_epi8(levels, wv[j]);
+    });
   }
 }
-
-template <int NG, bool GATED>
-inline int64_t column_group(int64_t g0, int j, int64_t half) {
-  if constexpr (GATED) return j < NG / 2 ? g0 + j : g0 + half + j - NG / 2;
-  return g0 + j;
-}
-
-#if defined(PAGEDSERVE_GGUF_GATED)
-#if defined(PAGEDSERVE_HAVE_AVX512BF16)
-using GatedIsa = pagedserve_cpu::Avx512Bf16;
-#else
-using GatedIsa = pagedserve_cpu::Avx512;
-#endif
-
-// The gated tile's epilogue: gate and up (bias added) rounded as gguf_linear_out rounds
-// its output (to_bf16 for bf16; float32 kept otherwise), then silu_and_mul's own code.
-template <int MT, int NG>
-inline void store_gated(const float (&facc)[MT][NG][kCols], const __m512 (&fext)[MT][NG], int64_t g0, int64_t m0,
-                        const Output& o) {
-  using pagedserve_cpu::BF16;
-  using pagedserve_cpu::Elementwise;
-  constexpr int P = NG / 2;
-  for (int j = 0; j < P; ++j) {
-    const int64_t ng = (g0 + j) * kCols, nu = (g0 + o.half + j) * kCols;
-    for (int i = 0; i < MT; ++i) {
-      __m512 g = _mm512_add_ps(_mm512_load_ps(facc[i][j]), fext[i][j]);
-      __m512 u = _mm512_add_ps(_mm512_load_ps(facc[i][j + P]), fext[i][j + P]);
-      if (o.bias) {
-        g = _mm512_add_ps(g, _mm512_loadu_ps(o.bias + ng));
-        u = _mm512_add_ps(u, _mm512_loadu_ps(o.bias + nu));
-      }
-      const int64_t at = (m0 + i) * o.ldy + ng;
-      if (o.bf16) {
-        const auto widen = [](__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); };
-        GatedIsa::store(static_cast<BF16*>(o.y) + at,
-                        Elementwise<GatedIsa, BF16>::silu_mul(widen(to_bf16(g)), widen(to_bf16(u))));
-      } else {
-        GatedIsa::store(static_cast<float*>(o.y) + at, Elementwise<GatedIsa, float>::silu_mul(g, u));
-      }
-    }
-  }
-}
-#else
-template <int MT, int NG>
-inline void store_gated(const float (&)[MT][NG][kCols], const __m512 (&)[MT][NG], int64_t, int64_t, const Output&) {}
-#endif
 
 // Rows [m0, m0 + MT) x columns of NG groups starting at group g0.  The float32
 // accumulators live in an L1 buffer rather than registers, so that the register file
@@ -395,18 +300,16 @@ inline void store_gated(const float (&)[MT][NG][kCols], const __m512 (&)[MT][NG]
 // order whatever the tile shape.
 // GATED: the first NG/2 groups are gate columns g0.., the last NG/2 the up columns
 // g0 + o.half..; the epilogue rounds both as gguf_linear's output would be rounded and
-// writes silu_and_mul's result (the main kernels' silu_mul) at the gate columns.
-template <int MT, int NG, int64_t TYPE, bool GATED = false, class Cfg = TileCfg>
+// writes silu_and_mul's result (the main kernels' silu_mul) at the gate columns
+// (quant_gguf_tiles.h store_tile).
+template <int MT, int NG, int64_t TYPE, bool GATED, class Cfg>
 void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0, int64_t g0, const Output& o) {
   constexpr int gbb = group_block_bytes<TYPE>();
   constexpr int qb = TYPE == Q8_0 ? 512 : 256;
   alignas(64) float facc[MT][NG][kCols];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NG; ++j) _mm512_store_ps(facc[i][j], _mm512_setzero_ps());
-  const uint8_t* wg[NG];
-  for (int j = 0; j < NG; ++j) wg[j] = w + column_group<NG, GATED>(g0, j, o.half) * group_stride;
   const int8_t* xr[MT];
-  for (int i = 0; i < MT; ++i) xr[i] = a.q + (m0 + i) * a.k;
+  const uint8_t* wg[NG];
+  pagedserve_gguf::tile_start<MT, NG, GATED>(a.q, a.k, w, group_stride, m0, g0, o, facc, xr, wg);
   for (int64_t b = 0; b < a.nb; ++b) {
     const int8_t* xb[MT];
     for (int i = 0; i < MT; ++i) xb[i] = xr[i] + b * QK;
@@ -433,13 +336,7 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
     __m512 dw[NG];
     for (int j = 0; j < NG; ++j)
       dw[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[j] + qb)));
-    for (int i = 0; i < MT; ++i) {
-      const int64_t xi = (m0 + i) * a.nb + b;
-      const __m512 dx = _mm512_set1_ps(a.d[xi]);
-      for (int j = 0; j < NG; ++j)
-        _mm512_store_ps(facc[i][j], _mm512_fmadd_ps(_mm512_mul_ps(dw[j], dx), _mm512_cvtepi32_ps(iacc[i][j]),
-                                                    _mm512_load_ps(facc[i][j])));
-    }
+    pagedserve_gguf::accumulate<MT, NG>(a.d, a.nb, m0, b, dw, iacc, facc);
   }
   __m512 fext[MT][NG];
   for (int i = 0; i < MT; ++i)
@@ -455,77 +352,7 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
       }
     }
   }
-  if constexpr (GATED) {
-    store_gated<MT, NG>(facc, fext, g0, m0, o);
-    return;
-  }
-  for (int j = 0; j < NG; ++j) {
-    const int64_t n0 = (g0 + j) * kCols;
-    const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + n0) : _mm512_setzero_ps();
-    for (int i = 0; i < MT; ++i) {
-      __m512 v = _mm512_add_ps(_mm512_load_ps(facc[i][j]), fext[i][j]);
-      if (o.bias) v = _mm512_add_ps(v, bias);
-      const int64_t at = (m0 + i) * o.ldy + n0;
-      if (o.bf16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(o.y) + at),
-                            to_bf16(v));
-      else
-        _mm512_storeu_ps(static_cast<float*>(o.y) + at, v);
-    }
-  }
-}
-
-constexpr int kTileM = PAGEDSERVE_GGUF_TILE_M, kTileG = PAGEDSERVE_GGUF_TILE_G;
-// Rows per chunk: a multiple of every tile height up to 8 (only the last chunk of a
-// call has a partial row tile).
-constexpr int64_t kChunkM = PAGEDSERVE_GGUF_CHUNK_M;
-
-// The tile of h <= H rows at m0.
-template <int H, int NG, int64_t TYPE, bool GATED, class Cfg = TileCfg>
-inline void tile_of_height(int64_t h, const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0,
-                           int64_t g0, const Output& o) {
-  if constexpr (H >= 1) {
-    if (h == H) return tile<H, NG, TYPE, GATED, Cfg>(a, w, group_stride, m0, g0, o);
-    tile_of_height<H - 1, NG, TYPE, GATED, Cfg>(h, a, w, group_stride, m0, g0, o);
-  }
-}
-
-// Rows [m_begin, m_end) of NG column groups from g0, in ceil(rows / TM) tiles of heights
-// as even as they go (16 rows of 5-row tiles as 4 + 4 + 4 + 4, not 5 + 5 + 5 + 1: no
-// short tile that unpacks the weights for one row).
-template <int NG, int64_t TYPE, bool GATED = false, int TM = kTileM, class Cfg = TileCfg>
-void rows(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m_begin, int64_t m_end, int64_t g0,
-          const Output& o) {
-  static_assert(TM >= 1 && TM <= 8, "tiles are instantiated up to 8 rows");
-  const int64_t count = m_end - m_begin;
-  if (count <= 0) return;
-  const int64_t tiles = (count + TM - 1) / TM;
-  for (int64_t t = 0, m0 = m_begin; t < tiles; ++t) {
-    const int64_t h = count / tiles + (t < count % tiles);
-    tile_of_height<TM, NG, TYPE, GATED, Cfg>(h, a, w, group_stride, m0, g0, o);
-    m0 += h;
-  }
-}
-
-// Column groups [gb, ge) of one weight for all M rows, TG groups at a time (the last
-// tile narrower).  A tile's weights are read from memory once and reused from cache by
-// the following row tiles; large M (prefill) goes in chunks of rows whose activations
-// stay in L2 while the column tiles pass over them.
-template <int64_t TYPE, int TM, int TG, class Cfg = TileCfg>
-void run_tiles(const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge, const Output& o) {
-  static_assert(TM <= 8 && TG <= 4, "tile remainders are instantiated up to 8 rows x 4 groups");
-  const int64_t group_stride = a.nb * group_block_bytes<TYPE>();
-  for (int64_t mb = 0; mb < M; mb += kChunkM) {
-    const int64_t me = std::min(M, mb + kChunkM);
-    for (int64_t g0 = gb; g0 < ge; g0 += TG) {
-      switch (std::min<int64_t>(TG, ge - g0)) {
-        case 1: rows<1, TYPE, false, TM, Cfg>(a, w, group_stride, mb, me, g0, o); break;
-        case 2: rows<std::min(2, TG), TYPE, false, TM, Cfg>(a, w, group_stride, mb, me, g0, o); break;
-        case 3: rows<std::min(3, TG), TYPE, false, TM, Cfg>(a, w, group_stride, mb, me, g0, o); break;
-        default: rows<TG, TYPE, false, TM, Cfg>(a, w, group_stride, mb, me, g0, o); break;
-      }
-    }
-  }
+  pagedserve_gguf::store_tile<MT, NG, GATED>(facc, fext, m0, g0, o);
 }
 
 // Calls of at most this many rows (decode steps: one row tile, whose weights are read
@@ -555,40 +382,6 @@ struct FewRowsQ8Cfg : TileCfg {
   static constexpr int prefetch = PAGEDSERVE_GGUF_PREFETCH_Q8_FEW;
 };
 
-template <int64_t TYPE>
-void run_groups(const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge, const Output& o) {
-  constexpr int FM = PAGEDSERVE_GGUF_FEW_ROWS;
-  static_assert(FM >= 1 && FM <= 8, "few-row tiles are instantiated up to 8 rows");
-  if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
-    if (M <= FM) return run_tiles<TYPE, FM, PAGEDSERVE_GGUF_TILE_G_Q5_FEW, FewRowsQ5Cfg>(a, w, M, gb, ge, o);
-    return run_tiles<TYPE, PAGEDSERVE_GGUF_TILE_M_Q5, PAGEDSERVE_GGUF_TILE_G_Q5>(a, w, M, gb, ge, o);
-  } else if constexpr (TYPE == Q8_0) {
-    if (M <= FM) return run_tiles<TYPE, FM, PAGEDSERVE_GGUF_TILE_G_Q8_FEW, FewRowsQ8Cfg>(a, w, M, gb, ge, o);
-    return run_tiles<TYPE, kTileM, kTileG>(a, w, M, gb, ge, o);
-  } else {
-    return run_tiles<TYPE, kTileM, kTileG>(a, w, M, gb, ge, o);
-  }
-}
-
-template <int64_t TYPE>
-void run(const Activations& a, const uint8_t* w, int64_t M, int64_t groups, const Output& o) {
-  // Column groups split evenly across threads (both cores work at one row).
-  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) { run_groups<TYPE>(a, w, M, gb, ge, o); });
-}
-
-void run_groups_of(int64_t type, const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge,
-                   const Output& o) {
-  switch (type) {
-    case Q4_0: return run_groups<Q4_0>(a, w, M, gb, ge, o);
-    case Q4_1: return run_groups<Q4_1>(a, w, M, gb, ge, o);
-    case Q5_0: return run_groups<Q5_0>(a, w, M, gb, ge, o);
-    case Q5_1: return run_groups<Q5_1>(a, w, M, gb, ge, o);
-    case Q8_0: return run_groups<Q8_0>(a, w, M, gb, ge, o);
-    case IQ4_NL: return run_groups<IQ4_NL>(a, w, M, gb, ge, o);
-  }
-}
-
-#if defined(PAGEDSERVE_GGUF_GATED)
 // Gate/up column-group pairs per gated tile (2 x this many groups in registers).
 #ifndef PAGEDSERVE_GGUF_GATED_PAIRS
 #define PAGEDSERVE_GGUF_GATED_PAIRS 1
@@ -600,33 +393,51 @@ void run_groups_of(int64_t type, const Activations& a, const uint8_t* w, int64_t
 #ifndef PAGEDSERVE_GGUF_GATED_TILE_M_Q5
 #define PAGEDSERVE_GGUF_GATED_TILE_M_Q5 6
 #endif
-constexpr int kGatedPairs = PAGEDSERVE_GGUF_GATED_PAIRS;
+
 template <int64_t TYPE>
-constexpr int gated_tile_m() {
-  return TYPE == Q5_0 || TYPE == Q5_1 ? PAGEDSERVE_GGUF_GATED_TILE_M_Q5 : PAGEDSERVE_GGUF_GATED_TILE_M;
+constexpr bool has_q5_tiles() {
+  return TYPE == Q5_0 || TYPE == Q5_1;
 }
 
-// As run(), over the o.half gate groups, each tile taking its up groups along.
+// The tiles of TYPE with the choices Cfg (a policy, quant_gguf_tiles.h): TM x TG plain tiles,
+// rows in chunks of PAGEDSERVE_GGUF_CHUNK_M (a multiple of every tile height up to 8).
+template <int64_t TYPE, int TM, int TG, class Cfg = TileCfg>
+struct TilesOf
+    : pagedserve_gguf::TileShape<QK, group_block_bytes<TYPE>(), PAGEDSERVE_GGUF_CHUNK_M, TM, TG,
+                                 has_q5_tiles<TYPE>() ? PAGEDSERVE_GGUF_GATED_TILE_M_Q5 : PAGEDSERVE_GGUF_GATED_TILE_M,
+                                 PAGEDSERVE_GGUF_GATED_PAIRS> {
+  using Activations = ::Activations;
+  template <int MT, int NG, bool GATED>
+  static void tile(const Activations& a, const uint8_t* w, int64_t gs, int64_t m0, int64_t g0, const Output& o) {
+    ::tile<MT, NG, TYPE, GATED, Cfg>(a, w, gs, m0, g0, o);
+  }
+};
+
+// TYPE's tiles: Q5_x's taller and narrower; Q5_x's and Q8_0's calls of at most
+// PAGEDSERVE_GGUF_FEW_ROWS rows in their few-row tiles.
 template <int64_t TYPE>
-void run_gated(const Activations& a, const uint8_t* w, int64_t M, const Output& o) {
-  static_assert(kGatedPairs >= 1 && kGatedPairs <= 2, "gated tiles are instantiated for 1 or 2 pairs");
-  const int64_t group_stride = a.nb * group_block_bytes<TYPE>();
-  at::parallel_for(0, o.half, 1, [&](int64_t gb, int64_t ge) {
-    for (int64_t mb = 0; mb < M; mb += kChunkM) {
-      const int64_t me = std::min(M, mb + kChunkM);
-      for (int64_t g0 = gb; g0 < ge;) {
-        if (ge - g0 >= kGatedPairs) {
-          rows<2 * kGatedPairs, TYPE, true, gated_tile_m<TYPE>()>(a, w, group_stride, mb, me, g0, o);
-          g0 += kGatedPairs;
-        } else {
-          rows<2, TYPE, true, gated_tile_m<TYPE>()>(a, w, group_stride, mb, me, g0, o);
-          g0 += 1;
-        }
-      }
-    }
-  });
+struct Tiles : TilesOf<TYPE, has_q5_tiles<TYPE>() ? PAGEDSERVE_GGUF_TILE_M_Q5 : PAGEDSERVE_GGUF_TILE_M,
+                       has_q5_tiles<TYPE>() ? PAGEDSERVE_GGUF_TILE_G_Q5 : PAGEDSERVE_GGUF_TILE_G> {
+  static constexpr bool kQ5 = has_q5_tiles<TYPE>();
+  static constexpr int64_t kFewRows = kQ5 || TYPE == Q8_0 ? PAGEDSERVE_GGUF_FEW_ROWS : 0;
+  using Few = TilesOf<TYPE, PAGEDSERVE_GGUF_FEW_ROWS,
+                      kQ5 ? PAGEDSERVE_GGUF_TILE_G_Q5_FEW : PAGEDSERVE_GGUF_TILE_G_Q8_FEW,
+                      std::conditional_t<kQ5, FewRowsQ5Cfg, FewRowsQ8Cfg>>;
+};
+
+// f(Tiles<T>{}) for the ggml type `type` (op: the caller's name, for the error).
+template <class F>
+void with_tiles(int64_t type, const char* op, F&& f) {
+  switch (type) {
+    case Q4_0: return f(Tiles<Q4_0>{});
+    case Q4_1: return f(Tiles<Q4_1>{});
+    case Q5_0: return f(Tiles<Q5_0>{});
+    case Q5_1: return f(Tiles<Q5_1>{});
+    case Q8_0: return f(Tiles<Q8_0>{});
+    case IQ4_NL: return f(Tiles<IQ4_NL>{});
+  }
+  TORCH_CHECK(false, op, ": unsupported ggml type id ", type);
 }
-#endif
 
 #endif  // PAGEDSERVE_GGUF_PACKED
 
@@ -652,22 +463,10 @@ bool gguf_packed_available() {
 // layout above, uint8 [N/16, K/32, 16 * block_bytes].
 torch::Tensor gguf_pack_weight(torch::Tensor weight, int64_t type) {
   TORCH_CHECK(gguf_packed_available(), "gguf_pack_weight: this build has no AVX-512 VNNI packed kernel");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8, "gguf_pack_weight: uint8 [N, row_bytes]");
   const int bb = packed_block_bytes(type);
-  weight = weight.contiguous();
-  const int64_t N = weight.size(0), row_bytes = weight.size(1);
-  TORCH_CHECK(N % kCols == 0, "gguf_pack_weight: N=", N, " is not a multiple of ", kCols);
-  TORCH_CHECK(row_bytes % bb == 0, "gguf_pack_weight: rows of ", row_bytes, " bytes are not whole blocks");
-  const int64_t nb = row_bytes / bb, groups = N / kCols;
-  auto out = torch::empty({groups, nb, kCols * bb}, weight.options());
-  const uint8_t* src = weight.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < nb; ++b)
-        pack_entry(src + g * kCols * row_bytes + b * bb, row_bytes, type, bb, dst + (g * nb + b) * kCols * bb);
+  return pagedserve_gguf::pack_groups(weight, bb, "blocks", [&](const uint8_t* w, int64_t row_bytes, uint8_t* dst) {
+    pack_entry(w, row_bytes, type, bb, dst);
   });
-  return out;
 }
 
 // Rows `ids` (int64 [n]) of a packed Q5_0 / Q5_1 weight [N/16, nb, 16 * block_bytes] in
@@ -677,24 +476,9 @@ torch::Tensor gguf_packed_unpack_rows(torch::Tensor packed, int64_t type, torch:
   const int bb = packed_block_bytes(type);
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.size(2) == kCols * bb,
               "gguf_unpack_rows: packed uint8 [N/16, blocks, 16 * block_bytes] expected");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "gguf_unpack_rows: ids must be int64 [n]");
-  packed = packed.contiguous();
-  ids = ids.contiguous();
-  const int64_t groups = packed.size(0), nb = packed.size(1), eb = packed.size(2), n = ids.size(0);
-  auto out = torch::empty({n, nb * bb}, packed.options());
-  const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(id[i] >= 0 && id[i] < groups * kCols, "gguf_unpack_rows: row ", id[i], " out of range");
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = id[i] / kCols;
-      const int c = static_cast<int>(id[i] % kCols);
-      for (int64_t b = 0; b < nb; ++b) unpack_entry(src + (g * nb + b) * eb, c, type, dst + (i * nb + b) * bb);
-    }
+  return pagedserve_gguf::unpack_group_rows(packed, ids, bb, [type](const uint8_t* e, int c, uint8_t* blk) {
+    unpack_entry(e, c, type, blk);
   });
-  return out;
 }
 
 // y [M, N] = quantized activations @ packed weight [N/16, nb, 16 * block_bytes]^T (+ bias
@@ -705,15 +489,8 @@ void gguf_packed_gemm(const int8_t* xq, const float* xd, const float* xds, const
 #if defined(PAGEDSERVE_GGUF_PACKED)
   const Activations a{xq, xd, xds, xsum, K, K / QK};
   const Output o{y, y_bf16, bias, groups * kCols};
-  switch (type) {
-    case Q4_0: run<Q4_0>(a, w, M, groups, o); return;
-    case Q4_1: run<Q4_1>(a, w, M, groups, o); return;
-    case Q5_0: run<Q5_0>(a, w, M, groups, o); return;
-    case Q5_1: run<Q5_1>(a, w, M, groups, o); return;
-    case Q8_0: run<Q8_0>(a, w, M, groups, o); return;
-    case IQ4_NL: run<IQ4_NL>(a, w, M, groups, o); return;
-  }
-  TORCH_CHECK(false, "gguf_packed_gemm: unsupported ggml type id ", type);
+  with_tiles(type, "gguf_packed_gemm",
+             [&](auto tiles) { pagedserve_gguf::run_tiled<decltype(tiles)>(a, w, M, groups, o); });
 #else
   TORCH_CHECK(false, "gguf_packed_gemm: this build has no AVX-512 VNNI packed kernel");
 #endif
@@ -729,15 +506,8 @@ void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, 
   TORCH_CHECK(groups % 2 == 0, "gguf_packed_gemm_silu: ", groups, " column groups do not split into gate and up");
   const Activations a{xq, xd, xds, xsum, K, K / QK};
   const Output o{y, y_bf16, bias, groups / 2 * kCols, groups / 2};
-  switch (type) {
-    case Q4_0: run_gated<Q4_0>(a, w, M, o); return;
-    case Q4_1: run_gated<Q4_1>(a, w, M, o); return;
-    case Q5_0: run_gated<Q5_0>(a, w, M, o); return;
-    case Q5_1: run_gated<Q5_1>(a, w, M, o); return;
-    case Q8_0: run_gated<Q8_0>(a, w, M, o); return;
-    case IQ4_NL: run_gated<IQ4_NL>(a, w, M, o); return;
-  }
-  TORCH_CHECK(false, "gguf_packed_gemm_silu: unsupported ggml type id ", type);
+  with_tiles(type, "gguf_packed_gemm_silu",
+             [&](auto tiles) { pagedserve_gguf::run_gated<decltype(tiles)>(a, w, M, o); });
 #else
   TORCH_CHECK(false, "gguf_packed_gemm_silu: this build has no gated packed kernel");
 #endif
@@ -752,9 +522,11 @@ pagedserve_gguf::PartRunner gguf_packed_part(const int8_t* xq, const float* xd, 
                                              int64_t type, bool y_bf16) {
   packed_block_bytes(type);  // checks the type
 #if defined(PAGEDSERVE_GGUF_PACKED)
-  return [=](int64_t gb, int64_t ge, void* y, const float* bias, int64_t ldy) {
-    run_groups_of(type, Activations{xq, xd, xds, xsum, K, K / QK}, w, M, gb, ge, Output{y, y_bf16, bias, ldy});
-  };
+  const Activations a{xq, xd, xds, xsum, K, K / QK};
+  pagedserve_gguf::PartRunner run;
+  with_tiles(type, "gguf_linear_multi",
+             [&](auto tiles) { run = pagedserve_gguf::part_runner<decltype(tiles)>(a, w, M, y_bf16); });
+  return run;
 #else
   (void)xq, (void)xd, (void)xds, (void)xsum, (void)M, (void)K, (void)w, (void)y_bf16;
   TORCH_CHECK(false, "gguf_linear_multi: this build has no AVX-512 VNNI packed kernel");

@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "quant_gguf_common.h"
-#include "quant_gguf_gated.h"
+#include "quant_gguf_tiles.h"
 
 using pagedserve_gguf::half_to_float;
 using pagedserve_gguf::row_kernel_gemm;
@@ -44,7 +44,6 @@ using pagedserve_gguf::PartRunner;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 using pagedserve_gguf::Output;
 using pagedserve_gguf::prefetch_lines;
-using pagedserve_gguf::to_bf16;
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -82,6 +81,21 @@ constexpr int kDminAt = kDAt + 32;
 inline int q_of(const uint8_t* blk, int v) {
   const int h = v / 128, j = (v % 128) / 32, l = v % 32;
   return (blk[16 + 32 * h + l] >> (2 * j)) & 3;
+}
+
+// One (group, super-block) entry from the 16 columns' blocks (row stride row_bytes).
+void pack_entry(const uint8_t* w, int64_t row_bytes, uint8_t* e) {
+  std::memset(e, 0, kScalesAt);
+  for (int c = 0; c < kCols; ++c) {
+    const uint8_t* blk = w + c * row_bytes;
+    for (int k = 0; k < QKK; ++k) {
+      const int r = k / 16, i = (k % 16) / 4, t = k % 4;
+      e[64 * r + 4 * c + t] |= static_cast<uint8_t>(q_of(blk, k) << (2 * i));
+    }
+    for (int r = 0; r < 16; ++r) e[kScalesAt + 16 * r + c] = blk[r];
+    std::memcpy(e + kDAt + 2 * c, blk + 80, 2);
+    std::memcpy(e + kDminAt + 2 * c, blk + 82, 2);
+  }
 }
 
 // d_x * (integer sum of each 16 activations), float32 [M, K/16]: the minimum term's sums.
@@ -167,33 +181,7 @@ bool gguf_q2k_tiled() {
 
 // weight: uint8 [N, K/256 * 84] Q2_K blocks, N a multiple of 16 -> the packed layout above.
 torch::Tensor gguf_q2k_pack_weight(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8, "gguf_pack_weight: uint8 [N, row_bytes]");
-  weight = weight.contiguous();
-  const int64_t N = weight.size(0), row_bytes = weight.size(1);
-  TORCH_CHECK(N % kCols == 0, "gguf_pack_weight: N=", N, " is not a multiple of ", kCols);
-  TORCH_CHECK(row_bytes % kBlockBytes == 0, "gguf_pack_weight: rows of ", row_bytes, " bytes are not whole blocks");
-  const int64_t nsb = row_bytes / kBlockBytes, groups = N / kCols;
-  auto out = torch::empty({groups, nsb, kEntryBytes}, weight.options());
-  const uint8_t* src = weight.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t s = 0; s < nsb; ++s) {
-        uint8_t* e = dst + (g * nsb + s) * kEntryBytes;
-        std::memset(e, 0, kScalesAt);
-        for (int c = 0; c < kCols; ++c) {
-          const uint8_t* blk = src + (g * kCols + c) * row_bytes + s * kBlockBytes;
-          for (int k = 0; k < QKK; ++k) {
-            const int r = k / 16, i = (k % 16) / 4, t = k % 4;
-            e[64 * r + 4 * c + t] |= static_cast<uint8_t>(q_of(blk, k) << (2 * i));
-          }
-          for (int r = 0; r < 16; ++r) e[kScalesAt + 16 * r + c] = blk[r];
-          std::memcpy(e + kDAt + 2 * c, blk + 80, 2);
-          std::memcpy(e + kDminAt + 2 * c, blk + 82, 2);
-        }
-      }
-  });
-  return out;
+  return pagedserve_gguf::pack_groups(weight, kBlockBytes, "blocks", pack_entry);
 }
 
 // Column c's block, in the file's layout (blk), of the packed entry e.
@@ -251,21 +239,18 @@ inline void prefetch_ahead(const uint8_t* group, int64_t nsb, int64_t s, int pie
   }
 }
 
-// Rows [m0, m0 + MT) x NG column groups from g0.  Integer accumulators MT x NG in registers
-// (one per 32-value activation block), float ones in an L1 buffer; the minimum term in a
-// second pass over the super-blocks.  GATED: the first NG/2 groups are gate groups g0.., the
-// last NG/2 their up groups g0 + o.half.., the epilogue writes silu(gate) * up at the gate
-// columns (quant_gguf_gated.h), each lane summed as in a plain tile.
-template <int MT, int NG, bool GATED = false>
+// Rows [m0, m0 + MT) x NG column groups from g0 (quant_gguf_tiles.h).  Integer accumulators
+// MT x NG in registers (one per 32-value activation block), float ones in an L1 buffer; the
+// minimum term in a second pass over the super-blocks.  GATED: the first NG/2 groups are
+// gate groups g0.., the last NG/2 their up groups g0 + o.half.., each lane summed as in a
+// plain tile.
+template <int MT, int NG, bool GATED>
 void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t m0, int64_t g0, const Output& o) {
   alignas(64) float facc[MT][NG][kCols];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NG; ++j) _mm512_store_ps(facc[i][j], _mm512_setzero_ps());
-  const int64_t nsb = a.k / QKK;
   const int8_t* xr[MT];
-  for (int i = 0; i < MT; ++i) xr[i] = a.q + (m0 + i) * a.k;
   const uint8_t* wg[NG];
-  for (int j = 0; j < NG; ++j) wg[j] = w + (GATED && j >= NG / 2 ? g0 + o.half + j - NG / 2 : g0 + j) * group_stride;
+  pagedserve_gguf::tile_start<MT, NG, GATED>(a.q, a.k, w, group_stride, m0, g0, o, facc, xr, wg);
+  const int64_t nsb = a.k / QKK;
   const __m512i three = _mm512_set1_epi8(3);
   // Byte b of a line: 4 * (its column within the 128-bit lane) = b & 12.
   const __m512i lane_col = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);
@@ -297,20 +282,10 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
             // (q & 3) | 4 * column-in-lane: the table index of q * sc.
             wv[j] = _mm512_shuffle_epi8(table[j], _mm512_ternarylogic_epi32(q, three, lane_col, 0xEA));
           }
-          for (int i = 0; i < MT; ++i) {
-            int32_t x4;
-            std::memcpy(&x4, xr[i] + b * QK + 16 * h + 4 * line, 4);
-            const __m512i xv = _mm512_set1_epi32(x4);
-            for (int j = 0; j < NG; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
-          }
+          pagedserve_gguf::dot4<MT, NG>(xr, b * QK + 16 * h + 4 * line, wv, iacc);
         }
       }
-      for (int i = 0; i < MT; ++i) {
-        const __m512 dx = _mm512_set1_ps(a.d[(m0 + i) * a.nb + b]);
-        for (int j = 0; j < NG; ++j)
-          _mm512_store_ps(facc[i][j], _mm512_fmadd_ps(_mm512_mul_ps(dv[j], dx), _mm512_cvtepi32_ps(iacc[i][j]),
-                                                      _mm512_load_ps(facc[i][j])));
-      }
+      pagedserve_gguf::accumulate<MT, NG>(a.d, a.nb, m0, b, dv, iacc, facc);
     }
   }
   __m512 fext[MT][NG];
@@ -332,78 +307,23 @@ void tile(const Activations& a, const uint8_t* w, int64_t group_stride, int64_t 
       }
     }
   }
-  if constexpr (GATED) {
-#if defined(PAGEDSERVE_GGUF_K_GATED)
-    constexpr int P = NG / 2;
-    for (int j = 0; j < P; ++j) {
-      const int64_t ng = (g0 + j) * kCols, nu = (g0 + o.half + j) * kCols;
-      for (int i = 0; i < MT; ++i)
-        pagedserve_gguf::store_silu_mul(_mm512_add_ps(_mm512_load_ps(facc[i][j]), fext[i][j]),
-                                        _mm512_add_ps(_mm512_load_ps(facc[i][j + P]), fext[i][j + P]), o, ng, nu,
-                                        (m0 + i) * o.ldy + ng);
-    }
+  pagedserve_gguf::store_tile<MT, NG, GATED>(facc, fext, m0, g0, o);
+}
+
+// Gated tiles' rows.
+#ifndef PAGEDSERVE_GGUF_Q2K_GATED_TILE_M
+#define PAGEDSERVE_GGUF_Q2K_GATED_TILE_M 4
 #endif
-    return;
-  }
-  for (int j = 0; j < NG; ++j) {
-    const int64_t n0 = (g0 + j) * kCols;
-    const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + n0) : _mm512_setzero_ps();
-    for (int i = 0; i < MT; ++i) {
-      __m512 v = _mm512_add_ps(_mm512_load_ps(facc[i][j]), fext[i][j]);
-      if (o.bias) v = _mm512_add_ps(v, bias);
-      const int64_t at = (m0 + i) * o.ldy + n0;
-      if (o.bf16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(o.y) + at), to_bf16(v));
-      else
-        _mm512_storeu_ps(static_cast<float*>(o.y) + at, v);
-    }
-  }
-}
 
-// The tile of h <= H rows at m0.
-template <int H, int NG, bool GATED = false>
-inline void tile_of_height(int64_t h, const Activations& a, const uint8_t* w, int64_t stride, int64_t m0, int64_t g0,
-                           const Output& o) {
-  if constexpr (H >= 1) {
-    if (h == H) return tile<H, NG, GATED>(a, w, stride, m0, g0, o);
-    tile_of_height<H - 1, NG, GATED>(h, a, w, stride, m0, g0, o);
+// The tiles' policy (quant_gguf_tiles.h).
+struct Tiles : pagedserve_gguf::TileShape<QKK, kEntryBytes, PAGEDSERVE_GGUF_Q2K_CHUNK_M, PAGEDSERVE_GGUF_Q2K_TILE_M,
+                                          PAGEDSERVE_GGUF_Q2K_TILE_G, PAGEDSERVE_GGUF_Q2K_GATED_TILE_M> {
+  using Activations = ::Activations;
+  template <int MT, int NG, bool GATED>
+  static void tile(const Activations& a, const uint8_t* w, int64_t gs, int64_t m0, int64_t g0, const Output& o) {
+    ::tile<MT, NG, GATED>(a, w, gs, m0, g0, o);
   }
-}
-
-// Rows [mb, me) of NG column groups from g0, in tiles of heights as even as they go.
-template <int TM, int NG, bool GATED = false>
-void rows(const Activations& a, const uint8_t* w, int64_t stride, int64_t mb, int64_t me, int64_t g0,
-          const Output& o) {
-  const int64_t count = me - mb;
-  if (count <= 0) return;
-  const int64_t tiles = (count + TM - 1) / TM;
-  for (int64_t t = 0, m0 = mb; t < tiles; ++t) {
-    const int64_t h = count / tiles + (t < count % tiles);
-    tile_of_height<TM, NG, GATED>(h, a, w, stride, m0, g0, o);
-    m0 += h;
-  }
-}
-
-template <int TM, int NG>
-inline void rows_of_width(int64_t g, const Activations& a, const uint8_t* w, int64_t stride, int64_t mb, int64_t me,
-                          int64_t g0, const Output& o) {
-  if constexpr (NG >= 1) {
-    if (g == NG) return rows<TM, NG>(a, w, stride, mb, me, g0, o);
-    rows_of_width<TM, NG - 1>(g, a, w, stride, mb, me, g0, o);
-  }
-}
-
-// Column groups [gb, ge) for every row, on the calling thread.
-void run_groups(const Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge, const Output& o) {
-  constexpr int TM = PAGEDSERVE_GGUF_Q2K_TILE_M, TG = PAGEDSERVE_GGUF_Q2K_TILE_G;
-  static_assert(TM >= 1 && TM <= 8 && TG >= 1 && TG <= 8, "tiles of up to 8 rows x 8 groups");
-  const int64_t stride = (a.k / QKK) * kEntryBytes;
-  for (int64_t mb = 0; mb < M; mb += PAGEDSERVE_GGUF_Q2K_CHUNK_M) {
-    const int64_t me = std::min<int64_t>(M, mb + PAGEDSERVE_GGUF_Q2K_CHUNK_M);
-    for (int64_t g0 = gb; g0 < ge; g0 += TG)
-      rows_of_width<TM, TG>(std::min<int64_t>(TG, ge - g0), a, w, stride, mb, me, g0, o);
-  }
-}
+};
 
 }  // namespace
 #endif  // PAGEDSERVE_GGUF_Q2K_TILED
@@ -415,9 +335,8 @@ void gguf_q2k_packed_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t 
                           void* y, bool y_bf16, const float* bias) {
 #if defined(PAGEDSERVE_GGUF_Q2K_TILED)
   const std::vector<float> s16 = sums16(xq, xd, M, K);
-  const Activations a{xq, xd, s16.data(), K, K / QK, K / 16};
-  const Output o{y, y_bf16, bias, groups * kCols};
-  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) { run_groups(a, w, M, gb, ge, o); });
+  pagedserve_gguf::run_tiled<Tiles>(Activations{xq, xd, s16.data(), K, K / QK, K / 16}, w, M, groups,
+                                    Output{y, y_bf16, bias, groups * kCols});
 #else
   (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
   TORCH_CHECK(false, "gguf_packed_gemm: this build has no AVX-512 VNNI Q2_K kernel");
@@ -433,29 +352,15 @@ bool gguf_q2k_gated() {
 #endif
 }
 
-// Gated tiles (gate/up pairs per tile) and their rows.
-#ifndef PAGEDSERVE_GGUF_Q2K_GATED_TILE_M
-#define PAGEDSERVE_GGUF_Q2K_GATED_TILE_M 4
-#endif
-
 // silu(y[:, :d]) * y[:, d:] of gguf_q2k_packed_gemm for a packed [gate; up] weight of
 // `groups` column groups (d = 8 * groups), y [M, d], each half rounded first as
 // gguf_q2k_packed_gemm rounds its output, then the main kernels' SiLU-and-mul.
 void gguf_q2k_packed_gemm_silu(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
                                int64_t groups, void* y, bool y_bf16, const float* bias) {
 #if defined(PAGEDSERVE_GGUF_Q2K_TILED) && defined(PAGEDSERVE_GGUF_K_GATED)
-  constexpr int TM = PAGEDSERVE_GGUF_Q2K_GATED_TILE_M;
-  static_assert(TM >= 1 && TM <= 8, "tiles of up to 8 rows");
   const std::vector<float> s16 = sums16(xq, xd, M, K);
-  const Activations a{xq, xd, s16.data(), K, K / QK, K / 16};
-  const Output o{y, y_bf16, bias, groups / 2 * kCols, groups / 2};
-  const int64_t stride = (K / QKK) * kEntryBytes;
-  at::parallel_for(0, o.half, 1, [&](int64_t gb, int64_t ge) {
-    for (int64_t mb = 0; mb < M; mb += PAGEDSERVE_GGUF_Q2K_CHUNK_M) {
-      const int64_t me = std::min<int64_t>(M, mb + PAGEDSERVE_GGUF_Q2K_CHUNK_M);
-      for (int64_t g0 = gb; g0 < ge; ++g0) rows<TM, 2, true>(a, w, stride, mb, me, g0, o);
-    }
-  });
+  pagedserve_gguf::run_gated<Tiles>(Activations{xq, xd, s16.data(), K, K / QK, K / 16}, w, M,
+                                    Output{y, y_bf16, bias, groups / 2 * kCols, groups / 2});
 #else
   (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
   TORCH_CHECK(false, "gguf_linear_silu_and_mul: this build has no gated Q2_K kernel");
@@ -467,10 +372,7 @@ void gguf_q2k_packed_gemm_silu(const int8_t* xq, const float* xd, int64_t M, int
 PartRunner gguf_q2k_part(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, bool y_bf16) {
 #if defined(PAGEDSERVE_GGUF_Q2K_TILED)
   auto s16 = std::make_shared<const std::vector<float>>(sums16(xq, xd, M, K));
-  return [=](int64_t gb, int64_t ge, void* y, const float* bias, int64_t ldy) {
-    const Activations a{xq, xd, s16->data(), K, K / QK, K / 16};
-    run_groups(a, w, M, gb, ge, Output{y, y_bf16, bias, ldy});
-  };
+  return pagedserve_gguf::part_runner<Tiles>(Activations{xq, xd, s16->data(), K, K / QK, K / 16}, w, M, y_bf16, s16);
 #else
   (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)y_bf16;
   TORCH_CHECK(false, "gguf_linear_multi: this build has no AVX-512 VNNI Q2_K kernel");

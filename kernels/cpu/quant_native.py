@@ -34,7 +34,8 @@ SOURCES: tuple[str, ...] = (
 )
 #: Headers of the main kernels the gated epilogue includes (its SiLU-and-mul), and
 #: IQ4_NL's table (quant_gguf_iq4nl.h, IQ4_XS's too), the GGUF files' shared helpers
-#: (quant_gguf_common.h) and the K-quants' gated epilogue (quant_gguf_gated.h).
+#: (quant_gguf_common.h), the tiled kernels' gated epilogue (quant_gguf_gated.h) and their
+#: tiling and work split (quant_gguf_tiles.h).
 HEADERS: tuple[str, ...] = (
     "elementwise.h",
     "kernels.h",
@@ -42,6 +43,7 @@ HEADERS: tuple[str, ...] = (
     "quant_gguf_iq4nl.h",
     "quant_gguf_common.h",
     "quant_gguf_gated.h",
+    "quant_gguf_tiles.h",
 )
 
 
