@@ -34,6 +34,34 @@ def check(fn, args, dtype=BF16, what: str = "") -> None:
     assert_close(got, expected, dtype, what)
 
 
+def load_or_skip(unavailable_reason, load, what: str, isa: str):
+    """The kernel ``load()`` gives where the CPU has ``isa``; elsewhere the test is skipped
+    with ``unavailable_reason()``.  A CPU that has it and a kernel that did not build or
+    load is a failure."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no {what} here: {reason}")
+    kernel = load()
+    if kernel is None:
+        pytest.fail(f"the CPU has {isa} but the {what} kernel did not build or load (see the warning)")
+    return kernel
+
+
+def over_mixed_batch_shapes(test):
+    """Parametrizes ``test`` over head sizes, block sizes and head groupings (MHA, GQA, MQA)."""
+    heads = [(4, 4), (9, 3), (8, 2), (16, 1)]
+    test = pytest.mark.parametrize("heads", heads, ids=["mha", "gqa3", "gqa4", "mqa16"])(test)
+    test = pytest.mark.parametrize("block_size", [16, 32, 8])(test)
+    return pytest.mark.parametrize("head_size", [64, 96, 128, 256])(test)
+
+
+def check_mixed_batch(fn, key: tuple, head_size: int, block_size: int, heads, what: str) -> None:
+    """MIXED (prefills, chunks after a prefix hit, decodes, an empty sequence) at one shape;
+    ``key`` starts the inputs' seed."""
+    args = make_batch(MIXED, *heads, head_size, block_size, BF16, gen_for(*key, head_size, block_size, heads))
+    check(fn, args, what=f"{what} d={head_size} bs={block_size} heads={heads}")
+
+
 def check_default_model_prefill_chunk(fn, tag: str, head_major: bool, threads: int) -> None:
     """The default model's shapes: a 512-token chunk after 512 cached tokens, beside decodes."""
     args = make_batch(

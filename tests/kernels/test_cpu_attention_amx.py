@@ -18,30 +18,24 @@ from tests.kernels.paged_attention_checks import (
     check,
     check_default_model_prefill_chunk,
     check_deterministic_across_calls_and_threads,
+    check_mixed_batch,
     check_rejects_bad_block_ids,
     check_unsupported_features_run_the_fallback,
     gen_for,
+    load_or_skip,
+    over_mixed_batch_shapes,
 )
 from tests.kernels.test_cpu_kernels import assert_close, make_batch
 
 
 @pytest.fixture(scope="module")
 def amx():
-    reason = amx_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"no AMX attention here: {reason}")
-    kernel = load_amx_attention()
-    if kernel is None:
-        pytest.fail("the CPU has AMX but the AMX attention kernel did not build or load (see the warning)")
-    return kernel
+    return load_or_skip(amx_unavailable_reason, load_amx_attention, "AMX attention", "AMX")
 
 
-@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
-@pytest.mark.parametrize("block_size", [16, 32, 8])
-@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2), (16, 1)], ids=["mha", "gqa3", "gqa4", "mqa16"])
+@over_mixed_batch_shapes
 def test_amx_mixed_batch(amx, head_size, block_size, heads):
-    args = make_batch(MIXED, *heads, head_size, block_size, BF16, gen_for(head_size, block_size, heads))
-    check(amx.paged_attention, args, what=f"amx d={head_size} bs={block_size} heads={heads}")
+    check_mixed_batch(amx.paged_attention, (), head_size, block_size, heads, "amx")
 
 
 @pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])

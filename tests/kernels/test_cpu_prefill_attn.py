@@ -10,36 +10,31 @@ import pytest
 from pagedserve.kernels.cpu.prefill_attn import bf16_prefill_unavailable_reason, load_bf16_prefill_attention
 from tests.kernels.paged_attention_checks import (
     BF16,
-    MIXED,
     check,
     check_default_model_prefill_chunk,
     check_deterministic_across_calls_and_threads,
+    check_mixed_batch,
     check_rejects_bad_block_ids,
     check_unsupported_features_run_the_fallback,
     gen_for,
+    load_or_skip,
+    over_mixed_batch_shapes,
 )
 from tests.kernels.test_cpu_kernels import make_batch
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    reason = bf16_prefill_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"no AVX-512 BF16 prefill attention here: {reason}")
-    loaded = load_bf16_prefill_attention()
-    if loaded is None:
-        pytest.fail("the CPU has AVX-512 BF16 but the prefill attention kernel did not build or load (see the warning)")
-    return loaded
+    return load_or_skip(
+        bf16_prefill_unavailable_reason, load_bf16_prefill_attention, "AVX-512 BF16 prefill attention", "AVX-512 BF16"
+    )
 
 
-@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
-@pytest.mark.parametrize("block_size", [16, 32, 8])
-@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2), (16, 1)], ids=["mha", "gqa3", "gqa4", "mqa16"])
+@over_mixed_batch_shapes
 def test_mixed_batch(kernel, head_size, block_size, heads):
     """Prefills from scratch, chunks after a prefix hit, decodes, an empty sequence, odd
     lengths around the 6- and 12-row tiles and the 32- and 64-key spans."""
-    args = make_batch(MIXED, *heads, head_size, block_size, BF16, gen_for("bf16", head_size, block_size, heads))
-    check(kernel.paged_attention, args, what=f"bf16 prefill d={head_size} bs={block_size} heads={heads}")
+    check_mixed_batch(kernel.paged_attention, ("bf16",), head_size, block_size, heads, "bf16 prefill")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 11, 12, 13, 25])

@@ -8,8 +8,6 @@ reference; chat content parts."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from vlm_checks import (
@@ -20,13 +18,12 @@ from vlm_checks import (
     check_engine_matches,
     check_image_prefix_caching,
     check_mrope_positions,
+    check_mrope_rotation,
     expected_greedy,
     image_prompts,
     make_llm,
 )
 
-from pagedserve.kernels import reference
-from pagedserve.models.layers import MRotaryEmbedding
 from pagedserve.testing.tiny_vlm import hf_greedy_qwen, random_image
 
 transformers = pytest.importorskip("transformers")
@@ -40,29 +37,19 @@ MAX_NEW = IMAGE_PROMPTS_MAX_NEW
 def test_mrope_matches_transformers_and_reference():
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding, apply_rotary_pos_emb
 
-    section, head_dim, n = [4, 6, 6], 32, 11
+    section = [4, 6, 6]
     cfg = transformers.Qwen2_5_VLTextConfig(
         hidden_size=64,
         num_attention_heads=2,
-        head_dim=head_dim,
+        head_dim=32,
         rope_scaling={"rope_type": "default", "mrope_section": section},
     )
-    gen = torch.Generator().manual_seed(3)
-    positions = torch.randint(0, 40, (3, n), generator=gen)
-    q = torch.randn(n, 2, head_dim, generator=gen)
-    k = torch.randn(n, 1, head_dim, generator=gen)
-    cos, sin = Qwen2_5_VLRotaryEmbedding(cfg)(q, positions.unsqueeze(1))  # [3, 1, n, d] -> [1, n, d]
-    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    rope = MRotaryEmbedding(head_dim, 64, cfg.rope_parameters["rope_theta"], None, [torch.device("cpu")], section)
-    ops = SimpleNamespace(rotary_embedding=reference.rotary_embedding)
-    got_q, got_k = rope(ops, 0, positions, q, k)
-    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-    ref_q, ref_k = reference.mrope_rotary_embedding(positions, q, k, rope.tables[0], section)
-    torch.testing.assert_close(got_q, ref_q, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(got_k, ref_k, atol=1e-6, rtol=1e-6)
+    theta = cfg.rope_parameters["rope_theta"]
+    rope, ops, positions, q, k, _ = check_mrope_rotation(
+        Qwen2_5_VLRotaryEmbedding(cfg), apply_rotary_pos_emb, theta, section
+    )
     # Three equal positions are plain RoPE.
-    same = positions[:1].expand(3, n)
+    same = positions[:1].expand(3, q.shape[0])
     plain = rope(ops, 0, positions[0], q, k)
     torch.testing.assert_close(rope(ops, 0, same, q, k)[0], plain[0])
 

@@ -8,8 +8,6 @@ transformers' rotary embedding and the plain-torch reference; chat content parts
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from vlm_checks import (
@@ -20,6 +18,7 @@ from vlm_checks import (
     check_engine_matches,
     check_image_prefix_caching,
     check_mrope_positions,
+    check_mrope_rotation,
     check_output,
     expected_greedy,
     greedy_params,
@@ -28,7 +27,6 @@ from vlm_checks import (
     make_llm,
 )
 
-from pagedserve.kernels import reference
 from pagedserve.models.layers import MRotaryEmbedding
 from pagedserve.models.rope import mrope_parts
 from pagedserve.testing.tiny_vlm import hf_greedy_qwen, random_image
@@ -45,12 +43,12 @@ def test_interleaved_mrope_matches_transformers_and_reference():
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding, apply_rotary_pos_emb
 
     # 16 frequencies: height/width alternate up to 15, the last one stays temporal.
-    section, head_dim, n = [6, 5, 5], 32, 11
+    section = [6, 5, 5]
     assert mrope_parts(section, True) == [0, 1, 2] * 5 + [0]
     cfg = transformers.Qwen3VLTextConfig(
         hidden_size=64,
         num_attention_heads=2,
-        head_dim=head_dim,
+        head_dim=32,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 5000.0,
@@ -58,22 +56,11 @@ def test_interleaved_mrope_matches_transformers_and_reference():
             "mrope_interleaved": True,
         },
     )
-    gen = torch.Generator().manual_seed(3)
-    positions = torch.randint(0, 40, (3, n), generator=gen)
-    q = torch.randn(n, 2, head_dim, generator=gen)
-    k = torch.randn(n, 1, head_dim, generator=gen)
-    cos, sin = Qwen3VLTextRotaryEmbedding(cfg)(q, positions.unsqueeze(1))
-    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    rope = MRotaryEmbedding(head_dim, 64, 5000.0, None, [torch.device("cpu")], section, interleaved=True)
-    ops = SimpleNamespace(rotary_embedding=reference.rotary_embedding)
-    got_q, got_k = rope(ops, 0, positions, q, k)
-    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-    ref_q, ref_k = reference.mrope_rotary_embedding(positions, q, k, rope.tables[0], section, interleaved=True)
-    torch.testing.assert_close(got_q, ref_q, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(got_k, ref_k, atol=1e-6, rtol=1e-6)
+    _, ops, positions, q, k, got_q = check_mrope_rotation(
+        Qwen3VLTextRotaryEmbedding(cfg), apply_rotary_pos_emb, 5000.0, section, interleaved=True
+    )
     # The contiguous split (Qwen2.5-VL) is another rotation.
-    contiguous = MRotaryEmbedding(head_dim, 64, 5000.0, None, [torch.device("cpu")], section)
+    contiguous = MRotaryEmbedding(32, 64, 5000.0, None, [torch.device("cpu")], section)
     assert not torch.allclose(contiguous(ops, 0, positions, q, k)[0], got_q, atol=1e-3)
 
 

@@ -7,8 +7,13 @@ the image's cached blocks, chat content parts); each takes the model's own
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
+
+import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.kernels import reference
+from pagedserve.models.layers import MRotaryEmbedding
 from pagedserve.testing.tiny_vlm import png_data_uri, random_image
 
 __all__ = [
@@ -19,6 +24,7 @@ __all__ = [
     "check_engine_matches",
     "check_image_prefix_caching",
     "check_mrope_positions",
+    "check_mrope_rotation",
     "check_output",
     "expected_greedy",
     "greedy_params",
@@ -171,3 +177,26 @@ def check_mrope_positions(folder, model) -> None:
         assert got_delta == int(delta) < 0
     finally:
         llm.shutdown()
+
+
+def check_mrope_rotation(rotary, apply_rotary_pos_emb, theta: float, section: list[int], interleaved: bool = False):
+    """``MRotaryEmbedding`` (head size 32, 11 tokens of random 3-D positions, 2 query heads
+    and 1 key head) against transformers' rotary embedding ``rotary`` and its
+    ``apply_rotary_pos_emb`` (1e-5), and the plain-torch reference (1e-6).  Returns the
+    embedding, its ops, the positions, q, k and the rotated q."""
+    head_dim, n = 32, 11
+    gen = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 40, (3, n), generator=gen)
+    q = torch.randn(n, 2, head_dim, generator=gen)
+    k = torch.randn(n, 1, head_dim, generator=gen)
+    cos, sin = rotary(q, positions.unsqueeze(1))  # [3, 1, n, d] -> [1, n, d]
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    rope = MRotaryEmbedding(head_dim, 64, theta, None, [torch.device("cpu")], section, interleaved=interleaved)
+    ops = SimpleNamespace(rotary_embedding=reference.rotary_embedding)
+    got_q, got_k = rope(ops, 0, positions, q, k)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    ref_q, ref_k = reference.mrope_rotary_embedding(positions, q, k, rope.tables[0], section, interleaved=interleaved)
+    torch.testing.assert_close(got_q, ref_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_k, ref_k, atol=1e-6, rtol=1e-6)
+    return rope, ops, positions, q, k, got_q

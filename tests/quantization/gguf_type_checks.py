@@ -456,6 +456,24 @@ def check_fuse_keeps_the_type(type_name: str, random, k: int, others: Iterable[s
         assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
 
 
+def check_kept_whole(layer, type_name: str) -> None:
+    """Each of a model layer's linear weights (qkv, o, gate_up, down) one weight of
+    ``type_name``, repacked at load exactly where this build has the type's tiled kernel."""
+    module = native()
+    kpacked = type_name in cpu_quant.KPACKED_TYPES
+    tiled = module.has_packed() and (not kpacked or module.has_kpacked(ref.GGUF_TYPE_IDS[type_name]))
+    for field in ("qkv", "o", "gate_up", "down"):
+        w = getattr(layer, field)
+        assert isinstance(w, GGUFWeight) and w.type_name == type_name, field
+        assert (w.packed is not None) == tiled, field
+        assert w.packed is None or w.packed.dim() == 3, field
+
+
+def check_stacked(w, types: list[str]) -> None:
+    """``w`` a StackedWeight of runs of one type each, of ``types`` in order."""
+    assert isinstance(w, StackedWeight) and [p.type_name for p in w.parts] == types
+
+
 def _with_reference_op(w):
     """``w`` (a model's linear weight) with each GGUF part multiplying through the float
     reference instead of the registry's kernel (repacked parts unpacked first)."""

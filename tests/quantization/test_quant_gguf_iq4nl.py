@@ -30,9 +30,11 @@ from gguf_type_checks import (
     check_embedding_rows_from_the_repacked_weight,
     check_fuse_keeps_the_type,
     check_kept_against_dequantized,
+    check_kept_whole,
     check_quantizer_reads_back,
     check_repacking_is_lossless,
     check_row_kernel,
+    check_stacked,
     check_tiled_kernel,
     cpu_silu_and_mul,
     nan_outputs,
@@ -195,14 +197,14 @@ def test_iq4_nl_gguf_loads_kept_and_matches_the_dequantized_model(tmp_path):
 
     def check(model):
         layer0, layer1 = model.layers
-        packed = module.has_packed()
-        for w in (layer0.qkv, layer0.o, layer0.gate_up, layer0.down, layer1.o, layer1.down):
+        check_kept_whole(layer0, T)
+        for w in (layer1.o, layer1.down):
             assert isinstance(w, GGUFWeight) and w.type_name == T
-            assert (w.packed is not None) == packed  # repacked at load where the tiled kernel is built
+            assert (w.packed is not None) == module.has_packed()  # repacked at load where the tiled kernel is built
         # IQ4_NL beside Q8_0 / Q5_0: a StackedWeight, each part in its own type (one native call;
         # IQ4_NL is not widened to Q8_0, which would hold its values but nearly double its bytes).
-        assert [p.type_name for p in layer1.qkv.parts] == [T, "Q8_0"]
-        assert [p.type_name for p in layer1.gate_up.parts] == [T, "Q5_0"]
+        check_stacked(layer1.qkv, [T, "Q8_0"])
+        check_stacked(layer1.gate_up, [T, "Q5_0"])
         head = model.lm_head
         assert isinstance(head, GGUFWeight) and head.type_name == T
         assert head.out_features % 16 and head.packed is None  # the vocabulary: the row kernel's

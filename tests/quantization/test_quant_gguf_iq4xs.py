@@ -32,12 +32,13 @@ from gguf_type_checks import (
     check_fuse_keeps_the_type,
     check_gated_op_is_the_two_ops,
     check_kept_against_dequantized,
+    check_kept_whole,
     check_quantizer_reads_back,
     check_repacking_is_lossless,
     check_row_kernel,
+    check_stacked,
     check_tiled_kernel,
     counting_linear,
-    native,
     parts_side_by_side,
     projections,
     quantizer_rows,
@@ -50,7 +51,6 @@ from gguf_type_checks import (
 
 from pagedserve.kernels import quant_reference as ref
 from pagedserve.platforms.cpu import quant_ops as cpu_quant
-from pagedserve.quantization.gguf import GGUFWeight, StackedWeight
 
 T = "IQ4_XS"
 TID = ref.GGUF_TYPE_IDS[T]
@@ -182,17 +182,11 @@ LAYER_TYPES = (projections(T), projections(T, attn_v="Q8_0", attn_output="Q4_K",
 
 
 def test_iq4xs_gguf_loads_kept_and_matches_the_dequantized_model(tmp_path):
-    module = native()
-
     def check(model):
         layer0, layer1 = model.layers[0], model.layers[1]
-        for field in ("qkv", "o", "gate_up", "down"):
-            w = getattr(layer0, field)
-            assert isinstance(w, GGUFWeight) and w.type_name == T, field
-            if module.has_packed() and module.has_kpacked(TID):
-                assert w.packed is not None and w.packed.dim() == 3, field  # repacked for the tiled kernel
-        assert isinstance(layer1.qkv, StackedWeight) and [p.type_name for p in layer1.qkv.parts] == [T, "Q8_0"]
-        assert [p.type_name for p in layer1.gate_up.parts] == [T, "IQ4_NL"]
+        check_kept_whole(layer0, T)
+        check_stacked(layer1.qkv, [T, "Q8_0"])
+        check_stacked(layer1.gate_up, [T, "IQ4_NL"])
         assert layer1.o.type_name == "Q4_K" and layer1.down.type_name == T
         head = model.lm_head
         assert head.type_name == T and head.out_features % 16 and head.packed is None  # 261 rows: the row kernel's

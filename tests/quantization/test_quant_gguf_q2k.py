@@ -27,9 +27,11 @@ from gguf_type_checks import (
     check_dequantizer_against_gguf,
     check_embedding_rows_from_the_repacked_weight,
     check_kept_against_dequantized,
+    check_kept_whole,
     check_quantizer_reads_back,
     check_repacking_is_lossless,
     check_row_kernel,
+    check_stacked,
     check_tiled_kernel,
     native,
     projections,
@@ -39,7 +41,7 @@ from gguf_type_checks import (
 )
 
 from pagedserve.kernels import quant_reference as ref
-from pagedserve.quantization.gguf import GGUFWeight, StackedWeight
+from pagedserve.quantization.gguf import GGUFWeight
 
 T = "Q2_K"
 TID = ref.GGUF_TYPE_IDS[T]
@@ -119,8 +121,9 @@ def test_q2k_gguf_loads_kept_and_matches_the_dequantized_model(tmp_path):
     def check(model):
         layer0, layer1 = model.layers[0], model.layers[1]
         # Q2_K parts stay Q2_K: beside Q8_0 / Q4_K as runs of one type, alone fused whole.
-        assert isinstance(layer0.qkv, StackedWeight) and [p.type_name for p in layer0.qkv.parts] == [T, "Q8_0"]
-        assert [p.type_name for p in layer0.gate_up.parts] == [T, "Q4_K"]
+        check_stacked(layer0.qkv, [T, "Q8_0"])
+        check_stacked(layer0.gate_up, [T, "Q4_K"])
+        check_kept_whole(layer1, T)
         for w in (layer0.o, layer0.down, layer1.qkv, layer1.o, layer1.gate_up, layer1.down, model.lm_head):
             assert isinstance(w, GGUFWeight) and w.type_name == T
         assert layer1.gate_up.out_features == 2 * INTER

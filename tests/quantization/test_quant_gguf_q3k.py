@@ -29,11 +29,12 @@ from gguf_type_checks import (
     check_embedding_rows_from_the_repacked_weight,
     check_gated_op_is_the_two_ops,
     check_kept_against_dequantized,
+    check_kept_whole,
     check_quantizer_reads_back,
     check_repacking_is_lossless,
     check_row_kernel,
+    check_stacked,
     check_tiled_kernel,
-    native,
     projections,
     quantizer_rows,
     random_blocks,
@@ -41,7 +42,6 @@ from gguf_type_checks import (
 )
 
 from pagedserve.kernels import quant_reference as ref
-from pagedserve.quantization.gguf import GGUFWeight, StackedWeight
 
 T = "Q3_K"
 TID = ref.GGUF_TYPE_IDS[T]
@@ -121,17 +121,11 @@ LAYER_TYPES = (projections(T), projections(T, attn_v="Q4_K", attn_output="Q8_0",
 
 
 def test_q3k_gguf_loads_kept_and_matches_the_dequantized_model(tmp_path):
-    module = native()
-
     def check(model):
         layer0, layer1 = model.layers[0], model.layers[1]
-        for field in ("qkv", "o", "gate_up", "down"):
-            w = getattr(layer0, field)
-            assert isinstance(w, GGUFWeight) and w.type_name == T, field
-            if module.has_packed() and module.has_kpacked(TID):
-                assert w.packed is not None and w.packed.dim() == 3, field  # repacked for the tiled kernel
-        assert isinstance(layer1.qkv, StackedWeight) and [p.type_name for p in layer1.qkv.parts] == [T, "Q4_K"]
-        assert [p.type_name for p in layer1.gate_up.parts] == [T, "Q6_K"]
+        check_kept_whole(layer0, T)
+        check_stacked(layer1.qkv, [T, "Q4_K"])
+        check_stacked(layer1.gate_up, [T, "Q6_K"])
         assert layer1.o.type_name == "Q8_0" and layer1.down.type_name == T
         assert model.lm_head.type_name == T  # the tied embedding's blocks (261 rows)
 
