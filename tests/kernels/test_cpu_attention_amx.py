@@ -5,8 +5,6 @@ the reason, on CPUs without AMX; the candidates that exist everywhere run everyw
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
@@ -14,97 +12,49 @@ from pagedserve.kernels import reference
 from pagedserve.kernels.cpu.attention_amx import amx_unavailable_reason, load_amx_attention
 from pagedserve.kernels.cpu.prefill_attn import bf16_prefill_unavailable_reason
 from pagedserve.platforms.cpu.attention_ops import attention_candidates, make_prefill_split, sdpa_paged_attention
-from tests.kernels.test_cpu_kernels import assert_close, make_batch, num_threads
-
-BF16 = torch.bfloat16
+from tests.kernels.paged_attention_checks import (
+    BF16,
+    MIXED,
+    check,
+    check_default_model_prefill_chunk,
+    check_deterministic_across_calls_and_threads,
+    check_mixed_batch,
+    check_rejects_bad_block_ids,
+    check_unsupported_features_run_the_fallback,
+    gen_for,
+    load_or_skip,
+    over_mixed_batch_shapes,
+)
+from tests.kernels.test_cpu_kernels import assert_close, make_batch
 
 
 @pytest.fixture(scope="module")
 def amx():
-    reason = amx_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"no AMX attention here: {reason}")
-    kernel = load_amx_attention()
-    if kernel is None:
-        pytest.fail("the CPU has AMX but the AMX attention kernel did not build or load (see the warning)")
-    return kernel
+    return load_or_skip(amx_unavailable_reason, load_amx_attention, "AMX attention", "AMX")
 
 
-def gen_for(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def check(fn, args, dtype=BF16, what: str = "") -> None:
-    scale = args[0].shape[-1] ** -0.5
-    # The reference on float32 copies: the kernel's bf16 products are exact in float32.
-    expected = reference.paged_attention(*(a.float() if a.is_floating_point() else a for a in args), scale)
-    out = torch.full_like(args[0], float("nan"))
-    got = fn(*args, scale, out)
-    assert got is out
-    assert_close(got, expected, dtype, what)
-
-
-# Prefills from scratch, chunks after a prefix hit (the queries are the last q_len
-# positions), decodes, a sequence with no query tokens, odd lengths around the 16-row
-# tiles and the 32- and 64-key spans.
-MIXED = [(1, 37), (23, 23), (20, 300), (1, 700), (16, 64), (0, 40), (5, 48), (64, 65), (33, 97), (130, 130)]
-
-
-@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
-@pytest.mark.parametrize("block_size", [16, 32, 8])
-@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2), (16, 1)], ids=["mha", "gqa3", "gqa4", "mqa16"])
+@over_mixed_batch_shapes
 def test_amx_mixed_batch(amx, head_size, block_size, heads):
-    args = make_batch(MIXED, *heads, head_size, block_size, BF16, gen_for(head_size, block_size, heads))
-    check(amx.paged_attention, args, what=f"amx d={head_size} bs={block_size} heads={heads}")
+    check_mixed_batch(amx.paged_attention, (), head_size, block_size, heads, "amx")
 
 
 @pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_amx_default_model_prefill_chunk(amx, head_major, threads):
-    """The default model's shapes: a 512-token chunk after 512 cached tokens, beside decodes."""
-    args = make_batch(
-        [(512, 1024), (1, 200), (3, 129)],
-        9,
-        3,
-        64,
-        16,
-        BF16,
-        gen_for("chunk", head_major, threads),
-        head_major=head_major,
-    )
-    with num_threads(threads):
-        check(amx.paged_attention, args, what="amx chunk")
+    check_default_model_prefill_chunk(amx.paged_attention, "", head_major, threads)
 
 
 def test_amx_is_deterministic_across_calls_and_threads(amx):
-    """Reused packing buffers never leak one call's keys into the next."""
-    big = make_batch([(40, 900), (7, 300)], 9, 3, 64, 16, BF16, gen_for("big"))
-    small = make_batch([(9, 20)], 9, 3, 64, 16, BF16, gen_for("small"))
-    first = amx.paged_attention(*small, 0.125)
-    amx.paged_attention(*big, 0.125)
-    with num_threads(1):
-        again = amx.paged_attention(*small, 0.125)
-    torch.testing.assert_close(first, again, atol=0, rtol=0)
+    check_deterministic_across_calls_and_threads(amx.paged_attention, "")
 
 
 def test_amx_refuses_nothing_it_cannot_do(amx):
     """Windows, soft caps, sinks, fp32 and head size 80 run the reference, not the tiles."""
-    args = make_batch([(6, 40), (1, 9)], 8, 2, 64, 16, BF16, gen_for("features"))
-    scale = 0.125
-    for kwargs in ({"sliding_window": 7}, {"soft_cap": 5.0}, {"sinks": torch.randn(8)}):
-        expected = reference.paged_attention(*args, scale, **kwargs)
-        torch.testing.assert_close(amx.paged_attention(*args, scale, **kwargs), expected)
-    args80 = make_batch([(6, 40)], 8, 2, 80, 16, BF16, gen_for("d80"))
-    check(amx.paged_attention, args80, what="d=80")
-    fp32 = make_batch([(6, 40)], 8, 2, 64, 16, torch.float32, gen_for("fp32"))
-    check(amx.paged_attention, fp32, torch.float32, "fp32")
+    check_unsupported_features_run_the_fallback(amx.paged_attention, "")
 
 
 def test_amx_rejects_bad_block_ids(amx):
-    q, k, v, bt, sl, qsl = make_batch([(4, 40)], 4, 4, 64, 16, BF16, gen_for("bad"))
-    bt[0, 1] = k.shape[0]
-    with pytest.raises(ValueError, match="out of range"):
-        amx.paged_attention(q, k, v, bt, sl, qsl, 0.125)
+    check_rejects_bad_block_ids(amx.paged_attention, "")
 
 
 # ---- candidates (no AMX needed) -------------------------------------------------------

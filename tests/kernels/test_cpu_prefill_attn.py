@@ -6,35 +6,35 @@ AVX-512 BF16."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from pagedserve.kernels import reference
 from pagedserve.kernels.cpu.prefill_attn import bf16_prefill_unavailable_reason, load_bf16_prefill_attention
-from tests.kernels.test_cpu_attention_amx import MIXED, check, gen_for
-from tests.kernels.test_cpu_kernels import make_batch, num_threads
-
-BF16 = torch.bfloat16
+from tests.kernels.paged_attention_checks import (
+    BF16,
+    check,
+    check_default_model_prefill_chunk,
+    check_deterministic_across_calls_and_threads,
+    check_mixed_batch,
+    check_rejects_bad_block_ids,
+    check_unsupported_features_run_the_fallback,
+    gen_for,
+    load_or_skip,
+    over_mixed_batch_shapes,
+)
+from tests.kernels.test_cpu_kernels import make_batch
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    reason = bf16_prefill_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"no AVX-512 BF16 prefill attention here: {reason}")
-    loaded = load_bf16_prefill_attention()
-    if loaded is None:
-        pytest.fail("the CPU has AVX-512 BF16 but the prefill attention kernel did not build or load (see the warning)")
-    return loaded
+    return load_or_skip(
+        bf16_prefill_unavailable_reason, load_bf16_prefill_attention, "AVX-512 BF16 prefill attention", "AVX-512 BF16"
+    )
 
 
-@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
-@pytest.mark.parametrize("block_size", [16, 32, 8])
-@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2), (16, 1)], ids=["mha", "gqa3", "gqa4", "mqa16"])
+@over_mixed_batch_shapes
 def test_mixed_batch(kernel, head_size, block_size, heads):
     """Prefills from scratch, chunks after a prefix hit, decodes, an empty sequence, odd
     lengths around the 6- and 12-row tiles and the 32- and 64-key spans."""
-    args = make_batch(MIXED, *heads, head_size, block_size, BF16, gen_for("bf16", head_size, block_size, heads))
-    check(kernel.paged_attention, args, what=f"bf16 prefill d={head_size} bs={block_size} heads={heads}")
+    check_mixed_batch(kernel.paged_attention, ("bf16",), head_size, block_size, heads, "bf16 prefill")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 11, 12, 13, 25])
@@ -47,48 +47,18 @@ def test_row_tile_edges(kernel, rows):
 @pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_default_model_prefill_chunk(kernel, head_major, threads):
-    """The default model's shapes: a 512-token chunk after 512 cached tokens, beside decodes."""
-    args = make_batch(
-        [(512, 1024), (1, 200), (3, 129)],
-        9,
-        3,
-        64,
-        16,
-        BF16,
-        gen_for("bf16 chunk", head_major, threads),
-        head_major=head_major,
-    )
-    with num_threads(threads):
-        check(kernel.paged_attention, args, what="bf16 prefill chunk")
+    check_default_model_prefill_chunk(kernel.paged_attention, "bf16 ", head_major, threads)
 
 
 def test_is_deterministic_across_calls_and_threads(kernel):
-    """Reused packing buffers never leak one call's keys into the next."""
-    big = make_batch([(40, 900), (7, 300)], 9, 3, 64, 16, BF16, gen_for("bf16 big"))
-    small = make_batch([(9, 20)], 9, 3, 64, 16, BF16, gen_for("bf16 small"))
-    first = kernel.paged_attention(*small, 0.125)
-    kernel.paged_attention(*big, 0.125)
-    with num_threads(1):
-        again = kernel.paged_attention(*small, 0.125)
-    torch.testing.assert_close(first, again, atol=0, rtol=0)
+    check_deterministic_across_calls_and_threads(kernel.paged_attention, "bf16 ")
 
 
 def test_hands_what_it_cannot_do_to_the_fallback(kernel):
     """Windows, soft caps, sinks, fp32 and head size 80 run the fallback (here the
     reference), not the tiles."""
-    args = make_batch([(6, 40), (1, 9)], 8, 2, 64, 16, BF16, gen_for("bf16 features"))
-    scale = 0.125
-    for kwargs in ({"sliding_window": 7}, {"soft_cap": 5.0}, {"sinks": torch.randn(8)}):
-        expected = reference.paged_attention(*args, scale, **kwargs)
-        torch.testing.assert_close(kernel.paged_attention(*args, scale, **kwargs), expected)
-    args80 = make_batch([(6, 40)], 8, 2, 80, 16, BF16, gen_for("bf16 d80"))
-    check(kernel.paged_attention, args80, what="d=80")
-    fp32 = make_batch([(6, 40)], 8, 2, 64, 16, torch.float32, gen_for("bf16 fp32"))
-    check(kernel.paged_attention, fp32, torch.float32, "fp32")
+    check_unsupported_features_run_the_fallback(kernel.paged_attention, "bf16 ")
 
 
 def test_rejects_bad_block_ids(kernel):
-    q, k, v, bt, sl, qsl = make_batch([(4, 40)], 4, 4, 64, 16, BF16, gen_for("bf16 bad"))
-    bt[0, 1] = k.shape[0]
-    with pytest.raises(ValueError, match="out of range"):
-        kernel.paged_attention(q, k, v, bt, sl, qsl, 0.125)
+    check_rejects_bad_block_ids(kernel.paged_attention, "bf16 ")

@@ -9,12 +9,10 @@ as the single-process engine does (test_lora_vs_peft.py).
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import pytest
 import torch
 from peft_adapters import make_adapter
+from plugin_dists import counted_cpu_platform, install_plugin
 from test_lora_vs_peft import check_against_peft
 
 from pagedserve import LLM, SamplingParams
@@ -29,70 +27,13 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 # A second host platform whose ops are counted reference ops: a segment that ran its
 # layers with the CPU platform's ops instead would leave the count at zero.
-PLUGIN = """
-from collections import Counter
-
-import torch
-
-from pagedserve.kernels import reference
-from pagedserve.platforms import Platform, hookimpl
-
-CALLS = Counter()
-
-
-class CountedCpuPlatform(Platform):
-    name = "cpu-lora"
-    device_type = "cpu"
-    supported_dtypes = (torch.float32,)
-
-    @classmethod
-    def is_available(cls):
-        return True, "the host CPU"
-
-    def total_memory(self):
-        return 8 * 1024**3
-
-    def free_memory(self):
-        return 4 * 1024**3
-
-
-def counted(name, fn):
-    def op(*args, **kwargs):
-        CALLS[name] += 1
-        return fn(*args, **kwargs)
-    return op
-
-
-@hookimpl
-def pagedserve_register_platforms(register):
-    register(CountedCpuPlatform)
-
-
-@hookimpl
-def pagedserve_register_ops(platform, ops):
-    if isinstance(platform, CountedCpuPlatform):
-        for name in reference.OP_NAMES:
-            ops.register(name, counted(name, getattr(reference, name)), source="cpu-lora")
-"""
+PLUGIN = counted_cpu_platform("CountedCpuPlatform", "cpu-lora")
 
 
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory):
     """The ``cpu-lora`` platform as an installed distribution (entry point on sys.path)."""
-    site = tmp_path_factory.mktemp("site")
-    (site / "pslora_plugin.py").write_text(PLUGIN, encoding="utf-8")
-    info = site / "pslora_plugin-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pslora-plugin\nVersion: 0.1\n", encoding="utf-8")
-    (info / "entry_points.txt").write_text("[pagedserve.platforms]\ncpu-lora = pslora_plugin\n", encoding="utf-8")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(site))
-        mp.delenv("PAGEDSERVE_TARGET_DEVICE", raising=False)
-        mp.delenv("PAGEDSERVE_PLUGINS", raising=False)
-        importlib.invalidate_caches()
-        yield importlib.import_module("pslora_plugin")
-    sys.modules.pop("pslora_plugin", None)
-    importlib.invalidate_caches()
+    yield from install_plugin(tmp_path_factory, "pslora_plugin", "cpu-lora", PLUGIN)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,20 @@ import json
 
 import pytest
 import torch
-from vlm_checks import IMAGE_PROMPTS_MAX_NEW, check_output, greedy_params, image_prompts, make_images, make_llm
+from vlm_checks import (
+    IMAGE_PROMPTS_MAX_NEW,
+    check_chat_with_a_data_uri,
+    check_engine_matches,
+    check_image_prefix_caching,
+    check_output,
+    expected_greedy,
+    greedy_params,
+    image_prompts,
+    make_images,
+    make_llm,
+)
 
-from pagedserve.testing.tiny_vlm import GEMMA3_IMAGE, build_gemma3, hf_greedy_gemma3, png_data_uri, random_image
+from pagedserve.testing.tiny_vlm import GEMMA3_IMAGE, build_gemma3, hf_greedy_gemma3, random_image
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,46 +91,15 @@ def llm_processor(folder):
 @pytest.mark.parametrize("engine_kind", list(ENGINES))
 def test_gemma3_matches_transformers(engine_kind, gemma3_dir):
     folder, model = gemma3_dir
-    images = {p: make_images(spec) for p, spec in PROMPTS}
-    expected = [hf_greedy_gemma3(model, folder, p, images[p], n) for (p, _), n in zip(PROMPTS, MAX_NEW)]
-    llm = make_llm(folder, **ENGINES[engine_kind])
-    try:
-        prompts = [
-            {"prompt": p, "multi_modal_data": {"image": images[p]}} if images[p] else {"prompt": p} for p, _ in PROMPTS
-        ]
-        outs = llm.generate(prompts, [greedy_params(n) for n in MAX_NEW], use_tqdm=False)
-        for i, (out, exp) in enumerate(zip(outs, expected)):
-            check_output(out, *exp, (engine_kind, i))
-        if engine_kind == "preempting":
-            assert llm.llm_engine.scheduler.num_preemptions > 0
-        assert len(llm.llm_engine.runner.encoder_cache) == 0  # nothing held once requests finish
-    finally:
-        llm.shutdown()
+    images, expected = expected_greedy(hf_greedy_gemma3, model, folder, PROMPTS, MAX_NEW)
+    check_engine_matches(folder, engine_kind, ENGINES[engine_kind], PROMPTS, images, expected, MAX_NEW)
 
 
 def test_image_prefix_caching(gemma3_dir):
     """A follow-up turn with the same image hits the image's cached blocks (the encoder
     does not run again); another image behind the same tokens misses."""
     folder, model = gemma3_dir
-    llm = make_llm(folder, max_num_batched_tokens=20, enable_prefix_caching=True, block_size=4)
-    cache = llm.llm_engine.runner.encoder_cache
-    try:
-        a, b = random_image(11, (40, 52)), random_image(12, (40, 52))
-        first = f"Here {IMAGE} is a picture."
-        out = llm.generate({"prompt": first, "multi_modal_data": {"image": a}}, greedy_params(4), use_tqdm=False)[0]
-        assert cache.encoder_runs == 1
-        image_id = llm.llm_engine.runner.vision.image_token_id
-        image_end = len(out.prompt_token_ids) - out.prompt_token_ids[::-1].index(image_id)
-        follow = first + " And now more text after it."
-        again = llm.generate({"prompt": follow, "multi_modal_data": {"image": a}}, greedy_params(5), use_tqdm=False)[0]
-        check_output(again, *hf_greedy_gemma3(model, folder, follow, [a], 5), "same image")
-        assert again.num_cached_tokens >= image_end
-        assert cache.encoder_runs == 1
-        other = llm.generate({"prompt": follow, "multi_modal_data": {"image": b}}, greedy_params(5), use_tqdm=False)[0]
-        check_output(other, *hf_greedy_gemma3(model, folder, follow, [b], 5), "other image")
-        assert cache.encoder_runs == 2
-    finally:
-        llm.shutdown()
+    check_image_prefix_caching(folder, model, hf_greedy_gemma3, IMAGE, max_num_batched_tokens=20)
 
 
 def test_prefix_hit_ending_inside_an_image(gemma3_dir):
@@ -158,18 +138,7 @@ def test_prefix_hit_ending_inside_an_image(gemma3_dir):
 
 def test_chat_with_a_data_uri(gemma3_dir):
     folder, model = gemma3_dir
-    llm = make_llm(folder)
-    try:
-        img = random_image(21, (40, 52))
-        parts = [
-            {"type": "text", "text": "What is this?"},
-            {"type": "image_url", "image_url": {"url": png_data_uri(img)}},
-        ]
-        out = llm.chat([{"role": "user", "content": parts}], greedy_params(5), use_tqdm=False)[0]
-        prompt = f"<|im_start|>user\nWhat is this?\n{IMAGE}<|im_end|>\n<|im_start|>assistant\n"
-        check_output(out, *hf_greedy_gemma3(model, folder, prompt, [img], 5), "chat data uri")
-    finally:
-        llm.shutdown()
+    check_chat_with_a_data_uri(folder, model, hf_greedy_gemma3, IMAGE)
 
 
 def test_refusals(gemma3_dir, tmp_path):

@@ -8,7 +8,7 @@ placeholder tokens a miss); chat content parts; text-only loading (image=0)."""
 from __future__ import annotations
 
 import pytest
-from vlm_checks import check_output, greedy_params, make_llm
+from vlm_checks import check_engine_matches, check_output, expected_greedy, greedy_params, make_llm
 
 from pagedserve.testing.tiny_vlm import hf_greedy, png_data_uri, random_image
 
@@ -34,23 +34,11 @@ MAX_NEW = [8, 6, 7, 5]
 def test_llava_matches_transformers(engine_kind, llava_dir):
     folder, model = llava_dir
     images = {p: [random_image(s) for s in seeds] for p, seeds in PROMPTS}
-    expected = [hf_greedy(model, folder, p, images[p], n) for (p, _), n in zip(PROMPTS, MAX_NEW)]
+    _, expected = expected_greedy(hf_greedy, model, folder, PROMPTS, MAX_NEW, images)
     # The image matters: another image behind the same prompt changes the logprobs.
     other = hf_greedy(model, folder, PROMPTS[0][0], [random_image(99)], 1)
     assert abs(other[2][0] - expected[0][2][0]) > 1e-3
-    llm = make_llm(folder, **ENGINES[engine_kind])
-    try:
-        prompts = [
-            {"prompt": p, "multi_modal_data": {"image": images[p]}} if images[p] else {"prompt": p} for p, _ in PROMPTS
-        ]
-        outs = llm.generate(prompts, [greedy_params(n) for n in MAX_NEW], use_tqdm=False)
-        for i, (out, exp) in enumerate(zip(outs, expected)):
-            check_output(out, *exp, (engine_kind, i))
-        if engine_kind == "preempting":
-            assert llm.llm_engine.scheduler.num_preemptions > 0
-        assert len(llm.llm_engine.runner.encoder_cache) == 0  # nothing held once prompts are in
-    finally:
-        llm.shutdown()
+    check_engine_matches(folder, engine_kind, ENGINES[engine_kind], PROMPTS, images, expected, MAX_NEW)
 
 
 def test_encoder_cache_and_image_prefix_caching(llava_dir):

@@ -8,25 +8,28 @@ transformers' rotary embedding and the plain-torch reference; chat content parts
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from vlm_checks import (
     IMAGE_PROMPTS_MAX_NEW,
     QWEN_ENGINES,
     QWEN_IMAGE,
+    check_chat_with_a_data_uri,
+    check_engine_matches,
+    check_image_prefix_caching,
+    check_mrope_positions,
+    check_mrope_rotation,
     check_output,
+    expected_greedy,
     greedy_params,
     image_prompts,
     make_images,
     make_llm,
 )
 
-from pagedserve.kernels import reference
 from pagedserve.models.layers import MRotaryEmbedding
 from pagedserve.models.rope import mrope_parts
-from pagedserve.testing.tiny_vlm import hf_greedy_qwen, png_data_uri, random_image
+from pagedserve.testing.tiny_vlm import hf_greedy_qwen, random_image
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,12 +43,12 @@ def test_interleaved_mrope_matches_transformers_and_reference():
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding, apply_rotary_pos_emb
 
     # 16 frequencies: height/width alternate up to 15, the last one stays temporal.
-    section, head_dim, n = [6, 5, 5], 32, 11
+    section = [6, 5, 5]
     assert mrope_parts(section, True) == [0, 1, 2] * 5 + [0]
     cfg = transformers.Qwen3VLTextConfig(
         hidden_size=64,
         num_attention_heads=2,
-        head_dim=head_dim,
+        head_dim=32,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 5000.0,
@@ -53,22 +56,11 @@ def test_interleaved_mrope_matches_transformers_and_reference():
             "mrope_interleaved": True,
         },
     )
-    gen = torch.Generator().manual_seed(3)
-    positions = torch.randint(0, 40, (3, n), generator=gen)
-    q = torch.randn(n, 2, head_dim, generator=gen)
-    k = torch.randn(n, 1, head_dim, generator=gen)
-    cos, sin = Qwen3VLTextRotaryEmbedding(cfg)(q, positions.unsqueeze(1))
-    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    rope = MRotaryEmbedding(head_dim, 64, 5000.0, None, [torch.device("cpu")], section, interleaved=True)
-    ops = SimpleNamespace(rotary_embedding=reference.rotary_embedding)
-    got_q, got_k = rope(ops, 0, positions, q, k)
-    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-    ref_q, ref_k = reference.mrope_rotary_embedding(positions, q, k, rope.tables[0], section, interleaved=True)
-    torch.testing.assert_close(got_q, ref_q, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(got_k, ref_k, atol=1e-6, rtol=1e-6)
+    _, ops, positions, q, k, got_q = check_mrope_rotation(
+        Qwen3VLTextRotaryEmbedding(cfg), apply_rotary_pos_emb, 5000.0, section, interleaved=True
+    )
     # The contiguous split (Qwen2.5-VL) is another rotation.
-    contiguous = MRotaryEmbedding(head_dim, 64, 5000.0, None, [torch.device("cpu")], section)
+    contiguous = MRotaryEmbedding(32, 64, 5000.0, None, [torch.device("cpu")], section)
     assert not torch.allclose(contiguous(ops, 0, positions, q, k)[0], got_q, atol=1e-3)
 
 
@@ -95,30 +87,13 @@ def test_vision_tower_matches_transformers(qwen3_vl_dir):
 
 
 def test_mrope_positions_match_transformers(qwen3_vl_dir):
-    folder, model = qwen3_vl_dir
-    llm = make_llm(folder)
-    try:
-        vision = llm.llm_engine.runner.vision
-        prompt = f"x {IMAGE} yy {IMAGE} and {IMAGE} z"
-        images = make_images([(5, (40, 52)), (6, (24, 56)), (7, (36, 28))])
-        enc = vision.load_processor(str(folder))(text=[prompt], images=images, return_tensors="pt")
-        want, delta = model.model.get_rope_index(
-            enc["input_ids"], mm_token_type_ids=enc["mm_token_type_ids"], image_grid_thw=enc["image_grid_thw"]
-        )
-        ids, items = llm.llm_engine.input_processor.mm_processor.process(prompt, images)
-        assert ids == enc["input_ids"][0].tolist()
-        table, got_delta = vision.mrope_positions(len(ids), items)
-        assert table.tolist() == want[:, 0].tolist()
-        assert got_delta == int(delta) < 0
-    finally:
-        llm.shutdown()
+    check_mrope_positions(*qwen3_vl_dir)
 
 
 @pytest.mark.parametrize("engine_kind", list(ENGINES))
 def test_qwen3_vl_matches_transformers(engine_kind, qwen3_vl_dir):
     folder, model = qwen3_vl_dir
-    images = {p: make_images(spec) for p, spec in PROMPTS}
-    expected = [hf_greedy_qwen(model, folder, p, images[p], n) for (p, _), n in zip(PROMPTS, MAX_NEW)]
+    images, expected = expected_greedy(hf_greedy_qwen, model, folder, PROMPTS, MAX_NEW)
     # The image matters, and so do its DeepStack features.
     prompt, imgs = PROMPTS[2][0], images[PROMPTS[2][0]]
     other = hf_greedy_qwen(model, folder, prompt, [random_image(99, (40, 52))], 1)
@@ -131,62 +106,19 @@ def test_qwen3_vl_matches_transformers(engine_kind, qwen3_vl_dir):
     finally:
         visual.deepstack_visual_indexes = kept
     assert abs(without[2][0] - expected[2][2][0]) > 1e-3
-    llm = make_llm(folder, **ENGINES[engine_kind])
-    try:
-        prompts = [
-            {"prompt": p, "multi_modal_data": {"image": images[p]}} if images[p] else {"prompt": p} for p, _ in PROMPTS
-        ]
-        outs = llm.generate(prompts, [greedy_params(n) for n in MAX_NEW], use_tqdm=False)
-        for i, (out, exp) in enumerate(zip(outs, expected)):
-            check_output(out, *exp, (engine_kind, i))
-        if engine_kind == "preempting":
-            assert llm.llm_engine.scheduler.num_preemptions > 0
-        runner = llm.llm_engine.runner
-        assert len(runner.encoder_cache) == 0 and not runner._mrope  # nothing held once requests finish
-    finally:
-        llm.shutdown()
+    check_engine_matches(folder, engine_kind, ENGINES[engine_kind], PROMPTS, images, expected, MAX_NEW, mrope=True)
 
 
 def test_image_prefix_caching(qwen3_vl_dir):
     """A follow-up turn with the same image hits the image's cached blocks (the encoder
     does not run); another image behind the same tokens misses."""
     folder, model = qwen3_vl_dir
-    llm = make_llm(folder, max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4)
-    cache = llm.llm_engine.runner.encoder_cache
-    try:
-        a, b = random_image(11, (40, 52)), random_image(12, (40, 52))
-        first = f"Here {IMAGE} is a picture."
-        out = llm.generate({"prompt": first, "multi_modal_data": {"image": a}}, greedy_params(4), use_tqdm=False)[0]
-        check_output(out, *hf_greedy_qwen(model, folder, first, [a], 4), "first turn")
-        assert cache.encoder_runs == 1
-        image_id = llm.llm_engine.runner.vision.image_token_id
-        image_end = len(out.prompt_token_ids) - out.prompt_token_ids[::-1].index(image_id)
-        follow = first + " And now more text after it."
-        again = llm.generate({"prompt": follow, "multi_modal_data": {"image": a}}, greedy_params(5), use_tqdm=False)[0]
-        check_output(again, *hf_greedy_qwen(model, folder, follow, [a], 5), "same image")
-        assert again.num_cached_tokens >= image_end
-        assert cache.encoder_runs == 1
-        other = llm.generate({"prompt": follow, "multi_modal_data": {"image": b}}, greedy_params(5), use_tqdm=False)[0]
-        check_output(other, *hf_greedy_qwen(model, folder, follow, [b], 5), "other image")
-        assert cache.encoder_runs == 2
-    finally:
-        llm.shutdown()
+    check_image_prefix_caching(folder, model, hf_greedy_qwen, IMAGE, max_num_batched_tokens=8)
 
 
 def test_chat_content_parts(qwen3_vl_dir):
     folder, model = qwen3_vl_dir
-    llm = make_llm(folder)
-    try:
-        img = random_image(21, (40, 52))
-        parts = [
-            {"type": "text", "text": "What is this?"},
-            {"type": "image_url", "image_url": {"url": png_data_uri(img)}},
-        ]
-        out = llm.chat([{"role": "user", "content": parts}], greedy_params(5), use_tqdm=False)[0]
-        prompt = "<|im_start|>user\nWhat is this?\n<|image_pad|><|im_end|>\n<|im_start|>assistant\n"
-        check_output(out, *hf_greedy_qwen(model, folder, prompt, [img], 5), "chat data uri")
-    finally:
-        llm.shutdown()
+    check_chat_with_a_data_uri(folder, model, hf_greedy_qwen, "<|image_pad|>")
 
 
 @pytest.mark.parametrize("layout", ["transformers", "published"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_checks import check_output, greedy_params, make_images, make_llm
+from vlm_checks import check_engine_matches, check_output, expected_greedy, greedy_params, make_llm
 
 from pagedserve.testing.tiny_vlm import build_smolvlm, hf_greedy_smolvlm, random_image
 
@@ -62,21 +62,8 @@ def test_tile_embeddings_match_transformers(smolvlm_dir):
 @pytest.mark.parametrize("engine_kind", list(ENGINES))
 def test_matches_transformers(engine_kind, smolvlm_dir):
     folder, model = smolvlm_dir
-    images = {p: make_images(spec) for p, spec in PROMPTS}
-    expected = [hf_greedy_smolvlm(model, folder, p, images[p], n) for (p, _), n in zip(PROMPTS, MAX_NEW)]
-    llm = make_llm(folder, **ENGINES[engine_kind])
-    try:
-        prompts = [
-            {"prompt": p, "multi_modal_data": {"image": images[p]}} if images[p] else {"prompt": p} for p, _ in PROMPTS
-        ]
-        outs = llm.generate(prompts, [greedy_params(n) for n in MAX_NEW], use_tqdm=False)
-        for i, (out, exp) in enumerate(zip(outs, expected)):
-            check_output(out, *exp, (engine_kind, i))
-        if engine_kind == "preempting":
-            assert llm.llm_engine.scheduler.num_preemptions > 0
-        assert len(llm.llm_engine.runner.encoder_cache) == 0
-    finally:
-        llm.shutdown()
+    images, expected = expected_greedy(hf_greedy_smolvlm, model, folder, PROMPTS, MAX_NEW)
+    check_engine_matches(folder, engine_kind, ENGINES[engine_kind], PROMPTS, images, expected, MAX_NEW)
 
 
 def test_follow_up_turn_reads_cached_tiles(smolvlm_dir):

@@ -11,13 +11,12 @@ dense layer) and Mixtral checkpoints come from transformers' own classes.
 
 from __future__ import annotations
 
-import importlib
 import math
 import random
-import sys
 
 import pytest
 import torch
+from plugin_dists import counted_cpu_platform, install_plugin
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import DeviceConfig, device_map_classes
@@ -25,51 +24,7 @@ from pagedserve.testing.tiny_model import write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-PLUGIN = """
-from collections import Counter
-
-import torch
-
-from pagedserve.kernels import reference
-from pagedserve.platforms import Platform, hookimpl
-
-CALLS = Counter()
-
-
-class MoeCpuPlatform(Platform):
-    name = "cpu-moe"
-    device_type = "cpu"
-    supported_dtypes = (torch.float32,)
-
-    @classmethod
-    def is_available(cls):
-        return True, "the host CPU"
-
-    def total_memory(self):
-        return 8 * 1024**3
-
-    def free_memory(self):
-        return 4 * 1024**3
-
-
-def counted(name, fn):
-    def op(*args, **kwargs):
-        CALLS[name] += 1
-        return fn(*args, **kwargs)
-    return op
-
-
-@hookimpl
-def pagedserve_register_platforms(register):
-    register(MoeCpuPlatform)
-
-
-@hookimpl
-def pagedserve_register_ops(platform, ops):
-    if isinstance(platform, MoeCpuPlatform):
-        for name in reference.OP_NAMES:
-            ops.register(name, counted(name, getattr(reference, name)), source="cpu-moe")
-"""
+PLUGIN = counted_cpu_platform("MoeCpuPlatform", "cpu-moe")
 
 VOCAB = 259
 BASE = dict(
@@ -124,20 +79,7 @@ MAX_TOKENS = [6, 9, 4, 7, 5]
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory):
     """The ``cpu-moe`` plugin as an installed distribution (entry point on sys.path)."""
-    site = tmp_path_factory.mktemp("site")
-    (site / "psmoe_plugin.py").write_text(PLUGIN, encoding="utf-8")
-    info = site / "psmoe_plugin-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: psmoe-plugin\nVersion: 0.1\n", encoding="utf-8")
-    (info / "entry_points.txt").write_text("[pagedserve.platforms]\ncpu-moe = psmoe_plugin\n", encoding="utf-8")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(site))
-        mp.delenv("PAGEDSERVE_TARGET_DEVICE", raising=False)
-        mp.delenv("PAGEDSERVE_PLUGINS", raising=False)
-        importlib.invalidate_caches()
-        yield importlib.import_module("psmoe_plugin")
-    sys.modules.pop("psmoe_plugin", None)
-    importlib.invalidate_caches()
+    yield from install_plugin(tmp_path_factory, "psmoe_plugin", "cpu-moe", PLUGIN)
 
 
 def build_checkpoint(path, case: str):

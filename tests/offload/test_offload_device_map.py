@@ -9,11 +9,10 @@ platform, reads its KV in the wrong layout and cannot reproduce the unmapped tok
 
 from __future__ import annotations
 
-import importlib
 import random
-import sys
 
 import pytest
+from plugin_dists import install_plugin
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.entrypoints import cli
@@ -96,20 +95,7 @@ def pagedserve_register_ops(platform, ops):
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory):
     """The ``cpu-hm`` plugin as an installed distribution (entry point on sys.path)."""
-    site = tmp_path_factory.mktemp("site")
-    (site / "psmap_plugin.py").write_text(PLUGIN, encoding="utf-8")
-    info = site / "psmap_plugin-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: psmap-plugin\nVersion: 0.1\n", encoding="utf-8")
-    (info / "entry_points.txt").write_text("[pagedserve.platforms]\ncpu-hm = psmap_plugin\n", encoding="utf-8")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(site))
-        mp.delenv("PAGEDSERVE_TARGET_DEVICE", raising=False)
-        mp.delenv("PAGEDSERVE_PLUGINS", raising=False)
-        importlib.invalidate_caches()
-        yield importlib.import_module("psmap_plugin")
-    sys.modules.pop("psmap_plugin", None)
-    importlib.invalidate_caches()
+    yield from install_plugin(tmp_path_factory, "psmap_plugin", "cpu-hm", PLUGIN)
 
 
 SHAPE = dict(arch="llama", num_layers=4, num_heads=4, num_kv_heads=2)  # head_dim 16

@@ -250,17 +250,18 @@ def write_tiny_llama_gguf(
     layer_types,
     embed_type: str,
     *,
-    hidden: int,
-    inter: int,
-    heads: int,
-    kv_heads: int,
-    name: str,
+    hidden: int = 256,
+    inter: int = 512,
+    heads: int = 4,
+    kv_heads: int = 2,
+    name: str = "tiny llama",
     seed: int = 0,
 ):
-    """A Llama GGUF of ``len(layer_types)`` layers, each layer's projections (attn_q, attn_k,
-    attn_v, attn_output, ffn_gate, ffn_up, ffn_down) in the types its dict of
-    ``layer_types`` names, quantized by :func:`quantize`; a tied embedding of
-    ``embed_type``; F32 norms; the byte-level test tokenizer (261 tokens).  Returns ``path``."""
+    """A Llama GGUF of ``len(layer_types)`` layers (hidden 256 by default: every 256-value
+    type fits), each layer's projections (attn_q, attn_k, attn_v, attn_output, ffn_gate,
+    ffn_up, ffn_down) in the types its dict of ``layer_types`` names, quantized by
+    :func:`quantize`; a tied embedding of ``embed_type``; F32 norms; the byte-level test
+    tokenizer (261 tokens).  Returns ``path``."""
     import gguf
 
     from tests.loader.tiny_checkpoints import _byte_vocab

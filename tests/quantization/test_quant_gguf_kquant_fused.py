@@ -18,12 +18,17 @@ quant_gguf_iq4xs.cpp, and ``gguf_linear_multi_out`` over K-quant, IQ4_XS and 32-
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
 from gguf_blocks import quantize, write_tiny_llama_gguf
+from gguf_type_checks import (
+    PARTS,
+    check_multi_out_is_the_parts_side_by_side,
+    counting_linear,
+    cpu_silu_and_mul,
+    nan_outputs,
+)
 
 from pagedserve.kernels import quant_reference as ref
 from pagedserve.kernels import reference
@@ -49,31 +54,11 @@ def _needs(name: str, type_name: str) -> None:
         pytest.skip(f"no {name} kernel for {type_name} in this build")
 
 
-@contextlib.contextmanager
-def nan_outputs():
-    """torch's deterministic mode: every new tensor (a kernel's output too) starts as NaN."""
-    prior = torch.utils.deterministic.fill_uninitialized_memory, torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        assert torch.empty(4).isnan().all()
-        yield
-    finally:
-        torch.utils.deterministic.fill_uninitialized_memory = prior[0]
-        torch.use_deterministic_algorithms(prior[1])
-
-
 def _blocks(type_name: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
     """uint8 [n, row bytes]: Gaussian rows (an offset on some, so minimums and signed scales
     matter) quantized by the test quantizer (K-quants) or gguf.quants."""
     x = (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.02).astype(np.float32)
     return torch.from_numpy(quantize(x, type_name)).reshape(n, -1)
-
-
-def _silu_and_mul():
-    from pagedserve.testing.target import select_target
-
-    return select_target("cpu").ops.get("silu_and_mul")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -83,7 +68,7 @@ def test_gated_equals_the_two_ops_bit_for_bit(type_name, dtype):
     row tiles; the output poisoned before the kernel writes it."""
     _needs("has_kpacked_gated", type_name)
     module, tid = load_quant_kernels(), ref.GGUF_TYPE_IDS[type_name]
-    silu_and_mul = _silu_and_mul()
+    silu_and_mul = cpu_silu_and_mul()
     rng = np.random.default_rng(41)
     gen = torch.Generator().manual_seed(41)
     for d, k in ((48, 256), (64, 512)):
@@ -129,13 +114,8 @@ def test_gated_op_takes_the_kernel_or_the_two_ops(type_name):
     _needs("has_kpacked_gated", type_name)
     rng = np.random.default_rng(43)
     gen = torch.Generator().manual_seed(43)
-    silu_and_mul = _silu_and_mul()
-    calls = []
-
-    def linear(x, d, t, b=None, out_dtype=None):
-        calls.append(t)
-        return cpu_quant.gguf_linear(x, d, t, b, out_dtype)
-
+    silu_and_mul = cpu_silu_and_mul()
+    linear, calls = counting_linear()
     fused = cpu_quant.make_gguf_linear_silu_and_mul(linear, silu_and_mul)
     k = 256
     x = torch.randn(5, k, generator=gen).bfloat16()
@@ -208,29 +188,11 @@ def test_native_stacked_call_is_the_parts_side_by_side(mix, threads):
         pytest.skip("no tiled kernel for every part here")
     rng = np.random.default_rng(45)
     gen = torch.Generator().manual_seed(45)
-    k = 512
-    _, packed = _packed_parts(mix, k, rng)
-    module = load_quant_kernels()
-    ids = [ref.GGUF_TYPE_IDS[t] for t, _ in mix]
-    sizes = [n for _, n in mix]
-    bias = torch.randn(sum(sizes), generator=gen)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for dtype in (torch.float32, torch.bfloat16):
-            for m in (1, 3, 16, 17, 64):
-                x = torch.randn(m, k, generator=gen).to(dtype)
-                for b in (None, bias):
-                    for f32 in (False, True) if dtype == torch.bfloat16 else (False,):
-                        slices = [None] * len(mix) if b is None else list(b.split(sizes))
-                        want = torch.cat(
-                            [module.gguf_linear_out(x, w, t, s, f32) for w, t, s in zip(packed, ids, slices)], dim=-1
-                        )
-                        with nan_outputs():
-                            got = module.gguf_linear_multi_out(x, packed, ids, b, f32)
-                        assert got.dtype == want.dtype and torch.equal(got, want), (dtype, m, b is None, f32)
-    finally:
-        torch.set_num_threads(before)
+    _, packed = _packed_parts(mix, 512, rng)
+    dtypes, rows = (torch.float32, torch.bfloat16), (1, 3, 16, 17, 64)
+    check_multi_out_is_the_parts_side_by_side(
+        packed, [t for t, _ in mix], gen, threads, dtypes, rows, float32_out_of_float32=False
+    )
 
 
 def test_stacked_op_agrees_with_the_reference_and_takes_one_call():
@@ -247,12 +209,7 @@ def test_stacked_op_agrees_with_the_reference_and_takes_one_call():
     k = 256
     blocks, packed = _packed_parts(mix, k, rng)
     types = [t for t, _ in mix]
-    calls = []
-
-    def linear(x, d, t, b=None, out_dtype=None):
-        calls.append(t)
-        return cpu_quant.gguf_linear(x, d, t, b, out_dtype)
-
+    linear, calls = counting_linear()
     op = cpu_quant.make_gguf_linear_stacked(linear)
     bias = torch.randn(64, generator=gen)
     for m in (1, 9, 70):
@@ -285,13 +242,12 @@ def test_stacked_op_agrees_with_the_reference_and_takes_one_call():
 
 # --- a tiny K-quant model --------------------------------------------------------------
 
-_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 #: A Q4_K_M-like layer ([q; k] Q4_K beside a Q6_K v, gate/up Q4_K, down Q6_K), a Q5_K_M-like
 #: one with a Q8_0 v, and a Q3_K / Q2_K one.
 LAYER_TYPES = (
-    dict(zip(_PARTS, ("Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"))),
-    dict(zip(_PARTS, ("Q5_K", "Q5_K", "Q8_0", "Q5_K", "Q5_K", "Q5_K", "Q6_K"))),
-    dict(zip(_PARTS, ("Q3_K", "Q3_K", "Q4_K", "Q3_K", "Q2_K", "Q2_K", "Q3_K"))),
+    dict(zip(PARTS, ("Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"))),
+    dict(zip(PARTS, ("Q5_K", "Q5_K", "Q8_0", "Q5_K", "Q5_K", "Q5_K", "Q6_K"))),
+    dict(zip(PARTS, ("Q3_K", "Q3_K", "Q4_K", "Q3_K", "Q2_K", "Q2_K", "Q3_K"))),
 )
 
 
@@ -314,9 +270,7 @@ def test_tiny_kquant_model_runs_fused_with_the_dequantized_models_logprobs(tmp_p
     module = load_quant_kernels()
     if module is None or not all(_has("has_kpacked_gated", t) for t in ("Q4_K", "Q5_K", "Q2_K")):
         pytest.skip("no gated K-quant kernels in this build")
-    path = write_tiny_llama_gguf(
-        tmp_path / "kq.gguf", LAYER_TYPES, "Q6_K", hidden=256, inter=512, heads=4, kv_heads=2, name="tiny k-quant"
-    )
+    path = write_tiny_llama_gguf(tmp_path / "kq.gguf", LAYER_TYPES, "Q6_K", name="tiny k-quant")
     kw = dict(dtype="float32", kv_cache_memory="8MiB", max_model_len=128)
     ids = list(range(3, 60))
     want = sequence_logprobs(LLM(model=str(path), quantization="none", **kw), ids)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_quant_gguf_kquants import nan_outputs, native, random_blocks
+from gguf_type_checks import nan_outputs, native, random_blocks
 
 from pagedserve.kernels import quant_reference as ref
 from pagedserve.kernels import reference

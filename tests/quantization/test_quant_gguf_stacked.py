@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf_blocks import quantize
+from gguf_type_checks import check_multi_out_is_the_parts_side_by_side, counting_linear
 from test_quant_kernels import random_gguf
 
 from pagedserve.kernels import quant_reference as ref
@@ -59,27 +60,9 @@ def _parts(mix, k, gen):
 @pytest.mark.parametrize("mix", MIXES, ids=lambda m: "+".join(t for t, _ in m))
 def test_native_call_is_the_parts_side_by_side(mix, dtype, threads):
     gen = torch.Generator().manual_seed(31)
-    k = 96
-    _, packed = _parts(mix, k, gen)
-    module = load_quant_kernels()
-    ids = [ref.GGUF_TYPE_IDS[t] for t, _ in mix]
-    sizes = [n for _, n in mix]
-    bias = torch.randn(sum(sizes), generator=gen)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for m in (1, 2, 5, 7, 13, 16, 17, 64, 241, 300):
-            x = torch.randn(m, k, generator=gen).to(dtype)
-            for b in (None, bias):
-                for f32 in (False, True):
-                    slices = [None] * len(mix) if b is None else list(b.split(sizes))
-                    want = torch.cat(
-                        [module.gguf_linear_out(x, w, t, s, f32) for w, t, s in zip(packed, ids, slices)], dim=-1
-                    )
-                    got = module.gguf_linear_multi_out(x, packed, ids, b, f32)
-                    assert got.dtype == want.dtype and torch.equal(got, want), (m, b is None, f32)
-    finally:
-        torch.set_num_threads(before)
+    _, packed = _parts(mix, 96, gen)
+    rows = (1, 2, 5, 7, 13, 16, 17, 64, 241, 300)
+    check_multi_out_is_the_parts_side_by_side(packed, [t for t, _ in mix], gen, threads, (dtype,), rows)
 
 
 @needs_packed
@@ -129,12 +112,7 @@ def test_cpu_op_falls_back_per_part():
     the file's blocks, beside 32-value or K-quant parts) go through ``gguf_linear`` once per part."""
     gen = torch.Generator().manual_seed(34)
     k = 256
-    calls = []
-
-    def linear(x, d, t, b=None, out_dtype=None):
-        calls.append(t)
-        return cpu_quant.gguf_linear(x, d, t, b, out_dtype)
-
+    linear, calls = counting_linear()
     op = cpu_quant.make_gguf_linear_stacked(linear)
     for mix in ((("Q5_0", 40), ("Q8_0", 16)), (("Q4_K", 24), ("Q6_K", 16))):
         blocks, packed = _parts(mix, k, gen)

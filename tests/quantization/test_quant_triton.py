@@ -43,7 +43,7 @@ EXTENDED_SCRIPT = r"""
 import torch
 from pagedserve.kernels import quant_reference as ref
 from pagedserve.kernels.triton.quant_gguf import gguf_linear_triton
-from test_quant_gguf_kquants import random_blocks
+from gguf_type_checks import random_blocks
 from test_quant_kernels import rel_err
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 gen = torch.Generator().manual_seed(1)
