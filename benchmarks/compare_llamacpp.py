@@ -209,7 +209,11 @@ def _matched(a: list[int], b: list[int]) -> int:
 
 def _gap(top: dict[int, float], mine: int, other: int) -> tuple[float, bool]:
     """logprob(mine) - logprob(other) under one engine's top-k at a position; with `other`
-    outside its top-k, the gap to its last listed token (a lower bound: True)."""
+    outside its top-k, the gap to its last listed token (a lower bound: True); NaN when the
+    engine's own token is missing from its own list (seen with llama-server on a random-weight
+    model, whose distributions are nearly flat)."""
+    if mine not in top:
+        return float("nan"), True
     if other in top:
         return top[mine] - top[other], False
     return top[mine] - min(top.values()), True
