@@ -29,7 +29,8 @@
 // tiles as 4 + 4 + 4 + 4, not 5 + 5 + 5 + 1: no short tile that unpacks the weights for one
 // row).  Gated tiles: GATED_TM rows, PAIRS gate/up pairs (1 or 2), the last one single.
 // A policy may also set kFewRows and Few (a policy of its own): calls of at most kFewRows
-// rows then take Few's tiles (decode steps, whose weights are read once).
+// rows then take Few's tiles (decode steps, whose weights are read once); calls of at most
+// kStreamRows rows (below) take one-group tiles before either.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -49,6 +50,20 @@ namespace pagedserve_gguf {
 
 // Columns per group: the 16 float32 / int32 lanes of one vector.
 constexpr int kTileCols = 16;
+
+// Calls of at most this many rows (decode steps) take plain tiles of one column group: a
+// group's weights are contiguous and a thread's groups adjacent, so the thread reads its
+// weights as one sequential stream.  Tiles of several groups read as many short streams at
+// once (a group is K / 256 entries: 18 KB of Q4_K at K 2048), which at one row, where
+// reading the weights is the whole cost, took 1.1-1.5x the time on Zen 4
+// (docs/quantization.md).  Not the gated op: its gate and up groups are two streams
+// either way (a gate group whole, then its up group, measured 0.84-1.25x the gated tile).
+// 0: off.
+#ifndef PAGEDSERVE_GGUF_STREAM_ROWS
+#define PAGEDSERVE_GGUF_STREAM_ROWS 1
+#endif
+constexpr int kStreamRows = PAGEDSERVE_GGUF_STREAM_ROWS;
+static_assert(kStreamRows >= 0 && kStreamRows <= 8, "stream rows: 0 (off) to 8");
 
 // A policy's shapes (see above); the policy derives from it and adds Activations and tile.
 template <int VALUES, int ENTRY_BYTES, int64_t CHUNK, int TM, int TG, int GATED_TM = TM, int PAIRS = 1>
@@ -108,6 +123,13 @@ inline void rows_of_width(int64_t g, const typename P::Activations& a, const uin
 template <class P>
 void run_groups(const typename P::Activations& a, const uint8_t* w, int64_t M, int64_t gb, int64_t ge,
                 const Output& o) {
+  if constexpr (kStreamRows > 0) {
+    if (M <= kStreamRows) {  // one group at a time: the thread's weights are one sequential stream
+      const int64_t gs = P::group_stride(a);
+      for (int64_t g0 = gb; g0 < ge; ++g0) rows<P, kStreamRows, 1, false>(a, w, gs, 0, M, g0, o);
+      return;
+    }
+  }
   if constexpr (P::kFewRows > 0) {
     if (M <= P::kFewRows) return run_groups<typename P::Few>(a, w, M, gb, ge, o);
   }
