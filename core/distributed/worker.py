@@ -14,6 +14,9 @@ finishes the tail exactly as a single-process runner does.
 from __future__ import annotations
 
 import os
+import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +36,10 @@ from pagedserve.models.arch_config import ArchConfig
 from pagedserve.offload.connectors import create_tier_connector
 from pagedserve.scheduler import SchedulerOutput
 
-__all__ = ["Worker", "MicroBatch", "split_micro_batches", "run_worker_process", "default_threads"]
+__all__ = ["Worker", "MicroBatch", "Keepalive", "split_micro_batches", "run_worker_process", "default_threads"]
+
+#: The empty command rank 0 sends while no step runs (Keepalive).
+KEEPALIVE = "keepalive"
 
 
 @dataclass
@@ -75,6 +81,62 @@ def _meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata
     return meta.apply(lambda t: t.to(device))
 
 
+class Keepalive:
+    """Rank 0's turns at the broadcast, and an empty command while none comes.
+
+    Ranks > 0 wait for the next step inside the broadcast, a collective bounded by
+    ``distributed_timeout_s`` like every other: an engine left idle for longer would have
+    them time out and exit, and its next request fail.  While no step runs, a thread of
+    rank 0 sends them the ``keepalive`` command every quarter of that timeout.  Every
+    driver operation (a step's broadcast and the collectives of its forward, a command,
+    the stop) runs as one ``turn``, so that the thread's command never falls between a
+    step's collectives.  A failed command (a worker gone) ends the thread; the engine's
+    next step then meets the failure and names it.
+    """
+
+    def __init__(self, broadcast, timeout_s: float) -> None:
+        self._broadcast = broadcast
+        self.interval = max(0.05, timeout_s / 4)
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._stopped = threading.Event()
+        self.sent = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pagedserve-keepalive", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval / 2):
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                if time.monotonic() - self._last < self.interval:
+                    continue
+                try:
+                    self._broadcast((KEEPALIVE,))
+                except Exception as exc:  # noqa: BLE001 - a worker gone: the next step reports it
+                    self.error = exc
+                    return
+                self.sent += 1
+                self._last = time.monotonic()
+
+    @contextmanager
+    def turn(self):
+        """Hold the broadcast for one driver operation."""
+        with self._lock:
+            try:
+                yield
+            finally:
+                self._last = time.monotonic()
+
+    def stop(self) -> None:
+        """No more commands (before the workers are told to leave, or the group goes)."""
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            with self._lock:
+                pass
+
+
 class Worker:
     """Builds this rank's runner (weights shard, KV shard) and runs broadcast steps."""
 
@@ -92,6 +154,8 @@ class Worker:
         #: This rank's checkpoint (the engine's source on rank 0), set by setup.
         self.source = None
         self.num_micro_batches = 2 if init.pp_size > 1 else 1
+        #: Rank 0 of a group of several: the driver's turns and the idle commands.
+        self.keepalive: Keepalive | None = None
 
     def setup(self, source=None, on_ready=None) -> int:
         """Join the group, load this rank's shard, agree on the KV block count (the minimum
@@ -144,7 +208,18 @@ class Worker:
         spec = cfg.speculative.speculative_config
         if spec is not None and spec.draft_tp > 1:
             self.draft = self._load_draft(spec, platform, ops, dtype)
+        if self.rank == 0 and self.parallel.world_size > 1:
+            self.keepalive = Keepalive(self.parallel.broadcast_object, self.init.timeout_s)
         return num_blocks
+
+    @contextmanager
+    def _turn(self):
+        """Rank 0: one driver operation, the idle commands held off (Keepalive)."""
+        if self.keepalive is None:
+            yield
+        else:
+            with self.keepalive.turn():
+                yield
 
     def _agree_on_block_size(self, cfg: EngineConfig, platform, arch: ArchConfig) -> EngineConfig:
         """``cfg`` with the KV block size every rank uses.  The engine's own ranks get it
@@ -212,8 +287,9 @@ class Worker:
             batches.append(MicroBatch(inp.input_ids, inp.meta, plan.rows, lora_step))
             plans.append(plan)
         batches[0].kv_transfers = getattr(out, "kv_transfers", None) or None
-        self.parallel.broadcast_object(batches)
-        heads = self.run_step(batches)
+        with self._turn():
+            self.parallel.broadcast_object(batches)
+            heads = self.run_step(batches)
         result = StepOutput({}, {})
         with torch.inference_mode():
             for plan, head in zip(plans, heads):
@@ -251,8 +327,9 @@ class Worker:
             tail = TailRows(idx, len(idx), PromptRows(), [])
             batches.append(MicroBatch(inp.input_ids, inp.meta, tail, lora_step, draft=draft))
         batches[0].kv_transfers = getattr(out, "kv_transfers", None) or None
-        self.parallel.broadcast_object(batches)
-        logits = [h.logits for h in self.run_step(batches) if h.logits is not None]
+        with self._turn():
+            self.parallel.broadcast_object(batches)
+            logits = [h.logits for h in self.run_step(batches) if h.logits is not None]
         if len(logits) == 1:
             return logits[0]
         return torch.cat(logits) if logits else torch.empty(0, runner.arch.vocab_size, device=runner.device)
@@ -260,11 +337,15 @@ class Worker:
     def control_driver(self, command: str, *args) -> None:
         """Rank 0: have every rank run ``command`` (sleep mode: "sleep" with its level,
         "wake_up"), the others through their loop, in step order."""
-        self.parallel.broadcast_object((command, *args))
-        self.control(command, *args)
+        with self._turn():
+            self.parallel.broadcast_object((command, *args))
+            self.control(command, *args)
 
     def control(self, command: str, *args) -> None:
-        """Sleep mode on this rank: drop the shard's weights and KV cache, or rebuild them."""
+        """Sleep mode on this rank: drop the shard's weights and KV cache, or rebuild them;
+        ``keepalive``: nothing (rank 0's command while no step runs)."""
+        if command == KEEPALIVE:
+            return
         if command == "sleep":
             (level,) = args
             self.runner.sleep(level, self.source.weights() if level == 1 else None)
@@ -275,6 +356,8 @@ class Worker:
 
     def stop_workers(self) -> None:
         """Rank 0: tell the other ranks to leave their loop."""
+        if self.keepalive is not None:
+            self.keepalive.stop()
         self.parallel.broadcast_object(None)
 
     # -- every rank -------------------------------------------------------------------------
@@ -337,6 +420,8 @@ class Worker:
         return heads
 
     def close(self) -> None:
+        if self.keepalive is not None:
+            self.keepalive.stop()
         destroy_distributed()
 
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-from dist_helpers import BASE, greedy, make_prompts, token_ids
+from dist_helpers import BASE, greedy, make_prompts, running_llm, token_ids
 
 from pagedserve import LLM
 
@@ -75,3 +75,18 @@ def test_process_group_of_the_caller_is_not_torn_down(tiny_checkpoint_factory, t
         assert dist.is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+def test_an_idle_engine_outlives_the_collective_timeout(tiny_checkpoint_factory):
+    """Ranks > 0 wait for the next step inside a collective bounded by
+    distributed_timeout_s: an engine idle for longer than that still answers, the same
+    tokens as before (rank 0 sent its workers the keepalive command meanwhile)."""
+    path = str(tiny_checkpoint_factory(arch="llama", num_heads=4, num_kv_heads=2))
+    prompts, params = make_prompts()[:3], greedy(4)
+    kw = {**BASE, "model": path, "distributed_executor_backend": "mp", "distributed_timeout_s": 5}
+    with running_llm(tensor_parallel_size=2, **kw) as llm:
+        first = token_ids(llm, prompts, params)
+        time.sleep(7.5)  # 1.5 timeouts, nothing running
+        assert token_ids(llm, prompts, params) == first
+        keepalive = llm.llm_engine.executor.driver.keepalive
+        assert keepalive.sent >= 2 and keepalive.error is None
