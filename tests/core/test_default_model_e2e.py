@@ -59,9 +59,9 @@ GREEDY_EXACT = 0.93
 class Reference:
     """transformers on the dequantized GGUF weights: float32, and a bf16 copy."""
 
-    def __init__(self) -> None:
-        gguf = resolve_model_path(None)
-        self.fp32 = load_hf(str(gguf.parent), gguf_file=gguf.name)
+    def __init__(self, folder) -> None:
+        # transformers' own reading of the GGUF file, saved once per session (tests/conftest.py).
+        self.fp32 = load_hf(str(folder))
         self.bf16 = copy.deepcopy(self.fp32).to(torch.bfloat16)
 
     @torch.inference_mode()
@@ -71,8 +71,8 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference() -> Reference:
-    return Reference()
+def reference(default_model_hf_dir) -> Reference:
+    return Reference(default_model_hf_dir)
 
 
 def token_lps(lp: torch.Tensor, seq: list[int]) -> torch.Tensor:
