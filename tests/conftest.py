@@ -177,6 +177,18 @@ def default_model_hf_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_default_tokenizer():
+    """transformers' tokenizer for the default GGUF, built by transformers from the same file
+    (5-10 s on 2 cores: shared by the session; no test may modify it)."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.loader.model_path import default_model_path
+
+    gguf = default_model_path()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="session")
 def cpu_kernels():
     """The native CPU kernels, built on first use; a failed build fails the test (skips
     only where PAGEDSERVE_NO_COMPILER=1, see tests/native_build.py)."""
