@@ -124,6 +124,70 @@ def tiny_checkpoint_factory(tmp_path_factory):
     return make
 
 
+#: Configuration keys that say where and how a transformers model's weights were stored
+#: (the GGUF file's name and block types), not what the model is.
+_PROVENANCE_KEYS = ("_name_or_path", "transformers_version", "quantization_config")
+
+
+def _config_dict(model) -> dict:
+    d = model.config.to_dict()
+    for key in _PROVENANCE_KEYS:
+        d.pop(key, None)
+    return d
+
+
+@pytest.fixture(scope="session")
+def default_model_hf_dir(tmp_path_factory) -> Path:
+    """transformers' float32 reading of the default model's GGUF file, saved as safetensors
+    once per session: the reference of every default-model test.
+
+    Reading the GGUF file dequantizes each tensor in Python (15-40 s on 2 cores; it was done
+    once per test file); the saved copy loads in a second or two.  It is checked here to
+    hold exactly the tensors (bit for bit, same dtypes) and configuration that transformers
+    read from the GGUF file, so a test loading it compares against the same reference.
+    Load it with ``AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)``:
+    each test gets its own model object, free to modify (peft, a bf16 copy).
+    """
+    import copy
+
+    import transformers
+    from safetensors.torch import save_model
+
+    from pagedserve.loader.model_path import default_model_path
+
+    gguf = default_model_path()
+    auto = transformers.AutoModelForCausalLM
+    read = auto.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    folder = tmp_path_factory.mktemp("default-model-hf")
+    # A plain float32 checkpoint (save_pretrained refuses a model read from GGUF): the
+    # tensors as transformers dequantized them, the configuration without the GGUF origin.
+    save_model(read, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(read.config)
+    del config.quantization_config
+    config.save_pretrained(folder)
+    again = auto.from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert getattr(again, "hf_quantizer", None) is None
+    want, got = read.state_dict(), again.state_dict()
+    assert list(got) == list(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    assert _config_dict(again) == _config_dict(read)
+    assert type(again) is type(read)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_default_tokenizer():
+    """transformers' tokenizer for the default GGUF, built by transformers from the same file
+    (5-10 s on 2 cores: shared by the session; no test may modify it)."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.loader.model_path import default_model_path
+
+    gguf = default_model_path()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
 @pytest.fixture(scope="session")
 def cpu_kernels():
     """The native CPU kernels, built on first use; a failed build fails the test (skips

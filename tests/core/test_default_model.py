@@ -3,11 +3,9 @@ transformers' greedy output on the same GGUF file, both in float32."""
 
 from __future__ import annotations
 
-import pytest
 from hf_reference import hf_greedy, load_hf
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.loader import resolve_model_path
 
 PROMPTS = [
     "The capital of France is",
@@ -18,13 +16,8 @@ PROMPTS = [
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="module")
-def gguf_path():
-    return resolve_model_path(None)
-
-
 # Long (about 90 s on 2 cores) but the one full-vocabulary reference check: runs in CI.
-def test_default_model_greedy_matches_transformers(gguf_path):
+def test_default_model_greedy_matches_transformers(default_model_hf_dir):
     # Dequantized like transformers loads the file (kept blocks are tested in tests/quantization).
     llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048, quantization="none")
     tok = llm.get_tokenizer()
@@ -33,7 +26,7 @@ def test_default_model_greedy_matches_transformers(gguf_path):
         prompt_ids, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False
     )
     got = [o.outputs[0].token_ids for o in outs]
-    hf = load_hf(str(gguf_path.parent), gguf_file=gguf_path.name)
+    hf = load_hf(str(default_model_hf_dir))  # transformers' reading of the GGUF file (tests/conftest.py)
     expected = [hf_greedy(hf, ids, MAX_NEW) for ids in prompt_ids]
     assert got == expected
     assert "Paris" in tok.decode(got[0])

@@ -27,7 +27,6 @@ from hf_reference import engine_token_logprobs, load_hf
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.kernels.cpu import native
-from pagedserve.loader import resolve_model_path
 from pagedserve.quantization import GGUFWeight
 
 pytestmark = pytest.mark.timeout(1800)
@@ -59,9 +58,9 @@ GREEDY_EXACT = 0.93
 class Reference:
     """transformers on the dequantized GGUF weights: float32, and a bf16 copy."""
 
-    def __init__(self) -> None:
-        gguf = resolve_model_path(None)
-        self.fp32 = load_hf(str(gguf.parent), gguf_file=gguf.name)
+    def __init__(self, folder) -> None:
+        # transformers' own reading of the GGUF file, saved once per session (tests/conftest.py).
+        self.fp32 = load_hf(str(folder))
         self.bf16 = copy.deepcopy(self.fp32).to(torch.bfloat16)
 
     @torch.inference_mode()
@@ -71,8 +70,8 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference() -> Reference:
-    return Reference()
+def reference(default_model_hf_dir) -> Reference:
+    return Reference(default_model_hf_dir)
 
 
 def token_lps(lp: torch.Tensor, seq: list[int]) -> torch.Tensor:
@@ -163,16 +162,13 @@ def test_gguf_kept_path_matches_transformers(reference):
     check(stats, GGUF_MAX_ERR, GGUF_MEAN_ERR, GGUF_GREEDY_GAP, GGUF_DECODE_ERR)
 
 
-def test_served_default_model_matches_transformers(reference, tmp_path):
+def test_served_default_model_matches_transformers(reference, hf_default_tokenizer, tmp_path):
     # `pagedserve serve` with no model and no flags: the GGUF kept path, bf16 activations.
     from live_server import LiveServer
 
     server = LiveServer(None, ["--max-model-len", "2048", "--kv-cache-memory", "256MiB"], tmp_path / "log")
     try:
-        import transformers
-
-        gguf = resolve_model_path(None)
-        tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok = hf_default_tokenizer  # transformers' tokenizer read from the GGUF file
         prompts = prompt_ids(tok)
         conts, lps, decode = [], [], []
         with httpx.Client(base_url=server.url, timeout=600) as c:

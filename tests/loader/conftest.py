@@ -1,7 +1,8 @@
 """Fixtures for the loader tests: the default model, transformers references, file writers.
 
 transformers is the independent reference throughout; its GGUF and tokenizer loads are slow,
-so they are shared across the session.
+so they are shared across the session (``default_model_hf_dir`` and ``hf_default_tokenizer``
+are in tests/conftest.py: other folders' tests use them too).
 """
 
 from __future__ import annotations
@@ -38,14 +39,6 @@ def default_source() -> ModelSource:
 @pytest.fixture(scope="session")
 def default_tokenizer(default_source: ModelSource) -> Tokenizer:
     return default_source.tokenizer()
-
-
-@pytest.fixture(scope="session")
-def hf_default_tokenizer(default_gguf: pathlib.Path) -> Any:
-    """transformers' tokenizer for the default GGUF, built by transformers from the same file."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
 
 
 @pytest.fixture(scope="session")

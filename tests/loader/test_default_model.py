@@ -19,12 +19,11 @@ def hf_config(default_gguf: pathlib.Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def hf_state_dict(default_gguf: pathlib.Path) -> dict[str, torch.Tensor]:
+def hf_state_dict(default_model_hf_dir: pathlib.Path) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32
-    )
+    # transformers' reading of the GGUF file, saved once per session (tests/conftest.py).
+    model = AutoModelForCausalLM.from_pretrained(str(default_model_hf_dir), dtype=torch.float32)
     return {name: tensor.detach() for name, tensor in model.state_dict().items()}
 
 

@@ -9,7 +9,6 @@ from peft_adapters import make_adapter
 from test_lora_vs_peft import check_against_peft
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.loader import resolve_model_path
 from pagedserve.lora import LoRARequest
 
 pytest.importorskip("peft")
@@ -18,13 +17,11 @@ pytest.importorskip("gguf")
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def test_default_model_adapters_match_peft(tmp_path):
+def test_default_model_adapters_match_peft(tmp_path, default_model_hf_dir):
     import transformers
 
-    gguf = resolve_model_path(None)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    # transformers' reading of the GGUF file, saved once per session (tests/conftest.py).
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(default_model_hf_dir), dtype=torch.float32).eval()
     paths = [
         make_adapter(hf, tmp_path / "a1", seed=1, r=8, alpha=16, targets=ALL, std=0.03),
         make_adapter(

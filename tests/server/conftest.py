@@ -56,6 +56,7 @@ class ServerProcess:
         self.api_key = api_key
         self.proc: subprocess.Popen | None = None
         self.port = 0
+        self._terminated_at: float | None = None
 
     @property
     def url(self) -> str:
@@ -76,6 +77,7 @@ class ServerProcess:
             ]
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self._terminated_at = None
             if self._wait_ready():
                 return self
             if "address already in use" not in self.log().lower():
@@ -96,14 +98,21 @@ class ServerProcess:
             time.sleep(0.25)
         return False
 
+    def terminate(self) -> None:
+        """SIGTERM (once) without waiting; ``stop`` waits for the exit."""
+        if self.proc is not None and self._terminated_at is None and self.proc.poll() is None:
+            self.proc.terminate()
+            self._terminated_at = time.monotonic()
+
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM, then SIGKILL if it does not exit in time; returns the exit status."""
+        """SIGTERM, then SIGKILL if it does not exit within ``timeout`` of the SIGTERM;
+        returns the exit status."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.terminate()
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(max(0.0, self._terminated_at + timeout - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
@@ -142,11 +151,7 @@ class ServerProcess:
         return out
 
 
-@pytest.fixture(scope="session")
-def server_factory(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
-    """Start servers on demand; every one still running is stopped at the end."""
-    started: list[ServerProcess] = []
-
+def _starter(tmp_path_factory, started: list[ServerProcess]) -> Callable[..., ServerProcess]:
     def start(
         model: str | None, args: list[str], env: dict[str, str] | None = None, api_key: str | None = None
     ) -> ServerProcess:
@@ -155,9 +160,43 @@ def server_factory(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
         started.append(server)
         return server.start()
 
-    yield start
-    for server in started:
+    return start
+
+
+def _stop_all(servers: list[ServerProcess]) -> None:
+    """SIGTERM every server first, then wait for each: they shut down side by side."""
+    for server in servers:
+        server.terminate()
+    for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def _ending_servers() -> Iterator[list[ServerProcess]]:
+    """Servers told to stop at the end of their module, waited for at the end of the session."""
+    ending: list[ServerProcess] = []
+    yield ending
+    _stop_all(ending)
+
+
+@pytest.fixture(scope="session")
+def session_server_factory(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
+    """Start servers that live for the whole session (``tiny_server``)."""
+    started: list[ServerProcess] = []
+    yield _starter(tmp_path_factory, started)
+    _stop_all(started)
+
+
+@pytest.fixture(scope="module")
+def server_factory(tmp_path_factory, _ending_servers) -> Iterator[Callable[..., ServerProcess]]:
+    """Start servers on demand.  When the module that started them ends, each one still
+    running is sent SIGTERM (so that it frees its memory while later modules run) and
+    waited for at the end of the session (its shutdown overlaps later tests)."""
+    started: list[ServerProcess] = []
+    yield _starter(tmp_path_factory, started)
+    for server in started:
+        server.terminate()
+    _ending_servers.extend(started)
 
 
 @pytest.fixture(scope="session")
@@ -172,12 +211,12 @@ def chat_template() -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_server(server_factory, tiny_llama, tmp_path_factory) -> ServerProcess:
+def tiny_server(session_server_factory, tiny_llama, tmp_path_factory) -> ServerProcess:
     """The main test server: the tiny Llama under the names "tiny" and "tiny-alias", a
     1 MiB body limit and CHAT_TEMPLATE from a file."""
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
-    return server_factory(
+    return session_server_factory(
         str(tiny_llama),
         [
             *TINY_SERVER_ARGS,

@@ -120,17 +120,18 @@ SENTENCES = ["The capital of France is Paris.", "Embeddings map text to vectors.
 
 
 @pytest.fixture(scope="module")
-def default_model_hf():
+def default_model_hf(request):
     from pagedserve.loader.model_path import default_model_path
 
     try:
-        path = default_model_path()
+        default_model_path()
     except FileNotFoundError as e:
         pytest.skip(f"the default model is not installed: {e}")
-    return load_hf(str(path.parent), gguf_file=path.name)
+    # transformers' reading of the GGUF file, saved once per session (tests/conftest.py).
+    return load_hf(str(request.getfixturevalue("default_model_hf_dir")))
 
 
-# Two model loads plus transformers on the GGUF: 15-60 s on 2 cores, the one real-model check.
+# Two model loads plus the transformers reference: 15-30 s on 2 cores, the one real-model check.
 def test_default_model_embeddings_match_transformers(server_factory, default_model_hf):
     from pagedserve import LLM
 
