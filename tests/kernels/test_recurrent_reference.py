@@ -153,22 +153,6 @@ def _ssd_inputs(gen: torch.Generator, lens: list[int], heads: int = 4, head_dim:
     return x, dt, A, B, C, D, state, _qsl(lens)
 
 
-@pytest.mark.parametrize("chunk", [3, 16, 256])
-def test_mamba2_ssd_chunked_equals_its_recursion(chunk):
-    gen = torch.Generator().manual_seed(10 + chunk)
-    x, dt, A, B, C, D, state, qsl = _ssd_inputs(gen, [1, 21, 40, 7])
-    s_chunked = state.clone()
-    out = ref.mamba2_ssd(x, dt, A, B, C, D, s_chunked, qsl, chunk)
-    want, s_want = _step_by_step(
-        lambda sl, s: ref.mamba2_ssd_step(x[sl], dt[sl], A, B[sl], C[sl], D, s),
-        torch.full_like(x, float("nan")),
-        state,
-        qsl,
-    )
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(s_chunked, s_want, rtol=1e-4, atol=1e-4)
-
-
 def test_mamba2_step_is_the_state_space_recursion():
     gen = torch.Generator().manual_seed(4)
     x, dt, A, B, C, D, state, _ = _ssd_inputs(gen, [1, 1, 1])
@@ -205,17 +189,22 @@ def _scan_inputs(gen: torch.Generator, lens: list[int], dim: int = 12, n: int = 
     return x, dt, A, B, C, D, state, _qsl(lens)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 16, 256])
-def test_mamba1_scan_chunked_equals_its_recursion(chunk):
-    gen = torch.Generator().manual_seed(20 + chunk)
-    x, dt, A, B, C, D, state, qsl = _scan_inputs(gen, [1, 21, 40, 7])
+#: The Mamba scans' inputs and seed bases (the seed adds the chunk size).
+MAMBA_SCANS = {"mamba2_ssd": (_ssd_inputs, 10), "mamba1_scan": (_scan_inputs, 20)}
+
+
+@pytest.mark.parametrize(
+    ("op", "chunk"), [("mamba2_ssd", c) for c in (3, 16, 256)] + [("mamba1_scan", c) for c in (1, 5, 16, 256)]
+)
+def test_mamba_scan_chunked_equals_its_recursion(op, chunk):
+    inputs, seed = MAMBA_SCANS[op]
+    gen = torch.Generator().manual_seed(seed + chunk)
+    x, dt, A, B, C, D, state, qsl = inputs(gen, [1, 21, 40, 7])
     s_chunked = state.clone()
-    out = ref.mamba1_scan(x, dt, A, B, C, D, s_chunked, qsl, chunk)
+    out = getattr(ref, op)(x, dt, A, B, C, D, s_chunked, qsl, chunk)
+    step = getattr(ref, f"{op}_step")
     want, s_want = _step_by_step(
-        lambda sl, s: ref.mamba1_scan_step(x[sl], dt[sl], A, B[sl], C[sl], D, s),
-        torch.full_like(x, float("nan")),
-        state,
-        qsl,
+        lambda sl, s: step(x[sl], dt[sl], A, B[sl], C[sl], D, s), torch.full_like(x, float("nan")), state, qsl
     )
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(s_chunked, s_want, rtol=1e-4, atol=1e-4)
