@@ -120,24 +120,6 @@ def _gated_delta_rule(t: Target, fn: Callable, dtype: torch.dtype, seed: int) ->
         yield desc, body
 
 
-def _gated_delta_rule_recurrent(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for seqs, shape in [(1, ""), (6, ""), (5, "-odd")]:
-        desc = f"{seqs}seqs{shape}"
-
-        def body(seqs=seqs, shape=shape, desc=desc) -> None:
-            c = _Case(f"gated_delta_rule_recurrent{desc}{dtype}", seed, t.device)
-            q, k, v, g, beta, state = _gdn_inputs(c, seqs, seqs, dtype, shape)
-            want_state = state.clone()
-            want = reference.gated_delta_rule_recurrent(q, k, v, g, beta, want_state, True)
-            got_state = c.dev(state)
-            _poison(c, dtype, v.shape)
-            got = fn(*[c.dev(a) for a in (q, k, v, g, beta)], got_state, True)
-            assert_matches("gated_delta_rule_recurrent", got, want, dtype)
-            _state_check("gated_delta_rule_recurrent", got_state, want_state, dtype)
-
-        yield desc, body
-
-
 #: (heads, head_dim, groups, d_state) of the Mamba 2 cases: the base shape, and an odd
 #: head size with a state wider than one vector plus a tail.
 SSD_SHAPES = {"": (4, 16, 2, 8), "-odd": (6, 5, 3, 24)}
@@ -194,9 +176,11 @@ def _ssm_varlen(op: str, inputs: InputsFn, cases: list[tuple[int, str]]):
     return gen
 
 
-def _ssm_step(op: str, inputs: InputsFn):
-    """The cases of a Mamba decode step (``mamba2_ssd_step``, ``mamba1_scan_step``): one
-    token per sequence, per (sequences, shape)."""
+def _step(op: str, inputs: InputsFn, flags: tuple = (), out: int = 0):
+    """The cases of a decode step (``gated_delta_rule_recurrent``, ``mamba2_ssd_step``,
+    ``mamba1_scan_step``): one token per sequence, per (sequences, shape).  ``inputs``
+    returns the op's tensors, the state last; ``flags`` follow the state in the call;
+    the output has the shape of input ``out``."""
     want_fn = getattr(reference, op)
 
     def gen(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
@@ -205,12 +189,12 @@ def _ssm_step(op: str, inputs: InputsFn):
 
             def body(seqs=seqs, shape=shape, desc=desc) -> None:
                 c = _Case(f"{op}{desc}{dtype}", seed, t.device)
-                x, dt, A, B, C, D, state = inputs(c, seqs, seqs, dtype, shape)
+                *ins, state = inputs(c, seqs, seqs, dtype, shape)
                 want_state = state.clone()
-                want = want_fn(x, dt, A, B, C, D, want_state)
+                want = want_fn(*ins, want_state, *flags)
                 got_state = c.dev(state)
-                _poison(c, dtype, x.shape)
-                got = fn(*[c.dev(a) for a in (x, dt, A, B, C, D)], got_state)
+                _poison(c, dtype, ins[out].shape)
+                got = fn(*[c.dev(a) for a in ins], got_state, *flags)
                 assert_matches(op, got, want, dtype)
                 _state_check(op, got_state, want_state, dtype)
 
@@ -220,9 +204,10 @@ def _ssm_step(op: str, inputs: InputsFn):
 
 
 _mamba2_ssd = _ssm_varlen("mamba2_ssd", _ssd_inputs, [(8, ""), (256, ""), (32, "-odd")])
-_mamba2_ssd_step = _ssm_step("mamba2_ssd_step", _ssd_inputs)
+_gated_delta_rule_recurrent = _step("gated_delta_rule_recurrent", _gdn_inputs, flags=(True,), out=2)
+_mamba2_ssd_step = _step("mamba2_ssd_step", _ssd_inputs)
 _mamba1_scan = _ssm_varlen("mamba1_scan", _scan_inputs, [(4, ""), (16, ""), (16, "-odd")])
-_mamba1_scan_step = _ssm_step("mamba1_scan_step", _scan_inputs)
+_mamba1_scan_step = _step("mamba1_scan_step", _scan_inputs)
 
 
 def _rms_norm_gated(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
