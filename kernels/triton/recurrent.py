@@ -32,30 +32,12 @@ __all__ = [
 
 @triton.jit
 def _gdn_token(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    g_ptr,
-    beta_ptr,
-    out_ptr,
-    st,
-    t,
-    h,
-    kh,
-    ok,
-    ov,
-    mk,
-    mv,
-    scale,
-    HK: tl.constexpr,
-    HV: tl.constexpr,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    L2NORM: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, st, t, h, kh, ok, ov, mk, mv, scale, HK, HV, DK, DV, L2NORM
 ):
     """One token ``t`` of the delta-rule recursion on a ``[BK, BV]`` slice ``st`` of
     value head ``h``'s state (columns ``ov``): writes the token's output, returns the new
-    slice.  Shared by the decode step and the prefill kernel."""
+    slice.  Shared by the decode step and the prefill kernel; the shapes and L2NORM come
+    in as the caller's constexprs (the jit specialises on them)."""
     q = tl.load(q_ptr + (t * HK + kh) * DK + ok, mask=mk, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + (t * HK + kh) * DK + ok, mask=mk, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + (t * HV + h) * DV + ov, mask=mv, other=0.0).to(tl.float32)
@@ -137,27 +119,7 @@ def _ssm_token(st, decay, x, dt, b, c, d):
 
 
 @triton.jit
-def _ssd_token(
-    x_ptr,
-    dt_ptr,
-    b_ptr,
-    c_ptr,
-    out_ptr,
-    st,
-    t,
-    h,
-    grp,
-    op,
-    on,
-    mp,
-    mn,
-    a,
-    d,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    P: tl.constexpr,
-    N: tl.constexpr,
-):
+def _ssd_token(x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr, st, t, h, grp, op, on, mp, mn, a, d, H, G, P, N):
     """One token ``t`` of Mamba 2's recursion on head ``h``'s state rows ``op``: writes
     the token's output, returns the new rows.  Shared by the decode step and the prefill
     kernel."""
@@ -225,7 +187,7 @@ def mamba2_ssd_step_triton(x, dt, A, B, C, D, state) -> torch.Tensor:
 
 
 @triton.jit
-def _scan_token(x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr, st, t, od, on, md, mn, a, d, DIM: tl.constexpr, N: tl.constexpr):
+def _scan_token(x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr, st, t, od, on, md, mn, a, d, DIM, N):
     """One token ``t`` of Mamba 1's recursion on the state rows of channels ``od``
     (decays ``exp(dt * A)`` per channel and entry): writes the token's output, returns
     the new rows.  Shared by the decode step and the prefill kernel."""
