@@ -10,8 +10,9 @@
   window and applies the depthwise filter, bias and SiLU.
 
 States are float32 and updated in place, as :mod:`pagedserve.kernels.recurrent_reference`
-specifies; inputs are made contiguous by the launchers.  Prefill (varlen chunks) stays
-on the reference ops.
+specifies; inputs are made contiguous by the launchers.  Each step's per-token work
+(``_gdn_token``, ``_ssd_token``, ``_scan_token``) is written once, here: the prefill kernels
+of :mod:`pagedserve.kernels.triton.recurrent_prefill` run it for every token of a sequence.
 """
 
 from __future__ import annotations

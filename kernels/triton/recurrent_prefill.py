@@ -17,9 +17,9 @@ never waits for the GPU.
   ``width - 1`` inputs), after every tile has read the old one.
 - ``gated_delta_rule``, ``mamba2_ssd``, ``mamba1_scan``: sequential in time.  One program
   per (sequence, head, tile of state columns or rows) keeps its slice of the state in
-  registers for all the sequence's tokens and runs the recursion of the decode step once
-  per token (the tiles are independent: a delta-rule column depends only on the token's
-  k, q, g and beta; a Mamba state row only on its own channel).  This is the form of
+  registers for all the sequence's tokens and runs the decode step's per-token helper
+  once per token (the tiles are independent: a delta-rule column depends only on the
+  token's k, q, g and beta; a Mamba state row only on its own channel).  This is the form of
   fla's ``fused_recurrent`` kernels, not the chunked matrix form of the reference, so
   ``chunk_size`` is accepted for the signature and changes nothing (the result differs
   from the reference's by float32 rounding only).
