@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = [
+#: The recurrent-layer ops, by the names they are registered under.
+RECURRENT_OP_NAMES: tuple[str, ...] = (
     "causal_conv1d",
     "causal_conv1d_update",
     "gated_delta_rule",
@@ -39,8 +40,9 @@ __all__ = [
     "mamba2_ssd_step",
     "mamba1_scan",
     "mamba1_scan_step",
-    "RECURRENT_OP_NAMES",
-]
+)
+
+__all__ = [*RECURRENT_OP_NAMES, "RECURRENT_OP_NAMES"]
 
 
 def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -140,6 +142,16 @@ def gated_delta_rule_recurrent(
     return torch.einsum("nhkv,nhk->nhv", s, qf).to(v.dtype)
 
 
+def _causal_decay(cum: torch.Tensor, dim: int) -> torch.Tensor:
+    """``exp(cum_i - cum_j)`` for tokens ``j <= i`` and 0 above the diagonal, from the
+    cumulative log decays ``cum`` along token dimension ``dim``: the pair ``(i, j)`` at
+    dimensions ``dim, dim + 1`` of the result."""
+    diff = cum.unsqueeze(dim + 1) - cum.unsqueeze(dim)
+    n = cum.shape[dim]
+    causal = torch.ones(n, n, dtype=torch.bool, device=cum.device).tril().view(n, n, *[1] * (cum.dim() - dim - 1))
+    return torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+
+
 def _delta_rule_chunks(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -157,10 +169,7 @@ def _delta_rule_chunks(
         c1 = min(L, c0 + chunk)
         qc, kc, vc, bc = q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1]
         G = g[:, c0:c1].cumsum(-1)  # [H, C] log decay from the chunk start through each token
-        # decay[i, j] = exp(G_i - G_j) for j <= i (zero above the diagonal)
-        diff = G.unsqueeze(-1) - G.unsqueeze(-2)
-        causal = torch.ones(c1 - c0, c1 - c0, dtype=torch.bool, device=v.device).tril()
-        decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+        decay = _causal_decay(G, 1)  # [H, C, C]
         # Token i's write is beta_i (v_i - S_{i-1}^T k_i); S_{i-1} holds the decayed chunk
         # start state and the earlier writes u_j: (I + A) u = beta (v - exp(G) k S0).
         kk = (kc @ kc.transpose(-1, -2)) * decay
@@ -281,9 +290,7 @@ def _ssd_chunks(x, dt, A, B, C, s, chunk):
         c1 = min(L, c0 + chunk)
         xc, dtc, Bc, Cc = x[:, c0:c1], dt[:, c0:c1], B[:, c0:c1], C[:, c0:c1]
         cum = (dtc * A[:, None]).cumsum(-1)  # [H, C] log decay from the chunk start through each token
-        diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)
-        causal = torch.ones(c1 - c0, c1 - c0, dtype=torch.bool, device=x.device).tril()
-        decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+        decay = _causal_decay(cum, 1)  # [H, C, C]
         # y_i = exp(cum_i) C_i . S0 + sum_{j <= i} exp(cum_i - cum_j) (C_i . B_j) dt_j x_j
         scores = (Cc @ Bc.transpose(-1, -2)) * decay
         u = xc * dtc.unsqueeze(-1)
@@ -359,12 +366,9 @@ def _scan_chunks(x, dt, A, B, C, s, chunk):
     out = torch.empty_like(x)
     for c0 in range(0, L, chunk):
         c1 = min(L, c0 + chunk)
-        n = c1 - c0
         cum = (dt[c0:c1].unsqueeze(-1) * A).cumsum(0)  # [n, D, N]
         u = (dt[c0:c1] * x[c0:c1]).unsqueeze(-1) * B[c0:c1].unsqueeze(1)  # [n, D, N]
-        diff = cum.unsqueeze(1) - cum.unsqueeze(0)  # [t, j, D, N]
-        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril().view(n, n, 1, 1)
-        decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+        decay = _causal_decay(cum, 0)  # [t, j, D, N]
         h = (decay * u.unsqueeze(0)).sum(1) + cum.exp() * s  # [n, D, N]
         out[c0:c1] = torch.einsum("tdn,tn->td", h, C[c0:c1])
         s = h[-1]
@@ -396,16 +400,3 @@ def mamba1_scan(
         out[s:e] = (y + D.float() * xf[s:e]).to(x.dtype)
         state[i] = final
     return out
-
-
-RECURRENT_OP_NAMES: tuple[str, ...] = (
-    "causal_conv1d",
-    "causal_conv1d_update",
-    "gated_delta_rule",
-    "gated_delta_rule_recurrent",
-    "rms_norm_gated",
-    "mamba2_ssd",
-    "mamba2_ssd_step",
-    "mamba1_scan",
-    "mamba1_scan_step",
-)

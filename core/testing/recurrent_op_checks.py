@@ -120,24 +120,6 @@ def _gated_delta_rule(t: Target, fn: Callable, dtype: torch.dtype, seed: int) ->
         yield desc, body
 
 
-def _gated_delta_rule_recurrent(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for seqs, shape in [(1, ""), (6, ""), (5, "-odd")]:
-        desc = f"{seqs}seqs{shape}"
-
-        def body(seqs=seqs, shape=shape, desc=desc) -> None:
-            c = _Case(f"gated_delta_rule_recurrent{desc}{dtype}", seed, t.device)
-            q, k, v, g, beta, state = _gdn_inputs(c, seqs, seqs, dtype, shape)
-            want_state = state.clone()
-            want = reference.gated_delta_rule_recurrent(q, k, v, g, beta, want_state, True)
-            got_state = c.dev(state)
-            _poison(c, dtype, v.shape)
-            got = fn(*[c.dev(a) for a in (q, k, v, g, beta)], got_state, True)
-            assert_matches("gated_delta_rule_recurrent", got, want, dtype)
-            _state_check("gated_delta_rule_recurrent", got_state, want_state, dtype)
-
-        yield desc, body
-
-
 #: (heads, head_dim, groups, d_state) of the Mamba 2 cases: the base shape, and an odd
 #: head size with a state wider than one vector plus a tail.
 SSD_SHAPES = {"": (4, 16, 2, 8), "-odd": (6, 5, 3, 24)}
@@ -150,43 +132,6 @@ def _ssd_inputs(c: _Case, tokens: int, seqs: int, dtype: torch.dtype, shape: str
     A = -(c.randn(heads).abs() + 0.1)
     B, C = c.randn(tokens, groups, n, dtype=dtype), c.randn(tokens, groups, n, dtype=dtype)
     return [x, dt, A, B, C, c.randn(heads), c.randn(seqs, heads, head_dim, n, scale=0.3)]
-
-
-def _mamba2_ssd(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for chunk, shape in [(8, ""), (256, ""), (32, "-odd")]:
-        desc = f"chunk{chunk}{shape}"
-
-        def body(chunk=chunk, shape=shape, desc=desc) -> None:
-            c = _Case(f"mamba2_ssd{desc}{dtype}", seed, t.device)
-            x, dt, A, B, C, D, state = _ssd_inputs(c, sum(LENS), len(LENS), dtype, shape)
-            state[1] = 0
-            want_state = state.clone()
-            want = reference.mamba2_ssd(x, dt, A, B, C, D, want_state, _qsl(c, LENS).cpu(), chunk)
-            got_state = c.dev(state)
-            _poison(c, dtype, x.shape)
-            got = fn(*[c.dev(a) for a in (x, dt, A, B, C, D)], got_state, _qsl(c, LENS), chunk)
-            assert_matches("mamba2_ssd", got, want, dtype)
-            _state_check("mamba2_ssd", got_state, want_state, dtype)
-
-        yield desc, body
-
-
-def _mamba2_ssd_step(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for seqs, shape in [(1, ""), (6, ""), (5, "-odd")]:
-        desc = f"{seqs}seqs{shape}"
-
-        def body(seqs=seqs, shape=shape, desc=desc) -> None:
-            c = _Case(f"mamba2_ssd_step{desc}{dtype}", seed, t.device)
-            x, dt, A, B, C, D, state = _ssd_inputs(c, seqs, seqs, dtype, shape)
-            want_state = state.clone()
-            want = reference.mamba2_ssd_step(x, dt, A, B, C, D, want_state)
-            got_state = c.dev(state)
-            _poison(c, dtype, x.shape)
-            got = fn(*[c.dev(a) for a in (x, dt, A, B, C, D)], got_state)
-            assert_matches("mamba2_ssd_step", got, want, dtype)
-            _state_check("mamba2_ssd_step", got_state, want_state, dtype)
-
-        yield desc, body
 
 
 #: (channels, d_state) of the Mamba 1 cases: the base shape, and more channels than a
@@ -202,41 +147,67 @@ def _scan_inputs(c: _Case, tokens: int, seqs: int, dtype: torch.dtype, shape: st
     return [x, dt, A, B, C, c.randn(dim), c.randn(seqs, dim, n, scale=0.3)]
 
 
-def _mamba1_scan(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for chunk, shape in [(4, ""), (16, ""), (16, "-odd")]:
-        desc = f"chunk{chunk}{shape}"
-
-        def body(chunk=chunk, shape=shape, desc=desc) -> None:
-            c = _Case(f"mamba1_scan{desc}{dtype}", seed, t.device)
-            x, dt, A, B, C, D, state = _scan_inputs(c, sum(LENS), len(LENS), dtype, shape)
-            state[1] = 0
-            want_state = state.clone()
-            want = reference.mamba1_scan(x, dt, A, B, C, D, want_state, _qsl(c, LENS).cpu(), chunk)
-            got_state = c.dev(state)
-            _poison(c, dtype, x.shape)
-            got = fn(*[c.dev(a) for a in (x, dt, A, B, C, D)], got_state, _qsl(c, LENS), chunk)
-            assert_matches("mamba1_scan", got, want, dtype)
-            _state_check("mamba1_scan", got_state, want_state, dtype)
-
-        yield desc, body
+InputsFn = Callable[[_Case, int, int, torch.dtype, str], list[torch.Tensor]]
 
 
-def _mamba1_scan_step(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
-    for seqs, shape in [(1, ""), (6, ""), (5, "-odd")]:
-        desc = f"{seqs}seqs{shape}"
+def _ssm_varlen(op: str, inputs: InputsFn, cases: list[tuple[int, str]]):
+    """The cases of a Mamba varlen op (``mamba2_ssd``, ``mamba1_scan``): the LENS batch,
+    its second sequence starting from a zero state, per (chunk, shape)."""
+    want_fn = getattr(reference, op)
 
-        def body(seqs=seqs, shape=shape, desc=desc) -> None:
-            c = _Case(f"mamba1_scan_step{desc}{dtype}", seed, t.device)
-            x, dt, A, B, C, D, state = _scan_inputs(c, seqs, seqs, dtype, shape)
-            want_state = state.clone()
-            want = reference.mamba1_scan_step(x, dt, A, B, C, D, want_state)
-            got_state = c.dev(state)
-            _poison(c, dtype, x.shape)
-            got = fn(*[c.dev(a) for a in (x, dt, A, B, C, D)], got_state)
-            assert_matches("mamba1_scan_step", got, want, dtype)
-            _state_check("mamba1_scan_step", got_state, want_state, dtype)
+    def gen(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+        for chunk, shape in cases:
+            desc = f"chunk{chunk}{shape}"
 
-        yield desc, body
+            def body(chunk=chunk, shape=shape, desc=desc) -> None:
+                c = _Case(f"{op}{desc}{dtype}", seed, t.device)
+                x, dt, A, B, C, D, state = inputs(c, sum(LENS), len(LENS), dtype, shape)
+                state[1] = 0
+                want_state = state.clone()
+                want = want_fn(x, dt, A, B, C, D, want_state, _qsl(c, LENS).cpu(), chunk)
+                got_state = c.dev(state)
+                _poison(c, dtype, x.shape)
+                got = fn(*[c.dev(a) for a in (x, dt, A, B, C, D)], got_state, _qsl(c, LENS), chunk)
+                assert_matches(op, got, want, dtype)
+                _state_check(op, got_state, want_state, dtype)
+
+            yield desc, body
+
+    return gen
+
+
+def _step(op: str, inputs: InputsFn, flags: tuple = (), out: int = 0):
+    """The cases of a decode step (``gated_delta_rule_recurrent``, ``mamba2_ssd_step``,
+    ``mamba1_scan_step``): one token per sequence, per (sequences, shape).  ``inputs``
+    returns the op's tensors, the state last; ``flags`` follow the state in the call;
+    the output has the shape of input ``out``."""
+    want_fn = getattr(reference, op)
+
+    def gen(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:
+        for seqs, shape in [(1, ""), (6, ""), (5, "-odd")]:
+            desc = f"{seqs}seqs{shape}"
+
+            def body(seqs=seqs, shape=shape, desc=desc) -> None:
+                c = _Case(f"{op}{desc}{dtype}", seed, t.device)
+                *ins, state = inputs(c, seqs, seqs, dtype, shape)
+                want_state = state.clone()
+                want = want_fn(*ins, want_state, *flags)
+                got_state = c.dev(state)
+                _poison(c, dtype, ins[out].shape)
+                got = fn(*[c.dev(a) for a in ins], got_state, *flags)
+                assert_matches(op, got, want, dtype)
+                _state_check(op, got_state, want_state, dtype)
+
+            yield desc, body
+
+    return gen
+
+
+_mamba2_ssd = _ssm_varlen("mamba2_ssd", _ssd_inputs, [(8, ""), (256, ""), (32, "-odd")])
+_gated_delta_rule_recurrent = _step("gated_delta_rule_recurrent", _gdn_inputs, flags=(True,), out=2)
+_mamba2_ssd_step = _step("mamba2_ssd_step", _ssd_inputs)
+_mamba1_scan = _ssm_varlen("mamba1_scan", _scan_inputs, [(4, ""), (16, ""), (16, "-odd")])
+_mamba1_scan_step = _step("mamba1_scan_step", _scan_inputs)
 
 
 def _rms_norm_gated(t: Target, fn: Callable, dtype: torch.dtype, seed: int) -> Cases:

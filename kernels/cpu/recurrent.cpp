@@ -238,30 +238,12 @@ void activate_store(const float* acc, int64_t n, bool act, T* out) {
 }
 
 // One token per sequence, channels [c0, c1): y = w . [window, x] (+ bias), then the
-// window shifts by one.  K (the filter width) fixed at compile time for the usual 3 and 4.
-template <typename T, int K>
-void conv_step(const T* x, const float* w, const float* b, float* win, int64_t c0, int64_t c1, bool act, T* out) {
-  constexpr int H = K - 1;
-  float buf[kConvChannels];
-  for (int64_t c = c0; c < c1; ++c) {
-    float* sw = win + c * H;
-    const float* wc = w + c * K;
-    const float xv = to_float(x[c]);
-    float acc = 0.f;
-    for (int j = 0; j < H; ++j) acc += sw[j] * wc[j];
-    acc += xv * wc[H];
-    if (b != nullptr) acc += b[c];
-    for (int j = 0; j + 1 < H; ++j) sw[j] = sw[j + 1];
-    sw[H - 1] = xv;
-    buf[c - c0] = acc;
-  }
-  activate_store<T>(buf, c1 - c0, act, out + c0);
-}
-
-template <typename T>
-void conv_step_any(const T* x, const float* w, const float* b, float* win, int64_t K, int64_t c0, int64_t c1, bool act,
-                   T* out) {
-  const int64_t H = K - 1;
+// window shifts by one.  The filter width is KC when KC > 0 (compile-time, for the usual
+// 3 and 4), else the run-time k.
+template <typename T, int KC>
+void conv_step(const T* x, const float* w, const float* b, float* win, int64_t k, int64_t c0, int64_t c1, bool act,
+               T* out) {
+  const int64_t K = KC > 0 ? KC : k, H = K - 1;
   float buf[kConvChannels];
   for (int64_t c = c0; c < c1; ++c) {
     float* sw = win + c * H;
@@ -305,18 +287,21 @@ at::Tensor causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight, c
     T* o = mptr<T>(out);
     const int64_t xs = x.stride(0);
     const int64_t blocks = (dim + kConvChannels - 1) / kConvChannels;
-    at::parallel_for(0, S * blocks, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t s = item / blocks, c0 = (item % blocks) * kConvChannels;
-        const int64_t c1 = std::min(dim, c0 + kConvChannels);
-        if (K == 4)
-          conv_step<T, 4>(xp + s * xs, w, b, st + s * dim * 3, c0, c1, silu_act, o + s * dim);
-        else if (K == 3)
-          conv_step<T, 3>(xp + s * xs, w, b, st + s * dim * 2, c0, c1, silu_act, o + s * dim);
-        else
-          conv_step_any<T>(xp + s * xs, w, b, st + s * dim * H, K, c0, c1, silu_act, o + s * dim);
-      }
-    });
+    auto run = [&](auto kc) {  // the filter width as a compile-time constant (0: run-time K)
+      at::parallel_for(0, S * blocks, 8, [&](int64_t begin, int64_t end) {
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t s = item / blocks, c0 = (item % blocks) * kConvChannels;
+          const int64_t c1 = std::min(dim, c0 + kConvChannels);
+          conv_step<T, decltype(kc)::value>(xp + s * xs, w, b, st + s * dim * H, K, c0, c1, silu_act, o + s * dim);
+        }
+      });
+    };
+    if (K == 4)
+      run(std::integral_constant<int, 4>{});
+    else if (K == 3)
+      run(std::integral_constant<int, 3>{});
+    else
+      run(std::integral_constant<int, 0>{});
   });
   return out;
 }
@@ -457,6 +442,29 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
 
 // ---- Mamba 2 (SSD) -------------------------------------------------------------------------
 
+// The checks the Mamba scans share: x, B and C rows of one dtype; dt, A, D and the state float32.
+void check_ssm(const char* op, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+               const at::Tensor& C, const at::Tensor& D, const at::Tensor& state) {
+  check_rows(x, op, "x");
+  check_rows(B, op, "B");
+  check_rows(C, op, "C");
+  check_float(dt, op, "dt");
+  check_float(A, op, "A");
+  check_float(D, op, "D");
+  check_float(state, op, "state");
+  TORCH_CHECK(B.scalar_type() == x.scalar_type() && C.scalar_type() == x.scalar_type(), op,
+              ": x, B and C must share a dtype");
+}
+
+// A token's B and C rows (n values each) as float32.
+template <typename T>
+inline void rows_to_float(const T* b, const T* c, int64_t n, float* bf, float* cf) {
+  for (int64_t i = 0; i < n; ++i) {
+    bf[i] = to_float(b[i]);
+    cf[i] = to_float(c[i]);
+  }
+}
+
 // Sum of a row of n floats times c (vectors, then a one-lane tail); the row is first
 // updated in place: row = row * decay + u * b.
 inline float update_dot(float* row, const float* b, const float* c, int64_t n, float decay, float u) {
@@ -481,15 +489,7 @@ at::Tensor mamba2_ssd(const at::Tensor& x, const at::Tensor& dt, const at::Tenso
                       const at::Tensor& C, const at::Tensor& D, const at::Tensor& state, const at::Tensor& qsl) {
   const char* op = "mamba2_ssd";
   TORCH_CHECK(x.dim() == 3 && dt.dim() == 2 && B.dim() == 3 && C.dim() == 3 && state.dim() == 4, op, ": bad ranks");
-  check_rows(x, op, "x");
-  check_rows(B, op, "B");
-  check_rows(C, op, "C");
-  check_float(dt, op, "dt");
-  check_float(A, op, "A");
-  check_float(D, op, "D");
-  check_float(state, op, "state");
-  TORCH_CHECK(B.scalar_type() == x.scalar_type() && C.scalar_type() == x.scalar_type(), op,
-              ": x, B and C must share a dtype");
+  check_ssm(op, x, dt, A, B, C, D, state);
   const int64_t T_ = x.size(0), H = x.size(1), P = x.size(2), G = B.size(1), N = B.size(2);
   const auto starts = starts_of(qsl, T_, op);
   const int64_t S = int64_t(starts.size()) - 1;
@@ -518,10 +518,7 @@ at::Tensor mamba2_ssd(const at::Tensor& x, const at::Tensor& dt, const at::Tenso
         for (int64_t t = starts[s]; t < starts[s + 1]; ++t) {
           const T* bt = bp + t * B.stride(0) + grp * B.stride(1);
           const T* ct = cp + t * C.stride(0) + grp * C.stride(1);
-          for (int64_t n = 0; n < N; ++n) {
-            bf[n] = to_float(bt[n]);
-            cf[n] = to_float(ct[n]);
-          }
+          rows_to_float(bt, ct, N, bf.data(), cf.data());
           const float dtv = dtp[t * H + h], decay = std::exp(dtv * ap[h]), d = dp[h];
           const T* xt = xp + t * x.stride(0) + h * x.stride(1);
           T* ot = o + (t * H + h) * P;
@@ -546,15 +543,7 @@ at::Tensor mamba1_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tens
   const char* op = "mamba1_scan";
   TORCH_CHECK(x.dim() == 2 && dt.dim() == 2 && A.dim() == 2 && B.dim() == 2 && C.dim() == 2 && state.dim() == 3, op,
               ": bad ranks");
-  check_rows(x, op, "x");
-  check_rows(B, op, "B");
-  check_rows(C, op, "C");
-  check_float(dt, op, "dt");
-  check_float(A, op, "A");
-  check_float(D, op, "D");
-  check_float(state, op, "state");
-  TORCH_CHECK(B.scalar_type() == x.scalar_type() && C.scalar_type() == x.scalar_type(), op,
-              ": x, B and C must share a dtype");
+  check_ssm(op, x, dt, A, B, C, D, state);
   const int64_t T_ = x.size(0), dim = x.size(1), N = A.size(1);
   const auto starts = starts_of(qsl, T_, op);
   const int64_t S = int64_t(starts.size()) - 1;
@@ -583,10 +572,7 @@ at::Tensor mamba1_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tens
         for (int64_t t = starts[s]; t < starts[s + 1]; ++t) {
           const T* bt = bp + t * B.stride(0);
           const T* ct = cp + t * C.stride(0);
-          for (int64_t n = 0; n < N; ++n) {
-            bf[n] = to_float(bt[n]);
-            cf[n] = to_float(ct[n]);
-          }
+          rows_to_float(bt, ct, N, bf.data(), cf.data());
           for (int64_t c = c0; c < c1; ++c) {
             const float dtv = dtp[t * dim + c], xv = to_float(xp[t * x.stride(0) + c]), u = dtv * xv;
             float* row = st + (s * dim + c) * N;

@@ -115,21 +115,28 @@ def _qsl(query_start_loc: torch.Tensor) -> torch.Tensor:
     return query_start_loc.to(torch.int32).contiguous()
 
 
-def causal_conv1d(x, weight, bias, conv_state, query_start_loc, has_state, activation="silu"):
-    """``recurrent_reference.causal_conv1d`` through the native kernel."""
-    args = (x, weight, bias, conv_state, query_start_loc, has_state, activation)
-    ok = (
-        _cpu(x, weight, bias, conv_state, query_start_loc, has_state)
-        and activation in _ACTIVATIONS
+def _conv_ok(x, weight, bias, conv_state, activation, seqs: int) -> bool:
+    """The convolutions' inputs the kernels take, besides the devices and query_start_loc."""
+    return (
+        activation in _ACTIVATIONS
         and x.dim() == 2
         and weight.dim() == 2
         and weight.shape[0] == x.shape[1]
         and weight.shape[1] >= 1
         and (bias is None or tuple(bias.shape) == (x.shape[1],))
+        and _big_ok(x)
+        and _state_ok(conv_state, (seqs, x.shape[1], weight.shape[1] - 1))
+    )
+
+
+def causal_conv1d(x, weight, bias, conv_state, query_start_loc, has_state, activation="silu"):
+    """``recurrent_reference.causal_conv1d`` through the native kernel."""
+    args = (x, weight, bias, conv_state, query_start_loc, has_state, activation)
+    ok = (
+        _cpu(x, weight, bias, conv_state, query_start_loc, has_state)
         and query_start_loc.dim() == 1
         and has_state.numel() == query_start_loc.numel() - 1
-        and _big_ok(x)
-        and _state_ok(conv_state, (query_start_loc.numel() - 1, x.shape[1], weight.shape[1] - 1))
+        and _conv_ok(x, weight, bias, conv_state, activation, query_start_loc.numel() - 1)
     )
     module = _module() if ok else None
     if module is None:
@@ -144,17 +151,8 @@ def causal_conv1d(x, weight, bias, conv_state, query_start_loc, has_state, activ
 def causal_conv1d_update(x, weight, bias, conv_state, activation="silu"):
     """``recurrent_reference.causal_conv1d_update`` through the native kernel."""
     args = (x, weight, bias, conv_state, activation)
-    ok = (
-        _cpu(x, weight, bias, conv_state)
-        and activation in _ACTIVATIONS
-        and x.dim() == 2
-        and weight.dim() == 2
-        and weight.shape[0] == x.shape[1]
-        and weight.shape[1] >= 1
-        and (bias is None or tuple(bias.shape) == (x.shape[1],))
-        and _big_ok(x)
-        and _state_ok(conv_state, (x.shape[0], x.shape[1], weight.shape[1] - 1))
-    )
+    ok = _cpu(x, weight, bias, conv_state) and x.dim() == 2
+    ok = ok and _conv_ok(x, weight, bias, conv_state, activation, x.shape[0])
     module = _module() if ok else None
     if module is None:
         return ref.causal_conv1d_update(*args)
@@ -201,6 +199,11 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, state, use_qk_l2norm=True):
     return module.gated_delta_rule(_rows(q), _rows(k), _rows(v), _f32(g), _f32(beta), state, qsl, bool(use_qk_l2norm))
 
 
+def _ssm(kernel, x, dt, A, B, C, D, state, qsl: torch.Tensor) -> torch.Tensor:
+    """A Mamba scan kernel on its layouts: x, B, C by rows; dt, A, D contiguous float32."""
+    return kernel(_rows(x), _f32(dt), _f32(A), _rows(B), _rows(C), _f32(D), state, qsl)
+
+
 def _ssd_ok(x, dt, A, B, C, D, state, seqs: int) -> bool:
     return (
         _cpu(x, dt, A, B, C, D, state)
@@ -226,7 +229,7 @@ def mamba2_ssd(x, dt, A, B, C, D, state, query_start_loc, chunk_size=256):
     module = _module() if ok else None
     if module is None:
         return ref.mamba2_ssd(*args)
-    return module.mamba2_ssd(_rows(x), _f32(dt), _f32(A), _rows(B), _rows(C), _f32(D), state, _qsl(query_start_loc))
+    return _ssm(module.mamba2_ssd, x, dt, A, B, C, D, state, _qsl(query_start_loc))
 
 
 def mamba2_ssd_step(x, dt, A, B, C, D, state):
@@ -235,8 +238,7 @@ def mamba2_ssd_step(x, dt, A, B, C, D, state):
     module = _module() if x.dim() == 3 and _ssd_ok(x, dt, A, B, C, D, state, x.shape[0]) else None
     if module is None:
         return ref.mamba2_ssd_step(*args)
-    qsl = _one_per_seq(x.shape[0])
-    return module.mamba2_ssd(_rows(x), _f32(dt), _f32(A), _rows(B), _rows(C), _f32(D), state, qsl)
+    return _ssm(module.mamba2_ssd, x, dt, A, B, C, D, state, _one_per_seq(x.shape[0]))
 
 
 def _scan_ok(x, dt, A, B, C, D, state, seqs: int) -> bool:
@@ -262,7 +264,7 @@ def mamba1_scan(x, dt, A, B, C, D, state, query_start_loc, chunk_size=16):
     module = _module() if ok else None
     if module is None:
         return ref.mamba1_scan(*args)
-    return module.mamba1_scan(_rows(x), _f32(dt), _f32(A), _rows(B), _rows(C), _f32(D), state, _qsl(query_start_loc))
+    return _ssm(module.mamba1_scan, x, dt, A, B, C, D, state, _qsl(query_start_loc))
 
 
 def mamba1_scan_step(x, dt, A, B, C, D, state):
@@ -271,8 +273,7 @@ def mamba1_scan_step(x, dt, A, B, C, D, state):
     module = _module() if _scan_ok(x, dt, A, B, C, D, state, x.shape[0]) else None
     if module is None:
         return ref.mamba1_scan_step(*args)
-    qsl = _one_per_seq(x.shape[0])
-    return module.mamba1_scan(_rows(x), _f32(dt), _f32(A), _rows(B), _rows(C), _f32(D), state, qsl)
+    return _ssm(module.mamba1_scan, x, dt, A, B, C, D, state, _one_per_seq(x.shape[0]))
 
 
 def rms_norm_gated(x, gate, weight, eps, norm_before_gate=True, group_size=None):

@@ -10,8 +10,9 @@
   window and applies the depthwise filter, bias and SiLU.
 
 States are float32 and updated in place, as :mod:`pagedserve.kernels.recurrent_reference`
-specifies; inputs are made contiguous by the launchers.  Prefill (varlen chunks) stays
-on the reference ops.
+specifies; inputs are made contiguous by the launchers.  Each step's per-token work
+(``_gdn_token``, ``_ssd_token``, ``_scan_token``) is written once, here: the prefill kernels
+of :mod:`pagedserve.kernels.triton.recurrent_prefill` run it for every token of a sequence.
 """
 
 from __future__ import annotations
@@ -28,6 +29,31 @@ __all__ = [
     "mamba1_scan_step_triton",
     "causal_conv1d_update_triton",
 ]
+
+
+@triton.jit
+def _gdn_token(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, st, t, h, kh, ok, ov, mk, mv, scale, HK, HV, DK, DV, L2NORM
+):
+    """One token ``t`` of the delta-rule recursion on a ``[BK, BV]`` slice ``st`` of
+    value head ``h``'s state (columns ``ov``): writes the token's output, returns the new
+    slice.  Shared by the decode step and the prefill kernel; the shapes and L2NORM come
+    in as the caller's constexprs (the jit specialises on them)."""
+    q = tl.load(q_ptr + (t * HK + kh) * DK + ok, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + (t * HK + kh) * DK + ok, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + (t * HV + h) * DV + ov, mask=mv, other=0.0).to(tl.float32)
+    if L2NORM:
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+    q = q * scale
+    g = tl.load(g_ptr + t * HV + h).to(tl.float32)
+    beta = tl.load(beta_ptr + t * HV + h).to(tl.float32)
+    st = st * tl.exp(g)
+    delta = (v - tl.sum(st * k[:, None], axis=0)) * beta
+    st = st + k[:, None] * delta[None, :]
+    o = tl.sum(st * q[:, None], axis=0)
+    tl.store(out_ptr + (t * HV + h) * DV + ov, o.to(out_ptr.dtype.element_ty), mask=mv)
+    return st
 
 
 @triton.jit
@@ -55,25 +81,14 @@ def _gdn_step_kernel(
     ov = tl.arange(0, BV)
     mk = ok < DK
     mv = ov < DV
-    q = tl.load(q_ptr + (s * HK + kh) * DK + ok, mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + (s * HK + kh) * DK + ok, mask=mk, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + (s * HV + h) * DV + ov, mask=mv, other=0.0).to(tl.float32)
-    if L2NORM:
-        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
-        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-    q = q * scale
-    g = tl.load(g_ptr + s * HV + h).to(tl.float32)
-    beta = tl.load(beta_ptr + s * HV + h).to(tl.float32)
     base = state_ptr + (s * HV + h) * DK * DV
     offs = ok[:, None] * DV + ov[None, :]
     m2 = mk[:, None] & mv[None, :]
-    st = tl.load(base + offs, mask=m2, other=0.0) * tl.exp(g)
-    mem = tl.sum(st * k[:, None], axis=0)
-    delta = (v - mem) * beta
-    st = st + k[:, None] * delta[None, :]
+    st = tl.load(base + offs, mask=m2, other=0.0)
+    st = _gdn_token(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, st, s, h, kh, ok, ov, mk, mv, scale, HK, HV, DK, DV, L2NORM
+    )
     tl.store(base + offs, st, mask=m2)
-    o = tl.sum(st * q[:, None], axis=0)
-    tl.store(out_ptr + (s * HV + h) * DV + ov, o.to(out_ptr.dtype.element_ty), mask=mv)
 
 
 def gated_delta_rule_recurrent_triton(q, k, v, g, beta, state, use_qk_l2norm: bool = True) -> torch.Tensor:
@@ -93,6 +108,29 @@ def gated_delta_rule_recurrent_triton(q, k, v, g, beta, state, use_qk_l2norm: bo
     bk, bv = next_power_of_2(dk), next_power_of_2(dv)
     _gdn_step_kernel[(n, hv)](q, k, v, g, beta, state, out, dk**-0.5, hk, hv, dk, dv, bk, bv, bool(use_qk_l2norm))
     return out
+
+
+@triton.jit
+def _ssm_token(st, decay, x, dt, b, c, d):
+    """One token of the Mamba recursion on state rows ``st`` (one per x entry, d_state
+    columns): ``st * decay + (dt * x) b^T``; returns the new rows and ``y = st c + d x``."""
+    st = st * decay + (dt * x)[:, None] * b[None, :]
+    y = tl.sum(st * c[None, :], axis=1) + d * x
+    return st, y
+
+
+@triton.jit
+def _ssd_token(x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr, st, t, h, grp, op, on, mp, mn, a, d, H, G, P, N):
+    """One token ``t`` of Mamba 2's recursion on head ``h``'s state rows ``op``: writes
+    the token's output, returns the new rows.  Shared by the decode step and the prefill
+    kernel."""
+    x = tl.load(x_ptr + (t * H + h) * P + op, mask=mp, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + t * H + h).to(tl.float32)
+    b = tl.load(b_ptr + (t * G + grp) * N + on, mask=mn, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + (t * G + grp) * N + on, mask=mn, other=0.0).to(tl.float32)
+    st, y = _ssm_token(st, tl.exp(dt * a), x, dt, b, c, d)
+    tl.store(out_ptr + (t * H + h) * P + op, y.to(out_ptr.dtype.element_ty), mask=mp)
+    return st
 
 
 @triton.jit
@@ -119,19 +157,14 @@ def _ssd_step_kernel(
     on = tl.arange(0, BN)
     mp = op < P
     mn = on < N
-    x = tl.load(x_ptr + (s * H + h) * P + op, mask=mp, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + s * H + h).to(tl.float32)
     a = tl.load(a_ptr + h).to(tl.float32)
     d = tl.load(d_ptr + h).to(tl.float32)
-    b = tl.load(b_ptr + (s * G + grp) * N + on, mask=mn, other=0.0).to(tl.float32)
-    c = tl.load(c_ptr + (s * G + grp) * N + on, mask=mn, other=0.0).to(tl.float32)
     base = state_ptr + (s * H + h) * P * N
     offs = op[:, None] * N + on[None, :]
     m2 = mp[:, None] & mn[None, :]
-    st = tl.load(base + offs, mask=m2, other=0.0) * tl.exp(dt * a) + (dt * x)[:, None] * b[None, :]
+    st = tl.load(base + offs, mask=m2, other=0.0)
+    st = _ssd_token(x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr, st, s, h, grp, op, on, mp, mn, a, d, H, G, P, N)
     tl.store(base + offs, st, mask=m2)
-    y = tl.sum(st * c[None, :], axis=1) + d * x
-    tl.store(out_ptr + (s * H + h) * P + op, y.to(out_ptr.dtype.element_ty), mask=mp)
 
 
 def mamba2_ssd_step_triton(x, dt, A, B, C, D, state) -> torch.Tensor:
@@ -155,6 +188,20 @@ def mamba2_ssd_step_triton(x, dt, A, B, C, D, state) -> torch.Tensor:
 
 
 @triton.jit
+def _scan_token(x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr, st, t, od, on, md, mn, a, d, DIM, N):
+    """One token ``t`` of Mamba 1's recursion on the state rows of channels ``od``
+    (decays ``exp(dt * A)`` per channel and entry): writes the token's output, returns
+    the new rows.  Shared by the decode step and the prefill kernel."""
+    x = tl.load(x_ptr + t * DIM + od, mask=md, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + t * DIM + od, mask=md, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + t * N + on, mask=mn, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + t * N + on, mask=mn, other=0.0).to(tl.float32)
+    st, y = _ssm_token(st, tl.exp(dt[:, None] * a), x, dt, b, c, d)
+    tl.store(out_ptr + t * DIM + od, y.to(out_ptr.dtype.element_ty), mask=md)
+    return st
+
+
+@triton.jit
 def _scan_step_kernel(
     x_ptr,
     dt_ptr,
@@ -175,17 +222,12 @@ def _scan_step_kernel(
     md = od < DIM
     mn = on < N
     m2 = md[:, None] & mn[None, :]
-    x = tl.load(x_ptr + s * DIM + od, mask=md, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + s * DIM + od, mask=md, other=0.0).to(tl.float32)
     d = tl.load(d_ptr + od, mask=md, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + od[:, None] * N + on[None, :], mask=m2, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + s * N + on, mask=mn, other=0.0).to(tl.float32)
-    c = tl.load(c_ptr + s * N + on, mask=mn, other=0.0).to(tl.float32)
     offs = (s * DIM + od[:, None]) * N + on[None, :]
-    st = tl.load(state_ptr + offs, mask=m2, other=0.0) * tl.exp(dt[:, None] * a) + (dt * x)[:, None] * b[None, :]
+    st = tl.load(state_ptr + offs, mask=m2, other=0.0)
+    st = _scan_token(x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr, st, s, od, on, md, mn, a, d, DIM, N)
     tl.store(state_ptr + offs, st, mask=m2)
-    y = tl.sum(st * c[None, :], axis=1) + d * x
-    tl.store(out_ptr + s * DIM + od, y.to(out_ptr.dtype.element_ty), mask=md)
 
 
 def mamba1_scan_step_triton(x, dt, A, B, C, D, state) -> torch.Tensor:

@@ -17,9 +17,9 @@ never waits for the GPU.
   ``width - 1`` inputs), after every tile has read the old one.
 - ``gated_delta_rule``, ``mamba2_ssd``, ``mamba1_scan``: sequential in time.  One program
   per (sequence, head, tile of state columns or rows) keeps its slice of the state in
-  registers for all the sequence's tokens and runs the recursion of the decode step once
-  per token (the tiles are independent: a delta-rule column depends only on the token's
-  k, q, g and beta; a Mamba state row only on its own channel).  This is the form of
+  registers for all the sequence's tokens and runs the decode step's per-token helper
+  once per token (the tiles are independent: a delta-rule column depends only on the
+  token's k, q, g and beta; a Mamba state row only on its own channel).  This is the form of
   fla's ``fused_recurrent`` kernels, not the chunked matrix form of the reference, so
   ``chunk_size`` is accepted for the signature and changes nothing (the result differs
   from the reference's by float32 rounding only).
@@ -41,6 +41,7 @@ from pagedserve.kernels.triton._common import (
     interpreter_enabled,
     next_power_of_2,
 )
+from pagedserve.kernels.triton.recurrent import _gdn_token, _scan_token, _ssd_token
 
 __all__ = [
     "causal_conv1d_triton",
@@ -235,20 +236,9 @@ def _gdn_kernel(
     m2 = mk[:, None] & mv[None, :]
     st = tl.load(base + offs, mask=m2, other=0.0)
     for t in range(bos, eos):
-        q = tl.load(q_ptr + (t * HK + kh) * DK + ok, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + (t * HK + kh) * DK + ok, mask=mk, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + (t * HV + h) * DV + ov, mask=mv, other=0.0).to(tl.float32)
-        if L2NORM:
-            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
-            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        q = q * scale
-        g = tl.load(g_ptr + t * HV + h).to(tl.float32)
-        beta = tl.load(beta_ptr + t * HV + h).to(tl.float32)
-        st = st * tl.exp(g)
-        delta = (v - tl.sum(st * k[:, None], axis=0)) * beta
-        st = st + k[:, None] * delta[None, :]
-        o = tl.sum(st * q[:, None], axis=0)
-        tl.store(out_ptr + (t * HV + h) * DV + ov, o.to(out_ptr.dtype.element_ty), mask=mv)
+        st = _gdn_token(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, st, t, h, kh, ok, ov, mk, mv, scale, HK, HV, DK, DV, L2NORM
+        )
     tl.store(base + offs, st, mask=m2)
 
 
@@ -322,13 +312,7 @@ def _ssd_kernel(
     m2 = mp[:, None] & mn[None, :]
     st = tl.load(base + offs, mask=m2, other=0.0)
     for t in range(bos, eos):
-        x = tl.load(x_ptr + (t * H + h) * P + op, mask=mp, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + t * H + h).to(tl.float32)
-        b = tl.load(b_ptr + (t * G + grp) * N + on, mask=mn, other=0.0).to(tl.float32)
-        c = tl.load(c_ptr + (t * G + grp) * N + on, mask=mn, other=0.0).to(tl.float32)
-        st = st * tl.exp(dt * a) + (dt * x)[:, None] * b[None, :]
-        y = tl.sum(st * c[None, :], axis=1) + d * x
-        tl.store(out_ptr + (t * H + h) * P + op, y.to(out_ptr.dtype.element_ty), mask=mp)
+        st = _ssd_token(x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr, st, t, h, grp, op, on, mp, mn, a, d, H, G, P, N)
     tl.store(base + offs, st, mask=m2)
 
 
@@ -392,13 +376,7 @@ def _scan_kernel(
     offs = (s * DIM + od[:, None]).to(tl.int64) * N + on[None, :]
     st = tl.load(state_ptr + offs, mask=m2, other=0.0)
     for t in range(bos, eos):
-        x = tl.load(x_ptr + t * DIM + od, mask=md, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + t * DIM + od, mask=md, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + t * N + on, mask=mn, other=0.0).to(tl.float32)
-        c = tl.load(c_ptr + t * N + on, mask=mn, other=0.0).to(tl.float32)
-        st = st * tl.exp(dt[:, None] * a) + (dt * x)[:, None] * b[None, :]
-        y = tl.sum(st * c[None, :], axis=1) + d * x
-        tl.store(out_ptr + t * DIM + od, y.to(out_ptr.dtype.element_ty), mask=md)
+        st = _scan_token(x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr, st, t, od, on, md, mn, a, d, DIM, N)
     tl.store(state_ptr + offs, st, mask=m2)
 
 

@@ -4,34 +4,19 @@ including errors the activation-quantization allowance must not hide."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
 from pagedserve.kernels import quant_reference as qref
 from pagedserve.kernels import reference
-from pagedserve.platforms import Platform, PlatformRegistry, hookimpl
 from pagedserve.platforms.cpu import quant_ops as cpu_quant
-from pagedserve.testing import ConformanceReport, run_conformance
+from pagedserve.testing import ConformanceReport
+from tests.conformance.fake_op_platform import check_ops, fake_platform
 
 QUANT_OPS = ("gguf_linear", "int8_linear", "w8a8_linear", "fp8_linear")
 
 
-class QuantFakePlatform(Platform):
-    name = "qfake"
-    device_type = "cpu"
-    supported_dtypes = (torch.float32, torch.bfloat16)
-
-    @classmethod
-    def is_available(cls):
-        return True, "the host"
-
-    def total_memory(self):
-        return 8 * 1024**3
-
-    def free_memory(self):
-        return 2 * 1024**3
+QuantFakePlatform = fake_platform("qfake")
 
 
 def faulty(fault: str | None) -> dict[str, object]:
@@ -66,25 +51,7 @@ def faulty(fault: str | None) -> dict[str, object]:
 
 
 def check(fault: str | None, only: list[str] | None = None) -> ConformanceReport:
-    module = types.ModuleType("qfake_plugin")
-    impls = faulty(fault)
-
-    @hookimpl
-    def pagedserve_register_platforms(register):
-        register(QuantFakePlatform)
-
-    @hookimpl
-    def pagedserve_register_ops(platform, ops):
-        if isinstance(platform, QuantFakePlatform):
-            for name, fn in impls.items():
-                ops.register(name, fn, source="qfake-kernels")
-
-    module.pagedserve_register_platforms = pagedserve_register_platforms
-    module.pagedserve_register_ops = pagedserve_register_ops
-    reg = PlatformRegistry(env={})
-    reg.register_plugin(module, "qfake", "qfake 0.1")
-    assert reg.failures == []
-    return run_conformance("qfake", registry=reg, engine=False, only=only or ["op:"])
+    return check_ops(QuantFakePlatform, faulty(fault), only=only or ["op:"])
 
 
 @pytest.fixture(scope="module")
@@ -138,21 +105,7 @@ def wrong_dtype_gguf_linear(x, data, type_name, bias=None):
 
 
 def test_an_op_returning_another_dtype_fails():
-    module = types.ModuleType("qfake_dtype")
-
-    @hookimpl
-    def pagedserve_register_platforms(register):
-        register(QuantFakePlatform)
-
-    @hookimpl
-    def pagedserve_register_ops(ops):
-        ops.register("gguf_linear", wrong_dtype_gguf_linear, source="qfake-kernels")
-
-    module.pagedserve_register_platforms = pagedserve_register_platforms
-    module.pagedserve_register_ops = pagedserve_register_ops
-    reg = PlatformRegistry(env={})
-    reg.register_plugin(module, "qfake", "qfake 0.1")
-    report = run_conformance("qfake", registry=reg, engine=False, only=["op:gguf_linear"])
+    report = check_ops(QuantFakePlatform, {"gguf_linear": wrong_dtype_gguf_linear}, only=["op:gguf_linear"])
     # float32 outputs are right; bfloat16 inputs must come back as bfloat16.
     assert report.failed and {r.id.split("-")[0] for r in report.failed} == {"op:gguf_linear[bfloat16"}
     assert all("dtype float32, reference bfloat16" in r.message for r in report.failed)

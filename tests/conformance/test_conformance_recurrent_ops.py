@@ -4,32 +4,17 @@ dropped, a fresh sequence reading its stale state, a carried scan state dropped)
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
 from pagedserve.kernels import recurrent_reference as rref
-from pagedserve.platforms import Platform, PlatformRegistry, hookimpl
-from pagedserve.testing import ConformanceReport, run_conformance
+from pagedserve.testing import ConformanceReport
+from tests.conformance.fake_op_platform import check_ops, fake_platform
 
 OPS = rref.RECURRENT_OP_NAMES
 
 
-class RecurrentFakePlatform(Platform):
-    name = "rfake"
-    device_type = "cpu"
-    supported_dtypes = (torch.float32, torch.bfloat16)
-
-    @classmethod
-    def is_available(cls):
-        return True, "the host"
-
-    def total_memory(self):
-        return 8 * 1024**3
-
-    def free_memory(self):
-        return 2 * 1024**3
+RecurrentFakePlatform = fake_platform("rfake")
 
 
 def faulty(fault: str | None) -> dict[str, object]:
@@ -64,25 +49,7 @@ def faulty(fault: str | None) -> dict[str, object]:
 
 
 def check(fault: str | None) -> ConformanceReport:
-    module = types.ModuleType("rfake_plugin")
-    impls = faulty(fault)
-
-    @hookimpl
-    def pagedserve_register_platforms(register):
-        register(RecurrentFakePlatform)
-
-    @hookimpl
-    def pagedserve_register_ops(platform, ops):
-        if isinstance(platform, RecurrentFakePlatform):
-            for name, fn in impls.items():
-                ops.register(name, fn, source="rfake-kernels")
-
-    module.pagedserve_register_platforms = pagedserve_register_platforms
-    module.pagedserve_register_ops = pagedserve_register_ops
-    reg = PlatformRegistry(env={})
-    reg.register_plugin(module, "rfake", "rfake 0.1")
-    assert reg.failures == []
-    return run_conformance("rfake", registry=reg, engine=False, only=["op:"])
+    return check_ops(RecurrentFakePlatform, faulty(fault), only=["op:"])
 
 
 @pytest.fixture(scope="module")

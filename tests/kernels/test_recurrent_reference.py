@@ -24,6 +24,10 @@ def _hf():
     return modeling_qwen3_5
 
 
+def _qsl(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
 def _gdn_inputs(gen: torch.Generator, lens: list[int], hk: int = 2, hv: int = 4, dk: int = 8, dv: int = 12):
     t = sum(lens)
     q = torch.randn(t, hk, dk, generator=gen)
@@ -32,19 +36,19 @@ def _gdn_inputs(gen: torch.Generator, lens: list[int], hk: int = 2, hv: int = 4,
     g = -F.softplus(torch.randn(t, hv, generator=gen))  # log decays <= 0
     beta = torch.sigmoid(torch.randn(t, hv, generator=gen))
     state = torch.randn(len(lens), hv, dk, dv, generator=gen) * 0.3
-    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    return q, k, v, g, beta, state, qsl
+    return q, k, v, g, beta, state, _qsl(lens)
 
 
-def _step_by_step(q, k, v, g, beta, state, qsl):
-    """The recursion one token at a time through the decode op."""
-    out = torch.full_like(v, float("nan"))
+def _step_by_step(step, out: torch.Tensor, state: torch.Tensor, qsl: torch.Tensor):
+    """The recursion one token at a time through a decode op: ``step(sl, s)`` runs it on
+    the tokens of slice ``sl`` with their sequence's state ``s`` ([1, ...], updated in
+    place).  Fills ``out`` (NaN-poisoned by the caller); returns it and the final states."""
     state = state.clone()
     for i in range(len(qsl) - 1):
         s = state[i : i + 1].clone()
         for t in range(int(qsl[i]), int(qsl[i + 1])):
             sl = slice(t, t + 1)
-            out[sl] = ref.gated_delta_rule_recurrent(q[sl], k[sl], v[sl], g[sl], beta[sl], s)
+            out[sl] = step(sl, s)
         state[i] = s[0]
     return out, state
 
@@ -55,7 +59,12 @@ def test_chunked_gated_delta_rule_equals_its_recursion(chunk):
     q, k, v, g, beta, state, qsl = _gdn_inputs(gen, [1, 37, 9, 70])
     s_chunked = state.clone()
     out = ref.gated_delta_rule(q, k, v, g, beta, s_chunked, qsl, True, chunk)
-    want, s_want = _step_by_step(q, k, v, g, beta, state, qsl)
+    want, s_want = _step_by_step(
+        lambda sl, s: ref.gated_delta_rule_recurrent(q[sl], k[sl], v[sl], g[sl], beta[sl], s),
+        torch.full_like(v, float("nan")),
+        state,
+        qsl,
+    )
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(s_chunked, s_want, rtol=1e-4, atol=1e-4)
 
@@ -104,7 +113,7 @@ def test_causal_conv1d_varlen_continues_its_cache():
     bias = torch.randn(dim, generator=gen)
     prev = torch.randn(len(lens), dim, width - 1, generator=gen)
     has = torch.tensor([True, False, True, False])
-    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    qsl = _qsl(lens)
     state = prev.clone()
     out = ref.causal_conv1d(x, w, bias, state, qsl, has, "silu")
     for i, (s, e) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist())):
@@ -141,26 +150,7 @@ def _ssd_inputs(gen: torch.Generator, lens: list[int], heads: int = 4, head_dim:
     C = torch.randn(t, groups, n, generator=gen)
     D = torch.randn(heads, generator=gen)
     state = torch.randn(len(lens), heads, head_dim, n, generator=gen) * 0.3
-    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    return x, dt, A, B, C, D, state, qsl
-
-
-@pytest.mark.parametrize("chunk", [3, 16, 256])
-def test_mamba2_ssd_chunked_equals_its_recursion(chunk):
-    gen = torch.Generator().manual_seed(10 + chunk)
-    x, dt, A, B, C, D, state, qsl = _ssd_inputs(gen, [1, 21, 40, 7])
-    s_chunked = state.clone()
-    out = ref.mamba2_ssd(x, dt, A, B, C, D, s_chunked, qsl, chunk)
-    want = torch.full_like(x, float("nan"))
-    s_want = state.clone()
-    for i in range(len(qsl) - 1):
-        s = s_want[i : i + 1].clone()
-        for t in range(int(qsl[i]), int(qsl[i + 1])):
-            sl = slice(t, t + 1)
-            want[sl] = ref.mamba2_ssd_step(x[sl], dt[sl], A, B[sl], C[sl], D, s)
-        s_want[i] = s[0]
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(s_chunked, s_want, rtol=1e-4, atol=1e-4)
+    return x, dt, A, B, C, D, state, _qsl(lens)
 
 
 def test_mamba2_step_is_the_state_space_recursion():
@@ -196,24 +186,26 @@ def _scan_inputs(gen: torch.Generator, lens: list[int], dim: int = 12, n: int = 
     B, C = torch.randn(t, n, generator=gen), torch.randn(t, n, generator=gen)
     D = torch.randn(dim, generator=gen)
     state = torch.randn(len(lens), dim, n, generator=gen) * 0.3
-    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    return x, dt, A, B, C, D, state, qsl
+    return x, dt, A, B, C, D, state, _qsl(lens)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 16, 256])
-def test_mamba1_scan_chunked_equals_its_recursion(chunk):
-    gen = torch.Generator().manual_seed(20 + chunk)
-    x, dt, A, B, C, D, state, qsl = _scan_inputs(gen, [1, 21, 40, 7])
+#: The Mamba scans' inputs and seed bases (the seed adds the chunk size).
+MAMBA_SCANS = {"mamba2_ssd": (_ssd_inputs, 10), "mamba1_scan": (_scan_inputs, 20)}
+
+
+@pytest.mark.parametrize(
+    ("op", "chunk"), [("mamba2_ssd", c) for c in (3, 16, 256)] + [("mamba1_scan", c) for c in (1, 5, 16, 256)]
+)
+def test_mamba_scan_chunked_equals_its_recursion(op, chunk):
+    inputs, seed = MAMBA_SCANS[op]
+    gen = torch.Generator().manual_seed(seed + chunk)
+    x, dt, A, B, C, D, state, qsl = inputs(gen, [1, 21, 40, 7])
     s_chunked = state.clone()
-    out = ref.mamba1_scan(x, dt, A, B, C, D, s_chunked, qsl, chunk)
-    want = torch.full_like(x, float("nan"))
-    s_want = state.clone()
-    for i in range(len(qsl) - 1):
-        s = s_want[i : i + 1].clone()
-        for t in range(int(qsl[i]), int(qsl[i + 1])):
-            sl = slice(t, t + 1)
-            want[sl] = ref.mamba1_scan_step(x[sl], dt[sl], A, B[sl], C[sl], D, s)
-        s_want[i] = s[0]
+    out = getattr(ref, op)(x, dt, A, B, C, D, s_chunked, qsl, chunk)
+    step = getattr(ref, f"{op}_step")
+    want, s_want = _step_by_step(
+        lambda sl, s: step(x[sl], dt[sl], A, B[sl], C[sl], D, s), torch.full_like(x, float("nan")), state, qsl
+    )
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(s_chunked, s_want, rtol=1e-4, atol=1e-4)
 
