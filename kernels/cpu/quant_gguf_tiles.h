@@ -55,9 +55,11 @@ constexpr int kTileCols = 16;
 // group's weights are contiguous and a thread's groups adjacent, so the thread reads its
 // weights as one sequential stream.  Tiles of several groups read as many short streams at
 // once (a group is K / 256 entries: 18 KB of Q4_K at K 2048), which at one row, where
-// reading the weights is the whole cost, took 1.1-1.5x the time on Zen 4
-// (docs/quantization.md).  Not the gated op: its gate and up groups are two streams
-// either way (a gate group whole, then its up group, measured 0.84-1.25x the gated tile).
+// reading the weights is the whole cost, took up to 1.4x the time on Zen 4 at K 2048
+// (Q3_K 2-2.8x), 0.9-1.2x at K 8192 (docs/quantization.md).  From two rows tiles of
+// several groups measured as fast or faster.  Not the gated op: its gate and up groups
+// are two streams either way (a gate group whole, then its up group, measured 0.84-1.25x
+// the gated tile).
 // 0: off.
 #ifndef PAGEDSERVE_GGUF_STREAM_ROWS
 #define PAGEDSERVE_GGUF_STREAM_ROWS 1
