@@ -28,6 +28,36 @@ OMP_WAIT_POLICY_SET = (
 if OMP_WAIT_POLICY_SET:
     os.environ["GOMP_SPINCOUNT"] = "3000"
 
+
+def _unshadow_kernels() -> None:
+    """Run from a source checkout (``python -m pagedserve ...`` or ``python -m pytest`` in
+    the repository root), the working directory heads sys.path and the source folder
+    kernels/ would be found as the top-level package ``kernels``, shadowing the Hugging Face
+    ``kernels`` package that transformers (5.25 on) imports as soon as it loads its
+    activations, image processors or models, and fails on.  pagedserve reaches that folder
+    as ``pagedserve.kernels`` only, so ``kernels`` is bound, lazily (nothing loads until
+    first use), to the package found without the checkout's root.  Installed copies of
+    pagedserve and checkouts not on sys.path are left alone."""
+    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    if "kernels" in sys.modules or not os.path.isfile(os.path.join(root, "kernels", "__init__.py")):
+        return
+    if not any(os.path.realpath(p or os.getcwd()) == root for p in sys.path):
+        return
+    import importlib.machinery
+    import importlib.util
+
+    path = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+    if spec is None or spec.loader is None or not spec.has_location:  # none, or a namespace package
+        return
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    spec.loader.exec_module(module)
+
+
+_unshadow_kernels()
+
 __all__ = [
     "LLM",
     "SamplingParams",
