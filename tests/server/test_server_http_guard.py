@@ -148,6 +148,32 @@ def test_openapi_document_describes_the_request_models(client):
     assert docs.status_code == 200 and "/openapi.json" in docs.text
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": []},
+        {"messages": [{"role": "user"}]},
+        {"messages": [{"role": "user", "content": None}]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "length_penalty": 2.0},
+        {"messages": [{"role": "user", "content": "hi"}], "length_penalty": 1.0},
+        {"messages": [{"role": "user", "content": "hi"}], "length_penalty": 0.5, "use_beam_search": True, "n": 2},
+    ],
+    ids=lambda b: json.dumps(b)[:60],
+)
+def test_openapi_chat_rules_agree_with_the_server(client, body):
+    """The document's rules between fields are the server's: a body the schema accepts is
+    served, one it rejects is refused with a 400 (what a schema-based client relies on)."""
+    import jsonschema
+
+    doc = client.get("/openapi.json").json()
+    schema = {"$ref": "#/components/schemas/ChatCompletionRequest", "components": doc["components"]}
+    valid = jsonschema.Draft202012Validator(schema).is_valid(body)
+    r = client.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+    assert r.status_code == (200 if valid else 400), (valid, r.status_code, r.text)
+
+
 def test_models_with_an_empty_id_is_404(client):
     assert_error(client.get("/v1/models/"), 404, "model_not_found")
     assert_error(client.get("/v1/models/nope"), 404, "model_not_found")
