@@ -39,6 +39,9 @@ its outputs do not depend on the thread count at all). Each pair also reports th
 largest |logprob difference| over the positions both share, and at each first
 divergence the logprob gap between the two tokens under either engine: gaps well under
 those logprob differences mean the outputs part at near-ties, not at a real difference.
+llama-server's `ignore_eos` never picks an end-of-generation token (a -inf bias), so
+pagedserve gets the same bias on the same tokens (`eog_masked` in the JSON); before, a
+prompt where pagedserve chose EOS showed as a negative gap.
 `--agreement-only` runs only this (about a minute on an idle machine). llama.cpp's
 threads spin while waiting: run this on an idle machine. Writes
 bench_results/compare_llamacpp-<time>.json.
@@ -267,11 +270,20 @@ def _llamacpp_outputs(args, gguf, prompts, n, threads: int, extra: list[str], lo
     return out
 
 
-def _pagedserve_outputs(args, gguf, prompts, n) -> list[dict]:
+def _pagedserve_outputs(args, gguf, prompts, n, eog: list[int]) -> list[dict]:
     from pagedserve import LLM, SamplingParams
 
     llm = LLM(model=str(gguf), dtype=args.gguf_dtype, threads=args.threads, seed=args.seed)
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=args.agreement_top_k)
+    # llama-server's ignore_eos puts a -inf bias on every end-of-generation token, so that
+    # it never picks one; pagedserve's (vLLM's) only keeps going after one.  The same bias
+    # here, so that both choose among the same tokens (logprobs stay the raw model's).
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=n,
+        ignore_eos=True,
+        logprobs=args.agreement_top_k,
+        logit_bias=dict.fromkeys(eog, -100.0),
+    )
     res = llm.generate(prompts, params, use_tqdm=False)
     out = []
     for r in res:
@@ -279,6 +291,10 @@ def _pagedserve_outputs(args, gguf, prompts, n) -> list[dict]:
         out.append({"tokens": list(r.outputs[0].token_ids), "top": top})
     del llm
     return out
+
+
+# Texts llama.cpp's vocabulary loader marks as end of generation (besides the file's ids).
+LLAMA_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "<|return|>")
 
 
 def _print_pair(key: str, r: dict, n: int) -> None:
@@ -297,7 +313,15 @@ def agreement(args, gguf: pathlib.Path, out: pathlib.Path) -> dict:
     the first divergences of each pair."""
     from pagedserve.loader import open_model
 
-    tok = open_model(str(gguf)).tokenizer()
+    source = open_model(str(gguf))
+    tok = source.tokenizer()
+    # llama.cpp's end-of-generation tokens: the file's EOS / EOT / EOM ids and the special
+    # tokens it recognises by their text.
+    eog = list(source.eos_token_ids)
+    for text in LLAMA_EOG_TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and ids[0] not in eog:
+            eog.append(ids[0])
     prompts = [
         tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
         for p in AGREEMENT_PROMPTS[: args.agreement_prompts]
@@ -311,8 +335,8 @@ def agreement(args, gguf: pathlib.Path, out: pathlib.Path) -> dict:
     for i, (name, (threads, extra)) in enumerate(runs.items()):
         log = out.with_name(f"{out.stem}-agree-{i}.log")
         outputs[name] = _llamacpp_outputs(args, gguf, prompts, n, threads, extra, log)
-    outputs["pagedserve-gguf"] = _pagedserve_outputs(args, gguf, prompts, n)
-    report: dict = {"num_prompts": len(prompts), "max_tokens": n, "top_k": args.agreement_top_k}
+    outputs["pagedserve-gguf"] = _pagedserve_outputs(args, gguf, prompts, n, eog)
+    report: dict = {"num_prompts": len(prompts), "max_tokens": n, "top_k": args.agreement_top_k, "eog_masked": eog}
     pairs = [("pagedserve-gguf", "llamacpp-t2"), ("pagedserve-gguf", "llamacpp-t1"), ("llamacpp-t1", "llamacpp-t2")]
     pairs += [("llamacpp-t2", name) for name in list(outputs)[2:-1]]
     for a, b in pairs:
