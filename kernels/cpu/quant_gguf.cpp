@@ -26,8 +26,6 @@
 #include <optional>
 #include <vector>
 
-#include "quant_gguf_common.h"
-
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -35,6 +33,11 @@
 #include "quant_gguf_common.h"
 
 namespace {
+
+using pagedserve_gguf::round_to_half;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+using pagedserve_gguf::quantize_row_vec;
+#endif
 
 constexpr int QK = 32;
 
@@ -94,8 +97,6 @@ struct QuantRow {
   const float* ds;  // d * (integer sum of the block)
 };
 
-inline float round_to_half(float f) { return static_cast<float>(c10::Half(f)); }
-
 // Activations quantized to int8 blocks exactly as llama.cpp quantizes them for the same
 // weights (ggml-cpu's quantize_row_q8_1 / quantize_row_q8_0), so that both engines see the
 // same integers and scales on the same file: the scale d = max|x| / 127 is stored as an
@@ -127,36 +128,6 @@ void quantize_row(const T* x, int64_t K, bool half_sum, int8_t* q, float* d, flo
     isum[b] = sum;
   }
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// quantize_row with 512-bit vectors, bit for bit the same: the same amax, scale and
-// 127/amax, the same float32 product, rounded to nearest even (the default MXCSR mode,
-// as nearbyint), the same integer sum.
-template <typename T>
-void quantize_row_vec(const T* x, int64_t K, bool half_sum, int8_t* q, float* d, float* ds, int32_t* isum) {
-  for (int64_t b = 0; b < K / QK; ++b) {
-    const __m512 v0 = load16(x + b * QK), v1 = load16(x + b * QK + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    const float scale = amax / 127.f;
-    const float inv = amax != 0.f ? 127.f / amax : 0.f;
-    const __m512 vinv = _mm512_set1_ps(inv);
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));
-    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
-    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    d[b] = round_to_half(scale);
-    ds[b] = half_sum ? round_to_half(scale * static_cast<float>(sum)) : d[b] * static_cast<float>(sum);
-    isum[b] = sum;
-  }
-}
-#endif
 
 #if defined(__AVX2__)
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
