@@ -228,25 +228,15 @@ void gguf_iq4nl_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K
 bool gguf_kpacked_type(int64_t type);
 torch::Tensor gguf_kpack_weight(torch::Tensor weight, int64_t type);
 torch::Tensor gguf_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor ids);
-void gguf_kpacked_gemm(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K, const uint8_t* w,
-                       int64_t groups, int64_t type, void* y, bool y_bf16, const float* bias);
 bool gguf_kpacked_gated(int64_t type);
-void gguf_kpacked_gemm_silu(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K,
-                            const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16, const float* bias);
-pagedserve_gguf::PartRunner gguf_kpacked_part(const int8_t* xq, const float* xd, const float* xds, int64_t M,
-                                              int64_t K, const uint8_t* w, int64_t type, bool y_bf16);
+pagedserve_gguf::PartRunner gguf_kpacked_call(pagedserve_gguf::Call c, const pagedserve_gguf::TiledArgs& t);
 
 // The tiled kernel on repacked weights (quant_gguf_packed.cpp).
 bool gguf_packed_available();
 torch::Tensor gguf_pack_weight(torch::Tensor weight, int64_t type);
 torch::Tensor gguf_packed_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor ids);
-void gguf_packed_gemm(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
-                      int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
-                      const float* bias);
-pagedserve_gguf::PartRunner gguf_packed_part(const int8_t* xq, const float* xd, const float* xds,
-                                             const int32_t* xsum, int64_t M, int64_t K, const uint8_t* w,
-                                             int64_t type, bool y_bf16);
 bool gguf_packed_gated_available();
+pagedserve_gguf::PartRunner gguf_packed_call(pagedserve_gguf::Call c, const pagedserve_gguf::TiledArgs& t);
 // Q3_K, row kernel and tiled kernel (quant_gguf_q3k.cpp).
 bool gguf_q3k_block(int64_t type, int* values, int* bytes);
 bool gguf_q3k_tiled();
@@ -254,13 +244,8 @@ void gguf_q3k_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, 
                        float* y);
 torch::Tensor gguf_q3k_pack(torch::Tensor weight);
 torch::Tensor gguf_q3k_unpack_rows(torch::Tensor packed, torch::Tensor ids);
-void gguf_q3k_tiled_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
-                         void* y, bool y_bf16, const float* bias);
 bool gguf_q3k_gated();
-void gguf_q3k_tiled_gemm_silu(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
-                              int64_t groups, void* y, bool y_bf16, const float* bias);
-pagedserve_gguf::PartRunner gguf_q3k_part(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
-                                          bool y_bf16);
+pagedserve_gguf::PartRunner gguf_q3k_call(pagedserve_gguf::Call c, const pagedserve_gguf::TiledArgs& t);
 // IQ4_XS, row kernel and tiled kernel (quant_gguf_iq4xs.cpp).
 bool gguf_iq4xs_block(int64_t type, int* values, int* bytes);
 bool gguf_iq4xs_tiled();
@@ -268,17 +253,8 @@ void gguf_iq4xs_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K
                          float* y);
 torch::Tensor gguf_iq4xs_pack(torch::Tensor weight);
 torch::Tensor gguf_iq4xs_unpack_rows(torch::Tensor packed, torch::Tensor ids);
-void gguf_iq4xs_tiled_gemm(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
-                           const uint8_t* w, int64_t groups, void* y, bool y_bf16, const float* bias);
 bool gguf_iq4xs_gated();
-void gguf_iq4xs_tiled_gemm_silu(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
-                                const uint8_t* w, int64_t groups, void* y, bool y_bf16, const float* bias);
-pagedserve_gguf::PartRunner gguf_iq4xs_part(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M,
-                                            int64_t K, const uint8_t* w, bool y_bf16);
-
-void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
-                           int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
-                           const float* bias);
+pagedserve_gguf::PartRunner gguf_iq4xs_call(pagedserve_gguf::Call c, const pagedserve_gguf::TiledArgs& t);
 
 namespace {
 
@@ -315,6 +291,20 @@ struct QuantizedX {
   std::unique_ptr<float[]> d, ds;
   std::unique_ptr<int32_t[]> sum;
 };
+
+// Call c of the tiled kernel of `type` on the packed weight [groups, ...] w (the file of
+// its type's kernel): y [M, 16 * groups] (kLinear), [M, 8 * groups] (kGated), or the part's
+// runner (kPart, y and bias unused).
+pagedserve_gguf::PartRunner tiled_call(pagedserve_gguf::Call c, const QuantizedX& qx, int64_t M, int64_t K,
+                                       const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
+                                       const float* bias) {
+  const pagedserve_gguf::TiledArgs t{qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, w, groups, type,
+                                     y, y_bf16, bias};
+  if (type == Q3_K) return gguf_q3k_call(c, t);
+  if (type == IQ4_XS) return gguf_iq4xs_call(c, t);
+  if (gguf_kpacked_type(type)) return gguf_kpacked_call(c, t);
+  return gguf_packed_call(c, t);
+}
 
 template <typename T>
 void quantize_rows(const T* xp, int64_t M, int64_t K, bool half_sum, QuantizedX& qx) {
@@ -423,18 +413,9 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
   const int64_t N = check_gguf_args(x, weight, type), M = x.size(0), K = x.size(1);
   const QuantizedX qx = quantize_activations(x, type);
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-  if (weight.dim() == 3 && type == Q3_K)
-    gguf_q3k_tiled_gemm(qx.q.get(), qx.d.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), y.data_ptr<float>(),
-                        false, nullptr);
-  else if (weight.dim() == 3 && type == IQ4_XS)
-    gguf_iq4xs_tiled_gemm(qx.q.get(), qx.d.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0),
-                          y.data_ptr<float>(), false, nullptr);
-  else if (weight.dim() == 3 && gguf_kpacked_type(type))
-    gguf_kpacked_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
-                      y.data_ptr<float>(), false, nullptr);
-  else if (weight.dim() == 3)
-    gguf_packed_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(),
-                     weight.size(0), type, y.data_ptr<float>(), false, nullptr);
+  if (weight.dim() == 3)
+    tiled_call(pagedserve_gguf::Call::kLinear, qx, M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
+               y.data_ptr<float>(), false, nullptr);
   else
     row_gemm(qx, M, K, weight, type, y.data_ptr<float>());
   return y;
@@ -458,28 +439,10 @@ torch::Tensor gguf_linear_out(torch::Tensor x, torch::Tensor weight, int64_t typ
   const QuantizedX qx = quantize_activations(x, type);
   const bool bf16 = x.scalar_type() == torch::kBFloat16 && !float32_out;
   const auto out_options = x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat);
-  if (weight.dim() == 3 && type == Q3_K) {
-    auto y = torch::empty({M, N}, out_options);
-    gguf_q3k_tiled_gemm(qx.q.get(), qx.d.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), y.data_ptr(), bf16,
-                        b.defined() ? b.data_ptr<float>() : nullptr);
-    return y;
-  }
-  if (weight.dim() == 3 && type == IQ4_XS) {
-    auto y = torch::empty({M, N}, out_options);
-    gguf_iq4xs_tiled_gemm(qx.q.get(), qx.d.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0),
-                          y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr);
-    return y;
-  }
-  if (weight.dim() == 3 && gguf_kpacked_type(type)) {
-    auto y = torch::empty({M, N}, out_options);
-    gguf_kpacked_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
-                      y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr);
-    return y;
-  }
   if (weight.dim() == 3) {
     auto y = torch::empty({M, N}, out_options);
-    gguf_packed_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(),
-                     weight.size(0), type, y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr);
+    tiled_call(pagedserve_gguf::Call::kLinear, qx, M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
+               y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr);
     return y;
   }
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
@@ -511,18 +474,8 @@ torch::Tensor gguf_linear_silu_out(torch::Tensor x, torch::Tensor weight, int64_
   const QuantizedX qx = quantize_activations(x, type);
   auto y = torch::empty({M, N / 2}, x.options());
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
-  if (type == Q3_K)
-    gguf_q3k_tiled_gemm_silu(qx.q.get(), qx.d.get(), M, K, wp, weight.size(0), y.data_ptr(), bf16, bp);
-  else if (type == IQ4_XS)
-    gguf_iq4xs_tiled_gemm_silu(qx.q.get(), qx.d.get(), qx.sum.get(), M, K, wp, weight.size(0), y.data_ptr(), bf16,
-                               bp);
-  else if (k)
-    gguf_kpacked_gemm_silu(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, wp, weight.size(0), type, y.data_ptr(), bf16, bp);
-  else
-    gguf_packed_gemm_silu(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, wp, weight.size(0), type,
-                          y.data_ptr(), bf16, bp);
+  tiled_call(pagedserve_gguf::Call::kGated, qx, M, K, weight.data_ptr<uint8_t>(), weight.size(0), type, y.data_ptr(),
+             bf16, b.defined() ? b.data_ptr<float>() : nullptr);
   return y;
 }
 
@@ -575,15 +528,8 @@ torch::Tensor gguf_linear_multi_out(torch::Tensor x, std::vector<torch::Tensor> 
   for (size_t i = 0; i < parts; ++i) {
     const uint8_t* w = weights[i].data_ptr<uint8_t>();
     const int64_t t = types[i];
-    const QuantizedX& qx = t == Q4_1 ? *q41 : *plain;
-    if (packed32(t))
-      run[i] = gguf_packed_part(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, w, t, bf16);
-    else if (t == Q3_K)
-      run[i] = gguf_q3k_part(qx.q.get(), qx.d.get(), M, K, w, bf16);
-    else if (t == IQ4_XS)
-      run[i] = gguf_iq4xs_part(qx.q.get(), qx.d.get(), qx.sum.get(), M, K, w, bf16);
-    else
-      run[i] = gguf_kpacked_part(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, w, t, bf16);
+    run[i] = tiled_call(pagedserve_gguf::Call::kPart, t == Q4_1 ? *q41 : *plain, M, K, w, groups[i], t, nullptr,
+                        bf16, nullptr);
   }
   const bool by_bytes = M <= 16;
   std::vector<int64_t> start(parts + 1, 0), column(parts, 0);

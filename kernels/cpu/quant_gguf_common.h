@@ -29,6 +29,33 @@ namespace pagedserve_gguf {
 // parallel region (no region of its own).
 using PartRunner = std::function<void(int64_t gb, int64_t ge, void* y, const float* bias, int64_t ldy)>;
 
+// What a tiled type's entry point (gguf_<type>_call) runs: the linear op (y [M, 16 * groups]),
+// the gated op (silu(gate) * up of `groups` column groups [gate; up], y [M, 8 * groups]) or
+// one part of a stacked call (its PartRunner returned; the others return an empty one).
+enum class Call { kLinear, kGated, kPart };
+
+// The op's name in its errors.
+inline const char* call_name(Call c) {
+  return c == Call::kLinear ? "gguf_linear" : c == Call::kGated ? "gguf_linear_silu_and_mul" : "gguf_linear_multi";
+}
+
+// A tiled call's arguments: the quantized activations (xq int8 [M, K]; xd, xds, xsum [M, K/32]
+// their blocks' scales, scaled sums and integer sums), the packed weight w of `groups` column
+// groups of ggml type `type`, and where the result goes (y float32, or bf16 if y_bf16, with
+// bias float32 or null; a part's are the caller's).
+struct TiledArgs {
+  const int8_t* xq;
+  const float* xd;
+  const float* xds;
+  const int32_t* xsum;
+  int64_t M, K;
+  const uint8_t* w;
+  int64_t groups, type;
+  void* y;
+  bool y_bf16;
+  const float* bias;
+};
+
 // The fp16 field at p (any alignment) as float32.
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
