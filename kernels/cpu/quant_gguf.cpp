@@ -130,23 +130,8 @@ void quantize_row(const T* x, int64_t K, bool half_sum, int8_t* q, float* d, flo
 }
 
 #if defined(__AVX2__)
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  const __m256i p16 = _mm256_maddubs_epi16(u, s);
-  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-#endif
-}
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
+using pagedserve_gguf::dot_u8s8;
+using pagedserve_gguf::hsum;
 
 // 16 bytes of packed nibbles -> 32 unsigned values, low nibbles first (ggml's order).
 inline __m256i unpack_nibbles(const uint8_t* qs) {
