@@ -26,8 +26,6 @@
 #include <optional>
 #include <vector>
 
-#include "quant_gguf_common.h"
-
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -35,6 +33,11 @@
 #include "quant_gguf_common.h"
 
 namespace {
+
+using pagedserve_gguf::round_to_half;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+using pagedserve_gguf::quantize_row_vec;
+#endif
 
 constexpr int QK = 32;
 
@@ -94,8 +97,6 @@ struct QuantRow {
   const float* ds;  // d * (integer sum of the block)
 };
 
-inline float round_to_half(float f) { return static_cast<float>(c10::Half(f)); }
-
 // Activations quantized to int8 blocks exactly as llama.cpp quantizes them for the same
 // weights (ggml-cpu's quantize_row_q8_1 / quantize_row_q8_0), so that both engines see the
 // same integers and scales on the same file: the scale d = max|x| / 127 is stored as an
@@ -128,54 +129,9 @@ void quantize_row(const T* x, int64_t K, bool half_sum, int8_t* q, float* d, flo
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// quantize_row with 512-bit vectors, bit for bit the same: the same amax, scale and
-// 127/amax, the same float32 product, rounded to nearest even (the default MXCSR mode,
-// as nearbyint), the same integer sum.
-template <typename T>
-void quantize_row_vec(const T* x, int64_t K, bool half_sum, int8_t* q, float* d, float* ds, int32_t* isum) {
-  for (int64_t b = 0; b < K / QK; ++b) {
-    const __m512 v0 = load16(x + b * QK), v1 = load16(x + b * QK + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    const float scale = amax / 127.f;
-    const float inv = amax != 0.f ? 127.f / amax : 0.f;
-    const __m512 vinv = _mm512_set1_ps(inv);
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));
-    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
-    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    d[b] = round_to_half(scale);
-    ds[b] = half_sum ? round_to_half(scale * static_cast<float>(sum)) : d[b] * static_cast<float>(sum);
-    isum[b] = sum;
-  }
-}
-#endif
-
 #if defined(__AVX2__)
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  const __m256i p16 = _mm256_maddubs_epi16(u, s);
-  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-#endif
-}
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
+using pagedserve_gguf::dot_u8s8;
+using pagedserve_gguf::hsum;
 
 // 16 bytes of packed nibbles -> 32 unsigned values, low nibbles first (ggml's order).
 inline __m256i unpack_nibbles(const uint8_t* qs) {
@@ -257,25 +213,15 @@ void gguf_iq4nl_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K
 bool gguf_kpacked_type(int64_t type);
 torch::Tensor gguf_kpack_weight(torch::Tensor weight, int64_t type);
 torch::Tensor gguf_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor ids);
-void gguf_kpacked_gemm(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K, const uint8_t* w,
-                       int64_t groups, int64_t type, void* y, bool y_bf16, const float* bias);
 bool gguf_kpacked_gated(int64_t type);
-void gguf_kpacked_gemm_silu(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K,
-                            const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16, const float* bias);
-pagedserve_gguf::PartRunner gguf_kpacked_part(const int8_t* xq, const float* xd, const float* xds, int64_t M,
-                                              int64_t K, const uint8_t* w, int64_t type, bool y_bf16);
+pagedserve_gguf::PartRunner gguf_kpacked_call(pagedserve_gguf::Call c, const pagedserve_gguf::TiledArgs& t);
 
 // The tiled kernel on repacked weights (quant_gguf_packed.cpp).
 bool gguf_packed_available();
 torch::Tensor gguf_pack_weight(torch::Tensor weight, int64_t type);
 torch::Tensor gguf_packed_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor ids);
-void gguf_packed_gemm(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
-                      int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
-                      const float* bias);
-pagedserve_gguf::PartRunner gguf_packed_part(const int8_t* xq, const float* xd, const float* xds,
-                                             const int32_t* xsum, int64_t M, int64_t K, const uint8_t* w,
-                                             int64_t type, bool y_bf16);
 bool gguf_packed_gated_available();
+pagedserve_gguf::PartRunner gguf_packed_call(pagedserve_gguf::Call c, const pagedserve_gguf::TiledArgs& t);
 // Q3_K, row kernel and tiled kernel (quant_gguf_q3k.cpp).
 bool gguf_q3k_block(int64_t type, int* values, int* bytes);
 bool gguf_q3k_tiled();
@@ -283,13 +229,8 @@ void gguf_q3k_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, 
                        float* y);
 torch::Tensor gguf_q3k_pack(torch::Tensor weight);
 torch::Tensor gguf_q3k_unpack_rows(torch::Tensor packed, torch::Tensor ids);
-void gguf_q3k_tiled_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
-                         void* y, bool y_bf16, const float* bias);
 bool gguf_q3k_gated();
-void gguf_q3k_tiled_gemm_silu(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
-                              int64_t groups, void* y, bool y_bf16, const float* bias);
-pagedserve_gguf::PartRunner gguf_q3k_part(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
-                                          bool y_bf16);
+pagedserve_gguf::PartRunner gguf_q3k_call(pagedserve_gguf::Call c, const pagedserve_gguf::TiledArgs& t);
 // IQ4_XS, row kernel and tiled kernel (quant_gguf_iq4xs.cpp).
 bool gguf_iq4xs_block(int64_t type, int* values, int* bytes);
 bool gguf_iq4xs_tiled();
@@ -297,17 +238,8 @@ void gguf_iq4xs_row_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K
                          float* y);
 torch::Tensor gguf_iq4xs_pack(torch::Tensor weight);
 torch::Tensor gguf_iq4xs_unpack_rows(torch::Tensor packed, torch::Tensor ids);
-void gguf_iq4xs_tiled_gemm(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
-                           const uint8_t* w, int64_t groups, void* y, bool y_bf16, const float* bias);
 bool gguf_iq4xs_gated();
-void gguf_iq4xs_tiled_gemm_silu(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
-                                const uint8_t* w, int64_t groups, void* y, bool y_bf16, const float* bias);
-pagedserve_gguf::PartRunner gguf_iq4xs_part(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M,
-                                            int64_t K, const uint8_t* w, bool y_bf16);
-
-void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
-                           int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
-                           const float* bias);
+pagedserve_gguf::PartRunner gguf_iq4xs_call(pagedserve_gguf::Call c, const pagedserve_gguf::TiledArgs& t);
 
 namespace {
 
@@ -344,6 +276,20 @@ struct QuantizedX {
   std::unique_ptr<float[]> d, ds;
   std::unique_ptr<int32_t[]> sum;
 };
+
+// Call c of the tiled kernel of `type` on the packed weight [groups, ...] w (the file of
+// its type's kernel): y [M, 16 * groups] (kLinear), [M, 8 * groups] (kGated), or the part's
+// runner (kPart, y and bias unused).
+pagedserve_gguf::PartRunner tiled_call(pagedserve_gguf::Call c, const QuantizedX& qx, int64_t M, int64_t K,
+                                       const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
+                                       const float* bias) {
+  const pagedserve_gguf::TiledArgs t{qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, w, groups, type,
+                                     y, y_bf16, bias};
+  if (type == Q3_K) return gguf_q3k_call(c, t);
+  if (type == IQ4_XS) return gguf_iq4xs_call(c, t);
+  if (gguf_kpacked_type(type)) return gguf_kpacked_call(c, t);
+  return gguf_packed_call(c, t);
+}
 
 template <typename T>
 void quantize_rows(const T* xp, int64_t M, int64_t K, bool half_sum, QuantizedX& qx) {
@@ -452,18 +398,9 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t type) {
   const int64_t N = check_gguf_args(x, weight, type), M = x.size(0), K = x.size(1);
   const QuantizedX qx = quantize_activations(x, type);
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-  if (weight.dim() == 3 && type == Q3_K)
-    gguf_q3k_tiled_gemm(qx.q.get(), qx.d.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), y.data_ptr<float>(),
-                        false, nullptr);
-  else if (weight.dim() == 3 && type == IQ4_XS)
-    gguf_iq4xs_tiled_gemm(qx.q.get(), qx.d.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0),
-                          y.data_ptr<float>(), false, nullptr);
-  else if (weight.dim() == 3 && gguf_kpacked_type(type))
-    gguf_kpacked_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
-                      y.data_ptr<float>(), false, nullptr);
-  else if (weight.dim() == 3)
-    gguf_packed_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(),
-                     weight.size(0), type, y.data_ptr<float>(), false, nullptr);
+  if (weight.dim() == 3)
+    tiled_call(pagedserve_gguf::Call::kLinear, qx, M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
+               y.data_ptr<float>(), false, nullptr);
   else
     row_gemm(qx, M, K, weight, type, y.data_ptr<float>());
   return y;
@@ -487,28 +424,10 @@ torch::Tensor gguf_linear_out(torch::Tensor x, torch::Tensor weight, int64_t typ
   const QuantizedX qx = quantize_activations(x, type);
   const bool bf16 = x.scalar_type() == torch::kBFloat16 && !float32_out;
   const auto out_options = x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat);
-  if (weight.dim() == 3 && type == Q3_K) {
-    auto y = torch::empty({M, N}, out_options);
-    gguf_q3k_tiled_gemm(qx.q.get(), qx.d.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), y.data_ptr(), bf16,
-                        b.defined() ? b.data_ptr<float>() : nullptr);
-    return y;
-  }
-  if (weight.dim() == 3 && type == IQ4_XS) {
-    auto y = torch::empty({M, N}, out_options);
-    gguf_iq4xs_tiled_gemm(qx.q.get(), qx.d.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0),
-                          y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr);
-    return y;
-  }
-  if (weight.dim() == 3 && gguf_kpacked_type(type)) {
-    auto y = torch::empty({M, N}, out_options);
-    gguf_kpacked_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
-                      y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr);
-    return y;
-  }
   if (weight.dim() == 3) {
     auto y = torch::empty({M, N}, out_options);
-    gguf_packed_gemm(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, weight.data_ptr<uint8_t>(),
-                     weight.size(0), type, y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr);
+    tiled_call(pagedserve_gguf::Call::kLinear, qx, M, K, weight.data_ptr<uint8_t>(), weight.size(0), type,
+               y.data_ptr(), bf16, b.defined() ? b.data_ptr<float>() : nullptr);
     return y;
   }
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
@@ -540,18 +459,8 @@ torch::Tensor gguf_linear_silu_out(torch::Tensor x, torch::Tensor weight, int64_
   const QuantizedX qx = quantize_activations(x, type);
   auto y = torch::empty({M, N / 2}, x.options());
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
-  if (type == Q3_K)
-    gguf_q3k_tiled_gemm_silu(qx.q.get(), qx.d.get(), M, K, wp, weight.size(0), y.data_ptr(), bf16, bp);
-  else if (type == IQ4_XS)
-    gguf_iq4xs_tiled_gemm_silu(qx.q.get(), qx.d.get(), qx.sum.get(), M, K, wp, weight.size(0), y.data_ptr(), bf16,
-                               bp);
-  else if (k)
-    gguf_kpacked_gemm_silu(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, wp, weight.size(0), type, y.data_ptr(), bf16, bp);
-  else
-    gguf_packed_gemm_silu(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, wp, weight.size(0), type,
-                          y.data_ptr(), bf16, bp);
+  tiled_call(pagedserve_gguf::Call::kGated, qx, M, K, weight.data_ptr<uint8_t>(), weight.size(0), type, y.data_ptr(),
+             bf16, b.defined() ? b.data_ptr<float>() : nullptr);
   return y;
 }
 
@@ -604,15 +513,8 @@ torch::Tensor gguf_linear_multi_out(torch::Tensor x, std::vector<torch::Tensor> 
   for (size_t i = 0; i < parts; ++i) {
     const uint8_t* w = weights[i].data_ptr<uint8_t>();
     const int64_t t = types[i];
-    const QuantizedX& qx = t == Q4_1 ? *q41 : *plain;
-    if (packed32(t))
-      run[i] = gguf_packed_part(qx.q.get(), qx.d.get(), qx.ds.get(), qx.sum.get(), M, K, w, t, bf16);
-    else if (t == Q3_K)
-      run[i] = gguf_q3k_part(qx.q.get(), qx.d.get(), M, K, w, bf16);
-    else if (t == IQ4_XS)
-      run[i] = gguf_iq4xs_part(qx.q.get(), qx.d.get(), qx.sum.get(), M, K, w, bf16);
-    else
-      run[i] = gguf_kpacked_part(qx.q.get(), qx.d.get(), qx.ds.get(), M, K, w, t, bf16);
+    run[i] = tiled_call(pagedserve_gguf::Call::kPart, t == Q4_1 ? *q41 : *plain, M, K, w, groups[i], t, nullptr,
+                        bf16, nullptr);
   }
   const bool by_bytes = M <= 16;
   std::vector<int64_t> start(parts + 1, 0), column(parts, 0);

@@ -31,6 +31,7 @@
 
 #include "amx.h"
 #include "elementwise.h"
+#include "quant_gguf_common.h"
 
 namespace {
 
@@ -41,6 +42,7 @@ enum GgufType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 using pagedserve_amx::request_amx_permission;
 using pagedserve_amx::TileConfig;
 using pagedserve_amx::TileScope;
+using pagedserve_gguf::quantize_row_vec;
 
 int group_block_bytes(int64_t type) {
   switch (type) {
@@ -49,34 +51,6 @@ int group_block_bytes(int64_t type) {
     case Q8_0: return kCols * 34;
   }
   TORCH_CHECK(false, "gguf amx: unsupported ggml type id ", type, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
-}
-
-inline float round_to_half(float f) { return static_cast<float>(c10::Half(f)); }
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// quant_gguf.cpp's quantize_row_vec, bit for bit (see there for why each step).
-template <typename T>
-void quantize_row(const T* x, int64_t K, bool half_sum, int8_t* q, float* d, float* ds, int32_t* isum) {
-  for (int64_t b = 0; b < K / QK; ++b) {
-    const __m512 v0 = load16(x + b * QK), v1 = load16(x + b * QK + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    const float scale = amax / 127.f;
-    const float inv = amax != 0.f ? 127.f / amax : 0.f;
-    const __m512 vinv = _mm512_set1_ps(inv);
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));
-    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
-    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    d[b] = round_to_half(scale);
-    ds[b] = half_sum ? round_to_half(scale * static_cast<float>(sum)) : d[b] * static_cast<float>(sum);
-    isum[b] = sum;
-  }
 }
 
 // Activations of Mp rows (M real, the rest zeros: they only feed rows never written).
@@ -92,7 +66,7 @@ void quantize_rows(const T* xp, int64_t M, int64_t K, bool half_sum, QuantizedX&
   const int64_t nb = K / QK;
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t a, int64_t b) {
     for (int64_t m = a; m < b; ++m)
-      quantize_row(xp + m * K, K, half_sum, &qx.q[m * K], &qx.d[m * nb], &qx.ds[m * nb], &qx.sum[m * nb]);
+      quantize_row_vec(xp + m * K, K, half_sum, &qx.q[m * K], &qx.d[m * nb], &qx.ds[m * nb], &qx.sum[m * nb]);
   });
 }
 

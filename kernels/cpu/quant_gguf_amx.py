@@ -20,7 +20,7 @@ from pagedserve.kernels import build
 __all__ = ["AMX_INT8_FEATURES", "amx_int8_unavailable_reason", "applicable", "gguf_amx_build_spec", "load_gguf_amx"]
 
 SOURCES: tuple[str, ...] = ("quant_gguf_amx.cpp",)
-HEADERS: tuple[str, ...] = ("amx.h", "elementwise.h", "kernels.h", "vec.h")
+HEADERS: tuple[str, ...] = ("amx.h", "elementwise.h", "kernels.h", "quant_gguf_common.h", "vec.h")
 #: /proc/cpuinfo flags the kernel needs: the tiles, their int8 products, and AVX-512
 #: (BW for the activation quantization, BF16 for the bf16 output rounding).
 AMX_INT8_FEATURES: frozenset[str] = frozenset({"amx_tile", "amx_int8", "amx_bf16", "avx512bw", "avx512_bf16"})

@@ -29,12 +29,42 @@ namespace pagedserve_gguf {
 // parallel region (no region of its own).
 using PartRunner = std::function<void(int64_t gb, int64_t ge, void* y, const float* bias, int64_t ldy)>;
 
+// What a tiled type's entry point (gguf_<type>_call) runs: the linear op (y [M, 16 * groups]),
+// the gated op (silu(gate) * up of `groups` column groups [gate; up], y [M, 8 * groups]) or
+// one part of a stacked call (its PartRunner returned; the others return an empty one).
+enum class Call { kLinear, kGated, kPart };
+
+// The op's name in its errors.
+inline const char* call_name(Call c) {
+  return c == Call::kLinear ? "gguf_linear" : c == Call::kGated ? "gguf_linear_silu_and_mul" : "gguf_linear_multi";
+}
+
+// A tiled call's arguments: the quantized activations (xq int8 [M, K]; xd, xds, xsum [M, K/32]
+// their blocks' scales, scaled sums and integer sums), the packed weight w of `groups` column
+// groups of ggml type `type`, and where the result goes (y float32, or bf16 if y_bf16, with
+// bias float32 or null; a part's are the caller's).
+struct TiledArgs {
+  const int8_t* xq;
+  const float* xd;
+  const float* xds;
+  const int32_t* xsum;
+  int64_t M, K;
+  const uint8_t* w;
+  int64_t groups, type;
+  void* y;
+  bool y_bf16;
+  const float* bias;
+};
+
 // The fp16 field at p (any alignment) as float32.
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
+
+// f rounded to fp16 (to nearest even) and back.
+inline float round_to_half(float f) { return static_cast<float>(c10::Half(f)); }
 
 // -- repacking ----------------------------------------------------------------------------
 //
@@ -192,6 +222,38 @@ inline __m256i to_bf16(__m512 v) {
   r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
   return _mm512_cvtepi32_epi16(r);
 #endif
+}
+
+// 16 activations as float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// One row of K activations quantized per 32-value block (quant_gguf.cpp's quantize_row,
+// which says why each step) with 512-bit vectors, bit for bit the same: the same amax,
+// scale and 127/amax, the same float32 product, rounded to nearest even (the default MXCSR
+// mode, as nearbyint), the same integer sum.  q [K] int8, d, ds, isum [K/32].  The tiled
+// kernels' and the AMX kernel's (quant_gguf_amx.cpp) quantization.
+template <typename T>
+void quantize_row_vec(const T* x, int64_t K, bool half_sum, int8_t* q, float* d, float* ds, int32_t* isum) {
+  constexpr int64_t QK = 32;
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const __m512 v0 = load16(x + b * QK), v1 = load16(x + b * QK + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float scale = amax / 127.f;
+    const float inv = amax != 0.f ? 127.f / amax : 0.f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    d[b] = round_to_half(scale);
+    ds[b] = half_sum ? round_to_half(scale * static_cast<float>(sum)) : d[b] * static_cast<float>(sum);
+    isum[b] = sum;
+  }
 }
 
 // Where a tiled kernel writes its [rows, 16-column group] results: float32 or bf16 y with

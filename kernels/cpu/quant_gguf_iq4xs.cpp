@@ -51,7 +51,9 @@
 #include "quant_gguf_tiles.h"
 
 using pagedserve_gguf::half_to_float;
+using pagedserve_gguf::Call;
 using pagedserve_gguf::PartRunner;
+using pagedserve_gguf::TiledArgs;
 #if defined(__AVX2__)
 using pagedserve_gguf::dot_u8s8;
 using pagedserve_gguf::hsum;
@@ -361,20 +363,6 @@ torch::Tensor gguf_iq4xs_unpack_rows(torch::Tensor packed, torch::Tensor ids) {
   return pagedserve_gguf::unpack_group_rows(packed, ids, kBlockBytes, unpack_block);
 }
 
-// y [M, N] = quantized activations (xq [M, K], xd [M, K/32], xsum [M, K/32] their integer
-// block sums) @ packed IQ4_XS weight [N/16, K/256, 2176]^T (+ bias float32 [N] or null):
-// float32, or bf16 (y_bf16) rounded once.
-void gguf_iq4xs_tiled_gemm(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
-                           const uint8_t* w, int64_t groups, void* y, bool y_bf16, const float* bias) {
-#if defined(PAGEDSERVE_GGUF_IQ4XS_TILED)
-  pagedserve_gguf::run_tiled<Tiles>(Activations{xq, xd, xsum, K, K / QK}, w, M, groups,
-                                    Output{y, y_bf16, bias, groups * kCols});
-#else
-  (void)xq, (void)xd, (void)xsum, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
-  TORCH_CHECK(false, "gguf_linear: this build has no tiled IQ4_XS kernel (AVX-512 VNNI)");
-#endif
-}
-
 // Whether this build has the gated tiled IQ4_XS kernel.
 bool gguf_iq4xs_gated() {
 #if defined(PAGEDSERVE_GGUF_IQ4XS_TILED) && defined(PAGEDSERVE_GGUF_K_GATED)
@@ -384,29 +372,14 @@ bool gguf_iq4xs_gated() {
 #endif
 }
 
-// silu(y[:, :d]) * y[:, d:] of gguf_iq4xs_tiled_gemm for a packed [gate; up] weight of
-// `groups` column groups (d = 8 * groups), y [M, d], each half rounded first as
-// gguf_iq4xs_tiled_gemm rounds its output, then the main kernels' SiLU-and-mul.
-void gguf_iq4xs_tiled_gemm_silu(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
-                                const uint8_t* w, int64_t groups, void* y, bool y_bf16, const float* bias) {
-#if defined(PAGEDSERVE_GGUF_IQ4XS_TILED) && defined(PAGEDSERVE_GGUF_K_GATED)
-  TORCH_CHECK(groups % 2 == 0, "gguf_linear_silu_and_mul: ", groups, " column groups do not split into gate and up");
-  pagedserve_gguf::run_gated<Tiles>(Activations{xq, xd, xsum, K, K / QK}, w, M,
-                                    Output{y, y_bf16, bias, groups / 2 * kCols, groups / 2});
-#else
-  (void)xq, (void)xd, (void)xsum, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
-  TORCH_CHECK(false, "gguf_linear_silu_and_mul: this build has no gated IQ4_XS kernel");
-#endif
-}
-
-// A packed IQ4_XS weight as one part of a stacked call (its activation block sums are the
-// caller's, computed once with the activations).
-PartRunner gguf_iq4xs_part(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t M, int64_t K,
-                           const uint8_t* w, bool y_bf16) {
+// Call c on a packed IQ4_XS weight [N/16, K/256, 2176] (t.groups = N/16): y [M, N] = the
+// quantized activations @ its transpose (+ bias), the gated op, or a part's runner (its
+// activation block sums, t.xsum, are the caller's, computed once with the activations).
+PartRunner gguf_iq4xs_call(Call c, const TiledArgs& t) {
 #if defined(PAGEDSERVE_GGUF_IQ4XS_TILED)
-  return pagedserve_gguf::part_runner<Tiles>(Activations{xq, xd, xsum, K, K / QK}, w, M, y_bf16);
+  return pagedserve_gguf::run_call<Tiles>(c, Activations{t.xq, t.xd, t.xsum, t.K, t.K / QK}, t);
 #else
-  (void)xq, (void)xd, (void)xsum, (void)M, (void)K, (void)w, (void)y_bf16;
-  TORCH_CHECK(false, "gguf_linear_multi: this build has no tiled IQ4_XS kernel (AVX-512 VNNI)");
+  (void)t;
+  TORCH_CHECK(false, pagedserve_gguf::call_name(c), ": this build has no tiled IQ4_XS kernel (AVX-512 VNNI)");
 #endif
 }

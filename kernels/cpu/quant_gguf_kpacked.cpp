@@ -47,7 +47,9 @@
 #include "quant_gguf_common.h"
 #include "quant_gguf_tiles.h"
 
+using pagedserve_gguf::Call;
 using pagedserve_gguf::PartRunner;
+using pagedserve_gguf::TiledArgs;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 using pagedserve_gguf::Output;
 using pagedserve_gguf::prefetch_lines;
@@ -474,12 +476,8 @@ void with_tiles(int64_t type, const char* op, F&& f) {
 bool gguf_q2k_tiled();
 torch::Tensor gguf_q2k_pack_weight(torch::Tensor weight);
 void gguf_q2k_unpack_block(const uint8_t* e, int c, uint8_t* blk);
-void gguf_q2k_packed_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
-                          void* y, bool y_bf16, const float* bias);
 bool gguf_q2k_gated();
-void gguf_q2k_packed_gemm_silu(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
-                               int64_t groups, void* y, bool y_bf16, const float* bias);
-PartRunner gguf_q2k_part(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, bool y_bf16);
+PartRunner gguf_q2k_call(Call c, const TiledArgs& t);
 
 // Whether `type` has the K-quant tiled kernel in this build.
 bool gguf_kpacked_type(int64_t type) {
@@ -582,24 +580,6 @@ torch::Tensor gguf_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor
                                             });
 }
 
-// y [M, N] = quantized activations @ packed K-quant weight [N/16, K/256, 16 * bb]^T (+ bias
-// float32 [N] or null), float32, or bf16 (y_bf16) rounded once from the float32 sum.
-void gguf_kpacked_gemm(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K, const uint8_t* w,
-                       int64_t groups, int64_t type, void* y, bool y_bf16, const float* bias) {
-#if defined(PAGEDSERVE_GGUF_KPACKED)
-  if (type == Q2_K) return gguf_q2k_packed_gemm(xq, xd, M, K, w, groups, y, y_bf16, bias);
-  // Q6_K: -32 * the integer sum of every 16 activations, the start of its 16-value dot products.
-  const std::vector<int32_t> c16 = type == Q6_K ? scaled_sums16(xq, M, K, -32) : std::vector<int32_t>{};
-  const Activations a{xq, xd, xds, c16.empty() ? nullptr : c16.data(), K, K / QK};
-  const Output o{y, y_bf16, bias, groups * kCols};
-  with_tiles(type, "gguf_packed_gemm",
-             [&](auto tiles) { pagedserve_gguf::run_tiled<decltype(tiles)>(a, w, M, groups, o); });
-#else
-  (void)xq, (void)xd, (void)xds, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
-  TORCH_CHECK(false, "gguf_packed_gemm: this build has no AVX-512 VNNI K-quant kernel (type ", type, ")");
-#endif
-}
-
 // Whether `type` (a gguf_kpacked_type) has the gated tiled kernel in this build.
 bool gguf_kpacked_gated(int64_t type) {
 #if defined(PAGEDSERVE_GGUF_K_GATED)
@@ -610,41 +590,25 @@ bool gguf_kpacked_gated(int64_t type) {
 #endif
 }
 
-// silu(y[:, :d]) * y[:, d:] of gguf_kpacked_gemm for a packed [gate; up] weight of 2 * half
-// column groups (d = 16 * half): y [M, d] float32 or bf16 (y_bf16), each half rounded first
-// as gguf_kpacked_gemm rounds its output, then the main kernels' SiLU-and-mul.
-void gguf_kpacked_gemm_silu(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K,
-                            const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16, const float* bias) {
-#if defined(PAGEDSERVE_GGUF_K_GATED)
-  TORCH_CHECK(groups % 2 == 0, "gguf_linear_silu_and_mul: ", groups, " column groups do not split into gate and up");
-  if (type == Q2_K) return gguf_q2k_packed_gemm_silu(xq, xd, M, K, w, groups, y, y_bf16, bias);
-  const std::vector<int32_t> c16 = type == Q6_K ? scaled_sums16(xq, M, K, -32) : std::vector<int32_t>{};
-  const Activations a{xq, xd, xds, c16.empty() ? nullptr : c16.data(), K, K / QK};
-  const Output o{y, y_bf16, bias, groups / 2 * kCols, groups / 2};
-  with_tiles(type, "gguf_linear_silu_and_mul",
-             [&](auto tiles) { pagedserve_gguf::run_gated<decltype(tiles)>(a, w, M, o); });
-#else
-  (void)xq, (void)xd, (void)xds, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
-  TORCH_CHECK(false, "gguf_linear_silu_and_mul: this build has no gated K-quant kernel (type ", type, ")");
-#endif
-}
-
-// A packed Q2_K / Q4_K / Q5_K / Q6_K weight as one part of a stacked call (PartRunner): the
-// activations' extra sums (Q6_K's, Q2_K's) computed here, once, before the parallel region.
-PartRunner gguf_kpacked_part(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K,
-                             const uint8_t* w, int64_t type, bool y_bf16) {
+// Call c on a packed Q2_K / Q4_K / Q5_K / Q6_K weight [N/16, K/256, 16 * bb] (t.groups =
+// N/16): y [M, N] = the quantized activations @ its transpose (+ bias), float32, or bf16
+// rounded once from the float32 sum; the gated op; or a part's runner.  The activations'
+// extra sums (Q6_K's: -32 * the integer sum of every 16 activations, the start of its
+// 16-value dot products; Q2_K's) are computed here, once, before any parallel region.
+PartRunner gguf_kpacked_call(Call c, const TiledArgs& t) {
 #if defined(PAGEDSERVE_GGUF_KPACKED)
-  TORCH_CHECK(gguf_kpacked_type(type), "gguf_linear_multi: no K-quant tiled kernel for ggml type id ", type);
-  if (type == Q2_K) return gguf_q2k_part(xq, xd, M, K, w, y_bf16);
-  auto c16 = std::make_shared<const std::vector<int32_t>>(type == Q6_K ? scaled_sums16(xq, M, K, -32)
-                                                                       : std::vector<int32_t>{});
-  const Activations a{xq, xd, xds, c16->empty() ? nullptr : c16->data(), K, K / QK};
+  TORCH_CHECK(gguf_kpacked_type(t.type), pagedserve_gguf::call_name(c), ": no K-quant tiled kernel for ggml type id ",
+              t.type);
+  if (t.type == Q2_K) return gguf_q2k_call(c, t);
+  auto c16 = std::make_shared<const std::vector<int32_t>>(t.type == Q6_K ? scaled_sums16(t.xq, t.M, t.K, -32)
+                                                                         : std::vector<int32_t>{});
+  const Activations a{t.xq, t.xd, t.xds, c16->empty() ? nullptr : c16->data(), t.K, t.K / QK};
   PartRunner run;
-  with_tiles(type, "gguf_linear_multi",
-             [&](auto tiles) { run = pagedserve_gguf::part_runner<decltype(tiles)>(a, w, M, y_bf16, c16); });
+  with_tiles(t.type, pagedserve_gguf::call_name(c),
+             [&](auto tiles) { run = pagedserve_gguf::run_call<decltype(tiles)>(c, a, t, c16); });
   return run;
 #else
-  (void)xq, (void)xd, (void)xds, (void)M, (void)K, (void)w, (void)y_bf16;
-  TORCH_CHECK(false, "gguf_linear_multi: this build has no AVX-512 VNNI K-quant kernel (type ", type, ")");
+  (void)t;
+  TORCH_CHECK(false, pagedserve_gguf::call_name(c), ": this build has no AVX-512 VNNI K-quant kernel");
 #endif
 }

@@ -481,54 +481,21 @@ torch::Tensor gguf_packed_unpack_rows(torch::Tensor packed, int64_t type, torch:
   });
 }
 
-// y [M, N] = quantized activations @ packed weight [N/16, nb, 16 * block_bytes]^T (+ bias
-// float32 [N] or null), float32, or bf16 (y_bf16) rounded once from the float32 sum.
-void gguf_packed_gemm(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
-                      int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
-                      const float* bias) {
+// Call c on a packed weight [N/16, nb, 16 * block_bytes] of a 32-value type (t.groups =
+// N/16): y [M, N] = the quantized activations @ its transpose (+ bias), float32, or bf16
+// rounded once from the float32 sum; the gated op; or a part's runner (quant_gguf.cpp
+// gguf_linear_multi_out: its column groups [gb, ge) with its own tiles, on the caller's
+// thread, from the call's activations, so its columns are bit for bit the linear op's).
+pagedserve_gguf::PartRunner gguf_packed_call(pagedserve_gguf::Call c, const pagedserve_gguf::TiledArgs& t) {
+  packed_block_bytes(t.type);  // checks the type
 #if defined(PAGEDSERVE_GGUF_PACKED)
-  const Activations a{xq, xd, xds, xsum, K, K / QK};
-  const Output o{y, y_bf16, bias, groups * kCols};
-  with_tiles(type, "gguf_packed_gemm",
-             [&](auto tiles) { pagedserve_gguf::run_tiled<decltype(tiles)>(a, w, M, groups, o); });
-#else
-  TORCH_CHECK(false, "gguf_packed_gemm: this build has no AVX-512 VNNI packed kernel");
-#endif
-}
-
-// silu(y[:, :d]) * y[:, d:] of the gemm above for a packed [gate; up] weight of 2 * half
-// column groups (d = 16 * half), written as y [M, d] float32 or bf16 (y_bf16), each
-// half rounded first as gguf_packed_gemm rounds y (bias float32 [2d] or null).
-void gguf_packed_gemm_silu(const int8_t* xq, const float* xd, const float* xds, const int32_t* xsum, int64_t M,
-                           int64_t K, const uint8_t* w, int64_t groups, int64_t type, void* y, bool y_bf16,
-                           const float* bias) {
-#if defined(PAGEDSERVE_GGUF_GATED)
-  TORCH_CHECK(groups % 2 == 0, "gguf_packed_gemm_silu: ", groups, " column groups do not split into gate and up");
-  const Activations a{xq, xd, xds, xsum, K, K / QK};
-  const Output o{y, y_bf16, bias, groups / 2 * kCols, groups / 2};
-  with_tiles(type, "gguf_packed_gemm_silu",
-             [&](auto tiles) { pagedserve_gguf::run_gated<decltype(tiles)>(a, w, M, o); });
-#else
-  TORCH_CHECK(false, "gguf_packed_gemm_silu: this build has no gated packed kernel");
-#endif
-}
-
-// A packed weight of a 32-value type as one part of a stacked call (quant_gguf.cpp
-// gguf_linear_multi_out): its column groups [gb, ge) with its own tiles, on the caller's
-// thread, from the call's activations (so its columns are bit for bit what gguf_packed_gemm
-// gives for that part alone).
-pagedserve_gguf::PartRunner gguf_packed_part(const int8_t* xq, const float* xd, const float* xds,
-                                             const int32_t* xsum, int64_t M, int64_t K, const uint8_t* w,
-                                             int64_t type, bool y_bf16) {
-  packed_block_bytes(type);  // checks the type
-#if defined(PAGEDSERVE_GGUF_PACKED)
-  const Activations a{xq, xd, xds, xsum, K, K / QK};
+  const Activations a{t.xq, t.xd, t.xds, t.xsum, t.K, t.K / QK};
   pagedserve_gguf::PartRunner run;
-  with_tiles(type, "gguf_linear_multi",
-             [&](auto tiles) { run = pagedserve_gguf::part_runner<decltype(tiles)>(a, w, M, y_bf16); });
+  with_tiles(t.type, pagedserve_gguf::call_name(c),
+             [&](auto tiles) { run = pagedserve_gguf::run_call<decltype(tiles)>(c, a, t); });
   return run;
 #else
-  (void)xq, (void)xd, (void)xds, (void)xsum, (void)M, (void)K, (void)w, (void)y_bf16;
-  TORCH_CHECK(false, "gguf_linear_multi: this build has no AVX-512 VNNI packed kernel");
+  (void)t;
+  TORCH_CHECK(false, pagedserve_gguf::call_name(c), ": this build has no AVX-512 VNNI packed kernel");
 #endif
 }

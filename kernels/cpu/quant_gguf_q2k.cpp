@@ -40,7 +40,9 @@
 
 using pagedserve_gguf::half_to_float;
 using pagedserve_gguf::row_kernel_gemm;
+using pagedserve_gguf::Call;
 using pagedserve_gguf::PartRunner;
+using pagedserve_gguf::TiledArgs;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 using pagedserve_gguf::Output;
 using pagedserve_gguf::prefetch_lines;
@@ -328,21 +330,6 @@ struct Tiles : pagedserve_gguf::TileShape<QKK, kEntryBytes, PAGEDSERVE_GGUF_Q2K_
 }  // namespace
 #endif  // PAGEDSERVE_GGUF_Q2K_TILED
 
-// y [M, N] = quantized activations (xq [M, K], xd [M, K/32]) @ packed Q2_K weight
-// [N/16, K/256, 1344]^T (+ bias float32 [N] or null), float32, or bf16 (y_bf16) rounded
-// once from the float32 sum.
-void gguf_q2k_packed_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
-                          void* y, bool y_bf16, const float* bias) {
-#if defined(PAGEDSERVE_GGUF_Q2K_TILED)
-  const std::vector<float> s16 = sums16(xq, xd, M, K);
-  pagedserve_gguf::run_tiled<Tiles>(Activations{xq, xd, s16.data(), K, K / QK, K / 16}, w, M, groups,
-                                    Output{y, y_bf16, bias, groups * kCols});
-#else
-  (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
-  TORCH_CHECK(false, "gguf_packed_gemm: this build has no AVX-512 VNNI Q2_K kernel");
-#endif
-}
-
 // Whether this build has the gated tiled Q2_K kernel.
 bool gguf_q2k_gated() {
 #if defined(PAGEDSERVE_GGUF_Q2K_TILED) && defined(PAGEDSERVE_GGUF_K_GATED)
@@ -352,29 +339,15 @@ bool gguf_q2k_gated() {
 #endif
 }
 
-// silu(y[:, :d]) * y[:, d:] of gguf_q2k_packed_gemm for a packed [gate; up] weight of
-// `groups` column groups (d = 8 * groups), y [M, d], each half rounded first as
-// gguf_q2k_packed_gemm rounds its output, then the main kernels' SiLU-and-mul.
-void gguf_q2k_packed_gemm_silu(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
-                               int64_t groups, void* y, bool y_bf16, const float* bias) {
-#if defined(PAGEDSERVE_GGUF_Q2K_TILED) && defined(PAGEDSERVE_GGUF_K_GATED)
-  const std::vector<float> s16 = sums16(xq, xd, M, K);
-  pagedserve_gguf::run_gated<Tiles>(Activations{xq, xd, s16.data(), K, K / QK, K / 16}, w, M,
-                                    Output{y, y_bf16, bias, groups / 2 * kCols, groups / 2});
-#else
-  (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
-  TORCH_CHECK(false, "gguf_linear_silu_and_mul: this build has no gated Q2_K kernel");
-#endif
-}
-
-// A packed Q2_K weight as one part of a stacked call: its per-16 activation sums computed
-// here, once, before the caller's parallel region.
-PartRunner gguf_q2k_part(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, bool y_bf16) {
+// Call c on a packed Q2_K weight [N/16, K/256, 1344] (t.groups = N/16): y [M, N] = the
+// quantized activations @ its transpose (+ bias), the gated op, or a part's runner.  Its
+// per-16 activation sums are computed here, once, before any parallel region.
+PartRunner gguf_q2k_call(Call c, const TiledArgs& t) {
 #if defined(PAGEDSERVE_GGUF_Q2K_TILED)
-  auto s16 = std::make_shared<const std::vector<float>>(sums16(xq, xd, M, K));
-  return pagedserve_gguf::part_runner<Tiles>(Activations{xq, xd, s16->data(), K, K / QK, K / 16}, w, M, y_bf16, s16);
+  auto s16 = std::make_shared<const std::vector<float>>(sums16(t.xq, t.xd, t.M, t.K));
+  return pagedserve_gguf::run_call<Tiles>(c, Activations{t.xq, t.xd, s16->data(), t.K, t.K / QK, t.K / 16}, t, s16);
 #else
-  (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)y_bf16;
-  TORCH_CHECK(false, "gguf_linear_multi: this build has no AVX-512 VNNI Q2_K kernel");
+  (void)t;
+  TORCH_CHECK(false, pagedserve_gguf::call_name(c), ": this build has no AVX-512 VNNI Q2_K kernel");
 #endif
 }

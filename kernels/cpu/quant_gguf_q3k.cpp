@@ -41,7 +41,9 @@
 
 using pagedserve_gguf::half_to_float;
 using pagedserve_gguf::row_kernel_gemm;
+using pagedserve_gguf::Call;
 using pagedserve_gguf::PartRunner;
+using pagedserve_gguf::TiledArgs;
 #if defined(__AVX2__)
 using pagedserve_gguf::dot_u8s8;
 using pagedserve_gguf::hsum;
@@ -451,22 +453,6 @@ torch::Tensor gguf_q3k_unpack_rows(torch::Tensor packed, torch::Tensor ids) {
   return pagedserve_gguf::unpack_group_rows(packed, ids, kBlockBytes, unpack_block);
 }
 
-// y [M, N] = quantized activations (xq [M, K], xd [M, K/32]) @ packed Q3_K weight
-// [N/16, K/256, 1760]^T (+ bias float32 [N] or null): float32, or bf16 (y_bf16) rounded once.
-void gguf_q3k_tiled_gemm(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
-                         void* y, bool y_bf16, const float* bias) {
-#if defined(PAGEDSERVE_GGUF_Q3K_TILED)
-  // -4 * the integer sum of every 16 activations: the start of each 16-value dot product of
-  // the unsigned q.
-  const std::vector<int32_t> c16 = scaled_sums16(xq, M, K, -4);
-  pagedserve_gguf::run_tiled<Tiles>(Activations{xq, xd, c16.data(), K, K / QK}, w, M, groups,
-                                    Output{y, y_bf16, bias, groups * kCols});
-#else
-  (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
-  TORCH_CHECK(false, "gguf_linear: this build has no tiled Q3_K kernel (AVX-512 VNNI)");
-#endif
-}
-
 // Whether this build has the gated tiled Q3_K kernel.
 bool gguf_q3k_gated() {
 #if defined(PAGEDSERVE_GGUF_Q3K_TILED) && defined(PAGEDSERVE_GGUF_K_GATED)
@@ -476,30 +462,16 @@ bool gguf_q3k_gated() {
 #endif
 }
 
-// silu(y[:, :d]) * y[:, d:] of gguf_q3k_tiled_gemm for a packed [gate; up] weight of
-// `groups` column groups (d = 8 * groups), y [M, d], each half rounded first as
-// gguf_q3k_tiled_gemm rounds its output, then the main kernels' SiLU-and-mul.
-void gguf_q3k_tiled_gemm_silu(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
-                              int64_t groups, void* y, bool y_bf16, const float* bias) {
-#if defined(PAGEDSERVE_GGUF_Q3K_TILED) && defined(PAGEDSERVE_GGUF_K_GATED)
-  TORCH_CHECK(groups % 2 == 0, "gguf_linear_silu_and_mul: ", groups, " column groups do not split into gate and up");
-  const std::vector<int32_t> c16 = scaled_sums16(xq, M, K, -4);
-  pagedserve_gguf::run_gated<Tiles>(Activations{xq, xd, c16.data(), K, K / QK}, w, M,
-                                    Output{y, y_bf16, bias, groups / 2 * kCols, groups / 2});
-#else
-  (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)groups, (void)y, (void)y_bf16, (void)bias;
-  TORCH_CHECK(false, "gguf_linear_silu_and_mul: this build has no gated Q3_K kernel");
-#endif
-}
-
-// A packed Q3_K weight as one part of a stacked call: its per-16 activation sums computed
-// here, once, before the caller's parallel region.
-PartRunner gguf_q3k_part(const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w, bool y_bf16) {
+// Call c on a packed Q3_K weight [N/16, K/256, 1760] (t.groups = N/16): y [M, N] = the
+// quantized activations @ its transpose (+ bias), the gated op, or a part's runner.  Its
+// per-16 activation sums (-4 * the integer sum of every 16 activations: the start of each
+// 16-value dot product of the unsigned q) are computed here, once, before any parallel region.
+PartRunner gguf_q3k_call(Call c, const TiledArgs& t) {
 #if defined(PAGEDSERVE_GGUF_Q3K_TILED)
-  auto c16 = std::make_shared<const std::vector<int32_t>>(scaled_sums16(xq, M, K, -4));
-  return pagedserve_gguf::part_runner<Tiles>(Activations{xq, xd, c16->data(), K, K / QK}, w, M, y_bf16, c16);
+  auto c16 = std::make_shared<const std::vector<int32_t>>(scaled_sums16(t.xq, t.M, t.K, -4));
+  return pagedserve_gguf::run_call<Tiles>(c, Activations{t.xq, t.xd, c16->data(), t.K, t.K / QK}, t, c16);
 #else
-  (void)xq, (void)xd, (void)M, (void)K, (void)w, (void)y_bf16;
-  TORCH_CHECK(false, "gguf_linear_multi: this build has no tiled Q3_K kernel (AVX-512 VNNI)");
+  (void)t;
+  TORCH_CHECK(false, pagedserve_gguf::call_name(c), ": this build has no tiled Q3_K kernel (AVX-512 VNNI)");
 #endif
 }

@@ -18,7 +18,8 @@
 // gate columns (store_tile).  With it:
 //   run_tiled<MyTiles>(a, w, M, groups, o)   the linear op: y [M, 16 groups] (o.ldy = 16 groups),
 //   run_gated<MyTiles>(a, w, M, o)           the gated op on 2 * o.half groups [gate; up],
-//   part_runner<MyTiles>(a, w, M, y_bf16)    one part of a stacked call (PartRunner).
+//   part_runner<MyTiles>(a, w, M, y_bf16)    one part of a stacked call (PartRunner),
+//   run_call<MyTiles>(call, a, args)         whichever of the three an entry point is asked for.
 // The work split, the same for every type: column groups across threads (at::parallel_for,
 // grain one group; the gated op: gate groups), then on each thread rows in chunks of CHUNK
 // (a multiple of every tile height up to 8, so that only a call's last chunk has a partial
@@ -39,6 +40,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
 
 #include "quant_gguf_common.h"
 #include "quant_gguf_gated.h"
@@ -180,6 +182,31 @@ PartRunner part_runner(const typename P::Activations& a, const uint8_t* w, int64
     (void)keep;
     run_groups<P>(a, w, M, gb, ge, Output{y, y_bf16, bias, ldy});
   };
+}
+
+// Call c (quant_gguf_common.h) of the tiles P on activations a, the rest of its arguments in t
+// (keep: what a points into, kept alive with a part's runner).  A type's entry point
+// computes a (the sums its tiles read beside t's) and returns this.
+template <class P>
+PartRunner run_call(Call c, const typename P::Activations& a, const TiledArgs& t,
+                    std::shared_ptr<const void> keep = nullptr) {
+  switch (c) {
+    case Call::kLinear:
+      run_tiled<P>(a, t.w, t.M, t.groups, Output{t.y, t.y_bf16, t.bias, t.groups * kTileCols});
+      return nullptr;
+    case Call::kGated:
+#if defined(PAGEDSERVE_GGUF_K_GATED)
+      TORCH_CHECK(t.groups % 2 == 0, "gguf_linear_silu_and_mul: ", t.groups,
+                  " column groups do not split into gate and up");
+      run_gated<P>(a, t.w, t.M, Output{t.y, t.y_bf16, t.bias, t.groups / 2 * kTileCols, t.groups / 2});
+      return nullptr;
+#else
+      TORCH_CHECK(false, "gguf_linear_silu_and_mul: this build has no gated tiled kernel");
+#endif
+    case Call::kPart:
+      return part_runner<P>(a, t.w, t.M, t.y_bf16, std::move(keep));
+  }
+  return nullptr;
 }
 
 // -- a tile's steps -------------------------------------------------------------------------

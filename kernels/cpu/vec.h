@@ -133,6 +133,19 @@ constexpr float kP5 = 5.0000001201e-1f;
 constexpr float kLo = -87.33654475f;
 constexpr float kHi = 88.0f;
 constexpr float kOverflow = 88.72283935f;
+
+// exp(r) for |r| <= ln2 / 2 as the polynomial 1 + r + r^2 * P(r), in ISA S's vectors (the
+// SIMD structs' exp: n = round(x * log2e), r = x - n * ln2, exp(x) = exp(r) * 2^n).
+template <class S>
+inline typename S::V poly(typename S::V r) {
+  typename S::V y = S::set1(kP0);
+  y = S::fma(y, r, S::set1(kP1));
+  y = S::fma(y, r, S::set1(kP2));
+  y = S::fma(y, r, S::set1(kP3));
+  y = S::fma(y, r, S::set1(kP4));
+  y = S::fma(y, r, S::set1(kP5));
+  return S::fma(y, S::mul(r, r), S::add(r, S::set1(1.f)));
+}
 }  // namespace expc
 
 // ---- portable path: GCC/Clang generic vectors of 8 floats ----------------------------
@@ -256,13 +269,7 @@ struct Avx2 {
                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     V r = _mm256_fnmadd_ps(fx, set1(kC1), xc);
     r = _mm256_fnmadd_ps(fx, set1(kC2), r);
-    V y = set1(kP0);
-    y = fma(y, r, set1(kP1));
-    y = fma(y, r, set1(kP2));
-    y = fma(y, r, set1(kP3));
-    y = fma(y, r, set1(kP4));
-    y = fma(y, r, set1(kP5));
-    y = fma(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, set1(1.f)));
+    V y = poly<Avx2>(r);
     const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(n));
     y = _mm256_blendv_ps(y, zero(), _mm256_cmp_ps(x, set1(kLo), _CMP_LT_OQ));
@@ -385,13 +392,7 @@ struct Avx512 {
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     V r = _mm512_fnmadd_ps(fx, set1(kC1), xc);
     r = _mm512_fnmadd_ps(fx, set1(kC2), r);
-    V y = set1(kP0);
-    y = fma(y, r, set1(kP1));
-    y = fma(y, r, set1(kP2));
-    y = fma(y, r, set1(kP3));
-    y = fma(y, r, set1(kP4));
-    y = fma(y, r, set1(kP5));
-    y = fma(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, set1(1.f)));
+    V y = poly<Avx512>(r);
     const __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
     y = _mm512_mul_ps(y, _mm512_castsi512_ps(n));
     y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, set1(kLo), _CMP_LT_OQ), y, zero());
