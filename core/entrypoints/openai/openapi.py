@@ -61,6 +61,13 @@ _FIELD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
     },
 }
 
+# length_penalty other than 1 needs use_beam_search: true (serving_beam.check_beam_fields).
+_BEAM_RULE = {
+    "anyOf": [
+        {"required": ["use_beam_search"], "properties": {"use_beam_search": {"const": True}}},
+        {"properties": {"length_penalty": {"const": 1.0}}},
+    ]
+}
 # Rules between fields that protocol.py checks in code, as schema keywords of the model.
 _MODEL_RULES: dict[str, dict[str, Any]] = {
     # Only assistant and tool turns may leave their content out (or null).
@@ -70,13 +77,8 @@ _MODEL_RULES: dict[str, dict[str, Any]] = {
             {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
         ]
     },
-}
-# length_penalty other than 1 needs use_beam_search: true (serving_beam.check_beam_fields).
-_BEAM_RULE = {
-    "anyOf": [
-        {"required": ["use_beam_search"], "properties": {"use_beam_search": {"const": True}}},
-        {"properties": {"length_penalty": {"const": 1.0}}},
-    ]
+    "CompletionRequest": _BEAM_RULE,
+    "ChatCompletionRequest": _BEAM_RULE,
 }
 
 # Ranges checked in code (SamplingParams, protocol.py): documented, and what a schema-based
@@ -173,8 +175,6 @@ def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]], models: li
                 components[model]["properties"][name] = {**field_schema, "title": name.title()}
         for model in bodies.values():
             _constrain(components[model.__name__]["properties"], models)
-            if "length_penalty" in components[model.__name__]["properties"]:
-                components[model.__name__].update(_BEAM_RULE)
         for model, rules in _MODEL_RULES.items():
             if model in components:
                 components[model].update(rules)
