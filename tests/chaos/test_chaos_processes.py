@@ -20,6 +20,10 @@ from live_server import TINY_ARGS, LiveServer, kv_cache_usage
 pytestmark = pytest.mark.timeout(600)
 
 LONG = {"model": "tiny", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+# Streams that must still be running when the chaos strikes get a long context, so that
+# none can finish on its own first, however fast the machine decodes (1,000 tokens of the
+# tiny model can all be done before a loaded machine delivers a stream's first event).
+LONG_CONTEXT, MANY = 32768, 30000
 
 
 def _children(pid: int) -> list[int]:
@@ -79,19 +83,16 @@ def _hang_up_mid_upload(port: int) -> None:
 
 
 def test_sigterm_mid_stream_ends_every_stream_with_an_error_event(tiny_checkpoint_factory, tmp_path):
-    # A long context, so that no stream can finish on its own before the grace period
-    # ends, however fast the machine decodes.
-    model = tiny_checkpoint_factory(max_position_embeddings=32768)
-    many = 30000
+    model = tiny_checkpoint_factory(max_position_embeddings=LONG_CONTEXT)
     server = LiveServer(str(model), [*TINY_ARGS, "--timeout-graceful-shutdown", "0.5"], tmp_path / "log")
     try:
-        streams = [_Stream(server.url, [5 + i, 6, 7], many) for i in range(3)]
+        streams = [_Stream(server.url, [5 + i, 6, 7], MANY) for i in range(3)]
         whole: dict = {}
         waiter = threading.Thread(
             target=lambda: whole.setdefault(
                 "r",
                 httpx.post(
-                    server.url + "/v1/completions", json={**LONG, "prompt": [9, 9], "max_tokens": many}, timeout=120
+                    server.url + "/v1/completions", json={**LONG, "prompt": [9, 9], "max_tokens": MANY}, timeout=120
                 ),
             )
         )
@@ -121,11 +122,11 @@ def test_sigterm_mid_stream_ends_every_stream_with_an_error_event(tiny_checkpoin
 
 
 def test_killed_tensor_parallel_worker_fails_every_request_and_the_server_exits(tiny_checkpoint_factory, tmp_path):
-    model = tiny_checkpoint_factory(arch="llama", num_heads=4, num_kv_heads=2)
+    model = tiny_checkpoint_factory(arch="llama", num_heads=4, num_kv_heads=2, max_position_embeddings=LONG_CONTEXT)
     args = [*TINY_ARGS, "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
     server = LiveServer(str(model), args, tmp_path / "log")
     try:
-        streams = [_Stream(server.url, [5 + i, 6, 7]) for i in range(3)]
+        streams = [_Stream(server.url, [5 + i, 6, 7], MANY) for i in range(3)]
         for s in streams:
             assert s.first.wait(120) and s.failure is None
         workers = [p for p in _children(server.proc.pid) if "spawn_main" in _cmdline(p)]
@@ -150,7 +151,7 @@ def test_killed_tensor_parallel_worker_fails_every_request_and_the_server_exits(
 def test_stopped_tensor_parallel_worker_fails_every_request_after_the_timeout(tiny_checkpoint_factory, tmp_path):
     # SIGSTOP: the worker neither exits nor answers.  The collective in flight waits for
     # --distributed-timeout-s, then every request gets an error and the server exits 1.
-    model = tiny_checkpoint_factory(arch="llama", num_heads=4, num_kv_heads=2)
+    model = tiny_checkpoint_factory(arch="llama", num_heads=4, num_kv_heads=2, max_position_embeddings=LONG_CONTEXT)
     timeout_s = 45
     args = [
         *TINY_ARGS,
@@ -164,7 +165,7 @@ def test_stopped_tensor_parallel_worker_fails_every_request_after_the_timeout(ti
     server = LiveServer(str(model), args, tmp_path / "log")
     workers: list[int] = []
     try:
-        streams = [_Stream(server.url, [5 + i, 6, 7]) for i in range(3)]
+        streams = [_Stream(server.url, [5 + i, 6, 7], MANY) for i in range(3)]
         for s in streams:
             assert s.first.wait(120) and s.failure is None
         workers = [p for p in _children(server.proc.pid) if "spawn_main" in _cmdline(p)]
