@@ -18,6 +18,8 @@ COMPLETION_OK = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
 # (endpoint, fields merged into a valid body, expected param)
 BAD_FIELDS = [
     ("completions", {"temperature": -1}, "temperature"),
+    ("completions", {"temperature": 3}, "temperature"),  # OpenAI's range is [0, 2]
+    ("chat/completions", {"temperature": 2.5}, "temperature"),
     ("completions", {"top_p": 2.0}, "top_p"),
     ("completions", {"top_k": -5}, "top_k"),
     ("completions", {"max_tokens": "5"}, "max_tokens"),
@@ -68,6 +70,13 @@ def test_bad_field_is_400_naming_it(http, endpoint, fields, param):
     body = {**(CHAT_OK if endpoint.startswith("chat") else COMPLETION_OK), **fields}
     err = assert_openai_error(http.post(f"/v1/{endpoint}", json=body), 400, param)
     assert param.split("[")[0].split(".")[0] in err["message"]
+
+
+def test_temperature_at_the_ends_of_its_range_is_served(http):
+    for endpoint, body in (("completions", COMPLETION_OK), ("chat/completions", CHAT_OK)):
+        for temperature in (0, 2):
+            r = http.post(f"/v1/{endpoint}", json={**body, "temperature": temperature})
+            assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"", b"[1, 2]", b'"text"', b"\xff\xfe"])

@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from pagedserve.entrypoints.openai.protocol import MAX_N, MAX_TEMPERATURE
 from pagedserve.entrypoints.openai.structured import OPENAPI_FIELD_SCHEMAS
 
 __all__ = ["install_openapi"]
@@ -86,9 +87,9 @@ _MODEL_RULES: dict[str, dict[str, Any]] = {
 _RANGES: dict[str, dict[str, Any]] = {
     "max_tokens": {"minimum": 1},
     "max_completion_tokens": {"minimum": 1},
-    "temperature": {"minimum": 0, "maximum": 2},
+    "temperature": {"minimum": 0, "maximum": MAX_TEMPERATURE},
     "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-    "n": {"minimum": 1, "maximum": 128},
+    "n": {"minimum": 1, "maximum": MAX_N},
     "top_k": {"minimum": -1},
     "min_p": {"minimum": 0, "maximum": 1},
     "presence_penalty": {"minimum": -2, "maximum": 2},

@@ -34,6 +34,7 @@ __all__ = [
 _M = TypeVar("_M", bound=BaseModel)
 
 MAX_N = 128  # more samples than this per prompt is a mistake, not a workload
+MAX_TEMPERATURE = 2.0  # OpenAI's range for completions, chat and responses
 
 
 class StreamOptions(BaseModel):
@@ -248,6 +249,9 @@ def to_sampling_params(
     _unsupported(request)
     if not 1 <= request.n <= MAX_N:
         raise ApiError(400, f"'n' must be between 1 and {MAX_N}, got {request.n}.", param="n")
+    if request.temperature is not None and not 0.0 <= request.temperature <= MAX_TEMPERATURE:
+        bad = f"'temperature' must be between 0 and {MAX_TEMPERATURE:g}, got {request.temperature}."
+        raise ApiError(400, bad, param="temperature")
     if request.best_of is not None and not request.n <= request.best_of <= MAX_N:
         raise ApiError(
             400, f"'best_of' must be between n ({request.n}) and {MAX_N}, got {request.best_of}.", param="best_of"
