@@ -47,7 +47,7 @@ _SHARED: dict[str, Field] = {
         None,
         "include_usage: a last chunk with the usage; with continuous_usage_stats also the usage so far on every chunk",
     ),
-    "temperature": Field(HONOURED, None, "sampling temperature (0 = greedy)"),
+    "temperature": Field(HONOURED, None, "sampling temperature, [0, 2] (0 = greedy)"),
     "top_p": Field(HONOURED, None, "nucleus sampling mass, (0, 1]"),
     "user": Field(HONOURED, None, "end-user id for the operator's logs; no effect on the output"),
     "best_of": Field(HONOURED, None, "samples drawn; the n with the highest cumulative logprob are returned"),

@@ -43,7 +43,7 @@ RESPONSES_FIELDS: dict[str, Field] = {
     "input": Field(HONOURED, None, "a string (one user message) or a list of input items"),
     "instructions": Field(HONOURED, None, "a system message before the input (not inherited by later responses)"),
     "max_output_tokens": Field(HONOURED, None, "tokens to generate at most; hitting it makes the response incomplete"),
-    "temperature": Field(HONOURED, None, "sampling temperature (0 = greedy)"),
+    "temperature": Field(HONOURED, None, "sampling temperature, [0, 2] (0 = greedy)"),
     "top_p": Field(HONOURED, None, "nucleus sampling mass, (0, 1]"),
     "tools": Field(HONOURED, None, "function tools (other tool types: 400)"),
     "tool_choice": Field(HONOURED, None, "none, auto (needs --enable-auto-tool-choice), required or a function"),
