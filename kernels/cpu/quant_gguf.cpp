@@ -34,6 +34,7 @@
 
 namespace {
 
+using pagedserve_gguf::half_to_float;
 using pagedserve_gguf::round_to_half;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 using pagedserve_gguf::quantize_row_vec;
@@ -57,37 +58,6 @@ inline int block_bytes(int64_t t) {
   }
   TORCH_CHECK(false, "unsupported ggml type id ", t,
               " (supported: Q4_0=2, Q4_1=3, Q8_0=8, IQ4_NL=20; Q5_0=6, Q5_1=7 packed)");
-}
-
-inline float fp16_to_float(uint16_t h) {
-  // IEEE half to float, including subnormals (scales may be tiny).
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1F;
-  uint32_t mant = h & 0x3FF;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {
-      exp = 127 - 15 + 1;
-      while (!(mant & 0x400)) { mant <<= 1; --exp; }
-      mant &= 0x3FF;
-      bits = sign | (exp << 23) | (mant << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7F800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline float load_half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return fp16_to_float(h);
 }
 
 // One row of activations quantized per block: xq [K] int8, scale [K/32], sum [K/32].
@@ -153,7 +123,7 @@ void row_dot(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* xr, flo
   for (int m = 0; m < MB; ++m) { acc[m] = _mm256_setzero_ps(); extra[m] = 0.f; }
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * bb;
-    const float dw = load_half(blk);
+    const float dw = half_to_float(blk);
     if (type == Q8_0) {
       const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
       const __m256i wabs = _mm256_sign_epi8(wq, wq);
@@ -165,7 +135,7 @@ void row_dot(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* xr, flo
     } else {
       const bool has_min = type == Q4_1;
       const __m256i wq = unpack_nibbles(blk + (has_min ? 4 : 2));
-      const float mw = has_min ? load_half(blk + 2) : -8.f * dw;
+      const float mw = has_min ? half_to_float(blk + 2) : -8.f * dw;
       for (int m = 0; m < MB; ++m) {
         const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[m].q + b * QK));
         const __m256i dot = dot_u8s8(wq, xq);
@@ -179,7 +149,7 @@ void row_dot(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* xr, flo
   for (int m = 0; m < MB; ++m) out[m] = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * bb;
-    const float dw = load_half(blk);
+    const float dw = half_to_float(blk);
     for (int m = 0; m < MB; ++m) {
       const int8_t* xq = xr[m].q + b * QK;
       int dot = 0;
@@ -190,7 +160,7 @@ void row_dot(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* xr, flo
       } else {
         const uint8_t* qs = blk + (type == Q4_1 ? 4 : 2);
         for (int i = 0; i < 16; ++i) dot += (qs[i] & 0x0F) * xq[i] + (qs[i] >> 4) * xq[i + 16];
-        const float mw = type == Q4_1 ? load_half(blk + 2) : -8.f * dw;
+        const float mw = type == Q4_1 ? half_to_float(blk + 2) : -8.f * dw;
         out[m] += dw * xr[m].d[b] * dot + mw * xr[m].ds[b];
       }
     }
