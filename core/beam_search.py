@@ -12,6 +12,7 @@ EOS excluded) and the best ``beam_width`` returned, best first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +22,20 @@ from pagedserve.sampling_params import SamplingParams
 __all__ = ["BeamSearchParams", "BeamSearchSequence", "BeamSearchOutput", "BeamSearch"]
 
 MAX_BEAM_WIDTH = 10  # 2 x beam_width candidates per beam; logprobs go up to 20
+
+
+def length_penalized(cum_logprob: float, length: int, length_penalty: float) -> float:
+    """``cum_logprob / length ** length_penalty`` (vLLM's beam score), saturating where
+    plain float arithmetic raises: a large penalty makes ``length ** penalty`` overflow
+    (OverflowError), a very negative one underflow to 0 (ZeroDivisionError).  The score
+    then runs out to 0 or -inf (cum_logprob is <= 0), which still ranks."""
+    try:
+        denominator = float(max(length, 1)) ** length_penalty
+    except OverflowError:
+        denominator = math.inf
+    if denominator == 0.0:
+        return 0.0 if cum_logprob == 0.0 else math.copysign(math.inf, cum_logprob)
+    return cum_logprob / denominator
 
 
 @dataclass
@@ -116,7 +131,7 @@ class BeamSearch:
 
     def score(self, beam: BeamSearchSequence) -> float:
         n = len(beam.tokens) - (1 if beam.finish_reason == "stop" else 0)
-        return beam.cum_logprob / (n**self.params.length_penalty)
+        return length_penalized(beam.cum_logprob, n, self.params.length_penalty)
 
     def outputs(self, decode: Callable[[list[int]], str]) -> list[BeamSearchOutput]:
         out = []

@@ -388,6 +388,28 @@ def test_beam_search_matches_a_reference_over_transformers(llm, hf_model, length
     assert llm.llm_engine.kv.usage() == 0.0
 
 
+@pytest.mark.parametrize("length_penalty", [1e6, -1e6, 400.0])
+def test_beam_search_survives_extreme_length_penalties(llm, length_penalty):
+    # length ** penalty overflows (1e6, 400 at 6+ tokens) or underflows to 0 (-1e6) in
+    # float arithmetic: the scores saturate and still rank, nothing raises.
+    from pagedserve.beam_search import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=4, length_penalty=length_penalty)
+    (out,) = llm.beam_search([PROMPT], params)
+    assert len(out.sequences) == 3 and all(s.cum_logprob <= 0 for s in out.sequences)
+    assert llm.llm_engine.kv.usage() == 0.0
+
+
+def test_length_penalized_is_the_plain_score_where_that_is_finite():
+    from pagedserve.beam_search import length_penalized
+
+    for cum, n, lp in [(-3.0, 10, 1.0), (-1.5, 7, 0.5), (-20.0, 300, 2.0), (-0.25, 3, -1.0), (0.0, 9, 3.0)]:
+        assert length_penalized(cum, n, lp) == cum / n**lp
+    assert length_penalized(-3.0, 2000, 1e6) == 0.0  # 2000 ** 1e6 overflows
+    assert length_penalized(-3.0, 2000, -1e6) == -math.inf  # 2000 ** -1e6 underflows to 0
+    assert length_penalized(0.0, 2000, -1e6) == 0.0
+
+
 def test_beam_search_shares_prefix_blocks(llm):
     from pagedserve.beam_search import BeamSearchParams
 
