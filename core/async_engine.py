@@ -193,6 +193,11 @@ class AsyncLLMEngine(EngineCallbacks):
         return self.engine.max_model_len
 
     @property
+    def queue_capacity(self) -> int | None:
+        """The most sequences the waiting queue holds (``max_queue_len``); None: unbounded."""
+        return self.max_queue_len
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 

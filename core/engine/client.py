@@ -31,6 +31,13 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
+    def queue_capacity(self) -> int | None:
+        """The most sequences the waiting queue(s) hold at once (``max_queue_len``, per
+        replica under data parallelism); None where unbounded.  A request of more is
+        refused whole (400) rather than as a full queue (503)."""
+        ...
+
+    @property
     def is_running(self) -> bool: ...
 
     @property

@@ -272,6 +272,12 @@ class DataParallelRouter(EngineCallbacks):
     def max_model_len(self) -> int:
         return self._check.max_model_len
 
+    @property
+    def queue_capacity(self) -> int | None:
+        """The most sequences the replicas' waiting queues hold together (each prompt is
+        routed on its own); None: unbounded."""
+        return None if self.max_queue_len is None else self.max_queue_len * len(self._replicas)
+
     def validate(
         self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None = None
     ) -> tuple[str | None, list[int]]:

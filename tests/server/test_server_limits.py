@@ -92,6 +92,19 @@ def test_full_waiting_queue_answers_503(limited):
     assert client.completions.create(**small()).choices[0].finish_reason == "length"
 
 
+def test_a_request_larger_than_the_queue_is_400_not_503(limited):
+    # A request of more sequences than max_queue_len can never be queued: retrying a 503
+    # would never succeed, so it is refused as the request's fault, before anything runs.
+    headers = limited.headers()
+    for body, param in [(small(n=2), "n"), (small(prompt=[[5, 6], [7, 8]]), "prompt")]:
+        r = httpx.post(limited.url + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "max_queue_len" in err["message"] and "2 sequences" in err["message"]
+    assert limited.metrics()["pagedserve:num_requests_waiting"] == 0
+    assert httpx.post(limited.url + "/v1/completions", json=small(), headers=headers, timeout=60).status_code == 200
+
+
 def test_sigterm_finishes_open_streams_then_exits_cleanly(limited):
     client = limited.openai()
     stream = client.completions.create(stream=True, **small(max_tokens=200, extra_body={"ignore_eos": True}))

@@ -199,6 +199,17 @@ class OpenAIServing:
     ) -> list[RequestStream]:
         """Queue every prompt (all or none); engine refusals become HTTP errors.  ``extra``:
         more add_request keywords (an embedding request's pooling_params)."""
+        limit = self.engine.queue_capacity
+        wanted = sum(sp.n for sp in params)
+        if limit is not None and wanted > limit:
+            # More sequences than the waiting queue ever holds: no retry can succeed, so this
+            # is the request's fault (400), not a full queue (503), and nothing is queued.
+            raise ApiError(
+                400,
+                f"this request asks for {wanted} sequences ({len(prompts)} prompts, n each); the server's "
+                f"waiting queue holds at most {limit} (max_queue_len)",
+                param="n" if any(sp.n > 1 for sp in params) else param,
+            )
         streams: list[RequestStream] = []
         salt = salt_kwargs(self.engine, cache_salt)
         if REQUEST_LORA.get() is not None:
