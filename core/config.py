@@ -679,7 +679,12 @@ class SchedulerConfig:
         ),
     )
     max_queue_len: int | None = field(
-        default=None, metadata=_help("answer 503 while this many sequences wait to be scheduled (default: unbounded)")
+        default=None,
+        metadata=_help(
+            "answer 503 while this many sequences wait to be scheduled (default: unbounded); a request of "
+            "more sequences than that (prompts x n; per replica under data parallelism) is a 400, since no "
+            "retry could queue it"
+        ),
     )
     async_scheduling: bool = field(
         default=False,
