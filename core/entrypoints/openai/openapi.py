@@ -90,6 +90,7 @@ _RANGES: dict[str, dict[str, Any]] = {
     "temperature": {"minimum": 0, "maximum": MAX_TEMPERATURE},
     "top_p": {"exclusiveMinimum": 0, "maximum": 1},
     "n": {"minimum": 1, "maximum": MAX_N},
+    "best_of": {"minimum": 1, "maximum": MAX_N},  # and at least n, checked in code
     "top_k": {"minimum": -1},
     "min_p": {"minimum": 0, "maximum": 1},
     "presence_penalty": {"minimum": -2, "maximum": 2},
@@ -98,14 +99,9 @@ _RANGES: dict[str, dict[str, Any]] = {
     "min_tokens": {"minimum": 0},
     "top_logprobs": {"minimum": 0, "maximum": 20},
 }
-# Fields accepted for compatibility whose other values are refused (400) as not implemented.
-_ONLY: dict[str, dict[str, Any]] = {
-    "logit_bias": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]},
-    "echo": {"type": "boolean", "enum": [False]},
-    "suffix": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 0}]},
-    "best_of": {"anyOf": [{"type": "null"}, {"type": "integer", "enum": [1]}]},
-}
-_ONLY.update(OPENAPI_FIELD_SCHEMAS)  # structured outputs and tools: their real shapes
+# Fields whose accepted shapes the request models do not spell out: structured outputs and
+# tools (their real shapes).
+_ONLY: dict[str, dict[str, Any]] = dict(OPENAPI_FIELD_SCHEMAS)
 
 
 def _constrain(props: dict[str, Any], models: list[str]) -> None:
