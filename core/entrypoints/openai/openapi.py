@@ -99,17 +99,14 @@ _RANGES: dict[str, dict[str, Any]] = {
     "min_tokens": {"minimum": 0},
     "top_logprobs": {"minimum": 0, "maximum": 20},
 }
-# Fields whose accepted shapes the request models do not spell out: structured outputs and
-# tools (their real shapes).
-_ONLY: dict[str, dict[str, Any]] = dict(OPENAPI_FIELD_SCHEMAS)
 
 
 def _constrain(props: dict[str, Any], models: list[str]) -> None:
-    """Put the ranges, the unsupported fields' accepted values and the served model names
+    """Put the ranges, the structured-output and tool fields' shapes and the served model names
     into one request model's properties."""
     for name, prop in props.items():
-        if name in _ONLY:
-            props[name] = {**_ONLY[name], "title": prop.get("title", name)}
+        if name in OPENAPI_FIELD_SCHEMAS:  # structured outputs and tools: their real shapes
+            props[name] = {**OPENAPI_FIELD_SCHEMAS[name], "title": prop.get("title", name)}
         elif name in _RANGES:
             for branch in prop.get("anyOf", [prop]):
                 if branch.get("type") in ("integer", "number"):
