@@ -20,6 +20,7 @@ BAD_FIELDS = [
     ("completions", {"temperature": -1}, "temperature"),
     ("completions", {"temperature": 3}, "temperature"),  # OpenAI's range is [0, 2]
     ("chat/completions", {"temperature": 2.5}, "temperature"),
+    ("completions", {"temperature": 2.5, "use_beam_search": True, "n": 2}, "temperature"),
     ("completions", {"top_p": 2.0}, "top_p"),
     ("completions", {"top_k": -5}, "top_k"),
     ("completions", {"max_tokens": "5"}, "max_tokens"),

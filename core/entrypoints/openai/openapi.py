@@ -15,7 +15,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from pagedserve.entrypoints.openai.protocol import MAX_N, MAX_TEMPERATURE
+from pagedserve.entrypoints.openai.protocol import MAX_N
+from pagedserve.entrypoints.openai.request_fields import MAX_TEMPERATURE
 from pagedserve.entrypoints.openai.structured import OPENAPI_FIELD_SCHEMAS
 
 __all__ = ["install_openapi"]

@@ -14,7 +14,12 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pagedserve.entrypoints.openai.errors import ApiError
-from pagedserve.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unimplemented
+from pagedserve.entrypoints.openai.request_fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    check_temperature,
+    refuse_unimplemented,
+)
 from pagedserve.entrypoints.openai.serving_beam import check_beam_fields
 from pagedserve.entrypoints.openai.structured import structured_outputs_of
 from pagedserve.entrypoints.openai.tools import message_tool_fields
@@ -34,7 +39,6 @@ __all__ = [
 _M = TypeVar("_M", bound=BaseModel)
 
 MAX_N = 128  # more samples than this per prompt is a mistake, not a workload
-MAX_TEMPERATURE = 2.0  # OpenAI's range for completions, chat and responses
 
 
 class StreamOptions(BaseModel):
@@ -249,9 +253,7 @@ def to_sampling_params(
     _unsupported(request)
     if not 1 <= request.n <= MAX_N:
         raise ApiError(400, f"'n' must be between 1 and {MAX_N}, got {request.n}.", param="n")
-    if request.temperature is not None and not 0.0 <= request.temperature <= MAX_TEMPERATURE:
-        bad = f"'temperature' must be between 0 and {MAX_TEMPERATURE:g}, got {request.temperature}."
-        raise ApiError(400, bad, param="temperature")
+    check_temperature(request)
     if request.best_of is not None and not request.n <= request.best_of <= MAX_N:
         raise ApiError(
             400, f"'best_of' must be between n ({request.n}) and {MAX_N}, got {request.best_of}.", param="best_of"

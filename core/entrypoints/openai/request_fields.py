@@ -18,7 +18,17 @@ from pydantic import BaseModel
 
 from pagedserve.entrypoints.openai.errors import ApiError
 
-__all__ = ["COMPLETION_FIELDS", "CHAT_FIELDS", "Field", "refuse_unimplemented", "used"]
+__all__ = [
+    "COMPLETION_FIELDS",
+    "CHAT_FIELDS",
+    "MAX_TEMPERATURE",
+    "Field",
+    "check_temperature",
+    "refuse_unimplemented",
+    "used",
+]
+
+MAX_TEMPERATURE = 2.0  # OpenAI's range for completions, chat and responses
 
 HONOURED, REFUSED = "honoured", "refused"
 
@@ -158,3 +168,11 @@ def refuse_unimplemented(request: BaseModel, table: dict[str, Field]) -> None:
             raise ApiError(
                 400, f"'{name}' is refused: '{name}' ({f.meaning}) is not supported by this server.", param=name
             )
+
+
+def check_temperature(request: BaseModel) -> None:
+    """400 unless temperature is in OpenAI's range (sampling and beam search alike)."""
+    temperature = getattr(request, "temperature", None)
+    if temperature is not None and not 0.0 <= temperature <= MAX_TEMPERATURE:
+        bad = f"'temperature' must be between 0 and {MAX_TEMPERATURE:g}, got {temperature}."
+        raise ApiError(400, bad, param="temperature")

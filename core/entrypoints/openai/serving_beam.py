@@ -9,7 +9,7 @@ from typing import Any
 from pagedserve.beam_search import BeamSearch, BeamSearchParams
 from pagedserve.engine.client import EngineClient
 from pagedserve.entrypoints.openai.errors import ApiError
-from pagedserve.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, used
+from pagedserve.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_temperature, used
 from pagedserve.sampling_params import SamplingParams
 
 __all__ = ["check_beam_fields", "run_beam_search", "beam_params", "beam_choices"]
@@ -53,6 +53,7 @@ def check_beam_fields(request: Any, is_chat: bool) -> None:
 
 
 def beam_params(request: Any, max_tokens: int, defaults: dict) -> BeamSearchParams:
+    check_temperature(request)
     temperature = request.temperature if request.temperature is not None else defaults.get("temperature", 1.0)
     try:
         return BeamSearchParams(
